@@ -1,0 +1,517 @@
+//! The codec layer: the [`Codec`] trait, [`EncodeCtx`], [`CodecId`] and [`CodecSpec`].
+//!
+//! A codec turns an f32 slice into a self-describing frame and back. The trait is object
+//! safe (`Box<dyn Codec>` works) and knows nothing about transports. The hot-path methods
+//! (`encode_into`, `decode_into`, `decode_add`) allocate nothing; `encode` and `decode`
+//! are owning conveniences over them.
+
+use core::fmt;
+use core::str::FromStr;
+
+use crate::codecs::{Bf16, Fp16, Identity, Int8, Natural, Qsgd, RandK, Sign, Ternary, TopK};
+use crate::error::{Error, Result};
+use crate::wire::{HEADER_LEN, Header};
+
+/// Codec ids as written in byte 5 of a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum CodecId {
+    /// Plain little-endian f32.
+    Identity = 0,
+    /// IEEE binary16.
+    Fp16 = 1,
+    /// bfloat16.
+    Bf16 = 2,
+    /// int8 with a per-block absmax step.
+    Int8 = 3,
+    /// QSGD: stochastic levels of a per-block L2 norm.
+    Qsgd = 4,
+    /// One sign bit per element with a per-block mean-|x| step.
+    Sign = 5,
+    /// TernGrad: {-1, 0, +1} times a per-block absmax.
+    Ternary = 6,
+    /// Natural compression: stochastic rounding to powers of two.
+    Natural = 7,
+    /// Top-k by magnitude with delta-coded indices.
+    TopK = 8,
+    /// Random-k with hash-derived indices.
+    RandK = 9,
+}
+
+impl CodecId {
+    /// Every codec id, in id order.
+    pub const ALL: [CodecId; 10] = [
+        CodecId::Identity,
+        CodecId::Fp16,
+        CodecId::Bf16,
+        CodecId::Int8,
+        CodecId::Qsgd,
+        CodecId::Sign,
+        CodecId::Ternary,
+        CodecId::Natural,
+        CodecId::TopK,
+        CodecId::RandK,
+    ];
+
+    /// The id for byte value `b`, if one exists.
+    pub fn from_u8(b: u8) -> Option<CodecId> {
+        CodecId::ALL.get(b as usize).copied()
+    }
+
+    /// The name used in specs (`"int8"`, `"topk"`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            CodecId::Identity => "identity",
+            CodecId::Fp16 => "fp16",
+            CodecId::Bf16 => "bf16",
+            CodecId::Int8 => "int8",
+            CodecId::Qsgd => "qsgd",
+            CodecId::Sign => "sign",
+            CodecId::Ternary => "ternary",
+            CodecId::Natural => "natural",
+            CodecId::TopK => "topk",
+            CodecId::RandK => "randk",
+        }
+    }
+}
+
+impl fmt::Display for CodecId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Per-call encoding context: the seed of the random draws and the global index of the
+/// slice's first element.
+///
+/// Stochastic codecs draw the random number for element `i` of the slice from a hash of
+/// `(seed, offset + i)`, so a tensor encoded whole or in chunks (each with its own offset)
+/// draws the same numbers. Deterministic codecs ignore the seed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EncodeCtx {
+    /// Seed of the random draws (change it every step to get fresh randomness).
+    pub seed: u64,
+    /// Global index of the slice's first element within its tensor.
+    pub offset: u64,
+}
+
+impl EncodeCtx {
+    /// A context with `seed` and offset 0.
+    pub fn new(seed: u64) -> Self {
+        EncodeCtx { seed, offset: 0 }
+    }
+
+    /// The same context for a chunk starting at global index `offset`.
+    pub fn with_offset(self, offset: u64) -> Self {
+        EncodeCtx { offset, ..self }
+    }
+}
+
+/// The owning decode helpers refuse frames that would allocate more than this many
+/// elements per frame byte (at least [`DECODE_MIN_LIMIT`] elements); see [`decode_limit`].
+pub const DECODE_ELEMENTS_PER_BYTE: u64 = 4096;
+/// Element count the owning decode helpers always accept.
+pub const DECODE_MIN_LIMIT: u64 = 1 << 16;
+
+/// The most elements `Codec::decode` and [`crate::decode_to_vec`] allocate for a frame of
+/// `frame_len` bytes: `max(2^16, 4096 * frame_len)`, i.e. at most 16 KiB of f32 per frame
+/// byte. Fixed-rate codecs never come close (at most 32 elements per byte, for `sign`);
+/// only very sparse top-k / random-k frames can exceed it, and
+/// [`crate::decode_to_vec_with_limit`] takes an explicit limit for those.
+pub fn decode_limit(frame_len: usize) -> u64 {
+    (frame_len as u64)
+        .saturating_mul(DECODE_ELEMENTS_PER_BYTE)
+        .max(DECODE_MIN_LIMIT)
+}
+
+/// A gradient codec: encode an f32 slice to a frame, decode a frame back.
+///
+/// Frames are self-describing (docs/wire-format.md): [`crate::decode`] reads any frame
+/// with no configuration. A codec's `decode_into` accepts frames of its own codec id with
+/// any valid parameters.
+///
+/// Every method validates its input and returns an [`Error`] instead of panicking.
+/// On error, output slices may have been partly written by `encode_into` and
+/// `decode_into`, but `decode_add` never touches the accumulator unless it succeeds.
+pub trait Codec: Send + Sync + fmt::Debug {
+    /// The codec's id (byte 5 of its frames).
+    fn id(&self) -> CodecId;
+
+    /// The spec describing this codec and its parameters.
+    fn spec(&self) -> CodecSpec;
+
+    /// An upper bound on the frame length for `n` elements; a buffer this long always
+    /// suffices for `encode_into`.
+    fn max_encoded_len(&self, n: usize) -> usize;
+
+    /// Encode `x` into `out`, returning the frame length. Allocates nothing.
+    ///
+    /// Errors if `out` is shorter than the frame needs, or if `ctx.offset + x.len()`
+    /// overflows, or a codec-specific limit is exceeded (documented per codec).
+    fn encode_into(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<usize>;
+
+    /// Decode `frame` into `out`, which must have exactly the frame's element count.
+    fn decode_into(&self, frame: &[u8], out: &mut [f32]) -> Result<()>;
+
+    /// Decode `frame` and add it element-wise to `acc` (the reduce step of a collective).
+    /// The frame is fully validated before `acc` is touched.
+    fn decode_add(&self, frame: &[u8], acc: &mut [f32]) -> Result<()>;
+
+    /// Encode with error feedback: `p = x + residual` is encoded into `out`, and the
+    /// residual becomes `p - decode(frame)`. Returns the frame length.
+    ///
+    /// This default runs three passes (add, encode, subtract the decoded frame) and needs
+    /// `out.len() >= max_encoded_len(x.len())`; on error the residual is unchanged.
+    fn encode_with_residual(
+        &self,
+        x: &[f32],
+        residual: &mut [f32],
+        ctx: &EncodeCtx,
+        out: &mut [u8],
+    ) -> Result<usize> {
+        if x.len() != residual.len() {
+            return Err(Error::LengthMismatch {
+                what: "gradient and residual",
+                left: x.len(),
+                right: residual.len(),
+            });
+        }
+        let need = self.max_encoded_len(x.len());
+        if out.len() < need {
+            return Err(Error::BufferTooSmall {
+                needed: need,
+                got: out.len(),
+            });
+        }
+        for (r, &g) in residual.iter_mut().zip(x) {
+            *r += g;
+        }
+        let len = match self.encode_into(residual, ctx, out) {
+            Ok(len) => len,
+            Err(e) => {
+                for (r, &g) in residual.iter_mut().zip(x) {
+                    *r -= g;
+                }
+                return Err(e);
+            }
+        };
+        // residual = p - D, computed as -((-p) + D), which is exactly p - D in IEEE.
+        for r in residual.iter_mut() {
+            *r = -*r;
+        }
+        let added = self.decode_add(&out[..len], residual);
+        for r in residual.iter_mut() {
+            *r = -*r;
+        }
+        added.map(|()| len)
+    }
+
+    /// Encode `x` into a new vector (owning convenience over `encode_into`).
+    fn encode(&self, x: &[f32], ctx: &EncodeCtx) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; self.max_encoded_len(x.len())];
+        let len = self.encode_into(x, ctx, &mut out)?;
+        out.truncate(len);
+        Ok(out)
+    }
+
+    /// Decode `frame` into a new vector. Refuses frames claiming more than
+    /// [`decode_limit`]`(frame.len())` elements.
+    fn decode(&self, frame: &[u8]) -> Result<Vec<f32>> {
+        let h = Header::parse(frame)?;
+        if h.codec != self.id() {
+            return Err(Error::WrongCodec {
+                expected: self.id(),
+                found: h.codec,
+            });
+        }
+        let limit = decode_limit(frame.len());
+        if h.elements > limit {
+            return Err(Error::TooLarge {
+                elements: h.elements,
+                limit,
+            });
+        }
+        let mut out = vec![0f32; h.elements as usize];
+        self.decode_into(frame, &mut out)?;
+        Ok(out)
+    }
+}
+
+/// A parsed codec description, e.g. `int8:block=256,rounding=stochastic`.
+///
+/// `CodecSpec` is itself a [`Codec`] (it delegates to the concrete codec), so a spec
+/// parsed from a command line or config file can be used directly without boxing.
+///
+/// Grammar: `name` or `name:key=value[,key=value]...`. Keys not given take their
+/// defaults. `Display` prints the canonical form with every parameter, which parses back
+/// to an equal spec.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum CodecSpec {
+    /// See [`Identity`].
+    Identity(Identity),
+    /// See [`Fp16`].
+    Fp16(Fp16),
+    /// See [`Bf16`].
+    Bf16(Bf16),
+    /// See [`Int8`].
+    Int8(Int8),
+    /// See [`Qsgd`].
+    Qsgd(Qsgd),
+    /// See [`Sign`].
+    Sign(Sign),
+    /// See [`Ternary`].
+    Ternary(Ternary),
+    /// See [`Natural`].
+    Natural(Natural),
+    /// See [`TopK`].
+    TopK(TopK),
+    /// See [`RandK`].
+    RandK(RandK),
+}
+
+macro_rules! each_spec {
+    ($self:expr, $c:ident => $e:expr) => {
+        match $self {
+            CodecSpec::Identity($c) => $e,
+            CodecSpec::Fp16($c) => $e,
+            CodecSpec::Bf16($c) => $e,
+            CodecSpec::Int8($c) => $e,
+            CodecSpec::Qsgd($c) => $e,
+            CodecSpec::Sign($c) => $e,
+            CodecSpec::Ternary($c) => $e,
+            CodecSpec::Natural($c) => $e,
+            CodecSpec::TopK($c) => $e,
+            CodecSpec::RandK($c) => $e,
+        }
+    };
+}
+
+impl CodecSpec {
+    /// Parse a spec string (same as `str::parse`).
+    pub fn parse(s: &str) -> Result<CodecSpec> {
+        let (name, rest) = match s.split_once(':') {
+            Some((n, r)) => (n.trim(), Some(r)),
+            None => (s.trim(), None),
+        };
+        let spec_err = |reason: String| Error::Spec {
+            spec: s.to_string(),
+            reason,
+        };
+        let mut args = Args::parse(rest).map_err(&spec_err)?;
+        let id = CodecId::ALL
+            .iter()
+            .copied()
+            .find(|id| id.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = CodecId::ALL.iter().map(|c| c.name()).collect();
+                spec_err(format!(
+                    "unknown codec {name:?}; accepted: {}",
+                    names.join(", ")
+                ))
+            })?;
+        let spec = match id {
+            CodecId::Identity => CodecSpec::Identity(Identity),
+            CodecId::Fp16 => CodecSpec::Fp16(Fp16),
+            CodecId::Bf16 => CodecSpec::Bf16(Bf16),
+            CodecId::Int8 => CodecSpec::Int8(Int8::from_args(&mut args).map_err(&spec_err)?),
+            CodecId::Qsgd => CodecSpec::Qsgd(Qsgd::from_args(&mut args).map_err(&spec_err)?),
+            CodecId::Sign => CodecSpec::Sign(Sign::from_args(&mut args).map_err(&spec_err)?),
+            CodecId::Ternary => {
+                CodecSpec::Ternary(Ternary::from_args(&mut args).map_err(&spec_err)?)
+            }
+            CodecId::Natural => {
+                CodecSpec::Natural(Natural::from_args(&mut args).map_err(&spec_err)?)
+            }
+            CodecId::TopK => CodecSpec::TopK(TopK::from_args(&mut args).map_err(&spec_err)?),
+            CodecId::RandK => CodecSpec::RandK(RandK::from_args(&mut args).map_err(&spec_err)?),
+        };
+        args.finish(name).map_err(&spec_err)?;
+        Ok(spec)
+    }
+
+    /// The spec that decodes a frame with this header, as far as the header tells it
+    /// (top-k frames record `k`, not the ratio that chose it).
+    pub fn from_header(h: &Header) -> Result<CodecSpec> {
+        crate::codecs::spec_from_header(h)
+    }
+
+    /// The concrete codec as a trait object.
+    pub fn as_codec(&self) -> &dyn Codec {
+        each_spec!(self, c => c)
+    }
+
+    /// Payload bits per element for a tensor of `n` elements (block scales included,
+    /// the 56-byte header excluded). Exact for the fixed-rate codecs; for top-k an
+    /// estimate (index gaps taken as `log2(n / k) + 1` bits), for random-k the expectation.
+    pub fn bits_per_element(&self, n: usize) -> f64 {
+        if n == 0 {
+            return 0.0;
+        }
+        use crate::codecs::Scheme;
+        each_spec!(self, c => c.expected_payload(n as u64)) * 8.0 / n as f64
+    }
+
+    /// True when the decoded value is an unbiased estimate of the input.
+    pub fn unbiased(&self) -> bool {
+        {
+        use crate::codecs::Scheme;
+        each_spec!(self, c => c.is_unbiased())
+    }
+    }
+}
+
+impl FromStr for CodecSpec {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<CodecSpec> {
+        CodecSpec::parse(s)
+    }
+}
+
+impl fmt::Display for CodecSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        each_spec!(self, c => fmt::Display::fmt(c, f))
+    }
+}
+
+impl Codec for CodecSpec {
+    fn id(&self) -> CodecId {
+        self.as_codec().id()
+    }
+    fn spec(&self) -> CodecSpec {
+        *self
+    }
+    fn max_encoded_len(&self, n: usize) -> usize {
+        self.as_codec().max_encoded_len(n)
+    }
+    fn encode_into(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<usize> {
+        self.as_codec().encode_into(x, ctx, out)
+    }
+    fn decode_into(&self, frame: &[u8], out: &mut [f32]) -> Result<()> {
+        self.as_codec().decode_into(frame, out)
+    }
+    fn decode_add(&self, frame: &[u8], acc: &mut [f32]) -> Result<()> {
+        self.as_codec().decode_add(frame, acc)
+    }
+}
+
+/// Key-value arguments of a spec, consumed by the codec's `from_args`.
+pub(crate) struct Args {
+    pairs: Vec<(String, String, bool)>,
+    accepted: Vec<&'static str>,
+}
+
+impl Args {
+    fn parse(rest: Option<&str>) -> core::result::Result<Args, String> {
+        let mut pairs: Vec<(String, String, bool)> = Vec::new();
+        if let Some(rest) = rest {
+            for item in rest.split(',') {
+                let item = item.trim();
+                let (k, v) = item
+                    .split_once('=')
+                    .ok_or_else(|| format!("expected key=value, found {item:?}"))?;
+                let (k, v) = (k.trim(), v.trim());
+                if k.is_empty() || v.is_empty() {
+                    return Err(format!("expected key=value, found {item:?}"));
+                }
+                if pairs.iter().any(|(pk, _, _)| pk == k) {
+                    return Err(format!("key `{k}` given twice"));
+                }
+                pairs.push((k.to_string(), v.to_string(), false));
+            }
+        }
+        Ok(Args {
+            pairs,
+            accepted: Vec::new(),
+        })
+    }
+
+    /// The value of `key`, if given (marks it as used).
+    pub(crate) fn take(&mut self, key: &'static str) -> Option<String> {
+        self.accepted.push(key);
+        self.pairs
+            .iter_mut()
+            .find(|(k, _, _)| k == key)
+            .map(|(_, v, used)| {
+                *used = true;
+                v.clone()
+            })
+    }
+
+    /// An unsigned integer in `range`, or `default`.
+    pub(crate) fn uint(
+        &mut self,
+        key: &'static str,
+        default: u64,
+        range: core::ops::RangeInclusive<u64>,
+    ) -> core::result::Result<u64, String> {
+        match self.take(key) {
+            None => Ok(default),
+            Some(v) => match v.parse::<u64>() {
+                Ok(n) if range.contains(&n) => Ok(n),
+                _ => Err(format!(
+                    "`{key}={v}`: expected an integer in {}..={}",
+                    range.start(),
+                    range.end()
+                )),
+            },
+        }
+    }
+
+    /// One of `choices`, or `default`.
+    pub(crate) fn choice(
+        &mut self,
+        key: &'static str,
+        default: &'static str,
+        choices: &[&'static str],
+    ) -> core::result::Result<&'static str, String> {
+        match self.take(key) {
+            None => Ok(default),
+            Some(v) => choices
+                .iter()
+                .copied()
+                .find(|c| *c == v)
+                .ok_or_else(|| format!("`{key}={v}`: accepted values are {}", choices.join(", "))),
+        }
+    }
+
+    /// A ratio in (0, 1].
+    pub(crate) fn ratio(&mut self, key: &'static str) -> core::result::Result<Option<f64>, String> {
+        match self.take(key) {
+            None => Ok(None),
+            Some(v) => match v.parse::<f64>() {
+                Ok(r) if r > 0.0 && r <= 1.0 => Ok(Some(r)),
+                _ => Err(format!("`{key}={v}`: expected a number in (0, 1]")),
+            },
+        }
+    }
+
+    fn finish(self, name: &str) -> core::result::Result<(), String> {
+        if let Some((k, _, _)) = self.pairs.iter().find(|(_, _, used)| !used) {
+            let acc = if self.accepted.is_empty() {
+                format!("{name} takes no parameters")
+            } else {
+                format!("accepted keys for {name}: {}", self.accepted.join(", "))
+            };
+            return Err(format!("unknown key `{k}`; {acc}"));
+        }
+        Ok(())
+    }
+}
+
+/// Check that `out` holds `need` bytes (header included).
+pub(crate) fn need_bytes(out: &[u8], need: u64) -> Result<()> {
+    if (out.len() as u64) < need {
+        return Err(Error::BufferTooSmall {
+            needed: usize::try_from(need).unwrap_or(usize::MAX),
+            got: out.len(),
+        });
+    }
+    Ok(())
+}
+
+/// Split an encode buffer into header and payload, checking it holds `payload` bytes.
+pub(crate) fn payload_buf(out: &mut [u8], payload: u64) -> Result<&mut [u8]> {
+    need_bytes(out, HEADER_LEN as u64 + payload)?;
+    Ok(&mut out[HEADER_LEN..HEADER_LEN + payload as usize])
+}
+

@@ -1,0 +1,22 @@
+//! `identity`: little-endian f32, the uncompressed baseline.
+//!
+//! Payload: `elements` × f32 LE. Lossless, bit for bit (NaN payloads included).
+//! NaN and ±Inf pass through unchanged.
+
+use super::{EncodeCtx, Encoded, Scheme, elementwise_codec, expect_payload, payload_buf};
+use crate::codec::{CodecId, CodecSpec};
+use crate::error::Result;
+use crate::kernels::scalar;
+use crate::wire::Header;
+
+/// The uncompressed baseline: 32 bits per element, exact.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Identity;
+
+elementwise_codec!(
+    Identity,
+    Identity,
+    4,
+    encode = scalar::encode_f32,
+    decode<ADD> = scalar::decode_f32::<ADD>
+);

@@ -1,0 +1,176 @@
+//! `int8`: one signed byte per element with a per-block absmax step.
+//!
+//! For each block of `block` elements, `m = max |x|` and `step = m / 127` (f32). Each
+//! element becomes `q = round(|x| * 127 / m)` with its sign, `q` in `-127..=127`;
+//! decoding gives `q * step`.
+//!
+//! Error bounds (per element, `m` the block's absmax):
+//! - nearest: `|x - x'| <= m * (1/254 + 2^-22) + 2^-142` (half a step, plus rounding);
+//! - stochastic: `|x - x'| < m * (1/127 + 2^-22) + 2^-142` (below one step) and
+//!   `E[x'] = x` up to a bias of at most `step * 2^-24`.
+//!
+//! An all-zero block decodes to exact zeros. A block holding any NaN or ±Inf is written
+//! with a NaN step, and every element of that block decodes to NaN (the frame's
+//! NONFINITE flag is also set), so a loss scaler sees the overflow.
+
+use core::fmt;
+
+use super::{
+    EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_params, block_payload, check_block,
+    expect_payload, read_block,
+};
+use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
+use crate::error::{Error, Result};
+use crate::kernels::scalar::{self, Round};
+use crate::rng::{Draws, STREAM_ROUNDING};
+use crate::wire::Header;
+
+/// How a scaled value is rounded to an integer level.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Rounding {
+    /// Round half to even: deterministic, error at most half a step.
+    #[default]
+    Nearest,
+    /// Round up with probability equal to the fraction: unbiased, error below one step.
+    Stochastic,
+}
+
+impl Rounding {
+    fn name(self) -> &'static str {
+        match self {
+            Rounding::Nearest => "nearest",
+            Rounding::Stochastic => "stochastic",
+        }
+    }
+
+    fn kernel(self) -> Round {
+        match self {
+            Rounding::Nearest => Round::Nearest,
+            Rounding::Stochastic => Round::Stochastic,
+        }
+    }
+}
+
+/// int8 with a per-block absmax scale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Int8 {
+    block: u32,
+    rounding: Rounding,
+}
+
+impl Default for Int8 {
+    fn default() -> Self {
+        Int8 {
+            block: 256,
+            rounding: Rounding::Nearest,
+        }
+    }
+}
+
+impl Int8 {
+    /// int8 with blocks of `block` elements (1..=2^24).
+    pub fn new(block: usize, rounding: Rounding) -> Result<Int8> {
+        Ok(Int8 {
+            block: check_block(CodecId::Int8, block)?,
+            rounding,
+        })
+    }
+
+    /// Elements per block.
+    pub fn block(&self) -> usize {
+        self.block as usize
+    }
+
+    /// The rounding mode.
+    pub fn rounding(&self) -> Rounding {
+        self.rounding
+    }
+
+    pub(crate) fn from_args(a: &mut Args) -> core::result::Result<Int8, String> {
+        let block = a.uint("block", 256, 1..=MAX_BLOCK as u64)? as u32;
+        let rounding = match a.choice("rounding", "nearest", &["nearest", "stochastic"])? {
+            "stochastic" => Rounding::Stochastic,
+            _ => Rounding::Nearest,
+        };
+        Ok(Int8 { block, rounding })
+    }
+
+    fn payload_len(&self, n: u64) -> Option<u64> {
+        block_payload(n, self.block as u64, 4, 8)
+    }
+}
+
+impl fmt::Display for Int8 {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "int8:block={},rounding={}", self.block, self.rounding.name())
+    }
+}
+
+impl From<Int8> for CodecSpec {
+    fn from(c: Int8) -> CodecSpec {
+        CodecSpec::Int8(c)
+    }
+}
+
+impl Scheme for Int8 {
+    const ID: CodecId = CodecId::Int8;
+
+    fn max_payload(&self, n: u64) -> u64 {
+        self.payload_len(n).unwrap_or(u64::MAX)
+    }
+
+    fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
+        let len = self.max_payload(x.len() as u64);
+        let p = payload_buf(out, len)?;
+        let (steps, codes) = p.split_at_mut(len as usize - x.len());
+        let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
+        let block = self.block as usize;
+        let round = self.rounding.kernel();
+        let nonfinite = scalar::encode_int8(x, block, round, &draws, ctx.offset, steps, codes);
+        let stochastic = self.rounding == Rounding::Stochastic;
+        Ok(Encoded {
+            payload_len: len,
+            params: block_params(self.block, stochastic as u8),
+            nonfinite,
+            seed: if stochastic { ctx.seed } else { 0 },
+        })
+    }
+
+    fn read(h: &Header) -> Result<Int8> {
+        let block = read_block(h)? as u32;
+        let rounding = match h.params[4] {
+            0 => Rounding::Nearest,
+            1 => Rounding::Stochastic,
+            r => {
+                return Err(Error::BadField {
+                    codec: h.codec,
+                    field: "params.rounding",
+                    reason: format!("{r} is not 0 (nearest) or 1 (stochastic)"),
+                });
+            }
+        };
+        h.params_zero_from(5)?;
+        if rounding == Rounding::Nearest {
+            h.seed_zero()?;
+        }
+        let c = Int8 { block, rounding };
+        expect_payload(h, c.payload_len(h.elements))?;
+        Ok(c)
+    }
+
+    fn decode_payload<const ADD: bool>(
+        &self,
+        _h: &Header,
+        p: &[u8],
+        out: &mut [f32],
+    ) -> Result<()> {
+        let (steps, codes) = p.split_at(p.len() - out.len());
+        scalar::decode_int8::<ADD>(steps, codes, self.block as usize, out);
+        Ok(())
+    }
+
+
+    fn is_unbiased(&self) -> bool {
+        self.rounding == Rounding::Stochastic
+    }
+}

@@ -1,0 +1,353 @@
+//! One file per compression scheme. A codec file is mostly parameters and layout: the
+//! arithmetic lives in `crate::kernels` (DESIGN rule 10).
+//!
+//! Every concrete codec implements the sealed [`scheme::Scheme`] trait, and a blanket
+//! impl turns each into a [`Codec`]. That keeps header writing, validation order and
+//! the decode/decode_add split in one place.
+
+mod bf16;
+mod fp16;
+mod identity;
+mod int8;
+mod natural;
+mod qsgd;
+mod randk;
+mod sign;
+mod ternary;
+mod topk;
+
+pub use bf16::Bf16;
+pub use fp16::Fp16;
+pub use identity::Identity;
+pub use int8::{Int8, Rounding};
+pub use natural::Natural;
+pub use qsgd::Qsgd;
+pub use randk::{RandK, RandKScale};
+pub use sign::Sign;
+pub use ternary::Ternary;
+pub use topk::{TopK, TopKSelect, ValueType};
+
+use crate::codec::{Codec, CodecId, CodecSpec, EncodeCtx, payload_buf};
+use crate::error::{Error, Result};
+use crate::wire::{self, HEADER_LEN, Header};
+pub(crate) use scheme::{Encoded, Scheme};
+
+/// Largest block size any block codec accepts (2^24, so a block length is exact in f32).
+pub const MAX_BLOCK: u32 = 1 << 24;
+
+pub(crate) mod scheme {
+    use super::*;
+
+    /// What a scheme's encoder reports besides the payload bytes.
+    #[derive(Debug, Clone, Copy)]
+    pub struct Encoded {
+        /// Payload bytes written.
+        pub payload_len: u64,
+        /// Codec parameters for header bytes 40..52.
+        pub params: [u8; 12],
+        /// The input held NaN or ±Inf.
+        pub nonfinite: bool,
+        /// Seed to record (0 for codecs that draw nothing).
+        pub seed: u64,
+    }
+
+    /// The per-codec part of a codec (sealed: not nameable outside the crate).
+    pub trait Scheme:
+        Copy + core::fmt::Debug + core::fmt::Display + Send + Sync + Into<CodecSpec>
+    {
+        /// Byte 5 of this codec's frames.
+        const ID: CodecId;
+        /// Upper bound on payload bytes for `n` elements (saturating).
+        fn max_payload(&self, n: u64) -> u64;
+        /// Encode `x` into the payload area `out[HEADER_LEN..]` (use `payload_buf`).
+        fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded>;
+        /// The codec described by a header: validates params, seed and payload length.
+        fn read(h: &Header) -> Result<Self>;
+        /// Decode a payload already checked by `read` into `out` (`out.len() == elements`).
+        /// Must validate anything left before writing to `out`.
+        fn decode_payload<const ADD: bool>(
+            &self,
+            h: &Header,
+            payload: &[u8],
+            out: &mut [f32],
+        ) -> Result<()>;
+        /// Expected payload bytes for `n` elements (exact for fixed-rate codecs).
+        fn expected_payload(&self, n: u64) -> f64 {
+            self.max_payload(n) as f64
+        }
+        /// Whether the decoded value is an unbiased estimate of the input.
+        fn is_unbiased(&self) -> bool;
+    }
+}
+
+impl<S: Scheme> Codec for S {
+    fn id(&self) -> CodecId {
+        S::ID
+    }
+
+    fn spec(&self) -> CodecSpec {
+        (*self).into()
+    }
+
+    fn max_encoded_len(&self, n: usize) -> usize {
+        let len = (HEADER_LEN as u64).saturating_add(self.max_payload(n as u64));
+        usize::try_from(len).unwrap_or(usize::MAX)
+    }
+
+    fn encode_into(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<usize> {
+        let n = x.len() as u64;
+        if ctx.offset.checked_add(n).is_none() {
+            return Err(Error::Param {
+                codec: S::ID,
+                name: "offset",
+                reason: format!("offset {} + {} elements overflows u64", ctx.offset, n),
+            });
+        }
+        let e = self.encode_payload(x, ctx, out)?;
+        let flags = if e.nonfinite { wire::FLAG_NONFINITE } else { 0 };
+        Header {
+            codec: S::ID,
+            flags,
+            elements: n,
+            payload_len: e.payload_len,
+            seed: e.seed,
+            offset: ctx.offset,
+            params: e.params,
+        }
+        .write(out);
+        Ok(HEADER_LEN + e.payload_len as usize)
+    }
+
+    fn decode_into(&self, frame: &[u8], out: &mut [f32]) -> Result<()> {
+        let (h, p) = own_frame::<S>(frame)?;
+        decode_as::<S, false>(&h, p, out)
+    }
+
+    fn decode_add(&self, frame: &[u8], acc: &mut [f32]) -> Result<()> {
+        let (h, p) = own_frame::<S>(frame)?;
+        decode_as::<S, true>(&h, p, acc)
+    }
+}
+
+fn own_frame<S: Scheme>(frame: &[u8]) -> Result<(Header, &[u8])> {
+    let (h, p) = wire::split(frame)?;
+    if h.codec != S::ID {
+        return Err(Error::WrongCodec {
+            expected: S::ID,
+            found: h.codec,
+        });
+    }
+    Ok((h, p))
+}
+
+fn decode_as<S: Scheme, const ADD: bool>(h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
+    if out.len() as u64 != h.elements {
+        return Err(Error::OutputLength {
+            expected: h.elements,
+            got: out.len(),
+        });
+    }
+    S::read(h)?.decode_payload::<ADD>(h, p, out)
+}
+
+macro_rules! by_id {
+    ($id:expr, $S:ident => $e:expr) => {
+        match $id {
+            CodecId::Identity => { type $S = Identity; $e }
+            CodecId::Fp16 => { type $S = Fp16; $e }
+            CodecId::Bf16 => { type $S = Bf16; $e }
+            CodecId::Int8 => { type $S = Int8; $e }
+            CodecId::Qsgd => { type $S = Qsgd; $e }
+            CodecId::Sign => { type $S = Sign; $e }
+            CodecId::Ternary => { type $S = Ternary; $e }
+            CodecId::Natural => { type $S = Natural; $e }
+            CodecId::TopK => { type $S = TopK; $e }
+            CodecId::RandK => { type $S = RandK; $e }
+        }
+    };
+}
+
+/// Decode any frame by its header (the free `decode` / `decode_add`).
+pub(crate) fn decode_frame<const ADD: bool>(frame: &[u8], out: &mut [f32]) -> Result<()> {
+    let (h, p) = wire::split(frame)?;
+    by_id!(h.codec, S => decode_as::<S, ADD>(&h, p, out))
+}
+
+/// The spec a header describes (validated as a decoder would).
+pub(crate) fn spec_from_header(h: &Header) -> Result<CodecSpec> {
+    by_id!(h.codec, S => S::read(h).map(Into::into))
+}
+
+// ------------------------------------------------------------------ shared layout helpers
+
+/// Validate a block size given in code or a spec.
+pub(crate) fn check_block(codec: CodecId, block: usize) -> Result<u32> {
+    if block == 0 || block > MAX_BLOCK as usize {
+        return Err(Error::Param {
+            codec,
+            name: "block",
+            reason: format!("{block} is outside 1..={MAX_BLOCK}"),
+        });
+    }
+    Ok(block as u32)
+}
+
+/// Payload bytes of a block codec: one scale of `scale_bytes` per block, then `n` codes
+/// of `bits` bits as an LSB-first stream. `None` on overflow.
+pub(crate) fn block_payload(n: u64, block: u64, scale_bytes: u64, bits: u64) -> Option<u64> {
+    wire::mul_add(n.div_ceil(block), scale_bytes, wire::packed_len(n, bits)?)
+}
+
+/// The block size in params bytes 0..4 of a header, validated.
+pub(crate) fn read_block(h: &Header) -> Result<usize> {
+    let b = h.param_u32(0);
+    if b == 0 || b > MAX_BLOCK {
+        return Err(Error::BadField {
+            codec: h.codec,
+            field: "params.block",
+            reason: format!("block size {b} is outside 1..={MAX_BLOCK}"),
+        });
+    }
+    Ok(b as usize)
+}
+
+/// Error unless the declared payload length equals `expected` (`None`: overflow).
+pub(crate) fn expect_payload(h: &Header, expected: Option<u64>) -> Result<()> {
+    match expected {
+        Some(e) if e == h.payload_len => Ok(()),
+        Some(e) => Err(Error::PayloadLength {
+            codec: h.codec,
+            expected: e,
+            declared: h.payload_len,
+        }),
+        None => Err(Error::BadField {
+            codec: h.codec,
+            field: "elements",
+            reason: format!(
+                "{} elements imply a payload longer than 2^64 bytes",
+                h.elements
+            ),
+        }),
+    }
+}
+
+/// Params with a block size in bytes 0..4 and an optional byte at 4.
+pub(crate) fn block_params(block: u32, byte4: u8) -> [u8; 12] {
+    let mut p = [0u8; 12];
+    p[0..4].copy_from_slice(&block.to_le_bytes());
+    p[4] = byte4;
+    p
+}
+
+/// `Display`, `From<T> for CodecSpec` and `Scheme` for an element-wise codec with no
+/// parameters: `$bytes` payload bytes per element, no seed, no block scales.
+macro_rules! elementwise_codec {
+    ($T:ident, $id:ident, $bytes:expr, encode = $enc:expr, decode<$ADD:ident> = $dec:expr) => {
+        impl core::fmt::Display for $T {
+            fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+                f.write_str(CodecId::$id.name())
+            }
+        }
+
+        impl From<$T> for CodecSpec {
+            fn from(c: $T) -> CodecSpec {
+                CodecSpec::$id(c)
+            }
+        }
+
+        impl Scheme for $T {
+            const ID: CodecId = CodecId::$id;
+
+            fn max_payload(&self, n: u64) -> u64 {
+                n.saturating_mul($bytes)
+            }
+
+            fn encode_payload(
+                &self,
+                x: &[f32],
+                _ctx: &EncodeCtx,
+                out: &mut [u8],
+            ) -> Result<Encoded> {
+                let len = x.len() as u64 * $bytes;
+                let p = payload_buf(out, len)?;
+                let nonfinite = ($enc)(x, p);
+                Ok(Encoded {
+                    payload_len: len,
+                    params: [0; 12],
+                    nonfinite,
+                    seed: 0,
+                })
+            }
+
+            fn read(h: &Header) -> Result<Self> {
+                h.seed_zero()?;
+                h.params_zero_from(0)?;
+                expect_payload(h, h.elements.checked_mul($bytes))?;
+                Ok($T)
+            }
+
+            fn decode_payload<const $ADD: bool>(
+                &self,
+                _h: &Header,
+                p: &[u8],
+                out: &mut [f32],
+            ) -> Result<()> {
+                ($dec)(p, out);
+                Ok(())
+            }
+
+
+            fn is_unbiased(&self) -> bool {
+                true
+            }
+        }
+    };
+}
+pub(crate) use elementwise_codec;
+
+/// Shared encode for the sign-magnitude block codecs (qsgd, ternary): steps then a
+/// `bits`-wide code stream. Returns (payload length, nonfinite).
+pub(crate) fn encode_signmag(
+    x: &[f32],
+    ctx: &EncodeCtx,
+    out: &mut [u8],
+    block: u32,
+    bits: u32,
+    measure: crate::kernels::scalar::Measure,
+) -> Result<(u64, bool)> {
+    let n = x.len() as u64;
+    let len = block_payload(n, block as u64, 4, bits as u64).unwrap_or(u64::MAX);
+    let p = payload_buf(out, len)?;
+    let nb = n.div_ceil(block as u64) as usize;
+    let (steps, codes) = p.split_at_mut(4 * nb);
+    codes.fill(0);
+    let draws = crate::rng::Draws::new(ctx.seed, crate::rng::STREAM_ROUNDING, ctx.offset);
+    let nonfinite = crate::kernels::scalar::encode_signmag(
+        x,
+        block as usize,
+        bits,
+        measure,
+        &draws,
+        ctx.offset,
+        steps,
+        codes,
+    );
+    Ok((len, nonfinite))
+}
+
+/// Shared decode for the sign-magnitude block codecs (payload length already checked).
+pub(crate) fn decode_signmag<const ADD: bool>(
+    h: &Header,
+    p: &[u8],
+    out: &mut [f32],
+    block: u32,
+    bits: u32,
+) -> Result<()> {
+    let nb = out.len().div_ceil(block as usize);
+    let (steps, codes) = p.split_at(4 * nb);
+    if !codes.is_empty() {
+        wire::check_padding(h.codec, codes, HEADER_LEN + 4 * nb, h.elements, bits as u64)?;
+    }
+    crate::kernels::scalar::decode_signmag::<ADD>(steps, codes, block as usize, bits, out);
+    Ok(())
+}

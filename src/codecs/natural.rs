@@ -1,0 +1,133 @@
+//! `natural`: natural compression (Horváth et al. 2019), stochastic rounding of each
+//! element to one of its two neighbouring powers of two.
+//!
+//! `|x| = 2^e (1 + f)` with `f` in [0, 1) becomes `2^(e+1)` with probability `f` and
+//! `2^e` otherwise: unbiased, with variance `|x|^2 f (1 - f) / (1 + f)^2 <= |x|^2 / 8`.
+//!
+//! Layout: the paper's 9-bit code (sign and 8-bit exponent) is stored in 8 bits by
+//! giving each block a reference exponent `r = clamp(floor(log2 max|x|) + 1, -23, 127)`
+//! (one byte, `r + 127`) and each element a byte: bit 7 the sign, bits 0..7 `m` with
+//! `m = 0` meaning zero and `m >= 1` the magnitude `2^(r - 127 + m)`. The 127 powers
+//! below `2^r` cover 126 binades under the block maximum. Within them the scheme is
+//! exactly the paper's; an element smaller than `2^(r-126)` is rounded to 0 or
+//! `2^(r-126)` (still unbiased, variance up to `|x| * 2^(r-126)`).
+//! Elements in the top binade `[2^127, f32::MAX]` round down only (2^128 is not an f32).
+//! Probabilities have 24-bit resolution: bias at most `2^-24` of the rounding gap.
+//!
+//! A block holding NaN or ±Inf is written with reference byte 255 and decodes to all NaN.
+
+use core::fmt;
+
+use super::{
+    EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_params, block_payload, check_block,
+    expect_payload, read_block,
+};
+use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
+use crate::error::{Error, Result};
+use crate::kernels::scalar::{self, NATURAL_MIN_REF, NATURAL_NONFINITE};
+use crate::rng::{Draws, STREAM_ROUNDING};
+use crate::wire::{HEADER_LEN, Header};
+
+/// Natural compression with a per-block reference exponent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Natural {
+    block: u32,
+}
+
+impl Default for Natural {
+    fn default() -> Self {
+        Natural { block: 1024 }
+    }
+}
+
+impl Natural {
+    /// Natural compression with blocks of `block` elements (1..=2^24).
+    pub fn new(block: usize) -> Result<Natural> {
+        Ok(Natural {
+            block: check_block(CodecId::Natural, block)?,
+        })
+    }
+
+    /// Elements per block.
+    pub fn block(&self) -> usize {
+        self.block as usize
+    }
+
+    pub(crate) fn from_args(a: &mut Args) -> core::result::Result<Natural, String> {
+        let block = a.uint("block", 1024, 1..=MAX_BLOCK as u64)? as u32;
+        Ok(Natural { block })
+    }
+}
+
+impl fmt::Display for Natural {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "natural:block={}", self.block)
+    }
+}
+
+impl From<Natural> for CodecSpec {
+    fn from(c: Natural) -> CodecSpec {
+        CodecSpec::Natural(c)
+    }
+}
+
+impl Scheme for Natural {
+    const ID: CodecId = CodecId::Natural;
+
+    fn max_payload(&self, n: u64) -> u64 {
+        block_payload(n, self.block as u64, 1, 8).unwrap_or(u64::MAX)
+    }
+
+    fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
+        let len = self.max_payload(x.len() as u64);
+        let p = payload_buf(out, len)?;
+        let (refs, codes) = p.split_at_mut(len as usize - x.len());
+        let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
+        let nonfinite =
+            scalar::encode_natural(x, self.block as usize, &draws, ctx.offset, refs, codes);
+        Ok(Encoded {
+            payload_len: len,
+            params: block_params(self.block, 0),
+            nonfinite,
+            seed: ctx.seed,
+        })
+    }
+
+    fn read(h: &Header) -> Result<Natural> {
+        let block = read_block(h)? as u32;
+        h.params_zero_from(4)?;
+        expect_payload(h, block_payload(h.elements, block as u64, 1, 8))?;
+        Ok(Natural { block })
+    }
+
+    fn decode_payload<const ADD: bool>(
+        &self,
+        h: &Header,
+        p: &[u8],
+        out: &mut [f32],
+    ) -> Result<()> {
+        let (refs, codes) = p.split_at(p.len() - out.len());
+        let min = (NATURAL_MIN_REF + 127) as u8;
+        if let Some(b) = refs
+            .iter()
+            .position(|&r| r < min && r != NATURAL_NONFINITE)
+        {
+            return Err(Error::Corrupt {
+                codec: h.codec,
+                offset: HEADER_LEN + b,
+                reason: format!(
+                    "block {b} reference byte {} is below {min} (exponent {} < {NATURAL_MIN_REF})",
+                    refs[b],
+                    refs[b] as i32 - 127
+                ),
+            });
+        }
+        scalar::decode_natural::<ADD>(refs, codes, self.block as usize, out);
+        Ok(())
+    }
+
+
+    fn is_unbiased(&self) -> bool {
+        true
+    }
+}

@@ -1,0 +1,143 @@
+//! `qsgd`: QSGD (Alistarh et al. 2017), stochastic quantisation to `s` levels of a
+//! per-block L2 norm.
+//!
+//! `bits` is 2, 4 or 8; each code is sign-magnitude with `s = 2^(bits-1) - 1` magnitude
+//! levels (1, 7 or 127). For each block, `m = ||x||_2` and `step = m / s`; each element
+//! becomes level `l` in `0..=s`, rounded stochastically from `|x| * s / m`, and decodes to
+//! `±l * step`. Unbiased: `E[x'] = x` (to within `step * 2^-24`), with variance at most
+//! `min(n / s^2, sqrt(n) / s) * ||x||^2` per block of `n` (the paper's bound).
+//! Error per element is below one step.
+//!
+//! The norm is summed in f64 in a fixed lane order (docs/wire-format.md) and saturates at
+//! `f32::MAX`; for a block whose norm exceeds `f32::MAX` the estimate is no longer
+//! unbiased (it stays finite). A block holding NaN or ±Inf decodes to all NaN.
+
+use core::fmt;
+
+use super::{
+    EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_params, block_payload, check_block,
+    decode_signmag, encode_signmag, expect_payload, read_block,
+};
+use crate::codec::{Args, CodecId, CodecSpec};
+use crate::error::{Error, Result};
+use crate::kernels::scalar::Measure;
+use crate::wire::Header;
+
+/// QSGD with `bits` per element (2, 4 or 8) and a per-block L2-norm scale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Qsgd {
+    bits: u8,
+    block: u32,
+}
+
+impl Default for Qsgd {
+    fn default() -> Self {
+        Qsgd { bits: 4, block: 512 }
+    }
+}
+
+impl Qsgd {
+    /// QSGD with `bits` in {2, 4, 8} and blocks of `block` elements (1..=2^24).
+    pub fn new(bits: u32, block: usize) -> Result<Qsgd> {
+        if !matches!(bits, 2 | 4 | 8) {
+            return Err(Error::Param {
+                codec: CodecId::Qsgd,
+                name: "bits",
+                reason: format!("{bits} is not one of 2, 4, 8"),
+            });
+        }
+        Ok(Qsgd {
+            bits: bits as u8,
+            block: check_block(CodecId::Qsgd, block)?,
+        })
+    }
+
+    /// Bits per element.
+    pub fn bits(&self) -> u32 {
+        self.bits as u32
+    }
+
+    /// Elements per block.
+    pub fn block(&self) -> usize {
+        self.block as usize
+    }
+
+    /// Magnitude levels `s = 2^(bits-1) - 1`.
+    pub fn levels(&self) -> u32 {
+        (1 << (self.bits - 1)) - 1
+    }
+
+    pub(crate) fn from_args(a: &mut Args) -> core::result::Result<Qsgd, String> {
+        let bits = match a.choice("bits", "4", &["2", "4", "8"])? {
+            "2" => 2,
+            "8" => 8,
+            _ => 4,
+        };
+        let block = a.uint("block", 512, 1..=MAX_BLOCK as u64)? as u32;
+        Ok(Qsgd { bits, block })
+    }
+}
+
+impl fmt::Display for Qsgd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "qsgd:bits={},block={}", self.bits, self.block)
+    }
+}
+
+impl From<Qsgd> for CodecSpec {
+    fn from(c: Qsgd) -> CodecSpec {
+        CodecSpec::Qsgd(c)
+    }
+}
+
+impl Scheme for Qsgd {
+    const ID: CodecId = CodecId::Qsgd;
+
+    fn max_payload(&self, n: u64) -> u64 {
+        block_payload(n, self.block as u64, 4, self.bits as u64).unwrap_or(u64::MAX)
+    }
+
+    fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
+        let (payload_len, nonfinite) =
+            encode_signmag(x, ctx, out, self.block, self.bits as u32, Measure::L2)?;
+        Ok(Encoded {
+            payload_len,
+            params: block_params(self.block, self.bits),
+            nonfinite,
+            seed: ctx.seed,
+        })
+    }
+
+    fn read(h: &Header) -> Result<Qsgd> {
+        let block = read_block(h)? as u32;
+        let bits = h.params[4];
+        if !matches!(bits, 2 | 4 | 8) {
+            return Err(Error::BadField {
+                codec: h.codec,
+                field: "params.bits",
+                reason: format!("{bits} is not one of 2, 4, 8"),
+            });
+        }
+        h.params_zero_from(5)?;
+        let c = Qsgd { bits, block };
+        expect_payload(
+            h,
+            block_payload(h.elements, block as u64, 4, bits as u64),
+        )?;
+        Ok(c)
+    }
+
+    fn decode_payload<const ADD: bool>(
+        &self,
+        h: &Header,
+        p: &[u8],
+        out: &mut [f32],
+    ) -> Result<()> {
+        decode_signmag::<ADD>(h, p, out, self.block, self.bits as u32)
+    }
+
+
+    fn is_unbiased(&self) -> bool {
+        true
+    }
+}

@@ -1,0 +1,259 @@
+//! `randk`: random sparsification with indices derived from a shared hash, so frames
+//! carry values only.
+//!
+//! Element `i` (global index `offset + i`) is kept when
+//! `draw(seed, STREAM_SELECT, offset + i) < t`, with `t = clamp(round(ratio * 2^32), 1, 2^32)`:
+//! each element is kept independently with probability `p = t / 2^32` (Bernoulli
+//! sampling), so about `ratio * n` are kept and the choice depends only on the seed and
+//! the global index. Ranks that share a seed keep the same indices, a tensor chunked
+//! anywhere keeps the same ones, and the decoder recomputes them from the header's seed
+//! and offset.
+//!
+//! Payload: the kept values in index order, f32 LE or fp16 LE. With `scale=unbiased` the
+//! encoder sends `x / p` (in f32, `x * (2^32 / t)`), making the decoding an unbiased
+//! estimate of the input; with `scale=none` (the default, for use with error feedback)
+//! it sends `x` and the estimate is biased towards zero by the factor `p`.
+//!
+//! NaN and ±Inf: an unsent element could hide an overflow, so when the input holds any
+//! NaN or ±Inf the frame's NONFINITE flag is set and *every* element decodes to NaN.
+
+use core::fmt;
+
+use super::{EncodeCtx, Encoded, Scheme, ValueType};
+use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
+use crate::error::{Error, Result};
+use crate::kernels::scalar::{self, CANONICAL_NAN};
+use crate::rng::{Draws, STREAM_SELECT};
+use crate::wire::{FLAG_NONFINITE, Header};
+
+/// Whether random-k rescales kept values by `1 / p`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RandKScale {
+    /// Send values as they are (biased; use with error feedback).
+    #[default]
+    None,
+    /// Send `x / p`: the decoding is an unbiased estimate.
+    Unbiased,
+}
+
+/// Random-k with hash-derived indices.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RandK {
+    ratio: f64,
+    values: ValueType,
+    scale: RandKScale,
+}
+
+impl Default for RandK {
+    fn default() -> Self {
+        RandK {
+            ratio: 0.01,
+            values: ValueType::F32,
+            scale: RandKScale::None,
+        }
+    }
+}
+
+impl RandK {
+    /// Random-k keeping each element with probability `ratio` (in (0, 1]).
+    pub fn new(ratio: f64, values: ValueType, scale: RandKScale) -> Result<RandK> {
+        if !(ratio > 0.0 && ratio <= 1.0) {
+            return Err(Error::Param {
+                codec: CodecId::RandK,
+                name: "ratio",
+                reason: format!("{ratio} is not in (0, 1]"),
+            });
+        }
+        Ok(RandK {
+            ratio,
+            values,
+            scale,
+        })
+    }
+
+    /// The keep probability as configured.
+    pub fn ratio(&self) -> f64 {
+        self.ratio
+    }
+
+    /// The 33-bit selection threshold `t` (an element is kept when its draw is below it).
+    pub fn threshold(&self) -> u64 {
+        ((self.ratio * 4_294_967_296.0).round() as u64).clamp(1, 1 << 32)
+    }
+
+    pub(crate) fn from_args(a: &mut Args) -> core::result::Result<RandK, String> {
+        let ratio = a.ratio("ratio")?.unwrap_or(0.01);
+        let values = ValueType::parse(a)?;
+        let scale = match a.choice("scale", "none", &["none", "unbiased"])? {
+            "unbiased" => RandKScale::Unbiased,
+            _ => RandKScale::None,
+        };
+        Ok(RandK {
+            ratio,
+            values,
+            scale,
+        })
+    }
+}
+
+impl fmt::Display for RandK {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let scale = match self.scale {
+            RandKScale::None => "none",
+            RandKScale::Unbiased => "unbiased",
+        };
+        write!(
+            f,
+            "randk:ratio={},values={},scale={scale}",
+            self.ratio,
+            self.values.name()
+        )
+    }
+}
+
+impl From<RandK> for CodecSpec {
+    fn from(c: RandK) -> CodecSpec {
+        CodecSpec::RandK(c)
+    }
+}
+
+/// Call `f(i)` for each kept position `i` of a slice of `n` at global `offset`.
+#[inline]
+fn for_each_kept(seed: u64, offset: u64, n: usize, t: u64, mut f: impl FnMut(usize)) {
+    let d = Draws::new(seed, STREAM_SELECT, offset);
+    for i in 0..n {
+        if (d.draw(offset + i as u64) as u64) < t {
+            f(i);
+        }
+    }
+}
+
+impl Scheme for RandK {
+    const ID: CodecId = CodecId::RandK;
+
+    fn max_payload(&self, n: u64) -> u64 {
+        n.saturating_mul(self.values.bytes())
+    }
+
+    fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
+        let t = self.threshold();
+        let mut k = 0u64;
+        for_each_kept(ctx.seed, ctx.offset, x.len(), t, |_| k += 1);
+        let len = k * self.values.bytes();
+        let p = payload_buf(out, len)?;
+        let mul = match self.scale {
+            RandKScale::None => 1.0,
+            RandKScale::Unbiased => (4_294_967_296.0 / t as f64) as f32,
+        };
+        let mut j = 0;
+        let values = self.values;
+        for_each_kept(ctx.seed, ctx.offset, x.len(), t, |i| {
+            values.put(p, j, x[i] * mul);
+            j += 1;
+        });
+        let mut params = [0u8; 12];
+        params[0..8].copy_from_slice(&t.to_le_bytes());
+        params[8] = self.values as u8;
+        params[9] = self.scale as u8;
+        Ok(Encoded {
+            payload_len: len,
+            params,
+            nonfinite: scalar::any_nonfinite(x),
+            seed: ctx.seed,
+        })
+    }
+
+    fn read(h: &Header) -> Result<RandK> {
+        let bad = |field, reason: String| Error::BadField {
+            codec: h.codec,
+            field,
+            reason,
+        };
+        let t = h.param_u64(0);
+        if !(1..=1u64 << 32).contains(&t) {
+            return Err(bad(
+                "params.threshold",
+                format!("{t} is not in 1..=2^32"),
+            ));
+        }
+        let values = ValueType::from_byte(h, h.params[8])?;
+        let scale = match h.params[9] {
+            0 => RandKScale::None,
+            1 => RandKScale::Unbiased,
+            s => {
+                return Err(bad(
+                    "params.scale",
+                    format!("{s} is not 0 (none) or 1 (unbiased)"),
+                ));
+            }
+        };
+        h.params_zero_from(10)?;
+        let vb = values.bytes();
+        if h.payload_len % vb != 0 || h.payload_len / vb > h.elements {
+            return Err(bad(
+                "payload_len",
+                format!(
+                    "{} bytes is not a whole number of at most {} {}-byte values",
+                    h.payload_len,
+                    h.elements,
+                    vb
+                ),
+            ));
+        }
+        Ok(RandK {
+            ratio: t as f64 / 4_294_967_296.0,
+            values,
+            scale,
+        })
+    }
+
+    fn decode_payload<const ADD: bool>(
+        &self,
+        h: &Header,
+        p: &[u8],
+        out: &mut [f32],
+    ) -> Result<()> {
+        let t = h.param_u64(0);
+        let k = (h.payload_len / self.values.bytes()) as usize;
+        let mut count = 0usize;
+        for_each_kept(h.seed, h.offset, out.len(), t, |_| count += 1);
+        if count != k {
+            return Err(Error::Corrupt {
+                codec: h.codec,
+                offset: crate::wire::HEADER_LEN,
+                reason: format!(
+                    "seed, offset and threshold select {count} elements but the payload holds {k} values"
+                ),
+            });
+        }
+        if h.flags & FLAG_NONFINITE != 0 {
+            for o in out.iter_mut() {
+                *o = if ADD { *o + CANONICAL_NAN } else { CANONICAL_NAN };
+            }
+            return Ok(());
+        }
+        if !ADD {
+            out.fill(0.0);
+        }
+        let mut j = 0;
+        let values = self.values;
+        for_each_kept(h.seed, h.offset, out.len(), t, |i| {
+            let v = values.get(p, j);
+            if ADD {
+                out[i] += v;
+            } else {
+                out[i] = v;
+            }
+            j += 1;
+        });
+        Ok(())
+    }
+
+    fn expected_payload(&self, n: u64) -> f64 {
+        n as f64 * self.threshold() as f64 / 4_294_967_296.0 * self.values.bytes() as f64
+    }
+
+    fn is_unbiased(&self) -> bool {
+        self.scale == RandKScale::Unbiased
+    }
+}

@@ -1,0 +1,201 @@
+//! The one error type of the crate.
+//!
+//! Every variant says what was wrong and, for frames, where: a byte offset into the
+//! frame, a field name, or a parameter. Decoding never panics; it returns one of these.
+
+use core::fmt;
+
+use crate::codec::CodecId;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = core::result::Result<T, E>;
+
+/// Everything that can go wrong in gradpack.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Error {
+    /// A codec spec string could not be parsed.
+    Spec {
+        /// The whole spec as given.
+        spec: String,
+        /// What was wrong, naming the bad key or value and what is accepted.
+        reason: String,
+    },
+    /// A codec parameter is out of range (when building a codec in code).
+    Param {
+        /// The codec.
+        codec: CodecId,
+        /// The parameter name as it appears in a spec.
+        name: &'static str,
+        /// What was wrong and what is accepted.
+        reason: String,
+    },
+    /// The frame is shorter than its header or than the length its header declares.
+    Truncated {
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes present.
+        got: usize,
+    },
+    /// The frame is longer than header plus declared payload.
+    TrailingBytes {
+        /// Bytes expected (header plus payload length).
+        expected: u64,
+        /// Bytes present.
+        got: usize,
+    },
+    /// Bytes 0..4 are not the gradpack magic.
+    BadMagic([u8; 4]),
+    /// Byte 4: a version this build does not read.
+    UnsupportedVersion(u8),
+    /// Byte 5: a codec id this build does not know.
+    UnknownCodec(u8),
+    /// Bytes 52..56: the header checksum does not match bytes 0..52.
+    HeaderChecksum {
+        /// The CRC-32 stored in the frame.
+        stored: u32,
+        /// The CRC-32 computed over bytes 0..52.
+        computed: u32,
+    },
+    /// Bytes 6..8: flag bits that are reserved in this version are set.
+    ReservedFlags(u16),
+    /// A header field holds a value the codec does not allow.
+    BadField {
+        /// The codec named by the header.
+        codec: CodecId,
+        /// The header field (as named in docs/wire-format.md).
+        field: &'static str,
+        /// What was wrong.
+        reason: String,
+    },
+    /// The declared payload length is not the one the header's codec, parameters and
+    /// element count imply.
+    PayloadLength {
+        /// The codec named by the header.
+        codec: CodecId,
+        /// Length implied by the header.
+        expected: u64,
+        /// Length declared in bytes 16..24.
+        declared: u64,
+    },
+    /// The payload is inconsistent with the header (for example an index past the end).
+    Corrupt {
+        /// The codec named by the header.
+        codec: CodecId,
+        /// Byte offset into the frame where the problem was found.
+        offset: usize,
+        /// What was wrong.
+        reason: String,
+    },
+    /// The output slice passed to a decoder does not have the frame's element count.
+    OutputLength {
+        /// Elements in the frame.
+        expected: u64,
+        /// Elements in the output slice.
+        got: usize,
+    },
+    /// The buffer passed to an encoder is too small for the frame.
+    BufferTooSmall {
+        /// Bytes needed.
+        needed: usize,
+        /// Bytes available.
+        got: usize,
+    },
+    /// Two slices that must have equal length do not (e.g. gradient and residual).
+    LengthMismatch {
+        /// What the slices are.
+        what: &'static str,
+        /// Length of the first.
+        left: usize,
+        /// Length of the second.
+        right: usize,
+    },
+    /// A frame claims more elements than the caller allowed to be allocated.
+    TooLarge {
+        /// Elements claimed by the frame.
+        elements: u64,
+        /// The limit in force.
+        limit: u64,
+    },
+    /// The frame is valid but belongs to a different codec than the one asked to decode it.
+    WrongCodec {
+        /// The codec asked to decode.
+        expected: CodecId,
+        /// The codec named by the frame.
+        found: CodecId,
+    },
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Spec { spec, reason } => write!(f, "invalid codec spec {spec:?}: {reason}"),
+            Error::Param {
+                codec,
+                name,
+                reason,
+            } => write!(f, "invalid {codec} parameter `{name}`: {reason}"),
+            Error::Truncated { needed, got } => {
+                write!(f, "frame truncated: {got} bytes present, {needed} needed")
+            }
+            Error::TrailingBytes { expected, got } => write!(
+                f,
+                "frame has {} trailing bytes: header and payload take {expected} bytes, {got} present",
+                *got as u64 - expected
+            ),
+            Error::BadMagic(m) => write!(
+                f,
+                "bytes 0..4 are {m:02x?}, not the gradpack magic \"GPAK\": not a gradpack frame"
+            ),
+            Error::UnsupportedVersion(v) => {
+                write!(f, "byte 4: wire format version {v} is not supported (this build reads 1)")
+            }
+            Error::UnknownCodec(c) => write!(f, "byte 5: unknown codec id {c}"),
+            Error::HeaderChecksum { stored, computed } => write!(
+                f,
+                "bytes 52..56: header checksum mismatch (stored {stored:#010x}, computed {computed:#010x}): the header is corrupt"
+            ),
+            Error::ReservedFlags(bits) => {
+                write!(f, "bytes 6..8: reserved flag bits {bits:#06x} are set")
+            }
+            Error::BadField {
+                codec,
+                field,
+                reason,
+            } => write!(f, "{codec} frame: header field `{field}`: {reason}"),
+            Error::PayloadLength {
+                codec,
+                expected,
+                declared,
+            } => write!(
+                f,
+                "{codec} frame: bytes 16..24 declare a payload of {declared} bytes, but the header implies {expected}"
+            ),
+            Error::Corrupt {
+                codec,
+                offset,
+                reason,
+            } => write!(f, "{codec} frame: corrupt payload at byte {offset}: {reason}"),
+            Error::OutputLength { expected, got } => write!(
+                f,
+                "output slice has {got} elements but the frame holds {expected}"
+            ),
+            Error::BufferTooSmall { needed, got } => write!(
+                f,
+                "encode buffer too small: {needed} bytes needed, {got} given (see max_encoded_len)"
+            ),
+            Error::LengthMismatch { what, left, right } => {
+                write!(f, "length mismatch: {what} ({left} vs {right})")
+            }
+            Error::TooLarge { elements, limit } => write!(
+                f,
+                "frame claims {elements} elements, more than the allocation limit of {limit}"
+            ),
+            Error::WrongCodec { expected, found } => {
+                write!(f, "frame is {found}, not {expected}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for Error {}

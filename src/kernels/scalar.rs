@@ -1,0 +1,749 @@
+//! Scalar kernels: the specification every other backend must reproduce to the bit.
+//!
+//! Each function here is written for clarity first. SIMD backends (a later issue) must
+//! give byte-identical frames and bit-identical decoded floats; where an operation has an
+//! order (a sum), that order is fixed here and documented in docs/wire-format.md.
+//!
+//! Conventions:
+//! - payload bytes are little-endian;
+//! - `ADD = false` writes decoded values, `ADD = true` adds them to the output (the fused
+//!   reduce step of a collective);
+//! - encoders return `true` when the input held any NaN or ±Inf (the frame's NONFINITE flag).
+
+use crate::rng::Draws;
+
+/// Largest finite |x| bit pattern plus one: `abs_bits >= INF_BITS` means NaN or ±Inf.
+pub const INF_BITS: u32 = 0x7F80_0000;
+/// The canonical quiet NaN written as the step of a block that held NaN or ±Inf.
+pub const CANONICAL_NAN: f32 = f32::from_bits(0x7FC0_0000);
+
+#[inline(always)]
+fn put<const ADD: bool>(o: &mut f32, v: f32) {
+    if ADD {
+        *o += v;
+    } else {
+        *o = v;
+    }
+}
+
+#[inline(always)]
+fn abs_bits(x: f32) -> u32 {
+    x.to_bits() & 0x7FFF_FFFF
+}
+
+/// True when any element is NaN or ±Inf.
+pub fn any_nonfinite(x: &[f32]) -> bool {
+    x.iter().fold(0u32, |m, &v| m.max(abs_bits(v))) >= INF_BITS
+}
+
+// ---------------------------------------------------------------- identity
+
+/// f32 to little-endian bytes. `out.len() == 4 * x.len()`.
+pub fn encode_f32(x: &[f32], out: &mut [u8]) -> bool {
+    debug_assert_eq!(out.len(), 4 * x.len());
+    let mut m = 0u32;
+    for (o, &v) in out.chunks_exact_mut(4).zip(x) {
+        o.copy_from_slice(&v.to_le_bytes());
+        m = m.max(abs_bits(v));
+    }
+    m >= INF_BITS
+}
+
+/// Little-endian bytes to f32. `p.len() == 4 * out.len()`.
+pub fn decode_f32<const ADD: bool>(p: &[u8], out: &mut [f32]) {
+    debug_assert_eq!(p.len(), 4 * out.len());
+    for (o, b) in out.iter_mut().zip(p.chunks_exact(4)) {
+        put::<ADD>(o, f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    }
+}
+
+// ---------------------------------------------------------------- fp16 / bf16
+
+/// f32 to IEEE binary16 bits: round to nearest even, overflow to ±Inf, subnormals
+/// rounded, NaN kept a quiet NaN with the top payload bits. Identical to
+/// `half::f16::from_f32` for all 2^32 inputs.
+#[inline]
+pub fn f32_to_f16(value: f32) -> u16 {
+    let x = value.to_bits();
+    let sign = x & 0x8000_0000;
+    let exp = x & 0x7F80_0000;
+    let man = x & 0x007F_FFFF;
+    if exp == 0x7F80_0000 {
+        let nan_bit = if man == 0 { 0 } else { 0x0200 };
+        return ((sign >> 16) | 0x7C00 | nan_bit | (man >> 13)) as u16;
+    }
+    let half_sign = sign >> 16;
+    let half_exp = ((exp >> 23) as i32) - 127 + 15;
+    if half_exp >= 0x1F {
+        return (half_sign | 0x7C00) as u16;
+    }
+    if half_exp <= 0 {
+        if 14 - half_exp > 24 {
+            return half_sign as u16;
+        }
+        let man = man | 0x0080_0000;
+        let mut half_man = man >> (14 - half_exp);
+        let round_bit = 1u32 << (13 - half_exp);
+        if (man & round_bit) != 0 && (man & (3 * round_bit - 1)) != 0 {
+            half_man += 1;
+        }
+        return (half_sign | half_man) as u16;
+    }
+    let r = half_sign | ((half_exp as u32) << 10) | (man >> 13);
+    let round_bit = 0x0000_1000;
+    if (man & round_bit) != 0 && (man & (3 * round_bit - 1)) != 0 {
+        (r + 1) as u16
+    } else {
+        r as u16
+    }
+}
+
+/// IEEE binary16 bits to f32 (exact; a NaN gets the quiet bit set, as F16C does).
+#[inline]
+pub fn f16_to_f32(h: u16) -> f32 {
+    let h = h as u32;
+    let sign = (h & 0x8000) << 16;
+    let exp = (h >> 10) & 0x1F;
+    let man = h & 0x03FF;
+    let bits = match (exp, man) {
+        (0, 0) => sign,
+        (0, m) => {
+            // Subnormal: normalise. m has its top set bit at position p (0..=9).
+            let p = 31 - m.leading_zeros();
+            let e = p + 127 - 24; // value = m * 2^-24
+            sign | (e << 23) | ((m << (23 - p)) & 0x007F_FFFF)
+        }
+        (0x1F, 0) => sign | 0x7F80_0000,
+        (0x1F, m) => sign | 0x7FC0_0000 | (m << 13),
+        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// f32 to bfloat16 bits: round to nearest even, overflow to ±Inf, NaN kept a quiet NaN.
+/// Identical to `half::bf16::from_f32` for all 2^32 inputs.
+#[inline]
+pub fn f32_to_bf16(value: f32) -> u16 {
+    let x = value.to_bits();
+    if x & 0x7FFF_FFFF > 0x7F80_0000 {
+        return ((x >> 16) | 0x0040) as u16;
+    }
+    let round_bit = 0x0000_8000;
+    if (x & round_bit) != 0 && (x & (3 * round_bit - 1)) != 0 {
+        (x >> 16) as u16 + 1
+    } else {
+        (x >> 16) as u16
+    }
+}
+
+/// bfloat16 bits to f32 (exact: the bits shifted into the top half).
+#[inline]
+pub fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+/// Encode with a 16-bit conversion. `out.len() == 2 * x.len()`.
+pub fn encode_u16(x: &[f32], out: &mut [u8], conv: impl Fn(f32) -> u16) -> bool {
+    debug_assert_eq!(out.len(), 2 * x.len());
+    let mut m = 0u32;
+    for (o, &v) in out.chunks_exact_mut(2).zip(x) {
+        o.copy_from_slice(&conv(v).to_le_bytes());
+        m = m.max(abs_bits(v));
+    }
+    m >= INF_BITS
+}
+
+/// Decode 16-bit codes. `p.len() == 2 * out.len()`.
+pub fn decode_u16<const ADD: bool>(p: &[u8], out: &mut [f32], conv: impl Fn(u16) -> f32) {
+    debug_assert_eq!(p.len(), 2 * out.len());
+    for (o, b) in out.iter_mut().zip(p.chunks_exact(2)) {
+        put::<ADD>(o, conv(u16::from_le_bytes([b[0], b[1]])));
+    }
+}
+
+// ---------------------------------------------------------------- block statistics
+
+/// The largest |x| bit pattern of a block (order-free, so every backend agrees).
+/// A result `>= INF_BITS` means the block holds NaN or ±Inf.
+#[inline]
+pub fn max_abs_bits(x: &[f32]) -> u32 {
+    x.iter().fold(0u32, |m, &v| m.max(abs_bits(v)))
+}
+
+/// Sum of `f(x)` in 16 interleaved lanes (element `j` goes to lane `j % 16`), lanes
+/// combined as `l[j] += l[j + 8]`, then `+4`, `+2`, `+1`. This order is normative: it is
+/// what AVX-512 (one 16-lane register), AVX2 (two 8-lane) and NEON (four 4-lane) all do.
+#[inline]
+pub fn lane_sum16<T>(x: &[f32], f: impl Fn(f32) -> T) -> T
+where
+    T: Copy + Default + core::ops::Add<Output = T>,
+{
+    let mut l = [T::default(); 16];
+    for (j, &v) in x.iter().enumerate() {
+        l[j % 16] = l[j % 16] + f(v);
+    }
+    for w in [8, 4, 2, 1] {
+        for j in 0..w {
+            l[j] = l[j] + l[j + w];
+        }
+    }
+    l[0]
+}
+
+/// Mean |x| of a finite block, exactly as the sign codec defines it: the f32 lane sum of
+/// |x| divided by the length; if that sum overflows, the same lane sum in f64.
+pub fn mean_abs(x: &[f32]) -> f32 {
+    let s = lane_sum16(x, f32::abs);
+    if s.is_finite() {
+        s / x.len() as f32
+    } else {
+        (lane_sum16(x, |v| (v as f64).abs()) / x.len() as f64) as f32
+    }
+}
+
+/// L2 norm of a finite block as qsgd defines it: squares are exact in f64, summed in the
+/// 16-lane order, square-rooted in f64, rounded to f32 and saturated at `f32::MAX`.
+pub fn l2_norm(x: &[f32]) -> f32 {
+    let ss = lane_sum16(x, |v| (v as f64) * (v as f64));
+    (ss.sqrt() as f32).min(f32::MAX)
+}
+
+// ---------------------------------------------------------------- level quantisation
+
+/// How a scaled magnitude becomes an integer level.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Round {
+    /// Round half to even (deterministic).
+    Nearest,
+    /// Round up with probability equal to the fractional part (unbiased).
+    Stochastic,
+}
+
+/// Multipliers `(pre, inv)` such that `|x| * levels / m` is computed as
+/// `(|x| * pre) * inv` without overflow, for `m > 0` finite. `pre` is 1, or 2^64 when
+/// `m < 2^-100` (so that `levels / m` cannot overflow); scaling by `pre` is exact.
+#[inline]
+pub fn level_multiplier(m: f32, levels: f32) -> (f32, f32) {
+    const TINY: f32 = 7.888_609e-31; // 2^-100
+    const PRE: f32 = 18_446_744_073_709_551_616.0; // 2^64
+    if m < TINY {
+        (PRE, levels / (m * PRE))
+    } else {
+        (1.0, levels / m)
+    }
+}
+
+/// Uniform draw in [0, 1) with 24-bit resolution from a 32-bit hash.
+#[inline(always)]
+fn unit24(h: u32) -> f32 {
+    (h >> 8) as f32 * (1.0 / 16_777_216.0)
+}
+
+/// Magnitude level of `a = |x| * levels / m` (a >= 0), clamped to `levels`.
+#[inline(always)]
+fn level(a: f32, levels: u32, round: Round, h: u32) -> u32 {
+    let q = match round {
+        Round::Nearest => a.round_ties_even(),
+        Round::Stochastic => {
+            let fl = a.floor();
+            // a - fl is exact (Sterbenz for a >= 1, trivially for a < 1).
+            if unit24(h) < a - fl { fl + 1.0 } else { fl }
+        }
+    };
+    (q as u32).min(levels)
+}
+
+/// Quantise one finite, non-zero-max block to signed levels in `[-levels, levels]`, calling
+/// `emit(j, negative, magnitude)` for each element. `m` is the block's scale measure
+/// (absmax or norm, `m >= max |x|`, `m > 0`), `first` the global index of the first element.
+#[inline]
+pub fn quantise_block(
+    x: &[f32],
+    m: f32,
+    levels: u32,
+    round: Round,
+    draws: &Draws,
+    first: u64,
+    mut emit: impl FnMut(usize, bool, u32),
+) {
+    let (pre, inv) = level_multiplier(m, levels as f32);
+    for (j, &v) in x.iter().enumerate() {
+        let h = if round == Round::Stochastic {
+            draws.draw(first + j as u64)
+        } else {
+            0
+        };
+        let q = level((v.abs() * pre) * inv, levels, round, h);
+        emit(j, v.is_sign_negative(), q);
+    }
+}
+
+// ---------------------------------------------------------------- bit packing
+
+/// Write `code` (of `width` bits, 1..=8) as element `j` of an LSB-first bit stream in `out`.
+/// The stream must have been zeroed. Element `j` occupies stream bits
+/// `[j*width, (j+1)*width)`; stream bit `b` is bit `b % 8` of byte `b / 8`.
+#[inline(always)]
+pub fn put_bits(out: &mut [u8], j: usize, width: u32, code: u8) {
+    let bit = j * width as usize;
+    out[bit / 8] |= code << (bit % 8);
+}
+
+/// Read element `j` of width 1, 2, 4 or 8 from an LSB-first bit stream.
+#[inline(always)]
+pub fn get_bits(p: &[u8], j: usize, width: u32) -> u8 {
+    let bit = j * width as usize;
+    (p[bit / 8] >> (bit % 8)) & ((1u16 << width) - 1) as u8
+}
+
+/// Writer of an LSB-first bit stream of values of any width 0..=32 (same layout as
+/// `put_bits`), for index deltas.
+pub struct BitWriter<'a> {
+    out: &'a mut [u8],
+    pos: usize,
+    acc: u64,
+    nacc: u32,
+}
+
+impl<'a> BitWriter<'a> {
+    /// A writer at the start of `out`.
+    pub fn new(out: &'a mut [u8]) -> Self {
+        BitWriter {
+            out,
+            pos: 0,
+            acc: 0,
+            nacc: 0,
+        }
+    }
+
+    /// Append the low `width` bits of `v`.
+    #[inline]
+    pub fn put(&mut self, v: u32, width: u32) {
+        debug_assert!(width <= 32 && (width == 32 || v >> width == 0));
+        self.acc |= (v as u64) << self.nacc;
+        self.nacc += width;
+        while self.nacc >= 8 {
+            self.out[self.pos] = self.acc as u8;
+            self.pos += 1;
+            self.acc >>= 8;
+            self.nacc -= 8;
+        }
+    }
+
+    /// Flush the last partial byte (high bits zero); returns bytes written.
+    pub fn finish(mut self) -> usize {
+        if self.nacc > 0 {
+            self.out[self.pos] = self.acc as u8;
+            self.pos += 1;
+        }
+        self.pos
+    }
+}
+
+/// Reader of an LSB-first bit stream written by [`BitWriter`]. Reading past the end
+/// yields zero bits (callers check lengths first).
+pub struct BitReader<'a> {
+    p: &'a [u8],
+    pos: usize,
+    acc: u64,
+    nacc: u32,
+}
+
+impl<'a> BitReader<'a> {
+    /// A reader at the start of `p`.
+    pub fn new(p: &'a [u8]) -> Self {
+        BitReader {
+            p,
+            pos: 0,
+            acc: 0,
+            nacc: 0,
+        }
+    }
+
+    /// The next `width` (0..=32) bits.
+    #[inline]
+    pub fn get(&mut self, width: u32) -> u32 {
+        while self.nacc < width {
+            let b = self.p.get(self.pos).copied().unwrap_or(0);
+            self.acc |= (b as u64) << self.nacc;
+            self.pos += 1;
+            self.nacc += 8;
+        }
+        let v = if width == 32 {
+            self.acc as u32
+        } else {
+            (self.acc & ((1u64 << width) - 1)) as u32
+        };
+        self.acc >>= width;
+        self.nacc -= width;
+        v
+    }
+}
+
+// ---------------------------------------------------------------- block codecs
+
+/// Steps (f32 LE, one per block) followed by codes: the layout of every block codec.
+#[inline]
+fn put_step(steps: &mut [u8], b: usize, step: f32) {
+    steps[4 * b..4 * b + 4].copy_from_slice(&step.to_le_bytes());
+}
+
+/// Step of block `b`.
+#[inline]
+pub fn get_step(steps: &[u8], b: usize) -> f32 {
+    let s = &steps[4 * b..4 * b + 4];
+    f32::from_le_bytes([s[0], s[1], s[2], s[3]])
+}
+
+/// How a block's scale measure `m` is taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Measure {
+    /// `m = max |x|`.
+    AbsMax,
+    /// `m = ||x||_2` (see [`l2_norm`]).
+    L2,
+}
+
+/// Encode int8 blocks: steps then one i8 per element. `steps.len() == 4 * nblocks`,
+/// `codes.len() == x.len()`.
+pub fn encode_int8(
+    x: &[f32],
+    block: usize,
+    round: Round,
+    draws: &Draws,
+    first: u64,
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    let mut nonfinite = false;
+    for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
+        let mb = max_abs_bits(xb);
+        if mb >= INF_BITS {
+            nonfinite = true;
+            put_step(steps, b, CANONICAL_NAN);
+            cb.fill(0);
+        } else if mb == 0 {
+            put_step(steps, b, 0.0);
+            cb.fill(0);
+        } else {
+            let m = f32::from_bits(mb);
+            put_step(steps, b, m / 127.0);
+            let start = first + (b * block) as u64;
+            quantise_block(xb, m, 127, round, draws, start, |j, neg, q| {
+                let q = q as i8;
+                cb[j] = if neg { -q } else { q } as u8;
+            });
+        }
+    }
+    nonfinite
+}
+
+/// Decode int8 blocks: `x = code * step`.
+pub fn decode_int8<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+    for (b, (ob, cb)) in out.chunks_mut(block).zip(codes.chunks(block)).enumerate() {
+        let s = get_step(steps, b);
+        for (o, &c) in ob.iter_mut().zip(cb) {
+            put::<ADD>(o, (c as i8) as f32 * s);
+        }
+    }
+}
+
+/// Encode sign-magnitude blocks of `bits` (2, 4 or 8) with stochastic rounding to
+/// `levels = 2^(bits-1) - 1` magnitude levels: qsgd (`Measure::L2`) and ternary
+/// (`Measure::AbsMax`, bits 2). `codes` is a zeroed bit stream of `bits * x.len()` bits.
+#[allow(clippy::too_many_arguments)]
+pub fn encode_signmag(
+    x: &[f32],
+    block: usize,
+    bits: u32,
+    measure: Measure,
+    draws: &Draws,
+    first: u64,
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    let levels = (1u32 << (bits - 1)) - 1;
+    let mut nonfinite = false;
+    for (b, xb) in x.chunks(block).enumerate() {
+        let mb = max_abs_bits(xb);
+        if mb >= INF_BITS {
+            nonfinite = true;
+            put_step(steps, b, CANONICAL_NAN);
+            continue;
+        }
+        if mb == 0 {
+            put_step(steps, b, 0.0);
+            continue;
+        }
+        let m = match measure {
+            Measure::AbsMax => f32::from_bits(mb),
+            Measure::L2 => l2_norm(xb),
+        };
+        put_step(steps, b, m / levels as f32);
+        let base = b * block;
+        let start = first + base as u64;
+        quantise_block(xb, m, levels, Round::Stochastic, draws, start, |j, neg, q| {
+            if q != 0 {
+                let code = q | if neg { 1 << (bits - 1) } else { 0 };
+                put_bits(codes, base + j, bits, code as u8);
+            }
+        });
+    }
+    nonfinite
+}
+
+/// Decode sign-magnitude blocks: `x = ±magnitude * step`.
+pub fn decode_signmag<const ADD: bool>(
+    steps: &[u8],
+    codes: &[u8],
+    block: usize,
+    bits: u32,
+    out: &mut [f32],
+) {
+    let sign_bit = 1u8 << (bits - 1);
+    for (b, ob) in out.chunks_mut(block).enumerate() {
+        let s = get_step(steps, b);
+        let base = b * block;
+        for (j, o) in ob.iter_mut().enumerate() {
+            let c = get_bits(codes, base + j, bits);
+            let v = (c & !sign_bit) as f32 * s;
+            put::<ADD>(o, if c & sign_bit != 0 { -v } else { v });
+        }
+    }
+}
+
+/// Encode sign blocks: step = mean |x|, one bit per element (1 = sign bit set).
+/// `codes` is a zeroed bit stream of `x.len()` bits.
+pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) -> bool {
+    let mut nonfinite = false;
+    for (b, xb) in x.chunks(block).enumerate() {
+        if max_abs_bits(xb) >= INF_BITS {
+            nonfinite = true;
+            put_step(steps, b, CANONICAL_NAN);
+            continue;
+        }
+        put_step(steps, b, mean_abs(xb));
+        let base = b * block;
+        for (j, &v) in xb.iter().enumerate() {
+            put_bits(codes, base + j, 1, v.is_sign_negative() as u8);
+        }
+    }
+    nonfinite
+}
+
+/// Decode sign blocks: `x = ±step`.
+pub fn decode_sign<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+    for (b, ob) in out.chunks_mut(block).enumerate() {
+        let s = get_step(steps, b);
+        let base = b * block;
+        for (j, o) in ob.iter_mut().enumerate() {
+            put::<ADD>(o, if get_bits(codes, base + j, 1) != 0 { -s } else { s });
+        }
+    }
+}
+
+// ---------------------------------------------------------------- natural compression
+
+/// Smallest block reference exponent: keeps every code's power of two >= 2^-149.
+pub const NATURAL_MIN_REF: i32 = -23;
+/// Reference byte marking a block that held NaN or ±Inf.
+pub const NATURAL_NONFINITE: u8 = 255;
+
+/// `floor(log2(a))` for finite `a > 0`, including subnormals.
+#[inline]
+fn ilog2_f32(a: f32) -> i32 {
+    let bits = a.to_bits();
+    let e = (bits >> 23) as i32;
+    if e != 0 {
+        e - 127
+    } else {
+        -149 + (31 - (bits & 0x007F_FFFF).leading_zeros() as i32)
+    }
+}
+
+/// `2^k` as f32 for `k` in `[-149, 127]` (exact, subnormal below -126).
+#[inline]
+pub fn pow2_f32(k: i32) -> f32 {
+    debug_assert!((-149..=127).contains(&k));
+    if k >= -126 {
+        f32::from_bits(((k + 127) as u32) << 23)
+    } else {
+        f32::from_bits(1u32 << (k + 149))
+    }
+}
+
+/// Reference exponent of a finite block with `max |x|` bits `mb`:
+/// `clamp(floor(log2 max) + 1, -23, 127)`.
+#[inline]
+pub fn natural_ref(mb: u32) -> i32 {
+    if mb == 0 {
+        NATURAL_MIN_REF
+    } else {
+        (ilog2_f32(f32::from_bits(mb)) + 1).clamp(NATURAL_MIN_REF, 127)
+    }
+}
+
+/// Encode natural-compression blocks: one reference byte per block (`r + 127`), then one
+/// code byte per element (bit 7 sign, bits 0..7 `m`: `m = 0` is zero, else the magnitude
+/// `2^(r - 127 + m)`). `refs.len() == nblocks`, `codes.len() == x.len()`.
+pub fn encode_natural(
+    x: &[f32],
+    block: usize,
+    draws: &Draws,
+    first: u64,
+    refs: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    let mut nonfinite = false;
+    for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
+        let mb = max_abs_bits(xb);
+        if mb >= INF_BITS {
+            nonfinite = true;
+            refs[b] = NATURAL_NONFINITE;
+            cb.fill(0);
+            continue;
+        }
+        let r = natural_ref(mb);
+        refs[b] = (r + 127) as u8;
+        let kmin = r - 126;
+        let start = first + (b * block) as u64;
+        for (j, (&v, c)) in xb.iter().zip(cb.iter_mut()).enumerate() {
+            let a = v.abs();
+            let sign = if v.is_sign_negative() { 0x80u8 } else { 0 };
+            if a == 0.0 {
+                *c = 0;
+                continue;
+            }
+            let u = (draws.draw(start + j as u64) >> 8) as f64 / 16_777_216.0;
+            let e = ilog2_f32(a);
+            // f is exact in f64: scaling an f32 by a power of two.
+            let k = if e >= kmin {
+                let f = a as f64 / (2.0f64).powi(e) - 1.0;
+                let up = u < f && e < r;
+                e + up as i32
+            } else {
+                let f = a as f64 / (2.0f64).powi(kmin);
+                if u < f { kmin } else { kmin - 1 }
+            };
+            let m = k - kmin + 1; // 0 when rounded to zero
+            *c = if m == 0 { 0 } else { sign | m as u8 };
+        }
+    }
+    nonfinite
+}
+
+/// Decode natural-compression blocks (reference bytes already validated).
+pub fn decode_natural<const ADD: bool>(refs: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+    for (b, (ob, cb)) in out.chunks_mut(block).zip(codes.chunks(block)).enumerate() {
+        if refs[b] == NATURAL_NONFINITE {
+            for o in ob {
+                put::<ADD>(o, CANONICAL_NAN);
+            }
+            continue;
+        }
+        let r = refs[b] as i32 - 127;
+        for (o, &c) in ob.iter_mut().zip(cb) {
+            let m = (c & 0x7F) as i32;
+            let v = if m == 0 { 0.0 } else { pow2_f32(r - 127 + m) };
+            put::<ADD>(o, if c & 0x80 != 0 { -v } else { v });
+        }
+    }
+}
+
+// ---------------------------------------------------------------- top-k selection
+
+/// Magnitude key of an element: its |x| bit pattern. Keys order as magnitudes do for
+/// finite values, and put ±Inf above every finite value and NaN above ±Inf.
+#[inline(always)]
+pub fn mag_key(v: f32) -> u32 {
+    abs_bits(v)
+}
+
+/// The k-th largest magnitude key (`1 <= k <= x.len()`) by three radix-histogram passes
+/// over the 31-bit keys (11, 11 and 9 bits). No allocation.
+pub fn kth_largest_key(x: &[f32], k: usize) -> u32 {
+    debug_assert!(k >= 1 && k <= x.len());
+    let mut prefix = 0u32; // bits fixed so far
+    let mut mask = 0u32; // which bits are fixed
+    let mut rank = k; // rank of the wanted key among those matching the prefix
+    for (shift, width) in [(20u32, 11u32), (9, 11), (0, 9)] {
+        let mut hist = [0u32; 2048];
+        let digit_mask = (1u32 << width) - 1;
+        for &v in x {
+            let key = mag_key(v);
+            if key & mask == prefix {
+                hist[((key >> shift) & digit_mask) as usize] += 1;
+            }
+        }
+        let mut d = digit_mask as usize;
+        loop {
+            let c = hist[d] as usize;
+            if c >= rank {
+                break;
+            }
+            rank -= c;
+            d -= 1;
+        }
+        prefix |= (d as u32) << shift;
+        mask |= digit_mask << shift;
+    }
+    prefix
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_decode_matches_half_for_all_codes() {
+        for h in 0..=u16::MAX {
+            let ours = f16_to_f32(h).to_bits();
+            let theirs = half::f16::from_bits(h).to_f32().to_bits();
+            assert_eq!(ours, theirs, "f16 {h:#06x}");
+        }
+    }
+
+    #[test]
+    fn kth_largest_key_matches_sort() {
+        let x: Vec<f32> = (0..1000u32)
+            .map(|i| crate::rng::draw(3, 0, i as u64) as f32 - 2.0e9)
+            .chain([f32::NAN, f32::INFINITY, -0.0, 0.0, 1.0, 1.0, 1.0])
+            .collect();
+        let mut keys: Vec<u32> = x.iter().map(|&v| mag_key(v)).collect();
+        keys.sort_unstable_by(|a, b| b.cmp(a));
+        for k in [1, 2, 3, 17, 500, 1000, x.len()] {
+            assert_eq!(kth_largest_key(&x, k), keys[k - 1], "k = {k}");
+        }
+    }
+
+    #[test]
+    fn bit_stream_round_trips_every_width() {
+        for width in 0..=32u32 {
+            let vals: Vec<u32> = (0..37u32)
+                .map(|i| {
+                    let v = crate::rng::lowbias32(i * 7 + width);
+                    if width == 32 { v } else { v & ((1u32 << width) - 1) }
+                })
+                .collect();
+            let mut buf = vec![0u8; (37 * width as usize).div_ceil(8)];
+            let mut w = BitWriter::new(&mut buf);
+            for &v in &vals {
+                w.put(v, width);
+            }
+            assert_eq!(w.finish(), buf.len());
+            let mut r = BitReader::new(&buf);
+            for &v in &vals {
+                assert_eq!(r.get(width), v, "width {width}");
+            }
+        }
+    }
+
+    #[test]
+    fn pow2_and_ilog2_agree() {
+        for k in -149..=127 {
+            let p = pow2_f32(k);
+            assert_eq!(ilog2_f32(p), k);
+            assert_eq!(p as f64, 2f64.powi(k));
+        }
+    }
+}

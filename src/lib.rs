@@ -1,0 +1,110 @@
+//! # gradpack
+//!
+//! Compression of the gradients that data-parallel training exchanges between workers.
+//!
+//! Each scheme is a [`Codec`]: it encodes an `f32` slice into a self-describing *frame*
+//! (a 56-byte header and a payload, specified byte by byte in `docs/wire-format.md`) and
+//! decodes it back, or adds it into an accumulator (`decode_add`, the reduce step of an
+//! all-reduce). Any frame decodes with no configuration through [`decode`].
+//!
+//! | spec | bits/element | unbiased | scheme |
+//! |------|-------------|----------|--------|
+//! | `identity` | 32 | exact | plain f32 |
+//! | `fp16` | 16 | no (RNE) | IEEE binary16 |
+//! | `bf16` | 16 | no (RNE) | bfloat16 |
+//! | `int8:block=256,rounding=nearest\|stochastic` | 8 + 32/block | stochastic only | absmax int8 |
+//! | `qsgd:bits=2\|4\|8,block=512` | bits + 32/block | yes | QSGD (Alistarh et al. 2017) |
+//! | `sign:block=1024` | 1 + 32/block | no | 1-bit SGD / signSGD |
+//! | `ternary:block=1024` | 2 + 32/block | yes | TernGrad (Wen et al. 2017) |
+//! | `natural:block=1024` | 8 + 8/block | yes | natural compression (Horváth et al. 2019) |
+//! | `topk:ratio=0.01,values=f32\|fp16` | sparse | no | top-k with delta-coded indices |
+//! | `randk:ratio=0.01,values=f32\|fp16,scale=none\|unbiased` | sparse, values only | with `scale=unbiased` | random-k, hash-derived indices |
+//!
+//! ```
+//! use gradpack::{Codec, CodecSpec, EncodeCtx};
+//!
+//! let grad: Vec<f32> = (0..1000).map(|i| ((i as f32) * 0.37).sin() * 1e-3).collect();
+//! let codec: CodecSpec = "int8:block=256".parse()?;
+//! let frame = codec.encode(&grad, &EncodeCtx::new(7))?;
+//! assert!(frame.len() < grad.len() * 4 / 3);
+//!
+//! // Any frame decodes without knowing the codec.
+//! let mut out = vec![0.0f32; grad.len()];
+//! gradpack::decode(&frame, &mut out)?;
+//! // ... or is summed into an accumulator, as an all-reduce does.
+//! let mut acc = vec![1.0f32; grad.len()];
+//! gradpack::decode_add(&frame, &mut acc)?;
+//! # Ok::<(), gradpack::Error>(())
+//! ```
+//!
+//! ## Rules the crate keeps
+//! - Scalar kernels (`kernels::scalar`) are the specification; every other path must
+//!   match them to the bit.
+//! - Random draws are a hash of `(seed, global element index)` ([`rng`]), so results do
+//!   not depend on chunking or threads.
+//! - Decoding trusts nothing: any byte string gives `Ok` or an [`Error`] naming the
+//!   problem, never a panic; `decode_add` leaves the accumulator untouched on error.
+//! - NaN and ±Inf in the input stay visible after decoding (per-codec policy in each
+//!   codec's docs and in README.md), and set the header's NONFINITE flag.
+
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod codec;
+pub mod codecs;
+pub mod error;
+pub mod kernels;
+pub mod rng;
+pub mod wire;
+
+pub use codec::{Codec, CodecId, CodecSpec, EncodeCtx, decode_limit};
+pub use codecs::{
+    Bf16, Fp16, Identity, Int8, Natural, Qsgd, RandK, RandKScale, Rounding, Sign, Ternary,
+    TopK, TopKSelect, ValueType,
+};
+pub use error::{Error, Result};
+pub use wire::{HEADER_LEN, Header};
+
+/// Decode any frame into `out`, which must hold exactly the frame's element count.
+/// Needs no configuration: the header names the codec and its parameters.
+pub fn decode(frame: &[u8], out: &mut [f32]) -> Result<()> {
+    codecs::decode_frame::<false>(frame, out)
+}
+
+/// Decode any frame and add it element-wise into `acc` (length = the frame's element
+/// count). The frame is fully validated first: on error `acc` is unchanged.
+pub fn decode_add(frame: &[u8], acc: &mut [f32]) -> Result<()> {
+    codecs::decode_frame::<true>(frame, acc)
+}
+
+/// Decode any frame into a new vector, allocating at most [`decode_limit`]`(frame.len())`
+/// elements (a frame claiming more is refused before any allocation).
+pub fn decode_to_vec(frame: &[u8]) -> Result<Vec<f32>> {
+    decode_to_vec_with_limit(frame, decode_limit(frame.len()))
+}
+
+/// Decode any frame into a new vector of at most `max_elements` elements.
+pub fn decode_to_vec_with_limit(frame: &[u8], max_elements: u64) -> Result<Vec<f32>> {
+    let h = Header::parse(frame)?;
+    if h.elements > max_elements {
+        return Err(Error::TooLarge {
+            elements: h.elements,
+            limit: max_elements,
+        });
+    }
+    let n = usize::try_from(h.elements).map_err(|_| Error::TooLarge {
+        elements: h.elements,
+        limit: usize::MAX as u64,
+    })?;
+    let mut out = vec![0f32; n];
+    decode(frame, &mut out)?;
+    Ok(out)
+}
+
+/// Parse and fully validate a frame's header, returning it with the codec spec it
+/// describes (as far as a header can: top-k records `k`, not the ratio that chose it).
+pub fn inspect(frame: &[u8]) -> Result<(Header, CodecSpec)> {
+    let (h, _) = wire::split(frame)?;
+    let spec = CodecSpec::from_header(&h)?;
+    Ok((h, spec))
+}

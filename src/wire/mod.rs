@@ -1,0 +1,228 @@
+//! Wire format v1: the frame header (write, parse, validate).
+//!
+//! docs/wire-format.md is the normative specification; this module implements it. Every
+//! frame is a 56-byte header followed by a codec-specific payload:
+//!
+//! | bytes  | field        | type    |
+//! |--------|--------------|---------|
+//! | 0..4   | magic        | `"GPAK"` |
+//! | 4      | version      | u8 = 1  |
+//! | 5      | codec        | u8      |
+//! | 6..8   | flags        | u16 LE  |
+//! | 8..16  | elements     | u64 LE  |
+//! | 16..24 | payload_len  | u64 LE  |
+//! | 24..32 | seed         | u64 LE  |
+//! | 32..40 | offset       | u64 LE  |
+//! | 40..52 | params       | 12 bytes, per codec |
+//! | 52..56 | header_crc   | u32 LE, CRC-32 (IEEE) of bytes 0..52 |
+
+use crate::codec::CodecId;
+use crate::error::{Error, Result};
+
+/// Bytes 0..4 of every frame.
+pub const MAGIC: [u8; 4] = *b"GPAK";
+/// The wire format version this build writes and reads.
+pub const VERSION: u8 = 1;
+/// Length of the frame header in bytes.
+pub const HEADER_LEN: usize = 56;
+/// Flag bit 0: the encoder's input held at least one NaN or ±Inf.
+pub const FLAG_NONFINITE: u16 = 1 << 0;
+/// Flag bits defined by version 1; a frame with any other bit set is rejected.
+pub const KNOWN_FLAGS: u16 = FLAG_NONFINITE;
+
+/// A parsed and validated frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// The codec that wrote the payload.
+    pub codec: CodecId,
+    /// Flag bits (see [`FLAG_NONFINITE`]).
+    pub flags: u16,
+    /// Number of f32 elements the frame decodes to.
+    pub elements: u64,
+    /// Payload length in bytes (the frame is `HEADER_LEN + payload_len` bytes).
+    pub payload_len: u64,
+    /// Seed of the random draws, or 0 for a codec that draws none.
+    pub seed: u64,
+    /// Global index of the frame's first element in its tensor.
+    pub offset: u64,
+    /// Codec-specific parameters (docs/wire-format.md, per codec).
+    pub params: [u8; 12],
+}
+
+impl Header {
+    /// True when the encoder saw NaN or ±Inf in its input.
+    pub fn nonfinite(&self) -> bool {
+        self.flags & FLAG_NONFINITE != 0
+    }
+
+    /// Total frame length in bytes.
+    pub fn frame_len(&self) -> u64 {
+        HEADER_LEN as u64 + self.payload_len
+    }
+
+    /// Serialise into the first [`HEADER_LEN`] bytes of `out` (which must be that long).
+    pub fn write(&self, out: &mut [u8]) {
+        let h = &mut out[..HEADER_LEN];
+        h[0..4].copy_from_slice(&MAGIC);
+        h[4] = VERSION;
+        h[5] = self.codec as u8;
+        h[6..8].copy_from_slice(&self.flags.to_le_bytes());
+        h[8..16].copy_from_slice(&self.elements.to_le_bytes());
+        h[16..24].copy_from_slice(&self.payload_len.to_le_bytes());
+        h[24..32].copy_from_slice(&self.seed.to_le_bytes());
+        h[32..40].copy_from_slice(&self.offset.to_le_bytes());
+        h[40..52].copy_from_slice(&self.params);
+        let crc = crc32fast::hash(&h[0..52]);
+        h[52..56].copy_from_slice(&crc.to_le_bytes());
+    }
+
+    /// Parse and validate the header at the start of `frame` (which may hold more bytes).
+    ///
+    /// Checks, in order: length, magic, version, checksum, codec id, reserved flags, and
+    /// that `offset + elements` does not overflow. Codec parameters and the payload length
+    /// are checked by the codec (see [`split`]).
+    pub fn parse(frame: &[u8]) -> Result<Header> {
+        if frame.len() < 5 {
+            return Err(Error::Truncated {
+                needed: HEADER_LEN as u64,
+                got: frame.len(),
+            });
+        }
+        if frame[0..4] != MAGIC {
+            return Err(Error::BadMagic([frame[0], frame[1], frame[2], frame[3]]));
+        }
+        if frame[4] != VERSION {
+            return Err(Error::UnsupportedVersion(frame[4]));
+        }
+        if frame.len() < HEADER_LEN {
+            return Err(Error::Truncated {
+                needed: HEADER_LEN as u64,
+                got: frame.len(),
+            });
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(frame[i..i + 8].try_into().expect("8 bytes"));
+        let stored = u32::from_le_bytes(frame[52..56].try_into().expect("4 bytes"));
+        let computed = crc32fast::hash(&frame[0..52]);
+        if stored != computed {
+            return Err(Error::HeaderChecksum { stored, computed });
+        }
+        let codec = CodecId::from_u8(frame[5]).ok_or(Error::UnknownCodec(frame[5]))?;
+        let flags = u16::from_le_bytes([frame[6], frame[7]]);
+        if flags & !KNOWN_FLAGS != 0 {
+            return Err(Error::ReservedFlags(flags & !KNOWN_FLAGS));
+        }
+        let h = Header {
+            codec,
+            flags,
+            elements: u64_at(8),
+            payload_len: u64_at(16),
+            seed: u64_at(24),
+            offset: u64_at(32),
+            params: frame[40..52].try_into().expect("12 bytes"),
+        };
+        if h.offset.checked_add(h.elements).is_none() {
+            return Err(Error::BadField {
+                codec,
+                field: "offset",
+                reason: format!(
+                    "offset {} + elements {} overflows u64",
+                    h.offset, h.elements
+                ),
+            });
+        }
+        Ok(h)
+    }
+
+    /// Little-endian u32 at `at` within the params.
+    pub(crate) fn param_u32(&self, at: usize) -> u32 {
+        u32::from_le_bytes(self.params[at..at + 4].try_into().expect("4 bytes"))
+    }
+
+    /// Little-endian u64 at `at` within the params.
+    pub(crate) fn param_u64(&self, at: usize) -> u64 {
+        u64::from_le_bytes(self.params[at..at + 8].try_into().expect("8 bytes"))
+    }
+
+    /// Error unless params bytes `from..12` are zero (unused bytes are reserved).
+    pub(crate) fn params_zero_from(&self, from: usize) -> Result<()> {
+        if self.params[from..].iter().any(|&b| b != 0) {
+            return Err(Error::BadField {
+                codec: self.codec,
+                field: "params",
+                reason: format!(
+                    "reserved parameter bytes {}..52 must be zero, found {:02x?}",
+                    40 + from,
+                    &self.params[from..]
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Error unless the seed is zero (codecs that draw no random numbers write 0).
+    pub(crate) fn seed_zero(&self) -> Result<()> {
+        if self.seed != 0 {
+            return Err(Error::BadField {
+                codec: self.codec,
+                field: "seed",
+                reason: format!(
+                    "must be 0 for a codec that draws no random numbers, found {}",
+                    self.seed
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Parse the header of a complete frame and return it with the payload slice. The frame
+/// must be exactly `HEADER_LEN + payload_len` bytes long.
+pub fn split(frame: &[u8]) -> Result<(Header, &[u8])> {
+    let h = Header::parse(frame)?;
+    let total = h.frame_len();
+    if (frame.len() as u64) < total {
+        return Err(Error::Truncated {
+            needed: total,
+            got: frame.len(),
+        });
+    }
+    if (frame.len() as u64) > total {
+        return Err(Error::TrailingBytes {
+            expected: total,
+            got: frame.len(),
+        });
+    }
+    Ok((h, &frame[HEADER_LEN..]))
+}
+
+/// Payload length helper: `a * b + c` in u64, `None` on overflow.
+pub(crate) fn mul_add(a: u64, b: u64, c: u64) -> Option<u64> {
+    a.checked_mul(b)?.checked_add(c)
+}
+
+/// Bytes of an LSB-first bit stream of `n` values of `bits` bits, `None` on overflow.
+pub(crate) fn packed_len(n: u64, bits: u64) -> Option<u64> {
+    Some(n.checked_mul(bits)?.div_ceil(8))
+}
+
+/// Error unless the unused high bits of the last byte of an `n * bits`-bit stream are zero.
+pub(crate) fn check_padding(
+    codec: CodecId,
+    stream: &[u8],
+    stream_at: usize,
+    n: u64,
+    bits: u64,
+) -> Result<()> {
+    let used = (n * bits % 8) as u32;
+    if used != 0 {
+        let last = stream[stream.len() - 1];
+        if last >> used != 0 {
+            return Err(Error::Corrupt {
+                codec,
+                offset: stream_at + stream.len() - 1,
+                reason: format!("padding bits {used}..8 of the last code byte are not zero"),
+            });
+        }
+    }
+    Ok(())
+}
