@@ -15,6 +15,7 @@ use crate::wire::{HEADER_LEN, Header};
 /// Codec ids as written in byte 5 of a frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(u8)]
+#[non_exhaustive]
 pub enum CodecId {
     /// Plain little-endian f32.
     Identity = 0,
@@ -246,6 +247,7 @@ pub trait Codec: Send + Sync + fmt::Debug {
 /// defaults. `Display` prints the canonical form with every parameter, which parses back
 /// to an equal spec.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub enum CodecSpec {
     /// See [`Identity`].
     Identity(Identity),

@@ -76,6 +76,16 @@ impl RandK {
         self.ratio
     }
 
+    /// How kept values are stored.
+    pub fn values(&self) -> ValueType {
+        self.values
+    }
+
+    /// Whether kept values are rescaled by `1 / p`.
+    pub fn scale(&self) -> RandKScale {
+        self.scale
+    }
+
     /// The 33-bit selection threshold `t` (an element is kept when its draw is below it).
     pub fn threshold(&self) -> u64 {
         ((self.ratio * 4_294_967_296.0).round() as u64).clamp(1, 1 << 32)

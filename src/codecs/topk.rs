@@ -29,6 +29,7 @@ pub const TOPK_MAX_ELEMENTS: u64 = 1 << 32;
 
 /// How sparse-codec values are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum ValueType {
     /// f32 LE (exact).
     #[default]

@@ -233,6 +233,18 @@ pub fn level_multiplier(m: f32, levels: f32) -> (f32, f32) {
     }
 }
 
+/// The decode step of a block whose scale measure is `m` (finite, > 0) with `levels`
+/// magnitude levels: `m / levels`, lowered by one ulp at a time until
+/// `levels * step` is finite, so that no finite input decodes to ±Inf.
+#[inline]
+pub fn block_step(m: f32, levels: u32) -> f32 {
+    let mut step = m / levels as f32;
+    while (step * levels as f32).is_infinite() {
+        step = f32::from_bits(step.to_bits() - 1);
+    }
+    step
+}
+
 /// Uniform draw in [0, 1) with 24-bit resolution from a 32-bit hash.
 #[inline(always)]
 fn unit24(h: u32) -> f32 {
@@ -427,7 +439,7 @@ pub fn encode_int8(
             cb.fill(0);
         } else {
             let m = f32::from_bits(mb);
-            put_step(steps, b, m / 127.0);
+            put_step(steps, b, block_step(m, 127));
             let start = first + (b * block) as u64;
             quantise_block(xb, m, 127, round, draws, start, |j, neg, q| {
                 let q = q as i8;
@@ -479,7 +491,7 @@ pub fn encode_signmag(
             Measure::AbsMax => f32::from_bits(mb),
             Measure::L2 => l2_norm(xb),
         };
-        put_step(steps, b, m / levels as f32);
+        put_step(steps, b, block_step(m, levels));
         let base = b * block;
         let start = first + base as u64;
         quantise_block(xb, m, levels, Round::Stochastic, draws, start, |j, neg, q| {

@@ -1,0 +1,289 @@
+//! Shared helpers for the integration tests: the codec list, boundary lengths, special
+//! values, and an independent checker of each codec's documented error bound.
+#![allow(dead_code)]
+
+use gradpack::{Codec, CodecSpec, EncodeCtx};
+
+/// Specs covering every codec and the parameter choices that change the layout.
+pub const SPECS: &[&str] = &[
+    "identity",
+    "fp16",
+    "bf16",
+    "int8:block=64",
+    "int8:block=64,rounding=stochastic",
+    "int8:block=1",
+    "qsgd:bits=2,block=64",
+    "qsgd:bits=4,block=64",
+    "qsgd:bits=8,block=64",
+    "sign:block=64",
+    "sign:block=3",
+    "ternary:block=64",
+    "natural:block=64",
+    "topk:ratio=0.1,values=f32",
+    "topk:k=5,values=fp16",
+    "randk:ratio=0.3,values=f32",
+    "randk:ratio=0.3,values=fp16,scale=unbiased",
+];
+
+pub fn specs() -> Vec<CodecSpec> {
+    SPECS.iter().map(|s| s.parse().expect("valid spec")).collect()
+}
+
+/// Lengths every round-trip test runs for a block size `b` (BLAKE3 style).
+pub fn boundary_lengths(b: usize) -> Vec<usize> {
+    let mut v = vec![0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65];
+    v.extend([b.saturating_sub(1), b, b + 1, 3 * b + 5, 7 * b]);
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// The block size of a block codec, or 64 for the others.
+pub fn block_of(spec: &CodecSpec) -> usize {
+    match spec {
+        CodecSpec::Int8(c) => c.block(),
+        CodecSpec::Qsgd(c) => c.block(),
+        CodecSpec::Sign(c) => c.block(),
+        CodecSpec::Ternary(c) => c.block(),
+        CodecSpec::Natural(c) => c.block(),
+        _ => 64,
+    }
+}
+
+/// Finite special values.
+pub const SPECIALS: &[f32] = &[
+    0.0,
+    -0.0,
+    1.0e-45,
+    -1.0e-45,
+    1.1754942e-38,
+    -5.0e-39,
+    f32::MIN_POSITIVE,
+    f32::MAX,
+    f32::MIN,
+    1.0,
+    -1.0,
+    65504.0,
+    65520.0,
+    1.0e-8,
+];
+
+/// A deterministic finite test vector of length `n` mixing scales, zeros and specials.
+pub fn sample(n: usize, salt: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let h = gradpack::rng::lowbias32(i as u32 ^ salt.wrapping_mul(0x9E37_79B9));
+            match h % 17 {
+                0 => SPECIALS[(h >> 8) as usize % SPECIALS.len()],
+                _ => {
+                    let m = (h as i32) as f32 / 2_147_483_648.0;
+                    m * 2f32.powi(((h >> 5) % 24) as i32 - 16)
+                }
+            }
+        })
+        .collect()
+}
+
+pub fn encode(c: &dyn Codec, x: &[f32], ctx: &EncodeCtx) -> Vec<u8> {
+    c.encode(x, ctx).expect("encode")
+}
+
+pub fn decode(frame: &[u8], n: usize) -> Vec<f32> {
+    let mut out = vec![f32::from_bits(0x7FA5_A5A5); n];
+    gradpack::decode(frame, &mut out).expect("decode");
+    out
+}
+
+fn ulp_slack(m: f64) -> f64 {
+    m * 2f64.powi(-22) + 2f64.powi(-142)
+}
+
+/// Check the documented error bound of `spec` for input `x` and decoding `d`; returns a
+/// description of the first violation.
+pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> Result<(), String> {
+    assert_eq!(x.len(), d.len());
+    let err = |i: usize, what: &str| {
+        Err(format!(
+            "{spec}: element {i}: x = {:e} ({:#010x}), decoded {:e}: {what}",
+            x[i],
+            x[i].to_bits(),
+            d[i]
+        ))
+    };
+    match spec {
+        CodecSpec::Identity(_) => {
+            for i in 0..x.len() {
+                if x[i].to_bits() != d[i].to_bits() {
+                    return err(i, "not bit-exact");
+                }
+            }
+        }
+        CodecSpec::Fp16(_) => {
+            for i in 0..x.len() {
+                if half::f16::from_f32(x[i]).to_f32().to_bits() != d[i].to_bits() {
+                    return err(i, "differs from half's round trip");
+                }
+                let a = x[i].abs() as f64;
+                let e = (x[i] as f64 - d[i] as f64).abs();
+                if a <= 65504.0 && e > (a * 2f64.powi(-11)).max(2f64.powi(-25)) {
+                    return err(i, "fp16 error bound");
+                }
+            }
+        }
+        CodecSpec::Bf16(_) => {
+            for i in 0..x.len() {
+                if half::bf16::from_f32(x[i]).to_f32().to_bits() != d[i].to_bits() {
+                    return err(i, "differs from half's round trip");
+                }
+            }
+        }
+        CodecSpec::Int8(c) => {
+            let stochastic = c.rounding() == gradpack::Rounding::Stochastic;
+            for (b, xb) in x.chunks(c.block()).enumerate() {
+                let m = xb.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
+                let bound = if stochastic { m / 127.0 } else { m / 254.0 } + ulp_slack(m);
+                for (j, &v) in xb.iter().enumerate() {
+                    let i = b * c.block() + j;
+                    let e = (v as f64 - d[i] as f64).abs();
+                    if (stochastic && e >= bound) || e > bound {
+                        return err(i, &format!("error {e:e} exceeds bound {bound:e}"));
+                    }
+                    if m == 0.0 && d[i].to_bits() != 0 {
+                        return err(i, "all-zero block must decode to +0");
+                    }
+                }
+            }
+        }
+        CodecSpec::Qsgd(c) => {
+            let s = c.levels() as f64;
+            for (b, xb) in x.chunks(c.block()).enumerate() {
+                let norm = xb
+                    .iter()
+                    .map(|&v| (v as f64) * (v as f64))
+                    .sum::<f64>()
+                    .sqrt()
+                    .min(f32::MAX as f64);
+                let step = norm / s;
+                let bound = step * (1.0 + 2f64.powi(-20)) + 2f64.powi(-142);
+                for (j, &v) in xb.iter().enumerate() {
+                    let i = b * c.block() + j;
+                    let e = (v as f64 - d[i] as f64).abs();
+                    if e >= bound {
+                        return err(i, &format!("error {e:e} not below one step {step:e}"));
+                    }
+                    // A whole number of steps (checkable while the f32 step is normal).
+                    let q = d[i] as f64 / step;
+                    if step > 1e-30 && (q.abs() - q.abs().round()).abs() > 1e-3 {
+                        return err(i, "not an integer number of steps");
+                    }
+                }
+            }
+        }
+        CodecSpec::Ternary(c) => {
+            for (b, xb) in x.chunks(c.block()).enumerate() {
+                let m = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (j, &v) in xb.iter().enumerate() {
+                    let i = b * c.block() + j;
+                    let ok = d[i] == 0.0
+                        || (d[i].abs() == m && d[i].is_sign_negative() == v.is_sign_negative());
+                    if !ok {
+                        return err(i, &format!("not 0 or sign(x) * {m:e}"));
+                    }
+                }
+            }
+        }
+        CodecSpec::Sign(c) => {
+            for (b, xb) in x.chunks(c.block()).enumerate() {
+                let mean = xb.iter().map(|v| v.abs() as f64).sum::<f64>() / xb.len() as f64;
+                for (j, &v) in xb.iter().enumerate() {
+                    let i = b * c.block() + j;
+                    if d[i].is_sign_negative() != v.is_sign_negative() {
+                        return err(i, "sign bit not kept");
+                    }
+                    if ((d[i].abs() as f64) - mean).abs() > mean * 1e-5 + 1e-44 {
+                        return err(i, &format!("|decoded| is not mean |x| = {mean:e}"));
+                    }
+                }
+            }
+        }
+        CodecSpec::Natural(c) => {
+            for (b, xb) in x.chunks(c.block()).enumerate() {
+                let m = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let r = if m == 0.0 {
+                    -23
+                } else {
+                    ((m as f64).log2().floor() as i32 + 1).clamp(-23, 127)
+                };
+                let smallest = 2f64.powi(r - 126);
+                for (j, &v) in xb.iter().enumerate() {
+                    let i = b * c.block() + j;
+                    let a = v.abs() as f64;
+                    let got = d[i].abs() as f64;
+                    if got != 0.0 && d[i].is_sign_negative() != v.is_sign_negative() {
+                        return err(i, "sign not kept");
+                    }
+                    let ok = if a == 0.0 {
+                        got == 0.0
+                    } else if a < smallest {
+                        got == 0.0 || got == smallest
+                    } else {
+                        let lo = 2f64.powi(a.log2().floor() as i32);
+                        got == lo || (got == 2.0 * lo && 2.0 * lo <= 2f64.powi(r))
+                    };
+                    if !ok {
+                        return err(i, "not a neighbouring power of two");
+                    }
+                }
+            }
+        }
+        CodecSpec::TopK(c) => {
+            // Oracle: sort by (magnitude key desc, index asc) and keep the first k.
+            let k = c.k_for(x.len() as u64) as usize;
+            let key = |v: f32| v.to_bits() & 0x7FFF_FFFF;
+            let mut order: Vec<usize> = (0..x.len()).collect();
+            order.sort_by(|&a, &b| key(x[b]).cmp(&key(x[a])).then(a.cmp(&b)));
+            let mut kept = vec![false; x.len()];
+            for &i in &order[..k] {
+                kept[i] = true;
+            }
+            for i in 0..x.len() {
+                let want = match (kept[i], c.values()) {
+                    (false, _) => 0.0,
+                    (true, gradpack::ValueType::F32) => x[i],
+                    (true, gradpack::ValueType::Fp16) => half::f16::from_f32(x[i]).to_f32(),
+                    (true, v) => unreachable!("value type {v:?}"),
+                };
+                if want.to_bits() != d[i].to_bits() {
+                    return err(i, &format!("expected {want:e} (kept = {})", kept[i]));
+                }
+            }
+        }
+        CodecSpec::RandK(c) => {
+            let t = c.threshold();
+            let mul = if c.scale() == gradpack::RandKScale::Unbiased {
+                (4_294_967_296.0 / t as f64) as f32
+            } else {
+                1.0
+            };
+            for i in 0..x.len() {
+                let g = ctx.offset + i as u64;
+                let kept = (gradpack::rng::draw(ctx.seed, gradpack::rng::STREAM_SELECT, g) as u64) < t;
+                let want = if kept {
+                    let v = x[i] * mul;
+                    match c.values() {
+                        gradpack::ValueType::F32 => v,
+                        gradpack::ValueType::Fp16 => half::f16::from_f32(v).to_f32(),
+                        v => unreachable!("value type {v:?}"),
+                    }
+                } else {
+                    0.0
+                };
+                if want.to_bits() != d[i].to_bits() {
+                    return err(i, &format!("expected {want:e} (kept = {kept})"));
+                }
+            }
+        }
+        _ => unreachable!("unknown codec"),
+    }
+    Ok(())
+}
