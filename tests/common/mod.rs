@@ -102,6 +102,9 @@ fn ulp_slack(m: f64) -> f64 {
 /// description of the first violation.
 pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> Result<(), String> {
     assert_eq!(x.len(), d.len());
+    if x.iter().any(|v| !v.is_finite()) {
+        return Err(format!("{spec}: bounds apply to finite inputs only"));
+    }
     let err = |i: usize, what: &str| {
         Err(format!(
             "{spec}: element {i}: x = {:e} ({:#010x}), decoded {:e}: {what}",
@@ -286,4 +289,84 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
         _ => unreachable!("unknown codec"),
     }
     Ok(())
+}
+
+// ------------------------------------------------------------------ golden vectors
+
+/// One golden vector: file stem, spec, seed, offset.
+pub const GOLDEN: &[(&str, &str, u64, u64)] = &[
+    ("identity", "identity", 0, 0),
+    ("fp16", "fp16", 0, 0),
+    ("bf16", "bf16", 0, 0),
+    ("int8_b64", "int8:block=64", 0, 0),
+    ("int8_b256", "int8", 0, 0),
+    ("int8_b64_stochastic", "int8:block=64,rounding=stochastic", 42, 0),
+    ("int8_b64_stochastic_offset", "int8:block=64,rounding=stochastic", 7, 5_000_000_000),
+    ("qsgd2_b64", "qsgd:bits=2,block=64", 42, 0),
+    ("qsgd4_b64", "qsgd:bits=4,block=64", 42, 0),
+    ("qsgd8_b64", "qsgd:bits=8,block=64", 42, 0),
+    ("sign_b64", "sign:block=64", 0, 0),
+    ("sign_b1024", "sign", 0, 0),
+    ("ternary_b64", "ternary:block=64", 42, 0),
+    ("natural_b64", "natural:block=64", 42, 0),
+    ("topk_r005_f32", "topk:ratio=0.05", 0, 0),
+    ("topk_k10_fp16", "topk:k=10,values=fp16", 0, 0),
+    ("randk_r01_f32", "randk:ratio=0.1", 42, 0),
+    ("randk_r01_fp16_unbiased", "randk:ratio=0.1,values=fp16,scale=unbiased", 42, 1000),
+];
+
+/// The finite golden input (tests/vectors/README.md gives the same definition).
+pub fn golden_input() -> Vec<f32> {
+    (0..300u32)
+        .map(|i| match i {
+            7 => 1.0e-40,
+            8 => -1.0e-45,
+            128..=191 => {
+                if i % 2 == 0 {
+                    0.0
+                } else {
+                    -0.0
+                }
+            }
+            250 => 65520.0,
+            299 => f32::MAX,
+            _ => {
+                let h = gradpack::rng::lowbias32(i);
+                (h as i32) as f32 * 2f32.powi(-31) * 2f32.powi((i * 37 % 23) as i32 - 12)
+            }
+        })
+        .collect()
+}
+
+/// The non-finite golden input: the first 40 finite values with NaN at 3, +Inf at 17
+/// and -Inf at 30.
+pub fn golden_input_nonfinite() -> Vec<f32> {
+    let mut x = golden_input();
+    x.truncate(40);
+    x[3] = f32::NAN;
+    x[17] = f32::INFINITY;
+    x[30] = f32::NEG_INFINITY;
+    x
+}
+
+pub fn vectors_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vectors")
+}
+
+pub fn f32_bytes(x: &[f32]) -> Vec<u8> {
+    x.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Every stored golden frame: (file name, frame bytes).
+pub fn golden_frames() -> Vec<(String, Vec<u8>)> {
+    let mut v = Vec::new();
+    for (stem, ..) in GOLDEN {
+        for suffix in ["", ".nonfinite"] {
+            let name = format!("{stem}{suffix}.gpk");
+            let bytes = std::fs::read(vectors_dir().join(&name))
+                .unwrap_or_else(|e| panic!("{name}: {e} (see tests/vectors/README.md)"));
+            v.push((name, bytes));
+        }
+    }
+    v
 }

@@ -1,0 +1,251 @@
+//! Decoding trusts nothing: truncations, bit flips and random bytes give `Ok` or an
+//! `Err` naming the problem, never a panic; `decode_add` never touches the accumulator
+//! on error; allocation is bounded by the frame's own length.
+
+mod common;
+
+use common::*;
+use gradpack::{CodecId, Error, HEADER_LEN, Header};
+use proptest::prelude::*;
+
+/// Decode `frame` every way there is and check the contracts; returns whether it decoded.
+fn decode_all_ways(frame: &[u8], n: usize) -> bool {
+    // Output independence: two different sentinels give the same result on Ok.
+    let mut a = vec![f32::from_bits(0x7FA0_0001); n];
+    let mut b = vec![-1.5e-7f32; n];
+    let ra = gradpack::decode(frame, &mut a);
+    let rb = gradpack::decode(frame, &mut b);
+    assert_eq!(ra, rb);
+    if ra.is_ok() {
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "output depends on sentinel");
+    }
+    // decode_add: on error the accumulator is untouched, on Ok it is acc + decode.
+    let acc0: Vec<f32> = (0..n).map(|i| i as f32 - 0.5).collect();
+    let mut acc = acc0.clone();
+    match gradpack::decode_add(frame, &mut acc) {
+        Ok(()) => {
+            assert!(ra.is_ok());
+            for i in 0..n {
+                assert_eq!(acc[i].to_bits(), (acc0[i] + a[i]).to_bits());
+            }
+        }
+        Err(_) => {
+            assert!(ra.is_err());
+            assert!(acc.iter().zip(&acc0).all(|(x, y)| x.to_bits() == y.to_bits()), "acc touched on error");
+        }
+    }
+    // The owning helper agrees: same values on Ok, an error wherever the frame itself is bad.
+    let v = gradpack::decode_to_vec(frame);
+    match (&ra, &v) {
+        (Ok(()), Ok(v)) => assert_eq!(f32_bytes(v), f32_bytes(&a)),
+        (Ok(()), Err(e)) => panic!("decode ok but decode_to_vec failed: {e}"),
+        (Err(Error::OutputLength { .. }), _) => {} // the frame may be fine at its own length
+        (Err(_), Ok(_)) => panic!("decode_to_vec accepted a frame decode rejected: {ra:?}"),
+        (Err(e), Err(_)) => assert!(!e.to_string().is_empty()),
+    }
+    ra.is_ok()
+}
+
+fn elements_of(frame: &[u8]) -> usize {
+    Header::parse(frame).map_or(300, |h| h.elements.min(1 << 20) as usize)
+}
+
+#[test]
+fn golden_frames_decode() {
+    for (name, f) in golden_frames() {
+        assert!(decode_all_ways(&f, elements_of(&f)), "{name}");
+    }
+}
+
+#[test]
+fn every_truncation_is_an_error() {
+    for (name, f) in golden_frames() {
+        let n = elements_of(&f);
+        for len in 0..f.len() {
+            let t = &f[..len];
+            assert!(!decode_all_ways(t, n), "{name} cut to {len}");
+            let e = gradpack::decode(t, &mut vec![0.0; n]).unwrap_err();
+            assert!(
+                matches!(e, Error::Truncated { .. }),
+                "{name} cut to {len}: {e}"
+            );
+        }
+        // And one byte too many.
+        let mut long = f.clone();
+        long.push(0);
+        assert!(matches!(
+            gradpack::decode(&long, &mut vec![0.0; n]),
+            Err(Error::TrailingBytes { .. })
+        ));
+    }
+}
+
+#[test]
+fn every_single_bit_flip_in_a_header_is_detected() {
+    for (name, f) in golden_frames() {
+        let n = elements_of(&f);
+        for bit in 0..HEADER_LEN * 8 {
+            let mut g = f.clone();
+            g[bit / 8] ^= 1 << (bit % 8);
+            let e = gradpack::decode(&g, &mut vec![0.0; n]).unwrap_err();
+            let expected = match bit / 8 {
+                0..=3 => matches!(e, Error::BadMagic(_)),
+                4 => matches!(e, Error::UnsupportedVersion(_)),
+                _ => matches!(e, Error::HeaderChecksum { .. }),
+            };
+            assert!(expected, "{name} bit {bit}: {e}");
+            assert!(!decode_all_ways(&g, n));
+        }
+    }
+}
+
+#[test]
+fn every_single_bit_flip_in_a_payload_is_safe() {
+    for (name, f) in golden_frames() {
+        let n = elements_of(&f);
+        for bit in HEADER_LEN * 8..f.len() * 8 {
+            let mut g = f.clone();
+            g[bit / 8] ^= 1 << (bit % 8);
+            let _ = decode_all_ways(&g, n);
+        }
+        let _ = name;
+    }
+}
+
+/// A frame with a valid header (checksum recomputed) around arbitrary fields.
+fn forge(codec: u8, flags: u16, elements: u64, seed: u64, offset: u64, params: [u8; 12], payload: &[u8]) -> Vec<u8> {
+    let mut f = vec![0u8; HEADER_LEN];
+    f[0..4].copy_from_slice(b"GPAK");
+    f[4] = 1;
+    f[5] = codec;
+    f[6..8].copy_from_slice(&flags.to_le_bytes());
+    f[8..16].copy_from_slice(&elements.to_le_bytes());
+    f[16..24].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    f[24..32].copy_from_slice(&seed.to_le_bytes());
+    f[32..40].copy_from_slice(&offset.to_le_bytes());
+    f[40..52].copy_from_slice(&params);
+    let crc = crc32fast::hash(&f[0..52]);
+    f[52..56].copy_from_slice(&crc.to_le_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+#[test]
+fn huge_element_counts_are_refused_before_allocating() {
+    // 2^40 elements with a tiny payload: every codec refuses without allocating 4 TiB.
+    for id in CodecId::ALL {
+        for params in [[0u8; 12], {
+            let mut p = [0u8; 12];
+            p[0] = 64; // block 64 / k 64 / threshold 64
+            p
+        }] {
+            let f = forge(id as u8, 0, 1 << 40, 0, 0, params, &[0u8; 16]);
+            let e = gradpack::decode_to_vec(&f).unwrap_err();
+            assert!(
+                matches!(e, Error::TooLarge { .. } | Error::PayloadLength { .. } | Error::BadField { .. }),
+                "{id}: {e}"
+            );
+            let mut small = vec![0.0f32; 16];
+            assert!(gradpack::decode(&f, &mut small).is_err());
+        }
+    }
+    // The documented limit: 16 KiB of f32 per frame byte, at least 2^16 elements.
+    assert_eq!(gradpack::decode_limit(0), 1 << 16);
+    assert_eq!(gradpack::decode_limit(1000), 4096 * 1000);
+    let f = forge(CodecId::RandK as u8, 0, 10_000_000, 1, 0, {
+        let mut p = [0u8; 12];
+        p[0] = 1; // threshold 1: almost nothing kept
+        p
+    }, &[]);
+    assert!(matches!(gradpack::decode_to_vec(&f), Err(Error::TooLarge { .. })));
+    let r = gradpack::decode_to_vec_with_limit(&f, 10_000_000);
+    assert!(r.is_ok() || matches!(r, Err(Error::Corrupt { .. })));
+}
+
+#[test]
+fn reserved_fields_are_rejected() {
+    let f = forge(CodecId::Fp16 as u8, 0x8000, 1, 0, 0, [0; 12], &[0, 0]);
+    assert_eq!(gradpack::decode(&f, &mut [0.0]), Err(Error::ReservedFlags(0x8000)));
+    let f = forge(CodecId::Fp16 as u8, 0, 1, 0, 0, [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1], &[0, 0]);
+    assert!(matches!(gradpack::decode(&f, &mut [0.0]), Err(Error::BadField { field: "params", .. })));
+    let f = forge(CodecId::Fp16 as u8, 0, 1, 5, 0, [0; 12], &[0, 0]);
+    assert!(matches!(gradpack::decode(&f, &mut [0.0]), Err(Error::BadField { field: "seed", .. })));
+    let f = forge(42, 0, 1, 0, 0, [0; 12], &[0, 0]);
+    assert_eq!(gradpack::decode(&f, &mut [0.0]), Err(Error::UnknownCodec(42)));
+    let f = forge(CodecId::Fp16 as u8, 0, 2, 0, u64::MAX, [0; 12], &[0; 4]);
+    assert!(matches!(gradpack::decode(&f, &mut [0.0; 2]), Err(Error::BadField { field: "offset", .. })));
+    // Non-zero padding bits after the last sign code.
+    let mut p = [0u8; 12];
+    p[0] = 64;
+    let f = forge(CodecId::Sign as u8, 0, 3, 0, 0, p, &[0, 0, 128, 63, 0b1000_0000]);
+    assert!(matches!(gradpack::decode(&f, &mut [0.0; 3]), Err(Error::Corrupt { .. })));
+    // A natural-compression reference exponent below the minimum.
+    let f = forge(CodecId::Natural as u8, 0, 1, 0, 0, p, &[3, 1]);
+    assert!(matches!(gradpack::decode(&f, &mut [0.0; 1]), Err(Error::Corrupt { .. })));
+    // A top-k index past the end.
+    let mut p = [0u8; 12];
+    p[0] = 1; // k
+    p[9] = 4; // width
+    let f = forge(CodecId::TopK as u8, 0, 5, 0, 0, p, &[0, 0, 128, 63, 9]);
+    assert!(matches!(gradpack::decode(&f, &mut [0.0; 5]), Err(Error::Corrupt { .. })));
+}
+
+/// Re-seal a frame's header checksum after editing bytes 0..52.
+fn reseal(f: &mut [u8]) {
+    let crc = crc32fast::hash(&f[0..52]);
+    f[52..56].copy_from_slice(&crc.to_le_bytes());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn prop_mutated_valid_frames_never_panic(
+        spec_i in 0..SPECS.len(),
+        n in 0usize..400,
+        salt in any::<u32>(),
+        edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..6),
+        in_header in any::<bool>(),
+    ) {
+        let spec: gradpack::CodecSpec = SPECS[spec_i].parse().unwrap();
+        let mut f = encode(&spec, &sample(n, salt), &gradpack::EncodeCtx::new(salt as u64));
+        for (at, byte) in edits {
+            let at = if in_header || f.len() == HEADER_LEN {
+                8 + at % 44 // elements .. params, then re-sealed
+            } else {
+                HEADER_LEN + at % (f.len() - HEADER_LEN)
+            };
+            f[at] = byte;
+        }
+        reseal(&mut f);
+        decode_all_ways(&f, n);
+    }
+
+    #[test]
+    fn prop_random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+        decode_all_ways(&bytes, 16);
+    }
+
+    #[test]
+    fn prop_forged_headers_never_panic(
+        codec in 0u8..11,
+        flags in prop_oneof![Just(0u16), Just(1u16), any::<u16>()],
+        elements in prop_oneof![0u64..600, any::<u64>()],
+        seed in any::<u64>(),
+        offset in prop_oneof![0u64..1000, any::<u64>()],
+        p0 in prop_oneof![Just(64u32), 0u32..300, any::<u32>()],
+        p4 in 0u8..10,
+        p8 in 0u8..3,
+        p9 in 0u8..40,
+        payload in proptest::collection::vec(any::<u8>(), 0..700),
+    ) {
+        let mut params = [0u8; 12];
+        params[0..4].copy_from_slice(&p0.to_le_bytes());
+        params[4] = p4;
+        params[8] = p8;
+        params[9] = p9;
+        let f = forge(codec, flags, elements, seed, offset, params, &payload);
+        let n = (elements as usize).min(600);
+        decode_all_ways(&f, n);
+    }
+}
