@@ -1,0 +1,93 @@
+//! NaN and ±Inf policy, per codec: a non-finite input is never silent. Every frame built
+//! from such an input has the NONFINITE header flag, and its decoding shows NaN or ±Inf
+//! where the policy (README.md, codec docs) says.
+
+mod common;
+
+use common::*;
+use gradpack::{Codec, CodecSpec, EncodeCtx};
+
+fn cases() -> Vec<Vec<f32>> {
+    let mut v = Vec::new();
+    for (pos, bad) in [(3, f32::NAN), (70, f32::INFINITY), (199, f32::NEG_INFINITY), (0, -f32::NAN)] {
+        let mut x = sample(200, 5);
+        x[pos] = bad;
+        v.push(x);
+    }
+    let mut x = sample(200, 6);
+    x[10] = f32::INFINITY;
+    x[11] = f32::NEG_INFINITY;
+    x[150] = f32::from_bits(0x7F80_0001); // signalling NaN
+    v.push(x);
+    v
+}
+
+#[test]
+fn nonfinite_input_sets_the_flag_and_shows_in_the_decoding() {
+    for spec in specs() {
+        for x in cases() {
+            let frame = spec.encode(&x, &EncodeCtx::new(3)).unwrap();
+            let h = gradpack::Header::parse(&frame).unwrap();
+            assert!(h.nonfinite(), "{spec}: NONFINITE flag not set");
+            let d = decode(&frame, x.len());
+            assert!(d.iter().any(|v| !v.is_finite()), "{spec}: overflow hidden");
+            let mut acc = vec![0.0f32; x.len()];
+            gradpack::decode_add(&frame, &mut acc).unwrap();
+            assert!(acc.iter().any(|v| !v.is_finite()), "{spec}: overflow hidden by decode_add");
+            check_policy(&spec, &x, &d);
+        }
+    }
+}
+
+#[test]
+fn finite_input_never_sets_the_flag() {
+    for spec in specs() {
+        let x = sample(300, 1);
+        let frame = spec.encode(&x, &EncodeCtx::new(1)).unwrap();
+        assert!(!gradpack::Header::parse(&frame).unwrap().nonfinite(), "{spec}");
+    }
+}
+
+/// The exact per-codec policy.
+fn check_policy(spec: &CodecSpec, x: &[f32], d: &[f32]) {
+    let bad: Vec<usize> = (0..x.len()).filter(|&i| !x[i].is_finite()).collect();
+    match spec {
+        // Element-wise codecs: NaN stays NaN and ±Inf stays ±Inf, in place.
+        CodecSpec::Identity(_) | CodecSpec::Fp16(_) | CodecSpec::Bf16(_) => {
+            for &i in &bad {
+                if x[i].is_nan() {
+                    assert!(d[i].is_nan(), "{spec} element {i}");
+                } else {
+                    assert_eq!(d[i], x[i], "{spec} element {i}");
+                }
+            }
+        }
+        // Block codecs: the whole block holding the value decodes to NaN; other blocks
+        // are unaffected (finite).
+        CodecSpec::Int8(_) | CodecSpec::Qsgd(_) | CodecSpec::Sign(_) | CodecSpec::Ternary(_) | CodecSpec::Natural(_) => {
+            let b = block_of(spec);
+            for (k, (xb, db)) in x.chunks(b).zip(d.chunks(b)).enumerate() {
+                if xb.iter().any(|v| !v.is_finite()) {
+                    assert!(db.iter().all(|v| v.is_nan()), "{spec} block {k} not all NaN");
+                } else {
+                    assert!(db.iter().all(|v| v.is_finite()), "{spec} block {k} not finite");
+                }
+            }
+        }
+        // Top-k: NaN and ±Inf rank above every finite value and are kept as themselves.
+        CodecSpec::TopK(c) => {
+            let k = c.k_for(x.len() as u64) as usize;
+            for (j, &i) in bad.iter().enumerate() {
+                if j < k {
+                    assert!(
+                        d[i].is_nan() && x[i].is_nan() || d[i] == x[i],
+                        "{spec} element {i}"
+                    );
+                }
+            }
+        }
+        // Random-k: an unsent element could hide it, so everything decodes to NaN.
+        CodecSpec::RandK(_) => assert!(d.iter().all(|v| v.is_nan()), "{spec}"),
+        _ => unreachable!(),
+    }
+}
