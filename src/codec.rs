@@ -356,9 +356,9 @@ impl CodecSpec {
     /// True when the decoded value is an unbiased estimate of the input.
     pub fn unbiased(&self) -> bool {
         {
-        use crate::codecs::Scheme;
-        each_spec!(self, c => c.is_unbiased())
-    }
+            use crate::codecs::Scheme;
+            each_spec!(self, c => c.is_unbiased())
+        }
     }
 }
 
@@ -468,11 +468,11 @@ impl Args {
     ) -> core::result::Result<&'static str, String> {
         match self.take(key) {
             None => Ok(default),
-            Some(v) => choices
-                .iter()
-                .copied()
-                .find(|c| *c == v)
-                .ok_or_else(|| format!("`{key}={v}`: accepted values are {}", choices.join(", "))),
+            Some(v) => {
+                choices.iter().copied().find(|c| *c == v).ok_or_else(|| {
+                    format!("`{key}={v}`: accepted values are {}", choices.join(", "))
+                })
+            }
         }
     }
 
@@ -516,4 +516,3 @@ pub(crate) fn payload_buf(out: &mut [u8], payload: u64) -> Result<&mut [u8]> {
     need_bytes(out, HEADER_LEN as u64 + payload)?;
     Ok(&mut out[HEADER_LEN..HEADER_LEN + payload as usize])
 }
-

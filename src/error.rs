@@ -148,7 +148,10 @@ impl fmt::Display for Error {
                 "bytes 0..4 are {m:02x?}, not the gradpack magic \"GPAK\": not a gradpack frame"
             ),
             Error::UnsupportedVersion(v) => {
-                write!(f, "byte 4: wire format version {v} is not supported (this build reads 1)")
+                write!(
+                    f,
+                    "byte 4: wire format version {v} is not supported (this build reads 1)"
+                )
             }
             Error::UnknownCodec(c) => write!(f, "byte 5: unknown codec id {c}"),
             Error::HeaderChecksum { stored, computed } => write!(
@@ -175,7 +178,10 @@ impl fmt::Display for Error {
                 codec,
                 offset,
                 reason,
-            } => write!(f, "{codec} frame: corrupt payload at byte {offset}: {reason}"),
+            } => write!(
+                f,
+                "{codec} frame: corrupt payload at byte {offset}: {reason}"
+            ),
             Error::OutputLength { expected, got } => write!(
                 f,
                 "output slice has {got} elements but the frame holds {expected}"

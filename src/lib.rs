@@ -55,12 +55,13 @@ pub mod codecs;
 pub mod error;
 pub mod kernels;
 pub mod rng;
+pub mod synthetic;
 pub mod wire;
 
 pub use codec::{Codec, CodecId, CodecSpec, EncodeCtx, decode_limit};
 pub use codecs::{
-    Bf16, Fp16, Identity, Int8, Natural, Qsgd, RandK, RandKScale, Rounding, Sign, Ternary,
-    TopK, TopKSelect, ValueType,
+    Bf16, Fp16, Identity, Int8, Natural, Qsgd, RandK, RandKScale, Rounding, Sign, Ternary, TopK,
+    TopKSelect, ValueType,
 };
 pub use error::{Error, Result};
 pub use wire::{HEADER_LEN, Header};
@@ -108,3 +109,8 @@ pub fn inspect(frame: &[u8]) -> Result<(Header, CodecSpec)> {
     let spec = CodecSpec::from_header(&h)?;
     Ok((h, spec))
 }
+
+/// The README's code blocks are compiled as doctests, so its example stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

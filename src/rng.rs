@@ -119,10 +119,7 @@ mod tests {
             buckets[(draw(7, STREAM_ROUNDING, i) >> 28) as usize] += 1;
         }
         let e = n as f64 / 16.0;
-        let chi2: f64 = buckets
-            .iter()
-            .map(|&b| (b as f64 - e).powi(2) / e)
-            .sum();
+        let chi2: f64 = buckets.iter().map(|&b| (b as f64 - e).powi(2) / e).sum();
         assert!(chi2 < 37.7, "chi2 = {chi2}");
     }
 }

@@ -17,7 +17,10 @@ fn decode_all_ways(frame: &[u8], n: usize) -> bool {
     let rb = gradpack::decode(frame, &mut b);
     assert_eq!(ra, rb);
     if ra.is_ok() {
-        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "output depends on sentinel");
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "output depends on sentinel"
+        );
     }
     // decode_add: on error the accumulator is untouched, on Ok it is acc + decode.
     let acc0: Vec<f32> = (0..n).map(|i| i as f32 - 0.5).collect();
@@ -31,7 +34,12 @@ fn decode_all_ways(frame: &[u8], n: usize) -> bool {
         }
         Err(_) => {
             assert!(ra.is_err());
-            assert!(acc.iter().zip(&acc0).all(|(x, y)| x.to_bits() == y.to_bits()), "acc touched on error");
+            assert!(
+                acc.iter()
+                    .zip(&acc0)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "acc touched on error"
+            );
         }
     }
     // The owning helper agrees: same values on Ok, an error wherever the frame itself is bad.
@@ -113,7 +121,15 @@ fn every_single_bit_flip_in_a_payload_is_safe() {
 }
 
 /// A frame with a valid header (checksum recomputed) around arbitrary fields.
-fn forge(codec: u8, flags: u16, elements: u64, seed: u64, offset: u64, params: [u8; 12], payload: &[u8]) -> Vec<u8> {
+fn forge(
+    codec: u8,
+    flags: u16,
+    elements: u64,
+    seed: u64,
+    offset: u64,
+    params: [u8; 12],
+    payload: &[u8],
+) -> Vec<u8> {
     let mut f = vec![0u8; HEADER_LEN];
     f[0..4].copy_from_slice(b"GPAK");
     f[4] = 1;
@@ -142,7 +158,10 @@ fn huge_element_counts_are_refused_before_allocating() {
             let f = forge(id as u8, 0, 1 << 40, 0, 0, params, &[0u8; 16]);
             let e = gradpack::decode_to_vec(&f).unwrap_err();
             assert!(
-                matches!(e, Error::TooLarge { .. } | Error::PayloadLength { .. } | Error::BadField { .. }),
+                matches!(
+                    e,
+                    Error::TooLarge { .. } | Error::PayloadLength { .. } | Error::BadField { .. }
+                ),
                 "{id}: {e}"
             );
             let mut small = vec![0.0f32; 16];
@@ -152,12 +171,23 @@ fn huge_element_counts_are_refused_before_allocating() {
     // The documented limit: 16 KiB of f32 per frame byte, at least 2^16 elements.
     assert_eq!(gradpack::decode_limit(0), 1 << 16);
     assert_eq!(gradpack::decode_limit(1000), 4096 * 1000);
-    let f = forge(CodecId::RandK as u8, 0, 10_000_000, 1, 0, {
-        let mut p = [0u8; 12];
-        p[0] = 1; // threshold 1: almost nothing kept
-        p
-    }, &[]);
-    assert!(matches!(gradpack::decode_to_vec(&f), Err(Error::TooLarge { .. })));
+    let f = forge(
+        CodecId::RandK as u8,
+        0,
+        10_000_000,
+        1,
+        0,
+        {
+            let mut p = [0u8; 12];
+            p[0] = 1; // threshold 1: almost nothing kept
+            p
+        },
+        &[],
+    );
+    assert!(matches!(
+        gradpack::decode_to_vec(&f),
+        Err(Error::TooLarge { .. })
+    ));
     let r = gradpack::decode_to_vec_with_limit(&f, 10_000_000);
     assert!(r.is_ok() || matches!(r, Err(Error::Corrupt { .. })));
 }
@@ -165,29 +195,75 @@ fn huge_element_counts_are_refused_before_allocating() {
 #[test]
 fn reserved_fields_are_rejected() {
     let f = forge(CodecId::Fp16 as u8, 0x8000, 1, 0, 0, [0; 12], &[0, 0]);
-    assert_eq!(gradpack::decode(&f, &mut [0.0]), Err(Error::ReservedFlags(0x8000)));
-    let f = forge(CodecId::Fp16 as u8, 0, 1, 0, 0, [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1], &[0, 0]);
-    assert!(matches!(gradpack::decode(&f, &mut [0.0]), Err(Error::BadField { field: "params", .. })));
+    assert_eq!(
+        gradpack::decode(&f, &mut [0.0]),
+        Err(Error::ReservedFlags(0x8000))
+    );
+    let f = forge(
+        CodecId::Fp16 as u8,
+        0,
+        1,
+        0,
+        0,
+        [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
+        &[0, 0],
+    );
+    assert!(matches!(
+        gradpack::decode(&f, &mut [0.0]),
+        Err(Error::BadField {
+            field: "params",
+            ..
+        })
+    ));
     let f = forge(CodecId::Fp16 as u8, 0, 1, 5, 0, [0; 12], &[0, 0]);
-    assert!(matches!(gradpack::decode(&f, &mut [0.0]), Err(Error::BadField { field: "seed", .. })));
+    assert!(matches!(
+        gradpack::decode(&f, &mut [0.0]),
+        Err(Error::BadField { field: "seed", .. })
+    ));
     let f = forge(42, 0, 1, 0, 0, [0; 12], &[0, 0]);
-    assert_eq!(gradpack::decode(&f, &mut [0.0]), Err(Error::UnknownCodec(42)));
+    assert_eq!(
+        gradpack::decode(&f, &mut [0.0]),
+        Err(Error::UnknownCodec(42))
+    );
     let f = forge(CodecId::Fp16 as u8, 0, 2, 0, u64::MAX, [0; 12], &[0; 4]);
-    assert!(matches!(gradpack::decode(&f, &mut [0.0; 2]), Err(Error::BadField { field: "offset", .. })));
+    assert!(matches!(
+        gradpack::decode(&f, &mut [0.0; 2]),
+        Err(Error::BadField {
+            field: "offset",
+            ..
+        })
+    ));
     // Non-zero padding bits after the last sign code.
     let mut p = [0u8; 12];
     p[0] = 64;
-    let f = forge(CodecId::Sign as u8, 0, 3, 0, 0, p, &[0, 0, 128, 63, 0b1000_0000]);
-    assert!(matches!(gradpack::decode(&f, &mut [0.0; 3]), Err(Error::Corrupt { .. })));
+    let f = forge(
+        CodecId::Sign as u8,
+        0,
+        3,
+        0,
+        0,
+        p,
+        &[0, 0, 128, 63, 0b1000_0000],
+    );
+    assert!(matches!(
+        gradpack::decode(&f, &mut [0.0; 3]),
+        Err(Error::Corrupt { .. })
+    ));
     // A natural-compression reference exponent below the minimum.
     let f = forge(CodecId::Natural as u8, 0, 1, 0, 0, p, &[3, 1]);
-    assert!(matches!(gradpack::decode(&f, &mut [0.0; 1]), Err(Error::Corrupt { .. })));
+    assert!(matches!(
+        gradpack::decode(&f, &mut [0.0; 1]),
+        Err(Error::Corrupt { .. })
+    ));
     // A top-k index past the end.
     let mut p = [0u8; 12];
     p[0] = 1; // k
     p[9] = 4; // width
     let f = forge(CodecId::TopK as u8, 0, 5, 0, 0, p, &[0, 0, 128, 63, 9]);
-    assert!(matches!(gradpack::decode(&f, &mut [0.0; 5]), Err(Error::Corrupt { .. })));
+    assert!(matches!(
+        gradpack::decode(&f, &mut [0.0; 5]),
+        Err(Error::Corrupt { .. })
+    ));
 }
 
 /// Re-seal a frame's header checksum after editing bytes 0..52.

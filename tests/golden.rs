@@ -18,9 +18,15 @@ fn check_or_write(name: &str, bytes: &[u8]) {
         return;
     }
     let stored = std::fs::read(&path).unwrap_or_else(|e| {
-        panic!("{}: {e}; run GRADPACK_BLESS=1 cargo test --test golden", path.display())
+        panic!(
+            "{}: {e}; run GRADPACK_BLESS=1 cargo test --test golden",
+            path.display()
+        )
     });
-    assert!(stored == bytes, "{name} differs from what this build produces");
+    assert!(
+        stored == bytes,
+        "{name} differs from what this build produces"
+    );
 }
 
 #[test]
@@ -33,7 +39,10 @@ fn inputs_match_their_documented_generator() {
 fn every_vector_encodes_decodes_and_reencodes_identically() {
     for (stem, spec, seed, offset) in GOLDEN {
         let spec: CodecSpec = spec.parse().unwrap();
-        for (suffix, x) in [("", golden_input()), (".nonfinite", golden_input_nonfinite())] {
+        for (suffix, x) in [
+            ("", golden_input()),
+            (".nonfinite", golden_input_nonfinite()),
+        ] {
             let ctx = EncodeCtx::new(*seed).with_offset(*offset);
             let frame = spec.encode(&x, &ctx).unwrap();
             check_or_write(&format!("{stem}{suffix}.gpk"), &frame);
@@ -44,7 +53,11 @@ fn every_vector_encodes_decodes_and_reencodes_identically() {
             }
             // Decode the stored frame (not ours): it gives the stored output...
             let stored = std::fs::read(vectors_dir().join(format!("{stem}{suffix}.gpk"))).unwrap();
-            assert_eq!(f32_bytes(&decode(&stored, x.len())), f32_bytes(&decoded), "{stem}{suffix}");
+            assert_eq!(
+                f32_bytes(&decode(&stored, x.len())),
+                f32_bytes(&decoded),
+                "{stem}{suffix}"
+            );
             // ... and re-encoding the input with only what the frame's header says
             // (codec, parameters, seed, offset) reproduces it byte for byte.
             let (h, from_header) = gradpack::inspect(&stored).unwrap();

@@ -9,7 +9,12 @@ use gradpack::{Codec, CodecSpec, EncodeCtx};
 
 fn cases() -> Vec<Vec<f32>> {
     let mut v = Vec::new();
-    for (pos, bad) in [(3, f32::NAN), (70, f32::INFINITY), (199, f32::NEG_INFINITY), (0, -f32::NAN)] {
+    for (pos, bad) in [
+        (3, f32::NAN),
+        (70, f32::INFINITY),
+        (199, f32::NEG_INFINITY),
+        (0, -f32::NAN),
+    ] {
         let mut x = sample(200, 5);
         x[pos] = bad;
         v.push(x);
@@ -33,7 +38,10 @@ fn nonfinite_input_sets_the_flag_and_shows_in_the_decoding() {
             assert!(d.iter().any(|v| !v.is_finite()), "{spec}: overflow hidden");
             let mut acc = vec![0.0f32; x.len()];
             gradpack::decode_add(&frame, &mut acc).unwrap();
-            assert!(acc.iter().any(|v| !v.is_finite()), "{spec}: overflow hidden by decode_add");
+            assert!(
+                acc.iter().any(|v| !v.is_finite()),
+                "{spec}: overflow hidden by decode_add"
+            );
             check_policy(&spec, &x, &d);
         }
     }
@@ -44,7 +52,10 @@ fn finite_input_never_sets_the_flag() {
     for spec in specs() {
         let x = sample(300, 1);
         let frame = spec.encode(&x, &EncodeCtx::new(1)).unwrap();
-        assert!(!gradpack::Header::parse(&frame).unwrap().nonfinite(), "{spec}");
+        assert!(
+            !gradpack::Header::parse(&frame).unwrap().nonfinite(),
+            "{spec}"
+        );
     }
 }
 
@@ -64,13 +75,23 @@ fn check_policy(spec: &CodecSpec, x: &[f32], d: &[f32]) {
         }
         // Block codecs: the whole block holding the value decodes to NaN; other blocks
         // are unaffected (finite).
-        CodecSpec::Int8(_) | CodecSpec::Qsgd(_) | CodecSpec::Sign(_) | CodecSpec::Ternary(_) | CodecSpec::Natural(_) => {
+        CodecSpec::Int8(_)
+        | CodecSpec::Qsgd(_)
+        | CodecSpec::Sign(_)
+        | CodecSpec::Ternary(_)
+        | CodecSpec::Natural(_) => {
             let b = block_of(spec);
             for (k, (xb, db)) in x.chunks(b).zip(d.chunks(b)).enumerate() {
                 if xb.iter().any(|v| !v.is_finite()) {
-                    assert!(db.iter().all(|v| v.is_nan()), "{spec} block {k} not all NaN");
+                    assert!(
+                        db.iter().all(|v| v.is_nan()),
+                        "{spec} block {k} not all NaN"
+                    );
                 } else {
-                    assert!(db.iter().all(|v| v.is_finite()), "{spec} block {k} not finite");
+                    assert!(
+                        db.iter().all(|v| v.is_finite()),
+                        "{spec} block {k} not finite"
+                    );
                 }
             }
         }

@@ -8,7 +8,9 @@ use gradpack::{Codec, CodecSpec, EncodeCtx, Error, HEADER_LEN};
 use proptest::prelude::*;
 
 fn round_trip(spec: &CodecSpec, x: &[f32], ctx: &EncodeCtx) -> Result<(), String> {
-    let frame = spec.encode(x, ctx).map_err(|e| format!("{spec}: encode: {e}"))?;
+    let frame = spec
+        .encode(x, ctx)
+        .map_err(|e| format!("{spec}: encode: {e}"))?;
     if frame.len() > spec.max_encoded_len(x.len()) {
         return Err(format!("{spec}: frame longer than max_encoded_len"));
     }
@@ -17,7 +19,9 @@ fn round_trip(spec: &CodecSpec, x: &[f32], ctx: &EncodeCtx) -> Result<(), String
     // The codec's own decode agrees with the free one, bit for bit.
     let own = spec.decode(&frame).map_err(|e| e.to_string())?;
     if own.iter().zip(&d).any(|(a, b)| a.to_bits() != b.to_bits()) {
-        return Err(format!("{spec}: Codec::decode differs from gradpack::decode"));
+        return Err(format!(
+            "{spec}: Codec::decode differs from gradpack::decode"
+        ));
     }
     // decode_add adds exactly the decoded values.
     let mut acc: Vec<f32> = (0..x.len()).map(|i| i as f32 * 0.25 - 3.0).collect();
@@ -103,11 +107,17 @@ fn output_of_wrong_length_is_an_error() {
             let mut out = vec![7.0f32; len];
             assert_eq!(
                 gradpack::decode(&frame, &mut out),
-                Err(Error::OutputLength { expected: 100, got: len })
+                Err(Error::OutputLength {
+                    expected: 100,
+                    got: len
+                })
             );
             assert_eq!(
                 gradpack::decode_add(&frame, &mut out),
-                Err(Error::OutputLength { expected: 100, got: len })
+                Err(Error::OutputLength {
+                    expected: 100,
+                    got: len
+                })
             );
             assert!(out.iter().all(|&v| v == 7.0));
         }
@@ -127,7 +137,10 @@ fn header_records_codec_count_seed_and_offset() {
         assert_eq!(parsed.id(), spec.id());
         let stochastic = matches!(
             spec,
-            CodecSpec::Qsgd(_) | CodecSpec::Ternary(_) | CodecSpec::Natural(_) | CodecSpec::RandK(_)
+            CodecSpec::Qsgd(_)
+                | CodecSpec::Ternary(_)
+                | CodecSpec::Natural(_)
+                | CodecSpec::RandK(_)
         ) || spec.to_string().contains("stochastic");
         assert_eq!(h.seed, if stochastic { 99 } else { 0 }, "{spec}");
         // A frame's header spec decodes it through the codec interface too.
@@ -138,12 +151,23 @@ fn header_records_codec_count_seed_and_offset() {
 
 #[test]
 fn a_codec_rejects_frames_of_another_codec() {
-    let frame = "fp16".parse::<CodecSpec>().unwrap().encode(&[1.0], &EncodeCtx::new(0)).unwrap();
+    let frame = "fp16"
+        .parse::<CodecSpec>()
+        .unwrap()
+        .encode(&[1.0], &EncodeCtx::new(0))
+        .unwrap();
     let int8: CodecSpec = "int8".parse().unwrap();
     let mut out = [0.0f32];
-    assert!(matches!(int8.decode_into(&frame, &mut out), Err(Error::WrongCodec { .. })));
+    assert!(matches!(
+        int8.decode_into(&frame, &mut out),
+        Err(Error::WrongCodec { .. })
+    ));
     // ... but a codec accepts its own frames written with other parameters.
-    let f64b = "int8:block=64".parse::<CodecSpec>().unwrap().encode(&[1.0], &EncodeCtx::new(0)).unwrap();
+    let f64b = "int8:block=64"
+        .parse::<CodecSpec>()
+        .unwrap()
+        .encode(&[1.0], &EncodeCtx::new(0))
+        .unwrap();
     int8.decode_into(&f64b, &mut out).unwrap();
     assert_eq!(out[0], 1.0);
 }
@@ -178,7 +202,10 @@ fn chunked_encoding_decodes_to_the_whole_encoding() {
             pieces.extend(decode(&spec.encode(chunk, &cctx).unwrap(), chunk.len()));
         }
         assert!(
-            whole.iter().zip(&pieces).all(|(a, b)| a.to_bits() == b.to_bits()),
+            whole
+                .iter()
+                .zip(&pieces)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
             "{spec}"
         );
     }
@@ -245,7 +272,12 @@ fn encode_with_residual_rejects_mismatched_lengths_without_touching_state() {
     let mut buf = vec![0u8; 1024];
     let r = spec.encode_with_residual(&[1.0; 11], &mut residual, &EncodeCtx::new(0), &mut buf);
     assert!(matches!(r, Err(Error::LengthMismatch { .. })));
-    let r = spec.encode_with_residual(&[1.0; 10], &mut residual, &EncodeCtx::new(0), &mut buf[..HEADER_LEN]);
+    let r = spec.encode_with_residual(
+        &[1.0; 10],
+        &mut residual,
+        &EncodeCtx::new(0),
+        &mut buf[..HEADER_LEN],
+    );
     assert!(matches!(r, Err(Error::BufferTooSmall { .. })));
     assert!(residual.iter().all(|&v| v == 0.5));
 }
@@ -256,7 +288,9 @@ fn boxed_codecs_work_as_trait_objects() {
         Box::new(gradpack::Fp16),
         Box::new(gradpack::Int8::new(128, gradpack::Rounding::Stochastic).unwrap()),
         Box::new(gradpack::Qsgd::new(8, 256).unwrap()),
-        Box::new(gradpack::TopK::new(gradpack::TopKSelect::Count(3), gradpack::ValueType::Fp16).unwrap()),
+        Box::new(
+            gradpack::TopK::new(gradpack::TopKSelect::Count(3), gradpack::ValueType::Fp16).unwrap(),
+        ),
     ];
     let x = sample(300, 1);
     for c in &codecs {

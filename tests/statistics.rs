@@ -33,7 +33,13 @@ fn check_unbiased(spec: &str, x: &[f32], gap: impl Fn(usize) -> f64) {
     for i in 0..x.len() {
         let se = gap(i) / (2.0 * (N as f64).sqrt());
         let dev = (mean[i] - x[i] as f64).abs();
-        assert!(dev <= 5.5 * se + 1e-12, "{spec} element {i}: mean {} vs x {} ({:.1} se)", mean[i], x[i], dev / se);
+        assert!(
+            dev <= 5.5 * se + 1e-12,
+            "{spec} element {i}: mean {} vs x {} ({:.1} se)",
+            mean[i],
+            x[i],
+            dev / se
+        );
     }
 }
 
@@ -41,7 +47,10 @@ fn gaussianish(n: usize, salt: u32) -> Vec<f32> {
     // Sum of four uniforms: bell-shaped, with a few larger values mixed in.
     (0..n)
         .map(|i| {
-            let u = |k: u32| gradpack::rng::lowbias32((i as u32) * 4 + k + salt * 7919) as f32 / 4.294_967e9 - 0.5;
+            let u = |k: u32| {
+                gradpack::rng::lowbias32((i as u32) * 4 + k + salt * 7919) as f32 / 4.294_967e9
+                    - 0.5
+            };
             let g = u(0) + u(1) + u(2) + u(3);
             if i % 97 == 0 { g * 8.0 } else { g }
         })
@@ -52,8 +61,13 @@ fn gaussianish(n: usize, salt: u32) -> Vec<f32> {
 fn stochastic_int8_is_unbiased() {
     let x = gaussianish(500, 1);
     let b = 128;
-    let m: Vec<f32> = x.chunks(b).map(|c| c.iter().fold(0f32, |m, v| m.max(v.abs()))).collect();
-    check_unbiased("int8:block=128,rounding=stochastic", &x, |i| m[i / b] as f64 / 127.0);
+    let m: Vec<f32> = x
+        .chunks(b)
+        .map(|c| c.iter().fold(0f32, |m, v| m.max(v.abs())))
+        .collect();
+    check_unbiased("int8:block=128,rounding=stochastic", &x, |i| {
+        m[i / b] as f64 / 127.0
+    });
 }
 
 #[test]
@@ -62,8 +76,13 @@ fn qsgd_is_unbiased() {
         let x = gaussianish(400, bits);
         let b = 100;
         let s = ((1u32 << (bits - 1)) - 1) as f64;
-        let norm: Vec<f64> = x.chunks(b).map(|c| c.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt()).collect();
-        check_unbiased(&format!("qsgd:bits={bits},block={b}"), &x, |i| norm[i / b] / s);
+        let norm: Vec<f64> = x
+            .chunks(b)
+            .map(|c| c.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt())
+            .collect();
+        check_unbiased(&format!("qsgd:bits={bits},block={b}"), &x, |i| {
+            norm[i / b] / s
+        });
     }
 }
 
@@ -71,7 +90,10 @@ fn qsgd_is_unbiased() {
 fn ternary_is_unbiased() {
     let x = gaussianish(400, 9);
     let b = 64;
-    let m: Vec<f32> = x.chunks(b).map(|c| c.iter().fold(0f32, |m, v| m.max(v.abs()))).collect();
+    let m: Vec<f32> = x
+        .chunks(b)
+        .map(|c| c.iter().fold(0f32, |m, v| m.max(v.abs())))
+        .collect();
     check_unbiased("ternary:block=64", &x, |i| m[i / b] as f64);
 }
 
@@ -79,14 +101,18 @@ fn ternary_is_unbiased() {
 fn natural_is_unbiased() {
     let x = gaussianish(400, 4);
     // The rounding gap is 2^floor(log2 |x|).
-    check_unbiased("natural:block=64", &x, |i| 2f64.powi((x[i].abs() as f64).log2().floor() as i32));
+    check_unbiased("natural:block=64", &x, |i| {
+        2f64.powi((x[i].abs() as f64).log2().floor() as i32)
+    });
 }
 
 #[test]
 fn scaled_randk_is_unbiased() {
     let x = gaussianish(200, 2);
     // Each decoding is 0 or x / p: an interval of width |x| / p.
-    check_unbiased("randk:ratio=0.25,scale=unbiased", &x, |i| x[i].abs() as f64 / 0.25);
+    check_unbiased("randk:ratio=0.25,scale=unbiased", &x, |i| {
+        x[i].abs() as f64 / 0.25
+    });
 }
 
 #[test]

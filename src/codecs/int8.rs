@@ -102,7 +102,12 @@ impl Int8 {
 
 impl fmt::Display for Int8 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "int8:block={},rounding={}", self.block, self.rounding.name())
+        write!(
+            f,
+            "int8:block={},rounding={}",
+            self.block,
+            self.rounding.name()
+        )
     }
 }
 
@@ -168,7 +173,6 @@ impl Scheme for Int8 {
         scalar::decode_int8::<ADD>(steps, codes, self.block as usize, out);
         Ok(())
     }
-
 
     fn is_unbiased(&self) -> bool {
         self.rounding == Rounding::Stochastic

@@ -1,7 +1,7 @@
 //! One file per compression scheme. A codec file is mostly parameters and layout: the
 //! arithmetic lives in `crate::kernels` (DESIGN rule 10).
 //!
-//! Every concrete codec implements the sealed [`scheme::Scheme`] trait, and a blanket
+//! Every concrete codec implements the crate-private, sealed `Scheme` trait, and a blanket
 //! impl turns each into a [`Codec`]. That keeps header writing, validation order and
 //! the decode/decode_add split in one place.
 
@@ -153,16 +153,46 @@ fn decode_as<S: Scheme, const ADD: bool>(h: &Header, p: &[u8], out: &mut [f32]) 
 macro_rules! by_id {
     ($id:expr, $S:ident => $e:expr) => {
         match $id {
-            CodecId::Identity => { type $S = Identity; $e }
-            CodecId::Fp16 => { type $S = Fp16; $e }
-            CodecId::Bf16 => { type $S = Bf16; $e }
-            CodecId::Int8 => { type $S = Int8; $e }
-            CodecId::Qsgd => { type $S = Qsgd; $e }
-            CodecId::Sign => { type $S = Sign; $e }
-            CodecId::Ternary => { type $S = Ternary; $e }
-            CodecId::Natural => { type $S = Natural; $e }
-            CodecId::TopK => { type $S = TopK; $e }
-            CodecId::RandK => { type $S = RandK; $e }
+            CodecId::Identity => {
+                type $S = Identity;
+                $e
+            }
+            CodecId::Fp16 => {
+                type $S = Fp16;
+                $e
+            }
+            CodecId::Bf16 => {
+                type $S = Bf16;
+                $e
+            }
+            CodecId::Int8 => {
+                type $S = Int8;
+                $e
+            }
+            CodecId::Qsgd => {
+                type $S = Qsgd;
+                $e
+            }
+            CodecId::Sign => {
+                type $S = Sign;
+                $e
+            }
+            CodecId::Ternary => {
+                type $S = Ternary;
+                $e
+            }
+            CodecId::Natural => {
+                type $S = Natural;
+                $e
+            }
+            CodecId::TopK => {
+                type $S = TopK;
+                $e
+            }
+            CodecId::RandK => {
+                type $S = RandK;
+                $e
+            }
         }
     };
 }
@@ -295,7 +325,6 @@ macro_rules! elementwise_codec {
                 ($dec)(p, out);
                 Ok(())
             }
-
 
             fn is_unbiased(&self) -> bool {
                 true

@@ -100,18 +100,10 @@ impl Scheme for Natural {
         Ok(Natural { block })
     }
 
-    fn decode_payload<const ADD: bool>(
-        &self,
-        h: &Header,
-        p: &[u8],
-        out: &mut [f32],
-    ) -> Result<()> {
+    fn decode_payload<const ADD: bool>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
         let (refs, codes) = p.split_at(p.len() - out.len());
         let min = (NATURAL_MIN_REF + 127) as u8;
-        if let Some(b) = refs
-            .iter()
-            .position(|&r| r < min && r != NATURAL_NONFINITE)
-        {
+        if let Some(b) = refs.iter().position(|&r| r < min && r != NATURAL_NONFINITE) {
             return Err(Error::Corrupt {
                 codec: h.codec,
                 offset: HEADER_LEN + b,
@@ -125,7 +117,6 @@ impl Scheme for Natural {
         scalar::decode_natural::<ADD>(refs, codes, self.block as usize, out);
         Ok(())
     }
-
 
     fn is_unbiased(&self) -> bool {
         true

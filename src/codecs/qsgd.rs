@@ -32,7 +32,10 @@ pub struct Qsgd {
 
 impl Default for Qsgd {
     fn default() -> Self {
-        Qsgd { bits: 4, block: 512 }
+        Qsgd {
+            bits: 4,
+            block: 512,
+        }
     }
 }
 
@@ -120,22 +123,13 @@ impl Scheme for Qsgd {
         }
         h.params_zero_from(5)?;
         let c = Qsgd { bits, block };
-        expect_payload(
-            h,
-            block_payload(h.elements, block as u64, 4, bits as u64),
-        )?;
+        expect_payload(h, block_payload(h.elements, block as u64, 4, bits as u64))?;
         Ok(c)
     }
 
-    fn decode_payload<const ADD: bool>(
-        &self,
-        h: &Header,
-        p: &[u8],
-        out: &mut [f32],
-    ) -> Result<()> {
+    fn decode_payload<const ADD: bool>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
         decode_signmag::<ADD>(h, p, out, self.block, self.bits as u32)
     }
-
 
     fn is_unbiased(&self) -> bool {
         true

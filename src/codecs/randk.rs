@@ -181,10 +181,7 @@ impl Scheme for RandK {
         };
         let t = h.param_u64(0);
         if !(1..=1u64 << 32).contains(&t) {
-            return Err(bad(
-                "params.threshold",
-                format!("{t} is not in 1..=2^32"),
-            ));
+            return Err(bad("params.threshold", format!("{t} is not in 1..=2^32")));
         }
         let values = ValueType::from_byte(h, h.params[8])?;
         let scale = match h.params[9] {
@@ -204,9 +201,7 @@ impl Scheme for RandK {
                 "payload_len",
                 format!(
                     "{} bytes is not a whole number of at most {} {}-byte values",
-                    h.payload_len,
-                    h.elements,
-                    vb
+                    h.payload_len, h.elements, vb
                 ),
             ));
         }
@@ -217,12 +212,7 @@ impl Scheme for RandK {
         })
     }
 
-    fn decode_payload<const ADD: bool>(
-        &self,
-        h: &Header,
-        p: &[u8],
-        out: &mut [f32],
-    ) -> Result<()> {
+    fn decode_payload<const ADD: bool>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
         let t = h.param_u64(0);
         let k = (h.payload_len / self.values.bytes()) as usize;
         let mut count = 0usize;
@@ -238,7 +228,11 @@ impl Scheme for RandK {
         }
         if h.flags & FLAG_NONFINITE != 0 {
             for o in out.iter_mut() {
-                *o = if ADD { *o + CANONICAL_NAN } else { CANONICAL_NAN };
+                *o = if ADD {
+                    *o + CANONICAL_NAN
+                } else {
+                    CANONICAL_NAN
+                };
             }
             return Ok(());
         }

@@ -93,12 +93,7 @@ impl Scheme for Sign {
         Ok(Sign { block })
     }
 
-    fn decode_payload<const ADD: bool>(
-        &self,
-        h: &Header,
-        p: &[u8],
-        out: &mut [f32],
-    ) -> Result<()> {
+    fn decode_payload<const ADD: bool>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
         let nb = out.len().div_ceil(self.block as usize);
         let (steps, codes) = p.split_at(4 * nb);
         if !codes.is_empty() {
@@ -107,7 +102,6 @@ impl Scheme for Sign {
         scalar::decode_sign::<ADD>(steps, codes, self.block as usize, out);
         Ok(())
     }
-
 
     fn is_unbiased(&self) -> bool {
         false

@@ -69,8 +69,7 @@ impl Scheme for Ternary {
     }
 
     fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
-        let (payload_len, nonfinite) =
-            encode_signmag(x, ctx, out, self.block, 2, Measure::AbsMax)?;
+        let (payload_len, nonfinite) = encode_signmag(x, ctx, out, self.block, 2, Measure::AbsMax)?;
         Ok(Encoded {
             payload_len,
             params: block_params(self.block, 0),
@@ -86,15 +85,9 @@ impl Scheme for Ternary {
         Ok(Ternary { block })
     }
 
-    fn decode_payload<const ADD: bool>(
-        &self,
-        h: &Header,
-        p: &[u8],
-        out: &mut [f32],
-    ) -> Result<()> {
+    fn decode_payload<const ADD: bool>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
         decode_signmag::<ADD>(h, p, out, self.block, 2)
     }
-
 
     fn is_unbiased(&self) -> bool {
         true

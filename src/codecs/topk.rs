@@ -90,7 +90,9 @@ impl ValueType {
             ValueType::F32 => {
                 f32::from_le_bytes(vals[4 * j..4 * j + 4].try_into().expect("4 bytes"))
             }
-            ValueType::Fp16 => scalar::f16_to_f32(u16::from_le_bytes([vals[2 * j], vals[2 * j + 1]])),
+            ValueType::Fp16 => {
+                scalar::f16_to_f32(u16::from_le_bytes([vals[2 * j], vals[2 * j + 1]]))
+            }
         }
     }
 }
@@ -212,8 +214,12 @@ impl Scheme for TopK {
     fn max_payload(&self, n: u64) -> u64 {
         let k = self.k_for(n);
         let w = bit_width(n.saturating_sub(1)) as u64;
-        wire::mul_add(k, self.values.bytes(), wire::packed_len(k, w).unwrap_or(u64::MAX))
-            .unwrap_or(u64::MAX)
+        wire::mul_add(
+            k,
+            self.values.bytes(),
+            wire::packed_len(k, w).unwrap_or(u64::MAX),
+        )
+        .unwrap_or(u64::MAX)
     }
 
     fn encode_payload(&self, x: &[f32], _ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
@@ -222,7 +228,9 @@ impl Scheme for TopK {
             return Err(Error::Param {
                 codec: CodecId::TopK,
                 name: "elements",
-                reason: format!("{n} elements exceed the top-k frame limit of 2^32; chunk the tensor"),
+                reason: format!(
+                    "{n} elements exceed the top-k frame limit of 2^32; chunk the tensor"
+                ),
             });
         }
         let k = self.k_for(n) as usize;
@@ -311,7 +319,11 @@ impl Scheme for TopK {
         }
         h.params_zero_from(10)?;
         h.seed_zero()?;
-        let expected = wire::mul_add(k, values.bytes(), wire::packed_len(k, w).unwrap_or(u64::MAX));
+        let expected = wire::mul_add(
+            k,
+            values.bytes(),
+            wire::packed_len(k, w).unwrap_or(u64::MAX),
+        );
         expect_payload(h, expected)?;
         Ok(TopK {
             select: TopKSelect::Count(k),
@@ -319,12 +331,7 @@ impl Scheme for TopK {
         })
     }
 
-    fn decode_payload<const ADD: bool>(
-        &self,
-        h: &Header,
-        p: &[u8],
-        out: &mut [f32],
-    ) -> Result<()> {
+    fn decode_payload<const ADD: bool>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
         let k = h.param_u64(0) as usize;
         let w = h.params[9] as u32;
         let vbytes = k * self.values.bytes() as usize;

@@ -494,12 +494,20 @@ pub fn encode_signmag(
         put_step(steps, b, block_step(m, levels));
         let base = b * block;
         let start = first + base as u64;
-        quantise_block(xb, m, levels, Round::Stochastic, draws, start, |j, neg, q| {
-            if q != 0 {
-                let code = q | if neg { 1 << (bits - 1) } else { 0 };
-                put_bits(codes, base + j, bits, code as u8);
-            }
-        });
+        quantise_block(
+            xb,
+            m,
+            levels,
+            Round::Stochastic,
+            draws,
+            start,
+            |j, neg, q| {
+                if q != 0 {
+                    let code = q | if neg { 1 << (bits - 1) } else { 0 };
+                    put_bits(codes, base + j, bits, code as u8);
+                }
+            },
+        );
     }
     nonfinite
 }
@@ -549,7 +557,14 @@ pub fn decode_sign<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, ou
         let s = get_step(steps, b);
         let base = b * block;
         for (j, o) in ob.iter_mut().enumerate() {
-            put::<ADD>(o, if get_bits(codes, base + j, 1) != 0 { -s } else { s });
+            put::<ADD>(
+                o,
+                if get_bits(codes, base + j, 1) != 0 {
+                    -s
+                } else {
+                    s
+                },
+            );
         }
     }
 }
@@ -734,7 +749,11 @@ mod tests {
             let vals: Vec<u32> = (0..37u32)
                 .map(|i| {
                     let v = crate::rng::lowbias32(i * 7 + width);
-                    if width == 32 { v } else { v & ((1u32 << width) - 1) }
+                    if width == 32 {
+                        v
+                    } else {
+                        v & ((1u32 << width) - 1)
+                    }
                 })
                 .collect();
             let mut buf = vec![0u8; (37 * width as usize).div_ceil(8)];

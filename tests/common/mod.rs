@@ -26,7 +26,10 @@ pub const SPECS: &[&str] = &[
 ];
 
 pub fn specs() -> Vec<CodecSpec> {
-    SPECS.iter().map(|s| s.parse().expect("valid spec")).collect()
+    SPECS
+        .iter()
+        .map(|s| s.parse().expect("valid spec"))
+        .collect()
 }
 
 /// Lengths every round-trip test runs for a block size `b` (BLAKE3 style).
@@ -270,7 +273,8 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
             };
             for i in 0..x.len() {
                 let g = ctx.offset + i as u64;
-                let kept = (gradpack::rng::draw(ctx.seed, gradpack::rng::STREAM_SELECT, g) as u64) < t;
+                let kept =
+                    (gradpack::rng::draw(ctx.seed, gradpack::rng::STREAM_SELECT, g) as u64) < t;
                 let want = if kept {
                     let v = x[i] * mul;
                     match c.values() {
@@ -300,8 +304,18 @@ pub const GOLDEN: &[(&str, &str, u64, u64)] = &[
     ("bf16", "bf16", 0, 0),
     ("int8_b64", "int8:block=64", 0, 0),
     ("int8_b256", "int8", 0, 0),
-    ("int8_b64_stochastic", "int8:block=64,rounding=stochastic", 42, 0),
-    ("int8_b64_stochastic_offset", "int8:block=64,rounding=stochastic", 7, 5_000_000_000),
+    (
+        "int8_b64_stochastic",
+        "int8:block=64,rounding=stochastic",
+        42,
+        0,
+    ),
+    (
+        "int8_b64_stochastic_offset",
+        "int8:block=64,rounding=stochastic",
+        7,
+        5_000_000_000,
+    ),
     ("qsgd2_b64", "qsgd:bits=2,block=64", 42, 0),
     ("qsgd4_b64", "qsgd:bits=4,block=64", 42, 0),
     ("qsgd8_b64", "qsgd:bits=8,block=64", 42, 0),
@@ -312,7 +326,12 @@ pub const GOLDEN: &[(&str, &str, u64, u64)] = &[
     ("topk_r005_f32", "topk:ratio=0.05", 0, 0),
     ("topk_k10_fp16", "topk:k=10,values=fp16", 0, 0),
     ("randk_r01_f32", "randk:ratio=0.1", 42, 0),
-    ("randk_r01_fp16_unbiased", "randk:ratio=0.1,values=fp16,scale=unbiased", 42, 1000),
+    (
+        "randk_r01_fp16_unbiased",
+        "randk:ratio=0.1,values=fp16,scale=unbiased",
+        42,
+        1000,
+    ),
 ];
 
 /// The finite golden input (tests/vectors/README.md gives the same definition).

@@ -1,0 +1,78 @@
+//! A built-in synthetic gradient for examples, benchmarks and the report.
+//!
+//! Real gradients are roughly Gaussian within a layer, heavy-tailed overall, differ in
+//! scale by orders of magnitude between layers, and hold some exact zeros (dead ReLU
+//! units, unused embeddings). [`gradient`] imitates that, deterministically from a seed:
+//!
+//! - the tensor is cut into "layers" of 4096 elements, each with a scale `2^-s`,
+//!   `s` drawn uniformly from 4..=14;
+//! - each element is a Student-t variate with 3 degrees of freedom (Gaussian numerator
+//!   over the root of a chi-square / 3, from Box-Muller normals) times the layer scale;
+//! - 2% of elements are exactly zero.
+//!
+//! Draws come from the crate's counter-based hash, so the same `(n, seed)` gives the same
+//! vector on every platform up to the last bit of `f64::ln`/`sqrt`/`cos` (used in f64 and
+//! rounded to f32 once).
+
+use crate::rng::{STREAM_ROUNDING, draw};
+
+const LAYER: usize = 4096;
+
+fn unit(seed: u64, i: u64, k: u64) -> f64 {
+    // 32-bit uniform in (0, 1): never exactly 0, so ln() is finite.
+    (draw(
+        seed ^ k.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        STREAM_ROUNDING,
+        i,
+    ) as f64
+        + 0.5)
+        / 4_294_967_296.0
+}
+
+fn normal(seed: u64, i: u64, k: u64) -> f64 {
+    let (u1, u2) = (unit(seed, i, 2 * k), unit(seed, i, 2 * k + 1));
+    (-2.0 * u1.ln()).sqrt() * (core::f64::consts::TAU * u2).cos()
+}
+
+/// A synthetic gradient of `n` elements (see the module docs).
+pub fn gradient(n: usize, seed: u64) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let i = i as u64;
+            let layer = i / LAYER as u64;
+            let s = 4 + (unit(seed, layer, 100) * 11.0) as i32;
+            if unit(seed, i, 101) < 0.02 {
+                return 0.0;
+            }
+            let z = normal(seed, i, 0);
+            let chi2 = (1..=3).map(|k| normal(seed, i, k).powi(2)).sum::<f64>();
+            let t = z / (chi2 / 3.0).sqrt();
+            (t * 2f64.powi(-s)) as f32
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deterministic_heavy_tailed_and_sparse() {
+        let g = gradient(100_000, 1);
+        assert_eq!(g, gradient(100_000, 1));
+        assert_ne!(g, gradient(100_000, 2));
+        let zeros = g.iter().filter(|v| **v == 0.0).count();
+        assert!((1500..2500).contains(&zeros), "zeros {zeros}");
+        assert!(g.iter().all(|v| v.is_finite()));
+        // Heavy tails: excess kurtosis of a t(3) sample is large (a Gaussian's is 0).
+        let layer = &g[0..LAYER];
+        let m = layer.iter().map(|&v| v as f64).sum::<f64>() / LAYER as f64;
+        let var = layer.iter().map(|&v| (v as f64 - m).powi(2)).sum::<f64>() / LAYER as f64;
+        let k4 = layer.iter().map(|&v| (v as f64 - m).powi(4)).sum::<f64>() / LAYER as f64;
+        assert!(
+            k4 / (var * var) - 3.0 > 1.0,
+            "kurtosis {}",
+            k4 / (var * var)
+        );
+    }
+}
