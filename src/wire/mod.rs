@@ -226,3 +226,46 @@ pub(crate) fn check_padding(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::scalar::put_bits;
+
+    #[test]
+    fn checksum_is_crc32_iso_hdlc() {
+        // The check value docs/wire-format.md gives.
+        assert_eq!(crc32fast::hash(b"123456789"), 0xCBF4_3926);
+    }
+
+    #[test]
+    fn bit_stream_example_from_the_spec() {
+        let mut s = [0u8; 2];
+        for (j, c) in [1u8, 3, 0, 2, 1].into_iter().enumerate() {
+            put_bits(&mut s, j, 2, c);
+        }
+        assert_eq!(s, [0x8D, 0x01]);
+    }
+
+    #[test]
+    fn header_round_trips_and_rejects_short_input() {
+        let h = Header {
+            codec: CodecId::Qsgd,
+            flags: FLAG_NONFINITE,
+            elements: 1 << 33,
+            payload_len: 7,
+            seed: u64::MAX,
+            offset: 12,
+            params: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+        };
+        let mut buf = [0u8; HEADER_LEN];
+        h.write(&mut buf);
+        assert_eq!(Header::parse(&buf), Ok(h));
+        assert!(h.nonfinite());
+        assert_eq!(h.frame_len(), 63);
+        for len in 0..HEADER_LEN {
+            assert!(Header::parse(&buf[..len]).is_err());
+        }
+        assert!(matches!(split(&buf), Err(Error::Truncated { needed: 63, .. })));
+    }
+}

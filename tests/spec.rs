@@ -1,0 +1,113 @@
+//! Codec specs: parse, print (canonical form) and errors that name the bad key or value
+//! and what is accepted.
+
+use gradpack::{Codec, CodecId, CodecSpec, Error};
+
+#[test]
+fn specs_from_the_docs_parse_and_print_canonically() {
+    let cases = [
+        ("identity", "identity"),
+        ("fp16", "fp16"),
+        ("bf16", "bf16"),
+        ("int8", "int8:block=256,rounding=nearest"),
+        ("int8:block=256", "int8:block=256,rounding=nearest"),
+        ("int8:block=256,rounding=stochastic", "int8:block=256,rounding=stochastic"),
+        ("int8: rounding = stochastic , block=64", "int8:block=64,rounding=stochastic"),
+        ("qsgd:bits=4,block=512", "qsgd:bits=4,block=512"),
+        ("qsgd", "qsgd:bits=4,block=512"),
+        ("sign:block=1024", "sign:block=1024"),
+        ("ternary", "ternary:block=1024"),
+        ("natural", "natural:block=1024"),
+        ("topk:ratio=0.01,values=fp16", "topk:ratio=0.01,values=fp16"),
+        ("topk", "topk:ratio=0.01,values=f32"),
+        ("topk:k=1000", "topk:k=1000,values=f32"),
+        ("randk:ratio=0.01", "randk:ratio=0.01,values=f32,scale=none"),
+        ("randk:ratio=0.5,scale=unbiased,values=fp16", "randk:ratio=0.5,values=fp16,scale=unbiased"),
+    ];
+    for (input, canonical) in cases {
+        let spec: CodecSpec = input.parse().unwrap_or_else(|e| panic!("{input}: {e}"));
+        assert_eq!(spec.to_string(), canonical);
+        let again: CodecSpec = canonical.parse().unwrap();
+        assert_eq!(again, spec, "{canonical} does not parse back to itself");
+    }
+}
+
+fn reason(s: &str) -> String {
+    match s.parse::<CodecSpec>() {
+        Err(Error::Spec { spec, reason }) => {
+            assert_eq!(spec, s);
+            reason
+        }
+        other => panic!("{s}: expected a spec error, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_specs_name_the_problem_and_the_accepted_values() {
+    let r = reason("int9");
+    assert!(r.contains("\"int9\"") && r.contains("int8") && r.contains("randk"), "{r}");
+    let r = reason("int8:blok=256");
+    assert!(r.contains("`blok`") && r.contains("block") && r.contains("rounding"), "{r}");
+    let r = reason("int8:rounding=up");
+    assert!(r.contains("rounding=up") && r.contains("nearest") && r.contains("stochastic"), "{r}");
+    let r = reason("int8:block=0");
+    assert!(r.contains("block=0") && r.contains("1..=16777216"), "{r}");
+    let r = reason("int8:block=99999999999999999999");
+    assert!(r.contains("block="), "{r}");
+    let r = reason("qsgd:bits=3");
+    assert!(r.contains("bits=3") && r.contains("2, 4, 8"), "{r}");
+    let r = reason("topk:ratio=0");
+    assert!(r.contains("ratio=0") && r.contains("(0, 1]"), "{r}");
+    let r = reason("topk:ratio=1.5");
+    assert!(r.contains("(0, 1]"), "{r}");
+    let r = reason("topk:ratio=nan");
+    assert!(r.contains("(0, 1]"), "{r}");
+    let r = reason("topk:ratio=0.1,k=5");
+    assert!(r.contains("not both"), "{r}");
+    let r = reason("topk:values=int4");
+    assert!(r.contains("f32") && r.contains("fp16"), "{r}");
+    let r = reason("fp16:block=4");
+    assert!(r.contains("fp16 takes no parameters"), "{r}");
+    let r = reason("int8:block=64,block=32");
+    assert!(r.contains("twice"), "{r}");
+    let r = reason("int8:block");
+    assert!(r.contains("key=value"), "{r}");
+    let r = reason("int8:");
+    assert!(r.contains("key=value"), "{r}");
+    let r = reason("");
+    assert!(r.contains("unknown codec"), "{r}");
+}
+
+#[test]
+fn constructors_validate_like_the_parser() {
+    assert!(gradpack::Int8::new(0, gradpack::Rounding::Nearest).is_err());
+    assert!(gradpack::Int8::new(1 << 25, gradpack::Rounding::Nearest).is_err());
+    assert!(gradpack::Qsgd::new(3, 64).is_err());
+    assert!(gradpack::TopK::new(gradpack::TopKSelect::Ratio(0.0), gradpack::ValueType::F32).is_err());
+    assert!(gradpack::RandK::new(f64::NAN, gradpack::ValueType::F32, gradpack::RandKScale::None).is_err());
+    let e = gradpack::Sign::new(0).unwrap_err();
+    assert!(e.to_string().contains("sign") && e.to_string().contains("block"), "{e}");
+}
+
+#[test]
+fn ids_names_and_spec_metadata_agree() {
+    for id in CodecId::ALL {
+        assert_eq!(CodecId::from_u8(id as u8), Some(id));
+        let spec: CodecSpec = id.name().parse().unwrap();
+        assert_eq!(spec.id(), id);
+        assert_eq!(spec.spec(), spec);
+    }
+    assert_eq!(CodecId::from_u8(10), None);
+    let bits = |s: &str| s.parse::<CodecSpec>().unwrap().bits_per_element(1 << 20);
+    assert_eq!(bits("identity"), 32.0);
+    assert_eq!(bits("fp16"), 16.0);
+    assert_eq!(bits("int8:block=256"), 8.0 + 32.0 / 256.0);
+    assert_eq!(bits("qsgd:bits=2,block=512"), 2.0 + 32.0 / 512.0);
+    assert_eq!(bits("sign:block=1024"), 1.0 + 32.0 / 1024.0);
+    assert!((bits("randk:ratio=0.01") - 0.32).abs() < 1e-6);
+    assert!(bits("topk:ratio=0.01,values=fp16") > 16.0 * 0.01);
+    assert!("qsgd".parse::<CodecSpec>().unwrap().unbiased());
+    assert!(!"sign".parse::<CodecSpec>().unwrap().unbiased());
+    assert!(!"randk".parse::<CodecSpec>().unwrap().unbiased());
+    assert!("randk:scale=unbiased".parse::<CodecSpec>().unwrap().unbiased());
+}

@@ -1,0 +1,314 @@
+#!/usr/bin/env python3
+"""An independent decoder of gradpack wire format v1, written from docs/wire-format.md
+alone (no Rust code consulted), run against the golden vectors.
+
+It checks that the specification is complete: every golden frame in tests/vectors must
+decode to the stored output (bit for bit; any NaN matches any NaN), and corrupted copies
+must be rejected where the spec says so. Pure standard library (zlib's CRC-32 is a
+second implementation of the header checksum).
+
+Usage: python3 tests/spec_decoder.py            (exit 0 on success)
+"""
+
+import math
+import os
+import struct
+import sys
+import zlib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VECTORS = os.path.join(HERE, "vectors")
+M64 = (1 << 64) - 1
+M32 = (1 << 32) - 1
+
+
+class Reject(Exception):
+    pass
+
+
+# ---------------------------------------------------------------- f32 helpers (spec 1)
+
+def f32_bits(x):
+    """Round a Python float to the nearest f32 (single rounding) and return its bits."""
+    if math.isnan(x):
+        return 0x7FC00000
+    if math.isinf(x):
+        return 0x7F800000 | (0x80000000 if x < 0 else 0)
+    try:
+        return struct.unpack("<I", struct.pack("<f", x))[0]
+    except OverflowError:  # rounds beyond f32::MAX
+        return 0x7F800000 | (0x80000000 if x < 0 else 0)
+
+
+def bits_f32(b):
+    return struct.unpack("<f", struct.pack("<I", b))[0]
+
+
+def f32_at(buf, i):
+    return struct.unpack_from("<f", buf, i)[0]
+
+
+def f16_to_f32_bits(h):  # spec 3.2
+    sign = (h & 0x8000) << 16
+    exp = (h >> 10) & 0x1F
+    man = h & 0x3FF
+    if exp == 0x1F:
+        return sign | 0x7F800000 | ((0x400000 | (man << 13)) if man else 0)
+    if exp == 0:
+        return f32_bits(math.ldexp(man, -24) * (-1 if sign else 1)) if man else sign
+    return sign | ((exp - 15 + 127) << 23) | (man << 13)
+
+
+# ---------------------------------------------------------------- spec 2.2, 2.3
+
+def stream_value(buf, start, j, w):
+    """Value j of width w of the LSB-first bit stream starting at byte `start`."""
+    v = 0
+    for k in range(w):
+        s = j * w + k
+        v |= ((buf[start + s // 8] >> (s % 8)) & 1) << k
+    return v
+
+
+def splitmix64(z):
+    z = (z + 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def lowbias32(x):
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)
+
+
+def draw(seed, stream, g):
+    lo, hi = g & M32, g >> 32
+    key = splitmix64(seed ^ stream ^ ((hi * 0x9E3779B97F4A7C15) & M64)) & M32
+    return lowbias32(lo ^ key)
+
+
+SELECT = 0xD1B54A32D192ED03
+
+
+# ---------------------------------------------------------------- decoder
+
+def decode(frame):
+    """Return (elements, list of f32 bit patterns, flags) or raise Reject."""
+    if len(frame) < 5 or frame[0:4] != b"GPAK":
+        raise Reject("magic")
+    if frame[4] != 1:
+        raise Reject("version")
+    if len(frame) < 56:
+        raise Reject("truncated header")
+    if zlib.crc32(frame[0:52]) != struct.unpack_from("<I", frame, 52)[0]:
+        raise Reject("header crc")
+    codec = frame[5]
+    flags, = struct.unpack_from("<H", frame, 6)
+    n, plen, seed, offset = struct.unpack_from("<QQQQ", frame, 8)
+    params = frame[40:52]
+    if codec > 9:
+        raise Reject("codec id")
+    if flags & ~1:
+        raise Reject("reserved flags")
+    if offset + n > M64:
+        raise Reject("offset overflow")
+    if len(frame) != 56 + plen:
+        raise Reject("frame length")
+    p = frame[56:]
+
+    def zero_from(k):
+        if any(params[k:]):
+            raise Reject("unused params")
+
+    def want_len(L):
+        if plen != L:
+            raise Reject("payload length")
+
+    def block():
+        b, = struct.unpack_from("<I", params, 0)
+        if not 1 <= b <= 1 << 24:
+            raise Reject("block")
+        return b
+
+    def padding(start, count, w):
+        used = count * w % 8
+        if used and (p[start + (count * w + 7) // 8 - 1] >> used):
+            raise Reject("padding")
+
+    out = [0] * n
+    if codec == 0:  # identity
+        zero_from(0)
+        if seed:
+            raise Reject("seed")
+        want_len(4 * n)
+        out = [struct.unpack_from("<I", p, 4 * i)[0] for i in range(n)]
+    elif codec in (1, 2):  # fp16, bf16
+        zero_from(0)
+        if seed:
+            raise Reject("seed")
+        want_len(2 * n)
+        for i in range(n):
+            h, = struct.unpack_from("<H", p, 2 * i)
+            out[i] = f16_to_f32_bits(h) if codec == 1 else h << 16
+    elif codec == 3:  # int8
+        b = block()
+        if params[4] not in (0, 1):
+            raise Reject("rounding")
+        zero_from(5)
+        if params[4] == 0 and seed:
+            raise Reject("seed")
+        nb = -(-n // b)
+        want_len(4 * nb + n)
+        for i in range(n):
+            step = f32_at(p, 4 * (i // b))
+            code = struct.unpack_from("<b", p, 4 * nb + i)[0]
+            out[i] = f32_bits(code * step)
+    elif codec in (4, 6):  # qsgd, ternary
+        b = block()
+        bits = params[4] if codec == 4 else 2
+        if codec == 4:
+            if bits not in (2, 4, 8):
+                raise Reject("bits")
+            zero_from(5)
+        else:
+            zero_from(4)
+        nb = -(-n // b)
+        want_len(4 * nb + (n * bits + 7) // 8)
+        padding(4 * nb, n, bits)
+        for i in range(n):
+            step = f32_at(p, 4 * (i // b))
+            c = stream_value(p, 4 * nb, i, bits)
+            level = c & ((1 << (bits - 1)) - 1)
+            v = f32_bits(level * step)
+            out[i] = v ^ 0x80000000 if c >> (bits - 1) else v
+    elif codec == 5:  # sign
+        b = block()
+        zero_from(4)
+        if seed:
+            raise Reject("seed")
+        nb = -(-n // b)
+        want_len(4 * nb + (n + 7) // 8)
+        padding(4 * nb, n, 1)
+        for i in range(n):
+            s = struct.unpack_from("<I", p, 4 * (i // b))[0]
+            out[i] = s ^ 0x80000000 if stream_value(p, 4 * nb, i, 1) else s
+    elif codec == 7:  # natural
+        b = block()
+        zero_from(4)
+        nb = -(-n // b)
+        want_len(nb + n)
+        for R in p[:nb]:
+            if R < 104 and R != 255:
+                raise Reject("reference byte")
+        for i in range(n):
+            R = p[i // b]
+            c = p[nb + i]
+            if R == 255:
+                out[i] = 0x7FC00000
+                continue
+            m = c & 0x7F
+            v = f32_bits(math.ldexp(1.0, R - 127 - 127 + m)) if m else 0
+            out[i] = v | (0x80000000 if c & 0x80 else 0)
+    elif codec == 8:  # topk
+        k, = struct.unpack_from("<Q", params, 0)
+        vt, w = params[8], params[9]
+        if n > 1 << 32 or k > n or vt not in (0, 1) or w > 32 or (k == 0 and w != 0):
+            raise Reject("topk params")
+        zero_from(10)
+        if seed:
+            raise Reject("seed")
+        vb = 4 if vt == 0 else 2
+        want_len(k * vb + (k * w + 7) // 8)
+        padding(k * vb, k, w)
+        idx, prev = [], -1
+        for j in range(k):
+            i = prev + 1 + stream_value(p, k * vb, j, w)
+            if i >= n:
+                raise Reject("index")
+            idx.append(i)
+            prev = i
+        for j, i in enumerate(idx):
+            if vt == 0:
+                out[i] = struct.unpack_from("<I", p, 4 * j)[0]
+            else:
+                out[i] = f16_to_f32_bits(struct.unpack_from("<H", p, 2 * j)[0])
+    elif codec == 9:  # randk
+        t, = struct.unpack_from("<Q", params, 0)
+        vt, sc = params[8], params[9]
+        if not 1 <= t <= 1 << 32 or vt not in (0, 1) or sc not in (0, 1):
+            raise Reject("randk params")
+        zero_from(10)
+        vb = 4 if vt == 0 else 2
+        if plen % vb or plen // vb > n:
+            raise Reject("payload length")
+        kept = [i for i in range(n) if draw(seed, SELECT, offset + i) < t]
+        if len(kept) != plen // vb:
+            raise Reject("kept count")
+        if flags & 1:
+            out = [0x7FC00000] * n
+        else:
+            for j, i in enumerate(kept):
+                if vt == 0:
+                    out[i] = struct.unpack_from("<I", p, 4 * j)[0]
+                else:
+                    out[i] = f16_to_f32_bits(struct.unpack_from("<H", p, 2 * j)[0])
+    return n, out, flags
+
+
+def is_nan(b):
+    return (b & 0x7F800000) == 0x7F800000 and (b & 0x7FFFFF) != 0
+
+
+def main():
+    names = sorted(f for f in os.listdir(VECTORS) if f.endswith(".gpk"))
+    if not names:
+        print("no golden vectors found", file=sys.stderr)
+        return 1
+    failed = 0
+    checked = 0
+    for name in names:
+        frame = open(os.path.join(VECTORS, name), "rb").read()
+        expected_raw = open(os.path.join(VECTORS, name[:-4] + ".out.f32"), "rb").read()
+        expected = list(struct.unpack("<%dI" % (len(expected_raw) // 4), expected_raw))
+        try:
+            n, got, flags = decode(frame)
+        except Reject as e:
+            print("FAIL %s: rejected (%s)" % (name, e))
+            failed += 1
+            continue
+        bad = [i for i in range(n) if not (got[i] == expected[i] or (is_nan(got[i]) and is_nan(expected[i])))]
+        if n != len(expected) or bad:
+            i = bad[0] if bad else 0
+            print("FAIL %s: element %d: spec decoder %#010x, gradpack %#010x" % (name, i, got[i], expected[i]))
+            failed += 1
+        if (".nonfinite" in name) != bool(flags & 1):
+            print("FAIL %s: NONFINITE flag %d" % (name, flags & 1))
+            failed += 1
+        # Truncations and header bit flips must be rejected.
+        for cut in (0, 4, 55, len(frame) - 1):
+            try:
+                decode(frame[:cut])
+                print("FAIL %s: accepted a frame cut to %d bytes" % (name, cut))
+                failed += 1
+            except Reject:
+                pass
+        for bit in range(0, 56 * 8, 7):
+            g = bytearray(frame)
+            g[bit // 8] ^= 1 << (bit % 8)
+            try:
+                decode(bytes(g))
+                print("FAIL %s: accepted a flip of header bit %d" % (name, bit))
+                failed += 1
+            except Reject:
+                pass
+        checked += 1
+    print("spec-decoder: %d passed, %d failed" % (checked - failed, failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
