@@ -158,11 +158,25 @@ pub trait Codec: Send + Sync + fmt::Debug {
     /// The frame is fully validated before `acc` is touched.
     fn decode_add(&self, frame: &[u8], acc: &mut [f32]) -> Result<()>;
 
+    /// Check that `encode_into` of `n` elements with `ctx` cannot fail given a buffer of
+    /// `max_encoded_len(n)` bytes (the offset does not overflow, codec limits hold).
+    fn check_encode(&self, n: usize, ctx: &EncodeCtx) -> Result<()> {
+        if ctx.offset.checked_add(n as u64).is_none() {
+            return Err(Error::Param {
+                codec: self.id(),
+                name: "offset",
+                reason: format!("offset {} + {n} elements overflows u64", ctx.offset),
+            });
+        }
+        Ok(())
+    }
+
     /// Encode with error feedback: `p = x + residual` is encoded into `out`, and the
     /// residual becomes `p - decode(frame)`. Returns the frame length.
     ///
     /// This default runs three passes (add, encode, subtract the decoded frame) and needs
-    /// `out.len() >= max_encoded_len(x.len())`; on error the residual is unchanged.
+    /// `out.len() >= max_encoded_len(x.len())`. Every argument is validated before the
+    /// residual is touched, so on error the residual is unchanged.
     fn encode_with_residual(
         &self,
         x: &[f32],
@@ -184,18 +198,11 @@ pub trait Codec: Send + Sync + fmt::Debug {
                 got: out.len(),
             });
         }
+        self.check_encode(x.len(), ctx)?;
         for (r, &g) in residual.iter_mut().zip(x) {
             *r += g;
         }
-        let len = match self.encode_into(residual, ctx, out) {
-            Ok(len) => len,
-            Err(e) => {
-                for (r, &g) in residual.iter_mut().zip(x) {
-                    *r -= g;
-                }
-                return Err(e);
-            }
-        };
+        let len = self.encode_into(residual, ctx, out)?;
         // residual = p - D, computed as -((-p) + D), which is exactly p - D in IEEE.
         for r in residual.iter_mut() {
             *r = -*r;
@@ -393,6 +400,9 @@ impl Codec for CodecSpec {
     }
     fn decode_add(&self, frame: &[u8], acc: &mut [f32]) -> Result<()> {
         self.as_codec().decode_add(frame, acc)
+    }
+    fn check_encode(&self, n: usize, ctx: &EncodeCtx) -> Result<()> {
+        self.as_codec().check_encode(n, ctx)
     }
 }
 

@@ -11,8 +11,14 @@ fn specs_from_the_docs_parse_and_print_canonically() {
         ("bf16", "bf16"),
         ("int8", "int8:block=256,rounding=nearest"),
         ("int8:block=256", "int8:block=256,rounding=nearest"),
-        ("int8:block=256,rounding=stochastic", "int8:block=256,rounding=stochastic"),
-        ("int8: rounding = stochastic , block=64", "int8:block=64,rounding=stochastic"),
+        (
+            "int8:block=256,rounding=stochastic",
+            "int8:block=256,rounding=stochastic",
+        ),
+        (
+            "int8: rounding = stochastic , block=64",
+            "int8:block=64,rounding=stochastic",
+        ),
         ("qsgd:bits=4,block=512", "qsgd:bits=4,block=512"),
         ("qsgd", "qsgd:bits=4,block=512"),
         ("sign:block=1024", "sign:block=1024"),
@@ -22,7 +28,10 @@ fn specs_from_the_docs_parse_and_print_canonically() {
         ("topk", "topk:ratio=0.01,values=f32"),
         ("topk:k=1000", "topk:k=1000,values=f32"),
         ("randk:ratio=0.01", "randk:ratio=0.01,values=f32,scale=none"),
-        ("randk:ratio=0.5,scale=unbiased,values=fp16", "randk:ratio=0.5,values=fp16,scale=unbiased"),
+        (
+            "randk:ratio=0.5,scale=unbiased,values=fp16",
+            "randk:ratio=0.5,values=fp16,scale=unbiased",
+        ),
     ];
     for (input, canonical) in cases {
         let spec: CodecSpec = input.parse().unwrap_or_else(|e| panic!("{input}: {e}"));
@@ -45,11 +54,20 @@ fn reason(s: &str) -> String {
 #[test]
 fn bad_specs_name_the_problem_and_the_accepted_values() {
     let r = reason("int9");
-    assert!(r.contains("\"int9\"") && r.contains("int8") && r.contains("randk"), "{r}");
+    assert!(
+        r.contains("\"int9\"") && r.contains("int8") && r.contains("randk"),
+        "{r}"
+    );
     let r = reason("int8:blok=256");
-    assert!(r.contains("`blok`") && r.contains("block") && r.contains("rounding"), "{r}");
+    assert!(
+        r.contains("`blok`") && r.contains("block") && r.contains("rounding"),
+        "{r}"
+    );
     let r = reason("int8:rounding=up");
-    assert!(r.contains("rounding=up") && r.contains("nearest") && r.contains("stochastic"), "{r}");
+    assert!(
+        r.contains("rounding=up") && r.contains("nearest") && r.contains("stochastic"),
+        "{r}"
+    );
     let r = reason("int8:block=0");
     assert!(r.contains("block=0") && r.contains("1..=16777216"), "{r}");
     let r = reason("int8:block=99999999999999999999");
@@ -83,10 +101,22 @@ fn constructors_validate_like_the_parser() {
     assert!(gradpack::Int8::new(0, gradpack::Rounding::Nearest).is_err());
     assert!(gradpack::Int8::new(1 << 25, gradpack::Rounding::Nearest).is_err());
     assert!(gradpack::Qsgd::new(3, 64).is_err());
-    assert!(gradpack::TopK::new(gradpack::TopKSelect::Ratio(0.0), gradpack::ValueType::F32).is_err());
-    assert!(gradpack::RandK::new(f64::NAN, gradpack::ValueType::F32, gradpack::RandKScale::None).is_err());
+    assert!(
+        gradpack::TopK::new(gradpack::TopKSelect::Ratio(0.0), gradpack::ValueType::F32).is_err()
+    );
+    assert!(
+        gradpack::RandK::new(
+            f64::NAN,
+            gradpack::ValueType::F32,
+            gradpack::RandKScale::None
+        )
+        .is_err()
+    );
     let e = gradpack::Sign::new(0).unwrap_err();
-    assert!(e.to_string().contains("sign") && e.to_string().contains("block"), "{e}");
+    assert!(
+        e.to_string().contains("sign") && e.to_string().contains("block"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -109,5 +139,10 @@ fn ids_names_and_spec_metadata_agree() {
     assert!("qsgd".parse::<CodecSpec>().unwrap().unbiased());
     assert!(!"sign".parse::<CodecSpec>().unwrap().unbiased());
     assert!(!"randk".parse::<CodecSpec>().unwrap().unbiased());
-    assert!("randk:scale=unbiased".parse::<CodecSpec>().unwrap().unbiased());
+    assert!(
+        "randk:scale=unbiased"
+            .parse::<CodecSpec>()
+            .unwrap()
+            .unbiased()
+    );
 }

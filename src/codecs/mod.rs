@@ -57,6 +57,10 @@ pub(crate) mod scheme {
     {
         /// Byte 5 of this codec's frames.
         const ID: CodecId;
+        /// Codec-specific limits on the element count an encoder accepts.
+        fn check_elements(&self, _n: u64) -> Result<()> {
+            Ok(())
+        }
         /// Upper bound on payload bytes for `n` elements (saturating).
         fn max_payload(&self, n: u64) -> u64;
         /// Encode `x` into the payload area `out[HEADER_LEN..]` (use `payload_buf`).
@@ -94,15 +98,20 @@ impl<S: Scheme> Codec for S {
         usize::try_from(len).unwrap_or(usize::MAX)
     }
 
-    fn encode_into(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<usize> {
-        let n = x.len() as u64;
-        if ctx.offset.checked_add(n).is_none() {
+    fn check_encode(&self, n: usize, ctx: &EncodeCtx) -> Result<()> {
+        if ctx.offset.checked_add(n as u64).is_none() {
             return Err(Error::Param {
                 codec: S::ID,
                 name: "offset",
-                reason: format!("offset {} + {} elements overflows u64", ctx.offset, n),
+                reason: format!("offset {} + {n} elements overflows u64", ctx.offset),
             });
         }
+        self.check_elements(n as u64)
+    }
+
+    fn encode_into(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<usize> {
+        self.check_encode(x.len(), ctx)?;
+        let n = x.len() as u64;
         let e = self.encode_payload(x, ctx, out)?;
         let flags = if e.nonfinite { wire::FLAG_NONFINITE } else { 0 };
         Header {

@@ -211,6 +211,19 @@ fn for_each_kept(x: &[f32], t: u32, mut need_eq: usize, mut f: impl FnMut(usize)
 impl Scheme for TopK {
     const ID: CodecId = CodecId::TopK;
 
+    fn check_elements(&self, n: u64) -> Result<()> {
+        if n > TOPK_MAX_ELEMENTS {
+            return Err(Error::Param {
+                codec: CodecId::TopK,
+                name: "elements",
+                reason: format!(
+                    "{n} elements exceed the top-k frame limit of 2^32; chunk the tensor"
+                ),
+            });
+        }
+        Ok(())
+    }
+
     fn max_payload(&self, n: u64) -> u64 {
         let k = self.k_for(n);
         let w = bit_width(n.saturating_sub(1)) as u64;
@@ -224,15 +237,6 @@ impl Scheme for TopK {
 
     fn encode_payload(&self, x: &[f32], _ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
         let n = x.len() as u64;
-        if n > TOPK_MAX_ELEMENTS {
-            return Err(Error::Param {
-                codec: CodecId::TopK,
-                name: "elements",
-                reason: format!(
-                    "{n} elements exceed the top-k frame limit of 2^32; chunk the tensor"
-                ),
-            });
-        }
         let k = self.k_for(n) as usize;
         let mut params = [0u8; 12];
         params[0..8].copy_from_slice(&(k as u64).to_le_bytes());

@@ -266,6 +266,9 @@ mod tests {
         for len in 0..HEADER_LEN {
             assert!(Header::parse(&buf[..len]).is_err());
         }
-        assert!(matches!(split(&buf), Err(Error::Truncated { needed: 63, .. })));
+        assert!(matches!(
+            split(&buf),
+            Err(Error::Truncated { needed: 63, .. })
+        ));
     }
 }
