@@ -389,3 +389,53 @@ pub(crate) fn decode_signmag<const ADD: bool>(
     crate::kernels::scalar::decode_signmag::<ADD>(steps, codes, block as usize, bits, out);
     Ok(())
 }
+
+/// The struct, `Default`, `new`, `block`, `from_args`, `Display` and
+/// `From<_> for CodecSpec` of a codec whose only parameter is its block size.
+macro_rules! block_only_codec {
+    ($(#[$doc:meta])* $T:ident, $id:ident, default_block = $default:expr) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub struct $T {
+            block: u32,
+        }
+
+        impl Default for $T {
+            fn default() -> Self {
+                $T { block: $default }
+            }
+        }
+
+        impl $T {
+            /// The codec with blocks of `block` elements (1..=2^24).
+            pub fn new(block: usize) -> Result<$T> {
+                Ok($T {
+                    block: check_block(CodecId::$id, block)?,
+                })
+            }
+
+            /// Elements per block.
+            pub fn block(&self) -> usize {
+                self.block as usize
+            }
+
+            pub(crate) fn from_args(a: &mut Args) -> core::result::Result<$T, String> {
+                let block = a.uint("block", $default, 1..=MAX_BLOCK as u64)? as u32;
+                Ok($T { block })
+            }
+        }
+
+        impl core::fmt::Display for $T {
+            fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+                write!(f, "{}:block={}", CodecId::$id.name(), self.block)
+            }
+        }
+
+        impl From<$T> for CodecSpec {
+            fn from(c: $T) -> CodecSpec {
+                CodecSpec::$id(c)
+            }
+        }
+    };
+}
+pub(crate) use block_only_codec;

@@ -16,11 +16,9 @@
 //!
 //! A block holding NaN or ±Inf is written with reference byte 255 and decodes to all NaN.
 
-use core::fmt;
-
 use super::{
-    EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_params, block_payload, check_block,
-    expect_payload, read_block,
+    EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_only_codec, block_params, block_payload,
+    check_block, expect_payload, read_block,
 };
 use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::{Error, Result};
@@ -28,48 +26,12 @@ use crate::kernels::scalar::{self, NATURAL_MIN_REF, NATURAL_NONFINITE};
 use crate::rng::{Draws, STREAM_ROUNDING};
 use crate::wire::{HEADER_LEN, Header};
 
-/// Natural compression with a per-block reference exponent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Natural {
-    block: u32,
-}
-
-impl Default for Natural {
-    fn default() -> Self {
-        Natural { block: 1024 }
-    }
-}
-
-impl Natural {
-    /// Natural compression with blocks of `block` elements (1..=2^24).
-    pub fn new(block: usize) -> Result<Natural> {
-        Ok(Natural {
-            block: check_block(CodecId::Natural, block)?,
-        })
-    }
-
-    /// Elements per block.
-    pub fn block(&self) -> usize {
-        self.block as usize
-    }
-
-    pub(crate) fn from_args(a: &mut Args) -> core::result::Result<Natural, String> {
-        let block = a.uint("block", 1024, 1..=MAX_BLOCK as u64)? as u32;
-        Ok(Natural { block })
-    }
-}
-
-impl fmt::Display for Natural {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "natural:block={}", self.block)
-    }
-}
-
-impl From<Natural> for CodecSpec {
-    fn from(c: Natural) -> CodecSpec {
-        CodecSpec::Natural(c)
-    }
-}
+block_only_codec!(
+    /// Natural compression with a per-block reference exponent.
+    Natural,
+    Natural,
+    default_block = 1024
+);
 
 impl Scheme for Natural {
     const ID: CodecId = CodecId::Natural;

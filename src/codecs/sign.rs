@@ -9,59 +9,21 @@
 //! `||p - D||^2 = ||p||^2 - ||p||_1^2 / n`, the least any ±c code can achieve.
 //! A block holding NaN or ±Inf decodes to all NaN.
 
-use core::fmt;
-
 use super::{
-    EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_params, block_payload, check_block,
-    expect_payload, read_block,
+    EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_only_codec, block_params, block_payload,
+    check_block, expect_payload, read_block,
 };
 use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::Result;
 use crate::kernels::scalar;
 use crate::wire::{self, HEADER_LEN, Header};
 
-/// One sign bit per element with a per-block mean-|x| scale.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Sign {
-    block: u32,
-}
-
-impl Default for Sign {
-    fn default() -> Self {
-        Sign { block: 1024 }
-    }
-}
-
-impl Sign {
-    /// Sign with blocks of `block` elements (1..=2^24).
-    pub fn new(block: usize) -> Result<Sign> {
-        Ok(Sign {
-            block: check_block(CodecId::Sign, block)?,
-        })
-    }
-
-    /// Elements per block.
-    pub fn block(&self) -> usize {
-        self.block as usize
-    }
-
-    pub(crate) fn from_args(a: &mut Args) -> core::result::Result<Sign, String> {
-        let block = a.uint("block", 1024, 1..=MAX_BLOCK as u64)? as u32;
-        Ok(Sign { block })
-    }
-}
-
-impl fmt::Display for Sign {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "sign:block={}", self.block)
-    }
-}
-
-impl From<Sign> for CodecSpec {
-    fn from(c: Sign) -> CodecSpec {
-        CodecSpec::Sign(c)
-    }
-}
+block_only_codec!(
+    /// One sign bit per element with a per-block mean-|x| scale.
+    Sign,
+    Sign,
+    default_block = 1024
+);
 
 impl Scheme for Sign {
     const ID: CodecId = CodecId::Sign;

@@ -7,59 +7,21 @@
 //! (`00` 0, `01` +1, `11` -1; `10` is a negative zero and decodes to 0).
 //! A block holding NaN or ±Inf decodes to all NaN.
 
-use core::fmt;
-
 use super::{
-    EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_params, block_payload, check_block,
-    decode_signmag, encode_signmag, expect_payload, read_block,
+    EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_only_codec, block_params, block_payload,
+    check_block, decode_signmag, encode_signmag, expect_payload, read_block,
 };
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::Result;
 use crate::kernels::scalar::Measure;
 use crate::wire::Header;
 
-/// TernGrad with a per-block absmax scale.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ternary {
-    block: u32,
-}
-
-impl Default for Ternary {
-    fn default() -> Self {
-        Ternary { block: 1024 }
-    }
-}
-
-impl Ternary {
-    /// TernGrad with blocks of `block` elements (1..=2^24).
-    pub fn new(block: usize) -> Result<Ternary> {
-        Ok(Ternary {
-            block: check_block(CodecId::Ternary, block)?,
-        })
-    }
-
-    /// Elements per block.
-    pub fn block(&self) -> usize {
-        self.block as usize
-    }
-
-    pub(crate) fn from_args(a: &mut Args) -> core::result::Result<Ternary, String> {
-        let block = a.uint("block", 1024, 1..=MAX_BLOCK as u64)? as u32;
-        Ok(Ternary { block })
-    }
-}
-
-impl fmt::Display for Ternary {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ternary:block={}", self.block)
-    }
-}
-
-impl From<Ternary> for CodecSpec {
-    fn from(c: Ternary) -> CodecSpec {
-        CodecSpec::Ternary(c)
-    }
-}
+block_only_codec!(
+    /// TernGrad with a per-block absmax scale.
+    Ternary,
+    Ternary,
+    default_block = 1024
+);
 
 impl Scheme for Ternary {
     const ID: CodecId = CodecId::Ternary;
