@@ -69,6 +69,18 @@ impl Draws {
         }
     }
 
+    /// The key of the 2^32-element window holding global index `i`:
+    /// `draw(i) == lowbias32(i as u32 ^ key_for(i))`.
+    #[inline]
+    pub fn key_for(&self, i: u64) -> u32 {
+        let hi = (i >> 32) as u32;
+        if hi == self.hi {
+            self.key
+        } else {
+            key(self.seed, self.stream, hi)
+        }
+    }
+
     /// The 32-bit draw for global element index `i`.
     #[inline]
     pub fn draw(&self, i: u64) -> u32 {

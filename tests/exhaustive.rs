@@ -4,7 +4,7 @@
 //! The test profile builds with optimisation (Cargo.toml), so plain `cargo test` runs
 //! these in a few seconds per conversion on two cores; they are not ignored.
 
-use gradpack::kernels::scalar;
+use gradpack::kernels::{self, Backend, BackendKind, scalar};
 
 /// Run `check(bits)` over all 2^32 patterns on every core, returning the first mismatch.
 fn all_patterns(check: impl Fn(u32) -> bool + Sync) -> Option<u32> {
@@ -56,6 +56,87 @@ fn bf16_encode_matches_half_for_every_f32() {
             "f32 {b:#010x} ({x:e}): ours {:#06x}, half {:#06x}",
             scalar::f32_to_bf16(x),
             half::bf16::from_f32(x).to_bits()
+        );
+    }
+}
+
+/// Run the kernels of every backend on all 2^32 patterns (in 64 Ki chunks) against the
+/// scalar oracle; the oracle itself is checked against `half` above.
+fn every_backend_encodes_like_the_oracle(
+    name: &str,
+    kernel: fn(&[f32], &mut [u8]) -> bool,
+    oracle: fn(f32) -> u16,
+) {
+    for kind in BackendKind::ALL {
+        let Some(b) = Backend::of(kind) else {
+            println!(
+                "SKIP {name} on backend {}: not supported on this CPU",
+                kind.name()
+            );
+            continue;
+        };
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get()) as u64;
+        let chunks = (1u64 << 32) / 65536;
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                s.spawn(move || {
+                    let mut x = vec![0f32; 65536];
+                    let mut out = vec![0u8; 2 * 65536];
+                    for c in (t..chunks).step_by(threads as usize) {
+                        for (i, v) in x.iter_mut().enumerate() {
+                            *v = f32::from_bits((c << 16) as u32 | i as u32);
+                        }
+                        let nonfinite = b.run(|| kernel(&x, &mut out));
+                        let mut any = false;
+                        for (i, v) in x.iter().enumerate() {
+                            let got = u16::from_le_bytes([out[2 * i], out[2 * i + 1]]);
+                            if got != oracle(*v) {
+                                panic!(
+                                    "{name} on {b}: f32 {:#010x}: {got:#06x}, oracle {:#06x}",
+                                    v.to_bits(),
+                                    oracle(*v)
+                                );
+                            }
+                            any |= !v.is_finite();
+                        }
+                        assert_eq!(nonfinite, any, "{name} on {b}: nonfinite flag, chunk {c}");
+                    }
+                });
+            }
+        });
+    }
+}
+
+#[test]
+fn fp16_kernels_of_every_backend_match_the_oracle() {
+    every_backend_encodes_like_the_oracle("fp16", kernels::encode_f16, scalar::f32_to_f16);
+}
+
+#[test]
+fn bf16_kernels_of_every_backend_match_the_oracle() {
+    every_backend_encodes_like_the_oracle("bf16", kernels::encode_bf16, scalar::f32_to_bf16);
+}
+
+#[test]
+fn sixteen_bit_decode_kernels_of_every_backend_match_the_oracle() {
+    let codes: Vec<u8> = (0..=u16::MAX).flat_map(|h| h.to_le_bytes()).collect();
+    let want16: Vec<u32> = (0..=u16::MAX)
+        .map(|h| scalar::f16_to_f32(h).to_bits())
+        .collect();
+    let wantb: Vec<u32> = (0..=u16::MAX)
+        .map(|h| scalar::bf16_to_f32(h).to_bits())
+        .collect();
+    for b in Backend::available() {
+        let mut out = vec![0f32; 65536];
+        b.run(|| kernels::decode_f16::<false>(&codes, &mut out));
+        assert!(
+            out.iter().map(|v| v.to_bits()).eq(want16.iter().copied()),
+            "f16 decode on {b}"
+        );
+        b.run(|| kernels::decode_bf16::<false>(&codes, &mut out));
+        assert!(
+            out.iter().map(|v| v.to_bits()).eq(wantb.iter().copied()),
+            "bf16 decode on {b}"
         );
     }
 }

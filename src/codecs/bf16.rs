@@ -10,7 +10,7 @@
 use super::{EncodeCtx, Encoded, Scheme, elementwise_codec, expect_payload, payload_buf};
 use crate::codec::{CodecId, CodecSpec};
 use crate::error::Result;
-use crate::kernels::scalar;
+use crate::kernels;
 use crate::wire::Header;
 
 /// bfloat16 with round-to-nearest-even.
@@ -21,6 +21,6 @@ elementwise_codec!(
     Bf16,
     Bf16,
     2,
-    encode = |x, p| scalar::encode_u16(x, p, scalar::f32_to_bf16),
-    decode<ADD> = |p, out| scalar::decode_u16::<ADD>(p, out, scalar::bf16_to_f32)
+    encode = kernels::encode_bf16,
+    decode<ADD> = kernels::decode_bf16::<ADD>
 );

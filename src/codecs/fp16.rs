@@ -11,7 +11,7 @@
 use super::{EncodeCtx, Encoded, Scheme, elementwise_codec, expect_payload, payload_buf};
 use crate::codec::{CodecId, CodecSpec};
 use crate::error::Result;
-use crate::kernels::scalar;
+use crate::kernels;
 use crate::wire::Header;
 
 /// IEEE binary16 with round-to-nearest-even.
@@ -22,6 +22,6 @@ elementwise_codec!(
     Fp16,
     Fp16,
     2,
-    encode = |x, p| scalar::encode_u16(x, p, scalar::f32_to_f16),
-    decode<ADD> = |p, out| scalar::decode_u16::<ADD>(p, out, scalar::f16_to_f32)
+    encode = kernels::encode_f16,
+    decode<ADD> = kernels::decode_f16::<ADD>
 );

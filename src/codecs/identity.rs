@@ -6,7 +6,7 @@
 use super::{EncodeCtx, Encoded, Scheme, elementwise_codec, expect_payload, payload_buf};
 use crate::codec::{CodecId, CodecSpec};
 use crate::error::Result;
-use crate::kernels::scalar;
+use crate::kernels;
 use crate::wire::Header;
 
 /// The uncompressed baseline: 32 bits per element, exact.
@@ -17,6 +17,6 @@ elementwise_codec!(
     Identity,
     Identity,
     4,
-    encode = scalar::encode_f32,
-    decode<ADD> = scalar::decode_f32::<ADD>
+    encode = kernels::encode_f32,
+    decode<ADD> = kernels::decode_f32::<ADD>
 );

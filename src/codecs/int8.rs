@@ -21,7 +21,7 @@ use super::{
 };
 use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::{Error, Result};
-use crate::kernels::scalar::{self, Round};
+use crate::kernels::{self, scalar::Round};
 use crate::rng::{Draws, STREAM_ROUNDING};
 use crate::wire::Header;
 
@@ -131,7 +131,7 @@ impl Scheme for Int8 {
         let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
         let block = self.block as usize;
         let round = self.rounding.kernel();
-        let nonfinite = scalar::encode_int8(x, block, round, &draws, ctx.offset, steps, codes);
+        let nonfinite = kernels::encode_int8(x, block, round, &draws, ctx.offset, steps, codes);
         let stochastic = self.rounding == Rounding::Stochastic;
         Ok(Encoded {
             payload_len: len,
@@ -170,7 +170,7 @@ impl Scheme for Int8 {
         out: &mut [f32],
     ) -> Result<()> {
         let (steps, codes) = p.split_at(p.len() - out.len());
-        scalar::decode_int8::<ADD>(steps, codes, self.block as usize, out);
+        kernels::decode_int8::<ADD>(steps, codes, self.block as usize, out);
         Ok(())
     }
 

@@ -15,7 +15,7 @@ use super::{
 };
 use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::Result;
-use crate::kernels::scalar;
+use crate::kernels;
 use crate::wire::{self, HEADER_LEN, Header};
 
 block_only_codec!(
@@ -37,8 +37,7 @@ impl Scheme for Sign {
         let p = payload_buf(out, len)?;
         let nb = x.len().div_ceil(self.block as usize);
         let (steps, codes) = p.split_at_mut(4 * nb);
-        codes.fill(0);
-        let nonfinite = scalar::encode_sign(x, self.block as usize, steps, codes);
+        let nonfinite = kernels::encode_sign(x, self.block as usize, steps, codes);
         Ok(Encoded {
             payload_len: len,
             params: block_params(self.block, 0),
@@ -61,7 +60,7 @@ impl Scheme for Sign {
         if !codes.is_empty() {
             wire::check_padding(h.codec, codes, HEADER_LEN + 4 * nb, h.elements, 1)?;
         }
-        scalar::decode_sign::<ADD>(steps, codes, self.block as usize, out);
+        kernels::decode_sign::<ADD>(steps, codes, self.block as usize, out);
         Ok(())
     }
 

@@ -1,11 +1,151 @@
-//! The hot loops, by operation.
+//! The hot loops, by operation, and the backend that runs them.
 //!
-//! `scalar` is the oracle and the fallback (DESIGN rule 1): every kernel has a plain
-//! scalar version, and any vectorised backend must produce byte-identical frames and
-//! bit-identical decoded floats. Codecs in `crate::codecs` compose these kernels; they
-//! hold parameters and layout, not arithmetic.
+//! - `scalar` is the oracle and the fallback (DESIGN rule 1): plain code that defines
+//!   every result.
+//! - `portable` holds branch-free versions of the same kernels, compiled once per SIMD
+//!   backend through pulp's `Arch::dispatch` (AVX2 = x86-64-v3, AVX-512 = x86-64-v4,
+//!   NEON), so the compiler vectorises one source for every ISA.
+//! - `x86_64` holds what the vectoriser cannot emit (F16C / AVX-512 half conversions).
 //!
-//! This module is the only place where `unsafe` may appear (for `core::arch` intrinsics),
-//! and every such block must carry a `// SAFETY:` comment.
+//! The functions in this module pick the implementation for [`Backend::current`]. Every
+//! backend gives byte-identical frames and bit-identical decoded floats (tests/backends.rs,
+//! tests/exhaustive.rs). This module tree is the only place `unsafe` may appear, and every
+//! such block carries a `// SAFETY:` comment.
 
+#![allow(unsafe_code)]
+
+pub mod backend;
+mod portable;
 pub mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod x86_64;
+
+pub use backend::{Backend, BackendKind};
+
+use crate::rng::Draws;
+use scalar::Round;
+
+/// Run a portable kernel compiled for backend `b`.
+#[inline(always)]
+fn simd<R>(b: Backend, f: impl FnOnce() -> R) -> R {
+    backend::pulp_arch(b).dispatch(f)
+}
+
+/// f32 to little-endian bytes (`out.len() == 4 * x.len()`); true if any input is NaN/±Inf.
+pub fn encode_f32(x: &[f32], out: &mut [u8]) -> bool {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => scalar::encode_f32(x, out),
+        b => simd(b, || portable::encode_f32(x, out)),
+    }
+}
+
+/// Little-endian bytes to f32, written or added (`p.len() == 4 * out.len()`).
+pub fn decode_f32<const ADD: bool>(p: &[u8], out: &mut [f32]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => scalar::decode_f32::<ADD>(p, out),
+        b => simd(b, || portable::decode_f32::<ADD>(p, out)),
+    }
+}
+
+/// f32 to binary16 (`out.len() == 2 * x.len()`); true if any input is NaN/±Inf.
+pub fn encode_f16(x: &[f32], out: &mut [u8]) -> bool {
+    let b = Backend::current();
+    match b.kind() {
+        BackendKind::Scalar => scalar::encode_u16(x, out, scalar::f32_to_f16),
+        // SAFETY: a Backend of kind Avx2 exists only after AVX2 and F16C were detected.
+        #[cfg(target_arch = "x86_64")]
+        BackendKind::Avx2 => unsafe { x86_64::encode_f16_avx2(x, out) },
+        // SAFETY: a Backend of kind Avx512 exists only after AVX-512F and F16C were detected.
+        #[cfg(target_arch = "x86_64")]
+        BackendKind::Avx512 => unsafe { x86_64::encode_f16_avx512(x, out) },
+        _ => simd(b, || portable::encode_u16(x, out, portable::f32_to_f16)),
+    }
+}
+
+/// binary16 to f32, written or added (`p.len() == 2 * out.len()`).
+pub fn decode_f16<const ADD: bool>(p: &[u8], out: &mut [f32]) {
+    let b = Backend::current();
+    match b.kind() {
+        BackendKind::Scalar => scalar::decode_u16::<ADD>(p, out, scalar::f16_to_f32),
+        // SAFETY: a Backend of kind Avx2 exists only after AVX2 and F16C were detected.
+        #[cfg(target_arch = "x86_64")]
+        BackendKind::Avx2 => unsafe { x86_64::decode_f16_avx2::<ADD>(p, out) },
+        // SAFETY: a Backend of kind Avx512 exists only after AVX-512F and F16C were detected.
+        #[cfg(target_arch = "x86_64")]
+        BackendKind::Avx512 => unsafe { x86_64::decode_f16_avx512::<ADD>(p, out) },
+        _ => simd(b, || {
+            portable::decode_u16::<ADD>(p, out, portable::f16_to_f32)
+        }),
+    }
+}
+
+/// f32 to bfloat16 (`out.len() == 2 * x.len()`); true if any input is NaN/±Inf.
+pub fn encode_bf16(x: &[f32], out: &mut [u8]) -> bool {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => scalar::encode_u16(x, out, scalar::f32_to_bf16),
+        b => simd(b, || portable::encode_u16(x, out, portable::f32_to_bf16)),
+    }
+}
+
+/// bfloat16 to f32, written or added (`p.len() == 2 * out.len()`).
+pub fn decode_bf16<const ADD: bool>(p: &[u8], out: &mut [f32]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => {
+            scalar::decode_u16::<ADD>(p, out, scalar::bf16_to_f32)
+        }
+        b => simd(b, || {
+            portable::decode_u16::<ADD>(p, out, scalar::bf16_to_f32)
+        }),
+    }
+}
+
+/// int8 block encode (see [`scalar::encode_int8`]).
+pub fn encode_int8(
+    x: &[f32],
+    block: usize,
+    round: Round,
+    draws: &Draws,
+    first: u64,
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => {
+            scalar::encode_int8(x, block, round, draws, first, steps, codes)
+        }
+        b => simd(b, || {
+            portable::encode_int8(x, block, round, draws, first, steps, codes)
+        }),
+    }
+}
+
+/// int8 block decode (see [`scalar::decode_int8`]).
+pub fn decode_int8<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => {
+            scalar::decode_int8::<ADD>(steps, codes, block, out)
+        }
+        b => simd(b, || portable::decode_int8::<ADD>(steps, codes, block, out)),
+    }
+}
+
+/// Sign block encode (see [`scalar::encode_sign`]); `codes` need not be zeroed.
+pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) -> bool {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => {
+            codes.fill(0);
+            scalar::encode_sign(x, block, steps, codes)
+        }
+        b => simd(b, || portable::encode_sign(x, block, steps, codes)),
+    }
+}
+
+/// Sign block decode (see [`scalar::decode_sign`]).
+pub fn decode_sign<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => {
+            scalar::decode_sign::<ADD>(steps, codes, block, out)
+        }
+        b => simd(b, || portable::decode_sign::<ADD>(steps, codes, block, out)),
+    }
+}

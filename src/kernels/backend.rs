@@ -1,0 +1,258 @@
+//! Backend selection: detected once, stored, forceable.
+//!
+//! A [`Backend`] value can only be built after the CPU check for its instruction set has
+//! passed (the constructors return `Option`), so kernels may use its instructions without
+//! re-checking. The default backend is the best one the CPU has, or the one named by the
+//! environment variable `GRADPACK_BACKEND` (`scalar`, `avx2`, `avx512`, `neon`); it is
+//! chosen on first use and kept. [`Backend::run`] forces a backend on the current thread
+//! for the duration of a closure, which is how tests and benchmarks exercise every path.
+
+use core::cell::Cell;
+use core::fmt;
+use std::sync::OnceLock;
+
+use crate::error::{Error, Result};
+
+/// The instruction set a [`Backend`] uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum BackendKind {
+    /// The scalar kernels: the specification, available everywhere.
+    Scalar,
+    /// x86-64 AVX2 with FMA and F16C (x86-64-v3).
+    Avx2,
+    /// x86-64 AVX-512 F/BW/CD/DQ/VL, with F16C (x86-64-v4).
+    Avx512,
+    /// aarch64 Advanced SIMD.
+    Neon,
+}
+
+impl BackendKind {
+    /// Every kind, in order of preference from worst to best.
+    pub const ALL: [BackendKind; 4] = [
+        BackendKind::Scalar,
+        BackendKind::Avx2,
+        BackendKind::Avx512,
+        BackendKind::Neon,
+    ];
+
+    /// The name used by `GRADPACK_BACKEND` and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Scalar => "scalar",
+            BackendKind::Avx2 => "avx2",
+            BackendKind::Avx512 => "avx512",
+            BackendKind::Neon => "neon",
+        }
+    }
+}
+
+/// A kernel backend this CPU supports (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Backend {
+    kind: BackendKind,
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.kind.name())
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", not(miri)))]
+fn has_avx2() -> bool {
+    pulp::x86::V3::try_new().is_some() && std::arch::is_x86_feature_detected!("f16c")
+}
+
+#[cfg(all(target_arch = "x86_64", not(miri)))]
+fn has_avx512() -> bool {
+    has_avx2() && pulp::x86::V4::try_new().is_some()
+}
+
+impl Backend {
+    /// The scalar backend (always available).
+    pub const fn scalar() -> Backend {
+        Backend {
+            kind: BackendKind::Scalar,
+        }
+    }
+
+    /// The AVX2 backend, if this CPU has AVX2, FMA and F16C.
+    pub fn avx2() -> Option<Backend> {
+        #[cfg(all(target_arch = "x86_64", not(miri)))]
+        if has_avx2() {
+            return Some(Backend {
+                kind: BackendKind::Avx2,
+            });
+        }
+        None
+    }
+
+    /// The AVX-512 backend, if this CPU has AVX-512 F/BW/CD/DQ/VL and F16C.
+    pub fn avx512() -> Option<Backend> {
+        #[cfg(all(target_arch = "x86_64", not(miri)))]
+        if has_avx512() {
+            return Some(Backend {
+                kind: BackendKind::Avx512,
+            });
+        }
+        None
+    }
+
+    /// The NEON backend, if this is an aarch64 CPU with Advanced SIMD.
+    pub fn neon() -> Option<Backend> {
+        #[cfg(all(target_arch = "aarch64", not(miri)))]
+        if pulp::aarch64::Neon::try_new().is_some() {
+            return Some(Backend {
+                kind: BackendKind::Neon,
+            });
+        }
+        None
+    }
+
+    /// The backend of `kind`, if this CPU supports it.
+    pub fn of(kind: BackendKind) -> Option<Backend> {
+        match kind {
+            BackendKind::Scalar => Some(Backend::scalar()),
+            BackendKind::Avx2 => Backend::avx2(),
+            BackendKind::Avx512 => Backend::avx512(),
+            BackendKind::Neon => Backend::neon(),
+        }
+    }
+
+    /// The backend named `name` (`scalar`, `avx2`, `avx512`, `neon`): `Ok(None)` if the
+    /// CPU lacks it, an error if the name is unknown.
+    pub fn by_name(name: &str) -> Result<Option<Backend>> {
+        let kind = BackendKind::ALL
+            .into_iter()
+            .find(|k| k.name() == name.trim())
+            .ok_or_else(|| Error::Spec {
+                spec: name.to_string(),
+                reason: "unknown backend; accepted: scalar, avx2, avx512, neon".into(),
+            })?;
+        Ok(Backend::of(kind))
+    }
+
+    /// Every backend this CPU supports, scalar first.
+    pub fn available() -> Vec<Backend> {
+        BackendKind::ALL
+            .into_iter()
+            .filter_map(Backend::of)
+            .collect()
+    }
+
+    /// The best backend this CPU supports (always scalar under Miri).
+    pub fn best() -> Backend {
+        Backend::available()
+            .into_iter()
+            .max_by_key(|b| b.kind)
+            .unwrap_or(Backend::scalar())
+    }
+
+    /// The instruction set.
+    pub fn kind(self) -> BackendKind {
+        self.kind
+    }
+
+    /// The name (`scalar`, `avx2`, ...).
+    pub fn name(self) -> &'static str {
+        self.kind.name()
+    }
+
+    /// The backend kernels use on this thread now: the one forced by [`Backend::run`],
+    /// else the process default ([`Backend::default_backend`]).
+    pub fn current() -> Backend {
+        FORCED
+            .with(Cell::get)
+            .unwrap_or_else(Backend::default_backend)
+    }
+
+    /// The process default: `GRADPACK_BACKEND` if set (and supported), else [`Backend::best`].
+    /// Chosen on first use and kept. An unknown or unsupported name falls back to the best
+    /// backend with one line on stderr; [`Backend::from_env`] reports it as an error.
+    pub fn default_backend() -> Backend {
+        *DEFAULT.get_or_init(|| match Backend::from_env() {
+            Ok(Some(b)) => b,
+            Ok(None) => Backend::best(),
+            Err(e) => {
+                eprintln!("gradpack: {e}; using {}", Backend::best());
+                Backend::best()
+            }
+        })
+    }
+
+    /// The backend `GRADPACK_BACKEND` names: `Ok(None)` when it is unset, an error when it
+    /// names an unknown backend or one this CPU lacks.
+    pub fn from_env() -> Result<Option<Backend>> {
+        match std::env::var("GRADPACK_BACKEND") {
+            Err(_) => Ok(None),
+            Ok(name) => match Backend::by_name(&name)? {
+                Some(b) => Ok(Some(b)),
+                None => Err(Error::Spec {
+                    spec: name,
+                    reason: "GRADPACK_BACKEND names a backend this CPU does not support".into(),
+                }),
+            },
+        }
+    }
+
+    /// Run `f` with this backend forced on the current thread (restored afterwards, also
+    /// on panic). Kernels called from other threads are not affected.
+    pub fn run<R>(self, f: impl FnOnce() -> R) -> R {
+        struct Restore(Option<Backend>);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                FORCED.with(|c| c.set(self.0));
+            }
+        }
+        let _restore = Restore(FORCED.with(|c| c.replace(Some(self))));
+        f()
+    }
+}
+
+static DEFAULT: OnceLock<Backend> = OnceLock::new();
+
+thread_local! {
+    static FORCED: Cell<Option<Backend>> = const { Cell::new(None) };
+}
+
+/// The pulp dispatcher for a backend, to run a portable kernel compiled for its ISA.
+#[inline]
+pub(crate) fn pulp_arch(b: Backend) -> pulp::Arch {
+    match b.kind {
+        #[cfg(target_arch = "x86_64")]
+        BackendKind::Avx512 => pulp::x86::V4::try_new().map_or(pulp::Arch::Scalar, pulp::Arch::V4),
+        #[cfg(target_arch = "x86_64")]
+        BackendKind::Avx2 => pulp::x86::V3::try_new().map_or(pulp::Arch::Scalar, pulp::Arch::V3),
+        #[cfg(target_arch = "aarch64")]
+        BackendKind::Neon => {
+            pulp::aarch64::Neon::try_new().map_or(pulp::Arch::Scalar, pulp::Arch::Neon)
+        }
+        _ => pulp::Arch::Scalar,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_forces_and_restores() {
+        let before = Backend::current();
+        let inside = Backend::scalar().run(Backend::current);
+        assert_eq!(inside, Backend::scalar());
+        assert_eq!(Backend::current(), before);
+        let r = std::panic::catch_unwind(|| Backend::scalar().run(|| panic!("x")));
+        assert!(r.is_err());
+        assert_eq!(Backend::current(), before);
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for b in Backend::available() {
+            assert_eq!(Backend::by_name(b.name()).unwrap(), Some(b));
+        }
+        assert!(Backend::by_name("sse9").is_err());
+        assert_eq!(Backend::available()[0], Backend::scalar());
+    }
+}

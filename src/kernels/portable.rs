@@ -1,0 +1,332 @@
+//! Branch-free kernels written for auto-vectorisation.
+//!
+//! Each function is `#[inline(always)]` and is compiled once per SIMD backend inside
+//! pulp's dispatch, so the same source becomes AVX2, AVX-512 or NEON code. Every one must
+//! equal its scalar oracle to the bit; `tests/backends.rs` checks that on every backend
+//! this CPU has. Only IEEE operations the oracle also performs are used (Rust never
+//! contracts `a * b + c` into an FMA), and sums keep the oracle's 16-lane order.
+
+use super::scalar::{self, INF_BITS, Round};
+use crate::rng::{Draws, lowbias32};
+
+const ABS: u32 = 0x7FFF_FFFF;
+
+#[inline(always)]
+fn put<const ADD: bool>(o: &mut f32, v: f32) {
+    if ADD {
+        *o += v;
+    } else {
+        *o = v;
+    }
+}
+
+/// The largest |x| bit pattern (order-free).
+#[inline(always)]
+pub fn max_abs_bits(x: &[f32]) -> u32 {
+    let mut m = [0u32; 16];
+    let chunks = x.chunks_exact(16);
+    let mut r = chunks
+        .remainder()
+        .iter()
+        .fold(0u32, |a, v| a.max(v.to_bits() & ABS));
+    for c in chunks {
+        for k in 0..16 {
+            m[k] = m[k].max(c[k].to_bits() & ABS);
+        }
+    }
+    for v in m {
+        r = r.max(v);
+    }
+    r
+}
+
+/// `lane_sum16` of `|x|` in f32, in the oracle's order (element `j` to lane `j % 16`).
+#[inline(always)]
+fn lane_sum16_abs(x: &[f32]) -> f32 {
+    let mut l = [0f32; 16];
+    let chunks = x.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for k in 0..16 {
+            l[k] += c[k].abs();
+        }
+    }
+    for (k, v) in tail.iter().enumerate() {
+        l[k] += v.abs();
+    }
+    for w in [8, 4, 2, 1] {
+        for j in 0..w {
+            l[j] += l[j + w];
+        }
+    }
+    l[0]
+}
+
+// ---------------------------------------------------------------- identity
+
+#[inline(always)]
+pub fn encode_f32(x: &[f32], out: &mut [u8]) -> bool {
+    let mut m = [0u32; 16];
+    let xs = x.chunks_exact(16);
+    let tail = xs.remainder();
+    let mut os = out.chunks_exact_mut(64);
+    for (c, o) in xs.zip(&mut os) {
+        for k in 0..16 {
+            let b = c[k].to_bits();
+            m[k] = m[k].max(b & ABS);
+            o[4 * k..4 * k + 4].copy_from_slice(&b.to_le_bytes());
+        }
+    }
+    let tail_nf = scalar::encode_f32(tail, os.into_remainder());
+    tail_nf || m.iter().any(|&v| v >= INF_BITS)
+}
+
+#[inline(always)]
+pub fn decode_f32<const ADD: bool>(p: &[u8], out: &mut [f32]) {
+    for (o, b) in out.iter_mut().zip(p.chunks_exact(4)) {
+        put::<ADD>(o, f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    }
+}
+
+// ---------------------------------------------------------------- fp16 / bf16
+
+/// Branch-free f32 to binary16, equal to `scalar::f32_to_f16` for every input
+/// (after F. Giesen's `float_to_half_fast3_rtne`, with half's NaN rule).
+#[inline(always)]
+pub fn f32_to_f16(x: f32) -> u16 {
+    let u = x.to_bits();
+    let sign = (u >> 16) & 0x8000;
+    let a = u & ABS;
+    let nan = 0x7E00 | ((a & 0x007F_FFFF) >> 13);
+    // Subnormal results: adding 0.5 lets the FPU round to a multiple of 2^-24.
+    let sub = (f32::from_bits(a) + 0.5)
+        .to_bits()
+        .wrapping_sub(0x3F00_0000);
+    // Normal results: rebias, round to nearest even; rounding may carry into Inf.
+    let odd = (a >> 13) & 1;
+    let normal = a.wrapping_add(0xC800_0FFF).wrapping_add(odd) >> 13;
+    let r = if a > 0x7F80_0000 {
+        nan
+    } else if a >= 0x4780_0000 {
+        0x7C00
+    } else if a < 0x3880_0000 {
+        sub
+    } else {
+        normal
+    };
+    (r | sign) as u16
+}
+
+/// Branch-free binary16 to f32, equal to `scalar::f16_to_f32` for every input.
+#[inline(always)]
+pub fn f16_to_f32(h: u16) -> f32 {
+    let h = h as u32;
+    let sign = (h & 0x8000) << 16;
+    let e = h & 0x7C00;
+    let m = h & 0x03FF;
+    let normal = ((h & 0x7FFF) << 13) + ((127 - 15) << 23);
+    let infnan = 0x7F80_0000 | (m << 13) | if m != 0 { 0x0040_0000 } else { 0 };
+    // Subnormal: m * 2^-24, exact in f32.
+    let sub = (m as f32 * (1.0 / 16_777_216.0)).to_bits();
+    let r = if e == 0x7C00 {
+        infnan
+    } else if e == 0 {
+        sub
+    } else {
+        normal
+    };
+    f32::from_bits(r | sign)
+}
+
+#[inline(always)]
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let u = x.to_bits();
+    let rounded = u.wrapping_add(0x7FFF + ((u >> 16) & 1)) >> 16;
+    let nan = (u >> 16) | 0x0040;
+    (if u & ABS > 0x7F80_0000 { nan } else { rounded }) as u16
+}
+
+#[inline(always)]
+pub fn encode_u16(x: &[f32], out: &mut [u8], conv: impl Fn(f32) -> u16) -> bool {
+    let mut m = [0u32; 16];
+    let xs = x.chunks_exact(16);
+    let tail = xs.remainder();
+    let mut os = out.chunks_exact_mut(32);
+    for (c, o) in xs.zip(&mut os) {
+        for k in 0..16 {
+            m[k] = m[k].max(c[k].to_bits() & ABS);
+            o[2 * k..2 * k + 2].copy_from_slice(&conv(c[k]).to_le_bytes());
+        }
+    }
+    let rest = os.into_remainder();
+    let mut nf = m.iter().any(|&v| v >= INF_BITS);
+    for (o, &v) in rest.chunks_exact_mut(2).zip(tail) {
+        o.copy_from_slice(&conv(v).to_le_bytes());
+        nf |= v.to_bits() & ABS >= INF_BITS;
+    }
+    nf
+}
+
+#[inline(always)]
+pub fn decode_u16<const ADD: bool>(p: &[u8], out: &mut [f32], conv: impl Fn(u16) -> f32) {
+    for (o, b) in out.iter_mut().zip(p.chunks_exact(2)) {
+        put::<ADD>(o, conv(u16::from_le_bytes([b[0], b[1]])));
+    }
+}
+
+// ---------------------------------------------------------------- int8
+
+/// Quantise one finite block with a non-zero max to int8 codes (see `scalar::encode_int8`).
+#[inline(always)]
+fn int8_block(xb: &[f32], cb: &mut [u8], m: f32, round: Round, draws: &Draws, start: u64) {
+    let (pre, inv) = scalar::level_multiplier(m, 127.0);
+    match round {
+        Round::Nearest => {
+            for (c, &v) in cb.iter_mut().zip(xb) {
+                let q = ((v.abs() * pre) * inv).round_ties_even().min(127.0);
+                *c = q.copysign(v) as i8 as u8;
+            }
+        }
+        Round::Stochastic => {
+            let last = start + xb.len() as u64 - 1;
+            if start >> 32 != last >> 32 {
+                // The block straddles a 2^32 index window: the oracle handles the key change.
+                scalar::quantise_block(xb, m, 127, round, draws, start, |j, neg, q| {
+                    let q = q as i8;
+                    cb[j] = if neg { -q } else { q } as u8;
+                });
+                return;
+            }
+            let key = draws.key_for(start);
+            let lo = start as u32;
+            for (j, (c, &v)) in cb.iter_mut().zip(xb).enumerate() {
+                let a = (v.abs() * pre) * inv;
+                let h = lowbias32(lo.wrapping_add(j as u32) ^ key);
+                let u = (h >> 8) as f32 * (1.0 / 16_777_216.0);
+                let fl = a.floor();
+                let up = if u < a - fl { 1.0 } else { 0.0 };
+                let q = (fl + up).min(127.0);
+                *c = q.copysign(v) as i8 as u8;
+            }
+        }
+    }
+}
+
+#[inline(always)]
+pub fn encode_int8(
+    x: &[f32],
+    block: usize,
+    round: Round,
+    draws: &Draws,
+    first: u64,
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    let mut nonfinite = false;
+    for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
+        let mb = max_abs_bits(xb);
+        let step = if mb >= INF_BITS {
+            nonfinite = true;
+            cb.fill(0);
+            scalar::CANONICAL_NAN
+        } else if mb == 0 {
+            cb.fill(0);
+            0.0
+        } else {
+            let m = f32::from_bits(mb);
+            int8_block(xb, cb, m, round, draws, first + (b * block) as u64);
+            scalar::block_step(m, 127)
+        };
+        steps[4 * b..4 * b + 4].copy_from_slice(&step.to_le_bytes());
+    }
+    nonfinite
+}
+
+#[inline(always)]
+pub fn decode_int8<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+    for (b, (ob, cb)) in out.chunks_mut(block).zip(codes.chunks(block)).enumerate() {
+        let s = scalar::get_step(steps, b);
+        for (o, &c) in ob.iter_mut().zip(cb) {
+            put::<ADD>(o, (c as i8) as f32 * s);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- sign
+
+#[inline(always)]
+fn mean_abs(x: &[f32]) -> f32 {
+    let s = lane_sum16_abs(x);
+    if s.is_finite() {
+        s / x.len() as f32
+    } else {
+        scalar::mean_abs(x)
+    }
+}
+
+#[inline(always)]
+pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) -> bool {
+    let mut nonfinite = false;
+    for (b, xb) in x.chunks(block).enumerate() {
+        let step = if max_abs_bits(xb) >= INF_BITS {
+            nonfinite = true;
+            scalar::CANONICAL_NAN
+        } else {
+            mean_abs(xb)
+        };
+        steps[4 * b..4 * b + 4].copy_from_slice(&step.to_le_bytes());
+    }
+    // The bits depend only on each element, not on its block: pack them in one pass.
+    let xs = x.chunks_exact(8);
+    let tail = xs.remainder();
+    let mut bytes = codes.iter_mut();
+    for (c, o) in xs.zip(&mut bytes) {
+        let mut byte = 0u32;
+        for (k, v) in c.iter().enumerate() {
+            byte |= (v.to_bits() >> 31) << k;
+        }
+        *o = byte as u8;
+    }
+    if let Some(o) = bytes.next() {
+        let mut byte = 0u32;
+        for (k, v) in tail.iter().enumerate() {
+            byte |= (v.to_bits() >> 31) << k;
+        }
+        *o = byte as u8;
+    }
+    // Elements of a non-finite block send zero bits (the oracle's layout).
+    if nonfinite {
+        for (b, xb) in x.chunks(block).enumerate() {
+            if max_abs_bits(xb) >= INF_BITS {
+                for j in b * block..b * block + xb.len() {
+                    codes[j / 8] &= !(1u8 << (j % 8));
+                }
+            }
+        }
+    }
+    nonfinite
+}
+
+#[inline(always)]
+pub fn decode_sign<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+    if block % 8 != 0 {
+        return scalar::decode_sign::<ADD>(steps, codes, block, out);
+    }
+    for (b, ob) in out.chunks_mut(block).enumerate() {
+        let s = scalar::get_step(steps, b).to_bits();
+        let cb = &codes[b * block / 8..];
+        let full = ob.len() / 8;
+        let tail_len = ob.len() % 8;
+        for (o, &byte) in ob.chunks_exact_mut(8).zip(cb) {
+            for (k, v) in o.iter_mut().enumerate() {
+                put::<ADD>(v, f32::from_bits(s ^ (((byte as u32 >> k) & 1) << 31)));
+            }
+        }
+        if tail_len > 0 {
+            let byte = cb[full] as u32;
+            for (k, v) in ob[8 * full..].iter_mut().enumerate() {
+                put::<ADD>(v, f32::from_bits(s ^ (((byte >> k) & 1) << 31)));
+            }
+        }
+    }
+}

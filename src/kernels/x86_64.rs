@@ -1,0 +1,121 @@
+//! x86-64 kernels that need instructions the auto-vectoriser does not emit: the F16C and
+//! AVX-512 f32 <-> binary16 conversions.
+//!
+//! Callers hold a [`super::Backend`] of kind `Avx2` or `Avx512`, whose constructor checked
+//! the CPU; that check is what makes calling these `#[target_feature]` functions sound.
+//! Hardware conversions round to nearest even and quiet NaNs exactly as the scalar oracle
+//! does; the exhaustive tests (tests/exhaustive.rs) check all 2^32 inputs per backend.
+
+use core::arch::x86_64::*;
+
+use super::scalar;
+
+const ABS: i32 = 0x7FFF_FFFF;
+
+/// f32 to binary16 with F16C, 8 lanes. Returns whether any input was NaN or ±Inf.
+/// Writes `2 * min(x.len(), out.len() / 2)` bytes.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn encode_f16_avx2(x: &[f32], out: &mut [u8]) -> bool {
+    let n = x.len().min(out.len() / 2);
+    let n8 = n - n % 8;
+    let mask = _mm256_set1_epi32(ABS);
+    let mut mx = _mm256_setzero_si256();
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= n <= x.len(), and 2 * (i + 8) <= 2 * n <= out.len(); unaligned
+        // loads and stores are used.
+        unsafe {
+            let v = _mm256_loadu_ps(x.as_ptr().add(i));
+            mx = _mm256_max_epu32(mx, _mm256_and_si256(_mm256_castps_si256(v), mask));
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+            _mm_storeu_si128(out.as_mut_ptr().add(2 * i).cast::<__m128i>(), h);
+        }
+        i += 8;
+    }
+    let mut lanes = [0u32; 8];
+    // SAFETY: `lanes` is 32 bytes, the size of one __m256i; unaligned store.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast::<__m256i>(), mx) };
+    let tail = scalar::encode_u16(&x[n8..n], &mut out[2 * n8..2 * n], scalar::f32_to_f16);
+    tail || lanes.iter().any(|&v| v >= scalar::INF_BITS)
+}
+
+/// binary16 to f32 with F16C, 8 lanes; adds into `out` when `ADD`.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn decode_f16_avx2<const ADD: bool>(p: &[u8], out: &mut [f32]) {
+    let n = out.len().min(p.len() / 2);
+    let n8 = n - n % 8;
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: 2 * (i + 8) <= p.len() and i + 8 <= out.len(); unaligned accesses.
+        unsafe {
+            let h = _mm_loadu_si128(p.as_ptr().add(2 * i).cast::<__m128i>());
+            let mut v = _mm256_cvtph_ps(h);
+            let o = out.as_mut_ptr().add(i);
+            if ADD {
+                v = _mm256_add_ps(_mm256_loadu_ps(o), v);
+            }
+            _mm256_storeu_ps(o, v);
+        }
+        i += 8;
+    }
+    scalar::decode_u16::<ADD>(&p[2 * n8..2 * n], &mut out[n8..n], scalar::f16_to_f32);
+}
+
+/// f32 to binary16 with AVX-512, 16 lanes. Same contract as [`encode_f16_avx2`].
+///
+/// # Safety
+/// The CPU must support AVX-512F and F16C.
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub unsafe fn encode_f16_avx512(x: &[f32], out: &mut [u8]) -> bool {
+    let n = x.len().min(out.len() / 2);
+    let n16 = n - n % 16;
+    let mask = _mm512_set1_epi32(ABS);
+    let mut mx = _mm512_setzero_si512();
+    let mut i = 0;
+    while i < n16 {
+        // SAFETY: i + 16 <= n <= x.len(), and 2 * (i + 16) <= out.len(); unaligned accesses.
+        unsafe {
+            let v = _mm512_loadu_ps(x.as_ptr().add(i));
+            mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_castps_si512(v), mask));
+            let h = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+            _mm256_storeu_si256(out.as_mut_ptr().add(2 * i).cast::<__m256i>(), h);
+        }
+        i += 16;
+    }
+    let big = _mm512_reduce_max_epu32(mx) >= scalar::INF_BITS;
+    // SAFETY: the caller guarantees AVX2 and F16C (implied by this function's contract).
+    let tail = unsafe { encode_f16_avx2(&x[n16..n], &mut out[2 * n16..2 * n]) };
+    big || tail
+}
+
+/// binary16 to f32 with AVX-512, 16 lanes; adds into `out` when `ADD`.
+///
+/// # Safety
+/// The CPU must support AVX-512F and F16C.
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub unsafe fn decode_f16_avx512<const ADD: bool>(p: &[u8], out: &mut [f32]) {
+    let n = out.len().min(p.len() / 2);
+    let n16 = n - n % 16;
+    let mut i = 0;
+    while i < n16 {
+        // SAFETY: 2 * (i + 16) <= p.len() and i + 16 <= out.len(); unaligned accesses.
+        unsafe {
+            let h = _mm256_loadu_si256(p.as_ptr().add(2 * i).cast::<__m256i>());
+            let mut v = _mm512_cvtph_ps(h);
+            let o = out.as_mut_ptr().add(i);
+            if ADD {
+                v = _mm512_add_ps(_mm512_loadu_ps(o), v);
+            }
+            _mm512_storeu_ps(o, v);
+        }
+        i += 16;
+    }
+    // SAFETY: the caller guarantees AVX2 and F16C.
+    unsafe { decode_f16_avx2::<ADD>(&p[2 * n16..2 * n], &mut out[n16..n]) };
+}

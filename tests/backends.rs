@@ -1,0 +1,192 @@
+//! Every backend this CPU has gives byte-identical frames and bit-identical decodings to
+//! the scalar oracle: on the boundary lengths, at every start alignment from 0 to 63
+//! bytes, on special values and on property-generated inputs, with output buffers
+//! pre-filled with a sentinel. A backend the CPU lacks is reported as skipped.
+
+mod common;
+
+use common::*;
+use gradpack::kernels::{Backend, BackendKind};
+use gradpack::{Codec, CodecSpec, EncodeCtx};
+use proptest::prelude::*;
+
+/// The non-scalar backends, printing the ones this CPU lacks.
+fn simd_backends() -> Vec<Backend> {
+    let mut v = Vec::new();
+    for kind in BackendKind::ALL {
+        if kind == BackendKind::Scalar {
+            continue;
+        }
+        match Backend::of(kind) {
+            Some(b) => v.push(b),
+            None => println!("SKIP backend {}: not supported on this CPU", kind.name()),
+        }
+    }
+    v
+}
+
+const SENTINEL: u8 = 0xA5;
+
+/// Encode under backend `b` into a buffer offset by `align` bytes and pre-filled with a
+/// sentinel; check nothing past the frame is written; return the frame.
+fn encode_with(b: Backend, spec: &CodecSpec, x: &[f32], ctx: &EncodeCtx, align: usize) -> Vec<u8> {
+    let max = spec.max_encoded_len(x.len());
+    let mut buf = vec![SENTINEL; align + max + 64];
+    let len = b
+        .run(|| spec.encode_into(x, ctx, &mut buf[align..align + max]))
+        .unwrap();
+    assert!(
+        buf[..align]
+            .iter()
+            .chain(&buf[align + len..])
+            .all(|&v| v == SENTINEL),
+        "{spec} on {b}: wrote outside the frame"
+    );
+    buf[align..align + len].to_vec()
+}
+
+fn decode_with<const ADD: bool>(b: Backend, frame: &[u8], n: usize, fill: f32) -> Vec<u32> {
+    let mut out = vec![fill; n];
+    b.run(|| {
+        if ADD {
+            gradpack::decode_add(frame, &mut out)
+        } else {
+            gradpack::decode(frame, &mut out)
+        }
+    })
+    .unwrap();
+    out.iter().map(|v| v.to_bits()).collect()
+}
+
+fn same_everywhere(spec: &CodecSpec, x: &[f32], ctx: &EncodeCtx, backends: &[Backend]) {
+    let s = Backend::scalar();
+    let want = encode_with(s, spec, x, ctx, 0);
+    let want_d = decode_with::<false>(s, &want, x.len(), 0.0);
+    let want_a = decode_with::<true>(s, &want, x.len(), 1.5);
+    for &b in backends {
+        let got = encode_with(b, spec, x, ctx, 3);
+        assert!(
+            got == want,
+            "{spec} on {b}: frame differs from scalar (n = {})",
+            x.len()
+        );
+        assert!(
+            decode_with::<false>(b, &want, x.len(), f32::NAN) == want_d,
+            "{spec} on {b}: decode differs"
+        );
+        assert!(
+            decode_with::<true>(b, &want, x.len(), 1.5) == want_a,
+            "{spec} on {b}: decode_add differs"
+        );
+    }
+}
+
+fn all_specs() -> Vec<CodecSpec> {
+    let mut v = specs();
+    for s in [
+        "int8:block=8",
+        "int8:block=100,rounding=stochastic",
+        "sign:block=1024",
+        "sign:block=8",
+        "sign:block=12",
+    ] {
+        v.push(s.parse().unwrap());
+    }
+    v
+}
+
+#[test]
+fn every_backend_matches_scalar_at_boundary_lengths() {
+    let backends = simd_backends();
+    for spec in all_specs() {
+        for n in boundary_lengths(block_of(&spec)) {
+            for salt in 0..2 {
+                let x = sample(n, salt + 40);
+                same_everywhere(
+                    &spec,
+                    &x,
+                    &EncodeCtx::new(9).with_offset(salt as u64 * 77),
+                    &backends,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_backend_matches_scalar_at_every_alignment() {
+    let backends = simd_backends();
+    let base = sample(300 + 16, 3);
+    for spec in all_specs() {
+        // Input slices starting 0..63 bytes into a buffer (f32 granularity: 4 bytes).
+        for start in 0..16 {
+            let x = &base[start..start + 300];
+            same_everywhere(&spec, x, &EncodeCtx::new(start as u64), &backends);
+        }
+        // Frames starting at every byte offset 0..63 of a decode buffer.
+        let x = &base[..300];
+        let frame = encode_with(Backend::scalar(), &spec, x, &EncodeCtx::new(1), 0);
+        let want = decode_with::<false>(Backend::scalar(), &frame, 300, 0.0);
+        for &b in &backends {
+            for align in 0..64 {
+                let mut buf = vec![0u8; align + frame.len()];
+                buf[align..].copy_from_slice(&frame);
+                assert!(
+                    decode_with::<false>(b, &buf[align..], 300, 0.0) == want,
+                    "{spec} on {b} at byte {align}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_backend_matches_scalar_on_special_and_nonfinite_values() {
+    let backends = simd_backends();
+    for spec in all_specs() {
+        let x: Vec<f32> = SPECIALS.iter().copied().cycle().take(257).collect();
+        same_everywhere(&spec, &x, &EncodeCtx::new(2), &backends);
+        for (pos, bad) in [
+            (0, f32::NAN),
+            (5, f32::INFINITY),
+            (100, f32::NEG_INFINITY),
+            (256, -f32::NAN),
+        ] {
+            let mut y = sample(257, 11);
+            y[pos] = bad;
+            same_everywhere(&spec, &y, &EncodeCtx::new(2), &backends);
+        }
+    }
+}
+
+#[test]
+fn default_backend_is_the_best_unless_overridden() {
+    if std::env::var_os("GRADPACK_BACKEND").is_none() {
+        assert_eq!(Backend::default_backend(), Backend::best());
+    }
+    println!(
+        "backends on this CPU: {:?}",
+        Backend::available()
+            .iter()
+            .map(|b| b.name())
+            .collect::<Vec<_>>()
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    #[test]
+    fn prop_every_backend_matches_scalar(
+        x in proptest::collection::vec(
+            prop_oneof![8 => -100.0f32..100.0, 1 => any::<f32>(), 1 => proptest::sample::select(SPECIALS.to_vec())],
+            0..600),
+        seed in any::<u64>(),
+        offset in prop_oneof![0u64..1000, (1u64 << 32) - 700..(1u64 << 32) + 10],
+    ) {
+        let backends = simd_backends();
+        for spec in all_specs() {
+            same_everywhere(&spec, &x, &EncodeCtx::new(seed).with_offset(offset), &backends);
+        }
+    }
+}
