@@ -196,7 +196,7 @@ impl Scheme for RandK {
         };
         h.params_zero_from(10)?;
         let vb = values.bytes();
-        if h.payload_len % vb != 0 || h.payload_len / vb > h.elements {
+        if !h.payload_len.is_multiple_of(vb) || h.payload_len / vb > h.elements {
             return Err(bad(
                 "payload_len",
                 format!(

@@ -125,14 +125,14 @@ impl Default for TopK {
 impl TopK {
     /// Top-k keeping `select` elements, values stored as `values`.
     pub fn new(select: TopKSelect, values: ValueType) -> Result<TopK> {
-        if let TopKSelect::Ratio(r) = select {
-            if !(r > 0.0 && r <= 1.0) {
-                return Err(Error::Param {
-                    codec: CodecId::TopK,
-                    name: "ratio",
-                    reason: format!("{r} is not in (0, 1]"),
-                });
-            }
+        if let TopKSelect::Ratio(r) = select
+            && !(r > 0.0 && r <= 1.0)
+        {
+            return Err(Error::Param {
+                codec: CodecId::TopK,
+                name: "ratio",
+                reason: format!("{r} is not in (0, 1]"),
+            });
         }
         Ok(TopK { select, values })
     }

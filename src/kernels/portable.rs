@@ -309,7 +309,7 @@ pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) 
 
 #[inline(always)]
 pub fn decode_sign<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
-    if block % 8 != 0 {
+    if !block.is_multiple_of(8) {
         return scalar::decode_sign::<ADD>(steps, codes, block, out);
     }
     for (b, ob) in out.chunks_mut(block).enumerate() {
