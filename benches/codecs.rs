@@ -2,7 +2,10 @@
 //! same-run baselines in every group: memcpy of the f32 buffer, a read-only pass (sum),
 //! and half's slice conversions to and from f16 and bf16.
 //!
-//! `cargo bench --bench codecs` runs everything (a few minutes);
+//! Each codec operation runs once per backend this CPU has (forced with `Backend::run`),
+//! so the benchmark id is `CODEC/SIZE/OP/BACKEND`.
+//!
+//! `cargo bench --bench codecs` runs everything (several minutes);
 //! `cargo bench --bench codecs -- 65536` one size; `GRADPACK_BENCH_SIZES=65536,16777216`
 //! chooses the sizes (default 64 Ki and 1 Mi elements).
 
@@ -12,6 +15,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use gradpack::kernels::Backend;
 use gradpack::{Codec, CodecSpec, EncodeCtx};
 use half::slice::HalfFloatSliceExt;
 
@@ -104,15 +108,22 @@ fn codecs(c: &mut Criterion) {
             let out = page_aligned::<f32>(&mut obuf, n);
             let mut g = c.benchmark_group(format!("{s}/{n}"));
             g.throughput(Throughput::Bytes(4 * n as u64));
-            g.bench_function(BenchmarkId::new("encode", n), |b| {
-                b.iter(|| spec.encode_into(black_box(x), &ctx, frame).unwrap())
-            });
-            g.bench_function(BenchmarkId::new("decode", n), |b| {
-                b.iter(|| gradpack::decode(black_box(&frame[..len]), out).unwrap())
-            });
-            g.bench_function(BenchmarkId::new("decode_add", n), |b| {
-                b.iter(|| gradpack::decode_add(black_box(&frame[..len]), out).unwrap())
-            });
+            for backend in Backend::available() {
+                let name = backend.name();
+                g.bench_function(BenchmarkId::new("encode", name), |b| {
+                    b.iter(|| backend.run(|| spec.encode_into(black_box(x), &ctx, frame).unwrap()))
+                });
+                g.bench_function(BenchmarkId::new("decode", name), |b| {
+                    b.iter(|| {
+                        backend.run(|| gradpack::decode(black_box(&frame[..len]), out).unwrap())
+                    })
+                });
+                g.bench_function(BenchmarkId::new("decode_add", name), |b| {
+                    b.iter(|| {
+                        backend.run(|| gradpack::decode_add(black_box(&frame[..len]), out).unwrap())
+                    })
+                });
+            }
             g.finish();
         }
     }

@@ -27,15 +27,71 @@ use scalar::Round;
 
 /// Run a portable kernel compiled for backend `b`.
 #[inline(always)]
-fn simd<R>(b: Backend, f: impl FnOnce() -> R) -> R {
-    backend::pulp_arch(b).dispatch(f)
+fn simd<Op: pulp::WithSimd>(b: Backend, op: Op) -> Op::Output {
+    backend::pulp_arch(b).dispatch(op)
 }
+
+/// Defines a `pulp::WithSimd` operation around a portable kernel call. pulp compiles
+/// `with_simd::<S>` once per instruction set `S`; the kernel, being `#[inline(always)]`,
+/// is inlined into each copy and so vectorised for that ISA. (A closure would not do:
+/// it is one function, compiled once for the baseline ISA, that every copy calls.)
+macro_rules! simd_op {
+    ($Name:ident $(<const $C:ident: bool>)? { $($f:ident: $t:ty),* $(,)? } -> $R:ty = $call:expr) => {
+        struct $Name<'a $(, const $C: bool)?> {
+            $($f: $t,)*
+            _life: core::marker::PhantomData<&'a ()>,
+        }
+
+        impl<'a $(, const $C: bool)?> pulp::WithSimd for $Name<'a $(, $C)?> {
+            type Output = $R;
+
+            #[inline(always)]
+            fn with_simd<S: pulp::Simd>(self, _: S) -> $R {
+                let $Name { $($f,)* .. } = self;
+                $call
+            }
+        }
+    };
+}
+
+const LIFE: core::marker::PhantomData<&()> = core::marker::PhantomData;
+
+simd_op!(EncodeF32 { x: &'a [f32], out: &'a mut [u8] } -> bool = portable::encode_f32(x, out));
+simd_op!(DecodeF32<const ADD: bool> { p: &'a [u8], out: &'a mut [f32] } -> ()
+    = portable::decode_f32::<ADD>(p, out));
+simd_op!(EncodeF16 { x: &'a [f32], out: &'a mut [u8] } -> bool
+    = portable::encode_u16(x, out, portable::f32_to_f16));
+simd_op!(DecodeF16<const ADD: bool> { p: &'a [u8], out: &'a mut [f32] } -> ()
+    = portable::decode_u16::<ADD>(p, out, portable::f16_to_f32));
+simd_op!(EncodeBf16 { x: &'a [f32], out: &'a mut [u8] } -> bool
+    = portable::encode_u16(x, out, portable::f32_to_bf16));
+simd_op!(DecodeBf16<const ADD: bool> { p: &'a [u8], out: &'a mut [f32] } -> ()
+    = portable::decode_u16::<ADD>(p, out, scalar::bf16_to_f32));
+simd_op!(EncodeInt8 {
+    x: &'a [f32], block: usize, round: Round, draws: &'a Draws, first: u64,
+    steps: &'a mut [u8], codes: &'a mut [u8],
+} -> bool = portable::encode_int8(x, block, round, draws, first, steps, codes));
+simd_op!(DecodeInt8<const ADD: bool> {
+    steps: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
+} -> () = portable::decode_int8::<ADD>(steps, codes, block, out));
+simd_op!(EncodeSign { x: &'a [f32], block: usize, steps: &'a mut [u8], codes: &'a mut [u8] }
+    -> bool = portable::encode_sign(x, block, steps, codes));
+simd_op!(DecodeSign<const ADD: bool> {
+    steps: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
+} -> () = portable::decode_sign::<ADD>(steps, codes, block, out));
 
 /// f32 to little-endian bytes (`out.len() == 4 * x.len()`); true if any input is NaN/±Inf.
 pub fn encode_f32(x: &[f32], out: &mut [u8]) -> bool {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => scalar::encode_f32(x, out),
-        b => simd(b, || portable::encode_f32(x, out)),
+        b => simd(
+            b,
+            EncodeF32 {
+                x,
+                out,
+                _life: LIFE,
+            },
+        ),
     }
 }
 
@@ -43,7 +99,14 @@ pub fn encode_f32(x: &[f32], out: &mut [u8]) -> bool {
 pub fn decode_f32<const ADD: bool>(p: &[u8], out: &mut [f32]) {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => scalar::decode_f32::<ADD>(p, out),
-        b => simd(b, || portable::decode_f32::<ADD>(p, out)),
+        b => simd(
+            b,
+            DecodeF32::<ADD> {
+                p,
+                out,
+                _life: LIFE,
+            },
+        ),
     }
 }
 
@@ -58,7 +121,14 @@ pub fn encode_f16(x: &[f32], out: &mut [u8]) -> bool {
         // SAFETY: a Backend of kind Avx512 exists only after AVX-512F and F16C were detected.
         #[cfg(target_arch = "x86_64")]
         BackendKind::Avx512 => unsafe { x86_64::encode_f16_avx512(x, out) },
-        _ => simd(b, || portable::encode_u16(x, out, portable::f32_to_f16)),
+        _ => simd(
+            b,
+            EncodeF16 {
+                x,
+                out,
+                _life: LIFE,
+            },
+        ),
     }
 }
 
@@ -73,9 +143,14 @@ pub fn decode_f16<const ADD: bool>(p: &[u8], out: &mut [f32]) {
         // SAFETY: a Backend of kind Avx512 exists only after AVX-512F and F16C were detected.
         #[cfg(target_arch = "x86_64")]
         BackendKind::Avx512 => unsafe { x86_64::decode_f16_avx512::<ADD>(p, out) },
-        _ => simd(b, || {
-            portable::decode_u16::<ADD>(p, out, portable::f16_to_f32)
-        }),
+        _ => simd(
+            b,
+            DecodeF16::<ADD> {
+                p,
+                out,
+                _life: LIFE,
+            },
+        ),
     }
 }
 
@@ -83,7 +158,14 @@ pub fn decode_f16<const ADD: bool>(p: &[u8], out: &mut [f32]) {
 pub fn encode_bf16(x: &[f32], out: &mut [u8]) -> bool {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => scalar::encode_u16(x, out, scalar::f32_to_bf16),
-        b => simd(b, || portable::encode_u16(x, out, portable::f32_to_bf16)),
+        b => simd(
+            b,
+            EncodeBf16 {
+                x,
+                out,
+                _life: LIFE,
+            },
+        ),
     }
 }
 
@@ -93,9 +175,14 @@ pub fn decode_bf16<const ADD: bool>(p: &[u8], out: &mut [f32]) {
         b if b.kind() == BackendKind::Scalar => {
             scalar::decode_u16::<ADD>(p, out, scalar::bf16_to_f32)
         }
-        b => simd(b, || {
-            portable::decode_u16::<ADD>(p, out, scalar::bf16_to_f32)
-        }),
+        b => simd(
+            b,
+            DecodeBf16::<ADD> {
+                p,
+                out,
+                _life: LIFE,
+            },
+        ),
     }
 }
 
@@ -113,9 +200,19 @@ pub fn encode_int8(
         b if b.kind() == BackendKind::Scalar => {
             scalar::encode_int8(x, block, round, draws, first, steps, codes)
         }
-        b => simd(b, || {
-            portable::encode_int8(x, block, round, draws, first, steps, codes)
-        }),
+        b => simd(
+            b,
+            EncodeInt8 {
+                x,
+                block,
+                round,
+                draws,
+                first,
+                steps,
+                codes,
+                _life: LIFE,
+            },
+        ),
     }
 }
 
@@ -125,7 +222,16 @@ pub fn decode_int8<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, ou
         b if b.kind() == BackendKind::Scalar => {
             scalar::decode_int8::<ADD>(steps, codes, block, out)
         }
-        b => simd(b, || portable::decode_int8::<ADD>(steps, codes, block, out)),
+        b => simd(
+            b,
+            DecodeInt8::<ADD> {
+                steps,
+                codes,
+                block,
+                out,
+                _life: LIFE,
+            },
+        ),
     }
 }
 
@@ -136,7 +242,16 @@ pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) 
             codes.fill(0);
             scalar::encode_sign(x, block, steps, codes)
         }
-        b => simd(b, || portable::encode_sign(x, block, steps, codes)),
+        b => simd(
+            b,
+            EncodeSign {
+                x,
+                block,
+                steps,
+                codes,
+                _life: LIFE,
+            },
+        ),
     }
 }
 
@@ -146,6 +261,15 @@ pub fn decode_sign<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, ou
         b if b.kind() == BackendKind::Scalar => {
             scalar::decode_sign::<ADD>(steps, codes, block, out)
         }
-        b => simd(b, || portable::decode_sign::<ADD>(steps, codes, block, out)),
+        b => simd(
+            b,
+            DecodeSign::<ADD> {
+                steps,
+                codes,
+                block,
+                out,
+                _life: LIFE,
+            },
+        ),
     }
 }

@@ -20,24 +20,11 @@ fn put<const ADD: bool>(o: &mut f32, v: f32) {
     }
 }
 
-/// The largest |x| bit pattern (order-free).
+/// The largest |x| bit pattern. Integer max is associative, so the compiler may reduce
+/// in any order and every backend still agrees.
 #[inline(always)]
 pub fn max_abs_bits(x: &[f32]) -> u32 {
-    let mut m = [0u32; 16];
-    let chunks = x.chunks_exact(16);
-    let mut r = chunks
-        .remainder()
-        .iter()
-        .fold(0u32, |a, v| a.max(v.to_bits() & ABS));
-    for c in chunks {
-        for k in 0..16 {
-            m[k] = m[k].max(c[k].to_bits() & ABS);
-        }
-    }
-    for v in m {
-        r = r.max(v);
-    }
-    r
+    x.iter().fold(0u32, |m, v| m.max(v.to_bits() & ABS))
 }
 
 /// `lane_sum16` of `|x|` in f32, in the oracle's order (element `j` to lane `j % 16`).
@@ -66,19 +53,15 @@ fn lane_sum16_abs(x: &[f32]) -> f32 {
 
 #[inline(always)]
 pub fn encode_f32(x: &[f32], out: &mut [u8]) -> bool {
-    let mut m = [0u32; 16];
-    let xs = x.chunks_exact(16);
-    let tail = xs.remainder();
-    let mut os = out.chunks_exact_mut(64);
-    for (c, o) in xs.zip(&mut os) {
-        for k in 0..16 {
-            let b = c[k].to_bits();
-            m[k] = m[k].max(b & ABS);
-            o[4 * k..4 * k + 4].copy_from_slice(&b.to_le_bytes());
+    if cfg!(target_endian = "little") {
+        // The wire's little-endian f32 is the in-memory representation: a copy.
+        out.copy_from_slice(bytemuck::cast_slice(x));
+    } else {
+        for (o, v) in out.chunks_exact_mut(4).zip(x) {
+            o.copy_from_slice(&v.to_le_bytes());
         }
     }
-    let tail_nf = scalar::encode_f32(tail, os.into_remainder());
-    tail_nf || m.iter().any(|&v| v >= INF_BITS)
+    max_abs_bits(x) >= INF_BITS
 }
 
 #[inline(always)]
@@ -153,10 +136,12 @@ pub fn encode_u16(x: &[f32], out: &mut [u8], conv: impl Fn(f32) -> u16) -> bool 
     let tail = xs.remainder();
     let mut os = out.chunks_exact_mut(32);
     for (c, o) in xs.zip(&mut os) {
+        let mut h = [0u16; 16];
         for k in 0..16 {
             m[k] = m[k].max(c[k].to_bits() & ABS);
-            o[2 * k..2 * k + 2].copy_from_slice(&conv(c[k]).to_le_bytes());
+            h[k] = conv(c[k]).to_le();
         }
+        o.copy_from_slice(bytemuck::cast_slice(&h));
     }
     let rest = os.into_remainder();
     let mut nf = m.iter().any(|&v| v >= INF_BITS);
@@ -176,15 +161,36 @@ pub fn decode_u16<const ADD: bool>(p: &[u8], out: &mut [f32], conv: impl Fn(u16)
 
 // ---------------------------------------------------------------- int8
 
+/// The two's-complement byte of an integer-valued `q` with `|q| < 2^22`: adding
+/// `1.5 * 2^23` is exact and leaves `q` in the low mantissa bits, so no (slow, saturating)
+/// float-to-int conversion is needed.
+#[inline(always)]
+fn int_byte(q: f32) -> u8 {
+    (q + 12_582_912.0).to_bits() as u8
+}
+
 /// Quantise one finite block with a non-zero max to int8 codes (see `scalar::encode_int8`).
 #[inline(always)]
 fn int8_block(xb: &[f32], cb: &mut [u8], m: f32, round: Round, draws: &Draws, start: u64) {
     let (pre, inv) = scalar::level_multiplier(m, 127.0);
     match round {
         Round::Nearest => {
-            for (c, &v) in cb.iter_mut().zip(xb) {
-                let q = ((v.abs() * pre) * inv).round_ties_even().min(127.0);
-                *c = q.copysign(v) as i8 as u8;
+            // For 0 <= a < 2^22, (a + 1.5 * 2^23) - 1.5 * 2^23 is a rounded half to even,
+            // exactly `a.round_ties_even()`; a is at most 127 (plus rounding) here.
+            let level = |v: f32| {
+                let a = (v.abs() * pre) * inv;
+                ((a + 12_582_912.0) - 12_582_912.0).min(127.0)
+            };
+            let xs = xb.chunks_exact(16);
+            let tail = xs.remainder();
+            let mut cs = cb.chunks_exact_mut(16);
+            for (c, o) in xs.zip(&mut cs) {
+                for k in 0..16 {
+                    o[k] = int_byte(level(c[k]).copysign(c[k]));
+                }
+            }
+            for (o, &v) in cs.into_remainder().iter_mut().zip(tail) {
+                *o = int_byte(level(v).copysign(v));
             }
         }
         Round::Stochastic => {
@@ -198,15 +204,26 @@ fn int8_block(xb: &[f32], cb: &mut [u8], m: f32, round: Round, draws: &Draws, st
                 return;
             }
             let key = draws.key_for(start);
-            let lo = start as u32;
-            for (j, (c, &v)) in cb.iter_mut().zip(xb).enumerate() {
+            let level = |v: f32, j: u32| {
                 let a = (v.abs() * pre) * inv;
-                let h = lowbias32(lo.wrapping_add(j as u32) ^ key);
+                let h = lowbias32((start as u32).wrapping_add(j) ^ key);
                 let u = (h >> 8) as f32 * (1.0 / 16_777_216.0);
                 let fl = a.floor();
                 let up = if u < a - fl { 1.0 } else { 0.0 };
-                let q = (fl + up).min(127.0);
-                *c = q.copysign(v) as i8 as u8;
+                (fl + up).min(127.0).copysign(v)
+            };
+            let xs = xb.chunks_exact(16);
+            let tail = xs.remainder();
+            let mut cs = cb.chunks_exact_mut(16);
+            let mut j0 = 0u32;
+            for (c, o) in xs.zip(&mut cs) {
+                for k in 0..16 {
+                    o[k] = int_byte(level(c[k], j0 + k as u32));
+                }
+                j0 += 16;
+            }
+            for (k, (o, &v)) in cs.into_remainder().iter_mut().zip(tail).enumerate() {
+                *o = int_byte(level(v, j0 + k as u32));
             }
         }
     }
