@@ -1,4 +1,4 @@
-//! The main job (for now): each codec's compression ratio, error and scalar-kernel speed
+//! The main job (for now): each codec's compression ratio, error and speed
 //! on the built-in synthetic gradient.
 //!
 //! ```text
@@ -69,8 +69,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     let gb = (4 * n) as f64 / 1e9;
     println!(
-        "gradpack {} report: {n} elements of the synthetic gradient (scalar kernels)\n",
-        env!("CARGO_PKG_VERSION")
+        "gradpack {} report: {n} elements of the synthetic gradient, backend {}\n",
+        env!("CARGO_PKG_VERSION"),
+        gradpack::Backend::current()
     );
     println!(
         "{:<44} {:>7} {:>7} {:>10} {:>10} {:>9} {:>9}",

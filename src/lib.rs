@@ -64,6 +64,7 @@ pub use codecs::{
     TopKSelect, ValueType,
 };
 pub use error::{Error, Result};
+pub use kernels::{Backend, BackendKind};
 pub use wire::{HEADER_LEN, Header};
 
 /// Decode any frame into `out`, which must hold exactly the frame's element count.
