@@ -34,9 +34,8 @@ fn lane_sum16_abs(x: &[f32]) -> f32 {
     let chunks = x.chunks_exact(16);
     let tail = chunks.remainder();
     for c in chunks {
-        for k in 0..16 {
-            l[k] += c[k].abs();
-        }
+        let c: &[f32; 16] = c.try_into().expect("chunks of 16");
+        l = core::array::from_fn(|k| l[k] + c[k].abs());
     }
     for (k, v) in tail.iter().enumerate() {
         l[k] += v.abs();
@@ -181,15 +180,7 @@ fn int8_block(xb: &[f32], cb: &mut [u8], m: f32, round: Round, draws: &Draws, st
                 let a = (v.abs() * pre) * inv;
                 ((a + 12_582_912.0) - 12_582_912.0).min(127.0)
             };
-            let xs = xb.chunks_exact(16);
-            let tail = xs.remainder();
-            let mut cs = cb.chunks_exact_mut(16);
-            for (c, o) in xs.zip(&mut cs) {
-                for k in 0..16 {
-                    o[k] = int_byte(level(c[k]).copysign(c[k]));
-                }
-            }
-            for (o, &v) in cs.into_remainder().iter_mut().zip(tail) {
+            for (o, &v) in cb.iter_mut().zip(xb) {
                 *o = int_byte(level(v).copysign(v));
             }
         }
@@ -212,18 +203,8 @@ fn int8_block(xb: &[f32], cb: &mut [u8], m: f32, round: Round, draws: &Draws, st
                 let up = if u < a - fl { 1.0 } else { 0.0 };
                 (fl + up).min(127.0).copysign(v)
             };
-            let xs = xb.chunks_exact(16);
-            let tail = xs.remainder();
-            let mut cs = cb.chunks_exact_mut(16);
-            let mut j0 = 0u32;
-            for (c, o) in xs.zip(&mut cs) {
-                for k in 0..16 {
-                    o[k] = int_byte(level(c[k], j0 + k as u32));
-                }
-                j0 += 16;
-            }
-            for (k, (o, &v)) in cs.into_remainder().iter_mut().zip(tail).enumerate() {
-                *o = int_byte(level(v, j0 + k as u32));
+            for (j, (o, &v)) in cb.iter_mut().zip(xb).enumerate() {
+                *o = int_byte(level(v, j as u32));
             }
         }
     }
