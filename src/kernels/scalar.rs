@@ -164,8 +164,9 @@ pub fn decode_u16<const ADD: bool>(p: &[u8], out: &mut [f32], conv: impl Fn(u16)
 // ---------------------------------------------------------------- block statistics
 
 /// The largest |x| bit pattern of a block (order-free, so every backend agrees).
-/// A result `>= INF_BITS` means the block holds NaN or ±Inf.
-#[inline]
+/// A result `>= INF_BITS` means the block holds NaN or ±Inf. Integer max is associative,
+/// so backends may reduce in any order (this function is also their kernel).
+#[inline(always)]
 pub fn max_abs_bits(x: &[f32]) -> u32 {
     x.iter().fold(0u32, |m, &v| m.max(abs_bits(v)))
 }
@@ -427,6 +428,26 @@ pub fn encode_int8(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
+    encode_int8_blocks(x, block, first, steps, codes, |xb, cb, m, start| {
+        quantise_block(xb, m, 127, round, draws, start, |j, neg, q| {
+            let q = q as i8;
+            cb[j] = if neg { -q } else { q } as u8;
+        });
+    })
+}
+
+/// The int8 block layout, shared by every backend: a block holding NaN or ±Inf gets a NaN
+/// step and zero codes, an all-zero block a zero step and zero codes, and any other block
+/// the step `block_step(m, 127)` and the codes `quantise(xb, cb, m, global start)` writes.
+#[inline(always)]
+pub fn encode_int8_blocks(
+    x: &[f32],
+    block: usize,
+    first: u64,
+    steps: &mut [u8],
+    codes: &mut [u8],
+    mut quantise: impl FnMut(&[f32], &mut [u8], f32, u64),
+) -> bool {
     let mut nonfinite = false;
     for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
         let mb = max_abs_bits(xb);
@@ -440,11 +461,7 @@ pub fn encode_int8(
         } else {
             let m = f32::from_bits(mb);
             put_step(steps, b, block_step(m, 127));
-            let start = first + (b * block) as u64;
-            quantise_block(xb, m, 127, round, draws, start, |j, neg, q| {
-                let q = q as i8;
-                cb[j] = if neg { -q } else { q } as u8;
-            });
+            quantise(xb, cb, m, first + (b * block) as u64);
         }
     }
     nonfinite
