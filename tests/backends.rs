@@ -89,6 +89,19 @@ fn all_specs() -> Vec<CodecSpec> {
         "sign:block=1024",
         "sign:block=8",
         "sign:block=12",
+        "qsgd:bits=2,block=6",
+        "qsgd:bits=2,block=512",
+        "qsgd:bits=4,block=3",
+        "qsgd:bits=8,block=100",
+        "ternary:block=1",
+        "ternary:block=12",
+        "ternary:block=256",
+        "natural:block=1",
+        "natural:block=1000",
+        "topk:ratio=0.5",
+        "topk:k=1,values=fp16",
+        "randk:ratio=1",
+        "randk:ratio=0.01",
     ] {
         v.push(s.parse().unwrap());
     }

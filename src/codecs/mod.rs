@@ -358,9 +358,8 @@ pub(crate) fn encode_signmag(
     let p = payload_buf(out, len)?;
     let nb = n.div_ceil(block as u64) as usize;
     let (steps, codes) = p.split_at_mut(4 * nb);
-    codes.fill(0);
     let draws = crate::rng::Draws::new(ctx.seed, crate::rng::STREAM_ROUNDING, ctx.offset);
-    let nonfinite = crate::kernels::scalar::encode_signmag(
+    let nonfinite = crate::kernels::encode_signmag(
         x,
         block as usize,
         bits,
@@ -386,7 +385,7 @@ pub(crate) fn decode_signmag<const ADD: bool>(
     if !codes.is_empty() {
         wire::check_padding(h.codec, codes, HEADER_LEN + 4 * nb, h.elements, bits as u64)?;
     }
-    crate::kernels::scalar::decode_signmag::<ADD>(steps, codes, block as usize, bits, out);
+    crate::kernels::decode_signmag::<ADD>(steps, codes, block as usize, bits, out);
     Ok(())
 }
 

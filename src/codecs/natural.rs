@@ -22,7 +22,10 @@ use super::{
 };
 use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::{Error, Result};
-use crate::kernels::scalar::{self, NATURAL_MIN_REF, NATURAL_NONFINITE};
+use crate::kernels::{
+    self,
+    scalar::{NATURAL_MIN_REF, NATURAL_NONFINITE},
+};
 use crate::rng::{Draws, STREAM_ROUNDING};
 use crate::wire::{HEADER_LEN, Header};
 
@@ -46,7 +49,7 @@ impl Scheme for Natural {
         let (refs, codes) = p.split_at_mut(len as usize - x.len());
         let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
         let nonfinite =
-            scalar::encode_natural(x, self.block as usize, &draws, ctx.offset, refs, codes);
+            kernels::encode_natural(x, self.block as usize, &draws, ctx.offset, refs, codes);
         Ok(Encoded {
             payload_len: len,
             params: block_params(self.block, 0),
@@ -76,7 +79,7 @@ impl Scheme for Natural {
                 ),
             });
         }
-        scalar::decode_natural::<ADD>(refs, codes, self.block as usize, out);
+        kernels::decode_natural::<ADD>(refs, codes, self.block as usize, out);
         Ok(())
     }
 

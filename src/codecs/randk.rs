@@ -22,7 +22,10 @@ use core::fmt;
 use super::{EncodeCtx, Encoded, Scheme, ValueType};
 use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::{Error, Result};
-use crate::kernels::scalar::{self, CANONICAL_NAN};
+use crate::kernels::{
+    self,
+    scalar::{self, CANONICAL_NAN},
+};
 use crate::rng::{Draws, STREAM_SELECT};
 use crate::wire::{FLAG_NONFINITE, Header};
 
@@ -131,10 +134,14 @@ impl From<RandK> for CodecSpec {
 #[inline]
 fn for_each_kept(seed: u64, offset: u64, n: usize, t: u64, mut f: impl FnMut(usize)) {
     let d = Draws::new(seed, STREAM_SELECT, offset);
-    for i in 0..n {
-        if (d.draw(offset + i as u64) as u64) < t {
-            f(i);
+    let mut idx = [0u32; 1024];
+    let mut pos = 0;
+    while pos < n {
+        let (used, kept) = kernels::filter_draw_lt(&d, offset + pos as u64, t, n - pos, &mut idx);
+        for &i in &idx[..kept] {
+            f(pos + i as usize);
         }
+        pos += used;
     }
 }
 

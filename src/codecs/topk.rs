@@ -21,7 +21,10 @@ use core::fmt;
 use super::{EncodeCtx, Encoded, Scheme, expect_payload};
 use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::{Error, Result};
-use crate::kernels::scalar::{self, BitReader, BitWriter, INF_BITS, mag_key};
+use crate::kernels::{
+    self,
+    scalar::{self, BitReader, BitWriter, INF_BITS, mag_key},
+};
 use crate::wire::{self, HEADER_LEN, Header};
 
 /// Largest element count of a top-k frame.
@@ -197,14 +200,20 @@ fn bit_width(v: u64) -> u32 {
 /// `need_eq` keys equal to `t`.
 #[inline]
 fn for_each_kept(x: &[f32], t: u32, mut need_eq: usize, mut f: impl FnMut(usize)) {
-    for (i, &v) in x.iter().enumerate() {
-        let key = mag_key(v);
-        if key > t {
-            f(i);
-        } else if key == t && need_eq > 0 {
-            need_eq -= 1;
-            f(i);
+    let mut idx = [0u32; 1024];
+    let mut pos = 0;
+    while pos < x.len() {
+        let (used, found) = kernels::filter_mag_ge(&x[pos..], t, &mut idx);
+        for &r in &idx[..found] {
+            let i = pos + r as usize;
+            if mag_key(x[i]) > t {
+                f(i);
+            } else if need_eq > 0 {
+                need_eq -= 1;
+                f(i);
+            }
         }
+        pos += used;
     }
 }
 

@@ -36,13 +36,13 @@ fn simd<Op: pulp::WithSimd>(b: Backend, op: Op) -> Op::Output {
 /// is inlined into each copy and so vectorised for that ISA. (A closure would not do:
 /// it is one function, compiled once for the baseline ISA, that every copy calls.)
 macro_rules! simd_op {
-    ($Name:ident $(<const $C:ident: bool>)? { $($f:ident: $t:ty),* $(,)? } -> $R:ty = $call:expr) => {
-        struct $Name<'a $(, const $C: bool)?> {
+    ($Name:ident $(<$(const $C:ident: $CT:ty),+>)? { $($f:ident: $t:ty),* $(,)? } -> $R:ty = $call:expr) => {
+        struct $Name<'a $($(, const $C: $CT)+)?> {
             $($f: $t,)*
             _life: core::marker::PhantomData<&'a ()>,
         }
 
-        impl<'a $(, const $C: bool)?> pulp::WithSimd for $Name<'a $(, $C)?> {
+        impl<'a $($(, const $C: $CT)+)?> pulp::WithSimd for $Name<'a $($(, $C)+)?> {
             type Output = $R;
 
             #[inline(always)]
@@ -79,6 +79,25 @@ simd_op!(EncodeSign { x: &'a [f32], block: usize, steps: &'a mut [u8], codes: &'
 simd_op!(DecodeSign<const ADD: bool> {
     steps: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
 } -> () = portable::decode_sign::<ADD>(steps, codes, block, out));
+
+simd_op!(EncodeSignmag<const BITS: u32> {
+    x: &'a [f32], block: usize, measure: scalar::Measure, draws: &'a Draws, first: u64,
+    steps: &'a mut [u8], codes: &'a mut [u8],
+} -> bool = portable::encode_signmag::<BITS>(x, block, measure, draws, first, steps, codes));
+simd_op!(DecodeSignmag<const ADD: bool, const BITS: u32> {
+    steps: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
+} -> () = portable::decode_signmag::<ADD, BITS>(steps, codes, block, out));
+simd_op!(EncodeNatural {
+    x: &'a [f32], block: usize, draws: &'a Draws, first: u64,
+    refs: &'a mut [u8], codes: &'a mut [u8],
+} -> bool = portable::encode_natural(x, block, draws, first, refs, codes));
+simd_op!(DecodeNatural<const ADD: bool> {
+    refs: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
+} -> () = portable::decode_natural::<ADD>(refs, codes, block, out));
+simd_op!(FilterMagGe { x: &'a [f32], t: u32, idx: &'a mut [u32] } -> (usize, usize)
+    = portable::filter_mag_ge(x, t, idx));
+simd_op!(FilterDrawLt { first: u32, key: u32, t: u32, n: usize, idx: &'a mut [u32] }
+    -> (usize, usize) = portable::filter_draw_lt(first, key, t, n, idx));
 
 /// f32 to little-endian bytes (`out.len() == 4 * x.len()`); true if any input is NaN/±Inf.
 pub fn encode_f32(x: &[f32], out: &mut [u8]) -> bool {
@@ -272,4 +291,189 @@ pub fn decode_sign<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, ou
             },
         ),
     }
+}
+
+/// Sign-magnitude block encode of `BITS` (2, 4 or 8) bits (see
+/// [`scalar::encode_signmag`]); `codes` need not be zeroed.
+#[allow(clippy::too_many_arguments)]
+pub fn encode_signmag(
+    x: &[f32],
+    block: usize,
+    bits: u32,
+    measure: scalar::Measure,
+    draws: &Draws,
+    first: u64,
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    let b = Backend::current();
+    if b.kind() == BackendKind::Scalar {
+        codes.fill(0);
+        return scalar::encode_signmag(x, block, bits, measure, draws, first, steps, codes);
+    }
+    macro_rules! go {
+        ($bits:literal) => {
+            simd(
+                b,
+                EncodeSignmag::<$bits> {
+                    x,
+                    block,
+                    measure,
+                    draws,
+                    first,
+                    steps,
+                    codes,
+                    _life: LIFE,
+                },
+            )
+        };
+    }
+    match bits {
+        2 => go!(2),
+        4 => go!(4),
+        8 => go!(8),
+        _ => unreachable!("sign-magnitude codes are 2, 4 or 8 bits"),
+    }
+}
+
+/// Sign-magnitude block decode (see [`scalar::decode_signmag`]).
+pub fn decode_signmag<const ADD: bool>(
+    steps: &[u8],
+    codes: &[u8],
+    block: usize,
+    bits: u32,
+    out: &mut [f32],
+) {
+    let b = Backend::current();
+    if b.kind() == BackendKind::Scalar {
+        return scalar::decode_signmag::<ADD>(steps, codes, block, bits, out);
+    }
+    macro_rules! go {
+        ($bits:literal) => {
+            simd(
+                b,
+                DecodeSignmag::<ADD, $bits> {
+                    steps,
+                    codes,
+                    block,
+                    out,
+                    _life: LIFE,
+                },
+            )
+        };
+    }
+    match bits {
+        2 => go!(2),
+        4 => go!(4),
+        8 => go!(8),
+        _ => unreachable!("sign-magnitude codes are 2, 4 or 8 bits"),
+    }
+}
+
+/// Natural-compression encode (see [`scalar::encode_natural`]).
+pub fn encode_natural(
+    x: &[f32],
+    block: usize,
+    draws: &Draws,
+    first: u64,
+    refs: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => {
+            scalar::encode_natural(x, block, draws, first, refs, codes)
+        }
+        b => simd(
+            b,
+            EncodeNatural {
+                x,
+                block,
+                draws,
+                first,
+                refs,
+                codes,
+                _life: LIFE,
+            },
+        ),
+    }
+}
+
+/// Natural-compression decode (see [`scalar::decode_natural`]).
+pub fn decode_natural<const ADD: bool>(refs: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => {
+            scalar::decode_natural::<ADD>(refs, codes, block, out)
+        }
+        b => simd(
+            b,
+            DecodeNatural::<ADD> {
+                refs,
+                codes,
+                block,
+                out,
+                _life: LIFE,
+            },
+        ),
+    }
+}
+
+/// Compare and compress: the indices (relative to `x`, ascending) of the elements whose
+/// magnitude key `|x|` bits (see [`scalar::mag_key`]) is `>= t`, written to `idx`.
+/// Returns `(consumed, written)`: it scans from the start of `x` while `idx` has room, and
+/// consumes at least one element unless `x` is empty; call again on the rest (indices are
+/// relative to each call's start). `idx.len() >= 64` and `x.len() <= 2^32` are required.
+/// How far one call gets differs between backends; the indices found do not.
+pub fn filter_mag_ge(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
+    assert!(idx.len() >= 64, "filter index buffer shorter than 64");
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => scalar::filter_mag_ge(x, t, idx),
+        b => simd(
+            b,
+            FilterMagGe {
+                x,
+                t,
+                idx,
+                _life: LIFE,
+            },
+        ),
+    }
+}
+
+/// Compare and compress on hash draws: the indices `i < n` (ascending) with
+/// `draws.draw(first + i) < t` (`t <= 2^32`), written to `idx`; returns
+/// `(consumed, written)` as [`filter_mag_ge`] does. `idx.len() >= 64` is required.
+pub fn filter_draw_lt(
+    draws: &Draws,
+    first: u64,
+    t: u64,
+    n: usize,
+    idx: &mut [u32],
+) -> (usize, usize) {
+    assert!(idx.len() >= 64, "filter index buffer shorter than 64");
+    let b = Backend::current();
+    if b.kind() == BackendKind::Scalar {
+        return scalar::filter_draw_lt(draws, first, t, n, idx);
+    }
+    if t > u32::MAX as u64 {
+        // Every draw is below 2^32.
+        let m = n.min(idx.len() & !63);
+        for (i, o) in idx[..m].iter_mut().enumerate() {
+            *o = i as u32;
+        }
+        return (m, m);
+    }
+    // Keep each call inside one 2^32 index window (one key).
+    let to_window_end = (1u64 << 32) - (first & 0xFFFF_FFFF);
+    let n = (n as u64).min(to_window_end) as usize;
+    simd(
+        b,
+        FilterDrawLt {
+            first: first as u32,
+            key: draws.key_for(first),
+            t: t as u32,
+            n,
+            idx,
+            _life: LIFE,
+        },
+    )
 }

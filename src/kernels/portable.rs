@@ -248,8 +248,65 @@ fn mean_abs(x: &[f32]) -> f32 {
     }
 }
 
+/// Sign block encode, equal to `scalar::encode_sign`; `codes` need not be zeroed. With
+/// byte-aligned blocks (`block % 8 == 0`) it is one fused pass per block: the 16-lane
+/// |x| sum, the max and the packed sign bits together.
 #[inline(always)]
 pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) -> bool {
+    if !block.is_multiple_of(8) {
+        return encode_sign_two_pass(x, block, steps, codes);
+    }
+    let mut nonfinite = false;
+    for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block / 8)).enumerate() {
+        let mut l = [0f32; 16];
+        let mut m = [0u32; 16];
+        let xs = xb.chunks_exact(64);
+        let tail = xs.remainder();
+        let (full, rest) = cb.split_at_mut(8 * (xb.len() / 64));
+        for (c, o) in xs.zip(full.chunks_exact_mut(8)) {
+            let c: &[f32; 64] = c.try_into().expect("chunks of 64");
+            let mut flags = [0u8; 64];
+            for q in 0..4 {
+                let c: &[f32; 16] = c[16 * q..16 * q + 16].try_into().expect("16");
+                l = core::array::from_fn(|k| l[k] + c[k].abs());
+                m = core::array::from_fn(|k| m[k].max(c[k].to_bits() & ABS));
+            }
+            for (f, v) in flags.iter_mut().zip(c) {
+                *f = (v.to_bits() >> 31) as u8;
+            }
+            o.copy_from_slice(&pack_flags(&flags).to_le_bytes());
+        }
+        // The block's last partial group of 64, one element at a time (lane j % 16).
+        rest.fill(0);
+        for (j, &v) in tail.iter().enumerate() {
+            l[j % 16] += v.abs();
+            m[j % 16] = m[j % 16].max(v.to_bits() & ABS);
+            rest[j / 8] |= ((v.to_bits() >> 31) as u8) << (j % 8);
+        }
+        for w in [8, 4, 2, 1] {
+            for j in 0..w {
+                l[j] += l[j + w];
+            }
+        }
+        let step = if m.iter().any(|&v| v >= INF_BITS) {
+            // Elements of a non-finite block send zero bits (the oracle's layout).
+            nonfinite = true;
+            cb.fill(0);
+            scalar::CANONICAL_NAN
+        } else if l[0].is_finite() {
+            l[0] / xb.len() as f32
+        } else {
+            scalar::mean_abs(xb)
+        };
+        steps[4 * b..4 * b + 4].copy_from_slice(&step.to_le_bytes());
+    }
+    nonfinite
+}
+
+/// Sign encode for blocks that do not start on byte boundaries: block steps, then every
+/// element's bit in one pass.
+#[inline(always)]
+fn encode_sign_two_pass(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) -> bool {
     let mut nonfinite = false;
     for (b, xb) in x.chunks(block).enumerate() {
         let step = if max_abs_bits(xb) >= INF_BITS {
@@ -315,12 +372,357 @@ pub fn decode_sign<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, ou
     }
 }
 
+// ---------------------------------------------------------------- qsgd / ternary
+
+/// `l2_norm` of the oracle: f64 squares in its 16-lane order.
+#[inline(always)]
+fn l2_norm(x: &[f32]) -> f32 {
+    let mut l = [0f64; 16];
+    let chunks = x.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        let c: &[f32; 16] = c.try_into().expect("chunks of 16");
+        l = core::array::from_fn(|k| l[k] + (c[k] as f64) * (c[k] as f64));
+    }
+    for (k, &v) in tail.iter().enumerate() {
+        l[k] += (v as f64) * (v as f64);
+    }
+    for w in [8, 4, 2, 1] {
+        for j in 0..w {
+            l[j] += l[j + w];
+        }
+    }
+    (l[0].sqrt() as f32).min(f32::MAX)
+}
+
+/// Quantise the finite, non-zero-max block `xb` (first global index `start`, which the
+/// caller has checked does not straddle a 2^32 window, `key` that window's key) to
+/// `BITS`-bit sign-magnitude codes, packed LSB first into `cb` (every byte written).
+#[inline(always)]
+fn signmag_block<const BITS: u32>(xb: &[f32], cb: &mut [u8], m: f32, key: u32, start: u64) {
+    let levels = (1u32 << (BITS - 1)) - 1;
+    let sign_bit = 1u8 << (BITS - 1);
+    let per = (8 / BITS) as usize;
+    let (pre, inv) = scalar::level_multiplier(m, levels as f32);
+    let code = |v: f32, j: u32| {
+        let a = (v.abs() * pre) * inv;
+        let h = lowbias32((start as u32).wrapping_add(j) ^ key);
+        let u = (h >> 8) as f32 * (1.0 / 16_777_216.0);
+        let fl = a.floor();
+        let up = if u < a - fl { 1.0 } else { 0.0 };
+        let q = int_byte((fl + up).min(levels as f32));
+        q | if v.is_sign_negative() && q != 0 {
+            sign_bit
+        } else {
+            0
+        }
+    };
+    // Codes of up to 1024 elements at a time (a plain loop the vectoriser takes), then
+    // packed `per` to a byte.
+    const CHUNK: usize = 1024;
+    for (g, (xg, og)) in xb.chunks(CHUNK).zip(cb.chunks_mut(CHUNK / per)).enumerate() {
+        let mut c = [0u8; CHUNK];
+        let base = (CHUNK * g) as u32;
+        for (j, (o, &v)) in c.iter_mut().zip(xg).enumerate() {
+            *o = code(v, base + j as u32);
+        }
+        if per == 1 {
+            og.copy_from_slice(&c[..og.len()]);
+            continue;
+        }
+        for (o, cs) in og.iter_mut().zip(c.chunks_exact(per)) {
+            let mut byte = 0u8;
+            for (k, &v) in cs.iter().enumerate() {
+                byte |= v << (k as u32 * BITS);
+            }
+            *o = byte;
+        }
+    }
+}
+
+/// Sign-magnitude block encode (qsgd, ternary), equal to `scalar::encode_signmag`; unlike
+/// the oracle it writes every code byte, so `codes` need not be zeroed.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub fn encode_signmag<const BITS: u32>(
+    x: &[f32],
+    block: usize,
+    measure: scalar::Measure,
+    draws: &Draws,
+    first: u64,
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    let per = (8 / BITS) as usize;
+    if !block.is_multiple_of(per) {
+        // Blocks do not start on byte boundaries: the oracle's bit-at-a-time layout.
+        codes.fill(0);
+        return scalar::encode_signmag(x, block, BITS, measure, draws, first, steps, codes);
+    }
+    let levels = (1u32 << (BITS - 1)) - 1;
+    let mut nonfinite = false;
+    for (b, (xb, cb)) in x
+        .chunks(block)
+        .zip(codes.chunks_mut(block / per))
+        .enumerate()
+    {
+        let mb = max_abs_bits(xb);
+        let step = if mb >= INF_BITS {
+            nonfinite = true;
+            cb.fill(0);
+            scalar::CANONICAL_NAN
+        } else if mb == 0 {
+            cb.fill(0);
+            0.0
+        } else {
+            let m = match measure {
+                scalar::Measure::AbsMax => f32::from_bits(mb),
+                scalar::Measure::L2 => l2_norm(xb),
+            };
+            let start = first + (b * block) as u64;
+            let last = start + xb.len() as u64 - 1;
+            if start >> 32 == last >> 32 {
+                signmag_block::<BITS>(xb, cb, m, draws.key_for(start), start);
+            } else {
+                // The block straddles a 2^32 index window: the oracle handles the key change.
+                cb.fill(0);
+                scalar::quantise_block(
+                    xb,
+                    m,
+                    levels,
+                    Round::Stochastic,
+                    draws,
+                    start,
+                    |j, neg, q| {
+                        if q != 0 {
+                            let code = q | if neg { 1 << (BITS - 1) } else { 0 };
+                            scalar::put_bits(cb, j, BITS, code as u8);
+                        }
+                    },
+                );
+            }
+            scalar::block_step(m, levels)
+        };
+        steps[4 * b..4 * b + 4].copy_from_slice(&step.to_le_bytes());
+    }
+    nonfinite
+}
+
+/// Sign-magnitude block decode, equal to `scalar::decode_signmag`.
+#[inline(always)]
+pub fn decode_signmag<const ADD: bool, const BITS: u32>(
+    steps: &[u8],
+    codes: &[u8],
+    block: usize,
+    out: &mut [f32],
+) {
+    let per = (8 / BITS) as usize;
+    if !block.is_multiple_of(per) {
+        return scalar::decode_signmag::<ADD>(steps, codes, block, BITS, out);
+    }
+    let mask = ((1u32 << BITS) - 1) as u8;
+    let value = |c: u8, s: f32| {
+        let c = c & mask;
+        let mag = (c & (mask >> 1)) as f32 * s;
+        f32::from_bits(mag.to_bits() ^ (((c >> (BITS - 1)) as u32) << 31))
+    };
+    for (b, (ob, cb)) in out
+        .chunks_mut(block)
+        .zip(codes.chunks(block / per))
+        .enumerate()
+    {
+        let s = scalar::get_step(steps, b);
+        let full = ob.len() / per;
+        let mut os = ob.chunks_exact_mut(per);
+        for (o, &byte) in (&mut os).zip(cb) {
+            for (k, v) in o.iter_mut().enumerate() {
+                put::<ADD>(v, value(byte >> (k as u32 * BITS), s));
+            }
+        }
+        let rest = os.into_remainder();
+        if let Some(&byte) = cb.get(full) {
+            for (k, v) in rest.iter_mut().enumerate() {
+                put::<ADD>(v, value(byte >> (k as u32 * BITS), s));
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- natural
+
+/// `2^k` in f64 for `k` in `[-1022, 1023]`.
+#[inline(always)]
+fn pow2_f64(k: i32) -> f64 {
+    f64::from_bits(((k + 1023) as u64) << 52)
+}
+
+/// Natural-compression block encode, equal to `scalar::encode_natural` (which see), with
+/// the oracle's branches as selects: the f64 arithmetic is the same and exact.
+#[inline(always)]
+pub fn encode_natural(
+    x: &[f32],
+    block: usize,
+    draws: &Draws,
+    first: u64,
+    refs: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    let mut nonfinite = false;
+    for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
+        let mb = max_abs_bits(xb);
+        if mb >= INF_BITS {
+            nonfinite = true;
+            refs[b] = scalar::NATURAL_NONFINITE;
+            cb.fill(0);
+            continue;
+        }
+        let r = scalar::natural_ref(mb);
+        refs[b] = (r + 127) as u8;
+        let kmin = r - 126;
+        let start = first + (b * block) as u64;
+        let last = start + xb.len() as u64 - 1;
+        if start >> 32 != last >> 32 {
+            // Straddles a 2^32 index window: the oracle, one block.
+            let mut one = [0u8; 1];
+            scalar::encode_natural(xb, block, draws, start, &mut one, cb);
+            continue;
+        }
+        let key = draws.key_for(start);
+        let scale_lo = pow2_f64(-kmin);
+        let code = |v: f32, j: u32| {
+            let a = v.abs() as f64;
+            // floor(log2 a), exact for every f32 (subnormals are normal in f64); -1023 for 0.
+            let e = ((a.to_bits() >> 52) as i32) - 1023;
+            let h = lowbias32((start as u32).wrapping_add(j) ^ key);
+            let u = (h >> 8) as f64 / 16_777_216.0;
+            let f_hi = a * pow2_f64(-e) - 1.0;
+            let f_lo = a * scale_lo;
+            let k = if e >= kmin {
+                e + (u < f_hi && e < r) as i32
+            } else {
+                kmin - 1 + (u < f_lo) as i32
+            };
+            let m = k - kmin + 1;
+            let sign = ((v.to_bits() >> 24) & 0x80) as u8;
+            if a == 0.0 || m == 0 {
+                0
+            } else {
+                sign | m as u8
+            }
+        };
+        for (j, (o, &v)) in cb.iter_mut().zip(xb).enumerate() {
+            *o = code(v, j as u32);
+        }
+    }
+    nonfinite
+}
+
+/// Natural-compression block decode, equal to `scalar::decode_natural`.
+#[inline(always)]
+pub fn decode_natural<const ADD: bool>(refs: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+    for (b, (ob, cb)) in out.chunks_mut(block).zip(codes.chunks(block)).enumerate() {
+        if refs[b] == scalar::NATURAL_NONFINITE {
+            for o in ob {
+                put::<ADD>(o, scalar::CANONICAL_NAN);
+            }
+            continue;
+        }
+        let r = refs[b] as i32 - 127;
+        for (o, &c) in ob.iter_mut().zip(cb) {
+            let m = (c & 0x7F) as i32;
+            let k = r - 127 + m; // in [-149, 127] for m >= 1 and a valid reference
+            let normal = ((k + 127).max(0) as u32) << 23;
+            let sub = 1u32 << ((k + 149).clamp(0, 31) as u32);
+            let bits = if m == 0 {
+                0
+            } else if k >= -126 {
+                normal
+            } else {
+                sub
+            };
+            put::<ADD>(o, f32::from_bits(bits ^ (((c >> 7) as u32) << 31)));
+        }
+    }
+}
+
+// ---------------------------------------------------------------- compare and compress
+
+/// Bit `i` of the result is `flags[i] != 0` (flags are 0 or 1).
+#[inline(always)]
+fn pack_flags(flags: &[u8; 64]) -> u64 {
+    let mut m = 0u64;
+    for (k, w) in flags.chunks_exact(8).enumerate() {
+        let w = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+        // Byte i of w (0 or 1) lands on bit 56 + i of the product; no two partial
+        // products share a bit, so nothing carries.
+        m |= (w.wrapping_mul(0x0102_0408_1020_4080) >> 56) << (8 * k);
+    }
+    m
+}
+
+/// Write `base + i` for each set bit `i` of `m`, in order, at `idx[*n..]`.
+#[inline(always)]
+fn emit_bits(mut m: u64, base: u32, idx: &mut [u32], n: &mut usize) {
+    while m != 0 {
+        idx[*n] = base + m.trailing_zeros();
+        *n += 1;
+        m &= m - 1;
+    }
+}
+
+/// The compress loop shared by the filters: flags of 64 elements at a time from
+/// `flag(i)`, packed, their indices written. See `super::filter_mag_ge`.
+#[inline(always)]
+fn compress(n: usize, idx: &mut [u32], flag: impl Fn(usize) -> bool) -> (usize, usize) {
+    let mut count = 0;
+    let mut done = 0;
+    while done < n && idx.len() - count >= 64 {
+        let len = (n - done).min(64);
+        let mut flags = [0u8; 64];
+        for (j, f) in flags[..len].iter_mut().enumerate() {
+            *f = flag(done + j) as u8;
+        }
+        emit_bits(pack_flags(&flags), done as u32, idx, &mut count);
+        done += len;
+    }
+    (done, count)
+}
+
+/// Indices of the elements with `|x|` bit pattern `>= t` (see `super::filter_mag_ge`).
+#[inline(always)]
+pub fn filter_mag_ge(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
+    compress(x.len(), idx, |i| x[i].to_bits() & ABS >= t)
+}
+
+/// Indices `i < n` with `lowbias32(first as u32 + i ^ key) < t` (see
+/// `super::filter_draw_lt`; the caller keeps the range inside one 2^32 window).
+#[inline(always)]
+pub fn filter_draw_lt(first: u32, key: u32, t: u32, n: usize, idx: &mut [u32]) -> (usize, usize) {
+    compress(n, idx, |i| {
+        lowbias32(first.wrapping_add(i as u32) ^ key) < t
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// The branch-free conversions are the NEON path; x86 never dispatches to them, so
     /// check them here on every input (the SIMD tests cover them on NEON itself).
+    #[test]
+    fn pack_flags_matches_a_bit_loop() {
+        for seed in 0..200u32 {
+            let flags: [u8; 64] =
+                core::array::from_fn(|i| (lowbias32(seed * 64 + i as u32) >> 31) as u8);
+            let want = flags
+                .iter()
+                .enumerate()
+                .fold(0u64, |m, (i, &f)| m | (f as u64) << i);
+            assert_eq!(pack_flags(&flags), want);
+        }
+        assert_eq!(pack_flags(&[1; 64]), u64::MAX);
+    }
+
     #[test]
     fn branch_free_conversions_match_the_oracle_for_every_input() {
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get()) as u64;

@@ -734,6 +734,39 @@ pub fn kth_largest_key(x: &[f32], k: usize) -> u32 {
     prefix
 }
 
+// ---------------------------------------------------------------- compare and compress
+
+/// The oracle of `kernels::filter_mag_ge`: one element at a time, stopping at the same
+/// 64-element group boundary.
+pub fn filter_mag_ge(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
+    filter(x.len(), idx, |i| mag_key(x[i]) >= t)
+}
+
+/// The oracle of `kernels::filter_draw_lt`.
+pub fn filter_draw_lt(
+    draws: &Draws,
+    first: u64,
+    t: u64,
+    n: usize,
+    idx: &mut [u32],
+) -> (usize, usize) {
+    filter(n, idx, |i| (draws.draw(first + i as u64) as u64) < t)
+}
+
+#[inline]
+fn filter(n: usize, idx: &mut [u32], keep: impl Fn(usize) -> bool) -> (usize, usize) {
+    let groups = idx.len() / 64;
+    let done = n.min(64 * groups);
+    let mut count = 0;
+    for i in 0..done {
+        if keep(i) {
+            idx[count] = i as u32;
+            count += 1;
+        }
+    }
+    (done, count)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
