@@ -256,12 +256,25 @@ pub fn decode_int8<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, ou
 
 /// Sign block encode (see [`scalar::encode_sign`]); `codes` need not be zeroed.
 pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) -> bool {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => {
+    let b = Backend::current();
+    match b.kind() {
+        BackendKind::Scalar => {
             codes.fill(0);
             scalar::encode_sign(x, block, steps, codes)
         }
-        b => simd(
+        #[cfg(target_arch = "x86_64")]
+        BackendKind::Avx2 => portable::encode_sign_blocks(x, block, steps, codes, |xb, cb, l| {
+            // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected; `cb`
+            // holds the block's `ceil(xb.len() / 8)` code bytes.
+            unsafe { x86_64::sign_groups_avx2(xb, cb, l) }
+        }),
+        #[cfg(target_arch = "x86_64")]
+        BackendKind::Avx512 => portable::encode_sign_blocks(x, block, steps, codes, |xb, cb, l| {
+            // SAFETY: a Backend of kind Avx512 exists only after AVX-512F was detected;
+            // `cb` holds the block's `ceil(xb.len() / 8)` code bytes.
+            unsafe { x86_64::sign_groups_avx512(xb, cb, l) }
+        }),
+        _ => simd(
             b,
             EncodeSign {
                 x,

@@ -248,39 +248,74 @@ fn mean_abs(x: &[f32]) -> f32 {
     }
 }
 
-/// Sign block encode, equal to `scalar::encode_sign`; `codes` need not be zeroed. With
-/// byte-aligned blocks (`block % 8 == 0`) it is one fused pass per block: the 16-lane
-/// |x| sum, the max and the packed sign bits together.
+/// Running state of one sign block: the 16 lane sums of |x| and lane maxima of |x| bits.
+pub struct SignLanes {
+    /// `sum[k]`: sum of |x_j| over the block's `j % 16 == k`, in index order.
+    pub sum: [f32; 16],
+    /// `max[k]`: largest |x_j| bit pattern over `j % 16 == k`.
+    pub max: [u32; 16],
+}
+
+/// Sign block encode, equal to `scalar::encode_sign`; `codes` need not be zeroed.
 #[inline(always)]
 pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) -> bool {
+    encode_sign_blocks(x, block, steps, codes, |xb, cb, lanes| {
+        sign_groups(xb, cb, lanes)
+    })
+}
+
+/// The portable group kernel of [`encode_sign_blocks`]: 64 elements at a time, sign bits
+/// packed by [`pack_flags`].
+#[inline(always)]
+fn sign_groups(xb: &[f32], cb: &mut [u8], lanes: &mut SignLanes) -> usize {
+    let (mut l, mut m) = (lanes.sum, lanes.max);
+    for (c, o) in xb.chunks_exact(64).zip(cb.chunks_exact_mut(8)) {
+        let c: &[f32; 64] = c.try_into().expect("chunks of 64");
+        let mut flags = [0u8; 64];
+        for q in 0..4 {
+            let c: &[f32; 16] = c[16 * q..16 * q + 16].try_into().expect("16");
+            l = core::array::from_fn(|k| l[k] + c[k].abs());
+            m = core::array::from_fn(|k| m[k].max(c[k].to_bits() & ABS));
+        }
+        for (f, v) in flags.iter_mut().zip(c) {
+            *f = (v.to_bits() >> 31) as u8;
+        }
+        o.copy_from_slice(&pack_flags(&flags).to_le_bytes());
+    }
+    (lanes.sum, lanes.max) = (l, m);
+    xb.len() / 64 * 64
+}
+
+/// The sign block layout, shared by every backend. With byte-aligned blocks
+/// (`block % 8 == 0`) each block is one fused pass: `groups(xb, cb, lanes)` handles a
+/// prefix of the block whose length is a multiple of 16 (it returns that length), adding
+/// each element to lane `j % 16` in index order and writing its packed sign bits; the
+/// rest is done here. Other block sizes take the two-pass path.
+#[inline(always)]
+pub fn encode_sign_blocks(
+    x: &[f32],
+    block: usize,
+    steps: &mut [u8],
+    codes: &mut [u8],
+    mut groups: impl FnMut(&[f32], &mut [u8], &mut SignLanes) -> usize,
+) -> bool {
     if !block.is_multiple_of(8) {
         return encode_sign_two_pass(x, block, steps, codes);
     }
     let mut nonfinite = false;
     for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block / 8)).enumerate() {
-        let mut l = [0f32; 16];
-        let mut m = [0u32; 16];
-        let xs = xb.chunks_exact(64);
-        let tail = xs.remainder();
-        let (full, rest) = cb.split_at_mut(8 * (xb.len() / 64));
-        for (c, o) in xs.zip(full.chunks_exact_mut(8)) {
-            let c: &[f32; 64] = c.try_into().expect("chunks of 64");
-            let mut flags = [0u8; 64];
-            for q in 0..4 {
-                let c: &[f32; 16] = c[16 * q..16 * q + 16].try_into().expect("16");
-                l = core::array::from_fn(|k| l[k] + c[k].abs());
-                m = core::array::from_fn(|k| m[k].max(c[k].to_bits() & ABS));
-            }
-            for (f, v) in flags.iter_mut().zip(c) {
-                *f = (v.to_bits() >> 31) as u8;
-            }
-            o.copy_from_slice(&pack_flags(&flags).to_le_bytes());
-        }
-        // The block's last partial group of 64, one element at a time (lane j % 16).
+        let mut lanes = SignLanes {
+            sum: [0.0; 16],
+            max: [0; 16],
+        };
+        let done = groups(xb, cb, &mut lanes);
+        let SignLanes { sum: mut l, max: m } = lanes;
+        let mut mx = m.iter().fold(0, |a, &v| a.max(v));
+        let rest = &mut cb[done / 8..];
         rest.fill(0);
-        for (j, &v) in tail.iter().enumerate() {
+        for (j, &v) in xb[done..].iter().enumerate() {
             l[j % 16] += v.abs();
-            m[j % 16] = m[j % 16].max(v.to_bits() & ABS);
+            mx = mx.max(v.to_bits() & ABS);
             rest[j / 8] |= ((v.to_bits() >> 31) as u8) << (j % 8);
         }
         for w in [8, 4, 2, 1] {
@@ -288,7 +323,7 @@ pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) 
                 l[j] += l[j + w];
             }
         }
-        let step = if m.iter().any(|&v| v >= INF_BITS) {
+        let step = if mx >= INF_BITS {
             // Elements of a non-finite block send zero bits (the oracle's layout).
             nonfinite = true;
             cb.fill(0);

@@ -8,6 +8,7 @@
 
 use core::arch::x86_64::*;
 
+use super::portable::SignLanes;
 use super::scalar;
 
 const ABS: i32 = 0x7FFF_FFFF;
@@ -118,4 +119,97 @@ pub unsafe fn decode_f16_avx512<const ADD: bool>(p: &[u8], out: &mut [f32]) {
     }
     // SAFETY: the caller guarantees AVX2 and F16C.
     unsafe { decode_f16_avx2::<ADD>(&p[2 * n16..2 * n], &mut out[n16..n]) };
+}
+
+/// The sign group kernel (see `portable::encode_sign_blocks`) with AVX2: 16 elements per
+/// step in two 8-lane registers (lanes 0..8 and 8..16 of the oracle's order), sign bits by
+/// `movemask`. Returns the number of elements handled, `16 * (xb.len() / 16)`.
+///
+/// # Safety
+/// The CPU must support AVX2; `cb.len() >= xb.len() / 8`.
+#[target_feature(enable = "avx2")]
+pub unsafe fn sign_groups_avx2(xb: &[f32], cb: &mut [u8], lanes: &mut SignLanes) -> usize {
+    let n = xb.len() / 16 * 16;
+    assert!(cb.len() >= n / 8);
+    let abs = _mm256_set1_epi32(ABS);
+    // SAFETY: `sum` and `max` are 16 four-byte values; each half is one unaligned __m256.
+    let (mut s0, mut s1, mut m0, mut m1) = unsafe {
+        (
+            _mm256_loadu_ps(lanes.sum.as_ptr()),
+            _mm256_loadu_ps(lanes.sum.as_ptr().add(8)),
+            _mm256_loadu_si256(lanes.max.as_ptr().cast()),
+            _mm256_loadu_si256(lanes.max.as_ptr().add(8).cast()),
+        )
+    };
+    let mut i = 0;
+    while i < n {
+        // SAFETY: i + 16 <= n <= xb.len() and i / 8 + 2 <= n / 8 <= cb.len(); unaligned
+        // loads, a 2-byte unaligned store.
+        unsafe {
+            let a = _mm256_loadu_ps(xb.as_ptr().add(i));
+            let b = _mm256_loadu_ps(xb.as_ptr().add(i + 8));
+            let aa = _mm256_and_si256(_mm256_castps_si256(a), abs);
+            let ba = _mm256_and_si256(_mm256_castps_si256(b), abs);
+            s0 = _mm256_add_ps(s0, _mm256_castsi256_ps(aa));
+            s1 = _mm256_add_ps(s1, _mm256_castsi256_ps(ba));
+            m0 = _mm256_max_epu32(m0, aa);
+            m1 = _mm256_max_epu32(m1, ba);
+            let bits = (_mm256_movemask_ps(a) as u32 | (_mm256_movemask_ps(b) as u32) << 8) as u16;
+            cb.as_mut_ptr()
+                .add(i / 8)
+                .cast::<u16>()
+                .write_unaligned(bits.to_le());
+        }
+        i += 16;
+    }
+    // SAFETY: as for the loads above.
+    unsafe {
+        _mm256_storeu_ps(lanes.sum.as_mut_ptr(), s0);
+        _mm256_storeu_ps(lanes.sum.as_mut_ptr().add(8), s1);
+        _mm256_storeu_si256(lanes.max.as_mut_ptr().cast(), m0);
+        _mm256_storeu_si256(lanes.max.as_mut_ptr().add(8).cast(), m1);
+    }
+    n
+}
+
+/// The sign group kernel with AVX-512: one 16-lane register (the oracle's order), sign
+/// bits by a signed compare into a mask. See [`sign_groups_avx2`].
+///
+/// # Safety
+/// The CPU must support AVX-512F; `cb.len() >= xb.len() / 8`.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn sign_groups_avx512(xb: &[f32], cb: &mut [u8], lanes: &mut SignLanes) -> usize {
+    let n = xb.len() / 16 * 16;
+    assert!(cb.len() >= n / 8);
+    let abs = _mm512_set1_epi32(ABS);
+    let zero = _mm512_setzero_si512();
+    // SAFETY: `sum` and `max` are 16 four-byte values, one unaligned __m512 each.
+    let (mut s, mut m) = unsafe {
+        (
+            _mm512_loadu_ps(lanes.sum.as_ptr()),
+            _mm512_loadu_si512(lanes.max.as_ptr().cast()),
+        )
+    };
+    let mut i = 0;
+    while i < n {
+        // SAFETY: i + 16 <= n <= xb.len() and i / 8 + 2 <= cb.len(); unaligned accesses.
+        unsafe {
+            let v = _mm512_loadu_si512(xb.as_ptr().add(i).cast());
+            let a = _mm512_and_si512(v, abs);
+            s = _mm512_add_ps(s, _mm512_castsi512_ps(a));
+            m = _mm512_max_epu32(m, a);
+            let bits: u16 = _mm512_cmplt_epi32_mask(v, zero);
+            cb.as_mut_ptr()
+                .add(i / 8)
+                .cast::<u16>()
+                .write_unaligned(bits.to_le());
+        }
+        i += 16;
+    }
+    // SAFETY: as for the loads above.
+    unsafe {
+        _mm512_storeu_ps(lanes.sum.as_mut_ptr(), s);
+        _mm512_storeu_si512(lanes.max.as_mut_ptr().cast(), m);
+    }
+    n
 }
