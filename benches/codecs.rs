@@ -7,7 +7,8 @@
 //!
 //! `cargo bench --bench codecs` runs everything (several minutes);
 //! `cargo bench --bench codecs -- 65536` one size; `GRADPACK_BENCH_SIZES=65536,16777216`
-//! chooses the sizes (default 64 Ki and 1 Mi elements).
+//! chooses the sizes (default 64 Ki, 1 Mi, 16 Mi and 64 Mi elements; the two DRAM sizes
+//! take 10 samples each, and the whole run about 25 minutes here).
 
 #![allow(missing_docs)] // criterion_group! generates undocumented items
 
@@ -26,6 +27,7 @@ const SPECS: &[&str] = &[
     "int8",
     "int8:rounding=stochastic",
     "qsgd:bits=4",
+    "qsgd:bits=8",
     "sign",
     "ternary",
     "natural",
@@ -41,7 +43,7 @@ fn sizes() -> Vec<usize> {
                 .map(|v| v.trim().parse().expect("GRADPACK_BENCH_SIZES: integers"))
                 .collect()
         })
-        .unwrap_or_else(|| vec![1 << 16, 1 << 20])
+        .unwrap_or_else(|| vec![1 << 16, 1 << 20, 1 << 24, 1 << 26])
 }
 
 /// `len` zeroed items starting on a 4096-byte boundary. Heap buffers otherwise land at
@@ -70,6 +72,7 @@ fn read_pass(x: &[f32]) -> f32 {
 fn baselines(c: &mut Criterion, n: usize, x: &[f32]) {
     let mut g = c.benchmark_group(format!("baseline/{n}"));
     g.throughput(Throughput::Bytes(4 * n as u64));
+    dram_sampling(&mut g, n);
     let mut dbuf = Vec::new();
     let dst = page_aligned::<f32>(&mut dbuf, n);
     g.bench_function("memcpy", |b| b.iter(|| dst.copy_from_slice(black_box(x))));
@@ -108,6 +111,7 @@ fn codecs(c: &mut Criterion) {
             let out = page_aligned::<f32>(&mut obuf, n);
             let mut g = c.benchmark_group(format!("{s}/{n}"));
             g.throughput(Throughput::Bytes(4 * n as u64));
+            dram_sampling(&mut g, n);
             for backend in Backend::available() {
                 let name = backend.name();
                 g.bench_function(BenchmarkId::new("encode", name), |b| {
@@ -126,6 +130,17 @@ fn codecs(c: &mut Criterion) {
             }
             g.finish();
         }
+    }
+}
+
+/// Fewer, longer samples for the DRAM sizes (one iteration of a slow scalar encoder at
+/// 64 Mi elements takes about a second).
+fn dram_sampling<M: criterion::measurement::Measurement>(
+    g: &mut criterion::BenchmarkGroup<'_, M>,
+    n: usize,
+) {
+    if n >= 1 << 24 {
+        g.sample_size(10).warm_up_time(Duration::from_millis(500));
     }
 }
 

@@ -196,8 +196,9 @@ fn int8_block(xb: &[f32], cb: &mut [u8], m: f32, round: Round, draws: &Draws, st
                 let up = if u < a - fl { 1.0 } else { 0.0 };
                 (fl + up).min(127.0).copysign(v)
             };
-            for (j, (o, &v)) in cb.iter_mut().zip(xb).enumerate() {
-                *o = int_byte(level(v, j as u32));
+            // A u32 counter (not `enumerate`'s usize) keeps the index vector 32-bit.
+            for (j, (o, &v)) in (0u32..).zip(cb.iter_mut().zip(xb)) {
+                *o = int_byte(level(v, j));
             }
         }
     }
@@ -458,8 +459,8 @@ fn signmag_block<const BITS: u32>(xb: &[f32], cb: &mut [u8], m: f32, key: u32, s
     for (g, (xg, og)) in xb.chunks(CHUNK).zip(cb.chunks_mut(CHUNK / per)).enumerate() {
         let mut c = [0u8; CHUNK];
         let base = (CHUNK * g) as u32;
-        for (j, (o, &v)) in c.iter_mut().zip(xg).enumerate() {
-            *o = code(v, base + j as u32);
+        for (j, (o, &v)) in (base..).zip(c.iter_mut().zip(xg)) {
+            *o = code(v, j);
         }
         if per == 1 {
             og.copy_from_slice(&c[..og.len()]);
@@ -645,8 +646,8 @@ pub fn encode_natural(
                 sign | m as u8
             }
         };
-        for (j, (o, &v)) in cb.iter_mut().zip(xb).enumerate() {
-            *o = code(v, j as u32);
+        for (j, (o, &v)) in (0u32..).zip(cb.iter_mut().zip(xb)) {
+            *o = code(v, j);
         }
     }
     nonfinite
