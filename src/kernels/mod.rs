@@ -177,6 +177,10 @@ pub fn decode_f16<const ADD: bool>(p: &[u8], out: &mut [f32]) {
 pub fn encode_bf16(x: &[f32], out: &mut [u8]) -> bool {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => scalar::encode_u16(x, out, scalar::f32_to_bf16),
+        // SAFETY: a Backend of kind Avx512 exists only after x86-64-v4 (AVX-512F/BW/CD/DQ/VL)
+        // was detected.
+        #[cfg(target_arch = "x86_64")]
+        b if b.kind() == BackendKind::Avx512 => unsafe { x86_64::encode_bf16_avx512(x, out) },
         b => simd(
             b,
             EncodeBf16 {
