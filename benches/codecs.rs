@@ -8,7 +8,8 @@
 //! `cargo bench --bench codecs` runs everything (several minutes);
 //! `cargo bench --bench codecs -- 65536` one size; `GRADPACK_BENCH_SIZES=65536,16777216`
 //! chooses the sizes (default 64 Ki, 1 Mi, 16 Mi and 64 Mi elements; the two DRAM sizes
-//! take 10 samples each, and the whole run about 25 minutes here).
+//! take 10 samples each, and the whole run about 40 minutes here);
+//! `GRADPACK_BENCH_BACKENDS=scalar,avx512` restricts the backends.
 
 #![allow(missing_docs)] // criterion_group! generates undocumented items
 
@@ -44,6 +45,19 @@ fn sizes() -> Vec<usize> {
                 .collect()
         })
         .unwrap_or_else(|| vec![1 << 16, 1 << 20, 1 << 24, 1 << 26])
+}
+
+/// The backends to run: all this CPU has, or those named in `GRADPACK_BENCH_BACKENDS`
+/// (comma-separated, e.g. `scalar,avx512`).
+fn backends() -> Vec<Backend> {
+    let all = Backend::available();
+    match std::env::var("GRADPACK_BENCH_BACKENDS") {
+        Ok(list) => all
+            .into_iter()
+            .filter(|b| list.split(',').any(|n| n.trim() == b.name()))
+            .collect(),
+        Err(_) => all,
+    }
 }
 
 /// `len` zeroed items starting on a 4096-byte boundary. Heap buffers otherwise land at
@@ -112,7 +126,7 @@ fn codecs(c: &mut Criterion) {
             let mut g = c.benchmark_group(format!("{s}/{n}"));
             g.throughput(Throughput::Bytes(4 * n as u64));
             dram_sampling(&mut g, n);
-            for backend in Backend::available() {
+            for backend in backends() {
                 let name = backend.name();
                 g.bench_function(BenchmarkId::new("encode", name), |b| {
                     b.iter(|| backend.run(|| spec.encode_into(black_box(x), &ctx, frame).unwrap()))

@@ -43,3 +43,49 @@ for n in sizes:
         hb = base.get("half_bf16_from_f32" if op == "encode" else "half_bf16_to_f32")
         print("| `%s` | %s | %s | %.2f | %.3f | %.3f | %.2f | %.2f |" % (
             spec, op, backend, v, v / base["memcpy"], v / base["read_sum"], v / hf, v / hb))
+
+# ---------------------------------------------------------------- issue-3 targets
+# Each target: (size, codecs, op, baseline, minimum ratio). The figure is the best
+# backend's median; "stochastic" codecs are those with random rounding.
+SMALL, LARGE = 1 << 16, 1 << 26
+DETERMINISTIC_FIXED = ["fp16", "bf16", "int8", "sign"]
+STOCHASTIC = ["int8:rounding=stochastic", "qsgd:bits=4", "qsgd:bits=8", "ternary", "natural"]
+ALL = sorted({g.rsplit("/", 1)[0] for g, _ in rows if not g.startswith("baseline/")})
+TARGETS = [
+    (SMALL, ["fp16", "bf16"], "encode", "memcpy", 0.9),
+    (SMALL, ["fp16", "bf16"], "decode", "memcpy", 0.9),
+    (SMALL, ["sign"], "encode", "memcpy", 1.0),
+    (SMALL, ["int8"], "encode", "memcpy", 0.5),
+    (SMALL, STOCHASTIC, "encode", "memcpy", 0.2),
+    (SMALL, [c for c in ALL if c not in ("fp16", "bf16")], "decode", "memcpy", 0.5),
+    (SMALL, ALL, "decode_add", "memcpy", 0.4),
+    (LARGE, DETERMINISTIC_FIXED, "encode", "memcpy", 1.1),
+    (LARGE, STOCHASTIC, "encode", "memcpy", 0.8),
+    (LARGE, ["sign"], "encode", "read_sum", 0.85),
+    (SMALL, ["fp16"], "encode", "half_f16_from_f32", 3.0),
+    (SMALL, ["bf16"], "encode", "half_bf16_from_f32", 4.0),
+]
+
+
+def best(spec, n, op):
+    cands = [(v, f.split("|")[1]) for (g, f), v in rows.items()
+             if g == "%s/%d" % (spec, n) and f.split("|")[0] == op]
+    return max(cands) if cands else None
+
+
+if any(int(g.rsplit("/", 1)[1]) in (SMALL, LARGE) for g, _ in rows):
+    print("\n#### Targets (best backend's median against the same-run baseline)\n")
+    print("| size | codec | op | needs | measured | backend | status |")
+    print("|---|---|---|---|---:|---|---|")
+    for n, specs, op, base_name, need in TARGETS:
+        base = rows.get(("baseline/%d" % n, base_name))
+        if base is None:
+            continue
+        for spec in specs:
+            b = best(spec, n, op)
+            if b is None:
+                continue
+            ratio = b[0] / base
+            print("| %s | `%s` | %s | >= %.2fx %s | %.3fx | %s | %s |" % (
+                "64 Ki" if n == SMALL else "64 Mi", spec, op, need, base_name, ratio, b[1],
+                "met" if ratio >= need else "missed"))

@@ -52,6 +52,7 @@
 
 pub mod codec;
 pub mod codecs;
+pub mod cost;
 pub mod error;
 pub mod kernels;
 pub mod rng;

@@ -1,0 +1,901 @@
+//! The `gradpack` command-line tool (feature `cli`).
+//!
+//! - `gradpack report`: measure every codec on this CPU and model what it buys on a network;
+//! - `gradpack encode` / `decode`: compress raw f32 or `.npy` files and back;
+//! - `gradpack inspect`: a frame's header, validation and decoded statistics;
+//! - `gradpack model`: the communication cost model alone, without measuring.
+//!
+//! Every error prints one line on stderr and exits with status 2.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::{Args, Parser, Subcommand};
+use gradpack::cost::{self, CodecProfile, Strategy};
+use gradpack::{Backend, Codec, CodecSpec, EncodeCtx};
+
+type Res<T> = Result<T, String>;
+
+const DEFAULT_CODECS: &[&str] = &[
+    "fp16",
+    "bf16",
+    "int8",
+    "int8:rounding=stochastic",
+    "qsgd:bits=8",
+    "qsgd:bits=4",
+    "qsgd:bits=2",
+    "natural",
+    "ternary",
+    "sign",
+    "topk:ratio=0.01,values=fp16",
+    "randk:ratio=0.01",
+];
+
+#[derive(Parser)]
+#[command(
+    name = "gradpack",
+    version,
+    about = "Gradient compression for data-parallel training: measure, model, encode, decode"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Measure each codec on this CPU and model its all-reduce time on a network.
+    Report(ReportArgs),
+    /// Encode raw little-endian f32 (or .npy float32) into a gradpack frame.
+    Encode {
+        /// Codec spec, e.g. int8, qsgd:bits=4, topk:ratio=0.01.
+        #[arg(long)]
+        codec: String,
+        /// Seed of the stochastic codecs' draws.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Global index of the first element (for chunks of a larger tensor).
+        #[arg(long, default_value_t = 0)]
+        offset: u64,
+        /// Input: raw little-endian f32, or .npy (float32, 1-D or any shape, C order).
+        input: PathBuf,
+        /// Output frame.
+        output: PathBuf,
+    },
+    /// Decode a frame into raw little-endian f32 (or .npy when OUT ends in .npy).
+    Decode {
+        /// Input frame (`-` for stdin).
+        input: String,
+        /// Output: raw f32, or .npy.
+        output: PathBuf,
+    },
+    /// Show a frame's header, whether it is valid, and statistics of its decoded values.
+    Inspect {
+        /// The frame file, or `-` for stdin.
+        file: String,
+    },
+    /// The cost model alone: all-reduce times from nominal codec sizes, no measuring.
+    Model(ModelArgs),
+}
+
+#[derive(Args)]
+struct Net {
+    /// Number of ranks.
+    #[arg(long, default_value_t = 8)]
+    nodes: u32,
+    /// Link bandwidth, e.g. 25Gbit/s, 10Gbps, 100Mbit/s, 1.25GB/s.
+    #[arg(long, default_value = "25Gbit/s")]
+    bandwidth: String,
+    /// Per-message latency, e.g. 5us, 1ms.
+    #[arg(long, default_value = "5us")]
+    latency: String,
+}
+
+#[derive(Args)]
+struct ReportArgs {
+    /// Gradient elements (f32) to measure on.
+    #[arg(long, default_value_t = 1 << 22)]
+    elements: usize,
+    #[command(flatten)]
+    net: Net,
+    /// Codec spec to measure (repeatable; default: a representative set).
+    #[arg(long = "codec")]
+    codecs: Vec<String>,
+    /// Backend to force: scalar, avx2, avx512, neon (default: the best this CPU has).
+    #[arg(long)]
+    backend: Option<String>,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Write an SVG of all-reduce time against link bandwidth to this file.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    #[command(flatten)]
+    net: Net,
+    /// fp32 gradient size, e.g. 25MiB, 100MB, 4096.
+    #[arg(long, default_value = "100MiB")]
+    size: String,
+    /// Codec spec (repeatable; default: a representative set).
+    #[arg(long = "codec")]
+    codecs: Vec<String>,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Report(a) => report(a),
+        Cmd::Encode {
+            codec,
+            seed,
+            offset,
+            input,
+            output,
+        } => encode(&codec, seed, offset, &input, &output),
+        Cmd::Decode { input, output } => decode(&input, &output),
+        Cmd::Inspect { file } => inspect(&file),
+        Cmd::Model(a) => model(a),
+    };
+    if let Err(e) = r {
+        eprintln!("gradpack: error: {e}");
+        std::process::exit(2);
+    }
+}
+
+// ---------------------------------------------------------------- shared
+
+struct Network {
+    nodes: u32,
+    bandwidth: f64,
+    latency: f64,
+}
+
+impl Net {
+    fn parse(&self) -> Res<Network> {
+        if self.nodes == 0 {
+            return Err("--nodes must be at least 1".into());
+        }
+        Ok(Network {
+            nodes: self.nodes,
+            bandwidth: cost::parse_bandwidth(&self.bandwidth)
+                .map_err(|e| format!("--bandwidth: {e}"))?,
+            latency: cost::parse_duration(&self.latency).map_err(|e| format!("--latency: {e}"))?,
+        })
+    }
+}
+
+fn specs(list: &[String]) -> Res<Vec<CodecSpec>> {
+    let list: Vec<&str> = if list.is_empty() {
+        DEFAULT_CODECS.to_vec()
+    } else {
+        list.iter().map(String::as_str).collect()
+    };
+    list.iter()
+        .map(|s| {
+            s.parse::<CodecSpec>()
+                .map_err(|e| format!("--codec {s:?}: {e}"))
+        })
+        .collect()
+}
+
+fn read_input(path: &str) -> Res<Vec<u8>> {
+    if path == "-" {
+        let mut v = Vec::new();
+        std::io::stdin()
+            .read_to_end(&mut v)
+            .map_err(|e| format!("reading stdin: {e}"))?;
+        Ok(v)
+    } else {
+        std::fs::read(path).map_err(|e| format!("{path}: {e}"))
+    }
+}
+
+fn write_output(path: &Path, bytes: &[u8]) -> Res<()> {
+    std::fs::write(path, bytes).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn is_npy(p: &Path) -> bool {
+    p.extension().is_some_and(|e| e.eq_ignore_ascii_case("npy"))
+}
+
+// ---------------------------------------------------------------- .npy
+
+/// Parse a version 1, 2 or 3 `.npy` file holding little-endian float32 in C order.
+fn npy_read(b: &[u8]) -> Res<Vec<f32>> {
+    let bad = |m: &str| Err(format!("not a float32 .npy file: {m}"));
+    if b.len() < 10 || &b[..6] != b"\x93NUMPY" {
+        return bad("missing the \\x93NUMPY magic");
+    }
+    let (hlen, start) = match b[6] {
+        1 => (u16::from_le_bytes([b[8], b[9]]) as usize, 10),
+        2 | 3 if b.len() >= 12 => (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12),
+        v => return bad(&format!("unsupported version {v}")),
+    };
+    let Some(header) = b.get(start..start + hlen) else {
+        return bad("truncated header");
+    };
+    let Ok(header) = std::str::from_utf8(header) else {
+        return bad("header is not text");
+    };
+    let field = |key: &str| -> Option<&str> {
+        let i = header.find(&format!("'{key}'"))?;
+        let rest = header[i + key.len() + 2..].trim_start().strip_prefix(':')?;
+        Some(rest.trim_start())
+    };
+    match field("descr") {
+        Some(d) if d.starts_with("'<f4'") || d.starts_with("'float32'") => {}
+        Some(d) => {
+            return bad(&format!(
+                "dtype {} (want '<f4')",
+                d.split(',').next().unwrap_or(d)
+            ));
+        }
+        None => return bad("no descr"),
+    }
+    if !field("fortran_order").is_some_and(|f| f.starts_with("False")) {
+        return bad("Fortran order (want C order)");
+    }
+    let shape = field("shape")
+        .and_then(|s| s.strip_prefix('('))
+        .and_then(|s| s.split(')').next())
+        .ok_or("not a float32 .npy file: no shape")?;
+    let mut n: u64 = 1;
+    for d in shape.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let d: u64 = d
+            .parse()
+            .map_err(|_| format!("not a float32 .npy file: bad shape ({shape})"))?;
+        n = n
+            .checked_mul(d)
+            .ok_or("not a float32 .npy file: shape overflows")?;
+    }
+    let data = &b[start + hlen..];
+    if data.len() as u64 != n * 4 {
+        return bad(&format!(
+            "shape ({shape}) needs {} data bytes, the file has {}",
+            n * 4,
+            data.len()
+        ));
+    }
+    Ok(data
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// A version 1.0 `.npy` of a 1-D float32 array.
+fn npy_write(x: &[f32]) -> Vec<u8> {
+    let mut h = format!(
+        "{{'descr': '<f4', 'fortran_order': False, 'shape': ({},), }}",
+        x.len()
+    );
+    // Pad with spaces so that the data starts on a 64-byte boundary; end with a newline.
+    while (10 + h.len() + 1) % 64 != 0 {
+        h.push(' ');
+    }
+    h.push('\n');
+    let mut out = Vec::with_capacity(10 + h.len() + 4 * x.len());
+    out.extend_from_slice(b"\x93NUMPY\x01\x00");
+    out.extend_from_slice(&(h.len() as u16).to_le_bytes());
+    out.extend_from_slice(h.as_bytes());
+    for v in x {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+fn read_f32(path: &Path) -> Res<Vec<f32>> {
+    let b = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if is_npy(path) {
+        return npy_read(&b).map_err(|e| format!("{}: {e}", path.display()));
+    }
+    if b.len() % 4 != 0 {
+        return Err(format!(
+            "{}: {} bytes is not a whole number of little-endian f32 values",
+            path.display(),
+            b.len()
+        ));
+    }
+    Ok(b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+fn write_f32(path: &Path, x: &[f32]) -> Res<()> {
+    if is_npy(path) {
+        write_output(path, &npy_write(x))
+    } else {
+        write_output(path, bytemuck::cast_slice(x))
+    }
+}
+
+// ---------------------------------------------------------------- encode / decode / inspect
+
+fn encode(codec: &str, seed: u64, offset: u64, input: &Path, output: &Path) -> Res<()> {
+    let spec: CodecSpec = codec
+        .parse()
+        .map_err(|e| format!("--codec {codec:?}: {e}"))?;
+    let x = read_f32(input)?;
+    let frame = spec
+        .encode(&x, &EncodeCtx::new(seed).with_offset(offset))
+        .map_err(|e| format!("encoding {}: {e}", input.display()))?;
+    write_output(output, &frame)?;
+    eprintln!(
+        "{}: {} elements -> {} bytes ({:.3} bits per element, {spec})",
+        output.display(),
+        x.len(),
+        frame.len(),
+        frame.len() as f64 * 8.0 / x.len().max(1) as f64
+    );
+    Ok(())
+}
+
+fn decode(input: &str, output: &Path) -> Res<()> {
+    let frame = read_input(input)?;
+    let x = gradpack::decode_to_vec(&frame).map_err(|e| format!("{input}: {e}"))?;
+    write_f32(output, &x)
+}
+
+fn inspect(file: &str) -> Res<()> {
+    let frame = read_input(file)?;
+    let (h, spec) = gradpack::inspect(&frame).map_err(|e| format!("{file}: invalid frame: {e}"))?;
+    println!("file        {file} ({} bytes)", frame.len());
+    println!("codec       {spec}");
+    println!("elements    {}", h.elements);
+    println!("payload     {} bytes", h.payload_len);
+    println!(
+        "bits/elem   {:.4}",
+        frame.len() as f64 * 8.0 / h.elements.max(1) as f64
+    );
+    println!("seed        {}", h.seed);
+    println!("offset      {}", h.offset);
+    println!(
+        "flags       {:#06x}{}",
+        h.flags,
+        if h.flags & gradpack::wire::FLAG_NONFINITE != 0 {
+            " (input held NaN or Inf)"
+        } else {
+            ""
+        }
+    );
+    let x = gradpack::decode_to_vec(&frame).map_err(|e| format!("{file}: invalid frame: {e}"))?;
+    println!("valid       yes (header checksum, fields and payload all check)");
+    let finite: Vec<f64> = x
+        .iter()
+        .filter(|v| v.is_finite())
+        .map(|&v| v as f64)
+        .collect();
+    let nan = x.iter().filter(|v| v.is_nan()).count();
+    let inf = x.iter().filter(|v| v.is_infinite()).count();
+    let zeros = x.iter().filter(|&&v| v == 0.0).count();
+    let sum: f64 = finite.iter().sum();
+    let l2 = finite.iter().map(|v| v * v).sum::<f64>().sqrt();
+    let (min, max) = finite
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &v| {
+            (a.min(v), b.max(v))
+        });
+    println!(
+        "decoded     {} values: {} zero, {nan} NaN, {inf} Inf",
+        x.len(),
+        zeros
+    );
+    if !finite.is_empty() {
+        println!(
+            "            min {min:.6e}  max {max:.6e}  mean {:.6e}  L2 norm {l2:.6e}",
+            sum / finite.len() as f64
+        );
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- report
+
+struct Measured {
+    spec: CodecSpec,
+    bits: f64,
+    rel_l2: f64,
+    /// `||sum g - sum D|| / ||sum g||` after `EF_STEPS` steps of error feedback.
+    ef_rel_l2: f64,
+    enc: f64,
+    dec: f64,
+    add: f64,
+}
+
+/// Steps of error feedback behind the report's "EF rel L2" column.
+const EF_STEPS: u64 = 8;
+
+/// Median seconds of `f` over at least 5 runs and about `budget` seconds.
+fn median_secs(budget: f64, mut f: impl FnMut()) -> f64 {
+    f(); // warm up
+    let start = Instant::now();
+    let mut t = Vec::new();
+    while t.len() < 5 || (start.elapsed().as_secs_f64() < budget && t.len() < 200) {
+        let s = Instant::now();
+        f();
+        t.push(s.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+fn measure(spec: &CodecSpec, x: &[f32], ef_grads: &[Vec<f32>], budget: f64) -> Res<Measured> {
+    let n = x.len();
+    let ctx = EncodeCtx::new(1);
+    let mut frame = vec![0u8; spec.max_encoded_len(n)];
+    let len = spec
+        .encode_into(x, &ctx, &mut frame)
+        .map_err(|e| format!("{spec}: {e}"))?;
+    let mut d = vec![0f32; n];
+    gradpack::decode(&frame[..len], &mut d).map_err(|e| format!("{spec}: {e}"))?;
+    let (num, den) = x.iter().zip(&d).fold((0f64, 0f64), |(a, b), (&u, &v)| {
+        (a + (u as f64 - v as f64).powi(2), b + (u as f64).powi(2))
+    });
+    // Error feedback over a few steps of fresh gradients: the error of what the model
+    // actually receives.
+    let mut residual = vec![0f32; n];
+    let (mut sum_g, mut sum_d) = (vec![0f64; n], vec![0f64; n]);
+    for (step, g) in ef_grads.iter().enumerate() {
+        let l = spec
+            .encode_with_residual(g, &mut residual, &EncodeCtx::new(step as u64), &mut frame)
+            .map_err(|e| format!("{spec}: {e}"))?;
+        gradpack::decode(&frame[..l], &mut d).map_err(|e| format!("{spec}: {e}"))?;
+        for i in 0..n {
+            sum_g[i] += g[i] as f64;
+            sum_d[i] += d[i] as f64;
+        }
+    }
+    let (ef_num, ef_den) = if ef_grads.is_empty() {
+        (0.0, 1.0)
+    } else {
+        sum_g
+            .iter()
+            .zip(&sum_d)
+            .fold((0f64, 0f64), |(a, b), (&u, &v)| {
+                (a + (u - v).powi(2), b + u * u)
+            })
+    };
+    let len = spec
+        .encode_into(x, &ctx, &mut frame)
+        .map_err(|e| format!("{spec}: {e}"))?;
+    let bytes = 4.0 * n as f64;
+    let enc = median_secs(budget, || {
+        spec.encode_into(x, &ctx, &mut frame).expect("encode");
+    });
+    let dec = median_secs(budget, || {
+        gradpack::decode(&frame[..len], &mut d).expect("decode");
+    });
+    let add = median_secs(budget, || {
+        gradpack::decode_add(&frame[..len], &mut d).expect("decode_add");
+    });
+    Ok(Measured {
+        spec: *spec,
+        bits: len as f64 * 8.0 / n as f64,
+        rel_l2: (num / den).sqrt(),
+        ef_rel_l2: (ef_num / ef_den).sqrt(),
+        enc: bytes / enc,
+        dec: bytes / dec,
+        add: bytes / add,
+    })
+}
+
+fn profile(m: &Measured) -> CodecProfile {
+    CodecProfile {
+        spec: m.spec.to_string(),
+        bits_per_element: m.bits,
+        encode_bytes_per_s: m.enc,
+        decode_bytes_per_s: m.dec,
+        decode_add_bytes_per_s: m.add,
+    }
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name") || l.starts_with("Model"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+/// Today's date (UTC) as YYYY-MM-DD, from the system clock (days-to-civil conversion of
+/// H. Hinnant's date algorithms).
+fn today() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()) as i64;
+    let z = secs.div_euclid(86_400) + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + (m <= 2) as i64;
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+fn fmt_bw(b: f64) -> String {
+    if b.is_infinite() {
+        "always".into()
+    } else if b <= 0.0 {
+        "never".into()
+    } else {
+        format!("{:.1}", b / 1e9)
+    }
+}
+
+fn report(a: ReportArgs) -> Res<()> {
+    let net = a.net.parse()?;
+    if a.elements == 0 {
+        return Err("--elements must be at least 1".into());
+    }
+    let backend = match &a.backend {
+        None => Backend::current(),
+        Some(name) => Backend::by_name(name)
+            .map_err(|e| format!("--backend: {e}"))?
+            .ok_or_else(|| format!("--backend {name}: not supported on this CPU"))?,
+    };
+    let specs = specs(&a.codecs)?;
+    let n = a.elements;
+    let x = gradpack::synthetic::gradient(n, 2024);
+    let ef_grads: Vec<Vec<f32>> = (0..EF_STEPS)
+        .map(|s| gradpack::synthetic::gradient(n, 3000 + s))
+        .collect();
+    // Time budget per operation: about 20 s of timing for the whole default report.
+    let budget = 0.3_f64.min(20.0 / (3.0 * (specs.len() + 1) as f64));
+    let bar = indicatif::ProgressBar::new(specs.len() as u64 + 1);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+            .map_err(|e| e.to_string())?,
+    );
+    let identity: CodecSpec = "identity".parse().expect("identity parses");
+    bar.set_message("identity (the fp32 reduction speed)");
+    let base = backend.run(|| measure(&identity, &x, &[], budget))?;
+    bar.inc(1);
+    let mut rows = Vec::new();
+    for s in &specs {
+        bar.set_message(s.to_string());
+        rows.push(backend.run(|| measure(s, &x, &ef_grads, budget))?);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+
+    // fp32 ring: the reduction is an f32 add, which identity's decode_add measures.
+    let reduce = base.add;
+    let elements = n as f64;
+    let fp32 = cost::allreduce_cost(
+        Strategy::Fp32Ring,
+        &profile(&base),
+        net.nodes,
+        net.latency,
+        elements,
+        reduce,
+    )
+    .time(net.bandwidth);
+    let cluster = cost::Cluster {
+        nodes: net.nodes,
+        bandwidth_bit_s: net.bandwidth,
+        latency_s: net.latency,
+    };
+    struct Row<'a> {
+        m: &'a Measured,
+        strategy: Strategy,
+        t: f64,
+        be: f64,
+    }
+    let rows: Vec<Row> = rows
+        .iter()
+        .map(|m| {
+            let p = profile(m);
+            let (strategy, t) = cost::best_strategy(&p, &cluster, elements, reduce);
+            let be = cost::break_even_bandwidth(&p, net.nodes, net.latency, elements, reduce);
+            Row { m, strategy, t, be }
+        })
+        .collect();
+
+    if a.json {
+        let codecs: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "spec": r.m.spec.to_string(),
+                    "bits_per_element": r.m.bits,
+                    "ratio": 32.0 / r.m.bits,
+                    "rel_l2_error": r.m.rel_l2,
+                    "ef_rel_l2_error": r.m.ef_rel_l2,
+                    "unbiased": r.m.spec.unbiased(),
+                    "encode_gb_s": r.m.enc / 1e9,
+                    "decode_gb_s": r.m.dec / 1e9,
+                    "decode_add_gb_s": r.m.add / 1e9,
+                    "backend": backend.name(),
+                    "strategy": r.strategy.name(),
+                    // JSON has no infinity: null means the codec pays at every bandwidth.
+                    "break_even_gbit_s": if r.be.is_finite() { Some(r.be / 1e9) } else { None },
+                    "allreduce_s": r.t,
+                    "speedup": fp32 / r.t,
+                })
+            })
+            .collect();
+        let doc = serde_json::json!({
+            "gradpack_version": env!("CARGO_PKG_VERSION"),
+            "date": today(),
+            "cpu": cpu_model(),
+            "backend": backend.name(),
+            "elements": n,
+            "nodes": net.nodes,
+            "bandwidth_bit_s": net.bandwidth,
+            "latency_s": net.latency,
+            "fp32_reduce_gb_s": reduce / 1e9,
+            "fp32_allreduce_s": fp32,
+            "codecs": codecs,
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?
+        );
+    } else {
+        println!(
+            "gradpack {} report, {}: {n} f32 elements ({:.1} MiB) of the synthetic gradient on {} (backend {backend})",
+            env!("CARGO_PKG_VERSION"),
+            today(),
+            n as f64 * 4.0 / 1048576.0,
+            cpu_model(),
+        );
+        println!(
+            "all-reduce model: {} nodes, {:.1} Gbit/s links, {:.1} us latency; fp32 ring {:.3} ms (sums at {:.1} GB/s)\n",
+            net.nodes,
+            net.bandwidth / 1e9,
+            net.latency * 1e6,
+            fp32 * 1e3,
+            reduce / 1e9
+        );
+        println!(
+            "{:<40} {:>7} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>9} {:>11} {:>9} {:>8}",
+            "spec",
+            "bits/el",
+            "ratio",
+            "rel L2",
+            "EF rel L2",
+            "enc GB/s",
+            "dec GB/s",
+            "add GB/s",
+            "strategy",
+            "break-even",
+            "time ms",
+            "speedup"
+        );
+        for r in &rows {
+            println!(
+                "{:<40} {:>7.3} {:>6.1} {:>9.2e} {:>9.2e} {:>8.2} {:>8.2} {:>8.2} {:>9} {:>11} {:>9.3} {:>7.2}x",
+                r.m.spec.to_string(),
+                r.m.bits,
+                32.0 / r.m.bits,
+                r.m.rel_l2,
+                r.m.ef_rel_l2,
+                r.m.enc / 1e9,
+                r.m.dec / 1e9,
+                r.m.add / 1e9,
+                r.strategy.name(),
+                fmt_bw(r.be),
+                r.t * 1e3,
+                fp32 / r.t
+            );
+        }
+        println!(
+            "\nrel L2: ||x - D(x)|| / ||x||; EF rel L2: ||sum g - sum D|| / ||sum g|| after {EF_STEPS} steps of error feedback;\n\
+             break-even: the link speed (Gbit/s) below which the codec's all-reduce beats fp32's;\n\
+             time: the modelled all-reduce at {:.1} Gbit/s with the best strategy (ring or allgather).",
+            net.bandwidth / 1e9
+        );
+    }
+    if let Some(path) = &a.plot {
+        plot(
+            path,
+            &rows.iter().map(|r| profile(r.m)).collect::<Vec<_>>(),
+            &profile(&base),
+            &net,
+            elements,
+            reduce,
+        )?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// All-reduce time against link bandwidth (1 to 400 Gbit/s, log-log), one line per codec
+/// (best strategy at each bandwidth) and fp32.
+fn plot(
+    path: &Path,
+    codecs: &[CodecProfile],
+    base: &CodecProfile,
+    net: &Network,
+    elements: f64,
+    reduce: f64,
+) -> Res<()> {
+    use plotters::prelude::*;
+    let bws: Vec<f64> = (0..=200)
+        .map(|i| 1e9 * 400f64.powf(i as f64 / 200.0))
+        .collect();
+    let cluster = |b| cost::Cluster {
+        nodes: net.nodes,
+        bandwidth_bit_s: b,
+        latency_s: net.latency,
+    };
+    let fp32: Vec<(f64, f64)> = bws
+        .iter()
+        .map(|&b| {
+            let t = cost::allreduce_cost(
+                Strategy::Fp32Ring,
+                base,
+                net.nodes,
+                net.latency,
+                elements,
+                reduce,
+            )
+            .time(b);
+            (b / 1e9, t * 1e3)
+        })
+        .collect();
+    let lines: Vec<(String, Vec<(f64, f64)>)> = codecs
+        .iter()
+        .map(|c| {
+            let pts = bws
+                .iter()
+                .map(|&b| {
+                    (
+                        b / 1e9,
+                        cost::best_strategy(c, &cluster(b), elements, reduce).1 * 1e3,
+                    )
+                })
+                .collect();
+            (c.spec.clone(), pts)
+        })
+        .collect();
+    let all = lines
+        .iter()
+        .flat_map(|l| l.1.iter())
+        .chain(&fp32)
+        .map(|p| p.1);
+    let (lo, hi) = all.fold((f64::INFINITY, 0f64), |(a, b), t| (a.min(t), b.max(t)));
+    let err = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    let root = SVGBackend::new(path, (960, 640)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!(
+                "all-reduce of {:.1} MiB on {} nodes, {:.0} us latency",
+                elements * 4.0 / 1048576.0,
+                net.nodes,
+                net.latency * 1e6
+            ),
+            ("sans-serif", 20),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(
+            (1f64..400f64).log_scale(),
+            (lo * 0.8..hi * 1.25).log_scale(),
+        )
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("link bandwidth (Gbit/s)")
+        .y_desc("time (ms)")
+        .draw()
+        .map_err(|e| err(&e))?;
+    chart
+        .draw_series(LineSeries::new(fp32, BLACK.stroke_width(3)))
+        .map_err(|e| err(&e))?
+        .label("fp32 ring")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], BLACK.stroke_width(3)));
+    for (i, (name, pts)) in lines.into_iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(name)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------- model
+
+fn model(a: ModelArgs) -> Res<()> {
+    let net = a.net.parse()?;
+    let bytes = cost::parse_size(&a.size).map_err(|e| format!("--size: {e}"))?;
+    let specs = specs(&a.codecs)?;
+    let elements = (bytes / 4.0).floor().max(1.0);
+    let g_bits = elements * 32.0;
+    let p = net.nodes;
+    let abg = cost::AlphaBetaGamma::new(net.bandwidth, net.latency, f64::INFINITY);
+    let mut out = std::io::stdout().lock();
+    let w =
+        |out: &mut std::io::StdoutLock, s: String| writeln!(out, "{s}").map_err(|e| e.to_string());
+    w(
+        &mut out,
+        format!(
+            "cost model: {:.0} f32 elements ({}), {p} nodes, {:.2} Gbit/s, {:.1} us latency; compute is free\n",
+            elements,
+            a.size,
+            net.bandwidth / 1e9,
+            net.latency * 1e6
+        ),
+    )?;
+    w(
+        &mut out,
+        "fp32 all-reduce (Thakur, Rabenseifner and Gropp 2005; gamma = 0):".into(),
+    )?;
+    for (name, t) in [
+        ("ring", abg.ring_allreduce(p, bytes)),
+        ("binomial tree", abg.binomial_tree_allreduce(p, bytes)),
+        (
+            "recursive doubling",
+            abg.recursive_doubling_allreduce(p, bytes),
+        ),
+        ("halving-doubling", abg.halving_doubling_allreduce(p, bytes)),
+    ] {
+        w(&mut out, format!("  {name:<20} {:>10.3} ms", t * 1e3))?;
+    }
+    w(
+        &mut out,
+        format!(
+            "  ideal ring 2(n-1)/n g/b {:>7.3} ms; with latency {:.3} ms\n",
+            cost::ring_ideal(p, g_bits, net.bandwidth) * 1e3,
+            cost::ring_with_latency(p, g_bits, net.bandwidth, net.latency) * 1e3
+        ),
+    )?;
+    w(
+        &mut out,
+        format!(
+            "{:<32} {:>8} {:>6} {:>14} {:>12} {:>12} {:>8}",
+            "spec", "bits/el", "ratio", "k-bit ring ms", "ring ms", "allgather ms", "speedup"
+        ),
+    )?;
+    let fp32 = abg.ring_allreduce(p, bytes);
+    for s in specs {
+        let bits = s.bits_per_element(elements as usize);
+        let c = CodecProfile::nominal(s.to_string(), bits);
+        let t = |st| {
+            cost::allreduce_cost(st, &c, p, net.latency, elements, f64::INFINITY)
+                .time(net.bandwidth)
+        };
+        let (ring, ag) = (
+            t(Strategy::CompressedRing),
+            t(Strategy::CompressedAllGather),
+        );
+        w(
+            &mut out,
+            format!(
+                "{:<32} {:>8.3} {:>6.1} {:>14.3} {:>12.3} {:>12.3} {:>7.2}x",
+                s.to_string(),
+                bits,
+                32.0 / bits,
+                cost::ring_quantised(p, g_bits, net.bandwidth, bits) * 1e3,
+                ring * 1e3,
+                ag * 1e3,
+                fp32 / ring.min(ag)
+            ),
+        )?;
+    }
+    Ok(())
+}

@@ -1,0 +1,557 @@
+//! Communication cost models: what an all-reduce costs on a network, plain and compressed.
+//!
+//! Three layers (docs/cost-model.md derives each formula):
+//!
+//! 1. The mission's bandwidth formulas for a ring all-reduce of a gradient of `g` bits over
+//!    links of `b` bit/s among `n` nodes: [`ring_ideal`], [`ring_quantised`],
+//!    [`ring_with_latency`].
+//! 2. The alpha-beta-gamma models of Thakur, Rabenseifner and Gropp (2005), "Optimization
+//!    of Collective Communication Operations in MPICH": [`AlphaBetaGamma`] with ring,
+//!    binomial tree, recursive doubling and recursive halving-doubling all-reduce and the
+//!    ring all-gather.
+//! 3. Codec-aware costs: from a [`CodecProfile`] (bits per element and measured encode /
+//!    decode / decode_add throughput), the time of each compressed all-reduce
+//!    [`Strategy`], the best one, and the break-even link bandwidth below which the codec
+//!    beats a plain fp32 ring ([`break_even_bandwidth`]).
+//!
+//! Units: seconds, bits per second for bandwidths, bytes for message sizes; compute
+//! throughput in bytes of f32 input per second.
+
+/// Ideal ring all-reduce time `2(n-1)/n * g/b` (seconds) for a gradient of `g_bits` bits
+/// over links of `b_bit_s` bit/s among `nodes` nodes. Zero for a single node.
+pub fn ring_ideal(nodes: u32, g_bits: f64, b_bit_s: f64) -> f64 {
+    ring_factor(nodes) * g_bits / b_bit_s
+}
+
+/// Ring all-reduce of a gradient quantised from 32 to `k` bits per element:
+/// `2(n-1)/n * (k/32) * g/b`.
+pub fn ring_quantised(nodes: u32, g_bits: f64, b_bit_s: f64, k: f64) -> f64 {
+    ring_factor(nodes) * (k / 32.0) * g_bits / b_bit_s
+}
+
+/// Ring all-reduce with a latency term: `alpha + 2(n-1)/n * g/b`.
+pub fn ring_with_latency(nodes: u32, g_bits: f64, b_bit_s: f64, alpha_s: f64) -> f64 {
+    alpha_s + ring_factor(nodes) * g_bits / b_bit_s
+}
+
+/// `2(n-1)/n`, the fraction of the gradient each node sends in a ring all-reduce.
+fn ring_factor(nodes: u32) -> f64 {
+    let n = nodes.max(1) as f64;
+    2.0 * (n - 1.0) / n
+}
+
+/// `ceil(log2 p)` as f64 (0 for p <= 1).
+fn lg(p: u32) -> f64 {
+    if p <= 1 {
+        0.0
+    } else {
+        (32 - (p - 1).leading_zeros()) as f64
+    }
+}
+
+/// The alpha-beta-gamma machine model: `alpha` seconds per message, `beta` seconds per
+/// byte sent, `gamma` seconds per byte reduced (summed) locally.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AlphaBetaGamma {
+    /// Latency per message, seconds.
+    pub alpha: f64,
+    /// Transfer time per byte, seconds (`8 / bandwidth in bit/s`).
+    pub beta: f64,
+    /// Reduction time per byte, seconds.
+    pub gamma: f64,
+}
+
+impl AlphaBetaGamma {
+    /// The model for a link of `bandwidth_bit_s` bit/s, `latency_s` per message and a local
+    /// reduction speed of `reduce_bytes_per_s` (use `f64::INFINITY` to ignore reduction).
+    pub fn new(bandwidth_bit_s: f64, latency_s: f64, reduce_bytes_per_s: f64) -> Self {
+        AlphaBetaGamma {
+            alpha: latency_s,
+            beta: 8.0 / bandwidth_bit_s,
+            gamma: 1.0 / reduce_bytes_per_s,
+        }
+    }
+
+    /// Ring all-reduce of `n` bytes on `p` processes (reduce-scatter then all-gather):
+    /// `2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma`.
+    pub fn ring_allreduce(&self, p: u32, n: f64) -> f64 {
+        let p = p.max(1) as f64;
+        2.0 * (p - 1.0) * self.alpha
+            + 2.0 * (p - 1.0) / p * n * self.beta
+            + (p - 1.0) / p * n * self.gamma
+    }
+
+    /// Binomial-tree reduce followed by a binomial-tree broadcast:
+    /// `2 lg p (alpha + n beta) + lg p n gamma`.
+    pub fn binomial_tree_allreduce(&self, p: u32, n: f64) -> f64 {
+        let l = lg(p);
+        2.0 * l * (self.alpha + n * self.beta) + l * n * self.gamma
+    }
+
+    /// Recursive doubling (every step exchanges the whole vector):
+    /// `lg p (alpha + n beta + n gamma)`.
+    pub fn recursive_doubling_allreduce(&self, p: u32, n: f64) -> f64 {
+        lg(p) * (self.alpha + n * self.beta + n * self.gamma)
+    }
+
+    /// Rabenseifner's recursive halving (reduce-scatter) then doubling (all-gather):
+    /// `2 lg p alpha + 2(p-1)/p n beta + (p-1)/p n gamma` (exact for powers of two).
+    pub fn halving_doubling_allreduce(&self, p: u32, n: f64) -> f64 {
+        let pf = p.max(1) as f64;
+        2.0 * lg(p) * self.alpha
+            + 2.0 * (pf - 1.0) / pf * n * self.beta
+            + (pf - 1.0) / pf * n * self.gamma
+    }
+
+    /// Ring all-gather of `c` bytes from each of `p` processes: `(p-1) alpha + (p-1) c beta`.
+    pub fn ring_allgather(&self, p: u32, c: f64) -> f64 {
+        let p = p.max(1) as f64;
+        (p - 1.0) * self.alpha + (p - 1.0) * c * self.beta
+    }
+}
+
+/// What the cost model needs to know about a codec: its size on the wire and its speed on
+/// this CPU. Throughputs are in bytes of f32 input per second.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CodecProfile {
+    /// The codec's spec (for display).
+    pub spec: String,
+    /// Bits per element on the wire (frame header included, or the nominal rate).
+    pub bits_per_element: f64,
+    /// Encode throughput.
+    pub encode_bytes_per_s: f64,
+    /// Decode throughput.
+    pub decode_bytes_per_s: f64,
+    /// decode_add (decode and accumulate) throughput.
+    pub decode_add_bytes_per_s: f64,
+}
+
+impl CodecProfile {
+    /// A profile with infinitely fast compute: the pure bandwidth model.
+    pub fn nominal(spec: impl Into<String>, bits_per_element: f64) -> Self {
+        CodecProfile {
+            spec: spec.into(),
+            bits_per_element,
+            encode_bytes_per_s: f64::INFINITY,
+            decode_bytes_per_s: f64::INFINITY,
+            decode_add_bytes_per_s: f64::INFINITY,
+        }
+    }
+
+    /// Compression ratio against fp32.
+    pub fn ratio(&self) -> f64 {
+        32.0 / self.bits_per_element
+    }
+}
+
+/// How a compressed all-reduce is carried out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Strategy {
+    /// Uncompressed fp32 ring (Thakur et al.'s ring with gamma).
+    Fp32Ring,
+    /// Ring whose reduce-scatter hops decode_add into the local chunk and re-encode; the
+    /// all-gather forwards the owners' frames unchanged and each rank decodes each once.
+    CompressedRing,
+    /// Every rank's whole frame is all-gathered; each rank decodes and sums all of them.
+    CompressedAllGather,
+}
+
+impl Strategy {
+    /// Short name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Fp32Ring => "fp32-ring",
+            Strategy::CompressedRing => "ring",
+            Strategy::CompressedAllGather => "allgather",
+        }
+    }
+}
+
+/// A cluster: `nodes` ranks joined by links of `bandwidth_bit_s` with `latency_s` per
+/// message.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Cluster {
+    /// Number of ranks (>= 1).
+    pub nodes: u32,
+    /// Link bandwidth, bit/s.
+    pub bandwidth_bit_s: f64,
+    /// Per-message latency, seconds.
+    pub latency_s: f64,
+}
+
+/// An all-reduce time split into the part that does not depend on the bandwidth (`fixed`:
+/// latency and compute, seconds) and the bytes each rank sends in sequence (`bytes`), so
+/// that `time = fixed + bytes * 8 / bandwidth`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Cost {
+    /// Latency plus compute, seconds.
+    pub fixed: f64,
+    /// Bytes on the critical path.
+    pub bytes: f64,
+}
+
+impl Cost {
+    /// The time at `bandwidth_bit_s`.
+    pub fn time(&self, bandwidth_bit_s: f64) -> f64 {
+        self.fixed + self.bytes * 8.0 / bandwidth_bit_s
+    }
+}
+
+/// The cost of all-reducing `elements` f32 values on `p` ranks with `latency_s` per
+/// message, by `strategy` with codec `c` (ignored for [`Strategy::Fp32Ring`], which sums
+/// at `reduce_bytes_per_s`).
+pub fn allreduce_cost(
+    strategy: Strategy,
+    c: &CodecProfile,
+    p: u32,
+    latency_s: f64,
+    elements: f64,
+    reduce_bytes_per_s: f64,
+) -> Cost {
+    let pf = p.max(1) as f64;
+    if p <= 1 {
+        return Cost {
+            fixed: 0.0,
+            bytes: 0.0,
+        };
+    }
+    let input = 4.0 * elements; // f32 bytes
+    let wire = elements * c.bits_per_element / 8.0;
+    let (enc, dec, add) = (
+        1.0 / c.encode_bytes_per_s,
+        1.0 / c.decode_bytes_per_s,
+        1.0 / c.decode_add_bytes_per_s,
+    );
+    match strategy {
+        Strategy::Fp32Ring => Cost {
+            fixed: 2.0 * (pf - 1.0) * latency_s + (pf - 1.0) / pf * input / reduce_bytes_per_s,
+            bytes: 2.0 * (pf - 1.0) / pf * input,
+        },
+        Strategy::CompressedRing => {
+            let chunk = input / pf;
+            // p-1 reduce-scatter hops (encode, send, decode_add), the owner's final encode,
+            // p-1 all-gather hops (forward), and p-1 chunk decodes.
+            Cost {
+                fixed: 2.0 * (pf - 1.0) * latency_s
+                    + (pf - 1.0) * chunk * (enc + add)
+                    + chunk * enc
+                    + (pf - 1.0) * chunk * dec,
+                bytes: 2.0 * (pf - 1.0) * wire / pf,
+            }
+        }
+        Strategy::CompressedAllGather => Cost {
+            // Encode once, gather p-1 frames, decode_add all p (own included, so every
+            // rank sums the same decoded values).
+            fixed: (pf - 1.0) * latency_s + input * enc + pf * input * add,
+            bytes: (pf - 1.0) * wire,
+        },
+    }
+}
+
+/// The compressed strategies, in the order [`best_strategy`] breaks ties.
+pub const COMPRESSED: [Strategy; 2] = [Strategy::CompressedRing, Strategy::CompressedAllGather];
+
+/// The fastest compressed strategy for codec `c` on `cluster`, with its time.
+pub fn best_strategy(
+    c: &CodecProfile,
+    cluster: &Cluster,
+    elements: f64,
+    reduce_bytes_per_s: f64,
+) -> (Strategy, f64) {
+    COMPRESSED
+        .iter()
+        .map(|&s| {
+            let t = allreduce_cost(
+                s,
+                c,
+                cluster.nodes,
+                cluster.latency_s,
+                elements,
+                reduce_bytes_per_s,
+            )
+            .time(cluster.bandwidth_bit_s);
+            (s, t)
+        })
+        .fold((Strategy::CompressedRing, f64::INFINITY), |a, b| {
+            if b.1 < a.1 { b } else { a }
+        })
+}
+
+/// The break-even link bandwidth (bit/s): below it, codec `c` (best strategy) all-reduces
+/// faster than a plain fp32 ring; above it, compression costs more than it saves.
+/// `f64::INFINITY` if the codec wins at every bandwidth, `0.0` if it never wins.
+pub fn break_even_bandwidth(
+    c: &CodecProfile,
+    nodes: u32,
+    latency_s: f64,
+    elements: f64,
+    reduce_bytes_per_s: f64,
+) -> f64 {
+    if nodes <= 1 {
+        return 0.0;
+    }
+    let f = allreduce_cost(
+        Strategy::Fp32Ring,
+        c,
+        nodes,
+        latency_s,
+        elements,
+        reduce_bytes_per_s,
+    );
+    let mut best: f64 = 0.0;
+    for s in COMPRESSED {
+        let k = allreduce_cost(s, c, nodes, latency_s, elements, reduce_bytes_per_s);
+        // k.fixed + 8 k.bytes / b <= f.fixed + 8 f.bytes / b
+        // <=> 8 (f.bytes - k.bytes) / b >= k.fixed - f.fixed.
+        let saved_bits = 8.0 * (f.bytes - k.bytes);
+        let extra = k.fixed - f.fixed;
+        let b = if saved_bits <= 0.0 {
+            if extra <= 0.0 && saved_bits == 0.0 {
+                f64::INFINITY
+            } else {
+                0.0
+            }
+        } else if extra <= 0.0 {
+            f64::INFINITY
+        } else {
+            saved_bits / extra
+        };
+        best = best.max(b);
+    }
+    best
+}
+
+// ---------------------------------------------------------------- parsing
+
+/// Parse a bandwidth such as `25Gbit/s`, `10Gbps`, `100 Mbit/s`, `1.25GB/s` or `12.5GiB/s`
+/// into bit/s. Decimal prefixes k, M, G, T (powers of 1000), binary Ki, Mi, Gi, Ti
+/// (powers of 1024); `bit/s`, `b/s` and `bps` are bits, `B/s` and `Bps` bytes.
+pub fn parse_bandwidth(s: &str) -> Result<f64, String> {
+    let (v, unit) = split_number(s)?;
+    let (mul, rest) = prefix(unit);
+    let per_unit = match rest {
+        "bit/s" | "b/s" | "bps" | "bit" => 1.0,
+        "B/s" | "Bps" | "byte/s" => 8.0,
+        _ => {
+            return Err(format!(
+                "bandwidth {s:?}: unknown unit {unit:?}; write e.g. 25Gbit/s, 10Gbps, 100Mbit/s or 1.25GB/s"
+            ));
+        }
+    };
+    positive(s, "bandwidth", v * mul * per_unit)
+}
+
+/// Parse a duration such as `5us`, `1.5ms`, `20ns`, `0.001s` or `0` into seconds.
+pub fn parse_duration(s: &str) -> Result<f64, String> {
+    let (v, unit) = split_number(s)?;
+    // Divide (not multiply by 1e-6): 5 / 1e6 rounds to the f64 nearest 5e-6.
+    let div = match unit {
+        "s" => 1.0,
+        "ms" => 1e3,
+        "us" | "µs" => 1e6,
+        "ns" => 1e9,
+        "" if v == 0.0 => 1.0,
+        _ => {
+            return Err(format!(
+                "duration {s:?}: unknown unit {unit:?}; write e.g. 5us, 1ms, 20ns or 0.5s"
+            ));
+        }
+    };
+    let t = v / div;
+    if !(t >= 0.0 && t.is_finite()) {
+        return Err(format!("duration {s:?} must be finite and non-negative"));
+    }
+    Ok(t)
+}
+
+/// Parse a size such as `25MiB`, `100MB`, `4096` (bytes) or `1.5GiB` into bytes.
+pub fn parse_size(s: &str) -> Result<f64, String> {
+    let (v, unit) = split_number(s)?;
+    let (mul, rest) = prefix(unit);
+    if !matches!(rest, "B" | "") || (rest.is_empty() && mul != 1.0) {
+        return Err(format!(
+            "size {s:?}: unknown unit {unit:?}; write e.g. 25MiB, 100MB or 4096"
+        ));
+    }
+    positive(s, "size", v * mul)
+}
+
+fn split_number(s: &str) -> Result<(f64, &str), String> {
+    let t = s.trim();
+    let end = t
+        .char_indices()
+        .find(|&(i, c)| {
+            !(c.is_ascii_digit()
+                || c == '.'
+                || ((c == 'e' || c == 'E')
+                    && t[i + 1..]
+                        .starts_with(|d: char| d.is_ascii_digit() || d == '-' || d == '+'))
+                || ((c == '-' || c == '+') && i > 0 && matches!(&t[i - 1..i], "e" | "E")))
+        })
+        .map_or(t.len(), |(i, _)| i);
+    let v: f64 = t[..end]
+        .parse()
+        .map_err(|_| format!("{s:?} does not start with a number"))?;
+    Ok((v, t[end..].trim_start()))
+}
+
+fn prefix(unit: &str) -> (f64, &str) {
+    for (p, m) in [
+        ("Ki", 1024f64),
+        ("Mi", 1024f64.powi(2)),
+        ("Gi", 1024f64.powi(3)),
+        ("Ti", 1024f64.powi(4)),
+        ("k", 1e3),
+        ("K", 1e3),
+        ("M", 1e6),
+        ("G", 1e9),
+        ("T", 1e12),
+    ] {
+        if let Some(rest) = unit.strip_prefix(p) {
+            // "B" alone is bytes, not a prefix; a prefix needs a unit after it.
+            if !rest.is_empty() {
+                return (m, rest);
+            }
+        }
+    }
+    (1.0, unit)
+}
+
+fn positive(s: &str, what: &str, v: f64) -> Result<f64, String> {
+    if v > 0.0 && v.is_finite() {
+        Ok(v)
+    } else {
+        Err(format!("{what} {s:?} must be positive and finite"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-12 * b.abs().max(1e-300)
+    }
+
+    /// The mission's worked example: 8 nodes, a gradient of 1024*1024*32 bits (4 MiB of
+    /// fp32), 10 * 1024^3 bit/s links, 1 ms latency.
+    #[test]
+    fn worked_example() {
+        let (n, g, b, a) = (8, 1024.0 * 1024.0 * 32.0, 10.0 * 1024f64.powi(3), 1e-3);
+        // 2 * 7/8 * 2^25 / (10 * 2^30) = 1.75 * 2^-5 / 10 = 5.46875 ms.
+        assert!(close(ring_ideal(n, g, b), 0.005_468_75));
+        assert!(close(ring_quantised(n, g, b, 32.0), 0.005_468_75));
+        assert!(close(ring_quantised(n, g, b, 16.0), 0.002_734_375));
+        assert!(close(ring_quantised(n, g, b, 8.0), 0.001_367_187_5));
+        assert!(close(ring_with_latency(n, g, b, a), 0.006_468_75));
+        assert_eq!(ring_ideal(1, g, b), 0.0);
+    }
+
+    #[test]
+    fn thakur_models() {
+        let m = AlphaBetaGamma {
+            alpha: 1e-6,
+            beta: 1e-9,
+            gamma: 1e-10,
+        };
+        let n = 1e6;
+        // p = 8: lg p = 3.
+        assert!(close(m.ring_allreduce(8, n), 14e-6 + 1.75e-3 + 0.875e-4));
+        assert!(close(
+            m.binomial_tree_allreduce(8, n),
+            6.0 * (1e-6 + 1e-3) + 3e-4
+        ));
+        assert!(close(
+            m.recursive_doubling_allreduce(8, n),
+            3.0 * (1e-6 + 1e-3 + 1e-4)
+        ));
+        assert!(close(
+            m.halving_doubling_allreduce(8, n),
+            6e-6 + 1.75e-3 + 0.875e-4
+        ));
+        assert!(close(m.ring_allgather(8, n), 7e-6 + 7e-3));
+        // Non-powers of two round lg p up.
+        assert!(close(
+            m.binomial_tree_allreduce(5, n),
+            2.0 * 3.0 * (1e-6 + 1e-3) + 3e-4
+        ));
+        // The alpha-beta ring agrees with the mission's latency-free formula.
+        let ab = AlphaBetaGamma::new(10e9, 0.0, f64::INFINITY);
+        assert!(close(ab.ring_allreduce(8, 4e6), ring_ideal(8, 32e6, 10e9)));
+    }
+
+    #[test]
+    fn nominal_codec_matches_the_quantised_formula() {
+        // With free compute and no latency, the compressed ring is the k-bit formula.
+        let c = CodecProfile::nominal("int8", 8.0);
+        let cost = allreduce_cost(Strategy::CompressedRing, &c, 8, 0.0, 1e6, f64::INFINITY);
+        assert!(close(cost.time(10e9), ring_quantised(8, 32e6, 10e9, 8.0)));
+        let fp32 = allreduce_cost(Strategy::Fp32Ring, &c, 8, 0.0, 1e6, f64::INFINITY);
+        assert!(close(fp32.time(10e9), ring_ideal(8, 32e6, 10e9)));
+        // Free compression always pays.
+        assert_eq!(
+            break_even_bandwidth(&c, 8, 1e-6, 1e6, f64::INFINITY),
+            f64::INFINITY
+        );
+    }
+
+    #[test]
+    fn break_even_is_where_the_times_cross() {
+        let c = CodecProfile {
+            spec: "int8".into(),
+            bits_per_element: 8.0,
+            encode_bytes_per_s: 20e9,
+            decode_bytes_per_s: 40e9,
+            decode_add_bytes_per_s: 30e9,
+        };
+        let (p, lat, n, red) = (8, 5e-6, 4e6, 50e9);
+        let b = break_even_bandwidth(&c, p, lat, n, red);
+        assert!(b > 0.0 && b.is_finite(), "{b}");
+        let fp32 = |bw| allreduce_cost(Strategy::Fp32Ring, &c, p, lat, n, red).time(bw);
+        let best = |bw| {
+            best_strategy(
+                &c,
+                &Cluster {
+                    nodes: p,
+                    bandwidth_bit_s: bw,
+                    latency_s: lat,
+                },
+                n,
+                red,
+            )
+            .1
+        };
+        assert!(close(best(b), fp32(b)) || (best(b) - fp32(b)).abs() < 1e-9 * fp32(b));
+        assert!(best(b * 0.5) < fp32(b * 0.5));
+        assert!(best(b * 2.0) > fp32(b * 2.0));
+        // A single node never communicates.
+        assert_eq!(break_even_bandwidth(&c, 1, lat, n, red), 0.0);
+    }
+
+    #[test]
+    fn parses_units_and_rejects_nonsense() {
+        assert_eq!(parse_bandwidth("25Gbit/s").unwrap(), 25e9);
+        assert_eq!(parse_bandwidth("10Gbps").unwrap(), 10e9);
+        assert_eq!(parse_bandwidth("100 Mbit/s").unwrap(), 100e6);
+        assert_eq!(parse_bandwidth("1.25GB/s").unwrap(), 10e9);
+        assert_eq!(parse_bandwidth("1GiB/s").unwrap(), 8.0 * 1024f64.powi(3));
+        assert_eq!(parse_duration("5us").unwrap(), 5e-6);
+        assert_eq!(parse_duration("1ms").unwrap(), 1e-3);
+        assert_eq!(parse_duration("0").unwrap(), 0.0);
+        assert_eq!(parse_size("25MiB").unwrap(), 25.0 * 1024.0 * 1024.0);
+        assert_eq!(parse_size("100MB").unwrap(), 100e6);
+        assert_eq!(parse_size("4096").unwrap(), 4096.0);
+        assert_eq!(parse_size("1e6B").unwrap(), 1e6);
+        for bad in [
+            "10Gpbs", "Gbit/s", "10 G", "-1Gbit/s", "0bps", "10Gbit/h", "",
+        ] {
+            assert!(parse_bandwidth(bad).is_err(), "{bad}");
+        }
+        for bad in ["5", "5 lightyears", "-1ms", "ms"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+        for bad in ["25MiBs", "0", "x", "10Gbit/s"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,308 @@
+//! The `gradpack` command-line tool, run as a user runs it: round trips through raw and
+//! `.npy` files, inspect, the model, the report's JSON and plot, and one clear error with
+//! exit status 2 for every kind of bad input.
+
+#![cfg(feature = "cli")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use gradpack::{Codec, CodecSpec, EncodeCtx};
+
+fn gradpack(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gradpack"))
+        .args(args)
+        .output()
+        .expect("run gradpack")
+}
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("gradpack-cli-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A failed run: status 2, exactly one line on stderr, no panic.
+fn assert_clean_error(o: &Output, needle: &str) {
+    let e = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "status; stderr: {e}");
+    assert!(!e.contains("panicked"), "{e}");
+    assert_eq!(e.trim_end().lines().count(), 1, "one line: {e:?}");
+    assert!(e.contains(needle), "{e:?} lacks {needle:?}");
+}
+
+fn npy_f32(x: &[f32]) -> Vec<u8> {
+    // Written independently of the tool: a version 1.0 header padded to 64 bytes.
+    let mut h = format!(
+        "{{'descr': '<f4', 'fortran_order': False, 'shape': ({},), }}",
+        x.len()
+    );
+    while (10 + h.len() + 1) % 64 != 0 {
+        h.push(' ');
+    }
+    h.push('\n');
+    let mut v = b"\x93NUMPY\x01\x00".to_vec();
+    v.extend_from_slice(&(h.len() as u16).to_le_bytes());
+    v.extend_from_slice(h.as_bytes());
+    for f in x {
+        v.extend_from_slice(&f.to_le_bytes());
+    }
+    v
+}
+
+#[test]
+fn encode_decode_round_trip_through_raw_and_npy_files() {
+    let d = dir("roundtrip");
+    let x = gradpack::synthetic::gradient(5000, 11);
+    let raw = d.join("g.f32");
+    let npy = d.join("g.npy");
+    std::fs::write(&raw, bytemuck::cast_slice::<f32, u8>(&x)).unwrap();
+    std::fs::write(&npy, npy_f32(&x)).unwrap();
+    let spec: CodecSpec = "int8:rounding=stochastic".parse().unwrap();
+    let want_frame = spec
+        .encode(&x, &EncodeCtx::new(9).with_offset(100))
+        .unwrap();
+    let want = gradpack::decode_to_vec(&want_frame).unwrap();
+    for input in [&raw, &npy] {
+        let frame = d.join("g.gpk");
+        let o = gradpack(&[
+            "encode",
+            "--codec",
+            "int8:rounding=stochastic",
+            "--seed",
+            "9",
+            "--offset",
+            "100",
+            p(input),
+            p(&frame),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert_eq!(
+            std::fs::read(&frame).unwrap(),
+            want_frame,
+            "frame from {input:?}"
+        );
+
+        let out_raw = d.join("out.f32");
+        let o = gradpack(&["decode", p(&frame), p(&out_raw)]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let got: Vec<f32> = std::fs::read(&out_raw)
+            .unwrap()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, want);
+
+        let out_npy = d.join("out.npy");
+        let o = gradpack(&["decode", p(&frame), p(&out_npy)]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert_eq!(std::fs::read(&out_npy).unwrap(), npy_f32(&want));
+    }
+}
+
+#[test]
+fn inspect_shows_header_validity_and_statistics() {
+    let d = dir("inspect");
+    let x: Vec<f32> = (0..1000).map(|i| i as f32 - 500.0).collect();
+    let frame = d.join("f.gpk");
+    std::fs::write(
+        &frame,
+        CodecSpec::parse("fp16")
+            .unwrap()
+            .encode(&x, &EncodeCtx::new(0))
+            .unwrap(),
+    )
+    .unwrap();
+    let o = gradpack(&["inspect", p(&frame)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = String::from_utf8(o.stdout).unwrap();
+    for want in [
+        "codec       fp16",
+        "elements    1000",
+        "valid       yes",
+        "min -5.000000e2",
+        "max 4.990000e2",
+    ] {
+        assert!(s.contains(want), "{want:?} not in\n{s}");
+    }
+    // From stdin.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gradpack"))
+        .args(["inspect", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(&std::fs::read(&frame).unwrap())
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success());
+    assert!(
+        String::from_utf8(o.stdout)
+            .unwrap()
+            .contains("elements    1000")
+    );
+}
+
+#[test]
+fn bad_input_gives_one_clear_error_and_status_2() {
+    let d = dir("errors");
+    let x = gradpack::synthetic::gradient(300, 1);
+    let raw = d.join("g.f32");
+    std::fs::write(&raw, bytemuck::cast_slice::<f32, u8>(&x)).unwrap();
+    let out = d.join("o");
+    let frame = d.join("f.gpk");
+    std::fs::write(
+        &frame,
+        CodecSpec::parse("int8")
+            .unwrap()
+            .encode(&x, &EncodeCtx::new(0))
+            .unwrap(),
+    )
+    .unwrap();
+
+    assert_clean_error(
+        &gradpack(&["encode", "--codec", "int9", p(&raw), p(&out)]),
+        "int9",
+    );
+    assert_clean_error(
+        &gradpack(&["model", "--bandwidth", "10Gbsp"]),
+        "--bandwidth",
+    );
+    assert_clean_error(&gradpack(&["model", "--latency", "5 parsecs"]), "--latency");
+    assert_clean_error(&gradpack(&["model", "--nodes", "0"]), "--nodes");
+    assert_clean_error(&gradpack(&["model", "--size", "lots"]), "--size");
+    assert_clean_error(&gradpack(&["report", "--backend", "sse9"]), "--backend");
+    assert_clean_error(
+        &gradpack(&[
+            "encode",
+            "--codec",
+            "int8",
+            p(&d.join("missing.f32")),
+            p(&out),
+        ]),
+        "missing.f32",
+    );
+    // Not a whole number of f32, and a malformed .npy.
+    let odd = d.join("odd.f32");
+    std::fs::write(&odd, [1u8, 2, 3]).unwrap();
+    assert_clean_error(
+        &gradpack(&["encode", "--codec", "int8", p(&odd), p(&out)]),
+        "whole number",
+    );
+    let bad_npy = d.join("bad.npy");
+    std::fs::write(&bad_npy, b"\x93NUMPY\x01\x00\x10\x00{'descr': '<f8'}").unwrap();
+    assert_clean_error(
+        &gradpack(&["encode", "--codec", "int8", p(&bad_npy), p(&out)]),
+        ".npy",
+    );
+    // Corrupt frames: a flipped header bit, a flipped payload bit, a truncation.
+    let good = std::fs::read(&frame).unwrap();
+    for (name, bytes) in [
+        ("header", {
+            let mut b = good.clone();
+            b[20] ^= 4;
+            b
+        }),
+        ("truncated", good[..good.len() - 3].to_vec()),
+        ("garbage", vec![0x47; 10]),
+    ] {
+        let f = d.join(format!("{name}.gpk"));
+        std::fs::write(&f, &bytes).unwrap();
+        assert_clean_error(&gradpack(&["inspect", p(&f)]), "invalid frame");
+        assert_clean_error(&gradpack(&["decode", p(&f), p(&out)]), p(&f));
+    }
+}
+
+#[test]
+fn model_prints_every_algorithm_and_codec() {
+    let o = gradpack(&[
+        "model",
+        "--nodes",
+        "8",
+        "--size",
+        "4MiB",
+        "--bandwidth",
+        "10Gbit/s",
+        "--latency",
+        "1ms",
+        "--codec",
+        "fp16",
+        "--codec",
+        "int8",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = String::from_utf8(o.stdout).unwrap();
+    for want in [
+        "ring",
+        "binomial tree",
+        "recursive doubling",
+        "halving-doubling",
+        "fp16",
+        "int8",
+    ] {
+        assert!(s.contains(want), "{want:?} not in\n{s}");
+    }
+}
+
+#[test]
+fn report_json_and_plot() {
+    let d = dir("report");
+    let svg = d.join("t.svg");
+    let o = gradpack(&[
+        "report",
+        "--elements",
+        "65536",
+        "--codec",
+        "int8",
+        "--codec",
+        "sign",
+        "--json",
+        "--plot",
+        p(&svg),
+        "--backend",
+        "scalar",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    assert_eq!(v["backend"], "scalar");
+    assert_eq!(v["gradpack_version"], env!("CARGO_PKG_VERSION"));
+    assert!(v["cpu"].is_string() && v["date"].as_str().unwrap().len() == 10);
+    let codecs = v["codecs"].as_array().unwrap();
+    assert_eq!(codecs.len(), 2);
+    for c in codecs {
+        for key in [
+            "spec",
+            "bits_per_element",
+            "ratio",
+            "rel_l2_error",
+            "encode_gb_s",
+            "decode_gb_s",
+            "break_even_gbit_s",
+        ] {
+            assert!(c.get(key).is_some(), "{key} missing in {c}");
+        }
+        assert!(c["encode_gb_s"].as_f64().unwrap() > 0.0);
+    }
+    assert_eq!(codecs[0]["spec"], "int8:block=256,rounding=nearest");
+    let bits = codecs[0]["bits_per_element"].as_f64().unwrap();
+    assert!((8.0..8.2).contains(&bits), "{bits}");
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("fp32 ring"),
+        "{}",
+        &svg[..200.min(svg.len())]
+    );
+}
