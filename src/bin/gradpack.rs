@@ -658,7 +658,7 @@ fn report(a: ReportArgs) -> Res<()> {
             reduce / 1e9
         );
         println!(
-            "{:<40} {:>7} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>9} {:>11} {:>9} {:>8}",
+            "{:<40} {:>7} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7} {:>9} {:>11} {:>9} {:>8}",
             "spec",
             "bits/el",
             "ratio",
@@ -667,6 +667,7 @@ fn report(a: ReportArgs) -> Res<()> {
             "enc GB/s",
             "dec GB/s",
             "add GB/s",
+            "backend",
             "strategy",
             "break-even",
             "time ms",
@@ -674,7 +675,7 @@ fn report(a: ReportArgs) -> Res<()> {
         );
         for r in &rows {
             println!(
-                "{:<40} {:>7.3} {:>6.1} {:>9.2e} {:>9.2e} {:>8.2} {:>8.2} {:>8.2} {:>9} {:>11} {:>9.3} {:>7.2}x",
+                "{:<40} {:>7.3} {:>6.1} {:>9.2e} {:>9.2e} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>9} {:>11} {:>9.3} {:>7.2}x",
                 r.m.spec.to_string(),
                 r.m.bits,
                 32.0 / r.m.bits,
@@ -683,6 +684,7 @@ fn report(a: ReportArgs) -> Res<()> {
                 r.m.enc / 1e9,
                 r.m.dec / 1e9,
                 r.m.add / 1e9,
+                backend.name(),
                 r.strategy.name(),
                 fmt_bw(r.be),
                 r.t * 1e3,
