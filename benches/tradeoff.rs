@@ -24,21 +24,10 @@ use gradpack::cost::{self, CodecProfile};
 use gradpack::{Backend, Codec, CodecSpec, EncodeCtx};
 
 const N: usize = 1 << 20;
-const SPECS: &[&str] = &[
-    "identity",
-    "fp16",
-    "bf16",
-    "int8",
-    "int8:rounding=stochastic",
-    "qsgd:bits=8",
-    "qsgd:bits=4",
-    "qsgd:bits=2",
-    "natural",
-    "ternary",
-    "sign",
-    "topk:ratio=0.01,values=fp16",
-    "randk:ratio=0.01",
-];
+/// identity (the fp32 reference, and the reduction speed) and the report's codecs.
+fn specs() -> impl Iterator<Item = &'static str> {
+    std::iter::once("identity").chain(gradpack::codec::REPRESENTATIVE_SPECS.iter().copied())
+}
 
 /// Seconds per iteration of every sample criterion took, by (spec, op).
 type Samples = HashMap<(String, &'static str), Vec<f64>>;
@@ -66,14 +55,14 @@ fn tradeoff(c: &mut Criterion) {
     let x = gradpack::synthetic::gradient(N, 7);
     let mut g = c.benchmark_group(format!("tradeoff/{N}"));
     g.throughput(Throughput::Bytes(4 * N as u64));
-    for s in SPECS {
+    for s in specs() {
         let spec: CodecSpec = s.parse().expect("spec");
         let ctx = EncodeCtx::new(1);
         let mut frame = vec![0u8; spec.max_encoded_len(N)];
         let len = spec.encode_into(&x, &ctx, &mut frame).expect("encode");
         let mut out = vec![0f32; N];
         record(s, "bits", len as f64 * 8.0 / N as f64);
-        g.bench_function(BenchmarkId::new(*s, "encode"), |b| {
+        g.bench_function(BenchmarkId::new(s, "encode"), |b| {
             b.iter_custom(|iters| {
                 timed(s, "encode", iters, || {
                     spec.encode_into(black_box(&x), &ctx, &mut frame)
@@ -81,14 +70,14 @@ fn tradeoff(c: &mut Criterion) {
                 })
             })
         });
-        g.bench_function(BenchmarkId::new(*s, "decode"), |b| {
+        g.bench_function(BenchmarkId::new(s, "decode"), |b| {
             b.iter_custom(|iters| {
                 timed(s, "decode", iters, || {
                     gradpack::decode(black_box(&frame[..len]), &mut out).expect("decode");
                 })
             })
         });
-        g.bench_function(BenchmarkId::new(*s, "decode_add"), |b| {
+        g.bench_function(BenchmarkId::new(s, "decode_add"), |b| {
             b.iter_custom(|iters| {
                 timed(s, "decode_add", iters, || {
                     gradpack::decode_add(black_box(&frame[..len]), &mut out).expect("decode_add");
@@ -136,7 +125,7 @@ fn summary() {
             format!("{:.1} Gbit/s", b / 1e9)
         }
     };
-    for s in SPECS {
+    for s in specs() {
         let (Some(bits), Some(enc), Some(dec), Some(add)) = (
             get(s, "bits"),
             rate(s, "encode"),

@@ -526,3 +526,20 @@ pub(crate) fn payload_buf(out: &mut [u8], payload: u64) -> Result<&mut [u8]> {
     need_bytes(out, HEADER_LEN as u64 + payload)?;
     Ok(&mut out[HEADER_LEN..HEADER_LEN + payload as usize])
 }
+
+/// One representative spec per codec family (and the common variants): what
+/// `gradpack report` and the trade-off benchmark measure by default.
+pub const REPRESENTATIVE_SPECS: &[&str] = &[
+    "fp16",
+    "bf16",
+    "int8",
+    "int8:rounding=stochastic",
+    "qsgd:bits=8",
+    "qsgd:bits=4",
+    "qsgd:bits=2",
+    "natural",
+    "ternary",
+    "sign",
+    "topk:ratio=0.01,values=fp16",
+    "randk:ratio=0.01",
+];

@@ -17,21 +17,6 @@ use gradpack::{Backend, Codec, CodecSpec, EncodeCtx};
 
 type Res<T> = Result<T, String>;
 
-const DEFAULT_CODECS: &[&str] = &[
-    "fp16",
-    "bf16",
-    "int8",
-    "int8:rounding=stochastic",
-    "qsgd:bits=8",
-    "qsgd:bits=4",
-    "qsgd:bits=2",
-    "natural",
-    "ternary",
-    "sign",
-    "topk:ratio=0.01,values=fp16",
-    "randk:ratio=0.01",
-];
-
 #[derive(Parser)]
 #[command(
     name = "gradpack",
@@ -170,7 +155,7 @@ impl Net {
 
 fn specs(list: &[String]) -> Res<Vec<CodecSpec>> {
     let list: Vec<&str> = if list.is_empty() {
-        DEFAULT_CODECS.to_vec()
+        gradpack::codec::REPRESENTATIVE_SPECS.to_vec()
     } else {
         list.iter().map(String::as_str).collect()
     };

@@ -132,17 +132,12 @@ impl From<RandK> for CodecSpec {
 
 /// Call `f(i)` for each kept position `i` of a slice of `n` at global `offset`.
 #[inline]
-fn for_each_kept(seed: u64, offset: u64, n: usize, t: u64, mut f: impl FnMut(usize)) {
+fn for_each_kept(seed: u64, offset: u64, n: usize, t: u64, f: impl FnMut(usize)) {
     let d = Draws::new(seed, STREAM_SELECT, offset);
-    let mut idx = [0u32; 1024];
-    let mut pos = 0;
-    while pos < n {
-        let (used, kept) = kernels::filter_draw_lt(&d, offset + pos as u64, t, n - pos, &mut idx);
-        for &i in &idx[..kept] {
-            f(pos + i as usize);
-        }
-        pos += used;
-    }
+    let kept = |pos: usize, idx: &mut [u32]| {
+        kernels::filter_draw_lt(&d, offset + pos as u64, t, n - pos, idx)
+    };
+    kernels::for_each_filtered(n, kept, f);
 }
 
 impl Scheme for RandK {

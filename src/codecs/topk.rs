@@ -200,21 +200,15 @@ fn bit_width(v: u64) -> u32 {
 /// `need_eq` keys equal to `t`.
 #[inline]
 fn for_each_kept(x: &[f32], t: u32, mut need_eq: usize, mut f: impl FnMut(usize)) {
-    let mut idx = [0u32; 1024];
-    let mut pos = 0;
-    while pos < x.len() {
-        let (used, found) = kernels::filter_mag_ge(&x[pos..], t, &mut idx);
-        for &r in &idx[..found] {
-            let i = pos + r as usize;
-            if mag_key(x[i]) > t {
-                f(i);
-            } else if need_eq > 0 {
-                need_eq -= 1;
-                f(i);
-            }
+    let candidates = |pos: usize, idx: &mut [u32]| kernels::filter_mag_ge(&x[pos..], t, idx);
+    kernels::for_each_filtered(x.len(), candidates, |i| {
+        if mag_key(x[i]) > t {
+            f(i);
+        } else if need_eq > 0 {
+            need_eq -= 1;
+            f(i);
         }
-        pos += used;
-    }
+    });
 }
 
 impl Scheme for TopK {

@@ -39,7 +39,6 @@ macro_rules! simd_op {
     ($Name:ident $(<$(const $C:ident: $CT:ty),+>)? { $($f:ident: $t:ty),* $(,)? } -> $R:ty = $call:expr) => {
         struct $Name<'a $($(, const $C: $CT)+)?> {
             $($f: $t,)*
-            _life: core::marker::PhantomData<&'a ()>,
         }
 
         impl<'a $($(, const $C: $CT)+)?> pulp::WithSimd for $Name<'a $($(, $C)+)?> {
@@ -47,14 +46,12 @@ macro_rules! simd_op {
 
             #[inline(always)]
             fn with_simd<S: pulp::Simd>(self, _: S) -> $R {
-                let $Name { $($f,)* .. } = self;
+                let $Name { $($f,)* } = self;
                 $call
             }
         }
     };
 }
-
-const LIFE: core::marker::PhantomData<&()> = core::marker::PhantomData;
 
 simd_op!(EncodeF32 { x: &'a [f32], out: &'a mut [u8] } -> bool = portable::encode_f32(x, out));
 simd_op!(DecodeF32<const ADD: bool> { p: &'a [u8], out: &'a mut [f32] } -> ()
@@ -103,14 +100,7 @@ simd_op!(FilterDrawLt { first: u32, key: u32, t: u32, n: usize, idx: &'a mut [u3
 pub fn encode_f32(x: &[f32], out: &mut [u8]) -> bool {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => scalar::encode_f32(x, out),
-        b => simd(
-            b,
-            EncodeF32 {
-                x,
-                out,
-                _life: LIFE,
-            },
-        ),
+        b => simd(b, EncodeF32 { x, out }),
     }
 }
 
@@ -118,14 +108,7 @@ pub fn encode_f32(x: &[f32], out: &mut [u8]) -> bool {
 pub fn decode_f32<const ADD: bool>(p: &[u8], out: &mut [f32]) {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => scalar::decode_f32::<ADD>(p, out),
-        b => simd(
-            b,
-            DecodeF32::<ADD> {
-                p,
-                out,
-                _life: LIFE,
-            },
-        ),
+        b => simd(b, DecodeF32::<ADD> { p, out }),
     }
 }
 
@@ -140,14 +123,7 @@ pub fn encode_f16(x: &[f32], out: &mut [u8]) -> bool {
         // SAFETY: a Backend of kind Avx512 exists only after AVX-512F and F16C were detected.
         #[cfg(target_arch = "x86_64")]
         BackendKind::Avx512 => unsafe { x86_64::encode_f16_avx512(x, out) },
-        _ => simd(
-            b,
-            EncodeF16 {
-                x,
-                out,
-                _life: LIFE,
-            },
-        ),
+        _ => simd(b, EncodeF16 { x, out }),
     }
 }
 
@@ -162,14 +138,7 @@ pub fn decode_f16<const ADD: bool>(p: &[u8], out: &mut [f32]) {
         // SAFETY: a Backend of kind Avx512 exists only after AVX-512F and F16C were detected.
         #[cfg(target_arch = "x86_64")]
         BackendKind::Avx512 => unsafe { x86_64::decode_f16_avx512::<ADD>(p, out) },
-        _ => simd(
-            b,
-            DecodeF16::<ADD> {
-                p,
-                out,
-                _life: LIFE,
-            },
-        ),
+        _ => simd(b, DecodeF16::<ADD> { p, out }),
     }
 }
 
@@ -181,14 +150,7 @@ pub fn encode_bf16(x: &[f32], out: &mut [u8]) -> bool {
         // was detected.
         #[cfg(target_arch = "x86_64")]
         b if b.kind() == BackendKind::Avx512 => unsafe { x86_64::encode_bf16_avx512(x, out) },
-        b => simd(
-            b,
-            EncodeBf16 {
-                x,
-                out,
-                _life: LIFE,
-            },
-        ),
+        b => simd(b, EncodeBf16 { x, out }),
     }
 }
 
@@ -198,14 +160,7 @@ pub fn decode_bf16<const ADD: bool>(p: &[u8], out: &mut [f32]) {
         b if b.kind() == BackendKind::Scalar => {
             scalar::decode_u16::<ADD>(p, out, scalar::bf16_to_f32)
         }
-        b => simd(
-            b,
-            DecodeBf16::<ADD> {
-                p,
-                out,
-                _life: LIFE,
-            },
-        ),
+        b => simd(b, DecodeBf16::<ADD> { p, out }),
     }
 }
 
@@ -233,7 +188,6 @@ pub fn encode_int8(
                 first,
                 steps,
                 codes,
-                _life: LIFE,
             },
         ),
     }
@@ -252,7 +206,6 @@ pub fn decode_int8<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, ou
                 codes,
                 block,
                 out,
-                _life: LIFE,
             },
         ),
     }
@@ -285,7 +238,6 @@ pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) 
                 block,
                 steps,
                 codes,
-                _life: LIFE,
             },
         ),
     }
@@ -304,7 +256,6 @@ pub fn decode_sign<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, ou
                 codes,
                 block,
                 out,
-                _life: LIFE,
             },
         ),
     }
@@ -340,7 +291,6 @@ pub fn encode_signmag(
                     first,
                     steps,
                     codes,
-                    _life: LIFE,
                 },
             )
         };
@@ -374,7 +324,6 @@ pub fn decode_signmag<const ADD: bool>(
                     codes,
                     block,
                     out,
-                    _life: LIFE,
                 },
             )
         };
@@ -409,7 +358,6 @@ pub fn encode_natural(
                 first,
                 refs,
                 codes,
-                _life: LIFE,
             },
         ),
     }
@@ -428,7 +376,6 @@ pub fn decode_natural<const ADD: bool>(refs: &[u8], codes: &[u8], block: usize, 
                 codes,
                 block,
                 out,
-                _life: LIFE,
             },
         ),
     }
@@ -444,15 +391,27 @@ pub fn filter_mag_ge(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
     assert!(idx.len() >= 64, "filter index buffer shorter than 64");
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => scalar::filter_mag_ge(x, t, idx),
-        b => simd(
-            b,
-            FilterMagGe {
-                x,
-                t,
-                idx,
-                _life: LIFE,
-            },
-        ),
+        b => simd(b, FilterMagGe { x, t, idx }),
+    }
+}
+
+/// Calls `f(i)` for each index, ascending, that a compare-and-compress filter keeps out of
+/// `n` elements: `filter(pos, idx)` scans from element `pos` and returns
+/// `(consumed, written)` with indices relative to `pos`, as [`filter_mag_ge`] and
+/// [`filter_draw_lt`] do. The index buffer lives on the stack.
+pub fn for_each_filtered(
+    n: usize,
+    mut filter: impl FnMut(usize, &mut [u32]) -> (usize, usize),
+    mut f: impl FnMut(usize),
+) {
+    let mut idx = [0u32; 1024];
+    let mut pos = 0;
+    while pos < n {
+        let (used, kept) = filter(pos, &mut idx);
+        for &i in &idx[..kept] {
+            f(pos + i as usize);
+        }
+        pos += used;
     }
 }
 
@@ -490,7 +449,6 @@ pub fn filter_draw_lt(
             t: t as u32,
             n,
             idx,
-            _life: LIFE,
         },
     )
 }

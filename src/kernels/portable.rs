@@ -20,22 +20,26 @@ fn put<const ADD: bool>(o: &mut f32, v: f32) {
     }
 }
 
-/// `lane_sum16` of `|x|` in f32, in the oracle's order (element `j` to lane `j % 16`).
+/// `scalar::lane_sum16` written for the vectoriser: the 16 lanes as one array updated a
+/// chunk at a time (element `j` to lane `j % 16`, the oracle's order and combination).
 #[inline(always)]
-fn lane_sum16_abs(x: &[f32]) -> f32 {
-    let mut l = [0f32; 16];
+fn lane_sum16<T>(x: &[f32], f: impl Fn(f32) -> T) -> T
+where
+    T: Copy + Default + core::ops::Add<Output = T>,
+{
+    let mut l = [T::default(); 16];
     let chunks = x.chunks_exact(16);
     let tail = chunks.remainder();
     for c in chunks {
         let c: &[f32; 16] = c.try_into().expect("chunks of 16");
-        l = core::array::from_fn(|k| l[k] + c[k].abs());
+        l = core::array::from_fn(|k| l[k] + f(c[k]));
     }
-    for (k, v) in tail.iter().enumerate() {
-        l[k] += v.abs();
+    for (k, &v) in tail.iter().enumerate() {
+        l[k] = l[k] + f(v);
     }
     for w in [8, 4, 2, 1] {
         for j in 0..w {
-            l[j] += l[j + w];
+            l[j] = l[j] + l[j + w];
         }
     }
     l[0]
@@ -161,6 +165,13 @@ fn int_byte(q: f32) -> u8 {
     (q + 12_582_912.0).to_bits() as u8
 }
 
+/// True when global indices `start..start + len` (len >= 1) share one 2^32 window, so
+/// one hash key serves them all; blocks that straddle a window go to the oracle.
+#[inline(always)]
+fn in_one_window(start: u64, len: usize) -> bool {
+    start >> 32 == (start + len as u64 - 1) >> 32
+}
+
 /// Quantise one finite block with a non-zero max to int8 codes (see `scalar::encode_int8`).
 #[inline(always)]
 fn int8_block(xb: &[f32], cb: &mut [u8], m: f32, round: Round, draws: &Draws, start: u64) {
@@ -178,8 +189,7 @@ fn int8_block(xb: &[f32], cb: &mut [u8], m: f32, round: Round, draws: &Draws, st
             }
         }
         Round::Stochastic => {
-            let last = start + xb.len() as u64 - 1;
-            if start >> 32 != last >> 32 {
+            if !in_one_window(start, xb.len()) {
                 // The block straddles a 2^32 index window: the oracle handles the key change.
                 scalar::quantise_block(xb, m, 127, round, draws, start, |j, neg, q| {
                     let q = q as i8;
@@ -241,7 +251,7 @@ pub fn decode_int8<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, ou
 
 #[inline(always)]
 fn mean_abs(x: &[f32]) -> f32 {
-    let s = lane_sum16_abs(x);
+    let s = lane_sum16(x, f32::abs);
     if s.is_finite() {
         s / x.len() as f32
     } else {
@@ -413,22 +423,8 @@ pub fn decode_sign<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, ou
 /// `l2_norm` of the oracle: f64 squares in its 16-lane order.
 #[inline(always)]
 fn l2_norm(x: &[f32]) -> f32 {
-    let mut l = [0f64; 16];
-    let chunks = x.chunks_exact(16);
-    let tail = chunks.remainder();
-    for c in chunks {
-        let c: &[f32; 16] = c.try_into().expect("chunks of 16");
-        l = core::array::from_fn(|k| l[k] + (c[k] as f64) * (c[k] as f64));
-    }
-    for (k, &v) in tail.iter().enumerate() {
-        l[k] += (v as f64) * (v as f64);
-    }
-    for w in [8, 4, 2, 1] {
-        for j in 0..w {
-            l[j] += l[j + w];
-        }
-    }
-    (l[0].sqrt() as f32).min(f32::MAX)
+    let ss = lane_sum16(x, |v| (v as f64) * (v as f64));
+    (ss.sqrt() as f32).min(f32::MAX)
 }
 
 /// Quantise the finite, non-zero-max block `xb` (first global index `start`, which the
@@ -496,52 +492,32 @@ pub fn encode_signmag<const BITS: u32>(
         return scalar::encode_signmag(x, block, BITS, measure, draws, first, steps, codes);
     }
     let levels = (1u32 << (BITS - 1)) - 1;
-    let mut nonfinite = false;
-    for (b, (xb, cb)) in x
-        .chunks(block)
-        .zip(codes.chunks_mut(block / per))
-        .enumerate()
-    {
-        let mb = max_abs_bits(xb);
-        let step = if mb >= INF_BITS {
-            nonfinite = true;
-            cb.fill(0);
-            scalar::CANONICAL_NAN
-        } else if mb == 0 {
-            cb.fill(0);
-            0.0
-        } else {
-            let m = match measure {
-                scalar::Measure::AbsMax => f32::from_bits(mb),
-                scalar::Measure::L2 => l2_norm(xb),
-            };
-            let start = first + (b * block) as u64;
-            let last = start + xb.len() as u64 - 1;
-            if start >> 32 == last >> 32 {
-                signmag_block::<BITS>(xb, cb, m, draws.key_for(start), start);
-            } else {
-                // The block straddles a 2^32 index window: the oracle handles the key change.
-                cb.fill(0);
-                scalar::quantise_block(
-                    xb,
-                    m,
-                    levels,
-                    Round::Stochastic,
-                    draws,
-                    start,
-                    |j, neg, q| {
-                        if q != 0 {
-                            let code = q | if neg { 1 << (BITS - 1) } else { 0 };
-                            scalar::put_bits(cb, j, BITS, code as u8);
-                        }
-                    },
-                );
+    scalar::encode_step_blocks(
+        x,
+        block,
+        levels,
+        first,
+        steps,
+        #[inline(always)]
+        |xb: &[f32], mb| match measure {
+            scalar::Measure::AbsMax => f32::from_bits(mb),
+            scalar::Measure::L2 => l2_norm(xb),
+        },
+        #[inline(always)]
+        |b, xb, m, start| {
+            let cb = &mut codes[b * block / per..][..xb.len().div_ceil(per)];
+            match m {
+                Some(m) if in_one_window(start, xb.len()) => {
+                    signmag_block::<BITS>(xb, cb, m, draws.key_for(start), start)
+                }
+                Some(m) => {
+                    cb.fill(0);
+                    scalar::quantise_signmag(xb, m, BITS, draws, start, cb, 0);
+                }
+                None => cb.fill(0),
             }
-            scalar::block_step(m, levels)
-        };
-        steps[4 * b..4 * b + 4].copy_from_slice(&step.to_le_bytes());
-    }
-    nonfinite
+        },
+    )
 }
 
 /// Sign-magnitude block decode, equal to `scalar::decode_signmag`.
@@ -603,54 +579,52 @@ pub fn encode_natural(
     refs: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    let mut nonfinite = false;
-    for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
-        let mb = max_abs_bits(xb);
-        if mb >= INF_BITS {
-            nonfinite = true;
-            refs[b] = scalar::NATURAL_NONFINITE;
-            cb.fill(0);
-            continue;
-        }
-        let r = scalar::natural_ref(mb);
-        refs[b] = (r + 127) as u8;
-        let kmin = r - 126;
-        let start = first + (b * block) as u64;
-        let last = start + xb.len() as u64 - 1;
-        if start >> 32 != last >> 32 {
-            // Straddles a 2^32 index window: the oracle, one block.
-            let mut one = [0u8; 1];
-            scalar::encode_natural(xb, block, draws, start, &mut one, cb);
-            continue;
-        }
-        let key = draws.key_for(start);
-        let scale_lo = pow2_f64(-kmin);
-        let code = |v: f32, j: u32| {
-            let a = v.abs() as f64;
-            // floor(log2 a), exact for every f32 (subnormals are normal in f64); -1023 for 0.
-            let e = ((a.to_bits() >> 52) as i32) - 1023;
-            let h = lowbias32((start as u32).wrapping_add(j) ^ key);
-            let u = (h >> 8) as f64 / 16_777_216.0;
-            let f_hi = a * pow2_f64(-e) - 1.0;
-            let f_lo = a * scale_lo;
-            let k = if e >= kmin {
-                e + (u < f_hi && e < r) as i32
+    scalar::encode_natural_blocks(
+        x,
+        block,
+        first,
+        refs,
+        codes,
+        #[inline(always)]
+        |xb, cb, r, start| {
+            if in_one_window(start, xb.len()) {
+                natural_block(xb, cb, r, draws.key_for(start), start);
             } else {
-                kmin - 1 + (u < f_lo) as i32
-            };
-            let m = k - kmin + 1;
-            let sign = ((v.to_bits() >> 24) & 0x80) as u8;
-            if a == 0.0 || m == 0 {
-                0
-            } else {
-                sign | m as u8
+                scalar::natural_block(xb, cb, r, draws, start);
             }
+        },
+    )
+}
+
+/// `scalar::natural_block` for a block inside one 2^32 index window (`key` its key).
+#[inline(always)]
+fn natural_block(xb: &[f32], cb: &mut [u8], r: i32, key: u32, start: u64) {
+    let kmin = r - 126;
+    let scale_lo = pow2_f64(-kmin);
+    let code = |v: f32, j: u32| {
+        let a = v.abs() as f64;
+        // floor(log2 a), exact for every f32 (subnormals are normal in f64); -1023 for 0.
+        let e = ((a.to_bits() >> 52) as i32) - 1023;
+        let h = lowbias32((start as u32).wrapping_add(j) ^ key);
+        let u = (h >> 8) as f64 / 16_777_216.0;
+        let f_hi = a * pow2_f64(-e) - 1.0;
+        let f_lo = a * scale_lo;
+        let k = if e >= kmin {
+            e + (u < f_hi && e < r) as i32
+        } else {
+            kmin - 1 + (u < f_lo) as i32
         };
-        for (j, (o, &v)) in (0u32..).zip(cb.iter_mut().zip(xb)) {
-            *o = code(v, j);
+        let m = k - kmin + 1;
+        let sign = ((v.to_bits() >> 24) & 0x80) as u8;
+        if a == 0.0 || m == 0 {
+            0
+        } else {
+            sign | m as u8
         }
+    };
+    for (j, (o, &v)) in (0u32..).zip(cb.iter_mut().zip(xb)) {
+        *o = code(v, j);
     }
-    nonfinite
 }
 
 /// Natural-compression block decode, equal to `scalar::decode_natural`.

@@ -436,9 +436,44 @@ pub fn encode_int8(
     })
 }
 
-/// The int8 block layout, shared by every backend: a block holding NaN or ±Inf gets a NaN
-/// step and zero codes, an all-zero block a zero step and zero codes, and any other block
-/// the step `block_step(m, 127)` and the codes `quantise(xb, cb, m, global start)` writes.
+/// The block layout of the step codecs (int8, qsgd, ternary), shared by every backend.
+/// Per block: a block holding NaN or ±Inf gets a NaN step, an all-zero block a zero step,
+/// and any other block the step `block_step(m, levels)`, where `m = measure(xb, max |x|
+/// bits)` is its scale. `codes(b, xb, m, start)` then writes block `b`'s codes: `m` is
+/// `None` for the first two kinds (their codes are all zero), and `start` is the global
+/// index of the block's first element.
+#[inline(always)]
+pub fn encode_step_blocks(
+    x: &[f32],
+    block: usize,
+    levels: u32,
+    first: u64,
+    steps: &mut [u8],
+    measure: impl Fn(&[f32], u32) -> f32,
+    mut codes: impl FnMut(usize, &[f32], Option<f32>, u64),
+) -> bool {
+    let mut nonfinite = false;
+    for (b, xb) in x.chunks(block).enumerate() {
+        let start = first + (b * block) as u64;
+        let mb = max_abs_bits(xb);
+        if mb >= INF_BITS {
+            nonfinite = true;
+            put_step(steps, b, CANONICAL_NAN);
+            codes(b, xb, None, start);
+        } else if mb == 0 {
+            put_step(steps, b, 0.0);
+            codes(b, xb, None, start);
+        } else {
+            let m = measure(xb, mb);
+            put_step(steps, b, block_step(m, levels));
+            codes(b, xb, Some(m), start);
+        }
+    }
+    nonfinite
+}
+
+/// The int8 layout on [`encode_step_blocks`]: one code byte per element, all zero in a
+/// block without a scale, else written by `quantise(xb, cb, m, global start)`.
 #[inline(always)]
 pub fn encode_int8_blocks(
     x: &[f32],
@@ -448,23 +483,24 @@ pub fn encode_int8_blocks(
     codes: &mut [u8],
     mut quantise: impl FnMut(&[f32], &mut [u8], f32, u64),
 ) -> bool {
-    let mut nonfinite = false;
-    for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
-        let mb = max_abs_bits(xb);
-        if mb >= INF_BITS {
-            nonfinite = true;
-            put_step(steps, b, CANONICAL_NAN);
-            cb.fill(0);
-        } else if mb == 0 {
-            put_step(steps, b, 0.0);
-            cb.fill(0);
-        } else {
-            let m = f32::from_bits(mb);
-            put_step(steps, b, block_step(m, 127));
-            quantise(xb, cb, m, first + (b * block) as u64);
-        }
-    }
-    nonfinite
+    // The closures are inlined so that a SIMD caller's `quantise` is compiled for its ISA.
+    encode_step_blocks(
+        x,
+        block,
+        127,
+        first,
+        steps,
+        #[inline(always)]
+        |_, mb| f32::from_bits(mb),
+        #[inline(always)]
+        |b, xb, m, start| {
+            let cb = &mut codes[b * block..b * block + xb.len()];
+            match m {
+                Some(m) => quantise(xb, cb, m, start),
+                None => cb.fill(0),
+            }
+        },
+    )
 }
 
 /// Decode int8 blocks: `x = code * step`.
@@ -491,42 +527,44 @@ pub fn encode_signmag(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
+    let scale = |xb: &[f32], mb| match measure {
+        Measure::AbsMax => f32::from_bits(mb),
+        Measure::L2 => l2_norm(xb),
+    };
     let levels = (1u32 << (bits - 1)) - 1;
-    let mut nonfinite = false;
-    for (b, xb) in x.chunks(block).enumerate() {
-        let mb = max_abs_bits(xb);
-        if mb >= INF_BITS {
-            nonfinite = true;
-            put_step(steps, b, CANONICAL_NAN);
-            continue;
+    encode_step_blocks(x, block, levels, first, steps, scale, |b, xb, m, start| {
+        if let Some(m) = m {
+            quantise_signmag(xb, m, bits, draws, start, codes, b * block);
         }
-        if mb == 0 {
-            put_step(steps, b, 0.0);
-            continue;
-        }
-        let m = match measure {
-            Measure::AbsMax => f32::from_bits(mb),
-            Measure::L2 => l2_norm(xb),
-        };
-        put_step(steps, b, block_step(m, levels));
-        let base = b * block;
-        let start = first + base as u64;
-        quantise_block(
-            xb,
-            m,
-            levels,
-            Round::Stochastic,
-            draws,
-            start,
-            |j, neg, q| {
-                if q != 0 {
-                    let code = q | if neg { 1 << (bits - 1) } else { 0 };
-                    put_bits(codes, base + j, bits, code as u8);
-                }
-            },
-        );
-    }
-    nonfinite
+    })
+}
+
+/// The sign-magnitude codes of one block with scale `m` (first global index `start`),
+/// or-ed into the zeroed bit stream `codes` as elements `base..base + xb.len()`.
+pub fn quantise_signmag(
+    xb: &[f32],
+    m: f32,
+    bits: u32,
+    draws: &Draws,
+    start: u64,
+    codes: &mut [u8],
+    base: usize,
+) {
+    let levels = (1u32 << (bits - 1)) - 1;
+    quantise_block(
+        xb,
+        m,
+        levels,
+        Round::Stochastic,
+        draws,
+        start,
+        |j, neg, q| {
+            if q != 0 {
+                let code = q | if neg { 1 << (bits - 1) } else { 0 };
+                put_bits(codes, base + j, bits, code as u8);
+            }
+        },
+    );
 }
 
 /// Decode sign-magnitude blocks: `x = ±magnitude * step`.
@@ -638,6 +676,23 @@ pub fn encode_natural(
     refs: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
+    encode_natural_blocks(x, block, first, refs, codes, |xb, cb, r, start| {
+        natural_block(xb, cb, r, draws, start)
+    })
+}
+
+/// The natural-compression layout, shared by every backend: a block holding NaN or ±Inf
+/// gets reference byte 255 and zero codes; any other block the reference `r` (byte
+/// `r + 127`) and the codes `quantise(xb, cb, r, global start)` writes.
+#[inline(always)]
+pub fn encode_natural_blocks(
+    x: &[f32],
+    block: usize,
+    first: u64,
+    refs: &mut [u8],
+    codes: &mut [u8],
+    mut quantise: impl FnMut(&[f32], &mut [u8], i32, u64),
+) -> bool {
     let mut nonfinite = false;
     for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
         let mb = max_abs_bits(xb);
@@ -649,31 +704,35 @@ pub fn encode_natural(
         }
         let r = natural_ref(mb);
         refs[b] = (r + 127) as u8;
-        let kmin = r - 126;
-        let start = first + (b * block) as u64;
-        for (j, (&v, c)) in xb.iter().zip(cb.iter_mut()).enumerate() {
-            let a = v.abs();
-            let sign = if v.is_sign_negative() { 0x80u8 } else { 0 };
-            if a == 0.0 {
-                *c = 0;
-                continue;
-            }
-            let u = (draws.draw(start + j as u64) >> 8) as f64 / 16_777_216.0;
-            let e = ilog2_f32(a);
-            // f is exact in f64: scaling an f32 by a power of two.
-            let k = if e >= kmin {
-                let f = a as f64 / (2.0f64).powi(e) - 1.0;
-                let up = u < f && e < r;
-                e + up as i32
-            } else {
-                let f = a as f64 / (2.0f64).powi(kmin);
-                if u < f { kmin } else { kmin - 1 }
-            };
-            let m = k - kmin + 1; // 0 when rounded to zero
-            *c = if m == 0 { 0 } else { sign | m as u8 };
-        }
+        quantise(xb, cb, r, first + (b * block) as u64);
     }
     nonfinite
+}
+
+/// The natural-compression codes of one finite block with reference exponent `r`.
+pub fn natural_block(xb: &[f32], cb: &mut [u8], r: i32, draws: &Draws, start: u64) {
+    let kmin = r - 126;
+    for (j, (&v, c)) in xb.iter().zip(cb.iter_mut()).enumerate() {
+        let a = v.abs();
+        let sign = if v.is_sign_negative() { 0x80u8 } else { 0 };
+        if a == 0.0 {
+            *c = 0;
+            continue;
+        }
+        let u = (draws.draw(start + j as u64) >> 8) as f64 / 16_777_216.0;
+        let e = ilog2_f32(a);
+        // f is exact in f64: scaling an f32 by a power of two.
+        let k = if e >= kmin {
+            let f = a as f64 / (2.0f64).powi(e) - 1.0;
+            let up = u < f && e < r;
+            e + up as i32
+        } else {
+            let f = a as f64 / (2.0f64).powi(kmin);
+            if u < f { kmin } else { kmin - 1 }
+        };
+        let m = k - kmin + 1; // 0 when rounded to zero
+        *c = if m == 0 { 0 } else { sign | m as u8 };
+    }
 }
 
 /// Decode natural-compression blocks (reference bytes already validated).
