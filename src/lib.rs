@@ -55,6 +55,7 @@ pub mod codecs;
 pub mod cost;
 pub mod error;
 pub mod kernels;
+pub mod parallel;
 pub mod rng;
 pub mod synthetic;
 pub mod wire;
@@ -71,13 +72,13 @@ pub use wire::{HEADER_LEN, Header};
 /// Decode any frame into `out`, which must hold exactly the frame's element count.
 /// Needs no configuration: the header names the codec and its parameters.
 pub fn decode(frame: &[u8], out: &mut [f32]) -> Result<()> {
-    codecs::decode_frame::<false>(frame, out)
+    codecs::decode_frame::<{ kernels::mode::WRITE }>(frame, out)
 }
 
 /// Decode any frame and add it element-wise into `acc` (length = the frame's element
 /// count). The frame is fully validated first: on error `acc` is unchanged.
 pub fn decode_add(frame: &[u8], acc: &mut [f32]) -> Result<()> {
-    codecs::decode_frame::<true>(frame, acc)
+    codecs::decode_frame::<{ kernels::mode::ADD }>(frame, acc)
 }
 
 /// Decode any frame into a new vector, allocating at most [`decode_limit`]`(frame.len())`

@@ -128,12 +128,12 @@ fn sixteen_bit_decode_kernels_of_every_backend_match_the_oracle() {
         .collect();
     for b in Backend::available() {
         let mut out = vec![0f32; 65536];
-        b.run(|| kernels::decode_f16::<false>(&codes, &mut out));
+        b.run(|| kernels::decode_f16::<{ kernels::mode::WRITE }>(&codes, &mut out));
         assert!(
             out.iter().map(|v| v.to_bits()).eq(want16.iter().copied()),
             "f16 decode on {b}"
         );
-        b.run(|| kernels::decode_bf16::<false>(&codes, &mut out));
+        b.run(|| kernels::decode_bf16::<{ kernels::mode::WRITE }>(&codes, &mut out));
         assert!(
             out.iter().map(|v| v.to_bits()).eq(wantb.iter().copied()),
             "bf16 decode on {b}"

@@ -7,7 +7,7 @@
 //! |x| that rounds above `f32::MAX` overflows (to ±Inf). NaN stays a quiet NaN;
 //! ±Inf stays ±Inf.
 
-use super::{EncodeCtx, Encoded, Scheme, elementwise_codec, expect_payload, payload_buf};
+use super::{EncodeCtx, Encoded, Scheme, elementwise_codec, expect_payload};
 use crate::codec::{CodecId, CodecSpec};
 use crate::error::Result;
 use crate::kernels;
@@ -22,5 +22,5 @@ elementwise_codec!(
     Bf16,
     2,
     encode = kernels::encode_bf16,
-    decode<ADD> = kernels::decode_bf16::<ADD>
+    decode<M> = kernels::decode_bf16::<M>
 );

@@ -8,7 +8,7 @@
 //! Overflow: |x| that rounds above 65504 becomes ±Inf (a loss scaler sees it).
 //! NaN stays a quiet NaN (top payload bits kept); ±Inf stays ±Inf.
 
-use super::{EncodeCtx, Encoded, Scheme, elementwise_codec, expect_payload, payload_buf};
+use super::{EncodeCtx, Encoded, Scheme, elementwise_codec, expect_payload};
 use crate::codec::{CodecId, CodecSpec};
 use crate::error::Result;
 use crate::kernels;
@@ -23,5 +23,5 @@ elementwise_codec!(
     Fp16,
     2,
     encode = kernels::encode_f16,
-    decode<ADD> = kernels::decode_f16::<ADD>
+    decode<M> = kernels::decode_f16::<M>
 );

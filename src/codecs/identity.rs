@@ -3,7 +3,7 @@
 //! Payload: `elements` × f32 LE. Lossless, bit for bit (NaN payloads included).
 //! NaN and ±Inf pass through unchanged.
 
-use super::{EncodeCtx, Encoded, Scheme, elementwise_codec, expect_payload, payload_buf};
+use super::{EncodeCtx, Encoded, Scheme, elementwise_codec, expect_payload};
 use crate::codec::{CodecId, CodecSpec};
 use crate::error::Result;
 use crate::kernels;
@@ -18,5 +18,5 @@ elementwise_codec!(
     Identity,
     4,
     encode = kernels::encode_f32,
-    decode<ADD> = kernels::decode_f32::<ADD>
+    decode<M> = kernels::decode_f32::<M>
 );

@@ -15,11 +15,12 @@
 
 use core::fmt;
 
+use super::fixed::{self, FixedRate, Layout, by_mode};
 use super::{
     EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_params, block_payload, check_block,
     expect_payload, read_block,
 };
-use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
+use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::{Error, Result};
 use crate::kernels::{self, scalar::Round};
 use crate::rng::{Draws, STREAM_ROUNDING};
@@ -125,13 +126,7 @@ impl Scheme for Int8 {
     }
 
     fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
-        let len = self.max_payload(x.len() as u64);
-        let p = payload_buf(out, len)?;
-        let (steps, codes) = p.split_at_mut(len as usize - x.len());
-        let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
-        let block = self.block as usize;
-        let round = self.rounding.kernel();
-        let nonfinite = kernels::encode_int8(x, block, round, &draws, ctx.offset, steps, codes);
+        let (len, nonfinite) = fixed::encode(self, x, ctx, out)?;
         let stochastic = self.rounding == Rounding::Stochastic;
         Ok(Encoded {
             payload_len: len,
@@ -163,18 +158,41 @@ impl Scheme for Int8 {
         Ok(c)
     }
 
-    fn decode_payload<const ADD: bool>(
-        &self,
-        _h: &Header,
-        p: &[u8],
-        out: &mut [f32],
-    ) -> Result<()> {
-        let (steps, codes) = p.split_at(p.len() - out.len());
-        kernels::decode_int8::<ADD>(steps, codes, self.block as usize, out);
-        Ok(())
+    fn decode_payload<const M: u8>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
+        fixed::decode::<Self, M>(self, h, p, out)
     }
 
     fn is_unbiased(&self) -> bool {
         self.rounding == Rounding::Stochastic
+    }
+
+    fn fixed(&self) -> Option<&dyn FixedRate> {
+        Some(self)
+    }
+}
+
+impl FixedRate for Int8 {
+    fn layout(&self) -> Layout {
+        Layout {
+            block: self.block as usize,
+            scale_bytes: 4,
+            bits: 8,
+        }
+    }
+
+    fn encode_sections(
+        &self,
+        x: &[f32],
+        ctx: &EncodeCtx,
+        scales: &mut [u8],
+        codes: &mut [u8],
+    ) -> bool {
+        let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
+        let (block, round) = (self.block as usize, self.rounding.kernel());
+        kernels::encode_int8(x, block, round, &draws, ctx.offset, scales, codes)
+    }
+
+    fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]) {
+        by_mode!(m, M => kernels::decode_int8::<M>(scales, codes, self.block as usize, out))
     }
 }

@@ -6,6 +6,7 @@
 //! the decode/decode_add split in one place.
 
 mod bf16;
+pub(crate) mod fixed;
 mod fp16;
 mod identity;
 mod int8;
@@ -29,6 +30,7 @@ pub use topk::{TopK, TopKSelect, ValueType};
 
 use crate::codec::{Codec, CodecId, CodecSpec, EncodeCtx, payload_buf};
 use crate::error::{Error, Result};
+use crate::kernels::{mode, scalar::put};
 use crate::wire::{self, HEADER_LEN, Header};
 pub(crate) use scheme::{Encoded, Scheme};
 
@@ -69,7 +71,7 @@ pub(crate) mod scheme {
         fn read(h: &Header) -> Result<Self>;
         /// Decode a payload already checked by `read` into `out` (`out.len() == elements`).
         /// Must validate anything left before writing to `out`.
-        fn decode_payload<const ADD: bool>(
+        fn decode_payload<const M: u8>(
             &self,
             h: &Header,
             payload: &[u8],
@@ -81,6 +83,11 @@ pub(crate) mod scheme {
         }
         /// Whether the decoded value is an unbiased estimate of the input.
         fn is_unbiased(&self) -> bool;
+        /// The fixed-rate structure (ranges of whole blocks encode and decode
+        /// independently), if the codec has one; `None` for the sparse codecs.
+        fn fixed(&self) -> Option<&dyn super::fixed::FixedRate> {
+            None
+        }
     }
 }
 
@@ -129,12 +136,12 @@ impl<S: Scheme> Codec for S {
 
     fn decode_into(&self, frame: &[u8], out: &mut [f32]) -> Result<()> {
         let (h, p) = own_frame::<S>(frame)?;
-        decode_as::<S, false>(&h, p, out)
+        decode_as::<S, { mode::WRITE }>(&h, p, out)
     }
 
     fn decode_add(&self, frame: &[u8], acc: &mut [f32]) -> Result<()> {
         let (h, p) = own_frame::<S>(frame)?;
-        decode_as::<S, true>(&h, p, acc)
+        decode_as::<S, { mode::ADD }>(&h, p, acc)
     }
 }
 
@@ -149,14 +156,14 @@ fn own_frame<S: Scheme>(frame: &[u8]) -> Result<(Header, &[u8])> {
     Ok((h, p))
 }
 
-fn decode_as<S: Scheme, const ADD: bool>(h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
+fn decode_as<S: Scheme, const M: u8>(h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
     if out.len() as u64 != h.elements {
         return Err(Error::OutputLength {
             expected: h.elements,
             got: out.len(),
         });
     }
-    S::read(h)?.decode_payload::<ADD>(h, p, out)
+    S::read(h)?.decode_payload::<M>(h, p, out)
 }
 
 macro_rules! by_id {
@@ -207,9 +214,9 @@ macro_rules! by_id {
 }
 
 /// Decode any frame by its header (the free `decode` / `decode_add`).
-pub(crate) fn decode_frame<const ADD: bool>(frame: &[u8], out: &mut [f32]) -> Result<()> {
+pub(crate) fn decode_frame<const M: u8>(frame: &[u8], out: &mut [f32]) -> Result<()> {
     let (h, p) = wire::split(frame)?;
-    by_id!(h.codec, S => decode_as::<S, ADD>(&h, p, out))
+    by_id!(h.codec, S => decode_as::<S, M>(&h, p, out))
 }
 
 /// The spec a header describes (validated as a decoder would).
@@ -270,6 +277,24 @@ pub(crate) fn expect_payload(h: &Header, expected: Option<u64>) -> Result<()> {
     }
 }
 
+/// Prepare the output of a sparse decode for the kept elements' `put::<M>`: zero it
+/// (write mode), leave it (add mode), or, in residual mode, where `out` holds `p`, apply
+/// the residual rule to the elements that were not sent (decoded value 0). That rule
+/// changes only non-finite values, so it runs only when the frame says it saw one.
+pub(crate) fn sparse_prepare<const M: u8>(h: &Header, out: &mut [f32]) {
+    match M {
+        mode::WRITE => out.fill(0.0),
+        mode::ADD => {}
+        _ => {
+            if h.flags & wire::FLAG_NONFINITE != 0 {
+                for o in out.iter_mut() {
+                    put::<M>(o, 0.0);
+                }
+            }
+        }
+    }
+}
+
 /// Params with a block size in bytes 0..4 and an optional byte at 4.
 pub(crate) fn block_params(block: u32, byte4: u8) -> [u8; 12] {
     let mut p = [0u8; 12];
@@ -278,10 +303,10 @@ pub(crate) fn block_params(block: u32, byte4: u8) -> [u8; 12] {
     p
 }
 
-/// `Display`, `From<T> for CodecSpec` and `Scheme` for an element-wise codec with no
-/// parameters: `$bytes` payload bytes per element, no seed, no block scales.
+/// `Display`, `From<T> for CodecSpec`, `Scheme` and `FixedRate` for an element-wise codec
+/// with no parameters: `$bytes` payload bytes per element, no seed, no block scales.
 macro_rules! elementwise_codec {
-    ($T:ident, $id:ident, $bytes:expr, encode = $enc:expr, decode<$ADD:ident> = $dec:expr) => {
+    ($T:ident, $id:ident, $bytes:expr, encode = $enc:expr, decode<$M:ident> = $dec:expr) => {
         impl core::fmt::Display for $T {
             fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
                 f.write_str(CodecId::$id.name())
@@ -291,6 +316,30 @@ macro_rules! elementwise_codec {
         impl From<$T> for CodecSpec {
             fn from(c: $T) -> CodecSpec {
                 CodecSpec::$id(c)
+            }
+        }
+
+        impl $crate::codecs::fixed::FixedRate for $T {
+            fn layout(&self) -> $crate::codecs::fixed::Layout {
+                $crate::codecs::fixed::Layout {
+                    block: 1,
+                    scale_bytes: 0,
+                    bits: 8 * $bytes,
+                }
+            }
+
+            fn encode_sections(
+                &self,
+                x: &[f32],
+                _ctx: &EncodeCtx,
+                _scales: &mut [u8],
+                codes: &mut [u8],
+            ) -> bool {
+                ($enc)(x, codes)
+            }
+
+            fn decode_sections(&self, m: u8, _scales: &[u8], codes: &[u8], out: &mut [f32]) {
+                $crate::codecs::fixed::by_mode!(m, $M => ($dec)(codes, out))
             }
         }
 
@@ -304,14 +353,12 @@ macro_rules! elementwise_codec {
             fn encode_payload(
                 &self,
                 x: &[f32],
-                _ctx: &EncodeCtx,
+                ctx: &EncodeCtx,
                 out: &mut [u8],
             ) -> Result<Encoded> {
-                let len = x.len() as u64 * $bytes;
-                let p = payload_buf(out, len)?;
-                let nonfinite = ($enc)(x, p);
+                let (payload_len, nonfinite) = $crate::codecs::fixed::encode(self, x, ctx, out)?;
                 Ok(Encoded {
-                    payload_len: len,
+                    payload_len,
                     params: [0; 12],
                     nonfinite,
                     seed: 0,
@@ -325,68 +372,57 @@ macro_rules! elementwise_codec {
                 Ok($T)
             }
 
-            fn decode_payload<const $ADD: bool>(
+            fn decode_payload<const M: u8>(
                 &self,
-                _h: &Header,
+                h: &Header,
                 p: &[u8],
                 out: &mut [f32],
             ) -> Result<()> {
-                ($dec)(p, out);
-                Ok(())
+                $crate::codecs::fixed::decode::<Self, M>(self, h, p, out)
             }
 
             fn is_unbiased(&self) -> bool {
                 true
+            }
+
+            fn fixed(&self) -> Option<&dyn $crate::codecs::fixed::FixedRate> {
+                Some(self)
             }
         }
     };
 }
 pub(crate) use elementwise_codec;
 
-/// Shared encode for the sign-magnitude block codecs (qsgd, ternary): steps then a
-/// `bits`-wide code stream. Returns (payload length, nonfinite).
-pub(crate) fn encode_signmag(
+/// Shared range encode of the sign-magnitude block codecs (qsgd, ternary): steps then a
+/// `bits`-wide code stream.
+pub(crate) fn signmag_sections(
     x: &[f32],
     ctx: &EncodeCtx,
-    out: &mut [u8],
+    scales: &mut [u8],
+    codes: &mut [u8],
     block: u32,
     bits: u32,
     measure: crate::kernels::scalar::Measure,
-) -> Result<(u64, bool)> {
-    let n = x.len() as u64;
-    let len = block_payload(n, block as u64, 4, bits as u64).unwrap_or(u64::MAX);
-    let p = payload_buf(out, len)?;
-    let nb = n.div_ceil(block as u64) as usize;
-    let (steps, codes) = p.split_at_mut(4 * nb);
+) -> bool {
     let draws = crate::rng::Draws::new(ctx.seed, crate::rng::STREAM_ROUNDING, ctx.offset);
-    let nonfinite = crate::kernels::encode_signmag(
+    crate::kernels::encode_signmag(
         x,
         block as usize,
         bits,
         measure,
         &draws,
         ctx.offset,
-        steps,
+        scales,
         codes,
-    );
-    Ok((len, nonfinite))
+    )
 }
 
-/// Shared decode for the sign-magnitude block codecs (payload length already checked).
-pub(crate) fn decode_signmag<const ADD: bool>(
-    h: &Header,
-    p: &[u8],
-    out: &mut [f32],
-    block: u32,
-    bits: u32,
-) -> Result<()> {
-    let nb = out.len().div_ceil(block as usize);
-    let (steps, codes) = p.split_at(4 * nb);
-    if !codes.is_empty() {
-        wire::check_padding(h.codec, codes, HEADER_LEN + 4 * nb, h.elements, bits as u64)?;
+/// Check the padding bits of a block codec's code stream of `bits` per element.
+pub(crate) fn check_code_padding(h: &Header, scales: &[u8], codes: &[u8], bits: u64) -> Result<()> {
+    if codes.is_empty() {
+        return Ok(());
     }
-    crate::kernels::decode_signmag::<ADD>(steps, codes, block as usize, bits, out);
-    Ok(())
+    wire::check_padding(h.codec, codes, HEADER_LEN + scales.len(), h.elements, bits)
 }
 
 /// The struct, `Default`, `new`, `block`, `from_args`, `Display` and

@@ -16,11 +16,12 @@
 //!
 //! A block holding NaN or ±Inf is written with reference byte 255 and decodes to all NaN.
 
+use super::fixed::{self, FixedRate, Layout, by_mode};
 use super::{
     EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_only_codec, block_params, block_payload,
     check_block, expect_payload, read_block,
 };
-use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
+use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::{Error, Result};
 use crate::kernels::{
     self,
@@ -44,12 +45,7 @@ impl Scheme for Natural {
     }
 
     fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
-        let len = self.max_payload(x.len() as u64);
-        let p = payload_buf(out, len)?;
-        let (refs, codes) = p.split_at_mut(len as usize - x.len());
-        let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
-        let nonfinite =
-            kernels::encode_natural(x, self.block as usize, &draws, ctx.offset, refs, codes);
+        let (len, nonfinite) = fixed::encode(self, x, ctx, out)?;
         Ok(Encoded {
             payload_len: len,
             params: block_params(self.block, 0),
@@ -65,8 +61,40 @@ impl Scheme for Natural {
         Ok(Natural { block })
     }
 
-    fn decode_payload<const ADD: bool>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
-        let (refs, codes) = p.split_at(p.len() - out.len());
+    fn decode_payload<const M: u8>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
+        fixed::decode::<Self, M>(self, h, p, out)
+    }
+
+    fn is_unbiased(&self) -> bool {
+        true
+    }
+
+    fn fixed(&self) -> Option<&dyn FixedRate> {
+        Some(self)
+    }
+}
+
+impl FixedRate for Natural {
+    fn layout(&self) -> Layout {
+        Layout {
+            block: self.block as usize,
+            scale_bytes: 1,
+            bits: 8,
+        }
+    }
+
+    fn encode_sections(
+        &self,
+        x: &[f32],
+        ctx: &EncodeCtx,
+        refs: &mut [u8],
+        codes: &mut [u8],
+    ) -> bool {
+        let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
+        kernels::encode_natural(x, self.block as usize, &draws, ctx.offset, refs, codes)
+    }
+
+    fn validate(&self, h: &Header, refs: &[u8], _codes: &[u8]) -> Result<()> {
         let min = (NATURAL_MIN_REF + 127) as u8;
         if let Some(b) = refs.iter().position(|&r| r < min && r != NATURAL_NONFINITE) {
             return Err(Error::Corrupt {
@@ -79,11 +107,10 @@ impl Scheme for Natural {
                 ),
             });
         }
-        kernels::decode_natural::<ADD>(refs, codes, self.block as usize, out);
         Ok(())
     }
 
-    fn is_unbiased(&self) -> bool {
-        true
+    fn decode_sections(&self, m: u8, refs: &[u8], codes: &[u8], out: &mut [f32]) {
+        by_mode!(m, M => kernels::decode_natural::<M>(refs, codes, self.block as usize, out))
     }
 }

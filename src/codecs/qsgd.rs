@@ -14,9 +14,10 @@
 
 use core::fmt;
 
+use super::fixed::{self, FixedRate, Layout, by_mode};
 use super::{
     EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_params, block_payload, check_block,
-    decode_signmag, encode_signmag, expect_payload, read_block,
+    check_code_padding, expect_payload, read_block, signmag_sections,
 };
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::{Error, Result};
@@ -101,8 +102,7 @@ impl Scheme for Qsgd {
     }
 
     fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
-        let (payload_len, nonfinite) =
-            encode_signmag(x, ctx, out, self.block, self.bits as u32, Measure::L2)?;
+        let (payload_len, nonfinite) = fixed::encode(self, x, ctx, out)?;
         Ok(Encoded {
             payload_len,
             params: block_params(self.block, self.bits),
@@ -127,11 +127,51 @@ impl Scheme for Qsgd {
         Ok(c)
     }
 
-    fn decode_payload<const ADD: bool>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
-        decode_signmag::<ADD>(h, p, out, self.block, self.bits as u32)
+    fn decode_payload<const M: u8>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
+        fixed::decode::<Self, M>(self, h, p, out)
     }
 
     fn is_unbiased(&self) -> bool {
         true
+    }
+
+    fn fixed(&self) -> Option<&dyn FixedRate> {
+        Some(self)
+    }
+}
+
+impl FixedRate for Qsgd {
+    fn layout(&self) -> Layout {
+        Layout {
+            block: self.block as usize,
+            scale_bytes: 4,
+            bits: self.bits as usize,
+        }
+    }
+
+    fn encode_sections(
+        &self,
+        x: &[f32],
+        ctx: &EncodeCtx,
+        scales: &mut [u8],
+        codes: &mut [u8],
+    ) -> bool {
+        signmag_sections(
+            x,
+            ctx,
+            scales,
+            codes,
+            self.block,
+            self.bits as u32,
+            Measure::L2,
+        )
+    }
+
+    fn validate(&self, h: &Header, scales: &[u8], codes: &[u8]) -> Result<()> {
+        check_code_padding(h, scales, codes, self.bits as u64)
+    }
+
+    fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]) {
+        by_mode!(m, M => crate::kernels::decode_signmag::<M>(scales, codes, self.block as usize, self.bits as u32, out))
     }
 }

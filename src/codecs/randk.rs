@@ -19,12 +19,12 @@
 
 use core::fmt;
 
-use super::{EncodeCtx, Encoded, Scheme, ValueType};
+use super::{EncodeCtx, Encoded, Scheme, ValueType, sparse_prepare};
 use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::{Error, Result};
 use crate::kernels::{
     self,
-    scalar::{self, CANONICAL_NAN},
+    scalar::{self, CANONICAL_NAN, put},
 };
 use crate::rng::{Draws, STREAM_SELECT};
 use crate::wire::{FLAG_NONFINITE, Header};
@@ -214,7 +214,7 @@ impl Scheme for RandK {
         })
     }
 
-    fn decode_payload<const ADD: bool>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
+    fn decode_payload<const M: u8>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
         let t = h.param_u64(0);
         let k = (h.payload_len / self.values.bytes()) as usize;
         let mut count = 0usize;
@@ -230,26 +230,15 @@ impl Scheme for RandK {
         }
         if h.flags & FLAG_NONFINITE != 0 {
             for o in out.iter_mut() {
-                *o = if ADD {
-                    *o + CANONICAL_NAN
-                } else {
-                    CANONICAL_NAN
-                };
+                put::<M>(o, CANONICAL_NAN);
             }
             return Ok(());
         }
-        if !ADD {
-            out.fill(0.0);
-        }
+        sparse_prepare::<M>(h, out);
         let mut j = 0;
         let values = self.values;
         for_each_kept(h.seed, h.offset, out.len(), t, |i| {
-            let v = values.get(p, j);
-            if ADD {
-                out[i] += v;
-            } else {
-                out[i] = v;
-            }
+            put::<M>(&mut out[i], values.get(p, j));
             j += 1;
         });
         Ok(())

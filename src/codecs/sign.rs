@@ -9,14 +9,15 @@
 //! `||p - D||^2 = ||p||^2 - ||p||_1^2 / n`, the least any ±c code can achieve.
 //! A block holding NaN or ±Inf decodes to all NaN.
 
+use super::fixed::{self, FixedRate, Layout, by_mode};
 use super::{
     EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_only_codec, block_params, block_payload,
-    check_block, expect_payload, read_block,
+    check_block, check_code_padding, expect_payload, read_block,
 };
-use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
+use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::Result;
 use crate::kernels;
-use crate::wire::{self, HEADER_LEN, Header};
+use crate::wire::Header;
 
 block_only_codec!(
     /// One sign bit per element with a per-block mean-|x| scale.
@@ -32,12 +33,8 @@ impl Scheme for Sign {
         block_payload(n, self.block as u64, 4, 1).unwrap_or(u64::MAX)
     }
 
-    fn encode_payload(&self, x: &[f32], _ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
-        let len = self.max_payload(x.len() as u64);
-        let p = payload_buf(out, len)?;
-        let nb = x.len().div_ceil(self.block as usize);
-        let (steps, codes) = p.split_at_mut(4 * nb);
-        let nonfinite = kernels::encode_sign(x, self.block as usize, steps, codes);
+    fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
+        let (len, nonfinite) = fixed::encode(self, x, ctx, out)?;
         Ok(Encoded {
             payload_len: len,
             params: block_params(self.block, 0),
@@ -54,17 +51,43 @@ impl Scheme for Sign {
         Ok(Sign { block })
     }
 
-    fn decode_payload<const ADD: bool>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
-        let nb = out.len().div_ceil(self.block as usize);
-        let (steps, codes) = p.split_at(4 * nb);
-        if !codes.is_empty() {
-            wire::check_padding(h.codec, codes, HEADER_LEN + 4 * nb, h.elements, 1)?;
-        }
-        kernels::decode_sign::<ADD>(steps, codes, self.block as usize, out);
-        Ok(())
+    fn decode_payload<const M: u8>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
+        fixed::decode::<Self, M>(self, h, p, out)
     }
 
     fn is_unbiased(&self) -> bool {
         false
+    }
+
+    fn fixed(&self) -> Option<&dyn FixedRate> {
+        Some(self)
+    }
+}
+
+impl FixedRate for Sign {
+    fn layout(&self) -> Layout {
+        Layout {
+            block: self.block as usize,
+            scale_bytes: 4,
+            bits: 1,
+        }
+    }
+
+    fn encode_sections(
+        &self,
+        x: &[f32],
+        _ctx: &EncodeCtx,
+        scales: &mut [u8],
+        codes: &mut [u8],
+    ) -> bool {
+        kernels::encode_sign(x, self.block as usize, scales, codes)
+    }
+
+    fn validate(&self, h: &Header, scales: &[u8], codes: &[u8]) -> Result<()> {
+        check_code_padding(h, scales, codes, 1)
+    }
+
+    fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]) {
+        by_mode!(m, M => kernels::decode_sign::<M>(scales, codes, self.block as usize, out))
     }
 }

@@ -7,9 +7,10 @@
 //! (`00` 0, `01` +1, `11` -1; `10` is a negative zero and decodes to 0).
 //! A block holding NaN or ±Inf decodes to all NaN.
 
+use super::fixed::{self, FixedRate, Layout, by_mode};
 use super::{
     EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_only_codec, block_params, block_payload,
-    check_block, decode_signmag, encode_signmag, expect_payload, read_block,
+    check_block, check_code_padding, expect_payload, read_block, signmag_sections,
 };
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::Result;
@@ -31,7 +32,7 @@ impl Scheme for Ternary {
     }
 
     fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
-        let (payload_len, nonfinite) = encode_signmag(x, ctx, out, self.block, 2, Measure::AbsMax)?;
+        let (payload_len, nonfinite) = fixed::encode(self, x, ctx, out)?;
         Ok(Encoded {
             payload_len,
             params: block_params(self.block, 0),
@@ -47,11 +48,43 @@ impl Scheme for Ternary {
         Ok(Ternary { block })
     }
 
-    fn decode_payload<const ADD: bool>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
-        decode_signmag::<ADD>(h, p, out, self.block, 2)
+    fn decode_payload<const M: u8>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
+        fixed::decode::<Self, M>(self, h, p, out)
     }
 
     fn is_unbiased(&self) -> bool {
         true
+    }
+
+    fn fixed(&self) -> Option<&dyn FixedRate> {
+        Some(self)
+    }
+}
+
+impl FixedRate for Ternary {
+    fn layout(&self) -> Layout {
+        Layout {
+            block: self.block as usize,
+            scale_bytes: 4,
+            bits: 2,
+        }
+    }
+
+    fn encode_sections(
+        &self,
+        x: &[f32],
+        ctx: &EncodeCtx,
+        scales: &mut [u8],
+        codes: &mut [u8],
+    ) -> bool {
+        signmag_sections(x, ctx, scales, codes, self.block, 2, Measure::AbsMax)
+    }
+
+    fn validate(&self, h: &Header, scales: &[u8], codes: &[u8]) -> Result<()> {
+        check_code_padding(h, scales, codes, 2)
+    }
+
+    fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]) {
+        by_mode!(m, M => crate::kernels::decode_signmag::<M>(scales, codes, self.block as usize, 2, out))
     }
 }

@@ -18,12 +18,12 @@
 
 use core::fmt;
 
-use super::{EncodeCtx, Encoded, Scheme, expect_payload};
+use super::{EncodeCtx, Encoded, Scheme, expect_payload, sparse_prepare};
 use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::{Error, Result};
 use crate::kernels::{
     self,
-    scalar::{self, BitReader, BitWriter, INF_BITS, mag_key},
+    scalar::{self, BitReader, BitWriter, INF_BITS, mag_key, put},
 };
 use crate::wire::{self, HEADER_LEN, Header};
 
@@ -338,7 +338,7 @@ impl Scheme for TopK {
         })
     }
 
-    fn decode_payload<const ADD: bool>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
+    fn decode_payload<const M: u8>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
         let k = h.param_u64(0) as usize;
         let w = h.params[9] as u32;
         let vbytes = k * self.values.bytes() as usize;
@@ -361,19 +361,12 @@ impl Scheme for TopK {
             }
             next = i + 1;
         }
-        if !ADD {
-            out.fill(0.0);
-        }
+        sparse_prepare::<M>(h, out);
         let mut r = BitReader::new(idx);
         let mut next = 0usize;
         for j in 0..k {
             let i = next + r.get(w) as usize;
-            let v = self.values.get(vals, j);
-            if ADD {
-                out[i] += v;
-            } else {
-                out[i] = v;
-            }
+            put::<M>(&mut out[i], self.values.get(vals, j));
             next = i + 1;
         }
         Ok(())

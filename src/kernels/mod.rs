@@ -21,6 +21,7 @@ pub mod scalar;
 mod x86_64;
 
 pub use backend::{Backend, BackendKind};
+pub use scalar::{mode, residual_of};
 
 use crate::rng::Draws;
 use scalar::Round;
@@ -54,47 +55,88 @@ macro_rules! simd_op {
 }
 
 simd_op!(EncodeF32 { x: &'a [f32], out: &'a mut [u8] } -> bool = portable::encode_f32(x, out));
-simd_op!(DecodeF32<const ADD: bool> { p: &'a [u8], out: &'a mut [f32] } -> ()
-    = portable::decode_f32::<ADD>(p, out));
+simd_op!(DecodeF32<const M: u8> { p: &'a [u8], out: &'a mut [f32] } -> ()
+    = portable::decode_f32::<M>(p, out));
 simd_op!(EncodeF16 { x: &'a [f32], out: &'a mut [u8] } -> bool
     = portable::encode_u16(x, out, portable::f32_to_f16));
-simd_op!(DecodeF16<const ADD: bool> { p: &'a [u8], out: &'a mut [f32] } -> ()
-    = portable::decode_u16::<ADD>(p, out, portable::f16_to_f32));
+simd_op!(DecodeF16<const M: u8> { p: &'a [u8], out: &'a mut [f32] } -> ()
+    = portable::decode_u16::<M>(p, out, portable::f16_to_f32));
 simd_op!(EncodeBf16 { x: &'a [f32], out: &'a mut [u8] } -> bool
     = portable::encode_u16(x, out, portable::f32_to_bf16));
-simd_op!(DecodeBf16<const ADD: bool> { p: &'a [u8], out: &'a mut [f32] } -> ()
-    = portable::decode_u16::<ADD>(p, out, scalar::bf16_to_f32));
+simd_op!(DecodeBf16<const M: u8> { p: &'a [u8], out: &'a mut [f32] } -> ()
+    = portable::decode_u16::<M>(p, out, scalar::bf16_to_f32));
 simd_op!(EncodeInt8 {
     x: &'a [f32], block: usize, round: Round, draws: &'a Draws, first: u64,
     steps: &'a mut [u8], codes: &'a mut [u8],
 } -> bool = portable::encode_int8(x, block, round, draws, first, steps, codes));
-simd_op!(DecodeInt8<const ADD: bool> {
+simd_op!(DecodeInt8<const M: u8> {
     steps: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
-} -> () = portable::decode_int8::<ADD>(steps, codes, block, out));
+} -> () = portable::decode_int8::<M>(steps, codes, block, out));
 simd_op!(EncodeSign { x: &'a [f32], block: usize, steps: &'a mut [u8], codes: &'a mut [u8] }
     -> bool = portable::encode_sign(x, block, steps, codes));
-simd_op!(DecodeSign<const ADD: bool> {
+simd_op!(DecodeSign<const M: u8> {
     steps: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
-} -> () = portable::decode_sign::<ADD>(steps, codes, block, out));
+} -> () = portable::decode_sign::<M>(steps, codes, block, out));
 
 simd_op!(EncodeSignmag<const BITS: u32> {
     x: &'a [f32], block: usize, measure: scalar::Measure, draws: &'a Draws, first: u64,
     steps: &'a mut [u8], codes: &'a mut [u8],
 } -> bool = portable::encode_signmag::<BITS>(x, block, measure, draws, first, steps, codes));
-simd_op!(DecodeSignmag<const ADD: bool, const BITS: u32> {
+simd_op!(DecodeSignmag<const M: u8, const BITS: u32> {
     steps: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
-} -> () = portable::decode_signmag::<ADD, BITS>(steps, codes, block, out));
+} -> () = portable::decode_signmag::<M, BITS>(steps, codes, block, out));
 simd_op!(EncodeNatural {
     x: &'a [f32], block: usize, draws: &'a Draws, first: u64,
     refs: &'a mut [u8], codes: &'a mut [u8],
 } -> bool = portable::encode_natural(x, block, draws, first, refs, codes));
-simd_op!(DecodeNatural<const ADD: bool> {
+simd_op!(DecodeNatural<const M: u8> {
     refs: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
-} -> () = portable::decode_natural::<ADD>(refs, codes, block, out));
+} -> () = portable::decode_natural::<M>(refs, codes, block, out));
 simd_op!(FilterMagGe { x: &'a [f32], t: u32, idx: &'a mut [u32] } -> (usize, usize)
     = portable::filter_mag_ge(x, t, idx));
 simd_op!(FilterDrawLt { first: u32, key: u32, t: u32, n: usize, idx: &'a mut [u32] }
     -> (usize, usize) = portable::filter_draw_lt(first, key, t, n, idx));
+
+simd_op!(FeedbackForm { r: &'a mut [f32], g: &'a [f32], beta: f32, gamma: f32 } -> ()
+    = portable::feedback_form(r, g, beta, gamma));
+simd_op!(FeedbackFormBf16 {
+    p: &'a mut [f32], r: &'a [u16], g: &'a [f32], beta: f32, gamma: f32,
+} -> () = portable::feedback_form_bf16(p, r, g, beta, gamma));
+simd_op!(FeedbackStoreBf16 { r: &'a mut [u16], p: &'a [f32] } -> ()
+    = portable::feedback_store_bf16(r, p));
+
+/// Error-feedback input `r = beta * r + gamma * g` in place (see [`scalar::feedback_form`]).
+pub fn feedback_form(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => scalar::feedback_form(r, g, beta, gamma),
+        b => simd(b, FeedbackForm { r, g, beta, gamma }),
+    }
+}
+
+/// Error-feedback input from a bf16 residual (see [`scalar::feedback_form_bf16`]).
+pub fn feedback_form_bf16(p: &mut [f32], r: &[u16], g: &[f32], beta: f32, gamma: f32) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => scalar::feedback_form_bf16(p, r, g, beta, gamma),
+        b => simd(
+            b,
+            FeedbackFormBf16 {
+                p,
+                r,
+                g,
+                beta,
+                gamma,
+            },
+        ),
+    }
+}
+
+/// Store a residual tile as bf16 (see [`scalar::feedback_store_bf16`]).
+pub fn feedback_store_bf16(r: &mut [u16], p: &[f32]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => scalar::feedback_store_bf16(r, p),
+        b => simd(b, FeedbackStoreBf16 { r, p }),
+    }
+}
 
 /// f32 to little-endian bytes (`out.len() == 4 * x.len()`); true if any input is NaN/±Inf.
 pub fn encode_f32(x: &[f32], out: &mut [u8]) -> bool {
@@ -105,10 +147,10 @@ pub fn encode_f32(x: &[f32], out: &mut [u8]) -> bool {
 }
 
 /// Little-endian bytes to f32, written or added (`p.len() == 4 * out.len()`).
-pub fn decode_f32<const ADD: bool>(p: &[u8], out: &mut [f32]) {
+pub fn decode_f32<const M: u8>(p: &[u8], out: &mut [f32]) {
     match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => scalar::decode_f32::<ADD>(p, out),
-        b => simd(b, DecodeF32::<ADD> { p, out }),
+        b if b.kind() == BackendKind::Scalar => scalar::decode_f32::<M>(p, out),
+        b => simd(b, DecodeF32::<M> { p, out }),
     }
 }
 
@@ -128,17 +170,19 @@ pub fn encode_f16(x: &[f32], out: &mut [u8]) -> bool {
 }
 
 /// binary16 to f32, written or added (`p.len() == 2 * out.len()`).
-pub fn decode_f16<const ADD: bool>(p: &[u8], out: &mut [f32]) {
+pub fn decode_f16<const M: u8>(p: &[u8], out: &mut [f32]) {
     let b = Backend::current();
     match b.kind() {
-        BackendKind::Scalar => scalar::decode_u16::<ADD>(p, out, scalar::f16_to_f32),
+        BackendKind::Scalar => scalar::decode_u16::<M>(p, out, scalar::f16_to_f32),
         // SAFETY: a Backend of kind Avx2 exists only after AVX2 and F16C were detected.
         #[cfg(target_arch = "x86_64")]
-        BackendKind::Avx2 => unsafe { x86_64::decode_f16_avx2::<ADD>(p, out) },
+        BackendKind::Avx2 if M != mode::RESIDUAL => unsafe { x86_64::decode_f16_avx2::<M>(p, out) },
         // SAFETY: a Backend of kind Avx512 exists only after AVX-512F and F16C were detected.
         #[cfg(target_arch = "x86_64")]
-        BackendKind::Avx512 => unsafe { x86_64::decode_f16_avx512::<ADD>(p, out) },
-        _ => simd(b, DecodeF16::<ADD> { p, out }),
+        BackendKind::Avx512 if M != mode::RESIDUAL => unsafe {
+            x86_64::decode_f16_avx512::<M>(p, out)
+        },
+        _ => simd(b, DecodeF16::<M> { p, out }),
     }
 }
 
@@ -155,12 +199,12 @@ pub fn encode_bf16(x: &[f32], out: &mut [u8]) -> bool {
 }
 
 /// bfloat16 to f32, written or added (`p.len() == 2 * out.len()`).
-pub fn decode_bf16<const ADD: bool>(p: &[u8], out: &mut [f32]) {
+pub fn decode_bf16<const M: u8>(p: &[u8], out: &mut [f32]) {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => {
-            scalar::decode_u16::<ADD>(p, out, scalar::bf16_to_f32)
+            scalar::decode_u16::<M>(p, out, scalar::bf16_to_f32)
         }
-        b => simd(b, DecodeBf16::<ADD> { p, out }),
+        b => simd(b, DecodeBf16::<M> { p, out }),
     }
 }
 
@@ -194,14 +238,12 @@ pub fn encode_int8(
 }
 
 /// int8 block decode (see [`scalar::decode_int8`]).
-pub fn decode_int8<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+pub fn decode_int8<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
     match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => {
-            scalar::decode_int8::<ADD>(steps, codes, block, out)
-        }
+        b if b.kind() == BackendKind::Scalar => scalar::decode_int8::<M>(steps, codes, block, out),
         b => simd(
             b,
-            DecodeInt8::<ADD> {
+            DecodeInt8::<M> {
                 steps,
                 codes,
                 block,
@@ -244,14 +286,12 @@ pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) 
 }
 
 /// Sign block decode (see [`scalar::decode_sign`]).
-pub fn decode_sign<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+pub fn decode_sign<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
     match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => {
-            scalar::decode_sign::<ADD>(steps, codes, block, out)
-        }
+        b if b.kind() == BackendKind::Scalar => scalar::decode_sign::<M>(steps, codes, block, out),
         b => simd(
             b,
-            DecodeSign::<ADD> {
+            DecodeSign::<M> {
                 steps,
                 codes,
                 block,
@@ -304,7 +344,7 @@ pub fn encode_signmag(
 }
 
 /// Sign-magnitude block decode (see [`scalar::decode_signmag`]).
-pub fn decode_signmag<const ADD: bool>(
+pub fn decode_signmag<const M: u8>(
     steps: &[u8],
     codes: &[u8],
     block: usize,
@@ -313,13 +353,13 @@ pub fn decode_signmag<const ADD: bool>(
 ) {
     let b = Backend::current();
     if b.kind() == BackendKind::Scalar {
-        return scalar::decode_signmag::<ADD>(steps, codes, block, bits, out);
+        return scalar::decode_signmag::<M>(steps, codes, block, bits, out);
     }
     macro_rules! go {
         ($bits:literal) => {
             simd(
                 b,
-                DecodeSignmag::<ADD, $bits> {
+                DecodeSignmag::<M, $bits> {
                     steps,
                     codes,
                     block,
@@ -364,14 +404,14 @@ pub fn encode_natural(
 }
 
 /// Natural-compression decode (see [`scalar::decode_natural`]).
-pub fn decode_natural<const ADD: bool>(refs: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+pub fn decode_natural<const M: u8>(refs: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => {
-            scalar::decode_natural::<ADD>(refs, codes, block, out)
+            scalar::decode_natural::<M>(refs, codes, block, out)
         }
         b => simd(
             b,
-            DecodeNatural::<ADD> {
+            DecodeNatural::<M> {
                 refs,
                 codes,
                 block,

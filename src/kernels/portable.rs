@@ -6,19 +6,10 @@
 //! this CPU has. Only IEEE operations the oracle also performs are used (Rust never
 //! contracts `a * b + c` into an FMA), and sums keep the oracle's 16-lane order.
 
-use super::scalar::{self, INF_BITS, Round, max_abs_bits};
+use super::scalar::{self, INF_BITS, Round, max_abs_bits, put};
 use crate::rng::{Draws, lowbias32};
 
 const ABS: u32 = 0x7FFF_FFFF;
-
-#[inline(always)]
-fn put<const ADD: bool>(o: &mut f32, v: f32) {
-    if ADD {
-        *o += v;
-    } else {
-        *o = v;
-    }
-}
 
 /// `scalar::lane_sum16` written for the vectoriser: the 16 lanes as one array updated a
 /// chunk at a time (element `j` to lane `j % 16`, the oracle's order and combination).
@@ -45,6 +36,29 @@ where
     l[0]
 }
 
+// ---------------------------------------------------------------- error feedback
+
+#[inline(always)]
+pub fn feedback_form(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) {
+    for (r, &g) in r.iter_mut().zip(g) {
+        *r = beta * *r + gamma * g;
+    }
+}
+
+#[inline(always)]
+pub fn feedback_form_bf16(p: &mut [f32], r: &[u16], g: &[f32], beta: f32, gamma: f32) {
+    for ((p, &r), &g) in p.iter_mut().zip(r).zip(g) {
+        *p = beta * scalar::bf16_to_f32(r) + gamma * g;
+    }
+}
+
+#[inline(always)]
+pub fn feedback_store_bf16(r: &mut [u16], p: &[f32]) {
+    for (r, &p) in r.iter_mut().zip(p) {
+        *r = scalar::residual_bf16(p, f32_to_bf16);
+    }
+}
+
 // ---------------------------------------------------------------- identity
 
 #[inline(always)]
@@ -61,9 +75,9 @@ pub fn encode_f32(x: &[f32], out: &mut [u8]) -> bool {
 }
 
 #[inline(always)]
-pub fn decode_f32<const ADD: bool>(p: &[u8], out: &mut [f32]) {
+pub fn decode_f32<const M: u8>(p: &[u8], out: &mut [f32]) {
     for (o, b) in out.iter_mut().zip(p.chunks_exact(4)) {
-        put::<ADD>(o, f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        put::<M>(o, f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
     }
 }
 
@@ -149,9 +163,9 @@ pub fn encode_u16(x: &[f32], out: &mut [u8], conv: impl Fn(f32) -> u16) -> bool 
 }
 
 #[inline(always)]
-pub fn decode_u16<const ADD: bool>(p: &[u8], out: &mut [f32], conv: impl Fn(u16) -> f32) {
+pub fn decode_u16<const M: u8>(p: &[u8], out: &mut [f32], conv: impl Fn(u16) -> f32) {
     for (o, b) in out.iter_mut().zip(p.chunks_exact(2)) {
-        put::<ADD>(o, conv(u16::from_le_bytes([b[0], b[1]])));
+        put::<M>(o, conv(u16::from_le_bytes([b[0], b[1]])));
     }
 }
 
@@ -238,11 +252,11 @@ pub fn encode_int8(
 }
 
 #[inline(always)]
-pub fn decode_int8<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+pub fn decode_int8<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
     for (b, (ob, cb)) in out.chunks_mut(block).zip(codes.chunks(block)).enumerate() {
         let s = scalar::get_step(steps, b);
         for (o, &c) in ob.iter_mut().zip(cb) {
-            put::<ADD>(o, (c as i8) as f32 * s);
+            put::<M>(o, (c as i8) as f32 * s);
         }
     }
 }
@@ -395,9 +409,9 @@ fn encode_sign_two_pass(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [
 }
 
 #[inline(always)]
-pub fn decode_sign<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+pub fn decode_sign<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
     if !block.is_multiple_of(8) {
-        return scalar::decode_sign::<ADD>(steps, codes, block, out);
+        return scalar::decode_sign::<M>(steps, codes, block, out);
     }
     for (b, ob) in out.chunks_mut(block).enumerate() {
         let s = scalar::get_step(steps, b).to_bits();
@@ -406,13 +420,13 @@ pub fn decode_sign<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, ou
         let tail_len = ob.len() % 8;
         for (o, &byte) in ob.chunks_exact_mut(8).zip(cb) {
             for (k, v) in o.iter_mut().enumerate() {
-                put::<ADD>(v, f32::from_bits(s ^ (((byte as u32 >> k) & 1) << 31)));
+                put::<M>(v, f32::from_bits(s ^ (((byte as u32 >> k) & 1) << 31)));
             }
         }
         if tail_len > 0 {
             let byte = cb[full] as u32;
             for (k, v) in ob[8 * full..].iter_mut().enumerate() {
-                put::<ADD>(v, f32::from_bits(s ^ (((byte >> k) & 1) << 31)));
+                put::<M>(v, f32::from_bits(s ^ (((byte >> k) & 1) << 31)));
             }
         }
     }
@@ -522,7 +536,7 @@ pub fn encode_signmag<const BITS: u32>(
 
 /// Sign-magnitude block decode, equal to `scalar::decode_signmag`.
 #[inline(always)]
-pub fn decode_signmag<const ADD: bool, const BITS: u32>(
+pub fn decode_signmag<const M: u8, const BITS: u32>(
     steps: &[u8],
     codes: &[u8],
     block: usize,
@@ -530,7 +544,7 @@ pub fn decode_signmag<const ADD: bool, const BITS: u32>(
 ) {
     let per = (8 / BITS) as usize;
     if !block.is_multiple_of(per) {
-        return scalar::decode_signmag::<ADD>(steps, codes, block, BITS, out);
+        return scalar::decode_signmag::<M>(steps, codes, block, BITS, out);
     }
     let mask = ((1u32 << BITS) - 1) as u8;
     let value = |c: u8, s: f32| {
@@ -548,13 +562,13 @@ pub fn decode_signmag<const ADD: bool, const BITS: u32>(
         let mut os = ob.chunks_exact_mut(per);
         for (o, &byte) in (&mut os).zip(cb) {
             for (k, v) in o.iter_mut().enumerate() {
-                put::<ADD>(v, value(byte >> (k as u32 * BITS), s));
+                put::<M>(v, value(byte >> (k as u32 * BITS), s));
             }
         }
         let rest = os.into_remainder();
         if let Some(&byte) = cb.get(full) {
             for (k, v) in rest.iter_mut().enumerate() {
-                put::<ADD>(v, value(byte >> (k as u32 * BITS), s));
+                put::<M>(v, value(byte >> (k as u32 * BITS), s));
             }
         }
     }
@@ -629,11 +643,11 @@ fn natural_block(xb: &[f32], cb: &mut [u8], r: i32, key: u32, start: u64) {
 
 /// Natural-compression block decode, equal to `scalar::decode_natural`.
 #[inline(always)]
-pub fn decode_natural<const ADD: bool>(refs: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+pub fn decode_natural<const M: u8>(refs: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
     for (b, (ob, cb)) in out.chunks_mut(block).zip(codes.chunks(block)).enumerate() {
         if refs[b] == scalar::NATURAL_NONFINITE {
             for o in ob {
-                put::<ADD>(o, scalar::CANONICAL_NAN);
+                put::<M>(o, scalar::CANONICAL_NAN);
             }
             continue;
         }
@@ -650,7 +664,7 @@ pub fn decode_natural<const ADD: bool>(refs: &[u8], codes: &[u8], block: usize, 
             } else {
                 sub
             };
-            put::<ADD>(o, f32::from_bits(bits ^ (((c >> 7) as u32) << 31)));
+            put::<M>(o, f32::from_bits(bits ^ (((c >> 7) as u32) << 31)));
         }
     }
 }

@@ -6,8 +6,9 @@
 //!
 //! Conventions:
 //! - payload bytes are little-endian;
-//! - `ADD = false` writes decoded values, `ADD = true` adds them to the output (the fused
-//!   reduce step of a collective);
+//! - decoders take a const `M` (see [`mode`]): write the decoded values, add them to the
+//!   output (the fused reduce step of a collective), or turn an output holding `p` into
+//!   the error-feedback residual `p - decoded`;
 //! - encoders return `true` when the input held any NaN or ±Inf (the frame's NONFINITE flag).
 
 use crate::rng::Draws;
@@ -17,12 +18,39 @@ pub const INF_BITS: u32 = 0x7F80_0000;
 /// The canonical quiet NaN written as the step of a block that held NaN or ±Inf.
 pub const CANONICAL_NAN: f32 = f32::from_bits(0x7FC0_0000);
 
+/// What a decoder does with each decoded value (the const `M` of every decode kernel).
+pub mod mode {
+    /// `out = decoded`.
+    pub const WRITE: u8 = 0;
+    /// `out += decoded` (the reduce step of a collective).
+    pub const ADD: u8 = 1;
+    /// `out = residual_of(out, decoded)`: `out` holds the encoded `p` and becomes the
+    /// error-feedback residual (see [`super::residual_of`]).
+    pub const RESIDUAL: u8 = 2;
+}
+
+/// The error-feedback residual of an element that was encoded as `p` and decodes to `d`:
+/// `p - d` when that is finite; otherwise `p` when `p` is finite (nothing usable was sent,
+/// e.g. a block the frame marks non-finite, or an fp16 overflow to ±Inf), else 0. So a
+/// residual never holds NaN or ±Inf, and a non-finite gradient element is dropped rather
+/// than carried into every later step. Written with bit tests and selects so that it
+/// vectorises; every backend computes exactly this.
 #[inline(always)]
-fn put<const ADD: bool>(o: &mut f32, v: f32) {
-    if ADD {
-        *o += v;
-    } else {
-        *o = v;
+pub fn residual_of(p: f32, d: f32) -> f32 {
+    let e = p - d;
+    let e_ok = (e.to_bits() & INF_BITS) != INF_BITS;
+    let p_ok = (p.to_bits() & INF_BITS) != INF_BITS;
+    let fallback = if p_ok { p } else { 0.0 };
+    if e_ok { e } else { fallback }
+}
+
+/// Store the decoded value `v` into `o` as mode `M` says.
+#[inline(always)]
+pub fn put<const M: u8>(o: &mut f32, v: f32) {
+    match M {
+        mode::WRITE => *o = v,
+        mode::ADD => *o += v,
+        _ => *o = residual_of(*o, v),
     }
 }
 
@@ -50,10 +78,10 @@ pub fn encode_f32(x: &[f32], out: &mut [u8]) -> bool {
 }
 
 /// Little-endian bytes to f32. `p.len() == 4 * out.len()`.
-pub fn decode_f32<const ADD: bool>(p: &[u8], out: &mut [f32]) {
+pub fn decode_f32<const M: u8>(p: &[u8], out: &mut [f32]) {
     debug_assert_eq!(p.len(), 4 * out.len());
     for (o, b) in out.iter_mut().zip(p.chunks_exact(4)) {
-        put::<ADD>(o, f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        put::<M>(o, f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
     }
 }
 
@@ -154,10 +182,42 @@ pub fn encode_u16(x: &[f32], out: &mut [u8], conv: impl Fn(f32) -> u16) -> bool 
 }
 
 /// Decode 16-bit codes. `p.len() == 2 * out.len()`.
-pub fn decode_u16<const ADD: bool>(p: &[u8], out: &mut [f32], conv: impl Fn(u16) -> f32) {
+pub fn decode_u16<const M: u8>(p: &[u8], out: &mut [f32], conv: impl Fn(u16) -> f32) {
     debug_assert_eq!(p.len(), 2 * out.len());
     for (o, b) in out.iter_mut().zip(p.chunks_exact(2)) {
-        put::<ADD>(o, conv(u16::from_le_bytes([b[0], b[1]])));
+        put::<M>(o, conv(u16::from_le_bytes([b[0], b[1]])));
+    }
+}
+
+// ---------------------------------------------------------------- error feedback
+
+/// The error-feedback input `r = beta * r + gamma * g`, in place: two rounded products and
+/// a rounded sum, never fused (with `beta = gamma = 1` this is exactly `r + g`).
+pub fn feedback_form(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) {
+    for (r, &g) in r.iter_mut().zip(g) {
+        *r = beta * *r + gamma * g;
+    }
+}
+
+/// [`feedback_form`] from a bf16 residual into the f32 tile `p`.
+pub fn feedback_form_bf16(p: &mut [f32], r: &[u16], g: &[f32], beta: f32, gamma: f32) {
+    for ((p, &r), &g) in p.iter_mut().zip(r).zip(g) {
+        *p = beta * bf16_to_f32(r) + gamma * g;
+    }
+}
+
+/// A finite residual rounded to bf16 (nearest, ties to even), saturating at the largest
+/// finite bf16 instead of rounding to ±Inf.
+#[inline(always)]
+pub fn residual_bf16(v: f32, to_bf16: impl Fn(f32) -> u16) -> u16 {
+    let h = to_bf16(v);
+    if h & 0x7FFF == 0x7F80 { h - 1 } else { h }
+}
+
+/// Store the f32 residual tile `p` into the bf16 residual `r` ([`residual_bf16`]).
+pub fn feedback_store_bf16(r: &mut [u16], p: &[f32]) {
+    for (r, &p) in r.iter_mut().zip(p) {
+        *r = residual_bf16(p, f32_to_bf16);
     }
 }
 
@@ -504,11 +564,11 @@ pub fn encode_int8_blocks(
 }
 
 /// Decode int8 blocks: `x = code * step`.
-pub fn decode_int8<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+pub fn decode_int8<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
     for (b, (ob, cb)) in out.chunks_mut(block).zip(codes.chunks(block)).enumerate() {
         let s = get_step(steps, b);
         for (o, &c) in ob.iter_mut().zip(cb) {
-            put::<ADD>(o, (c as i8) as f32 * s);
+            put::<M>(o, (c as i8) as f32 * s);
         }
     }
 }
@@ -568,7 +628,7 @@ pub fn quantise_signmag(
 }
 
 /// Decode sign-magnitude blocks: `x = ±magnitude * step`.
-pub fn decode_signmag<const ADD: bool>(
+pub fn decode_signmag<const M: u8>(
     steps: &[u8],
     codes: &[u8],
     block: usize,
@@ -582,7 +642,7 @@ pub fn decode_signmag<const ADD: bool>(
         for (j, o) in ob.iter_mut().enumerate() {
             let c = get_bits(codes, base + j, bits);
             let v = (c & !sign_bit) as f32 * s;
-            put::<ADD>(o, if c & sign_bit != 0 { -v } else { v });
+            put::<M>(o, if c & sign_bit != 0 { -v } else { v });
         }
     }
 }
@@ -607,12 +667,12 @@ pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) 
 }
 
 /// Decode sign blocks: `x = ±step`.
-pub fn decode_sign<const ADD: bool>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+pub fn decode_sign<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
     for (b, ob) in out.chunks_mut(block).enumerate() {
         let s = get_step(steps, b);
         let base = b * block;
         for (j, o) in ob.iter_mut().enumerate() {
-            put::<ADD>(
+            put::<M>(
                 o,
                 if get_bits(codes, base + j, 1) != 0 {
                     -s
@@ -736,11 +796,11 @@ pub fn natural_block(xb: &[f32], cb: &mut [u8], r: i32, draws: &Draws, start: u6
 }
 
 /// Decode natural-compression blocks (reference bytes already validated).
-pub fn decode_natural<const ADD: bool>(refs: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+pub fn decode_natural<const M: u8>(refs: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
     for (b, (ob, cb)) in out.chunks_mut(block).zip(codes.chunks(block)).enumerate() {
         if refs[b] == NATURAL_NONFINITE {
             for o in ob {
-                put::<ADD>(o, CANONICAL_NAN);
+                put::<M>(o, CANONICAL_NAN);
             }
             continue;
         }
@@ -748,7 +808,7 @@ pub fn decode_natural<const ADD: bool>(refs: &[u8], codes: &[u8], block: usize, 
         for (o, &c) in ob.iter_mut().zip(cb) {
             let m = (c & 0x7F) as i32;
             let v = if m == 0 { 0.0 } else { pow2_f32(r - 127 + m) };
-            put::<ADD>(o, if c & 0x80 != 0 { -v } else { v });
+            put::<M>(o, if c & 0x80 != 0 { -v } else { v });
         }
     }
 }

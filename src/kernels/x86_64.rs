@@ -9,7 +9,7 @@
 use core::arch::x86_64::*;
 
 use super::portable::SignLanes;
-use super::scalar;
+use super::scalar::{self, mode};
 
 const ABS: i32 = 0x7FFF_FFFF;
 
@@ -43,12 +43,13 @@ pub unsafe fn encode_f16_avx2(x: &[f32], out: &mut [u8]) -> bool {
     tail || lanes.iter().any(|&v| v >= scalar::INF_BITS)
 }
 
-/// binary16 to f32 with F16C, 8 lanes; adds into `out` when `ADD`.
+/// binary16 to f32 with F16C, 8 lanes; adds into `out` when `M` is
+/// [`mode::ADD`], writes for [`mode::WRITE`] (the residual mode is not handled here).
 ///
 /// # Safety
 /// The CPU must support AVX2 and F16C.
 #[target_feature(enable = "avx2,f16c")]
-pub unsafe fn decode_f16_avx2<const ADD: bool>(p: &[u8], out: &mut [f32]) {
+pub unsafe fn decode_f16_avx2<const M: u8>(p: &[u8], out: &mut [f32]) {
     let n = out.len().min(p.len() / 2);
     let n8 = n - n % 8;
     let mut i = 0;
@@ -58,14 +59,14 @@ pub unsafe fn decode_f16_avx2<const ADD: bool>(p: &[u8], out: &mut [f32]) {
             let h = _mm_loadu_si128(p.as_ptr().add(2 * i).cast::<__m128i>());
             let mut v = _mm256_cvtph_ps(h);
             let o = out.as_mut_ptr().add(i);
-            if ADD {
+            if M == mode::ADD {
                 v = _mm256_add_ps(_mm256_loadu_ps(o), v);
             }
             _mm256_storeu_ps(o, v);
         }
         i += 8;
     }
-    scalar::decode_u16::<ADD>(&p[2 * n8..2 * n], &mut out[n8..n], scalar::f16_to_f32);
+    scalar::decode_u16::<M>(&p[2 * n8..2 * n], &mut out[n8..n], scalar::f16_to_f32);
 }
 
 /// f32 to binary16 with AVX-512, 16 lanes. Same contract as [`encode_f16_avx2`].
@@ -95,12 +96,13 @@ pub unsafe fn encode_f16_avx512(x: &[f32], out: &mut [u8]) -> bool {
     big || tail
 }
 
-/// binary16 to f32 with AVX-512, 16 lanes; adds into `out` when `ADD`.
+/// binary16 to f32 with AVX-512, 16 lanes; adds into `out` when `M` is
+/// [`mode::ADD`], writes for [`mode::WRITE`] (the residual mode is not handled here).
 ///
 /// # Safety
 /// The CPU must support AVX-512F and F16C.
 #[target_feature(enable = "avx512f,avx2,f16c")]
-pub unsafe fn decode_f16_avx512<const ADD: bool>(p: &[u8], out: &mut [f32]) {
+pub unsafe fn decode_f16_avx512<const M: u8>(p: &[u8], out: &mut [f32]) {
     let n = out.len().min(p.len() / 2);
     let n16 = n - n % 16;
     let mut i = 0;
@@ -110,7 +112,7 @@ pub unsafe fn decode_f16_avx512<const ADD: bool>(p: &[u8], out: &mut [f32]) {
             let h = _mm256_loadu_si256(p.as_ptr().add(2 * i).cast::<__m256i>());
             let mut v = _mm512_cvtph_ps(h);
             let o = out.as_mut_ptr().add(i);
-            if ADD {
+            if M == mode::ADD {
                 v = _mm512_add_ps(_mm512_loadu_ps(o), v);
             }
             _mm512_storeu_ps(o, v);
@@ -118,7 +120,7 @@ pub unsafe fn decode_f16_avx512<const ADD: bool>(p: &[u8], out: &mut [f32]) {
         i += 16;
     }
     // SAFETY: the caller guarantees AVX2 and F16C.
-    unsafe { decode_f16_avx2::<ADD>(&p[2 * n16..2 * n], &mut out[n16..n]) };
+    unsafe { decode_f16_avx2::<M>(&p[2 * n16..2 * n], &mut out[n16..n]) };
 }
 
 /// The sign group kernel (see `portable::encode_sign_blocks`) with AVX2: 16 elements per

@@ -1,0 +1,382 @@
+//! The fixed-rate codecs' shared machinery: a payload of per-block scales followed by
+//! per-element codes, cut into independent ranges of whole blocks. Sequential encode and
+//! decode, the parallel split (`crate::parallel`) and the fused error-feedback step all
+//! run on those ranges, so each codec only says how to encode and decode one range.
+
+use super::{EncodeCtx, payload_buf};
+use crate::error::Result;
+use crate::kernels::{self, mode};
+use crate::parallel::{self, Split};
+use crate::wire::Header;
+
+/// Payload layout of a fixed-rate codec: one scale of `scale_bytes` bytes per block of
+/// `block` elements, then one code of `bits` bits per element as an LSB-first stream.
+/// Element-wise codecs have `scale_bytes == 0` (and `block == 1`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    pub block: usize,
+    pub scale_bytes: usize,
+    pub bits: usize,
+}
+
+const fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+impl Layout {
+    /// Bytes of the scale section for `n` elements.
+    pub fn scales_len(&self, n: usize) -> usize {
+        n.div_ceil(self.block) * self.scale_bytes
+    }
+
+    /// Bytes of the code section for `n` elements.
+    pub fn codes_len(&self, n: usize) -> usize {
+        (n * self.bits).div_ceil(8)
+    }
+
+    /// The smallest range that starts every section on a byte boundary: a whole number of
+    /// blocks and of code bytes.
+    pub fn unit(&self) -> usize {
+        let per_byte = 8 / gcd(8, self.bits);
+        self.block / gcd(self.block, per_byte) * per_byte
+    }
+
+    /// A range length near `target` elements: a multiple of [`Layout::unit`], at least one.
+    pub fn range_near(&self, target: usize) -> usize {
+        let u = self.unit();
+        (target / u).max(1).saturating_mul(u)
+    }
+}
+
+/// The per-codec part of a fixed-rate codec: how one range of whole blocks is encoded and
+/// decoded. Ranges encoded separately (each with its global offset in `ctx`) concatenate
+/// to exactly the bytes of a whole encode.
+pub trait FixedRate: Sync {
+    /// The payload layout.
+    fn layout(&self) -> Layout;
+    /// Encode `x`, whose first element has global index `ctx.offset`, into its scales and
+    /// codes (exactly `layout().scales_len(x.len())` and `codes_len` bytes); true if `x`
+    /// held NaN or ±Inf.
+    fn encode_sections(
+        &self,
+        x: &[f32],
+        ctx: &EncodeCtx,
+        scales: &mut [u8],
+        codes: &mut [u8],
+    ) -> bool;
+    /// Check everything a decoder must before writing (payload length is already checked).
+    fn validate(&self, _h: &Header, _scales: &[u8], _codes: &[u8]) -> Result<()> {
+        Ok(())
+    }
+    /// Decode one range into `out` in mode `m` (see [`kernels::mode`]).
+    fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]);
+}
+
+/// Runs `$e` with a const `$M` equal to the runtime mode `$m`.
+macro_rules! by_mode {
+    ($m:expr, $M:ident => $e:expr) => {
+        match $m {
+            $crate::kernels::mode::WRITE => {
+                const $M: u8 = $crate::kernels::mode::WRITE;
+                $e
+            }
+            $crate::kernels::mode::ADD => {
+                const $M: u8 = $crate::kernels::mode::ADD;
+                $e
+            }
+            _ => {
+                const $M: u8 = $crate::kernels::mode::RESIDUAL;
+                $e
+            }
+        }
+    };
+}
+pub(crate) use by_mode;
+
+struct Enc<'a> {
+    l: Layout,
+    x: &'a [f32],
+    scales: &'a mut [u8],
+    codes: &'a mut [u8],
+}
+
+impl Split for Enc<'_> {
+    fn split(self, at: usize, _: usize) -> (Self, Self) {
+        let (x0, x1) = self.x.split_at(at);
+        let (s0, s1) = self.scales.split_at_mut(self.l.scales_len(at));
+        let (c0, c1) = self.codes.split_at_mut(self.l.codes_len(at));
+        let l = self.l;
+        (
+            Enc {
+                l,
+                x: x0,
+                scales: s0,
+                codes: c0,
+            },
+            Enc {
+                l,
+                x: x1,
+                scales: s1,
+                codes: c1,
+            },
+        )
+    }
+}
+
+struct Dec<'a> {
+    l: Layout,
+    scales: &'a [u8],
+    codes: &'a [u8],
+    out: &'a mut [f32],
+}
+
+impl Split for Dec<'_> {
+    fn split(self, at: usize, _: usize) -> (Self, Self) {
+        let (s0, s1) = self.scales.split_at(self.l.scales_len(at));
+        let (c0, c1) = self.codes.split_at(self.l.codes_len(at));
+        let (o0, o1) = self.out.split_at_mut(at);
+        let l = self.l;
+        (
+            Dec {
+                l,
+                scales: s0,
+                codes: c0,
+                out: o0,
+            },
+            Dec {
+                l,
+                scales: s1,
+                codes: c1,
+                out: o1,
+            },
+        )
+    }
+}
+
+/// Encode `x` into the payload area of `out`, in parallel for large tensors. Returns
+/// `(payload length, nonfinite)`.
+pub(crate) fn encode<F: FixedRate + ?Sized>(
+    f: &F,
+    x: &[f32],
+    ctx: &EncodeCtx,
+    out: &mut [u8],
+) -> Result<(u64, bool)> {
+    let l = f.layout();
+    let n = x.len();
+    let sl = l.scales_len(n);
+    let len = sl + l.codes_len(n);
+    let p = payload_buf(out, len as u64)?;
+    let (scales, codes) = p.split_at_mut(sl);
+    let nonfinite = if parallel::worth(n) {
+        let b = Enc {
+            l,
+            x,
+            scales,
+            codes,
+        };
+        parallel::for_ranges(b, n, l.range_near(parallel::CHUNK), true, &|b, start| {
+            f.encode_sections(
+                b.x,
+                &ctx.with_offset(ctx.offset + start as u64),
+                b.scales,
+                b.codes,
+            )
+        })
+    } else {
+        f.encode_sections(x, ctx, scales, codes)
+    };
+    Ok((len as u64, nonfinite))
+}
+
+/// Validate and decode a payload (its length already checked) into `out` in mode `M`, in
+/// parallel for large tensors.
+pub(crate) fn decode<F: FixedRate + ?Sized, const M: u8>(
+    f: &F,
+    h: &Header,
+    p: &[u8],
+    out: &mut [f32],
+) -> Result<()> {
+    let l = f.layout();
+    let n = out.len();
+    let (scales, codes) = p.split_at(l.scales_len(n));
+    f.validate(h, scales, codes)?;
+    if parallel::worth(n) {
+        let b = Dec {
+            l,
+            scales,
+            codes,
+            out,
+        };
+        parallel::for_ranges(b, n, l.range_near(parallel::CHUNK), true, &|b, _| {
+            f.decode_sections(M, b.scales, b.codes, b.out);
+            false
+        });
+    } else {
+        f.decode_sections(M, scales, codes, out);
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------ error feedback
+
+/// Elements per error-feedback tile, before rounding to whole blocks: the tile's `p`,
+/// gradient and codes stay in L1 while it is formed, encoded and turned into the residual.
+pub(crate) const FEEDBACK_TILE: usize = 2048;
+
+/// The residual state a feedback step updates.
+pub(crate) enum ResidualMut<'a> {
+    /// f32 residual, updated in place (it holds `p` while a tile is encoded).
+    F32(&'a mut [f32]),
+    /// bf16 residual; `scratch` holds one tile of `p` in f32 per range.
+    Bf16 {
+        r: &'a mut [u16],
+        scratch: &'a mut [f32],
+    },
+}
+
+struct Fb<'a> {
+    l: Layout,
+    tile: usize,
+    g: &'a [f32],
+    r: ResidualMut<'a>,
+    scales: &'a mut [u8],
+    codes: &'a mut [u8],
+}
+
+impl Split for Fb<'_> {
+    fn split(self, at: usize, pieces: usize) -> (Self, Self) {
+        let (g0, g1) = self.g.split_at(at);
+        let (r0, r1) = match self.r {
+            ResidualMut::F32(r) => {
+                let (a, b) = r.split_at_mut(at);
+                (ResidualMut::F32(a), ResidualMut::F32(b))
+            }
+            ResidualMut::Bf16 { r, scratch } => {
+                let (a, b) = r.split_at_mut(at);
+                let (sa, sb) = scratch.split_at_mut((pieces * self.tile).min(scratch.len()));
+                (
+                    ResidualMut::Bf16 { r: a, scratch: sa },
+                    ResidualMut::Bf16 { r: b, scratch: sb },
+                )
+            }
+        };
+        let (s0, s1) = self.scales.split_at_mut(self.l.scales_len(at));
+        let (c0, c1) = self.codes.split_at_mut(self.l.codes_len(at));
+        let (l, tile) = (self.l, self.tile);
+        (
+            Fb {
+                l,
+                tile,
+                g: g0,
+                r: r0,
+                scales: s0,
+                codes: c0,
+            },
+            Fb {
+                l,
+                tile,
+                g: g1,
+                r: r1,
+                scales: s1,
+                codes: c1,
+            },
+        )
+    }
+}
+
+/// Tile length and bf16 scratch length (in f32) a feedback state of `n` elements needs.
+pub(crate) fn feedback_scratch(l: Layout, n: usize) -> (usize, usize) {
+    let tile = l.range_near(FEEDBACK_TILE);
+    let range = l.range_near(parallel::CHUNK).max(tile);
+    let ranges = n.div_ceil(range);
+    (tile, ranges.saturating_mul(tile).min(n))
+}
+
+/// One fused error-feedback step of a fixed-rate codec: per tile, `p = beta * r + gamma *
+/// g` is formed, encoded into the payload area of `out`, and turned into the residual
+/// `residual_of(p, decoded)` (the decode kernel's residual mode) while the tile is in
+/// cache. The gradient and the residual are read once and the residual written once.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn feedback<F: FixedRate + ?Sized>(
+    f: &F,
+    g: &[f32],
+    r: ResidualMut<'_>,
+    beta: f32,
+    gamma: f32,
+    ctx: &EncodeCtx,
+    out: &mut [u8],
+) -> Result<(u64, bool)> {
+    let l = f.layout();
+    let n = g.len();
+    let sl = l.scales_len(n);
+    let len = sl + l.codes_len(n);
+    let p = payload_buf(out, len as u64)?;
+    let (scales, codes) = p.split_at_mut(sl);
+    let (tile, _) = feedback_scratch(l, n);
+    let range = l.range_near(parallel::CHUNK).max(tile);
+    let b = Fb {
+        l,
+        tile,
+        g,
+        r,
+        scales,
+        codes,
+    };
+    let nonfinite = parallel::for_ranges(b, n, range, parallel::worth(n), &|b, start| {
+        feedback_range(
+            f,
+            b,
+            beta,
+            gamma,
+            &ctx.with_offset(ctx.offset + start as u64),
+        )
+    });
+    Ok((len as u64, nonfinite))
+}
+
+/// The tiles of one range, in order; `ctx.offset` is the range's first global index.
+fn feedback_range<F: FixedRate + ?Sized>(
+    f: &F,
+    b: Fb<'_>,
+    beta: f32,
+    gamma: f32,
+    ctx: &EncodeCtx,
+) -> bool {
+    let Fb {
+        l,
+        tile,
+        g,
+        mut r,
+        scales,
+        codes,
+    } = b;
+    let n = g.len();
+    let mut nonfinite = false;
+    let mut s = 0;
+    while s < n {
+        let e = (s + tile).min(n);
+        let tctx = ctx.with_offset(ctx.offset + s as u64);
+        let sc = &mut scales[l.scales_len(s)..l.scales_len(e)];
+        let co = &mut codes[l.codes_len(s)..l.codes_len(e)];
+        let gt = &g[s..e];
+        nonfinite |= match &mut r {
+            ResidualMut::F32(r) => {
+                let r = &mut r[s..e];
+                kernels::feedback_form(r, gt, beta, gamma);
+                let nf = f.encode_sections(r, &tctx, sc, co);
+                f.decode_sections(mode::RESIDUAL, sc, co, r);
+                nf
+            }
+            ResidualMut::Bf16 { r, scratch } => {
+                let (r, p) = (&mut r[s..e], &mut scratch[..e - s]);
+                kernels::feedback_form_bf16(p, r, gt, beta, gamma);
+                let nf = f.encode_sections(p, &tctx, sc, co);
+                f.decode_sections(mode::RESIDUAL, sc, co, p);
+                kernels::feedback_store_bf16(r, p);
+                nf
+            }
+        };
+        s = e;
+    }
+    nonfinite
+}

@@ -1,0 +1,117 @@
+//! Parallel encode, decode and error feedback for large tensors (feature `rayon`, on by
+//! default).
+//!
+//! A fixed-rate codec's payload splits at block boundaries into independent pieces: each
+//! range of whole blocks (and whole code bytes) has its own scales and codes, and its
+//! random draws depend only on the global element index. So a tensor of at least
+//! [`min_len`] elements is cut into ranges of [`CHUNK`] elements (rounded to whole blocks),
+//! and the ranges are encoded or decoded on rayon's thread pool. The frame is
+//! byte-identical to the sequential one for every thread count, because the ranges, and
+//! so the work each piece does, do not depend on how many threads run them.
+//!
+//! The sparse codecs (top-k, random-k) stay sequential: their payload layout depends on
+//! how many elements each range keeps.
+//!
+//! The work runs on the current rayon pool: the global one (sized by `RAYON_NUM_THREADS`)
+//! or whichever pool the caller `install`s. With one thread, or without the `rayon`
+//! feature, everything is sequential.
+
+use core::sync::atomic::{AtomicUsize, Ordering};
+
+/// Elements per parallel range, before rounding to whole blocks and code bytes.
+pub const CHUNK: usize = 1 << 16;
+
+/// Default of [`min_len`]: below this many elements the codecs stay sequential (measured
+/// in docs/benchmarks.md: smaller tensors do not gain on this machine's 2 cores).
+pub const DEFAULT_MIN_LEN: usize = 1 << 18;
+
+static MIN_LEN: AtomicUsize = AtomicUsize::new(DEFAULT_MIN_LEN);
+
+/// The tensor length from which encode, decode and error feedback run in parallel.
+pub fn min_len() -> usize {
+    MIN_LEN.load(Ordering::Relaxed)
+}
+
+/// Set the tensor length from which encode, decode and error feedback run in parallel
+/// (`usize::MAX` keeps everything sequential). Results do not change, only speed.
+pub fn set_min_len(n: usize) {
+    MIN_LEN.store(n, Ordering::Relaxed);
+}
+
+/// Whether a tensor of `n` elements is split across threads.
+pub(crate) fn worth(n: usize) -> bool {
+    #[cfg(feature = "rayon")]
+    {
+        n >= min_len() && n > CHUNK && rayon::current_num_threads() > 1
+    }
+    #[cfg(not(feature = "rayon"))]
+    {
+        let _ = n;
+        false
+    }
+}
+
+/// A bundle of slices that cut at a range boundary: `split(at, pieces)` cuts after `at`
+/// elements, which are `pieces` whole ranges.
+pub(crate) trait Split: Sized + Send {
+    fn split(self, at: usize, pieces: usize) -> (Self, Self);
+}
+
+/// Runs `f(bundle, start)` on consecutive ranges of `range` elements of an `n`-element
+/// bundle (the last may be shorter), `start` being each range's first element, in
+/// parallel when `par`; returns whether any call returned true.
+pub(crate) fn for_ranges<B: Split>(
+    b: B,
+    n: usize,
+    range: usize,
+    par: bool,
+    f: &(impl Fn(B, usize) -> bool + Sync),
+) -> bool {
+    if par {
+        halves(b, 0, n, range, f)
+    } else {
+        let mut any = false;
+        let (mut b, mut start) = (b, 0);
+        while n - start > range {
+            let (head, tail) = b.split(range, 1);
+            any |= f(head, start);
+            b = tail;
+            start += range;
+        }
+        f(b, start) | any
+    }
+}
+
+#[cfg(feature = "rayon")]
+fn halves<B: Split>(
+    b: B,
+    start: usize,
+    n: usize,
+    range: usize,
+    f: &(impl Fn(B, usize) -> bool + Sync),
+) -> bool {
+    let pieces = n.div_ceil(range);
+    if pieces <= 1 {
+        return f(b, start);
+    }
+    let left = pieces / 2;
+    let at = left * range;
+    let (l, r) = b.split(at, left);
+    let (a, c) = rayon::join(
+        || halves(l, start, at, range, f),
+        || halves(r, start + at, n - at, range, f),
+    );
+    a | c
+}
+
+#[cfg(not(feature = "rayon"))]
+fn halves<B: Split>(
+    b: B,
+    start: usize,
+    n: usize,
+    range: usize,
+    f: &(impl Fn(B, usize) -> bool + Sync),
+) -> bool {
+    let _ = start;
+    for_ranges(b, n, range, false, f)
+}
