@@ -171,49 +171,6 @@ pub trait Codec: Send + Sync + fmt::Debug {
         Ok(())
     }
 
-    /// Encode with error feedback: `p = x + residual` is encoded into `out`, and the
-    /// residual becomes `p - decode(frame)`. Returns the frame length.
-    ///
-    /// This default runs three passes (add, encode, subtract the decoded frame) and needs
-    /// `out.len() >= max_encoded_len(x.len())`. Every argument is validated before the
-    /// residual is touched, so on error the residual is unchanged.
-    fn encode_with_residual(
-        &self,
-        x: &[f32],
-        residual: &mut [f32],
-        ctx: &EncodeCtx,
-        out: &mut [u8],
-    ) -> Result<usize> {
-        if x.len() != residual.len() {
-            return Err(Error::LengthMismatch {
-                what: "gradient and residual",
-                left: x.len(),
-                right: residual.len(),
-            });
-        }
-        let need = self.max_encoded_len(x.len());
-        if out.len() < need {
-            return Err(Error::BufferTooSmall {
-                needed: need,
-                got: out.len(),
-            });
-        }
-        self.check_encode(x.len(), ctx)?;
-        for (r, &g) in residual.iter_mut().zip(x) {
-            *r += g;
-        }
-        let len = self.encode_into(residual, ctx, out)?;
-        // residual = p - D, computed as -((-p) + D), which is exactly p - D in IEEE.
-        for r in residual.iter_mut() {
-            *r = -*r;
-        }
-        let added = self.decode_add(&out[..len], residual);
-        for r in residual.iter_mut() {
-            *r = -*r;
-        }
-        added.map(|()| len)
-    }
-
     /// Encode `x` into a new vector (owning convenience over `encode_into`).
     fn encode(&self, x: &[f32], ctx: &EncodeCtx) -> Result<Vec<u8>> {
         let mut out = vec![0u8; self.max_encoded_len(x.len())];
@@ -294,6 +251,7 @@ macro_rules! each_spec {
         }
     };
 }
+pub(crate) use each_spec;
 
 impl CodecSpec {
     /// Parse a spec string (same as `str::parse`).

@@ -54,6 +54,7 @@ pub mod codec;
 pub mod codecs;
 pub mod cost;
 pub mod error;
+pub mod feedback;
 pub mod kernels;
 pub mod parallel;
 pub mod rng;
@@ -66,6 +67,7 @@ pub use codecs::{
     TopKSelect, ValueType,
 };
 pub use error::{Error, Result};
+pub use feedback::{ErrorFeedback, FeedbackOptions, Residual, ResidualPrecision};
 pub use kernels::{Backend, BackendKind};
 pub use wire::{HEADER_LEN, Header};
 

@@ -115,3 +115,20 @@ fn halves<B: Split>(
     let _ = start;
     for_ranges(b, n, range, false, f)
 }
+
+impl Split for (&mut [f32], &[f32]) {
+    fn split(self, at: usize, _: usize) -> (Self, Self) {
+        let (r0, r1) = self.0.split_at_mut(at);
+        let (g0, g1) = self.1.split_at(at);
+        ((r0, g0), (r1, g1))
+    }
+}
+
+/// [`crate::kernels::feedback_form`] over a whole tensor, in parallel when large.
+pub(crate) fn feedback_form(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) {
+    let n = r.len();
+    for_ranges((r, g), n, CHUNK, worth(n), &|(r, g), _| {
+        crate::kernels::feedback_form(r, g, beta, gamma);
+        false
+    });
+}

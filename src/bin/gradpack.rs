@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand};
 use gradpack::cost::{self, CodecProfile, Strategy};
-use gradpack::{Backend, Codec, CodecSpec, EncodeCtx};
+use gradpack::{Backend, Codec, CodecSpec, EncodeCtx, ErrorFeedback};
 
 type Res<T> = Result<T, String>;
 
@@ -383,8 +383,9 @@ struct Measured {
     spec: CodecSpec,
     bits: f64,
     rel_l2: f64,
-    /// `||sum g - sum D|| / ||sum g||` after `EF_STEPS` steps of error feedback.
-    ef_rel_l2: f64,
+    /// `||sum g - sum D|| / ||sum g||` after `EF_STEPS` steps of error feedback (`None`:
+    /// the codec is not usable with error feedback).
+    ef_rel_l2: Option<f64>,
     enc: f64,
     dec: f64,
     add: f64,
@@ -407,6 +408,42 @@ fn median_secs(budget: f64, mut f: impl FnMut()) -> f64 {
     t[t.len() / 2]
 }
 
+/// Error feedback over a few steps of fresh gradients: the error of what the model
+/// actually receives, `||sum g - sum D|| / ||sum g||`. `None` when the codec refuses
+/// error feedback (random-k with `scale=unbiased` is not contractive).
+fn ef_error(
+    spec: &CodecSpec,
+    ef_grads: &[Vec<f32>],
+    frame: &mut [u8],
+    d: &mut [f32],
+) -> Res<Option<f64>> {
+    let n = d.len();
+    let Ok(mut ef) = ErrorFeedback::new(*spec, n) else {
+        return Ok(None);
+    };
+    if ef_grads.is_empty() {
+        return Ok(Some(0.0));
+    }
+    let (mut sum_g, mut sum_d) = (vec![0f64; n], vec![0f64; n]);
+    for (step, g) in ef_grads.iter().enumerate() {
+        let l = ef
+            .encode_into(g, &EncodeCtx::new(step as u64), frame)
+            .map_err(|e| format!("{spec}: {e}"))?;
+        gradpack::decode(&frame[..l], d).map_err(|e| format!("{spec}: {e}"))?;
+        for i in 0..n {
+            sum_g[i] += g[i] as f64;
+            sum_d[i] += d[i] as f64;
+        }
+    }
+    let (num, den) = sum_g
+        .iter()
+        .zip(&sum_d)
+        .fold((0f64, 0f64), |(a, b), (&u, &v)| {
+            (a + (u - v).powi(2), b + u * u)
+        });
+    Ok(Some((num / den).sqrt()))
+}
+
 fn measure(spec: &CodecSpec, x: &[f32], ef_grads: &[Vec<f32>], budget: f64) -> Res<Measured> {
     let n = x.len();
     let ctx = EncodeCtx::new(1);
@@ -419,30 +456,7 @@ fn measure(spec: &CodecSpec, x: &[f32], ef_grads: &[Vec<f32>], budget: f64) -> R
     let (num, den) = x.iter().zip(&d).fold((0f64, 0f64), |(a, b), (&u, &v)| {
         (a + (u as f64 - v as f64).powi(2), b + (u as f64).powi(2))
     });
-    // Error feedback over a few steps of fresh gradients: the error of what the model
-    // actually receives.
-    let mut residual = vec![0f32; n];
-    let (mut sum_g, mut sum_d) = (vec![0f64; n], vec![0f64; n]);
-    for (step, g) in ef_grads.iter().enumerate() {
-        let l = spec
-            .encode_with_residual(g, &mut residual, &EncodeCtx::new(step as u64), &mut frame)
-            .map_err(|e| format!("{spec}: {e}"))?;
-        gradpack::decode(&frame[..l], &mut d).map_err(|e| format!("{spec}: {e}"))?;
-        for i in 0..n {
-            sum_g[i] += g[i] as f64;
-            sum_d[i] += d[i] as f64;
-        }
-    }
-    let (ef_num, ef_den) = if ef_grads.is_empty() {
-        (0.0, 1.0)
-    } else {
-        sum_g
-            .iter()
-            .zip(&sum_d)
-            .fold((0f64, 0f64), |(a, b), (&u, &v)| {
-                (a + (u - v).powi(2), b + u * u)
-            })
-    };
+    let ef_rel_l2 = ef_error(spec, ef_grads, &mut frame, &mut d)?;
     let len = spec
         .encode_into(x, &ctx, &mut frame)
         .map_err(|e| format!("{spec}: {e}"))?;
@@ -460,7 +474,7 @@ fn measure(spec: &CodecSpec, x: &[f32], ef_grads: &[Vec<f32>], budget: f64) -> R
         spec: *spec,
         bits: len as f64 * 8.0 / n as f64,
         rel_l2: (num / den).sqrt(),
-        ef_rel_l2: (ef_num / ef_den).sqrt(),
+        ef_rel_l2,
         enc: bytes / enc,
         dec: bytes / dec,
         add: bytes / add,
@@ -660,12 +674,13 @@ fn report(a: ReportArgs) -> Res<()> {
         );
         for r in &rows {
             println!(
-                "{:<40} {:>7.3} {:>6.1} {:>9.2e} {:>9.2e} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>9} {:>11} {:>9.3} {:>7.2}x",
+                "{:<40} {:>7.3} {:>6.1} {:>9.2e} {:>9} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>9} {:>11} {:>9.3} {:>7.2}x",
                 r.m.spec.to_string(),
                 r.m.bits,
                 32.0 / r.m.bits,
                 r.m.rel_l2,
-                r.m.ef_rel_l2,
+                r.m.ef_rel_l2
+                    .map_or("-".to_string(), |v| format!("{v:.2e}")),
                 r.m.enc / 1e9,
                 r.m.dec / 1e9,
                 r.m.add / 1e9,

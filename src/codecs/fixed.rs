@@ -3,7 +3,7 @@
 //! decode, the parallel split (`crate::parallel`) and the fused error-feedback step all
 //! run on those ranges, so each codec only says how to encode and decode one range.
 
-use super::{EncodeCtx, payload_buf};
+use super::{EncodeCtx, Encoded, payload_buf};
 use crate::error::Result;
 use crate::kernels::{self, mode};
 use crate::parallel::{self, Split};
@@ -52,6 +52,10 @@ impl Layout {
 /// decoded. Ranges encoded separately (each with its global offset in `ctx`) concatenate
 /// to exactly the bytes of a whole encode.
 pub trait FixedRate: Sync {
+    /// Header params bytes 40..52.
+    fn params(&self) -> [u8; 12];
+    /// Whether frames record the seed (the codec draws random numbers).
+    fn seeded(&self) -> bool;
     /// The payload layout.
     fn layout(&self) -> Layout;
     /// Encode `x`, whose first element has global index `ctx.offset`, into its scales and
@@ -188,6 +192,22 @@ pub(crate) fn encode<F: FixedRate + ?Sized>(
     Ok((len as u64, nonfinite))
 }
 
+/// A whole encode: the payload and what the header records.
+pub(crate) fn encode_payload<F: FixedRate + ?Sized>(
+    f: &F,
+    x: &[f32],
+    ctx: &EncodeCtx,
+    out: &mut [u8],
+) -> Result<Encoded> {
+    let (payload_len, nonfinite) = encode(f, x, ctx, out)?;
+    Ok(Encoded {
+        payload_len,
+        params: f.params(),
+        nonfinite,
+        seed: if f.seeded() { ctx.seed } else { 0 },
+    })
+}
+
 /// Validate and decode a payload (its length already checked) into `out` in mode `M`, in
 /// parallel for large tensors.
 pub(crate) fn decode<F: FixedRate + ?Sized, const M: u8>(
@@ -305,7 +325,7 @@ pub(crate) fn feedback<F: FixedRate + ?Sized>(
     gamma: f32,
     ctx: &EncodeCtx,
     out: &mut [u8],
-) -> Result<(u64, bool)> {
+) -> Result<Encoded> {
     let l = f.layout();
     let n = g.len();
     let sl = l.scales_len(n);
@@ -331,7 +351,12 @@ pub(crate) fn feedback<F: FixedRate + ?Sized>(
             &ctx.with_offset(ctx.offset + start as u64),
         )
     });
-    Ok((len as u64, nonfinite))
+    Ok(Encoded {
+        payload_len: len as u64,
+        params: f.params(),
+        nonfinite,
+        seed: if f.seeded() { ctx.seed } else { 0 },
+    })
 }
 
 /// The tiles of one range, in order; `ctx.offset` is the range's first global index.

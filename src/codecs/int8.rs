@@ -126,14 +126,7 @@ impl Scheme for Int8 {
     }
 
     fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
-        let (len, nonfinite) = fixed::encode(self, x, ctx, out)?;
-        let stochastic = self.rounding == Rounding::Stochastic;
-        Ok(Encoded {
-            payload_len: len,
-            params: block_params(self.block, stochastic as u8),
-            nonfinite,
-            seed: if stochastic { ctx.seed } else { 0 },
-        })
+        fixed::encode_payload(self, x, ctx, out)
     }
 
     fn read(h: &Header) -> Result<Int8> {
@@ -172,6 +165,14 @@ impl Scheme for Int8 {
 }
 
 impl FixedRate for Int8 {
+    fn params(&self) -> [u8; 12] {
+        block_params(self.block, (self.rounding == Rounding::Stochastic) as u8)
+    }
+
+    fn seeded(&self) -> bool {
+        self.rounding == Rounding::Stochastic
+    }
+
     fn layout(&self) -> Layout {
         Layout {
             block: self.block as usize,

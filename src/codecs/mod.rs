@@ -118,20 +118,8 @@ impl<S: Scheme> Codec for S {
 
     fn encode_into(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<usize> {
         self.check_encode(x.len(), ctx)?;
-        let n = x.len() as u64;
         let e = self.encode_payload(x, ctx, out)?;
-        let flags = if e.nonfinite { wire::FLAG_NONFINITE } else { 0 };
-        Header {
-            codec: S::ID,
-            flags,
-            elements: n,
-            payload_len: e.payload_len,
-            seed: e.seed,
-            offset: ctx.offset,
-            params: e.params,
-        }
-        .write(out);
-        Ok(HEADER_LEN + e.payload_len as usize)
+        Ok(write_header::<S>(&e, x.len(), ctx, out))
     }
 
     fn decode_into(&self, frame: &[u8], out: &mut [f32]) -> Result<()> {
@@ -143,6 +131,54 @@ impl<S: Scheme> Codec for S {
         let (h, p) = own_frame::<S>(frame)?;
         decode_as::<S, { mode::ADD }>(&h, p, acc)
     }
+}
+
+/// Write the header of a frame whose payload `e` describes; returns the frame length.
+fn write_header<S: Scheme>(e: &Encoded, n: usize, ctx: &EncodeCtx, out: &mut [u8]) -> usize {
+    Header {
+        codec: S::ID,
+        flags: if e.nonfinite { wire::FLAG_NONFINITE } else { 0 },
+        elements: n as u64,
+        payload_len: e.payload_len,
+        seed: e.seed,
+        offset: ctx.offset,
+        params: e.params,
+    }
+    .write(out);
+    HEADER_LEN + e.payload_len as usize
+}
+
+/// One error-feedback step of codec `c` (arguments already validated: lengths equal,
+/// `out` holds `max_encoded_len`, `check_encode` passed). Fixed-rate codecs run the fused
+/// tile loop of [`fixed::feedback`]; the sparse codecs form `p` in the residual, encode it
+/// whole, and decode the frame onto it in residual mode, which touches only the sent
+/// elements.
+pub(crate) fn feedback_step<S: Scheme>(
+    c: &S,
+    g: &[f32],
+    r: fixed::ResidualMut<'_>,
+    beta: f32,
+    gamma: f32,
+    ctx: &EncodeCtx,
+    out: &mut [u8],
+) -> Result<usize> {
+    if let Some(f) = c.fixed() {
+        let e = fixed::feedback(f, g, r, beta, gamma, ctx, out)?;
+        return Ok(write_header::<S>(&e, g.len(), ctx, out));
+    }
+    let fixed::ResidualMut::F32(r) = r else {
+        return Err(Error::Param {
+            codec: S::ID,
+            name: "residual",
+            reason: "a bf16 residual needs a fixed-rate codec".into(),
+        });
+    };
+    crate::parallel::feedback_form(r, g, beta, gamma);
+    let e = c.encode_payload(r, ctx, out)?;
+    let len = write_header::<S>(&e, g.len(), ctx, out);
+    let (h, p) = wire::split(&out[..len])?;
+    c.decode_payload::<{ mode::RESIDUAL }>(&h, p, r)?;
+    Ok(len)
 }
 
 fn own_frame<S: Scheme>(frame: &[u8]) -> Result<(Header, &[u8])> {
@@ -320,6 +356,14 @@ macro_rules! elementwise_codec {
         }
 
         impl $crate::codecs::fixed::FixedRate for $T {
+            fn params(&self) -> [u8; 12] {
+                [0; 12]
+            }
+
+            fn seeded(&self) -> bool {
+                false
+            }
+
             fn layout(&self) -> $crate::codecs::fixed::Layout {
                 $crate::codecs::fixed::Layout {
                     block: 1,
@@ -356,13 +400,7 @@ macro_rules! elementwise_codec {
                 ctx: &EncodeCtx,
                 out: &mut [u8],
             ) -> Result<Encoded> {
-                let (payload_len, nonfinite) = $crate::codecs::fixed::encode(self, x, ctx, out)?;
-                Ok(Encoded {
-                    payload_len,
-                    params: [0; 12],
-                    nonfinite,
-                    seed: 0,
-                })
+                $crate::codecs::fixed::encode_payload(self, x, ctx, out)
             }
 
             fn read(h: &Header) -> Result<Self> {

@@ -45,13 +45,7 @@ impl Scheme for Natural {
     }
 
     fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
-        let (len, nonfinite) = fixed::encode(self, x, ctx, out)?;
-        Ok(Encoded {
-            payload_len: len,
-            params: block_params(self.block, 0),
-            nonfinite,
-            seed: ctx.seed,
-        })
+        fixed::encode_payload(self, x, ctx, out)
     }
 
     fn read(h: &Header) -> Result<Natural> {
@@ -75,6 +69,14 @@ impl Scheme for Natural {
 }
 
 impl FixedRate for Natural {
+    fn params(&self) -> [u8; 12] {
+        block_params(self.block, 0)
+    }
+
+    fn seeded(&self) -> bool {
+        true
+    }
+
     fn layout(&self) -> Layout {
         Layout {
             block: self.block as usize,

@@ -102,13 +102,7 @@ impl Scheme for Qsgd {
     }
 
     fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
-        let (payload_len, nonfinite) = fixed::encode(self, x, ctx, out)?;
-        Ok(Encoded {
-            payload_len,
-            params: block_params(self.block, self.bits),
-            nonfinite,
-            seed: ctx.seed,
-        })
+        fixed::encode_payload(self, x, ctx, out)
     }
 
     fn read(h: &Header) -> Result<Qsgd> {
@@ -141,6 +135,14 @@ impl Scheme for Qsgd {
 }
 
 impl FixedRate for Qsgd {
+    fn params(&self) -> [u8; 12] {
+        block_params(self.block, self.bits)
+    }
+
+    fn seeded(&self) -> bool {
+        true
+    }
+
     fn layout(&self) -> Layout {
         Layout {
             block: self.block as usize,

@@ -34,13 +34,7 @@ impl Scheme for Sign {
     }
 
     fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
-        let (len, nonfinite) = fixed::encode(self, x, ctx, out)?;
-        Ok(Encoded {
-            payload_len: len,
-            params: block_params(self.block, 0),
-            nonfinite,
-            seed: 0,
-        })
+        fixed::encode_payload(self, x, ctx, out)
     }
 
     fn read(h: &Header) -> Result<Sign> {
@@ -65,6 +59,14 @@ impl Scheme for Sign {
 }
 
 impl FixedRate for Sign {
+    fn params(&self) -> [u8; 12] {
+        block_params(self.block, 0)
+    }
+
+    fn seeded(&self) -> bool {
+        false
+    }
+
     fn layout(&self) -> Layout {
         Layout {
             block: self.block as usize,

@@ -32,13 +32,7 @@ impl Scheme for Ternary {
     }
 
     fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
-        let (payload_len, nonfinite) = fixed::encode(self, x, ctx, out)?;
-        Ok(Encoded {
-            payload_len,
-            params: block_params(self.block, 0),
-            nonfinite,
-            seed: ctx.seed,
-        })
+        fixed::encode_payload(self, x, ctx, out)
     }
 
     fn read(h: &Header) -> Result<Ternary> {
@@ -62,6 +56,14 @@ impl Scheme for Ternary {
 }
 
 impl FixedRate for Ternary {
+    fn params(&self) -> [u8; 12] {
+        block_params(self.block, 0)
+    }
+
+    fn seeded(&self) -> bool {
+        true
+    }
+
     fn layout(&self) -> Layout {
         Layout {
             block: self.block as usize,

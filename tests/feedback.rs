@@ -1,0 +1,445 @@
+//! Error feedback: the fused step against an unfused reference built from the plain
+//! codec API, the sum invariant, the sign-code identity, the non-finite policy, and
+//! determinism across backends, thread counts and chunking.
+
+mod common;
+
+use common::*;
+use gradpack::kernels::{Backend, residual_of, scalar};
+use gradpack::{
+    Codec, CodecSpec, EncodeCtx, Error, ErrorFeedback, FeedbackOptions, Residual, ResidualPrecision,
+};
+
+/// Specs usable with error feedback (random-k with `scale=unbiased` is refused), plus odd
+/// block sizes whose tiles and parallel ranges are not powers of two.
+fn ef_specs() -> Vec<CodecSpec> {
+    let mut v: Vec<CodecSpec> = specs()
+        .into_iter()
+        .filter(|s| !s.to_string().contains("scale=unbiased"))
+        .collect();
+    for s in [
+        "int8:block=3",
+        "qsgd:bits=2,block=7",
+        "sign:block=5",
+        "natural:block=1000",
+    ] {
+        v.push(s.parse().unwrap());
+    }
+    v
+}
+
+fn fixed_rate(spec: &CodecSpec) -> bool {
+    !matches!(spec, CodecSpec::TopK(_) | CodecSpec::RandK(_))
+}
+
+/// The unfused definition of one step, on the scalar backend with the plain codec API:
+/// `p = beta * r + gamma * g`, frame = encode(p), `r = residual_of(p, decode(frame))`
+/// (then rounded to bf16 for a bf16 residual).
+struct Reference {
+    r32: Vec<f32>,
+    r16: Option<Vec<u16>>,
+}
+
+impl Reference {
+    fn new(n: usize, precision: ResidualPrecision) -> Self {
+        Reference {
+            r32: vec![0.0; n],
+            r16: (precision == ResidualPrecision::Bf16).then(|| vec![0; n]),
+        }
+    }
+
+    fn step(
+        &mut self,
+        spec: &CodecSpec,
+        g: &[f32],
+        o: &FeedbackOptions,
+        ctx: &EncodeCtx,
+    ) -> Vec<u8> {
+        let r: Vec<f32> = match &self.r16 {
+            Some(h) => h.iter().map(|&b| scalar::bf16_to_f32(b)).collect(),
+            None => self.r32.clone(),
+        };
+        let p: Vec<f32> = r
+            .iter()
+            .zip(g)
+            .map(|(&r, &g)| o.beta * r + o.gamma * g)
+            .collect();
+        let frame = Backend::scalar().run(|| spec.encode(&p, ctx).unwrap());
+        let d = decode(&frame, p.len());
+        let e: Vec<f32> = p.iter().zip(&d).map(|(&p, &d)| residual_of(p, d)).collect();
+        match &mut self.r16 {
+            Some(h) => {
+                for (h, &e) in h.iter_mut().zip(&e) {
+                    *h = scalar::residual_bf16(e, scalar::f32_to_bf16);
+                }
+            }
+            None => self.r32 = e,
+        }
+        frame
+    }
+
+    fn matches(&self, ef: &ErrorFeedback) -> bool {
+        match (ef.residual(), &self.r16) {
+            (Residual::F32(r), None) => r
+                .iter()
+                .map(|v| v.to_bits())
+                .eq(self.r32.iter().map(|v| v.to_bits())),
+            (Residual::Bf16(r), Some(h)) => r == h.as_slice(),
+            _ => false,
+        }
+    }
+}
+
+fn check_against_reference(spec: &CodecSpec, n: usize, o: FeedbackOptions, steps: u64) {
+    for b in Backend::available() {
+        let mut ef = ErrorFeedback::with_options(*spec, n, o).unwrap();
+        let mut reference = Reference::new(n, o.precision);
+        for step in 0..steps {
+            let g = sample(n, 1000 + step as u32);
+            let ctx = EncodeCtx::new(step * 7 + 1).with_offset(step * 1000);
+            let want = reference.step(spec, &g, &o, &ctx);
+            let got = b.run(|| ef.encode(&g, &ctx)).unwrap();
+            assert!(
+                got == want,
+                "{spec} on {b}, n = {n}, step {step}: frame differs from the reference"
+            );
+            assert!(
+                reference.matches(&ef),
+                "{spec} on {b}, n = {n}, step {step}: residual differs from the reference"
+            );
+        }
+    }
+}
+
+#[test]
+fn fused_step_equals_the_unfused_definition_on_every_backend() {
+    for b in Backend::available() {
+        eprintln!("backend tested: {b}");
+    }
+    for spec in ef_specs() {
+        let mut lengths = boundary_lengths(block_of(&spec));
+        lengths.push(5000); // several tiles
+        for n in lengths {
+            check_against_reference(&spec, n, FeedbackOptions::default(), 3);
+        }
+        let weighted = FeedbackOptions {
+            beta: 0.9,
+            gamma: -0.37,
+            precision: ResidualPrecision::F32,
+        };
+        check_against_reference(&spec, 4099, weighted, 3);
+    }
+}
+
+#[test]
+fn bf16_residual_equals_the_unfused_definition() {
+    for spec in ef_specs().into_iter().filter(fixed_rate) {
+        for n in [0, 1, 63, 64, 65, 2048, 5000] {
+            let o = FeedbackOptions {
+                precision: ResidualPrecision::Bf16,
+                ..Default::default()
+            };
+            check_against_reference(&spec, n, o, 3);
+        }
+    }
+}
+
+#[test]
+fn frames_plus_residual_equal_the_sum_of_gradients() {
+    // With beta = gamma = 1 and finite inputs, after any number of steps
+    // sum(decoded) + residual = sum(gradients), up to the f32 rounding of each step's
+    // p = r + g and r' = p - D: 2^-24 * |p| + 2^-24 * |r'| per step, bounded here by
+    // 2^-23 * (|g| + |D| + 2 |r'|).
+    for spec in ef_specs() {
+        let n = 1500;
+        let mut ef = ErrorFeedback::new(spec, n).unwrap();
+        let (mut sent, mut total, mut tol) = (vec![0f64; n], vec![0f64; n], vec![0f64; n]);
+        for step in 0..20u64 {
+            let g: Vec<f32> = sample(n, step as u32 + 100)
+                .iter()
+                .map(|v| v.clamp(-1e3, 1e3))
+                .collect();
+            let frame = ef.encode(&g, &EncodeCtx::new(step)).unwrap();
+            let d = decode(&frame, n);
+            let r = ef.residual_f32();
+            for i in 0..n {
+                sent[i] += d[i] as f64;
+                total[i] += g[i] as f64;
+                tol[i] += (g[i].abs() as f64 + d[i].abs() as f64 + 2.0 * r[i].abs() as f64)
+                    * 2f64.powi(-23);
+            }
+        }
+        let r = ef.residual_f32();
+        for i in 0..n {
+            let lhs = sent[i] + r[i] as f64;
+            assert!(
+                (lhs - total[i]).abs() <= tol[i] + 1e-30,
+                "{spec} element {i}: {lhs} vs {} (tolerance {})",
+                total[i],
+                tol[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn bf16_residual_keeps_the_sum_within_bf16_rounding() {
+    // Each step rounds the residual to bf16: |error| <= 2^-9 |r'| per step on top of the
+    // f32 terms above.
+    for spec in ef_specs().into_iter().filter(fixed_rate) {
+        let n = 1000;
+        let o = FeedbackOptions {
+            precision: ResidualPrecision::Bf16,
+            ..Default::default()
+        };
+        let mut ef = ErrorFeedback::with_options(spec, n, o).unwrap();
+        let (mut sent, mut total, mut tol) = (vec![0f64; n], vec![0f64; n], vec![0f64; n]);
+        for step in 0..10u64 {
+            let g: Vec<f32> = sample(n, step as u32 + 7)
+                .iter()
+                .map(|v| v.clamp(-1e3, 1e3))
+                .collect();
+            let frame = ef.encode(&g, &EncodeCtx::new(step)).unwrap();
+            let d = decode(&frame, n);
+            let r = ef.residual_f32();
+            for i in 0..n {
+                sent[i] += d[i] as f64;
+                total[i] += g[i] as f64;
+                let (g, d, r) = (g[i].abs() as f64, d[i].abs() as f64, r[i].abs() as f64);
+                tol[i] += (g + d + 2.0 * r) * 2f64.powi(-23) + 2.0 * r * 2f64.powi(-9);
+            }
+        }
+        let r = ef.residual_f32();
+        for i in 0..n {
+            let lhs = sent[i] + r[i] as f64;
+            assert!(
+                (lhs - total[i]).abs() <= tol[i] + 1e-30,
+                "{spec} element {i}"
+            );
+        }
+    }
+}
+
+#[test]
+fn sign_residual_meets_the_mean_abs_identity() {
+    // For a block p of d elements coded as ±mean|p|: ||p - D||^2 = ||p||^2 - ||p||_1^2 / d.
+    let d = 64;
+    let spec: CodecSpec = format!("sign:block={d}").parse().unwrap();
+    let n = 10 * d + 17;
+    let mut ef = ErrorFeedback::new(spec, n).unwrap();
+    let mut reference = Reference::new(n, ResidualPrecision::F32);
+    let o = FeedbackOptions::default();
+    for step in 0..4u64 {
+        let g: Vec<f32> = sample(n, 50 + step as u32)
+            .iter()
+            .map(|v| v.clamp(-10.0, 10.0))
+            .collect();
+        let p: Vec<f32> = reference.r32.iter().zip(&g).map(|(r, g)| r + g).collect();
+        let ctx = EncodeCtx::new(step);
+        reference.step(&spec, &g, &o, &ctx);
+        ef.encode(&g, &ctx).unwrap();
+        let r = ef.residual_f32();
+        for (pb, rb) in p.chunks(d).zip(r.chunks(d)) {
+            let l2: f64 = pb.iter().map(|&v| (v as f64).powi(2)).sum();
+            let l1: f64 = pb.iter().map(|&v| (v as f64).abs()).sum();
+            let lhs: f64 = rb.iter().map(|&v| (v as f64).powi(2)).sum();
+            let rhs = l2 - l1 * l1 / pb.len() as f64;
+            // Rounding: each residual element is within 2^-23 of exact, so the sum of
+            // squares moves by at most about 2^-21 * ||p||^2.
+            assert!(
+                (lhs - rhs).abs() <= l2 * 1e-6 + 1e-30,
+                "step {step}: {lhs} vs {rhs}"
+            );
+        }
+    }
+}
+
+#[test]
+fn non_finite_inputs_stay_visible_and_never_reach_the_residual() {
+    for spec in ef_specs() {
+        let n = 300;
+        let mut ef = ErrorFeedback::new(spec, n).unwrap();
+        let mut g = sample(n, 3);
+        g[5] = f32::NAN;
+        g[70] = f32::INFINITY;
+        g[200] = f32::NEG_INFINITY;
+        let frame = ef.encode(&g, &EncodeCtx::new(1)).unwrap();
+        let (h, _) = gradpack::inspect(&frame).unwrap();
+        assert!(
+            h.flags & gradpack::wire::FLAG_NONFINITE != 0,
+            "{spec}: flag not set"
+        );
+        let r = ef.residual_f32();
+        assert!(
+            r.iter().all(|v| v.is_finite()),
+            "{spec}: residual holds NaN or Inf"
+        );
+        assert_eq!(r[5], 0.0, "{spec}");
+        // The next finite step is clean again.
+        let frame = ef.encode(&sample(n, 4), &EncodeCtx::new(2)).unwrap();
+        let (h, _) = gradpack::inspect(&frame).unwrap();
+        assert!(
+            h.flags & gradpack::wire::FLAG_NONFINITE == 0,
+            "{spec}: non-finite carried over"
+        );
+    }
+}
+
+#[test]
+fn bad_arguments_are_errors_and_leave_the_state_alone() {
+    let spec: CodecSpec = "sign".parse().unwrap();
+    let mut ef = ErrorFeedback::new(spec, 10).unwrap();
+    ef.encode(&[0.25; 10], &EncodeCtx::new(0)).unwrap();
+    let before = ef.residual_f32();
+    assert!(before.iter().any(|&v| v != 0.0) || before.iter().all(|&v| v == 0.0));
+    let mut buf = vec![0u8; 1024];
+    let r = ef.encode_into(&[1.0; 11], &EncodeCtx::new(0), &mut buf);
+    assert!(matches!(r, Err(Error::LengthMismatch { .. })), "{r:?}");
+    let r = ef.encode_into(
+        &[1.0; 10],
+        &EncodeCtx::new(0),
+        &mut buf[..gradpack::HEADER_LEN],
+    );
+    assert!(matches!(r, Err(Error::BufferTooSmall { .. })), "{r:?}");
+    let r = ef.encode_into(
+        &[1.0; 10],
+        &EncodeCtx::new(0).with_offset(u64::MAX - 3),
+        &mut buf,
+    );
+    assert!(matches!(r, Err(Error::Param { .. })), "{r:?}");
+    assert_eq!(ef.residual_f32(), before);
+
+    for (spec, o) in [
+        (
+            "sign",
+            FeedbackOptions {
+                beta: f32::NAN,
+                ..Default::default()
+            },
+        ),
+        (
+            "sign",
+            FeedbackOptions {
+                gamma: f32::INFINITY,
+                ..Default::default()
+            },
+        ),
+        (
+            "topk:ratio=0.1",
+            FeedbackOptions {
+                precision: ResidualPrecision::Bf16,
+                ..Default::default()
+            },
+        ),
+        ("randk:ratio=0.1,scale=unbiased", FeedbackOptions::default()),
+    ] {
+        let spec: CodecSpec = spec.parse().unwrap();
+        let r = ErrorFeedback::with_options(spec, 10, o);
+        assert!(matches!(r, Err(Error::Param { .. })), "{spec}: {r:?}");
+    }
+
+    ef.reset();
+    assert!(ef.residual_f32().iter().all(|&v| v == 0.0));
+}
+
+fn pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn any_thread_count_gives_identical_frames_decodes_and_residuals() {
+    // Parallel from the smallest size on, so that every tensor here is split.
+    gradpack::parallel::set_min_len(0);
+    let n = 3 * gradpack::parallel::CHUNK + 1234;
+    let mut specs = ef_specs();
+    specs.push(
+        "randk:ratio=0.3,values=fp16,scale=unbiased"
+            .parse()
+            .unwrap(),
+    );
+    for spec in specs {
+        let g = sample(n, 9);
+        let ctx = EncodeCtx::new(5).with_offset(77);
+        let run = |threads: usize| {
+            pool(threads).install(|| {
+                let frame = spec.encode(&g, &ctx).unwrap();
+                let d = decode(&frame, n);
+                let mut acc = vec![0.5f32; n];
+                gradpack::decode_add(&frame, &mut acc).unwrap();
+                let ef = ErrorFeedback::new(spec, n).ok().map(|mut ef| {
+                    let f1 = ef.encode(&g, &ctx).unwrap();
+                    let f2 = ef.encode(&sample(n, 10), &ctx.with_offset(0)).unwrap();
+                    (
+                        f1,
+                        f2,
+                        ef.residual_f32()
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect::<Vec<_>>(),
+                    )
+                });
+                let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                (frame, bits(&d), bits(&acc), ef)
+            })
+        };
+        let one = run(1);
+        for threads in [2, 3, 4] {
+            assert!(
+                run(threads) == one,
+                "{spec}: {threads} threads differ from one"
+            );
+        }
+    }
+}
+
+#[test]
+fn chunked_encoding_decodes_like_whole_encoding() {
+    // Block-aligned chunks, each encoded as its own frame with its global offset, decode to
+    // the same values as the whole tensor (top-k excepted: it selects within each frame).
+    let n = 4000;
+    let x = sample(n, 21);
+    for spec in ef_specs()
+        .into_iter()
+        .filter(|s| !matches!(s, CodecSpec::TopK(_)))
+    {
+        let ctx = EncodeCtx::new(99).with_offset(1 << 20);
+        let whole = decode(&spec.encode(&x, &ctx).unwrap(), n);
+        let chunk = block_of(&spec) * 7;
+        let mut parts = Vec::with_capacity(n);
+        for (i, xc) in x.chunks(chunk).enumerate() {
+            let c = ctx.with_offset(ctx.offset + (i * chunk) as u64);
+            parts.extend(decode(&spec.encode(xc, &c).unwrap(), xc.len()));
+        }
+        let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&whole) == bits(&parts),
+            "{spec}: chunked decode differs"
+        );
+    }
+}
+
+#[test]
+fn zero_length_and_state_accessors() {
+    let spec: CodecSpec = "int8".parse().unwrap();
+    let mut ef = ErrorFeedback::new(spec, 0).unwrap();
+    assert!(ef.is_empty());
+    let f = ef.encode(&[], &EncodeCtx::new(0)).unwrap();
+    assert_eq!(decode(&f, 0).len(), 0);
+    let ef = ErrorFeedback::new(spec, 1000).unwrap();
+    assert_eq!(ef.len(), 1000);
+    assert_eq!(ef.memory_bytes(), 4000);
+    assert_eq!(ef.codec(), spec);
+    assert_eq!(ef.max_encoded_len(), spec.max_encoded_len(1000));
+    // A bf16 residual of 1 Mi elements: 2 bytes each plus one 2048-float tile per
+    // 64 Ki-element range (1/32 of an f32 per element).
+    let n = 1 << 20;
+    let o = FeedbackOptions {
+        precision: ResidualPrecision::Bf16,
+        ..Default::default()
+    };
+    let ef = ErrorFeedback::with_options(spec, n, o).unwrap();
+    assert_eq!(ef.memory_bytes(), 2 * n + 4 * n / 32);
+}
