@@ -9,7 +9,8 @@
 //! `cargo bench --bench codecs -- 65536` one size; `GRADPACK_BENCH_SIZES=65536,16777216`
 //! chooses the sizes (default 64 Ki, 1 Mi, 16 Mi and 64 Mi elements; the two DRAM sizes
 //! take 10 samples each, and the whole run about 40 minutes here);
-//! `GRADPACK_BENCH_BACKENDS=scalar,avx512` restricts the backends.
+//! `GRADPACK_BENCH_BACKENDS=scalar,avx512` restricts the backends. Everything runs on one
+//! thread (the parallel split is off); `benches/feedback.rs` measures the parallel path.
 
 #![allow(missing_docs)] // criterion_group! generates undocumented items
 
@@ -110,6 +111,9 @@ fn baselines(c: &mut Criterion, n: usize, x: &[f32]) {
 }
 
 fn codecs(c: &mut Criterion) {
+    // One thread: these are the kernels' figures (benches/feedback.rs measures the
+    // parallel split).
+    gradpack::parallel::set_min_len(usize::MAX);
     for n in sizes() {
         let mut xbuf = Vec::new();
         let x = page_aligned::<f32>(&mut xbuf, n);

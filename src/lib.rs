@@ -37,6 +37,10 @@
 //! # Ok::<(), gradpack::Error>(())
 //! ```
 //!
+//! [`ErrorFeedback`] carries each step's compression error into the next (fused into the
+//! encode pass), and [`parallel`] splits large tensors across rayon threads with
+//! byte-identical results.
+//!
 //! ## Rules the crate keeps
 //! - Scalar kernels (`kernels::scalar`) are the specification; every other path must
 //!   match them to the bit.

@@ -7,7 +7,8 @@
 //! [`min_len`] elements is cut into ranges of [`CHUNK`] elements (rounded to whole blocks),
 //! and the ranges are encoded or decoded on rayon's thread pool. The frame is
 //! byte-identical to the sequential one for every thread count, because the ranges, and
-//! so the work each piece does, do not depend on how many threads run them.
+//! so the work each piece does, do not depend on how many threads run them. The
+//! threshold is weighted by the operation's cost (see [`DEFAULT_MIN_LEN`]).
 //!
 //! The sparse codecs (top-k, random-k) stay sequential: their payload layout depends on
 //! how many elements each range keeps.
@@ -21,32 +22,39 @@ use core::sync::atomic::{AtomicUsize, Ordering};
 /// Elements per parallel range, before rounding to whole blocks and code bytes.
 pub const CHUNK: usize = 1 << 16;
 
-/// Default of [`min_len`]: below this many elements the codecs stay sequential (measured
-/// in docs/benchmarks.md: smaller tensors do not gain on this machine's 2 cores).
-pub const DEFAULT_MIN_LEN: usize = 1 << 18;
+/// Default of [`min_len`], in elements times the operation's relative cost in
+/// half-decodes: decodes and the memory-speed encoders (identity, fp16, bf16) split from
+/// 1 Mi elements, sign encode from 2 Mi, int8 from 512 Ki, the stochastic encoders from
+/// 256 Ki, and an error-feedback step at half its encoder's length. Handing work to the pool costs about 10 us here, and below these
+/// sizes the fast operations did not reliably gain on this machine's 2 cores
+/// (docs/benchmarks.md).
+pub const DEFAULT_MIN_LEN: usize = 1 << 21;
 
 static MIN_LEN: AtomicUsize = AtomicUsize::new(DEFAULT_MIN_LEN);
 
-/// The tensor length from which encode, decode and error feedback run in parallel.
+/// The weighted length (elements times relative cost) from which encode, decode and error
+/// feedback run in parallel.
 pub fn min_len() -> usize {
     MIN_LEN.load(Ordering::Relaxed)
 }
 
-/// Set the tensor length from which encode, decode and error feedback run in parallel
-/// (`usize::MAX` keeps everything sequential). Results do not change, only speed.
+/// Set the weighted length from which encode, decode and error feedback run in parallel
+/// (0: every tensor longer than [`CHUNK`]; `usize::MAX`: never). Results do not change,
+/// only speed.
 pub fn set_min_len(n: usize) {
     MIN_LEN.store(n, Ordering::Relaxed);
 }
 
-/// Whether a tensor of `n` elements is split across threads.
-pub(crate) fn worth(n: usize) -> bool {
+/// Whether an operation on `n` elements of relative cost `weight` per element (2 for a
+/// decode) is split across threads: when `n * weight >= min_len()`.
+pub(crate) fn worth(n: usize, weight: usize) -> bool {
     #[cfg(feature = "rayon")]
     {
-        n >= min_len() && n > CHUNK && rayon::current_num_threads() > 1
+        n.saturating_mul(weight) >= min_len() && n > CHUNK && rayon::current_num_threads() > 1
     }
     #[cfg(not(feature = "rayon"))]
     {
-        let _ = n;
+        let _ = (n, weight);
         false
     }
 }
@@ -127,7 +135,7 @@ impl Split for (&mut [f32], &[f32]) {
 /// [`crate::kernels::feedback_form`] over a whole tensor, in parallel when large.
 pub(crate) fn feedback_form(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) {
     let n = r.len();
-    for_ranges((r, g), n, CHUNK, worth(n), &|(r, g), _| {
+    for_ranges((r, g), n, CHUNK, worth(n, 2), &|(r, g), _| {
         crate::kernels::feedback_form(r, g, beta, gamma);
         false
     });

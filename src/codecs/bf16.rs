@@ -22,5 +22,6 @@ elementwise_codec!(
     Bf16,
     2,
     encode = kernels::encode_bf16,
-    decode<M> = kernels::decode_bf16::<M>
+    decode<M> = kernels::decode_bf16::<M>,
+    feedback = None
 );

@@ -56,6 +56,12 @@ pub trait FixedRate: Sync {
     fn params(&self) -> [u8; 12];
     /// Whether frames record the seed (the codec draws random numbers).
     fn seeded(&self) -> bool;
+    /// Encode cost per element in half-decodes (a decode is 2; 2: about memory speed;
+    /// 4: int8's rounding; 8: a hash draw per element; 1: sign, whose encode is so fast
+    /// that two threads only gain from 2 Mi elements). Scales the parallel threshold.
+    fn encode_weight(&self) -> usize {
+        2
+    }
     /// The payload layout.
     fn layout(&self) -> Layout;
     /// Encode `x`, whose first element has global index `ctx.offset`, into its scales and
@@ -71,6 +77,23 @@ pub trait FixedRate: Sync {
     /// Check everything a decoder must before writing (payload length is already checked).
     fn validate(&self, _h: &Header, _scales: &[u8], _codes: &[u8]) -> Result<()> {
         Ok(())
+    }
+    /// A fused error-feedback step over one tile with an f32 residual, if the codec has
+    /// one: `r` holds the residual and becomes the new one, exactly as forming `p`,
+    /// [`FixedRate::encode_sections`] and a residual-mode decode would leave it. `None`
+    /// (the default) runs those three passes instead.
+    #[allow(clippy::too_many_arguments)]
+    fn feedback_fused(
+        &self,
+        _r: &mut [f32],
+        _g: &[f32],
+        _beta: f32,
+        _gamma: f32,
+        _ctx: &EncodeCtx,
+        _scales: &mut [u8],
+        _codes: &mut [u8],
+    ) -> Option<bool> {
+        None
     }
     /// Decode one range into `out` in mode `m` (see [`kernels::mode`]).
     fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]);
@@ -171,7 +194,7 @@ pub(crate) fn encode<F: FixedRate + ?Sized>(
     let len = sl + l.codes_len(n);
     let p = payload_buf(out, len as u64)?;
     let (scales, codes) = p.split_at_mut(sl);
-    let nonfinite = if parallel::worth(n) {
+    let nonfinite = if parallel::worth(n, f.encode_weight()) {
         let b = Enc {
             l,
             x,
@@ -220,7 +243,7 @@ pub(crate) fn decode<F: FixedRate + ?Sized, const M: u8>(
     let n = out.len();
     let (scales, codes) = p.split_at(l.scales_len(n));
     f.validate(h, scales, codes)?;
-    if parallel::worth(n) {
+    if parallel::worth(n, 2) {
         let b = Dec {
             l,
             scales,
@@ -342,15 +365,21 @@ pub(crate) fn feedback<F: FixedRate + ?Sized>(
         scales,
         codes,
     };
-    let nonfinite = parallel::for_ranges(b, n, range, parallel::worth(n), &|b, start| {
-        feedback_range(
-            f,
-            b,
-            beta,
-            gamma,
-            &ctx.with_offset(ctx.offset + start as u64),
-        )
-    });
+    let nonfinite = parallel::for_ranges(
+        b,
+        n,
+        range,
+        parallel::worth(n, 2 * f.encode_weight()),
+        &|b, start| {
+            feedback_range(
+                f,
+                b,
+                beta,
+                gamma,
+                &ctx.with_offset(ctx.offset + start as u64),
+            )
+        },
+    );
     Ok(Encoded {
         payload_len: len as u64,
         params: f.params(),
@@ -387,6 +416,11 @@ fn feedback_range<F: FixedRate + ?Sized>(
         nonfinite |= match &mut r {
             ResidualMut::F32(r) => {
                 let r = &mut r[s..e];
+                if let Some(nf) = f.feedback_fused(r, gt, beta, gamma, &tctx, sc, co) {
+                    nonfinite |= nf;
+                    s = e;
+                    continue;
+                }
                 kernels::feedback_form(r, gt, beta, gamma);
                 let nf = f.encode_sections(r, &tctx, sc, co);
                 f.decode_sections(mode::RESIDUAL, sc, co, r);

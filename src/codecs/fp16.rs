@@ -23,5 +23,6 @@ elementwise_codec!(
     Fp16,
     2,
     encode = kernels::encode_f16,
-    decode<M> = kernels::decode_f16::<M>
+    decode<M> = kernels::decode_f16::<M>,
+    feedback = Some(kernels::feedback_f16)
 );

@@ -18,5 +18,6 @@ elementwise_codec!(
     Identity,
     4,
     encode = kernels::encode_f32,
-    decode<M> = kernels::decode_f32::<M>
+    decode<M> = kernels::decode_f32::<M>,
+    feedback = None
 );

@@ -173,6 +173,14 @@ impl FixedRate for Int8 {
         self.rounding == Rounding::Stochastic
     }
 
+    fn encode_weight(&self) -> usize {
+        if self.rounding == Rounding::Stochastic {
+            8
+        } else {
+            4
+        }
+    }
+
     fn layout(&self) -> Layout {
         Layout {
             block: self.block as usize,

@@ -340,9 +340,18 @@ pub(crate) fn block_params(block: u32, byte4: u8) -> [u8; 12] {
 }
 
 /// `Display`, `From<T> for CodecSpec`, `Scheme` and `FixedRate` for an element-wise codec
-/// with no parameters: `$bytes` payload bytes per element, no seed, no block scales.
+/// with no parameters: `$bytes` payload bytes per element, no seed, no block scales;
+/// `feedback` is its one-pass error-feedback kernel, if it has one (measured faster than
+/// the tiled three passes only for fp16, docs/benchmarks.md).
 macro_rules! elementwise_codec {
-    ($T:ident, $id:ident, $bytes:expr, encode = $enc:expr, decode<$M:ident> = $dec:expr) => {
+    (
+        $T:ident,
+        $id:ident,
+        $bytes:expr,
+        encode = $enc:expr,
+        decode<$M:ident> = $dec:expr,
+        feedback = $fb:expr
+    ) => {
         impl core::fmt::Display for $T {
             fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
                 f.write_str(CodecId::$id.name())
@@ -384,6 +393,20 @@ macro_rules! elementwise_codec {
 
             fn decode_sections(&self, m: u8, _scales: &[u8], codes: &[u8], out: &mut [f32]) {
                 $crate::codecs::fixed::by_mode!(m, $M => ($dec)(codes, out))
+            }
+
+            fn feedback_fused(
+                &self,
+                r: &mut [f32],
+                g: &[f32],
+                beta: f32,
+                gamma: f32,
+                _ctx: &EncodeCtx,
+                _scales: &mut [u8],
+                codes: &mut [u8],
+            ) -> Option<bool> {
+                let fused: Option<fn(&mut [f32], &[f32], f32, f32, &mut [u8]) -> bool> = $fb;
+                fused.map(|f| f(r, g, beta, gamma, codes))
             }
         }
 

@@ -77,6 +77,10 @@ impl FixedRate for Natural {
         true
     }
 
+    fn encode_weight(&self) -> usize {
+        8
+    }
+
     fn layout(&self) -> Layout {
         Layout {
             block: self.block as usize,

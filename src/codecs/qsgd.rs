@@ -143,6 +143,10 @@ impl FixedRate for Qsgd {
         true
     }
 
+    fn encode_weight(&self) -> usize {
+        8
+    }
+
     fn layout(&self) -> Layout {
         Layout {
             block: self.block as usize,

@@ -67,6 +67,10 @@ impl FixedRate for Sign {
         false
     }
 
+    fn encode_weight(&self) -> usize {
+        1
+    }
+
     fn layout(&self) -> Layout {
         Layout {
             block: self.block as usize,

@@ -64,6 +64,10 @@ impl FixedRate for Ternary {
         true
     }
 
+    fn encode_weight(&self) -> usize {
+        8
+    }
+
     fn layout(&self) -> Layout {
         Layout {
             block: self.block as usize,

@@ -138,6 +138,40 @@ pub fn feedback_store_bf16(r: &mut [u16], p: &[f32]) {
     }
 }
 
+simd_op!(FeedbackF16 { r: &'a mut [f32], g: &'a [f32], beta: f32, gamma: f32, out: &'a mut [u8] }
+    -> bool = portable::feedback_u16(r, g, beta, gamma, out, portable::f32_to_f16, portable::f16_to_f32));
+/// fp16's fused error-feedback step (see [`scalar::feedback_u16`]).
+pub fn feedback_f16(r: &mut [f32], g: &[f32], beta: f32, gamma: f32, out: &mut [u8]) -> bool {
+    let b = Backend::current();
+    match b.kind() {
+        BackendKind::Scalar => scalar::feedback_u16(
+            r,
+            g,
+            beta,
+            gamma,
+            out,
+            scalar::f32_to_f16,
+            scalar::f16_to_f32,
+        ),
+        // SAFETY: a Backend of kind Avx2 exists only after AVX2 and F16C were detected.
+        #[cfg(target_arch = "x86_64")]
+        BackendKind::Avx2 => unsafe { x86_64::feedback_f16_avx2(r, g, beta, gamma, out) },
+        // SAFETY: a Backend of kind Avx512 exists only after AVX-512F and F16C were detected.
+        #[cfg(target_arch = "x86_64")]
+        BackendKind::Avx512 => unsafe { x86_64::feedback_f16_avx512(r, g, beta, gamma, out) },
+        _ => simd(
+            b,
+            FeedbackF16 {
+                r,
+                g,
+                beta,
+                gamma,
+                out,
+            },
+        ),
+    }
+}
+
 /// f32 to little-endian bytes (`out.len() == 4 * x.len()`); true if any input is NaN/±Inf.
 pub fn encode_f32(x: &[f32], out: &mut [u8]) -> bool {
     match Backend::current() {

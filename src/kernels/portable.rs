@@ -59,6 +59,43 @@ pub fn feedback_store_bf16(r: &mut [u16], p: &[f32]) {
     }
 }
 
+#[inline(always)]
+pub fn feedback_u16(
+    r: &mut [f32],
+    g: &[f32],
+    beta: f32,
+    gamma: f32,
+    out: &mut [u8],
+    to: impl Fn(f32) -> u16,
+    from: impl Fn(u16) -> f32,
+) -> bool {
+    let mut m = [0u32; 16];
+    let mut rs = r.chunks_exact_mut(16);
+    let mut gs = g.chunks_exact(16);
+    let mut os = out.chunks_exact_mut(32);
+    for ((rc, gc), oc) in (&mut rs).zip(&mut gs).zip(&mut os) {
+        let mut h = [0u16; 16];
+        for k in 0..16 {
+            let p = beta * rc[k] + gamma * gc[k];
+            m[k] = m[k].max(p.to_bits() & ABS);
+            h[k] = to(p);
+            rc[k] = scalar::residual_of(p, from(h[k]));
+            h[k] = h[k].to_le();
+        }
+        oc.copy_from_slice(bytemuck::cast_slice(&h));
+    }
+    let tail = scalar::feedback_u16(
+        rs.into_remainder(),
+        gs.remainder(),
+        beta,
+        gamma,
+        os.into_remainder(),
+        to,
+        from,
+    );
+    tail || m.iter().any(|&v| v >= INF_BITS)
+}
+
 // ---------------------------------------------------------------- identity
 
 #[inline(always)]
@@ -410,6 +447,18 @@ fn encode_sign_two_pass(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [
 
 #[inline(always)]
 pub fn decode_sign<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
+    if M == scalar::mode::RESIDUAL {
+        // `out` holds the p these codes were made from, and a code is p's sign bit: the
+        // decoded value is ±step with p's sign, no bit unpacking needed.
+        for (b, ob) in out.chunks_mut(block).enumerate() {
+            let s = scalar::get_step(steps, b).to_bits();
+            for v in ob {
+                let d = f32::from_bits(s ^ (v.to_bits() & !ABS));
+                *v = scalar::residual_of(*v, d);
+            }
+        }
+        return;
+    }
     if !block.is_multiple_of(8) {
         return scalar::decode_sign::<M>(steps, codes, block, out);
     }

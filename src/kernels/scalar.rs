@@ -24,8 +24,10 @@ pub mod mode {
     pub const WRITE: u8 = 0;
     /// `out += decoded` (the reduce step of a collective).
     pub const ADD: u8 = 1;
-    /// `out = residual_of(out, decoded)`: `out` holds the encoded `p` and becomes the
-    /// error-feedback residual (see [`super::residual_of`]).
+    /// `out = residual_of(out, decoded)`: `out` holds the `p` the frame was encoded from
+    /// and becomes the error-feedback residual (see [`super::residual_of`]). Only the
+    /// crate's own error-feedback step uses it, on frames it has just made; a kernel may
+    /// use that `out` is `p` (the sign kernels read the sign bits from `p`).
     pub const RESIDUAL: u8 = 2;
 }
 
@@ -212,6 +214,30 @@ pub fn feedback_form_bf16(p: &mut [f32], r: &[u16], g: &[f32], beta: f32, gamma:
 pub fn residual_bf16(v: f32, to_bf16: impl Fn(f32) -> u16) -> u16 {
     let h = to_bf16(v);
     if h & 0x7FFF == 0x7F80 { h - 1 } else { h }
+}
+
+/// A fused error-feedback step of an element-wise 16-bit codec: `p = beta * r + gamma * g`
+/// is written to `out` as `to(p)` (little-endian) and `r` becomes `residual_of(p,
+/// from(to(p)))`. True if any `p` is NaN or ±Inf. The same as forming `p`, encoding and
+/// decoding in residual mode, in one pass.
+pub fn feedback_u16(
+    r: &mut [f32],
+    g: &[f32],
+    beta: f32,
+    gamma: f32,
+    out: &mut [u8],
+    to: impl Fn(f32) -> u16,
+    from: impl Fn(u16) -> f32,
+) -> bool {
+    let mut nonfinite = false;
+    for ((r, &g), o) in r.iter_mut().zip(g).zip(out.chunks_exact_mut(2)) {
+        let p = beta * *r + gamma * g;
+        nonfinite |= abs_bits(p) >= INF_BITS;
+        let h = to(p);
+        o.copy_from_slice(&h.to_le_bytes());
+        *r = residual_of(p, from(h));
+    }
+    nonfinite
 }
 
 /// Store the f32 residual tile `p` into the bf16 residual `r` ([`residual_bf16`]).

@@ -262,3 +262,111 @@ pub unsafe fn encode_bf16_avx512(x: &[f32], out: &mut [u8]) -> bool {
     let tail = scalar::encode_u16(&x[n32..n], &mut out[2 * n32..2 * n], scalar::f32_to_bf16);
     big || tail
 }
+
+/// The fused error-feedback step of fp16 (see `scalar::feedback_u16`) with F16C, 8 lanes.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn feedback_f16_avx2(
+    r: &mut [f32],
+    g: &[f32],
+    beta: f32,
+    gamma: f32,
+    out: &mut [u8],
+) -> bool {
+    let n = r.len().min(g.len()).min(out.len() / 2);
+    let n8 = n - n % 8;
+    let (vb, vg) = (_mm256_set1_ps(beta), _mm256_set1_ps(gamma));
+    let abs = _mm256_set1_epi32(ABS);
+    let inf = _mm256_set1_epi32(scalar::INF_BITS as i32);
+    let mut mx = _mm256_setzero_si256();
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= n, which bounds r, g and out / 2; unaligned accesses.
+        unsafe {
+            let ro = r.as_mut_ptr().add(i);
+            let p = _mm256_add_ps(
+                _mm256_mul_ps(vb, _mm256_loadu_ps(ro)),
+                _mm256_mul_ps(vg, _mm256_loadu_ps(g.as_ptr().add(i))),
+            );
+            let pi = _mm256_castps_si256(p);
+            mx = _mm256_max_epu32(mx, _mm256_and_si256(pi, abs));
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(p);
+            _mm_storeu_si128(out.as_mut_ptr().add(2 * i).cast::<__m128i>(), h);
+            let e = _mm256_sub_ps(p, _mm256_cvtph_ps(h));
+            let e_bad = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(e), inf), inf);
+            let p_bad = _mm256_cmpeq_epi32(_mm256_and_si256(pi, inf), inf);
+            let fallback = _mm256_andnot_ps(_mm256_castsi256_ps(p_bad), p);
+            let res = _mm256_blendv_ps(e, fallback, _mm256_castsi256_ps(e_bad));
+            _mm256_storeu_ps(ro, res);
+        }
+        i += 8;
+    }
+    let mut lanes = [0u32; 8];
+    // SAFETY: `lanes` is 32 bytes, the size of one __m256i; unaligned store.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast::<__m256i>(), mx) };
+    let tail = scalar::feedback_u16(
+        &mut r[n8..n],
+        &g[n8..n],
+        beta,
+        gamma,
+        &mut out[2 * n8..2 * n],
+        scalar::f32_to_f16,
+        scalar::f16_to_f32,
+    );
+    tail || lanes.iter().any(|&v| v >= scalar::INF_BITS)
+}
+
+/// The fused error-feedback step of fp16 with AVX-512, 16 lanes.
+///
+/// # Safety
+/// The CPU must support AVX-512F and F16C.
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub unsafe fn feedback_f16_avx512(
+    r: &mut [f32],
+    g: &[f32],
+    beta: f32,
+    gamma: f32,
+    out: &mut [u8],
+) -> bool {
+    let n = r.len().min(g.len()).min(out.len() / 2);
+    let n16 = n - n % 16;
+    let (vb, vg) = (_mm512_set1_ps(beta), _mm512_set1_ps(gamma));
+    let abs = _mm512_set1_epi32(ABS);
+    let inf = _mm512_set1_epi32(scalar::INF_BITS as i32);
+    let mut mx = _mm512_setzero_si512();
+    let mut i = 0;
+    while i < n16 {
+        // SAFETY: i + 16 <= n, which bounds r, g and out / 2; unaligned accesses.
+        unsafe {
+            let ro = r.as_mut_ptr().add(i);
+            let p = _mm512_add_ps(
+                _mm512_mul_ps(vb, _mm512_loadu_ps(ro)),
+                _mm512_mul_ps(vg, _mm512_loadu_ps(g.as_ptr().add(i))),
+            );
+            let pi = _mm512_castps_si512(p);
+            mx = _mm512_max_epu32(mx, _mm512_and_si512(pi, abs));
+            let h = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(p);
+            _mm256_storeu_si256(out.as_mut_ptr().add(2 * i).cast::<__m256i>(), h);
+            let e = _mm512_sub_ps(p, _mm512_cvtph_ps(h));
+            let e_ok = _mm512_cmpneq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(e), inf), inf);
+            let p_ok = _mm512_cmpneq_epi32_mask(_mm512_and_si512(pi, inf), inf);
+            let fallback = _mm512_maskz_mov_ps(p_ok, p);
+            _mm512_storeu_ps(ro, _mm512_mask_blend_ps(e_ok, fallback, e));
+        }
+        i += 16;
+    }
+    let big = _mm512_reduce_max_epu32(mx) >= scalar::INF_BITS;
+    // SAFETY: the caller guarantees AVX2 and F16C.
+    let tail = unsafe {
+        feedback_f16_avx2(
+            &mut r[n16..n],
+            &g[n16..n],
+            beta,
+            gamma,
+            &mut out[2 * n16..2 * n],
+        )
+    };
+    big || tail
+}
