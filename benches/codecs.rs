@@ -17,35 +17,19 @@
 use std::hint::black_box;
 use std::time::Duration;
 
+mod common;
+
+use common::SPECS;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use gradpack::kernels::Backend;
 use gradpack::{Codec, CodecSpec, EncodeCtx};
 use half::slice::HalfFloatSliceExt;
 
-const SPECS: &[&str] = &[
-    "identity",
-    "fp16",
-    "bf16",
-    "int8",
-    "int8:rounding=stochastic",
-    "qsgd:bits=4",
-    "qsgd:bits=8",
-    "sign",
-    "ternary",
-    "natural",
-    "topk:ratio=0.01",
-    "randk:ratio=0.01",
-];
-
 fn sizes() -> Vec<usize> {
-    std::env::var("GRADPACK_BENCH_SIZES")
-        .ok()
-        .map(|s| {
-            s.split(',')
-                .map(|v| v.trim().parse().expect("GRADPACK_BENCH_SIZES: integers"))
-                .collect()
-        })
-        .unwrap_or_else(|| vec![1 << 16, 1 << 20, 1 << 24, 1 << 26])
+    common::sizes(
+        "GRADPACK_BENCH_SIZES",
+        &[1 << 16, 1 << 20, 1 << 24, 1 << 26],
+    )
 }
 
 /// The backends to run: all this CPU has, or those named in `GRADPACK_BENCH_BACKENDS`

@@ -19,34 +19,11 @@
 use std::hint::black_box;
 use std::time::Duration;
 
+mod common;
+
+use common::{SPECS, sizes};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gradpack::{Codec, CodecSpec, EncodeCtx, ErrorFeedback, FeedbackOptions, ResidualPrecision};
-
-const SPECS: &[&str] = &[
-    "identity",
-    "fp16",
-    "bf16",
-    "int8",
-    "int8:rounding=stochastic",
-    "qsgd:bits=4",
-    "qsgd:bits=8",
-    "sign",
-    "ternary",
-    "natural",
-    "topk:ratio=0.01",
-    "randk:ratio=0.01",
-];
-
-fn sizes(var: &str, default: &[usize]) -> Vec<usize> {
-    std::env::var(var)
-        .ok()
-        .map(|s| {
-            s.split(',')
-                .map(|v| v.trim().parse().expect("sizes: integers"))
-                .collect()
-        })
-        .unwrap_or_else(|| default.to_vec())
-}
 
 fn pool(threads: usize) -> rayon::ThreadPool {
     rayon::ThreadPoolBuilder::new()

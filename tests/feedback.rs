@@ -144,79 +144,63 @@ fn bf16_residual_equals_the_unfused_definition() {
     }
 }
 
+/// Runs `steps` error-feedback steps of finite gradients (salted by `salt`) and asserts
+/// that sum(decoded) + residual = sum(gradients) per element within a tolerance that adds,
+/// each step, `2^-23 * (|g| + |D| + 2 |r'|)` (the f32 rounding of p = r + g and
+/// r' = p - D) plus `2 * bf16_rel * |r'|` (the rounding of the stored residual).
+fn check_sum(spec: CodecSpec, n: usize, steps: u64, salt: u32, precision: ResidualPrecision) {
+    let bf16_rel = match precision {
+        ResidualPrecision::F32 => 0.0,
+        ResidualPrecision::Bf16 => 2f64.powi(-9),
+    };
+    let o = FeedbackOptions {
+        precision,
+        ..Default::default()
+    };
+    let mut ef = ErrorFeedback::with_options(spec, n, o).unwrap();
+    let (mut sent, mut total, mut tol) = (vec![0f64; n], vec![0f64; n], vec![0f64; n]);
+    for step in 0..steps {
+        let g: Vec<f32> = sample(n, step as u32 + salt)
+            .iter()
+            .map(|v| v.clamp(-1e3, 1e3))
+            .collect();
+        let frame = ef.encode(&g, &EncodeCtx::new(step)).unwrap();
+        let d = decode(&frame, n);
+        let r = ef.residual_f32();
+        for i in 0..n {
+            sent[i] += d[i] as f64;
+            total[i] += g[i] as f64;
+            let (g, d, r) = (g[i].abs() as f64, d[i].abs() as f64, r[i].abs() as f64);
+            tol[i] += (g + d + 2.0 * r) * 2f64.powi(-23) + 2.0 * r * bf16_rel;
+        }
+    }
+    let r = ef.residual_f32();
+    for i in 0..n {
+        let lhs = sent[i] + r[i] as f64;
+        assert!(
+            (lhs - total[i]).abs() <= tol[i] + 1e-30,
+            "{spec} ({precision:?} residual) element {i}: {lhs} vs {} (tolerance {})",
+            total[i],
+            tol[i]
+        );
+    }
+}
+
 #[test]
 fn frames_plus_residual_equal_the_sum_of_gradients() {
     // With beta = gamma = 1 and finite inputs, after any number of steps
-    // sum(decoded) + residual = sum(gradients), up to the f32 rounding of each step's
-    // p = r + g and r' = p - D: 2^-24 * |p| + 2^-24 * |r'| per step, bounded here by
-    // 2^-23 * (|g| + |D| + 2 |r'|).
+    // sum(decoded) + residual = sum(gradients), up to f32 rounding.
     for spec in ef_specs() {
-        let n = 1500;
-        let mut ef = ErrorFeedback::new(spec, n).unwrap();
-        let (mut sent, mut total, mut tol) = (vec![0f64; n], vec![0f64; n], vec![0f64; n]);
-        for step in 0..20u64 {
-            let g: Vec<f32> = sample(n, step as u32 + 100)
-                .iter()
-                .map(|v| v.clamp(-1e3, 1e3))
-                .collect();
-            let frame = ef.encode(&g, &EncodeCtx::new(step)).unwrap();
-            let d = decode(&frame, n);
-            let r = ef.residual_f32();
-            for i in 0..n {
-                sent[i] += d[i] as f64;
-                total[i] += g[i] as f64;
-                tol[i] += (g[i].abs() as f64 + d[i].abs() as f64 + 2.0 * r[i].abs() as f64)
-                    * 2f64.powi(-23);
-            }
-        }
-        let r = ef.residual_f32();
-        for i in 0..n {
-            let lhs = sent[i] + r[i] as f64;
-            assert!(
-                (lhs - total[i]).abs() <= tol[i] + 1e-30,
-                "{spec} element {i}: {lhs} vs {} (tolerance {})",
-                total[i],
-                tol[i]
-            );
-        }
+        check_sum(spec, 1500, 20, 100, ResidualPrecision::F32);
     }
 }
 
 #[test]
 fn bf16_residual_keeps_the_sum_within_bf16_rounding() {
     // Each step rounds the residual to bf16: |error| <= 2^-9 |r'| per step on top of the
-    // f32 terms above.
+    // f32 terms.
     for spec in ef_specs().into_iter().filter(fixed_rate) {
-        let n = 1000;
-        let o = FeedbackOptions {
-            precision: ResidualPrecision::Bf16,
-            ..Default::default()
-        };
-        let mut ef = ErrorFeedback::with_options(spec, n, o).unwrap();
-        let (mut sent, mut total, mut tol) = (vec![0f64; n], vec![0f64; n], vec![0f64; n]);
-        for step in 0..10u64 {
-            let g: Vec<f32> = sample(n, step as u32 + 7)
-                .iter()
-                .map(|v| v.clamp(-1e3, 1e3))
-                .collect();
-            let frame = ef.encode(&g, &EncodeCtx::new(step)).unwrap();
-            let d = decode(&frame, n);
-            let r = ef.residual_f32();
-            for i in 0..n {
-                sent[i] += d[i] as f64;
-                total[i] += g[i] as f64;
-                let (g, d, r) = (g[i].abs() as f64, d[i].abs() as f64, r[i].abs() as f64);
-                tol[i] += (g + d + 2.0 * r) * 2f64.powi(-23) + 2.0 * r * 2f64.powi(-9);
-            }
-        }
-        let r = ef.residual_f32();
-        for i in 0..n {
-            let lhs = sent[i] + r[i] as f64;
-            assert!(
-                (lhs - total[i]).abs() <= tol[i] + 1e-30,
-                "{spec} element {i}"
-            );
-        }
+        check_sum(spec, 1000, 10, 7, ResidualPrecision::Bf16);
     }
 }
 

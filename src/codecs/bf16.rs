@@ -7,7 +7,7 @@
 //! |x| that rounds above `f32::MAX` overflows (to ±Inf). NaN stays a quiet NaN;
 //! ±Inf stays ±Inf.
 
-use super::{EncodeCtx, Encoded, Scheme, elementwise_codec, expect_payload};
+use super::{EncodeCtx, Scheme, elementwise_codec, expect_payload};
 use crate::codec::{CodecId, CodecSpec};
 use crate::error::Result;
 use crate::kernels;

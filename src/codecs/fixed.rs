@@ -34,6 +34,16 @@ impl Layout {
         (n * self.bits).div_ceil(8)
     }
 
+    /// Payload bytes for `n` elements; `None` on overflow.
+    pub fn payload_len(&self, n: u64) -> Option<u64> {
+        super::block_payload(
+            n,
+            self.block as u64,
+            self.scale_bytes as u64,
+            self.bits as u64,
+        )
+    }
+
     /// The smallest range that starts every section on a byte boundary: a whole number of
     /// blocks and of code bytes.
     pub fn unit(&self) -> usize {
@@ -98,6 +108,42 @@ pub trait FixedRate: Sync {
     /// Decode one range into `out` in mode `m` (see [`kernels::mode`]).
     fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]);
 }
+
+/// The `Scheme` methods every fixed-rate codec shares: its payload size comes from its
+/// [`Layout`], and encode and decode run through this module (in ranges, in parallel for
+/// large tensors). Expands inside an `impl Scheme` block.
+macro_rules! fixed_scheme {
+    () => {
+        fn max_payload(&self, n: u64) -> u64 {
+            $crate::codecs::fixed::FixedRate::layout(self)
+                .payload_len(n)
+                .unwrap_or(u64::MAX)
+        }
+
+        fn encode_payload(
+            &self,
+            x: &[f32],
+            ctx: &$crate::codec::EncodeCtx,
+            out: &mut [u8],
+        ) -> $crate::error::Result<$crate::codecs::Encoded> {
+            $crate::codecs::fixed::encode_payload(self, x, ctx, out)
+        }
+
+        fn decode_payload<const M: u8>(
+            &self,
+            h: &$crate::wire::Header,
+            p: &[u8],
+            out: &mut [f32],
+        ) -> $crate::error::Result<()> {
+            $crate::codecs::fixed::decode::<Self, M>(self, h, p, out)
+        }
+
+        fn fixed(&self) -> Option<&dyn $crate::codecs::fixed::FixedRate> {
+            Some(self)
+        }
+    };
+}
+pub(crate) use fixed_scheme;
 
 /// Runs `$e` with a const `$M` equal to the runtime mode `$m`.
 macro_rules! by_mode {

@@ -8,7 +8,7 @@
 //! Overflow: |x| that rounds above 65504 becomes ±Inf (a loss scaler sees it).
 //! NaN stays a quiet NaN (top payload bits kept); ±Inf stays ±Inf.
 
-use super::{EncodeCtx, Encoded, Scheme, elementwise_codec, expect_payload};
+use super::{EncodeCtx, Scheme, elementwise_codec, expect_payload};
 use crate::codec::{CodecId, CodecSpec};
 use crate::error::Result;
 use crate::kernels;

@@ -3,7 +3,7 @@
 //! Payload: `elements` × f32 LE. Lossless, bit for bit (NaN payloads included).
 //! NaN and ±Inf pass through unchanged.
 
-use super::{EncodeCtx, Encoded, Scheme, elementwise_codec, expect_payload};
+use super::{EncodeCtx, Scheme, elementwise_codec, expect_payload};
 use crate::codec::{CodecId, CodecSpec};
 use crate::error::Result;
 use crate::kernels;

@@ -16,10 +16,7 @@
 use core::fmt;
 
 use super::fixed::{self, FixedRate, Layout, by_mode};
-use super::{
-    EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_params, block_payload, check_block,
-    expect_payload, read_block,
-};
+use super::{EncodeCtx, MAX_BLOCK, Scheme, block_params, check_block, expect_payload, read_block};
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::{Error, Result};
 use crate::kernels::{self, scalar::Round};
@@ -95,10 +92,6 @@ impl Int8 {
         };
         Ok(Int8 { block, rounding })
     }
-
-    fn payload_len(&self, n: u64) -> Option<u64> {
-        block_payload(n, self.block as u64, 4, 8)
-    }
 }
 
 impl fmt::Display for Int8 {
@@ -120,14 +113,7 @@ impl From<Int8> for CodecSpec {
 
 impl Scheme for Int8 {
     const ID: CodecId = CodecId::Int8;
-
-    fn max_payload(&self, n: u64) -> u64 {
-        self.payload_len(n).unwrap_or(u64::MAX)
-    }
-
-    fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
-        fixed::encode_payload(self, x, ctx, out)
-    }
+    fixed::fixed_scheme!();
 
     fn read(h: &Header) -> Result<Int8> {
         let block = read_block(h)? as u32;
@@ -147,20 +133,12 @@ impl Scheme for Int8 {
             h.seed_zero()?;
         }
         let c = Int8 { block, rounding };
-        expect_payload(h, c.payload_len(h.elements))?;
+        expect_payload(h, c.layout().payload_len(h.elements))?;
         Ok(c)
-    }
-
-    fn decode_payload<const M: u8>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
-        fixed::decode::<Self, M>(self, h, p, out)
     }
 
     fn is_unbiased(&self) -> bool {
         self.rounding == Rounding::Stochastic
-    }
-
-    fn fixed(&self) -> Option<&dyn FixedRate> {
-        Some(self)
     }
 }
 

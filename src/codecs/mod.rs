@@ -119,7 +119,8 @@ impl<S: Scheme> Codec for S {
     fn encode_into(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<usize> {
         self.check_encode(x.len(), ctx)?;
         let e = self.encode_payload(x, ctx, out)?;
-        Ok(write_header::<S>(&e, x.len(), ctx, out))
+        write_header::<S>(&e, x.len(), ctx, out);
+        Ok(HEADER_LEN + e.payload_len as usize)
     }
 
     fn decode_into(&self, frame: &[u8], out: &mut [f32]) -> Result<()> {
@@ -133,9 +134,9 @@ impl<S: Scheme> Codec for S {
     }
 }
 
-/// Write the header of a frame whose payload `e` describes; returns the frame length.
-fn write_header<S: Scheme>(e: &Encoded, n: usize, ctx: &EncodeCtx, out: &mut [u8]) -> usize {
-    Header {
+/// Write the header of a frame whose payload `e` describes, and return it.
+fn write_header<S: Scheme>(e: &Encoded, n: usize, ctx: &EncodeCtx, out: &mut [u8]) -> Header {
+    let h = Header {
         codec: S::ID,
         flags: if e.nonfinite { wire::FLAG_NONFINITE } else { 0 },
         elements: n as u64,
@@ -143,9 +144,9 @@ fn write_header<S: Scheme>(e: &Encoded, n: usize, ctx: &EncodeCtx, out: &mut [u8
         seed: e.seed,
         offset: ctx.offset,
         params: e.params,
-    }
-    .write(out);
-    HEADER_LEN + e.payload_len as usize
+    };
+    h.write(out);
+    h
 }
 
 /// One error-feedback step of codec `c` (arguments already validated: lengths equal,
@@ -164,7 +165,8 @@ pub(crate) fn feedback_step<S: Scheme>(
 ) -> Result<usize> {
     if let Some(f) = c.fixed() {
         let e = fixed::feedback(f, g, r, beta, gamma, ctx, out)?;
-        return Ok(write_header::<S>(&e, g.len(), ctx, out));
+        write_header::<S>(&e, g.len(), ctx, out);
+        return Ok(HEADER_LEN + e.payload_len as usize);
     }
     let fixed::ResidualMut::F32(r) = r else {
         return Err(Error::Param {
@@ -175,9 +177,9 @@ pub(crate) fn feedback_step<S: Scheme>(
     };
     crate::parallel::feedback_form(r, g, beta, gamma);
     let e = c.encode_payload(r, ctx, out)?;
-    let len = write_header::<S>(&e, g.len(), ctx, out);
-    let (h, p) = wire::split(&out[..len])?;
-    c.decode_payload::<{ mode::RESIDUAL }>(&h, p, r)?;
+    let h = write_header::<S>(&e, g.len(), ctx, out);
+    let len = HEADER_LEN + e.payload_len as usize;
+    c.decode_payload::<{ mode::RESIDUAL }>(&h, &out[HEADER_LEN..len], r)?;
     Ok(len)
 }
 
@@ -412,42 +414,17 @@ macro_rules! elementwise_codec {
 
         impl Scheme for $T {
             const ID: CodecId = CodecId::$id;
-
-            fn max_payload(&self, n: u64) -> u64 {
-                n.saturating_mul($bytes)
-            }
-
-            fn encode_payload(
-                &self,
-                x: &[f32],
-                ctx: &EncodeCtx,
-                out: &mut [u8],
-            ) -> Result<Encoded> {
-                $crate::codecs::fixed::encode_payload(self, x, ctx, out)
-            }
+            $crate::codecs::fixed::fixed_scheme!();
 
             fn read(h: &Header) -> Result<Self> {
                 h.seed_zero()?;
                 h.params_zero_from(0)?;
-                expect_payload(h, h.elements.checked_mul($bytes))?;
+                expect_payload(h, $crate::codecs::fixed::FixedRate::layout(&$T).payload_len(h.elements))?;
                 Ok($T)
-            }
-
-            fn decode_payload<const M: u8>(
-                &self,
-                h: &Header,
-                p: &[u8],
-                out: &mut [f32],
-            ) -> Result<()> {
-                $crate::codecs::fixed::decode::<Self, M>(self, h, p, out)
             }
 
             fn is_unbiased(&self) -> bool {
                 true
-            }
-
-            fn fixed(&self) -> Option<&dyn $crate::codecs::fixed::FixedRate> {
-                Some(self)
             }
         }
     };

@@ -16,8 +16,8 @@ use core::fmt;
 
 use super::fixed::{self, FixedRate, Layout, by_mode};
 use super::{
-    EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_params, block_payload, check_block,
-    check_code_padding, expect_payload, read_block, signmag_sections,
+    EncodeCtx, MAX_BLOCK, Scheme, block_params, check_block, check_code_padding, expect_payload,
+    read_block, signmag_sections,
 };
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::{Error, Result};
@@ -96,14 +96,7 @@ impl From<Qsgd> for CodecSpec {
 
 impl Scheme for Qsgd {
     const ID: CodecId = CodecId::Qsgd;
-
-    fn max_payload(&self, n: u64) -> u64 {
-        block_payload(n, self.block as u64, 4, self.bits as u64).unwrap_or(u64::MAX)
-    }
-
-    fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
-        fixed::encode_payload(self, x, ctx, out)
-    }
+    fixed::fixed_scheme!();
 
     fn read(h: &Header) -> Result<Qsgd> {
         let block = read_block(h)? as u32;
@@ -117,20 +110,12 @@ impl Scheme for Qsgd {
         }
         h.params_zero_from(5)?;
         let c = Qsgd { bits, block };
-        expect_payload(h, block_payload(h.elements, block as u64, 4, bits as u64))?;
+        expect_payload(h, c.layout().payload_len(h.elements))?;
         Ok(c)
-    }
-
-    fn decode_payload<const M: u8>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
-        fixed::decode::<Self, M>(self, h, p, out)
     }
 
     fn is_unbiased(&self) -> bool {
         true
-    }
-
-    fn fixed(&self) -> Option<&dyn FixedRate> {
-        Some(self)
     }
 }
 

@@ -11,8 +11,8 @@
 
 use super::fixed::{self, FixedRate, Layout, by_mode};
 use super::{
-    EncodeCtx, Encoded, MAX_BLOCK, Scheme, block_only_codec, block_params, block_payload,
-    check_block, check_code_padding, expect_payload, read_block,
+    EncodeCtx, MAX_BLOCK, Scheme, block_only_codec, block_params, check_block, check_code_padding,
+    expect_payload, read_block,
 };
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::Result;
@@ -28,33 +28,19 @@ block_only_codec!(
 
 impl Scheme for Sign {
     const ID: CodecId = CodecId::Sign;
-
-    fn max_payload(&self, n: u64) -> u64 {
-        block_payload(n, self.block as u64, 4, 1).unwrap_or(u64::MAX)
-    }
-
-    fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
-        fixed::encode_payload(self, x, ctx, out)
-    }
+    fixed::fixed_scheme!();
 
     fn read(h: &Header) -> Result<Sign> {
         let block = read_block(h)? as u32;
         h.params_zero_from(4)?;
         h.seed_zero()?;
-        expect_payload(h, block_payload(h.elements, block as u64, 4, 1))?;
-        Ok(Sign { block })
-    }
-
-    fn decode_payload<const M: u8>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
-        fixed::decode::<Self, M>(self, h, p, out)
+        let c = Sign { block };
+        expect_payload(h, c.layout().payload_len(h.elements))?;
+        Ok(c)
     }
 
     fn is_unbiased(&self) -> bool {
         false
-    }
-
-    fn fixed(&self) -> Option<&dyn FixedRate> {
-        Some(self)
     }
 }
 

@@ -98,10 +98,10 @@ simd_op!(FilterDrawLt { first: u32, key: u32, t: u32, n: usize, idx: &'a mut [u3
     -> (usize, usize) = portable::filter_draw_lt(first, key, t, n, idx));
 
 simd_op!(FeedbackForm { r: &'a mut [f32], g: &'a [f32], beta: f32, gamma: f32 } -> ()
-    = portable::feedback_form(r, g, beta, gamma));
+    = scalar::feedback_form(r, g, beta, gamma));
 simd_op!(FeedbackFormBf16 {
     p: &'a mut [f32], r: &'a [u16], g: &'a [f32], beta: f32, gamma: f32,
-} -> () = portable::feedback_form_bf16(p, r, g, beta, gamma));
+} -> () = scalar::feedback_form_bf16(p, r, g, beta, gamma));
 simd_op!(FeedbackStoreBf16 { r: &'a mut [u16], p: &'a [f32] } -> ()
     = portable::feedback_store_bf16(r, p));
 

@@ -39,20 +39,6 @@ where
 // ---------------------------------------------------------------- error feedback
 
 #[inline(always)]
-pub fn feedback_form(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) {
-    for (r, &g) in r.iter_mut().zip(g) {
-        *r = beta * *r + gamma * g;
-    }
-}
-
-#[inline(always)]
-pub fn feedback_form_bf16(p: &mut [f32], r: &[u16], g: &[f32], beta: f32, gamma: f32) {
-    for ((p, &r), &g) in p.iter_mut().zip(r).zip(g) {
-        *p = beta * scalar::bf16_to_f32(r) + gamma * g;
-    }
-}
-
-#[inline(always)]
 pub fn feedback_store_bf16(r: &mut [u16], p: &[f32]) {
     for (r, &p) in r.iter_mut().zip(p) {
         *r = scalar::residual_bf16(p, f32_to_bf16);

@@ -194,14 +194,17 @@ pub fn decode_u16<const M: u8>(p: &[u8], out: &mut [f32], conv: impl Fn(u16) -> 
 // ---------------------------------------------------------------- error feedback
 
 /// The error-feedback input `r = beta * r + gamma * g`, in place: two rounded products and
-/// a rounded sum, never fused (with `beta = gamma = 1` this is exactly `r + g`).
+/// a rounded sum, never fused (with `beta = gamma = 1` this is exactly `r + g`). Also the
+/// SIMD backends' kernel: it is inlined into each ISA's copy and vectorised there.
+#[inline(always)]
 pub fn feedback_form(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) {
     for (r, &g) in r.iter_mut().zip(g) {
         *r = beta * *r + gamma * g;
     }
 }
 
-/// [`feedback_form`] from a bf16 residual into the f32 tile `p`.
+/// [`feedback_form`] from a bf16 residual into the f32 tile `p` (also the SIMD kernel).
+#[inline(always)]
 pub fn feedback_form_bf16(p: &mut [f32], r: &[u16], g: &[f32], beta: f32, gamma: f32) {
     for ((p, &r), &g) in p.iter_mut().zip(r).zip(g) {
         *p = beta * bf16_to_f32(r) + gamma * g;

@@ -1,0 +1,34 @@
+//! What the criterion benches share: the codec list and the size lists from the
+//! environment.
+
+/// One spec per codec family (and int8's rounding modes, qsgd's widths).
+pub const SPECS: &[&str] = &[
+    "identity",
+    "fp16",
+    "bf16",
+    "int8",
+    "int8:rounding=stochastic",
+    "qsgd:bits=4",
+    "qsgd:bits=8",
+    "sign",
+    "ternary",
+    "natural",
+    "topk:ratio=0.01",
+    "randk:ratio=0.01",
+];
+
+/// Element counts from the comma-separated environment variable `var`, or `default`.
+pub fn sizes(var: &str, default: &[usize]) -> Vec<usize> {
+    std::env::var(var)
+        .ok()
+        .map(|s| {
+            s.split(',')
+                .map(|v| {
+                    v.trim()
+                        .parse()
+                        .unwrap_or_else(|_| panic!("{var}: integers"))
+                })
+                .collect()
+        })
+        .unwrap_or_else(|| default.to_vec())
+}
