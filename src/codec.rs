@@ -318,6 +318,77 @@ impl CodecSpec {
         each_spec!(self, c => c.expected_payload(n as u64)) * 8.0 / n as f64
     }
 
+    /// An upper bound on `|decode(encode(x))[i] - x[i]|` for every element of any slice
+    /// whose values are finite with `|x[i]| <= absmax`, for every seed, from each codec's
+    /// own error analysis (its module docs):
+    ///
+    /// | codec | bound |
+    /// |-------|-------|
+    /// | identity | 0 |
+    /// | fp16 | `2^-11 absmax + 2^-25` (half an ulp; the constant is half the smallest subnormal) |
+    /// | bf16 | `2^-8 absmax` (plus half the smallest f32 subnormal step, negligible) |
+    /// | int8 nearest / stochastic | `absmax / 254` / `absmax / 127` (half a step / a step) |
+    /// | qsgd | `sqrt(block) absmax / s`: below one step of a block L2 norm |
+    /// | sign | `2 absmax`: `x` and `±mean|x|` differ by at most `|x| + mean|x|` |
+    /// | ternary, natural, top-k, random-k (`scale=none`) | `absmax` (a dropped element, or a power-of-two neighbour) |
+    /// | random-k (`scale=unbiased`) | `(1 + 2^-11) absmax / ratio` |
+    ///
+    /// A relative slack of `2^-20` covers the f32 arithmetic of the scales. The bound
+    /// assumes no overflow: it is infinite when `absmax` exceeds the largest finite value
+    /// of the codec's element type (65504 for fp16 and fp16-valued top-k / random-k).
+    /// [`crate::collective::error_bound`] composes it over an all-reduce.
+    pub fn error_bound(&self, absmax: f64) -> f64 {
+        use crate::codecs::{RandKScale, Rounding, ValueType};
+        const FP16_MAX: f64 = 65504.0;
+        const BF16_MAX: f64 = 3.389_531_389_251_535_5e38;
+        let a = absmax.abs();
+        let fp16_values = |v: ValueType| v == ValueType::Fp16;
+        let (factor, add, max) = match self {
+            CodecSpec::Identity(_) => (0.0, 0.0, f64::INFINITY),
+            CodecSpec::Fp16(_) => (2f64.powi(-11), 2f64.powi(-25), FP16_MAX),
+            CodecSpec::Bf16(_) => (2f64.powi(-8), 2f64.powi(-150), BF16_MAX),
+            CodecSpec::Int8(c) => match c.rounding() {
+                Rounding::Nearest => (1.0 / 254.0, 0.0, f64::INFINITY),
+                Rounding::Stochastic => (1.0 / 127.0, 0.0, f64::INFINITY),
+            },
+            CodecSpec::Qsgd(c) => (
+                (c.block() as f64).sqrt() / c.levels() as f64,
+                0.0,
+                f64::INFINITY,
+            ),
+            CodecSpec::Sign(_) => (2.0, 0.0, f64::INFINITY),
+            CodecSpec::Ternary(_) | CodecSpec::Natural(_) => (1.0, 0.0, f64::INFINITY),
+            CodecSpec::TopK(c) => {
+                let max = if fp16_values(c.values()) {
+                    FP16_MAX
+                } else {
+                    f64::INFINITY
+                };
+                (1.0, 2f64.powi(-25), max)
+            }
+            CodecSpec::RandK(c) => {
+                let max = if fp16_values(c.values()) {
+                    FP16_MAX
+                } else {
+                    f64::INFINITY
+                };
+                match c.scale() {
+                    RandKScale::None => (1.0, 2f64.powi(-25), max),
+                    // x / ratio, then rounded: |x / ratio - x| plus half an fp16 ulp.
+                    RandKScale::Unbiased => (
+                        (1.0 + 2f64.powi(-11)) / c.ratio(),
+                        2f64.powi(-25),
+                        max * c.ratio(),
+                    ),
+                }
+            }
+        };
+        if a > max || !a.is_finite() {
+            return f64::INFINITY;
+        }
+        (factor * a + add) * (1.0 + 2f64.powi(-20))
+    }
+
     /// True when the decoded value is an unbiased estimate of the input.
     pub fn unbiased(&self) -> bool {
         {

@@ -154,15 +154,37 @@ pub enum Strategy {
     CompressedRing,
     /// Every rank's whole frame is all-gathered; each rank decodes and sums all of them.
     CompressedAllGather,
+    /// signSGD with majority vote (Bernstein et al. 2018): frames are all-gathered as for
+    /// [`Strategy::CompressedAllGather`], and element `i` of the result is
+    /// `sign(sum_r sign(d_r[i])) * sum_r |d_r[i]|` over the decoded frames `d_r`: the sign
+    /// most ranks sent, with the summed magnitude (so when all ranks agree it equals the
+    /// all-gather sum). A tie gives 0; a NaN in any `d_r[i]` gives NaN. With the `sign`
+    /// codec this is the vote of signSGD scaled by the ranks' block means of `|x|`. Not a
+    /// sum, so never chosen automatically.
+    SignMajority,
 }
 
 impl Strategy {
+    /// Every strategy, in declaration order.
+    pub const ALL: [Strategy; 4] = [
+        Strategy::Fp32Ring,
+        Strategy::CompressedRing,
+        Strategy::CompressedAllGather,
+        Strategy::SignMajority,
+    ];
+
+    /// The strategy whose [`Strategy::name`] is `name`.
+    pub fn from_name(name: &str) -> Option<Strategy> {
+        Strategy::ALL.into_iter().find(|s| s.name() == name)
+    }
+
     /// Short name.
     pub fn name(self) -> &'static str {
         match self {
             Strategy::Fp32Ring => "fp32-ring",
             Strategy::CompressedRing => "ring",
             Strategy::CompressedAllGather => "allgather",
+            Strategy::SignMajority => "majority",
         }
     }
 }
@@ -243,6 +265,11 @@ pub fn allreduce_cost(
             // Encode once, gather p-1 frames, decode_add all p (own included, so every
             // rank sums the same decoded values).
             fixed: (pf - 1.0) * latency_s + input * enc + pf * input * add,
+            bytes: (pf - 1.0) * wire,
+        },
+        Strategy::SignMajority => Cost {
+            // As the all-gather, with a decode and a vote per frame instead of a decode_add.
+            fixed: (pf - 1.0) * latency_s + input * enc + pf * input * dec,
             bytes: (pf - 1.0) * wire,
         },
     }

@@ -124,6 +124,27 @@ pub enum Error {
         /// The codec named by the frame.
         found: CodecId,
     },
+    /// A collective could not exchange a message with a peer: the peer hung up, nothing
+    /// arrived within the transport's timeout, or the engine reported a failure.
+    Transport {
+        /// Rank of the peer.
+        peer: usize,
+        /// What happened.
+        reason: String,
+    },
+    /// A message received from a peer during a collective was rejected: a frame that
+    /// does not decode, or one of the wrong codec or length.
+    Peer {
+        /// Rank that sent the message.
+        peer: usize,
+        /// The phase of the collective (e.g. `"reduce-scatter"`, `"all-gather"`).
+        phase: &'static str,
+        /// What was wrong with it.
+        source: Box<Error>,
+    },
+    /// A collective was asked for something it cannot do (e.g. a rank outside the
+    /// world, or options the ranks must agree on that are inconsistent).
+    Collective(String),
 }
 
 impl fmt::Display for Error {
@@ -200,8 +221,22 @@ impl fmt::Display for Error {
             Error::WrongCodec { expected, found } => {
                 write!(f, "frame is {found}, not {expected}")
             }
+            Error::Transport { peer, reason } => write!(f, "rank {peer}: {reason}"),
+            Error::Peer {
+                peer,
+                phase,
+                source,
+            } => write!(f, "{phase}: message from rank {peer} rejected: {source}"),
+            Error::Collective(reason) => write!(f, "collective: {reason}"),
         }
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Peer { source, .. } => Some(source.as_ref()),
+            _ => None,
+        }
+    }
+}

@@ -56,6 +56,7 @@
 
 pub mod codec;
 pub mod codecs;
+pub mod collective;
 pub mod cost;
 pub mod error;
 pub mod feedback;

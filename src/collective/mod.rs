@@ -1,0 +1,684 @@
+//! Compressed collectives: all-reduce an f32 tensor across ranks with any codec, over any
+//! [`Transport`].
+//!
+//! A [`Transport`] is the smallest surface an engine must offer: its rank, the world
+//! size, and a combined send-to-one / receive-from-another of byte buffers. It knows
+//! nothing about codecs. [`local::Local`] runs a world of threads in one process (tests,
+//! simulation, benchmarks); `mpi::MpiTransport` (feature `mpi`) runs on MPI.
+//!
+//! [`AllReduce`] holds one tensor's collective state (strategy, error-feedback residuals,
+//! buffers) and runs a step with [`AllReduce::run`]. The strategies:
+//!
+//! - [`Strategy::CompressedRing`]: a reduce-scatter whose `p - 1` hops each decode_add the
+//!   incoming frame into the local chunk and re-encode the partial sum, then an all-gather
+//!   that forwards each owner's final frame unchanged; every rank decodes each chunk once.
+//!   Each rank sends `2 (p - 1) / p` of a whole frame.
+//! - [`Strategy::CompressedAllGather`]: every rank's whole frame travels round the ring
+//!   (`p - 1` frames sent per rank); each rank decodes and sums all `p` in rank order.
+//!   What GRACE and DeepSpeed's 1-bit path do; one encode, no re-quantisation.
+//! - [`Strategy::SignMajority`]: signSGD with majority vote (Bernstein et al. 2018),
+//!   described at [`Strategy::SignMajority`] below.
+//! - [`Strategy::Fp32Ring`]: the uncompressed baseline, a ring of identity frames (the
+//!   codec and error feedback are not used).
+//!
+//! [`StrategyChoice::Auto`] picks ring or all-gather with the cost model
+//! ([`crate::cost::best_strategy`]); majority vote changes what is computed, so it is only
+//! used when forced.
+//!
+//! ## Semantics
+//! - Every rank ends with bit-identical output: each value is decoded from the same frame
+//!   bytes, and sums run in the same order on every rank (each backend decodes
+//!   bit-identically, so this holds across CPUs too).
+//! - The error against an exact f32 all-reduce is bounded by [`error_bound`], which
+//!   composes the codec's own bound ([`CodecSpec::error_bound`]) over the re-encodings.
+//! - Any length works, including zero and lengths shorter than or not divisible by the
+//!   world size: chunk `c` of `n` elements is `[c q + min(c, m), ...)` with `n = p q + m`,
+//!   and an empty chunk is a header-only frame.
+//! - Random draws: the encode of a chunk uses the step's seed mixed with the encoding
+//!   rank ([`rank_seed`]) and the chunk's global offset, so rounding noise is independent
+//!   across ranks; random-k uses the step seed alone, so every rank keeps the same
+//!   indices and the ring's partial sums stay k-sparse.
+//! - All ranks must construct their [`AllReduce`] with the same codec, length and options,
+//!   and call `run` with the same seed, in the same order.
+//!
+//! ## Error feedback
+//! [`Feedback::Worker`] keeps a residual for what this rank encodes from its own data:
+//! the whole tensor for the all-gather and majority strategies, and in the ring the
+//! `p - 1` chunks it sends in the reduce-scatter (its own gradient plus the partial sum it
+//! received). [`Feedback::WorkerAndOwner`] adds a residual at each chunk's owner for the
+//! final re-quantisation before the all-gather (as DeepSpeed's 1-bit compressed all-reduce
+//! does at its "server" chunks). With both, every encode of the ring is compensated, and
+//! for `beta = gamma = 1`:
+//! `sum over ranks of (input + old residual) = output + sum over ranks of new residual`
+//! (to f32 rounding): nothing is lost, only delayed.
+//!
+//! ## Faults
+//! A frame from a peer that does not decode, or has the wrong codec or length, gives
+//! [`Error::Peer`] naming the peer and the phase; a peer that stops answering gives the
+//! transport's error ([`Error::Transport`]; the in-process transport has a timeout).
+//! Never a panic. After an error the output is unspecified and the residuals may hold a
+//! partial update: call [`AllReduce::reset_feedback`] before the next step.
+
+pub mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+
+use core::ops::Range;
+
+use crate::codec::{Codec, CodecId, CodecSpec, EncodeCtx};
+use crate::codecs::Identity;
+use crate::cost::{self, CodecProfile};
+use crate::error::{Error, Result};
+use crate::feedback::{ErrorFeedback, FeedbackOptions};
+use crate::wire::HEADER_LEN;
+
+pub use crate::cost::Strategy;
+
+/// What a collective needs from a communication engine.
+///
+/// Ranks are `0..size()`. Messages between an ordered pair of ranks must arrive in the
+/// order they were sent (MPI's non-overtaking rule).
+pub trait Transport {
+    /// This rank, in `0..size()`.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the world.
+    fn size(&self) -> usize;
+
+    /// Send `send` to rank `to` and receive the next message from rank `from` into
+    /// `recv` (replacing its contents). The send must not wait for the matching receive
+    /// to start, so a ring in which every rank calls this at once cannot deadlock.
+    /// A failure names the peer ([`Error::Transport`]).
+    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()>;
+}
+
+impl<T: Transport + ?Sized> Transport for &mut T {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn size(&self) -> usize {
+        (**self).size()
+    }
+    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
+        (**self).send_recv(send, to, recv, from)
+    }
+}
+
+/// What the all-reduce computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReduceOp {
+    /// The sum over ranks.
+    #[default]
+    Sum,
+    /// The sum divided by the world size (after decoding, on every rank alike).
+    Mean,
+}
+
+/// Where error feedback is applied (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Feedback {
+    /// No residuals: each step's compression error is lost.
+    #[default]
+    None,
+    /// A residual for everything this rank encodes from its own data.
+    Worker,
+    /// As `Worker`, plus a residual at each ring chunk's owner for its final encode.
+    /// The same as `Worker` for the all-gather and majority strategies.
+    WorkerAndOwner,
+}
+
+/// How the strategy is chosen.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StrategyChoice {
+    /// The fastest of ring and all-gather by the cost model
+    /// ([`crate::cost::best_strategy`]) on links of this bandwidth and latency, with the
+    /// codec's measured `profile` or, if `None`, its size alone (infinitely fast compute).
+    Auto {
+        /// Link bandwidth, bit/s.
+        bandwidth_bit_s: f64,
+        /// Per-message latency, seconds.
+        latency_s: f64,
+        /// The codec's measured speeds, if known.
+        profile: Option<CodecProfile>,
+    },
+    /// This strategy.
+    Forced(Strategy),
+}
+
+impl Default for StrategyChoice {
+    /// Auto on 10 Gbit/s links with 10 us latency, by codec size alone.
+    fn default() -> Self {
+        StrategyChoice::Auto {
+            bandwidth_bit_s: 10e9,
+            latency_s: 10e-6,
+            profile: None,
+        }
+    }
+}
+
+/// Options of an [`AllReduce`]. Every rank must use the same.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct AllReduceOptions {
+    /// Sum or mean.
+    pub op: ReduceOp,
+    /// Strategy, or how to choose it.
+    pub strategy: StrategyChoice,
+    /// Where error feedback is applied.
+    pub feedback: Feedback,
+    /// The error-feedback weights and residual precision.
+    pub feedback_options: FeedbackOptions,
+}
+
+/// What one [`AllReduce::run`] did on this rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stats {
+    /// The strategy run.
+    pub strategy: Strategy,
+    /// Bytes this rank sent (frames, headers included).
+    pub bytes_sent: u64,
+    /// Messages this rank sent.
+    pub messages: u64,
+}
+
+/// The seed rank `rank` encodes with in a step seeded `seed`: `seed` itself for random-k
+/// (all ranks keep the same indices), otherwise a hash of both (independent rounding
+/// noise on each rank).
+pub fn rank_seed(codec: &CodecSpec, seed: u64, rank: usize) -> u64 {
+    if codec.id() == CodecId::RandK {
+        seed
+    } else {
+        crate::rng::splitmix64(seed ^ crate::rng::splitmix64(rank as u64 + 1))
+    }
+}
+
+/// The element range of chunk `c` when `n` elements are split into `p` chunks: sizes
+/// differ by at most one, larger chunks first.
+pub fn chunk_range(n: usize, p: usize, c: usize) -> Range<usize> {
+    let (q, m) = (n / p, n % p);
+    let start = c * q + c.min(m);
+    start..start + q + usize::from(c < m)
+}
+
+/// An upper bound on `|output[i] - exact[i]|` for an all-reduce (op `Sum`, no error
+/// feedback) of `p` ranks by `strategy` with `codec`, where `sum_absmax` bounds the sum
+/// over ranks of each rank's largest `|input|` in the element's chunk (or in the whole
+/// tensor). `exact` is the exact real sum; the bound includes f32 summation rounding.
+///
+/// - All-gather: each rank's frame is off by at most `E(a_r)` ([`CodecSpec::error_bound`]),
+///   so the sum is off by at most `sum_r E(a_r) <= E(A)` for `A = sum_r a_r` (E is affine).
+/// - Ring: the `p` encodes of a chunk (`p - 1` hops and the owner's) each see a partial sum
+///   bounded by `A` plus the error so far, `M_h <= M_{h-1} + E(A + M_{h-1})`.
+/// - Majority vote: the output is `±sum_r |d_r|`, within `sum_r (|d_r| + |x_r|)`, at most
+///   `A + sum_r (a_r + E(a_r))` of the exact sum.
+/// - Fp32 ring: f32 summation rounding only.
+pub fn error_bound(codec: &CodecSpec, strategy: Strategy, p: usize, sum_absmax: f64) -> f64 {
+    let a = sum_absmax.abs();
+    let pf = p.max(1) as f64;
+    // f32 rounding of p - 1 additions of values bounded by A (plus the decoded errors).
+    let rounding = |m: f64| pf * f64::from(f32::EPSILON) * (a + m);
+    match strategy {
+        Strategy::Fp32Ring => rounding(0.0),
+        Strategy::CompressedAllGather => {
+            let e = codec.error_bound(a);
+            e + rounding(e)
+        }
+        Strategy::CompressedRing => {
+            let mut m = 0.0;
+            for _ in 0..p.max(1) {
+                m += codec.error_bound(a + m) + f64::from(f32::EPSILON) * (a + m);
+            }
+            m + rounding(m)
+        }
+        Strategy::SignMajority => {
+            let e = codec.error_bound(a);
+            2.0 * a + e + rounding(a + e)
+        }
+    }
+}
+
+/// The state of one tensor's compressed all-reduce on one rank (see the module docs).
+///
+/// ```
+/// use gradpack::collective::{AllReduce, AllReduceOptions, local};
+///
+/// let n = 1000;
+/// let results = local::run(4, None, |mut t| {
+///     let rank = gradpack::collective::Transport::rank(&t);
+///     let grad: Vec<f32> = (0..n).map(|i| ((i + rank) as f32 * 0.1).sin()).collect();
+///     let codec = "int8".parse::<gradpack::CodecSpec>()?;
+///     let mut ar = AllReduce::new(codec, n, &t, AllReduceOptions::default())?;
+///     let mut sum = vec![0.0f32; n];
+///     ar.run(&mut t, &grad, &mut sum, 7)?;
+///     Ok(sum)
+/// });
+/// let sums: Vec<Vec<f32>> = results.into_iter().collect::<Result<_, _>>()?;
+/// assert!(sums.iter().all(|s| s == &sums[0])); // identical on every rank
+/// # Ok::<(), gradpack::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct AllReduce {
+    codec: CodecSpec,
+    opts: AllReduceOptions,
+    strategy: Strategy,
+    len: usize,
+    rank: usize,
+    size: usize,
+    /// Ring: one residual per chunk this rank encodes (`None` for unfed ones).
+    /// All-gather and majority: one for the whole tensor at index 0.
+    residuals: Vec<Option<ErrorFeedback>>,
+    /// Encode buffer (`max_frame` bytes).
+    enc: Vec<u8>,
+    /// Message buffers.
+    a: Vec<u8>,
+    b: Vec<u8>,
+    /// All-gather and majority: every rank's frame.
+    frames: Vec<Vec<u8>>,
+    /// Majority: a decoded frame and the votes.
+    decoded: Vec<f32>,
+    votes: Vec<i32>,
+}
+
+impl AllReduce {
+    /// The state for all-reducing tensors of `len` elements with `codec` on the world of
+    /// `transport`. Errors if the options ask for something the codec cannot do (error
+    /// feedback the codec refuses, see [`ErrorFeedback::with_options`]) or the transport's
+    /// rank is outside its world.
+    pub fn new<T: Transport + ?Sized>(
+        codec: impl Into<CodecSpec>,
+        len: usize,
+        transport: &T,
+        opts: AllReduceOptions,
+    ) -> Result<AllReduce> {
+        let codec: CodecSpec = codec.into();
+        let (rank, size) = (transport.rank(), transport.size());
+        if size == 0 || rank >= size {
+            return Err(Error::Collective(format!(
+                "transport reports rank {rank} in a world of {size}"
+            )));
+        }
+        let strategy = match &opts.strategy {
+            StrategyChoice::Forced(s) => *s,
+            StrategyChoice::Auto {
+                bandwidth_bit_s,
+                latency_s,
+                profile,
+            } => {
+                let profile = profile.clone().unwrap_or_else(|| {
+                    let n = len.max(1);
+                    let bits = codec.bits_per_element(n) + (HEADER_LEN * 8) as f64 / n as f64;
+                    CodecProfile::nominal(codec.to_string(), bits)
+                });
+                let cluster = cost::Cluster {
+                    nodes: size as u32,
+                    bandwidth_bit_s: *bandwidth_bit_s,
+                    latency_s: *latency_s,
+                };
+                if rescales_on_reencode(&codec) {
+                    Strategy::CompressedAllGather
+                } else {
+                    cost::best_strategy(&profile, &cluster, len as f64, f64::INFINITY).0
+                }
+            }
+        };
+        if strategy == Strategy::CompressedRing && rescales_on_reencode(&codec) {
+            return Err(Error::Param {
+                codec: codec.id(),
+                name: "scale",
+                reason: "random-k with scale=unbiased multiplies the kept values by 1/ratio \
+                         at every encode, so the ring's re-encoded partial sums would be \
+                         scaled p times; use scale=none, or the all-gather strategy"
+                    .into(),
+            });
+        }
+        let codec = codec_of(codec, strategy);
+        let feedback = if strategy == Strategy::Fp32Ring {
+            Feedback::None
+        } else {
+            opts.feedback
+        };
+        let ef = |n: usize| ErrorFeedback::with_options(codec, n, opts.feedback_options);
+        let mut residuals = Vec::new();
+        let mut max_frame = 0;
+        match (strategy, feedback) {
+            (Strategy::Fp32Ring | Strategy::CompressedRing, _) => {
+                for c in 0..size {
+                    let n = chunk_range(len, size, c).len();
+                    max_frame = max_frame.max(codec.max_encoded_len(n));
+                    let fed = match feedback {
+                        Feedback::None => false,
+                        Feedback::Worker => c != rank,
+                        Feedback::WorkerAndOwner => true,
+                    };
+                    residuals.push(if fed { Some(ef(n)?) } else { None });
+                }
+            }
+            (_, fb) => {
+                max_frame = codec.max_encoded_len(len);
+                if fb != Feedback::None {
+                    residuals.push(Some(ef(len)?));
+                }
+            }
+        }
+        let gathers = matches!(
+            strategy,
+            Strategy::CompressedAllGather | Strategy::SignMajority
+        );
+        let majority = strategy == Strategy::SignMajority;
+        Ok(AllReduce {
+            codec,
+            opts,
+            strategy,
+            len,
+            rank,
+            size,
+            residuals,
+            enc: vec![0; max_frame],
+            a: Vec::new(),
+            b: Vec::new(),
+            frames: if gathers {
+                vec![Vec::new(); size]
+            } else {
+                Vec::new()
+            },
+            decoded: if majority { vec![0.0; len] } else { Vec::new() },
+            votes: if majority { vec![0; len] } else { Vec::new() },
+        })
+    }
+
+    /// The strategy in use (resolved if it was [`StrategyChoice::Auto`]).
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
+    /// The codec frames are encoded with (identity for [`Strategy::Fp32Ring`]).
+    pub fn codec(&self) -> CodecSpec {
+        self.codec
+    }
+
+    /// The options.
+    pub fn options(&self) -> &AllReduceOptions {
+        &self.opts
+    }
+
+    /// Elements per tensor.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for zero-length tensors.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Zero every residual.
+    pub fn reset_feedback(&mut self) {
+        self.residuals.iter_mut().flatten().for_each(|r| r.reset());
+    }
+
+    /// This rank's residuals as one tensor (zero where none is kept): chunk `c` of the
+    /// ring's residuals at the chunk's elements.
+    pub fn residual_f32(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.len];
+        let ring = matches!(self.strategy, Strategy::CompressedRing | Strategy::Fp32Ring);
+        for (c, r) in self.residuals.iter().enumerate() {
+            if let Some(r) = r {
+                let range = if ring {
+                    chunk_range(self.len, self.size, c)
+                } else {
+                    0..self.len
+                };
+                out[range].copy_from_slice(&r.residual_f32());
+            }
+        }
+        out
+    }
+
+    /// Bytes of state held: residuals and buffers.
+    pub fn memory_bytes(&self) -> usize {
+        let ef: usize = self
+            .residuals
+            .iter()
+            .flatten()
+            .map(|r| r.memory_bytes())
+            .sum();
+        ef + self.enc.capacity()
+            + self.a.capacity()
+            + self.b.capacity()
+            + self.frames.iter().map(Vec::capacity).sum::<usize>()
+            + 4 * (self.decoded.capacity() + self.votes.capacity())
+    }
+
+    /// One all-reduce: `output` gets the reduction over all ranks of their `input`
+    /// (both of [`AllReduce::len`] elements; `input` is not modified). `seed` seeds the
+    /// step's random draws and must be the same on every rank (change it every step).
+    pub fn run<T: Transport + ?Sized>(
+        &mut self,
+        transport: &mut T,
+        input: &[f32],
+        output: &mut [f32],
+        seed: u64,
+    ) -> Result<Stats> {
+        for (what, got) in [
+            ("input and all-reduce length", input.len()),
+            ("output and all-reduce length", output.len()),
+        ] {
+            if got != self.len {
+                return Err(Error::LengthMismatch {
+                    what,
+                    left: got,
+                    right: self.len,
+                });
+            }
+        }
+        if transport.rank() != self.rank || transport.size() != self.size {
+            return Err(Error::Collective(format!(
+                "transport is rank {} of {}, but this all-reduce was built for rank {} of {}",
+                transport.rank(),
+                transport.size(),
+                self.rank,
+                self.size
+            )));
+        }
+        let mut stats = Stats {
+            strategy: self.strategy,
+            bytes_sent: 0,
+            messages: 0,
+        };
+        let ctx = EncodeCtx::new(rank_seed(&self.codec, seed, self.rank));
+        match self.strategy {
+            Strategy::Fp32Ring | Strategy::CompressedRing => {
+                self.ring(transport, input, output, ctx, &mut stats)?
+            }
+            Strategy::CompressedAllGather => {
+                self.gather(transport, input, ctx, &mut stats)?;
+                self.sum_frames(output)?;
+            }
+            Strategy::SignMajority => {
+                self.gather(transport, input, ctx, &mut stats)?;
+                self.vote(output)?;
+            }
+        }
+        if self.opts.op == ReduceOp::Mean && self.size > 1 {
+            let p = self.size as f32;
+            output.iter_mut().for_each(|x| *x /= p);
+        }
+        Ok(stats)
+    }
+
+    /// Encode `x` (chunk `c`, starting at global element `offset`) into `self.enc`,
+    /// through chunk `c`'s residual if it has one. Returns the frame length.
+    fn encode(&mut self, slot: usize, x: &[f32], ctx: EncodeCtx) -> Result<usize> {
+        match self.residuals.get_mut(slot).and_then(Option::as_mut) {
+            Some(ef) => ef.encode_into(x, &ctx, &mut self.enc),
+            None => self.codec.encode_into(x, &ctx, &mut self.enc),
+        }
+    }
+
+    fn ring<T: Transport + ?Sized>(
+        &mut self,
+        t: &mut T,
+        input: &[f32],
+        output: &mut [f32],
+        ctx: EncodeCtx,
+        stats: &mut Stats,
+    ) -> Result<()> {
+        let (n, p, r) = (self.len, self.size, self.rank);
+        let (right, left) = ((r + 1) % p, (r + p - 1) % p);
+        let range = |c: usize| chunk_range(n, p, c);
+        let at = |c: usize| ctx.with_offset(range(c).start as u64);
+        // Reduce-scatter: at step s send chunk r-s-1 and receive chunk r-s-2, so rank r
+        // ends owning chunk r. The chunk sent at step s > 0 is the one received at s - 1.
+        for s in 0..p - 1 {
+            let send_c = (r + 2 * p - s - 1) % p;
+            let recv_c = (r + 2 * p - s - 2) % p;
+            let src = if s == 0 { input } else { &*output };
+            let len = self.encode(send_c, &src[range(send_c)], at(send_c))?;
+            exchange(t, &self.enc[..len], right, &mut self.a, left, stats)?;
+            let acc = &mut output[range(recv_c)];
+            acc.copy_from_slice(&input[range(recv_c)]);
+            self.codec
+                .decode_add(&self.a, acc)
+                .map_err(|e| peer_error(left, "reduce-scatter", e))?;
+        }
+        // The owner's encode of its fully reduced chunk, decoded here as everywhere.
+        let own = range(r);
+        let src = if p == 1 { input } else { &*output };
+        let len = self.encode(r, &src[own.clone()], at(r))?;
+        self.codec.decode_into(&self.enc[..len], &mut output[own])?;
+        // All-gather: forward frames unchanged; at step s send chunk r-s, receive r-s-1.
+        self.b.clear();
+        self.b.extend_from_slice(&self.enc[..len]);
+        for s in 0..p - 1 {
+            let recv_c = (r + 2 * p - s - 1) % p;
+            exchange(t, &self.b, right, &mut self.a, left, stats)?;
+            self.codec
+                .decode_into(&self.a, &mut output[range(recv_c)])
+                .map_err(|e| peer_error(left, "all-gather", e))?;
+            core::mem::swap(&mut self.a, &mut self.b);
+        }
+        Ok(())
+    }
+
+    /// Encode the whole input and ring-all-gather every rank's frame into `self.frames`,
+    /// checking each header (codec, length) on arrival.
+    fn gather<T: Transport + ?Sized>(
+        &mut self,
+        t: &mut T,
+        input: &[f32],
+        ctx: EncodeCtx,
+        stats: &mut Stats,
+    ) -> Result<()> {
+        let (p, r) = (self.size, self.rank);
+        let (right, left) = ((r + 1) % p, (r + p - 1) % p);
+        let len = self.encode(0, input, ctx)?;
+        self.frames[r].clear();
+        self.frames[r].extend_from_slice(&self.enc[..len]);
+        for s in 0..p - 1 {
+            let (send_q, recv_q) = ((r + p - s) % p, (r + 2 * p - s - 1) % p);
+            let mut got = core::mem::take(&mut self.frames[recv_q]);
+            let res = exchange(t, &self.frames[send_q], right, &mut got, left, stats);
+            self.frames[recv_q] = got;
+            res?;
+            let h = crate::wire::Header::parse(&self.frames[recv_q])
+                .map_err(|e| peer_error(left, "all-gather", e))?;
+            let problem = if h.codec != self.codec.id() {
+                Some(Error::WrongCodec {
+                    expected: self.codec.id(),
+                    found: h.codec,
+                })
+            } else if h.elements != self.len as u64 {
+                Some(Error::OutputLength {
+                    expected: h.elements,
+                    got: self.len,
+                })
+            } else {
+                None
+            };
+            if let Some(e) = problem {
+                return Err(peer_error(left, "all-gather", e));
+            }
+        }
+        Ok(())
+    }
+
+    /// `output = sum of every rank's decoded frame`, in rank order.
+    fn sum_frames(&mut self, output: &mut [f32]) -> Result<()> {
+        let left = (self.rank + self.size - 1) % self.size;
+        for (q, frame) in self.frames.iter().enumerate() {
+            let res = if q == 0 {
+                self.codec.decode_into(frame, output)
+            } else {
+                self.codec.decode_add(frame, output)
+            };
+            res.map_err(|e| peer_error(left, "all-gather", e))?;
+        }
+        Ok(())
+    }
+
+    /// Majority vote over every rank's decoded frame (see [`Strategy::SignMajority`]):
+    /// `output[i] = sign(votes) * sum_r |d_r[i]|`, 0 on a tie, NaN if any `d_r[i]` is NaN.
+    fn vote(&mut self, output: &mut [f32]) -> Result<()> {
+        let left = (self.rank + self.size - 1) % self.size;
+        output.fill(0.0);
+        self.votes.fill(0);
+        for frame in &self.frames {
+            self.codec
+                .decode_into(frame, &mut self.decoded)
+                .map_err(|e| peer_error(left, "all-gather", e))?;
+            for ((v, m), &d) in self
+                .votes
+                .iter_mut()
+                .zip(output.iter_mut())
+                .zip(&self.decoded)
+            {
+                *v += i32::from(d > 0.0) - i32::from(d < 0.0);
+                *m += d.abs();
+            }
+        }
+        for (m, &v) in output.iter_mut().zip(&self.votes) {
+            *m = match v.signum() {
+                1 => *m,
+                -1 => -*m,
+                // A tie keeps a NaN visible (NaN * 0 = NaN) and is 0 otherwise.
+                _ => *m * 0.0,
+            };
+        }
+        Ok(())
+    }
+}
+
+/// Random-k with `scale=unbiased`: re-encoding a decoded frame rescales it again.
+fn rescales_on_reencode(codec: &CodecSpec) -> bool {
+    matches!(codec, CodecSpec::RandK(rk) if rk.scale() == crate::codecs::RandKScale::Unbiased)
+}
+
+/// The codec frames are encoded with: identity for the fp32 ring.
+fn codec_of(codec: CodecSpec, strategy: Strategy) -> CodecSpec {
+    if strategy == Strategy::Fp32Ring {
+        CodecSpec::Identity(Identity)
+    } else {
+        codec
+    }
+}
+
+fn exchange<T: Transport + ?Sized>(
+    t: &mut T,
+    send: &[u8],
+    to: usize,
+    recv: &mut Vec<u8>,
+    from: usize,
+    stats: &mut Stats,
+) -> Result<()> {
+    t.send_recv(send, to, recv, from)?;
+    stats.bytes_sent += send.len() as u64;
+    stats.messages += 1;
+    Ok(())
+}
+
+fn peer_error(peer: usize, phase: &'static str, e: Error) -> Error {
+    Error::Peer {
+        peer,
+        phase,
+        source: Box::new(e),
+    }
+}

@@ -1,0 +1,581 @@
+//! Compressed collectives on the in-process transport: bit-identical results on every
+//! rank and equal to a sequential reference built from the plain codec API; the error
+//! against an exact sum within `collective::error_bound`; the error-feedback sum
+//! invariant; lengths 0, below, at and above the world size; faults (corrupt, truncated
+//! and foreign frames, a silent peer, a peer that leaves) as errors naming the peer.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use gradpack::collective::{
+    AllReduce, AllReduceOptions, Feedback, ReduceOp, Stats, Strategy, StrategyChoice, Transport,
+    chunk_range, error_bound, local, rank_seed,
+};
+use gradpack::{Codec, CodecSpec, EncodeCtx, Error, Result};
+
+const STRATEGIES: [Strategy; 4] = [
+    Strategy::CompressedRing,
+    Strategy::CompressedAllGather,
+    Strategy::SignMajority,
+    Strategy::Fp32Ring,
+];
+
+fn opts(strategy: Strategy, op: ReduceOp, feedback: Feedback) -> AllReduceOptions {
+    AllReduceOptions {
+        op,
+        strategy: StrategyChoice::Forced(strategy),
+        feedback,
+        ..Default::default()
+    }
+}
+
+/// Rank `r`'s input: distinct data per rank, scales varying along the tensor, all within
+/// fp16 range (so every codec's bound is finite).
+fn input(n: usize, rank: usize) -> Vec<f32> {
+    sample(n, 1000 + rank as u32)
+        .into_iter()
+        .map(|x| if x.abs() > 1e3 { x * 1e-36 } else { x })
+        .collect()
+}
+
+/// One rank's outputs of every step, its last stats, and its residual after the last step.
+type RankRun = (Vec<Vec<f32>>, Stats, Vec<f32>);
+
+/// A way to damage a message.
+type Damage = fn(&mut Vec<u8>);
+
+/// Run `steps` all-reduces of `inputs` on an in-process world; per rank, the outputs of
+/// every step and the last stats.
+fn run_world(
+    codec: CodecSpec,
+    o: &AllReduceOptions,
+    inputs: &[Vec<f32>],
+    steps: u64,
+) -> Vec<Result<RankRun>> {
+    let n = inputs[0].len();
+    local::run(inputs.len(), Some(Duration::from_secs(30)), |mut t| {
+        let mut ar = AllReduce::new(codec, n, &t, o.clone())?;
+        let x = &inputs[t.rank()];
+        let mut outs = Vec::new();
+        let mut stats = None;
+        for step in 0..steps {
+            let mut out = vec![f32::NAN; n];
+            stats = Some(ar.run(&mut t, x, &mut out, 11 + step)?);
+            outs.push(out);
+        }
+        Ok((outs, stats.unwrap(), ar.residual_f32()))
+    })
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// The sequential definition of one step without error feedback, from the codec API.
+fn reference(
+    codec: &CodecSpec,
+    s: Strategy,
+    op: ReduceOp,
+    inputs: &[Vec<f32>],
+    seed: u64,
+) -> Vec<f32> {
+    let (p, n) = (inputs.len(), inputs[0].len());
+    let codec = if s == Strategy::Fp32Ring {
+        "identity".parse().unwrap()
+    } else {
+        *codec
+    };
+    let ctx = |r: usize, off: usize| EncodeCtx {
+        seed: rank_seed(&codec, seed, r),
+        offset: off as u64,
+    };
+    let mut out = vec![0.0f32; n];
+    match s {
+        Strategy::CompressedRing | Strategy::Fp32Ring => {
+            for c in 0..p {
+                let range = chunk_range(n, p, c);
+                // Chunk c starts at rank c+1 and travels right, ending at its owner c.
+                let first = (c + 1) % p;
+                let mut frame = codec
+                    .encode(&inputs[first][range.clone()], &ctx(first, range.start))
+                    .unwrap();
+                for h in 1..p {
+                    let q = (c + 1 + h) % p;
+                    let mut acc = inputs[q][range.clone()].to_vec();
+                    codec.decode_add(&frame, &mut acc).unwrap();
+                    frame = codec.encode(&acc, &ctx(q, range.start)).unwrap();
+                }
+                codec.decode_into(&frame, &mut out[range]).unwrap();
+            }
+        }
+        Strategy::CompressedAllGather => {
+            for (r, x) in inputs.iter().enumerate() {
+                let frame = codec.encode(x, &ctx(r, 0)).unwrap();
+                if r == 0 {
+                    codec.decode_into(&frame, &mut out).unwrap();
+                } else {
+                    codec.decode_add(&frame, &mut out).unwrap();
+                }
+            }
+        }
+        Strategy::SignMajority => {
+            let mut votes = vec![0i32; n];
+            for (r, x) in inputs.iter().enumerate() {
+                let d = codec.decode(&codec.encode(x, &ctx(r, 0)).unwrap()).unwrap();
+                for i in 0..n {
+                    votes[i] += (d[i] > 0.0) as i32 - (d[i] < 0.0) as i32;
+                    out[i] += d[i].abs();
+                }
+            }
+            for i in 0..n {
+                out[i] = match votes[i].signum() {
+                    1 => out[i],
+                    -1 => -out[i],
+                    _ => out[i] * 0.0,
+                };
+            }
+        }
+    }
+    if op == ReduceOp::Mean && p > 1 {
+        out.iter_mut().for_each(|x| *x /= p as f32);
+    }
+    out
+}
+
+/// The ring refuses random-k with `scale=unbiased` (it would rescale at every hop).
+fn refused(codec: &CodecSpec, s: Strategy) -> bool {
+    let w = local::Local::world(2);
+    match AllReduce::new(*codec, 10, &w[0], opts(s, ReduceOp::Sum, Feedback::None)) {
+        Ok(_) => false,
+        Err(e) => {
+            assert!(
+                s == Strategy::CompressedRing && codec.to_string().contains("scale=unbiased"),
+                "{codec} {}: {e}",
+                s.name()
+            );
+            true
+        }
+    }
+}
+
+fn collective_specs() -> Vec<CodecSpec> {
+    let mut v = specs();
+    v.push("qsgd:bits=4,block=7".parse().unwrap());
+    v
+}
+
+#[test]
+fn every_rank_identical_and_equal_to_sequential_reference() {
+    let specs = collective_specs();
+    for p in [1usize, 2, 3, 5, 8, 16] {
+        let mut lens = vec![0, 1, p.saturating_sub(1), p + 1, 1000, 4099];
+        lens.sort_unstable();
+        lens.dedup();
+        for &n in &lens {
+            let inputs: Vec<Vec<f32>> = (0..p).map(|r| input(n, r)).collect();
+            for codec in &specs {
+                for s in STRATEGIES {
+                    // The 16-rank world runs every strategy on a few codecs only.
+                    if p == 16
+                        && !["int8:block=64", "topk:ratio=0.1,values=f32", "sign:block=3"]
+                            .contains(&codec.to_string().as_str())
+                    {
+                        continue;
+                    }
+                    if refused(codec, s) {
+                        continue;
+                    }
+                    let op = if n % 2 == 0 {
+                        ReduceOp::Sum
+                    } else {
+                        ReduceOp::Mean
+                    };
+                    let res = run_world(*codec, &opts(s, op, Feedback::None), &inputs, 1);
+                    let want = bits(&reference(codec, s, op, &inputs, 11));
+                    for (r, res) in res.into_iter().enumerate() {
+                        let (outs, stats, _) = res.unwrap_or_else(|e| {
+                            panic!("{codec} {} p={p} n={n} rank {r}: {e}", s.name())
+                        });
+                        assert_eq!(stats.strategy, s);
+                        assert!(
+                            bits(&outs[0]) == want,
+                            "{codec} {} p={p} n={n}: rank {r} differs from the reference",
+                            s.name()
+                        );
+                        let msgs = match s {
+                            Strategy::CompressedRing | Strategy::Fp32Ring => 2 * (p - 1),
+                            _ => p - 1,
+                        };
+                        assert_eq!(stats.messages, msgs as u64);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn error_within_bound_of_exact_sum() {
+    for codec in collective_specs() {
+        for s in [
+            Strategy::CompressedRing,
+            Strategy::CompressedAllGather,
+            Strategy::SignMajority,
+            Strategy::Fp32Ring,
+        ] {
+            if refused(&codec, s) {
+                continue;
+            }
+            for p in [2usize, 3, 4, 7] {
+                let n = 3000;
+                let inputs: Vec<Vec<f32>> = (0..p).map(|r| input(n, r)).collect();
+                let res = run_world(codec, &opts(s, ReduceOp::Sum, Feedback::None), &inputs, 1);
+                let out = &res[0].as_ref().unwrap().0[0];
+                // Per chunk: the sum over ranks of each rank's largest |x| in the chunk.
+                for c in 0..p {
+                    let range = if matches!(s, Strategy::CompressedRing | Strategy::Fp32Ring) {
+                        chunk_range(n, p, c)
+                    } else {
+                        0..n
+                    };
+                    let a: f64 = inputs
+                        .iter()
+                        .map(|x| {
+                            x[range.clone()]
+                                .iter()
+                                .fold(0f64, |m, v| m.max(v.abs() as f64))
+                        })
+                        .sum();
+                    let bound = error_bound(&codec, s, p, a);
+                    for i in range {
+                        let exact: f64 = inputs.iter().map(|x| x[i] as f64).sum();
+                        let e = (out[i] as f64 - exact).abs();
+                        assert!(
+                            e <= bound,
+                            "{codec} {} p={p}: element {i}: error {e:e} above bound {bound:e}",
+                            s.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn codec_error_bound_holds_for_one_round_trip() {
+    for codec in collective_specs() {
+        for salt in 0..8 {
+            let x = input(2000, salt);
+            let d = codec
+                .decode(&codec.encode(&x, &EncodeCtx::new(salt as u64)).unwrap())
+                .unwrap();
+            let a = x.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
+            let bound = codec.error_bound(a);
+            for i in 0..x.len() {
+                let e = (x[i] as f64 - d[i] as f64).abs();
+                assert!(e <= bound, "{codec}: element {i}: {e:e} > {bound:e}");
+            }
+        }
+    }
+    let fp16: CodecSpec = "fp16".parse().unwrap();
+    assert_eq!(fp16.error_bound(70000.0), f64::INFINITY);
+}
+
+#[test]
+fn feedback_sum_invariant() {
+    // With residuals at every encode, sum_r (x_r + old residual_r) = output + sum_r new
+    // residual_r, to f32 rounding.
+    for spec in [
+        "int8:block=64",
+        "sign:block=64",
+        "qsgd:bits=2,block=64",
+        "topk:ratio=0.1",
+    ] {
+        let codec: CodecSpec = spec.parse().unwrap();
+        for s in [Strategy::CompressedRing, Strategy::CompressedAllGather] {
+            let (p, n) = (4usize, 2500);
+            let inputs: Vec<Vec<f32>> = (0..p).map(|r| input(n, r)).collect();
+            let steps = 3;
+            let o = opts(s, ReduceOp::Sum, Feedback::WorkerAndOwner);
+            // Residuals after k steps, for k = 0..=steps, come from runs of k steps.
+            let mut prev = vec![vec![0.0f32; n]; p];
+            for k in 1..=steps {
+                let res = run_world(codec, &o, &inputs, k);
+                let out = &res[0].as_ref().unwrap().0[(k - 1) as usize];
+                let next: Vec<Vec<f32>> =
+                    res.iter().map(|r| r.as_ref().unwrap().2.clone()).collect();
+                for i in 0..n {
+                    let lhs: f64 = (0..p)
+                        .map(|r| inputs[r][i] as f64 + prev[r][i] as f64)
+                        .sum();
+                    let rhs: f64 = out[i] as f64 + (0..p).map(|r| next[r][i] as f64).sum::<f64>();
+                    let scale: f64 = (0..p)
+                        .map(|r| {
+                            inputs[r][i].abs() as f64
+                                + prev[r][i].abs() as f64
+                                + next[r][i].abs() as f64
+                        })
+                        .sum::<f64>()
+                        + out[i].abs() as f64;
+                    let tol = 4.0 * p as f64 * f32::EPSILON as f64 * scale + 1e-44;
+                    assert!(
+                        (lhs - rhs).abs() <= tol,
+                        "{spec} {} step {k} element {i}: {lhs:e} vs {rhs:e}",
+                        s.name()
+                    );
+                }
+                prev = next;
+            }
+            // Feedback actually carries something.
+            assert!(prev.iter().any(|r| r.iter().any(|&v| v != 0.0)), "{spec}");
+        }
+    }
+}
+
+#[test]
+fn worker_feedback_keeps_no_owner_residual() {
+    let codec: CodecSpec = "int8".parse().unwrap();
+    let (p, n) = (3, 999);
+    let inputs: Vec<Vec<f32>> = (0..p).map(|r| input(n, r)).collect();
+    let res = run_world(
+        codec,
+        &opts(Strategy::CompressedRing, ReduceOp::Sum, Feedback::Worker),
+        &inputs,
+        1,
+    );
+    for (r, res) in res.iter().enumerate() {
+        let resid = &res.as_ref().unwrap().2;
+        for c in 0..p {
+            let nonzero = resid[chunk_range(n, p, c)].iter().any(|&v| v != 0.0);
+            assert_eq!(nonzero, c != r, "rank {r} chunk {c}");
+        }
+    }
+}
+
+#[test]
+fn auto_strategy_follows_the_cost_model() {
+    let codec: CodecSpec = "int8".parse().unwrap();
+    let auto = |lat: f64| AllReduceOptions {
+        strategy: StrategyChoice::Auto {
+            bandwidth_bit_s: 10e9,
+            latency_s: lat,
+            profile: None,
+        },
+        ..Default::default()
+    };
+    let worlds = local::Local::world(8);
+    // A large tensor: the ring sends 2/p of the all-gather's bytes.
+    let big = AllReduce::new(codec, 1 << 22, &worlds[0], auto(1e-6)).unwrap();
+    assert_eq!(big.strategy(), Strategy::CompressedRing);
+    // A tiny tensor on slow-latency links: half the messages wins.
+    let small = AllReduce::new(codec, 64, &worlds[0], auto(1e-3)).unwrap();
+    assert_eq!(small.strategy(), Strategy::CompressedAllGather);
+}
+
+#[test]
+fn argument_errors() {
+    let codec: CodecSpec = "int8".parse().unwrap();
+    let res = local::run(2, Some(Duration::from_secs(5)), |mut t| {
+        let mut ar = AllReduce::new(codec, 10, &t, AllReduceOptions::default())?;
+        let mut out = vec![0.0; 9];
+        let e = ar.run(&mut t, &[0.0; 10], &mut out, 0).unwrap_err();
+        assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
+        let e = ar.run(&mut t, &[0.0; 11], &mut [0.0; 10], 0).unwrap_err();
+        assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
+        Ok(())
+    });
+    assert!(res.iter().all(|r| r.is_ok()));
+    // Feedback a codec refuses.
+    let w = local::Local::world(2);
+    let rk: CodecSpec = "randk:ratio=0.1,scale=unbiased".parse().unwrap();
+    let e = AllReduce::new(
+        rk,
+        10,
+        &w[0],
+        opts(Strategy::CompressedRing, ReduceOp::Sum, Feedback::Worker),
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::Param { name: "scale", .. }), "{e}");
+}
+
+/// A transport that damages the messages one rank sends.
+struct Faulty<F: FnMut(&mut Vec<u8>)> {
+    inner: local::Local,
+    damage: F,
+}
+
+impl<F: FnMut(&mut Vec<u8>)> Transport for Faulty<F> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
+        let mut msg = send.to_vec();
+        (self.damage)(&mut msg);
+        self.inner.send_recv(&msg, to, recv, from)
+    }
+}
+
+/// Run a 4-rank all-reduce where rank 1's messages pass through `damage`; returns every
+/// rank's result.
+fn with_fault(spec: &str, s: Strategy, damage: Damage) -> Vec<Result<Stats>> {
+    let codec: CodecSpec = spec.parse().unwrap();
+    let n = 1000;
+    local::run(4, Some(Duration::from_secs(5)), |t| {
+        let rank = t.rank();
+        let mut ar = AllReduce::new(codec, n, &t, opts(s, ReduceOp::Sum, Feedback::None))?;
+        let x = input(n, rank);
+        let mut out = vec![0.0; n];
+        if rank == 1 {
+            let mut t = Faulty { inner: t, damage };
+            ar.run(&mut t, &x, &mut out, 0)
+        } else {
+            let mut t = t;
+            ar.run(&mut t, &x, &mut out, 0)
+        }
+    })
+}
+
+#[test]
+fn damaged_frames_are_errors_naming_the_peer() {
+    let cases: [(&str, Damage); 5] = [
+        ("header byte flipped", |m| m[9] ^= 0x40),
+        ("truncated", |m| m.truncate(m.len() - 3)),
+        ("empty", |m| m.clear()),
+        ("garbage", |m| m.iter_mut().for_each(|b| *b = 0xA5)),
+        ("trailing byte", |m| m.push(0)),
+    ];
+    for spec in ["int8", "topk:ratio=0.1"] {
+        for s in [
+            Strategy::CompressedRing,
+            Strategy::CompressedAllGather,
+            Strategy::SignMajority,
+        ] {
+            for (what, damage) in cases {
+                let res = with_fault(spec, s, damage);
+                // Rank 2 receives from rank 1: its error names rank 1 and the problem.
+                match &res[2] {
+                    Err(Error::Peer {
+                        peer: 1,
+                        phase,
+                        source,
+                    }) => {
+                        assert!(!phase.is_empty());
+                        let msg = source.to_string();
+                        assert!(!msg.is_empty());
+                    }
+                    other => panic!("{spec} {} {what}: rank 2 got {other:?}", s.name()),
+                }
+                // No rank succeeded with damaged data on its path, and none hung.
+                assert!(res[2].is_err());
+            }
+        }
+    }
+}
+
+#[test]
+fn frames_of_another_codec_or_length_are_refused() {
+    // Rank 1 runs with a different codec: its neighbours refuse its frames.
+    let n = 500;
+    let res = local::run(3, Some(Duration::from_secs(5)), |mut t| {
+        let spec = if t.rank() == 1 { "fp16" } else { "int8" };
+        let codec: CodecSpec = spec.parse().unwrap();
+        let o = opts(Strategy::CompressedAllGather, ReduceOp::Sum, Feedback::None);
+        let mut ar = AllReduce::new(codec, n, &t, o)?;
+        ar.run(&mut t, &vec![1.0; n], &mut vec![0.0; n], 0)
+    });
+    match &res[2] {
+        Err(Error::Peer {
+            peer: 1, source, ..
+        }) => {
+            assert!(matches!(**source, Error::WrongCodec { .. }), "{source}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // Rank 1 has a different length: its neighbours' frames do not fit its chunks, or
+    // its frames do not fit theirs; whoever sees it first names the sender.
+    let res = local::run(3, Some(Duration::from_secs(5)), |mut t| {
+        let m = if t.rank() == 1 { n + 1 } else { n };
+        let codec: CodecSpec = "int8".parse().unwrap();
+        let o = opts(Strategy::CompressedRing, ReduceOp::Sum, Feedback::None);
+        let mut ar = AllReduce::new(codec, m, &t, o)?;
+        ar.run(&mut t, &vec![1.0; m], &mut vec![0.0; m], 0)
+    });
+    assert!(
+        res.iter()
+            .any(|r| matches!(r, Err(Error::Peer { source, .. })
+            if matches!(**source, Error::OutputLength { .. }))),
+        "{res:?}"
+    );
+    assert!(res.iter().all(|r| r.is_err()), "{res:?}");
+}
+
+#[test]
+fn silent_peer_times_out_and_departed_peer_is_reported() {
+    let codec: CodecSpec = "int8".parse().unwrap();
+    let n = 100;
+    // Rank 1 holds its transport but says nothing for longer than the timeout.
+    let timeout = Duration::from_millis(300);
+    let res = local::run(3, Some(timeout), |mut t| {
+        let mut ar = AllReduce::new(codec, n, &t, AllReduceOptions::default())?;
+        if t.rank() == 1 {
+            std::thread::sleep(timeout * 3);
+        }
+        ar.run(&mut t, &vec![1.0; n], &mut vec![0.0; n], 0)
+    });
+    match &res[2] {
+        Err(Error::Transport { peer: 1, reason }) => {
+            assert!(reason.contains("timeout"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // Rank 1 leaves before the collective.
+    let res = local::run(3, Some(Duration::from_secs(30)), |mut t| {
+        if t.rank() == 1 {
+            return Ok(None);
+        }
+        let mut ar = AllReduce::new(codec, n, &t, AllReduceOptions::default())?;
+        ar.run(&mut t, &vec![1.0; n], &mut vec![0.0; n], 0)
+            .map(Some)
+    });
+    match &res[2] {
+        Err(Error::Transport { peer: 1, reason }) => assert!(reason.contains("left"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        matches!(&res[0], Err(Error::Transport { .. })),
+        "{:?}",
+        res[0]
+    );
+}
+
+#[test]
+fn ring_sends_less_than_allgather() {
+    let codec: CodecSpec = "int8".parse().unwrap();
+    let (p, n) = (8, 1 << 16);
+    let inputs: Vec<Vec<f32>> = (0..p).map(|r| input(n, r)).collect();
+    let frame = codec.max_encoded_len(n) as f64;
+    for (s, want) in [
+        (
+            Strategy::CompressedRing,
+            2.0 * (p - 1) as f64 / p as f64 * frame,
+        ),
+        (Strategy::CompressedAllGather, (p - 1) as f64 * frame),
+    ] {
+        let res = run_world(codec, &opts(s, ReduceOp::Sum, Feedback::None), &inputs, 1);
+        for r in res {
+            let sent = r.unwrap().1.bytes_sent as f64;
+            // Chunk frames carry their own headers and block rounding.
+            assert!(
+                (sent - want).abs() <= 2.0 * p as f64 * 64.0 + 0.01 * want,
+                "{}: {sent} vs {want}",
+                s.name()
+            );
+        }
+    }
+}
