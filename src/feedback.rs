@@ -60,6 +60,13 @@ pub struct FeedbackOptions {
     pub gamma: f32,
     /// Residual storage.
     pub precision: ResidualPrecision,
+    /// Accept codecs that are not contractive (default `false`: refused). Error feedback
+    /// converges when `E||p - decode(encode(p))||^2 <= (1 - delta) ||p||^2`; a code whose
+    /// error can exceed its input (random-k with `scale=unbiased`, QSGD with
+    /// [`crate::Qsgd::variance_factor`] `>= 1`, e.g. the default `bits=4,block=512` and
+    /// every `bits=2`) grows its residual step after step. In `gradpack train` such runs
+    /// diverged within a few epochs. Set this to study them anyway.
+    pub allow_non_contractive: bool,
 }
 
 impl Default for FeedbackOptions {
@@ -68,6 +75,7 @@ impl Default for FeedbackOptions {
             beta: 1.0,
             gamma: 1.0,
             precision: ResidualPrecision::F32,
+            allow_non_contractive: false,
         }
     }
 }
@@ -118,8 +126,8 @@ impl ErrorFeedback {
 
     /// A zero residual with explicit options. Errors if `beta` or `gamma` is not finite;
     /// if a bf16 residual is asked of a sparse codec (top-k, random-k), which needs all
-    /// of `p` in f32 and so would save nothing; and for random-k with `scale=unbiased`,
-    /// which is not contractive (its residual diverges).
+    /// of `p` in f32 and so would save nothing; and for codecs that are not contractive
+    /// (their residual diverges; see [`FeedbackOptions::allow_non_contractive`]).
     pub fn with_options(
         codec: impl Into<CodecSpec>,
         len: usize,
@@ -135,17 +143,40 @@ impl ErrorFeedback {
                 });
             }
         }
-        if let CodecSpec::RandK(rk) = &codec
-            && rk.scale() == crate::codecs::RandKScale::Unbiased
-        {
-            return Err(Error::Param {
-                codec: codec.id(),
-                name: "scale",
-                reason: "error feedback needs a contractive codec; random-k with \
-                         scale=unbiased multiplies the kept values by 1/ratio and its \
-                         residual grows without bound (use scale=none)"
-                    .into(),
-            });
+        if !opts.allow_non_contractive {
+            let refuse = match &codec {
+                CodecSpec::RandK(rk) if rk.scale() == crate::codecs::RandKScale::Unbiased => {
+                    Some((
+                        "scale",
+                        "random-k with scale=unbiased multiplies the kept values by 1/ratio and \
+                     its residual grows without bound (use scale=none)"
+                            .to_string(),
+                    ))
+                }
+                CodecSpec::Qsgd(q) if q.variance_factor() >= 1.0 => Some((
+                    "bits",
+                    format!(
+                        "QSGD with bits={}, block={} has variance factor \
+                         min(n/s^2, sqrt(n)/s) = {:.2} >= 1, so its error can exceed its \
+                         input and the residual diverges (use bits=8, or bits=4 with \
+                         block <= 48)",
+                        q.bits(),
+                        q.block(),
+                        q.variance_factor()
+                    ),
+                )),
+                _ => None,
+            };
+            if let Some((name, why)) = refuse {
+                return Err(Error::Param {
+                    codec: codec.id(),
+                    name,
+                    reason: format!(
+                        "error feedback needs a contractive codec: {why}; \
+                         FeedbackOptions::allow_non_contractive overrides this"
+                    ),
+                });
+            }
         }
         let state = match opts.precision {
             ResidualPrecision::F32 => State::F32(vec![0.0; len]),

@@ -64,6 +64,7 @@ pub mod kernels;
 pub mod parallel;
 pub mod rng;
 pub mod synthetic;
+pub mod train;
 pub mod wire;
 
 pub use codec::{Codec, CodecId, CodecSpec, EncodeCtx, decode_limit};

@@ -299,7 +299,9 @@ fn feedback_sum_invariant() {
             let (p, n) = (4usize, 2500);
             let inputs: Vec<Vec<f32>> = (0..p).map(|r| input(n, r)).collect();
             let steps = 3;
-            let o = opts(s, ReduceOp::Sum, Feedback::WorkerAndOwner);
+            // The invariant is arithmetic, so it holds for non-contractive codecs too.
+            let mut o = opts(s, ReduceOp::Sum, Feedback::WorkerAndOwner);
+            o.feedback_options.allow_non_contractive = true;
             // Residuals after k steps, for k = 0..=steps, come from runs of k steps.
             let mut prev = vec![vec![0.0f32; n]; p];
             for k in 1..=steps {
@@ -543,14 +545,18 @@ fn silent_peer_times_out_and_departed_peer_is_reported() {
         ar.run(&mut t, &vec![1.0; n], &mut vec![0.0; n], 0)
             .map(Some)
     });
-    match &res[2] {
-        Err(Error::Transport { peer: 1, reason }) => assert!(reason.contains("left"), "{reason}"),
-        other => panic!("{other:?}"),
+    // Which rank notices first is a race (rank 2 may find rank 0 already gone), but every
+    // rank fails with a transport error saying a peer left, and someone names rank 1.
+    for r in [0, 2] {
+        match &res[r] {
+            Err(Error::Transport { reason, .. }) => assert!(reason.contains("left"), "{reason}"),
+            other => panic!("rank {r}: {other:?}"),
+        }
     }
     assert!(
-        matches!(&res[0], Err(Error::Transport { .. })),
-        "{:?}",
-        res[0]
+        res.iter()
+            .any(|r| matches!(r, Err(Error::Transport { peer: 1, .. }))),
+        "{res:?}"
     );
 }
 

@@ -28,6 +28,15 @@ fn ef_specs() -> Vec<CodecSpec> {
     v
 }
 
+/// Options that accept every codec: these tests check the arithmetic of the step, not
+/// convergence, so they cover the non-contractive codecs (QSGD at 2 and 4 bits) too.
+fn permissive() -> FeedbackOptions {
+    FeedbackOptions {
+        allow_non_contractive: true,
+        ..Default::default()
+    }
+}
+
 fn fixed_rate(spec: &CodecSpec) -> bool {
     !matches!(spec, CodecSpec::TopK(_) | CodecSpec::RandK(_))
 }
@@ -120,12 +129,12 @@ fn fused_step_equals_the_unfused_definition_on_every_backend() {
         let mut lengths = boundary_lengths(block_of(&spec));
         lengths.push(5000); // several tiles
         for n in lengths {
-            check_against_reference(&spec, n, FeedbackOptions::default(), 3);
+            check_against_reference(&spec, n, permissive(), 3);
         }
         let weighted = FeedbackOptions {
             beta: 0.9,
             gamma: -0.37,
-            precision: ResidualPrecision::F32,
+            ..permissive()
         };
         check_against_reference(&spec, 4099, weighted, 3);
     }
@@ -137,7 +146,7 @@ fn bf16_residual_equals_the_unfused_definition() {
         for n in [0, 1, 63, 64, 65, 2048, 5000] {
             let o = FeedbackOptions {
                 precision: ResidualPrecision::Bf16,
-                ..Default::default()
+                ..permissive()
             };
             check_against_reference(&spec, n, o, 3);
         }
@@ -155,7 +164,7 @@ fn check_sum(spec: CodecSpec, n: usize, steps: u64, salt: u32, precision: Residu
     };
     let o = FeedbackOptions {
         precision,
-        ..Default::default()
+        ..permissive()
     };
     let mut ef = ErrorFeedback::with_options(spec, n, o).unwrap();
     let (mut sent, mut total, mut tol) = (vec![0f64; n], vec![0f64; n], vec![0f64; n]);
@@ -210,7 +219,7 @@ fn sign_residual_meets_the_mean_abs_identity() {
     let d = 64;
     let spec: CodecSpec = format!("sign:block={d}").parse().unwrap();
     let n = 10 * d + 17;
-    let mut ef = ErrorFeedback::new(spec, n).unwrap();
+    let mut ef = ErrorFeedback::with_options(spec, n, permissive()).unwrap();
     let mut reference = Reference::new(n, ResidualPrecision::F32);
     let o = FeedbackOptions::default();
     for step in 0..4u64 {
@@ -242,7 +251,7 @@ fn sign_residual_meets_the_mean_abs_identity() {
 fn non_finite_inputs_stay_visible_and_never_reach_the_residual() {
     for spec in ef_specs() {
         let n = 300;
-        let mut ef = ErrorFeedback::new(spec, n).unwrap();
+        let mut ef = ErrorFeedback::with_options(spec, n, permissive()).unwrap();
         let mut g = sample(n, 3);
         g[5] = f32::NAN;
         g[70] = f32::INFINITY;
@@ -272,7 +281,7 @@ fn non_finite_inputs_stay_visible_and_never_reach_the_residual() {
 #[test]
 fn bad_arguments_are_errors_and_leave_the_state_alone() {
     let spec: CodecSpec = "sign".parse().unwrap();
-    let mut ef = ErrorFeedback::new(spec, 10).unwrap();
+    let mut ef = ErrorFeedback::with_options(spec, 10, permissive()).unwrap();
     ef.encode(&[0.25; 10], &EncodeCtx::new(0)).unwrap();
     let before = ef.residual_f32();
     assert!(before.iter().any(|&v| v != 0.0) || before.iter().all(|&v| v == 0.0));
@@ -316,10 +325,28 @@ fn bad_arguments_are_errors_and_leave_the_state_alone() {
             },
         ),
         ("randk:ratio=0.1,scale=unbiased", FeedbackOptions::default()),
+        ("qsgd", FeedbackOptions::default()),
+        ("qsgd:bits=2,block=4", FeedbackOptions::default()),
+        ("qsgd:bits=4,block=49", FeedbackOptions::default()),
+        ("qsgd:bits=8,block=16129", FeedbackOptions::default()),
     ] {
         let spec: CodecSpec = spec.parse().unwrap();
         let r = ErrorFeedback::with_options(spec, 10, o);
         assert!(matches!(r, Err(Error::Param { .. })), "{spec}: {r:?}");
+        // ... unless non-contractive codecs are asked for (the bf16 / top-k and
+        // non-finite weight refusals stay).
+        if o.beta.is_finite() && o.gamma.is_finite() && o.precision == ResidualPrecision::F32 {
+            let o = FeedbackOptions {
+                allow_non_contractive: true,
+                ..o
+            };
+            assert!(ErrorFeedback::with_options(spec, 10, o).is_ok(), "{spec}");
+        }
+    }
+    // The contractive side of the QSGD line.
+    for spec in ["qsgd:bits=4,block=48", "qsgd:bits=8,block=16128"] {
+        let spec: CodecSpec = spec.parse().unwrap();
+        assert!(ErrorFeedback::new(spec, 10).is_ok(), "{spec}");
     }
 
     ef.reset();
@@ -353,18 +380,20 @@ fn any_thread_count_gives_identical_frames_decodes_and_residuals() {
                 let d = decode(&frame, n);
                 let mut acc = vec![0.5f32; n];
                 gradpack::decode_add(&frame, &mut acc).unwrap();
-                let ef = ErrorFeedback::new(spec, n).ok().map(|mut ef| {
-                    let f1 = ef.encode(&g, &ctx).unwrap();
-                    let f2 = ef.encode(&sample(n, 10), &ctx.with_offset(0)).unwrap();
-                    (
-                        f1,
-                        f2,
-                        ef.residual_f32()
-                            .iter()
-                            .map(|v| v.to_bits())
-                            .collect::<Vec<_>>(),
-                    )
-                });
+                let ef = ErrorFeedback::with_options(spec, n, permissive())
+                    .ok()
+                    .map(|mut ef| {
+                        let f1 = ef.encode(&g, &ctx).unwrap();
+                        let f2 = ef.encode(&sample(n, 10), &ctx.with_offset(0)).unwrap();
+                        (
+                            f1,
+                            f2,
+                            ef.residual_f32()
+                                .iter()
+                                .map(|v| v.to_bits())
+                                .collect::<Vec<_>>(),
+                        )
+                    });
                 let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 (frame, bits(&d), bits(&acc), ef)
             })
@@ -408,11 +437,11 @@ fn chunked_encoding_decodes_like_whole_encoding() {
 #[test]
 fn zero_length_and_state_accessors() {
     let spec: CodecSpec = "int8".parse().unwrap();
-    let mut ef = ErrorFeedback::new(spec, 0).unwrap();
+    let mut ef = ErrorFeedback::with_options(spec, 0, permissive()).unwrap();
     assert!(ef.is_empty());
     let f = ef.encode(&[], &EncodeCtx::new(0)).unwrap();
     assert_eq!(decode(&f, 0).len(), 0);
-    let ef = ErrorFeedback::new(spec, 1000).unwrap();
+    let ef = ErrorFeedback::with_options(spec, 1000, permissive()).unwrap();
     assert_eq!(ef.len(), 1000);
     assert_eq!(ef.memory_bytes(), 4000);
     assert_eq!(ef.codec(), spec);
@@ -422,7 +451,7 @@ fn zero_length_and_state_accessors() {
     let n = 1 << 20;
     let o = FeedbackOptions {
         precision: ResidualPrecision::Bf16,
-        ..Default::default()
+        ..permissive()
     };
     let ef = ErrorFeedback::with_options(spec, n, o).unwrap();
     assert_eq!(ef.memory_bytes(), 2 * n + 4 * n / 32);

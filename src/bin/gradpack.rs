@@ -3,7 +3,8 @@
 //! - `gradpack report`: measure every codec on this CPU and model what it buys on a network;
 //! - `gradpack encode` / `decode`: compress raw f32 or `.npy` files and back;
 //! - `gradpack inspect`: a frame's header, validation and decoded statistics;
-//! - `gradpack model`: the communication cost model alone, without measuring.
+//! - `gradpack model`: the communication cost model alone, without measuring;
+//! - `gradpack train`: data-parallel SGD of a small model with each codec, against fp32.
 //!
 //! Every error prints one line on stderr and exits with status 2.
 
@@ -62,6 +63,46 @@ enum Cmd {
     },
     /// The cost model alone: all-reduce times from nominal codec sizes, no measuring.
     Model(ModelArgs),
+    /// Train a small model data-parallel with each codec (with and without error
+    /// feedback) and compare final loss and accuracy with fp32.
+    Train(TrainArgs),
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    /// Model: softmax (regression) or mlp (one hidden ReLU layer).
+    #[arg(long, default_value = "mlp")]
+    model: String,
+    /// Hidden units of the MLP.
+    #[arg(long, default_value_t = 64)]
+    hidden: usize,
+    /// Simulated workers (threads exchanging gradients through gradpack::collective).
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    /// Passes over the 16384 training samples.
+    #[arg(long, default_value_t = 8)]
+    epochs: usize,
+    /// Samples per worker per step.
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    /// SGD learning rate.
+    #[arg(long, default_value_t = 0.1)]
+    lr: f32,
+    /// Seed of the data set, the initial weights, the batch order and the codecs.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// All-reduce strategy for the compressed runs: allgather, ring or majority.
+    #[arg(long, default_value = "allgather")]
+    strategy: String,
+    /// Codec spec (repeatable; default: a representative set).
+    #[arg(long = "codec")]
+    codecs: Vec<String>,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Write an SVG of the test-loss curves to this file.
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -124,6 +165,7 @@ fn main() {
         Cmd::Decode { input, output } => decode(&input, &output),
         Cmd::Inspect { file } => inspect(&file),
         Cmd::Model(a) => model(a),
+        Cmd::Train(a) => train(a),
     };
     if let Err(e) = r {
         eprintln!("gradpack: error: {e}");
@@ -165,6 +207,18 @@ fn specs(list: &[String]) -> Res<Vec<CodecSpec>> {
                 .map_err(|e| format!("--codec {s:?}: {e}"))
         })
         .collect()
+}
+
+/// A progress bar on stderr of `len` steps (hidden if `hidden`).
+fn progress(len: u64, hidden: bool) -> indicatif::ProgressBar {
+    if hidden {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    if let Ok(style) = indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}") {
+        bar.set_style(style);
+    }
+    bar
 }
 
 fn read_input(path: &str) -> Res<Vec<u8>> {
@@ -410,7 +464,8 @@ fn median_secs(budget: f64, mut f: impl FnMut()) -> f64 {
 
 /// Error feedback over a few steps of fresh gradients: the error of what the model
 /// actually receives, `||sum g - sum D|| / ||sum g||`. `None` when the codec refuses
-/// error feedback (random-k with `scale=unbiased` is not contractive).
+/// error feedback (codecs that are not contractive: random-k with `scale=unbiased`,
+/// QSGD with variance factor >= 1).
 fn ef_error(
     spec: &CodecSpec,
     ef_grads: &[Vec<f32>],
@@ -550,11 +605,7 @@ fn report(a: ReportArgs) -> Res<()> {
         .collect();
     // Time budget per operation: about 20 s of timing for the whole default report.
     let budget = 0.3_f64.min(20.0 / (3.0 * (specs.len() + 1) as f64));
-    let bar = indicatif::ProgressBar::new(specs.len() as u64 + 1);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
-            .map_err(|e| e.to_string())?,
-    );
+    let bar = progress(specs.len() as u64 + 1, false);
     let identity: CodecSpec = "identity".parse().expect("identity parses");
     bar.set_message("identity (the fp32 reduction speed)");
     let base = backend.run(|| measure(&identity, &x, &[], budget))?;
@@ -692,7 +743,8 @@ fn report(a: ReportArgs) -> Res<()> {
             );
         }
         println!(
-            "\nrel L2: ||x - D(x)|| / ||x||; EF rel L2: ||sum g - sum D|| / ||sum g|| after {EF_STEPS} steps of error feedback;\n\
+            "\nrel L2: ||x - D(x)|| / ||x||; EF rel L2: ||sum g - sum D|| / ||sum g|| after {EF_STEPS} steps of error feedback\n\
+             (- where error feedback refuses a non-contractive codec);\n\
              break-even: the link speed (Gbit/s) below which the codec's all-reduce beats fp32's;\n\
              time: the modelled all-reduce at {:.1} Gbit/s with the best strategy (ring or allgather).",
             net.bandwidth / 1e9
@@ -899,5 +951,276 @@ fn model(a: ModelArgs) -> Res<()> {
             ),
         )?;
     }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- train
+
+/// One row of `gradpack train`: a finished run, or why it did not run.
+enum TrainRow {
+    Done(gradpack::train::TrainResult),
+    Refused { codec: CodecSpec, reason: String },
+}
+
+fn train(a: TrainArgs) -> Res<()> {
+    use gradpack::train::{Dataset, ModelKind, TrainConfig, TrainResult};
+    let model = match a.model.as_str() {
+        "softmax" => ModelKind::Softmax,
+        "mlp" => ModelKind::Mlp { hidden: a.hidden },
+        m => return Err(format!("--model {m:?}: accepted values are softmax, mlp")),
+    };
+    let strategy = match Strategy::from_name(&a.strategy) {
+        Some(
+            s @ (Strategy::CompressedAllGather | Strategy::CompressedRing | Strategy::SignMajority),
+        ) => s,
+        _ => {
+            return Err(format!(
+                "--strategy {:?}: accepted values are allgather, ring, majority",
+                a.strategy
+            ));
+        }
+    };
+    if a.workers == 0 || a.epochs == 0 || a.batch == 0 {
+        return Err("--workers, --epochs and --batch must be at least 1".into());
+    }
+    if !(a.lr.is_finite() && a.lr > 0.0) {
+        return Err(format!("--lr {}: expected a positive number", a.lr));
+    }
+    let specs = specs(&a.codecs)?;
+    let ds = Dataset::synthetic(a.seed);
+    let cfg = TrainConfig {
+        model,
+        workers: a.workers,
+        epochs: a.epochs,
+        batch: a.batch,
+        lr: a.lr,
+        seed: a.seed,
+        strategy,
+    };
+    let runs = 1 + 2 * specs.len();
+    let bar = progress(runs as u64, a.json);
+    let base_cfg = TrainConfig {
+        strategy: Strategy::Fp32Ring,
+        ..cfg.clone()
+    };
+    let identity = CodecSpec::Identity(gradpack::Identity);
+    let base = gradpack::train::train(&ds, &base_cfg, identity, false)
+        .map_err(|e| format!("fp32 baseline: {e}"))?;
+    bar.inc(1);
+    let mut rows = Vec::with_capacity(runs);
+    for spec in &specs {
+        for ef in [false, true] {
+            bar.set_message(format!("{spec}{}", if ef { " + EF" } else { "" }));
+            let row = match gradpack::train::train(&ds, &cfg, *spec, ef) {
+                Ok(r) => TrainRow::Done(r),
+                Err(e @ (gradpack::Error::Param { .. } | gradpack::Error::Collective(_))) => {
+                    TrainRow::Refused {
+                        codec: *spec,
+                        reason: e.to_string(),
+                    }
+                }
+                Err(e) => return Err(format!("{spec}: {e}")),
+            };
+            rows.push((ef, row));
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    let b = base.last();
+    let fmt_run = |r: &TrainResult| {
+        let l = r.last();
+        if l.test_loss.is_finite() {
+            format!(
+                "{:>9.4} {:>8.2}% {:>+8.2}",
+                l.test_loss,
+                100.0 * l.test_accuracy,
+                100.0 * (l.test_accuracy - b.test_accuracy)
+            )
+        } else {
+            format!("{:>9} {:>9} {:>8}", "diverged", "-", "-")
+        }
+    };
+    if a.json {
+        let curve = |r: &TrainResult| {
+            r.curve
+                .iter()
+                .map(|p| {
+                    serde_json::json!({
+                        "epoch": p.epoch, "train_loss": p.train_loss,
+                        "test_loss": p.test_loss, "test_accuracy": p.test_accuracy,
+                    })
+                })
+                .collect::<Vec<_>>()
+        };
+        let run = |r: &TrainResult| {
+            serde_json::json!({
+                "codec": r.codec.to_string(), "strategy": r.strategy.name(),
+                "feedback": r.feedback, "bytes_per_worker": r.bytes_per_worker,
+                "steps": r.steps, "curve": curve(r),
+            })
+        };
+        let runs: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|(ef, row)| match row {
+                TrainRow::Done(r) => run(r),
+                TrainRow::Refused { codec, reason } => serde_json::json!({
+                    "codec": codec.to_string(), "feedback": ef, "refused": reason,
+                }),
+            })
+            .collect();
+        let doc = serde_json::json!({
+            "model": model.name(), "parameters": model.params(ds.features, ds.classes),
+            "workers": cfg.workers, "epochs": cfg.epochs, "batch": cfg.batch, "lr": cfg.lr,
+            "seed": cfg.seed, "baseline": run(&base), "runs": runs,
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?
+        );
+    } else {
+        println!(
+            "gradpack train: {} ({} parameters), {} workers x {} samples per step, {} epochs ({} steps), lr {}, seed {}, {} strategy",
+            model.name(),
+            model.params(ds.features, ds.classes),
+            cfg.workers,
+            cfg.batch,
+            cfg.epochs,
+            base.steps,
+            cfg.lr,
+            cfg.seed,
+            strategy.name()
+        );
+        println!(
+            "\n{:<40} {:>3} {:>9} {:>9} {:>8} {:>13} {:>8}",
+            "codec", "EF", "test loss", "accuracy", "vs fp32", "bytes/worker", "vs fp32"
+        );
+        println!(
+            "{:<40} {:>3} {} {:>13} {:>8.3}",
+            "fp32 (ring of identity frames)",
+            "-",
+            fmt_run(&base),
+            base.bytes_per_worker,
+            1.0
+        );
+        let mut notes: Vec<&str> = Vec::new();
+        for (ef, row) in &rows {
+            let ef_s = if *ef { "yes" } else { "no" };
+            match row {
+                TrainRow::Done(r) => println!(
+                    "{:<40} {:>3} {} {:>13} {:>8.3}",
+                    r.codec.to_string(),
+                    ef_s,
+                    fmt_run(r),
+                    r.bytes_per_worker,
+                    r.bytes_per_worker as f64 / base.bytes_per_worker as f64
+                ),
+                TrainRow::Refused { codec, reason } => {
+                    let k = match notes.iter().position(|n| n == reason) {
+                        Some(k) => k,
+                        None => {
+                            notes.push(reason);
+                            notes.len() - 1
+                        }
+                    };
+                    println!("{:<40} {:>3} refused [{}]", codec.to_string(), ef_s, k + 1)
+                }
+            }
+        }
+        for (k, n) in notes.iter().enumerate() {
+            println!("[{}] {n}", k + 1);
+        }
+        println!(
+            "\nvs fp32: test accuracy difference in percentage points; bytes: what each worker sent\n\
+             (all-gather sends p-1 frames per step, the fp32 ring 2(p-1)/p of the gradient)."
+        );
+    }
+    if let Some(path) = &a.plot {
+        let mut lines: Vec<(String, Vec<(f64, f64)>)> = vec![(
+            "fp32".to_string(),
+            base.curve
+                .iter()
+                .map(|p| (p.epoch as f64, p.test_loss))
+                .collect(),
+        )];
+        for (ef, row) in &rows {
+            if let TrainRow::Done(r) = row {
+                let pts: Vec<(f64, f64)> = r
+                    .curve
+                    .iter()
+                    .filter(|p| p.test_loss.is_finite())
+                    .map(|p| (p.epoch as f64, p.test_loss))
+                    .collect();
+                lines.push((
+                    format!("{}{}", r.codec, if *ef { " + EF" } else { "" }),
+                    pts,
+                ));
+            }
+        }
+        plot_curves(
+            path,
+            &lines,
+            &format!(
+                "{} on the synthetic task, {} workers",
+                model.name(),
+                cfg.workers
+            ),
+            cfg.epochs,
+        )?;
+    }
+    Ok(())
+}
+
+fn plot_curves(
+    path: &Path,
+    lines: &[(String, Vec<(f64, f64)>)],
+    title: &str,
+    epochs: usize,
+) -> Res<()> {
+    use plotters::prelude::*;
+    let ys = lines.iter().flat_map(|l| l.1.iter().map(|p| p.1));
+    let (lo, hi) = ys.fold((f64::INFINITY, 0f64), |(a, b), y| (a.min(y), b.max(y)));
+    let (lo, hi) = if lo.is_finite() && hi > 0.0 {
+        (lo, hi)
+    } else {
+        (0.1, 10.0)
+    };
+    let err = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    let root = SVGBackend::new(path, (960, 640)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(1f64..epochs.max(2) as f64, (lo * 0.9..hi * 1.1).log_scale())
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("epoch")
+        .y_desc("test loss")
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (i, (name, pts)) in lines.iter().enumerate() {
+        let (color, width) = if i == 0 {
+            (BLACK.to_rgba(), 3)
+        } else {
+            (Palette99::pick(i).to_rgba(), 2)
+        };
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))
+            .map_err(|e| err(&e))?
+            .label(name.clone())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(width))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
     Ok(())
 }

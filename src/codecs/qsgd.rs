@@ -71,6 +71,14 @@ impl Qsgd {
         (1 << (self.bits - 1)) - 1
     }
 
+    /// The paper's variance factor `omega = min(n / s^2, sqrt(n) / s)` for a block of
+    /// `n = block` elements: `E||Q(v) - v||^2 <= omega ||v||^2`. Below 1 the code is
+    /// contractive, which error feedback needs (see [`crate::ErrorFeedback`]).
+    pub fn variance_factor(&self) -> f64 {
+        let (n, s) = (self.block as f64, self.levels() as f64);
+        (n / (s * s)).min(n.sqrt() / s)
+    }
+
     pub(crate) fn from_args(a: &mut Args) -> core::result::Result<Qsgd, String> {
         let bits = match a.choice("bits", "4", &["2", "4", "8"])? {
             "2" => 2,
