@@ -306,3 +306,47 @@ fn report_json_and_plot() {
         &svg[..200.min(svg.len())]
     );
 }
+
+#[test]
+fn train_json_plot_and_refusals() {
+    let d = dir("train");
+    let svg = d.join("curves.svg");
+    let o = gradpack(&[
+        "train",
+        "--model",
+        "softmax",
+        "--epochs",
+        "2",
+        "--codec",
+        "int8",
+        "--codec",
+        "qsgd:bits=2",
+        "--json",
+        "--plot",
+        p(&svg),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    assert_eq!(doc["model"], "softmax");
+    let base = &doc["baseline"];
+    assert_eq!(base["strategy"], "fp32-ring");
+    assert_eq!(base["curve"].as_array().unwrap().len(), 2);
+    let acc = base["curve"][1]["test_accuracy"].as_f64().unwrap();
+    assert!(acc > 0.3 && acc <= 1.0, "{acc}");
+    let runs = doc["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 4); // two codecs, without and with error feedback
+    assert!(runs[0]["bytes_per_worker"].as_u64().unwrap() > 0);
+    // QSGD 2-bit with error feedback is refused, with the reason.
+    assert!(
+        runs[3]["refused"].as_str().unwrap().contains("contractive"),
+        "{:?}",
+        runs[3]
+    );
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.contains("<svg") && svg.contains("int8"), "plot");
+
+    assert_clean_error(&gradpack(&["train", "--model", "cnn"]), "--model");
+    assert_clean_error(&gradpack(&["train", "--strategy", "tree"]), "--strategy");
+    assert_clean_error(&gradpack(&["train", "--lr", "0"]), "--lr");
+    assert_clean_error(&gradpack(&["train", "--codec", "int9"]), "int9");
+}

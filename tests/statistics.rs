@@ -1,4 +1,4 @@
-//! Unbiasedness of the stochastic codecs, with stated confidence.
+//! Unbiasedness and variance of the stochastic codecs, with stated confidence.
 //!
 //! For each element, the mean of N independent decodings (seeds 0..N) is compared to
 //! the input. Each decoding lies in an interval of width `w` (one rounding gap), so its
@@ -128,4 +128,177 @@ fn randk_keeps_about_ratio_n_and_the_same_indices_across_ranks() {
     let y: Vec<f32> = (0..n).map(|i| i as f32 + 1.0).collect();
     let b = decode(&spec.encode(&y, &EncodeCtx::new(11)).unwrap(), n);
     assert!(a.iter().zip(&b).all(|(p, q)| (*p == 0.0) == (*q == 0.0)));
+}
+
+// ---------------------------------------------------------------- variance
+//
+// Each stochastic codec rounds an element `x` to one of two neighbours `gap` apart, up
+// with probability `f` (its position between them), so the variance of one decoded
+// element is exactly `gap^2 f (1 - f)`. For each block we compare the mean squared error
+// over N draws with that exact sum, and with the paper's bound. The squared error of a
+// block is a bounded random variable, so its mean over N = 4000 independent draws is
+// normal to a very good approximation; we allow 6 standard errors (Gaussian two-sided
+// tail 2e-9 per block, under 1e-6 over every block checked; seeds are fixed, so the test
+// is deterministic).
+
+/// Per block of `block` elements: the mean over N draws of `sum (d_i - x_i)^2` and its
+/// standard error.
+fn block_mse(spec: &CodecSpec, x: &[f32], block: usize) -> Vec<(f64, f64)> {
+    let nb = x.len().div_ceil(block);
+    let (mut s1, mut s2) = (vec![0f64; nb], vec![0f64; nb]);
+    for seed in 0..N {
+        let d = decode(&spec.encode(x, &EncodeCtx::new(seed)).unwrap(), x.len());
+        for b in 0..nb {
+            let r = b * block..((b + 1) * block).min(x.len());
+            let e: f64 = r.map(|i| (d[i] as f64 - x[i] as f64).powi(2)).sum();
+            s1[b] += e;
+            s2[b] += e * e;
+        }
+    }
+    let n = N as f64;
+    (0..nb)
+        .map(|b| {
+            let mean = s1[b] / n;
+            let var = (s2[b] / n - mean * mean).max(0.0) * n / (n - 1.0);
+            (mean, (var / n).sqrt())
+        })
+        .collect()
+}
+
+/// Check the per-block mean squared error of `spec` on `x` against the exact variance
+/// `sum gap_i^2 f_i (1 - f_i)` (from `gap_f(i) = (gap, f)`) and the paper's `bound(block)`.
+fn check_variance(
+    spec: &str,
+    x: &[f32],
+    block: usize,
+    gap_f: impl Fn(usize) -> (f64, f64),
+    bound: impl Fn(std::ops::Range<usize>) -> f64,
+    bound_name: &str,
+) {
+    let spec: CodecSpec = spec.parse().unwrap();
+    for (b, (mse, se)) in block_mse(&spec, x, block).into_iter().enumerate() {
+        let r = b * block..((b + 1) * block).min(x.len());
+        let exact: f64 = r
+            .clone()
+            .map(|i| {
+                let (g, f) = gap_f(i);
+                g * g * f * (1.0 - f)
+            })
+            .sum();
+        let bnd = bound(r);
+        let tol = 6.0 * se + 1e-9 * exact;
+        assert!(
+            (mse - exact).abs() <= tol,
+            "{spec} block {b}: mean squared error {mse:e}, exact variance {exact:e} ({:.1} se)",
+            (mse - exact).abs() / se
+        );
+        assert!(
+            exact <= bnd * (1.0 + 1e-9),
+            "{spec} block {b}: exact {exact:e} above {bound_name} {bnd:e}"
+        );
+        assert!(
+            mse <= bnd + 6.0 * se,
+            "{spec} block {b}: {mse:e} above {bound_name} {bnd:e}"
+        );
+    }
+}
+
+fn frac(v: f64) -> f64 {
+    v - v.floor()
+}
+
+fn norm2(x: &[f32]) -> f64 {
+    x.iter().map(|v| (*v as f64).powi(2)).sum()
+}
+
+fn absmax(x: &[f32]) -> f64 {
+    x.iter().fold(0f64, |m, v| m.max(v.abs() as f64))
+}
+
+#[test]
+fn qsgd_variance_within_the_papers_bound() {
+    // E||Q(v) - v||^2 <= min(n / s^2, sqrt(n) / s) ||v||^2 (Alistarh et al. 2017, Lemma 3.1).
+    for (bits, b) in [(2u32, 100usize), (4, 64), (8, 256)] {
+        let x = gaussianish(2 * b + 17, 20 + bits);
+        let s = ((1u32 << (bits - 1)) - 1) as f64;
+        let step = |i: usize| {
+            let blk = &x[i / b * b..((i / b + 1) * b).min(x.len())];
+            norm2(blk).sqrt() / s
+        };
+        check_variance(
+            &format!("qsgd:bits={bits},block={b}"),
+            &x,
+            b,
+            |i| (step(i), frac(x[i].abs() as f64 / step(i))),
+            |r| {
+                let n = r.len() as f64;
+                (n / (s * s)).min(n.sqrt() / s) * norm2(&x[r])
+            },
+            "min(n/s^2, sqrt(n)/s) ||v||^2",
+        );
+    }
+}
+
+#[test]
+fn natural_variance_at_most_an_eighth_of_x_squared() {
+    // Var = |x|^2 f (1 - f) / (1 + f)^2 <= |x|^2 / 8 per element (Horvath et al. 2019),
+    // with equality at f = 1/3; the input includes such elements.
+    let mut x = gaussianish(300, 31);
+    for (i, e) in [(3usize, 0i32), (50, -3), (120, 2)] {
+        x[i] = 2f32.powi(e) * (4.0 / 3.0);
+    }
+    check_variance(
+        "natural:block=64",
+        &x,
+        64,
+        |i| {
+            let a = x[i].abs() as f64;
+            let g = 2f64.powi(a.log2().floor() as i32);
+            (g, a / g - 1.0)
+        },
+        |r| norm2(&x[r]) / 8.0,
+        "||v||^2 / 8",
+    );
+    // Per element at f = 1/3: the mean squared error sits at the bound.
+    let spec: CodecSpec = "natural:block=64".parse().unwrap();
+    let mse = block_mse(&spec, &x[3..4], 1);
+    let a2 = (x[3] as f64).powi(2);
+    assert!(
+        (mse[0].0 - a2 / 8.0).abs() <= 6.0 * mse[0].1,
+        "{mse:?} vs {}",
+        a2 / 8.0
+    );
+}
+
+#[test]
+fn ternary_variance_is_terngrads() {
+    // TernGrad: Q(x) = s sign(x) b, P(b = 1) = |x| / s with s the block's max |x|, so
+    // E||Q(v) - v||^2 = s ||v||_1 - ||v||^2 <= s ||v||_1 (Wen et al. 2017).
+    let x = gaussianish(400, 41);
+    let b = 128;
+    let s = |i: usize| absmax(&x[i / b * b..((i / b + 1) * b).min(x.len())]);
+    check_variance(
+        "ternary:block=128",
+        &x,
+        b,
+        |i| (s(i), x[i].abs() as f64 / s(i)),
+        |r| absmax(&x[r.clone()]) * x[r].iter().map(|v| v.abs() as f64).sum::<f64>(),
+        "s ||v||_1",
+    );
+}
+
+#[test]
+fn stochastic_int8_variance_at_most_a_quarter_step_squared() {
+    // Stochastic rounding to steps of m / 127: variance step^2 f (1 - f) <= step^2 / 4.
+    let x = gaussianish(600, 51);
+    let b = 256;
+    let step = |i: usize| absmax(&x[i / b * b..((i / b + 1) * b).min(x.len())]) / 127.0;
+    check_variance(
+        "int8:block=256,rounding=stochastic",
+        &x,
+        b,
+        |i| (step(i), frac(x[i].abs() as f64 / step(i))),
+        |r| r.len() as f64 * step(r.start).powi(2) / 4.0,
+        "n step^2 / 4",
+    );
 }
