@@ -39,7 +39,9 @@
 //!
 //! [`ErrorFeedback`] carries each step's compression error into the next (fused into the
 //! encode pass), and [`parallel`] splits large tensors across rayon threads with
-//! byte-identical results.
+//! byte-identical results. [`collective`] all-reduces a tensor across ranks with any codec
+//! over any transport (in-process threads, or MPI with feature `mpi`), and [`train`] runs
+//! data-parallel SGD through it to show what each codec does to training.
 //!
 //! ## Rules the crate keeps
 //! - Scalar kernels (`kernels::scalar`) are the specification; every other path must
