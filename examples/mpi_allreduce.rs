@@ -141,12 +141,10 @@ fn main() -> ExitCode {
         }
         let over = sum_over_ranks(&world, over);
         // Bit-identical: every rank's CRC equals rank 0's.
-        let mut crc = crc32fast::hash(bytemuck::cast_slice(&out)) as u64;
+        let mine = u64::from(crc32fast::hash(bytemuck::cast_slice(&out)));
+        let mut crc = mine;
         world.process_at_rank(0).broadcast_into(&mut crc);
-        let differs = sum_over_ranks(
-            &world,
-            u64::from(crc32fast::hash(bytemuck::cast_slice(&out)) as u64 != crc),
-        );
+        let differs = sum_over_ranks(&world, u64::from(mine != crc));
         let sent = max_over_ranks(&world, stats.bytes_sent as f64);
         failures += u64::from(over > 0) + u64::from(differs > 0);
         if rank == 0 {

@@ -18,8 +18,9 @@ use crate::rng::{STREAM_ROUNDING, draw};
 
 const LAYER: usize = 4096;
 
-fn unit(seed: u64, i: u64, k: u64) -> f64 {
-    // 32-bit uniform in (0, 1): never exactly 0, so ln() is finite.
+/// A 32-bit uniform in (0, 1) for index `i` of stream `k` of `seed`: never exactly 0, so
+/// `ln()` is finite. Shared with `crate::train`.
+pub(crate) fn unit(seed: u64, i: u64, k: u64) -> f64 {
     (draw(
         seed ^ k.wrapping_mul(0x9E37_79B9_7F4A_7C15),
         STREAM_ROUNDING,
@@ -29,7 +30,8 @@ fn unit(seed: u64, i: u64, k: u64) -> f64 {
         / 4_294_967_296.0
 }
 
-fn normal(seed: u64, i: u64, k: u64) -> f64 {
+/// A standard normal (Box-Muller over streams `2k` and `2k + 1`) for index `i`.
+pub(crate) fn normal(seed: u64, i: u64, k: u64) -> f64 {
     let (u1, u2) = (unit(seed, i, 2 * k), unit(seed, i, 2 * k + 1));
     (-2.0 * u1.ln()).sqrt() * (core::f64::consts::TAU * u2).cos()
 }

@@ -23,7 +23,8 @@ use crate::collective::{
     AllReduce, AllReduceOptions, Feedback, ReduceOp, Strategy, StrategyChoice, Transport, local,
 };
 use crate::error::{Error, Result};
-use crate::rng::{STREAM_ROUNDING, draw};
+use crate::rng::draw;
+use crate::synthetic::{normal, unit};
 
 /// A classification data set: row-major features and labels, split into train and test.
 #[derive(Debug, Clone)]
@@ -42,16 +43,6 @@ pub struct Dataset {
     pub test_y: Vec<u32>,
 }
 
-fn uniform(seed: u64, i: u64) -> f64 {
-    (draw(seed, STREAM_ROUNDING, i) as f64 + 0.5) / 4_294_967_296.0
-}
-
-/// A standard normal from two uniforms (Box-Muller), for index `i` of stream `seed`.
-fn normal(seed: u64, i: u64) -> f64 {
-    let (u1, u2) = (uniform(seed, 2 * i), uniform(seed, 2 * i + 1));
-    (-2.0 * u1.ln()).sqrt() * (core::f64::consts::TAU * u2).cos()
-}
-
 impl Dataset {
     /// The synthetic task of the module docs: 16384 training and 4096 test samples.
     pub fn synthetic(seed: u64) -> Dataset {
@@ -66,7 +57,7 @@ impl Dataset {
         let s_centre = crate::rng::splitmix64(seed ^ 0xC3A5_C85C_97CB_3127);
         let s_sample = crate::rng::splitmix64(seed ^ 0xB492_B66F_BE98_F273);
         let centres: Vec<f64> = (0..C * K * D)
-            .map(|i| 0.6 * normal(s_centre, i as u64))
+            .map(|i| 0.6 * normal(s_centre, i as u64, 0))
             .collect();
         let scale = |j: usize| 0.5f64.powi((j % 4) as i32);
         let make = |n: usize, base: u64| {
@@ -78,7 +69,7 @@ impl Dataset {
                 let cluster = (draw(s_sample, 2, id) % K as u32) as usize;
                 let centre = &centres[(class * K + cluster) * D..][..D];
                 for (j, c) in centre.iter().enumerate() {
-                    let noise = normal(s_sample, id * D as u64 + j as u64);
+                    let noise = normal(s_sample, id * D as u64 + j as u64, 0);
                     x.push(((c + noise) * scale(j)) as f32);
                 }
                 y.push(class as u32);
@@ -139,11 +130,11 @@ impl ModelKind {
             let s = crate::rng::splitmix64(seed ^ 0x9FB2_1C65_1E98_DF25);
             let (w1, rest) = p.split_at_mut(h * d);
             for (i, w) in w1.iter_mut().enumerate() {
-                *w = (normal(s, i as u64) * (2.0 / d as f64).sqrt()) as f32;
+                *w = (normal(s, i as u64, 0) * (2.0 / d as f64).sqrt()) as f32;
             }
             let w2 = &mut rest[h..h + c * h];
             for (i, w) in w2.iter_mut().enumerate() {
-                *w = (normal(s, (h * d + i) as u64) * (1.0 / h as f64).sqrt()) as f32;
+                *w = (normal(s, (h * d + i) as u64, 0) * (1.0 / h as f64).sqrt()) as f32;
             }
         }
         p
@@ -484,7 +475,7 @@ pub fn train(
 /// Fisher-Yates shuffle from the crate's hash.
 fn shuffle(v: &mut [usize], seed: u64) {
     for i in (1..v.len()).rev() {
-        let j = (uniform(seed, i as u64) * (i + 1) as f64) as usize;
+        let j = (unit(seed, i as u64, 0) * (i + 1) as f64) as usize;
         v.swap(i, j.min(i));
     }
 }

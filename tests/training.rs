@@ -3,16 +3,16 @@
 //!
 //! The MLP of `gradpack::train` (48 -> 64 ReLU -> 10, 3786 parameters) on the synthetic
 //! task, 4 workers x 32 samples per step, 8 epochs (1024 steps), lr 0.1, seed 1, the
-//! all-gather strategy. The fp32 baseline reaches about 79% test accuracy. Margins, in
+//! all-gather strategy. The fp32 baseline reaches about 77% test accuracy. Margins, in
 //! test-accuracy percentage points against fp32 (measured values in README.md):
 //!
 //! - fp16, bf16 and int8 match fp32: within 0.5 points, test loss within 1%
-//!   (measured: within 0.05 points);
-//! - sign without error feedback falls behind by at least 2 points (measured 4.2), and
+//!   (measured: within 0.02 points);
+//! - sign without error feedback falls behind by at least 2 points (measured 4.9), and
 //!   error feedback closes the gap to within 0.5 points (Karimireddy et al. 2019;
-//!   measured 0.05);
+//!   measured: 0.05 ahead);
 //! - top-k at 1% with error feedback comes within 1.5 points (Lin et al. 2018; measured
-//!   0.3), where without it the run falls more than 10 points behind (measured 26).
+//!   0.15), where without it the run falls more than 10 points behind (measured 27).
 
 use gradpack::CodecSpec;
 use gradpack::collective::Strategy;

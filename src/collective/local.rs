@@ -14,7 +14,7 @@
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::Duration;
 
-use super::Transport;
+use super::{Transport, check_rank};
 use crate::error::{Error, Result};
 
 /// How long a receive waits for a message before it fails, unless set otherwise.
@@ -73,16 +73,6 @@ impl Local {
     pub fn set_timeout(&mut self, timeout: Option<Duration>) {
         self.timeout = timeout;
     }
-
-    fn check_peer(&self, peer: usize) -> Result<()> {
-        if peer >= self.size {
-            return Err(Error::Collective(format!(
-                "rank {peer} is outside a world of {} ranks",
-                self.size
-            )));
-        }
-        Ok(())
-    }
 }
 
 impl Transport for Local {
@@ -95,8 +85,8 @@ impl Transport for Local {
     }
 
     fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
-        self.check_peer(to)?;
-        self.check_peer(from)?;
+        check_rank(to, self.size)?;
+        check_rank(from, self.size)?;
         // Reuse a buffer the receiver gave back, if there is one.
         let mut msg = self.back_from[to].try_recv().unwrap_or_default();
         msg.clear();

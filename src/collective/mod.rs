@@ -559,8 +559,8 @@ impl AllReduce {
         Ok(())
     }
 
-    /// Encode the whole input and ring-all-gather every rank's frame into `self.frames`,
-    /// checking each header (codec, length) on arrival.
+    /// Encode the whole input and ring-all-gather every rank's frame into `self.frames`
+    /// (forwarded unchanged; decoding them validates them and names the sender).
     fn gather<T: Transport + ?Sized>(
         &mut self,
         t: &mut T,
@@ -579,24 +579,6 @@ impl AllReduce {
             let res = exchange(t, &self.frames[send_q], right, &mut got, left, stats);
             self.frames[recv_q] = got;
             res?;
-            let h = crate::wire::Header::parse(&self.frames[recv_q])
-                .map_err(|e| peer_error(left, "all-gather", e))?;
-            let problem = if h.codec != self.codec.id() {
-                Some(Error::WrongCodec {
-                    expected: self.codec.id(),
-                    found: h.codec,
-                })
-            } else if h.elements != self.len as u64 {
-                Some(Error::OutputLength {
-                    expected: h.elements,
-                    got: self.len,
-                })
-            } else {
-                None
-            };
-            if let Some(e) = problem {
-                return Err(peer_error(left, "all-gather", e));
-            }
         }
         Ok(())
     }
@@ -659,6 +641,16 @@ fn codec_of(codec: CodecSpec, strategy: Strategy) -> CodecSpec {
     } else {
         codec
     }
+}
+
+/// An error unless `peer` is a rank of a world of `size` (for transports' `send_recv`).
+pub(crate) fn check_rank(peer: usize, size: usize) -> Result<()> {
+    if peer >= size {
+        return Err(Error::Collective(format!(
+            "rank {peer} is outside a world of {size} ranks"
+        )));
+    }
+    Ok(())
 }
 
 fn exchange<T: Transport + ?Sized>(

@@ -16,7 +16,7 @@ use mpi::datatype::Equivalence;
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::{Destination, Source};
 
-use super::Transport;
+use super::{Transport, check_rank};
 use crate::error::{Error, Result};
 
 /// A [`Transport`] over an MPI communicator (see the module docs).
@@ -50,12 +50,7 @@ impl MpiTransport {
     }
 
     fn process(&self, peer: usize) -> Result<mpi::topology::Process<'_>> {
-        if peer >= self.size {
-            return Err(Error::Collective(format!(
-                "rank {peer} is outside a world of {} ranks",
-                self.size
-            )));
-        }
+        check_rank(peer, self.size)?;
         Ok(self.comm.process_at_rank(peer as i32))
     }
 }
