@@ -572,3 +572,48 @@ pub const REPRESENTATIVE_SPECS: &[&str] = &[
     "topk:ratio=0.01,values=fp16",
     "randk:ratio=0.01",
 ];
+
+/// A codec whose frames carry a payload checksum: `Checksummed(codec)` encodes as `codec`
+/// and then [`crate::wire::seal`]s the frame (4 more bytes). Decoding verifies the
+/// checksum, so a payload corrupted in transit is rejected with
+/// [`Error::PayloadChecksum`] instead of decoding to a silently different gradient.
+///
+/// Any decoder accepts sealed frames (the checksum is checked whenever the header's
+/// `PAYLOAD_CRC` flag is set); this wrapper's decoders also accept unsealed ones. The
+/// header itself is always covered by its own CRC-32.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Checksummed<C>(pub C);
+
+impl<C: Codec> Codec for Checksummed<C> {
+    fn id(&self) -> CodecId {
+        self.0.id()
+    }
+    fn spec(&self) -> CodecSpec {
+        self.0.spec()
+    }
+    fn max_encoded_len(&self, n: usize) -> usize {
+        crate::wire::sealed_len(self.0.max_encoded_len(n))
+    }
+    fn encode_into(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<usize> {
+        let limit = out.len().saturating_sub(crate::wire::PAYLOAD_CRC_LEN);
+        let len = match self.0.encode_into(x, ctx, &mut out[..limit]) {
+            Err(Error::BufferTooSmall { needed, .. }) => {
+                return Err(Error::BufferTooSmall {
+                    needed: crate::wire::sealed_len(needed),
+                    got: out.len(),
+                });
+            }
+            r => r?,
+        };
+        crate::wire::seal(out, len)
+    }
+    fn decode_into(&self, frame: &[u8], out: &mut [f32]) -> Result<()> {
+        self.0.decode_into(frame, out)
+    }
+    fn decode_add(&self, frame: &[u8], acc: &mut [f32]) -> Result<()> {
+        self.0.decode_add(frame, acc)
+    }
+    fn check_encode(&self, n: usize, ctx: &EncodeCtx) -> Result<()> {
+        self.0.check_encode(n, ctx)
+    }
+}

@@ -59,6 +59,14 @@ pub enum Error {
     },
     /// Bytes 6..8: flag bits that are reserved in this version are set.
     ReservedFlags(u16),
+    /// The last 4 bytes of a sealed frame (flag `PAYLOAD_CRC`) do not match the CRC-32
+    /// of its payload: the payload was corrupted in transit.
+    PayloadChecksum {
+        /// The CRC-32 stored after the payload.
+        stored: u32,
+        /// The CRC-32 computed over the payload.
+        computed: u32,
+    },
     /// A header field holds a value the codec does not allow.
     BadField {
         /// The codec named by the header.
@@ -178,6 +186,10 @@ impl fmt::Display for Error {
             Error::HeaderChecksum { stored, computed } => write!(
                 f,
                 "bytes 52..56: header checksum mismatch (stored {stored:#010x}, computed {computed:#010x}): the header is corrupt"
+            ),
+            Error::PayloadChecksum { stored, computed } => write!(
+                f,
+                "last 4 bytes: payload checksum mismatch (stored {stored:#010x}, computed {computed:#010x}): the payload is corrupt"
             ),
             Error::ReservedFlags(bits) => {
                 write!(f, "bytes 6..8: reserved flag bits {bits:#06x} are set")

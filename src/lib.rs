@@ -69,7 +69,7 @@ pub mod synthetic;
 pub mod train;
 pub mod wire;
 
-pub use codec::{Codec, CodecId, CodecSpec, EncodeCtx, decode_limit};
+pub use codec::{Checksummed, Codec, CodecId, CodecSpec, EncodeCtx, decode_limit};
 pub use codecs::{
     Bf16, Fp16, Identity, Int8, Natural, Qsgd, RandK, RandKScale, Rounding, Sign, Ternary, TopK,
     TopKSelect, ValueType,

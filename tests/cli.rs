@@ -157,6 +157,38 @@ fn inspect_shows_header_validity_and_statistics() {
 }
 
 #[test]
+fn encode_with_checksum_seals_and_inspect_reports_it() {
+    let d = dir("checksum");
+    let x: Vec<f32> = (0..1000).map(|i| i as f32 * 0.01).collect();
+    let raw = d.join("x.f32");
+    std::fs::write(&raw, bytemuck::cast_slice(&x)).unwrap();
+    let (plain, sealed) = (d.join("plain.gpk"), d.join("sealed.gpk"));
+    for (out, extra) in [(&plain, None), (&sealed, Some("--checksum"))] {
+        let mut args = vec!["encode", "--codec", "int8"];
+        args.extend(extra);
+        args.extend([p(&raw), p(out)]);
+        let o = gradpack(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let (a, b) = (
+        std::fs::read(&plain).unwrap(),
+        std::fs::read(&sealed).unwrap(),
+    );
+    assert_eq!(b.len(), a.len() + 4);
+    let o = gradpack(&["inspect", p(&sealed)]);
+    let s = String::from_utf8(o.stdout).unwrap();
+    assert!(s.contains("(payload checksum)"), "{s}");
+    assert!(s.contains("payload checksum, fields"), "{s}");
+    // One payload bit flipped: a clear error naming the checksum.
+    let mut bad = b.clone();
+    bad[100] ^= 4;
+    let f = d.join("bad.gpk");
+    std::fs::write(&f, &bad).unwrap();
+    let o = gradpack(&["inspect", p(&f)]);
+    assert_clean_error(&o, "payload checksum mismatch");
+}
+
+#[test]
 fn bad_input_gives_one_clear_error_and_status_2() {
     let d = dir("errors");
     let x = gradpack::synthetic::gradient(300, 1);

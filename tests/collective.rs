@@ -426,21 +426,82 @@ impl<F: FnMut(&mut Vec<u8>)> Transport for Faulty<F> {
 /// Run a 4-rank all-reduce where rank 1's messages pass through `damage`; returns every
 /// rank's result.
 fn with_fault(spec: &str, s: Strategy, damage: Damage) -> Vec<Result<Stats>> {
+    with_fault_opts(spec, damage, opts(s, ReduceOp::Sum, Feedback::None)).0
+}
+
+/// [`with_fault`] with any options; also returns every rank's output.
+fn with_fault_opts(
+    spec: &str,
+    damage: Damage,
+    o: AllReduceOptions,
+) -> (Vec<Result<Stats>>, Vec<Vec<f32>>) {
     let codec: CodecSpec = spec.parse().unwrap();
     let n = 1000;
-    local::run(4, Some(Duration::from_secs(5)), |t| {
+    let res = local::run(4, Some(Duration::from_secs(5)), |t| {
         let rank = t.rank();
-        let mut ar = AllReduce::new(codec, n, &t, opts(s, ReduceOp::Sum, Feedback::None))?;
+        let mut ar = AllReduce::new(codec, n, &t, o.clone())?;
         let x = input(n, rank);
         let mut out = vec![0.0; n];
-        if rank == 1 {
+        let stats = if rank == 1 {
             let mut t = Faulty { inner: t, damage };
             ar.run(&mut t, &x, &mut out, 0)
         } else {
             let mut t = t;
             ar.run(&mut t, &x, &mut out, 0)
+        };
+        Ok((stats, out))
+    });
+    res.into_iter()
+        .map(|r| {
+            let (stats, out) = r.expect("rank setup");
+            (stats, out)
+        })
+        .unzip()
+}
+
+#[test]
+fn payload_checksum_turns_silent_corruption_into_an_error() {
+    // One payload bit flipped in every message rank 1 sends (the byte before the last
+    // 4, i.e. payload, not the checksum itself when sealed).
+    let flip: Damage = |m| {
+        if m.len() > 60 {
+            let at = m.len() - 5;
+            m[at] ^= 0x10;
         }
-    })
+    };
+    for s in [Strategy::CompressedRing, Strategy::CompressedAllGather] {
+        let plain = opts(s, ReduceOp::Sum, Feedback::None);
+        let sealed = AllReduceOptions {
+            checksum: true,
+            ..plain.clone()
+        };
+        // Unsealed: the flip decodes to a different sum and every rank "succeeds".
+        let (res, out) = with_fault_opts("int8", flip, plain.clone());
+        assert!(res.iter().all(Result::is_ok), "{}: {res:?}", s.name());
+        let (clean, clean_out) = with_fault_opts("int8", |_| {}, plain);
+        assert!(clean.iter().all(Result::is_ok));
+        assert_ne!(bits(&out[2]), bits(&clean_out[2]), "{}", s.name());
+        // Sealed: the receiver of rank 1's frames names it and the checksum.
+        let (res, _) = with_fault_opts("int8", flip, sealed.clone());
+        match &res[2] {
+            Err(Error::Peer {
+                peer: 1, source, ..
+            }) => {
+                assert!(
+                    matches!(**source, Error::PayloadChecksum { .. }),
+                    "{source}"
+                )
+            }
+            other => panic!("{}: rank 2 got {other:?}", s.name()),
+        }
+        // Sealed and undamaged: the same bits as unsealed, 4 more bytes per message.
+        let (ok, ok_out) = with_fault_opts("int8", |_| {}, sealed);
+        for r in 0..4 {
+            assert_eq!(bits(&ok_out[r]), bits(&clean_out[r]));
+            let (a, b) = (ok[r].as_ref().unwrap(), clean[r].as_ref().unwrap());
+            assert_eq!(a.bytes_sent, b.bytes_sent + 4 * b.messages);
+        }
+    }
 }
 
 #[test]

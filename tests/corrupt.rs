@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use gradpack::{CodecId, Error, HEADER_LEN, Header};
+use gradpack::{Codec, CodecId, Error, HEADER_LEN, Header};
 use proptest::prelude::*;
 
 /// Decode `frame` every way there is and check the contracts; returns whether it decoded.
@@ -297,6 +297,30 @@ proptest! {
         decode_all_ways(&f, n);
     }
 
+    /// Any 1 to 64 distinct bit flips anywhere in a sealed frame are rejected. Up to 3
+    /// flips this is guaranteed (CRC-32 has Hamming distance 4 at these lengths); beyond,
+    /// a miss has probability 2^-32 per case, so 2000 cases fail spuriously with
+    /// probability below 5e-7.
+    #[test]
+    fn prop_flips_in_sealed_frames_are_detected(
+        spec_i in 0..SPECS.len(),
+        n in 0usize..400,
+        salt in any::<u32>(),
+        positions in proptest::collection::hash_set(any::<usize>(), 1..65),
+    ) {
+        let spec: gradpack::CodecSpec = SPECS[spec_i].parse().unwrap();
+        let f = gradpack::Checksummed(spec)
+            .encode(&sample(n, salt), &gradpack::EncodeCtx::new(salt as u64))
+            .unwrap();
+        let bits: std::collections::HashSet<usize> =
+            positions.iter().map(|p| p % (f.len() * 8)).collect();
+        let mut g = f.clone();
+        for b in &bits {
+            g[b / 8] ^= 1 << (b % 8);
+        }
+        prop_assert!(!decode_all_ways(&g, n), "{} flips accepted", bits.len());
+    }
+
     #[test]
     fn prop_random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
         decode_all_ways(&bytes, 16);
@@ -305,7 +329,7 @@ proptest! {
     #[test]
     fn prop_forged_headers_never_panic(
         codec in 0u8..11,
-        flags in prop_oneof![Just(0u16), Just(1u16), any::<u16>()],
+        flags in prop_oneof![Just(0u16), Just(1u16), Just(2u16), Just(3u16), any::<u16>()],
         elements in prop_oneof![0u64..600, any::<u64>()],
         seed in any::<u64>(),
         offset in prop_oneof![0u64..1000, any::<u64>()],
@@ -323,5 +347,112 @@ proptest! {
         let f = forge(codec, flags, elements, seed, offset, params, &payload);
         let n = (elements as usize).min(600);
         decode_all_ways(&f, n);
+    }
+}
+
+/// Every golden frame sealed with a payload checksum.
+fn sealed_golden_frames() -> Vec<(String, Vec<u8>, Vec<u8>)> {
+    golden_frames()
+        .into_iter()
+        .map(|(name, f)| {
+            let mut buf = f.clone();
+            buf.resize(f.len() + 4, 0xEE);
+            let len = gradpack::wire::seal(&mut buf, f.len()).unwrap();
+            assert_eq!(len, buf.len());
+            (name, f, buf)
+        })
+        .collect()
+}
+
+#[test]
+fn sealed_frames_decode_to_the_same_bits() {
+    for (name, plain, sealed) in sealed_golden_frames() {
+        let (h, _) = gradpack::inspect(&sealed).unwrap();
+        assert!(h.payload_checksum(), "{name}");
+        assert_eq!(h.frame_len(), Some(sealed.len() as u64));
+        assert_eq!(
+            f32_bytes(&gradpack::decode_to_vec(&sealed).unwrap()),
+            f32_bytes(&gradpack::decode_to_vec(&plain).unwrap()),
+            "{name}"
+        );
+        assert!(decode_all_ways(&sealed, elements_of(&sealed)));
+        // Sealing twice, or into a buffer without room, is an error and changes nothing.
+        let mut again = sealed.clone();
+        again.extend_from_slice(&[0; 4]);
+        let before = again.clone();
+        assert!(gradpack::wire::seal(&mut again, sealed.len()).is_err());
+        assert_eq!(again, before);
+        let mut tight = plain.clone();
+        assert!(matches!(
+            gradpack::wire::seal(&mut tight, plain.len()),
+            Err(Error::BufferTooSmall { .. })
+        ));
+        assert_eq!(tight, plain);
+    }
+}
+
+#[test]
+fn every_single_bit_flip_in_a_sealed_frame_is_detected() {
+    for (name, _, f) in sealed_golden_frames() {
+        let n = elements_of(&f);
+        for bit in 0..f.len() * 8 {
+            let mut g = f.clone();
+            g[bit / 8] ^= 1 << (bit % 8);
+            let e = gradpack::decode(&g, &mut vec![0.0; n]).unwrap_err();
+            if bit >= HEADER_LEN * 8 {
+                assert!(
+                    matches!(e, Error::PayloadChecksum { .. }),
+                    "{name} bit {bit}: {e}"
+                );
+            }
+            assert!(!decode_all_ways(&g, n));
+        }
+    }
+}
+
+#[test]
+fn checksummed_codec_round_trips_and_rejects_flips() {
+    use gradpack::{Checksummed, EncodeCtx};
+    let x: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin()).collect();
+    for spec in gradpack::codec::REPRESENTATIVE_SPECS {
+        let inner: gradpack::CodecSpec = spec.parse().unwrap();
+        let c = Checksummed(inner);
+        let ctx = EncodeCtx::new(7);
+        let plain = inner.encode(&x, &ctx).unwrap();
+        let sealed = c.encode(&x, &ctx).unwrap();
+        assert_eq!(sealed.len(), plain.len() + 4, "{spec}");
+        assert!(sealed.len() <= c.max_encoded_len(x.len()));
+        assert_eq!(
+            sealed[HEADER_LEN..sealed.len() - 4],
+            plain[HEADER_LEN..],
+            "{spec}"
+        );
+        assert_eq!(
+            f32_bytes(&c.decode(&sealed).unwrap()),
+            f32_bytes(&inner.decode(&plain).unwrap())
+        );
+        // A buffer one byte short is refused with the sealed length.
+        let mut short = vec![0u8; sealed.len() - 1];
+        match c.encode_into(&x, &ctx, &mut short) {
+            Err(Error::BufferTooSmall { needed, .. }) => assert!(needed >= sealed.len()),
+            other => panic!("{spec}: {other:?}"),
+        }
+        let mut g = sealed.clone();
+        g[HEADER_LEN] ^= 1;
+        assert!(matches!(c.decode(&g), Err(Error::PayloadChecksum { .. })));
+    }
+}
+
+#[test]
+fn payload_lengths_near_u64_max_are_refused() {
+    // 56 (+ 4 when sealed) + payload_len overflows u64: a clean error, not an overflow.
+    for flags in [0u16, 2, 3] {
+        for payload_len in [u64::MAX, u64::MAX - 3, u64::MAX - 56, u64::MAX - 60] {
+            let mut f = forge(CodecId::Fp16 as u8, flags, 4, 0, 0, [0; 12], &[0; 8]);
+            f[16..24].copy_from_slice(&payload_len.to_le_bytes());
+            reseal(&mut f);
+            assert!(!decode_all_ways(&f, 4));
+            assert!(gradpack::inspect(&f).is_err());
+        }
     }
 }

@@ -48,6 +48,11 @@ fn every_vector_encodes_decodes_and_reencodes_identically() {
             check_or_write(&format!("{stem}{suffix}.gpk"), &frame);
             let decoded = decode(&frame, x.len());
             check_or_write(&format!("{stem}{suffix}.out.f32"), &f32_bytes(&decoded));
+            if suffix.is_empty() {
+                // The same frame sealed with a payload checksum (wire format 1.3).
+                let sealed = gradpack::Checksummed(spec).encode(&x, &ctx).unwrap();
+                check_or_write(&format!("{stem}.sealed"), &sealed);
+            }
             if bless() {
                 continue;
             }

@@ -133,7 +133,7 @@ fn header_records_codec_count_seed_and_offset() {
         assert_eq!(h.codec, spec.id());
         assert_eq!(h.elements, 70);
         assert_eq!(h.offset, 12345);
-        assert_eq!(h.frame_len(), frame.len() as u64);
+        assert_eq!(h.frame_len(), Some(frame.len() as u64));
         assert_eq!(parsed.id(), spec.id());
         let stochastic = matches!(
             spec,

@@ -112,13 +112,16 @@ def decode(frame):
     params = frame[40:52]
     if codec > 9:
         raise Reject("codec id")
-    if flags & ~1:
+    if flags & ~3:
         raise Reject("reserved flags")
     if offset + n > M64:
         raise Reject("offset overflow")
-    if len(frame) != 56 + plen:
+    trailer = 4 if flags & 2 else 0
+    if len(frame) != 56 + plen + trailer:
         raise Reject("frame length")
-    p = frame[56:]
+    p = frame[56:56 + plen]
+    if trailer and zlib.crc32(p) != struct.unpack_from("<I", frame, 56 + plen)[0]:
+        raise Reject("payload crc")
 
     def zero_from(k):
         if any(params[k:]):
@@ -259,6 +262,15 @@ def decode(frame):
     return n, out, flags
 
 
+def seal(frame):
+    """Section 1.3: set PAYLOAD_CRC, re-checksum the header, append the payload CRC."""
+    g = bytearray(frame)
+    flags, = struct.unpack_from("<H", g, 6)
+    struct.pack_into("<H", g, 6, flags | 2)
+    struct.pack_into("<I", g, 52, zlib.crc32(bytes(g[0:52])))
+    return bytes(g) + struct.pack("<I", zlib.crc32(frame[56:]))
+
+
 def is_nan(b):
     return (b & 0x7F800000) == 0x7F800000 and (b & 0x7FFFFF) != 0
 
@@ -288,6 +300,24 @@ def main():
         if (".nonfinite" in name) != bool(flags & 1):
             print("FAIL %s: NONFINITE flag %d" % (name, flags & 1))
             failed += 1
+        # Sealed, it decodes to the same bits, and gradpack wrote the same seal.
+        sealed = seal(frame)
+        if decode(sealed)[1] != got:
+            print("FAIL %s: sealed frame decodes differently" % name)
+            failed += 1
+        sealed_path = os.path.join(VECTORS, name[:-4] + ".sealed")
+        if os.path.exists(sealed_path) and open(sealed_path, "rb").read() != sealed:
+            print("FAIL %s: gradpack's sealed frame differs from section 1.3" % name)
+            failed += 1
+        for bit in range(56 * 8, len(sealed) * 8, 5):
+            g = bytearray(sealed)
+            g[bit // 8] ^= 1 << (bit % 8)
+            try:
+                decode(bytes(g))
+                print("FAIL %s: accepted a flip of sealed-frame bit %d" % (name, bit))
+                failed += 1
+            except Reject:
+                pass
         # Truncations and header bit flips must be rejected.
         for cut in (0, 4, 55, len(frame) - 1):
             try:

@@ -44,6 +44,9 @@ enum Cmd {
         /// Global index of the first element (for chunks of a larger tensor).
         #[arg(long, default_value_t = 0)]
         offset: u64,
+        /// Seal the frame with a CRC-32 of its payload (4 more bytes; decoders verify it).
+        #[arg(long)]
+        checksum: bool,
         /// Input: raw little-endian f32, or .npy (float32, 1-D or any shape, C order).
         input: PathBuf,
         /// Output frame.
@@ -159,9 +162,10 @@ fn main() {
             codec,
             seed,
             offset,
+            checksum,
             input,
             output,
-        } => encode(&codec, seed, offset, &input, &output),
+        } => encode(&codec, seed, offset, checksum, &input, &output),
         Cmd::Decode { input, output } => decode(&input, &output),
         Cmd::Inspect { file } => inspect(&file),
         Cmd::Model(a) => model(a),
@@ -353,14 +357,25 @@ fn write_f32(path: &Path, x: &[f32]) -> Res<()> {
 
 // ---------------------------------------------------------------- encode / decode / inspect
 
-fn encode(codec: &str, seed: u64, offset: u64, input: &Path, output: &Path) -> Res<()> {
+fn encode(
+    codec: &str,
+    seed: u64,
+    offset: u64,
+    checksum: bool,
+    input: &Path,
+    output: &Path,
+) -> Res<()> {
     let spec: CodecSpec = codec
         .parse()
         .map_err(|e| format!("--codec {codec:?}: {e}"))?;
     let x = read_f32(input)?;
-    let frame = spec
-        .encode(&x, &EncodeCtx::new(seed).with_offset(offset))
-        .map_err(|e| format!("encoding {}: {e}", input.display()))?;
+    let ctx = EncodeCtx::new(seed).with_offset(offset);
+    let frame = if checksum {
+        gradpack::Checksummed(spec).encode(&x, &ctx)
+    } else {
+        spec.encode(&x, &ctx)
+    }
+    .map_err(|e| format!("encoding {}: {e}", input.display()))?;
     write_output(output, &frame)?;
     eprintln!(
         "{}: {} elements -> {} bytes ({:.3} bits per element, {spec})",
@@ -394,14 +409,22 @@ fn inspect(file: &str) -> Res<()> {
     println!(
         "flags       {:#06x}{}",
         h.flags,
-        if h.flags & gradpack::wire::FLAG_NONFINITE != 0 {
-            " (input held NaN or Inf)"
+        match (h.nonfinite(), h.payload_checksum()) {
+            (true, true) => " (input held NaN or Inf; payload checksum)",
+            (true, false) => " (input held NaN or Inf)",
+            (false, true) => " (payload checksum)",
+            (false, false) => "",
+        }
+    );
+    let x = gradpack::decode_to_vec(&frame).map_err(|e| format!("{file}: invalid frame: {e}"))?;
+    println!(
+        "valid       yes (header checksum, {}fields and payload all check)",
+        if h.payload_checksum() {
+            "payload checksum, "
         } else {
             ""
         }
     );
-    let x = gradpack::decode_to_vec(&frame).map_err(|e| format!("{file}: invalid frame: {e}"))?;
-    println!("valid       yes (header checksum, fields and payload all check)");
     let finite: Vec<f64> = x
         .iter()
         .filter(|v| v.is_finite())

@@ -70,7 +70,7 @@ use crate::codecs::Identity;
 use crate::cost::{self, CodecProfile};
 use crate::error::{Error, Result};
 use crate::feedback::{ErrorFeedback, FeedbackOptions};
-use crate::wire::HEADER_LEN;
+use crate::wire::{self, HEADER_LEN};
 
 pub use crate::cost::Strategy;
 
@@ -167,6 +167,11 @@ pub struct AllReduceOptions {
     pub feedback: Feedback,
     /// The error-feedback weights and residual precision.
     pub feedback_options: FeedbackOptions,
+    /// Seal every frame with a payload checksum ([`crate::wire::seal`], 4 bytes per
+    /// message), so a payload corrupted in transit fails the step with
+    /// [`Error::PayloadChecksum`] instead of silently changing the sum. Headers are
+    /// always checksummed. Default off: MPI and TCP links already check their data.
+    pub checksum: bool,
 }
 
 /// What one [`AllReduce::run`] did on this rank.
@@ -343,7 +348,7 @@ impl AllReduce {
             (Strategy::Fp32Ring | Strategy::CompressedRing, _) => {
                 for c in 0..size {
                     let n = chunk_range(len, size, c).len();
-                    max_frame = max_frame.max(codec.max_encoded_len(n));
+                    max_frame = max_frame.max(wire::sealed_len(codec.max_encoded_len(n)));
                     let fed = match feedback {
                         Feedback::None => false,
                         Feedback::Worker => c != rank,
@@ -353,7 +358,7 @@ impl AllReduce {
                 }
             }
             (_, fb) => {
-                max_frame = codec.max_encoded_len(len);
+                max_frame = wire::sealed_len(codec.max_encoded_len(len));
                 if fb != Feedback::None {
                     residuals.push(Some(ef(len)?));
                 }
@@ -508,9 +513,14 @@ impl AllReduce {
     /// Encode `x` (chunk `c`, starting at global element `offset`) into `self.enc`,
     /// through chunk `c`'s residual if it has one. Returns the frame length.
     fn encode(&mut self, slot: usize, x: &[f32], ctx: EncodeCtx) -> Result<usize> {
-        match self.residuals.get_mut(slot).and_then(Option::as_mut) {
+        let len = match self.residuals.get_mut(slot).and_then(Option::as_mut) {
             Some(ef) => ef.encode_into(x, &ctx, &mut self.enc),
             None => self.codec.encode_into(x, &ctx, &mut self.enc),
+        }?;
+        if self.opts.checksum {
+            wire::seal(&mut self.enc, len)
+        } else {
+            Ok(len)
         }
     }
 

@@ -15,6 +15,9 @@
 //! | 32..40 | offset       | u64 LE  |
 //! | 40..52 | params       | 12 bytes, per codec |
 //! | 52..56 | header_crc   | u32 LE, CRC-32 (IEEE) of bytes 0..52 |
+//!
+//! A frame whose flags hold [`FLAG_PAYLOAD_CRC`] ends with 4 more bytes: the CRC-32 of
+//! the payload ([`seal`] adds them; every decoder checks them).
 
 use crate::codec::CodecId;
 use crate::error::{Error, Result};
@@ -27,8 +30,13 @@ pub const VERSION: u8 = 1;
 pub const HEADER_LEN: usize = 56;
 /// Flag bit 0: the encoder's input held at least one NaN or ±Inf.
 pub const FLAG_NONFINITE: u16 = 1 << 0;
+/// Flag bit 1: the payload is followed by its CRC-32 (4 bytes, little-endian), which
+/// every decoder verifies. Written by [`seal`].
+pub const FLAG_PAYLOAD_CRC: u16 = 1 << 1;
 /// Flag bits defined by version 1; a frame with any other bit set is rejected.
-pub const KNOWN_FLAGS: u16 = FLAG_NONFINITE;
+pub const KNOWN_FLAGS: u16 = FLAG_NONFINITE | FLAG_PAYLOAD_CRC;
+/// Length of the payload checksum that follows the payload of a sealed frame.
+pub const PAYLOAD_CRC_LEN: usize = 4;
 
 /// A parsed and validated frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,9 +63,20 @@ impl Header {
         self.flags & FLAG_NONFINITE != 0
     }
 
-    /// Total frame length in bytes.
-    pub fn frame_len(&self) -> u64 {
-        HEADER_LEN as u64 + self.payload_len
+    /// True when the payload is followed by its CRC-32 (see [`seal`]).
+    pub fn payload_checksum(&self) -> bool {
+        self.flags & FLAG_PAYLOAD_CRC != 0
+    }
+
+    /// Total frame length in bytes: header, payload and, when sealed, the payload
+    /// checksum. `None` if that overflows u64 (no such frame can exist).
+    pub fn frame_len(&self) -> Option<u64> {
+        let trailer = if self.payload_checksum() {
+            PAYLOAD_CRC_LEN as u64
+        } else {
+            0
+        };
+        (HEADER_LEN as u64 + trailer).checked_add(self.payload_len)
     }
 
     /// Serialise into the first [`HEADER_LEN`] bytes of `out` (which must be that long).
@@ -176,10 +195,16 @@ impl Header {
 }
 
 /// Parse the header of a complete frame and return it with the payload slice. The frame
-/// must be exactly `HEADER_LEN + payload_len` bytes long.
+/// must be exactly [`Header::frame_len`] bytes long; a sealed frame's payload checksum
+/// is verified here, so every decoder checks it before reading the payload.
 pub fn split(frame: &[u8]) -> Result<(Header, &[u8])> {
     let h = Header::parse(frame)?;
-    let total = h.frame_len();
+    let Some(total) = h.frame_len() else {
+        return Err(Error::Truncated {
+            needed: u64::MAX,
+            got: frame.len(),
+        });
+    };
     if (frame.len() as u64) < total {
         return Err(Error::Truncated {
             needed: total,
@@ -192,7 +217,61 @@ pub fn split(frame: &[u8]) -> Result<(Header, &[u8])> {
             got: frame.len(),
         });
     }
+    if h.payload_checksum() {
+        let (payload, trailer) =
+            frame[HEADER_LEN..].split_at(frame.len() - HEADER_LEN - PAYLOAD_CRC_LEN);
+        let stored = u32::from_le_bytes(trailer.try_into().expect("4 bytes"));
+        let computed = crc32fast::hash(payload);
+        if stored != computed {
+            return Err(Error::PayloadChecksum { stored, computed });
+        }
+        return Ok((h, payload));
+    }
     Ok((h, &frame[HEADER_LEN..]))
+}
+
+/// Add a payload checksum to the frame in `buf[..len]`: set [`FLAG_PAYLOAD_CRC`],
+/// recompute the header checksum and append the payload's CRC-32, returning the new
+/// length `len + 4`. Allocates nothing; `buf` needs 4 bytes past the frame
+/// ([`sealed_len`] of the codec's `max_encoded_len`).
+///
+/// Every decoder then verifies the payload before reading it, so a flipped payload bit
+/// is rejected ([`Error::PayloadChecksum`]) instead of silently decoding to a different
+/// gradient. Costs one CRC-32 pass over the payload on each side (crc32fast: PCLMULQDQ
+/// on x86-64, the CRC instructions on aarch64).
+///
+/// Errors: `buf[..len]` is not a complete, valid unsealed frame, or `buf` is too short.
+/// On error `buf` is unchanged.
+pub fn seal(buf: &mut [u8], len: usize) -> Result<usize> {
+    let frame = buf.get(..len).ok_or(Error::BufferTooSmall {
+        needed: len,
+        got: buf.len(),
+    })?;
+    let (mut h, _) = split(frame)?;
+    if h.payload_checksum() {
+        return Err(Error::BadField {
+            codec: h.codec,
+            field: "flags",
+            reason: "the frame is already sealed (it has a payload checksum)".into(),
+        });
+    }
+    let sealed = len + PAYLOAD_CRC_LEN;
+    if buf.len() < sealed {
+        return Err(Error::BufferTooSmall {
+            needed: sealed,
+            got: buf.len(),
+        });
+    }
+    let crc = crc32fast::hash(&buf[HEADER_LEN..len]);
+    h.flags |= FLAG_PAYLOAD_CRC;
+    h.write(buf);
+    buf[len..sealed].copy_from_slice(&crc.to_le_bytes());
+    Ok(sealed)
+}
+
+/// The buffer length [`seal`] needs for a frame of at most `frame_len` bytes.
+pub const fn sealed_len(frame_len: usize) -> usize {
+    frame_len + PAYLOAD_CRC_LEN
 }
 
 /// Payload length helper: `a * b + c` in u64, `None` on overflow.
@@ -262,7 +341,7 @@ mod tests {
         h.write(&mut buf);
         assert_eq!(Header::parse(&buf), Ok(h));
         assert!(h.nonfinite());
-        assert_eq!(h.frame_len(), 63);
+        assert_eq!(h.frame_len(), Some(63));
         for len in 0..HEADER_LEN {
             assert!(Header::parse(&buf[..len]).is_err());
         }
