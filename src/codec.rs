@@ -326,16 +326,18 @@ impl CodecSpec {
     /// |-------|-------|
     /// | identity | 0 |
     /// | fp16 | `2^-11 absmax + 2^-25` (half an ulp; the constant is half the smallest subnormal) |
-    /// | bf16 | `2^-8 absmax` (plus half the smallest f32 subnormal step, negligible) |
+    /// | bf16 | `2^-8 absmax + 2^-134` (half an ulp; the constant is half the smallest bf16 subnormal) |
     /// | int8 nearest / stochastic | `absmax / 254` / `absmax / 127` (half a step / a step) |
     /// | qsgd | `sqrt(block) absmax / s`: below one step of a block L2 norm |
     /// | sign | `2 absmax`: `x` and `±mean|x|` differ by at most `|x| + mean|x|` |
     /// | ternary, natural, top-k, random-k (`scale=none`) | `absmax` (a dropped element, or a power-of-two neighbour) |
     /// | random-k (`scale=unbiased`) | `(1 + 2^-11) absmax / ratio` |
     ///
-    /// A relative slack of `2^-20` covers the f32 arithmetic of the scales. The bound
+    /// A relative slack of `2^-20` covers the f32 arithmetic of the scales, and int8 and
+    /// qsgd add `2^-142` for steps in the subnormal range (which lose relative precision). The bound
     /// assumes no overflow: it is infinite when `absmax` exceeds the largest finite value
-    /// of the codec's element type (65504 for fp16 and fp16-valued top-k / random-k).
+    /// of the codec's element type (65504 for fp16 and fp16-valued top-k / random-k), and
+    /// for unbiased random-k when `absmax / ratio` does (the scaled value overflows to Inf).
     /// [`crate::collective::error_bound`] composes it over an all-reduce.
     pub fn error_bound(&self, absmax: f64) -> f64 {
         use crate::codecs::{RandKScale, Rounding, ValueType};
@@ -346,14 +348,16 @@ impl CodecSpec {
         let (factor, add, max) = match self {
             CodecSpec::Identity(_) => (0.0, 0.0, f64::INFINITY),
             CodecSpec::Fp16(_) => (2f64.powi(-11), 2f64.powi(-25), FP16_MAX),
-            CodecSpec::Bf16(_) => (2f64.powi(-8), 2f64.powi(-150), BF16_MAX),
+            CodecSpec::Bf16(_) => (2f64.powi(-8), 2f64.powi(-134), BF16_MAX),
+            // 2^-142 (about 127 halves of the smallest subnormal): a step absmax / 127 that
+            // is subnormal or underflows to zero loses precision in absolute terms.
             CodecSpec::Int8(c) => match c.rounding() {
-                Rounding::Nearest => (1.0 / 254.0, 0.0, f64::INFINITY),
-                Rounding::Stochastic => (1.0 / 127.0, 0.0, f64::INFINITY),
+                Rounding::Nearest => (1.0 / 254.0, 2f64.powi(-142), f64::INFINITY),
+                Rounding::Stochastic => (1.0 / 127.0, 2f64.powi(-142), f64::INFINITY),
             },
             CodecSpec::Qsgd(c) => (
                 (c.block() as f64).sqrt() / c.levels() as f64,
-                0.0,
+                2f64.powi(-142),
                 f64::INFINITY,
             ),
             CodecSpec::Sign(_) => (2.0, 0.0, f64::INFINITY),
@@ -370,15 +374,17 @@ impl CodecSpec {
                 let max = if fp16_values(c.values()) {
                     FP16_MAX
                 } else {
-                    f64::INFINITY
+                    f32::MAX as f64
                 };
                 match c.scale() {
                     RandKScale::None => (1.0, 2f64.powi(-25), max),
                     // x / ratio, then rounded: |x / ratio - x| plus half an fp16 ulp.
+                    // x / ratio overflows the value type (to Inf) past max * ratio; the
+                    // margin covers the f32 rounding of the scale 1 / ratio.
                     RandKScale::Unbiased => (
                         (1.0 + 2f64.powi(-11)) / c.ratio(),
                         2f64.powi(-25),
-                        max * c.ratio(),
+                        max * c.ratio() * (1.0 - 2f64.powi(-20)),
                     ),
                 }
             }

@@ -14,6 +14,7 @@
 //!
 //! NaN and ±Inf have the largest magnitudes (NaN above Inf), so they are always kept and
 //! decode as themselves; with fp16 values, a finite value above 65504 becomes ±Inf.
+//! With `k = 0` nothing is kept: the header's NONFINITE flag is then their only trace.
 //! A frame holds at most 2^32 elements (indices are 32-bit): chunk larger tensors.
 
 use core::fmt;
@@ -249,7 +250,8 @@ impl Scheme for TopK {
             return Ok(Encoded {
                 payload_len: 0,
                 params,
-                nonfinite: false,
+                // Nothing is kept, so the flag is the only trace of a NaN or Inf.
+                nonfinite: x.iter().any(|v| !v.is_finite()),
                 seed: 0,
             });
         }

@@ -1,0 +1,299 @@
+//! The properties the fuzz targets check (`fuzz/`), one function per target. Shared
+//! with `tests/fuzz_regressions.rs`, which replays every input that ever made a target
+//! fail, plus the seed corpora, under plain `cargo test`.
+//!
+//! Each function takes the raw fuzz input and panics when a property fails.
+
+#![allow(dead_code)]
+
+use gradpack::{
+    Backend, Checksummed, Codec, CodecSpec, EncodeCtx, Error, HEADER_LEN, Header, wire,
+};
+
+/// Outputs longer than this are not tried (a frame may legally claim up to 2^32 elements
+/// for top-k; decoding into 2^16 keeps each execution fast).
+pub const MAX_OUT: u64 = 1 << 16;
+
+/// The output length a frame decodes into: its header's element count when that parses
+/// and is at most [`MAX_OUT`], else `fallback`.
+pub fn out_len(frame: &[u8], fallback: usize) -> usize {
+    match Header::parse(frame) {
+        Ok(h) if h.elements <= MAX_OUT => h.elements as usize,
+        _ => fallback,
+    }
+}
+
+/// The bit patterns of `x`.
+pub fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Arbitrary bytes into every decoder with an arbitrary output length: `Ok` or `Err`,
+/// never a panic, an abort or an allocation beyond the documented bound.
+///
+/// Input: byte 0 chooses the output length (even: the header's element count, odd: the
+/// byte times 7, usually wrong), the rest is the frame.
+pub fn decode_any(data: &[u8]) {
+    let Some((&mode, frame)) = data.split_first() else {
+        return;
+    };
+    let n = if mode % 2 == 0 {
+        out_len(frame, frame.len() % 257)
+    } else {
+        mode as usize * 7
+    };
+    let mut out = vec![0f32; n];
+    let r = gradpack::decode(frame, &mut out);
+    if let Err(e) = &r {
+        assert!(!e.to_string().is_empty());
+    }
+
+    // decode_add: the accumulator is untouched on error and is acc + decode on success.
+    let acc0: Vec<f32> = (0..n).map(|i| i as f32 - 0.5).collect();
+    let mut acc = acc0.clone();
+    let ra = gradpack::decode_add(frame, &mut acc);
+    assert_eq!(r.is_ok(), ra.is_ok(), "decode {r:?} but decode_add {ra:?}");
+    if ra.is_ok() {
+        for i in 0..n {
+            assert_eq!(
+                acc[i].to_bits(),
+                (acc0[i] + out[i]).to_bits(),
+                "element {i}"
+            );
+        }
+    } else {
+        assert_eq!(bits(&acc), bits(&acc0), "decode_add touched acc on error");
+    }
+
+    // The codec's own entry points agree with the free functions.
+    if let Ok((_, spec)) = gradpack::inspect(frame) {
+        let mut o2 = vec![0f32; n];
+        let r2 = spec.decode_into(frame, &mut o2);
+        assert_eq!(r.is_ok(), r2.is_ok());
+        if r.is_ok() {
+            assert_eq!(bits(&o2), bits(&out));
+        }
+    }
+
+    // The owning decoder allocates at most decode_limit(frame length) elements.
+    match gradpack::decode_to_vec(frame) {
+        Ok(v) => {
+            assert!(v.len() as u64 <= gradpack::decode_limit(frame.len()));
+            if r.is_ok() {
+                assert_eq!(bits(&v), bits(&out));
+            }
+        }
+        Err(Error::TooLarge { elements, limit }) => assert!(elements > limit),
+        Err(e) => assert!(
+            r.is_err(),
+            "decode accepted what decode_to_vec refused: {e}"
+        ),
+    }
+}
+
+/// Output independence: decoding into outputs pre-filled with two different sentinels
+/// gives the same result, and on `Ok` the same bits, on every backend this CPU has (the
+/// decoders never read the output and every backend writes the scalar oracle's bits).
+///
+/// Input: the frame.
+pub fn output_independence(frame: &[u8]) {
+    let n = out_len(frame, frame.len() % 131);
+    let decode_with = |b: Backend, sentinel: f32| {
+        let mut out = vec![sentinel; n];
+        let r = b.run(|| gradpack::decode(frame, &mut out));
+        (r, out)
+    };
+    let scalar = Backend::scalar();
+    let (ra, a) = decode_with(scalar, f32::from_bits(0x7FA0_0001));
+    let (rb, b) = decode_with(scalar, -1.5e-7);
+    assert_eq!(ra, rb);
+    if ra.is_ok() {
+        assert_eq!(
+            bits(&a),
+            bits(&b),
+            "output depends on its previous contents"
+        );
+    }
+    for be in Backend::available() {
+        let (r, o) = decode_with(be, f32::from_bits(0xFFC0_1234));
+        assert_eq!(r, ra, "{be}");
+        if r.is_ok() {
+            assert_eq!(bits(&o), bits(&a), "{be} differs from scalar");
+        }
+    }
+}
+
+/// `Header::parse` and `inspect` on arbitrary bytes: a parsed header writes back to the
+/// same 56 bytes; `inspect` agrees with `parse` and gives a spec whose canonical string
+/// parses back to it; sealing a valid frame keeps it valid and decoding to the same bits.
+///
+/// Input: the frame.
+pub fn header(frame: &[u8]) {
+    let parsed = Header::parse(frame);
+    if let Ok(h) = parsed {
+        let mut buf = [0u8; HEADER_LEN];
+        h.write(&mut buf);
+        assert_eq!(
+            buf[..],
+            frame[..HEADER_LEN],
+            "parse/write is not the identity"
+        );
+        assert_eq!(Header::parse(&buf), Ok(h));
+    }
+    match gradpack::inspect(frame) {
+        Ok((h, spec)) => {
+            assert_eq!(parsed, Ok(h));
+            assert_eq!(h.frame_len(), Some(frame.len() as u64));
+            let text = spec.to_string();
+            let again: CodecSpec = text.parse().expect("canonical spec parses");
+            assert_eq!(again, spec, "{text}");
+            assert_eq!(gradpack::Codec::id(&spec), h.codec);
+            if !h.payload_checksum() && h.elements <= MAX_OUT {
+                let mut sealed = frame.to_vec();
+                sealed.resize(frame.len() + wire::PAYLOAD_CRC_LEN, 0);
+                let len = wire::seal(&mut sealed, frame.len()).expect("seal a valid frame");
+                assert_eq!(len, sealed.len());
+                let (hs, _) = gradpack::inspect(&sealed).expect("sealed frame is valid");
+                assert!(hs.payload_checksum());
+                let plain = gradpack::decode_to_vec_with_limit(frame, MAX_OUT);
+                let closed = gradpack::decode_to_vec_with_limit(&sealed, MAX_OUT);
+                match (plain, closed) {
+                    (Ok(a), Ok(b)) => assert_eq!(bits(&a), bits(&b)),
+                    (a, b) => assert_eq!(a.is_ok(), b.is_ok(), "{a:?} vs {b:?}"),
+                }
+            }
+        }
+        Err(e) => assert!(!e.to_string().is_empty()),
+    }
+}
+
+fn spec_of(c: &[u8; 12]) -> String {
+    let block = u16::from_le_bytes([c[1], c[2]]) as u32 % 4096 + 1;
+    let v = c[3];
+    let ratio = (c[4] as f64 + 1.0) / 256.0;
+    let values = if v & 8 != 0 { "fp16" } else { "f32" };
+    match c[0] % 10 {
+        0 => "identity".into(),
+        1 => "fp16".into(),
+        2 => "bf16".into(),
+        3 => format!(
+            "int8:block={block},rounding={}",
+            if v & 1 != 0 { "stochastic" } else { "nearest" }
+        ),
+        4 => format!(
+            "qsgd:bits={},block={block}",
+            [2, 4, 8][(v as usize >> 1) % 3]
+        ),
+        5 => format!("sign:block={block}"),
+        6 => format!("ternary:block={block}"),
+        7 => format!("natural:block={block}"),
+        8 if v & 32 != 0 => format!("topk:k={},values={values}", c[4]),
+        8 => format!("topk:ratio={ratio},values={values}"),
+        _ => format!(
+            "randk:ratio={ratio},values={values},scale={}",
+            if v & 16 != 0 { "unbiased" } else { "none" }
+        ),
+    }
+}
+
+/// Round trip of every codec on arbitrary f32 values (all bit patterns) and parameters:
+/// encode gives byte-identical frames on every backend; the frame decodes on every
+/// backend to the same bits, within the codec's documented error bound
+/// (`CodecSpec::error_bound`) when the input is finite, and with NaN or Inf still visible
+/// when it is not; re-encoding from nothing but the frame's header reproduces it byte for
+/// byte; a sealed frame carries the same payload and decodes the same.
+///
+/// Input: 12 control bytes, then the values (little-endian f32, any bit patterns).
+/// - byte 0: codec (`% 10`, in wire-format id order);
+/// - bytes 1..3: block size (`u16 % 4096 + 1`);
+/// - byte 3: bit 0 stochastic rounding (int8), bits 1..3 QSGD bits (2, 4, 8), bit 3 fp16
+///   values (top-k, random-k), bit 4 unbiased scale (random-k), bit 5 an explicit `k`
+///   (top-k);
+/// - byte 4: ratio `(b + 1) / 256` (top-k, random-k), or `k = b` (top-k with bit 5);
+/// - bytes 5..8: offset (u24); bytes 8..12: seed (u32).
+pub fn roundtrip(data: &[u8]) {
+    if data.len() < 12 {
+        return;
+    }
+    let (control, values) = data.split_at(12);
+    let control: &[u8; 12] = control.try_into().unwrap();
+    let x: Vec<f32> = values
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let text = spec_of(control);
+    let spec: CodecSpec = text.parse().unwrap_or_else(|e| panic!("{text}: {e}"));
+    let offset = u32::from_le_bytes([control[5], control[6], control[7], 0]) as u64;
+    let seed = u32::from_le_bytes(control[8..12].try_into().unwrap()) as u64;
+    let ctx = EncodeCtx::new(seed).with_offset(offset);
+
+    // Encode on every backend: the same bytes.
+    let frame = spec
+        .encode(&x, &ctx)
+        .unwrap_or_else(|e| panic!("{text}: {e}"));
+    assert!(frame.len() <= spec.max_encoded_len(x.len()));
+    for b in Backend::available() {
+        let f = b.run(|| spec.encode(&x, &ctx)).unwrap();
+        assert!(
+            f == frame,
+            "{text}: {b} encodes differently from the default backend"
+        );
+    }
+
+    // Decode on every backend: the same bits, decode_add agrees.
+    let d = gradpack::decode_to_vec(&frame).unwrap_or_else(|e| panic!("{text}: {e}"));
+    assert_eq!(d.len(), x.len());
+    for b in Backend::available() {
+        let mut o = vec![f32::NAN; x.len()];
+        b.run(|| spec.decode_into(&frame, &mut o)).unwrap();
+        assert_eq!(bits(&o), bits(&d), "{text}: {b} decodes differently");
+        let mut acc = vec![1.0f32; x.len()];
+        b.run(|| spec.decode_add(&frame, &mut acc)).unwrap();
+        for i in 0..x.len() {
+            assert_eq!(
+                acc[i].to_bits(),
+                (1.0 + d[i]).to_bits(),
+                "{text}: {b} decode_add"
+            );
+        }
+    }
+
+    // The documented bound on finite input; non-finite input stays visible.
+    let (h, from_header) = gradpack::inspect(&frame).unwrap();
+    if x.iter().all(|v| v.is_finite()) {
+        assert!(!h.nonfinite());
+        let absmax = x.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
+        let bound = spec.error_bound(absmax);
+        for i in 0..x.len() {
+            let e = (x[i] as f64 - d[i] as f64).abs();
+            assert!(
+                e <= bound,
+                "{text}: element {i}: {:e} decoded as {:e}, error {e:e} > bound {bound:e}",
+                x[i],
+                d[i]
+            );
+        }
+    } else {
+        assert!(h.nonfinite(), "{text}: NONFINITE flag missing");
+        // Visible in the decoding too, unless the frame keeps no element at all (top-k
+        // with k = 0: the flag is then the only trace).
+        let keeps_none = matches!(from_header, CodecSpec::TopK(_)) && h.payload_len == 0;
+        assert!(
+            keeps_none || d.iter().any(|v| !v.is_finite()),
+            "{text}: NaN/Inf lost in decoding"
+        );
+    }
+
+    // Re-encode from the header alone: byte-identical.
+    let again = from_header
+        .encode(&x, &EncodeCtx::new(h.seed).with_offset(h.offset))
+        .unwrap();
+    assert!(again == frame, "{text}: re-encode from the header differs");
+
+    // Sealed: the same payload plus a checksum, the same decoding.
+    let sealed = Checksummed(spec).encode(&x, &ctx).unwrap();
+    assert_eq!(sealed.len(), frame.len() + 4);
+    assert_eq!(sealed[56..frame.len()], frame[56..]);
+    let ds = gradpack::decode_to_vec(&sealed).unwrap();
+    assert_eq!(bits(&ds), bits(&d));
+}
