@@ -425,9 +425,10 @@ fn split_number(s: &str) -> Result<(f64, &str), String> {
 fn prefix(unit: &str) -> (f64, &str) {
     for (p, m) in [
         ("Ki", 1024f64),
-        ("Mi", 1024f64.powi(2)),
-        ("Gi", 1024f64.powi(3)),
-        ("Ti", 1024f64.powi(4)),
+        // Exact powers of two (`powi`'s precision is unspecified).
+        ("Mi", (1u64 << 20) as f64),
+        ("Gi", (1u64 << 30) as f64),
+        ("Ti", (1u64 << 40) as f64),
         ("k", 1e3),
         ("K", 1e3),
         ("M", 1e6),
@@ -561,7 +562,10 @@ mod tests {
         assert_eq!(parse_bandwidth("10Gbps").unwrap(), 10e9);
         assert_eq!(parse_bandwidth("100 Mbit/s").unwrap(), 100e6);
         assert_eq!(parse_bandwidth("1.25GB/s").unwrap(), 10e9);
-        assert_eq!(parse_bandwidth("1GiB/s").unwrap(), 8.0 * 1024f64.powi(3));
+        assert_eq!(
+            parse_bandwidth("1GiB/s").unwrap(),
+            8.0 * (1u64 << 30) as f64
+        );
         assert_eq!(parse_duration("5us").unwrap(), 5e-6);
         assert_eq!(parse_duration("1ms").unwrap(), 1e-3);
         assert_eq!(parse_duration("0").unwrap(), 0.0);

@@ -810,13 +810,14 @@ pub fn natural_block(xb: &[f32], cb: &mut [u8], r: i32, draws: &Draws, start: u6
         }
         let u = (draws.draw(start + j as u64) >> 8) as f64 / 16_777_216.0;
         let e = ilog2_f32(a);
-        // f is exact in f64: scaling an f32 by a power of two.
+        // f is exact in f64: scaling an f32 by a power of two (built from its bits, as
+        // `powi`'s precision is unspecified).
         let k = if e >= kmin {
-            let f = a as f64 / (2.0f64).powi(e) - 1.0;
+            let f = a as f64 / pow2_f32(e) as f64 - 1.0;
             let up = u < f && e < r;
             e + up as i32
         } else {
-            let f = a as f64 / (2.0f64).powi(kmin);
+            let f = a as f64 / pow2_f32(kmin) as f64;
             if u < f { kmin } else { kmin - 1 }
         };
         let m = k - kmin + 1; // 0 when rounded to zero
@@ -972,7 +973,8 @@ mod tests {
         for k in -149..=127 {
             let p = pow2_f32(k);
             assert_eq!(ilog2_f32(p), k);
-            assert_eq!(p as f64, 2f64.powi(k));
+            // 2^k from f64 bits: exact, unlike `powi` (whose precision is unspecified).
+            assert_eq!(p as f64, f64::from_bits(((k + 1023) as u64) << 52));
         }
     }
 }
