@@ -69,7 +69,7 @@ fn golden_inputs_round_trip_through_every_codec() {
     for input in ["input.f32", "input-nonfinite.f32"] {
         let values = std::fs::read(dir.join(input)).unwrap();
         for codec in 0u8..10 {
-            for variant in [0x00u8, 0x11, 0x1a, 0x2c] {
+            for variant in [0x00u8, 0x11, 0x1a, 0x2c, 0x48, 0x88, 0xa8] {
                 // The control bytes documented in tests/fuzz_checks/mod.rs (roundtrip).
                 let mut d = vec![codec, 64, 0, variant, 25, 0, 0, 0, 42, 0, 0, 0];
                 d.extend_from_slice(&values);

@@ -1,6 +1,8 @@
 //! What the criterion benches share: the codec list and the size lists from the
 //! environment.
 
+#![allow(dead_code)] // each bench uses a part
+
 /// One spec per codec family (and int8's rounding modes, qsgd's widths).
 pub const SPECS: &[&str] = &[
     "identity",

@@ -1,8 +1,25 @@
 //! `topk`: the `k` elements of largest magnitude, with delta-coded, bit-packed indices.
 //!
-//! `k` is `ceil(ratio * n)` or a fixed count (at most `n`). Selection is exact: the k-th
-//! largest magnitude is found by a radix select on |x| bit patterns (no allocation), and
-//! ties at that magnitude keep the lowest indices. Kept elements are sent in index order.
+//! `k` is `ceil(ratio * n)`, a fixed count (at most `n`), or, with `threshold=t`, the
+//! number of elements with `|x| >= t`. Kept elements are sent in index order.
+//!
+//! Selection (`select=`):
+//! - `exact` (default): the `k` largest magnitudes; ties at the k-th magnitude keep the
+//!   lowest indices.
+//! - `approx,tolerance=τ` (Deep Gradient Compression, Lin et al. 2018): every element
+//!   at or above a threshold, keeping between `k` and `ceil((1 + τ) k)` elements. Being a
+//!   threshold set of at least `k` elements, it contains the exact top-k, so it keeps at
+//!   least the exact top-k's squared L2 mass, for at most `τ` more bytes.
+//!
+//! Both run the same engine, allocation-free: a threshold estimated from a stratified
+//! sample of 4096 magnitudes aims at about 1.5 `k` candidates (`1 + τ/2` for approx); one
+//! pass of the SIMD compare-and-compress kernel collects the candidates (index and
+//! magnitude key) into spare room at the end of the output buffer; a radix select over
+//! the candidates alone trims them to exactly `k` (exact, or approx above `(1 + τ) k`).
+//! Too few candidates lower the threshold for a second pass; after two misses, or when
+//! the buffer has no spare room (shorter than `max_encoded_len`), a radix select over all
+//! of `x` finds the k-th magnitude. Every route keeps the same elements, so frames do not
+//! depend on the route.
 //!
 //! Payload: `k` values (f32 LE, or fp16 LE rounded to nearest even), then the `k` index
 //! gaps as an LSB-first stream of `width`-bit values: the first gap is the first index,
@@ -108,13 +125,33 @@ pub enum TopKSelect {
     Ratio(f64),
     /// A fixed count (capped at `n`).
     Count(u64),
+    /// Every element with `|x| >= t` (and NaN, ±Inf); `t` finite and `>= 0`.
+    Threshold(f32),
 }
 
-/// Exact top-k by magnitude.
+/// Exact or approximate selection of the `k` largest magnitudes (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum Selection {
+    /// Exactly the `k` largest magnitudes, ties to the lowest indices.
+    #[default]
+    Exact,
+    /// Between `k` and `ceil((1 + tolerance) k)` elements: all those at or above a
+    /// threshold, so a superset of the exact top-k. `tolerance` in `[0, 1]`.
+    Approx {
+        /// Relative excess over `k` accepted without trimming.
+        tolerance: f64,
+    },
+}
+
+/// Default tolerance of [`Selection::Approx`].
+pub const DEFAULT_TOLERANCE: f64 = 0.25;
+
+/// Top-k by magnitude.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TopK {
     select: TopKSelect,
     values: ValueType,
+    selection: Selection,
 }
 
 impl Default for TopK {
@@ -122,23 +159,50 @@ impl Default for TopK {
         TopK {
             select: TopKSelect::Ratio(0.01),
             values: ValueType::F32,
+            selection: Selection::Exact,
         }
     }
 }
 
 impl TopK {
-    /// Top-k keeping `select` elements, values stored as `values`.
+    /// Top-k keeping `select` elements, values stored as `values`, exact selection.
     pub fn new(select: TopKSelect, values: ValueType) -> Result<TopK> {
-        if let TopKSelect::Ratio(r) = select
-            && !(r > 0.0 && r <= 1.0)
-        {
-            return Err(Error::Param {
+        match select {
+            TopKSelect::Ratio(r) if !(r > 0.0 && r <= 1.0) => Err(Error::Param {
                 codec: CodecId::TopK,
                 name: "ratio",
                 reason: format!("{r} is not in (0, 1]"),
+            }),
+            TopKSelect::Threshold(t) if !(t.is_finite() && t >= 0.0) => Err(Error::Param {
+                codec: CodecId::TopK,
+                name: "threshold",
+                reason: format!("{t} is not a finite value >= 0"),
+            }),
+            _ => Ok(TopK {
+                select,
+                values,
+                selection: Selection::Exact,
+            }),
+        }
+    }
+
+    /// The same codec with `selection` (ignored by `threshold`, which has no `k`).
+    pub fn with_selection(self, selection: Selection) -> Result<TopK> {
+        if let Selection::Approx { tolerance } = selection
+            && !(0.0..=1.0).contains(&tolerance)
+        {
+            return Err(Error::Param {
+                codec: CodecId::TopK,
+                name: "tolerance",
+                reason: format!("{tolerance} is not in [0, 1]"),
             });
         }
-        Ok(TopK { select, values })
+        Ok(TopK { selection, ..self })
+    }
+
+    /// Exact or approximate selection.
+    pub fn selection(&self) -> Selection {
+        self.selection
     }
 
     /// How many elements are kept.
@@ -151,17 +215,29 @@ impl TopK {
         self.values
     }
 
-    /// Elements kept out of `n`.
+    /// Elements kept out of `n` by exact selection (for `threshold`, the most it can
+    /// keep: `n`).
     pub fn k_for(&self, n: u64) -> u64 {
         match self.select {
             TopKSelect::Ratio(r) => ((r * n as f64).ceil() as u64).min(n),
             TopKSelect::Count(c) => c.min(n),
+            TopKSelect::Threshold(_) => n,
+        }
+    }
+
+    /// The most elements a frame of `n` can keep: `k`, or `ceil((1 + τ) k)` for approx.
+    pub fn max_kept(&self, n: u64) -> u64 {
+        let k = self.k_for(n);
+        match (self.selection, self.select) {
+            (_, TopKSelect::Threshold(_)) | (Selection::Exact, _) => k,
+            (Selection::Approx { tolerance }, _) => approx_limit(k, tolerance).min(n),
         }
     }
 
     pub(crate) fn from_args(a: &mut Args) -> core::result::Result<TopK, String> {
         let ratio = a.ratio("ratio")?;
         let count = a.take("k");
+        let has_count_or_ratio = ratio.is_some() || count.is_some();
         let select = match (ratio, count) {
             (Some(_), Some(_)) => return Err("give either `ratio` or `k`, not both".into()),
             (Some(r), None) => TopKSelect::Ratio(r),
@@ -171,8 +247,139 @@ impl TopK {
             ),
             (None, None) => TopKSelect::Ratio(0.01),
         };
+        let select = match (a.take("threshold"), select) {
+            (None, s) => s,
+            (Some(t), TopKSelect::Ratio(_)) if !has_count_or_ratio => match t.parse::<f32>() {
+                Ok(v) if v.is_finite() && v >= 0.0 => TopKSelect::Threshold(v),
+                _ => return Err(format!("`threshold={t}`: expected a finite number >= 0")),
+            },
+            (Some(_), _) => return Err("give one of `ratio`, `k` and `threshold`".into()),
+        };
         let values = ValueType::parse(a)?;
-        Ok(TopK { select, values })
+        let tolerance = a.take("tolerance");
+        let selection = match (
+            a.choice("select", "exact", &["exact", "approx"])?,
+            tolerance,
+        ) {
+            ("approx", t) => {
+                let tolerance = match t {
+                    None => DEFAULT_TOLERANCE,
+                    Some(t) => match t.parse::<f64>() {
+                        Ok(v) if (0.0..=1.0).contains(&v) => v,
+                        _ => return Err(format!("`tolerance={t}`: expected a number in [0, 1]")),
+                    },
+                };
+                Selection::Approx { tolerance }
+            }
+            (_, Some(_)) => return Err("`tolerance` needs `select=approx`".into()),
+            _ => Selection::Exact,
+        };
+        if matches!(select, TopKSelect::Threshold(_)) && selection != Selection::Exact {
+            return Err(
+                "`threshold` keeps a fixed set; `select` applies to `ratio` and `k`".into(),
+            );
+        }
+        Ok(TopK {
+            select,
+            values,
+            selection,
+        })
+    }
+}
+
+impl TopK {
+    /// Which elements to keep out of `x` (`1 <= k <= n`), by the module docs' engine.
+    fn select_cut(&self, x: &[f32], k: usize) -> (Cut, Option<Kept>) {
+        let n = x.len() as u64;
+        if let Selection::Approx { tolerance } = self.selection {
+            let limit = approx_limit(k as u64, tolerance).min(n) as usize;
+            for aim in [1.0 + 0.6 * tolerance, 1.6 + tolerance] {
+                let t = sample_threshold(x, aim * k as f64);
+                if t >= INF_BITS {
+                    break;
+                }
+                let st = level_stats(x, t);
+                if st.count[0] < k {
+                    continue;
+                }
+                // The smallest tracked set that still holds k elements.
+                let j = (0..LEVELS).rev().find(|&j| st.count[j] >= k).unwrap_or(0);
+                if st.count[j] <= limit {
+                    let kept = Kept {
+                        count: st.count[j],
+                        max_gap: st.max_gap[j],
+                        max_key: st.max_key,
+                    };
+                    return (Cut::all_from(st.levels[j]), Some(kept));
+                }
+                break;
+            }
+        }
+        for aim in [1.5, 3.0] {
+            let t = sample_threshold(x, aim * k as f64);
+            if let Some(cut) = refine(x, t, k) {
+                return (cut, None);
+            }
+        }
+        (Cut::top(x, k), None)
+    }
+
+    /// Encode the elements `cut` keeps with two compare-and-compress passes over `x`
+    /// (widest gap and count, then values and gaps).
+    fn encode_cut(
+        &self,
+        x: &[f32],
+        cut: Cut,
+        known: Option<Kept>,
+        out: &mut [u8],
+        mut params: [u8; 12],
+    ) -> Result<Encoded> {
+        let Kept {
+            count: k,
+            max_gap,
+            max_key,
+        } = known.unwrap_or_else(|| {
+            let (mut next, mut kept) = (0usize, Kept::default());
+            for_each_kept(x, cut.t, cut.need_eq, |i| {
+                kept.max_gap = kept.max_gap.max((i - next) as u64);
+                kept.max_key = kept.max_key.max(mag_key(x[i]));
+                kept.count += 1;
+                next = i + 1;
+            });
+            kept
+        });
+        let w = if k == 0 { 0 } else { bit_width(max_gap) };
+        let vbytes = k as u64 * self.values.bytes();
+        let len = vbytes + wire::packed_len(k as u64, w as u64).expect("k < 2^32");
+        let p = payload_buf(out, len)?;
+        let (vals, idx) = p.split_at_mut(vbytes as usize);
+        idx.fill(0);
+        let mut bw = BitWriter::new(idx);
+        let (mut j, mut prev) = (0usize, None::<usize>);
+        let values = self.values;
+        for_each_kept(x, cut.t, cut.need_eq, |i| {
+            values.put(vals, j, x[i]);
+            let gap = match prev {
+                None => i,
+                Some(p) => i - p - 1,
+            };
+            bw.put(gap as u32, w);
+            prev = Some(i);
+            j += 1;
+        });
+        bw.finish();
+        params[0..8].copy_from_slice(&(k as u64).to_le_bytes());
+        params[9] = w as u8;
+        Ok(Encoded {
+            payload_len: len,
+            params,
+            nonfinite: if k == 0 {
+                x.iter().any(|v| !v.is_finite())
+            } else {
+                max_key >= INF_BITS
+            },
+            seed: 0,
+        })
     }
 }
 
@@ -181,8 +388,15 @@ impl fmt::Display for TopK {
         match self.select {
             TopKSelect::Ratio(r) => write!(f, "topk:ratio={r}")?,
             TopKSelect::Count(k) => write!(f, "topk:k={k}")?,
+            TopKSelect::Threshold(t) => write!(f, "topk:threshold={t:e}")?,
         }
-        write!(f, ",values={}", self.values.name())
+        write!(f, ",values={}", self.values.name())?;
+        match self.selection {
+            Selection::Exact => Ok(()),
+            Selection::Approx { tolerance } => {
+                write!(f, ",select=approx,tolerance={tolerance}")
+            }
+        }
     }
 }
 
@@ -212,6 +426,163 @@ fn for_each_kept(x: &[f32], t: u32, mut need_eq: usize, mut f: impl FnMut(usize)
     });
 }
 
+/// Which elements a selection keeps: keys above `t`, then the first `need_eq` keys equal
+/// to `t` in index order.
+#[derive(Debug, Clone, Copy)]
+struct Cut {
+    t: u32,
+    need_eq: usize,
+}
+
+impl Cut {
+    /// Every element with key `>= t`.
+    fn all_from(t: u32) -> Cut {
+        Cut {
+            t,
+            need_eq: usize::MAX,
+        }
+    }
+
+    /// The exact top `k` (1 <= k <= n) by a radix select over all of `x`.
+    fn top(x: &[f32], k: usize) -> Cut {
+        let t = scalar::kth_largest_key(x, k);
+        let above = x.iter().filter(|&&v| mag_key(v) > t).count();
+        Cut {
+            t,
+            need_eq: k - above,
+        }
+    }
+}
+
+/// What a pass learned about the kept set: its size, widest index gap and largest key.
+#[derive(Debug, Clone, Copy, Default)]
+struct Kept {
+    count: usize,
+    max_gap: u64,
+    max_key: u32,
+}
+
+/// Stratified sample size of the threshold estimate.
+const SAMPLE: usize = 4096;
+/// Thresholds the approximate pass tracks at once, `LEVEL_STEP` apart in relative value.
+const LEVELS: usize = 24;
+const LEVEL_STEP: f32 = 0.015;
+
+/// `ceil((1 + tolerance) k)`.
+fn approx_limit(k: u64, tolerance: f64) -> u64 {
+    ((1.0 + tolerance) * k as f64).ceil() as u64
+}
+
+/// A key that about `aim` elements of `x` reach: the `ceil(aim * s / n)`-th largest key
+/// of a stratified sample of `s = min(n, SAMPLE)` elements (one at a hashed position in
+/// each of `s` equal strata). With `s = n` it is exact.
+fn sample_threshold(x: &[f32], aim: f64) -> u32 {
+    let n = x.len();
+    let s = n.min(SAMPLE);
+    let mut keys = [0u32; SAMPLE];
+    for (j, key) in keys[..s].iter_mut().enumerate() {
+        let (lo, hi) = (j * n / s, (j + 1) * n / s);
+        let i = lo + crate::rng::lowbias32(j as u32 ^ 0x5851_F42D) as usize % (hi - lo);
+        *key = mag_key(x[i]);
+    }
+    let r = ((aim * s as f64 / n as f64).ceil() as usize).clamp(1, s);
+    *keys[..s].select_nth_unstable_by(r - 1, |a, b| b.cmp(a)).1
+}
+
+/// Call `f(i, key)` for every element with key `>= t`, in index order (SIMD filter).
+#[inline]
+fn for_each_at_least(x: &[f32], t: u32, mut f: impl FnMut(usize, u32)) {
+    let candidates = |pos: usize, idx: &mut [u32]| kernels::filter_mag_ge(&x[pos..], t, idx);
+    kernels::for_each_filtered(x.len(), candidates, |i| f(i, mag_key(x[i])));
+}
+
+/// The threshold sets `{key >= levels[j]}` of one pass: sizes and widest index gaps.
+struct LevelStats {
+    levels: [u32; LEVELS],
+    count: [usize; LEVELS],
+    max_gap: [u64; LEVELS],
+    max_key: u32,
+}
+
+/// One pass: for `LEVELS` thresholds from `t` up in steps of `LEVEL_STEP` (relative),
+/// how many elements reach each and the widest gap between them.
+fn level_stats(x: &[f32], t: u32) -> LevelStats {
+    let base = f32::from_bits(t);
+    let mut levels = [t; LEVELS];
+    for (j, l) in levels.iter_mut().enumerate().skip(1) {
+        *l = mag_key(base * (1.0 + LEVEL_STEP * j as f32)).max(t);
+    }
+    let mut st = LevelStats {
+        levels,
+        count: [0; LEVELS],
+        max_gap: [0; LEVELS],
+        max_key: 0,
+    };
+    let mut next = [0usize; LEVELS];
+    for_each_at_least(x, t, |i, key| {
+        st.max_key = st.max_key.max(key);
+        let mut j = 0;
+        while j < LEVELS && key >= st.levels[j] {
+            st.count[j] += 1;
+            st.max_gap[j] = st.max_gap[j].max((i - next[j]) as u64);
+            next[j] = i + 1;
+            j += 1;
+        }
+    });
+    st
+}
+
+/// The exact top-`k` cut from a threshold `t` that at least `k` elements reach: a
+/// histogram of the candidates' keys (exponent and 11 mantissa bits), then one of the low
+/// 12 bits inside the bucket holding the k-th key. `None` if fewer than `k` reach `t` or
+/// the k-th key lies more than 4095 buckets above `t`.
+fn refine(x: &[f32], t: u32, k: usize) -> Option<Cut> {
+    let base = t >> 12;
+    let mut hist = [0u32; 4096];
+    let mut c = 0usize;
+    for_each_at_least(x, t, |_, key| {
+        hist[((key >> 12) - base).min(4095) as usize] += 1;
+        c += 1;
+    });
+    if c < k {
+        return None;
+    }
+    let mut above = 0usize;
+    let mut b = 4095;
+    loop {
+        let h = hist[b] as usize;
+        if above + h >= k {
+            break;
+        }
+        above += h;
+        b -= 1;
+    }
+    if b == 4095 {
+        return None;
+    }
+    let lo = (base + b as u32) << 12;
+    let hi = lo + (1 << 12);
+    let mut low = [0u32; 4096];
+    for_each_at_least(x, lo, |_, key| {
+        if key < hi {
+            low[(key & 4095) as usize] += 1;
+        }
+    });
+    let mut d = 4095;
+    loop {
+        let h = low[d] as usize;
+        if above + h >= k {
+            break;
+        }
+        above += h;
+        d -= 1;
+    }
+    Some(Cut {
+        t: lo | d as u32,
+        need_eq: k - above,
+    })
+}
+
 impl Scheme for TopK {
     const ID: CodecId = CodecId::TopK;
 
@@ -229,7 +600,7 @@ impl Scheme for TopK {
     }
 
     fn max_payload(&self, n: u64) -> u64 {
-        let k = self.k_for(n);
+        let k = self.max_kept(n);
         let w = bit_width(n.saturating_sub(1)) as u64;
         wire::mul_add(
             k,
@@ -241,62 +612,26 @@ impl Scheme for TopK {
 
     fn encode_payload(&self, x: &[f32], _ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
         let n = x.len() as u64;
-        let k = self.k_for(n) as usize;
         let mut params = [0u8; 12];
-        params[0..8].copy_from_slice(&(k as u64).to_le_bytes());
         params[8] = self.values as u8;
-        if k == 0 {
-            payload_buf(out, 0)?;
-            return Ok(Encoded {
-                payload_len: 0,
-                params,
-                // Nothing is kept, so the flag is the only trace of a NaN or Inf.
-                nonfinite: x.iter().any(|v| !v.is_finite()),
-                seed: 0,
-            });
-        }
-        let t = scalar::kth_largest_key(x, k);
-        let above = x.iter().filter(|&&v| mag_key(v) > t).count();
-        let need_eq = k - above;
-        // Pass A: widest gap and largest kept key.
-        let (mut prev, mut max_gap, mut max_key) = (None::<usize>, 0u64, 0u32);
-        for_each_kept(x, t, need_eq, |i| {
-            let gap = match prev {
-                None => i,
-                Some(p) => i - p - 1,
-            } as u64;
-            max_gap = max_gap.max(gap);
-            max_key = max_key.max(mag_key(x[i]));
-            prev = Some(i);
-        });
-        let w = bit_width(max_gap);
-        let vbytes = k as u64 * self.values.bytes();
-        let len = vbytes + wire::packed_len(k as u64, w as u64).expect("k < 2^32");
-        let p = payload_buf(out, len)?;
-        let (vals, idx) = p.split_at_mut(vbytes as usize);
-        idx.fill(0);
-        // Pass B: values and gaps.
-        let mut bw = BitWriter::new(idx);
-        let (mut j, mut prev) = (0usize, None::<usize>);
-        let values = self.values;
-        for_each_kept(x, t, need_eq, |i| {
-            values.put(vals, j, x[i]);
-            let gap = match prev {
-                None => i,
-                Some(p) => i - p - 1,
-            };
-            bw.put(gap as u32, w);
-            prev = Some(i);
-            j += 1;
-        });
-        bw.finish();
-        params[9] = w as u8;
-        Ok(Encoded {
-            payload_len: len,
-            params,
-            nonfinite: max_key >= INF_BITS,
-            seed: 0,
-        })
+        let (cut, known) = match self.select {
+            TopKSelect::Threshold(t) => (Cut::all_from(mag_key(t)), None),
+            _ => {
+                let k = self.k_for(n) as usize;
+                if k == 0 {
+                    payload_buf(out, 0)?;
+                    return Ok(Encoded {
+                        payload_len: 0,
+                        params,
+                        // Nothing is kept, so the flag is the only trace of a NaN or Inf.
+                        nonfinite: x.iter().any(|v| !v.is_finite()),
+                        seed: 0,
+                    });
+                }
+                self.select_cut(x, k)
+            }
+        };
+        self.encode_cut(x, cut, known, out, params)
     }
 
     fn read(h: &Header) -> Result<TopK> {
@@ -337,6 +672,7 @@ impl Scheme for TopK {
         Ok(TopK {
             select: TopKSelect::Count(k),
             values,
+            selection: Selection::Exact,
         })
     }
 
@@ -386,5 +722,134 @@ impl Scheme for TopK {
 
     fn is_unbiased(&self) -> bool {
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synthetic::normal;
+
+    /// Test vectors: Gaussian, Student t with 3 degrees of freedom, heavy ties and zeros,
+    /// a few non-finite values, and the synthetic gradient.
+    fn inputs(n: usize, seed: u64) -> Vec<(&'static str, Vec<f32>)> {
+        let gauss: Vec<f32> = (0..n).map(|i| normal(seed, i as u64, 0) as f32).collect();
+        let t3: Vec<f32> = (0..n)
+            .map(|i| {
+                let i = i as u64;
+                let chi2: f64 = (1..=3).map(|k| normal(seed, i, k).powi(2)).sum();
+                (normal(seed, i, 0) / (chi2 / 3.0).sqrt()) as f32
+            })
+            .collect();
+        let ties: Vec<f32> = (0..n)
+            .map(|i| [0.0, 0.5, -0.5, 1.0, 0.25][crate::rng::lowbias32(i as u32) as usize % 5])
+            .collect();
+        let mut nonfinite = gauss.clone();
+        for (j, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY]
+            .into_iter()
+            .enumerate()
+        {
+            if n > 3 * j + 1 {
+                nonfinite[n / 3 * j + 1] = v;
+            }
+        }
+        vec![
+            ("gauss", gauss),
+            ("t3", t3),
+            ("ties", ties),
+            ("nonfinite", nonfinite),
+            ("gradient", crate::synthetic::gradient(n, seed)),
+        ]
+    }
+
+    /// The kept indices of a cut, in order.
+    fn kept(x: &[f32], cut: Cut) -> Vec<usize> {
+        let mut v = Vec::new();
+        for_each_kept(x, cut.t, cut.need_eq, |i| v.push(i));
+        v
+    }
+
+    #[test]
+    fn exact_engine_keeps_what_a_radix_select_keeps() {
+        for n in [1, 2, 7, 100, 4095, 4096, 4097, 50_000, 300_000] {
+            for (name, x) in inputs(n, n as u64) {
+                for k in [1, 2, n / 1000 + 1, n / 100 + 1, n / 10 + 1, n / 2 + 1, n] {
+                    let k = k.min(n);
+                    let c = TopK::default();
+                    let (cut, known) = c.select_cut(&x, k);
+                    assert!(known.is_none());
+                    assert_eq!(
+                        kept(&x, cut),
+                        kept(&x, Cut::top(&x, k)),
+                        "{name} n={n} k={k}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn approx_keeps_a_superset_of_the_top_k_within_tolerance() {
+        let mut untrimmed = 0;
+        let mut cases = 0;
+        for n in [100, 4097, 50_000, 1 << 20] {
+            for (name, x) in inputs(n, 7 + n as u64) {
+                for ratio in [0.001, 0.01, 0.1] {
+                    let k = ((ratio * n as f64).ceil() as usize).min(n);
+                    for tolerance in [0.0, 0.1, 0.25] {
+                        let c = TopK::default()
+                            .with_selection(Selection::Approx { tolerance })
+                            .unwrap();
+                        let (cut, known) = c.select_cut(&x, k);
+                        let got = kept(&x, cut);
+                        let exact = kept(&x, Cut::top(&x, k));
+                        let what = format!("{name} n={n} k={k} tol={tolerance}");
+                        assert!(got.len() >= k, "{what}: {}", got.len());
+                        assert!(
+                            got.len() as u64 <= approx_limit(k as u64, tolerance),
+                            "{what}"
+                        );
+                        assert!(exact.iter().all(|i| got.binary_search(i).is_ok()), "{what}");
+                        if let Some(kn) = known {
+                            // What the level pass measured is what the writing pass sees.
+                            let gaps = got.iter().scan(0usize, |next, &i| {
+                                let g = i - *next;
+                                *next = i + 1;
+                                Some(g as u64)
+                            });
+                            assert_eq!(kn.count, got.len(), "{what}");
+                            assert_eq!(kn.max_gap, gaps.max().unwrap_or(0), "{what}");
+                            untrimmed += 1;
+                        }
+                        cases += 1;
+                    }
+                }
+            }
+        }
+        // The level pass settles most cases without the exact route.
+        assert!(untrimmed * 2 > cases, "{untrimmed} of {cases}");
+    }
+
+    #[test]
+    fn threshold_keeps_every_element_at_or_above_it() {
+        use crate::codec::Codec;
+        for (name, x) in inputs(10_000, 3) {
+            for t in [0.0f32, 0.5, 1.0, 2.5, 1e30] {
+                let c = TopK::new(TopKSelect::Threshold(t), ValueType::F32).unwrap();
+                let frame = c.encode(&x, &EncodeCtx::new(0)).unwrap();
+                let h = Header::parse(&frame).unwrap();
+                let want: Vec<usize> = (0..x.len())
+                    .filter(|&i| x[i].is_nan() || x[i].abs() >= t)
+                    .collect();
+                assert_eq!(h.param_u64(0), want.len() as u64, "{name} t={t}");
+                let d = c.decode(&frame).unwrap();
+                for &i in &want {
+                    assert_eq!(d[i].to_bits(), x[i].to_bits(), "{name} t={t} i={i}");
+                }
+                let sent: usize = d.iter().filter(|v| v.to_bits() != 0).count();
+                let zeros_kept = want.iter().filter(|&&i| x[i].to_bits() == 0).count();
+                assert_eq!(sent + zeros_kept, want.len(), "{name} t={t}");
+            }
+        }
     }
 }

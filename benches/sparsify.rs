@@ -1,0 +1,76 @@
+//! Sparsification speed, in GB/s of f32 gradient input, one thread, the default backend:
+//! `sparsify/N/NAME` for the synthetic gradient (heavy-tailed, layered) at 64 Ki and
+//! 1 Mi elements by default (`GRADPACK_SPARSIFY_SIZES`).
+//!
+//! - `select_nth_baseline`: what a plain implementation does: copy `|x|` into a buffer
+//!   and `select_nth_unstable_by` the k-th largest (no frame written). The issue's
+//!   reference point for the top-k targets.
+//! - `topk_exact`, `topk_approx`: `topk:ratio=0.01,values=fp16` encode, exact and
+//!   `select=approx` (tolerance 0.25).
+//! - `threshold`: `topk:threshold=T,values=fp16` with `T` the exact top-1% magnitude.
+//! - `randk`: `randk:ratio=0.01,values=fp16` encode.
+//! - `memcpy`, `read`: the same-run baselines (copy the f32 buffer; sum it).
+//!
+//! Run: `cargo bench --bench sparsify` (about 2 minutes here).
+
+#![allow(missing_docs)] // criterion_group! generates undocumented items
+
+use std::hint::black_box;
+use std::time::Duration;
+
+mod common;
+
+use common::sizes;
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use gradpack::{Codec, CodecSpec, EncodeCtx};
+
+fn sparsify(c: &mut Criterion) {
+    gradpack::parallel::set_min_len(usize::MAX);
+    for n in sizes("GRADPACK_SPARSIFY_SIZES", &[1 << 16, 1 << 20]) {
+        let x = gradpack::synthetic::gradient(n, 7);
+        let k = n.div_ceil(100);
+        let mut g = c.benchmark_group(format!("sparsify/{n}"));
+        g.throughput(Throughput::Bytes(4 * n as u64));
+        g.warm_up_time(Duration::from_millis(500));
+        g.measurement_time(Duration::from_secs(2));
+        let mut mags = vec![0f32; n];
+        g.bench_function("select_nth_baseline", |b| {
+            b.iter(|| {
+                for (m, v) in mags.iter_mut().zip(&x) {
+                    *m = v.abs();
+                }
+                let (_, t, _) =
+                    mags.select_nth_unstable_by(k - 1, |a, b| b.partial_cmp(a).unwrap());
+                black_box(*t)
+            })
+        });
+        let mut sorted: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+        sorted.sort_unstable_by(|a, b| b.partial_cmp(a).unwrap());
+        let threshold = sorted[k - 1];
+        for (name, spec) in [
+            ("topk_exact", "topk:ratio=0.01,values=fp16".to_string()),
+            (
+                "topk_approx",
+                "topk:ratio=0.01,values=fp16,select=approx".to_string(),
+            ),
+            (
+                "threshold",
+                format!("topk:threshold={threshold:e},values=fp16"),
+            ),
+            ("randk", "randk:ratio=0.01,values=fp16".to_string()),
+        ] {
+            let spec: CodecSpec = spec.parse().unwrap();
+            let mut frame = vec![0u8; spec.max_encoded_len(n)];
+            g.bench_function(name, |b| {
+                b.iter(|| spec.encode_into(black_box(&x), &EncodeCtx::new(1), &mut frame))
+            });
+        }
+        let mut dst = vec![0f32; n];
+        g.bench_function("memcpy", |b| b.iter(|| dst.copy_from_slice(black_box(&x))));
+        g.bench_function("read", |b| b.iter(|| black_box(&x).iter().sum::<f32>()));
+        g.finish();
+    }
+}
+
+criterion_group!(benches, sparsify);
+criterion_main!(benches);
