@@ -19,7 +19,7 @@ use std::time::Duration;
 
 mod common;
 
-use common::SPECS;
+use common::{SPECS, read_pass};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use gradpack::kernels::Backend;
 use gradpack::{Codec, CodecSpec, EncodeCtx};
@@ -54,18 +54,6 @@ fn page_aligned<T: Copy + Default>(storage: &mut Vec<T>, len: usize) -> &mut [T]
     *storage = vec![T::default(); len + 4096 / size];
     let skip = storage.as_ptr().align_offset(4096);
     &mut storage[skip..skip + len]
-}
-
-fn read_pass(x: &[f32]) -> f32 {
-    let mut lanes = [0f32; 16];
-    let chunks = x.chunks_exact(16);
-    let tail: f32 = chunks.remainder().iter().sum();
-    for c in chunks {
-        for (l, v) in lanes.iter_mut().zip(c) {
-            *l += v;
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
 }
 
 fn baselines(c: &mut Criterion, n: usize, x: &[f32]) {

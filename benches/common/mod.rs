@@ -34,3 +34,16 @@ pub fn sizes(var: &str, default: &[usize]) -> Vec<usize> {
         })
         .unwrap_or_else(|| default.to_vec())
 }
+
+/// The read-only baseline: a 16-lane f32 sum (vectorises; one pass over `x`).
+pub fn read_pass(x: &[f32]) -> f32 {
+    let mut lanes = [0f32; 16];
+    let chunks = x.chunks_exact(16);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for (l, v) in lanes.iter_mut().zip(c) {
+            *l += v;
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
