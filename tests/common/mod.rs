@@ -82,7 +82,7 @@ pub fn sample(n: usize, salt: u32) -> Vec<f32> {
                 0 => SPECIALS[(h >> 8) as usize % SPECIALS.len()],
                 _ => {
                     let m = (h as i32) as f32 / 2_147_483_648.0;
-                    m * 2f32.powi(((h >> 5) % 24) as i32 - 16)
+                    m * pow2(((h >> 5) % 24) as i32 - 16) as f32
                 }
             }
         })
@@ -99,8 +99,20 @@ pub fn decode(frame: &[u8], n: usize) -> Vec<f32> {
     out
 }
 
+/// `2^k`, built from its bits (`powi`'s precision is unspecified; Miri perturbs it).
+pub fn pow2(k: i32) -> f64 {
+    assert!((-1022..=1023).contains(&k));
+    f64::from_bits(((k + 1023) as u64) << 52)
+}
+
+/// `floor(log2(a))` for a positive normal `a`, from its exponent bits.
+pub fn floor_log2(a: f64) -> i32 {
+    assert!(a.is_normal() && a > 0.0);
+    ((a.to_bits() >> 52) & 0x7FF) as i32 - 1023
+}
+
 fn ulp_slack(m: f64) -> f64 {
-    m * 2f64.powi(-22) + 2f64.powi(-142)
+    m * pow2(-22) + pow2(-142)
 }
 
 /// Check the documented error bound of `spec` for input `x` and decoding `d`; returns a
@@ -133,7 +145,7 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
                 }
                 let a = x[i].abs() as f64;
                 let e = (x[i] as f64 - d[i] as f64).abs();
-                if a <= 65504.0 && e > (a * 2f64.powi(-11)).max(2f64.powi(-25)) {
+                if a <= 65504.0 && e > (a * pow2(-11)).max(pow2(-25)) {
                     return err(i, "fp16 error bound");
                 }
             }
@@ -172,7 +184,7 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
                     .sqrt()
                     .min(f32::MAX as f64);
                 let step = norm / s;
-                let bound = step * (1.0 + 2f64.powi(-20)) + 2f64.powi(-142);
+                let bound = step * (1.0 + pow2(-20)) + pow2(-142);
                 for (j, &v) in xb.iter().enumerate() {
                     let i = b * c.block() + j;
                     let e = (v as f64 - d[i] as f64).abs();
@@ -220,9 +232,9 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
                 let r = if m == 0.0 {
                     -23
                 } else {
-                    ((m as f64).log2().floor() as i32 + 1).clamp(-23, 127)
+                    (floor_log2(m as f64) + 1).clamp(-23, 127)
                 };
-                let smallest = 2f64.powi(r - 126);
+                let smallest = pow2(r - 126);
                 for (j, &v) in xb.iter().enumerate() {
                     let i = b * c.block() + j;
                     let a = v.abs() as f64;
@@ -235,8 +247,8 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
                     } else if a < smallest {
                         got == 0.0 || got == smallest
                     } else {
-                        let lo = 2f64.powi(a.log2().floor() as i32);
-                        got == lo || (got == 2.0 * lo && 2.0 * lo <= 2f64.powi(r))
+                        let lo = pow2(floor_log2(a));
+                        got == lo || (got == 2.0 * lo && 2.0 * lo <= pow2(r))
                     };
                     if !ok {
                         return err(i, "not a neighbouring power of two");
@@ -371,7 +383,7 @@ pub fn golden_input() -> Vec<f32> {
             299 => f32::MAX,
             _ => {
                 let h = gradpack::rng::lowbias32(i);
-                (h as i32) as f32 * 2f32.powi(-31) * 2f32.powi((i * 37 % 23) as i32 - 12)
+                (h as i32) as f32 * (pow2(-31) as f32) * (pow2((i * 37 % 23) as i32 - 12) as f32)
             }
         })
         .collect()
