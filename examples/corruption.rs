@@ -38,13 +38,10 @@ impl Tally {
     }
 }
 
-/// splitmix64: a small, well-mixed generator for choosing flip positions.
+/// The next draw of a counter-based generator (the crate's splitmix64 finaliser).
 fn next(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    *state = state.wrapping_add(1);
+    gradpack::rng::splitmix64(*state)
 }
 
 fn below(state: &mut u64, n: u64) -> u64 {
@@ -62,7 +59,8 @@ fn flips(state: &mut u64) -> usize {
 
 fn measure(frame: &[u8], reference: &[u32], trials: u64, seed: u64) -> Tally {
     let mut t = Tally::default();
-    let mut state = seed;
+    // Scrambled, so that the counter streams of nearby seeds do not overlap.
+    let mut state = gradpack::rng::splitmix64(seed);
     let bits = frame.len() as u64 * 8;
     let mut g = frame.to_vec();
     let mut out = vec![0f32; reference.len()];

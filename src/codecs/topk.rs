@@ -354,20 +354,18 @@ impl TopK {
         let p = payload_buf(out, len)?;
         let (vals, idx) = p.split_at_mut(vbytes as usize);
         idx.fill(0);
-        let mut bw = BitWriter::new(idx);
-        let (mut j, mut prev) = (0usize, None::<usize>);
-        let values = self.values;
-        for_each_kept(x, cut.t, cut.need_eq, |i| {
-            values.put(vals, j, x[i]);
-            let gap = match prev {
-                None => i,
-                Some(p) => i - p - 1,
-            };
-            bw.put(gap as u32, w);
-            prev = Some(i);
-            j += 1;
-        });
-        bw.finish();
+        if k > 0 {
+            let mut bw = BitWriter::new(idx);
+            let (mut j, mut next) = (0usize, 0usize);
+            let values = self.values;
+            for_each_kept(x, cut.t, cut.need_eq, |i| {
+                values.put(vals, j, x[i]);
+                bw.put((i - next) as u32, w);
+                next = i + 1;
+                j += 1;
+            });
+            bw.finish();
+        }
         params[0..8].copy_from_slice(&(k as u64).to_le_bytes());
         params[9] = w as u8;
         Ok(Encoded {
@@ -415,9 +413,8 @@ fn bit_width(v: u64) -> u32 {
 /// `need_eq` keys equal to `t`.
 #[inline]
 fn for_each_kept(x: &[f32], t: u32, mut need_eq: usize, mut f: impl FnMut(usize)) {
-    let candidates = |pos: usize, idx: &mut [u32]| kernels::filter_mag_ge(&x[pos..], t, idx);
-    kernels::for_each_filtered(x.len(), candidates, |i| {
-        if mag_key(x[i]) > t {
+    for_each_at_least(x, t, |i, key| {
+        if key > t {
             f(i);
         } else if need_eq > 0 {
             need_eq -= 1;
@@ -435,6 +432,12 @@ struct Cut {
 }
 
 impl Cut {
+    /// No element (no key exceeds `u32::MAX`).
+    const NONE: Cut = Cut {
+        t: u32::MAX,
+        need_eq: 0,
+    };
+
     /// Every element with key `>= t`.
     fn all_from(t: u32) -> Cut {
         Cut {
@@ -547,16 +550,7 @@ fn refine(x: &[f32], t: u32, k: usize) -> Option<Cut> {
     if c < k {
         return None;
     }
-    let mut above = 0usize;
-    let mut b = 4095;
-    loop {
-        let h = hist[b] as usize;
-        if above + h >= k {
-            break;
-        }
-        above += h;
-        b -= 1;
-    }
+    let (b, above) = walk_down(&hist, 0, k);
     if b == 4095 {
         return None;
     }
@@ -568,19 +562,23 @@ fn refine(x: &[f32], t: u32, k: usize) -> Option<Cut> {
             low[(key & 4095) as usize] += 1;
         }
     });
-    let mut d = 4095;
-    loop {
-        let h = low[d] as usize;
-        if above + h >= k {
-            break;
-        }
-        above += h;
-        d -= 1;
-    }
+    let (d, above) = walk_down(&low, above, k);
     Some(Cut {
         t: lo | d as u32,
         need_eq: k - above,
     })
+}
+
+/// Walk a histogram from its top bucket down, starting with `above` elements already
+/// counted above it, to the bucket holding the `k`-th largest; returns that bucket and the
+/// count above it. The histogram (with `above`) must hold at least `k` elements.
+fn walk_down(hist: &[u32; 4096], mut above: usize, k: usize) -> (usize, usize) {
+    let mut b = hist.len() - 1;
+    while above + (hist[b] as usize) < k {
+        above += hist[b] as usize;
+        b -= 1;
+    }
+    (b, above)
 }
 
 impl Scheme for TopK {
@@ -616,20 +614,10 @@ impl Scheme for TopK {
         params[8] = self.values as u8;
         let (cut, known) = match self.select {
             TopKSelect::Threshold(t) => (Cut::all_from(mag_key(t)), None),
-            _ => {
-                let k = self.k_for(n) as usize;
-                if k == 0 {
-                    payload_buf(out, 0)?;
-                    return Ok(Encoded {
-                        payload_len: 0,
-                        params,
-                        // Nothing is kept, so the flag is the only trace of a NaN or Inf.
-                        nonfinite: x.iter().any(|v| !v.is_finite()),
-                        seed: 0,
-                    });
-                }
-                self.select_cut(x, k)
-            }
+            _ => match self.k_for(n) as usize {
+                0 => (Cut::NONE, Some(Kept::default())),
+                k => self.select_cut(x, k),
+            },
         };
         self.encode_cut(x, cut, known, out, params)
     }

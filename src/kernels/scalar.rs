@@ -855,22 +855,15 @@ pub fn mag_key(v: f32) -> u32 {
 /// The k-th largest magnitude key (`1 <= k <= x.len()`) by three radix-histogram passes
 /// over the 31-bit keys (11, 11 and 9 bits). No allocation.
 pub fn kth_largest_key(x: &[f32], k: usize) -> u32 {
-    kth_largest_of(x.len(), |i| mag_key(x[i]), k)
-}
-
-/// The k-th largest of the 31-bit keys `key(0..n)` (`1 <= k <= n`), by the same three
-/// radix-histogram passes as [`kth_largest_key`].
-#[inline]
-pub fn kth_largest_of(n: usize, key: impl Fn(usize) -> u32, k: usize) -> u32 {
-    debug_assert!(k >= 1 && k <= n);
+    debug_assert!(k >= 1 && k <= x.len());
     let mut prefix = 0u32; // bits fixed so far
     let mut mask = 0u32; // which bits are fixed
     let mut rank = k; // rank of the wanted key among those matching the prefix
     for (shift, width) in [(20u32, 11u32), (9, 11), (0, 9)] {
         let mut hist = [0u32; 2048];
         let digit_mask = (1u32 << width) - 1;
-        for i in 0..n {
-            let key = key(i);
+        for &v in x {
+            let key = mag_key(v);
             if key & mask == prefix {
                 hist[((key >> shift) & digit_mask) as usize] += 1;
             }

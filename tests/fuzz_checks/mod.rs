@@ -53,10 +53,32 @@ pub fn decode_any(data: &[u8]) {
     } else {
         mode as usize * 7
     };
-    let mut out = vec![0f32; n];
+    decode_contract(frame, n);
+}
+
+/// Decode `frame` into `n` elements every way there is and check the contracts that
+/// hold for any input; returns whether it decoded. `tests/corrupt.rs` runs it on
+/// truncated, bit-flipped and forged frames.
+/// - Two different output sentinels give the same result, and on `Ok` the same bits.
+/// - `decode_add` leaves the accumulator untouched on error and equal to
+///   `acc + decode` on success.
+/// - The codec's own `decode_into` agrees with the free function.
+/// - `decode_to_vec` allocates at most `decode_limit(frame length)` elements, gives the
+///   same values, and rejects a frame `decode` rejected for any reason but the length.
+pub fn decode_contract(frame: &[u8], n: usize) -> bool {
+    let mut out = vec![f32::from_bits(0x7FA0_0001); n];
     let r = gradpack::decode(frame, &mut out);
     if let Err(e) = &r {
         assert!(!e.to_string().is_empty());
+    }
+    let mut other = vec![-1.5e-7f32; n];
+    assert_eq!(gradpack::decode(frame, &mut other), r);
+    if r.is_ok() {
+        assert_eq!(
+            bits(&other),
+            bits(&out),
+            "output depends on its previous contents"
+        );
     }
 
     // decode_add: the accumulator is untouched on error and is acc + decode on success.
@@ -83,19 +105,21 @@ pub fn decode_any(data: &[u8]) {
     }
 
     // The owning decoder allocates at most decode_limit(frame length) elements.
-    match gradpack::decode_to_vec(frame) {
-        Ok(v) => {
+    match (gradpack::decode_to_vec(frame), &r) {
+        (Ok(v), Ok(())) => {
             assert!(v.len() as u64 <= gradpack::decode_limit(frame.len()));
-            if r.is_ok() {
-                assert_eq!(bits(&v), bits(&out));
-            }
+            assert_eq!(bits(&v), bits(&out));
         }
-        Err(Error::TooLarge { elements, limit }) => assert!(elements > limit),
-        Err(e) => assert!(
-            r.is_err(),
-            "decode accepted what decode_to_vec refused: {e}"
-        ),
+        (Ok(v), Err(Error::OutputLength { .. })) => {
+            // The frame is fine at its own length.
+            assert!(v.len() as u64 <= gradpack::decode_limit(frame.len()));
+        }
+        (Ok(_), Err(e)) => panic!("decode_to_vec accepted a frame decode rejected: {e}"),
+        (Err(Error::TooLarge { elements, limit }), _) => assert!(elements > limit),
+        (Err(e), Ok(())) => panic!("decode accepted what decode_to_vec refused: {e}"),
+        (Err(e), Err(_)) => assert!(!e.to_string().is_empty()),
     }
+    r.is_ok()
 }
 
 /// Output independence: decoding into outputs pre-filled with two different sentinels
