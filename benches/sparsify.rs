@@ -9,6 +9,8 @@
 //!   `select=approx` (tolerance 0.25).
 //! - `threshold`: `topk:threshold=T,values=fp16` with `T` the exact top-1% magnitude.
 //! - `randk`: `randk:ratio=0.01,values=fp16` encode.
+//! - `filter`: one compare-and-compress pass (`kernels::filter_mag_ge`) at the top-1%
+//!   magnitude, the building block of every top-k route.
 //! - `memcpy`, `read`: the same-run baselines (copy the f32 buffer; a 16-lane sum).
 //!
 //! Run: `cargo bench --bench sparsify` (about 2 minutes here).
@@ -65,6 +67,19 @@ fn sparsify(c: &mut Criterion) {
                 b.iter(|| spec.encode_into(black_box(&x), &EncodeCtx::new(1), &mut frame))
             });
         }
+        let key = gradpack::kernels::scalar::mag_key(threshold);
+        g.bench_function("filter", |b| {
+            b.iter(|| {
+                let mut sum = 0usize;
+                let x = black_box(&x[..]);
+                gradpack::kernels::for_each_filtered(
+                    n,
+                    |pos, idx| gradpack::kernels::filter_mag_ge(&x[pos..], key, idx),
+                    |i| sum += i,
+                );
+                sum
+            })
+        });
         let mut dst = vec![0f32; n];
         g.bench_function("memcpy", |b| b.iter(|| dst.copy_from_slice(black_box(&x))));
         g.bench_function("read", |b| b.iter(|| read_pass(black_box(&x))));

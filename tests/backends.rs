@@ -172,6 +172,108 @@ fn every_backend_matches_scalar_on_special_and_nonfinite_values() {
     }
 }
 
+/// Run a compare-and-compress filter to the end of `n` elements with an index buffer of
+/// `cap` entries (pre-filled with a sentinel), checking each call's contract; returns the
+/// absolute indices kept.
+fn filter_all(
+    n: usize,
+    cap: usize,
+    mut filter: impl FnMut(usize, &mut [u32]) -> (usize, usize),
+) -> Vec<u64> {
+    let mut kept = Vec::new();
+    let mut pos = 0;
+    while pos < n {
+        let mut idx = vec![u32::MAX; cap];
+        let (used, wrote) = filter(pos, &mut idx);
+        assert!(
+            used > 0 && pos + used <= n,
+            "consumed {used} at {pos} of {n}"
+        );
+        assert!(wrote <= used && wrote <= cap);
+        assert!(
+            idx[wrote..].iter().all(|&v| v == u32::MAX),
+            "wrote past {wrote}"
+        );
+        assert!(idx[..wrote].windows(2).all(|w| w[0] < w[1]));
+        kept.extend(idx[..wrote].iter().map(|&i| {
+            assert!((i as usize) < used);
+            (pos + i as usize) as u64
+        }));
+        pos += used;
+    }
+    kept
+}
+
+/// A `filter_mag_ge`-shaped kernel.
+type MagFilter = fn(&[f32], u32, &mut [u32]) -> (usize, usize);
+
+#[test]
+fn every_backend_filters_like_the_oracle() {
+    use gradpack::kernels::{filter_draw_lt, filter_mag_ge, scalar};
+    let backends = simd_backends();
+    let base = sample(5000 + 16, 21);
+    let mut specials: Vec<f32> = SPECIALS.iter().copied().cycle().take(700).collect();
+    specials.extend([f32::NAN, -f32::NAN, f32::INFINITY, 0.0, -0.0]);
+    // Thresholds: none kept, all kept, sparse and dense cuts, and the special keys.
+    let keys = [
+        0u32,
+        1,
+        scalar::mag_key(0.5),
+        scalar::mag_key(30.0),
+        scalar::mag_key(99.0),
+        scalar::INF_BITS,
+        scalar::INF_BITS + 1,
+        0x7FFF_FFFF,
+        0x8000_0000,
+        u32::MAX,
+    ];
+    for &b in &backends {
+        for cap in [64, 65, 127, 200, 1024] {
+            for start in [0, 1, 3, 15] {
+                for n in [0, 1, 63, 64, 65, 127, 128, 129, 1000, 5000] {
+                    let x = &base[start..start + n];
+                    for &t in &keys {
+                        let f = |run: MagFilter| {
+                            filter_all(n, cap, |pos, idx| run(&x[pos..], t, idx))
+                        };
+                        let want = f(scalar::filter_mag_ge);
+                        let got = b.run(|| f(filter_mag_ge));
+                        assert!(
+                            got == want,
+                            "filter_mag_ge on {b}: n {n} t {t:#x} cap {cap}"
+                        );
+                        let by_hand: Vec<u64> = (0..n as u64)
+                            .filter(|&i| scalar::mag_key(x[i as usize]) >= t)
+                            .collect();
+                        assert_eq!(want, by_hand);
+                    }
+                }
+            }
+            let y = &specials;
+            for &t in &keys {
+                let want = filter_all(y.len(), cap, |p, i| scalar::filter_mag_ge(&y[p..], t, i));
+                let got = b.run(|| filter_all(y.len(), cap, |p, i| filter_mag_ge(&y[p..], t, i)));
+                assert!(got == want, "filter_mag_ge on {b}: specials, t {t:#x}");
+            }
+            let draws = gradpack::rng::Draws::new(17, 3, 0);
+            for first in [0u64, 5, (1 << 32) - 100] {
+                for t in [0u64, 1, 1 << 25, 1 << 31, u32::MAX as u64, 1 << 32] {
+                    let n = 1000;
+                    let want = filter_all(n, cap, |p, i| {
+                        scalar::filter_draw_lt(&draws, first + p as u64, t, n - p, i)
+                    });
+                    let got = b.run(|| {
+                        filter_all(n, cap, |p, i| {
+                            filter_draw_lt(&draws, first + p as u64, t, n - p, i)
+                        })
+                    });
+                    assert!(got == want, "filter_draw_lt on {b}: first {first} t {t:#x}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn default_backend_is_the_best_unless_overridden() {
     if std::env::var_os("GRADPACK_BACKEND").is_none() {

@@ -5,7 +5,8 @@
 //! - `portable` holds branch-free versions of the same kernels, compiled once per SIMD
 //!   backend through pulp's `Arch::dispatch` (AVX2 = x86-64-v3, AVX-512 = x86-64-v4,
 //!   NEON), so the compiler vectorises one source for every ISA.
-//! - `x86_64` holds what the vectoriser cannot emit (F16C / AVX-512 half conversions).
+//! - `x86_64` holds what the vectoriser cannot emit (F16C / AVX-512 half conversions,
+//!   mask-register compare and compress).
 //!
 //! The functions in this module pick the implementation for [`Backend::current`]. Every
 //! backend gives byte-identical frames and bit-identical decoded floats (tests/backends.rs,
@@ -463,9 +464,16 @@ pub fn decode_natural<const M: u8>(refs: &[u8], codes: &[u8], block: usize, out:
 /// How far one call gets differs between backends; the indices found do not.
 pub fn filter_mag_ge(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
     assert!(idx.len() >= 64, "filter index buffer shorter than 64");
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => scalar::filter_mag_ge(x, t, idx),
-        b => simd(b, FilterMagGe { x, t, idx }),
+    let b = Backend::current();
+    match b.kind() {
+        BackendKind::Scalar => scalar::filter_mag_ge(x, t, idx),
+        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
+        #[cfg(target_arch = "x86_64")]
+        BackendKind::Avx2 => unsafe { x86_64::filter_mag_ge_avx2(x, t, idx) },
+        // SAFETY: a Backend of kind Avx512 exists only after AVX-512F was detected.
+        #[cfg(target_arch = "x86_64")]
+        BackendKind::Avx512 => unsafe { x86_64::filter_mag_ge_avx512(x, t, idx) },
+        _ => simd(b, FilterMagGe { x, t, idx }),
     }
 }
 

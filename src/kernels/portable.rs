@@ -721,7 +721,7 @@ fn pack_flags(flags: &[u8; 64]) -> u64 {
 
 /// Write `base + i` for each set bit `i` of `m`, in order, at `idx[*n..]`.
 #[inline(always)]
-fn emit_bits(mut m: u64, base: u32, idx: &mut [u32], n: &mut usize) {
+pub(super) fn emit_bits(mut m: u64, base: u32, idx: &mut [u32], n: &mut usize) {
     while m != 0 {
         idx[*n] = base + m.trailing_zeros();
         *n += 1;

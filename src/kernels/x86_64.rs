@@ -1,5 +1,7 @@
 //! x86-64 kernels that need instructions the auto-vectoriser does not emit: the F16C and
-//! AVX-512 f32 <-> binary16 conversions.
+//! AVX-512 f32 <-> binary16 conversions, and the compare-and-compress filter of top-k
+//! (a compare to a lane mask, `movemask` on AVX2 and mask registers on AVX-512, which
+//! the vectoriser does not form from the portable flag loop).
 //!
 //! Callers hold a [`super::Backend`] of kind `Avx2` or `Avx512`, whose constructor checked
 //! the CPU; that check is what makes calling these `#[target_feature]` functions sound.
@@ -369,4 +371,80 @@ pub unsafe fn feedback_f16_avx512(
         )
     };
     big || tail
+}
+
+/// The 64-bit keep mask of `x[..len]` (`len <= 64`): bit `j` set when `|x[j]|` bits
+/// `>= t`, one element at a time (the tail of the filters below).
+#[inline(always)]
+fn mag_mask_tail(x: &[f32], t: u32) -> u64 {
+    x.iter().enumerate().fold(0u64, |m, (j, v)| {
+        m | (((v.to_bits() & ABS as u32) >= t) as u64) << j
+    })
+}
+
+/// Compare and compress with AVX2, 8 lanes: `super::filter_mag_ge`'s contract
+/// (indices of `|x|` bits `>= t`, ascending, 64 elements per step while `idx` has room
+/// for 64 more).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn filter_mag_ge_avx2(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
+    if t > ABS as u32 {
+        // No magnitude key exceeds 0x7FFF_FFFF: nothing is kept.
+        return (x.len(), 0);
+    }
+    // Keys are below 2^31, so a signed compare against t - 1 is `key >= t` (t = 0 gives
+    // -1, which every key exceeds).
+    let below = _mm256_set1_epi32((t as i32).wrapping_sub(1));
+    let abs = _mm256_set1_epi32(ABS);
+    let n = x.len();
+    let (mut done, mut count) = (0, 0);
+    while done < n && idx.len() - count >= 64 {
+        let m = if n - done >= 64 {
+            let mut m = 0u64;
+            for q in 0..8 {
+                // SAFETY: done + 8 q + 8 <= done + 64 <= n = x.len(); unaligned load.
+                let v = unsafe { _mm256_loadu_si256(x.as_ptr().add(done + 8 * q).cast()) };
+                let ge = _mm256_cmpgt_epi32(_mm256_and_si256(v, abs), below);
+                m |= (_mm256_movemask_ps(_mm256_castsi256_ps(ge)) as u8 as u64) << (8 * q);
+            }
+            m
+        } else {
+            mag_mask_tail(&x[done..], t)
+        };
+        super::portable::emit_bits(m, done as u32, idx, &mut count);
+        done += (n - done).min(64);
+    }
+    (done, count)
+}
+
+/// Compare and compress with AVX-512, 16 lanes and mask registers; the contract of
+/// [`filter_mag_ge_avx2`].
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn filter_mag_ge_avx512(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
+    let tv = _mm512_set1_epi32(t as i32);
+    let abs = _mm512_set1_epi32(ABS);
+    let n = x.len();
+    let (mut done, mut count) = (0, 0);
+    while done < n && idx.len() - count >= 64 {
+        let m = if n - done >= 64 {
+            let mut m = 0u64;
+            for q in 0..4 {
+                // SAFETY: done + 16 q + 16 <= done + 64 <= n = x.len(); unaligned load.
+                let v = unsafe { _mm512_loadu_si512(x.as_ptr().add(done + 16 * q).cast()) };
+                let ge = _mm512_cmpge_epu32_mask(_mm512_and_si512(v, abs), tv);
+                m |= (ge as u64) << (16 * q);
+            }
+            m
+        } else {
+            mag_mask_tail(&x[done..], t)
+        };
+        super::portable::emit_bits(m, done as u32, idx, &mut count);
+        done += (n - done).min(64);
+    }
+    (done, count)
 }
