@@ -331,12 +331,13 @@ impl CodecSpec {
     /// | qsgd | `sqrt(block) absmax / s`: below one step of a block L2 norm |
     /// | sign | `2 absmax`: `x` and `±mean|x|` differ by at most `|x| + mean|x|` |
     /// | ternary, natural, top-k, random-k (`scale=none`) | `absmax` (a dropped element, or a power-of-two neighbour) |
-    /// | random-k (`scale=unbiased`) | `(1 + 2^-11) absmax / ratio` |
+    /// | random-k (`scale=unbiased`) | `(1 + 2^-11) absmax / ratio` (`2^-8` with bf16 values) |
     ///
     /// A relative slack of `2^-20` covers the f32 arithmetic of the scales, and int8 and
     /// qsgd add `2^-142` for steps in the subnormal range (which lose relative precision). The bound
     /// assumes no overflow: it is infinite when `absmax` exceeds the largest finite value
-    /// of the codec's element type (65504 for fp16 and fp16-valued top-k / random-k), and
+    /// of the codec's element type (65504 for fp16 and fp16-valued top-k / random-k, the
+    /// bf16 maximum for bf16 and bf16-valued ones), and
     /// for unbiased random-k when `absmax / ratio` does (the scaled value overflows to Inf).
     /// [`crate::collective::error_bound`] composes it over an all-reduce.
     pub fn error_bound(&self, absmax: f64) -> f64 {
@@ -344,7 +345,13 @@ impl CodecSpec {
         const FP16_MAX: f64 = 65504.0;
         const BF16_MAX: f64 = 3.389_531_389_251_535_5e38;
         let a = absmax.abs();
-        let fp16_values = |v: ValueType| v == ValueType::Fp16;
+        // The largest finite stored value and the relative rounding of a sparse codec's
+        // values (f32 values are exact; 2^-11 covers them).
+        let sparse = |v: ValueType, f32_max: f64| match v {
+            ValueType::Fp16 => (FP16_MAX, 2f64.powi(-11)),
+            ValueType::Bf16 => (BF16_MAX, 2f64.powi(-8)),
+            _ => (f32_max, 2f64.powi(-11)),
+        };
         let (factor, add, max) = match self {
             CodecSpec::Identity(_) => (0.0, 0.0, f64::INFINITY),
             CodecSpec::Fp16(_) => (2f64.powi(-11), 2f64.powi(-25), FP16_MAX),
@@ -362,27 +369,16 @@ impl CodecSpec {
             ),
             CodecSpec::Sign(_) => (2.0, 0.0, f64::INFINITY),
             CodecSpec::Ternary(_) | CodecSpec::Natural(_) => (1.0, 0.0, f64::INFINITY),
-            CodecSpec::TopK(c) => {
-                let max = if fp16_values(c.values()) {
-                    FP16_MAX
-                } else {
-                    f64::INFINITY
-                };
-                (1.0, 2f64.powi(-25), max)
-            }
+            CodecSpec::TopK(c) => (1.0, 2f64.powi(-25), sparse(c.values(), f64::INFINITY).0),
             CodecSpec::RandK(c) => {
-                let max = if fp16_values(c.values()) {
-                    FP16_MAX
-                } else {
-                    f32::MAX as f64
-                };
+                let (max, rel) = sparse(c.values(), f32::MAX as f64);
                 match c.scale() {
                     RandKScale::None => (1.0, 2f64.powi(-25), max),
-                    // x / ratio, then rounded: |x / ratio - x| plus half an fp16 ulp.
-                    // x / ratio overflows the value type (to Inf) past max * ratio; the
-                    // margin covers the f32 rounding of the scale 1 / ratio.
+                    // x / ratio, then rounded: |x / ratio - x| plus half an ulp of the
+                    // value type. x / ratio overflows the value type (to Inf) past
+                    // max * ratio; the margin covers the f32 rounding of the scale 1 / ratio.
                     RandKScale::Unbiased => (
-                        (1.0 + 2f64.powi(-11)) / c.ratio(),
+                        (1.0 + rel) / c.ratio(),
                         2f64.powi(-25),
                         max * c.ratio() * (1.0 - 2f64.powi(-20)),
                     ),

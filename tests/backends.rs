@@ -233,9 +233,8 @@ fn every_backend_filters_like_the_oracle() {
                 for n in [0, 1, 63, 64, 65, 127, 128, 129, 1000, 5000] {
                     let x = &base[start..start + n];
                     for &t in &keys {
-                        let f = |run: MagFilter| {
-                            filter_all(n, cap, |pos, idx| run(&x[pos..], t, idx))
-                        };
+                        let f =
+                            |run: MagFilter| filter_all(n, cap, |pos, idx| run(&x[pos..], t, idx));
                         let want = f(scalar::filter_mag_ge);
                         let got = b.run(|| f(filter_mag_ge));
                         assert!(

@@ -59,6 +59,14 @@ def f16_to_f32_bits(h):  # spec 3.2
     return sign | ((exp - 15 + 127) << 23) | (man << 13)
 
 
+def value_bits(p, vt, j):
+    """Value j of a sparse payload (spec 3.9): f32, f16 (3.2) or bf16 (3.3)."""
+    if vt == 0:
+        return struct.unpack_from("<I", p, 4 * j)[0]
+    h, = struct.unpack_from("<H", p, 2 * j)
+    return f16_to_f32_bits(h) if vt == 1 else h << 16
+
+
 # ---------------------------------------------------------------- spec 2.2, 2.3
 
 def stream_value(buf, start, j, w):
@@ -218,31 +226,65 @@ def decode(frame):
             out[i] = v | (0x80000000 if c & 0x80 else 0)
     elif codec == 8:  # topk
         k, = struct.unpack_from("<Q", params, 0)
-        vt, w = params[8], params[9]
-        if n > 1 << 32 or k > n or vt not in (0, 1) or w > 32 or (k == 0 and w != 0):
+        vt, w, coding = params[8], params[9], params[10]
+        if n > 1 << 32 or k > n or vt not in (0, 1, 2) or coding not in (0, 1, 2):
             raise Reject("topk params")
-        zero_from(10)
+        if coding == 0 and (w > 32 or (k == 0 and w != 0)):
+            raise Reject("topk width")
+        if coding == 1 and (w > 31 or (k == 0 and w != 0)):
+            raise Reject("topk rice parameter")
+        if coding == 2 and w != 0:
+            raise Reject("topk bitmap byte 9")
+        zero_from(11)
         if seed:
             raise Reject("seed")
         vb = 4 if vt == 0 else 2
-        want_len(k * vb + (k * w + 7) // 8)
-        padding(k * vb, k, w)
-        idx, prev = [], -1
-        for j in range(k):
-            i = prev + 1 + stream_value(p, k * vb, j, w)
-            if i >= n:
-                raise Reject("index")
-            idx.append(i)
-            prev = i
+        at = k * vb
+        idx = []
+        if coding == 0:  # fixed-width gaps
+            want_len(at + (k * w + 7) // 8)
+            padding(at, k, w)
+            gaps = [stream_value(p, at, j, w) for j in range(k)]
+        elif coding == 1:  # Rice: q zero bits, a one bit, then w low bits
+            rmax = 0 if k == 0 else k * (w + 1) + ((n - k) >> w)
+            if not at + (k * (w + 1) + 7) // 8 <= plen <= at + (rmax + 7) // 8:
+                raise Reject("payload length")
+            bits = (plen - at) * 8
+            bit = lambda s: (p[at + s // 8] >> (s % 8)) & 1
+            s, gaps = 0, []
+            for j in range(k):
+                q = 0
+                while s < bits and not bit(s):
+                    q, s = q + 1, s + 1
+                if s + 1 + w > bits:
+                    raise Reject("rice stream ends")
+                s += 1
+                r = sum(bit(s + b) << b for b in range(w))
+                s += w
+                gaps.append((q << w) | r)
+            if (s + 7) // 8 != plen - at or any(bit(t) for t in range(s, bits)):
+                raise Reject("rice trailing bits")
+        else:  # bitmap
+            want_len(at + (n + 7) // 8)
+            if any((p[at + t // 8] >> (t % 8)) & 1 for t in range(n, (n + 7) // 8 * 8)):
+                raise Reject("bitmap padding")
+            idx = [i for i in range(n) if (p[at + i // 8] >> (i % 8)) & 1]
+            if len(idx) != k:
+                raise Reject("bitmap count")
+        if coding != 2:
+            prev = -1
+            for g in gaps:
+                i = prev + 1 + g
+                if i >= n:
+                    raise Reject("index")
+                idx.append(i)
+                prev = i
         for j, i in enumerate(idx):
-            if vt == 0:
-                out[i] = struct.unpack_from("<I", p, 4 * j)[0]
-            else:
-                out[i] = f16_to_f32_bits(struct.unpack_from("<H", p, 2 * j)[0])
+            out[i] = value_bits(p, vt, j)
     elif codec == 9:  # randk
         t, = struct.unpack_from("<Q", params, 0)
         vt, sc = params[8], params[9]
-        if not 1 <= t <= 1 << 32 or vt not in (0, 1) or sc not in (0, 1):
+        if not 1 <= t <= 1 << 32 or vt not in (0, 1, 2) or sc not in (0, 1):
             raise Reject("randk params")
         zero_from(10)
         vb = 4 if vt == 0 else 2
@@ -255,10 +297,7 @@ def decode(frame):
             out = [0x7FC00000] * n
         else:
             for j, i in enumerate(kept):
-                if vt == 0:
-                    out[i] = struct.unpack_from("<I", p, 4 * j)[0]
-                else:
-                    out[i] = f16_to_f32_bits(struct.unpack_from("<H", p, 2 * j)[0])
+                out[i] = value_bits(p, vt, j)
     return n, out, flags
 
 

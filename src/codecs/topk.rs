@@ -57,13 +57,15 @@ pub enum ValueType {
     F32,
     /// IEEE binary16 LE, round to nearest even.
     Fp16,
+    /// bfloat16 LE (the high half of the f32), round to nearest even.
+    Bf16,
 }
 
 impl ValueType {
     pub(crate) fn bytes(self) -> u64 {
         match self {
             ValueType::F32 => 4,
-            ValueType::Fp16 => 2,
+            ValueType::Fp16 | ValueType::Bf16 => 2,
         }
     }
 
@@ -71,12 +73,14 @@ impl ValueType {
         match self {
             ValueType::F32 => "f32",
             ValueType::Fp16 => "fp16",
+            ValueType::Bf16 => "bf16",
         }
     }
 
     pub(crate) fn parse(a: &mut Args) -> core::result::Result<ValueType, String> {
-        Ok(match a.choice("values", "f32", &["f32", "fp16"])? {
+        Ok(match a.choice("values", "f32", &["f32", "fp16", "bf16"])? {
             "fp16" => ValueType::Fp16,
+            "bf16" => ValueType::Bf16,
             _ => ValueType::F32,
         })
     }
@@ -85,10 +89,11 @@ impl ValueType {
         match b {
             0 => Ok(ValueType::F32),
             1 => Ok(ValueType::Fp16),
+            2 => Ok(ValueType::Bf16),
             _ => Err(Error::BadField {
                 codec: h.codec,
                 field: "params.values",
-                reason: format!("{b} is not 0 (f32) or 1 (fp16)"),
+                reason: format!("{b} is not 0 (f32), 1 (fp16) or 2 (bf16)"),
             }),
         }
     }
@@ -101,6 +106,27 @@ impl ValueType {
             ValueType::Fp16 => {
                 vals[2 * j..2 * j + 2].copy_from_slice(&scalar::f32_to_f16(v).to_le_bytes())
             }
+            ValueType::Bf16 => {
+                vals[2 * j..2 * j + 2].copy_from_slice(&scalar::f32_to_bf16(v).to_le_bytes())
+            }
+        }
+    }
+
+    /// Write values `j..j + v.len()` with the backend's conversion kernels; true if any
+    /// of `v` is NaN or ±Inf.
+    #[inline]
+    pub(crate) fn put_slice(self, vals: &mut [u8], j: usize, v: &[f32]) -> bool {
+        let b = self.bytes() as usize;
+        let out = &mut vals[b * j..b * (j + v.len())];
+        match self {
+            ValueType::F32 => {
+                for (o, x) in out.chunks_exact_mut(4).zip(v) {
+                    o.copy_from_slice(&x.to_le_bytes());
+                }
+                v.iter().any(|x| !x.is_finite())
+            }
+            ValueType::Fp16 => kernels::encode_f16(v, out),
+            ValueType::Bf16 => kernels::encode_bf16(v, out),
         }
     }
 
@@ -113,6 +139,9 @@ impl ValueType {
             }
             ValueType::Fp16 => {
                 scalar::f16_to_f32(u16::from_le_bytes([vals[2 * j], vals[2 * j + 1]]))
+            }
+            ValueType::Bf16 => {
+                scalar::bf16_to_f32(u16::from_le_bytes([vals[2 * j], vals[2 * j + 1]]))
             }
         }
     }
@@ -146,12 +175,72 @@ pub enum Selection {
 /// Default tolerance of [`Selection::Approx`].
 pub const DEFAULT_TOLERANCE: f64 = 0.25;
 
+/// How a top-k frame codes the kept indices (wire format 3.9, params byte 10).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum IndexCoding {
+    /// Index gaps bit-packed at one width, that of the largest gap (the first format;
+    /// needs a pass to find the largest gap before writing).
+    Gaps = 0,
+    /// Index gaps Rice-coded with parameter [`wire::rice_param`]`(n, k)`: at most about
+    /// `log2(n / k) + 2` bits per index whatever the gaps, written in one pass.
+    Rice = 1,
+    /// One bit per element (`ceil(n / 8)` bytes): the dense case.
+    Bitmap = 2,
+}
+
+impl IndexCoding {
+    fn name(self) -> &'static str {
+        match self {
+            IndexCoding::Gaps => "gaps",
+            IndexCoding::Rice => "rice",
+            IndexCoding::Bitmap => "bitmap",
+        }
+    }
+
+    /// What `auto` picks for `k` of `n` indices: the bitmap when it is no longer than the
+    /// most a Rice stream can take, else Rice. (Both bounds depend on `n` and `k` only,
+    /// so the choice needs no pass over the data.)
+    pub fn auto(n: u64, k: u64) -> IndexCoding {
+        if n.div_ceil(8) <= rice_max_bytes(n, k) {
+            IndexCoding::Bitmap
+        } else {
+            IndexCoding::Rice
+        }
+    }
+
+    /// The coding of a frame whose header `read` accepted (params byte 10).
+    fn of_frame(h: &Header) -> IndexCoding {
+        match h.params[10] {
+            1 => IndexCoding::Rice,
+            2 => IndexCoding::Bitmap,
+            _ => IndexCoding::Gaps,
+        }
+    }
+
+    /// The most bytes this coding takes for `k` of `n` indices (`k <= n`).
+    fn max_bytes(self, n: u64, k: u64) -> u64 {
+        match self {
+            IndexCoding::Gaps => wire::packed_len(k, bit_width(n.saturating_sub(1)) as u64)
+                .expect("k <= 2^32 indices of at most 32 bits"),
+            IndexCoding::Rice => rice_max_bytes(n, k),
+            IndexCoding::Bitmap => n.div_ceil(8),
+        }
+    }
+}
+
+/// The most bytes of a Rice stream of `k` of `n` indices at the encoders' parameter.
+fn rice_max_bytes(n: u64, k: u64) -> u64 {
+    wire::rice_max_bits(n, k, wire::rice_param(n, k)).div_ceil(8)
+}
+
 /// Top-k by magnitude.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TopK {
     select: TopKSelect,
     values: ValueType,
     selection: Selection,
+    index: Option<IndexCoding>,
 }
 
 impl Default for TopK {
@@ -160,6 +249,7 @@ impl Default for TopK {
             select: TopKSelect::Ratio(0.01),
             values: ValueType::F32,
             selection: Selection::Exact,
+            index: None,
         }
     }
 }
@@ -182,8 +272,25 @@ impl TopK {
                 select,
                 values,
                 selection: Selection::Exact,
+                index: None,
             }),
         }
+    }
+
+    /// The same codec with index coding `index` (`None`: per frame, the shorter of Rice
+    /// and bitmap, [`IndexCoding::auto`]; the default).
+    pub fn with_index(self, index: Option<IndexCoding>) -> TopK {
+        TopK { index, ..self }
+    }
+
+    /// The configured index coding (`None` is automatic).
+    pub fn index(&self) -> Option<IndexCoding> {
+        self.index
+    }
+
+    /// The index coding of a frame keeping `k` of `n` elements.
+    pub fn index_for(&self, n: u64, k: u64) -> IndexCoding {
+        self.index.unwrap_or_else(|| IndexCoding::auto(n, k))
     }
 
     /// The same codec with `selection` (ignored by `threshold`, which has no `k`).
@@ -279,17 +386,25 @@ impl TopK {
                 "`threshold` keeps a fixed set; `select` applies to `ratio` and `k`".into(),
             );
         }
+        let index = match a.choice("index", "auto", &["auto", "gaps", "rice", "bitmap"])? {
+            "gaps" => Some(IndexCoding::Gaps),
+            "rice" => Some(IndexCoding::Rice),
+            "bitmap" => Some(IndexCoding::Bitmap),
+            _ => None,
+        };
         Ok(TopK {
             select,
             values,
             selection,
+            index,
         })
     }
 }
 
 impl TopK {
-    /// Which elements to keep out of `x` (`1 <= k <= n`), by the module docs' engine.
-    fn select_cut(&self, x: &[f32], k: usize) -> (Cut, Option<Kept>) {
+    /// Which elements to keep out of `x` (`1 <= k <= n`), by the module docs' engine,
+    /// and how many that is.
+    fn select_cut(&self, x: &[f32], k: usize) -> (Cut, usize) {
         let n = x.len() as u64;
         if let Selection::Approx { tolerance } = self.selection {
             let limit = approx_limit(k as u64, tolerance).min(n) as usize;
@@ -298,19 +413,14 @@ impl TopK {
                 if t >= INF_BITS {
                     break;
                 }
-                let st = level_stats(x, t);
-                if st.count[0] < k {
+                let (levels, count) = level_counts(x, t);
+                if count[0] < k {
                     continue;
                 }
                 // The smallest tracked set that still holds k elements.
-                let j = (0..LEVELS).rev().find(|&j| st.count[j] >= k).unwrap_or(0);
-                if st.count[j] <= limit {
-                    let kept = Kept {
-                        count: st.count[j],
-                        max_gap: st.max_gap[j],
-                        max_key: st.max_key,
-                    };
-                    return (Cut::all_from(st.levels[j]), Some(kept));
+                let j = (0..LEVELS).rev().find(|&j| count[j] >= k).unwrap_or(0);
+                if count[j] <= limit {
+                    return (Cut::all_from(levels[j]), count[j]);
                 }
                 break;
             }
@@ -318,67 +428,147 @@ impl TopK {
         for aim in [1.5, 3.0] {
             let t = sample_threshold(x, aim * k as f64);
             if let Some(cut) = refine(x, t, k) {
-                return (cut, None);
+                return (cut, k);
             }
         }
-        (Cut::top(x, k), None)
+        (Cut::top(x, k), k)
     }
 
-    /// Encode the elements `cut` keeps with two compare-and-compress passes over `x`
-    /// (widest gap and count, then values and gaps).
+    /// Encode the elements `cut` keeps (`count` of them, if known) in one
+    /// compare-and-compress pass over `x` that writes values and indices; a counting pass
+    /// comes first when the count is unknown (threshold), the coding needs the largest
+    /// gap (`index=gaps`), or `out` is shorter than the Rice bound.
     fn encode_cut(
         &self,
         x: &[f32],
         cut: Cut,
-        known: Option<Kept>,
+        count: Option<usize>,
         out: &mut [u8],
         mut params: [u8; 12],
     ) -> Result<Encoded> {
-        let Kept {
-            count: k,
-            max_gap,
-            max_key,
-        } = known.unwrap_or_else(|| {
-            let (mut next, mut kept) = (0usize, Kept::default());
-            for_each_kept(x, cut.t, cut.need_eq, |i| {
-                kept.max_gap = kept.max_gap.max((i - next) as u64);
-                kept.max_key = kept.max_key.max(mag_key(x[i]));
-                kept.count += 1;
-                next = i + 1;
-            });
-            kept
-        });
-        let w = if k == 0 { 0 } else { bit_width(max_gap) };
-        let vbytes = k as u64 * self.values.bytes();
-        let len = vbytes + wire::packed_len(k as u64, w as u64).expect("k < 2^32");
-        let p = payload_buf(out, len)?;
-        let (vals, idx) = p.split_at_mut(vbytes as usize);
-        idx.fill(0);
-        if k > 0 {
-            let mut bw = BitWriter::new(idx);
-            let (mut j, mut next) = (0usize, 0usize);
-            let values = self.values;
-            for_each_kept(x, cut.t, cut.need_eq, |i| {
-                values.put(vals, j, x[i]);
-                bw.put((i - next) as u32, w);
-                next = i + 1;
-                j += 1;
-            });
-            bw.finish();
+        let n = x.len() as u64;
+        let vb = self.values.bytes();
+        let room = (out.len() as u64).saturating_sub(HEADER_LEN as u64);
+        let mut scan = None;
+        let k = match count {
+            Some(k) => k,
+            None => scan.insert(Scan::of(x, cut)).count,
+        } as u64;
+        let coding = self.index_for(n, k);
+        let param = match coding {
+            IndexCoding::Gaps => bit_width(scan.get_or_insert_with(|| Scan::of(x, cut)).max_gap),
+            IndexCoding::Rice => wire::rice_param(n, k),
+            IndexCoding::Bitmap => 0,
+        };
+        let vbytes = k * vb;
+        let mut ibytes = match coding {
+            IndexCoding::Gaps => wire::packed_len(k, param as u64).expect("k < 2^32"),
+            IndexCoding::Rice => rice_max_bytes(n, k),
+            IndexCoding::Bitmap => n.div_ceil(8),
+        };
+        if coding == IndexCoding::Rice && vbytes + ibytes > room {
+            // Too short for the bound: measure the stream exactly (the frame may fit).
+            ibytes = rice_bits(x, cut, param).div_ceil(8);
         }
-        params[0..8].copy_from_slice(&(k as u64).to_le_bytes());
-        params[9] = w as u8;
+        let p = payload_buf(out, vbytes + ibytes)?;
+        let (vals, idx) = p.split_at_mut(vbytes as usize);
+        let mut sink = match coding {
+            IndexCoding::Bitmap => {
+                idx.fill(0);
+                IndexSink::Bitmap(idx)
+            }
+            _ => IndexSink::Stream(BitWriter::new(idx), coding, param),
+        };
+        let mut batch = [0f32; 256];
+        let (mut m, mut j, mut next) = (0usize, 0usize, 0usize);
+        let mut nonfinite = false;
+        let values = self.values;
+        for_each_kept(x, cut.t, cut.need_eq, |i| {
+            batch[m] = x[i];
+            m += 1;
+            if m == batch.len() {
+                nonfinite |= values.put_slice(vals, j, &batch);
+                j += m;
+                m = 0;
+            }
+            sink.push(i, next);
+            next = i + 1;
+        });
+        nonfinite |= values.put_slice(vals, j, &batch[..m]);
+        debug_assert_eq!((j + m) as u64, k);
+        let written = sink.finish();
+        params[0..8].copy_from_slice(&k.to_le_bytes());
+        params[9] = param as u8;
+        params[10] = coding as u8;
         Ok(Encoded {
-            payload_len: len,
+            payload_len: vbytes + written,
             params,
             nonfinite: if k == 0 {
                 x.iter().any(|v| !v.is_finite())
             } else {
-                max_key >= INF_BITS
+                nonfinite
             },
             seed: 0,
         })
     }
+}
+
+/// Where the kept indices go as they are found, in index order.
+enum IndexSink<'a> {
+    /// Gaps at a fixed width or Rice-coded (the coding and its byte-9 parameter).
+    Stream(BitWriter<'a>, IndexCoding, u32),
+    /// Bits of a zeroed bitmap.
+    Bitmap(&'a mut [u8]),
+}
+
+impl IndexSink<'_> {
+    /// Record index `i`, the previous kept index being `next - 1`.
+    #[inline]
+    fn push(&mut self, i: usize, next: usize) {
+        match self {
+            IndexSink::Stream(w, IndexCoding::Rice, b) => w.put_rice((i - next) as u64, *b),
+            IndexSink::Stream(w, _, width) => w.put((i - next) as u32, *width),
+            IndexSink::Bitmap(m) => m[i / 8] |= 1 << (i % 8),
+        }
+    }
+
+    /// Bytes of the index section.
+    fn finish(self) -> u64 {
+        match self {
+            IndexSink::Stream(w, ..) => w.finish() as u64,
+            IndexSink::Bitmap(m) => m.len() as u64,
+        }
+    }
+}
+
+/// What a counting pass learns about a kept set: its size and widest index gap.
+#[derive(Debug, Clone, Copy, Default)]
+struct Scan {
+    count: usize,
+    max_gap: u64,
+}
+
+impl Scan {
+    fn of(x: &[f32], cut: Cut) -> Scan {
+        let mut s = Scan::default();
+        let mut next = 0usize;
+        for_each_kept(x, cut.t, cut.need_eq, |i| {
+            s.max_gap = s.max_gap.max((i - next) as u64);
+            s.count += 1;
+            next = i + 1;
+        });
+        s
+    }
+}
+
+/// The exact length in bits of the Rice stream (parameter `b`) of the kept set.
+fn rice_bits(x: &[f32], cut: Cut, b: u32) -> u64 {
+    let (mut bits, mut next) = (0u64, 0usize);
+    for_each_kept(x, cut.t, cut.need_eq, |i| {
+        bits += ((i - next) as u64 >> b) + b as u64 + 1;
+        next = i + 1;
+    });
+    bits
 }
 
 impl fmt::Display for TopK {
@@ -389,11 +579,12 @@ impl fmt::Display for TopK {
             TopKSelect::Threshold(t) => write!(f, "topk:threshold={t:e}")?,
         }
         write!(f, ",values={}", self.values.name())?;
-        match self.selection {
-            Selection::Exact => Ok(()),
-            Selection::Approx { tolerance } => {
-                write!(f, ",select=approx,tolerance={tolerance}")
-            }
+        if let Selection::Approx { tolerance } = self.selection {
+            write!(f, ",select=approx,tolerance={tolerance}")?;
+        }
+        match self.index {
+            Some(i) => write!(f, ",index={}", i.name()),
+            None => Ok(()),
         }
     }
 }
@@ -457,14 +648,6 @@ impl Cut {
     }
 }
 
-/// What a pass learned about the kept set: its size, widest index gap and largest key.
-#[derive(Debug, Clone, Copy, Default)]
-struct Kept {
-    count: usize,
-    max_gap: u64,
-    max_key: u32,
-}
-
 /// Stratified sample size of the threshold estimate.
 const SAMPLE: usize = 4096;
 /// Thresholds the approximate pass tracks at once, `LEVEL_STEP` apart in relative value.
@@ -499,40 +682,29 @@ fn for_each_at_least(x: &[f32], t: u32, mut f: impl FnMut(usize, u32)) {
     kernels::for_each_filtered(x.len(), candidates, |i| f(i, mag_key(x[i])));
 }
 
-/// The threshold sets `{key >= levels[j]}` of one pass: sizes and widest index gaps.
-struct LevelStats {
-    levels: [u32; LEVELS],
-    count: [usize; LEVELS],
-    max_gap: [u64; LEVELS],
-    max_key: u32,
-}
-
-/// One pass: for `LEVELS` thresholds from `t` up in steps of `LEVEL_STEP` (relative),
-/// how many elements reach each and the widest gap between them.
-fn level_stats(x: &[f32], t: u32) -> LevelStats {
+/// One pass: `LEVELS` thresholds from `t` up in steps of `LEVEL_STEP` (relative), and
+/// how many elements reach each.
+fn level_counts(x: &[f32], t: u32) -> ([u32; LEVELS], [usize; LEVELS]) {
     let base = f32::from_bits(t);
     let mut levels = [t; LEVELS];
     for (j, l) in levels.iter_mut().enumerate().skip(1) {
         *l = mag_key(base * (1.0 + LEVEL_STEP * j as f32)).max(t);
     }
-    let mut st = LevelStats {
-        levels,
-        count: [0; LEVELS],
-        max_gap: [0; LEVELS],
-        max_key: 0,
-    };
-    let mut next = [0usize; LEVELS];
-    for_each_at_least(x, t, |i, key| {
-        st.max_key = st.max_key.max(key);
-        let mut j = 0;
-        while j < LEVELS && key >= st.levels[j] {
-            st.count[j] += 1;
-            st.max_gap[j] = st.max_gap[j].max((i - next[j]) as u64);
-            next[j] = i + 1;
-            j += 1;
-        }
+    // hist[j]: elements reaching levels 0..=j and no higher (levels ascend, keys and
+    // levels are below 2^31, so the signed compare is exact and vectorises).
+    let mut hist = [0usize; LEVELS];
+    let signed = levels.map(|l| l as i32);
+    for_each_at_least(x, t, |_, key| {
+        let reached: usize = signed.iter().map(|&l| (key as i32 >= l) as usize).sum();
+        hist[reached - 1] += 1;
     });
-    st
+    let mut count = [0usize; LEVELS];
+    let mut above = 0;
+    for j in (0..LEVELS).rev() {
+        above += hist[j];
+        count[j] = above;
+    }
+    (levels, count)
 }
 
 /// The exact top-`k` cut from a threshold `t` that at least `k` elements reach: a
@@ -598,28 +770,30 @@ impl Scheme for TopK {
     }
 
     fn max_payload(&self, n: u64) -> u64 {
+        if n > TOPK_MAX_ELEMENTS {
+            return u64::MAX;
+        }
+        // Every coding's bound grows with k, and `auto` takes the smaller bound.
         let k = self.max_kept(n);
-        let w = bit_width(n.saturating_sub(1)) as u64;
-        wire::mul_add(
-            k,
-            self.values.bytes(),
-            wire::packed_len(k, w).unwrap_or(u64::MAX),
-        )
-        .unwrap_or(u64::MAX)
+        let ibytes = self.index_for(n, k).max_bytes(n, k);
+        wire::mul_add(k, self.values.bytes(), ibytes).unwrap_or(u64::MAX)
     }
 
     fn encode_payload(&self, x: &[f32], _ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
         let n = x.len() as u64;
         let mut params = [0u8; 12];
         params[8] = self.values as u8;
-        let (cut, known) = match self.select {
+        let (cut, count) = match self.select {
             TopKSelect::Threshold(t) => (Cut::all_from(mag_key(t)), None),
             _ => match self.k_for(n) as usize {
-                0 => (Cut::NONE, Some(Kept::default())),
-                k => self.select_cut(x, k),
+                0 => (Cut::NONE, Some(0)),
+                k => {
+                    let (cut, count) = self.select_cut(x, k);
+                    (cut, Some(count))
+                }
             },
         };
-        self.encode_cut(x, cut, known, out, params)
+        self.encode_cut(x, cut, count, out, params)
     }
 
     fn read(h: &Header) -> Result<TopK> {
@@ -642,58 +816,176 @@ impl Scheme for TopK {
             ));
         }
         let values = ValueType::from_byte(h, h.params[8])?;
-        let w = h.params[9] as u64;
-        if w > 32 || (k == 0 && w != 0) {
-            return Err(bad(
-                "params.width",
-                format!("index width {w} is not in 0..=32 (and 0 when k = 0)"),
-            ));
+        let p9 = h.params[9] as u64;
+        let index = match h.params[10] {
+            0 => IndexCoding::Gaps,
+            1 => IndexCoding::Rice,
+            2 => IndexCoding::Bitmap,
+            b => {
+                return Err(bad(
+                    "params.index",
+                    format!("{b} is not 0 (gaps), 1 (rice) or 2 (bitmap)"),
+                ));
+            }
+        };
+        match index {
+            IndexCoding::Gaps if p9 > 32 || (k == 0 && p9 != 0) => {
+                return Err(bad(
+                    "params.width",
+                    format!("index width {p9} is not in 0..=32 (and 0 when k = 0)"),
+                ));
+            }
+            IndexCoding::Rice if p9 > 31 || (k == 0 && p9 != 0) => {
+                return Err(bad(
+                    "params.rice",
+                    format!("Rice parameter {p9} is not in 0..=31 (and 0 when k = 0)"),
+                ));
+            }
+            IndexCoding::Bitmap if p9 != 0 => {
+                return Err(bad(
+                    "params.width",
+                    format!("byte 9 is {p9}; a bitmap frame has 0"),
+                ));
+            }
+            _ => {}
         }
-        h.params_zero_from(10)?;
+        h.params_zero_from(11)?;
         h.seed_zero()?;
-        let expected = wire::mul_add(
-            k,
-            values.bytes(),
-            wire::packed_len(k, w).unwrap_or(u64::MAX),
-        );
-        expect_payload(h, expected)?;
+        let vbytes = k * values.bytes(); // k <= 2^32: no overflow
+        let n = h.elements;
+        match index {
+            IndexCoding::Gaps => expect_payload(h, wire::packed_len(k, p9).map(|b| vbytes + b))?,
+            IndexCoding::Bitmap => expect_payload(h, Some(vbytes + n.div_ceil(8)))?,
+            IndexCoding::Rice => {
+                let b = p9 as u32;
+                let lo = vbytes + (k * (p9 + 1)).div_ceil(8);
+                let hi = vbytes + wire::rice_max_bits(n, k, b).div_ceil(8);
+                if !(lo..=hi).contains(&h.payload_len) {
+                    return Err(bad(
+                        "payload_len",
+                        format!(
+                            "{} bytes; {k} values and the Rice codes of {k} indices below \
+                             {n} take {lo}..={hi}",
+                            h.payload_len
+                        ),
+                    ));
+                }
+            }
+        }
         Ok(TopK {
             select: TopKSelect::Count(k),
             values,
             selection: Selection::Exact,
+            index: Some(index),
         })
     }
 
     fn decode_payload<const M: u8>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
         let k = h.param_u64(0) as usize;
-        let w = h.params[9] as u32;
+        let p9 = h.params[9] as u32;
         let vbytes = k * self.values.bytes() as usize;
         let (vals, idx) = p.split_at(vbytes);
+        let at = HEADER_LEN + vbytes; // frame offset of the index section
         let n = out.len() as u64;
+        let corrupt = |offset: usize, reason: String| Error::Corrupt {
+            codec: h.codec,
+            offset,
+            reason,
+        };
+        let past =
+            |j: usize, i: u64| format!("index of kept element {j} is {i}, past the {n} elements");
         // Validate every index before touching `out`.
-        if k > 0 {
-            wire::check_padding(h.codec, idx, HEADER_LEN + vbytes, k as u64, w as u64)?;
-        }
-        let mut r = BitReader::new(idx);
-        let mut next = 0u64; // smallest index the next element may have
-        for j in 0..k {
-            let i = next + r.get(w) as u64;
-            if i >= n {
-                return Err(Error::Corrupt {
-                    codec: h.codec,
-                    offset: HEADER_LEN + vbytes + (j * w as usize) / 8,
-                    reason: format!("index of kept element {j} is {i}, past the {n} elements"),
-                });
+        let coding = IndexCoding::of_frame(h);
+        match coding {
+            IndexCoding::Gaps => {
+                if k > 0 {
+                    wire::check_padding(h.codec, idx, at, k as u64, p9 as u64)?;
+                }
+                let mut r = BitReader::new(idx);
+                let mut next = 0u64; // smallest index the next element may have
+                for j in 0..k {
+                    let i = next + r.get(p9) as u64;
+                    if i >= n {
+                        return Err(corrupt(at + (j * p9 as usize) / 8, past(j, i)));
+                    }
+                    next = i + 1;
+                }
             }
-            next = i + 1;
+            IndexCoding::Rice => {
+                let mut r = BitReader::new(idx);
+                let mut next = 0u64;
+                for j in 0..k {
+                    let g = r.get_rice(p9).ok_or_else(|| {
+                        corrupt(
+                            at + r.bytes_touched(),
+                            format!("the Rice stream ends before index {j} of {k}"),
+                        )
+                    })?;
+                    let i = next.saturating_add(g);
+                    if i >= n {
+                        return Err(corrupt(at + r.bytes_touched() - 1, past(j, i)));
+                    }
+                    next = i + 1;
+                }
+                if r.bytes_touched() != idx.len() || !r.rest_of_byte_is_zero() {
+                    return Err(corrupt(
+                        at + r.bytes_touched().saturating_sub(1),
+                        format!(
+                            "the Rice codes of {k} indices end in byte {} of {}, with \
+                             non-zero bits or bytes after them",
+                            r.bytes_touched(),
+                            idx.len()
+                        ),
+                    ));
+                }
+            }
+            IndexCoding::Bitmap => {
+                let ones: u64 = idx.iter().map(|b| b.count_ones() as u64).sum();
+                if ones != k as u64 {
+                    return Err(corrupt(
+                        at,
+                        format!("the bitmap marks {ones} elements, the header says k = {k}"),
+                    ));
+                }
+                if !n.is_multiple_of(8) && idx[idx.len() - 1] >> (n % 8) != 0 {
+                    return Err(corrupt(
+                        at + idx.len() - 1,
+                        format!("bitmap bits {}..8 of the last byte are not zero", n % 8),
+                    ));
+                }
+            }
         }
         sparse_prepare::<M>(h, out);
-        let mut r = BitReader::new(idx);
-        let mut next = 0usize;
-        for j in 0..k {
-            let i = next + r.get(w) as usize;
-            put::<M>(&mut out[i], self.values.get(vals, j));
-            next = i + 1;
+        let values = self.values;
+        let mut j = 0;
+        let mut put_next = |i: usize| {
+            put::<M>(&mut out[i], values.get(vals, j));
+            j += 1;
+        };
+        match coding {
+            IndexCoding::Bitmap => {
+                for (c, chunk) in idx.chunks(8).enumerate() {
+                    let mut w = [0u8; 8];
+                    w[..chunk.len()].copy_from_slice(chunk);
+                    let mut m = u64::from_le_bytes(w);
+                    while m != 0 {
+                        put_next(64 * c + m.trailing_zeros() as usize);
+                        m &= m - 1;
+                    }
+                }
+            }
+            coding => {
+                let mut r = BitReader::new(idx);
+                let mut next = 0usize;
+                for _ in 0..k {
+                    let g = match coding {
+                        IndexCoding::Rice => r.get_rice(p9).unwrap_or(0) as usize,
+                        _ => r.get(p9) as usize,
+                    };
+                    put_next(next + g);
+                    next += g + 1;
+                }
+            }
         }
         Ok(())
     }
@@ -703,9 +995,16 @@ impl Scheme for TopK {
         if k == 0 {
             return 0.0;
         }
-        // Gaps of evenly spread indices need about log2(n / k) + 1 bits.
-        let w = ((n as f64 / k as f64).log2().ceil() + 1.0).min(32.0);
-        k as f64 * (self.values.bytes() as f64 + w / 8.0)
+        let ibytes = match self.index_for(n, k) {
+            // Gaps of evenly spread indices need about log2(n / k) + 1 bits.
+            IndexCoding::Gaps => {
+                let w = ((n as f64 / k as f64).log2().ceil() + 1.0).min(32.0);
+                k as f64 * w / 8.0
+            }
+            // Evenly spread gaps reach the Rice bound; the bitmap is exact.
+            coding => coding.max_bytes(n, k) as f64,
+        };
+        k as f64 * self.values.bytes() as f64 + ibytes
     }
 
     fn is_unbiased(&self) -> bool {
@@ -768,8 +1067,8 @@ mod tests {
                 for k in [1, 2, n / 1000 + 1, n / 100 + 1, n / 10 + 1, n / 2 + 1, n] {
                     let k = k.min(n);
                     let c = TopK::default();
-                    let (cut, known) = c.select_cut(&x, k);
-                    assert!(known.is_none());
+                    let (cut, count) = c.select_cut(&x, k);
+                    assert_eq!(count, k, "{name} n={n} k={k}");
                     assert_eq!(
                         kept(&x, cut),
                         kept(&x, Cut::top(&x, k)),
@@ -796,7 +1095,7 @@ mod tests {
                         let c = TopK::default()
                             .with_selection(Selection::Approx { tolerance })
                             .unwrap();
-                        let (cut, known) = c.select_cut(&x, k);
+                        let (cut, count) = c.select_cut(&x, k);
                         let got = kept(&x, cut);
                         let exact = kept(&x, Cut::top(&x, k));
                         let what = format!("{name} n={n} k={k} tol={tolerance}");
@@ -806,16 +1105,10 @@ mod tests {
                             "{what}"
                         );
                         assert!(exact.iter().all(|i| got.binary_search(i).is_ok()), "{what}");
-                        if let Some(kn) = known {
-                            // What the level pass measured is what the writing pass sees.
-                            let gaps = got.iter().scan(0usize, |next, &i| {
-                                let g = i - *next;
-                                *next = i + 1;
-                                Some(g as u64)
-                            });
-                            assert_eq!(kn.count, got.len(), "{what}");
-                            assert_eq!(kn.max_gap, gaps.max().unwrap_or(0), "{what}");
-                            untrimmed += 1;
+                        // What the level pass counted is what the writing pass sees.
+                        assert_eq!(count, got.len(), "{what}");
+                        if cut.need_eq == usize::MAX {
+                            untrimmed += 1; // a threshold set from the level pass
                         }
                         cases += 1;
                     }

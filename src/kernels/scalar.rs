@@ -432,6 +432,19 @@ impl<'a> BitWriter<'a> {
         }
     }
 
+    /// Append `v` Rice-coded with parameter `b` (`b <= 31`): `v >> b` zero bits, a one
+    /// bit, then the low `b` bits of `v`.
+    #[inline]
+    pub fn put_rice(&mut self, v: u64, b: u32) {
+        let mut q = v >> b;
+        while q >= 31 {
+            self.put(0, 31);
+            q -= 31;
+        }
+        self.put(1 << q, q as u32 + 1);
+        self.put((v & ((1u64 << b) - 1)) as u32, b);
+    }
+
     /// Flush the last partial byte (high bits zero); returns bytes written.
     pub fn finish(mut self) -> usize {
         if self.nacc > 0 {
@@ -479,6 +492,49 @@ impl<'a> BitReader<'a> {
         self.acc >>= width;
         self.nacc -= width;
         v
+    }
+
+    /// The next Rice-coded value with parameter `b` (`b <= 31`; see
+    /// [`BitWriter::put_rice`]), or `None` if the stream ends first or the value
+    /// exceeds `u64`. Reads only the bytes the value occupies.
+    #[inline]
+    pub fn get_rice(&mut self, b: u32) -> Option<u64> {
+        let mut q = 0u64;
+        loop {
+            if self.acc != 0 {
+                let z = self.acc.trailing_zeros();
+                q += z as u64;
+                self.acc >>= z + 1;
+                self.nacc -= z + 1;
+                break;
+            }
+            q += self.nacc as u64;
+            self.nacc = 0;
+            let byte = *self.p.get(self.pos)?;
+            self.pos += 1;
+            self.acc = byte as u64;
+            self.nacc = 8;
+        }
+        if self.bits_left() < b as u64 {
+            return None;
+        }
+        let r = self.get(b) as u64;
+        q.checked_mul(1 << b).map(|h| h | r)
+    }
+
+    /// Bits not yet read.
+    pub fn bits_left(&self) -> u64 {
+        8 * (self.p.len() - self.pos.min(self.p.len())) as u64 + self.nacc as u64
+    }
+
+    /// Bytes the reads so far have touched.
+    pub fn bytes_touched(&self) -> usize {
+        self.pos
+    }
+
+    /// Whether every bit left in the byte being read is zero.
+    pub fn rest_of_byte_is_zero(&self) -> bool {
+        self.acc == 0
     }
 }
 

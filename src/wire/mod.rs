@@ -284,6 +284,28 @@ pub(crate) fn packed_len(n: u64, bits: u64) -> Option<u64> {
     Some(n.checked_mul(bits)?.div_ceil(8))
 }
 
+/// The most bits a Rice-coded stream (section 3.9) of `k` gaps with parameter `b` can
+/// take when every index is below `n` (`k <= n`): each gap costs `b + 1` bits plus its
+/// quotient `gap >> b` in unary, and the gaps sum to at most `n - k` (0 bits if `k = 0`).
+pub fn rice_max_bits(n: u64, k: u64, b: u32) -> u64 {
+    if k == 0 {
+        return 0;
+    }
+    k * (b as u64 + 1) + ((n - k) >> b)
+}
+
+/// The Rice parameter top-k encoders use for `k` of `n` indices: 0 if `k = 0`, else the
+/// `b` in `0..=31` with the smallest [`rice_max_bits`] (the smallest such `b` on ties).
+/// It is near `log2((n - k) ln 2 / k)`, where the expected cost of geometric gaps is
+/// least, and it bounds the index cost by about `log2(n / k) + 2` bits whatever the
+/// distribution.
+pub fn rice_param(n: u64, k: u64) -> u32 {
+    if k == 0 {
+        return 0;
+    }
+    (0..32).min_by_key(|&b| rice_max_bits(n, k, b)).unwrap_or(0)
+}
+
 /// Error unless the unused high bits of the last byte of an `n * bits`-bit stream are zero.
 pub(crate) fn check_padding(
     codec: CodecId,

@@ -276,11 +276,7 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
                 rank[i] = r;
             }
             for i in 0..x.len() {
-                let value = match c.values() {
-                    gradpack::ValueType::F32 => x[i],
-                    gradpack::ValueType::Fp16 => half::f16::from_f32(x[i]).to_f32(),
-                    v => unreachable!("value type {v:?}"),
-                };
+                let value = stored_value(c.values(), x[i]);
                 let ok = if rank[i] < sure {
                     d[i].to_bits() == value.to_bits()
                 } else if rank[i] >= most {
@@ -308,12 +304,7 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
                 let kept =
                     (gradpack::rng::draw(ctx.seed, gradpack::rng::STREAM_SELECT, g) as u64) < t;
                 let want = if kept {
-                    let v = x[i] * mul;
-                    match c.values() {
-                        gradpack::ValueType::F32 => v,
-                        gradpack::ValueType::Fp16 => half::f16::from_f32(v).to_f32(),
-                        v => unreachable!("value type {v:?}"),
-                    }
+                    stored_value(c.values(), x[i] * mul)
                 } else {
                     0.0
                 };
@@ -325,6 +316,16 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
         _ => unreachable!("unknown codec"),
     }
     Ok(())
+}
+
+/// `v` as a sparse codec stores it (rounded by the `half` crate, an independent oracle).
+fn stored_value(t: gradpack::ValueType, v: f32) -> f32 {
+    match t {
+        gradpack::ValueType::F32 => v,
+        gradpack::ValueType::Fp16 => half::f16::from_f32(v).to_f32(),
+        gradpack::ValueType::Bf16 => half::bf16::from_f32(v).to_f32(),
+        v => unreachable!("value type {v:?}"),
+    }
 }
 
 // ------------------------------------------------------------------ golden vectors
@@ -355,9 +356,18 @@ pub const GOLDEN: &[(&str, &str, u64, u64)] = &[
     ("sign_b1024", "sign", 0, 0),
     ("ternary_b64", "ternary:block=64", 42, 0),
     ("natural_b64", "natural:block=64", 42, 0),
-    ("topk_r005_f32", "topk:ratio=0.05", 0, 0),
-    ("topk_k10_fp16", "topk:k=10,values=fp16", 0, 0),
+    ("topk_r005_f32", "topk:ratio=0.05,index=gaps", 0, 0),
+    ("topk_k10_fp16", "topk:k=10,values=fp16,index=gaps", 0, 0),
+    ("topk_r005_f32_rice", "topk:ratio=0.05", 0, 0),
+    ("topk_r05_bf16_bitmap", "topk:ratio=0.5,values=bf16", 0, 0),
+    (
+        "topk_k10_fp16_rice",
+        "topk:k=10,values=fp16,index=rice",
+        0,
+        0,
+    ),
     ("randk_r01_f32", "randk:ratio=0.1", 42, 0),
+    ("randk_r01_bf16", "randk:ratio=0.1,values=bf16", 42, 0),
     (
         "randk_r01_fp16_unbiased",
         "randk:ratio=0.1,values=fp16,scale=unbiased",

@@ -202,7 +202,12 @@ fn spec_of(c: &[u8; 12]) -> String {
     let block = u16::from_le_bytes([c[1], c[2]]) as u32 % 4096 + 1;
     let v = c[3];
     let ratio = (c[4] as f64 + 1.0) / 256.0;
-    let values = if v & 8 != 0 { "fp16" } else { "f32" };
+    let values = match (v & 8 != 0, c[2] & 4 != 0) {
+        (true, _) => "fp16",
+        (false, true) => "bf16",
+        _ => "f32",
+    };
+    let index = ["", ",index=gaps", ",index=rice", ",index=bitmap"][c[2] as usize & 3];
     let approx = if v & 128 != 0 {
         format!(",select=approx,tolerance={}", (c[1] % 5) as f64 / 4.0)
     } else {
@@ -223,9 +228,12 @@ fn spec_of(c: &[u8; 12]) -> String {
         5 => format!("sign:block={block}"),
         6 => format!("ternary:block={block}"),
         7 => format!("natural:block={block}"),
-        8 if v & 64 != 0 => format!("topk:threshold={},values={values}", c[4] as f32 / 32.0),
-        8 if v & 32 != 0 => format!("topk:k={},values={values}{approx}", c[4]),
-        8 => format!("topk:ratio={ratio},values={values}{approx}"),
+        8 if v & 64 != 0 => format!(
+            "topk:threshold={},values={values}{index}",
+            c[4] as f32 / 32.0
+        ),
+        8 if v & 32 != 0 => format!("topk:k={},values={values}{approx}{index}", c[4]),
+        8 => format!("topk:ratio={ratio},values={values}{approx}{index}"),
         _ => format!(
             "randk:ratio={ratio},values={values},scale={}",
             if v & 16 != 0 { "unbiased" } else { "none" }
@@ -242,7 +250,9 @@ fn spec_of(c: &[u8; 12]) -> String {
 ///
 /// Input: 12 control bytes, then the values (little-endian f32, any bit patterns).
 /// - byte 0: codec (`% 10`, in wire-format id order);
-/// - bytes 1..3: block size (`u16 % 4096 + 1`);
+/// - bytes 1..3: block size (`u16 % 4096 + 1`); for top-k and random-k, bits 0..2 of
+///   byte 2 pick the index coding (automatic, gaps, Rice, bitmap; top-k) and bit 2 bf16
+///   values (unless byte 3 asks for fp16);
 /// - byte 3: bit 0 stochastic rounding (int8), bits 1..3 QSGD bits (2, 4, 8), bit 3 fp16
 ///   values (top-k, random-k), bit 4 unbiased scale (random-k), bit 5 an explicit `k`
 ///   (top-k), bit 6 a threshold (top-k), bit 7 approximate selection with tolerance
@@ -316,7 +326,8 @@ pub fn roundtrip(data: &[u8]) {
         assert!(h.nonfinite(), "{text}: NONFINITE flag missing");
         // Visible in the decoding too, unless the frame keeps no element at all (top-k
         // with k = 0: the flag is then the only trace).
-        let keeps_none = matches!(from_header, CodecSpec::TopK(_)) && h.payload_len == 0;
+        let keeps_none = matches!(from_header, CodecSpec::TopK(_))
+            && u64::from_le_bytes(h.params[..8].try_into().unwrap()) == 0;
         assert!(
             keeps_none || d.iter().any(|v| !v.is_finite()),
             "{text}: NaN/Inf lost in decoding"
