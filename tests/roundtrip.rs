@@ -292,3 +292,98 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn randk_frames_of_ranks_sharing_a_seed_add_value_by_value() {
+    use gradpack::RandK;
+    for spec in [
+        "randk:ratio=0.1",
+        "randk:ratio=0.3,values=fp16",
+        "randk:ratio=0.05,values=bf16,scale=unbiased",
+    ] {
+        let spec: CodecSpec = spec.parse().unwrap();
+        for (n, offset) in [(0, 0), (1, 3), (1000, 0), (5000, (1u64 << 32) - 2000)] {
+            let ctx = EncodeCtx::new(77).with_offset(offset);
+            let ranks: Vec<Vec<f32>> = (0..4).map(|r| sample(n, 90 + r)).collect();
+            let mut acc = spec.encode(&ranks[0], &ctx).unwrap();
+            let mut want = decode(&acc, n);
+            for x in &ranks[1..] {
+                let f = spec.encode(x, &ctx).unwrap();
+                let d = decode(&f, n);
+                RandK::add_frame(&mut acc, &f).unwrap();
+                for (w, v) in want.iter_mut().zip(&d) {
+                    // One rounding to the value type per addition.
+                    let s = *w + v;
+                    *w = match spec {
+                        CodecSpec::RandK(c) => match c.values() {
+                            gradpack::ValueType::Fp16 => half::f16::from_f32(s).to_f32(),
+                            gradpack::ValueType::Bf16 => half::bf16::from_f32(s).to_f32(),
+                            _ => s,
+                        },
+                        _ => unreachable!(),
+                    };
+                }
+                let got = decode(&acc, n);
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(g, w)| g.to_bits() == w.to_bits()),
+                    "{spec} n={n}: the summed frame decodes differently"
+                );
+            }
+            // A sealed accumulator stays sealed and valid.
+            let f = spec.encode(&ranks[1], &ctx).unwrap();
+            let mut sealed = gradpack::Checksummed(spec).encode(&ranks[0], &ctx).unwrap();
+            RandK::add_frame(&mut sealed, &f).unwrap();
+            let plain = {
+                let mut a = spec.encode(&ranks[0], &ctx).unwrap();
+                RandK::add_frame(&mut a, &f).unwrap();
+                a
+            };
+            let bits = |f: &[u8]| decode(f, n).iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert!(
+                bits(&sealed) == bits(&plain),
+                "{spec} n={n}: sealed sum differs"
+            );
+            assert!(gradpack::inspect(&sealed).unwrap().0.payload_checksum());
+        }
+    }
+}
+
+#[test]
+fn randk_frames_that_keep_different_elements_do_not_add() {
+    use gradpack::RandK;
+    let spec: CodecSpec = "randk:ratio=0.1".parse().unwrap();
+    let x = sample(1000, 5);
+    let base = spec.encode(&x, &EncodeCtx::new(1)).unwrap();
+    let other_spec: CodecSpec = "randk:ratio=0.1,values=fp16".parse().unwrap();
+    let bad = [
+        spec.encode(&x, &EncodeCtx::new(2)).unwrap(), // seed
+        spec.encode(&x, &EncodeCtx::new(1).with_offset(5)).unwrap(), // offset
+        spec.encode(&x[..999], &EncodeCtx::new(1)).unwrap(), // elements
+        other_spec.encode(&x, &EncodeCtx::new(1)).unwrap(), // value type
+        "randk:ratio=0.2"
+            .parse::<CodecSpec>()
+            .unwrap()
+            .encode(&x, &EncodeCtx::new(1))
+            .unwrap(),
+        "topk:ratio=0.1"
+            .parse::<CodecSpec>()
+            .unwrap()
+            .encode(&x, &EncodeCtx::new(1))
+            .unwrap(),
+        base[..base.len() - 1].to_vec(), // truncated
+    ];
+    for (i, f) in bad.iter().enumerate() {
+        let mut acc = base.clone();
+        let e = RandK::add_frame(&mut acc, f).unwrap_err();
+        assert!(!e.to_string().is_empty());
+        assert_eq!(acc, base, "case {i}: acc changed on error");
+        let mut acc = f.clone();
+        assert!(
+            RandK::add_frame(&mut acc, &base).is_err(),
+            "case {i} reversed"
+        );
+        assert_eq!(&acc, f);
+    }
+}

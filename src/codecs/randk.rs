@@ -9,13 +9,16 @@
 //! anywhere keeps the same ones, and the decoder recomputes them from the header's seed
 //! and offset.
 //!
-//! Payload: the kept values in index order, f32 LE or fp16 LE. With `scale=unbiased` the
+//! Payload: the kept values in index order, f32 LE, fp16 LE or bf16 LE. With `scale=unbiased` the
 //! encoder sends `x / p` (in f32, `x * (2^32 / t)`), making the decoding an unbiased
 //! estimate of the input; with `scale=none` (the default, for use with error feedback)
 //! it sends `x` and the estimate is biased towards zero by the factor `p`.
 //!
 //! NaN and ±Inf: an unsent element could hide an overflow, so when the input holds any
 //! NaN or ±Inf the frame's NONFINITE flag is set and *every* element decodes to NaN.
+//!
+//! Frames of ranks that share a seed keep the same elements, so they can be summed value
+//! by value, compressed, with [`RandK::add_frame`]: no index is computed or sent.
 
 use core::fmt;
 
@@ -27,7 +30,7 @@ use crate::kernels::{
     scalar::{self, CANONICAL_NAN, put},
 };
 use crate::rng::{Draws, STREAM_SELECT};
-use crate::wire::{FLAG_NONFINITE, Header};
+use crate::wire::{FLAG_NONFINITE, HEADER_LEN, Header};
 
 /// Whether random-k rescales kept values by `1 / p`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -138,6 +141,87 @@ fn for_each_kept(seed: u64, offset: u64, n: usize, t: u64, f: impl FnMut(usize))
         kernels::filter_draw_lt(&d, offset + pos as u64, t, n - pos, idx)
     };
     kernels::for_each_filtered(n, kept, f);
+}
+
+impl RandK {
+    /// Sum two random-k frames value by value, in place: `acc` becomes the frame of the
+    /// element-wise sum, without computing a single index or hash draw.
+    ///
+    /// Frames from ranks that share a seed (and element count, offset, threshold, value type
+    /// and scale) keep the same elements (DESIGN rule 5), so their payloads line up value by
+    /// value: a reducing collective can add compressed frames and decode once. Each value of
+    /// `acc` becomes the f32 sum of the two values, rounded to the value type (exact in f32
+    /// arithmetic for `values=f32`; for fp16 and bf16 it is rounded to nearest even once per
+    /// addition, as decoding, adding and re-encoding would). The NONFINITE flags are OR-ed (a
+    /// frame with it set decodes to NaN everywhere). A sealed `acc` is resealed; a sealed
+    /// `frame` is verified.
+    ///
+    /// `decode(acc after) == round(decode(acc before) + decode(frame))` element by element.
+    ///
+    /// Errors, leaving `acc` unchanged: either frame is invalid or not random-k, or they
+    /// differ in elements, offset, seed, threshold, value type, scale or payload length.
+    /// Allocates nothing.
+    pub fn add_frame(acc: &mut [u8], frame: &[u8]) -> Result<()> {
+        let (ha, _) = crate::wire::split(acc)?;
+        let (hb, pb) = crate::wire::split(frame)?;
+        let mut values = ValueType::F32;
+        for h in [&ha, &hb] {
+            if h.codec != CodecId::RandK {
+                return Err(Error::WrongCodec {
+                    expected: CodecId::RandK,
+                    found: h.codec,
+                });
+            }
+            values = RandK::read(h)?.values;
+        }
+        let differ = |field, a: &dyn fmt::Debug, b: &dyn fmt::Debug| Error::BadField {
+            codec: CodecId::RandK,
+            field,
+            reason: format!(
+                "{a:?} in one frame, {b:?} in the other: random-k frames add value by value \
+                 only when they keep the same elements (same seed, offset, element count, \
+                 threshold, value type and scale)"
+            ),
+        };
+        if ha.elements != hb.elements {
+            return Err(differ("elements", &ha.elements, &hb.elements));
+        }
+        if ha.offset != hb.offset {
+            return Err(differ("offset", &ha.offset, &hb.offset));
+        }
+        if ha.seed != hb.seed {
+            return Err(differ("seed", &ha.seed, &hb.seed));
+        }
+        if ha.params != hb.params {
+            return Err(differ("params", &ha.params, &hb.params));
+        }
+        if ha.payload_len != hb.payload_len {
+            return Err(differ("payload_len", &ha.payload_len, &hb.payload_len));
+        }
+        let len = HEADER_LEN + ha.payload_len as usize;
+        let pa = &mut acc[HEADER_LEN..len];
+        let k = pa.len() / values.bytes() as usize;
+        let (mut a, mut b) = ([0f32; 256], [0f32; 256]);
+        let mut j = 0;
+        while j < k {
+            let m = (k - j).min(a.len());
+            values.get_slice(pa, j, &mut a[..m]);
+            values.get_slice(pb, j, &mut b[..m]);
+            for (x, y) in a[..m].iter_mut().zip(&b[..m]) {
+                *x += *y;
+            }
+            values.put_slice(pa, j, &a[..m]);
+            j += m;
+        }
+        let mut h = ha;
+        h.flags |= hb.flags & FLAG_NONFINITE;
+        h.write(acc);
+        if h.payload_checksum() {
+            let crc = crc32fast::hash(&acc[HEADER_LEN..len]);
+            acc[len..len + 4].copy_from_slice(&crc.to_le_bytes());
+        }
+        Ok(())
+    }
 }
 
 impl Scheme for RandK {

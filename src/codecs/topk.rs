@@ -1,4 +1,4 @@
-//! `topk`: the `k` elements of largest magnitude, with delta-coded, bit-packed indices.
+//! `topk`: the `k` elements of largest magnitude, with compactly coded indices.
 //!
 //! `k` is `ceil(ratio * n)`, a fixed count (at most `n`), or, with `threshold=t`, the
 //! number of elements with `|x| >= t`. Kept elements are sent in index order.
@@ -11,27 +11,39 @@
 //!   threshold set of at least `k` elements, it contains the exact top-k, so it keeps at
 //!   least the exact top-k's squared L2 mass, for at most `τ` more bytes.
 //!
-//! Both run the same engine, allocation-free: a threshold estimated from a stratified
-//! sample of 4096 magnitudes aims at about 1.5 `k` candidates (`1 + τ/2` for approx); one
-//! pass of the SIMD compare-and-compress kernel collects the candidates (index and
-//! magnitude key) into spare room at the end of the output buffer; a radix select over
-//! the candidates alone trims them to exactly `k` (exact, or approx above `(1 + τ) k`).
-//! Too few candidates lower the threshold for a second pass; after two misses, or when
-//! the buffer has no spare room (shorter than `max_encoded_len`), a radix select over all
-//! of `x` finds the k-th magnitude. Every route keeps the same elements, so frames do not
-//! depend on the route.
+//! Both run the same engine, allocation-free, on the SIMD compare-and-compress kernel
+//! ([`kernels::filter_mag_ge`]): a threshold estimated from a stratified sample of 4096
+//! magnitudes, then
+//! - approx: one pass counting how many elements reach each of 24 thresholds 1.5% apart
+//!   from the estimate (aimed at `1 + 0.6τ` times `k`); the highest one that `k` reach is
+//!   the cut, if at most `(1 + τ) k` reach it. Otherwise a second estimate, then exact.
+//! - exact: two histogram passes over the candidates above an estimate aimed at `1.5 k`
+//!   (exponent and high mantissa bits, then the low 12 bits in the k-th key's bucket)
+//!   find the k-th largest key. Too few candidates retry at `3 k`; then a radix select
+//!   over all of `x`.
 //!
-//! Payload: `k` values (f32 LE, or fp16 LE rounded to nearest even), then the `k` index
-//! gaps as an LSB-first stream of `width`-bit values: the first gap is the first index,
-//! each next gap is `index - previous index - 1`, and `width` is the fewest bits that hold
-//! the largest gap (0 when all gaps are 0). Unsent elements decode to 0.
+//! Every route keeps the same elements, so frames do not depend on the route, and one
+//! more pass writes values and indices. (`threshold=` needs a counting pass first, as
+//! does `index=gaps`, for its largest gap.)
 //!
-//! Error: kept elements are exact (f32) or fp16-rounded; dropped elements lose their whole
-//! value, which is why top-k is used with error feedback. Biased.
+//! Payload (docs/wire-format.md 3.9): `k` values (f32 LE, or fp16 / bf16 LE rounded to
+//! nearest even), then the indices, coded per frame (`index=`):
+//! - `auto` (default): the shorter of Rice and bitmap, judged from `n` and `k` alone
+//!   ([`IndexCoding::auto`]);
+//! - `rice`: index gaps Rice-coded with the parameter that minimises the worst case,
+//!   at most about `log2(n / k) + 2` bits per index whatever the gaps (about 8.6 bits at
+//!   1% density);
+//! - `bitmap`: one bit per element, the dense case (about 25% density and up);
+//! - `gaps`: the gaps bit-packed at the width of the largest one (the first format).
+//!   Unsent elements decode to 0.
+//!
+//! Error: kept elements are exact (f32) or fp16/bf16-rounded; dropped elements lose their
+//! whole value, which is why top-k is used with error feedback. Biased.
 //!
 //! NaN and ±Inf have the largest magnitudes (NaN above Inf), so they are always kept and
-//! decode as themselves; with fp16 values, a finite value above 65504 becomes ±Inf.
-//! With `k = 0` nothing is kept: the header's NONFINITE flag is then their only trace.
+//! decode as themselves; with fp16 values, a finite value above 65504 becomes ±Inf (with
+//! bf16, one above the bf16 maximum). With `k = 0` nothing is kept: the header's
+//! NONFINITE flag is then their only trace.
 //! A frame holds at most 2^32 elements (indices are 32-bit): chunk larger tensors.
 
 use core::fmt;
@@ -127,6 +139,22 @@ impl ValueType {
             }
             ValueType::Fp16 => kernels::encode_f16(v, out),
             ValueType::Bf16 => kernels::encode_bf16(v, out),
+        }
+    }
+
+    /// Read values `j..j + out.len()` with the backend's conversion kernels.
+    #[inline]
+    pub(crate) fn get_slice(self, vals: &[u8], j: usize, out: &mut [f32]) {
+        let b = self.bytes() as usize;
+        let src = &vals[b * j..b * (j + out.len())];
+        match self {
+            ValueType::F32 => {
+                for (o, s) in out.iter_mut().zip(src.chunks_exact(4)) {
+                    *o = f32::from_le_bytes(s.try_into().expect("4 bytes"));
+                }
+            }
+            ValueType::Fp16 => kernels::decode_f16::<{ kernels::mode::WRITE }>(src, out),
+            ValueType::Bf16 => kernels::decode_bf16::<{ kernels::mode::WRITE }>(src, out),
         }
     }
 
@@ -1120,6 +1148,79 @@ mod tests {
     }
 
     #[test]
+    fn rice_codes_match_the_wire_format_example() {
+        // docs/wire-format.md 3.9: gaps 5, 0, 9 with b = 2.
+        let mut buf = [0u8; 2];
+        let mut w = BitWriter::new(&mut buf);
+        for g in [5, 0, 9] {
+            w.put_rice(g, 2);
+        }
+        assert_eq!(w.finish(), 2);
+        assert_eq!(buf, [0x16, 0x06]);
+        let mut r = BitReader::new(&buf);
+        assert_eq!(
+            [0, 1, 2].map(|_| r.get_rice(2)),
+            [Some(5), Some(0), Some(9)]
+        );
+        assert!(r.bytes_touched() == 2 && r.rest_of_byte_is_zero());
+        assert_eq!(r.get_rice(2), None);
+        // Long unary runs (quotients past one 31-bit put) and every parameter.
+        for b in 0..32 {
+            let gaps = [
+                0u64,
+                1,
+                31 << b,
+                (1 << b) - 1,
+                100 << b,
+                (3 << b) + 12_345,
+                1 << 20,
+            ];
+            let bits: u64 = gaps.iter().map(|g| (g >> b) + b as u64 + 1).sum();
+            let mut buf = vec![0u8; bits.div_ceil(8) as usize];
+            let mut w = BitWriter::new(&mut buf);
+            for &g in &gaps {
+                w.put_rice(g, b);
+            }
+            let len = w.finish();
+            assert_eq!(len, buf.len(), "b = {b}");
+            let mut r = BitReader::new(&buf[..len]);
+            for &g in &gaps {
+                assert_eq!(r.get_rice(b), Some(g), "b = {b}");
+            }
+            assert!(r.rest_of_byte_is_zero());
+        }
+    }
+
+    #[test]
+    fn auto_index_coding_takes_the_shorter_bound() {
+        use crate::codec::Codec;
+        let x: Vec<f32> = (0..10_000).map(|i| ((i * 7919) % 10_007) as f32).collect();
+        for ratio in [0.001, 0.01, 0.1, 0.2, 0.3, 0.5, 1.0] {
+            let mut lens = Vec::new();
+            for index in ["gaps", "rice", "bitmap"] {
+                let c: crate::CodecSpec =
+                    format!("topk:ratio={ratio},index={index}").parse().unwrap();
+                let f = c.encode(&x, &EncodeCtx::new(0)).unwrap();
+                assert_eq!(c.decode(&f).unwrap(), {
+                    let auto: crate::CodecSpec = format!("topk:ratio={ratio}").parse().unwrap();
+                    auto.decode(&auto.encode(&x, &EncodeCtx::new(0)).unwrap())
+                        .unwrap()
+                });
+                assert!(f.len() <= c.max_encoded_len(x.len()), "{c}");
+                lens.push(f.len());
+            }
+            let auto: crate::CodecSpec = format!("topk:ratio={ratio}").parse().unwrap();
+            let f = auto.encode(&x, &EncodeCtx::new(0)).unwrap();
+            // Spread indices: Rice is within a byte of its bound, so auto is the shorter
+            // of Rice and bitmap (to the byte), and never longer than fixed-width gaps
+            // by more than a bit per index.
+            assert_eq!(f.len(), lens[1].min(lens[2]), "ratio {ratio}");
+            let k = (ratio * 10_000.0) as usize;
+            assert!(f.len() <= lens[0] + k / 8 + 1, "ratio {ratio}: {lens:?}");
+        }
+    }
+
+    #[test]
     fn threshold_keeps_every_element_at_or_above_it() {
         use crate::codec::Codec;
         for (name, x) in inputs(if cfg!(miri) { 300 } else { 10_000 }, 3) {
@@ -1145,16 +1246,12 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "2^20 elements: too slow under Miri")]
     fn one_percent_fp16_frames_cost_at_most_28_bits_per_kept_element() {
-        // The size target (other libraries send 64 to 96): 16 value bits plus
-        // the fixed gap width (10 bits here), header included, when the kept indices are
-        // spread (Gaussian and Student-t inputs). Clustered indices widen the largest gap:
-        // the layered synthetic gradient costs 32 bits (docs/benchmarks.md); adaptive
-        // index coding is what closes that, and is not built yet.
+        // The size target (other libraries send 64 to 96): 16 value bits plus the
+        // Rice-coded index (at most about log2(100) + 2 bits whatever the gaps), header
+        // included, on spread (Gaussian, Student-t), tied and clustered (the layered
+        // synthetic gradient) indices.
         use crate::codec::Codec;
         for (name, x) in inputs(1 << 20, 11) {
-            if !matches!(name, "gauss" | "t3") {
-                continue;
-            }
             for spec in [
                 "topk:ratio=0.01,values=fp16",
                 "topk:ratio=0.01,values=fp16,select=approx",
