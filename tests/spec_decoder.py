@@ -59,10 +59,20 @@ def f16_to_f32_bits(h):  # spec 3.2
     return sign | ((exp - 15 + 127) << 23) | (man << 13)
 
 
-def value_bits(p, vt, j):
-    """Value j of a sparse payload (spec 3.9): f32, f16 (3.2) or bf16 (3.3)."""
+def value_section(vt, k):
+    """Bytes of k sparse values (spec 3.9): int8 adds an f32 step per 256 values."""
+    return [4 * k, 2 * k, 2 * k, k + 4 * (-(-k // 256))][vt]
+
+
+def value_bits(p, vt, j, k):
+    """Value j of k in a sparse payload (spec 3.9): f32, f16 (3.2), bf16 (3.3), or int8
+    with a step per block of 256 values (as 3.4)."""
     if vt == 0:
         return struct.unpack_from("<I", p, 4 * j)[0]
+    if vt == 3:
+        step = f32_at(p, 4 * (j // 256))
+        code = struct.unpack_from("<b", p, 4 * (-(-k // 256)) + j)[0]
+        return f32_bits(code * step)
     h, = struct.unpack_from("<H", p, 2 * j)
     return f16_to_f32_bits(h) if vt == 1 else h << 16
 
@@ -227,7 +237,7 @@ def decode(frame):
     elif codec == 8:  # topk
         k, = struct.unpack_from("<Q", params, 0)
         vt, w, coding = params[8], params[9], params[10]
-        if n > 1 << 32 or k > n or vt not in (0, 1, 2) or coding not in (0, 1, 2):
+        if n > 1 << 32 or k > n or vt not in (0, 1, 2, 3) or coding not in (0, 1, 2):
             raise Reject("topk params")
         if coding == 0 and (w > 32 or (k == 0 and w != 0)):
             raise Reject("topk width")
@@ -238,8 +248,7 @@ def decode(frame):
         zero_from(11)
         if seed:
             raise Reject("seed")
-        vb = 4 if vt == 0 else 2
-        at = k * vb
+        at = value_section(vt, k)
         idx = []
         if coding == 0:  # fixed-width gaps
             want_len(at + (k * w + 7) // 8)
@@ -280,7 +289,7 @@ def decode(frame):
                 idx.append(i)
                 prev = i
         for j, i in enumerate(idx):
-            out[i] = value_bits(p, vt, j)
+            out[i] = value_bits(p, vt, j, k)
     elif codec == 9:  # randk
         t, = struct.unpack_from("<Q", params, 0)
         vt, sc = params[8], params[9]
@@ -297,7 +306,7 @@ def decode(frame):
             out = [0x7FC00000] * n
         else:
             for j, i in enumerate(kept):
-                out[i] = value_bits(p, vt, j)
+                out[i] = value_bits(p, vt, j, len(kept))
     return n, out, flags
 
 

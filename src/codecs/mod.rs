@@ -26,7 +26,9 @@ pub use qsgd::Qsgd;
 pub use randk::{RandK, RandKScale};
 pub use sign::Sign;
 pub use ternary::Ternary;
-pub use topk::{DEFAULT_TOLERANCE, IndexCoding, Selection, TopK, TopKSelect, ValueType};
+pub use topk::{
+    DEFAULT_TOLERANCE, INT8_VALUE_BLOCK, IndexCoding, Selection, TopK, TopKSelect, ValueType,
+};
 
 use crate::codec::{Codec, CodecId, CodecSpec, EncodeCtx, payload_buf};
 use crate::error::{Error, Result};

@@ -100,6 +100,9 @@ impl RandK {
     pub(crate) fn from_args(a: &mut Args) -> core::result::Result<RandK, String> {
         let ratio = a.ratio("ratio")?.unwrap_or(0.01);
         let values = ValueType::parse(a)?;
+        if values == ValueType::Int8 {
+            return Err("`values=int8` is for top-k; random-k takes f32, fp16 or bf16".into());
+        }
         let scale = match a.choice("scale", "none", &["none", "unbiased"])? {
             "unbiased" => RandKScale::Unbiased,
             _ => RandKScale::None,
@@ -205,12 +208,12 @@ impl RandK {
         let mut j = 0;
         while j < k {
             let m = (k - j).min(a.len());
-            values.get_slice(pa, j, &mut a[..m]);
-            values.get_slice(pb, j, &mut b[..m]);
+            values.get_slice(pa, k, j, &mut a[..m]);
+            values.get_slice(pb, k, j, &mut b[..m]);
             for (x, y) in a[..m].iter_mut().zip(&b[..m]) {
                 *x += *y;
             }
-            values.put_slice(pa, j, &a[..m]);
+            values.put_slice(pa, k, j, &a[..m]);
             j += m;
         }
         let mut h = ha;

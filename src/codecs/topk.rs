@@ -26,8 +26,10 @@
 //! more pass writes values and indices. (`threshold=` needs a counting pass first, as
 //! does `index=gaps`, for its largest gap.)
 //!
-//! Payload (docs/wire-format.md 3.9): `k` values (f32 LE, or fp16 / bf16 LE rounded to
-//! nearest even), then the indices, coded per frame (`index=`):
+//! Payload (docs/wire-format.md 3.9): the `k` values (`values=`: f32 LE; fp16 or bf16 LE
+//! rounded to nearest even; or int8, blocks of 256 kept values each with an f32 step
+//! `absmax / 127`, as the `int8` codec writes them), then the indices, coded per frame
+//! (`index=`):
 //! - `auto` (default): the shorter of Rice and bitmap, judged from `n` and `k` alone
 //!   ([`IndexCoding::auto`]);
 //! - `rice`: index gaps Rice-coded with the parameter that minimises the worst case,
@@ -37,12 +39,14 @@
 //! - `gaps`: the gaps bit-packed at the width of the largest one (the first format).
 //!   Unsent elements decode to 0.
 //!
-//! Error: kept elements are exact (f32) or fp16/bf16-rounded; dropped elements lose their
-//! whole value, which is why top-k is used with error feedback. Biased.
+//! Error: kept elements are exact (f32), fp16/bf16-rounded, or within half an int8 step
+//! of their block; dropped elements lose their whole value, which is why top-k is used
+//! with error feedback. Biased.
 //!
 //! NaN and ±Inf have the largest magnitudes (NaN above Inf), so they are always kept and
 //! decode as themselves; with fp16 values, a finite value above 65504 becomes ±Inf (with
-//! bf16, one above the bf16 maximum). With `k = 0` nothing is kept: the header's
+//! bf16, one above the bf16 maximum); with int8 values a NaN or ±Inf makes its whole
+//! block of 256 kept values NaN. With `k = 0` nothing is kept: the header's
 //! NONFINITE flag is then their only trace.
 //! A frame holds at most 2^32 elements (indices are 32-bit): chunk larger tensors.
 
@@ -71,14 +75,36 @@ pub enum ValueType {
     Fp16,
     /// bfloat16 LE (the high half of the f32), round to nearest even.
     Bf16,
+    /// int8 with a block scale (top-k only): the kept values in blocks of
+    /// [`INT8_VALUE_BLOCK`], each an f32 step `absmax / 127` and one i8 per value
+    /// rounded to nearest even, as the `int8` codec writes a block. A block holding NaN
+    /// or ±Inf has a NaN step: all its values decode to NaN.
+    Int8,
 }
+
+/// Kept values per block scale of [`ValueType::Int8`].
+pub const INT8_VALUE_BLOCK: usize = 256;
 
 impl ValueType {
     pub(crate) fn bytes(self) -> u64 {
         match self {
             ValueType::F32 => 4,
             ValueType::Fp16 | ValueType::Bf16 => 2,
+            ValueType::Int8 => 1,
         }
+    }
+
+    /// Bytes of `k` values: `k * bytes`, plus a 4-byte step per block for int8.
+    pub(crate) fn section_len(self, k: u64) -> u64 {
+        match self {
+            ValueType::Int8 => k + 4 * k.div_ceil(INT8_VALUE_BLOCK as u64),
+            _ => k * self.bytes(),
+        }
+    }
+
+    /// The int8 section of `k` values split into (steps, codes).
+    fn int8_parts(k: usize) -> usize {
+        4 * k.div_ceil(INT8_VALUE_BLOCK)
     }
 
     pub(crate) fn name(self) -> &'static str {
@@ -86,15 +112,19 @@ impl ValueType {
             ValueType::F32 => "f32",
             ValueType::Fp16 => "fp16",
             ValueType::Bf16 => "bf16",
+            ValueType::Int8 => "int8",
         }
     }
 
     pub(crate) fn parse(a: &mut Args) -> core::result::Result<ValueType, String> {
-        Ok(match a.choice("values", "f32", &["f32", "fp16", "bf16"])? {
-            "fp16" => ValueType::Fp16,
-            "bf16" => ValueType::Bf16,
-            _ => ValueType::F32,
-        })
+        Ok(
+            match a.choice("values", "f32", &["f32", "fp16", "bf16", "int8"])? {
+                "fp16" => ValueType::Fp16,
+                "bf16" => ValueType::Bf16,
+                "int8" => ValueType::Int8,
+                _ => ValueType::F32,
+            },
+        )
     }
 
     pub(crate) fn from_byte(h: &Header, b: u8) -> Result<ValueType> {
@@ -102,10 +132,15 @@ impl ValueType {
             0 => Ok(ValueType::F32),
             1 => Ok(ValueType::Fp16),
             2 => Ok(ValueType::Bf16),
+            3 if h.codec == CodecId::TopK => Ok(ValueType::Int8),
             _ => Err(Error::BadField {
                 codec: h.codec,
                 field: "params.values",
-                reason: format!("{b} is not 0 (f32), 1 (fp16) or 2 (bf16)"),
+                reason: if h.codec == CodecId::TopK {
+                    format!("{b} is not 0 (f32), 1 (fp16), 2 (bf16) or 3 (int8)")
+                } else {
+                    format!("{b} is not 0 (f32), 1 (fp16) or 2 (bf16)")
+                },
             }),
         }
     }
@@ -121,40 +156,71 @@ impl ValueType {
             ValueType::Bf16 => {
                 vals[2 * j..2 * j + 2].copy_from_slice(&scalar::f32_to_bf16(v).to_le_bytes())
             }
+            // Random-k, the only caller, refuses int8 values when parsing and reading.
+            ValueType::Int8 => unreachable!("int8 values are written in blocks"),
         }
     }
 
-    /// Write values `j..j + v.len()` with the backend's conversion kernels; true if any
-    /// of `v` is NaN or ±Inf.
+    /// Write values `j..j + v.len()` of a section of `k` with the backend's conversion
+    /// kernels; true if any of `v` is NaN or ±Inf. For int8, `j` is a multiple of
+    /// [`INT8_VALUE_BLOCK`].
     #[inline]
-    pub(crate) fn put_slice(self, vals: &mut [u8], j: usize, v: &[f32]) -> bool {
-        let b = self.bytes() as usize;
-        let out = &mut vals[b * j..b * (j + v.len())];
+    pub(crate) fn put_slice(self, vals: &mut [u8], k: usize, j: usize, v: &[f32]) -> bool {
+        let span = |b: usize| b * j..b * (j + v.len());
         match self {
             ValueType::F32 => {
-                for (o, x) in out.chunks_exact_mut(4).zip(v) {
+                for (o, x) in vals[span(4)].chunks_exact_mut(4).zip(v) {
                     o.copy_from_slice(&x.to_le_bytes());
                 }
                 v.iter().any(|x| !x.is_finite())
             }
-            ValueType::Fp16 => kernels::encode_f16(v, out),
-            ValueType::Bf16 => kernels::encode_bf16(v, out),
+            ValueType::Fp16 => kernels::encode_f16(v, &mut vals[span(2)]),
+            ValueType::Bf16 => kernels::encode_bf16(v, &mut vals[span(2)]),
+            ValueType::Int8 => {
+                let (steps, codes) = vals.split_at_mut(Self::int8_parts(k));
+                let b = j / INT8_VALUE_BLOCK;
+                let nb = v.len().div_ceil(INT8_VALUE_BLOCK);
+                let draws = crate::rng::Draws::new(0, 0, 0); // nearest rounding draws none
+                kernels::encode_int8(
+                    v,
+                    INT8_VALUE_BLOCK,
+                    scalar::Round::Nearest,
+                    &draws,
+                    0,
+                    &mut steps[4 * b..4 * (b + nb)],
+                    &mut codes[span(1)],
+                )
+            }
         }
     }
 
-    /// Read values `j..j + out.len()` with the backend's conversion kernels.
+    /// Read values `j..j + out.len()` of a section of `k` with the backend's conversion
+    /// kernels. For int8, `j` is a multiple of [`INT8_VALUE_BLOCK`].
     #[inline]
-    pub(crate) fn get_slice(self, vals: &[u8], j: usize, out: &mut [f32]) {
-        let b = self.bytes() as usize;
-        let src = &vals[b * j..b * (j + out.len())];
+    pub(crate) fn get_slice(self, vals: &[u8], k: usize, j: usize, out: &mut [f32]) {
+        use kernels::mode::WRITE;
+        let m = out.len();
+        let span = |b: usize| b * j..b * (j + m);
         match self {
             ValueType::F32 => {
-                for (o, s) in out.iter_mut().zip(src.chunks_exact(4)) {
+                for (o, s) in out.iter_mut().zip(vals[span(4)].chunks_exact(4)) {
                     *o = f32::from_le_bytes(s.try_into().expect("4 bytes"));
                 }
             }
-            ValueType::Fp16 => kernels::decode_f16::<{ kernels::mode::WRITE }>(src, out),
-            ValueType::Bf16 => kernels::decode_bf16::<{ kernels::mode::WRITE }>(src, out),
+            ValueType::Fp16 => kernels::decode_f16::<WRITE>(&vals[span(2)], out),
+            ValueType::Bf16 => kernels::decode_bf16::<WRITE>(&vals[span(2)], out),
+            ValueType::Int8 => {
+                let (steps, codes) = vals.split_at(Self::int8_parts(k));
+                let b = j / INT8_VALUE_BLOCK;
+                let nb = out.len().div_ceil(INT8_VALUE_BLOCK);
+                let codes = &codes[span(1)];
+                kernels::decode_int8::<WRITE>(
+                    &steps[4 * b..4 * (b + nb)],
+                    codes,
+                    INT8_VALUE_BLOCK,
+                    out,
+                )
+            }
         }
     }
 
@@ -171,6 +237,7 @@ impl ValueType {
             ValueType::Bf16 => {
                 scalar::bf16_to_f32(u16::from_le_bytes([vals[2 * j], vals[2 * j + 1]]))
             }
+            ValueType::Int8 => unreachable!("int8 values are read in blocks"),
         }
     }
 }
@@ -475,7 +542,6 @@ impl TopK {
         mut params: [u8; 12],
     ) -> Result<Encoded> {
         let n = x.len() as u64;
-        let vb = self.values.bytes();
         let room = (out.len() as u64).saturating_sub(HEADER_LEN as u64);
         let mut scan = None;
         let k = match count {
@@ -488,7 +554,7 @@ impl TopK {
             IndexCoding::Rice => wire::rice_param(n, k),
             IndexCoding::Bitmap => 0,
         };
-        let vbytes = k * vb;
+        let vbytes = self.values.section_len(k);
         let mut ibytes = match coding {
             IndexCoding::Gaps => wire::packed_len(k, param as u64).expect("k < 2^32"),
             IndexCoding::Rice => rice_max_bytes(n, k),
@@ -507,7 +573,7 @@ impl TopK {
             }
             _ => IndexSink::Stream(BitWriter::new(idx), coding, param),
         };
-        let mut batch = [0f32; 256];
+        let mut batch = [0f32; INT8_VALUE_BLOCK];
         let (mut m, mut j, mut next) = (0usize, 0usize, 0usize);
         let mut nonfinite = false;
         let values = self.values;
@@ -515,14 +581,14 @@ impl TopK {
             batch[m] = x[i];
             m += 1;
             if m == batch.len() {
-                nonfinite |= values.put_slice(vals, j, &batch);
+                nonfinite |= values.put_slice(vals, k as usize, j, &batch);
                 j += m;
                 m = 0;
             }
             sink.push(i, next);
             next = i + 1;
         });
-        nonfinite |= values.put_slice(vals, j, &batch[..m]);
+        nonfinite |= values.put_slice(vals, k as usize, j, &batch[..m]);
         debug_assert_eq!((j + m) as u64, k);
         let written = sink.finish();
         params[0..8].copy_from_slice(&k.to_le_bytes());
@@ -804,7 +870,7 @@ impl Scheme for TopK {
         // Every coding's bound grows with k, and `auto` takes the smaller bound.
         let k = self.max_kept(n);
         let ibytes = self.index_for(n, k).max_bytes(n, k);
-        wire::mul_add(k, self.values.bytes(), ibytes).unwrap_or(u64::MAX)
+        self.values.section_len(k).saturating_add(ibytes)
     }
 
     fn encode_payload(&self, x: &[f32], _ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
@@ -879,7 +945,7 @@ impl Scheme for TopK {
         }
         h.params_zero_from(11)?;
         h.seed_zero()?;
-        let vbytes = k * values.bytes(); // k <= 2^32: no overflow
+        let vbytes = values.section_len(k); // k <= 2^32: no overflow
         let n = h.elements;
         match index {
             IndexCoding::Gaps => expect_payload(h, wire::packed_len(k, p9).map(|b| vbytes + b))?,
@@ -911,7 +977,7 @@ impl Scheme for TopK {
     fn decode_payload<const M: u8>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
         let k = h.param_u64(0) as usize;
         let p9 = h.params[9] as u32;
-        let vbytes = k * self.values.bytes() as usize;
+        let vbytes = self.values.section_len(k as u64) as usize;
         let (vals, idx) = p.split_at(vbytes);
         let at = HEADER_LEN + vbytes; // frame offset of the index section
         let n = out.len() as u64;
@@ -985,9 +1051,15 @@ impl Scheme for TopK {
         }
         sparse_prepare::<M>(h, out);
         let values = self.values;
+        let mut batch = [0f32; INT8_VALUE_BLOCK];
         let mut j = 0;
         let mut put_next = |i: usize| {
-            put::<M>(&mut out[i], values.get(vals, j));
+            let at = j % batch.len();
+            if at == 0 {
+                let m = (k - j).min(batch.len());
+                values.get_slice(vals, k, j, &mut batch[..m]);
+            }
+            put::<M>(&mut out[i], batch[at]);
             j += 1;
         };
         match coding {
@@ -1032,7 +1104,7 @@ impl Scheme for TopK {
             // Evenly spread gaps reach the Rice bound; the bitmap is exact.
             coding => coding.max_bytes(n, k) as f64,
         };
-        k as f64 * self.values.bytes() as f64 + ibytes
+        self.values.section_len(k) as f64 + ibytes
     }
 
     fn is_unbiased(&self) -> bool {

@@ -23,6 +23,8 @@ pub const SPECS: &[&str] = &[
     "topk:k=5,values=fp16",
     "topk:ratio=0.05,values=fp16,select=approx,tolerance=0.2",
     "topk:threshold=0.5,values=f32",
+    "topk:ratio=0.4,values=int8",
+    "topk:ratio=0.02,values=int8,select=approx,index=gaps",
     "randk:ratio=0.3,values=f32",
     "randk:ratio=0.3,values=fp16,scale=unbiased",
 ];
@@ -275,14 +277,26 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
             for (r, &i) in order.iter().enumerate() {
                 rank[i] = r;
             }
+            // int8 values: within half a step of the largest block that can hold them
+            // (the largest kept magnitude over 127, rounded to nearest).
+            let amax = order[..most]
+                .iter()
+                .fold(0f64, |m, &i| m.max(x[i].abs() as f64));
+            let int8_ok = |i: usize| {
+                let e = (d[i] as f64 - x[i] as f64).abs();
+                e <= amax / 254.0 * (1.0 + pow2(-20)) + pow2(-142)
+            };
             for i in 0..x.len() {
-                let value = stored_value(c.values(), x[i]);
+                let stored = |i: usize| match c.values() {
+                    gradpack::ValueType::Int8 => int8_ok(i),
+                    t => d[i].to_bits() == stored_value(t, x[i]).to_bits(),
+                };
                 let ok = if rank[i] < sure {
-                    d[i].to_bits() == value.to_bits()
+                    stored(i)
                 } else if rank[i] >= most {
                     d[i].to_bits() == 0
                 } else {
-                    d[i].to_bits() == 0 || d[i].to_bits() == value.to_bits()
+                    d[i].to_bits() == 0 || stored(i)
                 };
                 if !ok {
                     return err(
@@ -366,6 +380,7 @@ pub const GOLDEN: &[(&str, &str, u64, u64)] = &[
         0,
         0,
     ),
+    ("topk_r09_int8", "topk:ratio=0.9,values=int8", 0, 0),
     ("randk_r01_f32", "randk:ratio=0.1", 42, 0),
     ("randk_r01_bf16", "randk:ratio=0.1,values=bf16", 42, 0),
     (

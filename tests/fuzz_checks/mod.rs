@@ -207,6 +207,8 @@ fn spec_of(c: &[u8; 12]) -> String {
         (false, true) => "bf16",
         _ => "f32",
     };
+    // int8 values (top-k only) on bit 3 of byte 2.
+    let topk_values = if c[2] & 8 != 0 { "int8" } else { values };
     let index = ["", ",index=gaps", ",index=rice", ",index=bitmap"][c[2] as usize & 3];
     let approx = if v & 128 != 0 {
         format!(",select=approx,tolerance={}", (c[1] % 5) as f64 / 4.0)
@@ -229,11 +231,11 @@ fn spec_of(c: &[u8; 12]) -> String {
         6 => format!("ternary:block={block}"),
         7 => format!("natural:block={block}"),
         8 if v & 64 != 0 => format!(
-            "topk:threshold={},values={values}{index}",
+            "topk:threshold={},values={topk_values}{index}",
             c[4] as f32 / 32.0
         ),
-        8 if v & 32 != 0 => format!("topk:k={},values={values}{approx}{index}", c[4]),
-        8 => format!("topk:ratio={ratio},values={values}{approx}{index}"),
+        8 if v & 32 != 0 => format!("topk:k={},values={topk_values}{approx}{index}", c[4]),
+        8 => format!("topk:ratio={ratio},values={topk_values}{approx}{index}"),
         _ => format!(
             "randk:ratio={ratio},values={values},scale={}",
             if v & 16 != 0 { "unbiased" } else { "none" }
@@ -251,8 +253,8 @@ fn spec_of(c: &[u8; 12]) -> String {
 /// Input: 12 control bytes, then the values (little-endian f32, any bit patterns).
 /// - byte 0: codec (`% 10`, in wire-format id order);
 /// - bytes 1..3: block size (`u16 % 4096 + 1`); for top-k and random-k, bits 0..2 of
-///   byte 2 pick the index coding (automatic, gaps, Rice, bitmap; top-k) and bit 2 bf16
-///   values (unless byte 3 asks for fp16);
+///   byte 2 pick the index coding (automatic, gaps, Rice, bitmap; top-k), bit 2 bf16
+///   values (unless byte 3 asks for fp16) and bit 3 int8 values (top-k);
 /// - byte 3: bit 0 stochastic rounding (int8), bits 1..3 QSGD bits (2, 4, 8), bit 3 fp16
 ///   values (top-k, random-k), bit 4 unbiased scale (random-k), bit 5 an explicit `k`
 ///   (top-k), bit 6 a threshold (top-k), bit 7 approximate selection with tolerance
