@@ -23,10 +23,14 @@ for dirpath, _, files in os.walk(root):
     median_ns = est["median"]["point_estimate"]
     fid = bench["function_id"]
     if not bench["group_id"].startswith("baseline/"):
+        if not bench.get("value_str"):
+            continue  # another bench's group (sparsify, feedback): no backend parameter
         fid = "%s|%s" % (fid, bench["value_str"])  # op|backend
     rows[(bench["group_id"], fid)] = nbytes / median_ns  # bytes/ns = GB/s
 
-sizes = sorted({int(g.rsplit("/", 1)[1]) for g, _ in rows})
+# Only sizes with same-run baselines (a codecs run writes them for every size it runs).
+sizes = sorted({int(g.rsplit("/", 1)[1]) for g, f in rows
+                if g.startswith("baseline/") and f == "memcpy"})
 for n in sizes:
     base = {f: v for (g, f), v in rows.items() if g == "baseline/%d" % n}
     print("\n#### %d elements (%s of f32)\n" % (n, "%d KiB" % (n * 4 // 1024) if n < 1 << 18 else "%d MiB" % (n * 4 >> 20)))
