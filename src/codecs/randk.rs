@@ -22,6 +22,7 @@
 
 use core::fmt;
 
+use super::topk::{ValueReader, ValueWriter};
 use super::{EncodeCtx, Encoded, Scheme, ValueType, sparse_prepare};
 use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::{Error, Result};
@@ -216,12 +217,13 @@ impl RandK {
             values.put_slice(pa, k, j, &a[..m]);
             j += m;
         }
+        // The header unsealed, then sealed again over the new payload.
         let mut h = ha;
         h.flags |= hb.flags & FLAG_NONFINITE;
+        h.flags &= !crate::wire::FLAG_PAYLOAD_CRC;
         h.write(acc);
-        if h.payload_checksum() {
-            let crc = crc32fast::hash(&acc[HEADER_LEN..len]);
-            acc[len..len + 4].copy_from_slice(&crc.to_le_bytes());
+        if ha.payload_checksum() {
+            crate::wire::seal(acc, len)?;
         }
         Ok(())
     }
@@ -244,12 +246,11 @@ impl Scheme for RandK {
             RandKScale::None => 1.0,
             RandKScale::Unbiased => (4_294_967_296.0 / t as f64) as f32,
         };
-        let mut j = 0;
-        let values = self.values;
+        let mut values = ValueWriter::new(self.values, p, k as usize);
         for_each_kept(ctx.seed, ctx.offset, x.len(), t, |i| {
-            values.put(p, j, x[i] * mul);
-            j += 1;
+            values.push(x[i] * mul)
         });
+        values.finish();
         let mut params = [0u8; 12];
         params[0..8].copy_from_slice(&t.to_le_bytes());
         params[8] = self.values as u8;
@@ -328,11 +329,9 @@ impl Scheme for RandK {
             return Ok(());
         }
         sparse_prepare::<M>(h, out);
-        let mut j = 0;
-        let values = self.values;
+        let mut values = ValueReader::new(self.values, p, k);
         for_each_kept(h.seed, h.offset, out.len(), t, |i| {
-            put::<M>(&mut out[i], values.get(p, j));
-            j += 1;
+            put::<M>(&mut out[i], values.next_value());
         });
         Ok(())
     }

@@ -102,7 +102,7 @@ impl ValueType {
         }
     }
 
-    /// The int8 section of `k` values split into (steps, codes).
+    /// Bytes of the steps at the start of an int8 section of `k` values.
     fn int8_parts(k: usize) -> usize {
         4 * k.div_ceil(INT8_VALUE_BLOCK)
     }
@@ -142,22 +142,6 @@ impl ValueType {
                     format!("{b} is not 0 (f32), 1 (fp16) or 2 (bf16)")
                 },
             }),
-        }
-    }
-
-    /// Write value `j`.
-    #[inline]
-    pub(crate) fn put(self, vals: &mut [u8], j: usize, v: f32) {
-        match self {
-            ValueType::F32 => vals[4 * j..4 * j + 4].copy_from_slice(&v.to_le_bytes()),
-            ValueType::Fp16 => {
-                vals[2 * j..2 * j + 2].copy_from_slice(&scalar::f32_to_f16(v).to_le_bytes())
-            }
-            ValueType::Bf16 => {
-                vals[2 * j..2 * j + 2].copy_from_slice(&scalar::f32_to_bf16(v).to_le_bytes())
-            }
-            // Random-k, the only caller, refuses int8 values when parsing and reading.
-            ValueType::Int8 => unreachable!("int8 values are written in blocks"),
         }
     }
 
@@ -223,22 +207,90 @@ impl ValueType {
             }
         }
     }
+}
 
-    /// Read value `j`.
-    #[inline]
-    pub(crate) fn get(self, vals: &[u8], j: usize) -> f32 {
-        match self {
-            ValueType::F32 => {
-                f32::from_le_bytes(vals[4 * j..4 * j + 4].try_into().expect("4 bytes"))
-            }
-            ValueType::Fp16 => {
-                scalar::f16_to_f32(u16::from_le_bytes([vals[2 * j], vals[2 * j + 1]]))
-            }
-            ValueType::Bf16 => {
-                scalar::bf16_to_f32(u16::from_le_bytes([vals[2 * j], vals[2 * j + 1]]))
-            }
-            ValueType::Int8 => unreachable!("int8 values are read in blocks"),
+/// Writes a value section (`k` values) in order, converting batches of
+/// [`INT8_VALUE_BLOCK`] with the backend's kernels (the batch is an int8 block).
+pub(crate) struct ValueWriter<'a> {
+    t: ValueType,
+    vals: &'a mut [u8],
+    k: usize,
+    batch: [f32; INT8_VALUE_BLOCK],
+    m: usize,
+    j: usize,
+    nonfinite: bool,
+}
+
+impl<'a> ValueWriter<'a> {
+    pub(crate) fn new(t: ValueType, vals: &'a mut [u8], k: usize) -> Self {
+        ValueWriter {
+            t,
+            vals,
+            k,
+            batch: [0.0; INT8_VALUE_BLOCK],
+            m: 0,
+            j: 0,
+            nonfinite: false,
         }
+    }
+
+    /// Append the next value.
+    #[inline]
+    pub(crate) fn push(&mut self, v: f32) {
+        self.batch[self.m] = v;
+        self.m += 1;
+        if self.m == INT8_VALUE_BLOCK {
+            self.flush();
+        }
+    }
+
+    fn flush(&mut self) {
+        let v = &self.batch[..self.m];
+        self.nonfinite |= self.t.put_slice(self.vals, self.k, self.j, v);
+        self.j += self.m;
+        self.m = 0;
+    }
+
+    /// Write what is left; true if any value was NaN or ±Inf.
+    pub(crate) fn finish(mut self) -> bool {
+        self.flush();
+        debug_assert_eq!(self.j, self.k);
+        self.nonfinite
+    }
+}
+
+/// Reads a value section (`k` values) in order, a batch of [`INT8_VALUE_BLOCK`] at a
+/// time.
+pub(crate) struct ValueReader<'a> {
+    t: ValueType,
+    vals: &'a [u8],
+    k: usize,
+    batch: [f32; INT8_VALUE_BLOCK],
+    j: usize,
+}
+
+impl<'a> ValueReader<'a> {
+    pub(crate) fn new(t: ValueType, vals: &'a [u8], k: usize) -> Self {
+        ValueReader {
+            t,
+            vals,
+            k,
+            batch: [0.0; INT8_VALUE_BLOCK],
+            j: 0,
+        }
+    }
+
+    /// The next value (at most `k` calls).
+    #[inline]
+    pub(crate) fn next_value(&mut self) -> f32 {
+        let at = self.j % INT8_VALUE_BLOCK;
+        if at == 0 {
+            let m = (self.k - self.j).min(INT8_VALUE_BLOCK);
+            self.t
+                .get_slice(self.vals, self.k, self.j, &mut self.batch[..m]);
+        }
+        self.j += 1;
+        self.batch[at]
     }
 }
 
@@ -306,11 +358,14 @@ impl IndexCoding {
 
     /// The coding of a frame whose header `read` accepted (params byte 10).
     fn of_frame(h: &Header) -> IndexCoding {
-        match h.params[10] {
-            1 => IndexCoding::Rice,
-            2 => IndexCoding::Bitmap,
-            _ => IndexCoding::Gaps,
-        }
+        IndexCoding::from_byte(h.params[10]).unwrap_or(IndexCoding::Gaps)
+    }
+
+    /// The coding params byte 10 names, if any.
+    fn from_byte(b: u8) -> Option<IndexCoding> {
+        [IndexCoding::Gaps, IndexCoding::Rice, IndexCoding::Bitmap]
+            .into_iter()
+            .find(|&c| c as u8 == b)
     }
 
     /// The most bytes this coding takes for `k` of `n` indices (`k <= n`).
@@ -557,8 +612,7 @@ impl TopK {
         let vbytes = self.values.section_len(k);
         let mut ibytes = match coding {
             IndexCoding::Gaps => wire::packed_len(k, param as u64).expect("k < 2^32"),
-            IndexCoding::Rice => rice_max_bytes(n, k),
-            IndexCoding::Bitmap => n.div_ceil(8),
+            _ => coding.max_bytes(n, k), // exact for the bitmap, a bound for Rice
         };
         if coding == IndexCoding::Rice && vbytes + ibytes > room {
             // Too short for the bound: measure the stream exactly (the frame may fit).
@@ -573,23 +627,14 @@ impl TopK {
             }
             _ => IndexSink::Stream(BitWriter::new(idx), coding, param),
         };
-        let mut batch = [0f32; INT8_VALUE_BLOCK];
-        let (mut m, mut j, mut next) = (0usize, 0usize, 0usize);
-        let mut nonfinite = false;
-        let values = self.values;
+        let mut values = ValueWriter::new(self.values, vals, k as usize);
+        let mut next = 0usize;
         for_each_kept(x, cut.t, cut.need_eq, |i| {
-            batch[m] = x[i];
-            m += 1;
-            if m == batch.len() {
-                nonfinite |= values.put_slice(vals, k as usize, j, &batch);
-                j += m;
-                m = 0;
-            }
+            values.push(x[i]);
             sink.push(i, next);
             next = i + 1;
         });
-        nonfinite |= values.put_slice(vals, k as usize, j, &batch[..m]);
-        debug_assert_eq!((j + m) as u64, k);
+        let nonfinite = values.finish();
         let written = sink.finish();
         params[0..8].copy_from_slice(&k.to_le_bytes());
         params[9] = param as u8;
@@ -597,8 +642,9 @@ impl TopK {
         Ok(Encoded {
             payload_len: vbytes + written,
             params,
+            // With nothing kept, the flag is the only trace (module docs).
             nonfinite: if k == 0 {
-                x.iter().any(|v| !v.is_finite())
+                scalar::any_nonfinite(x)
             } else {
                 nonfinite
             },
@@ -911,17 +957,13 @@ impl Scheme for TopK {
         }
         let values = ValueType::from_byte(h, h.params[8])?;
         let p9 = h.params[9] as u64;
-        let index = match h.params[10] {
-            0 => IndexCoding::Gaps,
-            1 => IndexCoding::Rice,
-            2 => IndexCoding::Bitmap,
-            b => {
-                return Err(bad(
-                    "params.index",
-                    format!("{b} is not 0 (gaps), 1 (rice) or 2 (bitmap)"),
-                ));
-            }
-        };
+        let b10 = h.params[10];
+        let index = IndexCoding::from_byte(b10).ok_or_else(|| {
+            bad(
+                "params.index",
+                format!("{b10} is not 0 (gaps), 1 (rice) or 2 (bitmap)"),
+            )
+        })?;
         match index {
             IndexCoding::Gaps if p9 > 32 || (k == 0 && p9 != 0) => {
                 return Err(bad(
@@ -1050,18 +1092,8 @@ impl Scheme for TopK {
             }
         }
         sparse_prepare::<M>(h, out);
-        let values = self.values;
-        let mut batch = [0f32; INT8_VALUE_BLOCK];
-        let mut j = 0;
-        let mut put_next = |i: usize| {
-            let at = j % batch.len();
-            if at == 0 {
-                let m = (k - j).min(batch.len());
-                values.get_slice(vals, k, j, &mut batch[..m]);
-            }
-            put::<M>(&mut out[i], batch[at]);
-            j += 1;
-        };
+        let mut values = ValueReader::new(self.values, vals, k);
+        let mut put_next = |i: usize| put::<M>(&mut out[i], values.next_value());
         match coding {
             IndexCoding::Bitmap => {
                 for (c, chunk) in idx.chunks(8).enumerate() {

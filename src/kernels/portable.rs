@@ -719,32 +719,41 @@ fn pack_flags(flags: &[u8; 64]) -> u64 {
     m
 }
 
-/// Write `base + i` for each set bit `i` of `m`, in order, at `idx[*n..]`.
+/// The compress loop of every filter (this module's and the x86 mask-register ones):
+/// `mask(start, len)` gives the keep mask of elements `start..start + len` (`len <= 64`,
+/// 64 but at the end), whose indices are written in order while `idx` has room for 64
+/// more. Returns `(consumed, written)`; see `super::filter_mag_ge`.
 #[inline(always)]
-pub(super) fn emit_bits(mut m: u64, base: u32, idx: &mut [u32], n: &mut usize) {
-    while m != 0 {
-        idx[*n] = base + m.trailing_zeros();
-        *n += 1;
-        m &= m - 1;
-    }
-}
-
-/// The compress loop shared by the filters: flags of 64 elements at a time from
-/// `flag(i)`, packed, their indices written. See `super::filter_mag_ge`.
-#[inline(always)]
-fn compress(n: usize, idx: &mut [u32], flag: impl Fn(usize) -> bool) -> (usize, usize) {
+pub(super) fn compress_masks(
+    n: usize,
+    idx: &mut [u32],
+    mut mask: impl FnMut(usize, usize) -> u64,
+) -> (usize, usize) {
     let mut count = 0;
     let mut done = 0;
     while done < n && idx.len() - count >= 64 {
         let len = (n - done).min(64);
+        let mut m = mask(done, len);
+        while m != 0 {
+            idx[count] = done as u32 + m.trailing_zeros();
+            count += 1;
+            m &= m - 1;
+        }
+        done += len;
+    }
+    (done, count)
+}
+
+/// [`compress_masks`] on per-element flags `flag(i)`, packed branch-free.
+#[inline(always)]
+fn compress(n: usize, idx: &mut [u32], flag: impl Fn(usize) -> bool) -> (usize, usize) {
+    compress_masks(n, idx, |done, len| {
         let mut flags = [0u8; 64];
         for (j, f) in flags[..len].iter_mut().enumerate() {
             *f = flag(done + j) as u8;
         }
-        emit_bits(pack_flags(&flags), done as u32, idx, &mut count);
-        done += len;
-    }
-    (done, count)
+        pack_flags(&flags)
+    })
 }
 
 /// Indices of the elements with `|x|` bit pattern `>= t` (see `super::filter_mag_ge`).

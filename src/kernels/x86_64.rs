@@ -10,7 +10,7 @@
 
 use core::arch::x86_64::*;
 
-use super::portable::SignLanes;
+use super::portable::{SignLanes, compress_masks};
 use super::scalar::{self, mode};
 
 const ABS: i32 = 0x7FFF_FFFF;
@@ -373,8 +373,8 @@ pub unsafe fn feedback_f16_avx512(
     big || tail
 }
 
-/// The 64-bit keep mask of `x[..len]` (`len <= 64`): bit `j` set when `|x[j]|` bits
-/// `>= t`, one element at a time (the tail of the filters below).
+/// The keep mask of a short tail `x` (at most 64 elements): bit `j` set when `|x[j]|`
+/// bits `>= t`, one element at a time.
 #[inline(always)]
 fn mag_mask_tail(x: &[f32], t: u32) -> u64 {
     x.iter().enumerate().fold(0u64, |m, (j, v)| {
@@ -398,25 +398,19 @@ pub unsafe fn filter_mag_ge_avx2(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, 
     // -1, which every key exceeds).
     let below = _mm256_set1_epi32((t as i32).wrapping_sub(1));
     let abs = _mm256_set1_epi32(ABS);
-    let n = x.len();
-    let (mut done, mut count) = (0, 0);
-    while done < n && idx.len() - count >= 64 {
-        let m = if n - done >= 64 {
-            let mut m = 0u64;
-            for q in 0..8 {
-                // SAFETY: done + 8 q + 8 <= done + 64 <= n = x.len(); unaligned load.
-                let v = unsafe { _mm256_loadu_si256(x.as_ptr().add(done + 8 * q).cast()) };
-                let ge = _mm256_cmpgt_epi32(_mm256_and_si256(v, abs), below);
-                m |= (_mm256_movemask_ps(_mm256_castsi256_ps(ge)) as u8 as u64) << (8 * q);
-            }
-            m
-        } else {
-            mag_mask_tail(&x[done..], t)
-        };
-        super::portable::emit_bits(m, done as u32, idx, &mut count);
-        done += (n - done).min(64);
-    }
-    (done, count)
+    compress_masks(x.len(), idx, |done, len| {
+        if len < 64 {
+            return mag_mask_tail(&x[done..done + len], t);
+        }
+        let mut m = 0u64;
+        for q in 0..8 {
+            // SAFETY: done + 8 q + 8 <= done + 64 <= x.len(); unaligned load.
+            let v = unsafe { _mm256_loadu_si256(x.as_ptr().add(done + 8 * q).cast()) };
+            let ge = _mm256_cmpgt_epi32(_mm256_and_si256(v, abs), below);
+            m |= (_mm256_movemask_ps(_mm256_castsi256_ps(ge)) as u8 as u64) << (8 * q);
+        }
+        m
+    })
 }
 
 /// Compare and compress with AVX-512, 16 lanes and mask registers; the contract of
@@ -428,23 +422,16 @@ pub unsafe fn filter_mag_ge_avx2(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, 
 pub unsafe fn filter_mag_ge_avx512(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
     let tv = _mm512_set1_epi32(t as i32);
     let abs = _mm512_set1_epi32(ABS);
-    let n = x.len();
-    let (mut done, mut count) = (0, 0);
-    while done < n && idx.len() - count >= 64 {
-        let m = if n - done >= 64 {
-            let mut m = 0u64;
-            for q in 0..4 {
-                // SAFETY: done + 16 q + 16 <= done + 64 <= n = x.len(); unaligned load.
-                let v = unsafe { _mm512_loadu_si512(x.as_ptr().add(done + 16 * q).cast()) };
-                let ge = _mm512_cmpge_epu32_mask(_mm512_and_si512(v, abs), tv);
-                m |= (ge as u64) << (16 * q);
-            }
-            m
-        } else {
-            mag_mask_tail(&x[done..], t)
-        };
-        super::portable::emit_bits(m, done as u32, idx, &mut count);
-        done += (n - done).min(64);
-    }
-    (done, count)
+    compress_masks(x.len(), idx, |done, len| {
+        if len < 64 {
+            return mag_mask_tail(&x[done..done + len], t);
+        }
+        let mut m = 0u64;
+        for q in 0..4 {
+            // SAFETY: done + 16 q + 16 <= done + 64 <= x.len(); unaligned load.
+            let v = unsafe { _mm512_loadu_si512(x.as_ptr().add(done + 16 * q).cast()) };
+            m |= (_mm512_cmpge_epu32_mask(_mm512_and_si512(v, abs), tv) as u64) << (16 * q);
+        }
+        m
+    })
 }
