@@ -172,6 +172,34 @@ fn every_backend_matches_scalar_on_special_and_nonfinite_values() {
     }
 }
 
+#[test]
+fn every_backend_matches_scalar_across_scales() {
+    // The sample spans about 2^-16..2^8 (plus specials); scaled by 2^s it reaches tiny
+    // blocks (int8/qsgd's 2^64 pre-multiplier below 2^-100, natural's lowest reference
+    // and subnormal codes), huge ones (natural's top reference, where most elements
+    // round to 0 or the smallest power), and everything between.
+    let backends = simd_backends();
+    let base = sample(1100, 5);
+    for s in [
+        -149, -140, -126, -110, -100, -90, -60, -20, 0, 20, 60, 100, 110, 119,
+    ] {
+        let x: Vec<f32> = base
+            .iter()
+            .map(|&v| {
+                let y = (v as f64 * pow2(s)) as f32;
+                if y.is_finite() {
+                    y
+                } else {
+                    f32::MAX.copysign(v)
+                }
+            })
+            .collect();
+        for spec in all_specs() {
+            same_everywhere(&spec, &x, &EncodeCtx::new(s as u64), &backends);
+        }
+    }
+}
+
 /// Run a compare-and-compress filter to the end of `n` elements with an index buffer of
 /// `cap` entries (pre-filled with a sentinel), checking each call's contract; returns the
 /// absolute indices kept.

@@ -229,6 +229,9 @@ pub fn encode_bf16(x: &[f32], out: &mut [u8]) -> bool {
         // was detected.
         #[cfg(target_arch = "x86_64")]
         b if b.kind() == BackendKind::Avx512 => unsafe { x86_64::encode_bf16_avx512(x, out) },
+        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
+        #[cfg(target_arch = "x86_64")]
+        b if b.kind() == BackendKind::Avx2 => unsafe { x86_64::blocks::encode_bf16_avx2(x, out) },
         b => simd(b, EncodeBf16 { x, out }),
     }
 }
@@ -257,6 +260,11 @@ pub fn encode_int8(
         b if b.kind() == BackendKind::Scalar => {
             scalar::encode_int8(x, block, round, draws, first, steps, codes)
         }
+        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
+        #[cfg(target_arch = "x86_64")]
+        b if b.kind() == BackendKind::Avx2 => unsafe {
+            x86_64::blocks::encode_int8_avx2(x, block, round, draws, first, steps, codes)
+        },
         b => simd(
             b,
             EncodeInt8 {
@@ -324,6 +332,12 @@ pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) 
 pub fn decode_sign<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => scalar::decode_sign::<M>(steps, codes, block, out),
+        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected; the mode and
+        // the block size are the kernel's preconditions.
+        #[cfg(target_arch = "x86_64")]
+        b if b.kind() == BackendKind::Avx2 && M != mode::RESIDUAL && block.is_multiple_of(8) => unsafe {
+            x86_64::blocks::decode_sign_avx2::<M>(steps, codes, block, out)
+        },
         b => simd(
             b,
             DecodeSign::<M> {
@@ -353,6 +367,26 @@ pub fn encode_signmag(
     if b.kind() == BackendKind::Scalar {
         codes.fill(0);
         return scalar::encode_signmag(x, block, bits, measure, draws, first, steps, codes);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if b.kind() == BackendKind::Avx2 && block.is_multiple_of((8 / bits) as usize) {
+        macro_rules! avx2 {
+            ($bits:literal) => {
+                // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected;
+                // blocks start on byte boundaries (checked above).
+                unsafe {
+                    x86_64::blocks::encode_signmag_avx2::<$bits>(
+                        x, block, measure, draws, first, steps, codes,
+                    )
+                }
+            };
+        }
+        return match bits {
+            2 => avx2!(2),
+            4 => avx2!(4),
+            8 => avx2!(8),
+            _ => unreachable!("sign-magnitude codes are 2, 4 or 8 bits"),
+        };
     }
     macro_rules! go {
         ($bits:literal) => {
@@ -390,6 +424,25 @@ pub fn decode_signmag<const M: u8>(
     if b.kind() == BackendKind::Scalar {
         return scalar::decode_signmag::<M>(steps, codes, block, bits, out);
     }
+    #[cfg(target_arch = "x86_64")]
+    if b.kind() == BackendKind::Avx2
+        && M != mode::RESIDUAL
+        && block.is_multiple_of((8 / bits) as usize)
+    {
+        macro_rules! avx2 {
+            ($bits:literal) => {
+                // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected; the
+                // mode and the block size are the kernel's preconditions (checked above).
+                unsafe { x86_64::blocks::decode_signmag_avx2::<M, $bits>(steps, codes, block, out) }
+            };
+        }
+        return match bits {
+            2 => avx2!(2),
+            4 => avx2!(4),
+            8 => avx2!(8),
+            _ => unreachable!("sign-magnitude codes are 2, 4 or 8 bits"),
+        };
+    }
     macro_rules! go {
         ($bits:literal) => {
             simd(
@@ -424,6 +477,11 @@ pub fn encode_natural(
         b if b.kind() == BackendKind::Scalar => {
             scalar::encode_natural(x, block, draws, first, refs, codes)
         }
+        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
+        #[cfg(target_arch = "x86_64")]
+        b if b.kind() == BackendKind::Avx2 => unsafe {
+            x86_64::blocks::encode_natural_avx2(x, block, draws, first, refs, codes)
+        },
         b => simd(
             b,
             EncodeNatural {
@@ -444,6 +502,12 @@ pub fn decode_natural<const M: u8>(refs: &[u8], codes: &[u8], block: usize, out:
         b if b.kind() == BackendKind::Scalar => {
             scalar::decode_natural::<M>(refs, codes, block, out)
         }
+        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected; the mode is
+        // the kernel's precondition.
+        #[cfg(target_arch = "x86_64")]
+        b if b.kind() == BackendKind::Avx2 && M != mode::RESIDUAL => unsafe {
+            x86_64::blocks::decode_natural_avx2::<M>(refs, codes, block, out)
+        },
         b => simd(
             b,
             DecodeNatural::<M> {
@@ -523,6 +587,12 @@ pub fn filter_draw_lt(
     // Keep each call inside one 2^32 index window (one key).
     let to_window_end = (1u64 << 32) - (first & 0xFFFF_FFFF);
     let n = (n as u64).min(to_window_end) as usize;
+    #[cfg(target_arch = "x86_64")]
+    if b.kind() == BackendKind::Avx2 {
+        let key = draws.key_for(first);
+        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
+        return unsafe { x86_64::blocks::filter_draw_lt_avx2(first as u32, key, t as u32, n, idx) };
+    }
     simd(
         b,
         FilterDrawLt {

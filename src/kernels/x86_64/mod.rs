@@ -10,6 +10,8 @@
 
 use core::arch::x86_64::*;
 
+pub mod blocks;
+
 use super::portable::{SignLanes, compress_masks};
 use super::scalar::{self, mode};
 

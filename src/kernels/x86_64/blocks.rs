@@ -1,0 +1,732 @@
+//! AVX2 kernels of the block codecs: int8, qsgd and ternary quantisation (nearest and
+//! stochastic, with the counter hash on 8 lanes), qsgd's block norm, natural compression,
+//! the sign-magnitude, sign and natural decoders, the random-k draw filter and bf16 encode.
+//!
+//! The portable kernels compiled for AVX2 spent most of their time narrowing one vector of
+//! 8 codes to bytes at a time (a shuffle, an extract and an 8-byte store each); these work
+//! on 32 elements per step, narrow with saturating packs, and pack 2- and 4-bit fields with
+//! multiply-adds. Every function equals its scalar oracle to the bit (tests/backends.rs,
+//! tests/block_kernels.rs). Blocks that straddle a 2^32 index window, and block tails
+//! shorter than one step, go to the oracle itself.
+//!
+//! Callers hold a [`crate::kernels::Backend`] of kind `Avx2` (or `Avx512`, which implies
+//! AVX2); that check is what makes calling these `#[target_feature]` functions sound.
+
+use core::arch::x86_64::*;
+
+use crate::kernels::scalar::{self, INF_BITS, Round, mode};
+use crate::rng::Draws;
+
+const ABS: i32 = 0x7FFF_FFFF;
+const SIGN: i32 = i32::MIN;
+
+/// `rng::lowbias32` on 8 lanes.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn lowbias32x8(x: __m256i) -> __m256i {
+    let x = _mm256_xor_si256(x, _mm256_srli_epi32::<16>(x));
+    let x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB_352D));
+    let x = _mm256_xor_si256(x, _mm256_srli_epi32::<15>(x));
+    let x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x846C_A68Bu32 as i32));
+    _mm256_xor_si256(x, _mm256_srli_epi32::<16>(x))
+}
+
+/// 32 lanes of small integers (elements 0..8 in `a`, 8..16 in `b`, ...) narrowed to 32
+/// bytes in element order: signed saturation when `SIGNED` (int8 codes in [-127, 127]),
+/// else unsigned (codes in [0, 255]).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn pack_bytes<const SIGNED: bool>(a: __m256i, b: __m256i, c: __m256i, d: __m256i) -> __m256i {
+    // Each pack works within 128-bit halves, leaving 4-element groups in the order
+    // a0 b0 c0 d0 a1 b1 c1 d1; one cross-lane permute restores a0 a1 b0 b1 ...
+    let ab = _mm256_packs_epi32(a, b);
+    let cd = _mm256_packs_epi32(c, d);
+    let p = if SIGNED {
+        _mm256_packs_epi16(ab, cd)
+    } else {
+        _mm256_packus_epi16(ab, cd)
+    };
+    _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+}
+
+/// True when global indices `start..start + len` (len >= 1) share one 2^32 window.
+#[inline(always)]
+fn in_one_window(start: u64, len: usize) -> bool {
+    start >> 32 == (start + len as u64 - 1) >> 32
+}
+
+/// One block's level quantiser: `a = (|x| * pre) * inv` (`scalar::level_multiplier`),
+/// rounded to an integer level and clamped to `top`; stochastic rounding draws
+/// `lowbias32((start + j) ^ key)` for element `j`.
+struct Levels {
+    /// `pre == 1`, when the first multiply is exact and skipped (`x * 1 == x`).
+    pre_one: bool,
+    pre: __m256,
+    inv: __m256,
+    top: __m256i,
+    key: __m256i,
+    /// `start as u32 + [0, 1, ..., 7]`.
+    base: __m256i,
+}
+
+impl Levels {
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn new(m: f32, levels: u32, key: u32, start: u64) -> Levels {
+        let (pre, inv) = scalar::level_multiplier(m, levels as f32);
+        Levels {
+            pre_one: pre == 1.0,
+            pre: _mm256_set1_ps(pre),
+            inv: _mm256_set1_ps(inv),
+            top: _mm256_set1_epi32(levels as i32),
+            key: _mm256_set1_epi32(key as i32),
+            base: _mm256_add_epi32(
+                _mm256_set1_epi32(start as u32 as i32),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            ),
+        }
+    }
+
+    /// `(v * pre) * inv`, the scaled value (signed; IEEE products are sign-symmetric).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn scale(&self, v: __m256) -> __m256 {
+        let v = if self.pre_one {
+            v
+        } else {
+            _mm256_mul_ps(v, self.pre)
+        };
+        _mm256_mul_ps(v, self.inv)
+    }
+
+    /// The stochastic levels (in `[0, top]`) of elements `j..j + 8` in `v`: the oracle's
+    /// `scalar::level`, operation for operation, with the final `fl + 1` and the clamp
+    /// done on integers (`fl` is integer-valued and small, so the conversion is exact).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn stochastic8(&self, v: __m256, j: usize) -> __m256i {
+        let abs = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(ABS)));
+        let a = self.scale(abs);
+        let i = _mm256_add_epi32(self.base, _mm256_set1_epi32(j as i32));
+        let h = lowbias32x8(_mm256_xor_si256(i, self.key));
+        let u = _mm256_mul_ps(
+            _mm256_cvtepi32_ps(_mm256_srli_epi32::<8>(h)),
+            _mm256_set1_ps(1.0 / 16_777_216.0),
+        );
+        let fl = _mm256_floor_ps(a);
+        let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(u, _mm256_sub_ps(a, fl)));
+        // `up` is -1 where the draw rounds up.
+        _mm256_min_epi32(_mm256_sub_epi32(_mm256_cvttps_epi32(fl), up), self.top)
+    }
+}
+
+/// Loads elements `j..j + 8` of `x`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn load8(x: &[f32], j: usize) -> __m256 {
+    let c = &x[j..j + 8];
+    // SAFETY: `c` holds 8 f32, one unaligned __m256.
+    unsafe { _mm256_loadu_ps(c.as_ptr()) }
+}
+
+/// int8 encode with AVX2 (the contract of `scalar::encode_int8`; every code byte written).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn encode_int8_avx2(
+    x: &[f32],
+    block: usize,
+    round: Round,
+    draws: &Draws,
+    first: u64,
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    scalar::encode_int8_blocks(
+        x,
+        block,
+        first,
+        steps,
+        codes,
+        #[inline(always)]
+        |xb, cb, m, start| match round {
+            Round::Nearest => int8_block::<false>(xb, cb, m, draws, start),
+            Round::Stochastic if in_one_window(start, xb.len()) => {
+                int8_block::<true>(xb, cb, m, draws, start)
+            }
+            // The block straddles a 2^32 index window: the oracle handles the key change.
+            Round::Stochastic => int8_block_oracle(xb, cb, m, round, draws, start),
+        },
+    )
+}
+
+fn int8_block_oracle(xb: &[f32], cb: &mut [u8], m: f32, round: Round, d: &Draws, start: u64) {
+    scalar::quantise_block(xb, m, 127, round, d, start, |j, neg, q| {
+        let q = q as i8;
+        cb[j] = if neg { -q } else { q } as u8;
+    });
+}
+
+/// int8 codes of one finite block with a non-zero max `m`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn int8_block<const STOCHASTIC: bool>(xb: &[f32], cb: &mut [u8], m: f32, d: &Draws, start: u64) {
+    let key = if STOCHASTIC { d.key_for(start) } else { 0 };
+    let l = Levels::new(m, 127, key, start);
+    let n32 = xb.len() / 32 * 32;
+    for g in (0..n32).step_by(32) {
+        let q0 = int8x8::<STOCHASTIC>(&l, load8(xb, g), g);
+        let q1 = int8x8::<STOCHASTIC>(&l, load8(xb, g + 8), g + 8);
+        let q2 = int8x8::<STOCHASTIC>(&l, load8(xb, g + 16), g + 16);
+        let q3 = int8x8::<STOCHASTIC>(&l, load8(xb, g + 24), g + 24);
+        let o = &mut cb[g..g + 32];
+        // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
+        unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), pack_bytes::<true>(q0, q1, q2, q3)) };
+    }
+    let round = if STOCHASTIC {
+        Round::Stochastic
+    } else {
+        Round::Nearest
+    };
+    int8_block_oracle(&xb[n32..], &mut cb[n32..], m, round, d, start + n32 as u64);
+}
+
+/// The int8 codes (in 32-bit lanes) of elements `j..j + 8`, in `v`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn int8x8<const STOCHASTIC: bool>(l: &Levels, v: __m256, j: usize) -> __m256i {
+    if STOCHASTIC {
+        // The level with the input's sign (psignd: negated for negative bit patterns,
+        // -0.0 included; a +0.0 input has level 0).
+        _mm256_sign_epi32(l.stochastic8(v, j), _mm256_castps_si256(v))
+    } else {
+        // Round half to even is sign-symmetric, and it is what the conversion does (the
+        // default MXCSR mode, which Rust code never changes): round the signed value and
+        // clamp to [-127, 127].
+        let q = _mm256_cvtps_epi32(l.scale(v));
+        _mm256_max_epi32(_mm256_min_epi32(q, l.top), _mm256_set1_epi32(-127))
+    }
+}
+
+/// The sign-magnitude codes (in 32-bit lanes) of elements `j..j + 8`, in `v`: the level,
+/// with `sign_bit` set for negative inputs whose level is not zero.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn signmag8(l: &Levels, v: __m256, j: usize, sign_bit: __m256i) -> __m256i {
+    let q = l.stochastic8(v, j);
+    let neg = _mm256_srai_epi32::<31>(_mm256_castps_si256(v));
+    let nz = _mm256_cmpgt_epi32(q, _mm256_setzero_si256());
+    _mm256_or_si256(q, _mm256_and_si256(_mm256_and_si256(neg, nz), sign_bit))
+}
+
+/// qsgd's block norm (`scalar::l2_norm`): f64 squares in the oracle's 16 lanes, four
+/// registers of 4, reduced in the oracle's order.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn l2_norm(x: &[f32]) -> f32 {
+    let mut acc = [_mm256_setzero_pd(); 4];
+    let n16 = x.len() / 16 * 16;
+    for g in (0..n16).step_by(16) {
+        let (lo, hi) = (load8(x, g), load8(x, g + 8));
+        let d = [
+            _mm256_cvtps_pd(_mm256_castps256_ps128(lo)),
+            _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(lo)),
+            _mm256_cvtps_pd(_mm256_castps256_ps128(hi)),
+            _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(hi)),
+        ];
+        for k in 0..4 {
+            acc[k] = _mm256_add_pd(acc[k], _mm256_mul_pd(d[k], d[k]));
+        }
+    }
+    let mut l = [0f64; 16];
+    for (k, a) in acc.iter().enumerate() {
+        let o = &mut l[4 * k..4 * k + 4];
+        // SAFETY: `o` holds 4 f64, one unaligned __m256d.
+        unsafe { _mm256_storeu_pd(o.as_mut_ptr(), *a) };
+    }
+    for (k, &v) in x[n16..].iter().enumerate() {
+        l[k] += (v as f64) * (v as f64);
+    }
+    for w in [8, 4, 2, 1] {
+        for j in 0..w {
+            l[j] += l[j + w];
+        }
+    }
+    (l[0].sqrt() as f32).min(f32::MAX)
+}
+
+/// Sign-magnitude encode of `BITS` (2, 4 or 8) bits with AVX2 (the contract of
+/// `scalar::encode_signmag`, every code byte written). Blocks must start on byte
+/// boundaries: `block % (8 / BITS) == 0`.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2")]
+pub unsafe fn encode_signmag_avx2<const BITS: u32>(
+    x: &[f32],
+    block: usize,
+    measure: scalar::Measure,
+    draws: &Draws,
+    first: u64,
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    let per = (8 / BITS) as usize;
+    assert!(
+        block.is_multiple_of(per),
+        "blocks must start on byte boundaries"
+    );
+    let levels = (1u32 << (BITS - 1)) - 1;
+    scalar::encode_step_blocks(
+        x,
+        block,
+        levels,
+        first,
+        steps,
+        #[inline(always)]
+        |xb: &[f32], mb| match measure {
+            scalar::Measure::AbsMax => f32::from_bits(mb),
+            scalar::Measure::L2 => l2_norm(xb),
+        },
+        #[inline(always)]
+        |b, xb, m, start| {
+            let cb = &mut codes[b * block / per..][..xb.len().div_ceil(per)];
+            match m {
+                Some(m) if in_one_window(start, xb.len()) => {
+                    signmag_block::<BITS>(xb, cb, m, draws, start)
+                }
+                Some(m) => {
+                    cb.fill(0);
+                    scalar::quantise_signmag(xb, m, BITS, draws, start, cb, 0);
+                }
+                None => cb.fill(0),
+            }
+        },
+    )
+}
+
+/// Sign-magnitude codes of one finite block (inside one index window) with scale `m`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn signmag_block<const BITS: u32>(xb: &[f32], cb: &mut [u8], m: f32, d: &Draws, start: u64) {
+    let levels = (1u32 << (BITS - 1)) - 1;
+    let l = Levels::new(m, levels, d.key_for(start), start);
+    let sign_bit = _mm256_set1_epi32(1 << (BITS - 1));
+    let n32 = xb.len() / 32 * 32;
+    for g in (0..n32).step_by(32) {
+        let c0 = signmag8(&l, load8(xb, g), g, sign_bit);
+        let c1 = signmag8(&l, load8(xb, g + 8), g + 8, sign_bit);
+        let c2 = signmag8(&l, load8(xb, g + 16), g + 16, sign_bit);
+        let c3 = signmag8(&l, load8(xb, g + 24), g + 24, sign_bit);
+        let bytes = pack_bytes::<false>(c0, c1, c2, c3);
+        let o = &mut cb[g * BITS as usize / 8..(g + 32) * BITS as usize / 8];
+        match BITS {
+            // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
+            8 => unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), bytes) },
+            4 => {
+                // Pairs of 4-bit codes, low nibble first: c0 + 16 c1.
+                let pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001));
+                let p = _mm256_packus_epi16(pairs, pairs);
+                let p = _mm256_permute4x64_epi64::<0b00_00_10_00>(p);
+                // SAFETY: `o` holds 16 bytes, one unaligned __m128i.
+                unsafe { _mm_storeu_si128(o.as_mut_ptr().cast(), _mm256_castsi256_si128(p)) };
+            }
+            _ => {
+                // Quads of 2-bit codes: (c0 + 4 c1) + 16 (c2 + 4 c3).
+                let pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x0401));
+                let quads = _mm256_madd_epi16(pairs, _mm256_set1_epi32(0x0010_0001));
+                let p = _mm256_packs_epi32(quads, quads);
+                let p = _mm256_packus_epi16(p, p);
+                let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+                // SAFETY: `o` holds 8 bytes, the low half of one __m128i.
+                unsafe { _mm_storel_epi64(o.as_mut_ptr().cast(), _mm256_castsi256_si128(p)) };
+            }
+        }
+    }
+    let rest = &mut cb[n32 * BITS as usize / 8..];
+    rest.fill(0);
+    scalar::quantise_signmag(&xb[n32..], m, BITS, d, start + n32 as u64, rest, 0);
+}
+
+/// Natural-compression encode with AVX2 (the contract of `scalar::encode_natural`).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn encode_natural_avx2(
+    x: &[f32],
+    block: usize,
+    draws: &Draws,
+    first: u64,
+    refs: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    scalar::encode_natural_blocks(
+        x,
+        block,
+        first,
+        refs,
+        codes,
+        #[inline(always)]
+        |xb, cb, r, start| {
+            if in_one_window(start, xb.len()) {
+                natural_block(xb, cb, r, draws, start);
+            } else {
+                scalar::natural_block(xb, cb, r, draws, start);
+            }
+        },
+    )
+}
+
+/// `scalar::natural_block` in 32-bit lanes. The oracle decides in f64; the same decisions
+/// are exact in integers and f32 (u24 below is the draw's top 24 bits, u = u24 / 2^24):
+/// - `e = floor(log2 |x|)` and the fraction `F / 2^23 = |x| / 2^e - 1` come from the
+///   bits of `|x|`, of `|x| * 2^64` for subnormals (exact, and normal);
+/// - at or above `kmin`, `u < F / 2^23` is `u24 < 2 F` (both below 2^25);
+/// - below it, `u < |x| / 2^kmin` is `u24 < |x| * 2^(24 - kmin)`, computed as
+///   `(|x| * 2^100) * 2^(-76 - kmin)`: both factors are normal powers of two for
+///   `kmin` in [-149, 1], and the product lies in [2^-126, 2^24), so it is exact.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn natural_block(xb: &[f32], cb: &mut [u8], r: i32, d: &Draws, start: u64) {
+    let c = NaturalConsts::new(r, d.key_for(start), start);
+    let n32 = xb.len() / 32 * 32;
+    for g in (0..n32).step_by(32) {
+        let q0 = natural8(&c, load8(xb, g), g);
+        let q1 = natural8(&c, load8(xb, g + 8), g + 8);
+        let q2 = natural8(&c, load8(xb, g + 16), g + 16);
+        let q3 = natural8(&c, load8(xb, g + 24), g + 24);
+        let o = &mut cb[g..g + 32];
+        // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
+        unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), pack_bytes::<false>(q0, q1, q2, q3)) };
+    }
+    scalar::natural_block(&xb[n32..], &mut cb[n32..], r, d, start + n32 as u64);
+}
+
+/// Per-block constants of [`natural8`].
+struct NaturalConsts {
+    r: __m256i,
+    kmin_1: __m256i,
+    key: __m256i,
+    /// `start as u32 + [0, 1, ..., 7]`.
+    base: __m256i,
+    /// `2^(-76 - kmin)`.
+    lo_scale: __m256,
+}
+
+impl NaturalConsts {
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn new(r: i32, key: u32, start: u64) -> NaturalConsts {
+        let kmin = r - 126;
+        NaturalConsts {
+            r: _mm256_set1_epi32(r),
+            kmin_1: _mm256_set1_epi32(kmin - 1),
+            key: _mm256_set1_epi32(key as i32),
+            base: _mm256_add_epi32(
+                _mm256_set1_epi32(start as u32 as i32),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            ),
+            lo_scale: _mm256_set1_ps(pow2(-76 - kmin)),
+        }
+    }
+}
+
+/// `2^k` for `k` in the normal range [-126, 127].
+fn pow2(k: i32) -> f32 {
+    f32::from_bits(((k + 127) as u32) << 23)
+}
+
+/// The natural codes (in 32-bit lanes) of elements `j..j + 8`, in `v`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn natural8(c: &NaturalConsts, v: __m256, j: usize) -> __m256i {
+    let zero = _mm256_setzero_si256();
+    let v = _mm256_castps_si256(v);
+    let a = _mm256_and_si256(v, _mm256_set1_epi32(ABS));
+    let sign = _mm256_and_si256(_mm256_srli_epi32::<24>(v), _mm256_set1_epi32(0x80));
+    let sub = _mm256_cmpeq_epi32(_mm256_srli_epi32::<23>(a), zero);
+    let af = _mm256_castsi256_ps(a);
+    let scaled = _mm256_mul_ps(af, _mm256_set1_ps(pow2(64)));
+    let an = _mm256_castps_si256(_mm256_blendv_ps(af, scaled, _mm256_castsi256_ps(sub)));
+    let e = _mm256_sub_epi32(
+        _mm256_sub_epi32(_mm256_srli_epi32::<23>(an), _mm256_set1_epi32(127)),
+        _mm256_and_si256(sub, _mm256_set1_epi32(64)),
+    );
+    let f2 = _mm256_slli_epi32::<1>(_mm256_and_si256(an, _mm256_set1_epi32(0x007F_FFFF)));
+    let i = _mm256_add_epi32(c.base, _mm256_set1_epi32(j as i32));
+    let u24 = _mm256_srli_epi32::<8>(lowbias32x8(_mm256_xor_si256(i, c.key)));
+    // At or above kmin: round up past e with probability F / 2^23 (never past r).
+    let up_hi = _mm256_and_si256(_mm256_cmpgt_epi32(f2, u24), _mm256_cmpgt_epi32(c.r, e));
+    let k_hi = _mm256_sub_epi32(e, up_hi);
+    // Below kmin: kmin with probability |x| / 2^kmin, else zero (kmin - 1).
+    let t = _mm256_mul_ps(_mm256_mul_ps(af, _mm256_set1_ps(pow2(100))), c.lo_scale);
+    let up_lo = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(_mm256_cvtepi32_ps(u24), t));
+    let k_lo = _mm256_sub_epi32(c.kmin_1, up_lo);
+    let k = _mm256_blendv_epi8(k_lo, k_hi, _mm256_cmpgt_epi32(e, c.kmin_1));
+    let m = _mm256_sub_epi32(k, c.kmin_1);
+    let drop = _mm256_or_si256(_mm256_cmpeq_epi32(a, zero), _mm256_cmpeq_epi32(m, zero));
+    _mm256_andnot_si256(drop, _mm256_or_si256(sign, m))
+}
+
+/// Writes (or, for [`mode::ADD`], adds) 8 decoded values at `out[j..j + 8]`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn put8<const M: u8>(out: &mut [f32], j: usize, v: __m256) {
+    let o = &mut out[j..j + 8];
+    // SAFETY: `o` holds 8 f32, one unaligned __m256 for the load and the store.
+    unsafe {
+        let v = if M == mode::ADD {
+            _mm256_add_ps(_mm256_loadu_ps(o.as_ptr()), v)
+        } else {
+            v
+        };
+        _mm256_storeu_ps(o.as_mut_ptr(), v);
+    }
+}
+
+/// Sign-magnitude decode with AVX2 (`scalar::decode_signmag`), for [`mode::WRITE`] and
+/// [`mode::ADD`]; blocks must start on byte boundaries (`block % (8 / BITS) == 0`).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn decode_signmag_avx2<const M: u8, const BITS: u32>(
+    steps: &[u8],
+    codes: &[u8],
+    block: usize,
+    out: &mut [f32],
+) {
+    assert!(
+        M != mode::RESIDUAL,
+        "the residual mode is decoded elsewhere"
+    );
+    let per = (8 / BITS) as usize;
+    assert!(
+        block.is_multiple_of(per),
+        "blocks must start on byte boundaries"
+    );
+    let mag_mask = _mm256_set1_epi32((1 << (BITS - 1)) - 1);
+    let to_sign = _mm_cvtsi32_si128(32 - BITS as i32);
+    let field = _mm256_set1_epi32((1 << BITS) - 1);
+    let shifts = _mm256_mullo_epi32(
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        _mm256_set1_epi32(BITS as i32),
+    );
+    for (b, ob) in out.chunks_mut(block).enumerate() {
+        let s = _mm256_set1_ps(scalar::get_step(steps, b));
+        let cb = &codes[b * block / per..];
+        let n8 = ob.len() / 8 * 8;
+        for g in (0..n8).step_by(8) {
+            let at = g / per;
+            let c = match BITS {
+                8 => _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(i64::from_le_bytes(
+                    cb[at..at + 8].try_into().expect("8 bytes"),
+                ))),
+                // 8 fields of BITS bits in one little-endian word, field k at bit BITS * k.
+                4 => _mm256_and_si256(
+                    _mm256_srlv_epi32(
+                        _mm256_set1_epi32(i32::from_le_bytes(
+                            cb[at..at + 4].try_into().expect("4"),
+                        )),
+                        shifts,
+                    ),
+                    field,
+                ),
+                _ => _mm256_and_si256(
+                    _mm256_srlv_epi32(
+                        _mm256_set1_epi32(u16::from_le_bytes([cb[at], cb[at + 1]]) as i32),
+                        shifts,
+                    ),
+                    field,
+                ),
+            };
+            let mag = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c, mag_mask)), s);
+            let neg = _mm256_sll_epi32(c, to_sign); // the field's top bit to bit 31
+            let v = _mm256_xor_ps(
+                mag,
+                _mm256_castsi256_ps(_mm256_and_si256(neg, _mm256_set1_epi32(SIGN))),
+            );
+            put8::<M>(ob, g, v);
+        }
+        if n8 < ob.len() {
+            let rest = ob.len() - n8;
+            scalar::decode_signmag::<M>(
+                &steps[4 * b..4 * b + 4],
+                &cb[n8 / per..],
+                rest,
+                BITS,
+                &mut ob[n8..],
+            );
+        }
+    }
+}
+
+/// Sign decode with AVX2 (`scalar::decode_sign`), for [`mode::WRITE`] and [`mode::ADD`];
+/// blocks must start on byte boundaries (`block % 8 == 0`).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn decode_sign_avx2<const M: u8>(
+    steps: &[u8],
+    codes: &[u8],
+    block: usize,
+    out: &mut [f32],
+) {
+    assert!(
+        M != mode::RESIDUAL,
+        "the residual mode is decoded elsewhere"
+    );
+    assert!(
+        block.is_multiple_of(8),
+        "blocks must start on byte boundaries"
+    );
+    // Bit k of the byte to bit 31 of lane k.
+    let shifts = _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24);
+    let sign = _mm256_set1_epi32(SIGN);
+    for (b, ob) in out.chunks_mut(block).enumerate() {
+        let s = _mm256_set1_ps(scalar::get_step(steps, b));
+        let cb = &codes[b * block / 8..];
+        let n8 = ob.len() / 8 * 8;
+        for g in (0..n8).step_by(8) {
+            let bits = _mm256_sllv_epi32(_mm256_set1_epi32(cb[g / 8] as i32), shifts);
+            let v = _mm256_xor_ps(s, _mm256_castsi256_ps(_mm256_and_si256(bits, sign)));
+            put8::<M>(ob, g, v);
+        }
+        if n8 < ob.len() {
+            let rest = ob.len() - n8;
+            scalar::decode_sign::<M>(&steps[4 * b..4 * b + 4], &cb[n8 / 8..], rest, &mut ob[n8..]);
+        }
+    }
+}
+
+/// Natural-compression decode with AVX2 (`scalar::decode_natural`, reference bytes already
+/// validated), for [`mode::WRITE`] and [`mode::ADD`].
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn decode_natural_avx2<const M: u8>(
+    refs: &[u8],
+    codes: &[u8],
+    block: usize,
+    out: &mut [f32],
+) {
+    assert!(
+        M != mode::RESIDUAL,
+        "the residual mode is decoded elsewhere"
+    );
+    let i32x8 = _mm256_set1_epi32;
+    let zero = _mm256_setzero_si256();
+    for (b, (ob, cb)) in out.chunks_mut(block).zip(codes.chunks(block)).enumerate() {
+        let n8 = if refs[b] == scalar::NATURAL_NONFINITE {
+            0 // the oracle writes NaN
+        } else {
+            ob.len() / 8 * 8
+        };
+        let rk = i32x8(refs[b] as i32 - 127 - 127);
+        for g in (0..n8).step_by(8) {
+            let c = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(i64::from_le_bytes(
+                cb[g..g + 8].try_into().expect("8 bytes"),
+            )));
+            let m = _mm256_and_si256(c, i32x8(0x7F));
+            let k = _mm256_add_epi32(rk, m); // the power of two, in [-149, 127]
+            let normal =
+                _mm256_slli_epi32::<23>(_mm256_max_epi32(_mm256_add_epi32(k, i32x8(127)), zero));
+            let count = _mm256_min_epi32(
+                _mm256_max_epi32(_mm256_add_epi32(k, i32x8(149)), zero),
+                i32x8(31),
+            );
+            let sub = _mm256_sllv_epi32(i32x8(1), count);
+            let bits = _mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(k, i32x8(-127)));
+            let bits = _mm256_andnot_si256(_mm256_cmpeq_epi32(m, zero), bits);
+            let bits = _mm256_xor_si256(
+                bits,
+                _mm256_slli_epi32::<24>(_mm256_and_si256(c, i32x8(0x80))),
+            );
+            put8::<M>(ob, g, _mm256_castsi256_ps(bits));
+        }
+        if n8 < ob.len() {
+            let rest = ob.len() - n8;
+            scalar::decode_natural::<M>(&refs[b..=b], &cb[n8..], rest, &mut ob[n8..]);
+        }
+    }
+}
+
+/// Compare and compress on hash draws with AVX2: `portable::filter_draw_lt`'s contract
+/// (indices `i < n` with `lowbias32(first + i ^ key) < t`, ascending).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn filter_draw_lt_avx2(
+    first: u32,
+    key: u32,
+    t: u32,
+    n: usize,
+    idx: &mut [u32],
+) -> (usize, usize) {
+    // Unsigned `h < t` as a signed compare with both sides' top bits flipped.
+    let tv = _mm256_set1_epi32((t ^ 0x8000_0000) as i32);
+    let flip = _mm256_set1_epi32(SIGN);
+    let kv = _mm256_set1_epi32(key as i32);
+    let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    super::super::portable::compress_masks(n, idx, |done, len| {
+        let at = first.wrapping_add(done as u32);
+        if len < 64 {
+            return (0..len).fold(0u64, |m, j| {
+                let h = crate::rng::lowbias32(at.wrapping_add(j as u32) ^ key);
+                m | ((h < t) as u64) << j
+            });
+        }
+        let mut m = 0u64;
+        for q in 0..8u32 {
+            let i = _mm256_add_epi32(_mm256_set1_epi32(at.wrapping_add(8 * q) as i32), lanes);
+            let h = _mm256_xor_si256(lowbias32x8(_mm256_xor_si256(i, kv)), flip);
+            let lt = _mm256_cmpgt_epi32(tv, h);
+            m |= (_mm256_movemask_ps(_mm256_castsi256_ps(lt)) as u8 as u64) << (8 * q);
+        }
+        m
+    })
+}
+
+/// f32 to bfloat16 with AVX2 (`scalar::f32_to_bf16`: round to nearest even, NaN quieted),
+/// 16 elements per step. Returns whether any input was NaN or ±Inf. Writes
+/// `2 * min(x.len(), out.len() / 2)` bytes.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn encode_bf16_avx2(x: &[f32], out: &mut [u8]) -> bool {
+    let n = x.len().min(out.len() / 2);
+    let n16 = n / 16 * 16;
+    let i32x8 = _mm256_set1_epi32;
+    let mut mx = _mm256_setzero_si256();
+    let mut conv = |v: __m256| {
+        let u = _mm256_castps_si256(v);
+        let a = _mm256_and_si256(u, i32x8(ABS));
+        mx = _mm256_max_epu32(mx, a);
+        let hi = _mm256_srli_epi32::<16>(u);
+        let odd = _mm256_and_si256(hi, i32x8(1));
+        let rounded =
+            _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(u, i32x8(0x7FFF)), odd));
+        let nan = _mm256_or_si256(hi, i32x8(0x40));
+        _mm256_blendv_epi8(rounded, nan, _mm256_cmpgt_epi32(a, i32x8(INF_BITS as i32)))
+    };
+    for g in (0..n16).step_by(16) {
+        let (lo, hi) = (conv(load8(x, g)), conv(load8(x, g + 8)));
+        // Both hold values below 2^16, so the unsigned-saturating pack is exact.
+        let p = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(lo, hi));
+        let o = &mut out[2 * g..2 * g + 32];
+        // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
+        unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), p) };
+    }
+    let mut lanes = [0u32; 8];
+    // SAFETY: `lanes` is 32 bytes, the size of one __m256i; unaligned store.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), mx) };
+    let tail = scalar::encode_u16(&x[n16..n], &mut out[2 * n16..2 * n], scalar::f32_to_bf16);
+    tail || lanes.iter().any(|&v| v >= INF_BITS)
+}
