@@ -21,6 +21,14 @@ pub enum Error {
         /// What was wrong, naming the bad key or value and what is accepted.
         reason: String,
     },
+    /// A backend name (`GRADPACK_BACKEND`, `--backend`) is unknown, or names an
+    /// instruction set this CPU lacks.
+    Backend {
+        /// The name as given.
+        name: String,
+        /// What was wrong and what is accepted.
+        reason: String,
+    },
     /// A codec parameter is out of range (when building a codec in code).
     Param {
         /// The codec.
@@ -159,6 +167,7 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Spec { spec, reason } => write!(f, "invalid codec spec {spec:?}: {reason}"),
+            Error::Backend { name, reason } => write!(f, "backend {name:?}: {reason}"),
             Error::Param {
                 codec,
                 name,

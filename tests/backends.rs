@@ -200,6 +200,48 @@ fn every_backend_matches_scalar_across_scales() {
     }
 }
 
+#[test]
+fn every_backend_decodes_arbitrary_codes_like_scalar() {
+    // Encoders emit only some codes (natural's few largest powers, qsgd's small levels);
+    // decoders must agree on every code a frame can carry. The code section is the end
+    // of an unsealed fixed-rate frame: overwrite it with hash bytes.
+    let backends = simd_backends();
+    let x = sample(1000, 8);
+    for (s, bits) in [
+        ("int8:block=64", 8),
+        ("qsgd:bits=2,block=64", 2),
+        ("qsgd:bits=4,block=64", 4),
+        ("qsgd:bits=8,block=64", 8),
+        ("ternary:block=64", 2),
+        ("sign:block=64", 1),
+        ("natural:block=64", 8),
+        ("natural:block=1000", 8),
+    ] {
+        let spec: CodecSpec = s.parse().unwrap();
+        for (salt, scale) in [(0u32, 1.0f32), (1, 1.0e-30), (2, 1.0e30)] {
+            let y: Vec<f32> = x.iter().map(|v| v * scale).collect();
+            let mut frame = encode_with(Backend::scalar(), &spec, &y, &EncodeCtx::new(3), 0);
+            let code_bytes = (x.len() * bits).div_ceil(8);
+            let at = frame.len() - code_bytes;
+            for (k, byte) in frame[at..].iter_mut().enumerate() {
+                *byte = gradpack::rng::lowbias32(k as u32 ^ salt << 20) as u8;
+            }
+            let want_d = decode_with::<false>(Backend::scalar(), &frame, x.len(), 0.0);
+            let want_a = decode_with::<true>(Backend::scalar(), &frame, x.len(), 1.5);
+            for &b in &backends {
+                assert!(
+                    decode_with::<false>(b, &frame, x.len(), 7.0) == want_d,
+                    "{s} on {b}: decode"
+                );
+                assert!(
+                    decode_with::<true>(b, &frame, x.len(), 1.5) == want_a,
+                    "{s} on {b}: add"
+                );
+            }
+        }
+    }
+}
+
 /// Run a compare-and-compress filter to the end of `n` elements with an index buffer of
 /// `cap` entries (pre-filled with a sentinel), checking each call's contract; returns the
 /// absolute indices kept.

@@ -126,8 +126,8 @@ impl Backend {
         let kind = BackendKind::ALL
             .into_iter()
             .find(|k| k.name() == name.trim())
-            .ok_or_else(|| Error::Spec {
-                spec: name.to_string(),
+            .ok_or_else(|| Error::Backend {
+                name: name.to_string(),
                 reason: "unknown backend; accepted: scalar, avx2, avx512, neon".into(),
             })?;
         Ok(Backend::of(kind))
@@ -188,8 +188,8 @@ impl Backend {
             Err(_) => Ok(None),
             Ok(name) => match Backend::by_name(&name)? {
                 Some(b) => Ok(Some(b)),
-                None => Err(Error::Spec {
-                    spec: name,
+                None => Err(Error::Backend {
+                    name,
                     reason: "GRADPACK_BACKEND names a backend this CPU does not support".into(),
                 }),
             },
@@ -252,7 +252,16 @@ mod tests {
         for b in Backend::available() {
             assert_eq!(Backend::by_name(b.name()).unwrap(), Some(b));
         }
-        assert!(Backend::by_name("sse9").is_err());
+        let e = Backend::by_name("sse9").unwrap_err();
+        assert!(
+            matches!(&e, Error::Backend { name, .. } if name == "sse9"),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string()
+                .starts_with("backend \"sse9\": unknown backend"),
+            "{e}"
+        );
         assert_eq!(Backend::available()[0], Backend::scalar());
     }
 }
