@@ -604,10 +604,7 @@ pub unsafe fn decode_sign_avx2<const M: u8>(
 }
 
 /// Natural-compression decode with AVX2 (`scalar::decode_natural`, reference bytes already
-/// validated), for [`mode::WRITE`] and [`mode::ADD`]. The oracle's `±2^(r - 127 + m)` is
-/// built as the product `2^(m - 63) * 2^(r - 64)`: both factors are normal for `m` in
-/// [1, 127] and `r` in [-23, 127], and the product, a power of two in [2^-149, 2^127], is
-/// exact (subnormal or not), so one multiply replaces the oracle's branches.
+/// validated), for [`mode::WRITE`] and [`mode::ADD`].
 ///
 /// # Safety
 /// The CPU must support AVX2.
@@ -630,21 +627,27 @@ pub unsafe fn decode_natural_avx2<const M: u8>(
         } else {
             ob.len() / 8 * 8
         };
-        let r = refs[b] as i32 - 127;
-        let scale = _mm256_set1_ps(f32::from_bits(((r - 64 + 127).max(1) as u32) << 23));
+        let rk = i32x8(refs[b] as i32 - 127 - 127);
         for g in (0..n8).step_by(8) {
             let c = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(i64::from_le_bytes(
                 cb[g..g + 8].try_into().expect("8 bytes"),
             )));
-            let m = _mm256_slli_epi32::<23>(_mm256_and_si256(c, i32x8(0x7F)));
-            // 2^(m - 63): exponent field m + 64.
-            let p = _mm256_castsi256_ps(_mm256_add_epi32(m, i32x8(64 << 23)));
-            let mag = _mm256_andnot_si256(
-                _mm256_cmpeq_epi32(m, zero),
-                _mm256_castps_si256(_mm256_mul_ps(p, scale)),
+            let m = _mm256_and_si256(c, i32x8(0x7F));
+            let k = _mm256_add_epi32(rk, m); // the power of two, in [-149, 127]
+            let normal =
+                _mm256_slli_epi32::<23>(_mm256_max_epi32(_mm256_add_epi32(k, i32x8(127)), zero));
+            let count = _mm256_min_epi32(
+                _mm256_max_epi32(_mm256_add_epi32(k, i32x8(149)), zero),
+                i32x8(31),
             );
-            let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(c, i32x8(0x80)));
-            put8::<M>(ob, g, _mm256_castsi256_ps(_mm256_xor_si256(mag, sign)));
+            let sub = _mm256_sllv_epi32(i32x8(1), count);
+            let bits = _mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(k, i32x8(-127)));
+            let bits = _mm256_andnot_si256(_mm256_cmpeq_epi32(m, zero), bits);
+            let bits = _mm256_xor_si256(
+                bits,
+                _mm256_slli_epi32::<24>(_mm256_and_si256(c, i32x8(0x80))),
+            );
+            put8::<M>(ob, g, _mm256_castsi256_ps(bits));
         }
         if n8 < ob.len() {
             let rest = ob.len() - n8;
