@@ -372,8 +372,8 @@ pub fn encode_signmag(
     if b.kind() == BackendKind::Avx2 && block.is_multiple_of((8 / bits) as usize) {
         macro_rules! avx2 {
             ($bits:literal) => {
-                // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected;
-                // blocks start on byte boundaries (checked above).
+                // SAFETY: a Backend of kind Avx2 exists only after AVX2 and FMA (pulp's
+                // V3) were detected; blocks start on byte boundaries (checked above).
                 unsafe {
                     x86_64::blocks::encode_signmag_avx2::<$bits>(
                         x, block, measure, draws, first, steps, codes,

@@ -55,60 +55,41 @@ fn in_one_window(start: u64, len: usize) -> bool {
     start >> 32 == (start + len as u64 - 1) >> 32
 }
 
-/// One block's level quantiser: `a = (|x| * pre) * inv` (`scalar::level_multiplier`),
-/// rounded to an integer level and clamped to `top`; stochastic rounding draws
-/// `lowbias32((start + j) ^ key)` for element `j`.
+/// One block's level quantiser: `a = |x| * inv` with `inv = levels / m`
+/// (`scalar::level_multiplier` when its pre-multiplier is 1, that is `m >= 2^-100`; the
+/// callers send blocks with a smaller scale to the oracle), rounded to an integer level and
+/// clamped to `top`; stochastic rounding draws `lowbias32((start + j) ^ key)` for element
+/// `j`.
 struct Levels {
-    /// `pre == 1`, when the first multiply is exact and skipped (`x * 1 == x`).
-    pre_one: bool,
-    pre: __m256,
     inv: __m256,
     top: __m256i,
     key: __m256i,
-    /// `start as u32 + [0, 1, ..., 7]`.
-    base: __m256i,
 }
 
 impl Levels {
+    /// The quantiser of a block with scale `m`, or `None` when `m < 2^-100` (where the
+    /// oracle scales by 2^64 first).
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn new(m: f32, levels: u32, key: u32, start: u64) -> Levels {
+    fn new(m: f32, levels: u32, key: u32) -> Option<Levels> {
         let (pre, inv) = scalar::level_multiplier(m, levels as f32);
-        Levels {
-            pre_one: pre == 1.0,
-            pre: _mm256_set1_ps(pre),
+        (pre == 1.0).then(|| Levels {
             inv: _mm256_set1_ps(inv),
             top: _mm256_set1_epi32(levels as i32),
             key: _mm256_set1_epi32(key as i32),
-            base: _mm256_add_epi32(
-                _mm256_set1_epi32(start as u32 as i32),
-                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-            ),
-        }
+        })
     }
 
-    /// `(v * pre) * inv`, the scaled value (signed; IEEE products are sign-symmetric).
+    /// The stochastic levels (in `[0, top]`) of the 8 elements in `v`, whose global
+    /// indices (mod 2^32) are the lanes of `idx`: the oracle's `scalar::level`, operation
+    /// for operation, with the final `fl + 1` and the clamp done on integers (`fl` is
+    /// integer-valued and small, so the conversion is exact).
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn scale(&self, v: __m256) -> __m256 {
-        let v = if self.pre_one {
-            v
-        } else {
-            _mm256_mul_ps(v, self.pre)
-        };
-        _mm256_mul_ps(v, self.inv)
-    }
-
-    /// The stochastic levels (in `[0, top]`) of elements `j..j + 8` in `v`: the oracle's
-    /// `scalar::level`, operation for operation, with the final `fl + 1` and the clamp
-    /// done on integers (`fl` is integer-valued and small, so the conversion is exact).
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    fn stochastic8(&self, v: __m256, j: usize) -> __m256i {
+    fn stochastic8(&self, v: __m256, idx: __m256i) -> __m256i {
         let abs = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(ABS)));
-        let a = self.scale(abs);
-        let i = _mm256_add_epi32(self.base, _mm256_set1_epi32(j as i32));
-        let h = lowbias32x8(_mm256_xor_si256(i, self.key));
+        let a = _mm256_mul_ps(abs, self.inv);
+        let h = lowbias32x8(_mm256_xor_si256(idx, self.key));
         let u = _mm256_mul_ps(
             _mm256_cvtepi32_ps(_mm256_srli_epi32::<8>(h)),
             _mm256_set1_ps(1.0 / 16_777_216.0),
@@ -118,6 +99,45 @@ impl Levels {
         // `up` is -1 where the draw rounds up.
         _mm256_min_epi32(_mm256_sub_epi32(_mm256_cvttps_epi32(fl), up), self.top)
     }
+}
+
+/// The global indices (mod 2^32) of the first 8 elements of a block starting at `start`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn first_indices(start: u64) -> __m256i {
+    _mm256_add_epi32(
+        _mm256_set1_epi32(start as u32 as i32),
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+    )
+}
+
+/// Quantises the 32-element steps of a block: `quant(v, idx)` gives the 32-bit codes of 8
+/// elements and their global indices; the four results go to `store(bytes, g)`, narrowed
+/// by [`pack_bytes`], for the step at element `g`. Returns the number of elements done.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn steps32<const SIGNED: bool>(
+    xb: &[f32],
+    start: u64,
+    mut quant: impl FnMut(__m256, __m256i) -> __m256i,
+    mut store: impl FnMut(__m256i, usize),
+) -> usize {
+    let mut idx = first_indices(start);
+    let eight = _mm256_set1_epi32(8);
+    let mut next = |v| {
+        let q = quant(v, idx);
+        idx = _mm256_add_epi32(idx, eight);
+        q
+    };
+    let chunks = xb.chunks_exact(32);
+    let done = xb.len() - chunks.remainder().len();
+    for (k, c) in chunks.enumerate() {
+        // SAFETY: `c` holds 32 f32, four unaligned __m256.
+        let v = unsafe { [0, 8, 16, 24].map(|o| _mm256_loadu_ps(c.as_ptr().add(o))) };
+        let [q0, q1, q2, q3] = v.map(&mut next);
+        store(pack_bytes::<SIGNED>(q0, q1, q2, q3), 32 * k);
+    }
+    done
 }
 
 /// Loads elements `j..j + 8` of `x`.
@@ -172,57 +192,63 @@ fn int8_block_oracle(xb: &[f32], cb: &mut [u8], m: f32, round: Round, d: &Draws,
 #[target_feature(enable = "avx2")]
 #[inline]
 fn int8_block<const STOCHASTIC: bool>(xb: &[f32], cb: &mut [u8], m: f32, d: &Draws, start: u64) {
-    let key = if STOCHASTIC { d.key_for(start) } else { 0 };
-    let l = Levels::new(m, 127, key, start);
-    let n32 = xb.len() / 32 * 32;
-    for g in (0..n32).step_by(32) {
-        let q0 = int8x8::<STOCHASTIC>(&l, load8(xb, g), g);
-        let q1 = int8x8::<STOCHASTIC>(&l, load8(xb, g + 8), g + 8);
-        let q2 = int8x8::<STOCHASTIC>(&l, load8(xb, g + 16), g + 16);
-        let q3 = int8x8::<STOCHASTIC>(&l, load8(xb, g + 24), g + 24);
-        let o = &mut cb[g..g + 32];
-        // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
-        unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), pack_bytes::<true>(q0, q1, q2, q3)) };
-    }
     let round = if STOCHASTIC {
         Round::Stochastic
     } else {
         Round::Nearest
     };
+    let key = if STOCHASTIC { d.key_for(start) } else { 0 };
+    let Some(l) = Levels::new(m, 127, key) else {
+        return int8_block_oracle(xb, cb, m, round, d, start);
+    };
+    let n32 = steps32::<true>(
+        xb,
+        start,
+        #[inline(always)]
+        |v, idx| int8x8::<STOCHASTIC>(&l, v, idx),
+        #[inline(always)]
+        |bytes, g| {
+            let o = &mut cb[g..g + 32];
+            // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
+            unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), bytes) };
+        },
+    );
     int8_block_oracle(&xb[n32..], &mut cb[n32..], m, round, d, start + n32 as u64);
 }
 
-/// The int8 codes (in 32-bit lanes) of elements `j..j + 8`, in `v`.
+/// The int8 codes (in 32-bit lanes) of the 8 elements in `v`, with global indices `idx`.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn int8x8<const STOCHASTIC: bool>(l: &Levels, v: __m256, j: usize) -> __m256i {
+fn int8x8<const STOCHASTIC: bool>(l: &Levels, v: __m256, idx: __m256i) -> __m256i {
     if STOCHASTIC {
         // The level with the input's sign (psignd: negated for negative bit patterns,
         // -0.0 included; a +0.0 input has level 0).
-        _mm256_sign_epi32(l.stochastic8(v, j), _mm256_castps_si256(v))
+        _mm256_sign_epi32(l.stochastic8(v, idx), _mm256_castps_si256(v))
     } else {
         // Round half to even is sign-symmetric, and it is what the conversion does (the
         // default MXCSR mode, which Rust code never changes): round the signed value and
         // clamp to [-127, 127].
-        let q = _mm256_cvtps_epi32(l.scale(v));
+        let q = _mm256_cvtps_epi32(_mm256_mul_ps(v, l.inv));
         _mm256_max_epi32(_mm256_min_epi32(q, l.top), _mm256_set1_epi32(-127))
     }
 }
 
-/// The sign-magnitude codes (in 32-bit lanes) of elements `j..j + 8`, in `v`: the level,
+/// The sign-magnitude codes (in 32-bit lanes) of the 8 elements in `v`, with global
+/// indices `idx`: the level,
 /// with `sign_bit` set for negative inputs whose level is not zero.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn signmag8(l: &Levels, v: __m256, j: usize, sign_bit: __m256i) -> __m256i {
-    let q = l.stochastic8(v, j);
+fn signmag8(l: &Levels, v: __m256, idx: __m256i, sign_bit: __m256i) -> __m256i {
+    let q = l.stochastic8(v, idx);
     let neg = _mm256_srai_epi32::<31>(_mm256_castps_si256(v));
     let nz = _mm256_cmpgt_epi32(q, _mm256_setzero_si256());
     _mm256_or_si256(q, _mm256_and_si256(_mm256_and_si256(neg, nz), sign_bit))
 }
 
 /// qsgd's block norm (`scalar::l2_norm`): f64 squares in the oracle's 16 lanes, four
-/// registers of 4, reduced in the oracle's order.
-#[target_feature(enable = "avx2")]
+/// registers of 4, reduced in the oracle's order. The square of an f32 is exact in f64
+/// (48 significant bits), so the fused multiply-add rounds once, as the oracle's add does.
+#[target_feature(enable = "avx2,fma")]
 #[inline]
 fn l2_norm(x: &[f32]) -> f32 {
     let mut acc = [_mm256_setzero_pd(); 4];
@@ -236,7 +262,7 @@ fn l2_norm(x: &[f32]) -> f32 {
             _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(hi)),
         ];
         for k in 0..4 {
-            acc[k] = _mm256_add_pd(acc[k], _mm256_mul_pd(d[k], d[k]));
+            acc[k] = _mm256_fmadd_pd(d[k], d[k], acc[k]);
         }
     }
     let mut l = [0f64; 16];
@@ -261,9 +287,9 @@ fn l2_norm(x: &[f32]) -> f32 {
 /// boundaries: `block % (8 / BITS) == 0`.
 ///
 /// # Safety
-/// The CPU must support AVX2.
+/// The CPU must support AVX2 and FMA (as every CPU the Avx2 backend accepts does).
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 pub unsafe fn encode_signmag_avx2<const BITS: u32>(
     x: &[f32],
     block: usize,
@@ -312,39 +338,44 @@ pub unsafe fn encode_signmag_avx2<const BITS: u32>(
 #[inline]
 fn signmag_block<const BITS: u32>(xb: &[f32], cb: &mut [u8], m: f32, d: &Draws, start: u64) {
     let levels = (1u32 << (BITS - 1)) - 1;
-    let l = Levels::new(m, levels, d.key_for(start), start);
+    let Some(l) = Levels::new(m, levels, d.key_for(start)) else {
+        cb.fill(0);
+        return scalar::quantise_signmag(xb, m, BITS, d, start, cb, 0);
+    };
     let sign_bit = _mm256_set1_epi32(1 << (BITS - 1));
-    let n32 = xb.len() / 32 * 32;
-    for g in (0..n32).step_by(32) {
-        let c0 = signmag8(&l, load8(xb, g), g, sign_bit);
-        let c1 = signmag8(&l, load8(xb, g + 8), g + 8, sign_bit);
-        let c2 = signmag8(&l, load8(xb, g + 16), g + 16, sign_bit);
-        let c3 = signmag8(&l, load8(xb, g + 24), g + 24, sign_bit);
-        let bytes = pack_bytes::<false>(c0, c1, c2, c3);
-        let o = &mut cb[g * BITS as usize / 8..(g + 32) * BITS as usize / 8];
-        match BITS {
-            // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
-            8 => unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), bytes) },
-            4 => {
-                // Pairs of 4-bit codes, low nibble first: c0 + 16 c1.
-                let pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001));
-                let p = _mm256_packus_epi16(pairs, pairs);
-                let p = _mm256_permute4x64_epi64::<0b00_00_10_00>(p);
-                // SAFETY: `o` holds 16 bytes, one unaligned __m128i.
-                unsafe { _mm_storeu_si128(o.as_mut_ptr().cast(), _mm256_castsi256_si128(p)) };
+    let n32 = steps32::<false>(
+        xb,
+        start,
+        #[inline(always)]
+        |v, idx| signmag8(&l, v, idx, sign_bit),
+        #[inline(always)]
+        |bytes, g| {
+            let o = &mut cb[g * BITS as usize / 8..(g + 32) * BITS as usize / 8];
+            match BITS {
+                // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
+                8 => unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), bytes) },
+                4 => {
+                    // Pairs of 4-bit codes, low nibble first: c0 + 16 c1.
+                    let pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001));
+                    let p = _mm256_packus_epi16(pairs, pairs);
+                    let p = _mm256_permute4x64_epi64::<0b00_00_10_00>(p);
+                    // SAFETY: `o` holds 16 bytes, one unaligned __m128i.
+                    unsafe { _mm_storeu_si128(o.as_mut_ptr().cast(), _mm256_castsi256_si128(p)) };
+                }
+                _ => {
+                    // Quads of 2-bit codes: (c0 + 4 c1) + 16 (c2 + 4 c3).
+                    let pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x0401));
+                    let quads = _mm256_madd_epi16(pairs, _mm256_set1_epi32(0x0010_0001));
+                    let p = _mm256_packs_epi32(quads, quads);
+                    let p = _mm256_packus_epi16(p, p);
+                    let p =
+                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+                    // SAFETY: `o` holds 8 bytes, the low half of one __m128i.
+                    unsafe { _mm_storel_epi64(o.as_mut_ptr().cast(), _mm256_castsi256_si128(p)) };
+                }
             }
-            _ => {
-                // Quads of 2-bit codes: (c0 + 4 c1) + 16 (c2 + 4 c3).
-                let pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x0401));
-                let quads = _mm256_madd_epi16(pairs, _mm256_set1_epi32(0x0010_0001));
-                let p = _mm256_packs_epi32(quads, quads);
-                let p = _mm256_packus_epi16(p, p);
-                let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
-                // SAFETY: `o` holds 8 bytes, the low half of one __m128i.
-                unsafe { _mm_storel_epi64(o.as_mut_ptr().cast(), _mm256_castsi256_si128(p)) };
-            }
-        }
-    }
+        },
+    );
     let rest = &mut cb[n32 * BITS as usize / 8..];
     rest.fill(0);
     scalar::quantise_signmag(&xb[n32..], m, BITS, d, start + n32 as u64, rest, 0);
@@ -391,17 +422,19 @@ pub unsafe fn encode_natural_avx2(
 #[target_feature(enable = "avx2")]
 #[inline]
 fn natural_block(xb: &[f32], cb: &mut [u8], r: i32, d: &Draws, start: u64) {
-    let c = NaturalConsts::new(r, d.key_for(start), start);
-    let n32 = xb.len() / 32 * 32;
-    for g in (0..n32).step_by(32) {
-        let q0 = natural8(&c, load8(xb, g), g);
-        let q1 = natural8(&c, load8(xb, g + 8), g + 8);
-        let q2 = natural8(&c, load8(xb, g + 16), g + 16);
-        let q3 = natural8(&c, load8(xb, g + 24), g + 24);
-        let o = &mut cb[g..g + 32];
-        // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
-        unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), pack_bytes::<false>(q0, q1, q2, q3)) };
-    }
+    let c = NaturalConsts::new(r, d.key_for(start));
+    let n32 = steps32::<false>(
+        xb,
+        start,
+        #[inline(always)]
+        |v, idx| natural8(&c, v, idx),
+        #[inline(always)]
+        |bytes, g| {
+            let o = &mut cb[g..g + 32];
+            // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
+            unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), bytes) };
+        },
+    );
     scalar::natural_block(&xb[n32..], &mut cb[n32..], r, d, start + n32 as u64);
 }
 
@@ -410,8 +443,6 @@ struct NaturalConsts {
     r: __m256i,
     kmin_1: __m256i,
     key: __m256i,
-    /// `start as u32 + [0, 1, ..., 7]`.
-    base: __m256i,
     /// `2^(-76 - kmin)`.
     lo_scale: __m256,
 }
@@ -419,16 +450,12 @@ struct NaturalConsts {
 impl NaturalConsts {
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn new(r: i32, key: u32, start: u64) -> NaturalConsts {
+    fn new(r: i32, key: u32) -> NaturalConsts {
         let kmin = r - 126;
         NaturalConsts {
             r: _mm256_set1_epi32(r),
             kmin_1: _mm256_set1_epi32(kmin - 1),
             key: _mm256_set1_epi32(key as i32),
-            base: _mm256_add_epi32(
-                _mm256_set1_epi32(start as u32 as i32),
-                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-            ),
             lo_scale: _mm256_set1_ps(pow2(-76 - kmin)),
         }
     }
@@ -439,10 +466,10 @@ fn pow2(k: i32) -> f32 {
     f32::from_bits(((k + 127) as u32) << 23)
 }
 
-/// The natural codes (in 32-bit lanes) of elements `j..j + 8`, in `v`.
+/// The natural codes (in 32-bit lanes) of the 8 elements in `v`, with global indices `idx`.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn natural8(c: &NaturalConsts, v: __m256, j: usize) -> __m256i {
+fn natural8(c: &NaturalConsts, v: __m256, idx: __m256i) -> __m256i {
     let zero = _mm256_setzero_si256();
     let v = _mm256_castps_si256(v);
     let a = _mm256_and_si256(v, _mm256_set1_epi32(ABS));
@@ -456,8 +483,7 @@ fn natural8(c: &NaturalConsts, v: __m256, j: usize) -> __m256i {
         _mm256_and_si256(sub, _mm256_set1_epi32(64)),
     );
     let f2 = _mm256_slli_epi32::<1>(_mm256_and_si256(an, _mm256_set1_epi32(0x007F_FFFF)));
-    let i = _mm256_add_epi32(c.base, _mm256_set1_epi32(j as i32));
-    let u24 = _mm256_srli_epi32::<8>(lowbias32x8(_mm256_xor_si256(i, c.key)));
+    let u24 = _mm256_srli_epi32::<8>(lowbias32x8(_mm256_xor_si256(idx, c.key)));
     // At or above kmin: round up past e with probability F / 2^23 (never past r).
     let up_hi = _mm256_and_si256(_mm256_cmpgt_epi32(f2, u24), _mm256_cmpgt_epi32(c.r, e));
     let k_hi = _mm256_sub_epi32(e, up_hi);
@@ -697,12 +723,29 @@ pub unsafe fn filter_draw_lt_avx2(
 /// 16 elements per step. Returns whether any input was NaN or ±Inf. Writes
 /// `2 * min(x.len(), out.len() / 2)` bytes.
 ///
+/// The rounding add is right for every input but NaN (it can carry a NaN's payload into
+/// the exponent, or leave it signalling), so the first pass leaves NaN out, and finds
+/// from the running maximum of `|x|`'s bits whether there was one; only then does a second
+/// pass convert with NaN quieted.
+///
 /// # Safety
 /// The CPU must support AVX2.
 #[target_feature(enable = "avx2")]
 pub unsafe fn encode_bf16_avx2(x: &[f32], out: &mut [u8]) -> bool {
     let n = x.len().min(out.len() / 2);
-    let n16 = n / 16 * 16;
+    let (x, out) = (&x[..n], &mut out[..2 * n]);
+    let mx = bf16_pass::<false>(x, out);
+    if mx > INF_BITS {
+        bf16_pass::<true>(x, out);
+    }
+    mx >= INF_BITS
+}
+
+/// One bf16 conversion pass over `x` into `out` (`2 * x.len()` bytes), quieting NaN when
+/// `NAN`; returns the largest `|x|` bit pattern.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn bf16_pass<const NAN: bool>(x: &[f32], out: &mut [u8]) -> u32 {
     let i32x8 = _mm256_set1_epi32;
     let mut mx = _mm256_setzero_si256();
     let mut conv = |v: __m256| {
@@ -713,20 +756,38 @@ pub unsafe fn encode_bf16_avx2(x: &[f32], out: &mut [u8]) -> bool {
         let odd = _mm256_and_si256(hi, i32x8(1));
         let rounded =
             _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(u, i32x8(0x7FFF)), odd));
-        let nan = _mm256_or_si256(hi, i32x8(0x40));
-        _mm256_blendv_epi8(rounded, nan, _mm256_cmpgt_epi32(a, i32x8(INF_BITS as i32)))
+        if NAN {
+            let nan = _mm256_or_si256(hi, i32x8(0x40));
+            _mm256_blendv_epi8(rounded, nan, _mm256_cmpgt_epi32(a, i32x8(INF_BITS as i32)))
+        } else {
+            rounded
+        }
     };
-    for g in (0..n16).step_by(16) {
-        let (lo, hi) = (conv(load8(x, g)), conv(load8(x, g + 8)));
+    let chunks = x.chunks_exact(16);
+    let tail = chunks.remainder();
+    for (c, o) in chunks.zip(out.chunks_exact_mut(32)) {
+        // SAFETY: `c` holds 16 f32, two unaligned __m256.
+        let (lo, hi) = unsafe {
+            (
+                _mm256_loadu_ps(c.as_ptr()),
+                _mm256_loadu_ps(c.as_ptr().add(8)),
+            )
+        };
         // Both hold values below 2^16, so the unsigned-saturating pack is exact.
-        let p = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(lo, hi));
-        let o = &mut out[2 * g..2 * g + 32];
+        let p = _mm256_packus_epi32(conv(lo), conv(hi));
+        let p = _mm256_permute4x64_epi64::<0b11_01_10_00>(p);
         // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
         unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), p) };
     }
     let mut lanes = [0u32; 8];
     // SAFETY: `lanes` is 32 bytes, the size of one __m256i; unaligned store.
     unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), mx) };
-    let tail = scalar::encode_u16(&x[n16..n], &mut out[2 * n16..2 * n], scalar::f32_to_bf16);
-    tail || lanes.iter().any(|&v| v >= INF_BITS)
+    let done = x.len() - tail.len();
+    scalar::encode_u16(tail, &mut out[2 * done..], scalar::f32_to_bf16);
+    let tail_max = tail
+        .iter()
+        .map(|v| v.to_bits() & ABS as u32)
+        .max()
+        .unwrap_or(0);
+    lanes.into_iter().fold(tail_max, u32::max)
 }
