@@ -233,16 +233,18 @@ fn int8x8<const STOCHASTIC: bool>(l: &Levels, v: __m256, idx: __m256i) -> __m256
     }
 }
 
-/// The sign-magnitude codes (in 32-bit lanes) of the 8 elements in `v`, with global
-/// indices `idx`: the level,
-/// with `sign_bit` set for negative inputs whose level is not zero.
+/// Sign-magnitude codes from 32 signed levels narrowed to bytes (in `[-levels, levels]`,
+/// `levels < sign_bit`): the magnitude, with `sign_bit` (in every byte of `sign_bit8`) set
+/// where the level is negative. A zero level has no sign, as in the oracle.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn signmag8(l: &Levels, v: __m256, idx: __m256i, sign_bit: __m256i) -> __m256i {
-    let q = l.stochastic8(v, idx);
-    let neg = _mm256_srai_epi32::<31>(_mm256_castps_si256(v));
-    let nz = _mm256_cmpgt_epi32(q, _mm256_setzero_si256());
-    _mm256_or_si256(q, _mm256_and_si256(_mm256_and_si256(neg, nz), sign_bit))
+fn signmag_bytes(signed: __m256i, sign_bit8: __m256i) -> __m256i {
+    // min(b & 0x80, sign_bit) is sign_bit for negative bytes and 0 for the rest.
+    let sign = _mm256_min_epu8(
+        _mm256_and_si256(signed, _mm256_set1_epi8(i8::MIN)),
+        sign_bit8,
+    );
+    _mm256_or_si256(_mm256_abs_epi8(signed), sign)
 }
 
 /// qsgd's block norm (`scalar::l2_norm`): f64 squares in the oracle's 16 lanes, four
@@ -342,14 +344,16 @@ fn signmag_block<const BITS: u32>(xb: &[f32], cb: &mut [u8], m: f32, d: &Draws, 
         cb.fill(0);
         return scalar::quantise_signmag(xb, m, BITS, d, start, cb, 0);
     };
-    let sign_bit = _mm256_set1_epi32(1 << (BITS - 1));
-    let n32 = steps32::<false>(
+    let sign_bit8 = _mm256_set1_epi8((1u8 << (BITS - 1)) as i8);
+    let n32 = steps32::<true>(
         xb,
         start,
+        // The level with the input's sign (psignd: negated for negative bit patterns).
         #[inline(always)]
-        |v, idx| signmag8(&l, v, idx, sign_bit),
+        |v, idx| _mm256_sign_epi32(l.stochastic8(v, idx), _mm256_castps_si256(v)),
         #[inline(always)]
-        |bytes, g| {
+        |signed, g| {
+            let bytes = signmag_bytes(signed, sign_bit8);
             let o = &mut cb[g * BITS as usize / 8..(g + 32) * BITS as usize / 8];
             match BITS {
                 // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
