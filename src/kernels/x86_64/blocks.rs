@@ -636,6 +636,13 @@ pub unsafe fn decode_sign_avx2<const M: u8>(
 /// Natural-compression decode with AVX2 (`scalar::decode_natural`, reference bytes already
 /// validated), for [`mode::WRITE`] and [`mode::ADD`].
 ///
+/// A code `c` (sign `s`, `m = c & 0x7F`) of a block with reference byte `rb` decodes to
+/// `±2^(E - 127)` with `E = m + rb - 127`, or to `±0` for `m = 0`. Where `E >= 1` the value
+/// is normal and its top 16 bits are `(s << 8 | E) << 7` (the rest zero), which 16-bit
+/// lanes build for 16 codes at once. Codes below that (`1 <= m <= 127 - rb`, subnormal
+/// values, rare) exist only in blocks with `rb < 127`, which check each group of 16 and
+/// decode a group holding one with the general form ([`natural_decode8`]).
+///
 /// # Safety
 /// The CPU must support AVX2.
 #[target_feature(enable = "avx2")]
@@ -649,41 +656,99 @@ pub unsafe fn decode_natural_avx2<const M: u8>(
         M != mode::RESIDUAL,
         "the residual mode is decoded elsewhere"
     );
-    let i32x8 = _mm256_set1_epi32;
-    let zero = _mm256_setzero_si256();
     for (b, (ob, cb)) in out.chunks_mut(block).zip(codes.chunks(block)).enumerate() {
-        let n8 = if refs[b] == scalar::NATURAL_NONFINITE {
-            0 // the oracle writes NaN
+        if refs[b] == scalar::NATURAL_NONFINITE {
+            // The oracle writes NaN.
+            scalar::decode_natural::<M>(&refs[b..=b], cb, ob.len(), ob);
+            continue;
+        }
+        let off = refs[b] as i32 - 127;
+        let n16 = if off >= 0 {
+            natural_block16::<M, false>(off, cb, ob)
         } else {
-            ob.len() / 8 * 8
+            natural_block16::<M, true>(off, cb, ob)
         };
-        let rk = i32x8(refs[b] as i32 - 127 - 127);
-        for g in (0..n8).step_by(8) {
+        let n8 = ob.len() / 8 * 8;
+        for g in (n16..n8).step_by(8) {
             let c = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(i64::from_le_bytes(
                 cb[g..g + 8].try_into().expect("8 bytes"),
             )));
-            let m = _mm256_and_si256(c, i32x8(0x7F));
-            let k = _mm256_add_epi32(rk, m); // the power of two, in [-149, 127]
-            let normal =
-                _mm256_slli_epi32::<23>(_mm256_max_epi32(_mm256_add_epi32(k, i32x8(127)), zero));
-            let count = _mm256_min_epi32(
-                _mm256_max_epi32(_mm256_add_epi32(k, i32x8(149)), zero),
-                i32x8(31),
-            );
-            let sub = _mm256_sllv_epi32(i32x8(1), count);
-            let bits = _mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(k, i32x8(-127)));
-            let bits = _mm256_andnot_si256(_mm256_cmpeq_epi32(m, zero), bits);
-            let bits = _mm256_xor_si256(
-                bits,
-                _mm256_slli_epi32::<24>(_mm256_and_si256(c, i32x8(0x80))),
-            );
-            put8::<M>(ob, g, _mm256_castsi256_ps(bits));
+            put8::<M>(ob, g, natural_decode8(c, off));
         }
         if n8 < ob.len() {
             let rest = ob.len() - n8;
             scalar::decode_natural::<M>(&refs[b..=b], &cb[n8..], rest, &mut ob[n8..]);
         }
     }
+}
+
+/// The 16-code steps of one finite natural block (see [`decode_natural_avx2`]); `CHECK`
+/// when the block's reference admits subnormal values (`off < 0`). Returns the number of
+/// elements done.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn natural_block16<const M: u8, const CHECK: bool>(off: i32, cb: &[u8], ob: &mut [f32]) -> usize {
+    let i16x16 = _mm256_set1_epi16;
+    let zero = _mm256_setzero_si256();
+    let offv = i16x16(off as i16);
+    // m in 1..=-off decodes below the normal range.
+    let low_end = i16x16((1 - off) as i16);
+    let chunks = cb.chunks_exact(16);
+    let done = cb.len() - chunks.remainder().len();
+    for (k, cc) in chunks.enumerate() {
+        // SAFETY: `cc` holds 16 bytes, one unaligned __m128i.
+        let c = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(cc.as_ptr().cast()) });
+        let m = _mm256_and_si256(c, i16x16(0x7F));
+        let z = _mm256_cmpeq_epi16(m, zero);
+        if CHECK {
+            let sub = _mm256_andnot_si256(z, _mm256_cmpgt_epi16(low_end, m));
+            if _mm256_testz_si256(sub, sub) == 0 {
+                for h in [0, 8] {
+                    let c8 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(i64::from_le_bytes(
+                        cc[h..h + 8].try_into().expect("8 bytes"),
+                    )));
+                    put8::<M>(ob, 16 * k + h, natural_decode8(c8, off));
+                }
+                continue;
+            }
+        }
+        // c + (c & 0x80) is s << 8 | m; adding off where m != 0 makes it s << 8 | E.
+        let se = _mm256_add_epi16(c, _mm256_and_si256(c, i16x16(0x80)));
+        let se = _mm256_add_epi16(se, _mm256_andnot_si256(z, offv));
+        let top = _mm256_slli_epi16::<7>(se);
+        // Words 0-3, 8-11 | 4-7, 12-15, so that the unpacks below give elements in order.
+        let top = _mm256_permute4x64_epi64::<0b11_01_10_00>(top);
+        let lo = _mm256_unpacklo_epi16(zero, top);
+        let hi = _mm256_unpackhi_epi16(zero, top);
+        put8::<M>(ob, 16 * k, _mm256_castsi256_ps(lo));
+        put8::<M>(ob, 16 * k + 8, _mm256_castsi256_ps(hi));
+    }
+    done
+}
+
+/// The f32 values of 8 natural codes (in 32-bit lanes of `c`) of a block whose reference
+/// byte is `off + 127`, subnormal results included.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn natural_decode8(c: __m256i, off: i32) -> __m256 {
+    let i32x8 = _mm256_set1_epi32;
+    let zero = _mm256_setzero_si256();
+    let rk = i32x8(off - 127);
+    let m = _mm256_and_si256(c, i32x8(0x7F));
+    let k = _mm256_add_epi32(rk, m); // the power of two, in [-149, 127]
+    let normal = _mm256_slli_epi32::<23>(_mm256_max_epi32(_mm256_add_epi32(k, i32x8(127)), zero));
+    let count = _mm256_min_epi32(
+        _mm256_max_epi32(_mm256_add_epi32(k, i32x8(149)), zero),
+        i32x8(31),
+    );
+    let sub = _mm256_sllv_epi32(i32x8(1), count);
+    let bits = _mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(k, i32x8(-127)));
+    let bits = _mm256_andnot_si256(_mm256_cmpeq_epi32(m, zero), bits);
+    let bits = _mm256_xor_si256(
+        bits,
+        _mm256_slli_epi32::<24>(_mm256_and_si256(c, i32x8(0x80))),
+    );
+    _mm256_castsi256_ps(bits)
 }
 
 /// Compare and compress on hash draws with AVX2: `portable::filter_draw_lt`'s contract
