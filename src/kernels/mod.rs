@@ -305,11 +305,8 @@ pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) 
             scalar::encode_sign(x, block, steps, codes)
         }
         #[cfg(target_arch = "x86_64")]
-        BackendKind::Avx2 => portable::encode_sign_blocks(x, block, steps, codes, |xb, cb, l| {
-            // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected; `cb`
-            // holds the block's `ceil(xb.len() / 8)` code bytes.
-            unsafe { x86_64::sign_groups_avx2(xb, cb, l) }
-        }),
+        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
+        BackendKind::Avx2 => unsafe { x86_64::encode_sign_avx2(x, block, steps, codes) },
         #[cfg(target_arch = "x86_64")]
         BackendKind::Avx512 => portable::encode_sign_blocks(x, block, steps, codes, |xb, cb, l| {
             // SAFETY: a Backend of kind Avx512 exists only after AVX-512F was detected;
