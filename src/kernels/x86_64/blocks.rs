@@ -140,15 +140,6 @@ fn steps32<const SIGNED: bool>(
     done
 }
 
-/// Loads elements `j..j + 8` of `x`.
-#[target_feature(enable = "avx2")]
-#[inline]
-fn load8(x: &[f32], j: usize) -> __m256 {
-    let c = &x[j..j + 8];
-    // SAFETY: `c` holds 8 f32, one unaligned __m256.
-    unsafe { _mm256_loadu_ps(c.as_ptr()) }
-}
-
 /// int8 encode with AVX2 (the contract of `scalar::encode_int8`; every code byte written).
 ///
 /// # Safety
@@ -254,15 +245,11 @@ fn signmag_bytes(signed: __m256i, sign_bit8: __m256i) -> __m256i {
 #[inline]
 fn l2_norm(x: &[f32]) -> f32 {
     let mut acc = [_mm256_setzero_pd(); 4];
-    let n16 = x.len() / 16 * 16;
-    for g in (0..n16).step_by(16) {
-        let (lo, hi) = (load8(x, g), load8(x, g + 8));
-        let d = [
-            _mm256_cvtps_pd(_mm256_castps256_ps128(lo)),
-            _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(lo)),
-            _mm256_cvtps_pd(_mm256_castps256_ps128(hi)),
-            _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(hi)),
-        ];
+    let chunks = x.chunks_exact(16);
+    let rest = chunks.remainder();
+    for c in chunks {
+        // SAFETY: `c` holds 16 f32, four unaligned __m128.
+        let d = unsafe { [0, 4, 8, 12].map(|o| _mm256_cvtps_pd(_mm_loadu_ps(c.as_ptr().add(o)))) };
         for k in 0..4 {
             acc[k] = _mm256_fmadd_pd(d[k], d[k], acc[k]);
         }
@@ -273,7 +260,7 @@ fn l2_norm(x: &[f32]) -> f32 {
         // SAFETY: `o` holds 4 f64, one unaligned __m256d.
         unsafe { _mm256_storeu_pd(o.as_mut_ptr(), *a) };
     }
-    for (k, &v) in x[n16..].iter().enumerate() {
+    for (k, &v) in rest.iter().enumerate() {
         l[k] += (v as f64) * (v as f64);
     }
     for w in [8, 4, 2, 1] {
