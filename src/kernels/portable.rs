@@ -202,14 +202,8 @@ fn int_byte(q: f32) -> u8 {
     (q + 12_582_912.0).to_bits() as u8
 }
 
-/// True when global indices `start..start + len` (len >= 1) share one 2^32 window, so
-/// one hash key serves them all; blocks that straddle a window go to the oracle.
-#[inline(always)]
-fn in_one_window(start: u64, len: usize) -> bool {
-    start >> 32 == (start + len as u64 - 1) >> 32
-}
-
-/// Quantise one finite block with a non-zero max to int8 codes (see `scalar::encode_int8`).
+/// Quantise one finite block with a non-zero max to int8 codes (see `scalar::encode_int8`);
+/// the block lies inside one 2^32 index window (`scalar::encode_int8_blocks`).
 #[inline(always)]
 fn int8_block(xb: &[f32], cb: &mut [u8], m: f32, round: Round, draws: &Draws, start: u64) {
     let (pre, inv) = scalar::level_multiplier(m, 127.0);
@@ -226,14 +220,6 @@ fn int8_block(xb: &[f32], cb: &mut [u8], m: f32, round: Round, draws: &Draws, st
             }
         }
         Round::Stochastic => {
-            if !in_one_window(start, xb.len()) {
-                // The block straddles a 2^32 index window: the oracle handles the key change.
-                scalar::quantise_block(xb, m, 127, round, draws, start, |j, neg, q| {
-                    let q = q as i8;
-                    cb[j] = if neg { -q } else { q } as u8;
-                });
-                return;
-            }
             let key = draws.key_for(start);
             let level = |v: f32, j: u32| {
                 let a = (v.abs() * pre) * inv;
@@ -264,6 +250,8 @@ pub fn encode_int8(
     scalar::encode_int8_blocks(
         x,
         block,
+        round,
+        draws,
         first,
         steps,
         codes,
@@ -540,32 +528,17 @@ pub fn encode_signmag<const BITS: u32>(
         codes.fill(0);
         return scalar::encode_signmag(x, block, BITS, measure, draws, first, steps, codes);
     }
-    let levels = (1u32 << (BITS - 1)) - 1;
-    scalar::encode_step_blocks(
+    scalar::encode_signmag_blocks::<BITS>(
         x,
         block,
-        levels,
+        measure,
+        draws,
         first,
         steps,
+        codes,
+        l2_norm,
         #[inline(always)]
-        |xb: &[f32], mb| match measure {
-            scalar::Measure::AbsMax => f32::from_bits(mb),
-            scalar::Measure::L2 => l2_norm(xb),
-        },
-        #[inline(always)]
-        |b, xb, m, start| {
-            let cb = &mut codes[b * block / per..][..xb.len().div_ceil(per)];
-            match m {
-                Some(m) if in_one_window(start, xb.len()) => {
-                    signmag_block::<BITS>(xb, cb, m, draws.key_for(start), start)
-                }
-                Some(m) => {
-                    cb.fill(0);
-                    scalar::quantise_signmag(xb, m, BITS, draws, start, cb, 0);
-                }
-                None => cb.fill(0),
-            }
-        },
+        |xb, cb, m, start| signmag_block::<BITS>(xb, cb, m, draws.key_for(start), start),
     )
 }
 
@@ -631,17 +604,12 @@ pub fn encode_natural(
     scalar::encode_natural_blocks(
         x,
         block,
+        draws,
         first,
         refs,
         codes,
         #[inline(always)]
-        |xb, cb, r, start| {
-            if in_one_window(start, xb.len()) {
-                natural_block(xb, cb, r, draws.key_for(start), start);
-            } else {
-                scalar::natural_block(xb, cb, r, draws, start);
-            }
-        },
+        |xb, cb, r, start| natural_block(xb, cb, r, draws.key_for(start), start),
     )
 }
 

@@ -573,12 +573,32 @@ pub fn encode_int8(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    encode_int8_blocks(x, block, first, steps, codes, |xb, cb, m, start| {
-        quantise_block(xb, m, 127, round, draws, start, |j, neg, q| {
-            let q = q as i8;
-            cb[j] = if neg { -q } else { q } as u8;
-        });
-    })
+    encode_int8_blocks(
+        x,
+        block,
+        round,
+        draws,
+        first,
+        steps,
+        codes,
+        |xb, cb, m, start| quantise_int8(xb, cb, m, round, draws, start),
+    )
+}
+
+/// The int8 codes of one finite block with scale `m` (first global index `start`).
+pub fn quantise_int8(xb: &[f32], cb: &mut [u8], m: f32, round: Round, d: &Draws, start: u64) {
+    quantise_block(xb, m, 127, round, d, start, |j, neg, q| {
+        let q = q as i8;
+        cb[j] = if neg { -q } else { q } as u8;
+    });
+}
+
+/// True when global indices `start..start + len` (len >= 1) share one 2^32 window, so one
+/// hash key serves them all. The block layouts below send blocks that straddle a window
+/// to the oracle, so a SIMD caller's block kernel sees only blocks with one key.
+#[inline(always)]
+fn in_one_window(start: u64, len: usize) -> bool {
+    start >> 32 == (start + len as u64 - 1) >> 32
 }
 
 /// The block layout of the step codecs (int8, qsgd, ternary), shared by every backend.
@@ -618,11 +638,15 @@ pub fn encode_step_blocks(
 }
 
 /// The int8 layout on [`encode_step_blocks`]: one code byte per element, all zero in a
-/// block without a scale, else written by `quantise(xb, cb, m, global start)`.
+/// block without a scale, else written by `quantise(xb, cb, m, global start)` for a block
+/// inside one 2^32 index window and by [`quantise_int8`] for the rare other.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub fn encode_int8_blocks(
     x: &[f32],
     block: usize,
+    round: Round,
+    draws: &Draws,
     first: u64,
     steps: &mut [u8],
     codes: &mut [u8],
@@ -641,7 +665,8 @@ pub fn encode_int8_blocks(
         |b, xb, m, start| {
             let cb = &mut codes[b * block..b * block + xb.len()];
             match m {
-                Some(m) => quantise(xb, cb, m, start),
+                Some(m) if in_one_window(start, xb.len()) => quantise(xb, cb, m, start),
+                Some(m) => quantise_int8(xb, cb, m, round, draws, start),
                 None => cb.fill(0),
             }
         },
@@ -656,6 +681,67 @@ pub fn decode_int8<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &
             put::<M>(o, (c as i8) as f32 * s);
         }
     }
+}
+
+/// The byte-aligned sign-magnitude layout of the SIMD backends on [`encode_step_blocks`]
+/// (blocks start on byte boundaries, `block % (8 / BITS) == 0`): the same bit stream as
+/// [`encode_signmag`], but every code byte is written, so `codes` need not be zeroed. A
+/// block without a scale gets zero bytes; any other is written by `quantise(xb, cb, m,
+/// global start)` when it lies inside one 2^32 index window, else by
+/// [`quantise_signmag_bytes`]. `norm` is the L2 measure (`l2_norm` or a SIMD equal).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub fn encode_signmag_blocks<const BITS: u32>(
+    x: &[f32],
+    block: usize,
+    measure: Measure,
+    draws: &Draws,
+    first: u64,
+    steps: &mut [u8],
+    codes: &mut [u8],
+    norm: impl Fn(&[f32]) -> f32,
+    mut quantise: impl FnMut(&[f32], &mut [u8], f32, u64),
+) -> bool {
+    let per = (8 / BITS) as usize;
+    assert!(
+        block.is_multiple_of(per),
+        "blocks must start on byte boundaries"
+    );
+    encode_step_blocks(
+        x,
+        block,
+        (1u32 << (BITS - 1)) - 1,
+        first,
+        steps,
+        #[inline(always)]
+        |xb: &[f32], mb| match measure {
+            Measure::AbsMax => f32::from_bits(mb),
+            Measure::L2 => norm(xb),
+        },
+        #[inline(always)]
+        |b, xb, m, start| {
+            let cb = &mut codes[b * block / per..][..xb.len().div_ceil(per)];
+            match m {
+                Some(m) if in_one_window(start, xb.len()) => quantise(xb, cb, m, start),
+                Some(m) => quantise_signmag_bytes(xb, cb, m, BITS, draws, start),
+                None => cb.fill(0),
+            }
+        },
+    )
+}
+
+/// The sign-magnitude codes of one block with scale `m` as whole bytes: `cb` (the
+/// block's `ceil(xb.len() * bits / 8)` bytes, any contents) is zeroed and written.
+pub fn quantise_signmag_bytes(
+    xb: &[f32],
+    cb: &mut [u8],
+    m: f32,
+    bits: u32,
+    draws: &Draws,
+    start: u64,
+) {
+    cb.fill(0);
+    quantise_signmag(xb, m, bits, draws, start, cb, 0);
 }
 
 /// Encode sign-magnitude blocks of `bits` (2, 4 or 8) with stochastic rounding to
@@ -821,18 +907,20 @@ pub fn encode_natural(
     refs: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    encode_natural_blocks(x, block, first, refs, codes, |xb, cb, r, start| {
+    encode_natural_blocks(x, block, draws, first, refs, codes, |xb, cb, r, start| {
         natural_block(xb, cb, r, draws, start)
     })
 }
 
 /// The natural-compression layout, shared by every backend: a block holding NaN or ±Inf
 /// gets reference byte 255 and zero codes; any other block the reference `r` (byte
-/// `r + 127`) and the codes `quantise(xb, cb, r, global start)` writes.
+/// `r + 127`) and the codes `quantise(xb, cb, r, global start)` writes when it lies inside
+/// one 2^32 index window, else [`natural_block`].
 #[inline(always)]
 pub fn encode_natural_blocks(
     x: &[f32],
     block: usize,
+    draws: &Draws,
     first: u64,
     refs: &mut [u8],
     codes: &mut [u8],
@@ -849,7 +937,12 @@ pub fn encode_natural_blocks(
         }
         let r = natural_ref(mb);
         refs[b] = (r + 127) as u8;
-        quantise(xb, cb, r, first + (b * block) as u64);
+        let start = first + (b * block) as u64;
+        if in_one_window(start, xb.len()) {
+            quantise(xb, cb, r, start);
+        } else {
+            natural_block(xb, cb, r, draws, start);
+        }
     }
     nonfinite
 }

@@ -5,9 +5,11 @@
 //! The portable kernels compiled for AVX2 spent most of their time narrowing one vector of
 //! 8 codes to bytes at a time (a shuffle, an extract and an 8-byte store each); these work
 //! on 32 elements per step, narrow with saturating packs, and pack 2- and 4-bit fields with
-//! multiply-adds. Every function equals its scalar oracle to the bit (tests/backends.rs,
-//! tests/block_kernels.rs). Blocks that straddle a 2^32 index window, and block tails
-//! shorter than one step, go to the oracle itself.
+//! multiply-adds. Every function equals its scalar oracle to the bit (tests/backends.rs).
+//! The block layouts they run on (`scalar::encode_int8_blocks`, `encode_signmag_blocks`,
+//! `encode_natural_blocks`) send blocks that straddle a 2^32 index window to the oracle;
+//! block tails shorter than one step, and blocks whose scale is below 2^-100, go to it
+//! from here.
 //!
 //! Callers hold a [`crate::kernels::Backend`] of kind `Avx2` (or `Avx512`, which implies
 //! AVX2); that check is what makes calling these `#[target_feature]` functions sound.
@@ -47,12 +49,6 @@ fn pack_bytes<const SIGNED: bool>(a: __m256i, b: __m256i, c: __m256i, d: __m256i
         _mm256_packus_epi16(ab, cd)
     };
     _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
-}
-
-/// True when global indices `start..start + len` (len >= 1) share one 2^32 window.
-#[inline(always)]
-fn in_one_window(start: u64, len: usize) -> bool {
-    start >> 32 == (start + len as u64 - 1) >> 32
 }
 
 /// One block's level quantiser: `a = |x| * inv` with `inv = levels / m`
@@ -157,29 +153,20 @@ pub unsafe fn encode_int8_avx2(
     scalar::encode_int8_blocks(
         x,
         block,
+        round,
+        draws,
         first,
         steps,
         codes,
         #[inline(always)]
         |xb, cb, m, start| match round {
             Round::Nearest => int8_block::<false>(xb, cb, m, draws, start),
-            Round::Stochastic if in_one_window(start, xb.len()) => {
-                int8_block::<true>(xb, cb, m, draws, start)
-            }
-            // The block straddles a 2^32 index window: the oracle handles the key change.
-            Round::Stochastic => int8_block_oracle(xb, cb, m, round, draws, start),
+            Round::Stochastic => int8_block::<true>(xb, cb, m, draws, start),
         },
     )
 }
 
-fn int8_block_oracle(xb: &[f32], cb: &mut [u8], m: f32, round: Round, d: &Draws, start: u64) {
-    scalar::quantise_block(xb, m, 127, round, d, start, |j, neg, q| {
-        let q = q as i8;
-        cb[j] = if neg { -q } else { q } as u8;
-    });
-}
-
-/// int8 codes of one finite block with a non-zero max `m`.
+/// int8 codes of one finite block with a non-zero max `m`, inside one 2^32 index window.
 #[target_feature(enable = "avx2")]
 #[inline]
 fn int8_block<const STOCHASTIC: bool>(xb: &[f32], cb: &mut [u8], m: f32, d: &Draws, start: u64) {
@@ -190,7 +177,7 @@ fn int8_block<const STOCHASTIC: bool>(xb: &[f32], cb: &mut [u8], m: f32, d: &Dra
     };
     let key = if STOCHASTIC { d.key_for(start) } else { 0 };
     let Some(l) = Levels::new(m, 127, key) else {
-        return int8_block_oracle(xb, cb, m, round, d, start);
+        return scalar::quantise_int8(xb, cb, m, round, d, start);
     };
     let n32 = steps32::<true>(
         xb,
@@ -204,7 +191,9 @@ fn int8_block<const STOCHASTIC: bool>(xb: &[f32], cb: &mut [u8], m: f32, d: &Dra
             unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), bytes) };
         },
     );
-    int8_block_oracle(&xb[n32..], &mut cb[n32..], m, round, d, start + n32 as u64);
+    if n32 < xb.len() {
+        scalar::quantise_int8(&xb[n32..], &mut cb[n32..], m, round, d, start + n32 as u64);
+    }
 }
 
 /// The int8 codes (in 32-bit lanes) of the 8 elements in `v`, with global indices `idx`.
@@ -288,37 +277,18 @@ pub unsafe fn encode_signmag_avx2<const BITS: u32>(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    let per = (8 / BITS) as usize;
-    assert!(
-        block.is_multiple_of(per),
-        "blocks must start on byte boundaries"
-    );
-    let levels = (1u32 << (BITS - 1)) - 1;
-    scalar::encode_step_blocks(
+    scalar::encode_signmag_blocks::<BITS>(
         x,
         block,
-        levels,
+        measure,
+        draws,
         first,
         steps,
+        codes,
         #[inline(always)]
-        |xb: &[f32], mb| match measure {
-            scalar::Measure::AbsMax => f32::from_bits(mb),
-            scalar::Measure::L2 => l2_norm(xb),
-        },
+        |xb| l2_norm(xb),
         #[inline(always)]
-        |b, xb, m, start| {
-            let cb = &mut codes[b * block / per..][..xb.len().div_ceil(per)];
-            match m {
-                Some(m) if in_one_window(start, xb.len()) => {
-                    signmag_block::<BITS>(xb, cb, m, draws, start)
-                }
-                Some(m) => {
-                    cb.fill(0);
-                    scalar::quantise_signmag(xb, m, BITS, draws, start, cb, 0);
-                }
-                None => cb.fill(0),
-            }
-        },
+        |xb, cb, m, start| signmag_block::<BITS>(xb, cb, m, draws, start),
     )
 }
 
@@ -328,8 +298,7 @@ pub unsafe fn encode_signmag_avx2<const BITS: u32>(
 fn signmag_block<const BITS: u32>(xb: &[f32], cb: &mut [u8], m: f32, d: &Draws, start: u64) {
     let levels = (1u32 << (BITS - 1)) - 1;
     let Some(l) = Levels::new(m, levels, d.key_for(start)) else {
-        cb.fill(0);
-        return scalar::quantise_signmag(xb, m, BITS, d, start, cb, 0);
+        return scalar::quantise_signmag_bytes(xb, cb, m, BITS, d, start);
     };
     let sign_bit8 = _mm256_set1_epi8((1u8 << (BITS - 1)) as i8);
     let n32 = steps32::<true>(
@@ -367,9 +336,10 @@ fn signmag_block<const BITS: u32>(xb: &[f32], cb: &mut [u8], m: f32, d: &Draws, 
             }
         },
     );
-    let rest = &mut cb[n32 * BITS as usize / 8..];
-    rest.fill(0);
-    scalar::quantise_signmag(&xb[n32..], m, BITS, d, start + n32 as u64, rest, 0);
+    if n32 < xb.len() {
+        let rest = &mut cb[n32 * BITS as usize / 8..];
+        scalar::quantise_signmag_bytes(&xb[n32..], rest, m, BITS, d, start + n32 as u64);
+    }
 }
 
 /// Natural-compression encode with AVX2 (the contract of `scalar::encode_natural`).
@@ -388,17 +358,12 @@ pub unsafe fn encode_natural_avx2(
     scalar::encode_natural_blocks(
         x,
         block,
+        draws,
         first,
         refs,
         codes,
         #[inline(always)]
-        |xb, cb, r, start| {
-            if in_one_window(start, xb.len()) {
-                natural_block(xb, cb, r, draws, start);
-            } else {
-                scalar::natural_block(xb, cb, r, draws, start);
-            }
-        },
+        |xb, cb, r, start| natural_block(xb, cb, r, draws, start),
     )
 }
 
@@ -426,7 +391,9 @@ fn natural_block(xb: &[f32], cb: &mut [u8], r: i32, d: &Draws, start: u64) {
             unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), bytes) };
         },
     );
-    scalar::natural_block(&xb[n32..], &mut cb[n32..], r, d, start + n32 as u64);
+    if n32 < xb.len() {
+        scalar::natural_block(&xb[n32..], &mut cb[n32..], r, d, start + n32 as u64);
+    }
 }
 
 /// Per-block constants of [`natural8`].
