@@ -416,3 +416,67 @@ fn payload_lengths_near_u64_max_are_refused() {
         }
     }
 }
+
+#[test]
+fn random_k_count_mismatch_is_an_error_on_every_backend() {
+    // A frame whose seed, offset and threshold select a different number of elements than
+    // its payload holds values: `decode_into` counts while it writes (one pass of draws)
+    // and must still refuse it, and `decode_add` must leave the accumulator alone. Run on
+    // every backend, since the AVX2 filter writes its indices in a different way.
+    let n = 5000;
+    let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+    let c: gradpack::CodecSpec = "randk:ratio=0.05,values=f32".parse().unwrap();
+    let ctx = gradpack::EncodeCtx::new(9).with_offset(3);
+    let good = c.encode(&x, &ctx).unwrap();
+    let h = Header::parse(&good).unwrap();
+    let payload = &good[HEADER_LEN..HEADER_LEN + h.payload_len as usize];
+    let k = payload.len() / 4;
+    let extra: Vec<u8> = payload.iter().chain(&[0, 0, 128, 63]).copied().collect();
+    let frames = [
+        (
+            "one value short",
+            payload[..payload.len() - 4].to_vec(),
+            h.seed,
+        ),
+        ("one value over", extra, h.seed),
+        ("no values", Vec::new(), h.seed),
+        ("another seed", payload.to_vec(), h.seed ^ 1),
+    ];
+    for b in gradpack::kernels::Backend::available() {
+        b.run(|| {
+            assert!(decode_all_ways(&good, n));
+            for (what, p, seed) in &frames {
+                let f = forge(
+                    CodecId::RandK as u8,
+                    h.flags & !gradpack::wire::FLAG_PAYLOAD_CRC, // no payload checksum to fix
+                    n as u64,
+                    *seed,
+                    h.offset,
+                    h.params,
+                    p,
+                );
+                let mut out = vec![0.0f32; n];
+                match gradpack::decode(&f, &mut out) {
+                    Err(Error::Corrupt { reason, .. }) => {
+                        assert!(reason.contains("select"), "{b} {what}: {reason}")
+                    }
+                    other if *what == "another seed" && other.is_ok() => {
+                        // Another seed may select exactly k elements by chance; then the
+                        // frame is valid and decodes.
+                        let mut kept = 0;
+                        assert!(out.iter().all(|v| {
+                            kept += (*v != 0.0) as usize;
+                            true
+                        }));
+                        assert!(kept <= k, "{b} {what}");
+                    }
+                    other => panic!("{b} {what}: {other:?}"),
+                }
+                assert!(
+                    !decode_all_ways(&f, n) || *what == "another seed",
+                    "{b} {what}"
+                );
+            }
+        });
+    }
+}

@@ -305,6 +305,33 @@ impl Scheme for RandK {
     fn decode_payload<const M: u8>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
         let t = h.param_u64(0);
         let k = (h.payload_len / self.values.bytes()) as usize;
+        let mismatch = |count: usize| Error::Corrupt {
+            codec: h.codec,
+            offset: crate::wire::HEADER_LEN,
+            reason: format!(
+                "seed, offset and threshold select {count} elements but the payload holds {k} values"
+            ),
+        };
+        if M == kernels::mode::WRITE && h.flags & FLAG_NONFINITE == 0 {
+            // One pass of hash draws: the selection is counted while the values are
+            // written, and a count that differs from the payload's is an error at the end
+            // (`decode_into` may leave `out` partly written on error; `decode_add` may not,
+            // so it counts first).
+            out.fill(0.0);
+            let mut values = ValueReader::new(self.values, p, k);
+            let mut count = 0;
+            for_each_kept(h.seed, h.offset, out.len(), t, |i| {
+                if count < k {
+                    out[i] = values.next_value();
+                }
+                count += 1;
+            });
+            return if count == k {
+                Ok(())
+            } else {
+                Err(mismatch(count))
+            };
+        }
         // Residual mode decodes a frame this crate has just made from `out` (the
         // error-feedback step): its count is right by construction, so the extra pass of
         // hash draws is skipped.
@@ -314,13 +341,7 @@ impl Scheme for RandK {
             for_each_kept(h.seed, h.offset, out.len(), t, |_| count += 1);
         }
         if count != k {
-            return Err(Error::Corrupt {
-                codec: h.codec,
-                offset: crate::wire::HEADER_LEN,
-                reason: format!(
-                    "seed, offset and threshold select {count} elements but the payload holds {k} values"
-                ),
-            });
+            return Err(mismatch(count));
         }
         if h.flags & FLAG_NONFINITE != 0 {
             for o in out.iter_mut() {

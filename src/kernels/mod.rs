@@ -528,7 +528,8 @@ pub fn filter_mag_ge(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
     let b = Backend::current();
     match b.kind() {
         BackendKind::Scalar => scalar::filter_mag_ge(x, t, idx),
-        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
+        // SAFETY: a Backend of kind Avx2 exists only after x86-64-v3 (AVX2, POPCNT,
+        // BMI1, ...) was detected.
         #[cfg(target_arch = "x86_64")]
         BackendKind::Avx2 => unsafe { x86_64::filter_mag_ge_avx2(x, t, idx) },
         // SAFETY: a Backend of kind Avx512 exists only after AVX-512F was detected.
@@ -587,7 +588,8 @@ pub fn filter_draw_lt(
     #[cfg(target_arch = "x86_64")]
     if b.kind() == BackendKind::Avx2 {
         let key = draws.key_for(first);
-        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
+        // SAFETY: a Backend of kind Avx2 exists only after x86-64-v3 (AVX2, POPCNT,
+        // BMI1, ...) was detected.
         return unsafe { x86_64::blocks::filter_draw_lt_avx2(first as u32, key, t as u32, n, idx) };
     }
     simd(

@@ -709,8 +709,9 @@ fn natural_decode8(c: __m256i, off: i32) -> __m256 {
 /// (indices `i < n` with `lowbias32(first + i ^ key) < t`, ascending).
 ///
 /// # Safety
-/// The CPU must support AVX2.
-#[target_feature(enable = "avx2")]
+/// The CPU must support AVX2, POPCNT and BMI1 (the x86-64-v3 level that the `Avx2`
+/// backend detects).
+#[target_feature(enable = "avx2,popcnt,bmi1")]
 pub unsafe fn filter_draw_lt_avx2(
     first: u32,
     key: u32,
@@ -722,21 +723,25 @@ pub unsafe fn filter_draw_lt_avx2(
     let tv = _mm256_set1_epi32((t ^ 0x8000_0000) as i32);
     let flip = _mm256_set1_epi32(SIGN);
     let kv = _mm256_set1_epi32(key as i32);
-    let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    super::super::portable::compress_masks(n, idx, |done, len| {
-        let at = first.wrapping_add(done as u32);
+    let eight = _mm256_set1_epi32(8);
+    let mut i = first_indices(first as u64);
+    // Below a keep rate of 2^-9 most groups of 64 keep nothing, and a branch that skips
+    // them is predicted right.
+    let rare = t < 1 << 23;
+    super::compress_masks_avx2(n, idx, rare, |done, len| {
         if len < 64 {
+            let at = first.wrapping_add(done as u32);
             return (0..len).fold(0u64, |m, j| {
                 let h = crate::rng::lowbias32(at.wrapping_add(j as u32) ^ key);
                 m | ((h < t) as u64) << j
             });
         }
         let mut m = 0u64;
-        for q in 0..8u32 {
-            let i = _mm256_add_epi32(_mm256_set1_epi32(at.wrapping_add(8 * q) as i32), lanes);
+        for q in 0..8 {
             let h = _mm256_xor_si256(lowbias32x8(_mm256_xor_si256(i, kv)), flip);
-            let lt = _mm256_cmpgt_epi32(tv, h);
-            m |= (_mm256_movemask_ps(_mm256_castsi256_ps(lt)) as u8 as u64) << (8 * q);
+            let lt = _mm256_castsi256_ps(_mm256_cmpgt_epi32(tv, h));
+            m |= (_mm256_movemask_ps(lt) as u8 as u64) << (8 * q);
+            i = _mm256_add_epi32(i, eight);
         }
         m
     })
