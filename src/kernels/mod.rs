@@ -528,8 +528,7 @@ pub fn filter_mag_ge(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
     let b = Backend::current();
     match b.kind() {
         BackendKind::Scalar => scalar::filter_mag_ge(x, t, idx),
-        // SAFETY: a Backend of kind Avx2 exists only after x86-64-v3 (AVX2, POPCNT,
-        // BMI1, ...) was detected.
+        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
         #[cfg(target_arch = "x86_64")]
         BackendKind::Avx2 => unsafe { x86_64::filter_mag_ge_avx2(x, t, idx) },
         // SAFETY: a Backend of kind Avx512 exists only after AVX-512F was detected.
