@@ -341,6 +341,17 @@ fn every_backend_filters_like_the_oracle() {
                         })
                     });
                     assert!(got == want, "filter_draw_lt on {b}: first {first} t {t:#x}");
+                    let count = b.run(|| gradpack::kernels::count_draw_lt(&draws, first, t, n));
+                    assert_eq!(count, want.len(), "count_draw_lt on {b}: first {first}");
+                    // Every tail length of the 16-lane steps, and past the lane counters'
+                    // reduction at 2^16 steps.
+                    for n in (0..40).chain([(1 << 20) + 37]) {
+                        assert_eq!(
+                            b.run(|| gradpack::kernels::count_draw_lt(&draws, first, t, n)),
+                            scalar::count_draw_lt(&draws, first, t, n),
+                            "count_draw_lt on {b}: first {first} t {t:#x} n {n}"
+                        );
+                    }
                 }
             }
         }

@@ -337,8 +337,8 @@ impl Scheme for RandK {
         // hash draws is skipped.
         let mut count = k;
         if M != kernels::mode::RESIDUAL {
-            count = 0;
-            for_each_kept(h.seed, h.offset, out.len(), t, |_| count += 1);
+            let d = Draws::new(h.seed, STREAM_SELECT, h.offset);
+            count = kernels::count_draw_lt(&d, h.offset, t, out.len());
         }
         if count != k {
             return Err(mismatch(count));

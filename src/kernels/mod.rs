@@ -24,6 +24,8 @@ mod x86_64;
 pub use backend::{Backend, BackendKind};
 pub use scalar::{mode, residual_of};
 
+use core::marker::PhantomData;
+
 use crate::rng::Draws;
 use scalar::Round;
 
@@ -97,6 +99,8 @@ simd_op!(FilterMagGe { x: &'a [f32], t: u32, idx: &'a mut [u32] } -> (usize, usi
     = portable::filter_mag_ge(x, t, idx));
 simd_op!(FilterDrawLt { first: u32, key: u32, t: u32, n: usize, idx: &'a mut [u32] }
     -> (usize, usize) = portable::filter_draw_lt(first, key, t, n, idx));
+simd_op!(CountDrawLt { first: u32, key: u32, t: u32, n: usize, _l: PhantomData<&'a ()> }
+    -> usize = portable::count_draw_lt(first, key, t, n));
 
 simd_op!(FeedbackForm { r: &'a mut [f32], g: &'a [f32], beta: f32, gamma: f32 } -> ()
     = scalar::feedback_form(r, g, beta, gamma));
@@ -601,4 +605,46 @@ pub fn filter_draw_lt(
             idx,
         },
     )
+}
+
+/// How many `i < n` have `draws.draw(first + i) < t` (`t <= 2^32`): the size of
+/// [`filter_draw_lt`]'s selection without its indices (random-k's check that a frame's
+/// selection matches its payload, before `decode_add` touches the accumulator).
+/// `first + n` must not overflow u64.
+pub fn count_draw_lt(draws: &Draws, first: u64, t: u64, n: usize) -> usize {
+    let b = Backend::current();
+    if b.kind() == BackendKind::Scalar {
+        return scalar::count_draw_lt(draws, first, t, n);
+    }
+    if t > u32::MAX as u64 {
+        // Every draw is below 2^32.
+        return n;
+    }
+    let (mut count, mut done) = (0, 0);
+    while done < n {
+        // One 2^32 index window (one key) at a time.
+        let at = first + done as u64;
+        let to_window_end = (1u64 << 32) - (at & 0xFFFF_FFFF);
+        let m = ((n - done) as u64).min(to_window_end) as usize;
+        let key = draws.key_for(at);
+        count += match b.kind() {
+            // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
+            #[cfg(target_arch = "x86_64")]
+            BackendKind::Avx2 => unsafe {
+                x86_64::blocks::count_draw_lt_avx2(at as u32, key, t as u32, m)
+            },
+            _ => simd(
+                b,
+                CountDrawLt {
+                    first: at as u32,
+                    key,
+                    t: t as u32,
+                    n: m,
+                    _l: PhantomData,
+                },
+            ),
+        };
+        done += m;
+    }
+    count
 }

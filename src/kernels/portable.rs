@@ -739,6 +739,16 @@ pub fn filter_draw_lt(first: u32, key: u32, t: u32, n: usize, idx: &mut [u32]) -
     })
 }
 
+/// How many `i < n` have `lowbias32(first as u32 + i ^ key) < t` (see
+/// `super::count_draw_lt`; the caller keeps the range inside one 2^32 window). A loop
+/// without branches, which the vectoriser turns into lane counters.
+#[inline(always)]
+pub fn count_draw_lt(first: u32, key: u32, t: u32, n: usize) -> usize {
+    (0..n)
+        .map(|i| (lowbias32(first.wrapping_add(i as u32) ^ key) < t) as usize)
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1051,6 +1051,14 @@ pub fn filter_draw_lt(
     filter(n, idx, |i| (draws.draw(first + i as u64) as u64) < t)
 }
 
+/// The oracle of `kernels::count_draw_lt`: how many `i < n` have
+/// `draws.draw(first + i) < t`.
+pub fn count_draw_lt(draws: &Draws, first: u64, t: u64, n: usize) -> usize {
+    (0..n as u64)
+        .filter(|&i| (draws.draw(first + i) as u64) < t)
+        .count()
+}
+
 #[inline]
 fn filter(n: usize, idx: &mut [u32], keep: impl Fn(usize) -> bool) -> (usize, usize) {
     let groups = idx.len() / 64;

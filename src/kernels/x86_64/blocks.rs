@@ -747,6 +747,46 @@ pub unsafe fn filter_draw_lt_avx2(
     })
 }
 
+/// Counts the draws below `t` with AVX2: `portable::count_draw_lt`'s contract (how many
+/// `i < n` have `lowbias32(first + i ^ key) < t`), 16 elements per step in two lane
+/// counters.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn count_draw_lt_avx2(first: u32, key: u32, t: u32, n: usize) -> usize {
+    let tv = _mm256_set1_epi32((t ^ 0x8000_0000) as i32);
+    let flip = _mm256_set1_epi32(SIGN);
+    let kv = _mm256_set1_epi32(key as i32);
+    let sixteen = _mm256_set1_epi32(16);
+    let mut i = first_indices(first as u64);
+    let mut j = _mm256_add_epi32(i, _mm256_set1_epi32(8));
+    let below = |i: __m256i| {
+        let h = _mm256_xor_si256(lowbias32x8(_mm256_xor_si256(i, kv)), flip);
+        _mm256_cmpgt_epi32(tv, h)
+    };
+    let mut total = 0usize;
+    let mut done = 0;
+    // Each lane counter takes at most 2^16 steps of 1 between reductions (no overflow).
+    while n - done >= 16 {
+        let steps = ((n - done) / 16).min(1 << 16);
+        let (mut c0, mut c1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+        for _ in 0..steps {
+            // A kept lane compares to -1.
+            c0 = _mm256_sub_epi32(c0, below(i));
+            c1 = _mm256_sub_epi32(c1, below(j));
+            i = _mm256_add_epi32(i, sixteen);
+            j = _mm256_add_epi32(j, sixteen);
+        }
+        let mut lanes = [0u32; 8];
+        // SAFETY: `lanes` is 32 bytes, one unaligned __m256i.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), _mm256_add_epi32(c0, c1)) };
+        total += lanes.iter().map(|&c| c as usize).sum::<usize>();
+        done += 16 * steps;
+    }
+    total + super::super::portable::count_draw_lt(first.wrapping_add(done as u32), key, t, n - done)
+}
+
 /// f32 to bfloat16 with AVX2 (`scalar::f32_to_bf16`: round to nearest even, NaN quieted),
 /// 16 elements per step. Returns whether any input was NaN or ±Inf. Writes
 /// `2 * min(x.len(), out.len() / 2)` bytes.
