@@ -312,38 +312,21 @@ impl Scheme for RandK {
                 "seed, offset and threshold select {count} elements but the payload holds {k} values"
             ),
         };
-        if M == kernels::mode::WRITE && h.flags & FLAG_NONFINITE == 0 {
-            // One pass of hash draws: the selection is counted while the values are
-            // written, and a count that differs from the payload's is an error at the end
-            // (`decode_into` may leave `out` partly written on error; `decode_add` may not,
-            // so it counts first).
-            out.fill(0.0);
-            let mut values = ValueReader::new(self.values, p, k);
-            let mut count = 0;
-            for_each_kept(h.seed, h.offset, out.len(), t, |i| {
-                if count < k {
-                    out[i] = values.next_value();
-                }
-                count += 1;
-            });
-            return if count == k {
-                Ok(())
-            } else {
-                Err(mismatch(count))
-            };
-        }
-        // Residual mode decodes a frame this crate has just made from `out` (the
-        // error-feedback step): its count is right by construction, so the extra pass of
-        // hash draws is skipped.
-        let mut count = k;
-        if M != kernels::mode::RESIDUAL {
+        let nonfinite = h.flags & FLAG_NONFINITE != 0;
+        // The selection must hold exactly `k` elements. Writing counts it in the same pass
+        // of hash draws and checks at the end (`decode_into` may leave `out` partly written
+        // on error). `decode_add` may not touch `out` on error, and a non-finite frame
+        // writes no values, so both count first. Residual mode decodes a frame this crate
+        // has just made from `out` (the error-feedback step): its count is right by
+        // construction.
+        if M == kernels::mode::ADD || (M == kernels::mode::WRITE && nonfinite) {
             let d = Draws::new(h.seed, STREAM_SELECT, h.offset);
-            count = kernels::count_draw_lt(&d, h.offset, t, out.len());
+            let count = kernels::count_draw_lt(&d, h.offset, t, out.len());
+            if count != k {
+                return Err(mismatch(count));
+            }
         }
-        if count != k {
-            return Err(mismatch(count));
-        }
-        if h.flags & FLAG_NONFINITE != 0 {
+        if nonfinite {
             for o in out.iter_mut() {
                 put::<M>(o, CANONICAL_NAN);
             }
@@ -351,9 +334,16 @@ impl Scheme for RandK {
         }
         sparse_prepare::<M>(h, out);
         let mut values = ValueReader::new(self.values, p, k);
+        let mut count = 0;
         for_each_kept(h.seed, h.offset, out.len(), t, |i| {
-            put::<M>(&mut out[i], values.next_value());
+            if count < k {
+                put::<M>(&mut out[i], values.next_value());
+            }
+            count += 1;
         });
+        if count != k {
+            return Err(mismatch(count));
+        }
         Ok(())
     }
 

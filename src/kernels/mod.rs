@@ -586,8 +586,7 @@ pub fn filter_draw_lt(
         return (m, m);
     }
     // Keep each call inside one 2^32 index window (one key).
-    let to_window_end = (1u64 << 32) - (first & 0xFFFF_FFFF);
-    let n = (n as u64).min(to_window_end) as usize;
+    let n = in_window(first, n);
     #[cfg(target_arch = "x86_64")]
     if b.kind() == BackendKind::Avx2 {
         let key = draws.key_for(first);
@@ -624,8 +623,7 @@ pub fn count_draw_lt(draws: &Draws, first: u64, t: u64, n: usize) -> usize {
     while done < n {
         // One 2^32 index window (one key) at a time.
         let at = first + done as u64;
-        let to_window_end = (1u64 << 32) - (at & 0xFFFF_FFFF);
-        let m = ((n - done) as u64).min(to_window_end) as usize;
+        let m = in_window(at, n - done);
         let key = draws.key_for(at);
         count += match b.kind() {
             // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
@@ -647,4 +645,11 @@ pub fn count_draw_lt(draws: &Draws, first: u64, t: u64, n: usize) -> usize {
         done += m;
     }
     count
+}
+
+/// How many of the `n` indices from `first` lie in `first`'s 2^32 index window (they share
+/// one hash key).
+fn in_window(first: u64, n: usize) -> usize {
+    let to_window_end = (1u64 << 32) - (first & 0xFFFF_FFFF);
+    (n as u64).min(to_window_end) as usize
 }

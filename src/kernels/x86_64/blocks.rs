@@ -33,6 +33,32 @@ fn lowbias32x8(x: __m256i) -> __m256i {
     _mm256_xor_si256(x, _mm256_srli_epi32::<16>(x))
 }
 
+/// The draw test of random-k on 8 lanes: `lowbias32(i ^ key) < t` for lanes of indices
+/// `i`, as lane masks (-1 where the element is kept).
+struct DrawsBelow {
+    key: __m256i,
+    /// `t` with its top bit flipped: the unsigned compare as a signed one.
+    t: __m256i,
+}
+
+impl DrawsBelow {
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn new(key: u32, t: u32) -> DrawsBelow {
+        DrawsBelow {
+            key: _mm256_set1_epi32(key as i32),
+            t: _mm256_set1_epi32((t ^ 0x8000_0000) as i32),
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn mask(&self, i: __m256i) -> __m256i {
+        let h = lowbias32x8(_mm256_xor_si256(i, self.key));
+        _mm256_cmpgt_epi32(self.t, _mm256_xor_si256(h, _mm256_set1_epi32(SIGN)))
+    }
+}
+
 /// 32 lanes of small integers (elements 0..8 in `a`, 8..16 in `b`, ...) narrowed to 32
 /// bytes in element order: signed saturation when `SIGNED` (int8 codes in [-127, 127]),
 /// else unsigned (codes in [0, 255]).
@@ -719,10 +745,7 @@ pub unsafe fn filter_draw_lt_avx2(
     n: usize,
     idx: &mut [u32],
 ) -> (usize, usize) {
-    // Unsigned `h < t` as a signed compare with both sides' top bits flipped.
-    let tv = _mm256_set1_epi32((t ^ 0x8000_0000) as i32);
-    let flip = _mm256_set1_epi32(SIGN);
-    let kv = _mm256_set1_epi32(key as i32);
+    let below = DrawsBelow::new(key, t);
     let eight = _mm256_set1_epi32(8);
     let mut i = first_indices(first as u64);
     // Below a keep rate of 2^-9 most groups of 64 keep nothing, and a branch that skips
@@ -738,9 +761,8 @@ pub unsafe fn filter_draw_lt_avx2(
         }
         let mut m = 0u64;
         for q in 0..8 {
-            let h = _mm256_xor_si256(lowbias32x8(_mm256_xor_si256(i, kv)), flip);
-            let lt = _mm256_castsi256_ps(_mm256_cmpgt_epi32(tv, h));
-            m |= (_mm256_movemask_ps(lt) as u8 as u64) << (8 * q);
+            let kept = _mm256_castsi256_ps(below.mask(i));
+            m |= (_mm256_movemask_ps(kept) as u8 as u64) << (8 * q);
             i = _mm256_add_epi32(i, eight);
         }
         m
@@ -755,16 +777,10 @@ pub unsafe fn filter_draw_lt_avx2(
 /// The CPU must support AVX2.
 #[target_feature(enable = "avx2")]
 pub unsafe fn count_draw_lt_avx2(first: u32, key: u32, t: u32, n: usize) -> usize {
-    let tv = _mm256_set1_epi32((t ^ 0x8000_0000) as i32);
-    let flip = _mm256_set1_epi32(SIGN);
-    let kv = _mm256_set1_epi32(key as i32);
+    let below = DrawsBelow::new(key, t);
     let sixteen = _mm256_set1_epi32(16);
     let mut i = first_indices(first as u64);
     let mut j = _mm256_add_epi32(i, _mm256_set1_epi32(8));
-    let below = |i: __m256i| {
-        let h = _mm256_xor_si256(lowbias32x8(_mm256_xor_si256(i, kv)), flip);
-        _mm256_cmpgt_epi32(tv, h)
-    };
     let mut total = 0usize;
     let mut done = 0;
     // Each lane counter takes at most 2^16 steps of 1 between reductions (no overflow).
@@ -773,8 +789,8 @@ pub unsafe fn count_draw_lt_avx2(first: u32, key: u32, t: u32, n: usize) -> usiz
         let (mut c0, mut c1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
         for _ in 0..steps {
             // A kept lane compares to -1.
-            c0 = _mm256_sub_epi32(c0, below(i));
-            c1 = _mm256_sub_epi32(c1, below(j));
+            c0 = _mm256_sub_epi32(c0, below.mask(i));
+            c1 = _mm256_sub_epi32(c1, below.mask(j));
             i = _mm256_add_epi32(i, sixteen);
             j = _mm256_add_epi32(j, sixteen);
         }
