@@ -327,14 +327,17 @@ impl CodecSpec {
     /// | identity | 0 |
     /// | fp16 | `2^-11 absmax + 2^-25` (half an ulp; the constant is half the smallest subnormal) |
     /// | bf16 | `2^-8 absmax + 2^-134` (half an ulp; the constant is half the smallest bf16 subnormal) |
-    /// | int8 nearest / stochastic | `absmax / 254` / `absmax / 127` (half a step / a step) |
-    /// | qsgd | `sqrt(block) absmax / s`: below one step of a block L2 norm |
+    /// | int8 nearest / stochastic | `absmax / 254` / `absmax / 127` (half a step / a step), plus `2^-22 absmax` |
+    /// | qsgd | `sqrt(block) absmax / s`: below one step of a block L2 norm, plus `2^-22 absmax` |
     /// | sign | `2 absmax`: `x` and `±mean|x|` differ by at most `|x| + mean|x|` |
     /// | ternary, natural, top-k, random-k (`scale=none`) | `absmax` (a dropped element, or a power-of-two neighbour) |
     /// | random-k (`scale=unbiased`) | `(1 + 2^-11) absmax / ratio` (`2^-8` with bf16 values) |
     ///
-    /// A relative slack of `2^-20` covers the f32 arithmetic of the scales, and int8 and
-    /// qsgd add `2^-142` for steps in the subnormal range (which lose relative precision). The bound
+    /// A relative slack of `2^-20` covers the f32 arithmetic of the scales. int8 and qsgd
+    /// add `2^-22 absmax` for the f32 rounding of the step, of `x / step` and of the
+    /// decoded `q * step` (each up to `2^-24` of a value below `absmax`, far more than
+    /// `2^-20` of a half step), and `2^-142` for steps in the subnormal range (which lose
+    /// relative precision). The bound
     /// assumes no overflow: it is infinite when `absmax` exceeds the largest finite value
     /// of the codec's element type (65504 for fp16 and fp16-valued top-k / random-k, the
     /// bf16 maximum for bf16 and bf16-valued ones), and
@@ -388,7 +391,12 @@ impl CodecSpec {
         if a > max || !a.is_finite() {
             return f64::INFINITY;
         }
-        (factor * a + add) * (1.0 + 2f64.powi(-20))
+        // The f32 rounding of a quantised value, its step and its level.
+        let rounding = match self {
+            CodecSpec::Int8(_) | CodecSpec::Qsgd(_) => 2f64.powi(-22) * a,
+            _ => 0.0,
+        };
+        (factor * a + add + rounding) * (1.0 + 2f64.powi(-20))
     }
 
     /// True when the decoded value is an unbiased estimate of the input.
