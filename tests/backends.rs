@@ -333,7 +333,13 @@ fn every_backend_filters_like_the_oracle() {
                 for t in [0u64, 1, 1 << 25, 1 << 31, u32::MAX as u64, 1 << 32] {
                     let n = 1000;
                     let want = filter_all(n, cap, |p, i| {
-                        scalar::filter_draw_lt(&draws, first + p as u64, t, n - p, i)
+                        gradpack::kernels::scalar::filter_draw_lt(
+                            &draws,
+                            first + p as u64,
+                            t,
+                            n - p,
+                            i,
+                        )
                     });
                     let got = b.run(|| {
                         filter_all(n, cap, |p, i| {
@@ -353,6 +359,70 @@ fn every_backend_filters_like_the_oracle() {
                         );
                     }
                 }
+            }
+        }
+    }
+}
+
+/// `draw_masks` and `for_each_draw_lt_exactly` (random-k's `decode_add`) against the
+/// oracle on every backend: every tail length of the 64-element entries, a range across a
+/// 2^32 index window, and selections longer than the stored masks.
+#[test]
+fn draw_masks_and_checked_selection_match_the_oracle() {
+    use gradpack::kernels::{STORED_MASK_ELEMENTS, draw_masks, for_each_draw_lt_exactly};
+    const SENTINEL: u64 = 0xA5A5_A5A5_A5A5_A5A5;
+    let draws = gradpack::rng::Draws::new(99, 5, 0);
+    let masks_on = |b: Backend, first: u64, t: u64, n: usize| {
+        let mut m = vec![SENTINEL; n.div_ceil(64) + 2];
+        let count = b.run(|| draw_masks(&draws, first, t, n, &mut m));
+        (m, count)
+    };
+    let mut backends = simd_backends();
+    backends.push(Backend::scalar());
+    for &b in &backends {
+        for first in [0u64, 7, 64, (1 << 32) - 100, (1 << 32) - 64] {
+            for t in [0u64, 1, 1 << 22, 1 << 25, 1 << 31, u32::MAX as u64, 1 << 32] {
+                for n in (0..140).chain([1000, 4099]) {
+                    let (got, count) = masks_on(b, first, t, n);
+                    let words = n.div_ceil(64);
+                    let want: Vec<u64> = (0..words)
+                        .map(|w| {
+                            (0..(n - 64 * w).min(64)).fold(0u64, |m, j| {
+                                let i = first + (64 * w + j) as u64;
+                                m | (((draws.draw(i) as u64) < t) as u64) << j
+                            })
+                        })
+                        .collect();
+                    let ctx = format!("draw_masks on {b}: first {first} t {t:#x} n {n}");
+                    assert_eq!(got[..words], want[..], "{ctx}");
+                    assert_eq!(got[words..], [SENTINEL; 2], "{ctx}: wrote past the masks");
+                    let ones: usize = want.iter().map(|m| m.count_ones() as usize).sum();
+                    assert_eq!(count, ones, "{ctx}");
+                }
+            }
+        }
+        // Past the stored masks, in a window that ends inside the selection.
+        for (first, t) in [(3u64, 1u64 << 25), ((1 << 32) - 70_000, 1 << 28)] {
+            let n = STORED_MASK_ELEMENTS + 4099;
+            let want = filter_all(n, 1024, |p, i| {
+                gradpack::kernels::scalar::filter_draw_lt(&draws, first + p as u64, t, n - p, i)
+            });
+            let mut got = Vec::new();
+            let ok = b.run(|| {
+                for_each_draw_lt_exactly(&draws, first, t, n, want.len(), |i| got.push(i as u64))
+            });
+            assert_eq!(ok, Ok(()), "for_each_draw_lt_exactly on {b}: first {first}");
+            assert!(
+                got == want,
+                "for_each_draw_lt_exactly on {b}: first {first}"
+            );
+            for wrong in [want.len() - 1, want.len() + 1, 0] {
+                let mut called = false;
+                let r = b.run(|| {
+                    for_each_draw_lt_exactly(&draws, first, t, n, wrong, |_| called = true)
+                });
+                assert_eq!(r, Err(want.len()), "on {b}: expecting {wrong}");
+                assert!(!called, "on {b}: called with a count of {wrong}");
             }
         }
     }

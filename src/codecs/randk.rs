@@ -313,14 +313,21 @@ impl Scheme for RandK {
             ),
         };
         let nonfinite = h.flags & FLAG_NONFINITE != 0;
+        let d = Draws::new(h.seed, STREAM_SELECT, h.offset);
         // The selection must hold exactly `k` elements. Writing counts it in the same pass
         // of hash draws and checks at the end (`decode_into` may leave `out` partly written
         // on error). `decode_add` may not touch `out` on error, and a non-finite frame
-        // writes no values, so both count first. Residual mode decodes a frame this crate
-        // has just made from `out` (the error-feedback step): its count is right by
+        // writes no values, so both count first; `for_each_draw_lt_exactly` keeps the
+        // keep masks of its counting pass for the adds. Residual mode decodes a frame this
+        // crate has just made from `out` (the error-feedback step): its count is right by
         // construction.
-        if M == kernels::mode::ADD || (M == kernels::mode::WRITE && nonfinite) {
-            let d = Draws::new(h.seed, STREAM_SELECT, h.offset);
+        if M == kernels::mode::ADD && !nonfinite {
+            let n = out.len();
+            let mut values = ValueReader::new(self.values, p, k);
+            let add = |i: usize| put::<M>(&mut out[i], values.next_value());
+            return kernels::for_each_draw_lt_exactly(&d, h.offset, t, n, k, add).map_err(mismatch);
+        }
+        if nonfinite && M != kernels::mode::RESIDUAL {
             let count = kernels::count_draw_lt(&d, h.offset, t, out.len());
             if count != k {
                 return Err(mismatch(count));

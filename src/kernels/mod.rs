@@ -25,6 +25,7 @@ pub use backend::{Backend, BackendKind};
 pub use scalar::{mode, residual_of};
 
 use core::marker::PhantomData;
+use core::mem::MaybeUninit;
 
 use crate::rng::Draws;
 use scalar::Round;
@@ -99,6 +100,8 @@ simd_op!(FilterMagGe { x: &'a [f32], t: u32, idx: &'a mut [u32] } -> (usize, usi
     = portable::filter_mag_ge(x, t, idx));
 simd_op!(FilterDrawLt { first: u32, key: u32, t: u32, n: usize, idx: &'a mut [u32] }
     -> (usize, usize) = portable::filter_draw_lt(first, key, t, n, idx));
+simd_op!(DrawMasks { first: u32, key: u32, t: u32, n: usize, masks: &'a mut [MaybeUninit<u64>] }
+    -> usize = portable::draw_masks(first, key, t, n, masks));
 simd_op!(CountDrawLt { first: u32, key: u32, t: u32, n: usize, _l: PhantomData<&'a ()> }
     -> usize = portable::count_draw_lt(first, key, t, n));
 
@@ -645,6 +648,130 @@ pub fn count_draw_lt(draws: &Draws, first: u64, t: u64, n: usize) -> usize {
         done += m;
     }
     count
+}
+
+/// Keep masks of hash draws: writes the first `n.div_ceil(64)` entries of `masks`, bit
+/// `i % 64` of entry `i / 64` set when `draws.draw(first + i) < t` (`t <= 2^32`), for
+/// `i < n` (the bits past `n` are 0). Returns how many bits are set, the count of
+/// [`count_draw_lt`]. `first + n` must not overflow u64.
+///
+/// # Panics
+/// If `masks` is shorter than `n.div_ceil(64)`.
+pub fn draw_masks(draws: &Draws, first: u64, t: u64, n: usize, masks: &mut [u64]) -> usize {
+    // SAFETY: `MaybeUninit<u64>` has the layout of `u64`, and `draw_masks_into` only
+    // writes initialised values through it, so `masks` stays initialised.
+    let masks = unsafe { &mut *(core::ptr::from_mut(masks) as *mut [MaybeUninit<u64>]) };
+    draw_masks_into(draws, first, t, n, masks)
+}
+
+/// [`draw_masks`] into storage that need not be initialised; the entries it covers are
+/// written.
+fn draw_masks_into(
+    draws: &Draws,
+    first: u64,
+    t: u64,
+    n: usize,
+    masks: &mut [MaybeUninit<u64>],
+) -> usize {
+    assert!(
+        masks.len() >= n.div_ceil(64),
+        "{} mask entries for {n} elements",
+        masks.len()
+    );
+    let b = Backend::current();
+    // The oracle also takes a range across a 2^32 index window (two keys), which happens
+    // once in 2^32 elements.
+    if b.kind() == BackendKind::Scalar || in_window(first, n) < n {
+        return scalar::draw_masks(draws, first, t, n, masks);
+    }
+    if t > u32::MAX as u64 {
+        // Every draw is below 2^32.
+        for (w, slot) in masks[..n.div_ceil(64)].iter_mut().enumerate() {
+            slot.write(u64::MAX >> (64 - (n - 64 * w).min(64)));
+        }
+        return n;
+    }
+    let (first, key, t) = (first as u32, draws.key_for(first), t as u32);
+    match b.kind() {
+        // SAFETY: a Backend of kind Avx2 exists only after x86-64-v3 (AVX2, POPCNT, ...)
+        // was detected.
+        #[cfg(target_arch = "x86_64")]
+        BackendKind::Avx2 => unsafe { x86_64::blocks::draw_masks_avx2(first, key, t, n, masks) },
+        _ => simd(
+            b,
+            DrawMasks {
+                first,
+                key,
+                t,
+                n,
+                masks,
+            },
+        ),
+    }
+}
+
+/// Elements whose keep masks [`for_each_draw_lt_exactly`] keeps on the stack (32 KiB of
+/// masks); past them it draws twice.
+pub const STORED_MASK_ELEMENTS: usize = 1 << 18;
+
+/// Calls `f(i)` for each `i < n`, ascending, with `draws.draw(first + i) < t`
+/// (`t <= 2^32`), but only once it has checked that there are exactly `expect` of them;
+/// otherwise returns `Err(count)` without calling `f`. `first + n` must not overflow u64.
+///
+/// This is random-k's `decode_add`: the accumulator may change only once the frame's
+/// selection is known to match its payload. The keep masks of the first
+/// [`STORED_MASK_ELEMENTS`] elements are kept on the stack from the counting pass, so those
+/// are hashed once; the rest are hashed twice (counted, then filtered).
+pub fn for_each_draw_lt_exactly(
+    draws: &Draws,
+    first: u64,
+    t: u64,
+    n: usize,
+    expect: usize,
+    mut f: impl FnMut(usize),
+) -> Result<(), usize> {
+    let mut stored = [MaybeUninit::<u64>::uninit(); STORED_MASK_ELEMENTS / 64];
+    let pre = n.min(STORED_MASK_ELEMENTS);
+    let words = pre.div_ceil(64);
+    let mut count = draw_masks_into(draws, first, t, pre, &mut stored[..words]);
+    count += count_draw_lt(draws, first + pre as u64, t, n - pre);
+    if count != expect {
+        return Err(count);
+    }
+    // SAFETY: `draw_masks_into` wrote the first `words` entries, and `MaybeUninit<u64>`
+    // has the layout of `u64`.
+    let masks = unsafe { &*(core::ptr::from_ref(&stored[..words]) as *const [u64]) };
+    let rare = rare_keep(t);
+    for_each_filtered(
+        pre,
+        |pos, idx| compress_stored_masks(&masks[pos / 64..], pre - pos, idx, rare),
+        &mut f,
+    );
+    let rest = |pos: usize, idx: &mut [u32]| {
+        filter_draw_lt(draws, first + (pre + pos) as u64, t, n - pre - pos, idx)
+    };
+    for_each_filtered(n - pre, rest, |i| f(pre + i));
+    Ok(())
+}
+
+/// The indices of the set bits of `masks` (bit `i % 64` of entry `i / 64`, for `i < n`),
+/// written to `idx` as a filter writes its own: returns `(consumed, written)`, consuming
+/// whole entries but at the end. `rare` says most entries are 0.
+fn compress_stored_masks(masks: &[u64], n: usize, idx: &mut [u32], rare: bool) -> (usize, usize) {
+    #[cfg(target_arch = "x86_64")]
+    if Backend::current().kind() == BackendKind::Avx2 {
+        // SAFETY: a Backend of kind Avx2 exists only after x86-64-v3 (AVX2, POPCNT, BMI1,
+        // ...) was detected.
+        return unsafe { x86_64::compress_stored_masks_avx2(masks, n, idx, rare) };
+    }
+    let _ = rare;
+    portable::compress_masks(n, idx, |done, _| masks[done / 64])
+}
+
+/// Whether a draw threshold `t` keeps so few elements (below 2^-9) that most groups of 64
+/// keep nothing, and a branch that skips them is predicted right.
+pub(crate) fn rare_keep(t: u64) -> bool {
+    t < 1 << 23
 }
 
 /// How many of the `n` indices from `first` lie in `first`'s 2^32 index window (they share

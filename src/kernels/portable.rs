@@ -7,6 +7,8 @@
 //! contracts `a * b + c` into an FMA), and sums keep the oracle's 16-lane order.
 
 use super::scalar::{self, INF_BITS, Round, max_abs_bits, put};
+use core::mem::MaybeUninit;
+
 use crate::rng::{Draws, lowbias32};
 
 const ABS: u32 = 0x7FFF_FFFF;
@@ -712,16 +714,20 @@ pub(super) fn compress_masks(
     (done, count)
 }
 
-/// [`compress_masks`] on per-element flags `flag(i)`, packed branch-free.
+/// The mask of `len <= 64` per-element flags `flag(j)`, packed branch-free.
+#[inline(always)]
+fn flag_mask(len: usize, flag: impl Fn(usize) -> bool) -> u64 {
+    let mut flags = [0u8; 64];
+    for (j, f) in flags[..len].iter_mut().enumerate() {
+        *f = flag(j) as u8;
+    }
+    pack_flags(&flags)
+}
+
+/// [`compress_masks`] on per-element flags `flag(i)`.
 #[inline(always)]
 fn compress(n: usize, idx: &mut [u32], flag: impl Fn(usize) -> bool) -> (usize, usize) {
-    compress_masks(n, idx, |done, len| {
-        let mut flags = [0u8; 64];
-        for (j, f) in flags[..len].iter_mut().enumerate() {
-            *f = flag(done + j) as u8;
-        }
-        pack_flags(&flags)
-    })
+    compress_masks(n, idx, |done, len| flag_mask(len, |j| flag(done + j)))
 }
 
 /// Indices of the elements with `|x|` bit pattern `>= t` (see `super::filter_mag_ge`).
@@ -747,6 +753,22 @@ pub fn count_draw_lt(first: u32, key: u32, t: u32, n: usize) -> usize {
     (0..n)
         .map(|i| (lowbias32(first.wrapping_add(i as u32) ^ key) < t) as usize)
         .sum()
+}
+
+/// Keep masks of `lowbias32(first as u32 + i ^ key) < t` for `i < n` (see
+/// `super::draw_masks`; the caller keeps the range inside one 2^32 window).
+#[inline(always)]
+pub fn draw_masks(first: u32, key: u32, t: u32, n: usize, masks: &mut [MaybeUninit<u64>]) -> usize {
+    let mut count = 0;
+    for (w, slot) in masks[..n.div_ceil(64)].iter_mut().enumerate() {
+        let at = first.wrapping_add(64 * w as u32);
+        let m = flag_mask((n - 64 * w).min(64), |j| {
+            lowbias32(at.wrapping_add(j as u32) ^ key) < t
+        });
+        count += m.count_ones() as usize;
+        slot.write(m);
+    }
+    count
 }
 
 #[cfg(test)]

@@ -1059,6 +1059,28 @@ pub fn count_draw_lt(draws: &Draws, first: u64, t: u64, n: usize) -> usize {
         .count()
 }
 
+/// The oracle of `kernels::draw_masks`: writes the first `n.div_ceil(64)` entries of
+/// `masks`, bit `b` of entry `w` set when element `i = 64 w + b < n` has
+/// `draws.draw(first + i) < t`; returns how many bits are set.
+pub fn draw_masks(
+    draws: &Draws,
+    first: u64,
+    t: u64,
+    n: usize,
+    masks: &mut [core::mem::MaybeUninit<u64>],
+) -> usize {
+    let mut count = 0;
+    for (w, slot) in masks[..n.div_ceil(64)].iter_mut().enumerate() {
+        let at = 64 * w;
+        let m = (0..(n - at).min(64))
+            .filter(|&b| (draws.draw(first + (at + b) as u64) as u64) < t)
+            .fold(0u64, |m, b| m | 1 << b);
+        count += m.count_ones() as usize;
+        slot.write(m);
+    }
+    count
+}
+
 #[inline]
 fn filter(n: usize, idx: &mut [u32], keep: impl Fn(usize) -> bool) -> (usize, usize) {
     let groups = idx.len() / 64;

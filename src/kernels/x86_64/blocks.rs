@@ -57,6 +57,28 @@ impl DrawsBelow {
         let h = lowbias32x8(_mm256_xor_si256(i, self.key));
         _mm256_cmpgt_epi32(self.t, _mm256_xor_si256(h, _mm256_set1_epi32(SIGN)))
     }
+
+    /// The keep mask of the 64 indices from the lanes of `i` on (bit `j` for index
+    /// `i[0] + j`); advances `i` past them.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn mask64(&self, i: &mut __m256i) -> u64 {
+        let mut m = 0u64;
+        for q in 0..8 {
+            let kept = _mm256_castsi256_ps(self.mask(*i));
+            m |= (_mm256_movemask_ps(kept) as u8 as u64) << (8 * q);
+            *i = _mm256_add_epi32(*i, _mm256_set1_epi32(8));
+        }
+        m
+    }
+}
+
+/// The keep mask of the `len < 64` indices from `at`, one draw at a time (the tails).
+fn draw_mask_tail(at: u32, key: u32, t: u32, len: usize) -> u64 {
+    (0..len).fold(0u64, |m, j| {
+        let h = crate::rng::lowbias32(at.wrapping_add(j as u32) ^ key);
+        m | ((h < t) as u64) << j
+    })
 }
 
 /// 32 lanes of small integers (elements 0..8 in `a`, 8..16 in `b`, ...) narrowed to 32
@@ -746,27 +768,45 @@ pub unsafe fn filter_draw_lt_avx2(
     idx: &mut [u32],
 ) -> (usize, usize) {
     let below = DrawsBelow::new(key, t);
-    let eight = _mm256_set1_epi32(8);
     let mut i = first_indices(first as u64);
-    // Below a keep rate of 2^-9 most groups of 64 keep nothing, and a branch that skips
-    // them is predicted right.
-    let rare = t < 1 << 23;
-    super::compress_masks_avx2(n, idx, rare, |done, len| {
+    super::compress_masks_avx2(n, idx, crate::kernels::rare_keep(t.into()), |done, len| {
         if len < 64 {
-            let at = first.wrapping_add(done as u32);
-            return (0..len).fold(0u64, |m, j| {
-                let h = crate::rng::lowbias32(at.wrapping_add(j as u32) ^ key);
-                m | ((h < t) as u64) << j
-            });
+            return draw_mask_tail(first.wrapping_add(done as u32), key, t, len);
         }
-        let mut m = 0u64;
-        for q in 0..8 {
-            let kept = _mm256_castsi256_ps(below.mask(i));
-            m |= (_mm256_movemask_ps(kept) as u8 as u64) << (8 * q);
-            i = _mm256_add_epi32(i, eight);
-        }
-        m
+        below.mask64(&mut i)
     })
+}
+
+/// Keep masks of hash draws with AVX2: `portable::draw_masks`'s contract (bit `i % 64` of
+/// entry `i / 64` set when `lowbias32(first + i ^ key) < t`, for `i < n`), 64 elements
+/// per entry. Returns how many bits are set.
+///
+/// # Safety
+/// The CPU must support AVX2 and POPCNT (the x86-64-v3 level that the `Avx2` backend
+/// detects).
+#[target_feature(enable = "avx2,popcnt")]
+pub unsafe fn draw_masks_avx2(
+    first: u32,
+    key: u32,
+    t: u32,
+    n: usize,
+    masks: &mut [core::mem::MaybeUninit<u64>],
+) -> usize {
+    let below = DrawsBelow::new(key, t);
+    let mut i = first_indices(first as u64);
+    let mut count = 0;
+    let (full, tail) = masks[..n.div_ceil(64)].split_at_mut(n / 64);
+    for slot in full {
+        let m = below.mask64(&mut i);
+        count += m.count_ones() as usize;
+        slot.write(m);
+    }
+    if let [slot] = tail {
+        let m = draw_mask_tail(first.wrapping_add((n & !63) as u32), key, t, n % 64);
+        count += m.count_ones() as usize;
+        slot.write(m);
+    }
+    count
 }
 
 /// Counts the draws below `t` with AVX2: `portable::count_draw_lt`'s contract (how many

@@ -528,6 +528,23 @@ pub(super) fn compress_masks_avx2(
     (done, count)
 }
 
+/// The indices of the set bits of stored keep masks (bit `i % 64` of `masks[i / 64]`
+/// for element `i < n`), written to `idx` as the filters write theirs; returns
+/// `(consumed, written)`. `rare` as for [`compress_masks_avx2`].
+///
+/// # Safety
+/// The CPU must support AVX2, POPCNT and BMI1 (the x86-64-v3 level that the `Avx2`
+/// backend detects).
+#[target_feature(enable = "avx2,popcnt,bmi1")]
+pub unsafe fn compress_stored_masks_avx2(
+    masks: &[u64],
+    n: usize,
+    idx: &mut [u32],
+    rare: bool,
+) -> (usize, usize) {
+    compress_masks_avx2(n, idx, rare, |done, _| masks[done / 64])
+}
+
 /// Compare and compress with AVX-512, 16 lanes and mask registers; the contract of
 /// [`filter_mag_ge_avx2`].
 ///
