@@ -19,6 +19,13 @@
 //!
 //! Frames of ranks that share a seed keep the same elements, so they can be summed value
 //! by value, compressed, with [`RandK::add_frame`]: no index is computed or sent.
+//!
+//! Decoding costs one hash draw per element of the frame, kept or not, and refuses a
+//! frame whose selection does not hold exactly as many elements as its payload has
+//! values. `decode_add` must leave the accumulator untouched then, so it counts before it
+//! adds: it keeps the keep masks of the first
+//! [`STORED_MASK_ELEMENTS`](crate::kernels::STORED_MASK_ELEMENTS) elements from the
+//! counting pass (32 KiB on the stack) and draws the rest twice.
 
 use core::fmt;
 
