@@ -30,13 +30,16 @@ pub const fn splitmix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The two multipliers of [`lowbias32`], in order.
+pub const LOWBIAS32_MUL: [u32; 2] = [0x7FEB_352D, 0x846C_A68B];
+
 /// Chris Wellons' `lowbias32` integer hash: a bijection on `u32` with strong avalanche.
 #[inline]
 pub const fn lowbias32(mut x: u32) -> u32 {
     x ^= x >> 16;
-    x = x.wrapping_mul(0x7FEB_352D);
+    x = x.wrapping_mul(LOWBIAS32_MUL[0]);
     x ^= x >> 15;
-    x = x.wrapping_mul(0x846C_A68B);
+    x = x.wrapping_mul(LOWBIAS32_MUL[1]);
     x ^ (x >> 16)
 }
 

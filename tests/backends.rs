@@ -329,7 +329,7 @@ fn every_backend_filters_like_the_oracle() {
                 assert!(got == want, "filter_mag_ge on {b}: specials, t {t:#x}");
             }
             let draws = gradpack::rng::Draws::new(17, 3, 0);
-            for first in [0u64, 5, (1 << 32) - 100] {
+            for first in [0u64, 5, (1 << 16) - 37, (1 << 32) - 100] {
                 for t in [0u64, 1, 1 << 25, 1 << 31, u32::MAX as u64, 1 << 32] {
                     let n = 1000;
                     let want = filter_all(n, cap, |p, i| {
@@ -364,12 +364,15 @@ fn every_backend_filters_like_the_oracle() {
     }
 }
 
-/// `draw_masks` and `for_each_draw_lt_exactly` (random-k's `decode_add`) against the
-/// oracle on every backend: every tail length of the 64-element entries, a range across a
-/// 2^32 index window, and selections longer than the stored masks.
+/// `draw_masks`, `for_each_draw_lt_exactly` (random-k's `decode_add`) and
+/// `for_each_draw_lt_zeroing` (its `decode_into`) against the oracle on every backend:
+/// every tail length of the 64-element entries, starts off and on a multiple of 64, ranges
+/// across a 2^16 and a 2^32 index boundary, and selections longer than the stored masks.
 #[test]
 fn draw_masks_and_checked_selection_match_the_oracle() {
-    use gradpack::kernels::{STORED_MASK_ELEMENTS, draw_masks, for_each_draw_lt_exactly};
+    use gradpack::kernels::{
+        STORED_MASK_ELEMENTS, draw_masks, for_each_draw_lt_exactly, for_each_draw_lt_zeroing,
+    };
     const SENTINEL: u64 = 0xA5A5_A5A5_A5A5_A5A5;
     let draws = gradpack::rng::Draws::new(99, 5, 0);
     let masks_on = |b: Backend, first: u64, t: u64, n: usize| {
@@ -380,9 +383,18 @@ fn draw_masks_and_checked_selection_match_the_oracle() {
     let mut backends = simd_backends();
     backends.push(Backend::scalar());
     for &b in &backends {
-        for first in [0u64, 7, 64, (1 << 32) - 100, (1 << 32) - 64] {
+        let firsts = [
+            0u64,
+            7,
+            64,
+            (1 << 16) - 37,
+            (1 << 16) - 64,
+            (1 << 32) - 100,
+            (1 << 32) - 64,
+        ];
+        for first in firsts {
             for t in [0u64, 1, 1 << 22, 1 << 25, 1 << 31, u32::MAX as u64, 1 << 32] {
-                for n in (0..140).chain([1000, 4099]) {
+                for n in (0..140).chain([1000, 4099, 70_001]) {
                     let (got, count) = masks_on(b, first, t, n);
                     let words = n.div_ceil(64);
                     let want: Vec<u64> = (0..words)
@@ -398,6 +410,39 @@ fn draw_masks_and_checked_selection_match_the_oracle() {
                     assert_eq!(got[words..], [SENTINEL; 2], "{ctx}: wrote past the masks");
                     let ones: usize = want.iter().map(|m| m.count_ones() as usize).sum();
                     assert_eq!(count, ones, "{ctx}");
+                }
+            }
+        }
+        // random-k's decode_into: zero everywhere, the callback at each kept element.
+        for first in [0u64, 7, (1 << 16) - 37, (1 << 32) - 100] {
+            for t in [0u64, 1 << 25, 1 << 31, 1 << 32] {
+                for n in (0..140).chain([1000, 70_001]) {
+                    let want = filter_all(n, 1024, |p, i| {
+                        gradpack::kernels::scalar::filter_draw_lt(
+                            &draws,
+                            first + p as u64,
+                            t,
+                            n - p,
+                            i,
+                        )
+                    });
+                    let mut out = vec![f32::NAN; n + 3];
+                    let mut got = Vec::new();
+                    b.run(|| {
+                        for_each_draw_lt_zeroing(&draws, first, t, &mut out[..n], |o, i| {
+                            assert_eq!(o[i].to_bits(), 0, "called before zeroing {i}");
+                            o[i] = 1.0;
+                            got.push(i as u64);
+                        })
+                    });
+                    let ctx =
+                        format!("for_each_draw_lt_zeroing on {b}: first {first} t {t:#x} n {n}");
+                    assert!(got == want, "{ctx}");
+                    let ones: Vec<u64> =
+                        (0..n as u64).filter(|&i| out[i as usize] == 1.0).collect();
+                    assert!(ones == want, "{ctx}: not zero but at the kept elements");
+                    assert!(out[..n].iter().all(|&v| v == 0.0 || v == 1.0), "{ctx}");
+                    assert!(out[n..].iter().all(|v| v.is_nan()), "{ctx}: wrote past n");
                 }
             }
         }

@@ -346,15 +346,21 @@ impl Scheme for RandK {
             }
             return Ok(());
         }
-        sparse_prepare::<M>(h, out);
         let mut values = ValueReader::new(self.values, p, k);
         let mut count = 0;
-        for_each_kept(h.seed, h.offset, out.len(), t, |i| {
+        let mut put_next = |o: &mut f32| {
             if count < k {
-                put::<M>(&mut out[i], values.next_value());
+                put::<M>(o, values.next_value());
             }
             count += 1;
-        });
+        };
+        if M == kernels::mode::WRITE {
+            // Zero but at the kept elements, zeroed in the pass of hash draws.
+            kernels::for_each_draw_lt_zeroing(&d, h.offset, t, out, |out, i| put_next(&mut out[i]));
+        } else {
+            sparse_prepare::<M>(h, out);
+            for_each_kept(h.seed, h.offset, out.len(), t, |i| put_next(&mut out[i]));
+        }
         if count != k {
             return Err(mismatch(count));
         }

@@ -575,38 +575,80 @@ pub fn filter_draw_lt(
     n: usize,
     idx: &mut [u32],
 ) -> (usize, usize) {
+    filter_draw_lt_zeroing(draws, first, t, n, idx, None)
+}
+
+/// [`filter_draw_lt`], also setting `zero[..consumed]` to 0.0 when `zero` is given.
+fn filter_draw_lt_zeroing(
+    draws: &Draws,
+    first: u64,
+    t: u64,
+    n: usize,
+    idx: &mut [u32],
+    zero: Option<&mut [f32]>,
+) -> (usize, usize) {
     assert!(idx.len() >= 64, "filter index buffer shorter than 64");
     let b = Backend::current();
-    if b.kind() == BackendKind::Scalar {
-        return scalar::filter_draw_lt(draws, first, t, n, idx);
-    }
-    if t > u32::MAX as u64 {
-        // Every draw is below 2^32.
-        let m = n.min(idx.len() & !63);
-        for (i, o) in idx[..m].iter_mut().enumerate() {
-            *o = i as u32;
-        }
-        return (m, m);
-    }
     // Keep each call inside one 2^32 index window (one key).
     let n = in_window(first, n);
-    #[cfg(target_arch = "x86_64")]
-    if b.kind() == BackendKind::Avx2 {
-        let key = draws.key_for(first);
+    let (used, kept) = match b.kind() {
+        BackendKind::Scalar => scalar::filter_draw_lt(draws, first, t, n, idx),
+        _ if t > u32::MAX as u64 => {
+            // Every draw is below 2^32.
+            let m = n.min(idx.len() & !63);
+            for (i, o) in idx[..m].iter_mut().enumerate() {
+                *o = i as u32;
+            }
+            (m, m)
+        }
         // SAFETY: a Backend of kind Avx2 exists only after x86-64-v3 (AVX2, POPCNT,
         // BMI1, ...) was detected.
-        return unsafe { x86_64::blocks::filter_draw_lt_avx2(first as u32, key, t as u32, n, idx) };
+        #[cfg(target_arch = "x86_64")]
+        BackendKind::Avx2 => {
+            let key = draws.key_for(first);
+            let (first, t) = (first as u32, t as u32);
+            return unsafe { x86_64::blocks::filter_draw_lt_avx2(first, key, t, n, idx, zero) };
+        }
+        _ => simd(
+            b,
+            FilterDrawLt {
+                first: first as u32,
+                key: draws.key_for(first),
+                t: t as u32,
+                n,
+                idx,
+            },
+        ),
+    };
+    if let Some(z) = zero {
+        z[..used].fill(0.0);
     }
-    simd(
-        b,
-        FilterDrawLt {
-            first: first as u32,
-            key: draws.key_for(first),
-            t: t as u32,
-            n,
-            idx,
-        },
-    )
+    (used, kept)
+}
+
+/// Sets every element of `out` to 0.0 and calls `f(out, i)` for each `i < out.len()`,
+/// ascending, with `draws.draw(first + i) < t` (`t <= 2^32`): random-k's `decode_into`,
+/// with the zeroing done in the pass of hash draws. `f` is called once `out[i]` is zero
+/// and may write it; it should write nothing else. `first + out.len()` must not overflow
+/// u64.
+pub fn for_each_draw_lt_zeroing(
+    draws: &Draws,
+    first: u64,
+    t: u64,
+    out: &mut [f32],
+    mut f: impl FnMut(&mut [f32], usize),
+) {
+    let mut idx = [0u32; 1024];
+    let mut pos = 0;
+    while pos < out.len() {
+        let n = out.len() - pos;
+        let zero = Some(&mut out[pos..]);
+        let (used, kept) = filter_draw_lt_zeroing(draws, first + pos as u64, t, n, &mut idx, zero);
+        for &i in &idx[..kept] {
+            f(out, pos + i as usize);
+        }
+        pos += used;
+    }
 }
 
 /// How many `i < n` have `draws.draw(first + i) < t` (`t <= 2^32`): the size of
