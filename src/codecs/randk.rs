@@ -30,7 +30,7 @@
 use core::fmt;
 
 use super::topk::{ValueReader, ValueWriter};
-use super::{EncodeCtx, Encoded, Scheme, ValueType, sparse_prepare};
+use super::{EncodeCtx, Encoded, Scheme, ValueType};
 use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::{Error, Result};
 use crate::kernels::{
@@ -245,8 +245,8 @@ impl Scheme for RandK {
 
     fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
         let t = self.threshold();
-        let mut k = 0u64;
-        for_each_kept(ctx.seed, ctx.offset, x.len(), t, |_| k += 1);
+        let d = Draws::new(ctx.seed, STREAM_SELECT, ctx.offset);
+        let k = kernels::count_draw_lt(&d, ctx.offset, t, x.len()) as u64;
         let len = k * self.values.bytes();
         let p = payload_buf(out, len)?;
         let mul = match self.scale {
@@ -334,13 +334,13 @@ impl Scheme for RandK {
             let add = |i: usize| put::<M>(&mut out[i], values.next_value());
             return kernels::for_each_draw_lt_exactly(&d, h.offset, t, n, k, add).map_err(mismatch);
         }
-        if nonfinite && M != kernels::mode::RESIDUAL {
-            let count = kernels::count_draw_lt(&d, h.offset, t, out.len());
-            if count != k {
-                return Err(mismatch(count));
-            }
-        }
         if nonfinite {
+            if M != kernels::mode::RESIDUAL {
+                let count = kernels::count_draw_lt(&d, h.offset, t, out.len());
+                if count != k {
+                    return Err(mismatch(count));
+                }
+            }
             for o in out.iter_mut() {
                 put::<M>(o, CANONICAL_NAN);
             }
@@ -358,7 +358,8 @@ impl Scheme for RandK {
             // Zero but at the kept elements, zeroed in the pass of hash draws.
             kernels::for_each_draw_lt_zeroing(&d, h.offset, t, out, |out, i| put_next(&mut out[i]));
         } else {
-            sparse_prepare::<M>(h, out);
+            // Residual mode: `out` holds the encoded input, and each element not kept
+            // keeps it as its residual.
             for_each_kept(h.seed, h.offset, out.len(), t, |i| put_next(&mut out[i]));
         }
         if count != k {

@@ -554,12 +554,23 @@ pub fn for_each_filtered(
     mut filter: impl FnMut(usize, &mut [u32]) -> (usize, usize),
     mut f: impl FnMut(usize),
 ) {
+    for_each_filtered_in(&mut (), n, |_, pos, idx| filter(pos, idx), |_, i| f(i));
+}
+
+/// [`for_each_filtered`] with a context `ctx` that both `filter` and `f` may change (the
+/// output that random-k's decode zeroes in its filter and writes in `f`).
+fn for_each_filtered_in<C: ?Sized>(
+    ctx: &mut C,
+    n: usize,
+    mut filter: impl FnMut(&mut C, usize, &mut [u32]) -> (usize, usize),
+    mut f: impl FnMut(&mut C, usize),
+) {
     let mut idx = [0u32; 1024];
     let mut pos = 0;
     while pos < n {
-        let (used, kept) = filter(pos, &mut idx);
+        let (used, kept) = filter(ctx, pos, &mut idx);
         for &i in &idx[..kept] {
-            f(pos + i as usize);
+            f(ctx, pos + i as usize);
         }
         pos += used;
     }
@@ -636,19 +647,14 @@ pub fn for_each_draw_lt_zeroing(
     first: u64,
     t: u64,
     out: &mut [f32],
-    mut f: impl FnMut(&mut [f32], usize),
+    f: impl FnMut(&mut [f32], usize),
 ) {
-    let mut idx = [0u32; 1024];
-    let mut pos = 0;
-    while pos < out.len() {
-        let n = out.len() - pos;
+    let n = out.len();
+    let filter = |out: &mut [f32], pos: usize, idx: &mut [u32]| {
         let zero = Some(&mut out[pos..]);
-        let (used, kept) = filter_draw_lt_zeroing(draws, first + pos as u64, t, n, &mut idx, zero);
-        for &i in &idx[..kept] {
-            f(out, pos + i as usize);
-        }
-        pos += used;
-    }
+        filter_draw_lt_zeroing(draws, first + pos as u64, t, n - pos, idx, zero)
+    };
+    for_each_filtered_in(out, n, filter, f);
 }
 
 /// How many `i < n` have `draws.draw(first + i) < t` (`t <= 2^32`): the size of
