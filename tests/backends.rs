@@ -7,6 +7,7 @@ mod common;
 
 use common::*;
 use gradpack::kernels::{Backend, BackendKind};
+use gradpack::rng::{Draws, STREAM_ROUNDING};
 use gradpack::{Codec, CodecSpec, EncodeCtx};
 use proptest::prelude::*;
 
@@ -200,6 +201,65 @@ fn every_backend_matches_scalar_across_scales() {
             .collect();
         for spec in all_specs() {
             same_everywhere(&spec, &x, &EncodeCtx::new(s as u64), &backends);
+        }
+    }
+}
+
+#[test]
+fn natural_matches_scalar_around_its_smallest_code() {
+    // The AVX2 natural encoder has a short form for steps of 32 elements that hold no
+    // |x| in (0, 2^kmin) (kmin = r - 126, r the block's reference exponent) and the
+    // general form for the rest. One such element, each of the values either side of
+    // 2^kmin (one of which rounds up to 2^-126 when scaled by 2^-r), at every position of
+    // two blocks of 100 (three steps and a tail each), for references from the lowest to
+    // the clamped top. The last value is made from the element's own draw, halfway
+    // between two multiples of 2^(kmin - 23) next to it: where the short form's scaling
+    // rounds (r >= 1), that alone flips the decision for an even draw.
+    let backends = simd_backends();
+    let spec: CodecSpec = "natural:block=100".parse().unwrap();
+    for r in [-23, -22, -10, 0, 1, 20, 100, 125, 126, 127] {
+        let kmin = r - 126;
+        let at = |k: i32, f: f64| (f * pow2(k)) as f32;
+        let near = [
+            at(kmin, 1.0),
+            at(kmin, 1.0 - pow2(-24)),
+            at(kmin, 1.0 - pow2(-23)),
+            at(kmin, 1.0 + pow2(-23)),
+            at(kmin, 0.75),
+            at(kmin - 1, 1.0),
+            at(kmin - 1, 1.0 - pow2(-24)),
+            at(kmin + 1, 1.5),
+            1.0e-45,
+            f32::MIN_POSITIVE,
+            0.0, // replaced by the draw-made value
+        ];
+        // Ordinary elements over the 40 binades below the block's top, 1.5 * 2^(r - 1).
+        let base: Vec<f32> = sample(200, r as u32)
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| {
+                let m = if v.is_finite() && v != 0.0 {
+                    v.abs().min(1.0)
+                } else {
+                    0.5
+                };
+                at(r - 1 - (i % 40) as i32, m as f64).copysign(v)
+            })
+            .collect();
+        for (k, &tiny) in near.iter().enumerate() {
+            for pos in (0..200).filter(|p| p % 100 != 99) {
+                let mut x = base.clone();
+                x[99] = at(r - 1, 1.5);
+                x[199] = -at(r - 1, 1.5);
+                let tiny = if k + 1 == near.len() {
+                    let u23 = Draws::new(k as u64, STREAM_ROUNDING, 0).draw(pos as u64) >> 9;
+                    at(kmin - 23, u23 as f64 + 0.5)
+                } else {
+                    tiny
+                };
+                x[pos] = if (pos + k) % 2 == 0 { tiny } else { -tiny };
+                same_everywhere(&spec, &x, &EncodeCtx::new(k as u64), &backends);
+            }
         }
     }
 }

@@ -459,11 +459,10 @@ pub fn decode_sign<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &
 
 // ---------------------------------------------------------------- qsgd / ternary
 
-/// `l2_norm` of the oracle: f64 squares in its 16-lane order.
+/// `l2_squares` of the oracle: f64 squares in its 16-lane order.
 #[inline(always)]
-fn l2_norm(x: &[f32]) -> f32 {
-    let ss = lane_sum16(x, |v| (v as f64) * (v as f64));
-    (ss.sqrt() as f32).min(f32::MAX)
+fn l2_squares(x: &[f32]) -> f64 {
+    lane_sum16(x, |v| (v as f64) * (v as f64))
 }
 
 /// Quantise the finite, non-zero-max block `xb` (first global index `start`, which the
@@ -538,7 +537,7 @@ pub fn encode_signmag<const BITS: u32>(
         first,
         steps,
         codes,
-        l2_norm,
+        l2_squares,
         #[inline(always)]
         |xb, cb, m, start| signmag_block::<BITS>(xb, cb, m, draws.key_for(start), start),
     )

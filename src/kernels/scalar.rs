@@ -291,11 +291,11 @@ pub fn mean_abs(x: &[f32]) -> f32 {
     }
 }
 
-/// L2 norm of a finite block as qsgd defines it: squares are exact in f64, summed in the
-/// 16-lane order, square-rooted in f64, rounded to f32 and saturated at `f32::MAX`.
-pub fn l2_norm(x: &[f32]) -> f32 {
-    let ss = lane_sum16(x, |v| (v as f64) * (v as f64));
-    (ss.sqrt() as f32).min(f32::MAX)
+/// The sum of squares behind qsgd's L2 norm: squares are exact in f64, summed in the
+/// 16-lane order. The norm is its square root in f64, rounded to f32 and saturated at
+/// `f32::MAX` ([`BlockScale::l2`]).
+pub fn l2_squares(x: &[f32]) -> f64 {
+    lane_sum16(x, |v| (v as f64) * (v as f64))
 }
 
 // ---------------------------------------------------------------- level quantisation
@@ -558,7 +558,7 @@ pub fn get_step(steps: &[u8], b: usize) -> f32 {
 pub enum Measure {
     /// `m = max |x|`.
     AbsMax,
-    /// `m = ||x||_2` (see [`l2_norm`]).
+    /// `m = ||x||_2` (see [`l2_squares`] and [`BlockScale::l2`]).
     L2,
 }
 
@@ -601,12 +601,53 @@ fn in_one_window(start: u64, len: usize) -> bool {
     start >> 32 == (start + len as u64 - 1) >> 32
 }
 
+/// The kind of a block of the step codecs, with its scale.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum BlockScale {
+    /// The block holds NaN or ±Inf.
+    NonFinite,
+    /// Every element is ±0.
+    Zero,
+    /// Any other block: its scale `m` (positive and finite).
+    Of(f32),
+}
+
+impl BlockScale {
+    /// The kind of a block and its scale `m = max |x|`.
+    #[inline(always)]
+    pub fn abs_max(xb: &[f32]) -> BlockScale {
+        let mb = max_abs_bits(xb);
+        if mb >= INF_BITS {
+            BlockScale::NonFinite
+        } else if mb == 0 {
+            BlockScale::Zero
+        } else {
+            BlockScale::Of(f32::from_bits(mb))
+        }
+    }
+
+    /// The kind of a block and its L2 norm, from its sum of squares `ss` ([`l2_squares`]
+    /// or a SIMD equal). One pass decides the kind as well as a max would: a NaN or ±Inf
+    /// square makes `ss` NaN or +Inf, finite squares cannot overflow f64 (each is below
+    /// 2^256), and the f64 square of a non-zero f32 is non-zero (at least 2^-298).
+    #[inline(always)]
+    pub fn l2(ss: f64) -> BlockScale {
+        if !ss.is_finite() {
+            BlockScale::NonFinite
+        } else if ss == 0.0 {
+            BlockScale::Zero
+        } else {
+            BlockScale::Of((ss.sqrt() as f32).min(f32::MAX))
+        }
+    }
+}
+
 /// The block layout of the step codecs (int8, qsgd, ternary), shared by every backend.
-/// Per block: a block holding NaN or ±Inf gets a NaN step, an all-zero block a zero step,
-/// and any other block the step `block_step(m, levels)`, where `m = measure(xb, max |x|
-/// bits)` is its scale. `codes(b, xb, m, start)` then writes block `b`'s codes: `m` is
-/// `None` for the first two kinds (their codes are all zero), and `start` is the global
-/// index of the block's first element.
+/// Per block, by its `measure(xb)`: a block holding NaN or ±Inf gets a NaN step, an
+/// all-zero block a zero step, and any other block the step `block_step(m, levels)` of
+/// its scale `m`. `codes(b, xb, m, start)` then writes block `b`'s codes: `m` is `None`
+/// for the first two kinds (their codes are all zero), and `start` is the global index of
+/// the block's first element.
 #[inline(always)]
 pub fn encode_step_blocks(
     x: &[f32],
@@ -614,24 +655,26 @@ pub fn encode_step_blocks(
     levels: u32,
     first: u64,
     steps: &mut [u8],
-    measure: impl Fn(&[f32], u32) -> f32,
+    measure: impl Fn(&[f32]) -> BlockScale,
     mut codes: impl FnMut(usize, &[f32], Option<f32>, u64),
 ) -> bool {
     let mut nonfinite = false;
     for (b, xb) in x.chunks(block).enumerate() {
         let start = first + (b * block) as u64;
-        let mb = max_abs_bits(xb);
-        if mb >= INF_BITS {
-            nonfinite = true;
-            put_step(steps, b, CANONICAL_NAN);
-            codes(b, xb, None, start);
-        } else if mb == 0 {
-            put_step(steps, b, 0.0);
-            codes(b, xb, None, start);
-        } else {
-            let m = measure(xb, mb);
-            put_step(steps, b, block_step(m, levels));
-            codes(b, xb, Some(m), start);
+        match measure(xb) {
+            BlockScale::NonFinite => {
+                nonfinite = true;
+                put_step(steps, b, CANONICAL_NAN);
+                codes(b, xb, None, start);
+            }
+            BlockScale::Zero => {
+                put_step(steps, b, 0.0);
+                codes(b, xb, None, start);
+            }
+            BlockScale::Of(m) => {
+                put_step(steps, b, block_step(m, levels));
+                codes(b, xb, Some(m), start);
+            }
         }
     }
     nonfinite
@@ -659,8 +702,7 @@ pub fn encode_int8_blocks(
         127,
         first,
         steps,
-        #[inline(always)]
-        |_, mb| f32::from_bits(mb),
+        BlockScale::abs_max,
         #[inline(always)]
         |b, xb, m, start| {
             let cb = &mut codes[b * block..b * block + xb.len()];
@@ -688,7 +730,8 @@ pub fn decode_int8<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &
 /// [`encode_signmag`], but every code byte is written, so `codes` need not be zeroed. A
 /// block without a scale gets zero bytes; any other is written by `quantise(xb, cb, m,
 /// global start)` when it lies inside one 2^32 index window, else by
-/// [`quantise_signmag_bytes`]. `norm` is the L2 measure (`l2_norm` or a SIMD equal).
+/// [`quantise_signmag_bytes`]. `squares` is the sum of squares of the L2 measure
+/// ([`l2_squares`] or a SIMD equal).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub fn encode_signmag_blocks<const BITS: u32>(
@@ -699,7 +742,7 @@ pub fn encode_signmag_blocks<const BITS: u32>(
     first: u64,
     steps: &mut [u8],
     codes: &mut [u8],
-    norm: impl Fn(&[f32]) -> f32,
+    squares: impl Fn(&[f32]) -> f64,
     mut quantise: impl FnMut(&[f32], &mut [u8], f32, u64),
 ) -> bool {
     let per = (8 / BITS) as usize;
@@ -714,9 +757,9 @@ pub fn encode_signmag_blocks<const BITS: u32>(
         first,
         steps,
         #[inline(always)]
-        |xb: &[f32], mb| match measure {
-            Measure::AbsMax => f32::from_bits(mb),
-            Measure::L2 => norm(xb),
+        |xb: &[f32]| match measure {
+            Measure::AbsMax => BlockScale::abs_max(xb),
+            Measure::L2 => BlockScale::l2(squares(xb)),
         },
         #[inline(always)]
         |b, xb, m, start| {
@@ -758,9 +801,9 @@ pub fn encode_signmag(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    let scale = |xb: &[f32], mb| match measure {
-        Measure::AbsMax => f32::from_bits(mb),
-        Measure::L2 => l2_norm(xb),
+    let scale = |xb: &[f32]| match measure {
+        Measure::AbsMax => BlockScale::abs_max(xb),
+        Measure::L2 => BlockScale::l2(l2_squares(xb)),
     };
     let levels = (1u32 << (bits - 1)) - 1;
     encode_step_blocks(x, block, levels, first, steps, scale, |b, xb, m, start| {

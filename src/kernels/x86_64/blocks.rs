@@ -238,21 +238,54 @@ fn steps32<const SIGNED: bool>(
     xb: &[f32],
     start: u64,
     mut quant: impl FnMut(__m256, __m256i) -> __m256i,
+    store: impl FnMut(__m256i, usize),
+) -> usize {
+    steps32x4::<SIGNED>(
+        xb,
+        start,
+        // Written out: `[T; 4]::map` is not always inlined, and its calls cost 9x here.
+        #[inline(always)]
+        |v, idx| {
+            let [i0, i1, i2, i3] = step_indices(idx);
+            [
+                quant(v[0], i0),
+                quant(v[1], i1),
+                quant(v[2], i2),
+                quant(v[3], i3),
+            ]
+        },
+        store,
+    )
+}
+
+/// The global indices of the four vectors of a step whose first vector has `idx`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn step_indices(idx: __m256i) -> [__m256i; 4] {
+    let at = |o| _mm256_add_epi32(idx, _mm256_set1_epi32(o));
+    [idx, at(8), at(16), at(24)]
+}
+
+/// [`steps32`] with the four vectors of a step quantised together: `quant(v, idx)` gives
+/// the codes of the 32 elements in `v`, whose first 8 have global indices `idx` (the next
+/// 8 those plus 8, and so on).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn steps32x4<const SIGNED: bool>(
+    xb: &[f32],
+    start: u64,
+    mut quant: impl FnMut([__m256; 4], __m256i) -> [__m256i; 4],
     mut store: impl FnMut(__m256i, usize),
 ) -> usize {
     let mut idx = first_indices(start);
-    let eight = _mm256_set1_epi32(8);
-    let mut next = |v| {
-        let q = quant(v, idx);
-        idx = _mm256_add_epi32(idx, eight);
-        q
-    };
+    let step = _mm256_set1_epi32(32);
     let chunks = xb.chunks_exact(32);
     let done = xb.len() - chunks.remainder().len();
     for (k, c) in chunks.enumerate() {
         // SAFETY: `c` holds 32 f32, four unaligned __m256.
         let v = unsafe { [0, 8, 16, 24].map(|o| _mm256_loadu_ps(c.as_ptr().add(o))) };
-        let [q0, q1, q2, q3] = v.map(&mut next);
+        let [q0, q1, q2, q3] = quant(v, idx);
+        idx = _mm256_add_epi32(idx, step);
         store(pack_bytes::<SIGNED>(q0, q1, q2, q3), 32 * k);
     }
     done
@@ -349,12 +382,14 @@ fn signmag_bytes(signed: __m256i, sign_bit8: __m256i) -> __m256i {
     _mm256_or_si256(_mm256_abs_epi8(signed), sign)
 }
 
-/// qsgd's block norm (`scalar::l2_norm`): f64 squares in the oracle's 16 lanes, four
-/// registers of 4, reduced in the oracle's order. The square of an f32 is exact in f64
-/// (48 significant bits), so the fused multiply-add rounds once, as the oracle's add does.
-#[target_feature(enable = "avx2,fma")]
+/// The sum of squares of qsgd's block norm (`scalar::l2_squares`): f64 squares in the
+/// oracle's 16 lanes, four registers of 4, reduced in the oracle's order. The square of
+/// an f32 is exact in f64 (48 significant bits), so only the add rounds, as in the oracle.
+/// A multiply and an add, not a fused multiply-add: the lanes' adds form the loop's
+/// dependency chains, and an add's latency is shorter (3 cycles against 4 on Zen 3).
+#[target_feature(enable = "avx2")]
 #[inline]
-fn l2_norm(x: &[f32]) -> f32 {
+fn l2_squares(x: &[f32]) -> f64 {
     let mut acc = [_mm256_setzero_pd(); 4];
     let chunks = x.chunks_exact(16);
     let rest = chunks.remainder();
@@ -362,7 +397,7 @@ fn l2_norm(x: &[f32]) -> f32 {
         // SAFETY: `c` holds 16 f32, four unaligned __m128.
         let d = unsafe { [0, 4, 8, 12].map(|o| _mm256_cvtps_pd(_mm_loadu_ps(c.as_ptr().add(o)))) };
         for k in 0..4 {
-            acc[k] = _mm256_fmadd_pd(d[k], d[k], acc[k]);
+            acc[k] = _mm256_add_pd(acc[k], _mm256_mul_pd(d[k], d[k]));
         }
     }
     let mut l = [0f64; 16];
@@ -379,7 +414,7 @@ fn l2_norm(x: &[f32]) -> f32 {
             l[j] += l[j + w];
         }
     }
-    (l[0].sqrt() as f32).min(f32::MAX)
+    l[0]
 }
 
 /// Sign-magnitude encode of `BITS` (2, 4 or 8) bits with AVX2 (the contract of
@@ -408,7 +443,7 @@ pub unsafe fn encode_signmag_avx2<const BITS: u32>(
         steps,
         codes,
         #[inline(always)]
-        |xb| l2_norm(xb),
+        |xb| l2_squares(xb),
         #[inline(always)]
         |xb, cb, m, start| signmag_block::<BITS>(xb, cb, m, draws, start),
     )
@@ -490,24 +525,75 @@ pub unsafe fn encode_natural_avx2(
 }
 
 /// `scalar::natural_block` in 32-bit lanes. The oracle decides in f64; the same decisions
-/// are exact in integers and f32 (u24 below is the draw's top 24 bits, u = u24 / 2^24):
-/// - `e = floor(log2 |x|)` and the fraction `F / 2^23 = |x| / 2^e - 1` come from the
-///   bits of `|x|`, of `|x| * 2^64` for subnormals (exact, and normal);
-/// - at or above `kmin`, `u < F / 2^23` is `u24 < 2 F` (both below 2^25);
-/// - below it, `u < |x| / 2^kmin` is `u24 < |x| * 2^(24 - kmin)`, computed as
-///   `(|x| * 2^100) * 2^(-76 - kmin)`: both factors are normal powers of two for
-///   `kmin` in [-149, 1], and the product lies in [2^-126, 2^24), so it is exact.
+/// are exact in integers and f32 (u24 below is the draw's top 24 bits, u = u24 / 2^24, and
+/// `kmin = r - 126`, the smallest exponent with a code of its own).
+///
+/// Every element of a block is below `2^r` (`r = floor(log2 max) + 1`, unless clamped at
+/// 127). For `r <= 126`, `s = |x| * 2^-r` is exact and normal for every `|x| >= 2^kmin`,
+/// its biased exponent is the code `e - kmin + 1` that rounding down gives, and its
+/// fraction bits `F` round up when `u < F / 2^23`, that is `u24 >> 1 < F`; `e < r` holds,
+/// so the round up never passes `r`. For `|x|` in `(0, 2^kmin)`, the oracle's code is 1
+/// when `u < |x| / 2^kmin` and 0 otherwise; `s` is subnormal there, with exponent bits 0
+/// and `F = |x| * 2^(149 - r)`, so the same test decides, provided `s` is exact. It is for
+/// `r <= 0` (a scale of at least 1 keeps a multiple of 2^-149 one). For `r >= 1` it may
+/// round, so a step of 32 that holds such an element (rare: below the block's max times
+/// about 2^-126) takes the general form ([`natural_general8`]), as does every step of a
+/// block with `r = 127`. The short form ([`natural_fast8`]) is 18 vector operations per 8
+/// elements, 20 with the check. Both give the level `m` with the input's sign, and
+/// [`signmag_bytes`] makes the sign-magnitude byte.
 #[target_feature(enable = "avx2")]
 #[inline]
 fn natural_block(xb: &[f32], cb: &mut [u8], r: i32, d: &Draws, start: u64) {
-    let c = NaturalConsts::new(r, d.key_for(start));
-    let n32 = steps32::<false>(
+    match r {
+        ..=0 => natural_steps::<true, false>(xb, cb, r, d, start),
+        1..=126 => natural_steps::<true, true>(xb, cb, r, d, start),
+        _ => natural_steps::<false, false>(xb, cb, r, d, start),
+    }
+}
+
+/// [`natural_block`] with the short form (`FAST`), which checks its steps for elements in
+/// `(0, 2^kmin)` when `CHECK`, or with the general form for every step.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn natural_steps<const FAST: bool, const CHECK: bool>(
+    xb: &[f32],
+    cb: &mut [u8],
+    r: i32,
+    d: &Draws,
+    start: u64,
+) {
+    let key = d.key_for(start);
+    let general = NaturalConsts::new(r, key);
+    let fast = NaturalFast::new(r.min(126), key);
+    let n32 = steps32x4::<true>(
         xb,
         start,
         #[inline(always)]
-        |v, idx| natural8(&c, v, idx),
+        |v, idx| {
+            let [i0, i1, i2, i3] = step_indices(idx);
+            if FAST {
+                let (l0, t0) = natural_fast8::<CHECK>(&fast, v[0], i0);
+                let (l1, t1) = natural_fast8::<CHECK>(&fast, v[1], i1);
+                let (l2, t2) = natural_fast8::<CHECK>(&fast, v[2], i2);
+                let (l3, t3) = natural_fast8::<CHECK>(&fast, v[3], i3);
+                if !CHECK {
+                    return [l0, l1, l2, l3];
+                }
+                let tiny = _mm256_or_si256(_mm256_or_si256(t0, t1), _mm256_or_si256(t2, t3));
+                if _mm256_testz_si256(tiny, tiny) == 1 {
+                    return [l0, l1, l2, l3];
+                }
+            }
+            [
+                natural_general8(&general, v[0], i0),
+                natural_general8(&general, v[1], i1),
+                natural_general8(&general, v[2], i2),
+                natural_general8(&general, v[3], i3),
+            ]
+        },
         #[inline(always)]
-        |bytes, g| {
+        |signed, g| {
+            let bytes = signmag_bytes(signed, _mm256_set1_epi8(i8::MIN));
             let o = &mut cb[g..g + 32];
             // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
             unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), bytes) };
@@ -518,7 +604,57 @@ fn natural_block(xb: &[f32], cb: &mut [u8], r: i32, d: &Draws, start: u64) {
     }
 }
 
-/// Per-block constants of [`natural8`].
+/// Per-block constants of [`natural_fast8`].
+struct NaturalFast {
+    /// `2^-r`.
+    scale: __m256,
+    key: __m256i,
+    /// `0x8000_0000 - bits(2^kmin)`: `|x|` bits plus this exceed it (as i32) exactly for
+    /// `|x|` in `(0, 2^kmin)`.
+    tiny: __m256i,
+}
+
+impl NaturalFast {
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn new(r: i32, key: u32) -> NaturalFast {
+        debug_assert!((scalar::NATURAL_MIN_REF..=126).contains(&r));
+        // 2^kmin is at least 2^-149, the least subnormal, as r >= -23.
+        let kmin_bits = scalar::pow2_f32(r - 126).to_bits();
+        NaturalFast {
+            scale: _mm256_set1_ps(pow2(-r)),
+            key: _mm256_set1_epi32(key as i32),
+            tiny: _mm256_set1_epi32(0x8000_0000u32.wrapping_sub(kmin_bits) as i32),
+        }
+    }
+}
+
+/// The signed natural levels of the 8 elements in `v` (global indices `idx`), and when
+/// `CHECK` the lanes (-1) whose `|x|` lies in `(0, 2^kmin)`, where the levels may be wrong
+/// (see [`natural_block`]; zero without the check).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn natural_fast8<const CHECK: bool>(
+    c: &NaturalFast,
+    v: __m256,
+    idx: __m256i,
+) -> (__m256i, __m256i) {
+    let a = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(ABS));
+    let s = _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(a), c.scale));
+    let down = _mm256_srli_epi32::<23>(s);
+    let frac = _mm256_and_si256(s, _mm256_set1_epi32(0x007F_FFFF));
+    let u23 = _mm256_srli_epi32::<9>(lowbias32x8(_mm256_xor_si256(idx, c.key)));
+    // `up` is -1 where the draw rounds up.
+    let up = _mm256_cmpgt_epi32(frac, u23);
+    let level = _mm256_sign_epi32(_mm256_sub_epi32(down, up), _mm256_castps_si256(v));
+    if !CHECK {
+        return (level, _mm256_setzero_si256());
+    }
+    let tiny = _mm256_cmpgt_epi32(_mm256_add_epi32(a, c.tiny), c.tiny);
+    (level, tiny)
+}
+
+/// Per-block constants of [`natural_general8`].
 struct NaturalConsts {
     r: __m256i,
     kmin_1: __m256i,
@@ -546,14 +682,19 @@ fn pow2(k: i32) -> f32 {
     f32::from_bits(((k + 127) as u32) << 23)
 }
 
-/// The natural codes (in 32-bit lanes) of the 8 elements in `v`, with global indices `idx`.
+/// The signed natural levels of the 8 elements in `v`, with global indices `idx`, for any
+/// finite block:
+/// - `e = floor(log2 |x|)` and the fraction `F / 2^23 = |x| / 2^e - 1` come from the
+///   bits of `|x|`, of `|x| * 2^64` for subnormals (exact, and normal);
+/// - at or above `kmin`, `u < F / 2^23` is `u24 < 2 F` (both below 2^25);
+/// - below it, `u < |x| / 2^kmin` is `u24 < |x| * 2^(24 - kmin)`, computed as
+///   `(|x| * 2^100) * 2^(-76 - kmin)`: both factors are normal powers of two for
+///   `kmin` in [-149, 1], and the product lies in [2^-126, 2^24), so it is exact.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn natural8(c: &NaturalConsts, v: __m256, idx: __m256i) -> __m256i {
+fn natural_general8(c: &NaturalConsts, v: __m256, idx: __m256i) -> __m256i {
     let zero = _mm256_setzero_si256();
-    let v = _mm256_castps_si256(v);
-    let a = _mm256_and_si256(v, _mm256_set1_epi32(ABS));
-    let sign = _mm256_and_si256(_mm256_srli_epi32::<24>(v), _mm256_set1_epi32(0x80));
+    let a = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(ABS));
     let sub = _mm256_cmpeq_epi32(_mm256_srli_epi32::<23>(a), zero);
     let af = _mm256_castsi256_ps(a);
     let scaled = _mm256_mul_ps(af, _mm256_set1_ps(pow2(64)));
@@ -567,14 +708,13 @@ fn natural8(c: &NaturalConsts, v: __m256, idx: __m256i) -> __m256i {
     // At or above kmin: round up past e with probability F / 2^23 (never past r).
     let up_hi = _mm256_and_si256(_mm256_cmpgt_epi32(f2, u24), _mm256_cmpgt_epi32(c.r, e));
     let k_hi = _mm256_sub_epi32(e, up_hi);
-    // Below kmin: kmin with probability |x| / 2^kmin, else zero (kmin - 1).
+    // Below kmin: kmin with probability |x| / 2^kmin, else zero (kmin - 1; zero itself
+    // lands here and stays zero).
     let t = _mm256_mul_ps(_mm256_mul_ps(af, _mm256_set1_ps(pow2(100))), c.lo_scale);
     let up_lo = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(_mm256_cvtepi32_ps(u24), t));
     let k_lo = _mm256_sub_epi32(c.kmin_1, up_lo);
     let k = _mm256_blendv_epi8(k_lo, k_hi, _mm256_cmpgt_epi32(e, c.kmin_1));
-    let m = _mm256_sub_epi32(k, c.kmin_1);
-    let drop = _mm256_or_si256(_mm256_cmpeq_epi32(a, zero), _mm256_cmpeq_epi32(m, zero));
-    _mm256_andnot_si256(drop, _mm256_or_si256(sign, m))
+    _mm256_sign_epi32(_mm256_sub_epi32(k, c.kmin_1), _mm256_castps_si256(v))
 }
 
 /// Writes (or, for [`mode::ADD`], adds) 8 decoded values at `out[j..j + 8]`.
