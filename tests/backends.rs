@@ -206,6 +206,45 @@ fn every_backend_matches_scalar_across_scales() {
 }
 
 #[test]
+fn stochastic_encoders_match_scalar_at_every_draw_alignment() {
+    // The AVX2 stochastic encoders draw 32 at a time in aligned groups of 64 when a block
+    // starts at a multiple of 32, from a table that changes every 2^16 indices, and one
+    // draw per index otherwise. Offsets on and off those multiples, steps in either half
+    // of a group, ranges across a 2^16 boundary and across a 2^32 key window.
+    let backends = simd_backends();
+    let x = sample(3000, 21);
+    let specs = [
+        "int8:rounding=stochastic,block=96",
+        "qsgd:bits=2,block=160",
+        "qsgd:bits=4,block=64",
+        "qsgd:bits=8,block=1000",
+        "ternary:block=96",
+        "natural:block=96",
+        "natural:block=1024",
+    ];
+    for spec in specs {
+        let spec: CodecSpec = spec.parse().unwrap();
+        for offset in [
+            0u64,
+            8,
+            32,
+            77,
+            (1 << 16) - 96,
+            (1 << 16) - 32,
+            (5 << 16) + 32,
+            (1 << 32) - 1024,
+            (1 << 32) - 32,
+            (3 << 32) + 32,
+        ] {
+            for n in [3000, 2017] {
+                let ctx = EncodeCtx::new(offset ^ 5).with_offset(offset);
+                same_everywhere(&spec, &x[..n], &ctx, &backends);
+            }
+        }
+    }
+}
+
+#[test]
 fn natural_matches_scalar_around_its_smallest_code() {
     // The AVX2 natural encoder has a short form for steps of 32 elements that hold no
     // |x| in (0, 2^kmin) (kmin = r - 126, r the block's reference exponent) and the

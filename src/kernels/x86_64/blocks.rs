@@ -30,7 +30,13 @@ const SIGN: i32 = i32::MIN;
 #[inline]
 fn lowbias32x8(x: __m256i) -> __m256i {
     let x = _mm256_xor_si256(x, _mm256_srli_epi32::<16>(x));
-    let x = _mm256_mullo_epi32(x, _mm256_set1_epi32(C1 as i32));
+    lowbias32_rest(_mm256_mullo_epi32(x, _mm256_set1_epi32(C1 as i32)))
+}
+
+/// `rng::lowbias32` on 8 lanes from its first product on.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn lowbias32_rest(x: __m256i) -> __m256i {
     let x = _mm256_xor_si256(x, _mm256_srli_epi32::<15>(x));
     let x = _mm256_mullo_epi32(x, _mm256_set1_epi32(C2 as i32));
     _mm256_xor_si256(x, _mm256_srli_epi32::<16>(x))
@@ -84,23 +90,28 @@ impl GroupDraws {
         }
     }
 
-    /// Lane masks (-1 where the draw is below `t`) of indices `base + 8 q + l`, for vector
-    /// `q` and lane `l`; `base` must be a multiple of 64.
+    /// The scalar term `(Y & !63) * C1` of the group from `base` (a multiple of 64), on
+    /// every lane, with the table made ready for it.
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn group(&mut self, base: u32) -> [__m256i; 8] {
+    fn term(&mut self, base: u32) -> __m256i {
         debug_assert_eq!(base % 64, 0);
         let b = base ^ self.key;
         if b >> 16 != self.hi {
             self.refresh(b >> 16);
         }
         let y = b ^ (b >> 16);
-        let a = _mm256_set1_epi32((y & !63).wrapping_mul(C1) as i32);
+        _mm256_set1_epi32((y & !63).wrapping_mul(C1) as i32)
+    }
+
+    /// Lane masks (-1 where the draw is below `t`) of indices `base + 8 q + l`, for vector
+    /// `q` and lane `l`; `base` must be a multiple of 64.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn group(&mut self, base: u32) -> [__m256i; 8] {
+        let a = self.term(base);
         self.k.map(|k| {
-            let x = _mm256_add_epi32(a, k);
-            let x = _mm256_xor_si256(x, _mm256_srli_epi32::<15>(x));
-            let x = _mm256_mullo_epi32(x, _mm256_set1_epi32(C2 as i32));
-            let h = _mm256_xor_si256(x, _mm256_srli_epi32::<16>(x));
+            let h = lowbias32_rest(_mm256_add_epi32(a, k));
             _mm256_cmpgt_epi32(self.t, _mm256_xor_si256(h, _mm256_set1_epi32(SIGN)))
         })
     }
@@ -147,6 +158,57 @@ fn relative_masks(first: u32, key: u32, t: u32) -> impl FnMut(usize) -> u64 {
     }
 }
 
+/// The draws `lowbias32(i ^ key)` of a block's steps of 32 elements (`i` the global index
+/// mod 2^32, inside one key's window). A block that starts at a multiple of 32 has every
+/// step in one half of an aligned group of 64, and takes the [`GroupDraws`] form: one
+/// vector multiply per 8 draws instead of two. One value serves a whole encode call, so
+/// that the group table is made once per key and 2^16 indices, not once per block.
+struct StepDraws {
+    key: __m256i,
+    grouped: bool,
+    group: GroupDraws,
+}
+
+impl StepDraws {
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn new() -> StepDraws {
+        StepDraws {
+            key: _mm256_setzero_si256(),
+            grouped: false,
+            group: GroupDraws::new(0, 0),
+        }
+    }
+
+    /// Ready for the block from global index `start`, whose key is `key`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn begin(&mut self, start: u64, key: u32) {
+        self.key = _mm256_set1_epi32(key as i32);
+        self.grouped = start.is_multiple_of(32);
+        if self.group.key != key {
+            self.group.key = key;
+            self.group.hi = u32::MAX;
+        }
+    }
+
+    /// The draws of the 32 indices from `at`, 8 per vector; `idx` holds the first 8.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn step(&mut self, idx: __m256i, at: u32) -> [__m256i; 4] {
+        if self.grouped {
+            let g = &mut self.group;
+            let a = g.term(at & !63);
+            let k = &g.k[(at as usize & 32) / 8..][..4];
+            let h = |q: usize| lowbias32_rest(_mm256_add_epi32(a, k[q]));
+            return [h(0), h(1), h(2), h(3)];
+        }
+        let [i0, i1, i2, i3] = step_indices(idx);
+        let h = |i| lowbias32x8(_mm256_xor_si256(i, self.key));
+        [h(i0), h(i1), h(i2), h(i3)]
+    }
+}
+
 /// The keep mask of the `len < 64` indices from `at`, one draw at a time (the tails).
 fn draw_mask_tail(at: u32, key: u32, t: u32, len: usize) -> u64 {
     (0..len).fold(0u64, |m, j| {
@@ -177,11 +239,10 @@ fn pack_bytes<const SIGNED: bool>(a: __m256i, b: __m256i, c: __m256i, d: __m256i
 /// (`scalar::level_multiplier` when its pre-multiplier is 1, that is `m >= 2^-100`; the
 /// callers send blocks with a smaller scale to the oracle), rounded to an integer level and
 /// clamped to `top`; stochastic rounding draws `lowbias32((start + j) ^ key)` for element
-/// `j`.
+/// `j` ([`StepDraws`]).
 struct Levels {
     inv: __m256,
     top: __m256i,
-    key: __m256i,
 }
 
 impl Levels {
@@ -189,25 +250,23 @@ impl Levels {
     /// oracle scales by 2^64 first).
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn new(m: f32, levels: u32, key: u32) -> Option<Levels> {
+    fn new(m: f32, levels: u32) -> Option<Levels> {
         let (pre, inv) = scalar::level_multiplier(m, levels as f32);
         (pre == 1.0).then(|| Levels {
             inv: _mm256_set1_ps(inv),
             top: _mm256_set1_epi32(levels as i32),
-            key: _mm256_set1_epi32(key as i32),
         })
     }
 
-    /// The stochastic levels (in `[0, top]`) of the 8 elements in `v`, whose global
-    /// indices (mod 2^32) are the lanes of `idx`: the oracle's `scalar::level`, operation
-    /// for operation, with the final `fl + 1` and the clamp done on integers (`fl` is
-    /// integer-valued and small, so the conversion is exact).
+    /// The stochastic levels (in `[0, top]`) of the 8 elements in `v`, whose draws are
+    /// the lanes of `h`: the oracle's `scalar::level`, operation for operation, with the
+    /// final `fl + 1` and the clamp done on integers (`fl` is integer-valued and small, so
+    /// the conversion is exact).
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn stochastic8(&self, v: __m256, idx: __m256i) -> __m256i {
+    fn stochastic8(&self, v: __m256, h: __m256i) -> __m256i {
         let abs = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(ABS)));
         let a = _mm256_mul_ps(abs, self.inv);
-        let h = lowbias32x8(_mm256_xor_si256(idx, self.key));
         let u = _mm256_mul_ps(
             _mm256_cvtepi32_ps(_mm256_srli_epi32::<8>(h)),
             _mm256_set1_ps(1.0 / 16_777_216.0),
@@ -229,29 +288,33 @@ fn first_indices(start: u64) -> __m256i {
     )
 }
 
-/// Quantises the 32-element steps of a block: `quant(v, idx)` gives the 32-bit codes of 8
-/// elements and their global indices; the four results go to `store(bytes, g)`, narrowed
-/// by [`pack_bytes`], for the step at element `g`. Returns the number of elements done.
+/// Quantises the 32-element steps of a block: `quant(v, h)` gives the 32-bit codes of 8
+/// elements and, when `DRAWS`, their draws (`lowbias32((start + j) ^ key)` for element
+/// `j`; zero otherwise); the four results go to `store(bytes, g)`, narrowed by
+/// [`pack_bytes`], for the step at element `g`. Returns the number of elements done.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn steps32<const SIGNED: bool>(
+fn steps32<const SIGNED: bool, const DRAWS: bool>(
     xb: &[f32],
     start: u64,
+    draws: &mut StepDraws,
+    key: u32,
     mut quant: impl FnMut(__m256, __m256i) -> __m256i,
     store: impl FnMut(__m256i, usize),
 ) -> usize {
-    steps32x4::<SIGNED>(
+    steps32x4::<SIGNED, DRAWS>(
         xb,
         start,
+        draws,
+        key,
         // Written out: `[T; 4]::map` is not always inlined, and its calls cost 9x here.
         #[inline(always)]
-        |v, idx| {
-            let [i0, i1, i2, i3] = step_indices(idx);
+        |v, h| {
             [
-                quant(v[0], i0),
-                quant(v[1], i1),
-                quant(v[2], i2),
-                quant(v[3], i3),
+                quant(v[0], h[0]),
+                quant(v[1], h[1]),
+                quant(v[2], h[2]),
+                quant(v[3], h[3]),
             ]
         },
         store,
@@ -266,17 +329,21 @@ fn step_indices(idx: __m256i) -> [__m256i; 4] {
     [idx, at(8), at(16), at(24)]
 }
 
-/// [`steps32`] with the four vectors of a step quantised together: `quant(v, idx)` gives
-/// the codes of the 32 elements in `v`, whose first 8 have global indices `idx` (the next
-/// 8 those plus 8, and so on).
+/// [`steps32`] with the four vectors of a step quantised together: `quant(v, h)` gives
+/// the codes of the 32 elements in `v`, whose draws are the lanes of `h` (when `DRAWS`).
 #[target_feature(enable = "avx2")]
 #[inline]
-fn steps32x4<const SIGNED: bool>(
+fn steps32x4<const SIGNED: bool, const DRAWS: bool>(
     xb: &[f32],
     start: u64,
-    mut quant: impl FnMut([__m256; 4], __m256i) -> [__m256i; 4],
+    draws: &mut StepDraws,
+    key: u32,
+    mut quant: impl FnMut([__m256; 4], [__m256i; 4]) -> [__m256i; 4],
     mut store: impl FnMut(__m256i, usize),
 ) -> usize {
+    if DRAWS {
+        draws.begin(start, key);
+    }
     let mut idx = first_indices(start);
     let step = _mm256_set1_epi32(32);
     let chunks = xb.chunks_exact(32);
@@ -284,7 +351,12 @@ fn steps32x4<const SIGNED: bool>(
     for (k, c) in chunks.enumerate() {
         // SAFETY: `c` holds 32 f32, four unaligned __m256.
         let v = unsafe { [0, 8, 16, 24].map(|o| _mm256_loadu_ps(c.as_ptr().add(o))) };
-        let [q0, q1, q2, q3] = quant(v, idx);
+        let h = if DRAWS {
+            draws.step(idx, (start as u32).wrapping_add(32 * k as u32))
+        } else {
+            [_mm256_setzero_si256(); 4]
+        };
+        let [q0, q1, q2, q3] = quant(v, h);
         idx = _mm256_add_epi32(idx, step);
         store(pack_bytes::<SIGNED>(q0, q1, q2, q3), 32 * k);
     }
@@ -305,6 +377,7 @@ pub unsafe fn encode_int8_avx2(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
+    let mut sd = StepDraws::new();
     scalar::encode_int8_blocks(
         x,
         block,
@@ -315,8 +388,8 @@ pub unsafe fn encode_int8_avx2(
         codes,
         #[inline(always)]
         |xb, cb, m, start| match round {
-            Round::Nearest => int8_block::<false>(xb, cb, m, draws, start),
-            Round::Stochastic => int8_block::<true>(xb, cb, m, draws, start),
+            Round::Nearest => int8_block::<false>(xb, cb, m, draws, &mut sd, start),
+            Round::Stochastic => int8_block::<true>(xb, cb, m, draws, &mut sd, start),
         },
     )
 }
@@ -324,21 +397,30 @@ pub unsafe fn encode_int8_avx2(
 /// int8 codes of one finite block with a non-zero max `m`, inside one 2^32 index window.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn int8_block<const STOCHASTIC: bool>(xb: &[f32], cb: &mut [u8], m: f32, d: &Draws, start: u64) {
+fn int8_block<const STOCHASTIC: bool>(
+    xb: &[f32],
+    cb: &mut [u8],
+    m: f32,
+    d: &Draws,
+    sd: &mut StepDraws,
+    start: u64,
+) {
     let round = if STOCHASTIC {
         Round::Stochastic
     } else {
         Round::Nearest
     };
     let key = if STOCHASTIC { d.key_for(start) } else { 0 };
-    let Some(l) = Levels::new(m, 127, key) else {
+    let Some(l) = Levels::new(m, 127) else {
         return scalar::quantise_int8(xb, cb, m, round, d, start);
     };
-    let n32 = steps32::<true>(
+    let n32 = steps32::<true, STOCHASTIC>(
         xb,
         start,
+        sd,
+        key,
         #[inline(always)]
-        |v, idx| int8x8::<STOCHASTIC>(&l, v, idx),
+        |v, h| int8x8::<STOCHASTIC>(&l, v, h),
         #[inline(always)]
         |bytes, g| {
             let o = &mut cb[g..g + 32];
@@ -351,14 +433,15 @@ fn int8_block<const STOCHASTIC: bool>(xb: &[f32], cb: &mut [u8], m: f32, d: &Dra
     }
 }
 
-/// The int8 codes (in 32-bit lanes) of the 8 elements in `v`, with global indices `idx`.
+/// The int8 codes (in 32-bit lanes) of the 8 elements in `v`, with draws `h` (when
+/// `STOCHASTIC`).
 #[target_feature(enable = "avx2")]
 #[inline]
-fn int8x8<const STOCHASTIC: bool>(l: &Levels, v: __m256, idx: __m256i) -> __m256i {
+fn int8x8<const STOCHASTIC: bool>(l: &Levels, v: __m256, h: __m256i) -> __m256i {
     if STOCHASTIC {
         // The level with the input's sign (psignd: negated for negative bit patterns,
         // -0.0 included; a +0.0 input has level 0).
-        _mm256_sign_epi32(l.stochastic8(v, idx), _mm256_castps_si256(v))
+        _mm256_sign_epi32(l.stochastic8(v, h), _mm256_castps_si256(v))
     } else {
         // Round half to even is sign-symmetric, and it is what the conversion does (the
         // default MXCSR mode, which Rust code never changes): round the signed value and
@@ -434,6 +517,7 @@ pub unsafe fn encode_signmag_avx2<const BITS: u32>(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
+    let mut sd = StepDraws::new();
     scalar::encode_signmag_blocks::<BITS>(
         x,
         block,
@@ -445,25 +529,34 @@ pub unsafe fn encode_signmag_avx2<const BITS: u32>(
         #[inline(always)]
         |xb| l2_squares(xb),
         #[inline(always)]
-        |xb, cb, m, start| signmag_block::<BITS>(xb, cb, m, draws, start),
+        |xb, cb, m, start| signmag_block::<BITS>(xb, cb, m, draws, &mut sd, start),
     )
 }
 
 /// Sign-magnitude codes of one finite block (inside one index window) with scale `m`.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn signmag_block<const BITS: u32>(xb: &[f32], cb: &mut [u8], m: f32, d: &Draws, start: u64) {
+fn signmag_block<const BITS: u32>(
+    xb: &[f32],
+    cb: &mut [u8],
+    m: f32,
+    d: &Draws,
+    sd: &mut StepDraws,
+    start: u64,
+) {
     let levels = (1u32 << (BITS - 1)) - 1;
-    let Some(l) = Levels::new(m, levels, d.key_for(start)) else {
+    let Some(l) = Levels::new(m, levels) else {
         return scalar::quantise_signmag_bytes(xb, cb, m, BITS, d, start);
     };
     let sign_bit8 = _mm256_set1_epi8((1u8 << (BITS - 1)) as i8);
-    let n32 = steps32::<true>(
+    let n32 = steps32::<true, true>(
         xb,
         start,
+        sd,
+        d.key_for(start),
         // The level with the input's sign (psignd: negated for negative bit patterns).
         #[inline(always)]
-        |v, idx| _mm256_sign_epi32(l.stochastic8(v, idx), _mm256_castps_si256(v)),
+        |v, h| _mm256_sign_epi32(l.stochastic8(v, h), _mm256_castps_si256(v)),
         #[inline(always)]
         |signed, g| {
             let bytes = signmag_bytes(signed, sign_bit8);
@@ -512,6 +605,7 @@ pub unsafe fn encode_natural_avx2(
     refs: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
+    let mut sd = StepDraws::new();
     scalar::encode_natural_blocks(
         x,
         block,
@@ -520,7 +614,7 @@ pub unsafe fn encode_natural_avx2(
         refs,
         codes,
         #[inline(always)]
-        |xb, cb, r, start| natural_block(xb, cb, r, draws, start),
+        |xb, cb, r, start| natural_block(xb, cb, r, draws, &mut sd, start),
     )
 }
 
@@ -543,11 +637,11 @@ pub unsafe fn encode_natural_avx2(
 /// [`signmag_bytes`] makes the sign-magnitude byte.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn natural_block(xb: &[f32], cb: &mut [u8], r: i32, d: &Draws, start: u64) {
+fn natural_block(xb: &[f32], cb: &mut [u8], r: i32, d: &Draws, sd: &mut StepDraws, start: u64) {
     match r {
-        ..=0 => natural_steps::<true, false>(xb, cb, r, d, start),
-        1..=126 => natural_steps::<true, true>(xb, cb, r, d, start),
-        _ => natural_steps::<false, false>(xb, cb, r, d, start),
+        ..=0 => natural_steps::<true, false>(xb, cb, r, d, sd, start),
+        1..=126 => natural_steps::<true, true>(xb, cb, r, d, sd, start),
+        _ => natural_steps::<false, false>(xb, cb, r, d, sd, start),
     }
 }
 
@@ -560,22 +654,23 @@ fn natural_steps<const FAST: bool, const CHECK: bool>(
     cb: &mut [u8],
     r: i32,
     d: &Draws,
+    sd: &mut StepDraws,
     start: u64,
 ) {
-    let key = d.key_for(start);
-    let general = NaturalConsts::new(r, key);
-    let fast = NaturalFast::new(r.min(126), key);
-    let n32 = steps32x4::<true>(
+    let general = NaturalConsts::new(r);
+    let fast = NaturalFast::new(r.min(126));
+    let n32 = steps32x4::<true, true>(
         xb,
         start,
+        sd,
+        d.key_for(start),
         #[inline(always)]
-        |v, idx| {
-            let [i0, i1, i2, i3] = step_indices(idx);
+        |v, [h0, h1, h2, h3]| {
             if FAST {
-                let (l0, t0) = natural_fast8::<CHECK>(&fast, v[0], i0);
-                let (l1, t1) = natural_fast8::<CHECK>(&fast, v[1], i1);
-                let (l2, t2) = natural_fast8::<CHECK>(&fast, v[2], i2);
-                let (l3, t3) = natural_fast8::<CHECK>(&fast, v[3], i3);
+                let (l0, t0) = natural_fast8::<CHECK>(&fast, v[0], h0);
+                let (l1, t1) = natural_fast8::<CHECK>(&fast, v[1], h1);
+                let (l2, t2) = natural_fast8::<CHECK>(&fast, v[2], h2);
+                let (l3, t3) = natural_fast8::<CHECK>(&fast, v[3], h3);
                 if !CHECK {
                     return [l0, l1, l2, l3];
                 }
@@ -585,10 +680,10 @@ fn natural_steps<const FAST: bool, const CHECK: bool>(
                 }
             }
             [
-                natural_general8(&general, v[0], i0),
-                natural_general8(&general, v[1], i1),
-                natural_general8(&general, v[2], i2),
-                natural_general8(&general, v[3], i3),
+                natural_general8(&general, v[0], h0),
+                natural_general8(&general, v[1], h1),
+                natural_general8(&general, v[2], h2),
+                natural_general8(&general, v[3], h3),
             ]
         },
         #[inline(always)]
@@ -608,7 +703,6 @@ fn natural_steps<const FAST: bool, const CHECK: bool>(
 struct NaturalFast {
     /// `2^-r`.
     scale: __m256,
-    key: __m256i,
     /// `0x8000_0000 - bits(2^kmin)`: `|x|` bits plus this exceed it (as i32) exactly for
     /// `|x|` in `(0, 2^kmin)`.
     tiny: __m256i,
@@ -617,33 +711,28 @@ struct NaturalFast {
 impl NaturalFast {
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn new(r: i32, key: u32) -> NaturalFast {
+    fn new(r: i32) -> NaturalFast {
         debug_assert!((scalar::NATURAL_MIN_REF..=126).contains(&r));
         // 2^kmin is at least 2^-149, the least subnormal, as r >= -23.
         let kmin_bits = scalar::pow2_f32(r - 126).to_bits();
         NaturalFast {
             scale: _mm256_set1_ps(pow2(-r)),
-            key: _mm256_set1_epi32(key as i32),
             tiny: _mm256_set1_epi32(0x8000_0000u32.wrapping_sub(kmin_bits) as i32),
         }
     }
 }
 
-/// The signed natural levels of the 8 elements in `v` (global indices `idx`), and when
+/// The signed natural levels of the 8 elements in `v` (draws `h`), and when
 /// `CHECK` the lanes (-1) whose `|x|` lies in `(0, 2^kmin)`, where the levels may be wrong
 /// (see [`natural_block`]; zero without the check).
 #[target_feature(enable = "avx2")]
 #[inline]
-fn natural_fast8<const CHECK: bool>(
-    c: &NaturalFast,
-    v: __m256,
-    idx: __m256i,
-) -> (__m256i, __m256i) {
+fn natural_fast8<const CHECK: bool>(c: &NaturalFast, v: __m256, h: __m256i) -> (__m256i, __m256i) {
     let a = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(ABS));
     let s = _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(a), c.scale));
     let down = _mm256_srli_epi32::<23>(s);
     let frac = _mm256_and_si256(s, _mm256_set1_epi32(0x007F_FFFF));
-    let u23 = _mm256_srli_epi32::<9>(lowbias32x8(_mm256_xor_si256(idx, c.key)));
+    let u23 = _mm256_srli_epi32::<9>(h);
     // `up` is -1 where the draw rounds up.
     let up = _mm256_cmpgt_epi32(frac, u23);
     let level = _mm256_sign_epi32(_mm256_sub_epi32(down, up), _mm256_castps_si256(v));
@@ -658,7 +747,6 @@ fn natural_fast8<const CHECK: bool>(
 struct NaturalConsts {
     r: __m256i,
     kmin_1: __m256i,
-    key: __m256i,
     /// `2^(-76 - kmin)`.
     lo_scale: __m256,
 }
@@ -666,12 +754,11 @@ struct NaturalConsts {
 impl NaturalConsts {
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn new(r: i32, key: u32) -> NaturalConsts {
+    fn new(r: i32) -> NaturalConsts {
         let kmin = r - 126;
         NaturalConsts {
             r: _mm256_set1_epi32(r),
             kmin_1: _mm256_set1_epi32(kmin - 1),
-            key: _mm256_set1_epi32(key as i32),
             lo_scale: _mm256_set1_ps(pow2(-76 - kmin)),
         }
     }
@@ -682,7 +769,7 @@ fn pow2(k: i32) -> f32 {
     f32::from_bits(((k + 127) as u32) << 23)
 }
 
-/// The signed natural levels of the 8 elements in `v`, with global indices `idx`, for any
+/// The signed natural levels of the 8 elements in `v`, with draws `h`, for any
 /// finite block:
 /// - `e = floor(log2 |x|)` and the fraction `F / 2^23 = |x| / 2^e - 1` come from the
 ///   bits of `|x|`, of `|x| * 2^64` for subnormals (exact, and normal);
@@ -692,7 +779,7 @@ fn pow2(k: i32) -> f32 {
 ///   `kmin` in [-149, 1], and the product lies in [2^-126, 2^24), so it is exact.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn natural_general8(c: &NaturalConsts, v: __m256, idx: __m256i) -> __m256i {
+fn natural_general8(c: &NaturalConsts, v: __m256, h: __m256i) -> __m256i {
     let zero = _mm256_setzero_si256();
     let a = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(ABS));
     let sub = _mm256_cmpeq_epi32(_mm256_srli_epi32::<23>(a), zero);
@@ -704,7 +791,7 @@ fn natural_general8(c: &NaturalConsts, v: __m256, idx: __m256i) -> __m256i {
         _mm256_and_si256(sub, _mm256_set1_epi32(64)),
     );
     let f2 = _mm256_slli_epi32::<1>(_mm256_and_si256(an, _mm256_set1_epi32(0x007F_FFFF)));
-    let u24 = _mm256_srli_epi32::<8>(lowbias32x8(_mm256_xor_si256(idx, c.key)));
+    let u24 = _mm256_srli_epi32::<8>(h);
     // At or above kmin: round up past e with probability F / 2^23 (never past r).
     let up_hi = _mm256_and_si256(_mm256_cmpgt_epi32(f2, u24), _mm256_cmpgt_epi32(c.r, e));
     let k_hi = _mm256_sub_epi32(e, up_hi);
