@@ -1,6 +1,8 @@
 //! AVX2 kernels of the block codecs: int8, qsgd and ternary quantisation (nearest and
-//! stochastic, with the counter hash on 8 lanes), qsgd's block norm, natural compression,
-//! the sign-magnitude, sign and natural decoders, the random-k draw filter and bf16 encode.
+//! stochastic, with the counter hash on 8 lanes, drawn in aligned groups of 64 where a
+//! block starts at a multiple of 32), qsgd's block norm, natural compression (a short form
+//! for all but rare steps), the sign-magnitude, sign and natural decoders, the random-k
+//! draw filter and bf16 encode.
 //!
 //! The portable kernels compiled for AVX2 spent most of their time narrowing one vector of
 //! 8 codes to bytes at a time (a shuffle, an extract and an 8-byte store each); these work
@@ -288,10 +290,11 @@ fn first_indices(start: u64) -> __m256i {
     )
 }
 
-/// Quantises the 32-element steps of a block: `quant(v, h)` gives the 32-bit codes of 8
-/// elements and, when `DRAWS`, their draws (`lowbias32((start + j) ^ key)` for element
-/// `j`; zero otherwise); the four results go to `store(bytes, g)`, narrowed by
-/// [`pack_bytes`], for the step at element `g`. Returns the number of elements done.
+/// Quantises the 32-element steps of a block: `quant(v, h)` gives the 32-bit codes of the
+/// 8 elements in `v`, whose draws are the lanes of `h` (`lowbias32((start + j) ^ key)` for
+/// element `j`, from `draws`, when `DRAWS`; zero otherwise); the four results go to
+/// `store(bytes, g)`, narrowed by [`pack_bytes`], for the step at element `g`. Returns the
+/// number of elements done.
 #[target_feature(enable = "avx2")]
 #[inline]
 fn steps32<const SIGNED: bool, const DRAWS: bool>(
