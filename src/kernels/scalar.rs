@@ -562,6 +562,17 @@ pub enum Measure {
     L2,
 }
 
+impl Measure {
+    /// The kind and scale of block `xb`; `squares` is [`l2_squares`] or a SIMD equal.
+    #[inline(always)]
+    pub fn of(self, xb: &[f32], squares: impl Fn(&[f32]) -> f64) -> BlockScale {
+        match self {
+            Measure::AbsMax => BlockScale::abs_max(xb),
+            Measure::L2 => BlockScale::l2(squares(xb)),
+        }
+    }
+}
+
 /// Encode int8 blocks: steps then one i8 per element. `steps.len() == 4 * nblocks`,
 /// `codes.len() == x.len()`.
 pub fn encode_int8(
@@ -757,10 +768,7 @@ pub fn encode_signmag_blocks<const BITS: u32>(
         first,
         steps,
         #[inline(always)]
-        |xb: &[f32]| match measure {
-            Measure::AbsMax => BlockScale::abs_max(xb),
-            Measure::L2 => BlockScale::l2(squares(xb)),
-        },
+        |xb: &[f32]| measure.of(xb, &squares),
         #[inline(always)]
         |b, xb, m, start| {
             let cb = &mut codes[b * block / per..][..xb.len().div_ceil(per)];
@@ -801,10 +809,7 @@ pub fn encode_signmag(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    let scale = |xb: &[f32]| match measure {
-        Measure::AbsMax => BlockScale::abs_max(xb),
-        Measure::L2 => BlockScale::l2(l2_squares(xb)),
-    };
+    let scale = |xb: &[f32]| measure.of(xb, l2_squares);
     let levels = (1u32 << (bits - 1)) - 1;
     encode_step_blocks(x, block, levels, first, steps, scale, |b, xb, m, start| {
         if let Some(m) = m {

@@ -165,27 +165,30 @@ fn relative_masks(first: u32, key: u32, t: u32) -> impl FnMut(usize) -> u64 {
 /// step in one half of an aligned group of 64, and takes the [`GroupDraws`] form: one
 /// vector multiply per 8 draws instead of two. One value serves a whole encode call, so
 /// that the group table is made once per key and 2^16 indices, not once per block.
-struct StepDraws {
+struct StepDraws<'a> {
+    draws: &'a Draws,
     key: __m256i,
     grouped: bool,
     group: GroupDraws,
 }
 
-impl StepDraws {
+impl<'a> StepDraws<'a> {
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn new() -> StepDraws {
+    fn new(draws: &'a Draws) -> StepDraws<'a> {
         StepDraws {
+            draws,
             key: _mm256_setzero_si256(),
             grouped: false,
             group: GroupDraws::new(0, 0),
         }
     }
 
-    /// Ready for the block from global index `start`, whose key is `key`.
+    /// Ready for the block from global index `start` (inside one key's window).
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn begin(&mut self, start: u64, key: u32) {
+    fn begin(&mut self, start: u64) {
+        let key = self.draws.key_for(start);
         self.key = _mm256_set1_epi32(key as i32);
         self.grouped = start.is_multiple_of(32);
         if self.group.key != key {
@@ -194,10 +197,10 @@ impl StepDraws {
         }
     }
 
-    /// The draws of the 32 indices from `at`, 8 per vector; `idx` holds the first 8.
+    /// The draws of the 32 indices from `at` (mod 2^32), 8 per vector.
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn step(&mut self, idx: __m256i, at: u32) -> [__m256i; 4] {
+    fn step(&mut self, at: u32) -> [__m256i; 4] {
         if self.grouped {
             let g = &mut self.group;
             let a = g.term(at & !63);
@@ -205,9 +208,13 @@ impl StepDraws {
             let h = |q: usize| lowbias32_rest(_mm256_add_epi32(a, k[q]));
             return [h(0), h(1), h(2), h(3)];
         }
-        let [i0, i1, i2, i3] = step_indices(idx);
-        let h = |i| lowbias32x8(_mm256_xor_si256(i, self.key));
-        [h(i0), h(i1), h(i2), h(i3)]
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let i0 = _mm256_add_epi32(_mm256_set1_epi32(at as i32), lanes);
+        let h = |o: i32| {
+            let i = _mm256_add_epi32(i0, _mm256_set1_epi32(o));
+            lowbias32x8(_mm256_xor_si256(i, self.key))
+        };
+        [h(0), h(8), h(16), h(24)]
     }
 }
 
@@ -280,16 +287,6 @@ impl Levels {
     }
 }
 
-/// The global indices (mod 2^32) of the first 8 elements of a block starting at `start`.
-#[target_feature(enable = "avx2")]
-#[inline]
-fn first_indices(start: u64) -> __m256i {
-    _mm256_add_epi32(
-        _mm256_set1_epi32(start as u32 as i32),
-        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-    )
-}
-
 /// Quantises the 32-element steps of a block: `quant(v, h)` gives the 32-bit codes of the
 /// 8 elements in `v`, whose draws are the lanes of `h` (`lowbias32((start + j) ^ key)` for
 /// element `j`, from `draws`, when `DRAWS`; zero otherwise); the four results go to
@@ -301,7 +298,6 @@ fn steps32<const SIGNED: bool, const DRAWS: bool>(
     xb: &[f32],
     start: u64,
     draws: &mut StepDraws,
-    key: u32,
     mut quant: impl FnMut(__m256, __m256i) -> __m256i,
     store: impl FnMut(__m256i, usize),
 ) -> usize {
@@ -309,7 +305,6 @@ fn steps32<const SIGNED: bool, const DRAWS: bool>(
         xb,
         start,
         draws,
-        key,
         // Written out: `[T; 4]::map` is not always inlined, and its calls cost 9x here.
         #[inline(always)]
         |v, h| {
@@ -324,14 +319,6 @@ fn steps32<const SIGNED: bool, const DRAWS: bool>(
     )
 }
 
-/// The global indices of the four vectors of a step whose first vector has `idx`.
-#[target_feature(enable = "avx2")]
-#[inline]
-fn step_indices(idx: __m256i) -> [__m256i; 4] {
-    let at = |o| _mm256_add_epi32(idx, _mm256_set1_epi32(o));
-    [idx, at(8), at(16), at(24)]
-}
-
 /// [`steps32`] with the four vectors of a step quantised together: `quant(v, h)` gives
 /// the codes of the 32 elements in `v`, whose draws are the lanes of `h` (when `DRAWS`).
 #[target_feature(enable = "avx2")]
@@ -340,27 +327,23 @@ fn steps32x4<const SIGNED: bool, const DRAWS: bool>(
     xb: &[f32],
     start: u64,
     draws: &mut StepDraws,
-    key: u32,
     mut quant: impl FnMut([__m256; 4], [__m256i; 4]) -> [__m256i; 4],
     mut store: impl FnMut(__m256i, usize),
 ) -> usize {
     if DRAWS {
-        draws.begin(start, key);
+        draws.begin(start);
     }
-    let mut idx = first_indices(start);
-    let step = _mm256_set1_epi32(32);
     let chunks = xb.chunks_exact(32);
     let done = xb.len() - chunks.remainder().len();
     for (k, c) in chunks.enumerate() {
         // SAFETY: `c` holds 32 f32, four unaligned __m256.
         let v = unsafe { [0, 8, 16, 24].map(|o| _mm256_loadu_ps(c.as_ptr().add(o))) };
         let h = if DRAWS {
-            draws.step(idx, (start as u32).wrapping_add(32 * k as u32))
+            draws.step((start as u32).wrapping_add(32 * k as u32))
         } else {
             [_mm256_setzero_si256(); 4]
         };
         let [q0, q1, q2, q3] = quant(v, h);
-        idx = _mm256_add_epi32(idx, step);
         store(pack_bytes::<SIGNED>(q0, q1, q2, q3), 32 * k);
     }
     done
@@ -380,7 +363,7 @@ pub unsafe fn encode_int8_avx2(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    let mut sd = StepDraws::new();
+    let mut sd = StepDraws::new(draws);
     scalar::encode_int8_blocks(
         x,
         block,
@@ -391,8 +374,8 @@ pub unsafe fn encode_int8_avx2(
         codes,
         #[inline(always)]
         |xb, cb, m, start| match round {
-            Round::Nearest => int8_block::<false>(xb, cb, m, draws, &mut sd, start),
-            Round::Stochastic => int8_block::<true>(xb, cb, m, draws, &mut sd, start),
+            Round::Nearest => int8_block::<false>(xb, cb, m, &mut sd, start),
+            Round::Stochastic => int8_block::<true>(xb, cb, m, &mut sd, start),
         },
     )
 }
@@ -404,7 +387,6 @@ fn int8_block<const STOCHASTIC: bool>(
     xb: &[f32],
     cb: &mut [u8],
     m: f32,
-    d: &Draws,
     sd: &mut StepDraws,
     start: u64,
 ) {
@@ -413,7 +395,7 @@ fn int8_block<const STOCHASTIC: bool>(
     } else {
         Round::Nearest
     };
-    let key = if STOCHASTIC { d.key_for(start) } else { 0 };
+    let d = sd.draws;
     let Some(l) = Levels::new(m, 127) else {
         return scalar::quantise_int8(xb, cb, m, round, d, start);
     };
@@ -421,7 +403,6 @@ fn int8_block<const STOCHASTIC: bool>(
         xb,
         start,
         sd,
-        key,
         #[inline(always)]
         |v, h| int8x8::<STOCHASTIC>(&l, v, h),
         #[inline(always)]
@@ -520,7 +501,7 @@ pub unsafe fn encode_signmag_avx2<const BITS: u32>(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    let mut sd = StepDraws::new();
+    let mut sd = StepDraws::new(draws);
     scalar::encode_signmag_blocks::<BITS>(
         x,
         block,
@@ -532,7 +513,7 @@ pub unsafe fn encode_signmag_avx2<const BITS: u32>(
         #[inline(always)]
         |xb| l2_squares(xb),
         #[inline(always)]
-        |xb, cb, m, start| signmag_block::<BITS>(xb, cb, m, draws, &mut sd, start),
+        |xb, cb, m, start| signmag_block::<BITS>(xb, cb, m, &mut sd, start),
     )
 }
 
@@ -543,10 +524,10 @@ fn signmag_block<const BITS: u32>(
     xb: &[f32],
     cb: &mut [u8],
     m: f32,
-    d: &Draws,
     sd: &mut StepDraws,
     start: u64,
 ) {
+    let d = sd.draws;
     let levels = (1u32 << (BITS - 1)) - 1;
     let Some(l) = Levels::new(m, levels) else {
         return scalar::quantise_signmag_bytes(xb, cb, m, BITS, d, start);
@@ -556,7 +537,6 @@ fn signmag_block<const BITS: u32>(
         xb,
         start,
         sd,
-        d.key_for(start),
         // The level with the input's sign (psignd: negated for negative bit patterns).
         #[inline(always)]
         |v, h| _mm256_sign_epi32(l.stochastic8(v, h), _mm256_castps_si256(v)),
@@ -608,7 +588,7 @@ pub unsafe fn encode_natural_avx2(
     refs: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    let mut sd = StepDraws::new();
+    let mut sd = StepDraws::new(draws);
     scalar::encode_natural_blocks(
         x,
         block,
@@ -617,7 +597,7 @@ pub unsafe fn encode_natural_avx2(
         refs,
         codes,
         #[inline(always)]
-        |xb, cb, r, start| natural_block(xb, cb, r, draws, &mut sd, start),
+        |xb, cb, r, start| natural_block(xb, cb, r, &mut sd, start),
     )
 }
 
@@ -640,11 +620,11 @@ pub unsafe fn encode_natural_avx2(
 /// [`signmag_bytes`] makes the sign-magnitude byte.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn natural_block(xb: &[f32], cb: &mut [u8], r: i32, d: &Draws, sd: &mut StepDraws, start: u64) {
+fn natural_block(xb: &[f32], cb: &mut [u8], r: i32, sd: &mut StepDraws, start: u64) {
     match r {
-        ..=0 => natural_steps::<true, false>(xb, cb, r, d, sd, start),
-        1..=126 => natural_steps::<true, true>(xb, cb, r, d, sd, start),
-        _ => natural_steps::<false, false>(xb, cb, r, d, sd, start),
+        ..=0 => natural_steps::<true, false>(xb, cb, r, sd, start),
+        1..=126 => natural_steps::<true, true>(xb, cb, r, sd, start),
+        _ => natural_steps::<false, false>(xb, cb, r, sd, start),
     }
 }
 
@@ -656,17 +636,16 @@ fn natural_steps<const FAST: bool, const CHECK: bool>(
     xb: &[f32],
     cb: &mut [u8],
     r: i32,
-    d: &Draws,
     sd: &mut StepDraws,
     start: u64,
 ) {
+    let d = sd.draws;
     let general = NaturalConsts::new(r);
     let fast = NaturalFast::new(r.min(126));
     let n32 = steps32x4::<true, true>(
         xb,
         start,
         sd,
-        d.key_for(start),
         #[inline(always)]
         |v, [h0, h1, h2, h3]| {
             if FAST {
