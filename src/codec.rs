@@ -173,7 +173,8 @@ pub trait Codec: Send + Sync + fmt::Debug {
 
     /// Encode `x` into a new vector (owning convenience over `encode_into`).
     fn encode(&self, x: &[f32], ctx: &EncodeCtx) -> Result<Vec<u8>> {
-        let mut out = vec![0u8; self.max_encoded_len(x.len())];
+        self.check_encode(x.len(), ctx)?;
+        let mut out = crate::alloc::filled(self.max_encoded_len(x.len()), 0u8, "the frame")?;
         let len = self.encode_into(x, ctx, &mut out)?;
         out.truncate(len);
         Ok(out)
@@ -182,7 +183,7 @@ pub trait Codec: Send + Sync + fmt::Debug {
     /// Decode `frame` into a new vector. Refuses frames claiming more than
     /// [`decode_limit`]`(frame.len())` elements.
     fn decode(&self, frame: &[u8]) -> Result<Vec<f32>> {
-        let h = Header::parse(frame)?;
+        let (h, _) = crate::wire::split(frame)?;
         if h.codec != self.id() {
             return Err(Error::WrongCodec {
                 expected: self.id(),
@@ -196,7 +197,12 @@ pub trait Codec: Send + Sync + fmt::Debug {
                 limit,
             });
         }
-        let mut out = vec![0f32; h.elements as usize];
+        crate::codecs::spec_from_header(&h)?;
+        let n = usize::try_from(h.elements).map_err(|_| Error::TooLarge {
+            elements: h.elements,
+            limit: usize::MAX as u64,
+        })?;
+        let mut out = crate::alloc::filled(n, 0f32, "the decoded frame")?;
         self.decode_into(frame, &mut out)?;
         Ok(out)
     }

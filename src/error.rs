@@ -149,14 +149,29 @@ pub enum Error {
         reason: String,
     },
     /// A message received from a peer during a collective was rejected: a frame that
-    /// does not decode, or one of the wrong codec or length.
+    /// does not decode, one of the wrong codec, length, offset or seed, or a message that
+    /// belongs to another call, hop or collective ([`Error::Misplaced`]).
     Peer {
-        /// Rank that sent the message.
+        /// The rank whose frame it was: the sender, or for a frame forwarded unchanged
+        /// round a ring, the rank that encoded it.
         peer: usize,
         /// The phase of the collective (e.g. `"reduce-scatter"`, `"all-gather"`).
         phase: &'static str,
+        /// The neighbour a forwarded frame arrived from, if it is not `peer`.
+        forwarded_by: Option<usize>,
         /// What was wrong with it.
         source: Box<Error>,
+    },
+    /// A collective's message does not belong where it arrived: its envelope is damaged,
+    /// names another sender, or places it in another collective, phase or chunk. (Stale
+    /// messages are dropped and early ones kept; see `collective::Comm`.)
+    Misplaced(String),
+    /// An allocation of this many bytes failed (or could not even be sized).
+    OutOfMemory {
+        /// Bytes asked for.
+        bytes: u64,
+        /// What the memory was for.
+        what: &'static str,
     },
     /// A collective was asked for something it cannot do (e.g. a rank outside the
     /// world, or options the ranks must agree on that are inconsistent).
@@ -246,8 +261,22 @@ impl fmt::Display for Error {
             Error::Peer {
                 peer,
                 phase,
+                forwarded_by: None,
                 source,
             } => write!(f, "{phase}: message from rank {peer} rejected: {source}"),
+            Error::Peer {
+                peer,
+                phase,
+                forwarded_by: Some(via),
+                source,
+            } => write!(
+                f,
+                "{phase}: frame of rank {peer} (forwarded by rank {via}) rejected: {source}"
+            ),
+            Error::Misplaced(reason) => write!(f, "misplaced message: {reason}"),
+            Error::OutOfMemory { bytes, what } => {
+                write!(f, "could not allocate {bytes} bytes for {what}")
+            }
             Error::Collective(reason) => write!(f, "collective: {reason}"),
         }
     }

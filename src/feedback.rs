@@ -36,6 +36,7 @@
 
 use crate::codec::{Codec, CodecSpec, EncodeCtx, each_spec};
 use crate::codecs::{self, fixed::ResidualMut};
+use crate::alloc;
 use crate::error::{Error, Result};
 use crate::kernels::scalar::bf16_to_f32;
 
@@ -179,7 +180,7 @@ impl ErrorFeedback {
             }
         }
         let state = match opts.precision {
-            ResidualPrecision::F32 => State::F32(vec![0.0; len]),
+            ResidualPrecision::F32 => State::F32(alloc::filled(len, 0.0, "the residual")?),
             ResidualPrecision::Bf16 => {
                 let layout = each_spec!(&codec, c => codecs::Scheme::fixed(c).map(|f| f.layout()));
                 let Some(layout) = layout else {
@@ -194,8 +195,8 @@ impl ErrorFeedback {
                 };
                 let (_, scratch) = codecs::fixed::feedback_scratch(layout, len);
                 State::Bf16 {
-                    r: vec![0; len],
-                    scratch: vec![0.0; scratch],
+                    r: alloc::filled(len, 0, "the residual")?,
+                    scratch: alloc::filled(scratch, 0.0, "the residual scratch")?,
                 }
             }
         };

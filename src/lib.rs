@@ -56,6 +56,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+mod alloc;
 pub mod codec;
 pub mod codecs;
 pub mod collective;
@@ -98,19 +99,24 @@ pub fn decode_to_vec(frame: &[u8]) -> Result<Vec<f32>> {
 }
 
 /// Decode any frame into a new vector of at most `max_elements` elements.
+///
+/// The whole header and the payload length its codec implies are checked first, so a
+/// frame claiming more elements than its bytes can hold is refused before any memory is
+/// asked for, and memory that cannot be had is an [`Error::OutOfMemory`], not an abort.
 pub fn decode_to_vec_with_limit(frame: &[u8], max_elements: u64) -> Result<Vec<f32>> {
-    let h = Header::parse(frame)?;
+    let (h, _) = wire::split(frame)?;
     if h.elements > max_elements {
         return Err(Error::TooLarge {
             elements: h.elements,
             limit: max_elements,
         });
     }
+    codecs::spec_from_header(&h)?;
     let n = usize::try_from(h.elements).map_err(|_| Error::TooLarge {
         elements: h.elements,
         limit: usize::MAX as u64,
     })?;
-    let mut out = vec![0f32; n];
+    let mut out = alloc::filled(n, 0f32, "the decoded frame")?;
     decode(frame, &mut out)?;
     Ok(out)
 }

@@ -7,7 +7,9 @@ mod common;
 
 use allocation_counter::measure;
 use common::*;
-use gradpack::{Codec, CodecId, CodecSpec, EncodeCtx, ErrorFeedback, FeedbackOptions, Header};
+use gradpack::{
+    Codec, CodecId, CodecSpec, EncodeCtx, Error, ErrorFeedback, FeedbackOptions, Header,
+};
 
 /// Below the size where the rayon paths split the work (they allocate job state).
 const N: usize = 4000;
@@ -92,4 +94,21 @@ fn owning_decoders_allocate_exactly_the_output() {
         assert_eq!(info.bytes_total, 4 * N as u64, "{spec}");
         assert!(N as u64 <= gradpack::decode_limit(frame.len()));
     }
+}
+
+#[test]
+fn a_frame_claiming_more_than_its_payload_holds_is_refused_before_allocating() {
+    // An int8 frame claiming 2^33 elements with a 16-byte payload, decoded with a limit
+    // that allows 2^33 elements: the payload length its header implies gives it away
+    // before 32 GiB are asked for.
+    let codec: CodecSpec = "int8".parse().unwrap();
+    let mut f = codec.encode(&[1.0; 4], &EncodeCtx::new(0)).unwrap();
+    let mut h = Header::parse(&f).unwrap();
+    h.elements = 1 << 33;
+    h.write(&mut f);
+    let mut res = None;
+    let info = measure(|| res = Some(gradpack::decode_to_vec_with_limit(&f, u64::MAX)));
+    let e = res.unwrap().unwrap_err();
+    assert!(matches!(e, Error::PayloadLength { .. }), "{e}");
+    assert!(info.bytes_max < 4096, "{info:?}");
 }

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use common::*;
 use gradpack::collective::{
-    AllReduce, AllReduceOptions, Feedback, ReduceOp, Stats, Strategy, StrategyChoice, Transport,
-    chunk_range, error_bound, local, rank_seed,
+    AllReduce, AllReduceOptions, Comm, ENVELOPE_LEN, Feedback, ReduceOp, Stats, Strategy,
+    StrategyChoice, Transport, chunk_range, error_bound, local, rank_seed,
 };
 use gradpack::{Codec, CodecSpec, EncodeCtx, Error, Result};
 
@@ -416,10 +416,13 @@ impl<F: FnMut(&mut Vec<u8>)> Transport for Faulty<F> {
     fn size(&self) -> usize {
         self.inner.size()
     }
-    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
-        let mut msg = send.to_vec();
+    fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
+        let mut msg = msg.to_vec();
         (self.damage)(&mut msg);
-        self.inner.send_recv(&msg, to, recv, from)
+        self.inner.send(&msg, to)
+    }
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+        self.inner.recv(buf, from)
     }
 }
 
@@ -443,7 +446,8 @@ fn with_fault_opts(
         let x = input(n, rank);
         let mut out = vec![0.0; n];
         let stats = if rank == 1 {
-            let mut t = Faulty { inner: t, damage };
+            let inner = t.into_inner();
+            let mut t = Comm::new(Faulty { inner, damage });
             ar.run(&mut t, &x, &mut out, 0)
         } else {
             let mut t = t;
@@ -470,7 +474,10 @@ fn payload_checksum_turns_silent_corruption_into_an_error() {
         }
     };
     for s in [Strategy::CompressedRing, Strategy::CompressedAllGather] {
-        let plain = opts(s, ReduceOp::Sum, Feedback::None);
+        let plain = AllReduceOptions {
+            checksum: false,
+            ..opts(s, ReduceOp::Sum, Feedback::None)
+        };
         let sealed = AllReduceOptions {
             checksum: true,
             ..plain.clone()
@@ -506,12 +513,17 @@ fn payload_checksum_turns_silent_corruption_into_an_error() {
 
 #[test]
 fn damaged_frames_are_errors_naming_the_peer() {
-    let cases: [(&str, Damage); 5] = [
-        ("header byte flipped", |m| m[9] ^= 0x40),
+    let cases: [(&str, Damage); 8] = [
+        ("header byte flipped", |m| m[ENVELOPE_LEN + 9] ^= 0x40),
         ("truncated", |m| m.truncate(m.len() - 3)),
         ("empty", |m| m.clear()),
         ("garbage", |m| m.iter_mut().for_each(|b| *b = 0xA5)),
         ("trailing byte", |m| m.push(0)),
+        ("envelope byte flipped", |m| m[21] ^= 0x01),
+        ("frame without envelope", |m| {
+            m.drain(..ENVELOPE_LEN);
+        }),
+        ("envelope only", |m| m.truncate(ENVELOPE_LEN)),
     ];
     for spec in ["int8", "topk:ratio=0.1"] {
         for s in [
@@ -527,6 +539,7 @@ fn damaged_frames_are_errors_naming_the_peer() {
                         peer: 1,
                         phase,
                         source,
+                        ..
                     }) => {
                         assert!(!phase.is_empty());
                         let msg = source.to_string();

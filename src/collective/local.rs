@@ -14,7 +14,7 @@
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::Duration;
 
-use super::{Transport, check_rank};
+use super::{Comm, Transport, check_rank};
 use crate::error::{Error, Result};
 
 /// How long a receive waits for a message before it fails, unless set otherwise.
@@ -84,17 +84,20 @@ impl Transport for Local {
         self.size
     }
 
-    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
+    fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
         check_rank(to, self.size)?;
-        check_rank(from, self.size)?;
         // Reuse a buffer the receiver gave back, if there is one.
-        let mut msg = self.back_from[to].try_recv().unwrap_or_default();
-        msg.clear();
-        msg.extend_from_slice(send);
-        self.to[to].send(msg).map_err(|_| Error::Transport {
+        let mut buf = self.back_from[to].try_recv().unwrap_or_default();
+        buf.clear();
+        buf.extend_from_slice(msg);
+        self.to[to].send(buf).map_err(|_| Error::Transport {
             peer: to,
             reason: "has left the world (its transport was dropped) before receiving".into(),
-        })?;
+        })
+    }
+
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+        check_rank(from, self.size)?;
         let got = match self.timeout {
             Some(t) => self.from[from].recv_timeout(t).map_err(|e| match e {
                 RecvTimeoutError::Timeout => Error::Transport {
@@ -105,7 +108,7 @@ impl Transport for Local {
             })?,
             None => self.from[from].recv().map_err(|_| hung_up(from))?,
         };
-        let old = core::mem::replace(recv, got);
+        let old = core::mem::replace(buf, got);
         // The sender may have gone; then the buffer is simply dropped.
         let _ = self.back_to[from].send(old);
         Ok(())
@@ -120,12 +123,13 @@ fn hung_up(peer: usize) -> Error {
 }
 
 /// Run `f` on every rank of a new in-process world of `size` ranks, one scoped thread
-/// each, with receive timeout `timeout`; returns the results in rank order. A rank that
-/// panics is reported as an [`Error::Transport`] for that rank (its peers see it leave).
+/// each, with receive timeout `timeout` and a [`Comm`] over the rank's transport;
+/// returns the results in rank order. A rank that panics is reported as an
+/// [`Error::Transport`] for that rank (its peers see it leave).
 pub fn run<R, F>(size: usize, timeout: Option<Duration>, f: F) -> Vec<Result<R>>
 where
     R: Send,
-    F: Fn(Local) -> Result<R> + Sync,
+    F: Fn(Comm<Local>) -> Result<R> + Sync,
 {
     let f = &f;
     std::thread::scope(|s| {
@@ -133,7 +137,7 @@ where
             .into_iter()
             .map(|mut t| {
                 t.set_timeout(timeout);
-                s.spawn(move || f(t))
+                s.spawn(move || f(Comm::new(t)))
             })
             .collect();
         handles

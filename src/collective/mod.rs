@@ -53,18 +53,44 @@
 //! (to f32 rounding): nothing is lost, only delayed.
 //!
 //! ## Faults
-//! A frame from a peer that does not decode, or has the wrong codec or length, gives
-//! [`Error::Peer`] naming the peer and the phase; a peer that stops answering gives the
-//! transport's error ([`Error::Transport`]; the in-process transport has a timeout).
-//! Never a panic. After an error the output is unspecified and the residuals may hold a
-//! partial update: call [`AllReduce::reset_feedback`] before the next step.
+//! Collectives run on a [`Comm`], which puts an envelope on every message (sender, call
+//! number, tag, hop, chunk, phase; see [`comm`]), and every frame received is checked
+//! against the rank that encoded it (its offset, its seed for this step and, when sealed,
+//! its payload checksum) as it arrives, before it is forwarded or summed. So:
+//! - A frame that does not decode, has the wrong codec, length, offset or seed, or a
+//!   damaged envelope gives [`Error::Peer`] naming the rank whose frame it was (for a
+//!   frame forwarded round the ring, its encoder, and the neighbour it came through in
+//!   `forwarded_by`) and the phase.
+//! - A peer that stops answering gives the transport's error ([`Error::Transport`]; the
+//!   in-process and MPI transports have timeouts). Never a panic, never a hang.
+//! - A message left over from a failed call is dropped when it turns up; one a peer sent
+//!   for a later call (it gave up on this one) fails this call and is kept for its own.
+//!   No frame is ever summed into another call's result.
+//!
+//! After a fault some ranks may return `Ok` (with the correct result) while others
+//! return an error. **Recovery:** on an error, call [`AllReduce::reset_feedback`] (the
+//! residuals may hold a partial update; the output is unspecified), then go on with the
+//! next step on the same [`Comm`]. As long as every rank makes the same calls, ranks
+//! need no message to agree again: the next call every rank completes gives every rank
+//! the correct result. (Tested for a failed send or receive, a lost, corrupted or
+//! duplicated message and a stall past the timeout, on every strategy.)
+//!
+//! Payload checksums ([`AllReduceOptions::checksum`]) are on by default. Without them a
+//! payload corrupted in transit can decode to different values, and since frames are
+//! forwarded round the ring, ranks downstream of the fault would end with different
+//! outputs and no error.
 
+pub mod comm;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 
+pub use comm::{Comm, ENVELOPE_LEN};
+use comm::{Phase, Place};
+
 use core::ops::Range;
 
+use crate::alloc;
 use crate::codec::{Codec, CodecId, CodecSpec, EncodeCtx};
 use crate::codecs::Identity;
 use crate::cost::{self, CodecProfile};
@@ -77,7 +103,8 @@ pub use crate::cost::Strategy;
 /// What a collective needs from a communication engine.
 ///
 /// Ranks are `0..size()`. Messages between an ordered pair of ranks must arrive in the
-/// order they were sent (MPI's non-overtaking rule).
+/// order they were sent (MPI's non-overtaking rule). The collectives run on a [`Comm`]
+/// built over a transport, which adds an envelope to every message (see [`comm`]).
 pub trait Transport {
     /// This rank, in `0..size()`.
     fn rank(&self) -> usize;
@@ -85,11 +112,24 @@ pub trait Transport {
     /// Number of ranks in the world.
     fn size(&self) -> usize;
 
+    /// Send `msg` to rank `to` without waiting for a matching receive to start (buffer
+    /// it, or keep receiving what peers send while the send completes), so ranks that
+    /// all send before they receive cannot deadlock. A failure names the peer
+    /// ([`Error::Transport`]).
+    fn send(&mut self, msg: &[u8], to: usize) -> Result<()>;
+
+    /// Receive the next message from rank `from` into `buf` (replacing its contents).
+    /// A peer that has left, or sends nothing within the transport's timeout if it has
+    /// one, is an [`Error::Transport`] naming it.
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()>;
+
     /// Send `send` to rank `to` and receive the next message from rank `from` into
-    /// `recv` (replacing its contents). The send must not wait for the matching receive
-    /// to start, so a ring in which every rank calls this at once cannot deadlock.
-    /// A failure names the peer ([`Error::Transport`]).
-    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()>;
+    /// `recv`: [`Transport::send`] then [`Transport::recv`] unless the transport
+    /// overlaps the two.
+    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
+        self.send(send, to)?;
+        self.recv(recv, from)
+    }
 }
 
 impl<T: Transport + ?Sized> Transport for &mut T {
@@ -98,6 +138,12 @@ impl<T: Transport + ?Sized> Transport for &mut T {
     }
     fn size(&self) -> usize {
         (**self).size()
+    }
+    fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
+        (**self).send(msg, to)
+    }
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+        (**self).recv(buf, from)
     }
     fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
         (**self).send_recv(send, to, recv, from)
@@ -157,7 +203,7 @@ impl Default for StrategyChoice {
 }
 
 /// Options of an [`AllReduce`]. Every rank must use the same.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AllReduceOptions {
     /// Sum or mean.
     pub op: ReduceOp,
@@ -169,9 +215,29 @@ pub struct AllReduceOptions {
     pub feedback_options: FeedbackOptions,
     /// Seal every frame with a payload checksum ([`crate::wire::seal`], 4 bytes per
     /// message), so a payload corrupted in transit fails the step with
-    /// [`Error::PayloadChecksum`] instead of silently changing the sum. Headers are
-    /// always checksummed. Default off: MPI and TCP links already check their data.
+    /// [`Error::PayloadChecksum`] naming the rank that encoded it, instead of silently
+    /// changing the sum. Default on. Headers and envelopes are always checksummed;
+    /// without this, a payload corrupted on one link decodes to different values on the
+    /// ranks downstream of it, so ranks can end the step with different outputs.
     pub checksum: bool,
+    /// Which collective this is among those run on one [`Comm`] (a bucket index, say),
+    /// recorded in every message's envelope: a message of another tag where this one's
+    /// is expected is an error. Default 0.
+    pub tag: u32,
+}
+
+impl Default for AllReduceOptions {
+    /// Sum, strategy by the cost model, no error feedback, sealed frames, tag 0.
+    fn default() -> Self {
+        AllReduceOptions {
+            op: ReduceOp::default(),
+            strategy: StrategyChoice::default(),
+            feedback: Feedback::default(),
+            feedback_options: FeedbackOptions::default(),
+            checksum: true,
+            tag: 0,
+        }
+    }
 }
 
 /// What one [`AllReduce::run`] did on this rank.
@@ -197,8 +263,12 @@ pub fn rank_seed(codec: &CodecSpec, seed: u64, rank: usize) -> u64 {
 }
 
 /// The element range of chunk `c` when `n` elements are split into `p` chunks: sizes
-/// differ by at most one, larger chunks first.
+/// differ by at most one, larger chunks first. There is no chunk `c >= p` (nor any when
+/// `p = 0`): those get the empty range `n..n`.
 pub fn chunk_range(n: usize, p: usize, c: usize) -> Range<usize> {
+    if c >= p {
+        return n..n;
+    }
     let (q, m) = (n / p, n % p);
     let start = c * q + c.min(m);
     start..start + q + usize::from(c < m)
@@ -216,6 +286,9 @@ pub fn chunk_range(n: usize, p: usize, c: usize) -> Range<usize> {
 /// - Majority vote: the output is `±sum_r |d_r|`, within `sum_r (|d_r| + |x_r|)`, at most
 ///   `A + sum_r (a_r + E(a_r))` of the exact sum.
 /// - Fp32 ring: f32 summation rounding only.
+///
+/// The ring's recursion is run once per rank; for worlds of more than 2^20 ranks it is
+/// not run and the bound is `f64::INFINITY` (as it is once the recursion overflows).
 pub fn error_bound(codec: &CodecSpec, strategy: Strategy, p: usize, sum_absmax: f64) -> f64 {
     let a = sum_absmax.abs();
     let pf = p.max(1) as f64;
@@ -228,9 +301,15 @@ pub fn error_bound(codec: &CodecSpec, strategy: Strategy, p: usize, sum_absmax: 
             e + rounding(e)
         }
         Strategy::CompressedRing => {
+            if p > 1 << 20 {
+                return f64::INFINITY;
+            }
             let mut m = 0.0;
             for _ in 0..p.max(1) {
                 m += codec.error_bound(a + m) + f64::from(f32::EPSILON) * (a + m);
+                if !m.is_finite() {
+                    return f64::INFINITY;
+                }
             }
             m + rounding(m)
         }
@@ -247,6 +326,8 @@ pub fn error_bound(codec: &CodecSpec, strategy: Strategy, p: usize, sum_absmax: 
 /// use gradpack::collective::{AllReduce, AllReduceOptions, local};
 ///
 /// let n = 1000;
+/// // `local::run` hands each rank a `Comm` over its in-process transport; over MPI,
+/// // `Comm::new(MpiTransport::new(&world))`.
 /// let results = local::run(4, None, |mut t| {
 ///     let rank = gradpack::collective::Transport::rank(&t);
 ///     let grad: Vec<f32> = (0..n).map(|i| ((i + rank) as f32 * 0.1).sin()).collect();
@@ -299,6 +380,11 @@ impl AllReduce {
         if size == 0 || rank >= size {
             return Err(Error::Collective(format!(
                 "transport reports rank {rank} in a world of {size}"
+            )));
+        }
+        if u32::try_from(size).is_err() {
+            return Err(Error::Collective(format!(
+                "a world of {size} ranks is more than message envelopes can number (2^32 - 1)"
             )));
         }
         let strategy = match &opts.strategy {
@@ -377,7 +463,11 @@ impl AllReduce {
             rank,
             size,
             residuals,
-            enc: vec![0; max_frame],
+            enc: alloc::filled(
+                max_frame.saturating_add(ENVELOPE_LEN),
+                0,
+                "the all-reduce's encode buffer",
+            )?,
             a: Vec::new(),
             b: Vec::new(),
             frames: if gathers {
@@ -385,8 +475,8 @@ impl AllReduce {
             } else {
                 Vec::new()
             },
-            decoded: if majority { vec![0.0; len] } else { Vec::new() },
-            votes: if majority { vec![0; len] } else { Vec::new() },
+            decoded: alloc::filled(if majority { len } else { 0 }, 0.0, "decoded votes")?,
+            votes: alloc::filled(if majority { len } else { 0 }, 0, "vote counts")?,
         })
     }
 
@@ -456,13 +546,17 @@ impl AllReduce {
     /// One all-reduce: `output` gets the reduction over all ranks of their `input`
     /// (both of [`AllReduce::len`] elements; `input` is not modified). `seed` seeds the
     /// step's random draws and must be the same on every rank (change it every step).
+    ///
+    /// Every call takes the next call number of `comm`, even one that fails at once on
+    /// a bad argument, so ranks stay in step as long as each makes the same calls.
     pub fn run<T: Transport + ?Sized>(
         &mut self,
-        transport: &mut T,
+        comm: &mut Comm<T>,
         input: &[f32],
         output: &mut [f32],
         seed: u64,
     ) -> Result<Stats> {
+        let call = comm.begin();
         for (what, got) in [
             ("input and all-reduce length", input.len()),
             ("output and all-reduce length", output.len()),
@@ -475,31 +569,34 @@ impl AllReduce {
                 });
             }
         }
-        if transport.rank() != self.rank || transport.size() != self.size {
+        if comm.rank() != self.rank || comm.size() != self.size {
             return Err(Error::Collective(format!(
                 "transport is rank {} of {}, but this all-reduce was built for rank {} of {}",
-                transport.rank(),
-                transport.size(),
+                comm.rank(),
+                comm.size(),
                 self.rank,
                 self.size
             )));
         }
-        let mut stats = Stats {
-            strategy: self.strategy,
-            bytes_sent: 0,
-            messages: 0,
+        let mut step = Step {
+            call,
+            seed,
+            stats: Stats {
+                strategy: self.strategy,
+                bytes_sent: 0,
+                messages: 0,
+            },
         };
-        let ctx = EncodeCtx::new(rank_seed(&self.codec, seed, self.rank));
         match self.strategy {
             Strategy::Fp32Ring | Strategy::CompressedRing => {
-                self.ring(transport, input, output, ctx, &mut stats)?
+                self.ring(comm, input, output, &mut step)?
             }
             Strategy::CompressedAllGather => {
-                self.gather(transport, input, ctx, &mut stats)?;
+                self.gather(comm, input, &mut step)?;
                 self.sum_frames(output)?;
             }
             Strategy::SignMajority => {
-                self.gather(transport, input, ctx, &mut stats)?;
+                self.gather(comm, input, &mut step)?;
                 self.vote(output)?;
             }
         }
@@ -507,102 +604,155 @@ impl AllReduce {
             let p = self.size as f32;
             output.iter_mut().for_each(|x| *x /= p);
         }
-        Ok(stats)
+        Ok(step.stats)
     }
 
-    /// Encode `x` (chunk `c`, starting at global element `offset`) into `self.enc`,
-    /// through chunk `c`'s residual if it has one. Returns the frame length.
+    /// Encode `x` (slot `slot`'s data, starting at global element `offset`) into
+    /// `self.enc` after the envelope's room, through the slot's residual if it has one.
+    /// Returns the message length (envelope included).
     fn encode(&mut self, slot: usize, x: &[f32], ctx: EncodeCtx) -> Result<usize> {
+        let frame = &mut self.enc[ENVELOPE_LEN..];
         let len = match self.residuals.get_mut(slot).and_then(Option::as_mut) {
-            Some(ef) => ef.encode_into(x, &ctx, &mut self.enc),
-            None => self.codec.encode_into(x, &ctx, &mut self.enc),
+            Some(ef) => ef.encode_into(x, &ctx, frame),
+            None => self.codec.encode_into(x, &ctx, frame),
         }?;
-        if self.opts.checksum {
-            wire::seal(&mut self.enc, len)
+        let len = if self.opts.checksum {
+            wire::seal(frame, len)?
         } else {
-            Ok(len)
+            len
+        };
+        Ok(ENVELOPE_LEN + len)
+    }
+
+    /// The place of a message of this collective.
+    fn place(&self, call: u64, phase: Phase, hop: usize, chunk: usize) -> Place {
+        Place {
+            call,
+            tag: self.opts.tag,
+            phase,
+            // World sizes fit in u32 (checked by `new`), and so do hop counts 2 (p - 1).
+            hop: hop as u32,
+            chunk: chunk as u32,
         }
     }
 
     fn ring<T: Transport + ?Sized>(
         &mut self,
-        t: &mut T,
+        comm: &mut Comm<T>,
         input: &[f32],
         output: &mut [f32],
-        ctx: EncodeCtx,
-        stats: &mut Stats,
+        step: &mut Step,
     ) -> Result<()> {
         let (n, p, r) = (self.len, self.size, self.rank);
         let (right, left) = ((r + 1) % p, (r + p - 1) % p);
         let range = |c: usize| chunk_range(n, p, c);
-        let at = |c: usize| ctx.with_offset(range(c).start as u64);
+        let (codec, seed) = (self.codec, step.seed);
+        let ctx_of = |q: usize, c: usize| {
+            EncodeCtx::new(rank_seed(&codec, seed, q)).with_offset(range(c).start as u64)
+        };
+        let call = step.call;
         // Reduce-scatter: at step s send chunk r-s-1 and receive chunk r-s-2, so rank r
         // ends owning chunk r. The chunk sent at step s > 0 is the one received at s - 1.
         for s in 0..p - 1 {
             let send_c = (r + 2 * p - s - 1) % p;
             let recv_c = (r + 2 * p - s - 2) % p;
             let src = if s == 0 { input } else { &*output };
-            let len = self.encode(send_c, &src[range(send_c)], at(send_c))?;
-            exchange(t, &self.enc[..len], right, &mut self.a, left, stats)?;
+            let len = self.encode(send_c, &src[range(send_c)], ctx_of(r, send_c))?;
+            let (to, want) = (
+                self.place(call, Phase::ReduceScatter, s, send_c),
+                self.place(call, Phase::ReduceScatter, s, recv_c),
+            );
+            comm.exchange(&mut self.enc[..len], right, to, &mut self.a, left, want)?;
+            step.sent(len);
+            let frame = &self.a[ENVELOPE_LEN..];
+            let bad = |e| peer_error(left, Phase::ReduceScatter, left, e);
+            check_origin(frame, &ctx_of(left, recv_c)).map_err(bad)?;
             let acc = &mut output[range(recv_c)];
             acc.copy_from_slice(&input[range(recv_c)]);
-            self.codec
-                .decode_add(&self.a, acc)
-                .map_err(|e| peer_error(left, "reduce-scatter", e))?;
+            self.codec.decode_add(frame, acc).map_err(bad)?;
         }
         // The owner's encode of its fully reduced chunk, decoded here as everywhere.
         let own = range(r);
         let src = if p == 1 { input } else { &*output };
-        let len = self.encode(r, &src[own.clone()], at(r))?;
-        self.codec.decode_into(&self.enc[..len], &mut output[own])?;
+        let len = self.encode(r, &src[own.clone()], ctx_of(r, r))?;
+        self.codec
+            .decode_into(&self.enc[ENVELOPE_LEN..len], &mut output[own])?;
         // All-gather: forward frames unchanged; at step s send chunk r-s, receive r-s-1.
         self.b.clear();
         self.b.extend_from_slice(&self.enc[..len]);
         for s in 0..p - 1 {
+            let send_c = (r + p - s) % p;
             let recv_c = (r + 2 * p - s - 1) % p;
-            exchange(t, &self.b, right, &mut self.a, left, stats)?;
+            let (to, want) = (
+                self.place(call, Phase::RingAllGather, p - 1 + s, send_c),
+                self.place(call, Phase::RingAllGather, p - 1 + s, recv_c),
+            );
+            comm.exchange(&mut self.b, right, to, &mut self.a, left, want)?;
+            step.sent(self.b.len());
+            let frame = &self.a[ENVELOPE_LEN..];
+            // Chunk c's final frame was encoded by its owner, rank c.
+            let bad = |e| peer_error(recv_c, Phase::RingAllGather, left, e);
+            check_origin(frame, &ctx_of(recv_c, recv_c)).map_err(bad)?;
             self.codec
-                .decode_into(&self.a, &mut output[range(recv_c)])
-                .map_err(|e| peer_error(left, "all-gather", e))?;
+                .decode_into(frame, &mut output[range(recv_c)])
+                .map_err(bad)?;
             core::mem::swap(&mut self.a, &mut self.b);
         }
         Ok(())
     }
 
     /// Encode the whole input and ring-all-gather every rank's frame into `self.frames`
-    /// (forwarded unchanged; decoding them validates them and names the sender).
+    /// (messages forwarded unchanged but for their envelope; each is checked against
+    /// the rank that encoded it as it arrives, and decoded later).
     fn gather<T: Transport + ?Sized>(
         &mut self,
-        t: &mut T,
+        comm: &mut Comm<T>,
         input: &[f32],
-        ctx: EncodeCtx,
-        stats: &mut Stats,
+        step: &mut Step,
     ) -> Result<()> {
         let (p, r) = (self.size, self.rank);
         let (right, left) = ((r + 1) % p, (r + p - 1) % p);
-        let len = self.encode(0, input, ctx)?;
+        let (codec, seed) = (self.codec, step.seed);
+        let ctx_of = |q: usize| EncodeCtx::new(rank_seed(&codec, seed, q));
+        let len = self.encode(0, input, ctx_of(r))?;
         self.frames[r].clear();
         self.frames[r].extend_from_slice(&self.enc[..len]);
         for s in 0..p - 1 {
             let (send_q, recv_q) = ((r + p - s) % p, (r + 2 * p - s - 1) % p);
+            let (to, want) = (
+                self.place(step.call, Phase::FrameAllGather, s, send_q),
+                self.place(step.call, Phase::FrameAllGather, s, recv_q),
+            );
             let mut got = core::mem::take(&mut self.frames[recv_q]);
-            let res = exchange(t, &self.frames[send_q], right, &mut got, left, stats);
+            let mut out = core::mem::take(&mut self.frames[send_q]);
+            let res = comm.exchange(&mut out, right, to, &mut got, left, want);
+            step.sent(out.len());
+            self.frames[send_q] = out;
             self.frames[recv_q] = got;
             res?;
+            let frame = &self.frames[recv_q][ENVELOPE_LEN..];
+            check_origin(frame, &ctx_of(recv_q))
+                .map_err(|e| peer_error(recv_q, Phase::FrameAllGather, left, e))?;
         }
         Ok(())
     }
 
+    /// The error for rank `q`'s gathered frame failing to decode with `e`.
+    fn blame(&self, q: usize, e: Error) -> Error {
+        let left = (self.rank + self.size - 1) % self.size;
+        peer_error(q, Phase::FrameAllGather, left, e)
+    }
+
     /// `output = sum of every rank's decoded frame`, in rank order.
     fn sum_frames(&mut self, output: &mut [f32]) -> Result<()> {
-        let left = (self.rank + self.size - 1) % self.size;
-        for (q, frame) in self.frames.iter().enumerate() {
+        for q in 0..self.size {
+            let frame = &self.frames[q][ENVELOPE_LEN..];
             let res = if q == 0 {
                 self.codec.decode_into(frame, output)
             } else {
                 self.codec.decode_add(frame, output)
             };
-            res.map_err(|e| peer_error(left, "all-gather", e))?;
+            res.map_err(|e| self.blame(q, e))?;
         }
         Ok(())
     }
@@ -610,13 +760,13 @@ impl AllReduce {
     /// Majority vote over every rank's decoded frame (see [`Strategy::SignMajority`]):
     /// `output[i] = sign(votes) * sum_r |d_r[i]|`, 0 on a tie, NaN if any `d_r[i]` is NaN.
     fn vote(&mut self, output: &mut [f32]) -> Result<()> {
-        let left = (self.rank + self.size - 1) % self.size;
         output.fill(0.0);
         self.votes.fill(0);
-        for frame in &self.frames {
-            self.codec
-                .decode_into(frame, &mut self.decoded)
-                .map_err(|e| peer_error(left, "all-gather", e))?;
+        for q in 0..self.size {
+            let frame = &self.frames[q][ENVELOPE_LEN..];
+            if let Err(e) = self.codec.decode_into(frame, &mut self.decoded) {
+                return Err(self.blame(q, e));
+            }
             for ((v, m), &d) in self
                 .votes
                 .iter_mut()
@@ -637,6 +787,42 @@ impl AllReduce {
         }
         Ok(())
     }
+}
+
+/// One call's bookkeeping.
+struct Step {
+    call: u64,
+    seed: u64,
+    stats: Stats,
+}
+
+impl Step {
+    fn sent(&mut self, bytes: usize) {
+        self.stats.bytes_sent += bytes as u64;
+        self.stats.messages += 1;
+    }
+}
+
+/// A frame from a peer must be whole (header, length and, if sealed, payload checksum)
+/// and the one its encoder made for this place: the chunk's global offset, and the
+/// encoder's seed for this step (codecs that draw nothing record seed 0). Catches a
+/// frame of the right shape that belongs to another chunk or rank, and is checked as
+/// the frame arrives, before it is forwarded.
+fn check_origin(frame: &[u8], ctx: &EncodeCtx) -> Result<()> {
+    let (h, _) = wire::split(frame)?;
+    if h.offset != ctx.offset {
+        return Err(Error::Misplaced(format!(
+            "the frame starts at element {} but this chunk starts at {}",
+            h.offset, ctx.offset
+        )));
+    }
+    if h.seed != 0 && h.seed != ctx.seed {
+        return Err(Error::Misplaced(format!(
+            "the frame was drawn with seed {:#018x}, not this step's seed for its encoder ({:#018x})",
+            h.seed, ctx.seed
+        )));
+    }
+    Ok(())
 }
 
 /// Random-k with `scale=unbiased`: re-encoding a decoded frame rescales it again.
@@ -663,24 +849,11 @@ pub(crate) fn check_rank(peer: usize, size: usize) -> Result<()> {
     Ok(())
 }
 
-fn exchange<T: Transport + ?Sized>(
-    t: &mut T,
-    send: &[u8],
-    to: usize,
-    recv: &mut Vec<u8>,
-    from: usize,
-    stats: &mut Stats,
-) -> Result<()> {
-    t.send_recv(send, to, recv, from)?;
-    stats.bytes_sent += send.len() as u64;
-    stats.messages += 1;
-    Ok(())
-}
-
-fn peer_error(peer: usize, phase: &'static str, e: Error) -> Error {
+fn peer_error(peer: usize, phase: Phase, via: usize, e: Error) -> Error {
     Error::Peer {
         peer,
-        phase,
+        phase: phase.name(),
+        forwarded_by: (via != peer).then_some(via),
         source: Box::new(e),
     }
 }

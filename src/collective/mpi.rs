@@ -3,27 +3,103 @@
 //! Open MPI; see DEVELOPERS.md for the set-up).
 //!
 //! [`MpiTransport`] duplicates the communicator it is given, so its messages never match
-//! the application's own. Each `send_recv` posts a non-blocking send, then probes for the
-//! next message from the source (its length is not known in advance: sparse frames vary),
-//! receives it, and waits for the send. MPI delivers messages between two ranks in
-//! order.
+//! the application's own. A send is posted non-blocking and, until it completes, the
+//! transport keeps receiving whatever peers send it (into a per-peer inbox, in order),
+//! so ranks that all send before they receive cannot deadlock. Receives poll with
+//! `MPI_Improbe` (message lengths are not known in advance: sparse frames vary).
 //!
-//! Faults follow MPI: with the default error handler a failed call aborts the job, and a
-//! peer that stops answering is not detected (MPI has no timeouts; `mpirun` ends the job
-//! when a rank dies). A corrupt frame is still an [`Error::Peer`] from the collective.
+//! ## Faults
+//! - **A silent peer is an error.** Every send and receive waits at most the transport's
+//!   timeout ([`DEFAULT_TIMEOUT`] unless set with [`MpiTransport::set_timeout`]), then
+//!   returns an [`Error::Transport`] naming the peer. A send still pending then is
+//!   cancelled first.
+//! - **A rank that panics ends the job.** Dropping an `MpiTransport` while its thread
+//!   unwinds from a panic calls `MPI_Abort` on its communicator, which ends every rank
+//!   (without it, the panicking rank would block in `MPI_Finalize` while its peers wait
+//!   for it). A rank that returns early without panicking leaves its peers to time out:
+//!   each gets an error within the timeout and can end the job itself.
+//! - A failed MPI call aborts the job (MPI's default error handler). A corrupt frame is
+//!   an [`Error::Peer`] from the collective.
+//!
+//! ## Threads
+//! The transport is used from one thread at a time (it is `Send`, not `Sync`); MPI must
+//! then be initialised with at least `Threading::Serialized` if that thread is not the
+//! one that initialised MPI (`mpi::initialize_with_threading`), and `Threading::Funneled`
+//! (what `mpi::initialize` gives) suffices otherwise.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use mpi::datatype::Equivalence;
+use mpi::point_to_point::{Message, Status};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::{Destination, Source};
 
 use super::{Transport, check_rank};
 use crate::error::{Error, Result};
 
+/// How long a send or receive waits for its peer before it fails, unless set otherwise.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// A [`Transport`] over an MPI communicator (see the module docs).
 pub struct MpiTransport {
     comm: SimpleCommunicator,
     rank: usize,
     size: usize,
+    timeout: Option<Duration>,
+    mail: Mailbox,
+}
+
+/// Messages received from each peer before they were asked for, in order, and buffers
+/// to reuse for them.
+struct Mailbox {
+    inbox: Vec<VecDeque<Vec<u8>>>,
+    spare: Vec<Vec<u8>>,
+}
+
+impl Mailbox {
+    /// Receive one message that a probe found.
+    fn take(&mut self, msg: Message, status: Status) -> Result<Vec<u8>> {
+        let count = status.count(<u8 as Equivalence>::equivalent_datatype());
+        let Ok(count) = usize::try_from(count) else {
+            return Err(Error::Transport {
+                peer: status.source_rank() as usize,
+                reason: format!("MPI reports a message of {count} bytes"),
+            });
+        };
+        let mut buf = self.spare.pop().unwrap_or_default();
+        buf.clear();
+        buf.resize(count, 0);
+        msg.matched_receive_into(&mut buf[..]);
+        Ok(buf)
+    }
+
+    /// Receive whatever message has arrived from any peer into its inbox. True if one did.
+    fn poll(&mut self, comm: &SimpleCommunicator) -> Result<bool> {
+        match comm.any_process().immediate_matched_probe() {
+            Some((msg, status)) => {
+                let src = status.source_rank() as usize;
+                let buf = self.take(msg, status)?;
+                if let Some(q) = self.inbox.get_mut(src) {
+                    q.push_back(buf);
+                }
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// Move the next message from `from`, if one is here, into `buf`. True if it did.
+    fn deliver(&mut self, buf: &mut Vec<u8>, from: usize) -> bool {
+        match self.inbox[from].pop_front() {
+            Some(m) => {
+                let old = core::mem::replace(buf, m);
+                self.spare.push(old);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 impl core::fmt::Debug for MpiTransport {
@@ -31,17 +107,27 @@ impl core::fmt::Debug for MpiTransport {
         f.debug_struct("MpiTransport")
             .field("rank", &self.rank)
             .field("size", &self.size)
+            .field("timeout", &self.timeout)
             .finish()
     }
 }
 
 impl MpiTransport {
     /// A transport over a duplicate of `comm` (collective: every rank of `comm` must call
-    /// it).
+    /// it), with [`DEFAULT_TIMEOUT`].
     pub fn new<C: Communicator>(comm: &C) -> MpiTransport {
         let comm = comm.duplicate();
         let (rank, size) = (comm.rank() as usize, comm.size() as usize);
-        MpiTransport { comm, rank, size }
+        MpiTransport {
+            comm,
+            rank,
+            size,
+            timeout: Some(DEFAULT_TIMEOUT),
+            mail: Mailbox {
+                inbox: (0..size).map(|_| VecDeque::new()).collect(),
+                spare: Vec::new(),
+            },
+        }
     }
 
     /// The communicator messages travel on.
@@ -49,9 +135,74 @@ impl MpiTransport {
         &self.comm
     }
 
-    fn process(&self, peer: usize) -> Result<mpi::topology::Process<'_>> {
-        check_rank(peer, self.size)?;
-        Ok(self.comm.process_at_rank(peer as i32))
+    /// How long a send or receive waits for its peer (`None`: forever).
+    pub fn timeout(&self) -> Option<Duration> {
+        self.timeout
+    }
+
+    /// Set how long a send or receive waits for its peer (`None`: forever).
+    pub fn set_timeout(&mut self, timeout: Option<Duration>) {
+        self.timeout = timeout;
+    }
+
+    /// End every rank of the job now (`MPI_Abort` with `code`).
+    pub fn abort(&self, code: i32) -> ! {
+        self.comm.abort(code)
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        self.timeout.and_then(|t| Instant::now().checked_add(t))
+    }
+
+
+    /// Send `msg` to `to` and, if `recv` is given, receive the next message from its
+    /// peer, receiving anything else that arrives meanwhile.
+    fn exchange(&mut self, msg: &[u8], to: usize, mut recv: Option<(&mut Vec<u8>, usize)>) -> Result<()> {
+        let deadline = self.deadline();
+        let timeout = self.timeout;
+        let (comm, mail) = (&self.comm, &mut self.mail);
+        let dest = comm.process_at_rank(to as i32);
+        mpi::request::scope(|scope| {
+            let mut sreq = Some(dest.immediate_send(scope, msg));
+            loop {
+                if let Some((buf, from)) = recv.as_mut()
+                    && mail.deliver(buf, *from)
+                {
+                    recv = None;
+                }
+                if let Some(r) = sreq.take() {
+                    match r.test() {
+                        Ok(_) => {}
+                        Err(r) => sreq = Some(r),
+                    }
+                }
+                if sreq.is_none() && recv.is_none() {
+                    return Ok(());
+                }
+                let progressed = match mail.poll(comm) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        if let Some(r) = sreq.take() {
+                            r.cancel();
+                            r.wait();
+                        }
+                        return Err(e);
+                    }
+                };
+                if !progressed {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        if let Some(r) = sreq.take() {
+                            r.cancel();
+                            r.wait();
+                            return Err(timed_out(to, "did not take a message", timeout));
+                        }
+                        let from = recv.as_ref().map_or(to, |(_, f)| *f);
+                        return Err(timed_out(from, "sent nothing", timeout));
+                    }
+                    std::thread::yield_now();
+                }
+            }
+        })
     }
 }
 
@@ -64,24 +215,51 @@ impl Transport for MpiTransport {
         self.size
     }
 
-    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
-        let (dest, src) = (self.process(to)?, self.process(from)?);
-        mpi::request::scope(|scope| {
-            let sreq = dest.immediate_send(scope, send);
-            let (msg, status) = src.matched_probe();
-            let count = status.count(<u8 as Equivalence>::equivalent_datatype());
-            // MPI_Get_count is MPI_UNDEFINED (negative) only for a count that is not a
-            // whole number of bytes, which cannot happen for a byte message.
-            recv.resize(usize::try_from(count).unwrap_or(0), 0);
-            msg.matched_receive_into(&mut recv[..]);
-            sreq.wait();
-            if count < 0 {
-                return Err(Error::Transport {
-                    peer: from,
-                    reason: format!("MPI reports a message of {count} bytes"),
-                });
+    fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
+        check_rank(to, self.size)?;
+        self.exchange(msg, to, None)
+    }
+
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+        check_rank(from, self.size)?;
+        let deadline = self.deadline();
+        loop {
+            if self.mail.deliver(buf, from) {
+                return Ok(());
             }
-            Ok(())
-        })
+            if !self.mail.poll(&self.comm)? {
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Err(timed_out(from, "sent nothing", self.timeout));
+                }
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
+        check_rank(to, self.size)?;
+        check_rank(from, self.size)?;
+        self.exchange(send, to, Some((recv, from)))
+    }
+}
+
+fn timed_out(peer: usize, what: &str, timeout: Option<Duration>) -> Error {
+    let t = timeout.unwrap_or_default();
+    Error::Transport {
+        peer,
+        reason: format!("{what} within the {t:?} timeout"),
+    }
+}
+
+impl Drop for MpiTransport {
+    /// Ends the job if the thread is unwinding from a panic (see the module docs).
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "gradpack: rank {} panicked while holding its MPI transport: aborting the job",
+                self.rank
+            );
+            self.comm.abort(134);
+        }
     }
 }

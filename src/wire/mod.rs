@@ -271,7 +271,7 @@ pub fn seal(buf: &mut [u8], len: usize) -> Result<usize> {
 
 /// The buffer length [`seal`] needs for a frame of at most `frame_len` bytes.
 pub const fn sealed_len(frame_len: usize) -> usize {
-    frame_len + PAYLOAD_CRC_LEN
+    frame_len.saturating_add(PAYLOAD_CRC_LEN)
 }
 
 /// Payload length helper: `a * b + c` in u64, `None` on overflow.

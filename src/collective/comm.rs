@@ -1,0 +1,348 @@
+//! [`Comm`]: a [`Transport`] plus what binds every message of a collective to its place.
+//!
+//! Each message a collective sends starts with an envelope of [`ENVELOPE_LEN`] bytes:
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 0..4 | magic `"GPKE"` |
+//! | 4..8 | sender rank (u32 LE) |
+//! | 8..16 | call: the sequence number of the collective call on the sender's [`Comm`] (u64 LE) |
+//! | 16..20 | tag: which collective ([`super::AllReduceOptions::tag`], e.g. a bucket index) |
+//! | 20..24 | hop: the message's index among those the call sends from sender to receiver |
+//! | 24..28 | chunk: the chunk the frame carries (ring), or the rank whose frame it is (all-gather) |
+//! | 28 | phase: 0 reduce-scatter, 1 ring all-gather, 2 frame all-gather |
+//! | 29..32 | zero |
+//! | 32..36 | CRC-32 of bytes 0..32 |
+//!
+//! Every call of a collective on a [`Comm`] takes the next sequence number, whether it
+//! succeeds or not, so ranks that make the same calls in the same order agree on it with
+//! no message exchanged. A receive compares the envelope with what it expects, by
+//! `(call, hop)`:
+//! - **stale** (earlier): left over from a call that failed somewhere; dropped, and the
+//!   receive goes on to the next message;
+//! - **early** (later): the peer gave up on this call and went on to a later one; kept for
+//!   that call and this one fails with an error naming the peer;
+//! - **the expected place** but another tag, phase or chunk, a sender that is not the
+//!   peer, or a damaged envelope: an error naming the peer (the message is dropped).
+//!
+//! So a frame is never summed into the wrong call, and after a failure every rank is back
+//! in step by the next call that every rank completes.
+
+use std::collections::VecDeque;
+
+use super::Transport;
+use crate::error::{Error, Result};
+
+/// Bytes of the envelope in front of every message a collective sends.
+pub const ENVELOPE_LEN: usize = 36;
+
+const MAGIC: [u8; 4] = *b"GPKE";
+
+/// Phases of a collective, as recorded in envelopes and named in errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    ReduceScatter = 0,
+    RingAllGather = 1,
+    FrameAllGather = 2,
+}
+
+impl Phase {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Phase::ReduceScatter => "reduce-scatter",
+            Phase::RingAllGather => "all-gather",
+            Phase::FrameAllGather => "frame all-gather",
+        }
+    }
+}
+
+/// Where a message belongs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Place {
+    pub call: u64,
+    pub tag: u32,
+    pub hop: u32,
+    pub chunk: u32,
+    pub phase: Phase,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Envelope {
+    sender: u32,
+    call: u64,
+    tag: u32,
+    hop: u32,
+    chunk: u32,
+    phase: u8,
+}
+
+impl Envelope {
+    fn write(&self, out: &mut [u8]) {
+        out[0..4].copy_from_slice(&MAGIC);
+        out[4..8].copy_from_slice(&self.sender.to_le_bytes());
+        out[8..16].copy_from_slice(&self.call.to_le_bytes());
+        out[16..20].copy_from_slice(&self.tag.to_le_bytes());
+        out[20..24].copy_from_slice(&self.hop.to_le_bytes());
+        out[24..28].copy_from_slice(&self.chunk.to_le_bytes());
+        out[28] = self.phase;
+        out[29..32].fill(0);
+        let crc = crc32fast::hash(&out[0..32]);
+        out[32..36].copy_from_slice(&crc.to_le_bytes());
+    }
+
+    fn parse(msg: &[u8]) -> core::result::Result<Envelope, String> {
+        if msg.len() < ENVELOPE_LEN {
+            return Err(format!(
+                "a message of {} bytes is shorter than the {ENVELOPE_LEN}-byte envelope",
+                msg.len()
+            ));
+        }
+        let u32_at = |i: usize| u32::from_le_bytes(msg[i..i + 4].try_into().expect("4 bytes"));
+        let stored = u32_at(32);
+        let computed = crc32fast::hash(&msg[0..32]);
+        if msg[0..4] != MAGIC || msg[29..32] != [0; 3] || stored != computed {
+            return Err(format!(
+                "damaged envelope (magic {:02x?}, CRC stored {stored:#010x}, computed {computed:#010x})",
+                &msg[0..4]
+            ));
+        }
+        Ok(Envelope {
+            sender: u32_at(4),
+            call: u64::from_le_bytes(msg[8..16].try_into().expect("8 bytes")),
+            tag: u32_at(16),
+            hop: u32_at(20),
+            chunk: u32_at(24),
+            phase: msg[28],
+        })
+    }
+}
+
+/// A [`Transport`] with the state that binds each collective's messages to their call:
+/// the sequence number of the next call and, per peer, messages that arrived early (see
+/// the module docs). The collectives of this crate ([`super::AllReduce::run`]) run on a
+/// `Comm`; every rank builds one per transport and runs its collectives on it in the
+/// same order.
+///
+/// A `Comm` is itself a [`Transport`] (the raw one, without envelopes), so it can be
+/// passed wherever only the rank and world size are needed.
+#[derive(Debug)]
+pub struct Comm<T: ?Sized> {
+    calls: u64,
+    /// Messages from each peer that belong to a later place than the one asked for.
+    early: Vec<VecDeque<Vec<u8>>>,
+    /// Messages dropped as stale since this `Comm` was built.
+    dropped: u64,
+    transport: T,
+}
+
+impl<T: Transport> Comm<T> {
+    /// A `Comm` over `transport`, before its first call.
+    pub fn new(transport: T) -> Comm<T> {
+        let size = transport.size();
+        Comm {
+            calls: 0,
+            early: (0..size).map(|_| VecDeque::new()).collect(),
+            dropped: 0,
+            transport,
+        }
+    }
+
+    /// The transport, giving up the state (messages kept for later calls are dropped).
+    pub fn into_inner(self) -> T {
+        self.transport
+    }
+}
+
+impl<T: Transport + ?Sized> Comm<T> {
+    /// The transport.
+    pub fn transport(&self) -> &T {
+        &self.transport
+    }
+
+    /// The transport, mutably (to change its timeout, say). Sending on it directly
+    /// between collective calls is allowed; the collectives' messages carry envelopes
+    /// that such messages lack, so a collective receiving one reports it as damaged.
+    pub fn transport_mut(&mut self) -> &mut T {
+        &mut self.transport
+    }
+
+    /// Collective calls begun on this `Comm` (every call counts, failed ones too).
+    pub fn calls(&self) -> u64 {
+        self.calls
+    }
+
+    /// Messages dropped as stale (left over from calls that failed) so far.
+    pub fn stale_dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// Messages received early and kept for a later call.
+    pub fn early_kept(&self) -> usize {
+        self.early.iter().map(VecDeque::len).sum()
+    }
+
+    /// Start a collective call: its sequence number.
+    pub(crate) fn begin(&mut self) -> u64 {
+        let c = self.calls;
+        self.calls += 1;
+        c
+    }
+
+    /// Write `place`'s envelope into `msg[..ENVELOPE_LEN]`, send `msg` to `to`, and
+    /// receive the message for `expect` from `from` into `recv` (envelope included).
+    pub(crate) fn exchange(
+        &mut self,
+        msg: &mut [u8],
+        to: usize,
+        place: Place,
+        recv: &mut Vec<u8>,
+        from: usize,
+        expect: Place,
+    ) -> Result<()> {
+        let sender = u32::try_from(self.transport.rank()).map_err(|_| {
+            Error::Collective("a rank above u32::MAX cannot send an envelope".into())
+        })?;
+        Envelope {
+            sender,
+            call: place.call,
+            tag: place.tag,
+            hop: place.hop,
+            chunk: place.chunk,
+            phase: place.phase as u8,
+        }
+        .write(msg);
+        super::check_rank(from, self.early.len())?;
+        if self.early[from].is_empty() {
+            self.transport.send_recv(msg, to, recv, from)?;
+        } else {
+            self.transport.send(msg, to)?;
+            *recv = self.early[from].pop_front().expect("not empty");
+        }
+        loop {
+            match self.classify(recv, from, expect)? {
+                Order::Here => return Ok(()),
+                Order::Stale => {
+                    self.dropped += 1;
+                    match self.early[from].pop_front() {
+                        Some(m) => *recv = m,
+                        None => self.transport.recv(recv, from)?,
+                    }
+                }
+                Order::Early(got) => {
+                    self.early[from].push_front(core::mem::take(recv));
+                    return Err(misplaced(
+                        from,
+                        expect.phase,
+                        format!(
+                            "it sent a message of call {} hop {} while this rank waits for call {} hop {}: \
+                             the peer gave up this call (its message is kept for its own call)",
+                            got.0, got.1, expect.call, expect.hop
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+
+    fn classify(&self, msg: &[u8], from: usize, expect: Place) -> Result<Order> {
+        let e = Envelope::parse(msg).map_err(|r| misplaced(from, expect.phase, r))?;
+        if e.sender as usize != from {
+            return Err(misplaced(
+                from,
+                expect.phase,
+                format!(
+                    "the message came from rank {from} but its envelope names rank {}",
+                    e.sender
+                ),
+            ));
+        }
+        let (got, want) = ((e.call, e.hop), (expect.call, expect.hop));
+        if got < want {
+            return Ok(Order::Stale);
+        }
+        if got > want {
+            return Ok(Order::Early(got));
+        }
+        if e.tag != expect.tag || e.phase != expect.phase as u8 || e.chunk != expect.chunk {
+            return Err(misplaced(
+                from,
+                expect.phase,
+                format!(
+                    "call {} hop {} carries tag {}, phase {}, chunk {}; this rank expects tag {}, \
+                     phase {}, chunk {} (do all ranks run the same collectives in the same order, \
+                     with the same options?)",
+                    e.call,
+                    e.hop,
+                    e.tag,
+                    e.phase,
+                    e.chunk,
+                    expect.tag,
+                    expect.phase as u8,
+                    expect.chunk
+                ),
+            ));
+        }
+        Ok(Order::Here)
+    }
+}
+
+enum Order {
+    Here,
+    Stale,
+    Early((u64, u32)),
+}
+
+fn misplaced(peer: usize, phase: Phase, reason: String) -> Error {
+    Error::Peer {
+        peer,
+        phase: phase.name(),
+        forwarded_by: None,
+        source: Box::new(Error::Misplaced(reason)),
+    }
+}
+
+impl<T: Transport + ?Sized> Transport for Comm<T> {
+    fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+    fn size(&self) -> usize {
+        self.transport.size()
+    }
+    fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
+        self.transport.send(msg, to)
+    }
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+        self.transport.recv(buf, from)
+    }
+    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
+        self.transport.send_recv(send, to, recv, from)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envelope_round_trips_and_refuses_damage() {
+        let e = Envelope {
+            sender: 3,
+            call: u64::MAX - 1,
+            tag: 7,
+            hop: 2,
+            chunk: 5,
+            phase: 1,
+        };
+        let mut buf = [0u8; ENVELOPE_LEN];
+        e.write(&mut buf);
+        assert_eq!(Envelope::parse(&buf), Ok(e));
+        for i in 0..ENVELOPE_LEN {
+            for bit in 0..8 {
+                let mut b = buf;
+                b[i] ^= 1 << bit;
+                assert!(Envelope::parse(&b).is_err(), "byte {i} bit {bit}");
+            }
+        }
+        assert!(Envelope::parse(&buf[..ENVELOPE_LEN - 1]).is_err());
+    }
+}

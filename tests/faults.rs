@@ -1,0 +1,396 @@
+//! Collectives after a fault: one rank's transport fails a send, loses a message,
+//! corrupts one, sends one twice, stalls past the timeout, or fails a receive; every rank
+//! then follows the documented recovery (on an error, `reset_feedback` and go on to the
+//! next step on the same `Comm`). Checked on every rank and step: a step that returns
+//! `Ok` holds exactly the sum a fault-free world computes (bit for bit), never a wrong
+//! sum, and the world is back to `Ok` on every rank within a step or two.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::*;
+use gradpack::collective::{
+    AllReduce, AllReduceOptions, Comm, ENVELOPE_LEN, Feedback, ReduceOp, Strategy, StrategyChoice,
+    Transport, local,
+};
+use gradpack::{CodecSpec, Error, Result};
+
+/// What the faulty rank's transport does to its `at`-th send (or receive).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fault {
+    /// The send returns an error and sends nothing.
+    FailSend,
+    /// The send reports success and the message is lost.
+    Lose,
+    /// One payload byte of the frame is flipped.
+    CorruptPayload,
+    /// One byte of the frame's header is flipped.
+    CorruptHeader,
+    /// The message is sent twice.
+    Duplicate,
+    /// The sender sleeps for this long first (longer than the receive timeout).
+    Stall(Duration),
+    /// The receive returns an error without taking the message.
+    FailRecv,
+}
+
+struct Injector {
+    inner: local::Local,
+    fault: Option<(Fault, u64)>,
+    sends: u64,
+    recvs: u64,
+}
+
+impl Transport for Injector {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
+        let i = self.sends;
+        self.sends += 1;
+        let fault = match self.fault {
+            Some((f, at)) if at == i && f != Fault::FailRecv => f,
+            _ => return self.inner.send(msg, to),
+        };
+        match fault {
+            Fault::FailSend => Err(Error::Transport {
+                peer: to,
+                reason: "injected send failure".into(),
+            }),
+            Fault::Lose => Ok(()),
+            Fault::CorruptPayload | Fault::CorruptHeader => {
+                let mut m = msg.to_vec();
+                let at = if fault == Fault::CorruptHeader {
+                    ENVELOPE_LEN + 24
+                } else {
+                    m.len() - 6
+                };
+                m[at] ^= 0x08;
+                self.inner.send(&m, to)
+            }
+            Fault::Duplicate => {
+                self.inner.send(msg, to)?;
+                self.inner.send(msg, to)
+            }
+            Fault::Stall(d) => {
+                std::thread::sleep(d);
+                self.inner.send(msg, to)
+            }
+            Fault::FailRecv => unreachable!(),
+        }
+    }
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+        let i = self.recvs;
+        self.recvs += 1;
+        if self.fault == Some((Fault::FailRecv, i)) {
+            return Err(Error::Transport {
+                peer: from,
+                reason: "injected receive failure".into(),
+            });
+        }
+        self.inner.recv(buf, from)
+    }
+    // Local's send never blocks, so send-then-receive is its exchange too.
+}
+
+const STEPS: u64 = 6;
+const TIMEOUT: Duration = Duration::from_millis(150);
+
+/// Every rank's result of every step, rank `faulty` injecting `fault`.
+fn world(
+    codec: CodecSpec,
+    o: &AllReduceOptions,
+    inputs: &[Vec<f32>],
+    fault: Option<(usize, Fault, u64)>,
+) -> Vec<Vec<Result<Vec<f32>>>> {
+    let n = inputs[0].len();
+    let res = local::run(inputs.len(), Some(TIMEOUT), |t| {
+        let rank = t.rank();
+        let mut ar = AllReduce::new(codec, n, &t, o.clone())?;
+        let mut comm = Comm::new(Injector {
+            inner: t.into_inner(),
+            fault: fault.filter(|f| f.0 == rank).map(|f| (f.1, f.2)),
+            sends: 0,
+            recvs: 0,
+        });
+        let mut steps = Vec::new();
+        for step in 0..STEPS {
+            let mut out = vec![f32::NAN; n];
+            let r = ar.run(&mut comm, &inputs[rank], &mut out, 40 + step);
+            if r.is_err() {
+                ar.reset_feedback();
+            }
+            steps.push(r.map(|_| out));
+        }
+        Ok(steps)
+    });
+    res.into_iter().map(|r| r.expect("rank setup")).collect()
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Checks one scenario; returns how many (rank, step) pairs failed.
+fn check(
+    what: &str,
+    got: &[Vec<Result<Vec<f32>>>],
+    clean: &[Vec<Result<Vec<f32>>>],
+) -> usize {
+    let mut errors = 0;
+    for (r, steps) in got.iter().enumerate() {
+        for (s, res) in steps.iter().enumerate() {
+            match res {
+                Ok(out) => {
+                    let want = clean[r][s].as_ref().expect("clean run");
+                    assert!(
+                        bits(out) == bits(want),
+                        "{what}: rank {r} step {s} returned Ok with a wrong sum"
+                    );
+                }
+                Err(_) => errors += 1,
+            }
+        }
+        // Back in step: the last two steps succeed everywhere.
+        for s in STEPS as usize - 2..STEPS as usize {
+            assert!(
+                steps[s].is_ok(),
+                "{what}: rank {r} step {s} still fails: {:?}",
+                steps[s].as_ref().err()
+            );
+        }
+    }
+    errors
+}
+
+fn strategies() -> Vec<(&'static str, Strategy)> {
+    vec![
+        ("qsgd:bits=4,block=64", Strategy::CompressedRing),
+        ("int8:rounding=stochastic", Strategy::CompressedAllGather),
+        ("sign:block=32", Strategy::SignMajority),
+        ("identity", Strategy::Fp32Ring),
+        ("topk:ratio=0.1", Strategy::CompressedRing),
+    ]
+}
+
+#[test]
+fn every_fault_ends_in_correct_sums_or_errors_never_a_wrong_ok() {
+    let (p, n) = (4, 301);
+    let inputs: Vec<Vec<f32>> = (0..p).map(|r| sample(n, 500 + r as u32)).collect();
+    let faults = [
+        Fault::FailSend,
+        Fault::Lose,
+        Fault::CorruptPayload,
+        Fault::CorruptHeader,
+        Fault::Duplicate,
+        Fault::FailRecv,
+    ];
+    let total = AtomicU64::new(0);
+    for (spec, s) in strategies() {
+        let codec: CodecSpec = spec.parse().unwrap();
+        let o = AllReduceOptions {
+            strategy: StrategyChoice::Forced(s),
+            ..Default::default()
+        };
+        let clean = world(codec, &o, &inputs, None);
+        assert!(clean.iter().flatten().all(Result::is_ok));
+        // Messages per call per rank: 2 (p - 1) in a ring, p - 1 in an all-gather; faults
+        // in the first call, the middle of it, and in the second.
+        for fault in faults {
+            for at in [0, 2, 7] {
+                let what = format!("{spec} {} {fault:?} at message {at}", s.name());
+                let got = world(codec, &o, &inputs, Some((1, fault, at)));
+                let errors = check(&what, &got, &clean);
+                // A duplicate is stale when it arrives and is dropped: no harm, no error.
+                if fault != Fault::Duplicate {
+                    assert!(errors > 0, "{what}: the fault went unnoticed");
+                }
+                total.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    assert_eq!(total.into_inner(), 5 * 6 * 3);
+}
+
+#[test]
+fn a_stall_past_the_timeout_ends_in_correct_sums() {
+    let (p, n) = (4, 257);
+    let inputs: Vec<Vec<f32>> = (0..p).map(|r| sample(n, 900 + r as u32)).collect();
+    for (spec, s) in strategies() {
+        let codec: CodecSpec = spec.parse().unwrap();
+        let o = AllReduceOptions {
+            strategy: StrategyChoice::Forced(s),
+            ..Default::default()
+        };
+        let clean = world(codec, &o, &inputs, None);
+        for at in [0, 3] {
+            let what = format!("{spec} {} stall at message {at}", s.name());
+            let stall = Fault::Stall(TIMEOUT * 5 / 2);
+            let got = world(codec, &o, &inputs, Some((2, stall, at)));
+            check(&what, &got, &clean);
+        }
+    }
+}
+
+#[test]
+fn error_feedback_recovers_after_a_fault() {
+    // With residuals at every encode (WorkerAndOwner), a step that succeeds on every rank
+    // loses nothing: sum over ranks of (input + residual before) = output + sum over
+    // ranks of residual after, to f32 rounding. A stale frame summed in breaks it.
+    let (p, n) = (4, 2048);
+    let inputs: Vec<Vec<f32>> = (0..p)
+        .map(|r| gradpack::synthetic::gradient(n, 77 + r as u64))
+        .collect();
+    for s in [Strategy::CompressedRing, Strategy::CompressedAllGather] {
+        let codec: CodecSpec = "int8:block=64".parse().unwrap();
+        let o = AllReduceOptions {
+            op: ReduceOp::Sum,
+            strategy: StrategyChoice::Forced(s),
+            feedback: Feedback::WorkerAndOwner,
+            ..Default::default()
+        };
+        for fault in [None, Some(Fault::FailSend), Some(Fault::CorruptPayload), Some(Fault::Lose)] {
+            let what = format!("{} {fault:?}", s.name());
+            let res = local::run(p, Some(TIMEOUT), |t| {
+                let rank = t.rank();
+                let mut ar = AllReduce::new(codec, n, &t, o.clone())?;
+                let mut comm = Comm::new(Injector {
+                    inner: t.into_inner(),
+                    fault: fault.filter(|_| rank == 0).map(|f| (f, 1)),
+                    sends: 0,
+                    recvs: 0,
+                });
+                // Per step: Ok(output) or the error, and the residual after it.
+                let mut steps = Vec::new();
+                for step in 0..STEPS {
+                    let mut out = vec![0.0; n];
+                    let r = ar.run(&mut comm, &inputs[rank], &mut out, 9 + step);
+                    if r.is_err() {
+                        ar.reset_feedback();
+                    }
+                    steps.push((r.is_ok(), out, ar.residual_f32()));
+                }
+                Ok(steps)
+            });
+            let ranks: Vec<_> = res.into_iter().map(|r| r.expect("setup")).collect();
+            let mut checked = 0;
+            for st in 0..STEPS as usize {
+                if !ranks.iter().all(|steps| steps[st].0) {
+                    continue;
+                }
+                checked += 1;
+                let out = &ranks[0][st].1;
+                for i in 0..n {
+                    let (mut lhs, mut rhs, mut mag) = (0f64, f64::from(out[i]), 0f64);
+                    for (r, steps) in ranks.iter().enumerate() {
+                        let before = if st == 0 { 0.0 } else { steps[st - 1].2[i] };
+                        let after = steps[st].2[i];
+                        lhs += f64::from(inputs[r][i]) + f64::from(before);
+                        rhs += f64::from(after);
+                        mag += f64::from(inputs[r][i].abs()) + f64::from(before.abs());
+                    }
+                    assert!(
+                        (lhs - rhs).abs() <= 1e-5 * mag + 1e-30,
+                        "{what}: step {st} element {i}: {lhs} vs {rhs}"
+                    );
+                }
+            }
+            assert!(checked >= STEPS as usize - 2, "{what}: only {checked} whole steps");
+        }
+    }
+}
+
+#[test]
+fn collectives_of_another_tag_are_refused() {
+    // Rank 2 runs bucket 1 where the others run bucket 0: a misrouted message.
+    let n = 100;
+    let res = local::run(3, Some(Duration::from_secs(5)), |mut t| {
+        let o = AllReduceOptions {
+            tag: u32::from(t.rank() == 2),
+            ..Default::default()
+        };
+        let mut ar = AllReduce::new("fp16".parse::<CodecSpec>()?, n, &t, o)?;
+        ar.run(&mut t, &vec![1.0; n], &mut vec![0.0; n], 0)
+    });
+    assert!(
+        res.iter().any(|r| matches!(r, Err(Error::Peer { source, .. })
+            if matches!(**source, Error::Misplaced(ref m) if m.contains("tag")))),
+        "{res:?}"
+    );
+}
+
+#[test]
+fn a_frame_of_another_step_or_chunk_is_refused() {
+    // Rank 1 replays, in the second call, a frame it sent in the first (fresh envelope,
+    // old frame): the seed in the frame's header gives it away.
+    struct Replay {
+        inner: local::Local,
+        first: Vec<Vec<u8>>,
+        sends: usize,
+    }
+    impl Transport for Replay {
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn size(&self) -> usize {
+            self.inner.size()
+        }
+        fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
+            let i = self.sends;
+            self.sends += 1;
+            if i < 2 {
+                self.first.push(msg.to_vec());
+                return self.inner.send(msg, to);
+            }
+            // The second call's first message: its envelope with the first call's frame.
+            if i == 2 {
+                let mut m = msg[..ENVELOPE_LEN].to_vec();
+                m.extend_from_slice(&self.first[0][ENVELOPE_LEN..]);
+                return self.inner.send(&m, to);
+            }
+            self.inner.send(msg, to)
+        }
+        fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+            self.inner.recv(buf, from)
+        }
+    }
+    let n = 64;
+    let codec: CodecSpec = "int8:rounding=stochastic".parse().unwrap();
+    let res = local::run(2, Some(Duration::from_secs(5)), |t| {
+        let rank = t.rank();
+        let o = AllReduceOptions {
+            strategy: StrategyChoice::Forced(Strategy::CompressedRing),
+            ..Default::default()
+        };
+        let mut ar = AllReduce::new(codec, n, &t, o)?;
+        let x = sample(n, 3 + rank as u32);
+        let mut out = vec![0.0; n];
+        let mut comm = Comm::new(Replay {
+            inner: t.into_inner(),
+            first: Vec::new(),
+            sends: 0,
+        });
+        let mut results = Vec::new();
+        for seed in [1, 2] {
+            results.push(ar.run(&mut comm, &x, &mut out, seed).map(|_| ()));
+        }
+        Ok(results)
+    });
+    let rank0 = res[0].as_ref().unwrap();
+    assert!(rank0[0].is_ok());
+    match &rank0[1] {
+        Err(Error::Peer {
+            peer: 1, source, ..
+        }) => assert!(
+            matches!(**source, Error::Misplaced(ref m) if m.contains("seed")),
+            "{source}"
+        ),
+        other => panic!("{other:?}"),
+    }
+
+}
