@@ -12,7 +12,9 @@
 //! - **A silent peer is an error.** Every send and receive waits at most the transport's
 //!   timeout ([`DEFAULT_TIMEOUT`] unless set with [`MpiTransport::set_timeout`]), then
 //!   returns an [`Error::Transport`] naming the peer. A send still pending then is
-//!   cancelled first.
+//!   cancelled first; if MPI cannot cancel it within a second (the peer has stopped
+//!   taking part in MPI at all), the job is aborted, as that send would otherwise hang
+//!   this rank's next MPI call.
 //! - **A rank that panics ends the job.** Dropping an `MpiTransport` while its thread
 //!   unwinds from a panic calls `MPI_Abort` on its communicator, which ends every rank
 //!   (without it, the panicking rank would block in `MPI_Finalize` while its peers wait
@@ -183,8 +185,7 @@ impl MpiTransport {
                     Ok(p) => p,
                     Err(e) => {
                         if let Some(r) = sreq.take() {
-                            r.cancel();
-                            r.wait();
+                            withdraw(comm, r, to);
                         }
                         return Err(e);
                     }
@@ -192,8 +193,7 @@ impl MpiTransport {
                 if !progressed {
                     if deadline.is_some_and(|d| Instant::now() >= d) {
                         if let Some(r) = sreq.take() {
-                            r.cancel();
-                            r.wait();
+                            withdraw(comm, r, to);
                             return Err(timed_out(to, "did not take a message", timeout));
                         }
                         let from = recv.as_ref().map_or(to, |(_, f)| *f);
@@ -240,6 +240,36 @@ impl Transport for MpiTransport {
         check_rank(to, self.size)?;
         check_rank(from, self.size)?;
         self.exchange(send, to, Some((recv, from)))
+    }
+}
+
+/// Cancel a send its receiver has not taken. MPI cannot always cancel a send (a peer
+/// that has stopped may never answer the cancellation either); if the cancellation has
+/// not completed within a second, the job is aborted, since a send that can be neither
+/// completed nor withdrawn would hang this rank at its next MPI call.
+fn withdraw<'a, S: mpi::request::Scope<'a>>(
+    comm: &SimpleCommunicator,
+    r: mpi::request::Request<'a, [u8], S>,
+    to: usize,
+) {
+    r.cancel();
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let mut r = r;
+    loop {
+        match r.test() {
+            Ok(_) => return,
+            Err(pending) => r = pending,
+        }
+        if Instant::now() >= deadline {
+            eprintln!(
+                "gradpack: rank {}: a message to rank {to} can be neither delivered nor cancelled: aborting the job",
+                comm.rank()
+            );
+            // Not MPI_Abort: with a send that cannot be withdrawn it was seen to spin
+            // for ever (MPICH 4); a process that dies ends the job under mpirun.
+            std::process::abort();
+        }
+        std::thread::yield_now();
     }
 }
 
