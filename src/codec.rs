@@ -402,7 +402,10 @@ impl CodecSpec {
             CodecSpec::Int8(_) | CodecSpec::Qsgd(_) => 2f64.powi(-22) * a,
             _ => 0.0,
         };
-        (factor * a + add + rounding) * (1.0 + 2f64.powi(-20))
+        // 0 * Inf (random-k's factor 1 / ratio for a ratio near 0) is 0 here: nothing to
+        // scale, nothing lost.
+        let scaled = if a == 0.0 { 0.0 } else { factor * a };
+        (scaled + add + rounding) * (1.0 + 2f64.powi(-20))
     }
 
     /// True when the decoded value is an unbiased estimate of the input.

@@ -416,6 +416,9 @@ fn split_number(s: &str) -> Result<(f64, &str), String> {
                 || ((c == '-' || c == '+') && i > 0 && matches!(&t[i - 1..i], "e" | "E")))
         })
         .map_or(t.len(), |(i, _)| i);
+    if t.starts_with('-') {
+        return Err(format!("{s:?} is negative"));
+    }
     let v: f64 = t[..end]
         .parse()
         .map_err(|_| format!("{s:?} does not start with a number"))?;

@@ -366,6 +366,12 @@ pub fn train(
         cfg.workers.max(1),
         cfg.batch.max(1),
     );
+    if cfg.model == (ModelKind::Mlp { hidden: 0 }) {
+        return Err(Error::Collective(
+            "an MLP needs at least one hidden unit (with none it is a model of biases only)"
+                .into(),
+        ));
+    }
     let n_params = cfg.model.params(d, c);
     let steps_per_epoch = ds.train_len() / (w * b);
     if steps_per_epoch == 0 {

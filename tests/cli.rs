@@ -382,3 +382,79 @@ fn train_json_plot_and_refusals() {
     assert_clean_error(&gradpack(&["train", "--lr", "0"]), "--lr");
     assert_clean_error(&gradpack(&["train", "--codec", "int9"]), "int9");
 }
+
+/// A `.npy` header with any shape text and the given data bytes.
+fn npy_with_shape(shape: &str, data: &[u8]) -> Vec<u8> {
+    let mut h = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({shape}), }}");
+    while (10 + h.len() + 1) % 64 != 0 {
+        h.push(' ');
+    }
+    h.push('\n');
+    let mut v = b"\x93NUMPY\x01\x00".to_vec();
+    v.extend_from_slice(&(h.len() as u16).to_le_bytes());
+    v.extend_from_slice(h.as_bytes());
+    v.extend_from_slice(data);
+    v
+}
+
+#[test]
+fn npy_shapes_are_multiplied_in_checked_arithmetic() {
+    let d = dir("npyshape");
+    let out = d.join("x.gpk");
+    for (shape, data, needle) in [
+        // 2^62 elements with no data: 2^64 bytes, which wraps to 0 unchecked.
+        ("4611686018427387904,", &[][..], "more than 2^64 bytes"),
+        // 2^62 + 1 elements with 4 bytes of data: wraps to 4 bytes unchecked.
+        ("4611686018427387905,", &[0u8; 4][..], "more than 2^64 bytes"),
+        ("65536, 65536, 65536, 65536", &[][..], "more than 2^64 bytes"),
+        ("3,", &[0u8; 8][..], "needs 12 data bytes, the file has 8"),
+    ] {
+        let f = d.join("bad.npy");
+        std::fs::write(&f, npy_with_shape(shape, data)).unwrap();
+        let o = gradpack(&["encode", "--codec", "fp16", p(&f), p(&out)]);
+        assert_clean_error(&o, needle);
+    }
+}
+
+#[test]
+fn frames_are_read_header_first() {
+    let d = dir("headerfirst");
+    // 64 MiB of zeros: refused on its first 4 bytes.
+    let zeros = d.join("zeros.gpk");
+    std::fs::write(&zeros, vec![0u8; 64 << 20]).unwrap();
+    for cmd in ["inspect", "decode"] {
+        let mut args = vec![cmd, p(&zeros)];
+        let out = d.join("out.bin");
+        if cmd == "decode" {
+            args.push(p(&out));
+        }
+        assert_clean_error(&gradpack(&args), "not the gradpack magic");
+    }
+    // A valid frame with one byte more, and one with one byte less.
+    let codec: CodecSpec = "int8".parse().unwrap();
+    let frame = codec.encode(&[1.0; 300], &EncodeCtx::new(1)).unwrap();
+    let mut long = frame.clone();
+    long.push(7);
+    let f = d.join("long.gpk");
+    std::fs::write(&f, &long).unwrap();
+    assert_clean_error(&gradpack(&["inspect", p(&f)]), "trailing");
+    std::fs::write(&f, &frame[..frame.len() - 1]).unwrap();
+    assert_clean_error(&gradpack(&["inspect", p(&f)]), "truncated");
+}
+
+#[test]
+fn degenerate_options_are_refused_or_shown_plainly() {
+    // One node sends nothing: no NaN speedup.
+    let o = gradpack(&["model", "--nodes", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = String::from_utf8_lossy(&o.stdout);
+    assert!(!s.contains("NaN"), "{s}");
+    assert_clean_error(
+        &gradpack(&["model", "--latency=-1us"]),
+        "\"-1us\" is negative",
+    );
+    assert_clean_error(
+        &gradpack(&["train", "--hidden", "0", "--epochs", "1", "--codec", "fp16"]),
+        "at least one hidden unit",
+    );
+}

@@ -225,16 +225,32 @@ fn progress(len: u64, hidden: bool) -> indicatif::ProgressBar {
     bar
 }
 
-fn read_input(path: &str) -> Res<Vec<u8>> {
-    if path == "-" {
-        let mut v = Vec::new();
-        std::io::stdin()
-            .read_to_end(&mut v)
-            .map_err(|e| format!("reading stdin: {e}"))?;
-        Ok(v)
+/// Read one frame from a file or stdin (`-`): the header first, checked (magic, version,
+/// checksum), then exactly the bytes it declares, so a file that is not a frame is
+/// refused after reading 56 bytes, and memory follows what actually arrives.
+fn read_frame(path: &str) -> Res<Vec<u8>> {
+    let name = if path == "-" { "stdin" } else { path };
+    let mut src: Box<dyn Read> = if path == "-" {
+        Box::new(std::io::stdin().lock())
     } else {
-        std::fs::read(path).map_err(|e| format!("{path}: {e}"))
-    }
+        Box::new(std::fs::File::open(path).map_err(|e| format!("{path}: {e}"))?)
+    };
+    let mut frame = Vec::with_capacity(gradpack::HEADER_LEN);
+    (&mut src)
+        .take(gradpack::HEADER_LEN as u64)
+        .read_to_end(&mut frame)
+        .map_err(|e| format!("{name}: {e}"))?;
+    let h = gradpack::Header::parse(&frame).map_err(|e| format!("{name}: invalid frame: {e}"))?;
+    let total = h
+        .frame_len()
+        .ok_or_else(|| format!("{name}: invalid frame: its declared length overflows"))?;
+    // Read what the header declares (growing as data arrives), plus one byte to tell
+    // trailing data from none.
+    (&mut src)
+        .take(total + 1 - gradpack::HEADER_LEN as u64)
+        .read_to_end(&mut frame)
+        .map_err(|e| format!("{name}: {e}"))?;
+    Ok(frame)
 }
 
 fn write_output(path: &Path, bytes: &[u8]) -> Res<()> {
@@ -286,20 +302,21 @@ fn npy_read(b: &[u8]) -> Res<Vec<f32>> {
         .and_then(|s| s.strip_prefix('('))
         .and_then(|s| s.split(')').next())
         .ok_or("not a float32 .npy file: no shape")?;
-    let mut n: u64 = 1;
+    // Elements and data bytes in checked arithmetic: a shape whose byte count overflows
+    // is refused, never wrapped round to a small one.
+    let mut bytes: u64 = 4;
     for d in shape.split(',').map(str::trim).filter(|d| !d.is_empty()) {
         let d: u64 = d
             .parse()
             .map_err(|_| format!("not a float32 .npy file: bad shape ({shape})"))?;
-        n = n
-            .checked_mul(d)
-            .ok_or("not a float32 .npy file: shape overflows")?;
+        bytes = bytes.checked_mul(d).ok_or_else(|| {
+            format!("not a float32 .npy file: shape ({shape}) is more than 2^64 bytes")
+        })?;
     }
     let data = &b[start + hlen..];
-    if data.len() as u64 != n * 4 {
+    if data.len() as u64 != bytes {
         return bad(&format!(
-            "shape ({shape}) needs {} data bytes, the file has {}",
-            n * 4,
+            "shape ({shape}) needs {bytes} data bytes, the file has {}",
             data.len()
         ));
     }
@@ -388,13 +405,13 @@ fn encode(
 }
 
 fn decode(input: &str, output: &Path) -> Res<()> {
-    let frame = read_input(input)?;
+    let frame = read_frame(input)?;
     let x = gradpack::decode_to_vec(&frame).map_err(|e| format!("{input}: {e}"))?;
     write_f32(output, &x)
 }
 
 fn inspect(file: &str) -> Res<()> {
-    let frame = read_input(file)?;
+    let frame = read_frame(file)?;
     let (h, spec) = gradpack::inspect(&frame).map_err(|e| format!("{file}: invalid frame: {e}"))?;
     println!("file        {file} ({} bytes)", frame.len());
     println!("codec       {spec}");
@@ -425,33 +442,70 @@ fn inspect(file: &str) -> Res<()> {
             ""
         }
     );
-    let finite: Vec<f64> = x
-        .iter()
-        .filter(|v| v.is_finite())
-        .map(|&v| v as f64)
-        .collect();
-    let nan = x.iter().filter(|v| v.is_nan()).count();
-    let inf = x.iter().filter(|v| v.is_infinite()).count();
-    let zeros = x.iter().filter(|&&v| v == 0.0).count();
-    let sum: f64 = finite.iter().sum();
-    let l2 = finite.iter().map(|v| v * v).sum::<f64>().sqrt();
-    let (min, max) = finite
-        .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &v| {
-            (a.min(v), b.max(v))
-        });
+    // One streaming pass (no copy of the decoded values).
+    let mut st = Stats::default();
+    x.iter().for_each(|&v| st.add(v));
+    drop(x);
     println!(
-        "decoded     {} values: {} zero, {nan} NaN, {inf} Inf",
-        x.len(),
-        zeros
+        "decoded     {} values: {} zero, {} NaN, {} Inf",
+        st.count, st.zeros, st.nan, st.inf
     );
-    if !finite.is_empty() {
+    if st.finite > 0 {
         println!(
-            "            min {min:.6e}  max {max:.6e}  mean {:.6e}  L2 norm {l2:.6e}",
-            sum / finite.len() as f64
+            "            min {:.6e}  max {:.6e}  mean {:.6e}  L2 norm {:.6e}",
+            st.min,
+            st.max,
+            st.sum / st.finite as f64,
+            st.sq.sqrt()
         );
     }
     Ok(())
+}
+
+/// Statistics of decoded values, gathered one value at a time.
+struct Stats {
+    count: u64,
+    zeros: u64,
+    nan: u64,
+    inf: u64,
+    finite: u64,
+    sum: f64,
+    sq: f64,
+    min: f64,
+    max: f64,
+}
+
+impl Default for Stats {
+    fn default() -> Self {
+        Stats {
+            count: 0,
+            zeros: 0,
+            nan: 0,
+            inf: 0,
+            finite: 0,
+            sum: 0.0,
+            sq: 0.0,
+            min: f64::INFINITY,
+            max: f64::NEG_INFINITY,
+        }
+    }
+}
+
+impl Stats {
+    fn add(&mut self, v: f32) {
+        self.count += 1;
+        self.zeros += u64::from(v == 0.0);
+        self.nan += u64::from(v.is_nan());
+        self.inf += u64::from(v.is_infinite());
+        if v.is_finite() {
+            let v = f64::from(v);
+            self.finite += 1;
+            self.sum += v;
+            self.sq += v * v;
+            self.min = self.min.min(v);
+            self.max = self.max.max(v);
+        }
+    }
 }
 
 // ---------------------------------------------------------------- report
@@ -748,7 +802,7 @@ fn report(a: ReportArgs) -> Res<()> {
         );
         for r in &rows {
             println!(
-                "{:<40} {:>7.3} {:>6.1} {:>9.2e} {:>9} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>9} {:>11} {:>9.3} {:>7.2}x",
+                "{:<40} {:>7.3} {:>6.1} {:>9.2e} {:>9} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>9} {:>11} {:>9.3} {:>8}",
                 r.m.spec.to_string(),
                 r.m.bits,
                 32.0 / r.m.bits,
@@ -762,7 +816,7 @@ fn report(a: ReportArgs) -> Res<()> {
                 r.strategy.name(),
                 fmt_bw(r.be),
                 r.t * 1e3,
-                fp32 / r.t
+                speedup(fp32, r.t)
             );
         }
         println!(
@@ -963,18 +1017,27 @@ fn model(a: ModelArgs) -> Res<()> {
         w(
             &mut out,
             format!(
-                "{:<32} {:>8.3} {:>6.1} {:>14.3} {:>12.3} {:>12.3} {:>7.2}x",
+                "{:<32} {:>8.3} {:>6.1} {:>14.3} {:>12.3} {:>12.3} {:>8}",
                 s.to_string(),
                 bits,
                 32.0 / bits,
                 cost::ring_quantised(p, g_bits, net.bandwidth, bits) * 1e3,
                 ring * 1e3,
                 ag * 1e3,
-                fp32 / ring.min(ag)
+                speedup(fp32, ring.min(ag))
             ),
         )?;
     }
     Ok(())
+}
+
+/// `fp32 / t` as "1.23x", or "-" when both are zero (one node sends nothing).
+fn speedup(fp32: f64, t: f64) -> String {
+    if fp32 == 0.0 && t == 0.0 {
+        "-".into()
+    } else {
+        format!("{:.2}x", fp32 / t)
+    }
 }
 
 // ---------------------------------------------------------------- train

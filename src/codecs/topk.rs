@@ -97,8 +97,8 @@ impl ValueType {
     /// Bytes of `k` values: `k * bytes`, plus a 4-byte step per block for int8.
     pub(crate) fn section_len(self, k: u64) -> u64 {
         match self {
-            ValueType::Int8 => k + 4 * k.div_ceil(INT8_VALUE_BLOCK as u64),
-            _ => k * self.bytes(),
+            ValueType::Int8 => k.saturating_add(4 * k.div_ceil(INT8_VALUE_BLOCK as u64)),
+            _ => k.saturating_mul(self.bytes()),
         }
     }
 
@@ -371,8 +371,10 @@ impl IndexCoding {
     /// The most bytes this coding takes for `k` of `n` indices (`k <= n`).
     fn max_bytes(self, n: u64, k: u64) -> u64 {
         match self {
-            IndexCoding::Gaps => wire::packed_len(k, bit_width(n.saturating_sub(1)) as u64)
-                .expect("k <= 2^32 indices of at most 32 bits"),
+            // Saturating: only a k no frame can hold overflows.
+            IndexCoding::Gaps => {
+                wire::packed_len(k, bit_width(n.saturating_sub(1)) as u64).unwrap_or(u64::MAX)
+            }
             IndexCoding::Rice => rice_max_bytes(n, k),
             IndexCoding::Bitmap => n.div_ceil(8),
         }

@@ -291,7 +291,9 @@ pub fn rice_max_bits(n: u64, k: u64, b: u32) -> u64 {
     if k == 0 {
         return 0;
     }
-    k * (b as u64 + 1) + ((n - k) >> b)
+    // Saturating, so that any arguments (k > n, huge counts, b >= 64) give an answer.
+    let gaps = n.saturating_sub(k).checked_shr(b).unwrap_or(0);
+    k.saturating_mul(u64::from(b) + 1).saturating_add(gaps)
 }
 
 /// The Rice parameter top-k encoders use for `k` of `n` indices: 0 if `k = 0`, else the
