@@ -25,4 +25,8 @@ for input in input input-nonfinite; do
         done
     done
 done
+# The collective's receive path and the .npy reader: real message streams and files,
+# written by the regression tests that check them.
+GRADPACK_FUZZ_SEEDS="$seeds" cargo test --quiet --manifest-path "$here/../Cargo.toml" \
+    --test fuzz_regressions -- collective_seeds npy_reader >/dev/null
 echo "seeded $(find "$seeds" -type f | wc -l) files in $seeds"

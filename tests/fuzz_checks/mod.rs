@@ -349,3 +349,213 @@ pub fn roundtrip(data: &[u8]) {
     let ds = gradpack::decode_to_vec(&sealed).unwrap();
     assert_eq!(bits(&ds), bits(&d));
 }
+
+// ---------------------------------------------------------------- npy
+
+#[path = "../../src/bin/gradpack/npy.rs"]
+mod npy;
+
+/// `npy`: any bytes into the CLI's `.npy` reader: `Ok` or `Err`, never a panic, and no
+/// allocation past the file's own data (the reader checks the shape's byte count
+/// against the bytes present before it allocates). What it accepts holds exactly the
+/// file's data bytes, and writing it back and reading again gives the same bits.
+pub fn npy(data: &[u8]) {
+    let Ok(x) = npy::read(data) else {
+        return;
+    };
+    assert!(x.len() * 4 <= data.len(), "{} values from {} bytes", x.len(), data.len());
+    let again = npy::read(&npy::write(&x)).expect("the writer's output reads back");
+    assert_eq!(bits(&again), bits(&x));
+}
+
+// ---------------------------------------------------------------- collective_recv
+
+use gradpack::collective::{
+    AllReduce, AllReduceOptions, Comm, Strategy, StrategyChoice, Transport,
+};
+
+/// A rank whose peers' messages come from a script: every send is taken (and dropped),
+/// every receive gets the next scripted message, and an empty script is a peer that
+/// left.
+pub struct Scripted {
+    pub rank: usize,
+    pub size: usize,
+    pub script: std::collections::VecDeque<Vec<u8>>,
+    /// Messages this rank sent, in order (what a seed records).
+    pub sent: Vec<(usize, Vec<u8>)>,
+}
+
+impl Transport for Scripted {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn send(&mut self, msg: &[u8], to: usize) -> gradpack::Result<()> {
+        self.sent.push((to, msg.to_vec()));
+        Ok(())
+    }
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> gradpack::Result<()> {
+        match self.script.pop_front() {
+            Some(m) => {
+                *buf = m;
+                Ok(())
+            }
+            None => Err(Error::Transport {
+                peer: from,
+                reason: "the script has ended".into(),
+            }),
+        }
+    }
+}
+
+/// The codecs and strategies the `collective_recv` control bytes choose from.
+pub const COLLECTIVE_CASES: [(&str, Strategy); 6] = [
+    ("int8:rounding=stochastic", Strategy::CompressedRing),
+    ("qsgd:bits=4,block=64", Strategy::CompressedAllGather),
+    ("sign:block=32", Strategy::SignMajority),
+    ("identity", Strategy::Fp32Ring),
+    ("topk:ratio=0.1,values=fp16", Strategy::CompressedRing),
+    ("randk:ratio=0.25", Strategy::CompressedAllGather),
+];
+
+/// The input of `collective_recv`: control bytes, then each message as a u16 LE length
+/// and its bytes (a truncated last message is cut short).
+pub fn collective_script(control: [u8; 4], messages: &[Vec<u8>]) -> Vec<u8> {
+    let mut d = control.to_vec();
+    for m in messages {
+        d.extend_from_slice(&(m.len().min(u16::MAX as usize) as u16).to_le_bytes());
+        d.extend_from_slice(&m[..m.len().min(u16::MAX as usize)]);
+    }
+    d
+}
+
+/// `collective_recv`: one rank of an all-reduce whose every received message is fuzz
+/// input (a frame from a peer at any step, place or state). Bytes 0..4: world size
+/// `2 + b0 % 3`, this rank `b1 % size`, the case `b2 % 6` of [`COLLECTIVE_CASES`],
+/// elements `b3 * 3`; then the messages (see [`collective_script`]). Three calls run on
+/// one `Comm`. Each gives `Ok` or `Err`, never a panic; the output keeps its length; a
+/// call whose messages were not all consumed cannot have succeeded unless those left
+/// belong to later calls.
+pub fn collective_recv(data: &[u8]) {
+    collective_run(data);
+}
+
+/// [`collective_recv`]'s run; returns how many of its calls succeeded.
+pub fn collective_run(data: &[u8]) -> usize {
+    if data.len() < 4 {
+        return 0;
+    }
+    let size = 2 + usize::from(data[0] % 3);
+    let rank = usize::from(data[1]) % size;
+    let (spec, strategy) = COLLECTIVE_CASES[usize::from(data[2]) % COLLECTIVE_CASES.len()];
+    let n = usize::from(data[3]) * 3;
+    let mut script = std::collections::VecDeque::new();
+    let mut rest = &data[4..];
+    while rest.len() >= 2 {
+        let len = usize::from(u16::from_le_bytes([rest[0], rest[1]]));
+        let end = (2 + len).min(rest.len());
+        script.push_back(rest[2..end].to_vec());
+        rest = &rest[end..];
+    }
+    let codec: CodecSpec = spec.parse().expect("case spec");
+    let t = Scripted {
+        rank,
+        size,
+        script,
+        sent: Vec::new(),
+    };
+    let opts = AllReduceOptions {
+        strategy: StrategyChoice::Forced(strategy),
+        ..Default::default()
+    };
+    let mut ar = AllReduce::new(codec, n, &t, opts).expect("all-reduce state");
+    let mut comm = Comm::new(t);
+    let input: Vec<f32> = (0..n).map(|i| ((i * 7 + rank) % 13) as f32 - 6.0).collect();
+    let mut ok = 0;
+    for seed in 0..3 {
+        let mut out = vec![0f32; n];
+        match ar.run(&mut comm, &input, &mut out, seed) {
+            Ok(_) => ok += 1,
+            Err(_) => ar.reset_feedback(),
+        }
+        assert_eq!(out.len(), n);
+    }
+    ok
+}
+
+/// Seeds for `collective_recv`: for each case and world size, the messages rank 0
+/// receives in three fault-free calls of a real in-process world (so the fuzzer starts
+/// from valid envelopes and frames).
+pub fn collective_seeds() -> Vec<(String, Vec<u8>)> {
+    use gradpack::collective::local;
+    let mut seeds = Vec::new();
+    for (case, &(spec, strategy)) in COLLECTIVE_CASES.iter().enumerate() {
+        for size in 2..5usize {
+            let n = 40 * 3;
+            let codec: CodecSpec = spec.parse().expect("case spec");
+            let got = local::run(size, None, |t| {
+                let r = t.rank();
+                let opts = AllReduceOptions {
+                    strategy: StrategyChoice::Forced(strategy),
+                    ..Default::default()
+                };
+                let mut ar = AllReduce::new(codec, n, &t, opts)?;
+                // Record what rank 0 receives by recording what its left neighbour sends
+                // it (the ring's only sender to rank 0).
+                let mut comm = Comm::new(Recorder {
+                    inner: t.into_inner(),
+                    sent: Vec::new(),
+                });
+                let input: Vec<f32> = (0..n).map(|i| ((i * 7 + r) % 13) as f32 - 6.0).collect();
+                let mut out = vec![0f32; n];
+                for seed in 0..3 {
+                    ar.run(&mut comm, &input, &mut out, seed)?;
+                }
+                Ok(comm.into_inner().sent)
+            });
+            let left = size - 1;
+            let to_zero: Vec<Vec<u8>> = got[left]
+                .as_ref()
+                .expect("clean world")
+                .iter()
+                .filter(|(to, _)| *to == 0)
+                .map(|(_, m)| m.clone())
+                .collect();
+            let control = [(size - 2) as u8, 0, case as u8, 40];
+            seeds.push((
+                format!("{case}-{size}"),
+                collective_script(control, &to_zero),
+            ));
+        }
+    }
+    seeds
+}
+
+/// An in-process transport that records what it sends.
+struct Recorder {
+    inner: gradpack::collective::local::Local,
+    sent: Vec<(usize, Vec<u8>)>,
+}
+
+impl Transport for Recorder {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn send(&mut self, msg: &[u8], to: usize) -> gradpack::Result<()> {
+        self.sent.push((to, msg.to_vec()));
+        self.inner.send(msg, to)
+    }
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> gradpack::Result<()> {
+        self.inner.recv(buf, from)
+    }
+}
+
+/// The CLI's `.npy` writer, for tests that build inputs.
+pub fn npy_write_for_tests(x: &[f32]) -> Vec<u8> {
+    npy::write(x)
+}
