@@ -8,6 +8,9 @@
 //! 5; the median is reported), `GRADPACK_BENCH_CODECS` (comma-separated specs; default
 //! the representative set).
 //!
+//! Frames are sealed with a payload checksum (the collectives' default); the last column
+//! is the same all-reduce unsealed, so the two give the checksum's cost.
+//!
 //! Every rank is a thread, so on a machine with fewer cores than ranks the ranks' compute
 //! is serialised: the wall time is the whole world's encode/decode work divided among the
 //! cores, plus the copies through the channels. The codecs' own rayon splitting is off
@@ -43,11 +46,13 @@ fn measure(
     s: Strategy,
     inputs: &[Vec<f32>],
     reps: usize,
+    checksum: bool,
 ) -> Option<(f64, Vec<u64>)> {
     let (p, n) = (inputs.len(), inputs[0].len());
     let barrier = Barrier::new(p);
     let opts = AllReduceOptions {
         strategy: StrategyChoice::Forced(s),
+        checksum,
         ..Default::default()
     };
     let res = local::run(p, Some(Duration::from_secs(600)), |mut t| {
@@ -97,27 +102,32 @@ fn main() {
         std::thread::available_parallelism().map_or(1, |c| c.get())
     );
     println!(
-        "| codec | strategy | sent/rank (MiB) | moved, all ranks (MiB) | vs fp32 ring bytes | wall (ms) | vs fp32 ring time |"
+        "| codec | strategy | sent/rank (MiB) | moved, all ranks (MiB) | vs fp32 ring bytes | wall (ms) | vs fp32 ring time | unsealed wall (ms) |"
     );
-    println!("|---|---|---:|---:|---:|---:|---:|");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|");
     let identity: CodecSpec = "identity".parse().unwrap();
     let (base_t, base_sent) =
-        measure(identity, Strategy::Fp32Ring, &inputs, reps).expect("fp32 ring runs");
+        measure(identity, Strategy::Fp32Ring, &inputs, reps, true).expect("fp32 ring runs");
     let base_total: u64 = base_sent.iter().sum();
-    let row = |codec: &str, s: Strategy, t: f64, sent: &[u64]| {
+    let unsealed = |codec: CodecSpec, s: Strategy| {
+        measure(codec, s, &inputs, reps, false).map_or(f64::NAN, |m| m.0)
+    };
+    let row = |codec: &str, s: Strategy, t: f64, sent: &[u64], plain: f64| {
         let total: u64 = sent.iter().sum();
         let per_rank = *sent.iter().max().unwrap() as f64;
         println!(
-            "| {codec} | {} | {:.2} | {:.1} | {:.3} | {:.1} | {:.2} |",
+            "| {codec} | {} | {:.2} | {:.1} | {:.3} | {:.1} | {:.2} | {:.1} |",
             s.name(),
             per_rank / 1048576.0,
             total as f64 / 1048576.0,
             total as f64 / base_total as f64,
             t * 1e3,
-            t / base_t
+            t / base_t,
+            plain * 1e3
         );
     };
-    row("identity", Strategy::Fp32Ring, base_t, &base_sent);
+    let plain = unsealed(identity, Strategy::Fp32Ring);
+    row("identity", Strategy::Fp32Ring, base_t, &base_sent, plain);
     for spec in &codecs {
         let codec: CodecSpec = spec.parse().unwrap_or_else(|e| panic!("{spec}: {e}"));
         let mut strategies = vec![Strategy::CompressedRing, Strategy::CompressedAllGather];
@@ -125,9 +135,9 @@ fn main() {
             strategies.push(Strategy::SignMajority);
         }
         for s in strategies {
-            match measure(codec, s, &inputs, reps) {
-                Some((t, sent)) => row(spec, s, t, &sent),
-                None => println!("| {spec} | {} | refused | | | | |", s.name()),
+            match measure(codec, s, &inputs, reps, true) {
+                Some((t, sent)) => row(spec, s, t, &sent, unsealed(codec, s)),
+                None => println!("| {spec} | {} | refused | | | | | |", s.name()),
             }
         }
     }

@@ -18,8 +18,7 @@ use std::time::Instant;
 
 use gradpack::collective::mpi::MpiTransport;
 use gradpack::collective::{
-    AllReduce, AllReduceOptions, Comm, ReduceOp, Strategy, StrategyChoice, chunk_range,
-    error_bound,
+    AllReduce, AllReduceOptions, Comm, ReduceOp, Strategy, StrategyChoice, chunk_range, error_bound,
 };
 use gradpack::{CodecSpec, codec::REPRESENTATIVE_SPECS};
 use mpi::collective::SystemOperation;

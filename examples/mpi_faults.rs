@@ -90,7 +90,11 @@ fn main() -> ExitCode {
             println!("{USAGE}");
         }
         let help = matches!(mode.as_str(), "--help" | "-h");
-        return if help { ExitCode::SUCCESS } else { ExitCode::FAILURE };
+        return if help {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        };
     }
     let n = 100_003;
     let codec: CodecSpec = "qsgd:bits=4".parse().expect("spec");
@@ -114,7 +118,11 @@ fn main() -> ExitCode {
             let mut comm = Comm::new(Faulty {
                 inner: transport,
                 sends: 0,
-                at: if rank == 1 && mode == "panic" { 1 } else { u64::MAX },
+                at: if rank == 1 && mode == "panic" {
+                    1
+                } else {
+                    u64::MAX
+                },
                 fault: |_: &mut Vec<u8>| panic!("rank 1 panics in the middle of an all-reduce"),
             });
             if rank == 1 && mode == "leave" {

@@ -23,7 +23,10 @@ mod tests {
     fn impossible_sizes_are_errors() {
         for n in [usize::MAX, usize::MAX / 4, 1 << 62] {
             let e = filled(n, 0f32, "a test").unwrap_err();
-            assert!(matches!(e, Error::OutOfMemory { what: "a test", .. }), "{e}");
+            assert!(
+                matches!(e, Error::OutOfMemory { what: "a test", .. }),
+                "{e}"
+            );
         }
         assert_eq!(filled(3, 7u8, "x").unwrap(), vec![7, 7, 7]);
     }

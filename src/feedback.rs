@@ -34,9 +34,9 @@
 //! The bf16 scratch is one f32 tile per parallel range: `ceil(n / range) * tile` floats,
 //! at most `n` (only with very large or odd block sizes, where a tile is a whole block).
 
+use crate::alloc;
 use crate::codec::{Codec, CodecSpec, EncodeCtx, each_spec};
 use crate::codecs::{self, fixed::ResidualMut};
-use crate::alloc;
 use crate::error::{Error, Result};
 use crate::kernels::scalar::bf16_to_f32;
 

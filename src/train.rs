@@ -368,8 +368,7 @@ pub fn train(
     );
     if cfg.model == (ModelKind::Mlp { hidden: 0 }) {
         return Err(Error::Collective(
-            "an MLP needs at least one hidden unit (with none it is a model of biases only)"
-                .into(),
+            "an MLP needs at least one hidden unit (with none it is a model of biases only)".into(),
         ));
     }
     let n_params = cfg.model.params(d, c);

@@ -405,8 +405,16 @@ fn npy_shapes_are_multiplied_in_checked_arithmetic() {
         // 2^62 elements with no data: 2^64 bytes, which wraps to 0 unchecked.
         ("4611686018427387904,", &[][..], "more than 2^64 bytes"),
         // 2^62 + 1 elements with 4 bytes of data: wraps to 4 bytes unchecked.
-        ("4611686018427387905,", &[0u8; 4][..], "more than 2^64 bytes"),
-        ("65536, 65536, 65536, 65536", &[][..], "more than 2^64 bytes"),
+        (
+            "4611686018427387905,",
+            &[0u8; 4][..],
+            "more than 2^64 bytes",
+        ),
+        (
+            "65536, 65536, 65536, 65536",
+            &[][..],
+            "more than 2^64 bytes",
+        ),
         ("3,", &[0u8; 8][..], "needs 12 data bytes, the file has 8"),
     ] {
         let f = d.join("bad.npy");

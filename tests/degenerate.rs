@@ -67,9 +67,20 @@ fn error_bounds_are_numbers_for_any_argument() {
 #[test]
 fn sizes_never_overflow() {
     for codec in specs() {
-        for n in [0, 1, 255, 1 << 32, (1 << 32) + 1, usize::MAX / 2, usize::MAX] {
+        for n in [
+            0,
+            1,
+            255,
+            1 << 32,
+            (1 << 32) + 1,
+            usize::MAX / 2,
+            usize::MAX,
+        ] {
             let b = codec.bits_per_element(n);
-            assert!(!b.is_nan() && b >= 0.0, "{codec} bits_per_element({n}) = {b}");
+            assert!(
+                !b.is_nan() && b >= 0.0,
+                "{codec} bits_per_element({n}) = {b}"
+            );
             let len = codec.max_encoded_len(n);
             assert!(len >= gradpack::HEADER_LEN, "{codec} max_encoded_len({n})");
         }

@@ -89,7 +89,11 @@ fn collective_seeds_run_clean_and_survive_damage() {
     let seeds = fuzz_checks::collective_seeds();
     assert_eq!(seeds.len(), 18);
     for (name, data) in &seeds {
-        assert_eq!(fuzz_checks::collective_run(data), 3, "{name}: a clean stream fails");
+        assert_eq!(
+            fuzz_checks::collective_run(data),
+            3,
+            "{name}: a clean stream fails"
+        );
         for i in (4..data.len()).step_by(97) {
             let mut d = data.clone();
             d[i] ^= 0x41;

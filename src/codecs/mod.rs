@@ -259,6 +259,12 @@ pub(crate) fn decode_frame<const M: u8>(frame: &[u8], out: &mut [f32]) -> Result
     by_id!(h.codec, S => decode_as::<S, M>(&h, p, out))
 }
 
+/// Decode a frame already split by [`wire::split`] (header checked, payload checksum
+/// verified if sealed) without checking either again.
+pub(crate) fn decode_split<const M: u8>(h: &Header, payload: &[u8], out: &mut [f32]) -> Result<()> {
+    by_id!(h.codec, S => decode_as::<S, M>(h, payload, out))
+}
+
 /// The spec a header describes (validated as a decoder would).
 pub(crate) fn spec_from_header(h: &Header) -> Result<CodecSpec> {
     by_id!(h.codec, S => S::read(h).map(Into::into))

@@ -666,17 +666,18 @@ impl AllReduce {
             step.sent(len);
             let frame = &self.a[ENVELOPE_LEN..];
             let bad = |e| peer_error(left, Phase::ReduceScatter, left, e);
-            check_origin(frame, &ctx_of(left, recv_c)).map_err(bad)?;
+            let split = check_origin(&codec, frame, &ctx_of(left, recv_c)).map_err(bad)?;
             let acc = &mut output[range(recv_c)];
             acc.copy_from_slice(&input[range(recv_c)]);
-            self.codec.decode_add(frame, acc).map_err(bad)?;
+            decode_checked::<ADD>(split, acc).map_err(bad)?;
         }
         // The owner's encode of its fully reduced chunk, decoded here as everywhere.
         let own = range(r);
         let src = if p == 1 { input } else { &*output };
         let len = self.encode(r, &src[own.clone()], ctx_of(r, r))?;
-        self.codec
-            .decode_into(&self.enc[ENVELOPE_LEN..len], &mut output[own])?;
+        // This rank's own frame, sealed a moment ago: no checksum to verify.
+        let split = wire::split_with(&self.enc[ENVELOPE_LEN..len], false)?;
+        decode_checked::<WRITE>(split, &mut output[own])?;
         // All-gather: forward frames unchanged; at step s send chunk r-s, receive r-s-1.
         self.b.clear();
         self.b.extend_from_slice(&self.enc[..len]);
@@ -692,10 +693,8 @@ impl AllReduce {
             let frame = &self.a[ENVELOPE_LEN..];
             // Chunk c's final frame was encoded by its owner, rank c.
             let bad = |e| peer_error(recv_c, Phase::RingAllGather, left, e);
-            check_origin(frame, &ctx_of(recv_c, recv_c)).map_err(bad)?;
-            self.codec
-                .decode_into(frame, &mut output[range(recv_c)])
-                .map_err(bad)?;
+            let split = check_origin(&codec, frame, &ctx_of(recv_c, recv_c)).map_err(bad)?;
+            decode_checked::<WRITE>(split, &mut output[range(recv_c)]).map_err(bad)?;
             core::mem::swap(&mut self.a, &mut self.b);
         }
         Ok(())
@@ -731,7 +730,7 @@ impl AllReduce {
             self.frames[recv_q] = got;
             res?;
             let frame = &self.frames[recv_q][ENVELOPE_LEN..];
-            check_origin(frame, &ctx_of(recv_q))
+            check_origin(&codec, frame, &ctx_of(recv_q))
                 .map_err(|e| peer_error(recv_q, Phase::FrameAllGather, left, e))?;
         }
         Ok(())
@@ -746,11 +745,13 @@ impl AllReduce {
     /// `output = sum of every rank's decoded frame`, in rank order.
     fn sum_frames(&mut self, output: &mut [f32]) -> Result<()> {
         for q in 0..self.size {
-            let frame = &self.frames[q][ENVELOPE_LEN..];
-            let res = if q == 0 {
-                self.codec.decode_into(frame, output)
-            } else {
-                self.codec.decode_add(frame, output)
+            // Checked by `gather` as it arrived (this rank's own frame: as it was made), and
+            // not changed since: the payload checksum need not be computed again.
+            let split = wire::split_with(&self.frames[q][ENVELOPE_LEN..], false);
+            let res = match split {
+                Ok(split) if q == 0 => decode_checked::<WRITE>(split, output),
+                Ok(split) => decode_checked::<ADD>(split, output),
+                Err(e) => Err(e),
             };
             res.map_err(|e| self.blame(q, e))?;
         }
@@ -763,8 +764,10 @@ impl AllReduce {
         output.fill(0.0);
         self.votes.fill(0);
         for q in 0..self.size {
-            let frame = &self.frames[q][ENVELOPE_LEN..];
-            if let Err(e) = self.codec.decode_into(frame, &mut self.decoded) {
+            // Checked by `gather` as it arrived (see `sum_frames`).
+            let res = wire::split_with(&self.frames[q][ENVELOPE_LEN..], false)
+                .and_then(|split| decode_checked::<WRITE>(split, &mut self.decoded));
+            if let Err(e) = res {
                 return Err(self.blame(q, e));
             }
             for ((v, m), &d) in self
@@ -803,13 +806,24 @@ impl Step {
     }
 }
 
-/// A frame from a peer must be whole (header, length and, if sealed, payload checksum)
-/// and the one its encoder made for this place: the chunk's global offset, and the
-/// encoder's seed for this step (codecs that draw nothing record seed 0). Catches a
-/// frame of the right shape that belongs to another chunk or rank, and is checked as
-/// the frame arrives, before it is forwarded.
-fn check_origin(frame: &[u8], ctx: &EncodeCtx) -> Result<()> {
-    let (h, _) = wire::split(frame)?;
+/// A frame from a peer must be whole (header, length and, if sealed, payload checksum),
+/// of this collective's codec, and the one its encoder made for this place: the chunk's
+/// global offset, and the encoder's seed for this step (codecs that draw nothing record
+/// seed 0). Catches a frame of the right shape that belongs to another chunk or rank.
+/// Checked as the frame arrives, before it is forwarded; returns the frame split, so
+/// that [`decode_checked`] need not check it again.
+fn check_origin<'f>(
+    codec: &CodecSpec,
+    frame: &'f [u8],
+    ctx: &EncodeCtx,
+) -> Result<(wire::Header, &'f [u8])> {
+    let (h, payload) = wire::split(frame)?;
+    if h.codec != codec.id() {
+        return Err(Error::WrongCodec {
+            expected: codec.id(),
+            found: h.codec,
+        });
+    }
     if h.offset != ctx.offset {
         return Err(Error::Misplaced(format!(
             "the frame starts at element {} but this chunk starts at {}",
@@ -822,8 +836,16 @@ fn check_origin(frame: &[u8], ctx: &EncodeCtx) -> Result<()> {
             h.seed, ctx.seed
         )));
     }
-    Ok(())
+    Ok((h, payload))
 }
+
+/// Decode (`M` = write or add) a frame that [`check_origin`] has split and checked.
+fn decode_checked<const M: u8>(split: (wire::Header, &[u8]), out: &mut [f32]) -> Result<()> {
+    crate::codecs::decode_split::<M>(&split.0, split.1, out)
+}
+
+const WRITE: u8 = crate::kernels::mode::WRITE;
+const ADD: u8 = crate::kernels::mode::ADD;
 
 /// Random-k with `scale=unbiased`: re-encoding a decoded frame rescales it again.
 fn rescales_on_reencode(codec: &CodecSpec) -> bool {

@@ -156,10 +156,14 @@ impl MpiTransport {
         self.timeout.and_then(|t| Instant::now().checked_add(t))
     }
 
-
     /// Send `msg` to `to` and, if `recv` is given, receive the next message from its
     /// peer, receiving anything else that arrives meanwhile.
-    fn exchange(&mut self, msg: &[u8], to: usize, mut recv: Option<(&mut Vec<u8>, usize)>) -> Result<()> {
+    fn exchange(
+        &mut self,
+        msg: &[u8],
+        to: usize,
+        mut recv: Option<(&mut Vec<u8>, usize)>,
+    ) -> Result<()> {
         let deadline = self.deadline();
         let timeout = self.timeout;
         let (comm, mail) = (&self.comm, &mut self.mail);

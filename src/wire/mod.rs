@@ -198,6 +198,12 @@ impl Header {
 /// must be exactly [`Header::frame_len`] bytes long; a sealed frame's payload checksum
 /// is verified here, so every decoder checks it before reading the payload.
 pub fn split(frame: &[u8]) -> Result<(Header, &[u8])> {
+    split_with(frame, true)
+}
+
+/// [`split`], verifying a sealed frame's payload checksum only if `verify` (a caller
+/// that verified these very bytes before passes false).
+pub(crate) fn split_with(frame: &[u8], verify: bool) -> Result<(Header, &[u8])> {
     let h = Header::parse(frame)?;
     let Some(total) = h.frame_len() else {
         return Err(Error::Truncated {
@@ -220,6 +226,9 @@ pub fn split(frame: &[u8]) -> Result<(Header, &[u8])> {
     if h.payload_checksum() {
         let (payload, trailer) =
             frame[HEADER_LEN..].split_at(frame.len() - HEADER_LEN - PAYLOAD_CRC_LEN);
+        if !verify {
+            return Ok((h, payload));
+        }
         let stored = u32::from_le_bytes(trailer.try_into().expect("4 bytes"));
         let computed = crc32fast::hash(payload);
         if stored != computed {

@@ -363,7 +363,12 @@ pub fn npy(data: &[u8]) {
     let Ok(x) = npy::read(data) else {
         return;
     };
-    assert!(x.len() * 4 <= data.len(), "{} values from {} bytes", x.len(), data.len());
+    assert!(
+        x.len() * 4 <= data.len(),
+        "{} values from {} bytes",
+        x.len(),
+        data.len()
+    );
     let again = npy::read(&npy::write(&x)).expect("the writer's output reads back");
     assert_eq!(bits(&again), bits(&x));
 }
