@@ -29,9 +29,11 @@ pub fn ring_quantised(nodes: u32, g_bits: f64, b_bit_s: f64, k: f64) -> f64 {
     ring_factor(nodes) * (k / 32.0) * g_bits / b_bit_s
 }
 
-/// Ring all-reduce with a latency term: `alpha + 2(n-1)/n * g/b`.
+/// Ring all-reduce with its latency: `2(n-1) alpha + 2(n-1)/n * g/b` (a ring sends
+/// `2(n-1)` messages in sequence, each paying the latency `alpha`).
 pub fn ring_with_latency(nodes: u32, g_bits: f64, b_bit_s: f64, alpha_s: f64) -> f64 {
-    alpha_s + ring_factor(nodes) * g_bits / b_bit_s
+    let n = nodes.max(1) as f64;
+    2.0 * (n - 1.0) * alpha_s + ring_factor(nodes) * g_bits / b_bit_s
 }
 
 /// `2(n-1)/n`, the fraction of the gradient each node sends in a ring all-reduce.
@@ -474,7 +476,9 @@ mod tests {
         assert!(close(ring_quantised(n, g, b, 32.0), 0.005_468_75));
         assert!(close(ring_quantised(n, g, b, 16.0), 0.002_734_375));
         assert!(close(ring_quantised(n, g, b, 8.0), 0.001_367_187_5));
-        assert!(close(ring_with_latency(n, g, b, a), 0.006_468_75));
+        // 14 messages in sequence, 1 ms each: 14 ms + 5.46875 ms.
+        assert!(close(ring_with_latency(n, g, b, a), 0.019_468_75));
+        assert_eq!(ring_with_latency(1, g, b, a), 0.0);
         assert_eq!(ring_ideal(1, g, b), 0.0);
     }
 

@@ -166,6 +166,9 @@ pub enum Error {
     /// names another sender, or places it in another collective, phase or chunk. (Stale
     /// messages are dropped and early ones kept; see `collective::Comm`.)
     Misplaced(String),
+    /// Saved state (a checkpoint) was refused: corrupt, of another format version, or
+    /// saved from a state of another codec, layout or options.
+    Checkpoint(String),
     /// An allocation of this many bytes failed (or could not even be sized).
     OutOfMemory {
         /// Bytes asked for.
@@ -274,6 +277,7 @@ impl fmt::Display for Error {
                 "{phase}: frame of rank {peer} (forwarded by rank {via}) rejected: {source}"
             ),
             Error::Misplaced(reason) => write!(f, "misplaced message: {reason}"),
+            Error::Checkpoint(reason) => write!(f, "saved state refused: {reason}"),
             Error::OutOfMemory { bytes, what } => {
                 write!(f, "could not allocate {bytes} bytes for {what}")
             }

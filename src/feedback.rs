@@ -39,6 +39,9 @@ use crate::codec::{Codec, CodecSpec, EncodeCtx, each_spec};
 use crate::codecs::{self, fixed::ResidualMut};
 use crate::error::{Error, Result};
 use crate::kernels::scalar::bf16_to_f32;
+use crate::state::{BlobReader, BlobWriter};
+
+const FEEDBACK_MAGIC: [u8; 4] = *b"GPEF";
 
 /// How the residual is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -261,6 +264,53 @@ impl ErrorFeedback {
             State::F32(r) => r.fill(0.0),
             State::Bf16 { r, .. } => r.fill(0),
         }
+    }
+
+    /// The state as a saved blob (see [`crate::state`]): codec, options, length and the
+    /// residual's exact bits. [`ErrorFeedback::restore`] reads it back.
+    pub fn save(&self) -> Vec<u8> {
+        let mut w = BlobWriter::new(FEEDBACK_MAGIC);
+        w.str(&self.codec.to_string())
+            .u32(self.opts.beta.to_bits())
+            .u32(self.opts.gamma.to_bits())
+            .u8(self.opts.precision as u8)
+            .u8(u8::from(self.opts.allow_non_contractive));
+        match &self.state {
+            State::F32(r) => w.f32s(r),
+            State::Bf16 { r, .. } => w.u16s(r),
+        };
+        w.finish()
+    }
+
+    /// Restore a residual saved by [`ErrorFeedback::save`] from a state of the same
+    /// codec, options and length; the next step then continues bit-identically to one
+    /// that never stopped. A blob that is corrupt or from another codec, options or
+    /// length is refused with [`Error::Checkpoint`], and the state is unchanged.
+    pub fn restore(&mut self, blob: &[u8]) -> Result<()> {
+        let mut r = BlobReader::open(blob, FEEDBACK_MAGIC, "error feedback")?;
+        r.str_eq("codec", &self.codec.to_string())?;
+        r.u32_eq("beta (bits)", self.opts.beta.to_bits())?;
+        r.u32_eq("gamma (bits)", self.opts.gamma.to_bits())?;
+        r.u8_eq("residual precision", self.opts.precision as u8)?;
+        r.u8_eq(
+            "allow_non_contractive",
+            u8::from(self.opts.allow_non_contractive),
+        )?;
+        match &mut self.state {
+            State::F32(res) => {
+                let mut new = alloc::filled(res.len(), 0.0, "the restored residual")?;
+                r.f32s_into(&mut new)?;
+                r.end()?;
+                *res = new;
+            }
+            State::Bf16 { r: res, .. } => {
+                let mut new = alloc::filled(res.len(), 0, "the restored residual")?;
+                r.u16s_into(&mut new)?;
+                r.end()?;
+                *res = new;
+            }
+        }
+        Ok(())
     }
 
     /// One step: encode `p = beta * residual + gamma * grad` into `out` and keep the

@@ -66,6 +66,8 @@ pub mod feedback;
 pub mod kernels;
 pub mod parallel;
 pub mod rng;
+pub mod state;
+pub mod sync;
 pub mod synthetic;
 pub mod train;
 pub mod wire;

@@ -10,15 +10,42 @@
 //! Faults become errors instead of hangs: a receive waits at most the transport's
 //! timeout ([`DEFAULT_TIMEOUT`] unless set), and a peer whose transport was dropped (its
 //! thread returned or panicked) is reported at once.
+//!
+//! **A link simulator** ([`Link`], [`Local::set_link`]): each directed link from this
+//! rank carries one message at a time at the link's bandwidth, and a message is received
+//! no earlier than its last byte left plus the latency. The sender does not wait (as
+//! with a network card's send queue), so compute overlaps transfers as it would on a
+//! real network; the receiver waits until the message has arrived. With it, overlap and
+//! pipelining are measured, and the cost model checked, without a network.
 
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{Comm, Transport, check_rank};
 use crate::error::{Error, Result};
 
 /// How long a receive waits for a message before it fails, unless set otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A simulated link (see the module docs): every directed link between two ranks has
+/// this bandwidth and latency.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Link {
+    /// Bits per second.
+    pub bandwidth_bit_s: f64,
+    /// One-way latency of a message.
+    pub latency: Duration,
+}
+
+impl Link {
+    /// How long the link is busy with a message of `bytes` bytes.
+    pub fn transfer_time(&self, bytes: usize) -> Duration {
+        Duration::from_secs_f64(bytes as f64 * 8.0 / self.bandwidth_bit_s)
+    }
+}
+
+/// A message and, on a simulated link, when it arrives.
+type Msg = (Option<Instant>, Vec<u8>);
 
 /// One rank's end of an in-process world (see the module docs). Build a world with
 /// [`Local::world`], or run a closure on every rank with [`run`].
@@ -27,11 +54,14 @@ pub struct Local {
     rank: usize,
     size: usize,
     timeout: Option<Duration>,
+    link: Option<Link>,
+    /// When each outgoing link finishes sending what it was given.
+    busy_until: Vec<Instant>,
     /// `to[q]`: messages to rank q; `back_to[q]`: buffers given back to rank q.
-    to: Vec<Sender<Vec<u8>>>,
+    to: Vec<Sender<Msg>>,
     back_to: Vec<Sender<Vec<u8>>>,
     /// `from[q]`: messages from rank q; `back_from[q]`: buffers rank q gave back.
-    from: Vec<Receiver<Vec<u8>>>,
+    from: Vec<Receiver<Msg>>,
     back_from: Vec<Receiver<Vec<u8>>>,
 }
 
@@ -44,6 +74,8 @@ impl Local {
                 rank,
                 size,
                 timeout: Some(DEFAULT_TIMEOUT),
+                link: None,
+                busy_until: vec![Instant::now(); size],
                 to: Vec::with_capacity(size),
                 back_to: Vec::with_capacity(size),
                 from: Vec::with_capacity(size),
@@ -73,6 +105,34 @@ impl Local {
     pub fn set_timeout(&mut self, timeout: Option<Duration>) {
         self.timeout = timeout;
     }
+
+    /// The simulated link this rank sends over (`None`: memory speed).
+    pub fn link(&self) -> Option<Link> {
+        self.link
+    }
+
+    /// Simulate `link` on every link this rank sends over (`None`: memory speed). Give
+    /// every rank the same, or a direction gets a different network.
+    pub fn set_link(&mut self, link: Option<Link>) {
+        self.link = link;
+    }
+}
+
+/// Wait until `t`: sleep while far from it, then spin (sleeps overshoot by tens of
+/// microseconds, which would add to every simulated latency).
+fn wait_until(t: Instant) {
+    loop {
+        let now = Instant::now();
+        if now >= t {
+            return;
+        }
+        let left = t - now;
+        if left > Duration::from_micros(300) {
+            std::thread::sleep(left - Duration::from_micros(200));
+        } else {
+            std::hint::spin_loop();
+        }
+    }
 }
 
 impl Transport for Local {
@@ -90,10 +150,18 @@ impl Transport for Local {
         let mut buf = self.back_from[to].try_recv().unwrap_or_default();
         buf.clear();
         buf.extend_from_slice(msg);
-        self.to[to].send(buf).map_err(|_| Error::Transport {
-            peer: to,
-            reason: "has left the world (its transport was dropped) before receiving".into(),
-        })
+        let arrival = self.link.map(|link| {
+            let start = self.busy_until[to].max(Instant::now());
+            let done = start + link.transfer_time(msg.len());
+            self.busy_until[to] = done;
+            done + link.latency
+        });
+        self.to[to]
+            .send((arrival, buf))
+            .map_err(|_| Error::Transport {
+                peer: to,
+                reason: "has left the world (its transport was dropped) before receiving".into(),
+            })
     }
 
     fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
@@ -108,6 +176,10 @@ impl Transport for Local {
             })?,
             None => self.from[from].recv().map_err(|_| hung_up(from))?,
         };
+        let (arrival, got) = got;
+        if let Some(t) = arrival {
+            wait_until(t);
+        }
         let old = core::mem::replace(buf, got);
         // The sender may have gone; then the buffer is simply dropped.
         let _ = self.back_to[from].send(old);

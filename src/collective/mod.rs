@@ -96,9 +96,12 @@ use crate::codecs::Identity;
 use crate::cost::{self, CodecProfile};
 use crate::error::{Error, Result};
 use crate::feedback::{ErrorFeedback, FeedbackOptions};
+use crate::state::{BlobReader, BlobWriter};
 use crate::wire::{self, HEADER_LEN};
 
 pub use crate::cost::Strategy;
+
+const ALLREDUCE_MAGIC: [u8; 4] = *b"GPAR";
 
 /// What a collective needs from a communication engine.
 ///
@@ -341,7 +344,7 @@ pub fn error_bound(codec: &CodecSpec, strategy: Strategy, p: usize, sum_absmax: 
 /// assert!(sums.iter().all(|s| s == &sums[0])); // identical on every rank
 /// # Ok::<(), gradpack::Error>(())
 /// ```
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct AllReduce {
     codec: CodecSpec,
     opts: AllReduceOptions,
@@ -526,6 +529,49 @@ impl AllReduce {
             }
         }
         out
+    }
+
+    /// The residuals as a saved blob (see [`crate::state`]): codec, strategy, length,
+    /// rank, world size and each residual's [`ErrorFeedback::save`].
+    pub fn save(&self) -> Vec<u8> {
+        let mut w = BlobWriter::new(ALLREDUCE_MAGIC);
+        w.str(&self.codec.to_string())
+            .str(self.strategy.name())
+            .u64(self.len as u64)
+            .u64(self.rank as u64)
+            .u64(self.size as u64)
+            .u64(self.residuals.len() as u64);
+        for r in &self.residuals {
+            match r {
+                Some(ef) => w.u8(1).bytes(&ef.save()),
+                None => w.u8(0),
+            };
+        }
+        w.finish()
+    }
+
+    /// Restore residuals saved by [`AllReduce::save`] on the same rank of an all-reduce
+    /// built the same way; the next step then continues bit-identically. A blob that is
+    /// corrupt or from another codec, strategy, length, rank or world is refused with
+    /// [`Error::Checkpoint`], and the state is unchanged.
+    pub fn restore(&mut self, blob: &[u8]) -> Result<()> {
+        let mut r = BlobReader::open(blob, ALLREDUCE_MAGIC, "all-reduce")?;
+        r.str_eq("codec", &self.codec.to_string())?;
+        r.str_eq("strategy", self.strategy.name())?;
+        r.u64_eq("length", self.len as u64)?;
+        r.u64_eq("rank", self.rank as u64)?;
+        r.u64_eq("world size", self.size as u64)?;
+        r.u64_eq("residual count", self.residuals.len() as u64)?;
+        let mut restored = self.residuals.clone();
+        for slot in &mut restored {
+            r.u8_eq("residual presence", u8::from(slot.is_some()))?;
+            if let Some(ef) = slot {
+                ef.restore(r.bytes()?)?;
+            }
+        }
+        r.end()?;
+        self.residuals = restored;
+        Ok(())
     }
 
     /// Bytes of state held: residuals and buffers.

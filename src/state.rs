@@ -1,0 +1,315 @@
+//! Saved state (checkpoints): one self-describing, versioned, checksummed blob format
+//! for everything that carries across steps ([`crate::ErrorFeedback::save`],
+//! [`crate::collective::AllReduce::save`], [`crate::sync::SyncEngine::save`]).
+//!
+//! A blob is, in little-endian:
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 0..4 | magic naming what is saved (`"GPEF"` error feedback, `"GPAR"` all-reduce, `"GPSE"` sync engine) |
+//! | 4..6 | format version (1) |
+//! | 6..8 | zero |
+//! | 8..16 | body length `L` (u64) |
+//! | 16..16+L | body (fields of the saved type, in order; byte strings and nested blobs are prefixed by their u64 length) |
+//! | 16+L..20+L | CRC-32 of bytes 0..16+L |
+//!
+//! A blob whose length, magic, version or checksum is wrong, or whose body does not read
+//! exactly to its end, is refused with [`Error::Checkpoint`].
+
+use crate::error::{Error, Result};
+
+const VERSION: u16 = 1;
+const HEAD: usize = 16;
+
+/// Builds a blob.
+pub(crate) struct BlobWriter {
+    buf: Vec<u8>,
+}
+
+impl BlobWriter {
+    pub(crate) fn new(magic: [u8; 4]) -> BlobWriter {
+        let mut buf = Vec::with_capacity(64);
+        buf.extend_from_slice(&magic);
+        buf.extend_from_slice(&VERSION.to_le_bytes());
+        buf.extend_from_slice(&[0, 0]);
+        buf.extend_from_slice(&[0; 8]);
+        BlobWriter { buf }
+    }
+
+    pub(crate) fn u8(&mut self, v: u8) -> &mut Self {
+        self.buf.push(v);
+        self
+    }
+
+    pub(crate) fn u32(&mut self, v: u32) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+
+    pub(crate) fn u64(&mut self, v: u64) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+
+    pub(crate) fn bytes(&mut self, v: &[u8]) -> &mut Self {
+        self.u64(v.len() as u64);
+        self.buf.extend_from_slice(v);
+        self
+    }
+
+    pub(crate) fn str(&mut self, v: &str) -> &mut Self {
+        self.bytes(v.as_bytes())
+    }
+
+    pub(crate) fn f32s(&mut self, v: &[f32]) -> &mut Self {
+        self.u64(v.len() as u64);
+        v.iter()
+            .for_each(|x| self.buf.extend_from_slice(&x.to_le_bytes()));
+        self
+    }
+
+    pub(crate) fn u16s(&mut self, v: &[u16]) -> &mut Self {
+        self.u64(v.len() as u64);
+        v.iter()
+            .for_each(|x| self.buf.extend_from_slice(&x.to_le_bytes()));
+        self
+    }
+
+    pub(crate) fn finish(mut self) -> Vec<u8> {
+        let body = (self.buf.len() - HEAD) as u64;
+        self.buf[8..16].copy_from_slice(&body.to_le_bytes());
+        let crc = crc32fast::hash(&self.buf);
+        self.buf.extend_from_slice(&crc.to_le_bytes());
+        self.buf
+    }
+}
+
+/// Reads a blob's body, field by field.
+pub(crate) struct BlobReader<'a> {
+    body: &'a [u8],
+    at: usize,
+    what: &'static str,
+}
+
+fn bad(what: &str, reason: impl core::fmt::Display) -> Error {
+    Error::Checkpoint(format!("{what}: {reason}"))
+}
+
+impl<'a> BlobReader<'a> {
+    /// Check `blob`'s frame (length, checksum, magic, version) and start on its body.
+    pub(crate) fn open(blob: &'a [u8], magic: [u8; 4], what: &'static str) -> Result<Self> {
+        if blob.len() < HEAD + 4 {
+            return Err(bad(
+                what,
+                format!("{} bytes is too short to be a saved state", blob.len()),
+            ));
+        }
+        let (data, crc) = blob.split_at(blob.len() - 4);
+        let stored = u32::from_le_bytes(crc.try_into().expect("4 bytes"));
+        let computed = crc32fast::hash(data);
+        if stored != computed {
+            return Err(bad(
+                what,
+                format!(
+                    "checksum mismatch (stored {stored:#010x}, computed {computed:#010x}): the saved state is corrupt"
+                ),
+            ));
+        }
+        if data[0..4] != magic {
+            return Err(bad(
+                what,
+                format!(
+                    "magic {:?}, not {:?}: this is not a saved {what}",
+                    String::from_utf8_lossy(&data[0..4]),
+                    String::from_utf8_lossy(&magic)
+                ),
+            ));
+        }
+        let version = u16::from_le_bytes([data[4], data[5]]);
+        if version != VERSION || data[6..8] != [0, 0] {
+            return Err(bad(
+                what,
+                format!("format version {version} (this build reads {VERSION})"),
+            ));
+        }
+        let len = u64::from_le_bytes(data[8..16].try_into().expect("8 bytes"));
+        if len != (data.len() - HEAD) as u64 {
+            return Err(bad(
+                what,
+                format!(
+                    "the body is {} bytes, the header says {len}",
+                    data.len() - HEAD
+                ),
+            ));
+        }
+        Ok(BlobReader {
+            body: &data[HEAD..],
+            at: 0,
+            what,
+        })
+    }
+
+    fn take(&mut self, n: u64) -> Result<&'a [u8]> {
+        let left = (self.body.len() - self.at) as u64;
+        if n > left {
+            return Err(bad(
+                self.what,
+                format!(
+                    "a field of {n} bytes at body byte {} runs past the end",
+                    self.at
+                ),
+            ));
+        }
+        let s = &self.body[self.at..self.at + n as usize];
+        self.at += n as usize;
+        Ok(s)
+    }
+
+    pub(crate) fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+
+    pub(crate) fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+
+    pub(crate) fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+
+    pub(crate) fn bytes(&mut self) -> Result<&'a [u8]> {
+        let n = self.u64()?;
+        self.take(n)
+    }
+
+    pub(crate) fn str(&mut self) -> Result<&'a str> {
+        let what = self.what;
+        core::str::from_utf8(self.bytes()?).map_err(|_| bad(what, "a text field is not UTF-8"))
+    }
+
+    /// `n` f32 values into `out`, which must hold exactly as many.
+    pub(crate) fn f32s_into(&mut self, out: &mut [f32]) -> Result<()> {
+        let n = self.u64()?;
+        if n != out.len() as u64 {
+            return Err(bad(
+                self.what,
+                format!("{n} values saved, {} expected", out.len()),
+            ));
+        }
+        let b = self.take(n.saturating_mul(4))?;
+        for (o, c) in out.iter_mut().zip(b.chunks_exact(4)) {
+            *o = f32::from_le_bytes(c.try_into().expect("4 bytes"));
+        }
+        Ok(())
+    }
+
+    /// `n` u16 values into `out`, which must hold exactly as many.
+    pub(crate) fn u16s_into(&mut self, out: &mut [u16]) -> Result<()> {
+        let n = self.u64()?;
+        if n != out.len() as u64 {
+            return Err(bad(
+                self.what,
+                format!("{n} values saved, {} expected", out.len()),
+            ));
+        }
+        let b = self.take(n.saturating_mul(2))?;
+        for (o, c) in out.iter_mut().zip(b.chunks_exact(2)) {
+            *o = u16::from_le_bytes(c.try_into().expect("2 bytes"));
+        }
+        Ok(())
+    }
+
+    /// Error unless `got == want` (a saved field that must match this state's).
+    pub(crate) fn expect_eq<V: PartialEq + core::fmt::Display>(
+        &self,
+        field: &str,
+        got: V,
+        want: V,
+    ) -> Result<()> {
+        if got != want {
+            return Err(bad(
+                self.what,
+                format!("saved {field} is {got}, this state's is {want}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Read a u8 that must equal `want`.
+    pub(crate) fn u8_eq(&mut self, field: &str, want: u8) -> Result<()> {
+        let got = self.u8()?;
+        self.expect_eq(field, got, want)
+    }
+
+    /// Read a u32 that must equal `want`.
+    pub(crate) fn u32_eq(&mut self, field: &str, want: u32) -> Result<()> {
+        let got = self.u32()?;
+        self.expect_eq(field, got, want)
+    }
+
+    /// Read a u64 that must equal `want`.
+    pub(crate) fn u64_eq(&mut self, field: &str, want: u64) -> Result<()> {
+        let got = self.u64()?;
+        self.expect_eq(field, got, want)
+    }
+
+    /// Read a string that must equal `want`.
+    pub(crate) fn str_eq(&mut self, field: &str, want: &str) -> Result<()> {
+        let got = self.str()?;
+        self.expect_eq(field, got, want)
+    }
+
+    /// Error unless the whole body was read.
+    pub(crate) fn end(&self) -> Result<()> {
+        if self.at != self.body.len() {
+            return Err(bad(
+                self.what,
+                format!(
+                    "{} bytes left over after the last field",
+                    self.body.len() - self.at
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blobs_round_trip_and_refuse_damage() {
+        let mut w = BlobWriter::new(*b"TEST");
+        w.u8(7)
+            .u32(9)
+            .u64(11)
+            .str("hi")
+            .f32s(&[1.5, -2.0])
+            .u16s(&[3]);
+        let blob = w.finish();
+        let mut r = BlobReader::open(&blob, *b"TEST", "test").unwrap();
+        assert_eq!(r.u8().unwrap(), 7);
+        assert_eq!(r.u32().unwrap(), 9);
+        assert_eq!(r.u64().unwrap(), 11);
+        assert_eq!(r.str().unwrap(), "hi");
+        let mut f = [0f32; 2];
+        r.f32s_into(&mut f).unwrap();
+        assert_eq!(f, [1.5, -2.0]);
+        let mut u = [0u16; 1];
+        r.u16s_into(&mut u).unwrap();
+        assert_eq!(u, [3]);
+        r.end().unwrap();
+        for i in 0..blob.len() {
+            let mut b = blob.clone();
+            b[i] ^= 0x04;
+            assert!(BlobReader::open(&b, *b"TEST", "test").is_err(), "byte {i}");
+        }
+        assert!(BlobReader::open(&blob, *b"OTHR", "test").is_err());
+        assert!(BlobReader::open(&blob[..blob.len() - 1], *b"TEST", "test").is_err());
+    }
+}

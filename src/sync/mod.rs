@@ -1,0 +1,897 @@
+//! Whole-model gradient sync: the tensors of a model, bucketed, each bucket compressed
+//! and all-reduced as soon as its last gradient is ready, on a communication thread.
+//!
+//! A [`SyncEngine`] is built from the model's parameter list (name and shape of each
+//! [`Tensor`], in the order their gradients become ready in the backward pass: last
+//! layer first), a [`Transport`], and [`SyncOptions`]: a codec [`Policy`] (one codec; or
+//! per-tensor rules that send biases and small tensors uncompressed; or `auto`, the
+//! fastest codec per bucket by the cost model on a declared [`Network`]), bucket caps
+//! (25 MiB, the first 1 MiB, as PyTorch DDP), error feedback and the reduce op (mean by
+//! default). It owns the flat bucket buffers, the residuals and the seeds (each bucket
+//! and step draws from its own seed, mixed with the rank where the codec needs it), so a
+//! caller cannot get them wrong.
+//!
+//! ```
+//! use gradpack::collective::local;
+//! use gradpack::sync::{Policy, SyncEngine, SyncOptions, Tensor};
+//!
+//! let layout = vec![Tensor::new("fc2.bias", &[10]), Tensor::new("fc2.weight", &[10, 64]),
+//!                   Tensor::new("fc1.bias", &[64]), Tensor::new("fc1.weight", &[64, 784])];
+//! let results = local::run(2, None, |comm| {
+//!     let opts = SyncOptions { policy: Policy::with_rules("int8".parse()?), ..Default::default() };
+//!     let mut engine = SyncEngine::new(&layout, comm.into_inner(), opts)?;
+//!     for _step in 0..3 {
+//!         // During the backward pass, as each gradient is ready:
+//!         for (i, t) in layout.iter().enumerate() {
+//!             let grad = vec![0.5f32; t.len()?];
+//!             engine.ready(i, &grad)?; // a full bucket starts its all-reduce at once
+//!         }
+//!         engine.finish()?; // wait for every bucket
+//!         let mean_fc1 = engine.grad(3)?; // the reduced gradient of fc1.weight
+//!         assert_eq!(mean_fc1.len(), 64 * 784);
+//!     }
+//!     Ok(engine.grad(0)?.to_vec())
+//! });
+//! assert!(results.iter().all(|r| r.is_ok()));
+//! # Ok::<(), gradpack::Error>(())
+//! ```
+//!
+//! ## Order and faults
+//! Buckets are reduced in plan order on every rank, whatever order the tensors arrive
+//! in (a bucket waits for every earlier one to start), so no interleaving of arrivals
+//! can deadlock. Each bucket is one call of a [`crate::collective::AllReduce`] on the
+//! engine's [`Comm`] (see [`crate::collective`] for what binds messages to their call).
+//! When a bucket fails, the step's later buckets are skipped (their call numbers still
+//! taken, so ranks stay in step), and [`SyncEngine::finish`] returns the error; a peer
+//! that fails or leaves is an error on every other rank within the transport's timeout,
+//! never a hang or a panic. To go on: [`SyncEngine::reset_feedback`], then the next
+//! step.
+//!
+//! ## State
+//! [`SyncEngine::save`] writes the step counter, the plan and every residual to one
+//! checksummed blob (see [`crate::state`]); [`SyncEngine::restore`] reads it into an
+//! engine built with the same layout and options, which then continues bit-identically
+//! to one that never stopped. A blob of another layout or plan, or a damaged one, is
+//! refused.
+
+mod plan;
+
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::thread::JoinHandle;
+
+pub use plan::{BucketPlan, CodecChoice, Network, Plan, Policy, SMALL_TENSOR, Tensor, calibrate};
+
+use crate::codec::CodecSpec;
+use crate::codecs::Identity;
+use crate::collective::{
+    AllReduce, AllReduceOptions, Comm, Feedback, ReduceOp, Stats, Strategy, StrategyChoice,
+    Transport,
+};
+use crate::cost::{self, CodecProfile};
+use crate::error::{Error, Result};
+use crate::feedback::FeedbackOptions;
+use crate::state::{BlobReader, BlobWriter};
+
+const ENGINE_MAGIC: [u8; 4] = *b"GPSE";
+
+/// Options of a [`SyncEngine`]. Every rank must use the same.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SyncOptions {
+    /// Which codec each tensor gets.
+    pub policy: Policy,
+    /// Bytes of f32 gradient per bucket (default 25 MiB).
+    pub bucket_cap_bytes: usize,
+    /// Bytes of the first bucket (default 1 MiB), so the first all-reduce starts early.
+    pub first_bucket_cap_bytes: usize,
+    /// Sum or mean (default mean).
+    pub op: ReduceOp,
+    /// Error feedback (default none).
+    pub feedback: Feedback,
+    /// Error-feedback weights and residual precision.
+    pub feedback_options: FeedbackOptions,
+    /// The network plans and strategies are modelled for.
+    pub network: Network,
+    /// Seal frames with a payload checksum (default on; see
+    /// [`AllReduceOptions::checksum`]).
+    pub checksum: bool,
+    /// Seed of every step's random draws (each bucket and step derives its own).
+    pub seed: u64,
+    /// Reduce buckets on a communication thread as they fill (default). Off: every
+    /// bucket is reduced in [`SyncEngine::finish`], after the backward pass.
+    pub overlap: bool,
+}
+
+impl Default for SyncOptions {
+    fn default() -> Self {
+        SyncOptions {
+            policy: Policy::uniform(CodecSpec::Identity(Identity)),
+            bucket_cap_bytes: 25 << 20,
+            first_bucket_cap_bytes: 1 << 20,
+            op: ReduceOp::Mean,
+            feedback: Feedback::None,
+            feedback_options: FeedbackOptions::default(),
+            network: Network::default(),
+            checksum: true,
+            seed: 0,
+            overlap: true,
+        }
+    }
+}
+
+/// What one step of a [`SyncEngine`] did on this rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StepStats {
+    /// Bytes this rank sent (envelopes and frames).
+    pub bytes_sent: u64,
+    /// Messages this rank sent.
+    pub messages: u64,
+    /// Buckets reduced.
+    pub buckets: usize,
+}
+
+/// The state on the communication side: the `Comm` and one all-reduce per bucket.
+struct Worker<T: Transport> {
+    comm: Comm<T>,
+    ars: Vec<AllReduce>,
+    /// The step whose buckets are being skipped after a failure.
+    failed_step: Option<u64>,
+}
+
+enum Job {
+    Reduce {
+        bucket: usize,
+        step: u64,
+        seed: u64,
+        input: Vec<f32>,
+        output: Vec<f32>,
+        skip: bool,
+    },
+    Reset,
+    Save,
+    Restore(Vec<Vec<u8>>),
+}
+
+enum Done {
+    Reduced {
+        bucket: usize,
+        input: Vec<f32>,
+        output: Vec<f32>,
+        res: Result<Stats>,
+    },
+    Reset,
+    Saved(Vec<Vec<u8>>),
+    Restored(Result<()>),
+}
+
+impl<T: Transport> Worker<T> {
+    fn handle(&mut self, job: Job) -> Done {
+        match job {
+            Job::Reduce {
+                bucket,
+                step,
+                seed,
+                input,
+                mut output,
+                skip,
+            } => {
+                let res = if skip || self.failed_step == Some(step) {
+                    self.comm.skip();
+                    Err(Error::Collective(format!(
+                        "bucket {bucket} skipped: an earlier bucket of step {step} failed"
+                    )))
+                } else {
+                    let r = self.ars[bucket].run(&mut self.comm, &input, &mut output, seed);
+                    if r.is_err() {
+                        self.failed_step = Some(step);
+                    }
+                    r
+                };
+                Done::Reduced {
+                    bucket,
+                    input,
+                    output,
+                    res,
+                }
+            }
+            Job::Reset => {
+                self.ars.iter_mut().for_each(AllReduce::reset_feedback);
+                self.failed_step = None;
+                Done::Reset
+            }
+            Job::Save => Done::Saved(self.ars.iter().map(AllReduce::save).collect()),
+            Job::Restore(blobs) => {
+                // All or nothing: restore into copies, keep them only if every one reads.
+                let mut ars: Vec<AllReduce> = Vec::with_capacity(self.ars.len());
+                let res = self.ars.iter().zip(&blobs).try_for_each(|(ar, blob)| {
+                    let mut copy = ar.clone();
+                    copy.restore(blob)?;
+                    ars.push(copy);
+                    Ok(())
+                });
+                if res.is_ok() {
+                    self.ars = ars;
+                }
+                Done::Restored(res)
+            }
+        }
+    }
+}
+
+/// Where the worker runs.
+enum Runner<T: Transport + Send + 'static> {
+    /// On a communication thread.
+    Thread {
+        jobs: Sender<Job>,
+        done: Receiver<Done>,
+        handle: Option<JoinHandle<Worker<T>>>,
+    },
+    /// In this thread, at `finish`.
+    Inline(Box<Worker<T>>),
+    /// Given back by `into_transport`.
+    Gone,
+}
+
+/// One bucket's buffers on the caller's side.
+struct Bucket {
+    /// The gradients given for this step (absent while the bucket is being reduced).
+    input: Option<Vec<f32>>,
+    /// The reduced gradients of the last step (absent while being reduced).
+    output: Option<Vec<f32>>,
+    /// Tensors of the bucket not yet given this step.
+    missing: usize,
+    /// The bucket's result this step, once reduced.
+    result: Option<Result<Stats>>,
+    /// Sent to the worker this step.
+    sent: bool,
+}
+
+/// The whole-model sync engine (see the module docs).
+pub struct SyncEngine<T: Transport + Send + 'static> {
+    tensors: Vec<Tensor>,
+    lens: Vec<usize>,
+    /// Per tensor: its bucket and its offset in the bucket.
+    loc: Vec<(usize, usize)>,
+    /// Per tensor: given this step.
+    given: Vec<bool>,
+    plan: Plan,
+    opts: SyncOptions,
+    buckets: Vec<Bucket>,
+    /// The next bucket to send to the worker (buckets go in plan order).
+    next: usize,
+    step: u64,
+    in_step: bool,
+    /// Results of the last finished step: Ok, or the step's first error.
+    last: Option<Result<StepStats>>,
+    runner: Runner<T>,
+}
+
+impl<T: Transport + Send + 'static> core::fmt::Debug for SyncEngine<T> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("SyncEngine")
+            .field("tensors", &self.tensors.len())
+            .field("buckets", &self.buckets.len())
+            .field("step", &self.step)
+            .finish()
+    }
+}
+
+/// A hash of the layout (names and shapes), to refuse a checkpoint of another model.
+fn layout_hash(tensors: &[Tensor]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    for t in tensors {
+        h.update(&(t.name.len() as u64).to_le_bytes());
+        h.update(t.name.as_bytes());
+        h.update(&(t.shape.len() as u64).to_le_bytes());
+        t.shape
+            .iter()
+            .for_each(|&d| h.update(&(d as u64).to_le_bytes()));
+    }
+    h.finalize()
+}
+
+impl<T: Transport + Send + 'static> SyncEngine<T> {
+    /// An engine for the tensors of `layout` (in the order their gradients become
+    /// ready), over `transport`. Every rank must build it with the same layout and
+    /// options. With [`CodecChoice::Auto`] and no profiles, this measures the
+    /// candidates and averages the figures over the ranks (one fp32 all-reduce of a few
+    /// numbers), so it is collective: every rank must call it.
+    pub fn new(layout: &[Tensor], transport: T, opts: SyncOptions) -> Result<SyncEngine<T>> {
+        let mut comm = Comm::new(transport);
+        let (rank, size) = (comm.rank(), comm.size());
+        if size == 0 || rank >= size {
+            return Err(Error::Collective(format!(
+                "transport reports rank {rank} in a world of {size}"
+            )));
+        }
+        if opts.bucket_cap_bytes == 0 || opts.first_bucket_cap_bytes == 0 {
+            return Err(Error::Collective(
+                "bucket caps must be at least 1 byte".into(),
+            ));
+        }
+        let net = opts.network;
+        if !(net.bandwidth_bit_s > 0.0 && net.latency_s >= 0.0 && net.latency_s.is_finite()) {
+            return Err(Error::Collective(format!(
+                "network of {} bit/s and {} s latency: need a positive bandwidth and a finite, non-negative latency",
+                net.bandwidth_bit_s, net.latency_s
+            )));
+        }
+        let lens: Vec<usize> = layout.iter().map(Tensor::len).collect::<Result<_>>()?;
+        let policy = &opts.policy;
+        let small: Vec<bool> = layout
+            .iter()
+            .zip(&lens)
+            .map(|(t, &n)| policy.is_small(t, n))
+            .collect();
+        let groups = plan::buckets(
+            &lens,
+            &small,
+            opts.bucket_cap_bytes,
+            opts.first_bucket_cap_bytes,
+        );
+        // Speeds for auto: given, or measured here and averaged over the ranks.
+        let profiles: Option<Vec<CodecProfile>> = match &policy.codec {
+            CodecChoice::Auto {
+                candidates,
+                profiles: Some(p),
+            } => {
+                if p.len() != candidates.len() {
+                    return Err(Error::Collective(format!(
+                        "{} profiles for {} candidates",
+                        p.len(),
+                        candidates.len()
+                    )));
+                }
+                Some(p.clone())
+            }
+            CodecChoice::Auto {
+                candidates,
+                profiles: None,
+            } => Some(shared_profiles(candidates, &mut comm)?),
+            CodecChoice::Fixed(_) => None,
+        };
+        let mut buckets_plan = Vec::with_capacity(groups.len());
+        for (tensors, is_small) in groups {
+            let elements = tensors
+                .iter()
+                .try_fold(0usize, |a, &t| a.checked_add(lens[t]))
+                .ok_or_else(|| Error::Collective("a bucket's size overflows".into()))?;
+            let choose = |codec: &CodecSpec, prof: Option<&CodecProfile>| {
+                let chunks = size;
+                let p = plan::profile_for(codec, prof, elements, chunks);
+                let s = plan::strategy_for(codec, &p, size, &net, elements);
+                let p = if s == Strategy::CompressedAllGather {
+                    plan::profile_for(codec, prof, elements, 1)
+                } else {
+                    p
+                };
+                let c = cost::allreduce_cost(
+                    s,
+                    &p,
+                    size as u32,
+                    net.latency_s,
+                    elements as f64,
+                    f64::INFINITY,
+                );
+                (s, c.time(net.bandwidth_bit_s), c.bytes)
+            };
+            let (codec, (strategy, t, bytes)) = if is_small {
+                (policy.small_codec, choose(&policy.small_codec, None))
+            } else {
+                match &policy.codec {
+                    CodecChoice::Fixed(c) => (*c, choose(c, None)),
+                    CodecChoice::Auto { candidates, .. } => {
+                        let profiles = profiles.as_ref().expect("auto has profiles");
+                        let fp32 = CodecSpec::Identity(Identity);
+                        let mut best = (fp32, choose(&fp32, None));
+                        for (c, p) in candidates.iter().zip(profiles) {
+                            let r = choose(c, Some(p));
+                            if r.1 < best.1.1 {
+                                best = (*c, r);
+                            }
+                        }
+                        best
+                    }
+                }
+            };
+            buckets_plan.push(BucketPlan {
+                tensors,
+                elements,
+                codec,
+                strategy,
+                small: is_small,
+                wire_bytes: bytes,
+                modelled_s: t,
+            });
+        }
+        let plan = Plan {
+            buckets: buckets_plan,
+            names: layout.iter().map(|t| t.name.clone()).collect(),
+            nodes: size,
+            network: net,
+        };
+        let mut loc = vec![(0, 0); layout.len()];
+        let mut buckets = Vec::with_capacity(plan.buckets.len());
+        let mut ars = Vec::with_capacity(plan.buckets.len());
+        for (b, bp) in plan.buckets.iter().enumerate() {
+            let mut off = 0;
+            for &t in &bp.tensors {
+                loc[t] = (b, off);
+                off += lens[t];
+            }
+            let ar_opts = AllReduceOptions {
+                op: opts.op,
+                strategy: StrategyChoice::Forced(bp.strategy),
+                feedback: opts.feedback,
+                feedback_options: opts.feedback_options,
+                checksum: opts.checksum,
+                tag: b as u32,
+            };
+            ars.push(AllReduce::new(bp.codec, bp.elements, &comm, ar_opts)?);
+            buckets.push(Bucket {
+                input: Some(crate::alloc::filled(bp.elements, 0.0, "a bucket buffer")?),
+                output: Some(crate::alloc::filled(bp.elements, 0.0, "a bucket buffer")?),
+                missing: bp.tensors.len(),
+                result: None,
+                sent: false,
+            });
+        }
+        let worker = Worker {
+            comm,
+            ars,
+            failed_step: None,
+        };
+        let runner = if opts.overlap {
+            let (jobs, jobs_rx) = mpsc::channel::<Job>();
+            let (done_tx, done) = mpsc::channel::<Done>();
+            let handle = std::thread::Builder::new()
+                .name(format!("gradpack-sync-{rank}"))
+                .spawn(move || {
+                    let mut w = worker;
+                    for job in jobs_rx {
+                        if done_tx.send(w.handle(job)).is_err() {
+                            break;
+                        }
+                    }
+                    w
+                })
+                .map_err(|e| {
+                    Error::Collective(format!("could not start the communication thread: {e}"))
+                })?;
+            Runner::Thread {
+                jobs,
+                done,
+                handle: Some(handle),
+            }
+        } else {
+            Runner::Inline(Box::new(worker))
+        };
+        Ok(SyncEngine {
+            given: vec![false; layout.len()],
+            tensors: layout.to_vec(),
+            lens,
+            loc,
+            plan,
+            opts,
+            buckets,
+            next: 0,
+            step: 0,
+            in_step: false,
+            last: None,
+            runner,
+        })
+    }
+
+    /// The plan: buckets, their tensors, codecs, strategies and modelled times.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Steps finished (successful or not) since the engine was built or restored from.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The layout.
+    pub fn tensors(&self) -> &[Tensor] {
+        &self.tensors
+    }
+
+    /// The index of the tensor named `name`.
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.tensors.iter().position(|t| t.name == name)
+    }
+
+    fn check_tensor(&self, i: usize) -> Result<()> {
+        if i >= self.tensors.len() {
+            return Err(Error::Collective(format!(
+                "tensor {i} is outside the layout of {} tensors",
+                self.tensors.len()
+            )));
+        }
+        if self.in_step && self.given[i] {
+            return Err(Error::Collective(format!(
+                "tensor {i} ({}) was already given this step",
+                self.tensors[i].name
+            )));
+        }
+        Ok(())
+    }
+
+    fn begin_step(&mut self) {
+        if !self.in_step {
+            self.in_step = true;
+            self.last = None;
+            self.next = 0;
+            for (b, bp) in self.buckets.iter_mut().zip(&self.plan.buckets) {
+                b.missing = bp.tensors.len();
+                b.result = None;
+                b.sent = false;
+            }
+            self.given.iter_mut().for_each(|g| *g = false);
+        }
+    }
+
+    /// The slot of tensor `i` in its bucket, to write its gradient into in place; then
+    /// call [`SyncEngine::mark_ready`]. Errors if `i` is not in the layout or was
+    /// already given this step.
+    pub fn slot_mut(&mut self, i: usize) -> Result<&mut [f32]> {
+        self.check_tensor(i)?;
+        self.begin_step();
+        let (b, off) = self.loc[i];
+        let n = self.lens[i];
+        let input = self.buckets[b]
+            .input
+            .as_mut()
+            .ok_or_else(|| Error::Collective(format!("bucket {b} is being reduced")))?;
+        Ok(&mut input[off..off + n])
+    }
+
+    /// Tensor `i`'s gradient is in its slot: when this completes its bucket, the bucket
+    /// (and any complete buckets after it) start their all-reduce.
+    pub fn mark_ready(&mut self, i: usize) -> Result<()> {
+        self.check_tensor(i)?;
+        self.begin_step();
+        self.given[i] = true;
+        let b = self.loc[i].0;
+        self.buckets[b].missing -= 1;
+        if self.opts.overlap {
+            self.launch()?;
+        }
+        Ok(())
+    }
+
+    /// Tensor `i`'s gradient is ready: copy it into its bucket (see
+    /// [`SyncEngine::mark_ready`]). Errors, changing nothing, if `grad` does not have
+    /// the tensor's element count.
+    pub fn ready(&mut self, i: usize, grad: &[f32]) -> Result<()> {
+        self.check_tensor(i)?;
+        if grad.len() != self.lens[i] {
+            return Err(Error::LengthMismatch {
+                what: "gradient and tensor elements",
+                left: grad.len(),
+                right: self.lens[i],
+            });
+        }
+        self.slot_mut(i)?.copy_from_slice(grad);
+        self.mark_ready(i)
+    }
+
+    /// The seed bucket `bucket` is all-reduced with at step `step` (before the
+    /// collective mixes in each rank where the codec draws independently per rank):
+    /// derived from [`SyncOptions::seed`], so every rank agrees.
+    pub fn bucket_seed(&self, step: u64, bucket: usize) -> u64 {
+        use crate::rng::splitmix64;
+        splitmix64(self.opts.seed ^ splitmix64(step) ^ splitmix64(!(bucket as u64)))
+    }
+
+    fn seed(&self, b: usize) -> u64 {
+        self.bucket_seed(self.step, b)
+    }
+
+    /// Send complete buckets to the worker, in plan order.
+    fn launch(&mut self) -> Result<()> {
+        while self.next < self.buckets.len() && self.buckets[self.next].missing == 0 {
+            self.send(self.next, false)?;
+            self.next += 1;
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, b: usize, skip: bool) -> Result<()> {
+        let seed = self.seed(b);
+        let bucket = &mut self.buckets[b];
+        let (Some(input), Some(output)) = (bucket.input.take(), bucket.output.take()) else {
+            return Err(Error::Collective(format!(
+                "bucket {b} is already being reduced"
+            )));
+        };
+        bucket.sent = true;
+        let job = Job::Reduce {
+            bucket: b,
+            step: self.step,
+            seed,
+            input,
+            output,
+            skip,
+        };
+        match &mut self.runner {
+            Runner::Thread { jobs, .. } => jobs.send(job).map_err(|_| thread_gone()),
+            Runner::Inline(w) => {
+                let done = w.handle(job);
+                self.take(done);
+                Ok(())
+            }
+            Runner::Gone => Err(thread_gone()),
+        }
+    }
+
+    fn take(&mut self, done: Done) {
+        if let Done::Reduced {
+            bucket,
+            input,
+            output,
+            res,
+        } = done
+        {
+            let b = &mut self.buckets[bucket];
+            b.input = Some(input);
+            b.output = Some(output);
+            b.result = Some(res);
+        }
+    }
+
+    /// Wait for the worker's answer to a job other than a reduction.
+    fn call(&mut self, job: Job) -> Result<Done> {
+        match &mut self.runner {
+            Runner::Thread { jobs, done, .. } => {
+                // Only called between steps, when no reduction is outstanding.
+                jobs.send(job).map_err(|_| thread_gone())?;
+                done.recv().map_err(|_| thread_gone())
+            }
+            Runner::Inline(w) => Ok(w.handle(job)),
+            Runner::Gone => Err(thread_gone()),
+        }
+    }
+
+    /// Wait for every bucket of this step and return what this rank sent, or the first
+    /// failed bucket's error. Tensors not given this step are an error too (their
+    /// buckets are skipped, so the ranks stay in step). After an error, the reduced
+    /// gradients are not available; call [`SyncEngine::reset_feedback`] and go on.
+    pub fn finish(&mut self) -> Result<StepStats> {
+        if !self.in_step {
+            return Err(Error::Collective(
+                "finish() without any gradient given this step".into(),
+            ));
+        }
+        let missing: Vec<&str> = self
+            .given
+            .iter()
+            .zip(&self.tensors)
+            .filter(|(g, _)| !**g)
+            .map(|(_, t)| t.name.as_str())
+            .collect();
+        let missing_err = (!missing.is_empty()).then(|| {
+            Error::Collective(format!(
+                "{} tensors were not given this step: {}{}",
+                missing.len(),
+                missing[..missing.len().min(5)].join(", "),
+                if missing.len() > 5 { ", ..." } else { "" }
+            ))
+        });
+        // Every bucket not yet sent goes now: complete ones are reduced, incomplete ones
+        // skipped.
+        for b in self.next..self.buckets.len() {
+            let skip = self.buckets[b].missing > 0;
+            self.send(b, skip)?;
+        }
+        self.next = self.buckets.len();
+        if let Runner::Thread { done, .. } = &self.runner {
+            let mut pending: Vec<Done> = Vec::new();
+            let outstanding = self.buckets.iter().filter(|b| b.result.is_none()).count();
+            for _ in 0..outstanding {
+                pending.push(done.recv().map_err(|_| thread_gone())?);
+            }
+            pending.into_iter().for_each(|d| self.take(d));
+        }
+        self.in_step = false;
+        self.step += 1;
+        let mut stats = StepStats::default();
+        let mut first_err = missing_err;
+        for b in &self.buckets {
+            match b.result.as_ref().expect("every bucket answered") {
+                Ok(s) => {
+                    stats.bytes_sent += s.bytes_sent;
+                    stats.messages += s.messages;
+                    stats.buckets += 1;
+                }
+                Err(e) => {
+                    if first_err.is_none() {
+                        first_err = Some(e.clone());
+                    }
+                }
+            }
+        }
+        let res = match first_err {
+            Some(e) => Err(e),
+            None => Ok(stats),
+        };
+        self.last = Some(res.clone());
+        res
+    }
+
+    /// The reduced gradient of tensor `i` from the last step, which must have finished
+    /// without error.
+    pub fn grad(&self, i: usize) -> Result<&[f32]> {
+        if i >= self.tensors.len() {
+            return Err(Error::Collective(format!(
+                "tensor {i} is outside the layout of {} tensors",
+                self.tensors.len()
+            )));
+        }
+        match &self.last {
+            Some(Ok(_)) => {}
+            Some(Err(e)) => {
+                return Err(Error::Collective(format!(
+                    "the last step failed ({e}): no reduced gradients"
+                )));
+            }
+            None => {
+                return Err(Error::Collective(
+                    "no finished step: reduced gradients come from finish()".into(),
+                ));
+            }
+        }
+        let (b, off) = self.loc[i];
+        let out = self.buckets[b]
+            .output
+            .as_ref()
+            .ok_or_else(|| Error::Collective(format!("bucket {b} is being reduced")))?;
+        Ok(&out[off..off + self.lens[i]])
+    }
+
+    fn idle(&self, what: &str) -> Result<()> {
+        if self.in_step {
+            return Err(Error::Collective(format!(
+                "{what} in the middle of a step: call finish() first"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Zero every residual (after a failed step, or a model reload).
+    pub fn reset_feedback(&mut self) -> Result<()> {
+        self.idle("reset_feedback")?;
+        self.call(Job::Reset).map(|_| ())
+    }
+
+    /// The engine's state as one saved blob: the step counter, the layout's hash, the
+    /// plan and every bucket's residuals (see the module docs). Between steps only.
+    pub fn save(&mut self) -> Result<Vec<u8>> {
+        self.idle("save")?;
+        let Done::Saved(blobs) = self.call(Job::Save)? else {
+            return Err(thread_gone());
+        };
+        let mut w = BlobWriter::new(ENGINE_MAGIC);
+        w.u32(layout_hash(&self.tensors))
+            .u64(self.tensors.len() as u64)
+            .u64(self.step)
+            .u64(self.plan.buckets.len() as u64);
+        for (bp, blob) in self.plan.buckets.iter().zip(&blobs) {
+            w.str(&bp.codec.to_string())
+                .str(bp.strategy.name())
+                .u64(bp.tensors.len() as u64);
+            bp.tensors.iter().for_each(|&t| {
+                w.u64(t as u64);
+            });
+            w.bytes(blob);
+        }
+        Ok(w.finish())
+    }
+
+    /// Restore a blob from [`SyncEngine::save`] on the same rank of an engine built with
+    /// the same layout and options; the engine then continues bit-identically. Refused
+    /// with [`Error::Checkpoint`], changing nothing, if it is damaged or from another
+    /// layout, plan or world. Between steps only.
+    pub fn restore(&mut self, blob: &[u8]) -> Result<()> {
+        self.idle("restore")?;
+        let mut r = BlobReader::open(blob, ENGINE_MAGIC, "sync engine")?;
+        r.u32_eq("layout hash (names and shapes)", layout_hash(&self.tensors))?;
+        r.u64_eq("tensor count", self.tensors.len() as u64)?;
+        let step = r.u64()?;
+        r.u64_eq("bucket count", self.plan.buckets.len() as u64)?;
+        let mut blobs = Vec::with_capacity(self.plan.buckets.len());
+        for bp in &self.plan.buckets {
+            r.str_eq("bucket codec", &bp.codec.to_string())?;
+            r.str_eq("bucket strategy", bp.strategy.name())?;
+            r.u64_eq("bucket tensor count", bp.tensors.len() as u64)?;
+            for &t in &bp.tensors {
+                r.u64_eq("bucket tensor", t as u64)?;
+            }
+            blobs.push(r.bytes()?.to_vec());
+        }
+        r.end()?;
+        match self.call(Job::Restore(blobs))? {
+            Done::Restored(res) => res?,
+            _ => return Err(thread_gone()),
+        }
+        self.step = step;
+        self.last = None;
+        Ok(())
+    }
+}
+
+impl<T: Transport + Send + 'static> SyncEngine<T> {
+    /// Stop the communication thread and hand its worker back.
+    fn stop(&mut self) -> Option<Worker<T>> {
+        match &mut self.runner {
+            Runner::Thread { jobs, handle, .. } => {
+                // Closing the job channel ends the thread's loop.
+                let (dead, _) = mpsc::channel();
+                drop(core::mem::replace(jobs, dead));
+                handle.take().and_then(|h| h.join().ok())
+            }
+            Runner::Inline(_) | Runner::Gone => None,
+        }
+    }
+
+    /// The transport, giving up the engine (between steps; its residuals are dropped:
+    /// [`SyncEngine::save`] them first to keep them). The transport's messages of
+    /// earlier calls carry envelopes, so a new engine over it starts clean once every
+    /// rank has made the same switch.
+    pub fn into_transport(mut self) -> Result<T> {
+        self.idle("into_transport")?;
+        let worker = match self.stop() {
+            Some(w) => w,
+            None => match core::mem::replace(&mut self.runner, Runner::Gone) {
+                Runner::Inline(w) => *w,
+                _ => return Err(thread_gone()),
+            },
+        };
+        Ok(worker.comm.into_inner())
+    }
+}
+
+impl<T: Transport + Send + 'static> Drop for SyncEngine<T> {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn thread_gone() -> Error {
+    Error::Collective("the communication thread has stopped (it panicked)".into())
+}
+
+/// Measure each candidate on this CPU and average the figures over the ranks with an
+/// fp32 all-reduce (bit-identical on every rank), so that every rank plans alike.
+fn shared_profiles<T: Transport>(
+    candidates: &[CodecSpec],
+    comm: &mut Comm<T>,
+) -> Result<Vec<CodecProfile>> {
+    let mut mine = Vec::with_capacity(candidates.len() * 3);
+    let mut profiles = Vec::with_capacity(candidates.len());
+    for c in candidates {
+        let p = calibrate(c, 1 << 18, 0.05)?;
+        // Seconds per byte: their mean is the mean time, the figure to model with.
+        mine.extend([
+            (1.0 / p.encode_bytes_per_s) as f32,
+            (1.0 / p.decode_bytes_per_s) as f32,
+            (1.0 / p.decode_add_bytes_per_s) as f32,
+        ]);
+        profiles.push(p);
+    }
+    let opts = AllReduceOptions {
+        op: ReduceOp::Mean,
+        strategy: StrategyChoice::Forced(Strategy::Fp32Ring),
+        tag: u32::MAX,
+        ..Default::default()
+    };
+    let mut ar = AllReduce::new(CodecSpec::Identity(Identity), mine.len(), comm, opts)?;
+    let mut mean = vec![0f32; mine.len()];
+    ar.run(comm, &mine, &mut mean, 0)?;
+    for (p, t) in profiles.iter_mut().zip(mean.chunks_exact(3)) {
+        p.encode_bytes_per_s = 1.0 / f64::from(t[0]);
+        p.decode_bytes_per_s = 1.0 / f64::from(t[1]);
+        p.decode_add_bytes_per_s = 1.0 / f64::from(t[2]);
+    }
+    Ok(profiles)
+}

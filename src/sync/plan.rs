@@ -1,0 +1,379 @@
+//! The plan: which tensors share a bucket, and each bucket's codec and strategy.
+
+use core::fmt;
+
+use crate::codec::{CodecSpec, EncodeCtx};
+use crate::codecs::Identity;
+use crate::collective::Strategy;
+use crate::cost::{self, CodecProfile};
+use crate::error::{Error, Result};
+use crate::wire::HEADER_LEN;
+
+/// A parameter tensor of the model: its name and shape. Its gradient is a flat f32
+/// slice of `shape.iter().product()` elements (row-major, as the framework stores it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tensor {
+    /// The parameter's name (`"layer1.0.conv1.weight"`), for plans and errors.
+    pub name: String,
+    /// Its shape; `[]` is a scalar.
+    pub shape: Vec<usize>,
+}
+
+impl Tensor {
+    /// A tensor named `name` of shape `shape`.
+    pub fn new(name: impl Into<String>, shape: &[usize]) -> Tensor {
+        Tensor {
+            name: name.into(),
+            shape: shape.to_vec(),
+        }
+    }
+
+    /// Elements, or an error if the shape's product overflows.
+    pub fn len(&self) -> Result<usize> {
+        self.shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .ok_or_else(|| {
+                Error::Collective(format!(
+                    "tensor {:?} of shape {:?} has more elements than a usize holds",
+                    self.name, self.shape
+                ))
+            })
+    }
+
+    /// True for a tensor of zero elements.
+    pub fn is_empty(&self) -> bool {
+        self.shape.contains(&0)
+    }
+}
+
+/// The network the plan is made for: links of this bandwidth and latency between the
+/// world's ranks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Network {
+    /// Bits per second per link.
+    pub bandwidth_bit_s: f64,
+    /// Per-message latency, seconds.
+    pub latency_s: f64,
+}
+
+impl Default for Network {
+    /// 10 Gbit/s, 10 us.
+    fn default() -> Self {
+        Network {
+            bandwidth_bit_s: 10e9,
+            latency_s: 10e-6,
+        }
+    }
+}
+
+/// Which codec the tensors that are not small get.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CodecChoice {
+    /// This codec for every bucket.
+    Fixed(CodecSpec),
+    /// Per bucket, the candidate with the smallest modelled all-reduce time on the
+    /// engine's [`Network`], from each candidate's speed on this CPU; fp32 (no
+    /// compression) when the model says no candidate beats it.
+    Auto {
+        /// The codecs to choose from.
+        candidates: Vec<CodecSpec>,
+        /// Their measured speeds, if known (e.g. built from `gradpack report --json`).
+        /// `None`: the engine measures them at start (about a tenth of a second per
+        /// candidate) and averages them over the ranks, so every rank makes the same
+        /// plan.
+        profiles: Option<Vec<CodecProfile>>,
+    },
+}
+
+/// Which codec each tensor gets.
+///
+/// Tensors that compression would not pay for, as PyTorch's PowerSGD hook reasons about
+/// its uncompressed 1-D tensors and BytePS about its minimum compression size (biases,
+/// norm scales, small layers: their frames are mostly header and their share of the
+/// bytes is small), go with `small_codec` in buckets of their own kind.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Policy {
+    /// The codec of the other tensors.
+    pub codec: CodecChoice,
+    /// Tensors with fewer elements than this are small.
+    pub small_below: usize,
+    /// Tensors of at most one dimension (biases, norm scales) are small.
+    pub vectors_small: bool,
+    /// The codec of small tensors (fp32 or fp16, say).
+    pub small_codec: CodecSpec,
+}
+
+/// Elements below which [`Policy::with_rules`] sends a tensor uncompressed (64 KiB of
+/// f32).
+pub const SMALL_TENSOR: usize = 16384;
+
+impl Policy {
+    /// `codec` for every tensor.
+    pub fn uniform(codec: CodecSpec) -> Policy {
+        Policy {
+            codec: CodecChoice::Fixed(codec),
+            small_below: 0,
+            vectors_small: false,
+            small_codec: CodecSpec::Identity(Identity),
+        }
+    }
+
+    /// `codec` for the tensors it pays for; fp32 for 1-D tensors and tensors under
+    /// [`SMALL_TENSOR`] elements.
+    pub fn with_rules(codec: CodecSpec) -> Policy {
+        Policy {
+            small_below: SMALL_TENSOR,
+            vectors_small: true,
+            ..Policy::uniform(codec)
+        }
+    }
+
+    /// Per bucket the fastest of `candidates` by the cost model, measured on this CPU at
+    /// start; with the small-tensor rules of [`Policy::with_rules`].
+    pub fn auto(candidates: Vec<CodecSpec>) -> Policy {
+        Policy {
+            codec: CodecChoice::Auto {
+                candidates,
+                profiles: None,
+            },
+            ..Policy::with_rules(CodecSpec::Identity(Identity))
+        }
+    }
+
+    /// Whether `t` (of `len` elements) is small.
+    pub(crate) fn is_small(&self, t: &Tensor, len: usize) -> bool {
+        len < self.small_below || (self.vectors_small && t.shape.len() <= 1)
+    }
+}
+
+/// One bucket of a [`Plan`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketPlan {
+    /// Its tensors (indices into the layout), in the order they sit in the bucket.
+    pub tensors: Vec<usize>,
+    /// Elements in the bucket.
+    pub elements: usize,
+    /// The codec its frames use (identity: fp32).
+    pub codec: CodecSpec,
+    /// The all-reduce strategy.
+    pub strategy: Strategy,
+    /// Whether it holds the small tensors of the policy.
+    pub small: bool,
+    /// Bytes each rank sends for it per step, by the cost model (frame headers and
+    /// envelopes included).
+    pub wire_bytes: f64,
+    /// Its modelled all-reduce time on the plan's network, seconds.
+    pub modelled_s: f64,
+}
+
+/// Buckets of tensors, each with its codec, strategy and modelled time; the same on
+/// every rank. `Display` prints it as a table.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// The buckets, in the order they are reduced.
+    pub buckets: Vec<BucketPlan>,
+    /// Tensor names, for display.
+    pub(crate) names: Vec<String>,
+    /// World size and network the times are modelled for.
+    pub nodes: usize,
+    /// The network.
+    pub network: Network,
+}
+
+impl Plan {
+    /// The modelled communication time of a step without overlap: the sum over buckets.
+    pub fn modelled_s(&self) -> f64 {
+        self.buckets.iter().map(|b| b.modelled_s).sum()
+    }
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "sync plan: {} buckets, {} ranks, {:.2} Gbit/s, {:.1} us; modelled {:.3} ms per step without overlap",
+            self.buckets.len(),
+            self.nodes,
+            self.network.bandwidth_bit_s / 1e9,
+            self.network.latency_s * 1e6,
+            self.modelled_s() * 1e3
+        )?;
+        for (i, b) in self.buckets.iter().enumerate() {
+            let names: Vec<&str> = b.tensors.iter().map(|&t| self.names[t].as_str()).collect();
+            let shown = if names.len() > 4 {
+                format!(
+                    "{}, {}, ... {} ({} tensors)",
+                    names[0],
+                    names[1],
+                    names[names.len() - 1],
+                    names.len()
+                )
+            } else {
+                names.join(", ")
+            };
+            writeln!(
+                f,
+                "  bucket {i:>3}: {:>9} elements ({:>8.3} MiB) {} {} -> {:.3} MiB/rank sent, modelled {:.3} ms: {shown}",
+                b.elements,
+                b.elements as f64 * 4.0 / 1048576.0,
+                b.codec,
+                b.strategy.name(),
+                b.wire_bytes / 1048576.0,
+                b.modelled_s * 1e3
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Split the tensors into buckets: in the order their gradients become ready, small and
+/// other tensors apart, each bucket up to `cap` bytes of f32 (the first one up to
+/// `first_cap`; a tensor larger than the cap gets a bucket of its own). Buckets are
+/// ordered by when their last tensor becomes ready. Returns `(tensors, small)` per
+/// bucket.
+pub(crate) fn buckets(
+    lens: &[usize],
+    small: &[bool],
+    cap: usize,
+    first_cap: usize,
+) -> Vec<(Vec<usize>, bool)> {
+    // Per kind, the open bucket and its bytes.
+    let mut open: [Option<(Vec<usize>, usize)>; 2] = [None, None];
+    let mut closed: Vec<(Vec<usize>, bool, usize)> = Vec::new(); // tensors, small, last
+    let mut first_done = false;
+    let limit = |first_done: bool| if first_done { cap } else { first_cap };
+    for (i, (&len, &sm)) in lens.iter().zip(small).enumerate() {
+        let k = usize::from(sm);
+        let bytes = len.saturating_mul(4);
+        if let Some((ts, b)) = &open[k]
+            && !ts.is_empty()
+            && b.saturating_add(bytes) > limit(first_done)
+        {
+            let last = *ts.last().expect("not empty");
+            closed.push((ts.clone(), sm, last));
+            open[k] = None;
+            first_done = true;
+        }
+        let (ts, b) = open[k].get_or_insert_with(|| (Vec::new(), 0));
+        ts.push(i);
+        *b = b.saturating_add(bytes);
+    }
+    for (k, o) in open.into_iter().enumerate() {
+        if let Some((ts, _)) = o {
+            let last = *ts.last().expect("an open bucket has a tensor");
+            closed.push((ts, k == 1, last));
+        }
+    }
+    closed.sort_by_key(|&(_, _, last)| last);
+    closed.into_iter().map(|(ts, sm, _)| (ts, sm)).collect()
+}
+
+/// The strategy for `codec` on a bucket of `elements` (random-k with `scale=unbiased`
+/// cannot run the ring; fp32 runs the fp32 ring).
+pub(crate) fn strategy_for(
+    codec: &CodecSpec,
+    profile: &CodecProfile,
+    nodes: usize,
+    net: &Network,
+    elements: usize,
+) -> Strategy {
+    if matches!(codec, CodecSpec::Identity(_)) {
+        return Strategy::Fp32Ring;
+    }
+    if matches!(codec, CodecSpec::RandK(rk) if rk.scale() == crate::codecs::RandKScale::Unbiased) {
+        return Strategy::CompressedAllGather;
+    }
+    let cluster = cost::Cluster {
+        nodes: nodes as u32,
+        bandwidth_bit_s: net.bandwidth_bit_s,
+        latency_s: net.latency_s,
+    };
+    cost::best_strategy(profile, &cluster, elements as f64, f64::INFINITY).0
+}
+
+/// Bits per element of `codec` on a bucket of `elements` split into `chunks` frames
+/// (headers, checksums and envelopes included).
+pub(crate) fn wire_bits(codec: &CodecSpec, elements: usize, chunks: usize) -> f64 {
+    let n = elements.max(1);
+    let per = n.div_ceil(chunks.max(1));
+    let overhead = (HEADER_LEN + 4 + crate::collective::ENVELOPE_LEN) as f64 * 8.0;
+    codec.bits_per_element(per) + overhead / per as f64
+}
+
+/// The profile of `codec` at `elements`: measured speeds if given, else infinitely fast
+/// compute, with the bucket's own bits per element.
+pub(crate) fn profile_for(
+    codec: &CodecSpec,
+    measured: Option<&CodecProfile>,
+    elements: usize,
+    chunks: usize,
+) -> CodecProfile {
+    let bits = wire_bits(codec, elements, chunks);
+    match measured {
+        Some(p) => CodecProfile {
+            bits_per_element: bits,
+            ..p.clone()
+        },
+        None => CodecProfile::nominal(codec.to_string(), bits),
+    }
+}
+
+/// Measure `codec`'s encode, decode and decode_add speed on this CPU, on a synthetic
+/// gradient of `elements` elements, taking the best of repetitions for about `budget_s`.
+pub fn calibrate(codec: &CodecSpec, elements: usize, budget_s: f64) -> Result<CodecProfile> {
+    use crate::codec::Codec;
+    use std::time::Instant;
+    let n = elements.max(1024);
+    let x = crate::synthetic::gradient(n, 7);
+    let mut frame = crate::alloc::filled(codec.max_encoded_len(n), 0u8, "calibration frame")?;
+    let mut out = crate::alloc::filled(n, 0f32, "calibration output")?;
+    let deadline = Instant::now() + std::time::Duration::from_secs_f64(budget_s.max(0.0));
+    let (mut enc, mut dec, mut add) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
+    let mut rounds = 0;
+    while rounds < 3 || Instant::now() < deadline {
+        let t = Instant::now();
+        let len = codec.encode_into(&x, &EncodeCtx::new(rounds), &mut frame)?;
+        enc = enc.min(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        codec.decode_into(&frame[..len], &mut out)?;
+        dec = dec.min(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        codec.decode_add(&frame[..len], &mut out)?;
+        add = add.min(t.elapsed().as_secs_f64());
+        rounds += 1;
+        if rounds >= 1000 {
+            break;
+        }
+    }
+    let bytes = 4.0 * n as f64;
+    let speed = |t: f64| bytes / t.max(1e-9);
+    Ok(CodecProfile {
+        spec: codec.to_string(),
+        bits_per_element: codec.bits_per_element(n),
+        encode_bytes_per_s: speed(enc),
+        decode_bytes_per_s: speed(dec),
+        decode_add_bytes_per_s: speed(add),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_tile_the_tensors_in_ready_order() {
+        let lens = [10, 300_000, 5, 600_000, 700_000, 1, 0, 8_000_000];
+        let small = [true, false, true, false, false, true, true, false];
+        let b = buckets(&lens, &small, 4 << 20, 1 << 20);
+        let mut seen: Vec<usize> = b.iter().flat_map(|(t, _)| t.clone()).collect();
+        seen.sort();
+        assert_eq!(seen, (0..lens.len()).collect::<Vec<_>>());
+        for (ts, sm) in &b {
+            assert!(ts.iter().all(|&t| small[t] == *sm));
+            assert!(ts.windows(2).all(|w| w[0] < w[1]));
+        }
+        // The first bucket closes at 1 MiB; the 8 M-element tensor is alone.
+        assert!(b.iter().any(|(t, _)| t == &[7]));
+    }
+}

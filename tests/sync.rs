@@ -1,0 +1,459 @@
+//! The sync engine: every tensor in exactly one bucket slot; results bit-identical on
+//! every rank, to per-bucket all-reduces of the same layout and whatever order the
+//! tensors arrive in, with and without the communication thread; checkpoints that
+//! continue bit-identically and refuse other layouts and damage; a peer that leaves
+//! mid-step is an error on every other rank, not a hang.
+
+use std::time::Duration;
+
+use gradpack::collective::{
+    AllReduce, AllReduceOptions, Feedback, ReduceOp, StrategyChoice, Transport, local,
+};
+use gradpack::sync::{Network, Policy, SyncEngine, SyncOptions, Tensor};
+use gradpack::{CodecSpec, Error, Result};
+
+/// A small model's layout, last layer first (the order gradients become ready).
+fn layout() -> Vec<Tensor> {
+    vec![
+        Tensor::new("head.bias", &[10]),
+        Tensor::new("head.weight", &[10, 256]),
+        Tensor::new("block2.norm", &[256]),
+        Tensor::new("block2.weight", &[256, 256]),
+        Tensor::new("block1.bias", &[256]),
+        Tensor::new("block1.weight", &[256, 128]),
+        Tensor::new("scale", &[]),
+        Tensor::new("empty", &[0, 3]),
+        Tensor::new("embed", &[300, 128]),
+    ]
+}
+
+fn grads(layout: &[Tensor], rank: usize, step: u64) -> Vec<Vec<f32>> {
+    layout
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let seed = 1000 * step + 100 * rank as u64 + i as u64;
+            gradpack::synthetic::gradient(t.len().unwrap(), seed)
+        })
+        .collect()
+}
+
+fn opts(policy: Policy) -> SyncOptions {
+    SyncOptions {
+        policy,
+        // Small caps so the layout spans several buckets.
+        bucket_cap_bytes: 200_000,
+        first_bucket_cap_bytes: 50_000,
+        seed: 5,
+        ..Default::default()
+    }
+}
+
+type Steps = Vec<Vec<Vec<f32>>>;
+
+/// Run `steps` steps on every rank; per rank and step, every tensor's reduced gradient.
+/// `order(rank, step)` gives the order the tensors are handed over in.
+fn run(
+    p: usize,
+    o: &SyncOptions,
+    steps: u64,
+    order: impl Fn(usize, u64) -> Vec<usize> + Sync,
+) -> Vec<Result<Steps>> {
+    let l = layout();
+    local::run(p, Some(Duration::from_secs(20)), |comm| {
+        let rank = comm.rank();
+        let mut e = SyncEngine::new(&l, comm.into_inner(), o.clone())?;
+        let mut out = Vec::new();
+        for step in 0..steps {
+            let g = grads(&l, rank, step);
+            for i in order(rank, step) {
+                e.ready(i, &g[i])?;
+            }
+            e.finish()?;
+            out.push((0..l.len()).map(|i| e.grad(i).unwrap().to_vec()).collect());
+        }
+        Ok(out)
+    })
+}
+
+fn in_order(_: usize, _: u64) -> Vec<usize> {
+    (0..layout().len()).collect()
+}
+
+fn bits(x: &[Vec<Vec<f32>>]) -> Vec<u32> {
+    x.iter().flatten().flatten().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn every_tensor_lands_in_exactly_one_slot() {
+    // Random shape lists: 200 layouts of 1 to 60 tensors of 0 to 3 dimensions.
+    let mut state = 12345u64;
+    let mut next = |m: u64| {
+        state = gradpack::rng::splitmix64(state);
+        state % m
+    };
+    for _ in 0..200 {
+        let n = 1 + next(60) as usize;
+        let layout: Vec<Tensor> = (0..n)
+            .map(|i| {
+                let dims = next(4) as usize;
+                let shape: Vec<usize> = (0..dims).map(|_| next(300) as usize).collect();
+                Tensor::new(format!("t{i}"), &shape)
+            })
+            .collect();
+        let cap = 1 + next(400_000) as usize;
+        let first = 1 + next(100_000) as usize;
+        let o = SyncOptions {
+            policy: Policy::with_rules("int8".parse().unwrap()),
+            bucket_cap_bytes: cap,
+            first_bucket_cap_bytes: first,
+            overlap: false,
+            ..Default::default()
+        };
+        let w = local::Local::world(1);
+        let e = SyncEngine::new(&layout, w.into_iter().next().unwrap(), o).unwrap();
+        let plan = e.plan();
+        let mut seen = vec![0; n];
+        for b in &plan.buckets {
+            let mut sum = 0;
+            for &t in &b.tensors {
+                seen[t] += 1;
+                sum += layout[t].len().unwrap();
+                // Small tensors and the rest never share a bucket.
+                let small = layout[t].shape.len() <= 1 || layout[t].len().unwrap() < 16384;
+                assert_eq!(small, b.small);
+            }
+            assert_eq!(sum, b.elements);
+            // Within the cap unless it is a single tensor larger than it.
+            assert!(b.tensors.len() == 1 || b.elements * 4 <= cap.max(first));
+        }
+        assert!(seen.iter().all(|&c| c == 1), "{seen:?}");
+    }
+}
+
+#[test]
+fn ranks_agree_and_match_per_bucket_all_reduces() {
+    let p = 3;
+    for policy in [
+        Policy::with_rules("int8:rounding=stochastic".parse().unwrap()),
+        Policy::uniform("topk:ratio=0.05".parse().unwrap()),
+        Policy::uniform("qsgd:bits=8".parse().unwrap()),
+    ] {
+        let o = SyncOptions {
+            feedback: Feedback::Worker,
+            ..opts(policy.clone())
+        };
+        let res = run(p, &o, 3, in_order);
+        let ranks: Vec<Steps> = res.into_iter().map(|r| r.unwrap()).collect();
+        for r in 1..p {
+            assert_eq!(bits(&ranks[r]), bits(&ranks[0]), "{policy:?}: rank {r}");
+        }
+        // The same layout by hand: one AllReduce per bucket, the engine's seeds.
+        let l = layout();
+        let manual = local::run(p, Some(Duration::from_secs(20)), |comm| {
+            let rank = comm.rank();
+            let planner = SyncEngine::new(
+                &l,
+                Plain {
+                    rank,
+                    size: comm.size(),
+                },
+                SyncOptions {
+                    overlap: false,
+                    ..o.clone()
+                },
+            )?;
+            let plan = planner.plan().clone();
+            let mut comm = comm;
+            let mut ars: Vec<AllReduce> = plan
+                .buckets
+                .iter()
+                .enumerate()
+                .map(|(b, bp)| {
+                    AllReduce::new(
+                        bp.codec,
+                        bp.elements,
+                        &comm,
+                        AllReduceOptions {
+                            op: ReduceOp::Mean,
+                            strategy: StrategyChoice::Forced(bp.strategy),
+                            feedback: o.feedback,
+                            tag: b as u32,
+                            ..Default::default()
+                        },
+                    )
+                })
+                .collect::<Result<_>>()?;
+            let mut steps = Vec::new();
+            for step in 0..3 {
+                let g = grads(&l, rank, step);
+                let mut per_tensor = vec![Vec::new(); l.len()];
+                for (b, bp) in plan.buckets.iter().enumerate() {
+                    let input: Vec<f32> = bp.tensors.iter().flat_map(|&t| g[t].clone()).collect();
+                    let mut out = vec![0f32; bp.elements];
+                    ars[b].run(&mut comm, &input, &mut out, planner.bucket_seed(step, b))?;
+                    let mut off = 0;
+                    for &t in &bp.tensors {
+                        let n = l[t].len().unwrap();
+                        per_tensor[t] = out[off..off + n].to_vec();
+                        off += n;
+                    }
+                }
+                steps.push(per_tensor);
+            }
+            Ok(steps)
+        });
+        let manual: Vec<Steps> = manual.into_iter().map(|r| r.unwrap()).collect();
+        assert_eq!(bits(&manual[0]), bits(&ranks[0]), "{policy:?}");
+    }
+}
+
+/// A transport that only reports its rank and size (to build a plan for a world).
+struct Plain {
+    rank: usize,
+    size: usize,
+}
+
+impl Transport for Plain {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn send(&mut self, _: &[u8], _: usize) -> Result<()> {
+        Err(Error::Collective(
+            "a planning transport sends nothing".into(),
+        ))
+    }
+    fn recv(&mut self, _: &mut Vec<u8>, _: usize) -> Result<()> {
+        Err(Error::Collective(
+            "a planning transport receives nothing".into(),
+        ))
+    }
+}
+
+#[test]
+fn arrival_order_and_the_thread_do_not_change_the_result() {
+    let o = SyncOptions {
+        feedback: Feedback::Worker,
+        ..opts(Policy::with_rules(
+            "int8:rounding=stochastic".parse().unwrap(),
+        ))
+    };
+    let base = run(3, &o, 3, in_order);
+    let base: Vec<Steps> = base.into_iter().map(|r| r.unwrap()).collect();
+    // Every rank hands its tensors over in its own shuffled order, every step.
+    let shuffled = run(3, &o, 3, |rank, step| {
+        let mut v: Vec<usize> = (0..layout().len()).collect();
+        let mut s = gradpack::rng::splitmix64(rank as u64 * 7 + step);
+        for i in (1..v.len()).rev() {
+            s = gradpack::rng::splitmix64(s);
+            v.swap(i, (s % (i as u64 + 1)) as usize);
+        }
+        v
+    });
+    let inline = run(
+        3,
+        &SyncOptions {
+            overlap: false,
+            ..o.clone()
+        },
+        3,
+        |_, _| (0..layout().len()).rev().collect(),
+    );
+    for (name, other) in [("shuffled", shuffled), ("inline", inline)] {
+        let other: Vec<Steps> = other.into_iter().map(|r| r.unwrap()).collect();
+        for r in 0..3 {
+            assert_eq!(bits(&other[r]), bits(&base[r]), "{name} rank {r}");
+        }
+    }
+}
+
+#[test]
+fn checkpoints_continue_bit_identically() {
+    let o = SyncOptions {
+        feedback: Feedback::WorkerAndOwner,
+        ..opts(Policy::with_rules(
+            "int8:rounding=stochastic".parse().unwrap(),
+        ))
+    };
+    let p = 2;
+    let straight = run(p, &o, 5, in_order);
+    let straight: Vec<Steps> = straight.into_iter().map(|r| r.unwrap()).collect();
+    let l = layout();
+    let resumed = local::run(p, Some(Duration::from_secs(20)), |comm| {
+        let rank = comm.rank();
+        // Two steps, save.
+        let mut e = SyncEngine::new(&l, comm.into_inner(), o.clone())?;
+        for step in 0..2 {
+            let g = grads(&l, rank, step);
+            for (i, gi) in g.iter().enumerate() {
+                e.ready(i, gi)?;
+            }
+            e.finish()?;
+        }
+        let blob = e.save()?;
+        // Damaged and foreign checkpoints are refused and change nothing.
+        let mut bad = blob.clone();
+        let at = bad.len() / 2;
+        bad[at] ^= 1;
+        assert!(matches!(e.restore(&bad), Err(Error::Checkpoint(_))));
+        let mut other_layout = l.clone();
+        other_layout[1].shape = vec![10, 255];
+        let w = local::Local::world(1).pop().unwrap();
+        let mut foreign = SyncEngine::new(
+            &other_layout,
+            w,
+            SyncOptions {
+                overlap: false,
+                ..o.clone()
+            },
+        )?;
+        match foreign.restore(&blob) {
+            Err(Error::Checkpoint(m)) => assert!(m.contains("layout"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        // A fresh engine on the same transport, restored, runs steps 2..5.
+        let t = e.into_transport()?;
+        let mut e = SyncEngine::new(&l, t, o.clone())?;
+        e.restore(&blob)?;
+        assert_eq!(e.step(), 2);
+        let mut out = Vec::new();
+        for step in 2..5 {
+            let g = grads(&l, rank, step);
+            for (i, gi) in g.iter().enumerate() {
+                e.ready(i, gi)?;
+            }
+            e.finish()?;
+            out.push(
+                (0..l.len())
+                    .map(|i| e.grad(i).unwrap().to_vec())
+                    .collect::<Vec<_>>(),
+            );
+        }
+        Ok(out)
+    });
+    for (r, res) in resumed.into_iter().enumerate() {
+        let res = res.unwrap();
+        assert_eq!(bits(&res), bits(&straight[r][2..]), "rank {r}");
+    }
+}
+
+#[test]
+fn a_peer_that_leaves_mid_step_is_an_error_everywhere() {
+    let l = layout();
+    let o = opts(Policy::uniform("fp16".parse().unwrap()));
+    let res = local::run(3, Some(Duration::from_millis(1500)), |comm| {
+        let rank = comm.rank();
+        let mut e = SyncEngine::new(&l, comm.into_inner(), o.clone())?;
+        let g = grads(&l, rank, 0);
+        if rank == 1 {
+            // Half the tensors, then the engine (and its transport) goes away.
+            for (i, gi) in g.iter().enumerate().take(l.len() / 2) {
+                e.ready(i, gi)?;
+            }
+            drop(e);
+            return Ok(None);
+        }
+        for (i, gi) in g.iter().enumerate() {
+            e.ready(i, gi)?;
+        }
+        let started = std::time::Instant::now();
+        let r = e.finish();
+        Ok(Some((r.map(|_| ()), started.elapsed())))
+    });
+    for r in [0, 2] {
+        let (res, took) = res[r].as_ref().unwrap().as_ref().unwrap();
+        assert!(res.is_err(), "rank {r}: {res:?}");
+        assert!(*took < Duration::from_secs(10), "rank {r} took {took:?}");
+    }
+}
+
+#[test]
+fn auto_never_picks_a_codec_the_model_says_is_slower_than_fp32() {
+    let l = layout();
+    let candidates: Vec<CodecSpec> = ["fp16", "int8", "topk:ratio=0.01"]
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+    for bw in [1e8, 1e10, 1e13] {
+        let o = SyncOptions {
+            policy: Policy::auto(candidates.clone()),
+            network: Network {
+                bandwidth_bit_s: bw,
+                latency_s: 5e-6,
+            },
+            overlap: false,
+            ..opts(Policy::uniform("fp16".parse().unwrap()))
+        };
+        let plans = local::run(2, Some(Duration::from_secs(20)), |comm| {
+            let e = SyncEngine::new(&l, comm.into_inner(), o.clone())?;
+            Ok(e.plan().clone())
+        });
+        let plans: Vec<_> = plans.into_iter().map(|p| p.unwrap()).collect();
+        // Every rank reaches the same plan (the speeds are averaged over the ranks).
+        assert_eq!(plans[0], plans[1]);
+        let text = plans[0].to_string();
+        assert!(text.contains("bucket"), "{text}");
+        for b in &plans[0].buckets {
+            if b.small {
+                assert!(matches!(b.codec, CodecSpec::Identity(_)));
+            }
+        }
+        if bw >= 1e13 {
+            // At 10 Tbit/s nothing compressed pays for its compute.
+            assert!(
+                plans[0]
+                    .buckets
+                    .iter()
+                    .all(|b| matches!(b.codec, CodecSpec::Identity(_))),
+                "{text}"
+            );
+        }
+        if bw <= 1e8 {
+            assert!(
+                plans[0]
+                    .buckets
+                    .iter()
+                    .any(|b| !matches!(b.codec, CodecSpec::Identity(_))),
+                "{text}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_calls_are_errors() {
+    let l = layout();
+    let w = local::Local::world(1).pop().unwrap();
+    let mut e = SyncEngine::new(&l, w, opts(Policy::uniform("fp16".parse().unwrap()))).unwrap();
+    assert!(e.ready(99, &[]).is_err());
+    assert!(matches!(
+        e.ready(1, &[0.0; 3]),
+        Err(Error::LengthMismatch { .. })
+    ));
+    assert!(e.grad(0).is_err());
+    assert!(e.finish().is_err());
+    e.ready(0, &[1.0; 10]).unwrap();
+    assert!(e.ready(0, &[1.0; 10]).is_err(), "given twice");
+    assert!(e.save().is_err(), "mid-step");
+    // Missing tensors: an error naming them; the engine goes on.
+    match e.finish() {
+        Err(Error::Collective(m)) => assert!(m.contains("head.weight"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    e.reset_feedback().unwrap();
+    let g = grads(&l, 0, 0);
+    for (i, gi) in g.iter().enumerate() {
+        e.ready(i, gi).unwrap();
+    }
+    e.finish().unwrap();
+    // One rank, mean: every gradient comes back as it went in (fp16 rounding aside).
+    for (i, gi) in g.iter().enumerate() {
+        let back = e.grad(i).unwrap();
+        for (a, b) in back.iter().zip(gi) {
+            assert_eq!(*a, half::f16::from_f32(*b).to_f32());
+        }
+    }
+}
