@@ -82,3 +82,68 @@ mod tests {
         );
     }
 }
+
+/// The 161 parameter tensors of ResNet-50 (He et al. 2016, as torchvision builds it:
+/// 25,557,032 parameters) with their names and shapes, in the order their gradients
+/// become ready in the backward pass (the classifier first, the stem last): a
+/// model-sized workload for the sync engine.
+pub fn resnet50() -> Vec<crate::sync::Tensor> {
+    use crate::sync::Tensor;
+    let mut t: Vec<Tensor> = Vec::with_capacity(161);
+    let bn = |t: &mut Vec<Tensor>, name: &str, c: usize| {
+        t.push(Tensor::new(format!("{name}.weight"), &[c]));
+        t.push(Tensor::new(format!("{name}.bias"), &[c]));
+    };
+    // Forward order first.
+    t.push(Tensor::new("conv1.weight", &[64, 3, 7, 7]));
+    bn(&mut t, "bn1", 64);
+    let mut inplanes = 64;
+    for (layer, (planes, blocks)) in [(64, 3), (128, 4), (256, 6), (512, 3)]
+        .into_iter()
+        .enumerate()
+    {
+        for b in 0..blocks {
+            let p = format!("layer{}.{b}", layer + 1);
+            t.push(Tensor::new(
+                format!("{p}.conv1.weight"),
+                &[planes, inplanes, 1, 1],
+            ));
+            bn(&mut t, &format!("{p}.bn1"), planes);
+            t.push(Tensor::new(
+                format!("{p}.conv2.weight"),
+                &[planes, planes, 3, 3],
+            ));
+            bn(&mut t, &format!("{p}.bn2"), planes);
+            t.push(Tensor::new(
+                format!("{p}.conv3.weight"),
+                &[planes * 4, planes, 1, 1],
+            ));
+            bn(&mut t, &format!("{p}.bn3"), planes * 4);
+            if b == 0 {
+                t.push(Tensor::new(
+                    format!("{p}.downsample.0.weight"),
+                    &[planes * 4, inplanes, 1, 1],
+                ));
+                bn(&mut t, &format!("{p}.downsample.1"), planes * 4);
+            }
+            inplanes = planes * 4;
+        }
+    }
+    t.push(Tensor::new("fc.weight", &[1000, 2048]));
+    t.push(Tensor::new("fc.bias", &[1000]));
+    t.reverse();
+    t
+}
+
+#[cfg(test)]
+mod resnet_tests {
+    #[test]
+    fn resnet50_has_its_161_tensors_and_25_6_m_parameters() {
+        let l = super::resnet50();
+        assert_eq!(l.len(), 161);
+        let n: usize = l.iter().map(|t| t.len().unwrap()).sum();
+        assert_eq!(n, 25_557_032);
+        assert_eq!(l[0].name, "fc.bias");
+        assert_eq!(l[160].name, "conv1.weight");
+    }
+}

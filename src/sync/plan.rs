@@ -186,6 +186,55 @@ impl Plan {
     pub fn modelled_s(&self) -> f64 {
         self.buckets.iter().map(|b| b.modelled_s).sum()
     }
+
+    /// Model every bucket's time again with measured codec speeds (a profile applies to
+    /// the buckets whose codec prints as its `spec`; an `identity` profile's decode_add
+    /// speed is the fp32 ring's summing speed). Buckets without a profile keep
+    /// infinitely fast compute. The buckets, codecs and strategies do not change.
+    pub fn remodel(&mut self, profiles: &[CodecProfile]) {
+        let find = |c: &CodecSpec| profiles.iter().find(|p| p.spec == c.to_string());
+        for b in &mut self.buckets {
+            let measured = find(&b.codec);
+            let chunks = if b.strategy == Strategy::CompressedAllGather {
+                1
+            } else {
+                self.nodes
+            };
+            let prof = profile_for(&b.codec, measured, b.elements, chunks);
+            let reduce = match (&b.codec, measured) {
+                (CodecSpec::Identity(_), Some(p)) => p.decode_add_bytes_per_s,
+                _ => f64::INFINITY,
+            };
+            let c = cost::allreduce_cost(
+                b.strategy,
+                &prof,
+                self.nodes as u32,
+                self.network.latency_s,
+                b.elements as f64,
+                reduce,
+            );
+            b.modelled_s = c.time(self.network.bandwidth_bit_s);
+            b.wire_bytes = c.bytes;
+        }
+    }
+
+    /// The modelled time of a step whose backward pass takes `backward_s` seconds and
+    /// hands tensor `i` over at `backward_s * ready[i]` (`ready` rising from 0 to 1),
+    /// with each bucket reduced on the communication thread once its last tensor is
+    /// ready and every earlier bucket is done: the end of the last bucket.
+    pub fn modelled_overlap_s(&self, backward_s: f64, ready: &[f64]) -> f64 {
+        let mut free = 0f64;
+        for b in &self.buckets {
+            let at = b
+                .tensors
+                .iter()
+                .map(|&t| ready.get(t).copied().unwrap_or(1.0))
+                .fold(0f64, f64::max)
+                * backward_s;
+            free = free.max(at) + b.modelled_s;
+        }
+        free.max(backward_s)
+    }
 }
 
 impl fmt::Display for Plan {
