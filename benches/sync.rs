@@ -4,7 +4,8 @@
 //! `cargo bench --bench sync` prints two markdown tables (docs/benchmarks.md records
 //! them):
 //!
-//! 1. Communication per step at `GRADPACK_BENCH_BANDWIDTH` (default 10 Gbit/s) and
+//! 1. For each ring piece count (`GRADPACK_BENCH_PIECES`, default `1,4`: the plain and
+//!    a pipelined ring), communication per step at `GRADPACK_BENCH_BANDWIDTH` (default 10 Gbit/s) and
 //!    `GRADPACK_BENCH_LATENCY` (default 5 us) for 4 and 8 ranks (`GRADPACK_BENCH_RANKS`)
 //!    and each policy: the time of `finish()` when every gradient is handed over at once
 //!    (no overlap possible), beside the plan's modelled time; then a step with a simulated
@@ -174,43 +175,51 @@ fn main() {
     );
     let profs = profiles(&["identity", "fp16", "int8", "topk:ratio=0.01,values=f32"]);
     println!(
-        "| ranks | policy | buckets | sent/rank (MiB) | comm, measured (ms) | modelled, network only (ms) | modelled with compute (ms) | measured / modelled | backward (ms) | step serial (ms) | step overlapped (ms) | overlapped, modelled (ms) | overlapped / serial |"
+        "| ranks | policy | pieces | buckets | sent/rank (MiB) | comm, measured (ms) | modelled, network only (ms) | modelled with compute (ms) | measured / modelled | backward (ms) | step serial (ms) | step overlapped (ms) | overlapped, modelled (ms) | overlapped / serial |"
     );
-    println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let pieces: Vec<usize> = std::env::var("GRADPACK_BENCH_PIECES")
+        .unwrap_or_else(|_| "1,4".into())
+        .split(',')
+        .map(|s| s.trim().parse().expect("GRADPACK_BENCH_PIECES: counts"))
+        .collect();
     for &p in &ranks {
         let mut fp32_comm = None;
         for (name, policy, fb) in &policies {
-            let opts = SyncOptions {
-                policy: policy.clone(),
-                feedback: *fb,
-                network: net,
-                ..Default::default()
-            };
-            let serial = SyncOptions {
-                overlap: false,
-                ..opts.clone()
-            };
-            let comm = measure(&layout, p, net, &serial, Duration::ZERO, reps);
-            let backward = Duration::from_secs_f64(*fp32_comm.get_or_insert(comm.step_s));
-            let s = measure(&layout, p, net, &serial, backward, reps);
-            let o = measure(&layout, p, net, &opts, backward, reps);
-            let mut with_compute = comm.plan.clone();
-            with_compute.remodel(&profs);
-            let modelled = with_compute.modelled_s();
-            println!(
-                "| {p} | {name} | {} | {:.2} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} |",
-                comm.plan.buckets.len(),
-                comm.sent as f64 / 1048576.0,
-                comm.step_s * 1e3,
-                comm.plan.modelled_s() * 1e3,
-                modelled * 1e3,
-                comm.step_s / modelled,
-                backward.as_secs_f64() * 1e3,
-                s.step_s * 1e3,
-                o.step_s * 1e3,
-                with_compute.modelled_overlap_s(backward.as_secs_f64(), &o.ready) * 1e3,
-                o.step_s / s.step_s
-            );
+            for &k in &pieces {
+                let opts = SyncOptions {
+                    policy: policy.clone(),
+                    feedback: *fb,
+                    network: net,
+                    pieces: k,
+                    ..Default::default()
+                };
+                let serial = SyncOptions {
+                    overlap: false,
+                    ..opts.clone()
+                };
+                let comm = measure(&layout, p, net, &serial, Duration::ZERO, reps);
+                let backward = Duration::from_secs_f64(*fp32_comm.get_or_insert(comm.step_s));
+                let s = measure(&layout, p, net, &serial, backward, reps);
+                let o = measure(&layout, p, net, &opts, backward, reps);
+                let mut with_compute = comm.plan.clone();
+                with_compute.remodel(&profs);
+                let modelled = with_compute.modelled_s();
+                println!(
+                    "| {p} | {name} | {k} | {} | {:.2} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} |",
+                    comm.plan.buckets.len(),
+                    comm.sent as f64 / 1048576.0,
+                    comm.step_s * 1e3,
+                    comm.plan.modelled_s() * 1e3,
+                    modelled * 1e3,
+                    comm.step_s / modelled,
+                    backward.as_secs_f64() * 1e3,
+                    s.step_s * 1e3,
+                    o.step_s * 1e3,
+                    with_compute.modelled_overlap_s(backward.as_secs_f64(), &o.ready) * 1e3,
+                    o.step_s / s.step_s
+                );
+            }
         }
     }
 

@@ -171,13 +171,15 @@ fn check(what: &str, got: &[Vec<Result<Vec<f32>>>], clean: &[Vec<Result<Vec<f32>
     errors
 }
 
-fn strategies() -> Vec<(&'static str, Strategy)> {
+/// Codec, strategy and ring pieces of each scenario family.
+fn strategies() -> Vec<(&'static str, Strategy, usize)> {
     vec![
-        ("qsgd:bits=4,block=64", Strategy::CompressedRing),
-        ("int8:rounding=stochastic", Strategy::CompressedAllGather),
-        ("sign:block=32", Strategy::SignMajority),
-        ("identity", Strategy::Fp32Ring),
-        ("topk:ratio=0.1", Strategy::CompressedRing),
+        ("qsgd:bits=4,block=64", Strategy::CompressedRing, 1),
+        ("int8:rounding=stochastic", Strategy::CompressedAllGather, 1),
+        ("sign:block=32", Strategy::SignMajority, 1),
+        ("identity", Strategy::Fp32Ring, 1),
+        ("topk:ratio=0.1", Strategy::CompressedRing, 1),
+        ("int8:rounding=stochastic", Strategy::CompressedRing, 3),
     ]
 }
 
@@ -194,10 +196,11 @@ fn every_fault_ends_in_correct_sums_or_errors_never_a_wrong_ok() {
         Fault::FailRecv,
     ];
     let total = AtomicU64::new(0);
-    for (spec, s) in strategies() {
+    for (spec, s, pieces) in strategies() {
         let codec: CodecSpec = spec.parse().unwrap();
         let o = AllReduceOptions {
             strategy: StrategyChoice::Forced(s),
+            pieces,
             ..Default::default()
         };
         let clean = world(codec, &o, &inputs, None);
@@ -206,7 +209,7 @@ fn every_fault_ends_in_correct_sums_or_errors_never_a_wrong_ok() {
         // in the first call, the middle of it, and in the second.
         for fault in faults {
             for at in [0, 2, 7] {
-                let what = format!("{spec} {} {fault:?} at message {at}", s.name());
+                let what = format!("{spec} {} x{pieces} {fault:?} at message {at}", s.name());
                 let got = world(codec, &o, &inputs, Some((1, fault, at)));
                 let errors = check(&what, &got, &clean);
                 // A duplicate is stale when it arrives and is dropped: no harm, no error.
@@ -217,17 +220,18 @@ fn every_fault_ends_in_correct_sums_or_errors_never_a_wrong_ok() {
             }
         }
     }
-    assert_eq!(total.into_inner(), 5 * 6 * 3);
+    assert_eq!(total.into_inner(), 6 * 6 * 3);
 }
 
 #[test]
 fn a_stall_past_the_timeout_ends_in_correct_sums() {
     let (p, n) = (4, 257);
     let inputs: Vec<Vec<f32>> = (0..p).map(|r| sample(n, 900 + r as u32)).collect();
-    for (spec, s) in strategies() {
+    for (spec, s, pieces) in strategies() {
         let codec: CodecSpec = spec.parse().unwrap();
         let o = AllReduceOptions {
             strategy: StrategyChoice::Forced(s),
+            pieces,
             ..Default::default()
         };
         let clean = world(codec, &o, &inputs, None);

@@ -205,6 +205,34 @@ impl<T: Transport + ?Sized> Comm<T> {
         from: usize,
         expect: Place,
     ) -> Result<()> {
+        self.stamp(msg, place)?;
+        super::check_rank(from, self.early.len())?;
+        if self.early[from].is_empty() {
+            self.transport.send_recv(msg, to, recv, from)?;
+        } else {
+            self.transport.send(msg, to)?;
+            *recv = self.early[from].pop_front().expect("not empty");
+        }
+        self.settle(recv, from, expect)
+    }
+
+    /// Write `place`'s envelope into `msg[..ENVELOPE_LEN]` and send `msg` to `to`.
+    pub(crate) fn post(&mut self, msg: &mut [u8], to: usize, place: Place) -> Result<()> {
+        self.stamp(msg, place)?;
+        self.transport.send(msg, to)
+    }
+
+    /// Receive the message for `expect` from `from` into `recv` (envelope included).
+    pub(crate) fn expect(&mut self, recv: &mut Vec<u8>, from: usize, expect: Place) -> Result<()> {
+        super::check_rank(from, self.early.len())?;
+        match self.early[from].pop_front() {
+            Some(m) => *recv = m,
+            None => self.transport.recv(recv, from)?,
+        }
+        self.settle(recv, from, expect)
+    }
+
+    fn stamp(&self, msg: &mut [u8], place: Place) -> Result<()> {
         let sender = u32::try_from(self.transport.rank()).map_err(|_| {
             Error::Collective("a rank above u32::MAX cannot send an envelope".into())
         })?;
@@ -217,13 +245,12 @@ impl<T: Transport + ?Sized> Comm<T> {
             phase: place.phase as u8,
         }
         .write(msg);
-        super::check_rank(from, self.early.len())?;
-        if self.early[from].is_empty() {
-            self.transport.send_recv(msg, to, recv, from)?;
-        } else {
-            self.transport.send(msg, to)?;
-            *recv = self.early[from].pop_front().expect("not empty");
-        }
+        Ok(())
+    }
+
+    /// `recv` holds the next message from `from`: drop it and take the next while it is
+    /// stale, keep it if it is early, accept it if it is the one expected.
+    fn settle(&mut self, recv: &mut Vec<u8>, from: usize, expect: Place) -> Result<()> {
         loop {
             match self.classify(recv, from, expect)? {
                 Order::Here => return Ok(()),

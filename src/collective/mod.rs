@@ -227,6 +227,11 @@ pub struct AllReduceOptions {
     /// recorded in every message's envelope: a message of another tag where this one's
     /// is expected is an error. Default 0.
     pub tag: u32,
+    /// Ring strategies: split each chunk into this many pieces, each its own frame, and
+    /// send piece `j + 1` before piece `j` is received, so that encoding and decoding
+    /// overlap the link (a pipelined ring). Default 1. Frames (and so results) depend
+    /// on it: every rank must use the same.
+    pub pieces: usize,
 }
 
 impl Default for AllReduceOptions {
@@ -239,6 +244,7 @@ impl Default for AllReduceOptions {
             feedback_options: FeedbackOptions::default(),
             checksum: true,
             tag: 0,
+            pieces: 1,
         }
     }
 }
@@ -275,6 +281,13 @@ pub fn chunk_range(n: usize, p: usize, c: usize) -> Range<usize> {
     let (q, m) = (n / p, n % p);
     let start = c * q + c.min(m);
     start..start + q + usize::from(c < m)
+}
+
+/// Piece `j` of `k` of ring chunk `c` (of `p`) of `n` elements.
+fn piece_range(n: usize, p: usize, k: usize, c: usize, j: usize) -> Range<usize> {
+    let chunk = chunk_range(n, p, c);
+    let sub = chunk_range(chunk.len(), k, j);
+    chunk.start + sub.start..chunk.start + sub.end
 }
 
 /// An upper bound on `|output[i] - exact[i]|` for an all-reduce (op `Sum`, no error
@@ -357,9 +370,13 @@ pub struct AllReduce {
     residuals: Vec<Option<ErrorFeedback>>,
     /// Encode buffer (`max_frame` bytes).
     enc: Vec<u8>,
-    /// Message buffers.
+    /// Ring pieces per chunk ([`AllReduceOptions::pieces`]).
+    pieces: usize,
+    /// The message buffer.
     a: Vec<u8>,
-    b: Vec<u8>,
+    /// Ring all-gather: the frames to forward at this hop and those received, per piece.
+    fwd: Vec<Vec<u8>>,
+    next: Vec<Vec<u8>>,
     /// All-gather and majority: every rank's frame.
     frames: Vec<Vec<u8>>,
     /// Majority: a decoded frame and the votes.
@@ -425,6 +442,12 @@ impl AllReduce {
             });
         }
         let codec = codec_of(codec, strategy);
+        let pieces = opts.pieces;
+        if pieces == 0 || u32::try_from(size.saturating_mul(pieces).saturating_mul(2)).is_err() {
+            return Err(Error::Collective(format!(
+                "{pieces} pieces per chunk: need at least 1, and 2 x world size x pieces below 2^32"
+            )));
+        }
         let feedback = if strategy == Strategy::Fp32Ring {
             Feedback::None
         } else {
@@ -436,14 +459,16 @@ impl AllReduce {
         match (strategy, feedback) {
             (Strategy::Fp32Ring | Strategy::CompressedRing, _) => {
                 for c in 0..size {
-                    let n = chunk_range(len, size, c).len();
-                    max_frame = max_frame.max(wire::sealed_len(codec.max_encoded_len(n)));
-                    let fed = match feedback {
-                        Feedback::None => false,
-                        Feedback::Worker => c != rank,
-                        Feedback::WorkerAndOwner => true,
-                    };
-                    residuals.push(if fed { Some(ef(n)?) } else { None });
+                    for j in 0..pieces {
+                        let n = piece_range(len, size, pieces, c, j).len();
+                        max_frame = max_frame.max(wire::sealed_len(codec.max_encoded_len(n)));
+                        let fed = match feedback {
+                            Feedback::None => false,
+                            Feedback::Worker => c != rank,
+                            Feedback::WorkerAndOwner => true,
+                        };
+                        residuals.push(if fed { Some(ef(n)?) } else { None });
+                    }
                 }
             }
             (_, fb) => {
@@ -471,8 +496,10 @@ impl AllReduce {
                 0,
                 "the all-reduce's encode buffer",
             )?,
+            pieces,
             a: Vec::new(),
-            b: Vec::new(),
+            fwd: Vec::new(),
+            next: Vec::new(),
             frames: if gathers {
                 vec![Vec::new(); size]
             } else {
@@ -518,10 +545,11 @@ impl AllReduce {
     pub fn residual_f32(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.len];
         let ring = matches!(self.strategy, Strategy::CompressedRing | Strategy::Fp32Ring);
-        for (c, r) in self.residuals.iter().enumerate() {
+        let k = self.pieces;
+        for (slot, r) in self.residuals.iter().enumerate() {
             if let Some(r) = r {
                 let range = if ring {
-                    chunk_range(self.len, self.size, c)
+                    piece_range(self.len, self.size, k, slot / k, slot % k)
                 } else {
                     0..self.len
                 };
@@ -540,6 +568,7 @@ impl AllReduce {
             .u64(self.len as u64)
             .u64(self.rank as u64)
             .u64(self.size as u64)
+            .u64(self.pieces as u64)
             .u64(self.residuals.len() as u64);
         for r in &self.residuals {
             match r {
@@ -561,6 +590,7 @@ impl AllReduce {
         r.u64_eq("length", self.len as u64)?;
         r.u64_eq("rank", self.rank as u64)?;
         r.u64_eq("world size", self.size as u64)?;
+        r.u64_eq("ring pieces", self.pieces as u64)?;
         r.u64_eq("residual count", self.residuals.len() as u64)?;
         let mut restored = self.residuals.clone();
         for slot in &mut restored {
@@ -584,7 +614,12 @@ impl AllReduce {
             .sum();
         ef + self.enc.capacity()
             + self.a.capacity()
-            + self.b.capacity()
+            + self
+                .fwd
+                .iter()
+                .chain(&self.next)
+                .map(Vec::capacity)
+                .sum::<usize>()
             + self.frames.iter().map(Vec::capacity).sum::<usize>()
             + 4 * (self.decoded.capacity() + self.votes.capacity())
     }
@@ -689,59 +724,86 @@ impl AllReduce {
         output: &mut [f32],
         step: &mut Step,
     ) -> Result<()> {
-        let (n, p, r) = (self.len, self.size, self.rank);
+        let (n, p, r, k) = (self.len, self.size, self.rank, self.pieces);
         let (right, left) = ((r + 1) % p, (r + p - 1) % p);
-        let range = |c: usize| chunk_range(n, p, c);
-        let (codec, seed) = (self.codec, step.seed);
-        let ctx_of = |q: usize, c: usize| {
-            EncodeCtx::new(rank_seed(&codec, seed, q)).with_offset(range(c).start as u64)
+        let piece = |c: usize, j: usize| piece_range(n, p, k, c, j);
+        let (codec, seed, call) = (self.codec, step.seed, step.call);
+        let ctx_of = |q: usize, c: usize, j: usize| {
+            EncodeCtx::new(rank_seed(&codec, seed, q)).with_offset(piece(c, j).start as u64)
         };
-        let call = step.call;
         // Reduce-scatter: at step s send chunk r-s-1 and receive chunk r-s-2, so rank r
         // ends owning chunk r. The chunk sent at step s > 0 is the one received at s - 1.
+        // Each chunk goes as k pieces; piece j + 1 is encoded and sent before piece j is
+        // received, so encoding overlaps the link.
         for s in 0..p - 1 {
             let send_c = (r + 2 * p - s - 1) % p;
             let recv_c = (r + 2 * p - s - 2) % p;
-            let src = if s == 0 { input } else { &*output };
-            let len = self.encode(send_c, &src[range(send_c)], ctx_of(r, send_c))?;
-            let (to, want) = (
-                self.place(call, Phase::ReduceScatter, s, send_c),
-                self.place(call, Phase::ReduceScatter, s, recv_c),
-            );
-            comm.exchange(&mut self.enc[..len], right, to, &mut self.a, left, want)?;
-            step.sent(len);
-            let frame = &self.a[ENVELOPE_LEN..];
-            let bad = |e| peer_error(left, Phase::ReduceScatter, left, e);
-            let split = check_origin(&codec, frame, &ctx_of(left, recv_c)).map_err(bad)?;
-            let acc = &mut output[range(recv_c)];
-            acc.copy_from_slice(&input[range(recv_c)]);
-            decode_checked::<ADD>(split, acc).map_err(bad)?;
+            let phase = Phase::ReduceScatter;
+            let mut post = |this: &mut Self, out: &[f32], comm: &mut Comm<T>, j: usize| {
+                let src = if s == 0 { input } else { out };
+                let len =
+                    this.encode(send_c * k + j, &src[piece(send_c, j)], ctx_of(r, send_c, j))?;
+                let to = this.place(call, phase, s * k + j, send_c * k + j);
+                comm.post(&mut this.enc[..len], right, to)?;
+                step.sent(len);
+                Ok::<(), Error>(())
+            };
+            post(self, output, comm, 0)?;
+            for j in 0..k {
+                if j + 1 < k {
+                    post(self, output, comm, j + 1)?;
+                }
+                let want = self.place(call, phase, s * k + j, recv_c * k + j);
+                comm.expect(&mut self.a, left, want)?;
+                let frame = &self.a[ENVELOPE_LEN..];
+                let bad = |e| peer_error(left, phase, left, e);
+                let split = check_origin(&codec, frame, &ctx_of(left, recv_c, j)).map_err(bad)?;
+                let acc = &mut output[piece(recv_c, j)];
+                acc.copy_from_slice(&input[piece(recv_c, j)]);
+                decode_checked::<ADD>(split, acc).map_err(bad)?;
+            }
         }
         // The owner's encode of its fully reduced chunk, decoded here as everywhere.
-        let own = range(r);
-        let src = if p == 1 { input } else { &*output };
-        let len = self.encode(r, &src[own.clone()], ctx_of(r, r))?;
-        // This rank's own frame, sealed a moment ago: no checksum to verify.
-        let split = wire::split_with(&self.enc[ENVELOPE_LEN..len], false)?;
-        decode_checked::<WRITE>(split, &mut output[own])?;
+        self.fwd.resize_with(k, Vec::new);
+        self.next.resize_with(k, Vec::new);
+        for j in 0..k {
+            let own = piece(r, j);
+            let len = {
+                let src = if p == 1 { input } else { &*output };
+                self.encode(r * k + j, &src[own.clone()], ctx_of(r, r, j))?
+            };
+            // This rank's own frame, sealed a moment ago: no checksum to verify.
+            let split = wire::split_with(&self.enc[ENVELOPE_LEN..len], false)?;
+            decode_checked::<WRITE>(split, &mut output[own])?;
+            self.fwd[j].clear();
+            self.fwd[j].extend_from_slice(&self.enc[..len]);
+        }
         // All-gather: forward frames unchanged; at step s send chunk r-s, receive r-s-1.
-        self.b.clear();
-        self.b.extend_from_slice(&self.enc[..len]);
         for s in 0..p - 1 {
             let send_c = (r + p - s) % p;
             let recv_c = (r + 2 * p - s - 1) % p;
-            let (to, want) = (
-                self.place(call, Phase::RingAllGather, p - 1 + s, send_c),
-                self.place(call, Phase::RingAllGather, p - 1 + s, recv_c),
-            );
-            comm.exchange(&mut self.b, right, to, &mut self.a, left, want)?;
-            step.sent(self.b.len());
-            let frame = &self.a[ENVELOPE_LEN..];
-            // Chunk c's final frame was encoded by its owner, rank c.
-            let bad = |e| peer_error(recv_c, Phase::RingAllGather, left, e);
-            let split = check_origin(&codec, frame, &ctx_of(recv_c, recv_c)).map_err(bad)?;
-            decode_checked::<WRITE>(split, &mut output[range(recv_c)]).map_err(bad)?;
-            core::mem::swap(&mut self.a, &mut self.b);
+            let phase = Phase::RingAllGather;
+            let hop = |j: usize| (p - 1 + s) * k + j;
+            let mut post = |this: &mut Self, comm: &mut Comm<T>, j: usize| {
+                let to = this.place(call, phase, hop(j), send_c * k + j);
+                comm.post(&mut this.fwd[j], right, to)?;
+                step.sent(this.fwd[j].len());
+                Ok::<(), Error>(())
+            };
+            post(self, comm, 0)?;
+            for j in 0..k {
+                if j + 1 < k {
+                    post(self, comm, j + 1)?;
+                }
+                let want = self.place(call, phase, hop(j), recv_c * k + j);
+                comm.expect(&mut self.next[j], left, want)?;
+                let frame = &self.next[j][ENVELOPE_LEN..];
+                // Chunk c's final frames were encoded by its owner, rank c.
+                let bad = |e| peer_error(recv_c, phase, left, e);
+                let split = check_origin(&codec, frame, &ctx_of(recv_c, recv_c, j)).map_err(bad)?;
+                decode_checked::<WRITE>(split, &mut output[piece(recv_c, j)]).map_err(bad)?;
+            }
+            core::mem::swap(&mut self.fwd, &mut self.next);
         }
         Ok(())
     }

@@ -67,7 +67,7 @@ use crate::collective::{
     AllReduce, AllReduceOptions, Comm, Feedback, ReduceOp, Stats, Strategy, StrategyChoice,
     Transport,
 };
-use crate::cost::{self, CodecProfile};
+use crate::cost::CodecProfile;
 use crate::error::{Error, Result};
 use crate::feedback::FeedbackOptions;
 use crate::state::{BlobReader, BlobWriter};
@@ -99,6 +99,9 @@ pub struct SyncOptions {
     /// Reduce buckets on a communication thread as they fill (default). Off: every
     /// bucket is reduced in [`SyncEngine::finish`], after the backward pass.
     pub overlap: bool,
+    /// Pieces per ring chunk (a pipelined ring: [`AllReduceOptions::pieces`]); default
+    /// 1. With more, a bucket's encoding and decoding overlap its transfers.
+    pub pieces: usize,
 }
 
 impl Default for SyncOptions {
@@ -114,6 +117,7 @@ impl Default for SyncOptions {
             checksum: true,
             seed: 0,
             overlap: true,
+            pieces: 1,
         }
     }
 }
@@ -303,6 +307,11 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
                 "transport reports rank {rank} in a world of {size}"
             )));
         }
+        if opts.pieces == 0 {
+            return Err(Error::Collective(
+                "pieces per ring chunk must be at least 1".into(),
+            ));
+        }
         if opts.bucket_cap_bytes == 0 || opts.first_bucket_cap_bytes == 0 {
             return Err(Error::Collective(
                 "bucket caps must be at least 1 byte".into(),
@@ -356,23 +365,11 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
                 .try_fold(0usize, |a, &t| a.checked_add(lens[t]))
                 .ok_or_else(|| Error::Collective("a bucket's size overflows".into()))?;
             let choose = |codec: &CodecSpec, prof: Option<&CodecProfile>| {
-                let chunks = size;
-                let p = plan::profile_for(codec, prof, elements, chunks);
+                let p = plan::profile_for(codec, prof, elements, size);
                 let s = plan::strategy_for(codec, &p, size, &net, elements);
-                let p = if s == Strategy::CompressedAllGather {
-                    plan::profile_for(codec, prof, elements, 1)
-                } else {
-                    p
-                };
-                let c = cost::allreduce_cost(
-                    s,
-                    &p,
-                    size as u32,
-                    net.latency_s,
-                    elements as f64,
-                    f64::INFINITY,
-                );
-                (s, c.time(net.bandwidth_bit_s), c.bytes)
+                let (t, bytes) =
+                    plan::bucket_cost(codec, s, prof, size, &net, elements, opts.pieces);
+                (s, t, bytes)
             };
             let (codec, (strategy, t, bytes)) = if is_small {
                 (policy.small_codec, choose(&policy.small_codec, None))
@@ -407,6 +404,7 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
             buckets: buckets_plan,
             names: layout.iter().map(|t| t.name.clone()).collect(),
             nodes: size,
+            pieces: opts.pieces,
             network: net,
         };
         let mut loc = vec![(0, 0); layout.len()];
@@ -425,6 +423,11 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
                 feedback_options: opts.feedback_options,
                 checksum: opts.checksum,
                 tag: b as u32,
+                pieces: if bp.strategy == Strategy::CompressedAllGather {
+                    1
+                } else {
+                    opts.pieces
+                },
             };
             ars.push(AllReduce::new(bp.codec, bp.elements, &comm, ar_opts)?);
             buckets.push(Bucket {

@@ -177,6 +177,8 @@ pub struct Plan {
     pub(crate) names: Vec<String>,
     /// World size and network the times are modelled for.
     pub nodes: usize,
+    /// Pieces per ring chunk (a pipelined ring when above 1).
+    pub pieces: usize,
     /// The network.
     pub network: Network,
 }
@@ -194,27 +196,17 @@ impl Plan {
     pub fn remodel(&mut self, profiles: &[CodecProfile]) {
         let find = |c: &CodecSpec| profiles.iter().find(|p| p.spec == c.to_string());
         for b in &mut self.buckets {
-            let measured = find(&b.codec);
-            let chunks = if b.strategy == Strategy::CompressedAllGather {
-                1
-            } else {
-                self.nodes
-            };
-            let prof = profile_for(&b.codec, measured, b.elements, chunks);
-            let reduce = match (&b.codec, measured) {
-                (CodecSpec::Identity(_), Some(p)) => p.decode_add_bytes_per_s,
-                _ => f64::INFINITY,
-            };
-            let c = cost::allreduce_cost(
+            let (t, bytes) = bucket_cost(
+                &b.codec,
                 b.strategy,
-                &prof,
-                self.nodes as u32,
-                self.network.latency_s,
-                b.elements as f64,
-                reduce,
+                find(&b.codec),
+                self.nodes,
+                &self.network,
+                b.elements,
+                self.pieces,
             );
-            b.modelled_s = c.time(self.network.bandwidth_bit_s);
-            b.wire_bytes = c.bytes;
+            b.modelled_s = t;
+            b.wire_bytes = bytes;
         }
     }
 
@@ -339,6 +331,49 @@ pub(crate) fn strategy_for(
         latency_s: net.latency_s,
     };
     cost::best_strategy(profile, &cluster, elements as f64, f64::INFINITY).0
+}
+
+/// The modelled time (seconds) and bytes sent per rank of a bucket of `elements` with
+/// `codec` by `strategy`, with its measured speeds if known (else infinitely fast
+/// compute). Ring strategies (the fp32 ring too: it runs the same ring of identity
+/// frames) are modelled with their pieces ([`cost::pipelined_ring_time`]).
+pub(crate) fn bucket_cost(
+    codec: &CodecSpec,
+    strategy: Strategy,
+    measured: Option<&CodecProfile>,
+    nodes: usize,
+    net: &Network,
+    elements: usize,
+    pieces: usize,
+) -> (f64, f64) {
+    let ring = matches!(strategy, Strategy::CompressedRing | Strategy::Fp32Ring);
+    let frames = if ring { nodes * pieces.max(1) } else { 1 };
+    let prof = profile_for(codec, measured, elements, frames);
+    let c = cost::allreduce_cost(
+        if ring {
+            Strategy::CompressedRing
+        } else {
+            strategy
+        },
+        &prof,
+        nodes as u32,
+        net.latency_s,
+        elements as f64,
+        f64::INFINITY,
+    );
+    let t = if ring {
+        cost::pipelined_ring_time(
+            &prof,
+            nodes as u32,
+            net.latency_s,
+            elements as f64,
+            pieces.max(1) as u32,
+            net.bandwidth_bit_s,
+        )
+    } else {
+        c.time(net.bandwidth_bit_s)
+    };
+    (t, c.bytes)
 }
 
 /// Bits per element of `codec` on a bucket of `elements` split into `chunks` frames
