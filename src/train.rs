@@ -3,8 +3,9 @@
 //!
 //! [`Dataset::synthetic`] generates a classification task from a seed; [`train`] runs
 //! synchronous data-parallel SGD on it with `W` workers (threads on the in-process
-//! transport), each computing the gradient of its own shard of every batch, all-reducing
-//! the mean gradient with a codec through [`crate::collective::AllReduce`] (with or without
+//! transport), each computing the gradient of its own shard of every batch, handing each
+//! parameter tensor's gradient (weights and biases of each layer, last layer first) to a
+//! [`crate::sync::SyncEngine`] that all-reduces the mean with a codec (with or without
 //! error feedback), and applying the same update. The collective's results are
 //! bit-identical on every worker, so the replicas never drift (checked at the end).
 //!
@@ -19,11 +20,10 @@
 //! `tests/training.rs` asserts what the literature expects on a fixed seed.
 
 use crate::codec::CodecSpec;
-use crate::collective::{
-    AllReduce, AllReduceOptions, Feedback, ReduceOp, Strategy, StrategyChoice, Transport, local,
-};
+use crate::collective::{Feedback, ReduceOp, Strategy, Transport, local};
 use crate::error::{Error, Result};
 use crate::rng::draw;
+use crate::sync::{Policy, SyncEngine, SyncOptions, Tensor};
 use crate::synthetic::{normal, unit};
 
 /// A classification data set: row-major features and labels, split into train and test.
@@ -113,6 +113,33 @@ impl ModelKind {
             ModelKind::Softmax => c * d + c,
             ModelKind::Mlp { hidden: h } => h * d + h + c * h + c,
         }
+    }
+
+    /// The parameter tensors for `d` features and `c` classes, with the element range
+    /// each takes in the flat parameter vector, in the order the backward pass produces
+    /// their gradients (last layer first).
+    pub fn tensors(self, d: usize, c: usize) -> Vec<(Tensor, core::ops::Range<usize>)> {
+        let mut flat = Vec::new();
+        let mut at = 0;
+        let mut push = |name: &str, shape: &[usize]| {
+            let n: usize = shape.iter().product();
+            flat.push((Tensor::new(name, shape), at..at + n));
+            at += n;
+        };
+        match self {
+            ModelKind::Softmax => {
+                push("linear.weight", &[c, d]);
+                push("linear.bias", &[c]);
+            }
+            ModelKind::Mlp { hidden: h } => {
+                push("fc1.weight", &[h, d]);
+                push("fc1.bias", &[h]);
+                push("fc2.weight", &[c, h]);
+                push("fc2.bias", &[c]);
+            }
+        }
+        flat.reverse();
+        flat
     }
 
     /// Short name (`softmax`, `mlp`).
@@ -379,26 +406,35 @@ pub fn train(
             ds.train_len()
         )));
     }
-    let opts = AllReduceOptions {
+    let tensors = cfg.model.tensors(d, c);
+    let layout: Vec<Tensor> = tensors.iter().map(|(t, _)| t.clone()).collect();
+    let opts = SyncOptions {
+        // Every tensor with the codec (these layers are far below the size where a
+        // real model would send them uncompressed: compare codecs, not policies).
+        policy: Policy::uniform(codec),
         op: ReduceOp::Mean,
-        strategy: StrategyChoice::Forced(cfg.strategy),
+        strategy: Some(cfg.strategy),
         feedback: if feedback {
             Feedback::WorkerAndOwner
         } else {
             Feedback::None
         },
+        seed: cfg.seed,
         ..Default::default()
     };
-    let results = local::run(w, Some(core::time::Duration::from_secs(600)), |mut t| {
-        let rank = t.rank();
-        let mut ar = AllReduce::new(codec, n_params, &t, opts.clone())?;
+    let results = local::run(w, Some(core::time::Duration::from_secs(600)), |comm| {
+        let rank = comm.rank();
+        let mut sync = SyncEngine::new(&layout, comm.into_inner(), opts.clone())?;
+        let strategy = sync
+            .plan()
+            .buckets
+            .first()
+            .map_or(cfg.strategy, |b| b.strategy);
         let mut params = cfg.model.init(d, c, cfg.seed);
         let mut grad = vec![0f32; n_params];
-        let mut mean = vec![0f32; n_params];
         let mut order: Vec<usize> = (0..ds.train_len()).collect();
         let mut curve = Vec::with_capacity(cfg.epochs);
         let mut sent = 0u64;
-        let mut step = 0u64;
         for epoch in 0..cfg.epochs {
             shuffle(
                 &mut order,
@@ -416,11 +452,15 @@ pub fn train(
                 let batch = &mut order[start..start + b].iter().copied();
                 let (loss, _, _) = loss_grad(cfg.model, &params, data, batch, Some(&mut grad));
                 train_loss += loss;
-                let stats = ar.run(&mut t, &grad, &mut mean, cfg.seed.wrapping_add(step))?;
-                sent += stats.bytes_sent;
-                step += 1;
-                for (p, g) in params.iter_mut().zip(&mean) {
-                    *p -= cfg.lr * g;
+                for (i, (_, range)) in tensors.iter().enumerate() {
+                    sync.ready(i, &grad[range.clone()])?;
+                }
+                sent += sync.finish()?.bytes_sent;
+                for (i, (_, range)) in tensors.iter().enumerate() {
+                    let mean = sync.grad(i)?;
+                    for (p, g) in params[range.clone()].iter_mut().zip(mean) {
+                        *p -= cfg.lr * g;
+                    }
                 }
             }
             let (test_loss, test_accuracy) = if rank == 0 {
@@ -435,7 +475,7 @@ pub fn train(
                 test_accuracy,
             });
         }
-        Ok((curve, sent, params, ar.strategy()))
+        Ok((curve, sent, params, strategy))
     });
     let mut out: Option<TrainResult> = None;
     let mut first_params: Option<Vec<f32>> = None;

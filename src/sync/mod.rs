@@ -102,6 +102,9 @@ pub struct SyncOptions {
     /// Pieces per ring chunk (a pipelined ring: [`AllReduceOptions::pieces`]); default
     /// 1. With more, a bucket's encoding and decoding overlap its transfers.
     pub pieces: usize,
+    /// The strategy of every bucket whose codec is not fp32 (`None`, the default: the
+    /// fastest by the cost model for each bucket).
+    pub strategy: Option<Strategy>,
 }
 
 impl Default for SyncOptions {
@@ -118,6 +121,7 @@ impl Default for SyncOptions {
             seed: 0,
             overlap: true,
             pieces: 1,
+            strategy: None,
         }
     }
 }
@@ -366,7 +370,10 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
                 .ok_or_else(|| Error::Collective("a bucket's size overflows".into()))?;
             let choose = |codec: &CodecSpec, prof: Option<&CodecProfile>| {
                 let p = plan::profile_for(codec, prof, elements, size);
-                let s = plan::strategy_for(codec, &p, size, &net, elements);
+                let s = match opts.strategy {
+                    Some(s) if !matches!(codec, CodecSpec::Identity(_)) => s,
+                    _ => plan::strategy_for(codec, &p, size, &net, elements),
+                };
                 let (t, bytes) =
                     plan::bucket_cost(codec, s, prof, size, &net, elements, opts.pieces);
                 (s, t, bytes)
