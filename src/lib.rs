@@ -40,7 +40,11 @@
 //! [`ErrorFeedback`] carries each step's compression error into the next (fused into the
 //! encode pass), and [`parallel`] splits large tensors across rayon threads with
 //! byte-identical results. [`collective`] all-reduces a tensor across ranks with any codec
-//! over any transport (in-process threads, or MPI with feature `mpi`), and [`train`] runs
+//! over any transport (in-process threads, or MPI with feature `mpi`), binding every
+//! message to its call so that faults end in errors, never in wrong sums. [`sync`] is the
+//! whole-model engine a training loop embeds: the gradients of many tensors, bucketed,
+//! compressed per a codec policy and all-reduced on a communication thread while the
+//! backward pass goes on, with checkpointable state ([`state`]). [`train`] runs
 //! data-parallel SGD through it to show what each codec does to training.
 //!
 //! ## Rules the crate keeps

@@ -457,10 +457,14 @@ fn degenerate_options_are_refused_or_shown_plainly() {
     assert!(o.status.success(), "{}", stderr(&o));
     let s = String::from_utf8_lossy(&o.stdout);
     assert!(!s.contains("NaN"), "{s}");
-    assert_clean_error(
-        &gradpack(&["model", "--latency=-1us"]),
-        "\"-1us\" is negative",
-    );
+    let negative: [&[&str]; 2] = [
+        &["model", "--latency=-1us"],
+        &["model", "--latency", "-1us"],
+    ];
+    for args in negative {
+        assert_clean_error(&gradpack(args), "\"-1us\" is negative");
+    }
+    assert_clean_error(&gradpack(&["model", "--bandwidth", "-5Gbit/s"]), "negative");
     assert_clean_error(
         &gradpack(&["train", "--hidden", "0", "--epochs", "1", "--codec", "fp16"]),
         "at least one hidden unit",

@@ -108,6 +108,15 @@ const TIMEOUT: Duration = if cfg!(target_arch = "x86_64") {
     Duration::from_millis(1500)
 };
 
+/// One world at a time in this binary: the tests run in parallel threads, and on a
+/// machine with few cores several 4-rank worlds at once could make a fault-free
+/// exchange reach the timeout.
+static ONE_WORLD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_world() -> std::sync::MutexGuard<'static, ()> {
+    ONE_WORLD.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Every rank's result of every step, rank `faulty` injecting `fault`.
 fn world(
     codec: CodecSpec,
@@ -116,6 +125,7 @@ fn world(
     fault: Option<(usize, Fault, u64)>,
 ) -> Vec<Vec<Result<Vec<f32>>>> {
     let n = inputs[0].len();
+    let _one = one_world();
     let res = local::run(inputs.len(), Some(TIMEOUT), |t| {
         let rank = t.rank();
         let mut ar = AllReduce::new(codec, n, &t, o.clone())?;
@@ -268,6 +278,7 @@ fn error_feedback_recovers_after_a_fault() {
             Some(Fault::Lose),
         ] {
             let what = format!("{} {fault:?}", s.name());
+            let _one = one_world();
             let res = local::run(p, Some(TIMEOUT), |t| {
                 let rank = t.rank();
                 let mut ar = AllReduce::new(codec, n, &t, o.clone())?;

@@ -871,6 +871,28 @@ fn thread_gone() -> Error {
     Error::Collective("the communication thread has stopped (it panicked)".into())
 }
 
+/// This process's measured profiles, so that engines built later reuse them.
+static PROFILES: std::sync::Mutex<Vec<CodecProfile>> = std::sync::Mutex::new(Vec::new());
+
+/// `codec`'s profile on this CPU: measured once per process (about 0.05 s), then cached.
+fn calibrated(codec: &CodecSpec) -> Result<CodecProfile> {
+    let key = codec.to_string();
+    let cached = PROFILES
+        .lock()
+        .map_err(|_| Error::Collective("the profile cache is poisoned".into()))?
+        .iter()
+        .find(|p| p.spec == key)
+        .cloned();
+    if let Some(p) = cached {
+        return Ok(p);
+    }
+    let p = calibrate(codec, 1 << 18, 0.05)?;
+    if let Ok(mut cache) = PROFILES.lock() {
+        cache.push(p.clone());
+    }
+    Ok(p)
+}
+
 /// Measure each candidate on this CPU and average the figures over the ranks with an
 /// fp32 all-reduce (bit-identical on every rank), so that every rank plans alike.
 fn shared_profiles<T: Transport>(
@@ -880,7 +902,7 @@ fn shared_profiles<T: Transport>(
     let mut mine = Vec::with_capacity(candidates.len() * 3);
     let mut profiles = Vec::with_capacity(candidates.len());
     for c in candidates {
-        let p = calibrate(c, 1 << 18, 0.05)?;
+        let p = calibrated(c)?;
         // Seconds per byte: their mean is the mean time, the figure to model with.
         mine.extend([
             (1.0 / p.encode_bytes_per_s) as f32,

@@ -78,10 +78,13 @@ pub enum CodecChoice {
     Auto {
         /// The codecs to choose from.
         candidates: Vec<CodecSpec>,
-        /// Their measured speeds, if known (e.g. built from `gradpack report --json`).
-        /// `None`: the engine measures them at start (about a tenth of a second per
-        /// candidate) and averages them over the ranks, so every rank makes the same
-        /// plan.
+        /// Their measured speeds, one per candidate in the same order, if known: for
+        /// example from `gradpack report --json`, whose codec entries give `spec`,
+        /// `bits_per_element`, `encode_gb_s`, `decode_gb_s` and `decode_add_gb_s` (times
+        /// 1e9 for the profile's bytes per second). Every rank must pass the same.
+        /// `None`: the engine measures each candidate once per process (about 0.05 s;
+        /// later engines reuse the figures) and averages them over the ranks, so every
+        /// rank makes the same plan.
         profiles: Option<Vec<CodecProfile>>,
     },
 }

@@ -116,10 +116,10 @@ struct Net {
     #[arg(long, default_value_t = 8)]
     nodes: u32,
     /// Link bandwidth, e.g. 25Gbit/s, 10Gbps, 100Mbit/s, 1.25GB/s.
-    #[arg(long, default_value = "25Gbit/s")]
+    #[arg(long, default_value = "25Gbit/s", allow_hyphen_values = true)]
     bandwidth: String,
     /// Per-message latency, e.g. 5us, 1ms.
-    #[arg(long, default_value = "5us")]
+    #[arg(long, default_value = "5us", allow_hyphen_values = true)]
     latency: String,
 }
 
