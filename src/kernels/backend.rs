@@ -59,11 +59,114 @@ impl fmt::Display for Backend {
     }
 }
 
+/// The operations with hand-written x86 kernels: the rows of [`x86_route`] (only
+/// consulted by x86 builds; elsewhere every row routes to `X86::None`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) enum Op {
+    FeedbackF16,
+    EncodeF16,
+    DecodeF16,
+    EncodeBf16,
+    EncodeInt8,
+    EncodeSign,
+    DecodeSign,
+    EncodeSignmag,
+    DecodeSignmag,
+    EncodeNatural,
+    DecodeNatural,
+    FilterMagGe,
+    FilterDrawLt,
+    CountDrawLt,
+    DrawMasks,
+    CompressMasks,
+    /// The f32 decode (identity): portable code, compiled for AVX2 or AVX-512 by pulp.
+    DecodeF32,
+}
+
+impl Op {
+    /// Every row of the routing table.
+    #[cfg(test)]
+    pub(crate) const ALL: [Op; 17] = [
+        Op::FeedbackF16,
+        Op::EncodeF16,
+        Op::DecodeF16,
+        Op::EncodeBf16,
+        Op::EncodeInt8,
+        Op::EncodeSign,
+        Op::DecodeSign,
+        Op::EncodeSignmag,
+        Op::DecodeSignmag,
+        Op::EncodeNatural,
+        Op::DecodeNatural,
+        Op::FilterMagGe,
+        Op::FilterDrawLt,
+        Op::CountDrawLt,
+        Op::DrawMasks,
+        Op::CompressMasks,
+        Op::DecodeF32,
+    ];
+}
+
+/// The hand-written x86 kernel family an operation runs on a backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) enum X86 {
+    /// None: the scalar, portable (pulp) or NEON path of the backend.
+    None,
+    /// The AVX2 kernel (AVX2, FMA, F16C, BMI1, POPCNT).
+    Avx2,
+    /// The AVX-512 kernel.
+    Avx512,
+}
+
+/// The routing table: which x86 kernel `op` runs on a backend of `kind`.
+///
+/// An AVX-512 CPU also runs every AVX2 kernel (the AVX-512 backend is only detected on a
+/// CPU that has everything the AVX2 backend needs), so the AVX-512 backend takes, for
+/// each operation, the faster of its own kernel and the AVX2 one: its own where one
+/// exists and measured faster (fp16 encode, decode and error-feedback step, bf16 encode,
+/// sign encode, the magnitude filter), the AVX2 kernel everywhere else. Measured with
+/// `cargo run --release --example backend_race` on a Zen 5 (docs/benchmarks.md, session
+/// 12): before this table the AVX-512 backend ran the portable kernels on the other
+/// rows, 1.1 to 3.3 times slower than AVX2 (natural encode 3.3x, random-k decode_add
+/// 2.4x, sign decode_add 2.3x, QSGD 1.4 to 2.0x). One row is portable code that pulp
+/// compiles for either instruction set: the f32 decode, whose AVX2 build was 5 to 12%
+/// faster.
+pub(crate) const fn x86_route(op: Op, kind: BackendKind) -> X86 {
+    match kind {
+        // Every row has an AVX2 kernel.
+        BackendKind::Avx2 => X86::Avx2,
+        BackendKind::Avx512 => match op {
+            Op::FeedbackF16
+            | Op::EncodeF16
+            | Op::DecodeF16
+            | Op::EncodeBf16
+            | Op::EncodeSign
+            | Op::FilterMagGe => X86::Avx512,
+            Op::EncodeInt8
+            | Op::DecodeSign
+            | Op::EncodeSignmag
+            | Op::DecodeSignmag
+            | Op::EncodeNatural
+            | Op::DecodeNatural
+            | Op::FilterDrawLt
+            | Op::CountDrawLt
+            | Op::DrawMasks
+            | Op::CompressMasks
+            | Op::DecodeF32 => X86::Avx2,
+        },
+        BackendKind::Scalar | BackendKind::Neon => X86::None,
+    }
+}
+
 #[cfg(all(target_arch = "x86_64", not(miri)))]
 fn has_avx2() -> bool {
     pulp::x86::V3::try_new().is_some() && std::arch::is_x86_feature_detected!("f16c")
 }
 
+/// AVX-512 is only ever detected together with everything AVX2 needs, so the
+/// AVX-512 backend may run the AVX2 kernels ([`x86_route`]).
 #[cfg(all(target_arch = "x86_64", not(miri)))]
 fn has_avx512() -> bool {
     has_avx2() && pulp::x86::V4::try_new().is_some()
@@ -235,6 +338,35 @@ pub(crate) fn pulp_arch(b: Backend) -> pulp::Arch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn avx512_never_takes_a_path_avx2_beats() {
+        for op in Op::ALL {
+            // Every row has an AVX2 kernel, so AVX2 always runs it ...
+            assert_eq!(x86_route(op, BackendKind::Avx2), X86::Avx2, "{op:?}");
+            // ... and so does the AVX-512 backend unless its own kernel is faster: it
+            // never falls back to the portable path of a row.
+            assert_ne!(x86_route(op, BackendKind::Avx512), X86::None, "{op:?}");
+            assert_eq!(x86_route(op, BackendKind::Scalar), X86::None);
+            assert_eq!(x86_route(op, BackendKind::Neon), X86::None);
+        }
+        // The rows where the AVX-512 kernel won the measurement (see x86_route).
+        let own: Vec<Op> = Op::ALL
+            .into_iter()
+            .filter(|&op| x86_route(op, BackendKind::Avx512) == X86::Avx512)
+            .collect();
+        assert_eq!(
+            own,
+            [
+                Op::FeedbackF16,
+                Op::EncodeF16,
+                Op::DecodeF16,
+                Op::EncodeBf16,
+                Op::EncodeSign,
+                Op::FilterMagGe
+            ]
+        );
+    }
 
     #[test]
     fn run_forces_and_restores() {

@@ -22,6 +22,9 @@ pub mod scalar;
 mod x86_64;
 
 pub use backend::{Backend, BackendKind};
+#[cfg(target_arch = "x86_64")]
+use backend::X86;
+use backend::{Op, x86_route};
 pub use scalar::{mode, residual_of};
 
 use core::marker::PhantomData;
@@ -34,6 +37,16 @@ use scalar::Round;
 #[inline(always)]
 fn simd<Op: pulp::WithSimd>(b: Backend, op: Op) -> Op::Output {
     backend::pulp_arch(b).dispatch(op)
+}
+
+/// Run a portable kernel compiled for AVX2 (pulp's V3): for a backend that
+/// [`x86_route`] sends to AVX2 on a portable row.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn simd_avx2<Op: pulp::WithSimd>(op: Op) -> Op::Output {
+    pulp::x86::V3::try_new()
+        .map_or(pulp::Arch::Scalar, pulp::Arch::V3)
+        .dispatch(op)
 }
 
 /// Defines a `pulp::WithSimd` operation around a portable kernel call. pulp compiles
@@ -151,8 +164,8 @@ simd_op!(FeedbackF16 { r: &'a mut [f32], g: &'a [f32], beta: f32, gamma: f32, ou
 /// fp16's fused error-feedback step (see [`scalar::feedback_u16`]).
 pub fn feedback_f16(r: &mut [f32], g: &[f32], beta: f32, gamma: f32, out: &mut [u8]) -> bool {
     let b = Backend::current();
-    match b.kind() {
-        BackendKind::Scalar => scalar::feedback_u16(
+    match (b.kind(), x86_route(Op::FeedbackF16, b.kind())) {
+        (BackendKind::Scalar, _) => scalar::feedback_u16(
             r,
             g,
             beta,
@@ -161,12 +174,14 @@ pub fn feedback_f16(r: &mut [f32], g: &[f32], beta: f32, gamma: f32, out: &mut [
             scalar::f32_to_f16,
             scalar::f16_to_f32,
         ),
-        // SAFETY: a Backend of kind Avx2 exists only after AVX2 and F16C were detected.
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after AVX2 and F16C were detected.
         #[cfg(target_arch = "x86_64")]
-        BackendKind::Avx2 => unsafe { x86_64::feedback_f16_avx2(r, g, beta, gamma, out) },
-        // SAFETY: a Backend of kind Avx512 exists only after AVX-512F and F16C were detected.
+        (_, X86::Avx2) => unsafe { x86_64::feedback_f16_avx2(r, g, beta, gamma, out) },
+        // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
+        // after AVX-512F and F16C were detected.
         #[cfg(target_arch = "x86_64")]
-        BackendKind::Avx512 => unsafe { x86_64::feedback_f16_avx512(r, g, beta, gamma, out) },
+        (_, X86::Avx512) => unsafe { x86_64::feedback_f16_avx512(r, g, beta, gamma, out) },
         _ => simd(
             b,
             FeedbackF16 {
@@ -192,6 +207,10 @@ pub fn encode_f32(x: &[f32], out: &mut [u8]) -> bool {
 pub fn decode_f32<const M: u8>(p: &[u8], out: &mut [f32]) {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => scalar::decode_f32::<M>(p, out),
+        #[cfg(target_arch = "x86_64")]
+        b if x86_route(Op::DecodeF32, b.kind()) == X86::Avx2 => {
+            simd_avx2(DecodeF32::<M> { p, out })
+        }
         b => simd(b, DecodeF32::<M> { p, out }),
     }
 }
@@ -199,14 +218,16 @@ pub fn decode_f32<const M: u8>(p: &[u8], out: &mut [f32]) {
 /// f32 to binary16 (`out.len() == 2 * x.len()`); true if any input is NaN/±Inf.
 pub fn encode_f16(x: &[f32], out: &mut [u8]) -> bool {
     let b = Backend::current();
-    match b.kind() {
-        BackendKind::Scalar => scalar::encode_u16(x, out, scalar::f32_to_f16),
-        // SAFETY: a Backend of kind Avx2 exists only after AVX2 and F16C were detected.
+    match (b.kind(), x86_route(Op::EncodeF16, b.kind())) {
+        (BackendKind::Scalar, _) => scalar::encode_u16(x, out, scalar::f32_to_f16),
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after AVX2 and F16C were detected.
         #[cfg(target_arch = "x86_64")]
-        BackendKind::Avx2 => unsafe { x86_64::encode_f16_avx2(x, out) },
-        // SAFETY: a Backend of kind Avx512 exists only after AVX-512F and F16C were detected.
+        (_, X86::Avx2) => unsafe { x86_64::encode_f16_avx2(x, out) },
+        // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
+        // after AVX-512F and F16C were detected.
         #[cfg(target_arch = "x86_64")]
-        BackendKind::Avx512 => unsafe { x86_64::encode_f16_avx512(x, out) },
+        (_, X86::Avx512) => unsafe { x86_64::encode_f16_avx512(x, out) },
         _ => simd(b, EncodeF16 { x, out }),
     }
 }
@@ -214,14 +235,16 @@ pub fn encode_f16(x: &[f32], out: &mut [u8]) -> bool {
 /// binary16 to f32, written or added (`p.len() == 2 * out.len()`).
 pub fn decode_f16<const M: u8>(p: &[u8], out: &mut [f32]) {
     let b = Backend::current();
-    match b.kind() {
-        BackendKind::Scalar => scalar::decode_u16::<M>(p, out, scalar::f16_to_f32),
-        // SAFETY: a Backend of kind Avx2 exists only after AVX2 and F16C were detected.
+    match (b.kind(), x86_route(Op::DecodeF16, b.kind())) {
+        (BackendKind::Scalar, _) => scalar::decode_u16::<M>(p, out, scalar::f16_to_f32),
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after AVX2 and F16C were detected.
         #[cfg(target_arch = "x86_64")]
-        BackendKind::Avx2 if M != mode::RESIDUAL => unsafe { x86_64::decode_f16_avx2::<M>(p, out) },
-        // SAFETY: a Backend of kind Avx512 exists only after AVX-512F and F16C were detected.
+        (_, X86::Avx2) if M != mode::RESIDUAL => unsafe { x86_64::decode_f16_avx2::<M>(p, out) },
+        // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
+        // after AVX-512F and F16C were detected.
         #[cfg(target_arch = "x86_64")]
-        BackendKind::Avx512 if M != mode::RESIDUAL => unsafe {
+        (_, X86::Avx512) if M != mode::RESIDUAL => unsafe {
             x86_64::decode_f16_avx512::<M>(p, out)
         },
         _ => simd(b, DecodeF16::<M> { p, out }),
@@ -232,13 +255,18 @@ pub fn decode_f16<const M: u8>(p: &[u8], out: &mut [f32]) {
 pub fn encode_bf16(x: &[f32], out: &mut [u8]) -> bool {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => scalar::encode_u16(x, out, scalar::f32_to_bf16),
-        // SAFETY: a Backend of kind Avx512 exists only after x86-64-v4 (AVX-512F/BW/CD/DQ/VL)
-        // was detected.
+        // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
+        // after x86-64-v4 (AVX-512F/BW/CD/DQ/VL) was detected.
         #[cfg(target_arch = "x86_64")]
-        b if b.kind() == BackendKind::Avx512 => unsafe { x86_64::encode_bf16_avx512(x, out) },
-        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
+        b if x86_route(Op::EncodeBf16, b.kind()) == X86::Avx512 => unsafe {
+            x86_64::encode_bf16_avx512(x, out)
+        },
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after AVX2 was detected.
         #[cfg(target_arch = "x86_64")]
-        b if b.kind() == BackendKind::Avx2 => unsafe { x86_64::blocks::encode_bf16_avx2(x, out) },
+        b if x86_route(Op::EncodeBf16, b.kind()) == X86::Avx2 => unsafe {
+            x86_64::blocks::encode_bf16_avx2(x, out)
+        },
         b => simd(b, EncodeBf16 { x, out }),
     }
 }
@@ -267,9 +295,10 @@ pub fn encode_int8(
         b if b.kind() == BackendKind::Scalar => {
             scalar::encode_int8(x, block, round, draws, first, steps, codes)
         }
-        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after AVX2 was detected.
         #[cfg(target_arch = "x86_64")]
-        b if b.kind() == BackendKind::Avx2 => unsafe {
+        b if x86_route(Op::EncodeInt8, b.kind()) == X86::Avx2 => unsafe {
             x86_64::blocks::encode_int8_avx2(x, block, round, draws, first, steps, codes)
         },
         b => simd(
@@ -306,18 +335,20 @@ pub fn decode_int8<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &
 /// Sign block encode (see [`scalar::encode_sign`]); `codes` need not be zeroed.
 pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) -> bool {
     let b = Backend::current();
-    match b.kind() {
-        BackendKind::Scalar => {
+    match (b.kind(), x86_route(Op::EncodeSign, b.kind())) {
+        (BackendKind::Scalar, _) => {
             codes.fill(0);
             scalar::encode_sign(x, block, steps, codes)
         }
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
-        BackendKind::Avx2 => unsafe { x86_64::encode_sign_avx2(x, block, steps, codes) },
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after AVX2 was detected.
+        (_, X86::Avx2) => unsafe { x86_64::encode_sign_avx2(x, block, steps, codes) },
         #[cfg(target_arch = "x86_64")]
-        BackendKind::Avx512 => portable::encode_sign_blocks(x, block, steps, codes, |xb, cb, l| {
-            // SAFETY: a Backend of kind Avx512 exists only after AVX-512F was detected;
-            // `cb` holds the block's `ceil(xb.len() / 8)` code bytes.
+        (_, X86::Avx512) => portable::encode_sign_blocks(x, block, steps, codes, |xb, cb, l| {
+            // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
+            // after AVX-512F was detected; `cb` holds the block's `ceil(xb.len() / 8)` code
+            // bytes.
             unsafe { x86_64::sign_groups_avx512(xb, cb, l) }
         }),
         _ => simd(
@@ -336,12 +367,14 @@ pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) 
 pub fn decode_sign<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => scalar::decode_sign::<M>(steps, codes, block, out),
-        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected; the mode and
-        // the block size are the kernel's preconditions.
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after AVX2 was detected; the mode and the block size are the kernel's
+        // preconditions.
         #[cfg(target_arch = "x86_64")]
-        b if b.kind() == BackendKind::Avx2 && M != mode::RESIDUAL && block.is_multiple_of(8) => unsafe {
-            x86_64::blocks::decode_sign_avx2::<M>(steps, codes, block, out)
-        },
+        b if x86_route(Op::DecodeSign, b.kind()) == X86::Avx2
+            && M != mode::RESIDUAL
+            && block.is_multiple_of(8) =>
+        unsafe { x86_64::blocks::decode_sign_avx2::<M>(steps, codes, block, out) },
         b => simd(
             b,
             DecodeSign::<M> {
@@ -373,11 +406,14 @@ pub fn encode_signmag(
         return scalar::encode_signmag(x, block, bits, measure, draws, first, steps, codes);
     }
     #[cfg(target_arch = "x86_64")]
-    if b.kind() == BackendKind::Avx2 && block.is_multiple_of((8 / bits) as usize) {
+    if x86_route(Op::EncodeSignmag, b.kind()) == X86::Avx2
+        && block.is_multiple_of((8 / bits) as usize)
+    {
         macro_rules! avx2 {
             ($bits:literal) => {
-                // SAFETY: a Backend of kind Avx2 exists only after AVX2 and FMA (pulp's
-                // V3) were detected; blocks start on byte boundaries (checked above).
+                // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which
+                // exist only after AVX2 and FMA (pulp's V3) were detected; blocks start on
+                // byte boundaries (checked above).
                 unsafe {
                     x86_64::blocks::encode_signmag_avx2::<$bits>(
                         x, block, measure, draws, first, steps, codes,
@@ -429,14 +465,15 @@ pub fn decode_signmag<const M: u8>(
         return scalar::decode_signmag::<M>(steps, codes, block, bits, out);
     }
     #[cfg(target_arch = "x86_64")]
-    if b.kind() == BackendKind::Avx2
+    if x86_route(Op::DecodeSignmag, b.kind()) == X86::Avx2
         && M != mode::RESIDUAL
         && block.is_multiple_of((8 / bits) as usize)
     {
         macro_rules! avx2 {
             ($bits:literal) => {
-                // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected; the
-                // mode and the block size are the kernel's preconditions (checked above).
+                // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which
+                // exist only after AVX2 was detected; the mode and the block size are the
+                // kernel's preconditions (checked above).
                 unsafe { x86_64::blocks::decode_signmag_avx2::<M, $bits>(steps, codes, block, out) }
             };
         }
@@ -481,9 +518,10 @@ pub fn encode_natural(
         b if b.kind() == BackendKind::Scalar => {
             scalar::encode_natural(x, block, draws, first, refs, codes)
         }
-        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after AVX2 was detected.
         #[cfg(target_arch = "x86_64")]
-        b if b.kind() == BackendKind::Avx2 => unsafe {
+        b if x86_route(Op::EncodeNatural, b.kind()) == X86::Avx2 => unsafe {
             x86_64::blocks::encode_natural_avx2(x, block, draws, first, refs, codes)
         },
         b => simd(
@@ -506,10 +544,10 @@ pub fn decode_natural<const M: u8>(refs: &[u8], codes: &[u8], block: usize, out:
         b if b.kind() == BackendKind::Scalar => {
             scalar::decode_natural::<M>(refs, codes, block, out)
         }
-        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected; the mode is
-        // the kernel's precondition.
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after AVX2 was detected; the mode is the kernel's precondition.
         #[cfg(target_arch = "x86_64")]
-        b if b.kind() == BackendKind::Avx2 && M != mode::RESIDUAL => unsafe {
+        b if x86_route(Op::DecodeNatural, b.kind()) == X86::Avx2 && M != mode::RESIDUAL => unsafe {
             x86_64::blocks::decode_natural_avx2::<M>(refs, codes, block, out)
         },
         b => simd(
@@ -533,14 +571,16 @@ pub fn decode_natural<const M: u8>(refs: &[u8], codes: &[u8], block: usize, out:
 pub fn filter_mag_ge(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
     assert!(idx.len() >= 64, "filter index buffer shorter than 64");
     let b = Backend::current();
-    match b.kind() {
-        BackendKind::Scalar => scalar::filter_mag_ge(x, t, idx),
-        // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
+    match (b.kind(), x86_route(Op::FilterMagGe, b.kind())) {
+        (BackendKind::Scalar, _) => scalar::filter_mag_ge(x, t, idx),
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after AVX2 was detected.
         #[cfg(target_arch = "x86_64")]
-        BackendKind::Avx2 => unsafe { x86_64::filter_mag_ge_avx2(x, t, idx) },
-        // SAFETY: a Backend of kind Avx512 exists only after AVX-512F was detected.
+        (_, X86::Avx2) => unsafe { x86_64::filter_mag_ge_avx2(x, t, idx) },
+        // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
+        // after AVX-512F was detected.
         #[cfg(target_arch = "x86_64")]
-        BackendKind::Avx512 => unsafe { x86_64::filter_mag_ge_avx512(x, t, idx) },
+        (_, X86::Avx512) => unsafe { x86_64::filter_mag_ge_avx512(x, t, idx) },
         _ => simd(b, FilterMagGe { x, t, idx }),
     }
 }
@@ -602,8 +642,8 @@ fn filter_draw_lt_zeroing(
     let b = Backend::current();
     // Keep each call inside one 2^32 index window (one key).
     let n = in_window(first, n);
-    let (used, kept) = match b.kind() {
-        BackendKind::Scalar => scalar::filter_draw_lt(draws, first, t, n, idx),
+    let (used, kept) = match (b.kind(), x86_route(Op::FilterDrawLt, b.kind())) {
+        (BackendKind::Scalar, _) => scalar::filter_draw_lt(draws, first, t, n, idx),
         _ if t > u32::MAX as u64 => {
             // Every draw is below 2^32.
             let m = n.min(idx.len() & !63);
@@ -612,10 +652,10 @@ fn filter_draw_lt_zeroing(
             }
             (m, m)
         }
-        // SAFETY: a Backend of kind Avx2 exists only after x86-64-v3 (AVX2, POPCNT,
-        // BMI1, ...) was detected.
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after x86-64-v3 (AVX2, POPCNT, BMI1, ...) was detected.
         #[cfg(target_arch = "x86_64")]
-        BackendKind::Avx2 => {
+        (_, X86::Avx2) => {
             let key = draws.key_for(first);
             let (first, t) = (first as u32, t as u32);
             return unsafe { x86_64::blocks::filter_draw_lt_avx2(first, key, t, n, idx, zero) };
@@ -676,10 +716,11 @@ pub fn count_draw_lt(draws: &Draws, first: u64, t: u64, n: usize) -> usize {
         let at = first + done as u64;
         let m = in_window(at, n - done);
         let key = draws.key_for(at);
-        count += match b.kind() {
-            // SAFETY: a Backend of kind Avx2 exists only after AVX2 was detected.
+        count += match x86_route(Op::CountDrawLt, b.kind()) {
+            // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which
+            // exist only after AVX2 was detected.
             #[cfg(target_arch = "x86_64")]
-            BackendKind::Avx2 => unsafe {
+            X86::Avx2 => unsafe {
                 x86_64::blocks::count_draw_lt_avx2(at as u32, key, t as u32, m)
             },
             _ => simd(
@@ -740,11 +781,11 @@ fn draw_masks_into(
         return n;
     }
     let (first, key, t) = (first as u32, draws.key_for(first), t as u32);
-    match b.kind() {
-        // SAFETY: a Backend of kind Avx2 exists only after x86-64-v3 (AVX2, POPCNT, ...)
-        // was detected.
+    match x86_route(Op::DrawMasks, b.kind()) {
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after x86-64-v3 (AVX2, POPCNT, ...) was detected.
         #[cfg(target_arch = "x86_64")]
-        BackendKind::Avx2 => unsafe { x86_64::blocks::draw_masks_avx2(first, key, t, n, masks) },
+        X86::Avx2 => unsafe { x86_64::blocks::draw_masks_avx2(first, key, t, n, masks) },
         _ => simd(
             b,
             DrawMasks {
@@ -807,9 +848,9 @@ pub fn for_each_draw_lt_exactly(
 /// whole entries but at the end. `rare` says most entries are 0.
 fn compress_stored_masks(masks: &[u64], n: usize, idx: &mut [u32], rare: bool) -> (usize, usize) {
     #[cfg(target_arch = "x86_64")]
-    if Backend::current().kind() == BackendKind::Avx2 {
-        // SAFETY: a Backend of kind Avx2 exists only after x86-64-v3 (AVX2, POPCNT, BMI1,
-        // ...) was detected.
+    if x86_route(Op::CompressMasks, Backend::current().kind()) == X86::Avx2 {
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after x86-64-v3 (AVX2, POPCNT, BMI1, ...) was detected.
         return unsafe { x86_64::compress_stored_masks_avx2(masks, n, idx, rare) };
     }
     let _ = rare;

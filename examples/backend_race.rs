@@ -1,0 +1,133 @@
+//! Every backend this CPU has, on every codec's encode, decode, decode_add and error-
+//! feedback step, in one process, alternated: the check that no backend is slower than
+//! another on an operation it can run (an AVX-512 CPU also runs the AVX2 kernels, so its
+//! backend must route each operation to the faster of the two).
+//!
+//! ```text
+//! cargo run --release --example backend_race [ELEMENTS...]   # default 65536 1048576
+//! ```
+//!
+//! Prints, per size, codec and operation, the best of 7 alternated rounds (each round
+//! times every backend once, 0.1 s of repetitions each) in GB/s of f32, the same run's
+//! memcpy, and each backend's ratio to the fastest.
+
+use std::time::Instant;
+
+use gradpack::{Backend, BackendKind, Codec, CodecSpec, EncodeCtx, ErrorFeedback};
+
+const SPECS: [&str; 14] = [
+    "fp16",
+    "bf16",
+    "int8",
+    "int8:rounding=stochastic",
+    "qsgd:bits=8",
+    "qsgd:bits=4",
+    "qsgd:bits=2",
+    "natural",
+    "ternary",
+    "sign",
+    "topk:ratio=0.01,values=fp16",
+    "topk:ratio=0.01,values=fp16,select=approx",
+    "randk:ratio=0.01",
+    "identity",
+];
+
+/// Seconds per call of `f`, best over repetitions filling about 0.1 s.
+fn time(mut f: impl FnMut()) -> f64 {
+    f();
+    let start = Instant::now();
+    let mut reps = 0u32;
+    let mut best = f64::INFINITY;
+    while start.elapsed().as_secs_f64() < 0.1 || reps < 3 {
+        let t = Instant::now();
+        f();
+        best = best.min(t.elapsed().as_secs_f64());
+        reps += 1;
+    }
+    best
+}
+
+fn main() {
+    let sizes: Vec<usize> = {
+        let v: Vec<usize> = std::env::args()
+            .skip(1)
+            .map(|a| a.parse().expect("ELEMENTS: counts"))
+            .collect();
+        if v.is_empty() {
+            vec![1 << 16, 1 << 20]
+        } else {
+            v
+        }
+    };
+    let backends: Vec<Backend> = BackendKind::ALL
+        .into_iter()
+        .filter(|k| *k != BackendKind::Scalar)
+        .filter_map(Backend::of)
+        .collect();
+    gradpack::parallel::set_min_len(usize::MAX);
+    println!(
+        "backends: {:?}; best of 7 alternated rounds, GB/s of f32 input, one thread\n",
+        backends.iter().map(|b| b.kind().name()).collect::<Vec<_>>()
+    );
+    for &n in &sizes {
+        let x = gradpack::synthetic::gradient(n, 3);
+        let src: Vec<u8> = bytemuck::cast_slice(&x).to_vec();
+        let mut dst = vec![0u8; src.len()];
+        let memcpy = (0..7)
+            .map(|_| time(|| dst.copy_from_slice(&src)))
+            .fold(f64::INFINITY, f64::min);
+        let gbs = |t: f64| 4.0 * n as f64 / t / 1e9;
+        println!("## {n} elements (memcpy {:.1} GB/s)\n", gbs(memcpy));
+        print!("| codec | operation |");
+        for b in &backends {
+            print!(" {} GB/s |", b.kind().name());
+        }
+        println!(" slowest / fastest |");
+        println!("|---|---|{}---:|", "---:|".repeat(backends.len()));
+        for spec in SPECS {
+            let codec: CodecSpec = spec.parse().expect("spec");
+            let ctx = EncodeCtx::new(9);
+            let mut frame = vec![0u8; codec.max_encoded_len(n)];
+            let len = codec.encode_into(&x, &ctx, &mut frame).expect("encode");
+            let frame_ok = frame[..len].to_vec();
+            let mut out = vec![0f32; n];
+            let mut ef = ErrorFeedback::new(codec, n).ok();
+            let ops: [&str; 4] = ["encode", "decode", "decode_add", "feedback"];
+            for op in ops {
+                if op == "feedback" && ef.is_none() {
+                    continue;
+                }
+                let mut best = vec![f64::INFINITY; backends.len()];
+                for _ in 0..7 {
+                    for (i, b) in backends.iter().enumerate() {
+                        let t = b.run(|| match op {
+                            "encode" => time(|| {
+                                codec.encode_into(&x, &ctx, &mut frame).expect("encode");
+                            }),
+                            "decode" => time(|| codec.decode_into(&frame_ok, &mut out).expect("decode")),
+                            "decode_add" => {
+                                time(|| codec.decode_add(&frame_ok, &mut out).expect("decode_add"))
+                            }
+                            _ => {
+                                let ef = ef.as_mut().expect("feedback state");
+                                time(|| {
+                                    ef.encode_into(&x, &ctx, &mut frame).expect("feedback");
+                                })
+                            }
+                        });
+                        best[i] = best[i].min(t);
+                    }
+                }
+                print!("| {spec} | {op} |");
+                for t in &best {
+                    print!(" {:.1} |", gbs(*t));
+                }
+                let (lo, hi) = best
+                    .iter()
+                    .fold((f64::INFINITY, 0f64), |(lo, hi), &t| (lo.min(t), hi.max(t)));
+                println!(" {:.2} |", hi / lo);
+            }
+        }
+        println!();
+    }
+}
