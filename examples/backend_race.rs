@@ -4,8 +4,10 @@
 //! backend must route each operation to the faster of the two).
 //!
 //! ```text
-//! cargo run --release --example backend_race [ELEMENTS...]   # default 65536 1048576
+//! cargo run --release --example backend_race [ELEMENTS...] [SPEC...]
 //! ```
+//!
+//! Sizes default to 65536 and 1048576, codecs to a representative list.
 //!
 //! Prints, per size, codec and operation, the best of 7 alternated rounds (each round
 //! times every backend once, 0.1 s of repetitions each) in GB/s of f32, the same run's
@@ -48,16 +50,22 @@ fn time(mut f: impl FnMut()) -> f64 {
 }
 
 fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
     let sizes: Vec<usize> = {
-        let v: Vec<usize> = std::env::args()
-            .skip(1)
-            .map(|a| a.parse().expect("ELEMENTS: counts"))
-            .collect();
+        let v: Vec<usize> = args.iter().filter_map(|a| a.parse().ok()).collect();
         if v.is_empty() {
             vec![1 << 16, 1 << 20]
         } else {
             v
         }
+    };
+    let specs: Vec<&str> = {
+        let v: Vec<&str> = args
+            .iter()
+            .filter(|a| a.parse::<usize>().is_err())
+            .map(String::as_str)
+            .collect();
+        if v.is_empty() { SPECS.to_vec() } else { v }
     };
     let backends: Vec<Backend> = BackendKind::ALL
         .into_iter()
@@ -84,7 +92,7 @@ fn main() {
         }
         println!(" slowest / fastest |");
         println!("|---|---|{}---:|", "---:|".repeat(backends.len()));
-        for spec in SPECS {
+        for &spec in &specs {
             let codec: CodecSpec = spec.parse().expect("spec");
             let ctx = EncodeCtx::new(9);
             let mut frame = vec![0u8; codec.max_encoded_len(n)];

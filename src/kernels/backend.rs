@@ -66,7 +66,10 @@ impl fmt::Display for Backend {
 pub(crate) enum Op {
     FeedbackF16,
     EncodeF16,
+    /// fp16 decode into the output.
     DecodeF16,
+    /// fp16 decode added into the output.
+    AddF16,
     EncodeBf16,
     EncodeInt8,
     EncodeSign,
@@ -87,10 +90,11 @@ pub(crate) enum Op {
 impl Op {
     /// Every row of the routing table.
     #[cfg(test)]
-    pub(crate) const ALL: [Op; 17] = [
+    pub(crate) const ALL: [Op; 18] = [
         Op::FeedbackF16,
         Op::EncodeF16,
         Op::DecodeF16,
+        Op::AddF16,
         Op::EncodeBf16,
         Op::EncodeInt8,
         Op::EncodeSign,
@@ -126,7 +130,9 @@ pub(crate) enum X86 {
 /// CPU that has everything the AVX2 backend needs), so the AVX-512 backend takes, for
 /// each operation, the faster of its own kernel and the AVX2 one: its own where one
 /// exists and measured faster (fp16 encode, decode and error-feedback step, bf16 encode,
-/// sign encode, the magnitude filter), the AVX2 kernel everywhere else. Measured with
+/// sign encode, the magnitude filter), the AVX2 kernel everywhere else (fp16's
+/// decode_add too: 9% faster with AVX2 at 1 Mi elements, while its plain decode is 8%
+/// faster with AVX-512). Measured with
 /// `cargo run --release --example backend_race` on a Zen 5 (docs/benchmarks.md, session
 /// 12): before this table the AVX-512 backend ran the portable kernels on the other
 /// rows, 1.1 to 3.3 times slower than AVX2 (natural encode 3.3x, random-k decode_add
@@ -144,7 +150,8 @@ pub(crate) const fn x86_route(op: Op, kind: BackendKind) -> X86 {
             | Op::EncodeBf16
             | Op::EncodeSign
             | Op::FilterMagGe => X86::Avx512,
-            Op::EncodeInt8
+            Op::AddF16
+            | Op::EncodeInt8
             | Op::DecodeSign
             | Op::EncodeSignmag
             | Op::DecodeSignmag

@@ -235,7 +235,8 @@ pub fn encode_f16(x: &[f32], out: &mut [u8]) -> bool {
 /// binary16 to f32, written or added (`p.len() == 2 * out.len()`).
 pub fn decode_f16<const M: u8>(p: &[u8], out: &mut [f32]) {
     let b = Backend::current();
-    match (b.kind(), x86_route(Op::DecodeF16, b.kind())) {
+    let op = if M == mode::ADD { Op::AddF16 } else { Op::DecodeF16 };
+    match (b.kind(), x86_route(op, b.kind())) {
         (BackendKind::Scalar, _) => scalar::decode_u16::<M>(p, out, scalar::f16_to_f32),
         // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
         // only after AVX2 and F16C were detected.
