@@ -278,6 +278,10 @@ pub fn decode_bf16<const M: u8>(p: &[u8], out: &mut [f32]) {
         b if b.kind() == BackendKind::Scalar => {
             scalar::decode_u16::<M>(p, out, scalar::bf16_to_f32)
         }
+        #[cfg(target_arch = "x86_64")]
+        b if x86_route(Op::DecodeBf16, b.kind()) == X86::Avx2 => {
+            simd_avx2(DecodeBf16::<M> { p, out })
+        }
         b => simd(b, DecodeBf16::<M> { p, out }),
     }
 }
