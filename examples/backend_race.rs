@@ -118,7 +118,9 @@ fn main() {
                             "encode" => time(|| {
                                 codec.encode_into(&x, &ctx, &mut frame).expect("encode");
                             }),
-                            "decode" => time(|| codec.decode_into(&frame_ok, &mut out).expect("decode")),
+                            "decode" => {
+                                time(|| codec.decode_into(&frame_ok, &mut out).expect("decode"))
+                            }
                             "decode_add" => {
                                 time(|| codec.decode_add(&frame_ok, &mut out).expect("decode_add"))
                             }

@@ -21,9 +21,9 @@ pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86_64;
 
-pub use backend::{Backend, BackendKind};
 #[cfg(target_arch = "x86_64")]
 use backend::X86;
+pub use backend::{Backend, BackendKind};
 use backend::{Op, x86_route};
 pub use scalar::{mode, residual_of};
 
@@ -235,7 +235,11 @@ pub fn encode_f16(x: &[f32], out: &mut [u8]) -> bool {
 /// binary16 to f32, written or added (`p.len() == 2 * out.len()`).
 pub fn decode_f16<const M: u8>(p: &[u8], out: &mut [f32]) {
     let b = Backend::current();
-    let op = if M == mode::ADD { Op::AddF16 } else { Op::DecodeF16 };
+    let op = if M == mode::ADD {
+        Op::AddF16
+    } else {
+        Op::DecodeF16
+    };
     match (b.kind(), x86_route(op, b.kind())) {
         (BackendKind::Scalar, _) => scalar::decode_u16::<M>(p, out, scalar::f16_to_f32),
         // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
@@ -725,9 +729,7 @@ pub fn count_draw_lt(draws: &Draws, first: u64, t: u64, n: usize) -> usize {
             // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which
             // exist only after AVX2 was detected.
             #[cfg(target_arch = "x86_64")]
-            X86::Avx2 => unsafe {
-                x86_64::blocks::count_draw_lt_avx2(at as u32, key, t as u32, m)
-            },
+            X86::Avx2 => unsafe { x86_64::blocks::count_draw_lt_avx2(at as u32, key, t as u32, m) },
             _ => simd(
                 b,
                 CountDrawLt {
