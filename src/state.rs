@@ -193,22 +193,21 @@ impl<'a> BlobReader<'a> {
 
     /// `n` f32 values into `out`, which must hold exactly as many.
     pub(crate) fn f32s_into(&mut self, out: &mut [f32]) -> Result<()> {
-        let n = self.u64()?;
-        if n != out.len() as u64 {
-            return Err(bad(
-                self.what,
-                format!("{n} values saved, {} expected", out.len()),
-            ));
-        }
-        let b = self.take(n.saturating_mul(4))?;
-        for (o, c) in out.iter_mut().zip(b.chunks_exact(4)) {
-            *o = f32::from_le_bytes(c.try_into().expect("4 bytes"));
-        }
-        Ok(())
+        self.values_into(out, |b: [u8; 4]| f32::from_le_bytes(b))
     }
 
     /// `n` u16 values into `out`, which must hold exactly as many.
     pub(crate) fn u16s_into(&mut self, out: &mut [u16]) -> Result<()> {
+        self.values_into(out, |b: [u8; 2]| u16::from_le_bytes(b))
+    }
+
+    /// A length-prefixed run of `N`-byte little-endian values into `out`, which must hold
+    /// exactly as many.
+    fn values_into<T, const N: usize>(
+        &mut self,
+        out: &mut [T],
+        from: impl Fn([u8; N]) -> T,
+    ) -> Result<()> {
         let n = self.u64()?;
         if n != out.len() as u64 {
             return Err(bad(
@@ -216,9 +215,9 @@ impl<'a> BlobReader<'a> {
                 format!("{n} values saved, {} expected", out.len()),
             ));
         }
-        let b = self.take(n.saturating_mul(2))?;
-        for (o, c) in out.iter_mut().zip(b.chunks_exact(2)) {
-            *o = u16::from_le_bytes(c.try_into().expect("2 bytes"));
+        let b = self.take(n.saturating_mul(N as u64))?;
+        for (o, c) in out.iter_mut().zip(b.chunks_exact(N)) {
+            *o = from(c.try_into().expect("N bytes"));
         }
         Ok(())
     }

@@ -41,21 +41,8 @@ fn assert_clean_error(o: &Output, needle: &str) {
 
 fn npy_f32(x: &[f32]) -> Vec<u8> {
     // Written independently of the tool: a version 1.0 header padded to 64 bytes.
-    let mut h = format!(
-        "{{'descr': '<f4', 'fortran_order': False, 'shape': ({},), }}",
-        x.len()
-    );
-    while (10 + h.len() + 1) % 64 != 0 {
-        h.push(' ');
-    }
-    h.push('\n');
-    let mut v = b"\x93NUMPY\x01\x00".to_vec();
-    v.extend_from_slice(&(h.len() as u16).to_le_bytes());
-    v.extend_from_slice(h.as_bytes());
-    for f in x {
-        v.extend_from_slice(&f.to_le_bytes());
-    }
-    v
+    let data: Vec<u8> = x.iter().flat_map(|f| f.to_le_bytes()).collect();
+    npy_with_shape(&format!("{},", x.len()), &data)
 }
 
 #[test]
