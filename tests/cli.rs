@@ -457,3 +457,28 @@ fn degenerate_options_are_refused_or_shown_plainly() {
         "at least one hidden unit",
     );
 }
+
+#[test]
+fn a_closed_stdout_is_an_error_not_a_panic() {
+    // `gradpack train | head -0`: the reader is gone before the table is printed.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gradpack"))
+        .args([
+            "train",
+            "--epochs",
+            "1",
+            "--codec",
+            "fp16",
+            "--workers",
+            "2",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run gradpack");
+    drop(child.stdout.take());
+    let o = child.wait_with_output().expect("wait");
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(!e.contains("panicked"), "{e}");
+    assert!(e.contains("writing to stdout"), "{e}");
+}

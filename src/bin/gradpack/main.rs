@@ -8,6 +8,14 @@
 //!
 //! Every error prints one line on stderr and exits with status 2.
 
+/// `println!` that returns an error instead of panicking when stdout is closed (a pipe
+/// into `head`, say): the command then ends with one line on stderr and status 2.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        writeln!(std::io::stdout().lock(), $($arg)*).map_err(|e| format!("writing to stdout: {e}"))?
+    };
+}
+
 mod npy;
 
 use std::io::{Read, Write};
@@ -329,17 +337,17 @@ fn decode(input: &str, output: &Path) -> Res<()> {
 fn inspect(file: &str) -> Res<()> {
     let frame = read_frame(file)?;
     let (h, spec) = gradpack::inspect(&frame).map_err(|e| format!("{file}: invalid frame: {e}"))?;
-    println!("file        {file} ({} bytes)", frame.len());
-    println!("codec       {spec}");
-    println!("elements    {}", h.elements);
-    println!("payload     {} bytes", h.payload_len);
-    println!(
+    outln!("file        {file} ({} bytes)", frame.len());
+    outln!("codec       {spec}");
+    outln!("elements    {}", h.elements);
+    outln!("payload     {} bytes", h.payload_len);
+    outln!(
         "bits/elem   {:.4}",
         frame.len() as f64 * 8.0 / h.elements.max(1) as f64
     );
-    println!("seed        {}", h.seed);
-    println!("offset      {}", h.offset);
-    println!(
+    outln!("seed        {}", h.seed);
+    outln!("offset      {}", h.offset);
+    outln!(
         "flags       {:#06x}{}",
         h.flags,
         match (h.nonfinite(), h.payload_checksum()) {
@@ -350,7 +358,7 @@ fn inspect(file: &str) -> Res<()> {
         }
     );
     let x = gradpack::decode_to_vec(&frame).map_err(|e| format!("{file}: invalid frame: {e}"))?;
-    println!(
+    outln!(
         "valid       yes (header checksum, {}fields and payload all check)",
         if h.payload_checksum() {
             "payload checksum, "
@@ -362,12 +370,15 @@ fn inspect(file: &str) -> Res<()> {
     let mut st = Stats::default();
     x.iter().for_each(|&v| st.add(v));
     drop(x);
-    println!(
+    outln!(
         "decoded     {} values: {} zero, {} NaN, {} Inf",
-        st.count, st.zeros, st.nan, st.inf
+        st.count,
+        st.zeros,
+        st.nan,
+        st.inf
     );
     if st.finite > 0 {
-        println!(
+        outln!(
             "            min {:.6e}  max {:.6e}  mean {:.6e}  L2 norm {:.6e}",
             st.min,
             st.max,
@@ -680,19 +691,19 @@ fn report(a: ReportArgs) -> Res<()> {
             "fp32_allreduce_s": fp32,
             "codecs": codecs,
         });
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?
         );
     } else {
-        println!(
+        outln!(
             "gradpack {} report, {}: {n} f32 elements ({:.1} MiB) of the synthetic gradient on {} (backend {backend})",
             env!("CARGO_PKG_VERSION"),
             today(),
             n as f64 * 4.0 / 1048576.0,
             cpu_model(),
         );
-        println!(
+        outln!(
             "all-reduce model: {} nodes, {:.1} Gbit/s links, {:.1} us latency; fp32 ring {:.3} ms (sums at {:.1} GB/s)\n",
             net.nodes,
             net.bandwidth / 1e9,
@@ -700,7 +711,7 @@ fn report(a: ReportArgs) -> Res<()> {
             fp32 * 1e3,
             reduce / 1e9
         );
-        println!(
+        outln!(
             "{:<40} {:>7} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7} {:>9} {:>11} {:>9} {:>8}",
             "spec",
             "bits/el",
@@ -717,7 +728,7 @@ fn report(a: ReportArgs) -> Res<()> {
             "speedup"
         );
         for r in &rows {
-            println!(
+            outln!(
                 "{:<40} {:>7.3} {:>6.1} {:>9.2e} {:>9} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>9} {:>11} {:>9.3} {:>8}",
                 r.m.spec.to_string(),
                 r.m.bits,
@@ -735,7 +746,7 @@ fn report(a: ReportArgs) -> Res<()> {
                 speedup(fp32, r.t)
             );
         }
-        println!(
+        outln!(
             "\nrel L2: ||x - D(x)|| / ||x||; EF rel L2: ||sum g - sum D|| / ||sum g|| after {EF_STEPS} steps of error feedback\n\
              (- where error feedback refuses a non-contractive codec);\n\
              break-even: the link speed (Gbit/s) below which the codec's all-reduce beats fp32's;\n\
@@ -1075,12 +1086,12 @@ fn train(a: TrainArgs) -> Res<()> {
             "workers": cfg.workers, "epochs": cfg.epochs, "batch": cfg.batch, "lr": cfg.lr,
             "seed": cfg.seed, "baseline": run(&base), "runs": runs,
         });
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?
         );
     } else {
-        println!(
+        outln!(
             "gradpack train: {} ({} parameters), {} workers x {} samples per step, {} epochs ({} steps), lr {}, seed {}, {} strategy",
             model.name(),
             model.params(ds.features, ds.classes),
@@ -1092,11 +1103,17 @@ fn train(a: TrainArgs) -> Res<()> {
             cfg.seed,
             strategy.name()
         );
-        println!(
+        outln!(
             "\n{:<40} {:>3} {:>9} {:>9} {:>8} {:>13} {:>8}",
-            "codec", "EF", "test loss", "accuracy", "vs fp32", "bytes/worker", "vs fp32"
+            "codec",
+            "EF",
+            "test loss",
+            "accuracy",
+            "vs fp32",
+            "bytes/worker",
+            "vs fp32"
         );
-        println!(
+        outln!(
             "{:<40} {:>3} {} {:>13} {:>8.3}",
             "fp32 (ring of identity frames)",
             "-",
@@ -1108,7 +1125,7 @@ fn train(a: TrainArgs) -> Res<()> {
         for (ef, row) in &rows {
             let ef_s = if *ef { "yes" } else { "no" };
             match row {
-                TrainRow::Done(r) => println!(
+                TrainRow::Done(r) => outln!(
                     "{:<40} {:>3} {} {:>13} {:>8.3}",
                     r.codec.to_string(),
                     ef_s,
@@ -1124,14 +1141,14 @@ fn train(a: TrainArgs) -> Res<()> {
                             notes.len() - 1
                         }
                     };
-                    println!("{:<40} {:>3} refused [{}]", codec.to_string(), ef_s, k + 1)
+                    outln!("{:<40} {:>3} refused [{}]", codec.to_string(), ef_s, k + 1)
                 }
             }
         }
         for (k, n) in notes.iter().enumerate() {
-            println!("[{}] {n}", k + 1);
+            outln!("[{}] {n}", k + 1);
         }
-        println!(
+        outln!(
             "\nvs fp32: test accuracy difference in percentage points; bytes: what each worker sent\n\
              (all-gather sends p-1 frames per step, the fp32 ring 2(p-1)/p of the gradient)."
         );
