@@ -15,24 +15,11 @@
 
 use std::time::Instant;
 
+use gradpack::codec::REPRESENTATIVE_SPECS;
 use gradpack::{Backend, BackendKind, Codec, CodecSpec, EncodeCtx, ErrorFeedback};
 
-const SPECS: [&str; 14] = [
-    "fp16",
-    "bf16",
-    "int8",
-    "int8:rounding=stochastic",
-    "qsgd:bits=8",
-    "qsgd:bits=4",
-    "qsgd:bits=2",
-    "natural",
-    "ternary",
-    "sign",
-    "topk:ratio=0.01,values=fp16",
-    "topk:ratio=0.01,values=fp16,select=approx",
-    "randk:ratio=0.01",
-    "identity",
-];
+/// Beside the representative set: top-k's approximate selection and plain f32.
+const EXTRA_SPECS: [&str; 2] = ["topk:ratio=0.01,values=fp16,select=approx", "identity"];
 
 /// Seconds per call of `f`, best over repetitions filling about 0.1 s.
 fn time(mut f: impl FnMut()) -> f64 {
@@ -65,7 +52,15 @@ fn main() {
             .filter(|a| a.parse::<usize>().is_err())
             .map(String::as_str)
             .collect();
-        if v.is_empty() { SPECS.to_vec() } else { v }
+        if v.is_empty() {
+            REPRESENTATIVE_SPECS
+                .iter()
+                .chain(&EXTRA_SPECS)
+                .copied()
+                .collect()
+        } else {
+            v
+        }
     };
     let backends: Vec<Backend> = BackendKind::ALL
         .into_iter()

@@ -547,13 +547,7 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
     pub fn slot_mut(&mut self, i: usize) -> Result<&mut [f32]> {
         self.check_tensor(i)?;
         self.begin_step();
-        let (b, off) = self.loc[i];
-        let n = self.lens[i];
-        let input = self.buckets[b]
-            .input
-            .as_mut()
-            .ok_or_else(|| Error::Collective(format!("bucket {b} is being reduced")))?;
-        Ok(&mut input[off..off + n])
+        self.slot(i)
     }
 
     /// Tensor `i`'s gradient is in its slot: when this completes its bucket, the bucket
@@ -561,13 +555,7 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
     pub fn mark_ready(&mut self, i: usize) -> Result<()> {
         self.check_tensor(i)?;
         self.begin_step();
-        self.given[i] = true;
-        let b = self.loc[i].0;
-        self.buckets[b].missing -= 1;
-        if self.opts.overlap {
-            self.launch()?;
-        }
-        Ok(())
+        self.mark(i)
     }
 
     /// Tensor `i`'s gradient is ready: copy it into its bucket (see
@@ -582,8 +570,32 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
                 right: self.lens[i],
             });
         }
-        self.slot_mut(i)?.copy_from_slice(grad);
-        self.mark_ready(i)
+        self.begin_step();
+        self.slot(i)?.copy_from_slice(grad);
+        self.mark(i)
+    }
+
+    /// Tensor `i`'s slot (checked by the caller, in a step).
+    fn slot(&mut self, i: usize) -> Result<&mut [f32]> {
+        let (b, off) = self.loc[i];
+        let n = self.lens[i];
+        let input = self.buckets[b]
+            .input
+            .as_mut()
+            .ok_or_else(|| Error::Collective(format!("bucket {b} is being reduced")))?;
+        Ok(&mut input[off..off + n])
+    }
+
+    /// Count tensor `i` as given (checked by the caller, in a step) and launch what is
+    /// complete.
+    fn mark(&mut self, i: usize) -> Result<()> {
+        self.given[i] = true;
+        let b = self.loc[i].0;
+        self.buckets[b].missing -= 1;
+        if self.opts.overlap {
+            self.launch()?;
+        }
+        Ok(())
     }
 
     /// The seed bucket `bucket` is all-reduced with at step `step` (before the
