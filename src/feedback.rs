@@ -266,6 +266,25 @@ impl ErrorFeedback {
         }
     }
 
+    /// Replace the residual with `r` (of [`ErrorFeedback::len`] elements; a bf16 residual
+    /// stores it rounded as every step does). For embedders that move residuals between
+    /// tensors of a new layout, such as a data-parallel framework that regroups its
+    /// gradient buckets. A wrong length is an error and the state is unchanged.
+    pub fn set_residual(&mut self, r: &[f32]) -> Result<()> {
+        if r.len() != self.len() {
+            return Err(Error::LengthMismatch {
+                what: "new residual and error-feedback state",
+                left: r.len(),
+                right: self.len(),
+            });
+        }
+        match &mut self.state {
+            State::F32(res) => res.copy_from_slice(r),
+            State::Bf16 { r: res, .. } => crate::kernels::feedback_store_bf16(res, r),
+        }
+        Ok(())
+    }
+
     /// The state as a saved blob (see [`crate::state`]): codec, options, length and the
     /// residual's exact bits. [`ErrorFeedback::restore`] reads it back.
     pub fn save(&self) -> Vec<u8> {

@@ -456,3 +456,52 @@ fn zero_length_and_state_accessors() {
     let ef = ErrorFeedback::with_options(spec, n, o).unwrap();
     assert_eq!(ef.memory_bytes(), 2 * n + 4 * n / 32);
 }
+
+#[test]
+fn a_residual_moved_through_set_residual_continues_identically() {
+    // Two states of one codec: the second gets the first's residual and must then encode
+    // every later step to the same frames, for f32 and bf16 residuals.
+    for precision in [ResidualPrecision::F32, ResidualPrecision::Bf16] {
+        let spec: CodecSpec = "int8".parse().unwrap();
+        let o = FeedbackOptions {
+            precision,
+            ..FeedbackOptions::default()
+        };
+        let n = 1000;
+        let mut a = ErrorFeedback::with_options(spec, n, o).unwrap();
+        let mut b = ErrorFeedback::with_options(spec, n, o).unwrap();
+        for step in 0..3 {
+            a.encode(&grad(n, step), &EncodeCtx::new(step as u64)).unwrap();
+        }
+        assert!(a.residual_f32().iter().any(|&v| v != 0.0));
+        b.set_residual(&a.residual_f32()).unwrap();
+        assert_eq!(
+            a.residual_f32()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>(),
+            b.residual_f32()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        );
+        for step in 3..6 {
+            let ctx = EncodeCtx::new(step as u64);
+            assert_eq!(
+                a.encode(&grad(n, step), &ctx).unwrap(),
+                b.encode(&grad(n, step), &ctx).unwrap()
+            );
+        }
+        // A wrong length is refused and changes nothing.
+        let before = b.residual_f32();
+        let r = b.set_residual(&[1.0; 999]);
+        assert!(matches!(r, Err(Error::LengthMismatch { .. })), "{r:?}");
+        assert_eq!(before, b.residual_f32());
+    }
+}
+
+fn grad(n: usize, step: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i as f32) * 0.37 + step as f32).sin() * 0.01)
+        .collect()
+}

@@ -1,0 +1,396 @@
+"""gradpack: gradient compression for data-parallel training.
+
+Codecs (fp16, bf16, int8, QSGD, sign, ternary, natural, top-k, random-k) turn a float32
+gradient into a self-describing frame of bytes and back, with error feedback and a cost
+model that says whether a codec pays on a given link. ``gradpack.torch`` holds a
+communication hook for PyTorch DDP built on them.
+
+Arrays: any C-contiguous float32 buffer is read in place, never copied: a numpy array,
+a CPU torch tensor, or an object exposing the buffer protocol with format ``'f'``. Other
+dtypes raise ``TypeError`` (convert with ``x.astype(numpy.float32)`` or ``t.float()``),
+non-contiguous arrays and tensors on other devices raise ``ValueError`` (use
+``numpy.ascontiguousarray(x)``, ``t.contiguous()``, ``t.cpu()``). Arrays of any shape are
+read as flat. Frames are ``bytes``, ``bytearray``, ``memoryview``, or one-dimensional
+uint8 numpy arrays or torch tensors.
+
+The GIL is released while a kernel runs, so threads encoding different tensors run in
+parallel. Every error gradpack itself detects (a corrupted frame, a bad spec, a buffer
+of the wrong size) raises :class:`Error`, a ``ValueError`` carrying the crate's message.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict, Optional, Tuple, Union
+
+import numpy as np
+
+from . import _native
+from ._native import (
+    HEADER_LEN,
+    CodecProfile,
+    Error,
+    allreduce_time,
+    backend,
+    best_strategy,
+    break_even_bandwidth,
+    parse_bandwidth,
+    parse_duration,
+)
+
+__all__ = [
+    "HEADER_LEN",
+    "Codec",
+    "CodecProfile",
+    "Error",
+    "ErrorFeedback",
+    "allreduce_time",
+    "backend",
+    "best_strategy",
+    "break_even_bandwidth",
+    "calibrate",
+    "decode",
+    "decode_add",
+    "decode_into",
+    "encode",
+    "encode_into",
+    "frame_len",
+    "inspect",
+    "parse_bandwidth",
+    "parse_duration",
+]
+
+__version__ = "0.1.0"
+
+ArrayLike = Any
+"""A float32 buffer: numpy array, CPU torch tensor, or a buffer-protocol object."""
+FrameLike = Union[bytes, bytearray, memoryview, np.ndarray, Any]
+"""A frame: bytes, bytearray, memoryview, or a 1-D uint8 numpy array or torch tensor."""
+
+
+def _torch_tensor(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _tensor_view(x: Any, what: str, dtype_name: str) -> np.ndarray:
+    import torch
+
+    want = {"float32": torch.float32, "uint8": torch.uint8}[dtype_name]
+    if x.device.type != "cpu":
+        raise ValueError(
+            f"{what} is on device {x.device}; gradpack reads host memory: pass {what}.cpu()"
+            " (gradpack.torch's hook copies CUDA buckets to the host itself)"
+        )
+    if x.dtype != want:
+        raise TypeError(
+            f"{what} has dtype {x.dtype}; gradpack reads torch.{dtype_name} only"
+            + (" (convert with t.float())" if dtype_name == "float32" else "")
+        )
+    if not x.is_contiguous():
+        raise ValueError(f"{what} is not contiguous; pass {what}.contiguous()")
+    return x.detach().numpy()
+
+
+def _f32(x: ArrayLike, what: str = "x") -> np.ndarray:
+    """`x` as a float32 numpy view (no copy), or the error that explains why not."""
+    if isinstance(x, np.ndarray):
+        return x
+    if _torch_tensor(x):
+        return _tensor_view(x, what, "float32")
+    try:
+        m = memoryview(x)
+    except TypeError:
+        raise TypeError(
+            f"{what} must be a float32 numpy array, a CPU torch tensor or a buffer of"
+            f" float32, not {type(x).__name__}"
+        ) from None
+    if m.format not in ("f", "<f", "=f", "@f"):
+        raise TypeError(
+            f"{what} is a buffer of format {m.format!r}; gradpack reads float32 ('f') only"
+        )
+    return np.asarray(m)
+
+
+def _frame(f: FrameLike) -> Union[bytes, np.ndarray]:
+    if isinstance(f, bytes):
+        return f
+    if isinstance(f, np.ndarray):
+        if f.dtype != np.uint8 or f.ndim != 1:
+            raise TypeError(
+                f"a frame array must be 1-D uint8, got {f.ndim}-D {f.dtype}"
+            )
+        return f
+    if _torch_tensor(f):
+        return _tensor_view(f, "frame", "uint8").reshape(-1)
+    if isinstance(f, (bytearray, memoryview)):
+        return np.frombuffer(f, dtype=np.uint8)
+    raise TypeError(
+        f"a frame must be bytes, bytearray, memoryview or a 1-D uint8 array, not {type(f).__name__}"
+    )
+
+
+def _bytes_out(out: Any) -> np.ndarray:
+    if isinstance(out, np.ndarray):
+        return out
+    if _torch_tensor(out):
+        return _tensor_view(out, "out", "uint8").reshape(-1)
+    if isinstance(out, (bytearray, memoryview)):
+        return np.frombuffer(out, dtype=np.uint8)
+    raise TypeError(
+        f"out must be a 1-D uint8 numpy array, a uint8 torch tensor or a bytearray, not {type(out).__name__}"
+    )
+
+
+class Codec:
+    """A codec and its parameters, parsed from a spec string.
+
+    Specs are ``name`` or ``name:key=value,...``: ``'fp16'``, ``'bf16'``,
+    ``'int8:block=256,rounding=stochastic'``, ``'qsgd:bits=4'``, ``'sign'``,
+    ``'ternary'``, ``'natural'``, ``'topk:ratio=0.01,values=fp16'``,
+    ``'randk:ratio=0.01'``, ``'identity'`` (float32). Parameters not given take their
+    defaults; :attr:`spec` spells them all out.
+    """
+
+    __slots__ = ("_c",)
+
+    def __init__(self, spec: Union[str, "Codec"]) -> None:
+        self._c = spec._c if isinstance(spec, Codec) else _native.Codec(spec)
+
+    @property
+    def spec(self) -> str:
+        """The canonical spec with every parameter; parses back to an equal codec."""
+        return self._c.spec
+
+    @property
+    def name(self) -> str:
+        """The codec's name: ``'int8'``, ``'topk'``, ..."""
+        return self._c.name
+
+    @property
+    def unbiased(self) -> bool:
+        """Whether ``decode(encode(x))`` equals ``x`` in expectation."""
+        return self._c.unbiased
+
+    def bits_per_element(self, n: int) -> float:
+        """Bits per element on the wire for ``n`` elements, header included."""
+        return self._c.bits_per_element(n)
+
+    def max_encoded_len(self, n: int, checksum: bool = False) -> int:
+        """The longest frame ``n`` elements encode to (+4 bytes with ``checksum``)."""
+        return self._c.max_encoded_len(n, checksum)
+
+    def error_bound(self, absmax: float) -> float:
+        """Largest error of one decoded element for inputs of absolute maximum
+        ``absmax`` (infinite for codecs that drop elements)."""
+        return self._c.error_bound(absmax)
+
+    def encode(
+        self, x: ArrayLike, seed: int = 0, offset: int = 0, checksum: bool = False
+    ) -> bytes:
+        """Encode ``x``; see :func:`encode`."""
+        return self._c.encode(_f32(x), seed, offset, checksum)
+
+    def encode_into(
+        self,
+        x: ArrayLike,
+        out: Any,
+        seed: int = 0,
+        offset: int = 0,
+        checksum: bool = False,
+    ) -> int:
+        """Encode ``x`` into the uint8 buffer ``out``; see :func:`encode_into`."""
+        return _native.encode_into(_f32(x), _bytes_out(out), self._c, seed, offset, checksum)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and self._c == other._c
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+    def __repr__(self) -> str:
+        return f"Codec({self.spec!r})"
+
+    def __str__(self) -> str:
+        return self.spec
+
+    def __reduce__(self):
+        return (Codec, (self.spec,))
+
+
+def _codec(codec: Union[str, Codec]) -> Any:
+    if isinstance(codec, Codec):
+        return codec._c
+    if isinstance(codec, str):
+        return codec
+    raise TypeError(
+        f"codec must be a spec string such as 'int8' or a gradpack.Codec, not {type(codec).__name__}"
+    )
+
+
+def encode(
+    x: ArrayLike,
+    codec: Union[str, Codec],
+    seed: int = 0,
+    offset: int = 0,
+    checksum: bool = False,
+) -> bytes:
+    """Encode the float32 array ``x`` (any shape, read flat) into a frame.
+
+    ``seed`` drives stochastic rounding and random-k selection (the same seed gives the
+    same frame on every CPU); ``offset`` is the global index of ``x``'s first element in
+    its tensor when ``x`` is a chunk; ``checksum`` seals the payload with a CRC-32 that
+    decoding verifies.
+    """
+    return _native.encode(_f32(x), _codec(codec), seed, offset, checksum)
+
+
+def encode_into(
+    x: ArrayLike,
+    out: Any,
+    codec: Union[str, Codec],
+    seed: int = 0,
+    offset: int = 0,
+    checksum: bool = False,
+) -> int:
+    """Encode ``x`` into ``out`` (a uint8 numpy array, uint8 torch tensor or bytearray
+    of at least ``Codec(codec).max_encoded_len(x.size)`` bytes) and return the frame
+    length. Allocates nothing."""
+    return _native.encode_into(_f32(x), _bytes_out(out), _codec(codec), seed, offset, checksum)
+
+
+def decode(frame: FrameLike, max_elements: Optional[int] = None) -> np.ndarray:
+    """Decode any frame into a new 1-D float32 array.
+
+    A frame needs no configuration: its header names the codec and parameters. Frames
+    claiming more than ``max_elements`` elements (default: the most a frame of its
+    length can legitimately hold) are refused before anything is allocated.
+    """
+    return _native.decode(_frame(frame), max_elements)
+
+
+def decode_into(frame: FrameLike, out: ArrayLike) -> None:
+    """Decode any frame into ``out``, a writable C-contiguous float32 array (or CPU
+    tensor) holding exactly the frame's element count, in any shape."""
+    _native.decode_into(_frame(frame), _f32(out, "out"))
+
+
+def decode_add(frame: FrameLike, acc: ArrayLike) -> None:
+    """Decode any frame and add it element-wise into ``acc`` (the reduce step of a
+    collective). The frame is fully validated first: on error ``acc`` is unchanged."""
+    _native.decode_add(_frame(frame), _f32(acc, "acc"))
+
+
+def inspect(frame: FrameLike) -> Dict[str, Any]:
+    """Validate a frame's header and describe it.
+
+    Returns a dict with ``codec``, ``spec``, ``elements``, ``payload_len``,
+    ``frame_len``, ``seed``, ``offset``, ``nonfinite`` (the input held NaN or Inf),
+    ``checksum`` (the payload is sealed) and ``bits_per_element``.
+    """
+    return _native.inspect(_frame(frame))
+
+
+def frame_len(buf: FrameLike) -> int:
+    """The length of the frame at the start of ``buf``, from its header alone (which is
+    checked): to cut a frame out of a longer buffer, such as a padded receive buffer."""
+    return _native.frame_len(_frame(buf))
+
+
+def calibrate(
+    codec: Union[str, Codec], elements: int = 1 << 20, budget_s: float = 0.2
+) -> CodecProfile:
+    """Measure ``codec``'s encode, decode and decode_add speed on this CPU on a
+    synthetic gradient of ``elements`` elements (best of repetitions for about
+    ``budget_s`` seconds); the result feeds :func:`allreduce_time`."""
+    return _native.calibrate(_codec(codec), elements, budget_s)
+
+
+class ErrorFeedback:
+    """Error feedback for one tensor of ``n`` elements.
+
+    Each :meth:`encode` sends ``beta * residual + gamma * grad`` and keeps what the codec
+    dropped as the next residual, in the same pass as the encode. Codecs that are not
+    contractive (random-k with ``scale=unbiased``, QSGD with few levels per block) make
+    the residual grow and are refused unless ``allow_non_contractive``. ``residual``
+    is ``'f32'`` (exact) or ``'bf16'`` (half the memory; fixed-rate codecs only).
+
+    The state survives a checkpoint: :meth:`state_dict` returns plain values (a
+    versioned, checksummed blob inside) that :meth:`load_state_dict` restores bit for
+    bit.
+    """
+
+    __slots__ = ("_ef",)
+
+    def __init__(
+        self,
+        codec: Union[str, Codec],
+        n: int,
+        beta: float = 1.0,
+        gamma: float = 1.0,
+        residual: str = "f32",
+        allow_non_contractive: bool = False,
+    ) -> None:
+        self._ef = _native.ErrorFeedback(
+            _codec(codec), n, beta, gamma, residual, allow_non_contractive
+        )
+
+    @property
+    def codec(self) -> Codec:
+        """The codec."""
+        c = Codec.__new__(Codec)
+        c._c = self._ef.codec
+        return c
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of residual state."""
+        return self._ef.memory_bytes
+
+    def __len__(self) -> int:
+        return len(self._ef)
+
+    def max_encoded_len(self, checksum: bool = False) -> int:
+        """The longest frame :meth:`encode` can return (+4 bytes with ``checksum``)."""
+        return self._ef.max_encoded_len(checksum)
+
+    def encode(
+        self, grad: ArrayLike, seed: int = 0, offset: int = 0, checksum: bool = False
+    ) -> bytes:
+        """Encode ``grad`` (``n`` elements) plus the residual; keep the new residual."""
+        return self._ef.encode(_f32(grad, "grad"), seed, offset, checksum)
+
+    def encode_into(
+        self,
+        grad: ArrayLike,
+        out: Any,
+        seed: int = 0,
+        offset: int = 0,
+        checksum: bool = False,
+    ) -> int:
+        """As :meth:`encode`, into the uint8 buffer ``out``; returns the frame length."""
+        return self._ef.encode_into(_f32(grad, "grad"), _bytes_out(out), seed, offset, checksum)
+
+    def residual(self) -> np.ndarray:
+        """A float32 copy of the residual."""
+        return self._ef.residual()
+
+    def set_residual(self, r: ArrayLike) -> None:
+        """Replace the residual with the float32 array ``r`` of ``len(self)`` elements
+        (rounded to bf16 for a bf16 residual), e.g. to move residuals to a new layout."""
+        self._ef.set_residual(_f32(r, "residual"))
+
+    def reset(self) -> None:
+        """Zero the residual."""
+        self._ef.reset()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The state as plain values: ``format``, ``codec``, ``len`` and ``blob``."""
+        return self._ef.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of the same codec and length, bit for bit."""
+        self._ef.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return repr(self._ef)

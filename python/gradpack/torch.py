@@ -1,0 +1,526 @@
+"""A PyTorch DDP communication hook that compresses gradient buckets with gradpack.
+
+DDP hands the hook each bucket of gradients (a flat float32 tensor of up to 25 MiB by
+default) as soon as backward has produced it, and waits for the returned future before
+the optimizer step. The hook encodes the bucket with a gradpack codec, exchanges the
+frames over DDP's own process group, decodes and sums them in rank order, and divides
+by the world size, so every rank ends with the same averaged gradient, bit for bit::
+
+    import gradpack.torch as gpt
+
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    state = gpt.GradpackState(codec="topk:ratio=0.01,values=fp16", error_feedback=True)
+    model.register_comm_hook(state, gpt.gradpack_hook)
+
+What it does, per bucket:
+
+- Each parameter's gradient in the bucket is a tensor of its own: parameters under
+  ``min_compress_elements`` elements and one-dimensional ones (biases, norm scales) go
+  as float32, the others with the codec. So the result does not depend on how DDP
+  groups parameters into buckets (it regroups them once, after the first step).
+- ``strategy="allgather"`` (default): each rank encodes its tensors once (with error
+  feedback when on) into one message of back-to-back frames, the messages are
+  all-gathered, and each rank decodes all of them and sums them in rank order, so every
+  rank holds the same sum. A bucket with no tensor to compress, and every bucket when
+  the codec is ``"identity"``, goes through a plain float32 all-reduce instead.
+- ``strategy="ring"``: a compressed ring over send/recv on the whole bucket: each of the
+  ``2(p - 1)`` hops moves one ``1/p`` chunk, partial sums are re-encoded on the way, and
+  the owners' final frames are forwarded unchanged. It moves ``2(p - 1)/p`` frames per
+  rank against the all-gather's ``p - 1``, so it pays from 3 ranks up for dense codecs.
+  Its chunks follow the bucket, not the parameters, and it takes no error feedback.
+- Messages whose length is fixed by the element counts (every codec but random-k, up to
+  top-k's 2% slack) travel in buffers of that length; random-k's lengths are
+  all-gathered first.
+- The work runs on one communication thread per state, in the order DDP hands the
+  buckets over, while backward goes on (gradpack's kernels and gloo release the GIL).
+- ``codec="auto"`` picks, per tensor size, the fastest of ``candidates`` by gradpack's
+  cost model for the ``bandwidth`` and ``latency`` you give, with the codecs' speeds
+  measured on this CPU when the state is made and averaged over the ranks (so every
+  rank picks the same). ``"identity"`` among the candidates is float32.
+- Seeds of stochastic codecs mix the state's seed, the step, the parameter and the rank,
+  so ranks round independently and a rerun with the same seed is identical.
+
+Error feedback keeps one residual per parameter. :meth:`GradpackState.state_dict`
+saves them by parameter name with the step counter (make the state with
+``model=``), so a checkpoint stores them beside the model and optimizer, and a state
+restored into a fresh DDP model continues bit-identically.
+
+CUDA buckets are copied to the host, reduced there and copied back. That path is written
+but has not been run on a GPU; the measured runs are CPU training over gloo.
+"""
+
+import queue
+import zlib
+import threading
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import gradpack
+from gradpack import Codec, ErrorFeedback
+
+__all__ = ["GradpackState", "gradpack_hook", "DEFAULT_CANDIDATES", "BIASED_NEED_FEEDBACK"]
+
+DEFAULT_CANDIDATES = ("identity", "fp16", "int8", "topk:ratio=0.01,values=fp16")
+"""The codecs ``codec="auto"`` chooses among unless told otherwise."""
+
+BIASED_NEED_FEEDBACK = ("topk", "sign")
+"""Codecs that get error feedback when ``error_feedback`` is left at ``None``: they drop
+or flatten so much of each step's gradient that training needs the residual back."""
+
+_MASK = (1 << 64) - 1
+_IDENTITY = Codec("identity")
+
+
+def _mix(*words: int) -> int:
+    """SplitMix64 over the words: a 64-bit seed for one encode."""
+    h = 0x9E3779B97F4A7C15
+    for w in words:
+        h = (h ^ (w & _MASK)) & _MASK
+        h = (h + 0x9E3779B97F4A7C15) & _MASK
+        z = h
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+        h = z ^ (z >> 31)
+    return h
+
+
+def _split(r: np.ndarray, layout: Any) -> List[np.ndarray]:
+    """``r`` cut into the parameters' pieces of ``layout`` ((key, numel) pairs)."""
+    out, at = [], 0
+    for _, m in layout:
+        out.append(r[at : at + m])
+        at += m
+    return out
+
+
+def _chunks(n: int, p: int) -> List[range]:
+    """``p`` contiguous ranges covering ``0..n``, the first ``n % p`` one longer."""
+    base, extra = divmod(n, p)
+    out, start = [], 0
+    for i in range(p):
+        size = base + (1 if i < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+class GradpackState:
+    """The hook's configuration and the state it carries across steps.
+
+    Args:
+        process_group: the group DDP reduces over (default: the default group).
+        codec: a spec such as ``"int8"`` or ``"topk:ratio=0.01,values=fp16"``, a
+            :class:`gradpack.Codec`, ``"identity"`` (plain float32 all-reduce) or
+            ``"auto"``.
+        error_feedback: ``True``, ``False``, or ``None`` for on exactly when the codec
+            is one of :data:`BIASED_NEED_FEEDBACK` (top-k, sign).
+        strategy: ``"allgather"`` or ``"ring"`` (see the module docs).
+        min_compress_elements: parameters with fewer elements go as float32.
+        seed: the base of every stochastic draw.
+        checksum: seal frames with a CRC-32 that receivers verify.
+        bandwidth, latency: the link, for ``"auto"`` (bit/s or a string such as
+            ``"1Gbit/s"``; seconds or a string such as ``"50us"``).
+        candidates: the codecs ``"auto"`` chooses from (default
+            :data:`DEFAULT_CANDIDATES`).
+        calibrate_elements: the tensor size ``"auto"`` measures codec speeds on.
+        model: the model (DDP-wrapped or not), so that residuals are kept and saved by
+            parameter name; :meth:`state_dict` needs it when error feedback is on.
+
+    Making a state with ``codec="auto"`` runs one all-reduce on the group (to average
+    the measured speeds), so every rank must make it at the same point.
+    """
+
+    def __init__(
+        self,
+        process_group: Optional[Any] = None,
+        codec: Union[str, Codec] = "int8",
+        error_feedback: Optional[bool] = None,
+        strategy: str = "allgather",
+        min_compress_elements: int = 16384,
+        seed: int = 0,
+        checksum: bool = False,
+        bandwidth: Union[None, float, str] = None,
+        latency: Union[float, str] = 50e-6,
+        candidates: Optional[Sequence[str]] = None,
+        calibrate_elements: int = 1 << 20,
+        model: Optional[torch.nn.Module] = None,
+    ) -> None:
+        if strategy not in ("allgather", "ring"):
+            raise ValueError(f"strategy {strategy!r}: use 'allgather' or 'ring'")
+        if min_compress_elements < 0:
+            raise ValueError("min_compress_elements must be >= 0")
+        self.process_group = process_group
+        self.strategy = strategy
+        self.min_compress_elements = int(min_compress_elements)
+        self.seed = int(seed) & _MASK
+        self.checksum = bool(checksum)
+        self._ef_choice = error_feedback
+        self.step = 0
+        self._feedback: Dict[str, ErrorFeedback] = {}  # parameter -> its residual
+        self._restored: Dict[str, np.ndarray] = {}  # residuals loaded, not yet used
+        self._model = model
+        self._names: Optional[Dict[int, str]] = None
+        self._buffers: Dict[Any, Any] = {}
+        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._worker: Optional[threading.Thread] = None
+        self._auto = isinstance(codec, str) and codec == "auto"
+        self._profiles: Dict[str, gradpack.CodecProfile] = {}
+        if self._auto:
+            if bandwidth is None:
+                raise ValueError(
+                    "codec='auto' needs the link: pass bandwidth= (bit/s or e.g. '10Gbit/s')"
+                )
+            self.bandwidth = (
+                gradpack.parse_bandwidth(bandwidth) if isinstance(bandwidth, str) else float(bandwidth)
+            )
+            self.latency = (
+                gradpack.parse_duration(latency) if isinstance(latency, str) else float(latency)
+            )
+            self.candidates = [Codec(c) for c in (candidates or DEFAULT_CANDIDATES)]
+            self.codec: Optional[Codec] = None
+            self._calibrate(calibrate_elements)
+            self._choice: Dict[int, Codec] = {}
+        else:
+            self.codec = Codec(codec)
+            self.candidates = [self.codec]
+        if strategy == "ring" and any(self._wants_ef(c) for c in self.candidates):
+            raise ValueError(
+                "error feedback needs strategy='allgather' (the ring re-encodes partial sums)"
+            )
+
+    # ------------------------------------------------------------------ policy
+
+    def _wants_ef(self, codec: Codec) -> bool:
+        if codec.name == "identity":
+            return False
+        if self._ef_choice is None:
+            return codec.name in BIASED_NEED_FEEDBACK
+        return bool(self._ef_choice)
+
+    def _world(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.process_group)
+
+    def _calibrate(self, elements: int) -> None:
+        speeds = []
+        for c in self.candidates:
+            p = gradpack.calibrate(c, elements, 0.1)
+            self._profiles[c.spec] = p
+            speeds += [p.encode_bytes_per_s, p.decode_bytes_per_s, p.decode_add_bytes_per_s]
+        if dist.is_initialized() and self._world() > 1:
+            t = torch.tensor(speeds, dtype=torch.float64)
+            dist.all_reduce(t, group=self.process_group)
+            t /= self._world()
+            speeds = t.tolist()
+        for i, c in enumerate(self.candidates):
+            p = self._profiles[c.spec]
+            p.encode_bytes_per_s, p.decode_bytes_per_s, p.decode_add_bytes_per_s = speeds[
+                3 * i : 3 * i + 3
+            ]
+
+    def modelled_time(self, codec: Union[str, Codec], elements: int) -> float:
+        """The cost model's all-reduce time (s) of a bucket of ``elements`` with
+        ``codec`` on this state's link and world (``"auto"`` states only)."""
+        c = Codec(codec)
+        prof = self._profiles.get(c.spec)
+        if prof is None:
+            raise ValueError(f"{c.spec} was not calibrated (not among the candidates)")
+        world = self._world() if dist.is_initialized() else 1
+        p = gradpack.CodecProfile(
+            prof.spec,
+            c.bits_per_element(max(elements, 1)),
+            prof.encode_bytes_per_s,
+            prof.decode_bytes_per_s,
+            prof.decode_add_bytes_per_s,
+        )
+        if c.name == "identity":
+            return gradpack.allreduce_time(
+                p, "fp32-ring", world, self.bandwidth, elements, self.latency,
+                prof.decode_add_bytes_per_s,
+            )
+        return gradpack.allreduce_time(
+            p, self.strategy, world, self.bandwidth, elements, self.latency
+        )
+
+    def codec_for(self, elements: int, ndim: int = 2) -> Codec:
+        """The codec a parameter of ``elements`` elements and ``ndim`` dimensions is
+        sent with."""
+        if elements < self.min_compress_elements or ndim <= 1:
+            return _IDENTITY
+        if not self._auto:
+            assert self.codec is not None
+            return self.codec
+        c = self._choice.get(elements)
+        if c is None:
+            c = min(self.candidates, key=lambda k: self.modelled_time(k, elements))
+            self._choice[elements] = c
+        return c
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The step counter and the error-feedback residuals by parameter name, as plain
+        values and float32 tensors (``torch.save`` and ``torch.load(weights_only=True)``
+        take it). Needs ``model=`` when there are residuals. Waits for buckets still in
+        flight."""
+        self.wait()
+        if self._model is None and self._feedback:
+            raise ValueError(
+                "GradpackState.state_dict needs the model: make the state with "
+                "model=ddp_model so residuals are saved by parameter name"
+            )
+        residuals = {k: torch.from_numpy(v.copy()) for k, v in self._restored.items()}
+        for key, ef in self._feedback.items():
+            residuals[key] = torch.from_numpy(ef.residual())
+        return {
+            "format": "gradpack.torch.GradpackState/1",
+            "step": self.step,
+            "seed": self.seed,
+            "codec": "auto" if self._auto else str(self.codec),
+            "residuals": residuals,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`: the step counter, and each parameter's residual
+        (used when that parameter's gradient comes next). The codec and seed must match
+        this state's."""
+        if not isinstance(state, dict) or state.get("format") != "gradpack.torch.GradpackState/1":
+            raise ValueError("not a GradpackState state_dict (no format 'gradpack.torch.GradpackState/1')")
+        mine = "auto" if self._auto else str(self.codec)
+        if state["codec"] != mine or int(state["seed"]) != self.seed:
+            raise ValueError(
+                f"state_dict is for codec {state['codec']!r} seed {state['seed']}; "
+                f"this state has {mine!r} seed {self.seed}"
+            )
+        residuals = {}
+        for k, v in state["residuals"].items():
+            t = v if isinstance(v, torch.Tensor) else torch.as_tensor(v)
+            if t.dtype != torch.float32:
+                raise ValueError(f"residual of {k!r} has dtype {t.dtype}, expected float32")
+            residuals[k] = t.detach().cpu().contiguous().numpy().reshape(-1).copy()
+        self.wait()
+        self.step = int(state["step"])
+        self._feedback.clear()
+        self._restored = residuals
+
+    def wait(self) -> None:
+        """Block until every submitted bucket has been reduced."""
+        if self._worker is not None:
+            self._queue.join()
+
+    # ------------------------------------------------------------------ the work
+
+    def _names_of(self) -> Dict[int, str]:
+        if self._names is None:
+            self._names = {}
+            if self._model is not None:
+                for name, q in self._model.named_parameters():
+                    if name.startswith("module."):
+                        name = name[len("module.") :]
+                    self._names[id(q)] = name
+        return self._names
+
+    def _layout(self, bucket: dist.GradBucket) -> List[Tuple[str, int, int, int]]:
+        """(key, elements, ndim, seed key) of each parameter of the bucket, in order."""
+        names = self._names_of()
+        out = []
+        for pos, p in enumerate(bucket.parameters()):
+            name = names.get(id(p))
+            if name is not None:
+                out.append((name, p.numel(), p.dim(), zlib.crc32(name.encode())))
+            else:
+                out.append((f"id:{id(p)}", p.numel(), p.dim(), (bucket.index() << 20) + pos))
+        return out
+
+    def _feedback_for(self, key: str, codec: Codec, n: int) -> ErrorFeedback:
+        ef = self._feedback.get(key)
+        if ef is not None and len(ef) == n and ef.codec == codec:
+            return ef
+        ef = ErrorFeedback(codec, n)
+        saved = self._restored.pop(key, None)
+        if saved is not None:
+            if saved.size != n:
+                raise ValueError(
+                    f"the restored residual of {key!r} has {saved.size} elements, the "
+                    f"parameter {n}"
+                )
+            ef.set_residual(saved)
+        self._feedback[key] = ef
+        return ef
+
+    def _buffer(self, key: Any, make) -> Any:
+        b = self._buffers.get(key)
+        if b is None:
+            b = make()
+            self._buffers[key] = b
+        return b
+
+    def _submit(self, bucket: dist.GradBucket) -> "torch.futures.Future[torch.Tensor]":
+        fut: "torch.futures.Future[torch.Tensor]" = torch.futures.Future()
+        job = (bucket.buffer(), bucket.index(), self.step, self._layout(bucket), fut)
+        if bucket.is_last():
+            self.step += 1
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._run, name="gradpack-comm", daemon=True)
+            self._worker.start()
+        self._queue.put(job)
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            buf, index, step, layout, fut = self._queue.get()
+            try:
+                fut.set_result(self._reduce(buf, index, step, layout))
+            except BaseException as e:  # the future carries it to DDP
+                fut.set_exception(e)
+            finally:
+                self._queue.task_done()
+
+    def _reduce(self, buf: torch.Tensor, index: int, step: int, layout: List[Any]) -> torch.Tensor:
+        host = buf if buf.device.type == "cpu" else buf.detach().to("cpu")
+        flat = host.view(-1)
+        n = flat.numel()
+        world = self._world()
+        if sum(m for _, m, _, _ in layout) != n:  # not seen on CPU; one tensor then
+            layout = [(f"bucket:{index}", n, 2, index)]
+        codecs = [self.codec_for(m, d) for _, m, d, _ in layout]
+        if world == 1:
+            pass
+        elif all(c == _IDENTITY for c in codecs):
+            dist.all_reduce(flat, group=self.process_group)
+            flat.div_(world)
+        elif self.strategy == "ring":
+            self._ring(flat, self.codec_for(n), index, step, world)
+        else:
+            self._allgather(flat, layout, codecs, index, step, world)
+        if host is not buf:
+            buf.copy_(host)
+        return buf
+
+    def _allgather(
+        self, flat: torch.Tensor, layout: List[Any], codecs: List[Codec], index: int, step: int, world: int
+    ) -> None:
+        rank = self._rank()
+        x = flat.numpy()
+        caps = [c.max_encoded_len(m, self.checksum) for c, (_, m, _, _) in zip(codecs, layout)]
+        cap = sum(caps)
+        fixed = all(_fixed_len(c, m) for c, (_, m, _, _) in zip(codecs, layout))
+        send = self._buffer(("send", index, cap), lambda: torch.empty(cap, dtype=torch.uint8))
+        out = send.numpy()
+        at = start = 0
+        for c, (key, m, _, skey) in zip(codecs, layout):
+            seed = _mix(self.seed, step, skey, rank)
+            piece = x[start : start + m]
+            if self._wants_ef(c):
+                at += self._feedback_for(key, c, m).encode_into(
+                    piece, out[at:], seed=seed, checksum=self.checksum
+                )
+            else:
+                at += c.encode_into(piece, out[at:], seed=seed, checksum=self.checksum)
+            start += m
+        if fixed:
+            recv = self._buffer(
+                ("recv", index, cap), lambda: [torch.empty(cap, dtype=torch.uint8) for _ in range(world)]
+            )
+            dist.all_gather(recv, send, group=self.process_group)
+            msgs = [r.numpy() for r in recv]
+        else:
+            lens = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(lens, torch.tensor([at], dtype=torch.int64), group=self.process_group)
+            top = max(int(t) for t in lens)
+            recv = [torch.empty(top, dtype=torch.uint8) for _ in range(world)]
+            mine = torch.zeros(top, dtype=torch.uint8)
+            mine[:at] = send[:at]
+            dist.all_gather(recv, mine, group=self.process_group)
+            msgs = [r.numpy()[: int(t)] for r, t in zip(recv, lens)]
+        x[...] = 0.0
+        for msg in msgs:  # rank order: the same sum on every rank
+            at = start = 0
+            for _, m, _, _ in layout:
+                ln = gradpack.frame_len(msg[at:])
+                gradpack.decode_add(msg[at : at + ln], x[start : start + m])
+                at += ln
+                start += m
+        flat.div_(world)
+
+    def _ring(self, flat: torch.Tensor, codec: Codec, index: int, step: int, world: int) -> None:
+        n = flat.numel()
+        rank = self._rank()
+        group = self.process_group
+        right, left = (rank + 1) % world, (rank - 1) % world
+        if group is not None:
+            right, left = dist.get_global_rank(group, right), dist.get_global_rank(group, left)
+        parts = _chunks(n, world)
+        cap = max(codec.max_encoded_len(len(r), self.checksum) for r in parts)
+        sbuf, rbuf = self._buffer(
+            ("ring", index, cap),
+            lambda: (torch.empty(cap, dtype=torch.uint8), torch.empty(cap, dtype=torch.uint8)),
+        )
+        x = flat.numpy()
+        fixed = _fixed_len(codec, max(len(r) for r in parts))
+
+        def swap(a: torch.Tensor, b: torch.Tensor) -> None:
+            ops = [dist.P2POp(dist.isend, a, right, group), dist.P2POp(dist.irecv, b, left, group)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+        def exchange(length: int) -> np.ndarray:
+            if fixed:
+                swap(sbuf, rbuf)
+                r = rbuf.numpy()
+                return r[: gradpack.frame_len(r)]
+            theirs = torch.zeros(1, dtype=torch.int64)
+            swap(torch.tensor([length], dtype=torch.int64), theirs)
+            swap(sbuf[:length], rbuf[: int(theirs)])
+            return rbuf.numpy()[: int(theirs)]
+
+        def enc(c: int, hop: int) -> int:
+            r = parts[c]
+            return codec.encode_into(
+                x[r.start : r.stop],
+                sbuf.numpy(),
+                seed=_mix(self.seed, step, index, rank, hop),
+                offset=r.start,
+                checksum=self.checksum,
+            )
+
+        # Reduce-scatter: after p - 1 hops rank r holds the sum of chunk (r + 1) % p.
+        for s in range(world - 1):
+            frame = exchange(enc((rank - s) % world, s))
+            r = parts[(rank - s - 1) % world]
+            gradpack.decode_add(frame, x[r.start : r.stop])
+        # The owner encodes its sum once; that frame travels the ring unchanged and every
+        # rank, the owner too, decodes it, so all ranks hold the same values.
+        own = (rank + 1) % world
+        length = enc(own, world)
+        r = parts[own]
+        gradpack.decode_into(sbuf.numpy()[:length], x[r.start : r.stop])
+        for s in range(world - 1):
+            frame = exchange(length)
+            r = parts[(rank - s) % world]
+            gradpack.decode_into(frame, x[r.start : r.stop])
+            length = len(frame)
+            sbuf.numpy()[:length] = frame
+        flat.div_(world)
+
+
+def _fixed_len(codec: Codec, n: int) -> bool:
+    """Whether every frame of ``n`` elements is (nearly) ``max_encoded_len`` long."""
+    return codec.max_encoded_len(n) <= 1.1 * codec.bits_per_element(max(n, 1)) * n / 8 + 64
+
+
+def gradpack_hook(
+    state: GradpackState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """The DDP communication hook: ``model.register_comm_hook(state, gradpack_hook)``.
+
+    Returns a future of the bucket's gradients averaged over the ranks; the reduction
+    runs on the state's communication thread.
+    """
+    return state._submit(bucket)

@@ -1,0 +1,882 @@
+//! The native part of the `gradpack` Python package: gradpack's codecs, frames, error
+//! feedback and cost model over numpy arrays.
+//!
+//! The Python package (`gradpack/__init__.py`) wraps these functions: it turns torch
+//! tensors, `bytearray`s and `memoryview`s into numpy views without copying and then
+//! calls in here. Every function reads its arrays in place (a C-contiguous float32 array
+//! is never copied), releases the GIL while a kernel runs, and turns a gradpack error into
+//! the `gradpack.Error` exception (a `ValueError`) with the crate's own message.
+
+use gradpack::cost::{self, CodecProfile, Strategy};
+use gradpack::{Codec, CodecSpec, EncodeCtx, FeedbackOptions, ResidualPrecision};
+use numpy::{
+    PyArray1, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
+    PyReadwriteArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
+};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+pyo3::create_exception!(
+    gradpack,
+    Error,
+    PyValueError,
+    "A gradpack error: a malformed or corrupted frame, a bad codec spec or parameter, a \
+     buffer of the wrong size. The message is the Rust crate's own. A subclass of \
+     ValueError."
+);
+
+fn err(e: gradpack::Error) -> PyErr {
+    Error::new_err(e.to_string())
+}
+
+fn type_name(x: &Bound<'_, PyAny>) -> String {
+    x.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into())
+}
+
+/// The float32 array `x` as a read-only view, or a clear TypeError / ValueError.
+fn f32_in<'py>(x: &Bound<'py, PyAny>, what: &str) -> PyResult<PyReadonlyArrayDyn<'py, f32>> {
+    let a = f32_array(x, what)?;
+    a.try_readonly().map_err(|e| {
+        PyValueError::new_err(format!(
+            "{what}: the array is being written elsewhere ({e})"
+        ))
+    })
+}
+
+/// The float32 array `x` as a writable view.
+fn f32_out<'py>(x: &Bound<'py, PyAny>, what: &str) -> PyResult<PyReadwriteArrayDyn<'py, f32>> {
+    let a = f32_array(x, what)?;
+    a.try_readwrite().map_err(|e| {
+        PyValueError::new_err(format!(
+            "{what} must be a writable array with no other live borrow ({e})"
+        ))
+    })
+}
+
+fn f32_array<'py>(x: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+    let py = x.py();
+    let arr = x.cast::<PyUntypedArray>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} must be a numpy.ndarray of float32 (or a CPU float32 torch tensor), not {}",
+            type_name(x)
+        ))
+    })?;
+    let dt = arr.dtype();
+    if !dt.is_equiv_to(&numpy::dtype::<f32>(py)) {
+        return Err(PyTypeError::new_err(format!(
+            "{what} has dtype {}; gradpack reads native-endian float32 only \
+             (convert with x.astype(numpy.float32))",
+            dt.str().map(|s| s.to_string()).unwrap_or_default()
+        )));
+    }
+    if !arr.is_c_contiguous() {
+        return Err(PyValueError::new_err(format!(
+            "{what} is not C-contiguous (strides {:?}); pass numpy.ascontiguousarray(x)",
+            arr.strides()
+        )));
+    }
+    Ok(arr.cast::<PyArrayDyn<f32>>()?.clone())
+}
+
+/// A frame: `bytes`, or a C-contiguous one-dimensional uint8 numpy array.
+enum FrameIn<'py> {
+    Bytes(Bound<'py, PyBytes>),
+    Array(numpy::PyReadonlyArray1<'py, u8>),
+}
+
+impl FrameIn<'_> {
+    fn as_slice(&self) -> PyResult<&[u8]> {
+        match self {
+            FrameIn::Bytes(b) => Ok(b.as_bytes()),
+            FrameIn::Array(a) => a
+                .as_slice()
+                .map_err(|e| PyValueError::new_err(format!("frame: {e}"))),
+        }
+    }
+}
+
+fn frame_in<'py>(x: &Bound<'py, PyAny>) -> PyResult<FrameIn<'py>> {
+    if let Ok(b) = x.cast::<PyBytes>() {
+        return Ok(FrameIn::Bytes(b.clone()));
+    }
+    if let Ok(a) = x.cast::<numpy::PyArray1<u8>>() {
+        if !a.is_c_contiguous() {
+            return Err(PyValueError::new_err("frame array is not contiguous"));
+        }
+        return a
+            .try_readonly()
+            .map(FrameIn::Array)
+            .map_err(|e| PyValueError::new_err(format!("frame: {e}")));
+    }
+    Err(PyTypeError::new_err(format!(
+        "a frame must be bytes, bytearray, memoryview or a 1-D uint8 array, not {}",
+        type_name(x)
+    )))
+}
+
+/// A writable 1-D uint8 array to encode into.
+fn bytes_out<'py>(x: &Bound<'py, PyAny>) -> PyResult<numpy::PyReadwriteArray1<'py, u8>> {
+    let a = x.cast::<numpy::PyArray1<u8>>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "out must be a 1-D uint8 numpy array (or a uint8 torch tensor), not {}",
+            type_name(x)
+        ))
+    })?;
+    if !a.is_c_contiguous() {
+        return Err(PyValueError::new_err("out is not contiguous"));
+    }
+    a.try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("out must be writable ({e})")))
+}
+
+fn spec_of(codec: &Bound<'_, PyAny>) -> PyResult<CodecSpec> {
+    if let Ok(c) = codec.cast::<PyCodec>() {
+        return Ok(c.get().spec);
+    }
+    if let Ok(s) = codec.extract::<String>() {
+        return s.parse().map_err(err);
+    }
+    Err(PyTypeError::new_err(format!(
+        "codec must be a spec string such as 'int8' or a gradpack.Codec, not {}",
+        type_name(codec)
+    )))
+}
+
+fn ctx(seed: u64, offset: u64) -> EncodeCtx {
+    EncodeCtx::new(seed).with_offset(offset)
+}
+
+/// Encode `x` with `spec` into `out`, sealing with a payload CRC-32 when `checksum`.
+fn encode_slice(
+    spec: &CodecSpec,
+    x: &[f32],
+    c: &EncodeCtx,
+    checksum: bool,
+    out: &mut [u8],
+) -> gradpack::Result<usize> {
+    if checksum {
+        gradpack::Checksummed(*spec).encode_into(x, c, out)
+    } else {
+        spec.encode_into(x, c, out)
+    }
+}
+
+fn max_len(spec: &CodecSpec, n: usize, checksum: bool) -> usize {
+    if checksum {
+        gradpack::Checksummed(*spec).max_encoded_len(n)
+    } else {
+        spec.max_encoded_len(n)
+    }
+}
+
+/// Encode into a fresh buffer of the maximum frame length, then copy the frame into a
+/// Python `bytes` (a frame is at most the size of its input).
+fn encode_to_bytes<'py>(
+    py: Python<'py>,
+    spec: &CodecSpec,
+    x: &Bound<'py, PyAny>,
+    seed: u64,
+    offset: u64,
+    checksum: bool,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let arr = f32_in(x, "x")?;
+    let xs = arr
+        .as_slice()
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let c = ctx(seed, offset);
+    let frame = py
+        .detach(|| -> gradpack::Result<Vec<u8>> {
+            spec.check_encode(xs.len(), &c)?;
+            let mut out = Vec::new();
+            let n = max_len(spec, xs.len(), checksum);
+            out.try_reserve_exact(n)
+                .map_err(|_| gradpack::Error::OutOfMemory {
+                    bytes: n as u64,
+                    what: "the frame",
+                })?;
+            out.resize(n, 0);
+            let len = encode_slice(spec, xs, &c, checksum, &mut out)?;
+            out.truncate(len);
+            Ok(out)
+        })
+        .map_err(err)?;
+    Ok(PyBytes::new(py, &frame))
+}
+
+/// Encode `x` (a C-contiguous float32 array of any shape, read as flat) with `codec` (a
+/// spec string or a Codec). `seed` drives stochastic rounding and random-k; `offset` is
+/// the global index of `x[0]` in its tensor; `checksum` seals the frame with a CRC-32.
+#[pyfunction]
+#[pyo3(signature = (x, codec, seed=0, offset=0, checksum=false))]
+fn encode<'py>(
+    py: Python<'py>,
+    x: &Bound<'py, PyAny>,
+    codec: &Bound<'py, PyAny>,
+    seed: u64,
+    offset: u64,
+    checksum: bool,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let spec = spec_of(codec)?;
+    encode_to_bytes(py, &spec, x, seed, offset, checksum)
+}
+
+/// Encode `x` into the uint8 array `out` (at least `max_encoded_len` bytes); returns the
+/// frame length. Allocates nothing.
+#[pyfunction]
+#[pyo3(signature = (x, out, codec, seed=0, offset=0, checksum=false))]
+fn encode_into<'py>(
+    py: Python<'py>,
+    x: &Bound<'py, PyAny>,
+    out: &Bound<'py, PyAny>,
+    codec: &Bound<'py, PyAny>,
+    seed: u64,
+    offset: u64,
+    checksum: bool,
+) -> PyResult<usize> {
+    let spec = spec_of(codec)?;
+    let arr = f32_in(x, "x")?;
+    let xs = arr
+        .as_slice()
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let mut o = bytes_out(out)?;
+    let os = o
+        .as_slice_mut()
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let c = ctx(seed, offset);
+    py.detach(|| {
+        spec.check_encode(xs.len(), &c)?;
+        encode_slice(&spec, xs, &c, checksum, os)
+    })
+    .map_err(err)
+}
+
+/// Decode any frame into a new one-dimensional float32 array. Frames claiming more than
+/// `max_elements` elements (default: what a frame of its length can legitimately hold)
+/// are refused before anything is allocated.
+#[pyfunction]
+#[pyo3(signature = (frame, max_elements=None))]
+fn decode<'py>(
+    py: Python<'py>,
+    frame: &Bound<'py, PyAny>,
+    max_elements: Option<u64>,
+) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    let f = frame_in(frame)?;
+    let fs = f.as_slice()?;
+    let limit = max_elements.unwrap_or_else(|| gradpack::decode_limit(fs.len()));
+    let v = py
+        .detach(|| gradpack::decode_to_vec_with_limit(fs, limit))
+        .map_err(err)?;
+    Ok(PyArray1::from_vec(py, v))
+}
+
+fn decode_mode<'py>(
+    py: Python<'py>,
+    frame: &Bound<'py, PyAny>,
+    out: &Bound<'py, PyAny>,
+    add: bool,
+) -> PyResult<()> {
+    let f = frame_in(frame)?;
+    let fs = f.as_slice()?;
+    let mut o = f32_out(out, if add { "acc" } else { "out" })?;
+    let os = o
+        .as_slice_mut()
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    py.detach(|| {
+        if add {
+            gradpack::decode_add(fs, os)
+        } else {
+            gradpack::decode(fs, os)
+        }
+    })
+    .map_err(err)
+}
+
+/// Decode any frame into `out`, a writable C-contiguous float32 array holding exactly
+/// the frame's element count (any shape).
+#[pyfunction]
+fn decode_into<'py>(
+    py: Python<'py>,
+    frame: &Bound<'py, PyAny>,
+    out: &Bound<'py, PyAny>,
+) -> PyResult<()> {
+    decode_mode(py, frame, out, false)
+}
+
+/// Decode any frame and add it element-wise into `acc` (the reduce step of a
+/// collective). The frame is fully validated first: on error `acc` is unchanged.
+#[pyfunction]
+fn decode_add<'py>(
+    py: Python<'py>,
+    frame: &Bound<'py, PyAny>,
+    acc: &Bound<'py, PyAny>,
+) -> PyResult<()> {
+    decode_mode(py, frame, acc, true)
+}
+
+/// Validate a frame's header and describe it: codec, spec, element count, lengths,
+/// seed, offset and flags.
+#[pyfunction]
+fn inspect<'py>(py: Python<'py>, frame: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+    let f = frame_in(frame)?;
+    let fs = f.as_slice()?;
+    let (h, spec) = gradpack::inspect(fs).map_err(err)?;
+    let d = PyDict::new(py);
+    d.set_item("codec", h.codec.name())?;
+    d.set_item("spec", spec.to_string())?;
+    d.set_item("elements", h.elements)?;
+    d.set_item("payload_len", h.payload_len)?;
+    d.set_item("frame_len", h.frame_len().unwrap_or(u64::MAX))?;
+    d.set_item("seed", h.seed)?;
+    d.set_item("offset", h.offset)?;
+    d.set_item("nonfinite", h.nonfinite())?;
+    d.set_item("checksum", h.payload_checksum())?;
+    d.set_item(
+        "bits_per_element",
+        if h.elements == 0 {
+            0.0
+        } else {
+            8.0 * fs.len() as f64 / h.elements as f64
+        },
+    )?;
+    Ok(d)
+}
+
+/// The length of the frame that starts `buf` (only its header is read and checked), to
+/// cut a frame out of a longer buffer such as a padded receive buffer.
+#[pyfunction]
+fn frame_len(buf: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let f = frame_in(buf)?;
+    let h = gradpack::Header::parse(f.as_slice()?).map_err(err)?;
+    h.frame_len()
+        .ok_or_else(|| Error::new_err("frame length overflows u64"))
+}
+
+/// A codec and its parameters, parsed from a spec such as `'int8:block=256'`.
+#[pyclass(module = "gradpack", name = "Codec", frozen, eq)]
+#[derive(PartialEq)]
+struct PyCodec {
+    spec: CodecSpec,
+}
+
+#[pymethods]
+impl PyCodec {
+    #[new]
+    fn new(spec: &str) -> PyResult<Self> {
+        Ok(PyCodec {
+            spec: spec.parse().map_err(err)?,
+        })
+    }
+
+    /// The canonical spec, every parameter spelled out; parses back to an equal codec.
+    #[getter]
+    fn spec(&self) -> String {
+        self.spec.to_string()
+    }
+
+    /// The codec's name (`'int8'`, `'topk'`, ...).
+    #[getter]
+    fn name(&self) -> &'static str {
+        self.spec.id().name()
+    }
+
+    /// Whether decode(encode(x)) equals x in expectation.
+    #[getter]
+    fn unbiased(&self) -> bool {
+        self.spec.unbiased()
+    }
+
+    /// Bits per element on the wire for a tensor of `n` elements, header included.
+    fn bits_per_element(&self, n: usize) -> f64 {
+        self.spec.bits_per_element(n)
+    }
+
+    /// The longest frame `n` elements can encode to (a buffer this long always
+    /// suffices), plus 4 bytes with `checksum`.
+    #[pyo3(signature = (n, checksum=false))]
+    fn max_encoded_len(&self, n: usize, checksum: bool) -> usize {
+        max_len(&self.spec, n, checksum)
+    }
+
+    /// The largest error of one decoded element for inputs with absolute maximum
+    /// `absmax` (infinite for codecs that drop elements).
+    fn error_bound(&self, absmax: f64) -> f64 {
+        self.spec.error_bound(absmax)
+    }
+
+    /// Encode `x`; see `gradpack.encode`.
+    #[pyo3(signature = (x, seed=0, offset=0, checksum=false))]
+    fn encode<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        seed: u64,
+        offset: u64,
+        checksum: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        encode_to_bytes(py, &self.spec, x, seed, offset, checksum)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Codec('{}')", self.spec)
+    }
+
+    fn __str__(&self) -> String {
+        self.spec.to_string()
+    }
+}
+
+/// Error feedback for one tensor: keeps what the codec dropped and adds it to the next
+/// gradient before encoding, in the same pass as the encode.
+#[pyclass(module = "gradpack", name = "ErrorFeedback")]
+struct PyErrorFeedback {
+    inner: gradpack::ErrorFeedback,
+}
+
+fn precision(name: &str) -> PyResult<ResidualPrecision> {
+    match name {
+        "f32" | "float32" => Ok(ResidualPrecision::F32),
+        "bf16" | "bfloat16" => Ok(ResidualPrecision::Bf16),
+        _ => Err(PyValueError::new_err(format!(
+            "residual precision {name:?}: use 'f32' or 'bf16'"
+        ))),
+    }
+}
+
+const STATE_FORMAT: &str = "gradpack.ErrorFeedback/1";
+
+#[pymethods]
+impl PyErrorFeedback {
+    #[new]
+    #[pyo3(signature = (codec, n, beta=1.0, gamma=1.0, residual="f32", allow_non_contractive=false))]
+    fn new(
+        codec: &Bound<'_, PyAny>,
+        n: usize,
+        beta: f32,
+        gamma: f32,
+        residual: &str,
+        allow_non_contractive: bool,
+    ) -> PyResult<Self> {
+        let opts = FeedbackOptions {
+            beta,
+            gamma,
+            precision: precision(residual)?,
+            allow_non_contractive,
+        };
+        Ok(PyErrorFeedback {
+            inner: gradpack::ErrorFeedback::with_options(spec_of(codec)?, n, opts).map_err(err)?,
+        })
+    }
+
+    /// The codec.
+    #[getter]
+    fn codec(&self) -> PyCodec {
+        PyCodec {
+            spec: self.inner.codec(),
+        }
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// Bytes of residual state.
+    #[getter]
+    fn memory_bytes(&self) -> usize {
+        self.inner.memory_bytes()
+    }
+
+    /// The longest frame `encode` can return (plus 4 bytes with `checksum`).
+    #[pyo3(signature = (checksum=false))]
+    fn max_encoded_len(&self, checksum: bool) -> usize {
+        let n = self.inner.max_encoded_len();
+        if checksum {
+            gradpack::wire::sealed_len(n)
+        } else {
+            n
+        }
+    }
+
+    /// Encode `grad` plus the residual, and keep the new residual.
+    #[pyo3(signature = (grad, seed=0, offset=0, checksum=false))]
+    fn encode<'py>(
+        &mut self,
+        py: Python<'py>,
+        grad: &Bound<'py, PyAny>,
+        seed: u64,
+        offset: u64,
+        checksum: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let n = self.max_encoded_len(checksum);
+        let mut buf = Vec::new();
+        buf.try_reserve_exact(n).map_err(|_| {
+            err(gradpack::Error::OutOfMemory {
+                bytes: n as u64,
+                what: "the frame",
+            })
+        })?;
+        buf.resize(n, 0);
+        let len = self.encode_slice(py, grad, &mut buf, seed, offset, checksum)?;
+        Ok(PyBytes::new(py, &buf[..len]))
+    }
+
+    /// Encode into the uint8 array `out` (at least `max_encoded_len()` bytes); returns
+    /// the frame length.
+    #[pyo3(signature = (grad, out, seed=0, offset=0, checksum=false))]
+    fn encode_into<'py>(
+        &mut self,
+        py: Python<'py>,
+        grad: &Bound<'py, PyAny>,
+        out: &Bound<'py, PyAny>,
+        seed: u64,
+        offset: u64,
+        checksum: bool,
+    ) -> PyResult<usize> {
+        let mut o = bytes_out(out)?;
+        let os = o
+            .as_slice_mut()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        self.encode_slice(py, grad, os, seed, offset, checksum)
+    }
+
+    /// A copy of the residual as float32.
+    fn residual<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f32>> {
+        PyArray1::from_vec(py, self.inner.residual_f32())
+    }
+
+    /// Replace the residual with the float32 array `r` of `len(self)` elements (rounded
+    /// to bf16 for a bf16 residual).
+    fn set_residual(&mut self, r: &Bound<'_, PyAny>) -> PyResult<()> {
+        let a = f32_in(r, "residual")?;
+        let rs = a
+            .as_slice()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        self.inner.set_residual(rs).map_err(err)
+    }
+
+    /// Zero the residual.
+    fn reset(&mut self) {
+        self.inner.reset();
+    }
+
+    /// The state as a dict of plain values (format tag, codec spec, length, and a
+    /// versioned, checksummed blob), for `torch.save` or pickle.
+    fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("format", STATE_FORMAT)?;
+        d.set_item("codec", self.inner.codec().to_string())?;
+        d.set_item("len", self.inner.len())?;
+        d.set_item("blob", PyBytes::new(py, &self.inner.save()))?;
+        Ok(d)
+    }
+
+    /// Restore a state saved by `state_dict` (same codec and length); bit-identical.
+    fn load_state_dict(&mut self, state: &Bound<'_, PyAny>) -> PyResult<()> {
+        let get = |k: &str| {
+            state.get_item(k).map_err(|_| {
+                PyValueError::new_err(format!("ErrorFeedback state has no {k:?} entry"))
+            })
+        };
+        let format: String = get("format")?.extract()?;
+        if format != STATE_FORMAT {
+            return Err(PyValueError::new_err(format!(
+                "ErrorFeedback state format {format:?}, expected {STATE_FORMAT:?}"
+            )));
+        }
+        let blob = get("blob")?;
+        let blob = blob
+            .cast::<PyBytes>()
+            .map_err(|_| PyTypeError::new_err("ErrorFeedback state 'blob' must be bytes"))?;
+        self.inner.restore(blob.as_bytes()).map_err(err)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ErrorFeedback('{}', n={})",
+            self.inner.codec(),
+            self.inner.len()
+        )
+    }
+}
+
+impl PyErrorFeedback {
+    fn encode_slice<'py>(
+        &mut self,
+        py: Python<'py>,
+        grad: &Bound<'py, PyAny>,
+        out: &mut [u8],
+        seed: u64,
+        offset: u64,
+        checksum: bool,
+    ) -> PyResult<usize> {
+        let arr = f32_in(grad, "grad")?;
+        let g = arr
+            .as_slice()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let c = ctx(seed, offset);
+        let ef = &mut self.inner;
+        py.detach(|| {
+            let limit = if checksum {
+                out.len().saturating_sub(gradpack::wire::PAYLOAD_CRC_LEN)
+            } else {
+                out.len()
+            };
+            let len = ef.encode_into(g, &c, &mut out[..limit])?;
+            if checksum {
+                gradpack::wire::seal(out, len)
+            } else {
+                Ok(len)
+            }
+        })
+        .map_err(err)
+    }
+}
+
+/// A codec's size on the wire and speed on this CPU, as the cost model uses them.
+/// Speeds are bytes of float32 input per second.
+#[pyclass(module = "gradpack", name = "CodecProfile", get_all, set_all)]
+#[derive(Clone)]
+struct PyProfile {
+    spec: String,
+    bits_per_element: f64,
+    encode_bytes_per_s: f64,
+    decode_bytes_per_s: f64,
+    decode_add_bytes_per_s: f64,
+}
+
+impl PyProfile {
+    fn rs(&self) -> CodecProfile {
+        CodecProfile {
+            spec: self.spec.clone(),
+            bits_per_element: self.bits_per_element,
+            encode_bytes_per_s: self.encode_bytes_per_s,
+            decode_bytes_per_s: self.decode_bytes_per_s,
+            decode_add_bytes_per_s: self.decode_add_bytes_per_s,
+        }
+    }
+}
+
+#[pymethods]
+impl PyProfile {
+    #[new]
+    #[pyo3(signature = (spec, bits_per_element, encode_bytes_per_s=f64::INFINITY,
+        decode_bytes_per_s=f64::INFINITY, decode_add_bytes_per_s=f64::INFINITY))]
+    fn new(
+        spec: String,
+        bits_per_element: f64,
+        encode_bytes_per_s: f64,
+        decode_bytes_per_s: f64,
+        decode_add_bytes_per_s: f64,
+    ) -> PyResult<Self> {
+        for (name, v) in [
+            ("bits_per_element", bits_per_element),
+            ("encode_bytes_per_s", encode_bytes_per_s),
+            ("decode_bytes_per_s", decode_bytes_per_s),
+            ("decode_add_bytes_per_s", decode_add_bytes_per_s),
+        ] {
+            if v.is_nan() || v <= 0.0 {
+                return Err(PyValueError::new_err(format!(
+                    "{name} must be positive, got {v}"
+                )));
+            }
+        }
+        Ok(PyProfile {
+            spec,
+            bits_per_element,
+            encode_bytes_per_s,
+            decode_bytes_per_s,
+            decode_add_bytes_per_s,
+        })
+    }
+
+    /// Compression ratio against float32.
+    #[getter]
+    fn ratio(&self) -> f64 {
+        self.rs().ratio()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "CodecProfile('{}', bits_per_element={:.4}, encode={:.3e} B/s, decode={:.3e} B/s, decode_add={:.3e} B/s)",
+            self.spec,
+            self.bits_per_element,
+            self.encode_bytes_per_s,
+            self.decode_bytes_per_s,
+            self.decode_add_bytes_per_s
+        )
+    }
+}
+
+/// Measure a codec's encode, decode and decode_add speed on this CPU on a synthetic
+/// gradient of `elements` elements, best of repetitions for about `budget_s` seconds.
+#[pyfunction]
+#[pyo3(signature = (codec, elements=1 << 20, budget_s=0.2))]
+fn calibrate(
+    py: Python<'_>,
+    codec: &Bound<'_, PyAny>,
+    elements: usize,
+    budget_s: f64,
+) -> PyResult<PyProfile> {
+    let spec = spec_of(codec)?;
+    let p = py
+        .detach(|| gradpack::sync::calibrate(&spec, elements, budget_s))
+        .map_err(err)?;
+    Ok(PyProfile {
+        spec: p.spec,
+        bits_per_element: p.bits_per_element,
+        encode_bytes_per_s: p.encode_bytes_per_s,
+        decode_bytes_per_s: p.decode_bytes_per_s,
+        decode_add_bytes_per_s: p.decode_add_bytes_per_s,
+    })
+}
+
+fn strategy(name: &str) -> PyResult<Strategy> {
+    Strategy::from_name(name).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "strategy {name:?}: one of 'fp32-ring', 'ring', 'allgather', 'majority'"
+        ))
+    })
+}
+
+fn check_cluster(nodes: u32, bandwidth: f64, latency: f64, elements: f64) -> PyResult<()> {
+    if nodes == 0 {
+        return Err(PyValueError::new_err("nodes must be at least 1"));
+    }
+    if bandwidth.is_nan() || bandwidth <= 0.0 {
+        return Err(PyValueError::new_err(format!(
+            "bandwidth must be positive bit/s, got {bandwidth}"
+        )));
+    }
+    if latency.is_nan() || latency < 0.0 {
+        return Err(PyValueError::new_err(format!(
+            "latency must be >= 0 seconds, got {latency}"
+        )));
+    }
+    if elements.is_nan() || elements < 0.0 {
+        return Err(PyValueError::new_err(format!(
+            "elements must be >= 0, got {elements}"
+        )));
+    }
+    Ok(())
+}
+
+/// Modelled seconds to all-reduce `elements` float32 values on `nodes` ranks joined by
+/// links of `bandwidth` bit/s and `latency` seconds per message, by `strategy`
+/// (`'fp32-ring'`, `'ring'`, `'allgather'`, `'majority'`) with `profile`'s codec
+/// (the fp32 ring sums at `reduce_bytes_per_s`).
+#[pyfunction]
+#[pyo3(signature = (profile, strategy, nodes, bandwidth, elements, latency=0.0,
+    reduce_bytes_per_s=f64::INFINITY))]
+fn allreduce_time(
+    profile: &PyProfile,
+    strategy: &str,
+    nodes: u32,
+    bandwidth: f64,
+    elements: f64,
+    latency: f64,
+    reduce_bytes_per_s: f64,
+) -> PyResult<f64> {
+    check_cluster(nodes, bandwidth, latency, elements)?;
+    let s = self::strategy(strategy)?;
+    Ok(cost::allreduce_cost(
+        s,
+        &profile.rs(),
+        nodes,
+        latency,
+        elements,
+        reduce_bytes_per_s,
+    )
+    .time(bandwidth))
+}
+
+/// The faster of the compressed ring and all-gather for `profile`'s codec: returns
+/// `(strategy name, modelled seconds)`.
+#[pyfunction]
+#[pyo3(signature = (profile, nodes, bandwidth, elements, latency=0.0,
+    reduce_bytes_per_s=f64::INFINITY))]
+fn best_strategy(
+    profile: &PyProfile,
+    nodes: u32,
+    bandwidth: f64,
+    elements: f64,
+    latency: f64,
+    reduce_bytes_per_s: f64,
+) -> PyResult<(&'static str, f64)> {
+    check_cluster(nodes, bandwidth, latency, elements)?;
+    let cluster = cost::Cluster {
+        nodes,
+        bandwidth_bit_s: bandwidth,
+        latency_s: latency,
+    };
+    let (s, t) = cost::best_strategy(&profile.rs(), &cluster, elements, reduce_bytes_per_s);
+    Ok((s.name(), t))
+}
+
+/// The link bandwidth (bit/s) below which `profile`'s codec all-reduces faster than a
+/// plain fp32 ring (infinite: always; 0: never).
+#[pyfunction]
+#[pyo3(signature = (profile, nodes, elements, latency=0.0, reduce_bytes_per_s=f64::INFINITY))]
+fn break_even_bandwidth(
+    profile: &PyProfile,
+    nodes: u32,
+    elements: f64,
+    latency: f64,
+    reduce_bytes_per_s: f64,
+) -> PyResult<f64> {
+    check_cluster(nodes, 1.0, latency, elements)?;
+    Ok(cost::break_even_bandwidth(
+        &profile.rs(),
+        nodes,
+        latency,
+        elements,
+        reduce_bytes_per_s,
+    ))
+}
+
+/// Parse a bandwidth such as `'10Gbit/s'`, `'1.25GB/s'` or `'100Mbps'` into bit/s.
+#[pyfunction]
+fn parse_bandwidth(s: &str) -> PyResult<f64> {
+    cost::parse_bandwidth(s).map_err(PyValueError::new_err)
+}
+
+/// Parse a duration such as `'50us'`, `'1.5ms'` or `'2s'` into seconds.
+#[pyfunction]
+fn parse_duration(s: &str) -> PyResult<f64> {
+    cost::parse_duration(s).map_err(PyValueError::new_err)
+}
+
+/// The SIMD backend the kernels run on (`'avx512'`, `'avx2'`, `'neon'` or `'scalar'`).
+#[pyfunction]
+fn backend() -> &'static str {
+    gradpack::Backend::current().name()
+}
+
+/// Size in bytes of every frame header.
+const HEADER_LEN: usize = gradpack::HEADER_LEN;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("Error", m.py().get_type::<Error>())?;
+    m.add("HEADER_LEN", HEADER_LEN)?;
+    m.add_class::<PyCodec>()?;
+    m.add_class::<PyErrorFeedback>()?;
+    m.add_class::<PyProfile>()?;
+    m.add_function(wrap_pyfunction!(encode, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_into, m)?)?;
+    m.add_function(wrap_pyfunction!(decode, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_into, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_add, m)?)?;
+    m.add_function(wrap_pyfunction!(inspect, m)?)?;
+    m.add_function(wrap_pyfunction!(frame_len, m)?)?;
+    m.add_function(wrap_pyfunction!(calibrate, m)?)?;
+    m.add_function(wrap_pyfunction!(allreduce_time, m)?)?;
+    m.add_function(wrap_pyfunction!(best_strategy, m)?)?;
+    m.add_function(wrap_pyfunction!(break_even_bandwidth, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_bandwidth, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_duration, m)?)?;
+    m.add_function(wrap_pyfunction!(backend, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,176 @@
+"""Data-parallel training of an MLP on scikit-learn's digits with PyTorch DDP over gloo,
+with and without gradpack's hook. Used by test_torch.py; runnable on its own:
+
+    python tests/ddp_digits.py --world 2 --configs fp32,int8,topk-ef --seeds 0,1,2
+
+Each configuration trains a fresh model from a fixed seed and reports test accuracy, the
+final loss and whether every rank holds the same parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+CONFIGS: Dict[str, Dict[str, Any]] = {
+    "fp32": {"codec": None},
+    "fp16": {"codec": "fp16"},
+    "int8": {"codec": "int8"},
+    "qsgd4": {"codec": "qsgd:bits=4,block=64"},
+    "topk-ef": {"codec": "topk:ratio=0.01,values=fp16", "error_feedback": True},
+    "sign-ef": {"codec": "sign", "error_feedback": True},
+    "int8-ring": {"codec": "int8", "strategy": "ring"},
+}
+
+
+def data():
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = (d.data / 16.0).astype(np.float32)
+    y = d.target.astype(np.int64)
+    rng = np.random.default_rng(1234)
+    perm = rng.permutation(len(x))
+    x, y = x[perm], y[perm]
+    cut = int(0.8 * len(x))
+    return (torch.from_numpy(x[:cut]), torch.from_numpy(y[:cut]),
+            torch.from_numpy(x[cut:]), torch.from_numpy(y[cut:]))
+
+
+def model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(),
+        torch.nn.Linear(256, 256), torch.nn.ReLU(),
+        torch.nn.Linear(256, 10),
+    )
+
+
+def make(cfg: Dict[str, Any], seed: int, init: int = -1):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradpack.torch as gpt
+
+    net = DDP(model(seed if init < 0 else init), bucket_cap_mb=0.1)  # several buckets of ~26 k elements
+    state = None
+    if cfg.get("codec"):
+        state = gpt.GradpackState(
+            codec=cfg["codec"],
+            error_feedback=cfg.get("error_feedback"),
+            strategy=cfg.get("strategy", "allgather"),
+            min_compress_elements=1024,
+            seed=seed,
+            model=net,
+        )
+        net.register_comm_hook(state, gpt.gradpack_hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    return net, opt, state
+
+
+def run_steps(net, opt, xs, ys, rank, world, steps, start, batch=32):
+    """`steps` steps from global step `start`; each rank takes its shard of the batch."""
+    n = len(xs)
+    losses = []
+    for s in range(start, start + steps):
+        g = torch.Generator().manual_seed(s)
+        idx = torch.randint(0, n, (batch * world,), generator=g)[rank * batch:(rank + 1) * batch]
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(xs[idx]), ys[idx])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def flat_params(net) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+def same_on_all_ranks(t: torch.Tensor, world: int) -> bool:
+    got = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(got, t)
+    return all(torch.equal(got[0], g) for g in got)
+
+
+def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    xs, ys, xt, yt = data()
+    results: List[Dict[str, Any]] = []
+    steps = plan["steps"]
+    for name in plan["configs"]:
+        cfg = CONFIGS[name]
+        for seed in plan["seeds"]:
+            net, opt, state = make(cfg, seed)
+            losses = run_steps(net, opt, xs, ys, rank, world, steps, 0)
+            with torch.no_grad():
+                acc = (net(xt).argmax(1) == yt).float().mean().item()
+            p = flat_params(net)
+            results.append({
+                "config": name, "seed": seed, "accuracy": acc,
+                "first_loss": float(np.mean(losses[:20])), "last_loss": float(np.mean(losses[-20:])),
+                "identical": same_on_all_ranks(p, world),
+            })
+    if plan.get("resume"):
+        # Train 2k steps straight, then k steps, a checkpoint, a fresh DDP model,
+        # optimizer and hook state restored from it, and k more steps: same parameters.
+        name, k = plan["resume"], steps // 2
+        net, opt, state = make(CONFIGS[name], 7)
+        run_steps(net, opt, xs, ys, rank, world, 2 * k, 0)
+        straight = flat_params(net)
+        net, opt, state = make(CONFIGS[name], 7)
+        run_steps(net, opt, xs, ys, rank, world, k, 0)
+        ckpt = os.path.join(out_dir, f"ckpt{rank}.pt")
+        torch.save({"model": net.module.state_dict(), "opt": opt.state_dict(),
+                    "hook": state.state_dict()}, ckpt)
+        saved = torch.load(ckpt, weights_only=False)
+        net, opt, state = make(CONFIGS[name], 7, init=99)  # other init: all must come from the file
+        net.module.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state.load_state_dict(saved["hook"])
+        run_steps(net, opt, xs, ys, rank, world, k, k)
+        resumed = flat_params(net)
+        results.append({"config": name, "resume": True,
+                        "equal": bool(torch.equal(straight, resumed)),
+                        "max_diff": float((straight - resumed).abs().max())})
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(world: int, configs: List[str], seeds: List[int], steps: int, resume: str = "") -> List[List[Dict[str, Any]]]:
+    with tempfile.TemporaryDirectory() as d:
+        plan = {"configs": configs, "seeds": seeds, "steps": steps, "resume": resume}
+        mp.spawn(worker, args=(world, free_port(), plan, d), nprocs=world, join=True)
+        return [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(world)]
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--configs", default="fp32,fp16,int8,topk-ef")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--resume", default="")
+    a = ap.parse_args()
+    res = run(a.world, a.configs.split(","), [int(s) for s in a.seeds.split(",")], a.steps, a.resume)
+    for r in res[0]:
+        print(json.dumps(r))
+    sys.exit(0)
