@@ -62,7 +62,7 @@ import torch.distributed as dist
 import gradpack
 from gradpack import Codec, ErrorFeedback
 
-__all__ = ["GradpackState", "gradpack_hook", "DEFAULT_CANDIDATES", "BIASED_NEED_FEEDBACK"]
+__all__ = ["GradpackState", "gradpack_hook", "measure_link", "DEFAULT_CANDIDATES", "BIASED_NEED_FEEDBACK"]
 
 DEFAULT_CANDIDATES = ("identity", "fp16", "int8", "topk:ratio=0.01,values=fp16")
 """The codecs ``codec="auto"`` chooses among unless told otherwise."""
@@ -226,12 +226,13 @@ class GradpackState:
 
     def modelled_time(self, codec: Union[str, Codec], elements: int) -> float:
         """The cost model's all-reduce time (s) of a bucket of ``elements`` with
-        ``codec`` on this state's link and world (``"auto"`` states only)."""
+        ``codec`` on this state's link and world (``"auto"`` states only; before the
+        process group exists it models 2 ranks)."""
         c = Codec(codec)
         prof = self._profiles.get(c.spec)
         if prof is None:
             raise ValueError(f"{c.spec} was not calibrated (not among the candidates)")
-        world = self._world() if dist.is_initialized() else 1
+        world = self._world() if dist.is_initialized() else 2
         p = gradpack.CodecProfile(
             prof.spec,
             c.bits_per_element(max(elements, 1)),
@@ -513,6 +514,41 @@ class GradpackState:
 def _fixed_len(codec: Codec, n: int) -> bool:
     """Whether every frame of ``n`` elements is (nearly) ``max_encoded_len`` long."""
     return codec.max_encoded_len(n) <= 1.1 * codec.bits_per_element(max(n, 1)) * n / 8 + 64
+
+
+def measure_link(
+    process_group: Optional[Any] = None, small: int = 1 << 10, large: int = 4 << 20, repeats: int = 5
+) -> Tuple[float, float]:
+    """Estimate the group's link as ``(bandwidth bit/s, latency s)`` by timing float32
+    all-reduces of ``small`` and ``large`` elements (best of ``repeats``) and solving the
+    ring model ``2(p - 1) latency + 2(p - 1)/p bytes * 8 / bandwidth`` for both. A
+    collective: every rank must call it. The estimate averages over the ranks, so they all
+    return the same figures; pass them to :class:`GradpackState` for ``codec="auto"``.
+    """
+    import time
+
+    world = dist.get_world_size(process_group)
+    if world < 2:
+        raise ValueError("measure_link needs at least 2 ranks")
+    times = []
+    for n in (small, large):
+        t = torch.ones(n)
+        dist.all_reduce(t, group=process_group)  # warm the connection
+        best = float("inf")
+        for _ in range(repeats):
+            dist.barrier(group=process_group)
+            t0 = time.perf_counter()
+            dist.all_reduce(t, group=process_group)
+            best = min(best, time.perf_counter() - t0)
+        times.append(best)
+    est = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(est, group=process_group)
+    t_small, t_large = (est / world).tolist()
+    hops = 2.0 * (world - 1)
+    bits = lambda n: hops / world * 4.0 * n * 8.0
+    per_bit = max((t_large - t_small) / (bits(large) - bits(small)), 1e-15)
+    latency = max((t_small - bits(small) * per_bit) / hops, 0.0)
+    return 1.0 / per_bit, latency
 
 
 def gradpack_hook(

@@ -1,0 +1,103 @@
+"""gradpack.torch in real DDP training: 2 gloo processes train an MLP on scikit-learn's
+digits with fixed seeds, with no hook (float32 all-reduce) and with gradpack's hook.
+
+The accuracy margin: over seeds 0, 1, 2 the float32 run's test accuracy spread over
+1.4 points (95.0, 94.2, 93.6% on 360 test images, 300 steps), a standard deviation of
+about 0.7 points, so the mean over 3 seeds of a hook that trains as well as float32
+differs from float32's mean by about 0.6 points (one standard deviation). The test asks
+for a mean within 2 points (over 3 standard deviations); the measured gaps were 0.1 (fp16)
+and -0.2 points (int8), and top-k 1% with error feedback was 1.8 points above.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import ddp_digits  # noqa: E402
+
+import gradpack.torch as gpt  # noqa: E402
+
+SEEDS = [0, 1, 2]
+MARGIN = 0.02
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """One DDP job: every configuration and seed, then a checkpoint round trip."""
+    ranks = ddp_digits.run(2, ["fp32", "fp16", "int8", "topk-ef"], SEEDS, 300, resume="topk-ef")
+    return ranks[0]
+
+
+def accuracy(runs, config):
+    return [r["accuracy"] for r in runs if r.get("config") == config and "accuracy" in r]
+
+
+@pytest.mark.parametrize("config", ["fp16", "int8", "topk-ef"])
+def test_hooks_train_as_well_as_float32(runs, config):
+    base, got = accuracy(runs, "fp32"), accuracy(runs, config)
+    assert len(base) == len(got) == len(SEEDS)
+    assert np.mean(got) >= np.mean(base) - MARGIN, (config, got, base)
+    for r in runs:
+        if r.get("config") == config and "accuracy" in r:
+            assert r["last_loss"] < r["first_loss"] / 10, r
+
+
+def test_every_rank_ends_with_the_same_parameters(runs):
+    trained = [r for r in runs if "identical" in r]
+    assert len(trained) == 4 * len(SEEDS)
+    assert all(r["identical"] for r in trained), [r for r in trained if not r["identical"]]
+
+
+def test_a_restored_hook_state_continues_identically(runs):
+    (r,) = [r for r in runs if r.get("resume")]
+    assert r["equal"], r
+
+
+def test_ring_strategy_on_three_ranks():
+    # The ring's chunks and hops differ from the all-gather's; 3 ranks give it unequal
+    # chunks and two hops each way. The ranks end identical and the loss falls.
+    res = ddp_digits.run(3, ["int8-ring"], [0], 150)
+    for rank in res:
+        (r,) = rank
+        assert r["identical"], r
+        assert r["last_loss"] < r["first_loss"] / 5, r
+
+
+def test_state_validation():
+    with pytest.raises(ValueError, match="strategy"):
+        gpt.GradpackState(strategy="tree")
+    with pytest.raises(ValueError, match="bandwidth"):
+        gpt.GradpackState(codec="auto")
+    with pytest.raises(ValueError, match="allgather"):
+        gpt.GradpackState(codec="sign", strategy="ring")
+    with pytest.raises(Exception, match="unknown codec"):
+        gpt.GradpackState(codec="int7")
+    st = gpt.GradpackState(codec="int8", seed=3)
+    assert st.codec_for(100) == gpt.Codec("identity")  # small: float32
+    assert st.codec_for(1 << 20, 1) == gpt.Codec("identity")  # a vector: float32
+    assert st.codec_for(1 << 20, 2) == gpt.Codec("int8")
+    saved = st.state_dict()
+    other = gpt.GradpackState(codec="fp16", seed=3)
+    with pytest.raises(ValueError, match="codec"):
+        other.load_state_dict(saved)
+    with pytest.raises(ValueError, match="format"):
+        st.load_state_dict({"step": 1})
+
+
+def test_auto_picks_by_the_cost_model_without_a_process_group():
+    # On a slow link the sparse codec wins, on a fast one float32; both as modelled.
+    slow = gpt.GradpackState(codec="auto", bandwidth="100Mbit/s", calibrate_elements=1 << 16)
+    fast = gpt.GradpackState(codec="auto", bandwidth="1Tbit/s", latency="1us",
+                             calibrate_elements=1 << 16)
+    n = 4 << 20
+    assert slow.codec_for(n).name == "topk"
+    for st in (slow, fast):
+        best = min(st.candidates, key=lambda c: st.modelled_time(c, n))
+        assert st.codec_for(n) == best
