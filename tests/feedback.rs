@@ -471,7 +471,8 @@ fn a_residual_moved_through_set_residual_continues_identically() {
         let mut a = ErrorFeedback::with_options(spec, n, o).unwrap();
         let mut b = ErrorFeedback::with_options(spec, n, o).unwrap();
         for step in 0..3 {
-            a.encode(&grad(n, step), &EncodeCtx::new(step as u64)).unwrap();
+            a.encode(&grad(n, step), &EncodeCtx::new(step as u64))
+                .unwrap();
         }
         assert!(a.residual_f32().iter().any(|&v| v != 0.0));
         b.set_residual(&a.residual_f32()).unwrap();
