@@ -249,7 +249,7 @@ def driver(args):
 
     worlds = [int(w) for w in args.worlds.split(",")]
     configs = args.configs.split(",")
-    links = args.links.split(",")
+    links = [l for l in args.links.split(",") if l and l != "none"]
     for c in configs:
         if c not in CONFIGS:
             sys.exit(f"unknown config {c!r}; one of {', '.join(CONFIGS)}")
@@ -315,7 +315,8 @@ def table(results, worlds, configs, links):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default="2,4")
-    ap.add_argument("--links", default="unthrottled,10gbit,1gbit")
+    ap.add_argument("--links", default="unthrottled,10gbit,1gbit",
+                    help="comma-separated: unthrottled, 10gbit, 1gbit or any tc rate; none: accuracy only")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--steps", type=int, default=12, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=4)
