@@ -37,8 +37,9 @@ What it does, per bucket:
   cost model for the ``bandwidth`` and ``latency`` you give, with the codecs' speeds
   measured on this CPU when the state is made and averaged over the ranks (so every
   rank picks the same). ``"identity"`` among the candidates is float32.
-- Seeds of stochastic codecs mix the state's seed, the step, the parameter and the rank,
-  so ranks round independently and a rerun with the same seed is identical.
+- Seeds of stochastic codecs mix the state's seed, the step, the parameter and the rank
+  (random-k: not the rank, so all ranks keep the same indices), so ranks round
+  independently and a rerun with the same seed is identical.
 
 Error feedback keeps one residual per parameter. :meth:`GradpackState.state_dict`
 saves them by parameter name with the step counter (make the state with
@@ -60,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 import gradpack
-from gradpack import Codec, ErrorFeedback
+from gradpack import Codec, ErrorFeedback, _native
 
 __all__ = ["GradpackState", "gradpack_hook", "measure_link", "DEFAULT_CANDIDATES", "BIASED_NEED_FEEDBACK"]
 
@@ -75,37 +76,18 @@ _MASK = (1 << 64) - 1
 _IDENTITY = Codec("identity")
 
 
-def _mix(*words: int) -> int:
-    """SplitMix64 over the words: a 64-bit seed for one encode."""
-    h = 0x9E3779B97F4A7C15
-    for w in words:
-        h = (h ^ (w & _MASK)) & _MASK
-        h = (h + 0x9E3779B97F4A7C15) & _MASK
-        z = h
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-        h = z ^ (z >> 31)
-    return h
-
-
-def _split(r: np.ndarray, layout: Any) -> List[np.ndarray]:
-    """``r`` cut into the parameters' pieces of ``layout`` ((key, numel) pairs)."""
-    out, at = [], 0
-    for _, m in layout:
-        out.append(r[at : at + m])
-        at += m
-    return out
+def _seed(base: int, step: int, key: int, codec: Codec, rank: int) -> int:
+    """The seed of one encode: the crate's splitmix64 over the state's seed, the step and
+    the tensor's key, then the crate's per-rank mixing (random-k keeps one seed for all
+    ranks, so they keep the same indices, as in gradpack's own collectives)."""
+    sm = _native.splitmix64
+    s = sm(base ^ sm(step & _MASK) ^ sm(key & _MASK))
+    return _native.rank_seed(codec._c, s, rank)
 
 
 def _chunks(n: int, p: int) -> List[range]:
-    """``p`` contiguous ranges covering ``0..n``, the first ``n % p`` one longer."""
-    base, extra = divmod(n, p)
-    out, start = [], 0
-    for i in range(p):
-        size = base + (1 if i < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
+    """The crate's split of ``n`` elements into ``p`` ring chunks."""
+    return [range(*_native.chunk_range(n, p, c)) for c in range(p)]
 
 
 class GradpackState:
@@ -416,7 +398,7 @@ class GradpackState:
         out = send.numpy()
         at = start = 0
         for c, (key, m, _, skey) in zip(codecs, layout):
-            seed = _mix(self.seed, step, skey, rank)
+            seed = _seed(self.seed, step, skey, c, rank)
             piece = x[start : start + m]
             if self._wants_ef(c):
                 at += self._feedback_for(key, c, m).encode_into(
@@ -486,7 +468,7 @@ class GradpackState:
             return codec.encode_into(
                 x[r.start : r.stop],
                 sbuf.numpy(),
-                seed=_mix(self.seed, step, index, rank, hop),
+                seed=_seed(self.seed, step, (index << 16) + hop, codec, rank),
                 offset=r.start,
                 checksum=self.checksum,
             )

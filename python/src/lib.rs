@@ -165,16 +165,8 @@ fn encode_slice(
     }
 }
 
-fn max_len(spec: &CodecSpec, n: usize, checksum: bool) -> usize {
-    if checksum {
-        gradpack::Checksummed(*spec).max_encoded_len(n)
-    } else {
-        spec.max_encoded_len(n)
-    }
-}
-
-/// Encode into a fresh buffer of the maximum frame length, then copy the frame into a
-/// Python `bytes` (a frame is at most the size of its input).
+/// Encode `x` into a new frame (the crate's owning `encode`, which checks the arguments
+/// and the allocation first), copied into a Python `bytes`.
 fn encode_to_bytes<'py>(
     py: Python<'py>,
     spec: &CodecSpec,
@@ -189,19 +181,12 @@ fn encode_to_bytes<'py>(
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
     let c = ctx(seed, offset);
     let frame = py
-        .detach(|| -> gradpack::Result<Vec<u8>> {
-            spec.check_encode(xs.len(), &c)?;
-            let mut out = Vec::new();
-            let n = max_len(spec, xs.len(), checksum);
-            out.try_reserve_exact(n)
-                .map_err(|_| gradpack::Error::OutOfMemory {
-                    bytes: n as u64,
-                    what: "the frame",
-                })?;
-            out.resize(n, 0);
-            let len = encode_slice(spec, xs, &c, checksum, &mut out)?;
-            out.truncate(len);
-            Ok(out)
+        .detach(|| {
+            if checksum {
+                gradpack::Checksummed(*spec).encode(xs, &c)
+            } else {
+                spec.encode(xs, &c)
+            }
         })
         .map_err(err)?;
     Ok(PyBytes::new(py, &frame))
@@ -398,7 +383,11 @@ impl PyCodec {
     /// suffices), plus 4 bytes with `checksum`.
     #[pyo3(signature = (n, checksum=false))]
     fn max_encoded_len(&self, n: usize, checksum: bool) -> usize {
-        max_len(&self.spec, n, checksum)
+        if checksum {
+            gradpack::Checksummed(self.spec).max_encoded_len(n)
+        } else {
+            self.spec.max_encoded_len(n)
+        }
     }
 
     /// The largest error of one decoded element for inputs with absolute maximum
@@ -510,17 +499,24 @@ impl PyErrorFeedback {
         offset: u64,
         checksum: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let n = self.max_encoded_len(checksum);
-        let mut buf = Vec::new();
-        buf.try_reserve_exact(n).map_err(|_| {
-            err(gradpack::Error::OutOfMemory {
-                bytes: n as u64,
-                what: "the frame",
+        let arr = f32_in(grad, "grad")?;
+        let g = arr
+            .as_slice()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let c = ctx(seed, offset);
+        let ef = &mut self.inner;
+        let frame = py
+            .detach(|| {
+                let mut f = ef.encode(g, &c)?;
+                if checksum {
+                    let len = f.len();
+                    f.resize(gradpack::wire::sealed_len(len), 0);
+                    gradpack::wire::seal(&mut f, len)?;
+                }
+                Ok(f)
             })
-        })?;
-        buf.resize(n, 0);
-        let len = self.encode_slice(py, grad, &mut buf, seed, offset, checksum)?;
-        Ok(PyBytes::new(py, &buf[..len]))
+            .map_err(err)?;
+        Ok(PyBytes::new(py, &frame))
     }
 
     /// Encode into the uint8 array `out` (at least `max_encoded_len()` bytes); returns
@@ -848,6 +844,31 @@ fn parse_duration(s: &str) -> PyResult<f64> {
     cost::parse_duration(s).map_err(PyValueError::new_err)
 }
 
+/// The splitmix64 finaliser the crate derives every seed with.
+#[pyfunction]
+fn splitmix64(z: u64) -> u64 {
+    gradpack::rng::splitmix64(z)
+}
+
+/// The seed rank `rank` encodes with when a step's seed is `seed`: the same on every rank
+/// for random-k (all ranks keep the same indices), else mixed with the rank.
+#[pyfunction]
+fn rank_seed(codec: &Bound<'_, PyAny>, seed: u64, rank: usize) -> PyResult<u64> {
+    Ok(gradpack::collective::rank_seed(
+        &spec_of(codec)?,
+        seed,
+        rank,
+    ))
+}
+
+/// `(start, stop)` of chunk `c` when `n` elements are split into `p` chunks (sizes differ
+/// by at most one, larger first), as the crate's collectives split them.
+#[pyfunction]
+fn chunk_range(n: usize, p: usize, c: usize) -> (usize, usize) {
+    let r = gradpack::collective::chunk_range(n, p, c);
+    (r.start, r.end)
+}
+
 /// The SIMD backend the kernels run on (`'avx512'`, `'avx2'`, `'neon'` or `'scalar'`).
 #[pyfunction]
 fn backend() -> &'static str {
@@ -878,5 +899,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_bandwidth, m)?)?;
     m.add_function(wrap_pyfunction!(parse_duration, m)?)?;
     m.add_function(wrap_pyfunction!(backend, m)?)?;
+    m.add_function(wrap_pyfunction!(splitmix64, m)?)?;
+    m.add_function(wrap_pyfunction!(rank_seed, m)?)?;
+    m.add_function(wrap_pyfunction!(chunk_range, m)?)?;
     Ok(())
 }

@@ -26,6 +26,19 @@ struct Args {
     mpi: bool,
 }
 
+impl Args {
+    /// Every configuration trains the same model from the same start.
+    fn run_config(&self) -> RunConfig {
+        RunConfig {
+            hidden: self.hidden,
+            steps: self.steps,
+            batch: 32,
+            lr: 0.05,
+            seed: 7,
+        }
+    }
+}
+
 const CODECS: &str = "fp32,fp16,int8,topk-ef,sign-ef,auto";
 
 fn parse() -> Result<Args, String> {
@@ -151,13 +164,7 @@ fn threads(a: &Args, d: &Digits) -> Result<(), String> {
         None => "threads, no link simulator".into(),
     };
     header(a, a.workers, &how);
-    let cfg = RunConfig {
-        hidden: a.hidden,
-        steps: a.steps,
-        batch: 32,
-        lr: 0.05,
-        seed: 7,
-    };
+    let cfg = a.run_config();
     for name in &a.codecs {
         let opts = options(name, net)?;
         let res = local::run(a.workers, Some(Duration::from_secs(60)), |comm| {
@@ -193,13 +200,7 @@ fn mpi(a: &Args, d: &Digits) -> Result<(), String> {
         bandwidth_bit_s: a.bandwidth.unwrap_or(10e9),
         latency_s: a.latency_s,
     };
-    let cfg = RunConfig {
-        hidden: a.hidden,
-        steps: a.steps,
-        batch: 32,
-        lr: 0.05,
-        seed: 7,
-    };
+    let cfg = a.run_config();
     for name in &a.codecs {
         let t = gradpack::collective::mpi::MpiTransport::new(&world);
         let r = common::worker(t, rank, size, d, &cfg, options(name, net)?)

@@ -150,21 +150,15 @@ impl<B: AutodiffBackend, T: Transport + Send + 'static> ModuleVisitor<B> for Fee
         let r = match self.grads.remove::<B::InnerBackend, D>(param.id) {
             // A parameter that took no part in this worker's loss: a zero gradient (the
             // other workers' may not be zero; the mean is still right).
-            None => self.engine.slot_mut(i).map(|s| s.fill(0.0)),
+            None => self
+                .engine
+                .slot_mut(i)
+                .map(|s| s.fill(0.0))
+                .and_then(|_| self.engine.mark_ready(i)),
             Some(g) => {
                 let data = g.into_data().convert::<f32>();
                 match data.as_slice::<f32>() {
-                    Ok(s) => self.engine.slot_mut(i).and_then(|slot| {
-                        if slot.len() != s.len() {
-                            return Err(gradpack::Error::LengthMismatch {
-                                what: "gradient and its parameter",
-                                left: s.len(),
-                                right: slot.len(),
-                            });
-                        }
-                        slot.copy_from_slice(s);
-                        Ok(())
-                    }),
+                    Ok(s) => self.engine.ready(i, s),
                     Err(e) => {
                         self.error = Some(Error::Data(format!("{e:?}")));
                         return;
@@ -172,7 +166,7 @@ impl<B: AutodiffBackend, T: Transport + Send + 'static> ModuleVisitor<B> for Fee
                 }
             }
         };
-        if let Err(e) = r.and_then(|_| self.engine.mark_ready(i)) {
+        if let Err(e) = r {
             self.error = Some(e.into());
         }
     }
