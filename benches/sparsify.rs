@@ -8,7 +8,9 @@
 //! - `topk_exact`, `topk_approx`: `topk:ratio=0.01,values=fp16` encode, exact and
 //!   `select=approx` (tolerance 0.25).
 //! - `threshold`: `topk:threshold=T,values=fp16` with `T` the exact top-1% magnitude.
-//! - `randk`: `randk:ratio=0.01,values=fp16` encode.
+//! - `randk`, `randk_strata`: `randk:ratio=0.01,values=fp16` encode, bernoulli and
+//!   `select=strata` selection; `*_decode` and `*_decode_add`: their frames decoded
+//!   (written, or added to an accumulator).
 //! - `filter`: one compare-and-compress pass (`kernels::filter_mag_ge`) at the top-1%
 //!   magnitude, the building block of every top-k route.
 //! - `memcpy`, `read`: the same-run baselines (copy the f32 buffer; a 16-lane sum).
@@ -60,12 +62,28 @@ fn sparsify(c: &mut Criterion) {
                 format!("topk:threshold={threshold:e},values=fp16"),
             ),
             ("randk", "randk:ratio=0.01,values=fp16".to_string()),
+            (
+                "randk_strata",
+                "randk:ratio=0.01,values=fp16,select=strata".to_string(),
+            ),
         ] {
             let spec: CodecSpec = spec.parse().unwrap();
             let mut frame = vec![0u8; spec.max_encoded_len(n)];
             g.bench_function(name, |b| {
                 b.iter(|| spec.encode_into(black_box(&x), &EncodeCtx::new(1), &mut frame))
             });
+            if name.starts_with("randk") {
+                let len = spec
+                    .encode_into(&x, &EncodeCtx::new(1), &mut frame)
+                    .unwrap();
+                let mut out = vec![0f32; n];
+                g.bench_function(format!("{name}_decode"), |b| {
+                    b.iter(|| gradpack::decode(black_box(&frame[..len]), &mut out))
+                });
+                g.bench_function(format!("{name}_decode_add"), |b| {
+                    b.iter(|| gradpack::decode_add(black_box(&frame[..len]), &mut out))
+                });
+            }
         }
         let key = gradpack::kernels::scalar::mag_key(threshold);
         g.bench_function("filter", |b| {

@@ -337,7 +337,7 @@ impl CodecSpec {
     /// | qsgd | `sqrt(block) absmax / s`: below one step of a block L2 norm, plus `2^-22 absmax` |
     /// | sign | `2 absmax`: `x` and `±mean|x|` differ by at most `|x| + mean|x|` |
     /// | ternary, natural, top-k, random-k (`scale=none`) | `absmax` (a dropped element, or a power-of-two neighbour) |
-    /// | random-k (`scale=unbiased`) | `(1 + 2^-11) absmax / ratio` (`2^-8` with bf16 values) |
+    /// | random-k (`scale=unbiased`) | `(1 + 2^-11) absmax / ratio` (`2^-8` with bf16 values); with `select=strata`, `ceil(2^32 / t)` in place of `1 / ratio` |
     ///
     /// A relative slack of `2^-20` covers the f32 arithmetic of the scales. int8 and qsgd
     /// add `2^-22 absmax` for the f32 rounding of the step, of `x / step` and of the
@@ -386,11 +386,18 @@ impl CodecSpec {
                     // x / ratio, then rounded: |x / ratio - x| plus half an ulp of the
                     // value type. x / ratio overflows the value type (to Inf) past
                     // max * ratio; the margin covers the f32 rounding of the scale 1 / ratio.
-                    RandKScale::Unbiased => (
-                        (1.0 + rel) / c.ratio(),
-                        2f64.powi(-25),
-                        max * c.ratio() * (1.0 - 2f64.powi(-20)),
-                    ),
+                    // Strata scale by their length, at most ceil(2^32 / t).
+                    RandKScale::Unbiased => {
+                        let inv = match c.select() {
+                            crate::codecs::RandKSelect::Bernoulli => 1.0 / c.ratio(),
+                            crate::codecs::RandKSelect::Strata => c.max_scale(),
+                        };
+                        (
+                            (1.0 + rel) * inv,
+                            2f64.powi(-25),
+                            max / inv * (1.0 - 2f64.powi(-20)),
+                        )
+                    }
                 }
             }
         };

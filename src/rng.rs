@@ -20,6 +20,9 @@
 pub const STREAM_ROUNDING: u64 = 0;
 /// Stream constant for random-k selection draws (independent of rounding draws).
 pub const STREAM_SELECT: u64 = 0xD1B5_4A32_D192_ED03;
+/// Stream constant for random-k's stratified selection (`select=strata`): one draw per
+/// stratum, indexed by the stratum's number.
+pub const STREAM_STRATA: u64 = 0x6A09_E667_F3BC_C909;
 
 /// The splitmix64 finaliser (Steele, Lea and Flood 2014).
 #[inline]

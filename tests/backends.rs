@@ -103,6 +103,8 @@ fn all_specs() -> Vec<CodecSpec> {
         "topk:k=1,values=fp16",
         "randk:ratio=1",
         "randk:ratio=0.01",
+        "randk:ratio=1,select=strata",
+        "randk:ratio=0.01,values=fp16,select=strata",
     ] {
         v.push(s.parse().unwrap());
     }
@@ -379,6 +381,29 @@ fn filter_all(
 
 /// A `filter_mag_ge`-shaped kernel.
 type MagFilter = fn(&[f32], u32, &mut [u32]) -> (usize, usize);
+
+#[test]
+fn every_backend_finds_nonfinite_values_like_the_oracle() {
+    use gradpack::kernels::{any_nonfinite, scalar};
+    let backends = simd_backends();
+    let finite = [f32::MAX, -f32::MAX, 1e-45, -0.0, 3.5];
+    for n in 0..80 {
+        let x: Vec<f32> = (0..n).map(|i| finite[i % finite.len()]).collect();
+        for b in &backends {
+            assert!(!b.run(|| any_nonfinite(&x)), "{b}: finite input, n {n}");
+        }
+        for pos in 0..n {
+            for v in [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                let mut y = x.clone();
+                y[pos] = v;
+                assert!(scalar::any_nonfinite(&y));
+                for b in &backends {
+                    assert!(b.run(|| any_nonfinite(&y)), "{b}: {v} at {pos} of {n}");
+                }
+            }
+        }
+    }
+}
 
 #[test]
 fn every_backend_filters_like_the_oracle() {

@@ -32,6 +32,14 @@ fn specs_from_the_docs_parse_and_print_canonically() {
             "randk:ratio=0.5,scale=unbiased,values=fp16",
             "randk:ratio=0.5,values=fp16,scale=unbiased",
         ),
+        (
+            "randk:select=strata,ratio=0.001",
+            "randk:ratio=0.001,values=f32,scale=none,select=strata",
+        ),
+        (
+            "randk:select=bernoulli",
+            "randk:ratio=0.01,values=f32,scale=none",
+        ),
     ];
     for (input, canonical) in cases {
         let spec: CodecSpec = input.parse().unwrap_or_else(|e| panic!("{input}: {e}"));

@@ -110,6 +110,7 @@ def draw(seed, stream, g):
 
 
 SELECT = 0xD1B54A32D192ED03
+STRATA = 0x6A09E667F3BCC909
 
 
 # ---------------------------------------------------------------- decoder
@@ -295,11 +296,27 @@ def decode(frame):
         vt, sc = params[8], params[9]
         if not 1 <= t <= 1 << 32 or vt not in (0, 1, 2) or sc not in (0, 1):
             raise Reject("randk params")
-        zero_from(10)
+        sel = params[10]
+        if sel not in (0, 1):
+            raise Reject("randk select")
+        zero_from(11)
         vb = 4 if vt == 0 else 2
         if plen % vb or plen // vb > n:
             raise Reject("payload length")
-        kept = [i for i in range(n) if draw(seed, SELECT, offset + i) < t]
+        if sel == 0:
+            kept = [i for i in range(n) if draw(seed, SELECT, offset + i) < t]
+        else:
+            # Stratum j covers [b(j), b(j + 1)) and keeps one draw-chosen element.
+            def b(j):
+                return (j << 32) // t
+            j = ((offset + 1) * t - 1) >> 32
+            assert b(j) <= offset < b(j + 1)
+            kept = []
+            while b(j) < offset + n:
+                g = b(j) + ((draw(seed, STRATA, j) * (b(j + 1) - b(j))) >> 32)
+                if offset <= g < offset + n:
+                    kept.append(g - offset)
+                j += 1
         if len(kept) != plen // vb:
             raise Reject("kept count")
         if flags & 1:

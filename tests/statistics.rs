@@ -116,6 +116,33 @@ fn scaled_randk_is_unbiased() {
 }
 
 #[test]
+fn scaled_strata_randk_is_unbiased() {
+    let x = gaussianish(200, 3);
+    // Ratio 0.4: strata of 2 or 3 elements; each decoding is 0 or x times its stratum's
+    // length, an interval of width at most 3 |x|. (Scaling by 1 / ratio = 2.5 instead
+    // would put the mean of an element of a 2-stratum at 1.25 x: 10 standard errors.)
+    check_unbiased("randk:ratio=0.4,scale=unbiased,select=strata", &x, |i| {
+        x[i].abs() as f64 * 3.0
+    });
+}
+
+#[test]
+fn strata_randk_keeps_ratio_n_within_one_and_the_same_indices_across_ranks() {
+    let spec: CodecSpec = "randk:ratio=0.01,select=strata".parse().unwrap();
+    let n = 1_000_000;
+    let x = vec![1.0f32; n];
+    for seed in 0..20 {
+        let a = decode(&spec.encode(&x, &EncodeCtx::new(seed)).unwrap(), n);
+        let kept = a.iter().filter(|v| **v != 0.0).count() as f64;
+        // One per stratum of 2^32 / t = 99.99999 elements: n p = 10000.0007, give or take one.
+        assert!((kept - 10_000.0).abs() <= 1.0, "kept {kept}");
+        let y: Vec<f32> = (0..n).map(|i| i as f32 + 1.0).collect();
+        let b = decode(&spec.encode(&y, &EncodeCtx::new(seed)).unwrap(), n);
+        assert!(a.iter().zip(&b).all(|(p, q)| (*p == 0.0) == (*q == 0.0)));
+    }
+}
+
+#[test]
 fn randk_keeps_about_ratio_n_and_the_same_indices_across_ranks() {
     let spec: CodecSpec = "randk:ratio=0.01".parse().unwrap();
     let n = 1_000_000;

@@ -10,7 +10,7 @@
 //! - bytes 1..3: block size (`u16 % 4096 + 1`);
 //! - byte 3: bit 0 stochastic rounding (int8), bits 1..3 QSGD bits (2, 4, 8), bit 3 fp16
 //!   values (top-k, random-k), bit 4 unbiased scale (random-k), bit 5 an explicit `k`
-//!   (top-k);
+//!   (top-k) or strata selection (random-k);
 //! - byte 4: ratio `(b + 1) / 256` (top-k, random-k), or `k = b` (top-k with bit 5);
 //! - bytes 5..8: offset (u24); bytes 8..12: seed (u32).
 //!

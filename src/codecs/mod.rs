@@ -23,7 +23,7 @@ pub use identity::Identity;
 pub use int8::{Int8, Rounding};
 pub use natural::Natural;
 pub use qsgd::Qsgd;
-pub use randk::{RandK, RandKScale};
+pub use randk::{RandK, RandKScale, RandKSelect};
 pub use sign::Sign;
 pub use ternary::Ternary;
 pub use topk::{

@@ -1,18 +1,28 @@
 //! `randk`: random sparsification with indices derived from a shared hash, so frames
 //! carry values only.
 //!
-//! Element `i` (global index `offset + i`) is kept when
-//! `draw(seed, STREAM_SELECT, offset + i) < t`, with `t = clamp(round(ratio * 2^32), 1, 2^32)`:
-//! each element is kept independently with probability `p = t / 2^32` (Bernoulli
-//! sampling), so about `ratio * n` are kept and the choice depends only on the seed and
-//! the global index. Ranks that share a seed keep the same indices, a tensor chunked
-//! anywhere keeps the same ones, and the decoder recomputes them from the header's seed
-//! and offset.
+//! Two selections, both functions of the seed and the *global* index only, so ranks that
+//! share a seed keep the same indices, a tensor chunked anywhere keeps the same ones, and
+//! the decoder recomputes them from the header's seed and offset. Both keep a fraction
+//! `p = t / 2^32` of the elements on average, with `t = clamp(round(ratio * 2^32), 1, 2^32)`.
+//!
+//! - `select=bernoulli` (the default): element `i` (global index `offset + i`) is kept
+//!   when `draw(seed, STREAM_SELECT, offset + i) < t`, each independently with
+//!   probability `p`. Encoding and decoding cost one hash draw per element, kept or not.
+//! - `select=strata`: the global index line is cut into strata of `floor(2^32 / t)` or
+//!   `ceil(2^32 / t)` elements (stratum `j` starts at `floor(j * 2^32 / t)`, exact integer
+//!   arithmetic), and one element of each stratum is kept, chosen by one draw per stratum
+//!   (`STREAM_STRATA`). Encoding and decoding cost one draw per *kept* element (plus,
+//!   for a plain decode, zeroing the output and, for encode, the scan for NaN and Inf):
+//!   the cost grows with `k`, not `n`. The kept elements are spread evenly (one per
+//!   stratum), and a tensor of `n` elements keeps `n p` of them, give or take one.
 //!
 //! Payload: the kept values in index order, f32 LE, fp16 LE or bf16 LE. With `scale=unbiased` the
-//! encoder sends `x / p` (in f32, `x * (2^32 / t)`), making the decoding an unbiased
-//! estimate of the input; with `scale=none` (the default, for use with error feedback)
-//! it sends `x` and the estimate is biased towards zero by the factor `p`.
+//! encoder sends `x / p` (bernoulli: in f32, `x * (2^32 / t)`; strata: `x * s`, `s` the
+//! length of the element's stratum, its exact inverse keep probability), making the
+//! decoding an unbiased estimate of the input; with `scale=none` (the default, for use
+//! with error feedback) it sends `x` and the estimate is biased towards zero by the
+//! factor `p`.
 //!
 //! NaN and ±Inf: an unsent element could hide an overflow, so when the input holds any
 //! NaN or ±Inf the frame's NONFINITE flag is set and *every* element decodes to NaN.
@@ -20,12 +30,12 @@
 //! Frames of ranks that share a seed keep the same elements, so they can be summed value
 //! by value, compressed, with [`RandK::add_frame`]: no index is computed or sent.
 //!
-//! Decoding costs one hash draw per element of the frame, kept or not, and refuses a
-//! frame whose selection does not hold exactly as many elements as its payload has
-//! values. `decode_add` must leave the accumulator untouched then, so it counts before it
-//! adds: it keeps the keep masks of the first
+//! Bernoulli decoding refuses a frame whose selection does not hold exactly as many
+//! elements as its payload has values. `decode_add` must leave the accumulator untouched
+//! then, so it counts before it adds: it keeps the keep masks of the first
 //! [`STORED_MASK_ELEMENTS`](crate::kernels::STORED_MASK_ELEMENTS) elements from the
-//! counting pass (32 KiB on the stack) and draws the rest twice.
+//! counting pass (32 KiB on the stack) and draws the rest twice. Strata decoding counts
+//! its selection from the two boundary strata alone, before it writes anything.
 
 use core::fmt;
 
@@ -35,9 +45,9 @@ use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::{Error, Result};
 use crate::kernels::{
     self,
-    scalar::{self, CANONICAL_NAN, put},
+    scalar::{CANONICAL_NAN, put},
 };
-use crate::rng::{Draws, STREAM_SELECT};
+use crate::rng::{Draws, STREAM_SELECT, STREAM_STRATA};
 use crate::wire::{FLAG_NONFINITE, HEADER_LEN, Header};
 
 /// Whether random-k rescales kept values by `1 / p`.
@@ -50,12 +60,24 @@ pub enum RandKScale {
     Unbiased,
 }
 
+/// How random-k chooses the elements it keeps (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RandKSelect {
+    /// Each element independently, by one hash draw per element.
+    #[default]
+    Bernoulli,
+    /// One element per stratum of about `1 / ratio` elements, by one hash draw per stratum:
+    /// encode and decode cost grows with the number kept.
+    Strata,
+}
+
 /// Random-k with hash-derived indices.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RandK {
     ratio: f64,
     values: ValueType,
     scale: RandKScale,
+    select: RandKSelect,
 }
 
 impl Default for RandK {
@@ -64,6 +86,7 @@ impl Default for RandK {
             ratio: 0.01,
             values: ValueType::F32,
             scale: RandKScale::None,
+            select: RandKSelect::Bernoulli,
         }
     }
 }
@@ -82,7 +105,28 @@ impl RandK {
             ratio,
             values,
             scale,
+            select: RandKSelect::Bernoulli,
         })
+    }
+
+    /// The same codec with selection `select`.
+    pub fn with_select(self, select: RandKSelect) -> RandK {
+        RandK { select, ..self }
+    }
+
+    /// How the kept elements are chosen.
+    pub fn select(&self) -> RandKSelect {
+        self.select
+    }
+
+    /// The largest factor `scale=unbiased` multiplies a value by: `2^32 / t` for bernoulli
+    /// selection, the longest stratum `ceil(2^32 / t)` for strata.
+    pub fn max_scale(&self) -> f64 {
+        let t = self.threshold();
+        match self.select {
+            RandKSelect::Bernoulli => 4_294_967_296.0 / t as f64,
+            RandKSelect::Strata => (1u64 << 32).div_ceil(t) as f64,
+        }
     }
 
     /// The keep probability as configured.
@@ -115,10 +159,15 @@ impl RandK {
             "unbiased" => RandKScale::Unbiased,
             _ => RandKScale::None,
         };
+        let select = match a.choice("select", "bernoulli", &["bernoulli", "strata"])? {
+            "strata" => RandKSelect::Strata,
+            _ => RandKSelect::Bernoulli,
+        };
         Ok(RandK {
             ratio,
             values,
             scale,
+            select,
         })
     }
 }
@@ -134,7 +183,12 @@ impl fmt::Display for RandK {
             "randk:ratio={},values={},scale={scale}",
             self.ratio,
             self.values.name()
-        )
+        )?;
+        // The default selection is left out, so the names of bernoulli specs are unchanged.
+        match self.select {
+            RandKSelect::Bernoulli => Ok(()),
+            RandKSelect::Strata => f.write_str(",select=strata"),
+        }
     }
 }
 
@@ -152,6 +206,135 @@ fn for_each_kept(seed: u64, offset: u64, n: usize, t: u64, f: impl FnMut(usize))
         kernels::filter_draw_lt(&d, offset + pos as u64, t, n - pos, idx)
     };
     kernels::for_each_filtered(n, kept, f);
+}
+
+/// Elements a strata encode scans (or a decode zeroes) ahead of the kept values: 64 KiB.
+const STRATA_PIECE: usize = 1 << 14;
+
+/// Kept positions a strata encode or decode handles at a time.
+const STRATA_BATCH: usize = 256;
+
+/// The strata of `select=strata` for a threshold `t`: stratum `j` covers the global
+/// indices `b(j) .. b(j + 1)`, `b(j) = floor(j * 2^32 / t)`, and keeps the one at
+/// `b(j) + floor(draw(seed, STREAM_STRATA, j) * s / 2^32)`, `s = b(j + 1) - b(j)`.
+#[derive(Debug, Clone, Copy)]
+struct Strata {
+    t: u64,
+    /// `2^32 / t` and `2^32 % t`: stratum lengths are `q` or `q + 1`.
+    q: u64,
+    r: u64,
+}
+
+/// One stratum: its number, first index and length.
+#[derive(Debug, Clone, Copy)]
+struct Stratum {
+    j: u64,
+    start: u128,
+    len: u64,
+}
+
+impl Strata {
+    fn new(t: u64) -> Strata {
+        debug_assert!((1..=1u64 << 32).contains(&t));
+        Strata {
+            t,
+            q: (1u64 << 32) / t,
+            r: (1u64 << 32) % t,
+        }
+    }
+
+    /// Stratum `j`, by one exact division.
+    fn stratum(&self, j: u64) -> Stratum {
+        let t = self.t as u128;
+        let b = |j: u128| (j << 32) / t;
+        let start = b(j as u128);
+        Stratum {
+            j,
+            start,
+            len: (b(j as u128 + 1) - start) as u64,
+        }
+    }
+
+    /// The number of the stratum holding global index `g`: the largest `j` with
+    /// `b(j) <= g`, which is `ceil((g + 1) t / 2^32) - 1`.
+    fn holding(&self, g: u64) -> u64 {
+        (((g as u128 + 1) * self.t as u128 - 1) >> 32) as u64
+    }
+
+    /// The global index stratum `s` keeps.
+    #[inline]
+    fn pick(d: &Draws, s: &Stratum) -> u128 {
+        s.start + ((d.draw(s.j) as u64 as u128 * s.len as u128) >> 32)
+    }
+
+    /// How many of the global indices `offset .. offset + n` are kept: every stratum
+    /// between the two that hold the ends, and those two if their pick falls inside.
+    fn count(&self, d: &Draws, offset: u64, n: usize) -> usize {
+        if n == 0 {
+            return 0;
+        }
+        let (lo, hi) = (offset as u128, offset as u128 + n as u128);
+        let inside = |s: &Stratum| (lo..hi).contains(&Self::pick(d, s));
+        let first = self.holding(offset);
+        let last = self.holding((hi - 1) as u64);
+        if first == last {
+            return inside(&self.stratum(first)) as usize;
+        }
+        (last - first - 1) as usize
+            + inside(&self.stratum(first)) as usize
+            + inside(&self.stratum(last)) as usize
+    }
+
+    /// Calls `f(i, s)` for each kept position `i` of the slice of `n` elements at global
+    /// `offset`, in increasing order, `s` the length of its stratum. One draw per stratum;
+    /// each length follows from the remainder `rem = j * 2^32 - b(j) t` (`0 <= rem < t`):
+    /// stratum `j` has `q + 1` elements when `rem + r >= t`, else `q`.
+    #[inline]
+    fn for_each(&self, d: &Draws, offset: u64, n: usize, mut f: impl FnMut(usize, u64)) {
+        if n == 0 {
+            return;
+        }
+        let (t, q, r) = (self.t, self.q, self.r);
+        let mut j = self.holding(offset);
+        let first = self.stratum(j).start;
+        let mut rem = (((j as u128) << 32) - first * t as u128) as u64;
+        // Positions relative to `offset`: the first stratum starts at most 2^32 before
+        // it, and the walk stops at `n`, so i64 holds them all.
+        let mut start = -((offset as u128 - first) as i64);
+        let n_i = n as i64;
+        while start < n_i {
+            let carry = rem + r >= t;
+            let len = q + carry as u64;
+            let g = start + ((d.draw(j) as u64 * len) >> 32) as i64;
+            if (0..n_i).contains(&g) {
+                f(g as usize, len);
+            }
+            start += len as i64;
+            rem = rem + r - if carry { t } else { 0 };
+            j = j.wrapping_add(1);
+        }
+    }
+
+    /// [`Strata::for_each`] in batches of up to [`STRATA_BATCH`] kept positions and their
+    /// strata's lengths, so the caller's loads and stores run in tight loops.
+    #[inline]
+    fn batches(&self, d: &Draws, offset: u64, n: usize, mut f: impl FnMut(&[usize], &[u64])) {
+        let mut idx = [0usize; STRATA_BATCH];
+        let mut len = [0u64; STRATA_BATCH];
+        let mut m = 0;
+        self.for_each(d, offset, n, |i, s| {
+            idx[m] = i;
+            len[m] = s;
+            m += 1;
+            if m == STRATA_BATCH {
+                f(&idx, &len);
+                m = 0;
+            }
+        });
+        if m > 0 {
+            f(&idx[..m], &len[..m]);
+        }
+    }
 }
 
 impl RandK {
@@ -245,27 +428,65 @@ impl Scheme for RandK {
 
     fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
         let t = self.threshold();
-        let d = Draws::new(ctx.seed, STREAM_SELECT, ctx.offset);
-        let k = kernels::count_draw_lt(&d, ctx.offset, t, x.len()) as u64;
-        let len = k * self.values.bytes();
-        let p = payload_buf(out, len)?;
-        let mul = match self.scale {
-            RandKScale::None => 1.0,
-            RandKScale::Unbiased => (4_294_967_296.0 / t as f64) as f32,
+        let unbiased = self.scale == RandKScale::Unbiased;
+        let (k, nonfinite) = match self.select {
+            RandKSelect::Bernoulli => {
+                let d = Draws::new(ctx.seed, STREAM_SELECT, ctx.offset);
+                let k = kernels::count_draw_lt(&d, ctx.offset, t, x.len());
+                let p = payload_buf(out, k as u64 * self.values.bytes())?;
+                let mul = if unbiased {
+                    (4_294_967_296.0 / t as f64) as f32
+                } else {
+                    1.0
+                };
+                let mut values = ValueWriter::new(self.values, p, k);
+                for_each_kept(ctx.seed, ctx.offset, x.len(), t, |i| {
+                    values.push(x[i] * mul)
+                });
+                values.finish();
+                (k, kernels::any_nonfinite(x))
+            }
+            RandKSelect::Strata => {
+                let strata = Strata::new(t);
+                let d = Draws::new(ctx.seed, STREAM_STRATA, strata.holding(ctx.offset));
+                let k = strata.count(&d, ctx.offset, x.len());
+                let p = payload_buf(out, k as u64 * self.values.bytes())?;
+                // The scan for NaN and Inf runs a piece ahead of the kept values, so each
+                // is read while its piece is still in cache.
+                let (mut scanned, mut nonfinite, mut j) = (0, false, 0);
+                let mut vals = [0f32; STRATA_BATCH];
+                strata.batches(&d, ctx.offset, x.len(), |idx, lens| {
+                    let last = idx[idx.len() - 1];
+                    while last >= scanned {
+                        let end = (scanned + STRATA_PIECE).min(x.len());
+                        nonfinite |= kernels::any_nonfinite(&x[scanned..end]);
+                        scanned = end;
+                    }
+                    let v = &mut vals[..idx.len()];
+                    if unbiased {
+                        for ((v, &i), &s) in v.iter_mut().zip(idx).zip(lens) {
+                            *v = x[i] * s as f32;
+                        }
+                    } else {
+                        for (v, &i) in v.iter_mut().zip(idx) {
+                            *v = x[i];
+                        }
+                    }
+                    self.values.put_slice(p, k, j, v);
+                    j += idx.len();
+                });
+                (k, nonfinite || kernels::any_nonfinite(&x[scanned..]))
+            }
         };
-        let mut values = ValueWriter::new(self.values, p, k as usize);
-        for_each_kept(ctx.seed, ctx.offset, x.len(), t, |i| {
-            values.push(x[i] * mul)
-        });
-        values.finish();
         let mut params = [0u8; 12];
         params[0..8].copy_from_slice(&t.to_le_bytes());
         params[8] = self.values as u8;
         params[9] = self.scale as u8;
+        params[10] = self.select as u8;
         Ok(Encoded {
-            payload_len: len,
+            payload_len: k as u64 * self.values.bytes(),
             params,
-            nonfinite: scalar::any_nonfinite(x),
+            nonfinite,
             seed: ctx.seed,
         })
     }
@@ -291,7 +512,17 @@ impl Scheme for RandK {
                 ));
             }
         };
-        h.params_zero_from(10)?;
+        let select = match h.params[10] {
+            0 => RandKSelect::Bernoulli,
+            1 => RandKSelect::Strata,
+            s => {
+                return Err(bad(
+                    "params.select",
+                    format!("{s} is not 0 (bernoulli) or 1 (strata)"),
+                ));
+            }
+        };
+        h.params_zero_from(11)?;
         let vb = values.bytes();
         if !h.payload_len.is_multiple_of(vb) || h.payload_len / vb > h.elements {
             return Err(bad(
@@ -306,6 +537,7 @@ impl Scheme for RandK {
             ratio: t as f64 / 4_294_967_296.0,
             values,
             scale,
+            select,
         })
     }
 
@@ -320,6 +552,52 @@ impl Scheme for RandK {
             ),
         };
         let nonfinite = h.flags & FLAG_NONFINITE != 0;
+        if self.select == RandKSelect::Strata {
+            // The count needs two draws: check it before anything is written.
+            let strata = Strata::new(t);
+            let d = Draws::new(h.seed, STREAM_STRATA, strata.holding(h.offset));
+            let count = strata.count(&d, h.offset, out.len());
+            if count != k {
+                return Err(mismatch(count));
+            }
+            if nonfinite {
+                for o in out.iter_mut() {
+                    put::<M>(o, CANONICAL_NAN);
+                }
+                return Ok(());
+            }
+            let mut vals = [0f32; STRATA_BATCH];
+            let mut j = 0;
+            if M == kernels::mode::WRITE {
+                // Zeroed a piece ahead of the kept values, which land in cache.
+                let mut zeroed = 0;
+                strata.batches(&d, h.offset, out.len(), |idx, _| {
+                    let last = idx[idx.len() - 1];
+                    while last >= zeroed {
+                        let end = (zeroed + STRATA_PIECE).min(out.len());
+                        out[zeroed..end].fill(0.0);
+                        zeroed = end;
+                    }
+                    let v = &mut vals[..idx.len()];
+                    self.values.get_slice(p, k, j, v);
+                    for (&i, &v) in idx.iter().zip(v.iter()) {
+                        out[i] = v;
+                    }
+                    j += idx.len();
+                });
+                out[zeroed..].fill(0.0);
+            } else {
+                strata.batches(&d, h.offset, out.len(), |idx, _| {
+                    let v = &mut vals[..idx.len()];
+                    self.values.get_slice(p, k, j, v);
+                    for (&i, &v) in idx.iter().zip(v.iter()) {
+                        put::<M>(&mut out[i], v);
+                    }
+                    j += idx.len();
+                });
+            }
+            return Ok(());
+        }
         let d = Draws::new(h.seed, STREAM_SELECT, h.offset);
         // The selection must hold exactly `k` elements. Writing counts it in the same pass
         // of hash draws and checks at the end (`decode_into` may leave `out` partly written
@@ -374,5 +652,122 @@ impl Scheme for RandK {
 
     fn is_unbiased(&self) -> bool {
         self.scale == RandKScale::Unbiased
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::draw;
+
+    /// The definition, one division per stratum: the kept global indices of
+    /// `offset .. offset + n`.
+    fn kept_by_definition(seed: u64, t: u64, offset: u64, n: usize) -> Vec<(u64, u64)> {
+        let b = |j: u128| ((j << 32) / t as u128) as u64;
+        let mut out = Vec::new();
+        let mut j = 0u64;
+        // The first stratum holding `offset` by search from below (small offsets), or by
+        // the closed form checked against its defining inequality.
+        if offset > 0 {
+            j = Strata::new(t).holding(offset);
+            assert!(b(j as u128) <= offset && b(j as u128 + 1) > offset);
+        }
+        let end = offset as u128 + n as u128;
+        while (b(j as u128) as u128) < end {
+            let (start, len) = (b(j as u128), b(j as u128 + 1) - b(j as u128));
+            let g = start + ((draw(seed, STREAM_STRATA, j) as u64 * len) >> 32);
+            if g >= offset && (g as u128) < end {
+                out.push((g - offset, len));
+            }
+            j += 1;
+        }
+        out
+    }
+
+    fn kept(seed: u64, t: u64, offset: u64, n: usize) -> Vec<(u64, u64)> {
+        let s = Strata::new(t);
+        let d = Draws::new(seed, STREAM_STRATA, s.holding(offset));
+        let mut out = Vec::new();
+        s.for_each(&d, offset, n, |i, len| out.push((i as u64, len)));
+        assert_eq!(
+            s.count(&d, offset, n),
+            out.len(),
+            "t {t} offset {offset} n {n}"
+        );
+        out
+    }
+
+    #[test]
+    fn strata_walk_matches_the_definition_and_counts_from_the_ends() {
+        let ts = [
+            1u64 << 32,
+            (1 << 32) - 1,
+            1 << 31,
+            3 << 30,
+            1_288_490_189, // 0.3
+            42_949_673,    // 0.01
+            4_294_967,     // 0.001
+            7,
+            1,
+        ];
+        let offsets = [0u64, 1, 99, 1000, 5_000_000_000, (1 << 40) + 17];
+        for &t in &ts {
+            for &offset in &offsets {
+                for n in [0usize, 1, 2, 3, 64, 100, 101, 1000, 4097] {
+                    assert_eq!(kept(5, t, offset, n), kept_by_definition(5, t, offset, n));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn strata_keep_the_same_elements_however_the_tensor_is_chunked() {
+        let t = 1_288_490_189; // ratio 0.3: strata of 3 and 4 elements
+        let whole: Vec<u64> = kept(9, t, 1000, 5000).into_iter().map(|k| k.0).collect();
+        let mut pieces = Vec::new();
+        let mut at = 0;
+        for len in [1usize, 2, 3, 5, 7, 11, 13, 100, 1000, 3858] {
+            pieces.extend(
+                kept(9, t, 1000 + at as u64, len)
+                    .into_iter()
+                    .map(|k| k.0 + at as u64),
+            );
+            at += len;
+        }
+        assert_eq!(at, 5000);
+        assert_eq!(pieces, whole);
+    }
+
+    #[test]
+    fn strata_cross_the_key_window_of_their_draws_and_the_end_of_the_index_space() {
+        // Stratum numbers cross 2^32 (a new draw key) inside the tensor.
+        let t = 1_288_490_189u64;
+        let offset = (((1u128 << 64) / t as u128) as u64).saturating_sub(150);
+        assert_eq!(
+            kept(3, t, offset, 300),
+            kept_by_definition(3, t, offset, 300)
+        );
+        // The last elements of the u64 index space.
+        for t in [1u64 << 32, 1_288_490_189, 1] {
+            let n = 257;
+            let offset = u64::MAX - n as u64 + 1;
+            let k = kept(3, t, offset, n);
+            assert!(k.iter().all(|&(i, _)| (i as usize) < n));
+            if t == 1 << 32 {
+                assert_eq!(k.len(), n);
+            }
+        }
+    }
+
+    #[test]
+    fn every_stratum_keeps_one_element_and_lengths_are_q_or_q_plus_one() {
+        let t = 42_949_673u64; // ratio 0.01: strata of 99 or 100 (2^32 / t = 99.99999...)
+        let k = kept(1, t, 0, 1_000_000);
+        let n_strata = Strata::new(t).holding(999_999) + 1;
+        // Every stratum starting inside keeps its pick; the last may keep it past the end.
+        assert!((n_strata - 1..=n_strata).contains(&(k.len() as u64)));
+        assert!(k.iter().all(|&(_, len)| len == 99 || len == 100));
+        // The pick lies in its stratum: consecutive picks are less than two strata apart.
+        assert!(k.windows(2).all(|w| w[1].0 - w[0].0 < 200));
     }
 }

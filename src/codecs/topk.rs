@@ -646,7 +646,7 @@ impl TopK {
             params,
             // With nothing kept, the flag is the only trace (module docs).
             nonfinite: if k == 0 {
-                scalar::any_nonfinite(x)
+                kernels::any_nonfinite(x)
             } else {
                 nonfinite
             },

@@ -109,6 +109,7 @@ simd_op!(EncodeNatural {
 simd_op!(DecodeNatural<const M: u8> {
     refs: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
 } -> () = portable::decode_natural::<M>(refs, codes, block, out));
+simd_op!(AnyNonfinite { x: &'a [f32] } -> bool = scalar::max_abs_bits(x) >= scalar::INF_BITS);
 simd_op!(FilterMagGe { x: &'a [f32], t: u32, idx: &'a mut [u32] } -> (usize, usize)
     = portable::filter_mag_ge(x, t, idx));
 simd_op!(FilterDrawLt { first: u32, key: u32, t: u32, n: usize, idx: &'a mut [u32] }
@@ -192,6 +193,15 @@ pub fn feedback_f16(r: &mut [f32], g: &[f32], beta: f32, gamma: f32, out: &mut [
                 out,
             },
         ),
+    }
+}
+
+/// True if any element of `x` is NaN or ±Inf (one read pass, vectorised on every SIMD
+/// backend; see [`scalar::any_nonfinite`]).
+pub fn any_nonfinite(x: &[f32]) -> bool {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => scalar::any_nonfinite(x),
+        b => simd(b, AnyNonfinite { x }),
     }
 }
 

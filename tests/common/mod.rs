@@ -27,6 +27,8 @@ pub const SPECS: &[&str] = &[
     "topk:ratio=0.02,values=int8,select=approx,index=gaps",
     "randk:ratio=0.3,values=f32",
     "randk:ratio=0.3,values=fp16,scale=unbiased",
+    "randk:ratio=0.3,values=f32,select=strata",
+    "randk:ratio=0.05,values=bf16,scale=unbiased,select=strata",
 ];
 
 pub fn specs() -> Vec<CodecSpec> {
@@ -313,10 +315,26 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
             } else {
                 1.0
             };
+            let strata = c.select() == gradpack::RandKSelect::Strata;
             for i in 0..x.len() {
                 let g = ctx.offset + i as u64;
-                let kept =
-                    (gradpack::rng::draw(ctx.seed, gradpack::rng::STREAM_SELECT, g) as u64) < t;
+                let (kept, mul) = if strata {
+                    // The stratum j holding g (b(j) <= g < b(j + 1), b(j) = floor(j 2^32 / t)),
+                    // found from below, and the index it keeps (wire format 3.10).
+                    let b = |j: u128| (j << 32) / t as u128;
+                    let mut j = (g as u128 * t as u128) >> 32;
+                    while b(j + 1) <= g as u128 {
+                        j += 1;
+                    }
+                    let len = b(j + 1) - b(j);
+                    let r = gradpack::rng::draw(ctx.seed, gradpack::rng::STREAM_STRATA, j as u64);
+                    let pick = b(j) + ((r as u128 * len) >> 32);
+                    let unbiased = c.scale() == gradpack::RandKScale::Unbiased;
+                    (pick == g as u128, if unbiased { len as f32 } else { 1.0 })
+                } else {
+                    let r = gradpack::rng::draw(ctx.seed, gradpack::rng::STREAM_SELECT, g);
+                    ((r as u64) < t, mul)
+                };
                 let want = if kept {
                     stored_value(c.values(), x[i] * mul)
                 } else {
@@ -388,6 +406,19 @@ pub const GOLDEN: &[(&str, &str, u64, u64)] = &[
         "randk:ratio=0.1,values=fp16,scale=unbiased",
         42,
         1000,
+    ),
+    (
+        "randk_r01_f32_strata",
+        "randk:ratio=0.1,select=strata",
+        42,
+        0,
+    ),
+    (
+        // Stratum numbers cross 2^32 (a new draw key) inside the frame.
+        "randk_r03_fp16_unbiased_strata",
+        "randk:ratio=0.3,values=fp16,scale=unbiased,select=strata",
+        42,
+        14_316_557_600,
     ),
 ];
 

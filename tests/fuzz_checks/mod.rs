@@ -237,8 +237,9 @@ fn spec_of(c: &[u8; 12]) -> String {
         8 if v & 32 != 0 => format!("topk:k={},values={topk_values}{approx}{index}", c[4]),
         8 => format!("topk:ratio={ratio},values={topk_values}{approx}{index}"),
         _ => format!(
-            "randk:ratio={ratio},values={values},scale={}",
-            if v & 16 != 0 { "unbiased" } else { "none" }
+            "randk:ratio={ratio},values={values},scale={}{}",
+            if v & 16 != 0 { "unbiased" } else { "none" },
+            if v & 32 != 0 { ",select=strata" } else { "" }
         ),
     }
 }
@@ -257,7 +258,7 @@ fn spec_of(c: &[u8; 12]) -> String {
 ///   values (unless byte 3 asks for fp16) and bit 3 int8 values (top-k);
 /// - byte 3: bit 0 stochastic rounding (int8), bits 1..3 QSGD bits (2, 4, 8), bit 3 fp16
 ///   values (top-k, random-k), bit 4 unbiased scale (random-k), bit 5 an explicit `k`
-///   (top-k), bit 6 a threshold (top-k), bit 7 approximate selection with tolerance
+///   (top-k) or strata selection (random-k), bit 6 a threshold (top-k), bit 7 approximate selection with tolerance
 ///   `(byte 1 % 5) / 4` (top-k);
 /// - byte 4: ratio `(b + 1) / 256` (top-k, random-k), `k = b` (top-k with bit 5) or
 ///   threshold `b / 32` (top-k with bit 6);

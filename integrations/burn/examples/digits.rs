@@ -35,6 +35,7 @@ impl Args {
             batch: 32,
             lr: 0.05,
             seed: 7,
+            checkpoint: false,
         }
     }
 }
@@ -176,7 +177,7 @@ fn threads(a: &Args, d: &Digits) -> Result<(), String> {
                     latency: Duration::from_secs_f64(a.latency_s),
                 }));
             }
-            common::worker(t, rank, a.workers, d, &cfg, opts.clone())
+            common::worker(t, rank, a.workers, d, &cfg, opts.clone(), None)
                 .map_err(|e| gradpack::Error::Collective(e.to_string()))
         });
         let res: Result<Vec<_>, _> = res.into_iter().collect();
@@ -203,7 +204,7 @@ fn mpi(a: &Args, d: &Digits) -> Result<(), String> {
     let cfg = a.run_config();
     for name in &a.codecs {
         let t = gradpack::collective::mpi::MpiTransport::new(&world);
-        let r = common::worker(t, rank, size, d, &cfg, options(name, net)?)
+        let r = common::worker(t, rank, size, d, &cfg, options(name, net)?, None)
             .map_err(|e| format!("{name}: {e}"))?;
         // Rank 0 checks every rank's parameter hashes against its own.
         let mut all = vec![0u64; a.steps * size];
@@ -218,6 +219,8 @@ fn mpi(a: &Args, d: &Digits) -> Result<(), String> {
                     accuracy: r.accuracy,
                     step_s: times[q],
                     bytes_sent: r.bytes_sent,
+                    compressed_elements: r.compressed_elements,
+                    checkpoint: None,
                 })
                 .collect();
             report(name, &rows, a.steps)?;

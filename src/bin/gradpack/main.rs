@@ -437,6 +437,7 @@ impl Stats {
 
 // ---------------------------------------------------------------- report
 
+#[derive(Clone)]
 struct Measured {
     spec: CodecSpec,
     bits: f64,
@@ -503,7 +504,22 @@ fn ef_error(
     Ok(Some((num / den).sqrt()))
 }
 
-fn measure(spec: &CodecSpec, x: &[f32], ef_grads: &[Vec<f32>], budget: f64) -> Res<Measured> {
+/// Rounds of timing in `report`: every codec is timed once per round, the rounds
+/// interleaved, so a slow spell of the machine touches every codec alike; a codec's
+/// speeds are the medians over the rounds, and the spread of its break-even over the
+/// rounds is printed beside it.
+const ROUNDS: usize = 5;
+
+/// One codec's encode, decode and decode_add speeds (bytes of f32 input per second).
+#[derive(Clone, Copy)]
+struct Speeds {
+    enc: f64,
+    dec: f64,
+    add: f64,
+}
+
+/// Error figures of `spec` on `x` (speeds left at zero; [`time_round`] measures them).
+fn measure(spec: &CodecSpec, x: &[f32], ef_grads: &[Vec<f32>]) -> Res<Measured> {
     let n = x.len();
     let ctx = EncodeCtx::new(1);
     let mut frame = vec![0u8; spec.max_encoded_len(n)];
@@ -516,9 +532,27 @@ fn measure(spec: &CodecSpec, x: &[f32], ef_grads: &[Vec<f32>], budget: f64) -> R
         (a + (u as f64 - v as f64).powi(2), b + (u as f64).powi(2))
     });
     let ef_rel_l2 = ef_error(spec, ef_grads, &mut frame, &mut d)?;
+    Ok(Measured {
+        spec: *spec,
+        bits: len as f64 * 8.0 / n as f64,
+        rel_l2: (num / den).sqrt(),
+        ef_rel_l2,
+        enc: 0.0,
+        dec: 0.0,
+        add: 0.0,
+    })
+}
+
+/// One round of timing of `spec` on `x`: the median of each operation over `budget`
+/// seconds (at least 5 runs).
+fn time_round(spec: &CodecSpec, x: &[f32], budget: f64) -> Res<Speeds> {
+    let n = x.len();
+    let ctx = EncodeCtx::new(1);
+    let mut frame = vec![0u8; spec.max_encoded_len(n)];
     let len = spec
         .encode_into(x, &ctx, &mut frame)
         .map_err(|e| format!("{spec}: {e}"))?;
+    let mut d = vec![0f32; n];
     let bytes = 4.0 * n as f64;
     let enc = median_secs(budget, || {
         spec.encode_into(x, &ctx, &mut frame).expect("encode");
@@ -529,15 +563,30 @@ fn measure(spec: &CodecSpec, x: &[f32], ef_grads: &[Vec<f32>], budget: f64) -> R
     let add = median_secs(budget, || {
         gradpack::decode_add(&frame[..len], &mut d).expect("decode_add");
     });
-    Ok(Measured {
-        spec: *spec,
-        bits: len as f64 * 8.0 / n as f64,
-        rel_l2: (num / den).sqrt(),
-        ef_rel_l2,
+    Ok(Speeds {
         enc: bytes / enc,
         dec: bytes / dec,
         add: bytes / add,
     })
+}
+
+/// The median of `v` (not empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+/// `m` with the median speeds of `rounds`.
+fn with_speeds(mut m: Measured, rounds: &[Speeds]) -> Measured {
+    m.enc = median(rounds.iter().map(|s| s.enc).collect());
+    m.dec = median(rounds.iter().map(|s| s.dec).collect());
+    m.add = median(rounds.iter().map(|s| s.add).collect());
+    m
 }
 
 fn profile(m: &Measured) -> CodecProfile {
@@ -580,6 +629,15 @@ fn today() -> String {
     format!("{y:04}-{m:02}-{d:02}")
 }
 
+/// A break-even and, when the timing rounds disagree, their range.
+fn fmt_be(be: f64, (lo, hi): (f64, f64)) -> String {
+    if fmt_bw(lo) == fmt_bw(hi) {
+        fmt_bw(be)
+    } else {
+        format!("{} ({}-{})", fmt_bw(be), fmt_bw(lo), fmt_bw(hi))
+    }
+}
+
 fn fmt_bw(b: f64) -> String {
     if b.is_infinite() {
         "always".into()
@@ -607,20 +665,39 @@ fn report(a: ReportArgs) -> Res<()> {
     let ef_grads: Vec<Vec<f32>> = (0..EF_STEPS)
         .map(|s| gradpack::synthetic::gradient(n, 3000 + s))
         .collect();
-    // Time budget per operation: about 20 s of timing for the whole default report.
-    let budget = 0.3_f64.min(20.0 / (3.0 * (specs.len() + 1) as f64));
-    let bar = progress(specs.len() as u64 + 1, false);
+    // Time budget per operation and round: about 20 s of timing for the whole default
+    // report.
+    let budget = 0.3_f64.min(20.0 / (3.0 * (specs.len() + 1) as f64)) / ROUNDS as f64;
+    let bar = progress(((specs.len() + 1) * (ROUNDS + 1)) as u64, false);
     let identity: CodecSpec = "identity".parse().expect("identity parses");
-    bar.set_message("identity (the fp32 reduction speed)");
-    let base = backend.run(|| measure(&identity, &x, &[], budget))?;
+    bar.set_message("errors");
+    let base = backend.run(|| measure(&identity, &x, &[]))?;
     bar.inc(1);
     let mut rows = Vec::new();
     for s in &specs {
-        bar.set_message(s.to_string());
-        rows.push(backend.run(|| measure(s, &x, &ef_grads, budget))?);
+        bar.set_message(format!("{s}: errors"));
+        rows.push(backend.run(|| measure(s, &x, &ef_grads))?);
         bar.inc(1);
     }
+    // Timing rounds: identity (the fp32 reduction) and every codec, interleaved.
+    let mut base_rounds = Vec::new();
+    let mut row_rounds: Vec<Vec<Speeds>> = vec![Vec::new(); specs.len()];
+    for round in 0..ROUNDS {
+        bar.set_message(format!("timing, round {} of {ROUNDS}", round + 1));
+        base_rounds.push(backend.run(|| time_round(&identity, &x, budget))?);
+        bar.inc(1);
+        for (s, r) in specs.iter().zip(row_rounds.iter_mut()) {
+            r.push(backend.run(|| time_round(s, &x, budget))?);
+            bar.inc(1);
+        }
+    }
     bar.finish_and_clear();
+    let base = with_speeds(base, &base_rounds);
+    let rows: Vec<Measured> = rows
+        .into_iter()
+        .zip(&row_rounds)
+        .map(|(m, r)| with_speeds(m, r))
+        .collect();
 
     // fp32 ring: the reduction is an f32 add, which identity's decode_add measures.
     let reduce = base.add;
@@ -644,14 +721,30 @@ fn report(a: ReportArgs) -> Res<()> {
         strategy: Strategy,
         t: f64,
         be: f64,
+        /// The lowest and highest break-even of the timing rounds.
+        be_range: (f64, f64),
     }
     let rows: Vec<Row> = rows
         .iter()
-        .map(|m| {
+        .zip(&row_rounds)
+        .map(|(m, rounds)| {
             let p = profile(m);
             let (strategy, t) = cost::best_strategy(&p, &cluster, elements, reduce);
             let be = cost::break_even_bandwidth(&p, net.nodes, net.latency, elements, reduce);
-            Row { m, strategy, t, be }
+            let per_round = rounds.iter().zip(&base_rounds).map(|(s, b)| {
+                let p = profile(&with_speeds(m.clone(), std::slice::from_ref(s)));
+                cost::break_even_bandwidth(&p, net.nodes, net.latency, elements, b.add)
+            });
+            let be_range = per_round.fold((f64::INFINITY, 0f64), |(lo, hi), b| {
+                (lo.min(b), hi.max(b))
+            });
+            Row {
+                m,
+                strategy,
+                t,
+                be,
+                be_range,
+            }
         })
         .collect();
 
@@ -673,6 +766,9 @@ fn report(a: ReportArgs) -> Res<()> {
                     "strategy": r.strategy.name(),
                     // JSON has no infinity: null means the codec pays at every bandwidth.
                     "break_even_gbit_s": if r.be.is_finite() { Some(r.be / 1e9) } else { None },
+                    // The lowest and highest of the timing rounds (null: infinite).
+                    "break_even_range_gbit_s": [r.be_range.0, r.be_range.1]
+                        .map(|b| if b.is_finite() { Some(b / 1e9) } else { None }),
                     "allreduce_s": r.t,
                     "speedup": fp32 / r.t,
                 })
@@ -712,7 +808,7 @@ fn report(a: ReportArgs) -> Res<()> {
             reduce / 1e9
         );
         outln!(
-            "{:<40} {:>7} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7} {:>9} {:>11} {:>9} {:>8}",
+            "{:<40} {:>7} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7} {:>9} {:>22} {:>9} {:>8}",
             "spec",
             "bits/el",
             "ratio",
@@ -723,13 +819,13 @@ fn report(a: ReportArgs) -> Res<()> {
             "add GB/s",
             "backend",
             "strategy",
-            "break-even",
+            "break-even (range)",
             "time ms",
             "speedup"
         );
         for r in &rows {
             outln!(
-                "{:<40} {:>7.3} {:>6.1} {:>9.2e} {:>9} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>9} {:>11} {:>9.3} {:>8}",
+                "{:<40} {:>7.3} {:>6.1} {:>9.2e} {:>9} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>9} {:>22} {:>9.3} {:>8}",
                 r.m.spec.to_string(),
                 r.m.bits,
                 32.0 / r.m.bits,
@@ -741,7 +837,7 @@ fn report(a: ReportArgs) -> Res<()> {
                 r.m.add / 1e9,
                 backend.name(),
                 r.strategy.name(),
-                fmt_bw(r.be),
+                fmt_be(r.be, r.be_range),
                 r.t * 1e3,
                 speedup(fp32, r.t)
             );
@@ -749,7 +845,8 @@ fn report(a: ReportArgs) -> Res<()> {
         outln!(
             "\nrel L2: ||x - D(x)|| / ||x||; EF rel L2: ||sum g - sum D|| / ||sum g|| after {EF_STEPS} steps of error feedback\n\
              (- where error feedback refuses a non-contractive codec);\n\
-             break-even: the link speed (Gbit/s) below which the codec's all-reduce beats fp32's;\n\
+             break-even: the link speed (Gbit/s) below which the codec's all-reduce beats fp32's, from the\n\
+             median speeds of {ROUNDS} interleaved timing rounds (range: the lowest and highest round);\n\
              time: the modelled all-reduce at {:.1} Gbit/s with the best strategy (ring or allgather).",
             net.bandwidth / 1e9
         );

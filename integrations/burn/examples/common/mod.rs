@@ -12,6 +12,7 @@ use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{GradientsParams, Optimizer, SgdConfig, momentum::MomentumConfig};
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use gradpack::collective::Transport;
@@ -150,6 +151,8 @@ pub struct RunConfig {
     pub batch: usize,
     pub lr: f64,
     pub seed: u64,
+    /// Return a [`Checkpoint`] after the last step.
+    pub checkpoint: bool,
 }
 
 /// What one worker saw.
@@ -160,6 +163,28 @@ pub struct WorkerResult {
     pub accuracy: f64,
     pub step_s: f64,
     pub bytes_sent: u64,
+    /// Gradient elements the plan sends through a codec other than fp32.
+    pub compressed_elements: usize,
+    /// The worker's state after its last step, when the run asked for one.
+    pub checkpoint: Option<Checkpoint>,
+}
+
+/// Everything a worker needs to continue training where it stopped: the model's and the
+/// optimizer's records (burn's bincode recorder) and the sync state ([`GradSync::save`]).
+#[derive(Clone)]
+pub struct Checkpoint {
+    /// The next step to run.
+    pub step: usize,
+    pub model: Vec<u8>,
+    pub optim: Vec<u8>,
+    /// `None` leaves the sync state fresh (to show what losing it costs).
+    pub sync: Option<Vec<u8>>,
+}
+
+type Rec = BinBytesRecorder<FullPrecisionSettings>;
+
+fn record_err(e: burn::record::RecorderError) -> gradpack_burn::Error {
+    gradpack_burn::Error::Data(format!("checkpoint: {e}"))
 }
 
 fn hash(bits: &[u32]) -> u64 {
@@ -168,7 +193,8 @@ fn hash(bits: &[u32]) -> u64 {
     })
 }
 
-/// Train on `rank`'s share of every batch, syncing gradients over `transport`.
+/// Train on `rank`'s share of every batch up to step `cfg.steps`, syncing gradients over
+/// `transport`; from step 0, or from `resume`.
 pub fn worker<T: Transport + Send + 'static>(
     transport: T,
     rank: usize,
@@ -176,19 +202,36 @@ pub fn worker<T: Transport + Send + 'static>(
     d: &Digits,
     cfg: &RunConfig,
     opts: SyncOptions,
+    resume: Option<&Checkpoint>,
 ) -> gradpack_burn::Result<WorkerResult> {
     let device = Default::default();
     let mut model = model(cfg.hidden, cfg.seed);
-    let mut sync = GradSync::new(&model, transport, opts)?;
     let mut optim = SgdConfig::new()
         .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
         .init::<TB, Mlp<TB>>();
+    if let Some(c) = resume {
+        model = model.load_record(
+            Rec::default()
+                .load(c.model.clone(), &device)
+                .map_err(record_err)?,
+        );
+        optim = optim.load_record(
+            Rec::default()
+                .load(c.optim.clone(), &device)
+                .map_err(record_err)?,
+        );
+    }
+    let mut sync = GradSync::new(&model, transport, opts)?;
+    if let Some(blob) = resume.and_then(|c| c.sync.as_ref()) {
+        sync.restore(blob)?;
+    }
+    let first = resume.map_or(0, |c| c.step);
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let n = d.train_y.len();
     let (mut losses, mut hashes) = (Vec::new(), Vec::new());
     let mut bytes = 0;
     let start = Instant::now();
-    for step in 0..cfg.steps {
+    for step in first..cfg.steps {
         // The global batch of this step, from a hash of the step; this rank's share of it.
         let idx: Vec<usize> = (0..cfg.batch * world)
             .map(|j| {
@@ -214,12 +257,34 @@ pub fn worker<T: Transport + Send + 'static>(
         model = optim.step(cfg.lr, model, grads);
         hashes.push(hash(&param_bits(&model)));
     }
-    let step_s = start.elapsed().as_secs_f64() / cfg.steps.max(1) as f64;
+    let step_s = start.elapsed().as_secs_f64() / cfg.steps.saturating_sub(first).max(1) as f64;
+    let checkpoint = if cfg.checkpoint {
+        Some(Checkpoint {
+            step: cfg.steps,
+            model: Rec::default()
+                .record(model.clone().into_record(), ())
+                .map_err(record_err)?,
+            optim: Rec::default()
+                .record(optim.to_record(), ())
+                .map_err(record_err)?,
+            sync: Some(sync.save()?),
+        })
+    } else {
+        None
+    };
     Ok(WorkerResult {
         losses,
         param_hashes: hashes,
         accuracy: accuracy(&model, d),
         step_s,
         bytes_sent: bytes,
+        compressed_elements: sync
+            .plan()
+            .buckets
+            .iter()
+            .filter(|b| !matches!(b.codec, gradpack::CodecSpec::Identity(_)))
+            .map(|b| b.elements)
+            .sum(),
+        checkpoint,
     })
 }
