@@ -597,6 +597,7 @@ pub const REPRESENTATIVE_SPECS: &[&str] = &[
     "sign",
     "topk:ratio=0.01,values=fp16",
     "randk:ratio=0.01",
+    "randk:ratio=0.01,select=strata",
 ];
 
 /// A codec whose frames carry a payload checksum: `Checksummed(codec)` encodes as `codec`

@@ -629,6 +629,11 @@ fn today() -> String {
     format!("{y:04}-{m:02}-{d:02}")
 }
 
+/// The break-even range in Gbit/s for JSON (null: infinite).
+fn be_range_json((lo, hi): (f64, f64)) -> [Option<f64>; 2] {
+    [lo, hi].map(|b| b.is_finite().then_some(b / 1e9))
+}
+
 /// A break-even and, when the timing rounds disagree, their range.
 fn fmt_be(be: f64, (lo, hi): (f64, f64)) -> String {
     if fmt_bw(lo) == fmt_bw(hi) {
@@ -679,15 +684,18 @@ fn report(a: ReportArgs) -> Res<()> {
         rows.push(backend.run(|| measure(s, &x, &ef_grads))?);
         bar.inc(1);
     }
-    // Timing rounds: identity (the fp32 reduction) and every codec, interleaved.
+    // Timing rounds: identity (the fp32 reduction) and every codec, interleaved; each
+    // codec's timing is paired with a timing of the fp32 reduction just before it, so
+    // both see the machine in the same state, and each round gives a break-even.
     let mut base_rounds = Vec::new();
-    let mut row_rounds: Vec<Vec<Speeds>> = vec![Vec::new(); specs.len()];
+    let mut row_rounds: Vec<Vec<(Speeds, f64)>> = vec![Vec::new(); specs.len()];
     for round in 0..ROUNDS {
         bar.set_message(format!("timing, round {} of {ROUNDS}", round + 1));
         base_rounds.push(backend.run(|| time_round(&identity, &x, budget))?);
         bar.inc(1);
         for (s, r) in specs.iter().zip(row_rounds.iter_mut()) {
-            r.push(backend.run(|| time_round(s, &x, budget))?);
+            let reduce = backend.run(|| time_round(&identity, &x, budget / 3.0))?.add;
+            r.push((backend.run(|| time_round(s, &x, budget))?, reduce));
             bar.inc(1);
         }
     }
@@ -696,7 +704,7 @@ fn report(a: ReportArgs) -> Res<()> {
     let rows: Vec<Measured> = rows
         .into_iter()
         .zip(&row_rounds)
-        .map(|(m, r)| with_speeds(m, r))
+        .map(|(m, r)| with_speeds(m, &r.iter().map(|p| p.0).collect::<Vec<_>>()))
         .collect();
 
     // fp32 ring: the reduction is an f32 add, which identity's decode_add measures.
@@ -730,14 +738,18 @@ fn report(a: ReportArgs) -> Res<()> {
         .map(|(m, rounds)| {
             let p = profile(m);
             let (strategy, t) = cost::best_strategy(&p, &cluster, elements, reduce);
-            let be = cost::break_even_bandwidth(&p, net.nodes, net.latency, elements, reduce);
-            let per_round = rounds.iter().zip(&base_rounds).map(|(s, b)| {
-                let p = profile(&with_speeds(m.clone(), std::slice::from_ref(s)));
-                cost::break_even_bandwidth(&p, net.nodes, net.latency, elements, b.add)
-            });
-            let be_range = per_round.fold((f64::INFINITY, 0f64), |(lo, hi), b| {
-                (lo.min(b), hi.max(b))
-            });
+            // The median and range of the rounds' break-evens.
+            let per_round: Vec<f64> = rounds
+                .iter()
+                .map(|(s, reduce)| {
+                    let p = profile(&with_speeds(m.clone(), std::slice::from_ref(s)));
+                    cost::break_even_bandwidth(&p, net.nodes, net.latency, elements, *reduce)
+                })
+                .collect();
+            let be_range = per_round
+                .iter()
+                .fold((f64::INFINITY, 0f64), |(lo, hi), &b| (lo.min(b), hi.max(b)));
+            let be = median(per_round);
             Row {
                 m,
                 strategy,
@@ -767,8 +779,7 @@ fn report(a: ReportArgs) -> Res<()> {
                     // JSON has no infinity: null means the codec pays at every bandwidth.
                     "break_even_gbit_s": if r.be.is_finite() { Some(r.be / 1e9) } else { None },
                     // The lowest and highest of the timing rounds (null: infinite).
-                    "break_even_range_gbit_s": [r.be_range.0, r.be_range.1]
-                        .map(|b| if b.is_finite() { Some(b / 1e9) } else { None }),
+                    "break_even_range_gbit_s": be_range_json(r.be_range),
                     "allreduce_s": r.t,
                     "speedup": fp32 / r.t,
                 })
@@ -807,8 +818,15 @@ fn report(a: ReportArgs) -> Res<()> {
             fp32 * 1e3,
             reduce / 1e9
         );
+        // The spec column fits the longest spec.
+        let w = rows
+            .iter()
+            .map(|r| r.m.spec.to_string().len())
+            .max()
+            .unwrap_or(0)
+            .max(4);
         outln!(
-            "{:<40} {:>7} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7} {:>9} {:>22} {:>9} {:>8}",
+            "{:<w$} {:>7} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7} {:>9} {:>22} {:>9} {:>8}",
             "spec",
             "bits/el",
             "ratio",
@@ -825,7 +843,7 @@ fn report(a: ReportArgs) -> Res<()> {
         );
         for r in &rows {
             outln!(
-                "{:<40} {:>7.3} {:>6.1} {:>9.2e} {:>9} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>9} {:>22} {:>9.3} {:>8}",
+                "{:<w$} {:>7.3} {:>6.1} {:>9.2e} {:>9} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>9} {:>22} {:>9.3} {:>8}",
                 r.m.spec.to_string(),
                 r.m.bits,
                 32.0 / r.m.bits,
@@ -845,8 +863,8 @@ fn report(a: ReportArgs) -> Res<()> {
         outln!(
             "\nrel L2: ||x - D(x)|| / ||x||; EF rel L2: ||sum g - sum D|| / ||sum g|| after {EF_STEPS} steps of error feedback\n\
              (- where error feedback refuses a non-contractive codec);\n\
-             break-even: the link speed (Gbit/s) below which the codec's all-reduce beats fp32's, from the\n\
-             median speeds of {ROUNDS} interleaved timing rounds (range: the lowest and highest round);\n\
+             break-even: the link speed (Gbit/s) below which the codec's all-reduce beats fp32's: the median\n\
+             of {ROUNDS} interleaved timing rounds, each timing the codec beside the fp32 sum (range: lowest, highest);\n\
              time: the modelled all-reduce at {:.1} Gbit/s with the best strategy (ring or allgather).",
             net.bandwidth / 1e9
         );
