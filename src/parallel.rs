@@ -10,8 +10,10 @@
 //! so the work each piece does, do not depend on how many threads run them. The
 //! threshold is weighted by the operation's cost (see [`DEFAULT_MIN_LEN`]).
 //!
-//! The sparse codecs (top-k, random-k) stay sequential: their payload layout depends on
-//! how many elements each range keeps.
+//! Random-k's payload layout depends on how many elements each range keeps: its encode
+//! counts the ranges' kept elements in parallel first (their counts on the stack), then
+//! encodes each range into its own part of the payload, in parallel. Top-k stays
+//! sequential: its selection is over the whole tensor.
 //!
 //! The work runs on the current rayon pool: the global one (sized by `RAYON_NUM_THREADS`)
 //! or whichever pool the caller `install`s. With one thread, or without the `rayon`
@@ -56,6 +58,21 @@ pub(crate) fn worth(n: usize, weight: usize) -> bool {
     {
         let _ = (n, weight);
         false
+    }
+}
+
+/// `rayon::join` with the `rayon` feature; otherwise `a` then `b`.
+pub(crate) fn join<RA: Send, RB: Send>(
+    a: impl FnOnce() -> RA + Send,
+    b: impl FnOnce() -> RB + Send,
+) -> (RA, RB) {
+    #[cfg(feature = "rayon")]
+    {
+        rayon::join(a, b)
+    }
+    #[cfg(not(feature = "rayon"))]
+    {
+        (a(), b())
     }
 }
 

@@ -53,12 +53,15 @@ fn encode_decode_round_trip_through_raw_and_npy_files() {
     let npy = d.join("g.npy");
     std::fs::write(&raw, bytemuck::cast_slice::<f32, u8>(&x)).unwrap();
     std::fs::write(&npy, npy_f32(&x)).unwrap();
+    // A .npy under another name is still read as one (by its magic).
+    let renamed = d.join("g.bin");
+    std::fs::write(&renamed, npy_f32(&x)).unwrap();
     let spec: CodecSpec = "int8:rounding=stochastic".parse().unwrap();
     let want_frame = spec
         .encode(&x, &EncodeCtx::new(9).with_offset(100))
         .unwrap();
     let want = gradpack::decode_to_vec(&want_frame).unwrap();
-    for input in [&raw, &npy] {
+    for input in [&raw, &npy, &renamed] {
         let frame = d.join("g.gpk");
         let o = gradpack(&[
             "encode",
@@ -226,6 +229,18 @@ fn bad_input_gives_one_clear_error_and_status_2() {
     assert_clean_error(
         &gradpack(&["encode", "--codec", "int8", p(&bad_npy), p(&out)]),
         ".npy",
+    );
+    // The bytes decide, not the name: a zip archive (.npz) and a frame are refused as
+    // input arrays whatever they are called.
+    let npz = d.join("grads.f32");
+    std::fs::write(&npz, b"PK\x03\x04\x14\x00\x00\x00").unwrap();
+    assert_clean_error(
+        &gradpack(&["encode", "--codec", "int8", p(&npz), p(&out)]),
+        "zip archive",
+    );
+    assert_clean_error(
+        &gradpack(&["encode", "--codec", "int8", p(&frame), p(&out)]),
+        "gradpack frame",
     );
     // Corrupt frames: a flipped header bit, a flipped payload bit, a truncation.
     let good = std::fs::read(&frame).unwrap();
@@ -481,4 +496,45 @@ fn a_closed_stdout_is_an_error_not_a_panic() {
     assert_eq!(o.status.code(), Some(2), "{e}");
     assert!(!e.contains("panicked"), "{e}");
     assert!(e.contains("writing to stdout"), "{e}");
+}
+
+#[test]
+fn a_very_sparse_frame_decodes_when_asked_with_max_elements() {
+    let d = dir("sparse");
+    let n = 1 << 20;
+    let x = gradpack::synthetic::gradient(n, 5);
+    let raw = d.join("g.f32");
+    std::fs::write(&raw, bytemuck::cast_slice::<f32, u8>(&x)).unwrap();
+    let frame = d.join("g.gpk");
+    let o = gradpack(&["encode", "--codec", "topk:k=10", p(&raw), p(&frame)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let len = std::fs::metadata(&frame).unwrap().len();
+    assert!(4096 * len < n as u64, "the frame ({len} bytes) is under the default limit");
+    let out = d.join("out.f32");
+    // Refused by default, with the way out in the message ...
+    assert_clean_error(
+        &gradpack(&["decode", p(&frame), p(&out)]),
+        "--max-elements 1048576",
+    );
+    assert_clean_error(&gradpack(&["inspect", p(&frame)]), "--max-elements");
+    // ... and decoded when asked: the same values as the library's decode.
+    let o = gradpack(&["decode", "--max-elements", "1048576", p(&frame), p(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = gradpack::decode_to_vec_with_limit(&std::fs::read(&frame).unwrap(), n as u64)
+        .unwrap();
+    let got: Vec<f32> = std::fs::read(&out)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    assert_eq!(got.len(), n);
+    assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+    assert_eq!(got.iter().filter(|v| **v != 0.0).count(), 10);
+    let o = gradpack(&["inspect", "--max-elements", "1048576", p(&frame)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // A limit below the frame's count is refused, however it was given.
+    assert_clean_error(
+        &gradpack(&["decode", "--max-elements", "1000", p(&frame), p(&out)]),
+        "--max-elements",
+    );
 }

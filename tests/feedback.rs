@@ -366,11 +366,14 @@ fn any_thread_count_gives_identical_frames_decodes_and_residuals() {
     gradpack::parallel::set_min_len(0);
     let n = 3 * gradpack::parallel::CHUNK + 1234;
     let mut specs = ef_specs();
-    specs.push(
-        "randk:ratio=0.3,values=fp16,scale=unbiased"
-            .parse()
-            .unwrap(),
-    );
+    for s in [
+        "randk:ratio=0.3,values=fp16,scale=unbiased",
+        "randk:ratio=0.01,values=bf16",
+        "randk:ratio=0.01,select=strata",
+        "randk:ratio=0.3,values=fp16,scale=unbiased,select=strata",
+    ] {
+        specs.push(s.parse().unwrap());
+    }
     for spec in specs {
         let g = sample(n, 9);
         let ctx = EncodeCtx::new(5).with_offset(77);

@@ -17,6 +17,7 @@ pub const SPECS: &[&str] = &[
     "natural",
     "topk:ratio=0.01",
     "randk:ratio=0.01",
+    "randk:ratio=0.01,select=strata",
 ];
 
 /// Element counts from the comma-separated environment variable `var`, or `default`.

@@ -208,6 +208,61 @@ fn for_each_kept(seed: u64, offset: u64, n: usize, t: u64, f: impl FnMut(usize))
     kernels::for_each_filtered(n, kept, f);
 }
 
+/// Most ranges a parallel encode splits a tensor into (their kept counts live on the
+/// stack: the hot path allocates nothing). Ranges are [`crate::parallel::CHUNK`]
+/// elements, or longer for tensors of more than `MAX_LEAVES` chunks.
+const MAX_LEAVES: usize = 1024;
+
+/// Runs `f(counts[i..i + 1], range, offset)` for each range of `leaf` elements of `x`,
+/// halves on rayon's pool.
+fn par_leaves(
+    counts: &mut [usize],
+    x: &[f32],
+    offset: u64,
+    leaf: usize,
+    f: &(impl Fn(&mut [usize], &[f32], u64) + Sync),
+) {
+    if counts.len() <= 1 {
+        if !counts.is_empty() {
+            f(counts, x, offset);
+        }
+        return;
+    }
+    let left = counts.len() / 2;
+    let (cl, cr) = counts.split_at_mut(left);
+    let (xl, xr) = x.split_at(left * leaf);
+    crate::parallel::join(
+        || par_leaves(cl, xl, offset, leaf, f),
+        || par_leaves(cr, xr, offset + (left * leaf) as u64, leaf, f),
+    );
+}
+
+/// Encodes each range of `leaf` elements of `x` into its part of `vals` (its
+/// `counts[i]` values of `vb` bytes), halves on rayon's pool; true if any range holds
+/// NaN or ±Inf.
+fn par_encode(
+    counts: &[usize],
+    x: &[f32],
+    vals: &mut [u8],
+    offset: u64,
+    leaf: usize,
+    vb: usize,
+    f: &(impl Fn(&[f32], u64, &mut [u8], usize) -> bool + Sync),
+) -> bool {
+    if counts.len() <= 1 {
+        return f(x, offset, vals, counts.first().copied().unwrap_or(0));
+    }
+    let left = counts.len() / 2;
+    let (cl, cr) = counts.split_at(left);
+    let (xl, xr) = x.split_at(left * leaf);
+    let (vl, vr) = vals.split_at_mut(cl.iter().sum::<usize>() * vb);
+    let (a, b) = crate::parallel::join(
+        || par_encode(cl, xl, vl, offset, leaf, vb, f),
+        || par_encode(cr, xr, vr, offset + (left * leaf) as u64, leaf, vb, f),
+    );
+    a | b
+}
+
 /// Elements a strata encode scans (or a decode zeroes) ahead of the kept values: 64 KiB.
 const STRATA_PIECE: usize = 1 << 14;
 
@@ -338,6 +393,70 @@ impl Strata {
 }
 
 impl RandK {
+    /// How many of the elements at global indices `offset .. offset + n` are kept.
+    fn count(&self, seed: u64, offset: u64, n: usize) -> usize {
+        let t = self.threshold();
+        match self.select {
+            RandKSelect::Bernoulli => {
+                kernels::count_draw_lt(&Draws::new(seed, STREAM_SELECT, offset), offset, t, n)
+            }
+            RandKSelect::Strata => {
+                let strata = Strata::new(t);
+                let d = Draws::new(seed, STREAM_STRATA, strata.holding(offset));
+                strata.count(&d, offset, n)
+            }
+        }
+    }
+
+    /// Writes the kept values of `x` (global offset `offset`), `k` of them, into `vals`
+    /// (`k` values long); true if `x` holds NaN or ±Inf.
+    fn encode_range(&self, x: &[f32], seed: u64, offset: u64, vals: &mut [u8], k: usize) -> bool {
+        let t = self.threshold();
+        let unbiased = self.scale == RandKScale::Unbiased;
+        match self.select {
+            RandKSelect::Bernoulli => {
+                let mul = if unbiased {
+                    (4_294_967_296.0 / t as f64) as f32
+                } else {
+                    1.0
+                };
+                let mut values = ValueWriter::new(self.values, vals, k);
+                for_each_kept(seed, offset, x.len(), t, |i| values.push(x[i] * mul));
+                values.finish();
+                kernels::any_nonfinite(x)
+            }
+            RandKSelect::Strata => {
+                let strata = Strata::new(t);
+                let d = Draws::new(seed, STREAM_STRATA, strata.holding(offset));
+                // The scan for NaN and Inf runs a piece ahead of the kept values, so each
+                // is read while its piece is still in cache.
+                let (mut scanned, mut nonfinite, mut j) = (0, false, 0);
+                let mut v = [0f32; STRATA_BATCH];
+                strata.batches(&d, offset, x.len(), |idx, lens| {
+                    let last = idx[idx.len() - 1];
+                    while last >= scanned {
+                        let end = (scanned + STRATA_PIECE).min(x.len());
+                        nonfinite |= kernels::any_nonfinite(&x[scanned..end]);
+                        scanned = end;
+                    }
+                    let v = &mut v[..idx.len()];
+                    if unbiased {
+                        for ((v, &i), &s) in v.iter_mut().zip(idx).zip(lens) {
+                            *v = x[i] * s as f32;
+                        }
+                    } else {
+                        for (v, &i) in v.iter_mut().zip(idx) {
+                            *v = x[i];
+                        }
+                    }
+                    self.values.put_slice(vals, k, j, v);
+                    j += idx.len();
+                });
+                nonfinite || kernels::any_nonfinite(&x[scanned..])
+            }
+        }
+    }
+
     /// Sum two random-k frames value by value, in place: `acc` becomes the frame of the
     /// element-wise sum, without computing a single index or hash draw.
     ///
@@ -428,55 +547,32 @@ impl Scheme for RandK {
 
     fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
         let t = self.threshold();
-        let unbiased = self.scale == RandKScale::Unbiased;
-        let (k, nonfinite) = match self.select {
-            RandKSelect::Bernoulli => {
-                let d = Draws::new(ctx.seed, STREAM_SELECT, ctx.offset);
-                let k = kernels::count_draw_lt(&d, ctx.offset, t, x.len());
-                let p = payload_buf(out, k as u64 * self.values.bytes())?;
-                let mul = if unbiased {
-                    (4_294_967_296.0 / t as f64) as f32
-                } else {
-                    1.0
-                };
-                let mut values = ValueWriter::new(self.values, p, k);
-                for_each_kept(ctx.seed, ctx.offset, x.len(), t, |i| {
-                    values.push(x[i] * mul)
-                });
-                values.finish();
-                (k, kernels::any_nonfinite(x))
-            }
-            RandKSelect::Strata => {
-                let strata = Strata::new(t);
-                let d = Draws::new(ctx.seed, STREAM_STRATA, strata.holding(ctx.offset));
-                let k = strata.count(&d, ctx.offset, x.len());
-                let p = payload_buf(out, k as u64 * self.values.bytes())?;
-                // The scan for NaN and Inf runs a piece ahead of the kept values, so each
-                // is read while its piece is still in cache.
-                let (mut scanned, mut nonfinite, mut j) = (0, false, 0);
-                let mut vals = [0f32; STRATA_BATCH];
-                strata.batches(&d, ctx.offset, x.len(), |idx, lens| {
-                    let last = idx[idx.len() - 1];
-                    while last >= scanned {
-                        let end = (scanned + STRATA_PIECE).min(x.len());
-                        nonfinite |= kernels::any_nonfinite(&x[scanned..end]);
-                        scanned = end;
-                    }
-                    let v = &mut vals[..idx.len()];
-                    if unbiased {
-                        for ((v, &i), &s) in v.iter_mut().zip(idx).zip(lens) {
-                            *v = x[i] * s as f32;
-                        }
-                    } else {
-                        for (v, &i) in v.iter_mut().zip(idx) {
-                            *v = x[i];
-                        }
-                    }
-                    self.values.put_slice(p, k, j, v);
-                    j += idx.len();
-                });
-                (k, nonfinite || kernels::any_nonfinite(&x[scanned..]))
-            }
+        let vb = self.values.bytes() as usize;
+        // Bernoulli selection hashes every element (weight 8, as the stochastic
+        // encoders); strata run at about memory speed.
+        let weight = match self.select {
+            RandKSelect::Bernoulli => 8,
+            RandKSelect::Strata => 2,
+        };
+        let (k, nonfinite) = if crate::parallel::worth(x.len(), weight) {
+            // Ranges of the tensor counted in parallel, then encoded in parallel, each
+            // into its own part of the payload: the same bytes as one pass.
+            let leaf = crate::parallel::CHUNK.max(x.len().div_ceil(MAX_LEAVES).next_multiple_of(64));
+            let mut counts = [0usize; MAX_LEAVES];
+            let counts = &mut counts[..x.len().div_ceil(leaf)];
+            par_leaves(counts, x, ctx.offset, leaf, &|c, x, off| {
+                c[0] = self.count(ctx.seed, off, x.len());
+            });
+            let k: usize = counts.iter().sum();
+            let p = payload_buf(out, (k * vb) as u64)?;
+            let nonfinite = par_encode(counts, x, p, ctx.offset, leaf, vb, &|x, off, vals, k| {
+                self.encode_range(x, ctx.seed, off, vals, k)
+            });
+            (k, nonfinite)
+        } else {
+            let k = self.count(ctx.seed, ctx.offset, x.len());
+            let p = payload_buf(out, (k * vb) as u64)?;
+            (k, self.encode_range(x, ctx.seed, ctx.offset, p, k))
         };
         let mut params = [0u8; 12];
         params[0..8].copy_from_slice(&t.to_le_bytes());

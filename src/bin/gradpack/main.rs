@@ -68,11 +68,18 @@ enum Cmd {
         input: String,
         /// Output: raw f32, or .npy.
         output: PathBuf,
+        /// Decode frames of up to this many elements (default: 4096 per byte of frame, at
+        /// least 65536; a very sparse top-k or random-k frame can hold more).
+        #[arg(long)]
+        max_elements: Option<u64>,
     },
     /// Show a frame's header, whether it is valid, and statistics of its decoded values.
     Inspect {
         /// The frame file, or `-` for stdin.
         file: String,
+        /// Decode frames of up to this many elements (as for `decode`).
+        #[arg(long)]
+        max_elements: Option<u64>,
     },
     /// The cost model alone: all-reduce times from nominal codec sizes, no measuring.
     Model(ModelArgs),
@@ -176,8 +183,12 @@ fn main() {
             input,
             output,
         } => encode(&codec, seed, offset, checksum, &input, &output),
-        Cmd::Decode { input, output } => decode(&input, &output),
-        Cmd::Inspect { file } => inspect(&file),
+        Cmd::Decode {
+            input,
+            output,
+            max_elements,
+        } => decode(&input, &output, max_elements),
+        Cmd::Inspect { file, max_elements } => inspect(&file, max_elements),
         Cmd::Model(a) => model(a),
         Cmd::Train(a) => train(a),
     };
@@ -273,8 +284,22 @@ fn is_npy(p: &Path) -> bool {
 
 fn read_f32(path: &Path) -> Res<Vec<f32>> {
     let b = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    if is_npy(path) {
+    // What the bytes are decides, not the name: a renamed .npy is still read as one.
+    if is_npy(path) || b.starts_with(b"\x93NUMPY") {
         return npy::read(&b).map_err(|e| format!("{}: {e}", path.display()));
+    }
+    if b.starts_with(b"PK\x03\x04") {
+        return Err(format!(
+            "{}: a zip archive (an .npz?), not an array: save the one array as .npy \
+             (numpy.save) or as raw little-endian float32",
+            path.display()
+        ));
+    }
+    if b.starts_with(b"GPAK") {
+        return Err(format!(
+            "{}: a gradpack frame, not an array: decode it first (gradpack decode)",
+            path.display()
+        ));
     }
     if b.len() % 4 != 0 {
         return Err(format!(
@@ -328,13 +353,29 @@ fn encode(
     Ok(())
 }
 
-fn decode(input: &str, output: &Path) -> Res<()> {
+/// Decode `frame` (read from `name`) within `max_elements` (default: the frame-size
+/// limit); a frame over the limit gets an error that says how to decode it.
+fn decode_limited(name: &str, frame: &[u8], max_elements: Option<u64>) -> Res<Vec<f32>> {
+    let limit = max_elements.unwrap_or_else(|| gradpack::decode_limit(frame.len()));
+    gradpack::decode_to_vec_with_limit(frame, limit).map_err(|e| match e {
+        gradpack::Error::TooLarge { elements, limit } if limit < usize::MAX as u64 => format!(
+            "{name}: the frame holds {elements} elements, more than the {limit} decoded by \
+             default for a frame of {} bytes (a sparse frame can hold many); pass \
+             --max-elements {elements} to decode it into {} MiB",
+            frame.len(),
+            elements.saturating_mul(4).div_ceil(1 << 20)
+        ),
+        e => format!("{name}: invalid frame: {e}"),
+    })
+}
+
+fn decode(input: &str, output: &Path, max_elements: Option<u64>) -> Res<()> {
     let frame = read_frame(input)?;
-    let x = gradpack::decode_to_vec(&frame).map_err(|e| format!("{input}: {e}"))?;
+    let x = decode_limited(input, &frame, max_elements)?;
     write_f32(output, &x)
 }
 
-fn inspect(file: &str) -> Res<()> {
+fn inspect(file: &str, max_elements: Option<u64>) -> Res<()> {
     let frame = read_frame(file)?;
     let (h, spec) = gradpack::inspect(&frame).map_err(|e| format!("{file}: invalid frame: {e}"))?;
     outln!("file        {file} ({} bytes)", frame.len());
@@ -357,7 +398,7 @@ fn inspect(file: &str) -> Res<()> {
             (false, false) => "",
         }
     );
-    let x = gradpack::decode_to_vec(&frame).map_err(|e| format!("{file}: invalid frame: {e}"))?;
+    let x = decode_limited(file, &frame, max_elements)?;
     outln!(
         "valid       yes (header checksum, {}fields and payload all check)",
         if h.payload_checksum() {
