@@ -380,6 +380,109 @@ pub fn break_even_bandwidth(
     best
 }
 
+/// The fastest fp32 all-reduce of `elements` values: the fp32 ring (summing at
+/// `reduce_bytes_per_s`) or an all-gather of fp32 frames (`identity`'s profile; fewer
+/// latencies, so it wins when latency dominates), with its time.
+pub fn best_fp32(
+    identity: &CodecProfile,
+    cluster: &Cluster,
+    elements: f64,
+    reduce_bytes_per_s: f64,
+) -> (Strategy, f64) {
+    let (nodes, lat, b) = (cluster.nodes, cluster.latency_s, cluster.bandwidth_bit_s);
+    let ring = allreduce_cost(
+        Strategy::Fp32Ring,
+        identity,
+        nodes,
+        lat,
+        elements,
+        reduce_bytes_per_s,
+    );
+    let gather = allreduce_cost(
+        Strategy::CompressedAllGather,
+        identity,
+        nodes,
+        lat,
+        elements,
+        reduce_bytes_per_s,
+    );
+    if gather.time(b) < ring.time(b) {
+        (Strategy::CompressedAllGather, gather.time(b))
+    } else {
+        (Strategy::Fp32Ring, ring.time(b))
+    }
+}
+
+/// Where compression pays: the link bandwidths (bit/s) at which codec `c`, with its best
+/// compressed strategy, all-reduces faster than the best fp32 all-reduce
+/// ([`best_fp32`]). Disjoint open intervals `(low, high)`, in increasing order; `low` may
+/// be 0 and `high` infinite. Usually one interval from 0 (the codec pays on links slower
+/// than its break-even), but when latency dominates an all-gather of frames can win on
+/// fast links too, so the set is computed exactly: every time is `fixed + bytes / b`, a
+/// line in `1 / b`, and the lines' crossings cut `1 / b` into pieces of constant sign.
+/// Empty when the codec never pays, `[(0, inf)]` when it always does.
+pub fn winning_bandwidths(
+    c: &CodecProfile,
+    identity: &CodecProfile,
+    nodes: u32,
+    latency_s: f64,
+    elements: f64,
+    reduce_bytes_per_s: f64,
+) -> Vec<(f64, f64)> {
+    if nodes <= 1 {
+        return Vec::new();
+    }
+    let cost = |s, p| allreduce_cost(s, p, nodes, latency_s, elements, reduce_bytes_per_s);
+    // Lines in u = 1 / b: time = fixed + 8 bytes u.
+    let codec: Vec<Cost> = COMPRESSED.iter().map(|&s| cost(s, c)).collect();
+    let fp32 = [
+        cost(Strategy::Fp32Ring, identity),
+        cost(Strategy::CompressedAllGather, identity),
+    ];
+    let mut cuts: Vec<f64> = Vec::new();
+    let all: Vec<&Cost> = codec.iter().chain(fp32.iter()).collect();
+    for (i, a) in all.iter().enumerate() {
+        for b in &all[i + 1..] {
+            let u = (b.fixed - a.fixed) / (8.0 * (a.bytes - b.bytes));
+            if u.is_finite() && u > 0.0 {
+                cuts.push(u);
+            }
+        }
+    }
+    cuts.sort_by(f64::total_cmp);
+    cuts.dedup();
+    let wins = |u: f64| {
+        let t = |k: &Cost| k.fixed + 8.0 * k.bytes * u;
+        let best_codec = codec.iter().map(t).fold(f64::INFINITY, f64::min);
+        let best_fp32 = fp32.iter().map(t).fold(f64::INFINITY, f64::min);
+        best_codec < best_fp32
+    };
+    // Pieces of u: (0, cuts[0]), (cuts[0], cuts[1]), ..., (cuts[last], inf).
+    let mut bounds = vec![0.0];
+    bounds.extend(&cuts);
+    bounds.push(f64::INFINITY);
+    let mut out: Vec<(f64, f64)> = Vec::new();
+    for w in bounds.windows(2) {
+        let (lo, hi) = (w[0], w[1]);
+        let mid = match (lo == 0.0, hi.is_infinite()) {
+            (true, true) => 1e-9,
+            (true, false) => hi / 2.0,
+            (false, true) => lo * 2.0,
+            (false, false) => (lo + hi) / 2.0,
+        };
+        if wins(mid) {
+            // u in (lo, hi) is bandwidth in (1 / hi, 1 / lo).
+            let band = (1.0 / hi, if lo == 0.0 { f64::INFINITY } else { 1.0 / lo });
+            match out.first_mut() {
+                // Pieces come in decreasing bandwidth: join touching ones.
+                Some(prev) if prev.0 == band.1 => prev.0 = band.0,
+                _ => out.insert(0, band),
+            }
+        }
+    }
+    out
+}
+
 // ---------------------------------------------------------------- parsing
 
 /// Parse a bandwidth such as `25Gbit/s`, `10Gbps`, `100 Mbit/s`, `1.25GB/s` or `12.5GiB/s`
@@ -647,5 +750,70 @@ mod tests {
         for bad in ["25MiBs", "0", "x", "10Gbit/s"] {
             assert!(parse_size(bad).is_err(), "{bad}");
         }
+    }
+
+    fn prof(bits: f64, enc: f64, dec: f64, add: f64) -> CodecProfile {
+        CodecProfile {
+            spec: "test".into(),
+            bits_per_element: bits,
+            encode_bytes_per_s: enc,
+            decode_bytes_per_s: dec,
+            decode_add_bytes_per_s: add,
+        }
+    }
+
+    /// The winning set agrees with the times at every bandwidth of a fine grid (away
+    /// from its own ends), for latency- and bandwidth-bound sizes.
+    #[test]
+    fn winning_bandwidths_agree_with_the_times_they_summarise() {
+        let identity = prof(32.1, 40e9, 40e9, 35e9);
+        let codecs = [
+            prof(8.6, 18e9, 33e9, 31e9),
+            prof(0.85, 0.5e9, 21e9, 27e9),
+            prof(1.03, 80e9, 80e9, 70e9),
+            prof(16.0, 60e9, 60e9, 55e9),
+        ];
+        let mut shapes = std::collections::BTreeSet::new();
+        for elements in [1e3, 1e5, 4e6, 1e8] {
+            for (nodes, lat) in [(8, 5e-6), (2, 5e-6), (64, 50e-6), (4, 0.0)] {
+                for c in &codecs {
+                    let region = winning_bandwidths(c, &identity, nodes, lat, elements, 35e9);
+                    shapes.insert(
+                        region.len() * 2
+                            + region.last().is_some_and(|r| r.1.is_infinite()) as usize,
+                    );
+                    for w in region.windows(2) {
+                        assert!(w[0].1 < w[1].0, "{region:?}");
+                    }
+                    let cluster = |b| Cluster {
+                        nodes,
+                        bandwidth_bit_s: b,
+                        latency_s: lat,
+                    };
+                    for i in 0..400 {
+                        let b = 10f64.powf(6.0 + i as f64 * 8.0 / 400.0);
+                        let near_end = region.iter().any(|&(lo, hi)| {
+                            (lo > 0.0 && (b / lo - 1.0).abs() < 1e-6)
+                                || (hi.is_finite() && (b / hi - 1.0).abs() < 1e-6)
+                        });
+                        if near_end {
+                            continue;
+                        }
+                        let inside = region.iter().any(|&(lo, hi)| lo < b && b < hi);
+                        let t = best_strategy(c, &cluster(b), elements, 35e9).1;
+                        let f = best_fp32(&identity, &cluster(b), elements, 35e9).1;
+                        assert_eq!(
+                            inside,
+                            t < f,
+                            "{elements} el, {nodes} nodes, {b} bit/s: {region:?}"
+                        );
+                    }
+                }
+            }
+        }
+        // Both shapes occur: a break-even below which the codec pays, and a region that
+        // reaches infinity (latency-bound all-gathers).
+        assert!(shapes.contains(&2), "{shapes:?}");
+        assert!(shapes.contains(&3), "{shapes:?}");
     }
 }

@@ -341,6 +341,51 @@ fn report_json_and_plot() {
     );
 }
 
+/// The break-even and the speedup agree, also where latency dominates (1000 elements:
+/// the all-gather of frames and of fp32 frames beat the rings): the codec is faster than
+/// fp32 exactly at the link speeds where the report says it pays.
+#[test]
+fn report_break_even_agrees_with_speedup() {
+    for bw in ["1Gbit/s", "10Gbit/s", "100Gbit/s", "1Tbit/s"] {
+        let o = gradpack(&[
+            "report",
+            "--elements",
+            "1000",
+            "--codec",
+            "int8",
+            "--codec",
+            "sign",
+            "--codec",
+            "topk",
+            "--bandwidth",
+            bw,
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+        let b = v["bandwidth_bit_s"].as_f64().unwrap() / 1e9;
+        for c in v["codecs"].as_array().unwrap() {
+            let pays = c["pays_at_gbit_s"].as_array().unwrap();
+            let mut inside = false;
+            for iv in pays {
+                let lo = iv[0].as_f64().unwrap();
+                let hi = iv[1].as_f64().unwrap_or(f64::INFINITY);
+                // Within 0.1% of an end, either answer is a tie.
+                if (b / lo - 1.0).abs() < 1e-3 || (b / hi - 1.0).abs() < 1e-3 {
+                    continue;
+                }
+                inside |= lo < b && b < hi;
+            }
+            let speedup = c["speedup"].as_f64().unwrap();
+            assert_eq!(inside, speedup > 1.0, "{bw}: {c}");
+            if let Some(be) = c["break_even_gbit_s"].as_f64() {
+                assert_eq!(pays.len(), 1);
+                assert_eq!(pays[0][1].as_f64(), Some(be));
+            }
+        }
+    }
+}
+
 #[test]
 fn train_json_plot_and_refusals() {
     let d = dir("train");
@@ -509,7 +554,10 @@ fn a_very_sparse_frame_decodes_when_asked_with_max_elements() {
     let o = gradpack(&["encode", "--codec", "topk:k=10", p(&raw), p(&frame)]);
     assert!(o.status.success(), "{}", stderr(&o));
     let len = std::fs::metadata(&frame).unwrap().len();
-    assert!(4096 * len < n as u64, "the frame ({len} bytes) is under the default limit");
+    assert!(
+        4096 * len < n as u64,
+        "the frame ({len} bytes) is under the default limit"
+    );
     let out = d.join("out.f32");
     // Refused by default, with the way out in the message ...
     assert_clean_error(
@@ -520,15 +568,19 @@ fn a_very_sparse_frame_decodes_when_asked_with_max_elements() {
     // ... and decoded when asked: the same values as the library's decode.
     let o = gradpack(&["decode", "--max-elements", "1048576", p(&frame), p(&out)]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let want = gradpack::decode_to_vec_with_limit(&std::fs::read(&frame).unwrap(), n as u64)
-        .unwrap();
+    let want =
+        gradpack::decode_to_vec_with_limit(&std::fs::read(&frame).unwrap(), n as u64).unwrap();
     let got: Vec<f32> = std::fs::read(&out)
         .unwrap()
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
     assert_eq!(got.len(), n);
-    assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+    assert!(
+        got.iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+    );
     assert_eq!(got.iter().filter(|v| **v != 0.0).count(), 10);
     let o = gradpack(&["inspect", "--max-elements", "1048576", p(&frame)]);
     assert!(o.status.success(), "{}", stderr(&o));

@@ -557,7 +557,8 @@ impl Scheme for RandK {
         let (k, nonfinite) = if crate::parallel::worth(x.len(), weight) {
             // Ranges of the tensor counted in parallel, then encoded in parallel, each
             // into its own part of the payload: the same bytes as one pass.
-            let leaf = crate::parallel::CHUNK.max(x.len().div_ceil(MAX_LEAVES).next_multiple_of(64));
+            let leaf =
+                crate::parallel::CHUNK.max(x.len().div_ceil(MAX_LEAVES).next_multiple_of(64));
             let mut counts = [0usize; MAX_LEAVES];
             let counts = &mut counts[..x.len().div_ceil(leaf)];
             par_leaves(counts, x, ctx.offset, leaf, &|c, x, off| {

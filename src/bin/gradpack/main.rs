@@ -670,9 +670,22 @@ fn today() -> String {
     format!("{y:04}-{m:02}-{d:02}")
 }
 
-/// The break-even range in Gbit/s for JSON (null: infinite).
-fn be_range_json((lo, hi): (f64, f64)) -> [Option<f64>; 2] {
-    [lo, hi].map(|b| b.is_finite().then_some(b / 1e9))
+/// Where a codec pays, in Gbit/s: `always`, `never`, or intervals such as `<120.5`,
+/// `>480.0`, `<120.5 or >480.0`.
+fn fmt_pays(pays: &[(f64, f64)]) -> String {
+    match pays {
+        [] => "never".into(),
+        [(lo, hi)] if *lo == 0.0 && hi.is_infinite() => "always".into(),
+        _ => pays
+            .iter()
+            .map(|&(lo, hi)| match (lo == 0.0, hi.is_infinite()) {
+                (true, _) => format!("<{:.1}", hi / 1e9),
+                (false, true) => format!(">{:.1}", lo / 1e9),
+                (false, false) => format!("{:.1}-{:.1}", lo / 1e9, hi / 1e9),
+            })
+            .collect::<Vec<_>>()
+            .join(" or "),
+    }
 }
 
 /// A break-even and, when the timing rounds disagree, their range.
@@ -748,55 +761,62 @@ fn report(a: ReportArgs) -> Res<()> {
         .map(|(m, r)| with_speeds(m, &r.iter().map(|p| p.0).collect::<Vec<_>>()))
         .collect();
 
-    // fp32 ring: the reduction is an f32 add, which identity's decode_add measures.
+    // fp32: the faster of the ring (its reduction is an f32 add, which identity's
+    // decode_add measures) and an all-gather of fp32 frames.
     let reduce = base.add;
     let elements = n as f64;
-    let fp32 = cost::allreduce_cost(
-        Strategy::Fp32Ring,
-        &profile(&base),
-        net.nodes,
-        net.latency,
-        elements,
-        reduce,
-    )
-    .time(net.bandwidth);
     let cluster = cost::Cluster {
         nodes: net.nodes,
         bandwidth_bit_s: net.bandwidth,
         latency_s: net.latency,
     };
+    let (fp32_strategy, fp32) = cost::best_fp32(&profile(&base), &cluster, elements, reduce);
     struct Row<'a> {
         m: &'a Measured,
         strategy: Strategy,
         t: f64,
-        be: f64,
-        /// The lowest and highest break-even of the timing rounds.
-        be_range: (f64, f64),
+        /// Where the codec pays (bit/s intervals), from the median speeds.
+        pays: Vec<(f64, f64)>,
+        /// When it pays below a break-even and only there: that break-even, and the
+        /// lowest and highest of the timing rounds' break-evens.
+        be: Option<(f64, (f64, f64))>,
     }
+    let id = profile(&base);
+    let region = |p: &CodecProfile, reduce: f64| {
+        cost::winning_bandwidths(p, &id, net.nodes, net.latency, elements, reduce)
+    };
+    // The break-even of a region that is one interval from 0 up to it.
+    let below = |r: &[(f64, f64)]| match r {
+        [(lo, hi)] if *lo == 0.0 && hi.is_finite() => Some(*hi),
+        _ => None,
+    };
     let rows: Vec<Row> = rows
         .iter()
         .zip(&row_rounds)
         .map(|(m, rounds)| {
             let p = profile(m);
             let (strategy, t) = cost::best_strategy(&p, &cluster, elements, reduce);
-            // The median and range of the rounds' break-evens.
-            let per_round: Vec<f64> = rounds
-                .iter()
-                .map(|(s, reduce)| {
-                    let p = profile(&with_speeds(m.clone(), std::slice::from_ref(s)));
-                    cost::break_even_bandwidth(&p, net.nodes, net.latency, elements, *reduce)
-                })
-                .collect();
-            let be_range = per_round
-                .iter()
-                .fold((f64::INFINITY, 0f64), |(lo, hi), &b| (lo.min(b), hi.max(b)));
-            let be = median(per_round);
+            let pays = region(&p, reduce);
+            let be = below(&pays).and_then(|be| {
+                let per_round: Option<Vec<f64>> = rounds
+                    .iter()
+                    .map(|(s, reduce)| {
+                        let p = profile(&with_speeds(m.clone(), std::slice::from_ref(s)));
+                        below(&region(&p, *reduce))
+                    })
+                    .collect();
+                let per_round = per_round?;
+                let range = per_round
+                    .iter()
+                    .fold((f64::INFINITY, 0f64), |(lo, hi), &b| (lo.min(b), hi.max(b)));
+                Some((be, range))
+            });
             Row {
                 m,
                 strategy,
                 t,
+                pays,
                 be,
-                be_range,
             }
         })
         .collect();
@@ -817,10 +837,15 @@ fn report(a: ReportArgs) -> Res<()> {
                     "decode_add_gb_s": r.m.add / 1e9,
                     "backend": backend.name(),
                     "strategy": r.strategy.name(),
-                    // JSON has no infinity: null means the codec pays at every bandwidth.
-                    "break_even_gbit_s": if r.be.is_finite() { Some(r.be / 1e9) } else { None },
-                    // The lowest and highest of the timing rounds (null: infinite).
-                    "break_even_range_gbit_s": be_range_json(r.be_range),
+                    // The link speed below which the codec pays, when it pays there and
+                    // only there (null otherwise: see pays_at_gbit_s).
+                    "break_even_gbit_s": r.be.map(|b| b.0 / 1e9),
+                    // The lowest and highest break-even of the timing rounds.
+                    "break_even_range_gbit_s": r.be.map(|b| [b.1.0 / 1e9, b.1.1 / 1e9]),
+                    // Every interval of link speeds where it pays (null: no upper end).
+                    "pays_at_gbit_s": r.pays.iter().map(|&(lo, hi)| {
+                        [Some(lo / 1e9), hi.is_finite().then_some(hi / 1e9)]
+                    }).collect::<Vec<_>>(),
                     "allreduce_s": r.t,
                     "speedup": fp32 / r.t,
                 })
@@ -837,6 +862,7 @@ fn report(a: ReportArgs) -> Res<()> {
             "latency_s": net.latency,
             "fp32_reduce_gb_s": reduce / 1e9,
             "fp32_allreduce_s": fp32,
+            "fp32_strategy": fp32_strategy.name(),
             "codecs": codecs,
         });
         outln!(
@@ -852,11 +878,16 @@ fn report(a: ReportArgs) -> Res<()> {
             cpu_model(),
         );
         outln!(
-            "all-reduce model: {} nodes, {:.1} Gbit/s links, {:.1} us latency; fp32 ring {:.3} ms (sums at {:.1} GB/s)\n",
+            "all-reduce model: {} nodes, {:.1} Gbit/s links, {:.1} us latency; fp32 {:.3} ms ({}; sums at {:.1} GB/s)\n",
             net.nodes,
             net.bandwidth / 1e9,
             net.latency * 1e6,
             fp32 * 1e3,
+            if fp32_strategy == Strategy::Fp32Ring {
+                "ring"
+            } else {
+                "all-gather of fp32 frames"
+            },
             reduce / 1e9
         );
         // The spec column fits the longest spec.
@@ -896,7 +927,10 @@ fn report(a: ReportArgs) -> Res<()> {
                 r.m.add / 1e9,
                 backend.name(),
                 r.strategy.name(),
-                fmt_be(r.be, r.be_range),
+                match r.be {
+                    Some((be, range)) => fmt_be(be, range),
+                    None => fmt_pays(&r.pays),
+                },
                 r.t * 1e3,
                 speedup(fp32, r.t)
             );
@@ -904,8 +938,9 @@ fn report(a: ReportArgs) -> Res<()> {
         outln!(
             "\nrel L2: ||x - D(x)|| / ||x||; EF rel L2: ||sum g - sum D|| / ||sum g|| after {EF_STEPS} steps of error feedback\n\
              (- where error feedback refuses a non-contractive codec);\n\
-             break-even: the link speed (Gbit/s) below which the codec's all-reduce beats fp32's: the median\n\
-             of {ROUNDS} interleaved timing rounds, each timing the codec beside the fp32 sum (range: lowest, highest);\n\
+             break-even: the link speed (Gbit/s) below which the codec's all-reduce beats the fastest fp32 one, from\n\
+             the median speeds of {ROUNDS} interleaved timing rounds, each timing the codec beside the fp32 sum (range:\n\
+             the rounds' lowest and highest); where latency dominates, where it pays (>X: above X; always; never);\n\
              time: the modelled all-reduce at {:.1} Gbit/s with the best strategy (ring or allgather).",
             net.bandwidth / 1e9
         );
