@@ -335,7 +335,7 @@ fn report_json_and_plot() {
     assert!((8.0..8.2).contains(&bits), "{bits}");
     let svg = std::fs::read_to_string(&svg).unwrap();
     assert!(
-        svg.starts_with("<svg") && svg.contains("fp32 ring"),
+        svg.starts_with("<svg") && svg.contains("fp32") && svg.contains("int8"),
         "{}",
         &svg[..200.min(svg.len())]
     );

@@ -17,6 +17,7 @@ macro_rules! outln {
 }
 
 mod npy;
+mod plot;
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -969,7 +970,6 @@ fn plot(
     elements: f64,
     reduce: f64,
 ) -> Res<()> {
-    use plotters::prelude::*;
     let bws: Vec<f64> = (0..=200)
         .map(|i| 1e9 * 400f64.powf(i as f64 / 200.0))
         .collect();
@@ -978,24 +978,26 @@ fn plot(
         bandwidth_bit_s: b,
         latency_s: net.latency,
     };
-    let fp32: Vec<(f64, f64)> = bws
-        .iter()
-        .map(|&b| {
-            let t = cost::allreduce_cost(
-                Strategy::Fp32Ring,
-                base,
-                net.nodes,
-                net.latency,
-                elements,
-                reduce,
-            )
-            .time(b);
-            (b / 1e9, t * 1e3)
-        })
-        .collect();
-    let lines: Vec<(String, Vec<(f64, f64)>)> = codecs
+    // fp32: the faster of its ring and an all-gather of fp32 frames, as the report.
+    let reference = plot::Series {
+        name: "fp32".into(),
+        pts: bws
+            .iter()
+            .map(|&b| {
+                let t = cost::best_fp32(base, &cluster(b), elements, reduce).1;
+                (b / 1e9, t * 1e3)
+            })
+            .collect(),
+        dashed: false,
+        variant: usize::MAX,
+    };
+    let mut per_family: Vec<&'static str> = Vec::new();
+    let series = codecs
         .iter()
         .map(|c| {
+            let fam = plot::family(&c.spec);
+            let variant = per_family.iter().filter(|f| **f == fam).count();
+            per_family.push(fam);
             let pts = bws
                 .iter()
                 .map(|&b| {
@@ -1005,66 +1007,32 @@ fn plot(
                     )
                 })
                 .collect();
-            (c.spec.clone(), pts)
+            let s = plot::Series {
+                name: c.spec.clone(),
+                pts,
+                dashed: false,
+                variant,
+            };
+            (c.spec.clone(), s)
         })
         .collect();
-    let all = lines
-        .iter()
-        .flat_map(|l| l.1.iter())
-        .chain(&fp32)
-        .map(|p| p.1);
-    let (lo, hi) = all.fold((f64::INFINITY, 0f64), |(a, b), t| (a.min(t), b.max(t)));
-    let err = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
-    let root = SVGBackend::new(path, (960, 640)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(
-            format!(
-                "all-reduce of {:.1} MiB on {} nodes, {:.0} us latency",
-                elements * 4.0 / 1048576.0,
-                net.nodes,
-                net.latency * 1e6
-            ),
-            ("sans-serif", 20),
-        )
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(60)
-        .build_cartesian_2d(
-            (1f64..400f64).log_scale(),
-            (lo * 0.8..hi * 1.25).log_scale(),
-        )
-        .map_err(|e| err(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc("link bandwidth (Gbit/s)")
-        .y_desc("time (ms)")
-        .draw()
-        .map_err(|e| err(&e))?;
-    chart
-        .draw_series(LineSeries::new(fp32, BLACK.stroke_width(3)))
-        .map_err(|e| err(&e))?
-        .label("fp32 ring")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], BLACK.stroke_width(3)));
-    for (i, (name, pts)) in lines.into_iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
-        chart
-            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
-            .map_err(|e| err(&e))?
-            .label(name)
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
-            });
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()
-        .map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))?;
-    Ok(())
+    plot::small_multiples(
+        path,
+        &format!(
+            "modelled all-reduce of {:.1} MiB on {} nodes, {:.0} us latency (best strategy; lower is faster)",
+            elements * 4.0 / 1048576.0,
+            net.nodes,
+            net.latency * 1e6
+        ),
+        &plot::by_family(series),
+        &reference,
+        &plot::Axes {
+            x: (1.0, 400.0),
+            x_log: true,
+            x_label: "link bandwidth (Gbit/s)".into(),
+            y_label: "time (ms)".into(),
+        },
+    )
 }
 
 // ---------------------------------------------------------------- model
@@ -1294,8 +1262,18 @@ fn train(a: TrainArgs) -> Res<()> {
             cfg.seed,
             strategy.name()
         );
+        // The codec column fits the longest spec.
+        let w = rows
+            .iter()
+            .map(|(_, r)| match r {
+                TrainRow::Done(r) => r.codec.to_string().len(),
+                TrainRow::Refused { codec, .. } => codec.to_string().len(),
+            })
+            .max()
+            .unwrap_or(0)
+            .max(30);
         outln!(
-            "\n{:<40} {:>3} {:>9} {:>9} {:>8} {:>13} {:>8}",
+            "\n{:<w$} {:>3} {:>9} {:>9} {:>8} {:>13} {:>8}",
             "codec",
             "EF",
             "test loss",
@@ -1305,7 +1283,7 @@ fn train(a: TrainArgs) -> Res<()> {
             "vs fp32"
         );
         outln!(
-            "{:<40} {:>3} {} {:>13} {:>8.3}",
+            "{:<w$} {:>3} {} {:>13} {:>8.3}",
             "fp32 (ring of identity frames)",
             "-",
             fmt_run(&base),
@@ -1317,7 +1295,7 @@ fn train(a: TrainArgs) -> Res<()> {
             let ef_s = if *ef { "yes" } else { "no" };
             match row {
                 TrainRow::Done(r) => outln!(
-                    "{:<40} {:>3} {} {:>13} {:>8.3}",
+                    "{:<w$} {:>3} {} {:>13} {:>8.3}",
                     r.codec.to_string(),
                     ef_s,
                     fmt_run(r),
@@ -1332,7 +1310,7 @@ fn train(a: TrainArgs) -> Res<()> {
                             notes.len() - 1
                         }
                     };
-                    outln!("{:<40} {:>3} refused [{}]", codec.to_string(), ef_s, k + 1)
+                    outln!("{:<w$} {:>3} refused [{}]", codec.to_string(), ef_s, k + 1)
                 }
             }
         }
@@ -1345,92 +1323,61 @@ fn train(a: TrainArgs) -> Res<()> {
         );
     }
     if let Some(path) = &a.plot {
-        let mut lines: Vec<(String, Vec<(f64, f64)>)> = vec![(
-            "fp32".to_string(),
-            base.curve
-                .iter()
+        let curve = |c: &[gradpack::train::EpochPoint]| -> Vec<(f64, f64)> {
+            c.iter()
+                .filter(|p| p.test_loss.is_finite())
                 .map(|p| (p.epoch as f64, p.test_loss))
-                .collect(),
-        )];
+                .collect()
+        };
+        // One panel per family; a codec and its error-feedback run share a colour.
+        let mut variants: Vec<String> = Vec::new();
+        let mut series = Vec::new();
         for (ef, row) in &rows {
             if let TrainRow::Done(r) = row {
-                let pts: Vec<(f64, f64)> = r
-                    .curve
-                    .iter()
-                    .filter(|p| p.test_loss.is_finite())
-                    .map(|p| (p.epoch as f64, p.test_loss))
-                    .collect();
-                lines.push((
-                    format!("{}{}", r.codec, if *ef { " + EF" } else { "" }),
-                    pts,
-                ));
+                let spec = r.codec.to_string();
+                let fam = plot::family(&spec);
+                let variant = match variants.iter().position(|v| *v == spec) {
+                    Some(v) => variants[..v]
+                        .iter()
+                        .filter(|w| plot::family(w) == fam)
+                        .count(),
+                    None => {
+                        let k = variants.iter().filter(|w| plot::family(w) == fam).count();
+                        variants.push(spec.clone());
+                        k
+                    }
+                };
+                let s = plot::Series {
+                    name: format!("{spec}{}", if *ef { " + EF" } else { "" }),
+                    pts: curve(&r.curve),
+                    dashed: *ef,
+                    variant,
+                };
+                series.push((spec, s));
             }
         }
-        plot_curves(
+        let reference = plot::Series {
+            name: "fp32".into(),
+            pts: curve(&base.curve),
+            dashed: false,
+            variant: usize::MAX,
+        };
+        plot::small_multiples(
             path,
-            &lines,
             &format!(
-                "{} on the synthetic task, {} workers",
+                "test loss of the {} on the synthetic task, {} workers (dashed: with error feedback)",
                 model.name(),
                 cfg.workers
             ),
-            cfg.epochs,
+            &plot::by_family(series),
+            &reference,
+            &plot::Axes {
+                x: (1.0, cfg.epochs.max(2) as f64),
+                x_log: false,
+                x_label: "epoch".into(),
+                y_label: "test loss".into(),
+            },
         )?;
     }
-    Ok(())
-}
-
-fn plot_curves(
-    path: &Path,
-    lines: &[(String, Vec<(f64, f64)>)],
-    title: &str,
-    epochs: usize,
-) -> Res<()> {
-    use plotters::prelude::*;
-    let ys = lines.iter().flat_map(|l| l.1.iter().map(|p| p.1));
-    let (lo, hi) = ys.fold((f64::INFINITY, 0f64), |(a, b), y| (a.min(y), b.max(y)));
-    let (lo, hi) = if lo.is_finite() && hi > 0.0 {
-        (lo, hi)
-    } else {
-        (0.1, 10.0)
-    };
-    let err = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
-    let root = SVGBackend::new(path, (960, 640)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 20))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(60)
-        .build_cartesian_2d(1f64..epochs.max(2) as f64, (lo * 0.9..hi * 1.1).log_scale())
-        .map_err(|e| err(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc("epoch")
-        .y_desc("test loss")
-        .draw()
-        .map_err(|e| err(&e))?;
-    for (i, (name, pts)) in lines.iter().enumerate() {
-        let (color, width) = if i == 0 {
-            (BLACK.to_rgba(), 3)
-        } else {
-            (Palette99::pick(i).to_rgba(), 2)
-        };
-        chart
-            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))
-            .map_err(|e| err(&e))?
-            .label(name.clone())
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(width))
-            });
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()
-        .map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))?;
     Ok(())
 }
