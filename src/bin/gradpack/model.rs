@@ -1,0 +1,109 @@
+//! `model`: the communication cost model alone, without measuring.
+
+use std::io::Write;
+
+use clap::Args;
+use gradpack::cost::{self, CodecProfile, Strategy};
+
+use crate::{Net, Res, specs};
+
+#[derive(Args)]
+pub(crate) struct ModelArgs {
+    #[command(flatten)]
+    net: Net,
+    /// fp32 gradient size, e.g. 25MiB, 100MB, 4096.
+    #[arg(long, default_value = "100MiB")]
+    size: String,
+    /// Codec spec (repeatable; default: a representative set).
+    #[arg(long = "codec")]
+    codecs: Vec<String>,
+}
+
+pub(crate) fn model(a: ModelArgs) -> Res<()> {
+    let net = a.net.parse()?;
+    let bytes = cost::parse_size(&a.size).map_err(|e| format!("--size: {e}"))?;
+    let specs = specs(&a.codecs)?;
+    let elements = (bytes / 4.0).floor().max(1.0);
+    let g_bits = elements * 32.0;
+    let p = net.nodes;
+    let abg = cost::AlphaBetaGamma::new(net.bandwidth, net.latency, f64::INFINITY);
+    let mut out = std::io::stdout().lock();
+    let w =
+        |out: &mut std::io::StdoutLock, s: String| writeln!(out, "{s}").map_err(|e| e.to_string());
+    w(
+        &mut out,
+        format!(
+            "cost model: {:.0} f32 elements ({}), {p} nodes, {:.2} Gbit/s, {:.1} us latency; compute is free\n",
+            elements,
+            a.size,
+            net.bandwidth / 1e9,
+            net.latency * 1e6
+        ),
+    )?;
+    w(
+        &mut out,
+        "fp32 all-reduce (Thakur, Rabenseifner and Gropp 2005; gamma = 0):".into(),
+    )?;
+    for (name, t) in [
+        ("ring", abg.ring_allreduce(p, bytes)),
+        ("binomial tree", abg.binomial_tree_allreduce(p, bytes)),
+        (
+            "recursive doubling",
+            abg.recursive_doubling_allreduce(p, bytes),
+        ),
+        ("halving-doubling", abg.halving_doubling_allreduce(p, bytes)),
+    ] {
+        w(&mut out, format!("  {name:<20} {:>10.3} ms", t * 1e3))?;
+    }
+    w(
+        &mut out,
+        format!(
+            "  ideal ring 2(n-1)/n g/b {:>7.3} ms; with latency {:.3} ms\n",
+            cost::ring_ideal(p, g_bits, net.bandwidth) * 1e3,
+            cost::ring_with_latency(p, g_bits, net.bandwidth, net.latency) * 1e3
+        ),
+    )?;
+    w(
+        &mut out,
+        format!(
+            "{:<32} {:>8} {:>6} {:>14} {:>12} {:>12} {:>8}",
+            "spec", "bits/el", "ratio", "k-bit ring ms", "ring ms", "allgather ms", "speedup"
+        ),
+    )?;
+    let fp32 = abg.ring_allreduce(p, bytes);
+    for s in specs {
+        let bits = s.bits_per_element(elements as usize);
+        let c = CodecProfile::nominal(s.to_string(), bits);
+        let t = |st| {
+            cost::allreduce_cost(st, &c, p, net.latency, elements, f64::INFINITY)
+                .time(net.bandwidth)
+        };
+        let (ring, ag) = (
+            t(Strategy::CompressedRing),
+            t(Strategy::CompressedAllGather),
+        );
+        w(
+            &mut out,
+            format!(
+                "{:<32} {:>8.3} {:>6.1} {:>14.3} {:>12.3} {:>12.3} {:>8}",
+                s.to_string(),
+                bits,
+                32.0 / bits,
+                cost::ring_quantised(p, g_bits, net.bandwidth, bits) * 1e3,
+                ring * 1e3,
+                ag * 1e3,
+                speedup(fp32, ring.min(ag))
+            ),
+        )?;
+    }
+    Ok(())
+}
+
+/// `fp32 / t` as "1.23x", or "-" when both are zero (one node sends nothing).
+pub(crate) fn speedup(fp32: f64, t: f64) -> String {
+    if fp32 == 0.0 && t == 0.0 {
+        "-".into()
+    } else {
+        format!("{:.2}x", fp32 / t)
+    }
+}

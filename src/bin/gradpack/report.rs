@@ -1,0 +1,589 @@
+//! `report`: measure every codec on this CPU and model what it buys on a network.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::Args;
+use gradpack::cost::{self, CodecProfile, Strategy};
+use gradpack::{Backend, Codec, CodecSpec, EncodeCtx, ErrorFeedback};
+
+use crate::model::speedup;
+use crate::{Net, Network, Res, plot, progress, specs};
+
+#[derive(Args)]
+pub(crate) struct ReportArgs {
+    /// Gradient elements (f32) to measure on.
+    #[arg(long, default_value_t = 1 << 22)]
+    elements: usize,
+    #[command(flatten)]
+    net: Net,
+    /// Codec spec to measure (repeatable; default: a representative set).
+    #[arg(long = "codec")]
+    codecs: Vec<String>,
+    /// Backend to force: scalar, avx2, avx512, neon (default: the best this CPU has).
+    #[arg(long)]
+    backend: Option<String>,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Write an SVG of all-reduce time against link bandwidth to this file.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+#[derive(Clone)]
+struct Measured {
+    spec: CodecSpec,
+    bits: f64,
+    rel_l2: f64,
+    /// `||sum g - sum D|| / ||sum g||` after `EF_STEPS` steps of error feedback (`None`:
+    /// the codec is not usable with error feedback).
+    ef_rel_l2: Option<f64>,
+    enc: f64,
+    dec: f64,
+    add: f64,
+}
+
+/// Steps of error feedback behind the report's "EF rel L2" column.
+const EF_STEPS: u64 = 8;
+
+/// Median seconds of `f` over at least 5 runs and about `budget` seconds.
+fn median_secs(budget: f64, mut f: impl FnMut()) -> f64 {
+    f(); // warm up
+    let start = Instant::now();
+    let mut t = Vec::new();
+    while t.len() < 5 || (start.elapsed().as_secs_f64() < budget && t.len() < 200) {
+        let s = Instant::now();
+        f();
+        t.push(s.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+/// Error feedback over a few steps of fresh gradients: the error of what the model
+/// actually receives, `||sum g - sum D|| / ||sum g||`. `None` when the codec refuses
+/// error feedback (codecs that are not contractive: random-k with `scale=unbiased`,
+/// QSGD with variance factor >= 1).
+fn ef_error(
+    spec: &CodecSpec,
+    ef_grads: &[Vec<f32>],
+    frame: &mut [u8],
+    d: &mut [f32],
+) -> Res<Option<f64>> {
+    let n = d.len();
+    let Ok(mut ef) = ErrorFeedback::new(*spec, n) else {
+        return Ok(None);
+    };
+    if ef_grads.is_empty() {
+        return Ok(Some(0.0));
+    }
+    let (mut sum_g, mut sum_d) = (vec![0f64; n], vec![0f64; n]);
+    for (step, g) in ef_grads.iter().enumerate() {
+        let l = ef
+            .encode_into(g, &EncodeCtx::new(step as u64), frame)
+            .map_err(|e| format!("{spec}: {e}"))?;
+        gradpack::decode(&frame[..l], d).map_err(|e| format!("{spec}: {e}"))?;
+        for i in 0..n {
+            sum_g[i] += g[i] as f64;
+            sum_d[i] += d[i] as f64;
+        }
+    }
+    let (num, den) = sum_g
+        .iter()
+        .zip(&sum_d)
+        .fold((0f64, 0f64), |(a, b), (&u, &v)| {
+            (a + (u - v).powi(2), b + u * u)
+        });
+    Ok(Some((num / den).sqrt()))
+}
+
+/// Rounds of timing in `report`: every codec is timed once per round, the rounds
+/// interleaved, so a slow spell of the machine touches every codec alike; a codec's
+/// speeds are the medians over the rounds, and the spread of its break-even over the
+/// rounds is printed beside it.
+const ROUNDS: usize = 5;
+
+/// One codec's encode, decode and decode_add speeds (bytes of f32 input per second).
+#[derive(Clone, Copy)]
+struct Speeds {
+    enc: f64,
+    dec: f64,
+    add: f64,
+}
+
+/// Error figures of `spec` on `x` (speeds left at zero; [`time_round`] measures them).
+fn measure(spec: &CodecSpec, x: &[f32], ef_grads: &[Vec<f32>]) -> Res<Measured> {
+    let n = x.len();
+    let ctx = EncodeCtx::new(1);
+    let mut frame = vec![0u8; spec.max_encoded_len(n)];
+    let len = spec
+        .encode_into(x, &ctx, &mut frame)
+        .map_err(|e| format!("{spec}: {e}"))?;
+    let mut d = vec![0f32; n];
+    gradpack::decode(&frame[..len], &mut d).map_err(|e| format!("{spec}: {e}"))?;
+    let (num, den) = x.iter().zip(&d).fold((0f64, 0f64), |(a, b), (&u, &v)| {
+        (a + (u as f64 - v as f64).powi(2), b + (u as f64).powi(2))
+    });
+    let ef_rel_l2 = ef_error(spec, ef_grads, &mut frame, &mut d)?;
+    Ok(Measured {
+        spec: *spec,
+        bits: len as f64 * 8.0 / n as f64,
+        rel_l2: (num / den).sqrt(),
+        ef_rel_l2,
+        enc: 0.0,
+        dec: 0.0,
+        add: 0.0,
+    })
+}
+
+/// One round of timing of `spec` on `x`: the median of each operation over `budget`
+/// seconds (at least 5 runs).
+fn time_round(spec: &CodecSpec, x: &[f32], budget: f64) -> Res<Speeds> {
+    let n = x.len();
+    let ctx = EncodeCtx::new(1);
+    let mut frame = vec![0u8; spec.max_encoded_len(n)];
+    let len = spec
+        .encode_into(x, &ctx, &mut frame)
+        .map_err(|e| format!("{spec}: {e}"))?;
+    let mut d = vec![0f32; n];
+    let bytes = 4.0 * n as f64;
+    let enc = median_secs(budget, || {
+        spec.encode_into(x, &ctx, &mut frame).expect("encode");
+    });
+    let dec = median_secs(budget, || {
+        gradpack::decode(&frame[..len], &mut d).expect("decode");
+    });
+    let add = median_secs(budget, || {
+        gradpack::decode_add(&frame[..len], &mut d).expect("decode_add");
+    });
+    Ok(Speeds {
+        enc: bytes / enc,
+        dec: bytes / dec,
+        add: bytes / add,
+    })
+}
+
+/// The median of `v` (not empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+/// `m` with the median speeds of `rounds`.
+fn with_speeds(mut m: Measured, rounds: &[Speeds]) -> Measured {
+    m.enc = median(rounds.iter().map(|s| s.enc).collect());
+    m.dec = median(rounds.iter().map(|s| s.dec).collect());
+    m.add = median(rounds.iter().map(|s| s.add).collect());
+    m
+}
+
+fn profile(m: &Measured) -> CodecProfile {
+    CodecProfile {
+        spec: m.spec.to_string(),
+        bits_per_element: m.bits,
+        encode_bytes_per_s: m.enc,
+        decode_bytes_per_s: m.dec,
+        decode_add_bytes_per_s: m.add,
+    }
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name") || l.starts_with("Model"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+/// Today's date (UTC) as YYYY-MM-DD, from the system clock (days-to-civil conversion of
+/// H. Hinnant's date algorithms).
+fn today() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()) as i64;
+    let z = secs.div_euclid(86_400) + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + (m <= 2) as i64;
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+/// Where a codec pays, in Gbit/s: `always`, `never`, or intervals such as `<120.5`,
+/// `>480.0`, `<120.5 or >480.0`.
+fn fmt_pays(pays: &[(f64, f64)]) -> String {
+    match pays {
+        [] => "never".into(),
+        [(lo, hi)] if *lo == 0.0 && hi.is_infinite() => "always".into(),
+        _ => pays
+            .iter()
+            .map(|&(lo, hi)| match (lo == 0.0, hi.is_infinite()) {
+                (true, _) => format!("<{:.1}", hi / 1e9),
+                (false, true) => format!(">{:.1}", lo / 1e9),
+                (false, false) => format!("{:.1}-{:.1}", lo / 1e9, hi / 1e9),
+            })
+            .collect::<Vec<_>>()
+            .join(" or "),
+    }
+}
+
+/// A break-even and, when the timing rounds disagree, their range.
+fn fmt_be(be: f64, (lo, hi): (f64, f64)) -> String {
+    if fmt_bw(lo) == fmt_bw(hi) {
+        fmt_bw(be)
+    } else {
+        format!("{} ({}-{})", fmt_bw(be), fmt_bw(lo), fmt_bw(hi))
+    }
+}
+
+fn fmt_bw(b: f64) -> String {
+    if b.is_infinite() {
+        "always".into()
+    } else if b <= 0.0 {
+        "never".into()
+    } else {
+        format!("{:.1}", b / 1e9)
+    }
+}
+
+pub(crate) fn report(a: ReportArgs) -> Res<()> {
+    let net = a.net.parse()?;
+    if a.elements == 0 {
+        return Err("--elements must be at least 1".into());
+    }
+    let backend = match &a.backend {
+        None => Backend::current(),
+        Some(name) => Backend::by_name(name)
+            .map_err(|e| format!("--backend: {e}"))?
+            .ok_or_else(|| format!("--backend {name}: not supported on this CPU"))?,
+    };
+    let specs = specs(&a.codecs)?;
+    let n = a.elements;
+    let x = gradpack::synthetic::gradient(n, 2024);
+    let ef_grads: Vec<Vec<f32>> = (0..EF_STEPS)
+        .map(|s| gradpack::synthetic::gradient(n, 3000 + s))
+        .collect();
+    // Time budget per operation and round: about 20 s of timing for the whole default
+    // report.
+    let budget = 0.3_f64.min(20.0 / (3.0 * (specs.len() + 1) as f64)) / ROUNDS as f64;
+    let bar = progress(((specs.len() + 1) * (ROUNDS + 1)) as u64, false);
+    let identity: CodecSpec = "identity".parse().expect("identity parses");
+    bar.set_message("errors");
+    let base = backend.run(|| measure(&identity, &x, &[]))?;
+    bar.inc(1);
+    let mut rows = Vec::new();
+    for s in &specs {
+        bar.set_message(format!("{s}: errors"));
+        rows.push(backend.run(|| measure(s, &x, &ef_grads))?);
+        bar.inc(1);
+    }
+    // Timing rounds: identity (the fp32 reduction) and every codec, interleaved; each
+    // codec's timing is paired with a timing of the fp32 reduction just before it, so
+    // both see the machine in the same state, and each round gives a break-even.
+    let mut base_rounds = Vec::new();
+    let mut row_rounds: Vec<Vec<(Speeds, f64)>> = vec![Vec::new(); specs.len()];
+    for round in 0..ROUNDS {
+        bar.set_message(format!("timing, round {} of {ROUNDS}", round + 1));
+        base_rounds.push(backend.run(|| time_round(&identity, &x, budget))?);
+        bar.inc(1);
+        for (s, r) in specs.iter().zip(row_rounds.iter_mut()) {
+            let reduce = backend.run(|| time_round(&identity, &x, budget / 3.0))?.add;
+            r.push((backend.run(|| time_round(s, &x, budget))?, reduce));
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    let base = with_speeds(base, &base_rounds);
+    let rows: Vec<Measured> = rows
+        .into_iter()
+        .zip(&row_rounds)
+        .map(|(m, r)| with_speeds(m, &r.iter().map(|p| p.0).collect::<Vec<_>>()))
+        .collect();
+
+    // fp32: the faster of the ring (its reduction is an f32 add, which identity's
+    // decode_add measures) and an all-gather of fp32 frames.
+    let reduce = base.add;
+    let elements = n as f64;
+    let cluster = cost::Cluster {
+        nodes: net.nodes,
+        bandwidth_bit_s: net.bandwidth,
+        latency_s: net.latency,
+    };
+    let (fp32_strategy, fp32) = cost::best_fp32(&profile(&base), &cluster, elements, reduce);
+    struct Row<'a> {
+        m: &'a Measured,
+        strategy: Strategy,
+        t: f64,
+        /// Where the codec pays (bit/s intervals), from the median speeds.
+        pays: Vec<(f64, f64)>,
+        /// When it pays below a break-even and only there: that break-even, and the
+        /// lowest and highest of the timing rounds' break-evens.
+        be: Option<(f64, (f64, f64))>,
+    }
+    let id = profile(&base);
+    let region = |p: &CodecProfile, reduce: f64| {
+        cost::winning_bandwidths(p, &id, net.nodes, net.latency, elements, reduce)
+    };
+    // The break-even of a region that is one interval from 0 up to it.
+    let below = |r: &[(f64, f64)]| match r {
+        [(lo, hi)] if *lo == 0.0 && hi.is_finite() => Some(*hi),
+        _ => None,
+    };
+    let rows: Vec<Row> = rows
+        .iter()
+        .zip(&row_rounds)
+        .map(|(m, rounds)| {
+            let p = profile(m);
+            let (strategy, t) = cost::best_strategy(&p, &cluster, elements, reduce);
+            let pays = region(&p, reduce);
+            let be = below(&pays).and_then(|be| {
+                let per_round: Option<Vec<f64>> = rounds
+                    .iter()
+                    .map(|(s, reduce)| {
+                        let p = profile(&with_speeds(m.clone(), std::slice::from_ref(s)));
+                        below(&region(&p, *reduce))
+                    })
+                    .collect();
+                let per_round = per_round?;
+                let range = per_round
+                    .iter()
+                    .fold((f64::INFINITY, 0f64), |(lo, hi), &b| (lo.min(b), hi.max(b)));
+                Some((be, range))
+            });
+            Row {
+                m,
+                strategy,
+                t,
+                pays,
+                be,
+            }
+        })
+        .collect();
+
+    if a.json {
+        let codecs: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "spec": r.m.spec.to_string(),
+                    "bits_per_element": r.m.bits,
+                    "ratio": 32.0 / r.m.bits,
+                    "rel_l2_error": r.m.rel_l2,
+                    "ef_rel_l2_error": r.m.ef_rel_l2,
+                    "unbiased": r.m.spec.unbiased(),
+                    "encode_gb_s": r.m.enc / 1e9,
+                    "decode_gb_s": r.m.dec / 1e9,
+                    "decode_add_gb_s": r.m.add / 1e9,
+                    "backend": backend.name(),
+                    "strategy": r.strategy.name(),
+                    // The link speed below which the codec pays, when it pays there and
+                    // only there (null otherwise: see pays_at_gbit_s).
+                    "break_even_gbit_s": r.be.map(|b| b.0 / 1e9),
+                    // The lowest and highest break-even of the timing rounds.
+                    "break_even_range_gbit_s": r.be.map(|b| [b.1.0 / 1e9, b.1.1 / 1e9]),
+                    // Every interval of link speeds where it pays (null: no upper end).
+                    "pays_at_gbit_s": r.pays.iter().map(|&(lo, hi)| {
+                        [Some(lo / 1e9), hi.is_finite().then_some(hi / 1e9)]
+                    }).collect::<Vec<_>>(),
+                    "allreduce_s": r.t,
+                    "speedup": fp32 / r.t,
+                })
+            })
+            .collect();
+        let doc = serde_json::json!({
+            "gradpack_version": env!("CARGO_PKG_VERSION"),
+            "date": today(),
+            "cpu": cpu_model(),
+            "backend": backend.name(),
+            "elements": n,
+            "nodes": net.nodes,
+            "bandwidth_bit_s": net.bandwidth,
+            "latency_s": net.latency,
+            "fp32_reduce_gb_s": reduce / 1e9,
+            "fp32_allreduce_s": fp32,
+            "fp32_strategy": fp32_strategy.name(),
+            "codecs": codecs,
+        });
+        outln!(
+            "{}",
+            serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?
+        );
+    } else {
+        outln!(
+            "gradpack {} report, {}: {n} f32 elements ({:.1} MiB) of the synthetic gradient on {} (backend {backend})",
+            env!("CARGO_PKG_VERSION"),
+            today(),
+            n as f64 * 4.0 / 1048576.0,
+            cpu_model(),
+        );
+        outln!(
+            "all-reduce model: {} nodes, {:.1} Gbit/s links, {:.1} us latency; fp32 {:.3} ms ({}; sums at {:.1} GB/s)\n",
+            net.nodes,
+            net.bandwidth / 1e9,
+            net.latency * 1e6,
+            fp32 * 1e3,
+            if fp32_strategy == Strategy::Fp32Ring {
+                "ring"
+            } else {
+                "all-gather of fp32 frames"
+            },
+            reduce / 1e9
+        );
+        // The spec column fits the longest spec.
+        let w = rows
+            .iter()
+            .map(|r| r.m.spec.to_string().len())
+            .max()
+            .unwrap_or(0)
+            .max(4);
+        outln!(
+            "{:<w$} {:>7} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7} {:>9} {:>22} {:>9} {:>8}",
+            "spec",
+            "bits/el",
+            "ratio",
+            "rel L2",
+            "EF rel L2",
+            "enc GB/s",
+            "dec GB/s",
+            "add GB/s",
+            "backend",
+            "strategy",
+            "break-even (range)",
+            "time ms",
+            "speedup"
+        );
+        for r in &rows {
+            outln!(
+                "{:<w$} {:>7.3} {:>6.1} {:>9.2e} {:>9} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>9} {:>22} {:>9.3} {:>8}",
+                r.m.spec.to_string(),
+                r.m.bits,
+                32.0 / r.m.bits,
+                r.m.rel_l2,
+                r.m.ef_rel_l2
+                    .map_or("-".to_string(), |v| format!("{v:.2e}")),
+                r.m.enc / 1e9,
+                r.m.dec / 1e9,
+                r.m.add / 1e9,
+                backend.name(),
+                r.strategy.name(),
+                match r.be {
+                    Some((be, range)) => fmt_be(be, range),
+                    None => fmt_pays(&r.pays),
+                },
+                r.t * 1e3,
+                speedup(fp32, r.t)
+            );
+        }
+        outln!(
+            "\nrel L2: ||x - D(x)|| / ||x||; EF rel L2: ||sum g - sum D|| / ||sum g|| after {EF_STEPS} steps of error feedback\n\
+             (- where error feedback refuses a non-contractive codec);\n\
+             break-even: the link speed (Gbit/s) below which the codec's all-reduce beats the fastest fp32 one, from\n\
+             the median speeds of {ROUNDS} interleaved timing rounds, each timing the codec beside the fp32 sum (range:\n\
+             the rounds' lowest and highest); where latency dominates, where it pays (>X: above X; always; never);\n\
+             time: the modelled all-reduce at {:.1} Gbit/s with the best strategy (ring or allgather).",
+            net.bandwidth / 1e9
+        );
+    }
+    if let Some(path) = &a.plot {
+        plot(
+            path,
+            &rows.iter().map(|r| profile(r.m)).collect::<Vec<_>>(),
+            &profile(&base),
+            &net,
+            elements,
+            reduce,
+        )?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// All-reduce time against link bandwidth (1 to 400 Gbit/s, log-log), one line per codec
+/// (best strategy at each bandwidth) and fp32.
+fn plot(
+    path: &Path,
+    codecs: &[CodecProfile],
+    base: &CodecProfile,
+    net: &Network,
+    elements: f64,
+    reduce: f64,
+) -> Res<()> {
+    let bws: Vec<f64> = (0..=200)
+        .map(|i| 1e9 * 400f64.powf(i as f64 / 200.0))
+        .collect();
+    let cluster = |b| cost::Cluster {
+        nodes: net.nodes,
+        bandwidth_bit_s: b,
+        latency_s: net.latency,
+    };
+    // fp32: the faster of its ring and an all-gather of fp32 frames, as the report.
+    let reference = plot::Series {
+        name: "fp32".into(),
+        pts: bws
+            .iter()
+            .map(|&b| {
+                let t = cost::best_fp32(base, &cluster(b), elements, reduce).1;
+                (b / 1e9, t * 1e3)
+            })
+            .collect(),
+        dashed: false,
+        variant: usize::MAX,
+    };
+    let mut per_family: Vec<&'static str> = Vec::new();
+    let series = codecs
+        .iter()
+        .map(|c| {
+            let fam = plot::family(&c.spec);
+            let variant = per_family.iter().filter(|f| **f == fam).count();
+            per_family.push(fam);
+            let pts = bws
+                .iter()
+                .map(|&b| {
+                    (
+                        b / 1e9,
+                        cost::best_strategy(c, &cluster(b), elements, reduce).1 * 1e3,
+                    )
+                })
+                .collect();
+            let s = plot::Series {
+                name: c.spec.clone(),
+                pts,
+                dashed: false,
+                variant,
+            };
+            (c.spec.clone(), s)
+        })
+        .collect();
+    plot::small_multiples(
+        path,
+        &format!(
+            "modelled all-reduce of {:.1} MiB on {} nodes, {:.0} us latency (best strategy; lower is faster)",
+            elements * 4.0 / 1048576.0,
+            net.nodes,
+            net.latency * 1e6
+        ),
+        &plot::by_family(series),
+        &reference,
+        &plot::Axes {
+            x: (1.0, 400.0),
+            x_log: true,
+            x_label: "link bandwidth (Gbit/s)".into(),
+            y_label: "time (ms)".into(),
+        },
+    )
+}
