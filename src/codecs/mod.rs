@@ -16,6 +16,7 @@ mod randk;
 mod sign;
 mod ternary;
 mod topk;
+mod values;
 
 pub use bf16::Bf16;
 pub use fp16::Fp16;
@@ -26,9 +27,8 @@ pub use qsgd::Qsgd;
 pub use randk::{RandK, RandKScale, RandKSelect};
 pub use sign::Sign;
 pub use ternary::Ternary;
-pub use topk::{
-    DEFAULT_TOLERANCE, INT8_VALUE_BLOCK, IndexCoding, Selection, TopK, TopKSelect, ValueType,
-};
+pub use topk::{DEFAULT_TOLERANCE, IndexCoding, Selection, TopK, TopKSelect};
+pub use values::{INT8_VALUE_BLOCK, ValueType};
 
 use crate::codec::{Codec, CodecId, CodecSpec, EncodeCtx, payload_buf};
 use crate::error::{Error, Result};

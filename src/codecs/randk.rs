@@ -39,7 +39,7 @@
 
 use core::fmt;
 
-use super::topk::{ValueReader, ValueWriter};
+use super::values::{ValueReader, ValueWriter};
 use super::{EncodeCtx, Encoded, Scheme, ValueType};
 use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::{Error, Result};
