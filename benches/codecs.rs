@@ -21,7 +21,7 @@ mod common;
 
 use common::{SPECS, read_pass};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use gradpack::kernels::Backend;
+use gradpack::unstable::kernels::Backend;
 use gradpack::{Codec, CodecSpec, EncodeCtx};
 use half::slice::HalfFloatSliceExt;
 

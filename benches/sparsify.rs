@@ -85,14 +85,14 @@ fn sparsify(c: &mut Criterion) {
                 });
             }
         }
-        let key = gradpack::kernels::scalar::mag_key(threshold);
+        let key = gradpack::unstable::kernels::scalar::mag_key(threshold);
         g.bench_function("filter", |b| {
             b.iter(|| {
                 let mut sum = 0usize;
                 let x = black_box(&x[..]);
-                gradpack::kernels::for_each_filtered(
+                gradpack::unstable::kernels::for_each_filtered(
                     n,
-                    |pos, idx| gradpack::kernels::filter_mag_ge(&x[pos..], key, idx),
+                    |pos, idx| gradpack::unstable::kernels::filter_mag_ge(&x[pos..], key, idx),
                     |i| sum += i,
                 );
                 sum

@@ -67,7 +67,7 @@ pub mod collective;
 pub mod cost;
 pub mod error;
 pub mod feedback;
-pub mod kernels;
+mod kernels;
 pub mod parallel;
 pub mod rng;
 pub mod state;
@@ -75,6 +75,17 @@ pub mod sync;
 pub mod synthetic;
 pub mod train;
 pub mod wire;
+
+/// Internals exposed for gradpack's own tests, benchmarks and fuzz targets, with no
+/// stability promise: they may change in any release. An embedder needs none of them
+/// (backends are [`Backend`] and [`BackendKind`] at the crate root).
+pub mod unstable {
+    /// The hot loops by operation, their scalar oracle (`scalar`, the specification every
+    /// backend must match bit for bit) and the backend dispatch.
+    pub mod kernels {
+        pub use crate::kernels::*;
+    }
+}
 
 pub use codec::{Checksummed, Codec, CodecId, CodecSpec, EncodeCtx, decode_limit};
 pub use codecs::{

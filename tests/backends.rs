@@ -6,8 +6,8 @@
 mod common;
 
 use common::*;
-use gradpack::kernels::{Backend, BackendKind};
 use gradpack::rng::{Draws, STREAM_ROUNDING};
+use gradpack::unstable::kernels::{Backend, BackendKind};
 use gradpack::{Codec, CodecSpec, EncodeCtx};
 use proptest::prelude::*;
 
@@ -384,7 +384,7 @@ type MagFilter = fn(&[f32], u32, &mut [u32]) -> (usize, usize);
 
 #[test]
 fn every_backend_finds_nonfinite_values_like_the_oracle() {
-    use gradpack::kernels::{any_nonfinite, scalar};
+    use gradpack::unstable::kernels::{any_nonfinite, scalar};
     let backends = simd_backends();
     let finite = [f32::MAX, -f32::MAX, 1e-45, -0.0, 3.5];
     for n in 0..80 {
@@ -407,7 +407,7 @@ fn every_backend_finds_nonfinite_values_like_the_oracle() {
 
 #[test]
 fn every_backend_filters_like_the_oracle() {
-    use gradpack::kernels::{filter_draw_lt, filter_mag_ge, scalar};
+    use gradpack::unstable::kernels::{filter_draw_lt, filter_mag_ge, scalar};
     let backends = simd_backends();
     let base = sample(5000 + 16, 21);
     let mut specials: Vec<f32> = SPECIALS.iter().copied().cycle().take(700).collect();
@@ -457,7 +457,7 @@ fn every_backend_filters_like_the_oracle() {
                 for t in [0u64, 1, 1 << 25, 1 << 31, u32::MAX as u64, 1 << 32] {
                     let n = 1000;
                     let want = filter_all(n, cap, |p, i| {
-                        gradpack::kernels::scalar::filter_draw_lt(
+                        gradpack::unstable::kernels::scalar::filter_draw_lt(
                             &draws,
                             first + p as u64,
                             t,
@@ -471,13 +471,16 @@ fn every_backend_filters_like_the_oracle() {
                         })
                     });
                     assert!(got == want, "filter_draw_lt on {b}: first {first} t {t:#x}");
-                    let count = b.run(|| gradpack::kernels::count_draw_lt(&draws, first, t, n));
+                    let count =
+                        b.run(|| gradpack::unstable::kernels::count_draw_lt(&draws, first, t, n));
                     assert_eq!(count, want.len(), "count_draw_lt on {b}: first {first}");
                     // Every tail length of the 16-lane steps, and past the lane counters'
                     // reduction at 2^16 steps.
                     for n in (0..40).chain([(1 << 20) + 37]) {
                         assert_eq!(
-                            b.run(|| gradpack::kernels::count_draw_lt(&draws, first, t, n)),
+                            b.run(|| gradpack::unstable::kernels::count_draw_lt(
+                                &draws, first, t, n
+                            )),
                             scalar::count_draw_lt(&draws, first, t, n),
                             "count_draw_lt on {b}: first {first} t {t:#x} n {n}"
                         );
@@ -494,7 +497,7 @@ fn every_backend_filters_like_the_oracle() {
 /// across a 2^16 and a 2^32 index boundary, and selections longer than the stored masks.
 #[test]
 fn draw_masks_and_checked_selection_match_the_oracle() {
-    use gradpack::kernels::{
+    use gradpack::unstable::kernels::{
         STORED_MASK_ELEMENTS, draw_masks, for_each_draw_lt_exactly, for_each_draw_lt_zeroing,
     };
     const SENTINEL: u64 = 0xA5A5_A5A5_A5A5_A5A5;
@@ -542,7 +545,7 @@ fn draw_masks_and_checked_selection_match_the_oracle() {
             for t in [0u64, 1 << 25, 1 << 31, 1 << 32] {
                 for n in (0..140).chain([1000, 70_001]) {
                     let want = filter_all(n, 1024, |p, i| {
-                        gradpack::kernels::scalar::filter_draw_lt(
+                        gradpack::unstable::kernels::scalar::filter_draw_lt(
                             &draws,
                             first + p as u64,
                             t,
@@ -574,7 +577,13 @@ fn draw_masks_and_checked_selection_match_the_oracle() {
         for (first, t) in [(3u64, 1u64 << 25), ((1 << 32) - 70_000, 1 << 28)] {
             let n = STORED_MASK_ELEMENTS + 4099;
             let want = filter_all(n, 1024, |p, i| {
-                gradpack::kernels::scalar::filter_draw_lt(&draws, first + p as u64, t, n - p, i)
+                gradpack::unstable::kernels::scalar::filter_draw_lt(
+                    &draws,
+                    first + p as u64,
+                    t,
+                    n - p,
+                    i,
+                )
             });
             let mut got = Vec::new();
             let ok = b.run(|| {

@@ -442,7 +442,7 @@ fn random_k_count_mismatch_is_an_error_on_every_backend() {
         ("no values", Vec::new(), h.seed),
         ("another seed", payload.to_vec(), h.seed ^ 1),
     ];
-    for b in gradpack::kernels::Backend::available() {
+    for b in gradpack::unstable::kernels::Backend::available() {
         b.run(|| {
             assert!(decode_all_ways(&good, n));
             for (what, p, seed) in &frames {

@@ -4,7 +4,7 @@
 //! The test profile builds with optimisation (Cargo.toml), so plain `cargo test` runs
 //! these in a few seconds per conversion on two cores; they are not ignored.
 
-use gradpack::kernels::{self, Backend, BackendKind, scalar};
+use gradpack::unstable::kernels::{self, Backend, BackendKind, scalar};
 
 /// Run `check(bits)` over all 2^32 patterns on every core, returning the first mismatch.
 fn all_patterns(check: impl Fn(u32) -> bool + Sync) -> Option<u32> {

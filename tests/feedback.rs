@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use gradpack::kernels::{Backend, residual_of, scalar};
+use gradpack::unstable::kernels::{Backend, residual_of, scalar};
 use gradpack::{
     Codec, CodecSpec, EncodeCtx, Error, ErrorFeedback, FeedbackOptions, Residual, ResidualPrecision,
 };
