@@ -2,7 +2,7 @@
 //!
 //! Three layers (docs/cost-model.md derives each formula):
 //!
-//! 1. The mission's bandwidth formulas for a ring all-reduce of a gradient of `g` bits over
+//! 1. The textbook bandwidth formulas for a ring all-reduce of a gradient of `g` bits over
 //!    links of `b` bit/s among `n` nodes: [`ring_ideal`], [`ring_quantised`],
 //!    [`ring_with_latency`].
 //! 2. The alpha-beta-gamma models of Thakur, Rabenseifner and Gropp (2005), "Optimization
@@ -623,7 +623,7 @@ mod tests {
         assert_eq!(pipelined_ring_time(&c, 1, lat, n, 4, bw), 0.0);
     }
 
-    /// The mission's worked example: 8 nodes, a gradient of 1024*1024*32 bits (4 MiB of
+    /// The worked example of docs/cost-model.md: 8 nodes, a gradient of 1024*1024*32 bits (4 MiB of
     /// fp32), 10 * 1024^3 bit/s links, 1 ms latency.
     #[test]
     fn worked_example() {
@@ -669,7 +669,7 @@ mod tests {
             m.binomial_tree_allreduce(5, n),
             2.0 * 3.0 * (1e-6 + 1e-3) + 3e-4
         ));
-        // The alpha-beta ring agrees with the mission's latency-free formula.
+        // The alpha-beta ring agrees with the latency-free formula.
         let ab = AlphaBetaGamma::new(10e9, 0.0, f64::INFINITY);
         assert!(close(ab.ring_allreduce(8, 4e6), ring_ideal(8, 32e6, 10e9)));
     }

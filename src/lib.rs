@@ -17,8 +17,8 @@
 //! | `sign:block=1024` | 1 + 32/block | no | 1-bit SGD / signSGD |
 //! | `ternary:block=1024` | 2 + 32/block | yes | TernGrad (Wen et al. 2017) |
 //! | `natural:block=1024` | 8 + 8/block | yes | natural compression (Horváth et al. 2019) |
-//! | `topk:ratio=0.01,values=f32\|fp16` | sparse | no | top-k with delta-coded indices |
-//! | `randk:ratio=0.01,values=f32\|fp16,scale=none\|unbiased` | sparse, values only | with `scale=unbiased` | random-k, hash-derived indices |
+//! | `topk:ratio=0.01\|k=N\|threshold=T,values=f32\|fp16\|bf16\|int8,select=exact\|approx,index=auto\|rice\|bitmap\|gaps` | sparse | no | top-k by magnitude, coded indices |
+//! | `randk:ratio=0.01,values=f32\|fp16\|bf16,scale=none\|unbiased,select=bernoulli\|strata` | sparse, values only | with `scale=unbiased` | random-k, hash-derived indices |
 //!
 //! ```
 //! use gradpack::{Codec, CodecSpec, EncodeCtx};
@@ -48,7 +48,7 @@
 //! data-parallel SGD through it to show what each codec does to training.
 //!
 //! ## Rules the crate keeps
-//! - Scalar kernels (`kernels::scalar`) are the specification; every other path must
+//! - Scalar kernels ([`unstable::kernels::scalar`]) are the specification; every other path must
 //!   match them to the bit.
 //! - Random draws are a hash of `(seed, global element index)` ([`rng`]), so results do
 //!   not depend on chunking or threads.

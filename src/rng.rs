@@ -1,6 +1,6 @@
 //! Counter-based randomness for stochastic rounding and random-k selection.
 //!
-//! Randomness is a function, not a state (DESIGN rule 5): the draw for element `i` of a
+//! Randomness is a function, not a state: the draw for element `i` of a
 //! tensor is a hash of `(seed, stream, i)` where `i` is the element's *global* index
 //! (`EncodeCtx::offset` plus its position in the slice). The same seed therefore gives the
 //! same frame whatever the chunking, thread count or SIMD width, and ranks that share a

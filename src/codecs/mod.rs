@@ -1,5 +1,5 @@
 //! One file per compression scheme. A codec file is mostly parameters and layout: the
-//! arithmetic lives in `crate::kernels` (DESIGN rule 10).
+//! arithmetic lives in the crate's kernels, shared by every codec.
 //!
 //! Every concrete codec implements the crate-private, sealed `Scheme` trait, and a blanket
 //! impl turns each into a [`Codec`]. That keeps header writing, validation order and

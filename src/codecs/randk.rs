@@ -461,7 +461,8 @@ impl RandK {
     /// element-wise sum, without computing a single index or hash draw.
     ///
     /// Frames from ranks that share a seed (and element count, offset, threshold, value type
-    /// and scale) keep the same elements (DESIGN rule 5), so their payloads line up value by
+    /// and scale) keep the same elements (the selection is a function of the seed and the
+    /// global index), so their payloads line up value by
     /// value: a reducing collective can add compressed frames and decode once. Each value of
     /// `acc` becomes the f32 sum of the two values, rounded to the value type (exact in f32
     /// arithmetic for `values=f32`; for fp16 and bf16 it is rounded to nearest even once per

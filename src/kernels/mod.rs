@@ -1,6 +1,6 @@
 //! The hot loops, by operation, and the backend that runs them.
 //!
-//! - `scalar` is the oracle and the fallback (DESIGN rule 1): plain code that defines
+//! - `scalar` is the oracle and the fallback: plain code that defines
 //!   every result.
 //! - `portable` holds branch-free versions of the same kernels, compiled once per SIMD
 //!   backend through pulp's `Arch::dispatch` (AVX2 = x86-64-v3, AVX-512 = x86-64-v4,
