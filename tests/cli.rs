@@ -432,7 +432,13 @@ fn train_json_plot_and_refusals() {
 
 /// A `.npy` header with any shape text and the given data bytes.
 fn npy_with_shape(shape: &str, data: &[u8]) -> Vec<u8> {
-    let mut h = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({shape}), }}");
+    npy_of("<f4", false, shape, data)
+}
+
+/// A version 1.0 `.npy` of any dtype and memory order, written independently of the tool.
+fn npy_of(descr: &str, fortran: bool, shape: &str, data: &[u8]) -> Vec<u8> {
+    let order = if fortran { "True" } else { "False" };
+    let mut h = format!("{{'descr': '{descr}', 'fortran_order': {order}, 'shape': ({shape}), }}");
     while (10 + h.len() + 1) % 64 != 0 {
         h.push(' ');
     }
@@ -460,9 +466,9 @@ fn npy_shapes_are_multiplied_in_checked_arithmetic() {
         (
             "65536, 65536, 65536, 65536",
             &[][..],
-            "more than 2^64 bytes",
+            "more than 2^64 elements",
         ),
-        ("3,", &[0u8; 8][..], "needs 12 data bytes, the file has 8"),
+        ("3,", &[0u8; 8][..], "needs 12 data bytes"),
     ] {
         let f = d.join("bad.npy");
         std::fs::write(&f, npy_with_shape(shape, data)).unwrap();
@@ -588,5 +594,89 @@ fn a_very_sparse_frame_decodes_when_asked_with_max_elements() {
     assert_clean_error(
         &gradpack(&["decode", "--max-elements", "1000", p(&frame), p(&out)]),
         "--max-elements",
+    );
+}
+
+/// Shapes come back with `--shape`, and every float dtype, byte order and memory order
+/// numpy writes is read as float32 in C order, with a note saying what was converted.
+#[test]
+fn npy_shapes_dtypes_and_orders_round_trip() {
+    let d = dir("npykinds");
+    // A 2 x 3 array, C order values 0..6 (scaled), as float32.
+    let c: Vec<f32> = (0..6).map(|i| i as f32 * 0.25 - 0.5).collect();
+    // Its Fortran-order storage: column by column.
+    let f: Vec<f32> = [0, 3, 1, 4, 2, 5].iter().map(|&i| c[i]).collect();
+    let le = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let be = |v: &[f32]| v.iter().flat_map(|x| x.to_be_bytes()).collect::<Vec<u8>>();
+    let f64le: Vec<u8> = c.iter().flat_map(|&x| (x as f64).to_le_bytes()).collect();
+    let f16le: Vec<u8> = c
+        .iter()
+        .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+        .collect();
+    for (name, file, note) in [
+        ("c", npy_of("<f4", false, "2, 3", &le(&c)), None),
+        (
+            "fortran",
+            npy_of("<f4", true, "2, 3", &le(&f)),
+            Some("Fortran order"),
+        ),
+        (
+            "big",
+            npy_of(">f4", false, "2, 3", &be(&c)),
+            Some("big-endian"),
+        ),
+        (
+            "f64",
+            npy_of("<f8", false, "2, 3", &f64le),
+            Some("<f8 converted to float32"),
+        ),
+        (
+            "f16",
+            npy_of("<f2", false, "2, 3", &f16le),
+            Some("<f2 converted to float32"),
+        ),
+    ] {
+        let input = d.join(format!("{name}.npy"));
+        std::fs::write(&input, file).unwrap();
+        let frame = d.join(format!("{name}.gpk"));
+        let o = gradpack(&["encode", "--codec", "identity", p(&input), p(&frame)]);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let err = stderr(&o);
+        assert!(err.contains("--shape \"2,3\""), "{name}: {err}");
+        match note {
+            Some(n) => assert!(err.contains(n), "{name}: no note {n:?} in {err}"),
+            None => assert!(!err.contains("note:"), "{name}: {err}"),
+        }
+        // Decoded with the shape, the .npy has it and the C-order values.
+        let out = d.join(format!("{name}.out.npy"));
+        let o = gradpack(&["decode", "--shape", "2,3", p(&frame), p(&out)]);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let bytes = std::fs::read(&out).unwrap();
+        let text = String::from_utf8_lossy(&bytes[10..74]);
+        assert!(text.contains("'shape': (2, 3)"), "{name}: {text}");
+        assert_eq!(&bytes[bytes.len() - 24..], &le(&c)[..], "{name}");
+    }
+    // A 0-d array, a shape that does not fit, and a dtype that is not a float.
+    let scalar = d.join("scalar.npy");
+    std::fs::write(&scalar, npy_of("<f4", false, "", &1.5f32.to_le_bytes())).unwrap();
+    let frame = d.join("scalar.gpk");
+    assert!(
+        gradpack(&["encode", "--codec", "fp16", p(&scalar), p(&frame)])
+            .status
+            .success()
+    );
+    let out = d.join("scalar.out.npy");
+    let o = gradpack(&["decode", "--shape", "", p(&frame), p(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&std::fs::read(&out).unwrap()).contains("'shape': ()"));
+    assert_clean_error(
+        &gradpack(&["decode", "--shape", "4,4", p(&frame), p(&out)]),
+        "--shape 4,4: 16 elements, the frame holds 1",
+    );
+    let ints = d.join("ints.npy");
+    std::fs::write(&ints, npy_of("<i4", false, "2,", &[0u8; 8])).unwrap();
+    assert_clean_error(
+        &gradpack(&["encode", "--codec", "fp16", p(&ints), p(&frame)]),
+        "astype(np.float32)",
     );
 }

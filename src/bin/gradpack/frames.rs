@@ -6,7 +6,7 @@ use std::path::Path;
 use gradpack::{Codec, CodecSpec, EncodeCtx};
 
 use crate::Res;
-use crate::io::{read_f32, read_frame, write_f32, write_output};
+use crate::io::{fmt_shape, parse_shape, read_f32, read_frame, write_f32, write_output};
 
 pub(crate) fn encode(
     codec: &str,
@@ -19,7 +19,7 @@ pub(crate) fn encode(
     let spec: CodecSpec = codec
         .parse()
         .map_err(|e| format!("--codec {codec:?}: {e}"))?;
-    let x = read_f32(input)?;
+    let (x, shape) = read_f32(input)?;
     let ctx = EncodeCtx::new(seed).with_offset(offset);
     let frame = if checksum {
         gradpack::Checksummed(spec).encode(&x, &ctx)
@@ -35,6 +35,15 @@ pub(crate) fn encode(
         frame.len(),
         frame.len() as f64 * 8.0 / x.len().max(1) as f64
     );
+    // Frames hold a flat list of values: say how to get the shape back.
+    if let Some(s) = shape.filter(|s| s.len() != 1) {
+        eprintln!(
+            "{}: the input's shape is ({}); `gradpack decode --shape {:?}` restores it",
+            output.display(),
+            s.iter().map(u64::to_string).collect::<Vec<_>>().join(", "),
+            fmt_shape(&s)
+        );
+    }
     Ok(())
 }
 
@@ -54,10 +63,16 @@ fn decode_limited(name: &str, frame: &[u8], max_elements: Option<u64>) -> Res<Ve
     })
 }
 
-pub(crate) fn decode(input: &str, output: &Path, max_elements: Option<u64>) -> Res<()> {
+pub(crate) fn decode(
+    input: &str,
+    output: &Path,
+    max_elements: Option<u64>,
+    shape: Option<&str>,
+) -> Res<()> {
+    let shape = shape.map(parse_shape).transpose()?;
     let frame = read_frame(input)?;
     let x = decode_limited(input, &frame, max_elements)?;
-    write_f32(output, &x)
+    write_f32(output, &x, shape.as_deref())
 }
 
 pub(crate) fn inspect(file: &str, max_elements: Option<u64>) -> Res<()> {

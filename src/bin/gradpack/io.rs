@@ -41,11 +41,18 @@ fn is_npy(p: &Path) -> bool {
     p.extension().is_some_and(|e| e.eq_ignore_ascii_case("npy"))
 }
 
-pub(crate) fn read_f32(path: &Path) -> Res<Vec<f32>> {
+/// An input array: a `.npy` file (by its magic, whatever its name; any float dtype,
+/// either byte order and memory order, converted to float32 in C order, with a note on
+/// stderr) or raw little-endian f32; and its shape, if the file has one.
+pub(crate) fn read_f32(path: &Path) -> Res<(Vec<f32>, Option<Vec<u64>>)> {
     let b = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
     // What the bytes are decides, not the name: a renamed .npy is still read as one.
     if is_npy(path) || b.starts_with(b"\x93NUMPY") {
-        return npy::read(&b).map_err(|e| format!("{}: {e}", path.display()));
+        let a = npy::read(&b).map_err(|e| format!("{}: {e}", path.display()))?;
+        if let Some(what) = &a.converted {
+            eprintln!("{}: note: {what}", path.display());
+        }
+        return Ok((a.values, Some(a.shape)));
     }
     if b.starts_with(b"PK\x03\x04") {
         return Err(format!(
@@ -67,15 +74,49 @@ pub(crate) fn read_f32(path: &Path) -> Res<Vec<f32>> {
             b.len()
         ));
     }
-    Ok(b.chunks_exact(4)
+    let x = b
+        .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
+        .collect();
+    Ok((x, None))
 }
 
-pub(crate) fn write_f32(path: &Path, x: &[f32]) -> Res<()> {
+/// Write `x` as `.npy` (by the name; with `shape`, whose product must be `x.len()`, or
+/// 1-D) or as raw little-endian f32.
+pub(crate) fn write_f32(path: &Path, x: &[f32], shape: Option<&[u64]>) -> Res<()> {
+    if let Some(s) = shape {
+        let count = s.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        if count != Some(x.len() as u64) {
+            return Err(format!(
+                "--shape {}: {} elements, the frame holds {}",
+                fmt_shape(s),
+                count.map_or("more than 2^64".into(), |c| c.to_string()),
+                x.len()
+            ));
+        }
+    }
     if is_npy(path) {
-        write_output(path, &npy::write(x))
+        write_output(path, &npy::write(x, shape))
     } else {
         write_output(path, bytemuck::cast_slice(x))
     }
+}
+
+/// A shape as `--shape` takes it: `256,300`; empty for a 0-d array.
+pub(crate) fn fmt_shape(s: &[u64]) -> String {
+    s.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// Parse `--shape`: comma-separated dimensions, empty for a 0-d array.
+pub(crate) fn parse_shape(s: &str) -> Res<Vec<u64>> {
+    if s.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    s.split(',')
+        .map(|d| {
+            d.trim()
+                .parse::<u64>()
+                .map_err(|_| format!("--shape {s:?}: dimensions are whole numbers, e.g. 256,300"))
+        })
+        .collect()
 }

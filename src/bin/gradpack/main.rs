@@ -81,6 +81,10 @@ enum Cmd {
         /// least 65536; a very sparse top-k or random-k frame can hold more).
         #[arg(long)]
         max_elements: Option<u64>,
+        /// The array's shape for a .npy output, e.g. 256,300 (`encode` prints it; "" for
+        /// a 0-d array); 1-D without it.
+        #[arg(long, allow_hyphen_values = true)]
+        shape: Option<String>,
     },
     /// Show a frame's header, whether it is valid, and statistics of its decoded values.
     Inspect {
@@ -126,7 +130,8 @@ fn main() {
             input,
             output,
             max_elements,
-        } => decode(&input, &output, max_elements),
+            shape,
+        } => decode(&input, &output, max_elements, shape.as_deref()),
         Cmd::Inspect { file, max_elements } => inspect(&file, max_elements),
         Cmd::Model(a) => model(a),
         Cmd::Train(a) => train(a),
