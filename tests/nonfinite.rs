@@ -114,3 +114,25 @@ fn check_policy(spec: &CodecSpec, x: &[f32], d: &[f32]) {
         _ => unreachable!(),
     }
 }
+
+/// random-k with `scale=none` sends a kept value's bits as they are (f32 values), a
+/// signalling NaN included (the spec says so; a multiply by 1 would quiet it).
+#[test]
+fn random_k_without_scaling_sends_bits_as_they_are() {
+    use gradpack::{Codec, CodecSpec, EncodeCtx};
+    let snan = f32::from_bits(0x7F80_0001);
+    let x = vec![snan; 64];
+    for spec in ["randk:ratio=1", "randk:ratio=1,select=strata"] {
+        let spec: CodecSpec = spec.parse().unwrap();
+        let frame = spec.encode(&x, &EncodeCtx::new(3)).unwrap();
+        let payload = &frame[gradpack::HEADER_LEN..];
+        assert_eq!(payload.len(), 4 * 64);
+        for v in payload.chunks_exact(4) {
+            assert_eq!(
+                u32::from_le_bytes(v.try_into().unwrap()),
+                0x7F80_0001,
+                "{spec}"
+            );
+        }
+    }
+}

@@ -415,13 +415,14 @@ impl RandK {
         let unbiased = self.scale == RandKScale::Unbiased;
         match self.select {
             RandKSelect::Bernoulli => {
-                let mul = if unbiased {
-                    (4_294_967_296.0 / t as f64) as f32
-                } else {
-                    1.0
-                };
                 let mut values = ValueWriter::new(self.values, vals, k);
-                for_each_kept(seed, offset, x.len(), t, |i| values.push(x[i] * mul));
+                if unbiased {
+                    let mul = (4_294_967_296.0 / t as f64) as f32;
+                    for_each_kept(seed, offset, x.len(), t, |i| values.push(x[i] * mul));
+                } else {
+                    // Sent as they are: no multiply by 1, which would quiet a signalling NaN.
+                    for_each_kept(seed, offset, x.len(), t, |i| values.push(x[i]));
+                }
                 values.finish();
                 kernels::any_nonfinite(x)
             }
