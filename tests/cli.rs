@@ -469,6 +469,12 @@ fn npy_shapes_are_multiplied_in_checked_arithmetic() {
             "more than 2^64 elements",
         ),
         ("3,", &[0u8; 8][..], "needs 12 data bytes"),
+        // No elements, but strides of 2^80: npyz would multiply them unchecked.
+        (
+            "0, 1099511627776, 1099511627776",
+            &[][..],
+            "more than 2^64 elements",
+        ),
     ] {
         let f = d.join("bad.npy");
         std::fs::write(&f, npy_with_shape(shape, data)).unwrap();

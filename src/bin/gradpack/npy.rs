@@ -32,6 +32,7 @@ pub fn read(b: &[u8]) -> Result<Array, String> {
     if start > b.len() as u64 {
         return Err(bad(&"truncated header"));
     }
+    check_shape_text(&b[if b[6] == 1 { 10 } else { 12 }..start as usize]).map_err(|e| bad(&e))?;
     let file = NpyFile::new(b).map_err(|e| bad(&e))?;
     let shape = file.shape().to_vec();
     let order = file.order();
@@ -92,6 +93,37 @@ pub fn read(b: &[u8]) -> Result<Array, String> {
         shape,
         converted: (!notes.is_empty()).then(|| notes.join(", ")),
     })
+}
+
+/// The shape in the header text, checked before `npyz` sees it: `npyz` multiplies the
+/// dimensions (for the element count and the strides) without checking for overflow,
+/// which panics in a build with overflow checks. The header must name one shape, of
+/// whole numbers, whose nonzero dimensions multiply to at most 2^64 - 1 (every product
+/// `npyz` forms is then exact).
+fn check_shape_text(header: &[u8]) -> Result<(), String> {
+    let text = std::str::from_utf8(header).map_err(|_| "the header is not text".to_string())?;
+    if text.matches("shape").count() != 1 {
+        return Err("the header must name exactly one shape".into());
+    }
+    let at = text.find("shape").unwrap_or(0);
+    let rest = &text[at..];
+    let dims = rest
+        .find('(')
+        .and_then(|o| rest[o + 1..].find(')').map(|c| &rest[o + 1..o + 1 + c]))
+        .ok_or("the shape is not a tuple")?;
+    let mut count = 1u64;
+    for d in dims.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let d: u64 = d
+            .trim_end_matches('L')
+            .parse()
+            .map_err(|_| format!("shape ({dims}): dimensions must be whole numbers"))?;
+        if d != 0 {
+            count = count
+                .checked_mul(d)
+                .ok_or_else(|| format!("shape ({dims}) has more than 2^64 elements"))?;
+        }
+    }
+    Ok(())
 }
 
 /// The C-order copy of `x`, stored in Fortran order with `shape`.
