@@ -337,7 +337,7 @@ impl CodecSpec {
     /// | qsgd | `sqrt(block) absmax / s`: below one step of a block L2 norm, plus `2^-22 absmax` |
     /// | sign | `2 absmax`: `x` and `±mean|x|` differ by at most `|x| + mean|x|` |
     /// | ternary, natural, top-k, random-k (`scale=none`) | `absmax` (a dropped element, or a power-of-two neighbour) |
-    /// | random-k (`scale=unbiased`) | `(1 + 2^-11) absmax / ratio` (`2^-8` with bf16 values); with `select=strata`, `ceil(2^32 / t)` in place of `1 / ratio` |
+    /// | random-k (`scale=unbiased`) | `(1 + 2^-11) absmax * s` (`2^-8` with bf16 values), `s` the largest scale ([`crate::RandK::max_scale`]: `2^32 / t`, about `1 / ratio`) |
     ///
     /// A relative slack of `2^-20` covers the f32 arithmetic of the scales. int8 and qsgd
     /// add `2^-22 absmax` for the f32 rounding of the step, of `x / step` and of the
@@ -347,7 +347,7 @@ impl CodecSpec {
     /// assumes no overflow: it is infinite when `absmax` exceeds the largest finite value
     /// of the codec's element type (65504 for fp16 and fp16-valued top-k / random-k, the
     /// bf16 maximum for bf16 and bf16-valued ones), and
-    /// for unbiased random-k when `absmax / ratio` does (the scaled value overflows to Inf).
+    /// for unbiased random-k when `absmax * s` does (the scaled value overflows to Inf).
     /// [`crate::collective::error_bound`] composes it over an all-reduce.
     pub fn error_bound(&self, absmax: f64) -> f64 {
         use crate::codecs::{RandKScale, Rounding, ValueType};
@@ -383,19 +383,16 @@ impl CodecSpec {
                 let (max, rel) = sparse(c.values(), f32::MAX as f64);
                 match c.scale() {
                     RandKScale::None => (1.0, 2f64.powi(-25), max),
-                    // x / ratio, then rounded: |x / ratio - x| plus half an ulp of the
-                    // value type. x / ratio overflows the value type (to Inf) past
-                    // max * ratio; the margin covers the f32 rounding of the scale 1 / ratio.
-                    // Strata scale by their length, at most ceil(2^32 / t).
+                    // x times the scale (at most `max_scale`: 2^32 / t, or the longest
+                    // stratum), then rounded: |x s - x| plus half an ulp of the value
+                    // type. x s overflows the value type (to Inf) past max / s; the
+                    // margin covers the f32 rounding of the scale.
                     RandKScale::Unbiased => {
-                        let inv = match c.select() {
-                            crate::codecs::RandKSelect::Bernoulli => 1.0 / c.ratio(),
-                            crate::codecs::RandKSelect::Strata => c.max_scale(),
-                        };
+                        let s = c.max_scale();
                         (
-                            (1.0 + rel) * inv,
+                            (1.0 + rel) * s,
                             2f64.powi(-25),
-                            max / inv * (1.0 - 2f64.powi(-20)),
+                            max / s * (1.0 - 2f64.powi(-20)),
                         )
                     }
                 }
@@ -409,9 +406,7 @@ impl CodecSpec {
             CodecSpec::Int8(_) | CodecSpec::Qsgd(_) => 2f64.powi(-22) * a,
             _ => 0.0,
         };
-        // 0 * Inf (random-k's factor 1 / ratio for a ratio near 0) is 0 here: nothing to
-        // scale, nothing lost.
-        let scaled = if a == 0.0 { 0.0 } else { factor * a };
+        let scaled = factor * a;
         (scaled + add + rounding) * (1.0 + 2f64.powi(-20))
     }
 

@@ -389,29 +389,26 @@ pub fn best_fp32(
     elements: f64,
     reduce_bytes_per_s: f64,
 ) -> (Strategy, f64) {
-    let (nodes, lat, b) = (cluster.nodes, cluster.latency_s, cluster.bandwidth_bit_s);
-    let ring = allreduce_cost(
-        Strategy::Fp32Ring,
-        identity,
-        nodes,
-        lat,
-        elements,
-        reduce_bytes_per_s,
-    );
-    let gather = allreduce_cost(
-        Strategy::CompressedAllGather,
-        identity,
-        nodes,
-        lat,
-        elements,
-        reduce_bytes_per_s,
-    );
-    if gather.time(b) < ring.time(b) {
-        (Strategy::CompressedAllGather, gather.time(b))
-    } else {
-        (Strategy::Fp32Ring, ring.time(b))
-    }
+    FP32.iter()
+        .map(|&s| {
+            let cost = allreduce_cost(
+                s,
+                identity,
+                cluster.nodes,
+                cluster.latency_s,
+                elements,
+                reduce_bytes_per_s,
+            );
+            (s, cost.time(cluster.bandwidth_bit_s))
+        })
+        .fold((Strategy::Fp32Ring, f64::INFINITY), |a, b| {
+            if b.1 < a.1 { b } else { a }
+        })
 }
+
+/// The fp32 all-reduces [`best_fp32`] chooses from (with `identity`'s profile), in the
+/// order it breaks ties: the ring, and an all-gather of fp32 frames.
+const FP32: [Strategy; 2] = [Strategy::Fp32Ring, Strategy::CompressedAllGather];
 
 /// Where compression pays: the link bandwidths (bit/s) at which codec `c`, with its best
 /// compressed strategy, all-reduces faster than the best fp32 all-reduce
@@ -434,13 +431,10 @@ pub fn winning_bandwidths(
     }
     let cost = |s, p| allreduce_cost(s, p, nodes, latency_s, elements, reduce_bytes_per_s);
     // Lines in u = 1 / b: time = fixed + 8 bytes u.
-    let codec: Vec<Cost> = COMPRESSED.iter().map(|&s| cost(s, c)).collect();
-    let fp32 = [
-        cost(Strategy::Fp32Ring, identity),
-        cost(Strategy::CompressedAllGather, identity),
-    ];
+    let codec = COMPRESSED.map(|s| cost(s, c));
+    let fp32 = FP32.map(|s| cost(s, identity));
+    let all = [codec[0], codec[1], fp32[0], fp32[1]];
     let mut cuts: Vec<f64> = Vec::new();
-    let all: Vec<&Cost> = codec.iter().chain(fp32.iter()).collect();
     for (i, a) in all.iter().enumerate() {
         for b in &all[i + 1..] {
             let u = (b.fixed - a.fixed) / (8.0 * (a.bytes - b.bytes));

@@ -61,21 +61,6 @@ pub(crate) fn worth(n: usize, weight: usize) -> bool {
     }
 }
 
-/// `rayon::join` with the `rayon` feature; otherwise `a` then `b`.
-pub(crate) fn join<RA: Send, RB: Send>(
-    a: impl FnOnce() -> RA + Send,
-    b: impl FnOnce() -> RB + Send,
-) -> (RA, RB) {
-    #[cfg(feature = "rayon")]
-    {
-        rayon::join(a, b)
-    }
-    #[cfg(not(feature = "rayon"))]
-    {
-        (a(), b())
-    }
-}
-
 /// A bundle of slices that cut at a range boundary: `split(at, pieces)` cuts after `at`
 /// elements, which are `pieces` whole ranges.
 pub(crate) trait Split: Sized + Send {

@@ -47,6 +47,7 @@ use crate::kernels::{
     self,
     scalar::{CANONICAL_NAN, put},
 };
+use crate::parallel::{self, Split};
 use crate::rng::{Draws, STREAM_SELECT, STREAM_STRATA};
 use crate::wire::{FLAG_NONFINITE, HEADER_LEN, Header};
 
@@ -213,54 +214,39 @@ fn for_each_kept(seed: u64, offset: u64, n: usize, t: u64, f: impl FnMut(usize))
 /// elements, or longer for tensors of more than `MAX_LEAVES` chunks.
 const MAX_LEAVES: usize = 1024;
 
-/// Runs `f(counts[i..i + 1], range, offset)` for each range of `leaf` elements of `x`,
-/// halves on rayon's pool.
-fn par_leaves(
-    counts: &mut [usize],
-    x: &[f32],
-    offset: u64,
-    leaf: usize,
-    f: &(impl Fn(&mut [usize], &[f32], u64) + Sync),
-) {
-    if counts.len() <= 1 {
-        if !counts.is_empty() {
-            f(counts, x, offset);
-        }
-        return;
-    }
-    let left = counts.len() / 2;
-    let (cl, cr) = counts.split_at_mut(left);
-    let (xl, xr) = x.split_at(left * leaf);
-    crate::parallel::join(
-        || par_leaves(cl, xl, offset, leaf, f),
-        || par_leaves(cr, xr, offset + (left * leaf) as u64, leaf, f),
-    );
+/// A parallel encode's ranges of `x` with their kept counts (one per range) and, once
+/// counted, the payload bytes they write (`counts[i]` values of `vb` bytes each).
+struct Ranges<'a> {
+    counts: &'a mut [usize],
+    x: &'a [f32],
+    vals: &'a mut [u8],
+    vb: usize,
 }
 
-/// Encodes each range of `leaf` elements of `x` into its part of `vals` (its
-/// `counts[i]` values of `vb` bytes), halves on rayon's pool; true if any range holds
-/// NaN or ±Inf.
-fn par_encode(
-    counts: &[usize],
-    x: &[f32],
-    vals: &mut [u8],
-    offset: u64,
-    leaf: usize,
-    vb: usize,
-    f: &(impl Fn(&[f32], u64, &mut [u8], usize) -> bool + Sync),
-) -> bool {
-    if counts.len() <= 1 {
-        return f(x, offset, vals, counts.first().copied().unwrap_or(0));
+impl Split for Ranges<'_> {
+    fn split(self, at: usize, pieces: usize) -> (Self, Self) {
+        let (c0, c1) = self.counts.split_at_mut(pieces);
+        let (x0, x1) = self.x.split_at(at);
+        // Before the counts are known `vals` is empty and splits at 0.
+        let (v0, v1) = self
+            .vals
+            .split_at_mut((c0.iter().sum::<usize>() * self.vb).min(self.vals.len()));
+        let vb = self.vb;
+        (
+            Ranges {
+                counts: c0,
+                x: x0,
+                vals: v0,
+                vb,
+            },
+            Ranges {
+                counts: c1,
+                x: x1,
+                vals: v1,
+                vb,
+            },
+        )
     }
-    let left = counts.len() / 2;
-    let (cl, cr) = counts.split_at(left);
-    let (xl, xr) = x.split_at(left * leaf);
-    let (vl, vr) = vals.split_at_mut(cl.iter().sum::<usize>() * vb);
-    let (a, b) = crate::parallel::join(
-        || par_encode(cl, xl, vl, offset, leaf, vb, f),
-        || par_encode(cr, xr, vr, offset + (left * leaf) as u64, leaf, vb, f),
-    );
-    a | b
 }
 
 /// Elements a strata encode scans (or a decode zeroes) ahead of the kept values: 64 KiB.
@@ -556,20 +542,33 @@ impl Scheme for RandK {
             RandKSelect::Bernoulli => 8,
             RandKSelect::Strata => 2,
         };
-        let (k, nonfinite) = if crate::parallel::worth(x.len(), weight) {
+        let (k, nonfinite) = if parallel::worth(x.len(), weight) {
             // Ranges of the tensor counted in parallel, then encoded in parallel, each
             // into its own part of the payload: the same bytes as one pass.
-            let leaf =
-                crate::parallel::CHUNK.max(x.len().div_ceil(MAX_LEAVES).next_multiple_of(64));
+            let leaf = parallel::CHUNK.max(x.len().div_ceil(MAX_LEAVES).next_multiple_of(64));
             let mut counts = [0usize; MAX_LEAVES];
             let counts = &mut counts[..x.len().div_ceil(leaf)];
-            par_leaves(counts, x, ctx.offset, leaf, &|c, x, off| {
-                c[0] = self.count(ctx.seed, off, x.len());
+            let (n, seed, offset) = (x.len(), ctx.seed, ctx.offset);
+            let unwritten = Ranges {
+                counts: &mut *counts,
+                x,
+                vals: &mut [],
+                vb,
+            };
+            parallel::for_ranges(unwritten, n, leaf, true, &|r, start| {
+                r.counts[0] = self.count(seed, offset + start as u64, r.x.len());
+                false
             });
             let k: usize = counts.iter().sum();
             let p = payload_buf(out, (k * vb) as u64)?;
-            let nonfinite = par_encode(counts, x, p, ctx.offset, leaf, vb, &|x, off, vals, k| {
-                self.encode_range(x, ctx.seed, off, vals, k)
+            let counted = Ranges {
+                counts,
+                x,
+                vals: p,
+                vb,
+            };
+            let nonfinite = parallel::for_ranges(counted, n, leaf, true, &|r, start| {
+                self.encode_range(r.x, seed, offset + start as u64, r.vals, r.counts[0])
             });
             (k, nonfinite)
         } else {
@@ -650,70 +649,12 @@ impl Scheme for RandK {
                 "seed, offset and threshold select {count} elements but the payload holds {k} values"
             ),
         };
-        let nonfinite = h.flags & FLAG_NONFINITE != 0;
-        if self.select == RandKSelect::Strata {
-            // The count needs two draws: check it before anything is written.
-            let strata = Strata::new(t);
-            let d = Draws::new(h.seed, STREAM_STRATA, strata.holding(h.offset));
-            let count = strata.count(&d, h.offset, out.len());
-            if count != k {
-                return Err(mismatch(count));
-            }
-            if nonfinite {
-                for o in out.iter_mut() {
-                    put::<M>(o, CANONICAL_NAN);
-                }
-                return Ok(());
-            }
-            let mut vals = [0f32; STRATA_BATCH];
-            let mut j = 0;
-            if M == kernels::mode::WRITE {
-                // Zeroed a piece ahead of the kept values, which land in cache.
-                let mut zeroed = 0;
-                strata.batches(&d, h.offset, out.len(), |idx, _| {
-                    let last = idx[idx.len() - 1];
-                    while last >= zeroed {
-                        let end = (zeroed + STRATA_PIECE).min(out.len());
-                        out[zeroed..end].fill(0.0);
-                        zeroed = end;
-                    }
-                    let v = &mut vals[..idx.len()];
-                    self.values.get_slice(p, k, j, v);
-                    for (&i, &v) in idx.iter().zip(v.iter()) {
-                        out[i] = v;
-                    }
-                    j += idx.len();
-                });
-                out[zeroed..].fill(0.0);
-            } else {
-                strata.batches(&d, h.offset, out.len(), |idx, _| {
-                    let v = &mut vals[..idx.len()];
-                    self.values.get_slice(p, k, j, v);
-                    for (&i, &v) in idx.iter().zip(v.iter()) {
-                        put::<M>(&mut out[i], v);
-                    }
-                    j += idx.len();
-                });
-            }
-            return Ok(());
-        }
-        let d = Draws::new(h.seed, STREAM_SELECT, h.offset);
-        // The selection must hold exactly `k` elements. Writing counts it in the same pass
-        // of hash draws and checks at the end (`decode_into` may leave `out` partly written
-        // on error). `decode_add` may not touch `out` on error, and a non-finite frame
-        // writes no values, so both count first; `for_each_draw_lt_exactly` keeps the
-        // keep masks of its counting pass for the adds. Residual mode decodes a frame this
-        // crate has just made from `out` (the error-feedback step): its count is right by
-        // construction.
-        if M == kernels::mode::ADD && !nonfinite {
-            let n = out.len();
-            let mut values = ValueReader::new(self.values, p, k);
-            let add = |i: usize| put::<M>(&mut out[i], values.next_value());
-            return kernels::for_each_draw_lt_exactly(&d, h.offset, t, n, k, add).map_err(mismatch);
-        }
-        if nonfinite {
+        if h.flags & FLAG_NONFINITE != 0 {
+            // Every element decodes to NaN, but the selection must still hold `k`
+            // elements. Residual mode decodes a frame this crate has just made from `out`
+            // (the error-feedback step): its count is right by construction.
             if M != kernels::mode::RESIDUAL {
-                let count = kernels::count_draw_lt(&d, h.offset, t, out.len());
+                let count = self.count(h.seed, h.offset, out.len());
                 if count != k {
                     return Err(mismatch(count));
                 }
@@ -722,6 +663,48 @@ impl Scheme for RandK {
                 put::<M>(o, CANONICAL_NAN);
             }
             return Ok(());
+        }
+        if self.select == RandKSelect::Strata {
+            // The count needs two draws: check it before anything is written.
+            let strata = Strata::new(t);
+            let d = Draws::new(h.seed, STREAM_STRATA, strata.holding(h.offset));
+            let count = strata.count(&d, h.offset, out.len());
+            if count != k {
+                return Err(mismatch(count));
+            }
+            let (mut vals, mut j, mut zeroed) = ([0f32; STRATA_BATCH], 0, 0);
+            strata.batches(&d, h.offset, out.len(), |idx, _| {
+                if M == kernels::mode::WRITE {
+                    // Zeroed a piece ahead of the kept values, which land in cache.
+                    while idx[idx.len() - 1] >= zeroed {
+                        let end = (zeroed + STRATA_PIECE).min(out.len());
+                        out[zeroed..end].fill(0.0);
+                        zeroed = end;
+                    }
+                }
+                let v = &mut vals[..idx.len()];
+                self.values.get_slice(p, k, j, v);
+                for (&i, &v) in idx.iter().zip(v.iter()) {
+                    put::<M>(&mut out[i], v);
+                }
+                j += idx.len();
+            });
+            if M == kernels::mode::WRITE {
+                out[zeroed..].fill(0.0);
+            }
+            return Ok(());
+        }
+        let d = Draws::new(h.seed, STREAM_SELECT, h.offset);
+        // The selection must hold exactly `k` elements. Writing counts it in the same pass
+        // of hash draws and checks at the end (`decode_into` may leave `out` partly written
+        // on error). `decode_add` may not touch `out` on error, so it counts first;
+        // `for_each_draw_lt_exactly` keeps the keep masks of its counting pass for the
+        // adds. Residual mode's count is right by construction (above).
+        if M == kernels::mode::ADD {
+            let n = out.len();
+            let mut values = ValueReader::new(self.values, p, k);
+            let add = |i: usize| put::<M>(&mut out[i], values.next_value());
+            return kernels::for_each_draw_lt_exactly(&d, h.offset, t, n, k, add).map_err(mismatch);
         }
         let mut values = ValueReader::new(self.values, p, k);
         let mut count = 0;

@@ -146,6 +146,11 @@ fn draw_panel(
                 .x_desc(axes.x_label.as_str())
                 .y_desc(axes.y_label.as_str())
                 .label_style(("sans-serif", 12))
+                // Within a decade the log axis needs more labels to show any but 1.
+                .y_labels(if hi / lo <= 10.0 { 10 } else { 6 })
+                .y_label_formatter(&|v| short(*v))
+                .x_label_formatter(&|v| short(*v))
+                .max_light_lines(3)
                 .draw()
                 .map_err(|x| e(&x))?;
             for s in &series {
@@ -176,6 +181,21 @@ fn draw_panel(
         );
     }
     draw_legend(&legend, &series, style).map_err(|x| e(&x))
+}
+
+/// An axis value with at most three significant digits and no trailing zeros (log axes
+/// otherwise print `0.7000000000000001`).
+fn short(v: f64) -> String {
+    let s = format!("{:.3}", v);
+    let s = if v.abs() >= 100.0 {
+        format!("{v:.0}")
+    } else {
+        s
+    };
+    match s.contains('.') {
+        true => s.trim_end_matches('0').trim_end_matches('.').to_string(),
+        false => s,
+    }
 }
 
 /// The legend beside a panel: a line sample (dashed where the series is) and the name.

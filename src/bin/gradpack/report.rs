@@ -113,14 +113,19 @@ struct Speeds {
     add: f64,
 }
 
+/// `spec`'s frame of `x` (seed 1) in a buffer that holds any frame of `x`, and its length.
+fn encoded(spec: &CodecSpec, x: &[f32]) -> Res<(Vec<u8>, usize)> {
+    let mut frame = vec![0u8; spec.max_encoded_len(x.len())];
+    let len = spec
+        .encode_into(x, &EncodeCtx::new(1), &mut frame)
+        .map_err(|e| format!("{spec}: {e}"))?;
+    Ok((frame, len))
+}
+
 /// Error figures of `spec` on `x` (speeds left at zero; [`time_round`] measures them).
 fn measure(spec: &CodecSpec, x: &[f32], ef_grads: &[Vec<f32>]) -> Res<Measured> {
     let n = x.len();
-    let ctx = EncodeCtx::new(1);
-    let mut frame = vec![0u8; spec.max_encoded_len(n)];
-    let len = spec
-        .encode_into(x, &ctx, &mut frame)
-        .map_err(|e| format!("{spec}: {e}"))?;
+    let (mut frame, len) = encoded(spec, x)?;
     let mut d = vec![0f32; n];
     gradpack::decode(&frame[..len], &mut d).map_err(|e| format!("{spec}: {e}"))?;
     let (num, den) = x.iter().zip(&d).fold((0f64, 0f64), |(a, b), (&u, &v)| {
@@ -141,28 +146,30 @@ fn measure(spec: &CodecSpec, x: &[f32], ef_grads: &[Vec<f32>]) -> Res<Measured> 
 /// One round of timing of `spec` on `x`: the median of each operation over `budget`
 /// seconds (at least 5 runs).
 fn time_round(spec: &CodecSpec, x: &[f32], budget: f64) -> Res<Speeds> {
-    let n = x.len();
     let ctx = EncodeCtx::new(1);
-    let mut frame = vec![0u8; spec.max_encoded_len(n)];
-    let len = spec
-        .encode_into(x, &ctx, &mut frame)
-        .map_err(|e| format!("{spec}: {e}"))?;
-    let mut d = vec![0f32; n];
-    let bytes = 4.0 * n as f64;
+    let (mut frame, len) = encoded(spec, x)?;
+    let mut d = vec![0f32; x.len()];
+    let bytes = 4.0 * x.len() as f64;
     let enc = median_secs(budget, || {
         spec.encode_into(x, &ctx, &mut frame).expect("encode");
     });
     let dec = median_secs(budget, || {
         gradpack::decode(&frame[..len], &mut d).expect("decode");
     });
-    let add = median_secs(budget, || {
-        gradpack::decode_add(&frame[..len], &mut d).expect("decode_add");
-    });
     Ok(Speeds {
         enc: bytes / enc,
         dec: bytes / dec,
-        add: bytes / add,
+        add: time_add(&frame[..len], &mut d, budget),
     })
+}
+
+/// `frame`'s decode_add into `acc`, in bytes of f32 per second (the median over `budget`
+/// seconds); for `identity`, the fp32 sum.
+fn time_add(frame: &[u8], acc: &mut [f32], budget: f64) -> f64 {
+    let secs = median_secs(budget, || {
+        gradpack::decode_add(frame, acc).expect("decode_add");
+    });
+    4.0 * acc.len() as f64 / secs
 }
 
 /// The median of `v` (not empty).
@@ -251,14 +258,9 @@ fn fmt_be(be: f64, (lo, hi): (f64, f64)) -> String {
     }
 }
 
+/// A bandwidth in Gbit/s.
 fn fmt_bw(b: f64) -> String {
-    if b.is_infinite() {
-        "always".into()
-    } else if b <= 0.0 {
-        "never".into()
-    } else {
-        format!("{:.1}", b / 1e9)
-    }
+    format!("{:.1}", b / 1e9)
 }
 
 pub(crate) fn report(a: ReportArgs) -> Res<()> {
@@ -295,6 +297,8 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
     // Timing rounds: identity (the fp32 reduction) and every codec, interleaved; each
     // codec's timing is paired with a timing of the fp32 reduction just before it, so
     // both see the machine in the same state, and each round gives a break-even.
+    let (sum_frame, sum_len) = encoded(&identity, &x)?;
+    let mut sum_acc = vec![0f32; n];
     let mut base_rounds = Vec::new();
     let mut row_rounds: Vec<Vec<(Speeds, f64)>> = vec![Vec::new(); specs.len()];
     for round in 0..ROUNDS {
@@ -302,7 +306,7 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
         base_rounds.push(backend.run(|| time_round(&identity, &x, budget))?);
         bar.inc(1);
         for (s, r) in specs.iter().zip(row_rounds.iter_mut()) {
-            let reduce = backend.run(|| time_round(&identity, &x, budget / 3.0))?.add;
+            let reduce = backend.run(|| time_add(&sum_frame[..sum_len], &mut sum_acc, budget));
             r.push((backend.run(|| time_round(s, &x, budget))?, reduce));
             bar.inc(1);
         }
@@ -332,7 +336,7 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
         /// Where the codec pays (bit/s intervals), from the median speeds.
         pays: Vec<(f64, f64)>,
         /// When it pays below a break-even and only there: that break-even, and the
-        /// lowest and highest of the timing rounds' break-evens.
+        /// lowest and highest of it and the timing rounds' break-evens.
         be: Option<(f64, (f64, f64))>,
     }
     let id = profile(&base);
@@ -360,9 +364,11 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
                     })
                     .collect();
                 let per_round = per_round?;
+                // The spread of the estimates: every round's, and the one from the median
+                // speeds (which need not lie between the rounds').
                 let range = per_round
                     .iter()
-                    .fold((f64::INFINITY, 0f64), |(lo, hi), &b| (lo.min(b), hi.max(b)));
+                    .fold((be, be), |(lo, hi), &b| (lo.min(b), hi.max(b)));
                 Some((be, range))
             });
             Row {
@@ -394,7 +400,7 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
                     // The link speed below which the codec pays, when it pays there and
                     // only there (null otherwise: see pays_at_gbit_s).
                     "break_even_gbit_s": r.be.map(|b| b.0 / 1e9),
-                    // The lowest and highest break-even of the timing rounds.
+                    // The lowest and highest of it and the timing rounds' break-evens.
                     "break_even_range_gbit_s": r.be.map(|b| [b.1.0 / 1e9, b.1.1 / 1e9]),
                     // Every interval of link speeds where it pays (null: no upper end).
                     "pays_at_gbit_s": r.pays.iter().map(|&(lo, hi)| {
@@ -494,7 +500,7 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
              (- where error feedback refuses a non-contractive codec);\n\
              break-even: the link speed (Gbit/s) below which the codec's all-reduce beats the fastest fp32 one, from\n\
              the median speeds of {ROUNDS} interleaved timing rounds, each timing the codec beside the fp32 sum (range:\n\
-             the rounds' lowest and highest); where latency dominates, where it pays (>X: above X; always; never);\n\
+             with each round's own); where latency dominates, where it pays (>X: above X; always; never);\n\
              time: the modelled all-reduce at {:.1} Gbit/s with the best strategy (ring or allgather).",
             net.bandwidth / 1e9
         );

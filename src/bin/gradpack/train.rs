@@ -254,17 +254,15 @@ pub(crate) fn train(a: TrainArgs) -> Res<()> {
             if let TrainRow::Done(r) = row {
                 let spec = r.codec.to_string();
                 let fam = plot::family(&spec);
-                let variant = match variants.iter().position(|v| *v == spec) {
-                    Some(v) => variants[..v]
-                        .iter()
-                        .filter(|w| plot::family(w) == fam)
-                        .count(),
-                    None => {
-                        let k = variants.iter().filter(|w| plot::family(w) == fam).count();
-                        variants.push(spec.clone());
-                        k
-                    }
-                };
+                if !variants.contains(&spec) {
+                    variants.push(spec.clone());
+                }
+                // Its place among its family's codecs picks its colour.
+                let variant = variants
+                    .iter()
+                    .filter(|w| plot::family(w) == fam)
+                    .position(|w| *w == spec)
+                    .unwrap_or(0);
                 let s = plot::Series {
                     name: format!("{spec}{}", if *ef { " + EF" } else { "" }),
                     pts: curve(&r.curve),
