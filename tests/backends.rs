@@ -347,6 +347,94 @@ fn every_backend_decodes_arbitrary_codes_like_scalar() {
     }
 }
 
+#[test]
+fn nan_steps_decode_to_their_quieted_bits_and_infinite_steps_are_refused() {
+    // A decoded NaN is the step's NaN with the quiet bit set by the multiplication (sign
+    // copies the step, so only its decode_add quiets it) and its sign flipped where the
+    // codec negates (every codec but int8), on every backend: the bits a crafted frame
+    // decodes to do not depend on the CPU. An infinite step would decode a zero code as
+    // 0 * Inf, whose NaN differs between x86 and Arm, so decoders refuse it.
+    let mut backends = simd_backends();
+    backends.push(Backend::scalar());
+    let x = sample(1000, 9);
+    let step_at = |frame: &mut [u8], bits: u32| {
+        frame[gradpack::HEADER_LEN + 4..gradpack::HEADER_LEN + 8]
+            .copy_from_slice(&bits.to_le_bytes())
+    };
+    for (s, negates) in [
+        ("int8:block=64", false),
+        ("int8:block=64,rounding=stochastic", false),
+        ("qsgd:bits=2,block=64", true),
+        ("qsgd:bits=4,block=64", true),
+        ("qsgd:bits=8,block=64", true),
+        ("ternary:block=64", true),
+        ("sign:block=64", true),
+        ("topk:ratio=0.5,values=int8", false),
+    ] {
+        let spec: CodecSpec = s.parse().unwrap();
+        let frame = encode_with(Backend::scalar(), &spec, &x, &EncodeCtx::new(3), 0);
+        let plain = decode_with::<false>(Backend::scalar(), &frame, x.len(), 0.0);
+        let mut unit = frame.clone();
+        step_at(&mut unit, 1.0f32.to_bits());
+        let signs = decode_with::<false>(Backend::scalar(), &unit, x.len(), 0.0);
+        for nan in [0x7FC0_0000u32, 0x7F80_0001, 0xFFA1_2345, 0x7FFF_FFFF] {
+            let mut crafted = frame.clone();
+            step_at(&mut crafted, nan);
+            let copied = if s.starts_with("sign") {
+                nan
+            } else {
+                nan | 0x0040_0000
+            };
+            let mut nans = 0;
+            for &b in &backends {
+                for fill in [0.0f32, 1.5] {
+                    let got = if fill == 0.0 {
+                        decode_with::<false>(b, &crafted, x.len(), fill)
+                    } else {
+                        decode_with::<true>(b, &crafted, x.len(), fill)
+                    };
+                    nans = 0;
+                    for (i, &g) in got.iter().enumerate() {
+                        let flip = if negates { signs[i] & 0x8000_0000 } else { 0 };
+                        let in_block = if s.starts_with("topk") {
+                            g & 0x7FFF_FFFF > 0x7F80_0000
+                        } else {
+                            (64..128).contains(&i)
+                        };
+                        if in_block {
+                            nans += 1;
+                            let want = if fill == 0.0 {
+                                copied
+                            } else {
+                                nan | 0x0040_0000
+                            };
+                            assert_eq!(g, want ^ flip, "{s} on {b}, step {nan:#x}: element {i}");
+                        } else if fill == 0.0 {
+                            assert_eq!(g, plain[i], "{s} on {b}: element {i} outside the block");
+                        }
+                    }
+                }
+            }
+            // top-k: its 500 kept values make 2 int8 blocks; the second holds 244.
+            assert_eq!(nans, if s.starts_with("topk") { 244 } else { 64 }, "{s}");
+        }
+        for inf in [f32::INFINITY, f32::NEG_INFINITY] {
+            let mut crafted = frame.clone();
+            step_at(&mut crafted, inf.to_bits());
+            for &b in &backends {
+                let mut out = vec![7.0f32; x.len()];
+                match b.run(|| gradpack::decode(&crafted, &mut out)) {
+                    Err(gradpack::Error::Corrupt { offset, .. }) => {
+                        assert_eq!(offset, gradpack::HEADER_LEN + 4, "{s}")
+                    }
+                    other => panic!("{s} on {b}: step {inf} gave {other:?}"),
+                }
+                assert!(out.iter().all(|&v| v == 7.0), "{s}: output written");
+            }
+        }
+    }
+}
+
 /// Run a compare-and-compress filter to the end of `n` elements with an index buffer of
 /// `cap` entries (pre-filled with a sentinel), checking each call's contract; returns the
 /// absolute indices kept.

@@ -79,3 +79,42 @@ fn every_vector_encodes_decodes_and_reencodes_identically() {
         }
     }
 }
+
+/// Frames no encoder writes, whose decoding the wire format still fixes bit for bit: the
+/// golden frames of the step codecs with their first steps overwritten by NaNs (signalling
+/// and quiet, both signs, with payloads). `NAME.nan_steps.gpk` decodes to
+/// `NAME.nan_steps.out.f32`; the spec decoder checks both, and that the same frame with
+/// an infinite step is refused.
+#[test]
+fn crafted_nan_steps_decode_to_the_stored_bits() {
+    const NANS: [u32; 4] = [0x7F80_0001, 0xFFA1_2345, 0x7FC0_0000, 0xFFFF_FFFF];
+    for stem in [
+        "int8_b64",
+        "qsgd4_b64",
+        "qsgd2_b64",
+        "sign_b64",
+        "ternary_b64",
+        "topk_r09_int8",
+    ] {
+        let (_, spec, seed, offset) = GOLDEN.iter().find(|g| g.0 == stem).unwrap();
+        let spec: CodecSpec = spec.parse().unwrap();
+        let x = golden_input();
+        let mut frame = spec
+            .encode(&x, &EncodeCtx::new(*seed).with_offset(*offset))
+            .unwrap();
+        // top-k int8 has 2 value blocks; the block codecs have 5 of 64 elements.
+        for (b, nan) in NANS
+            .iter()
+            .enumerate()
+            .take(if stem.starts_with("topk") { 2 } else { 4 })
+        {
+            let at = gradpack::HEADER_LEN + 4 * b;
+            frame[at..at + 4].copy_from_slice(&nan.to_le_bytes());
+        }
+        let decoded = decode(&frame, x.len());
+        let nans = decoded.iter().filter(|v| v.is_nan()).count();
+        assert!(nans >= 100, "{stem}: {nans} NaNs");
+        check_or_write(&format!("{stem}.nan_steps.gpk"), &frame);
+        check_or_write(&format!("{stem}.nan_steps.out.f32"), &f32_bytes(&decoded));
+    }
+}

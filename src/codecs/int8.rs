@@ -16,12 +16,15 @@
 use core::fmt;
 
 use super::fixed::{self, FixedRate, Layout, by_mode};
-use super::{EncodeCtx, MAX_BLOCK, Scheme, block_params, check_block, expect_payload, read_block};
+use super::{
+    EncodeCtx, MAX_BLOCK, Scheme, block_params, check_block, check_steps, expect_payload,
+    read_block,
+};
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::{Error, Result};
 use crate::kernels::{self, scalar::Round};
 use crate::rng::{Draws, STREAM_ROUNDING};
-use crate::wire::Header;
+use crate::wire::{HEADER_LEN, Header};
 
 /// How a scaled value is rounded to an integer level.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -177,6 +180,10 @@ impl FixedRate for Int8 {
         let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
         let (block, round) = (self.block as usize, self.rounding.kernel());
         kernels::encode_int8(x, block, round, &draws, ctx.offset, scales, codes)
+    }
+
+    fn validate(&self, h: &Header, scales: &[u8], _codes: &[u8]) -> Result<()> {
+        check_steps(h, scales, HEADER_LEN)
     }
 
     fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]) {

@@ -463,6 +463,26 @@ pub(crate) fn signmag_sections(
     )
 }
 
+/// Reject a step of ±Inf among the f32 `steps` that start at frame offset `at`. Encoders
+/// write a finite step or NaN; an infinite one would decode a zero code as `0 * Inf`,
+/// whose NaN bits differ between x86 and Arm.
+pub(crate) fn check_steps(h: &Header, steps: &[u8], at: usize) -> Result<()> {
+    let infinite =
+        |s: &[u8]| u32::from_le_bytes([s[0], s[1], s[2], s[3]]) & 0x7FFF_FFFF == 0x7F80_0000;
+    if !steps
+        .chunks_exact(4)
+        .fold(false, |any, s| any | infinite(s))
+    {
+        return Ok(());
+    }
+    let b = steps.chunks_exact(4).position(infinite).unwrap_or(0);
+    Err(Error::Corrupt {
+        codec: h.codec,
+        offset: at + 4 * b,
+        reason: format!("the step of block {b} is ±Inf (encoders write a finite step or NaN)"),
+    })
+}
+
 /// Check the padding bits of a block codec's code stream of `bits` per element.
 pub(crate) fn check_code_padding(h: &Header, scales: &[u8], codes: &[u8], bits: u64) -> Result<()> {
     if codes.is_empty() {

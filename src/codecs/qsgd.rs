@@ -16,13 +16,13 @@ use core::fmt;
 
 use super::fixed::{self, FixedRate, Layout, by_mode};
 use super::{
-    EncodeCtx, MAX_BLOCK, Scheme, block_params, check_block, check_code_padding, expect_payload,
-    read_block, signmag_sections,
+    EncodeCtx, MAX_BLOCK, Scheme, block_params, check_block, check_code_padding, check_steps,
+    expect_payload, read_block, signmag_sections,
 };
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::{Error, Result};
 use crate::kernels::scalar::Measure;
-use crate::wire::Header;
+use crate::wire::{HEADER_LEN, Header};
 
 /// QSGD with `bits` per element (2, 4 or 8) and a per-block L2-norm scale.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -167,6 +167,7 @@ impl FixedRate for Qsgd {
     }
 
     fn validate(&self, h: &Header, scales: &[u8], codes: &[u8]) -> Result<()> {
+        check_steps(h, scales, HEADER_LEN)?;
         check_code_padding(h, scales, codes, self.bits as u64)
     }
 

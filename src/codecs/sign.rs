@@ -12,12 +12,12 @@
 use super::fixed::{self, FixedRate, Layout, by_mode};
 use super::{
     EncodeCtx, MAX_BLOCK, Scheme, block_only_codec, block_params, check_block, check_code_padding,
-    expect_payload, read_block,
+    check_steps, expect_payload, read_block,
 };
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::Result;
 use crate::kernels;
-use crate::wire::Header;
+use crate::wire::{HEADER_LEN, Header};
 
 block_only_codec!(
     /// One sign bit per element with a per-block mean-|x| scale.
@@ -76,6 +76,7 @@ impl FixedRate for Sign {
     }
 
     fn validate(&self, h: &Header, scales: &[u8], codes: &[u8]) -> Result<()> {
+        check_steps(h, scales, HEADER_LEN)?;
         check_code_padding(h, scales, codes, 1)
     }
 

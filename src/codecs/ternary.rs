@@ -10,12 +10,12 @@
 use super::fixed::{self, FixedRate, Layout, by_mode};
 use super::{
     EncodeCtx, MAX_BLOCK, Scheme, block_only_codec, block_params, check_block, check_code_padding,
-    expect_payload, read_block, signmag_sections,
+    check_steps, expect_payload, read_block, signmag_sections,
 };
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::Result;
 use crate::kernels::scalar::Measure;
-use crate::wire::Header;
+use crate::wire::{HEADER_LEN, Header};
 
 block_only_codec!(
     /// TernGrad with a per-block absmax scale.
@@ -73,6 +73,7 @@ impl FixedRate for Ternary {
     }
 
     fn validate(&self, h: &Header, scales: &[u8], codes: &[u8]) -> Result<()> {
+        check_steps(h, scales, HEADER_LEN)?;
         check_code_padding(h, scales, codes, 2)
     }
 

@@ -55,8 +55,8 @@ mod select;
 
 use core::fmt;
 
-use super::values::{ValueReader, ValueType, ValueWriter};
-use super::{EncodeCtx, Encoded, Scheme, expect_payload, sparse_prepare};
+use super::values::{INT8_VALUE_BLOCK, ValueReader, ValueType, ValueWriter};
+use super::{EncodeCtx, Encoded, Scheme, check_steps, expect_payload, sparse_prepare};
 use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::{Error, Result};
 use crate::kernels::{
@@ -557,6 +557,10 @@ impl Scheme for TopK {
                     ));
                 }
             }
+        }
+        if self.values == ValueType::Int8 {
+            let steps = 4 * k.div_ceil(INT8_VALUE_BLOCK);
+            check_steps(h, &vals[..steps], HEADER_LEN)?;
         }
         sparse_prepare::<M>(h, out);
         let mut values = ValueReader::new(self.values, vals, k);
