@@ -210,9 +210,10 @@ fn every_backend_matches_scalar_across_scales() {
 #[test]
 fn stochastic_encoders_match_scalar_at_every_draw_alignment() {
     // The AVX2 stochastic encoders draw 32 at a time in aligned groups of 64 when a block
-    // starts at a multiple of 32, from a table that changes every 2^16 indices, and one
-    // draw per index otherwise. Offsets on and off those multiples, steps in either half
-    // of a group, ranges across a 2^16 boundary and across a 2^32 key window.
+    // starts at a multiple of 32 (AVX-512's sign-magnitude encoder: 64 at a time, at a
+    // multiple of 64), from a table that changes every 2^16 indices, and one draw per
+    // index otherwise. Offsets on and off those multiples, steps in either half of a
+    // group, ranges across a 2^16 boundary and across a 2^32 key window.
     let backends = simd_backends();
     let x = sample(3000, 21);
     let specs = [
@@ -220,7 +221,9 @@ fn stochastic_encoders_match_scalar_at_every_draw_alignment() {
         "qsgd:bits=2,block=160",
         "qsgd:bits=4,block=64",
         "qsgd:bits=8,block=1000",
+        "qsgd:bits=2,block=512",
         "ternary:block=96",
+        "ternary:block=1024",
         "natural:block=96",
         "natural:block=1024",
     ];
@@ -233,7 +236,9 @@ fn stochastic_encoders_match_scalar_at_every_draw_alignment() {
             77,
             (1 << 16) - 96,
             (1 << 16) - 32,
+            (1 << 16) - 128,
             (5 << 16) + 32,
+            (7 << 16) - 1024,
             (1 << 32) - 1024,
             (1 << 32) - 32,
             (3 << 32) + 32,

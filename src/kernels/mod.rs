@@ -425,27 +425,27 @@ pub fn encode_signmag(
         return scalar::encode_signmag(x, block, bits, measure, draws, first, steps, codes);
     }
     #[cfg(target_arch = "x86_64")]
-    if x86_route(Op::EncodeSignmag, b.kind()) == X86::Avx2
-        && block.is_multiple_of((8 / bits) as usize)
-    {
-        macro_rules! avx2 {
-            ($bits:literal) => {
+    if block.is_multiple_of((8 / bits) as usize) {
+        macro_rules! x86 {
+            ($kernel:ident, $bits:literal) => {
                 // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which
-                // exist only after AVX2 and FMA (pulp's V3) were detected; blocks start on
-                // byte boundaries (checked above).
-                unsafe {
-                    x86_64::blocks::encode_signmag_avx2::<$bits>(
-                        x, block, measure, draws, first, steps, codes,
-                    )
-                }
+                // exist only after AVX2 and FMA (pulp's V3) were detected, and Avx512 only
+                // to the AVX-512 backend (pulp's V4 as well); blocks start on byte
+                // boundaries (checked above).
+                unsafe { $kernel::<$bits>(x, block, measure, draws, first, steps, codes) }
             };
         }
-        return match bits {
-            2 => avx2!(2),
-            4 => avx2!(4),
-            8 => avx2!(8),
-            _ => unreachable!("sign-magnitude codes are 2, 4 or 8 bits"),
-        };
+        use x86_64::blocks::encode_signmag_avx2 as avx2;
+        use x86_64::blocks512::encode_signmag_avx512 as avx512;
+        match (x86_route(Op::EncodeSignmag, b.kind()), bits) {
+            (X86::Avx2, 2) => return x86!(avx2, 2),
+            (X86::Avx2, 4) => return x86!(avx2, 4),
+            (X86::Avx2, 8) => return x86!(avx2, 8),
+            (X86::Avx512, 2) => return x86!(avx512, 2),
+            (X86::Avx512, 4) => return x86!(avx512, 4),
+            (X86::Avx512, 8) => return x86!(avx512, 8),
+            _ => {}
+        }
     }
     macro_rules! go {
         ($bits:literal) => {

@@ -21,10 +21,10 @@ use core::arch::x86_64::*;
 use crate::kernels::scalar::{self, INF_BITS, Round, mode};
 use crate::rng::{Draws, LOWBIAS32_MUL};
 
-const ABS: i32 = 0x7FFF_FFFF;
+pub(super) const ABS: i32 = 0x7FFF_FFFF;
 /// The multipliers of `rng::lowbias32`.
-const C1: u32 = LOWBIAS32_MUL[0];
-const C2: u32 = LOWBIAS32_MUL[1];
+pub(super) const C1: u32 = LOWBIAS32_MUL[0];
+pub(super) const C2: u32 = LOWBIAS32_MUL[1];
 const SIGN: i32 = i32::MIN;
 
 /// `rng::lowbias32` on 8 lanes.
@@ -165,7 +165,7 @@ fn relative_masks(first: u32, key: u32, t: u32) -> impl FnMut(usize) -> u64 {
 /// step in one half of an aligned group of 64, and takes the [`GroupDraws`] form: one
 /// vector multiply per 8 draws instead of two. One value serves a whole encode call, so
 /// that the group table is made once per key and 2^16 indices, not once per block.
-struct StepDraws<'a> {
+pub(super) struct StepDraws<'a> {
     draws: &'a Draws,
     key: __m256i,
     grouped: bool,
@@ -175,7 +175,7 @@ struct StepDraws<'a> {
 impl<'a> StepDraws<'a> {
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn new(draws: &'a Draws) -> StepDraws<'a> {
+    pub(super) fn new(draws: &'a Draws) -> StepDraws<'a> {
         StepDraws {
             draws,
             key: _mm256_setzero_si256(),
@@ -456,7 +456,7 @@ fn signmag_bytes(signed: __m256i, sign_bit8: __m256i) -> __m256i {
 /// dependency chains, and an add's latency is shorter (3 cycles against 4 on Zen 3).
 #[target_feature(enable = "avx2")]
 #[inline]
-fn l2_squares(x: &[f32]) -> f64 {
+pub(super) fn l2_squares(x: &[f32]) -> f64 {
     let mut acc = [_mm256_setzero_pd(); 4];
     let chunks = x.chunks_exact(16);
     let rest = chunks.remainder();
@@ -520,7 +520,7 @@ pub unsafe fn encode_signmag_avx2<const BITS: u32>(
 /// Sign-magnitude codes of one finite block (inside one index window) with scale `m`.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn signmag_block<const BITS: u32>(
+pub(super) fn signmag_block<const BITS: u32>(
     xb: &[f32],
     cb: &mut [u8],
     m: f32,

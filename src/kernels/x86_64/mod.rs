@@ -11,6 +11,7 @@
 use core::arch::x86_64::*;
 
 pub mod blocks;
+pub mod blocks512;
 
 use super::portable::{SignLanes, compress_masks};
 use super::scalar::{self, mode};

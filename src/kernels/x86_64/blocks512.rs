@@ -1,0 +1,247 @@
+//! AVX-512 kernels of the block codecs: qsgd and ternary's stochastic sign-magnitude
+//! encode on 16 lanes, 64 elements per step, with the counter hash drawn in aligned
+//! groups of 64 where a block starts at a multiple of 64.
+//!
+//! They follow the AVX2 kernels of `blocks` operation for operation, twice as wide. A block's tail shorter than 64 elements goes to the AVX2 kernel. Every
+//! function equals its scalar oracle to the bit (tests/backends.rs).
+//!
+//! Callers hold a [`crate::kernels::Backend`] of kind `Avx512`, which exists only after
+//! AVX-512 F/BW/CD/DQ/VL and AVX2 were detected; that check is what makes calling these
+//! `#[target_feature]` functions sound.
+
+use core::arch::x86_64::*;
+
+use super::blocks::{self, ABS, C1, C2, StepDraws};
+use crate::kernels::scalar;
+use crate::rng::Draws;
+
+/// `rng::lowbias32` on 16 lanes.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn lowbias32x16(x: __m512i) -> __m512i {
+    let x = _mm512_xor_si512(x, _mm512_srli_epi32::<16>(x));
+    lowbias32_rest(_mm512_mullo_epi32(x, _mm512_set1_epi32(C1 as i32)))
+}
+
+/// `rng::lowbias32` on 16 lanes from its first product on.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn lowbias32_rest(x: __m512i) -> __m512i {
+    let x = _mm512_xor_si512(x, _mm512_srli_epi32::<15>(x));
+    let x = _mm512_mullo_epi32(x, _mm512_set1_epi32(C2 as i32));
+    _mm512_xor_si512(x, _mm512_srli_epi32::<16>(x))
+}
+
+/// The draws `lowbias32(i ^ key)` of a block's steps of 64 elements, 16 per vector (`i`
+/// the global index mod 2^32, inside one key's window). A block that starts at a multiple
+/// of 64 has every step on an aligned group of 64 and needs one vector multiply per 16
+/// draws instead of two: with `B = base ^ key` and `Y = B ^ (B >> 16)`, the first product
+/// of the hash of `base + j` is `(Y & !63) * C1 + ((Y & 63) ^ j) * C1` (mod 2^32), a
+/// scalar term per step plus a table that changes once per 2^16 indices (the AVX2
+/// kernels' `GroupDraws`, on 16 lanes).
+struct Draws16<'a> {
+    draws: &'a Draws,
+    key: u32,
+    grouped: bool,
+    /// `B >> 16` the table is for (`u32::MAX`: none yet).
+    hi: u32,
+    /// Lane `l` of `k[q]` is `((Y & 63) ^ (16 q + l)) * C1`.
+    k: [__m512i; 4],
+}
+
+impl<'a> Draws16<'a> {
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn new(draws: &'a Draws) -> Draws16<'a> {
+        Draws16 {
+            draws,
+            key: 0,
+            grouped: false,
+            hi: u32::MAX,
+            k: [_mm512_setzero_si512(); 4],
+        }
+    }
+
+    /// Ready for the block from global index `start` (inside one key's window).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn begin(&mut self, start: u64) {
+        let key = self.draws.key_for(start);
+        if key != self.key {
+            self.key = key;
+            self.hi = u32::MAX;
+        }
+        self.grouped = start.is_multiple_of(64);
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[cold]
+    #[inline(never)]
+    fn refresh(&mut self, hi: u32) {
+        self.hi = hi;
+        let c = _mm512_set1_epi32(((self.key ^ hi) & 63) as i32);
+        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (q, k) in (0i32..).zip(&mut self.k) {
+            let j = _mm512_add_epi32(lanes, _mm512_set1_epi32(16 * q));
+            *k = _mm512_mullo_epi32(_mm512_xor_si512(j, c), _mm512_set1_epi32(C1 as i32));
+        }
+    }
+
+    /// The draws of the 64 indices from `at` (mod 2^32), 16 per vector.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn step(&mut self, at: u32) -> [__m512i; 4] {
+        if self.grouped {
+            let b = at ^ self.key;
+            if b >> 16 != self.hi {
+                self.refresh(b >> 16);
+            }
+            let y = b ^ (b >> 16);
+            let a = _mm512_set1_epi32((y & !63).wrapping_mul(C1) as i32);
+            let h = |q: usize| lowbias32_rest(_mm512_add_epi32(a, self.k[q]));
+            return [h(0), h(1), h(2), h(3)];
+        }
+        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let i0 = _mm512_add_epi32(_mm512_set1_epi32(at as i32), lanes);
+        let key = _mm512_set1_epi32(self.key as i32);
+        let h = |o: i32| {
+            let i = _mm512_add_epi32(i0, _mm512_set1_epi32(o));
+            lowbias32x16(_mm512_xor_si512(i, key))
+        };
+        [h(0), h(16), h(32), h(48)]
+    }
+}
+
+/// The 64 codes (each in `0..=255`) of four vectors of 16 (elements 0..16 in `q[0]`, ...)
+/// as 64 bytes in element order. The packs work within 128-bit lanes, leaving lane `k`
+/// with elements `4k..4k+4` of each vector in turn; one permute of dwords restores the
+/// order. (Four `vpmovdb` down-conversions cost twice as much here.)
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn pack_bytes(q: [__m512i; 4]) -> __m512i {
+    let ab = _mm512_packs_epi32(q[0], q[1]);
+    let cd = _mm512_packs_epi32(q[2], q[3]);
+    let p = _mm512_packus_epi16(ab, cd);
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_permutexvar_epi32(order, p)
+}
+
+/// Sign-magnitude encode of `BITS` (2, 4 or 8) bits with AVX-512 (the contract of
+/// `scalar::encode_signmag`, every code byte written). Blocks must start on byte
+/// boundaries: `block % (8 / BITS) == 0`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/DQ and AVX2 with FMA (as every CPU the Avx512
+/// backend accepts does).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,fma")]
+pub unsafe fn encode_signmag_avx512<const BITS: u32>(
+    x: &[f32],
+    block: usize,
+    measure: scalar::Measure,
+    draws: &Draws,
+    first: u64,
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    let mut d16 = Draws16::new(draws);
+    let mut d8 = StepDraws::new(draws);
+    scalar::encode_signmag_blocks::<BITS>(
+        x,
+        block,
+        measure,
+        draws,
+        first,
+        steps,
+        codes,
+        #[inline(always)]
+        |xb| blocks::l2_squares(xb),
+        #[inline(always)]
+        |xb, cb, m, start| signmag_block::<BITS>(xb, cb, m, &mut d16, &mut d8, start),
+    )
+}
+
+/// Sign-magnitude codes of one finite block (inside one index window) with scale `m`:
+/// whole 64-element steps here, the rest by the AVX2 kernel.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,fma")]
+#[inline]
+fn signmag_block<const BITS: u32>(
+    xb: &[f32],
+    cb: &mut [u8],
+    m: f32,
+    d16: &mut Draws16,
+    d8: &mut StepDraws,
+    start: u64,
+) {
+    let levels = (1u32 << (BITS - 1)) - 1;
+    let (pre, inv) = scalar::level_multiplier(m, levels as f32);
+    if pre != 1.0 || xb.len() < 64 {
+        // A scale below 2^-100 (the oracle scales by 2^64 first) or a short block.
+        return blocks::signmag_block::<BITS>(xb, cb, m, d8, start);
+    }
+    let inv = _mm512_set1_ps(inv);
+    let top = _mm512_set1_epi32(levels as i32);
+    let sign_bit = _mm512_set1_epi32(1 << (BITS - 1));
+    let one = _mm512_set1_epi32(1);
+    // The oracle's `scalar::level`, operation for operation: `a = |x| * inv`,
+    // `fl = floor(a)`, up when `u < a - fl` with `u = (h >> 8) * 2^-24`, clamped to
+    // `top`; then the sign bit where `x`'s is set and the level is not zero.
+    let code16 = |v: __m512, h: __m512i| {
+        let a = _mm512_mul_ps(
+            _mm512_castsi512_ps(_mm512_and_si512(
+                _mm512_castps_si512(v),
+                _mm512_set1_epi32(ABS),
+            )),
+            inv,
+        );
+        let u = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_srli_epi32::<8>(h)),
+            _mm512_set1_ps(1.0 / 16_777_216.0),
+        );
+        // a - floor(a) in one instruction (exact, as the oracle's subtraction), and the
+        // floor itself by truncation (a >= 0).
+        let frac = _mm512_reduce_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(a);
+        let up = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(u, frac);
+        let l = _mm512_cvttps_epi32(a);
+        let l = _mm512_min_epi32(_mm512_mask_add_epi32(l, up, l, one), top);
+        let neg = _mm512_movepi32_mask(_mm512_castps_si512(v)) & _mm512_test_epi32_mask(l, l);
+        _mm512_mask_or_epi32(l, neg, l, sign_bit)
+    };
+    d16.begin(start);
+    let chunks = xb.chunks_exact(64);
+    let done = xb.len() - chunks.remainder().len();
+    for (s, c) in chunks.enumerate() {
+        // SAFETY: `c` holds 64 f32, four unaligned __m512.
+        let v = unsafe { [0, 16, 32, 48].map(|o| _mm512_loadu_ps(c.as_ptr().add(o))) };
+        let h = d16.step((start as u32).wrapping_add(64 * s as u32));
+        let q = [
+            code16(v[0], h[0]),
+            code16(v[1], h[1]),
+            code16(v[2], h[2]),
+            code16(v[3], h[3]),
+        ];
+        let o = &mut cb[s * 8 * BITS as usize..(s + 1) * 8 * BITS as usize];
+        let bytes = pack_bytes(q);
+        match BITS {
+            // SAFETY: `o` holds 64 bytes, one unaligned __m512i.
+            8 => unsafe { _mm512_storeu_si512(o.as_mut_ptr().cast(), bytes) },
+            4 => {
+                // Pairs of 4-bit codes, low nibble first: c0 + 16 c1.
+                let pairs = _mm512_maddubs_epi16(bytes, _mm512_set1_epi16(0x1001));
+                // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
+                unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm512_cvtepi16_epi8(pairs)) };
+            }
+            _ => {
+                // Quads of 2-bit codes: (c0 + 4 c1) + 16 (c2 + 4 c3).
+                let pairs = _mm512_maddubs_epi16(bytes, _mm512_set1_epi16(0x0401));
+                let quads = _mm512_madd_epi16(pairs, _mm512_set1_epi32(0x0010_0001));
+                // SAFETY: `o` holds 16 bytes, one unaligned __m128i.
+                unsafe { _mm_storeu_si128(o.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(quads)) };
+            }
+        }
+    }
+    if done < xb.len() {
+        let rest = &mut cb[done * BITS as usize / 8..];
+        blocks::signmag_block::<BITS>(&xb[done..], rest, m, d8, start + done as u64);
+    }
+}
