@@ -141,11 +141,15 @@ pub trait Codec: Send + Sync + fmt::Debug {
     /// The spec describing this codec and its parameters.
     fn spec(&self) -> CodecSpec;
 
-    /// An upper bound on the frame length for `n` elements; a buffer this long always
-    /// suffices for `encode_into`.
+    /// The buffer length that always suffices for `encode_into` of `n` elements: an upper
+    /// bound on the frame length, plus, for `topk` with a ratio or count, working room
+    /// for its one-pass selection (8 bytes per candidate, about `2k`; without the room,
+    /// a buffer that fits the frame gives the same frame by a slower, multi-pass route).
     fn max_encoded_len(&self, n: usize) -> usize;
 
-    /// Encode `x` into `out`, returning the frame length. Allocates nothing.
+    /// Encode `x` into `out`, returning the frame length. Allocates nothing. Bytes of `out`
+    /// past the frame are left as they were, except that `topk` uses those past its
+    /// largest possible frame as working room.
     ///
     /// Errors if `out` is shorter than the frame needs, or if `ctx.offset + x.len()`
     /// overflows, or a codec-specific limit is exceeded (documented per codec).

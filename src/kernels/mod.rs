@@ -196,6 +196,14 @@ pub fn feedback_f16(r: &mut [f32], g: &[f32], beta: f32, gamma: f32, out: &mut [
     }
 }
 
+/// The longest run of 4-aligned words inside `bytes`: working room carved out of a
+/// caller's byte buffer (top-k's one-pass selection keeps its candidates there).
+pub fn words_mut(bytes: &mut [u8]) -> &mut [u32] {
+    // SAFETY: every bit pattern is a valid u32, and `align_to_mut` only returns a middle
+    // slice that is aligned and lies inside `bytes`.
+    unsafe { bytes.align_to_mut::<u32>() }.1
+}
+
 /// True if any element of `x` is NaN or ±Inf (one read pass, vectorised on every SIMD
 /// backend; see [`scalar::any_nonfinite`]).
 pub fn any_nonfinite(x: &[f32]) -> bool {

@@ -66,7 +66,7 @@ use crate::kernels::{
 use crate::wire::{self, HEADER_LEN, Header};
 pub use index::IndexCoding;
 use index::{IndexSink, Scan, bit_width, rice_bits};
-use select::{Cut, approx_limit, for_each_kept};
+use select::{Candidates, Cut, approx_limit, candidate_room, for_each_kept, for_each_kept_of};
 
 /// Largest element count of a top-k frame.
 pub const TOPK_MAX_ELEMENTS: u64 = 1 << 32;
@@ -267,6 +267,17 @@ impl TopK {
 }
 
 impl TopK {
+    /// The largest payload a frame of `n` elements can have.
+    fn frame_payload(&self, n: u64) -> u64 {
+        if n > TOPK_MAX_ELEMENTS {
+            return u64::MAX;
+        }
+        // Every coding's bound grows with k, and `auto` takes the smaller bound.
+        let k = self.max_kept(n);
+        let ibytes = self.index_for(n, k).max_bytes(n, k);
+        self.values.section_len(k).saturating_add(ibytes)
+    }
+
     /// Encode the elements `cut` keeps (`count` of them, if known) in one
     /// compare-and-compress pass over `x` that writes values and indices; a counting pass
     /// comes first when the count is unknown (threshold), the coding needs the largest
@@ -276,6 +287,7 @@ impl TopK {
         x: &[f32],
         cut: Cut,
         count: Option<usize>,
+        candidates: Option<(&[u32], &[u32])>,
         out: &mut [u8],
         mut params: [u8; 12],
     ) -> Result<Encoded> {
@@ -312,11 +324,15 @@ impl TopK {
         };
         let mut values = ValueWriter::new(self.values, vals, k as usize);
         let mut next = 0usize;
-        for_each_kept(x, cut.t, cut.need_eq, |i| {
-            values.push(x[i]);
+        let mut keep = |i: usize, v: f32| {
+            values.push(v);
             sink.push(i, next);
             next = i + 1;
-        });
+        };
+        match candidates {
+            Some(c) => for_each_kept_of(c, cut.t, cut.need_eq, keep),
+            None => for_each_kept(x, cut.t, cut.need_eq, |i| keep(i, x[i])),
+        }
         let nonfinite = values.finish();
         let written = sink.finish();
         params[0..8].copy_from_slice(&k.to_le_bytes());
@@ -376,14 +392,14 @@ impl Scheme for TopK {
         Ok(())
     }
 
+    /// The frame's largest payload, plus working room for the one-pass selection where
+    /// `k` is known.
     fn max_payload(&self, n: u64) -> u64 {
-        if n > TOPK_MAX_ELEMENTS {
-            return u64::MAX;
-        }
-        // Every coding's bound grows with k, and `auto` takes the smaller bound.
-        let k = self.max_kept(n);
-        let ibytes = self.index_for(n, k).max_bytes(n, k);
-        self.values.section_len(k).saturating_add(ibytes)
+        let room = match self.select {
+            TopKSelect::Threshold(_) => 0,
+            _ => candidate_room(self.k_for(n)),
+        };
+        self.frame_payload(n).saturating_add(room)
     }
 
     fn encode_payload(&self, x: &[f32], _ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
@@ -395,12 +411,25 @@ impl Scheme for TopK {
             _ => match self.k_for(n) as usize {
                 0 => (Cut::NONE, Some(0)),
                 k => {
+                    // One filter pass collects the candidates into room past the
+                    // frame's largest size, and the values and indices are written from
+                    // them; the multi-pass engine runs without the room, or where the
+                    // sample misjudged.
+                    let end = HEADER_LEN.saturating_add(self.frame_payload(n) as usize);
+                    if out.len() > end {
+                        let (frame, room) = out.split_at_mut(end);
+                        let mut c = Candidates::new(kernels::words_mut(room));
+                        if let Some((cut, count)) = self.select_candidates(x, k, &mut c) {
+                            let kept = Some(c.kept());
+                            return self.encode_cut(x, cut, Some(count), kept, frame, params);
+                        }
+                    }
                     let (cut, count) = self.select_cut(x, k);
                     (cut, Some(count))
                 }
             },
         };
-        self.encode_cut(x, cut, count, out, params)
+        self.encode_cut(x, cut, count, None, out, params)
     }
 
     fn read(h: &Header) -> Result<TopK> {
@@ -618,6 +647,7 @@ impl Scheme for TopK {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::Codec;
     use crate::synthetic::normal;
 
     /// Test vectors: Gaussian, Student t with 3 degrees of freedom, heavy ties and zeros,
@@ -680,6 +710,48 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "full passes over large inputs")]
+    fn one_pass_selection_keeps_what_the_multi_pass_engine_keeps() {
+        // With working room past the frame, top-k selects among candidates collected in
+        // one pass; without it, by the multi-pass engine. Same cut, same frame.
+        let mut one_pass = 0;
+        for n in [100, 4097, 50_000, 300_000] {
+            for (name, x) in inputs(n, 7 + n as u64) {
+                for k in [1, n / 1000 + 1, n / 100 + 1, n / 10 + 1, n / 2 + 1] {
+                    let exact = TopK::new(TopKSelect::Count(k as u64), ValueType::Fp16).unwrap();
+                    let approx = Selection::Approx { tolerance: 0.25 };
+                    for c in [exact, exact.with_selection(approx).unwrap()] {
+                        let what = format!("{name} n={n} k={k} {:?}", c.selection);
+                        let mut room = vec![0u32; 2 * (2 * k + 1024 + 64)];
+                        let mut cands = Candidates::new(&mut room);
+                        if let Some((cut, count)) = c.select_candidates(&x, k, &mut cands) {
+                            one_pass += 1;
+                            assert_eq!(
+                                (kept(&x, cut), count),
+                                {
+                                    let (cut, count) = c.select_cut(&x, k);
+                                    (kept(&x, cut), count)
+                                },
+                                "{what}"
+                            );
+                        }
+                        let ctx = EncodeCtx::new(0);
+                        let big = c.encode(&x, &ctx).unwrap();
+                        let mut fits = vec![0u8; big.len()];
+                        let len = c.encode_into(&x, &ctx, &mut fits).unwrap();
+                        assert_eq!(&fits[..len], &big[..], "{what}");
+                    }
+                }
+            }
+        }
+        // Most selections take the one-pass route (here 155 of 200). The others: inputs of
+        // five values (ties at the threshold overflow the room), k = 1 on heavy tails
+        // (the top key lies beyond the histogram's reach above the estimate), and samples
+        // that found too few; the multi-pass engine keeps the same elements.
+        assert!(one_pass >= 150, "{one_pass} of 200 one-pass");
     }
 
     #[test]

@@ -8,7 +8,117 @@ use crate::kernels::{
     scalar::{self, INF_BITS, mag_key},
 };
 
+/// The candidates of a one-pass selection, in working room the caller lends: the
+/// indices, ascending, of every element whose key reaches a threshold, and their values'
+/// bits (gathered once, so that writing the frame reads them in order).
+pub(super) struct Candidates<'a> {
+    idx: &'a mut [u32],
+    vals: &'a mut [u32],
+    len: usize,
+}
+
+/// Candidates a one-pass selection of `k` may hold: the sample aims at `1.5 k` (exact) or
+/// `1.15 k` (approx), so more means it misjudged (ties at the threshold, mostly).
+fn candidate_cap(k: u64) -> u64 {
+    k.saturating_mul(2).saturating_add(1024)
+}
+
+/// Bytes of working room that let [`TopK::select_candidates`] run for `k` kept elements:
+/// an index and a value per candidate, the filter's 64 entries of slack, and alignment.
+pub(super) fn candidate_room(k: u64) -> u64 {
+    candidate_cap(k).saturating_add(64).saturating_mul(8).saturating_add(3)
+}
+
+impl<'a> Candidates<'a> {
+    /// Candidates kept in `room`.
+    pub(super) fn new(room: &'a mut [u32]) -> Candidates<'a> {
+        let half = room.len() / 2;
+        let (idx, rest) = room.split_at_mut(half);
+        Candidates {
+            idx,
+            vals: &mut rest[..half],
+            len: 0,
+        }
+    }
+
+    /// The candidates' indices and value bits.
+    pub(super) fn kept(&self) -> (&[u32], &[u32]) {
+        (&self.idx[..self.len], &self.vals[..self.len])
+    }
+
+    /// Collect the elements of `x` with key `>= t`, at most `cap` of them; false (and
+    /// nothing usable) when more reach `t` than fit.
+    fn collect(&mut self, x: &[f32], t: u32, cap: usize) -> bool {
+        let room = self.idx.len().min(cap.saturating_add(64));
+        let (mut pos, mut len) = (0, 0);
+        while pos < x.len() {
+            if room - len < 64 {
+                return false;
+            }
+            let (used, kept) = kernels::filter_mag_ge(&x[pos..], t, &mut self.idx[len..room]);
+            for i in &mut self.idx[len..len + kept] {
+                *i += pos as u32;
+            }
+            pos += used;
+            len += kept;
+        }
+        if len > cap {
+            return false;
+        }
+        for (v, &i) in self.vals[..len].iter_mut().zip(&self.idx[..len]) {
+            *v = x[i as usize].to_bits();
+        }
+        self.len = len;
+        true
+    }
+
+    /// The candidates' keys.
+    fn keys(&self) -> impl Iterator<Item = u32> + '_ {
+        self.vals[..self.len].iter().map(|&b| b & 0x7FFF_FFFF)
+    }
+}
+
 impl TopK {
+    /// The one-pass form of [`TopK::select_cut`]: candidates above a sampled threshold are
+    /// collected in one filter pass over `x` (into `c`), and the cut is found among them.
+    /// Keeps exactly what `select_cut` keeps; `None` when the sample misjudged (too few
+    /// candidates, or too many to hold) and the multi-pass engine must run.
+    pub(super) fn select_candidates(
+        &self,
+        x: &[f32],
+        k: usize,
+        c: &mut Candidates,
+    ) -> Option<(Cut, usize)> {
+        let n = x.len() as u64;
+        let cap = candidate_cap(k as u64) as usize;
+        if let Selection::Approx { tolerance } = self.selection {
+            // The approximate engine's first estimate and level counts, on the candidates.
+            let limit = approx_limit(k as u64, tolerance).min(n) as usize;
+            let t = sample_threshold(x, (1.0 + 0.6 * tolerance) * k as f64);
+            if t >= INF_BITS || !c.collect(x, t, cap) {
+                return None;
+            }
+            let levels = levels_from(t);
+            // Per level, a count over the candidates' keys (it vectorises).
+            let mut count = [0usize; LEVELS];
+            for (n, &l) in count.iter_mut().zip(&levels) {
+                *n = c.keys().map(|key| (key >= l) as u32).sum::<u32>() as usize;
+            }
+            if count[0] < k {
+                return None;
+            }
+            let j = (0..LEVELS).rev().find(|&j| count[j] >= k).unwrap_or(0);
+            return (count[j] <= limit).then(|| (Cut::all_from(levels[j]), count[j]));
+        }
+        let t = sample_threshold(x, 1.5 * k as f64);
+        if !c.collect(x, t, cap) {
+            return None;
+        }
+        // The exact engine's two histograms, over the candidates (which hold every key
+        // >= t) instead of two passes over `x`.
+        refine_by(t, k, c).map(|cut| (cut, k))
+    }
+
     /// Which elements to keep out of `x` (`1 <= k <= n`), by the module docs' engine,
     /// and how many that is.
     pub(super) fn select_cut(&self, x: &[f32], k: usize) -> (Cut, usize) {
@@ -54,6 +164,26 @@ pub(super) fn for_each_kept(x: &[f32], t: u32, mut need_eq: usize, mut f: impl F
             f(i);
         }
     });
+}
+
+/// [`for_each_kept`] over candidates (ascending indices that include every key `>= t`,
+/// and their values' bits) instead of all of `x`: `f(index, value)`.
+#[inline]
+pub(super) fn for_each_kept_of(
+    (idx, vals): (&[u32], &[u32]),
+    t: u32,
+    mut need_eq: usize,
+    mut f: impl FnMut(usize, f32),
+) {
+    for (&i, &bits) in idx.iter().zip(vals) {
+        let (key, v) = (bits & 0x7FFF_FFFF, f32::from_bits(bits));
+        if key > t {
+            f(i as usize, v);
+        } else if key == t && need_eq > 0 {
+            need_eq -= 1;
+            f(i as usize, v);
+        }
+    }
 }
 
 /// Which elements a selection keeps: keys above `t`, then the first `need_eq` keys equal
@@ -108,10 +238,21 @@ pub(super) fn sample_threshold(x: &[f32], aim: f64) -> u32 {
     let n = x.len();
     let s = n.min(SAMPLE);
     let mut keys = [0u32; SAMPLE];
-    for (j, key) in keys[..s].iter_mut().enumerate() {
-        let (lo, hi) = (j * n / s, (j + 1) * n / s);
-        let i = lo + crate::rng::lowbias32(j as u32 ^ 0x5851_F42D) as usize % (hi - lo);
-        *key = mag_key(x[i]);
+    if s == n {
+        for (key, &v) in keys.iter_mut().zip(x) {
+            *key = mag_key(v);
+        }
+    } else {
+        // Stratum j is [j n / s, (j + 1) n / s) with s = SAMPLE, a power of two: shifts,
+        // and the position inside it by a multiply-high, not a division (three divisions
+        // per sample took a tenth of a 1 Mi encode).
+        for (j, key) in keys.iter_mut().enumerate() {
+            let (j, n) = (j as u64, n as u64);
+            let lo = (j * n) >> SAMPLE.trailing_zeros();
+            let len = (((j + 1) * n) >> SAMPLE.trailing_zeros()) - lo;
+            let h = crate::rng::lowbias32(j as u32 ^ 0x5851_F42D) as u64;
+            *key = mag_key(x[(lo + ((h * len) >> 32)) as usize]);
+        }
     }
     let r = ((aim * s as f64 / n as f64).ceil() as usize).clamp(1, s);
     *keys[..s].select_nth_unstable_by(r - 1, |a, b| b.cmp(a)).1
@@ -124,14 +265,20 @@ pub(super) fn for_each_at_least(x: &[f32], t: u32, mut f: impl FnMut(usize, u32)
     kernels::for_each_filtered(x.len(), candidates, |i| f(i, mag_key(x[i])));
 }
 
-/// One pass: `LEVELS` thresholds from `t` up in steps of `LEVEL_STEP` (relative), and
-/// how many elements reach each.
-pub(super) fn level_counts(x: &[f32], t: u32) -> ([u32; LEVELS], [usize; LEVELS]) {
+/// `LEVELS` thresholds from `t` up in steps of `LEVEL_STEP` (relative), ascending.
+fn levels_from(t: u32) -> [u32; LEVELS] {
     let base = f32::from_bits(t);
     let mut levels = [t; LEVELS];
     for (j, l) in levels.iter_mut().enumerate().skip(1) {
         *l = mag_key(base * (1.0 + LEVEL_STEP * j as f32)).max(t);
     }
+    levels
+}
+
+/// One pass: `LEVELS` thresholds from `t` up in steps of `LEVEL_STEP` (relative), and
+/// how many elements reach each.
+pub(super) fn level_counts(x: &[f32], t: u32) -> ([u32; LEVELS], [usize; LEVELS]) {
+    let levels = levels_from(t);
     // hist[j]: elements reaching levels 0..=j and no higher (levels ascend, keys and
     // levels are below 2^31, so the signed compare is exact and vectorises).
     let mut hist = [0usize; LEVELS];
@@ -154,10 +301,40 @@ pub(super) fn level_counts(x: &[f32], t: u32) -> ([u32; LEVELS], [usize; LEVELS]
 /// 12 bits inside the bucket holding the k-th key. `None` if fewer than `k` reach `t` or
 /// the k-th key lies more than 4095 buckets above `t`.
 pub(super) fn refine(x: &[f32], t: u32, k: usize) -> Option<Cut> {
+    refine_by(t, k, &Above { x, t })
+}
+
+/// A source of keys for [`refine_by`]: every key `>= t`, each once per call, in any order.
+trait Keys {
+    fn each(&self, f: impl FnMut(u32));
+}
+
+/// The keys of `x` that reach `t`, by the SIMD filter.
+struct Above<'a> {
+    x: &'a [f32],
+    t: u32,
+}
+
+impl Keys for Above<'_> {
+    #[inline]
+    fn each(&self, mut f: impl FnMut(u32)) {
+        for_each_at_least(self.x, self.t, |_, key| f(key));
+    }
+}
+
+impl Keys for Candidates<'_> {
+    #[inline]
+    fn each(&self, f: impl FnMut(u32)) {
+        self.keys().for_each(f);
+    }
+}
+
+/// [`refine`] over the keys `>= t` of `keys`.
+fn refine_by(t: u32, k: usize, keys: &impl Keys) -> Option<Cut> {
     let base = t >> 12;
     let mut hist = [0u32; 4096];
     let mut c = 0usize;
-    for_each_at_least(x, t, |_, key| {
+    keys.each(|key| {
         hist[((key >> 12) - base).min(4095) as usize] += 1;
         c += 1;
     });
@@ -171,8 +348,8 @@ pub(super) fn refine(x: &[f32], t: u32, k: usize) -> Option<Cut> {
     let lo = (base + b as u32) << 12;
     let hi = lo + (1 << 12);
     let mut low = [0u32; 4096];
-    for_each_at_least(x, lo, |_, key| {
-        if key < hi {
+    keys.each(|key| {
+        if (lo..hi).contains(&key) {
             low[(key & 4095) as usize] += 1;
         }
     });
