@@ -13,18 +13,25 @@
 //!
 //! Both run the same engine, allocation-free, on the SIMD compare-and-compress kernel
 //! ([`kernels::filter_mag_ge`]): a threshold estimated from a stratified sample of 4096
-//! magnitudes, then
-//! - approx: one pass counting how many elements reach each of 24 thresholds 1.5% apart
-//!   from the estimate (aimed at `1 + 0.6τ` times `k`); the highest one that `k` reach is
-//!   the cut, if at most `(1 + τ) k` reach it. Otherwise a second estimate, then exact.
-//! - exact: two histogram passes over the candidates above an estimate aimed at `1.5 k`
-//!   (exponent and high mantissa bits, then the low 12 bits in the k-th key's bucket)
-//!   find the k-th largest key. Too few candidates retry at `3 k`; then a radix select
-//!   over all of `x`.
+//! magnitudes, then one filter pass that collects the candidates reaching it (their
+//! indices and values) into working room the caller lends: the part of the output buffer
+//! past the largest frame, which [`crate::Codec::max_encoded_len`] includes (8 bytes per
+//! candidate, room for `2k + 1024`). Among the candidates,
+//! - approx: count how many reach each of 24 thresholds 1.5% apart from the estimate
+//!   (aimed at `1 + 0.6τ` times `k`); the highest one that `k` reach is the cut, if at
+//!   most `(1 + τ) k` reach it;
+//! - exact: two histograms of the candidates' keys (aimed at `1.5 k`: exponent and high
+//!   mantissa bits, then the low 12 bits in the k-th key's bucket) find the k-th largest
+//!   key;
 //!
-//! Every route keeps the same elements, so frames do not depend on the route, and one
-//! more pass writes values and indices. (`threshold=` needs a counting pass first, as
-//! does `index=gaps`, for its largest gap.)
+//! and the values and indices are written from the candidates. Without the room (a buffer
+//! that only fits the frame), or where the sample misjudged (too few candidates, or too
+//! many: ties at the threshold), the same steps run as passes over `x` instead: approx
+//! falls back to a second estimate, then exact; exact retries at `3 k`, then runs a radix
+//! select over all of `x`; one more pass writes the frame.
+//!
+//! Every route keeps the same elements, so frames do not depend on the route.
+//! (`threshold=` needs a counting pass first, as does `index=gaps`, for its largest gap.)
 //!
 //! Payload (docs/wire-format.md 3.9): the `k` values (`values=`: f32 LE; fp16 or bf16 LE
 //! rounded to nearest even; or int8, blocks of 256 kept values each with an f32 step

@@ -99,16 +99,28 @@ impl TopK {
                 return None;
             }
             let levels = levels_from(t);
-            // Per level, a count over the candidates' keys (it vectorises).
-            let mut count = [0usize; LEVELS];
-            for (n, &l) in count.iter_mut().zip(&levels) {
-                *n = c.keys().map(|key| (key >= l) as u32).sum::<u32>() as usize;
-            }
-            if count[0] < k {
+            // How many candidates reach level j: one vectorised count. Counts fall as j
+            // rises, so the highest level that k reach is found by bisection, in 6 counts
+            // instead of 24.
+            let count = |j: usize| {
+                let l = levels[j];
+                c.keys().map(|key| (key >= l) as u32).sum::<u32>() as usize
+            };
+            let (mut lo, mut hi) = (0, LEVELS); // count(lo) >= k; levels >= hi untested
+            let mut at_lo = count(0);
+            if at_lo < k {
                 return None;
             }
-            let j = (0..LEVELS).rev().find(|&j| count[j] >= k).unwrap_or(0);
-            return (count[j] <= limit).then(|| (Cut::all_from(levels[j]), count[j]));
+            while hi - lo > 1 {
+                let mid = (lo + hi) / 2;
+                let m = count(mid);
+                if m >= k {
+                    (lo, at_lo) = (mid, m);
+                } else {
+                    hi = mid;
+                }
+            }
+            return (at_lo <= limit).then(|| (Cut::all_from(levels[lo]), at_lo));
         }
         let t = sample_threshold(x, 1.5 * k as f64);
         if !c.collect(x, t, cap) {
