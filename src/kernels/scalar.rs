@@ -418,17 +418,27 @@ impl<'a> BitWriter<'a> {
         }
     }
 
-    /// Append the low `width` bits of `v`.
+    /// Append the low `width` bits of `v`. Bits gather in a 64-bit accumulator and leave
+    /// it 32 at a time (bytes one by one only at the end of `out`).
     #[inline]
     pub fn put(&mut self, v: u32, width: u32) {
         debug_assert!(width <= 32 && (width == 32 || v >> width == 0));
         self.acc |= (v as u64) << self.nacc;
         self.nacc += width;
-        while self.nacc >= 8 {
-            self.out[self.pos] = self.acc as u8;
-            self.pos += 1;
-            self.acc >>= 8;
-            self.nacc -= 8;
+        if self.nacc >= 32 {
+            if let Some(dst) = self.out.get_mut(self.pos..self.pos + 4) {
+                dst.copy_from_slice(&(self.acc as u32).to_le_bytes());
+                self.pos += 4;
+                self.acc >>= 32;
+                self.nacc -= 32;
+            } else {
+                while self.nacc >= 8 {
+                    self.out[self.pos] = self.acc as u8;
+                    self.pos += 1;
+                    self.acc >>= 8;
+                    self.nacc -= 8;
+                }
+            }
         }
     }
 
@@ -436,20 +446,29 @@ impl<'a> BitWriter<'a> {
     /// bit, then the low `b` bits of `v`.
     #[inline]
     pub fn put_rice(&mut self, v: u64, b: u32) {
-        let mut q = v >> b;
+        let q = v >> b;
+        let low = v & ((1u64 << b) - 1);
+        if q + 1 + b as u64 <= 32 {
+            // The common case in one put: the one bit after q zeros, then the low bits.
+            self.put(((low << (q + 1)) | (1 << q)) as u32, (q + 1) as u32 + b);
+            return;
+        }
+        let mut q = q;
         while q >= 31 {
             self.put(0, 31);
             q -= 31;
         }
         self.put(1 << q, q as u32 + 1);
-        self.put((v & ((1u64 << b) - 1)) as u32, b);
+        self.put(low as u32, b);
     }
 
-    /// Flush the last partial byte (high bits zero); returns bytes written.
+    /// Flush the last partial bytes (high bits zero); returns bytes written.
     pub fn finish(mut self) -> usize {
-        if self.nacc > 0 {
+        while self.nacc > 0 {
             self.out[self.pos] = self.acc as u8;
             self.pos += 1;
+            self.acc >>= 8;
+            self.nacc = self.nacc.saturating_sub(8);
         }
         self.pos
     }
