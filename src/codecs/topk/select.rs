@@ -26,7 +26,10 @@ fn candidate_cap(k: u64) -> u64 {
 /// Bytes of working room that let [`TopK::select_candidates`] run for `k` kept elements:
 /// an index and a value per candidate, the filter's 64 entries of slack, and alignment.
 pub(super) fn candidate_room(k: u64) -> u64 {
-    candidate_cap(k).saturating_add(64).saturating_mul(8).saturating_add(3)
+    candidate_cap(k)
+        .saturating_add(64)
+        .saturating_mul(8)
+        .saturating_add(3)
 }
 
 impl<'a> Candidates<'a> {
