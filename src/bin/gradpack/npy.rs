@@ -95,13 +95,26 @@ pub fn read(b: &[u8]) -> Result<Array, String> {
     })
 }
 
-/// The shape in the header text, checked before `npyz` sees it: `npyz` multiplies the
-/// dimensions (for the element count and the strides) without checking for overflow,
-/// which panics in a build with overflow checks. The header must name one shape, of
-/// whole numbers, whose nonzero dimensions multiply to at most 2^64 - 1 (every product
-/// `npyz` forms is then exact).
+/// The header text, checked before `npyz` sees it. Its brackets may nest at most
+/// `MAX_NESTING` deep: `npyz`'s parser backtracks exponentially in the depth (a header of
+/// 55 nested braces took minutes). And `npyz` multiplies the dimensions (for the element
+/// count and the strides) without checking for overflow, which panics in a build with
+/// overflow checks: the header must name one shape, of whole numbers, whose nonzero
+/// dimensions multiply to at most 2^64 - 1 (every product `npyz` forms is then exact).
 fn check_shape_text(header: &[u8]) -> Result<(), String> {
+    const MAX_NESTING: usize = 8;
     let text = std::str::from_utf8(header).map_err(|_| "the header is not text".to_string())?;
+    let mut depth = 0usize;
+    for c in text.bytes() {
+        match c {
+            b'{' | b'[' | b'(' => depth += 1,
+            b'}' | b']' | b')' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        if depth > MAX_NESTING {
+            return Err(format!("the header nests brackets more than {MAX_NESTING} deep"));
+        }
+    }
     if text.matches("shape").count() != 1 {
         return Err("the header must name exactly one shape".into());
     }
