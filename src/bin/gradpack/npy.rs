@@ -112,7 +112,9 @@ fn check_shape_text(header: &[u8]) -> Result<(), String> {
             _ => {}
         }
         if depth > MAX_NESTING {
-            return Err(format!("the header nests brackets more than {MAX_NESTING} deep"));
+            return Err(format!(
+                "the header nests brackets more than {MAX_NESTING} deep"
+            ));
         }
     }
     if text.matches("shape").count() != 1 {
