@@ -12,8 +12,11 @@
 //!
 //! Random-k's payload layout depends on how many elements each range keeps: its encode
 //! counts the ranges' kept elements in parallel first (their counts on the stack), then
-//! encodes each range into its own part of the payload, in parallel. Top-k stays
-//! sequential: its selection is over the whole tensor.
+//! encodes each range into its own part of the payload, in parallel. Top-k collects its
+//! candidates in parallel (up to 64 pieces, each with an equal share of the working room,
+//! a piece that overflows its share counting on and completing its candidates in a second
+//! step), then selects and writes the frame on one thread: the candidates, and so the
+//! frame, are the same for every split.
 //!
 //! The work runs on the current rayon pool: the global one (sized by `RAYON_NUM_THREADS`)
 //! or whichever pool the caller `install`s. With one thread, or without the `rayon`
@@ -59,6 +62,17 @@ pub(crate) fn worth(n: usize, weight: usize) -> bool {
         let _ = (n, weight);
         false
     }
+}
+
+/// Runs `f` on a thread of the current pool: a caller outside the pool hands the whole of
+/// `f` over once, so that the parallel steps inside it start from a worker (cheaply)
+/// instead of each handing its work over (tens of microseconds each on a virtual machine).
+pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    #[cfg(feature = "rayon")]
+    if rayon::current_thread_index().is_none() {
+        return rayon::join(f, || ()).0;
+    }
+    f()
 }
 
 /// A bundle of slices that cut at a range boundary: `split(at, pieces)` cuts after `at`

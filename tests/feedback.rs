@@ -412,6 +412,64 @@ fn any_thread_count_gives_identical_frames_decodes_and_residuals() {
 }
 
 #[test]
+fn top_k_frames_do_not_depend_on_threads_or_where_the_large_values_sit() {
+    // Split from the smallest size on: 4 pieces of 64 Ki here, each with an equal share
+    // of the candidate room. Large values crowded into one piece overflow its share;
+    // ties beyond the room send the encode to the multi-pass engine. Every route and
+    // thread count must write the frame the multi-pass engine writes.
+    gradpack::parallel::set_min_len(0);
+    let n = 3 * gradpack::parallel::CHUNK + 1234;
+    let base = sample(n, 31);
+    let mut inputs: Vec<(&str, Vec<f32>)> = vec![("sample", base.clone())];
+    let mut crowded = base.clone();
+    for v in &mut crowded[70_000..90_000] {
+        *v *= 1000.0;
+    }
+    inputs.push(("crowded in one piece", crowded));
+    let mut last = base.clone();
+    for v in &mut last[n - 3000..] {
+        *v *= 1000.0;
+    }
+    inputs.push(("crowded at the end", last));
+    let mut ties = base.clone();
+    for v in ties.iter_mut().step_by(7) {
+        *v = 0.75;
+    }
+    inputs.push(("ties", ties));
+    inputs.push(("all equal", vec![-0.5; n]));
+    let mut nonfinite = base.clone();
+    nonfinite[5] = f32::NAN;
+    nonfinite[n - 1] = f32::NEG_INFINITY;
+    inputs.push(("non-finite", nonfinite));
+    inputs.push(("zeros", vec![0.0; n]));
+    for spec in [
+        "topk:ratio=0.01,values=fp16",
+        "topk:ratio=0.01,values=fp16,select=approx",
+        "topk:ratio=0.05,values=int8,select=approx,tolerance=0.1",
+        "topk:k=3,values=f32",
+        "topk:ratio=0.3,values=bf16,index=bitmap",
+        "topk:ratio=0.002,index=gaps",
+    ] {
+        let spec: CodecSpec = spec.parse().unwrap();
+        for (name, x) in &inputs {
+            let ctx = EncodeCtx::new(3);
+            let len = pool(1).install(|| spec.encode(x, &ctx).unwrap().len());
+            // A buffer that fits only the frame: no working room, the multi-pass engine.
+            let mut reference = vec![0u8; len];
+            let multi = spec.encode_into(x, &ctx, &mut reference).unwrap();
+            assert_eq!(multi, len, "{spec} {name}");
+            for threads in [1, 2, 3, 4] {
+                let frame = pool(threads).install(|| spec.encode(x, &ctx).unwrap());
+                assert!(
+                    frame == reference,
+                    "{spec} {name}: {threads} threads differ from the multi-pass engine"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn chunked_encoding_decodes_like_whole_encoding() {
     // Block-aligned chunks, each encoded as its own frame with its global offset, decode to
     // the same values as the whole tensor (top-k excepted: it selects within each frame).

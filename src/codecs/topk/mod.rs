@@ -13,22 +13,24 @@
 //!
 //! Both run the same engine, allocation-free, on the SIMD compare-and-compress kernel
 //! ([`kernels::filter_mag_ge`]): a threshold estimated from a stratified sample of 4096
-//! magnitudes, then one filter pass that collects the candidates reaching it (their
-//! indices and values) into working room the caller lends: the part of the output buffer
-//! past the largest frame, which [`crate::Codec::max_encoded_len`] includes (8 bytes per
-//! candidate, room for `2k + 1024`). Among the candidates,
-//! - approx: count how many reach each of 24 thresholds 1.5% apart from the estimate
-//!   (aimed at `1 + 0.6τ` times `k`); the highest one that `k` reach is the cut, if at
-//!   most `(1 + τ) k` reach it;
-//! - exact: two histograms of the candidates' keys (aimed at `1.5 k`: exponent and high
-//!   mantissa bits, then the low 12 bits in the k-th key's bucket) find the k-th largest
-//!   key;
+//! magnitudes (aimed to let `1.5 k` through), then one filter pass that collects the
+//! candidates reaching it (their indices and values) into working room the caller lends:
+//! the part of the output buffer past the largest frame, which
+//! [`crate::Codec::max_encoded_len`] includes (8 bytes per candidate, room for
+//! `2k + 1024`). Tensors of 8 Mi elements and more are collected on all threads (see
+//! [`crate::parallel`]). Among the candidates, a histogram of their keys by exponent and
+//! high mantissa bits (buckets 2^-11 wide, relative) finds the bucket of the k-th largest
+//! key; then
+//! - approx: the cut is that bucket's lower edge (the top `k` and the rest of their last
+//!   bucket), if at most `(1 + τ) k` reach it;
+//! - exact: a second histogram of the low 12 bits of the keys in that bucket finds the
+//!   k-th largest key;
 //!
 //! and the values and indices are written from the candidates. Without the room (a buffer
 //! that only fits the frame), or where the sample misjudged (too few candidates, or too
-//! many: ties at the threshold), the same steps run as passes over `x` instead: approx
-//! falls back to a second estimate, then exact; exact retries at `3 k`, then runs a radix
-//! select over all of `x`; one more pass writes the frame.
+//! many: ties at the threshold), the same steps run as passes over `x` instead: both
+//! retry with a sample aimed at `3 k`, approx then falls back to exact, and exact to a
+//! radix select over all of `x`; one more pass writes the frame.
 //!
 //! Every route keeps the same elements, so frames do not depend on the route.
 //! (`threshold=` needs a counting pass first, as does `index=gaps`, for its largest gap.)
@@ -754,7 +756,7 @@ mod tests {
                 }
             }
         }
-        // Most selections take the one-pass route (here 155 of 200). The others: inputs of
+        // Most selections take the one-pass route (here 157 of 200). The others: inputs of
         // five values (ties at the threshold overflow the room), k = 1 on heavy tails
         // (the top key lies beyond the histogram's reach above the estimate), and samples
         // that found too few; the multi-pass engine keeps the same elements.

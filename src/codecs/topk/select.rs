@@ -5,8 +5,9 @@
 use super::{Selection, TopK};
 use crate::kernels::{
     self,
-    scalar::{self, INF_BITS, mag_key},
+    scalar::{self, mag_key},
 };
+use crate::parallel::{self, Split};
 
 /// The candidates of a one-pass selection, in working room the caller lends: the
 /// indices, ascending, of every element whose key reaches a threshold, and their values'
@@ -17,8 +18,8 @@ pub(super) struct Candidates<'a> {
     len: usize,
 }
 
-/// Candidates a one-pass selection of `k` may hold: the sample aims at `1.5 k` (exact) or
-/// `1.15 k` (approx), so more means it misjudged (ties at the threshold, mostly).
+/// Candidates a one-pass selection of `k` may hold: the sample aims at `1.5 k` (see
+/// [`AIMS`]), so more means it misjudged (ties at the threshold, mostly).
 fn candidate_cap(k: u64) -> u64 {
     k.saturating_mul(2).saturating_add(1024)
 }
@@ -50,34 +51,251 @@ impl<'a> Candidates<'a> {
     }
 
     /// Collect the elements of `x` with key `>= t`, at most `cap` of them; false (and
-    /// nothing usable) when more reach `t` than fit.
+    /// nothing usable) when more reach `t` than fit. Large tensors are collected on all
+    /// threads ([`Candidates::collect_par`]); the candidates are the same.
     fn collect(&mut self, x: &[f32], t: u32, cap: usize) -> bool {
         let room = self.idx.len().min(cap.saturating_add(64));
-        let (mut pos, mut len) = (0, 0);
-        while pos < x.len() {
-            if room - len < 64 {
+        let len = if collect_in_parallel(x.len()) {
+            match parallel::on_pool(|| self.collect_par(x, t, room, cap)) {
+                Some(len) => len,
+                None => return false,
+            }
+        } else {
+            let (len, scanned) = fill(x, t, 0, &mut self.idx[..room]);
+            if scanned < x.len() || len > cap {
                 return false;
             }
-            let (used, kept) = kernels::filter_mag_ge(&x[pos..], t, &mut self.idx[len..room]);
-            for i in &mut self.idx[len..len + kept] {
-                *i += pos as u32;
-            }
-            pos += used;
-            len += kept;
-        }
-        if len > cap {
-            return false;
-        }
-        for (v, &i) in self.vals[..len].iter_mut().zip(&self.idx[..len]) {
-            *v = x[i as usize].to_bits();
-        }
+            gather(x, &self.idx[..len], &mut self.vals[..len]);
+            len
+        };
         self.len = len;
         true
+    }
+
+    /// [`Candidates::collect`] on the thread pool, into the first `room` entries of each
+    /// half. Up to [`MAX_PIECES`] pieces of `x` each fill an equal share of the index
+    /// half, and a piece whose candidates overflow its share goes on counting them. From
+    /// the counts, each piece's candidates take their place (in index order) in the value
+    /// half, the overflowed ones completed by a second filter over the rest of their
+    /// piece; the halves then swap roles and the values are gathered. Returns the
+    /// candidate count, or `None` if more than `cap` reach `t`.
+    fn collect_par(&mut self, x: &[f32], t: u32, room: usize, cap: usize) -> Option<usize> {
+        let n = x.len();
+        let range = parallel::CHUNK.max(n.div_ceil(MAX_PIECES).next_multiple_of(64));
+        let mut res = [Piece::default(); MAX_PIECES];
+        let res = &mut res[..n.div_ceil(range)];
+        let share = room / res.len();
+        let shares = Fill {
+            x,
+            dst: &mut self.idx[..room],
+            res: &mut *res,
+            share,
+        };
+        parallel::for_ranges(shares, n, range, true, &|f, start| {
+            let (stored, scanned) = fill(f.x, t, start as u32, &mut f.dst[..share]);
+            f.res[0] = Piece {
+                stored,
+                scanned,
+                count: stored + count_at_least(&f.x[scanned..], t),
+            };
+            false
+        });
+        let len: usize = res.iter().map(|r| r.count).sum();
+        if len > cap || len > room {
+            return None;
+        }
+        let placed = Place {
+            x,
+            src: &self.idx[..room],
+            dst: &mut self.vals[..len],
+            res,
+            share,
+        };
+        parallel::for_ranges(placed, n, range, true, &|p, start| {
+            let r = p.res[0];
+            p.dst[..r.stored].copy_from_slice(&p.src[..r.stored]);
+            if r.count > r.stored {
+                let rest = &p.x[r.scanned..];
+                fill(rest, t, (start + r.scanned) as u32, &mut p.dst[r.stored..]);
+            }
+            false
+        });
+        core::mem::swap(&mut self.idx, &mut self.vals);
+        let gathered = Gather {
+            x,
+            idx: &self.idx[..len],
+            vals: &mut self.vals[..len],
+        };
+        parallel::for_ranges(gathered, len, parallel::CHUNK, true, &|g, _| {
+            gather(g.x, g.idx, g.vals);
+            false
+        });
+        Some(len)
     }
 
     /// The candidates' keys.
     fn keys(&self) -> impl Iterator<Item = u32> + '_ {
         self.vals[..self.len].iter().map(|&b| b & 0x7FFF_FFFF)
+    }
+}
+
+/// Whether collecting the candidates of `n` elements is split across threads: from a
+/// quarter of [`parallel::min_len`] (8 Mi elements by default). The filter pass is bound
+/// by memory bandwidth, which two threads here raise by a quarter at most, and handing
+/// work to the pool costs tens of microseconds: below 8 Mi, two threads were no faster.
+fn collect_in_parallel(n: usize) -> bool {
+    parallel::worth(n / 4, 1)
+}
+
+/// Most pieces a parallel collect splits a tensor into (their counts live on the stack).
+const MAX_PIECES: usize = 64;
+
+/// What a piece of a parallel collect found: `stored` candidates in its share, every
+/// element before `scanned` (relative to the piece) looked at, `count` candidates in all.
+#[derive(Debug, Default, Clone, Copy)]
+struct Piece {
+    stored: usize,
+    scanned: usize,
+    count: usize,
+}
+
+/// The pieces of `x` with their shares of the index half (`share` entries each) and
+/// their results.
+struct Fill<'a> {
+    x: &'a [f32],
+    dst: &'a mut [u32],
+    res: &'a mut [Piece],
+    share: usize,
+}
+
+impl Split for Fill<'_> {
+    fn split(self, at: usize, pieces: usize) -> (Self, Self) {
+        let (x0, x1) = self.x.split_at(at);
+        let (d0, d1) = self.dst.split_at_mut(pieces * self.share);
+        let (r0, r1) = self.res.split_at_mut(pieces);
+        let share = self.share;
+        (
+            Fill {
+                x: x0,
+                dst: d0,
+                res: r0,
+                share,
+            },
+            Fill {
+                x: x1,
+                dst: d1,
+                res: r1,
+                share,
+            },
+        )
+    }
+}
+
+/// The pieces of `x`, their shares of the index half (`src`) and their places in the
+/// value half (`dst`, `count` entries per piece).
+struct Place<'a> {
+    x: &'a [f32],
+    src: &'a [u32],
+    dst: &'a mut [u32],
+    res: &'a [Piece],
+    share: usize,
+}
+
+impl Split for Place<'_> {
+    fn split(self, at: usize, pieces: usize) -> (Self, Self) {
+        let (x0, x1) = self.x.split_at(at);
+        let (s0, s1) = self.src.split_at(pieces * self.share);
+        let placed = self.res[..pieces].iter().map(|r| r.count).sum();
+        let (d0, d1) = self.dst.split_at_mut(placed);
+        let (r0, r1) = self.res.split_at(pieces);
+        let share = self.share;
+        (
+            Place {
+                x: x0,
+                src: s0,
+                dst: d0,
+                res: r0,
+                share,
+            },
+            Place {
+                x: x1,
+                src: s1,
+                dst: d1,
+                res: r1,
+                share,
+            },
+        )
+    }
+}
+
+/// Candidate indices and the value bits to gather for them from `x`.
+struct Gather<'a> {
+    x: &'a [f32],
+    idx: &'a [u32],
+    vals: &'a mut [u32],
+}
+
+impl Split for Gather<'_> {
+    fn split(self, at: usize, _: usize) -> (Self, Self) {
+        let (i0, i1) = self.idx.split_at(at);
+        let (v0, v1) = self.vals.split_at_mut(at);
+        (
+            Gather {
+                x: self.x,
+                idx: i0,
+                vals: v0,
+            },
+            Gather {
+                x: self.x,
+                idx: i1,
+                vals: v1,
+            },
+        )
+    }
+}
+
+/// Store into `dst`, until it is full, the indices (plus `base`) of the elements of `x`
+/// with key `>= t`, ascending; returns how many were stored and how many elements were
+/// looked at (all of `x`, unless `dst` filled up: then up to the first one not stored).
+fn fill(x: &[f32], t: u32, base: u32, dst: &mut [u32]) -> (usize, usize) {
+    let (mut pos, mut len) = (0, 0);
+    while pos < x.len() {
+        if dst.len() - len >= 64 {
+            let (used, kept) = kernels::filter_mag_ge(&x[pos..], t, &mut dst[len..]);
+            for i in &mut dst[len..len + kept] {
+                *i += base + pos as u32;
+            }
+            pos += used;
+            len += kept;
+        } else {
+            // Near the end of `dst`: filter into the stack, keep what fits.
+            let mut buf = [0u32; 64];
+            let (used, kept) = kernels::filter_mag_ge(&x[pos..], t, &mut buf);
+            let fit = kept.min(dst.len() - len);
+            for (d, &i) in dst[len..len + fit].iter_mut().zip(&buf) {
+                *d = i + base + pos as u32;
+            }
+            len += fit;
+            if fit < kept {
+                return (len, pos + buf[fit] as usize);
+            }
+            pos += used;
+        }
+    }
+    (len, pos)
+}
+
+/// How many elements of `x` have key `>= t`.
+fn count_at_least(x: &[f32], t: u32) -> usize {
+    let mut count = 0;
+    for_each_at_least(x, t, |_, _| count += 1);
+    count
+}
+
+/// `vals[j] = x[idx[j]].to_bits()`.
+fn gather(x: &[f32], idx: &[u32], vals: &mut [u32]) {
+    for (v, &i) in vals.iter_mut().zip(idx) {
+        *v = x[i as usize].to_bits();
     }
 }
 
@@ -94,70 +312,32 @@ impl TopK {
     ) -> Option<(Cut, usize)> {
         let n = x.len() as u64;
         let cap = candidate_cap(k as u64) as usize;
-        if let Selection::Approx { tolerance } = self.selection {
-            // The approximate engine's first estimate and level counts, on the candidates.
-            let limit = approx_limit(k as u64, tolerance).min(n) as usize;
-            let t = sample_threshold(x, (1.0 + 0.6 * tolerance) * k as f64);
-            if t >= INF_BITS || !c.collect(x, t, cap) {
-                return None;
-            }
-            let levels = levels_from(t);
-            // How many candidates reach level j: one vectorised count. Counts fall as j
-            // rises, so the highest level that k reach is found by bisection, in 6 counts
-            // instead of 24.
-            let count = |j: usize| {
-                let l = levels[j];
-                c.keys().map(|key| (key >= l) as u32).sum::<u32>() as usize
-            };
-            let (mut lo, mut hi) = (0, LEVELS); // count(lo) >= k; levels >= hi untested
-            let mut at_lo = count(0);
-            if at_lo < k {
-                return None;
-            }
-            while hi - lo > 1 {
-                let mid = (lo + hi) / 2;
-                let m = count(mid);
-                if m >= k {
-                    (lo, at_lo) = (mid, m);
-                } else {
-                    hi = mid;
-                }
-            }
-            return (at_lo <= limit).then(|| (Cut::all_from(levels[lo]), at_lo));
-        }
-        let t = sample_threshold(x, 1.5 * k as f64);
+        let t = sample_threshold(x, AIMS[0] * k as f64);
         if !c.collect(x, t, cap) {
             return None;
         }
-        // The exact engine's two histograms, over the candidates (which hold every key
-        // >= t) instead of two passes over `x`.
+        // The engine's histograms over the candidates (which hold every key >= t)
+        // instead of passes over `x`.
+        if let Selection::Approx { tolerance } = self.selection {
+            let limit = approx_limit(k as u64, tolerance).min(n) as usize;
+            return approx_by(t, k, limit, c);
+        }
         refine_by(t, k, c).map(|cut| (cut, k))
     }
-
     /// Which elements to keep out of `x` (`1 <= k <= n`), by the module docs' engine,
     /// and how many that is.
     pub(super) fn select_cut(&self, x: &[f32], k: usize) -> (Cut, usize) {
         let n = x.len() as u64;
         if let Selection::Approx { tolerance } = self.selection {
             let limit = approx_limit(k as u64, tolerance).min(n) as usize;
-            for aim in [1.0 + 0.6 * tolerance, 1.6 + tolerance] {
+            for aim in AIMS {
                 let t = sample_threshold(x, aim * k as f64);
-                if t >= INF_BITS {
-                    break;
+                if let Some(found) = approx_by(t, k, limit, &Above { x, t }) {
+                    return found;
                 }
-                let (levels, count) = level_counts(x, t);
-                if count[0] < k {
-                    continue;
-                }
-                // The smallest tracked set that still holds k elements.
-                let j = (0..LEVELS).rev().find(|&j| count[j] >= k).unwrap_or(0);
-                if count[j] <= limit {
-                    return (Cut::all_from(levels[j]), count[j]);
-                }
-                break;
             }
         }
-        for aim in [1.5, 3.0] {
+        for aim in AIMS {
             let t = sample_threshold(x, aim * k as f64);
             if let Some(cut) = refine(x, t, k) {
                 return (cut, k);
@@ -235,12 +415,16 @@ impl Cut {
     }
 }
 
+/// How many elements the sampled threshold aims to let through, in multiples of `k`: the
+/// first try, and the second where the first let fewer than `k` through (or, for
+/// `select=approx`, no tracked level held between `k` and the limit). A 1% threshold from
+/// 4096 samples rests on about 41 of them, so the count it lets through has a relative
+/// spread of about 15%: aiming at 1.5 k lets fewer than `k` through about once in 200
+/// tensors (aiming at 1.15 k, as approx once did, failed one time in six).
+pub(super) const AIMS: [f64; 2] = [1.5, 3.0];
+
 /// Stratified sample size of the threshold estimate.
 pub(super) const SAMPLE: usize = 4096;
-/// Thresholds the approximate pass tracks at once, `LEVEL_STEP` apart in relative value.
-pub(super) const LEVELS: usize = 24;
-pub(super) const LEVEL_STEP: f32 = 0.015;
-
 /// `ceil((1 + tolerance) k)`.
 pub(super) fn approx_limit(k: u64, tolerance: f64) -> u64 {
     ((1.0 + tolerance) * k as f64).ceil() as u64
@@ -280,37 +464,6 @@ pub(super) fn for_each_at_least(x: &[f32], t: u32, mut f: impl FnMut(usize, u32)
     kernels::for_each_filtered(x.len(), candidates, |i| f(i, mag_key(x[i])));
 }
 
-/// `LEVELS` thresholds from `t` up in steps of `LEVEL_STEP` (relative), ascending.
-fn levels_from(t: u32) -> [u32; LEVELS] {
-    let base = f32::from_bits(t);
-    let mut levels = [t; LEVELS];
-    for (j, l) in levels.iter_mut().enumerate().skip(1) {
-        *l = mag_key(base * (1.0 + LEVEL_STEP * j as f32)).max(t);
-    }
-    levels
-}
-
-/// One pass: `LEVELS` thresholds from `t` up in steps of `LEVEL_STEP` (relative), and
-/// how many elements reach each.
-pub(super) fn level_counts(x: &[f32], t: u32) -> ([u32; LEVELS], [usize; LEVELS]) {
-    let levels = levels_from(t);
-    // hist[j]: elements reaching levels 0..=j and no higher (levels ascend, keys and
-    // levels are below 2^31, so the signed compare is exact and vectorises).
-    let mut hist = [0usize; LEVELS];
-    let signed = levels.map(|l| l as i32);
-    for_each_at_least(x, t, |_, key| {
-        let reached: usize = signed.iter().map(|&l| (key as i32 >= l) as usize).sum();
-        hist[reached - 1] += 1;
-    });
-    let mut count = [0usize; LEVELS];
-    let mut above = 0;
-    for j in (0..LEVELS).rev() {
-        above += hist[j];
-        count[j] = above;
-    }
-    (levels, count)
-}
-
 /// The exact top-`k` cut from a threshold `t` that at least `k` elements reach: a
 /// histogram of the candidates' keys (exponent and 11 mantissa bits), then one of the low
 /// 12 bits inside the bucket holding the k-th key. `None` if fewer than `k` reach `t` or
@@ -344,8 +497,10 @@ impl Keys for Candidates<'_> {
     }
 }
 
-/// [`refine`] over the keys `>= t` of `keys`.
-fn refine_by(t: u32, k: usize, keys: &impl Keys) -> Option<Cut> {
+/// The first histogram of the engine: the keys `>= t` of `keys` by exponent and high
+/// mantissa bits (`key >> 12`), in 4096 buckets from `t`'s up (the last also holds every
+/// key beyond), and how many there are.
+fn coarse_histogram(t: u32, keys: &impl Keys) -> ([u32; 4096], usize) {
     let base = t >> 12;
     let mut hist = [0u32; 4096];
     let mut c = 0usize;
@@ -353,6 +508,12 @@ fn refine_by(t: u32, k: usize, keys: &impl Keys) -> Option<Cut> {
         hist[((key >> 12) - base).min(4095) as usize] += 1;
         c += 1;
     });
+    (hist, c)
+}
+
+/// [`refine`] over the keys `>= t` of `keys`.
+fn refine_by(t: u32, k: usize, keys: &impl Keys) -> Option<Cut> {
+    let (hist, c) = coarse_histogram(t, keys);
     if c < k {
         return None;
     }
@@ -360,7 +521,7 @@ fn refine_by(t: u32, k: usize, keys: &impl Keys) -> Option<Cut> {
     if b == 4095 {
         return None;
     }
-    let lo = (base + b as u32) << 12;
+    let lo = ((t >> 12) + b as u32) << 12;
     let hi = lo + (1 << 12);
     let mut low = [0u32; 4096];
     keys.each(|key| {
@@ -373,6 +534,23 @@ fn refine_by(t: u32, k: usize, keys: &impl Keys) -> Option<Cut> {
         t: lo | d as u32,
         need_eq: k - above,
     })
+}
+
+/// The approximate cut from a threshold `t`, and how many it keeps: every key from the
+/// lower edge of the coarse bucket (2^-11 relative wide) that holds the k-th largest
+/// key, which keeps the top `k` and the rest of that bucket. `None` if fewer than `k` keys
+/// reach `t`, the k-th lies beyond the histogram's reach, or the cut would keep more than
+/// `limit` (ties, mostly).
+fn approx_by(t: u32, k: usize, limit: usize, keys: &impl Keys) -> Option<(Cut, usize)> {
+    let (hist, c) = coarse_histogram(t, keys);
+    if c < k {
+        return None;
+    }
+    let (b, above) = walk_down(&hist, 0, k);
+    let count = above + hist[b] as usize;
+    // Bucket 0 holds only keys >= t, so its cut starts at t, not at its lower edge.
+    let edge = (((t >> 12) + b as u32) << 12).max(t);
+    (b < 4095 && count <= limit).then(|| (Cut::all_from(edge), count))
 }
 
 /// Walk a histogram from its top bucket down, starting with `above` elements already
