@@ -478,6 +478,30 @@ fn filter_all(
     kept
 }
 
+/// `filter_mag_ge_vals` on the current backend, checked: each written value holds the
+/// bits of the element its index names (NaN payloads included), nothing is written past
+/// the reported count, and the scalar oracle writes the same values.
+fn vals_of(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
+    use gradpack::unstable::kernels::{filter_mag_ge_vals, scalar};
+    let mut vals = vec![u32::MAX; idx.len() + 7];
+    let (used, wrote) = filter_mag_ge_vals(x, t, idx, &mut vals);
+    for (j, &i) in idx[..wrote].iter().enumerate() {
+        assert_eq!(vals[j], x[i as usize].to_bits(), "value {j} of {wrote}");
+    }
+    assert!(
+        vals[wrote..].iter().all(|&v| v == u32::MAX),
+        "value past {wrote}"
+    );
+    let room = (used + 64).next_multiple_of(64);
+    let (mut oi, mut ov) = (vec![0u32; room], vec![0u32; room]);
+    let (_, w) = scalar::filter_mag_ge_vals(&x[..used], t, &mut oi, &mut ov);
+    assert!(
+        w == wrote && oi[..w] == idx[..w] && ov[..w] == vals[..w],
+        "oracle values differ"
+    );
+    (used, wrote)
+}
+
 /// A `filter_mag_ge`-shaped kernel.
 type MagFilter = fn(&[f32], u32, &mut [u32]) -> (usize, usize);
 
@@ -538,6 +562,12 @@ fn every_backend_filters_like_the_oracle() {
                             got == want,
                             "filter_mag_ge on {b}: n {n} t {t:#x} cap {cap}"
                         );
+                        let with_vals =
+                            b.run(|| filter_all(n, cap, |pos, idx| vals_of(&x[pos..], t, idx)));
+                        assert!(
+                            with_vals == want,
+                            "filter_mag_ge_vals on {b}: n {n} t {t:#x} cap {cap}"
+                        );
                         let by_hand: Vec<u64> = (0..n as u64)
                             .filter(|&i| scalar::mag_key(x[i as usize]) >= t)
                             .collect();
@@ -550,6 +580,8 @@ fn every_backend_filters_like_the_oracle() {
                 let want = filter_all(y.len(), cap, |p, i| scalar::filter_mag_ge(&y[p..], t, i));
                 let got = b.run(|| filter_all(y.len(), cap, |p, i| filter_mag_ge(&y[p..], t, i)));
                 assert!(got == want, "filter_mag_ge on {b}: specials, t {t:#x}");
+                let got = b.run(|| filter_all(y.len(), cap, |p, i| vals_of(&y[p..], t, i)));
+                assert!(got == want, "filter_mag_ge_vals on {b}: specials, t {t:#x}");
             }
             let draws = gradpack::rng::Draws::new(17, 3, 0);
             for first in [0u64, 5, (1 << 16) - 37, (1 << 32) - 100] {

@@ -112,6 +112,8 @@ simd_op!(DecodeNatural<const M: u8> {
 simd_op!(AnyNonfinite { x: &'a [f32] } -> bool = scalar::max_abs_bits(x) >= scalar::INF_BITS);
 simd_op!(FilterMagGe { x: &'a [f32], t: u32, idx: &'a mut [u32] } -> (usize, usize)
     = portable::filter_mag_ge(x, t, idx));
+simd_op!(FilterMagGeVals { x: &'a [f32], t: u32, idx: &'a mut [u32], vals: &'a mut [u32] }
+    -> (usize, usize) = portable::filter_mag_ge_vals(x, t, idx, vals));
 simd_op!(FilterDrawLt { first: u32, key: u32, t: u32, n: usize, idx: &'a mut [u32] }
     -> (usize, usize) = portable::filter_draw_lt(first, key, t, n, idx));
 simd_op!(DrawMasks { first: u32, key: u32, t: u32, n: usize, masks: &'a mut [MaybeUninit<u64>] }
@@ -609,6 +611,31 @@ pub fn filter_mag_ge(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
         #[cfg(target_arch = "x86_64")]
         (_, X86::Avx512) => unsafe { x86_64::filter_mag_ge_avx512(x, t, idx) },
         _ => simd(b, FilterMagGe { x, t, idx }),
+    }
+}
+
+/// [`filter_mag_ge`] that also writes each kept element's bits beside its index:
+/// `vals[j] = x[idx[j]].to_bits()` for the `written` entries, so that a caller collecting
+/// candidates reads `x` once (a gather afterwards missed the cache on large tensors).
+/// `idx.len() >= 64` and `vals.len() >= idx.len()` are required.
+pub fn filter_mag_ge_vals(x: &[f32], t: u32, idx: &mut [u32], vals: &mut [u32]) -> (usize, usize) {
+    assert!(idx.len() >= 64, "filter index buffer shorter than 64");
+    assert!(
+        vals.len() >= idx.len(),
+        "filter value buffer shorter than its index buffer"
+    );
+    let b = Backend::current();
+    match (b.kind(), x86_route(Op::FilterMagGe, b.kind())) {
+        (BackendKind::Scalar, _) => scalar::filter_mag_ge_vals(x, t, idx, vals),
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after AVX2 was detected.
+        #[cfg(target_arch = "x86_64")]
+        (_, X86::Avx2) => unsafe { x86_64::filter_mag_ge_vals_avx2(x, t, idx, vals) },
+        // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
+        // after AVX-512F was detected.
+        #[cfg(target_arch = "x86_64")]
+        (_, X86::Avx512) => unsafe { x86_64::filter_mag_ge_vals_avx512(x, t, idx, vals) },
+        _ => simd(b, FilterMagGeVals { x, t, idx, vals }),
     }
 }
 

@@ -696,15 +696,35 @@ fn pack_flags(flags: &[u8; 64]) -> u64 {
 pub(super) fn compress_masks(
     n: usize,
     idx: &mut [u32],
+    mask: impl FnMut(usize, usize) -> u64,
+) -> (usize, usize) {
+    compress_masks_vals(n, idx, None, mask)
+}
+
+/// [`compress_masks`] that, given `vals = Some((x, out))`, also writes each kept
+/// element's bits `x[i]` to `out` beside its index (while both have room for 64 more).
+#[inline(always)]
+pub(super) fn compress_masks_vals(
+    n: usize,
+    idx: &mut [u32],
+    mut vals: Option<(&[f32], &mut [u32])>,
     mut mask: impl FnMut(usize, usize) -> u64,
 ) -> (usize, usize) {
+    let room = match &vals {
+        Some((_, out)) => idx.len().min(out.len()),
+        None => idx.len(),
+    };
     let mut count = 0;
     let mut done = 0;
-    while done < n && idx.len() - count >= 64 {
+    while done < n && room - count >= 64 {
         let len = (n - done).min(64);
         let mut m = mask(done, len);
         while m != 0 {
-            idx[count] = done as u32 + m.trailing_zeros();
+            let i = done + m.trailing_zeros() as usize;
+            idx[count] = i as u32;
+            if let Some((x, out)) = &mut vals {
+                out[count] = x[i].to_bits();
+            }
             count += 1;
             m &= m - 1;
         }
@@ -733,6 +753,16 @@ fn compress(n: usize, idx: &mut [u32], flag: impl Fn(usize) -> bool) -> (usize, 
 #[inline(always)]
 pub fn filter_mag_ge(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
     compress(x.len(), idx, |i| x[i].to_bits() & ABS >= t)
+}
+
+/// [`filter_mag_ge`] that also writes the kept elements' bits to `vals` (see
+/// `super::filter_mag_ge_vals`).
+#[inline(always)]
+pub fn filter_mag_ge_vals(x: &[f32], t: u32, idx: &mut [u32], vals: &mut [u32]) -> (usize, usize) {
+    let flag = |i: usize| x[i].to_bits() & ABS >= t;
+    compress_masks_vals(x.len(), idx, Some((x, vals)), |done, len| {
+        flag_mask(len, |j| flag(done + j))
+    })
 }
 
 /// Indices `i < n` with `lowbias32(first as u32 + i ^ key) < t` (see

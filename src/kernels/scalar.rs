@@ -1107,6 +1107,16 @@ pub fn filter_mag_ge(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
     filter(x.len(), idx, |i| mag_key(x[i]) >= t)
 }
 
+/// The oracle of `kernels::filter_mag_ge_vals`: [`filter_mag_ge`], then the kept
+/// elements' bits.
+pub fn filter_mag_ge_vals(x: &[f32], t: u32, idx: &mut [u32], vals: &mut [u32]) -> (usize, usize) {
+    let (done, count) = filter_mag_ge(x, t, idx);
+    for (v, &i) in vals[..count].iter_mut().zip(&idx[..count]) {
+        *v = x[i as usize].to_bits();
+    }
+    (done, count)
+}
+
 /// The oracle of `kernels::filter_draw_lt`.
 pub fn filter_draw_lt(
     draws: &Draws,

@@ -61,11 +61,11 @@ impl<'a> Candidates<'a> {
                 None => return false,
             }
         } else {
-            let (len, scanned) = fill(x, t, 0, &mut self.idx[..room]);
+            let vals = Some(&mut self.vals[..room]);
+            let (len, scanned) = fill(x, t, 0, &mut self.idx[..room], vals);
             if scanned < x.len() || len > cap {
                 return false;
             }
-            gather(x, &self.idx[..len], &mut self.vals[..len]);
             len
         };
         self.len = len;
@@ -73,12 +73,12 @@ impl<'a> Candidates<'a> {
     }
 
     /// [`Candidates::collect`] on the thread pool, into the first `room` entries of each
-    /// half. Up to [`MAX_PIECES`] pieces of `x` each fill an equal share of the index
-    /// half, and a piece whose candidates overflow its share goes on counting them. From
-    /// the counts, each piece's candidates take their place (in index order) in the value
-    /// half, the overflowed ones completed by a second filter over the rest of their
-    /// piece; the halves then swap roles and the values are gathered. Returns the
-    /// candidate count, or `None` if more than `cap` reach `t`.
+    /// half. Up to [`MAX_PIECES`] pieces of `x` each fill an equal share of both halves
+    /// (indices and values), and a piece whose candidates overflow its share goes on
+    /// counting them. The shares then move into one run, in index order; where a piece
+    /// overflowed, they move on to their final places, and a second filter over the rest
+    /// of each overflowed piece completes it in parallel. Returns the candidate count, or
+    /// `None` if more than `cap` reach `t`.
     fn collect_par(&mut self, x: &[f32], t: u32, room: usize, cap: usize) -> Option<usize> {
         let n = x.len();
         let range = parallel::CHUNK.max(n.div_ceil(MAX_PIECES).next_multiple_of(64));
@@ -87,12 +87,14 @@ impl<'a> Candidates<'a> {
         let share = room / res.len();
         let shares = Fill {
             x,
-            dst: &mut self.idx[..room],
+            idx: &mut self.idx[..room],
+            vals: &mut self.vals[..room],
             res: &mut *res,
             share,
         };
         parallel::for_ranges(shares, n, range, true, &|f, start| {
-            let (stored, scanned) = fill(f.x, t, start as u32, &mut f.dst[..share]);
+            let vals = Some(&mut f.vals[..share]);
+            let (stored, scanned) = fill(f.x, t, start as u32, &mut f.idx[..share], vals);
             f.res[0] = Piece {
                 stored,
                 scanned,
@@ -104,30 +106,40 @@ impl<'a> Candidates<'a> {
         if len > cap || len > room {
             return None;
         }
-        let placed = Place {
+        // Move the shares down into one run, in order (each lies at or after its place
+        // in the run)...
+        let mut at = 0;
+        for (p, r) in res.iter().enumerate() {
+            let from = p * share..p * share + r.stored;
+            self.idx.copy_within(from.clone(), at);
+            self.vals.copy_within(from, at);
+            at += r.stored;
+        }
+        if at == len {
+            return Some(len);
+        }
+        // ... then, from the last piece back, up to their places (each at or after its
+        // place in the run), leaving the room that the overflowed pieces complete.
+        let mut place = len;
+        for r in res.iter().rev() {
+            place -= r.count;
+            at -= r.stored;
+            self.idx.copy_within(at..at + r.stored, place);
+            self.vals.copy_within(at..at + r.stored, place);
+        }
+        let completed = Complete {
             x,
-            src: &self.idx[..room],
-            dst: &mut self.vals[..len],
-            res,
-            share,
-        };
-        parallel::for_ranges(placed, n, range, true, &|p, start| {
-            let r = p.res[0];
-            p.dst[..r.stored].copy_from_slice(&p.src[..r.stored]);
-            if r.count > r.stored {
-                let rest = &p.x[r.scanned..];
-                fill(rest, t, (start + r.scanned) as u32, &mut p.dst[r.stored..]);
-            }
-            false
-        });
-        core::mem::swap(&mut self.idx, &mut self.vals);
-        let gathered = Gather {
-            x,
-            idx: &self.idx[..len],
+            idx: &mut self.idx[..len],
             vals: &mut self.vals[..len],
+            res,
         };
-        parallel::for_ranges(gathered, len, parallel::CHUNK, true, &|g, _| {
-            gather(g.x, g.idx, g.vals);
+        parallel::for_ranges(completed, n, range, true, &|c, start| {
+            let r = c.res[0];
+            if r.count > r.stored {
+                let (rest, base) = (&c.x[r.scanned..], (start + r.scanned) as u32);
+                let vals = Some(&mut c.vals[r.stored..]);
+                fill(rest, t, base, &mut c.idx[r.stored..], vals);
+            }
             false
         });
         Some(len)
@@ -159,11 +171,12 @@ struct Piece {
     count: usize,
 }
 
-/// The pieces of `x` with their shares of the index half (`share` entries each) and
-/// their results.
+/// The pieces of `x` with their shares of both halves (`share` entries each) and their
+/// results.
 struct Fill<'a> {
     x: &'a [f32],
-    dst: &'a mut [u32],
+    idx: &'a mut [u32],
+    vals: &'a mut [u32],
     res: &'a mut [Piece],
     share: usize,
 }
@@ -171,109 +184,96 @@ struct Fill<'a> {
 impl Split for Fill<'_> {
     fn split(self, at: usize, pieces: usize) -> (Self, Self) {
         let (x0, x1) = self.x.split_at(at);
-        let (d0, d1) = self.dst.split_at_mut(pieces * self.share);
+        let (i0, i1) = self.idx.split_at_mut(pieces * self.share);
+        let (v0, v1) = self.vals.split_at_mut(pieces * self.share);
         let (r0, r1) = self.res.split_at_mut(pieces);
         let share = self.share;
         (
             Fill {
                 x: x0,
-                dst: d0,
+                idx: i0,
+                vals: v0,
                 res: r0,
                 share,
             },
             Fill {
                 x: x1,
-                dst: d1,
-                res: r1,
-                share,
-            },
-        )
-    }
-}
-
-/// The pieces of `x`, their shares of the index half (`src`) and their places in the
-/// value half (`dst`, `count` entries per piece).
-struct Place<'a> {
-    x: &'a [f32],
-    src: &'a [u32],
-    dst: &'a mut [u32],
-    res: &'a [Piece],
-    share: usize,
-}
-
-impl Split for Place<'_> {
-    fn split(self, at: usize, pieces: usize) -> (Self, Self) {
-        let (x0, x1) = self.x.split_at(at);
-        let (s0, s1) = self.src.split_at(pieces * self.share);
-        let placed = self.res[..pieces].iter().map(|r| r.count).sum();
-        let (d0, d1) = self.dst.split_at_mut(placed);
-        let (r0, r1) = self.res.split_at(pieces);
-        let share = self.share;
-        (
-            Place {
-                x: x0,
-                src: s0,
-                dst: d0,
-                res: r0,
-                share,
-            },
-            Place {
-                x: x1,
-                src: s1,
-                dst: d1,
-                res: r1,
-                share,
-            },
-        )
-    }
-}
-
-/// Candidate indices and the value bits to gather for them from `x`.
-struct Gather<'a> {
-    x: &'a [f32],
-    idx: &'a [u32],
-    vals: &'a mut [u32],
-}
-
-impl Split for Gather<'_> {
-    fn split(self, at: usize, _: usize) -> (Self, Self) {
-        let (i0, i1) = self.idx.split_at(at);
-        let (v0, v1) = self.vals.split_at_mut(at);
-        (
-            Gather {
-                x: self.x,
-                idx: i0,
-                vals: v0,
-            },
-            Gather {
-                x: self.x,
                 idx: i1,
                 vals: v1,
+                res: r1,
+                share,
             },
         )
     }
 }
 
-/// Store into `dst`, until it is full, the indices (plus `base`) of the elements of `x`
-/// with key `>= t`, ascending; returns how many were stored and how many elements were
-/// looked at (all of `x`, unless `dst` filled up: then up to the first one not stored).
-fn fill(x: &[f32], t: u32, base: u32, dst: &mut [u32]) -> (usize, usize) {
+/// The pieces of `x` and their places in the candidates (`count` entries per piece).
+struct Complete<'a> {
+    x: &'a [f32],
+    idx: &'a mut [u32],
+    vals: &'a mut [u32],
+    res: &'a [Piece],
+}
+
+impl Split for Complete<'_> {
+    fn split(self, at: usize, pieces: usize) -> (Self, Self) {
+        let (x0, x1) = self.x.split_at(at);
+        let placed = self.res[..pieces].iter().map(|r| r.count).sum();
+        let (i0, i1) = self.idx.split_at_mut(placed);
+        let (v0, v1) = self.vals.split_at_mut(placed);
+        let (r0, r1) = self.res.split_at(pieces);
+        (
+            Complete {
+                x: x0,
+                idx: i0,
+                vals: v0,
+                res: r0,
+            },
+            Complete {
+                x: x1,
+                idx: i1,
+                vals: v1,
+                res: r1,
+            },
+        )
+    }
+}
+
+/// Store into `idx`, until it is full, the indices (plus `base`) of the elements of `x`
+/// with key `>= t`, ascending, and their bits into `vals` if given (as long as `idx`);
+/// returns how many were stored and how many elements were looked at (all of `x`, unless
+/// `idx` filled up: then up to the first one not stored).
+fn fill(
+    x: &[f32],
+    t: u32,
+    base: u32,
+    idx: &mut [u32],
+    mut vals: Option<&mut [u32]>,
+) -> (usize, usize) {
     let (mut pos, mut len) = (0, 0);
     while pos < x.len() {
-        if dst.len() - len >= 64 {
-            let (used, kept) = kernels::filter_mag_ge(&x[pos..], t, &mut dst[len..]);
-            for i in &mut dst[len..len + kept] {
+        if idx.len() - len >= 64 {
+            let (used, kept) = match &mut vals {
+                Some(v) => {
+                    kernels::filter_mag_ge_vals(&x[pos..], t, &mut idx[len..], &mut v[len..])
+                }
+                None => kernels::filter_mag_ge(&x[pos..], t, &mut idx[len..]),
+            };
+            for i in &mut idx[len..len + kept] {
                 *i += base + pos as u32;
             }
             pos += used;
             len += kept;
         } else {
-            // Near the end of `dst`: filter into the stack, keep what fits.
+            // Near the end of `idx`: filter into the stack, keep what fits.
             let mut buf = [0u32; 64];
             let (used, kept) = kernels::filter_mag_ge(&x[pos..], t, &mut buf);
-            let fit = kept.min(dst.len() - len);
-            for (d, &i) in dst[len..len + fit].iter_mut().zip(&buf) {
-                *d = i + base + pos as u32;
+            let fit = kept.min(idx.len() - len);
+            for (j, &i) in buf[..fit].iter().enumerate() {
+                idx[len + j] = i + base + pos as u32;
+                if let Some(v) = &mut vals {
+                    v[len + j] = x[pos + i as usize].to_bits();
+                }
             }
             len += fit;
             if fit < kept {
@@ -290,13 +290,6 @@ fn count_at_least(x: &[f32], t: u32) -> usize {
     let mut count = 0;
     for_each_at_least(x, t, |_, _| count += 1);
     count
-}
-
-/// `vals[j] = x[idx[j]].to_bits()`.
-fn gather(x: &[f32], idx: &[u32], vals: &mut [u32]) {
-    for (v, &i) in vals.iter_mut().zip(idx) {
-        *v = x[i as usize].to_bits();
-    }
 }
 
 impl TopK {

@@ -13,7 +13,7 @@ use core::arch::x86_64::*;
 pub mod blocks;
 pub mod blocks512;
 
-use super::portable::{SignLanes, compress_masks};
+use super::portable::{SignLanes, compress_masks_vals};
 use super::scalar::{self, mode};
 
 const ABS: i32 = 0x7FFF_FFFF;
@@ -427,6 +427,28 @@ fn mag_mask_tail(x: &[f32], t: u32) -> u64 {
 /// The CPU must support AVX2.
 #[target_feature(enable = "avx2")]
 pub unsafe fn filter_mag_ge_avx2(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
+    filter_mag_avx2(x, t, idx, None)
+}
+
+/// [`filter_mag_ge_avx2`] that also writes the kept elements' bits to `vals`: the
+/// contract of `super::filter_mag_ge_vals`.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn filter_mag_ge_vals_avx2(
+    x: &[f32],
+    t: u32,
+    idx: &mut [u32],
+    vals: &mut [u32],
+) -> (usize, usize) {
+    filter_mag_avx2(x, t, idx, Some(vals))
+}
+
+/// The filter of [`filter_mag_ge_avx2`], writing values too when `vals` is given.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn filter_mag_avx2(x: &[f32], t: u32, idx: &mut [u32], vals: Option<&mut [u32]>) -> (usize, usize) {
     if t > ABS as u32 {
         // No magnitude key exceeds 0x7FFF_FFFF: nothing is kept.
         return (x.len(), 0);
@@ -435,7 +457,7 @@ pub unsafe fn filter_mag_ge_avx2(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, 
     // -1, which every key exceeds).
     let below = _mm256_set1_epi32((t as i32).wrapping_sub(1));
     let abs = _mm256_set1_epi32(ABS);
-    compress_masks(x.len(), idx, |done, len| {
+    compress_masks_vals(x.len(), idx, vals.map(|v| (x, v)), |done, len| {
         if len < 64 {
             return mag_mask_tail(&x[done..done + len], t);
         }
@@ -553,9 +575,36 @@ pub unsafe fn compress_stored_masks_avx2(
 /// The CPU must support AVX-512F.
 #[target_feature(enable = "avx512f")]
 pub unsafe fn filter_mag_ge_avx512(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
+    filter_mag_avx512(x, t, idx, None)
+}
+
+/// [`filter_mag_ge_avx512`] that also writes the kept elements' bits to `vals`: the
+/// contract of `super::filter_mag_ge_vals`.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn filter_mag_ge_vals_avx512(
+    x: &[f32],
+    t: u32,
+    idx: &mut [u32],
+    vals: &mut [u32],
+) -> (usize, usize) {
+    filter_mag_avx512(x, t, idx, Some(vals))
+}
+
+/// The filter of [`filter_mag_ge_avx512`], writing values too when `vals` is given.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn filter_mag_avx512(
+    x: &[f32],
+    t: u32,
+    idx: &mut [u32],
+    vals: Option<&mut [u32]>,
+) -> (usize, usize) {
     let tv = _mm512_set1_epi32(t as i32);
     let abs = _mm512_set1_epi32(ABS);
-    compress_masks(x.len(), idx, |done, len| {
+    compress_masks_vals(x.len(), idx, vals.map(|v| (x, v)), |done, len| {
         if len < 64 {
             return mag_mask_tail(&x[done..done + len], t);
         }
