@@ -529,6 +529,52 @@ fn every_backend_finds_nonfinite_values_like_the_oracle() {
 }
 
 #[test]
+fn every_backend_retains_candidates_like_the_oracle() {
+    use gradpack::unstable::kernels::{retain_mag_ge, scalar};
+    let backends = simd_backends();
+    let mut pool: Vec<f32> = sample(1000, 23);
+    pool.extend(SPECIALS.iter().copied());
+    pool.extend([f32::NAN, -f32::NAN, f32::INFINITY, 0.0, -0.0]);
+    let keys = [
+        0u32,
+        1,
+        scalar::mag_key(0.5),
+        scalar::mag_key(30.0),
+        scalar::INF_BITS,
+        scalar::INF_BITS + 1,
+        0x7FFF_FFFF,
+        0x8000_0000,
+        u32::MAX,
+    ];
+    for n in [0, 1, 7, 8, 9, 15, 16, 17, 31, 33, 100, pool.len()] {
+        for start in [0, 5] {
+            let vals: Vec<u32> = pool[start..][..n.min(pool.len() - start)]
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            let idx: Vec<u32> = (0..vals.len() as u32).map(|i| 3 * i + 1).collect();
+            for &t in &keys {
+                let (mut wi, mut wv) = (idx.clone(), vals.clone());
+                let want = scalar::retain_mag_ge(&mut wi, &mut wv, t);
+                let by_hand: Vec<u32> = (0..vals.len())
+                    .filter(|&j| scalar::mag_key(f32::from_bits(vals[j])) >= t)
+                    .map(|j| idx[j])
+                    .collect();
+                assert_eq!(wi[..want], by_hand[..], "oracle, n {n} t {t:#x}");
+                for b in &backends {
+                    let (mut gi, mut gv) = (idx.clone(), vals.clone());
+                    let got = b.run(|| retain_mag_ge(&mut gi, &mut gv, t));
+                    assert!(
+                        got == want && gi[..got] == wi[..want] && gv[..got] == wv[..want],
+                        "retain_mag_ge on {b}: n {n} t {t:#x}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn every_backend_filters_like_the_oracle() {
     use gradpack::unstable::kernels::{filter_draw_lt, filter_mag_ge, scalar};
     let backends = simd_backends();

@@ -639,6 +639,27 @@ pub fn filter_mag_ge_vals(x: &[f32], t: u32, idx: &mut [u32], vals: &mut [u32]) 
     }
 }
 
+/// Keep, in place and in order, the entries `j` of `idx` and `vals` whose value bits
+/// `vals[j]` have a magnitude key (see [`scalar::mag_key`]) `>= t`; returns how many were
+/// kept (entries past it are unspecified). Both slices are taken to the shorter one's
+/// length. Routed with [`filter_mag_ge`], of which it is the in-place form.
+pub fn retain_mag_ge(idx: &mut [u32], vals: &mut [u32], t: u32) -> usize {
+    let b = Backend::current();
+    match (b.kind(), x86_route(Op::FilterMagGe, b.kind())) {
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after AVX2 was detected.
+        #[cfg(target_arch = "x86_64")]
+        (BackendKind::Avx2 | BackendKind::Avx512, X86::Avx2) => unsafe {
+            x86_64::retain_mag_ge_avx2(idx, vals, t)
+        },
+        // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
+        // after AVX-512F was detected.
+        #[cfg(target_arch = "x86_64")]
+        (BackendKind::Avx512, X86::Avx512) => unsafe { x86_64::retain_mag_ge_avx512(idx, vals, t) },
+        _ => scalar::retain_mag_ge(idx, vals, t),
+    }
+}
+
 /// Calls `f(i)` for each index, ascending, that a compare-and-compress filter keeps out of
 /// `n` elements: `filter(pos, idx)` scans from element `pos` and returns
 /// `(consumed, written)` with indices relative to `pos`, as [`filter_mag_ge`] and

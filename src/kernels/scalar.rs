@@ -1117,6 +1117,26 @@ pub fn filter_mag_ge_vals(x: &[f32], t: u32, idx: &mut [u32], vals: &mut [u32]) 
     (done, count)
 }
 
+/// The oracle of `kernels::retain_mag_ge`: one entry at a time.
+pub fn retain_mag_ge(idx: &mut [u32], vals: &mut [u32], t: u32) -> usize {
+    retain_mag_ge_from(idx, vals, t, 0, 0)
+}
+
+/// [`retain_mag_ge`] from entry `r` on, the first `w <= r` entries already kept; returns
+/// how many more it keeps (the SIMD kernels' tail).
+pub fn retain_mag_ge_from(idx: &mut [u32], vals: &mut [u32], t: u32, r: usize, w: usize) -> usize {
+    let n = idx.len().min(vals.len());
+    let mut at = w;
+    for j in r..n {
+        if mag_key(f32::from_bits(vals[j])) >= t {
+            idx[at] = idx[j];
+            vals[at] = vals[j];
+            at += 1;
+        }
+    }
+    at - w
+}
+
 /// The oracle of `kernels::filter_draw_lt`.
 pub fn filter_draw_lt(
     draws: &Draws,

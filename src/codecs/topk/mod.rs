@@ -75,7 +75,7 @@ use crate::kernels::{
 use crate::wire::{self, HEADER_LEN, Header};
 pub use index::IndexCoding;
 use index::{IndexSink, Scan, bit_width, rice_bits};
-use select::{Candidates, Cut, approx_limit, candidate_room, for_each_kept, for_each_kept_of};
+use select::{Candidates, Cut, approx_limit, candidate_room, for_each_kept};
 
 /// Largest element count of a top-k frame.
 pub const TOPK_MAX_ELEMENTS: u64 = 1 << 32;
@@ -333,14 +333,23 @@ impl TopK {
         };
         let mut values = ValueWriter::new(self.values, vals, k as usize);
         let mut next = 0usize;
-        let mut keep = |i: usize, v: f32| {
-            values.push(v);
-            sink.push(i, next);
-            next = i + 1;
-        };
         match candidates {
-            Some(c) => for_each_kept_of(c, cut.t, cut.need_eq, keep),
-            None => for_each_kept(x, cut.t, cut.need_eq, |i| keep(i, x[i])),
+            // Exactly the kept elements (`Candidates::retain`): values, then indices,
+            // each in a loop of its own, where the bit writer's state stays in registers.
+            Some((idx, bits)) => {
+                for &b in bits {
+                    values.push(f32::from_bits(b));
+                }
+                for &i in idx {
+                    sink.push(i as usize, next);
+                    next = i as usize + 1;
+                }
+            }
+            None => for_each_kept(x, cut.t, cut.need_eq, |i| {
+                values.push(x[i]);
+                sink.push(i, next);
+                next = i + 1;
+            }),
         }
         let nonfinite = values.finish();
         let written = sink.finish();
@@ -429,6 +438,7 @@ impl Scheme for TopK {
                         let (frame, room) = out.split_at_mut(end);
                         let mut c = Candidates::new(kernels::words_mut(room));
                         if let Some((cut, count)) = self.select_candidates(x, k, &mut c) {
+                            c.retain(cut, count);
                             let kept = Some(c.kept());
                             return self.encode_cut(x, cut, Some(count), kept, frame, params);
                         }

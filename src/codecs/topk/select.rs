@@ -50,6 +50,32 @@ impl<'a> Candidates<'a> {
         (&self.idx[..self.len], &self.vals[..self.len])
     }
 
+    /// Keep only the `count` candidates that `cut` keeps, in order: a SIMD compaction of
+    /// the keys `>= cut.t` (a branch per candidate, a third of which fall below the cut
+    /// at random, was mispredicted often enough to cost a fifth of a 1 Mi encode), then,
+    /// where ties at `cut.t` are more than the cut takes, a pass that drops the later ones.
+    pub(super) fn retain(&mut self, cut: Cut, count: usize) {
+        let n = self.len;
+        let kept = kernels::retain_mag_ge(&mut self.idx[..n], &mut self.vals[..n], cut.t);
+        if kept > count {
+            let (mut w, mut eq_left) = (0, cut.need_eq);
+            for j in 0..kept {
+                let key = self.vals[j] & 0x7FFF_FFFF;
+                let tie = key == cut.t && eq_left > 0;
+                if key > cut.t || tie {
+                    eq_left -= tie as usize;
+                    self.idx[w] = self.idx[j];
+                    self.vals[w] = self.vals[j];
+                    w += 1;
+                }
+            }
+            self.len = w;
+        } else {
+            self.len = kept;
+        }
+        debug_assert_eq!(self.len, count);
+    }
+
     /// Collect the elements of `x` with key `>= t`, at most `cap` of them; false (and
     /// nothing usable) when more reach `t` than fit. Large tensors are collected on all
     /// threads ([`Candidates::collect_par`]); the candidates are the same.
@@ -352,26 +378,6 @@ pub(super) fn for_each_kept(x: &[f32], t: u32, mut need_eq: usize, mut f: impl F
             f(i);
         }
     });
-}
-
-/// [`for_each_kept`] over candidates (ascending indices that include every key `>= t`,
-/// and their values' bits) instead of all of `x`: `f(index, value)`.
-#[inline]
-pub(super) fn for_each_kept_of(
-    (idx, vals): (&[u32], &[u32]),
-    t: u32,
-    mut need_eq: usize,
-    mut f: impl FnMut(usize, f32),
-) {
-    for (&i, &bits) in idx.iter().zip(vals) {
-        let (key, v) = (bits & 0x7FFF_FFFF, f32::from_bits(bits));
-        if key > t {
-            f(i as usize, v);
-        } else if key == t && need_eq > 0 {
-            need_eq -= 1;
-            f(i as usize, v);
-        }
-    }
 }
 
 /// Which elements a selection keeps: keys above `t`, then the first `need_eq` keys equal

@@ -617,3 +617,79 @@ fn filter_mag_avx512(
         m
     })
 }
+
+/// Keep, in place and in order, the entries `j` of `idx` and `vals` with `vals[j]`'s
+/// magnitude bits `>= t`, 8 at a time (a compare, then a permute from [`COMPRESS8`]);
+/// returns how many were kept: `super::retain_mag_ge`'s contract.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn retain_mag_ge_avx2(idx: &mut [u32], vals: &mut [u32], t: u32) -> usize {
+    let n = idx.len().min(vals.len());
+    if t > ABS as u32 {
+        return 0;
+    }
+    // Signed compare against t - 1, as in `filter_mag_avx2`.
+    let below = _mm256_set1_epi32((t as i32).wrapping_sub(1));
+    let abs = _mm256_set1_epi32(ABS);
+    let (mut r, mut w) = (0, 0);
+    while r + 8 <= n {
+        // SAFETY: r + 8 <= n, so both loads read inside the slices; both stores write
+        // entries w..w + 8 with w <= r, inside the slices, and only entries before r + 8,
+        // which are already loaded.
+        unsafe {
+            let v = _mm256_loadu_si256(vals.as_ptr().add(r).cast());
+            let i = _mm256_loadu_si256(idx.as_ptr().add(r).cast());
+            let ge = _mm256_cmpgt_epi32(_mm256_and_si256(v, abs), below);
+            let m = _mm256_movemask_ps(_mm256_castsi256_ps(ge)) as usize;
+            let pos = _mm_cvtsi64_si128(COMPRESS8[m] as i64);
+            let perm = _mm256_cvtepu8_epi32(pos);
+            _mm256_storeu_si256(
+                vals.as_mut_ptr().add(w).cast(),
+                _mm256_permutevar8x32_epi32(v, perm),
+            );
+            _mm256_storeu_si256(
+                idx.as_mut_ptr().add(w).cast(),
+                _mm256_permutevar8x32_epi32(i, perm),
+            );
+            w += m.count_ones() as usize;
+        }
+        r += 8;
+    }
+    w + scalar::retain_mag_ge_from(idx, vals, t, r, w)
+}
+
+/// [`retain_mag_ge_avx2`] with AVX-512, 16 at a time (a compare into a mask register,
+/// then `vpcompressd`).
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn retain_mag_ge_avx512(idx: &mut [u32], vals: &mut [u32], t: u32) -> usize {
+    let n = idx.len().min(vals.len());
+    let tv = _mm512_set1_epi32(t as i32);
+    let abs = _mm512_set1_epi32(ABS);
+    let (mut r, mut w) = (0, 0);
+    while r + 16 <= n {
+        // SAFETY: r + 16 <= n, so both loads read inside the slices; both stores write
+        // entries w..w + 16 with w <= r, inside the slices, and only entries before
+        // r + 16, which are already loaded.
+        unsafe {
+            let v = _mm512_loadu_si512(vals.as_ptr().add(r).cast());
+            let i = _mm512_loadu_si512(idx.as_ptr().add(r).cast());
+            let m = _mm512_cmpge_epu32_mask(_mm512_and_si512(v, abs), tv);
+            _mm512_storeu_si512(
+                vals.as_mut_ptr().add(w).cast(),
+                _mm512_maskz_compress_epi32(m, v),
+            );
+            _mm512_storeu_si512(
+                idx.as_mut_ptr().add(w).cast(),
+                _mm512_maskz_compress_epi32(m, i),
+            );
+            w += m.count_ones() as usize;
+        }
+        r += 16;
+    }
+    w + scalar::retain_mag_ge_from(idx, vals, t, r, w)
+}
