@@ -1,26 +1,38 @@
 //! A tight encode loop for profilers: `perf record target/release/examples/profile_encode
-//! SPEC [ELEMENTS] [ITERATIONS]` encodes the synthetic gradient repeatedly with the current
-//! backend (set `GRADPACK_BACKEND` to choose) and prints the throughput.
+//! SPEC [ELEMENTS] [ITERATIONS] [ef]` encodes the synthetic gradient repeatedly with the
+//! current backend (set `GRADPACK_BACKEND` to choose) and prints the throughput; with `ef`,
+//! each encode is an error-feedback step.
 
-use gradpack::{Backend, Codec, CodecSpec, EncodeCtx};
+use gradpack::{Backend, Codec, CodecSpec, EncodeCtx, ErrorFeedback, FeedbackOptions};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let spec: CodecSpec = args
         .next()
-        .ok_or("usage: profile_encode SPEC [ELEMENTS] [ITERATIONS]")?
+        .ok_or("usage: profile_encode SPEC [ELEMENTS] [ITERATIONS] [ef]")?
         .parse()?;
     let n: usize = args.next().map_or(Ok(1 << 16), |a| a.parse())?;
     let iters: u32 = args.next().map_or(Ok(20_000), |a| a.parse())?;
+    let ef = args.next().is_some_and(|a| a == "ef");
     let x = gradpack::synthetic::gradient(n, 7);
     let mut frame = vec![0u8; spec.max_encoded_len(n)];
+    let any = FeedbackOptions {
+        allow_non_contractive: true,
+        ..Default::default()
+    };
+    let mut feedback = ErrorFeedback::with_options(spec, n, any)?;
     let start = std::time::Instant::now();
     for _ in 0..iters {
-        spec.encode_into(&x, &EncodeCtx::new(1), &mut frame)?;
+        if ef {
+            feedback.encode_into(&x, &EncodeCtx::new(1), &mut frame)?;
+        } else {
+            spec.encode_into(&x, &EncodeCtx::new(1), &mut frame)?;
+        }
     }
     let secs = start.elapsed().as_secs_f64();
     println!(
-        "{spec} on {}: {:.2} GB/s of f32 input",
+        "{spec}{} on {}: {:.2} GB/s of f32 input",
+        if ef { " (error feedback)" } else { "" },
         Backend::current(),
         iters as f64 * 4.0 * n as f64 / secs / 1e9
     );

@@ -465,6 +465,26 @@ fn top_k_frames_do_not_depend_on_threads_or_where_the_large_values_sit() {
                     "{spec} {name}: {threads} threads differ from the multi-pass engine"
                 );
             }
+            // Error feedback: on one thread top-k forms `beta r + gamma g` inside its
+            // filter pass; on two the tensor is formed, then collected in parallel.
+            // Both must match the unfused definition, step after step.
+            let o = FeedbackOptions {
+                beta: 0.9,
+                gamma: -0.37,
+                ..permissive()
+            };
+            for threads in [1, 2] {
+                let mut ef = ErrorFeedback::with_options(spec, n, o).unwrap();
+                let mut unfused = Reference::new(n, ResidualPrecision::F32);
+                for step in 0..2 {
+                    let want = unfused.step(&spec, x, &o, &ctx);
+                    let got = pool(threads).install(|| ef.encode(x, &ctx).unwrap());
+                    assert!(
+                        got == want && unfused.matches(&ef),
+                        "{spec} {name}: error feedback on {threads} threads, step {step}"
+                    );
+                }
+            }
         }
     }
 }

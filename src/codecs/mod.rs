@@ -69,6 +69,18 @@ pub(crate) mod scheme {
         fn max_payload(&self, n: u64) -> u64;
         /// Encode `x` into the payload area `out[HEADER_LEN..]` (use `payload_buf`).
         fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded>;
+        /// Form the error-feedback input `r = beta r + gamma g` in place and encode it, as
+        /// `encode_payload` would encode the formed `r`. A codec may fuse the two passes.
+        fn encode_formed(
+            &self,
+            r: &mut [f32],
+            (g, beta, gamma): (&[f32], f32, f32),
+            ctx: &EncodeCtx,
+            out: &mut [u8],
+        ) -> Result<Encoded> {
+            crate::parallel::feedback_form(r, g, beta, gamma);
+            self.encode_payload(r, ctx, out)
+        }
         /// The codec described by a header: validates params, seed and payload length.
         fn read(h: &Header) -> Result<Self>;
         /// Decode a payload already checked by `read` into `out` (`out.len() == elements`).
@@ -153,9 +165,9 @@ fn write_header<S: Scheme>(e: &Encoded, n: usize, ctx: &EncodeCtx, out: &mut [u8
 
 /// One error-feedback step of codec `c` (arguments already validated: lengths equal,
 /// `out` holds `max_encoded_len`, `check_encode` passed). Fixed-rate codecs run the fused
-/// tile loop of [`fixed::feedback`]; the sparse codecs form `p` in the residual, encode it
-/// whole, and decode the frame onto it in residual mode, which touches only the sent
-/// elements.
+/// tile loop of [`fixed::feedback`]; the sparse codecs form `p` in the residual and encode
+/// it whole (top-k forms it tile by tile inside its filter pass), and decode the frame
+/// onto it in residual mode, which touches only the sent elements.
 pub(crate) fn feedback_step<S: Scheme>(
     c: &S,
     g: &[f32],
@@ -177,8 +189,7 @@ pub(crate) fn feedback_step<S: Scheme>(
             reason: "a bf16 residual needs a fixed-rate codec".into(),
         });
     };
-    crate::parallel::feedback_form(r, g, beta, gamma);
-    let e = c.encode_payload(r, ctx, out)?;
+    let e = c.encode_formed(r, (g, beta, gamma), ctx, out)?;
     let h = write_header::<S>(&e, g.len(), ctx, out);
     let len = HEADER_LEN + e.payload_len as usize;
     c.decode_payload::<{ mode::RESIDUAL }>(&h, &out[HEADER_LEN..len], r)?;

@@ -287,6 +287,42 @@ impl TopK {
         self.values.section_len(k).saturating_add(ibytes)
     }
 
+    /// Where the frame's largest size ends in an output buffer (the working room of the
+    /// one-pass selection starts there).
+    fn frame_end(&self, n: u64) -> usize {
+        HEADER_LEN.saturating_add(self.frame_payload(n) as usize)
+    }
+
+    /// Bytes 8 (value type) of the params; encode_cut fills in the rest.
+    fn params(&self) -> [u8; 12] {
+        let mut params = [0u8; 12];
+        params[8] = self.values as u8;
+        params
+    }
+
+    /// The one-pass route for `k >= 1`: candidates collected into the room past the
+    /// frame's largest size, the cut found among them, the frame written from them.
+    /// `None` where `out` has no room or the sample misjudged (the input is then formed,
+    /// if it was to be).
+    fn encode_one_pass(&self, input: Input, k: usize, out: &mut [u8]) -> Option<Result<Encoded>> {
+        let end = self.frame_end(input.len() as u64);
+        if out.len() <= end {
+            return None;
+        }
+        let (frame, room) = out.split_at_mut(end);
+        let mut c = Candidates::new(kernels::words_mut(room));
+        let (x, selected) = match input {
+            Input::Plain(x) => (x, self.select_candidates(x, k, &mut c)),
+            Input::Formed(r, g, beta, gamma) => {
+                let selected = self.select_candidates_formed((&mut *r, g, beta, gamma), k, &mut c);
+                (&*r, selected)
+            }
+        };
+        let (cut, count) = selected?;
+        c.retain(cut, count);
+        Some(self.encode_cut(x, cut, Some(count), Some(c.kept()), frame, self.params()))
+    }
+
     /// Encode the elements `cut` keeps (`count` of them, if known) in one
     /// compare-and-compress pass over `x` that writes values and indices; a counting pass
     /// comes first when the count is unknown (threshold), the coding needs the largest
@@ -370,6 +406,22 @@ impl TopK {
     }
 }
 
+/// What top-k encodes: `x`, or the error-feedback input `beta r + gamma g`, formed into `r`
+/// as it is read.
+enum Input<'a> {
+    Plain(&'a [f32]),
+    Formed(&'a mut [f32], &'a [f32], f32, f32),
+}
+
+impl Input<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Input::Plain(x) => x.len(),
+            Input::Formed(r, ..) => r.len(),
+        }
+    }
+}
+
 impl fmt::Display for TopK {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.select {
@@ -422,8 +474,6 @@ impl Scheme for TopK {
 
     fn encode_payload(&self, x: &[f32], _ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
         let n = x.len() as u64;
-        let mut params = [0u8; 12];
-        params[8] = self.values as u8;
         let (cut, count) = match self.select {
             TopKSelect::Threshold(t) => (Cut::all_from(mag_key(t)), None),
             _ => match self.k_for(n) as usize {
@@ -433,22 +483,41 @@ impl Scheme for TopK {
                     // frame's largest size, and the values and indices are written from
                     // them; the multi-pass engine runs without the room, or where the
                     // sample misjudged.
-                    let end = HEADER_LEN.saturating_add(self.frame_payload(n) as usize);
-                    if out.len() > end {
-                        let (frame, room) = out.split_at_mut(end);
-                        let mut c = Candidates::new(kernels::words_mut(room));
-                        if let Some((cut, count)) = self.select_candidates(x, k, &mut c) {
-                            c.retain(cut, count);
-                            let kept = Some(c.kept());
-                            return self.encode_cut(x, cut, Some(count), kept, frame, params);
-                        }
+                    if let Some(done) = self.encode_one_pass(Input::Plain(x), k, out) {
+                        return done;
                     }
                     let (cut, count) = self.select_cut(x, k);
                     (cut, Some(count))
                 }
             },
         };
-        self.encode_cut(x, cut, count, None, out, params)
+        self.encode_cut(x, cut, count, None, out, self.params())
+    }
+
+    /// Forms `r = beta r + gamma g` and encodes it. With room for the candidates and a
+    /// tensor collected on one thread, the forming is fused into the filter pass, a tile
+    /// at a time, so that memory is read once; the frame is the same.
+    fn encode_formed(
+        &self,
+        r: &mut [f32],
+        (g, beta, gamma): (&[f32], f32, f32),
+        ctx: &EncodeCtx,
+        out: &mut [u8],
+    ) -> Result<Encoded> {
+        let n = r.len();
+        let k = match self.select {
+            TopKSelect::Threshold(_) => 0,
+            _ => self.k_for(n as u64) as usize,
+        };
+        if k > 0 && out.len() > self.frame_end(n as u64) && !select::collect_in_parallel(n) {
+            if let Some(done) = self.encode_one_pass(Input::Formed(r, g, beta, gamma), k, out) {
+                return done;
+            }
+            // `r` is formed; the sample misjudged: the multi-pass engine.
+            return self.encode_payload(r, ctx, out);
+        }
+        crate::parallel::feedback_form(r, g, beta, gamma);
+        self.encode_payload(r, ctx, out)
     }
 
     fn read(h: &Header) -> Result<TopK> {

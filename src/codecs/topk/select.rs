@@ -98,6 +98,33 @@ impl<'a> Candidates<'a> {
         true
     }
 
+    /// [`Candidates::collect`] of `p = beta r + gamma g`, formed into `r` (in full, even
+    /// when the candidates overflow) a tile at a time, each tile filtered while in cache.
+    fn collect_formed(
+        &mut self,
+        r: &mut [f32],
+        g: &[f32],
+        beta: f32,
+        gamma: f32,
+        t: u32,
+        cap: usize,
+    ) -> bool {
+        let room = self.idx.len().min(cap.saturating_add(64));
+        let (mut len, mut fits) = (0, true);
+        for (at, (r, g)) in r.chunks_mut(FORM_TILE).zip(g.chunks(FORM_TILE)).enumerate() {
+            kernels::feedback_form(r, g, beta, gamma);
+            if fits {
+                let base = (at * FORM_TILE) as u32;
+                let vals = Some(&mut self.vals[len..room]);
+                let (stored, scanned) = fill(r, t, base, &mut self.idx[len..room], vals);
+                len += stored;
+                fits = scanned == r.len();
+            }
+        }
+        self.len = len;
+        fits && len <= cap
+    }
+
     /// [`Candidates::collect`] on the thread pool, into the first `room` entries of each
     /// half. Up to [`MAX_PIECES`] pieces of `x` each fill an equal share of both halves
     /// (indices and values), and a piece whose candidates overflow its share goes on
@@ -177,11 +204,15 @@ impl<'a> Candidates<'a> {
     }
 }
 
+/// Elements formed and filtered at a time by [`Candidates::collect_formed`]: 16 KiB of
+/// `r` and of `g`, which stay in L1 between the two.
+const FORM_TILE: usize = 4096;
+
 /// Whether collecting the candidates of `n` elements is split across threads: from a
 /// quarter of [`parallel::min_len`] (8 Mi elements by default). The filter pass is bound
 /// by memory bandwidth, which two threads here raise by a quarter at most, and handing
 /// work to the pool costs tens of microseconds: below 8 Mi, two threads were no faster.
-fn collect_in_parallel(n: usize) -> bool {
+pub(super) fn collect_in_parallel(n: usize) -> bool {
     parallel::worth(n / 4, 1)
 }
 
@@ -329,20 +360,49 @@ impl TopK {
         k: usize,
         c: &mut Candidates,
     ) -> Option<(Cut, usize)> {
-        let n = x.len() as u64;
-        let cap = candidate_cap(k as u64) as usize;
         let t = sample_threshold(x, AIMS[0] * k as f64);
-        if !c.collect(x, t, cap) {
+        let collected = c.collect(x, t, candidate_cap(k as u64) as usize);
+        self.cut_among(collected, t, x.len(), k, c)
+    }
+
+    /// [`TopK::select_candidates`] of the error-feedback input `p = beta r + gamma g`,
+    /// formed into `r` tile by tile and filtered while each tile is in cache: one pass
+    /// over memory instead of two. `r` is formed in full whatever the outcome.
+    pub(super) fn select_candidates_formed(
+        &self,
+        (r, g, beta, gamma): (&mut [f32], &[f32], f32, f32),
+        k: usize,
+        c: &mut Candidates,
+    ) -> Option<(Cut, usize)> {
+        // The sample's values are formed as the kernel forms them: two rounded products
+        // and a rounded sum.
+        let formed = |i: usize| beta * r[i] + gamma * g[i];
+        let t = sample_threshold_by(r.len(), formed, AIMS[0] * k as f64);
+        let collected = c.collect_formed(r, g, beta, gamma, t, candidate_cap(k as u64) as usize);
+        self.cut_among(collected, t, r.len(), k, c)
+    }
+
+    /// The cut among candidates collected at `t` (if `collected`) of `n` elements.
+    fn cut_among(
+        &self,
+        collected: bool,
+        t: u32,
+        n: usize,
+        k: usize,
+        c: &Candidates,
+    ) -> Option<(Cut, usize)> {
+        if !collected {
             return None;
         }
         // The engine's histograms over the candidates (which hold every key >= t)
         // instead of passes over `x`.
         if let Selection::Approx { tolerance } = self.selection {
-            let limit = approx_limit(k as u64, tolerance).min(n) as usize;
+            let limit = approx_limit(k as u64, tolerance).min(n as u64) as usize;
             return approx_by(t, k, limit, c);
         }
         refine_by(t, k, c).map(|cut| (cut, k))
     }
+
     /// Which elements to keep out of `x` (`1 <= k <= n`), by the module docs' engine,
     /// and how many that is.
     pub(super) fn select_cut(&self, x: &[f32], k: usize) -> (Cut, usize) {
@@ -433,12 +493,17 @@ pub(super) fn approx_limit(k: u64, tolerance: f64) -> u64 {
 /// of a stratified sample of `s = min(n, SAMPLE)` elements (one at a hashed position in
 /// each of `s` equal strata). With `s = n` it is exact.
 pub(super) fn sample_threshold(x: &[f32], aim: f64) -> u32 {
-    let n = x.len();
+    sample_threshold_by(x.len(), |i| x[i], aim)
+}
+
+/// [`sample_threshold`] of the `n` values `value(i)`.
+#[inline]
+fn sample_threshold_by(n: usize, value: impl Fn(usize) -> f32, aim: f64) -> u32 {
     let s = n.min(SAMPLE);
     let mut keys = [0u32; SAMPLE];
     if s == n {
-        for (key, &v) in keys.iter_mut().zip(x) {
-            *key = mag_key(v);
+        for (i, key) in keys[..n].iter_mut().enumerate() {
+            *key = mag_key(value(i));
         }
     } else {
         // Stratum j is [j n / s, (j + 1) n / s) with s = SAMPLE, a power of two: shifts,
@@ -449,7 +514,7 @@ pub(super) fn sample_threshold(x: &[f32], aim: f64) -> u32 {
             let lo = (j * n) >> SAMPLE.trailing_zeros();
             let len = (((j + 1) * n) >> SAMPLE.trailing_zeros()) - lo;
             let h = crate::rng::lowbias32(j as u32 ^ 0x5851_F42D) as u64;
-            *key = mag_key(x[(lo + ((h * len) >> 32)) as usize]);
+            *key = mag_key(value((lo + ((h * len) >> 32)) as usize));
         }
     }
     let r = ((aim * s as f64 / n as f64).ceil() as usize).clamp(1, s);
