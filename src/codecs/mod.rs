@@ -70,16 +70,18 @@ pub(crate) mod scheme {
         /// Encode `x` into the payload area `out[HEADER_LEN..]` (use `payload_buf`).
         fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded>;
         /// Form the error-feedback input `r = beta r + gamma g` in place and encode it, as
-        /// `encode_payload` would encode the formed `r`. A codec may fuse the two passes.
+        /// `encode_payload` would encode the formed `r`. A codec may fuse the two passes,
+        /// and may also leave in `r` the residual that decoding the frame onto it in
+        /// residual mode would: it then returns true, and the frame is not decoded.
         fn encode_formed(
             &self,
             r: &mut [f32],
             (g, beta, gamma): (&[f32], f32, f32),
             ctx: &EncodeCtx,
             out: &mut [u8],
-        ) -> Result<Encoded> {
+        ) -> Result<(Encoded, bool)> {
             crate::parallel::feedback_form(r, g, beta, gamma);
-            self.encode_payload(r, ctx, out)
+            Ok((self.encode_payload(r, ctx, out)?, false))
         }
         /// The codec described by a header: validates params, seed and payload length.
         fn read(h: &Header) -> Result<Self>;
@@ -166,8 +168,9 @@ fn write_header<S: Scheme>(e: &Encoded, n: usize, ctx: &EncodeCtx, out: &mut [u8
 /// One error-feedback step of codec `c` (arguments already validated: lengths equal,
 /// `out` holds `max_encoded_len`, `check_encode` passed). Fixed-rate codecs run the fused
 /// tile loop of [`fixed::feedback`]; the sparse codecs form `p` in the residual and encode
-/// it whole (top-k forms it tile by tile inside its filter pass), and decode the frame
-/// onto it in residual mode, which touches only the sent elements.
+/// it whole, and decode the frame onto it in residual mode, which touches only the sent
+/// elements (top-k forms `p` tile by tile inside its filter pass, and updates the residual
+/// from its kept candidates instead of parsing its indices again).
 pub(crate) fn feedback_step<S: Scheme>(
     c: &S,
     g: &[f32],
@@ -189,10 +192,12 @@ pub(crate) fn feedback_step<S: Scheme>(
             reason: "a bf16 residual needs a fixed-rate codec".into(),
         });
     };
-    let e = c.encode_formed(r, (g, beta, gamma), ctx, out)?;
+    let (e, residual_done) = c.encode_formed(r, (g, beta, gamma), ctx, out)?;
     let h = write_header::<S>(&e, g.len(), ctx, out);
     let len = HEADER_LEN + e.payload_len as usize;
-    c.decode_payload::<{ mode::RESIDUAL }>(&h, &out[HEADER_LEN..len], r)?;
+    if !residual_done {
+        c.decode_payload::<{ mode::RESIDUAL }>(&h, &out[HEADER_LEN..len], r)?;
+    }
     Ok(len)
 }
 

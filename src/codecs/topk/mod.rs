@@ -70,7 +70,7 @@ use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::{Error, Result};
 use crate::kernels::{
     self,
-    scalar::{BitReader, BitWriter, mag_key, put},
+    scalar::{BitReader, BitWriter, mag_key, mode, put},
 };
 use crate::wire::{self, HEADER_LEN, Header};
 pub use index::IndexCoding;
@@ -301,26 +301,53 @@ impl TopK {
     }
 
     /// The one-pass route for `k >= 1`: candidates collected into the room past the
-    /// frame's largest size, the cut found among them, the frame written from them.
-    /// `None` where `out` has no room or the sample misjudged (the input is then formed,
-    /// if it was to be).
-    fn encode_one_pass(&self, input: Input, k: usize, out: &mut [u8]) -> Option<Result<Encoded>> {
+    /// frame's largest size, the cut found among them, the frame written from them; for
+    /// an error-feedback input, also the residual (then true). `None` where `out` has no
+    /// room or the sample misjudged (the input is then formed, if it was to be).
+    fn encode_one_pass(
+        &self,
+        input: Input,
+        k: usize,
+        out: &mut [u8],
+    ) -> Option<Result<(Encoded, bool)>> {
         let end = self.frame_end(input.len() as u64);
         if out.len() <= end {
             return None;
         }
         let (frame, room) = out.split_at_mut(end);
         let mut c = Candidates::new(kernels::words_mut(room));
-        let (x, selected) = match input {
-            Input::Plain(x) => (x, self.select_candidates(x, k, &mut c)),
-            Input::Formed(r, g, beta, gamma) => {
-                let selected = self.select_candidates_formed((&mut *r, g, beta, gamma), k, &mut c);
-                (&*r, selected)
+        let params = self.params();
+        match input {
+            Input::Plain(x) => {
+                let (cut, count) = self.select_candidates(x, k, &mut c)?;
+                c.retain(cut, count);
+                let e = self.encode_cut(x, cut, Some(count), Some(c.kept()), frame, params);
+                Some(e.map(|e| (e, false)))
             }
-        };
-        let (cut, count) = selected?;
-        c.retain(cut, count);
-        Some(self.encode_cut(x, cut, Some(count), Some(c.kept()), frame, self.params()))
+            Input::Formed(r, g, beta, gamma) => {
+                let (cut, count) =
+                    self.select_candidates_formed((&mut *r, g, beta, gamma), k, &mut c)?;
+                c.retain(cut, count);
+                let e = match self.encode_cut(r, cut, Some(count), Some(c.kept()), frame, params) {
+                    Ok(e) => e,
+                    Err(err) => return Some(Err(err)),
+                };
+                // What decoding the frame onto `r` in residual mode does (`sparse_prepare`,
+                // then each kept element), with the kept indices at hand.
+                if e.nonfinite {
+                    for o in r.iter_mut() {
+                        put::<{ mode::RESIDUAL }>(o, 0.0);
+                    }
+                }
+                let vbytes = self.values.section_len(count as u64) as usize;
+                let vals = &frame[HEADER_LEN..HEADER_LEN + vbytes];
+                let mut values = ValueReader::new(self.values, vals, count);
+                for &i in c.kept().0 {
+                    put::<{ mode::RESIDUAL }>(&mut r[i as usize], values.next_value());
+                }
+                Some(Ok((e, true)))
+            }
+        }
     }
 
     /// Encode the elements `cut` keeps (`count` of them, if known) in one
@@ -484,7 +511,7 @@ impl Scheme for TopK {
                     // them; the multi-pass engine runs without the room, or where the
                     // sample misjudged.
                     if let Some(done) = self.encode_one_pass(Input::Plain(x), k, out) {
-                        return done;
+                        return done.map(|(e, _)| e);
                     }
                     let (cut, count) = self.select_cut(x, k);
                     (cut, Some(count))
@@ -496,14 +523,15 @@ impl Scheme for TopK {
 
     /// Forms `r = beta r + gamma g` and encodes it. With room for the candidates and a
     /// tensor collected on one thread, the forming is fused into the filter pass, a tile
-    /// at a time, so that memory is read once; the frame is the same.
+    /// at a time, so that memory is read once, and the residual is updated from the kept
+    /// candidates; the frame and the residual are the same.
     fn encode_formed(
         &self,
         r: &mut [f32],
         (g, beta, gamma): (&[f32], f32, f32),
         ctx: &EncodeCtx,
         out: &mut [u8],
-    ) -> Result<Encoded> {
+    ) -> Result<(Encoded, bool)> {
         let n = r.len();
         let k = match self.select {
             TopKSelect::Threshold(_) => 0,
@@ -514,10 +542,10 @@ impl Scheme for TopK {
                 return done;
             }
             // `r` is formed; the sample misjudged: the multi-pass engine.
-            return self.encode_payload(r, ctx, out);
+            return Ok((self.encode_payload(r, ctx, out)?, false));
         }
         crate::parallel::feedback_form(r, g, beta, gamma);
-        self.encode_payload(r, ctx, out)
+        Ok((self.encode_payload(r, ctx, out)?, false))
     }
 
     fn read(h: &Header) -> Result<TopK> {
