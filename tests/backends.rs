@@ -528,6 +528,24 @@ fn every_backend_finds_nonfinite_values_like_the_oracle() {
     }
 }
 
+/// Magnitude thresholds for the filter and compaction kernels: none kept, all kept,
+/// sparse and dense cuts, and the special keys.
+fn mag_thresholds() -> [u32; 10] {
+    use gradpack::unstable::kernels::scalar;
+    [
+        0,
+        1,
+        scalar::mag_key(0.5),
+        scalar::mag_key(30.0),
+        scalar::mag_key(99.0),
+        scalar::INF_BITS,
+        scalar::INF_BITS + 1,
+        0x7FFF_FFFF,
+        0x8000_0000,
+        u32::MAX,
+    ]
+}
+
 #[test]
 fn every_backend_retains_candidates_like_the_oracle() {
     use gradpack::unstable::kernels::{retain_mag_ge, scalar};
@@ -535,17 +553,7 @@ fn every_backend_retains_candidates_like_the_oracle() {
     let mut pool: Vec<f32> = sample(1000, 23);
     pool.extend(SPECIALS.iter().copied());
     pool.extend([f32::NAN, -f32::NAN, f32::INFINITY, 0.0, -0.0]);
-    let keys = [
-        0u32,
-        1,
-        scalar::mag_key(0.5),
-        scalar::mag_key(30.0),
-        scalar::INF_BITS,
-        scalar::INF_BITS + 1,
-        0x7FFF_FFFF,
-        0x8000_0000,
-        u32::MAX,
-    ];
+    let keys = mag_thresholds();
     for n in [0, 1, 7, 8, 9, 15, 16, 17, 31, 33, 100, pool.len()] {
         for start in [0, 5] {
             let vals: Vec<u32> = pool[start..][..n.min(pool.len() - start)]
@@ -581,19 +589,7 @@ fn every_backend_filters_like_the_oracle() {
     let base = sample(5000 + 16, 21);
     let mut specials: Vec<f32> = SPECIALS.iter().copied().cycle().take(700).collect();
     specials.extend([f32::NAN, -f32::NAN, f32::INFINITY, 0.0, -0.0]);
-    // Thresholds: none kept, all kept, sparse and dense cuts, and the special keys.
-    let keys = [
-        0u32,
-        1,
-        scalar::mag_key(0.5),
-        scalar::mag_key(30.0),
-        scalar::mag_key(99.0),
-        scalar::INF_BITS,
-        scalar::INF_BITS + 1,
-        0x7FFF_FFFF,
-        0x8000_0000,
-        u32::MAX,
-    ];
+    let keys = mag_thresholds();
     for &b in &backends {
         for cap in [64, 65, 127, 200, 1024] {
             for start in [0, 1, 3, 15] {

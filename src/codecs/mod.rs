@@ -343,12 +343,13 @@ pub(crate) fn expect_payload(h: &Header, expected: Option<u64>) -> Result<()> {
 /// (write mode), leave it (add mode), or, in residual mode, where `out` holds `p`, apply
 /// the residual rule to the elements that were not sent (decoded value 0). That rule
 /// changes only non-finite values, so it runs only when the frame says it saw one.
-pub(crate) fn sparse_prepare<const M: u8>(h: &Header, out: &mut [f32]) {
+/// `nonfinite`: the frame's NONFINITE flag.
+pub(crate) fn sparse_prepare<const M: u8>(nonfinite: bool, out: &mut [f32]) {
     match M {
         mode::WRITE => out.fill(0.0),
         mode::ADD => {}
         _ => {
-            if h.flags & wire::FLAG_NONFINITE != 0 {
+            if nonfinite {
                 for o in out.iter_mut() {
                     put::<M>(o, 0.0);
                 }

@@ -300,6 +300,12 @@ impl TopK {
         params
     }
 
+    /// The multi-pass route for `k >= 1`: the cut by passes over `x`, then the frame.
+    fn encode_multi_pass(&self, x: &[f32], k: usize, out: &mut [u8]) -> Result<Encoded> {
+        let (cut, count) = self.select_cut(x, k);
+        self.encode_cut(x, cut, Some(count), None, out, self.params())
+    }
+
     /// The one-pass route for `k >= 1`: candidates collected into the room past the
     /// frame's largest size, the cut found among them, the frame written from them; for
     /// an error-feedback input, also the residual (then true). `None` where `out` has no
@@ -332,13 +338,9 @@ impl TopK {
                     Ok(e) => e,
                     Err(err) => return Some(Err(err)),
                 };
-                // What decoding the frame onto `r` in residual mode does (`sparse_prepare`,
-                // then each kept element), with the kept indices at hand.
-                if e.nonfinite {
-                    for o in r.iter_mut() {
-                        put::<{ mode::RESIDUAL }>(o, 0.0);
-                    }
-                }
+                // What decoding the frame onto `r` in residual mode does, with the kept
+                // indices at hand.
+                sparse_prepare::<{ mode::RESIDUAL }>(e.nonfinite, r);
                 let vbytes = self.values.section_len(count as u64) as usize;
                 let vals = &frame[HEADER_LEN..HEADER_LEN + vbytes];
                 let mut values = ValueReader::new(self.values, vals, count);
@@ -513,8 +515,7 @@ impl Scheme for TopK {
                     if let Some(done) = self.encode_one_pass(Input::Plain(x), k, out) {
                         return done.map(|(e, _)| e);
                     }
-                    let (cut, count) = self.select_cut(x, k);
-                    (cut, Some(count))
+                    return self.encode_multi_pass(x, k, out);
                 }
             },
         };
@@ -541,8 +542,9 @@ impl Scheme for TopK {
             if let Some(done) = self.encode_one_pass(Input::Formed(r, g, beta, gamma), k, out) {
                 return done;
             }
-            // `r` is formed; the sample misjudged: the multi-pass engine.
-            return Ok((self.encode_payload(r, ctx, out)?, false));
+            // `r` is formed and the sample misjudged: straight to the multi-pass engine
+            // (the one-pass route would take the same sample again).
+            return Ok((self.encode_multi_pass(r, k, out)?, false));
         }
         crate::parallel::feedback_form(r, g, beta, gamma);
         Ok((self.encode_payload(r, ctx, out)?, false))
@@ -707,7 +709,7 @@ impl Scheme for TopK {
             let steps = 4 * k.div_ceil(INT8_VALUE_BLOCK);
             check_steps(h, &vals[..steps], HEADER_LEN)?;
         }
-        sparse_prepare::<M>(h, out);
+        sparse_prepare::<M>(h.flags & wire::FLAG_NONFINITE != 0, out);
         let mut values = ValueReader::new(self.values, vals, k);
         let mut put_next = |i: usize| put::<M>(&mut out[i], values.next_value());
         match coding {

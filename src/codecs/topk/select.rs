@@ -138,12 +138,12 @@ impl<'a> Candidates<'a> {
         let mut res = [Piece::default(); MAX_PIECES];
         let res = &mut res[..n.div_ceil(range)];
         let share = room / res.len();
-        let shares = Fill {
+        let shares = Pieces {
             x,
             idx: &mut self.idx[..room],
             vals: &mut self.vals[..room],
             res: &mut *res,
-            share,
+            share: Some(share),
         };
         parallel::for_ranges(shares, n, range, true, &|f, start| {
             let vals = Some(&mut f.vals[..share]);
@@ -180,11 +180,12 @@ impl<'a> Candidates<'a> {
             self.idx.copy_within(at..at + r.stored, place);
             self.vals.copy_within(at..at + r.stored, place);
         }
-        let completed = Complete {
+        let completed = Pieces {
             x,
             idx: &mut self.idx[..len],
             vals: &mut self.vals[..len],
             res,
+            share: None,
         };
         parallel::for_ranges(completed, n, range, true, &|c, start| {
             let r = c.res[0];
@@ -228,69 +229,42 @@ struct Piece {
     count: usize,
 }
 
-/// The pieces of `x` with their shares of both halves (`share` entries each) and their
-/// results.
-struct Fill<'a> {
+/// The pieces of `x`, their parts of both halves and their results. A piece's part is
+/// `share` entries where that is set (its share while collecting), else its `count`
+/// (its place among the candidates, once counted).
+struct Pieces<'a> {
     x: &'a [f32],
     idx: &'a mut [u32],
     vals: &'a mut [u32],
     res: &'a mut [Piece],
-    share: usize,
+    share: Option<usize>,
 }
 
-impl Split for Fill<'_> {
+impl Split for Pieces<'_> {
     fn split(self, at: usize, pieces: usize) -> (Self, Self) {
+        let part = match self.share {
+            Some(share) => pieces * share,
+            None => self.res[..pieces].iter().map(|r| r.count).sum(),
+        };
         let (x0, x1) = self.x.split_at(at);
-        let (i0, i1) = self.idx.split_at_mut(pieces * self.share);
-        let (v0, v1) = self.vals.split_at_mut(pieces * self.share);
+        let (i0, i1) = self.idx.split_at_mut(part);
+        let (v0, v1) = self.vals.split_at_mut(part);
         let (r0, r1) = self.res.split_at_mut(pieces);
         let share = self.share;
         (
-            Fill {
+            Pieces {
                 x: x0,
                 idx: i0,
                 vals: v0,
                 res: r0,
                 share,
             },
-            Fill {
+            Pieces {
                 x: x1,
                 idx: i1,
                 vals: v1,
                 res: r1,
                 share,
-            },
-        )
-    }
-}
-
-/// The pieces of `x` and their places in the candidates (`count` entries per piece).
-struct Complete<'a> {
-    x: &'a [f32],
-    idx: &'a mut [u32],
-    vals: &'a mut [u32],
-    res: &'a [Piece],
-}
-
-impl Split for Complete<'_> {
-    fn split(self, at: usize, pieces: usize) -> (Self, Self) {
-        let (x0, x1) = self.x.split_at(at);
-        let placed = self.res[..pieces].iter().map(|r| r.count).sum();
-        let (i0, i1) = self.idx.split_at_mut(placed);
-        let (v0, v1) = self.vals.split_at_mut(placed);
-        let (r0, r1) = self.res.split_at(pieces);
-        (
-            Complete {
-                x: x0,
-                idx: i0,
-                vals: v0,
-                res: r0,
-            },
-            Complete {
-                x: x1,
-                idx: i1,
-                vals: v1,
-                res: r1,
             },
         )
     }
