@@ -55,11 +55,18 @@
 //! refused.
 
 mod plan;
+mod powersgd;
 
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::thread::JoinHandle;
 
-pub use plan::{BucketPlan, CodecChoice, Network, Plan, Policy, SMALL_TENSOR, Tensor, calibrate};
+pub use plan::{
+    BucketPlan, CodecChoice, LowRankPlan, Network, Plan, Policy, PowerSgd, SMALL_TENSOR, Tensor,
+    calibrate,
+};
+
+use plan::{Kind, Reduces};
+use powersgd::LowRank;
 
 use crate::codec::CodecSpec;
 use crate::codecs::Identity;
@@ -137,10 +144,56 @@ pub struct StepStats {
     pub buckets: usize,
 }
 
-/// The state on the communication side: the `Comm` and one all-reduce per bucket.
+/// How one bucket is reduced, with its state.
+#[derive(Clone)]
+enum Reducer {
+    /// One all-reduce of the bucket with its codec.
+    Flat(Box<AllReduce>),
+    /// PowerSGD's factors.
+    LowRank(Box<LowRank>),
+}
+
+impl Reducer {
+    fn run<T: Transport>(
+        &mut self,
+        comm: &mut Comm<T>,
+        step: u64,
+        input: &mut [f32],
+        output: &mut [f32],
+        seed: u64,
+    ) -> Result<Stats> {
+        match self {
+            Reducer::Flat(ar) => ar.run(comm, input, output, seed),
+            Reducer::LowRank(lr) => lr.run(comm, step, input, output, seed),
+        }
+    }
+
+    fn reset(&mut self) {
+        match self {
+            Reducer::Flat(ar) => ar.reset_feedback(),
+            Reducer::LowRank(lr) => lr.reset(),
+        }
+    }
+
+    fn save(&self) -> Vec<u8> {
+        match self {
+            Reducer::Flat(ar) => ar.save(),
+            Reducer::LowRank(lr) => lr.save(),
+        }
+    }
+
+    fn restore(&mut self, blob: &[u8]) -> Result<()> {
+        match self {
+            Reducer::Flat(ar) => ar.restore(blob),
+            Reducer::LowRank(lr) => lr.restore(blob),
+        }
+    }
+}
+
+/// The state on the communication side: the `Comm` and one reducer per bucket.
 struct Worker<T: Transport> {
     comm: Comm<T>,
-    ars: Vec<AllReduce>,
+    ars: Vec<Reducer>,
     /// The step whose buckets are being skipped after a failure.
     failed_step: Option<u64>,
 }
@@ -178,7 +231,7 @@ impl<T: Transport> Worker<T> {
                 bucket,
                 step,
                 seed,
-                input,
+                mut input,
                 mut output,
                 skip,
             } => {
@@ -188,7 +241,8 @@ impl<T: Transport> Worker<T> {
                         "bucket {bucket} skipped: an earlier bucket of step {step} failed"
                     )))
                 } else {
-                    let r = self.ars[bucket].run(&mut self.comm, &input, &mut output, seed);
+                    let r =
+                        self.ars[bucket].run(&mut self.comm, step, &mut input, &mut output, seed);
                     if r.is_err() {
                         self.failed_step = Some(step);
                     }
@@ -202,14 +256,14 @@ impl<T: Transport> Worker<T> {
                 }
             }
             Job::Reset => {
-                self.ars.iter_mut().for_each(AllReduce::reset_feedback);
+                self.ars.iter_mut().for_each(Reducer::reset);
                 self.failed_step = None;
                 Done::Reset
             }
-            Job::Save => Done::Saved(self.ars.iter().map(AllReduce::save).collect()),
+            Job::Save => Done::Saved(self.ars.iter().map(Reducer::save).collect()),
             Job::Restore(blobs) => {
                 // All or nothing: restore into copies, keep them only if every one reads.
-                let mut ars: Vec<AllReduce> = Vec::with_capacity(self.ars.len());
+                let mut ars: Vec<Reducer> = Vec::with_capacity(self.ars.len());
                 let res = self.ars.iter().zip(&blobs).try_for_each(|(ar, blob)| {
                     let mut copy = ar.clone();
                     copy.restore(blob)?;
@@ -330,14 +384,17 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
         }
         let lens: Vec<usize> = layout.iter().map(Tensor::len).collect::<Result<_>>()?;
         let policy = &opts.policy;
-        let small: Vec<bool> = layout
+        if let Some(p) = &policy.powersgd {
+            p.check()?;
+        }
+        let kinds: Vec<Kind> = layout
             .iter()
             .zip(&lens)
-            .map(|(t, &n)| policy.is_small(t, n))
+            .map(|(t, &n)| policy.kind(t, n))
             .collect();
         let groups = plan::buckets(
             &lens,
-            &small,
+            &kinds,
             opts.bucket_cap_bytes,
             opts.first_bucket_cap_bytes,
         );
@@ -363,25 +420,54 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
             CodecChoice::Fixed(_) => None,
         };
         let mut buckets_plan = Vec::with_capacity(groups.len());
-        for (tensors, is_small) in groups {
+        for (tensors, kind) in groups {
             let elements = tensors
                 .iter()
                 .try_fold(0usize, |a, &t| a.checked_add(lens[t]))
                 .ok_or_else(|| Error::Collective("a bucket's size overflows".into()))?;
+            let low_rank = match (kind, policy.powersgd) {
+                (Kind::LowRank, Some(settings)) => {
+                    let matrices: Vec<(usize, usize, usize)> = tensors
+                        .iter()
+                        .map(|&t| settings.matrix_of(&layout[t]).expect("a low-rank matrix"))
+                        .collect();
+                    let (p_elements, q_elements) = powersgd::factor_lens(&matrices)
+                        .ok_or_else(|| Error::Collective("a bucket's size overflows".into()))?;
+                    Some(LowRankPlan {
+                        settings,
+                        matrices,
+                        p_elements,
+                        q_elements,
+                    })
+                }
+                _ => None,
+            };
+            let reduces = match &low_rank {
+                Some(l) => Reduces::Two(l.p_elements, l.q_elements),
+                None => Reduces::One(elements),
+            };
+            // The strategy is chosen for the larger of the bucket's all-reduces.
+            let largest = match reduces {
+                Reduces::One(n) => n,
+                Reduces::Two(p, q) => p.max(q),
+            };
             let choose = |codec: &CodecSpec, prof: Option<&CodecProfile>| {
-                let p = plan::profile_for(codec, prof, elements, size);
+                let p = plan::profile_for(codec, prof, largest, size);
                 let s = match opts.strategy {
                     Some(s) if !matches!(codec, CodecSpec::Identity(_)) => s,
-                    _ => plan::strategy_for(codec, &p, size, &net, elements),
+                    _ => plan::strategy_for(codec, &p, size, &net, largest),
                 };
                 let (t, bytes) =
-                    plan::bucket_cost(codec, s, prof, size, &net, elements, opts.pieces);
+                    plan::bucket_cost(codec, s, prof, size, &net, reduces, opts.pieces);
                 (s, t, bytes)
             };
-            let (codec, (strategy, t, bytes)) = if is_small {
-                (policy.small_codec, choose(&policy.small_codec, None))
-            } else {
-                match &policy.codec {
+            let (codec, (strategy, t, bytes)) = match kind {
+                Kind::Small => (policy.small_codec, choose(&policy.small_codec, None)),
+                Kind::LowRank => {
+                    let c = low_rank.as_ref().expect("a low-rank plan").settings.codec;
+                    (c, choose(&c, None))
+                }
+                Kind::Codec => match &policy.codec {
                     CodecChoice::Fixed(c) => (*c, choose(c, None)),
                     CodecChoice::Auto { candidates, .. } => {
                         let profiles = profiles.as_ref().expect("auto has profiles");
@@ -395,14 +481,15 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
                         }
                         best
                     }
-                }
+                },
             };
             buckets_plan.push(BucketPlan {
                 tensors,
                 elements,
                 codec,
                 strategy,
-                small: is_small,
+                small: kind == Kind::Small,
+                low_rank,
                 wire_bytes: bytes,
                 modelled_s: t,
             });
@@ -436,7 +523,21 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
                     opts.pieces
                 },
             };
-            ars.push(AllReduce::new(bp.codec, bp.elements, &comm, ar_opts)?);
+            ars.push(match &bp.low_rank {
+                Some(l) => Reducer::LowRank(Box::new(LowRank::new(
+                    l.settings,
+                    &l.matrices,
+                    &comm,
+                    ar_opts,
+                    bp.strategy,
+                )?)),
+                None => Reducer::Flat(Box::new(AllReduce::new(
+                    bp.codec,
+                    bp.elements,
+                    &comm,
+                    ar_opts,
+                )?)),
+            });
             buckets.push(Bucket {
                 input: Some(crate::alloc::filled(bp.elements, 0.0, "a bucket buffer")?),
                 output: Some(crate::alloc::filled(bp.elements, 0.0, "a bucket buffer")?),
@@ -799,7 +900,7 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
             .u64(self.step)
             .u64(self.plan.buckets.len() as u64);
         for (bp, blob) in self.plan.buckets.iter().zip(&blobs) {
-            w.str(&bp.codec.to_string())
+            w.str(&bp.method())
                 .str(bp.strategy.name())
                 .u64(bp.tensors.len() as u64);
             bp.tensors.iter().for_each(|&t| {
@@ -823,7 +924,7 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
         r.u64_eq("bucket count", self.plan.buckets.len() as u64)?;
         let mut blobs = Vec::with_capacity(self.plan.buckets.len());
         for bp in &self.plan.buckets {
-            r.str_eq("bucket codec", &bp.codec.to_string())?;
+            r.str_eq("bucket codec", &bp.method())?;
             r.str_eq("bucket strategy", bp.strategy.name())?;
             r.u64_eq("bucket tensor count", bp.tensors.len() as u64)?;
             for &t in &bp.tensors {

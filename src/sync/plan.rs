@@ -9,6 +9,8 @@ use crate::cost::{self, CodecProfile};
 use crate::error::{Error, Result};
 use crate::wire::HEADER_LEN;
 
+pub use super::powersgd::PowerSgd;
+
 /// A parameter tensor of the model: its name and shape. Its gradient is a flat f32
 /// slice of `shape.iter().product()` elements (row-major, as the framework stores it).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,6 +107,10 @@ pub struct Policy {
     pub vectors_small: bool,
     /// The codec of small tensors (fp32 or fp16, say).
     pub small_codec: CodecSpec,
+    /// Send the matrices that are not small and that PowerSGD compresses enough (see
+    /// [`PowerSgd::matrix_of`]) as low-rank factors, in buckets of their own (default
+    /// none).
+    pub powersgd: Option<PowerSgd>,
 }
 
 /// Elements below which [`Policy::with_rules`] sends a tensor uncompressed (64 KiB of
@@ -119,6 +125,7 @@ impl Policy {
             small_below: 0,
             vectors_small: false,
             small_codec: CodecSpec::Identity(Identity),
+            powersgd: None,
         }
     }
 
@@ -144,10 +151,43 @@ impl Policy {
         }
     }
 
+    /// PowerSGD (`powersgd`) for every matrix it compresses by its minimum compression,
+    /// fp32 for vectors (biases, norm scales) and the other tensors, as PyTorch's
+    /// PowerSGD hook does.
+    pub fn powersgd(powersgd: PowerSgd) -> Policy {
+        Policy {
+            powersgd: Some(powersgd),
+            vectors_small: true,
+            ..Policy::uniform(CodecSpec::Identity(Identity))
+        }
+    }
+
     /// Whether `t` (of `len` elements) is small.
     pub(crate) fn is_small(&self, t: &Tensor, len: usize) -> bool {
         len < self.small_below || (self.vectors_small && t.shape.len() <= 1)
     }
+
+    /// The kind of bucket `t` (of `len` elements) goes in.
+    pub(crate) fn kind(&self, t: &Tensor, len: usize) -> Kind {
+        if self.is_small(t, len) {
+            Kind::Small
+        } else if self.powersgd.is_some_and(|p| p.matrix_of(t).is_some()) {
+            Kind::LowRank
+        } else {
+            Kind::Codec
+        }
+    }
+}
+
+/// What a bucket holds, and so how it is reduced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Tensors with the policy's codec.
+    Codec,
+    /// Small tensors, with the small codec.
+    Small,
+    /// Matrices sent as PowerSGD factors.
+    LowRank,
 }
 
 /// One bucket of a [`Plan`].
@@ -163,11 +203,27 @@ pub struct BucketPlan {
     pub strategy: Strategy,
     /// Whether it holds the small tensors of the policy.
     pub small: bool,
+    /// Its matrices' factors, if they go as PowerSGD factors (then `codec` and
+    /// `strategy` are those of the two factor all-reduces).
+    pub low_rank: Option<LowRankPlan>,
     /// Bytes each rank sends for it per step, by the cost model (frame headers and
     /// envelopes included).
     pub wire_bytes: f64,
     /// Its modelled all-reduce time on the plan's network, seconds.
     pub modelled_s: f64,
+}
+
+/// The factors of a low-rank bucket of a [`Plan`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct LowRankPlan {
+    /// The settings.
+    pub settings: PowerSgd,
+    /// Each matrix's rows, columns and rank, in bucket order.
+    pub matrices: Vec<(usize, usize, usize)>,
+    /// Elements of the first all-reduce (every matrix's `P`: rows times rank).
+    pub p_elements: usize,
+    /// Elements of the second all-reduce (every matrix's `Q`: columns times rank).
+    pub q_elements: usize,
 }
 
 /// Buckets of tensors, each with its codec, strategy and modelled time; the same on
@@ -184,6 +240,34 @@ pub struct Plan {
     pub pieces: usize,
     /// The network.
     pub network: Network,
+}
+
+impl BucketPlan {
+    /// The element counts of its all-reduces: the bucket's, or its two factors'.
+    pub(crate) fn factor_or_elements(&self) -> Reduces {
+        match &self.low_rank {
+            Some(l) => Reduces::Two(l.p_elements, l.q_elements),
+            None => Reduces::One(self.elements),
+        }
+    }
+
+    /// How its tensors go: the codec (`int8:block=256`), or PowerSGD's rank and the
+    /// codec of its factors (`powersgd:rank=2+identity`).
+    pub fn method(&self) -> String {
+        match &self.low_rank {
+            Some(l) => format!("powersgd:rank={}+{}", l.settings.rank, self.codec),
+            None => self.codec.to_string(),
+        }
+    }
+}
+
+/// The all-reduces a bucket makes per step, by their element counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reduces {
+    /// One of the whole bucket.
+    One(usize),
+    /// PowerSGD's two, of `P` and of `Q`.
+    Two(usize, usize),
 }
 
 impl Plan {
@@ -205,7 +289,7 @@ impl Plan {
                 find(&b.codec),
                 self.nodes,
                 &self.network,
-                b.elements,
+                b.factor_or_elements(),
                 self.pieces,
             );
             b.modelled_s = t;
@@ -261,7 +345,7 @@ impl fmt::Display for Plan {
                 "  bucket {i:>3}: {:>9} elements ({:>8.3} MiB) {} {} -> {:.3} MiB/rank sent, modelled {:.3} ms: {shown}",
                 b.elements,
                 b.elements as f64 * 4.0 / 1048576.0,
-                b.codec,
+                b.method(),
                 b.strategy.name(),
                 b.wire_bytes / 1048576.0,
                 b.modelled_s * 1e3
@@ -271,31 +355,31 @@ impl fmt::Display for Plan {
     }
 }
 
-/// Split the tensors into buckets: in the order their gradients become ready, small and
-/// other tensors apart, each bucket up to `cap` bytes of f32 (the first one up to
+/// Split the tensors into buckets: in the order their gradients become ready, tensors of
+/// each kind apart, each bucket up to `cap` bytes of f32 (the first one up to
 /// `first_cap`; a tensor larger than the cap gets a bucket of its own). Buckets are
-/// ordered by when their last tensor becomes ready. Returns `(tensors, small)` per
-/// bucket.
+/// ordered by when their last tensor becomes ready. Returns `(tensors, kind)` per bucket.
 pub(crate) fn buckets(
     lens: &[usize],
-    small: &[bool],
+    kinds: &[Kind],
     cap: usize,
     first_cap: usize,
-) -> Vec<(Vec<usize>, bool)> {
+) -> Vec<(Vec<usize>, Kind)> {
+    const KINDS: [Kind; 3] = [Kind::Codec, Kind::Small, Kind::LowRank];
     // Per kind, the open bucket and its bytes.
-    let mut open: [Option<(Vec<usize>, usize)>; 2] = [None, None];
-    let mut closed: Vec<(Vec<usize>, bool, usize)> = Vec::new(); // tensors, small, last
+    let mut open: [Option<(Vec<usize>, usize)>; 3] = [None, None, None];
+    let mut closed: Vec<(Vec<usize>, Kind, usize)> = Vec::new(); // tensors, kind, last
     let mut first_done = false;
     let limit = |first_done: bool| if first_done { cap } else { first_cap };
-    for (i, (&len, &sm)) in lens.iter().zip(small).enumerate() {
-        let k = usize::from(sm);
+    for (i, (&len, &kind)) in lens.iter().zip(kinds).enumerate() {
+        let k = KINDS.iter().position(|&x| x == kind).expect("a known kind");
         let bytes = len.saturating_mul(4);
         if let Some((ts, b)) = &open[k]
             && !ts.is_empty()
             && b.saturating_add(bytes) > limit(first_done)
         {
             let last = *ts.last().expect("not empty");
-            closed.push((ts.clone(), sm, last));
+            closed.push((ts.clone(), kind, last));
             open[k] = None;
             first_done = true;
         }
@@ -306,11 +390,11 @@ pub(crate) fn buckets(
     for (k, o) in open.into_iter().enumerate() {
         if let Some((ts, _)) = o {
             let last = *ts.last().expect("an open bucket has a tensor");
-            closed.push((ts, k == 1, last));
+            closed.push((ts, KINDS[k], last));
         }
     }
     closed.sort_by_key(|&(_, _, last)| last);
-    closed.into_iter().map(|(ts, sm, _)| (ts, sm)).collect()
+    closed.into_iter().map(|(ts, k, _)| (ts, k)).collect()
 }
 
 /// The strategy for `codec` on a bucket of `elements` (random-k with `scale=unbiased`
@@ -336,11 +420,32 @@ pub(crate) fn strategy_for(
     cost::best_strategy(profile, &cluster, elements as f64, f64::INFINITY).0
 }
 
-/// The modelled time (seconds) and bytes sent per rank of a bucket of `elements` with
-/// `codec` by `strategy`, with its measured speeds if known (else infinitely fast
+/// The modelled time (seconds) and bytes sent per rank of a bucket's all-reduces (one of
+/// its elements, or PowerSGD's two of its factors) with `codec` by `strategy`, with its measured speeds if known (else infinitely fast
 /// compute). Ring strategies (the fp32 ring too: it runs the same ring of identity
 /// frames) are modelled with their pieces ([`cost::pipelined_ring_time`]).
 pub(crate) fn bucket_cost(
+    codec: &CodecSpec,
+    strategy: Strategy,
+    measured: Option<&CodecProfile>,
+    nodes: usize,
+    net: &Network,
+    reduces: Reduces,
+    pieces: usize,
+) -> (f64, f64) {
+    match reduces {
+        Reduces::One(n) => one_cost(codec, strategy, measured, nodes, net, n, pieces),
+        Reduces::Two(p, q) => {
+            // One after the other (Q needs the reduced P): two latency terms.
+            let a = one_cost(codec, strategy, measured, nodes, net, p, pieces);
+            let b = one_cost(codec, strategy, measured, nodes, net, q, pieces);
+            (a.0 + b.0, a.1 + b.1)
+        }
+    }
+}
+
+/// [`bucket_cost`] of one all-reduce of `elements`.
+fn one_cost(
     codec: &CodecSpec,
     strategy: Strategy,
     measured: Option<&CodecProfile>,
@@ -450,8 +555,9 @@ mod tests {
 
     #[test]
     fn buckets_tile_the_tensors_in_ready_order() {
-        let lens = [10, 300_000, 5, 600_000, 700_000, 1, 0, 8_000_000];
-        let small = [true, false, true, false, false, true, true, false];
+        let lens = [10, 300_000, 5, 600_000, 700_000, 1, 0, 8_000_000, 90_000];
+        let (c, s, l) = (Kind::Codec, Kind::Small, Kind::LowRank);
+        let small = [s, c, s, l, c, s, s, c, l];
         let b = buckets(&lens, &small, 4 << 20, 1 << 20);
         let mut seen: Vec<usize> = b.iter().flat_map(|(t, _)| t.clone()).collect();
         seen.sort();

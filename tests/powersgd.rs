@@ -1,0 +1,449 @@
+//! PowerSGD in the sync engine: its error against the best rank-r approximation (from an
+//! eigen-decomposition in the test), exactness on low-rank gradients, bit-identical
+//! results on every rank, plain steps before the start, checkpoints that continue
+//! bit-identically, non-finite gradients, and the plan (which tensors, bytes, latency
+//! terms).
+
+use std::time::Duration;
+
+use gradpack::collective::{Transport, local};
+use gradpack::sync::{Network, Policy, PowerSgd, SyncEngine, SyncOptions, Tensor};
+use gradpack::{Error, Result};
+
+/// Eigenvalues of the symmetric `k x k` matrix `a` by cyclic Jacobi rotations, in f64.
+fn eigenvalues(mut a: Vec<f64>, k: usize) -> Vec<f64> {
+    for _sweep in 0..100 {
+        let off: f64 = (0..k)
+            .flat_map(|i| (0..k).filter(move |&j| j != i).map(move |j| (i, j)))
+            .map(|(i, j)| a[i * k + j] * a[i * k + j])
+            .sum();
+        if off < 1e-22 {
+            break;
+        }
+        for p in 0..k {
+            for q in p + 1..k {
+                let apq = a[p * k + q];
+                if apq.abs() < 1e-300 {
+                    continue;
+                }
+                let theta = (a[q * k + q] - a[p * k + p]) / (2.0 * apq);
+                let t = theta.signum() / (theta.abs() + (theta * theta + 1.0).sqrt());
+                let t = if theta == 0.0 { 1.0 } else { t };
+                let c = 1.0 / (t * t + 1.0).sqrt();
+                let s = t * c;
+                for r in 0..k {
+                    let (arp, arq) = (a[r * k + p], a[r * k + q]);
+                    a[r * k + p] = c * arp - s * arq;
+                    a[r * k + q] = s * arp + c * arq;
+                }
+                for r in 0..k {
+                    let (apr, aqr) = (a[p * k + r], a[q * k + r]);
+                    a[p * k + r] = c * apr - s * aqr;
+                    a[q * k + r] = s * apr + c * aqr;
+                }
+            }
+        }
+    }
+    let mut ev: Vec<f64> = (0..k).map(|i| a[i * k + i]).collect();
+    ev.sort_by(|x, y| y.total_cmp(x));
+    ev
+}
+
+/// The squared Frobenius error of the best rank-`r` approximation of the `n x m`
+/// matrix `x`: the sum of the squared singular values after the first `r` (the
+/// eigenvalues of `x^T x`).
+fn best_rank_error2(x: &[f32], n: usize, m: usize, r: usize) -> f64 {
+    let mut g = vec![0f64; m * m];
+    for i in 0..m {
+        for j in 0..m {
+            g[i * m + j] = (0..n)
+                .map(|a| f64::from(x[a * m + i]) * f64::from(x[a * m + j]))
+                .sum();
+        }
+    }
+    eigenvalues(g, m)[r..].iter().map(|&v| v.max(0.0)).sum()
+}
+
+fn err2(a: &[f32], b: &[f32]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| (f64::from(x) - f64::from(y)).powi(2))
+        .sum()
+}
+
+/// `k` orthonormal columns of length `n` (row-major `n x k`), from `seed`.
+fn orthonormal(n: usize, k: usize, seed: u64) -> Vec<f64> {
+    let g = gradpack::synthetic::gradient(n * k, seed);
+    let mut u: Vec<f64> = g.iter().map(|&v| f64::from(v)).collect();
+    for j in 0..k {
+        for i in 0..j {
+            let d: f64 = (0..n).map(|a| u[a * k + j] * u[a * k + i]).sum();
+            (0..n).for_each(|a| u[a * k + j] -= d * u[a * k + i]);
+        }
+        let norm = (0..n).map(|a| u[a * k + j].powi(2)).sum::<f64>().sqrt();
+        (0..n).for_each(|a| u[a * k + j] /= norm);
+    }
+    u
+}
+
+/// An `n x m` matrix with singular values `10 * 0.6^k` (k < 8), plus noise of rms 0.001.
+fn decaying(n: usize, m: usize, seed: u64) -> Vec<f32> {
+    let (u, v) = (orthonormal(n, 8, seed), orthonormal(m, 8, seed + 1));
+    let noise = gradpack::synthetic::gradient(n * m, seed + 2);
+    let scale = 0.001 / f64::from(rms(&noise));
+    (0..n * m)
+        .map(|i| {
+            let (a, b) = (i / m, i % m);
+            let x: f64 = (0..8)
+                .map(|k| 10.0 * 0.6f64.powi(k as i32) * u[a * 8 + k] * v[b * 8 + k])
+                .sum();
+            (x + scale * f64::from(noise[i])) as f32
+        })
+        .collect()
+}
+
+fn rms(x: &[f32]) -> f32 {
+    (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32).sqrt()
+}
+
+fn opts(p: PowerSgd) -> SyncOptions {
+    SyncOptions {
+        policy: Policy::powersgd(p),
+        bucket_cap_bytes: 200_000,
+        first_bucket_cap_bytes: 50_000,
+        seed: 3,
+        ..Default::default()
+    }
+}
+
+/// Run `steps` steps on `ranks` ranks; `grad(rank, step, tensor)`; per rank and step,
+/// every tensor's result.
+fn run(
+    ranks: usize,
+    layout: &[Tensor],
+    o: &SyncOptions,
+    steps: u64,
+    grad: impl Fn(usize, u64, usize) -> Vec<f32> + Sync,
+) -> Vec<Result<Vec<Vec<Vec<f32>>>>> {
+    local::run(ranks, Some(Duration::from_secs(60)), |comm| {
+        let rank = comm.rank();
+        let mut e = SyncEngine::new(layout, comm.into_inner(), o.clone())?;
+        let mut out = Vec::new();
+        for step in 0..steps {
+            for i in 0..layout.len() {
+                e.ready(i, &grad(rank, step, i))?;
+            }
+            e.finish()?;
+            out.push(
+                (0..layout.len())
+                    .map(|i| e.grad(i).unwrap().to_vec())
+                    .collect(),
+            );
+        }
+        Ok(out)
+    })
+}
+
+#[test]
+fn warm_start_reaches_the_best_rank_r_error() {
+    // The same matrix every step, no error feedback: warm-started PowerSGD is subspace
+    // iteration, whose error falls to the best rank-r error (the eigenvalue gap is 0.6^2
+    // per step, so after 12 steps it is within a few parts in 1e4).
+    let (n, m) = (96, 40);
+    let x = decaying(n, m, 11);
+    let layout = [Tensor::new("w", &[n, m])];
+    for r in [1, 2, 4] {
+        let best = best_rank_error2(&x, n, m, r);
+        let o = opts(PowerSgd {
+            feedback: false,
+            ..PowerSgd::rank(r)
+        });
+        let res = run(2, &layout, &o, 12, |_, _, _| x.clone());
+        let steps = res.into_iter().next().unwrap().unwrap();
+        let first = err2(&steps[0][0], &x);
+        let last = err2(&steps[11][0], &x);
+        assert!(
+            last <= best * 1.01,
+            "rank {r}: error^2 {last} after 12 warm steps, best {best}"
+        );
+        assert!(first > last * 1.5, "rank {r}: first {first}, last {last}");
+        // Without warm start every step starts from a fresh random Q: no better than the
+        // first warm step on average, and well above the best.
+        let cold = run(
+            2,
+            &layout,
+            &opts(PowerSgd {
+                feedback: false,
+                warm_start: false,
+                ..PowerSgd::rank(r)
+            }),
+            4,
+            |_, _, _| x.clone(),
+        );
+        let cold = cold.into_iter().next().unwrap().unwrap();
+        assert!(cold.iter().all(|s| err2(&s[0], &x) > best * 1.05));
+    }
+}
+
+#[test]
+fn low_rank_gradients_come_through_exactly_and_ranks_agree() {
+    // Each rank's gradient is a rank-2 matrix with the same column space; the mean is
+    // rank 2, so rank-2 PowerSGD without feedback returns it up to rounding (fp32
+    // factors) or to bf16's precision. With feedback too, every rank's result is
+    // bit-identical.
+    let (n, m) = (64, 48);
+    let layout = [Tensor::new("bias", &[n]), Tensor::new("w", &[n, m])];
+    let u = gradpack::synthetic::gradient(2 * n, 5);
+    let grad = |rank: usize, step: u64, t: usize| -> Vec<f32> {
+        if t == 0 {
+            return gradpack::synthetic::gradient(n, 100 + rank as u64 + 10 * step);
+        }
+        let v = gradpack::synthetic::gradient(2 * m, 200 + rank as u64 + 10 * step);
+        let mut x = vec![0f32; n * m];
+        for a in 0..n {
+            for b in 0..m {
+                x[a * m + b] = u[2 * a] * v[2 * b] + u[2 * a + 1] * v[2 * b + 1];
+            }
+        }
+        x
+    };
+    for (codec, feedback, tol) in [
+        ("identity", false, 1e-5),
+        ("bf16", false, 2e-2),
+        ("identity", true, f64::INFINITY),
+        ("bf16", true, f64::INFINITY),
+    ] {
+        let o = opts(PowerSgd {
+            codec: codec.parse().unwrap(),
+            feedback,
+            ..PowerSgd::rank(2)
+        });
+        let res: Vec<_> = run(3, &layout, &o, 4, grad)
+            .into_iter()
+            .map(|r| r.unwrap())
+            .collect();
+        for r in &res[1..] {
+            let same = r
+                .iter()
+                .flatten()
+                .flatten()
+                .zip(res[0].iter().flatten().flatten())
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{codec} feedback {feedback}: ranks differ");
+        }
+        for (step, out) in res[0].iter().enumerate() {
+            let mut mean = vec![0f32; n * m];
+            for rank in 0..3 {
+                let g = grad(rank, step as u64, 1);
+                mean.iter_mut().zip(&g).for_each(|(a, b)| *a += b / 3.0);
+            }
+            let rel = (err2(&out[1], &mean) / err2(&mean, &vec![0.0; n * m])).sqrt();
+            assert!(rel < tol, "{codec} step {step}: relative error {rel}");
+        }
+    }
+}
+
+#[test]
+fn feedback_sends_everything_eventually() {
+    // With error feedback, what was sent over T steps plus the residual is what was
+    // given: on a constant full-rank gradient the mean of the results approaches it,
+    // while without feedback it stays at the rank-1 approximation.
+    let (n, m) = (32, 24);
+    let x = decaying(n, m, 21);
+    let layout = [Tensor::new("w", &[n, m])];
+    let steps = 60;
+    let mean_err = |feedback: bool| {
+        let o = opts(PowerSgd {
+            feedback,
+            ..PowerSgd::rank(1)
+        });
+        let res = run(2, &layout, &o, steps, |_, _, _| x.clone());
+        let out = res.into_iter().next().unwrap().unwrap();
+        let mut sum = vec![0f32; n * m];
+        for s in &out {
+            sum.iter_mut().zip(&s[0]).for_each(|(a, b)| *a += b);
+        }
+        sum.iter_mut().for_each(|v| *v /= steps as f32);
+        err2(&sum, &x) / err2(&x, &vec![0.0; n * m])
+    };
+    let (with, without) = (mean_err(true), mean_err(false));
+    // The residual stays bounded, so the mean's error falls like 1/T: below 1% here,
+    // while rank 1 alone leaves the weight of the other singular values (about 36%).
+    assert!(with < 0.01, "with feedback: {with}");
+    assert!(without > 0.2, "without feedback: {without}");
+}
+
+#[test]
+fn plain_steps_before_the_start_are_the_fp32_mean() {
+    let layout = [Tensor::new("w", &[64, 64]), Tensor::new("b", &[64])];
+    let g = |rank: usize, step: u64, t: usize| {
+        gradpack::synthetic::gradient(layout[t].len().unwrap(), 7 + 3 * step + rank as u64)
+    };
+    let o = opts(PowerSgd {
+        start_step: 2,
+        ..PowerSgd::rank(2)
+    });
+    let fp32 = SyncOptions {
+        policy: Policy::with_rules("identity".parse().unwrap()),
+        ..o.clone()
+    };
+    let a = run(2, &layout, &o, 3, g).remove(0).unwrap();
+    let b = run(2, &layout, &fp32, 3, g).remove(0).unwrap();
+    assert!(a[..2] == b[..2]);
+    assert!(a[2][0] != b[2][0]);
+    assert!(a[2][1] == b[2][1]);
+}
+
+#[test]
+fn checkpoints_continue_bit_identically_and_refuse_other_settings() {
+    let layout = [
+        Tensor::new("w2", &[40, 30]),
+        Tensor::new("w1", &[30, 50]),
+        Tensor::new("b", &[30]),
+    ];
+    let g = |rank: usize, step: u64, t: usize| {
+        gradpack::synthetic::gradient(layout[t].len().unwrap(), 50 + 7 * step + rank as u64)
+    };
+    let o = opts(PowerSgd::rank(3));
+    let res = local::run(2, Some(Duration::from_secs(60)), |comm| {
+        let rank = comm.rank();
+        let mut e = SyncEngine::new(&layout, comm.into_inner(), o.clone())?;
+        let step = |e: &mut SyncEngine<_>, s: u64| -> Result<Vec<Vec<f32>>> {
+            for i in 0..layout.len() {
+                e.ready(i, &g(rank, s, i))?;
+            }
+            e.finish()?;
+            Ok((0..layout.len())
+                .map(|i| e.grad(i).unwrap().to_vec())
+                .collect())
+        };
+        for s in 0..3 {
+            step(&mut e, s)?;
+        }
+        let blob = e.save()?;
+        let straight: Vec<_> = (3..6).map(|s| step(&mut e, s)).collect::<Result<_>>()?;
+        let t = e.into_transport()?;
+        let mut again = SyncEngine::new(&layout, t, o.clone())?;
+        again.restore(&blob)?;
+        assert_eq!(again.step(), 3);
+        let resumed: Vec<_> = (3..6).map(|s| step(&mut again, s)).collect::<Result<_>>()?;
+        // Another rank or a damaged blob is refused and changes nothing.
+        let t = again.into_transport()?;
+        let mut other = SyncEngine::new(&layout, t, opts(PowerSgd::rank(2)))?;
+        let refused = other.restore(&blob);
+        let mut bad = blob.clone();
+        let mid = bad.len() / 2;
+        bad[mid] ^= 1;
+        let damaged = other.restore(&bad);
+        Ok((straight, resumed, refused, damaged))
+    });
+    for r in res {
+        let (straight, resumed, refused, damaged) = r.unwrap();
+        assert!(straight == resumed);
+        assert!(matches!(refused, Err(Error::Checkpoint(_))), "{refused:?}");
+        assert!(matches!(damaged, Err(Error::Checkpoint(_))), "{damaged:?}");
+    }
+}
+
+#[test]
+fn a_non_finite_gradient_shows_and_the_next_step_recovers() {
+    let (n, m) = (48, 32);
+    let layout = [Tensor::new("w", &[n, m])];
+    let g = |rank: usize, step: u64, _t: usize| {
+        let mut x = gradpack::synthetic::gradient(n * m, 9 + step);
+        if step == 1 && rank == 1 {
+            x[17] = f32::INFINITY;
+        }
+        x
+    };
+    let res: Vec<_> = run(2, &layout, &opts(PowerSgd::rank(2)), 3, g)
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    for r in &res {
+        assert!(r[0][0].iter().all(|v| v.is_finite()));
+        assert!(r[1][0].iter().all(|v| v.is_nan()));
+        assert!(r[2][0].iter().all(|v| v.is_finite()));
+    }
+}
+
+#[test]
+fn the_plan_sends_matrices_as_factors_with_two_latency_terms() {
+    let layout = [
+        Tensor::new("head.bias", &[10]),
+        Tensor::new("head.weight", &[10, 512]),
+        Tensor::new("fc.weight", &[512, 1024]),
+        Tensor::new("conv.weight", &[64, 32, 3, 3]),
+        Tensor::new("thin.weight", &[4096, 3]),
+    ];
+    let net = Network {
+        bandwidth_bit_s: 1e15,
+        latency_s: 1e-3,
+    };
+    let res = local::run(4, Some(Duration::from_secs(60)), |comm| {
+        let o = SyncOptions {
+            network: net,
+            ..opts(PowerSgd::rank(4))
+        };
+        let mut e = SyncEngine::new(&layout, comm.into_inner(), o)?;
+        let plan = e.plan().clone();
+        for (i, t) in layout.iter().enumerate() {
+            e.ready(i, &vec![1.0; t.len().unwrap()])?;
+        }
+        Ok((plan, e.finish()?))
+    });
+    let (plan, stats) = res.into_iter().next().unwrap().unwrap();
+    let low: Vec<_> = plan
+        .buckets
+        .iter()
+        .filter(|b| b.low_rank.is_some())
+        .collect();
+    let names: Vec<usize> = low.iter().flat_map(|b| b.tensors.clone()).collect();
+    // head, fc and conv; not the bias, not thin (4096 x 3 compresses by less than 2 at
+    // rank 3).
+    assert_eq!(names, vec![1, 2, 3]);
+    let mut factor_bytes = 0f64;
+    for b in &low {
+        let l = b.low_rank.as_ref().unwrap();
+        assert_eq!(b.method(), "powersgd:rank=4+identity");
+        // Two fp32 ring all-reduces, of P and of Q: four ranks, 2 (p - 1) = 6 latency
+        // terms each, and nothing else at this bandwidth.
+        assert!((b.modelled_s - 12e-3).abs() < 1e-6, "{}", b.modelled_s);
+        factor_bytes += 4.0 * (l.p_elements + l.q_elements) as f64 * 6.0 / 4.0;
+        assert_eq!(
+            (l.p_elements, l.q_elements),
+            match b.tensors[..] {
+                [1] => (10 * 4, 512 * 4),
+                [2] => (512 * 4, 1024 * 4),
+                _ => (64 * 4, 288 * 4),
+            }
+        );
+    }
+    // Sent bytes: the factors' (a ring sends 2 (p - 1) / p of them) plus the rest.
+    let rest: f64 = plan
+        .buckets
+        .iter()
+        .filter(|b| b.low_rank.is_none())
+        .map(|b| b.wire_bytes)
+        .sum();
+    let sent = stats.bytes_sent as f64;
+    assert!(sent >= factor_bytes + 0.9 * rest && sent < 1.2 * (factor_bytes + rest) + 4096.0);
+    let text = plan.to_string();
+    assert!(text.contains("powersgd:rank=4+identity"), "{text}");
+}
+
+#[test]
+fn bad_settings_are_errors() {
+    let layout = [Tensor::new("w", &[64, 64])];
+    for p in [
+        PowerSgd::rank(0),
+        PowerSgd {
+            min_compression: -1.0,
+            ..PowerSgd::default()
+        },
+    ] {
+        let w = local::Local::world(1);
+        let e = SyncEngine::new(&layout, w.into_iter().next().unwrap(), opts(p));
+        assert!(matches!(e, Err(Error::Collective(_))));
+    }
+}
