@@ -277,6 +277,35 @@ pub fn allreduce_cost(
     }
 }
 
+/// The cost of one PowerSGD step on matrices of `shapes` (rows `n`, columns `m`) at rank
+/// `rank` (each matrix uses `min(rank, n, m)`): two all-reduces one after the other
+/// (`Q = M^T P` needs the reduced `P`), of `sum n r` and of `sum m r` values, by
+/// `strategy` with the factors' codec `c`. So its bytes are those of `(n + m) r` values
+/// instead of `n m`, and it pays the latency terms of two all-reduces. The products and
+/// the orthogonalisation are not counted (they read each gradient about three times).
+pub fn powersgd_cost(
+    strategy: Strategy,
+    c: &CodecProfile,
+    p: u32,
+    latency_s: f64,
+    shapes: &[(usize, usize)],
+    rank: usize,
+    reduce_bytes_per_s: f64,
+) -> Cost {
+    let (mut ps, mut qs) = (0f64, 0f64);
+    for &(n, m) in shapes {
+        let r = rank.min(n).min(m) as f64;
+        ps += n as f64 * r;
+        qs += m as f64 * r;
+    }
+    let a = allreduce_cost(strategy, c, p, latency_s, ps, reduce_bytes_per_s);
+    let b = allreduce_cost(strategy, c, p, latency_s, qs, reduce_bytes_per_s);
+    Cost {
+        fixed: a.fixed + b.fixed,
+        bytes: a.bytes + b.bytes,
+    }
+}
+
 /// The time of a compressed ring all-reduce whose chunks go as `pieces` pieces each (a
 /// pipelined ring: piece `j + 1` is encoded while piece `j` is on the link), on links of
 /// `bandwidth_bit_s`. Each of the `2(p - 1)` hops moves one chunk: with compute `C`
@@ -588,6 +617,24 @@ fn positive(s: &str, what: &str, v: f64) -> Result<f64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn powersgd_sends_the_factors_with_two_latency_terms() {
+        let fp32 = CodecProfile::nominal("identity", 32.0);
+        let (p, lat) = (8, 1e-4);
+        let full = allreduce_cost(Strategy::Fp32Ring, &fp32, p, lat, 4096.0 * 1024.0, 1e30);
+        let c = powersgd_cost(Strategy::Fp32Ring, &fp32, p, lat, &[(4096, 1024)], 4, 1e30);
+        // Bytes: (4096 + 1024) 4 values instead of 4096 x 1024.
+        let ratio = c.bytes / full.bytes;
+        assert!((ratio - 5120.0 * 4.0 / (4096.0 * 1024.0)).abs() < 1e-12, "{ratio}");
+        // Two rings of 2 (p - 1) latency terms each.
+        assert!((c.fixed - 2.0 * 2.0 * 7.0 * lat).abs() < 1e-9, "{}", c.fixed);
+        // A rank above the matrix's smaller side is capped: 100 x 2 at rank 2 sends
+        // (100 + 2) 2 values.
+        let thin = powersgd_cost(Strategy::Fp32Ring, &fp32, p, lat, &[(100, 2)], 4, 1e30);
+        let exact = allreduce_cost(Strategy::Fp32Ring, &fp32, p, lat, 204.0, 1e30);
+        assert!((thin.bytes - exact.bytes).abs() < 1e-9, "{}", thin.bytes);
+    }
 
     fn close(a: f64, b: f64) -> bool {
         (a - b).abs() <= 1e-12 * b.abs().max(1e-300)

@@ -23,7 +23,8 @@ use crate::codec::CodecSpec;
 use crate::collective::{Feedback, ReduceOp, Strategy, Transport, local};
 use crate::error::{Error, Result};
 use crate::rng::draw;
-use crate::sync::{Policy, SyncEngine, SyncOptions, Tensor};
+use crate::codecs::Identity;
+use crate::sync::{Policy, PowerSgd, SyncEngine, SyncOptions, Tensor};
 use crate::synthetic::{normal, unit};
 
 /// A classification data set: row-major features and labels, split into train and test.
@@ -317,6 +318,10 @@ pub struct TrainConfig {
     pub seed: u64,
     /// The all-reduce strategy.
     pub strategy: Strategy,
+    /// Send the weight matrices as PowerSGD factors (the codec then carries the biases,
+    /// and the error-feedback switch of [`train`] is PowerSGD's own); `None` (default):
+    /// every tensor with the codec.
+    pub powersgd: Option<PowerSgd>,
 }
 
 impl TrainConfig {
@@ -332,6 +337,7 @@ impl TrainConfig {
             lr: 0.1,
             seed: 1,
             strategy: Strategy::CompressedAllGather,
+            powersgd: None,
         }
     }
 }
@@ -358,6 +364,8 @@ pub struct TrainResult {
     pub strategy: Strategy,
     /// Whether error feedback was on.
     pub feedback: bool,
+    /// PowerSGD's settings, if the weight matrices went as its factors.
+    pub powersgd: Option<PowerSgd>,
     /// One point per epoch.
     pub curve: Vec<EpochPoint>,
     /// Bytes each worker sent over the whole run (the most any worker sent).
@@ -367,6 +375,15 @@ pub struct TrainResult {
 }
 
 impl TrainResult {
+    /// How the gradients went: the codec's spec, or `powersgd:rank=R` (the biases then
+    /// went with the codec).
+    pub fn method(&self) -> String {
+        match &self.powersgd {
+            Some(p) => format!("powersgd:rank={}", p.rank),
+            None => self.codec.to_string(),
+        }
+    }
+
     /// The last epoch's point.
     pub fn last(&self) -> EpochPoint {
         *self.curve.last().expect("at least one epoch")
@@ -408,13 +425,19 @@ pub fn train(
     }
     let tensors = cfg.model.tensors(d, c);
     let layout: Vec<Tensor> = tensors.iter().map(|(t, _)| t.clone()).collect();
+    let powersgd = cfg.powersgd.map(|p| PowerSgd { feedback, ..p });
+    let codec_feedback = feedback && !(powersgd.is_some() && codec == CodecSpec::Identity(Identity));
     let opts = SyncOptions {
         // Every tensor with the codec (these layers are far below the size where a
-        // real model would send them uncompressed: compare codecs, not policies).
-        policy: Policy::uniform(codec),
+        // real model would send them uncompressed: compare codecs, not policies), or
+        // the matrices as PowerSGD factors.
+        policy: Policy {
+            powersgd,
+            ..Policy::uniform(codec)
+        },
         op: ReduceOp::Mean,
         strategy: Some(cfg.strategy),
-        feedback: if feedback {
+        feedback: if codec_feedback {
             Feedback::WorkerAndOwner
         } else {
             Feedback::None
@@ -506,6 +529,7 @@ pub fn train(
                 },
                 strategy,
                 feedback,
+                powersgd,
                 curve,
                 bytes_per_worker: 0,
                 steps: steps_per_epoch * cfg.epochs,

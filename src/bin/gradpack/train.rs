@@ -38,6 +38,10 @@ pub(crate) struct TrainArgs {
     /// Codec spec (repeatable; default: a representative set).
     #[arg(long = "codec")]
     codecs: Vec<String>,
+    /// Also train with the weight matrices sent as PowerSGD factors of this rank (fp32
+    /// factors, biases in fp32; repeatable), with and without its error feedback.
+    #[arg(long = "powersgd")]
+    powersgd: Vec<usize>,
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
@@ -86,8 +90,9 @@ pub(crate) fn train(a: TrainArgs) -> Res<()> {
         lr: a.lr,
         seed: a.seed,
         strategy,
+        powersgd: None,
     };
-    let runs = 1 + 2 * specs.len();
+    let runs = 1 + 2 * (specs.len() + a.powersgd.len());
     let bar = progress(runs as u64, a.json);
     let base_cfg = TrainConfig {
         strategy: Strategy::Fp32Ring,
@@ -112,6 +117,20 @@ pub(crate) fn train(a: TrainArgs) -> Res<()> {
                 Err(e) => return Err(format!("{spec}: {e}")),
             };
             rows.push((ef, row));
+            bar.inc(1);
+        }
+    }
+    for &rank in &a.powersgd {
+        let p = gradpack::sync::PowerSgd::rank(rank);
+        for ef in [false, true] {
+            bar.set_message(format!("powersgd:rank={rank}{}", if ef { " + EF" } else { "" }));
+            let cfg = TrainConfig {
+                powersgd: Some(p),
+                ..cfg.clone()
+            };
+            let r = gradpack::train::train(&ds, &cfg, identity, ef)
+                .map_err(|e| format!("powersgd:rank={rank}: {e}"))?;
+            rows.push((ef, TrainRow::Done(r)));
             bar.inc(1);
         }
     }
@@ -144,7 +163,7 @@ pub(crate) fn train(a: TrainArgs) -> Res<()> {
         };
         let run = |r: &TrainResult| {
             serde_json::json!({
-                "codec": r.codec.to_string(), "strategy": r.strategy.name(),
+                "codec": r.method(), "strategy": r.strategy.name(),
                 "feedback": r.feedback, "bytes_per_worker": r.bytes_per_worker,
                 "steps": r.steps, "curve": curve(r),
             })
@@ -184,7 +203,7 @@ pub(crate) fn train(a: TrainArgs) -> Res<()> {
         let w = rows
             .iter()
             .map(|(_, r)| match r {
-                TrainRow::Done(r) => r.codec.to_string().len(),
+                TrainRow::Done(r) => r.method().len(),
                 TrainRow::Refused { codec, .. } => codec.to_string().len(),
             })
             .max()
@@ -214,7 +233,7 @@ pub(crate) fn train(a: TrainArgs) -> Res<()> {
             match row {
                 TrainRow::Done(r) => outln!(
                     "{:<w$} {:>3} {} {:>13} {:>8.3}",
-                    r.codec.to_string(),
+                    r.method(),
                     ef_s,
                     fmt_run(r),
                     r.bytes_per_worker,
@@ -252,7 +271,7 @@ pub(crate) fn train(a: TrainArgs) -> Res<()> {
         let mut series = Vec::new();
         for (ef, row) in &rows {
             if let TrainRow::Done(r) = row {
-                let spec = r.codec.to_string();
+                let spec = r.method();
                 let fam = plot::family(&spec);
                 if !variants.contains(&spec) {
                     variants.push(spec.clone());
