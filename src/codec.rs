@@ -8,7 +8,7 @@
 use core::fmt;
 use core::str::FromStr;
 
-use crate::codecs::{Bf16, Fp16, Identity, Int8, Natural, Qsgd, RandK, Sign, Ternary, TopK};
+use crate::codecs::{Bf16, Dct, Fp16, Identity, Int8, Natural, Qsgd, RandK, Sign, Ternary, TopK};
 use crate::error::{Error, Result};
 use crate::wire::{HEADER_LEN, Header};
 
@@ -37,11 +37,13 @@ pub enum CodecId {
     TopK = 8,
     /// Random-k with hash-derived indices.
     RandK = 9,
+    /// Top-k coefficients of a chunked DCT-II.
+    Dct = 10,
 }
 
 impl CodecId {
     /// Every codec id, in id order.
-    pub const ALL: [CodecId; 10] = [
+    pub const ALL: [CodecId; 11] = [
         CodecId::Identity,
         CodecId::Fp16,
         CodecId::Bf16,
@@ -52,6 +54,7 @@ impl CodecId {
         CodecId::Natural,
         CodecId::TopK,
         CodecId::RandK,
+        CodecId::Dct,
     ];
 
     /// The id for byte value `b`, if one exists.
@@ -72,6 +75,7 @@ impl CodecId {
             CodecId::Natural => "natural",
             CodecId::TopK => "topk",
             CodecId::RandK => "randk",
+            CodecId::Dct => "dct",
         }
     }
 }
@@ -243,6 +247,8 @@ pub enum CodecSpec {
     TopK(TopK),
     /// See [`RandK`].
     RandK(RandK),
+    /// See [`Dct`].
+    Dct(Dct),
 }
 
 macro_rules! each_spec {
@@ -258,6 +264,7 @@ macro_rules! each_spec {
             CodecSpec::Natural($c) => $e,
             CodecSpec::TopK($c) => $e,
             CodecSpec::RandK($c) => $e,
+            CodecSpec::Dct($c) => $e,
         }
     };
 }
@@ -301,6 +308,7 @@ impl CodecSpec {
             }
             CodecId::TopK => CodecSpec::TopK(TopK::from_args(&mut args).map_err(&spec_err)?),
             CodecId::RandK => CodecSpec::RandK(RandK::from_args(&mut args).map_err(&spec_err)?),
+            CodecId::Dct => CodecSpec::Dct(Dct::from_args(&mut args).map_err(&spec_err)?),
         };
         args.finish(name).map_err(&spec_err)?;
         Ok(spec)
@@ -399,6 +407,31 @@ impl CodecSpec {
                             max / s * (1.0 - 2f64.powi(-20)),
                         )
                     }
+                }
+            }
+            // The transform is orthonormal: dropping coefficients leaves a tile's error
+            // below its L2 norm, at most sqrt(T) absmax for T coefficients. Sign values
+            // add the decoded tile, at most sqrt(k) times a scale of at most sqrt(T)
+            // absmax. fp16 coefficients overflow past 65504.
+            CodecSpec::Dct(c) => {
+                use crate::codecs::DctValues;
+                let tile = if c.width() == 0 {
+                    c.chunk()
+                } else {
+                    c.chunk() * c.chunk()
+                } as f64;
+                match c.values() {
+                    DctValues::F32 => (tile.sqrt() * (1.0 + 2f64.powi(-10)), 0.0, f64::INFINITY),
+                    DctValues::Fp16 => (
+                        tile.sqrt() * (1.0 + 2f64.powi(-10)),
+                        2f64.powi(-20),
+                        FP16_MAX / tile.sqrt() * (1.0 - 2f64.powi(-10)),
+                    ),
+                    _ => (
+                        (1.0 + (c.k() as f64 * tile).sqrt()) * (1.0 + 2f64.powi(-10)),
+                        0.0,
+                        f64::INFINITY,
+                    ),
                 }
             }
         };

@@ -626,9 +626,16 @@ mod tests {
         let c = powersgd_cost(Strategy::Fp32Ring, &fp32, p, lat, &[(4096, 1024)], 4, 1e30);
         // Bytes: (4096 + 1024) 4 values instead of 4096 x 1024.
         let ratio = c.bytes / full.bytes;
-        assert!((ratio - 5120.0 * 4.0 / (4096.0 * 1024.0)).abs() < 1e-12, "{ratio}");
+        assert!(
+            (ratio - 5120.0 * 4.0 / (4096.0 * 1024.0)).abs() < 1e-12,
+            "{ratio}"
+        );
         // Two rings of 2 (p - 1) latency terms each.
-        assert!((c.fixed - 2.0 * 2.0 * 7.0 * lat).abs() < 1e-9, "{}", c.fixed);
+        assert!(
+            (c.fixed - 2.0 * 2.0 * 7.0 * lat).abs() < 1e-9,
+            "{}",
+            c.fixed
+        );
         // A rank above the matrix's smaller side is capped: 100 x 2 at rank 2 sends
         // (100 + 2) 2 values.
         let thin = powersgd_cost(Strategy::Fp32Ring, &fp32, p, lat, &[(100, 2)], 4, 1e30);

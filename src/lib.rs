@@ -89,8 +89,8 @@ pub mod unstable {
 
 pub use codec::{Checksummed, Codec, CodecId, CodecSpec, EncodeCtx, decode_limit};
 pub use codecs::{
-    Bf16, Fp16, Identity, IndexCoding, Int8, Natural, Qsgd, RandK, RandKScale, RandKSelect,
-    Rounding, Selection, Sign, Ternary, TopK, TopKSelect, ValueType,
+    Bf16, Dct, DctValues, Fp16, Identity, IndexCoding, Int8, Natural, Qsgd, RandK, RandKScale,
+    RandKSelect, Rounding, Selection, Sign, Ternary, TopK, TopKSelect, ValueType,
 };
 pub use error::{Error, Result};
 pub use feedback::{ErrorFeedback, FeedbackOptions, Residual, ResidualPrecision};

@@ -20,10 +20,10 @@
 //! `tests/training.rs` asserts what the literature expects on a fixed seed.
 
 use crate::codec::CodecSpec;
+use crate::codecs::Identity;
 use crate::collective::{Feedback, ReduceOp, Strategy, Transport, local};
 use crate::error::{Error, Result};
 use crate::rng::draw;
-use crate::codecs::Identity;
 use crate::sync::{Policy, PowerSgd, SyncEngine, SyncOptions, Tensor};
 use crate::synthetic::{normal, unit};
 
@@ -426,7 +426,8 @@ pub fn train(
     let tensors = cfg.model.tensors(d, c);
     let layout: Vec<Tensor> = tensors.iter().map(|(t, _)| t.clone()).collect();
     let powersgd = cfg.powersgd.map(|p| PowerSgd { feedback, ..p });
-    let codec_feedback = feedback && !(powersgd.is_some() && codec == CodecSpec::Identity(Identity));
+    let codec_feedback =
+        feedback && !(powersgd.is_some() && codec == CodecSpec::Identity(Identity));
     let opts = SyncOptions {
         // Every tensor with the codec (these layers are far below the size where a
         // real model would send them uncompressed: compare codecs, not policies), or

@@ -29,6 +29,11 @@ fn hot_path_allocates_nothing() {
         let mut out = vec![0f32; N];
         let mut ef = ErrorFeedback::with_options(spec, N, opts).unwrap();
         let mut len = 0;
+        if let CodecSpec::Dct(_) = spec {
+            // dct builds the basis of each chunk length once per process, on first use.
+            let len = spec.encode_into(&x, &ctx, &mut frame).unwrap();
+            spec.decode_into(&frame[..len], &mut out).unwrap();
+        }
         let info = measure(|| {
             len = spec.encode_into(&x, &ctx, &mut frame).unwrap();
             spec.decode_into(&frame[..len], &mut out).unwrap();

@@ -111,6 +111,33 @@ fn check_policy(spec: &CodecSpec, x: &[f32], d: &[f32]) {
         }
         // Random-k: an unsent element could hide it, so everything decodes to NaN.
         CodecSpec::RandK(_) => assert!(d.iter().all(|v| v.is_nan()), "{spec}"),
+        // DCT: a non-finite value spreads over its tile's coefficients, all of them kept
+        // first, so the whole tile decodes to NaN or ±Inf (the whole frame with one sign
+        // scale for the frame); other tiles are finite.
+        CodecSpec::Dct(c) => {
+            let frame = c.values() == gradpack::DctValues::SignFrame;
+            for (first, h, w, len) in dct_tiles(c, x.len()) {
+                let at = |i: usize, j: usize| first + i * len + j;
+                let cells = || (0..h).flat_map(|i| (0..w).map(move |j| (i, j)));
+                let bad_tile = cells().any(|(i, j)| !x[at(i, j)].is_finite());
+                if bad_tile || frame {
+                    assert!(
+                        cells().all(|(i, j)| !d[at(i, j)].is_finite()),
+                        "{spec} tile at {first} not all non-finite"
+                    );
+                } else {
+                    // fp16 coefficients overflow past 65504 (at most sqrt(h w) times the
+                    // tile's largest magnitude).
+                    let max = cells().map(|(i, j)| x[at(i, j)].abs()).fold(0f32, f32::max);
+                    let fits = c.values() != gradpack::DctValues::Fp16
+                        || max * ((h * w) as f32).sqrt() < 65504.0;
+                    assert!(
+                        !fits || cells().all(|(i, j)| d[at(i, j)].is_finite()),
+                        "{spec} tile at {first} not finite"
+                    );
+                }
+            }
+        }
         _ => unreachable!(),
     }
 }

@@ -40,6 +40,15 @@ fn specs_from_the_docs_parse_and_print_canonically() {
             "randk:select=bernoulli",
             "randk:ratio=0.01,values=f32,scale=none",
         ),
+        ("dct", "dct:chunk=64,k=4,values=f32,width=0"),
+        (
+            "dct:values=sign,k=32,width=4096",
+            "dct:chunk=64,k=32,values=sign,scale=chunk,width=4096",
+        ),
+        (
+            "dct:chunk=16,values=sign,scale=frame",
+            "dct:chunk=16,k=4,values=sign,scale=frame,width=0",
+        ),
     ];
     for (input, canonical) in cases {
         let spec: CodecSpec = input.parse().unwrap_or_else(|e| panic!("{input}: {e}"));
@@ -92,6 +101,12 @@ fn bad_specs_name_the_problem_and_the_accepted_values() {
     assert!(r.contains("not both"), "{r}");
     let r = reason("topk:values=int4");
     assert!(r.contains("f32") && r.contains("fp16"), "{r}");
+    let r = reason("dct:k=65");
+    assert!(r.contains("`k`") && r.contains("1..=64"), "{r}");
+    let r = reason("dct:chunk=65");
+    assert!(r.contains("chunk=65") && r.contains("1..=64"), "{r}");
+    let r = reason("dct:values=fp16,scale=frame");
+    assert!(r.contains("values=sign"), "{r}");
     let r = reason("fp16:block=4");
     assert!(r.contains("fp16 takes no parameters"), "{r}");
     let r = reason("int8:block=64,block=32");
@@ -135,9 +150,16 @@ fn ids_names_and_spec_metadata_agree() {
         assert_eq!(spec.id(), id);
         assert_eq!(spec.spec(), spec);
     }
-    assert_eq!(CodecId::from_u8(10), None);
+    assert_eq!(CodecId::from_u8(11), None);
     let bits = |s: &str| s.parse::<CodecSpec>().unwrap().bits_per_element(1 << 20);
     assert_eq!(bits("identity"), 32.0);
+    // dct: per 64 elements, 4 one-byte positions and 4 f32 (or fp16, or sign bits and a
+    // scale).
+    assert_eq!(bits("dct"), 4.0 * 5.0 * 8.0 / 64.0);
+    assert_eq!(bits("dct:values=fp16"), 4.0 * 3.0 * 8.0 / 64.0);
+    assert_eq!(bits("dct:values=sign"), (4.0 + 4.0 + 1.0) * 8.0 / 64.0);
+    // 64 x 64 tiles of a 1024-wide matrix: two-byte positions.
+    assert_eq!(bits("dct:k=32,width=1024"), 32.0 * 6.0 * 8.0 / 4096.0);
     assert_eq!(bits("fp16"), 16.0);
     assert_eq!(bits("int8:block=256"), 8.0 + 32.0 / 256.0);
     assert_eq!(bits("qsgd:bits=2,block=512"), 2.0 + 32.0 / 512.0);

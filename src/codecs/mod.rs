@@ -6,6 +6,7 @@
 //! the decode/decode_add split in one place.
 
 mod bf16;
+mod dct;
 pub(crate) mod fixed;
 mod fp16;
 mod identity;
@@ -19,6 +20,7 @@ mod topk;
 mod values;
 
 pub use bf16::Bf16;
+pub use dct::{Dct, DctValues};
 pub use fp16::Fp16;
 pub use identity::Identity;
 pub use int8::{Int8, Rounding};
@@ -263,6 +265,10 @@ macro_rules! by_id {
             }
             CodecId::RandK => {
                 type $S = RandK;
+                $e
+            }
+            CodecId::Dct => {
+                type $S = Dct;
                 $e
             }
         }

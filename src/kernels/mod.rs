@@ -16,6 +16,7 @@
 #![allow(unsafe_code)]
 
 pub mod backend;
+pub mod dct;
 pub mod gemm;
 mod portable;
 pub mod scalar;

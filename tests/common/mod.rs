@@ -29,6 +29,10 @@ pub const SPECS: &[&str] = &[
     "randk:ratio=0.3,values=fp16,scale=unbiased",
     "randk:ratio=0.3,values=f32,select=strata",
     "randk:ratio=0.05,values=bf16,scale=unbiased,select=strata",
+    "dct:chunk=64,k=4",
+    "dct:chunk=16,k=3,values=fp16",
+    "dct:chunk=8,k=5,values=sign",
+    "dct:chunk=8,k=3,values=sign,scale=frame,width=1",
 ];
 
 pub fn specs() -> Vec<CodecSpec> {
@@ -55,6 +59,8 @@ pub fn block_of(spec: &CodecSpec) -> usize {
         CodecSpec::Sign(c) => c.block(),
         CodecSpec::Ternary(c) => c.block(),
         CodecSpec::Natural(c) => c.block(),
+        // A band of whole tiles.
+        CodecSpec::Dct(c) => c.chunk() * (c.width() as usize).max(1),
         _ => 64,
     }
 }
@@ -345,7 +351,156 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
                 }
             }
         }
+        CodecSpec::Dct(c) => return check_dct(c, x, d).map_err(|e| format!("{spec}: {e}")),
         _ => unreachable!("unknown codec"),
+    }
+    Ok(())
+}
+
+/// The orthonormal DCT-II of a tile of `h x w` (row-major) in f64, from the cosine
+/// formula (an oracle independent of the crate's f32 basis).
+pub fn dct2_f64(x: &[f64], h: usize, w: usize) -> Vec<f64> {
+    let basis = |n: usize, k: usize, i: usize| {
+        let s = if k == 0 {
+            (1.0 / n as f64).sqrt()
+        } else {
+            (2.0 / n as f64).sqrt()
+        };
+        s * (std::f64::consts::PI * ((2 * i + 1) * k) as f64 / (2 * n) as f64).cos()
+    };
+    let mut out = vec![0f64; h * w];
+    for a in 0..h {
+        for b in 0..w {
+            let mut sum = 0f64;
+            for i in 0..h {
+                for j in 0..w {
+                    sum += x[i * w + j] * basis(h, a, i) * basis(w, b, j);
+                }
+            }
+            out[a * w + b] = sum;
+        }
+    }
+    out
+}
+
+/// The tiles of a `dct` frame of `n` elements: `(first element, rows, columns, row
+/// length)` (wire format 3.11, restated).
+pub fn dct_tiles(c: &gradpack::Dct, n: usize) -> Vec<(usize, usize, usize, usize)> {
+    let (rows, len, th) = if c.width() == 0 {
+        (1, n, 1)
+    } else {
+        (n / c.width() as usize, c.width() as usize, c.chunk())
+    };
+    let mut v = Vec::new();
+    let mut r0 = 0;
+    while r0 < rows {
+        let mut c0 = 0;
+        while c0 < len {
+            v.push((
+                r0 * len + c0,
+                th.min(rows - r0),
+                c.chunk().min(len - c0),
+                len,
+            ));
+            c0 += c.chunk();
+        }
+        r0 += th;
+    }
+    v
+}
+
+/// `dct`'s decoding, checked in the coefficient domain against the f64 transform of the
+/// input: at most `k` coefficients per tile survive, they are (up to near-ties) the
+/// largest, and each holds the input's coefficient (f32), its fp16 rounding, or its sign
+/// times a scale shared by the tile (or frame) that is the mean kept magnitude.
+fn check_dct(c: &gradpack::Dct, x: &[f32], d: &[f32]) -> Result<(), String> {
+    use gradpack::DctValues;
+    let tiles = dct_tiles(c, x.len());
+    let (mut frame_scale, mut frame_sum, mut frame_kept) = (None::<f64>, 0f64, 0usize);
+    for &(first, h, w, len) in &tiles {
+        let get = |v: &[f32]| -> Vec<f64> {
+            (0..h * w)
+                .map(|p| v[first + (p / w) * len + p % w] as f64)
+                .collect()
+        };
+        let (xs, ds) = (dct2_f64(&get(x), h, w), dct2_f64(&get(d), h, w));
+        let norm = xs.iter().map(|v| v * v).sum::<f64>().sqrt();
+        if xs.iter().any(|v| v.abs() > 6.0e4) && c.values() == DctValues::Fp16 {
+            continue; // fp16 overflow: the bound is infinite
+        }
+        // f32 rounding of the transforms, relative to the larger of the input's and the
+        // decoding's norms (a frame scale can exceed a quiet tile's norm).
+        let dnorm = ds.iter().map(|v| v * v).sum::<f64>().sqrt();
+        let tol = 4e-5 * (norm + dnorm) + 1e-38;
+        let kt = c.k().min(h * w);
+        let kept: Vec<usize> = (0..h * w).filter(|&p| ds[p].abs() > tol).collect();
+        let at = |p: usize| format!("tile at {first}, coefficient {p}");
+        if kept.len() > kt {
+            return Err(format!(
+                "{}: {} coefficients survive, k = {kt}",
+                at(0),
+                kept.len()
+            ));
+        }
+        let least = kept
+            .iter()
+            .map(|&p| xs[p].abs())
+            .fold(f64::INFINITY, f64::min);
+        if kept.len() == kt {
+            for p in (0..h * w).filter(|p| !kept.contains(p)) {
+                if xs[p].abs() > least + 2.0 * tol {
+                    return Err(format!("{}: |{:e}| dropped, {least:e} kept", at(p), xs[p]));
+                }
+            }
+        }
+        let mut sum = 0f64;
+        for &p in &kept {
+            let (want, got) = (xs[p], ds[p]);
+            let ok = match c.values() {
+                DctValues::F32 => (got - want).abs() <= tol,
+                // The f16 nearest the f32 coefficient, which can sit on the other side of a
+                // rounding midpoint than the f64 one: within one f16 ulp (2^-10 relative).
+                DctValues::Fp16 => {
+                    let r = half::f16::from_f64(want).to_f64();
+                    (got - r).abs() <= tol || (got - want).abs() <= tol + want.abs() * pow2(-10)
+                }
+                _ => want.abs() <= tol || (got < 0.0) == (want < 0.0),
+            };
+            if !ok {
+                return Err(format!("{}: decoded {got:e}, input's {want:e}", at(p)));
+            }
+            sum += want.abs();
+        }
+        if matches!(c.values(), DctValues::SignChunk | DctValues::SignFrame) {
+            let mags: Vec<f64> = kept.iter().map(|&p| ds[p].abs()).collect();
+            let scale = mags.first().copied().unwrap_or(0.0);
+            if mags.iter().any(|m| (m - scale).abs() > tol) {
+                return Err(format!("tile at {first}: kept magnitudes differ: {mags:?}"));
+            }
+            if c.values() == DctValues::SignChunk {
+                if !kept.is_empty() && (scale - sum / kept.len() as f64).abs() > tol {
+                    return Err(format!(
+                        "tile at {first}: scale {scale:e}, mean kept {:e}",
+                        sum / kept.len() as f64
+                    ));
+                }
+            } else if !kept.is_empty() {
+                if frame_scale.is_some_and(|f| (f - scale).abs() > 4e-5 * f.max(scale)) {
+                    return Err(format!(
+                        "tile at {first}: scale {scale:e} differs from the frame's"
+                    ));
+                }
+                frame_scale = Some(scale);
+                frame_sum += sum;
+                frame_kept += kept.len();
+            }
+        }
+    }
+    if let Some(f) = frame_scale {
+        let mean = frame_sum / frame_kept as f64;
+        if (f - mean).abs() > 1e-4 * mean.max(1e-38) {
+            return Err(format!("frame scale {f:e}, mean kept magnitude {mean:e}"));
+        }
     }
     Ok(())
 }
@@ -399,6 +554,20 @@ pub const GOLDEN: &[(&str, &str, u64, u64)] = &[
         0,
     ),
     ("topk_r09_int8", "topk:ratio=0.9,values=int8", 0, 0),
+    ("dct_c64_k4_f32", "dct:chunk=64,k=4", 0, 0),
+    ("dct_c16_k3_fp16", "dct:chunk=16,k=3,values=fp16", 0, 0),
+    (
+        "dct_c8_k5_sign_w20",
+        "dct:chunk=8,k=5,values=sign,width=20",
+        0,
+        0,
+    ),
+    (
+        "dct_c32_k40_signframe_w20",
+        "dct:chunk=32,k=40,values=sign,scale=frame,width=20",
+        0,
+        0,
+    ),
     ("randk_r01_f32", "randk:ratio=0.1", 42, 0),
     ("randk_r01_bf16", "randk:ratio=0.1,values=bf16", 42, 0),
     (

@@ -123,7 +123,10 @@ pub(crate) fn train(a: TrainArgs) -> Res<()> {
     for &rank in &a.powersgd {
         let p = gradpack::sync::PowerSgd::rank(rank);
         for ef in [false, true] {
-            bar.set_message(format!("powersgd:rank={rank}{}", if ef { " + EF" } else { "" }));
+            bar.set_message(format!(
+                "powersgd:rank={rank}{}",
+                if ef { " + EF" } else { "" }
+            ));
             let cfg = TrainConfig {
                 powersgd: Some(p),
                 ..cfg.clone()
