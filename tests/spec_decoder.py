@@ -145,7 +145,7 @@ def decode(frame):
     flags, = struct.unpack_from("<H", frame, 6)
     n, plen, seed, offset = struct.unpack_from("<QQQQ", frame, 8)
     params = frame[40:52]
-    if codec > 9:
+    if codec > 10:
         raise Reject("codec id")
     if flags & ~3:
         raise Reject("reserved flags")
@@ -341,7 +341,125 @@ def decode(frame):
         else:
             for j, i in enumerate(kept):
                 out[i] = value_bits(p, vt, j, len(kept))
+    elif codec == 10:  # dct
+        out = dct_decode(p, params, n, seed)
     return n, out, flags
+
+
+# ---------------------------------------------------------------- dct (spec 3.11)
+
+def f32_round(x):
+    """A Python float rounded to f32, as a float (NaN and ±Inf kept)."""
+    if math.isnan(x) or math.isinf(x):
+        return x
+    return bits_f32(f32_bits(x))
+
+
+def fadd(a, b):  # one f32 addition: exact in f64 then one rounding (2p + 2 <= 53)
+    return f32_round(a + b)
+
+
+def fmul(a, b):
+    return f32_round(a * b)
+
+
+BASIS = {}
+
+
+def basis(N):
+    """B_N as a list of rows, by the reduction of spec 3.11."""
+    if N not in BASIS:
+        rows = []
+        for k in range(N):
+            s = math.sqrt((1.0 if k == 0 else 2.0) / N)
+            row = []
+            for n in range(N):
+                m = ((2 * n + 1) * k) % (4 * N)
+                if m > 2 * N:
+                    m = 4 * N - m
+                sign = 1.0
+                if m > N:
+                    m, sign = 2 * N - m, -1.0
+                if 2 * m <= N:
+                    c = math.cos(math.pi * m / (2 * N))
+                else:
+                    c = math.sin(math.pi * (N - m) / (2 * N))
+                row.append(f32_round(s * sign * c))
+            rows.append(row)
+        BASIS[N] = rows
+    return BASIS[N]
+
+
+def dct_decode(p, params, n, seed):
+    W, = struct.unpack_from("<I", params, 0)
+    k, = struct.unpack_from("<H", params, 4)
+    c, vt = params[6], params[7]
+    if any(params[8:]):
+        raise Reject("unused params")
+    if seed:
+        raise Reject("seed")
+    if vt > 3:
+        raise Reject("dct values")
+    if not 1 <= c <= 64:
+        raise Reject("dct chunk")
+    T = c if W == 0 else c * c
+    if not 1 <= k <= T:
+        raise Reject("dct k")
+    if W and n % W:
+        raise Reject("dct rows")
+    R, L, H = (1, n, 1) if W == 0 else (n // W, W, c)
+    ib = 1 if H * c <= 256 else 2
+    tiles = [(u * H * L + v * c, min(H, R - u * H), min(c, L - v * c))
+             for u in range(-(-R // H)) for v in range(-(-L // c))]
+    vbytes = lambda kt: [4 * kt, 2 * kt, 4 + (kt + 7) // 8, (kt + 7) // 8][vt]
+    total = (4 if vt == 3 else 0) + sum(min(k, h * w) * ib + vbytes(min(k, h * w))
+                                        for _, h, w in tiles)
+    if len(p) != total:
+        raise Reject("payload length")
+    at = 0
+    frame_scale = None
+    if vt == 3:
+        frame_scale = struct.unpack_from("<f", p, 0)[0]
+        at = 4
+    parsed = []
+    for first, h, w in tiles:  # validate everything before decoding
+        kt = min(k, h * w)
+        scale = frame_scale
+        if vt == 2:
+            scale = struct.unpack_from("<f", p, at)[0]
+            at += 4
+        pos = [p[at + j] if ib == 1 else struct.unpack_from("<H", p, at + 2 * j)[0]
+               for j in range(kt)]
+        at += kt * ib
+        if any(q >= h * w for q in pos) or any(a >= b for a, b in zip(pos, pos[1:])):
+            raise Reject("dct positions")
+        if vt == 0:
+            vals = list(struct.unpack_from("<%df" % kt, p, at))
+        elif vt == 1:
+            vals = [bits_f32(f16_to_f32_bits(h16))
+                    for h16 in struct.unpack_from("<%dH" % kt, p, at)]
+        else:
+            nb = (kt + 7) // 8
+            if kt % 8 and p[at + nb - 1] >> (kt % 8):
+                raise Reject("padding")
+            vals = [-scale if (p[at + j // 8] >> (j % 8)) & 1 else scale for j in range(kt)]
+        at += vbytes(kt) - (4 if vt == 2 else 0)
+        parsed.append((first, h, w, list(zip(pos, vals))))
+    out = [0] * n
+    for first, h, w, kept in parsed:
+        Bh, Bw = basis(h), basis(w)
+        t = [[0.0] * w for _ in range(h)]
+        for q, v in kept:
+            a, b = divmod(q, w)
+            for i in range(h):
+                t[i][b] = fadd(t[i][b], fmul(v, Bh[a][i]))
+        for i in range(h):
+            for j in range(w):
+                x = 0.0
+                for b in range(w):
+                    x = fadd(x, fmul(t[i][b], Bw[b][j]))
+                out[first + i * L + j] = 0x7FC00000 if math.isnan(x) else f32_bits(x)
+    return out
 
 
 def seal(frame):

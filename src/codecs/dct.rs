@@ -12,7 +12,9 @@
 //! momentum decay (0.9 to 0.999), this is DeMo's decoupled momentum.
 //!
 //! Decoding is the inverse DCT of the kept coefficients, a fixed sequence of f32
-//! operations on an f32 basis specified to the bit, so every CPU decodes alike.
+//! operations on an f32 basis specified to the bit, so every CPU decodes alike (a NaN
+//! result is written as the quiet NaN `0x7FC00000`, whatever NaN the CPU made). The
+//! basis of each tile length is built on first use and kept for the process.
 //! Non-finite input: a NaN or Inf coefficient is kept first (its key is the largest) and
 //! spreads over its tile on decoding, so the tile decodes with NaN or Inf where the
 //! input had them and usually elsewhere too; sign values with a NaN scale decode to NaN.
@@ -23,7 +25,7 @@ use super::{Encoded, Scheme, expect_payload};
 use crate::codec::{Args, CodecId, CodecSpec, EncodeCtx, payload_buf};
 use crate::error::{Error, Result};
 use crate::kernels::dct::{self, MAX_N};
-use crate::kernels::scalar::{f16_to_f32, f32_to_f16, put};
+use crate::kernels::scalar::{CANONICAL_NAN, f16_to_f32, f32_to_f16, put};
 use crate::wire::{HEADER_LEN, Header};
 
 /// How the kept coefficients of a [`Dct`] frame are written.
@@ -577,7 +579,11 @@ impl Scheme for Dct {
             });
             dct::inverse(kept, th, tw, &mut t, &mut cols, &mut row, |i, r| {
                 let o = &mut out[first + i * len..first + i * len + tw];
-                o.iter_mut().zip(r).for_each(|(o, &v)| put::<M>(o, v));
+                // A NaN decodes as the quiet NaN 0x7FC00000: which NaN an invalid
+                // operation makes differs between CPUs.
+                o.iter_mut()
+                    .zip(r)
+                    .for_each(|(o, &v)| put::<M>(o, if v.is_nan() { CANONICAL_NAN } else { v }));
             });
             at = vals0
                 + match self.values {
