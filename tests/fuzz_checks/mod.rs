@@ -248,7 +248,7 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
                 0 => 0,
                 w => [1, n.max(1), (c[2] as usize % 64 + 1)][w as usize - 1],
             };
-            let width = if width > 0 && n % width != 0 {
+            let width = if width > 0 && !n.is_multiple_of(width) {
                 1
             } else {
                 width
