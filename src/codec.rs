@@ -350,6 +350,8 @@ impl CodecSpec {
     /// | sign | `2 absmax`: `x` and `±mean|x|` differ by at most `|x| + mean|x|` |
     /// | ternary, natural, top-k, random-k (`scale=none`) | `absmax` (a dropped element, or a power-of-two neighbour) |
     /// | random-k (`scale=unbiased`) | `(1 + 2^-11) absmax * s` (`2^-8` with bf16 values), `s` the largest scale ([`crate::RandK::max_scale`]: `2^32 / t`, about `1 / ratio`) |
+    /// | dct (f32, fp16 values) | `sqrt(T) absmax (1 + 2^-10)`, `T` the coefficients of a full tile: a tile's error is below its L2 norm |
+    /// | dct (sign values) | `(1 + sqrt(k T)) absmax (1 + 2^-10)`: the input plus the decoded tile |
     ///
     /// A relative slack of `2^-20` covers the f32 arithmetic of the scales. int8 and qsgd
     /// add `2^-22 absmax` for the f32 rounding of the step, of `x / step` and of the
@@ -359,7 +361,9 @@ impl CodecSpec {
     /// assumes no overflow: it is infinite when `absmax` exceeds the largest finite value
     /// of the codec's element type (65504 for fp16 and fp16-valued top-k / random-k, the
     /// bf16 maximum for bf16 and bf16-valued ones), and
-    /// for unbiased random-k when `absmax * s` does (the scaled value overflows to Inf).
+    /// for unbiased random-k when `absmax * s` does (the scaled value overflows to Inf);
+    /// for dct when a coefficient could overflow (`absmax` above `65504 / sqrt(T)` with
+    /// fp16 values, else above `f32::MAX / (2 T sqrt(T))`).
     /// [`crate::collective::error_bound`] composes it over an all-reduce.
     pub fn error_bound(&self, absmax: f64) -> f64 {
         use crate::codecs::{RandKScale, Rounding, ValueType};
@@ -412,7 +416,9 @@ impl CodecSpec {
             // The transform is orthonormal: dropping coefficients leaves a tile's error
             // below its L2 norm, at most sqrt(T) absmax for T coefficients. Sign values
             // add the decoded tile, at most sqrt(k) times a scale of at most sqrt(T)
-            // absmax. fp16 coefficients overflow past 65504.
+            // absmax. fp16 coefficients overflow past 65504; every sum of the transforms
+            // stays below 2 T sqrt(T) absmax, so f32 arithmetic cannot overflow below
+            // f32::MAX / (2 T sqrt(T)).
             CodecSpec::Dct(c) => {
                 use crate::codecs::DctValues;
                 let tile = if c.width() == 0 {
@@ -420,8 +426,9 @@ impl CodecSpec {
                 } else {
                     c.chunk() * c.chunk()
                 } as f64;
+                let f32_max = f32::MAX as f64 / (2.0 * tile * tile.sqrt());
                 match c.values() {
-                    DctValues::F32 => (tile.sqrt() * (1.0 + 2f64.powi(-10)), 0.0, f64::INFINITY),
+                    DctValues::F32 => (tile.sqrt() * (1.0 + 2f64.powi(-10)), 0.0, f32_max),
                     DctValues::Fp16 => (
                         tile.sqrt() * (1.0 + 2f64.powi(-10)),
                         2f64.powi(-20),
@@ -430,7 +437,7 @@ impl CodecSpec {
                     _ => (
                         (1.0 + (c.k() as f64 * tile).sqrt()) * (1.0 + 2f64.powi(-10)),
                         0.0,
-                        f64::INFINITY,
+                        f32_max,
                     ),
                 }
             }
@@ -630,6 +637,7 @@ pub const REPRESENTATIVE_SPECS: &[&str] = &[
     "topk:ratio=0.01,values=fp16",
     "randk:ratio=0.01",
     "randk:ratio=0.01,select=strata",
+    "dct:k=4,values=sign",
 ];
 
 /// A codec whose frames carry a payload checksum: `Checksummed(codec)` encodes as `codec`

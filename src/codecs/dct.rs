@@ -290,6 +290,15 @@ impl From<Dct> for CodecSpec {
 /// The largest tile.
 const TILE: usize = MAX_N * MAX_N;
 
+/// Up to this many kept per tile, the selection is one insertion pass.
+const SMALL_K: usize = 16;
+
+/// `v`, or the quiet NaN 0x7FC00000 if it is a NaN.
+#[inline]
+fn canonical(v: f32) -> f32 {
+    if v.is_nan() { CANONICAL_NAN } else { v }
+}
+
 /// Order of keys for selection: larger magnitude first, then lower position.
 #[inline]
 fn before(keys: &[u32], a: u16, b: u16) -> core::cmp::Ordering {
@@ -347,13 +356,34 @@ impl Scheme for Dct {
                 nonfinite = true;
             }
             dct::forward(rows, g.len as usize, h, w, &mut y, &mut coef);
+            // Which NaN an invalid operation makes differs between CPUs and compilations:
+            // every NaN coefficient is the quiet NaN 0x7FC00000 (its key, value and sign).
+            coef[..size]
+                .iter_mut()
+                .filter(|v| v.is_nan())
+                .for_each(|v| *v = CANONICAL_NAN);
             let kt = (g.k as usize).min(size);
             for (i, (key, o)) in keys[..size].iter_mut().zip(&mut order[..size]).enumerate() {
                 *key = coef[i].to_bits() & 0x7FFF_FFFF;
                 *o = i as u16;
             }
             let chosen = &mut order[..size];
-            if kt < size {
+            if kt <= SMALL_K && kt < size {
+                // A few of many: keep the best kt in a sorted run, one pass.
+                let mut best = 0;
+                for i in 0..size as u16 {
+                    if best == kt && before(&keys, i, chosen[kt - 1]).is_ge() {
+                        continue;
+                    }
+                    let mut j = best.min(kt - 1);
+                    while j > 0 && before(&keys, i, chosen[j - 1]).is_lt() {
+                        chosen[j] = chosen[j - 1];
+                        j -= 1;
+                    }
+                    chosen[j] = i;
+                    best = (best + 1).min(kt);
+                }
+            } else if kt < size {
                 chosen.select_nth_unstable_by(kt - 1, |&a, &b| before(&keys, a, b));
             }
             let chosen = &mut chosen[..kt];
@@ -393,7 +423,7 @@ impl Scheme for Dct {
                     }
                     at += bytes;
                     if self.values == DctValues::SignChunk {
-                        let scale = (sum / kt as f64) as f32;
+                        let scale = canonical((sum / kt as f64) as f32);
                         p[scale_at..scale_at + 4].copy_from_slice(&scale.to_le_bytes());
                     } else {
                         frame_sum += sum;
@@ -406,7 +436,7 @@ impl Scheme for Dct {
             let scale = if frame_kept == 0 {
                 0.0
             } else {
-                (frame_sum / frame_kept as f64) as f32
+                canonical((frame_sum / frame_kept as f64) as f32)
             };
             p[0..4].copy_from_slice(&scale.to_le_bytes());
         }
@@ -583,7 +613,7 @@ impl Scheme for Dct {
                 // operation makes differs between CPUs.
                 o.iter_mut()
                     .zip(r)
-                    .for_each(|(o, &v)| put::<M>(o, if v.is_nan() { CANONICAL_NAN } else { v }));
+                    .for_each(|(o, &v)| put::<M>(o, canonical(v)));
             });
             at = vals0
                 + match self.values {

@@ -131,6 +131,28 @@ simd_op!(FeedbackFormBf16 {
 simd_op!(FeedbackStoreBf16 { r: &'a mut [u16], p: &'a [f32] } -> ()
     = portable::feedback_store_bf16(r, p));
 
+simd_op!(DctForward {
+    x: &'a [f32], stride: usize, h: usize, w: usize, y: &'a mut [f32], out: &'a mut [f32],
+} -> () = dct::forward_impl(x, stride, h, w, y, out));
+
+/// The forward DCT of a tile (see [`dct::forward`]), compiled for the current backend.
+fn dct_forward(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out: &mut [f32]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => dct::forward_impl(x, stride, h, w, y, out),
+        b => simd(
+            b,
+            DctForward {
+                x,
+                stride,
+                h,
+                w,
+                y,
+                out,
+            },
+        ),
+    }
+}
+
 /// Error-feedback input `r = beta * r + gamma * g` in place (see [`scalar::feedback_form`]).
 pub fn feedback_form(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) {
     match Backend::current() {

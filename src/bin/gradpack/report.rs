@@ -48,6 +48,60 @@ struct Measured {
 /// Steps of error feedback behind the report's "EF rel L2" column.
 const EF_STEPS: u64 = 8;
 
+/// The ranks of the report's PowerSGD rows.
+const POWERSGD_RANKS: [usize; 2] = [1, 4];
+
+/// PowerSGD on one matrix of the report's elements, at one rank.
+struct LowRankRow {
+    rank: usize,
+    rows: usize,
+    cols: usize,
+    /// Bits per element of the two factors (fp32) against the matrix.
+    bits: f64,
+    /// One step's compute on this CPU (products, orthogonalisation, reconstruction, error
+    /// feedback), the fastest of the timing rounds.
+    compute_s: f64,
+    /// The modelled step: compute plus its two all-reduces.
+    t: f64,
+}
+
+/// The matrix the report's elements make: rows a power of two near the square root.
+fn matrix_shape(n: usize) -> (usize, usize) {
+    let rows = 1usize << (n.max(1).ilog2() / 2);
+    (rows, (n / rows).max(1))
+}
+
+/// Time PowerSGD steps at `rank` on the `rows x cols` matrix `x` through a one-rank sync
+/// engine (its all-reduces are then copies): the fastest of `rounds` steps after a
+/// warm-up step.
+fn time_powersgd(x: &[f32], rows: usize, cols: usize, rank: usize, rounds: usize) -> Res<f64> {
+    use gradpack::collective::local;
+    use gradpack::sync::{Policy, PowerSgd, SyncEngine, SyncOptions, Tensor};
+    let layout = [Tensor::new("matrix", &[rows, cols])];
+    let opts = SyncOptions {
+        policy: Policy::powersgd(PowerSgd::rank(rank)),
+        overlap: false,
+        ..Default::default()
+    };
+    let res = local::run(1, None, |comm| {
+        let mut e = SyncEngine::new(&layout, comm.into_inner(), opts.clone())?;
+        let mut best = f64::INFINITY;
+        for round in 0..=rounds {
+            let t = Instant::now();
+            e.ready(0, &x[..rows * cols])?;
+            e.finish()?;
+            if round > 0 {
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+        }
+        Ok(best)
+    });
+    res.into_iter()
+        .next()
+        .expect("one rank")
+        .map_err(|e| format!("PowerSGD rank {rank}: {e}"))
+}
+
 /// The fastest of at least 5 runs of `f` over about `budget` seconds: on a shared machine
 /// noise only ever adds time, so the fastest run is the figure that two reports repeat
 /// (the median moved the break-evens of identical runs by up to 170%, the fastest by up
@@ -304,6 +358,12 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
             bar.inc(1);
         }
     }
+    let (mrows, mcols) = matrix_shape(n);
+    let mut lowrank_compute = Vec::new();
+    for rank in POWERSGD_RANKS {
+        bar.set_message(format!("PowerSGD rank {rank}"));
+        lowrank_compute.push(backend.run(|| time_powersgd(&x, mrows, mcols, rank, ROUNDS))?);
+    }
     bar.finish_and_clear();
     let base = with_speeds(base, &base_rounds);
     let rows: Vec<Measured> = rows
@@ -322,6 +382,31 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
         latency_s: net.latency,
     };
     let (fp32_strategy, fp32) = cost::best_fp32(&profile(&base), &cluster, elements, reduce);
+    // PowerSGD: its compute on this CPU plus its two fp32 all-reduces of the factors.
+    let lowrank: Vec<LowRankRow> = POWERSGD_RANKS
+        .iter()
+        .zip(&lowrank_compute)
+        .map(|(&rank, &compute_s)| {
+            let c = cost::powersgd_cost(
+                Strategy::Fp32Ring,
+                &profile(&base),
+                net.nodes,
+                net.latency,
+                &[(mrows, mcols)],
+                rank,
+                reduce,
+            );
+            let r = rank.min(mrows).min(mcols) as f64;
+            LowRankRow {
+                rank,
+                rows: mrows,
+                cols: mcols,
+                bits: 32.0 * (mrows + mcols) as f64 * r / (mrows * mcols) as f64,
+                compute_s,
+                t: compute_s + c.time(net.bandwidth),
+            }
+        })
+        .collect();
     struct Row<'a> {
         m: &'a Measured,
         strategy: Strategy,
@@ -417,6 +502,12 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
             "fp32_allreduce_s": fp32,
             "fp32_strategy": fp32_strategy.name(),
             "codecs": codecs,
+            // PowerSGD on one rows x cols matrix of the same elements (fp32 factors).
+            "powersgd": lowrank.iter().map(|l| serde_json::json!({
+                "rank": l.rank, "rows": l.rows, "cols": l.cols,
+                "bits_per_element": l.bits, "ratio": 32.0 / l.bits,
+                "compute_s": l.compute_s, "allreduce_s": l.t, "speedup": fp32 / l.t,
+            })).collect::<Vec<_>>(),
         });
         outln!(
             "{}",
@@ -495,6 +586,34 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
              the fastest speeds of {ROUNDS} interleaved timing rounds, each timing the codec beside the fp32 sum (range:\n\
              with each round's own); where latency dominates, where it pays (>X: above X; always; never);\n\
              time: the modelled all-reduce at {:.1} Gbit/s with the best strategy (ring or allgather).",
+            net.bandwidth / 1e9
+        );
+        outln!(
+            "\nPowerSGD on a {mrows} x {mcols} matrix of the same gradient (fp32 factors, warm start, error feedback):"
+        );
+        outln!(
+            "{:>4} {:>7} {:>6} {:>10} {:>9} {:>8}",
+            "rank",
+            "bits/el",
+            "ratio",
+            "compute ms",
+            "time ms",
+            "speedup"
+        );
+        for l in &lowrank {
+            outln!(
+                "{:>4} {:>7.3} {:>6.1} {:>10.3} {:>9.3} {:>8}",
+                l.rank,
+                l.bits,
+                32.0 / l.bits,
+                l.compute_s * 1e3,
+                l.t * 1e3,
+                speedup(fp32, l.t)
+            );
+        }
+        outln!(
+            "compute: one step on this CPU (M Q, M^T P, Gram-Schmidt, P Q^T and the residual), the fastest of {ROUNDS};\n\
+             time: that plus its two fp32 ring all-reduces (of {mrows} r and {mcols} r values) at {:.1} Gbit/s.",
             net.bandwidth / 1e9
         );
     }
