@@ -321,17 +321,19 @@ impl LowRank {
                 &self.p[a.p_off..a.p_off + a.n * a.r],
                 &self.q_new[a.q_off..a.q_off + a.m * a.r],
             );
-            reconstruct(p_i, q_i, a.n, a.m, a.r, &mut self.qt, out);
             if !finite {
-                // Visible to a loss scaler, whatever the reconstruction gave.
+                // Visible to a loss scaler, whatever the reconstruction would give.
                 out.fill(f32::NAN);
-            } else if self.opts.feedback {
-                let m_i = &input[a.off..a.off + a.n * a.m];
-                let e = &mut self.residual[a.off..a.off + a.n * a.m];
-                e.iter_mut()
-                    .zip(m_i.iter().zip(out.iter()))
-                    .for_each(|(e, (&x, &y))| *e = x - y);
+                continue;
             }
+            // The new residual M - P Q^T, row by row while the row is in cache.
+            let residual = self.opts.feedback.then(|| {
+                (
+                    &input[a.off..a.off + a.n * a.m],
+                    &mut self.residual[a.off..a.off + a.n * a.m],
+                )
+            });
+            reconstruct(p_i, q_i, (a.n, a.m, a.r), &mut self.qt, out, residual);
         }
         if finite {
             core::mem::swap(&mut self.q, &mut self.q_new);
@@ -424,14 +426,14 @@ pub(crate) fn orthonormalise(p: &mut [f32], n: usize, r: usize) {
 /// `out = P Q^T` (`n x m`) from the row-major `P` (`n x r`) and `Q` (`m x r`): element
 /// `(a, b)` is `((P[a,0] Q[b,0] + P[a,1] Q[b,1]) + ...)` in f32, in that order and with
 /// no fused multiply-add, so the same on every CPU. `qt` is scratch of at least `m r`.
+/// With `residual = (M, e)`, also `e = M - out`, each row as it is made.
 pub(crate) fn reconstruct(
     p: &[f32],
     q: &[f32],
-    n: usize,
-    m: usize,
-    r: usize,
+    (n, m, r): (usize, usize, usize),
     qt: &mut [f32],
     out: &mut [f32],
+    mut residual: Option<(&[f32], &mut [f32])>,
 ) {
     let qt = &mut qt[..m * r];
     for b in 0..m {
@@ -446,6 +448,12 @@ pub(crate) fn reconstruct(
         for k in 1..r {
             let qk = &qt[k * m..(k + 1) * m];
             row.iter_mut().zip(qk).for_each(|(o, &q)| *o += pa[k] * q);
+        }
+        if let Some((x, e)) = residual.as_mut() {
+            let (xr, er) = (&x[a * m..(a + 1) * m], &mut e[a * m..(a + 1) * m]);
+            er.iter_mut()
+                .zip(xr.iter().zip(row.iter()))
+                .for_each(|(e, (&x, &y))| *e = x - y);
         }
     }
 }
@@ -606,7 +614,7 @@ mod tests {
         let q: Vec<f32> = (0..m * r).map(|i| 2.0 - i as f32 * 0.25).collect();
         let mut qt = vec![0f32; m * r];
         let mut out = vec![f32::NAN; n * m];
-        reconstruct(&p, &q, n, m, r, &mut qt, &mut out);
+        reconstruct(&p, &q, (n, m, r), &mut qt, &mut out, None);
         for a in 0..n {
             for b in 0..m {
                 let want = p[a * r] * q[b * r] + p[a * r + 1] * q[b * r + 1];
