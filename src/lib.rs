@@ -19,6 +19,11 @@
 //! | `natural:block=1024` | 8 + 8/block | yes | natural compression (Horváth et al. 2019) |
 //! | `topk:ratio=0.01\|k=N\|threshold=T,values=f32\|fp16\|bf16\|int8,select=exact\|approx,index=auto\|rice\|bitmap\|gaps` | sparse | no | top-k by magnitude, coded indices |
 //! | `randk:ratio=0.01,values=f32\|fp16\|bf16,scale=none\|unbiased,select=bernoulli\|strata` | sparse, values only | with `scale=unbiased` | random-k, hash-derived indices |
+//! | `dct:chunk=64,k=4,values=f32\|fp16\|sign,scale=chunk\|frame,width=0\|W` | sparse: k (position + value) per tile | no | top-k of a chunked DCT-II, along one row or in tiles of a `W`-wide matrix (DeMo, Peng et al. 2024) |
+//!
+//! Beside the codecs, the sync engine sends matrices as PowerSGD factors
+//! ([`sync::PowerSgd`], Vogels et al. 2019): two thin all-reduces instead of one of the
+//! whole matrix.
 //!
 //! ```
 //! use gradpack::{Codec, CodecSpec, EncodeCtx};

@@ -135,10 +135,20 @@ simd_op!(DctForward {
     x: &'a [f32], stride: usize, h: usize, w: usize, y: &'a mut [f32], out: &'a mut [f32],
 } -> () = dct::forward_impl(x, stride, h, w, y, out));
 
-/// The forward DCT of a tile (see [`dct::forward`]), compiled for the current backend.
+/// The forward DCT of a tile (see [`dct::forward`]), compiled for the current backend
+/// (for AVX2 on the AVX-512 backend: [`x86_route`]).
 fn dct_forward(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out: &mut [f32]) {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => dct::forward_impl(x, stride, h, w, y, out),
+        #[cfg(target_arch = "x86_64")]
+        b if x86_route(Op::DctForward, b.kind()) == X86::Avx2 => simd_avx2(DctForward {
+            x,
+            stride,
+            h,
+            w,
+            y,
+            out,
+        }),
         b => simd(
             b,
             DctForward {

@@ -47,6 +47,15 @@
 //! never a hang or a panic. To go on: [`SyncEngine::reset_feedback`], then the next
 //! step.
 //!
+//! ## PowerSGD
+//! With [`Policy::powersgd`] (or the `powersgd` field of any policy), every matrix
+//! that PowerSGD compresses enough goes in buckets of its own, sent as rank-`r` factors
+//! (see [`PowerSgd`]): per bucket, one all-reduce of every matrix's `P = M Q` and one of
+//! every `Q = M^T P`, so small matrices share their latency. Error feedback and the
+//! warm-start `Q` are the engine's state, saved and restored with it. Every rank computes
+//! the same result bit for bit on any CPU: what depends on the CPU (the products) only
+//! ever feeds an all-reduce.
+//!
 //! ## State
 //! [`SyncEngine::save`] writes the step counter, the plan and every residual to one
 //! checksummed blob (see [`crate::state`]); [`SyncEngine::restore`] reads it into an

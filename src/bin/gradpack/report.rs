@@ -63,6 +63,8 @@ struct LowRankRow {
     compute_s: f64,
     /// The modelled step: compute plus its two all-reduces.
     t: f64,
+    /// The link speed below which it beats the fp32 ring (bit/s; 0: never).
+    break_even: f64,
 }
 
 /// The matrix the report's elements make: rows a power of two near the square root.
@@ -397,6 +399,24 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
                 reduce,
             );
             let r = rank.min(mrows).min(mcols) as f64;
+            // Equal times: compute + F_p + 8 B_p / b = F_f + 8 B_f / b.
+            let ring = cost::allreduce_cost(
+                Strategy::Fp32Ring,
+                &profile(&base),
+                net.nodes,
+                net.latency,
+                elements,
+                reduce,
+            );
+            let extra = compute_s + c.fixed - ring.fixed;
+            let saved = 8.0 * (ring.bytes - c.bytes);
+            let break_even = if saved <= 0.0 {
+                0.0
+            } else if extra <= 0.0 {
+                f64::INFINITY
+            } else {
+                saved / extra
+            };
             LowRankRow {
                 rank,
                 rows: mrows,
@@ -404,6 +424,7 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
                 bits: 32.0 * (mrows + mcols) as f64 * r / (mrows * mcols) as f64,
                 compute_s,
                 t: compute_s + c.time(net.bandwidth),
+                break_even,
             }
         })
         .collect();
@@ -507,6 +528,7 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
                 "rank": l.rank, "rows": l.rows, "cols": l.cols,
                 "bits_per_element": l.bits, "ratio": 32.0 / l.bits,
                 "compute_s": l.compute_s, "allreduce_s": l.t, "speedup": fp32 / l.t,
+                "break_even_gbit_s": l.break_even.is_finite().then_some(l.break_even / 1e9),
             })).collect::<Vec<_>>(),
         });
         outln!(
@@ -592,28 +614,35 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
             "\nPowerSGD on a {mrows} x {mcols} matrix of the same gradient (fp32 factors, warm start, error feedback):"
         );
         outln!(
-            "{:>4} {:>7} {:>6} {:>10} {:>9} {:>8}",
+            "{:>4} {:>7} {:>6} {:>10} {:>10} {:>9} {:>8}",
             "rank",
             "bits/el",
             "ratio",
             "compute ms",
+            "break-even",
             "time ms",
             "speedup"
         );
         for l in &lowrank {
             outln!(
-                "{:>4} {:>7.3} {:>6.1} {:>10.3} {:>9.3} {:>8}",
+                "{:>4} {:>7.3} {:>6.1} {:>10.3} {:>10} {:>9.3} {:>8}",
                 l.rank,
                 l.bits,
                 32.0 / l.bits,
                 l.compute_s * 1e3,
+                if l.break_even.is_finite() {
+                    format!("{:.1}", l.break_even / 1e9)
+                } else {
+                    "always".to_string()
+                },
                 l.t * 1e3,
                 speedup(fp32, l.t)
             );
         }
         outln!(
             "compute: one step on this CPU (M Q, M^T P, Gram-Schmidt, P Q^T and the residual), the fastest of {ROUNDS};\n\
-             time: that plus its two fp32 ring all-reduces (of {mrows} r and {mcols} r values) at {:.1} Gbit/s.",
+             break-even: the link speed (Gbit/s) below which it beats the fp32 ring; time: the compute plus its\n\
+             two fp32 ring all-reduces (of {mrows} r and {mcols} r values) at {:.1} Gbit/s.",
             net.bandwidth / 1e9
         );
     }
