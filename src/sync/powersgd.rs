@@ -269,14 +269,13 @@ impl LowRank {
             return plain.run(comm, input, output, seed);
         }
         let len = self.mats.last().map_or(0, |m| m.off + m.n * m.m);
-        for (what, got) in [("input", input.len()), ("output", output.len())] {
+        for (what, got) in [
+            ("low-rank bucket input and bucket length", input.len()),
+            ("low-rank bucket output and bucket length", output.len()),
+        ] {
             if got != len {
                 return Err(Error::LengthMismatch {
-                    what: if what == "input" {
-                        "low-rank bucket input and bucket length"
-                    } else {
-                        "low-rank bucket output and bucket length"
-                    },
+                    what,
                     left: got,
                     right: len,
                 });

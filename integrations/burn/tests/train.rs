@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use gradpack::collective::{Feedback, Transport, local};
-use gradpack::sync::{Policy, SyncOptions};
+use gradpack::sync::{Policy, PowerSgd, SyncOptions};
 
 fn config(steps: usize, seed: u64, checkpoint: bool) -> common::RunConfig {
     common::RunConfig {
@@ -87,6 +87,28 @@ fn two_workers_stay_identical_and_learn_with_int8() {
 #[test]
 fn three_workers_stay_identical_and_learn_with_top_k_and_error_feedback() {
     check(&train("topk:ratio=0.01,values=fp16", Feedback::Worker, 3));
+}
+
+#[test]
+fn two_workers_stay_identical_and_learn_with_powersgd() {
+    // Every weight matrix as rank-2 factors (with error feedback), the biases in fp32.
+    let opts = SyncOptions {
+        policy: Policy::powersgd(PowerSgd::rank(2)),
+        ..SyncOptions::default()
+    };
+    let results = run(&config(60, 3, false), &opts, 2, None);
+    assert_eq!(
+        results[0].compressed_elements,
+        64 * 192 + 192 * 192 + 192 * 10,
+        "every weight matrix as factors"
+    );
+    assert_eq!(results[0].param_hashes, results[1].param_hashes, "workers diverged");
+    let l = &results[0].losses;
+    let (first, last) = (
+        l[..10].iter().sum::<f32>(),
+        l[l.len() - 10..].iter().sum::<f32>(),
+    );
+    assert!(last < first / 2.0, "loss did not fall: {first} -> {last}");
 }
 
 #[test]

@@ -163,7 +163,8 @@ pub struct WorkerResult {
     pub accuracy: f64,
     pub step_s: f64,
     pub bytes_sent: u64,
-    /// Gradient elements the plan sends through a codec other than fp32.
+    /// Gradient elements the plan sends through a codec other than fp32, or as PowerSGD
+    /// factors.
     pub compressed_elements: usize,
     /// The worker's state after its last step, when the run asked for one.
     pub checkpoint: Option<Checkpoint>,
@@ -282,7 +283,9 @@ pub fn worker<T: Transport + Send + 'static>(
             .plan()
             .buckets
             .iter()
-            .filter(|b| !matches!(b.codec, gradpack::CodecSpec::Identity(_)))
+            .filter(|b| {
+                b.low_rank.is_some() || !matches!(b.codec, gradpack::CodecSpec::Identity(_))
+            })
             .map(|b| b.elements)
             .sum(),
         checkpoint,
