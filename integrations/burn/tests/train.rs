@@ -102,7 +102,10 @@ fn two_workers_stay_identical_and_learn_with_powersgd() {
         64 * 192 + 192 * 192 + 192 * 10,
         "every weight matrix as factors"
     );
-    assert_eq!(results[0].param_hashes, results[1].param_hashes, "workers diverged");
+    assert_eq!(
+        results[0].param_hashes, results[1].param_hashes,
+        "workers diverged"
+    );
     let l = &results[0].losses;
     let (first, last) = (
         l[..10].iter().sum::<f32>(),
