@@ -363,28 +363,36 @@ impl Scheme for Dct {
                 .filter(|v| v.is_nan())
                 .for_each(|v| *v = CANONICAL_NAN);
             let kt = (g.k as usize).min(size);
-            for (i, (key, o)) in keys[..size].iter_mut().zip(&mut order[..size]).enumerate() {
-                *key = coef[i].to_bits() & 0x7FFF_FFFF;
-                *o = i as u16;
-            }
             let chosen = &mut order[..size];
             if kt <= SMALL_K && kt < size {
-                // A few of many: keep the best kt in a sorted run, one pass.
-                let mut best = 0;
-                for i in 0..size as u16 {
-                    if best == kt && before(&keys, i, chosen[kt - 1]).is_ge() {
+                // A few of many: one pass keeping the best kt, each as one u64 that orders
+                // like the selection (the key, then the lower position first).
+                let mut top = [0u64; SMALL_K];
+                let mut filled = 0;
+                for (i, c) in coef[..size].iter().enumerate() {
+                    let v = (u64::from(c.to_bits() & 0x7FFF_FFFF) << 16) | (0xFFFF - i as u64);
+                    if filled == kt && v <= top[kt - 1] {
                         continue;
                     }
-                    let mut j = best.min(kt - 1);
-                    while j > 0 && before(&keys, i, chosen[j - 1]).is_lt() {
-                        chosen[j] = chosen[j - 1];
+                    let mut j = filled.min(kt - 1);
+                    while j > 0 && top[j - 1] < v {
+                        top[j] = top[j - 1];
                         j -= 1;
                     }
-                    chosen[j] = i;
-                    best = (best + 1).min(kt);
+                    top[j] = v;
+                    filled = (filled + 1).min(kt);
                 }
-            } else if kt < size {
-                chosen.select_nth_unstable_by(kt - 1, |&a, &b| before(&keys, a, b));
+                for (o, &v) in chosen.iter_mut().zip(&top[..kt]) {
+                    *o = 0xFFFF - (v & 0xFFFF) as u16;
+                }
+            } else {
+                for (i, (key, o)) in keys[..size].iter_mut().zip(chosen.iter_mut()).enumerate() {
+                    *key = coef[i].to_bits() & 0x7FFF_FFFF;
+                    *o = i as u16;
+                }
+                if kt < size {
+                    chosen.select_nth_unstable_by(kt - 1, |&a, &b| before(&keys, a, b));
+                }
             }
             let chosen = &mut chosen[..kt];
             chosen.sort_unstable();
