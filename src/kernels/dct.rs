@@ -254,7 +254,8 @@ mod tests {
 
     #[test]
     fn forward_then_inverse_of_every_coefficient_gives_the_tile_back() {
-        for (h, w) in [
+        // Miri runs the small tiles only (a 64 x 64 tile takes minutes there).
+        let all = [
             (1, 64),
             (64, 64),
             (4, 8),
@@ -263,7 +264,9 @@ mod tests {
             (3, 5),
             (1, 36),
             (7, 1),
-        ] {
+        ];
+        let shapes = if cfg!(miri) { &all[2..] } else { &all[..] };
+        for &(h, w) in shapes {
             let x: Vec<f32> = (0..h * w)
                 .map(|i| ((i * 7919) % 97) as f32 / 10.0 - 4.8)
                 .collect();
