@@ -6,19 +6,12 @@
 
 mod common;
 
-use common::{dct_tiles, dct2_f64};
+use common::{dct_basis_f64, dct_tiles, dct2_f64};
 use gradpack::{Codec, CodecSpec, Dct, EncodeCtx};
 
 /// The f64 inverse of `dct2_f64` (the transpose of the orthonormal transform).
 fn idct2_f64(c: &[f64], h: usize, w: usize) -> Vec<f64> {
-    let basis = |n: usize, k: usize, i: usize| {
-        let s = if k == 0 {
-            (1.0 / n as f64).sqrt()
-        } else {
-            (2.0 / n as f64).sqrt()
-        };
-        s * (std::f64::consts::PI * ((2 * i + 1) * k) as f64 / (2 * n) as f64).cos()
-    };
+    let basis = dct_basis_f64;
     let mut x = vec![0f64; h * w];
     for i in 0..h {
         for j in 0..w {

@@ -65,14 +65,19 @@ impl DctValues {
         .copied()
     }
 
-    /// Bytes of `k` values of a tile (its scale included).
-    fn tile_bytes(self, k: u64) -> u64 {
+    /// Bytes of `k` values of a tile (its scale excluded).
+    fn value_bytes(self, k: usize) -> usize {
         match self {
             DctValues::F32 => 4 * k,
             DctValues::Fp16 => 2 * k,
-            DctValues::SignChunk => 4 + k.div_ceil(8),
-            DctValues::SignFrame => k.div_ceil(8),
+            DctValues::SignChunk | DctValues::SignFrame => k.div_ceil(8),
         }
+    }
+
+    /// Bytes of `k` values of a tile, its scale included.
+    fn tile_bytes(self, k: u64) -> u64 {
+        let scale = if self == DctValues::SignChunk { 4 } else { 0 };
+        scale + self.value_bytes(k as usize) as u64
     }
 }
 
@@ -326,10 +331,6 @@ impl Scheme for Dct {
             .unwrap_or(u64::MAX)
     }
 
-    fn expected_payload(&self, n: u64) -> f64 {
-        self.max_payload(n) as f64
-    }
-
     fn encode_payload(&self, x: &[f32], _ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
         self.check_elements(x.len() as u64)?;
         let g = self.grid(x.len() as u64)?;
@@ -346,15 +347,10 @@ impl Scheme for Dct {
             0
         };
         let (mut frame_sum, mut frame_kept) = (0f64, 0u64);
-        let mut nonfinite = false;
+        let nonfinite = crate::kernels::any_nonfinite(x);
         for (first, h, w) in g.tiles() {
             let size = h * w;
             let rows = &x[first..];
-            if (0..h).any(|i| {
-                crate::kernels::any_nonfinite(&rows[i * g.len as usize..i * g.len as usize + w])
-            }) {
-                nonfinite = true;
-            }
             dct::forward(rows, g.len as usize, h, w, &mut y, &mut coef);
             // Which NaN an invalid operation makes differs between CPUs and compilations:
             // every NaN coefficient is the quiet NaN 0x7FC00000 (its key, value and sign).
@@ -419,7 +415,7 @@ impl Scheme for Dct {
                     }
                 }
                 DctValues::SignChunk | DctValues::SignFrame => {
-                    let bytes = kt.div_ceil(8);
+                    let bytes = self.values.value_bytes(kt);
                     p[at..at + bytes].fill(0);
                     let mut sum = 0f64;
                     for (j, &pos) in chosen.iter().enumerate() {
@@ -556,10 +552,9 @@ impl Scheme for Dct {
             }
             at += kt * ib;
             at += match self.values {
-                DctValues::F32 => 4 * kt,
-                DctValues::Fp16 => 2 * kt,
+                DctValues::F32 | DctValues::Fp16 => self.values.value_bytes(kt),
                 _ => {
-                    let bytes = kt.div_ceil(8);
+                    let bytes = self.values.value_bytes(kt);
                     if kt % 8 != 0 && payload[at + bytes - 1] >> (kt % 8) != 0 {
                         return Err(corrupt(
                             at + bytes - 1,
@@ -623,12 +618,7 @@ impl Scheme for Dct {
                     .zip(r)
                     .for_each(|(o, &v)| put::<M>(o, canonical(v)));
             });
-            at = vals0
-                + match self.values {
-                    DctValues::F32 => 4 * kt,
-                    DctValues::Fp16 => 2 * kt,
-                    _ => kt.div_ceil(8),
-                };
+            at = vals0 + self.values.value_bytes(kt);
         }
         Ok(())
     }

@@ -451,10 +451,7 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
                 }
                 _ => None,
             };
-            let reduces = match &low_rank {
-                Some(l) => Reduces::Two(l.p_elements, l.q_elements),
-                None => Reduces::One(elements),
-            };
+            let reduces = Reduces::of(elements, low_rank.as_ref());
             // The strategy is chosen for the larger of the bucket's all-reduces.
             let largest = match reduces {
                 Reduces::One(n) => n,

@@ -245,10 +245,7 @@ pub struct Plan {
 impl BucketPlan {
     /// The element counts of its all-reduces: the bucket's, or its two factors'.
     pub(crate) fn factor_or_elements(&self) -> Reduces {
-        match &self.low_rank {
-            Some(l) => Reduces::Two(l.p_elements, l.q_elements),
-            None => Reduces::One(self.elements),
-        }
+        Reduces::of(self.elements, self.low_rank.as_ref())
     }
 
     /// How its tensors go: the codec (`int8:block=256`), or PowerSGD's rank and the
@@ -268,6 +265,16 @@ pub(crate) enum Reduces {
     One(usize),
     /// PowerSGD's two, of `P` and of `Q`.
     Two(usize, usize),
+}
+
+impl Reduces {
+    /// The all-reduces of a bucket of `elements`, sent as `low_rank`'s factors if given.
+    pub(crate) fn of(elements: usize, low_rank: Option<&LowRankPlan>) -> Reduces {
+        match low_rank {
+            Some(l) => Reduces::Two(l.p_elements, l.q_elements),
+            None => Reduces::One(elements),
+        }
+    }
 }
 
 impl Plan {

@@ -357,17 +357,20 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
     Ok(())
 }
 
-/// The orthonormal DCT-II of a tile of `h x w` (row-major) in f64, from the cosine
-/// formula (an oracle independent of the crate's f32 basis).
-pub fn dct2_f64(x: &[f64], h: usize, w: usize) -> Vec<f64> {
-    let basis = |n: usize, k: usize, i: usize| {
-        let s = if k == 0 {
-            (1.0 / n as f64).sqrt()
-        } else {
-            (2.0 / n as f64).sqrt()
-        };
-        s * (std::f64::consts::PI * ((2 * i + 1) * k) as f64 / (2 * n) as f64).cos()
+/// `B_n[k][i]` of the orthonormal DCT-II in f64, from the cosine formula (an oracle
+/// independent of the crate's f32 basis).
+pub fn dct_basis_f64(n: usize, k: usize, i: usize) -> f64 {
+    let s = if k == 0 {
+        (1.0 / n as f64).sqrt()
+    } else {
+        (2.0 / n as f64).sqrt()
     };
+    s * (std::f64::consts::PI * ((2 * i + 1) * k) as f64 / (2 * n) as f64).cos()
+}
+
+/// The orthonormal DCT-II of a tile of `h x w` (row-major) in f64.
+pub fn dct2_f64(x: &[f64], h: usize, w: usize) -> Vec<f64> {
+    let basis = dct_basis_f64;
     let mut out = vec![0f64; h * w];
     for a in 0..h {
         for b in 0..w {
