@@ -76,6 +76,7 @@ pub use plan::{
 
 use plan::{Kind, Reduces};
 use powersgd::LowRank;
+pub use powersgd::PowerSgdBucket;
 
 use crate::codec::CodecSpec;
 use crate::codecs::Identity;

@@ -134,34 +134,76 @@ struct Mat {
     q_off: usize,
 }
 
-/// The state of one low-rank bucket on one rank.
-#[derive(Clone)]
-pub(crate) struct LowRank {
-    opts: PowerSgd,
-    mats: Vec<Mat>,
-    /// Plain fp32 all-reduce of the whole bucket, for the steps before `start_step`.
-    plain: Option<AllReduce>,
-    ar_p: AllReduce,
-    ar_q: AllReduce,
-    /// The warm-start `Q` (all-reduced, so the same on every rank), if `q_ready`.
-    q: Vec<f32>,
-    q_ready: bool,
-    /// `e`, one per bucket element (empty without feedback).
-    residual: Vec<f32>,
-    /// Scratch: this rank's `P`, the all-reduced `P`, this rank's `Q`, the all-reduced
-    /// `Q`, and a transposed `Q` of the largest matrix.
-    p_local: Vec<f32>,
-    p: Vec<f32>,
-    q_local: Vec<f32>,
-    q_new: Vec<f32>,
-    qt: Vec<f32>,
+impl Mat {
+    fn elems(&self) -> core::ops::Range<usize> {
+        self.off..self.off + self.n * self.m
+    }
+    fn p(&self) -> core::ops::Range<usize> {
+        self.p_off..self.p_off + self.n * self.r
+    }
+    fn q(&self) -> core::ops::Range<usize> {
+        self.q_off..self.q_off + self.m * self.r
+    }
 }
 
-impl core::fmt::Debug for LowRank {
+/// Where a [`PowerSgdBucket`] is in its step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for [`PowerSgdBucket::p_step`].
+    Idle,
+    /// `P` made; waiting for [`PowerSgdBucket::q_step`].
+    P,
+    /// `Q` made; waiting for [`PowerSgdBucket::finish`].
+    Q,
+}
+
+/// PowerSGD's arithmetic and state for one bucket of matrices, for a caller that runs
+/// the two all-reduces itself (over its own process group, say).
+///
+/// The bucket is the matrices `(n, m, r)` given to [`PowerSgdBucket::new`], back to back
+/// (`n m` elements each, row-major). One step, on every rank, with the same `seed`:
+///
+/// ```
+/// use gradpack::sync::{PowerSgd, PowerSgdBucket};
+///
+/// let mut b = PowerSgdBucket::new(PowerSgd::rank(2), &[(64, 32, 2)])?;
+/// let mut m: Vec<f32> = (0..64 * 32).map(|i| (i % 7) as f32 - 3.0).collect();
+/// let (mut p, mut q) = (vec![0f32; b.p_len()], vec![0f32; b.q_len()]);
+/// b.p_step(&mut m, 42, &mut p)?;
+/// // ... all-reduce `p` to the mean over ranks ...
+/// b.q_step(&m, &mut p, &mut q)?;
+/// // ... all-reduce `q` to the mean over ranks ...
+/// let mut out = vec![0f32; m.len()];
+/// assert!(b.finish(&m, &p, &q, &mut out)?);
+/// # Ok::<(), gradpack::Error>(())
+/// ```
+///
+/// Steps 2 and 3 see only the all-reduced factors and run plain loops in a fixed order,
+/// so every rank computes the same result to the bit, on any CPU, provided the
+/// all-reduce gives every rank the same bits. The state that carries over (each
+/// matrix's warm-start `Q`, the residuals) saves with [`PowerSgdBucket::save`], or per
+/// matrix with [`PowerSgdBucket::matrix_state`], so it can be kept by parameter name
+/// when a framework regroups its buckets.
+#[derive(Clone)]
+pub struct PowerSgdBucket {
+    opts: PowerSgd,
+    mats: Vec<Mat>,
+    /// The warm-start `Q` of each matrix, valid where `q_ready`.
+    q: Vec<f32>,
+    q_ready: Vec<bool>,
+    /// `e`, one per bucket element (empty without feedback).
+    residual: Vec<f32>,
+    /// Scratch: a transposed `Q` of the widest matrix.
+    qt: Vec<f32>,
+    phase: Phase,
+}
+
+impl core::fmt::Debug for PowerSgdBucket {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("LowRank")
+        f.debug_struct("PowerSgdBucket")
             .field("matrices", &self.mats.len())
             .field("rank", &self.opts.rank)
+            .field("elements", &self.len())
             .finish()
     }
 }
@@ -178,22 +220,37 @@ pub(crate) fn factor_lens(shapes: &[(usize, usize, usize)]) -> Option<(usize, us
         })
 }
 
-impl LowRank {
-    /// The state of a bucket of matrices `(n, m, r)` (in bucket order) for the world of
-    /// `comm`, with the all-reduce options of the engine's other buckets (`base`).
-    pub(crate) fn new<T: Transport>(
-        opts: PowerSgd,
-        shapes: &[(usize, usize, usize)],
-        comm: &Comm<T>,
-        base: AllReduceOptions,
-        strategy: crate::collective::Strategy,
-    ) -> Result<LowRank> {
-        opts.check()?;
+fn check_len(what: &'static str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(Error::LengthMismatch {
+            what,
+            left: got,
+            right: want,
+        })
+    }
+}
+
+impl PowerSgdBucket {
+    /// The state of a bucket of matrices `(n, m, r)` (rows, columns, rank; in bucket
+    /// order), as [`PowerSgd::matrix_of`] gives them. An error if the settings are not
+    /// usable, a rank is 0 or above `min(n, m)` or [`PowerSgd::rank`], or the buffers
+    /// cannot be allocated.
+    pub fn new(settings: PowerSgd, shapes: &[(usize, usize, usize)]) -> Result<PowerSgdBucket> {
+        settings.check()?;
         let too_big = || Error::Collective("a low-rank bucket's size overflows".into());
-        let (p_len, q_len) = factor_lens(shapes).ok_or_else(too_big)?;
+        let (_, q_len) = factor_lens(shapes).ok_or_else(too_big)?;
         let mut mats = Vec::with_capacity(shapes.len());
         let (mut off, mut p_off, mut q_off, mut widest) = (0usize, 0usize, 0usize, 0usize);
         for &(n, m, r) in shapes {
+            if r == 0 || r > n.min(m) || r > settings.rank {
+                return Err(Error::Collective(format!(
+                    "PowerSGD matrix {n} x {m} at rank {r}: the rank must be 1 to min({n}, {m}) \
+                     and at most the settings' {}",
+                    settings.rank
+                )));
+            }
             mats.push(Mat {
                 off,
                 n,
@@ -207,6 +264,288 @@ impl LowRank {
             q_off += m * r;
             widest = widest.max(m * r);
         }
+        let buf = |n: usize, what| crate::alloc::filled(n, 0f32, what);
+        Ok(PowerSgdBucket {
+            opts: settings,
+            q: buf(q_len, "PowerSGD's Q")?,
+            q_ready: crate::alloc::filled(mats.len(), false, "PowerSGD's Q flags")?,
+            residual: buf(
+                if settings.feedback { off } else { 0 },
+                "PowerSGD's residual",
+            )?,
+            qt: buf(widest, "PowerSGD's Q")?,
+            mats,
+            phase: Phase::Idle,
+        })
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &PowerSgd {
+        &self.opts
+    }
+
+    /// Elements of the bucket: the sum of `n m` over its matrices.
+    pub fn len(&self) -> usize {
+        self.mats.last().map_or(0, |m| m.off + m.n * m.m)
+    }
+
+    /// True for a bucket of no matrix.
+    pub fn is_empty(&self) -> bool {
+        self.mats.is_empty()
+    }
+
+    /// Elements of the first all-reduce (every matrix's `P`: `n r` each).
+    pub fn p_len(&self) -> usize {
+        self.mats.last().map_or(0, |m| m.p_off + m.n * m.r)
+    }
+
+    /// Elements of the second all-reduce (every matrix's `Q`: `m r` each).
+    pub fn q_len(&self) -> usize {
+        self.mats.last().map_or(0, |m| m.q_off + m.m * m.r)
+    }
+
+    fn expect(&self, want: Phase, call: &str, before: &str) -> Result<()> {
+        if self.phase == want {
+            Ok(())
+        } else {
+            Err(Error::Collective(format!(
+                "PowerSGD: {call} was called before {before} (the steps go p_step, q_step, finish)"
+            )))
+        }
+    }
+
+    /// Step 1: `grad` (this rank's gradients of the bucket) becomes `M = grad + e`, and
+    /// `p` gets this rank's `P = M Q` of every matrix. `Q` is each matrix's last one
+    /// (warm start) or drawn from `seed`, which must be the same on every rank. All-reduce
+    /// `p` to the mean over ranks, then call [`PowerSgdBucket::q_step`] with the same
+    /// `M`. Starts a new step whatever the bucket's phase (a step left half done is
+    /// dropped).
+    pub fn p_step(&mut self, grad: &mut [f32], seed: u64, p: &mut [f32]) -> Result<()> {
+        check_len(
+            "PowerSGD gradient and bucket length",
+            grad.len(),
+            self.len(),
+        )?;
+        check_len("PowerSGD P buffer and P length", p.len(), self.p_len())?;
+        self.phase = Phase::Idle;
+        if self.opts.feedback {
+            grad.iter_mut()
+                .zip(&self.residual)
+                .for_each(|(x, e)| *x += *e);
+        }
+        for (i, a) in self.mats.iter().enumerate() {
+            if !self.q_ready[i] || !self.opts.warm_start {
+                draw_q(&mut self.q[a.q()], matrix_seed(seed, i));
+            }
+            let m_i = View::rows(&grad[a.elems()], a.n, a.m);
+            let q_i = View::rows(&self.q[a.q()], a.m, a.r);
+            matmul(m_i, q_i, &mut p[a.p()]);
+        }
+        self.phase = Phase::P;
+        Ok(())
+    }
+
+    /// Step 2: `p` holds the mean over ranks of their [`PowerSgdBucket::p_step`]
+    /// outputs; this orthonormalises its columns in place (the same on every rank) and
+    /// writes this rank's `Q = M^T P` of every matrix into `q`. All-reduce `q` to the
+    /// mean over ranks, then call [`PowerSgdBucket::finish`].
+    pub fn q_step(&mut self, m: &[f32], p: &mut [f32], q: &mut [f32]) -> Result<()> {
+        self.expect(Phase::P, "q_step", "p_step")?;
+        check_len("PowerSGD M and bucket length", m.len(), self.len())?;
+        check_len("PowerSGD P buffer and P length", p.len(), self.p_len())?;
+        check_len("PowerSGD Q buffer and Q length", q.len(), self.q_len())?;
+        for a in &self.mats {
+            orthonormalise(&mut p[a.p()], a.n, a.r);
+            let m_i = View::rows(&m[a.elems()], a.n, a.m);
+            let p_i = View::rows(&p[a.p()], a.n, a.r);
+            matmul(m_i.t(), p_i, &mut q[a.q()]);
+        }
+        self.phase = Phase::Q;
+        Ok(())
+    }
+
+    /// Step 3: `q` holds the mean over ranks of their [`PowerSgdBucket::q_step`]
+    /// outputs; `out` gets `P Q^T` of every matrix (the bucket's averaged gradient, the
+    /// same on every rank), the residuals become `M - P Q^T`, and `Q` is kept for the
+    /// next step. Returns `false` if the factors held NaN or Inf (a gradient overflowed
+    /// on some rank): then `out` is all NaN, so a loss scaler sees it, the residuals keep
+    /// their values from before the step and the next step draws a fresh `Q`.
+    pub fn finish(&mut self, m: &[f32], p: &[f32], q: &[f32], out: &mut [f32]) -> Result<bool> {
+        self.expect(Phase::Q, "finish", "q_step")?;
+        check_len("PowerSGD M and bucket length", m.len(), self.len())?;
+        check_len("PowerSGD output and bucket length", out.len(), self.len())?;
+        check_len("PowerSGD P buffer and P length", p.len(), self.p_len())?;
+        check_len("PowerSGD Q buffer and Q length", q.len(), self.q_len())?;
+        self.phase = Phase::Idle;
+        let finite = p.iter().chain(q).all(|v| v.is_finite());
+        if !finite {
+            out.fill(f32::NAN);
+            self.q_ready.fill(false);
+            return Ok(false);
+        }
+        for a in &self.mats {
+            // The new residual M - P Q^T, row by row while the row is in cache.
+            let residual = self
+                .opts
+                .feedback
+                .then(|| (&m[a.elems()], &mut self.residual[a.elems()]));
+            reconstruct(
+                &p[a.p()],
+                &q[a.q()],
+                (a.n, a.m, a.r),
+                &mut self.qt,
+                &mut out[a.elems()],
+                residual,
+            );
+        }
+        self.q.copy_from_slice(q);
+        self.q_ready.fill(true);
+        Ok(true)
+    }
+
+    /// Zero the residuals and draw a fresh `Q` at the next step.
+    pub fn reset(&mut self) {
+        self.residual.fill(0.0);
+        self.q_ready.fill(false);
+        self.phase = Phase::Idle;
+    }
+
+    /// Matrix `i`'s state: its warm-start `Q` (`m x r`, row-major) if it has one, and
+    /// its residual (`n m` elements; empty without feedback).
+    pub fn matrix_state(&self, i: usize) -> Result<(Option<&[f32]>, &[f32])> {
+        let a = self.mat(i)?;
+        let q = self.q_ready[i].then(|| &self.q[a.q()]);
+        let e = if self.opts.feedback {
+            &self.residual[a.elems()]
+        } else {
+            &[][..]
+        };
+        Ok((q, e))
+    }
+
+    /// Set matrix `i`'s state, as [`PowerSgdBucket::matrix_state`] gave it: `q` (`None`:
+    /// draw a fresh one at the next step) and the residual (empty without feedback).
+    pub fn set_matrix_state(
+        &mut self,
+        i: usize,
+        q: Option<&[f32]>,
+        residual: &[f32],
+    ) -> Result<()> {
+        let a = self.mat(i)?;
+        let e_len = if self.opts.feedback { a.n * a.m } else { 0 };
+        check_len("PowerSGD residual and matrix length", residual.len(), e_len)?;
+        if let Some(q) = q {
+            check_len("PowerSGD Q and matrix's Q length", q.len(), a.m * a.r)?;
+            self.q[a.q()].copy_from_slice(q);
+        }
+        if self.opts.feedback {
+            self.residual[a.elems()].copy_from_slice(residual);
+        }
+        self.q_ready[i] = q.is_some();
+        self.phase = Phase::Idle;
+        Ok(())
+    }
+
+    fn mat(&self, i: usize) -> Result<Mat> {
+        self.mats.get(i).copied().ok_or_else(|| {
+            Error::Collective(format!(
+                "PowerSGD bucket has {} matrices; there is no matrix {i}",
+                self.mats.len()
+            ))
+        })
+    }
+
+    /// The state that carries across steps (each matrix's `Q` and whether it is set, and
+    /// the residuals) as a checksummed blob.
+    pub fn save(&self) -> Vec<u8> {
+        let mut w = BlobWriter::new(LOW_RANK_MAGIC);
+        w.u64(self.opts.rank as u64);
+        // 0: no Q set, 1: all set (the only two a bucket had before flags per matrix),
+        // 2: one flag per matrix follows.
+        match (
+            self.q_ready.iter().all(|&r| r),
+            self.q_ready.iter().any(|&r| r),
+        ) {
+            (_, false) => w.u8(0),
+            (true, true) => w.u8(1),
+            _ => {
+                w.u8(2);
+                for &r in &self.q_ready {
+                    w.u8(u8::from(r));
+                }
+                &mut w
+            }
+        };
+        w.f32s(&self.q).f32s(&self.residual);
+        w.finish()
+    }
+
+    /// Read a blob of [`PowerSgdBucket::save`] from a bucket of the same matrices and
+    /// settings; on an error the state is unchanged.
+    pub fn restore(&mut self, blob: &[u8]) -> Result<()> {
+        let mut r = BlobReader::open(blob, LOW_RANK_MAGIC, "PowerSGD bucket")?;
+        r.u64_eq("rank", self.opts.rank as u64)?;
+        let bad = |v: u8| {
+            Error::Checkpoint(format!(
+                "PowerSGD bucket: Q flag {v} is neither 0 nor 1 (nor 2 for flags per matrix)"
+            ))
+        };
+        let mut ready = self.q_ready.clone();
+        match r.u8()? {
+            0 => ready.fill(false),
+            1 => ready.fill(true),
+            2 => {
+                for f in ready.iter_mut() {
+                    *f = match r.u8()? {
+                        0 => false,
+                        1 => true,
+                        v => return Err(bad(v)),
+                    };
+                }
+            }
+            v => return Err(bad(v)),
+        }
+        let mut q = self.q.clone();
+        let mut residual = self.residual.clone();
+        r.f32s_into(&mut q)?;
+        r.f32s_into(&mut residual)?;
+        r.end()?;
+        self.q = q;
+        self.residual = residual;
+        self.q_ready = ready;
+        self.phase = Phase::Idle;
+        Ok(())
+    }
+}
+
+/// The state of one low-rank bucket of the sync engine on one rank: the arithmetic, and
+/// the all-reduces of its factors.
+#[derive(Clone, Debug)]
+pub(crate) struct LowRank {
+    bucket: PowerSgdBucket,
+    /// Plain fp32 all-reduce of the whole bucket, for the steps before `start_step`.
+    plain: Option<AllReduce>,
+    ar_p: AllReduce,
+    ar_q: AllReduce,
+    /// Scratch: this rank's `P`, the all-reduced `P`, this rank's `Q`, the all-reduced
+    /// `Q`.
+    p_local: Vec<f32>,
+    p: Vec<f32>,
+    q_local: Vec<f32>,
+    q: Vec<f32>,
+}
+
+impl LowRank {
+    /// The state of a bucket of matrices `(n, m, r)` (in bucket order) for the world of
+    /// `comm`, with the all-reduce options of the engine's other buckets (`base`).
+    pub(crate) fn new<T: Transport>(
+        opts: PowerSgd,
+        shapes: &[(usize, usize, usize)],
+        comm: &Comm<T>,
+        base: AllReduceOptions,
+        strategy: crate::collective::Strategy,
+    ) -> Result<LowRank> {
+        let bucket = PowerSgdBucket::new(opts, shapes)?;
         let factor_opts = AllReduceOptions {
             feedback: Feedback::None,
             strategy: crate::collective::StrategyChoice::Forced(strategy),
@@ -215,7 +554,7 @@ impl LowRank {
         let plain = if opts.start_step > 0 {
             Some(AllReduce::new(
                 CodecSpec::Identity(Identity),
-                off,
+                bucket.len(),
                 comm,
                 AllReduceOptions {
                     feedback: Feedback::None,
@@ -229,27 +568,22 @@ impl LowRank {
             None
         };
         let buf = |n: usize, what| crate::alloc::filled(n, 0f32, what);
+        let (p_len, q_len) = (bucket.p_len(), bucket.q_len());
         Ok(LowRank {
-            opts,
-            mats,
             plain,
             ar_p: AllReduce::new(opts.codec, p_len, comm, factor_opts.clone())?,
             ar_q: AllReduce::new(opts.codec, q_len, comm, factor_opts)?,
-            q: buf(q_len, "PowerSGD's Q")?,
-            q_ready: false,
-            residual: buf(if opts.feedback { off } else { 0 }, "PowerSGD's residual")?,
             p_local: buf(p_len, "PowerSGD's P")?,
             p: buf(p_len, "PowerSGD's P")?,
             q_local: buf(q_len, "PowerSGD's Q")?,
-            q_new: buf(q_len, "PowerSGD's Q")?,
-            qt: buf(widest, "PowerSGD's Q")?,
+            q: buf(q_len, "PowerSGD's Q")?,
+            bucket,
         })
     }
 
     /// Zero the residual and draw a fresh `Q` at the next step.
     pub(crate) fn reset(&mut self) {
-        self.residual.fill(0.0);
-        self.q_ready = false;
+        self.bucket.reset();
     }
 
     /// One step: `output` gets the all-reduced low-rank approximation of `input`, which
@@ -264,82 +598,24 @@ impl LowRank {
         seed: u64,
     ) -> Result<Stats> {
         if let Some(plain) = &mut self.plain
-            && step < self.opts.start_step
+            && step < self.bucket.opts.start_step
         {
             return plain.run(comm, input, output, seed);
         }
-        let len = self.mats.last().map_or(0, |m| m.off + m.n * m.m);
-        for (what, got) in [
-            ("low-rank bucket input and bucket length", input.len()),
-            ("low-rank bucket output and bucket length", output.len()),
-        ] {
-            if got != len {
-                return Err(Error::LengthMismatch {
-                    what,
-                    left: got,
-                    right: len,
-                });
-            }
-        }
-        if self.opts.feedback {
-            input
-                .iter_mut()
-                .zip(&self.residual)
-                .for_each(|(x, e)| *x += *e);
-        }
-        if !self.q_ready || !self.opts.warm_start {
-            draw_q(&mut self.q, seed);
-        }
-        for a in &self.mats {
-            let m_i = View::rows(&input[a.off..a.off + a.n * a.m], a.n, a.m);
-            let q_i = View::rows(&self.q[a.q_off..a.q_off + a.m * a.r], a.m, a.r);
-            matmul(m_i, q_i, &mut self.p_local[a.p_off..a.p_off + a.n * a.r]);
-        }
+        check_len(
+            "low-rank bucket output and bucket length",
+            output.len(),
+            self.bucket.len(),
+        )?;
+        self.bucket.p_step(input, seed, &mut self.p_local)?;
         let s1 = self
             .ar_p
             .run(comm, &self.p_local, &mut self.p, seed ^ 0x5053_4744)?;
-        for a in &self.mats {
-            orthonormalise(&mut self.p[a.p_off..a.p_off + a.n * a.r], a.n, a.r);
-        }
-        for a in &self.mats {
-            let m_i = View::rows(&input[a.off..a.off + a.n * a.m], a.n, a.m);
-            let p_i = View::rows(&self.p[a.p_off..a.p_off + a.n * a.r], a.n, a.r);
-            matmul(
-                m_i.t(),
-                p_i,
-                &mut self.q_local[a.q_off..a.q_off + a.m * a.r],
-            );
-        }
+        self.bucket.q_step(input, &mut self.p, &mut self.q_local)?;
         let s2 = self
             .ar_q
-            .run(comm, &self.q_local, &mut self.q_new, seed ^ 0x5153_4744)?;
-        let finite = self.p.iter().chain(&self.q_new).all(|v| v.is_finite());
-        for a in &self.mats {
-            let out = &mut output[a.off..a.off + a.n * a.m];
-            let (p_i, q_i) = (
-                &self.p[a.p_off..a.p_off + a.n * a.r],
-                &self.q_new[a.q_off..a.q_off + a.m * a.r],
-            );
-            if !finite {
-                // Visible to a loss scaler, whatever the reconstruction would give.
-                out.fill(f32::NAN);
-                continue;
-            }
-            // The new residual M - P Q^T, row by row while the row is in cache.
-            let residual = self.opts.feedback.then(|| {
-                (
-                    &input[a.off..a.off + a.n * a.m],
-                    &mut self.residual[a.off..a.off + a.n * a.m],
-                )
-            });
-            reconstruct(p_i, q_i, (a.n, a.m, a.r), &mut self.qt, out, residual);
-        }
-        if finite {
-            core::mem::swap(&mut self.q, &mut self.q_new);
-            self.q_ready = true;
-        } else {
-            self.q_ready = false;
-        }
+            .run(comm, &self.q_local, &mut self.q, seed ^ 0x5153_4744)?;
+        self.bucket.finish(input, &self.p, &self.q, output)?;
         Ok(Stats {
             strategy: s1.strategy,
             bytes_sent: s1.bytes_sent + s2.bytes_sent,
@@ -347,39 +623,20 @@ impl LowRank {
         })
     }
 
-    /// The state that carries across steps: `Q` and whether it is set, and the residual.
+    /// See [`PowerSgdBucket::save`].
     pub(crate) fn save(&self) -> Vec<u8> {
-        let mut w = BlobWriter::new(LOW_RANK_MAGIC);
-        w.u64(self.opts.rank as u64)
-            .u8(u8::from(self.q_ready))
-            .f32s(&self.q)
-            .f32s(&self.residual);
-        w.finish()
+        self.bucket.save()
     }
 
-    /// Read a blob of [`LowRank::save`] from a bucket built alike.
+    /// See [`PowerSgdBucket::restore`].
     pub(crate) fn restore(&mut self, blob: &[u8]) -> Result<()> {
-        let mut r = BlobReader::open(blob, LOW_RANK_MAGIC, "PowerSGD bucket")?;
-        r.u64_eq("rank", self.opts.rank as u64)?;
-        let ready = match r.u8()? {
-            0 => false,
-            1 => true,
-            v => {
-                return Err(Error::Checkpoint(format!(
-                    "PowerSGD bucket: Q flag {v} is neither 0 nor 1"
-                )));
-            }
-        };
-        let mut q = self.q.clone();
-        let mut residual = self.residual.clone();
-        r.f32s_into(&mut q)?;
-        r.f32s_into(&mut residual)?;
-        r.end()?;
-        self.q = q;
-        self.residual = residual;
-        self.q_ready = ready;
-        Ok(())
+        self.bucket.restore(blob)
     }
+}
+
+/// The seed of matrix `i`'s first `Q` in a bucket whose step seed is `seed`.
+fn matrix_seed(seed: u64, i: usize) -> u64 {
+    crate::rng::splitmix64(seed ^ crate::rng::splitmix64(i as u64 ^ 0x4d41_5452_4958))
 }
 
 /// Fill `q` with draws uniform in `[-1, 1)` from `seed` (exact arithmetic on the hash's
@@ -567,7 +824,7 @@ mod tests {
         });
         let got = res.into_iter().next().unwrap().unwrap();
         let mut q0 = vec![0f32; m * r];
-        draw_q(&mut q0, seed(0));
+        draw_q(&mut q0, matrix_seed(seed(0), 0));
         let want = reference(&grads, n, m, r, &q0);
         for s in 0..steps {
             let w2: f64 = want[s].iter().map(|v| v * v).sum();
