@@ -47,6 +47,8 @@ CONFIGS = {
     "gp-sign-ef": "gradpack sign + error feedback",
     "gp-topk-ef": "gradpack top-k 1% (fp16 values) + error feedback",
     "gp-auto": "gradpack auto (cost model on the measured link)",
+    "gp-powersgd-r1": "gradpack PowerSGD, rank 1 (start after 2 steps)",
+    "gp-powersgd-r4": "gradpack PowerSGD, rank 4 (start after 2 steps)",
 }
 
 LINKS = {"unthrottled": None, "10gbit": "10gbit", "1gbit": "1gbit"}
@@ -95,6 +97,8 @@ def hook_for(name, net, world):
             "gp-qsgd4": {"codec": "qsgd:bits=4,block=512"},
             "gp-sign-ef": {"codec": "sign", "error_feedback": True},
             "gp-topk-ef": {"codec": "topk:ratio=0.01,values=fp16", "error_feedback": True},
+            "gp-powersgd-r1": {"powersgd": {"rank": 1, "start_step": 2}},
+            "gp-powersgd-r4": {"powersgd": {"rank": 4, "start_step": 2}},
         }.get(name)
         if name == "gp-auto":
             bw, lat = gpt.measure_link()

@@ -44,6 +44,7 @@ __all__ = [
     "CodecProfile",
     "Error",
     "ErrorFeedback",
+    "PowerSgdBucket",
     "allreduce_time",
     "backend",
     "best_strategy",
@@ -58,6 +59,7 @@ __all__ = [
     "inspect",
     "parse_bandwidth",
     "parse_duration",
+    "powersgd_matrix",
 ]
 
 __version__ = "0.1.0"
@@ -394,3 +396,106 @@ class ErrorFeedback:
 
     def __repr__(self) -> str:
         return repr(self._ef)
+
+
+def powersgd_matrix(
+    shape: Tuple[int, ...], rank: int = 2, min_compression: float = 2.0
+) -> Optional[Tuple[int, int, int]]:
+    """The ``(n, m, r)`` PowerSGD sends a tensor of ``shape`` as: ``n = shape[0]``
+    rows, ``m`` the product of the other dimensions (a convolution's ``[out, in, kh,
+    kw]`` is ``out x (in kh kw)``), rank ``r = min(rank, n, m)``; or ``None`` for a
+    tensor of fewer than two dimensions or one that ``n m / ((n + m) r)`` says compresses
+    less than ``min_compression`` times."""
+    return _native.powersgd_matrix(list(shape), rank, min_compression)
+
+
+class PowerSgdBucket:
+    """PowerSGD (Vogels et al., 2019) for one bucket of matrices, whose two all-reduces
+    the caller runs (``gradpack.torch`` runs them over DDP's process group).
+
+    ``shapes`` lists each matrix's ``(n, m, r)`` (see :func:`powersgd_matrix`); the
+    bucket's gradient is their row-major elements back to back. One step, on every rank
+    with the same ``seed``::
+
+        b.p_step(m, seed, p)        # m becomes grad + residual; p = M Q (this rank's)
+        # all-reduce p, divide by the world size
+        b.q_step(m, p, q)           # orthonormalise p in place; q = M^T P
+        # all-reduce q, divide by the world size
+        ok = b.finish(m, p, q, out) # out = P Q^T; residual = M - out; Q kept
+
+    Every rank gets the same ``out`` to the bit when the all-reduces give every rank the
+    same bits. ``warm_start`` reuses each matrix's last ``Q``; ``feedback`` keeps what was
+    not sent. ``finish`` returns ``False`` and fills ``out`` with NaN when a factor was
+    not finite (a gradient overflowed on some rank); the residuals then keep their
+    values and the next step draws a fresh ``Q``. Arrays are float32 and are read and
+    written in place. The state is saved whole (:meth:`save`) or per matrix
+    (:meth:`matrix_state`), so it can follow a parameter into another bucket.
+    """
+
+    __slots__ = ("_b",)
+
+    def __init__(
+        self,
+        shapes: Any,
+        rank: int = 2,
+        warm_start: bool = True,
+        feedback: bool = True,
+        min_compression: float = 2.0,
+    ) -> None:
+        self._b = _native.PowerSgdBucket(
+            [tuple(int(v) for v in s) for s in shapes], rank, warm_start, feedback, min_compression
+        )
+
+    def __len__(self) -> int:
+        return len(self._b)
+
+    @property
+    def p_len(self) -> int:
+        """Elements of the first all-reduce (every matrix's ``P``, ``n r`` each)."""
+        return self._b.p_len
+
+    @property
+    def q_len(self) -> int:
+        """Elements of the second all-reduce (every matrix's ``Q``, ``m r`` each)."""
+        return self._b.q_len
+
+    def p_step(self, m: ArrayLike, seed: int, p: ArrayLike) -> None:
+        """Step 1: ``m`` becomes ``M`` (gradient plus residual); ``p`` gets ``M Q``."""
+        self._b.p_step(_f32(m, "m"), seed & ((1 << 64) - 1), _f32(p, "p"))
+
+    def q_step(self, m: ArrayLike, p: ArrayLike, q: ArrayLike) -> None:
+        """Step 2: ``p`` (the mean over ranks) is orthonormalised in place; ``q`` gets
+        ``M^T P``."""
+        self._b.q_step(_f32(m, "m"), _f32(p, "p"), _f32(q, "q"))
+
+    def finish(self, m: ArrayLike, p: ArrayLike, q: ArrayLike, out: ArrayLike) -> bool:
+        """Step 3: ``q`` is the mean over ranks; ``out`` gets ``P Q^T``. ``False`` (and
+        ``out`` all NaN) if the factors were not finite."""
+        return self._b.finish(_f32(m, "m"), _f32(p, "p"), _f32(q, "q"), _f32(out, "out"))
+
+    def matrix_state(self, i: int) -> Tuple[Optional[np.ndarray], np.ndarray]:
+        """Matrix ``i``'s warm-start ``Q`` (``m r`` float32, or ``None`` if it has none
+        yet) and residual (``n m``; empty without feedback), as copies."""
+        return self._b.matrix_state(i)
+
+    def set_matrix_state(self, i: int, q: Optional[ArrayLike], residual: ArrayLike) -> None:
+        """Set matrix ``i``'s state as :meth:`matrix_state` gave it."""
+        self._b.set_matrix_state(
+            i, None if q is None else _f32(q, "q"), _f32(residual, "residual")
+        )
+
+    def reset(self) -> None:
+        """Zero the residuals; draw a fresh ``Q`` at the next step."""
+        self._b.reset()
+
+    def save(self) -> bytes:
+        """The state (every ``Q`` and whether it is set, the residuals) as a versioned,
+        checksummed blob."""
+        return self._b.save()
+
+    def restore(self, blob: bytes) -> None:
+        """Restore a :meth:`save` blob of a bucket of the same matrices and settings."""
+        self._b.restore(bytes(blob))
+
+    def __repr__(self) -> str:
+        return repr(self._b)

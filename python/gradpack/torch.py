@@ -37,14 +37,22 @@ What it does, per bucket:
   cost model for the ``bandwidth`` and ``latency`` you give, with the codecs' speeds
   measured on this CPU when the state is made and averaged over the ranks (so every
   rank picks the same). ``"identity"`` among the candidates is float32.
+- ``powersgd=2`` (a rank, or a dict of settings) sends every matrix that PowerSGD
+  compresses enough as rank-``r`` factors (Vogels et al., 2019), the arithmetic done by
+  gradpack: per bucket, one float32 all-reduce carries every matrix's ``P = M Q``
+  together with the bucket's float32 tensors, a second carries the ``Q = M^T P``, with
+  warm start and error feedback. Tensors of any other codec take the all-gather. Every
+  rank computes the same result to the bit. Unlike PyTorch's ``powerSGD_hook``, the
+  warm-start ``Q`` and the residuals are kept per parameter: they follow a parameter
+  when DDP regroups its buckets, and :meth:`GradpackState.state_dict` saves them.
 - Seeds of stochastic codecs mix the state's seed, the step, the parameter and the rank
   (random-k: not the rank, so all ranks keep the same indices), so ranks round
   independently and a rerun with the same seed is identical.
 
 Error feedback keeps one residual per parameter. :meth:`GradpackState.state_dict`
-saves them by parameter name with the step counter (make the state with
-``model=``), so a checkpoint stores them beside the model and optimizer, and a state
-restored into a fresh DDP model continues bit-identically.
+saves them, and PowerSGD's state, by parameter name with the step counter (make the
+state with ``model=``), so a checkpoint stores them beside the model and optimizer, and a
+state restored into a fresh DDP model continues bit-identically.
 
 CUDA buckets are copied to the host, reduced there and copied back. That path is written
 but has not been run on a GPU; the measured runs are CPU training over gloo.
@@ -97,7 +105,7 @@ class GradpackState:
         process_group: the group DDP reduces over (default: the default group).
         codec: a spec such as ``"int8"`` or ``"topk:ratio=0.01,values=fp16"``, a
             :class:`gradpack.Codec`, ``"identity"`` (plain float32 all-reduce) or
-            ``"auto"``.
+            ``"auto"``; default ``"int8"`` (``"identity"`` with ``powersgd``).
         error_feedback: ``True``, ``False``, or ``None`` for on exactly when the codec
             is one of :data:`BIASED_NEED_FEEDBACK` (top-k, sign).
         strategy: ``"allgather"`` or ``"ring"`` (see the module docs).
@@ -110,7 +118,13 @@ class GradpackState:
             :data:`DEFAULT_CANDIDATES`).
         calibrate_elements: the tensor size ``"auto"`` measures codec speeds on.
         model: the model (DDP-wrapped or not), so that residuals are kept and saved by
-            parameter name; :meth:`state_dict` needs it when error feedback is on.
+            parameter name; :meth:`state_dict` needs it when error feedback or
+            PowerSGD is on.
+        powersgd: send matrices as PowerSGD factors: a rank (``2``), or a dict with
+            ``rank`` and any of ``warm_start`` (True), ``feedback`` (True),
+            ``min_compression`` (2.0) and ``start_step`` (0: plain float32 steps
+            before PowerSGD starts). The other tensors go with ``codec``, which then
+            defaults to ``"identity"`` (float32, as PyTorch's PowerSGD hook sends them).
 
     Making a state with ``codec="auto"`` runs one all-reduce on the group (to average
     the measured speeds), so every rank must make it at the same point.
@@ -119,7 +133,7 @@ class GradpackState:
     def __init__(
         self,
         process_group: Optional[Any] = None,
-        codec: Union[str, Codec] = "int8",
+        codec: Union[None, str, Codec] = None,
         error_feedback: Optional[bool] = None,
         strategy: str = "allgather",
         min_compress_elements: int = 16384,
@@ -130,7 +144,13 @@ class GradpackState:
         candidates: Optional[Sequence[str]] = None,
         calibrate_elements: int = 1 << 20,
         model: Optional[torch.nn.Module] = None,
+        powersgd: Union[None, int, Dict[str, Any]] = None,
     ) -> None:
+        if codec is None:
+            codec = "identity" if powersgd is not None else "int8"
+        self._ps = _powersgd_settings(powersgd)
+        if self._ps is not None and strategy != "allgather":
+            raise ValueError("powersgd needs strategy='allgather' (the default)")
         if strategy not in ("allgather", "ring"):
             raise ValueError(f"strategy {strategy!r}: use 'allgather' or 'ring'")
         if min_compress_elements < 0:
@@ -143,6 +163,10 @@ class GradpackState:
         self._ef_choice = error_feedback
         self.step = 0
         self._feedback: Dict[str, ErrorFeedback] = {}  # parameter -> its residual
+        self._lr: Dict[Tuple[str, ...], gradpack.PowerSgdBucket] = {}  # names -> bucket
+        self._lr_owner: Dict[str, Tuple[str, ...]] = {}  # parameter -> its bucket's names
+        self._lr_restored: Dict[str, Tuple[Optional[np.ndarray], np.ndarray]] = {}
+        self._lr_shapes: Dict[Tuple[int, ...], Optional[Tuple[int, int, int]]] = {}
         self._restored: Dict[str, np.ndarray] = {}  # residuals loaded, not yet used
         self._model = model
         self._names: Optional[Dict[int, str]] = None
@@ -248,12 +272,12 @@ class GradpackState:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> Dict[str, Any]:
-        """The step counter and the error-feedback residuals by parameter name, as plain
-        values and float32 tensors (``torch.save`` and ``torch.load(weights_only=True)``
+        """The step counter, the error-feedback residuals and PowerSGD's warm-start ``Q``
+        and residuals by parameter name, as plain values and float32 tensors (``torch.save`` and ``torch.load(weights_only=True)``
         take it). Needs ``model=`` when there are residuals. Waits for buckets still in
         flight."""
         self.wait()
-        if self._model is None and self._feedback:
+        if self._model is None and (self._feedback or self._lr):
             raise ValueError(
                 "GradpackState.state_dict needs the model: make the state with "
                 "model=ddp_model so residuals are saved by parameter name"
@@ -261,18 +285,28 @@ class GradpackState:
         residuals = {k: torch.from_numpy(v.copy()) for k, v in self._restored.items()}
         for key, ef in self._feedback.items():
             residuals[key] = torch.from_numpy(ef.residual())
+        low_rank = {}
+        for name, (q, e) in self._lr_restored.items():
+            low_rank[name] = {"q": None if q is None else torch.from_numpy(q.copy()),
+                              "residual": torch.from_numpy(e.copy())}
+        for name, names in self._lr_owner.items():
+            q, e = self._lr[names].matrix_state(names.index(name))
+            low_rank[name] = {"q": None if q is None else torch.from_numpy(q),
+                              "residual": torch.from_numpy(e)}
         return {
             "format": "gradpack.torch.GradpackState/1",
             "step": self.step,
             "seed": self.seed,
             "codec": "auto" if self._auto else str(self.codec),
+            "powersgd": None if self._ps is None else dict(self._ps),
             "residuals": residuals,
+            "low_rank": low_rank,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: the step counter, and each parameter's residual
-        (used when that parameter's gradient comes next). The codec and seed must match
-        this state's."""
+        and PowerSGD state (used when that parameter's gradient comes next). The codec,
+        seed and PowerSGD settings must match this state's."""
         if not isinstance(state, dict) or state.get("format") != "gradpack.torch.GradpackState/1":
             raise ValueError("not a GradpackState state_dict (no format 'gradpack.torch.GradpackState/1')")
         mine = "auto" if self._auto else str(self.codec)
@@ -281,16 +315,30 @@ class GradpackState:
                 f"state_dict is for codec {state['codec']!r} seed {state['seed']}; "
                 f"this state has {mine!r} seed {self.seed}"
             )
-        residuals = {}
-        for k, v in state["residuals"].items():
+        theirs = state.get("powersgd")
+        if theirs != (None if self._ps is None else dict(self._ps)):
+            raise ValueError(
+                f"state_dict is for PowerSGD settings {theirs!r}; this state has {self._ps!r}"
+            )
+
+        def f32(k: str, v: Any) -> np.ndarray:
             t = v if isinstance(v, torch.Tensor) else torch.as_tensor(v)
             if t.dtype != torch.float32:
-                raise ValueError(f"residual of {k!r} has dtype {t.dtype}, expected float32")
-            residuals[k] = t.detach().cpu().contiguous().numpy().reshape(-1).copy()
+                raise ValueError(f"state of {k!r} has dtype {t.dtype}, expected float32")
+            return t.detach().cpu().contiguous().numpy().reshape(-1).copy()
+
+        residuals = {k: f32(k, v) for k, v in state["residuals"].items()}
+        low_rank = {
+            k: (None if v["q"] is None else f32(k, v["q"]), f32(k, v["residual"]))
+            for k, v in state.get("low_rank", {}).items()
+        }
         self.wait()
         self.step = int(state["step"])
         self._feedback.clear()
         self._restored = residuals
+        self._lr.clear()
+        self._lr_owner.clear()
+        self._lr_restored = low_rank
 
     def wait(self) -> None:
         """Block until every submitted bucket has been reduced."""
@@ -309,16 +357,20 @@ class GradpackState:
                     self._names[id(q)] = name
         return self._names
 
-    def _layout(self, bucket: dist.GradBucket) -> List[Tuple[str, int, int, int]]:
-        """(key, elements, ndim, seed key) of each parameter of the bucket, in order."""
+    def _layout(self, bucket: dist.GradBucket) -> List[Tuple[str, int, int, int, Tuple[int, ...]]]:
+        """(key, elements, ndim, seed key, shape) of each parameter of the bucket, in
+        order."""
         names = self._names_of()
         out = []
         for pos, p in enumerate(bucket.parameters()):
             name = names.get(id(p))
+            shape = tuple(p.shape)
             if name is not None:
-                out.append((name, p.numel(), p.dim(), zlib.crc32(name.encode())))
+                out.append((name, p.numel(), p.dim(), zlib.crc32(name.encode()), shape))
             else:
-                out.append((f"id:{id(p)}", p.numel(), p.dim(), (bucket.index() << 20) + pos))
+                out.append(
+                    (f"id:{id(p)}", p.numel(), p.dim(), (bucket.index() << 20) + pos, shape)
+                )
         return out
 
     def _feedback_for(self, key: str, codec: Codec, n: int) -> ErrorFeedback:
@@ -370,11 +422,14 @@ class GradpackState:
         flat = host.view(-1)
         n = flat.numel()
         world = self._world()
-        if sum(m for _, m, _, _ in layout) != n:  # not seen on CPU; one tensor then
-            layout = [(f"bucket:{index}", n, 2, index)]
-        codecs = [self.codec_for(m, d) for _, m, d, _ in layout]
+        if sum(e[1] for e in layout) != n:  # not seen on CPU; one tensor then
+            layout = [(f"bucket:{index}", n, 2, index, (n,))]
+        codecs = [self.codec_for(m, d) for _, m, d, _, _ in layout]
+        low_rank = self._low_rank_of(layout, step)
         if world == 1:
             pass
+        elif low_rank:
+            self._powersgd(flat, layout, codecs, low_rank, index, step, world)
         elif all(c == _IDENTITY for c in codecs):
             dist.all_reduce(flat, group=self.process_group)
             flat.div_(world)
@@ -387,17 +442,29 @@ class GradpackState:
         return buf
 
     def _allgather(
-        self, flat: torch.Tensor, layout: List[Any], codecs: List[Codec], index: int, step: int, world: int
+        self,
+        flat: torch.Tensor,
+        layout: List[Any],
+        codecs: List[Optional[Codec]],
+        index: int,
+        step: int,
+        world: int,
     ) -> None:
+        """Encode, all-gather and sum the bucket's tensors; those whose codec is
+        ``None`` are left as they are (PowerSGD reduces them)."""
         rank = self._rank()
         x = flat.numpy()
-        caps = [c.max_encoded_len(m, self.checksum) for c, (_, m, _, _) in zip(codecs, layout)]
+        starts = np.cumsum([0] + [e[1] for e in layout])
+        todo = [
+            (c, e, int(a)) for c, e, a in zip(codecs, layout, starts) if c is not None
+        ]
+        caps = [c.max_encoded_len(e[1], self.checksum) for c, e, _ in todo]
         cap = sum(caps)
-        fixed = all(_fixed_len(c, m) for c, (_, m, _, _) in zip(codecs, layout))
+        fixed = all(_fixed_len(c, e[1]) for c, e, _ in todo)
         send = self._buffer(("send", index, cap), lambda: torch.empty(cap, dtype=torch.uint8))
         out = send.numpy()
-        at = start = 0
-        for c, (key, m, _, skey) in zip(codecs, layout):
+        at = 0
+        for c, (key, m, _, skey, _), start in todo:
             seed = _seed(self.seed, step, skey, c, rank)
             piece = x[start : start + m]
             if self._wants_ef(c):
@@ -406,7 +473,6 @@ class GradpackState:
                 )
             else:
                 at += c.encode_into(piece, out[at:], seed=seed, checksum=self.checksum)
-            start += m
         if fixed:
             recv = self._buffer(
                 ("recv", index, cap), lambda: [torch.empty(cap, dtype=torch.uint8) for _ in range(world)]
@@ -422,15 +488,140 @@ class GradpackState:
             mine[:at] = send[:at]
             dist.all_gather(recv, mine, group=self.process_group)
             msgs = [r.numpy()[: int(t)] for r, t in zip(recv, lens)]
-        x[...] = 0.0
+        for _, (_, m, _, _, _), start in todo:
+            x[start : start + m] = 0.0
         for msg in msgs:  # rank order: the same sum on every rank
-            at = start = 0
-            for _, m, _, _ in layout:
+            at = 0
+            for _, (_, m, _, _, _), start in todo:
                 ln = gradpack.frame_len(msg[at:])
                 gradpack.decode_add(msg[at : at + ln], x[start : start + m])
                 at += ln
-                start += m
-        flat.div_(world)
+        for _, (_, m, _, _, _), start in todo:
+            x[start : start + m] /= np.float32(world)
+
+    def _low_rank_of(self, layout: List[Any], step: int) -> List[Tuple[int, Tuple[int, int, int]]]:
+        """(position, (n, m, r)) of the bucket's tensors sent as PowerSGD factors at
+        ``step`` (none before its start step)."""
+        ps = self._ps
+        if ps is None or step < ps["start_step"]:
+            return []
+        out = []
+        for i, e in enumerate(layout):
+            shape = e[4]
+            if shape not in self._lr_shapes:
+                self._lr_shapes[shape] = gradpack.powersgd_matrix(
+                    shape, ps["rank"], ps["min_compression"]
+                )
+            mat = self._lr_shapes[shape]
+            if mat is not None:
+                out.append((i, mat))
+        return out
+
+    def _lr_bucket(
+        self, names: Tuple[str, ...], shapes: List[Tuple[int, int, int]]
+    ) -> "gradpack.PowerSgdBucket":
+        """The PowerSGD state of the matrices ``names``; made on first use, with each
+        matrix's state taken from where it was (a checkpoint, or the bucket DDP had it
+        in before it regrouped its buckets)."""
+        b = self._lr.get(names)
+        if b is not None:
+            return b
+        ps = self._ps
+        assert ps is not None
+        b = gradpack.PowerSgdBucket(
+            shapes,
+            rank=ps["rank"],
+            warm_start=ps["warm_start"],
+            feedback=ps["feedback"],
+            min_compression=ps["min_compression"],
+        )
+        left = set()
+        for i, name in enumerate(names):
+            saved = self._lr_restored.pop(name, None)
+            old = self._lr_owner.get(name)
+            if saved is None and old is not None:
+                saved = self._lr[old].matrix_state(old.index(name))
+                left.add(old)
+            if saved is not None:
+                try:
+                    b.set_matrix_state(i, saved[0], saved[1])
+                except gradpack.Error as e:
+                    raise ValueError(f"PowerSGD state of {name!r} does not fit it: {e}") from None
+            self._lr_owner[name] = names
+        for old in left:
+            if all(self._lr_owner.get(n) != old for n in old):
+                del self._lr[old]
+        self._lr[names] = b
+        return b
+
+    def _powersgd(
+        self,
+        flat: torch.Tensor,
+        layout: List[Any],
+        codecs: List[Codec],
+        low_rank: List[Tuple[int, Tuple[int, int, int]]],
+        index: int,
+        step: int,
+        world: int,
+    ) -> None:
+        """Reduce a bucket whose matrices ``low_rank`` go as PowerSGD factors: their
+        ``P`` travel in one float32 all-reduce with the bucket's float32 tensors, their
+        ``Q`` in a second, and the tensors of other codecs by the all-gather."""
+        x = flat.numpy()
+        starts = np.cumsum([0] + [e[1] for e in layout])
+        lr_pos = [i for i, _ in low_rank]
+        names = tuple(layout[i][0] for i in lr_pos)
+        b = self._lr_bucket(names, [mat for _, mat in low_rank])
+        plain = [
+            i for i, c in enumerate(codecs) if i not in lr_pos and c == _IDENTITY
+        ]
+        plain_n = sum(layout[i][1] for i in plain)
+        n_lr = len(b)
+        m, out, pq = self._buffer(
+            ("powersgd", index, n_lr, b.p_len, b.q_len, plain_n),
+            lambda: (
+                np.empty(n_lr, dtype=np.float32),
+                np.empty(n_lr, dtype=np.float32),
+                (torch.empty(b.p_len + plain_n), torch.empty(b.q_len)),
+            ),
+        )
+        first, second = pq
+        at = 0
+        for i in lr_pos:  # the matrices, back to back
+            s, k = int(starts[i]), layout[i][1]
+            m[at : at + k] = x[s : s + k]
+            at += k
+        f = first.numpy()
+        sm = _native.splitmix64
+        seed = sm(self.seed ^ sm(step & _MASK) ^ sm(zlib.crc32("\0".join(names).encode())))
+        b.p_step(m, seed, f[: b.p_len])
+        at = b.p_len
+        for i in plain:
+            s, k = int(starts[i]), layout[i][1]
+            f[at : at + k] = x[s : s + k]
+            at += k
+        dist.all_reduce(first, group=self.process_group)
+        first.div_(world)
+        at = b.p_len
+        for i in plain:
+            s, k = int(starts[i]), layout[i][1]
+            x[s : s + k] = f[at : at + k]
+            at += k
+        q = second.numpy()
+        b.q_step(m, f[: b.p_len], q)
+        dist.all_reduce(second, group=self.process_group)
+        second.div_(world)
+        b.finish(m, f[: b.p_len], q, out)
+        at = 0
+        for i in lr_pos:
+            s, k = int(starts[i]), layout[i][1]
+            x[s : s + k] = out[at : at + k]
+            at += k
+        rest = [
+            None if i in lr_pos or c == _IDENTITY else c for i, c in enumerate(codecs)
+        ]
+        if any(c is not None for c in rest):
+            self._allgather(flat, layout, rest, index, step, world)
 
     def _ring(self, flat: torch.Tensor, codec: Codec, index: int, step: int, world: int) -> None:
         n = flat.numel()
@@ -491,6 +682,34 @@ class GradpackState:
             length = len(frame)
             sbuf.numpy()[:length] = frame
         flat.div_(world)
+
+
+_POWERSGD_KEYS = ("rank", "warm_start", "feedback", "min_compression", "start_step")
+
+
+def _powersgd_settings(p: Union[None, int, Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The ``powersgd`` argument as a dict of every setting, checked."""
+    if p is None:
+        return None
+    if isinstance(p, bool) or not isinstance(p, (int, dict)):
+        raise TypeError(f"powersgd must be a rank (int) or a dict of settings, not {p!r}")
+    d = {"rank": p} if isinstance(p, int) else dict(p)
+    unknown = set(d) - set(_POWERSGD_KEYS)
+    if unknown or "rank" not in d:
+        raise ValueError(
+            f"powersgd settings {sorted(unknown)} unknown or rank missing; use {_POWERSGD_KEYS}"
+        )
+    out = {
+        "rank": int(d["rank"]),
+        "warm_start": bool(d.get("warm_start", True)),
+        "feedback": bool(d.get("feedback", True)),
+        "min_compression": float(d.get("min_compression", 2.0)),
+        "start_step": int(d.get("start_step", 0)),
+    }
+    if out["start_step"] < 0:
+        raise ValueError("powersgd start_step must be >= 0")
+    gradpack.powersgd_matrix((out["rank"], out["rank"]), out["rank"], out["min_compression"])
+    return out
 
 
 def _fixed_len(codec: Codec, n: int) -> bool:

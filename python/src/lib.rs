@@ -8,6 +8,7 @@
 //! the `gradpack.Error` exception (a `ValueError`) with the crate's own message.
 
 use gradpack::cost::{self, CodecProfile, Strategy};
+use gradpack::sync::{PowerSgd, PowerSgdBucket};
 use gradpack::{Codec, CodecSpec, EncodeCtx, FeedbackOptions, ResidualPrecision};
 use numpy::{
     PyArray1, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
@@ -631,6 +632,185 @@ impl PyErrorFeedback {
     }
 }
 
+/// PowerSGD's arithmetic and state for one bucket of matrices whose two all-reduces
+/// the caller runs (over torch's process group, say). See `gradpack.PowerSgdBucket`.
+#[pyclass(module = "gradpack", name = "PowerSgdBucket")]
+struct PyPowerSgd {
+    inner: PowerSgdBucket,
+}
+
+fn settings(rank: usize, warm_start: bool, feedback: bool, min_compression: f64) -> PowerSgd {
+    PowerSgd {
+        rank,
+        warm_start,
+        feedback,
+        min_compression,
+        ..PowerSgd::default()
+    }
+}
+
+fn slice_in<'a>(a: &'a PyReadonlyArrayDyn<'_, f32>) -> PyResult<&'a [f32]> {
+    a.as_slice()
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+fn slice_out<'a>(a: &'a mut PyReadwriteArrayDyn<'_, f32>) -> PyResult<&'a mut [f32]> {
+    a.as_slice_mut()
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// A matrix's warm-start Q (if set) and residual, as numpy arrays.
+type MatrixState<'py> = (Option<Bound<'py, PyArray1<f32>>>, Bound<'py, PyArray1<f32>>);
+
+#[pymethods]
+impl PyPowerSgd {
+    #[new]
+    #[pyo3(signature = (shapes, rank=2, warm_start=true, feedback=true, min_compression=2.0))]
+    fn new(
+        shapes: Vec<(usize, usize, usize)>,
+        rank: usize,
+        warm_start: bool,
+        feedback: bool,
+        min_compression: f64,
+    ) -> PyResult<Self> {
+        let s = settings(rank, warm_start, feedback, min_compression);
+        Ok(PyPowerSgd {
+            inner: PowerSgdBucket::new(s, &shapes).map_err(err)?,
+        })
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// Elements of the first all-reduce (every matrix's P).
+    #[getter]
+    fn p_len(&self) -> usize {
+        self.inner.p_len()
+    }
+
+    /// Elements of the second all-reduce (every matrix's Q).
+    #[getter]
+    fn q_len(&self) -> usize {
+        self.inner.q_len()
+    }
+
+    /// Step 1: `m` (this rank's gradients of the bucket) becomes M = m + residual and
+    /// `p` gets this rank's P = M Q.
+    fn p_step(
+        &mut self,
+        py: Python<'_>,
+        m: &Bound<'_, PyAny>,
+        seed: u64,
+        p: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let mut ma = f32_out(m, "m")?;
+        let mut pa = f32_out(p, "p")?;
+        let (ms, ps) = (slice_out(&mut ma)?, slice_out(&mut pa)?);
+        let b = &mut self.inner;
+        py.detach(|| b.p_step(ms, seed, ps)).map_err(err)
+    }
+
+    /// Step 2: `p` is the mean over ranks; orthonormalised in place, and `q` gets this
+    /// rank's Q = M^T P.
+    fn q_step(
+        &mut self,
+        py: Python<'_>,
+        m: &Bound<'_, PyAny>,
+        p: &Bound<'_, PyAny>,
+        q: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let ma = f32_in(m, "m")?;
+        let mut pa = f32_out(p, "p")?;
+        let mut qa = f32_out(q, "q")?;
+        let (ms, ps, qs) = (slice_in(&ma)?, slice_out(&mut pa)?, slice_out(&mut qa)?);
+        let b = &mut self.inner;
+        py.detach(|| b.q_step(ms, ps, qs)).map_err(err)
+    }
+
+    /// Step 3: `q` is the mean over ranks; `out` gets P Q^T, the residuals and the warm
+    /// start are kept. False (and `out` all NaN) if the factors were not finite.
+    fn finish(
+        &mut self,
+        py: Python<'_>,
+        m: &Bound<'_, PyAny>,
+        p: &Bound<'_, PyAny>,
+        q: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let (ma, pa, qa) = (f32_in(m, "m")?, f32_in(p, "p")?, f32_in(q, "q")?);
+        let mut oa = f32_out(out, "out")?;
+        let (ms, ps, qs) = (slice_in(&ma)?, slice_in(&pa)?, slice_in(&qa)?);
+        let os = slice_out(&mut oa)?;
+        let b = &mut self.inner;
+        py.detach(|| b.finish(ms, ps, qs, os)).map_err(err)
+    }
+
+    /// Matrix `i`'s state: (its warm-start Q as float32, or None; its residual).
+    fn matrix_state<'py>(&self, py: Python<'py>, i: usize) -> PyResult<MatrixState<'py>> {
+        let (q, e) = self.inner.matrix_state(i).map_err(err)?;
+        Ok((
+            q.map(|q| PyArray1::from_slice(py, q)),
+            PyArray1::from_slice(py, e),
+        ))
+    }
+
+    /// Set matrix `i`'s state as `matrix_state` gave it.
+    #[pyo3(signature = (i, q, residual))]
+    fn set_matrix_state(
+        &mut self,
+        i: usize,
+        q: Option<&Bound<'_, PyAny>>,
+        residual: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let ea = f32_in(residual, "residual")?;
+        let qa = q.map(|q| f32_in(q, "q")).transpose()?;
+        let qs = qa.as_ref().map(slice_in).transpose()?;
+        self.inner
+            .set_matrix_state(i, qs, slice_in(&ea)?)
+            .map_err(err)
+    }
+
+    /// Zero the residuals and draw a fresh Q at the next step.
+    fn reset(&mut self) {
+        self.inner.reset();
+    }
+
+    /// The state as a versioned, checksummed blob.
+    fn save<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.save())
+    }
+
+    /// Restore a blob of `save` from a bucket of the same matrices and settings.
+    fn restore(&mut self, blob: &[u8]) -> PyResult<()> {
+        self.inner.restore(blob).map_err(err)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "PowerSgdBucket(elements={}, rank={}, p_len={}, q_len={})",
+            self.inner.len(),
+            self.inner.settings().rank,
+            self.inner.p_len(),
+            self.inner.q_len()
+        )
+    }
+}
+
+/// The `(n, m, r)` PowerSGD sends a tensor of `shape` as, or None (fewer than two
+/// dimensions, or it does not compress by `min_compression`).
+#[pyfunction]
+#[pyo3(signature = (shape, rank=2, min_compression=2.0))]
+fn powersgd_matrix(
+    shape: Vec<usize>,
+    rank: usize,
+    min_compression: f64,
+) -> PyResult<Option<(usize, usize, usize)>> {
+    let s = settings(rank, true, true, min_compression);
+    s.check().map_err(err)?;
+    Ok(s.matrix_of(&gradpack::sync::Tensor::new("", &shape)))
+}
+
 /// A codec's size on the wire and speed on this CPU, as the cost model uses them.
 /// Speeds are bytes of float32 input per second.
 #[pyclass(module = "gradpack", name = "CodecProfile", get_all, set_all)]
@@ -885,6 +1065,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCodec>()?;
     m.add_class::<PyErrorFeedback>()?;
     m.add_class::<PyProfile>()?;
+    m.add_class::<PyPowerSgd>()?;
+    m.add_function(wrap_pyfunction!(powersgd_matrix, m)?)?;
     m.add_function(wrap_pyfunction!(encode, m)?)?;
     m.add_function(wrap_pyfunction!(encode_into, m)?)?;
     m.add_function(wrap_pyfunction!(decode, m)?)?;

@@ -29,6 +29,12 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "topk-ef": {"codec": "topk:ratio=0.01,values=fp16", "error_feedback": True},
     "sign-ef": {"codec": "sign", "error_feedback": True},
     "int8-ring": {"codec": "int8", "strategy": "ring"},
+    # Every weight matrix as rank-2 factors, biases in float32 (PyTorch's PowerSGD hook).
+    "powersgd2": {"powersgd": 2},
+    # The 10 x 256 output layer compresses under 6 times at rank 2, so it goes with the
+    # codec (dct signs with error feedback), in the same buckets as the factors.
+    "powersgd-dct": {"powersgd": {"rank": 2, "min_compression": 6.0},
+                     "codec": "dct:k=4,values=sign", "error_feedback": True},
 }
 
 
@@ -62,9 +68,10 @@ def make(cfg: Dict[str, Any], seed: int, init: int = -1):
 
     net = DDP(model(seed if init < 0 else init), bucket_cap_mb=0.1)  # several buckets of ~26 k elements
     state = None
-    if cfg.get("codec"):
+    if cfg.get("codec") or cfg.get("powersgd"):
         state = gpt.GradpackState(
-            codec=cfg["codec"],
+            codec=cfg.get("codec"),
+            powersgd=cfg.get("powersgd"),
             error_feedback=cfg.get("error_feedback"),
             strategy=cfg.get("strategy", "allgather"),
             min_compress_elements=1024,
@@ -120,19 +127,19 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
                 "first_loss": float(np.mean(losses[:20])), "last_loss": float(np.mean(losses[-20:])),
                 "identical": same_on_all_ranks(p, world),
             })
-    if plan.get("resume"):
+    for name in filter(None, plan.get("resume", "").split(",")):
         # Train 2k steps straight, then k steps, a checkpoint, a fresh DDP model,
         # optimizer and hook state restored from it, and k more steps: same parameters.
-        name, k = plan["resume"], steps // 2
+        k = steps // 2
         net, opt, state = make(CONFIGS[name], 7)
         run_steps(net, opt, xs, ys, rank, world, 2 * k, 0)
         straight = flat_params(net)
         net, opt, state = make(CONFIGS[name], 7)
         run_steps(net, opt, xs, ys, rank, world, k, 0)
-        ckpt = os.path.join(out_dir, f"ckpt{rank}.pt")
+        ckpt = os.path.join(out_dir, f"ckpt-{name}-{rank}.pt")
         torch.save({"model": net.module.state_dict(), "opt": opt.state_dict(),
                     "hook": state.state_dict()}, ckpt)
-        saved = torch.load(ckpt, weights_only=False)
+        saved = torch.load(ckpt, weights_only=True)
         net, opt, state = make(CONFIGS[name], 7, init=99)  # other init: all must come from the file
         net.module.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])

@@ -291,3 +291,54 @@ def test_the_gil_is_released_while_a_kernel_runs():
         fractions.append(gap / (b - a))
     assert max(b - a for a, b in windows) > 5e-3, "encode too short to tell"
     assert min(fractions) < 0.5, f"the other thread stalled through the encode: {fractions}"
+
+
+def test_powersgd_bucket_two_ranks_agree_and_project_onto_the_mean():
+    # Two simulated ranks drive their buckets with all-reduces done here in numpy. Both
+    # end with the same bits; the result is P P^T mean(M) with P orthonormal (the
+    # definition, since Q = mean(M)^T P), and each residual is M - result.
+    shapes = [(40, 24, 2), (16, 30, 2)]
+    n = sum(a * b for a, b, _ in shapes)
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+    bs = [gradpack.PowerSgdBucket(shapes, rank=2) for _ in range(2)]
+    assert (len(bs[0]), bs[0].p_len, bs[0].q_len) == (n, 2 * 56, 2 * 54)
+    ms = [g.copy() for g in grads]
+    ps = [np.zeros(bs[0].p_len, np.float32) for _ in range(2)]
+    for b, m, p in zip(bs, ms, ps):
+        b.p_step(m, 7, p)
+    pm = [(ps[0] + ps[1]) / np.float32(2) for _ in range(2)]
+    qs = [np.zeros(bs[0].q_len, np.float32) for _ in range(2)]
+    for b, m, p, q in zip(bs, ms, pm, qs):
+        b.q_step(m, p, q)
+    assert np.array_equal(pm[0], pm[1])
+    qm = (qs[0] + qs[1]) / np.float32(2)
+    outs = [np.zeros(n, np.float32) for _ in range(2)]
+    for b, m, p, o in zip(bs, ms, pm, outs):
+        assert b.finish(m, p, qm, o)
+    assert np.array_equal(outs[0], outs[1])
+    mean = (grads[0].astype(np.float64) + grads[1]) / 2
+    at = pat = 0
+    for i, (r, c, k) in enumerate(shapes):
+        P = pm[0][pat : pat + r * k].reshape(r, k).astype(np.float64)
+        assert np.allclose(P.T @ P, np.eye(k), atol=1e-5)
+        want = P @ P.T @ mean[at : at + r * c].reshape(r, c)
+        got = outs[0][at : at + r * c].reshape(r, c)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+        for b, m in zip(bs, ms):
+            q, e = b.matrix_state(i)
+            assert q is not None and q.size == c * k
+            assert np.array_equal(e, m[at : at + r * c] - outs[0][at : at + r * c])
+        at, pat = at + r * c, pat + r * k
+    # The whole state through a blob, and steps out of order.
+    c = gradpack.PowerSgdBucket(shapes, rank=2)
+    c.restore(bs[0].save())
+    assert c.save() == bs[0].save()
+    with pytest.raises(gradpack.Error, match="before"):
+        c.q_step(ms[0], pm[0], qs[0])
+    with pytest.raises(gradpack.Error, match="rank"):
+        gradpack.PowerSgdBucket([(40, 24, 3)], rank=2)
+    assert gradpack.powersgd_matrix((256, 64), 2) == (256, 64, 2)
+    assert gradpack.powersgd_matrix((64, 3, 3, 3), 4) == (64, 27, 4)
+    assert gradpack.powersgd_matrix((256,), 2) is None
+    assert gradpack.powersgd_matrix((10, 10), 4) is None

@@ -86,7 +86,7 @@ impl PowerSgd {
     }
 
     /// An error unless the settings are usable.
-    pub(crate) fn check(&self) -> Result<()> {
+    pub fn check(&self) -> Result<()> {
         if !(1..=MAX_RANK).contains(&self.rank) {
             return Err(Error::Collective(format!(
                 "PowerSGD rank {} is outside 1 to {MAX_RANK}",
