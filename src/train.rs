@@ -322,6 +322,9 @@ pub struct TrainConfig {
     /// and the error-feedback switch of [`train`] is PowerSGD's own); `None` (default):
     /// every tensor with the codec.
     pub powersgd: Option<PowerSgd>,
+    /// With a `dct` codec, send the weight matrices in 2-D tiles ([`Policy::dct_2d`]);
+    /// default off.
+    pub dct_2d: bool,
 }
 
 impl TrainConfig {
@@ -338,6 +341,7 @@ impl TrainConfig {
             seed: 1,
             strategy: Strategy::CompressedAllGather,
             powersgd: None,
+            dct_2d: false,
         }
     }
 }
@@ -366,6 +370,8 @@ pub struct TrainResult {
     pub feedback: bool,
     /// PowerSGD's settings, if the weight matrices went as its factors.
     pub powersgd: Option<PowerSgd>,
+    /// Whether the weight matrices went in 2-D `dct` tiles.
+    pub dct_2d: bool,
     /// One point per epoch.
     pub curve: Vec<EpochPoint>,
     /// Bytes each worker sent over the whole run (the most any worker sent).
@@ -375,11 +381,12 @@ pub struct TrainResult {
 }
 
 impl TrainResult {
-    /// How the gradients went: the codec's spec, or `powersgd:rank=R` (the biases then
-    /// went with the codec).
+    /// How the gradients went: the codec's spec (with ` 2-D` when the matrices went in
+    /// 2-D `dct` tiles), or `powersgd:rank=R` (the biases then went with the codec).
     pub fn method(&self) -> String {
         match &self.powersgd {
             Some(p) => format!("powersgd:rank={}", p.rank),
+            None if self.dct_2d => format!("{} 2-D", self.codec),
             None => self.codec.to_string(),
         }
     }
@@ -434,6 +441,7 @@ pub fn train(
         // the matrices as PowerSGD factors.
         policy: Policy {
             powersgd,
+            dct_2d: cfg.dct_2d,
             ..Policy::uniform(codec)
         },
         op: ReduceOp::Mean,
@@ -531,6 +539,7 @@ pub fn train(
                 strategy,
                 feedback,
                 powersgd,
+                dct_2d: cfg.dct_2d && matches!(codec, CodecSpec::Dct(d) if d.width() == 0),
                 curve,
                 bytes_per_worker: 0,
                 steps: steps_per_epoch * cfg.epochs,

@@ -170,3 +170,119 @@ fn frames_of_other_widths_and_bad_positions_are_rejected() {
     ));
     assert!(acc.iter().all(|&v| v == 1.5));
 }
+
+#[test]
+fn the_sync_engine_gives_each_matrix_2d_tiles_which_keep_more_of_it() -> gradpack::Result<()> {
+    // Gradients smooth down each column and random along each row (a random row vector
+    // scaled by a smooth profile, another per rank), as a layer's gradient is when its
+    // input features differ and its output units move together. Through the engine with
+    // `dct:chunk=8,k=4` and `dct_2d`, the matrices go in 8 x 8 tiles of their own buckets (all-gathered),
+    // the vector in tiles along its row. Each matrix's result is the mean of the ranks'
+    // frames of its width, and its error is well under half that of the 1-D tiles of
+    // about the same bytes (`chunk=64,k=4` along the flat tensor; measured 0.12 against
+    // 0.69 on `w`).
+    use gradpack::collective::{Strategy, Transport, local};
+    use gradpack::sync::{Policy, SyncEngine, SyncOptions, Tensor};
+    let layout = [
+        Tensor::new("w", &[128, 96]),
+        Tensor::new("b", &[128]),
+        Tensor::new("conv", &[32, 4, 3, 3]),
+    ];
+    let grad = |rank: usize, t: &Tensor| -> Vec<f32> {
+        let n = t.shape[0];
+        let m: usize = t.shape[1..].iter().product();
+        let v = gradpack::synthetic::gradient(m, 40 + rank as u64);
+        (0..n * m)
+            .map(|i| {
+                let a = (i / m) as f32 / n as f32;
+                (3.0 * a + rank as f32).cos() * v[i % m]
+            })
+            .collect()
+    };
+    let spec: CodecSpec = "dct:chunk=8,k=4".parse()?;
+    let opts = SyncOptions {
+        policy: Policy {
+            dct_2d: true,
+            ..Policy::uniform(spec)
+        },
+        ..Default::default()
+    };
+    let res = local::run(2, None, |comm| {
+        let rank = comm.rank();
+        let mut e = SyncEngine::new(&layout, comm.into_inner(), opts.clone())?;
+        for (i, t) in layout.iter().enumerate() {
+            e.ready(i, &grad(rank, t))?;
+        }
+        e.finish()?;
+        let outs: Vec<Vec<f32>> = (0..layout.len())
+            .map(|i| e.grad(i).map(<[f32]>::to_vec))
+            .collect::<gradpack::Result<_>>()?;
+        Ok((e.plan().clone(), outs))
+    });
+    let (plan, outs) = res.into_iter().next().unwrap()?;
+    let method = |t: usize| {
+        let b = plan
+            .buckets
+            .iter()
+            .find(|b| b.tensors.contains(&t))
+            .unwrap();
+        (b.tensors.len(), b.codec.to_string(), b.strategy)
+    };
+    let ag = Strategy::CompressedAllGather;
+    assert_eq!(
+        method(0),
+        (1, "dct:chunk=8,k=4,values=f32,width=96".into(), ag)
+    );
+    assert_eq!(
+        method(2),
+        (1, "dct:chunk=8,k=4,values=f32,width=36".into(), ag)
+    );
+    assert_eq!(method(1).1, "dct:chunk=8,k=4,values=f32,width=0");
+    for (t, width) in [(0usize, 96u32), (2, 36)] {
+        let tensor = &layout[t];
+        let two_d = Dct::new(8, 4, width, gradpack::DctValues::F32)?;
+        let one_d = Dct::new(64, 4, 0, gradpack::DctValues::F32)?;
+        let ctx = EncodeCtx::default();
+        let mean_of = |c: &Dct| -> Vec<f64> {
+            let d: Vec<Vec<f32>> = (0..2)
+                .map(|r| {
+                    let g = grad(r, tensor);
+                    common::decode(&common::encode(c, &g, &ctx), g.len())
+                })
+                .collect();
+            d[0].iter()
+                .zip(&d[1])
+                .map(|(&a, &b)| (f64::from(a) + f64::from(b)) / 2.0)
+                .collect()
+        };
+        let want = mean_of(&two_d);
+        let got = &outs[t];
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(&g, &w)| (f64::from(g) - w).abs() <= 1e-6 * (1.0 + w.abs())),
+            "{}: the engine's result is not the mean of the 2-D frames",
+            tensor.name
+        );
+        // The same bytes, but for the edge tiles of a width that is not a multiple of 8
+        // (36: 20 tiles of up to 64 elements against 18 of 64).
+        let bytes = |c: &Dct| common::encode(c, &grad(0, tensor), &ctx).len() as f64;
+        assert!(bytes(&two_d) <= 1.12 * bytes(&one_d));
+        let exact: Vec<f64> = grad(0, tensor)
+            .iter()
+            .zip(&grad(1, tensor))
+            .map(|(&a, &b)| (f64::from(a) + f64::from(b)) / 2.0)
+            .collect();
+        let err = |y: &[f64]| {
+            let e: f64 = y.iter().zip(&exact).map(|(a, b)| (a - b).powi(2)).sum();
+            e / exact.iter().map(|v| v * v).sum::<f64>()
+        };
+        let (e2, e1) = (err(&want), err(&mean_of(&one_d)));
+        eprintln!(
+            "{}: relative squared error 2-D {e2:.3}, 1-D {e1:.3}",
+            tensor.name
+        );
+        assert!(e2 < 0.5 * e1, "{}: 2-D {e2}, 1-D {e1}", tensor.name);
+    }
+    Ok(())
+}

@@ -124,6 +124,23 @@ fn dct_signs_with_error_feedback_match_fp32() {
 }
 
 #[test]
+fn dct_in_2d_tiles_with_error_feedback_matches_fp32() {
+    // 8 x 8 tiles of each weight matrix keep 4 of 64 coefficients, about the bytes of
+    // 1-D tiles of 64 with 4 kept.
+    let (ds, cfg) = setup();
+    let b = baseline(&ds, &cfg);
+    let cfg = TrainConfig {
+        dct_2d: true,
+        ..cfg
+    };
+    let spec = "dct:chunk=8,k=4,values=sign,scale=frame";
+    let plain = run(&ds, &cfg, spec, false);
+    let fed = run(&ds, &cfg, spec, true);
+    assert!(gap(&b, &fed) <= 0.5, "EF dct 2-D: {fed:?} vs {b:?}");
+    assert!(gap(&b, &plain) >= 5.0, "dct 2-D: {plain:?} vs {b:?}");
+}
+
+#[test]
 fn replicas_stay_identical_on_the_ring_too() {
     // `train` errors if the workers' parameters differ at the end; the ring re-encodes
     // partial sums, so this is the stronger check.

@@ -470,6 +470,15 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
             };
             let (codec, (strategy, t, bytes)) = match kind {
                 Kind::Small => (policy.small_codec, choose(&policy.small_codec, None)),
+                Kind::Tiled => {
+                    let c = policy
+                        .tiled(&layout[tensors[0]])
+                        .expect("a tiled bucket's tensor has its codec");
+                    let s = Strategy::CompressedAllGather;
+                    let (t, bytes) =
+                        plan::bucket_cost(&c, s, None, size, &net, reduces, opts.pieces);
+                    (c, (s, t, bytes))
+                }
                 Kind::LowRank => {
                     let c = low_rank.as_ref().expect("a low-rank plan").settings.codec;
                     (c, choose(&c, None))

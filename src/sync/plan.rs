@@ -97,6 +97,7 @@ pub enum CodecChoice {
 /// its uncompressed 1-D tensors and BytePS about its minimum compression size (biases,
 /// norm scales, small layers: their frames are mostly header and their share of the
 /// bytes is small), go with `small_codec` in buckets of their own kind.
+///
 #[derive(Debug, Clone, PartialEq)]
 pub struct Policy {
     /// The codec of the other tensors.
@@ -111,6 +112,16 @@ pub struct Policy {
     /// [`PowerSgd::matrix_of`]) as low-rank factors, in buckets of their own (default
     /// none).
     pub powersgd: Option<PowerSgd>,
+    /// With a fixed `dct` codec of `width=0`, send each matrix in 2-D tiles (default
+    /// off: tiles along the flat tensor). Each tensor of two or more dimensions that is
+    /// not small then goes in a bucket of its own with `width` set to its row length
+    /// (the product of its dimensions after the first), so its tiles are `chunk x
+    /// chunk` squares of the matrix, as DeMo transforms each tensor along every
+    /// dimension. Those buckets are all-gathered whatever the engine's strategy (a ring
+    /// would cut the matrix into chunks that do not start on a row). Vectors keep tiles
+    /// along their one row. A tile then holds `chunk^2` coefficients instead of `chunk`,
+    /// so `dct:chunk=8,k=4` in 2-D sends about what `dct:chunk=64,k=4` sends in 1-D.
+    pub dct_2d: bool,
 }
 
 /// Elements below which [`Policy::with_rules`] sends a tensor uncompressed (64 KiB of
@@ -126,6 +137,7 @@ impl Policy {
             vectors_small: false,
             small_codec: CodecSpec::Identity(Identity),
             powersgd: None,
+            dct_2d: false,
         }
     }
 
@@ -173,9 +185,32 @@ impl Policy {
             Kind::Small
         } else if self.powersgd.is_some_and(|p| p.matrix_of(t).is_some()) {
             Kind::LowRank
+        } else if self.tiled(t).is_some() {
+            Kind::Tiled
         } else {
             Kind::Codec
         }
+    }
+
+    /// The `dct` codec with 2-D tiles that `t` gets, if [`Policy::dct_2d`] is on, the
+    /// policy's codec is a fixed `dct` of `width=0` and `t` is a matrix of rows of 2 to
+    /// `u32::MAX` elements.
+    pub(crate) fn tiled(&self, t: &Tensor) -> Option<CodecSpec> {
+        let CodecChoice::Fixed(CodecSpec::Dct(d)) = &self.codec else {
+            return None;
+        };
+        if !self.dct_2d {
+            return None;
+        }
+        let rest = t
+            .shape
+            .get(1..)
+            .filter(|r| d.width() == 0 && !r.is_empty())?;
+        let m = rest.iter().try_fold(1usize, |a, &x| a.checked_mul(x))?;
+        let w = u32::try_from(m).ok().filter(|&w| w >= 2)?;
+        crate::codecs::Dct::new(d.chunk(), d.k(), w, d.values())
+            .ok()
+            .map(CodecSpec::Dct)
     }
 }
 
@@ -188,6 +223,8 @@ pub(crate) enum Kind {
     Small,
     /// Matrices sent as PowerSGD factors.
     LowRank,
+    /// One matrix with `dct` in 2-D tiles.
+    Tiled,
 }
 
 /// One bucket of a [`Plan`].
@@ -379,6 +416,10 @@ pub(crate) fn buckets(
     let mut first_done = false;
     let limit = |first_done: bool| if first_done { cap } else { first_cap };
     for (i, (&len, &kind)) in lens.iter().zip(kinds).enumerate() {
+        if kind == Kind::Tiled {
+            closed.push((vec![i], kind, i));
+            continue;
+        }
         let k = KINDS.iter().position(|&x| x == kind).expect("a known kind");
         let bytes = len.saturating_mul(4);
         if let Some((ts, b)) = &open[k]
@@ -562,9 +603,9 @@ mod tests {
 
     #[test]
     fn buckets_tile_the_tensors_in_ready_order() {
-        let lens = [10, 300_000, 5, 600_000, 700_000, 1, 0, 8_000_000, 90_000];
-        let (c, s, l) = (Kind::Codec, Kind::Small, Kind::LowRank);
-        let small = [s, c, s, l, c, s, s, c, l];
+        let lens = [10, 300_000, 5, 600_000, 700_000, 1, 0, 8_000_000, 90_000, 20, 30];
+        let (c, s, l, t) = (Kind::Codec, Kind::Small, Kind::LowRank, Kind::Tiled);
+        let small = [s, c, s, l, c, s, s, c, l, t, t];
         let b = buckets(&lens, &small, 4 << 20, 1 << 20);
         let mut seen: Vec<usize> = b.iter().flat_map(|(t, _)| t.clone()).collect();
         seen.sort();
@@ -573,7 +614,9 @@ mod tests {
             assert!(ts.iter().all(|&t| small[t] == *sm));
             assert!(ts.windows(2).all(|w| w[0] < w[1]));
         }
-        // The first bucket closes at 1 MiB; the 8 M-element tensor is alone.
+        // The first bucket closes at 1 MiB; the 8 M-element tensor is alone, and so is
+        // each tiled tensor, however small.
         assert!(b.iter().any(|(t, _)| t == &[7]));
+        assert!(b.iter().any(|(t, _)| t == &[9]) && b.iter().any(|(t, _)| t == &[10]));
     }
 }

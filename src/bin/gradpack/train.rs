@@ -42,6 +42,10 @@ pub(crate) struct TrainArgs {
     /// factors, biases in fp32; repeatable), with and without its error feedback.
     #[arg(long = "powersgd")]
     powersgd: Vec<usize>,
+    /// Send the weight matrices of `dct` runs in 2-D tiles (`chunk x chunk` squares of
+    /// each matrix) instead of tiles along the flat tensor.
+    #[arg(long)]
+    dct_2d: bool,
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
@@ -91,6 +95,7 @@ pub(crate) fn train(a: TrainArgs) -> Res<()> {
         seed: a.seed,
         strategy,
         powersgd: None,
+        dct_2d: a.dct_2d,
     };
     let runs = 1 + 2 * (specs.len() + a.powersgd.len());
     let bar = progress(runs as u64, a.json);
