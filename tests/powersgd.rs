@@ -567,3 +567,64 @@ fn a_bucket_saves_flags_per_matrix() -> Result<()> {
     assert_eq!(bucket_step(&mut b, &g, 6)?, bucket_step(&mut c, &g, 6)?);
     Ok(())
 }
+
+#[test]
+fn matrices_at_offsets_of_a_shared_buffer_give_the_same_bits_and_leave_the_rest() -> Result<()> {
+    // A framework's bucket: a bias, a matrix, another bias, a matrix, a tail. The bucket
+    // of the matrices at their offsets gives the bits of the contiguous bucket, in place
+    // or not, and never touches the other elements; so does a non-finite step.
+    let (a, b) = ((24usize, 20usize), (18usize, 30usize));
+    let (na, nb) = (a.0 * a.1, b.0 * b.1);
+    let shapes = [(a.0, a.1, 2), (b.0, b.1, 2)];
+    let placed = [(5, shapes[0]), (5 + na + 3, shapes[1])];
+    let len = 5 + na + 3 + nb + 7;
+    let settings = PowerSgd::rank(2);
+    let mut dense = PowerSgdBucket::new(settings, &shapes)?;
+    let mut spread = PowerSgdBucket::at_offsets(settings, &placed, len)?;
+    let mut in_place = PowerSgdBucket::at_offsets(settings, &placed, len)?;
+    assert_eq!((spread.len(), spread.p_len()), (len, dense.p_len()));
+    const SENTINEL: f32 = -7.25;
+    for step in 0..3u64 {
+        let g = gradpack::synthetic::gradient(na + nb, 70 + step);
+        let mut buf = vec![SENTINEL; len];
+        buf[5..5 + na].copy_from_slice(&g[..na]);
+        buf[5 + na + 3..5 + na + 3 + nb].copy_from_slice(&g[na..]);
+        let want = bucket_step(&mut dense, &g, 11)?;
+        let (mut p, mut q) = (vec![0f32; spread.p_len()], vec![0f32; spread.q_len()]);
+        let mut m = buf.clone();
+        let mut out = vec![SENTINEL; len];
+        spread.p_step(&mut m, 11, &mut p)?;
+        spread.q_step(&m, &mut p, &mut q)?;
+        assert!(spread.finish(&m, &p, &q, &mut out)?);
+        let mut m2 = buf.clone();
+        in_place.p_step(&mut m2, 11, &mut p)?;
+        in_place.q_step(&m2, &mut p, &mut q)?;
+        assert!(in_place.finish_in_place(&mut m2, &p, &q)?);
+        for got in [&out, &m2] {
+            assert_eq!(&got[5..5 + na], &want[..na], "step {step}");
+            assert_eq!(
+                &got[5 + na + 3..5 + na + 3 + nb],
+                &want[na..],
+                "step {step}"
+            );
+            let others = got[..5]
+                .iter()
+                .chain(&got[5 + na..5 + na + 3])
+                .chain(&got[len - 7..]);
+            assert!(others.copied().all(|v| v == SENTINEL), "step {step}");
+        }
+    }
+    let mut m = vec![SENTINEL; len];
+    m[5] = f32::INFINITY;
+    let (mut p, mut q) = (vec![0f32; spread.p_len()], vec![0f32; spread.q_len()]);
+    in_place.p_step(&mut m, 12, &mut p)?;
+    in_place.q_step(&m, &mut p, &mut q)?;
+    assert!(!in_place.finish_in_place(&mut m, &p, &q)?);
+    assert!(m[5..5 + na].iter().all(|v| v.is_nan()));
+    assert!(m[..5].iter().all(|&v| v == SENTINEL));
+    // Overlapping or out-of-range matrices are refused.
+    let overlap = [(0, shapes[0]), (na - 1, shapes[1])];
+    assert!(PowerSgdBucket::at_offsets(settings, &overlap, len).is_err());
+    assert!(PowerSgdBucket::at_offsets(settings, &placed, len - 8).is_err());
+    Ok(())
+}

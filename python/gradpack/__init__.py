@@ -414,14 +414,17 @@ class PowerSgdBucket:
     the caller runs (``gradpack.torch`` runs them over DDP's process group).
 
     ``shapes`` lists each matrix's ``(n, m, r)`` (see :func:`powersgd_matrix`); the
-    bucket's gradient is their row-major elements back to back. One step, on every rank
-    with the same ``seed``::
+    bucket's gradient is their row-major elements back to back, or, with ``offsets``
+    (one per matrix, ascending) and ``length``, a buffer of ``length`` elements holding
+    each matrix at its offset among other tensors, which the steps leave alone. One
+    step, on every rank with the same ``seed``::
 
         b.p_step(m, seed, p)        # m becomes grad + residual; p = M Q (this rank's)
         # all-reduce p, divide by the world size
         b.q_step(m, p, q)           # orthonormalise p in place; q = M^T P
         # all-reduce q, divide by the world size
         ok = b.finish(m, p, q, out) # out = P Q^T; residual = M - out; Q kept
+                                    # (out=None: the result replaces M in m)
 
     Every rank gets the same ``out`` to the bit when the all-reduces give every rank the
     same bits. ``warm_start`` reuses each matrix's last ``Q``; ``feedback`` keeps what was
@@ -441,9 +444,17 @@ class PowerSgdBucket:
         warm_start: bool = True,
         feedback: bool = True,
         min_compression: float = 2.0,
+        offsets: Optional[Any] = None,
+        length: Optional[int] = None,
     ) -> None:
         self._b = _native.PowerSgdBucket(
-            [tuple(int(v) for v in s) for s in shapes], rank, warm_start, feedback, min_compression
+            [tuple(int(v) for v in s) for s in shapes],
+            rank,
+            warm_start,
+            feedback,
+            min_compression,
+            None if offsets is None else [int(o) for o in offsets],
+            None if length is None else int(length),
         )
 
     def __len__(self) -> int:
@@ -468,10 +479,15 @@ class PowerSgdBucket:
         ``M^T P``."""
         self._b.q_step(_f32(m, "m"), _f32(p, "p"), _f32(q, "q"))
 
-    def finish(self, m: ArrayLike, p: ArrayLike, q: ArrayLike, out: ArrayLike) -> bool:
-        """Step 3: ``q`` is the mean over ranks; ``out`` gets ``P Q^T``. ``False`` (and
-        ``out`` all NaN) if the factors were not finite."""
-        return self._b.finish(_f32(m, "m"), _f32(p, "p"), _f32(q, "q"), _f32(out, "out"))
+    def finish(
+        self, m: ArrayLike, p: ArrayLike, q: ArrayLike, out: Optional[ArrayLike] = None
+    ) -> bool:
+        """Step 3: ``q`` is the mean over ranks; ``out`` (or ``m`` itself when ``out``
+        is ``None``) gets ``P Q^T`` in the matrices' places. ``False`` (and the result all
+        NaN) if the factors were not finite."""
+        return self._b.finish(
+            _f32(m, "m"), _f32(p, "p"), _f32(q, "q"), None if out is None else _f32(out, "out")
+        )
 
     def matrix_state(self, i: int) -> Tuple[Optional[np.ndarray], np.ndarray]:
         """Matrix ``i``'s warm-start ``Q`` (``m r`` float32, or ``None`` if it has none

@@ -518,13 +518,18 @@ class GradpackState:
         return out
 
     def _lr_bucket(
-        self, names: Tuple[str, ...], shapes: List[Tuple[int, int, int]]
+        self,
+        names: Tuple[str, ...],
+        shapes: List[Tuple[int, int, int]],
+        offsets: List[int],
+        length: int,
     ) -> "gradpack.PowerSgdBucket":
-        """The PowerSGD state of the matrices ``names``; made on first use, with each
-        matrix's state taken from where it was (a checkpoint, or the bucket DDP had it
-        in before it regrouped its buckets)."""
+        """The PowerSGD state of the matrices ``names`` at ``offsets`` of a bucket of
+        ``length`` elements; made on first use, with each matrix's state taken from where
+        it was (a checkpoint, or the bucket DDP had it in before it regrouped its
+        buckets)."""
         b = self._lr.get(names)
-        if b is not None:
+        if b is not None and len(b) == length:
             return b
         ps = self._ps
         assert ps is not None
@@ -534,12 +539,14 @@ class GradpackState:
             warm_start=ps["warm_start"],
             feedback=ps["feedback"],
             min_compression=ps["min_compression"],
+            offsets=offsets,
+            length=length,
         )
         left = set()
         for i, name in enumerate(names):
             saved = self._lr_restored.pop(name, None)
             old = self._lr_owner.get(name)
-            if saved is None and old is not None:
+            if saved is None and old is not None and old in self._lr:
                 saved = self._lr[old].matrix_state(old.index(name))
                 left.add(old)
             if saved is not None:
@@ -568,55 +575,42 @@ class GradpackState:
         ``P`` travel in one float32 all-reduce with the bucket's float32 tensors, their
         ``Q`` in a second, and the tensors of other codecs by the all-gather."""
         x = flat.numpy()
-        starts = np.cumsum([0] + [e[1] for e in layout])
+        starts = [int(v) for v in np.cumsum([0] + [e[1] for e in layout])]
         lr_pos = [i for i, _ in low_rank]
         names = tuple(layout[i][0] for i in lr_pos)
-        b = self._lr_bucket(names, [mat for _, mat in low_rank])
+        # The matrices stay in the bucket: the steps read and write them in place.
+        b = self._lr_bucket(
+            names, [mat for _, mat in low_rank], [starts[i] for i in lr_pos], len(x)
+        )
         plain = [
             i for i, c in enumerate(codecs) if i not in lr_pos and c == _IDENTITY
         ]
         plain_n = sum(layout[i][1] for i in plain)
-        n_lr = len(b)
-        m, out, pq = self._buffer(
-            ("powersgd", index, n_lr, b.p_len, b.q_len, plain_n),
-            lambda: (
-                np.empty(n_lr, dtype=np.float32),
-                np.empty(n_lr, dtype=np.float32),
-                (torch.empty(b.p_len + plain_n), torch.empty(b.q_len)),
-            ),
+        first, second = self._buffer(
+            ("powersgd", index, b.p_len, b.q_len, plain_n),
+            lambda: (torch.empty(b.p_len + plain_n), torch.empty(b.q_len)),
         )
-        first, second = pq
-        at = 0
-        for i in lr_pos:  # the matrices, back to back
-            s, k = int(starts[i]), layout[i][1]
-            m[at : at + k] = x[s : s + k]
-            at += k
         f = first.numpy()
         sm = _native.splitmix64
         seed = sm(self.seed ^ sm(step & _MASK) ^ sm(zlib.crc32("\0".join(names).encode())))
-        b.p_step(m, seed, f[: b.p_len])
+        b.p_step(x, seed, f[: b.p_len])
         at = b.p_len
         for i in plain:
-            s, k = int(starts[i]), layout[i][1]
+            s, k = starts[i], layout[i][1]
             f[at : at + k] = x[s : s + k]
             at += k
         dist.all_reduce(first, group=self.process_group)
         first.div_(world)
         at = b.p_len
         for i in plain:
-            s, k = int(starts[i]), layout[i][1]
+            s, k = starts[i], layout[i][1]
             x[s : s + k] = f[at : at + k]
             at += k
         q = second.numpy()
-        b.q_step(m, f[: b.p_len], q)
+        b.q_step(x, f[: b.p_len], q)
         dist.all_reduce(second, group=self.process_group)
         second.div_(world)
-        b.finish(m, f[: b.p_len], q, out)
-        at = 0
-        for i in lr_pos:
-            s, k = int(starts[i]), layout[i][1]
-            x[s : s + k] = out[at : at + k]
-            at += k
+        b.finish(x, f[: b.p_len], q)
         rest = [
             None if i in lr_pos or c == _IDENTITY else c for i, c in enumerate(codecs)
         ]

@@ -665,17 +665,32 @@ type MatrixState<'py> = (Option<Bound<'py, PyArray1<f32>>>, Bound<'py, PyArray1<
 #[pymethods]
 impl PyPowerSgd {
     #[new]
-    #[pyo3(signature = (shapes, rank=2, warm_start=true, feedback=true, min_compression=2.0))]
+    #[pyo3(signature = (shapes, rank=2, warm_start=true, feedback=true, min_compression=2.0, offsets=None, length=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         shapes: Vec<(usize, usize, usize)>,
         rank: usize,
         warm_start: bool,
         feedback: bool,
         min_compression: f64,
+        offsets: Option<Vec<usize>>,
+        length: Option<usize>,
     ) -> PyResult<Self> {
         let s = settings(rank, warm_start, feedback, min_compression);
+        let inner = match (offsets, length) {
+            (None, None) => PowerSgdBucket::new(s, &shapes),
+            (Some(at), Some(len)) if at.len() == shapes.len() => {
+                let placed: Vec<_> = at.into_iter().zip(shapes).collect();
+                PowerSgdBucket::at_offsets(s, &placed, len)
+            }
+            _ => {
+                return Err(PyValueError::new_err(
+                    "give both offsets (one per matrix) and length, or neither",
+                ));
+            }
+        };
         Ok(PyPowerSgd {
-            inner: PowerSgdBucket::new(s, &shapes).map_err(err)?,
+            inner: inner.map_err(err)?,
         })
     }
 
@@ -728,22 +743,34 @@ impl PyPowerSgd {
         py.detach(|| b.q_step(ms, ps, qs)).map_err(err)
     }
 
-    /// Step 3: `q` is the mean over ranks; `out` gets P Q^T, the residuals and the warm
-    /// start are kept. False (and `out` all NaN) if the factors were not finite.
+    /// Step 3: `q` is the mean over ranks; `out` (or `m` itself when `out` is None)
+    /// gets P Q^T, the residuals and the warm start are kept. False (and the result all
+    /// NaN) if the factors were not finite.
+    #[pyo3(signature = (m, p, q, out=None))]
     fn finish(
         &mut self,
         py: Python<'_>,
         m: &Bound<'_, PyAny>,
         p: &Bound<'_, PyAny>,
         q: &Bound<'_, PyAny>,
-        out: &Bound<'_, PyAny>,
+        out: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let (ma, pa, qa) = (f32_in(m, "m")?, f32_in(p, "p")?, f32_in(q, "q")?);
-        let mut oa = f32_out(out, "out")?;
-        let (ms, ps, qs) = (slice_in(&ma)?, slice_in(&pa)?, slice_in(&qa)?);
-        let os = slice_out(&mut oa)?;
+        let (pa, qa) = (f32_in(p, "p")?, f32_in(q, "q")?);
+        let (ps, qs) = (slice_in(&pa)?, slice_in(&qa)?);
         let b = &mut self.inner;
-        py.detach(|| b.finish(ms, ps, qs, os)).map_err(err)
+        match out {
+            Some(out) => {
+                let ma = f32_in(m, "m")?;
+                let mut oa = f32_out(out, "out")?;
+                let (ms, os) = (slice_in(&ma)?, slice_out(&mut oa)?);
+                py.detach(|| b.finish(ms, ps, qs, os)).map_err(err)
+            }
+            None => {
+                let mut ma = f32_out(m, "m")?;
+                let ms = slice_out(&mut ma)?;
+                py.detach(|| b.finish_in_place(ms, ps, qs)).map_err(err)
+            }
+        }
     }
 
     /// Matrix `i`'s state: (its warm-start Q as float32, or None; its residual).

@@ -342,3 +342,30 @@ def test_powersgd_bucket_two_ranks_agree_and_project_onto_the_mean():
     assert gradpack.powersgd_matrix((64, 3, 3, 3), 4) == (64, 27, 4)
     assert gradpack.powersgd_matrix((256,), 2) is None
     assert gradpack.powersgd_matrix((10, 10), 4) is None
+
+
+def test_powersgd_bucket_at_offsets_works_in_place_and_leaves_other_tensors():
+    # The matrices inside a larger buffer (as in a DDP bucket, between biases): the same
+    # result as the back-to-back bucket, written over the buffer, the rest untouched.
+    shapes = [(30, 20, 2), (12, 25, 2)]
+    na, nb = 600, 300
+    g = np.random.default_rng(1).standard_normal(na + nb).astype(np.float32)
+    dense = gradpack.PowerSgdBucket(shapes)
+    m = g.copy()
+    p, q, out = np.zeros(dense.p_len, np.float32), np.zeros(dense.q_len, np.float32), np.zeros(na + nb, np.float32)
+    dense.p_step(m, 3, p)
+    dense.q_step(m, p, q)
+    assert dense.finish(m, p, q, out)
+    buf = np.full(4 + na + 2 + nb + 5, -1.5, np.float32)
+    buf[4 : 4 + na], buf[6 + na : 6 + na + nb] = g[:na], g[na:]
+    spread = gradpack.PowerSgdBucket(shapes, offsets=[4, 6 + na], length=buf.size)
+    assert len(spread) == buf.size
+    spread.p_step(buf, 3, p)
+    spread.q_step(buf, p, q)
+    assert spread.finish(buf, p, q)
+    assert np.array_equal(buf[4 : 4 + na], out[:na]) and np.array_equal(buf[6 + na : 6 + na + nb], out[na:])
+    assert (buf[:4] == -1.5).all() and (buf[4 + na : 6 + na] == -1.5).all() and (buf[-5:] == -1.5).all()
+    with pytest.raises(ValueError, match="offsets"):
+        gradpack.PowerSgdBucket(shapes, offsets=[4])
+    with pytest.raises(gradpack.Error, match="overlaps"):
+        gradpack.PowerSgdBucket(shapes, offsets=[0, 10], length=buf.size)

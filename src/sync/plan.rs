@@ -603,7 +603,9 @@ mod tests {
 
     #[test]
     fn buckets_tile_the_tensors_in_ready_order() {
-        let lens = [10, 300_000, 5, 600_000, 700_000, 1, 0, 8_000_000, 90_000, 20, 30];
+        let lens = [
+            10, 300_000, 5, 600_000, 700_000, 1, 0, 8_000_000, 90_000, 20, 30,
+        ];
         let (c, s, l, t) = (Kind::Codec, Kind::Small, Kind::LowRank, Kind::Tiled);
         let small = [s, c, s, l, c, s, s, c, l, t, t];
         let b = buckets(&lens, &small, 4 << 20, 1 << 20);

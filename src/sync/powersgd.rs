@@ -123,7 +123,9 @@ impl PowerSgd {
 /// One matrix of a low-rank bucket: where it and its factors sit.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Mat {
-    /// Offset in the bucket.
+    /// Offset in the caller's buffer.
+    at: usize,
+    /// Offset in the residual.
     off: usize,
     n: usize,
     m: usize,
@@ -135,7 +137,12 @@ struct Mat {
 }
 
 impl Mat {
+    /// Its elements in the caller's buffer.
     fn elems(&self) -> core::ops::Range<usize> {
+        self.at..self.at + self.n * self.m
+    }
+    /// Its elements in the residual.
+    fn res(&self) -> core::ops::Range<usize> {
         self.off..self.off + self.n * self.m
     }
     fn p(&self) -> core::ops::Range<usize> {
@@ -188,13 +195,16 @@ enum Phase {
 pub struct PowerSgdBucket {
     opts: PowerSgd,
     mats: Vec<Mat>,
+    /// Elements of the caller's buffer.
+    len: usize,
     /// The warm-start `Q` of each matrix, valid where `q_ready`.
     q: Vec<f32>,
     q_ready: Vec<bool>,
     /// `e`, one per bucket element (empty without feedback).
     residual: Vec<f32>,
-    /// Scratch: a transposed `Q` of the widest matrix.
+    /// Scratch: a transposed `Q` of the widest matrix, and one row of it.
     qt: Vec<f32>,
+    row: Vec<f32>,
     phase: Phase,
 }
 
@@ -234,16 +244,38 @@ fn check_len(what: &'static str, got: usize, want: usize) -> Result<()> {
 
 impl PowerSgdBucket {
     /// The state of a bucket of matrices `(n, m, r)` (rows, columns, rank; in bucket
-    /// order), as [`PowerSgd::matrix_of`] gives them. An error if the settings are not
-    /// usable, a rank is 0 or above `min(n, m)` or [`PowerSgd::rank`], or the buffers
-    /// cannot be allocated.
+    /// order), as [`PowerSgd::matrix_of`] gives them, back to back in the bucket. An
+    /// error if the settings are not usable, a rank is 0 or above `min(n, m)` or
+    /// [`PowerSgd::rank`], or the buffers cannot be allocated.
     pub fn new(settings: PowerSgd, shapes: &[(usize, usize, usize)]) -> Result<PowerSgdBucket> {
+        let mut placed = Vec::with_capacity(shapes.len());
+        let mut at = 0usize;
+        for &(n, m, r) in shapes {
+            placed.push((at, (n, m, r)));
+            at = n
+                .checked_mul(m)
+                .and_then(|k| at.checked_add(k))
+                .ok_or_else(|| Error::Collective("a low-rank bucket's size overflows".into()))?;
+        }
+        PowerSgdBucket::at_offsets(settings, &placed, at)
+    }
+
+    /// As [`PowerSgdBucket::new`], for matrices that sit at offsets (in ascending
+    /// order, not overlapping) in a buffer of `len` elements that holds other tensors
+    /// too, as a framework's gradient bucket holds biases between its weights. The
+    /// steps then take that whole buffer and touch only the matrices' elements.
+    pub fn at_offsets(
+        settings: PowerSgd,
+        matrices: &[(usize, (usize, usize, usize))],
+        len: usize,
+    ) -> Result<PowerSgdBucket> {
         settings.check()?;
         let too_big = || Error::Collective("a low-rank bucket's size overflows".into());
-        let (_, q_len) = factor_lens(shapes).ok_or_else(too_big)?;
+        let shapes: Vec<(usize, usize, usize)> = matrices.iter().map(|&(_, s)| s).collect();
+        let (_, q_len) = factor_lens(&shapes).ok_or_else(too_big)?;
         let mut mats = Vec::with_capacity(shapes.len());
-        let (mut off, mut p_off, mut q_off, mut widest) = (0usize, 0usize, 0usize, 0usize);
-        for &(n, m, r) in shapes {
+        let (mut off, mut p_off, mut q_off, mut widest, mut end) = (0usize, 0, 0, 0usize, 0);
+        for &(at, (n, m, r)) in matrices {
             if r == 0 || r > n.min(m) || r > settings.rank {
                 return Err(Error::Collective(format!(
                     "PowerSGD matrix {n} x {m} at rank {r}: the rank must be 1 to min({n}, {m}) \
@@ -251,7 +283,18 @@ impl PowerSgdBucket {
                     settings.rank
                 )));
             }
+            let stop = n.checked_mul(m).and_then(|k| at.checked_add(k));
+            match stop {
+                Some(stop) if at >= end && stop <= len => end = stop,
+                _ => {
+                    return Err(Error::Collective(format!(
+                        "PowerSGD matrix {n} x {m} at offset {at} overlaps the one before or \
+                         ends past the buffer's {len} elements"
+                    )));
+                }
+            }
             mats.push(Mat {
+                at,
                 off,
                 n,
                 m,
@@ -265,6 +308,7 @@ impl PowerSgdBucket {
             widest = widest.max(m * r);
         }
         let buf = |n: usize, what| crate::alloc::filled(n, 0f32, what);
+        let row = mats.iter().map(|a| a.m).max().unwrap_or(0);
         Ok(PowerSgdBucket {
             opts: settings,
             q: buf(q_len, "PowerSGD's Q")?,
@@ -274,6 +318,8 @@ impl PowerSgdBucket {
                 "PowerSGD's residual",
             )?,
             qt: buf(widest, "PowerSGD's Q")?,
+            row: buf(row, "PowerSGD's row")?,
+            len,
             mats,
             phase: Phase::Idle,
         })
@@ -284,9 +330,10 @@ impl PowerSgdBucket {
         &self.opts
     }
 
-    /// Elements of the bucket: the sum of `n m` over its matrices.
+    /// Elements of the buffer the steps take: the sum of `n m` over the matrices, or
+    /// the `len` given to [`PowerSgdBucket::at_offsets`].
     pub fn len(&self) -> usize {
-        self.mats.last().map_or(0, |m| m.off + m.n * m.m)
+        self.len
     }
 
     /// True for a bucket of no matrix.
@@ -328,12 +375,13 @@ impl PowerSgdBucket {
         )?;
         check_len("PowerSGD P buffer and P length", p.len(), self.p_len())?;
         self.phase = Phase::Idle;
-        if self.opts.feedback {
-            grad.iter_mut()
-                .zip(&self.residual)
-                .for_each(|(x, e)| *x += *e);
-        }
         for (i, a) in self.mats.iter().enumerate() {
+            if self.opts.feedback {
+                grad[a.elems()]
+                    .iter_mut()
+                    .zip(&self.residual[a.res()])
+                    .for_each(|(x, e)| *x += *e);
+            }
             if !self.q_ready[i] || !self.opts.warm_start {
                 draw_q(&mut self.q[a.q()], matrix_seed(seed, i));
             }
@@ -371,36 +419,62 @@ impl PowerSgdBucket {
     /// on some rank): then `out` is all NaN, so a loss scaler sees it, the residuals keep
     /// their values from before the step and the next step draws a fresh `Q`.
     pub fn finish(&mut self, m: &[f32], p: &[f32], q: &[f32], out: &mut [f32]) -> Result<bool> {
-        self.expect(Phase::Q, "finish", "q_step")?;
         check_len("PowerSGD M and bucket length", m.len(), self.len())?;
         check_len("PowerSGD output and bucket length", out.len(), self.len())?;
+        if !self.finish_begins(p, q)? {
+            self.mats.iter().for_each(|a| out[a.elems()].fill(f32::NAN));
+            return Ok(false);
+        }
+        for a in &self.mats {
+            let qt = transpose(&q[a.q()], a.m, a.r, &mut self.qt);
+            let (x, y) = (&m[a.elems()], &mut out[a.elems()]);
+            for (i, row) in y.chunks_exact_mut(a.m).enumerate() {
+                product_row(&p[a.p()][i * a.r..(i + 1) * a.r], qt, row);
+                // The new residual M - P Q^T while the row is in cache.
+                if self.opts.feedback {
+                    let e = &mut self.residual[a.res()][i * a.m..(i + 1) * a.m];
+                    subtract(&x[i * a.m..(i + 1) * a.m], row, e);
+                }
+            }
+        }
+        self.q.copy_from_slice(q);
+        Ok(true)
+    }
+
+    /// [`PowerSgdBucket::finish`] with the result written over `m` (the matrices'
+    /// elements only), for a caller that reduces its gradient buffer in place.
+    pub fn finish_in_place(&mut self, m: &mut [f32], p: &[f32], q: &[f32]) -> Result<bool> {
+        check_len("PowerSGD M and bucket length", m.len(), self.len())?;
+        if !self.finish_begins(p, q)? {
+            self.mats.iter().for_each(|a| m[a.elems()].fill(f32::NAN));
+            return Ok(false);
+        }
+        for a in &self.mats {
+            let qt = transpose(&q[a.q()], a.m, a.r, &mut self.qt);
+            let row = &mut self.row[..a.m];
+            for (i, x) in m[a.elems()].chunks_exact_mut(a.m).enumerate() {
+                product_row(&p[a.p()][i * a.r..(i + 1) * a.r], qt, row);
+                if self.opts.feedback {
+                    subtract(x, row, &mut self.residual[a.res()][i * a.m..(i + 1) * a.m]);
+                }
+                x.copy_from_slice(row);
+            }
+        }
+        self.q.copy_from_slice(q);
+        Ok(true)
+    }
+
+    /// The checks of step 3, and whether the factors are finite. When they are not,
+    /// every matrix draws a fresh `Q` at the next step (the residuals stay). Either way,
+    /// every `Q` is set once the caller has written the result and copied `q`.
+    fn finish_begins(&mut self, p: &[f32], q: &[f32]) -> Result<bool> {
+        self.expect(Phase::Q, "finish", "q_step")?;
         check_len("PowerSGD P buffer and P length", p.len(), self.p_len())?;
         check_len("PowerSGD Q buffer and Q length", q.len(), self.q_len())?;
         self.phase = Phase::Idle;
         let finite = p.iter().chain(q).all(|v| v.is_finite());
-        if !finite {
-            out.fill(f32::NAN);
-            self.q_ready.fill(false);
-            return Ok(false);
-        }
-        for a in &self.mats {
-            // The new residual M - P Q^T, row by row while the row is in cache.
-            let residual = self
-                .opts
-                .feedback
-                .then(|| (&m[a.elems()], &mut self.residual[a.elems()]));
-            reconstruct(
-                &p[a.p()],
-                &q[a.q()],
-                (a.n, a.m, a.r),
-                &mut self.qt,
-                &mut out[a.elems()],
-                residual,
-            );
-        }
-        self.q.copy_from_slice(q);
-        self.q_ready.fill(true);
-        Ok(true)
+        self.q_ready.fill(finite);
+        Ok(finite)
     }
 
     /// Zero the residuals and draw a fresh `Q` at the next step.
@@ -416,7 +490,7 @@ impl PowerSgdBucket {
         let a = self.mat(i)?;
         let q = self.q_ready[i].then(|| &self.q[a.q()]);
         let e = if self.opts.feedback {
-            &self.residual[a.elems()]
+            &self.residual[a.res()]
         } else {
             &[][..]
         };
@@ -439,7 +513,7 @@ impl PowerSgdBucket {
             self.q[a.q()].copy_from_slice(q);
         }
         if self.opts.feedback {
-            self.residual[a.elems()].copy_from_slice(residual);
+            self.residual[a.res()].copy_from_slice(residual);
         }
         self.q_ready[i] = q.is_some();
         self.phase = Phase::Idle;
@@ -679,39 +753,38 @@ pub(crate) fn orthonormalise(p: &mut [f32], n: usize, r: usize) {
     }
 }
 
-/// `out = P Q^T` (`n x m`) from the row-major `P` (`n x r`) and `Q` (`m x r`): element
-/// `(a, b)` is `((P[a,0] Q[b,0] + P[a,1] Q[b,1]) + ...)` in f32, in that order and with
-/// no fused multiply-add, so the same on every CPU. `qt` is scratch of at least `m r`.
-/// With `residual = (M, e)`, also `e = M - out`, each row as it is made.
-pub(crate) fn reconstruct(
-    p: &[f32],
-    q: &[f32],
-    (n, m, r): (usize, usize, usize),
-    qt: &mut [f32],
-    out: &mut [f32],
-    mut residual: Option<(&[f32], &mut [f32])>,
-) {
+/// `Q` (`m x r`, row-major) transposed into `qt` (at least `m r`): the `r` columns of
+/// `Q`, each `m` long, back to back.
+fn transpose<'a>(q: &[f32], m: usize, r: usize, qt: &'a mut [f32]) -> &'a [f32] {
     let qt = &mut qt[..m * r];
     for b in 0..m {
         for k in 0..r {
             qt[k * m + b] = q[b * r + k];
         }
     }
-    for (a, row) in out.chunks_exact_mut(m.max(1)).take(n).enumerate() {
-        let pa = &p[a * r..a * r + r];
-        let q0 = &qt[..m];
-        row.iter_mut().zip(q0).for_each(|(o, &q)| *o = pa[0] * q);
-        for k in 1..r {
-            let qk = &qt[k * m..(k + 1) * m];
-            row.iter_mut().zip(qk).for_each(|(o, &q)| *o += pa[k] * q);
-        }
-        if let Some((x, e)) = residual.as_mut() {
-            let (xr, er) = (&x[a * m..(a + 1) * m], &mut e[a * m..(a + 1) * m]);
-            er.iter_mut()
-                .zip(xr.iter().zip(row.iter()))
-                .for_each(|(e, (&x, &y))| *e = x - y);
-        }
+    qt
+}
+
+/// One row of `P Q^T`: `row[b] = ((pa[0] Q[b,0] + pa[1] Q[b,1]) + ...)` in f32, in that
+/// order and with no fused multiply-add, so the same on every CPU; `qt` is
+/// [`transpose`]'s `Q^T`.
+fn product_row(pa: &[f32], qt: &[f32], row: &mut [f32]) {
+    let m = row.len();
+    row.iter_mut()
+        .zip(&qt[..m])
+        .for_each(|(o, &q)| *o = pa[0] * q);
+    for (k, &pk) in pa.iter().enumerate().skip(1) {
+        row.iter_mut()
+            .zip(&qt[k * m..(k + 1) * m])
+            .for_each(|(o, &q)| *o += pk * q);
     }
+}
+
+/// `e = x - y`, element by element.
+fn subtract(x: &[f32], y: &[f32], e: &mut [f32]) {
+    e.iter_mut()
+        .zip(x.iter().zip(y))
+        .for_each(|(e, (&x, &y))| *e = x - y);
 }
 
 #[cfg(test)]
@@ -869,8 +942,11 @@ mod tests {
         let p: Vec<f32> = (0..n * r).map(|i| i as f32 * 0.5 - 1.0).collect();
         let q: Vec<f32> = (0..m * r).map(|i| 2.0 - i as f32 * 0.25).collect();
         let mut qt = vec![0f32; m * r];
+        let qt = transpose(&q, m, r, &mut qt);
         let mut out = vec![f32::NAN; n * m];
-        reconstruct(&p, &q, (n, m, r), &mut qt, &mut out, None);
+        for (a, row) in out.chunks_exact_mut(m).enumerate() {
+            product_row(&p[a * r..(a + 1) * r], qt, row);
+        }
         for a in 0..n {
             for b in 0..m {
                 let want = p[a * r] * q[b * r] + p[a * r + 1] * q[b * r + 1];
