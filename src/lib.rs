@@ -23,7 +23,8 @@
 //!
 //! Beside the codecs, the sync engine sends matrices as PowerSGD factors
 //! ([`sync::PowerSgd`], Vogels et al. 2019): two thin all-reduces instead of one of the
-//! whole matrix.
+//! whole matrix ([`sync::PowerSgdBucket`] for a caller that runs the all-reduces itself),
+//! and can give each matrix 2-D `dct` tiles ([`sync::Policy::dct_2d`]).
 //!
 //! ```
 //! use gradpack::{Codec, CodecSpec, EncodeCtx};

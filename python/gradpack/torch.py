@@ -125,6 +125,11 @@ class GradpackState:
             ``min_compression`` (2.0) and ``start_step`` (0: plain float32 steps
             before PowerSGD starts). The other tensors go with ``codec``, which then
             defaults to ``"identity"`` (float32, as PyTorch's PowerSGD hook sends them).
+        dct_2d: with a ``dct`` codec of ``width=0``, send each parameter of two or more
+            dimensions in ``chunk x chunk`` tiles of its matrix (``shape[0]`` rows of the
+            other dimensions' product), as DeMo does, instead of tiles along the flat
+            tensor. A tile then holds ``chunk**2`` coefficients: ``dct:chunk=8,k=4``
+            in 2-D sends about what ``dct:chunk=64,k=4`` sends in 1-D.
 
     Making a state with ``codec="auto"`` runs one all-reduce on the group (to average
     the measured speeds), so every rank must make it at the same point.
@@ -145,10 +150,13 @@ class GradpackState:
         calibrate_elements: int = 1 << 20,
         model: Optional[torch.nn.Module] = None,
         powersgd: Union[None, int, Dict[str, Any]] = None,
+        dct_2d: bool = False,
     ) -> None:
         if codec is None:
             codec = "identity" if powersgd is not None else "int8"
         self._ps = _powersgd_settings(powersgd)
+        self.dct_2d = bool(dct_2d)
+        self._tiled: Dict[Tuple[str, int], Codec] = {}
         if self._ps is not None and strategy != "allgather":
             raise ValueError("powersgd needs strategy='allgather' (the default)")
         if strategy not in ("allgather", "ring"):
@@ -255,11 +263,30 @@ class GradpackState:
             p, self.strategy, world, self.bandwidth, elements, self.latency
         )
 
-    def codec_for(self, elements: int, ndim: int = 2) -> Codec:
-        """The codec a parameter of ``elements`` elements and ``ndim`` dimensions is
-        sent with."""
+    def codec_for(
+        self, elements: int, ndim: int = 2, shape: Optional[Tuple[int, ...]] = None
+    ) -> Codec:
+        """The codec a parameter of ``elements`` elements and ``ndim`` dimensions (and
+        ``shape``, for ``dct_2d``) is sent with."""
         if elements < self.min_compress_elements or ndim <= 1:
             return _IDENTITY
+        c = self._codec_for(elements)
+        if self.dct_2d and shape is not None and len(shape) >= 2 and c.name == "dct":
+            return self._tiled_codec(c, elements // max(shape[0], 1))
+        return c
+
+    def _tiled_codec(self, c: Codec, width: int) -> Codec:
+        """``c`` (a ``dct`` spec) with rows of ``width``, unless it has a width."""
+        key = (c.spec, width)
+        t = self._tiled.get(key)
+        if t is None:
+            t = c
+            if c.spec.endswith(",width=0") and 2 <= width < (1 << 32):
+                t = Codec(c.spec[: -len("0")] + str(width))
+            self._tiled[key] = t
+        return t
+
+    def _codec_for(self, elements: int) -> Codec:
         if not self._auto:
             assert self.codec is not None
             return self.codec
@@ -424,7 +451,7 @@ class GradpackState:
         world = self._world()
         if sum(e[1] for e in layout) != n:  # not seen on CPU; one tensor then
             layout = [(f"bucket:{index}", n, 2, index, (n,))]
-        codecs = [self.codec_for(m, d) for _, m, d, _, _ in layout]
+        codecs = [self.codec_for(m, d, shape) for _, m, d, _, shape in layout]
         low_rank = self._low_rank_of(layout, step)
         if world == 1:
             pass

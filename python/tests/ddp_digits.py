@@ -35,6 +35,9 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     # codec (dct signs with error feedback), in the same buckets as the factors.
     "powersgd-dct": {"powersgd": {"rank": 2, "min_compression": 6.0},
                      "codec": "dct:k=4,values=sign", "error_feedback": True},
+    # 8 x 8 tiles of each weight matrix (DeMo), signs with one scale, error feedback.
+    "dct2d-ef": {"codec": "dct:chunk=8,k=4,values=sign,scale=frame", "dct_2d": True,
+                 "error_feedback": True},
 }
 
 
@@ -72,6 +75,7 @@ def make(cfg: Dict[str, Any], seed: int, init: int = -1):
         state = gpt.GradpackState(
             codec=cfg.get("codec"),
             powersgd=cfg.get("powersgd"),
+            dct_2d=cfg.get("dct_2d", False),
             error_feedback=cfg.get("error_feedback"),
             strategy=cfg.get("strategy", "allgather"),
             min_compress_elements=1024,

@@ -6,7 +6,9 @@ The accuracy margin: over seeds 0, 1, 2 the float32 run's test accuracy spread o
 about 0.7 points, so the mean over 3 seeds of a hook that trains as well as float32
 differs from float32's mean by about 0.6 points (one standard deviation). The test asks
 for a mean within 2 points (over 3 standard deviations); the measured gaps were 0.1 (fp16)
-and -0.2 points (int8), and top-k 1% with error feedback was 1.8 points above.
+and -0.2 points (int8), and top-k 1% with error feedback was 1.8 points above. PowerSGD
+rank 2 was 0.1 below (94.2% against 94.3%), PowerSGD with dct signs on the output layer
+1.4 above, and dct signs in 8 x 8 tiles with error feedback 1.1 above.
 """
 
 import os
@@ -25,7 +27,7 @@ import ddp_digits  # noqa: E402
 import gradpack.torch as gpt  # noqa: E402
 
 SEEDS = [0, 1, 2]
-TRAINED = ["fp16", "int8", "topk-ef", "powersgd2", "powersgd-dct"]
+TRAINED = ["fp16", "int8", "topk-ef", "powersgd2", "powersgd-dct", "dct2d-ef"]
 MARGIN = 0.02
 
 
@@ -96,6 +98,14 @@ def test_state_validation():
         other.load_state_dict(saved)
     with pytest.raises(ValueError, match="format"):
         st.load_state_dict({"step": 1})
+    # 2-D dct: a matrix's rows set the width; vectors and given widths stay.
+    d2 = gpt.GradpackState(codec="dct:chunk=8,k=4", dct_2d=True)
+    assert d2.codec_for(256 * 64, 2, (256, 64)).spec.endswith(",width=64")
+    assert d2.codec_for(256 * 144, 4, (256, 16, 3, 3)).spec.endswith(",width=144")
+    assert d2.codec_for(1 << 20, 1, (1 << 20,)) == gpt.Codec("identity")
+    assert gpt.GradpackState(codec="dct:chunk=8,k=4,width=5", dct_2d=True).codec_for(
+        256 * 64, 2, (256, 64)
+    ).spec.endswith(",width=5")
     # PowerSGD: the rest goes as float32 unless told; bad settings are clear errors.
     ps = gpt.GradpackState(powersgd=2, seed=3)
     assert ps.codec == gpt.Codec("identity")

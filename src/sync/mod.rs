@@ -54,7 +54,13 @@
 //! every `Q = M^T P`, so small matrices share their latency. Error feedback and the
 //! warm-start `Q` are the engine's state, saved and restored with it. Every rank computes
 //! the same result bit for bit on any CPU: what depends on the CPU (the products) only
-//! ever feeds an all-reduce.
+//! ever feeds an all-reduce. A framework that runs its own collectives uses the same
+//! arithmetic through [`PowerSgdBucket`].
+//!
+//! ## 2-D `dct`
+//! With [`Policy::dct_2d`] and a fixed `dct` codec of `width=0`, each matrix goes in a
+//! bucket of its own whose codec has the matrix's row length as `width`, so the DCT
+//! runs in `chunk x chunk` tiles of the matrix (DeMo's chunking along every dimension).
 //!
 //! ## State
 //! [`SyncEngine::save`] writes the step counter, the plan and every residual to one
