@@ -100,23 +100,68 @@ pub(super) fn forward_impl(
     y: &mut [f32],
     out: &mut [f32],
 ) {
+    // Full tiles of the usual chunks run with the accumulators in fixed arrays
+    // (registers): the same sums in the same order as the general loops.
+    match w {
+        64 => forward_fixed::<64>(x, stride, h, y, out),
+        32 => forward_fixed::<32>(x, stride, h, y, out),
+        16 => forward_fixed::<16>(x, stride, h, y, out),
+        8 => forward_fixed::<8>(x, stride, h, y, out),
+        _ => forward_any(x, stride, h, w, y, out),
+    }
+}
+
+/// [`forward_impl`] for tiles `W` wide.
+#[inline(always)]
+fn forward_fixed<const W: usize>(
+    x: &[f32],
+    stride: usize,
+    h: usize,
+    y: &mut [f32],
+    out: &mut [f32],
+) {
+    let bw = &tables(W).t;
+    let y = &mut y[..h * W];
+    for (i, yr) in y.chunks_exact_mut(W).enumerate() {
+        let xr = &x[i * stride..i * stride + W];
+        let mut acc = [0f32; W];
+        for (n, &xv) in xr.iter().enumerate() {
+            let col: &[f32; W] = bw[n * W..n * W + W].try_into().expect("a basis row");
+            for b in 0..W {
+                acc[b] += xv * col[b];
+            }
+        }
+        yr.copy_from_slice(&acc);
+    }
+    let out = &mut out[..h * W];
+    if h == 1 {
+        // B_1 = [1]: X = 0 + Y * 1.
+        out.iter_mut()
+            .zip(y.iter())
+            .for_each(|(o, &v)| *o = 0.0 + v);
+        return;
+    }
+    let bh = &tables(h).b;
+    for (a, orow) in out.chunks_exact_mut(W).enumerate() {
+        let mut acc = [0f32; W];
+        for (i, yr) in y.chunks_exact(W).enumerate() {
+            let c = bh[a * h + i];
+            let yr: &[f32; W] = yr.try_into().expect("a row of Y");
+            for b in 0..W {
+                acc[b] += yr[b] * c;
+            }
+        }
+        orow.copy_from_slice(&acc);
+    }
+}
+
+/// [`forward_impl`] for tiles of any width.
+#[inline(always)]
+fn forward_any(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out: &mut [f32]) {
     let bw = &tables(w).t;
     let y = &mut y[..h * w];
     for (i, yr) in y.chunks_exact_mut(w).enumerate() {
         let xr = &x[i * stride..i * stride + w];
-        if w == MAX_N {
-            // The common full tile: the accumulators in a fixed array (registers), the
-            // same sums in the same order.
-            let mut acc = [0f32; MAX_N];
-            for (n, &xv) in xr.iter().enumerate() {
-                let col: &[f32; MAX_N] = bw[n * w..n * w + w].try_into().expect("64");
-                for b in 0..MAX_N {
-                    acc[b] += xv * col[b];
-                }
-            }
-            yr.copy_from_slice(&acc);
-            continue;
-        }
         yr.fill(0.0);
         for (n, &xv) in xr.iter().enumerate() {
             let col = &bw[n * w..n * w + w];
@@ -250,6 +295,30 @@ mod tests {
             }
         }
         assert_eq!(basis(1), &[1.0]);
+    }
+
+    #[test]
+    fn fixed_width_tiles_give_the_bits_of_the_general_loops() {
+        // The register-accumulator paths for widths 8, 16, 32 and 64 against the general
+        // loops (the format's order), on every backend the CPU has, for tall, flat and
+        // square tiles; Miri runs the small widths.
+        let widths: &[usize] = if cfg!(miri) { &[8, 16] } else { &[8, 16, 32, 64] };
+        let stride = 70;
+        let x: Vec<f32> = (0..64 * stride)
+            .map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 0.37)
+            .collect();
+        for backend in crate::kernels::Backend::available() {
+            for &w in widths {
+                for h in [1, 3, w] {
+                    let (mut y, mut out) = (vec![0f32; h * w], vec![0f32; h * w]);
+                    backend.run(|| forward(&x, stride, h, w, &mut y, &mut out));
+                    let (mut y2, mut want) = (vec![0f32; h * w], vec![0f32; h * w]);
+                    forward_any(&x, stride, h, w, &mut y2, &mut want);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&out), bits(&want), "{} {h}x{w}", backend.name());
+                }
+            }
+        }
     }
 
     #[test]
