@@ -572,7 +572,7 @@ impl Scheme for Dct {
         };
         let mut t = [0f32; TILE];
         let mut cols = [false; MAX_N];
-        let mut row = [0f32; MAX_N];
+        let mut tile = [0f32; TILE];
         let mut at = start;
         let len = g.len as usize;
         for (first, th, tw) in g.tiles() {
@@ -610,7 +610,7 @@ impl Scheme for Dct {
                 };
                 (pos, v)
             });
-            dct::inverse(kept, th, tw, &mut t, &mut cols, &mut row, |i, r| {
+            dct::inverse(kept, th, tw, &mut t, &mut cols, &mut tile, |i, r| {
                 let o = &mut out[first + i * len..first + i * len + tw];
                 // A NaN decodes as the quiet NaN 0x7FC00000: which NaN an invalid
                 // operation makes differs between CPUs.

@@ -192,7 +192,8 @@ fn forward_any(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out:
 /// order, then `x[i][n] = sum_b T[i][b] B_w[b][n]` in increasing `b`, each from +0 in f32.
 /// Columns with no kept coefficient add exactly nothing (their `T` is +0 and `x` is never
 /// -0), so they are skipped. Calls `emit(i, row)` with each output row `i` (`w` values).
-/// `t` and `row` are scratch of at least `h * w` and `w`; `cols` of at least `w`.
+/// `t` and `x` are scratch of at least `h * w`; `cols` of at least `w`. The second pass
+/// runs compiled for the current backend (the same operations in the same order).
 #[allow(clippy::too_many_arguments)]
 pub fn inverse(
     kept: impl Iterator<Item = (usize, f32)>,
@@ -200,10 +201,9 @@ pub fn inverse(
     w: usize,
     t: &mut [f32],
     cols: &mut [bool],
-    row: &mut [f32],
+    x: &mut [f32],
     mut emit: impl FnMut(usize, &[f32]),
 ) {
-    let bw = &tables(w).b;
     let t = &mut t[..h * w];
     let cols = &mut cols[..w];
     t.fill(0.0);
@@ -224,8 +224,33 @@ pub fn inverse(
             }
         }
     }
-    let row = &mut row[..w];
-    for i in 0..h {
+    let x = &mut x[..h * w];
+    super::dct_inverse_rows(t, cols, h, w, x);
+    for (i, r) in x.chunks_exact(w).enumerate() {
+        emit(i, r);
+    }
+}
+
+/// The second pass of [`inverse`] (`x[i][n] = sum_b T[i][b] B_w[b][n]` over the kept
+/// columns), inlined into each backend's compilation.
+#[inline(always)]
+pub(super) fn inverse_rows_impl(t: &[f32], cols: &[bool], h: usize, w: usize, x: &mut [f32]) {
+    // Rows of the usual chunk widths with the accumulators in a fixed array (registers):
+    // the same sums in the same order.
+    match w {
+        64 => inverse_rows::<64>(t, cols, h, x),
+        32 => inverse_rows::<32>(t, cols, h, x),
+        16 => inverse_rows::<16>(t, cols, h, x),
+        8 => inverse_rows::<8>(t, cols, h, x),
+        _ => inverse_rows_any(t, cols, h, w, x),
+    }
+}
+
+/// [`inverse_rows_impl`] for rows of any width.
+#[inline(always)]
+fn inverse_rows_any(t: &[f32], cols: &[bool], h: usize, w: usize, x: &mut [f32]) {
+    let bw = &tables(w).b;
+    for (i, row) in x.chunks_exact_mut(w).enumerate().take(h) {
         row.fill(0.0);
         for b in 0..w {
             if cols[b] {
@@ -236,7 +261,25 @@ pub fn inverse(
                     .for_each(|(acc, &q)| *acc += c * q);
             }
         }
-        emit(i, row);
+    }
+}
+
+/// [`inverse_rows_impl`] for rows `W` wide.
+#[inline(always)]
+fn inverse_rows<const W: usize>(t: &[f32], cols: &[bool], h: usize, x: &mut [f32]) {
+    let bw = &tables(W).b;
+    for (i, row) in x.chunks_exact_mut(W).enumerate().take(h) {
+        let mut acc = [0f32; W];
+        for b in 0..W {
+            if cols[b] {
+                let c = t[i * W + b];
+                let basis_row: &[f32; W] = bw[b * W..b * W + W].try_into().expect("a basis row");
+                for n in 0..W {
+                    acc[n] += c * basis_row[n];
+                }
+            }
+        }
+        row.copy_from_slice(&acc);
     }
 }
 
@@ -299,10 +342,15 @@ mod tests {
 
     #[test]
     fn fixed_width_tiles_give_the_bits_of_the_general_loops() {
-        // The register-accumulator paths for widths 8, 16, 32 and 64 against the general
-        // loops (the format's order), on every backend the CPU has, for tall, flat and
-        // square tiles; Miri runs the small widths.
-        let widths: &[usize] = if cfg!(miri) { &[8, 16] } else { &[8, 16, 32, 64] };
+        // The register-accumulator paths for widths 8, 16, 32 and 64 of the forward
+        // transform and of the inverse's rows against the general loops (the format's
+        // order), on every backend the CPU has, for tall, flat and square tiles; Miri runs
+        // the small widths.
+        let widths: &[usize] = if cfg!(miri) {
+            &[8, 16]
+        } else {
+            &[8, 16, 32, 64]
+        };
         let stride = 70;
         let x: Vec<f32> = (0..64 * stride)
             .map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 0.37)
@@ -316,6 +364,12 @@ mod tests {
                     forward_any(&x, stride, h, w, &mut y2, &mut want);
                     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&out), bits(&want), "{} {h}x{w}", backend.name());
+                    // The inverse's rows, with every third column left out.
+                    let cols: Vec<bool> = (0..w).map(|b| b % 3 != 1).collect();
+                    let (mut back, mut back_any) = (vec![0f32; h * w], vec![0f32; h * w]);
+                    backend.run(|| super::super::dct_inverse_rows(&out, &cols, h, w, &mut back));
+                    inverse_rows_any(&out, &cols, h, w, &mut back_any);
+                    assert_eq!(bits(&back), bits(&back_any), "{} {h}x{w}", backend.name());
                 }
             }
         }
@@ -343,14 +397,15 @@ mod tests {
             let mut c = vec![f32::NAN; h * w];
             forward(&x, w, h, w, &mut y, &mut c);
             let mut back = vec![f32::NAN; h * w];
-            let (mut t, mut cols, mut row) = (vec![0f32; h * w], vec![false; w], vec![0f32; w]);
+            let (mut t, mut cols, mut tile) =
+                (vec![0f32; h * w], vec![false; w], vec![0f32; h * w]);
             inverse(
                 c.iter().copied().enumerate(),
                 h,
                 w,
                 &mut t,
                 &mut cols,
-                &mut row,
+                &mut tile,
                 |i, r| back[i * w..i * w + w].copy_from_slice(r),
             );
             for (a, b) in x.iter().zip(&back) {

@@ -163,6 +163,23 @@ fn dct_forward(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out:
     }
 }
 
+simd_op!(DctInverseRows {
+    t: &'a [f32], cols: &'a [bool], h: usize, w: usize, x: &'a mut [f32],
+} -> () = dct::inverse_rows_impl(t, cols, h, w, x));
+
+/// The second pass of the inverse DCT of a tile (see [`dct::inverse`]), compiled for
+/// the current backend (for AVX2 on the AVX-512 backend: [`x86_route`]).
+fn dct_inverse_rows(t: &[f32], cols: &[bool], h: usize, w: usize, x: &mut [f32]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => dct::inverse_rows_impl(t, cols, h, w, x),
+        #[cfg(target_arch = "x86_64")]
+        b if x86_route(Op::DctInverse, b.kind()) == X86::Avx2 => {
+            simd_avx2(DctInverseRows { t, cols, h, w, x })
+        }
+        b => simd(b, DctInverseRows { t, cols, h, w, x }),
+    }
+}
+
 /// Error-feedback input `r = beta * r + gamma * g` in place (see [`scalar::feedback_form`]).
 pub fn feedback_form(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) {
     match Backend::current() {
