@@ -427,14 +427,20 @@ impl PowerSgdBucket {
         }
         for a in &self.mats {
             let qt = transpose(&q[a.q()], a.m, a.r, &mut self.qt);
-            let (x, y) = (&m[a.elems()], &mut out[a.elems()]);
-            for (i, row) in y.chunks_exact_mut(a.m).enumerate() {
-                product_row(&p[a.p()][i * a.r..(i + 1) * a.r], qt, row);
+            let rows = out[a.elems()]
+                .chunks_exact_mut(a.m)
+                .zip(p[a.p()].chunks_exact(a.r));
+            if self.opts.feedback {
                 // The new residual M - P Q^T while the row is in cache.
-                if self.opts.feedback {
-                    let e = &mut self.residual[a.res()][i * a.m..(i + 1) * a.m];
-                    subtract(&x[i * a.m..(i + 1) * a.m], row, e);
+                let xe = m[a.elems()]
+                    .chunks_exact(a.m)
+                    .zip(self.residual[a.res()].chunks_exact_mut(a.m));
+                for ((row, pa), (x, e)) in rows.zip(xe) {
+                    product_row(pa, qt, row);
+                    subtract(x, row, e);
                 }
+            } else {
+                rows.for_each(|(row, pa)| product_row(pa, qt, row));
             }
         }
         self.q.copy_from_slice(q);
@@ -452,12 +458,18 @@ impl PowerSgdBucket {
         for a in &self.mats {
             let qt = transpose(&q[a.q()], a.m, a.r, &mut self.qt);
             let row = &mut self.row[..a.m];
-            for (i, x) in m[a.elems()].chunks_exact_mut(a.m).enumerate() {
-                product_row(&p[a.p()][i * a.r..(i + 1) * a.r], qt, row);
-                if self.opts.feedback {
-                    subtract(x, row, &mut self.residual[a.res()][i * a.m..(i + 1) * a.m]);
+            let rows = m[a.elems()]
+                .chunks_exact_mut(a.m)
+                .zip(p[a.p()].chunks_exact(a.r));
+            if self.opts.feedback {
+                let es = self.residual[a.res()].chunks_exact_mut(a.m);
+                for ((x, pa), e) in rows.zip(es) {
+                    product_row(pa, qt, row);
+                    subtract(x, row, e);
+                    x.copy_from_slice(row);
                 }
-                x.copy_from_slice(row);
+            } else {
+                rows.for_each(|(x, pa)| product_row(pa, qt, x));
             }
         }
         self.q.copy_from_slice(q);
@@ -768,6 +780,7 @@ fn transpose<'a>(q: &[f32], m: usize, r: usize, qt: &'a mut [f32]) -> &'a [f32] 
 /// One row of `P Q^T`: `row[b] = ((pa[0] Q[b,0] + pa[1] Q[b,1]) + ...)` in f32, in that
 /// order and with no fused multiply-add, so the same on every CPU; `qt` is
 /// [`transpose`]'s `Q^T`.
+#[inline(always)]
 fn product_row(pa: &[f32], qt: &[f32], row: &mut [f32]) {
     let m = row.len();
     row.iter_mut()
@@ -781,6 +794,7 @@ fn product_row(pa: &[f32], qt: &[f32], row: &mut [f32]) {
 }
 
 /// `e = x - y`, element by element.
+#[inline(always)]
 fn subtract(x: &[f32], y: &[f32], e: &mut [f32]) {
     e.iter_mut()
         .zip(x.iter().zip(y))
