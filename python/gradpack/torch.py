@@ -300,9 +300,9 @@ class GradpackState:
 
     def state_dict(self) -> Dict[str, Any]:
         """The step counter, the error-feedback residuals and PowerSGD's warm-start ``Q``
-        and residuals by parameter name, as plain values and float32 tensors (``torch.save`` and ``torch.load(weights_only=True)``
-        take it). Needs ``model=`` when there are residuals. Waits for buckets still in
-        flight."""
+        and residuals by parameter name, as plain values and float32 tensors
+        (``torch.save`` and ``torch.load(weights_only=True)`` take it). Needs ``model=``
+        when there is such state. Waits for buckets still in flight."""
         self.wait()
         if self._model is None and (self._feedback or self._lr):
             raise ValueError(
