@@ -281,8 +281,9 @@ class GradpackState:
         t = self._tiled.get(key)
         if t is None:
             t = c
-            if c.spec.endswith(",width=0") and 2 <= width < (1 << 32):
-                t = Codec(c.spec[: -len("0")] + str(width))
+            flat = ",width=0"
+            if c.spec.endswith(flat) and 2 <= width < (1 << 32):
+                t = Codec(f"{c.spec[: -len(flat)]},width={width}")
             self._tiled[key] = t
         return t
 
@@ -604,13 +605,14 @@ class GradpackState:
         x = flat.numpy()
         starts = [int(v) for v in np.cumsum([0] + [e[1] for e in layout])]
         lr_pos = [i for i, _ in low_rank]
+        lr_set = set(lr_pos)
         names = tuple(layout[i][0] for i in lr_pos)
         # The matrices stay in the bucket: the steps read and write them in place.
         b = self._lr_bucket(
             names, [mat for _, mat in low_rank], [starts[i] for i in lr_pos], len(x)
         )
         plain = [
-            i for i, c in enumerate(codecs) if i not in lr_pos and c == _IDENTITY
+            i for i, c in enumerate(codecs) if i not in lr_set and c == _IDENTITY
         ]
         plain_n = sum(layout[i][1] for i in plain)
         first, second = self._buffer(
@@ -639,7 +641,7 @@ class GradpackState:
         second.div_(world)
         b.finish(x, f[: b.p_len], q)
         rest = [
-            None if i in lr_pos or c == _IDENTITY else c for i, c in enumerate(codecs)
+            None if i in lr_set or c == _IDENTITY else c for i, c in enumerate(codecs)
         ]
         if any(c is not None for c in rest):
             self._allgather(flat, layout, rest, index, step, world)

@@ -11,8 +11,9 @@ use gradpack::cost::{self, CodecProfile, Strategy};
 use gradpack::sync::{PowerSgd, PowerSgdBucket};
 use gradpack::{Codec, CodecSpec, EncodeCtx, FeedbackOptions, ResidualPrecision};
 use numpy::{
-    PyArray1, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
-    PyReadwriteArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
+    Element, PyArray1, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArray,
+    PyReadonlyArrayDyn, PyReadwriteArray, PyReadwriteArrayDyn, PyUntypedArray,
+    PyUntypedArrayMethods, ndarray::Dimension,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -56,6 +57,20 @@ fn f32_out<'py>(x: &Bound<'py, PyAny>, what: &str) -> PyResult<PyReadwriteArrayD
             "{what} must be a writable array with no other live borrow ({e})"
         ))
     })
+}
+
+/// The elements of a borrowed array as a slice (the borrow checks made it contiguous).
+fn slice_in<'a, T: Element, D: Dimension>(a: &'a PyReadonlyArray<'_, T, D>) -> PyResult<&'a [T]> {
+    a.as_slice()
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// The elements of a writable borrowed array as a slice.
+fn slice_out<'a, T: Element, D: Dimension>(
+    a: &'a mut PyReadwriteArray<'_, T, D>,
+) -> PyResult<&'a mut [T]> {
+    a.as_slice_mut()
+        .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 fn f32_array<'py>(x: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
@@ -177,9 +192,7 @@ fn encode_to_bytes<'py>(
     checksum: bool,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let arr = f32_in(x, "x")?;
-    let xs = arr
-        .as_slice()
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let xs = slice_in(&arr)?;
     let c = ctx(seed, offset);
     let frame = py
         .detach(|| {
@@ -225,13 +238,9 @@ fn encode_into<'py>(
 ) -> PyResult<usize> {
     let spec = spec_of(codec)?;
     let arr = f32_in(x, "x")?;
-    let xs = arr
-        .as_slice()
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let xs = slice_in(&arr)?;
     let mut o = bytes_out(out)?;
-    let os = o
-        .as_slice_mut()
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let os = slice_out(&mut o)?;
     let c = ctx(seed, offset);
     py.detach(|| {
         spec.check_encode(xs.len(), &c)?;
@@ -268,9 +277,7 @@ fn decode_mode<'py>(
     let f = frame_in(frame)?;
     let fs = f.as_slice()?;
     let mut o = f32_out(out, if add { "acc" } else { "out" })?;
-    let os = o
-        .as_slice_mut()
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let os = slice_out(&mut o)?;
     py.detach(|| {
         if add {
             gradpack::decode_add(fs, os)
@@ -501,9 +508,7 @@ impl PyErrorFeedback {
         checksum: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let arr = f32_in(grad, "grad")?;
-        let g = arr
-            .as_slice()
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let g = slice_in(&arr)?;
         let c = ctx(seed, offset);
         let ef = &mut self.inner;
         let frame = py
@@ -533,9 +538,7 @@ impl PyErrorFeedback {
         checksum: bool,
     ) -> PyResult<usize> {
         let mut o = bytes_out(out)?;
-        let os = o
-            .as_slice_mut()
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let os = slice_out(&mut o)?;
         self.encode_slice(py, grad, os, seed, offset, checksum)
     }
 
@@ -548,9 +551,7 @@ impl PyErrorFeedback {
     /// to bf16 for a bf16 residual).
     fn set_residual(&mut self, r: &Bound<'_, PyAny>) -> PyResult<()> {
         let a = f32_in(r, "residual")?;
-        let rs = a
-            .as_slice()
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let rs = slice_in(&a)?;
         self.inner.set_residual(rs).map_err(err)
     }
 
@@ -610,9 +611,7 @@ impl PyErrorFeedback {
         checksum: bool,
     ) -> PyResult<usize> {
         let arr = f32_in(grad, "grad")?;
-        let g = arr
-            .as_slice()
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let g = slice_in(&arr)?;
         let c = ctx(seed, offset);
         let ef = &mut self.inner;
         py.detach(|| {
@@ -647,16 +646,6 @@ fn settings(rank: usize, warm_start: bool, feedback: bool, min_compression: f64)
         min_compression,
         ..PowerSgd::default()
     }
-}
-
-fn slice_in<'a>(a: &'a PyReadonlyArrayDyn<'_, f32>) -> PyResult<&'a [f32]> {
-    a.as_slice()
-        .map_err(|e| PyValueError::new_err(e.to_string()))
-}
-
-fn slice_out<'a>(a: &'a mut PyReadwriteArrayDyn<'_, f32>) -> PyResult<&'a mut [f32]> {
-    a.as_slice_mut()
-        .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// A matrix's warm-start Q (if set) and residual, as numpy arrays.

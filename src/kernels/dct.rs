@@ -135,11 +135,7 @@ fn forward_fixed<const W: usize>(
     }
     let out = &mut out[..h * W];
     if h == 1 {
-        // B_1 = [1]: X = 0 + Y * 1.
-        out.iter_mut()
-            .zip(y.iter())
-            .for_each(|(o, &v)| *o = 0.0 + v);
-        return;
+        return one_row(y, out);
     }
     let bh = &tables(h).b;
     for (a, orow) in out.chunks_exact_mut(W).enumerate() {
@@ -153,6 +149,12 @@ fn forward_fixed<const W: usize>(
         }
         orow.copy_from_slice(&acc);
     }
+}
+
+/// The column pass of a one-row tile: `B_1 = [1]`, so `X = 0 + Y * 1`.
+#[inline(always)]
+fn one_row(y: &[f32], out: &mut [f32]) {
+    out.iter_mut().zip(y).for_each(|(o, &v)| *o = 0.0 + v);
 }
 
 /// [`forward_impl`] for tiles of any width.
@@ -170,11 +172,7 @@ fn forward_any(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out:
     }
     let out = &mut out[..h * w];
     if h == 1 {
-        // B_1 = [1]: X = 0 + Y * 1.
-        out.iter_mut()
-            .zip(y.iter())
-            .for_each(|(o, &v)| *o = 0.0 + v);
-        return;
+        return one_row(y, out);
     }
     let bh = &tables(h).b;
     for (a, orow) in out.chunks_exact_mut(w).enumerate() {

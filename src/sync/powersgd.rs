@@ -270,10 +270,9 @@ impl PowerSgdBucket {
         len: usize,
     ) -> Result<PowerSgdBucket> {
         settings.check()?;
-        let too_big = || Error::Collective("a low-rank bucket's size overflows".into());
-        let shapes: Vec<(usize, usize, usize)> = matrices.iter().map(|&(_, s)| s).collect();
-        let (_, q_len) = factor_lens(&shapes).ok_or_else(too_big)?;
-        let mut mats = Vec::with_capacity(shapes.len());
+        // The matrices lie apart inside `len` elements and `r <= min(n, m)`, so the sums
+        // of `n m`, `n r` and `m r` below are at most `len`: none overflows.
+        let mut mats = Vec::with_capacity(matrices.len());
         let (mut off, mut p_off, mut q_off, mut widest, mut end) = (0usize, 0, 0, 0usize, 0);
         for &(at, (n, m, r)) in matrices {
             if r == 0 || r > n.min(m) || r > settings.rank {
@@ -302,7 +301,7 @@ impl PowerSgdBucket {
                 p_off,
                 q_off,
             });
-            off = off.checked_add(n * m).ok_or_else(too_big)?;
+            off += n * m;
             p_off += n * r;
             q_off += m * r;
             widest = widest.max(m * r);
@@ -311,7 +310,7 @@ impl PowerSgdBucket {
         let row = mats.iter().map(|a| a.m).max().unwrap_or(0);
         Ok(PowerSgdBucket {
             opts: settings,
-            q: buf(q_len, "PowerSGD's Q")?,
+            q: buf(q_off, "PowerSGD's Q")?,
             q_ready: crate::alloc::filled(mats.len(), false, "PowerSGD's Q flags")?,
             residual: buf(
                 if settings.feedback { off } else { 0 },
