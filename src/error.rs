@@ -179,6 +179,13 @@ pub enum Error {
     /// A collective was asked for something it cannot do (e.g. a rank outside the
     /// world, or options the ranks must agree on that are inconsistent).
     Collective(String),
+    /// One frame of several given together (to [`crate::reduce_frames`]) was refused.
+    InFrame {
+        /// The frame's position in the list given.
+        index: usize,
+        /// What was wrong with it.
+        source: Box<Error>,
+    },
 }
 
 impl fmt::Display for Error {
@@ -282,6 +289,7 @@ impl fmt::Display for Error {
                 write!(f, "could not allocate {bytes} bytes for {what}")
             }
             Error::Collective(reason) => write!(f, "collective: {reason}"),
+            Error::InFrame { index, source } => write!(f, "frame {index}: {source}"),
         }
     }
 }
@@ -289,7 +297,7 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Error::Peer { source, .. } => Some(source.as_ref()),
+            Error::Peer { source, .. } | Error::InFrame { source, .. } => Some(source.as_ref()),
             _ => None,
         }
     }

@@ -115,6 +115,74 @@ pub fn decode_add(frame: &[u8], acc: &mut [f32]) -> Result<()> {
     codecs::decode_frame::<{ kernels::mode::ADD }>(frame, acc)
 }
 
+/// The fused reduction of many frames of one tensor: `out` becomes the sum, in list
+/// order, of every frame decoded, bit-identical to [`decode`] of the first frame
+/// followed by [`decode_add`] of each of the others (on every backend), but in one pass
+/// over `out` instead of one per frame.
+///
+/// The frames may be of any codecs, all of `out.len()` elements. Runs of fixed-rate
+/// frames (identity, fp16, bf16, int8, qsgd, sign, ternary, natural) are decoded tile by
+/// tile, every frame's codes for a tile added into it while it is in cache, on all of
+/// the pool's threads for large tensors; sparse and `dct` frames are added whole in
+/// their place in the order (a sparse frame touches only its kept elements, in index
+/// order). With no frames, `out` is zeroed.
+///
+/// # Errors
+/// [`Error::InFrame`] naming the frame's position. Every frame's header (and sealed
+/// payload checksum), codec parameters, payload length and element count, and every
+/// fixed-rate payload, are checked before `out` is written, so those errors leave it
+/// unchanged; a sparse or `dct` payload is checked as it is decoded, and an error there
+/// leaves `out` holding the sum of the frames before it.
+///
+/// ```
+/// use gradpack::{Codec, CodecSpec, EncodeCtx};
+///
+/// let codec: CodecSpec = "int8".parse()?;
+/// let frames: Vec<Vec<u8>> = (0..4)
+///     .map(|r| {
+///         let g: Vec<f32> = (0..1000).map(|i| ((i * (r + 1)) as f32).sin()).collect();
+///         codec.encode(&g, &EncodeCtx::new(r as u64))
+///     })
+///     .collect::<Result<_, _>>()?;
+/// let mut sum = vec![0.0f32; 1000];
+/// gradpack::reduce_frames(&frames, &mut sum)?;
+///
+/// let mut one_by_one = vec![0.0f32; 1000];
+/// gradpack::decode(&frames[0], &mut one_by_one)?;
+/// for f in &frames[1..] {
+///     gradpack::decode_add(f, &mut one_by_one)?;
+/// }
+/// assert_eq!(sum, one_by_one); // to the bit
+/// # Ok::<(), gradpack::Error>(())
+/// ```
+pub fn reduce_frames<F: AsRef<[u8]>>(frames: &[F], out: &mut [f32]) -> Result<()> {
+    reduce_any::<{ kernels::mode::WRITE }, F>(frames, out)
+}
+
+/// As [`reduce_frames`], but every frame is added into `acc` (bit-identical to
+/// [`decode_add`] of each frame in order).
+pub fn reduce_frames_add<F: AsRef<[u8]>>(frames: &[F], acc: &mut [f32]) -> Result<()> {
+    reduce_any::<{ kernels::mode::ADD }, F>(frames, acc)
+}
+
+fn reduce_any<const M: u8, F: AsRef<[u8]>>(frames: &[F], out: &mut [f32]) -> Result<()> {
+    let in_frame = |index: usize, e: Error| Error::InFrame {
+        index,
+        source: Box::new(e),
+    };
+    let mut split = Vec::new();
+    split
+        .try_reserve_exact(frames.len())
+        .map_err(|_| Error::OutOfMemory {
+            bytes: (frames.len() as u64).saturating_mul(80),
+            what: "the list of frames to reduce",
+        })?;
+    for (q, f) in frames.iter().enumerate() {
+        split.push(wire::split(f.as_ref()).map_err(|e| in_frame(q, e))?);
+    }
+    codecs::reduce::reduce_split::<M>(&split, out).map_err(|(q, e)| in_frame(q, e))
+}
+
 /// Decode any frame into a new vector, allocating at most [`decode_limit`]`(frame.len())`
 /// elements (a frame claiming more is refused before any allocation).
 pub fn decode_to_vec(frame: &[u8]) -> Result<Vec<f32>> {

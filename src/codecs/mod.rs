@@ -14,6 +14,7 @@ mod int8;
 mod natural;
 mod qsgd;
 mod randk;
+pub(crate) mod reduce;
 mod sign;
 mod ternary;
 mod topk;

@@ -850,20 +850,26 @@ impl AllReduce {
         peer_error(q, Phase::FrameAllGather, left, e)
     }
 
-    /// `output = sum of every rank's decoded frame`, in rank order.
+    /// `output = sum of every rank's decoded frame`, in rank order, in one fused pass
+    /// ([`crate::reduce_frames`]).
     fn sum_frames(&mut self, output: &mut [f32]) -> Result<()> {
+        let mut split = Vec::new();
+        split
+            .try_reserve_exact(self.size)
+            .map_err(|_| Error::OutOfMemory {
+                bytes: (self.size as u64).saturating_mul(80),
+                what: "the list of gathered frames",
+            })?;
         for q in 0..self.size {
             // Checked by `gather` as it arrived (this rank's own frame: as it was made), and
             // not changed since: the payload checksum need not be computed again.
-            let split = wire::split_with(&self.frames[q][ENVELOPE_LEN..], false);
-            let res = match split {
-                Ok(split) if q == 0 => decode_checked::<WRITE>(split, output),
-                Ok(split) => decode_checked::<ADD>(split, output),
-                Err(e) => Err(e),
-            };
-            res.map_err(|e| self.blame(q, e))?;
+            match wire::split_with(&self.frames[q][ENVELOPE_LEN..], false) {
+                Ok(s) => split.push(s),
+                Err(e) => return Err(self.blame(q, e)),
+            }
         }
-        Ok(())
+        crate::codecs::reduce::reduce_split::<WRITE>(&split, output)
+            .map_err(|(q, e)| self.blame(q, e))
     }
 
     /// Majority vote over every rank's decoded frame (see [`Strategy::SignMajority`]):

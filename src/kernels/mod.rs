@@ -91,6 +91,15 @@ simd_op!(EncodeInt8 {
 simd_op!(DecodeInt8<const M: u8> {
     steps: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
 } -> () = portable::decode_int8::<M>(steps, codes, block, out));
+simd_op!(ReduceF32<const M: u8> { frames: &'a [&'a [u8]], out: &'a mut [f32] } -> ()
+    = portable::reduce_f32::<M>(frames, out));
+simd_op!(ReduceF16<const M: u8> { frames: &'a [&'a [u8]], out: &'a mut [f32] } -> ()
+    = portable::reduce_u16::<M>(frames, out, portable::f16_to_f32));
+simd_op!(ReduceBf16<const M: u8> { frames: &'a [&'a [u8]], out: &'a mut [f32] } -> ()
+    = portable::reduce_u16::<M>(frames, out, scalar::bf16_to_f32));
+simd_op!(ReduceInt8<const M: u8> {
+    frames: &'a [(&'a [u8], &'a [u8])], block: usize, out: &'a mut [f32],
+} -> () = portable::reduce_int8::<M>(frames, block, out));
 simd_op!(EncodeSign { x: &'a [f32], block: usize, steps: &'a mut [u8], codes: &'a mut [u8] }
     -> bool = portable::encode_sign(x, block, steps, codes));
 simd_op!(DecodeSign<const M: u8> {
@@ -393,6 +402,49 @@ pub fn encode_int8(
                 codes,
             },
         ),
+    }
+}
+
+pub use portable::REDUCE_LANES;
+
+/// The element-wise layouts the multi-frame reduction has a kernel for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceCodes {
+    /// 4-byte f32 codes (identity).
+    F32,
+    /// binary16 codes.
+    F16,
+    /// bfloat16 codes.
+    Bf16,
+}
+
+/// Sum element-wise frames (all of layout `kind`, `out.len()` a multiple of
+/// [`portable::REDUCE_LANES`]) into `out`: per element the first frame's value written
+/// (`M` = write) or added, then the others added in order; the same bits as one decode
+/// per frame.
+pub fn reduce_elementwise<const M: u8>(kind: ReduceCodes, frames: &[&[u8]], out: &mut [f32]) {
+    let b = Backend::current();
+    match (kind, b.kind()) {
+        (ReduceCodes::F32, BackendKind::Scalar) => portable::reduce_f32::<M>(frames, out),
+        (ReduceCodes::F16, BackendKind::Scalar) => {
+            portable::reduce_u16::<M>(frames, out, scalar::f16_to_f32)
+        }
+        (ReduceCodes::Bf16, BackendKind::Scalar) => {
+            portable::reduce_u16::<M>(frames, out, scalar::bf16_to_f32)
+        }
+        (ReduceCodes::F32, _) => simd(b, ReduceF32::<M> { frames, out }),
+        (ReduceCodes::F16, _) => simd(b, ReduceF16::<M> { frames, out }),
+        (ReduceCodes::Bf16, _) => simd(b, ReduceBf16::<M> { frames, out }),
+    }
+}
+
+/// Sum int8 frames (`(steps, codes)` each, blocks of `block` elements, a multiple of
+/// [`portable::REDUCE_LANES`]; `out` whole blocks) into `out`, as
+/// [`reduce_elementwise`].
+pub fn reduce_int8<const M: u8>(frames: &[(&[u8], &[u8])], block: usize, out: &mut [f32]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => portable::reduce_int8::<M>(frames, block, out),
+        b => simd(b, ReduceInt8::<M> { frames, block, out }),
     }
 }
 

@@ -800,6 +800,98 @@ pub fn draw_masks(first: u32, key: u32, t: u32, n: usize, masks: &mut [MaybeUnin
     count
 }
 
+// ---------------------------------------------------------------- multi-frame reduction
+
+/// Elements the multi-frame reduction keeps in registers while it adds every frame's
+/// values into them.
+pub const REDUCE_LANES: usize = 64;
+
+/// The first frame's value into the running sum: written (`M` = write) or added to the
+/// output's value (`M` = add).
+#[inline(always)]
+fn reduce_first<const M: u8>(o: f32, v: f32) -> f32 {
+    if M == super::mode::WRITE { v } else { o + v }
+}
+
+/// Sum `p` frames into `out` [`REDUCE_LANES`] elements at a time, the running sums held in
+/// registers: per element, `first(out, d_0) + d_1 + ... + d_{p-1}` in frame order, where
+/// `dec(q, c, lanes)` decodes frame `q`'s values of lane group `c` into `lanes`. The same
+/// operations in the same order as decoding the first frame and adding the others one
+/// after another, so the same bits. The tail (`out.len() % REDUCE_LANES` elements) is
+/// left to the caller.
+#[inline(always)]
+fn reduce_groups<const M: u8>(
+    out: &mut [f32],
+    p: usize,
+    dec: impl Fn(usize, usize, &mut [f32; REDUCE_LANES]),
+) {
+    let mut v = [0f32; REDUCE_LANES];
+    for (c, ob) in out.chunks_exact_mut(REDUCE_LANES).enumerate() {
+        let ob: &mut [f32; REDUCE_LANES] = ob.try_into().expect("chunks of 64");
+        dec(0, c, &mut v);
+        let mut acc = [0f32; REDUCE_LANES];
+        for j in 0..REDUCE_LANES {
+            acc[j] = reduce_first::<M>(ob[j], v[j]);
+        }
+        for q in 1..p {
+            dec(q, c, &mut v);
+            for j in 0..REDUCE_LANES {
+                acc[j] += v[j];
+            }
+        }
+        *ob = acc;
+    }
+}
+
+/// The lane group `c` of a code section of `w` bytes per element.
+#[inline(always)]
+fn group_bytes<const W: usize>(codes: &[u8], c: usize) -> &[u8] {
+    &codes[c * W * REDUCE_LANES..(c + 1) * W * REDUCE_LANES]
+}
+
+/// [`reduce_groups`] over f32 frames (identity codes, 4 bytes per element); the tail is
+/// the caller's.
+#[inline(always)]
+pub fn reduce_f32<const M: u8>(frames: &[&[u8]], out: &mut [f32]) {
+    reduce_groups::<M>(out, frames.len(), |q, c, v| {
+        for (o, b) in v
+            .iter_mut()
+            .zip(group_bytes::<4>(frames[q], c).chunks_exact(4))
+        {
+            *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+    });
+}
+
+/// [`reduce_groups`] over 16-bit frames (fp16 or bf16 by `conv`); the tail is the
+/// caller's.
+#[inline(always)]
+pub fn reduce_u16<const M: u8>(frames: &[&[u8]], out: &mut [f32], conv: impl Fn(u16) -> f32) {
+    reduce_groups::<M>(out, frames.len(), |q, c, v| {
+        for (o, b) in v
+            .iter_mut()
+            .zip(group_bytes::<2>(frames[q], c).chunks_exact(2))
+        {
+            *o = conv(u16::from_le_bytes([b[0], b[1]]));
+        }
+    });
+}
+
+/// [`reduce_groups`] over int8 frames of blocks of `block` elements, a multiple of
+/// [`REDUCE_LANES`] (`frames[q]` = (steps, codes)); `out` is whole blocks but for a
+/// tail the caller handles.
+#[inline(always)]
+pub fn reduce_int8<const M: u8>(frames: &[(&[u8], &[u8])], block: usize, out: &mut [f32]) {
+    let per_block = block / REDUCE_LANES;
+    reduce_groups::<M>(out, frames.len(), |q, c, v| {
+        let (steps, codes) = frames[q];
+        let s = scalar::get_step(steps, c / per_block);
+        for (o, &b) in v.iter_mut().zip(group_bytes::<1>(codes, c)) {
+            *o = (b as i8) as f32 * s;
+        }
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
