@@ -9,6 +9,9 @@
 //!
 //! Sizes default to 65536 and 1048576, codecs to a representative list.
 //!
+//! `reduce x8` is [`gradpack::reduce_frames`] of eight frames of the codec, in GB/s of its
+//! f32 output (one eighth of the elements decoded).
+//!
 //! Prints, per size, codec and operation, the best of 8 rounds (each round times every
 //! backend once, 0.1 s of repetitions each, in an order that alternates between rounds) in GB/s of f32, the same run's
 //! memcpy, and each backend's ratio to the fastest.
@@ -93,9 +96,16 @@ fn main() {
             let mut frame = vec![0u8; codec.max_encoded_len(n)];
             let len = codec.encode_into(&x, &ctx, &mut frame).expect("encode");
             let frame_ok = frame[..len].to_vec();
+            // Eight frames of the same codec for the fused reduction.
+            let eight: Vec<Vec<u8>> = (0..8u64)
+                .map(|q| {
+                    let xq = gradpack::synthetic::gradient(n, 20 + q);
+                    codec.encode(&xq, &EncodeCtx::new(q)).expect("encode")
+                })
+                .collect();
             let mut out = vec![0f32; n];
             let mut ef = ErrorFeedback::new(codec, n).ok();
-            let ops: [&str; 4] = ["encode", "decode", "decode_add", "feedback"];
+            let ops: [&str; 5] = ["encode", "decode", "decode_add", "feedback", "reduce x8"];
             for op in ops {
                 if op == "feedback" && ef.is_none() {
                     continue;
@@ -119,6 +129,9 @@ fn main() {
                             "decode_add" => {
                                 time(|| codec.decode_add(&frame_ok, &mut out).expect("decode_add"))
                             }
+                            "reduce x8" => time(|| {
+                                gradpack::reduce_frames(&eight, &mut out).expect("reduce");
+                            }),
                             _ => {
                                 let ef = ef.as_mut().expect("feedback state");
                                 time(|| {

@@ -21,7 +21,7 @@ of the wrong size) raises :class:`Error`, a ``ValueError`` carrying the crate's 
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -60,6 +60,7 @@ __all__ = [
     "parse_bandwidth",
     "parse_duration",
     "powersgd_matrix",
+    "reduce_frames",
 ]
 
 __version__ = "0.1.0"
@@ -281,6 +282,19 @@ def decode_add(frame: FrameLike, acc: ArrayLike) -> None:
     """Decode any frame and add it element-wise into ``acc`` (the reduce step of a
     collective). The frame is fully validated first: on error ``acc`` is unchanged."""
     _native.decode_add(_frame(frame), _f32(acc, "acc"))
+
+
+def reduce_frames(frames: Sequence[FrameLike], out: ArrayLike, add: bool = False) -> None:
+    """Decode every frame of ``frames`` (frames of one tensor, of any codecs) and sum
+    them into ``out`` in list order, in one pass over it: the same bits as
+    ``decode_into`` of the first and ``decode_add`` of each of the others, but the
+    output is written once instead of once per frame (the sum of an all-gather).
+
+    With ``add=True`` every frame is added into ``out``. Every header, length and
+    fixed-rate payload is checked before ``out`` is written; an error names the
+    frame's position in the list.
+    """
+    _native.reduce_frames([_frame(f) for f in frames], _f32(out, "out"), add)
 
 
 def inspect(frame: FrameLike) -> Dict[str, Any]:

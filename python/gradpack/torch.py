@@ -516,16 +516,18 @@ class GradpackState:
             mine[:at] = send[:at]
             dist.all_gather(recv, mine, group=self.process_group)
             msgs = [r.numpy()[: int(t)] for r, t in zip(recv, lens)]
+        # Each tensor's frames from every rank, summed in rank order (the same sum on
+        # every rank) in one fused pass over the tensor.
+        ats = [0] * world
         for _, (_, m, _, _, _), start in todo:
-            x[start : start + m] = 0.0
-        for msg in msgs:  # rank order: the same sum on every rank
-            at = 0
-            for _, (_, m, _, _, _), start in todo:
-                ln = gradpack.frame_len(msg[at:])
-                gradpack.decode_add(msg[at : at + ln], x[start : start + m])
-                at += ln
-        for _, (_, m, _, _, _), start in todo:
-            x[start : start + m] /= np.float32(world)
+            frames = []
+            for r, msg in enumerate(msgs):
+                ln = gradpack.frame_len(msg[ats[r] :])
+                frames.append(msg[ats[r] : ats[r] + ln])
+                ats[r] += ln
+            out = x[start : start + m]
+            gradpack.reduce_frames(frames, out)
+            out /= np.float32(world)
 
     def _low_rank_of(self, layout: List[Any], step: int) -> List[Tuple[int, Tuple[int, int, int]]]:
         """(position, (n, m, r)) of the bucket's tensors sent as PowerSGD factors at

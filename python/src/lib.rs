@@ -310,6 +310,39 @@ fn decode_add<'py>(
     decode_mode(py, frame, acc, true)
 }
 
+/// Decode every frame of `frames` (frames of one tensor, each as `decode` takes it) and
+/// sum them into `out` in sequence order in one pass over it: the same bits as
+/// `decode_into` of the first and `decode_add` of each of the others. With `add=True`
+/// every frame is added into `out` instead. Headers, lengths and fixed-rate payloads are
+/// checked before `out` is written; an error names the frame's position.
+#[pyfunction]
+#[pyo3(signature = (frames, out, add=false))]
+fn reduce_frames<'py>(
+    py: Python<'py>,
+    frames: &Bound<'py, PyAny>,
+    out: &Bound<'py, PyAny>,
+    add: bool,
+) -> PyResult<()> {
+    let mut held = Vec::new();
+    for f in frames.try_iter()? {
+        held.push(frame_in(&f?)?);
+    }
+    let slices = held
+        .iter()
+        .map(FrameIn::as_slice)
+        .collect::<PyResult<Vec<&[u8]>>>()?;
+    let mut o = f32_out(out, "out")?;
+    let os = slice_out(&mut o)?;
+    py.detach(|| {
+        if add {
+            gradpack::reduce_frames_add(&slices, os)
+        } else {
+            gradpack::reduce_frames(&slices, os)
+        }
+    })
+    .map_err(err)
+}
+
 /// Validate a frame's header and describe it: codec, spec, element count, lengths,
 /// seed, offset and flags.
 #[pyfunction]
@@ -1088,6 +1121,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode, m)?)?;
     m.add_function(wrap_pyfunction!(decode_into, m)?)?;
     m.add_function(wrap_pyfunction!(decode_add, m)?)?;
+    m.add_function(wrap_pyfunction!(reduce_frames, m)?)?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
     m.add_function(wrap_pyfunction!(frame_len, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate, m)?)?;

@@ -369,3 +369,39 @@ def test_powersgd_bucket_at_offsets_works_in_place_and_leaves_other_tensors():
         gradpack.PowerSgdBucket(shapes, offsets=[4])
     with pytest.raises(gradpack.Error, match="overlaps"):
         gradpack.PowerSgdBucket(shapes, offsets=[0, 10], length=buf.size)
+
+
+def test_reduce_frames_is_the_sequential_sum_to_the_bit():
+    rng = np.random.default_rng(5)
+    n = 5000
+    for specs in (["int8"] * 8, ["fp16", "topk:ratio=0.05", "sign", "int8:block=64"]):
+        frames = [
+            gradpack.encode(rng.standard_normal(n).astype(np.float32), s, seed=q)
+            for q, s in enumerate(specs)
+        ]
+        want = np.empty(n, np.float32)
+        gradpack.decode_into(frames[0], want)
+        for f in frames[1:]:
+            gradpack.decode_add(f, want)
+        out = np.full(n, np.nan, np.float32)
+        # bytes and uint8 arrays mixed in one list
+        gradpack.reduce_frames([frames[0]] + [np.frombuffer(f, np.uint8) for f in frames[1:]], out)
+        assert out.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+        acc = np.ones(n, np.float32)
+        gradpack.reduce_frames(frames, acc, add=True)
+        ref = np.ones(n, np.float32)
+        for f in frames:
+            gradpack.decode_add(f, ref)
+        assert acc.view(np.uint32).tolist() == ref.view(np.uint32).tolist()
+
+
+def test_reduce_frames_names_the_bad_frame_and_leaves_out_alone():
+    x = np.linspace(-1, 1, 300, dtype=np.float32)
+    good = gradpack.encode(x, "int8")
+    short = gradpack.encode(x[:299], "int8")
+    out = np.full(300, 7.0, np.float32)
+    with pytest.raises(gradpack.Error, match=r"^frame 2: "):
+        gradpack.reduce_frames([good, good, short], out)
+    assert (out == 7.0).all()
+    with pytest.raises(TypeError, match="a frame must be"):
+        gradpack.reduce_frames([good, 3], out)

@@ -35,6 +35,24 @@ use core::mem::MaybeUninit;
 use crate::rng::Draws;
 use scalar::Round;
 
+/// Ask the cache for the line holding `bytes[at]` (a hint: nothing on targets without a
+/// stable prefetch instruction, or when `at` is past the end).
+#[inline(always)]
+fn prefetch(bytes: &[u8], at: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if at < bytes.len() {
+        // SAFETY: `at` is inside `bytes`, so the pointer is in bounds of one allocation;
+        // a prefetch reads nothing architecturally and never faults.
+        unsafe {
+            core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
+                bytes.as_ptr().add(at).cast::<i8>(),
+            )
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (bytes, at);
+}
+
 /// Run a portable kernel compiled for backend `b`.
 #[inline(always)]
 fn simd<Op: pulp::WithSimd>(b: Backend, op: Op) -> Op::Output {
@@ -424,17 +442,36 @@ pub enum ReduceCodes {
 /// per frame.
 pub fn reduce_elementwise<const M: u8>(kind: ReduceCodes, frames: &[&[u8]], out: &mut [f32]) {
     let b = Backend::current();
-    match (kind, b.kind()) {
-        (ReduceCodes::F32, BackendKind::Scalar) => portable::reduce_f32::<M>(frames, out),
-        (ReduceCodes::F16, BackendKind::Scalar) => {
+    let op = match kind {
+        ReduceCodes::F32 => Op::ReduceF32,
+        ReduceCodes::F16 => Op::ReduceF16,
+        ReduceCodes::Bf16 => Op::ReduceBf16,
+    };
+    match (kind, b.kind(), x86_route(op, b.kind())) {
+        (ReduceCodes::F32, BackendKind::Scalar, _) => portable::reduce_f32::<M>(frames, out),
+        (ReduceCodes::F16, BackendKind::Scalar, _) => {
             portable::reduce_u16::<M>(frames, out, scalar::f16_to_f32)
         }
-        (ReduceCodes::Bf16, BackendKind::Scalar) => {
+        (ReduceCodes::Bf16, BackendKind::Scalar, _) => {
             portable::reduce_u16::<M>(frames, out, scalar::bf16_to_f32)
         }
-        (ReduceCodes::F32, _) => simd(b, ReduceF32::<M> { frames, out }),
-        (ReduceCodes::F16, _) => simd(b, ReduceF16::<M> { frames, out }),
-        (ReduceCodes::Bf16, _) => simd(b, ReduceBf16::<M> { frames, out }),
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after AVX2 and F16C were detected.
+        #[cfg(target_arch = "x86_64")]
+        (ReduceCodes::F16, _, X86::Avx2) => unsafe { x86_64::reduce_f16_avx2::<M>(frames, out) },
+        // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
+        // after AVX-512F and F16C were detected.
+        #[cfg(target_arch = "x86_64")]
+        (ReduceCodes::F16, _, X86::Avx512) => unsafe {
+            x86_64::reduce_f16_avx512::<M>(frames, out)
+        },
+        #[cfg(target_arch = "x86_64")]
+        (ReduceCodes::F32, _, X86::Avx2) => simd_avx2(ReduceF32::<M> { frames, out }),
+        #[cfg(target_arch = "x86_64")]
+        (ReduceCodes::Bf16, _, X86::Avx2) => simd_avx2(ReduceBf16::<M> { frames, out }),
+        (ReduceCodes::F32, _, _) => simd(b, ReduceF32::<M> { frames, out }),
+        (ReduceCodes::F16, _, _) => simd(b, ReduceF16::<M> { frames, out }),
+        (ReduceCodes::Bf16, _, _) => simd(b, ReduceBf16::<M> { frames, out }),
     }
 }
 
@@ -444,6 +481,10 @@ pub fn reduce_elementwise<const M: u8>(kind: ReduceCodes, frames: &[&[u8]], out:
 pub fn reduce_int8<const M: u8>(frames: &[(&[u8], &[u8])], block: usize, out: &mut [f32]) {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => portable::reduce_int8::<M>(frames, block, out),
+        #[cfg(target_arch = "x86_64")]
+        b if x86_route(Op::ReduceInt8, b.kind()) == X86::Avx2 => {
+            simd_avx2(ReduceInt8::<M> { frames, block, out })
+        }
         b => simd(b, ReduceInt8::<M> { frames, block, out }),
     }
 }

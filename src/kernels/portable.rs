@@ -813,68 +813,151 @@ fn reduce_first<const M: u8>(o: f32, v: f32) -> f32 {
     if M == super::mode::WRITE { v } else { o + v }
 }
 
-/// Sum `p` frames into `out` [`REDUCE_LANES`] elements at a time, the running sums held in
-/// registers: per element, `first(out, d_0) + d_1 + ... + d_{p-1}` in frame order, where
-/// `dec(q, c, lanes)` decodes frame `q`'s values of lane group `c` into `lanes`. The same
-/// operations in the same order as decoding the first frame and adding the others one
-/// after another, so the same bits. The tail (`out.len() % REDUCE_LANES` elements) is
-/// left to the caller.
+/// Frames whose values can be decoded [`REDUCE_LANES`] at a time: a trait rather than a
+/// closure so that the decode is inlined into each backend's compiled copy of the loop.
+pub trait LaneFrames {
+    /// Lane groups that share one scale (a block), so the scale is read once per block.
+    const PER_BLOCK: usize = 64;
+    /// Frames in the list.
+    fn len(&self) -> usize;
+    /// Lane groups per block, if it varies (int8).
+    #[inline(always)]
+    fn per_block(&self) -> usize {
+        Self::PER_BLOCK
+    }
+    /// Frame `q`'s values of lane group `c`, which lies in block `b`.
+    fn lanes(&self, q: usize, b: usize, c: usize) -> [f32; REDUCE_LANES];
+}
+
+/// Sum every frame of `frames` into `out` [`REDUCE_LANES`] elements at a time, the
+/// running sums held in registers: per element, `first(out, d_0) + d_1 + ... + d_{p-1}`
+/// in frame order. The same operations in the same order as decoding the first frame and
+/// adding the others one after another, so the same bits. The tail
+/// (`out.len() % REDUCE_LANES` elements) is left to the caller.
 #[inline(always)]
-fn reduce_groups<const M: u8>(
-    out: &mut [f32],
-    p: usize,
-    dec: impl Fn(usize, usize, &mut [f32; REDUCE_LANES]),
-) {
-    let mut v = [0f32; REDUCE_LANES];
-    for (c, ob) in out.chunks_exact_mut(REDUCE_LANES).enumerate() {
-        let ob: &mut [f32; REDUCE_LANES] = ob.try_into().expect("chunks of 64");
-        dec(0, c, &mut v);
-        let mut acc = [0f32; REDUCE_LANES];
-        for j in 0..REDUCE_LANES {
-            acc[j] = reduce_first::<M>(ob[j], v[j]);
-        }
-        for q in 1..p {
-            dec(q, c, &mut v);
+pub fn reduce_groups<const M: u8>(out: &mut [f32], frames: &impl LaneFrames) {
+    let p = frames.len();
+    let per_block = frames.per_block();
+    let mut c = 0;
+    for (b, block) in out.chunks_mut(per_block * REDUCE_LANES).enumerate() {
+        for ob in block.chunks_exact_mut(REDUCE_LANES) {
+            let ob: &mut [f32; REDUCE_LANES] = ob.try_into().expect("chunks of 64");
+            let v = frames.lanes(0, b, c);
+            let mut acc = [0f32; REDUCE_LANES];
             for j in 0..REDUCE_LANES {
-                acc[j] += v[j];
+                acc[j] = reduce_first::<M>(ob[j], v[j]);
             }
+            for q in 1..p {
+                let v = frames.lanes(q, b, c);
+                for j in 0..REDUCE_LANES {
+                    acc[j] += v[j];
+                }
+            }
+            *ob = acc;
+            c += 1;
         }
-        *ob = acc;
     }
 }
 
-/// The lane group `c` of a code section of `w` bytes per element.
+/// Bytes ahead of the lane group being decoded that the reduction asks the cache to
+/// fetch, in every frame's codes: with eight or more streams read at once the hardware
+/// prefetchers alone left the loop waiting on memory.
+const PREFETCH_AHEAD: usize = 1024;
+
+/// The lane group `c` of a code section of `W` bytes per element, after asking for the
+/// cache lines [`PREFETCH_AHEAD`] bytes further on.
 #[inline(always)]
-fn group_bytes<const W: usize>(codes: &[u8], c: usize) -> &[u8] {
-    &codes[c * W * REDUCE_LANES..(c + 1) * W * REDUCE_LANES]
+pub fn group_bytes<const W: usize>(codes: &[u8], c: usize) -> &[u8] {
+    let at = c * W * REDUCE_LANES;
+    let mut ahead = at + PREFETCH_AHEAD;
+    while ahead < (at + PREFETCH_AHEAD + W * REDUCE_LANES).min(codes.len()) {
+        super::prefetch(codes, ahead);
+        ahead += 64;
+    }
+    &codes[at..][..W * REDUCE_LANES]
 }
 
-/// [`reduce_groups`] over f32 frames (identity codes, 4 bytes per element); the tail is
-/// the caller's.
+/// f32 frames (identity codes, 4 bytes per element).
+struct F32Lanes<'a>(&'a [&'a [u8]]);
+
+impl LaneFrames for F32Lanes<'_> {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    #[inline(always)]
+    fn lanes(&self, q: usize, _: usize, c: usize) -> [f32; REDUCE_LANES] {
+        let b = group_bytes::<4>(self.0[q], c);
+        let mut v = [0f32; REDUCE_LANES];
+        for (j, o) in v.iter_mut().enumerate() {
+            *o = f32::from_le_bytes([b[4 * j], b[4 * j + 1], b[4 * j + 2], b[4 * j + 3]]);
+        }
+        v
+    }
+}
+
+/// 16-bit frames, widened by `C`.
+struct U16Lanes<'a, C>(&'a [&'a [u8]], C);
+
+impl<C: Fn(u16) -> f32> LaneFrames for U16Lanes<'_, C> {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    #[inline(always)]
+    fn lanes(&self, q: usize, _: usize, c: usize) -> [f32; REDUCE_LANES] {
+        let b = group_bytes::<2>(self.0[q], c);
+        let mut v = [0f32; REDUCE_LANES];
+        for (j, o) in v.iter_mut().enumerate() {
+            *o = (self.1)(u16::from_le_bytes([b[2 * j], b[2 * j + 1]]));
+        }
+        v
+    }
+}
+
+/// int8 frames (`(steps, codes)`), `per_block` lane groups to a block.
+struct Int8Lanes<'a> {
+    frames: &'a [(&'a [u8], &'a [u8])],
+    per_block: usize,
+}
+
+impl LaneFrames for Int8Lanes<'_> {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.frames.len()
+    }
+
+    #[inline(always)]
+    fn per_block(&self) -> usize {
+        self.per_block
+    }
+
+    #[inline(always)]
+    fn lanes(&self, q: usize, b: usize, c: usize) -> [f32; REDUCE_LANES] {
+        let (steps, codes) = self.frames[q];
+        let s = scalar::get_step(steps, b);
+        let b = group_bytes::<1>(codes, c);
+        let mut v = [0f32; REDUCE_LANES];
+        for (j, o) in v.iter_mut().enumerate() {
+            *o = (b[j] as i8) as f32 * s;
+        }
+        v
+    }
+}
+
+/// [`reduce_groups`] over f32 frames; the tail is the caller's.
 #[inline(always)]
 pub fn reduce_f32<const M: u8>(frames: &[&[u8]], out: &mut [f32]) {
-    reduce_groups::<M>(out, frames.len(), |q, c, v| {
-        for (o, b) in v
-            .iter_mut()
-            .zip(group_bytes::<4>(frames[q], c).chunks_exact(4))
-        {
-            *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        }
-    });
+    reduce_groups::<M>(out, &F32Lanes(frames));
 }
 
 /// [`reduce_groups`] over 16-bit frames (fp16 or bf16 by `conv`); the tail is the
 /// caller's.
 #[inline(always)]
 pub fn reduce_u16<const M: u8>(frames: &[&[u8]], out: &mut [f32], conv: impl Fn(u16) -> f32) {
-    reduce_groups::<M>(out, frames.len(), |q, c, v| {
-        for (o, b) in v
-            .iter_mut()
-            .zip(group_bytes::<2>(frames[q], c).chunks_exact(2))
-        {
-            *o = conv(u16::from_le_bytes([b[0], b[1]]));
-        }
-    });
+    reduce_groups::<M>(out, &U16Lanes(frames, conv));
 }
 
 /// [`reduce_groups`] over int8 frames of blocks of `block` elements, a multiple of
@@ -883,13 +966,7 @@ pub fn reduce_u16<const M: u8>(frames: &[&[u8]], out: &mut [f32], conv: impl Fn(
 #[inline(always)]
 pub fn reduce_int8<const M: u8>(frames: &[(&[u8], &[u8])], block: usize, out: &mut [f32]) {
     let per_block = block / REDUCE_LANES;
-    reduce_groups::<M>(out, frames.len(), |q, c, v| {
-        let (steps, codes) = frames[q];
-        let s = scalar::get_step(steps, c / per_block);
-        for (o, &b) in v.iter_mut().zip(group_bytes::<1>(codes, c)) {
-            *o = (b as i8) as f32 * s;
-        }
-    });
+    reduce_groups::<M>(out, &Int8Lanes { frames, per_block });
 }
 
 #[cfg(test)]

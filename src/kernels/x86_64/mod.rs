@@ -13,7 +13,7 @@ use core::arch::x86_64::*;
 pub mod blocks;
 pub mod blocks512;
 
-use super::portable::{SignLanes, compress_masks_vals};
+use super::portable::{LaneFrames, REDUCE_LANES, SignLanes, compress_masks_vals};
 use super::scalar::{self, mode};
 
 const ABS: i32 = 0x7FFF_FFFF;
@@ -692,4 +692,50 @@ pub unsafe fn retain_mag_ge_avx512(idx: &mut [u32], vals: &mut [u32], t: u32) ->
         r += 16;
     }
     w + scalar::retain_mag_ge_from(idx, vals, t, r, w)
+}
+
+/// fp16 frames of the multi-frame reduction, widened with F16C 8 lanes at a time.
+struct F16cLanes<'a>(&'a [&'a [u8]]);
+
+impl LaneFrames for F16cLanes<'_> {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    #[inline(always)]
+    fn lanes(&self, q: usize, _: usize, c: usize) -> [f32; REDUCE_LANES] {
+        let b = super::portable::group_bytes::<2>(self.0[q], c);
+        let mut v = [0f32; REDUCE_LANES];
+        for k in 0..REDUCE_LANES / 8 {
+            // SAFETY: `b` holds 2 * REDUCE_LANES bytes, so the 16 at 16 k are inside it, and
+            // `v` the 8 floats at 8 k; unaligned accesses. This is only inlined into
+            // `reduce_f16_avx2` and `reduce_f16_avx512`, whose callers guarantee F16C.
+            unsafe {
+                let h = _mm_loadu_si128(b.as_ptr().add(16 * k).cast::<__m128i>());
+                _mm256_storeu_ps(v.as_mut_ptr().add(8 * k), _mm256_cvtph_ps(h));
+            }
+        }
+        v
+    }
+}
+
+/// The multi-frame reduction of fp16 frames (see `portable::reduce_groups`: the same
+/// operations in the same order as the scalar decode and decode_add), widened with F16C
+/// and summed in AVX2 registers.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn reduce_f16_avx2<const M: u8>(frames: &[&[u8]], out: &mut [f32]) {
+    super::portable::reduce_groups::<M>(out, &F16cLanes(frames));
+}
+
+/// As [`reduce_f16_avx2`], summed in AVX-512 registers.
+///
+/// # Safety
+/// The CPU must support AVX-512F and F16C.
+#[target_feature(enable = "avx512f,avx2,f16c")]
+pub unsafe fn reduce_f16_avx512<const M: u8>(frames: &[&[u8]], out: &mut [f32]) {
+    super::portable::reduce_groups::<M>(out, &F16cLanes(frames));
 }
