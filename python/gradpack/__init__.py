@@ -21,7 +21,7 @@ of the wrong size) raises :class:`Error`, a ``ValueError`` carrying the crate's 
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -40,6 +40,7 @@ from ._native import (
 
 __all__ = [
     "HEADER_LEN",
+    "AllReduce",
     "Codec",
     "CodecProfile",
     "Error",
@@ -410,6 +411,114 @@ class ErrorFeedback:
 
     def __repr__(self) -> str:
         return repr(self._ef)
+
+
+class AllReduce:
+    """gradpack's compressed all-reduce of one tensor of ``length`` elements, on rank
+    ``rank`` of ``world``, over any message transport you give as two callables:
+
+    - ``send(msg: bytes, to: int)`` hands ``msg`` to rank ``to`` and must return without
+      waiting for ``to`` to receive it (all ranks send before they receive);
+    - ``recv(frm: int)`` returns the next message from rank ``frm`` (bytes, bytearray or
+      a 1-D uint8 array), in the order ``frm`` sent them.
+
+    The algorithms are the Rust crate's, the same that MPI and the in-process transport
+    run: ``strategy`` ``"ring"`` (a compressed reduce-scatter and all-gather, ``pieces``
+    per chunk pipelined, error feedback at the ``"worker"`` or ``"worker+owner"``),
+    ``"allgather"`` (each rank's frame to every rank, summed in one fused pass),
+    ``"majority"`` (sign vote), ``"fp32-ring"``, or ``"auto"`` (the cost model's choice
+    for links of ``bandwidth`` bit/s and ``latency`` s). Every rank ends each
+    :meth:`run` with the same output to the bit. Every message carries an envelope
+    (call, hop, tag, sender) and is checked on arrival, so a message from another call
+    or another all-reduce (give each its own ``tag``) is an error, not a wrong sum.
+    Kernels run with the GIL released; it is taken only to call ``send`` and ``recv``.
+    An exception raised by either ends the call with :class:`Error` naming the peer.
+    """
+
+    __slots__ = ("_ar",)
+
+    def __init__(
+        self,
+        codec: Union[str, Codec],
+        length: int,
+        rank: int,
+        world: int,
+        send: Callable[[bytes, int], Any],
+        recv: Callable[[int], Any],
+        *,
+        strategy: str = "auto",
+        op: str = "mean",
+        feedback: str = "none",
+        pieces: int = 1,
+        checksum: bool = True,
+        tag: int = 0,
+        bandwidth: float = 10e9,
+        latency: float = 10e-6,
+        beta: float = 1.0,
+        gamma: float = 1.0,
+        residual: str = "f32",
+        allow_non_contractive: bool = False,
+    ) -> None:
+        self._ar = _native.AllReduce(
+            _codec(codec),
+            length,
+            rank,
+            world,
+            send,
+            recv,
+            strategy=strategy,
+            op=op,
+            feedback=feedback,
+            pieces=pieces,
+            checksum=checksum,
+            tag=tag,
+            bandwidth=bandwidth,
+            latency=latency,
+            beta=beta,
+            gamma=gamma,
+            residual=residual,
+            allow_non_contractive=allow_non_contractive,
+        )
+
+    def run(self, x: ArrayLike, out: Optional[ArrayLike] = None, seed: int = 0) -> Dict[str, Any]:
+        """All-reduce ``x`` into ``out``, or in place when ``out`` is None. ``seed`` must
+        be the same on every rank and change every step. Returns this rank's
+        ``strategy``, ``bytes_sent`` and ``messages``."""
+        if out is None:
+            return self._ar.run(_f32(x, "x"), None, seed)
+        return self._ar.run(_f32(x, "x"), _f32(out, "out"), seed)
+
+    @property
+    def strategy(self) -> str:
+        """The strategy run (the cost model's choice when made with ``"auto"``)."""
+        return self._ar.strategy
+
+    @property
+    def codec(self) -> Codec:
+        """The codec."""
+        c = Codec.__new__(Codec)
+        c._c = self._ar.codec
+        return c
+
+    @property
+    def calls(self) -> int:
+        """Calls of :meth:`run` so far."""
+        return self._ar.calls
+
+    def __len__(self) -> int:
+        return len(self._ar)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The error-feedback residuals and the strategy, as plain values."""
+        return self._ar.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` into an all-reduce made with the same arguments;
+        the next :meth:`run` continues bit for bit."""
+        self._ar.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return repr(self._ar)
 
 
 def powersgd_matrix(

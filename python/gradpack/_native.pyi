@@ -2,7 +2,7 @@
 and classes of ``gradpack`` itself: they accept torch tensors and bytes-like frames and
 convert them without copying before calling these."""
 
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -51,6 +51,40 @@ class ErrorFeedback:
     def residual(self) -> _F32: ...
     def set_residual(self, r: _F32) -> None: ...
     def reset(self) -> None: ...
+    def state_dict(self) -> Dict[str, Any]: ...
+    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+
+class AllReduce:
+    def __init__(
+        self,
+        codec: Union[str, Codec],
+        length: int,
+        rank: int,
+        world: int,
+        send: Callable[[bytes, int], Any],
+        recv: Callable[[int], Any],
+        *,
+        strategy: str = "auto",
+        op: str = "mean",
+        feedback: str = "none",
+        pieces: int = 1,
+        checksum: bool = True,
+        tag: int = 0,
+        bandwidth: float = 10e9,
+        latency: float = 10e-6,
+        beta: float = 1.0,
+        gamma: float = 1.0,
+        residual: str = "f32",
+        allow_non_contractive: bool = False,
+    ) -> None: ...
+    def run(self, x: _F32, out: Optional[_F32] = None, seed: int = 0) -> Dict[str, Any]: ...
+    @property
+    def strategy(self) -> str: ...
+    @property
+    def codec(self) -> Codec: ...
+    @property
+    def calls(self) -> int: ...
+    def __len__(self) -> int: ...
     def state_dict(self) -> Dict[str, Any]: ...
     def load_state_dict(self, state: Dict[str, Any]) -> None: ...
 

@@ -7,6 +7,9 @@
 //! is never copied), releases the GIL while a kernel runs, and turns a gradpack error into
 //! the `gradpack.Error` exception (a `ValueError`) with the crate's own message.
 
+use gradpack::collective::{
+    AllReduce, AllReduceOptions, Comm, Feedback, ReduceOp, StrategyChoice, Transport,
+};
 use gradpack::cost::{self, CodecProfile, Strategy};
 use gradpack::sync::{PowerSgd, PowerSgdBucket};
 use gradpack::{Codec, CodecSpec, EncodeCtx, FeedbackOptions, ResidualPrecision};
@@ -666,6 +669,292 @@ impl PyErrorFeedback {
 
 /// PowerSGD's arithmetic and state for one bucket of matrices whose two all-reduces
 /// the caller runs (over torch's process group, say). See `gradpack.PowerSgdBucket`.
+/// A transport whose messages go through two Python callables, `send(msg: bytes, to:
+/// int)` and `recv(frm: int) -> bytes-like`; the GIL is taken only around those calls.
+struct PyTransport {
+    rank: usize,
+    size: usize,
+    send: Py<PyAny>,
+    recv: Py<PyAny>,
+}
+
+fn transport_error(peer: usize, what: &str, e: &PyErr) -> gradpack::Error {
+    gradpack::Error::Transport {
+        peer,
+        reason: format!("{what} raised {e}"),
+    }
+}
+
+impl Transport for PyTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn send(&mut self, msg: &[u8], to: usize) -> gradpack::Result<()> {
+        Python::attach(|py| {
+            self.send
+                .call1(py, (PyBytes::new(py, msg), to))
+                .map(drop)
+                .map_err(|e| transport_error(to, "send", &e))
+        })
+    }
+
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> gradpack::Result<()> {
+        Python::attach(|py| {
+            let got = self
+                .recv
+                .call1(py, (from,))
+                .map_err(|e| transport_error(from, "recv", &e))?;
+            let f = frame_in(got.bind(py)).map_err(|e| transport_error(from, "recv", &e))?;
+            let bytes = f
+                .as_slice()
+                .map_err(|e| transport_error(from, "recv", &e))?;
+            buf.clear();
+            buf.try_reserve_exact(bytes.len())
+                .map_err(|_| gradpack::Error::OutOfMemory {
+                    bytes: bytes.len() as u64,
+                    what: "a received message",
+                })?;
+            buf.extend_from_slice(bytes);
+            Ok(())
+        })
+    }
+}
+
+fn feedback_of(name: &str) -> PyResult<Feedback> {
+    match name {
+        "none" => Ok(Feedback::None),
+        "worker" => Ok(Feedback::Worker),
+        "worker+owner" => Ok(Feedback::WorkerAndOwner),
+        _ => Err(PyValueError::new_err(format!(
+            "feedback {name:?}: one of 'none', 'worker', 'worker+owner'"
+        ))),
+    }
+}
+
+const ALLREDUCE_FORMAT: &str = "gradpack.AllReduce/1";
+
+/// gradpack's compressed all-reduce of one tensor on one rank, over messages that two
+/// Python callables move (see the module docs of `gradpack.AllReduce`).
+#[pyclass(module = "gradpack", name = "AllReduce")]
+struct PyAllReduce {
+    inner: AllReduce,
+    comm: Comm<PyTransport>,
+    /// The input when `run` reduces in place.
+    scratch: Vec<f32>,
+}
+
+#[pymethods]
+impl PyAllReduce {
+    #[new]
+    #[pyo3(signature = (
+        codec, length, rank, world, send, recv, *, strategy="auto", op="mean",
+        feedback="none", pieces=1, checksum=true, tag=0, bandwidth=10e9, latency=10e-6,
+        beta=1.0, gamma=1.0, residual="f32", allow_non_contractive=false,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        codec: &Bound<'_, PyAny>,
+        length: usize,
+        rank: usize,
+        world: usize,
+        send: Py<PyAny>,
+        recv: Py<PyAny>,
+        strategy: &str,
+        op: &str,
+        feedback: &str,
+        pieces: usize,
+        checksum: bool,
+        tag: u32,
+        bandwidth: f64,
+        latency: f64,
+        beta: f32,
+        gamma: f32,
+        residual: &str,
+        allow_non_contractive: bool,
+    ) -> PyResult<Self> {
+        let py = codec.py();
+        for (what, f) in [("send", &send), ("recv", &recv)] {
+            if !f.bind(py).is_callable() {
+                return Err(PyTypeError::new_err(format!("{what} must be callable")));
+            }
+        }
+        let strategy = if strategy == "auto" {
+            check_cluster(world.max(1) as u32, bandwidth, latency, 1.0)?;
+            StrategyChoice::Auto {
+                bandwidth_bit_s: bandwidth,
+                latency_s: latency,
+                profile: None,
+            }
+        } else {
+            StrategyChoice::Forced(self::strategy(strategy).map_err(|_| {
+                PyValueError::new_err(format!(
+                    "strategy {strategy:?}: one of 'auto', 'fp32-ring', 'ring', 'allgather', \
+                     'majority'"
+                ))
+            })?)
+        };
+        let op = match op {
+            "mean" => ReduceOp::Mean,
+            "sum" => ReduceOp::Sum,
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "op {op:?}: 'mean' or 'sum'"
+                )));
+            }
+        };
+        if pieces == 0 {
+            return Err(PyValueError::new_err("pieces must be at least 1"));
+        }
+        let opts = AllReduceOptions {
+            op,
+            strategy,
+            feedback: feedback_of(feedback)?,
+            feedback_options: FeedbackOptions {
+                beta,
+                gamma,
+                precision: precision(residual)?,
+                allow_non_contractive,
+            },
+            checksum,
+            tag,
+            pieces,
+        };
+        let t = PyTransport {
+            rank,
+            size: world,
+            send,
+            recv,
+        };
+        let inner = AllReduce::new(spec_of(codec)?, length, &t, opts).map_err(err)?;
+        Ok(PyAllReduce {
+            inner,
+            comm: Comm::new(t),
+            scratch: Vec::new(),
+        })
+    }
+
+    /// One all-reduce of `x` (a float32 array of `len(self)` elements) into `out`, or in
+    /// place when `out` is None. `seed` seeds the step's random draws and must be the
+    /// same on every rank (change it every step). Every rank must call `run` the same
+    /// number of times, in the same order as its other all-reduces on the same peers.
+    /// Returns what this rank did: `strategy`, `bytes_sent`, `messages`.
+    #[pyo3(signature = (x, out=None, seed=0))]
+    fn run<'py>(
+        &mut self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+        seed: u64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let (ar, comm) = (&mut self.inner, &mut self.comm);
+        let stats = match out {
+            Some(out) => {
+                let a = f32_in(x, "x")?;
+                let xs = slice_in(&a)?;
+                let mut o = f32_out(out, "out")?;
+                let os = slice_out(&mut o)?;
+                py.detach(|| ar.run(comm, xs, os, seed))
+            }
+            None => {
+                let mut o = f32_out(x, "x")?;
+                let os = slice_out(&mut o)?;
+                let scratch = &mut self.scratch;
+                scratch.clear();
+                scratch
+                    .try_reserve_exact(os.len())
+                    .map_err(|_| PyValueError::new_err("could not allocate the input copy"))?;
+                scratch.extend_from_slice(os);
+                py.detach(|| ar.run(comm, scratch, os, seed))
+            }
+        }
+        .map_err(err)?;
+        let d = PyDict::new(py);
+        d.set_item("strategy", stats.strategy.name())?;
+        d.set_item("bytes_sent", stats.bytes_sent)?;
+        d.set_item("messages", stats.messages)?;
+        Ok(d)
+    }
+
+    /// The strategy this all-reduce runs (the cost model's choice for "auto").
+    #[getter]
+    fn strategy(&self) -> &'static str {
+        self.inner.strategy().name()
+    }
+
+    /// The codec.
+    #[getter]
+    fn codec(&self) -> PyCodec {
+        PyCodec {
+            spec: self.inner.codec(),
+        }
+    }
+
+    /// Calls made so far on this all-reduce's message stream.
+    #[getter]
+    fn calls(&self) -> u64 {
+        self.comm.calls()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// This rank's error-feedback residuals (strategy and codec with them), to restore
+    /// with `load_state_dict` into an all-reduce made with the same arguments.
+    fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("format", ALLREDUCE_FORMAT)?;
+        d.set_item("codec", self.inner.codec().to_string())?;
+        d.set_item("len", self.inner.len())?;
+        d.set_item("strategy", self.inner.strategy().name())?;
+        d.set_item("blob", PyBytes::new(py, &self.inner.save()))?;
+        Ok(d)
+    }
+
+    /// Restore a state saved by `state_dict`; the next `run` continues bit for bit.
+    fn load_state_dict(&mut self, state: &Bound<'_, PyAny>) -> PyResult<()> {
+        let get = |k: &str| {
+            state.get_item(k).map_err(|_| {
+                PyValueError::new_err(format!("AllReduce state has no {k:?} entry"))
+            })
+        };
+        let format: String = get("format")?.extract()?;
+        if format != ALLREDUCE_FORMAT {
+            return Err(PyValueError::new_err(format!(
+                "AllReduce state format {format:?}, expected {ALLREDUCE_FORMAT:?}"
+            )));
+        }
+        let strategy: String = get("strategy")?.extract()?;
+        if strategy != self.inner.strategy().name() {
+            return Err(PyValueError::new_err(format!(
+                "AllReduce state was saved under strategy {strategy:?}, this one runs {:?}",
+                self.inner.strategy().name()
+            )));
+        }
+        let blob = get("blob")?;
+        let blob = blob
+            .cast::<PyBytes>()
+            .map_err(|_| PyTypeError::new_err("AllReduce state 'blob' must be bytes"))?;
+        self.inner.restore(blob.as_bytes()).map_err(err)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "AllReduce('{}', length={}, strategy='{}', rank={} of {})",
+            self.inner.codec(),
+            self.inner.len(),
+            self.inner.strategy().name(),
+            self.comm.rank(),
+            self.comm.size()
+        )
+    }
+}
+
 #[pyclass(module = "gradpack", name = "PowerSgdBucket")]
 struct PyPowerSgd {
     inner: PowerSgdBucket,
@@ -1122,6 +1411,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_into, m)?)?;
     m.add_function(wrap_pyfunction!(decode_add, m)?)?;
     m.add_function(wrap_pyfunction!(reduce_frames, m)?)?;
+    m.add_class::<PyAllReduce>()?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
     m.add_function(wrap_pyfunction!(frame_len, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate, m)?)?;

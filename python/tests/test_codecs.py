@@ -405,3 +405,149 @@ def test_reduce_frames_names_the_bad_frame_and_leaves_out_alone():
     assert (out == 7.0).all()
     with pytest.raises(TypeError, match="a frame must be"):
         gradpack.reduce_frames([good, 3], out)
+
+
+class _Mailboxes:
+    """An in-process transport for `gradpack.AllReduce`: one queue per (sender,
+    receiver) pair; `recv` gives up after `timeout` seconds."""
+
+    def __init__(self, world, timeout=20.0):
+        import queue
+
+        self.q = {(a, b): queue.Queue() for a in range(world) for b in range(world)}
+        self.timeout = timeout
+
+    def send_of(self, rank):
+        def send(msg, to):
+            self.q[(rank, to)].put(bytes(msg))
+
+        return send
+
+    def recv_of(self, rank):
+        def recv(frm):
+            return self.q[(frm, rank)].get(timeout=self.timeout)
+
+        return recv
+
+
+def _run_ranks(world, make, steps, n, timeout=20.0):
+    """Run `steps` all-reduces on `world` threads; each rank's output per step."""
+    box = _Mailboxes(world, timeout)
+    ars = [make(r, box.send_of(r), box.recv_of(r)) for r in range(world)]
+    outs = [[None] * steps for _ in range(world)]
+    errors = [None] * world
+
+    def rank_main(r):
+        try:
+            for s in range(steps):
+                x = np.sin(np.arange(n, dtype=np.float32) * (0.01 * (r + 1)) + s).astype(np.float32)
+                out = np.empty(n, np.float32)
+                ars[r].run(x, out, seed=1000 + s)
+                outs[r][s] = out
+        except BaseException as e:  # reported by the test
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return ars, outs, errors
+
+
+@pytest.mark.parametrize(
+    "codec,strategy,feedback,pieces",
+    [
+        ("int8", "ring", "worker+owner", 2),
+        ("topk:ratio=0.05,values=fp16", "allgather", "worker", 1),
+        ("sign", "majority", "worker", 1),
+        ("fp16", "fp32-ring", "none", 1),
+        ("int8", "auto", "none", 1),
+    ],
+)
+def test_allreduce_over_python_callables_is_identical_on_every_rank(codec, strategy, feedback, pieces):
+    world, n, steps = 3, 10_001, 3
+
+    def make(r, send, recv):
+        return gradpack.AllReduce(
+            codec, n, r, world, send, recv, strategy=strategy, feedback=feedback, pieces=pieces
+        )
+
+    ars, outs, errors = _run_ranks(world, make, steps, n)
+    assert errors == [None] * world, errors
+    for s in range(steps):
+        for r in range(1, world):
+            assert outs[r][s].view(np.uint32).tolist() == outs[0][s].view(np.uint32).tolist()
+    # The mean of the inputs, within the codec's error (majority: the sign only).
+    exact = np.mean(
+        [np.sin(np.arange(n, dtype=np.float32) * (0.01 * (r + 1)) + steps - 1) for r in range(world)],
+        axis=0,
+    )
+    got = outs[0][steps - 1]
+    if strategy == "majority":
+        agree = np.mean(np.sign(got[exact != 0]) == np.sign(exact[exact != 0]))
+        assert agree > 0.6
+    elif codec.startswith("topk"):
+        assert np.isfinite(got).all()
+    else:
+        assert np.max(np.abs(got - exact)) < (0.05 if codec == "int8" else 1e-3)
+    assert ars[0].calls == steps
+    assert all(a.strategy == ars[0].strategy for a in ars)
+
+
+def test_allreduce_state_dict_continues_bit_for_bit():
+    world, n = 3, 4000
+
+    def make(r, send, recv):
+        return gradpack.AllReduce("int8", n, r, world, send, recv, strategy="ring", feedback="worker+owner")
+
+    ars, outs, errors = _run_ranks(world, make, 4, n)
+    assert errors == [None] * world
+    # Again for two steps, save, then restore into fresh all-reduces for the last two.
+    box = _Mailboxes(world)
+    first = [make(r, box.send_of(r), box.recv_of(r)) for r in range(world)]
+
+    def two(ars_, start):
+        res = [[None, None] for _ in range(world)]
+
+        def go(r):
+            for s in range(start, start + 2):
+                x = np.sin(np.arange(n, dtype=np.float32) * (0.01 * (r + 1)) + s).astype(np.float32)
+                res[r][s - start] = ars_[r].run(x, seed=1000 + s) and x
+
+        ts = [threading.Thread(target=go, args=(r,)) for r in range(world)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        return res
+
+    two(first, 0)
+    saved = [a.state_dict() for a in first]
+    box2 = _Mailboxes(world)
+    second = [make(r, box2.send_of(r), box2.recv_of(r)) for r in range(world)]
+    for a, st in zip(second, saved):
+        a.load_state_dict(st)
+    res = two(second, 2)
+    for r in range(world):
+        for k in range(2):
+            assert res[r][k].view(np.uint32).tolist() == outs[r][2 + k].view(np.uint32).tolist()
+
+
+def test_allreduce_transport_failures_are_errors_naming_the_peer():
+    world, n = 3, 1000
+
+    def make(r, send, recv):
+        if r == 2:
+            def broken(msg, to):
+                raise ConnectionError("link down")
+
+            send = broken
+        return gradpack.AllReduce("int8", n, r, world, send, recv, strategy="ring")
+
+    _, _, errors = _run_ranks(world, make, 1, n, timeout=2.0)
+    assert isinstance(errors[2], gradpack.Error) and "link down" in str(errors[2])
+    # The others time out in recv (queue.Empty), reported as a transport error.
+    assert all(isinstance(e, gradpack.Error) for e in errors), errors
+    with pytest.raises(TypeError, match="send must be callable"):
+        gradpack.AllReduce("int8", n, 0, 2, None, lambda f: b"")
+    with pytest.raises(ValueError, match='strategy "tree"'):
+        gradpack.AllReduce("int8", n, 0, 2, print, print, strategy="tree")
