@@ -802,9 +802,7 @@ impl PyAllReduce {
             "mean" => ReduceOp::Mean,
             "sum" => ReduceOp::Sum,
             _ => {
-                return Err(PyValueError::new_err(format!(
-                    "op {op:?}: 'mean' or 'sum'"
-                )));
+                return Err(PyValueError::new_err(format!("op {op:?}: 'mean' or 'sum'")));
             }
         };
         if pieces == 0 {
@@ -919,9 +917,9 @@ impl PyAllReduce {
     /// Restore a state saved by `state_dict`; the next `run` continues bit for bit.
     fn load_state_dict(&mut self, state: &Bound<'_, PyAny>) -> PyResult<()> {
         let get = |k: &str| {
-            state.get_item(k).map_err(|_| {
-                PyValueError::new_err(format!("AllReduce state has no {k:?} entry"))
-            })
+            state
+                .get_item(k)
+                .map_err(|_| PyValueError::new_err(format!("AllReduce state has no {k:?} entry")))
         };
         let format: String = get("format")?.extract()?;
         if format != ALLREDUCE_FORMAT {
