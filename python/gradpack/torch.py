@@ -23,11 +23,15 @@ What it does, per bucket:
   all-gathered, and each rank decodes all of them and sums them in rank order, so every
   rank holds the same sum. A bucket with no tensor to compress, and every bucket when
   the codec is ``"identity"``, goes through a plain float32 all-reduce instead.
-- ``strategy="ring"``: a compressed ring over send/recv on the whole bucket: each of the
-  ``2(p - 1)`` hops moves one ``1/p`` chunk, partial sums are re-encoded on the way, and
-  the owners' final frames are forwarded unchanged. It moves ``2(p - 1)/p`` frames per
-  rank against the all-gather's ``p - 1``, so it pays from 3 ranks up for dense codecs.
-  Its chunks follow the bucket, not the parameters, and it takes no error feedback.
+- ``strategy="ring"``: gradpack's own compressed ring (:class:`gradpack.AllReduce`, the
+  algorithm MPI and the sync engine run) on the whole bucket, its messages sent point to
+  point on the process group: each of the ``2(p - 1)`` hops moves one ``1/p`` chunk,
+  partial sums are re-encoded on the way, and the owners' final frames are forwarded
+  unchanged. It moves ``2(p - 1)/p`` frames per rank against the all-gather's ``p - 1``,
+  so it pays from 3 ranks up for dense codecs. With error feedback, each rank keeps a
+  residual for what it encodes from its own data and, as a chunk's owner, for the
+  chunk's final encode; ``pieces`` pipelines each chunk. Its chunks follow the bucket,
+  not the parameters, so its residuals belong to the bucket's layout.
 - Messages whose length is fixed by the element counts (every codec but random-k, up to
   top-k's 2% slack) travel in buffers of that length; random-k's lengths are
   all-gathered first.
@@ -130,6 +134,8 @@ class GradpackState:
             other dimensions' product), as DeMo does, instead of tiles along the flat
             tensor. A tile then holds ``chunk**2`` coefficients: ``dct:chunk=8,k=4``
             in 2-D sends about what ``dct:chunk=64,k=4`` sends in 1-D.
+        pieces: ``strategy="ring"``: split each ring chunk into this many frames, so
+            that encoding and decoding overlap the link (a pipelined ring).
 
     Making a state with ``codec="auto"`` runs one all-reduce on the group (to average
     the measured speeds), so every rank must make it at the same point.
@@ -151,6 +157,7 @@ class GradpackState:
         model: Optional[torch.nn.Module] = None,
         powersgd: Union[None, int, Dict[str, Any]] = None,
         dct_2d: bool = False,
+        pieces: int = 1,
     ) -> None:
         if codec is None:
             codec = "identity" if powersgd is not None else "int8"
@@ -163,6 +170,13 @@ class GradpackState:
             raise ValueError(f"strategy {strategy!r}: use 'allgather' or 'ring'")
         if min_compress_elements < 0:
             raise ValueError("min_compress_elements must be >= 0")
+        if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
+            raise ValueError(f"pieces must be a positive int, not {pieces!r}")
+        self.pieces = pieces
+        self._rings: Dict[Any, Any] = {}  # (names, elements, codec) -> gradpack.AllReduce
+        self._rings_now: Dict[int, Any] = {}  # bucket index -> key of its ring now
+        self._ring_restored: Dict[str, Dict[str, Any]] = {}
+        self._pending: List[Any] = []
         self.process_group = process_group
         self.strategy = strategy
         self.min_compress_elements = int(min_compress_elements)
@@ -201,10 +215,6 @@ class GradpackState:
         else:
             self.codec = Codec(codec)
             self.candidates = [self.codec]
-        if strategy == "ring" and any(self._wants_ef(c) for c in self.candidates):
-            raise ValueError(
-                "error feedback needs strategy='allgather' (the ring re-encodes partial sums)"
-            )
 
     # ------------------------------------------------------------------ policy
 
@@ -305,7 +315,8 @@ class GradpackState:
         (``torch.save`` and ``torch.load(weights_only=True)`` take it). Needs ``model=``
         when there is such state. Waits for buckets still in flight."""
         self.wait()
-        if self._model is None and (self._feedback or self._lr):
+        ring_ef = any(self._wants_ef(ar.codec) for ar in self._rings.values())
+        if self._model is None and (self._feedback or self._lr or ring_ef):
             raise ValueError(
                 "GradpackState.state_dict needs the model: make the state with "
                 "model=ddp_model so residuals are saved by parameter name"
@@ -329,6 +340,11 @@ class GradpackState:
             "powersgd": None if self._ps is None else dict(self._ps),
             "residuals": residuals,
             "low_rank": low_rank,
+            # The rings of the layouts in use now (not those DDP has since regrouped).
+            "rings": dict(
+                self._ring_restored,
+                **{k[0]: ar.state_dict() for k, ar in self._rings.items()},
+            ),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -367,6 +383,9 @@ class GradpackState:
         self._lr.clear()
         self._lr_owner.clear()
         self._lr_restored = low_rank
+        self._rings.clear()
+        self._rings_now.clear()
+        self._ring_restored = dict(state.get("rings", {}))
 
     def wait(self) -> None:
         """Block until every submitted bucket has been reduced."""
@@ -462,7 +481,7 @@ class GradpackState:
             dist.all_reduce(flat, group=self.process_group)
             flat.div_(world)
         elif self.strategy == "ring":
-            self._ring(flat, self.codec_for(n), index, step, world)
+            self._ring(flat, layout, self.codec_for(n), index, step, world)
         else:
             self._allgather(flat, layout, codecs, index, step, world)
         if host is not buf:
@@ -648,65 +667,72 @@ class GradpackState:
         if any(c is not None for c in rest):
             self._allgather(flat, layout, rest, index, step, world)
 
-    def _ring(self, flat: torch.Tensor, codec: Codec, index: int, step: int, world: int) -> None:
-        n = flat.numel()
-        rank = self._rank()
-        group = self.process_group
-        right, left = (rank + 1) % world, (rank - 1) % world
-        if group is not None:
-            right, left = dist.get_global_rank(group, right), dist.get_global_rank(group, left)
-        parts = _chunks(n, world)
-        cap = max(codec.max_encoded_len(len(r), self.checksum) for r in parts)
-        sbuf, rbuf = self._buffer(
-            ("ring", index, cap),
-            lambda: (torch.empty(cap, dtype=torch.uint8), torch.empty(cap, dtype=torch.uint8)),
-        )
-        x = flat.numpy()
-        fixed = _fixed_len(codec, max(len(r) for r in parts))
-
-        def swap(a: torch.Tensor, b: torch.Tensor) -> None:
-            ops = [dist.P2POp(dist.isend, a, right, group), dist.P2POp(dist.irecv, b, left, group)]
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-
-        def exchange(length: int) -> np.ndarray:
-            if fixed:
-                swap(sbuf, rbuf)
-                r = rbuf.numpy()
-                return r[: gradpack.frame_len(r)]
-            theirs = torch.zeros(1, dtype=torch.int64)
-            swap(torch.tensor([length], dtype=torch.int64), theirs)
-            swap(sbuf[:length], rbuf[: int(theirs)])
-            return rbuf.numpy()[: int(theirs)]
-
-        def enc(c: int, hop: int) -> int:
-            r = parts[c]
-            return codec.encode_into(
-                x[r.start : r.stop],
-                sbuf.numpy(),
-                seed=_seed(self.seed, step, (index << 16) + hop, codec, rank),
-                offset=r.start,
+    def _ring(
+        self, flat: torch.Tensor, layout: List[Any], codec: Codec, index: int, step: int, world: int
+    ) -> None:
+        """The crate's compressed ring (:class:`gradpack.AllReduce`) on the whole bucket,
+        its messages sent point to point on the process group. One all-reduce, with
+        its residuals, per bucket layout (DDP regroups its buckets once, after the first
+        step: the residuals of the first layout are then dropped)."""
+        names = ",".join(e[0] for e in layout)
+        key = (names, flat.numel(), str(codec))
+        ar = self._rings.get(key)
+        if ar is None:
+            ar = gradpack.AllReduce(
+                codec,
+                flat.numel(),
+                self._rank(),
+                world,
+                self._p2p_send,
+                self._p2p_recv,
+                strategy="ring",
+                feedback="worker+owner" if self._wants_ef(codec) else "none",
+                pieces=self.pieces,
                 checksum=self.checksum,
+                tag=index & 0xFFFFFFFF,
             )
+            saved = self._ring_restored.pop(names, None)
+            if saved is not None:
+                ar.load_state_dict(saved)
+            self._rings[key] = ar
+        old = self._rings_now.get(index)
+        if old is not None and old != key:
+            del self._rings[old]  # DDP regrouped its buckets: that layout is gone
+        self._rings_now[index] = key
+        try:
+            # The crate mixes the rank into the seed itself (rank 0 here: the same
+            # seed on every rank).
+            ar.run(flat.numpy(), seed=_seed(self.seed, step, index, codec, 0))
+        except BaseException:
+            self._pending.clear()
+            raise
+        for works in self._pending:
+            for w in works[:2]:
+                w.wait()
+        self._pending.clear()
 
-        # Reduce-scatter: after p - 1 hops rank r holds the sum of chunk (r + 1) % p.
-        for s in range(world - 1):
-            frame = exchange(enc((rank - s) % world, s))
-            r = parts[(rank - s - 1) % world]
-            gradpack.decode_add(frame, x[r.start : r.stop])
-        # The owner encodes its sum once; that frame travels the ring unchanged and every
-        # rank, the owner too, decodes it, so all ranks hold the same values.
-        own = (rank + 1) % world
-        length = enc(own, world)
-        r = parts[own]
-        gradpack.decode_into(sbuf.numpy()[:length], x[r.start : r.stop])
-        for s in range(world - 1):
-            frame = exchange(length)
-            r = parts[(rank - s) % world]
-            gradpack.decode_into(frame, x[r.start : r.stop])
-            length = len(frame)
-            sbuf.numpy()[:length] = frame
-        flat.div_(world)
+    def _peer(self, r: int) -> int:
+        g = self.process_group
+        return r if g is None else dist.get_global_rank(g, r)
+
+    def _p2p_send(self, msg: bytes, to: int) -> None:
+        """The all-reduce's send: the length, then the bytes, without waiting (the
+        tensors stay alive in ``_pending`` until the run ends)."""
+        dst = self._peer(to)
+        length = torch.tensor([len(msg)], dtype=torch.int64)
+        payload = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+        g = self.process_group
+        self._pending.append(
+            (dist.isend(length, dst, group=g), dist.isend(payload, dst, group=g), length, payload)
+        )
+
+    def _p2p_recv(self, frm: int) -> np.ndarray:
+        src = self._peer(frm)
+        length = torch.empty(1, dtype=torch.int64)
+        dist.recv(length, src, group=self.process_group)
+        buf = torch.empty(int(length), dtype=torch.uint8)
+        dist.recv(buf, src, group=self.process_group)
+        return buf.numpy()
 
 
 _POWERSGD_KEYS = ("rank", "warm_start", "feedback", "min_compression", "start_step")

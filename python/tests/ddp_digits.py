@@ -29,6 +29,8 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "topk-ef": {"codec": "topk:ratio=0.01,values=fp16", "error_feedback": True},
     "sign-ef": {"codec": "sign", "error_feedback": True},
     "int8-ring": {"codec": "int8", "strategy": "ring"},
+    # The crate's ring with worker + owner error feedback and two pieces per chunk.
+    "int8-ef-ring": {"codec": "int8", "strategy": "ring", "error_feedback": True, "pieces": 2},
     # Every weight matrix as rank-2 factors, biases in float32 (PyTorch's PowerSGD hook).
     "powersgd2": {"powersgd": 2},
     # The 10 x 256 output layer compresses under 6 times at rank 2, so it goes with the
@@ -78,6 +80,7 @@ def make(cfg: Dict[str, Any], seed: int, init: int = -1):
             dct_2d=cfg.get("dct_2d", False),
             error_feedback=cfg.get("error_feedback"),
             strategy=cfg.get("strategy", "allgather"),
+            pieces=cfg.get("pieces", 1),
             min_compress_elements=1024,
             seed=seed,
             model=net,
@@ -155,6 +158,9 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
                         "max_diff": float((straight - resumed).abs().max())})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    # A barrier first: gloo can abort at exit when a rank tears down while a peer's
+    # last messages are still in flight.
+    dist.barrier()
     dist.destroy_process_group()
 
 
