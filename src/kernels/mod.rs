@@ -39,7 +39,7 @@ use scalar::Round;
 /// stable prefetch instruction, or when `at` is past the end).
 #[inline(always)]
 fn prefetch(bytes: &[u8], at: usize) {
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
     if at < bytes.len() {
         // SAFETY: `at` is inside `bytes`, so the pointer is in bounds of one allocation;
         // a prefetch reads nothing architecturally and never faults.
@@ -49,7 +49,7 @@ fn prefetch(bytes: &[u8], at: usize) {
             )
         }
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(not(all(target_arch = "x86_64", not(miri))))]
     let _ = (bytes, at);
 }
 
