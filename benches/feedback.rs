@@ -21,16 +21,9 @@ use std::time::Duration;
 
 mod common;
 
-use common::{SPECS, sizes};
+use common::{SPECS, pool, sizes};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gradpack::{Codec, CodecSpec, EncodeCtx, ErrorFeedback, FeedbackOptions, ResidualPrecision};
-
-fn pool(threads: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap()
-}
 
 /// These benchmarks measure speed, not convergence: every codec is accepted, including
 /// the non-contractive ones error feedback refuses by default (QSGD at 2 and 4 bits).

@@ -15,16 +15,9 @@ use std::time::Duration;
 
 mod common;
 
-use common::sizes;
+use common::{pool, sizes};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gradpack::{Codec, CodecSpec, EncodeCtx};
-
-fn pool(threads: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap()
-}
 
 fn reduce(c: &mut Criterion) {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -170,13 +170,7 @@ fn reduce_any<const M: u8, F: AsRef<[u8]>>(frames: &[F], out: &mut [f32]) -> Res
         index,
         source: Box::new(e),
     };
-    let mut split = Vec::new();
-    split
-        .try_reserve_exact(frames.len())
-        .map_err(|_| Error::OutOfMemory {
-            bytes: (frames.len() as u64).saturating_mul(80),
-            what: "the list of frames to reduce",
-        })?;
+    let mut split = codecs::reduce::frame_list(frames.len())?;
     for (q, f) in frames.iter().enumerate() {
         split.push(wire::split(f.as_ref()).map_err(|e| in_frame(q, e))?);
     }

@@ -140,6 +140,12 @@ fn halves<B: Split>(
     for_ranges(b, n, range, false, f)
 }
 
+impl Split for &mut [f32] {
+    fn split(self, at: usize, _: usize) -> (Self, Self) {
+        self.split_at_mut(at)
+    }
+}
+
 impl Split for (&mut [f32], &[f32]) {
     fn split(self, at: usize, _: usize) -> (Self, Self) {
         let (r0, r1) = self.0.split_at_mut(at);

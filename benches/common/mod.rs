@@ -48,3 +48,11 @@ pub fn read_pass(x: &[f32]) -> f32 {
     }
     lanes.iter().sum::<f32>() + tail
 }
+
+/// A rayon pool of `threads` threads.
+pub fn pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap()
+}

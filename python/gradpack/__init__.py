@@ -417,8 +417,9 @@ class AllReduce:
     """gradpack's compressed all-reduce of one tensor of ``length`` elements, on rank
     ``rank`` of ``world``, over any message transport you give as two callables:
 
-    - ``send(msg: bytes, to: int)`` hands ``msg`` to rank ``to`` and must return without
-      waiting for ``to`` to receive it (all ranks send before they receive);
+    - ``send(msg: bytearray, to: int)`` hands ``msg`` (a copy of its own, which the
+      callable may keep) to rank ``to`` and must return without waiting for ``to`` to
+      receive it (all ranks send before they receive);
     - ``recv(frm: int)`` returns the next message from rank ``frm`` (bytes, bytearray or
       a 1-D uint8 array), in the order ``frm`` sent them.
 
@@ -443,7 +444,7 @@ class AllReduce:
         length: int,
         rank: int,
         world: int,
-        send: Callable[[bytes, int], Any],
+        send: Callable[[bytearray, int], Any],
         recv: Callable[[int], Any],
         *,
         strategy: str = "auto",

@@ -61,7 +61,7 @@ class AllReduce:
         length: int,
         rank: int,
         world: int,
-        send: Callable[[bytes, int], Any],
+        send: Callable[[bytearray, int], Any],
         recv: Callable[[int], Any],
         *,
         strategy: str = "auto",

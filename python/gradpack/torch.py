@@ -97,11 +97,6 @@ def _seed(base: int, step: int, key: int, codec: Codec, rank: int) -> int:
     return _native.rank_seed(codec._c, s, rank)
 
 
-def _chunks(n: int, p: int) -> List[range]:
-    """The crate's split of ``n`` elements into ``p`` ring chunks."""
-    return [range(*_native.chunk_range(n, p, c)) for c in range(p)]
-
-
 class GradpackState:
     """The hook's configuration and the state it carries across steps.
 
@@ -715,12 +710,13 @@ class GradpackState:
         g = self.process_group
         return r if g is None else dist.get_global_rank(g, r)
 
-    def _p2p_send(self, msg: bytes, to: int) -> None:
-        """The all-reduce's send: the length, then the bytes, without waiting (the
-        tensors stay alive in ``_pending`` until the run ends)."""
+    def _p2p_send(self, msg: bytearray, to: int) -> None:
+        """The all-reduce's send: the length, then the bytes (a bytearray of the
+        message's own, viewed without a copy), without waiting (the tensors stay alive
+        in ``_pending`` until the run ends)."""
         dst = self._peer(to)
         length = torch.tensor([len(msg)], dtype=torch.int64)
-        payload = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+        payload = torch.frombuffer(msg, dtype=torch.uint8)
         g = self.process_group
         self._pending.append(
             (dist.isend(length, dst, group=g), dist.isend(payload, dst, group=g), length, payload)

@@ -20,7 +20,7 @@ use numpy::{
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
 pyo3::create_exception!(
     gradpack,
@@ -479,6 +479,35 @@ fn precision(name: &str) -> PyResult<ResidualPrecision> {
     }
 }
 
+/// The entry `key` of a saved state dict of `what` (a class name), or a clear error.
+fn state_item<'py>(
+    state: &Bound<'py, PyAny>,
+    what: &str,
+    key: &str,
+) -> PyResult<Bound<'py, PyAny>> {
+    state
+        .get_item(key)
+        .map_err(|_| PyValueError::new_err(format!("{what} state has no {key:?} entry")))
+}
+
+/// The blob of a state dict of `what` saved in format `expected`, after checking the
+/// format.
+fn state_blob<'py>(
+    state: &Bound<'py, PyAny>,
+    what: &str,
+    expected: &str,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let format: String = state_item(state, what, "format")?.extract()?;
+    if format != expected {
+        return Err(PyValueError::new_err(format!(
+            "{what} state format {format:?}, expected {expected:?}"
+        )));
+    }
+    state_item(state, what, "blob")?
+        .cast_into::<PyBytes>()
+        .map_err(|_| PyTypeError::new_err(format!("{what} state 'blob' must be bytes")))
+}
+
 const STATE_FORMAT: &str = "gradpack.ErrorFeedback/1";
 
 #[pymethods]
@@ -609,21 +638,7 @@ impl PyErrorFeedback {
 
     /// Restore a state saved by `state_dict` (same codec and length); bit-identical.
     fn load_state_dict(&mut self, state: &Bound<'_, PyAny>) -> PyResult<()> {
-        let get = |k: &str| {
-            state.get_item(k).map_err(|_| {
-                PyValueError::new_err(format!("ErrorFeedback state has no {k:?} entry"))
-            })
-        };
-        let format: String = get("format")?.extract()?;
-        if format != STATE_FORMAT {
-            return Err(PyValueError::new_err(format!(
-                "ErrorFeedback state format {format:?}, expected {STATE_FORMAT:?}"
-            )));
-        }
-        let blob = get("blob")?;
-        let blob = blob
-            .cast::<PyBytes>()
-            .map_err(|_| PyTypeError::new_err("ErrorFeedback state 'blob' must be bytes"))?;
+        let blob = state_blob(state, "ErrorFeedback", STATE_FORMAT)?;
         self.inner.restore(blob.as_bytes()).map_err(err)
     }
 
@@ -669,8 +684,9 @@ impl PyErrorFeedback {
 
 /// PowerSGD's arithmetic and state for one bucket of matrices whose two all-reduces
 /// the caller runs (over torch's process group, say). See `gradpack.PowerSgdBucket`.
-/// A transport whose messages go through two Python callables, `send(msg: bytes, to:
-/// int)` and `recv(frm: int) -> bytes-like`; the GIL is taken only around those calls.
+/// A transport whose messages go through two Python callables, `send(msg: bytearray, to:
+/// int)` (the message's own copy, which the callee may keep) and `recv(frm: int) ->
+/// bytes-like`; the GIL is taken only around those calls.
 struct PyTransport {
     rank: usize,
     size: usize,
@@ -697,7 +713,7 @@ impl Transport for PyTransport {
     fn send(&mut self, msg: &[u8], to: usize) -> gradpack::Result<()> {
         Python::attach(|py| {
             self.send
-                .call1(py, (PyBytes::new(py, msg), to))
+                .call1(py, (PyByteArray::new(py, msg), to))
                 .map(drop)
                 .map_err(|e| transport_error(to, "send", &e))
         })
@@ -916,28 +932,14 @@ impl PyAllReduce {
 
     /// Restore a state saved by `state_dict`; the next `run` continues bit for bit.
     fn load_state_dict(&mut self, state: &Bound<'_, PyAny>) -> PyResult<()> {
-        let get = |k: &str| {
-            state
-                .get_item(k)
-                .map_err(|_| PyValueError::new_err(format!("AllReduce state has no {k:?} entry")))
-        };
-        let format: String = get("format")?.extract()?;
-        if format != ALLREDUCE_FORMAT {
-            return Err(PyValueError::new_err(format!(
-                "AllReduce state format {format:?}, expected {ALLREDUCE_FORMAT:?}"
-            )));
-        }
-        let strategy: String = get("strategy")?.extract()?;
+        let blob = state_blob(state, "AllReduce", ALLREDUCE_FORMAT)?;
+        let strategy: String = state_item(state, "AllReduce", "strategy")?.extract()?;
         if strategy != self.inner.strategy().name() {
             return Err(PyValueError::new_err(format!(
                 "AllReduce state was saved under strategy {strategy:?}, this one runs {:?}",
                 self.inner.strategy().name()
             )));
         }
-        let blob = get("blob")?;
-        let blob = blob
-            .cast::<PyBytes>()
-            .map_err(|_| PyTypeError::new_err("AllReduce state 'blob' must be bytes"))?;
         self.inner.restore(blob.as_bytes()).map_err(err)
     }
 

@@ -19,7 +19,7 @@ pub struct Layout {
     pub bits: usize,
 }
 
-const fn gcd(a: usize, b: usize) -> usize {
+pub(crate) const fn gcd(a: usize, b: usize) -> usize {
     if b == 0 { a } else { gcd(b, a % b) }
 }
 
@@ -289,6 +289,21 @@ pub(crate) fn decode<F: FixedRate + ?Sized, const M: u8>(
     let n = out.len();
     let (scales, codes) = p.split_at(l.scales_len(n));
     f.validate(h, scales, codes)?;
+    decode_validated(f, M, scales, codes, out);
+    Ok(())
+}
+
+/// Decode sections already validated (`out.len()` elements) in mode `m`, in parallel
+/// ranges for large tensors.
+pub(crate) fn decode_validated<F: FixedRate + ?Sized>(
+    f: &F,
+    m: u8,
+    scales: &[u8],
+    codes: &[u8],
+    out: &mut [f32],
+) {
+    let l = f.layout();
+    let n = out.len();
     if parallel::worth(n, 2) {
         let b = Dec {
             l,
@@ -297,13 +312,12 @@ pub(crate) fn decode<F: FixedRate + ?Sized, const M: u8>(
             out,
         };
         parallel::for_ranges(b, n, l.range_near(parallel::CHUNK), true, &|b, _| {
-            f.decode_sections(M, b.scales, b.codes, b.out);
+            f.decode_sections(m, b.scales, b.codes, b.out);
             false
         });
     } else {
-        f.decode_sections(M, scales, codes, out);
+        f.decode_sections(m, scales, codes, out);
     }
-    Ok(())
 }
 
 // ------------------------------------------------------------------ error feedback

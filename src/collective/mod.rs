@@ -853,13 +853,7 @@ impl AllReduce {
     /// `output = sum of every rank's decoded frame`, in rank order, in one fused pass
     /// ([`crate::reduce_frames`]).
     fn sum_frames(&mut self, output: &mut [f32]) -> Result<()> {
-        let mut split = Vec::new();
-        split
-            .try_reserve_exact(self.size)
-            .map_err(|_| Error::OutOfMemory {
-                bytes: (self.size as u64).saturating_mul(80),
-                what: "the list of gathered frames",
-            })?;
+        let mut split = crate::codecs::reduce::frame_list(self.size)?;
         for q in 0..self.size {
             // Checked by `gather` as it arrived (this rank's own frame: as it was made), and
             // not changed since: the payload checksum need not be computed again.

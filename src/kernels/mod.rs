@@ -109,15 +109,15 @@ simd_op!(EncodeInt8 {
 simd_op!(DecodeInt8<const M: u8> {
     steps: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
 } -> () = portable::decode_int8::<M>(steps, codes, block, out));
-simd_op!(ReduceF32<const M: u8> { frames: &'a [&'a [u8]], out: &'a mut [f32] } -> ()
-    = portable::reduce_f32::<M>(frames, out));
-simd_op!(ReduceF16<const M: u8> { frames: &'a [&'a [u8]], out: &'a mut [f32] } -> ()
-    = portable::reduce_u16::<M>(frames, out, portable::f16_to_f32));
-simd_op!(ReduceBf16<const M: u8> { frames: &'a [&'a [u8]], out: &'a mut [f32] } -> ()
-    = portable::reduce_u16::<M>(frames, out, scalar::bf16_to_f32));
+simd_op!(ReduceF32<const M: u8> { frames: &'a [&'a [u8]], start: usize, out: &'a mut [f32] }
+    -> () = portable::reduce_f32::<M>(frames, start, out));
+simd_op!(ReduceF16<const M: u8> { frames: &'a [&'a [u8]], start: usize, out: &'a mut [f32] }
+    -> () = portable::reduce_u16::<M>(frames, start, out, portable::f16_to_f32));
+simd_op!(ReduceBf16<const M: u8> { frames: &'a [&'a [u8]], start: usize, out: &'a mut [f32] }
+    -> () = portable::reduce_u16::<M>(frames, start, out, scalar::bf16_to_f32));
 simd_op!(ReduceInt8<const M: u8> {
-    frames: &'a [(&'a [u8], &'a [u8])], block: usize, out: &'a mut [f32],
-} -> () = portable::reduce_int8::<M>(frames, block, out));
+    frames: &'a [(&'a [u8], &'a [u8])], block: usize, start: usize, out: &'a mut [f32],
+} -> () = portable::reduce_int8::<M>(frames, block, start, out));
 simd_op!(EncodeSign { x: &'a [f32], block: usize, steps: &'a mut [u8], codes: &'a mut [u8] }
     -> bool = portable::encode_sign(x, block, steps, codes));
 simd_op!(DecodeSign<const M: u8> {
@@ -436,11 +436,16 @@ pub enum ReduceCodes {
     Bf16,
 }
 
-/// Sum element-wise frames (all of layout `kind`, `out.len()` a multiple of
-/// [`portable::REDUCE_LANES`]) into `out`: per element the first frame's value written
-/// (`M` = write) or added, then the others added in order; the same bits as one decode
-/// per frame.
-pub fn reduce_elementwise<const M: u8>(kind: ReduceCodes, frames: &[&[u8]], out: &mut [f32]) {
+/// Sum element-wise frames (whole code sections, all of layout `kind`) from element
+/// `start` into `out` (`out.len()` a multiple of [`portable::REDUCE_LANES`]): per element
+/// the first frame's value written (`M` = write) or added, then the others added in
+/// order; the same bits as one decode per frame.
+pub fn reduce_elementwise<const M: u8>(
+    kind: ReduceCodes,
+    frames: &[&[u8]],
+    start: usize,
+    out: &mut [f32],
+) {
     let b = Backend::current();
     let op = match kind {
         ReduceCodes::F32 => Op::ReduceF32,
@@ -448,44 +453,64 @@ pub fn reduce_elementwise<const M: u8>(kind: ReduceCodes, frames: &[&[u8]], out:
         ReduceCodes::Bf16 => Op::ReduceBf16,
     };
     match (kind, b.kind(), x86_route(op, b.kind())) {
-        (ReduceCodes::F32, BackendKind::Scalar, _) => portable::reduce_f32::<M>(frames, out),
+        (ReduceCodes::F32, BackendKind::Scalar, _) => portable::reduce_f32::<M>(frames, start, out),
         (ReduceCodes::F16, BackendKind::Scalar, _) => {
-            portable::reduce_u16::<M>(frames, out, scalar::f16_to_f32)
+            portable::reduce_u16::<M>(frames, start, out, scalar::f16_to_f32)
         }
         (ReduceCodes::Bf16, BackendKind::Scalar, _) => {
-            portable::reduce_u16::<M>(frames, out, scalar::bf16_to_f32)
+            portable::reduce_u16::<M>(frames, start, out, scalar::bf16_to_f32)
         }
         // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
         // only after AVX2 and F16C were detected.
         #[cfg(target_arch = "x86_64")]
-        (ReduceCodes::F16, _, X86::Avx2) => unsafe { x86_64::reduce_f16_avx2::<M>(frames, out) },
+        (ReduceCodes::F16, _, X86::Avx2) => unsafe {
+            x86_64::reduce_f16_avx2::<M>(frames, start, out)
+        },
         // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
         // after AVX-512F and F16C were detected.
         #[cfg(target_arch = "x86_64")]
         (ReduceCodes::F16, _, X86::Avx512) => unsafe {
-            x86_64::reduce_f16_avx512::<M>(frames, out)
+            x86_64::reduce_f16_avx512::<M>(frames, start, out)
         },
         #[cfg(target_arch = "x86_64")]
-        (ReduceCodes::F32, _, X86::Avx2) => simd_avx2(ReduceF32::<M> { frames, out }),
+        (ReduceCodes::F32, _, X86::Avx2) => simd_avx2(ReduceF32::<M> { frames, start, out }),
         #[cfg(target_arch = "x86_64")]
-        (ReduceCodes::Bf16, _, X86::Avx2) => simd_avx2(ReduceBf16::<M> { frames, out }),
-        (ReduceCodes::F32, _, _) => simd(b, ReduceF32::<M> { frames, out }),
-        (ReduceCodes::F16, _, _) => simd(b, ReduceF16::<M> { frames, out }),
-        (ReduceCodes::Bf16, _, _) => simd(b, ReduceBf16::<M> { frames, out }),
+        (ReduceCodes::Bf16, _, X86::Avx2) => simd_avx2(ReduceBf16::<M> { frames, start, out }),
+        (ReduceCodes::F32, _, _) => simd(b, ReduceF32::<M> { frames, start, out }),
+        (ReduceCodes::F16, _, _) => simd(b, ReduceF16::<M> { frames, start, out }),
+        (ReduceCodes::Bf16, _, _) => simd(b, ReduceBf16::<M> { frames, start, out }),
     }
 }
 
-/// Sum int8 frames (`(steps, codes)` each, blocks of `block` elements, a multiple of
-/// [`portable::REDUCE_LANES`]; `out` whole blocks) into `out`, as
-/// [`reduce_elementwise`].
-pub fn reduce_int8<const M: u8>(frames: &[(&[u8], &[u8])], block: usize, out: &mut [f32]) {
+/// Sum int8 frames (whole `(steps, codes)` sections, blocks of `block` elements, a
+/// multiple of [`portable::REDUCE_LANES`]) from element `start` (a multiple of `block`)
+/// into `out` (whole blocks), as [`reduce_elementwise`].
+pub fn reduce_int8<const M: u8>(
+    frames: &[(&[u8], &[u8])],
+    block: usize,
+    start: usize,
+    out: &mut [f32],
+) {
     match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => portable::reduce_int8::<M>(frames, block, out),
-        #[cfg(target_arch = "x86_64")]
-        b if x86_route(Op::ReduceInt8, b.kind()) == X86::Avx2 => {
-            simd_avx2(ReduceInt8::<M> { frames, block, out })
+        b if b.kind() == BackendKind::Scalar => {
+            portable::reduce_int8::<M>(frames, block, start, out)
         }
-        b => simd(b, ReduceInt8::<M> { frames, block, out }),
+        #[cfg(target_arch = "x86_64")]
+        b if x86_route(Op::ReduceInt8, b.kind()) == X86::Avx2 => simd_avx2(ReduceInt8::<M> {
+            frames,
+            block,
+            start,
+            out,
+        }),
+        b => simd(
+            b,
+            ReduceInt8::<M> {
+                frames,
+                block,
+                start,
+                out,
+            },
+        ),
     }
 }
 

@@ -816,39 +816,41 @@ fn reduce_first<const M: u8>(o: f32, v: f32) -> f32 {
 /// Frames whose values can be decoded [`REDUCE_LANES`] at a time: a trait rather than a
 /// closure so that the decode is inlined into each backend's compiled copy of the loop.
 pub trait LaneFrames {
-    /// Lane groups that share one scale (a block), so the scale is read once per block.
-    const PER_BLOCK: usize = 64;
     /// Frames in the list.
     fn len(&self) -> usize;
-    /// Lane groups per block, if it varies (int8).
+    /// Lane groups that share one scale (a block), so that the scale is read once per
+    /// block; 1 for codes without scales.
     #[inline(always)]
     fn per_block(&self) -> usize {
-        Self::PER_BLOCK
+        1
     }
-    /// Frame `q`'s values of lane group `c`, which lies in block `b`.
+    /// Frame `q`'s values of lane group `c` (from the start of the frame), which lies in
+    /// block `b`.
     fn lanes(&self, q: usize, b: usize, c: usize) -> [f32; REDUCE_LANES];
 }
 
-/// Sum every frame of `frames` into `out` [`REDUCE_LANES`] elements at a time, the
-/// running sums held in registers: per element, `first(out, d_0) + d_1 + ... + d_{p-1}`
-/// in frame order. The same operations in the same order as decoding the first frame and
-/// adding the others one after another, so the same bits. The tail
-/// (`out.len() % REDUCE_LANES` elements) is left to the caller.
+/// Sum every frame of `frames` into `out`, the frames' elements from `start` on (a
+/// whole number of blocks), [`REDUCE_LANES`] elements at a time, the running sums held in
+/// registers: per element, `first(out, d_0) + d_1 + ... + d_{p-1}` in frame order. The
+/// same operations in the same order as decoding the first frame and adding the others
+/// one after another, so the same bits. The tail (`out.len() % REDUCE_LANES` elements)
+/// is left to the caller.
 #[inline(always)]
-pub fn reduce_groups<const M: u8>(out: &mut [f32], frames: &impl LaneFrames) {
+pub fn reduce_groups<const M: u8>(out: &mut [f32], frames: &impl LaneFrames, start: usize) {
     let p = frames.len();
     let per_block = frames.per_block();
-    let mut c = 0;
+    let mut c = start / REDUCE_LANES;
+    let b0 = c / per_block;
     for (b, block) in out.chunks_mut(per_block * REDUCE_LANES).enumerate() {
         for ob in block.chunks_exact_mut(REDUCE_LANES) {
             let ob: &mut [f32; REDUCE_LANES] = ob.try_into().expect("chunks of 64");
-            let v = frames.lanes(0, b, c);
+            let v = frames.lanes(0, b0 + b, c);
             let mut acc = [0f32; REDUCE_LANES];
             for j in 0..REDUCE_LANES {
                 acc[j] = reduce_first::<M>(ob[j], v[j]);
             }
             for q in 1..p {
-                let v = frames.lanes(q, b, c);
+                let v = frames.lanes(q, b0 + b, c);
                 for j in 0..REDUCE_LANES {
                     acc[j] += v[j];
                 }
@@ -947,26 +949,36 @@ impl LaneFrames for Int8Lanes<'_> {
     }
 }
 
-/// [`reduce_groups`] over f32 frames; the tail is the caller's.
+/// [`reduce_groups`] over f32 frames (whole code sections) from element `start`; the
+/// tail is the caller's.
 #[inline(always)]
-pub fn reduce_f32<const M: u8>(frames: &[&[u8]], out: &mut [f32]) {
-    reduce_groups::<M>(out, &F32Lanes(frames));
+pub fn reduce_f32<const M: u8>(frames: &[&[u8]], start: usize, out: &mut [f32]) {
+    reduce_groups::<M>(out, &F32Lanes(frames), start);
 }
 
-/// [`reduce_groups`] over 16-bit frames (fp16 or bf16 by `conv`); the tail is the
-/// caller's.
+/// [`reduce_groups`] over 16-bit frames (fp16 or bf16 by `conv`); as [`reduce_f32`].
 #[inline(always)]
-pub fn reduce_u16<const M: u8>(frames: &[&[u8]], out: &mut [f32], conv: impl Fn(u16) -> f32) {
-    reduce_groups::<M>(out, &U16Lanes(frames, conv));
+pub fn reduce_u16<const M: u8>(
+    frames: &[&[u8]],
+    start: usize,
+    out: &mut [f32],
+    conv: impl Fn(u16) -> f32,
+) {
+    reduce_groups::<M>(out, &U16Lanes(frames, conv), start);
 }
 
-/// [`reduce_groups`] over int8 frames of blocks of `block` elements, a multiple of
-/// [`REDUCE_LANES`] (`frames[q]` = (steps, codes)); `out` is whole blocks but for a
-/// tail the caller handles.
+/// [`reduce_groups`] over int8 frames (`frames[q]` = whole (steps, codes) sections) of
+/// blocks of `block` elements, a multiple of [`REDUCE_LANES`], from element `start`, a
+/// multiple of `block`; `out` is whole blocks but for a tail the caller handles.
 #[inline(always)]
-pub fn reduce_int8<const M: u8>(frames: &[(&[u8], &[u8])], block: usize, out: &mut [f32]) {
+pub fn reduce_int8<const M: u8>(
+    frames: &[(&[u8], &[u8])],
+    block: usize,
+    start: usize,
+    out: &mut [f32],
+) {
     let per_block = block / REDUCE_LANES;
-    reduce_groups::<M>(out, &Int8Lanes { frames, per_block });
+    reduce_groups::<M>(out, &Int8Lanes { frames, per_block }, start);
 }
 
 #[cfg(test)]

@@ -542,6 +542,7 @@ impl<'a> BitReader<'a> {
     }
 
     /// Bits not yet read.
+    #[inline]
     pub fn bits_left(&self) -> u64 {
         8 * (self.p.len() - self.pos.min(self.p.len())) as u64 + self.nacc as u64
     }

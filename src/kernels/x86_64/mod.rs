@@ -727,8 +727,8 @@ impl LaneFrames for F16cLanes<'_> {
 /// # Safety
 /// The CPU must support AVX2 and F16C.
 #[target_feature(enable = "avx2,f16c")]
-pub unsafe fn reduce_f16_avx2<const M: u8>(frames: &[&[u8]], out: &mut [f32]) {
-    super::portable::reduce_groups::<M>(out, &F16cLanes(frames));
+pub unsafe fn reduce_f16_avx2<const M: u8>(frames: &[&[u8]], start: usize, out: &mut [f32]) {
+    super::portable::reduce_groups::<M>(out, &F16cLanes(frames), start);
 }
 
 /// As [`reduce_f16_avx2`], summed in AVX-512 registers.
@@ -736,6 +736,6 @@ pub unsafe fn reduce_f16_avx2<const M: u8>(frames: &[&[u8]], out: &mut [f32]) {
 /// # Safety
 /// The CPU must support AVX-512F and F16C.
 #[target_feature(enable = "avx512f,avx2,f16c")]
-pub unsafe fn reduce_f16_avx512<const M: u8>(frames: &[&[u8]], out: &mut [f32]) {
-    super::portable::reduce_groups::<M>(out, &F16cLanes(frames));
+pub unsafe fn reduce_f16_avx512<const M: u8>(frames: &[&[u8]], start: usize, out: &mut [f32]) {
+    super::portable::reduce_groups::<M>(out, &F16cLanes(frames), start);
 }
