@@ -53,6 +53,11 @@ def main(rank, world, port, args):
         # A checkpoint keeps the hook's residuals beside the model and optimizer.
         torch.save({"model": net.state_dict(), "opt": opt.state_dict(),
                     "gradpack": state.state_dict()}, os.devnull)
+    # The hook's group first (a barrier, then torn down), then torch's: a rank that
+    # tears its connections down while a peer's last messages are in flight can make
+    # gloo abort the process at exit.
+    state.close()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -62,7 +62,10 @@ CUDA buckets are copied to the host, reduced there and copied back. That path is
 but has not been run on a GPU; the measured runs are CPU training over gloo.
 """
 
+import datetime
 import queue
+import sys
+import time
 import zlib
 import threading
 import warnings
@@ -86,6 +89,13 @@ or flatten so much of each step's gradient that training needs the residual back
 
 _MASK = (1 << 64) - 1
 _IDENTITY = Codec("identity")
+_FP32 = ("identity", "fp32")  # the float32 all-reduce, as a configuration
+_MIXED = "mixed"  # each parameter with the codec chosen for it in another bucket
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _layout_key(layout: List[Any], n: int) -> str:
+    return ",".join(e[0] for e in layout) + f"#{n}"
 
 
 def _seed(base: int, step: int, key: int, codec: Codec, rank: int) -> int:
@@ -141,7 +151,7 @@ class GradpackState:
         process_group: Optional[Any] = None,
         codec: Union[None, str, Codec] = None,
         error_feedback: Optional[bool] = None,
-        strategy: str = "allgather",
+        strategy: Optional[str] = None,
         min_compress_elements: int = 16384,
         seed: int = 0,
         checksum: bool = False,
@@ -153,16 +163,40 @@ class GradpackState:
         powersgd: Union[None, int, Dict[str, Any]] = None,
         dct_2d: bool = False,
         pieces: int = 1,
+        comm_group: Optional[Any] = None,
+        timeout: Optional[float] = None,
+        trials: int = 2,
+        trial_steps: int = 2,
+        print_plan: bool = True,
     ) -> None:
         if codec is None:
             codec = "identity" if powersgd is not None else "int8"
+        self._auto = isinstance(codec, str) and codec == "auto"
         self._ps = _powersgd_settings(powersgd)
         self.dct_2d = bool(dct_2d)
         self._tiled: Dict[Tuple[str, int], Codec] = {}
-        if self._ps is not None and strategy != "allgather":
+        if self._ps is not None and strategy not in (None, "allgather"):
             raise ValueError("powersgd needs strategy='allgather' (the default)")
-        if strategy not in ("allgather", "ring"):
+        if self._ps is not None and self._auto:
+            raise ValueError(
+                "powersgd with codec='auto' is not supported: give the codec of the tensors "
+                "PowerSGD does not take (default float32)"
+            )
+        if strategy not in (None, "allgather", "ring"):
             raise ValueError(f"strategy {strategy!r}: use 'allgather' or 'ring'")
+        for name, v in (("trials", trials), ("trial_steps", trial_steps)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, not {v!r}")
+        self.trials = trials
+        self.trial_steps = trial_steps
+        self.print_plan = bool(print_plan)
+        # codec='auto': the configurations tried and chosen per bucket layout, and the
+        # choice per parameter (for layouts made of parameters already decided).
+        self._plans: Dict[str, Dict[str, Any]] = {}
+        self._param_choice: Dict[str, Tuple[str, str]] = {}
+        self._plan_printed = False
+        self._h2d: Optional[float] = None
+        self._streams: Dict[Any, Any] = {}
         if min_compress_elements < 0:
             raise ValueError("min_compress_elements must be >= 0")
         if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
@@ -173,7 +207,16 @@ class GradpackState:
         self._ring_restored: Dict[str, Dict[str, Any]] = {}
         self._pending: List[Any] = []
         self.process_group = process_group
-        self.strategy = strategy
+        self._comm = comm_group
+        self._own_comm = comm_group is None
+        self._closed = False
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        self.timeout = timeout
+        self.strategies = (
+            ("allgather", "ring") if self._auto and strategy is None else (strategy or "allgather",)
+        )
+        self.strategy = self.strategies[0]
         self.min_compress_elements = int(min_compress_elements)
         self.seed = int(seed) & _MASK
         self.checksum = bool(checksum)
@@ -190,7 +233,6 @@ class GradpackState:
         self._buffers: Dict[Any, Any] = {}
         self._queue: "queue.Queue[Any]" = queue.Queue()
         self._worker: Optional[threading.Thread] = None
-        self._auto = isinstance(codec, str) and codec == "auto"
         self._profiles: Dict[str, gradpack.CodecProfile] = {}
         if self._auto:
             if bandwidth is None:
@@ -204,14 +246,44 @@ class GradpackState:
                 gradpack.parse_duration(latency) if isinstance(latency, str) else float(latency)
             )
             self.candidates = [Codec(c) for c in (candidates or DEFAULT_CANDIDATES)]
+            if not self.candidates:
+                raise ValueError("candidates must name at least one codec")
             self.codec: Optional[Codec] = None
             self._calibrate(calibrate_elements)
             self._choice: Dict[int, Codec] = {}
         else:
             self.codec = Codec(codec)
             self.candidates = [self.codec]
+        if dist.is_available() and dist.is_initialized():
+            self._comm_group()
 
     # ------------------------------------------------------------------ policy
+
+    def _comm_group(self) -> Any:
+        """The group the hook's own messages travel on: the one given, or a gloo group of
+        the process group's ranks made once (a collective of those ranks). Never DDP's
+        group: DDP issues its own collectives on that one from the training thread, and
+        two threads on one group interleave their messages differently on different
+        ranks."""
+        if self._comm is None:
+            g = self.process_group
+            ranks = None if g is None else dist.get_process_group_ranks(g)
+            kw: Dict[str, Any] = {}
+            if self.timeout is not None:
+                kw["timeout"] = datetime.timedelta(seconds=self.timeout)
+            self._comm = dist.new_group(
+                ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None, **kw
+            )
+        elif not self._own_comm and not getattr(self, "_comm_checked", False):
+            c, g = self._comm, self.process_group
+            if (dist.get_world_size(c), dist.get_rank(c)) != (self._world(), self._rank()):
+                raise ValueError(
+                    "comm_group must hold the process group's ranks in the same order "
+                    f"(its rank {dist.get_rank(c)} of {dist.get_world_size(c)}, the process "
+                    f"group's {self._rank()} of {self._world()})"
+                )
+            self._comm_checked = True
+        return self._comm
 
     def _wants_ef(self, codec: Codec) -> bool:
         if codec.name == "identity":
@@ -228,7 +300,8 @@ class GradpackState:
 
     def _calibrate(self, elements: int) -> None:
         speeds = []
-        for c in self.candidates:
+        calibrated = list(dict.fromkeys(self.candidates + [_IDENTITY]))
+        for c in calibrated:
             p = gradpack.calibrate(c, elements, 0.1)
             self._profiles[c.spec] = p
             speeds += [p.encode_bytes_per_s, p.decode_bytes_per_s, p.decode_add_bytes_per_s]
@@ -237,17 +310,23 @@ class GradpackState:
             dist.all_reduce(t, group=self.process_group)
             t /= self._world()
             speeds = t.tolist()
-        for i, c in enumerate(self.candidates):
+        for i, c in enumerate(calibrated):
             p = self._profiles[c.spec]
             p.encode_bytes_per_s, p.decode_bytes_per_s, p.decode_add_bytes_per_s = speeds[
                 3 * i : 3 * i + 3
             ]
 
-    def modelled_time(self, codec: Union[str, Codec], elements: int) -> float:
-        """The cost model's all-reduce time (s) of a bucket of ``elements`` with
-        ``codec`` on this state's link and world (``"auto"`` states only; before the
-        process group exists it models 2 ranks)."""
+    def modelled_time(
+        self, codec: Union[str, Codec], elements: int, strategy: Optional[str] = None
+    ) -> float:
+        """The cost model's all-reduce time (s) of ``elements`` elements with ``codec``
+        by ``strategy`` (``"allgather"`` or ``"ring"``; default the first this state
+        tries) on this state's link and world (``"auto"`` states only; before the process
+        group exists it models 2 ranks). ``"identity"`` is the float32 ring."""
         c = Codec(codec)
+        strategy = strategy or self.strategy
+        if strategy not in ("allgather", "ring"):
+            raise ValueError(f"strategy {strategy!r}: use 'allgather' or 'ring'")
         prof = self._profiles.get(c.spec)
         if prof is None:
             raise ValueError(f"{c.spec} was not calibrated (not among the candidates)")
@@ -265,7 +344,7 @@ class GradpackState:
                 prof.decode_add_bytes_per_s,
             )
         return gradpack.allreduce_time(
-            p, self.strategy, world, self.bandwidth, elements, self.latency
+            p, strategy, world, self.bandwidth, elements, self.latency
         )
 
     def codec_for(
@@ -273,9 +352,15 @@ class GradpackState:
     ) -> Codec:
         """The codec a parameter of ``elements`` elements and ``ndim`` dimensions (and
         ``shape``, for ``dct_2d``) is sent with."""
+        return self._param_codec(self._codec_for(elements), elements, ndim, shape)
+
+    def _param_codec(
+        self, c: Codec, elements: int, ndim: int, shape: Optional[Tuple[int, ...]]
+    ) -> Codec:
+        """``c`` as sent for one parameter: float32 for small ones and vectors, and
+        ``dct_2d``'s tiles."""
         if elements < self.min_compress_elements or ndim <= 1:
             return _IDENTITY
-        c = self._codec_for(elements)
         if self.dct_2d and shape is not None and len(shape) >= 2 and c.name == "dct":
             return self._tiled_codec(c, elements // max(shape[0], 1))
         return c
@@ -298,7 +383,10 @@ class GradpackState:
             return self.codec
         c = self._choice.get(elements)
         if c is None:
-            c = min(self.candidates, key=lambda k: self.modelled_time(k, elements))
+            c = min(
+                self.candidates,
+                key=lambda k: min(self.modelled_time(k, elements, s) for s in self.strategies),
+            )
             self._choice[elements] = c
         return c
 
@@ -340,6 +428,13 @@ class GradpackState:
                 self._ring_restored,
                 **{k[0]: ar.state_dict() for k, ar in self._rings.items()},
             ),
+            # codec='auto': the plans decided, and the choice per parameter.
+            "plans": {
+                k: {f: p[f] for f in _PLAN_FIELDS}
+                for k, p in self._plans.items()
+                if p["choice"] is not None
+            },
+            "choices": {k: list(v) for k, v in self._param_choice.items()},
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -367,6 +462,7 @@ class GradpackState:
             return t.detach().cpu().contiguous().numpy().reshape(-1).copy()
 
         residuals = {k: f32(k, v) for k, v in state["residuals"].items()}
+        plans, choices = _plans_of(state)
         low_rank = {
             k: (None if v["q"] is None else f32(k, v["q"]), f32(k, v["residual"]))
             for k, v in state.get("low_rank", {}).items()
@@ -381,11 +477,31 @@ class GradpackState:
         self._rings.clear()
         self._rings_now.clear()
         self._ring_restored = dict(state.get("rings", {}))
+        self._plans = {k: dict(v, runs=0) for k, v in plans.items()}
+        self._param_choice = choices
+        self._plan_printed = bool(plans)
 
     def wait(self) -> None:
         """Block until every submitted bucket has been reduced."""
         if self._worker is not None:
             self._queue.join()
+
+    def close(self) -> None:
+        """End the hook's use of the network, before ``destroy_process_group()``: wait
+        for buckets in flight, meet the other ranks (a barrier on the hook's group, so no
+        rank tears its connections down while a peer's last messages are on the way: gloo
+        can abort the process then), and destroy the group the state made. A collective
+        of the group's ranks. The state keeps its residuals and plan (``state_dict``
+        still works) but reduces no more buckets."""
+        self.wait()
+        if self._closed:
+            return
+        self._closed = True
+        if self._comm is not None and dist.is_initialized():
+            dist.barrier(group=self._comm)
+            if self._own_comm:
+                dist.destroy_process_group(self._comm)
+        self._comm = None
 
     # ------------------------------------------------------------------ the work
 
@@ -439,49 +555,338 @@ class GradpackState:
         return b
 
     def _submit(self, bucket: dist.GradBucket) -> "torch.futures.Future[torch.Tensor]":
-        fut: "torch.futures.Future[torch.Tensor]" = torch.futures.Future()
-        job = (bucket.buffer(), bucket.index(), self.step, self._layout(bucket), fut)
+        buf = bucket.buffer()
+        if buf.dtype not in _DTYPES:
+            raise TypeError(
+                f"gradpack's hook reduces float32, float64, float16 and bfloat16 buckets, "
+                f"not {buf.dtype}"
+            )
+        if self._closed:
+            raise RuntimeError("this GradpackState was closed; make a new one to train on")
+        if self._comm is None or (not self._own_comm and not getattr(self, "_comm_checked", False)):
+            self._comm_group()  # a state made before the process group: made now
+        index, step, layout = bucket.index(), self.step, self._layout(bucket)
         if bucket.is_last():
             self.step += 1
+        n = buf.numel()
+        if sum(e[1] for e in layout) != n:  # not seen; one tensor then
+            layout = [(f"bucket:{index}", n, 2, index, (n,))]
+        world = self._world()
+        cfg, plan = self._config(layout, n, buf.is_cuda) if world > 1 else (_FP32, None)
+        if buf.is_cuda and world > 1 and cfg == _FP32 and not self._low_rank_of(layout, step):
+            # Float32 on a GPU: DDP's own all-reduce on its own group, issued here in
+            # DDP's order (its backend, NCCL, moves device memory; no host copies).
+            t0 = time.perf_counter()
+            work = dist.all_reduce(buf, group=self.process_group, async_op=True)
+
+            def done(f: Any) -> torch.Tensor:
+                if plan is not None:
+                    self._queue.put(("time", plan, time.perf_counter() - t0))
+                return f.value()[0].div_(world)
+
+            return work.get_future().then(done)
+        if buf.is_cuda:
+            fut: "torch.futures.Future[torch.Tensor]" = torch.futures.Future(devices=[buf.device])
+            ready: Any = torch.cuda.Event()
+            ready.record()  # the gradients are ready on DDP's stream at this point
+        else:
+            fut = torch.futures.Future()
+            ready = None
         if self._worker is None or not self._worker.is_alive():
             self._worker = threading.Thread(target=self._run, name="gradpack-comm", daemon=True)
             self._worker.start()
-        self._queue.put(job)
+        self._queue.put(("reduce", buf, index, step, layout, cfg, plan, ready, fut))
         return fut
 
     def _run(self) -> None:
         while True:
-            buf, index, step, layout, fut = self._queue.get()
+            job = self._queue.get()
             try:
-                fut.set_result(self._reduce(buf, index, step, layout))
-            except BaseException as e:  # the future carries it to DDP
-                fut.set_exception(e)
+                if job[0] == "time":  # a float32 trial on DDP's group finished
+                    self._record(job[1], job[2])
+                    continue
+                _, buf, index, step, layout, cfg, plan, ready, fut = job
+                try:
+                    t0 = time.perf_counter()
+                    out = self._reduce(buf, index, step, layout, cfg, ready)
+                    if plan is not None:
+                        self._record(plan, time.perf_counter() - t0)
+                    if ready is not None:
+                        with torch.cuda.stream(self._stream(buf.device)):
+                            fut.set_result(out)
+                    else:
+                        fut.set_result(out)
+                except BaseException as e:  # the future carries it to DDP
+                    fut.set_exception(e)
             finally:
                 self._queue.task_done()
 
-    def _reduce(self, buf: torch.Tensor, index: int, step: int, layout: List[Any]) -> torch.Tensor:
-        host = buf if buf.device.type == "cpu" else buf.detach().to("cpu")
+    def _stream(self, device: Any) -> Any:
+        """The side CUDA stream of ``device`` that the hook's host copies run on."""
+        st = self._streams.get(device)
+        if st is None:
+            st = self._streams[device] = torch.cuda.Stream(device=device)
+        return st
+
+    def _to_host(self, buf: torch.Tensor, index: int, ready: Any, exact: bool) -> torch.Tensor:
+        """The bucket as a flat host tensor the codecs read: ``buf`` itself when it is a
+        CPU float32 (or, with ``exact``, float64) tensor, else a copy in a reused
+        (pinned, for a GPU) buffer."""
+        want = torch.float64 if exact and buf.dtype == torch.float64 else torch.float32
+        if not buf.is_cuda and buf.dtype == want:
+            return buf.view(-1)
+        host = self._buffer(
+            ("host", index, buf.numel(), want),
+            lambda: torch.empty(buf.numel(), dtype=want, pin_memory=buf.is_cuda),
+        )
+        if buf.is_cuda:
+            st = self._stream(buf.device)
+            st.wait_event(ready)
+            with torch.cuda.stream(st):
+                host.copy_(buf.view(-1), non_blocking=True)
+            st.synchronize()
+        else:
+            host.copy_(buf.view(-1))
+        return host
+
+    def _from_host(self, buf: torch.Tensor, host: torch.Tensor) -> None:
+        if host.data_ptr() == buf.data_ptr():
+            return
+        if buf.is_cuda:
+            st = self._stream(buf.device)
+            with torch.cuda.stream(st):
+                buf.view(-1).copy_(host, non_blocking=True)
+            st.synchronize()
+        else:
+            buf.view(-1).copy_(host)
+
+    def _reduce(
+        self,
+        buf: torch.Tensor,
+        index: int,
+        step: int,
+        layout: List[Any],
+        cfg: Tuple[str, str],
+        ready: Any,
+    ) -> torch.Tensor:
+        world = self._world()
+        if world == 1:
+            return buf
+        base = Codec(cfg[0]) if cfg[0] != _MIXED else None
+        codecs = [self._layout_codec(base, e) for e in layout]
+        low_rank = self._low_rank_of(layout, step)
+        plain = not low_rank and (cfg[1] == "fp32" or all(c == _IDENTITY for c in codecs))
+        host = self._to_host(buf, index, ready, exact=plain)
         flat = host.view(-1)
         n = flat.numel()
-        world = self._world()
-        if sum(e[1] for e in layout) != n:  # not seen on CPU; one tensor then
-            layout = [(f"bucket:{index}", n, 2, index, (n,))]
-        codecs = [self.codec_for(m, d, shape) for _, m, d, _, shape in layout]
-        low_rank = self._low_rank_of(layout, step)
-        if world == 1:
-            pass
-        elif low_rank:
+        if low_rank:
             self._powersgd(flat, layout, codecs, low_rank, index, step, world)
-        elif all(c == _IDENTITY for c in codecs):
-            dist.all_reduce(flat, group=self.process_group)
+        elif plain and self._auto and world == 2 and flat.dtype == torch.float32:
+            # Two ranks: float32 frames all-gathered and summed in rank order move the
+            # ring's bytes, and give a sum per parameter that does not depend on how DDP
+            # groups them (so a plan restored into a fresh model continues bit for bit).
+            self._allgather(flat, layout, [_IDENTITY] * len(layout), index, step, world)
+        elif plain:
+            dist.all_reduce(flat, group=self._comm_group())
             flat.div_(world)
-        elif self.strategy == "ring":
-            self._ring(flat, layout, self.codec_for(n), index, step, world)
+        elif cfg[1] == "ring":
+            assert base is not None
+            c = self._param_codec(base, n, 2, None)
+            if c == _IDENTITY:
+                dist.all_reduce(flat, group=self._comm_group())
+                flat.div_(world)
+            else:
+                self._ring(flat, layout, c, index, step, world)
         else:
             self._allgather(flat, layout, codecs, index, step, world)
-        if host is not buf:
-            buf.copy_(host)
+        self._from_host(buf, host)
         return buf
+
+    def _layout_codec(self, base: Optional[Codec], e: Tuple[str, int, int, int, Any]) -> Codec:
+        """The codec of the layout entry ``e`` under a configuration whose codec is
+        ``base`` (``None``: each parameter's own choice, for a layout of parameters
+        decided in other buckets)."""
+        name, m, d, _, shape = e
+        if base is None:
+            spec, strategy = self._param_choice[name]
+            base = _IDENTITY if strategy == "fp32" else Codec(spec)
+        return self._param_codec(base, m, d, shape)
+
+    # ------------------------------------------------------------------ auto
+
+    def _config(self, layout: List[Any], n: int, cuda: bool) -> Tuple[Tuple[str, str], Any]:
+        """The configuration (codec spec, strategy) a bucket goes by this time, and its
+        plan while that plan is still being measured (else ``None``)."""
+        if not self._auto:
+            assert self.codec is not None
+            if self.codec == _IDENTITY:
+                return _FP32, None
+            return (self.codec.spec, self.strategy), None
+        key = _layout_key(layout, n)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._derived(layout, n) or self._shortlist(layout, n, cuda)
+            self._plans[key] = plan
+        if plan["choice"] is not None:
+            return tuple(plan["choice"]), None  # type: ignore[return-value]
+        j = plan["runs"] // self.trial_steps
+        plan["runs"] += 1
+        return tuple(plan["configs"][j]), plan  # type: ignore[return-value]
+
+    def _derived(self, layout: List[Any], n: int) -> Optional[Dict[str, Any]]:
+        """The plan of a layout whose parameters were all decided in other buckets (DDP
+        regroups its buckets after a fresh model's first step, so a state restored from
+        a checkpoint meets the first layout again): their choice when they agree, each
+        parameter's own by the all-gather when none is a ring, else the choice that
+        covers most elements."""
+        got = [self._param_choice.get(e[0]) for e in layout]
+        if any(g is None for g in got):
+            return None
+        kinds = list(dict.fromkeys(got))
+        if len(kinds) == 1:
+            choice = kinds[0]
+        elif all(k[1] != "ring" for k in kinds):  # type: ignore[index]
+            choice = (_MIXED, "allgather")
+        else:
+            weight: Dict[Any, int] = {}
+            for g, e in zip(got, layout):
+                weight[g] = weight.get(g, 0) + e[1]
+            choice = max(kinds, key=lambda k: weight[k])
+        return {
+            "names": [e[0] for e in layout], "elements": n, "configs": [list(choice)],
+            "modelled": [None], "times": [None], "runs": 0, "measured": None,
+            "choice": list(choice), "derived": True,
+        }
+
+    def _shortlist(self, layout: List[Any], n: int, cuda: bool) -> Dict[str, Any]:
+        """A new plan: float32 and the ``trials`` configurations the cost model ranks
+        fastest, to be measured in turn."""
+        ranked = []
+        for c in self.candidates:
+            if c == _IDENTITY:
+                continue
+            for strat in self.strategies:
+                ranked.append((self._model_bucket(c, strat, layout, n, cuda), [c.spec, strat]))
+        ranked.sort(key=lambda r: r[0])
+        top = ranked[: self.trials]
+        configs = [list(_FP32)] + [cfg for _, cfg in top]
+        modelled = [self._model_bucket(_IDENTITY, "fp32", layout, n, cuda)] + [t for t, _ in top]
+        # Float32 is measured first, so the last trial (after which the ranks agree,
+        # on the communication thread) is always one of the hook's own reductions.
+        return {
+            "names": [e[0] for e in layout], "elements": n, "configs": configs,
+            "modelled": modelled, "times": [float("inf")] * len(configs), "runs": 0,
+            "measured": None, "choice": None if top else list(_FP32), "derived": False,
+        }
+
+    def _profile(self, c: Codec, elements: int) -> "gradpack.CodecProfile":
+        prof = self._profiles[c.spec]
+        return gradpack.CodecProfile(
+            prof.spec,
+            c.bits_per_element(max(elements, 1)),
+            prof.encode_bytes_per_s,
+            prof.decode_bytes_per_s,
+            prof.decode_add_bytes_per_s,
+        )
+
+    def _model_bucket(self, c: Codec, strategy: str, layout: List[Any], n: int, cuda: bool) -> float:
+        """The modelled time (s) of a bucket by ``strategy`` with ``c``: the cost model's
+        all-reduce (encodes, the frames on the link, p decodes or per-hop re-encodes),
+        plus, for a GPU bucket that goes through the host, the two copies over PCIe."""
+        world = self._world() if dist.is_initialized() else 2
+        bw, lat = self.bandwidth, self.latency
+        ident = self._profiles[_IDENTITY.spec]
+        if strategy == "fp32":
+            return gradpack.allreduce_time(
+                self._profile(_IDENTITY, n), "fp32-ring", world, bw, n, lat,
+                ident.decode_add_bytes_per_s,
+            )
+        staging = 2 * 4 * n / self._copy_speed() if cuda else 0.0
+        if strategy == "ring":
+            return staging + gradpack.allreduce_time(self._profile(c, n), "ring", world, bw, n, lat)
+        packed = sum(e[1] for e in layout if self._param_codec(c, e[1], e[2], e[4]) != _IDENTITY)
+        t = staging
+        if packed:
+            t += gradpack.allreduce_time(self._profile(c, packed), "allgather", world, bw, packed, lat)
+        if n - packed:
+            t += gradpack.allreduce_time(
+                self._profile(_IDENTITY, n - packed), "allgather", world, bw, n - packed,
+                0.0 if packed else lat,
+            )
+        return t
+
+    def _copy_speed(self) -> float:
+        """Bytes/s of a host-device round of copies through pinned memory, measured once."""
+        if self._h2d is None:
+            n = 16 << 20
+            dev = torch.empty(n // 4, device="cuda")
+            host = torch.empty(n // 4, pin_memory=True)
+            best = float("inf")
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                host.copy_(dev, non_blocking=True)
+                dev.copy_(host, non_blocking=True)
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            self._h2d = 2 * n / best
+        return self._h2d
+
+    def _record(self, plan: Dict[str, Any], elapsed: float) -> None:
+        """Note a trial's time; after the last, agree on the times with the other ranks
+        (one all-reduce of the means, at the same point of every rank's sequence) and
+        keep the fastest configuration, float32 on a tie."""
+        j = (plan["recorded"] if "recorded" in plan else 0) // self.trial_steps
+        plan["recorded"] = plan.get("recorded", 0) + 1
+        plan["times"][j] = min(plan["times"][j], elapsed)
+        if plan["recorded"] < len(plan["configs"]) * self.trial_steps:
+            return
+        t = torch.tensor(plan["times"], dtype=torch.float64)
+        world = self._world()
+        if world > 1:
+            dist.all_reduce(t, group=self._comm_group())
+            t /= world
+        measured = t.tolist()
+        best = min(range(len(measured)), key=lambda i: (measured[i], i))
+        plan["measured"] = measured
+        plan["choice"] = list(plan["configs"][best])
+        for name in plan["names"]:
+            self._param_choice[name] = tuple(plan["choice"])  # type: ignore[assignment]
+        if self.print_plan and self._rank() == 0 and not self._plan_printed:
+            if all(p["choice"] is not None for p in self._plans.values()):
+                self._plan_printed = True
+                print(self.plan_table(), file=sys.stderr, flush=True)
+
+    def plan(self) -> List[Dict[str, Any]]:
+        """``codec="auto"``'s plan: one row per bucket layout seen and configuration
+        tried, with ``bucket`` (the layout's position), ``tensors``, ``elements``,
+        ``codec``, ``strategy``, ``modelled_ms`` and ``measured_ms`` (the mean over the
+        ranks of each rank's best trial; ``None`` until measured), and ``chosen``."""
+        rows = []
+        for i, p in enumerate(self._plans.values()):
+            for j, cfg in enumerate(p["configs"]):
+                m, t = p["modelled"][j], (p["measured"] or [None] * len(p["configs"]))[j]
+                rows.append({
+                    "bucket": i, "tensors": len(p["names"]), "elements": p["elements"],
+                    "codec": "float32" if cfg[1] == "fp32" else cfg[0],
+                    "strategy": "all-reduce" if cfg[1] == "fp32" else cfg[1],
+                    "modelled_ms": None if m is None else 1e3 * m,
+                    "measured_ms": None if t is None else 1e3 * t,
+                    "chosen": p["choice"] is not None and list(cfg) == list(p["choice"]),
+                })
+        return rows
+
+    def plan_table(self) -> str:
+        """:meth:`plan` as a text table, the chosen rows marked with ``*``."""
+        head = f"{'':1} {'bucket':>6} {'tensors':>7} {'elements':>10}  {'codec':<30} {'strategy':<10} {'model ms':>9} {'measured':>9}"
+        lines = ["gradpack auto plan (per bucket: float32 and the modelled best, measured)", head]
+        for r in self.plan():
+            fmt = lambda v: "" if v is None else f"{v:.2f}"
+            lines.append(
+                f"{'*' if r['chosen'] else ' ':1} {r['bucket']:>6} {r['tensors']:>7} {r['elements']:>10}  "
+                f"{r['codec'][:30]:<30} {r['strategy']:<10} {fmt(r['modelled_ms']):>9} {fmt(r['measured_ms']):>9}"
+            )
+        return "\n".join(lines)
 
     def _allgather(
         self,
@@ -519,16 +924,16 @@ class GradpackState:
             recv = self._buffer(
                 ("recv", index, cap), lambda: [torch.empty(cap, dtype=torch.uint8) for _ in range(world)]
             )
-            dist.all_gather(recv, send, group=self.process_group)
+            dist.all_gather(recv, send, group=self._comm_group())
             msgs = [r.numpy() for r in recv]
         else:
             lens = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-            dist.all_gather(lens, torch.tensor([at], dtype=torch.int64), group=self.process_group)
+            dist.all_gather(lens, torch.tensor([at], dtype=torch.int64), group=self._comm_group())
             top = max(int(t) for t in lens)
             recv = [torch.empty(top, dtype=torch.uint8) for _ in range(world)]
             mine = torch.zeros(top, dtype=torch.uint8)
             mine[:at] = send[:at]
-            dist.all_gather(recv, mine, group=self.process_group)
+            dist.all_gather(recv, mine, group=self._comm_group())
             msgs = [r.numpy()[: int(t)] for r, t in zip(recv, lens)]
         # Each tensor's frames from every rank, summed in rank order (the same sum on
         # every rank) in one fused pass over the tensor.
@@ -644,7 +1049,7 @@ class GradpackState:
             s, k = starts[i], layout[i][1]
             f[at : at + k] = x[s : s + k]
             at += k
-        dist.all_reduce(first, group=self.process_group)
+        dist.all_reduce(first, group=self._comm_group())
         first.div_(world)
         at = b.p_len
         for i in plain:
@@ -653,7 +1058,7 @@ class GradpackState:
             at += k
         q = second.numpy()
         b.q_step(x, f[: b.p_len], q)
-        dist.all_reduce(second, group=self.process_group)
+        dist.all_reduce(second, group=self._comm_group())
         second.div_(world)
         b.finish(x, f[: b.p_len], q)
         rest = [
@@ -707,8 +1112,7 @@ class GradpackState:
         self._pending.clear()
 
     def _peer(self, r: int) -> int:
-        g = self.process_group
-        return r if g is None else dist.get_global_rank(g, r)
+        return dist.get_global_rank(self._comm_group(), r)
 
     def _p2p_send(self, msg: bytearray, to: int) -> None:
         """The all-reduce's send: the length, then the bytes (a bytearray of the
@@ -717,7 +1121,7 @@ class GradpackState:
         dst = self._peer(to)
         length = torch.tensor([len(msg)], dtype=torch.int64)
         payload = torch.frombuffer(msg, dtype=torch.uint8)
-        g = self.process_group
+        g = self._comm_group()
         self._pending.append(
             (dist.isend(length, dst, group=g), dist.isend(payload, dst, group=g), length, payload)
         )
@@ -725,13 +1129,42 @@ class GradpackState:
     def _p2p_recv(self, frm: int) -> np.ndarray:
         src = self._peer(frm)
         length = torch.empty(1, dtype=torch.int64)
-        dist.recv(length, src, group=self.process_group)
+        g = self._comm_group()
+        dist.recv(length, src, group=g)
         buf = torch.empty(int(length), dtype=torch.uint8)
-        dist.recv(buf, src, group=self.process_group)
+        dist.recv(buf, src, group=g)
         return buf.numpy()
 
 
 _POWERSGD_KEYS = ("rank", "warm_start", "feedback", "min_compression", "start_step")
+
+
+_PLAN_FIELDS = ("names", "elements", "configs", "modelled", "times", "measured", "choice", "derived")
+
+
+def _plans_of(state: Dict[str, Any]) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Tuple[str, str]]]:
+    """A state_dict's decided plans and per-parameter choices, checked."""
+    plans = state.get("plans", {})
+    choices = state.get("choices", {})
+    try:
+        out = {}
+        for k, p in plans.items():
+            q = {f: p[f] for f in _PLAN_FIELDS}
+            if q["choice"] is None or len(q["configs"]) != len(q["modelled"]):
+                raise ValueError(k)
+            Codec(q["choice"][0]) if q["choice"][0] != _MIXED else None
+            q["choice"] = [str(q["choice"][0]), str(q["choice"][1])]
+            out[str(k)] = q
+        ch = {}
+        for k, v in choices.items():
+            spec, strat = str(v[0]), str(v[1])
+            if strat not in ("fp32", "allgather", "ring"):
+                raise ValueError(k)
+            Codec(spec)
+            ch[str(k)] = (spec, strat)
+    except (KeyError, TypeError, ValueError, IndexError, gradpack.Error) as e:
+        raise ValueError(f"state_dict's auto plan is malformed ({e!r})") from None
+    return out, ch
 
 
 def _powersgd_settings(p: Union[None, int, Dict[str, Any]]) -> Optional[Dict[str, Any]]:

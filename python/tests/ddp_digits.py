@@ -129,6 +129,8 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
             with torch.no_grad():
                 acc = (net(xt).argmax(1) == yt).float().mean().item()
             p = flat_params(net)
+            if state is not None:
+                state.close()
             results.append({
                 "config": name, "seed": seed, "accuracy": acc,
                 "first_loss": float(np.mean(losses[:20])), "last_loss": float(np.mean(losses[-20:])),
@@ -141,18 +143,21 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
         net, opt, state = make(CONFIGS[name], 7)
         run_steps(net, opt, xs, ys, rank, world, 2 * k, 0)
         straight = flat_params(net)
+        state.close()
         net, opt, state = make(CONFIGS[name], 7)
         run_steps(net, opt, xs, ys, rank, world, k, 0)
         ckpt = os.path.join(out_dir, f"ckpt-{name}-{rank}.pt")
         torch.save({"model": net.module.state_dict(), "opt": opt.state_dict(),
                     "hook": state.state_dict()}, ckpt)
         saved = torch.load(ckpt, weights_only=True)
+        state.close()
         net, opt, state = make(CONFIGS[name], 7, init=99)  # other init: all must come from the file
         net.module.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
         state.load_state_dict(saved["hook"])
         run_steps(net, opt, xs, ys, rank, world, k, k)
         resumed = flat_params(net)
+        state.close()
         results.append({"config": name, "resume": True,
                         "equal": bool(torch.equal(straight, resumed)),
                         "max_diff": float((straight - resumed).abs().max())})
