@@ -47,8 +47,10 @@ def main(rank, world, port, args):
     if rank == 0:
         with torch.no_grad():
             acc = (model(x[test]).argmax(1) == y[test]).float().mean().item()
-        big = state.codec_for(64 * 512)
-        print(f"{world} ranks, {args.steps} steps, large tensors sent as {big.spec}: "
+        # codec='auto' has chosen per bucket (its plan); otherwise the codec is fixed.
+        sent = "; ".join(f"bucket {r['bucket']} {r['codec']} by {r['strategy']}"
+                         for r in state.plan() if r["chosen"]) or state.codec_for(64 * 512).spec
+        print(f"{world} ranks, {args.steps} steps, large tensors sent as {sent}: "
               f"loss {loss.item():.3f}, test accuracy {100 * acc:.1f}%")
         # A checkpoint keeps the hook's residuals beside the model and optimizer.
         torch.save({"model": net.state_dict(), "opt": opt.state_dict(),

@@ -195,6 +195,7 @@ class GradpackState:
         self._plans: Dict[str, Dict[str, Any]] = {}
         self._param_choice: Dict[str, Tuple[str, str]] = {}
         self._plan_printed = False
+        self._current: Dict[int, str] = {}  # bucket index -> its layout's plan now
         self._h2d: Optional[float] = None
         self._streams: Dict[Any, Any] = {}
         if min_compress_elements < 0:
@@ -479,6 +480,7 @@ class GradpackState:
         self._ring_restored = dict(state.get("rings", {}))
         self._plans = {k: dict(v, runs=0) for k, v in plans.items()}
         self._param_choice = choices
+        self._current = {}
         self._plan_printed = bool(plans)
 
     def wait(self) -> None:
@@ -572,7 +574,7 @@ class GradpackState:
         if sum(e[1] for e in layout) != n:  # not seen; one tensor then
             layout = [(f"bucket:{index}", n, 2, index, (n,))]
         world = self._world()
-        cfg, plan = self._config(layout, n, buf.is_cuda) if world > 1 else (_FP32, None)
+        cfg, plan = self._config(index, layout, n, buf.is_cuda) if world > 1 else (_FP32, None)
         if buf.is_cuda and world > 1 and cfg == _FP32 and not self._low_rank_of(layout, step):
             # Float32 on a GPU: DDP's own all-reduce on its own group, issued here in
             # DDP's order (its backend, NCCL, moves device memory; no host copies).
@@ -617,7 +619,12 @@ class GradpackState:
                     else:
                         fut.set_result(out)
                 except BaseException as e:  # the future carries it to DDP
-                    fut.set_exception(e)
+                    fut.set_exception(
+                        RuntimeError(
+                            f"gradpack hook, bucket {index} of step {step}: "
+                            f"{type(e).__name__}: {e}"
+                        )
+                    )
             finally:
                 self._queue.task_done()
 
@@ -714,7 +721,9 @@ class GradpackState:
 
     # ------------------------------------------------------------------ auto
 
-    def _config(self, layout: List[Any], n: int, cuda: bool) -> Tuple[Tuple[str, str], Any]:
+    def _config(
+        self, index: int, layout: List[Any], n: int, cuda: bool
+    ) -> Tuple[Tuple[str, str], Any]:
         """The configuration (codec spec, strategy) a bucket goes by this time, and its
         plan while that plan is still being measured (else ``None``)."""
         if not self._auto:
@@ -727,6 +736,7 @@ class GradpackState:
         if plan is None:
             plan = self._derived(layout, n) or self._shortlist(layout, n, cuda)
             self._plans[key] = plan
+        self._current[index] = key
         if plan["choice"] is not None:
             return tuple(plan["choice"]), None  # type: ignore[return-value]
         j = plan["runs"] // self.trial_steps
@@ -853,17 +863,18 @@ class GradpackState:
         for name in plan["names"]:
             self._param_choice[name] = tuple(plan["choice"])  # type: ignore[assignment]
         if self.print_plan and self._rank() == 0 and not self._plan_printed:
-            if all(p["choice"] is not None for p in self._plans.values()):
+            if all(self._plans[k]["choice"] is not None for k in self._current.values()):
                 self._plan_printed = True
                 print(self.plan_table(), file=sys.stderr, flush=True)
 
     def plan(self) -> List[Dict[str, Any]]:
-        """``codec="auto"``'s plan: one row per bucket layout seen and configuration
-        tried, with ``bucket`` (the layout's position), ``tensors``, ``elements``,
+        """``codec="auto"``'s plan for the buckets of the last step: one row per bucket and
+        configuration tried, with ``bucket`` (DDP's bucket index), ``tensors``, ``elements``,
         ``codec``, ``strategy``, ``modelled_ms`` and ``measured_ms`` (the mean over the
         ranks of each rank's best trial; ``None`` until measured), and ``chosen``."""
         rows = []
-        for i, p in enumerate(self._plans.values()):
+        for i, key in sorted(self._current.items()):
+            p = self._plans[key]
             for j, cfg in enumerate(p["configs"]):
                 m, t = p["modelled"][j], (p["measured"] or [None] * len(p["configs"]))[j]
                 rows.append({

@@ -40,6 +40,24 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     # 8 x 8 tiles of each weight matrix (DeMo), signs with one scale, error feedback.
     "dct2d-ef": {"codec": "dct:chunk=8,k=4,values=sign,scale=frame", "dct_2d": True,
                  "error_feedback": True},
+    # codec='auto' on a slow link: float32 and the cost model's two best of int8 and
+    # top-k by all-gather and ring, each measured on the buckets for two steps.
+    "auto": {"codec": "auto", "extra": {"bandwidth": "1Gbit/s", "candidates": ["int8", "topk:ratio=0.01,values=fp16"],
+                                        "calibrate_elements": 1 << 16, "print_plan": False}},
+    # The same, all-gather only: every choice sums per parameter, so a checkpoint
+    # resumes bit for bit whichever configuration each bucket chose.
+    "auto-allgather": {"codec": "auto", "strategy": "allgather",
+                       "extra": {"bandwidth": "1Gbit/s", "candidates": ["int8", "topk:ratio=0.01,values=fp16"],
+                                 "calibrate_elements": 1 << 16, "print_plan": False}},
+    # DDP options that issue collectives of their own, and a layer that gets no gradient.
+    "int8-unused": {"codec": "int8", "ddp": {"find_unused_parameters": True}, "unused": True},
+    "int8-unused-all-used": {"codec": "int8", "ddp": {"find_unused_parameters": True}},
+    "int8-static": {"codec": "int8", "ddp": {"static_graph": True}},
+    "int8-frozen": {"codec": "int8", "frozen": True},
+    # Buckets of other float types: the codec works in float32.
+    "int8-bf16": {"codec": "int8", "dtype": "bfloat16"},
+    "int8-f64": {"codec": "int8", "dtype": "float64"},
+    "fp32-f64": {"codec": "identity", "dtype": "float64"},
 }
 
 
@@ -57,13 +75,30 @@ def data():
             torch.from_numpy(x[cut:]), torch.from_numpy(y[cut:]))
 
 
-def model(seed: int) -> torch.nn.Module:
+class WithUnused(torch.nn.Module):
+    """The MLP beside a layer that forward never uses (no gradient every step)."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.unused = torch.nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+def model(seed: int, cfg: Dict[str, Any] = {}) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(
+    net: torch.nn.Module = torch.nn.Sequential(
         torch.nn.Linear(64, 256), torch.nn.ReLU(),
         torch.nn.Linear(256, 256), torch.nn.ReLU(),
         torch.nn.Linear(256, 10),
     )
+    if cfg.get("unused"):
+        net = WithUnused(net)
+    if cfg.get("frozen"):
+        net[0].requires_grad_(False)  # a frozen first layer: DDP leaves it out
+    return net.to(getattr(torch, cfg.get("dtype", "float32")))
 
 
 def make(cfg: Dict[str, Any], seed: int, init: int = -1):
@@ -71,7 +106,8 @@ def make(cfg: Dict[str, Any], seed: int, init: int = -1):
 
     import gradpack.torch as gpt
 
-    net = DDP(model(seed if init < 0 else init), bucket_cap_mb=0.1)  # several buckets of ~26 k elements
+    # Several buckets of ~26 k elements.
+    net = DDP(model(seed if init < 0 else init, cfg), bucket_cap_mb=0.1, **cfg.get("ddp", {}))
     state = None
     if cfg.get("codec") or cfg.get("powersgd"):
         state = gpt.GradpackState(
@@ -79,11 +115,12 @@ def make(cfg: Dict[str, Any], seed: int, init: int = -1):
             powersgd=cfg.get("powersgd"),
             dct_2d=cfg.get("dct_2d", False),
             error_feedback=cfg.get("error_feedback"),
-            strategy=cfg.get("strategy", "allgather"),
+            strategy=cfg.get("strategy"),
             pieces=cfg.get("pieces", 1),
             min_compress_elements=1024,
             seed=seed,
             model=net,
+            **cfg.get("extra", {}),
         )
         net.register_comm_hook(state, gpt.gradpack_hook)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -98,7 +135,8 @@ def run_steps(net, opt, xs, ys, rank, world, steps, start, batch=32):
         g = torch.Generator().manual_seed(s)
         idx = torch.randint(0, n, (batch * world,), generator=g)[rank * batch:(rank + 1) * batch]
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(net(xs[idx]), ys[idx])
+        dtype = next(net.parameters()).dtype
+        loss = torch.nn.functional.cross_entropy(net(xs[idx].to(dtype)).float(), ys[idx])
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -106,7 +144,12 @@ def run_steps(net, opt, xs, ys, rank, world, steps, start, batch=32):
 
 
 def flat_params(net) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    return torch.cat([p.detach().reshape(-1).double() for p in net.parameters()])
+
+
+def chosen_plan(state) -> List[Any]:
+    """codec='auto''s choice per bucket: (bucket, codec, strategy)."""
+    return [[r["bucket"], r["codec"], r["strategy"]] for r in state.plan() if r["chosen"]]
 
 
 def same_on_all_ranks(t: torch.Tensor, world: int) -> bool:
@@ -127,46 +170,96 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
             net, opt, state = make(cfg, seed)
             losses = run_steps(net, opt, xs, ys, rank, world, steps, 0)
             with torch.no_grad():
-                acc = (net(xt).argmax(1) == yt).float().mean().item()
+                acc = (net(xt.to(next(net.parameters()).dtype)).argmax(1) == yt).float().mean().item()
             p = flat_params(net)
+            chosen = None
             if state is not None:
+                chosen = chosen_plan(state)
                 state.close()
             results.append({
                 "config": name, "seed": seed, "accuracy": acc,
                 "first_loss": float(np.mean(losses[:20])), "last_loss": float(np.mean(losses[-20:])),
                 "identical": same_on_all_ranks(p, world),
+                "plan": chosen,
             })
     for name in filter(None, plan.get("resume", "").split(",")):
-        # Train 2k steps straight, then k steps, a checkpoint, a fresh DDP model,
-        # optimizer and hook state restored from it, and k more steps: same parameters.
+        # k steps, a checkpoint, k more steps; then a fresh DDP model, optimizer and hook
+        # state restored from the checkpoint, and the same k steps: same parameters.
         k = steps // 2
-        net, opt, state = make(CONFIGS[name], 7)
-        run_steps(net, opt, xs, ys, rank, world, 2 * k, 0)
-        straight = flat_params(net)
-        state.close()
         net, opt, state = make(CONFIGS[name], 7)
         run_steps(net, opt, xs, ys, rank, world, k, 0)
         ckpt = os.path.join(out_dir, f"ckpt-{name}-{rank}.pt")
         torch.save({"model": net.module.state_dict(), "opt": opt.state_dict(),
                     "hook": state.state_dict()}, ckpt)
-        saved = torch.load(ckpt, weights_only=True)
+        run_steps(net, opt, xs, ys, rank, world, k, k)
+        straight, straight_plan = flat_params(net), chosen_plan(state)
         state.close()
+        saved = torch.load(ckpt, weights_only=True)
         net, opt, state = make(CONFIGS[name], 7, init=99)  # other init: all must come from the file
         net.module.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
         state.load_state_dict(saved["hook"])
         run_steps(net, opt, xs, ys, rank, world, k, k)
         resumed = flat_params(net)
-        state.close()
         results.append({"config": name, "resume": True,
                         "equal": bool(torch.equal(straight, resumed)),
-                        "max_diff": float((straight - resumed).abs().max())})
+                        "max_diff": float((straight - resumed).abs().max()),
+                        "plan_equal": chosen_plan(state) == straight_plan,
+                        "plan": straight_plan})
+        state.close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     # A barrier first: gloo can abort at exit when a rank tears down while a peer's
     # last messages are still in flight.
     dist.barrier()
     dist.destroy_process_group()
+
+
+def killed_worker(rank: int, world: int, port: int, cfg: str, out_dir: str) -> None:
+    """Train with the hook; the last rank dies (``os._exit``) at the start of step 5, the
+    others record how long after its death their step raised, and what."""
+    import time
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    xs, ys, _, _ = data()
+    c = dict(CONFIGS[cfg])
+    c["extra"] = dict(c.get("extra", {}), timeout=60)
+    net, opt, state = make(c, 0)
+    result: Dict[str, Any] = {"raised": None}
+    try:
+        run_steps(net, opt, xs, ys, rank, world, 5, 0)
+        dist.barrier()
+        if rank == world - 1:
+            os._exit(3)
+        t0 = time.perf_counter()
+        run_steps(net, opt, xs, ys, rank, world, 3, 5)
+    except Exception as e:  # what the test looks at
+        result = {"raised": f"{type(e).__name__}: {e}"[:300], "after_s": time.perf_counter() - t0}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # no teardown: a peer is gone
+
+
+def run_killed(world: int, cfg: str, timeout: float = 120) -> List[Dict[str, Any]]:
+    """:func:`killed_worker` on ``world`` processes; the survivors' results (a survivor
+    that never finishes is reported as hung)."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as d:
+        port = free_port()
+        procs = [ctx.Process(target=killed_worker, args=(r, world, port, cfg, d)) for r in range(world)]
+        for p in procs:
+            p.start()
+        out = []
+        for r, p in enumerate(procs[:-1]):
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+                out.append({"hung": True})
+            else:
+                out.append(json.load(open(os.path.join(d, f"rank{r}.json"))))
+        procs[-1].join(10)
+        return out
 
 
 def free_port() -> int:

@@ -95,6 +95,57 @@ def test_ring_with_error_feedback_is_identical_on_every_rank(world):
         assert resumed["max_diff"] < 1e-2, resumed
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_options_and_float_types(world):
+    # find_unused_parameters (with a layer that never gets a gradient, and without),
+    # static_graph and a frozen layer: DDP's own collectives on its group from the
+    # training thread, the hook's on its own group from its thread, never interleaved.
+    # bfloat16 and float64 models: the codec works in float32.
+    configs = ["int8-unused", "int8-unused-all-used", "int8-static", "int8-frozen",
+               "int8-bf16", "int8-f64", "fp32-f64"]
+    res = ddp_digits.run(world, configs, [0], 80)
+    for rank in res:
+        assert [r["config"] for r in rank] == configs
+        for r in rank:
+            assert r["identical"], r
+            assert r["last_loss"] < r["first_loss"] / 3, r
+
+
+def test_auto_makes_the_same_choice_on_every_rank():
+    # Three ranks, int8 and top-k by all-gather and ring against float32, each measured
+    # on the real buckets: every rank keeps the same configuration per bucket (the
+    # times are agreed by an all-reduce) and the parameters stay identical.
+    res = ddp_digits.run(3, ["auto"], [0], 60)
+    plans = [rank[0]["plan"] for rank in res]
+    assert plans[0], res[0]
+    assert all(p == plans[0] for p in plans), plans
+    for rank in res:
+        assert rank[0]["identical"], rank[0]
+        assert rank[0]["last_loss"] < rank[0]["first_loss"] / 2, rank[0]
+
+
+def test_auto_plan_resumes_bit_for_bit():
+    # The plan decided in the first steps is in the checkpoint: the restored state runs
+    # no trials and continues bit for bit (the all-gather sums per parameter, so the
+    # fresh model's first bucket layout gives the same result).
+    res = ddp_digits.run(2, [], [], 40, resume="auto-allgather")
+    for rank in res:
+        (r,) = rank
+        assert r["plan"] and r["plan_equal"], r
+        assert r["equal"], r
+
+
+@pytest.mark.parametrize("config", ["int8", "int8-ef-ring"])
+def test_a_killed_rank_makes_the_others_raise(config):
+    # The last of 3 ranks dies at the start of a step: the hook's messages to and from
+    # it fail, and the others' backward raises (gloo sees the closed connection), well
+    # inside the hook's 60 s timeout; nobody hangs.
+    for r in ddp_digits.run_killed(3, config):
+        assert not r.get("hung"), r
+        assert r["raised"] and "gradpack hook" in r["raised"], r
+        assert r["after_s"] < 30, r
+
+
 def test_state_validation():
     with pytest.raises(ValueError, match="strategy"):
         gpt.GradpackState(strategy="tree")
@@ -102,6 +153,12 @@ def test_state_validation():
         gpt.GradpackState(codec="auto")
     with pytest.raises(ValueError, match="pieces"):
         gpt.GradpackState(codec="sign", strategy="ring", pieces=0)
+    with pytest.raises(ValueError, match="trials"):
+        gpt.GradpackState(codec="auto", bandwidth="1Gbit/s", trials=0)
+    with pytest.raises(ValueError, match="timeout"):
+        gpt.GradpackState(codec="int8", timeout=0)
+    with pytest.raises(ValueError, match="auto"):
+        gpt.GradpackState(codec="auto", bandwidth="1Gbit/s", powersgd=2)
     with pytest.raises(Exception, match="unknown codec"):
         gpt.GradpackState(codec="int7")
     st = gpt.GradpackState(codec="int8", seed=3)
