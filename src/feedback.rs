@@ -360,7 +360,9 @@ impl ErrorFeedback {
             State::F32(r) => ResidualMut::F32(r),
             State::Bf16 { r, scratch } => ResidualMut::Bf16 { r, scratch },
         };
-        each_spec!(&self.codec, c => codecs::feedback_step(c, grad, r, beta, gamma, ctx, out))
+        crate::kernels::Standard::run(
+            || each_spec!(&self.codec, c => codecs::feedback_step(c, grad, r, beta, gamma, ctx, out)),
+        )
     }
 
     /// [`ErrorFeedback::encode_into`] into a new vector.

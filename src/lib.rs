@@ -166,6 +166,10 @@ pub fn reduce_frames_add<F: AsRef<[u8]>>(frames: &[F], acc: &mut [f32]) -> Resul
 }
 
 fn reduce_any<const M: u8, F: AsRef<[u8]>>(frames: &[F], out: &mut [f32]) -> Result<()> {
+    kernels::Standard::run(|| reduce_any_standard::<M, F>(frames, out))
+}
+
+fn reduce_any_standard<const M: u8, F: AsRef<[u8]>>(frames: &[F], out: &mut [f32]) -> Result<()> {
     let in_frame = |index: usize, e: Error| Error::InFrame {
         index,
         source: Box::new(e),

@@ -70,7 +70,8 @@ pub(crate) fn worth(n: usize, weight: usize) -> bool {
 pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     #[cfg(feature = "rayon")]
     if rayon::current_thread_index().is_none() {
-        return rayon::join(f, || ()).0;
+        // A pool thread's floating-point mode is whatever its creator had.
+        return rayon::join(|| crate::kernels::Standard::run(f), || ()).0;
     }
     f()
 }
@@ -121,9 +122,10 @@ fn halves<B: Split>(
     let left = pieces / 2;
     let at = left * range;
     let (l, r) = b.split(at, left);
+    // A pool thread's floating-point mode is whatever its creator had.
     let (a, c) = rayon::join(
-        || halves(l, start, at, range, f),
-        || halves(r, start + at, n - at, range, f),
+        || crate::kernels::Standard::run(|| halves(l, start, at, range, f)),
+        || crate::kernels::Standard::run(|| halves(r, start + at, n - at, range, f)),
     );
     a | c
 }

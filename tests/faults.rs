@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use common::*;
 use gradpack::collective::{
-    AllReduce, AllReduceOptions, Comm, ENVELOPE_LEN, Feedback, ReduceOp, Strategy, StrategyChoice,
-    Transport, local,
+    AllReduce, AllReduceOptions, Comm, ENVELOPE_LEN, ENVELOPE_VERSION, Feedback, ReduceOp,
+    Strategy, StrategyChoice, Transport, local,
 };
 use gradpack::{CodecSpec, Error, Result};
 
@@ -411,12 +411,169 @@ fn a_frame_of_another_step_or_chunk_is_refused() {
     let rank0 = res[0].as_ref().unwrap();
     assert!(rank0[0].is_ok());
     match &rank0[1] {
+        // The envelope's CRC covers the frame: the old frame under the new envelope
+        // fails it before the frame's seed is even read.
         Err(Error::Peer {
             peer: 1, source, ..
         }) => assert!(
-            matches!(**source, Error::Misplaced(ref m) if m.contains("seed")),
+            matches!(**source, Error::Misplaced(ref m) if m.contains("damaged message")),
             "{source}"
         ),
         other => panic!("{other:?}"),
+    }
+}
+
+/// What the relabelling rank does to the second call's first message.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Relabel {
+    /// Sends the first call's first message with its envelope's call number and CRC
+    /// rewritten, the CRC over the envelope alone (what version 1 covered).
+    EnvelopeOnly,
+    /// Sends the first call's first message with its call number rewritten, the version
+    /// byte at version 1's 0 and the CRC-32C recomputed over envelope and frame.
+    OldVersion,
+    /// Sends the second call's envelope with the first call's frame behind it.
+    Splice,
+}
+
+struct Relabeller {
+    inner: local::Local,
+    how: Relabel,
+    first: Option<Vec<u8>>,
+    sends: usize,
+    per_call: usize,
+}
+
+impl Transport for Relabeller {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
+        let i = self.sends;
+        self.sends += 1;
+        if i == 0 {
+            self.first = Some(msg.to_vec());
+        }
+        if i != self.per_call {
+            return self.inner.send(msg, to);
+        }
+        let old = self.first.clone().expect("the first call's message");
+        let m = match self.how {
+            Relabel::Splice => {
+                let mut m = msg[..ENVELOPE_LEN].to_vec();
+                m.extend_from_slice(&old[ENVELOPE_LEN..]);
+                m
+            }
+            Relabel::EnvelopeOnly | Relabel::OldVersion => {
+                let mut m = old;
+                m[8..16].copy_from_slice(&msg[8..16]); // the second call's number
+                let crc = if self.how == Relabel::EnvelopeOnly {
+                    crc32fast::hash(&m[0..32])
+                } else {
+                    m[29] = 0;
+                    crc32c::crc32c_append(crc32c::crc32c(&m[0..32]), &m[ENVELOPE_LEN..])
+                };
+                m[32..36].copy_from_slice(&crc.to_le_bytes());
+                m
+            }
+        };
+        self.inner.send(&m, to)
+    }
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+        self.inner.recv(buf, from)
+    }
+}
+
+#[test]
+fn a_relabelled_message_fails_the_call_for_every_codec() {
+    // Rank 1 sends, in the second call, its first call's first message under the second
+    // call's number (three ways), the data differing between calls. Every codec (those
+    // whose frames record no seed too), by the ring and the all-gather: the rank
+    // receiving it gets an error naming rank 1; any rank that completes that call holds
+    // the clean world's sum, never a wrong one; the third call on the same Comm is
+    // whole again on every rank.
+    assert_eq!(ENVELOPE_VERSION, 2);
+    let n = 300;
+    for spec in specs() {
+        for strategy in [Strategy::CompressedRing, Strategy::CompressedAllGather] {
+            if strategy == Strategy::CompressedRing && spec.to_string().contains("scale=unbiased") {
+                continue; // refused by the ring
+            }
+            for how in [Relabel::EnvelopeOnly, Relabel::OldVersion, Relabel::Splice] {
+                let o = AllReduceOptions {
+                    strategy: StrategyChoice::Forced(strategy),
+                    ..Default::default()
+                };
+                let clean = local::run(3, Some(Duration::from_secs(5)), |mut t| {
+                    let mut ar = AllReduce::new(spec, n, &t, o.clone())?;
+                    let mut outs = Vec::new();
+                    for seed in [1, 2, 3] {
+                        let x = sample(n, 40 + t.rank() as u32 + 10 * seed as u32);
+                        let mut out = vec![0.0; n];
+                        ar.run(&mut t, &x, &mut out, seed)?;
+                        outs.push(out);
+                    }
+                    Ok(outs)
+                });
+                let res = local::run(3, Some(Duration::from_secs(5)), |t| {
+                    let rank = t.rank();
+                    let mut ar = AllReduce::new(spec, n, &t, o.clone())?;
+                    // Messages rank 1 sends per call (to its right neighbour).
+                    let per_call = match strategy {
+                        Strategy::CompressedRing => 2 * (3 - 1),
+                        _ => 3 - 1,
+                    };
+                    let mut comm = Comm::new(Relabeller {
+                        inner: t.into_inner(),
+                        how: if rank == 1 { how } else { Relabel::Splice },
+                        first: None,
+                        sends: 0,
+                        per_call: if rank == 1 { per_call } else { usize::MAX },
+                    });
+                    let mut results = Vec::new();
+                    let mut out = vec![0.0; n];
+                    for seed in [1, 2, 3] {
+                        // Other data every call, so the first call's frame is not the
+                        // second's (were they equal, the relabelled message would be true).
+                        let x = sample(n, 40 + rank as u32 + 10 * seed as u32);
+                        results.push(ar.run(&mut comm, &x, &mut out, seed).map(|_| out.clone()));
+                    }
+                    Ok(results)
+                });
+                let what = format!("{spec} by {strategy:?}, {how:?}");
+                // Rank 2 receives rank 1's messages.
+                let rank2 = res[2].as_ref().unwrap();
+                match &rank2[1] {
+                    Err(Error::Peer {
+                        peer: 1, source, ..
+                    }) => assert!(
+                        matches!(**source, Error::Misplaced(ref m)
+                            if m.contains("damaged message") || m.contains("version 0")),
+                        "{what}: {source}"
+                    ),
+                    other => panic!("{what}: rank 2's second call gave {other:?}"),
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                for (r, rank) in res.iter().enumerate() {
+                    let rank = rank.as_ref().unwrap();
+                    let want = clean[r].as_ref().unwrap();
+                    for call in 0..3 {
+                        match &rank[call] {
+                            // Whatever completes holds the clean world's sum: a rank that
+                            // never used the relabelled message (its sender, say).
+                            Ok(out) => assert_eq!(
+                                bits(out),
+                                bits(&want[call]),
+                                "{what}: rank {r} call {call} completed with another sum"
+                            ),
+                            Err(e) => assert_eq!(call, 1, "{what}: rank {r} call {call}: {e}"),
+                        }
+                    }
+                }
+            }
+        }
     }
 }

@@ -1,17 +1,24 @@
 """Time per step and final accuracy of PyTorch DDP training with gradpack's hooks against
-PyTorch's own, over a throttled loopback.
+PyTorch's own, on an emulated cluster: every rank its own node with its own port on a
+switch.
 
-    python bench/ddp_bench.py                      # 2 and 4 ranks, unthrottled, 10 and 1 Gbit/s
-    python bench/ddp_bench.py --worlds 2 --links 1gbit --configs fp32,gp-topk-ef
+    python bench/ddp_bench.py                       # 4 ranks; unthrottled, 10 and 1 Gbit/s
+    python bench/ddp_bench.py --worlds 4,8 --links 1gbit,10gbit,25gbit --configs fp32,gp-auto
 
 The model is an MLP of 12.7 M parameters (64 -> 2500 -> 2500 -> 2500 -> 10: 48 MiB of
 float32 gradients) trained with SGD on scikit-learn's digits (shipped inside the
 package; nothing is downloaded), batch 64 per rank, one torch thread per rank, gloo.
 
-A link is a network namespace whose loopback goes through ``tc tbf`` at the given rate:
-every rank of a run talks over that one loopback, so the ranks share its bandwidth (as on
-a shared switch uplink). Making namespaces needs root and iproute2; where that fails the
-script says so and runs the ranks unthrottled.
+The cluster: a network namespace per rank, each with a veth pair to a bridge in a switch
+namespace, and ``tc tbf`` at the link's rate on both ends of every veth, so each rank has
+a full-duplex port of its own, as on a switch (a single shaped loopback shared by all
+ranks would divide one link among them and hide what an all-gather costs). The ranks
+talk over 10.77.0.0/24 inside those namespaces only; the namespaces are deleted after
+each link. ``unthrottled`` uses the same topology without tc. Making namespaces needs
+root and iproute2; where that fails the script says so and runs on the loopback.
+
+All ranks share this machine's cores: with fewer cores than ranks, compute is contended
+and the timings say so in their header.
 
 Each configuration runs in its own process group (a configuration that fails, as
 PyTorch's PowerSGD hook may, is reported and the rest go on). Per run: ``--warmup``
@@ -35,6 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 CONFIGS = {
     "fp32": "no hook: DDP's float32 all-reduce",
+    "noop": "PyTorch noop_hook: no communication at all (the floor)",
     "torch-fp16": "PyTorch fp16_compress_hook",
     "torch-bf16": "PyTorch bf16_compress_hook",
     "torch-powersgd-r1": "PyTorch PowerSGD, rank 1 (start after 2 steps)",
@@ -47,11 +55,14 @@ CONFIGS = {
     "gp-sign-ef": "gradpack sign + error feedback",
     "gp-topk-ef": "gradpack top-k 1% (fp16 values) + error feedback",
     "gp-auto": "gradpack auto (cost model on the measured link)",
+    "gp-int8-ef-ring": "gradpack int8 + error feedback, compressed ring, 2 pieces",
     "gp-powersgd-r1": "gradpack PowerSGD, rank 1 (start after 2 steps)",
+    "gp-powersgd-r2": "gradpack PowerSGD, rank 2 (start after 2 steps)",
     "gp-powersgd-r4": "gradpack PowerSGD, rank 4 (start after 2 steps)",
 }
 
-LINKS = {"unthrottled": None, "10gbit": "10gbit", "1gbit": "1gbit"}
+LINKS = {"unthrottled": None, "25gbit": "25gbit", "10gbit": "10gbit", "1gbit": "1gbit"}
+SUBNET = "10.77.0"
 
 
 # ---------------------------------------------------------------------- one rank
@@ -77,8 +88,12 @@ def hook_for(name, net, world):
     import gradpack.torch as gpt
 
     if name == "fp32":
-        return None
-    if name == "torch-fp16":
+        return None, {}
+    if name == "noop":
+        from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks
+
+        net.register_comm_hook(None, debugging_hooks.noop_hook)
+    elif name == "torch-fp16":
         net.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif name == "torch-bf16":
         net.register_comm_hook(None, default_hooks.bf16_compress_hook)
@@ -94,10 +109,13 @@ def hook_for(name, net, world):
             "gp-int8": {"codec": "int8"},
             "gp-fp16-ring": {"codec": "fp16", "strategy": "ring"},
             "gp-int8-ring": {"codec": "int8", "strategy": "ring"},
+            "gp-int8-ef-ring": {"codec": "int8", "strategy": "ring", "error_feedback": True,
+                                "pieces": 2},
             "gp-qsgd4": {"codec": "qsgd:bits=4,block=512"},
             "gp-sign-ef": {"codec": "sign", "error_feedback": True},
             "gp-topk-ef": {"codec": "topk:ratio=0.01,values=fp16", "error_feedback": True},
             "gp-powersgd-r1": {"powersgd": {"rank": 1, "start_step": 2}},
+            "gp-powersgd-r2": {"powersgd": {"rank": 2, "start_step": 2}},
             "gp-powersgd-r4": {"powersgd": {"rank": 4, "start_step": 2}},
         }.get(name)
         if name == "gp-auto":
@@ -106,13 +124,12 @@ def hook_for(name, net, world):
         st = gpt.GradpackState(model=net, **kw)
         net.register_comm_hook(st, gpt.gradpack_hook)
         if name == "gp-auto":
-            big = max(p.numel() for p in net.parameters())
-            return {"auto_bandwidth_bit_s": bw, "auto_latency_s": lat,
-                    "auto_choice_largest": st.codec_for(big).spec}
-    return None
+            return st, {"auto_bandwidth_bit_s": bw, "auto_latency_s": lat}
+        return st, {}
+    return None, {}
 
 
-def rank_main(rank, world, port, cfg, steps, warmup, train_steps, out):
+def rank_main(rank, world, addr, port, cfg, steps, warmup, train_steps, out):
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -120,7 +137,7 @@ def rank_main(rank, world, port, cfg, steps, warmup, train_steps, out):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
     d = load_digits()
     x = torch.from_numpy((d.data / 16.0).astype(np.float32))
     y = torch.from_numpy(d.target.astype(np.int64))
@@ -130,9 +147,10 @@ def rank_main(rank, world, port, cfg, steps, warmup, train_steps, out):
     xs, ys, xt, yt = x[:cut], y[:cut], x[cut:], y[cut:]
     net = DDP(model())
     info = {}
+    state = None
     result = {"config": cfg, "world": world}
     try:
-        info = hook_for(cfg, net, world) or {}
+        state, info = hook_for(cfg, net, world)
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
         batch = 64
         times = []
@@ -159,7 +177,13 @@ def rank_main(rank, world, port, cfg, steps, warmup, train_steps, out):
         got = [torch.empty_like(p) for _ in range(world)]
         dist.all_gather(got, p)
         result["identical"] = all(torch.equal(got[0], g) for g in got)
+        if state is not None and cfg == "gp-auto":
+            info["auto_plan"] = [f"{r['codec']} by {r['strategy']}"
+                                 for r in state.plan() if r["chosen"]]
         result.update(info)
+        if state is not None:
+            state.close()
+        dist.barrier()
     except Exception as e:  # reported, not fatal to the other configurations
         result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     if rank == 0:
@@ -172,54 +196,102 @@ def rank_main(rank, world, port, cfg, steps, warmup, train_steps, out):
 
 
 def child(args):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(args.world, port, args.config, args.steps, args.warmup,
-                              args.train_steps, args.out), nprocs=args.world, join=True)
+    rank_main(args.rank, args.world, args.addr, args.port, args.config, args.steps,
+              args.warmup, args.train_steps, args.out)
 
 
 # ---------------------------------------------------------------------- the driver
 
 
-def make_netns(name, rate):
-    """A namespace whose loopback is limited to ``rate``; None if not permitted."""
+def sh(*cmd):
+    r = subprocess.run(list(cmd), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip() or r.returncode}")
+
+
+def delete_cluster(world):
+    for ns in ["gpsw"] + [f"gpr{r}" for r in range(world)]:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def make_cluster(world, rate):
+    """Namespaces gpr0..gpr{world-1}, each with eth0 (10.77.0.(r+1)) on a veth to the
+    bridge of namespace gpsw, both ends shaped to ``rate`` (None: unshaped). Returns the
+    namespaces, or None and why not."""
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return None, "ip or tc not found (apt-get install iproute2)"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    burst = {"1gbit": "256kb", "10gbit": "2mb"}.get(rate, "256kb")
-    for cmd in (["ip", "netns", "add", name],
-                ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
-                ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-                 "rate", rate, "burst", burst, "latency", "50ms"]):
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-            return None, f"{' '.join(cmd[:4])}: {r.stderr.strip() or r.returncode}"
-    return name, ""
+    delete_cluster(world)
+    try:
+        sh("ip", "netns", "add", "gpsw")
+        sh("ip", "netns", "exec", "gpsw", "ip", "link", "add", "br0", "type", "bridge")
+        sh("ip", "netns", "exec", "gpsw", "ip", "link", "set", "br0", "up")
+        names = []
+        for r in range(world):
+            ns, a, b = f"gpr{r}", f"gpv{r}a", f"gpv{r}b"
+            sh("ip", "netns", "add", ns)
+            sh("ip", "link", "add", a, "netns", ns, "type", "veth", "peer", "name", b, "netns", "gpsw")
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", a, "name", "eth0")
+            sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{SUBNET}.{r + 1}/24", "dev", "eth0")
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            sh("ip", "netns", "exec", "gpsw", "ip", "link", "set", b, "master", "br0")
+            sh("ip", "netns", "exec", "gpsw", "ip", "link", "set", b, "up")
+            if rate:
+                # The port's rate both ways: tbf on the rank's side shapes what it sends,
+                # on the switch's side what it receives. Burst: 1 ms at the rate.
+                bits = parse_rate(rate)
+                burst = str(max(int(bits / 8 / 1000), 64 * 1024))
+                for where, dev in ((ns, "eth0"), ("gpsw", b)):
+                    sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root",
+                       "tbf", "rate", rate, "burst", burst, "latency", "50ms")
+            names.append(ns)
+        return names, ""
+    except RuntimeError as e:
+        delete_cluster(world)
+        return None, str(e)
 
 
-def run_one(ns, world, cfg, steps, warmup, train_steps, timeout=240):
+def parse_rate(rate):
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
+    for u, f in units.items():
+        if rate.endswith(u):
+            return float(rate[: -len(u)]) * f
+    return float(rate)
+
+
+def run_one(names, world, cfg, steps, warmup, train_steps, timeout=300):
+    """One configuration on ``world`` ranks, rank r in namespace ``names[r]`` (None: all on
+    the loopback)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--world", str(world),
-           "--config", cfg, "--steps", str(steps), "--warmup", str(warmup),
-           "--train-steps", str(train_steps), "--out", out]
-    if ns:
-        cmd = ["ip", "netns", "exec", ns] + cmd
+    addr = f"{SUBNET}.1" if names else "127.0.0.1"
+    port = 29400 + (os.getpid() + int(time.time())) % 20000
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0" if names else "lo", OMP_NUM_THREADS="1")
     t0 = time.time()
-    # A session of its own, so that a hung run is killed with every rank it spawned.
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try:
-        stdout, stderr = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
+    procs = []
+    for r in range(world):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--rank", str(r),
+               "--world", str(world), "--addr", addr, "--port", str(port), "--config", cfg,
+               "--steps", str(steps), "--warmup", str(warmup),
+               "--train-steps", str(train_steps), "--out", out]
+        if names:
+            cmd = ["ip", "netns", "exec", names[r]] + cmd
+        # A session of its own, so that a hung run is killed with everything it started.
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, start_new_session=True, env=env))
+    errs = []
+    hung = False
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=max(1, timeout - (time.time() - t0)))
+            errs.append(err)
+        except subprocess.TimeoutExpired:
+            hung = True
+    if hung:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
         if os.path.exists(out):
             os.unlink(out)
         return {"config": cfg, "world": world, "error": f"hung: killed after {timeout} s",
@@ -228,8 +300,9 @@ def run_one(ns, world, cfg, steps, warmup, train_steps, timeout=240):
         with open(out) as f:
             res = json.load(f)
     except (OSError, ValueError):
-        tail = (stderr or stdout).strip().splitlines()[-1:] or ["no output"]
-        res = {"config": cfg, "world": world, "error": f"exit {p.returncode}: {tail[0][:200]}"}
+        tail = "\n".join(errs).strip().splitlines()[-1:] or ["no output"]
+        res = {"config": cfg, "world": world,
+               "error": f"exit {[p.returncode for p in procs]}: {tail[0][:200]}"}
     finally:
         if os.path.exists(out):
             os.unlink(out)
@@ -263,30 +336,38 @@ def driver(args):
             "train_steps": args.train_steps}
     print(f"# DDP benchmark, {meta['date']}: {meta['cpu']}, {meta['cores']} cores, torch "
           f"{meta['torch']}, gradpack backend {meta['gradpack_backend']}", flush=True)
+    if max(worlds) > (os.cpu_count() or 1):
+        print(f"NOTE: {max(worlds)} ranks on {os.cpu_count()} cores: the ranks' compute is "
+              "contended, so steps are slower than on a cluster of that many nodes", flush=True)
     results = []
     for link in links:
-        ns = None
-        if LINKS.get(link, link) is not None:
-            ns, why = make_netns(f"gpbench_{link}", LINKS.get(link, link))
-            if ns is None:
-                print(f"SKIP throttling for {link}: {why}; running unthrottled", flush=True)
-        try:
-            for world in worlds:
+        for world in worlds:
+            rate = LINKS.get(link, link)
+            names, why = make_cluster(world, rate)
+            if names is None:
+                print(f"SKIP the emulated cluster for {link}: {why}; running on the loopback"
+                      + (", unthrottled" if rate else ""), flush=True)
+            try:
                 for cfg in configs:
-                    r = run_one(ns, world, cfg, args.steps, args.warmup, 0)
-                    r["link"] = link if ns or LINKS.get(link, link) is None else "unthrottled"
+                    r = run_one(names, world, cfg, args.steps, args.warmup, 0)
+                    r["link"] = link if names or rate is None else "unthrottled"
                     results.append(r)
                     print(json.dumps(r), flush=True)
-        finally:
-            if ns:
-                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            finally:
+                if names:
+                    delete_cluster(world)
     if args.train_steps:
         for world in worlds:
-            for cfg in configs:
-                r = run_one(None, world, cfg, 0, 0, args.train_steps)
-                r["link"] = "accuracy"
-                results.append(r)
-                print(json.dumps(r), flush=True)
+            names, _ = make_cluster(world, None)
+            try:
+                for cfg in configs:
+                    r = run_one(names, world, cfg, 0, 0, args.train_steps)
+                    r["link"] = "accuracy"
+                    results.append(r)
+                    print(json.dumps(r), flush=True)
+            finally:
+                if names:
+                    delete_cluster(world)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     print(table(results, worlds, configs, links))
@@ -302,14 +383,18 @@ def table(results, worlds, configs, links):
                 return "" if v is None else v
         return ""
 
-    head = "| hook | ranks | " + " | ".join(f"{l} ms/step" for l in links) + " | accuracy |"
-    lines = [head, "|" + "---|" * (3 + len(links))]
+    head = ("| hook | ranks | " + " | ".join(f"{l} ms/step | x fp32" for l in links)
+            + " | accuracy |")
+    lines = [head, "|---|---|" + "---:|---:|" * len(links) + "---:|"]
     for world in worlds:
         for cfg in configs:
             cells = []
             for link in links:
                 v = get(cfg, world, link, "step_ms_median")
+                base = get("fp32", world, link, "step_ms_median")
                 cells.append(f"{v:.0f}" if isinstance(v, float) else str(v))
+                ok = isinstance(v, float) and isinstance(base, float)
+                cells.append(f"{v / base:.2f}" if ok else "")
             a = get(cfg, world, "accuracy", "accuracy")
             cells.append(f"{100 * a:.1f}%" if isinstance(a, float) else str(a))
             lines.append(f"| {cfg} | {world} | " + " | ".join(cells) + " |")
@@ -318,17 +403,20 @@ def table(results, worlds, configs, links):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--worlds", default="4")
     ap.add_argument("--links", default="unthrottled,10gbit,1gbit",
                     help="comma-separated: unthrottled, 10gbit, 1gbit or any tc rate; none: accuracy only")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--steps", type=int, default=12, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--train-steps", type=int, default=150,
+    ap.add_argument("--train-steps", type=int, default=250,
                     help="steps of the accuracy run (0: skip it)")
     ap.add_argument("--out", default="ddp_bench.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--addr", default="127.0.0.1", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=29500, help=argparse.SUPPRESS)
     ap.add_argument("--config", default="fp32", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

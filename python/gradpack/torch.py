@@ -11,8 +11,18 @@ by the world size, so every rank ends with the same averaged gradient, bit for b
     model = torch.nn.parallel.DistributedDataParallel(net)
     state = gpt.GradpackState(codec="topk:ratio=0.01,values=fp16", error_feedback=True)
     model.register_comm_hook(state, gpt.gradpack_hook)
+    ...                                   # training
+    state.close()                         # before dist.destroy_process_group()
 
 What it does, per bucket:
+
+- The hook's messages travel on a gloo group of its own, made with the state (so make
+  the state on every rank at the same point, after ``init_process_group``), or on
+  ``comm_group``. Never on DDP's group: DDP sends collectives of its own on that group
+  from the training thread (``find_unused_parameters``, ``static_graph``), and two
+  threads on one group interleave their messages differently on different ranks. A rank
+  that dies makes the others' hooks raise (gloo sees the connection close; ``timeout``
+  bounds the wait for one that hangs).
 
 - Each parameter's gradient in the bucket is a tensor of its own: parameters under
   ``min_compress_elements`` elements and one-dimensional ones (biases, norm scales) go
@@ -37,10 +47,22 @@ What it does, per bucket:
   all-gathered first.
 - The work runs on one communication thread per state, in the order DDP hands the
   buckets over, while backward goes on (gradpack's kernels and gloo release the GIL).
-- ``codec="auto"`` picks, per tensor size, the fastest of ``candidates`` by gradpack's
-  cost model for the ``bandwidth`` and ``latency`` you give, with the codecs' speeds
-  measured on this CPU when the state is made and averaged over the ranks (so every
-  rank picks the same). ``"identity"`` among the candidates is float32.
+- ``codec="auto"`` chooses a codec and a strategy per bucket, and checks the choice by
+  measurement. The cost model (the codecs' speeds measured on this CPU when the state
+  is made and averaged over the ranks; the ``bandwidth`` and ``latency`` you give; the
+  all-gather's p decodes, the ring's re-encodes per hop, and for a GPU bucket the
+  copies to the host and back) ranks every candidate codec by every strategy. Float32
+  and the ``trials`` best are then run in turn on the real bucket, ``trial_steps``
+  steps each, during the first steps; the ranks agree on the times (one all-reduce of
+  their means) and keep the fastest, float32 on a tie, so a configuration measured
+  slower than float32 is never kept. :meth:`GradpackState.plan` lists the candidates
+  with modelled and measured times; rank 0 prints it once decided (``print_plan``), and
+  :meth:`GradpackState.state_dict` saves it, so a restored state runs no trials. At two
+  ranks its float32 is an all-gather of float32 frames summed in rank order (the ring's
+  bytes, and a sum per parameter, so a plan restored into a fresh model continues bit
+  for bit).
+- Buckets of float64, float16 and bfloat16 are reduced too: the codecs work on a
+  float32 copy (float64 buckets that go as float32 are summed in float64).
 - ``powersgd=2`` (a rank, or a dict of settings) sends every matrix that PowerSGD
   compresses enough as rank-``r`` factors (Vogels et al., 2019), the arithmetic done by
   gradpack: per bucket, one float32 all-reduce carries every matrix's ``P = M Q``
@@ -58,8 +80,13 @@ saves them, and PowerSGD's state, by parameter name with the step counter (make 
 state with ``model=``), so a checkpoint stores them beside the model and optimizer, and a
 state restored into a fresh DDP model continues bit-identically.
 
-CUDA buckets are copied to the host, reduced there and copied back. That path is written
-but has not been run on a GPU; the measured runs are CPU training over gloo.
+GPU models (DDP over NCCL): a bucket that goes as float32 is all-reduced by DDP's own
+group from the hook, as without it (NCCL, device memory). A compressed one is copied to a
+reused pinned host buffer on a side CUDA stream, reduced on the host over the hook's gloo
+group, and copied back on that stream; the returned future completes on the bucket's
+device. ``codec="auto"`` charges the copies, so on a fast fabric it keeps float32. That
+path is written but has not been run on a GPU here; the measured runs are CPU training
+over gloo.
 """
 
 import datetime
@@ -141,9 +168,22 @@ class GradpackState:
             in 2-D sends about what ``dct:chunk=64,k=4`` sends in 1-D.
         pieces: ``strategy="ring"``: split each ring chunk into this many frames, so
             that encoding and decoding overlap the link (a pipelined ring).
+        comm_group: the group the hook's messages travel on: it must carry CPU tensors
+            (gloo) and hold the process group's ranks in the same order. Default: a
+            gloo group the state makes (DDP's own group is never used for them).
+        timeout: seconds the hook's group waits for a peer (default: torch's).
+        trials: ``codec="auto"``: how many of the modelled best configurations are
+            measured against float32.
+        trial_steps: ``codec="auto"``: steps each configuration runs while measured
+            (the best of them counts).
+        print_plan: ``codec="auto"``: rank 0 prints the plan to stderr once decided.
 
-    Making a state with ``codec="auto"`` runs one all-reduce on the group (to average
-    the measured speeds), so every rank must make it at the same point.
+    ``strategy`` is ``"allgather"`` by default; with ``codec="auto"`` it limits the
+    strategies tried (default both).
+
+    Making a state runs collectives on the group (the hook's own group is made, and
+    ``codec="auto"`` averages the measured speeds), so every rank must make it at the
+    same point. Call :meth:`close` when training ends.
     """
 
     def __init__(
@@ -352,7 +392,9 @@ class GradpackState:
         self, elements: int, ndim: int = 2, shape: Optional[Tuple[int, ...]] = None
     ) -> Codec:
         """The codec a parameter of ``elements`` elements and ``ndim`` dimensions (and
-        ``shape``, for ``dct_2d``) is sent with."""
+        ``shape``, for ``dct_2d``) is sent with. With ``codec="auto"``: the cost model's
+        pick for a tensor of that size before any measurement (the hook goes by
+        :meth:`plan`, per bucket)."""
         return self._param_codec(self._codec_for(elements), elements, ndim, shape)
 
     def _param_codec(

@@ -551,3 +551,50 @@ def test_allreduce_transport_failures_are_errors_naming_the_peer():
         gradpack.AllReduce("int8", n, 0, 2, None, lambda f: b"")
     with pytest.raises(ValueError, match='strategy "tree"'):
         gradpack.AllReduce("int8", n, 0, 2, print, print, strategy="tree")
+
+
+def test_a_flushing_framework_changes_no_frame_or_decode():
+    # torch.set_flush_denormal(True) sets the thread's flush-to-zero and
+    # subnormals-are-zero bits (threads made later inherit them); gradpack computes with
+    # subnormals kept whatever the caller set, so frames and decodes are those of the
+    # standard mode, and the caller's mode is left as it was.
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    n = 4099
+    bits = rng.integers(1, 0x007FFFFF, n).astype(np.uint32)  # subnormals
+    x = bits.view(np.float32) * np.where(rng.random(n) < 0.5, -1, 1).astype(np.float32)
+    x[::3] = rng.standard_normal(n)[::3].astype(np.float32) * np.float32(1e-37)
+    x[1::5] = rng.standard_normal(n)[1::5].astype(np.float32)
+    acc0 = x[::-1].copy()
+    specs = ["identity", "fp16", "bf16", "int8", "qsgd:bits=4,block=64", "sign",
+             "natural", "topk:ratio=0.1,values=fp16", "randk:ratio=0.2,values=bf16",
+             "dct:chunk=64,k=4"]
+
+    def run():
+        out = []
+        for s in specs:
+            frame = gradpack.encode(x, s, seed=9)
+            acc = acc0.copy()
+            gradpack.decode_add(frame, acc)
+            summed = np.zeros(n, np.float32)
+            gradpack.reduce_frames([frame, gradpack.encode(acc0, s, seed=4)], summed)
+            ef = gradpack.ErrorFeedback("int8", n)
+            fb = [bytes(ef.encode(x, seed=k)) for k in range(2)]
+            out.append((bytes(frame), gradpack.decode(frame).view(np.uint32).tobytes(),
+                        acc.view(np.uint32).tobytes(), summed.view(np.uint32).tobytes(), fb,
+                        ef.residual().view(np.uint32).tobytes()))
+        return out
+
+    want = run()
+    tiny = np.array([1e-39], np.float32)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-to-zero mode")
+    try:
+        assert (tiny * np.float32(0.5))[0] == 0.0, "the mode really flushes (numpy too)"
+        got = run()
+        still = (tiny * np.float32(0.5))[0] == 0.0
+    finally:
+        torch.set_flush_denormal(False)
+    assert still, "the caller's mode was restored"
+    for s, w, g in zip(specs, want, got):
+        assert w == g, s

@@ -35,7 +35,7 @@ pub use values::{INT8_VALUE_BLOCK, ValueType};
 
 use crate::codec::{Codec, CodecId, CodecSpec, EncodeCtx, payload_buf};
 use crate::error::{Error, Result};
-use crate::kernels::{mode, scalar::put};
+use crate::kernels::{Standard, mode, scalar::put};
 use crate::wire::{self, HEADER_LEN, Header};
 pub(crate) use scheme::{Encoded, Scheme};
 
@@ -137,7 +137,7 @@ impl<S: Scheme> Codec for S {
 
     fn encode_into(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<usize> {
         self.check_encode(x.len(), ctx)?;
-        let e = self.encode_payload(x, ctx, out)?;
+        let e = Standard::run(|| self.encode_payload(x, ctx, out))?;
         write_header::<S>(&e, x.len(), ctx, out);
         Ok(HEADER_LEN + e.payload_len as usize)
     }
@@ -222,7 +222,8 @@ fn decode_as<S: Scheme, const M: u8>(h: &Header, p: &[u8], out: &mut [f32]) -> R
             got: out.len(),
         });
     }
-    S::read(h)?.decode_payload::<M>(h, p, out)
+    let c = S::read(h)?;
+    Standard::run(|| c.decode_payload::<M>(h, p, out))
 }
 
 macro_rules! by_id {

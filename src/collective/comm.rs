@@ -11,9 +11,13 @@
 //! | 20..24 | hop: the message's index among those the call sends from sender to receiver |
 //! | 24..28 | chunk: the chunk the frame carries (ring), or the rank whose frame it is (all-gather) |
 //! | 28 | phase: 0 reduce-scatter, 1 ring all-gather, 2 frame all-gather |
-//! | 29..32 | zero |
-//! | 32..36 | CRC-32 of bytes 0..32 |
+//! | 29 | version of the envelope: 2 |
+//! | 30..32 | zero |
+//! | 32..36 | CRC-32C of bytes 0..32 followed by the frame (every byte after the envelope) |
 //!
+//! The CRC covers the frame too, so a frame is bound to its envelope: the bytes of one
+//! call, chunk or sender under the envelope of another (a buffer sent twice, a message
+//! relabelled) fail it, for every codec, also those whose frames record no seed.
 //! Every call of a collective on a [`Comm`] takes the next sequence number, whether it
 //! succeeds or not, so ranks that make the same calls in the same order agree on it with
 //! no message exchanged. A receive compares the envelope with what it expects, by
@@ -37,6 +41,19 @@ use crate::error::{Error, Result};
 pub const ENVELOPE_LEN: usize = 36;
 
 const MAGIC: [u8; 4] = *b"GPKE";
+
+/// The envelope's version (byte 29). Version 1 (gradpack before this one) had 0 there
+/// and a CRC over the envelope alone.
+pub const ENVELOPE_VERSION: u8 = 2;
+
+/// CRC-32C of the envelope's first 32 bytes followed by the frame. Castagnoli's
+/// polynomial, not the frames' CRC-32: a frame ends its header and its (sealed) payload
+/// with CRC-32s of what precedes them, and a CRC-32 running over such a segment comes out
+/// the same whatever the segment holds, so with one polynomial the envelope would not
+/// depend on the frame's content at all.
+fn envelope_crc(msg: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c(&msg[0..32]), &msg[ENVELOPE_LEN..])
+}
 
 /// Phases of a collective, as recorded in envelopes and named in errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,6 +94,8 @@ struct Envelope {
 }
 
 impl Envelope {
+    /// Write the envelope into `out[..ENVELOPE_LEN]`; `out` is the whole message, the
+    /// frame after the envelope already in place (the CRC covers it).
     fn write(&self, out: &mut [u8]) {
         out[0..4].copy_from_slice(&MAGIC);
         out[4..8].copy_from_slice(&self.sender.to_le_bytes());
@@ -85,8 +104,9 @@ impl Envelope {
         out[20..24].copy_from_slice(&self.hop.to_le_bytes());
         out[24..28].copy_from_slice(&self.chunk.to_le_bytes());
         out[28] = self.phase;
-        out[29..32].fill(0);
-        let crc = crc32fast::hash(&out[0..32]);
+        out[29] = ENVELOPE_VERSION;
+        out[30..32].fill(0);
+        let crc = envelope_crc(out);
         out[32..36].copy_from_slice(&crc.to_le_bytes());
     }
 
@@ -98,11 +118,20 @@ impl Envelope {
             ));
         }
         let u32_at = |i: usize| u32::from_le_bytes(msg[i..i + 4].try_into().expect("4 bytes"));
-        let stored = u32_at(32);
-        let computed = crc32fast::hash(&msg[0..32]);
-        if msg[0..4] != MAGIC || msg[29..32] != [0; 3] || stored != computed {
+        if msg[0..4] == MAGIC && msg[29] != ENVELOPE_VERSION && msg[30..32] == [0; 2] {
             return Err(format!(
-                "damaged envelope (magic {:02x?}, CRC stored {stored:#010x}, computed {computed:#010x})",
+                "envelope version {} (this gradpack speaks version {ENVELOPE_VERSION}; every \
+                 rank must run the same protocol version)",
+                msg[29]
+            ));
+        }
+        let stored = u32_at(32);
+        let computed = envelope_crc(msg);
+        if msg[0..4] != MAGIC || msg[30..32] != [0; 2] || stored != computed {
+            return Err(format!(
+                "damaged message: its envelope (magic {:02x?}, CRC stored {stored:#010x}, \
+                 computed {computed:#010x} over the envelope and frame) does not match the \
+                 bytes that came with it",
                 &msg[0..4]
             ));
         }
@@ -366,10 +395,13 @@ mod tests {
             chunk: 5,
             phase: 1,
         };
-        let mut buf = [0u8; ENVELOPE_LEN];
+        let mut buf = [0u8; ENVELOPE_LEN + 5];
+        buf[ENVELOPE_LEN..].copy_from_slice(b"frame");
         e.write(&mut buf);
+        assert_eq!(buf[29], ENVELOPE_VERSION);
         assert_eq!(Envelope::parse(&buf), Ok(e));
-        for i in 0..ENVELOPE_LEN {
+        // Every bit of the envelope and of the frame after it is covered.
+        for i in 0..buf.len() {
             for bit in 0..8 {
                 let mut b = buf;
                 b[i] ^= 1 << bit;
@@ -377,5 +409,17 @@ mod tests {
             }
         }
         assert!(Envelope::parse(&buf[..ENVELOPE_LEN - 1]).is_err());
+        // Two frames that end their segments with CRC-32s of them (as every frame's
+        // header does, and a sealed payload) give different envelopes.
+        let mut other = buf;
+        other[ENVELOPE_LEN..].copy_from_slice(b"fraME");
+        e.write(&mut other);
+        assert_ne!(buf[32..36], other[32..36]);
+        // A version-1 envelope (0 at byte 29, CRC of the envelope alone) is named.
+        let mut old = buf;
+        old[29] = 0;
+        let crc = crc32fast::hash(&old[0..32]);
+        old[32..36].copy_from_slice(&crc.to_le_bytes());
+        assert!(Envelope::parse(&old).unwrap_err().contains("version 0"));
     }
 }

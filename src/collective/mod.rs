@@ -75,17 +75,23 @@
 //! the correct result. (Tested for a failed send or receive, a lost, corrupted or
 //! duplicated message and a stall past the timeout, on every strategy.)
 //!
-//! Payload checksums ([`AllReduceOptions::checksum`]) are on by default. Without them a
-//! payload corrupted in transit can decode to different values, and since frames are
-//! forwarded round the ring, ranks downstream of the fault would end with different
-//! outputs and no error.
+//! The envelope's CRC-32C covers the frame behind it, so a frame damaged in transit, or
+//! put behind another message's envelope, is an error naming its sender for every codec;
+//! payload checksums ([`AllReduceOptions::checksum`], on by default) seal the frames
+//! themselves as well.
+//!
+//! ## The protocol
+//! The messages, their order, the arithmetic and the checks are specified in the crate's
+//! wire-format document (section 6), completely enough for a second implementation to
+//! take part; the repository's Python tests run one, written from that text, among
+//! gradpack's own ranks.
 
 pub mod comm;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 
-pub use comm::{Comm, ENVELOPE_LEN};
+pub use comm::{Comm, ENVELOPE_LEN, ENVELOPE_VERSION};
 use comm::{Phase, Place};
 
 use core::ops::Range;
@@ -637,6 +643,7 @@ impl AllReduce {
         output: &mut [f32],
         seed: u64,
     ) -> Result<Stats> {
+        let _fp = crate::kernels::Standard::new();
         let call = comm.begin();
         for (what, got) in [
             ("input and all-reduce length", input.len()),

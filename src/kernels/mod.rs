@@ -17,6 +17,7 @@
 
 pub mod backend;
 pub mod dct;
+pub mod fpmode;
 pub mod gemm;
 mod portable;
 pub mod scalar;
@@ -27,6 +28,7 @@ mod x86_64;
 use backend::X86;
 pub use backend::{Backend, BackendKind};
 use backend::{Op, x86_route};
+pub use fpmode::Standard;
 pub use scalar::{mode, residual_of};
 
 use core::marker::PhantomData;

@@ -242,6 +242,7 @@ enum Done {
 
 impl<T: Transport> Worker<T> {
     fn handle(&mut self, job: Job) -> Done {
+        let _fp = crate::kernels::Standard::new();
         match job {
             Job::Reduce {
                 bucket,
@@ -803,6 +804,7 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
     /// buckets are skipped, so the ranks stay in step). After an error, the reduced
     /// gradients are not available; call [`SyncEngine::reset_feedback`] and go on.
     pub fn finish(&mut self) -> Result<StepStats> {
+        let _fp = crate::kernels::Standard::new();
         if !self.in_step {
             return Err(Error::Collective(
                 "finish() without any gradient given this step".into(),

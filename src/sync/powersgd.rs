@@ -367,6 +367,7 @@ impl PowerSgdBucket {
     /// `M`. Starts a new step whatever the bucket's phase (a step left half done is
     /// dropped).
     pub fn p_step(&mut self, grad: &mut [f32], seed: u64, p: &mut [f32]) -> Result<()> {
+        let _fp = crate::kernels::Standard::new();
         check_len(
             "PowerSGD gradient and bucket length",
             grad.len(),
@@ -397,6 +398,7 @@ impl PowerSgdBucket {
     /// writes this rank's `Q = M^T P` of every matrix into `q`. All-reduce `q` to the
     /// mean over ranks, then call [`PowerSgdBucket::finish`].
     pub fn q_step(&mut self, m: &[f32], p: &mut [f32], q: &mut [f32]) -> Result<()> {
+        let _fp = crate::kernels::Standard::new();
         self.expect(Phase::P, "q_step", "p_step")?;
         check_len("PowerSGD M and bucket length", m.len(), self.len())?;
         check_len("PowerSGD P buffer and P length", p.len(), self.p_len())?;
@@ -418,6 +420,7 @@ impl PowerSgdBucket {
     /// on some rank): then `out` is all NaN, so a loss scaler sees it, the residuals keep
     /// their values from before the step and the next step draws a fresh `Q`.
     pub fn finish(&mut self, m: &[f32], p: &[f32], q: &[f32], out: &mut [f32]) -> Result<bool> {
+        let _fp = crate::kernels::Standard::new();
         check_len("PowerSGD M and bucket length", m.len(), self.len())?;
         check_len("PowerSGD output and bucket length", out.len(), self.len())?;
         if !self.finish_begins(p, q)? {
@@ -449,6 +452,7 @@ impl PowerSgdBucket {
     /// [`PowerSgdBucket::finish`] with the result written over `m` (the matrices'
     /// elements only), for a caller that reduces its gradient buffer in place.
     pub fn finish_in_place(&mut self, m: &mut [f32], p: &[f32], q: &[f32]) -> Result<bool> {
+        let _fp = crate::kernels::Standard::new();
         check_len("PowerSGD M and bucket length", m.len(), self.len())?;
         if !self.finish_begins(p, q)? {
             self.mats.iter().for_each(|a| m[a.elems()].fill(f32::NAN));
