@@ -531,8 +531,9 @@ fn degenerate_options_are_refused_or_shown_plainly() {
 }
 
 #[test]
-fn a_closed_stdout_is_an_error_not_a_panic() {
-    // `gradpack train | head -0`: the reader is gone before the table is printed.
+fn a_closed_stdout_is_not_a_panic_nor_an_error() {
+    // `gradpack train | head -0`: the reader is gone before the table is printed; the
+    // command stops quietly, as other tools do.
     let mut child = Command::new(env!("CARGO_BIN_EXE_gradpack"))
         .args([
             "train",
@@ -550,9 +551,9 @@ fn a_closed_stdout_is_an_error_not_a_panic() {
     drop(child.stdout.take());
     let o = child.wait_with_output().expect("wait");
     let e = stderr(&o);
-    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert_eq!(o.status.code(), Some(0), "{e}");
     assert!(!e.contains("panicked"), "{e}");
-    assert!(e.contains("writing to stdout"), "{e}");
+    assert!(!e.contains("error"), "{e}");
 }
 
 #[test]
@@ -685,4 +686,70 @@ fn npy_shapes_dtypes_and_orders_round_trip() {
         &gradpack(&["encode", "--codec", "fp16", p(&ints), p(&frame)]),
         "astype(np.float32)",
     );
+}
+
+#[test]
+fn a_closed_stdout_ends_quietly() {
+    // `gradpack model | head -1`: the reader closes the pipe after one line; the command
+    // stops with status 0 and nothing on stderr (it said "Broken pipe", status 2).
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    for args in [
+        &["model", "--nodes", "8", "--bandwidth", "10Gbit/s"][..],
+        &[
+            "model",
+            "--nodes",
+            "64",
+            "--bandwidth",
+            "1Gbit/s",
+            "--size",
+            "1GiB",
+        ][..],
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_gradpack"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut first = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut first)
+            .unwrap();
+        assert!(!first.is_empty());
+        // The pipe's read end is dropped here, as `head` closes it.
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {:?} {err}", out.status);
+        assert!(err.is_empty(), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn encode_help_names_every_input_it_reads() {
+    let o = gradpack(&["encode", "--help"]);
+    assert!(o.status.success());
+    let h = String::from_utf8_lossy(&o.stdout);
+    for word in ["float16", "float32", "float64", "Fortran"] {
+        assert!(h.contains(word), "{word} missing from:\n{h}");
+    }
+    assert!(!h.contains(".npy float32)"), "{h}");
+}
+
+#[test]
+fn a_refused_codec_is_explained_in_the_command_lines_terms() {
+    // Error feedback refuses a non-contractive codec; the note names what a command-line
+    // user can do, not the Rust option.
+    let o = gradpack(&[
+        "train",
+        "--codec",
+        "randk:ratio=0.1,scale=unbiased",
+        "--epochs",
+        "1",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("refused"), "{out}");
+    assert!(out.contains("scale=none"), "{out}");
+    assert!(!out.contains("FeedbackOptions"), "{out}");
 }

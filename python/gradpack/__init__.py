@@ -116,6 +116,17 @@ def _f32(x: ArrayLike, what: str = "x") -> np.ndarray:
     return np.asarray(m)
 
 
+def _u64(v: Any, what: str) -> int:
+    """``v`` as an unsigned 64-bit integer, or a clear error."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, not {type(v).__name__}")
+    v = int(v)
+    if not 0 <= v < 1 << 64:
+        hint = f" (for a negative one, pass {what} % 2**64)" if v < 0 else ""
+        raise ValueError(f"{what} must be in 0 .. 2**64 - 1, not {v}{hint}")
+    return v
+
+
 def _frame(f: FrameLike) -> Union[bytes, np.ndarray]:
     if isinstance(f, bytes):
         return f
@@ -152,8 +163,10 @@ class Codec:
     Specs are ``name`` or ``name:key=value,...``: ``'fp16'``, ``'bf16'``,
     ``'int8:block=256,rounding=stochastic'``, ``'qsgd:bits=4'``, ``'sign'``,
     ``'ternary'``, ``'natural'``, ``'topk:ratio=0.01,values=fp16'``,
-    ``'randk:ratio=0.01'``, ``'identity'`` (float32). Parameters not given take their
-    defaults; :attr:`spec` spells them all out.
+    ``'randk:ratio=0.01'``, ``'dct:chunk=64,k=4'`` (a DCT per tile of ``chunk``
+    elements, its ``k`` largest coefficients kept; ``width=`` for 2-D tiles),
+    ``'identity'`` (float32). Parameters not given take their defaults; :attr:`spec`
+    spells them all out.
     """
 
     __slots__ = ("_c",)
@@ -193,7 +206,7 @@ class Codec:
         self, x: ArrayLike, seed: int = 0, offset: int = 0, checksum: bool = False
     ) -> bytes:
         """Encode ``x``; see :func:`encode`."""
-        return self._c.encode(_f32(x), seed, offset, checksum)
+        return self._c.encode(_f32(x), _u64(seed, "seed"), _u64(offset, "offset"), checksum)
 
     def encode_into(
         self,
@@ -204,7 +217,7 @@ class Codec:
         checksum: bool = False,
     ) -> int:
         """Encode ``x`` into the uint8 buffer ``out``; see :func:`encode_into`."""
-        return _native.encode_into(_f32(x), _bytes_out(out), self._c, seed, offset, checksum)
+        return _native.encode_into(_f32(x), _bytes_out(out), self._c, _u64(seed, "seed"), _u64(offset, "offset"), checksum)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Codec) and self._c == other._c
@@ -246,7 +259,7 @@ def encode(
     its tensor when ``x`` is a chunk; ``checksum`` seals the payload with a CRC-32 that
     decoding verifies.
     """
-    return _native.encode(_f32(x), _codec(codec), seed, offset, checksum)
+    return _native.encode(_f32(x), _codec(codec), _u64(seed, "seed"), _u64(offset, "offset"), checksum)
 
 
 def encode_into(
@@ -260,7 +273,7 @@ def encode_into(
     """Encode ``x`` into ``out`` (a uint8 numpy array, uint8 torch tensor or bytearray
     of at least ``Codec(codec).max_encoded_len(x.size)`` bytes) and return the frame
     length. Allocates nothing."""
-    return _native.encode_into(_f32(x), _bytes_out(out), _codec(codec), seed, offset, checksum)
+    return _native.encode_into(_f32(x), _bytes_out(out), _codec(codec), _u64(seed, "seed"), _u64(offset, "offset"), checksum)
 
 
 def decode(frame: FrameLike, max_elements: Optional[int] = None) -> np.ndarray:
@@ -375,7 +388,7 @@ class ErrorFeedback:
         self, grad: ArrayLike, seed: int = 0, offset: int = 0, checksum: bool = False
     ) -> bytes:
         """Encode ``grad`` (``n`` elements) plus the residual; keep the new residual."""
-        return self._ef.encode(_f32(grad, "grad"), seed, offset, checksum)
+        return self._ef.encode(_f32(grad, "grad"), _u64(seed, "seed"), _u64(offset, "offset"), checksum)
 
     def encode_into(
         self,
@@ -386,7 +399,7 @@ class ErrorFeedback:
         checksum: bool = False,
     ) -> int:
         """As :meth:`encode`, into the uint8 buffer ``out``; returns the frame length."""
-        return self._ef.encode_into(_f32(grad, "grad"), _bytes_out(out), seed, offset, checksum)
+        return self._ef.encode_into(_f32(grad, "grad"), _bytes_out(out), _u64(seed, "seed"), _u64(offset, "offset"), checksum)
 
     def residual(self) -> np.ndarray:
         """A float32 copy of the residual."""
@@ -486,8 +499,8 @@ class AllReduce:
         be the same on every rank and change every step. Returns this rank's
         ``strategy``, ``bytes_sent`` and ``messages``."""
         if out is None:
-            return self._ar.run(_f32(x, "x"), None, seed)
-        return self._ar.run(_f32(x, "x"), _f32(out, "out"), seed)
+            return self._ar.run(_f32(x, "x"), None, _u64(seed, "seed"))
+        return self._ar.run(_f32(x, "x"), _f32(out, "out"), _u64(seed, "seed"))
 
     @property
     def strategy(self) -> str:

@@ -32,7 +32,11 @@ pyo3::create_exception!(
 );
 
 fn err(e: gradpack::Error) -> PyErr {
-    Error::new_err(e.to_string())
+    // The crate names its Rust option; a Python caller has an argument for it.
+    Error::new_err(e.to_string().replace(
+        "FeedbackOptions::allow_non_contractive overrides this",
+        "pass allow_non_contractive=True to use it anyway",
+    ))
 }
 
 fn type_name(x: &Bound<'_, PyAny>) -> String {

@@ -598,3 +598,36 @@ def test_a_flushing_framework_changes_no_frame_or_decode():
     assert still, "the caller's mode was restored"
     for s, w, g in zip(specs, want, got):
         assert w == g, s
+
+
+def test_a_bad_seed_is_a_clear_error():
+    x = np.ones(8, np.float32)
+    for bad in (-1, 1 << 64):
+        with pytest.raises(ValueError, match="seed must be in 0 .. 2\\*\\*64 - 1"):
+            gradpack.encode(x, "int8", seed=bad)
+        with pytest.raises(ValueError, match="seed"):
+            gradpack.ErrorFeedback("int8", 8).encode(x, seed=bad)
+    with pytest.raises(ValueError, match="seed % 2\\*\\*64"):
+        gradpack.Codec("int8").encode(x, seed=-5)
+    with pytest.raises(ValueError, match="offset"):
+        gradpack.encode(x, "int8", offset=-1)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        gradpack.encode(x, "int8", seed=1.5)
+    # The largest seed works, and a numpy integer is an int.
+    gradpack.encode(x, "int8", seed=(1 << 64) - 1)
+    gradpack.encode(x, "int8", seed=np.uint64(7))
+
+
+def test_python_names_its_own_option_for_non_contractive_codecs():
+    with pytest.raises(gradpack.Error) as e:
+        gradpack.ErrorFeedback("randk:ratio=0.1,scale=unbiased", 100)
+    assert "allow_non_contractive=True" in str(e.value)
+    assert "FeedbackOptions" not in str(e.value)
+    gradpack.ErrorFeedback("randk:ratio=0.1,scale=unbiased", 100, allow_non_contractive=True)
+
+
+def test_the_codec_help_names_every_codec():
+    doc = gradpack.Codec.__doc__
+    for name in ("identity", "fp16", "bf16", "int8", "qsgd", "sign", "ternary", "natural",
+                 "topk", "randk", "dct"):
+        assert f"'{name}" in doc, name

@@ -8,13 +8,37 @@
 //!
 //! Every error prints one line on stderr and exits with status 2.
 
-/// `println!` that returns an error instead of panicking when stdout is closed (a pipe
-/// into `head`, say): the command then ends with one line on stderr and status 2.
+/// `println!` that returns an error instead of panicking when stdout is closed: a pipe
+/// closed by its reader (`| head`) ends the command quietly with status 0 (see
+/// [`stdout_error`]), any other failure with one line on stderr and status 2.
 macro_rules! outln {
     ($($arg:tt)*) => {
-        writeln!(std::io::stdout().lock(), $($arg)*).map_err(|e| format!("writing to stdout: {e}"))?
+        writeln!(std::io::stdout().lock(), $($arg)*).map_err(crate::stdout_error)?
     };
 }
+
+/// The error of a failed write to stdout: [`BROKEN_PIPE`] when the reader has gone (as
+/// `head` does once it has its lines), which `main` ends on quietly.
+pub(crate) fn stdout_error(e: std::io::Error) -> String {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        BROKEN_PIPE.to_string()
+    } else {
+        format!("writing to stdout: {e}")
+    }
+}
+
+/// A crate error as the command line says it: the crate names its Rust option for
+/// non-contractive error feedback, which the command line does not have.
+pub(crate) fn cli_message(e: &str) -> String {
+    e.replace(
+        "; FeedbackOptions::allow_non_contractive overrides this",
+        " (the command line runs error feedback with contractive codecs only: for random-k \
+         use scale=none, for qsgd more bits or smaller blocks)",
+    )
+}
+
+/// The error text that stands for "stdout's reader has gone": not an error to report.
+pub(crate) const BROKEN_PIPE: &str = "\0stdout closed";
 
 mod frames;
 mod io;
@@ -52,7 +76,8 @@ struct Cli {
 enum Cmd {
     /// Measure each codec on this CPU and model its all-reduce time on a network.
     Report(ReportArgs),
-    /// Encode raw little-endian f32 (or .npy float32) into a gradpack frame.
+    /// Encode raw little-endian f32, or a .npy array of any float type, into a gradpack
+    /// frame.
     Encode {
         /// Codec spec, e.g. int8, qsgd:bits=4, topk:ratio=0.01.
         #[arg(long)]
@@ -66,7 +91,9 @@ enum Cmd {
         /// Seal the frame with a CRC-32 of its payload (4 more bytes; decoders verify it).
         #[arg(long)]
         checksum: bool,
-        /// Input: raw little-endian f32, or .npy (float32, 1-D or any shape, C order).
+        /// Input: raw little-endian f32, or .npy: float16, float32 or float64 (converted
+        /// to float32, with a note), either byte order, C or Fortran order (read in C
+        /// order), any shape.
         input: PathBuf,
         /// Output frame.
         output: PathBuf,
@@ -137,7 +164,11 @@ fn main() {
         Cmd::Train(a) => train(a),
     };
     if let Err(e) = r {
-        eprintln!("gradpack: error: {e}");
+        if e == BROKEN_PIPE {
+            // The reader of stdout has what it wanted: stop, as other tools do.
+            std::process::exit(0);
+        }
+        eprintln!("gradpack: error: {}", cli_message(&e));
         std::process::exit(2);
     }
 }

@@ -28,8 +28,9 @@ pub(crate) fn model(a: ModelArgs) -> Res<()> {
     let p = net.nodes;
     let abg = cost::AlphaBetaGamma::new(net.bandwidth, net.latency, f64::INFINITY);
     let mut out = std::io::stdout().lock();
-    let w =
-        |out: &mut std::io::StdoutLock, s: String| writeln!(out, "{s}").map_err(|e| e.to_string());
+    let w = |out: &mut std::io::StdoutLock, s: String| {
+        writeln!(out, "{s}").map_err(crate::stdout_error)
+    };
     w(
         &mut out,
         format!(

@@ -116,7 +116,7 @@ pub(crate) fn train(a: TrainArgs) -> Res<()> {
                 Err(e @ (gradpack::Error::Param { .. } | gradpack::Error::Collective(_))) => {
                     TrainRow::Refused {
                         codec: *spec,
-                        reason: e.to_string(),
+                        reason: crate::cli_message(&e.to_string()),
                     }
                 }
                 Err(e) => return Err(format!("{spec}: {e}")),
