@@ -54,7 +54,8 @@ CONFIGS = {
     "gp-int8-ring": "gradpack int8, compressed ring",
     "gp-sign-ef": "gradpack sign + error feedback",
     "gp-topk-ef": "gradpack top-k 1% (fp16 values) + error feedback",
-    "gp-auto": "gradpack auto (cost model on the measured link)",
+    "gp-auto": "gradpack auto (cost model on the measured link, then measured; float32, fp16, int8)",
+    "gp-auto-sparse": "gradpack auto, top-k 1% + EF and sign + EF among the candidates too",
     "gp-int8-ef-ring": "gradpack int8 + error feedback, compressed ring, 2 pieces",
     "gp-powersgd-r1": "gradpack PowerSGD, rank 1 (start after 2 steps)",
     "gp-powersgd-r2": "gradpack PowerSGD, rank 2 (start after 2 steps)",
@@ -118,12 +119,15 @@ def hook_for(name, net, world):
             "gp-powersgd-r2": {"powersgd": {"rank": 2, "start_step": 2}},
             "gp-powersgd-r4": {"powersgd": {"rank": 4, "start_step": 2}},
         }.get(name)
-        if name == "gp-auto":
+        if name in ("gp-auto", "gp-auto-sparse"):
             bw, lat = gpt.measure_link()
             kw = {"codec": "auto", "bandwidth": bw, "latency": lat}
+            if name == "gp-auto-sparse":
+                kw["candidates"] = list(gpt.DEFAULT_CANDIDATES) + [
+                    "topk:ratio=0.01,values=fp16", "sign"]
         st = gpt.GradpackState(model=net, **kw)
         net.register_comm_hook(st, gpt.gradpack_hook)
-        if name == "gp-auto":
+        if name in ("gp-auto", "gp-auto-sparse"):
             return st, {"auto_bandwidth_bit_s": bw, "auto_latency_s": lat}
         return st, {}
     return None, {}
@@ -177,7 +181,7 @@ def rank_main(rank, world, addr, port, cfg, steps, warmup, train_steps, out):
         got = [torch.empty_like(p) for _ in range(world)]
         dist.all_gather(got, p)
         result["identical"] = all(torch.equal(got[0], g) for g in got)
-        if state is not None and cfg == "gp-auto":
+        if state is not None and cfg.startswith("gp-auto"):
             info["auto_plan"] = [f"{r['codec']} by {r['strategy']}"
                                  for r in state.plan() if r["chosen"]]
         result.update(info)

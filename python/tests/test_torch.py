@@ -196,11 +196,15 @@ def test_state_validation():
 
 def test_auto_picks_by_the_cost_model_without_a_process_group():
     # On a slow link the sparse codec wins, on a fast one float32; both as modelled.
-    slow = gpt.GradpackState(codec="auto", bandwidth="100Mbit/s", calibrate_elements=1 << 16)
+    sparse = list(gpt.DEFAULT_CANDIDATES) + ["topk:ratio=0.01,values=fp16"]
+    slow = gpt.GradpackState(codec="auto", bandwidth="100Mbit/s", calibrate_elements=1 << 16,
+                             candidates=sparse)
     fast = gpt.GradpackState(codec="auto", bandwidth="1Tbit/s", latency="1us",
-                             calibrate_elements=1 << 16)
+                             calibrate_elements=1 << 16, candidates=sparse)
     n = 4 << 20
     assert slow.codec_for(n).name == "topk"
+    # By default auto chooses among codecs that train as float32 does from the start.
+    assert "topk" not in " ".join(gpt.DEFAULT_CANDIDATES)
     for st in (slow, fast):
         best = min(st.candidates, key=lambda c: st.modelled_time(c, n))
         assert st.codec_for(n) == best
