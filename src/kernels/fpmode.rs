@@ -81,6 +81,11 @@ fn write(fpcr: u64) {
 /// caller's mode back. See the module documentation.
 #[must_use = "the mode is restored when the guard is dropped"]
 pub struct Standard {
+    // Read by `drop` where there is a mode register (not elsewhere, nor under Miri).
+    #[cfg_attr(
+        not(all(any(target_arch = "x86_64", target_arch = "aarch64"), not(miri))),
+        allow(dead_code)
+    )]
     saved: Option<Saved>,
 }
 
