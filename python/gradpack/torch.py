@@ -254,6 +254,7 @@ class GradpackState:
         self.process_group = process_group
         self._comm = comm_group
         self._own_comm = comm_group is None
+        self._comm_checked = False  # made here, or the given one checked against the ranks
         self._closed = False
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
@@ -319,8 +320,9 @@ class GradpackState:
             self._comm = dist.new_group(
                 ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None, **kw
             )
-        elif not self._own_comm and not getattr(self, "_comm_checked", False):
-            c, g = self._comm, self.process_group
+            self._comm_checked = True
+        elif not self._comm_checked:
+            c = self._comm
             if (dist.get_world_size(c), dist.get_rank(c)) != (self._world(), self._rank()):
                 raise ValueError(
                     "comm_group must hold the process group's ranks in the same order "
@@ -372,25 +374,21 @@ class GradpackState:
         strategy = strategy or self.strategy
         if strategy not in ("allgather", "ring"):
             raise ValueError(f"strategy {strategy!r}: use 'allgather' or 'ring'")
-        prof = self._profiles.get(c.spec)
-        if prof is None:
+        if c.spec not in self._profiles:
             raise ValueError(f"{c.spec} was not calibrated (not among the candidates)")
+        return self._time(c, "fp32" if c == _IDENTITY else strategy, elements, self.latency)
+
+    def _time(self, c: Codec, strategy: str, elements: int, latency: float) -> float:
+        """The cost model's time of ``elements`` elements with ``c`` by ``strategy``
+        (``"fp32"``: the float32 ring, summing at the identity codec's add speed)."""
         world = self._world() if dist.is_initialized() else 2
-        p = gradpack.CodecProfile(
-            prof.spec,
-            c.bits_per_element(max(elements, 1)),
-            prof.encode_bytes_per_s,
-            prof.decode_bytes_per_s,
-            prof.decode_add_bytes_per_s,
-        )
-        if c.name == "identity":
+        p = self._profile(c, elements)
+        if strategy == "fp32":
             return gradpack.allreduce_time(
-                p, "fp32-ring", world, self.bandwidth, elements, self.latency,
-                prof.decode_add_bytes_per_s,
+                p, "fp32-ring", world, self.bandwidth, elements, latency,
+                p.decode_add_bytes_per_s,
             )
-        return gradpack.allreduce_time(
-            p, strategy, world, self.bandwidth, elements, self.latency
-        )
+        return gradpack.allreduce_time(p, strategy, world, self.bandwidth, elements, latency)
 
     def codec_for(
         self, elements: int, ndim: int = 2, shape: Optional[Tuple[int, ...]] = None
@@ -611,7 +609,7 @@ class GradpackState:
             )
         if self._closed:
             raise RuntimeError("this GradpackState was closed; make a new one to train on")
-        if self._comm is None or (not self._own_comm and not getattr(self, "_comm_checked", False)):
+        if not self._comm_checked:
             self._comm_group()  # a state made before the process group: made now
         index, step, layout = bucket.index(), self.step, self._layout(bucket)
         if bucket.is_last():
@@ -728,10 +726,15 @@ class GradpackState:
         base = Codec(cfg[0]) if cfg[0] != _MIXED else None
         codecs = [self._layout_codec(base, e) for e in layout]
         low_rank = self._low_rank_of(layout, step)
-        plain = not low_rank and (cfg[1] == "fp32" or all(c == _IDENTITY for c in codecs))
+        ring = None
+        if cfg[1] == "ring":
+            assert base is not None
+            ring = self._param_codec(base, buf.numel(), 2, None)  # the whole bucket's codec
+        plain = not low_rank and (
+            cfg[1] == "fp32" or all(c == _IDENTITY for c in codecs) or ring == _IDENTITY
+        )
         host = self._to_host(buf, index, ready, exact=plain)
         flat = host.view(-1)
-        n = flat.numel()
         if low_rank:
             self._powersgd(flat, layout, codecs, low_rank, index, step, world)
         elif plain and self._auto and world == 2 and flat.dtype == torch.float32:
@@ -742,14 +745,8 @@ class GradpackState:
         elif plain:
             dist.all_reduce(flat, group=self._comm_group())
             flat.div_(world)
-        elif cfg[1] == "ring":
-            assert base is not None
-            c = self._param_codec(base, n, 2, None)
-            if c == _IDENTITY:
-                dist.all_reduce(flat, group=self._comm_group())
-                flat.div_(world)
-            else:
-                self._ring(flat, layout, c, index, step, world)
+        elif ring is not None:
+            self._ring(flat, layout, ring, index, step, world)
         else:
             self._allgather(flat, layout, codecs, index, step, world)
         self._from_host(buf, host)
@@ -832,7 +829,7 @@ class GradpackState:
         return {
             "names": [e[0] for e in layout], "elements": n, "configs": configs,
             "modelled": modelled, "times": [float("inf")] * len(configs), "runs": 0,
-            "measured": None, "choice": None if top else list(_FP32), "derived": False,
+            "recorded": 0, "measured": None, "choice": None if top else list(_FP32), "derived": False,
         }
 
     def _profile(self, c: Codec, elements: int) -> "gradpack.CodecProfile":
@@ -849,26 +846,18 @@ class GradpackState:
         """The modelled time (s) of a bucket by ``strategy`` with ``c``: the cost model's
         all-reduce (encodes, the frames on the link, p decodes or per-hop re-encodes),
         plus, for a GPU bucket that goes through the host, the two copies over PCIe."""
-        world = self._world() if dist.is_initialized() else 2
-        bw, lat = self.bandwidth, self.latency
-        ident = self._profiles[_IDENTITY.spec]
+        lat = self.latency
         if strategy == "fp32":
-            return gradpack.allreduce_time(
-                self._profile(_IDENTITY, n), "fp32-ring", world, bw, n, lat,
-                ident.decode_add_bytes_per_s,
-            )
+            return self._time(_IDENTITY, "fp32", n, lat)
         staging = 2 * 4 * n / self._copy_speed() if cuda else 0.0
         if strategy == "ring":
-            return staging + gradpack.allreduce_time(self._profile(c, n), "ring", world, bw, n, lat)
+            return staging + self._time(c, "ring", n, lat)
         packed = sum(e[1] for e in layout if self._param_codec(c, e[1], e[2], e[4]) != _IDENTITY)
         t = staging
         if packed:
-            t += gradpack.allreduce_time(self._profile(c, packed), "allgather", world, bw, packed, lat)
+            t += self._time(c, "allgather", packed, lat)
         if n - packed:
-            t += gradpack.allreduce_time(
-                self._profile(_IDENTITY, n - packed), "allgather", world, bw, n - packed,
-                0.0 if packed else lat,
-            )
+            t += self._time(_IDENTITY, "allgather", n - packed, 0.0 if packed else lat)
         return t
 
     def _copy_speed(self) -> float:
@@ -892,8 +881,8 @@ class GradpackState:
         """Note a trial's time; after the last, agree on the times with the other ranks
         (one all-reduce of the means, at the same point of every rank's sequence) and
         keep the fastest configuration, float32 on a tie."""
-        j = (plan["recorded"] if "recorded" in plan else 0) // self.trial_steps
-        plan["recorded"] = plan.get("recorded", 0) + 1
+        j = plan["recorded"] // self.trial_steps
+        plan["recorded"] += 1
         plan["times"][j] = min(plan["times"][j], elapsed)
         if plan["recorded"] < len(plan["configs"]) * self.trial_steps:
             return
