@@ -360,6 +360,7 @@ fn report_break_even_agrees_with_speedup() {
             "--bandwidth",
             bw,
             "--json",
+            "--no-train",
         ]);
         assert!(o.status.success(), "{}", stderr(&o));
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
@@ -752,4 +753,221 @@ fn a_refused_codec_is_explained_in_the_command_lines_terms() {
     assert!(out.contains("refused"), "{out}");
     assert!(out.contains("scale=none"), "{out}");
     assert!(!out.contains("FeedbackOptions"), "{out}");
+}
+
+/// The report answers "which codec on my cluster": the default table fits 100 columns,
+/// ranks every candidate by modelled time, and the recommendation is the fastest one that
+/// tracks fp32; every faster one is passed over with its reasons. `--wide` has every
+/// column.
+#[test]
+fn report_recommends_the_fastest_codec_that_tracks_and_fits_a_terminal() {
+    let base = [
+        "report",
+        "--elements",
+        "65536",
+        "--nodes",
+        "16",
+        "--bandwidth",
+        "10Gbit/s",
+        "--codec",
+        "randk:ratio=0.01,select=strata",
+        "--codec",
+        "topk:ratio=0.01,values=fp16",
+        "--codec",
+        "sign",
+        "--codec",
+        "int8",
+        "--codec",
+        "fp16",
+    ];
+    let o = gradpack(&base);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8(o.stdout).unwrap();
+    for line in text.lines() {
+        assert!(
+            line.chars().count() <= 100,
+            "{} columns: {line}",
+            line.len()
+        );
+    }
+    assert!(
+        text.contains("recommended for 16 nodes at 10.0 Gbit/s: "),
+        "{text}"
+    );
+    assert!(
+        text.contains(" tracks ") && !text.contains("enc GB/s"),
+        "{text}"
+    );
+    // Ranked: the times in the table never decrease.
+    let times: Vec<f64> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("spec "))
+        .skip(1)
+        .take_while(|l| !l.is_empty())
+        .map(|l| l.split_whitespace().nth(6).unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(
+        times.len(),
+        5 + 2 + 1,
+        "5 codecs, 2 PowerSGD ranks, fp32: {text}"
+    );
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "{times:?}");
+    // Random-k drops 98% of each step: never recommended, shown as not tracking.
+    let randk = text.lines().find(|l| l.starts_with("randk:")).unwrap();
+    assert!(randk.contains(" no "), "{randk}");
+
+    let mut args = base.to_vec();
+    args.push("--json");
+    let o = gradpack(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    let acc = v["fp32_train_accuracy"].as_f64().unwrap();
+    assert!((0.5..1.0).contains(&acc), "{acc}");
+    let all: Vec<&serde_json::Value> = v["codecs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(v["powersgd"].as_array().unwrap())
+        .collect();
+    let name = |c: &serde_json::Value| {
+        c.get("name")
+            .and_then(|n| n.as_str())
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("powersgd:rank={}", c["rank"]))
+    };
+    for c in &all {
+        // A codec tracks exactly when both tests pass.
+        let ef_ok = c["ef_rel_l2_error"].as_f64().is_none_or(|e| e < 0.9);
+        let acc_ok = c["accuracy_delta_points"]
+            .as_f64()
+            .is_some_and(|d| d >= -0.5);
+        assert_eq!(c["tracks"] == "yes", ef_ok && acc_ok, "{c}");
+        assert_eq!(
+            c["tracks_reasons"].as_array().unwrap().is_empty(),
+            ef_ok && acc_ok
+        );
+    }
+    let fp32 = v["fp32_allreduce_s"].as_f64().unwrap();
+    let rec_t = match &v["recommendation"] {
+        serde_json::Value::Null => fp32,
+        r => {
+            let c = all
+                .iter()
+                .find(|c| name(c) == r["name"])
+                .expect("a candidate");
+            assert_eq!(c["tracks"], "yes", "{c}");
+            assert_eq!(r["allreduce_s"], c["allreduce_s"]);
+            r["allreduce_s"].as_f64().unwrap()
+        }
+    };
+    assert_ne!(
+        v["recommendation"]["name"],
+        "randk:ratio=0.01,select=strata"
+    );
+    // Every faster candidate is passed over, with its reasons.
+    let passed: Vec<&str> = v["passed_over"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    for c in &all {
+        if c["allreduce_s"].as_f64().unwrap() < rec_t {
+            assert_eq!(c["tracks"], "no", "{c}");
+            assert!(
+                passed.contains(&name(c).as_str()),
+                "{} not in {passed:?}",
+                name(c)
+            );
+        }
+    }
+
+    let mut args = base.to_vec();
+    args.extend(["--wide", "--no-train"]);
+    let o = gradpack(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8(o.stdout).unwrap();
+    for col in ["enc GB/s", "break-even (range)", "PowerSGD on a", "yes?"] {
+        assert!(text.contains(col), "{col} missing in\n{text}");
+    }
+    assert!(
+        text.contains("no training run confirmed it (--no-train)") || text.contains("plain fp32"),
+        "{text}"
+    );
+}
+
+/// `report --input`: the error columns on the user's own gradient; bad inputs are one
+/// clear error each.
+#[test]
+fn report_measures_the_users_gradient() {
+    let d = dir("report-input");
+    // Values fp16 holds exactly: its error is 0 here (not on the synthetic gradient).
+    let x: Vec<f32> = (0..4096)
+        .map(|i| ((i % 200) as f32 - 100.0) * 0.25)
+        .collect();
+    let f = d.join("g.npy");
+    std::fs::write(&f, npy_f32(&x)).unwrap();
+    let o = gradpack(&[
+        "report",
+        "--input",
+        p(&f),
+        "--codec",
+        "fp16",
+        "--codec",
+        "int8",
+        "--json",
+        "--no-train",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    assert_eq!(v["elements"], 4096);
+    assert!(
+        v["input"].as_str().unwrap().contains("g.npy"),
+        "{}",
+        v["input"]
+    );
+    assert_eq!(v["codecs"][0]["rel_l2_error"], 0.0);
+    assert_eq!(v["codecs"][0]["ef_rel_l2_error"], 0.0);
+    assert!(v["codecs"][1]["rel_l2_error"].as_f64().unwrap() > 0.0);
+    // The synthetic gradient is not exact in fp16: the column did change.
+    let o = gradpack(&[
+        "report",
+        "--elements",
+        "4096",
+        "--codec",
+        "fp16",
+        "--json",
+        "--no-train",
+    ]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    assert!(v["codecs"][0]["rel_l2_error"].as_f64().unwrap() > 0.0);
+
+    let short = d.join("short.npy");
+    std::fs::write(&short, npy_f32(&x[..100])).unwrap();
+    assert_clean_error(
+        &gradpack(&[
+            "report",
+            "--input",
+            p(&f),
+            "--input",
+            p(&short),
+            "--no-train",
+        ]),
+        "same size",
+    );
+    let mut bad = x.clone();
+    bad[7] = f32::NAN;
+    let nan = d.join("nan.npy");
+    std::fs::write(&nan, npy_f32(&bad)).unwrap();
+    assert_clean_error(&gradpack(&["report", "--input", p(&nan)]), "value 7 is NaN");
+    let empty = d.join("empty.f32");
+    std::fs::write(&empty, b"").unwrap();
+    assert_clean_error(
+        &gradpack(&["report", "--input", p(&empty)]),
+        "holds no values",
+    );
+    assert_clean_error(
+        &gradpack(&["report", "--tolerance=-1", "--no-train"]),
+        "--tolerance",
+    );
 }

@@ -45,6 +45,7 @@ mod io;
 mod model;
 mod npy;
 mod plot;
+mod recommend;
 mod report;
 mod train;
 

@@ -1,8 +1,10 @@
 //! Small-multiples line plots for `train --plot` and `report --plot`: one panel per
 //! codec family, the fp32 reference in black in every panel, each variant of the family
-//! in its own colour (a colour-blind-safe palette, no repeats within a panel), error
-//! feedback dashed in its variant's colour, and every legend beside its panel, outside
-//! the data.
+//! in its own colour and marker shape (a colour-blind-safe palette, no repeats within a
+//! panel), error feedback dashed in its variant's colour, and every legend beside its
+//! panel, outside the data, its labels wrapped to the legend's width. A line that lies on
+//! an earlier one (within 1% everywhere) says so in the legend, since only one of them
+//! shows.
 
 use std::path::Path;
 
@@ -32,6 +34,8 @@ pub struct Axes {
     pub x_log: bool,
     pub x_label: String,
     pub y_label: String,
+    /// A vertical line at this x, with its label (the network a report was asked about).
+    pub mark_x: Option<(f64, String)>,
 }
 
 /// Okabe and Ito's colour-blind-safe palette, without its yellow (too light on white).
@@ -55,6 +59,8 @@ pub fn family(spec: &str) -> &'static str {
         "sign" => "sign",
         "topk" => "top-k",
         "randk" => "random-k",
+        "dct" => "dct",
+        "powersgd" => "PowerSGD",
         _ => "other",
     }
 }
@@ -138,6 +144,7 @@ fn draw_panel(
         }
     };
     let series: Vec<&Series> = std::iter::once(reference).chain(&panel.series).collect();
+    let labels = legend_labels(&series);
     macro_rules! draw {
         ($chart:expr) => {{
             let mut chart = $chart;
@@ -153,6 +160,24 @@ fn draw_panel(
                 .max_light_lines(3)
                 .draw()
                 .map_err(|x| e(&x))?;
+            if let Some((x, label)) = &axes.mark_x {
+                let grey = RGBColor(0x60, 0x60, 0x60);
+                chart
+                    .draw_series(DashedLineSeries::new(
+                        vec![(*x, lo), (*x, hi)],
+                        4,
+                        4,
+                        grey.stroke_width(1),
+                    ))
+                    .map_err(|v| e(&v))?;
+                chart
+                    .draw_series(std::iter::once(Text::new(
+                        label.clone(),
+                        (*x, hi / 1.02),
+                        ("sans-serif", 12).into_font().color(&grey),
+                    )))
+                    .map_err(|v| e(&v))?;
+            }
             for s in &series {
                 if s.dashed {
                     chart
@@ -162,6 +187,19 @@ fn draw_panel(
                     chart
                         .draw_series(LineSeries::new(s.pts.clone(), style(s)))
                         .map_err(|x| e(&x))?;
+                }
+                if s.variant != usize::MAX {
+                    // Markers at about 8 places along the line, shifted per variant so
+                    // that lines on top of each other still show each marker.
+                    let every = (s.pts.len() / 8).max(1);
+                    let shift = (s.variant * every / 4) % every;
+                    let c = PALETTE[s.variant % PALETTE.len()];
+                    for &(x, y) in s.pts.iter().skip(shift).step_by(every) {
+                        chart
+                            .plotting_area()
+                            .draw(&marker(s.variant, (x, y), c))
+                            .map_err(|v| e(&v))?;
+                    }
                 }
             }
         }};
@@ -180,7 +218,83 @@ fn draw_panel(
                 .map_err(|x| e(&x))?
         );
     }
-    draw_legend(&legend, &series, style).map_err(|x| e(&x))
+    draw_legend(&legend, &series, &labels, style).map_err(|x| e(&x))
+}
+
+/// The characters of a legend label's line (13 px sans-serif in the legend's 280 px).
+const LEGEND_CHARS: usize = 38;
+
+/// Each series' legend label, wrapped at commas into lines of at most [`LEGEND_CHARS`],
+/// with `(same as X)` where the line lies within 1% of an earlier series `X` at every
+/// point (so that only one of them shows).
+fn legend_labels(series: &[&Series]) -> Vec<Vec<String>> {
+    series
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let same = series[..i].iter().find(|t| {
+                t.pts.len() == s.pts.len()
+                    && !s.pts.is_empty()
+                    && s.pts.iter().zip(&t.pts).all(|(a, b)| {
+                        a.0 == b.0 && (a.1 - b.1).abs() <= 0.01 * a.1.abs().max(b.1.abs())
+                    })
+            });
+            let name = match same {
+                Some(t) => format!("{} (same as {})", s.name, t.name),
+                None => s.name.clone(),
+            };
+            wrap(&name, LEGEND_CHARS)
+        })
+        .collect()
+}
+
+/// `text` in lines of at most `width` characters, broken after commas or spaces where it
+/// can be and inside a word only where a word is longer than a line.
+fn wrap(text: &str, width: usize) -> Vec<String> {
+    let mut lines = vec![String::new()];
+    let mut word = String::new();
+    let flush = |lines: &mut Vec<String>, word: &mut String| {
+        let last = lines.last_mut().expect("one line");
+        if !last.is_empty() && last.chars().count() + word.chars().count() > width {
+            lines.push(String::new());
+        }
+        for ch in word.drain(..) {
+            let last = lines.last_mut().expect("one line");
+            if last.chars().count() == width {
+                lines.push(String::new());
+            }
+            lines.last_mut().expect("one line").push(ch);
+        }
+    };
+    for ch in text.chars() {
+        word.push(ch);
+        if ch == ',' || ch == ' ' {
+            flush(&mut lines, &mut word);
+        }
+    }
+    flush(&mut lines, &mut word);
+    lines
+        .into_iter()
+        .map(|l| l.trim_end().to_string())
+        .collect()
+}
+
+/// The marker of `variant`: circle, triangle, square, diamond, cross, in turn.
+fn marker<'a, DB: DrawingBackend + 'a>(
+    variant: usize,
+    at: (f64, f64),
+    c: RGBColor,
+) -> DynElement<'a, DB, (f64, f64)> {
+    let st = c.stroke_width(2);
+    match variant % 5 {
+        0 => Circle::new(at, 4, st).into_dyn(),
+        1 => TriangleMarker::new(at, 5, st).into_dyn(),
+        2 => (EmptyElement::at(at) + Rectangle::new([(-4, -4), (4, 4)], st)).into_dyn(),
+        3 => (EmptyElement::at(at)
+            + PathElement::new(vec![(0, -5), (5, 0), (0, 5), (-5, 0), (0, -5)], st))
+        .into_dyn(),
+        _ => Cross::new(at, 4, st).into_dyn(),
+    }
 }
 
 /// An axis value with at most three significant digits and no trailing zeros (log axes
@@ -198,15 +312,16 @@ fn short(v: f64) -> String {
     }
 }
 
-/// The legend beside a panel: a line sample (dashed where the series is) and the name.
+/// The legend beside a panel: a line sample (dashed where the series is, with its
+/// marker) and the label's lines.
 fn draw_legend(
     area: &DrawingArea<SVGBackend<'_>, Shift>,
     series: &[&Series],
+    labels: &[Vec<String>],
     style: impl Fn(&Series) -> ShapeStyle,
 ) -> DrawResult {
-    let top = 46;
-    for (i, s) in series.iter().enumerate() {
-        let y = top + 20 * i as i32;
+    let mut y = 46;
+    for (s, label) in series.iter().zip(labels) {
         let st = style(s);
         if s.dashed {
             area.draw(&PathElement::new(vec![(4, y), (12, y)], st))?;
@@ -214,11 +329,74 @@ fn draw_legend(
         } else {
             area.draw(&PathElement::new(vec![(4, y), (26, y)], st))?;
         }
-        area.draw(&Text::new(
-            s.name.clone(),
-            (32, y - 7),
-            ("sans-serif", 13).into_font().color(&BLACK),
-        ))?;
+        if s.variant != usize::MAX {
+            let c = PALETTE[s.variant % PALETTE.len()];
+            let st = c.stroke_width(2);
+            match s.variant % 5 {
+                0 => area.draw(&Circle::new((15, y), 4, st))?,
+                1 => area.draw(&TriangleMarker::new((15, y), 5, st))?,
+                2 => area.draw(&Rectangle::new([(11, y - 4), (19, y + 4)], st))?,
+                3 => area.draw(&PathElement::new(
+                    vec![(15, y - 5), (20, y), (15, y + 5), (10, y), (15, y - 5)],
+                    st,
+                ))?,
+                _ => area.draw(&Cross::new((15, y), 4, st))?,
+            }
+        }
+        for line in label {
+            area.draw(&Text::new(
+                line.clone(),
+                (32, y - 7),
+                ("sans-serif", 13).into_font().color(&BLACK),
+            ))?;
+            y += 16;
+        }
+        y += 4;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_wrap_at_commas_within_the_legend_width() {
+        let spec = "randk:ratio=0.01,values=f32,scale=none,select=strata + EF";
+        let lines = wrap(spec, LEGEND_CHARS);
+        assert!(lines.len() > 1, "{lines:?}");
+        assert!(
+            lines.iter().all(|l| l.chars().count() <= LEGEND_CHARS),
+            "{lines:?}"
+        );
+        assert_eq!(lines.concat().replace(' ', ""), spec.replace(' ', ""));
+        assert!(lines[0].ends_with(','), "broken after a comma: {lines:?}");
+        // A word longer than a line is cut inside it, and nothing is lost.
+        let long = "x".repeat(90);
+        let lines = wrap(&long, 38);
+        assert_eq!(
+            lines.iter().map(String::len).collect::<Vec<_>>(),
+            [38, 38, 14]
+        );
+        assert_eq!(wrap("fp32", 38), ["fp32"]);
+    }
+
+    #[test]
+    fn a_line_on_top_of_an_earlier_one_says_so() {
+        let line = |name: &str, k: f64, variant| Series {
+            name: name.into(),
+            pts: (1..=8).map(|i| (i as f64, k * i as f64)).collect(),
+            dashed: false,
+            variant,
+        };
+        let (a, b, c) = (
+            line("fp32", 1.0, usize::MAX),
+            line("fp16", 1.005, 0),
+            line("int8", 1.2, 1),
+        );
+        let labels = legend_labels(&[&a, &b, &c]);
+        assert_eq!(labels[0], ["fp32"]);
+        assert_eq!(labels[1], ["fp16 (same as fp32)"]);
+        assert_eq!(labels[2], ["int8"]);
+    }
 }

@@ -9,6 +9,7 @@ use gradpack::cost::{self, CodecProfile, Strategy};
 use gradpack::{Backend, Codec, CodecSpec, EncodeCtx, ErrorFeedback};
 
 use crate::model::speedup;
+use crate::recommend::{Candidate, MAX_EF_ERROR, Verdict, explain, judge, recommend};
 use crate::{Net, Network, Res, plot, progress, specs};
 
 #[derive(Args)]
@@ -30,6 +31,24 @@ pub(crate) struct ReportArgs {
     /// Write an SVG of all-reduce time against link bandwidth to this file.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Print every column (speeds, backend, the break-even's range) and the PowerSGD
+    /// table; by default the table fits a terminal of 100 columns.
+    #[arg(long)]
+    wide: bool,
+    /// Measure the error columns (and time the codecs) on this gradient instead of the
+    /// synthetic one: .npy (any float dtype) or raw little-endian f32. Repeat it with the
+    /// gradients of successive steps for the error-feedback column (one file: the same
+    /// gradient every step).
+    #[arg(long = "input", conflicts_with = "elements")]
+    inputs: Vec<PathBuf>,
+    /// Skip the short training runs behind the `acc` column: the recommendation then
+    /// rests on the error-feedback error alone (marked `yes?`).
+    #[arg(long)]
+    no_train: bool,
+    /// The most test accuracy (percentage points) a codec may lose against fp32 in the
+    /// training runs and still count as tracking fp32.
+    #[arg(long, default_value_t = 0.5)]
+    tolerance: f64,
 }
 
 #[derive(Clone)]
@@ -307,6 +326,12 @@ fn fmt_be(be: f64, (lo, hi): (f64, f64)) -> String {
     }
 }
 
+/// A bandwidth in Gbit/s for a label: `10`, `2.5`, `0.1`.
+fn short_bw(gbit: f64) -> String {
+    let s = format!("{gbit:.2}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
 /// A bandwidth in Gbit/s.
 fn fmt_bw(b: f64) -> String {
     format!("{:.1}", b / 1e9)
@@ -314,7 +339,7 @@ fn fmt_bw(b: f64) -> String {
 
 pub(crate) fn report(a: ReportArgs) -> Res<()> {
     let net = a.net.parse()?;
-    if a.elements == 0 {
+    if a.elements == 0 && a.inputs.is_empty() {
         return Err("--elements must be at least 1".into());
     }
     let backend = match &a.backend {
@@ -324,15 +349,47 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
             .ok_or_else(|| format!("--backend {name}: not supported on this CPU"))?,
     };
     let specs = specs(&a.codecs)?;
-    let n = a.elements;
-    let x = gradpack::synthetic::gradient(n, 2024);
-    let ef_grads: Vec<Vec<f32>> = (0..EF_STEPS)
-        .map(|s| gradpack::synthetic::gradient(n, 3000 + s))
-        .collect();
+    // The names the short table shows: what the user typed, or the report's short specs.
+    let names: Vec<String> = if a.codecs.is_empty() {
+        gradpack::codec::REPRESENTATIVE_SPECS
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    } else {
+        a.codecs.clone()
+    };
+    if !(a.tolerance.is_finite() && a.tolerance >= 0.0) {
+        return Err(format!(
+            "--tolerance {}: expected percentage points >= 0, e.g. 0.5",
+            a.tolerance
+        ));
+    }
+    let (x, ef_grads, source) = if a.inputs.is_empty() {
+        let n = a.elements;
+        let ef: Vec<Vec<f32>> = (0..EF_STEPS)
+            .map(|s| gradpack::synthetic::gradient(n, 3000 + s))
+            .collect();
+        (
+            gradpack::synthetic::gradient(n, 2024),
+            ef,
+            "the synthetic gradient".to_string(),
+        )
+    } else {
+        read_inputs(&a.inputs)?
+    };
+    let n = x.len();
     // Time budget per operation and round: about 20 s of timing for the whole default
     // report.
     let budget = 0.3_f64.min(20.0 / (3.0 * (specs.len() + 1) as f64)) / ROUNDS as f64;
-    let bar = progress(((specs.len() + 1) * (ROUNDS + 1)) as u64, false);
+    let train_runs = if a.no_train {
+        0
+    } else {
+        1 + specs.len() + POWERSGD_RANKS.len()
+    };
+    let bar = progress(
+        ((specs.len() + 1) * (ROUNDS + 1) + POWERSGD_RANKS.len() + train_runs) as u64,
+        false,
+    );
     let identity: CodecSpec = "identity".parse().expect("identity parses");
     bar.set_message("errors");
     let base = backend.run(|| measure(&identity, &x, &[]))?;
@@ -365,8 +422,8 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
     for rank in POWERSGD_RANKS {
         bar.set_message(format!("PowerSGD rank {rank}"));
         lowrank_compute.push(backend.run(|| time_powersgd(&x, mrows, mcols, rank, ROUNDS))?);
+        bar.inc(1);
     }
-    bar.finish_and_clear();
     let base = with_speeds(base, &base_rounds);
     let rows: Vec<Measured> = rows
         .into_iter()
@@ -428,16 +485,6 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
             }
         })
         .collect();
-    struct Row<'a> {
-        m: &'a Measured,
-        strategy: Strategy,
-        t: f64,
-        /// Where the codec pays (bit/s intervals), from the fastest speeds.
-        pays: Vec<(f64, f64)>,
-        /// When it pays below a break-even and only there: that break-even, and the
-        /// lowest and highest of it and the timing rounds' break-evens.
-        be: Option<(f64, (f64, f64))>,
-    }
     let id = profile(&base);
     let region = |p: &CodecProfile, reduce: f64| {
         cost::winning_bandwidths(p, &id, net.nodes, net.latency, elements, reduce)
@@ -480,34 +527,99 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
         })
         .collect();
 
+    let trained = if a.no_train {
+        None
+    } else {
+        Some(train_rows(&rows, &bar)?)
+    };
+    bar.finish_and_clear();
+    // Candidates for the recommendation: every codec row (with error feedback where it
+    // accepts it), then the PowerSGD rows.
+    let mut cands: Vec<Candidate> = rows
+        .iter()
+        .zip(&names)
+        .enumerate()
+        .map(|(i, (r, name))| Candidate {
+            name: name.clone(),
+            strategy: r.strategy.name(),
+            time_s: r.t,
+            ef_error: r.m.ef_rel_l2,
+            feedback: r.m.ef_rel_l2.is_some(),
+            accuracy_delta: trained.as_ref().and_then(|t| t.codecs[i]),
+        })
+        .collect();
+    for (k, l) in lowrank.iter().enumerate() {
+        cands.push(Candidate {
+            name: format!("powersgd:rank={}", l.rank),
+            strategy: "ring",
+            time_s: l.t,
+            ef_error: None,
+            feedback: true,
+            accuracy_delta: trained.as_ref().and_then(|t| t.powersgd[k]),
+        });
+    }
+    let verdicts: Vec<Verdict> = cands.iter().map(|c| judge(c, a.tolerance)).collect();
+    let rec = recommend(&cands, fp32, a.tolerance);
+    let fp32_name = if fp32_strategy == Strategy::Fp32Ring {
+        "ring"
+    } else {
+        "allgather"
+    };
+    let network = format!("{} nodes at {} Gbit/s", net.nodes, fmt_bw(net.bandwidth));
+
     if a.json {
+        let train_json = |i: usize| {
+            let v = &verdicts[i];
+            serde_json::json!({
+                "feedback": cands[i].feedback,
+                // Test accuracy minus fp32's in the training run (points; null: not
+                // trained or diverged).
+                "accuracy_delta_points": cands[i].accuracy_delta.filter(|d| d.is_finite()),
+                "diverged": cands[i].accuracy_delta.is_some_and(f64::is_nan),
+                "tracks": v.short(),
+                "tracks_reasons": match v { Verdict::Fails(w) => w.clone(), _ => Vec::new() },
+            })
+        };
+        let merge = |mut a: serde_json::Value, b: serde_json::Value| {
+            if let (Some(a), serde_json::Value::Object(b)) = (a.as_object_mut(), b) {
+                a.extend(b);
+            }
+            a
+        };
         let codecs: Vec<serde_json::Value> = rows
             .iter()
-            .map(|r| {
-                serde_json::json!({
-                    "spec": r.m.spec.to_string(),
-                    "bits_per_element": r.m.bits,
-                    "ratio": 32.0 / r.m.bits,
-                    "rel_l2_error": r.m.rel_l2,
-                    "ef_rel_l2_error": r.m.ef_rel_l2,
-                    "unbiased": r.m.spec.unbiased(),
-                    "encode_gb_s": r.m.enc / 1e9,
-                    "decode_gb_s": r.m.dec / 1e9,
-                    "decode_add_gb_s": r.m.add / 1e9,
-                    "backend": backend.name(),
-                    "strategy": r.strategy.name(),
-                    // The link speed below which the codec pays, when it pays there and
-                    // only there (null otherwise: see pays_at_gbit_s).
-                    "break_even_gbit_s": r.be.map(|b| b.0 / 1e9),
-                    // The lowest and highest of it and the timing rounds' break-evens.
-                    "break_even_range_gbit_s": r.be.map(|b| [b.1.0 / 1e9, b.1.1 / 1e9]),
-                    // Every interval of link speeds where it pays (null: no upper end).
-                    "pays_at_gbit_s": r.pays.iter().map(|&(lo, hi)| {
-                        [Some(lo / 1e9), hi.is_finite().then_some(hi / 1e9)]
-                    }).collect::<Vec<_>>(),
-                    "allreduce_s": r.t,
-                    "speedup": fp32 / r.t,
-                })
+            .enumerate()
+            .map(|(i, r)| {
+                merge(
+                    serde_json::json!({
+                        "spec": r.m.spec.to_string(),
+                        "name": names[i],
+                        "bits_per_element": r.m.bits,
+                        "ratio": 32.0 / r.m.bits,
+                        "rel_l2_error": r.m.rel_l2,
+                        "ef_rel_l2_error": r.m.ef_rel_l2,
+                        "unbiased": r.m.spec.unbiased(),
+                        "encode_gb_s": r.m.enc / 1e9,
+                        "decode_gb_s": r.m.dec / 1e9,
+                        "decode_add_gb_s": r.m.add / 1e9,
+                        "backend": backend.name(),
+                        "strategy": r.strategy.name(),
+                        // The link speed below which the codec pays, when it pays there and
+                        // only there (null otherwise: see pays_at_gbit_s).
+                        "break_even_gbit_s": r.be.map(|b| b.0 / 1e9),
+                        // The lowest and highest of it and the timing rounds' break-evens.
+                        "break_even_range_gbit_s": r.be.map(|b| [b.1.0 / 1e9, b.1.1 / 1e9]),
+                        // Whether the rounds agree within 25% (the table marks it `?` if not).
+                        "break_even_stable": r.be.map(|b| stable(b.1)),
+                        // Every interval of link speeds where it pays (null: no upper end).
+                        "pays_at_gbit_s": r.pays.iter().map(|&(lo, hi)| {
+                            [Some(lo / 1e9), hi.is_finite().then_some(hi / 1e9)]
+                        }).collect::<Vec<_>>(),
+                        "allreduce_s": r.t,
+                        "speedup": fp32 / r.t,
+                    }),
+                    train_json(i),
+                )
             })
             .collect();
         let doc = serde_json::json!({
@@ -516,19 +628,32 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
             "cpu": cpu_model(),
             "backend": backend.name(),
             "elements": n,
+            "input": source,
             "nodes": net.nodes,
             "bandwidth_bit_s": net.bandwidth,
             "latency_s": net.latency,
             "fp32_reduce_gb_s": reduce / 1e9,
             "fp32_allreduce_s": fp32,
             "fp32_strategy": fp32_strategy.name(),
+            "fp32_train_accuracy": trained.as_ref().map(|t| t.fp32 / 100.0),
+            "tolerance_points": a.tolerance,
             "codecs": codecs,
             // PowerSGD on one rows x cols matrix of the same elements (fp32 factors).
-            "powersgd": lowrank.iter().map(|l| serde_json::json!({
+            "powersgd": lowrank.iter().enumerate().map(|(k, l)| merge(serde_json::json!({
                 "rank": l.rank, "rows": l.rows, "cols": l.cols,
                 "bits_per_element": l.bits, "ratio": 32.0 / l.bits,
                 "compute_s": l.compute_s, "allreduce_s": l.t, "speedup": fp32 / l.t,
                 "break_even_gbit_s": l.break_even.is_finite().then_some(l.break_even / 1e9),
+            }), train_json(rows.len() + k))).collect::<Vec<_>>(),
+            // The fastest candidate that tracks fp32 (null: plain fp32), and the faster
+            // ones passed over.
+            "recommendation": rec.pick.map(|i| serde_json::json!({
+                "name": cands[i].name, "strategy": cands[i].strategy,
+                "feedback": cands[i].feedback, "allreduce_s": cands[i].time_s,
+                "speedup": fp32 / cands[i].time_s,
+            })),
+            "passed_over": rec.passed_over.iter().map(|(i, why)| serde_json::json!({
+                "name": cands[*i].name, "allreduce_s": cands[*i].time_s, "reasons": why,
             })).collect::<Vec<_>>(),
         });
         outln!(
@@ -537,119 +662,137 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
         );
     } else {
         outln!(
-            "gradpack {} report, {}: {n} f32 elements ({:.1} MiB) of the synthetic gradient on {} (backend {backend})",
+            "gradpack {} report, {}, on {} (backend {backend})",
             env!("CARGO_PKG_VERSION"),
             today(),
-            n as f64 * 4.0 / 1048576.0,
             cpu_model(),
         );
         outln!(
-            "all-reduce model: {} nodes, {:.1} Gbit/s links, {:.1} us latency; fp32 {:.3} ms ({}; sums at {:.1} GB/s)\n",
-            net.nodes,
-            net.bandwidth / 1e9,
-            net.latency * 1e6,
-            fp32 * 1e3,
-            if fp32_strategy == Strategy::Fp32Ring {
-                "ring"
-            } else {
-                "all-gather of fp32 frames"
-            },
+            "{n} f32 elements ({:.1} MiB) of {source}; the fp32 sum runs at {:.1} GB/s",
+            n as f64 * 4.0 / 1048576.0,
             reduce / 1e9
         );
-        // The spec column fits the longest spec.
-        let w = rows
-            .iter()
-            .map(|r| r.m.spec.to_string().len())
-            .max()
-            .unwrap_or(0)
-            .max(4);
         outln!(
-            "{:<w$} {:>7} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7} {:>9} {:>22} {:>9} {:>8}",
-            "spec",
-            "bits/el",
-            "ratio",
-            "rel L2",
-            "EF rel L2",
-            "enc GB/s",
-            "dec GB/s",
-            "add GB/s",
-            "backend",
-            "strategy",
-            "break-even (range)",
-            "time ms",
-            "speedup"
+            "all-reduce model: {} nodes, {} Gbit/s links, {:.1} us latency; fp32 {:.3} ms ({fp32_name})\n",
+            net.nodes,
+            fmt_bw(net.bandwidth),
+            net.latency * 1e6,
+            fp32 * 1e3,
         );
-        for r in &rows {
+        let acc = |i: usize| match cands[i].accuracy_delta {
+            None => "-".to_string(),
+            Some(d) if d.is_nan() => "diverged".to_string(),
+            Some(d) => format!("{d:+.2}"),
+        };
+        if a.wide {
+            wide_tables(
+                &rows,
+                &lowrank,
+                &verdicts,
+                &acc,
+                backend,
+                fp32,
+                (mrows, mcols),
+                &net,
+            )?;
+        } else {
+            // Every candidate and fp32, fastest first.
+            let mut order: Vec<Option<usize>> = (0..cands.len()).map(Some).collect();
+            order.push(None);
+            let time = |o: &Option<usize>| o.map_or(fp32, |i| cands[i].time_s);
+            order.sort_by(|a, b| time(a).total_cmp(&time(b)));
+            let w = cands.iter().map(|c| c.name.len()).max().unwrap_or(0).max(4);
             outln!(
-                "{:<w$} {:>7.3} {:>6.1} {:>9.2e} {:>9} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>9} {:>22} {:>9.3} {:>8}",
-                r.m.spec.to_string(),
-                r.m.bits,
-                32.0 / r.m.bits,
-                r.m.rel_l2,
-                r.m.ef_rel_l2
-                    .map_or("-".to_string(), |v| format!("{v:.2e}")),
-                r.m.enc / 1e9,
-                r.m.dec / 1e9,
-                r.m.add / 1e9,
-                backend.name(),
-                r.strategy.name(),
-                match r.be {
-                    Some((be, range)) => fmt_be(be, range),
-                    None => fmt_pays(&r.pays),
-                },
-                r.t * 1e3,
-                speedup(fp32, r.t)
+                "{:<w$} {:>7} {:>7} {:>6} {:>6} {:>9} {:>8} {:>7} {:>10}",
+                "spec",
+                "bits/el",
+                "EF err",
+                "acc",
+                "tracks",
+                "strategy",
+                "time ms",
+                "speedup",
+                "break-even"
+            );
+            for o in &order {
+                let Some(i) = *o else {
+                    outln!(
+                        "{:<w$} {:>7.3} {:>7} {:>6} {:>6} {:>9} {:>8.3} {:>7} {:>10}",
+                        "fp32",
+                        32.0,
+                        "-",
+                        "-",
+                        "-",
+                        fp32_name,
+                        fp32 * 1e3,
+                        "1.00x",
+                        "-"
+                    );
+                    continue;
+                };
+                let c = &cands[i];
+                let (bits, be) = match rows.get(i) {
+                    Some(r) => (
+                        r.m.bits,
+                        match r.be {
+                            Some((be, range)) => {
+                                format!("{}{}", fmt_bw(be), if stable(range) { "" } else { "?" })
+                            }
+                            None => fmt_pays(&r.pays),
+                        },
+                    ),
+                    None => {
+                        let l = &lowrank[i - rows.len()];
+                        (l.bits, fmt_lowrank_be(l.break_even))
+                    }
+                };
+                outln!(
+                    "{:<w$} {:>7.3} {:>7} {:>6} {:>6} {:>9} {:>8.3} {:>7} {:>10}",
+                    c.name,
+                    bits,
+                    c.ef_error.map_or("-".to_string(), fmt_err),
+                    acc(i),
+                    verdicts[i].short(),
+                    c.strategy,
+                    c.time_s * 1e3,
+                    speedup(fp32, c.time_s),
+                    be
+                );
+            }
+            outln!(
+                "\nEF err: ||sum g - sum D|| / ||sum g|| after {EF_STEPS} steps of error feedback (-: not used);\n\
+                 acc: test accuracy against fp32 (points) of `gradpack train`'s MLP with the codec, its\n\
+                 error feedback and strategy; tracks: EF err < {MAX_EF_ERROR} and acc within -{} (yes?: not\n\
+                 trained); time: modelled all-reduce at {} Gbit/s with the faster strategy; break-even:\n\
+                 the link speed (Gbit/s) below which it beats fp32 (?: the timing rounds disagree by more\n\
+                 than 25%); powersgd: a {mrows} x {mcols} matrix of it. --wide: every column.",
+                a.tolerance,
+                fmt_bw(net.bandwidth)
             );
         }
-        outln!(
-            "\nrel L2: ||x - D(x)|| / ||x||; EF rel L2: ||sum g - sum D|| / ||sum g|| after {EF_STEPS} steps of error feedback\n\
-             (- where error feedback refuses a non-contractive codec);\n\
-             break-even: the link speed (Gbit/s) below which the codec's all-reduce beats the fastest fp32 one, from\n\
-             the fastest speeds of {ROUNDS} interleaved timing rounds, each timing the codec beside the fp32 sum (range:\n\
-             with each round's own); where latency dominates, where it pays (>X: above X; always; never);\n\
-             time: the modelled all-reduce at {:.1} Gbit/s with the best strategy (ring or allgather).",
-            net.bandwidth / 1e9
-        );
-        outln!(
-            "\nPowerSGD on a {mrows} x {mcols} matrix of the same gradient (fp32 factors, warm start, error feedback):"
-        );
-        outln!(
-            "{:>4} {:>7} {:>6} {:>10} {:>10} {:>9} {:>8}",
-            "rank",
-            "bits/el",
-            "ratio",
-            "compute ms",
-            "break-even",
-            "time ms",
-            "speedup"
-        );
-        for l in &lowrank {
-            outln!(
-                "{:>4} {:>7.3} {:>6.1} {:>10.3} {:>10} {:>9.3} {:>8}",
-                l.rank,
-                l.bits,
-                32.0 / l.bits,
-                l.compute_s * 1e3,
-                if l.break_even.is_finite() {
-                    format!("{:.1}", l.break_even / 1e9)
-                } else {
-                    "always".to_string()
-                },
-                l.t * 1e3,
-                speedup(fp32, l.t)
-            );
+        outln!();
+        for line in explain(
+            &cands,
+            &rec,
+            &network,
+            (fp32, fp32_name),
+            trained.as_ref().map(|t| t.fp32),
+            a.tolerance,
+        ) {
+            outln!("{line}");
         }
-        outln!(
-            "compute: one step on this CPU (M Q, M^T P, Gram-Schmidt, P Q^T and the residual), the fastest of {ROUNDS};\n\
-             break-even: the link speed (Gbit/s) below which it beats the fp32 ring; time: the compute plus its\n\
-             two fp32 ring all-reduces (of {mrows} r and {mcols} r values) at {:.1} Gbit/s.",
-            net.bandwidth / 1e9
-        );
     }
     if let Some(path) = &a.plot {
         plot(
             path,
-            &rows.iter().map(|r| profile(r.m)).collect::<Vec<_>>(),
+            &rows
+                .iter()
+                .zip(&names)
+                .map(|(r, name)| CodecProfile {
+                    spec: name.clone(),
+                    ..profile(r.m)
+                })
+                .collect::<Vec<_>>(),
             &profile(&base),
             &net,
             elements,
@@ -660,8 +803,278 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
     Ok(())
 }
 
-/// All-reduce time against link bandwidth (1 to 400 Gbit/s, log-log), one line per codec
-/// (best strategy at each bandwidth) and fp32.
+/// A codec row of the report: its measurements and what the model makes of them.
+struct Row<'a> {
+    m: &'a Measured,
+    strategy: Strategy,
+    t: f64,
+    /// Where the codec pays (bit/s intervals), from the fastest speeds.
+    pays: Vec<(f64, f64)>,
+    /// When it pays below a break-even and only there: that break-even, and the lowest
+    /// and highest of it and the timing rounds' break-evens.
+    be: Option<(f64, (f64, f64))>,
+}
+
+/// Whether a break-even's range (lowest, highest) is within 25%: the short table marks
+/// the others `?`.
+fn stable((lo, hi): (f64, f64)) -> bool {
+    hi <= 1.25 * lo
+}
+
+/// An error figure in at most 7 characters: `0.57`, `6.4e-3`.
+fn fmt_err(v: f64) -> String {
+    if v >= 0.01 || v == 0.0 || !v.is_finite() {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.1e}")
+    }
+}
+
+/// A PowerSGD row's break-even (Gbit/s), or `always`.
+fn fmt_lowrank_be(be: f64) -> String {
+    if be.is_finite() {
+        fmt_bw(be)
+    } else {
+        "always".into()
+    }
+}
+
+/// The gradients of `--input`: the first is measured and timed, and the error-feedback
+/// steps run over all of them in turn ([`EF_STEPS`] steps). Every file must hold the same
+/// number of finite values.
+fn read_inputs(paths: &[PathBuf]) -> Res<(Vec<f32>, Vec<Vec<f32>>, String)> {
+    let mut grads: Vec<Vec<f32>> = Vec::with_capacity(paths.len());
+    for p in paths {
+        let (x, _) = crate::io::read_f32(p)?;
+        if x.is_empty() {
+            return Err(format!("--input {}: holds no values", p.display()));
+        }
+        if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+            return Err(format!(
+                "--input {}: value {i} is {}: the error columns need finite gradients",
+                p.display(),
+                x[i]
+            ));
+        }
+        if let Some(first) = grads.first()
+            && first.len() != x.len()
+        {
+            return Err(format!(
+                "--input {}: {} values, but {} holds {}: every step's gradient must have the \
+                 same size",
+                p.display(),
+                x.len(),
+                paths[0].display(),
+                first.len()
+            ));
+        }
+        grads.push(x);
+    }
+    let source = match paths {
+        [one] => format!("{} (every error-feedback step)", one.display()),
+        _ => format!(
+            "{} and {} more (error-feedback steps in turn)",
+            paths[0].display(),
+            paths.len() - 1
+        ),
+    };
+    let ef = (0..EF_STEPS as usize)
+        .map(|s| grads[s % grads.len()].clone())
+        .collect();
+    Ok((grads.swap_remove(0), ef, source))
+}
+
+/// Test accuracy (percent) of the training runs behind the `acc` column.
+struct Trained {
+    /// fp32's.
+    fp32: f64,
+    /// Each codec row's minus fp32's, in points (NaN: diverged; `None`: refused).
+    codecs: Vec<Option<f64>>,
+    /// Each PowerSGD rank's minus fp32's.
+    powersgd: Vec<Option<f64>>,
+}
+
+/// Train `gradpack train`'s default model and task once in fp32 and once per codec row
+/// (with error feedback where the codec accepts it, with the row's strategy) and per
+/// PowerSGD rank (with its error feedback).
+fn train_rows(rows: &[Row], bar: &indicatif::ProgressBar) -> Res<Trained> {
+    use gradpack::train::{Dataset, ModelKind, TrainConfig, TrainResult, train};
+    let ds = Dataset::synthetic(1);
+    let cfg = TrainConfig::new(ModelKind::Mlp { hidden: 64 });
+    let identity = CodecSpec::Identity(gradpack::Identity);
+    let accuracy = |r: &TrainResult| {
+        let l = r.last();
+        if l.test_loss.is_finite() {
+            100.0 * l.test_accuracy
+        } else {
+            f64::NAN
+        }
+    };
+    bar.set_message("training: fp32");
+    let base_cfg = TrainConfig {
+        strategy: Strategy::Fp32Ring,
+        ..cfg.clone()
+    };
+    let fp32 = train(&ds, &base_cfg, identity, false).map_err(|e| format!("training fp32: {e}"))?;
+    let fp32 = accuracy(&fp32);
+    bar.inc(1);
+    let run = |cfg: &TrainConfig, codec: CodecSpec, ef: bool, name: &str| {
+        bar.set_message(format!("training: {name}"));
+        let r = match train(&ds, cfg, codec, ef) {
+            Ok(r) => Some(accuracy(&r) - fp32),
+            Err(gradpack::Error::Param { .. } | gradpack::Error::Collective(_)) => None,
+            Err(e) => return Err(format!("training {name}: {e}")),
+        };
+        bar.inc(1);
+        Ok(r)
+    };
+    let codecs = rows
+        .iter()
+        .map(|r| {
+            let cfg = TrainConfig {
+                strategy: r.strategy,
+                ..cfg.clone()
+            };
+            run(
+                &cfg,
+                r.m.spec,
+                r.m.ef_rel_l2.is_some(),
+                &r.m.spec.to_string(),
+            )
+        })
+        .collect::<Res<Vec<_>>>()?;
+    let powersgd = POWERSGD_RANKS
+        .iter()
+        .map(|&rank| {
+            let cfg = TrainConfig {
+                powersgd: Some(gradpack::sync::PowerSgd::rank(rank)),
+                ..cfg.clone()
+            };
+            run(&cfg, identity, true, &format!("powersgd:rank={rank}"))
+        })
+        .collect::<Res<Vec<_>>>()?;
+    Ok(Trained {
+        fp32,
+        codecs,
+        powersgd,
+    })
+}
+
+/// `--wide`: every measured column of every codec row, then the PowerSGD table.
+#[allow(clippy::too_many_arguments)]
+fn wide_tables(
+    rows: &[Row],
+    lowrank: &[LowRankRow],
+    verdicts: &[Verdict],
+    acc: &dyn Fn(usize) -> String,
+    backend: Backend,
+    fp32: f64,
+    (mrows, mcols): (usize, usize),
+    net: &Network,
+) -> Res<()> {
+    // The spec column fits the longest spec.
+    let w = rows
+        .iter()
+        .map(|r| r.m.spec.to_string().len())
+        .max()
+        .unwrap_or(0)
+        .max(4);
+    outln!(
+        "{:<w$} {:>7} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7} {:>9} {:>22} {:>9} {:>8} {:>8} {:>6}",
+        "spec",
+        "bits/el",
+        "ratio",
+        "rel L2",
+        "EF rel L2",
+        "enc GB/s",
+        "dec GB/s",
+        "add GB/s",
+        "backend",
+        "strategy",
+        "break-even (range)",
+        "time ms",
+        "speedup",
+        "acc",
+        "tracks"
+    );
+    let mut order: Vec<usize> = (0..rows.len()).collect();
+    order.sort_by(|&a, &b| rows[a].t.total_cmp(&rows[b].t));
+    for i in order {
+        let r = &rows[i];
+        outln!(
+            "{:<w$} {:>7.3} {:>6.1} {:>9.2e} {:>9} {:>8.2} {:>8.2} {:>8.2} {:>7} {:>9} {:>22} {:>9.3} {:>8} {:>8} {:>6}",
+            r.m.spec.to_string(),
+            r.m.bits,
+            32.0 / r.m.bits,
+            r.m.rel_l2,
+            r.m.ef_rel_l2
+                .map_or("-".to_string(), |v| format!("{v:.2e}")),
+            r.m.enc / 1e9,
+            r.m.dec / 1e9,
+            r.m.add / 1e9,
+            backend.name(),
+            r.strategy.name(),
+            match r.be {
+                Some((be, range)) => fmt_be(be, range),
+                None => fmt_pays(&r.pays),
+            },
+            r.t * 1e3,
+            speedup(fp32, r.t),
+            acc(i),
+            verdicts[i].short()
+        );
+    }
+    outln!(
+        "\nrel L2: ||x - D(x)|| / ||x||; EF rel L2: ||sum g - sum D|| / ||sum g|| after {EF_STEPS} steps of error feedback\n\
+         (- where error feedback refuses a non-contractive codec);\n\
+         break-even: the link speed (Gbit/s) below which the codec's all-reduce beats the fastest fp32 one, from\n\
+         the fastest speeds of {ROUNDS} interleaved timing rounds, each timing the codec beside the fp32 sum (range:\n\
+         with each round's own); where latency dominates, where it pays (>X: above X; always; never);\n\
+         time: the modelled all-reduce at {:.1} Gbit/s with the best strategy (ring or allgather); acc and\n\
+         tracks: as in the short table (without --wide).",
+        net.bandwidth / 1e9
+    );
+    outln!(
+        "\nPowerSGD on a {mrows} x {mcols} matrix of the same gradient (fp32 factors, warm start, error feedback):"
+    );
+    outln!(
+        "{:>4} {:>7} {:>6} {:>10} {:>10} {:>9} {:>8} {:>8} {:>6}",
+        "rank",
+        "bits/el",
+        "ratio",
+        "compute ms",
+        "break-even",
+        "time ms",
+        "speedup",
+        "acc",
+        "tracks"
+    );
+    for (k, l) in lowrank.iter().enumerate() {
+        outln!(
+            "{:>4} {:>7.3} {:>6.1} {:>10.3} {:>10} {:>9.3} {:>8} {:>8} {:>6}",
+            l.rank,
+            l.bits,
+            32.0 / l.bits,
+            l.compute_s * 1e3,
+            fmt_lowrank_be(l.break_even),
+            l.t * 1e3,
+            speedup(fp32, l.t),
+            acc(rows.len() + k),
+            verdicts[rows.len() + k].short()
+        );
+    }
+    outln!(
+        "compute: one step on this CPU (M Q, M^T P, Gram-Schmidt, P Q^T and the residual), the fastest of {ROUNDS};\n\
+         break-even: the link speed (Gbit/s) below which it beats the fp32 ring; time: the compute plus its\n\
+         two fp32 ring all-reduces (of {mrows} r and {mcols} r values) at {:.1} Gbit/s.",
+        net.bandwidth / 1e9
+    );
+    Ok(())
+}
+
+/// All-reduce time against link bandwidth (1 to 400 Gbit/s, or wider to take in the
+/// bandwidth asked about, which is marked; log-log), one line per codec (best strategy at
+/// each bandwidth) and fp32.
 fn plot(
     path: &Path,
     codecs: &[CodecProfile],
@@ -670,8 +1083,10 @@ fn plot(
     elements: f64,
     reduce: f64,
 ) -> Res<()> {
+    let asked = net.bandwidth / 1e9;
+    let (x0, x1) = ((asked / 1.5).min(1.0), (asked * 1.5).max(400.0));
     let bws: Vec<f64> = (0..=200)
-        .map(|i| 1e9 * 400f64.powf(i as f64 / 200.0))
+        .map(|i| 1e9 * x0 * (x1 / x0).powf(i as f64 / 200.0))
         .collect();
     let cluster = |b| cost::Cluster {
         nodes: net.nodes,
@@ -727,10 +1142,11 @@ fn plot(
         &plot::by_family(series),
         &reference,
         &plot::Axes {
-            x: (1.0, 400.0),
+            x: (x0, x1),
             x_log: true,
             x_label: "link bandwidth (Gbit/s)".into(),
             y_label: "time (ms)".into(),
+            mark_x: Some((asked, format!(" {} Gbit/s asked", short_bw(asked)))),
         },
     )
 }

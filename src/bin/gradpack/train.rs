@@ -319,6 +319,7 @@ pub(crate) fn train(a: TrainArgs) -> Res<()> {
                 x_log: false,
                 x_label: "epoch".into(),
                 y_label: "test loss".into(),
+                mark_x: None,
             },
         )?;
     }
