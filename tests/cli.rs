@@ -971,3 +971,286 @@ fn report_measures_the_users_gradient() {
         "--tolerance",
     );
 }
+
+/// Runs `gradpack` with `stdin` piped in.
+fn gradpack_with_stdin(args: &[&str], stdin: &[u8]) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gradpack"))
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run gradpack");
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// `-` is stdin for every input and stdout for every output that can be; `--plot -`
+/// (stdout carries the table) is one clear error.
+#[test]
+fn a_dash_is_stdin_and_stdout_everywhere() {
+    let d = dir("dash");
+    let x: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin()).collect();
+    let npy = npy_f32(&x);
+    let raw: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    // encode - -: a .npy on stdin (by its magic) to a frame on stdout.
+    let o = gradpack_with_stdin(&["encode", "--codec", "fp16", "-", "-"], &npy);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let frame = o.stdout.clone();
+    let want = "fp16"
+        .parse::<CodecSpec>()
+        .unwrap()
+        .encode(&x, &EncodeCtx::new(0))
+        .unwrap();
+    assert_eq!(frame, want);
+    assert!(
+        stderr(&o).starts_with("stdout: 1000 elements"),
+        "{}",
+        stderr(&o)
+    );
+    // Raw f32 on stdin gives the same frame.
+    let o = gradpack_with_stdin(&["encode", "--codec", "fp16", "-", "-"], &raw);
+    assert_eq!(o.stdout, want);
+    // decode - -: raw f32 on stdout, or .npy with --format npy (and a shape).
+    let o = gradpack_with_stdin(&["decode", "-", "-"], &frame);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let back: Vec<f32> = o
+        .stdout
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let mut dec = vec![0f32; 1000];
+    gradpack::decode(&frame, &mut dec).unwrap();
+    assert_eq!(back, dec);
+    let o = gradpack_with_stdin(
+        &[
+            "decode",
+            "-",
+            "-",
+            "--format",
+            "npy",
+            "--shape",
+            "(10, 100)",
+        ],
+        &frame,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(o.stdout.starts_with(b"\x93NUMPY"));
+    assert!(String::from_utf8_lossy(&o.stdout[..128]).contains("(10, 100)"));
+    // report --input - reads the gradient from stdin.
+    let o = gradpack_with_stdin(
+        &[
+            "report",
+            "--input",
+            "-",
+            "--codec",
+            "fp16",
+            "--json",
+            "--no-train",
+        ],
+        &npy,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["elements"], 1000);
+    // inspect --reference - reads the original from stdin.
+    let f = d.join("f.gp");
+    std::fs::write(&f, &frame).unwrap();
+    let o = gradpack_with_stdin(&["inspect", p(&f), "--reference", "-"], &npy);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("reference   stdin (1000 values)"));
+    assert_clean_error(
+        &gradpack(&["report", "--plot", "-", "--no-train"]),
+        "--plot -",
+    );
+    assert_clean_error(&gradpack(&["train", "--plot", "-"]), "--plot -");
+}
+
+/// `--shape` takes the form `encode` prints and Python's `(256, 300)`; a shape with a
+/// raw output, a format that does not exist, and a transposed shape of a 2-D dct frame
+/// are clear errors.
+#[test]
+fn decode_shapes_in_every_printed_form_and_refuses_what_cannot_hold() {
+    let d = dir("shapes");
+    let x: Vec<f32> = (0..12 * 8).map(|i| (i as f32 * 0.1).cos()).collect();
+    let input = d.join("m.npy");
+    std::fs::write(
+        &input,
+        npy_with_shape(
+            "12, 8",
+            &x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>(),
+        ),
+    )
+    .unwrap();
+    let f = d.join("m.gp");
+    let o = gradpack(&["encode", "--codec", "int8", p(&input), p(&f)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("the input's shape is (12, 8)"),
+        "{}",
+        stderr(&o)
+    );
+    for shape in ["12,8", "(12, 8)", "[12, 8]", " ( 12 ,8 ) "] {
+        let out = d.join("o.npy");
+        let o = gradpack(&["decode", p(&f), p(&out), "--shape", shape]);
+        assert!(o.status.success(), "{shape}: {}", stderr(&o));
+        let b = std::fs::read(&out).unwrap();
+        assert!(
+            String::from_utf8_lossy(&b[..100]).contains("(12, 8)"),
+            "{shape}"
+        );
+    }
+    let out = d.join("v.npy");
+    let o = gradpack(&["decode", p(&f), p(&out), "--shape", "(96,)"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&std::fs::read(&out).unwrap()[..100]).contains("(96,)"));
+    assert_clean_error(
+        &gradpack(&["decode", p(&f), p(&d.join("o.f32")), "--shape", "12,8"]),
+        "raw f32, which has no shape",
+    );
+    assert_clean_error(
+        &gradpack(&["decode", p(&f), "-", "--shape", "12,8"]),
+        "--format npy",
+    );
+    assert_clean_error(
+        &gradpack(&["decode", p(&f), p(&out), "--format", "csv"]),
+        "accepted values are raw, npy",
+    );
+    assert_clean_error(
+        &gradpack(&["decode", p(&f), p(&out), "--shape", "(12; 8)"]),
+        "whole numbers",
+    );
+    // dct on a 2-D array: its tiles follow the rows, and the frame knows them.
+    let g = d.join("dct.gp");
+    let o = gradpack(&["encode", "--codec", "dct:chunk=4,k=2", p(&input), p(&g)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("width=8"), "{}", stderr(&o));
+    let (_, spec) = gradpack::inspect(&std::fs::read(&g).unwrap()).unwrap();
+    let want: CodecSpec = "dct:chunk=4,k=2,width=8".parse().unwrap();
+    assert_eq!(spec, want);
+    assert_clean_error(
+        &gradpack(&["decode", p(&g), p(&out), "--shape", "8,12"]),
+        "rows are 8 long",
+    );
+    let o = gradpack(&["decode", p(&g), p(&out), "--shape", "12,8"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // An explicit width=0 keeps tiles along the flat array.
+    let o = gradpack(&[
+        "encode",
+        "--codec",
+        "dct:chunk=4,k=2,width=0",
+        p(&input),
+        p(&g),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (_, spec) = gradpack::inspect(&std::fs::read(&g).unwrap()).unwrap();
+    assert_eq!(spec, "dct:chunk=4,k=2".parse::<CodecSpec>().unwrap());
+}
+
+/// `inspect` prints a ratio as it was written, an empty frame without a made-up bits per
+/// element, and `--reference` the frame's error against its original and the codec's
+/// bound (also for a chunk of a larger tensor, at its offset).
+#[test]
+fn inspect_reads_plainly_and_measures_against_a_reference() {
+    let d = dir("inspect-ref");
+    let x: Vec<f32> = (0..5000).map(|i| (i as f32 * 0.013).sin() * 3.0).collect();
+    let orig = d.join("x.npy");
+    std::fs::write(&orig, npy_f32(&x)).unwrap();
+    let f = d.join("r.gp");
+    let o = gradpack(&["encode", "--codec", "randk:ratio=0.01", p(&orig), p(&f)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8(gradpack(&["inspect", p(&f)]).stdout).unwrap();
+    assert!(
+        out.contains("codec       randk:ratio=0.01,values=f32"),
+        "{out}"
+    );
+
+    let empty = d.join("e.f32");
+    std::fs::write(&empty, b"").unwrap();
+    let e = d.join("e.gp");
+    let o = gradpack(&["encode", "--codec", "int8", p(&empty), p(&e)]);
+    assert!(o.status.success());
+    assert!(
+        stderr(&o).contains("0 elements -> 56 bytes (no elements,"),
+        "{}",
+        stderr(&o)
+    );
+    let out = String::from_utf8(gradpack(&["inspect", p(&e)]).stdout).unwrap();
+    assert!(
+        out.contains("bits/elem   - (no elements)") && !out.contains("448"),
+        "{out}"
+    );
+
+    let g = d.join("i.gp");
+    assert!(
+        gradpack(&["encode", "--codec", "int8", p(&orig), p(&g)])
+            .status
+            .success()
+    );
+    let out =
+        String::from_utf8(gradpack(&["inspect", p(&g), "--reference", p(&orig)]).stdout).unwrap();
+    let mut dec = vec![0f32; x.len()];
+    gradpack::decode(&std::fs::read(&g).unwrap(), &mut dec).unwrap();
+    let worst = x
+        .iter()
+        .zip(&dec)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        out.contains(&format!("max |x - D(x)| {:.3e}", worst as f64)),
+        "{out}\n{worst}"
+    );
+    assert!(out.contains("bound       within"), "{out}");
+    // A chunk at offset 1000: compared with elements 1000..1500 of the whole tensor.
+    let chunk = d.join("chunk.f32");
+    std::fs::write(
+        &chunk,
+        x[1000..1500]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let c = d.join("c.gp");
+    assert!(
+        gradpack(&[
+            "encode",
+            "--codec",
+            "fp16",
+            "--offset",
+            "1000",
+            p(&chunk),
+            p(&c)
+        ])
+        .status
+        .success()
+    );
+    let out =
+        String::from_utf8(gradpack(&["inspect", p(&c), "--reference", p(&orig)]).stdout).unwrap();
+    assert!(out.contains("(5000 values, elements 1000..1500)"), "{out}");
+    assert!(out.contains("bound       within"), "{out}");
+    // A reference of another size is a clear error.
+    assert_clean_error(
+        &gradpack(&["inspect", p(&g), "--reference", p(&chunk)]),
+        "--reference",
+    );
+}
+
+/// `model` aligns its table for specs of any length.
+#[test]
+fn model_table_aligns_long_specs() {
+    let o = gradpack(&[
+        "model",
+        "--codec",
+        "randk:ratio=0.01,values=f32,scale=none,select=strata",
+        "--codec",
+        "int8",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8(o.stdout).unwrap();
+    let rows: Vec<&str> = out.lines().skip_while(|l| !l.starts_with("spec")).collect();
+    assert_eq!(rows.len(), 3, "{out}");
+    // Every row ends at the same column, and the bits column starts after the spec.
+    assert!(rows.iter().all(|l| l.len() == rows[0].len()), "{out}");
+}

@@ -173,6 +173,19 @@ impl RandK {
     }
 }
 
+/// The ratio with the fewest significant digits whose threshold is `t` (a frame records
+/// `t = round(ratio * 2^32)`): `0.01` rather than `0.010000000009313226`, so that a
+/// frame's spec reads as it was written and parses back to the same threshold.
+fn shortest_ratio(t: u64) -> f64 {
+    let exact = t as f64 / 4_294_967_296.0;
+    (0..17)
+        .filter_map(|digits| format!("{exact:.digits$e}").parse::<f64>().ok())
+        .find(|&r| {
+            r > 0.0 && r <= 1.0 && ((r * 4_294_967_296.0).round() as u64).clamp(1, 1 << 32) == t
+        })
+        .unwrap_or(exact)
+}
+
 impl fmt::Display for RandK {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let scale = match self.scale {
@@ -632,7 +645,7 @@ impl Scheme for RandK {
             ));
         }
         Ok(RandK {
-            ratio: t as f64 / 4_294_967_296.0,
+            ratio: shortest_ratio(t),
             values,
             scale,
             select,
@@ -740,7 +753,38 @@ impl Scheme for RandK {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Codec;
     use crate::rng::draw;
+
+    /// A frame's spec shows the ratio as written (`0.01`, not `0.010000000009313226`) and
+    /// keeps the threshold, for short ratios and for every kind of threshold.
+    #[test]
+    fn a_frames_ratio_reads_as_written_and_keeps_its_threshold() {
+        for r in [0.01, 0.3, 1e-5, 0.5, 1.0, 0.125, 0.123456789] {
+            let c = RandK::new(r, ValueType::F32, RandKScale::None).unwrap();
+            assert_eq!(shortest_ratio(c.threshold()), r, "{r}");
+        }
+        let mut t = 1u64;
+        while t <= 1 << 32 {
+            for t in [
+                t,
+                t + 1,
+                t.saturating_sub(1).max(1),
+                (t * 3 / 2).min(1 << 32),
+            ] {
+                let r = shortest_ratio(t);
+                let c = RandK::new(r, ValueType::F32, RandKScale::None).unwrap();
+                assert_eq!(c.threshold(), t, "t {t} -> ratio {r}");
+            }
+            t = t * 5 / 2 + 1;
+        }
+        let spec: CodecSpec = "randk:ratio=0.01".parse().unwrap();
+        let frame = spec
+            .encode(&[1.0; 1000], &crate::EncodeCtx::new(1))
+            .unwrap();
+        let (_, back) = crate::inspect(&frame).unwrap();
+        assert_eq!(back.to_string(), "randk:ratio=0.01,values=f32,scale=none");
+    }
 
     /// The definition, one division per stratum: the kept global indices of
     /// `offset .. offset + n`.

@@ -6,7 +6,22 @@ use std::path::Path;
 use gradpack::{Codec, CodecSpec, EncodeCtx};
 
 use crate::Res;
-use crate::io::{fmt_shape, parse_shape, read_f32, read_frame, write_f32, write_output};
+use crate::io::{
+    fmt_shape, is_npy, is_std, parse_shape, read_f32, read_frame, shown, write_f32, write_output,
+};
+
+/// Bits per element for messages: `8.125 bits per element`, or `no elements` for an
+/// empty frame (whose header alone would be "448 bits per element").
+fn fmt_bits(bytes: usize, elements: u64) -> String {
+    if elements == 0 {
+        "no elements".into()
+    } else {
+        format!(
+            "{:.3} bits per element",
+            bytes as f64 * 8.0 / elements as f64
+        )
+    }
+}
 
 pub(crate) fn encode(
     codec: &str,
@@ -16,30 +31,55 @@ pub(crate) fn encode(
     input: &Path,
     output: &Path,
 ) -> Res<()> {
-    let spec: CodecSpec = codec
+    let mut spec: CodecSpec = codec
         .parse()
         .map_err(|e| format!("--codec {codec:?}: {e}"))?;
     let (x, shape) = read_f32(input)?;
+    let out_name = shown(output, "stdout");
+    // `dct` without a width tiles along the flat array; a 2-D (or more) input has rows,
+    // so its 2-D tiles follow them unless the spec says otherwise.
+    if let (CodecSpec::Dct(d), Some(s)) = (&spec, &shape)
+        && d.width() == 0
+        && s.len() >= 2
+        && !codec.contains("width=")
+    {
+        let w = *s.last().expect("2-D");
+        match u32::try_from(w)
+            .ok()
+            .filter(|&w| w > 0)
+            .map(|w| gradpack::Dct::new(d.chunk(), d.k(), w, d.values()))
+        {
+            Some(Ok(with_rows)) => {
+                eprintln!(
+                    "{out_name}: note: dct tiles follow the input's rows of {w} (width={w}); \
+                     pass width=0 for tiles along the flat array"
+                );
+                spec = CodecSpec::Dct(with_rows);
+            }
+            _ => eprintln!(
+                "{out_name}: note: dct tiles run along the flat array (rows of {w} do not \
+                 make 2-D tiles)"
+            ),
+        }
+    }
     let ctx = EncodeCtx::new(seed).with_offset(offset);
     let frame = if checksum {
         gradpack::Checksummed(spec).encode(&x, &ctx)
     } else {
         spec.encode(&x, &ctx)
     }
-    .map_err(|e| format!("encoding {}: {e}", input.display()))?;
+    .map_err(|e| format!("encoding {}: {e}", shown(input, "stdin")))?;
     write_output(output, &frame)?;
     eprintln!(
-        "{}: {} elements -> {} bytes ({:.3} bits per element, {spec})",
-        output.display(),
+        "{out_name}: {} elements -> {} bytes ({}, {spec})",
         x.len(),
         frame.len(),
-        frame.len() as f64 * 8.0 / x.len().max(1) as f64
+        fmt_bits(frame.len(), x.len() as u64)
     );
     // Frames hold a flat list of values: say how to get the shape back.
     if let Some(s) = shape.filter(|s| s.len() != 1) {
         eprintln!(
-            "{}: the input's shape is ({}); `gradpack decode --shape {:?}` restores it",
-            output.display(),
+            "{out_name}: the input's shape is ({}); `gradpack decode --shape {:?}` restores it",
             s.iter().map(u64::to_string).collect::<Vec<_>>().join(", "),
             fmt_shape(&s)
         );
@@ -68,14 +108,46 @@ pub(crate) fn decode(
     output: &Path,
     max_elements: Option<u64>,
     shape: Option<&str>,
+    format: Option<&str>,
 ) -> Res<()> {
+    let npy = match format {
+        None => is_npy(output),
+        Some("npy") => true,
+        Some("raw") => false,
+        Some(f) => return Err(format!("--format {f:?}: accepted values are raw, npy")),
+    };
     let shape = shape.map(parse_shape).transpose()?;
+    if shape.is_some() && !npy {
+        return Err(format!(
+            "--shape: {} is raw f32, which has no shape: name the output .npy{}",
+            shown(output, "stdout"),
+            if is_std(output) {
+                " or pass --format npy"
+            } else {
+                ""
+            }
+        ));
+    }
     let frame = read_frame(input)?;
     let x = decode_limited(input, &frame, max_elements)?;
-    write_f32(output, &x, shape.as_deref())
+    // A 2-D dct frame knows its row length: a shape that does not end in it is the
+    // transposed (or another) shape.
+    if let (Some(s), Ok((_, CodecSpec::Dct(d)))) = (&shape, gradpack::inspect(&frame))
+        && d.width() > 0
+        && s.last() != Some(&u64::from(d.width()))
+    {
+        return Err(format!(
+            "--shape {}: the frame's rows are {} long (dct width={}), so its shape ends in {}",
+            fmt_shape(s),
+            d.width(),
+            d.width(),
+            d.width()
+        ));
+    }
+    write_f32(output, &x, npy, shape.as_deref())
 }
 
-pub(crate) fn inspect(file: &str, max_elements: Option<u64>) -> Res<()> {
+pub(crate) fn inspect(file: &str, max_elements: Option<u64>, reference: Option<&Path>) -> Res<()> {
     let frame = read_frame(file)?;
     let (h, spec) = gradpack::inspect(&frame).map_err(|e| format!("{file}: invalid frame: {e}"))?;
     outln!("file        {file} ({} bytes)", frame.len());
@@ -83,8 +155,12 @@ pub(crate) fn inspect(file: &str, max_elements: Option<u64>) -> Res<()> {
     outln!("elements    {}", h.elements);
     outln!("payload     {} bytes", h.payload_len);
     outln!(
-        "bits/elem   {:.4}",
-        frame.len() as f64 * 8.0 / h.elements.max(1) as f64
+        "bits/elem   {}",
+        if h.elements == 0 {
+            "- (no elements)".to_string()
+        } else {
+            format!("{:.4}", frame.len() as f64 * 8.0 / h.elements as f64)
+        }
     );
     outln!("seed        {}", h.seed);
     outln!("offset      {}", h.offset);
@@ -110,7 +186,6 @@ pub(crate) fn inspect(file: &str, max_elements: Option<u64>) -> Res<()> {
     // One streaming pass (no copy of the decoded values).
     let mut st = Stats::default();
     x.iter().for_each(|&v| st.add(v));
-    drop(x);
     outln!(
         "decoded     {} values: {} zero, {} NaN, {} Inf",
         st.count,
@@ -127,6 +202,72 @@ pub(crate) fn inspect(file: &str, max_elements: Option<u64>) -> Res<()> {
             st.sq.sqrt()
         );
     }
+    if let Some(r) = reference {
+        against_reference(r, &x, h.offset, &spec)?;
+    }
+    Ok(())
+}
+
+/// `inspect --reference`: the decoded values `d` against the original they were encoded
+/// from (the whole reference, or the frame's part of it at its offset when the reference
+/// is the whole tensor and the frame a chunk).
+fn against_reference(path: &Path, d: &[f32], offset: u64, spec: &CodecSpec) -> Res<()> {
+    let (r, _) = read_f32(path)?;
+    let name = shown(path, "stdin");
+    let n = d.len();
+    let (x, part) = if r.len() == n {
+        (&r[..], String::new())
+    } else {
+        let start = usize::try_from(offset)
+            .ok()
+            .filter(|&o| o.checked_add(n).is_some_and(|end| end <= r.len()));
+        match start {
+            Some(o) if offset > 0 => (&r[o..o + n], format!(", elements {o}..{}", o + n)),
+            _ => {
+                return Err(format!(
+                    "--reference {name}: {} values, the frame {n} (at offset {offset}): give \
+                     the array the frame was encoded from",
+                    r.len()
+                ));
+            }
+        }
+    };
+    outln!("reference   {name} ({} values{part})", r.len());
+    // Non-finite originals must decode to the same kind (rule 7: never silent).
+    let (mut num, mut den, mut worst, mut at, mut absmax) = (0f64, 0f64, 0f64, 0usize, 0f64);
+    let mut lost = 0u64;
+    for (i, (&a, &b)) in x.iter().zip(d).enumerate() {
+        if !a.is_finite() {
+            lost += u64::from(a.is_nan() != b.is_nan() || (a.is_infinite() && a != b));
+            continue;
+        }
+        let e = (f64::from(a) - f64::from(b)).abs();
+        num += e * e;
+        den += f64::from(a) * f64::from(a);
+        absmax = absmax.max(f64::from(a).abs());
+        if e > worst || e.is_nan() {
+            (worst, at) = (e, i);
+        }
+    }
+    let rel = if den > 0.0 {
+        (num / den).sqrt()
+    } else {
+        num.sqrt()
+    };
+    outln!(
+        "error       rel L2 {rel:.3e}  RMS {:.3e}  max |x - D(x)| {worst:.3e} at {at}",
+        (num / n.max(1) as f64).sqrt()
+    );
+    let bound = spec.error_bound(absmax);
+    outln!(
+        "bound       {} {bound:.3e}: the codec's bound for |x| <= {absmax:.3e}{}",
+        if worst <= bound { "within" } else { "EXCEEDS" },
+        if lost > 0 {
+            format!("; {lost} non-finite values not kept")
+        } else {
+            String::new()
+        }
+    );
     Ok(())
 }
 

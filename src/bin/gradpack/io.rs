@@ -33,19 +33,57 @@ pub(crate) fn read_frame(path: &str) -> Res<Vec<u8>> {
     Ok(frame)
 }
 
+/// Whether `path` is `-`: stdin for an input, stdout for an output (a file named `-` is
+/// `./-`).
+pub(crate) fn is_std(path: &Path) -> bool {
+    path.as_os_str() == "-"
+}
+
+/// How messages name `path`: `stdin` or `stdout` for `-` (as `std_name` says), else the
+/// path.
+pub(crate) fn shown(path: &Path, std_name: &str) -> String {
+    if is_std(path) {
+        std_name.to_string()
+    } else {
+        path.display().to_string()
+    }
+}
+
+/// Write `bytes` to the file `path`, or to stdout for `-`.
 pub(crate) fn write_output(path: &Path, bytes: &[u8]) -> Res<()> {
+    if is_std(path) {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        return out
+            .write_all(bytes)
+            .and_then(|()| out.flush())
+            .map_err(crate::stdout_error);
+    }
     std::fs::write(path, bytes).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-fn is_npy(p: &Path) -> bool {
+/// Whether `p`'s name ends in `.npy`.
+pub(crate) fn is_npy(p: &Path) -> bool {
     p.extension().is_some_and(|e| e.eq_ignore_ascii_case("npy"))
 }
 
 /// An input array: a `.npy` file (by its magic, whatever its name; any float dtype,
 /// either byte order and memory order, converted to float32 in C order, with a note on
 /// stderr) or raw little-endian f32; and its shape, if the file has one.
+///
+/// `-` reads stdin (a `.npy` by its magic, else raw f32).
 pub(crate) fn read_f32(path: &Path) -> Res<(Vec<f32>, Option<Vec<u64>>)> {
-    let b = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let b = if is_std(path) {
+        let mut b = Vec::new();
+        std::io::stdin()
+            .lock()
+            .read_to_end(&mut b)
+            .map_err(|e| format!("stdin: {e}"))?;
+        b
+    } else {
+        std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?
+    };
+    let path = &std::path::PathBuf::from(shown(path, "stdin"));
     // What the bytes are decides, not the name: a renamed .npy is still read as one.
     if is_npy(path) || b.starts_with(b"\x93NUMPY") {
         let a = npy::read(&b).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -81,9 +119,9 @@ pub(crate) fn read_f32(path: &Path) -> Res<(Vec<f32>, Option<Vec<u64>>)> {
     Ok((x, None))
 }
 
-/// Write `x` as `.npy` (by the name; with `shape`, whose product must be `x.len()`, or
-/// 1-D) or as raw little-endian f32.
-pub(crate) fn write_f32(path: &Path, x: &[f32], shape: Option<&[u64]>) -> Res<()> {
+/// Write `x` as `.npy` (if `npy`; with `shape`, whose product must be `x.len()`, or
+/// 1-D) or as raw little-endian f32, to a file or stdout (`-`).
+pub(crate) fn write_f32(path: &Path, x: &[f32], npy: bool, shape: Option<&[u64]>) -> Res<()> {
     if let Some(s) = shape {
         let count = s.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
         if count != Some(x.len() as u64) {
@@ -95,7 +133,7 @@ pub(crate) fn write_f32(path: &Path, x: &[f32], shape: Option<&[u64]>) -> Res<()
             ));
         }
     }
-    if is_npy(path) {
+    if npy {
         write_output(path, &npy::write(x, shape))
     } else {
         write_output(path, bytemuck::cast_slice(x))
@@ -107,16 +145,28 @@ pub(crate) fn fmt_shape(s: &[u64]) -> String {
     s.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
 }
 
-/// Parse `--shape`: comma-separated dimensions, empty for a 0-d array.
+/// Parse `--shape`: comma-separated dimensions (`256,300`), also as Python prints a
+/// shape (`(256, 300)`, `(256,)`, `[256, 300]`); empty or `()` for a 0-d array.
 pub(crate) fn parse_shape(s: &str) -> Res<Vec<u64>> {
-    if s.trim().is_empty() {
+    let t = s.trim();
+    let inner = match (t.chars().next(), t.chars().last()) {
+        (Some('('), Some(')')) | (Some('['), Some(']')) => &t[1..t.len() - 1],
+        _ => t,
+    };
+    let inner = inner.trim();
+    if inner.is_empty() {
         return Ok(Vec::new());
     }
-    s.split(',')
+    // One trailing comma, as in Python's `(256,)`.
+    let inner = inner.strip_suffix(',').unwrap_or(inner);
+    inner
+        .split(',')
         .map(|d| {
-            d.trim()
-                .parse::<u64>()
-                .map_err(|_| format!("--shape {s:?}: dimensions are whole numbers, e.g. 256,300"))
+            d.trim().parse::<u64>().map_err(|_| {
+                format!(
+                    "--shape {s:?}: dimensions are whole numbers, e.g. 256,300 or \"(256, 300)\""
+                )
+            })
         })
         .collect()
 }

@@ -94,25 +94,31 @@ enum Cmd {
         checksum: bool,
         /// Input: raw little-endian f32, or .npy: float16, float32 or float64 (converted
         /// to float32, with a note), either byte order, C or Fortran order (read in C
-        /// order), any shape.
+        /// order), any shape (a `dct` spec without `width=` then tiles the rows of a 2-D
+        /// array); `-` for stdin.
         input: PathBuf,
-        /// Output frame.
+        /// Output frame (`-` for stdout).
         output: PathBuf,
     },
     /// Decode a frame into raw little-endian f32 (or .npy when OUT ends in .npy).
     Decode {
         /// Input frame (`-` for stdin).
         input: String,
-        /// Output: raw f32, or .npy.
+        /// Output: raw f32, or .npy when its name ends in .npy (`-` for stdout, raw unless
+        /// --format npy).
         output: PathBuf,
         /// Decode frames of up to this many elements (default: 4096 per byte of frame, at
         /// least 65536; a very sparse top-k or random-k frame can hold more).
         #[arg(long)]
         max_elements: Option<u64>,
-        /// The array's shape for a .npy output, e.g. 256,300 (`encode` prints it; "" for
-        /// a 0-d array); 1-D without it.
+        /// The array's shape for a .npy output, as `encode` printed it: 256,300 or
+        /// "(256, 300)" ("" or "()" for a 0-d array); 1-D without it. Frames hold a flat
+        /// list, so only a 2-D `dct` frame (its width) can tell a transposed shape.
         #[arg(long, allow_hyphen_values = true)]
         shape: Option<String>,
+        /// Output format: raw (little-endian f32) or npy (default: by the output's name).
+        #[arg(long)]
+        format: Option<String>,
     },
     /// Show a frame's header, whether it is valid, and statistics of its decoded values.
     Inspect {
@@ -121,6 +127,11 @@ enum Cmd {
         /// Decode frames of up to this many elements (as for `decode`).
         #[arg(long)]
         max_elements: Option<u64>,
+        /// The array the frame was encoded from (.npy or raw f32, or the whole tensor of
+        /// a chunk at the frame's offset): print the frame's error against it and the
+        /// codec's error bound.
+        #[arg(long)]
+        reference: Option<PathBuf>,
     },
     /// The cost model alone: all-reduce times from nominal codec sizes, no measuring.
     Model(ModelArgs),
@@ -159,8 +170,19 @@ fn main() {
             output,
             max_elements,
             shape,
-        } => decode(&input, &output, max_elements, shape.as_deref()),
-        Cmd::Inspect { file, max_elements } => inspect(&file, max_elements),
+            format,
+        } => decode(
+            &input,
+            &output,
+            max_elements,
+            shape.as_deref(),
+            format.as_deref(),
+        ),
+        Cmd::Inspect {
+            file,
+            max_elements,
+            reference,
+        } => inspect(&file, max_elements, reference.as_deref()),
         Cmd::Model(a) => model(a),
         Cmd::Train(a) => train(a),
     };

@@ -64,10 +64,17 @@ pub(crate) fn model(a: ModelArgs) -> Res<()> {
             cost::ring_with_latency(p, g_bits, net.bandwidth, net.latency) * 1e3
         ),
     )?;
+    // The spec column fits the longest spec.
+    let sw = specs
+        .iter()
+        .map(|s| s.to_string().len())
+        .max()
+        .unwrap_or(0)
+        .max(4);
     w(
         &mut out,
         format!(
-            "{:<32} {:>8} {:>6} {:>14} {:>12} {:>12} {:>8}",
+            "{:<sw$} {:>8} {:>6} {:>14} {:>12} {:>12} {:>8}",
             "spec", "bits/el", "ratio", "k-bit ring ms", "ring ms", "allgather ms", "speedup"
         ),
     )?;
@@ -86,7 +93,7 @@ pub(crate) fn model(a: ModelArgs) -> Res<()> {
         w(
             &mut out,
             format!(
-                "{:<32} {:>8.3} {:>6.1} {:>14.3} {:>12.3} {:>12.3} {:>8}",
+                "{:<sw$} {:>8.3} {:>6.1} {:>14.3} {:>12.3} {:>12.3} {:>8}",
                 s.to_string(),
                 bits,
                 32.0 / bits,

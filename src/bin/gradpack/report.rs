@@ -339,6 +339,9 @@ fn fmt_bw(b: f64) -> String {
 
 pub(crate) fn report(a: ReportArgs) -> Res<()> {
     let net = a.net.parse()?;
+    if a.plot.as_ref().is_some_and(|p| crate::io::is_std(p)) {
+        return Err("--plot -: stdout carries the report; give the SVG a file name".into());
+    }
     if a.elements == 0 && a.inputs.is_empty() {
         return Err("--elements must be at least 1".into());
     }

@@ -84,6 +84,9 @@ pub(crate) fn train(a: TrainArgs) -> Res<()> {
     if !(a.lr.is_finite() && a.lr > 0.0) {
         return Err(format!("--lr {}: expected a positive number", a.lr));
     }
+    if a.plot.as_ref().is_some_and(|p| crate::io::is_std(p)) {
+        return Err("--plot -: stdout carries the table; give the SVG a file name".into());
+    }
     let specs = specs(&a.codecs)?;
     let ds = Dataset::synthetic(a.seed);
     let cfg = TrainConfig {
