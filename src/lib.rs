@@ -7,19 +7,22 @@
 //! decodes it back, or adds it into an accumulator (`decode_add`, the reduce step of an
 //! all-reduce). Any frame decodes with no configuration through [`decode`].
 //!
-//! | spec | bits/element | unbiased | scheme |
-//! |------|-------------|----------|--------|
-//! | `identity` | 32 | exact | plain f32 |
-//! | `fp16` | 16 | no (RNE) | IEEE binary16 |
-//! | `bf16` | 16 | no (RNE) | bfloat16 |
-//! | `int8:block=256,rounding=nearest\|stochastic` | 8 + 32/block | stochastic only | absmax int8 |
-//! | `qsgd:bits=2\|4\|8,block=512` | bits + 32/block | yes | QSGD (Alistarh et al. 2017) |
-//! | `sign:block=1024` | 1 + 32/block | no | 1-bit SGD / signSGD |
-//! | `ternary:block=1024` | 2 + 32/block | yes | TernGrad (Wen et al. 2017) |
-//! | `natural:block=1024` | 8 + 8/block | yes | natural compression (Horváth et al. 2019) |
-//! | `topk:ratio=0.01\|k=N\|threshold=T,values=f32\|fp16\|bf16\|int8,select=exact\|approx,index=auto\|rice\|bitmap\|gaps` | sparse | no | top-k by magnitude, coded indices |
-//! | `randk:ratio=0.01,values=f32\|fp16\|bf16,scale=none\|unbiased,select=bernoulli\|strata` | sparse, values only | with `scale=unbiased` | random-k, hash-derived indices |
-//! | `dct:chunk=64,k=4,values=f32\|fp16\|sign,scale=chunk\|frame,width=0\|W` | sparse: k (position + value) per tile | no | top-k of a chunked DCT-II, along one row or in tiles of a `W`-wide matrix (DeMo, Peng et al. 2024) |
+//! | codec | bits/element | unbiased | scheme | parameters (default first) |
+//! |-------|--------------|----------|--------|------------|
+//! | `identity` | 32 | exact | plain f32 | |
+//! | `fp16` | 16 | no (RNE) | IEEE binary16 | |
+//! | `bf16` | 16 | no (RNE) | bfloat16 | |
+//! | `int8` | 8 + 32/block | stochastic only | absmax int8 | `block=256` `rounding=nearest` or `stochastic` |
+//! | `qsgd` | bits + 32/block | yes | QSGD (Alistarh et al. 2017) | `bits=2`, `4` or `8`; `block=512` |
+//! | `sign` | 1 + 32/block | no | 1-bit SGD / signSGD | `block=1024` |
+//! | `ternary` | 2 + 32/block | yes | TernGrad (Wen et al. 2017) | `block=1024` |
+//! | `natural` | 8 + 8/block | yes | natural compression (Horváth et al. 2019) | `block=1024` |
+//! | `topk` | sparse | no | top-k by magnitude, coded indices | `ratio=0.01` or `k=N` or `threshold=T`; `values=f32` `fp16` `bf16` `int8`; `select=exact` `approx`; `index=auto` `rice` `bitmap` `gaps` |
+//! | `randk` | sparse, values only | `scale=unbiased` | random-k, hash-derived indices | `ratio=0.01`; `values=f32` `fp16` `bf16`; `scale=none` `unbiased`; `select=bernoulli` `strata` |
+//! | `dct` | k (position + value) per tile | no | top-k of a chunked DCT-II (DeMo, Peng et al. 2024) | `chunk=64`; `k=4`; `values=f32` `fp16` `sign`; `scale=chunk` `frame`; `width=0` (along one row) or `W` (tiles of a `W`-wide matrix) |
+//!
+//! A spec is the codec's name, then `:` and comma-separated parameters:
+//! `int8:block=128,rounding=stochastic`, `topk:ratio=0.001,values=fp16`.
 //!
 //! Beside the codecs, the sync engine sends matrices as PowerSGD factors
 //! ([`sync::PowerSgd`], Vogels et al. 2019): two thin all-reduces instead of one of the
@@ -52,6 +55,21 @@
 //! compressed per a codec policy and all-reduced on a communication thread while the
 //! backward pass goes on, with checkpointable state ([`state`]). [`train`] runs
 //! data-parallel SGD through it to show what each codec does to training.
+//!
+//! ## Where to start
+//! - **Compressing tensors yourself** (your own transport or parameter server): a
+//!   [`CodecSpec`] parsed from a string, [`Codec::encode_into`] and [`decode`] /
+//!   [`decode_add`], with [`ErrorFeedback`] around the encoder for the biased codecs, and
+//!   [`parallel`] for large tensors.
+//! - **All-reducing one tensor across ranks**: [`collective::AllReduce`] over a
+//!   [`collective::Transport`] (threads in one process with [`collective::local`], MPI
+//!   with feature `mpi`, or your own), and [`cost`] to see whether a codec pays on your
+//!   network before you run it.
+//! - **A training loop**: [`sync::SyncEngine`] takes each tensor's gradient as the
+//!   backward pass produces it, buckets, compresses and all-reduces them on a
+//!   communication thread, and saves its state with your checkpoints. [`train`] is a
+//!   complete small example. PyTorch (a DDP communication hook) and burn have their own
+//!   packages in the repository, built on the same engine.
 //!
 //! ## Rules the crate keeps
 //! - Scalar kernels ([`unstable::kernels::scalar`]) are the specification; every other path must

@@ -73,12 +73,25 @@ pub enum RandKSelect {
 }
 
 /// Random-k with hash-derived indices.
-#[derive(Debug, Clone, Copy, PartialEq)]
+///
+/// Two random-k codecs are equal when they write the same frames: the same threshold
+/// ([`RandK::threshold`], which a frame records, so ratios that round to it are one
+/// codec), values, scale and selection.
+#[derive(Debug, Clone, Copy)]
 pub struct RandK {
     ratio: f64,
     values: ValueType,
     scale: RandKScale,
     select: RandKSelect,
+}
+
+impl PartialEq for RandK {
+    fn eq(&self, o: &RandK) -> bool {
+        self.threshold() == o.threshold()
+            && self.values == o.values
+            && self.scale == o.scale
+            && self.select == o.select
+    }
 }
 
 impl Default for RandK {
@@ -175,7 +188,8 @@ impl RandK {
 
 /// The ratio with the fewest significant digits whose threshold is `t` (a frame records
 /// `t = round(ratio * 2^32)`): `0.01` rather than `0.010000000009313226`, so that a
-/// frame's spec reads as it was written and parses back to the same threshold.
+/// frame's spec prints as it was written and parses back to the same threshold. Only
+/// `Display` uses it (it formats, so it allocates; decoding stays allocation-free).
 fn shortest_ratio(t: u64) -> f64 {
     let exact = t as f64 / 4_294_967_296.0;
     (0..17)
@@ -195,7 +209,7 @@ impl fmt::Display for RandK {
         write!(
             f,
             "randk:ratio={},values={},scale={scale}",
-            self.ratio,
+            shortest_ratio(self.threshold()),
             self.values.name()
         )?;
         // The default selection is left out, so the names of bernoulli specs are unchanged.
@@ -645,7 +659,7 @@ impl Scheme for RandK {
             ));
         }
         Ok(RandK {
-            ratio: shortest_ratio(t),
+            ratio: t as f64 / 4_294_967_296.0,
             values,
             scale,
             select,
@@ -783,6 +797,7 @@ mod tests {
             .encode(&[1.0; 1000], &crate::EncodeCtx::new(1))
             .unwrap();
         let (_, back) = crate::inspect(&frame).unwrap();
+        assert_eq!(back, spec, "the frame's codec equals the one that wrote it");
         assert_eq!(back.to_string(), "randk:ratio=0.01,values=f32,scale=none");
     }
 
