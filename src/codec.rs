@@ -8,7 +8,9 @@
 use core::fmt;
 use core::str::FromStr;
 
-use crate::codecs::{Bf16, Dct, Fp16, Identity, Int8, Natural, Qsgd, RandK, Sign, Ternary, TopK};
+use crate::codecs::{
+    Bf16, Dct, Fp8, Fp16, Identity, Int8, Natural, Qsgd, RandK, Sign, Ternary, TopK,
+};
 use crate::error::{Error, Result};
 use crate::wire::{HEADER_LEN, Header};
 
@@ -39,11 +41,13 @@ pub enum CodecId {
     RandK = 9,
     /// Top-k coefficients of a chunked DCT-II.
     Dct = 10,
+    /// OCP 8-bit floats (E4M3, E5M2) with a per-block scale.
+    Fp8 = 11,
 }
 
 impl CodecId {
     /// Every codec id, in id order.
-    pub const ALL: [CodecId; 11] = [
+    pub const ALL: [CodecId; 12] = [
         CodecId::Identity,
         CodecId::Fp16,
         CodecId::Bf16,
@@ -55,6 +59,7 @@ impl CodecId {
         CodecId::TopK,
         CodecId::RandK,
         CodecId::Dct,
+        CodecId::Fp8,
     ];
 
     /// The id for byte value `b`, if one exists.
@@ -76,6 +81,7 @@ impl CodecId {
             CodecId::TopK => "topk",
             CodecId::RandK => "randk",
             CodecId::Dct => "dct",
+            CodecId::Fp8 => "fp8",
         }
     }
 }
@@ -249,6 +255,8 @@ pub enum CodecSpec {
     RandK(RandK),
     /// See [`Dct`].
     Dct(Dct),
+    /// See [`Fp8`].
+    Fp8(Fp8),
 }
 
 macro_rules! each_spec {
@@ -265,6 +273,7 @@ macro_rules! each_spec {
             CodecSpec::TopK($c) => $e,
             CodecSpec::RandK($c) => $e,
             CodecSpec::Dct($c) => $e,
+            CodecSpec::Fp8($c) => $e,
         }
     };
 }
@@ -309,6 +318,7 @@ impl CodecSpec {
             CodecId::TopK => CodecSpec::TopK(TopK::from_args(&mut args).map_err(&spec_err)?),
             CodecId::RandK => CodecSpec::RandK(RandK::from_args(&mut args).map_err(&spec_err)?),
             CodecId::Dct => CodecSpec::Dct(Dct::from_args(&mut args).map_err(&spec_err)?),
+            CodecId::Fp8 => CodecSpec::Fp8(Fp8::from_args(&mut args).map_err(&spec_err)?),
         };
         args.finish(name).map_err(&spec_err)?;
         Ok(spec)
@@ -378,6 +388,14 @@ impl CodecSpec {
             _ => (f32_max, 2f64.powi(-11)),
         };
         let (factor, add, max) = match self {
+            // Its own analysis (the module docs of `fp8`), with its f32 roundings.
+            CodecSpec::Fp8(c) => {
+                return if a.is_finite() {
+                    c.error_bound(a)
+                } else {
+                    f64::INFINITY
+                };
+            }
             CodecSpec::Identity(_) => (0.0, 0.0, f64::INFINITY),
             CodecSpec::Fp16(_) => (2f64.powi(-11), 2f64.powi(-25), FP16_MAX),
             CodecSpec::Bf16(_) => (2f64.powi(-8), 2f64.powi(-134), BF16_MAX),

@@ -12,6 +12,7 @@
 //! | `identity` | 32 | exact | plain f32 | |
 //! | `fp16` | 16 | no (RNE) | IEEE binary16 | |
 //! | `bf16` | 16 | no (RNE) | bfloat16 | |
+//! | `fp8` | 8 + 32/block (f32 scale), 8 + 8/block (E8M0) | stochastic only | OCP FP8 E4M3 / E5M2 with a block scale | `format=e4m3` or `e5m2`; `block=128`; `scale=f32` `e8m0` `none`; `rounding=nearest` `stochastic` |
 //! | `int8` | 8 + 32/block | stochastic only | absmax int8 | `block=256` `rounding=nearest` or `stochastic` |
 //! | `qsgd` | bits + 32/block | yes | QSGD (Alistarh et al. 2017) | `bits=2`, `4` or `8`; `block=512` |
 //! | `sign` | 1 + 32/block | no | 1-bit SGD / signSGD | `block=1024` |
@@ -113,8 +114,9 @@ pub mod unstable {
 
 pub use codec::{Checksummed, Codec, CodecId, CodecSpec, EncodeCtx, decode_limit};
 pub use codecs::{
-    Bf16, Dct, DctValues, Fp16, Identity, IndexCoding, Int8, Natural, Qsgd, RandK, RandKScale,
-    RandKSelect, Rounding, Selection, Sign, Ternary, TopK, TopKSelect, ValueType,
+    Bf16, Dct, DctValues, Fp8, Fp8Format, Fp8Scale, Fp16, Identity, IndexCoding, Int8, Natural,
+    Qsgd, RandK, RandKScale, RandKSelect, Rounding, Selection, Sign, Ternary, TopK, TopKSelect,
+    ValueType,
 };
 pub use error::{Error, Result};
 pub use feedback::{ErrorFeedback, FeedbackOptions, Residual, ResidualPrecision};

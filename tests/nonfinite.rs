@@ -109,6 +109,39 @@ fn check_policy(spec: &CodecSpec, x: &[f32], d: &[f32]) {
                 }
             }
         }
+        // fp8 without a scale: element-wise; NaN stays NaN, ±Inf stays ±Inf in E5M2 and
+        // becomes NaN in E4M3 (which has no infinity); finite values stay finite.
+        CodecSpec::Fp8(c) if c.scale() == gradpack::Fp8Scale::None => {
+            let e5m2 = c.format() == gradpack::Fp8Format::E5m2;
+            for i in 0..x.len() {
+                if x[i].is_nan() || (x[i].is_infinite() && !e5m2) {
+                    assert!(d[i].is_nan(), "{spec} element {i}");
+                } else if x[i].is_infinite() {
+                    assert_eq!(d[i], x[i], "{spec} element {i}");
+                } else if e5m2 {
+                    // Finite values past 61440 overflow to ±Inf, as IEEE rounding does.
+                    assert!(!d[i].is_nan(), "{spec} element {i}");
+                } else {
+                    assert!(d[i].is_finite(), "{spec} element {i}");
+                }
+            }
+        }
+        // fp8 with a scale: a block codec.
+        CodecSpec::Fp8(_) => {
+            let b = block_of(spec);
+            for (k, (xb, db)) in x.chunks(b).zip(d.chunks(b)).enumerate() {
+                if xb.iter().any(|v| !v.is_finite()) {
+                    assert!(db.iter().all(|v| v.is_nan()), "{spec} block {k} not all NaN");
+                } else {
+                    let max = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let e8m0 = matches!(spec, CodecSpec::Fp8(c) if c.scale() == gradpack::Fp8Scale::E8m0);
+                    assert!(
+                        (e8m0 && 2.0 * max > f32::MAX) || db.iter().all(|v| v.is_finite()),
+                        "{spec} block {k} not finite"
+                    );
+                }
+            }
+        }
         // Random-k: an unsent element could hide it, so everything decodes to NaN.
         CodecSpec::RandK(_) => assert!(d.iter().all(|v| v.is_nan()), "{spec}"),
         // DCT: a non-finite value spreads over its tile's coefficients, all of them kept

@@ -150,7 +150,7 @@ fn ids_names_and_spec_metadata_agree() {
         assert_eq!(spec.id(), id);
         assert_eq!(spec.spec(), spec);
     }
-    assert_eq!(CodecId::from_u8(11), None);
+    assert_eq!(CodecId::from_u8(12), None);
     let bits = |s: &str| s.parse::<CodecSpec>().unwrap().bits_per_element(1 << 20);
     assert_eq!(bits("identity"), 32.0);
     // dct: per 64 elements, 4 one-byte positions and 4 f32 (or fp16, or sign bits and a
@@ -161,6 +161,17 @@ fn ids_names_and_spec_metadata_agree() {
     // 64 x 64 tiles of a 1024-wide matrix: two-byte positions.
     assert_eq!(bits("dct:k=32,width=1024"), 32.0 * 6.0 * 8.0 / 4096.0);
     assert_eq!(bits("fp16"), 16.0);
+    assert_eq!(bits("fp8"), 8.0 + 32.0 / 128.0);
+    assert_eq!(bits("fp8:scale=e8m0,block=32"), 8.0 + 8.0 / 32.0);
+    assert_eq!(bits("fp8:scale=none"), 8.0);
+    assert!("fp8:rounding=stochastic".parse::<CodecSpec>().unwrap().unbiased());
+    assert!(!"fp8".parse::<CodecSpec>().unwrap().unbiased());
+    assert_eq!(
+        "fp8".parse::<CodecSpec>().unwrap().to_string(),
+        "fp8:format=e4m3,block=128,scale=f32,rounding=nearest"
+    );
+    assert!("fp8:scale=none,block=4".parse::<CodecSpec>().is_err());
+    assert!("fp8:format=e3m4".parse::<CodecSpec>().is_err());
     assert_eq!(bits("int8:block=256"), 8.0 + 32.0 / 256.0);
     assert_eq!(bits("qsgd:bits=2,block=512"), 2.0 + 32.0 / 512.0);
     assert_eq!(bits("sign:block=1024"), 1.0 + 32.0 / 1024.0);

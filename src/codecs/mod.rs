@@ -9,6 +9,7 @@ mod bf16;
 mod dct;
 pub(crate) mod fixed;
 mod fp16;
+mod fp8;
 mod identity;
 mod int8;
 mod natural;
@@ -23,6 +24,7 @@ mod values;
 pub use bf16::Bf16;
 pub use dct::{Dct, DctValues};
 pub use fp16::Fp16;
+pub use fp8::{Fp8, Fp8Format, Fp8Scale};
 pub use identity::Identity;
 pub use int8::{Int8, Rounding};
 pub use natural::Natural;
@@ -271,6 +273,10 @@ macro_rules! by_id {
             }
             CodecId::Dct => {
                 type $S = Dct;
+                $e
+            }
+            CodecId::Fp8 => {
+                type $S = Fp8;
                 $e
             }
         }

@@ -17,6 +17,7 @@
 
 pub mod backend;
 pub mod dct;
+pub mod fp8;
 pub mod fpmode;
 pub mod gemm;
 mod portable;

@@ -337,7 +337,7 @@ pub fn block_step(m: f32, levels: u32) -> f32 {
 
 /// Uniform draw in [0, 1) with 24-bit resolution from a 32-bit hash.
 #[inline(always)]
-fn unit24(h: u32) -> f32 {
+pub(crate) fn unit24(h: u32) -> f32 {
     (h >> 8) as f32 * (1.0 / 16_777_216.0)
 }
 

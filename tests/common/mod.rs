@@ -33,6 +33,12 @@ pub const SPECS: &[&str] = &[
     "dct:chunk=16,k=3,values=fp16",
     "dct:chunk=8,k=5,values=sign",
     "dct:chunk=8,k=3,values=sign,scale=frame,width=1",
+    "fp8:block=64",
+    "fp8:format=e5m2,block=64,rounding=stochastic",
+    "fp8:scale=e8m0,block=32",
+    "fp8:format=e5m2,scale=e8m0,block=3,rounding=stochastic",
+    "fp8:scale=none",
+    "fp8:format=e5m2,scale=none,rounding=stochastic",
 ];
 
 pub fn specs() -> Vec<CodecSpec> {
@@ -59,6 +65,7 @@ pub fn block_of(spec: &CodecSpec) -> usize {
         CodecSpec::Sign(c) => c.block(),
         CodecSpec::Ternary(c) => c.block(),
         CodecSpec::Natural(c) => c.block(),
+        CodecSpec::Fp8(c) if c.block() > 1 => c.block(),
         // A band of whole tiles.
         CodecSpec::Dct(c) => c.chunk() * (c.width() as usize).max(1),
         _ => 64,
@@ -209,6 +216,7 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
                 }
             }
         }
+        CodecSpec::Fp8(c) => return check_fp8(c, x, d),
         CodecSpec::Ternary(c) => {
             for (b, xb) in x.chunks(c.block()).enumerate() {
                 let m = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -648,4 +656,100 @@ pub fn golden_frames() -> Vec<(String, Vec<u8>)> {
         }
     }
     v
+}
+
+/// Every finite value of an 8-bit float with `m` mantissa bits and exponent bias `bias`,
+/// from the format's definition (positive ones; E4M3 drops its NaN code 0x7F, E5M2 its
+/// exponent 31).
+pub fn fp8_values(m: u32, bias: i32, e4m3: bool) -> Vec<f64> {
+    let mut v = Vec::new();
+    for code in 0u32..128 {
+        let (e, f) = ((code >> m) as i32, (code & ((1 << m) - 1)) as f64);
+        if (e4m3 && code == 0x7F) || (!e4m3 && e == 31) {
+            continue;
+        }
+        v.push(if e == 0 {
+            f * pow2(1 - bias - m as i32)
+        } else {
+            (1.0 + f / (1 << m) as f64) * pow2(e - bias)
+        });
+    }
+    v
+}
+
+/// The `fp8` checks: each decoded value is an FP8 value times its block's scale (the
+/// scale recomputed from the module docs' definition), within the documented error.
+fn check_fp8(c: &gradpack::Fp8, x: &[f32], d: &[f32]) -> Result<(), String> {
+    let e4m3 = c.format() == gradpack::Fp8Format::E4m3;
+    let (m, bias) = (c.format().mantissa_bits(), c.format().bias());
+    let values = fp8_values(m, bias, e4m3);
+    let fmax = *values.last().unwrap();
+    let stochastic = c.rounding() == gradpack::Rounding::Stochastic;
+    for (b, xb) in x.chunks(c.block()).enumerate() {
+        let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let s: f64 = match c.scale() {
+            gradpack::Fp8Scale::None => 1.0,
+            gradpack::Fp8Scale::F32 => (amax / fmax as f32).max(f32::MIN_POSITIVE) as f64,
+            _ => {
+                let mut k = -127;
+                while (amax as f64) > fmax * pow2(k) {
+                    k += 1;
+                }
+                pow2(k)
+            }
+        };
+        for (j, &v) in xb.iter().enumerate() {
+            let i = b * c.block() + j;
+            let what = |w: String| {
+                Err(format!(
+                    "{c}: element {i}: x = {v:e}, decoded {:e} (block scale {s:e}): {w}",
+                    d[i]
+                ))
+            };
+            if amax == 0.0 {
+                if d[i] != 0.0 {
+                    return what("an all-zero block decodes to 0".into());
+                }
+                continue;
+            }
+            let a = v.abs() as f64;
+            // E8M0: past half of f32's range the decoded product may overflow (documented).
+            if 2.0 * amax as f64 > f32::MAX as f64 && c.scale() == gradpack::Fp8Scale::E8m0 {
+                continue;
+            }
+            if c.scale() == gradpack::Fp8Scale::None && a > fmax {
+                // Saturation (E4M3) or overflow (E5M2): the sign is kept.
+                let ok = if e4m3 {
+                    d[i].abs() as f64 == fmax
+                } else {
+                    d[i].is_infinite() || d[i].abs() as f64 == fmax
+                };
+                if !ok || d[i].is_sign_negative() != v.is_sign_negative() {
+                    return what("overflow not saturated (E4M3) or infinite (E5M2)".into());
+                }
+                continue;
+            }
+            let q = d[i].abs() as f64 / s;
+            let near = values
+                .iter()
+                .any(|&w| (q - w).abs() <= w * pow2(-22) + pow2(-150) / s);
+            if !near {
+                return what(format!("{q:e} is not an FP8 value"));
+            }
+            if d[i] != 0.0 && d[i].is_sign_negative() != v.is_sign_negative() {
+                return what("sign not kept".into());
+            }
+            let (rel, sub) = if stochastic {
+                (pow2(-(m as i32)), s * pow2(1 - bias - m as i32))
+            } else {
+                (pow2(-(m as i32) - 1), s * pow2(-bias - m as i32))
+            };
+            let bound = (rel * a + sub) * (1.0 + pow2(-20)) + pow2(-22) * a + pow2(-149);
+            let e = (v as f64 - d[i] as f64).abs();
+            if e > bound {
+                return what(format!("error {e:e} exceeds {bound:e}"));
+            }
+        }
+    }
+    Ok(())
 }

@@ -1,0 +1,415 @@
+//! `fp8`: OCP 8-bit floats (E4M3 or E5M2), one byte per element, with a scale per block.
+//!
+//! Spec: `fp8:format=e4m3|e5m2,block=B,scale=f32|e8m0|none,rounding=nearest|stochastic`
+//! (defaults `e4m3`, 128, `f32`, `nearest`).
+//!
+//! For each block of `B` elements with absmax `m`, the elements are divided by the
+//! block's scale `s` and each quotient is converted to the format:
+//! - `scale=f32`: `s = max(m / FMAX, 2^-126)` in f32 (the next f32 down where
+//!   `FMAX * s` would overflow), stored as f32, so the block's largest element maps to the
+//!   format's largest finite value `FMAX` (448 for E4M3, 57344 for E5M2);
+//! - `scale=e8m0`: `s = 2^k`, the smallest power of two (`k` in -127..=127) with
+//!   `m / s <= FMAX`, stored as one byte `k + 127` (OCP MX's scale type; MX's own rule,
+//!   `2^(floor(log2 m) - emax)`, would clip the block's largest values, this one never
+//!   does);
+//! - `scale=none`: no scale; each value is converted as it is (`block` is then 1).
+//!
+//! With a scale, each quotient `x / s` (f32 division) is clamped to `±FMAX` (the rounded
+//! scale can leave the largest a hair above it). Conversion rounds to nearest, ties to even, or stochastically (`rounding=stochastic`:
+//! to one of the two neighbouring values, unbiased, from the crate's counter-based draws,
+//! so frames do not depend on chunking or threads). Decoding gives `value(code) * s`.
+//!
+//! OCP semantics: E4M3 has no infinities (a finite quotient past 448 saturates to ±448);
+//! E5M2 keeps them (past 61440 it becomes ±Inf). With `scale=none` and nearest rounding,
+//! E5M2 equals PyTorch's `tensor.to(torch.float8_e5m2)` for every f32 input, and E4M3
+//! equals `tensor.to(torch.float8_e4m3fn)` for every input except finite magnitudes above
+//! 464, where PyTorch's cast gives NaN and this codec saturates (OCP's saturating mode);
+//! both are tested on all 2^32 inputs.
+//!
+//! Error bounds (per element, `m` the block's absmax, `M` the mantissa bits: 3 for E4M3,
+//! 2 for E5M2):
+//! - nearest: `|x - x'| <= 2^-(M+1) |x| + s 2^(-bias-M)` (half an ulp of the quotient, or
+//!   half the subnormal spacing), plus f32 rounding; at most `2^-(M+1) m (1 + 2^-10)` for
+//!   the f32 scale;
+//! - stochastic: below one spacing, `2^-M |x| + s 2^(1-bias-M)`, and `E[x'] = x` up to
+//!   `2^-24` of a spacing.
+//!
+//! Non-finite input: a block holding NaN or ±Inf gets a NaN scale (f32 NaN, or the E8M0
+//! byte `0xFF`) and every element of it decodes to NaN. With `scale=none`, NaN stays NaN
+//! and ±Inf stays ±Inf in E5M2 and becomes NaN in E4M3.
+
+use core::fmt;
+
+use super::fixed::{self, FixedRate, Layout, by_mode};
+use super::{EncodeCtx, MAX_BLOCK, Scheme, block_params, check_block, expect_payload, read_block};
+use crate::codec::{Args, CodecId, CodecSpec};
+use crate::error::{Error, Result};
+use crate::kernels::fp8::{self as k8, E4M3, E5M2, Format};
+use crate::rng::{Draws, STREAM_ROUNDING};
+use crate::wire::{HEADER_LEN, Header};
+
+pub use crate::codecs::int8::Rounding;
+
+/// Which 8-bit float.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fp8Format {
+    /// E4M3 (4 exponent bits, 3 mantissa bits, no infinities, largest finite 448).
+    #[default]
+    E4m3,
+    /// E5M2 (5 exponent bits, 2 mantissa bits, IEEE-like, largest finite 57344).
+    E5m2,
+}
+
+impl Fp8Format {
+    fn name(self) -> &'static str {
+        match self {
+            Fp8Format::E4m3 => "e4m3",
+            Fp8Format::E5m2 => "e5m2",
+        }
+    }
+
+    fn kernel(self) -> Format {
+        match self {
+            Fp8Format::E4m3 => E4M3,
+            Fp8Format::E5m2 => E5M2,
+        }
+    }
+
+    /// The largest finite value: 448 or 57344.
+    pub fn max(self) -> f32 {
+        self.kernel().max()
+    }
+
+    /// Mantissa bits: 3 or 2.
+    pub fn mantissa_bits(self) -> u32 {
+        self.kernel().m
+    }
+
+    /// Exponent bias: 7 or 15.
+    pub fn bias(self) -> i32 {
+        self.kernel().bias
+    }
+}
+
+/// How an `fp8` block is scaled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fp8Scale {
+    /// An f32 per block: the block's absmax maps to the format's largest finite value.
+    #[default]
+    F32,
+    /// A power of two per block, in one byte (E8M0).
+    E8m0,
+    /// No scale: values are converted as they are.
+    None,
+}
+
+impl Fp8Scale {
+    fn name(self) -> &'static str {
+        match self {
+            Fp8Scale::F32 => "f32",
+            Fp8Scale::E8m0 => "e8m0",
+            Fp8Scale::None => "none",
+        }
+    }
+
+    fn kernel(self) -> k8::Scale {
+        match self {
+            Fp8Scale::F32 => k8::Scale::F32,
+            Fp8Scale::E8m0 => k8::Scale::E8m0,
+            Fp8Scale::None => k8::Scale::None,
+        }
+    }
+}
+
+/// OCP 8-bit floats with a per-block scale (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fp8 {
+    format: Fp8Format,
+    block: u32,
+    scale: Fp8Scale,
+    rounding: Rounding,
+}
+
+impl Default for Fp8 {
+    fn default() -> Self {
+        Fp8 {
+            format: Fp8Format::E4m3,
+            block: 128,
+            scale: Fp8Scale::F32,
+            rounding: Rounding::Nearest,
+        }
+    }
+}
+
+impl Fp8 {
+    /// fp8 in `format` with blocks of `block` elements (1..=2^24; 1 with
+    /// [`Fp8Scale::None`]).
+    pub fn new(format: Fp8Format, block: usize, scale: Fp8Scale, rounding: Rounding) -> Result<Fp8> {
+        let block = check_block(CodecId::Fp8, block)?;
+        if scale == Fp8Scale::None && block != 1 {
+            return Err(Error::Param {
+                codec: CodecId::Fp8,
+                name: "block",
+                reason: format!("{block}: without a scale there are no blocks (use block=1)"),
+            });
+        }
+        Ok(Fp8 {
+            format,
+            block,
+            scale,
+            rounding,
+        })
+    }
+
+    /// The format.
+    pub fn format(&self) -> Fp8Format {
+        self.format
+    }
+
+    /// Elements per block (1 without a scale).
+    pub fn block(&self) -> usize {
+        self.block as usize
+    }
+
+    /// The block scale.
+    pub fn scale(&self) -> Fp8Scale {
+        self.scale
+    }
+
+    /// The rounding mode.
+    pub fn rounding(&self) -> Rounding {
+        self.rounding
+    }
+
+    pub(crate) fn from_args(a: &mut Args) -> core::result::Result<Fp8, String> {
+        let format = match a.choice("format", "e4m3", &["e4m3", "e5m2"])? {
+            "e5m2" => Fp8Format::E5m2,
+            _ => Fp8Format::E4m3,
+        };
+        let scale = match a.choice("scale", "f32", &["f32", "e8m0", "none"])? {
+            "e8m0" => Fp8Scale::E8m0,
+            "none" => Fp8Scale::None,
+            _ => Fp8Scale::F32,
+        };
+        let default_block = if scale == Fp8Scale::None { 1 } else { 128 };
+        let block = a.uint("block", default_block, 1..=MAX_BLOCK as u64)? as u32;
+        if scale == Fp8Scale::None && block != 1 {
+            return Err(format!(
+                "block={block} with scale=none: without a scale there are no blocks (leave \
+                 block out)"
+            ));
+        }
+        let rounding = match a.choice("rounding", "nearest", &["nearest", "stochastic"])? {
+            "stochastic" => Rounding::Stochastic,
+            _ => Rounding::Nearest,
+        };
+        Ok(Fp8 {
+            format,
+            block,
+            scale,
+            rounding,
+        })
+    }
+
+    /// The per-element error bound for a block absmax `absmax` (see the module docs), or
+    /// infinity where the codec cannot bound it (`scale=none` past the largest finite
+    /// value; decoded values past the f32 range).
+    pub(crate) fn error_bound(&self, absmax: f64) -> f64 {
+        let f = self.format.kernel();
+        let fmax = f64::from(f.max());
+        let m = f.m as i32;
+        // The quotient's error: half an ulp (nearest) or one spacing (stochastic) of the
+        // quotient, plus half or one subnormal spacing, in units of the scale.
+        let (rel, sub) = match self.rounding {
+            Rounding::Nearest => (2f64.powi(-(m + 1)), 2f64.powi(-f.bias - m)),
+            Rounding::Stochastic => (2f64.powi(-m), 2f64.powi(1 - f.bias - m)),
+        };
+        let s = match self.scale {
+            Fp8Scale::None => {
+                if absmax > fmax {
+                    return f64::INFINITY;
+                }
+                1.0
+            }
+            // f32: at most absmax / FMAX rounded up, or 2^-126; e8m0: below 2 absmax /
+            // FMAX, or 2^-127.
+            Fp8Scale::F32 => (absmax / fmax * (1.0 + 2f64.powi(-23))).max(2f64.powi(-126)),
+            Fp8Scale::E8m0 => (2.0 * absmax / fmax).max(2f64.powi(-127)),
+        };
+        // E8M0: decoded values stay below 2 absmax; past f32's range they overflow (the
+        // f32 scale is chosen so that they cannot).
+        if self.scale == Fp8Scale::E8m0 && 2.0 * absmax > f64::from(f32::MAX) {
+            return f64::INFINITY;
+        }
+        // f32 roundings of the quotient and of the decoded product: 2^-23 of |x|.
+        (rel * absmax + s * sub + 2f64.powi(-23) * absmax) * (1.0 + 2f64.powi(-20))
+    }
+}
+
+impl fmt::Display for Fp8 {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "fp8:format={},block={},scale={},rounding={}",
+            self.format.name(),
+            self.block,
+            self.scale.name(),
+            match self.rounding {
+                Rounding::Nearest => "nearest",
+                Rounding::Stochastic => "stochastic",
+            }
+        )
+    }
+}
+
+impl From<Fp8> for CodecSpec {
+    fn from(c: Fp8) -> CodecSpec {
+        CodecSpec::Fp8(c)
+    }
+}
+
+impl Scheme for Fp8 {
+    const ID: CodecId = CodecId::Fp8;
+    fixed::fixed_scheme!();
+
+    fn read(h: &Header) -> Result<Fp8> {
+        let block = read_block(h)? as u32;
+        let bad = |field: &'static str, reason: String| Error::BadField {
+            codec: h.codec,
+            field,
+            reason,
+        };
+        let format = match h.params[4] {
+            0 => Fp8Format::E4m3,
+            1 => Fp8Format::E5m2,
+            b => return Err(bad("params.format", format!("{b} is not 0 (e4m3) or 1 (e5m2)"))),
+        };
+        let scale = match h.params[5] {
+            0 => Fp8Scale::F32,
+            1 => Fp8Scale::E8m0,
+            2 => Fp8Scale::None,
+            b => {
+                return Err(bad(
+                    "params.scale",
+                    format!("{b} is not 0 (f32), 1 (e8m0) or 2 (none)"),
+                ));
+            }
+        };
+        if scale == Fp8Scale::None && block != 1 {
+            return Err(bad(
+                "params.block",
+                format!("block size {block} with no scale (must be 1)"),
+            ));
+        }
+        let rounding = match h.params[6] {
+            0 => Rounding::Nearest,
+            1 => Rounding::Stochastic,
+            b => {
+                return Err(bad(
+                    "params.rounding",
+                    format!("{b} is not 0 (nearest) or 1 (stochastic)"),
+                ));
+            }
+        };
+        h.params_zero_from(7)?;
+        if rounding == Rounding::Nearest {
+            h.seed_zero()?;
+        }
+        let c = Fp8 {
+            format,
+            block,
+            scale,
+            rounding,
+        };
+        expect_payload(h, c.layout().payload_len(h.elements))?;
+        Ok(c)
+    }
+
+    fn is_unbiased(&self) -> bool {
+        self.rounding == Rounding::Stochastic
+    }
+}
+
+impl FixedRate for Fp8 {
+    fn params(&self) -> [u8; 12] {
+        let mut p = block_params(self.block, self.format as u8);
+        p[5] = match self.scale {
+            Fp8Scale::F32 => 0,
+            Fp8Scale::E8m0 => 1,
+            Fp8Scale::None => 2,
+        };
+        p[6] = (self.rounding == Rounding::Stochastic) as u8;
+        p
+    }
+
+    fn seeded(&self) -> bool {
+        self.rounding == Rounding::Stochastic
+    }
+
+    fn encode_weight(&self) -> usize {
+        if self.rounding == Rounding::Stochastic {
+            8
+        } else {
+            4
+        }
+    }
+
+    fn layout(&self) -> Layout {
+        Layout {
+            block: self.block as usize,
+            scale_bytes: self.scale.kernel().bytes(),
+            bits: 8,
+        }
+    }
+
+    fn encode_sections(
+        &self,
+        x: &[f32],
+        ctx: &EncodeCtx,
+        scales: &mut [u8],
+        codes: &mut [u8],
+    ) -> bool {
+        let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
+        let draws = (self.rounding == Rounding::Stochastic).then_some(&draws);
+        k8::encode(
+            self.format.kernel(),
+            self.scale.kernel(),
+            self.block as usize,
+            x,
+            draws,
+            ctx.offset,
+            scales,
+            codes,
+        )
+    }
+
+    fn validate(&self, h: &Header, scales: &[u8], _codes: &[u8]) -> Result<()> {
+        let scale = self.scale.kernel();
+        let sb = scale.bytes();
+        for b in 0..scales.len() / sb.max(1) {
+            let sc = &scales[b * sb..(b + 1) * sb];
+            let s = k8::scale_of(scale, sc);
+            // Encoders write a finite non-negative scale or NaN (f32), and E8M0 bytes
+            // up to 254 or 255 (NaN).
+            if s.is_infinite() || s.is_sign_negative() {
+                return Err(Error::Corrupt {
+                    codec: h.codec,
+                    offset: HEADER_LEN + b * sb,
+                    reason: format!(
+                        "the scale of block {b} is {s} (encoders write a finite scale >= 0 or NaN)"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]) {
+        let (f, scale, block) = (
+            self.format.kernel(),
+            self.scale.kernel(),
+            self.block as usize,
+        );
+        by_mode!(m, M => k8::decode_range::<M>(f, scale, block, scales, codes, out))
+    }
+}

@@ -1,0 +1,486 @@
+//! 8-bit floats (OCP FP8: E4M3 and E5M2) and their block scales: the scalar definition
+//! of the `fp8` codec's arithmetic, which every backend runs (byte-identical frames by
+//! construction).
+//!
+//! A code is `sign << 7 | exponent << m | mantissa` with `m` mantissa bits and an
+//! exponent bias (E4M3: 3 and 7; E5M2: 2 and 15). Exponent 0 holds the subnormals
+//! `mantissa * 2^(1 - bias - m)`. E4M3 (the "fn" variant) has no infinities: its only
+//! special codes are `0x7F` and `0xFF`, NaN, and its largest finite value is 448. E5M2 is
+//! IEEE-like: exponent 31 is ±Inf (mantissa 0) or NaN, its largest finite value 57344.
+
+use super::scalar::{BlockScale, INF_BITS, put};
+use crate::rng::Draws;
+
+/// One of the two OCP FP8 formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Format {
+    /// Mantissa bits.
+    pub m: u32,
+    /// Exponent bias.
+    pub bias: i32,
+    /// The code magnitude of the largest finite value.
+    pub max_code: u8,
+    /// Whether the format has infinities (E5M2).
+    pub inf: bool,
+}
+
+/// E4M3 ("fn": no infinities, NaN `0x7F`), largest finite 448.
+pub const E4M3: Format = Format {
+    m: 3,
+    bias: 7,
+    max_code: 0x7E,
+    inf: false,
+};
+
+/// E5M2 (IEEE-like), largest finite 57344.
+pub const E5M2: Format = Format {
+    m: 2,
+    bias: 15,
+    max_code: 0x7B,
+    inf: true,
+};
+
+impl Format {
+    /// The code magnitude of NaN: `0x7F` (E4M3), `0x7E` (E5M2, a quiet NaN).
+    pub const fn nan(self) -> u8 {
+        if self.inf { 0x7E } else { 0x7F }
+    }
+
+    /// The largest finite value.
+    pub fn max(self) -> f32 {
+        decode(self, self.max_code)
+    }
+
+    /// The exponent of the largest finite value's binade (E4M3: 8, E5M2: 15).
+    pub const fn emax(self) -> i32 {
+        ((self.max_code >> self.m) as i32) - self.bias
+    }
+}
+
+/// `2^k` as an f32 for `k` in `-149..=127` (from its bits; subnormal below -126).
+#[inline(always)]
+pub fn pow2(k: i32) -> f32 {
+    debug_assert!((-149..=127).contains(&k));
+    if k >= -126 {
+        f32::from_bits(((k + 127) as u32) << 23)
+    } else {
+        f32::from_bits(1 << (k + 149))
+    }
+}
+
+/// The f32 value of `code` in format `f` (exact: every FP8 value is an f32).
+#[inline(always)]
+pub fn decode(f: Format, code: u8) -> f32 {
+    let sign = ((code & 0x80) as u32) << 24;
+    let mag = code & 0x7F;
+    let e = (mag >> f.m) as i32;
+    let mant = (mag & ((1 << f.m) - 1)) as u32;
+    let emask = (0x7F >> f.m) as i32;
+    if f.inf && e == emask {
+        return f32::from_bits(sign | if mant == 0 { INF_BITS } else { 0x7FC0_0000 });
+    }
+    if !f.inf && mag == 0x7F {
+        return f32::from_bits(sign | 0x7FC0_0000);
+    }
+    let v = if e == 0 {
+        // Subnormal: mant * 2^(1 - bias - m), exact in f32.
+        mant as f32 * pow2(1 - f.bias - f.m as i32)
+    } else {
+        f32::from_bits((((e - f.bias + 127) as u32) << 23) | (mant << (23 - f.m)))
+    };
+    f32::from_bits(sign | v.to_bits())
+}
+
+/// What an encoder does with a finite magnitude above the largest finite value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Overflow {
+    /// Write the largest finite value (E4M3: OCP's saturating conversion).
+    Saturate,
+    /// Write ±Inf (E5M2, as IEEE rounding does).
+    Infinity,
+}
+
+impl Format {
+    fn overflow(self) -> Overflow {
+        if self.inf {
+            Overflow::Infinity
+        } else {
+            Overflow::Saturate
+        }
+    }
+}
+
+/// The code of `y`, rounded to nearest, ties to even.
+///
+/// - NaN gives NaN (sign kept); ±Inf gives ±Inf in E5M2 and NaN in E4M3 (which has no
+///   infinity: the overflow stays visible).
+/// - A finite magnitude that rounds above the largest finite value gives it (E4M3) or
+///   ±Inf (E5M2: from 61440 up).
+/// - The sign of zero is kept.
+#[inline(always)]
+pub fn encode_nearest(f: Format, y: f32) -> u8 {
+    let bits = y.to_bits();
+    let sign = (bits >> 24) as u8 & 0x80;
+    let a = bits & 0x7FFF_FFFF;
+    if a >= INF_BITS {
+        return sign | special(f, a);
+    }
+    sign | magnitude_nearest(f, a)
+}
+
+/// The code of a NaN (`a > INF_BITS`) or infinite (`a == INF_BITS`) magnitude.
+#[inline(always)]
+fn special(f: Format, a: u32) -> u8 {
+    if a > INF_BITS || !f.inf {
+        f.nan()
+    } else {
+        f.max_code + 1
+    }
+}
+
+/// The code magnitude of the finite magnitude with f32 bits `a`, rounded to nearest even.
+#[inline(always)]
+fn magnitude_nearest(f: Format, a: u32) -> u8 {
+    let min_normal = ((1 - f.bias + 127) as u32) << 23;
+    let q = if a < min_normal {
+        // The subnormal grid, spacing 2^(1 - bias - m): scaling by a power of two is
+        // exact, and the rounding is f32's own (ties to even). The result is at most
+        // 2^m, the smallest normal's code.
+        (f32::from_bits(a) * pow2(f.bias - 1 + f.m as i32)).round_ties_even() as u32
+    } else {
+        // Round the f32 mantissa to m bits (ties to even; a carry moves to the exponent),
+        // then rebias the exponent.
+        let shift = 23 - f.m;
+        let r = a + ((1 << (shift - 1)) - 1) + ((a >> shift) & 1);
+        (r >> shift) - (((127 - f.bias) as u32) << f.m)
+    };
+    limit(f, q)
+}
+
+/// A rounded code magnitude `q`, with overflow handled.
+#[inline(always)]
+fn limit(f: Format, q: u32) -> u8 {
+    if q > f.max_code as u32 {
+        match f.overflow() {
+            Overflow::Saturate => f.max_code,
+            Overflow::Infinity => f.max_code + 1,
+        }
+    } else {
+        q as u8
+    }
+}
+
+/// The code of `y` rounded stochastically with the 32-bit draw `h`: the magnitude goes to
+/// the representable value below or above it, up with probability equal to its distance
+/// from the one below over their spacing (to 24 bits: up when `(h >> 8) / 2^24` is less
+/// than that fraction), so the decoded value is an unbiased estimate of `y` while `|y|`
+/// stays at most the largest finite value. Non-finite values and overflow as
+/// [`encode_nearest`].
+#[inline(always)]
+pub fn encode_stochastic(f: Format, y: f32, h: u32) -> u8 {
+    let bits = y.to_bits();
+    let sign = (bits >> 24) as u8 & 0x80;
+    let a = bits & 0x7FFF_FFFF;
+    if a >= INF_BITS {
+        return sign | special(f, a);
+    }
+    // The spacing of the grid around |y|: 2^(1 - bias - m) below the smallest normal,
+    // else 2^(e - m) for |y| in [2^e, 2^(e+1)).
+    let e = ((a >> 23) as i32 - 127).max(1 - f.bias);
+    let spacing_exp = e - f.m as i32;
+    // t = |y| / spacing, exact (a power-of-two scaling of a value with at most 24
+    // significant bits; at most 2^(m+1)).
+    let t = f32::from_bits(a) * pow2(-spacing_exp);
+    let fl = t.floor();
+    let up = super::scalar::unit24(h) < t - fl;
+    let q = fl as u32 + u32::from(up);
+    // q spacings is exactly representable on the grid: its code follows from the binade.
+    let code = if e == 1 - f.bias {
+        // Subnormal binade: the code is q (2^m is the smallest normal).
+        q
+    } else {
+        // q in [2^m, 2^(m+1)]: exponent field e + bias, plus a carry when q = 2^(m+1).
+        (((e + f.bias) as u32) << f.m) + (q - (1 << f.m))
+    };
+    sign | limit(f, code)
+}
+
+/// How a block's values are scaled into the format's range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scale {
+    /// An f32 scale per block: `s = max(m / FMAX, 2^-126)`, `m` the block's absmax (one
+    /// step down where `FMAX * s` would overflow).
+    F32,
+    /// A power-of-two scale per block, one byte `k + 127`: the smallest `2^k`
+    /// (`-127 <= k <= 127`) with `m / 2^k <= FMAX`.
+    E8m0,
+    /// No scale: each value is converted as it is.
+    None,
+}
+
+impl Scale {
+    /// Bytes of one block's scale.
+    pub const fn bytes(self) -> usize {
+        match self {
+            Scale::F32 => 4,
+            Scale::E8m0 => 1,
+            Scale::None => 0,
+        }
+    }
+}
+
+/// The E8M0 exponent `k` of a block with absmax bits `m` (positive, finite): the smallest
+/// `k >= -127` with `m <= FMAX * 2^k`.
+#[inline(always)]
+pub fn e8m0_exponent(f: Format, m: u32) -> i32 {
+    // floor(log2 m) and m's 23-bit mantissa, normalising a subnormal m.
+    let (e, mant) = if m >= 1 << 23 {
+        ((m >> 23) as i32 - 127, m & 0x7F_FFFF)
+    } else {
+        let lz = m.leading_zeros() as i32 - 8; // m < 2^23: shift to bit 23
+        (-126 - lz, (m << lz) & 0x7F_FFFF)
+    };
+    // m / 2^(e - emax) lies in [2^emax, 2^(emax+1)); it fits when m's mantissa is at most
+    // FMAX's.
+    let fmax_mant = (f.max_code as u32 & ((1 << f.m) - 1)) << (23 - f.m);
+    let k = e - f.emax() + i32::from(mant > fmax_mant);
+    k.max(-127)
+}
+
+/// Encode one range of whole blocks: scales (`scale.bytes()` per block) and one code per
+/// element. `first` is the global index of `x[0]` (for the stochastic draws, `None` for
+/// nearest). True when `x` held NaN or ±Inf.
+///
+/// A block holding NaN or ±Inf gets a NaN scale (f32 `0x7FC00000`, E8M0 `0xFF`) and zero
+/// codes: all its elements decode to NaN. An all-zero block gets scale 0 (E8M0: `2^-127`)
+/// and zero codes. With [`Scale::None`] every element is converted alone.
+pub fn encode(
+    f: Format,
+    scale: Scale,
+    block: usize,
+    x: &[f32],
+    draws: Option<&Draws>,
+    first: u64,
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    let code = |y: f32, i: u64| match draws {
+        None => encode_nearest(f, y),
+        Some(d) => encode_stochastic(f, y, d.draw(i)),
+    };
+    if scale == Scale::None {
+        let mut nonfinite = false;
+        for (j, (c, &v)) in codes.iter_mut().zip(x).enumerate() {
+            nonfinite |= !v.is_finite();
+            *c = code(v, first + j as u64);
+        }
+        return nonfinite;
+    }
+    let sb = scale.bytes();
+    let mut nonfinite = false;
+    for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
+        let sc = &mut scales[b * sb..(b + 1) * sb];
+        let start = first + (b * block) as u64;
+        match BlockScale::abs_max(xb) {
+            BlockScale::NonFinite => {
+                nonfinite = true;
+                match scale {
+                    Scale::F32 => sc.copy_from_slice(&0x7FC0_0000u32.to_le_bytes()),
+                    _ => sc[0] = 0xFF,
+                }
+                cb.fill(0);
+            }
+            BlockScale::Zero => {
+                sc.fill(0);
+                cb.fill(0);
+            }
+            BlockScale::Of(m) => {
+                let fmax = f.max();
+                let s = match scale {
+                    Scale::F32 => {
+                        let mut s = (m / fmax).max(f32::MIN_POSITIVE);
+                        // Near f32::MAX the rounded scale could make FMAX * s overflow.
+                        if (fmax * s).is_infinite() {
+                            s = s.next_down();
+                        }
+                        sc.copy_from_slice(&s.to_le_bytes());
+                        s
+                    }
+                    _ => {
+                        let k = e8m0_exponent(f, m.to_bits());
+                        sc[0] = (k + 127) as u8;
+                        pow2(k)
+                    }
+                };
+                // The quotient is clamped to ±FMAX: a rounded scale can leave the block's
+                // largest element a hair above it, which must not overflow.
+                for (j, (c, &v)) in cb.iter_mut().zip(xb).enumerate() {
+                    *c = code((v / s).clamp(-fmax, fmax), start + j as u64);
+                }
+            }
+        }
+    }
+    nonfinite
+}
+
+/// A block's scale as an f32: the stored f32, or `2^(byte - 127)` (NaN for `0xFF`).
+#[inline(always)]
+pub fn scale_of(scale: Scale, sc: &[u8]) -> f32 {
+    match scale {
+        Scale::F32 => f32::from_le_bytes([sc[0], sc[1], sc[2], sc[3]]),
+        Scale::E8m0 if sc[0] == 0xFF => f32::from_bits(0x7FC0_0000),
+        Scale::E8m0 => pow2(sc[0] as i32 - 127),
+        Scale::None => 1.0,
+    }
+}
+
+/// Decode one range of whole blocks in mode `M`: element `i` is `decode(code) * s` for its
+/// block's scale `s` (the code's value alone with [`Scale::None`]).
+pub fn decode_range<const M: u8>(
+    f: Format,
+    scale: Scale,
+    block: usize,
+    scales: &[u8],
+    codes: &[u8],
+    out: &mut [f32],
+) {
+    let table: [f32; 256] = core::array::from_fn(|c| decode(f, c as u8));
+    if scale == Scale::None {
+        for (o, &c) in out.iter_mut().zip(codes) {
+            put::<M>(o, table[c as usize]);
+        }
+        return;
+    }
+    let sb = scale.bytes();
+    for (b, (ob, cb)) in out.chunks_mut(block).zip(codes.chunks(block)).enumerate() {
+        let s = scale_of(scale, &scales[b * sb..(b + 1) * sb]);
+        for (o, &c) in ob.iter_mut().zip(cb) {
+            put::<M>(o, table[c as usize] * s);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The nearest encoder against a brute-force search over all 256 codes: the finite
+    /// value nearest to `y` (ties to the even code), saturating or overflowing as the
+    /// format says.
+    fn nearest_by_search(f: Format, y: f32) -> u8 {
+        if y.is_nan() {
+            return (y.to_bits() >> 24) as u8 & 0x80 | f.nan();
+        }
+        let sign = (y.to_bits() >> 24) as u8 & 0x80;
+        let a = y.abs() as f64;
+        if y.is_infinite() {
+            return sign | if f.inf { f.max_code + 1 } else { f.nan() };
+        }
+        let mut best = 0u8;
+        for c in 0..=f.max_code {
+            let v = decode(f, c) as f64;
+            let bv = decode(f, best) as f64;
+            if (v - a).abs() < (bv - a).abs()
+                || ((v - a).abs() == (bv - a).abs() && c % 2 == 0 && best % 2 == 1)
+            {
+                best = c;
+            }
+        }
+        // Past the largest finite value: the midpoint to the next binade value decides.
+        let max = f.max() as f64;
+        let next = max + (max - decode(f, f.max_code - 1) as f64);
+        if a > max && (a > (max + next) / 2.0 || (a == (max + next) / 2.0 && f.max_code % 2 == 1)) {
+            return sign
+                | match f.overflow() {
+                    Overflow::Saturate => f.max_code,
+                    Overflow::Infinity => f.max_code + 1,
+                };
+        }
+        sign | best
+    }
+
+    #[test]
+    fn the_two_formats_decode_as_specified() {
+        assert_eq!(E4M3.max(), 448.0);
+        assert_eq!(E5M2.max(), 57344.0);
+        assert_eq!(decode(E4M3, 0x01), 2f32.powi(-9));
+        assert_eq!(decode(E5M2, 0x01), 2f32.powi(-16));
+        assert_eq!(decode(E4M3, 0x08), 2f32.powi(-6));
+        assert_eq!(decode(E4M3, 0x38), 1.0);
+        assert_eq!(decode(E5M2, 0x3C), 1.0);
+        assert!(decode(E4M3, 0x7F).is_nan() && decode(E4M3, 0xFF).is_nan());
+        assert_eq!(decode(E5M2, 0x7C), f32::INFINITY);
+        assert_eq!(decode(E5M2, 0xFC), f32::NEG_INFINITY);
+        assert!(decode(E5M2, 0x7D).is_nan());
+        assert_eq!(decode(E4M3, 0x80).to_bits(), (-0.0f32).to_bits());
+        assert_eq!((E4M3.emax(), E5M2.emax()), (8, 15));
+        // Every finite code round-trips through the nearest encoder.
+        for f in [E4M3, E5M2] {
+            for c in 0..=255u8 {
+                let v = decode(f, c);
+                if v.is_finite() {
+                    assert_eq!(encode_nearest(f, v), c, "{f:?} {c:#x}");
+                    // An exact value is its own stochastic rounding, for any draw.
+                    for h in [0, 1 << 31, u32::MAX] {
+                        assert_eq!(encode_stochastic(f, v, h), c, "{f:?} {c:#x}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn nearest_equals_a_search_over_every_code() {
+        // Every f32 whose low 13 bits follow a pattern, through both formats: all
+        // exponents, the mantissa bits that decide rounding (ties and near-ties), signs.
+        for f in [E4M3, E5M2] {
+            for hi in 0..(1u32 << 19) {
+                for lo in [0u32, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF] {
+                    let y = f32::from_bits(hi << 13 | lo);
+                    assert_eq!(
+                        encode_nearest(f, y),
+                        nearest_by_search(f, y),
+                        "{f:?} {y:e} ({:#x})",
+                        y.to_bits()
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn stochastic_rounds_to_a_neighbour_with_the_right_odds() {
+        for f in [E4M3, E5M2] {
+            for y in [0.3f32, 1.1, -5.7, 300.0, 2e-3, 1e-5, 447.0] {
+                let lo_hi: Vec<f32> = (0..4096u32)
+                    .map(|i| decode(f, encode_stochastic(f, y, i.wrapping_mul(0x9E37_79B9))))
+                    .collect();
+                let mut vals = lo_hi.clone();
+                vals.sort_by(f32::total_cmp);
+                vals.dedup();
+                assert!(vals.len() <= 2, "{f:?} {y}: {vals:?}");
+                assert!(vals[0] <= y && y <= *vals.last().unwrap(), "{f:?} {y}: {vals:?}");
+                let mean = lo_hi.iter().map(|&v| v as f64).sum::<f64>() / 4096.0;
+                let spacing = (vals.last().unwrap() - vals[0]) as f64;
+                // 4096 draws of a two-point distribution: the mean within 5 standard
+                // deviations (at most spacing / (2 sqrt(4096))).
+                assert!(
+                    (mean - y as f64).abs() <= 5.0 * spacing / 128.0 + 1e-12,
+                    "{f:?} {y}: mean {mean}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn e8m0_takes_the_smallest_power_of_two_that_fits() {
+        for f in [E4M3, E5M2] {
+            for m in [1.0f32, 447.0, 448.0, 449.0, 1e-30, 3.0e38, 1e-40, f32::MAX, 5.0e-45] {
+                let k = e8m0_exponent(f, m.to_bits());
+                let fits = |k: i32| (m as f64) <= f.max() as f64 * 2f64.powi(k);
+                assert!(fits(k), "{f:?} {m:e}: k {k}");
+                assert!(k == -127 || !fits(k - 1), "{f:?} {m:e}: k {k} not the smallest");
+            }
+        }
+    }
+}
