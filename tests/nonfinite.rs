@@ -131,10 +131,14 @@ fn check_policy(spec: &CodecSpec, x: &[f32], d: &[f32]) {
             let b = block_of(spec);
             for (k, (xb, db)) in x.chunks(b).zip(d.chunks(b)).enumerate() {
                 if xb.iter().any(|v| !v.is_finite()) {
-                    assert!(db.iter().all(|v| v.is_nan()), "{spec} block {k} not all NaN");
+                    assert!(
+                        db.iter().all(|v| v.is_nan()),
+                        "{spec} block {k} not all NaN"
+                    );
                 } else {
                     let max = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    let e8m0 = matches!(spec, CodecSpec::Fp8(c) if c.scale() == gradpack::Fp8Scale::E8m0);
+                    let e8m0 =
+                        matches!(spec, CodecSpec::Fp8(c) if c.scale() == gradpack::Fp8Scale::E8m0);
                     assert!(
                         (e8m0 && 2.0 * max > f32::MAX) || db.iter().all(|v| v.is_finite()),
                         "{spec} block {k} not finite"

@@ -164,7 +164,12 @@ fn ids_names_and_spec_metadata_agree() {
     assert_eq!(bits("fp8"), 8.0 + 32.0 / 128.0);
     assert_eq!(bits("fp8:scale=e8m0,block=32"), 8.0 + 8.0 / 32.0);
     assert_eq!(bits("fp8:scale=none"), 8.0);
-    assert!("fp8:rounding=stochastic".parse::<CodecSpec>().unwrap().unbiased());
+    assert!(
+        "fp8:rounding=stochastic"
+            .parse::<CodecSpec>()
+            .unwrap()
+            .unbiased()
+    );
     assert!(!"fp8".parse::<CodecSpec>().unwrap().unbiased());
     assert_eq!(
         "fp8".parse::<CodecSpec>().unwrap().to_string(),

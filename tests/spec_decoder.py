@@ -145,7 +145,7 @@ def decode(frame):
     flags, = struct.unpack_from("<H", frame, 6)
     n, plen, seed, offset = struct.unpack_from("<QQQQ", frame, 8)
     params = frame[40:52]
-    if codec > 10:
+    if codec > 11:
         raise Reject("codec id")
     if flags & ~3:
         raise Reject("reserved flags")
@@ -252,6 +252,59 @@ def decode(frame):
             m = c & 0x7F
             v = f32_bits(math.ldexp(1.0, R - 127 - 127 + m)) if m else 0
             out[i] = v | (0x80000000 if c & 0x80 else 0)
+    elif codec == 11:  # fp8 (spec 3.12)
+        b = block()
+        fmt, scale, rnd = params[4], params[5], params[6]
+        if fmt not in (0, 1) or scale not in (0, 1, 2) or rnd not in (0, 1):
+            raise Reject("fp8 params")
+        if scale == 2 and b != 1:
+            raise Reject("block")
+        zero_from(7)
+        if rnd == 0 and seed:
+            raise Reject("seed")
+        nb = -(-n // b)
+        sb = (4, 1, 0)[scale]
+        want_len(sb * nb + n)
+        mb, bias = (3, 7) if fmt == 0 else (2, 15)
+
+        def fp8_bits(c):  # the code's value as f32 bits (spec 3.12)
+            sign = 0x80000000 if c & 0x80 else 0
+            e, f = (c & 0x7F) >> mb, c & ((1 << mb) - 1)
+            if (fmt == 0 and c & 0x7F == 0x7F) or (fmt == 1 and e == 31 and f):
+                return sign | 0x7FC00000
+            if fmt == 1 and e == 31:
+                return sign | 0x7F800000
+            if e == 0:
+                v = math.ldexp(f, 1 - bias - mb)
+            else:
+                v = math.ldexp((1 << mb) + f, e - bias - mb)
+            return sign | f32_bits(v)
+
+        scales = []
+        for k in range(nb):
+            if scale == 0:
+                s, = struct.unpack_from("<I", p, 4 * k)
+                if s >> 31 or s == 0x7F800000:
+                    raise Reject("fp8 scale")
+            elif scale == 1:
+                s = 0x7FC00000 if p[k] == 0xFF else f32_bits(math.ldexp(1.0, p[k] - 127))
+            else:
+                s = None
+            scales.append(s)
+        codes = p[sb * nb:]
+        if scale != 2:
+            for c in codes:
+                if (fmt == 0 and c & 0x7F == 0x7F) or (fmt == 1 and c & 0x7C == 0x7C):
+                    raise Reject("special code in a scaled fp8 frame")
+        for i in range(n):
+            v = fp8_bits(codes[i])
+            s = scales[i // b]
+            if s is None:
+                out[i] = v
+            elif is_nan(s):
+                out[i] = s | 0x00400000
+            else:
+                out[i] = f32_bits(bits_f32(v) * bits_f32(s))
     elif codec == 8:  # topk
         k, = struct.unpack_from("<Q", params, 0)
         vt, w, coding = params[8], params[9], params[10]

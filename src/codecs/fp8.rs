@@ -144,7 +144,12 @@ impl Default for Fp8 {
 impl Fp8 {
     /// fp8 in `format` with blocks of `block` elements (1..=2^24; 1 with
     /// [`Fp8Scale::None`]).
-    pub fn new(format: Fp8Format, block: usize, scale: Fp8Scale, rounding: Rounding) -> Result<Fp8> {
+    pub fn new(
+        format: Fp8Format,
+        block: usize,
+        scale: Fp8Scale,
+        rounding: Rounding,
+    ) -> Result<Fp8> {
         let block = check_block(CodecId::Fp8, block)?;
         if scale == Fp8Scale::None && block != 1 {
             return Err(Error::Param {
@@ -282,7 +287,12 @@ impl Scheme for Fp8 {
         let format = match h.params[4] {
             0 => Fp8Format::E4m3,
             1 => Fp8Format::E5m2,
-            b => return Err(bad("params.format", format!("{b} is not 0 (e4m3) or 1 (e5m2)"))),
+            b => {
+                return Err(bad(
+                    "params.format",
+                    format!("{b} is not 0 (e4m3) or 1 (e5m2)"),
+                ));
+            }
         };
         let scale = match h.params[5] {
             0 => Fp8Scale::F32,
@@ -383,7 +393,7 @@ impl FixedRate for Fp8 {
         )
     }
 
-    fn validate(&self, h: &Header, scales: &[u8], _codes: &[u8]) -> Result<()> {
+    fn validate(&self, h: &Header, scales: &[u8], codes: &[u8]) -> Result<()> {
         let scale = self.scale.kernel();
         let sb = scale.bytes();
         for b in 0..scales.len() / sb.max(1) {
@@ -397,6 +407,25 @@ impl FixedRate for Fp8 {
                     offset: HEADER_LEN + b * sb,
                     reason: format!(
                         "the scale of block {b} is {s} (encoders write a finite scale >= 0 or NaN)"
+                    ),
+                });
+            }
+        }
+        // With a scale, encoders clamp every quotient to ±FMAX: a NaN or ±Inf code is
+        // refused (its product with a zero or NaN scale would depend on the CPU).
+        if self.scale != Fp8Scale::None {
+            let special = match self.format {
+                Fp8Format::E4m3 => |c: &u8| c & 0x7F == 0x7F,
+                Fp8Format::E5m2 => |c: &u8| c & 0x7C == 0x7C,
+            };
+            if let Some(i) = codes.iter().position(special) {
+                return Err(Error::Corrupt {
+                    codec: h.codec,
+                    offset: HEADER_LEN + scales.len() + i,
+                    reason: format!(
+                        "code {i} is {:#04x}, NaN or ±Inf, in a scaled frame (encoders \
+                         write finite codes)",
+                        codes[i]
                     ),
                 });
             }

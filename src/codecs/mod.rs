@@ -23,8 +23,8 @@ mod values;
 
 pub use bf16::Bf16;
 pub use dct::{Dct, DctValues};
-pub use fp16::Fp16;
 pub use fp8::{Fp8, Fp8Format, Fp8Scale};
+pub use fp16::Fp16;
 pub use identity::Identity;
 pub use int8::{Int8, Rounding};
 pub use natural::Natural;

@@ -75,7 +75,7 @@ pub fn decode(f: Format, code: u8) -> f32 {
     let mag = code & 0x7F;
     let e = (mag >> f.m) as i32;
     let mant = (mag & ((1 << f.m) - 1)) as u32;
-    let emask = (0x7F >> f.m) as i32;
+    let emask: i32 = 0x7F >> f.m;
     if f.inf && e == emask {
         return f32::from_bits(sign | if mant == 0 { INF_BITS } else { 0x7FC0_0000 });
     }
@@ -254,6 +254,7 @@ pub fn e8m0_exponent(f: Format, m: u32) -> i32 {
 /// A block holding NaN or ±Inf gets a NaN scale (f32 `0x7FC00000`, E8M0 `0xFF`) and zero
 /// codes: all its elements decode to NaN. An all-zero block gets scale 0 (E8M0: `2^-127`)
 /// and zero codes. With [`Scale::None`] every element is converted alone.
+#[allow(clippy::too_many_arguments)]
 pub fn encode(
     f: Format,
     scale: Scale,
@@ -459,7 +460,10 @@ mod tests {
                 vals.sort_by(f32::total_cmp);
                 vals.dedup();
                 assert!(vals.len() <= 2, "{f:?} {y}: {vals:?}");
-                assert!(vals[0] <= y && y <= *vals.last().unwrap(), "{f:?} {y}: {vals:?}");
+                assert!(
+                    vals[0] <= y && y <= *vals.last().unwrap(),
+                    "{f:?} {y}: {vals:?}"
+                );
                 let mean = lo_hi.iter().map(|&v| v as f64).sum::<f64>() / 4096.0;
                 let spacing = (vals.last().unwrap() - vals[0]) as f64;
                 // 4096 draws of a two-point distribution: the mean within 5 standard
@@ -475,11 +479,24 @@ mod tests {
     #[test]
     fn e8m0_takes_the_smallest_power_of_two_that_fits() {
         for f in [E4M3, E5M2] {
-            for m in [1.0f32, 447.0, 448.0, 449.0, 1e-30, 3.0e38, 1e-40, f32::MAX, 5.0e-45] {
+            for m in [
+                1.0f32,
+                447.0,
+                448.0,
+                449.0,
+                1e-30,
+                3.0e38,
+                1e-40,
+                f32::MAX,
+                5.0e-45,
+            ] {
                 let k = e8m0_exponent(f, m.to_bits());
                 let fits = |k: i32| (m as f64) <= f.max() as f64 * 2f64.powi(k);
                 assert!(fits(k), "{f:?} {m:e}: k {k}");
-                assert!(k == -127 || !fits(k - 1), "{f:?} {m:e}: k {k} not the smallest");
+                assert!(
+                    k == -127 || !fits(k - 1),
+                    "{f:?} {m:e}: k {k} not the smallest"
+                );
             }
         }
     }

@@ -579,6 +579,22 @@ pub const GOLDEN: &[(&str, &str, u64, u64)] = &[
         0,
         0,
     ),
+    ("fp8_e4m3_b64", "fp8:block=64", 0, 0),
+    (
+        "fp8_e5m2_b64_stochastic",
+        "fp8:format=e5m2,block=64,rounding=stochastic",
+        42,
+        0,
+    ),
+    ("fp8_e4m3_e8m0_b32", "fp8:scale=e8m0,block=32", 0, 0),
+    (
+        "fp8_e5m2_e8m0_b32_stochastic",
+        "fp8:format=e5m2,scale=e8m0,block=32,rounding=stochastic",
+        42,
+        1000,
+    ),
+    ("fp8_e4m3_none", "fp8:scale=none", 0, 0),
+    ("fp8_e5m2_none", "fp8:format=e5m2,scale=none", 0, 0),
     ("randk_r01_f32", "randk:ratio=0.1", 42, 0),
     ("randk_r01_bf16", "randk:ratio=0.1,values=bf16", 42, 0),
     (
