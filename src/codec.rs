@@ -644,6 +644,7 @@ pub(crate) fn payload_buf(out: &mut [u8], payload: u64) -> Result<&mut [u8]> {
 pub const REPRESENTATIVE_SPECS: &[&str] = &[
     "fp16",
     "bf16",
+    "fp8",
     "int8",
     "int8:rounding=stochastic",
     "qsgd:bits=8",

@@ -161,7 +161,8 @@ class Codec:
     """A codec and its parameters, parsed from a spec string.
 
     Specs are ``name`` or ``name:key=value,...``: ``'fp16'``, ``'bf16'``,
-    ``'int8:block=256,rounding=stochastic'``, ``'qsgd:bits=4'``, ``'sign'``,
+    ``'fp8:format=e4m3,block=128'`` (OCP 8-bit floats, E4M3 or E5M2, with an f32 or
+    E8M0 scale per block, or ``scale=none``), ``'int8:block=256,rounding=stochastic'``, ``'qsgd:bits=4'``, ``'sign'``,
     ``'ternary'``, ``'natural'``, ``'topk:ratio=0.01,values=fp16'``,
     ``'randk:ratio=0.01'``, ``'dct:chunk=64,k=4'`` (a DCT per tile of ``chunk``
     elements, its ``k`` largest coefficients kept; ``width=`` for 2-D tiles),

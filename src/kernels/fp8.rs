@@ -205,6 +205,64 @@ pub fn encode_stochastic(f: Format, y: f32, h: u32) -> u8 {
     sign | limit(f, code)
 }
 
+/// [`encode_nearest`] for a finite `y` with `|y| <= FMAX` (what a scaled block
+/// converts), without branches, so that the backends' compilers vectorise it. Equal to
+/// `encode_nearest` on that domain (tested on every such f32).
+#[inline(always)]
+pub fn nearest_in_range(f: Format, y: f32) -> u8 {
+    let bits = y.to_bits();
+    let a = bits & 0x7FFF_FFFF;
+    let min_normal = ((1 - f.bias + 127) as u32) << 23;
+    // round_ties_even(v) for 0 <= v <= 2^m, as an integer: adding 2^23 rounds v to an
+    // integer (f32 addition rounds to nearest even) and leaves it in the low mantissa
+    // bits (a float-to-integer cast would not vectorise).
+    let v = f32::from_bits(a) * pow2(f.bias - 1 + f.m as i32);
+    let sub = (v + 8_388_608.0).to_bits() - 0x4B00_0000;
+    let shift = 23 - f.m;
+    let r = a + ((1 << (shift - 1)) - 1) + ((a >> shift) & 1);
+    // Below the smallest normal this wraps; the select drops it.
+    let normal = (r >> shift).wrapping_sub(((127 - f.bias) as u32) << f.m);
+    let q = if a < min_normal { sub } else { normal };
+    ((bits >> 24) & 0x80) as u8 | q as u8
+}
+
+/// [`encode_stochastic`] for a finite `y` with `|y| <= FMAX`, with the draw's key for the
+/// element's 2^32 window and its low 32 index bits, without branches. Equal to
+/// `encode_stochastic` on that domain (tested).
+#[inline(always)]
+pub fn stochastic_in_range(f: Format, y: f32, h: u32) -> u8 {
+    let bits = y.to_bits();
+    let a = bits & 0x7FFF_FFFF;
+    // E + 127, at least that of the subnormal binade.
+    let eb = (a >> 23).max((128 - f.bias) as u32);
+    // t = |y| * 2^(m - E): the power of two built from its bits (m - E is within f32's
+    // normal range for both formats).
+    let t = f32::from_bits(a) * f32::from_bits((127 + 127 + f.m - eb) << 23);
+    let fl = t.floor();
+    let up = super::scalar::unit24(h) < t - fl;
+    // floor(t) <= 2^(m+1) as an integer, as in nearest_in_range.
+    let q = ((fl + 8_388_608.0).to_bits() - 0x4B00_0000) + u32::from(up);
+    let normal = ((eb + f.bias as u32 - 127) << f.m) + q - (1 << f.m);
+    let code = if eb == (128 - f.bias) as u32 {
+        q
+    } else {
+        normal
+    };
+    ((bits >> 24) & 0x80) as u8 | code.min(f.max_code as u32) as u8
+}
+
+/// [`decode`] of a code that is not NaN or ±Inf (what a scaled block holds), without
+/// branches or a table. Equal to `decode` on those codes (tested on all of them).
+#[inline(always)]
+pub fn value_finite(f: Format, c: u8) -> f32 {
+    let sign = ((c & 0x80) as u32) << 24;
+    let mag = (c & 0x7F) as u32;
+    let sub = mag as f32 * pow2(1 - f.bias - f.m as i32);
+    let normal = f32::from_bits((mag << (23 - f.m)) + (((127 - f.bias) as u32) << 23));
+    let v = if mag < (1 << f.m) { sub } else { normal };
+    f32::from_bits(v.to_bits() | sign)
+}
+
 /// How a block's values are scaled into the format's range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scale {
@@ -265,6 +323,24 @@ pub fn encode(
     scales: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
+    encode_blocks::<false>(f, scale, block, x, draws, first, scales, codes)
+}
+
+/// [`encode`] with the scaled blocks' elements converted by the branch-free
+/// [`nearest_in_range`] and [`stochastic_in_range`] when `FAST` (the SIMD backends
+/// compile it with their instruction sets; the result is the same bytes).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub fn encode_blocks<const FAST: bool>(
+    f: Format,
+    scale: Scale,
+    block: usize,
+    x: &[f32],
+    draws: Option<&Draws>,
+    first: u64,
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
     let code = |y: f32, i: u64| match draws {
         None => encode_nearest(f, y),
         Some(d) => encode_stochastic(f, y, d.draw(i)),
@@ -278,6 +354,7 @@ pub fn encode(
         return nonfinite;
     }
     let sb = scale.bytes();
+    let fmax = f.max();
     let mut nonfinite = false;
     for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
         let sc = &mut scales[b * sb..(b + 1) * sb];
@@ -296,8 +373,9 @@ pub fn encode(
                 cb.fill(0);
             }
             BlockScale::Of(m) => {
-                let fmax = f.max();
-                let s = match scale {
+                // `x / s`, or, for a power of two, `x * 2^-k`: the same correctly rounded
+                // value of the same real number, without a division.
+                let (s, inv) = match scale {
                     Scale::F32 => {
                         let mut s = (m / fmax).max(f32::MIN_POSITIVE);
                         // Near f32::MAX the rounded scale could make FMAX * s overflow.
@@ -305,18 +383,43 @@ pub fn encode(
                             s = s.next_down();
                         }
                         sc.copy_from_slice(&s.to_le_bytes());
-                        s
+                        (s, None)
                     }
                     _ => {
                         let k = e8m0_exponent(f, m.to_bits());
                         sc[0] = (k + 127) as u8;
-                        pow2(k)
+                        (pow2(k), Some(pow2(-k)))
                     }
                 };
                 // The quotient is clamped to ±FMAX: a rounded scale can leave the block's
                 // largest element a hair above it, which must not overflow.
-                for (j, (c, &v)) in cb.iter_mut().zip(xb).enumerate() {
-                    *c = code((v / s).clamp(-fmax, fmax), start + j as u64);
+                let y = |v: f32| {
+                    match inv {
+                        None => v / s,
+                        Some(inv) => v * inv,
+                    }
+                    .clamp(-fmax, fmax)
+                };
+                let one_window = start >> 32 == (start + xb.len() as u64 - 1) >> 32;
+                match draws {
+                    None if FAST => {
+                        for (c, &v) in cb.iter_mut().zip(xb) {
+                            *c = nearest_in_range(f, y(v));
+                        }
+                    }
+                    Some(d) if FAST && one_window => {
+                        let key = d.key_for(start);
+                        for (j, (c, &v)) in cb.iter_mut().zip(xb).enumerate() {
+                            let h =
+                                crate::rng::lowbias32((start as u32).wrapping_add(j as u32) ^ key);
+                            *c = stochastic_in_range(f, y(v), h);
+                        }
+                    }
+                    _ => {
+                        for (j, (c, &v)) in cb.iter_mut().zip(xb).enumerate() {
+                            *c = code(y(v), start + j as u64);
+                        }
+                    }
                 }
             }
         }
@@ -345,10 +448,35 @@ pub fn decode_range<const M: u8>(
     codes: &[u8],
     out: &mut [f32],
 ) {
-    let table: [f32; 256] = core::array::from_fn(|c| decode(f, c as u8));
-    if scale == Scale::None {
-        for (o, &c) in out.iter_mut().zip(codes) {
-            put::<M>(o, table[c as usize]);
+    decode_blocks::<M, false>(f, scale, block, scales, codes, out)
+}
+
+/// [`decode_range`], with the scaled blocks' codes converted by the branch-free
+/// [`value_finite`] when `FAST` (decoders have refused NaN and ±Inf codes in scaled
+/// frames; the result is the same bits).
+#[inline(always)]
+pub fn decode_blocks<const M: u8, const FAST: bool>(
+    f: Format,
+    scale: Scale,
+    block: usize,
+    scales: &[u8],
+    codes: &[u8],
+    out: &mut [f32],
+) {
+    if scale == Scale::None || !FAST {
+        let table: [f32; 256] = core::array::from_fn(|c| decode(f, c as u8));
+        if scale == Scale::None {
+            for (o, &c) in out.iter_mut().zip(codes) {
+                put::<M>(o, table[c as usize]);
+            }
+            return;
+        }
+        let sb = scale.bytes();
+        for (b, (ob, cb)) in out.chunks_mut(block).zip(codes.chunks(block)).enumerate() {
+            let s = scale_of(scale, &scales[b * sb..(b + 1) * sb]);
+            for (o, &c) in ob.iter_mut().zip(cb) {
+                put::<M>(o, table[c as usize] * s);
+            }
         }
         return;
     }
@@ -356,7 +484,7 @@ pub fn decode_range<const M: u8>(
     for (b, (ob, cb)) in out.chunks_mut(block).zip(codes.chunks(block)).enumerate() {
         let s = scale_of(scale, &scales[b * sb..(b + 1) * sb]);
         for (o, &c) in ob.iter_mut().zip(cb) {
-            put::<M>(o, table[c as usize] * s);
+            put::<M>(o, value_finite(f, c) * s);
         }
     }
 }
@@ -472,6 +600,32 @@ mod tests {
                     (mean - y as f64).abs() <= 5.0 * spacing / 128.0 + 1e-12,
                     "{f:?} {y}: mean {mean}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn the_branch_free_conversions_equal_the_general_ones() {
+        for f in [E4M3, E5M2] {
+            for c in 0..=255u8 {
+                let v = decode(f, c);
+                if v.is_finite() {
+                    assert_eq!(value_finite(f, c).to_bits(), v.to_bits(), "{f:?} {c:#x}");
+                }
+            }
+            // A sample of the in-range domain here; tests/exhaustive.rs runs all of it.
+            let fmax = f.max().to_bits();
+            for a in (0..=fmax).step_by(97).chain([fmax, fmax - 1, 0, 1]) {
+                for y in [f32::from_bits(a), -f32::from_bits(a)] {
+                    assert_eq!(nearest_in_range(f, y), encode_nearest(f, y), "{f:?} {y:e}");
+                    for h in [0u32, 0x8000_0000, u32::MAX, a.wrapping_mul(0x9E37_79B9)] {
+                        assert_eq!(
+                            stochastic_in_range(f, y, h),
+                            encode_stochastic(f, y, h),
+                            "{f:?} {y:e} {h:#x}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -109,6 +109,14 @@ simd_op!(EncodeInt8 {
     x: &'a [f32], block: usize, round: Round, draws: &'a Draws, first: u64,
     steps: &'a mut [u8], codes: &'a mut [u8],
 } -> bool = portable::encode_int8(x, block, round, draws, first, steps, codes));
+simd_op!(EncodeFp8 {
+    f: fp8::Format, scale: fp8::Scale, block: usize, x: &'a [f32], draws: Option<&'a Draws>,
+    first: u64, scales: &'a mut [u8], codes: &'a mut [u8],
+} -> bool = fp8::encode_blocks::<true>(f, scale, block, x, draws, first, scales, codes));
+simd_op!(DecodeFp8<const M: u8> {
+    f: fp8::Format, scale: fp8::Scale, block: usize, scales: &'a [u8], codes: &'a [u8],
+    out: &'a mut [f32],
+} -> () = fp8::decode_blocks::<M, true>(f, scale, block, scales, codes, out));
 simd_op!(DecodeInt8<const M: u8> {
     steps: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
 } -> () = portable::decode_int8::<M>(steps, codes, block, out));
@@ -527,6 +535,66 @@ pub fn decode_int8<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &
                 steps,
                 codes,
                 block,
+                out,
+            },
+        ),
+    }
+}
+
+/// fp8 encode of whole blocks (see [`fp8::encode`], the definition): the SIMD backends
+/// run the same source with branch-free conversions, compiled for their instruction set.
+#[allow(clippy::too_many_arguments)]
+pub fn encode_fp8(
+    f: fp8::Format,
+    scale: fp8::Scale,
+    block: usize,
+    x: &[f32],
+    draws: Option<&Draws>,
+    first: u64,
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => {
+            fp8::encode(f, scale, block, x, draws, first, scales, codes)
+        }
+        b => simd(
+            b,
+            EncodeFp8 {
+                f,
+                scale,
+                block,
+                x,
+                draws,
+                first,
+                scales,
+                codes,
+            },
+        ),
+    }
+}
+
+/// fp8 decode of whole blocks in mode `M` (see [`fp8::decode_range`], the definition).
+pub fn decode_fp8<const M: u8>(
+    f: fp8::Format,
+    scale: fp8::Scale,
+    block: usize,
+    scales: &[u8],
+    codes: &[u8],
+    out: &mut [f32],
+) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => {
+            fp8::decode_range::<M>(f, scale, block, scales, codes, out)
+        }
+        b => simd(
+            b,
+            DecodeFp8::<M> {
+                f,
+                scale,
+                block,
+                scales,
+                codes,
                 out,
             },
         ),

@@ -215,7 +215,7 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
     } else {
         String::new()
     };
-    match c[0] % 11 {
+    match c[0] % 12 {
         0 => "identity".into(),
         1 => "fp16".into(),
         2 => "bf16".into(),
@@ -240,6 +240,17 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
             "randk:ratio={ratio},values={values},scale={}{}",
             if v & 16 != 0 { "unbiased" } else { "none" },
             if v & 32 != 0 { ",select=strata" } else { "" }
+        ),
+        11 => format!(
+            "fp8:format={},scale={},rounding={}{}",
+            if v & 2 != 0 { "e5m2" } else { "e4m3" },
+            ["f32", "e8m0", "none", "f32"][(v as usize >> 2) % 4],
+            if v & 1 != 0 { "stochastic" } else { "nearest" },
+            if (v >> 2) % 4 == 2 {
+                String::new()
+            } else {
+                format!(",block={block}")
+            }
         ),
         _ => {
             let chunk = c[1] as usize % 64 + 1;
@@ -269,7 +280,7 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
 /// byte; a sealed frame carries the same payload and decodes the same.
 ///
 /// Input: 12 control bytes, then the values (little-endian f32, any bit patterns).
-/// - byte 0: codec (`% 11`, in wire-format id order);
+/// - byte 0: codec (`% 12`, in wire-format id order);
 /// - bytes 1..3: block size (`u16 % 4096 + 1`); dct: chunk `byte 1 % 64 + 1`; for top-k and random-k, bits 0..2 of
 ///   byte 2 pick the index coding (automatic, gaps, Rice, bitmap; top-k), bit 2 bf16
 ///   values (unless byte 3 asks for fp16) and bit 3 int8 values (top-k);
