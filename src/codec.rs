@@ -9,7 +9,7 @@ use core::fmt;
 use core::str::FromStr;
 
 use crate::codecs::{
-    Bf16, Dct, Fp8, Fp16, Identity, Int8, Natural, Qsgd, RandK, Sign, Ternary, TopK,
+    Bf16, Dct, Fp4, Fp8, Fp16, Identity, Int8, Natural, Qsgd, RandK, Sign, Ternary, TopK,
 };
 use crate::error::{Error, Result};
 use crate::wire::{HEADER_LEN, Header};
@@ -43,11 +43,13 @@ pub enum CodecId {
     Dct = 10,
     /// OCP 8-bit floats (E4M3, E5M2) with a per-block scale.
     Fp8 = 11,
+    /// 4-bit floats (E2M1, E3M0) with a per-block scale.
+    Fp4 = 12,
 }
 
 impl CodecId {
     /// Every codec id, in id order.
-    pub const ALL: [CodecId; 12] = [
+    pub const ALL: [CodecId; 13] = [
         CodecId::Identity,
         CodecId::Fp16,
         CodecId::Bf16,
@@ -60,6 +62,7 @@ impl CodecId {
         CodecId::RandK,
         CodecId::Dct,
         CodecId::Fp8,
+        CodecId::Fp4,
     ];
 
     /// The id for byte value `b`, if one exists.
@@ -82,6 +85,7 @@ impl CodecId {
             CodecId::RandK => "randk",
             CodecId::Dct => "dct",
             CodecId::Fp8 => "fp8",
+            CodecId::Fp4 => "fp4",
         }
     }
 }
@@ -257,6 +261,8 @@ pub enum CodecSpec {
     Dct(Dct),
     /// See [`Fp8`].
     Fp8(Fp8),
+    /// See [`Fp4`].
+    Fp4(Fp4),
 }
 
 macro_rules! each_spec {
@@ -274,6 +280,7 @@ macro_rules! each_spec {
             CodecSpec::RandK($c) => $e,
             CodecSpec::Dct($c) => $e,
             CodecSpec::Fp8($c) => $e,
+            CodecSpec::Fp4($c) => $e,
         }
     };
 }
@@ -319,6 +326,7 @@ impl CodecSpec {
             CodecId::RandK => CodecSpec::RandK(RandK::from_args(&mut args).map_err(&spec_err)?),
             CodecId::Dct => CodecSpec::Dct(Dct::from_args(&mut args).map_err(&spec_err)?),
             CodecId::Fp8 => CodecSpec::Fp8(Fp8::from_args(&mut args).map_err(&spec_err)?),
+            CodecId::Fp4 => CodecSpec::Fp4(Fp4::from_args(&mut args).map_err(&spec_err)?),
         };
         args.finish(name).map_err(&spec_err)?;
         Ok(spec)
@@ -390,6 +398,13 @@ impl CodecSpec {
         let (factor, add, max) = match self {
             // Its own analysis (the module docs of `fp8`), with its f32 roundings.
             CodecSpec::Fp8(c) => {
+                return if a.is_finite() {
+                    c.error_bound(a)
+                } else {
+                    f64::INFINITY
+                };
+            }
+            CodecSpec::Fp4(c) => {
                 return if a.is_finite() {
                     c.error_bound(a)
                 } else {
@@ -645,6 +660,7 @@ pub const REPRESENTATIVE_SPECS: &[&str] = &[
     "fp16",
     "bf16",
     "fp8",
+    "fp4",
     "int8",
     "int8:rounding=stochastic",
     "qsgd:bits=8",

@@ -159,15 +159,16 @@ fn sixteen_bit_decodes_are_exact_for_every_code() {
     }
 }
 
-/// The fp8 conversions the SIMD backends run on scaled blocks (branch-free, for quotients
-/// in `[-FMAX, FMAX]`) equal the definitions on every f32 of that range, for both formats
-/// and both roundings (a draw derived from each pattern).
+/// The fp8 and fp4 conversions the SIMD backends run on scaled blocks (branch-free, for
+/// quotients in `[-FMAX, FMAX]`) equal the definitions on every f32 of that range, for all
+/// four formats and both roundings (a draw derived from each pattern).
 #[test]
 fn fp8_in_range_conversions_match_the_definition_for_every_f32_in_range() {
     use kernels::fp8::{
-        E4M3, E5M2, encode_nearest, encode_stochastic, nearest_in_range, stochastic_in_range,
+        E2M1, E3M0, E4M3, E5M2, encode_nearest, encode_stochastic, nearest_in_range,
+        stochastic_in_range,
     };
-    for f in [E4M3, E5M2] {
+    for f in [E4M3, E5M2, E2M1, E3M0] {
         let fmax = f.max().to_bits();
         let bad = all_patterns(|b| {
             if b & 0x7FFF_FFFF > fmax {

@@ -145,7 +145,7 @@ def decode(frame):
     flags, = struct.unpack_from("<H", frame, 6)
     n, plen, seed, offset = struct.unpack_from("<QQQQ", frame, 8)
     params = frame[40:52]
-    if codec > 11:
+    if codec > 12:
         raise Reject("codec id")
     if flags & ~3:
         raise Reject("reserved flags")
@@ -305,6 +305,37 @@ def decode(frame):
                 out[i] = s | 0x00400000
             else:
                 out[i] = f32_bits(bits_f32(v) * bits_f32(s))
+    elif codec == 12:  # fp4 (spec 3.13)
+        b = block()
+        fmt, scale, rnd = params[4], params[5], params[6]
+        if fmt not in (0, 1) or scale not in (0, 1) or rnd not in (0, 1):
+            raise Reject("fp4 params")
+        zero_from(7)
+        if rnd == 0 and seed:
+            raise Reject("seed")
+        nb = -(-n // b)
+        sb = (1, 4)[scale]
+        want_len(sb * nb + (n + 1) // 2)
+        padding(sb * nb, n, 4)
+        mb, bias = (1, 1) if fmt == 0 else (0, 3)
+        scales = []
+        for k in range(nb):
+            if scale == 1:
+                s, = struct.unpack_from("<I", p, 4 * k)
+                if s >> 31 or s == 0x7F800000:
+                    raise Reject("fp4 scale")
+            else:
+                s = 0x7FC00000 if p[k] == 0xFF else f32_bits(math.ldexp(1.0, p[k] - 127))
+            scales.append(s)
+        for i in range(n):
+            c = stream_value(p, sb * nb, i, 4)
+            e, f = (c & 7) >> mb, c & ((1 << mb) - 1)
+            v = math.ldexp(f, 1 - bias - mb) if e == 0 else math.ldexp((1 << mb) + f, e - bias - mb)
+            s = scales[i // b]
+            if is_nan(s):
+                out[i] = s | 0x00400000
+            else:
+                out[i] = f32_bits((-v if c & 8 else v) * bits_f32(s))
     elif codec == 8:  # topk
         k, = struct.unpack_from("<Q", params, 0)
         vt, w, coding = params[8], params[9], params[10]

@@ -34,6 +34,9 @@
 //! - stochastic: below one spacing, `2^-M |x| + s 2^(1-bias-M)`, and `E[x'] = x` up to
 //!   `2^-24` of a spacing.
 //!
+//! With an E8M0 scale, a block whose absmax exceeds half of f32's range can round up past
+//! it and decode to ±Inf (the error bound is infinite there); the f32 scale never does.
+//!
 //! Non-finite input: a block holding NaN or ±Inf gets a NaN scale (f32 NaN, or the E8M0
 //! byte `0xFF`) and every element of it decodes to NaN. With `scale=none`, NaN stays NaN
 //! and ±Inf stays ±Inf in E5M2 and becomes NaN in E4M3.

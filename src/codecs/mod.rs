@@ -9,6 +9,7 @@ mod bf16;
 mod dct;
 pub(crate) mod fixed;
 mod fp16;
+mod fp4;
 mod fp8;
 mod identity;
 mod int8;
@@ -23,6 +24,7 @@ mod values;
 
 pub use bf16::Bf16;
 pub use dct::{Dct, DctValues};
+pub use fp4::{Fp4, Fp4Format, Fp4Scale};
 pub use fp8::{Fp8, Fp8Format, Fp8Scale};
 pub use fp16::Fp16;
 pub use identity::Identity;
@@ -277,6 +279,10 @@ macro_rules! by_id {
             }
             CodecId::Fp8 => {
                 type $S = Fp8;
+                $e
+            }
+            CodecId::Fp4 => {
+                type $S = Fp4;
                 $e
             }
         }

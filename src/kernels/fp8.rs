@@ -40,6 +40,36 @@ pub const E5M2: Format = Format {
     inf: true,
 };
 
+/// E2M1, the element of OCP MXFP4: 1 mantissa bit, bias 1, values 0, 0.5, 1, 1.5, 2, 3,
+/// 4 and 6; no infinity or NaN. Used by the `fp4` codec (4-bit codes, sign in bit 3; the
+/// functions here take and give the 8-bit layout, sign in bit 7).
+pub const E2M1: Format = Format {
+    m: 1,
+    bias: 1,
+    max_code: 7,
+    inf: false,
+};
+
+/// E3M0: 0 and the powers of two 2^-2 to 2^4 (bias 3); no infinity or NaN.
+pub const E3M0: Format = Format {
+    m: 0,
+    bias: 3,
+    max_code: 7,
+    inf: false,
+};
+
+/// A 4-bit code (sign in bit 3) in the 8-bit layout (sign in bit 7).
+#[inline(always)]
+pub fn widen4(c: u8) -> u8 {
+    ((c & 8) << 4) | (c & 7)
+}
+
+/// An 8-bit-layout code of a 4-bit format as its 4-bit code.
+#[inline(always)]
+pub fn narrow4(c: u8) -> u8 {
+    ((c >> 4) & 8) | (c & 7)
+}
+
 impl Format {
     /// The code magnitude of NaN: `0x7F` (E4M3), `0x7E` (E5M2, a quiet NaN).
     pub const fn nan(self) -> u8 {
@@ -144,9 +174,11 @@ fn magnitude_nearest(f: Format, a: u32) -> u8 {
     let min_normal = ((1 - f.bias + 127) as u32) << 23;
     let q = if a < min_normal {
         // The subnormal grid, spacing 2^(1 - bias - m): scaling by a power of two is
-        // exact, and the rounding is f32's own (ties to even). The result is at most
-        // 2^m, the smallest normal's code.
-        (f32::from_bits(a) * pow2(f.bias - 1 + f.m as i32)).round_ties_even() as u32
+        // exact, and the rounding is f32's own (ties to even): adding 2^23 rounds to an
+        // integer (what round_ties_even gives, without a library call on CPUs that lack
+        // a rounding instruction). The result is at most 2^m, the smallest normal's code.
+        let v = f32::from_bits(a) * pow2(f.bias - 1 + f.m as i32);
+        (v + 8_388_608.0).to_bits() - 0x4B00_0000
     } else {
         // Round the f32 mantissa to m bits (ties to even; a carry moves to the exponent),
         // then rebias the exponent.
@@ -191,9 +223,10 @@ pub fn encode_stochastic(f: Format, y: f32, h: u32) -> u8 {
     // t = |y| / spacing, exact (a power-of-two scaling of a value with at most 24
     // significant bits; at most 2^(m+1)).
     let t = f32::from_bits(a) * pow2(-spacing_exp);
-    let fl = t.floor();
-    let up = super::scalar::unit24(h) < t - fl;
-    let q = fl as u32 + u32::from(up);
+    // floor(t) for 0 <= t < 2^24 (truncation; no library call).
+    let q0 = t as u32;
+    let up = super::scalar::unit24(h) < t - q0 as f32;
+    let q = q0 + u32::from(up);
     // q spacings is exactly representable on the grid: its code follows from the binade.
     let code = if e == 1 - f.bias {
         // Subnormal binade: the code is q (2^m is the smallest normal).
@@ -305,6 +338,52 @@ pub fn e8m0_exponent(f: Format, m: u32) -> i32 {
     k.max(-127)
 }
 
+/// A finite block's scale (written to `sc`) and how its elements' quotients are formed.
+#[derive(Clone, Copy)]
+struct Quotient {
+    s: f32,
+    /// `2^-k` for an E8M0 scale `2^k`: `x * 2^-k` is the same correctly rounded value as
+    /// `x / 2^k`, without a division.
+    inv: Option<f32>,
+    fmax: f32,
+}
+
+impl Quotient {
+    /// The scale of a block with absmax `m` (positive, finite), written to `sc`.
+    #[inline(always)]
+    fn new(f: Format, scale: Scale, m: f32, sc: &mut [u8]) -> Quotient {
+        let fmax = f.max();
+        let (s, inv) = match scale {
+            Scale::F32 => {
+                let mut s = (m / fmax).max(f32::MIN_POSITIVE);
+                // Near f32::MAX the rounded scale could make FMAX * s overflow.
+                if (fmax * s).is_infinite() {
+                    s = s.next_down();
+                }
+                sc.copy_from_slice(&s.to_le_bytes());
+                (s, None)
+            }
+            _ => {
+                let k = e8m0_exponent(f, m.to_bits());
+                sc[0] = (k + 127) as u8;
+                (pow2(k), Some(pow2(-k)))
+            }
+        };
+        Quotient { s, inv, fmax }
+    }
+
+    /// `x / s`, clamped to ±FMAX: a rounded scale can leave the block's largest element a
+    /// hair above it, which must not overflow.
+    #[inline(always)]
+    fn of(self, x: f32) -> f32 {
+        match self.inv {
+            None => x / self.s,
+            Some(inv) => x * inv,
+        }
+        .clamp(-self.fmax, self.fmax)
+    }
+}
+
 /// Encode one range of whole blocks: scales (`scale.bytes()` per block) and one code per
 /// element. `first` is the global index of `x[0]` (for the stochastic draws, `None` for
 /// nearest). True when `x` held NaN or ±Inf.
@@ -354,7 +433,6 @@ pub fn encode_blocks<const FAST: bool>(
         return nonfinite;
     }
     let sb = scale.bytes();
-    let fmax = f.max();
     let mut nonfinite = false;
     for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
         let sc = &mut scales[b * sb..(b + 1) * sb];
@@ -362,10 +440,7 @@ pub fn encode_blocks<const FAST: bool>(
         match BlockScale::abs_max(xb) {
             BlockScale::NonFinite => {
                 nonfinite = true;
-                match scale {
-                    Scale::F32 => sc.copy_from_slice(&0x7FC0_0000u32.to_le_bytes()),
-                    _ => sc[0] = 0xFF,
-                }
+                non_finite_scale(scale, sc);
                 cb.fill(0);
             }
             BlockScale::Zero => {
@@ -373,33 +448,8 @@ pub fn encode_blocks<const FAST: bool>(
                 cb.fill(0);
             }
             BlockScale::Of(m) => {
-                // `x / s`, or, for a power of two, `x * 2^-k`: the same correctly rounded
-                // value of the same real number, without a division.
-                let (s, inv) = match scale {
-                    Scale::F32 => {
-                        let mut s = (m / fmax).max(f32::MIN_POSITIVE);
-                        // Near f32::MAX the rounded scale could make FMAX * s overflow.
-                        if (fmax * s).is_infinite() {
-                            s = s.next_down();
-                        }
-                        sc.copy_from_slice(&s.to_le_bytes());
-                        (s, None)
-                    }
-                    _ => {
-                        let k = e8m0_exponent(f, m.to_bits());
-                        sc[0] = (k + 127) as u8;
-                        (pow2(k), Some(pow2(-k)))
-                    }
-                };
-                // The quotient is clamped to ±FMAX: a rounded scale can leave the block's
-                // largest element a hair above it, which must not overflow.
-                let y = |v: f32| {
-                    match inv {
-                        None => v / s,
-                        Some(inv) => v * inv,
-                    }
-                    .clamp(-fmax, fmax)
-                };
+                let q = Quotient::new(f, scale, m, sc);
+                let y = |v: f32| q.of(v);
                 let one_window = start >> 32 == (start + xb.len() as u64 - 1) >> 32;
                 match draws {
                     None if FAST => {
@@ -425,6 +475,158 @@ pub fn encode_blocks<const FAST: bool>(
         }
     }
     nonfinite
+}
+
+/// Encode one range of whole blocks of a 4-bit format (`f` is [`E2M1`] or [`E3M0`], with a
+/// scale): scales, then 4-bit codes two per byte, element `j` in the low nibble of byte
+/// `j / 2` when `j` is even and the high nibble when odd (the range starts on a byte).
+/// Non-finite and all-zero blocks as [`encode`]; the codes are those of the 8-bit layout
+/// functions, narrowed. With `FAST` and an even block, the branch-free conversions.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub fn encode4_blocks<const FAST: bool>(
+    f: Format,
+    scale: Scale,
+    block: usize,
+    x: &[f32],
+    draws: Option<&Draws>,
+    first: u64,
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    let sb = scale.bytes();
+    let mut nonfinite = false;
+    let general = |y: f32, i: u64| match draws {
+        None => encode_nearest(f, y),
+        Some(d) => encode_stochastic(f, y, d.draw(i)),
+    };
+    if FAST && block.is_multiple_of(2) {
+        for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block / 2)).enumerate() {
+            let sc = &mut scales[b * sb..(b + 1) * sb];
+            let start = first + (b * block) as u64;
+            let q = match BlockScale::abs_max(xb) {
+                BlockScale::NonFinite => {
+                    nonfinite = true;
+                    non_finite_scale(scale, sc);
+                    cb.fill(0);
+                    continue;
+                }
+                BlockScale::Zero => {
+                    sc.fill(0);
+                    cb.fill(0);
+                    continue;
+                }
+                BlockScale::Of(m) => Quotient::new(f, scale, m, sc),
+            };
+            let one_window = start >> 32 == (start + xb.len() as u64 - 1) >> 32;
+            // A last block of odd length leaves one element alone.
+            let pairs = xb.chunks_exact(2);
+            let odd = pairs.remainder().first().copied();
+            match draws {
+                None => {
+                    for (c, p) in cb.iter_mut().zip(pairs) {
+                        let lo = narrow4(nearest_in_range(f, q.of(p[0])));
+                        let hi = narrow4(nearest_in_range(f, q.of(p[1])));
+                        *c = lo | hi << 4;
+                    }
+                }
+                Some(d) if one_window => {
+                    let key = d.key_for(start);
+                    let h = |j: usize| {
+                        crate::rng::lowbias32((start as u32).wrapping_add(j as u32) ^ key)
+                    };
+                    for (j, (c, p)) in cb.iter_mut().zip(pairs).enumerate() {
+                        let lo = narrow4(stochastic_in_range(f, q.of(p[0]), h(2 * j)));
+                        let hi = narrow4(stochastic_in_range(f, q.of(p[1]), h(2 * j + 1)));
+                        *c = lo | hi << 4;
+                    }
+                }
+                Some(_) => {
+                    for (j, (c, p)) in cb.iter_mut().zip(pairs).enumerate() {
+                        let at = start + 2 * j as u64;
+                        let lo = narrow4(general(q.of(p[0]), at));
+                        let hi = narrow4(general(q.of(p[1]), at + 1));
+                        *c = lo | hi << 4;
+                    }
+                }
+            }
+            if let Some(v) = odd {
+                let j = xb.len() - 1;
+                cb[j / 2] = narrow4(general(q.of(v), start + j as u64));
+            }
+        }
+        return nonfinite;
+    }
+    codes.fill(0);
+    for (b, xb) in x.chunks(block).enumerate() {
+        let sc = &mut scales[b * sb..(b + 1) * sb];
+        let start = first + (b * block) as u64;
+        let q = match BlockScale::abs_max(xb) {
+            BlockScale::NonFinite => {
+                nonfinite = true;
+                non_finite_scale(scale, sc);
+                continue;
+            }
+            BlockScale::Zero => {
+                sc.fill(0);
+                continue;
+            }
+            BlockScale::Of(m) => Quotient::new(f, scale, m, sc),
+        };
+        for (j, &v) in xb.iter().enumerate() {
+            let e = b * block + j;
+            codes[e / 2] |= narrow4(general(q.of(v), start + j as u64)) << (4 * (e % 2));
+        }
+    }
+    nonfinite
+}
+
+/// The NaN scale of a block that held NaN or ±Inf.
+#[inline(always)]
+fn non_finite_scale(scale: Scale, sc: &mut [u8]) {
+    match scale {
+        Scale::F32 => sc.copy_from_slice(&0x7FC0_0000u32.to_le_bytes()),
+        _ => sc[0] = 0xFF,
+    }
+}
+
+/// Decode one range of whole blocks of a 4-bit format in mode `M` (layout of
+/// [`encode4_blocks`]): element = `value(code) * s`. Every 4-bit code is finite.
+#[inline(always)]
+pub fn decode4_blocks<const M: u8>(
+    f: Format,
+    scale: Scale,
+    block: usize,
+    scales: &[u8],
+    codes: &[u8],
+    out: &mut [f32],
+) {
+    let sb = scale.bytes();
+    if block.is_multiple_of(2) {
+        for (b, (ob, cb)) in out
+            .chunks_mut(block)
+            .zip(codes.chunks(block / 2))
+            .enumerate()
+        {
+            let s = scale_of(scale, &scales[b * sb..(b + 1) * sb]);
+            let last = cb.get((ob.len().max(1) - 1) / 2).copied().unwrap_or(0);
+            let mut pairs = ob.chunks_exact_mut(2);
+            for (p, &c) in (&mut pairs).zip(cb) {
+                put::<M>(&mut p[0], value_finite(f, widen4(c & 0xF)) * s);
+                put::<M>(&mut p[1], value_finite(f, widen4(c >> 4)) * s);
+            }
+            if let Some(o) = pairs.into_remainder().first_mut() {
+                put::<M>(o, value_finite(f, widen4(last & 0xF)) * s);
+            }
+        }
+        return;
+    }
+    for (j, o) in out.iter_mut().enumerate() {
+        let b = j / block;
+        let s = scale_of(scale, &scales[b * sb..(b + 1) * sb]);
+        let c = (codes[j / 2] >> (4 * (j % 2))) & 0xF;
+        put::<M>(o, value_finite(f, widen4(c)) * s);
+    }
 }
 
 /// A block's scale as an f32: the stored f32, or `2^(byte - 127)` (NaN for `0xFF`).
@@ -630,9 +832,58 @@ mod tests {
         }
     }
 
+    /// The 4-bit formats, on finite values up to twice their largest (what a scaled block
+    /// converts, and beyond it the saturation): nearest equals a search over the codes,
+    /// the branch-free forms equal the definitions, and the values are as specified.
+    #[test]
+    fn the_4_bit_formats_round_to_their_values() {
+        let e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+        let e3m0 = [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0];
+        for (f, values) in [(E2M1, e2m1), (E3M0, e3m0)] {
+            for (c, &v) in values.iter().enumerate() {
+                assert_eq!(decode(f, c as u8), v as f32);
+                assert_eq!(value_finite(f, c as u8), v as f32);
+                assert_eq!(
+                    value_finite(f, widen4(8 | c as u8)).to_bits(),
+                    (-v as f32).to_bits()
+                );
+                assert_eq!(narrow4(widen4(8 | c as u8)), 8 | c as u8);
+            }
+            // Every tie (midpoint of two neighbours) and its f32 neighbours.
+            for w in values.windows(2) {
+                let mid = ((w[0] + w[1]) / 2.0) as f32;
+                for y in [mid, mid.next_up(), mid.next_down(), -mid] {
+                    assert_eq!(encode_nearest(f, y), nearest_by_search(f, y), "{f:?} {y:e}");
+                    assert_eq!(
+                        nearest_in_range(f, y),
+                        nearest_by_search(f, y),
+                        "{f:?} {y:e}"
+                    );
+                }
+            }
+            let fmax = f.max();
+            let limit = (2.0 * fmax).to_bits();
+            for a in (0..=limit).step_by(997).chain([fmax.to_bits(), limit]) {
+                for y in [f32::from_bits(a), -f32::from_bits(a)] {
+                    let got = encode_nearest(f, y);
+                    assert_eq!(got, nearest_by_search(f, y), "{f:?} {y:e}");
+                    if y.abs() <= fmax {
+                        assert_eq!(nearest_in_range(f, y), got, "{f:?} {y:e}");
+                        let h = a.wrapping_mul(0x9E37_79B9);
+                        assert_eq!(
+                            stochastic_in_range(f, y, h),
+                            encode_stochastic(f, y, h),
+                            "{f:?} {y:e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn e8m0_takes_the_smallest_power_of_two_that_fits() {
-        for f in [E4M3, E5M2] {
+        for f in [E4M3, E5M2, E2M1, E3M0] {
             for m in [
                 1.0f32,
                 447.0,

@@ -117,6 +117,14 @@ simd_op!(DecodeFp8<const M: u8> {
     f: fp8::Format, scale: fp8::Scale, block: usize, scales: &'a [u8], codes: &'a [u8],
     out: &'a mut [f32],
 } -> () = fp8::decode_blocks::<M, true>(f, scale, block, scales, codes, out));
+simd_op!(EncodeFp4 {
+    f: fp8::Format, scale: fp8::Scale, block: usize, x: &'a [f32], draws: Option<&'a Draws>,
+    first: u64, scales: &'a mut [u8], codes: &'a mut [u8],
+} -> bool = fp8::encode4_blocks::<true>(f, scale, block, x, draws, first, scales, codes));
+simd_op!(DecodeFp4<const M: u8> {
+    f: fp8::Format, scale: fp8::Scale, block: usize, scales: &'a [u8], codes: &'a [u8],
+    out: &'a mut [f32],
+} -> () = fp8::decode4_blocks::<M>(f, scale, block, scales, codes, out));
 simd_op!(DecodeInt8<const M: u8> {
     steps: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
 } -> () = portable::decode_int8::<M>(steps, codes, block, out));
@@ -590,6 +598,66 @@ pub fn decode_fp8<const M: u8>(
         b => simd(
             b,
             DecodeFp8::<M> {
+                f,
+                scale,
+                block,
+                scales,
+                codes,
+                out,
+            },
+        ),
+    }
+}
+
+/// fp4 encode of whole blocks (see [`fp8::encode4_blocks`]; the scalar backend runs its
+/// definition, the SIMD backends its branch-free conversions: the same bytes).
+#[allow(clippy::too_many_arguments)]
+pub fn encode_fp4(
+    f: fp8::Format,
+    scale: fp8::Scale,
+    block: usize,
+    x: &[f32],
+    draws: Option<&Draws>,
+    first: u64,
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => {
+            fp8::encode4_blocks::<false>(f, scale, block, x, draws, first, scales, codes)
+        }
+        b => simd(
+            b,
+            EncodeFp4 {
+                f,
+                scale,
+                block,
+                x,
+                draws,
+                first,
+                scales,
+                codes,
+            },
+        ),
+    }
+}
+
+/// fp4 decode of whole blocks in mode `M` (see [`fp8::decode4_blocks`]).
+pub fn decode_fp4<const M: u8>(
+    f: fp8::Format,
+    scale: fp8::Scale,
+    block: usize,
+    scales: &[u8],
+    codes: &[u8],
+    out: &mut [f32],
+) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => {
+            fp8::decode4_blocks::<M>(f, scale, block, scales, codes, out)
+        }
+        b => simd(
+            b,
+            DecodeFp4::<M> {
                 f,
                 scale,
                 block,

@@ -39,6 +39,10 @@ pub const SPECS: &[&str] = &[
     "fp8:format=e5m2,scale=e8m0,block=3,rounding=stochastic",
     "fp8:scale=none",
     "fp8:format=e5m2,scale=none,rounding=stochastic",
+    "fp4",
+    "fp4:block=16,scale=f32,rounding=stochastic",
+    "fp4:format=e3m0,block=5",
+    "fp4:format=e3m0,block=32,rounding=stochastic",
 ];
 
 pub fn specs() -> Vec<CodecSpec> {
@@ -66,6 +70,7 @@ pub fn block_of(spec: &CodecSpec) -> usize {
         CodecSpec::Ternary(c) => c.block(),
         CodecSpec::Natural(c) => c.block(),
         CodecSpec::Fp8(c) if c.block() > 1 => c.block(),
+        CodecSpec::Fp4(c) => c.block(),
         // A band of whole tiles.
         CodecSpec::Dct(c) => c.chunk() * (c.width() as usize).max(1),
         _ => 64,
@@ -217,6 +222,7 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
             }
         }
         CodecSpec::Fp8(c) => return check_fp8(c, x, d),
+        CodecSpec::Fp4(c) => return check_fp4(c, x, d),
         CodecSpec::Ternary(c) => {
             for (b, xb) in x.chunks(c.block()).enumerate() {
                 let m = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -595,6 +601,14 @@ pub const GOLDEN: &[(&str, &str, u64, u64)] = &[
     ),
     ("fp8_e4m3_none", "fp8:scale=none", 0, 0),
     ("fp8_e5m2_none", "fp8:format=e5m2,scale=none", 0, 0),
+    ("fp4_e2m1_b32", "fp4", 0, 0),
+    (
+        "fp4_e2m1_f32_b15_stochastic",
+        "fp4:block=15,scale=f32,rounding=stochastic",
+        42,
+        0,
+    ),
+    ("fp4_e3m0_b16", "fp4:format=e3m0,block=16", 0, 0),
     ("randk_r01_f32", "randk:ratio=0.1", 42, 0),
     ("randk_r01_bf16", "randk:ratio=0.1,values=bf16", 42, 0),
     (
@@ -678,10 +692,18 @@ pub fn golden_frames() -> Vec<(String, Vec<u8>)> {
 /// from the format's definition (positive ones; E4M3 drops its NaN code 0x7F, E5M2 its
 /// exponent 31).
 pub fn fp8_values(m: u32, bias: i32, e4m3: bool) -> Vec<f64> {
+    float_values(7, m, bias, e4m3)
+}
+
+/// The finite non-negative values of a float with `bits` magnitude bits (7 for FP8, 3 for
+/// FP4); `e4m3` drops the all-ones code (E4M3's NaN), and with 7 bits and not `e4m3` the
+/// top exponent (E5M2's infinities and NaN).
+pub fn float_values(bits: u32, m: u32, bias: i32, e4m3: bool) -> Vec<f64> {
     let mut v = Vec::new();
-    for code in 0u32..128 {
+    let top = (1u32 << (bits - m)) - 1;
+    for code in 0u32..(1 << bits) {
         let (e, f) = ((code >> m) as i32, (code & ((1 << m) - 1)) as f64);
-        if (e4m3 && code == 0x7F) || (!e4m3 && e == 31) {
+        if bits == 7 && ((e4m3 && code == 0x7F) || (!e4m3 && e as u32 == top)) {
             continue;
         }
         v.push(if e == 0 {
@@ -755,6 +777,68 @@ fn check_fp8(c: &gradpack::Fp8, x: &[f32], d: &[f32]) -> Result<(), String> {
             if d[i] != 0.0 && d[i].is_sign_negative() != v.is_sign_negative() {
                 return what("sign not kept".into());
             }
+            let (rel, sub) = if stochastic {
+                (pow2(-(m as i32)), s * pow2(1 - bias - m as i32))
+            } else {
+                (pow2(-(m as i32) - 1), s * pow2(-bias - m as i32))
+            };
+            let bound = (rel * a + sub) * (1.0 + pow2(-20)) + pow2(-22) * a + pow2(-149);
+            let e = (v as f64 - d[i] as f64).abs();
+            if e > bound {
+                return what(format!("error {e:e} exceeds {bound:e}"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The `fp4` checks, as for `fp8`: each decoded value is a 4-bit float value times its
+/// block's scale, within the documented error.
+fn check_fp4(c: &gradpack::Fp4, x: &[f32], d: &[f32]) -> Result<(), String> {
+    let (m, bias) = (c.format().mantissa_bits(), c.format().bias());
+    let values = float_values(3, m, bias, false);
+    let fmax = *values.last().unwrap();
+    let stochastic = c.rounding() == gradpack::Rounding::Stochastic;
+    for (b, xb) in x.chunks(c.block()).enumerate() {
+        let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let s: f64 = match c.scale() {
+            gradpack::Fp4Scale::F32 => (amax / fmax as f32).max(f32::MIN_POSITIVE) as f64,
+            _ => {
+                let mut k = -127;
+                while (amax as f64) > fmax * pow2(k) {
+                    k += 1;
+                }
+                pow2(k)
+            }
+        };
+        for (j, &v) in xb.iter().enumerate() {
+            let i = b * c.block() + j;
+            let what = |w: String| {
+                Err(format!(
+                    "{c}: element {i}: x = {v:e}, decoded {:e} (block scale {s:e}): {w}",
+                    d[i]
+                ))
+            };
+            if amax == 0.0 {
+                if d[i] != 0.0 {
+                    return what("an all-zero block decodes to 0".into());
+                }
+                continue;
+            }
+            if 2.0 * amax as f64 > f32::MAX as f64 && c.scale() == gradpack::Fp4Scale::E8m0 {
+                continue;
+            }
+            let q = d[i].abs() as f64 / s;
+            if !values
+                .iter()
+                .any(|&w| (q - w).abs() <= w * pow2(-22) + pow2(-150) / s)
+            {
+                return what(format!("{q:e} is not a 4-bit float value"));
+            }
+            if d[i] != 0.0 && d[i].is_sign_negative() != v.is_sign_negative() {
+                return what("sign not kept".into());
+            }
+            let a = v.abs() as f64;
             let (rel, sub) = if stochastic {
                 (pow2(-(m as i32)), s * pow2(1 - bias - m as i32))
             } else {

@@ -53,7 +53,7 @@ const PALETTE: [RGBColor; 6] = [
 pub fn family(spec: &str) -> &'static str {
     match spec.split(':').next().unwrap_or(spec) {
         "fp16" | "bf16" => "fp16, bf16",
-        "fp8" => "fp8",
+        "fp8" | "fp4" => "fp8, fp4",
         "int8" => "int8",
         "qsgd" => "QSGD",
         "natural" | "ternary" => "natural, ternary",

@@ -1,0 +1,370 @@
+//! `fp4`: 4-bit floats (E2M1, as in OCP MXFP4, or E3M0), two codes per byte, with a
+//! scale per block.
+//!
+//! Spec: `fp4:format=e2m1|e3m0,block=B,scale=e8m0|f32,rounding=nearest|stochastic`
+//! (defaults `e2m1`, 32, `e8m0`, `nearest`: OCP MXFP4's layout of blocks of 32 with a
+//! power-of-two scale).
+//!
+//! Values: E2M1 (1 mantissa bit, bias 1) holds 0, 0.5, 1, 1.5, 2, 3, 4 and 6 with a sign;
+//! E3M0 (bias 3) holds 0 and the powers of two 2^-2 to 2^4 with a sign (Streaming
+//! DiLoCo's 4-bit float). Neither has infinities or NaN.
+//!
+//! For each block of `B` elements with absmax `m` and the format's largest value `FMAX`
+//! (6 or 16), each element `x` becomes the code of `clamp(x / s, -FMAX, FMAX)` with the
+//! block's scale `s`:
+//! - `scale=e8m0`: `s = 2^k`, the smallest power of two (`k` in -127..=127) with
+//!   `m / s <= FMAX`, one byte `k + 127`. (MX's own rule, `2^(floor(log2 m) - 2)`, clips
+//!   the block's largest values up to 25%; this one never clips.)
+//! - `scale=f32`: `s = max(m / FMAX, 2^-126)` in f32 (one step down where `FMAX * s`
+//!   would overflow).
+//!
+//! Rounding is to nearest, ties to even, or stochastic (unbiased, from the crate's
+//! counter-based draws). Decoding gives `value(code) * s`. Codes are packed two per byte,
+//! the even element in the low nibble; the sign is bit 3.
+//!
+//! Error bounds (per element, `M` the mantissa bits: 1 for E2M1, 0 for E3M0):
+//! - nearest: `|x - x'| <= 2^-(M+1) |x| + s 2^(-bias-M)` plus f32 rounding (a quarter
+//!   of `|x|` for E2M1, half for E3M0: 4 bits buy that much);
+//! - stochastic: below one spacing, `2^-M |x| + s 2^(1-bias-M)`, and `E[x'] = x`.
+//!
+//! A block holding NaN or ±Inf gets a NaN scale (f32 NaN, E8M0 byte `0xFF`) and decodes
+//! to NaN in every element. With an E8M0 scale, a block whose absmax exceeds half of
+//! f32's range can round up past it and decode to ±Inf (the error bound is infinite
+//! there); the f32 scale never overflows.
+
+use core::fmt;
+
+use super::fixed::{self, FixedRate, Layout, by_mode};
+use super::{
+    EncodeCtx, MAX_BLOCK, Scheme, block_params, check_block, check_code_padding, expect_payload,
+    read_block,
+};
+use crate::codec::{Args, CodecId, CodecSpec};
+use crate::codecs::int8::Rounding;
+use crate::error::{Error, Result};
+use crate::kernels::fp8::{self as k8, E2M1, E3M0, Format};
+use crate::rng::{Draws, STREAM_ROUNDING};
+use crate::wire::{HEADER_LEN, Header};
+
+/// Which 4-bit float.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fp4Format {
+    /// E2M1 (OCP MXFP4's element): 0 to 6.
+    #[default]
+    E2m1,
+    /// E3M0: 0 and powers of two from 2^-2 to 2^4.
+    E3m0,
+}
+
+impl Fp4Format {
+    fn name(self) -> &'static str {
+        match self {
+            Fp4Format::E2m1 => "e2m1",
+            Fp4Format::E3m0 => "e3m0",
+        }
+    }
+
+    fn kernel(self) -> Format {
+        match self {
+            Fp4Format::E2m1 => E2M1,
+            Fp4Format::E3m0 => E3M0,
+        }
+    }
+
+    /// The largest value: 6 or 16.
+    pub fn max(self) -> f32 {
+        self.kernel().max()
+    }
+
+    /// Mantissa bits: 1 or 0.
+    pub fn mantissa_bits(self) -> u32 {
+        self.kernel().m
+    }
+
+    /// Exponent bias: 1 or 3.
+    pub fn bias(self) -> i32 {
+        self.kernel().bias
+    }
+}
+
+/// How an `fp4` block is scaled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fp4Scale {
+    /// A power of two per block, in one byte (E8M0, as OCP MX).
+    #[default]
+    E8m0,
+    /// An f32 per block.
+    F32,
+}
+
+impl Fp4Scale {
+    fn kernel(self) -> k8::Scale {
+        match self {
+            Fp4Scale::E8m0 => k8::Scale::E8m0,
+            Fp4Scale::F32 => k8::Scale::F32,
+        }
+    }
+}
+
+/// 4-bit floats with a per-block scale (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fp4 {
+    format: Fp4Format,
+    block: u32,
+    scale: Fp4Scale,
+    rounding: Rounding,
+}
+
+impl Default for Fp4 {
+    fn default() -> Self {
+        Fp4 {
+            format: Fp4Format::E2m1,
+            block: 32,
+            scale: Fp4Scale::E8m0,
+            rounding: Rounding::Nearest,
+        }
+    }
+}
+
+impl Fp4 {
+    /// fp4 in `format` with blocks of `block` elements (1..=2^24).
+    pub fn new(
+        format: Fp4Format,
+        block: usize,
+        scale: Fp4Scale,
+        rounding: Rounding,
+    ) -> Result<Fp4> {
+        Ok(Fp4 {
+            format,
+            block: check_block(CodecId::Fp4, block)?,
+            scale,
+            rounding,
+        })
+    }
+
+    /// The format.
+    pub fn format(&self) -> Fp4Format {
+        self.format
+    }
+
+    /// Elements per block.
+    pub fn block(&self) -> usize {
+        self.block as usize
+    }
+
+    /// The block scale.
+    pub fn scale(&self) -> Fp4Scale {
+        self.scale
+    }
+
+    /// The rounding mode.
+    pub fn rounding(&self) -> Rounding {
+        self.rounding
+    }
+
+    pub(crate) fn from_args(a: &mut Args) -> core::result::Result<Fp4, String> {
+        let format = match a.choice("format", "e2m1", &["e2m1", "e3m0"])? {
+            "e3m0" => Fp4Format::E3m0,
+            _ => Fp4Format::E2m1,
+        };
+        let block = a.uint("block", 32, 1..=MAX_BLOCK as u64)? as u32;
+        let scale = match a.choice("scale", "e8m0", &["e8m0", "f32"])? {
+            "f32" => Fp4Scale::F32,
+            _ => Fp4Scale::E8m0,
+        };
+        let rounding = match a.choice("rounding", "nearest", &["nearest", "stochastic"])? {
+            "stochastic" => Rounding::Stochastic,
+            _ => Rounding::Nearest,
+        };
+        Ok(Fp4 {
+            format,
+            block,
+            scale,
+            rounding,
+        })
+    }
+
+    /// The per-element error bound for a block absmax `absmax` (see the module docs).
+    pub(crate) fn error_bound(&self, absmax: f64) -> f64 {
+        let f = self.format.kernel();
+        let fmax = f64::from(f.max());
+        let m = f.m as i32;
+        let (rel, sub) = match self.rounding {
+            Rounding::Nearest => (2f64.powi(-(m + 1)), 2f64.powi(-f.bias - m)),
+            Rounding::Stochastic => (2f64.powi(-m), 2f64.powi(1 - f.bias - m)),
+        };
+        let s = match self.scale {
+            Fp4Scale::F32 => (absmax / fmax * (1.0 + 2f64.powi(-23))).max(2f64.powi(-126)),
+            Fp4Scale::E8m0 => {
+                // Decoded values stay below 2 absmax; past f32's range they overflow.
+                if 2.0 * absmax > f64::from(f32::MAX) {
+                    return f64::INFINITY;
+                }
+                (2.0 * absmax / fmax).max(2f64.powi(-127))
+            }
+        };
+        (rel * absmax + s * sub + 2f64.powi(-23) * absmax) * (1.0 + 2f64.powi(-20))
+    }
+}
+
+impl fmt::Display for Fp4 {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "fp4:format={},block={},scale={},rounding={}",
+            self.format.name(),
+            self.block,
+            match self.scale {
+                Fp4Scale::E8m0 => "e8m0",
+                Fp4Scale::F32 => "f32",
+            },
+            match self.rounding {
+                Rounding::Nearest => "nearest",
+                Rounding::Stochastic => "stochastic",
+            }
+        )
+    }
+}
+
+impl From<Fp4> for CodecSpec {
+    fn from(c: Fp4) -> CodecSpec {
+        CodecSpec::Fp4(c)
+    }
+}
+
+impl Scheme for Fp4 {
+    const ID: CodecId = CodecId::Fp4;
+    fixed::fixed_scheme!();
+
+    fn read(h: &Header) -> Result<Fp4> {
+        let block = read_block(h)? as u32;
+        let bad = |field: &'static str, reason: String| Error::BadField {
+            codec: h.codec,
+            field,
+            reason,
+        };
+        let format = match h.params[4] {
+            0 => Fp4Format::E2m1,
+            1 => Fp4Format::E3m0,
+            b => {
+                return Err(bad(
+                    "params.format",
+                    format!("{b} is not 0 (e2m1) or 1 (e3m0)"),
+                ));
+            }
+        };
+        let scale = match h.params[5] {
+            0 => Fp4Scale::E8m0,
+            1 => Fp4Scale::F32,
+            b => {
+                return Err(bad(
+                    "params.scale",
+                    format!("{b} is not 0 (e8m0) or 1 (f32)"),
+                ));
+            }
+        };
+        let rounding = match h.params[6] {
+            0 => Rounding::Nearest,
+            1 => Rounding::Stochastic,
+            b => {
+                return Err(bad(
+                    "params.rounding",
+                    format!("{b} is not 0 (nearest) or 1 (stochastic)"),
+                ));
+            }
+        };
+        h.params_zero_from(7)?;
+        if rounding == Rounding::Nearest {
+            h.seed_zero()?;
+        }
+        let c = Fp4 {
+            format,
+            block,
+            scale,
+            rounding,
+        };
+        expect_payload(h, c.layout().payload_len(h.elements))?;
+        Ok(c)
+    }
+
+    fn is_unbiased(&self) -> bool {
+        self.rounding == Rounding::Stochastic
+    }
+}
+
+impl FixedRate for Fp4 {
+    fn params(&self) -> [u8; 12] {
+        let mut p = block_params(self.block, self.format as u8);
+        p[5] = self.scale as u8;
+        p[6] = (self.rounding == Rounding::Stochastic) as u8;
+        p
+    }
+
+    fn seeded(&self) -> bool {
+        self.rounding == Rounding::Stochastic
+    }
+
+    fn encode_weight(&self) -> usize {
+        if self.rounding == Rounding::Stochastic {
+            8
+        } else {
+            4
+        }
+    }
+
+    fn layout(&self) -> Layout {
+        Layout {
+            block: self.block as usize,
+            scale_bytes: self.scale.kernel().bytes(),
+            bits: 4,
+        }
+    }
+
+    fn encode_sections(
+        &self,
+        x: &[f32],
+        ctx: &EncodeCtx,
+        scales: &mut [u8],
+        codes: &mut [u8],
+    ) -> bool {
+        let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
+        let draws = (self.rounding == Rounding::Stochastic).then_some(&draws);
+        crate::kernels::encode_fp4(
+            self.format.kernel(),
+            self.scale.kernel(),
+            self.block as usize,
+            x,
+            draws,
+            ctx.offset,
+            scales,
+            codes,
+        )
+    }
+
+    fn validate(&self, h: &Header, scales: &[u8], codes: &[u8]) -> Result<()> {
+        if self.scale == Fp4Scale::F32 {
+            for (b, sc) in scales.chunks_exact(4).enumerate() {
+                let s = k8::scale_of(k8::Scale::F32, sc);
+                if s.is_infinite() || s.is_sign_negative() {
+                    return Err(Error::Corrupt {
+                        codec: h.codec,
+                        offset: HEADER_LEN + 4 * b,
+                        reason: format!(
+                            "the scale of block {b} is {s} (encoders write a finite scale >= 0 or NaN)"
+                        ),
+                    });
+                }
+            }
+        }
+        check_code_padding(h, scales, codes, 4)
+    }
+
+    fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]) {
+        let (f, scale, block) = (
+            self.format.kernel(),
+            self.scale.kernel(),
+            self.block as usize,
+        );
+        by_mode!(m, M => crate::kernels::decode_fp4::<M>(f, scale, block, scales, codes, out))
+    }
+}
