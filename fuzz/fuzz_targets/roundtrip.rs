@@ -6,12 +6,13 @@
 //! byte; a sealed frame carries the same payload and decodes the same.
 //!
 //! Input: 12 control bytes, then the values (little-endian f32, any bit patterns).
-//! - byte 0: codec (`% 12`, in wire-format id order);
+//! - byte 0: codec (`% 13`, in wire-format id order);
 //! - bytes 1..3: block size (`u16 % 4096 + 1`);
 //! - byte 3: bit 0 stochastic rounding (int8), bits 1..3 QSGD bits (2, 4, 8), bit 3 fp16
 //!   values (top-k, random-k), bit 4 unbiased scale (random-k), bit 5 an explicit `k`
 //!   (top-k) or strata selection (random-k); for fp8: bit 0 stochastic, bit 1 E5M2,
-//!   bits 2..4 the scale (f32, E8M0, none, f32);
+//!   bits 2..4 the scale (f32, E8M0, none, f32); for fp4: bit 0 stochastic, bit 1 E3M0,
+//!   bit 2 an f32 scale;
 //! - byte 4: ratio `(b + 1) / 256` (top-k, random-k), or `k = b` (top-k with bit 5);
 //! - bytes 5..8: offset (u24); bytes 8..12: seed (u32).
 //!

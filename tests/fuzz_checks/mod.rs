@@ -215,7 +215,7 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
     } else {
         String::new()
     };
-    match c[0] % 12 {
+    match c[0] % 13 {
         0 => "identity".into(),
         1 => "fp16".into(),
         2 => "bf16".into(),
@@ -240,6 +240,12 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
             "randk:ratio={ratio},values={values},scale={}{}",
             if v & 16 != 0 { "unbiased" } else { "none" },
             if v & 32 != 0 { ",select=strata" } else { "" }
+        ),
+        12 => format!(
+            "fp4:format={},scale={},rounding={},block={block}",
+            if v & 2 != 0 { "e3m0" } else { "e2m1" },
+            if v & 4 != 0 { "f32" } else { "e8m0" },
+            if v & 1 != 0 { "stochastic" } else { "nearest" },
         ),
         11 => format!(
             "fp8:format={},scale={},rounding={}{}",
@@ -280,7 +286,7 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
 /// byte; a sealed frame carries the same payload and decodes the same.
 ///
 /// Input: 12 control bytes, then the values (little-endian f32, any bit patterns).
-/// - byte 0: codec (`% 12`, in wire-format id order);
+/// - byte 0: codec (`% 13`, in wire-format id order);
 /// - bytes 1..3: block size (`u16 % 4096 + 1`); dct: chunk `byte 1 % 64 + 1`; for top-k and random-k, bits 0..2 of
 ///   byte 2 pick the index coding (automatic, gaps, Rice, bitmap; top-k), bit 2 bf16
 ///   values (unless byte 3 asks for fp16) and bit 3 int8 values (top-k);
