@@ -9,7 +9,7 @@ use core::fmt;
 use core::str::FromStr;
 
 use crate::codecs::{
-    Bf16, Dct, Fp4, Fp8, Fp16, Identity, Int8, Natural, Qsgd, RandK, Sign, Ternary, TopK,
+    Bf16, Codebook, Dct, Fp4, Fp8, Fp16, Identity, Int8, Natural, Qsgd, RandK, Sign, Ternary, TopK,
 };
 use crate::error::{Error, Result};
 use crate::wire::{HEADER_LEN, Header};
@@ -45,11 +45,13 @@ pub enum CodecId {
     Fp8 = 11,
     /// 4-bit floats (E2M1, E3M0) with a per-block scale.
     Fp4 = 12,
+    /// int8 codes into a per-block codebook of bin means.
+    Codebook = 13,
 }
 
 impl CodecId {
     /// Every codec id, in id order.
-    pub const ALL: [CodecId; 13] = [
+    pub const ALL: [CodecId; 14] = [
         CodecId::Identity,
         CodecId::Fp16,
         CodecId::Bf16,
@@ -63,6 +65,7 @@ impl CodecId {
         CodecId::Dct,
         CodecId::Fp8,
         CodecId::Fp4,
+        CodecId::Codebook,
     ];
 
     /// The id for byte value `b`, if one exists.
@@ -86,6 +89,7 @@ impl CodecId {
             CodecId::Dct => "dct",
             CodecId::Fp8 => "fp8",
             CodecId::Fp4 => "fp4",
+            CodecId::Codebook => "codebook",
         }
     }
 }
@@ -263,6 +267,8 @@ pub enum CodecSpec {
     Fp8(Fp8),
     /// See [`Fp4`].
     Fp4(Fp4),
+    /// See [`Codebook`].
+    Codebook(Codebook),
 }
 
 macro_rules! each_spec {
@@ -281,6 +287,7 @@ macro_rules! each_spec {
             CodecSpec::Dct($c) => $e,
             CodecSpec::Fp8($c) => $e,
             CodecSpec::Fp4($c) => $e,
+            CodecSpec::Codebook($c) => $e,
         }
     };
 }
@@ -327,6 +334,9 @@ impl CodecSpec {
             CodecId::Dct => CodecSpec::Dct(Dct::from_args(&mut args).map_err(&spec_err)?),
             CodecId::Fp8 => CodecSpec::Fp8(Fp8::from_args(&mut args).map_err(&spec_err)?),
             CodecId::Fp4 => CodecSpec::Fp4(Fp4::from_args(&mut args).map_err(&spec_err)?),
+            CodecId::Codebook => {
+                CodecSpec::Codebook(Codebook::from_args(&mut args).map_err(&spec_err)?)
+            }
         };
         args.finish(name).map_err(&spec_err)?;
         Ok(spec)
@@ -405,6 +415,13 @@ impl CodecSpec {
                 };
             }
             CodecSpec::Fp4(c) => {
+                return if a.is_finite() {
+                    c.error_bound(a)
+                } else {
+                    f64::INFINITY
+                };
+            }
+            CodecSpec::Codebook(c) => {
                 return if a.is_finite() {
                     c.error_bound(a)
                 } else {

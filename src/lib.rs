@@ -14,6 +14,7 @@
 //! | `bf16` | 16 | no (RNE) | bfloat16 | |
 //! | `fp8` | 8 + 32/block (f32 scale), 8 + 8/block (E8M0) | stochastic only | OCP FP8 E4M3 / E5M2 with a block scale | `format=e4m3` or `e5m2`; `block=128`; `scale=f32` `e8m0` `none`; `rounding=nearest` `stochastic` |
 //! | `fp4` | 4 + 8/block (E8M0), 4 + 32/block (f32) | stochastic only | 4-bit floats: E2M1 (OCP MXFP4) or E3M0, two per byte, with a block scale | `format=e2m1` or `e3m0`; `block=32`; `scale=e8m0` `f32`; `rounding=nearest` `stochastic` |
+//! | `codebook` | 8 + 8192/block | no | int8 codes into a per-block codebook of 256 bin means on mean ± 6 sd (INTELLECT-1) | `block=65536` |
 //! | `int8` | 8 + 32/block | stochastic only | absmax int8 | `block=256` `rounding=nearest` or `stochastic` |
 //! | `qsgd` | bits + 32/block | yes | QSGD (Alistarh et al. 2017) | `bits=2`, `4` or `8`; `block=512` |
 //! | `sign` | 1 + 32/block | no | 1-bit SGD / signSGD | `block=1024` |
@@ -115,9 +116,9 @@ pub mod unstable {
 
 pub use codec::{Checksummed, Codec, CodecId, CodecSpec, EncodeCtx, decode_limit};
 pub use codecs::{
-    Bf16, Dct, DctValues, Fp4, Fp4Format, Fp4Scale, Fp8, Fp8Format, Fp8Scale, Fp16, Identity,
-    IndexCoding, Int8, Natural, Qsgd, RandK, RandKScale, RandKSelect, Rounding, Selection, Sign,
-    Ternary, TopK, TopKSelect, ValueType,
+    Bf16, Codebook, Dct, DctValues, Fp4, Fp4Format, Fp4Scale, Fp8, Fp8Format, Fp8Scale, Fp16,
+    Identity, IndexCoding, Int8, Natural, Qsgd, RandK, RandKScale, RandKSelect, Rounding,
+    Selection, Sign, Ternary, TopK, TopKSelect, ValueType,
 };
 pub use error::{Error, Result};
 pub use feedback::{ErrorFeedback, FeedbackOptions, Residual, ResidualPrecision};

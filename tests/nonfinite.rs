@@ -126,8 +126,8 @@ fn check_policy(spec: &CodecSpec, x: &[f32], d: &[f32]) {
                 }
             }
         }
-        // fp8 with a scale, and fp4: block codecs.
-        CodecSpec::Fp8(_) | CodecSpec::Fp4(_) => {
+        // fp8 with a scale, fp4 and codebook: block codecs.
+        CodecSpec::Fp8(_) | CodecSpec::Fp4(_) | CodecSpec::Codebook(_) => {
             let b = block_of(spec);
             for (k, (xb, db)) in x.chunks(b).zip(d.chunks(b)).enumerate() {
                 if xb.iter().any(|v| !v.is_finite()) {

@@ -145,7 +145,7 @@ def decode(frame):
     flags, = struct.unpack_from("<H", frame, 6)
     n, plen, seed, offset = struct.unpack_from("<QQQQ", frame, 8)
     params = frame[40:52]
-    if codec > 12:
+    if codec > 13:
         raise Reject("codec id")
     if flags & ~3:
         raise Reject("reserved flags")
@@ -336,6 +336,16 @@ def decode(frame):
                 out[i] = s | 0x00400000
             else:
                 out[i] = f32_bits((-v if c & 8 else v) * bits_f32(s))
+    elif codec == 13:  # codebook (spec 3.14)
+        b = block()
+        zero_from(4)
+        if seed:
+            raise Reject("seed")
+        nb = -(-n // b)
+        want_len(1024 * nb + n)
+        books = step_bits(p, 0, 256 * nb)  # f32 entries; ±Inf rejected as for steps
+        for i in range(n):
+            out[i] = books[256 * (i // b) + p[1024 * nb + i]]  # the entry's bits
     elif codec == 8:  # topk
         k, = struct.unpack_from("<Q", params, 0)
         vt, w, coding = params[8], params[9], params[10]

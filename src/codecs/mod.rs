@@ -6,6 +6,7 @@
 //! the decode/decode_add split in one place.
 
 mod bf16;
+mod codebook;
 mod dct;
 pub(crate) mod fixed;
 mod fp16;
@@ -23,6 +24,7 @@ mod topk;
 mod values;
 
 pub use bf16::Bf16;
+pub use codebook::Codebook;
 pub use dct::{Dct, DctValues};
 pub use fp4::{Fp4, Fp4Format, Fp4Scale};
 pub use fp8::{Fp8, Fp8Format, Fp8Scale};
@@ -283,6 +285,10 @@ macro_rules! by_id {
             }
             CodecId::Fp4 => {
                 type $S = Fp4;
+                $e
+            }
+            CodecId::Codebook => {
+                type $S = Codebook;
                 $e
             }
         }

@@ -16,6 +16,7 @@
 #![allow(unsafe_code)]
 
 pub mod backend;
+pub mod codebook;
 pub mod dct;
 pub mod fp8;
 pub mod fpmode;

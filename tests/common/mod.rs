@@ -43,6 +43,8 @@ pub const SPECS: &[&str] = &[
     "fp4:block=16,scale=f32,rounding=stochastic",
     "fp4:format=e3m0,block=5",
     "fp4:format=e3m0,block=32,rounding=stochastic",
+    "codebook:block=64",
+    "codebook:block=7",
 ];
 
 pub fn specs() -> Vec<CodecSpec> {
@@ -71,6 +73,7 @@ pub fn block_of(spec: &CodecSpec) -> usize {
         CodecSpec::Natural(c) => c.block(),
         CodecSpec::Fp8(c) if c.block() > 1 => c.block(),
         CodecSpec::Fp4(c) => c.block(),
+        CodecSpec::Codebook(c) => c.block(),
         // A band of whole tiles.
         CodecSpec::Dct(c) => c.chunk() * (c.width() as usize).max(1),
         _ => 64,
@@ -223,6 +226,7 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
         }
         CodecSpec::Fp8(c) => return check_fp8(c, x, d),
         CodecSpec::Fp4(c) => return check_fp4(c, x, d),
+        CodecSpec::Codebook(c) => return check_codebook(c, x, d),
         CodecSpec::Ternary(c) => {
             for (b, xb) in x.chunks(c.block()).enumerate() {
                 let m = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -609,6 +613,8 @@ pub const GOLDEN: &[(&str, &str, u64, u64)] = &[
         0,
     ),
     ("fp4_e3m0_b16", "fp4:format=e3m0,block=16", 0, 0),
+    ("codebook_b64", "codebook:block=64", 0, 0),
+    ("codebook_b300", "codebook:block=300", 0, 0),
     ("randk_r01_f32", "randk:ratio=0.1", 42, 0),
     ("randk_r01_bf16", "randk:ratio=0.1,values=bf16", 42, 0),
     (
@@ -848,6 +854,62 @@ fn check_fp4(c: &gradpack::Fp4, x: &[f32], d: &[f32]) -> Result<(), String> {
             let e = (v as f64 - d[i] as f64).abs();
             if e > bound {
                 return what(format!("error {e:e} exceeds {bound:e}"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The `codebook` checks, from its definition: each decoded value is the mean of the
+/// elements sharing its code (so within their range), the same code gives the same
+/// value, and an element inside mean ± 6 sd in an interior bin is within one bin width.
+fn check_codebook(c: &gradpack::Codebook, x: &[f32], d: &[f32]) -> Result<(), String> {
+    for (b, (xb, db)) in x.chunks(c.block()).zip(d.chunks(c.block())).enumerate() {
+        let n = xb.len() as f64;
+        let mu = xb.iter().map(|&v| v as f64).sum::<f64>() / n;
+        let sd = (xb.iter().map(|&v| (v as f64 - mu).powi(2)).sum::<f64>() / n).sqrt();
+        let amax = xb.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
+        if sd > 0.0 {
+            // Each decoded value is the f32 mean of the elements that decode to it.
+            let mut groups: std::collections::BTreeMap<u32, (f64, f64)> = Default::default();
+            for (&v, &y) in xb.iter().zip(db) {
+                let g = groups.entry(y.to_bits()).or_default();
+                g.0 += v as f64;
+                g.1 += 1.0;
+            }
+            for (y, (sum, count)) in groups {
+                if ((sum / count) as f32).to_bits() != y {
+                    return Err(format!(
+                        "{c}: block {b}: {:e} is not the mean of its {count} elements ({:e})",
+                        f32::from_bits(y),
+                        sum / count
+                    ));
+                }
+            }
+        }
+        for (j, (&v, &y)) in xb.iter().zip(db).enumerate() {
+            let i = b * c.block() + j;
+            let e = (v as f64 - y as f64).abs();
+            let what = |w: String| Err(format!("{c}: element {i}: x = {v:e}, decoded {y:e}: {w}"));
+            if sd == 0.0 {
+                if y != v {
+                    return what("a constant block decodes exactly".into());
+                }
+                continue;
+            }
+            if e > 2.0 * amax * (1.0 + pow2(-20)) {
+                return what(format!("error {e:e} above twice the absmax"));
+            }
+            let w = 12.0 * sd / 256.0;
+            let t = (v as f64 - (mu - 6.0 * sd)) / w;
+            // Well inside an interior bin (clear of its edges by a little, so the f64
+            // binning of this check and of the encoder agree).
+            if t > 1.01
+                && t < 254.99
+                && (t - t.floor()).min(t.ceil() - t) > 1e-6
+                && e > w * (1.0 + 1e-6) + (y.abs() as f64) * pow2(-23)
+            {
+                return what(format!("error {e:e} above the bin width {w:e}"));
             }
         }
     }
