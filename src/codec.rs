@@ -678,6 +678,7 @@ pub const REPRESENTATIVE_SPECS: &[&str] = &[
     "bf16",
     "fp8",
     "fp4",
+    "codebook",
     "int8",
     "int8:rounding=stochastic",
     "qsgd:bits=8",

@@ -567,6 +567,17 @@ pub fn encode_fp8(
         b if b.kind() == BackendKind::Scalar => {
             fp8::encode(f, scale, block, x, draws, first, scales, codes)
         }
+        #[cfg(target_arch = "x86_64")]
+        b if x86_route(Op::EncodeFp8, b.kind()) == X86::Avx2 => simd_avx2(EncodeFp8 {
+            f,
+            scale,
+            block,
+            x,
+            draws,
+            first,
+            scales,
+            codes,
+        }),
         b => simd(
             b,
             EncodeFp8 {
@@ -596,6 +607,15 @@ pub fn decode_fp8<const M: u8>(
         b if b.kind() == BackendKind::Scalar => {
             fp8::decode_range::<M>(f, scale, block, scales, codes, out)
         }
+        #[cfg(target_arch = "x86_64")]
+        b if x86_route(Op::DecodeFp8, b.kind()) == X86::Avx2 => simd_avx2(DecodeFp8::<M> {
+            f,
+            scale,
+            block,
+            scales,
+            codes,
+            out,
+        }),
         b => simd(
             b,
             DecodeFp8::<M> {
@@ -627,6 +647,17 @@ pub fn encode_fp4(
         b if b.kind() == BackendKind::Scalar => {
             fp8::encode4_blocks::<false>(f, scale, block, x, draws, first, scales, codes)
         }
+        #[cfg(target_arch = "x86_64")]
+        b if x86_route(Op::EncodeFp4, b.kind()) == X86::Avx2 => simd_avx2(EncodeFp4 {
+            f,
+            scale,
+            block,
+            x,
+            draws,
+            first,
+            scales,
+            codes,
+        }),
         b => simd(
             b,
             EncodeFp4 {
@@ -656,6 +687,15 @@ pub fn decode_fp4<const M: u8>(
         b if b.kind() == BackendKind::Scalar => {
             fp8::decode4_blocks::<M>(f, scale, block, scales, codes, out)
         }
+        #[cfg(target_arch = "x86_64")]
+        b if x86_route(Op::DecodeFp4, b.kind()) == X86::Avx2 => simd_avx2(DecodeFp4::<M> {
+            f,
+            scale,
+            block,
+            scales,
+            codes,
+            out,
+        }),
         b => simd(
             b,
             DecodeFp4::<M> {
