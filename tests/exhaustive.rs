@@ -161,27 +161,48 @@ fn sixteen_bit_decodes_are_exact_for_every_code() {
 
 /// The fp8 and fp4 conversions the SIMD backends run on scaled blocks (branch-free, for
 /// quotients in `[-FMAX, FMAX]`) equal the definitions on every f32 of that range, for all
-/// four formats and both roundings (a draw derived from each pattern).
+/// four formats and both roundings (a draw derived from each pattern). Natively every
+/// pattern; under emulation (qemu for aarch64, where it would take many minutes) every
+/// 997th, the NEON frames being compared with the scalar ones in tests/backends.rs.
 #[test]
 fn fp8_in_range_conversions_match_the_definition_for_every_f32_in_range() {
     use kernels::fp8::{
         E2M1, E3M0, E4M3, E5M2, encode_nearest, encode_stochastic, nearest_in_range,
         stochastic_in_range,
     };
+    let stride: u32 = if cfg!(target_arch = "x86_64") { 1 } else { 997 };
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()) as u32;
     for f in [E4M3, E5M2, E2M1, E3M0] {
         let fmax = f.max().to_bits();
-        let bad = all_patterns(|b| {
-            if b & 0x7FFF_FFFF > fmax {
-                return true;
-            }
-            let y = f32::from_bits(b);
-            let h = gradpack::rng::lowbias32(b ^ 0x5bd1_e995);
-            nearest_in_range(f, y) == encode_nearest(f, y)
-                && stochastic_in_range(f, y, h) == encode_stochastic(f, y, h)
+        let check = |a: u32| {
+            [a, a | 0x8000_0000].into_iter().all(|b| {
+                let y = f32::from_bits(b);
+                let h = gradpack::rng::lowbias32(b ^ 0x5bd1_e995);
+                nearest_in_range(f, y) == encode_nearest(f, y)
+                    && stochastic_in_range(f, y, h) == encode_stochastic(f, y, h)
+            })
+        };
+        let bad = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let check = &check;
+                    s.spawn(move || {
+                        (t * stride..=fmax)
+                            .step_by((threads * stride) as usize)
+                            .find(|&a| !check(a))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .filter_map(|h| h.join().expect("worker panicked"))
+                .min()
         });
-        if let Some(b) = bad {
-            let y = f32::from_bits(b);
-            panic!("{f:?}: f32 {b:#010x} ({y:e}) converts differently");
+        if let Some(a) = bad {
+            panic!(
+                "{f:?}: ±{:e} ({a:#010x}) converts differently",
+                f32::from_bits(a)
+            );
         }
     }
 }

@@ -761,6 +761,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "millions of conversions: minutes under Miri")]
     fn nearest_equals_a_search_over_every_code() {
         // Every f32 whose low 13 bits follow a pattern, through both formats: all
         // exponents, the mantissa bits that decide rounding (ties and near-ties), signs.
@@ -780,6 +781,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "tens of thousands of draws: slow under Miri")]
     fn stochastic_rounds_to_a_neighbour_with_the_right_odds() {
         for f in [E4M3, E5M2] {
             for y in [0.3f32, 1.1, -5.7, 300.0, 2e-3, 1e-5, 447.0] {
@@ -807,6 +809,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "millions of conversions: minutes under Miri")]
     fn the_branch_free_conversions_equal_the_general_ones() {
         for f in [E4M3, E5M2] {
             for c in 0..=255u8 {
@@ -836,6 +839,7 @@ mod tests {
     /// converts, and beyond it the saturation): nearest equals a search over the codes,
     /// the branch-free forms equal the definitions, and the values are as specified.
     #[test]
+    #[cfg_attr(miri, ignore = "millions of conversions: minutes under Miri")]
     fn the_4_bit_formats_round_to_their_values() {
         let e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
         let e3m0 = [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0];
