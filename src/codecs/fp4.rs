@@ -44,7 +44,7 @@ use crate::codecs::int8::Rounding;
 use crate::error::{Error, Result};
 use crate::kernels::fp8::{self as k8, E2M1, E3M0, Format};
 use crate::rng::{Draws, STREAM_ROUNDING};
-use crate::wire::{HEADER_LEN, Header};
+use crate::wire::Header;
 
 /// Which 4-bit float.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -172,10 +172,7 @@ impl Fp4 {
             "f32" => Fp4Scale::F32,
             _ => Fp4Scale::E8m0,
         };
-        let rounding = match a.choice("rounding", "nearest", &["nearest", "stochastic"])? {
-            "stochastic" => Rounding::Stochastic,
-            _ => Rounding::Nearest,
-        };
+        let rounding = Rounding::from_args(a)?;
         Ok(Fp4 {
             format,
             block,
@@ -186,24 +183,12 @@ impl Fp4 {
 
     /// The per-element error bound for a block absmax `absmax` (see the module docs).
     pub(crate) fn error_bound(&self, absmax: f64) -> f64 {
-        let f = self.format.kernel();
-        let fmax = f64::from(f.max());
-        let m = f.m as i32;
-        let (rel, sub) = match self.rounding {
-            Rounding::Nearest => (2f64.powi(-(m + 1)), 2f64.powi(-f.bias - m)),
-            Rounding::Stochastic => (2f64.powi(-m), 2f64.powi(1 - f.bias - m)),
-        };
-        let s = match self.scale {
-            Fp4Scale::F32 => (absmax / fmax * (1.0 + 2f64.powi(-23))).max(2f64.powi(-126)),
-            Fp4Scale::E8m0 => {
-                // Decoded values stay below 2 absmax; past f32's range they overflow.
-                if 2.0 * absmax > f64::from(f32::MAX) {
-                    return f64::INFINITY;
-                }
-                (2.0 * absmax / fmax).max(2f64.powi(-127))
-            }
-        };
-        (rel * absmax + s * sub + 2f64.powi(-23) * absmax) * (1.0 + 2f64.powi(-20))
+        super::fp8::float_error_bound(
+            self.format.kernel(),
+            self.scale.kernel(),
+            self.rounding,
+            absmax,
+        )
     }
 }
 
@@ -218,10 +203,7 @@ impl fmt::Display for Fp4 {
                 Fp4Scale::E8m0 => "e8m0",
                 Fp4Scale::F32 => "f32",
             },
-            match self.rounding {
-                Rounding::Nearest => "nearest",
-                Rounding::Stochastic => "stochastic",
-            }
+            self.rounding.name()
         )
     }
 }
@@ -263,16 +245,7 @@ impl Scheme for Fp4 {
                 ));
             }
         };
-        let rounding = match h.params[6] {
-            0 => Rounding::Nearest,
-            1 => Rounding::Stochastic,
-            b => {
-                return Err(bad(
-                    "params.rounding",
-                    format!("{b} is not 0 (nearest) or 1 (stochastic)"),
-                ));
-            }
-        };
+        let rounding = Rounding::read(h, 6)?;
         h.params_zero_from(7)?;
         if rounding == Rounding::Nearest {
             h.seed_zero()?;
@@ -342,20 +315,7 @@ impl FixedRate for Fp4 {
     }
 
     fn validate(&self, h: &Header, scales: &[u8], codes: &[u8]) -> Result<()> {
-        if self.scale == Fp4Scale::F32 {
-            for (b, sc) in scales.chunks_exact(4).enumerate() {
-                let s = k8::scale_of(k8::Scale::F32, sc);
-                if s.is_infinite() || s.is_sign_negative() {
-                    return Err(Error::Corrupt {
-                        codec: h.codec,
-                        offset: HEADER_LEN + 4 * b,
-                        reason: format!(
-                            "the scale of block {b} is {s} (encoders write a finite scale >= 0 or NaN)"
-                        ),
-                    });
-                }
-            }
-        }
+        super::fp8::check_scales(h, self.scale.kernel(), scales)?;
         check_code_padding(h, scales, codes, 4)
     }
 

@@ -207,10 +207,7 @@ impl Fp8 {
                  block out)"
             ));
         }
-        let rounding = match a.choice("rounding", "nearest", &["nearest", "stochastic"])? {
-            "stochastic" => Rounding::Stochastic,
-            _ => Rounding::Nearest,
-        };
+        let rounding = Rounding::from_args(a)?;
         Ok(Fp8 {
             format,
             block,
@@ -223,35 +220,63 @@ impl Fp8 {
     /// infinity where the codec cannot bound it (`scale=none` past the largest finite
     /// value; decoded values past the f32 range).
     pub(crate) fn error_bound(&self, absmax: f64) -> f64 {
-        let f = self.format.kernel();
-        let fmax = f64::from(f.max());
-        let m = f.m as i32;
-        // The quotient's error: half an ulp (nearest) or one spacing (stochastic) of the
-        // quotient, plus half or one subnormal spacing, in units of the scale.
-        let (rel, sub) = match self.rounding {
-            Rounding::Nearest => (2f64.powi(-(m + 1)), 2f64.powi(-f.bias - m)),
-            Rounding::Stochastic => (2f64.powi(-m), 2f64.powi(1 - f.bias - m)),
-        };
-        let s = match self.scale {
-            Fp8Scale::None => {
-                if absmax > fmax {
-                    return f64::INFINITY;
-                }
-                1.0
-            }
-            // f32: at most absmax / FMAX rounded up, or 2^-126; e8m0: below 2 absmax /
-            // FMAX, or 2^-127.
-            Fp8Scale::F32 => (absmax / fmax * (1.0 + 2f64.powi(-23))).max(2f64.powi(-126)),
-            Fp8Scale::E8m0 => (2.0 * absmax / fmax).max(2f64.powi(-127)),
-        };
-        // E8M0: decoded values stay below 2 absmax; past f32's range they overflow (the
-        // f32 scale is chosen so that they cannot).
-        if self.scale == Fp8Scale::E8m0 && 2.0 * absmax > f64::from(f32::MAX) {
-            return f64::INFINITY;
-        }
-        // f32 roundings of the quotient and of the decoded product: 2^-23 of |x|.
-        (rel * absmax + s * sub + 2f64.powi(-23) * absmax) * (1.0 + 2f64.powi(-20))
+        float_error_bound(
+            self.format.kernel(),
+            self.scale.kernel(),
+            self.rounding,
+            absmax,
+        )
     }
+}
+
+/// The error bound of the small-float codecs (`fp8`, `fp4`) for a block absmax `absmax`:
+/// half an ulp (nearest) or one spacing (stochastic) of the quotient, plus half or one
+/// subnormal spacing, in units of the block scale, plus the f32 roundings of the quotient
+/// and the product; infinite without a scale past `FMAX`, and with an E8M0 scale past
+/// half of f32's range (where rounding up can overflow).
+pub(crate) fn float_error_bound(
+    f: Format,
+    scale: k8::Scale,
+    rounding: Rounding,
+    absmax: f64,
+) -> f64 {
+    let fmax = f64::from(f.max());
+    let m = f.m as i32;
+    let (rel, sub) = match rounding {
+        Rounding::Nearest => (2f64.powi(-(m + 1)), 2f64.powi(-f.bias - m)),
+        Rounding::Stochastic => (2f64.powi(-m), 2f64.powi(1 - f.bias - m)),
+    };
+    let s = match scale {
+        k8::Scale::None if absmax > fmax => return f64::INFINITY,
+        k8::Scale::None => 1.0,
+        // f32: at most absmax / FMAX rounded up, or 2^-126; E8M0: below 2 absmax / FMAX,
+        // or 2^-127.
+        k8::Scale::F32 => (absmax / fmax * (1.0 + 2f64.powi(-23))).max(2f64.powi(-126)),
+        k8::Scale::E8m0 if 2.0 * absmax > f64::from(f32::MAX) => return f64::INFINITY,
+        k8::Scale::E8m0 => (2.0 * absmax / fmax).max(2f64.powi(-127)),
+    };
+    (rel * absmax + s * sub + 2f64.powi(-23) * absmax) * (1.0 + 2f64.powi(-20))
+}
+
+/// Check the block scales of a small-float frame: an f32 scale must be `>= 0` or NaN (its
+/// sign bit clear, not `+Inf`); every E8M0 byte is valid.
+pub(crate) fn check_scales(h: &Header, scale: k8::Scale, scales: &[u8]) -> Result<()> {
+    if scale != k8::Scale::F32 {
+        return Ok(());
+    }
+    for (b, sc) in scales.chunks_exact(4).enumerate() {
+        let s = k8::scale_of(scale, sc);
+        if s.is_infinite() || s.is_sign_negative() {
+            return Err(Error::Corrupt {
+                codec: h.codec,
+                offset: HEADER_LEN + 4 * b,
+                reason: format!(
+                    "the scale of block {b} is {s} (encoders write a finite scale >= 0 or NaN)"
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 impl fmt::Display for Fp8 {
@@ -262,10 +287,7 @@ impl fmt::Display for Fp8 {
             self.format.name(),
             self.block,
             self.scale.name(),
-            match self.rounding {
-                Rounding::Nearest => "nearest",
-                Rounding::Stochastic => "stochastic",
-            }
+            self.rounding.name()
         )
     }
 }
@@ -314,16 +336,7 @@ impl Scheme for Fp8 {
                 format!("block size {block} with no scale (must be 1)"),
             ));
         }
-        let rounding = match h.params[6] {
-            0 => Rounding::Nearest,
-            1 => Rounding::Stochastic,
-            b => {
-                return Err(bad(
-                    "params.rounding",
-                    format!("{b} is not 0 (nearest) or 1 (stochastic)"),
-                ));
-            }
-        };
+        let rounding = Rounding::read(h, 6)?;
         h.params_zero_from(7)?;
         if rounding == Rounding::Nearest {
             h.seed_zero()?;
@@ -397,23 +410,7 @@ impl FixedRate for Fp8 {
     }
 
     fn validate(&self, h: &Header, scales: &[u8], codes: &[u8]) -> Result<()> {
-        let scale = self.scale.kernel();
-        let sb = scale.bytes();
-        for b in 0..scales.len() / sb.max(1) {
-            let sc = &scales[b * sb..(b + 1) * sb];
-            let s = k8::scale_of(scale, sc);
-            // Encoders write a finite non-negative scale or NaN (f32), and E8M0 bytes
-            // up to 254 or 255 (NaN).
-            if s.is_infinite() || s.is_sign_negative() {
-                return Err(Error::Corrupt {
-                    codec: h.codec,
-                    offset: HEADER_LEN + b * sb,
-                    reason: format!(
-                        "the scale of block {b} is {s} (encoders write a finite scale >= 0 or NaN)"
-                    ),
-                });
-            }
-        }
+        check_scales(h, self.scale.kernel(), scales)?;
         // With a scale, encoders clamp every quotient to ±FMAX: a NaN or ±Inf code is
         // refused (its product with a zero or NaN scale would depend on the CPU). One
         // branch-free pass finds whether there is one; a second, only then, where.

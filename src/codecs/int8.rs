@@ -37,7 +37,7 @@ pub enum Rounding {
 }
 
 impl Rounding {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Rounding::Nearest => "nearest",
             Rounding::Stochastic => "stochastic",
@@ -48,6 +48,29 @@ impl Rounding {
         match self {
             Rounding::Nearest => Round::Nearest,
             Rounding::Stochastic => Round::Stochastic,
+        }
+    }
+
+    /// The spec's `rounding=` (default nearest).
+    pub(crate) fn from_args(a: &mut Args) -> core::result::Result<Rounding, String> {
+        Ok(
+            match a.choice("rounding", "nearest", &["nearest", "stochastic"])? {
+                "stochastic" => Rounding::Stochastic,
+                _ => Rounding::Nearest,
+            },
+        )
+    }
+
+    /// The rounding in params byte `at` of a header: 0 nearest, 1 stochastic.
+    pub(crate) fn read(h: &Header, at: usize) -> Result<Rounding> {
+        match h.params[at] {
+            0 => Ok(Rounding::Nearest),
+            1 => Ok(Rounding::Stochastic),
+            r => Err(Error::BadField {
+                codec: h.codec,
+                field: "params.rounding",
+                reason: format!("{r} is not 0 (nearest) or 1 (stochastic)"),
+            }),
         }
     }
 }
@@ -89,10 +112,7 @@ impl Int8 {
 
     pub(crate) fn from_args(a: &mut Args) -> core::result::Result<Int8, String> {
         let block = a.uint("block", 256, 1..=MAX_BLOCK as u64)? as u32;
-        let rounding = match a.choice("rounding", "nearest", &["nearest", "stochastic"])? {
-            "stochastic" => Rounding::Stochastic,
-            _ => Rounding::Nearest,
-        };
+        let rounding = Rounding::from_args(a)?;
         Ok(Int8 { block, rounding })
     }
 }
@@ -120,17 +140,7 @@ impl Scheme for Int8 {
 
     fn read(h: &Header) -> Result<Int8> {
         let block = read_block(h)? as u32;
-        let rounding = match h.params[4] {
-            0 => Rounding::Nearest,
-            1 => Rounding::Stochastic,
-            r => {
-                return Err(Error::BadField {
-                    codec: h.codec,
-                    field: "params.rounding",
-                    reason: format!("{r} is not 0 (nearest) or 1 (stochastic)"),
-                });
-            }
-        };
+        let rounding = Rounding::read(h, 4)?;
         h.params_zero_from(5)?;
         if rounding == Rounding::Nearest {
             h.seed_zero()?;
