@@ -54,6 +54,7 @@ pub fn family(spec: &str) -> &'static str {
     match spec.split(':').next().unwrap_or(spec) {
         "fp16" | "bf16" => "fp16, bf16",
         "fp8" | "fp4" => "fp8, fp4",
+        "codebook" => "codebook",
         "int8" => "int8",
         "qsgd" => "QSGD",
         "natural" | "ternary" => "natural, ternary",
