@@ -903,7 +903,9 @@ mod tests {
                 5.0e-45,
             ] {
                 let k = e8m0_exponent(f, m.to_bits());
-                let fits = |k: i32| (m as f64) <= f.max() as f64 * f64::from_bits(((k + 1023) as u64) << 52);
+                let fits = |k: i32| {
+                    (m as f64) <= f.max() as f64 * f64::from_bits(((k + 1023) as u64) << 52)
+                };
                 assert!(fits(k), "{f:?} {m:e}: k {k}");
                 assert!(
                     k == -127 || !fits(k - 1),
