@@ -407,20 +407,9 @@ impl CodecSpec {
         };
         let (factor, add, max) = match self {
             // Its own analysis (the module docs of `fp8`), with its f32 roundings.
-            CodecSpec::Fp8(c) => {
-                return if a.is_finite() {
-                    c.error_bound(a)
-                } else {
-                    f64::INFINITY
-                };
-            }
-            CodecSpec::Fp4(c) => {
-                return if a.is_finite() {
-                    c.error_bound(a)
-                } else {
-                    f64::INFINITY
-                };
-            }
+            CodecSpec::Fp8(c) if a.is_finite() => return c.core().error_bound(a),
+            CodecSpec::Fp4(c) if a.is_finite() => return c.core().error_bound(a),
+            CodecSpec::Fp8(_) | CodecSpec::Fp4(_) => return f64::INFINITY,
             CodecSpec::Codebook(c) => {
                 return if a.is_finite() {
                     c.error_bound(a)

@@ -179,6 +179,7 @@ fn ids_names_and_spec_metadata_agree() {
             .unbiased()
     );
     assert!("fp4:scale=none".parse::<CodecSpec>().is_err());
+    assert!("fp4:block=15".parse::<CodecSpec>().is_err());
     assert!(
         "fp8:rounding=stochastic"
             .parse::<CodecSpec>()

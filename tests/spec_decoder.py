@@ -308,7 +308,7 @@ def decode(frame):
     elif codec == 12:  # fp4 (spec 3.13)
         b = block()
         fmt, scale, rnd = params[4], params[5], params[6]
-        if fmt not in (0, 1) or scale not in (0, 1) or rnd not in (0, 1):
+        if fmt not in (0, 1) or scale not in (0, 1) or rnd not in (0, 1) or b % 2:
             raise Reject("fp4 params")
         zero_from(7)
         if rnd == 0 and seed:

@@ -23,57 +23,22 @@
 //! A block holding NaN or ±Inf gets a codebook of NaN (`0x7FC00000`) and decodes to NaN
 //! in every element. A block whose elements are all equal decodes exactly.
 
-use core::fmt;
-
 use super::fixed::{self, FixedRate, Layout, by_mode};
-use super::{EncodeCtx, MAX_BLOCK, Scheme, block_params, check_block, expect_payload, read_block};
+use super::{
+    EncodeCtx, MAX_BLOCK, Scheme, block_only_codec, block_params, check_block, check_finite_f32s,
+    expect_payload, read_block,
+};
 use crate::codec::{Args, CodecId, CodecSpec};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::kernels::codebook::{self as kb, BOOK_BYTES};
 use crate::wire::{HEADER_LEN, Header};
 
-/// int8 codes into a per-block codebook of bin means (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Codebook {
-    block: u32,
-}
-
-impl Default for Codebook {
-    fn default() -> Self {
-        Codebook { block: 65536 }
-    }
-}
-
-impl Codebook {
-    /// A codebook per block of `block` elements (1..=2^24).
-    pub fn new(block: usize) -> Result<Codebook> {
-        Ok(Codebook {
-            block: check_block(CodecId::Codebook, block)?,
-        })
-    }
-
-    /// Elements per block (one codebook each).
-    pub fn block(&self) -> usize {
-        self.block as usize
-    }
-
-    pub(crate) fn from_args(a: &mut Args) -> core::result::Result<Codebook, String> {
-        let block = a.uint("block", 65536, 1..=MAX_BLOCK as u64)? as u32;
-        Ok(Codebook { block })
-    }
-}
-
-impl fmt::Display for Codebook {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "codebook:block={}", self.block)
-    }
-}
-
-impl From<Codebook> for CodecSpec {
-    fn from(c: Codebook) -> CodecSpec {
-        CodecSpec::Codebook(c)
-    }
-}
+block_only_codec!(
+    /// int8 codes into a per-block codebook of bin means (see the module docs).
+    Codebook,
+    Codebook,
+    default_block = 65536
+);
 
 impl Scheme for Codebook {
     const ID: CodecId = CodecId::Codebook;
@@ -125,25 +90,8 @@ impl FixedRate for Codebook {
     }
 
     fn validate(&self, h: &Header, books: &[u8], _codes: &[u8]) -> Result<()> {
-        // Encoders write finite entries or NaN: an infinite entry is refused.
-        let infinite =
-            |e: &[u8]| u32::from_le_bytes([e[0], e[1], e[2], e[3]]) & 0x7FFF_FFFF == 0x7F80_0000;
-        if books
-            .chunks_exact(4)
-            .fold(false, |any, e| any | infinite(e))
-        {
-            let i = books.chunks_exact(4).position(infinite).unwrap_or(0);
-            return Err(Error::Corrupt {
-                codec: h.codec,
-                offset: HEADER_LEN + 4 * i,
-                reason: format!(
-                    "entry {} of codebook {} is ±Inf (encoders write finite entries or NaN)",
-                    i % 256,
-                    i / 256
-                ),
-            });
-        }
-        Ok(())
+        // Encoders write finite entries or NaN.
+        check_finite_f32s(h, books, HEADER_LEN, "codebook entry")
     }
 
     fn decode_sections(&self, m: u8, books: &[u8], codes: &[u8], out: &mut [f32]) {

@@ -3,7 +3,7 @@
 //!
 //! Spec: `fp4:format=e2m1|e3m0,block=B,scale=e8m0|f32,rounding=nearest|stochastic`
 //! (defaults `e2m1`, 32, `e8m0`, `nearest`: OCP MXFP4's layout of blocks of 32 with a
-//! power-of-two scale).
+//! power-of-two scale). `B` is even, so that every block is whole bytes of codes.
 //!
 //! Values: E2M1 (1 mantissa bit, bias 1) holds 0, 0.5, 1, 1.5, 2, 3, 4 and 6 with a sign;
 //! E3M0 (bias 3) holds 0 and the powers of two 2^-2 to 2^4 with a sign (Streaming
@@ -34,16 +34,15 @@
 
 use core::fmt;
 
-use super::fixed::{self, FixedRate, Layout, by_mode};
+use super::fixed::{self, FixedRate, Layout};
+use super::fp8::SmallFloat;
 use super::{
-    EncodeCtx, MAX_BLOCK, Scheme, block_params, check_block, check_code_padding, expect_payload,
-    read_block,
+    EncodeCtx, MAX_BLOCK, Scheme, check_block, check_code_padding, expect_payload, read_block,
 };
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::codecs::int8::Rounding;
 use crate::error::{Error, Result};
 use crate::kernels::fp8::{self as k8, E2M1, E3M0, Format};
-use crate::rng::{Draws, STREAM_ROUNDING};
 use crate::wire::Header;
 
 /// Which 4-bit float.
@@ -127,16 +126,25 @@ impl Default for Fp4 {
 }
 
 impl Fp4 {
-    /// fp4 in `format` with blocks of `block` elements (1..=2^24).
+    /// fp4 in `format` with blocks of `block` elements (even, 2..=2^24: a block is whole
+    /// bytes of codes).
     pub fn new(
         format: Fp4Format,
         block: usize,
         scale: Fp4Scale,
         rounding: Rounding,
     ) -> Result<Fp4> {
+        let block = check_block(CodecId::Fp4, block)?;
+        if !block.is_multiple_of(2) {
+            return Err(Error::Param {
+                codec: CodecId::Fp4,
+                name: "block",
+                reason: format!("{block} is odd (a block is whole bytes of 4-bit codes)"),
+            });
+        }
         Ok(Fp4 {
             format,
-            block: check_block(CodecId::Fp4, block)?,
+            block,
             scale,
             rounding,
         })
@@ -168,6 +176,11 @@ impl Fp4 {
             _ => Fp4Format::E2m1,
         };
         let block = a.uint("block", 32, 1..=MAX_BLOCK as u64)? as u32;
+        if !block.is_multiple_of(2) {
+            return Err(format!(
+                "block={block} is odd: a block is whole bytes of 4-bit codes (use an even block)"
+            ));
+        }
         let scale = match a.choice("scale", "e8m0", &["e8m0", "f32"])? {
             "f32" => Fp4Scale::F32,
             _ => Fp4Scale::E8m0,
@@ -181,14 +194,15 @@ impl Fp4 {
         })
     }
 
-    /// The per-element error bound for a block absmax `absmax` (see the module docs).
-    pub(crate) fn error_bound(&self, absmax: f64) -> f64 {
-        super::fp8::float_error_bound(
-            self.format.kernel(),
-            self.scale.kernel(),
-            self.rounding,
-            absmax,
-        )
+    /// The shared small-float core.
+    pub(crate) fn core(&self) -> SmallFloat {
+        SmallFloat {
+            f: self.format.kernel(),
+            scale: self.scale.kernel(),
+            four: true,
+            block: self.block,
+            rounding: self.rounding,
+        }
     }
 }
 
@@ -225,6 +239,9 @@ impl Scheme for Fp4 {
             field,
             reason,
         };
+        if !block.is_multiple_of(2) {
+            return Err(bad("params.block", format!("block size {block} is odd")));
+        }
         let format = match h.params[4] {
             0 => Fp4Format::E2m1,
             1 => Fp4Format::E3m0,
@@ -267,10 +284,7 @@ impl Scheme for Fp4 {
 
 impl FixedRate for Fp4 {
     fn params(&self) -> [u8; 12] {
-        let mut p = block_params(self.block, self.format as u8);
-        p[5] = self.scale as u8;
-        p[6] = (self.rounding == Rounding::Stochastic) as u8;
-        p
+        self.core().params(self.format as u8, self.scale as u8)
     }
 
     fn seeded(&self) -> bool {
@@ -278,19 +292,11 @@ impl FixedRate for Fp4 {
     }
 
     fn encode_weight(&self) -> usize {
-        if self.rounding == Rounding::Stochastic {
-            8
-        } else {
-            4
-        }
+        self.core().encode_weight()
     }
 
     fn layout(&self) -> Layout {
-        Layout {
-            block: self.block as usize,
-            scale_bytes: self.scale.kernel().bytes(),
-            bits: 4,
-        }
+        self.core().layout()
     }
 
     fn encode_sections(
@@ -300,31 +306,15 @@ impl FixedRate for Fp4 {
         scales: &mut [u8],
         codes: &mut [u8],
     ) -> bool {
-        let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
-        let draws = (self.rounding == Rounding::Stochastic).then_some(&draws);
-        crate::kernels::encode_fp4(
-            self.format.kernel(),
-            self.scale.kernel(),
-            self.block as usize,
-            x,
-            draws,
-            ctx.offset,
-            scales,
-            codes,
-        )
+        self.core().encode(x, ctx, scales, codes)
     }
 
     fn validate(&self, h: &Header, scales: &[u8], codes: &[u8]) -> Result<()> {
-        super::fp8::check_scales(h, self.scale.kernel(), scales)?;
+        self.core().check_scales(h, scales)?;
         check_code_padding(h, scales, codes, 4)
     }
 
     fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]) {
-        let (f, scale, block) = (
-            self.format.kernel(),
-            self.scale.kernel(),
-            self.block as usize,
-        );
-        by_mode!(m, M => crate::kernels::decode_fp4::<M>(f, scale, block, scales, codes, out))
+        self.core().decode(m, scales, codes, out)
     }
 }

@@ -216,67 +216,112 @@ impl Fp8 {
         })
     }
 
-    /// The per-element error bound for a block absmax `absmax` (see the module docs), or
-    /// infinity where the codec cannot bound it (`scale=none` past the largest finite
-    /// value; decoded values past the f32 range).
-    pub(crate) fn error_bound(&self, absmax: f64) -> f64 {
-        float_error_bound(
-            self.format.kernel(),
-            self.scale.kernel(),
-            self.rounding,
-            absmax,
-        )
-    }
-}
-
-/// The error bound of the small-float codecs (`fp8`, `fp4`) for a block absmax `absmax`:
-/// half an ulp (nearest) or one spacing (stochastic) of the quotient, plus half or one
-/// subnormal spacing, in units of the block scale, plus the f32 roundings of the quotient
-/// and the product; infinite without a scale past `FMAX`, and with an E8M0 scale past
-/// half of f32's range (where rounding up can overflow).
-pub(crate) fn float_error_bound(
-    f: Format,
-    scale: k8::Scale,
-    rounding: Rounding,
-    absmax: f64,
-) -> f64 {
-    let fmax = f64::from(f.max());
-    let m = f.m as i32;
-    let (rel, sub) = match rounding {
-        Rounding::Nearest => (2f64.powi(-(m + 1)), 2f64.powi(-f.bias - m)),
-        Rounding::Stochastic => (2f64.powi(-m), 2f64.powi(1 - f.bias - m)),
-    };
-    let s = match scale {
-        k8::Scale::None if absmax > fmax => return f64::INFINITY,
-        k8::Scale::None => 1.0,
-        // f32: at most absmax / FMAX rounded up, or 2^-126; E8M0: below 2 absmax / FMAX,
-        // or 2^-127.
-        k8::Scale::F32 => (absmax / fmax * (1.0 + 2f64.powi(-23))).max(2f64.powi(-126)),
-        k8::Scale::E8m0 if 2.0 * absmax > f64::from(f32::MAX) => return f64::INFINITY,
-        k8::Scale::E8m0 => (2.0 * absmax / fmax).max(2f64.powi(-127)),
-    };
-    (rel * absmax + s * sub + 2f64.powi(-23) * absmax) * (1.0 + 2f64.powi(-20))
-}
-
-/// Check the block scales of a small-float frame: an f32 scale must be `>= 0` or NaN (its
-/// sign bit clear, not `+Inf`); every E8M0 byte is valid.
-pub(crate) fn check_scales(h: &Header, scale: k8::Scale, scales: &[u8]) -> Result<()> {
-    if scale != k8::Scale::F32 {
-        return Ok(());
-    }
-    for (b, sc) in scales.chunks_exact(4).enumerate() {
-        let s = k8::scale_of(scale, sc);
-        if s.is_infinite() || s.is_sign_negative() {
-            return Err(Error::Corrupt {
-                codec: h.codec,
-                offset: HEADER_LEN + 4 * b,
-                reason: format!(
-                    "the scale of block {b} is {s} (encoders write a finite scale >= 0 or NaN)"
-                ),
-            });
+    /// The shared small-float core.
+    pub(crate) fn core(&self) -> SmallFloat {
+        SmallFloat {
+            f: self.format.kernel(),
+            scale: self.scale.kernel(),
+            four: false,
+            block: self.block,
+            rounding: self.rounding,
         }
     }
-    Ok(())
+}
+
+/// What `fp8` and `fp4` share: a small-float format with a block scale (or none), one or
+/// two codes per byte, and a rounding.
+#[derive(Clone, Copy)]
+pub(crate) struct SmallFloat {
+    pub f: Format,
+    pub scale: k8::Scale,
+    /// 4-bit codes, two per byte (`fp4`).
+    pub four: bool,
+    pub block: u32,
+    pub rounding: Rounding,
+}
+
+impl SmallFloat {
+    fn stochastic(&self) -> bool {
+        self.rounding == Rounding::Stochastic
+    }
+
+    /// Header params: `block`, then the codec's format and scale bytes, then rounding.
+    pub fn params(&self, format: u8, scale: u8) -> [u8; 12] {
+        let mut p = block_params(self.block, format);
+        p[5] = scale;
+        p[6] = self.stochastic() as u8;
+        p
+    }
+
+    pub fn encode_weight(&self) -> usize {
+        if self.stochastic() { 8 } else { 4 }
+    }
+
+    pub fn layout(&self) -> Layout {
+        Layout {
+            block: self.block as usize,
+            scale_bytes: self.scale.bytes(),
+            bits: if self.four { 4 } else { 8 },
+        }
+    }
+
+    pub fn encode(&self, x: &[f32], ctx: &EncodeCtx, scales: &mut [u8], codes: &mut [u8]) -> bool {
+        let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
+        let draws = self.stochastic().then_some(&draws);
+        let (f, scale, four, block) = (self.f, self.scale, self.four, self.block as usize);
+        crate::kernels::encode_float(f, scale, four, block, x, draws, ctx.offset, scales, codes)
+    }
+
+    pub fn decode(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]) {
+        let (f, scale, four, block) = (self.f, self.scale, self.four, self.block as usize);
+        by_mode!(m, M => crate::kernels::decode_float::<M>(f, scale, four, block, scales, codes, out))
+    }
+
+    /// The error bound for a block absmax `absmax`: half an ulp (nearest) or one spacing
+    /// (stochastic) of the quotient, plus half or one subnormal spacing, in units of the
+    /// block scale, plus the f32 roundings of the quotient and the product; infinite
+    /// without a scale past `FMAX`, and with an E8M0 scale past half of f32's range
+    /// (where rounding up can overflow).
+    pub fn error_bound(&self, absmax: f64) -> f64 {
+        let f = self.f;
+        let fmax = f64::from(f.max());
+        let m = f.m as i32;
+        let (rel, sub) = match self.rounding {
+            Rounding::Nearest => (2f64.powi(-(m + 1)), 2f64.powi(-f.bias - m)),
+            Rounding::Stochastic => (2f64.powi(-m), 2f64.powi(1 - f.bias - m)),
+        };
+        let s = match self.scale {
+            k8::Scale::None if absmax > fmax => return f64::INFINITY,
+            k8::Scale::None => 1.0,
+            // f32: at most absmax / FMAX rounded up, or 2^-126; E8M0: below 2 absmax /
+            // FMAX, or 2^-127.
+            k8::Scale::F32 => (absmax / fmax * (1.0 + 2f64.powi(-23))).max(2f64.powi(-126)),
+            k8::Scale::E8m0 if 2.0 * absmax > f64::from(f32::MAX) => return f64::INFINITY,
+            k8::Scale::E8m0 => (2.0 * absmax / fmax).max(2f64.powi(-127)),
+        };
+        (rel * absmax + s * sub + 2f64.powi(-23) * absmax) * (1.0 + 2f64.powi(-20))
+    }
+
+    /// Check the block scales: an f32 scale must be `>= 0` or NaN (its sign bit clear, not
+    /// `+Inf`); every E8M0 byte is valid.
+    pub fn check_scales(&self, h: &Header, scales: &[u8]) -> Result<()> {
+        if self.scale != k8::Scale::F32 {
+            return Ok(());
+        }
+        for (b, sc) in scales.chunks_exact(4).enumerate() {
+            let s = k8::scale_of(self.scale, sc);
+            if s.is_infinite() || s.is_sign_negative() {
+                return Err(Error::Corrupt {
+                    codec: h.codec,
+                    offset: HEADER_LEN + 4 * b,
+                    reason: format!(
+                        "the scale of block {b} is {s} (encoders write a finite scale >= 0 or NaN)"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 impl fmt::Display for Fp8 {
@@ -358,14 +403,12 @@ impl Scheme for Fp8 {
 
 impl FixedRate for Fp8 {
     fn params(&self) -> [u8; 12] {
-        let mut p = block_params(self.block, self.format as u8);
-        p[5] = match self.scale {
+        let scale = match self.scale {
             Fp8Scale::F32 => 0,
             Fp8Scale::E8m0 => 1,
             Fp8Scale::None => 2,
         };
-        p[6] = (self.rounding == Rounding::Stochastic) as u8;
-        p
+        self.core().params(self.format as u8, scale)
     }
 
     fn seeded(&self) -> bool {
@@ -373,19 +416,11 @@ impl FixedRate for Fp8 {
     }
 
     fn encode_weight(&self) -> usize {
-        if self.rounding == Rounding::Stochastic {
-            8
-        } else {
-            4
-        }
+        self.core().encode_weight()
     }
 
     fn layout(&self) -> Layout {
-        Layout {
-            block: self.block as usize,
-            scale_bytes: self.scale.kernel().bytes(),
-            bits: 8,
-        }
+        self.core().layout()
     }
 
     fn encode_sections(
@@ -395,22 +430,11 @@ impl FixedRate for Fp8 {
         scales: &mut [u8],
         codes: &mut [u8],
     ) -> bool {
-        let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
-        let draws = (self.rounding == Rounding::Stochastic).then_some(&draws);
-        crate::kernels::encode_fp8(
-            self.format.kernel(),
-            self.scale.kernel(),
-            self.block as usize,
-            x,
-            draws,
-            ctx.offset,
-            scales,
-            codes,
-        )
+        self.core().encode(x, ctx, scales, codes)
     }
 
     fn validate(&self, h: &Header, scales: &[u8], codes: &[u8]) -> Result<()> {
-        check_scales(h, self.scale.kernel(), scales)?;
+        self.core().check_scales(h, scales)?;
         // With a scale, encoders clamp every quotient to ±FMAX: a NaN or ±Inf code is
         // refused (its product with a zero or NaN scale would depend on the CPU). One
         // branch-free pass finds whether there is one; a second, only then, where.
@@ -436,11 +460,6 @@ impl FixedRate for Fp8 {
     }
 
     fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]) {
-        let (f, scale, block) = (
-            self.format.kernel(),
-            self.scale.kernel(),
-            self.block as usize,
-        );
-        by_mode!(m, M => crate::kernels::decode_fp8::<M>(f, scale, block, scales, codes, out))
+        self.core().decode(m, scales, codes, out)
     }
 }

@@ -510,19 +510,26 @@ pub(crate) fn signmag_sections(
 /// write a finite step or NaN; an infinite one would decode a zero code as `0 * Inf`,
 /// whose NaN bits differ between x86 and Arm.
 pub(crate) fn check_steps(h: &Header, steps: &[u8], at: usize) -> Result<()> {
+    check_finite_f32s(h, steps, at, "the step of block")
+}
+
+/// Refuse ±Inf in a section of little-endian f32 at frame offset `at` (block steps,
+/// codebook entries: encoders write finite values or NaN); `what` names the `b`-th value
+/// in the error (`the step of block`).
+pub(crate) fn check_finite_f32s(h: &Header, values: &[u8], at: usize, what: &str) -> Result<()> {
     let infinite =
         |s: &[u8]| u32::from_le_bytes([s[0], s[1], s[2], s[3]]) & 0x7FFF_FFFF == 0x7F80_0000;
-    if !steps
+    if !values
         .chunks_exact(4)
         .fold(false, |any, s| any | infinite(s))
     {
         return Ok(());
     }
-    let b = steps.chunks_exact(4).position(infinite).unwrap_or(0);
+    let b = values.chunks_exact(4).position(infinite).unwrap_or(0);
     Err(Error::Corrupt {
         codec: h.codec,
         offset: at + 4 * b,
-        reason: format!("the step of block {b} is ±Inf (encoders write a finite step or NaN)"),
+        reason: format!("{what} {b} is ±Inf (encoders write finite values or NaN)"),
     })
 }
 

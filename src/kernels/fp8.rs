@@ -78,7 +78,7 @@ impl Format {
 
     /// The largest finite value.
     pub fn max(self) -> f32 {
-        decode(self, self.max_code)
+        value(self, self.max_code)
     }
 
     /// The exponent of the largest finite value's binade (E4M3: 8, E5M2: 15).
@@ -100,7 +100,7 @@ pub fn pow2(k: i32) -> f32 {
 
 /// The f32 value of `code` in format `f` (exact: every FP8 value is an f32).
 #[inline(always)]
-pub fn decode(f: Format, code: u8) -> f32 {
+pub fn value(f: Format, code: u8) -> f32 {
     let sign = ((code & 0x80) as u32) << 24;
     let mag = code & 0x7F;
     let e = (mag >> f.m) as i32;
@@ -384,35 +384,26 @@ impl Quotient {
     }
 }
 
-/// Encode one range of whole blocks: scales (`scale.bytes()` per block) and one code per
-/// element. `first` is the global index of `x[0]` (for the stochastic draws, `None` for
-/// nearest). True when `x` held NaN or ±Inf.
+/// Encode one range of whole blocks: scales (`scale.bytes()` per block), then the codes:
+/// one byte per element, or with `four` (a 4-bit format, `f` is [`E2M1`] or [`E3M0`],
+/// with a scale and an even `block`) two per byte, element `j` in the low nibble of byte
+/// `j / 2` when `j` is even and the high nibble when odd (the range starts on a byte).
+/// `first` is the global index of `x[0]` (for the stochastic draws; `None` for nearest).
+/// True when `x` held NaN or ±Inf.
 ///
 /// A block holding NaN or ±Inf gets a NaN scale (f32 `0x7FC00000`, E8M0 `0xFF`) and zero
 /// codes: all its elements decode to NaN. An all-zero block gets scale 0 (E8M0: `2^-127`)
 /// and zero codes. With [`Scale::None`] every element is converted alone.
-#[allow(clippy::too_many_arguments)]
-pub fn encode(
-    f: Format,
-    scale: Scale,
-    block: usize,
-    x: &[f32],
-    draws: Option<&Draws>,
-    first: u64,
-    scales: &mut [u8],
-    codes: &mut [u8],
-) -> bool {
-    encode_blocks::<false>(f, scale, block, x, draws, first, scales, codes)
-}
-
-/// [`encode`] with the scaled blocks' elements converted by the branch-free
-/// [`nearest_in_range`] and [`stochastic_in_range`] when `FAST` (the SIMD backends
-/// compile it with their instruction sets; the result is the same bytes).
+///
+/// With `FAST` the scaled blocks' elements are converted by the branch-free
+/// [`nearest_in_range`] and [`stochastic_in_range`] (the SIMD backends compile it with
+/// their instruction sets); the bytes are the same.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub fn encode_blocks<const FAST: bool>(
+pub fn encode<const FAST: bool>(
     f: Format,
     scale: Scale,
+    four: bool,
     block: usize,
     x: &[f32],
     draws: Option<&Draws>,
@@ -420,212 +411,104 @@ pub fn encode_blocks<const FAST: bool>(
     scales: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    let code = |y: f32, i: u64| match draws {
-        None => encode_nearest(f, y),
-        Some(d) => encode_stochastic(f, y, d.draw(i)),
-    };
     if scale == Scale::None {
         let mut nonfinite = false;
         for (j, (c, &v)) in codes.iter_mut().zip(x).enumerate() {
             nonfinite |= !v.is_finite();
-            *c = code(v, first + j as u64);
+            *c = general(f, draws, v, first + j as u64);
         }
         return nonfinite;
     }
     let sb = scale.bytes();
+    let per_block = if four { block / 2 } else { block };
     let mut nonfinite = false;
-    for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
-        let sc = &mut scales[b * sb..(b + 1) * sb];
-        let start = first + (b * block) as u64;
-        match BlockScale::abs_max(xb) {
-            BlockScale::NonFinite => {
-                nonfinite = true;
-                non_finite_scale(scale, sc);
-                cb.fill(0);
-            }
-            BlockScale::Zero => {
-                sc.fill(0);
-                cb.fill(0);
-            }
-            BlockScale::Of(m) => {
-                let q = Quotient::new(f, scale, m, sc);
-                let y = |v: f32| q.of(v);
-                let one_window = start >> 32 == (start + xb.len() as u64 - 1) >> 32;
-                match draws {
-                    None if FAST => {
-                        for (c, &v) in cb.iter_mut().zip(xb) {
-                            *c = nearest_in_range(f, y(v));
-                        }
-                    }
-                    Some(d) if FAST && one_window => {
-                        let key = d.key_for(start);
-                        for (j, (c, &v)) in cb.iter_mut().zip(xb).enumerate() {
-                            let h =
-                                crate::rng::lowbias32((start as u32).wrapping_add(j as u32) ^ key);
-                            *c = stochastic_in_range(f, y(v), h);
-                        }
-                    }
-                    _ => {
-                        for (j, (c, &v)) in cb.iter_mut().zip(xb).enumerate() {
-                            *c = code(y(v), start + j as u64);
-                        }
-                    }
-                }
-            }
-        }
-    }
-    nonfinite
-}
-
-/// Encode one range of whole blocks of a 4-bit format (`f` is [`E2M1`] or [`E3M0`], with a
-/// scale): scales, then 4-bit codes two per byte, element `j` in the low nibble of byte
-/// `j / 2` when `j` is even and the high nibble when odd (the range starts on a byte).
-/// Non-finite and all-zero blocks as [`encode`]; the codes are those of the 8-bit layout
-/// functions, narrowed. With `FAST` and an even block, the branch-free conversions.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-pub fn encode4_blocks<const FAST: bool>(
-    f: Format,
-    scale: Scale,
-    block: usize,
-    x: &[f32],
-    draws: Option<&Draws>,
-    first: u64,
-    scales: &mut [u8],
-    codes: &mut [u8],
-) -> bool {
-    let sb = scale.bytes();
-    let mut nonfinite = false;
-    let general = |y: f32, i: u64| match draws {
-        None => encode_nearest(f, y),
-        Some(d) => encode_stochastic(f, y, d.draw(i)),
-    };
-    if FAST && block.is_multiple_of(2) {
-        for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block / 2)).enumerate() {
-            let sc = &mut scales[b * sb..(b + 1) * sb];
-            let start = first + (b * block) as u64;
-            let q = match BlockScale::abs_max(xb) {
-                BlockScale::NonFinite => {
-                    nonfinite = true;
-                    non_finite_scale(scale, sc);
-                    cb.fill(0);
-                    continue;
-                }
-                BlockScale::Zero => {
-                    sc.fill(0);
-                    cb.fill(0);
-                    continue;
-                }
-                BlockScale::Of(m) => Quotient::new(f, scale, m, sc),
-            };
-            let one_window = start >> 32 == (start + xb.len() as u64 - 1) >> 32;
-            // A last block of odd length leaves one element alone.
-            let pairs = xb.chunks_exact(2);
-            let odd = pairs.remainder().first().copied();
-            match draws {
-                None => {
-                    for (c, p) in cb.iter_mut().zip(pairs) {
-                        let lo = narrow4(nearest_in_range(f, q.of(p[0])));
-                        let hi = narrow4(nearest_in_range(f, q.of(p[1])));
-                        *c = lo | hi << 4;
-                    }
-                }
-                Some(d) if one_window => {
-                    let key = d.key_for(start);
-                    let h = |j: usize| {
-                        crate::rng::lowbias32((start as u32).wrapping_add(j as u32) ^ key)
-                    };
-                    for (j, (c, p)) in cb.iter_mut().zip(pairs).enumerate() {
-                        let lo = narrow4(stochastic_in_range(f, q.of(p[0]), h(2 * j)));
-                        let hi = narrow4(stochastic_in_range(f, q.of(p[1]), h(2 * j + 1)));
-                        *c = lo | hi << 4;
-                    }
-                }
-                Some(_) => {
-                    for (j, (c, p)) in cb.iter_mut().zip(pairs).enumerate() {
-                        let at = start + 2 * j as u64;
-                        let lo = narrow4(general(q.of(p[0]), at));
-                        let hi = narrow4(general(q.of(p[1]), at + 1));
-                        *c = lo | hi << 4;
-                    }
-                }
-            }
-            if let Some(v) = odd {
-                let j = xb.len() - 1;
-                cb[j / 2] = narrow4(general(q.of(v), start + j as u64));
-            }
-        }
-        return nonfinite;
-    }
-    codes.fill(0);
-    for (b, xb) in x.chunks(block).enumerate() {
+    for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(per_block)).enumerate() {
         let sc = &mut scales[b * sb..(b + 1) * sb];
         let start = first + (b * block) as u64;
         let q = match BlockScale::abs_max(xb) {
             BlockScale::NonFinite => {
                 nonfinite = true;
-                non_finite_scale(scale, sc);
+                match scale {
+                    Scale::F32 => sc.copy_from_slice(&0x7FC0_0000u32.to_le_bytes()),
+                    _ => sc[0] = 0xFF,
+                }
+                cb.fill(0);
                 continue;
             }
             BlockScale::Zero => {
                 sc.fill(0);
+                cb.fill(0);
                 continue;
             }
             BlockScale::Of(m) => Quotient::new(f, scale, m, sc),
         };
-        for (j, &v) in xb.iter().enumerate() {
-            let e = b * block + j;
-            codes[e / 2] |= narrow4(general(q.of(v), start + j as u64)) << (4 * (e % 2));
+        if !four {
+            convert::<FAST>(f, q, xb, draws, start, cb);
+            continue;
+        }
+        // 4-bit: convert a tile into the 8-bit layout on the stack, then pack its pairs.
+        const TILE: usize = 64;
+        let mut tile = [0u8; TILE];
+        for (t, (xt, ct)) in xb.chunks(TILE).zip(cb.chunks_mut(TILE / 2)).enumerate() {
+            let codes8 = &mut tile[..xt.len()];
+            convert::<FAST>(f, q, xt, draws, start + (t * TILE) as u64, codes8);
+            let pairs = codes8.chunks_exact(2);
+            // The last block of a range can be odd: its last code has a zero high nibble.
+            if let Some(&last) = pairs.remainder().first() {
+                ct[xt.len() / 2] = narrow4(last);
+            }
+            // narrow4(p[0]) | narrow4(p[1]) << 4 on the pair as one u16 (the form the
+            // compilers vectorise): magnitudes from bits 0..3 and 8..11, signs from 7, 15.
+            for (c, p) in ct.iter_mut().zip(pairs) {
+                let w = u16::from_le_bytes([p[0], p[1]]);
+                *c = ((w & 0x07) | ((w >> 4) & 0x78) | ((w >> 8) & 0x80)) as u8;
+            }
         }
     }
     nonfinite
 }
 
-/// The NaN scale of a block that held NaN or ±Inf.
+/// The general conversion of `y` (element `i`): [`encode_nearest`], or
+/// [`encode_stochastic`] with element `i`'s draw.
 #[inline(always)]
-fn non_finite_scale(scale: Scale, sc: &mut [u8]) {
-    match scale {
-        Scale::F32 => sc.copy_from_slice(&0x7FC0_0000u32.to_le_bytes()),
-        _ => sc[0] = 0xFF,
+fn general(f: Format, draws: Option<&Draws>, y: f32, i: u64) -> u8 {
+    match draws {
+        None => encode_nearest(f, y),
+        Some(d) => encode_stochastic(f, y, d.draw(i)),
     }
 }
 
-/// Decode one range of whole blocks of a 4-bit format in mode `M` (layout of
-/// [`encode4_blocks`]): element = `value(code) * s`. Every 4-bit code is finite.
+/// The 8-bit-layout codes of a scaled block's elements `xb` (the first at global index
+/// `start`) into `out`: the branch-free conversions when `FAST` (and, stochastic, when the
+/// elements share one 2^32 window of draws), else the general ones.
 #[inline(always)]
-pub fn decode4_blocks<const M: u8>(
+fn convert<const FAST: bool>(
     f: Format,
-    scale: Scale,
-    block: usize,
-    scales: &[u8],
-    codes: &[u8],
-    out: &mut [f32],
+    q: Quotient,
+    xb: &[f32],
+    draws: Option<&Draws>,
+    start: u64,
+    out: &mut [u8],
 ) {
-    let sb = scale.bytes();
-    if block.is_multiple_of(2) {
-        for (b, (ob, cb)) in out
-            .chunks_mut(block)
-            .zip(codes.chunks(block / 2))
-            .enumerate()
-        {
-            let s = scale_of(scale, &scales[b * sb..(b + 1) * sb]);
-            let last = cb.get((ob.len().max(1) - 1) / 2).copied().unwrap_or(0);
-            let mut pairs = ob.chunks_exact_mut(2);
-            for (p, &c) in (&mut pairs).zip(cb) {
-                put::<M>(&mut p[0], value_finite(f, widen4(c & 0xF)) * s);
-                put::<M>(&mut p[1], value_finite(f, widen4(c >> 4)) * s);
-            }
-            if let Some(o) = pairs.into_remainder().first_mut() {
-                put::<M>(o, value_finite(f, widen4(last & 0xF)) * s);
+    let one_window = start >> 32 == (start + xb.len() as u64 - 1) >> 32;
+    match draws {
+        None if FAST => {
+            for (c, &v) in out.iter_mut().zip(xb) {
+                *c = nearest_in_range(f, q.of(v));
             }
         }
-        return;
-    }
-    for (j, o) in out.iter_mut().enumerate() {
-        let b = j / block;
-        let s = scale_of(scale, &scales[b * sb..(b + 1) * sb]);
-        let c = (codes[j / 2] >> (4 * (j % 2))) & 0xF;
-        put::<M>(o, value_finite(f, widen4(c)) * s);
+        Some(d) if FAST && one_window => {
+            let key = d.key_for(start);
+            for (j, (c, &v)) in out.iter_mut().zip(xb).enumerate() {
+                let h = crate::rng::lowbias32((start as u32).wrapping_add(j as u32) ^ key);
+                *c = stochastic_in_range(f, q.of(v), h);
+            }
+        }
+        _ => {
+            for (j, (c, &v)) in out.iter_mut().zip(xb).enumerate() {
+                *c = general(f, draws, q.of(v), start + j as u64);
+            }
+        }
     }
 }
 
@@ -640,53 +523,53 @@ pub fn scale_of(scale: Scale, sc: &[u8]) -> f32 {
     }
 }
 
-/// Decode one range of whole blocks in mode `M`: element `i` is `decode(code) * s` for its
-/// block's scale `s` (the code's value alone with [`Scale::None`]).
-pub fn decode_range<const M: u8>(
-    f: Format,
-    scale: Scale,
-    block: usize,
-    scales: &[u8],
-    codes: &[u8],
-    out: &mut [f32],
-) {
-    decode_blocks::<M, false>(f, scale, block, scales, codes, out)
-}
-
-/// [`decode_range`], with the scaled blocks' codes converted by the branch-free
-/// [`value_finite`] when `FAST` (decoders have refused NaN and ±Inf codes in scaled
-/// frames; the result is the same bits).
+/// Decode one range of whole blocks in mode `M` (the layout of [`encode`]): element `i`
+/// is `value(code) * s` for its block's scale `s` (the code's value alone with
+/// [`Scale::None`]).
+///
+/// Scaled frames hold finite codes only (decoders refuse the others), which the
+/// branch-free [`value_finite`] converts; without a scale, a table of [`decode`]. The
+/// result is the same bits on every backend.
 #[inline(always)]
-pub fn decode_blocks<const M: u8, const FAST: bool>(
+pub fn decode<const M: u8>(
     f: Format,
     scale: Scale,
+    four: bool,
     block: usize,
     scales: &[u8],
     codes: &[u8],
     out: &mut [f32],
 ) {
-    if scale == Scale::None || !FAST {
-        let table: [f32; 256] = core::array::from_fn(|c| decode(f, c as u8));
-        if scale == Scale::None {
-            for (o, &c) in out.iter_mut().zip(codes) {
-                put::<M>(o, table[c as usize]);
-            }
-            return;
-        }
-        let sb = scale.bytes();
-        for (b, (ob, cb)) in out.chunks_mut(block).zip(codes.chunks(block)).enumerate() {
-            let s = scale_of(scale, &scales[b * sb..(b + 1) * sb]);
-            for (o, &c) in ob.iter_mut().zip(cb) {
-                put::<M>(o, table[c as usize] * s);
-            }
+    if scale == Scale::None {
+        let table: [f32; 256] = core::array::from_fn(|c| value(f, c as u8));
+        for (o, &c) in out.iter_mut().zip(codes) {
+            put::<M>(o, table[c as usize]);
         }
         return;
     }
     let sb = scale.bytes();
-    for (b, (ob, cb)) in out.chunks_mut(block).zip(codes.chunks(block)).enumerate() {
+    let per_block = if four { block / 2 } else { block };
+    for (b, (ob, cb)) in out
+        .chunks_mut(block)
+        .zip(codes.chunks(per_block))
+        .enumerate()
+    {
         let s = scale_of(scale, &scales[b * sb..(b + 1) * sb]);
-        for (o, &c) in ob.iter_mut().zip(cb) {
-            put::<M>(o, value_finite(f, c) * s);
+        if !four {
+            for (o, &c) in ob.iter_mut().zip(cb) {
+                put::<M>(o, value_finite(f, c) * s);
+            }
+            continue;
+        }
+        // A last block of odd length ends on a low nibble.
+        let last = cb.get((ob.len().max(1) - 1) / 2).copied().unwrap_or(0);
+        let mut pairs = ob.chunks_exact_mut(2);
+        for (p, &c) in (&mut pairs).zip(cb) {
+            put::<M>(&mut p[0], value_finite(f, widen4(c & 0xF)) * s);
+            put::<M>(&mut p[1], value_finite(f, widen4(c >> 4)) * s);
+        }
+        if let Some(o) = pairs.into_remainder().first_mut() {
+            put::<M>(o, value_finite(f, widen4(last & 0xF)) * s);
         }
     }
 }
@@ -712,8 +595,8 @@ mod tests {
         }
         let mut best = 0u8;
         for c in 0..=f.max_code {
-            let v = decode(f, c) as f64;
-            let bv = decode(f, best) as f64;
+            let v = value(f, c) as f64;
+            let bv = value(f, best) as f64;
             if (v - a).abs() < (bv - a).abs()
                 || ((v - a).abs() == (bv - a).abs() && c % 2 == 0 && best % 2 == 1)
             {
@@ -722,7 +605,7 @@ mod tests {
         }
         // Past the largest finite value: the midpoint to the next binade value decides.
         let max = f.max() as f64;
-        let next = max + (max - decode(f, f.max_code - 1) as f64);
+        let next = max + (max - value(f, f.max_code - 1) as f64);
         if a > max && (a > (max + next) / 2.0 || (a == (max + next) / 2.0 && f.max_code % 2 == 1)) {
             return sign
                 | match f.overflow() {
@@ -737,21 +620,21 @@ mod tests {
     fn the_two_formats_decode_as_specified() {
         assert_eq!(E4M3.max(), 448.0);
         assert_eq!(E5M2.max(), 57344.0);
-        assert_eq!(decode(E4M3, 0x01), pow2(-9));
-        assert_eq!(decode(E5M2, 0x01), pow2(-16));
-        assert_eq!(decode(E4M3, 0x08), pow2(-6));
-        assert_eq!(decode(E4M3, 0x38), 1.0);
-        assert_eq!(decode(E5M2, 0x3C), 1.0);
-        assert!(decode(E4M3, 0x7F).is_nan() && decode(E4M3, 0xFF).is_nan());
-        assert_eq!(decode(E5M2, 0x7C), f32::INFINITY);
-        assert_eq!(decode(E5M2, 0xFC), f32::NEG_INFINITY);
-        assert!(decode(E5M2, 0x7D).is_nan());
-        assert_eq!(decode(E4M3, 0x80).to_bits(), (-0.0f32).to_bits());
+        assert_eq!(value(E4M3, 0x01), pow2(-9));
+        assert_eq!(value(E5M2, 0x01), pow2(-16));
+        assert_eq!(value(E4M3, 0x08), pow2(-6));
+        assert_eq!(value(E4M3, 0x38), 1.0);
+        assert_eq!(value(E5M2, 0x3C), 1.0);
+        assert!(value(E4M3, 0x7F).is_nan() && value(E4M3, 0xFF).is_nan());
+        assert_eq!(value(E5M2, 0x7C), f32::INFINITY);
+        assert_eq!(value(E5M2, 0xFC), f32::NEG_INFINITY);
+        assert!(value(E5M2, 0x7D).is_nan());
+        assert_eq!(value(E4M3, 0x80).to_bits(), (-0.0f32).to_bits());
         assert_eq!((E4M3.emax(), E5M2.emax()), (8, 15));
         // Every finite code round-trips through the nearest encoder.
         for f in [E4M3, E5M2] {
             for c in 0..=255u8 {
-                let v = decode(f, c);
+                let v = value(f, c);
                 if v.is_finite() {
                     assert_eq!(encode_nearest(f, v), c, "{f:?} {c:#x}");
                     // An exact value is its own stochastic rounding, for any draw.
@@ -789,7 +672,7 @@ mod tests {
         for f in [E4M3, E5M2] {
             for y in [0.3f32, 1.1, -5.7, 300.0, 2e-3, 1e-5, 447.0] {
                 let lo_hi: Vec<f32> = (0..4096u32)
-                    .map(|i| decode(f, encode_stochastic(f, y, i.wrapping_mul(0x9E37_79B9))))
+                    .map(|i| value(f, encode_stochastic(f, y, i.wrapping_mul(0x9E37_79B9))))
                     .collect();
                 let mut vals = lo_hi.clone();
                 vals.sort_by(f32::total_cmp);
@@ -816,7 +699,7 @@ mod tests {
     fn the_branch_free_conversions_equal_the_general_ones() {
         for f in [E4M3, E5M2] {
             for c in 0..=255u8 {
-                let v = decode(f, c);
+                let v = value(f, c);
                 if v.is_finite() {
                     assert_eq!(value_finite(f, c).to_bits(), v.to_bits(), "{f:?} {c:#x}");
                 }
@@ -848,7 +731,7 @@ mod tests {
         let e3m0 = [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0];
         for (f, values) in [(E2M1, e2m1), (E3M0, e3m0)] {
             for (c, &v) in values.iter().enumerate() {
-                assert_eq!(decode(f, c as u8), v as f32);
+                assert_eq!(value(f, c as u8), v as f32);
                 assert_eq!(value_finite(f, c as u8), v as f32);
                 assert_eq!(
                     value_finite(f, widen4(8 | c as u8)).to_bits(),

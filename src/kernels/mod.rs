@@ -110,22 +110,14 @@ simd_op!(EncodeInt8 {
     x: &'a [f32], block: usize, round: Round, draws: &'a Draws, first: u64,
     steps: &'a mut [u8], codes: &'a mut [u8],
 } -> bool = portable::encode_int8(x, block, round, draws, first, steps, codes));
-simd_op!(EncodeFp8 {
-    f: fp8::Format, scale: fp8::Scale, block: usize, x: &'a [f32], draws: Option<&'a Draws>,
-    first: u64, scales: &'a mut [u8], codes: &'a mut [u8],
-} -> bool = fp8::encode_blocks::<true>(f, scale, block, x, draws, first, scales, codes));
-simd_op!(DecodeFp8<const M: u8> {
-    f: fp8::Format, scale: fp8::Scale, block: usize, scales: &'a [u8], codes: &'a [u8],
-    out: &'a mut [f32],
-} -> () = fp8::decode_blocks::<M, true>(f, scale, block, scales, codes, out));
-simd_op!(EncodeFp4 {
-    f: fp8::Format, scale: fp8::Scale, block: usize, x: &'a [f32], draws: Option<&'a Draws>,
-    first: u64, scales: &'a mut [u8], codes: &'a mut [u8],
-} -> bool = fp8::encode4_blocks::<true>(f, scale, block, x, draws, first, scales, codes));
-simd_op!(DecodeFp4<const M: u8> {
-    f: fp8::Format, scale: fp8::Scale, block: usize, scales: &'a [u8], codes: &'a [u8],
-    out: &'a mut [f32],
-} -> () = fp8::decode4_blocks::<M>(f, scale, block, scales, codes, out));
+simd_op!(EncodeFloat {
+    f: fp8::Format, scale: fp8::Scale, four: bool, block: usize, x: &'a [f32],
+    draws: Option<&'a Draws>, first: u64, scales: &'a mut [u8], codes: &'a mut [u8],
+} -> bool = fp8::encode::<true>(f, scale, four, block, x, draws, first, scales, codes));
+simd_op!(DecodeFloat<const M: u8> {
+    f: fp8::Format, scale: fp8::Scale, four: bool, block: usize, scales: &'a [u8],
+    codes: &'a [u8], out: &'a mut [f32],
+} -> () = fp8::decode::<M>(f, scale, four, block, scales, codes, out));
 simd_op!(DecodeInt8<const M: u8> {
     steps: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
 } -> () = portable::decode_int8::<M>(steps, codes, block, out));
@@ -550,12 +542,14 @@ pub fn decode_int8<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &
     }
 }
 
-/// fp8 encode of whole blocks (see [`fp8::encode`], the definition): the SIMD backends
-/// run the same source with branch-free conversions, compiled for their instruction set.
+/// fp8 (or, with `four`, fp4) encode of whole blocks (see [`fp8::encode`]): the scalar
+/// backend runs the definition, the SIMD backends the same source with branch-free
+/// conversions, compiled for their instruction set (the same bytes).
 #[allow(clippy::too_many_arguments)]
-pub fn encode_fp8(
+pub fn encode_float(
     f: fp8::Format,
     scale: fp8::Scale,
+    four: bool,
     block: usize,
     x: &[f32],
     draws: Option<&Draws>,
@@ -563,151 +557,56 @@ pub fn encode_fp8(
     scales: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => {
-            fp8::encode(f, scale, block, x, draws, first, scales, codes)
-        }
-        #[cfg(target_arch = "x86_64")]
-        b if x86_route(Op::EncodeFp8, b.kind()) == X86::Avx2 => simd_avx2(EncodeFp8 {
-            f,
-            scale,
-            block,
-            x,
-            draws,
-            first,
-            scales,
-            codes,
-        }),
-        b => simd(
-            b,
-            EncodeFp8 {
-                f,
-                scale,
-                block,
-                x,
-                draws,
-                first,
-                scales,
-                codes,
-            },
-        ),
+    let b = Backend::current();
+    if b.kind() == BackendKind::Scalar {
+        return fp8::encode::<false>(f, scale, four, block, x, draws, first, scales, codes);
     }
+    let op = EncodeFloat {
+        f,
+        scale,
+        four,
+        block,
+        x,
+        draws,
+        first,
+        scales,
+        codes,
+    };
+    #[cfg(target_arch = "x86_64")]
+    if x86_route(if four { Op::EncodeFp4 } else { Op::EncodeFp8 }, b.kind()) == X86::Avx2 {
+        return simd_avx2(op);
+    }
+    simd(b, op)
 }
 
-/// fp8 decode of whole blocks in mode `M` (see [`fp8::decode_range`], the definition).
-pub fn decode_fp8<const M: u8>(
+/// fp8 (or, with `four`, fp4) decode of whole blocks in mode `M` (see [`fp8::decode`]).
+pub fn decode_float<const M: u8>(
     f: fp8::Format,
     scale: fp8::Scale,
+    four: bool,
     block: usize,
     scales: &[u8],
     codes: &[u8],
     out: &mut [f32],
 ) {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => {
-            fp8::decode_range::<M>(f, scale, block, scales, codes, out)
-        }
-        #[cfg(target_arch = "x86_64")]
-        b if x86_route(Op::DecodeFp8, b.kind()) == X86::Avx2 => simd_avx2(DecodeFp8::<M> {
-            f,
-            scale,
-            block,
-            scales,
-            codes,
-            out,
-        }),
-        b => simd(
-            b,
-            DecodeFp8::<M> {
-                f,
-                scale,
-                block,
-                scales,
-                codes,
-                out,
-            },
-        ),
+    let b = Backend::current();
+    if b.kind() == BackendKind::Scalar {
+        return fp8::decode::<M>(f, scale, four, block, scales, codes, out);
     }
-}
-
-/// fp4 encode of whole blocks (see [`fp8::encode4_blocks`]; the scalar backend runs its
-/// definition, the SIMD backends its branch-free conversions: the same bytes).
-#[allow(clippy::too_many_arguments)]
-pub fn encode_fp4(
-    f: fp8::Format,
-    scale: fp8::Scale,
-    block: usize,
-    x: &[f32],
-    draws: Option<&Draws>,
-    first: u64,
-    scales: &mut [u8],
-    codes: &mut [u8],
-) -> bool {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => {
-            fp8::encode4_blocks::<false>(f, scale, block, x, draws, first, scales, codes)
-        }
-        #[cfg(target_arch = "x86_64")]
-        b if x86_route(Op::EncodeFp4, b.kind()) == X86::Avx2 => simd_avx2(EncodeFp4 {
-            f,
-            scale,
-            block,
-            x,
-            draws,
-            first,
-            scales,
-            codes,
-        }),
-        b => simd(
-            b,
-            EncodeFp4 {
-                f,
-                scale,
-                block,
-                x,
-                draws,
-                first,
-                scales,
-                codes,
-            },
-        ),
+    let op = DecodeFloat::<M> {
+        f,
+        scale,
+        four,
+        block,
+        scales,
+        codes,
+        out,
+    };
+    #[cfg(target_arch = "x86_64")]
+    if x86_route(if four { Op::DecodeFp4 } else { Op::DecodeFp8 }, b.kind()) == X86::Avx2 {
+        return simd_avx2(op);
     }
-}
-
-/// fp4 decode of whole blocks in mode `M` (see [`fp8::decode4_blocks`]).
-pub fn decode_fp4<const M: u8>(
-    f: fp8::Format,
-    scale: fp8::Scale,
-    block: usize,
-    scales: &[u8],
-    codes: &[u8],
-    out: &mut [f32],
-) {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => {
-            fp8::decode4_blocks::<M>(f, scale, block, scales, codes, out)
-        }
-        #[cfg(target_arch = "x86_64")]
-        b if x86_route(Op::DecodeFp4, b.kind()) == X86::Avx2 => simd_avx2(DecodeFp4::<M> {
-            f,
-            scale,
-            block,
-            scales,
-            codes,
-            out,
-        }),
-        b => simd(
-            b,
-            DecodeFp4::<M> {
-                f,
-                scale,
-                block,
-                scales,
-                codes,
-                out,
-            },
-        ),
-    }
+    simd(b, op)
 }
 
 /// Sign block encode (see [`scalar::encode_sign`]); `codes` need not be zeroed.

@@ -243,10 +243,11 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
         ),
         13 => format!("codebook:block={block}"),
         12 => format!(
-            "fp4:format={},scale={},rounding={},block={block}",
+            "fp4:format={},scale={},rounding={},block={}",
             if v & 2 != 0 { "e3m0" } else { "e2m1" },
             if v & 4 != 0 { "f32" } else { "e8m0" },
             if v & 1 != 0 { "stochastic" } else { "nearest" },
+            (block + 1) & !1,
         ),
         11 => format!(
             "fp8:format={},scale={},rounding={}{}",
