@@ -142,6 +142,23 @@ fn halves<B: Split>(
     for_ranges(b, n, range, false, f)
 }
 
+/// Runs `f` on every item, on the current pool's threads when `par` (halving the list,
+/// as [`for_ranges`] halves ranges).
+pub(crate) fn each_mut<T: Send>(items: &mut [T], par: bool, f: &(impl Fn(&mut T) + Sync)) {
+    #[cfg(feature = "rayon")]
+    if par && items.len() > 1 {
+        let (a, b) = items.split_at_mut(items.len() / 2);
+        // A pool thread's floating-point mode is whatever its creator had.
+        rayon::join(
+            || crate::kernels::Standard::run(|| each_mut(a, true, f)),
+            || crate::kernels::Standard::run(|| each_mut(b, true, f)),
+        );
+        return;
+    }
+    let _ = par;
+    items.iter_mut().for_each(f);
+}
+
 impl Split for &mut [f32] {
     fn split(self, at: usize, _: usize) -> (Self, Self) {
         self.split_at_mut(at)

@@ -374,6 +374,11 @@ fn any_thread_count_gives_identical_frames_decodes_and_residuals() {
         "randk:ratio=0.01,values=bf16",
         "randk:ratio=0.01,select=strata",
         "randk:ratio=0.3,values=fp16,scale=unbiased,select=strata",
+        // Top-k with enough kept elements to be written, and its residual updated, in
+        // parts on several threads.
+        "topk:ratio=0.3,values=int8,index=rice",
+        "topk:ratio=0.1,values=bf16,select=approx",
+        "topk:ratio=0.05,index=gaps",
     ] {
         specs.push(s.parse().unwrap());
     }
@@ -452,6 +457,10 @@ fn top_k_frames_do_not_depend_on_threads_or_where_the_large_values_sit() {
         "topk:k=3,values=f32",
         "topk:ratio=0.3,values=bf16,index=bitmap",
         "topk:ratio=0.002,index=gaps",
+        // Enough kept elements to be written in parts on several threads.
+        "topk:ratio=0.3,values=int8,index=rice",
+        "topk:ratio=0.2,values=fp16,index=gaps,select=approx",
+        "topk:ratio=0.1",
     ] {
         let spec: CodecSpec = spec.parse().unwrap();
         for (name, x) in &inputs {
@@ -468,15 +477,16 @@ fn top_k_frames_do_not_depend_on_threads_or_where_the_large_values_sit() {
                     "{spec} {name}: {threads} threads differ from the multi-pass engine"
                 );
             }
-            // Error feedback: on one thread top-k forms `beta r + gamma g` inside its
-            // filter pass; on two the tensor is formed, then collected in parallel.
-            // Both must match the unfused definition, step after step.
+            // Error feedback: top-k forms `beta r + gamma g` inside its filter pass, on
+            // one thread or in parallel pieces, and updates the residual from its kept
+            // candidates (in parallel parts where they are many). Every thread count
+            // must match the unfused definition, step after step.
             let o = FeedbackOptions {
                 beta: 0.9,
                 gamma: -0.37,
                 ..permissive()
             };
-            for threads in [1, 2] {
+            for threads in [1, 2, 3] {
                 let mut ef = ErrorFeedback::with_options(spec, n, o).unwrap();
                 let mut unfused = Reference::new(n, ResidualPrecision::F32);
                 for step in 0..2 {

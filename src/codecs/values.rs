@@ -94,31 +94,20 @@ impl ValueType {
     /// [`INT8_VALUE_BLOCK`].
     #[inline]
     pub(crate) fn put_slice(self, vals: &mut [u8], k: usize, j: usize, v: &[f32]) -> bool {
-        let span = |b: usize| b * j..b * (j + v.len());
-        match self {
-            ValueType::F32 => {
-                for (o, x) in vals[span(4)].chunks_exact_mut(4).zip(v) {
-                    o.copy_from_slice(&x.to_le_bytes());
-                }
-                v.iter().any(|x| !x.is_finite())
-            }
-            ValueType::Fp16 => kernels::encode_f16(v, &mut vals[span(2)]),
-            ValueType::Bf16 => kernels::encode_bf16(v, &mut vals[span(2)]),
-            ValueType::Int8 => {
-                let (steps, codes) = vals.split_at_mut(Self::int8_parts(k));
-                let b = j / INT8_VALUE_BLOCK;
-                let nb = v.len().div_ceil(INT8_VALUE_BLOCK);
-                let draws = crate::rng::Draws::new(0, 0, 0); // nearest rounding draws none
-                kernels::encode_int8(
-                    v,
-                    INT8_VALUE_BLOCK,
-                    scalar::Round::Nearest,
-                    &draws,
-                    0,
-                    &mut steps[4 * b..4 * (b + nb)],
-                    &mut codes[span(1)],
-                )
-            }
+        self.slab(vals, k).put(j, v)
+    }
+
+    /// The section of `k` values in `vals` as one [`ValueSlab`].
+    pub(crate) fn slab(self, vals: &mut [u8], k: usize) -> ValueSlab<'_> {
+        let steps = match self {
+            ValueType::Int8 => Self::int8_parts(k),
+            _ => 0,
+        };
+        let (steps, codes) = vals.split_at_mut(steps);
+        ValueSlab {
+            t: self,
+            steps,
+            codes,
         }
     }
 
@@ -147,6 +136,66 @@ impl ValueType {
                     codes,
                     INT8_VALUE_BLOCK,
                     out,
+                )
+            }
+        }
+    }
+}
+
+/// Consecutive values of a section as byte slices of their own (for int8, the steps of
+/// their blocks and their codes), which [`ValueSlab::split_at`] cuts, so that the parts of
+/// one section can be written on several threads.
+pub(crate) struct ValueSlab<'a> {
+    t: ValueType,
+    steps: &'a mut [u8],
+    codes: &'a mut [u8],
+}
+
+impl<'a> ValueSlab<'a> {
+    /// The first `j` values and the rest (for int8, `j` is a multiple of
+    /// [`INT8_VALUE_BLOCK`]).
+    pub(crate) fn split_at(self, j: usize) -> (ValueSlab<'a>, ValueSlab<'a>) {
+        let (c0, c1) = self.codes.split_at_mut(j * self.t.bytes() as usize);
+        let s = match self.t {
+            ValueType::Int8 => (4 * j.div_ceil(INT8_VALUE_BLOCK)).min(self.steps.len()),
+            _ => 0,
+        };
+        let (s0, s1) = self.steps.split_at_mut(s);
+        let part = |steps, codes| ValueSlab {
+            t: self.t,
+            steps,
+            codes,
+        };
+        (part(s0, c0), part(s1, c1))
+    }
+
+    /// Write values `j..j + v.len()` of the slab with the backend's conversion kernels;
+    /// true if any of `v` is NaN or ±Inf. For int8, `j` is a multiple of
+    /// [`INT8_VALUE_BLOCK`].
+    #[inline]
+    pub(crate) fn put(&mut self, j: usize, v: &[f32]) -> bool {
+        let span = |b: usize| b * j..b * (j + v.len());
+        match self.t {
+            ValueType::F32 => {
+                for (o, x) in self.codes[span(4)].chunks_exact_mut(4).zip(v) {
+                    o.copy_from_slice(&x.to_le_bytes());
+                }
+                v.iter().any(|x| !x.is_finite())
+            }
+            ValueType::Fp16 => kernels::encode_f16(v, &mut self.codes[span(2)]),
+            ValueType::Bf16 => kernels::encode_bf16(v, &mut self.codes[span(2)]),
+            ValueType::Int8 => {
+                let b = j / INT8_VALUE_BLOCK;
+                let nb = v.len().div_ceil(INT8_VALUE_BLOCK);
+                let draws = crate::rng::Draws::new(0, 0, 0); // nearest rounding draws none
+                kernels::encode_int8(
+                    v,
+                    INT8_VALUE_BLOCK,
+                    scalar::Round::Nearest,
+                    &draws,
+                    0,
+                    &mut self.steps[4 * b..4 * (b + nb)],
+                    &mut self.codes[span(1)],
                 )
             }
         }

@@ -418,6 +418,19 @@ impl<'a> BitWriter<'a> {
         }
     }
 
+    /// A writer whose stream starts `lead` (0..8) bits into `out[0]`: those bits are
+    /// written as zeros, for another writer's bits to be OR-ed in (a stream written in
+    /// parts).
+    pub fn with_lead(out: &'a mut [u8], lead: u32) -> Self {
+        debug_assert!(lead < 8);
+        BitWriter {
+            out,
+            pos: 0,
+            acc: 0,
+            nacc: lead,
+        }
+    }
+
     /// Append the low `width` bits of `v`. Bits gather in a 64-bit accumulator and leave
     /// it 32 at a time (bytes one by one only at the end of `out`).
     #[inline]
@@ -460,6 +473,18 @@ impl<'a> BitWriter<'a> {
         }
         self.put(1 << q, q as u32 + 1);
         self.put(low as u32, b);
+    }
+
+    /// Write every whole byte and return the last partial one (its high bits zero; 0 if
+    /// the stream ends on a byte boundary), which belongs to the next part's first byte.
+    pub fn finish_open(mut self) -> u8 {
+        while self.nacc >= 8 {
+            self.out[self.pos] = self.acc as u8;
+            self.pos += 1;
+            self.acc >>= 8;
+            self.nacc -= 8;
+        }
+        self.acc as u8
     }
 
     /// Flush the last partial bytes (high bits zero); returns bytes written.

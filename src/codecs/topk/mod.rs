@@ -60,6 +60,7 @@
 //! A frame holds at most 2^32 elements (indices are 32-bit): chunk larger tensors.
 
 mod index;
+mod par;
 mod select;
 
 use core::fmt;
@@ -343,9 +344,13 @@ impl TopK {
                 sparse_prepare::<{ mode::RESIDUAL }>(e.nonfinite, r);
                 let vbytes = self.values.section_len(count as u64) as usize;
                 let vals = &frame[HEADER_LEN..HEADER_LEN + vbytes];
-                let mut values = ValueReader::new(self.values, vals, count);
-                for &i in c.kept().0 {
-                    put::<{ mode::RESIDUAL }>(&mut r[i as usize], values.next_value());
+                if par::worth(count) {
+                    par::residual(self.values, vals, c.kept().0, r);
+                } else {
+                    let mut values = ValueReader::new(self.values, vals, count);
+                    for &i in c.kept().0 {
+                        put::<{ mode::RESIDUAL }>(&mut r[i as usize], values.next_value());
+                    }
                 }
                 Some(Ok((e, true)))
             }
@@ -389,35 +394,47 @@ impl TopK {
         }
         let p = payload_buf(out, vbytes + ibytes)?;
         let (vals, idx) = p.split_at_mut(vbytes as usize);
-        let mut sink = match coding {
-            IndexCoding::Bitmap => {
-                idx.fill(0);
-                IndexSink::Bitmap(idx)
+        // Many candidates are written on all threads (the same bytes).
+        let done = match candidates {
+            Some(c) if par::worth(c.0.len()) => {
+                par::write(self.values, vals, idx, coding, param, c)
             }
-            _ => IndexSink::Stream(BitWriter::new(idx), coding, param),
+            _ => None,
         };
-        let mut values = ValueWriter::new(self.values, vals, k as usize);
-        let mut next = 0usize;
-        match candidates {
-            // Exactly the kept elements (`Candidates::retain`): values, then indices,
-            // each in a loop of its own, where the bit writer's state stays in registers.
-            Some((idx, bits)) => {
-                for &b in bits {
-                    values.push(f32::from_bits(b));
+        let (nonfinite, written) = match done {
+            Some((nonfinite, written)) => (nonfinite, written as u64),
+            None => {
+                let mut sink = match coding {
+                    IndexCoding::Bitmap => {
+                        idx.fill(0);
+                        IndexSink::Bitmap(idx)
+                    }
+                    _ => IndexSink::Stream(BitWriter::new(idx), coding, param),
+                };
+                let mut values = ValueWriter::new(self.values, vals, k as usize);
+                let mut next = 0usize;
+                match candidates {
+                    // Exactly the kept elements (`Candidates::retain`): values, then
+                    // indices, each in a loop of its own, where the bit writer's state
+                    // stays in registers.
+                    Some((idx, bits)) => {
+                        for &b in bits {
+                            values.push(f32::from_bits(b));
+                        }
+                        for &i in idx {
+                            sink.push(i as usize, next);
+                            next = i as usize + 1;
+                        }
+                    }
+                    None => for_each_kept(x, cut.t, cut.need_eq, |i| {
+                        values.push(x[i]);
+                        sink.push(i, next);
+                        next = i + 1;
+                    }),
                 }
-                for &i in idx {
-                    sink.push(i as usize, next);
-                    next = i as usize + 1;
-                }
+                (values.finish(), sink.finish())
             }
-            None => for_each_kept(x, cut.t, cut.need_eq, |i| {
-                values.push(x[i]);
-                sink.push(i, next);
-                next = i + 1;
-            }),
-        }
-        let nonfinite = values.finish();
-        let written = sink.finish();
+        };
         params[0..8].copy_from_slice(&k.to_le_bytes());
         params[9] = param as u8;
         params[10] = coding as u8;
@@ -538,7 +555,7 @@ impl Scheme for TopK {
             TopKSelect::Threshold(_) => 0,
             _ => self.k_for(n as u64) as usize,
         };
-        if k > 0 && out.len() > self.frame_end(n as u64) && !select::collect_in_parallel(n) {
+        if k > 0 && out.len() > self.frame_end(n as u64) {
             if let Some(done) = self.encode_one_pass(Input::Formed(r, g, beta, gamma), k, out) {
                 return done;
             }

@@ -82,7 +82,7 @@ impl<'a> Candidates<'a> {
     fn collect(&mut self, x: &[f32], t: u32, cap: usize) -> bool {
         let room = self.idx.len().min(cap.saturating_add(64));
         let len = if collect_in_parallel(x.len()) {
-            match parallel::on_pool(|| self.collect_par(x, t, room, cap)) {
+            match parallel::on_pool(|| self.collect_par(Src::Plain(x), t, room, cap)) {
                 Some(len) => len,
                 None => return false,
             }
@@ -99,7 +99,8 @@ impl<'a> Candidates<'a> {
     }
 
     /// [`Candidates::collect`] of `p = beta r + gamma g`, formed into `r` (in full, even
-    /// when the candidates overflow) a tile at a time, each tile filtered while in cache.
+    /// when the candidates overflow) a tile at a time, each tile filtered while in cache;
+    /// large tensors on all threads, each piece forming its own tiles.
     fn collect_formed(
         &mut self,
         r: &mut [f32],
@@ -110,6 +111,16 @@ impl<'a> Candidates<'a> {
         cap: usize,
     ) -> bool {
         let room = self.idx.len().min(cap.saturating_add(64));
+        if collect_in_parallel(r.len()) {
+            let src = Src::Formed(r, g, beta, gamma);
+            return match parallel::on_pool(|| self.collect_par(src, t, room, cap)) {
+                Some(len) => {
+                    self.len = len;
+                    true
+                }
+                None => false,
+            };
+        }
         let (mut len, mut fits) = (0, true);
         for (at, (r, g)) in r.chunks_mut(FORM_TILE).zip(g.chunks(FORM_TILE)).enumerate() {
             kernels::feedback_form(r, g, beta, gamma);
@@ -132,29 +143,27 @@ impl<'a> Candidates<'a> {
     /// overflowed, they move on to their final places, and a second filter over the rest
     /// of each overflowed piece completes it in parallel. Returns the candidate count, or
     /// `None` if more than `cap` reach `t`.
-    fn collect_par(&mut self, x: &[f32], t: u32, room: usize, cap: usize) -> Option<usize> {
-        let n = x.len();
+    fn collect_par(&mut self, src: Src, t: u32, room: usize, cap: usize) -> Option<usize> {
+        let n = src.len();
         let range = parallel::CHUNK.max(n.div_ceil(MAX_PIECES).next_multiple_of(64));
         let mut res = [Piece::default(); MAX_PIECES];
         let res = &mut res[..n.div_ceil(range)];
         let share = room / res.len();
-        let shares = Pieces {
-            x,
-            idx: &mut self.idx[..room],
-            vals: &mut self.vals[..room],
-            res: &mut *res,
-            share: Some(share),
+        let (idx, vals) = (&mut self.idx[..room], &mut self.vals[..room]);
+        // The shares are filled from the formed values, which are plain from then on.
+        let x: &[f32] = match src {
+            Src::Plain(x) => {
+                let shares = Pieces::shares(Src::Plain(x), idx, vals, res, share);
+                collect_shares(shares, n, range, t, share);
+                x
+            }
+            Src::Formed(r, g, beta, gamma) => {
+                let formed = Src::Formed(&mut *r, g, beta, gamma);
+                let shares = Pieces::shares(formed, idx, vals, res, share);
+                collect_shares(shares, n, range, t, share);
+                r
+            }
         };
-        parallel::for_ranges(shares, n, range, true, &|f, start| {
-            let vals = Some(&mut f.vals[..share]);
-            let (stored, scanned) = fill(f.x, t, start as u32, &mut f.idx[..share], vals);
-            f.res[0] = Piece {
-                stored,
-                scanned,
-                count: stored + count_at_least(&f.x[scanned..], t),
-            };
-            false
-        });
         let len: usize = res.iter().map(|r| r.count).sum();
         if len > cap || len > room {
             return None;
@@ -181,7 +190,7 @@ impl<'a> Candidates<'a> {
             self.vals.copy_within(at..at + r.stored, place);
         }
         let completed = Pieces {
-            x,
+            x: Src::Plain(x),
             idx: &mut self.idx[..len],
             vals: &mut self.vals[..len],
             res,
@@ -190,7 +199,10 @@ impl<'a> Candidates<'a> {
         parallel::for_ranges(completed, n, range, true, &|c, start| {
             let r = c.res[0];
             if r.count > r.stored {
-                let (rest, base) = (&c.x[r.scanned..], (start + r.scanned) as u32);
+                let Src::Plain(x) = c.x else {
+                    unreachable!("completed from the formed values")
+                };
+                let (rest, base) = (&x[r.scanned..], (start + r.scanned) as u32);
                 let vals = Some(&mut c.vals[r.stored..]);
                 fill(rest, t, base, &mut c.idx[r.stored..], vals);
             }
@@ -217,6 +229,85 @@ pub(super) fn collect_in_parallel(n: usize) -> bool {
     parallel::worth(n / 4, 1)
 }
 
+/// What a parallel collect reads: `x`, or the error-feedback input `beta r + gamma g`,
+/// formed into `r` tile by tile as it is read.
+enum Src<'a> {
+    Plain(&'a [f32]),
+    Formed(&'a mut [f32], &'a [f32], f32, f32),
+}
+
+impl<'a> Src<'a> {
+    fn len(&self) -> usize {
+        match self {
+            Src::Plain(x) => x.len(),
+            Src::Formed(r, ..) => r.len(),
+        }
+    }
+
+    fn split(self, at: usize) -> (Src<'a>, Src<'a>) {
+        match self {
+            Src::Plain(x) => {
+                let (a, b) = x.split_at(at);
+                (Src::Plain(a), Src::Plain(b))
+            }
+            Src::Formed(r, g, beta, gamma) => {
+                let (r0, r1) = r.split_at_mut(at);
+                let (g0, g1) = g.split_at(at);
+                (
+                    Src::Formed(r0, g0, beta, gamma),
+                    Src::Formed(r1, g1, beta, gamma),
+                )
+            }
+        }
+    }
+}
+
+/// The first step of a parallel collect: each piece of `range` elements fills its
+/// `share` of both halves with the candidates reaching `t` (forming its tiles first, for
+/// a formed source) and counts on past a full share.
+fn collect_shares(shares: Pieces, n: usize, range: usize, t: u32, share: usize) {
+    parallel::for_ranges(shares, n, range, true, &|f, start| {
+        let (idx, vals) = (&mut f.idx[..share], &mut f.vals[..share]);
+        f.res[0] = match f.x {
+            Src::Plain(x) => {
+                let (stored, scanned) = fill(x, t, start as u32, idx, Some(vals));
+                Piece {
+                    stored,
+                    scanned,
+                    count: stored + count_at_least(&x[scanned..], t),
+                }
+            }
+            Src::Formed(r, g, beta, gamma) => {
+                let len = r.len();
+                let (mut stored, mut scanned, mut more) = (0, len, 0);
+                let tiles = r.chunks_mut(FORM_TILE).zip(g.chunks(FORM_TILE));
+                for (at, (r, g)) in tiles.enumerate() {
+                    kernels::feedback_form(r, g, beta, gamma);
+                    let at = at * FORM_TILE;
+                    if scanned < len {
+                        more += count_at_least(r, t);
+                        continue;
+                    }
+                    let base = (start + at) as u32;
+                    let v = Some(&mut vals[stored..]);
+                    let (s, sc) = fill(r, t, base, &mut idx[stored..], v);
+                    stored += s;
+                    if sc < r.len() {
+                        scanned = at + sc;
+                        more += count_at_least(&r[sc..], t);
+                    }
+                }
+                Piece {
+                    stored,
+                    scanned,
+                    count: stored + more,
+                }
+            }
+        };
+        false
+    });
+}
+
 /// Most pieces a parallel collect splits a tensor into (their counts live on the stack).
 const MAX_PIECES: usize = 64;
 
@@ -233,11 +324,30 @@ struct Piece {
 /// `share` entries where that is set (its share while collecting), else its `count`
 /// (its place among the candidates, once counted).
 struct Pieces<'a> {
-    x: &'a [f32],
+    x: Src<'a>,
     idx: &'a mut [u32],
     vals: &'a mut [u32],
     res: &'a mut [Piece],
     share: Option<usize>,
+}
+
+impl<'a> Pieces<'a> {
+    /// The pieces while collecting: each fills `share` entries of both halves.
+    fn shares(
+        x: Src<'a>,
+        idx: &'a mut [u32],
+        vals: &'a mut [u32],
+        res: &'a mut [Piece],
+        share: usize,
+    ) -> Pieces<'a> {
+        Pieces {
+            x,
+            idx,
+            vals,
+            res,
+            share: Some(share),
+        }
+    }
 }
 
 impl Split for Pieces<'_> {
@@ -246,7 +356,7 @@ impl Split for Pieces<'_> {
             Some(share) => pieces * share,
             None => self.res[..pieces].iter().map(|r| r.count).sum(),
         };
-        let (x0, x1) = self.x.split_at(at);
+        let (x0, x1) = self.x.split(at);
         let (i0, i1) = self.idx.split_at_mut(part);
         let (v0, v1) = self.vals.split_at_mut(part);
         let (r0, r1) = self.res.split_at_mut(pieces);
