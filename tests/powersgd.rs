@@ -628,3 +628,51 @@ fn matrices_at_offsets_of_a_shared_buffer_give_the_same_bits_and_leave_the_rest(
     assert!(PowerSgdBucket::at_offsets(settings, &placed, len - 8).is_err());
     Ok(())
 }
+
+#[test]
+fn products_are_the_same_bits_on_every_backend_and_thread_count() -> Result<()> {
+    // Ranks up to 8 take the thin products (rows of M Q, columns of M^T P, no packing):
+    // every element's sums in a stated order, so the same bits for any backend and any
+    // split of the rows and columns over threads; rank 9 takes the GEMM. Both resume and
+    // reconstruct in pieces of rows on all threads.
+    gradpack::parallel::set_min_len(0);
+    let pool = |t: usize| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build()
+            .unwrap()
+    };
+    for r in [1usize, 2, 3, 8, 9] {
+        let shapes = [(300usize, 517usize, r), (64, 40, r)];
+        let len = 300 * 517 + 64 * 40;
+        let steps = |threads: usize, backend: gradpack::Backend| -> Result<Vec<Vec<u32>>> {
+            pool(threads).install(|| {
+                backend.run(|| {
+                    let mut b = PowerSgdBucket::new(PowerSgd::rank(r), &shapes)?;
+                    let mut got = Vec::new();
+                    for s in 0..3u64 {
+                        let g = gradpack::synthetic::gradient(len, 40 + s);
+                        let out = bucket_step(&mut b, &g, 9)?;
+                        got.push(out.iter().map(|v| v.to_bits()).collect());
+                        got.push(b.matrix_state(0)?.1.iter().map(|v| v.to_bits()).collect());
+                    }
+                    Ok(got)
+                })
+            })
+        };
+        let one = steps(1, gradpack::Backend::scalar())?;
+        for backend in gradpack::Backend::available() {
+            for threads in [1, 2, 3] {
+                if r > 8 && backend != gradpack::Backend::scalar() {
+                    continue; // the GEMM's last bits may differ between instruction sets
+                }
+                assert!(
+                    steps(threads, backend)? == one,
+                    "rank {r}, {backend}, {threads} threads"
+                );
+            }
+        }
+    }
+    gradpack::parallel::set_min_len(gradpack::parallel::DEFAULT_MIN_LEN);
+    Ok(())
+}

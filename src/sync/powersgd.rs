@@ -16,9 +16,15 @@
 //!
 //! Steps 3 to 6 see only all-reduced data, and steps 4 and 6 are plain loops in a fixed
 //! order (f64 sums in step 4, f32 products and sums without fused multiply-adds in step
-//! 6), so every rank computes bit-identical results on any CPU. The products of steps 2
-//! and 5 run on `matrixmultiply`'s GEMM; they may differ in their last bits between
-//! CPUs, which does not matter: each only feeds an all-reduce.
+//! 6), so every rank computes bit-identical results on any CPU. Up to rank 8 the
+//! products of steps 2 and 5 read the gradient where it lies, with no packing: `P = M Q`
+//! row by row (step 1's add fused in, each row's dot products in 16 lanes added by
+//! halves), `Q = M^T P` in ranges of columns, each element summing over the rows in
+//! order. Those orders are stated, so the products too are the same bits on every CPU,
+//! backend and thread count. Higher ranks run on `matrixmultiply`'s GEMM, whose last
+//! bits may differ between CPUs, which does not matter: each product only feeds an
+//! all-reduce. Large matrices run every pass in pieces of rows (or columns) on all
+//! threads.
 //!
 //! A step whose all-reduced factors hold NaN or Inf (a gradient overflowed on some rank)
 //! gives a result full of NaN, so that a loss scaler sees it; it keeps the residual as it
@@ -29,7 +35,8 @@ use crate::codec::CodecSpec;
 use crate::codecs::Identity;
 use crate::collective::{AllReduce, AllReduceOptions, Comm, Feedback, Stats, Transport};
 use crate::error::{Error, Result};
-use crate::kernels::gemm::{View, matmul};
+use crate::kernels::gemm::{THIN_COLS, THIN_MAX_RANK, View, matmul, thin_mq, thin_mtp};
+use crate::parallel::Split;
 use crate::state::{BlobReader, BlobWriter};
 
 use super::plan::Tensor;
@@ -202,9 +209,8 @@ pub struct PowerSgdBucket {
     q_ready: Vec<bool>,
     /// `e`, one per bucket element (empty without feedback).
     residual: Vec<f32>,
-    /// Scratch: a transposed `Q` of the widest matrix, and one row of it.
+    /// Scratch: a transposed `Q` of the widest matrix.
     qt: Vec<f32>,
-    row: Vec<f32>,
     phase: Phase,
 }
 
@@ -307,7 +313,6 @@ impl PowerSgdBucket {
             widest = widest.max(m * r);
         }
         let buf = |n: usize, what| crate::alloc::filled(n, 0f32, what);
-        let row = mats.iter().map(|a| a.m).max().unwrap_or(0);
         Ok(PowerSgdBucket {
             opts: settings,
             q: buf(q_off, "PowerSGD's Q")?,
@@ -317,7 +322,6 @@ impl PowerSgdBucket {
                 "PowerSGD's residual",
             )?,
             qt: buf(widest, "PowerSGD's Q")?,
-            row: buf(row, "PowerSGD's row")?,
             len,
             mats,
             phase: Phase::Idle,
@@ -376,14 +380,22 @@ impl PowerSgdBucket {
         check_len("PowerSGD P buffer and P length", p.len(), self.p_len())?;
         self.phase = Phase::Idle;
         for (i, a) in self.mats.iter().enumerate() {
-            if self.opts.feedback {
-                grad[a.elems()]
-                    .iter_mut()
-                    .zip(&self.residual[a.res()])
-                    .for_each(|(x, e)| *x += *e);
-            }
             if !self.q_ready[i] || !self.opts.warm_start {
                 draw_q(&mut self.q[a.q()], matrix_seed(seed, i));
+            }
+            let e = self.opts.feedback.then(|| &self.residual[a.res()]);
+            if a.r <= THIN_MAX_RANK {
+                // One pass over the rows: M = grad + e formed, then its dot products
+                // with the columns of Q while the row is in cache.
+                let qt = transpose(&self.q[a.q()], a.m, a.r, &mut self.qt);
+                thin_p(&mut grad[a.elems()], e, qt, a, &mut p[a.p()]);
+                continue;
+            }
+            if let Some(e) = e {
+                grad[a.elems()]
+                    .iter_mut()
+                    .zip(e)
+                    .for_each(|(x, e)| *x += *e);
             }
             let m_i = View::rows(&grad[a.elems()], a.n, a.m);
             let q_i = View::rows(&self.q[a.q()], a.m, a.r);
@@ -405,6 +417,10 @@ impl PowerSgdBucket {
         check_len("PowerSGD Q buffer and Q length", q.len(), self.q_len())?;
         for a in &self.mats {
             orthonormalise(&mut p[a.p()], a.n, a.r);
+            if a.r <= THIN_MAX_RANK {
+                thin_q(&m[a.elems()], &p[a.p()], a, &mut q[a.q()]);
+                continue;
+            }
             let m_i = View::rows(&m[a.elems()], a.n, a.m);
             let p_i = View::rows(&p[a.p()], a.n, a.r);
             matmul(m_i.t(), p_i, &mut q[a.q()]);
@@ -429,21 +445,15 @@ impl PowerSgdBucket {
         }
         for a in &self.mats {
             let qt = transpose(&q[a.q()], a.m, a.r, &mut self.qt);
-            let rows = out[a.elems()]
-                .chunks_exact_mut(a.m)
-                .zip(p[a.p()].chunks_exact(a.r));
-            if self.opts.feedback {
-                // The new residual M - P Q^T while the row is in cache.
-                let xe = m[a.elems()]
-                    .chunks_exact(a.m)
-                    .zip(self.residual[a.res()].chunks_exact_mut(a.m));
-                for ((row, pa), (x, e)) in rows.zip(xe) {
-                    product_row(pa, qt, row);
-                    subtract(x, row, e);
-                }
-            } else {
-                rows.for_each(|(row, pa)| product_row(pa, qt, row));
-            }
+            let e = self.opts.feedback.then(|| &mut self.residual[a.res()]);
+            let rows = Rows {
+                x: Dest::Out(&m[a.elems()], &mut out[a.elems()]),
+                e,
+                p: &p[a.p()],
+                m: a.m,
+                r: a.r,
+            };
+            reconstruct(rows, qt, a);
         }
         self.q.copy_from_slice(q);
         Ok(true)
@@ -460,20 +470,15 @@ impl PowerSgdBucket {
         }
         for a in &self.mats {
             let qt = transpose(&q[a.q()], a.m, a.r, &mut self.qt);
-            let row = &mut self.row[..a.m];
-            let rows = m[a.elems()]
-                .chunks_exact_mut(a.m)
-                .zip(p[a.p()].chunks_exact(a.r));
-            if self.opts.feedback {
-                let es = self.residual[a.res()].chunks_exact_mut(a.m);
-                for ((x, pa), e) in rows.zip(es) {
-                    product_row(pa, qt, row);
-                    subtract(x, row, e);
-                    x.copy_from_slice(row);
-                }
-            } else {
-                rows.for_each(|(x, pa)| product_row(pa, qt, x));
-            }
+            let e = self.opts.feedback.then(|| &mut self.residual[a.res()]);
+            let rows = Rows {
+                x: Dest::InPlace(&mut m[a.elems()]),
+                e,
+                p: &p[a.p()],
+                m: a.m,
+                r: a.r,
+            };
+            reconstruct(rows, qt, a);
         }
         self.q.copy_from_slice(q);
         Ok(true)
@@ -802,6 +807,204 @@ fn subtract(x: &[f32], y: &[f32], e: &mut [f32]) {
     e.iter_mut()
         .zip(x.iter().zip(y))
         .for_each(|(e, (&x, &y))| *e = x - y);
+}
+
+/// Elements of a matrix per parallel piece of rows (or of columns, for `Q`).
+const PIECE: usize = crate::parallel::CHUNK;
+
+/// Whether the products and reconstruction of an `n x m` matrix run on all threads.
+fn par(a: &Mat) -> bool {
+    crate::parallel::worth(a.n * a.m, 2)
+}
+
+/// Rows of `M`, with their residual rows (if any) and `P` rows.
+struct MqRows<'a> {
+    x: &'a mut [f32],
+    e: Option<&'a [f32]>,
+    p: &'a mut [f32],
+    m: usize,
+    r: usize,
+}
+
+impl Split for MqRows<'_> {
+    fn split(self, at: usize, _: usize) -> (Self, Self) {
+        let (x0, x1) = self.x.split_at_mut(at * self.m);
+        let (p0, p1) = self.p.split_at_mut(at * self.r);
+        let (e0, e1) = match self.e {
+            Some(e) => {
+                let (a, b) = e.split_at(at * self.m);
+                (Some(a), Some(b))
+            }
+            None => (None, None),
+        };
+        let (m, r) = (self.m, self.r);
+        (
+            MqRows {
+                x: x0,
+                e: e0,
+                p: p0,
+                m,
+                r,
+            },
+            MqRows {
+                x: x1,
+                e: e1,
+                p: p1,
+                m,
+                r,
+            },
+        )
+    }
+}
+
+/// `P = M Q` of matrix `a` without packing `M` (after forming `M = grad + e` in place,
+/// with `e`), in pieces of rows on all threads when large: every row's values are the
+/// same for any split ([`thin_mq`]).
+fn thin_p(x: &mut [f32], e: Option<&[f32]>, qt: &[f32], a: &Mat, p: &mut [f32]) {
+    let rows = MqRows {
+        x,
+        e,
+        p,
+        m: a.m,
+        r: a.r,
+    };
+    let range = (PIECE / a.m.max(1)).max(1);
+    crate::parallel::for_ranges(rows, a.n, range, par(a), &|b, _| {
+        thin_mq(b.x, b.e, qt, b.m, b.p);
+        false
+    });
+}
+
+/// `Q = M^T P` of matrix `a` (`q` row-major, `m x r`) without packing `M`: columns in
+/// ranges of at most [`THIN_COLS`], on all threads when large. Each element sums over the
+/// rows in order ([`thin_mtp`]), so any split gives the same bits.
+fn thin_q(mat: &[f32], p: &[f32], a: &Mat, q: &mut [f32]) {
+    let (m, r) = (a.m, a.r);
+    let range = (PIECE / a.n.max(1)).clamp(16, THIN_COLS);
+    let cols = QCols { q, r };
+    crate::parallel::for_ranges(cols, m, range, par(a), &|c, j0| {
+        let w = c.q.len() / r;
+        let mut acc = [0f32; THIN_MAX_RANK * THIN_COLS];
+        let acc = &mut acc[..r * w];
+        thin_mtp(mat, m, j0, p, r, acc);
+        for (c_, row) in c.q.chunks_exact_mut(r).enumerate() {
+            for (k, v) in row.iter_mut().enumerate() {
+                *v = acc[k * w + c_];
+            }
+        }
+        false
+    });
+}
+
+/// Rows of `Q` (`r` values each), cut at whole rows.
+struct QCols<'a> {
+    q: &'a mut [f32],
+    r: usize,
+}
+
+impl Split for QCols<'_> {
+    fn split(self, at: usize, _: usize) -> (Self, Self) {
+        let (a, b) = self.q.split_at_mut(at * self.r);
+        (QCols { q: a, r: self.r }, QCols { q: b, r: self.r })
+    }
+}
+
+/// Where the reconstruction `P Q^T` goes: an output beside `M`, or over `M`.
+enum Dest<'a> {
+    Out(&'a [f32], &'a mut [f32]),
+    InPlace(&'a mut [f32]),
+}
+
+/// Rows of a matrix being reconstructed, with their residual and `P` rows.
+struct Rows<'a> {
+    x: Dest<'a>,
+    e: Option<&'a mut [f32]>,
+    p: &'a [f32],
+    m: usize,
+    r: usize,
+}
+
+impl Split for Rows<'_> {
+    fn split(self, at: usize, _: usize) -> (Self, Self) {
+        let (m, r) = (self.m, self.r);
+        let (x0, x1) = match self.x {
+            Dest::Out(x, out) => {
+                let (a, b) = x.split_at(at * m);
+                let (c, d) = out.split_at_mut(at * m);
+                (Dest::Out(a, c), Dest::Out(b, d))
+            }
+            Dest::InPlace(x) => {
+                let (a, b) = x.split_at_mut(at * m);
+                (Dest::InPlace(a), Dest::InPlace(b))
+            }
+        };
+        let (e0, e1) = match self.e {
+            Some(e) => {
+                let (a, b) = e.split_at_mut(at * m);
+                (Some(a), Some(b))
+            }
+            None => (None, None),
+        };
+        let (p0, p1) = self.p.split_at(at * r);
+        (
+            Rows {
+                x: x0,
+                e: e0,
+                p: p0,
+                m,
+                r,
+            },
+            Rows {
+                x: x1,
+                e: e1,
+                p: p1,
+                m,
+                r,
+            },
+        )
+    }
+}
+
+/// `P Q^T` of matrix `a` row by row ([`product_row`]), written to the output or over
+/// `M`, and with a residual, the new residual `M - P Q^T` while the row is in cache; in
+/// pieces of rows on all threads when large (rows are independent).
+fn reconstruct(rows: Rows, qt: &[f32], a: &Mat) {
+    let range = (PIECE / a.m.max(1)).max(1);
+    crate::parallel::for_ranges(rows, a.n, range, par(a), &|b, _| {
+        let (m, r) = (b.m, b.r);
+        let pas = b.p.chunks_exact(r);
+        match (b.x, b.e) {
+            (Dest::Out(x, out), Some(e)) => {
+                let rows = out.chunks_exact_mut(m).zip(x.chunks_exact(m));
+                for ((row, x), (e, pa)) in rows.zip(e.chunks_exact_mut(m).zip(pas)) {
+                    product_row(pa, qt, row);
+                    subtract(x, row, e);
+                }
+            }
+            (Dest::Out(_, out), None) => {
+                for (row, pa) in out.chunks_exact_mut(m).zip(pas) {
+                    product_row(pa, qt, row);
+                }
+            }
+            (Dest::InPlace(x), Some(e)) => {
+                // The product goes to the residual's row, which M already holds.
+                for ((x, e), pa) in x.chunks_exact_mut(m).zip(e.chunks_exact_mut(m)).zip(pas) {
+                    product_row(pa, qt, e);
+                    for (x, e) in x.iter_mut().zip(e.iter_mut()) {
+                        let d = *e;
+                        *e = *x - d;
+                        *x = d;
+                    }
+                }
+            }
+            (Dest::InPlace(x), None) => {
+                for (x, pa) in x.chunks_exact_mut(m).zip(pas) {
+                    product_row(pa, qt, x);
+                }
+            }
+        }
+        false
+    });
 }
 
 #[cfg(test)]
