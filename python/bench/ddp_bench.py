@@ -15,7 +15,9 @@ a full-duplex port of its own, as on a switch (a single shaped loopback shared b
 ranks would divide one link among them and hide what an all-gather costs). The ranks
 talk over 10.77.0.0/24 inside those namespaces only; the namespaces are deleted after
 each link. ``unthrottled`` uses the same topology without tc. Making namespaces needs
-root and iproute2; where that fails the script says so and runs on the loopback.
+root and either iproute2 (``ip``, ``tc``) or the pure-Python pyroute2 (for machines
+without iproute2: ``--netlink pyroute2`` picks it where both exist); where that fails
+the script says so and runs on the loopback.
 
 All ranks share this machine's cores: with fewer cores than ranks, compute is contended
 and the timings say so in their header.
@@ -133,6 +135,21 @@ def hook_for(name, net, world):
     return None, {}
 
 
+def enter_netns(name):
+    """Move this process into the named network namespace (before any thread starts)."""
+    path = f"/var/run/netns/{name}"
+    if hasattr(os, "setns"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.setns(fd, os.CLONE_NEWNET)
+        finally:
+            os.close(fd)
+    else:
+        from pyroute2 import netns
+
+        netns.setns(name, flags=0)
+
+
 def rank_main(rank, world, addr, port, cfg, steps, warmup, train_steps, out):
     import numpy as np
     import torch
@@ -158,6 +175,11 @@ def rank_main(rank, world, addr, port, cfg, steps, warmup, train_steps, out):
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
         batch = 64
         times = []
+        if state is not None and cfg.startswith("gp-auto"):
+            # auto's measured trials (float32 and the `trials` best, `trial_steps` each)
+            # come first: the timed steps are the steady state after them.
+            warmup += state.trial_steps * (1 + state.trials)
+            info["auto_trial_steps"] = state.trial_steps * (1 + state.trials)
         total = train_steps if train_steps else warmup + steps
         for s in range(total):
             g = torch.Generator().manual_seed(s)
@@ -200,6 +222,8 @@ def rank_main(rank, world, addr, port, cfg, steps, warmup, train_steps, out):
 
 
 def child(args):
+    if args.netns:
+        enter_netns(args.netns)
     rank_main(args.rank, args.world, args.addr, args.port, args.config, args.steps,
               args.warmup, args.train_steps, args.out)
 
@@ -213,18 +237,93 @@ def sh(*cmd):
         raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip() or r.returncode}")
 
 
+NETLINK = {"tool": None}
+
+
+def netlink_tool(want):
+    """``iproute2`` or ``pyroute2`` (``want``, or whichever this machine has), or None."""
+    has_ip = shutil.which("ip") is not None and shutil.which("tc") is not None
+    try:
+        import pyroute2  # noqa: F401
+
+        has_pr = True
+    except ImportError:
+        has_pr = False
+    if want == "pyroute2":
+        return "pyroute2" if has_pr else None
+    if want == "iproute2":
+        return "iproute2" if has_ip else None
+    return "iproute2" if has_ip else "pyroute2" if has_pr else None
+
+
 def delete_cluster(world):
-    for ns in ["gpsw"] + [f"gpr{r}" for r in range(world)]:
+    names = ["gpsw"] + [f"gpr{r}" for r in range(world)]
+    if NETLINK["tool"] == "pyroute2":
+        from pyroute2 import netns
+
+        for ns in names:
+            if ns in netns.listnetns():
+                netns.remove(ns)
+        return
+    for ns in names:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def tbf_burst(rate):
+    """The tbf burst in bytes: 1 ms at the rate, at least 64 KiB."""
+    return max(int(parse_rate(rate) / 8 / 1000), 64 * 1024)
+
+
+def make_cluster_pyroute2(world, rate):
+    """make_cluster through pyroute2's netlink sockets: the same namespaces, links,
+    addresses and tbf qdiscs."""
+    from pyroute2 import IPRoute, NetNS, netns
+
+    netns.create("gpsw")
+    with NetNS("gpsw") as sw:
+        sw.link("add", ifname="br0", kind="bridge")
+        sw.link("set", index=sw.link_lookup(ifname="br0")[0], state="up")
+    names = []
+    for r in range(world):
+        ns, a, b = f"gpr{r}", f"gpv{r}a", f"gpv{r}b"
+        netns.create(ns)
+        with IPRoute() as ip:
+            ip.link("add", ifname=a, kind="veth", peer=b)
+            ip.link("set", index=ip.link_lookup(ifname=a)[0], net_ns_fd=ns)
+            ip.link("set", index=ip.link_lookup(ifname=b)[0], net_ns_fd="gpsw")
+        with NetNS(ns) as n:
+            i = n.link_lookup(ifname=a)[0]
+            n.link("set", index=i, ifname="eth0")
+            n.addr("add", index=i, address=f"{SUBNET}.{r + 1}", prefixlen=24)
+            n.link("set", index=i, state="up")
+            n.link("set", index=n.link_lookup(ifname="lo")[0], state="up")
+            if rate:
+                n.tc("add", "tbf", i, 0x10000, rate=rate, burst=tbf_burst(rate),
+                     latency="50ms")
+        with NetNS("gpsw") as sw:
+            j = sw.link_lookup(ifname=b)[0]
+            sw.link("set", index=j, master=sw.link_lookup(ifname="br0")[0])
+            sw.link("set", index=j, state="up")
+            if rate:
+                sw.tc("add", "tbf", j, 0x10000, rate=rate, burst=tbf_burst(rate),
+                      latency="50ms")
+        names.append(ns)
+    return names
 
 
 def make_cluster(world, rate):
     """Namespaces gpr0..gpr{world-1}, each with eth0 (10.77.0.(r+1)) on a veth to the
     bridge of namespace gpsw, both ends shaped to ``rate`` (None: unshaped). Returns the
     namespaces, or None and why not."""
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return None, "ip or tc not found (apt-get install iproute2)"
+    if NETLINK["tool"] is None:
+        return None, "neither iproute2 (apt-get install iproute2) nor pyroute2 found"
     delete_cluster(world)
+    if NETLINK["tool"] == "pyroute2":
+        try:
+            return make_cluster_pyroute2(world, rate), ""
+        except Exception as e:  # reported: the run goes on, on the loopback
+            delete_cluster(world)
+            return None, f"pyroute2: {type(e).__name__}: {e}"
     try:
         sh("ip", "netns", "add", "gpsw")
         sh("ip", "netns", "exec", "gpsw", "ip", "link", "add", "br0", "type", "bridge")
@@ -243,8 +342,7 @@ def make_cluster(world, rate):
             if rate:
                 # The port's rate both ways: tbf on the rank's side shapes what it sends,
                 # on the switch's side what it receives. Burst: 1 ms at the rate.
-                bits = parse_rate(rate)
-                burst = str(max(int(bits / 8 / 1000), 64 * 1024))
+                burst = str(tbf_burst(rate))
                 for where, dev in ((ns, "eth0"), ("gpsw", b)):
                     sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root",
                        "tbf", "rate", rate, "burst", burst, "latency", "50ms")
@@ -279,7 +377,8 @@ def run_one(names, world, cfg, steps, warmup, train_steps, timeout=300):
                "--steps", str(steps), "--warmup", str(warmup),
                "--train-steps", str(train_steps), "--out", out]
         if names:
-            cmd = ["ip", "netns", "exec", names[r]] + cmd
+            # The rank moves itself into its namespace (no iproute2 needed).
+            cmd += ["--netns", names[r]]
         # A session of its own, so that a hung run is killed with everything it started.
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True, env=env))
@@ -328,6 +427,7 @@ def driver(args):
     import gradpack
     import torch
 
+    NETLINK["tool"] = netlink_tool(args.netlink)
     worlds = [int(w) for w in args.worlds.split(",")]
     configs = args.configs.split(",")
     links = [l for l in args.links.split(",") if l and l != "none"]
@@ -337,7 +437,7 @@ def driver(args):
     meta = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cores": os.cpu_count(),
             "torch": torch.__version__, "gradpack_backend": gradpack.backend(),
             "python": platform.python_version(), "steps": args.steps, "warmup": args.warmup,
-            "train_steps": args.train_steps}
+            "train_steps": args.train_steps, "netlink": NETLINK["tool"]}
     print(f"# DDP benchmark, {meta['date']}: {meta['cpu']}, {meta['cores']} cores, torch "
           f"{meta['torch']}, gradpack backend {meta['gradpack_backend']}", flush=True)
     if max(worlds) > (os.cpu_count() or 1):
@@ -416,7 +516,10 @@ def main():
     ap.add_argument("--train-steps", type=int, default=250,
                     help="steps of the accuracy run (0: skip it)")
     ap.add_argument("--out", default="ddp_bench.json")
+    ap.add_argument("--netlink", choices=["auto", "iproute2", "pyroute2"], default="auto",
+                    help="how the namespaces are made (auto: iproute2 where it is installed)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--netns", default="", help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--addr", default="127.0.0.1", help=argparse.SUPPRESS)

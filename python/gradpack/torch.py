@@ -619,9 +619,16 @@ class GradpackState:
             layout = [(f"bucket:{index}", n, 2, index, (n,))]
         world = self._world()
         cfg, plan = self._config(index, layout, n, buf.is_cuda) if world > 1 else (_FP32, None)
-        if buf.is_cuda and world > 1 and cfg == _FP32 and not self._low_rank_of(layout, step):
-            # Float32 on a GPU: DDP's own all-reduce on its own group, issued here in
-            # DDP's order (its backend, NCCL, moves device memory; no host copies).
+        # Float32: DDP's own all-reduce on its own group, issued here in DDP's order, as
+        # DDP's default hook does: on a GPU its backend (NCCL) moves device memory with
+        # no host copies; on the CPU it skips the hand-over to the comm thread (8 ranks
+        # at 10 Gbit/s: 1.18x the step without the hook through the thread). float16
+        # and bfloat16 CPU buckets go the thread's way, summed in float32; auto at two
+        # ranks too, where float32 is an all-gather summed per parameter.
+        direct = buf.is_cuda or (
+            buf.dtype in (torch.float32, torch.float64) and not (self._auto and world == 2)
+        )
+        if direct and world > 1 and cfg == _FP32 and not self._low_rank_of(layout, step):
             t0 = time.perf_counter()
             work = dist.all_reduce(buf, group=self.process_group, async_op=True)
 

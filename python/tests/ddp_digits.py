@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from typing import Any, Dict, List
 
 import numpy as np
@@ -101,13 +102,15 @@ def model(seed: int, cfg: Dict[str, Any] = {}) -> torch.nn.Module:
     return net.to(getattr(torch, cfg.get("dtype", "float32")))
 
 
-def make(cfg: Dict[str, Any], seed: int, init: int = -1):
+def make(cfg: Dict[str, Any], seed: int, init: int = -1, device: str = "cpu"):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradpack.torch as gpt
 
     # Several buckets of ~26 k elements.
-    net = DDP(model(seed if init < 0 else init, cfg), bucket_cap_mb=0.1, **cfg.get("ddp", {}))
+    net = model(seed if init < 0 else init, cfg).to(device)
+    ids = [torch.device(device).index or 0] if device.startswith("cuda") else None
+    net = DDP(net, device_ids=ids, bucket_cap_mb=0.1, **cfg.get("ddp", {}))
     state = None
     if cfg.get("codec") or cfg.get("powersgd"):
         state = gpt.GradpackState(
@@ -131,20 +134,24 @@ def run_steps(net, opt, xs, ys, rank, world, steps, start, batch=32):
     """`steps` steps from global step `start`; each rank takes its shard of the batch."""
     n = len(xs)
     losses = []
+    run_steps.times = []  # type: ignore[attr-defined]
     for s in range(start, start + steps):
+        t0 = time.perf_counter()
         g = torch.Generator().manual_seed(s)
         idx = torch.randint(0, n, (batch * world,), generator=g)[rank * batch:(rank + 1) * batch]
         opt.zero_grad()
-        dtype = next(net.parameters()).dtype
-        loss = torch.nn.functional.cross_entropy(net(xs[idx].to(dtype)).float(), ys[idx])
+        p = next(net.parameters())
+        out = net(xs[idx].to(p.device, p.dtype)).float()
+        loss = torch.nn.functional.cross_entropy(out, ys[idx].to(p.device))
         loss.backward()
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss.item())  # waits for the step, on a GPU too
+        run_steps.times.append(time.perf_counter() - t0)  # type: ignore[attr-defined]
     return losses
 
 
 def flat_params(net) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).double() for p in net.parameters()])
+    return torch.cat([p.detach().reshape(-1).double().cpu() for p in net.parameters()])
 
 
 def chosen_plan(state) -> List[Any]:
@@ -164,20 +171,24 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
     xs, ys, xt, yt = data()
     results: List[Dict[str, Any]] = []
     steps = plan["steps"]
+    device = plan.get("device", "cpu")
     for name in plan["configs"]:
         cfg = CONFIGS[name]
         for seed in plan["seeds"]:
-            net, opt, state = make(cfg, seed)
+            net, opt, state = make(cfg, seed, device=device)
             losses = run_steps(net, opt, xs, ys, rank, world, steps, 0)
             with torch.no_grad():
-                acc = (net(xt.to(next(net.parameters()).dtype)).argmax(1) == yt).float().mean().item()
+                p = next(net.parameters())
+                acc = (net(xt.to(p.device, p.dtype)).argmax(1).cpu() == yt).float().mean().item()
             p = flat_params(net)
             chosen = None
             if state is not None:
                 chosen = chosen_plan(state)
                 state.close()
+            times = sorted(run_steps.times[len(run_steps.times) // 2:])  # type: ignore[attr-defined]
             results.append({
-                "config": name, "seed": seed, "accuracy": acc,
+                "config": name, "seed": seed, "accuracy": acc, "device": device,
+                "ms_per_step": 1000 * times[len(times) // 2],
                 "first_loss": float(np.mean(losses[:20])), "last_loss": float(np.mean(losses[-20:])),
                 "identical": same_on_all_ranks(p, world),
                 "plan": chosen,
@@ -270,9 +281,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(world: int, configs: List[str], seeds: List[int], steps: int, resume: str = "") -> List[List[Dict[str, Any]]]:
+def run(world: int, configs: List[str], seeds: List[int], steps: int, resume: str = "",
+        device: str = "cpu") -> List[List[Dict[str, Any]]]:
+    """Train every configuration on ``world`` processes over gloo, the models on
+    ``device`` (every rank on the same one: ``cuda`` puts them all on the first GPU)."""
     with tempfile.TemporaryDirectory() as d:
-        plan = {"configs": configs, "seeds": seeds, "steps": steps, "resume": resume}
+        plan = {"configs": configs, "seeds": seeds, "steps": steps, "resume": resume,
+                "device": device}
         mp.spawn(worker, args=(world, free_port(), plan, d), nprocs=world, join=True)
         return [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(world)]
 
@@ -284,8 +299,10 @@ if __name__ == "__main__":
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--resume", default="")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (every rank on one GPU)")
     a = ap.parse_args()
-    res = run(a.world, a.configs.split(","), [int(s) for s in a.seeds.split(",")], a.steps, a.resume)
+    res = run(a.world, a.configs.split(","), [int(s) for s in a.seeds.split(",")], a.steps, a.resume,
+              a.device)
     for r in res[0]:
         print(json.dumps(r))
     sys.exit(0)

@@ -1,0 +1,49 @@
+"""The PyTorch hook with the model on a GPU: DDP's buckets are CUDA tensors, the hook
+copies them to pinned host buffers on a side stream, reduces them with gradpack's
+collectives on its own gloo group, and completes DDP's future on the GPU. Float32 buckets
+stay on the GPU and go through DDP's own group.
+
+Two processes share the first GPU and talk over gloo: NCCL refuses two ranks on one GPU
+("Duplicate GPU detected"), so a machine with one GPU cannot run an NCCL world of two.
+Skipped where torch sees no CUDA device (CI keeps the CPU path in test_torch.py).
+"""
+
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+sys.path.insert(0, os.path.dirname(__file__))
+import ddp_digits  # noqa: E402
+
+CONFIGS = ["fp32", "int8", "int8-ef-ring", "topk-ef", "powersgd2", "int8-bf16"]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    ranks = ddp_digits.run(2, CONFIGS, [0], 150, device="cuda")
+    for r in ranks[0]:
+        print(f"cuda {r['config']}: {r['ms_per_step']:.1f} ms/step, accuracy "
+              f"{100 * r['accuracy']:.1f}%, identical {r['identical']}")
+    return ranks[0]
+
+
+def test_every_configuration_runs_on_the_gpu_with_identical_parameters(runs):
+    assert [r["config"] for r in runs] == CONFIGS
+    assert all(r["device"] == "cuda" for r in runs)
+    assert all(r["identical"] for r in runs), [r for r in runs if not r["identical"]]
+
+
+@pytest.mark.parametrize("config", CONFIGS[1:])
+def test_gpu_training_tracks_float32(runs, config):
+    base = next(r for r in runs if r["config"] == "fp32")
+    got = next(r for r in runs if r["config"] == config)
+    # One seed, 150 steps: the CPU suite's spread between seeds is about 0.7 points, so
+    # 3 points is over 4 standard deviations.
+    assert got["accuracy"] >= base["accuracy"] - 0.03, (got, base)
+    assert got["last_loss"] < got["first_loss"] / 5, got
