@@ -116,9 +116,9 @@ pub mod unstable {
 
 pub use codec::{Checksummed, Codec, CodecId, CodecSpec, EncodeCtx, decode_limit};
 pub use codecs::{
-    Bf16, Codebook, Dct, DctValues, Fp4, Fp4Format, Fp4Scale, Fp8, Fp8Format, Fp8Scale, Fp16,
-    Identity, IndexCoding, Int8, Natural, Qsgd, RandK, RandKScale, RandKSelect, Rounding,
-    Selection, Sign, Ternary, TopK, TopKSelect, ValueType,
+    Bf16, Codebook, Dct, DctTransform, DctValues, Fp4, Fp4Format, Fp4Scale, Fp8, Fp8Format,
+    Fp8Scale, Fp16, Identity, IndexCoding, Int8, Natural, Qsgd, RandK, RandKScale, RandKSelect,
+    Rounding, Selection, Sign, Ternary, TopK, TopKSelect, ValueType,
 };
 pub use error::{Error, Result};
 pub use feedback::{ErrorFeedback, FeedbackOptions, Residual, ResidualPrecision};

@@ -488,7 +488,9 @@ def dct_decode(p, params, n, seed):
     W, = struct.unpack_from("<I", params, 0)
     k, = struct.unpack_from("<H", params, 4)
     c, vt = params[6], params[7]
-    if any(params[8:]):
+    if params[8] > 1:  # the encoder's transform: 0 direct, 1 factorised; decoded alike
+        raise Reject("dct transform")
+    if any(params[9:]):
         raise Reject("unused params")
     if seed:
         raise Reject("seed")

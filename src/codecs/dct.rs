@@ -11,6 +11,14 @@
 //! of a chunk than `k` of its raw elements would; with error feedback whose `beta` is a
 //! momentum decay (0.9 to 0.999), this is DeMo's decoupled momentum.
 //!
+//! The encoder computes the coefficients by a factorised transform (`transform=fast`,
+//! the default: along each side whose length is a power of two, butterflies and then
+//! sums over half as many terms per level, about a third of the multiply-adds at 64) or
+//! by the direct sums (`transform=direct`); both are fixed sequences of f32 operations
+//! (wire format 3.11), so frames are the same bits on every CPU, and the header says
+//! which one made a frame. One-row tiles of a power-of-two chunk are transformed four at
+//! a time, and their selection is branch-free.
+//!
 //! Decoding is the inverse DCT of the kept coefficients, a fixed sequence of f32
 //! operations on an f32 basis specified to the bit, so every CPU decodes alike (a NaN
 //! result is written as the quiet NaN `0x7FC00000`, whatever NaN the CPU made). The
@@ -81,6 +89,28 @@ impl DctValues {
     }
 }
 
+/// How a [`Dct`] encoder computes the coefficients (decoding is the same for both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DctTransform {
+    /// The factorised transform along every side whose length is a power of two from 2
+    /// (butterflies, then each coefficient's sum over half as many terms or fewer: about
+    /// a third of the direct transform's multiply-adds at 64), the direct sums along the
+    /// other sides. The default.
+    #[default]
+    Fast,
+    /// The direct sums over every element of a row or column (the first encoder).
+    Direct,
+}
+
+impl DctTransform {
+    fn byte(self) -> u8 {
+        match self {
+            DctTransform::Direct => 0,
+            DctTransform::Fast => 1,
+        }
+    }
+}
+
 /// The `dct` codec: chunked DCT-II, top-k coefficients per tile (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Dct {
@@ -88,6 +118,7 @@ pub struct Dct {
     k: u16,
     width: u32,
     values: DctValues,
+    transform: DctTransform,
 }
 
 impl Default for Dct {
@@ -97,6 +128,7 @@ impl Default for Dct {
             k: 4,
             width: 0,
             values: DctValues::F32,
+            transform: DctTransform::Fast,
         }
     }
 }
@@ -191,7 +223,18 @@ impl Dct {
             k: k as u16,
             width,
             values,
+            transform: DctTransform::Fast,
         })
+    }
+
+    /// The same codec with its coefficients computed by `transform`.
+    pub fn with_transform(self, transform: DctTransform) -> Dct {
+        Dct { transform, ..self }
+    }
+
+    /// How the encoder computes the coefficients.
+    pub fn transform(&self) -> DctTransform {
+        self.transform
     }
 
     /// Elements per tile side.
@@ -227,10 +270,16 @@ impl Dct {
             ("sign", _) => DctValues::SignFrame,
             _ => return Err("`scale` is for `values=sign` only".into()),
         };
-        Dct::new(chunk, k, width, values).map_err(|e| match e {
-            Error::Param { reason, name, .. } => format!("`{name}`: {reason}"),
-            e => e.to_string(),
-        })
+        let transform = match a.choice("transform", "fast", &["fast", "direct"])? {
+            "direct" => DctTransform::Direct,
+            _ => DctTransform::Fast,
+        };
+        Dct::new(chunk, k, width, values)
+            .map(|d| d.with_transform(transform))
+            .map_err(|e| match e {
+                Error::Param { reason, name, .. } => format!("`{name}`: {reason}"),
+                e => e.to_string(),
+            })
     }
 
     fn grid(&self, n: u64) -> Result<Grid> {
@@ -266,6 +315,7 @@ impl Dct {
         p[4..6].copy_from_slice(&self.k.to_le_bytes());
         p[6] = self.chunk;
         p[7] = self.values.byte();
+        p[8] = self.transform.byte();
         p
     }
 }
@@ -282,7 +332,11 @@ impl fmt::Display for Dct {
             f,
             "dct:chunk={},k={},values={values},width={}",
             self.chunk, self.k, self.width
-        )
+        )?;
+        if self.transform == DctTransform::Direct {
+            write!(f, ",transform=direct")?;
+        }
+        Ok(())
     }
 }
 
@@ -295,8 +349,8 @@ impl From<Dct> for CodecSpec {
 /// The largest tile.
 const TILE: usize = MAX_N * MAX_N;
 
-/// Up to this many kept per tile, the selection is one insertion pass.
-const SMALL_K: usize = 16;
+/// Up to this many kept per tile, the selection is the branch-free kernel.
+const SMALL_K: usize = dct::SELECT_MAX;
 
 /// `v`, or the quiet NaN 0x7FC00000 if it is a NaN.
 #[inline]
@@ -308,6 +362,98 @@ fn canonical(v: f32) -> f32 {
 #[inline]
 fn before(keys: &[u32], a: u16, b: u16) -> core::cmp::Ordering {
     keys[b as usize].cmp(&keys[a as usize]).then(a.cmp(&b))
+}
+
+/// Most kept coefficients per tile for which one-row tiles decode in batches.
+const BATCH_KEPT: usize = 16;
+
+impl Dct {
+    /// Value `j` of a tile whose values start at `vals0`: f32, fp16, or the sign bit
+    /// applied to `scale`.
+    #[inline(always)]
+    fn value(&self, payload: &[u8], vals0: usize, j: usize, scale: f32) -> f32 {
+        match self.values {
+            DctValues::F32 => f32::from_le_bytes(
+                payload[vals0 + 4 * j..vals0 + 4 * j + 4]
+                    .try_into()
+                    .expect("4 bytes"),
+            ),
+            DctValues::Fp16 => f16_to_f32(u16::from_le_bytes([
+                payload[vals0 + 2 * j],
+                payload[vals0 + 2 * j + 1],
+            ])),
+            _ => {
+                if payload[vals0 + j / 8] >> (j % 8) & 1 == 1 {
+                    -scale
+                } else {
+                    scale
+                }
+            }
+        }
+    }
+}
+
+/// Writes the tiles of a payload in order.
+struct TileWriter<'a> {
+    values: DctValues,
+    ib: usize,
+    p: &'a mut [u8],
+    at: usize,
+    frame_sum: f64,
+    frame_kept: u64,
+}
+
+impl TileWriter<'_> {
+    /// One tile: its scale (sign values with a scale per tile), its kept positions
+    /// (increasing) and their values, value `j` being `value(j)`.
+    #[inline]
+    fn tile(&mut self, chosen: &[u16], value: impl Fn(usize) -> f32) {
+        let (p, ib, kt) = (&mut *self.p, self.ib, chosen.len());
+        let scale_at = self.at;
+        let mut at = self.at;
+        if self.values == DctValues::SignChunk {
+            at += 4;
+        }
+        for &pos in chosen {
+            p[at..at + ib].copy_from_slice(&pos.to_le_bytes()[..ib]);
+            at += ib;
+        }
+        match self.values {
+            DctValues::F32 => {
+                for j in 0..kt {
+                    p[at..at + 4].copy_from_slice(&value(j).to_le_bytes());
+                    at += 4;
+                }
+            }
+            DctValues::Fp16 => {
+                for j in 0..kt {
+                    p[at..at + 2].copy_from_slice(&f32_to_f16(value(j)).to_le_bytes());
+                    at += 2;
+                }
+            }
+            DctValues::SignChunk | DctValues::SignFrame => {
+                let bytes = self.values.value_bytes(kt);
+                p[at..at + bytes].fill(0);
+                let mut sum = 0f64;
+                for j in 0..kt {
+                    let v = value(j);
+                    if v.is_sign_negative() {
+                        p[at + j / 8] |= 1 << (j % 8);
+                    }
+                    sum += f64::from(v.abs());
+                }
+                at += bytes;
+                if self.values == DctValues::SignChunk {
+                    let scale = canonical((sum / kt as f64) as f32);
+                    p[scale_at..scale_at + 4].copy_from_slice(&scale.to_le_bytes());
+                } else {
+                    self.frame_sum += sum;
+                    self.frame_kept += kt as u64;
+                }
+            }
+        }
+        self.at = at;
+    }
 }
 
 impl Scheme for Dct {
@@ -336,52 +482,77 @@ impl Scheme for Dct {
         let g = self.grid(x.len() as u64)?;
         let len = g.payload(self.values).expect("checked");
         let p = payload_buf(out, len)?;
-        let ib = g.index_bytes() as usize;
+        let mut w = TileWriter {
+            values: self.values,
+            ib: g.index_bytes() as usize,
+            p,
+            at: if self.values == DctValues::SignFrame {
+                4
+            } else {
+                0
+            },
+            frame_sum: 0.0,
+            frame_kept: 0,
+        };
+        let nonfinite = crate::kernels::any_nonfinite(x);
+        let mut tiles = g.tiles().peekable();
+        // Tiles of one row with a factorised length and a few kept: many per kernel call,
+        // several transformed at once (the same arithmetic as one at a time).
+        let (c, kt) = (g.chunk as usize, (g.k as usize).min(g.chunk as usize));
+        if self.transform == DctTransform::Fast
+            && g.th == 1
+            && c >= 2
+            && c.is_power_of_two()
+            && kt <= SMALL_K
+            && kt < c
+        {
+            let full = (g.len / g.chunk) as usize;
+            const BATCH: usize = 256;
+            let mut pos = [0u16; BATCH * SMALL_K];
+            let mut vals = [0f32; BATCH * SMALL_K];
+            for b0 in (0..full).step_by(BATCH) {
+                let m = (full - b0).min(BATCH);
+                let xs = &x[b0 * c..(b0 + m) * c];
+                dct::encode_rows_fast(xs, c, kt, &mut pos, &mut vals);
+                for t in 0..m {
+                    let r = t * kt..(t + 1) * kt;
+                    w.tile(&pos[r.clone()], |j| vals[r.start + j]);
+                }
+            }
+            for _ in 0..full {
+                tiles.next();
+            }
+        }
         let mut y = [0f32; TILE];
         let mut coef = [0f32; TILE];
         let mut keys = [0u32; TILE];
+        let mut wide = [0u64; TILE];
         let mut order = [0u16; TILE];
-        let mut at = if self.values == DctValues::SignFrame {
-            4
-        } else {
-            0
-        };
-        let (mut frame_sum, mut frame_kept) = (0f64, 0u64);
-        let nonfinite = crate::kernels::any_nonfinite(x);
-        for (first, h, w) in g.tiles() {
-            let size = h * w;
+        for (first, h, tw) in tiles {
+            let size = h * tw;
             let rows = &x[first..];
-            dct::forward(rows, g.len as usize, h, w, &mut y, &mut coef);
-            // Which NaN an invalid operation makes differs between CPUs and compilations:
-            // every NaN coefficient is the quiet NaN 0x7FC00000 (its key, value and sign).
-            coef[..size]
-                .iter_mut()
-                .filter(|v| v.is_nan())
-                .for_each(|v| *v = CANONICAL_NAN);
+            match self.transform {
+                DctTransform::Fast => {
+                    dct::forward_fast(rows, g.len as usize, h, tw, &mut y, &mut coef)
+                }
+                DctTransform::Direct => {
+                    dct::forward(rows, g.len as usize, h, tw, &mut y, &mut coef)
+                }
+            }
             let kt = (g.k as usize).min(size);
             let chosen = &mut order[..size];
             if kt <= SMALL_K && kt < size {
-                // A few of many: one pass keeping the best kt, each as one u64 that orders
-                // like the selection (the key, then the lower position first).
-                let mut top = [0u64; SMALL_K];
-                let mut filled = 0;
-                for (i, c) in coef[..size].iter().enumerate() {
-                    let v = (u64::from(c.to_bits() & 0x7FFF_FFFF) << 16) | (0xFFFF - i as u64);
-                    if filled == kt && v <= top[kt - 1] {
-                        continue;
-                    }
-                    let mut j = filled.min(kt - 1);
-                    while j > 0 && top[j - 1] < v {
-                        top[j] = top[j - 1];
-                        j -= 1;
-                    }
-                    top[j] = v;
-                    filled = (filled + 1).min(kt);
-                }
-                for (o, &v) in chosen.iter_mut().zip(&top[..kt]) {
-                    *o = 0xFFFF - (v & 0xFFFF) as u16;
-                }
+                // A few of many: the largest taken kt times, branch-free (NaN coefficients
+                // made the quiet NaN 0x7FC00000 first, as below).
+                dct::select(&mut coef[..size], kt, &mut wide, chosen);
             } else {
+                // Which NaN an invalid operation makes differs between CPUs and
+                // compilations: every NaN coefficient is the quiet NaN 0x7FC00000 (its
+                // key, value and sign).
+                coef[..size]
+                    .iter_mut()
+                    .filter(|v| v.is_nan())
+                    .for_each(|v| *v = CANONICAL_NAN);
                 for (i, (key, o)) in keys[..size].iter_mut().zip(chosen.iter_mut()).enumerate() {
                     *key = coef[i].to_bits() & 0x7FFF_FFFF;
                     *o = i as u16;
@@ -389,62 +560,20 @@ impl Scheme for Dct {
                 if kt < size {
                     chosen.select_nth_unstable_by(kt - 1, |&a, &b| before(&keys, a, b));
                 }
+                chosen[..kt].sort_unstable();
             }
-            let chosen = &mut chosen[..kt];
-            chosen.sort_unstable();
-            let scale_at = at;
-            if self.values == DctValues::SignChunk {
-                at += 4;
-            }
-            for &pos in chosen.iter() {
-                p[at..at + ib].copy_from_slice(&pos.to_le_bytes()[..ib]);
-                at += ib;
-            }
-            match self.values {
-                DctValues::F32 => {
-                    for &pos in chosen.iter() {
-                        p[at..at + 4].copy_from_slice(&coef[pos as usize].to_le_bytes());
-                        at += 4;
-                    }
-                }
-                DctValues::Fp16 => {
-                    for &pos in chosen.iter() {
-                        let hv = f32_to_f16(coef[pos as usize]);
-                        p[at..at + 2].copy_from_slice(&hv.to_le_bytes());
-                        at += 2;
-                    }
-                }
-                DctValues::SignChunk | DctValues::SignFrame => {
-                    let bytes = self.values.value_bytes(kt);
-                    p[at..at + bytes].fill(0);
-                    let mut sum = 0f64;
-                    for (j, &pos) in chosen.iter().enumerate() {
-                        let v = coef[pos as usize];
-                        if v.is_sign_negative() {
-                            p[at + j / 8] |= 1 << (j % 8);
-                        }
-                        sum += f64::from(v.abs());
-                    }
-                    at += bytes;
-                    if self.values == DctValues::SignChunk {
-                        let scale = canonical((sum / kt as f64) as f32);
-                        p[scale_at..scale_at + 4].copy_from_slice(&scale.to_le_bytes());
-                    } else {
-                        frame_sum += sum;
-                        frame_kept += kt as u64;
-                    }
-                }
-            }
+            let chosen = &chosen[..kt];
+            w.tile(chosen, |j| coef[chosen[j] as usize]);
         }
         if self.values == DctValues::SignFrame {
-            let scale = if frame_kept == 0 {
+            let scale = if w.frame_kept == 0 {
                 0.0
             } else {
-                canonical((frame_sum / frame_kept as f64) as f32)
+                canonical((w.frame_sum / w.frame_kept as f64) as f32)
             };
-            p[0..4].copy_from_slice(&scale.to_le_bytes());
+            w.p[0..4].copy_from_slice(&scale.to_le_bytes());
         }
-        debug_assert_eq!(at as u64, len);
+        debug_assert_eq!(w.at as u64, len);
         Ok(Encoded {
             payload_len: len,
             params: self.params(),
@@ -468,7 +597,17 @@ impl Scheme for Dct {
                 format!("{} is not 0 (f32), 1 (fp16), 2 or 3 (sign)", h.params[7]),
             )
         })?;
-        h.params_zero_from(8)?;
+        let transform = match h.params[8] {
+            0 => DctTransform::Direct,
+            1 => DctTransform::Fast,
+            b => {
+                return Err(field(
+                    "params.transform",
+                    format!("{b} is not 0 (direct) or 1 (factorised)"),
+                ));
+            }
+        };
+        h.params_zero_from(9)?;
         h.seed_zero()?;
         if !(1..=MAX_N as u8).contains(&chunk) {
             return Err(field(
@@ -498,6 +637,7 @@ impl Scheme for Dct {
             k,
             width,
             values,
+            transform,
         };
         expect_payload(h, c.grid(h.elements)?.payload(values))?;
         Ok(c)
@@ -570,12 +710,49 @@ impl Scheme for Dct {
         } else {
             0.0
         };
+        let mut at = start;
+        let len = g.len as usize;
+        let mut tiles = g.tiles().peekable();
+        // Tiles of one row: their positions and values gathered for many tiles, then
+        // decoded in one kernel call (the same arithmetic as one tile at a time).
+        let kt1 = (g.k as usize).min(g.chunk as usize);
+        if g.th == 1 && kt1 <= BATCH_KEPT {
+            const BATCH: usize = 256;
+            let c = g.chunk as usize;
+            let full = (g.len / g.chunk) as usize;
+            let mut pos = [0u16; BATCH * BATCH_KEPT];
+            let mut vals = [0f32; BATCH * BATCH_KEPT];
+            for b0 in (0..full).step_by(BATCH) {
+                let m = (full - b0).min(BATCH);
+                for t in 0..m {
+                    let scale = match self.values {
+                        DctValues::SignChunk => {
+                            let s = f32::from_le_bytes(
+                                payload[at..at + 4].try_into().expect("4 bytes"),
+                            );
+                            at += 4;
+                            s
+                        }
+                        _ => frame_scale,
+                    };
+                    let vals0 = at + kt1 * ib;
+                    for j in 0..kt1 {
+                        pos[t * kt1 + j] = pos_at(at + j * ib) as u16;
+                        vals[t * kt1 + j] = self.value(payload, vals0, j, scale);
+                    }
+                    at = vals0 + self.values.value_bytes(kt1);
+                }
+                let o = &mut out[b0 * c..(b0 + m) * c];
+                dct::decode_rows::<M>(c, kt1, &pos[..m * kt1], &vals[..m * kt1], o);
+            }
+            for _ in 0..full {
+                tiles.next();
+            }
+        }
         let mut t = [0f32; TILE];
         let mut cols = [false; MAX_N];
         let mut tile = [0f32; TILE];
-        let mut at = start;
-        let len = g.len as usize;
-        for (first, th, tw) in g.tiles() {
+        for (first, th, tw) in tiles {
             let kt = (g.k as usize).min(th * tw);
             let scale = match self.values {
                 DctValues::SignChunk => {
@@ -587,29 +764,8 @@ impl Scheme for Dct {
             };
             let pos0 = at;
             let vals0 = at + kt * ib;
-            let values = self.values;
-            let kept = (0..kt).map(|j| {
-                let pos = pos_at(pos0 + j * ib);
-                let v = match values {
-                    DctValues::F32 => f32::from_le_bytes(
-                        payload[vals0 + 4 * j..vals0 + 4 * j + 4]
-                            .try_into()
-                            .expect("4 bytes"),
-                    ),
-                    DctValues::Fp16 => f16_to_f32(u16::from_le_bytes([
-                        payload[vals0 + 2 * j],
-                        payload[vals0 + 2 * j + 1],
-                    ])),
-                    _ => {
-                        if payload[vals0 + j / 8] >> (j % 8) & 1 == 1 {
-                            -scale
-                        } else {
-                            scale
-                        }
-                    }
-                };
-                (pos, v)
-            });
+            let kept =
+                (0..kt).map(|j| (pos_at(pos0 + j * ib), self.value(payload, vals0, j, scale)));
             dct::inverse(kept, th, tw, &mut t, &mut cols, &mut tile, |i, r| {
                 let o = &mut out[first + i * len..first + i * len + tw];
                 // A NaN decodes as the quiet NaN 0x7FC00000: which NaN an invalid

@@ -25,7 +25,7 @@ mod values;
 
 pub use bf16::Bf16;
 pub use codebook::Codebook;
-pub use dct::{Dct, DctValues};
+pub use dct::{Dct, DctTransform, DctValues};
 pub use fp4::{Fp4, Fp4Format, Fp4Scale};
 pub use fp8::{Fp8, Fp8Format, Fp8Scale};
 pub use fp16::Fp16;

@@ -202,6 +202,101 @@ fn dct_forward(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out:
     }
 }
 
+simd_op!(DctSelect { coef: &'a mut [f32], kt: usize, keys: &'a mut [u64], chosen: &'a mut [u16] }
+    -> () = dct::select_impl(coef, kt, keys, chosen));
+
+/// The small selection of the `dct` encoder (see [`dct::select`]), compiled for the
+/// current backend.
+fn dct_select(coef: &mut [f32], kt: usize, keys: &mut [u64], chosen: &mut [u16]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => dct::select_impl(coef, kt, keys, chosen),
+        b => simd(
+            b,
+            DctSelect {
+                coef,
+                kt,
+                keys,
+                chosen,
+            },
+        ),
+    }
+}
+
+simd_op!(DctForwardFast {
+    x: &'a [f32], stride: usize, h: usize, w: usize, y: &'a mut [f32], out: &'a mut [f32],
+} -> () = dct::forward_fast_impl(x, stride, h, w, y, out));
+
+/// The factorised forward DCT of a tile (see [`dct::forward_fast`]), compiled for the
+/// current backend.
+fn dct_forward_fast(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out: &mut [f32]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => dct::forward_fast_impl(x, stride, h, w, y, out),
+        b => simd(
+            b,
+            DctForwardFast {
+                x,
+                stride,
+                h,
+                w,
+                y,
+                out,
+            },
+        ),
+    }
+}
+
+simd_op!(DctEncodeRowsFast {
+    x: &'a [f32], w: usize, kt: usize, pos: &'a mut [u16], vals: &'a mut [f32],
+} -> () = dct::encode_rows_fast_impl(x, w, kt, pos, vals));
+
+/// The `dct` encoder's work for tiles of one row (see [`dct::encode_rows_fast`]),
+/// compiled for the current backend.
+fn dct_encode_rows_fast(x: &[f32], w: usize, kt: usize, pos: &mut [u16], vals: &mut [f32]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => dct::encode_rows_fast_impl(x, w, kt, pos, vals),
+        b => simd(
+            b,
+            DctEncodeRowsFast {
+                x,
+                w,
+                kt,
+                pos,
+                vals,
+            },
+        ),
+    }
+}
+
+simd_op!(DctDecodeRows<const M: u8> {
+    w: usize, kt: usize, pos: &'a [u16], vals: &'a [f32], out: &'a mut [f32],
+} -> () = dct::decode_rows_impl::<M>(w, kt, pos, vals, out));
+
+/// The `dct` decoder's work for tiles of one row (see [`dct::decode_rows`]), compiled for
+/// the current backend (for AVX2 on the AVX-512 backend: [`x86_route`], as the inverse).
+fn dct_decode_rows<const M: u8>(w: usize, kt: usize, pos: &[u16], vals: &[f32], out: &mut [f32]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => dct::decode_rows_impl::<M>(w, kt, pos, vals, out),
+        #[cfg(target_arch = "x86_64")]
+        b if x86_route(Op::DctInverse, b.kind()) == X86::Avx2 => simd_avx2(DctDecodeRows::<M> {
+            w,
+            kt,
+            pos,
+            vals,
+            out,
+        }),
+        b => simd(
+            b,
+            DctDecodeRows::<M> {
+                w,
+                kt,
+                pos,
+                vals,
+                out,
+            },
+        ),
+    }
+}
+
 simd_op!(DctInverseRows {
     t: &'a [f32], cols: &'a [bool], h: usize, w: usize, x: &'a mut [f32],
 } -> () = dct::inverse_rows_impl(t, cols, h, w, x));

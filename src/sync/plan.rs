@@ -210,7 +210,7 @@ impl Policy {
         let w = u32::try_from(m).ok().filter(|&w| w >= 2)?;
         crate::codecs::Dct::new(d.chunk(), d.k(), w, d.values())
             .ok()
-            .map(CodecSpec::Dct)
+            .map(|c| CodecSpec::Dct(c.with_transform(d.transform())))
     }
 }
 

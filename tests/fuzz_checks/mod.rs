@@ -275,7 +275,8 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
             let full = if width == 0 { chunk } else { chunk * chunk };
             let k = (u16::from_le_bytes([c[4], c[3]]) as usize) % full + 1;
             let values = ["f32", "fp16", "sign", "sign,scale=frame"][(v as usize >> 1) % 4];
-            format!("dct:chunk={chunk},k={k},values={values},width={width}")
+            let transform = ["fast", "direct"][v as usize & 1];
+            format!("dct:chunk={chunk},k={k},values={values},width={width},transform={transform}")
         }
     }
 }
@@ -299,7 +300,8 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
 /// - byte 4: ratio `(b + 1) / 256` (top-k, random-k), `k = b` (top-k with bit 5) or
 ///   threshold `b / 32` (top-k with bit 6); dct: `b % 4` picks one row, rows of 1, one
 ///   row of all, or rows of `byte 2 % 64 + 1` (1 when that does not divide the count),
-///   `k` is `u16(byte 4, byte 3) % T + 1`, values by bits 1..3 of byte 3;
+///   `k` is `u16(byte 4, byte 3) % T + 1`, values by bits 1..3 of byte 3, the direct
+///   transform when bit 0 of byte 3 is set (else the factorised one);
 /// - bytes 5..8: offset (u24); bytes 8..12: seed (u32).
 pub fn roundtrip(data: &[u8]) {
     if data.len() < 12 {

@@ -44,11 +44,10 @@ pub(crate) fn encode(
         && !codec.contains("width=")
     {
         let w = *s.last().expect("2-D");
-        match u32::try_from(w)
-            .ok()
-            .filter(|&w| w > 0)
-            .map(|w| gradpack::Dct::new(d.chunk(), d.k(), w, d.values()))
-        {
+        match u32::try_from(w).ok().filter(|&w| w > 0).map(|w| {
+            gradpack::Dct::new(d.chunk(), d.k(), w, d.values())
+                .map(|c| c.with_transform(d.transform()))
+        }) {
             Some(Ok(with_rows)) => {
                 eprintln!(
                     "{out_name}: note: dct tiles follow the input's rows of {w} (width={w}); \
