@@ -9,7 +9,8 @@ use core::fmt;
 use core::str::FromStr;
 
 use crate::codecs::{
-    Bf16, Codebook, Dct, Fp4, Fp8, Fp16, Identity, Int8, Natural, Qsgd, RandK, Sign, Ternary, TopK,
+    Bf16, ChunkTopK, Codebook, Dct, Fp4, Fp8, Fp16, Identity, Int8, Natural, Qsgd, RandK, Sign,
+    Ternary, TopK,
 };
 use crate::error::{Error, Result};
 use crate::wire::{HEADER_LEN, Header};
@@ -47,11 +48,13 @@ pub enum CodecId {
     Fp4 = 12,
     /// int8 codes into a per-block codebook of bin means.
     Codebook = 13,
+    /// The top k of every chunk with 2-bit values (SparseLoCo's layout).
+    ChunkTopK = 14,
 }
 
 impl CodecId {
     /// Every codec id, in id order.
-    pub const ALL: [CodecId; 14] = [
+    pub const ALL: [CodecId; 15] = [
         CodecId::Identity,
         CodecId::Fp16,
         CodecId::Bf16,
@@ -66,6 +69,7 @@ impl CodecId {
         CodecId::Fp8,
         CodecId::Fp4,
         CodecId::Codebook,
+        CodecId::ChunkTopK,
     ];
 
     /// The id for byte value `b`, if one exists.
@@ -90,6 +94,7 @@ impl CodecId {
             CodecId::Fp8 => "fp8",
             CodecId::Fp4 => "fp4",
             CodecId::Codebook => "codebook",
+            CodecId::ChunkTopK => "chunktopk",
         }
     }
 }
@@ -269,6 +274,8 @@ pub enum CodecSpec {
     Fp4(Fp4),
     /// See [`Codebook`].
     Codebook(Codebook),
+    /// See [`ChunkTopK`].
+    ChunkTopK(ChunkTopK),
 }
 
 macro_rules! each_spec {
@@ -288,6 +295,7 @@ macro_rules! each_spec {
             CodecSpec::Fp8($c) => $e,
             CodecSpec::Fp4($c) => $e,
             CodecSpec::Codebook($c) => $e,
+            CodecSpec::ChunkTopK($c) => $e,
         }
     };
 }
@@ -336,6 +344,9 @@ impl CodecSpec {
             CodecId::Fp4 => CodecSpec::Fp4(Fp4::from_args(&mut args).map_err(&spec_err)?),
             CodecId::Codebook => {
                 CodecSpec::Codebook(Codebook::from_args(&mut args).map_err(&spec_err)?)
+            }
+            CodecId::ChunkTopK => {
+                CodecSpec::ChunkTopK(ChunkTopK::from_args(&mut args).map_err(&spec_err)?)
             }
         };
         args.finish(name).map_err(&spec_err)?;
@@ -411,6 +422,13 @@ impl CodecSpec {
             CodecSpec::Fp4(c) if a.is_finite() => return c.core().error_bound(a),
             CodecSpec::Fp8(_) | CodecSpec::Fp4(_) => return f64::INFINITY,
             CodecSpec::Codebook(c) => {
+                return if a.is_finite() {
+                    c.error_bound(a)
+                } else {
+                    f64::INFINITY
+                };
+            }
+            CodecSpec::ChunkTopK(c) => {
                 return if a.is_finite() {
                     c.error_bound(a)
                 } else {
@@ -677,6 +695,7 @@ pub const REPRESENTATIVE_SPECS: &[&str] = &[
     "ternary",
     "sign",
     "topk:ratio=0.01,values=fp16",
+    "chunktopk",
     "randk:ratio=0.01",
     "randk:ratio=0.01,select=strata",
     "dct:k=4,values=sign",

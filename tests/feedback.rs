@@ -40,7 +40,7 @@ fn permissive() -> FeedbackOptions {
 fn fixed_rate(spec: &CodecSpec) -> bool {
     !matches!(
         spec,
-        CodecSpec::TopK(_) | CodecSpec::RandK(_) | CodecSpec::Dct(_)
+        CodecSpec::TopK(_) | CodecSpec::RandK(_) | CodecSpec::Dct(_) | CodecSpec::ChunkTopK(_)
     )
 }
 

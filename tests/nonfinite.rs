@@ -147,6 +147,22 @@ fn check_policy(spec: &CodecSpec, x: &[f32], d: &[f32]) {
                 }
             }
         }
+        // Chunked top-k: NaN and ±Inf rank above every finite value, so they are kept, and
+        // their chunk's scale is NaN: its kept elements decode to NaN, the rest to 0.
+        CodecSpec::ChunkTopK(c) => {
+            for (q, (xc, dc)) in x.chunks(c.chunk()).zip(d.chunks(c.chunk())).enumerate() {
+                let bad_chunk = xc.iter().any(|v| !v.is_finite());
+                for (j, (&v, &got)) in xc.iter().zip(dc).enumerate() {
+                    if !v.is_finite() {
+                        assert!(got.is_nan(), "{spec} chunk {q} element {j}");
+                    } else if !bad_chunk {
+                        assert!(got.is_finite(), "{spec} chunk {q} element {j}");
+                    } else {
+                        assert!(got.is_nan() || got == 0.0, "{spec} chunk {q} element {j}");
+                    }
+                }
+            }
+        }
         // Random-k: an unsent element could hide it, so everything decodes to NaN.
         CodecSpec::RandK(_) => assert!(d.iter().all(|v| v.is_nan()), "{spec}"),
         // DCT: a non-finite value spreads over its tile's coefficients, all of them kept

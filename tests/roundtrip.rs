@@ -83,8 +83,11 @@ fn nothing_is_written_past_the_frame() {
             let max = spec.max_encoded_len(n);
             let mut buf = vec![0xA5u8; max + 64];
             let len = spec.encode_into(&x, &ctx, &mut buf[..max]).unwrap();
-            // Top-k keeps its candidates in the buffer past the frame (documented).
-            let untouched = if spec.id() == gradpack::CodecId::TopK {
+            // Top-k and chunked top-k keep candidates in the buffer past the frame (documented).
+            let untouched = if matches!(
+                spec.id(),
+                gradpack::CodecId::TopK | gradpack::CodecId::ChunkTopK
+            ) {
                 max
             } else {
                 len

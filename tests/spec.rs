@@ -150,7 +150,7 @@ fn ids_names_and_spec_metadata_agree() {
         assert_eq!(spec.id(), id);
         assert_eq!(spec.spec(), spec);
     }
-    assert_eq!(CodecId::from_u8(14), None);
+    assert_eq!(CodecId::from_u8(15), None);
     let bits = |s: &str| s.parse::<CodecSpec>().unwrap().bits_per_element(1 << 20);
     assert_eq!(bits("identity"), 32.0);
     // dct: per 64 elements, 4 one-byte positions and 4 f32 (or fp16, or sign bits and a
@@ -166,6 +166,9 @@ fn ids_names_and_spec_metadata_agree() {
     assert_eq!(bits("fp8:scale=none"), 8.0);
     assert_eq!(bits("fp4"), 4.0 + 8.0 / 32.0);
     assert_eq!(bits("codebook"), 8.0 + 8192.0 / 65536.0);
+    // 64 of every 4096: a 4-byte scale, 64 x 6 low bits, 127 upper bits, 64 x 2-bit codes.
+    assert_eq!(bits("chunktopk"), 84.0 * 8.0 / 4096.0);
+    assert!(!"chunktopk".parse::<CodecSpec>().unwrap().unbiased());
     assert!(!"codebook".parse::<CodecSpec>().unwrap().unbiased());
     assert_eq!(bits("fp4:scale=f32,block=16"), 4.0 + 32.0 / 16.0);
     assert_eq!(

@@ -145,7 +145,7 @@ def decode(frame):
     flags, = struct.unpack_from("<H", frame, 6)
     n, plen, seed, offset = struct.unpack_from("<QQQQ", frame, 8)
     params = frame[40:52]
-    if codec > 13:
+    if codec > 14:
         raise Reject("codec id")
     if flags & ~3:
         raise Reject("reserved flags")
@@ -346,6 +346,8 @@ def decode(frame):
         books = step_bits(p, 0, 256 * nb)  # f32 entries; ±Inf rejected as for steps
         for i in range(n):
             out[i] = books[256 * (i // b) + p[1024 * nb + i]]  # the entry's bits
+    elif codec == 14:  # chunktopk (spec 3.15)
+        out = chunktopk_decode(p, params, n, seed, flags)
     elif codec == 8:  # topk
         k, = struct.unpack_from("<Q", params, 0)
         vt, w, coding = params[8], params[9], params[10]
@@ -438,6 +440,59 @@ def decode(frame):
     elif codec == 10:  # dct
         out = dct_decode(p, params, n, seed)
     return n, out, flags
+
+
+# ---------------------------------------------------------------- chunktopk (spec 3.15)
+
+def chunk_record(c, K):
+    """(kc, L, U, bytes) of the record of a chunk of c elements."""
+    kc = min(K, c)
+    L = 0
+    while kc << (L + 1) <= c:
+        L += 1
+    U = kc + ((c - 1) >> L)
+    return kc, L, U, 4 + (kc * L + U + 2 * kc + 7) // 8
+
+
+def chunktopk_decode(p, params, n, seed, flags):
+    C, K = struct.unpack_from("<II", params, 0)
+    if any(params[8:]):
+        raise Reject("unused params")
+    if seed:
+        raise Reject("seed")
+    if not 1 <= C <= 65536 or not 1 <= K <= C:
+        raise Reject("chunktopk chunk or k")
+    full, rest = divmod(n, C)
+    L_total = full * chunk_record(C, K)[3] + (chunk_record(rest, K)[3] if rest else 0)
+    if len(p) != L_total:
+        raise Reject("payload length")
+    out = [0] * n  # unsent elements are +0 (a NaN or Inf is always kept)
+    levels = (-3.0, -1.0, 1.0, 3.0)
+    at = 0
+    for start in range(0, n, C):
+        c = min(C, n - start)
+        kc, L, U, size = chunk_record(c, K)
+        rec = p[at:at + size]
+        s, = struct.unpack_from("<f", rec, 0)
+        body = int.from_bytes(rec[4:], "little")
+        total = kc * L + U + 2 * kc
+        if body >> total:
+            raise Reject("chunktopk padding")
+        lows = [(body >> (i * L)) & ((1 << L) - 1) for i in range(kc)]
+        upper = (body >> (kc * L)) & ((1 << U) - 1)
+        ones = [b for b in range(U) if upper >> b & 1]
+        if len(ones) != kc:
+            raise Reject("chunktopk upper bits")
+        last = -1
+        for i, b in enumerate(ones):
+            pos = ((b - i) << L) | lows[i]
+            if pos >= c or pos <= last:
+                raise Reject("chunktopk positions")
+            last = pos
+            code = (body >> (kc * L + U + 2 * i)) & 3
+            out[start + pos] = f32_bits(s * levels[code])  # one rounding; NaN as 0x7FC00000
+        at += size
+    return out
 
 
 # ---------------------------------------------------------------- dct (spec 3.11)

@@ -114,7 +114,7 @@ trail float32 early on (4.4 and 2.0 points after 250 steps in the cluster benchm
 within a point after 600); add them to ``candidates`` to let ``auto`` trade that for
 speed."""
 
-BIASED_NEED_FEEDBACK = ("topk", "sign")
+BIASED_NEED_FEEDBACK = ("topk", "chunktopk", "sign")
 """Codecs that get error feedback when ``error_feedback`` is left at ``None``: they drop
 or flatten so much of each step's gradient that training needs the residual back."""
 
@@ -147,7 +147,7 @@ class GradpackState:
             :class:`gradpack.Codec`, ``"identity"`` (plain float32 all-reduce) or
             ``"auto"``; default ``"int8"`` (``"identity"`` with ``powersgd``).
         error_feedback: ``True``, ``False``, or ``None`` for on exactly when the codec
-            is one of :data:`BIASED_NEED_FEEDBACK` (top-k, sign).
+            is one of :data:`BIASED_NEED_FEEDBACK` (top-k, chunked top-k, sign).
         strategy: ``"allgather"`` or ``"ring"`` (see the module docs).
         min_compress_elements: parameters with fewer elements go as float32.
         seed: the base of every stochastic draw.

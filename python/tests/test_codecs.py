@@ -53,6 +53,7 @@ def test_frames_are_byte_identical_to_the_crates_golden_vectors(name, spec, seed
 
 SPECS = ["identity", "fp16", "bf16", "fp8", "fp8:format=e5m2,scale=e8m0,block=32,rounding=stochastic",
          "fp4", "fp4:format=e3m0,scale=f32,block=14,rounding=stochastic", "codebook:block=4096",
+         "chunktopk", "chunktopk:chunk=100,k=9",
          "int8", "int8:block=64,rounding=stochastic",
          "qsgd:bits=4,block=64", "sign", "ternary", "natural", "topk:ratio=0.01,values=fp16",
          "randk:ratio=0.05"]

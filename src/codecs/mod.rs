@@ -6,6 +6,7 @@
 //! the decode/decode_add split in one place.
 
 mod bf16;
+mod chunktopk;
 mod codebook;
 mod dct;
 pub(crate) mod fixed;
@@ -24,6 +25,7 @@ mod topk;
 mod values;
 
 pub use bf16::Bf16;
+pub use chunktopk::ChunkTopK;
 pub use codebook::Codebook;
 pub use dct::{Dct, DctTransform, DctValues};
 pub use fp4::{Fp4, Fp4Format, Fp4Scale};
@@ -289,6 +291,10 @@ macro_rules! by_id {
             }
             CodecId::Codebook => {
                 type $S = Codebook;
+                $e
+            }
+            CodecId::ChunkTopK => {
+                type $S = ChunkTopK;
                 $e
             }
         }

@@ -47,6 +47,9 @@ pub const SPECS: &[&str] = &[
     "fp4:format=e3m0,block=32,rounding=stochastic",
     "codebook:block=64",
     "codebook:block=7",
+    "chunktopk:chunk=64,k=5",
+    "chunktopk:chunk=7,k=7",
+    "chunktopk",
 ];
 
 pub fn specs() -> Vec<CodecSpec> {
@@ -76,6 +79,7 @@ pub fn block_of(spec: &CodecSpec) -> usize {
         CodecSpec::Fp8(c) if c.block() > 1 => c.block(),
         CodecSpec::Fp4(c) => c.block(),
         CodecSpec::Codebook(c) => c.block(),
+        CodecSpec::ChunkTopK(c) => c.chunk(),
         // A band of whole tiles.
         CodecSpec::Dct(c) => c.chunk() * (c.width() as usize).max(1),
         _ => 64,
@@ -229,6 +233,7 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
         CodecSpec::Fp8(c) => return check_fp8(c, x, d),
         CodecSpec::Fp4(c) => return check_fp4(c, x, d),
         CodecSpec::Codebook(c) => return check_codebook(c, x, d),
+        CodecSpec::ChunkTopK(c) => return check_chunktopk(c, x, d),
         CodecSpec::Ternary(c) => {
             for (b, xb) in x.chunks(c.block()).enumerate() {
                 let m = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -631,6 +636,9 @@ pub const GOLDEN: &[(&str, &str, u64, u64)] = &[
     ("fp4_e3m0_b16", "fp4:format=e3m0,block=16", 0, 0),
     ("codebook_b64", "codebook:block=64", 0, 0),
     ("codebook_b300", "codebook:block=300", 0, 0),
+    ("chunktopk_c64_k5", "chunktopk:chunk=64,k=5", 0, 0),
+    ("chunktopk_c4096_k64", "chunktopk", 0, 0),
+    ("chunktopk_c7_k7", "chunktopk:chunk=7,k=7", 0, 0),
     ("randk_r01_f32", "randk:ratio=0.1", 42, 0),
     ("randk_r01_bf16", "randk:ratio=0.1,values=bf16", 42, 0),
     (
@@ -871,6 +879,43 @@ fn check_small_float(c: &SmallFloat, x: &[f32], d: &[f32]) -> Result<(), String>
             let e = (v as f64 - d[i] as f64).abs();
             if e > bound {
                 return what(format!("error {e:e} exceeds {bound:e}"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The `chunktopk` checks, from its definition: in every chunk the `k` largest
+/// magnitudes (ties to the lower index) decode to `s * level`, `s = absmax / 3` of them
+/// and the level the nearest of -3, -1, 1, 3 by the thresholds `-2s`, `0`, `2s`; every
+/// other element decodes to +0.
+fn check_chunktopk(c: &gradpack::ChunkTopK, x: &[f32], d: &[f32]) -> Result<(), String> {
+    let key = |v: f32| v.to_bits() & 0x7FFF_FFFF;
+    for (q, (xc, dc)) in x.chunks(c.chunk()).zip(d.chunks(c.chunk())).enumerate() {
+        let at = q * c.chunk();
+        let mut order: Vec<usize> = (0..xc.len()).collect();
+        order.sort_by(|&a, &b| key(xc[b]).cmp(&key(xc[a])).then(a.cmp(&b)));
+        let kept = &order[..c.k().min(xc.len())];
+        let s = kept.iter().fold(0f32, |m, &i| m.max(xc[i].abs())) / 3.0;
+        let mut is_kept = vec![false; xc.len()];
+        for &i in kept {
+            is_kept[i] = true;
+            let v = xc[i];
+            let t = 2.0 * s;
+            let code = (v >= -t) as usize + (v >= 0.0) as usize + (v >= t) as usize;
+            let want = s * [-3.0f32, -1.0, 1.0, 3.0][code];
+            if dc[i].to_bits() != want.to_bits() {
+                return Err(format!(
+                    "element {}: {:e} decodes to {:e}, not {want:e}",
+                    at + i,
+                    v,
+                    dc[i]
+                ));
+            }
+        }
+        for (i, &v) in dc.iter().enumerate() {
+            if !is_kept[i] && v.to_bits() != 0 {
+                return Err(format!("element {}: dropped but decodes to {v:e}", at + i));
             }
         }
     }

@@ -215,7 +215,7 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
     } else {
         String::new()
     };
-    match c[0] % 14 {
+    match c[0] % 15 {
         0 => "identity".into(),
         1 => "fp16".into(),
         2 => "bf16".into(),
@@ -242,6 +242,11 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
             if v & 32 != 0 { ",select=strata" } else { "" }
         ),
         13 => format!("codebook:block={block}"),
+        14 => {
+            // k of every chunk (both from 1 to the chunk), chunks up to 4096.
+            let chunk = block as usize;
+            format!("chunktopk:chunk={chunk},k={}", c[4] as usize % chunk + 1)
+        }
         12 => format!(
             "fp4:format={},scale={},rounding={},block={}",
             if v & 2 != 0 { "e3m0" } else { "e2m1" },
@@ -289,8 +294,9 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
 /// byte; a sealed frame carries the same payload and decodes the same.
 ///
 /// Input: 12 control bytes, then the values (little-endian f32, any bit patterns).
-/// - byte 0: codec (`% 14`, in wire-format id order);
-/// - bytes 1..3: block size (`u16 % 4096 + 1`); dct: chunk `byte 1 % 64 + 1`; for top-k and random-k, bits 0..2 of
+/// - byte 0: codec (`% 15`, in wire-format id order);
+/// - bytes 1..3: block size (`u16 % 4096 + 1`, also chunktopk's chunk, whose `k` is
+///   `byte 4 % chunk + 1`); dct: chunk `byte 1 % 64 + 1`; for top-k and random-k, bits 0..2 of
 ///   byte 2 pick the index coding (automatic, gaps, Rice, bitmap; top-k), bit 2 bf16
 ///   values (unless byte 3 asks for fp16) and bit 3 int8 values (top-k);
 /// - byte 3: bit 0 stochastic rounding (int8), bits 1..3 QSGD bits (2, 4, 8), bit 3 fp16

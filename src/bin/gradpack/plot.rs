@@ -59,7 +59,7 @@ pub fn family(spec: &str) -> &'static str {
         "qsgd" => "QSGD",
         "natural" | "ternary" => "natural, ternary",
         "sign" => "sign",
-        "topk" => "top-k",
+        "topk" | "chunktopk" => "top-k",
         "randk" => "random-k",
         "dct" => "dct",
         "powersgd" => "PowerSGD",

@@ -452,6 +452,31 @@ impl TopK {
     }
 }
 
+/// Calls `f(index)` for the `k` (1 to `x.len()`) elements of `x` of largest magnitude,
+/// in index order, exactly as the `topk` codec's exact selection keeps them (NaN above
+/// Inf above finite magnitudes, ties to the lower index): a sampled threshold refined by
+/// histograms, then one filter pass.
+pub(crate) fn for_each_top(x: &[f32], k: usize, f: impl FnMut(usize)) {
+    TopCut::of(x, k).each(x, f);
+}
+
+/// The `k` largest of a slice as [`for_each_top`] finds them, kept for repeated passes
+/// over them in index order.
+pub(crate) struct TopCut(Cut);
+
+impl TopCut {
+    /// The cut of the `k` (1 to `x.len()`) largest magnitudes of `x`.
+    pub(crate) fn of(x: &[f32], k: usize) -> TopCut {
+        TopCut(TopK::default().select_cut(x, k).0)
+    }
+
+    /// Calls `f(index)` for each kept element of `x` (the slice the cut was made of), in
+    /// index order.
+    pub(crate) fn each(&self, x: &[f32], f: impl FnMut(usize)) {
+        for_each_kept(x, self.0.t, self.0.need_eq, f);
+    }
+}
+
 /// What top-k encodes: `x`, or the error-feedback input `beta r + gamma g`, formed into `r`
 /// as it is read.
 enum Input<'a> {

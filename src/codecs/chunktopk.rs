@@ -1,0 +1,595 @@
+//! `chunktopk`: the `k` largest elements of every chunk of `chunk` elements, with 2-bit
+//! values and a scale per chunk (SparseLoCo's layout: top 64 of every 4096 values).
+//!
+//! Spec: `chunktopk:chunk=C,k=K` (defaults 4096 and 64). The elements are cut into
+//! chunks of `C` (the last may be shorter); each chunk keeps its `kc = min(K, c)`
+//! elements of largest magnitude (as `topk` keeps them: NaN above Inf above finite
+//! magnitudes, ties to the lower index) and writes a record of a fixed size:
+//!
+//! - the scale `s = absmax / 3` (f32, the kept elements' largest magnitude divided by 3);
+//! - the kept positions in the chunk by Elias-Fano: `L` low bits each, then an upper bit
+//!   vector of `kc + ((c - 1) >> L)` bits with bit `(p_i >> L) + i` set for each `i`, where
+//!   `L` is the largest `l` with `kc 2^l <= c`; about `2 + log2(c / kc)` bits per kept
+//!   element whatever the positions (8 at 64 of 4096, where a plain index takes 12);
+//! - a 2-bit code per kept element: the nearest of `-3s, -s, +s, +3s` (thresholds `-2s`,
+//!   `0`, `2s`).
+//!
+//! At the defaults a chunk of 4096 takes 84 bytes (0.164 bits per element): SparseLoCo's
+//! 12-bit indices and 2-bit values take 112 for the same elements.
+//!
+//! Selection per chunk: a threshold from a stratified sample of 256, the SIMD filter for
+//! the elements reaching it, the `k` largest among those (`topk`'s exact engine where
+//! the sample misjudged). Its candidates live in working room past the frame in the
+//! output buffer, which [`crate::Codec::max_encoded_len`] includes (about 8 bytes per
+//! chunk element), so encoding allocates nothing; the encoder may write anywhere in that
+//! room.
+//!
+//! Error: a kept element is within `s` of its value (`absmax / 3` of its chunk's kept
+//! elements, plus the f32 rounding of `s`); a dropped one loses its whole value, which is
+//! what error feedback carries to the next step. Biased. A chunk keeping NaN or ±Inf gets
+//! the scale `0x7FC00000` and its kept elements decode to NaN. Records are independent,
+//! so the frame is the same bits on every CPU and for any chunking that keeps chunk
+//! boundaries.
+
+use core::fmt;
+
+use super::topk::{TopCut, for_each_top};
+use super::{EncodeCtx, Encoded, Scheme, expect_payload, sparse_prepare};
+use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
+use crate::error::{Error, Result};
+use crate::kernels::scalar::{BitReader, BitWriter, CANONICAL_NAN, put};
+use crate::wire::{HEADER_LEN, Header};
+
+/// Longest chunk.
+pub const MAX_CHUNK: u32 = 1 << 16;
+
+/// The 2-bit codes' levels, in units of the scale.
+const LEVELS: [f32; 4] = [-3.0, -1.0, 1.0, 3.0];
+
+/// The `chunktopk` codec (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkTopK {
+    chunk: u32,
+    k: u32,
+}
+
+impl Default for ChunkTopK {
+    fn default() -> Self {
+        ChunkTopK { chunk: 4096, k: 64 }
+    }
+}
+
+/// The shape of one chunk's record.
+#[derive(Debug, Clone, Copy)]
+struct Record {
+    /// Kept elements.
+    kc: usize,
+    /// Low bits per position.
+    low: u32,
+    /// Bits of the upper vector.
+    upper: usize,
+    /// Bytes of the whole record.
+    bytes: usize,
+}
+
+impl Record {
+    /// The record of a chunk of `c` elements (1 to [`MAX_CHUNK`]) keeping up to `k`.
+    fn of(c: usize, k: usize) -> Record {
+        let kc = k.min(c);
+        let mut low = 0;
+        while kc << (low + 1) <= c {
+            low += 1;
+        }
+        let upper = kc + ((c - 1) >> low);
+        let bits = kc * low as usize + upper + 2 * kc;
+        Record {
+            kc,
+            low,
+            upper,
+            bytes: 4 + bits.div_ceil(8),
+        }
+    }
+}
+
+impl ChunkTopK {
+    /// Chunks of `chunk` elements (1 to 65536), each keeping its `k` largest (1 to
+    /// `chunk`).
+    pub fn new(chunk: usize, k: usize) -> Result<ChunkTopK> {
+        let bad = |name, reason: String| Error::Param {
+            codec: CodecId::ChunkTopK,
+            name,
+            reason,
+        };
+        if !(1..=MAX_CHUNK as usize).contains(&chunk) {
+            return Err(bad("chunk", format!("{chunk} is outside 1..={MAX_CHUNK}")));
+        }
+        if !(1..=chunk).contains(&k) {
+            return Err(bad("k", format!("{k} is outside 1..={chunk}, the chunk")));
+        }
+        Ok(ChunkTopK {
+            chunk: chunk as u32,
+            k: k as u32,
+        })
+    }
+
+    /// Elements per chunk.
+    pub fn chunk(&self) -> usize {
+        self.chunk as usize
+    }
+
+    /// Elements kept per chunk.
+    pub fn k(&self) -> usize {
+        self.k as usize
+    }
+
+    pub(crate) fn from_args(a: &mut Args) -> core::result::Result<ChunkTopK, String> {
+        let chunk = a.uint("chunk", 4096, 1..=u64::from(MAX_CHUNK))? as usize;
+        let k = a.uint("k", 64, 1..=u64::from(MAX_CHUNK))? as usize;
+        ChunkTopK::new(chunk, k).map_err(|e| match e {
+            Error::Param { reason, name, .. } => format!("`{name}`: {reason}"),
+            e => e.to_string(),
+        })
+    }
+
+    /// Bytes of the payload of `n` elements (`None` past `u64`).
+    fn payload(&self, n: u64) -> Option<u64> {
+        let c = u64::from(self.chunk);
+        let full = (n / c).checked_mul(Record::of(self.chunk(), self.k()).bytes as u64)?;
+        let rest = match (n % c) as usize {
+            0 => 0,
+            r => Record::of(r, self.k()).bytes as u64,
+        };
+        full.checked_add(rest)
+    }
+
+    fn params(&self) -> [u8; 12] {
+        let mut p = [0u8; 12];
+        p[0..4].copy_from_slice(&self.chunk.to_le_bytes());
+        p[4..8].copy_from_slice(&self.k.to_le_bytes());
+        p
+    }
+
+    /// The error bound for inputs of magnitude at most `absmax` (see the module docs): a
+    /// dropped element's whole value, or a kept one's distance to its level.
+    pub(crate) fn error_bound(&self, absmax: f64) -> f64 {
+        absmax * (1.0 + 2f64.powi(-20))
+    }
+}
+
+impl fmt::Display for ChunkTopK {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "chunktopk:chunk={},k={}", self.chunk, self.k)
+    }
+}
+
+impl From<ChunkTopK> for CodecSpec {
+    fn from(c: ChunkTopK) -> CodecSpec {
+        CodecSpec::ChunkTopK(c)
+    }
+}
+
+/// Samples of a chunk that estimate its selection threshold.
+const SAMPLES: usize = 256;
+
+/// Working room of a chunk's encoder: candidate positions and their keys, each room for
+/// a chunk and the filter's 64 of slack.
+struct Scratch<'a> {
+    idx: &'a mut [u32],
+    keys: &'a mut [u32],
+}
+
+/// Bytes of working room for chunks of `c` elements: the part of the output buffer past
+/// the frame ([`crate::Codec::max_encoded_len`] includes it), so that encoding allocates
+/// nothing.
+fn room_bytes(c: usize) -> u64 {
+    (2 * (c as u64 + 64)) * 4 + 3
+}
+
+/// The positions of the `kc` largest keys of `x` (`bits & 0x7FFFFFFF`, the lower
+/// position first among equal keys), ascending, into `s.idx[..kc]`: the elements
+/// reaching a threshold estimated from a stratified sample (aimed to let about `2 kc`
+/// through, then `6 kc`) are filtered out by the SIMD kernel and the `kc` largest taken
+/// among them; where the sample misjudged twice (fewer than `kc` reach it), `topk`'s
+/// exact engine runs. The same set either way.
+fn select(x: &[f32], kc: usize, s: &mut Scratch) {
+    let c = x.len();
+    if kc == c {
+        for (i, o) in s.idx[..c].iter_mut().enumerate() {
+            *o = i as u32;
+        }
+        return;
+    }
+    let key = |v: f32| v.to_bits() & 0x7FFF_FFFF;
+    let m = SAMPLES.min(c);
+    let mut sample = [0u32; SAMPLES];
+    // Every `c / m`-th element (which elements are sampled changes the speed only).
+    let stride = c / m;
+    for (j, o) in sample[..m].iter_mut().enumerate() {
+        *o = key(x[j * stride]);
+    }
+    let sample = &mut sample[..m];
+    let mut len = 0;
+    // The rank in the sample that about 2 kc of the chunk reach, then 6 kc.
+    for aim in [2, 6] {
+        let rank = (aim * kc * m).div_ceil(c).clamp(1, m);
+        let (_, &mut t, _) = sample.select_nth_unstable_by(rank - 1, |a, b| b.cmp(a));
+        let mut pos = 0;
+        len = 0;
+        while pos < c {
+            let (used, kept) = crate::kernels::filter_mag_ge(&x[pos..], t, &mut s.idx[len..]);
+            for i in &mut s.idx[len..len + kept] {
+                *i += pos as u32;
+            }
+            pos += used;
+            len += kept;
+        }
+        if len >= kc {
+            break;
+        }
+    }
+    if len < kc {
+        let mut n = 0;
+        for_each_top(x, kc, |i| {
+            s.idx[n] = i as u32;
+            n += 1;
+        });
+        return;
+    }
+    // The kc-th largest key among the candidates, then the candidates above it and the
+    // first ones (in position order) equal to it: in place, already in order.
+    let keys = &mut s.keys[..len];
+    for (k, &i) in keys.iter_mut().zip(&s.idx[..len]) {
+        *k = key(x[i as usize]);
+    }
+    let (before, &mut t, _) = keys.select_nth_unstable_by(kc - 1, |a, b| b.cmp(a));
+    // Every key above t lies before it.
+    let above = before.iter().filter(|&&k| k > t).count();
+    let (mut eq_left, mut w) = (kc - above, 0);
+    // Branch-free: each candidate is written and kept or overwritten by the next.
+    for j in 0..len {
+        let i = s.idx[j];
+        let k = key(x[i as usize]);
+        let tie = (k == t) & (eq_left > 0);
+        s.idx[w] = i;
+        w += ((k > t) | tie) as usize;
+        eq_left -= tie as usize;
+    }
+    debug_assert_eq!(w, kc);
+}
+
+/// A source of a chunk's kept positions: each call walks them, in order, into its
+/// argument.
+type Kept<'a> = &'a dyn Fn(&mut dyn FnMut(u32));
+
+/// Write one chunk's record into `rec` (its exact size), the kept positions coming, in
+/// order, from `kept` (called once per pass over them); true if a kept value is NaN or
+/// ±Inf.
+fn write_record(x: &[f32], r: Record, kept: Kept<'_>, rec: &mut [u8]) -> bool {
+    let (mut nonfinite, mut absmax, mut last) = (false, 0f32, None);
+    kept(&mut |i| {
+        let v = x[i as usize];
+        nonfinite |= !v.is_finite();
+        absmax = absmax.max(v.abs());
+        last = Some(i);
+    });
+    let s = if nonfinite {
+        CANONICAL_NAN
+    } else {
+        absmax / 3.0
+    };
+    rec[..4].copy_from_slice(&s.to_le_bytes());
+    let body = &mut rec[4..];
+    body.fill(0);
+    let mut w = BitWriter::new(body);
+    kept(&mut |p| w.put(p & ((1u32 << r.low) - 1), r.low));
+    // The upper vector: for each kept position, (p >> low) zero bits since the last one,
+    // then a one.
+    let mut high = 0u32;
+    kept(&mut |p| {
+        let h = p >> r.low;
+        let mut zeros = h - high;
+        while zeros >= 32 {
+            w.put(0, 32);
+            zeros -= 32;
+        }
+        w.put(1 << zeros, zeros + 1);
+        high = h;
+    });
+    let written = last.map_or(0, |p| (p >> r.low) as usize + r.kc);
+    let mut rest = r.upper - written;
+    while rest >= 32 {
+        w.put(0, 32);
+        rest -= 32;
+    }
+    w.put(0, rest as u32);
+    let t = 2.0 * s;
+    kept(&mut |p| {
+        let v = x[p as usize];
+        let code = (v >= -t) as u32 + (v >= 0.0) as u32 + (v >= t) as u32;
+        w.put(if nonfinite { 0 } else { code }, 2);
+    });
+    w.finish();
+    nonfinite
+}
+
+/// One chunk's record with working room: the sampled selection, then the record from
+/// the kept list.
+fn encode_chunk(x: &[f32], r: Record, s: &mut Scratch, rec: &mut [u8]) -> bool {
+    select(x, r.kc, s);
+    let kept = &s.idx[..r.kc];
+    write_record(
+        x,
+        r,
+        &|f: &mut dyn FnMut(u32)| kept.iter().for_each(|&p| f(p)),
+        rec,
+    )
+}
+
+/// One chunk's record without working room (a buffer that holds only the frame):
+/// `topk`'s exact engine finds the cut once, and each pass walks the kept elements again.
+/// The same bytes as [`encode_chunk`].
+fn encode_chunk_in_place(x: &[f32], r: Record, rec: &mut [u8]) -> bool {
+    let cut = TopCut::of(x, r.kc);
+    write_record(
+        x,
+        r,
+        &|f: &mut dyn FnMut(u32)| cut.each(x, |p| f(p as u32)),
+        rec,
+    )
+}
+
+impl Scheme for ChunkTopK {
+    const ID: CodecId = CodecId::ChunkTopK;
+
+    fn check_elements(&self, n: u64) -> Result<()> {
+        self.payload(n).map(|_| ()).ok_or_else(|| Error::Param {
+            codec: CodecId::ChunkTopK,
+            name: "elements",
+            reason: format!("{n} elements imply a payload longer than 2^64 bytes"),
+        })
+    }
+
+    /// The frame's payload and working room for one chunk's candidates.
+    fn max_payload(&self, n: u64) -> u64 {
+        let c = (self.chunk() as u64).min(n) as usize;
+        self.payload(n)
+            .and_then(|p| p.checked_add(room_bytes(c)))
+            .unwrap_or(u64::MAX)
+    }
+
+    fn encode_payload(&self, x: &[f32], _ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
+        self.check_elements(x.len() as u64)?;
+        let len = self.payload(x.len() as u64).expect("checked");
+        let c = self.chunk().min(x.len());
+        let (mut at, mut nonfinite) = (0, false);
+        let with_room = HEADER_LEN as u64 + len + room_bytes(c) <= out.len() as u64;
+        payload_buf(out, len)?;
+        let (p, room) = out[HEADER_LEN..].split_at_mut(len as usize);
+        if with_room {
+            // The frame, then the working room past it (no allocation).
+            let words = crate::kernels::words_mut(room);
+            let (idx, keys) = words.split_at_mut(c + 64);
+            let mut s = Scratch {
+                idx,
+                keys: &mut keys[..c + 64],
+            };
+            for chunk in x.chunks(self.chunk()) {
+                let r = Record::of(chunk.len(), self.k());
+                nonfinite |= encode_chunk(chunk, r, &mut s, &mut p[at..at + r.bytes]);
+                at += r.bytes;
+            }
+        } else {
+            for chunk in x.chunks(self.chunk()) {
+                let r = Record::of(chunk.len(), self.k());
+                nonfinite |= encode_chunk_in_place(chunk, r, &mut p[at..at + r.bytes]);
+                at += r.bytes;
+            }
+        }
+        debug_assert_eq!(at as u64, len);
+        Ok(Encoded {
+            payload_len: len,
+            params: self.params(),
+            nonfinite,
+            seed: 0,
+        })
+    }
+
+    fn read(h: &Header) -> Result<ChunkTopK> {
+        let field = |field, reason: String| Error::BadField {
+            codec: CodecId::ChunkTopK,
+            field,
+            reason,
+        };
+        let (chunk, k) = (h.param_u32(0), h.param_u32(4));
+        h.params_zero_from(8)?;
+        h.seed_zero()?;
+        if !(1..=MAX_CHUNK).contains(&chunk) {
+            return Err(field(
+                "params.chunk",
+                format!("{chunk} is outside 1..={MAX_CHUNK}"),
+            ));
+        }
+        if !(1..=chunk).contains(&k) {
+            return Err(field(
+                "params.k",
+                format!("{k} is outside 1..={chunk}, the chunk"),
+            ));
+        }
+        let c = ChunkTopK { chunk, k };
+        expect_payload(h, c.payload(h.elements))?;
+        Ok(c)
+    }
+
+    fn decode_payload<const M: u8>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
+        let c = self.chunk();
+        // Check every record before writing anything: exactly kc ones in the upper
+        // vector, positions increasing and inside the chunk, zero padding.
+        let mut at = 0;
+        for (q, chunk) in out.chunks(c).enumerate() {
+            let r = Record::of(chunk.len(), self.k());
+            let rec = &p[at..at + r.bytes];
+            positions(rec, r, chunk.len(), |_, _| ()).map_err(|(off, reason)| Error::Corrupt {
+                codec: CodecId::ChunkTopK,
+                offset: HEADER_LEN + at + off,
+                reason: format!("chunk {q}: {reason}"),
+            })?;
+            at += r.bytes;
+        }
+        sparse_prepare::<M>(h.flags & crate::wire::FLAG_NONFINITE != 0, out);
+        let mut at = 0;
+        for chunk in out.chunks_mut(c) {
+            let r = Record::of(chunk.len(), self.k());
+            let rec = &p[at..at + r.bytes];
+            let s = f32::from_le_bytes(rec[..4].try_into().expect("4 bytes"));
+            positions(rec, r, chunk.len(), |i, code| {
+                let v = s * LEVELS[code as usize];
+                put::<M>(&mut chunk[i], if v.is_nan() { CANONICAL_NAN } else { v });
+            })
+            .expect("checked above");
+            at += r.bytes;
+        }
+        Ok(())
+    }
+
+    fn expected_payload(&self, n: u64) -> f64 {
+        self.payload(n).map_or(f64::INFINITY, |p| p as f64)
+    }
+
+    fn is_unbiased(&self) -> bool {
+        false
+    }
+}
+
+/// Read one record's kept positions (in a chunk of `c`) and codes, calling `f(position,
+/// code)` in order; on a malformed record, the byte offset in it and why.
+fn positions(
+    rec: &[u8],
+    r: Record,
+    c: usize,
+    mut f: impl FnMut(usize, u32),
+) -> core::result::Result<(), (usize, String)> {
+    let body = &rec[4..];
+    let mut low = BitReader::new(body);
+    // The upper vector and the codes follow the low bits: read them with readers of their
+    // own, positioned by skipping.
+    let mut upper = BitReader::new(body);
+    skip(&mut upper, r.kc * r.low as usize);
+    let mut codes = BitReader::new(body);
+    skip(&mut codes, r.kc * r.low as usize + r.upper);
+    let (mut seen, mut ones, mut prev) = (0usize, 0usize, None::<usize>);
+    while ones < r.kc {
+        if seen == r.upper {
+            return Err((4, format!("the upper vector holds {ones} of {} ones", r.kc)));
+        }
+        let bit = upper.get(1);
+        seen += 1;
+        if bit == 0 {
+            continue;
+        }
+        let p = ((seen - 1 - ones) << r.low) | low.get(r.low) as usize;
+        if p >= c || prev.is_some_and(|q| p <= q) {
+            return Err((
+                4,
+                format!("position {p} does not follow {prev:?} in a chunk of {c}"),
+            ));
+        }
+        prev = Some(p);
+        f(p, codes.get(2));
+        ones += 1;
+    }
+    // The rest of the upper vector must be zeros, and so must the padding.
+    while seen < r.upper {
+        if upper.get(1) != 0 {
+            return Err((4, format!("the upper vector holds more than {} ones", r.kc)));
+        }
+        seen += 1;
+    }
+    let used = r.kc * r.low as usize + r.upper + 2 * r.kc;
+    if !used.is_multiple_of(8) && body[used / 8] >> (used % 8) != 0 {
+        return Err((4 + used / 8, "padding bits are not zero".into()));
+    }
+    Ok(())
+}
+
+/// Advance `r` by `bits` bits.
+fn skip(r: &mut BitReader, mut bits: usize) {
+    while bits >= 32 {
+        r.get(32);
+        bits -= 32;
+    }
+    r.get(bits as u32);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kept positions by definition: sort by key (descending), then position.
+    fn oracle(x: &[f32], kc: usize) -> Vec<u32> {
+        let key = |v: f32| v.to_bits() & 0x7FFF_FFFF;
+        let mut order: Vec<u32> = (0..x.len() as u32).collect();
+        order.sort_by(|&a, &b| key(x[b as usize]).cmp(&key(x[a as usize])).then(a.cmp(&b)));
+        let mut kept = order[..kc].to_vec();
+        kept.sort_unstable();
+        kept
+    }
+
+    #[test]
+    fn selection_keeps_the_largest_on_every_route() {
+        // Miri runs a short chunk (every element is then in the sample).
+        let c = if cfg!(miri) { 256 } else { 4096 };
+        let mut inputs: Vec<(&str, Vec<f32>)> = Vec::new();
+        inputs.push((
+            "smooth",
+            (0..c).map(|i| ((i * 7919) % 1013) as f32 - 506.0).collect(),
+        ));
+        // Only the sampled elements are large: the sample's threshold lets too few
+        // through twice, and the exact engine runs.
+        inputs.push((
+            "sample-only",
+            (0..c)
+                .map(|i| {
+                    if i % 16 == 0 {
+                        1000.0 + i as f32
+                    } else {
+                        1e-3 * (i % 7) as f32
+                    }
+                })
+                .collect(),
+        ));
+        inputs.push(("all equal", vec![0.5; c]));
+        inputs.push(("ties", (0..c).map(|i| (i % 3) as f32).collect()));
+        let mut nonfinite: Vec<f32> = (0..c).map(|i| (i % 101) as f32).collect();
+        nonfinite[3] = f32::NAN;
+        nonfinite[4000] = f32::NEG_INFINITY;
+        inputs.push(("non-finite", nonfinite));
+        inputs.push((
+            "zeros and signs",
+            (0..c)
+                .map(|i| if i % 2 == 0 { -0.0 } else { 0.0 })
+                .collect(),
+        ));
+        for (name, x) in &inputs {
+            for kc in [1, 7, 64, 200, c - 1, c] {
+                let (mut idx, mut keys) = (vec![0; c + 64], vec![0; c + 64]);
+                let mut s = Scratch {
+                    idx: &mut idx,
+                    keys: &mut keys,
+                };
+                select(x, kc, &mut s);
+                assert_eq!(s.idx[..kc], oracle(x, kc)[..], "{name} k={kc}");
+            }
+        }
+    }
+
+    #[test]
+    fn records_have_the_stated_sizes() {
+        // 64 of 4096: L = 6, 64 * 6 + 127 + 128 = 639 bits, 80 bytes, 84 with the scale.
+        let r = Record::of(4096, 64);
+        assert_eq!((r.kc, r.low, r.upper, r.bytes), (64, 6, 127, 84));
+        // Everything kept: L = 0, positions 0..c as a run of ones.
+        let r = Record::of(5, 64);
+        assert_eq!((r.kc, r.low, r.upper), (5, 0, 9));
+        assert_eq!(Record::of(1, 1).upper, 1);
+    }
+}
