@@ -501,6 +501,7 @@ impl Scheme for Dct {
         let (c, kt) = (g.chunk as usize, (g.k as usize).min(g.chunk as usize));
         if self.transform == DctTransform::Fast
             && g.th == 1
+            && g.rows == 1
             && c >= 2
             && c.is_power_of_two()
             && kt <= SMALL_K
@@ -716,7 +717,7 @@ impl Scheme for Dct {
         // Tiles of one row: their positions and values gathered for many tiles, then
         // decoded in one kernel call (the same arithmetic as one tile at a time).
         let kt1 = (g.k as usize).min(g.chunk as usize);
-        if g.th == 1 && kt1 <= BATCH_KEPT {
+        if g.th == 1 && g.rows == 1 && kt1 <= BATCH_KEPT {
             const BATCH: usize = 256;
             let c = g.chunk as usize;
             let full = (g.len / g.chunk) as usize;
