@@ -22,7 +22,9 @@
 //! the sample misjudged). Its candidates live in working room past the frame in the
 //! output buffer, which [`crate::Codec::max_encoded_len`] includes (about 8 bytes per
 //! chunk element), so encoding allocates nothing; the encoder may write anywhere in that
-//! room.
+//! room. Large frames of chunks up to 4096 are encoded on all threads in ranges of whole
+//! chunks (each thread's room on its stack): records are independent, so the bytes are
+//! the same for any thread count.
 //!
 //! Error: a kept element is within `s` of its value (`absmax / 3` of its chunk's kept
 //! elements, plus the f32 rounding of `s`); a dropped one loses its whole value, which is
@@ -338,6 +340,31 @@ fn encode_chunk_in_place(x: &[f32], r: Record, rec: &mut [u8]) -> bool {
     )
 }
 
+/// Longest chunk encoded on all threads (each thread's room is on its stack: 33 KiB).
+const PAR_CHUNK: usize = 4096;
+
+/// Whole chunks of the input and their records (all of one size but the last's).
+struct Parts<'a> {
+    x: &'a [f32],
+    p: &'a mut [u8],
+    chunk: usize,
+    record: usize,
+}
+
+impl crate::parallel::Split for Parts<'_> {
+    fn split(self, at: usize, _: usize) -> (Self, Self) {
+        let (x0, x1) = self.x.split_at((at * self.chunk).min(self.x.len()));
+        let (p0, p1) = self.p.split_at_mut((at * self.record).min(self.p.len()));
+        let part = |x, p| Parts {
+            x,
+            p,
+            chunk: self.chunk,
+            record: self.record,
+        };
+        (part(x0, p0), part(x1, p1))
+    }
+}
+
 impl Scheme for ChunkTopK {
     const ID: CodecId = CodecId::ChunkTopK;
 
@@ -365,7 +392,34 @@ impl Scheme for ChunkTopK {
         let with_room = HEADER_LEN as u64 + len + room_bytes(c) <= out.len() as u64;
         payload_buf(out, len)?;
         let (p, room) = out[HEADER_LEN..].split_at_mut(len as usize);
-        if with_room {
+        let chunks = x.len().div_ceil(self.chunk().max(1));
+        if self.chunk() <= PAR_CHUNK && chunks > 1 && crate::parallel::worth(x.len(), 8) {
+            // Ranges of whole chunks on all threads, each with its working room on its
+            // stack: records are independent, so the bytes are the same.
+            let parts = Parts {
+                x,
+                p,
+                chunk: self.chunk(),
+                record: Record::of(self.chunk(), self.k()).bytes,
+            };
+            let per = chunks.div_ceil(64).max(1);
+            let k = self.k();
+            nonfinite = crate::parallel::for_ranges(parts, chunks, per, true, &|b, _| {
+                let (mut idx, mut keys) = ([0u32; PAR_CHUNK + 64], [0u32; PAR_CHUNK + 64]);
+                let mut s = Scratch {
+                    idx: &mut idx,
+                    keys: &mut keys,
+                };
+                let (mut at, mut nonfinite) = (0, false);
+                for chunk in b.x.chunks(b.chunk) {
+                    let r = Record::of(chunk.len(), k);
+                    nonfinite |= encode_chunk(chunk, r, &mut s, &mut b.p[at..at + r.bytes]);
+                    at += r.bytes;
+                }
+                nonfinite
+            });
+            at = len as usize;
+        } else if with_room {
             // The frame, then the working room past it (no allocation).
             let words = crate::kernels::words_mut(room);
             let (idx, keys) = words.split_at_mut(c + 64);
@@ -561,7 +615,7 @@ mod tests {
         inputs.push(("ties", (0..c).map(|i| (i % 3) as f32).collect()));
         let mut nonfinite: Vec<f32> = (0..c).map(|i| (i % 101) as f32).collect();
         nonfinite[3] = f32::NAN;
-        nonfinite[4000] = f32::NEG_INFINITY;
+        nonfinite[c - 96] = f32::NEG_INFINITY;
         inputs.push(("non-finite", nonfinite));
         inputs.push((
             "zeros and signs",
