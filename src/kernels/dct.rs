@@ -216,7 +216,7 @@ fn level_rows<const H: usize>(
 /// [`SELECT_MAX`], below `w`) as [`select`] chooses them: tile `t`'s positions go to
 /// `pos[t * kt..]`, increasing, and their coefficients (NaN as `0x7FC00000`) to
 /// `vals[t * kt..]`. One call for many tiles, compiled for the current backend, with
-/// [`ROWS`] tiles transformed at once.
+/// four tiles transformed at once.
 pub fn encode_rows_fast(x: &[f32], w: usize, kt: usize, pos: &mut [u16], vals: &mut [f32]) {
     super::dct_encode_rows_fast(x, w, kt, pos, vals)
 }
@@ -318,7 +318,7 @@ fn fast_cols(y: &mut [f32], h: usize, w: usize, out: &mut [f32]) {
 }
 
 /// [`forward`] by the factorised transform where a dimension's length is a power of two
-/// from 2 ([`fast_row`] along the rows, [`fast_cols`] down them), by the direct sums
+/// from 2 (`fast_row` along the rows, `fast_cols` down them), by the direct sums
 /// elsewhere; `y` is scratch of at least `h * w`.
 pub fn forward_fast(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out: &mut [f32]) {
     super::dct_forward_fast(x, stride, h, w, y, out)

@@ -263,7 +263,7 @@ impl pulp::WithSimd for ThinMtp<'_> {
     }
 }
 
-/// [`thin_mq_rows`] compiled for the current backend: rows of `P = M Q` (and, with `e`,
+/// `thin_mq_rows` compiled for the current backend: rows of `P = M Q` (and, with `e`,
 /// `M = x + e` formed in place first). `x` holds whole rows of `cols`, `qt` is `Q^T`
 /// (`r x cols`), `p` gets `r` values per row.
 pub fn thin_mq(x: &mut [f32], e: Option<&[f32]>, qt: &[f32], cols: usize, p: &mut [f32]) {
@@ -274,7 +274,7 @@ pub fn thin_mq(x: &mut [f32], e: Option<&[f32]>, qt: &[f32], cols: usize, p: &mu
     super::simd(b, ThinMq { x, e, qt, cols, p })
 }
 
-/// [`thin_mtp_cols`] compiled for the current backend: columns `j0..j0 + acc.len() / r`
+/// `thin_mtp_cols` compiled for the current backend: columns `j0..j0 + acc.len() / r`
 /// of `Q = M^T P`, transposed (`r` rows of them), from the row-major `m` (`cols` wide)
 /// and `p` (`r` wide).
 pub fn thin_mtp(m: &[f32], cols: usize, j0: usize, p: &[f32], r: usize, acc: &mut [f32]) {
