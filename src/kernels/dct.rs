@@ -347,15 +347,7 @@ pub(super) fn forward_fast_impl(
             fast_row(z, w, yr);
         }
     } else {
-        let bw = &tables(w).t;
-        for (i, yr) in y.chunks_exact_mut(w).enumerate() {
-            let xr = &x[i * stride..i * stride + w];
-            yr.fill(0.0);
-            for (n, &xv) in xr.iter().enumerate() {
-                let col = &bw[n * w..n * w + w];
-                yr.iter_mut().zip(col).for_each(|(acc, &c)| *acc += xv * c);
-            }
-        }
+        rows_direct(x, stride, w, y);
     }
     if h == 1 {
         return one_row(y, out);
@@ -363,14 +355,7 @@ pub(super) fn forward_fast_impl(
     if factorised(h) {
         return fast_cols(y, h, w, out);
     }
-    let bh = &tables(h).b;
-    for (a, orow) in out.chunks_exact_mut(w).enumerate() {
-        orow.fill(0.0);
-        for (i, yr) in y.chunks_exact(w).enumerate() {
-            let c = bh[a * h + i];
-            orow.iter_mut().zip(yr).for_each(|(acc, &v)| *acc += v * c);
-        }
-    }
+    cols_direct(y, h, w, out);
 }
 
 /// The forward transform of a tile of `h` rows of `w` elements (row `i` is
@@ -453,8 +438,20 @@ fn one_row(y: &[f32], out: &mut [f32]) {
 /// [`forward_impl`] for tiles of any width.
 #[inline(always)]
 fn forward_any(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out: &mut [f32]) {
-    let bw = &tables(w).t;
     let y = &mut y[..h * w];
+    rows_direct(x, stride, w, y);
+    let out = &mut out[..h * w];
+    if h == 1 {
+        return one_row(y, out);
+    }
+    cols_direct(y, h, w, out);
+}
+
+/// The direct sums along each row: `y` row `i` (`w` wide) gets `Y[i][b] = 0 + sum over n
+/// of x[i][n] B_w[b][n]` in increasing `n`, `x` row `i` being `x[i * stride..]`.
+#[inline(always)]
+fn rows_direct(x: &[f32], stride: usize, w: usize, y: &mut [f32]) {
+    let bw = &tables(w).t;
     for (i, yr) in y.chunks_exact_mut(w).enumerate() {
         let xr = &x[i * stride..i * stride + w];
         yr.fill(0.0);
@@ -463,10 +460,12 @@ fn forward_any(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out:
             yr.iter_mut().zip(col).for_each(|(acc, &c)| *acc += xv * c);
         }
     }
-    let out = &mut out[..h * w];
-    if h == 1 {
-        return one_row(y, out);
-    }
+}
+
+/// The direct sums down each column of the `h` rows of `y`: `out` row `a` gets
+/// `X[a][b] = 0 + sum over i of Y[i][b] B_h[a][i]` in increasing `i`.
+#[inline(always)]
+fn cols_direct(y: &[f32], h: usize, w: usize, out: &mut [f32]) {
     let bh = &tables(h).b;
     for (a, orow) in out.chunks_exact_mut(w).enumerate() {
         orow.fill(0.0);
