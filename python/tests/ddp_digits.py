@@ -130,11 +130,11 @@ def make(cfg: Dict[str, Any], seed: int, init: int = -1, device: str = "cpu"):
     return net, opt, state
 
 
-def run_steps(net, opt, xs, ys, rank, world, steps, start, batch=32):
-    """`steps` steps from global step `start`; each rank takes its shard of the batch."""
+def run_steps(net, opt, xs, ys, rank, world, steps, start, batch=32, times=None):
+    """`steps` steps from global step `start`; each rank takes its shard of the batch.
+    Returns the losses; each step's seconds are appended to `times` if given."""
     n = len(xs)
     losses = []
-    run_steps.times = []  # type: ignore[attr-defined]
     for s in range(start, start + steps):
         t0 = time.perf_counter()
         g = torch.Generator().manual_seed(s)
@@ -146,7 +146,8 @@ def run_steps(net, opt, xs, ys, rank, world, steps, start, batch=32):
         loss.backward()
         opt.step()
         losses.append(loss.item())  # waits for the step, on a GPU too
-        run_steps.times.append(time.perf_counter() - t0)  # type: ignore[attr-defined]
+        if times is not None:
+            times.append(time.perf_counter() - t0)
     return losses
 
 
@@ -176,7 +177,8 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
         cfg = CONFIGS[name]
         for seed in plan["seeds"]:
             net, opt, state = make(cfg, seed, device=device)
-            losses = run_steps(net, opt, xs, ys, rank, world, steps, 0)
+            times: List[float] = []
+            losses = run_steps(net, opt, xs, ys, rank, world, steps, 0, times=times)
             with torch.no_grad():
                 p = next(net.parameters())
                 acc = (net(xt.to(p.device, p.dtype)).argmax(1).cpu() == yt).float().mean().item()
@@ -185,7 +187,7 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
             if state is not None:
                 chosen = chosen_plan(state)
                 state.close()
-            times = sorted(run_steps.times[len(run_steps.times) // 2:])  # type: ignore[attr-defined]
+            times = sorted(times[len(times) // 2:])
             results.append({
                 "config": name, "seed": seed, "accuracy": acc, "device": device,
                 "ms_per_step": 1000 * times[len(times) // 2],

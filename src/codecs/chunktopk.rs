@@ -340,6 +340,24 @@ fn encode_chunk_in_place(x: &[f32], r: Record, rec: &mut [u8]) -> bool {
     )
 }
 
+/// The records of the chunks of `x` (`chunk` elements each, keeping `k`) into `p`, with
+/// working room `s` (by [`encode_chunk`]) or without ([`encode_chunk_in_place`]); true
+/// if a kept value is NaN or ±Inf.
+fn encode_run(x: &[f32], chunk: usize, k: usize, p: &mut [u8], mut s: Option<Scratch>) -> bool {
+    let (mut at, mut nonfinite) = (0, false);
+    for xc in x.chunks(chunk) {
+        let r = Record::of(xc.len(), k);
+        let rec = &mut p[at..at + r.bytes];
+        nonfinite |= match &mut s {
+            Some(s) => encode_chunk(xc, r, s, rec),
+            None => encode_chunk_in_place(xc, r, rec),
+        };
+        at += r.bytes;
+    }
+    debug_assert_eq!(at, p.len());
+    nonfinite
+}
+
 /// Longest chunk encoded on all threads (each thread's room is on its stack: 33 KiB).
 const PAR_CHUNK: usize = 4096;
 
@@ -388,58 +406,41 @@ impl Scheme for ChunkTopK {
         self.check_elements(x.len() as u64)?;
         let len = self.payload(x.len() as u64).expect("checked");
         let c = self.chunk().min(x.len());
-        let (mut at, mut nonfinite) = (0, false);
         let with_room = HEADER_LEN as u64 + len + room_bytes(c) <= out.len() as u64;
         payload_buf(out, len)?;
         let (p, room) = out[HEADER_LEN..].split_at_mut(len as usize);
-        let chunks = x.len().div_ceil(self.chunk().max(1));
-        if self.chunk() <= PAR_CHUNK && chunks > 1 && crate::parallel::worth(x.len(), 8) {
+        let (chunk, k) = (self.chunk(), self.k());
+        let chunks = x.len().div_ceil(chunk.max(1));
+        let nonfinite = if chunk <= PAR_CHUNK && chunks > 1 && crate::parallel::worth(x.len(), 8) {
             // Ranges of whole chunks on all threads, each with its working room on its
             // stack: records are independent, so the bytes are the same.
             let parts = Parts {
                 x,
                 p,
-                chunk: self.chunk(),
-                record: Record::of(self.chunk(), self.k()).bytes,
+                chunk,
+                record: Record::of(chunk, k).bytes,
             };
             let per = chunks.div_ceil(64).max(1);
-            let k = self.k();
-            nonfinite = crate::parallel::for_ranges(parts, chunks, per, true, &|b, _| {
+            crate::parallel::for_ranges(parts, chunks, per, true, &|b, _| {
                 let (mut idx, mut keys) = ([0u32; PAR_CHUNK + 64], [0u32; PAR_CHUNK + 64]);
-                let mut s = Scratch {
+                let s = Scratch {
                     idx: &mut idx,
                     keys: &mut keys,
                 };
-                let (mut at, mut nonfinite) = (0, false);
-                for chunk in b.x.chunks(b.chunk) {
-                    let r = Record::of(chunk.len(), k);
-                    nonfinite |= encode_chunk(chunk, r, &mut s, &mut b.p[at..at + r.bytes]);
-                    at += r.bytes;
-                }
-                nonfinite
-            });
-            at = len as usize;
+                encode_run(b.x, chunk, k, b.p, Some(s))
+            })
         } else if with_room {
             // The frame, then the working room past it (no allocation).
             let words = crate::kernels::words_mut(room);
             let (idx, keys) = words.split_at_mut(c + 64);
-            let mut s = Scratch {
+            let s = Scratch {
                 idx,
                 keys: &mut keys[..c + 64],
             };
-            for chunk in x.chunks(self.chunk()) {
-                let r = Record::of(chunk.len(), self.k());
-                nonfinite |= encode_chunk(chunk, r, &mut s, &mut p[at..at + r.bytes]);
-                at += r.bytes;
-            }
+            encode_run(x, chunk, k, p, Some(s))
         } else {
-            for chunk in x.chunks(self.chunk()) {
-                let r = Record::of(chunk.len(), self.k());
-                nonfinite |= encode_chunk_in_place(chunk, r, &mut p[at..at + r.bytes]);
-                at += r.bytes;
-            }
-        }
-        debug_assert_eq!(at as u64, len);
+            encode_run(x, chunk, k, p, None)
+        };
         Ok(Encoded {
             payload_len: len,
             params: self.params(),

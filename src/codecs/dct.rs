@@ -33,7 +33,7 @@ use super::{Encoded, Scheme, expect_payload};
 use crate::codec::{Args, CodecId, CodecSpec, EncodeCtx, payload_buf};
 use crate::error::{Error, Result};
 use crate::kernels::dct::{self, MAX_N};
-use crate::kernels::scalar::{CANONICAL_NAN, f16_to_f32, f32_to_f16, put};
+use crate::kernels::scalar::{CANONICAL_NAN, f16_to_f32, f32_to_f16};
 use crate::wire::{HEADER_LEN, Header};
 
 /// How the kept coefficients of a [`Dct`] frame are written.
@@ -352,12 +352,6 @@ const TILE: usize = MAX_N * MAX_N;
 /// Up to this many kept per tile, the selection is the branch-free kernel.
 const SMALL_K: usize = dct::SELECT_MAX;
 
-/// `v`, or the quiet NaN 0x7FC00000 if it is a NaN.
-#[inline]
-fn canonical(v: f32) -> f32 {
-    if v.is_nan() { CANONICAL_NAN } else { v }
-}
-
 /// Order of keys for selection: larger magnitude first, then lower position.
 #[inline]
 fn before(keys: &[u32], a: u16, b: u16) -> core::cmp::Ordering {
@@ -444,7 +438,7 @@ impl TileWriter<'_> {
                 }
                 at += bytes;
                 if self.values == DctValues::SignChunk {
-                    let scale = canonical((sum / kt as f64) as f32);
+                    let scale = dct::canonical((sum / kt as f64) as f32);
                     p[scale_at..scale_at + 4].copy_from_slice(&scale.to_le_bytes());
                 } else {
                     self.frame_sum += sum;
@@ -570,7 +564,7 @@ impl Scheme for Dct {
             let scale = if w.frame_kept == 0 {
                 0.0
             } else {
-                canonical((w.frame_sum / w.frame_kept as f64) as f32)
+                dct::canonical((w.frame_sum / w.frame_kept as f64) as f32)
             };
             w.p[0..4].copy_from_slice(&scale.to_le_bytes());
         }
@@ -773,7 +767,7 @@ impl Scheme for Dct {
                 // operation makes differs between CPUs.
                 o.iter_mut()
                     .zip(r)
-                    .for_each(|(o, &v)| put::<M>(o, canonical(v)));
+                    .for_each(|(o, &v)| dct::store::<M>(o, v));
             });
             at = vals0 + self.values.value_bytes(kt);
         }

@@ -546,7 +546,7 @@ pub(super) fn decode_rows_impl<const M: u8>(
                 }
                 o.iter_mut()
                     .zip(acc.iter())
-                    .for_each(|(o, &v)| store::<M>(o, nan_canonical(v)));
+                    .for_each(|(o, &v)| store::<M>(o, v));
             }
         }
     }
@@ -572,22 +572,24 @@ fn decode_rows_fixed<const M: u8, const W: usize>(
         }
         let o: &mut [f32; W] = o.try_into().expect("a tile");
         for n in 0..W {
-            store::<M>(&mut o[n], nan_canonical(acc[n]));
+            store::<M>(&mut o[n], acc[n]);
         }
     }
 }
 
 /// `v`, or the quiet NaN `0x7FC00000` if it is a NaN.
 #[inline(always)]
-fn nan_canonical(v: f32) -> f32 {
+pub(crate) fn canonical(v: f32) -> f32 {
     if v.is_nan() { CANONICAL_NAN } else { v }
 }
 
-/// `o` stored from `v` by mode `M`; for [`super::mode::ADD`], a NaN `o` stays itself
-/// (quieted) whatever `v` is: the sum of two NaNs is the first one on x86 and Arm alike,
-/// but a vectorised addition may be commuted, so the first operand is chosen explicitly.
+/// `o` stored from the decoded value `v` by mode `M`, a NaN `v` as `0x7FC00000`; for
+/// [`super::mode::ADD`], a NaN `o` stays itself (quieted) whatever `v` is: the sum of two
+/// NaNs is the first one on x86 and Arm alike, but a vectorised addition may be
+/// commuted, so the first operand is chosen explicitly. Every `dct` decode stores so.
 #[inline(always)]
-fn store<const M: u8>(o: &mut f32, v: f32) {
+pub(crate) fn store<const M: u8>(o: &mut f32, v: f32) {
+    let v = canonical(v);
     if M == super::mode::ADD {
         let (a, s) = (*o, *o + v);
         *o = if a.is_nan() { a + 0.0 } else { s };

@@ -168,7 +168,13 @@ fn halves(mut acc: [f32; 16]) -> f32 {
 /// `x`), each row first becomes `x + e` in place (PowerSGD's error-feedback input), while
 /// it is in cache. The same bits on every backend.
 #[inline(always)]
-fn thin_mq_rows(x: &mut [f32], e: Option<&[f32]>, qt: &[f32], cols: usize, p: &mut [f32]) {
+pub(super) fn thin_mq_rows(
+    x: &mut [f32],
+    e: Option<&[f32]>,
+    qt: &[f32],
+    cols: usize,
+    p: &mut [f32],
+) {
     let r = p.len() / (x.len() / cols).max(1);
     for (i, row) in x.chunks_exact_mut(cols).enumerate() {
         if let Some(e) = e {
@@ -188,7 +194,14 @@ fn thin_mq_rows(x: &mut [f32], e: Option<&[f32]>, qt: &[f32], cols: usize, p: &m
 /// the rows in order whatever the columns around it, so any split into column ranges
 /// gives the same bits, on every backend.
 #[inline(always)]
-fn thin_mtp_cols(m: &[f32], cols: usize, j0: usize, p: &[f32], r: usize, acc: &mut [f32]) {
+pub(super) fn thin_mtp_cols(
+    m: &[f32],
+    cols: usize,
+    j0: usize,
+    p: &[f32],
+    r: usize,
+    acc: &mut [f32],
+) {
     let w = acc.len() / r;
     acc.fill(0.0);
     let rows = m.len() / cols;
@@ -228,71 +241,18 @@ fn thin_mtp_cols(m: &[f32], cols: usize, j0: usize, p: &[f32], r: usize, acc: &m
     }
 }
 
-struct ThinMq<'a> {
-    x: &'a mut [f32],
-    e: Option<&'a [f32]>,
-    qt: &'a [f32],
-    cols: usize,
-    p: &'a mut [f32],
-}
-
-impl pulp::WithSimd for ThinMq<'_> {
-    type Output = ();
-
-    #[inline(always)]
-    fn with_simd<S: pulp::Simd>(self, _: S) {
-        thin_mq_rows(self.x, self.e, self.qt, self.cols, self.p)
-    }
-}
-
-struct ThinMtp<'a> {
-    m: &'a [f32],
-    cols: usize,
-    j0: usize,
-    p: &'a [f32],
-    r: usize,
-    acc: &'a mut [f32],
-}
-
-impl pulp::WithSimd for ThinMtp<'_> {
-    type Output = ();
-
-    #[inline(always)]
-    fn with_simd<S: pulp::Simd>(self, _: S) {
-        thin_mtp_cols(self.m, self.cols, self.j0, self.p, self.r, self.acc)
-    }
-}
-
 /// `thin_mq_rows` compiled for the current backend: rows of `P = M Q` (and, with `e`,
 /// `M = x + e` formed in place first). `x` holds whole rows of `cols`, `qt` is `Q^T`
 /// (`r x cols`), `p` gets `r` values per row.
 pub fn thin_mq(x: &mut [f32], e: Option<&[f32]>, qt: &[f32], cols: usize, p: &mut [f32]) {
-    let b = super::Backend::current();
-    if b.kind() == super::BackendKind::Scalar {
-        return thin_mq_rows(x, e, qt, cols, p);
-    }
-    super::simd(b, ThinMq { x, e, qt, cols, p })
+    super::gemm_thin_mq(x, e, qt, cols, p)
 }
 
 /// `thin_mtp_cols` compiled for the current backend: columns `j0..j0 + acc.len() / r`
 /// of `Q = M^T P`, transposed (`r` rows of them), from the row-major `m` (`cols` wide)
 /// and `p` (`r` wide).
 pub fn thin_mtp(m: &[f32], cols: usize, j0: usize, p: &[f32], r: usize, acc: &mut [f32]) {
-    let b = super::Backend::current();
-    if b.kind() == super::BackendKind::Scalar {
-        return thin_mtp_cols(m, cols, j0, p, r, acc);
-    }
-    super::simd(
-        b,
-        ThinMtp {
-            m,
-            cols,
-            j0,
-            p,
-            r,
-            acc,
-        },
-    )
+    super::gemm_thin_mtp(m, cols, j0, p, r, acc)
 }
 
 #[cfg(test)]

@@ -297,6 +297,41 @@ fn dct_decode_rows<const M: u8>(w: usize, kt: usize, pos: &[u16], vals: &[f32], 
     }
 }
 
+simd_op!(ThinMq {
+    x: &'a mut [f32], e: Option<&'a [f32]>, qt: &'a [f32], cols: usize, p: &'a mut [f32],
+} -> () = gemm::thin_mq_rows(x, e, qt, cols, p));
+
+/// PowerSGD's rows of `M Q` (see [`gemm::thin_mq`]), compiled for the current backend.
+fn gemm_thin_mq(x: &mut [f32], e: Option<&[f32]>, qt: &[f32], cols: usize, p: &mut [f32]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => gemm::thin_mq_rows(x, e, qt, cols, p),
+        b => simd(b, ThinMq { x, e, qt, cols, p }),
+    }
+}
+
+simd_op!(ThinMtp {
+    m: &'a [f32], cols: usize, j0: usize, p: &'a [f32], r: usize, acc: &'a mut [f32],
+} -> () = gemm::thin_mtp_cols(m, cols, j0, p, r, acc));
+
+/// PowerSGD's columns of `M^T P` (see [`gemm::thin_mtp`]), compiled for the current
+/// backend.
+fn gemm_thin_mtp(m: &[f32], cols: usize, j0: usize, p: &[f32], r: usize, acc: &mut [f32]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => gemm::thin_mtp_cols(m, cols, j0, p, r, acc),
+        b => simd(
+            b,
+            ThinMtp {
+                m,
+                cols,
+                j0,
+                p,
+                r,
+                acc,
+            },
+        ),
+    }
+}
+
 simd_op!(DctInverseRows {
     t: &'a [f32], cols: &'a [bool], h: usize, w: usize, x: &'a mut [f32],
 } -> () = dct::inverse_rows_impl(t, cols, h, w, x));

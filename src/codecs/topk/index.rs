@@ -118,11 +118,20 @@ impl Scan {
     }
 }
 
+/// Bits of one index gap in a stream of `coding` (gaps or Rice) with its parameter.
+#[inline(always)]
+pub(super) fn gap_bits(coding: IndexCoding, param: u32, gap: u64) -> u64 {
+    match coding {
+        IndexCoding::Rice => (gap >> param) + param as u64 + 1,
+        _ => param as u64,
+    }
+}
+
 /// The exact length in bits of the Rice stream (parameter `b`) of the kept set.
 pub(super) fn rice_bits(x: &[f32], cut: Cut, b: u32) -> u64 {
     let (mut bits, mut next) = (0u64, 0usize);
     for_each_kept(x, cut.t, cut.need_eq, |i| {
-        bits += ((i - next) as u64 >> b) + b as u64 + 1;
+        bits += gap_bits(IndexCoding::Rice, b, (i - next) as u64);
         next = i + 1;
     });
     bits

@@ -344,14 +344,7 @@ impl TopK {
                 sparse_prepare::<{ mode::RESIDUAL }>(e.nonfinite, r);
                 let vbytes = self.values.section_len(count as u64) as usize;
                 let vals = &frame[HEADER_LEN..HEADER_LEN + vbytes];
-                if par::worth(count) {
-                    par::residual(self.values, vals, c.kept().0, r);
-                } else {
-                    let mut values = ValueReader::new(self.values, vals, count);
-                    for &i in c.kept().0 {
-                        put::<{ mode::RESIDUAL }>(&mut r[i as usize], values.next_value());
-                    }
-                }
+                par::residual(self.values, vals, c.kept().0, r);
                 Some(Ok((e, true)))
             }
         }

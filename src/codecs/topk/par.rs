@@ -12,7 +12,7 @@
 //! the parts depend only on the candidate count.
 
 use super::IndexCoding;
-use super::index::IndexSink;
+use super::index::{IndexSink, gap_bits};
 use crate::codecs::values::{INT8_VALUE_BLOCK, ValueSlab, ValueType};
 use crate::kernels::scalar::{BitWriter, mode, put};
 use crate::parallel;
@@ -81,21 +81,16 @@ pub(super) fn write(
     for (p, s) in sizes[..parts].iter_mut().enumerate() {
         s.0 = p;
     }
+    // One past the index kept before position j0 (0 for the first).
+    let next_of = |j0: usize| if j0 == 0 { 0 } else { idx[j0 - 1] as usize + 1 };
     parallel::each_mut(&mut sizes[..parts], true, &|(p, bits)| {
         let j0 = *p * len;
-        let part = &idx[j0..(j0 + len).min(k)];
-        let mut next = if j0 == 0 { 0 } else { idx[j0 - 1] as usize + 1 };
-        *bits = match coding {
-            IndexCoding::Rice => {
-                let mut sum = 0u64;
-                for &i in part {
-                    sum += ((i as usize - next) as u64 >> param) + param as u64 + 1;
-                    next = i as usize + 1;
-                }
-                sum
-            }
-            _ => part.len() as u64 * param as u64,
-        };
+        let mut next = next_of(j0);
+        *bits = 0;
+        for &i in &idx[j0..(j0 + len).min(k)] {
+            *bits += gap_bits(coding, param, (i as usize - next) as u64);
+            next = i as usize + 1;
+        }
     });
     let total: u64 = sizes[..parts].iter().map(|s| s.1).sum();
     if total.div_ceil(8) > stream.len() as u64 {
@@ -124,7 +119,7 @@ pub(super) fn write(
         list[p] = Some(Part {
             idx: &idx[j0..j1],
             bits: &bits[j0..j1],
-            next: if j0 == 0 { 0 } else { idx[j0 - 1] as usize + 1 },
+            next: next_of(j0),
             values: v,
             stream: s,
             lead: (at % 8) as u32,
@@ -178,7 +173,8 @@ pub(super) fn write(
 /// The error-feedback residual update of the kept candidates' indices `idx` from the
 /// frame's value section `vals` (`idx.len()` values of type `t`): `r[i]` becomes the
 /// residual of its formed value and the decoded one, as decoding the frame onto `r` in
-/// residual mode does for the kept elements. On all threads.
+/// residual mode does for the kept elements. In parts on all threads when they are many
+/// ([`worth`]), else in one.
 pub(super) fn residual(t: ValueType, vals: &[u8], idx: &[u32], r: &mut [f32]) {
     let k = idx.len();
     let len = part_len(k);
@@ -197,7 +193,7 @@ pub(super) fn residual(t: ValueType, vals: &[u8], idx: &[u32], r: &mut [f32]) {
         rest = tail;
         base = end;
     }
-    parallel::each_mut(&mut list[..parts], true, &|slot| {
+    parallel::each_mut(&mut list[..parts], worth(k), &|slot| {
         let (j0, base, r) = slot.as_mut().expect("every part is set");
         let part = &idx[*j0..(*j0 + len).min(k)];
         let mut batch = [0f32; INT8_VALUE_BLOCK];
