@@ -96,6 +96,7 @@ pub mod cost;
 pub mod error;
 pub mod feedback;
 mod kernels;
+pub mod outer;
 pub mod parallel;
 pub mod rng;
 pub mod state;

@@ -355,7 +355,7 @@ impl<T: Transport + Send + 'static> core::fmt::Debug for SyncEngine<T> {
 }
 
 /// A hash of the layout (names and shapes), to refuse a checkpoint of another model.
-fn layout_hash(tensors: &[Tensor]) -> u32 {
+pub(crate) fn layout_hash(tensors: &[Tensor]) -> u32 {
     let mut h = crc32fast::Hasher::new();
     for t in tensors {
         h.update(&(t.name.len() as u64).to_le_bytes());
@@ -1004,7 +1004,7 @@ impl<T: Transport + Send + 'static> Drop for SyncEngine<T> {
     }
 }
 
-fn thread_gone() -> Error {
+pub(crate) fn thread_gone() -> Error {
     Error::Collective("the communication thread has stopped (it panicked)".into())
 }
 
