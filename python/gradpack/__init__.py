@@ -21,7 +21,7 @@ of the wrong size) raises :class:`Error`, a ``ValueError`` carrying the crate's 
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -42,6 +42,7 @@ __all__ = [
     "HEADER_LEN",
     "AllReduce",
     "Codec",
+    "OuterSync",
     "CodecProfile",
     "Error",
     "ErrorFeedback",
@@ -534,6 +535,128 @@ class AllReduce:
 
     def __repr__(self) -> str:
         return repr(self._ar)
+
+
+class OuterSync:
+    """DiLoCo's outer synchronisation on rank ``rank`` of ``world`` (the Rust crate's
+    ``gradpack::outer::OuterSync``), over the same two message callables as
+    :class:`AllReduce`. :class:`gradpack.torch.DiLoCo` drives it for a PyTorch model.
+
+    It keeps an outer copy of the tensors ``names`` of ``shapes`` in float32, starting
+    from ``params`` (the same on every rank). Call :meth:`step` after every inner
+    optimizer step. Every ``sync_every`` steps it all-reduces the mean of the
+    pseudo-gradients ``outer - local`` with ``codec`` (and error feedback: ``feedback``
+    ``"worker"``), takes a step of outer SGD (``outer_lr``, Nesterov ``outer_momentum``;
+    ``outer_momentum=0`` for none), and writes the new outer parameters into the
+    parameters: ``local = alpha * local + (1 - alpha) * outer``. With ``fragments`` P the
+    tensors are split into P fragments (in order, by size, or by ``assignment``) synced
+    at staggered steps; with ``delay`` tau each fragment's all-reduce starts tau steps
+    before its sync point and runs on a communication thread meanwhile. Every rank ends
+    each outer step with the same outer parameters, to the bit.
+    """
+
+    __slots__ = ("_s",)
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        params: Sequence[ArrayLike],
+        rank: int,
+        world: int,
+        send: Callable[[bytearray, int], Any],
+        recv: Callable[[int], Any],
+        *,
+        sync_every: int = 500,
+        fragments: int = 1,
+        assignment: Optional[Sequence[int]] = None,
+        delay: int = 0,
+        alpha: float = 0.0,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        codec: Union[str, Codec] = "identity",
+        feedback: str = "none",
+        strategy: str = "auto",
+        pieces: int = 1,
+        checksum: bool = True,
+        seed: int = 0,
+        bandwidth: float = 10e9,
+        latency: float = 10e-6,
+        beta: float = 1.0,
+        gamma: float = 1.0,
+        residual: str = "f32",
+        allow_non_contractive: bool = False,
+    ) -> None:
+        self._s = _native.OuterSync(
+            list(names),
+            [list(s) for s in shapes],
+            [_f32(x, f"params[{i}]") for i, x in enumerate(params)],
+            rank,
+            world,
+            send,
+            recv,
+            sync_every=sync_every,
+            fragments=fragments,
+            assignment=None if assignment is None else list(assignment),
+            delay=delay,
+            alpha=alpha,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            nesterov=nesterov,
+            codec=_codec(codec),
+            feedback=feedback,
+            strategy=strategy,
+            pieces=pieces,
+            checksum=checksum,
+            seed=_u64(seed, "seed"),
+            bandwidth=bandwidth,
+            latency=latency,
+            beta=beta,
+            gamma=gamma,
+            residual=residual,
+            allow_non_contractive=allow_non_contractive,
+        )
+
+    def due(self) -> Tuple[List[int], List[int]]:
+        """``(send, apply)``: the fragments whose pseudo-gradients the next :meth:`step`
+        forms, and those whose outer step it applies. Only their tensors are read or
+        written; both empty means :meth:`step` may be called with no parameters."""
+        return self._s.due()
+
+    def step(self, params: Optional[Sequence[ArrayLike]] = None) -> Dict[str, int]:
+        """After an inner step: the parameters (float32, one per tensor, written in
+        place), or ``None`` when :meth:`due` is empty. Returns ``sent``, ``applied``,
+        ``bytes_sent`` and ``messages``."""
+        if params is None:
+            return self._s.step(None)
+        return self._s.step([_f32(x, f"params[{i}]") for i, x in enumerate(params)])
+
+    @property
+    def fragments(self) -> List[List[int]]:
+        """The tensors of every fragment."""
+        return self._s.fragments
+
+    @property
+    def inner_step(self) -> int:
+        """Inner steps so far."""
+        return self._s.inner_step
+
+    def outer(self, i: int) -> np.ndarray:
+        """A copy of tensor ``i``'s outer parameters, flat."""
+        return self._s.outer(i)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Step, outer copy, momentum, residuals and results not yet applied."""
+        return self._s.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (with the model of the same step, training goes
+        on bit for bit)."""
+        self._s.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return repr(self._s)
 
 
 def powersgd_matrix(

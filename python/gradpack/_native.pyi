@@ -2,7 +2,7 @@
 and classes of ``gradpack`` itself: they accept torch tensors and bytes-like frames and
 convert them without copying before calling these."""
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -85,6 +85,48 @@ class AllReduce:
     @property
     def calls(self) -> int: ...
     def __len__(self) -> int: ...
+    def state_dict(self) -> Dict[str, Any]: ...
+    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+
+class OuterSync:
+    def __init__(
+        self,
+        names: List[str],
+        shapes: List[List[int]],
+        params: List[_F32],
+        rank: int,
+        world: int,
+        send: Callable[[bytearray, int], Any],
+        recv: Callable[[int], Any],
+        *,
+        sync_every: int = 500,
+        fragments: int = 1,
+        assignment: Optional[List[int]] = None,
+        delay: int = 0,
+        alpha: float = 0.0,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        codec: Union[str, Codec, None] = None,
+        feedback: str = "none",
+        strategy: str = "auto",
+        pieces: int = 1,
+        checksum: bool = True,
+        seed: int = 0,
+        bandwidth: float = 10e9,
+        latency: float = 10e-6,
+        beta: float = 1.0,
+        gamma: float = 1.0,
+        residual: str = "f32",
+        allow_non_contractive: bool = False,
+    ) -> None: ...
+    def due(self) -> Tuple[List[int], List[int]]: ...
+    def step(self, params: Optional[List[_F32]] = None) -> Dict[str, int]: ...
+    @property
+    def fragments(self) -> List[List[int]]: ...
+    @property
+    def inner_step(self) -> int: ...
+    def outer(self, i: int) -> _F32: ...
     def state_dict(self) -> Dict[str, Any]: ...
     def load_state_dict(self, state: Dict[str, Any]) -> None: ...
 

@@ -105,7 +105,7 @@ import torch.distributed as dist
 import gradpack
 from gradpack import Codec, ErrorFeedback, _native
 
-__all__ = ["GradpackState", "gradpack_hook", "measure_link", "DEFAULT_CANDIDATES", "BIASED_NEED_FEEDBACK"]
+__all__ = ["DiLoCo", "GradpackState", "gradpack_hook", "measure_link", "DEFAULT_CANDIDATES", "BIASED_NEED_FEEDBACK"]
 
 DEFAULT_CANDIDATES = ("identity", "fp16", "int8")
 """The codecs ``codec="auto"`` chooses among unless told otherwise: those that train as
@@ -250,7 +250,7 @@ class GradpackState:
         self._rings: Dict[Any, Any] = {}  # (names, elements, codec) -> gradpack.AllReduce
         self._rings_now: Dict[int, Any] = {}  # bucket index -> key of its ring now
         self._ring_restored: Dict[str, Dict[str, Any]] = {}
-        self._pending: List[Any] = []
+        self._p2p = _PointToPoint(self._comm_group)
         self.process_group = process_group
         self._comm = comm_group
         self._own_comm = comm_group is None
@@ -1136,8 +1136,8 @@ class GradpackState:
                 flat.numel(),
                 self._rank(),
                 world,
-                self._p2p_send,
-                self._p2p_recv,
+                self._p2p.send,
+                self._p2p.recv,
                 strategy="ring",
                 feedback="worker+owner" if self._wants_ef(codec) else "none",
                 pieces=self.pieces,
@@ -1157,36 +1157,57 @@ class GradpackState:
             # seed on every rank).
             ar.run(flat.numpy(), seed=_seed(self.seed, step, index, codec, 0))
         except BaseException:
-            self._pending.clear()
+            self._p2p.drop()
             raise
-        for works in self._pending:
-            for w in works[:2]:
-                w.wait()
-        self._pending.clear()
+        self._p2p.wait()
+
+
+class _PointToPoint:
+    """The message callables of a :class:`gradpack.AllReduce` or
+    :class:`gradpack.OuterSync` over point-to-point operations on a process group
+    (``group()`` gives it; ranks are the group's). A message is its length, then its
+    bytes; sends do not wait (the tensors stay alive in ``pending`` until waited for, or
+    seen complete by a later send)."""
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+        self._pending: List[Any] = []
+        self._lock = threading.Lock()
 
     def _peer(self, r: int) -> int:
-        return dist.get_global_rank(self._comm_group(), r)
+        return dist.get_global_rank(self._group(), r)
 
-    def _p2p_send(self, msg: bytearray, to: int) -> None:
-        """The all-reduce's send: the length, then the bytes (a bytearray of the
-        message's own, viewed without a copy), without waiting (the tensors stay alive
-        in ``_pending`` until the run ends)."""
+    def send(self, msg: bytearray, to: int) -> None:
         dst = self._peer(to)
         length = torch.tensor([len(msg)], dtype=torch.int64)
         payload = torch.frombuffer(msg, dtype=torch.uint8)
-        g = self._comm_group()
-        self._pending.append(
-            (dist.isend(length, dst, group=g), dist.isend(payload, dst, group=g), length, payload)
-        )
+        g = self._group()
+        works = (dist.isend(length, dst, group=g), dist.isend(payload, dst, group=g))
+        with self._lock:
+            self._pending = [p for p in self._pending if not all(w.is_completed() for w in p[0])]
+            self._pending.append((works, length, payload))
 
-    def _p2p_recv(self, frm: int) -> np.ndarray:
+    def recv(self, frm: int) -> np.ndarray:
         src = self._peer(frm)
         length = torch.empty(1, dtype=torch.int64)
-        g = self._comm_group()
+        g = self._group()
         dist.recv(length, src, group=g)
         buf = torch.empty(int(length), dtype=torch.uint8)
         dist.recv(buf, src, group=g)
         return buf.numpy()
+
+    def wait(self) -> None:
+        """Wait for every send made so far."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for works, _, _ in pending:
+            for w in works:
+                w.wait()
+
+    def drop(self) -> None:
+        """Forget the sends made so far (after a failure)."""
+        with self._lock:
+            self._pending = []
 
 
 _POWERSGD_KEYS = ("rank", "warm_start", "feedback", "min_compression", "start_step")
@@ -1294,3 +1315,224 @@ def gradpack_hook(
     runs on the state's communication thread.
     """
     return state._submit(bucket)
+
+
+class DiLoCo:
+    """DiLoCo's outer synchronisation for a PyTorch model (Douillard et al. 2023), and its
+    streaming variant: every rank trains ``model`` alone with ``inner_optimizer``, and
+    every ``sync_every`` inner steps the ranks all-reduce the mean of their
+    pseudo-gradients (outer parameters minus local ones) compressed with ``codec``, take
+    a step of the outer optimizer (SGD with ``outer_lr`` and Nesterov ``outer_momentum``;
+    ``outer_momentum=0`` for none), and continue from the new outer parameters::
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        diloco = gpt.DiLoCo(model, opt, sync_every=50, codec="int8")
+        for x, y in data:                 # no DDP: each rank trains on its own shard
+            loss_fn(model(x), y).backward()
+            opt.step()                    # DiLoCo runs after every inner step
+            opt.zero_grad()
+        diloco.close()
+
+    The arithmetic and the schedule are the Rust crate's (:class:`gradpack.OuterSync`);
+    the all-reduces are gradpack's own collectives, their messages sent point to point
+    on a gloo group of ``group``'s ranks made here (so a CUDA model on NCCL works too),
+    running on a communication thread of their own. The names follow torchft's
+    ``DiLoCo`` where they mean the same:
+
+    - ``fragments``: a number P (the parameters cut in order into P runs of about equal
+      size) or a list of modules of ``model`` (torchft's ``model_fragments``), synced at
+      staggered steps, each once every ``sync_every`` steps.
+    - ``delay`` (torchft's ``fragment_sync_delay``): a fragment's all-reduce starts this
+      many inner steps before its sync point and runs while training goes on; ``delay=1``
+      with one fragment is the one-step-delayed variant.
+    - ``alpha`` (``fragment_update_alpha``): at the sync point,
+      ``local = alpha * local + (1 - alpha) * outer``.
+    - ``error_feedback``: a residual per rank for what the codec drops (``None``: on
+      for every codec but ``"identity"``). With ``outer_momentum=0`` and ``outer_lr=1``
+      it takes the place of momentum, as in SparseLoCo (``codec="chunktopk"``).
+
+    The outer copy, the momentum and the residuals live in host memory (float32). For
+    CPU float32 parameters the synchroniser reads and writes the parameters in place;
+    for others (CUDA, other float types) it keeps a pinned float32 host copy of each
+    and copies only the tensors of the fragments due. The model's parameters are made
+    equal on every rank first (a broadcast from the group's first rank). Every rank ends
+    each outer step with the same outer parameters, to the bit. ``state_dict`` saves
+    the synchroniser's state, to save beside the model and the inner optimizer;
+    restored with them, training continues bit for bit.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: Optional[torch.optim.Optimizer],
+        sync_every: int,
+        codec: Union[str, Codec] = "identity",
+        *,
+        fragments: Union[int, Sequence[torch.nn.Module]] = 1,
+        delay: int = 0,
+        alpha: float = 0.0,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        error_feedback: Optional[bool] = None,
+        strategy: str = "auto",
+        bandwidth: Union[float, str] = 10e9,
+        latency: Union[float, str] = 10e-6,
+        pieces: int = 1,
+        group: Any = None,
+        seed: int = 0,
+        timeout: Optional[float] = None,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("DiLoCo needs torch.distributed initialised (init_process_group)")
+        codec = Codec(codec) if isinstance(codec, str) else codec
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no parameter that requires a gradient")
+        self._params = [p for _, p in named]
+        assignment = None
+        if not isinstance(fragments, int):
+            mods = list(fragments)
+            of = {}
+            for f, m in enumerate(mods):
+                for p in m.parameters():
+                    if id(p) in of:
+                        raise ValueError(f"a parameter is in fragments {of[id(p)]} and {f}")
+                    of[id(p)] = f
+            missing = [n for n, p in named if id(p) not in of]
+            if missing:
+                raise ValueError(f"parameters in no fragment: {', '.join(missing[:5])}")
+            assignment = [of[id(p)] for p in self._params]
+            fragments = len(mods)
+        self.process_group = group
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        kw: Dict[str, Any] = {}
+        if timeout is not None:
+            kw["timeout"] = datetime.timedelta(seconds=timeout)
+        self._group = dist.new_group(
+            ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None, **kw
+        )
+        rank, world = dist.get_rank(self._group), dist.get_world_size(self._group)
+        # Host views: CPU float32 parameters in place, a pinned float32 copy otherwise.
+        self._host: List[torch.Tensor] = []
+        self._mirrored: List[bool] = []
+        pin = torch.cuda.is_available()
+        src = dist.get_global_rank(self._group, 0)
+        with torch.no_grad():
+            for p in self._params:
+                direct = p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
+                h = p.data if direct else torch.empty(p.shape, dtype=torch.float32, pin_memory=pin)
+                if not direct:
+                    h.copy_(p.detach())
+                dist.broadcast(h, src, group=self._group)
+                if not direct:
+                    p.copy_(h)
+                self._host.append(h)
+                self._mirrored.append(not direct)
+        self._p2p = _PointToPoint(lambda: self._group)
+        bw = gradpack.parse_bandwidth(bandwidth) if isinstance(bandwidth, str) else float(bandwidth)
+        lat = gradpack.parse_duration(latency) if isinstance(latency, str) else float(latency)
+        if error_feedback is None:
+            error_feedback = codec.name != "identity"
+        self._sync = gradpack.OuterSync(
+            [n for n, _ in named],
+            [tuple(p.shape) for p in self._params],
+            [h.numpy() for h in self._host],
+            rank,
+            world,
+            self._p2p.send,
+            self._p2p.recv,
+            sync_every=sync_every,
+            fragments=fragments,
+            assignment=assignment,
+            delay=delay,
+            alpha=alpha,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            nesterov=nesterov,
+            codec=codec,
+            feedback="worker" if error_feedback else "none",
+            strategy=strategy,
+            pieces=pieces,
+            seed=seed,
+            bandwidth=bw,
+            latency=lat,
+        )
+        self._frags = self._sync.fragments
+        #: Bytes this rank has sent for outer steps (envelopes and frames).
+        self.bytes_sent = 0
+        #: Fragment outer steps applied.
+        self.syncs = 0
+        self._hook = None
+        if inner_optimizer is not None:
+            self._hook = inner_optimizer.register_step_post_hook(lambda *_: self.step())
+
+    @property
+    def inner_step(self) -> int:
+        """Inner steps taken."""
+        return self._sync.inner_step
+
+    @property
+    def fragments(self) -> List[List[int]]:
+        """The parameters (indices among those that require a gradient) of every
+        fragment."""
+        return self._frags
+
+    def step(self) -> None:
+        """What follows an inner step (called by the inner optimizer's step hook; call
+        it yourself if you gave ``inner_optimizer=None``)."""
+        send, apply = self._sync.due()
+        if not send and not apply:
+            self._sync.step(None)
+            return
+        touched = sorted({t for f in send + apply for t in self._frags[f]})
+        with torch.no_grad():
+            for t in touched:
+                if self._mirrored[t]:
+                    self._host[t].copy_(self._params[t].detach())
+            stats = self._sync.step([h.numpy() for h in self._host])
+            for f in apply:
+                for t in self._frags[f]:
+                    if self._mirrored[t]:
+                        self._params[t].copy_(self._host[t])
+        self.bytes_sent += stats["bytes_sent"]
+        self.syncs += stats["applied"]
+
+    def outer_parameters(self) -> List[torch.Tensor]:
+        """Copies of the outer parameters (CPU float32, shaped as the parameters)."""
+        return [
+            torch.from_numpy(self._sync.outer(i)).reshape(p.shape)
+            for i, p in enumerate(self._params)
+        ]
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The synchroniser's state (step, outer parameters, momentum, residuals, and an
+        all-reduce finished but not yet applied), as plain values. Waits for the
+        all-reduces in flight."""
+        return {"format": "gradpack.torch.DiLoCo/1", "outer": self._sync.state_dict(),
+                "bytes_sent": self.bytes_sent, "syncs": self.syncs}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` into a synchroniser made with the same arguments
+        (restore the model and the inner optimizer of the same step beside it)."""
+        if state.get("format") != "gradpack.torch.DiLoCo/1":
+            raise ValueError(f"DiLoCo state format {state.get('format')!r}")
+        self._sync.load_state_dict(state["outer"])
+        self.bytes_sent = int(state.get("bytes_sent", 0))
+        self.syncs = int(state.get("syncs", 0))
+
+    def close(self) -> None:
+        """Remove the optimizer hook and wait for the last sends."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._p2p.wait()
+
+    def __enter__(self) -> "DiLoCo":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DiLoCo({self._sync!r})"

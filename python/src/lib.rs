@@ -11,7 +11,8 @@ use gradpack::collective::{
     AllReduce, AllReduceOptions, Comm, Feedback, ReduceOp, StrategyChoice, Transport,
 };
 use gradpack::cost::{self, CodecProfile, Strategy};
-use gradpack::sync::{PowerSgd, PowerSgdBucket};
+use gradpack::outer::{OuterOptions, OuterSync};
+use gradpack::sync::{PowerSgd, PowerSgdBucket, Tensor};
 use gradpack::{Codec, CodecSpec, EncodeCtx, FeedbackOptions, ResidualPrecision};
 use numpy::{
     Element, PyArray1, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArray,
@@ -756,6 +757,33 @@ fn feedback_of(name: &str) -> PyResult<Feedback> {
     }
 }
 
+/// The strategy argument of the collectives: `"auto"` (the cost model on links of
+/// `bandwidth` bit/s and `latency` s) or a strategy's name.
+fn strategy_choice(
+    strategy: &str,
+    world: usize,
+    bandwidth: f64,
+    latency: f64,
+) -> PyResult<StrategyChoice> {
+    if strategy == "auto" {
+        check_cluster(world.max(1) as u32, bandwidth, latency, 1.0)?;
+        Ok(StrategyChoice::Auto {
+            bandwidth_bit_s: bandwidth,
+            latency_s: latency,
+            profile: None,
+        })
+    } else {
+        Ok(StrategyChoice::Forced(self::strategy(strategy).map_err(
+            |_| {
+                PyValueError::new_err(format!(
+                    "strategy {strategy:?}: one of 'auto', 'fp32-ring', 'ring', 'allgather', \
+                 'majority'"
+                ))
+            },
+        )?))
+    }
+}
+
 const ALLREDUCE_FORMAT: &str = "gradpack.AllReduce/1";
 
 /// gradpack's compressed all-reduce of one tensor on one rank, over messages that two
@@ -803,21 +831,7 @@ impl PyAllReduce {
                 return Err(PyTypeError::new_err(format!("{what} must be callable")));
             }
         }
-        let strategy = if strategy == "auto" {
-            check_cluster(world.max(1) as u32, bandwidth, latency, 1.0)?;
-            StrategyChoice::Auto {
-                bandwidth_bit_s: bandwidth,
-                latency_s: latency,
-                profile: None,
-            }
-        } else {
-            StrategyChoice::Forced(self::strategy(strategy).map_err(|_| {
-                PyValueError::new_err(format!(
-                    "strategy {strategy:?}: one of 'auto', 'fp32-ring', 'ring', 'allgather', \
-                     'majority'"
-                ))
-            })?)
-        };
+        let strategy = strategy_choice(strategy, world, bandwidth, latency)?;
         let op = match op {
             "mean" => ReduceOp::Mean,
             "sum" => ReduceOp::Sum,
@@ -1400,6 +1414,237 @@ fn backend() -> &'static str {
 /// Size in bytes of every frame header.
 const HEADER_LEN: usize = gradpack::HEADER_LEN;
 
+const OUTER_FORMAT: &str = "gradpack.OuterSync/1";
+
+/// DiLoCo's outer synchroniser on one rank (the crate's `gradpack::outer::OuterSync`),
+/// over messages that two Python callables move, as for `AllReduce`. Its all-reduces run
+/// on a communication thread of its own, which takes the GIL only around `send` and
+/// `recv`.
+#[pyclass(module = "gradpack", name = "OuterSync")]
+struct PyOuterSync {
+    /// A mutex only so that the class is `Sync` (its receiver of the thread's answers is
+    /// not); every method that uses it takes `&mut self` and reaches it with `get_mut`,
+    /// or locks it for a read.
+    inner: std::sync::Mutex<OuterSync<PyTransport>>,
+}
+
+impl PyOuterSync {
+    fn get(&mut self) -> &mut OuterSync<PyTransport> {
+        self.inner.get_mut().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn read(&self) -> std::sync::MutexGuard<'_, OuterSync<PyTransport>> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[pymethods]
+impl PyOuterSync {
+    #[new]
+    #[pyo3(signature = (
+        names, shapes, params, rank, world, send, recv, *, sync_every=500, fragments=1,
+        assignment=None, delay=0, alpha=0.0, outer_lr=0.7, outer_momentum=0.9,
+        nesterov=true, codec=None, feedback="none", strategy="auto", pieces=1,
+        checksum=true, seed=0, bandwidth=10e9, latency=10e-6, beta=1.0, gamma=1.0,
+        residual="f32", allow_non_contractive=false,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        names: Vec<String>,
+        shapes: Vec<Vec<usize>>,
+        params: Vec<Bound<'_, PyAny>>,
+        rank: usize,
+        world: usize,
+        send: Py<PyAny>,
+        recv: Py<PyAny>,
+        sync_every: u64,
+        fragments: usize,
+        assignment: Option<Vec<usize>>,
+        delay: u64,
+        alpha: f32,
+        outer_lr: f32,
+        outer_momentum: f32,
+        nesterov: bool,
+        codec: Option<&Bound<'_, PyAny>>,
+        feedback: &str,
+        strategy: &str,
+        pieces: usize,
+        checksum: bool,
+        seed: u64,
+        bandwidth: f64,
+        latency: f64,
+        beta: f32,
+        gamma: f32,
+        residual: &str,
+        allow_non_contractive: bool,
+    ) -> PyResult<Self> {
+        for (what, f) in [("send", &send), ("recv", &recv)] {
+            if !f.bind(py).is_callable() {
+                return Err(PyTypeError::new_err(format!("{what} must be callable")));
+            }
+        }
+        if names.len() != shapes.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} names for {} shapes",
+                names.len(),
+                shapes.len()
+            )));
+        }
+        let layout: Vec<Tensor> = names
+            .iter()
+            .zip(&shapes)
+            .map(|(n, s)| Tensor::new(n.as_str(), s))
+            .collect();
+        let arrays = params
+            .iter()
+            .enumerate()
+            .map(|(i, x)| f32_in(x, &format!("params[{i}]")))
+            .collect::<PyResult<Vec<_>>>()?;
+        let views = arrays.iter().map(slice_in).collect::<PyResult<Vec<_>>>()?;
+        let opts = OuterOptions {
+            sync_every,
+            fragments,
+            assignment,
+            delay,
+            alpha,
+            outer_lr,
+            outer_momentum,
+            nesterov,
+            codec: match codec {
+                Some(c) => spec_of(c)?,
+                None => CodecSpec::Identity(gradpack::Identity),
+            },
+            feedback: feedback_of(feedback)?,
+            feedback_options: FeedbackOptions {
+                beta,
+                gamma,
+                precision: precision(residual)?,
+                allow_non_contractive,
+            },
+            strategy: strategy_choice(strategy, world, bandwidth, latency)?,
+            pieces,
+            checksum,
+            seed,
+        };
+        let t = PyTransport {
+            rank,
+            size: world,
+            send,
+            recv,
+        };
+        let inner = OuterSync::new(&layout, &views, t, opts).map_err(err)?;
+        Ok(PyOuterSync {
+            inner: std::sync::Mutex::new(inner),
+        })
+    }
+
+    /// What the next `step` does: `(send, apply)`, the fragments whose pseudo-gradients
+    /// it forms and those whose outer step it applies. Only their tensors are read or
+    /// written.
+    fn due(&self) -> (Vec<usize>, Vec<usize>) {
+        let d = self.read().due();
+        (d.send, d.apply)
+    }
+
+    /// Call after every inner step with the rank's parameters (float32 arrays, one per
+    /// tensor; `None` when `due()` is empty). Returns `sent`, `applied`, `bytes_sent` and
+    /// `messages` (those of the applied fragments).
+    #[pyo3(signature = (params=None))]
+    fn step<'py>(
+        &mut self,
+        py: Python<'py>,
+        params: Option<Vec<Bound<'py, PyAny>>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let inner = self.get();
+        let stats = match params {
+            Some(params) => {
+                let mut arrays = params
+                    .iter()
+                    .enumerate()
+                    .map(|(i, x)| f32_out(x, &format!("params[{i}]")))
+                    .collect::<PyResult<Vec<_>>>()?;
+                let mut views = arrays
+                    .iter_mut()
+                    .map(slice_out)
+                    .collect::<PyResult<Vec<_>>>()?;
+                py.detach(|| inner.step(&mut views))
+            }
+            None => {
+                if !inner.due().is_empty() {
+                    return Err(PyValueError::new_err(
+                        "this step forms or applies an outer step: pass the parameters",
+                    ));
+                }
+                let mut none: Vec<&mut [f32]> = Vec::new();
+                none.resize_with(inner.fragments().iter().map(Vec::len).sum(), || &mut []);
+                py.detach(|| inner.step(&mut none))
+            }
+        }
+        .map_err(err)?;
+        let d = PyDict::new(py);
+        d.set_item("sent", stats.sent)?;
+        d.set_item("applied", stats.applied)?;
+        d.set_item("bytes_sent", stats.bytes_sent)?;
+        d.set_item("messages", stats.messages)?;
+        Ok(d)
+    }
+
+    /// The tensors of every fragment, in layout order.
+    #[getter]
+    fn fragments(&self) -> Vec<Vec<usize>> {
+        self.read().fragments()
+    }
+
+    /// Inner steps taken so far.
+    #[getter]
+    fn inner_step(&self) -> u64 {
+        self.read().inner_step()
+    }
+
+    /// A copy of the outer parameters of tensor `i` (a flat float32 array).
+    fn outer<'py>(&self, py: Python<'py>, i: usize) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        let inner = self.read();
+        Ok(PyArray1::from_slice(py, inner.outer(i).map_err(err)?))
+    }
+
+    /// The state (step, outer copy, momentum, residuals, results not yet applied), to
+    /// restore with `load_state_dict` into a synchroniser made with the same arguments
+    /// on the same rank. Waits for the all-reduces in flight.
+    fn state_dict<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let inner = self.get();
+        let blob = py.detach(|| inner.save()).map_err(err)?;
+        let step = inner.inner_step();
+        let d = PyDict::new(py);
+        d.set_item("format", OUTER_FORMAT)?;
+        d.set_item("inner_step", step)?;
+        d.set_item("blob", PyBytes::new(py, &blob))?;
+        Ok(d)
+    }
+
+    /// Restore a state saved by `state_dict`; with the model of the same step, training
+    /// continues bit for bit.
+    fn load_state_dict(&mut self, py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<()> {
+        let blob = state_blob(state, "OuterSync", OUTER_FORMAT)?;
+        let bytes = blob.as_bytes().to_vec();
+        let inner = self.get();
+        py.detach(|| inner.restore(&bytes)).map_err(err)
+    }
+
+    fn __repr__(&self) -> String {
+        let inner = self.read();
+        let o = inner.options();
+        format!(
+            "OuterSync('{}', sync_every={}, fragments={}, delay={}, step={})",
+            o.codec,
+            o.sync_every,
+            o.fragments,
+            o.delay,
+            inner.inner_step()
+        )
+    }
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("Error", m.py().get_type::<Error>())?;
@@ -1416,6 +1661,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_add, m)?)?;
     m.add_function(wrap_pyfunction!(reduce_frames, m)?)?;
     m.add_class::<PyAllReduce>()?;
+    m.add_class::<PyOuterSync>()?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
     m.add_function(wrap_pyfunction!(frame_len, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate, m)?)?;
