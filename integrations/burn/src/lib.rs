@@ -23,14 +23,32 @@
 //! model are the engine's [`SyncOptions`]; [`GradSync::save`] and [`GradSync::restore`]
 //! checkpoint its state (step counter, error-feedback residuals) beside the model's
 //! record.
+//!
+//! ## Low-communication training
+//! [`DiLoCo`] runs gradpack's outer synchroniser ([`gradpack::outer`]) instead: each
+//! worker trains alone, and every `H` steps the workers all-reduce their compressed
+//! pseudo-gradients and take an outer optimizer step (DiLoCo, streaming DiLoCo,
+//! SparseLoCo), all by [`OuterOptions`]:
+//!
+//! ```ignore
+//! let mut diloco = DiLoCo::new(&model, transport, OuterOptions { sync_every: 50, ..Default::default() })?;
+//! for batch in batches {
+//!     let grads = GradientsParams::from_grads(model.forward_loss(batch).backward(), &model);
+//!     model = optimizer.step(lr, model, grads); // the worker's own step
+//!     model = diloco.step(model)?;              // the one new line
+//! }
+//! ```
 
 use std::fmt;
 
+use burn::module::ModuleMapper;
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use gradpack::collective::Transport;
+use gradpack::outer::OuterSync;
+pub use gradpack::outer::{OuterOptions, OuterStats};
 use gradpack::sync::{Plan, StepStats, SyncEngine, SyncOptions, Tensor as Layout};
 
 /// What can go wrong in a sync.
@@ -298,4 +316,205 @@ impl<T: Transport + Send + 'static> GradSync<T> {
     pub fn engine(&self) -> &SyncEngine<T> {
         &self.engine
     }
+}
+
+/// Reads the parameters marked `wanted` into host buffers.
+struct Read<'a> {
+    ids: &'a [ParamId],
+    wanted: &'a [bool],
+    host: &'a mut [Vec<f32>],
+    next: usize,
+    error: Option<Error>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Read<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let i = self.next;
+        self.next += 1;
+        if self.error.is_some() || !self.wanted.get(i).copied().unwrap_or(true) {
+            return;
+        }
+        if self.ids.get(i) != Some(&param.id) {
+            self.error = Some(Error::Layout(format!(
+                "parameter {i} is not the one this DiLoCo was made for"
+            )));
+            return;
+        }
+        let data = param.val().into_data().convert::<f32>();
+        match data.as_slice::<f32>() {
+            Ok(v) if v.len() == self.host[i].len() => self.host[i].copy_from_slice(v),
+            Ok(v) => {
+                self.error = Some(Error::Layout(format!(
+                    "parameter {i} has {} elements, {} when this DiLoCo was made",
+                    v.len(),
+                    self.host[i].len()
+                )))
+            }
+            Err(e) => self.error = Some(Error::Data(format!("{e:?}"))),
+        }
+    }
+}
+
+/// Replaces the parameters marked `wanted` by the host buffers' values.
+struct Put<'a> {
+    wanted: &'a [bool],
+    host: &'a [Vec<f32>],
+    next: usize,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Put<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let i = self.next;
+        self.next += 1;
+        if !self.wanted.get(i).copied().unwrap_or(false) {
+            return param;
+        }
+        let host = &self.host[i];
+        param.map(|t| {
+            let grad = t.is_require_grad();
+            let data = TensorData::new(host.clone(), t.dims());
+            let t = Tensor::<B, D>::from_data(data, &t.device());
+            if grad { t.require_grad() } else { t }
+        })
+    }
+}
+
+/// DiLoCo's outer synchronisation of one burn model over one transport (see the crate
+/// docs and [`gradpack::outer`]): call [`DiLoCo::step`] after every optimizer step.
+/// Every worker makes one with the same module structure and options, from the same
+/// parameters.
+pub struct DiLoCo<T: Transport + Send + 'static> {
+    outer: OuterSync<T>,
+    ids: Vec<ParamId>,
+    /// The parameters as the synchroniser reads and writes them.
+    host: Vec<Vec<f32>>,
+    fragments: Vec<Vec<usize>>,
+    last: Option<OuterStats>,
+    bytes_sent: u64,
+}
+
+impl<T: Transport + Send + 'static> DiLoCo<T> {
+    /// A synchroniser for `module`'s float parameters, whose outer copy starts as
+    /// their values, over `transport`.
+    pub fn new<B: AutodiffBackend, M: AutodiffModule<B>>(
+        module: &M,
+        transport: T,
+        opts: OuterOptions,
+    ) -> Result<Self> {
+        let ps = params::<B, M>(module);
+        let layout: Vec<Layout> = ps.iter().map(|p| Layout::new(&p.name, &p.shape)).collect();
+        let ids: Vec<ParamId> = ps.iter().map(|p| p.id).collect();
+        let mut host = Vec::with_capacity(layout.len());
+        for t in &layout {
+            host.push(vec![0.0f32; t.len()?]);
+        }
+        let wanted = vec![true; ids.len()];
+        read::<B, M>(module, &ids, &wanted, &mut host)?;
+        let views: Vec<&[f32]> = host.iter().map(Vec::as_slice).collect();
+        let outer = OuterSync::new(&layout, &views, transport, opts)?;
+        let fragments = outer.fragments();
+        Ok(DiLoCo {
+            outer,
+            ids,
+            host,
+            fragments,
+            last: None,
+            bytes_sent: 0,
+        })
+    }
+
+    /// After an optimizer step: at a fragment's formation step its parameters are read
+    /// and its all-reduce started; at its sync point the outer step is taken and its
+    /// parameters replaced in the returned module. Other steps touch nothing.
+    pub fn step<B: AutodiffBackend, M: AutodiffModule<B>>(&mut self, module: M) -> Result<M> {
+        let due = self.outer.due();
+        let n = self.ids.len();
+        if due.is_empty() {
+            let mut none: Vec<&mut [f32]> = (0..n).map(|_| <&mut [f32]>::default()).collect();
+            self.last = Some(self.outer.step(&mut none)?);
+            return Ok(module);
+        }
+        let mut read_set = vec![false; n];
+        let mut write_set = vec![false; n];
+        for &f in &due.send {
+            self.fragments[f].iter().for_each(|&t| read_set[t] = true);
+        }
+        for &f in &due.apply {
+            self.fragments[f].iter().for_each(|&t| {
+                read_set[t] = true;
+                write_set[t] = true;
+            });
+        }
+        read::<B, M>(&module, &self.ids, &read_set, &mut self.host)?;
+        let mut views: Vec<&mut [f32]> = self.host.iter_mut().map(Vec::as_mut_slice).collect();
+        let stats = self.outer.step(&mut views)?;
+        self.bytes_sent += stats.bytes_sent;
+        self.last = Some(stats);
+        let mut put = Put {
+            wanted: &write_set,
+            host: &self.host,
+            next: 0,
+        };
+        Ok(module.map(&mut put))
+    }
+
+    /// What the last step did.
+    pub fn last_stats(&self) -> Option<OuterStats> {
+        self.last
+    }
+
+    /// Bytes sent for outer steps so far (by this synchroniser; not saved).
+    pub fn bytes_sent(&self) -> u64 {
+        self.bytes_sent
+    }
+
+    /// Inner steps so far.
+    pub fn inner_step(&self) -> u64 {
+        self.outer.inner_step()
+    }
+
+    /// The outer copy of parameter `i` (in visiting order).
+    pub fn outer(&self, i: usize) -> Result<&[f32]> {
+        Ok(self.outer.outer(i)?)
+    }
+
+    /// The synchroniser's state as a checkpoint blob (see [`OuterSync::save`]), to
+    /// keep beside the model's and the optimizer's records.
+    pub fn save(&mut self) -> Result<Vec<u8>> {
+        Ok(self.outer.save()?)
+    }
+
+    /// Restore a blob of [`DiLoCo::save`] from a synchroniser of the same model and
+    /// options; with the model and optimizer of the same step, training continues bit
+    /// for bit.
+    pub fn restore(&mut self, blob: &[u8]) -> Result<()> {
+        Ok(self.outer.restore(blob)?)
+    }
+}
+
+fn read<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    ids: &[ParamId],
+    wanted: &[bool],
+    host: &mut [Vec<f32>],
+) -> Result<()> {
+    let mut r = Read {
+        ids,
+        wanted,
+        host,
+        next: 0,
+        error: None,
+    };
+    module.visit::<Read>(&mut r);
+    if let Some(e) = r.error {
+        return Err(e);
+    }
+    if r.next != ids.len() {
+        return Err(Error::Layout(format!(
+            "the module has {} float parameters, this DiLoCo {}",
+            r.next,
+            ids.len()
+        )));
+    }
+    Ok(())
 }

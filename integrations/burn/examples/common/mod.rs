@@ -17,7 +17,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use gradpack::collective::Transport;
 use gradpack::sync::SyncOptions;
-use gradpack_burn::GradSync;
+use gradpack_burn::{DiLoCo, GradSync, OuterOptions};
 
 /// The backend: burn's CPU backend with autodiff.
 pub type TB = Autodiff<NdArray<f32>>;
@@ -194,6 +194,36 @@ fn hash(bits: &[u32]) -> u64 {
     })
 }
 
+/// Step `step`'s global batch, from a hash of the step: `rank`'s share of it.
+fn batch(
+    d: &Digits,
+    step: usize,
+    rank: usize,
+    world: usize,
+    batch: usize,
+) -> (Tensor<TB, 2>, Tensor<TB, 1, Int>) {
+    let device = Default::default();
+    let n = d.train_y.len();
+    let idx: Vec<usize> = (0..batch * world)
+        .map(|j| {
+            let h = (step as u64 * 0x9e37_79b9_7f4a_7c15 + j as u64)
+                .wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            ((h ^ (h >> 31)) % n as u64) as usize
+        })
+        .skip(rank * batch)
+        .take(batch)
+        .collect();
+    let xs: Vec<f32> = idx
+        .iter()
+        .flat_map(|&i| d.train_x[64 * i..64 * i + 64].iter().copied())
+        .collect();
+    let ys: Vec<i64> = idx.iter().map(|&i| d.train_y[i]).collect();
+    (
+        Tensor::<TB, 2>::from_data(TensorData::new(xs, [batch, 64]), &device),
+        Tensor::<TB, 1, Int>::from_data(TensorData::new(ys, [batch]), &device),
+    )
+}
+
 /// Train on `rank`'s share of every batch up to step `cfg.steps`, syncing gradients over
 /// `transport`; from step 0, or from `resume`.
 pub fn worker<T: Transport + Send + 'static>(
@@ -228,28 +258,11 @@ pub fn worker<T: Transport + Send + 'static>(
     }
     let first = resume.map_or(0, |c| c.step);
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
-    let n = d.train_y.len();
     let (mut losses, mut hashes) = (Vec::new(), Vec::new());
     let mut bytes = 0;
     let start = Instant::now();
     for step in first..cfg.steps {
-        // The global batch of this step, from a hash of the step; this rank's share of it.
-        let idx: Vec<usize> = (0..cfg.batch * world)
-            .map(|j| {
-                let h = (step as u64 * 0x9e37_79b9_7f4a_7c15 + j as u64)
-                    .wrapping_mul(0xbf58_476d_1ce4_e5b9);
-                ((h ^ (h >> 31)) % n as u64) as usize
-            })
-            .skip(rank * cfg.batch)
-            .take(cfg.batch)
-            .collect();
-        let xs: Vec<f32> = idx
-            .iter()
-            .flat_map(|&i| d.train_x[64 * i..64 * i + 64].iter().copied())
-            .collect();
-        let ys: Vec<i64> = idx.iter().map(|&i| d.train_y[i]).collect();
-        let x = Tensor::<TB, 2>::from_data(TensorData::new(xs, [cfg.batch, 64]), &device);
-        let y = Tensor::<TB, 1, Int>::from_data(TensorData::new(ys, [cfg.batch]), &device);
+        let (x, y) = batch(d, step, rank, world, cfg.batch);
         let loss = loss_fn.forward(model.forward(x), y);
         losses.push(loss.clone().into_scalar());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
@@ -288,6 +301,77 @@ pub fn worker<T: Transport + Send + 'static>(
             })
             .map(|b| b.elements)
             .sum(),
+        checkpoint,
+    })
+}
+
+/// As [`worker`], with no gradient sync: each worker trains alone and [`DiLoCo`] syncs
+/// the outer parameters by `opts`. The result's `compressed_elements` is 0.
+pub fn diloco_worker<T: Transport + Send + 'static>(
+    transport: T,
+    rank: usize,
+    world: usize,
+    d: &Digits,
+    cfg: &RunConfig,
+    opts: OuterOptions,
+    resume: Option<&Checkpoint>,
+) -> gradpack_burn::Result<WorkerResult> {
+    let device = Default::default();
+    let mut model = model(cfg.hidden, cfg.seed);
+    let mut optim = SgdConfig::new()
+        .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
+        .init::<TB, Mlp<TB>>();
+    if let Some(c) = resume {
+        model = model.load_record(
+            Rec::default()
+                .load(c.model.clone(), &device)
+                .map_err(record_err)?,
+        );
+        optim = optim.load_record(
+            Rec::default()
+                .load(c.optim.clone(), &device)
+                .map_err(record_err)?,
+        );
+    }
+    let mut diloco = DiLoCo::new(&model, transport, opts)?;
+    if let Some(blob) = resume.and_then(|c| c.sync.as_ref()) {
+        diloco.restore(blob)?;
+    }
+    let first = resume.map_or(0, |c| c.step);
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    let (mut losses, mut hashes) = (Vec::new(), Vec::new());
+    let start = Instant::now();
+    for step in first..cfg.steps {
+        let (x, y) = batch(d, step, rank, world, cfg.batch);
+        let loss = loss_fn.forward(model.forward(x), y);
+        losses.push(loss.clone().into_scalar());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(cfg.lr, model, grads);
+        model = diloco.step(model)?;
+        hashes.push(hash(&param_bits(&model)));
+    }
+    let step_s = start.elapsed().as_secs_f64() / cfg.steps.saturating_sub(first).max(1) as f64;
+    let checkpoint = if cfg.checkpoint {
+        Some(Checkpoint {
+            step: cfg.steps,
+            model: Rec::default()
+                .record(model.clone().into_record(), ())
+                .map_err(record_err)?,
+            optim: Rec::default()
+                .record(optim.to_record(), ())
+                .map_err(record_err)?,
+            sync: Some(diloco.save()?),
+        })
+    } else {
+        None
+    };
+    Ok(WorkerResult {
+        losses,
+        param_hashes: hashes,
+        accuracy: accuracy(&model, d),
+        step_s,
+        bytes_sent: diloco.bytes_sent(),
+        compressed_elements: 0,
         checkpoint,
     })
 }
