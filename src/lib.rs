@@ -57,7 +57,8 @@
 //! message to its call so that faults end in errors, never in wrong sums. [`sync`] is the
 //! whole-model engine a training loop embeds: the gradients of many tensors, bucketed,
 //! compressed per a codec policy and all-reduced on a communication thread while the
-//! backward pass goes on, with checkpointable state ([`state`]). [`train`] runs
+//! backward pass goes on, with checkpointable state ([`state`]); [`outer`] is the outer
+//! synchronisation of low-communication training. [`train`] runs
 //! data-parallel SGD through it to show what each codec does to training.
 //!
 //! ## Where to start
@@ -74,6 +75,9 @@
 //!   communication thread, and saves its state with your checkpoints. [`train`] is a
 //!   complete small example. PyTorch (a DDP communication hook) and burn have their own
 //!   packages in the repository, built on the same engine.
+//! - **Low-communication training** (DiLoCo, streaming DiLoCo, SparseLoCo): workers
+//!   train alone and [`outer::OuterSync`] all-reduces their compressed pseudo-gradients
+//!   every `H` steps, in fragments overlapped with training, with an outer optimizer.
 //!
 //! ## Rules the crate keeps
 //! - Scalar kernels ([`unstable::kernels::scalar`]) are the specification; every other path must

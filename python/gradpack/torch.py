@@ -1349,7 +1349,10 @@ class DiLoCo:
       ``local = alpha * local + (1 - alpha) * outer``.
     - ``error_feedback``: a residual per rank for what the codec drops (``None``: on
       for every codec but ``"identity"``). With ``outer_momentum=0`` and ``outer_lr=1``
-      it takes the place of momentum, as in SparseLoCo (``codec="chunktopk"``).
+      it takes the place of momentum, as in SparseLoCo (``codec="chunktopk"``);
+      ``feedback_beta`` decays the residual before each round's pseudo-gradient is
+      added (SparseLoCo's ``beta``, below 1 so that an unsent displacement, sent again
+      every round, does not pile up).
 
     The outer copy, the momentum and the residuals live in host memory (float32). For
     CPU float32 parameters the synchroniser reads and writes the parameters in place;
@@ -1375,6 +1378,7 @@ class DiLoCo:
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         error_feedback: Optional[bool] = None,
+        feedback_beta: float = 1.0,
         strategy: str = "auto",
         bandwidth: Union[float, str] = 10e9,
         latency: Union[float, str] = 10e-6,
@@ -1452,6 +1456,7 @@ class DiLoCo:
             nesterov=nesterov,
             codec=codec,
             feedback="worker" if error_feedback else "none",
+            beta=feedback_beta,
             strategy=strategy,
             pieces=pieces,
             seed=seed,
