@@ -365,6 +365,116 @@ pub fn best_strategy(
         })
 }
 
+/// A cluster of nodes with two kinds of link: between the ranks of a node (shared memory,
+/// NVLink, a local switch) and between nodes. Each node reaches the others through one
+/// uplink of `inter_bandwidth_bit_s`, which the streams of its ranks share.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TwoLevel {
+    /// Number of nodes (>= 1).
+    pub nodes: u32,
+    /// Ranks per node (the largest node's, for nodes of unequal size; >= 1).
+    pub per_node: u32,
+    /// Bandwidth between two ranks of a node, bit/s.
+    pub intra_bandwidth_bit_s: f64,
+    /// Latency per message inside a node, seconds.
+    pub intra_latency_s: f64,
+    /// Bandwidth of a node's uplink, bit/s.
+    pub inter_bandwidth_bit_s: f64,
+    /// Latency per message between nodes, seconds.
+    pub inter_latency_s: f64,
+}
+
+impl TwoLevel {
+    /// Ranks in all.
+    pub fn ranks(&self) -> u32 {
+        self.nodes.saturating_mul(self.per_node)
+    }
+}
+
+/// The time of a flat all-reduce (every rank a peer of the ring, ranks of a node next to
+/// each other) by `strategy` with codec `c` on a [`TwoLevel`] cluster: the ring moves in
+/// lock-step hops, and each hop waits for the edges that cross between nodes (one per
+/// node and direction, so each on an uplink of its own), so the whole runs at the
+/// uplinks' bandwidth and latency.
+pub fn flat_time(
+    strategy: Strategy,
+    c: &CodecProfile,
+    two: &TwoLevel,
+    elements: f64,
+    reduce_bytes_per_s: f64,
+) -> f64 {
+    let (bw, lat) = if two.nodes > 1 {
+        (two.inter_bandwidth_bit_s, two.inter_latency_s)
+    } else {
+        (two.intra_bandwidth_bit_s, two.intra_latency_s)
+    };
+    allreduce_cost(strategy, c, two.ranks(), lat, elements, reduce_bytes_per_s).time(bw)
+}
+
+/// The time of the two-level all-reduce ([`crate::collective::Hierarchical`]) of
+/// `elements` values: a reduce-scatter inside each node in `node_bits` bits per element
+/// (32 for f32, 16 for bf16), `per_node` streams between nodes, each an all-reduce of a
+/// `1/per_node` shard by `strategy` with codec `c` among the nodes, sharing the node's
+/// uplink, then an all-gather inside the node.
+pub fn hierarchical_time(
+    strategy: Strategy,
+    c: &CodecProfile,
+    two: &TwoLevel,
+    elements: f64,
+    node_bits: f64,
+    reduce_bytes_per_s: f64,
+) -> f64 {
+    let l = two.per_node.max(1) as f64;
+    let shard = elements / l;
+    let node_bytes = shard * node_bits / 8.0;
+    // Each rank sends l - 1 shards and receives as many (full duplex), then sums them.
+    let inside =
+        2.0 * (l - 1.0) * (two.intra_latency_s + node_bytes * 8.0 / two.intra_bandwidth_bit_s)
+            + (l - 1.0) * shard * 4.0 / reduce_bytes_per_s;
+    let between = if two.nodes > 1 {
+        let one = allreduce_cost(
+            strategy,
+            c,
+            two.nodes,
+            two.inter_latency_s,
+            shard,
+            reduce_bytes_per_s,
+        );
+        one.fixed + l * one.bytes * 8.0 / two.inter_bandwidth_bit_s
+    } else {
+        0.0
+    };
+    inside + between
+}
+
+/// Whether to go by node: the fastest of the flat all-reduce and the two-level one
+/// (node codec f32), each by the faster of ring and all-gather for codec `c` (fp32 ring
+/// for an fp32 profile of 32 bits per element). Returns `(hierarchical, strategy,
+/// seconds)`.
+pub fn best_two_level(
+    c: &CodecProfile,
+    two: &TwoLevel,
+    elements: f64,
+    reduce_bytes_per_s: f64,
+) -> (bool, Strategy, f64) {
+    let strategies: &[Strategy] = if c.bits_per_element >= 32.0 {
+        &[Strategy::Fp32Ring]
+    } else {
+        &COMPRESSED
+    };
+    let mut best = (false, strategies[0], f64::INFINITY);
+    for &s in strategies {
+        let flat = flat_time(s, c, two, elements, reduce_bytes_per_s);
+        let hier = hierarchical_time(s, c, two, elements, 32.0, reduce_bytes_per_s);
+        for (h, t) in [(false, flat), (true, hier)] {
+            if t < best.2 {
+                best = (h, s, t);
+            }
+        }
+    }
+    best
+}
+
 /// The break-even link bandwidth (bit/s): below it, codec `c` (best strategy) all-reduces
 /// faster than a plain fp32 ring; above it, compression costs more than it saves.
 /// `f64::INFINITY` if the codec wins at every bandwidth, `0.0` if it never wins.

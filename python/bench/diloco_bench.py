@@ -44,6 +44,9 @@ sys.path.insert(0, HERE)
 import ddp_bench  # noqa: E402  (the emulated cluster)
 
 CONTEXT, WIDTH, LAYERS, HEADS, BATCH, LR = 64, 128, 2, 4, 16, 2e-3
+# The outer optimizer of every configuration that does not set its own (None: DiLoCo's
+# 0.7 and 0.9).
+OUTER = {"lr": None, "momentum": None}
 
 # name: (description, DiLoCo arguments or None for DDP / no communication)
 CONFIGS = {
@@ -135,7 +138,12 @@ def rank_main(a):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     diloco = None
     if diloco_args is not None:
-        diloco = gpt.DiLoCo(net, opt, **diloco_args)
+        args = dict(diloco_args)
+        if a.outer_lr is not None and "outer_lr" not in args:
+            args["outer_lr"] = a.outer_lr
+        if a.outer_momentum is not None and "outer_momentum" not in args:
+            args["outer_momentum"] = a.outer_momentum
+        diloco = gpt.DiLoCo(net, opt, **args)
 
     def sent():
         if diloco is not None:
@@ -198,6 +206,9 @@ def run_one(names, world, cfg, steps, eval_every, timeout=900):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--rank", str(r),
                "--world", str(world), "--addr", addr, "--port", str(port), "--config", cfg,
                "--steps", str(steps), "--eval-every", str(eval_every), "--out", out]
+        for flag, v in (("--outer-lr", OUTER["lr"]), ("--outer-momentum", OUTER["momentum"])):
+            if v is not None:
+                cmd += [flag, str(v)]
         if names:
             cmd += ["--netns", names[r]]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -303,6 +314,7 @@ def driver(a):
     import gradpack
 
     ddp_bench.NETLINK["tool"] = ddp_bench.netlink_tool(a.netlink)
+    OUTER.update(lr=a.outer_lr, momentum=a.outer_momentum)
     configs = a.configs.split(",")
     for c in configs:
         if c not in CONFIGS:
@@ -311,7 +323,8 @@ def driver(a):
     meta = {"date": time.strftime("%Y-%m-%d"), "cpu": ddp_bench.cpu_name(),
             "cores": os.cpu_count(), "torch": torch.__version__,
             "gradpack_backend": gradpack.backend(), "world": a.world, "steps": a.steps,
-            "time_steps": a.time_steps, "netlink": ddp_bench.NETLINK["tool"]}
+            "time_steps": a.time_steps, "netlink": ddp_bench.NETLINK["tool"],
+            "outer_lr": a.outer_lr, "outer_momentum": a.outer_momentum}
     print(f"# DiLoCo benchmark, {meta['date']}: {meta['cpu']}, {meta['cores']} cores, "
           f"{a.world} ranks, torch {meta['torch']}, gradpack backend {meta['gradpack_backend']}",
           flush=True)
@@ -352,6 +365,10 @@ def main():
     ap.add_argument("--out", default="diloco_bench.json")
     ap.add_argument("--plot", default="diloco_bench.svg")
     ap.add_argument("--netlink", choices=["auto", "iproute2", "pyroute2"], default="auto")
+    ap.add_argument("--outer-lr", type=float, default=None,
+                    help="outer learning rate of the configurations that do not set one")
+    ap.add_argument("--outer-momentum", type=float, default=None,
+                    help="outer Nesterov momentum of the configurations that do not set one")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--netns", default="", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)

@@ -42,6 +42,7 @@ __all__ = [
     "HEADER_LEN",
     "AllReduce",
     "Codec",
+    "Hierarchical",
     "OuterSync",
     "CodecProfile",
     "Error",
@@ -535,6 +536,87 @@ class AllReduce:
 
     def __repr__(self) -> str:
         return repr(self._ar)
+
+
+class Hierarchical:
+    """gradpack's two-level all-reduce (the Rust crate's
+    ``gradpack::collective::Hierarchical``) of one tensor of ``length`` elements on rank
+    ``rank`` of ``world``, over the same two message callables as :class:`AllReduce`.
+
+    ``nodes`` gives the node of every rank (``0 .. N``). Inside a node the ranks
+    reduce-scatter the tensor in float32 (``node_codec="bf16"`` or ``"fp16"`` to halve
+    it), each node's ranks then all-reduce their shards between nodes with ``codec``
+    (``strategy``, ``feedback``, ``pieces`` as for :class:`AllReduce`; error feedback on
+    this leg only), side by side, and all-gather the result inside the node. Every rank
+    ends with the same bits; nodes may differ in size.
+    """
+
+    __slots__ = ("_h",)
+
+    def __init__(
+        self,
+        codec: Union[str, Codec],
+        length: int,
+        rank: int,
+        world: int,
+        send: Callable[[bytearray, int], Any],
+        recv: Callable[[int], Any],
+        nodes: Sequence[int],
+        *,
+        node_codec: Union[str, Codec] = "identity",
+        strategy: str = "auto",
+        op: str = "mean",
+        feedback: str = "none",
+        pieces: int = 1,
+        checksum: bool = True,
+        tag: int = 0,
+        bandwidth: float = 10e9,
+        latency: float = 10e-6,
+        beta: float = 1.0,
+        gamma: float = 1.0,
+        residual: str = "f32",
+        allow_non_contractive: bool = False,
+    ) -> None:
+        self._h = _native.Hierarchical(
+            _codec(codec), length, rank, world, send, recv, [int(k) for k in nodes],
+            node_codec=_codec(node_codec), strategy=strategy, op=op, feedback=feedback,
+            pieces=pieces, checksum=checksum, tag=tag, bandwidth=bandwidth, latency=latency,
+            beta=beta, gamma=gamma, residual=residual,
+            allow_non_contractive=allow_non_contractive,
+        )
+
+    def run(self, x: ArrayLike, out: Optional[ArrayLike] = None, seed: int = 0) -> Dict[str, Any]:
+        """All-reduce ``x`` into ``out``, or in place when ``out`` is None; as
+        :meth:`AllReduce.run`."""
+        if out is None:
+            return self._h.run(_f32(x, "x"), None, _u64(seed, "seed"))
+        return self._h.run(_f32(x, "x"), _f32(out, "out"), _u64(seed, "seed"))
+
+    @property
+    def strategy(self) -> str:
+        """The strategy between nodes."""
+        return self._h.strategy
+
+    @property
+    def codec(self) -> Codec:
+        """The codec between nodes."""
+        c = Codec.__new__(Codec)
+        c._c = self._h.codec
+        return c
+
+    def __len__(self) -> int:
+        return len(self._h)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The residuals of the streams between nodes."""
+        return self._h.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`."""
+        self._h.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return repr(self._h)
 
 
 class OuterSync:

@@ -90,7 +90,9 @@ over gloo.
 """
 
 import datetime
+import os
 import queue
+import socket
 import sys
 import time
 import zlib
@@ -148,7 +150,14 @@ class GradpackState:
             ``"auto"``; default ``"int8"`` (``"identity"`` with ``powersgd``).
         error_feedback: ``True``, ``False``, or ``None`` for on exactly when the codec
             is one of :data:`BIASED_NEED_FEEDBACK` (top-k, chunked top-k, sign).
-        strategy: ``"allgather"`` or ``"ring"`` (see the module docs).
+        strategy: ``"allgather"``, ``"ring"`` or ``"hierarchical"`` (see the module
+            docs).
+        nodes: ``strategy="hierarchical"``: the node of every rank of the process
+            group (a list of node numbers, ``0 .. N``). Default: ranks share a node when
+            their ``GROUP_RANK`` (set by torchrun: the node's rank) or, without it,
+            their host names are equal.
+        node_codec: ``strategy="hierarchical"``: the codec inside a node,
+            ``"identity"`` (float32, the default), ``"bf16"`` or ``"fp16"``.
         min_compress_elements: parameters with fewer elements go as float32.
         seed: the base of every stochastic draw.
         checksum: seal frames with a CRC-32 that receivers verify.
@@ -212,6 +221,8 @@ class GradpackState:
         trials: int = 2,
         trial_steps: int = 2,
         print_plan: bool = True,
+        nodes: Optional[Sequence[int]] = None,
+        node_codec: str = "identity",
     ) -> None:
         if codec is None:
             codec = "identity" if powersgd is not None else "int8"
@@ -226,8 +237,13 @@ class GradpackState:
                 "powersgd with codec='auto' is not supported: give the codec of the tensors "
                 "PowerSGD does not take (default float32)"
             )
-        if strategy not in (None, "allgather", "ring"):
-            raise ValueError(f"strategy {strategy!r}: use 'allgather' or 'ring'")
+        if strategy not in (None, "allgather", "ring", "hierarchical"):
+            raise ValueError(f"strategy {strategy!r}: use 'allgather', 'ring' or 'hierarchical'")
+        if strategy == "hierarchical" and self._auto:
+            raise ValueError("strategy='hierarchical' needs a codec: codec='auto' chooses "
+                             "between 'allgather' and 'ring'")
+        self._nodes = None if nodes is None else [int(k) for k in nodes]
+        self.node_codec = str(node_codec)
         for name, v in (("trials", trials), ("trial_steps", trial_steps)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, not {v!r}")
@@ -302,6 +318,8 @@ class GradpackState:
             self.candidates = [self.codec]
         if dist.is_available() and dist.is_initialized():
             self._comm_group()
+            if strategy == "hierarchical":
+                self.node_map()
 
     # ------------------------------------------------------------------ policy
 
@@ -734,7 +752,7 @@ class GradpackState:
         codecs = [self._layout_codec(base, e) for e in layout]
         low_rank = self._low_rank_of(layout, step)
         ring = None
-        if cfg[1] == "ring":
+        if cfg[1] in ("ring", "hierarchical"):
             assert base is not None
             ring = self._param_codec(base, buf.numel(), 2, None)  # the whole bucket's codec
         plain = not low_rank and (
@@ -753,7 +771,7 @@ class GradpackState:
             dist.all_reduce(flat, group=self._comm_group())
             flat.div_(world)
         elif ring is not None:
-            self._ring(flat, layout, ring, index, step, world)
+            self._ring(flat, layout, ring, index, step, world, cfg[1] == "hierarchical")
         else:
             self._allgather(flat, layout, codecs, index, step, world)
         self._from_host(buf, host)
@@ -1120,30 +1138,48 @@ class GradpackState:
         if any(c is not None for c in rest):
             self._allgather(flat, layout, rest, index, step, world)
 
+    def node_map(self) -> List[int]:
+        """The node of every rank of the process group, for ``strategy="hierarchical"``
+        (the ``nodes`` given, or found once: a collective of the group)."""
+        if self._nodes is None:
+            key = os.environ.get("GROUP_RANK") or socket.gethostname()
+            keys: List[Any] = [None] * self._world()
+            dist.all_gather_object(keys, key, group=self._comm_group())
+            order: Dict[Any, int] = {}
+            self._nodes = [order.setdefault(k, len(order)) for k in keys]
+        if len(self._nodes) != self._world():
+            raise ValueError(f"nodes lists {len(self._nodes)} ranks; the group has {self._world()}")
+        return self._nodes
+
     def _ring(
-        self, flat: torch.Tensor, layout: List[Any], codec: Codec, index: int, step: int, world: int
+        self, flat: torch.Tensor, layout: List[Any], codec: Codec, index: int, step: int,
+        world: int, hierarchical: bool = False,
     ) -> None:
-        """The crate's compressed ring (:class:`gradpack.AllReduce`) on the whole bucket,
-        its messages sent point to point on the process group. One all-reduce, with
-        its residuals, per bucket layout (DDP regroups its buckets once, after the first
-        step: the residuals of the first layout are then dropped)."""
+        """The crate's compressed ring (:class:`gradpack.AllReduce`), or its two-level
+        all-reduce (:class:`gradpack.Hierarchical`), on the whole bucket, its messages
+        sent point to point on the process group. One all-reduce, with its residuals,
+        per bucket layout (DDP regroups its buckets once, after the first step: the
+        residuals of the first layout are then dropped)."""
         names = ",".join(e[0] for e in layout)
-        key = (names, flat.numel(), str(codec))
+        key = (names, flat.numel(), str(codec), hierarchical)
         ar = self._rings.get(key)
         if ar is None:
-            ar = gradpack.AllReduce(
-                codec,
-                flat.numel(),
-                self._rank(),
-                world,
-                self._p2p.send,
-                self._p2p.recv,
-                strategy="ring",
+            common = dict(
                 feedback="worker+owner" if self._wants_ef(codec) else "none",
                 pieces=self.pieces,
                 checksum=self.checksum,
                 tag=index & 0xFFFFFFFF,
             )
+            if hierarchical:
+                ar = gradpack.Hierarchical(
+                    codec, flat.numel(), self._rank(), world, self._p2p.send, self._p2p.recv,
+                    nodes=self.node_map(), node_codec=self.node_codec, **common,
+                )
+            else:
+                ar = gradpack.AllReduce(
+                    codec, flat.numel(), self._rank(), world, self._p2p.send, self._p2p.recv,
+                    strategy="ring", **common,
+                )
             saved = self._ring_restored.pop(names, None)
             if saved is not None:
                 ar.load_state_dict(saved)

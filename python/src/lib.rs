@@ -8,7 +8,8 @@
 //! the `gradpack.Error` exception (a `ValueError`) with the crate's own message.
 
 use gradpack::collective::{
-    AllReduce, AllReduceOptions, Comm, Feedback, ReduceOp, StrategyChoice, Transport,
+    AllReduce, AllReduceOptions, Comm, Feedback, Hierarchical, Nodes, ReduceOp, StrategyChoice,
+    Transport,
 };
 use gradpack::cost::{self, CodecProfile, Strategy};
 use gradpack::outer::{OuterOptions, OuterSync};
@@ -1645,6 +1646,176 @@ impl PyOuterSync {
     }
 }
 
+const HIER_FORMAT: &str = "gradpack.Hierarchical/1";
+
+/// gradpack's two-level all-reduce (the crate's `gradpack::collective::Hierarchical`)
+/// over messages that two Python callables move, as for `AllReduce`.
+#[pyclass(module = "gradpack", name = "Hierarchical")]
+struct PyHierarchical {
+    inner: Hierarchical,
+    comm: Comm<PyTransport>,
+}
+
+#[pymethods]
+impl PyHierarchical {
+    #[new]
+    #[pyo3(signature = (
+        codec, length, rank, world, send, recv, nodes, *, node_codec=None, strategy="auto",
+        op="mean", feedback="none", pieces=1, checksum=true, tag=0, bandwidth=10e9,
+        latency=10e-6, beta=1.0, gamma=1.0, residual="f32", allow_non_contractive=false,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        codec: &Bound<'_, PyAny>,
+        length: usize,
+        rank: usize,
+        world: usize,
+        send: Py<PyAny>,
+        recv: Py<PyAny>,
+        nodes: Vec<usize>,
+        node_codec: Option<&Bound<'_, PyAny>>,
+        strategy: &str,
+        op: &str,
+        feedback: &str,
+        pieces: usize,
+        checksum: bool,
+        tag: u32,
+        bandwidth: f64,
+        latency: f64,
+        beta: f32,
+        gamma: f32,
+        residual: &str,
+        allow_non_contractive: bool,
+    ) -> PyResult<Self> {
+        for (what, f) in [("send", &send), ("recv", &recv)] {
+            if !f.bind(py).is_callable() {
+                return Err(PyTypeError::new_err(format!("{what} must be callable")));
+            }
+        }
+        let nodes = Nodes::new(nodes).map_err(err)?;
+        let opts = AllReduceOptions {
+            op: match op {
+                "mean" => ReduceOp::Mean,
+                "sum" => ReduceOp::Sum,
+                _ => return Err(PyValueError::new_err(format!("op {op:?}: 'mean' or 'sum'"))),
+            },
+            strategy: strategy_choice(strategy, nodes.count(), bandwidth, latency)?,
+            feedback: feedback_of(feedback)?,
+            feedback_options: FeedbackOptions {
+                beta,
+                gamma,
+                precision: precision(residual)?,
+                allow_non_contractive,
+            },
+            checksum,
+            tag,
+            pieces: pieces.max(1),
+        };
+        let t = PyTransport {
+            rank,
+            size: world,
+            send,
+            recv,
+        };
+        let node_codec = match node_codec {
+            Some(c) => spec_of(c)?,
+            None => CodecSpec::Identity(gradpack::Identity),
+        };
+        let inner =
+            Hierarchical::new(spec_of(codec)?, node_codec, length, &t, nodes, opts).map_err(err)?;
+        Ok(PyHierarchical {
+            inner,
+            comm: Comm::new(t),
+        })
+    }
+
+    /// One all-reduce of `x` into `out`, or in place when `out` is None (as
+    /// `AllReduce.run`).
+    #[pyo3(signature = (x, out=None, seed=0))]
+    fn run<'py>(
+        &mut self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+        seed: u64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let (h, comm) = (&mut self.inner, &mut self.comm);
+        let stats = match out {
+            Some(out) => {
+                let a = f32_in(x, "x")?;
+                let xs = slice_in(&a)?;
+                let mut o = f32_out(out, "out")?;
+                let os = slice_out(&mut o)?;
+                py.detach(|| h.run(comm, xs, os, seed))
+            }
+            None => {
+                let mut o = f32_out(x, "x")?;
+                let os = slice_out(&mut o)?;
+                let copy = os.to_vec();
+                py.detach(|| h.run(comm, &copy, os, seed))
+            }
+        }
+        .map_err(err)?;
+        let d = PyDict::new(py);
+        d.set_item("strategy", stats.strategy.name())?;
+        d.set_item("bytes_sent", stats.bytes_sent)?;
+        d.set_item("messages", stats.messages)?;
+        Ok(d)
+    }
+
+    /// The strategy of the streams between nodes.
+    #[getter]
+    fn strategy(&self) -> &'static str {
+        self.inner.strategy().name()
+    }
+
+    /// The codec between nodes.
+    #[getter]
+    fn codec(&self) -> PyCodec {
+        PyCodec {
+            spec: self.inner.codec(),
+        }
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// The residuals of the streams between nodes.
+    fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("format", HIER_FORMAT)?;
+        let blobs: Vec<Bound<'py, PyBytes>> =
+            self.inner.save().iter().map(|b| PyBytes::new(py, b)).collect();
+        d.set_item("streams", blobs)?;
+        Ok(d)
+    }
+
+    /// Restore a `state_dict`.
+    fn load_state_dict(&mut self, state: &Bound<'_, PyAny>) -> PyResult<()> {
+        let format: String = state_item(state, "Hierarchical", "format")?.extract()?;
+        if format != HIER_FORMAT {
+            return Err(PyValueError::new_err(format!(
+                "Hierarchical state format {format:?}, expected {HIER_FORMAT:?}"
+            )));
+        }
+        let blobs: Vec<Vec<u8>> = state_item(state, "Hierarchical", "streams")?.extract()?;
+        self.inner.restore(&blobs).map_err(err)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Hierarchical(length={}, nodes={}, strategy='{}', rank={} of {})",
+            self.inner.len(),
+            self.inner.nodes().count(),
+            self.inner.strategy().name(),
+            self.comm.rank(),
+            self.comm.size()
+        )
+    }
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("Error", m.py().get_type::<Error>())?;
@@ -1662,6 +1833,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reduce_frames, m)?)?;
     m.add_class::<PyAllReduce>()?;
     m.add_class::<PyOuterSync>()?;
+    m.add_class::<PyHierarchical>()?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
     m.add_function(wrap_pyfunction!(frame_len, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate, m)?)?;

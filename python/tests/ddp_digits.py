@@ -32,6 +32,10 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "int8-ring": {"codec": "int8", "strategy": "ring"},
     # The crate's ring with worker + owner error feedback and two pieces per chunk.
     "int8-ef-ring": {"codec": "int8", "strategy": "ring", "error_feedback": True, "pieces": 2},
+    # Two-level: float32 inside nodes of ranks {0, 1} and {2, ...}, int8 with error
+    # feedback between them (unequal nodes with 3 ranks).
+    "int8-hier": {"codec": "int8", "strategy": "hierarchical", "error_feedback": True,
+                  "extra": {"nodes": "pairs"}},
     # Every weight matrix as rank-2 factors, biases in float32 (PyTorch's PowerSGD hook).
     "powersgd2": {"powersgd": 2},
     # The 10 x 256 output layer compresses under 6 times at rank 2, so it goes with the
@@ -112,6 +116,9 @@ def make(cfg: Dict[str, Any], seed: int, init: int = -1, device: str = "cpu"):
     ids = [torch.device(device).index or 0] if device.startswith("cuda") else None
     net = DDP(net, device_ids=ids, bucket_cap_mb=0.1, **cfg.get("ddp", {}))
     state = None
+    extra = dict(cfg.get("extra", {}))
+    if extra.get("nodes") == "pairs":
+        extra["nodes"] = [min(r // 2, 1) for r in range(dist.get_world_size())]
     if cfg.get("codec") or cfg.get("powersgd"):
         state = gpt.GradpackState(
             codec=cfg.get("codec"),
@@ -123,7 +130,7 @@ def make(cfg: Dict[str, Any], seed: int, init: int = -1, device: str = "cpu"):
             min_compress_elements=1024,
             seed=seed,
             model=net,
-            **cfg.get("extra", {}),
+            **extra,
         )
         net.register_comm_hook(state, gpt.gradpack_hook)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)

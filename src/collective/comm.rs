@@ -10,7 +10,7 @@
 //! | 16..20 | tag: which collective ([`super::AllReduceOptions::tag`], e.g. a bucket index) |
 //! | 20..24 | hop: the message's index among those the call sends from sender to receiver |
 //! | 24..28 | chunk: the chunk the frame carries (ring), or the rank whose frame it is (all-gather) |
-//! | 28 | phase: 0 reduce-scatter, 1 ring all-gather, 2 frame all-gather |
+//! | 28 | phase: 0 reduce-scatter, 1 ring all-gather, 2 frame all-gather, 3 and 4 the reduce-scatter and all-gather inside a node ([`super::hier`]) |
 //! | 29 | version of the envelope: 2 |
 //! | 30..32 | zero |
 //! | 32..36 | CRC-32C of bytes 0..32 followed by the frame (every byte after the envelope) |
@@ -61,6 +61,8 @@ pub(crate) enum Phase {
     ReduceScatter = 0,
     RingAllGather = 1,
     FrameAllGather = 2,
+    NodeReduceScatter = 3,
+    NodeAllGather = 4,
 }
 
 impl Phase {
@@ -69,6 +71,8 @@ impl Phase {
             Phase::ReduceScatter => "reduce-scatter",
             Phase::RingAllGather => "all-gather",
             Phase::FrameAllGather => "frame all-gather",
+            Phase::NodeReduceScatter => "reduce-scatter inside the node",
+            Phase::NodeAllGather => "all-gather inside the node",
         }
     }
 }

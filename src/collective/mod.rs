@@ -87,12 +87,14 @@
 //! gradpack's own ranks.
 
 pub mod comm;
+pub mod hier;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 
 pub use comm::{Comm, ENVELOPE_LEN, ENVELOPE_VERSION};
 use comm::{Phase, Place};
+pub use hier::{Hierarchical, Nodes};
 
 use core::ops::Range;
 
@@ -369,8 +371,16 @@ pub struct AllReduce {
     opts: AllReduceOptions,
     strategy: Strategy,
     len: usize,
+    /// This rank's position in the ring, and the ring's size.
     rank: usize,
     size: usize,
+    /// The global ranks of the ring's members in ring order (`None`: the whole world,
+    /// position `q` being rank `q`): a group inside a larger world, as the hierarchical
+    /// strategy's streams between nodes are.
+    group: Option<Vec<usize>>,
+    /// Added to every message's hop (streams of one call that share a pair of ranks keep
+    /// their hops apart).
+    hop_base: usize,
     /// Ring: one residual per chunk this rank encodes (`None` for unfed ones).
     /// All-gather and majority: one for the whole tensor at index 0.
     residuals: Vec<Option<ErrorFeedback>>,
@@ -401,13 +411,51 @@ impl AllReduce {
         transport: &T,
         opts: AllReduceOptions,
     ) -> Result<AllReduce> {
-        let codec: CodecSpec = codec.into();
         let (rank, size) = (transport.rank(), transport.size());
         if size == 0 || rank >= size {
             return Err(Error::Collective(format!(
                 "transport reports rank {rank} in a world of {size}"
             )));
         }
+        AllReduce::build(codec.into(), len, rank, size, None, opts)
+    }
+
+    /// The state for all-reducing among the ranks `members` (global ranks, in ring
+    /// order) of a larger world, this rank being `me`; every message's hop is offset by
+    /// `hop_base`. Run with [`AllReduce::run_in`] inside a call of the whole world.
+    pub(crate) fn in_group(
+        codec: CodecSpec,
+        len: usize,
+        members: &[usize],
+        me: usize,
+        hop_base: usize,
+        opts: AllReduceOptions,
+    ) -> Result<AllReduce> {
+        let rank = members.iter().position(|&m| m == me).ok_or_else(|| {
+            Error::Collective(format!(
+                "rank {me} is not a member of the group {members:?}"
+            ))
+        })?;
+        let mut ar = AllReduce::build(
+            codec,
+            len,
+            rank,
+            members.len(),
+            Some(members.to_vec()),
+            opts,
+        )?;
+        ar.hop_base = hop_base;
+        Ok(ar)
+    }
+
+    fn build(
+        codec: CodecSpec,
+        len: usize,
+        rank: usize,
+        size: usize,
+        group: Option<Vec<usize>>,
+        opts: AllReduceOptions,
+    ) -> Result<AllReduce> {
         if u32::try_from(size).is_err() {
             return Err(Error::Collective(format!(
                 "a world of {size} ranks is more than message envelopes can number (2^32 - 1)"
@@ -496,6 +544,8 @@ impl AllReduce {
             len,
             rank,
             size,
+            group,
+            hop_base: 0,
             residuals,
             enc: alloc::filled(
                 max_frame.saturating_add(ENVELOPE_LEN),
@@ -643,8 +693,25 @@ impl AllReduce {
         output: &mut [f32],
         seed: u64,
     ) -> Result<Stats> {
-        let _fp = crate::kernels::Standard::new();
         let call = comm.begin();
+        self.run_in(comm, call, input, output, seed)
+    }
+
+    /// The global rank at ring position `q`.
+    fn global(&self, q: usize) -> usize {
+        self.group.as_ref().map_or(q, |g| g[q])
+    }
+
+    /// [`AllReduce::run`] as part of call `call` (taken by the caller).
+    pub(crate) fn run_in<T: Transport + ?Sized>(
+        &mut self,
+        comm: &mut Comm<T>,
+        call: u64,
+        input: &[f32],
+        output: &mut [f32],
+        seed: u64,
+    ) -> Result<Stats> {
+        let _fp = crate::kernels::Standard::new();
         for (what, got) in [
             ("input and all-reduce length", input.len()),
             ("output and all-reduce length", output.len()),
@@ -657,13 +724,19 @@ impl AllReduce {
                 });
             }
         }
-        if comm.rank() != self.rank || comm.size() != self.size {
+        let fits = match &self.group {
+            None => comm.size() == self.size,
+            Some(g) => g.iter().all(|&m| m < comm.size()),
+        };
+        if comm.rank() != self.global(self.rank) || !fits {
             return Err(Error::Collective(format!(
                 "transport is rank {} of {}, but this all-reduce was built for rank {} of {}",
                 comm.rank(),
                 comm.size(),
-                self.rank,
-                self.size
+                self.global(self.rank),
+                self.group
+                    .as_ref()
+                    .map_or(self.size, |g| g.iter().max().map_or(0, |m| m + 1))
             )));
         }
         let mut step = Step {
@@ -718,8 +791,9 @@ impl AllReduce {
             call,
             tag: self.opts.tag,
             phase,
-            // World sizes fit in u32 (checked by `new`), and so do hop counts 2 (p - 1).
-            hop: hop as u32,
+            // World sizes fit in u32 (checked by `new`), and so do hop counts 2 (p - 1);
+            // hierarchical streams' bases are checked when they are made.
+            hop: (self.hop_base + hop) as u32,
             chunk: chunk as u32,
         }
     }
@@ -733,6 +807,7 @@ impl AllReduce {
     ) -> Result<()> {
         let (n, p, r, k) = (self.len, self.size, self.rank, self.pieces);
         let (right, left) = ((r + 1) % p, (r + p - 1) % p);
+        let (right_g, left_g) = (self.global(right), self.global(left));
         let piece = |c: usize, j: usize| piece_range(n, p, k, c, j);
         let (codec, seed, call) = (self.codec, step.seed, step.call);
         let ctx_of = |q: usize, c: usize, j: usize| {
@@ -751,7 +826,7 @@ impl AllReduce {
                 let len =
                     this.encode(send_c * k + j, &src[piece(send_c, j)], ctx_of(r, send_c, j))?;
                 let to = this.place(call, phase, s * k + j, send_c * k + j);
-                comm.post(&mut this.enc[..len], right, to)?;
+                comm.post(&mut this.enc[..len], right_g, to)?;
                 step.sent(len);
                 Ok::<(), Error>(())
             };
@@ -761,9 +836,9 @@ impl AllReduce {
                     post(self, output, comm, j + 1)?;
                 }
                 let want = self.place(call, phase, s * k + j, recv_c * k + j);
-                comm.expect(&mut self.a, left, want)?;
+                comm.expect(&mut self.a, left_g, want)?;
                 let frame = &self.a[ENVELOPE_LEN..];
-                let bad = |e| peer_error(left, phase, left, e);
+                let bad = |e| peer_error(left_g, phase, left_g, e);
                 let split = check_origin(&codec, frame, &ctx_of(left, recv_c, j)).map_err(bad)?;
                 let acc = &mut output[piece(recv_c, j)];
                 acc.copy_from_slice(&input[piece(recv_c, j)]);
@@ -793,7 +868,7 @@ impl AllReduce {
             let hop = |j: usize| (p - 1 + s) * k + j;
             let mut post = |this: &mut Self, comm: &mut Comm<T>, j: usize| {
                 let to = this.place(call, phase, hop(j), send_c * k + j);
-                comm.post(&mut this.fwd[j], right, to)?;
+                comm.post(&mut this.fwd[j], right_g, to)?;
                 step.sent(this.fwd[j].len());
                 Ok::<(), Error>(())
             };
@@ -803,10 +878,10 @@ impl AllReduce {
                     post(self, comm, j + 1)?;
                 }
                 let want = self.place(call, phase, hop(j), recv_c * k + j);
-                comm.expect(&mut self.next[j], left, want)?;
+                comm.expect(&mut self.next[j], left_g, want)?;
                 let frame = &self.next[j][ENVELOPE_LEN..];
                 // Chunk c's final frames were encoded by its owner, rank c.
-                let bad = |e| peer_error(recv_c, phase, left, e);
+                let bad = |e| peer_error(self.global(recv_c), phase, left_g, e);
                 let split = check_origin(&codec, frame, &ctx_of(recv_c, recv_c, j)).map_err(bad)?;
                 decode_checked::<WRITE>(split, &mut output[piece(recv_c, j)]).map_err(bad)?;
             }
@@ -839,14 +914,27 @@ impl AllReduce {
             );
             let mut got = core::mem::take(&mut self.frames[recv_q]);
             let mut out = core::mem::take(&mut self.frames[send_q]);
-            let res = comm.exchange(&mut out, right, to, &mut got, left, want);
+            let res = comm.exchange(
+                &mut out,
+                self.global(right),
+                to,
+                &mut got,
+                self.global(left),
+                want,
+            );
             step.sent(out.len());
             self.frames[send_q] = out;
             self.frames[recv_q] = got;
             res?;
             let frame = &self.frames[recv_q][ENVELOPE_LEN..];
-            check_origin(&codec, frame, &ctx_of(recv_q))
-                .map_err(|e| peer_error(recv_q, Phase::FrameAllGather, left, e))?;
+            check_origin(&codec, frame, &ctx_of(recv_q)).map_err(|e| {
+                peer_error(
+                    self.global(recv_q),
+                    Phase::FrameAllGather,
+                    self.global(left),
+                    e,
+                )
+            })?;
         }
         Ok(())
     }
@@ -854,7 +942,7 @@ impl AllReduce {
     /// The error for rank `q`'s gathered frame failing to decode with `e`.
     fn blame(&self, q: usize, e: Error) -> Error {
         let left = (self.rank + self.size - 1) % self.size;
-        peer_error(q, Phase::FrameAllGather, left, e)
+        peer_error(self.global(q), Phase::FrameAllGather, self.global(left), e)
     }
 
     /// `output = sum of every rank's decoded frame`, in rank order, in one fused pass
