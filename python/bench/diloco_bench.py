@@ -54,6 +54,11 @@ CONFIGS = {
     "ddp": ("DDP, float32 all-reduce every step (H = 1)", None),
     "h10-fp32": ("DiLoCo H = 10, float32", {"sync_every": 10}),
     "h10-int8": ("DiLoCo H = 10, int8", {"sync_every": 10, "codec": "int8"}),
+    "h20-fp4": ("DiLoCo H = 20, 4-bit float E3M0",
+                {"sync_every": 20, "codec": "fp4:format=e3m0"}),
+    "stream-h20-fp4": ("Streaming DiLoCo H = 20, 4 fragments, delay 1, alpha 0.5, fp4 E3M0",
+                       {"sync_every": 20, "codec": "fp4:format=e3m0", "fragments": 4,
+                        "delay": 1, "alpha": 0.5}),
     "h50-fp32": ("DiLoCo H = 50, float32", {"sync_every": 50}),
     "h50-int8": ("DiLoCo H = 50, int8", {"sync_every": 50, "codec": "int8"}),
     "h50-fp4": ("DiLoCo H = 50, 4-bit float E3M0 (Streaming DiLoCo's)",
@@ -233,8 +238,10 @@ def run_one(names, world, cfg, steps, eval_every, timeout=900):
 
 def plot(results, path):
     """Held-out loss against bytes sent (log scale), one curve per configuration."""
-    curves = [(r["config"], [(max(b, 1.0), l) for _, l, b in r["curve"]])
+    # Points after the first bytes are sent (a log axis has no zero).
+    curves = [(r["config"], [(b, l) for _, l, b in r["curve"] if b > 0])
               for r in results if r.get("curve") and r["config"] != "none"]
+    curves = [(n, c) for n, c in curves if c]
     if not curves:
         return
     W, H, L, R, T, B = 900, 560, 80, 250, 50, 60

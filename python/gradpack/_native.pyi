@@ -88,6 +88,40 @@ class AllReduce:
     def state_dict(self) -> Dict[str, Any]: ...
     def load_state_dict(self, state: Dict[str, Any]) -> None: ...
 
+class Hierarchical:
+    def __init__(
+        self,
+        codec: Union[str, Codec],
+        length: int,
+        rank: int,
+        world: int,
+        send: Callable[[bytearray, int], Any],
+        recv: Callable[[int], Any],
+        nodes: List[int],
+        *,
+        node_codec: Union[str, Codec, None] = None,
+        strategy: str = "auto",
+        op: str = "mean",
+        feedback: str = "none",
+        pieces: int = 1,
+        checksum: bool = True,
+        tag: int = 0,
+        bandwidth: float = 10e9,
+        latency: float = 10e-6,
+        beta: float = 1.0,
+        gamma: float = 1.0,
+        residual: str = "f32",
+        allow_non_contractive: bool = False,
+    ) -> None: ...
+    def run(self, x: _F32, out: Optional[_F32] = None, seed: int = 0) -> Dict[str, Any]: ...
+    @property
+    def strategy(self) -> str: ...
+    @property
+    def codec(self) -> Codec: ...
+    def __len__(self) -> int: ...
+    def state_dict(self) -> Dict[str, Any]: ...
+    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+
 class OuterSync:
     def __init__(
         self,
@@ -192,6 +226,20 @@ def reduce_frames(frames: Sequence[_Frame], out: _F32, add: bool = False) -> Non
 def inspect(frame: _Frame) -> Dict[str, Any]: ...
 def frame_len(buf: _Frame) -> int: ...
 def calibrate(codec: Union[str, Codec], elements: int = ..., budget_s: float = 0.2) -> CodecProfile: ...
+def two_level_time(
+    profile: CodecProfile,
+    strategy: str,
+    hierarchical: bool,
+    nodes: int,
+    per_node: int,
+    intra_bandwidth: float,
+    inter_bandwidth: float,
+    elements: float,
+    intra_latency: float = 0.0,
+    inter_latency: float = 0.0,
+    node_bits: float = 32.0,
+    reduce_bytes_per_s: float = ...,
+) -> float: ...
 def allreduce_time(
     profile: CodecProfile,
     strategy: str,

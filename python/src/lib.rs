@@ -1325,6 +1325,48 @@ fn allreduce_time(
     .time(bandwidth))
 }
 
+/// Modelled seconds of an all-reduce of `elements` float32 values on `nodes` nodes of
+/// `per_node` ranks: links of `intra_bandwidth` bit/s (`intra_latency` s) inside a node,
+/// and each node's uplink of `inter_bandwidth` (`inter_latency`), shared by its ranks'
+/// streams. `hierarchical`: the two-level all-reduce (`node_bits` per element inside a
+/// node: 32, or 16 for bf16), else the flat one, by `strategy` with `profile`'s codec.
+#[pyfunction]
+#[pyo3(signature = (profile, strategy, hierarchical, nodes, per_node, intra_bandwidth,
+    inter_bandwidth, elements, intra_latency=0.0, inter_latency=0.0, node_bits=32.0,
+    reduce_bytes_per_s=f64::INFINITY))]
+#[allow(clippy::too_many_arguments)]
+fn two_level_time(
+    profile: &PyProfile,
+    strategy: &str,
+    hierarchical: bool,
+    nodes: u32,
+    per_node: u32,
+    intra_bandwidth: f64,
+    inter_bandwidth: f64,
+    elements: f64,
+    intra_latency: f64,
+    inter_latency: f64,
+    node_bits: f64,
+    reduce_bytes_per_s: f64,
+) -> PyResult<f64> {
+    check_cluster(nodes, inter_bandwidth, inter_latency, elements)?;
+    check_cluster(per_node, intra_bandwidth, intra_latency, elements)?;
+    let s = self::strategy(strategy)?;
+    let two = cost::TwoLevel {
+        nodes,
+        per_node,
+        intra_bandwidth_bit_s: intra_bandwidth,
+        intra_latency_s: intra_latency,
+        inter_bandwidth_bit_s: inter_bandwidth,
+        inter_latency_s: inter_latency,
+    };
+    Ok(if hierarchical {
+        cost::hierarchical_time(s, &profile.rs(), &two, elements, node_bits, reduce_bytes_per_s)
+    } else {
+        cost::flat_time(s, &profile.rs(), &two, elements, reduce_bytes_per_s)
+    })
+}
+
 /// The faster of the compressed ring and all-gather for `profile`'s codec: returns
 /// `(strategy name, modelled seconds)`.
 #[pyfunction]
@@ -1838,6 +1880,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(frame_len, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_time, m)?)?;
+    m.add_function(wrap_pyfunction!(two_level_time, m)?)?;
     m.add_function(wrap_pyfunction!(best_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(break_even_bandwidth, m)?)?;
     m.add_function(wrap_pyfunction!(parse_bandwidth, m)?)?;

@@ -87,8 +87,8 @@ pub use powersgd::PowerSgdBucket;
 use crate::codec::CodecSpec;
 use crate::codecs::Identity;
 use crate::collective::{
-    AllReduce, AllReduceOptions, Comm, Feedback, ReduceOp, Stats, Strategy, StrategyChoice,
-    Transport,
+    AllReduce, AllReduceOptions, Comm, Feedback, Hierarchical, Nodes, ReduceOp, Stats, Strategy,
+    StrategyChoice, Transport,
 };
 use crate::cost::CodecProfile;
 use crate::error::{Error, Result};
@@ -96,6 +96,7 @@ use crate::feedback::FeedbackOptions;
 use crate::state::{BlobReader, BlobWriter};
 
 const ENGINE_MAGIC: [u8; 4] = *b"GPSE";
+const NODES_MAGIC: [u8; 4] = *b"GPHA";
 
 /// Options of a [`SyncEngine`]. Every rank must use the same.
 #[derive(Debug, Clone, PartialEq)]
@@ -128,6 +129,14 @@ pub struct SyncOptions {
     /// The strategy of every bucket whose codec is not fp32 (`None`, the default: the
     /// fastest by the cost model for each bucket).
     pub strategy: Option<Strategy>,
+    /// The ranks' nodes: with a map, every bucket that is not PowerSGD's goes by the
+    /// two-level all-reduce ([`crate::collective::Hierarchical`]): f32 (or
+    /// [`SyncOptions::node_codec`]) inside a node, the bucket's codec and strategy between
+    /// nodes, where error feedback applies. `network` is then the link between nodes.
+    /// Default `None`: every rank a peer.
+    pub nodes: Option<Nodes>,
+    /// The codec inside a node with `nodes`: identity (f32, the default), bf16 or fp16.
+    pub node_codec: CodecSpec,
 }
 
 impl Default for SyncOptions {
@@ -145,6 +154,8 @@ impl Default for SyncOptions {
             overlap: true,
             pieces: 1,
             strategy: None,
+            nodes: None,
+            node_codec: CodecSpec::Identity(Identity),
         }
     }
 }
@@ -165,6 +176,8 @@ pub struct StepStats {
 enum Reducer {
     /// One all-reduce of the bucket with its codec.
     Flat(Box<AllReduce>),
+    /// One two-level all-reduce of the bucket.
+    Nodes(Box<Hierarchical>),
     /// PowerSGD's factors.
     LowRank(Box<LowRank>),
 }
@@ -180,6 +193,7 @@ impl Reducer {
     ) -> Result<Stats> {
         match self {
             Reducer::Flat(ar) => ar.run(comm, input, output, seed),
+            Reducer::Nodes(h) => h.run(comm, input, output, seed),
             Reducer::LowRank(lr) => lr.run(comm, step, input, output, seed),
         }
     }
@@ -187,6 +201,7 @@ impl Reducer {
     fn reset(&mut self) {
         match self {
             Reducer::Flat(ar) => ar.reset_feedback(),
+            Reducer::Nodes(h) => h.reset_feedback(),
             Reducer::LowRank(lr) => lr.reset(),
         }
     }
@@ -194,6 +209,15 @@ impl Reducer {
     fn save(&self) -> Vec<u8> {
         match self {
             Reducer::Flat(ar) => ar.save(),
+            Reducer::Nodes(h) => {
+                let mut w = BlobWriter::new(NODES_MAGIC);
+                let streams = h.save();
+                w.u64(streams.len() as u64);
+                streams.iter().for_each(|b| {
+                    w.bytes(b);
+                });
+                w.finish()
+            }
             Reducer::LowRank(lr) => lr.save(),
         }
     }
@@ -201,6 +225,16 @@ impl Reducer {
     fn restore(&mut self, blob: &[u8]) -> Result<()> {
         match self {
             Reducer::Flat(ar) => ar.restore(blob),
+            Reducer::Nodes(h) => {
+                let mut r = BlobReader::open(blob, NODES_MAGIC, "two-level all-reduce")?;
+                let n = r.u64()?;
+                let mut streams = Vec::new();
+                for _ in 0..n {
+                    streams.push(r.bytes()?.to_vec());
+                }
+                r.end()?;
+                h.restore(&streams)
+            }
             Reducer::LowRank(lr) => lr.restore(blob),
         }
     }
@@ -465,11 +499,17 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
                 Reduces::One(n) => n,
                 Reduces::Two(p, q) => p.max(q),
             };
+            // With nodes, the strategy is the one of the streams between nodes: a
+            // shard of the bucket among the nodes.
+            let (peers, part) = match &opts.nodes {
+                Some(nd) if kind != Kind::LowRank => (nd.count(), largest / nd.max_node()),
+                _ => (size, largest),
+            };
             let choose = |codec: &CodecSpec, prof: Option<&CodecProfile>| {
-                let p = plan::profile_for(codec, prof, largest, size);
+                let p = plan::profile_for(codec, prof, part, peers);
                 let s = match opts.strategy {
                     Some(s) if !matches!(codec, CodecSpec::Identity(_)) => s,
-                    _ => plan::strategy_for(codec, &p, size, &net, largest),
+                    _ => plan::strategy_for(codec, &p, peers, &net, part),
                 };
                 let (t, bytes) =
                     plan::bucket_cost(codec, s, prof, size, &net, reduces, opts.pieces);
@@ -554,12 +594,22 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
                     ar_opts,
                     bp.strategy,
                 )?)),
-                None => Reducer::Flat(Box::new(AllReduce::new(
-                    bp.codec,
-                    bp.elements,
-                    &comm,
-                    ar_opts,
-                )?)),
+                None => match &opts.nodes {
+                    Some(nodes) => Reducer::Nodes(Box::new(Hierarchical::new(
+                        bp.codec,
+                        opts.node_codec,
+                        bp.elements,
+                        &comm,
+                        nodes.clone(),
+                        ar_opts,
+                    )?)),
+                    None => Reducer::Flat(Box::new(AllReduce::new(
+                        bp.codec,
+                        bp.elements,
+                        &comm,
+                        ar_opts,
+                    )?)),
+                },
             });
             buckets.push(Bucket {
                 input: Some(crate::alloc::filled(bp.elements, 0.0, "a bucket buffer")?),
