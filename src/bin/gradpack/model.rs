@@ -132,12 +132,11 @@ fn two_level(
     let w = |out: &mut std::io::StdoutLock, s: String| {
         writeln!(out, "{s}").map_err(crate::stdout_error)
     };
-    if net.nodes % a.per_node != 0 {
+    if !net.nodes.is_multiple_of(a.per_node) {
         return Err(format!(
             "--per-node {} does not divide --nodes {} (the ranks)",
             a.per_node, net.nodes
-        )
-        .into());
+        ));
     }
     let two = cost::TwoLevel {
         nodes: net.nodes / a.per_node,
