@@ -728,6 +728,59 @@ fn positive(s: &str, what: &str, v: f64) -> Result<f64, String> {
 mod tests {
     use super::*;
 
+    fn two(nodes: u32, per_node: u32, inter: f64) -> TwoLevel {
+        TwoLevel {
+            nodes,
+            per_node,
+            intra_bandwidth_bit_s: f64::INFINITY,
+            intra_latency_s: 0.0,
+            inter_bandwidth_bit_s: inter,
+            inter_latency_s: 0.0,
+        }
+    }
+
+    #[test]
+    fn two_level_with_one_rank_per_node_is_the_flat_all_reduce() {
+        let int8 = CodecProfile::nominal("int8", 8.125);
+        for s in [Strategy::CompressedRing, Strategy::CompressedAllGather] {
+            let t = two(6, 1, 1e9);
+            let (flat, hier) = (
+                flat_time(s, &int8, &t, 1e6, 1e30),
+                hierarchical_time(s, &int8, &t, 1e6, 32.0, 1e30),
+            );
+            assert!((flat - hier).abs() <= 1e-12 * flat, "{s:?}: {flat} vs {hier}");
+        }
+    }
+
+    #[test]
+    fn two_level_moves_fewer_bytes_over_the_uplinks() {
+        // fp32, 2 nodes of 4, free links inside: the flat ring sends 2 (8 - 1) / 8 of the
+        // tensor over each uplink, the two-level one 4 shards of 2 (2 - 1) / 2 of a
+        // quarter: 1.75x fewer bytes; int8 between nodes 32 / 8.125 times fewer again.
+        let fp32 = CodecProfile::nominal("identity", 32.0);
+        let t = two(2, 4, 1e9);
+        let g = 4.0 * 1024.0 * 1024.0;
+        let flat = flat_time(Strategy::Fp32Ring, &fp32, &t, g, f64::INFINITY);
+        let hier = hierarchical_time(Strategy::Fp32Ring, &fp32, &t, g, 32.0, f64::INFINITY);
+        assert!((flat / hier - 1.75).abs() < 1e-9, "{}", flat / hier);
+        let int8 = CodecProfile::nominal("int8", 8.0);
+        let h8 = hierarchical_time(Strategy::CompressedRing, &int8, &t, g, 32.0, f64::INFINITY);
+        assert!((hier / h8 - 4.0).abs() < 1e-9, "{}", hier / h8);
+        let (by_node, s, _) = best_two_level(&int8, &t, g, f64::INFINITY);
+        assert!(by_node && s != Strategy::Fp32Ring);
+        // One node: no uplink in the way; the reduce-scatter and all-gather inside it
+        // move the flat ring's bytes.
+        let one = TwoLevel {
+            intra_bandwidth_bit_s: 100e9,
+            ..two(1, 8, 1e9)
+        };
+        let (f1, h1) = (
+            flat_time(Strategy::Fp32Ring, &fp32, &one, g, f64::INFINITY),
+            hierarchical_time(Strategy::Fp32Ring, &fp32, &one, g, 32.0, f64::INFINITY),
+        );
+        assert!((f1 - h1).abs() <= 1e-9 * f1, "{f1} vs {h1}");
+    }
+
     #[test]
     fn powersgd_sends_the_factors_with_two_latency_terms() {
         let fp32 = CodecProfile::nominal("identity", 32.0);
