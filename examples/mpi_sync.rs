@@ -8,7 +8,9 @@
 //! ```
 //!
 //! For each policy (fp32; fp16, int8 and top-k 1% with error feedback, each with
-//! biases and small tensors as fp32; auto), rank 0 prints the plan's size, the time per
+//! biases and small tensors as fp32; auto; int8 with error feedback between nodes and
+//! f32 inside them, the two-level all-reduce, on the nodes MPI's shared-memory split
+//! finds or, with `--per-node L`, on emulated nodes of L ranks), rank 0 prints the plan's size, the time per
 //! step (slowest rank, median) and the bytes each rank sent, and checks that every rank
 //! ends every step with bit-identical gradients (a CRC of all of them compared over MPI)
 //! and, for fp32, that the mean is within f32 rounding of `MPI_Allreduce`'s. Exits
@@ -26,15 +28,17 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use gradpack::CodecSpec;
-use gradpack::collective::Feedback;
 use gradpack::collective::mpi::MpiTransport;
+use gradpack::collective::{Feedback, Nodes};
 use gradpack::outer::{OuterOptions, OuterSync};
 use gradpack::sync::{Policy, SyncEngine, SyncOptions};
 use mpi::Threading;
 use mpi::collective::SystemOperation;
 use mpi::traits::*;
 
-const USAGE: &str = "usage: mpirun -np P mpi_sync [--steps N]  (default 3 steps per policy)";
+const USAGE: &str = "usage: mpirun -np P mpi_sync [--steps N] [--per-node L]  (default 3 steps \
+per policy; --per-node: emulate nodes of L consecutive ranks, instead of the nodes MPI's \
+shared-memory split finds)";
 
 fn main() -> ExitCode {
     let Some((universe, threading)) = mpi::initialize_with_threading(Threading::Serialized) else {
@@ -52,6 +56,7 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let mut steps = 3usize;
+    let mut per_node: Option<usize> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -60,6 +65,15 @@ fn main() -> ExitCode {
                 _ => {
                     if rank == 0 {
                         eprintln!("mpi_sync: --steps needs a positive count\n{USAGE}");
+                    }
+                    return ExitCode::FAILURE;
+                }
+            },
+            "--per-node" => match args.next().and_then(|v| v.parse().ok()) {
+                Some(n) if n > 0 => per_node = Some(n),
+                _ => {
+                    if rank == 0 {
+                        eprintln!("mpi_sync: --per-node needs a positive count\n{USAGE}");
                     }
                     return ExitCode::FAILURE;
                 }
@@ -79,10 +93,35 @@ fn main() -> ExitCode {
         }
     }
 
+    // The nodes: emulated, or the ranks that share memory (MPI's shared-memory split:
+    // each rank's key is the world rank of its node's first rank).
+    let nodes = match per_node {
+        Some(l) => Nodes::uniform(p, l),
+        None => {
+            let local = world.split_shared(0);
+            let mut leader = rank as i32;
+            local.process_at_rank(0).broadcast_into(&mut leader);
+            let mut keys = vec![0i32; p];
+            world.all_gather_into(&leader, &mut keys[..]);
+            Nodes::from_keys(&keys)
+        }
+    };
+    let nodes = match nodes {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("rank {rank}: nodes: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let layout = gradpack::synthetic::resnet50();
     let total: usize = layout.iter().map(|t| t.len().expect("shape")).sum();
     let spec = |s: &str| s.parse::<CodecSpec>().expect("spec");
     let topk = spec("topk:ratio=0.01");
+    let by_node = format!(
+        "int8 + EF by node ({} nodes of {})",
+        nodes.count(),
+        nodes.max_node()
+    );
     let policies: Vec<(&str, Policy, Feedback)> = vec![
         ("fp32", Policy::uniform(spec("identity")), Feedback::None),
         ("fp16", Policy::with_rules(spec("fp16")), Feedback::None),
@@ -97,6 +136,7 @@ fn main() -> ExitCode {
             Policy::auto(vec![spec("fp16"), spec("int8"), topk]),
             Feedback::Worker,
         ),
+        (&by_node, Policy::with_rules(spec("int8")), Feedback::Worker),
     ];
     if rank == 0 {
         println!(
@@ -123,6 +163,8 @@ fn main() -> ExitCode {
             policy,
             feedback,
             seed: 11,
+            // The last policy goes by node: f32 inside a node, int8 between nodes.
+            nodes: (name == by_node).then(|| nodes.clone()),
             ..Default::default()
         };
         let mut engine = match SyncEngine::new(&layout, transport.take().expect("transport"), opts)

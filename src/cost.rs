@@ -748,7 +748,10 @@ mod tests {
                 flat_time(s, &int8, &t, 1e6, 1e30),
                 hierarchical_time(s, &int8, &t, 1e6, 32.0, 1e30),
             );
-            assert!((flat - hier).abs() <= 1e-12 * flat, "{s:?}: {flat} vs {hier}");
+            assert!(
+                (flat - hier).abs() <= 1e-12 * flat,
+                "{s:?}: {flat} vs {hier}"
+            );
         }
     }
 
