@@ -252,7 +252,8 @@ def plot(results, path):
     px = lambda b: L + (math.log10(b) - x0) / (x1 - x0) * (W - L - R)
     py = lambda l: T + (y1 - min(l, y1)) / (y1 - y0) * (H - T - B)
     colours = ["#000000", "#e41a1c", "#377eb8", "#4daf4a", "#984ea3", "#ff7f00",
-               "#a65628", "#f781bf", "#999999", "#1b9e77", "#d95f02"]
+               "#a65628", "#f781bf", "#999999", "#1b9e77", "#d95f02", "#7570b3",
+               "#66a61e", "#e6ab02", "#17becf"]
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
            f'font-family="sans-serif" font-size="14">',
            f'<rect width="{W}" height="{H}" fill="white"/>',

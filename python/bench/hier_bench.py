@@ -15,8 +15,10 @@ Per configuration: an all-reduce (mean) of one float32 tensor over gloo
 point-to-point messages (``--mib`` MiB), ``--warmup`` runs then ``--runs`` timed ones; the time of a run
 is the slowest rank's, and the median is reported, beside the cost model's prediction
 (``gradpack.two_level_time`` with the codecs' speeds measured on this machine, one rank
-at a time; the ranks share this machine's cores, so compute is slower than modelled
-where there are fewer cores than ranks). ``fp32 gloo`` is ``torch.distributed``'s own
+at a time, and the link inside a node measured first: gradpack's float32 ring on one
+node of ``--per-node`` ranks, unshaped. On a machine with fewer cores than ranks that
+link is the kernel copying through veths on shared cores, far slower than a real node's
+shared memory; the ranks' compute is contended too). ``fp32 gloo`` is ``torch.distributed``'s own
 all-reduce, for reference.
 """
 
@@ -197,7 +199,7 @@ def run_one(ns, world, per_node, cfg, elements, warmup, runs, timeout=600):
             os.unlink(out)
 
 
-def model(cfg, nodes, per_node, rate, elements, profiles):
+def model(cfg, nodes, per_node, rate, elements, profiles, intra_bw):
     import gradpack
 
     codec, strategy, hier, _ = CONFIGS[cfg]
@@ -205,8 +207,25 @@ def model(cfg, nodes, per_node, rate, elements, profiles):
         codec, strategy = "identity", "fp32-ring"
     prof = profiles[codec]
     return 1000 * gradpack.two_level_time(
-        prof, strategy, hier, nodes, per_node, 40e9, ddp_bench.parse_rate(rate), elements,
+        prof, strategy, hier, nodes, per_node, intra_bw, ddp_bench.parse_rate(rate), elements,
         intra_latency=20e-6, inter_latency=50e-6, reduce_bytes_per_s=4e9)
+
+
+def intra_bandwidth(per_node, elements, runs):
+    """The link inside a node as this machine emulates it: one node of ``per_node`` ranks
+    (veths to a bridge, unshaped), gradpack's float32 ring of the tensor; bandwidth =
+    the ring's bytes per rank over its time."""
+    ns, why = make(1, per_node, "1000gbit")
+    if ns is None:
+        return None, why
+    try:
+        r = run_one(ns, per_node, per_node, "flat-fp32", elements, 1, runs)
+    finally:
+        delete(1, per_node)
+    if "ms" not in r:
+        return None, r.get("error", "failed")
+    ring_bytes = 2 * (per_node - 1) / per_node * 4 * elements
+    return ring_bytes * 8 / (r["ms"] / 1000), ""
 
 
 def main():
@@ -248,6 +267,13 @@ def main():
     print(f"# two-level all-reduce, {meta['date']}: {meta['cpu']}, {meta['cores']} cores; "
           f"{a.nodes} nodes x {a.per_node} ranks, {elements * 4 / 2**20:.0f} MiB float32",
           flush=True)
+    intra_bw, why = intra_bandwidth(a.per_node, elements, a.runs)
+    if intra_bw is None:
+        print(f"SKIP: no emulated cluster ({why})", flush=True)
+        return
+    meta["intra_bandwidth_bit_s"] = intra_bw
+    print(f"the link inside a node, measured: {intra_bw / 1e9:.2f} Gbit/s per rank "
+          f"(float32 ring of {a.per_node} ranks)", flush=True)
     results = []
     for link in a.links.split(","):
         ns, why = make(a.nodes, a.per_node, link)
@@ -258,7 +284,8 @@ def main():
             for cfg in configs:
                 r = run_one(ns, world, a.per_node, cfg, elements, a.warmup, a.runs)
                 r["link"] = link
-                r["model_ms"] = model(cfg, a.nodes, a.per_node, link, elements, profiles)
+                r["model_ms"] = model(cfg, a.nodes, a.per_node, link, elements, profiles,
+                                      intra_bw)
                 results.append(r)
                 print(json.dumps(r), flush=True)
         finally:

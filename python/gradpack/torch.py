@@ -42,6 +42,11 @@ What it does, per bucket:
   residual for what it encodes from its own data and, as a chunk's owner, for the
   chunk's final encode; ``pieces`` pipelines each chunk. Its chunks follow the bucket,
   not the parameters, so its residuals belong to the bucket's layout.
+- ``strategy="hierarchical"``: the two-level all-reduce (:class:`gradpack.Hierarchical`)
+  on the whole bucket: a float32 reduce-scatter inside each node, the codec's all-reduce
+  of each shard between nodes (error feedback there), and an all-gather inside the node.
+  The nodes come from ``nodes=``, torchrun's ``GROUP_RANK`` or the host names; it is the
+  default when torchrun's ``LOCAL_WORLD_SIZE`` says the ranks sit on several nodes.
 - Messages whose length is fixed by the element counts (every codec but random-k, up to
   top-k's 2% slack) travel in buffers of that length; random-k's lengths are
   all-gathered first.
@@ -151,7 +156,8 @@ class GradpackState:
         error_feedback: ``True``, ``False``, or ``None`` for on exactly when the codec
             is one of :data:`BIASED_NEED_FEEDBACK` (top-k, chunked top-k, sign).
         strategy: ``"allgather"``, ``"ring"`` or ``"hierarchical"`` (see the module
-            docs).
+            docs). Default ``"allgather"``, or ``"hierarchical"`` when torchrun's
+            ``LOCAL_WORLD_SIZE`` says the ranks sit on several nodes of more than one.
         nodes: ``strategy="hierarchical"``: the node of every rank of the process
             group (a list of node numbers, ``0 .. N``). Default: ranks share a node when
             their ``GROUP_RANK`` (set by torchrun: the node's rank) or, without it,
@@ -275,6 +281,10 @@ class GradpackState:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         self.timeout = timeout
+        if (strategy is None and not self._auto and self._ps is None and nodes is None
+                and _spans_nodes(process_group)):
+            # torchrun on several nodes: full precision inside a node, the codec between.
+            strategy = "hierarchical"
         self.strategies = (
             ("allgather", "ring") if self._auto and strategy is None else (strategy or "allgather",)
         )
@@ -1196,6 +1206,18 @@ class GradpackState:
             self._p2p.drop()
             raise
         self._p2p.wait()
+
+
+def _spans_nodes(group: Any) -> bool:
+    """Whether torchrun's environment says the group's ranks sit on several nodes of
+    more than one rank each (``LOCAL_WORLD_SIZE`` below the world size)."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    except ValueError:
+        return False
+    if not (dist.is_available() and dist.is_initialized()) or local < 2:
+        return False
+    return local < dist.get_world_size(group)
 
 
 class _PointToPoint:
