@@ -956,8 +956,8 @@ mod tests {
     #[test]
     fn split_covers_in_order_with_no_empty_fragment() {
         assert_eq!(split(&[10, 10, 10, 10], 2), vec![0, 0, 1, 1]);
-        assert_eq!(split(&[1000, 1, 1, 1], 3), vec![0, 1, 1, 2]);
-        assert_eq!(split(&[1, 1, 1, 1000], 3), vec![0, 1, 2, 2]);
+        assert_eq!(split(&[1000, 1, 1, 1], 3), vec![0, 1, 2, 2]);
+        assert_eq!(split(&[1, 1, 1, 1000], 3), vec![0, 0, 1, 2]);
         assert_eq!(split(&[5], 1), vec![0]);
         for p in 1..=6 {
             let a = split(&[3, 0, 7, 1, 1, 9, 2], p);

@@ -1361,7 +1361,14 @@ fn two_level_time(
         inter_latency_s: inter_latency,
     };
     Ok(if hierarchical {
-        cost::hierarchical_time(s, &profile.rs(), &two, elements, node_bits, reduce_bytes_per_s)
+        cost::hierarchical_time(
+            s,
+            &profile.rs(),
+            &two,
+            elements,
+            node_bits,
+            reduce_bytes_per_s,
+        )
     } else {
         cost::flat_time(s, &profile.rs(), &two, elements, reduce_bytes_per_s)
     })
@@ -1828,8 +1835,12 @@ impl PyHierarchical {
     fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         d.set_item("format", HIER_FORMAT)?;
-        let blobs: Vec<Bound<'py, PyBytes>> =
-            self.inner.save().iter().map(|b| PyBytes::new(py, b)).collect();
+        let blobs: Vec<Bound<'py, PyBytes>> = self
+            .inner
+            .save()
+            .iter()
+            .map(|b| PyBytes::new(py, b))
+            .collect();
         d.set_item("streams", blobs)?;
         Ok(d)
     }
