@@ -98,7 +98,7 @@ use crate::error::{Error, Result};
 use crate::feedback::FeedbackOptions;
 use crate::rng::splitmix64;
 use crate::state::{BlobReader, BlobWriter};
-use crate::sync::{Tensor, layout_hash, thread_gone};
+use crate::sync::{Tensor, layout_hash, spawn_worker, thread_gone};
 
 const OUTER_MAGIC: [u8; 4] = *b"GPOS";
 
@@ -486,22 +486,8 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
             });
         }
         let worker = Worker { comm, ars };
-        let (jobs, jobs_rx) = mpsc::channel::<Job>();
-        let (done_tx, done) = mpsc::channel::<Done>();
-        let handle = std::thread::Builder::new()
-            .name(format!("gradpack-outer-{rank}"))
-            .spawn(move || {
-                let mut w = worker;
-                for job in jobs_rx {
-                    if done_tx.send(w.handle(job)).is_err() {
-                        break;
-                    }
-                }
-                w
-            })
-            .map_err(|e| {
-                Error::Collective(format!("could not start the communication thread: {e}"))
-            })?;
+        let (jobs, done, handle) =
+            spawn_worker(format!("gradpack-outer-{rank}"), worker, Worker::handle)?;
         Ok(OuterSync {
             tensors: layout.to_vec(),
             lens,

@@ -785,6 +785,43 @@ fn strategy_choice(
     }
 }
 
+/// One collective call of `f(input, output)` with the GIL released: `x` into `out`, or in
+/// place when `out` is None (the input copied into `scratch` first). Returns the call's
+/// `strategy`, `bytes_sent` and `messages`.
+fn run_collective<'py>(
+    py: Python<'py>,
+    x: &Bound<'py, PyAny>,
+    out: Option<&Bound<'py, PyAny>>,
+    scratch: &mut Vec<f32>,
+    f: impl FnOnce(&[f32], &mut [f32]) -> gradpack::Result<gradpack::collective::Stats> + Send,
+) -> PyResult<Bound<'py, PyDict>> {
+    let stats = match out {
+        Some(out) => {
+            let a = f32_in(x, "x")?;
+            let xs = slice_in(&a)?;
+            let mut o = f32_out(out, "out")?;
+            let os = slice_out(&mut o)?;
+            py.detach(|| f(xs, os))
+        }
+        None => {
+            let mut o = f32_out(x, "x")?;
+            let os = slice_out(&mut o)?;
+            scratch.clear();
+            scratch
+                .try_reserve_exact(os.len())
+                .map_err(|_| PyValueError::new_err("could not allocate the input copy"))?;
+            scratch.extend_from_slice(os);
+            py.detach(|| f(scratch, os))
+        }
+    }
+    .map_err(err)?;
+    let d = PyDict::new(py);
+    d.set_item("strategy", stats.strategy.name())?;
+    d.set_item("bytes_sent", stats.bytes_sent)?;
+    d.set_item("messages", stats.messages)?;
+    Ok(d)
+}
+
 const ALLREDUCE_FORMAT: &str = "gradpack.AllReduce/1";
 
 /// gradpack's compressed all-reduce of one tensor on one rank, over messages that two
@@ -885,32 +922,9 @@ impl PyAllReduce {
         seed: u64,
     ) -> PyResult<Bound<'py, PyDict>> {
         let (ar, comm) = (&mut self.inner, &mut self.comm);
-        let stats = match out {
-            Some(out) => {
-                let a = f32_in(x, "x")?;
-                let xs = slice_in(&a)?;
-                let mut o = f32_out(out, "out")?;
-                let os = slice_out(&mut o)?;
-                py.detach(|| ar.run(comm, xs, os, seed))
-            }
-            None => {
-                let mut o = f32_out(x, "x")?;
-                let os = slice_out(&mut o)?;
-                let scratch = &mut self.scratch;
-                scratch.clear();
-                scratch
-                    .try_reserve_exact(os.len())
-                    .map_err(|_| PyValueError::new_err("could not allocate the input copy"))?;
-                scratch.extend_from_slice(os);
-                py.detach(|| ar.run(comm, scratch, os, seed))
-            }
-        }
-        .map_err(err)?;
-        let d = PyDict::new(py);
-        d.set_item("strategy", stats.strategy.name())?;
-        d.set_item("bytes_sent", stats.bytes_sent)?;
-        d.set_item("messages", stats.messages)?;
-        Ok(d)
+        run_collective(py, x, out, &mut self.scratch, |xs, os| {
+            ar.run(comm, xs, os, seed)
+        })
     }
 
     /// The strategy this all-reduce runs (the cost model's choice for "auto").
@@ -1703,6 +1717,8 @@ const HIER_FORMAT: &str = "gradpack.Hierarchical/1";
 struct PyHierarchical {
     inner: Hierarchical,
     comm: Comm<PyTransport>,
+    /// The input when `run` reduces in place.
+    scratch: Vec<f32>,
 }
 
 #[pymethods]
@@ -1776,6 +1792,7 @@ impl PyHierarchical {
         Ok(PyHierarchical {
             inner,
             comm: Comm::new(t),
+            scratch: Vec::new(),
         })
     }
 
@@ -1790,27 +1807,9 @@ impl PyHierarchical {
         seed: u64,
     ) -> PyResult<Bound<'py, PyDict>> {
         let (h, comm) = (&mut self.inner, &mut self.comm);
-        let stats = match out {
-            Some(out) => {
-                let a = f32_in(x, "x")?;
-                let xs = slice_in(&a)?;
-                let mut o = f32_out(out, "out")?;
-                let os = slice_out(&mut o)?;
-                py.detach(|| h.run(comm, xs, os, seed))
-            }
-            None => {
-                let mut o = f32_out(x, "x")?;
-                let os = slice_out(&mut o)?;
-                let copy = os.to_vec();
-                py.detach(|| h.run(comm, &copy, os, seed))
-            }
-        }
-        .map_err(err)?;
-        let d = PyDict::new(py);
-        d.set_item("strategy", stats.strategy.name())?;
-        d.set_item("bytes_sent", stats.bytes_sent)?;
-        d.set_item("messages", stats.messages)?;
-        Ok(d)
+        run_collective(py, x, out, &mut self.scratch, |xs, os| {
+            h.run(comm, xs, os, seed)
+        })
     }
 
     /// The strategy of the streams between nodes.

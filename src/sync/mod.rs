@@ -625,22 +625,8 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
             failed_step: None,
         };
         let runner = if opts.overlap {
-            let (jobs, jobs_rx) = mpsc::channel::<Job>();
-            let (done_tx, done) = mpsc::channel::<Done>();
-            let handle = std::thread::Builder::new()
-                .name(format!("gradpack-sync-{rank}"))
-                .spawn(move || {
-                    let mut w = worker;
-                    for job in jobs_rx {
-                        if done_tx.send(w.handle(job)).is_err() {
-                            break;
-                        }
-                    }
-                    w
-                })
-                .map_err(|e| {
-                    Error::Collective(format!("could not start the communication thread: {e}"))
-                })?;
+            let (jobs, done, handle) =
+                spawn_worker(format!("gradpack-sync-{rank}"), worker, Worker::handle)?;
             Runner::Thread {
                 jobs,
                 done,
@@ -1052,6 +1038,36 @@ impl<T: Transport + Send + 'static> Drop for SyncEngine<T> {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Start a communication thread named `name` that owns `worker` and answers each job
+/// sent on the returned sender with `handle(worker, job)` on the returned receiver, in
+/// order, until the sender is dropped; joining it gives the worker back.
+pub(crate) fn spawn_worker<W, J, D>(
+    name: String,
+    worker: W,
+    handle: fn(&mut W, J) -> D,
+) -> Result<(Sender<J>, Receiver<D>, JoinHandle<W>)>
+where
+    W: Send + 'static,
+    J: Send + 'static,
+    D: Send + 'static,
+{
+    let (jobs, jobs_rx) = mpsc::channel::<J>();
+    let (done_tx, done) = mpsc::channel::<D>();
+    let thread = std::thread::Builder::new()
+        .name(name)
+        .spawn(move || {
+            let mut w = worker;
+            for job in jobs_rx {
+                if done_tx.send(handle(&mut w, job)).is_err() {
+                    break;
+                }
+            }
+            w
+        })
+        .map_err(|e| Error::Collective(format!("could not start the communication thread: {e}")))?;
+    Ok((jobs, done, thread))
 }
 
 pub(crate) fn thread_gone() -> Error {

@@ -194,6 +194,51 @@ fn hash(bits: &[u32]) -> u64 {
     })
 }
 
+/// A fresh model and optimizer of `cfg`, or those of `resume`.
+fn start(
+    cfg: &RunConfig,
+    resume: Option<&Checkpoint>,
+) -> gradpack_burn::Result<(Mlp<TB>, impl Optimizer<Mlp<TB>, TB>)> {
+    let device = Default::default();
+    let mut model = model(cfg.hidden, cfg.seed);
+    let mut optim = SgdConfig::new()
+        .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
+        .init::<TB, Mlp<TB>>();
+    if let Some(c) = resume {
+        model = model.load_record(
+            Rec::default()
+                .load(c.model.clone(), &device)
+                .map_err(record_err)?,
+        );
+        optim = optim.load_record(
+            Rec::default()
+                .load(c.optim.clone(), &device)
+                .map_err(record_err)?,
+        );
+    }
+    Ok((model, optim))
+}
+
+/// The checkpoint after step `cfg.steps`: the model's and optimizer's records and the
+/// sync state.
+fn checkpoint(
+    cfg: &RunConfig,
+    model: &Mlp<TB>,
+    optim: &impl Optimizer<Mlp<TB>, TB>,
+    sync: Vec<u8>,
+) -> gradpack_burn::Result<Checkpoint> {
+    Ok(Checkpoint {
+        step: cfg.steps,
+        model: Rec::default()
+            .record(model.clone().into_record(), ())
+            .map_err(record_err)?,
+        optim: Rec::default()
+            .record(optim.to_record(), ())
+            .map_err(record_err)?,
+        sync: Some(sync),
+    })
+}
+
 /// Step `step`'s global batch, from a hash of the step: `rank`'s share of it.
 fn batch(
     d: &Digits,
@@ -236,22 +281,7 @@ pub fn worker<T: Transport + Send + 'static>(
     resume: Option<&Checkpoint>,
 ) -> gradpack_burn::Result<WorkerResult> {
     let device = Default::default();
-    let mut model = model(cfg.hidden, cfg.seed);
-    let mut optim = SgdConfig::new()
-        .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
-        .init::<TB, Mlp<TB>>();
-    if let Some(c) = resume {
-        model = model.load_record(
-            Rec::default()
-                .load(c.model.clone(), &device)
-                .map_err(record_err)?,
-        );
-        optim = optim.load_record(
-            Rec::default()
-                .load(c.optim.clone(), &device)
-                .map_err(record_err)?,
-        );
-    }
+    let (mut model, mut optim) = start(cfg, resume)?;
     let mut sync = GradSync::new(&model, transport, opts)?;
     if let Some(blob) = resume.and_then(|c| c.sync.as_ref()) {
         sync.restore(blob)?;
@@ -273,16 +303,7 @@ pub fn worker<T: Transport + Send + 'static>(
     }
     let step_s = start.elapsed().as_secs_f64() / cfg.steps.saturating_sub(first).max(1) as f64;
     let checkpoint = if cfg.checkpoint {
-        Some(Checkpoint {
-            step: cfg.steps,
-            model: Rec::default()
-                .record(model.clone().into_record(), ())
-                .map_err(record_err)?,
-            optim: Rec::default()
-                .record(optim.to_record(), ())
-                .map_err(record_err)?,
-            sync: Some(sync.save()?),
-        })
+        Some(checkpoint(cfg, &model, &optim, sync.save()?)?)
     } else {
         None
     };
@@ -317,22 +338,7 @@ pub fn diloco_worker<T: Transport + Send + 'static>(
     resume: Option<&Checkpoint>,
 ) -> gradpack_burn::Result<WorkerResult> {
     let device = Default::default();
-    let mut model = model(cfg.hidden, cfg.seed);
-    let mut optim = SgdConfig::new()
-        .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
-        .init::<TB, Mlp<TB>>();
-    if let Some(c) = resume {
-        model = model.load_record(
-            Rec::default()
-                .load(c.model.clone(), &device)
-                .map_err(record_err)?,
-        );
-        optim = optim.load_record(
-            Rec::default()
-                .load(c.optim.clone(), &device)
-                .map_err(record_err)?,
-        );
-    }
+    let (mut model, mut optim) = start(cfg, resume)?;
     let mut diloco = DiLoCo::new(&model, transport, opts)?;
     if let Some(blob) = resume.and_then(|c| c.sync.as_ref()) {
         diloco.restore(blob)?;
@@ -352,16 +358,7 @@ pub fn diloco_worker<T: Transport + Send + 'static>(
     }
     let step_s = start.elapsed().as_secs_f64() / cfg.steps.saturating_sub(first).max(1) as f64;
     let checkpoint = if cfg.checkpoint {
-        Some(Checkpoint {
-            step: cfg.steps,
-            model: Rec::default()
-                .record(model.clone().into_record(), ())
-                .map_err(record_err)?,
-            optim: Rec::default()
-                .record(optim.to_record(), ())
-                .map_err(record_err)?,
-            sync: Some(diloco.save()?),
-        })
+        Some(checkpoint(cfg, &model, &optim, diloco.save()?)?)
     } else {
         None
     };
