@@ -5,7 +5,7 @@ shaped uplink.
     python bench/hier_bench.py                          # 2 nodes x 4 ranks; 1 and 10 Gbit/s
     python bench/hier_bench.py --nodes 2 --per-node 4 --links 1gbit --mib 16
 
-Topology (as root; iproute2): a network namespace per rank with a veth to its node's
+Topology (as root; iproute2, or pyroute2 where it is missing): a network namespace per rank with a veth to its node's
 bridge (in a namespace of the node's own; unshaped), and a veth from each node's bridge
 to a core bridge, shaped with ``tc tbf`` at the link's rate on both ends: the node's
 uplink, full duplex, shared by the node's ranks. The ranks talk over 10.78.0.0/24 in
@@ -118,15 +118,78 @@ def names(nodes, per_node):
 
 
 def delete(nodes, per_node):
+    if ddp_bench.NETLINK["tool"] == "pyroute2":
+        from pyroute2 import netns
+
+        for ns in names(nodes, per_node):
+            if ns in netns.listnetns():
+                netns.remove(ns)
+        return
     for ns in names(nodes, per_node):
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+def make_pyroute2(nodes, per_node, rate):
+    """make() through pyroute2's netlink sockets (machines without iproute2)."""
+    from pyroute2 import IPRoute, NetNS, netns
+
+    burst = ddp_bench.tbf_burst(rate)
+
+    def bridge(ns):
+        netns.create(ns)
+        with NetNS(ns) as n:
+            n.link("add", ifname="br0", kind="bridge")
+            n.link("set", index=n.link_lookup(ifname="br0")[0], state="up")
+
+    def veth(a, ns_a, b, ns_b):
+        with IPRoute() as ip:
+            ip.link("add", ifname=a, kind="veth", peer=b)
+            ip.link("set", index=ip.link_lookup(ifname=a)[0], net_ns_fd=ns_a)
+            ip.link("set", index=ip.link_lookup(ifname=b)[0], net_ns_fd=ns_b)
+
+    def port(ns, dev, shaped):
+        with NetNS(ns) as n:
+            i = n.link_lookup(ifname=dev)[0]
+            n.link("set", index=i, master=n.link_lookup(ifname="br0")[0])
+            n.link("set", index=i, state="up")
+            if shaped:
+                n.tc("add", "tbf", i, 0x10000, rate=rate, burst=burst, latency="50ms")
+
+    bridge("gpcore")
+    ranks = []
+    for k in range(nodes):
+        nk = f"gpn{k}"
+        bridge(nk)
+        veth(f"gpu{k}a", nk, f"gpu{k}b", "gpcore")
+        port(nk, f"gpu{k}a", True)
+        port("gpcore", f"gpu{k}b", True)
+        for l in range(per_node):
+            r = k * per_node + l
+            ns, va, vb = f"gpr{r}", f"gpv{r}a", f"gpv{r}b"
+            netns.create(ns)
+            veth(va, ns, vb, nk)
+            with NetNS(ns) as n:
+                i = n.link_lookup(ifname=va)[0]
+                n.link("set", index=i, ifname="eth0")
+                n.addr("add", index=i, address=f"{SUBNET}.{r + 1}", prefixlen=24)
+                n.link("set", index=i, state="up")
+                n.link("set", index=n.link_lookup(ifname="lo")[0], state="up")
+            port(nk, vb, False)
+            ranks.append(ns)
+    return ranks
+
+
 def make(nodes, per_node, rate):
     """The namespaces of the ranks, or None and why not."""
-    if not (ddp_bench.shutil.which("ip") and ddp_bench.shutil.which("tc")):
-        return None, "iproute2 (ip, tc) not found"
+    if ddp_bench.NETLINK["tool"] is None:
+        return None, "neither iproute2 (ip, tc) nor pyroute2 found"
     delete(nodes, per_node)
+    if ddp_bench.NETLINK["tool"] == "pyroute2":
+        try:
+            return make_pyroute2(nodes, per_node, rate), ""
+        except Exception as e:  # reported; the run stops
+            delete(nodes, per_node)
+            return None, f"pyroute2: {type(e).__name__}: {e}"
     try:
         ex = lambda ns, *c: sh("ip", "netns", "exec", ns, *c)  # noqa: E731
         sh("ip", "netns", "add", "gpcore")
@@ -215,7 +278,7 @@ def intra_bandwidth(per_node, elements, runs):
     """The link inside a node as this machine emulates it: one node of ``per_node`` ranks
     (veths to a bridge, unshaped), gradpack's float32 ring of the tensor; bandwidth =
     the ring's bytes per rank over its time."""
-    ns, why = make(1, per_node, "1000gbit")
+    ns, why = make(1, per_node, "30gbit")  # the uplink of a lone node carries nothing
     if ns is None:
         return None, why
     try:
@@ -238,6 +301,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--out", default="hier_bench.json")
+    ap.add_argument("--netlink", choices=["auto", "iproute2", "pyroute2"], default="auto",
+                    help="how to make the namespaces (pyroute2 where iproute2 is missing)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--netns", default="", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -253,6 +318,7 @@ def main():
         return
     import gradpack
 
+    ddp_bench.NETLINK["tool"] = ddp_bench.netlink_tool(a.netlink)
     elements = int(a.mib * (1 << 20)) // 4
     world = a.nodes * a.per_node
     configs = a.configs.split(",")
