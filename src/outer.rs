@@ -201,8 +201,9 @@ enum Flight {
     Idle,
     /// At the communication thread.
     Sent,
-    /// Reduced: the mean is in the fragment's `output`, waiting for its sync point.
-    Done(Stats),
+    /// Reduced: the mean is in the fragment's `output`, waiting for its sync point; the
+    /// bytes and messages this rank sent for it.
+    Done(u64, u64),
 }
 
 /// One fragment on the caller's side.
@@ -269,19 +270,11 @@ impl<T: Transport> Worker<T> {
                 }
             }
             Job::Save => Done::Saved(self.ars.iter().map(AllReduce::save).collect()),
-            Job::Restore(blobs) => {
-                let mut ars = Vec::with_capacity(self.ars.len());
-                let res = self.ars.iter().zip(&blobs).try_for_each(|(ar, blob)| {
-                    let mut copy = ar.clone();
-                    copy.restore(blob)?;
-                    ars.push(copy);
-                    Ok(())
-                });
-                if res.is_ok() {
-                    self.ars = ars;
-                }
-                Done::Restored(res)
-            }
+            Job::Restore(blobs) => Done::Restored(crate::state::restore_all(
+                &mut self.ars,
+                &blobs,
+                AllReduce::restore,
+            )),
             Job::Reset => {
                 self.ars.iter_mut().for_each(AllReduce::reset_feedback);
                 Done::Reset
@@ -572,7 +565,8 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
     /// tensor of the layout). At a fragment's formation step this forms its
     /// pseudo-gradient and starts the all-reduce; at its sync point it waits for the
     /// all-reduce, takes the outer step and writes the fragment's parameters. Only the
-    /// tensors of the fragments in [`OuterSync::due`] are read or written.
+    /// tensors of the fragments in [`OuterSync::due`] are read or written; when nothing
+    /// is due, `params` may be empty.
     ///
     /// On an error the step still counts, and every later step is refused until
     /// [`OuterSync::restore`] (the ranks' outer copies may differ after a failed sync).
@@ -582,15 +576,15 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
                 "outer sync failed earlier ({e}); restore a saved state to go on"
             )));
         }
-        if params.len() != self.tensors.len() {
+        let t = self.step + 1;
+        let due = self.due();
+        if params.len() != self.tensors.len() && !(params.is_empty() && due.is_empty()) {
             return Err(Error::LengthMismatch {
                 what: "parameters and layout tensors",
                 left: params.len(),
                 right: self.tensors.len(),
             });
         }
-        let t = self.step + 1;
-        let due = self.due();
         for &f in due.send.iter().chain(&due.apply) {
             for &(i, _) in &self.frags[f].tensors {
                 if params[i].len() != self.lens[i] {
@@ -643,7 +637,8 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
         for &f in &due.apply {
             self.wait_for(f)?;
             let frag = &mut self.frags[f];
-            let Flight::Done(s) = core::mem::replace(&mut frag.flight, Flight::Idle) else {
+            let Flight::Done(bytes, messages) = core::mem::replace(&mut frag.flight, Flight::Idle)
+            else {
                 return Err(Error::Collective(format!(
                     "fragment {f} has no all-reduced pseudo-gradient to apply"
                 )));
@@ -665,8 +660,8 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
                 );
             }
             stats.applied += 1;
-            stats.bytes_sent += s.bytes_sent;
-            stats.messages += s.messages;
+            stats.bytes_sent += bytes;
+            stats.messages += messages;
         }
         Ok(stats)
     }
@@ -698,7 +693,7 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
         frag.output = Some(output);
         match res {
             Ok(s) => {
-                frag.flight = Flight::Done(s);
+                frag.flight = Flight::Done(s.bytes_sent, s.messages);
                 Ok(())
             }
             Err(e) => {
@@ -754,10 +749,10 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
             });
             w.f32s(&frag.outer).f32s(&frag.momentum).bytes(blob);
             match &frag.flight {
-                Flight::Done(s) => {
+                Flight::Done(bytes, messages) => {
                     w.u8(1)
-                        .u64(s.bytes_sent)
-                        .u64(s.messages)
+                        .u64(*bytes)
+                        .u64(*messages)
                         .f32s(frag.output.as_deref().unwrap_or(&[]));
                 }
                 _ => {
@@ -801,7 +796,7 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
             outer: Vec<f32>,
             momentum: Vec<f32>,
             blob: Vec<u8>,
-            done: Option<(Stats, Vec<f32>)>,
+            done: Option<(u64, u64, Vec<f32>)>,
         }
         let mut loaded = Vec::with_capacity(self.frags.len());
         for frag in &self.frags {
@@ -817,16 +812,10 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
             let done = match r.u8()? {
                 0 => None,
                 1 => {
-                    let strategy = crate::collective::Strategy::Fp32Ring;
-                    let (bytes_sent, messages) = (r.u64()?, r.u64()?);
+                    let (bytes, messages) = (r.u64()?, r.u64()?);
                     let mut mean = alloc::filled(frag.len, 0.0, "a restored mean")?;
                     r.f32s_into(&mut mean)?;
-                    let s = Stats {
-                        strategy,
-                        bytes_sent,
-                        messages,
-                    };
-                    Some((s, mean))
+                    Some((bytes, messages, mean))
                 }
                 v => {
                     return Err(Error::Checkpoint(format!(
@@ -853,9 +842,9 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
             frag.outer = l.outer;
             frag.momentum = l.momentum;
             frag.flight = match l.done {
-                Some((s, mean)) => {
+                Some((bytes, messages, mean)) => {
                     frag.output = Some(mean);
-                    Flight::Done(s)
+                    Flight::Done(bytes, messages)
                 }
                 None => Flight::Idle,
             };

@@ -277,6 +277,28 @@ impl<'a> BlobReader<'a> {
     }
 }
 
+/// Restore each of `items` from its blob, all or nothing: into copies, kept only if
+/// every blob reads (and there is one per item).
+pub(crate) fn restore_all<T: Clone>(
+    items: &mut Vec<T>,
+    blobs: &[Vec<u8>],
+    restore: impl Fn(&mut T, &[u8]) -> Result<()>,
+) -> Result<()> {
+    if blobs.len() != items.len() {
+        return Err(Error::Checkpoint(format!(
+            "{} saved states for {} here",
+            blobs.len(),
+            items.len()
+        )));
+    }
+    let mut copy = items.clone();
+    for (item, blob) in copy.iter_mut().zip(blobs) {
+        restore(item, blob)?;
+    }
+    *items = copy;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -431,7 +431,50 @@ class ErrorFeedback:
         return repr(self._ef)
 
 
-class AllReduce:
+class _Collective:
+    """What :class:`AllReduce` and :class:`Hierarchical` share: a native collective in
+    ``_ar``."""
+
+    __slots__ = ("_ar",)
+
+    def run(self, x: ArrayLike, out: Optional[ArrayLike] = None, seed: int = 0) -> Dict[str, Any]:
+        """All-reduce ``x`` into ``out``, or in place when ``out`` is None. ``seed`` must
+        be the same on every rank and change every step. Returns this rank's
+        ``strategy``, ``bytes_sent`` and ``messages``."""
+        if out is None:
+            return self._ar.run(_f32(x, "x"), None, _u64(seed, "seed"))
+        return self._ar.run(_f32(x, "x"), _f32(out, "out"), _u64(seed, "seed"))
+
+    @property
+    def strategy(self) -> str:
+        """The strategy run (between nodes for :class:`Hierarchical`; the cost model's
+        choice when made with ``"auto"``)."""
+        return self._ar.strategy
+
+    @property
+    def codec(self) -> Codec:
+        """The codec (between nodes for :class:`Hierarchical`)."""
+        c = Codec.__new__(Codec)
+        c._c = self._ar.codec
+        return c
+
+    def __len__(self) -> int:
+        return len(self._ar)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The error-feedback residuals (and the strategy), as plain values."""
+        return self._ar.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` into a collective made with the same arguments;
+        the next :meth:`run` continues bit for bit."""
+        self._ar.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return repr(self._ar)
+
+
+class AllReduce(_Collective):
     """gradpack's compressed all-reduce of one tensor of ``length`` elements, on rank
     ``rank`` of ``world``, over any message transport you give as two callables:
 
@@ -454,7 +497,7 @@ class AllReduce:
     An exception raised by either ends the call with :class:`Error` naming the peer.
     """
 
-    __slots__ = ("_ar",)
+    __slots__ = ()
 
     def __init__(
         self,
@@ -499,48 +542,13 @@ class AllReduce:
             allow_non_contractive=allow_non_contractive,
         )
 
-    def run(self, x: ArrayLike, out: Optional[ArrayLike] = None, seed: int = 0) -> Dict[str, Any]:
-        """All-reduce ``x`` into ``out``, or in place when ``out`` is None. ``seed`` must
-        be the same on every rank and change every step. Returns this rank's
-        ``strategy``, ``bytes_sent`` and ``messages``."""
-        if out is None:
-            return self._ar.run(_f32(x, "x"), None, _u64(seed, "seed"))
-        return self._ar.run(_f32(x, "x"), _f32(out, "out"), _u64(seed, "seed"))
-
-    @property
-    def strategy(self) -> str:
-        """The strategy run (the cost model's choice when made with ``"auto"``)."""
-        return self._ar.strategy
-
-    @property
-    def codec(self) -> Codec:
-        """The codec."""
-        c = Codec.__new__(Codec)
-        c._c = self._ar.codec
-        return c
-
     @property
     def calls(self) -> int:
         """Calls of :meth:`run` so far."""
         return self._ar.calls
 
-    def __len__(self) -> int:
-        return len(self._ar)
 
-    def state_dict(self) -> Dict[str, Any]:
-        """The error-feedback residuals and the strategy, as plain values."""
-        return self._ar.state_dict()
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` into an all-reduce made with the same arguments;
-        the next :meth:`run` continues bit for bit."""
-        self._ar.load_state_dict(state)
-
-    def __repr__(self) -> str:
-        return repr(self._ar)
-
-
-class Hierarchical:
+class Hierarchical(_Collective):
     """gradpack's two-level all-reduce (the Rust crate's
     ``gradpack::collective::Hierarchical``) of one tensor of ``length`` elements on rank
     ``rank`` of ``world``, over the same two message callables as :class:`AllReduce`.
@@ -553,7 +561,7 @@ class Hierarchical:
     ends with the same bits; nodes may differ in size.
     """
 
-    __slots__ = ("_h",)
+    __slots__ = ()
 
     def __init__(
         self,
@@ -579,46 +587,13 @@ class Hierarchical:
         residual: str = "f32",
         allow_non_contractive: bool = False,
     ) -> None:
-        self._h = _native.Hierarchical(
+        self._ar = _native.Hierarchical(
             _codec(codec), length, rank, world, send, recv, [int(k) for k in nodes],
             node_codec=_codec(node_codec), strategy=strategy, op=op, feedback=feedback,
             pieces=pieces, checksum=checksum, tag=tag, bandwidth=bandwidth, latency=latency,
             beta=beta, gamma=gamma, residual=residual,
             allow_non_contractive=allow_non_contractive,
         )
-
-    def run(self, x: ArrayLike, out: Optional[ArrayLike] = None, seed: int = 0) -> Dict[str, Any]:
-        """All-reduce ``x`` into ``out``, or in place when ``out`` is None; as
-        :meth:`AllReduce.run`."""
-        if out is None:
-            return self._h.run(_f32(x, "x"), None, _u64(seed, "seed"))
-        return self._h.run(_f32(x, "x"), _f32(out, "out"), _u64(seed, "seed"))
-
-    @property
-    def strategy(self) -> str:
-        """The strategy between nodes."""
-        return self._h.strategy
-
-    @property
-    def codec(self) -> Codec:
-        """The codec between nodes."""
-        c = Codec.__new__(Codec)
-        c._c = self._h.codec
-        return c
-
-    def __len__(self) -> int:
-        return len(self._h)
-
-    def state_dict(self) -> Dict[str, Any]:
-        """The residuals of the streams between nodes."""
-        return self._h.state_dict()
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`."""
-        self._h.load_state_dict(state)
-
-    def __repr__(self) -> str:
-        return repr(self._h)
 
 
 class OuterSync:

@@ -528,12 +528,7 @@ impl PyErrorFeedback {
         residual: &str,
         allow_non_contractive: bool,
     ) -> PyResult<Self> {
-        let opts = FeedbackOptions {
-            beta,
-            gamma,
-            precision: precision(residual)?,
-            allow_non_contractive,
-        };
+        let opts = feedback_options(beta, gamma, residual, allow_non_contractive)?;
         Ok(PyErrorFeedback {
             inner: gradpack::ErrorFeedback::with_options(spec_of(codec)?, n, opts).map_err(err)?,
         })
@@ -822,6 +817,51 @@ fn run_collective<'py>(
     Ok(d)
 }
 
+/// The transport of rank `rank` of `world` over the two message callables.
+fn py_transport(
+    py: Python<'_>,
+    rank: usize,
+    world: usize,
+    send: Py<PyAny>,
+    recv: Py<PyAny>,
+) -> PyResult<PyTransport> {
+    for (what, f) in [("send", &send), ("recv", &recv)] {
+        if !f.bind(py).is_callable() {
+            return Err(PyTypeError::new_err(format!("{what} must be callable")));
+        }
+    }
+    Ok(PyTransport {
+        rank,
+        size: world,
+        send,
+        recv,
+    })
+}
+
+/// The `op` argument of the collectives.
+fn reduce_op(op: &str) -> PyResult<ReduceOp> {
+    match op {
+        "mean" => Ok(ReduceOp::Mean),
+        "sum" => Ok(ReduceOp::Sum),
+        _ => Err(PyValueError::new_err(format!("op {op:?}: 'mean' or 'sum'"))),
+    }
+}
+
+/// The error-feedback arguments.
+fn feedback_options(
+    beta: f32,
+    gamma: f32,
+    residual: &str,
+    allow_non_contractive: bool,
+) -> PyResult<FeedbackOptions> {
+    Ok(FeedbackOptions {
+        beta,
+        gamma,
+        precision: precision(residual)?,
+        allow_non_contractive,
+    })
+}
+
 const ALLREDUCE_FORMAT: &str = "gradpack.AllReduce/1";
 
 /// gradpack's compressed all-reduce of one tensor on one rank, over messages that two
@@ -863,20 +903,9 @@ impl PyAllReduce {
         residual: &str,
         allow_non_contractive: bool,
     ) -> PyResult<Self> {
-        let py = codec.py();
-        for (what, f) in [("send", &send), ("recv", &recv)] {
-            if !f.bind(py).is_callable() {
-                return Err(PyTypeError::new_err(format!("{what} must be callable")));
-            }
-        }
+        let t = py_transport(codec.py(), rank, world, send, recv)?;
         let strategy = strategy_choice(strategy, world, bandwidth, latency)?;
-        let op = match op {
-            "mean" => ReduceOp::Mean,
-            "sum" => ReduceOp::Sum,
-            _ => {
-                return Err(PyValueError::new_err(format!("op {op:?}: 'mean' or 'sum'")));
-            }
-        };
+        let op = reduce_op(op)?;
         if pieces == 0 {
             return Err(PyValueError::new_err("pieces must be at least 1"));
         }
@@ -884,21 +913,10 @@ impl PyAllReduce {
             op,
             strategy,
             feedback: feedback_of(feedback)?,
-            feedback_options: FeedbackOptions {
-                beta,
-                gamma,
-                precision: precision(residual)?,
-                allow_non_contractive,
-            },
+            feedback_options: feedback_options(beta, gamma, residual, allow_non_contractive)?,
             checksum,
             tag,
             pieces,
-        };
-        let t = PyTransport {
-            rank,
-            size: world,
-            send,
-            recv,
         };
         let inner = AllReduce::new(spec_of(codec)?, length, &t, opts).map_err(err)?;
         Ok(PyAllReduce {
@@ -1543,11 +1561,7 @@ impl PyOuterSync {
         residual: &str,
         allow_non_contractive: bool,
     ) -> PyResult<Self> {
-        for (what, f) in [("send", &send), ("recv", &recv)] {
-            if !f.bind(py).is_callable() {
-                return Err(PyTypeError::new_err(format!("{what} must be callable")));
-            }
-        }
+        let t = py_transport(py, rank, world, send, recv)?;
         if names.len() != shapes.len() {
             return Err(PyValueError::new_err(format!(
                 "{} names for {} shapes",
@@ -1580,22 +1594,11 @@ impl PyOuterSync {
                 None => CodecSpec::Identity(gradpack::Identity),
             },
             feedback: feedback_of(feedback)?,
-            feedback_options: FeedbackOptions {
-                beta,
-                gamma,
-                precision: precision(residual)?,
-                allow_non_contractive,
-            },
+            feedback_options: feedback_options(beta, gamma, residual, allow_non_contractive)?,
             strategy: strategy_choice(strategy, world, bandwidth, latency)?,
             pieces,
             checksum,
             seed,
-        };
-        let t = PyTransport {
-            rank,
-            size: world,
-            send,
-            recv,
         };
         let inner = OuterSync::new(&layout, &views, t, opts).map_err(err)?;
         Ok(PyOuterSync {
@@ -1640,9 +1643,7 @@ impl PyOuterSync {
                         "this step forms or applies an outer step: pass the parameters",
                     ));
                 }
-                let mut none: Vec<&mut [f32]> = Vec::new();
-                none.resize_with(inner.fragments().iter().map(Vec::len).sum(), || &mut []);
-                py.detach(|| inner.step(&mut none))
+                py.detach(|| inner.step(&mut []))
             }
         }
         .map_err(err)?;
@@ -1753,35 +1754,16 @@ impl PyHierarchical {
         residual: &str,
         allow_non_contractive: bool,
     ) -> PyResult<Self> {
-        for (what, f) in [("send", &send), ("recv", &recv)] {
-            if !f.bind(py).is_callable() {
-                return Err(PyTypeError::new_err(format!("{what} must be callable")));
-            }
-        }
+        let t = py_transport(py, rank, world, send, recv)?;
         let nodes = Nodes::new(nodes).map_err(err)?;
         let opts = AllReduceOptions {
-            op: match op {
-                "mean" => ReduceOp::Mean,
-                "sum" => ReduceOp::Sum,
-                _ => return Err(PyValueError::new_err(format!("op {op:?}: 'mean' or 'sum'"))),
-            },
+            op: reduce_op(op)?,
             strategy: strategy_choice(strategy, nodes.count(), bandwidth, latency)?,
             feedback: feedback_of(feedback)?,
-            feedback_options: FeedbackOptions {
-                beta,
-                gamma,
-                precision: precision(residual)?,
-                allow_non_contractive,
-            },
+            feedback_options: feedback_options(beta, gamma, residual, allow_non_contractive)?,
             checksum,
             tag,
-            pieces: pieces.max(1),
-        };
-        let t = PyTransport {
-            rank,
-            size: world,
-            send,
-            recv,
+            pieces,
         };
         let node_codec = match node_codec {
             Some(c) => spec_of(c)?,

@@ -24,8 +24,6 @@
 //! size at the end. All messages of a run belong to one call of the [`Comm`], with the
 //! tag of the options; section 6.8 of the crate's wire-format document specifies them.
 
-use core::ops::Range;
-
 use super::comm::{Phase, Place};
 use super::{
     AllReduce, AllReduceOptions, Comm, ENVELOPE_LEN, ReduceOp, Stats, Strategy, Transport,
@@ -115,11 +113,60 @@ impl Nodes {
     }
 }
 
-/// One stream between nodes: the shard it reduces and its all-reduce.
+/// The messages inside a node: frames of the node codec behind envelopes of this
+/// all-reduce's tag, and the buffers they are made and received in.
 #[derive(Debug, Clone)]
-struct Stream {
-    shard: usize,
-    ar: AllReduce,
+struct NodeFrames {
+    codec: CodecSpec,
+    checksum: bool,
+    tag: u32,
+    enc: Vec<u8>,
+    msg: Vec<u8>,
+}
+
+impl NodeFrames {
+    fn place(&self, call: u64, phase: Phase, hop: usize, chunk: usize) -> Place {
+        Place {
+            call,
+            tag: self.tag,
+            phase,
+            hop: hop as u32,
+            chunk: chunk as u32,
+        }
+    }
+
+    /// Encode `x` (a shard starting at element `offset`) after the envelope's room; the
+    /// message length.
+    fn encode(&mut self, x: &[f32], offset: usize) -> Result<usize> {
+        let frame = &mut self.enc[ENVELOPE_LEN..];
+        let ctx = EncodeCtx::new(0).with_offset(offset as u64);
+        let len = self.codec.encode_into(x, &ctx, frame)?;
+        let len = if self.checksum {
+            wire::seal(frame, len)?
+        } else {
+            len
+        };
+        Ok(ENVELOPE_LEN + len)
+    }
+
+    /// Receive the message for `(phase, hop, shard)` from `from` and decode it (`M`:
+    /// write or add) into `out`, the shard starting at element `offset`.
+    #[allow(clippy::too_many_arguments)]
+    fn take<const M: u8, T: Transport + ?Sized>(
+        &mut self,
+        comm: &mut Comm<T>,
+        place: Place,
+        from: usize,
+        offset: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        comm.expect(&mut self.msg, from, place)?;
+        let ctx = EncodeCtx::new(0).with_offset(offset as u64);
+        let bad = |e| peer_error(from, place.phase, from, e);
+        let split =
+            super::check_origin(&self.codec, &self.msg[ENVELOPE_LEN..], &ctx).map_err(bad)?;
+        super::decode_checked::<M>(split, out).map_err(bad)
+    }
 }
 
 /// The state of a two-level all-reduce of one tensor on one rank (see the module docs).
@@ -127,22 +174,19 @@ struct Stream {
 pub struct Hierarchical {
     nodes: Nodes,
     codec: CodecSpec,
-    node_codec: CodecSpec,
     op: ReduceOp,
-    tag: u32,
-    checksum: bool,
     len: usize,
     rank: usize,
-    /// This rank's node, its members and this rank's place among them.
+    /// This rank's node and its place among the node's ranks.
     node: usize,
     local: usize,
-    /// The shards this rank owns, each with its stream between nodes (or `None` on a
-    /// one-node world).
-    owned: Vec<(usize, Option<Stream>)>,
+    /// The shards this rank owns, and (with more than one node) each one's all-reduce
+    /// between nodes.
+    owned: Vec<usize>,
+    streams: Vec<AllReduce>,
     strategy: Strategy,
-    /// Message buffers and the owned shards' sums.
-    enc: Vec<u8>,
-    msg: Vec<u8>,
+    frames: NodeFrames,
+    /// An owned shard's sum over the node, and its sum over every node.
     acc: Vec<f32>,
     reduced: Vec<f32>,
 }
@@ -194,7 +238,12 @@ impl Hierarchical {
             op: ReduceOp::Sum,
             ..opts.clone()
         };
-        let pieces = opts.pieces.max(1);
+        let pieces = opts.pieces;
+        if pieces == 0 {
+            return Err(Error::Collective(
+                "pieces per ring chunk must be at least 1".into(),
+            ));
+        }
         // Streams of one call that share a pair of ranks: hops apart by the most one
         // stream sends to one peer (the ring's 2 (N - 1) pieces, more than the
         // all-gather's N - 1).
@@ -211,61 +260,52 @@ impl Hierarchical {
                  envelopes number"
             )));
         }
-        let mut owned = Vec::new();
+        let owned: Vec<usize> = (local..shards).step_by(l).collect();
+        let mut streams = Vec::new();
         let mut strategy = Strategy::Fp32Ring;
-        for s in (local..shards).step_by(l) {
-            let stream = if n_nodes > 1 {
-                let members: Vec<usize> = (0..n_nodes)
-                    .map(|k| {
-                        let m = nodes.members(k);
-                        m[s % m.len()]
-                    })
-                    .collect();
-                let shard_len = chunk_range(len, shards, s).len();
-                let ar = AllReduce::in_group(
-                    codec,
-                    shard_len,
-                    &members,
-                    rank,
-                    s * per_stream,
-                    stream_opts.clone(),
-                )?;
-                strategy = ar.strategy();
-                Some(Stream { shard: s, ar })
-            } else {
-                None
-            };
-            owned.push((s, stream));
-        }
-        if n_nodes > 1 && owned.is_empty() {
-            // Every rank owns at least shard `local` (< L <= S), so this cannot happen.
-            return Err(Error::Collective("a rank owns no shard".into()));
+        for &s in owned.iter().filter(|_| n_nodes > 1) {
+            let members: Vec<usize> = (0..n_nodes)
+                .map(|k| {
+                    let m = nodes.members(k);
+                    m[s % m.len()]
+                })
+                .collect();
+            let shard_len = chunk_range(len, shards, s).len();
+            let ar = AllReduce::in_group(
+                codec,
+                shard_len,
+                &members,
+                rank,
+                s * per_stream,
+                stream_opts.clone(),
+            )?;
+            strategy = ar.strategy();
+            streams.push(ar);
         }
         let max_shard = chunk_range(len, shards, 0).len();
         let frame = wire::sealed_len(node_codec.max_encoded_len(max_shard));
         Ok(Hierarchical {
             nodes,
             codec,
-            node_codec,
             op: opts.op,
-            tag: opts.tag,
-            checksum: opts.checksum,
             len,
             rank,
             node,
             local,
             owned,
-            strategy: if n_nodes > 1 {
-                strategy
-            } else {
-                Strategy::Fp32Ring
+            streams,
+            strategy,
+            frames: NodeFrames {
+                codec: node_codec,
+                checksum: opts.checksum,
+                tag: opts.tag,
+                enc: crate::alloc::filled(
+                    frame.saturating_add(ENVELOPE_LEN),
+                    0,
+                    "the node phase's encode buffer",
+                )?,
+                msg: Vec::new(),
             },
-            enc: crate::alloc::filled(
-                frame.saturating_add(ENVELOPE_LEN),
-                0,
-                "the node phase's encode buffer",
-            )?,
-            msg: Vec::new(),
             acc: crate::alloc::filled(max_shard, 0.0, "a shard's sum")?,
             reduced: crate::alloc::filled(max_shard, 0.0, "a shard's sum")?,
         })
@@ -288,7 +328,7 @@ impl Hierarchical {
 
     /// The codec inside nodes.
     pub fn node_codec(&self) -> CodecSpec {
-        self.node_codec
+        self.frames.codec
     }
 
     /// The strategy of the streams between nodes.
@@ -303,81 +343,18 @@ impl Hierarchical {
 
     /// Zero every residual of the streams between nodes.
     pub fn reset_feedback(&mut self) {
-        self.owned
-            .iter_mut()
-            .filter_map(|(_, s)| s.as_mut())
-            .for_each(|s| s.ar.reset_feedback());
+        self.streams.iter_mut().for_each(AllReduce::reset_feedback);
     }
 
     /// The streams' residuals as one saved blob per owned shard (see
-    /// [`AllReduce::save`]).
+    /// [`AllReduce::save`]; none on a world of one node).
     pub fn save(&self) -> Vec<Vec<u8>> {
-        self.owned
-            .iter()
-            .filter_map(|(_, s)| s.as_ref().map(|s| s.ar.save()))
-            .collect()
+        self.streams.iter().map(AllReduce::save).collect()
     }
 
     /// Restore blobs of [`Hierarchical::save`] (all or nothing).
     pub fn restore(&mut self, blobs: &[Vec<u8>]) -> Result<()> {
-        let mut copy = self.owned.clone();
-        let streams: Vec<&mut Stream> = copy.iter_mut().filter_map(|(_, s)| s.as_mut()).collect();
-        if streams.len() != blobs.len() {
-            return Err(Error::Checkpoint(format!(
-                "hierarchical all-reduce: {} saved streams, this rank has {}",
-                blobs.len(),
-                streams.len()
-            )));
-        }
-        for (s, b) in streams.into_iter().zip(blobs) {
-            s.ar.restore(b)?;
-        }
-        self.owned = copy;
-        Ok(())
-    }
-
-    fn shard(&self, s: usize) -> Range<usize> {
-        chunk_range(self.len, self.nodes.max_node(), s)
-    }
-
-    fn place(&self, call: u64, phase: Phase, hop: usize, chunk: usize) -> Place {
-        Place {
-            call,
-            tag: self.tag,
-            phase,
-            hop: hop as u32,
-            chunk: chunk as u32,
-        }
-    }
-
-    /// Encode `x` (shard starting at `offset`) with the node codec after the envelope's
-    /// room; the message length.
-    fn encode(&mut self, x: &[f32], offset: usize) -> Result<usize> {
-        let frame = &mut self.enc[ENVELOPE_LEN..];
-        let ctx = EncodeCtx::new(0).with_offset(offset as u64);
-        let len = self.node_codec.encode_into(x, &ctx, frame)?;
-        let len = if self.checksum {
-            wire::seal(frame, len)?
-        } else {
-            len
-        };
-        Ok(ENVELOPE_LEN + len)
-    }
-
-    /// Check a frame received from `from` in `phase` for shard `s` and decode it (`M`:
-    /// write or add) into `out`.
-    fn take<const M: u8>(
-        &self,
-        from: usize,
-        phase: Phase,
-        s: usize,
-        out: &mut [f32],
-    ) -> Result<()> {
-        let frame = &self.msg[ENVELOPE_LEN..];
-        let ctx = EncodeCtx::new(0).with_offset(self.shard(s).start as u64);
-        let bad = |e| peer_error(from, phase, from, e);
-        let split = super::check_origin(&self.node_codec, frame, &ctx).map_err(bad)?;
-        super::decode_checked::<M>(split, out).map_err(bad)
+        crate::state::restore_all(&mut self.streams, blobs, AllReduce::restore)
     }
 
     /// One all-reduce: `output` gets the reduction over all ranks of their `input` (both
@@ -392,18 +369,7 @@ impl Hierarchical {
     ) -> Result<Stats> {
         let _fp = crate::kernels::Standard::new();
         let call = comm.begin();
-        for (what, got) in [
-            ("input and all-reduce length", input.len()),
-            ("output and all-reduce length", output.len()),
-        ] {
-            if got != self.len {
-                return Err(Error::LengthMismatch {
-                    what,
-                    left: got,
-                    right: self.len,
-                });
-            }
-        }
+        super::check_lens(input, output, self.len)?;
         if comm.rank() != self.rank || comm.size() != self.nodes.world() {
             return Err(Error::Collective(format!(
                 "transport is rank {} of {}, but this all-reduce was built for rank {} of {}",
@@ -418,109 +384,67 @@ impl Hierarchical {
             bytes_sent: 0,
             messages: 0,
         };
-        let members = self.nodes.members(self.node).to_vec();
-        let l = members.len();
-        let shards = self.nodes.max_node();
+        let (members, local) = (self.nodes.members(self.node), self.local);
+        let (l, shards, n_all) = (members.len(), self.nodes.max_node(), self.len);
+        let shard = |s: usize| chunk_range(n_all, shards, s);
+        let io = &mut self.frames;
         // Hops per (sender, receiver) pair inside the node: the reduce-scatter's k-th
         // shard owned by the receiver is hop k; the all-gather's k-th shard owned by the
         // sender follows the shards the receiver owns.
         let owned_by = |lr: usize| (lr..shards).step_by(l).count();
         let k_of = |s: usize| s / l;
+        let others = || (0..shards).filter(|&s| s % l != local);
         // 1. Reduce-scatter inside the node.
-        for s in 0..shards {
-            let o = s % l;
-            if o == self.local {
-                continue;
-            }
-            let range = self.shard(s);
-            let len = self.encode(&input[range.clone()], range.start)?;
-            let place = self.place(call, Phase::NodeReduceScatter, k_of(s), s);
-            comm.post(&mut self.enc[..len], members[o], place)?;
+        for s in others() {
+            let range = shard(s);
+            let len = io.encode(&input[range.clone()], range.start)?;
+            let place = io.place(call, Phase::NodeReduceScatter, k_of(s), s);
+            comm.post(&mut io.enc[..len], members[s % l], place)?;
             stats.bytes_sent += len as u64;
             stats.messages += 1;
         }
-        for i in 0..self.owned.len() {
-            let s = self.owned[i].0;
-            let range = self.shard(s);
+        for (i, &s) in self.owned.iter().enumerate() {
+            let range = shard(s);
             let n = range.len();
-            let mut acc = core::mem::take(&mut self.acc);
             // In local-rank order: the first contribution written, the others added.
+            let acc = &mut self.acc[..n];
             for (lr, &from) in members.iter().enumerate() {
-                let dst = &mut acc[..n];
-                if lr == self.local {
-                    if lr == 0 {
-                        dst.copy_from_slice(&input[range.clone()]);
-                    } else {
-                        dst.iter_mut()
-                            .zip(&input[range.clone()])
-                            .for_each(|(a, &x)| *a += x);
-                    }
-                    continue;
-                }
-                let want = self.place(call, Phase::NodeReduceScatter, k_of(s), s);
-                let res = comm.expect(&mut self.msg, from, want).and_then(|_| {
-                    if lr == 0 {
-                        self.take::<WRITE>(from, Phase::NodeReduceScatter, s, dst)
-                    } else {
-                        self.take::<ADD>(from, Phase::NodeReduceScatter, s, dst)
-                    }
-                });
-                if let Err(e) = res {
-                    self.acc = acc;
-                    return Err(e);
+                let own = &input[range.clone()];
+                let place = io.place(call, Phase::NodeReduceScatter, k_of(s), s);
+                match (lr == local, lr == 0) {
+                    (true, true) => acc.copy_from_slice(own),
+                    (true, false) => acc.iter_mut().zip(own).for_each(|(a, &x)| *a += x),
+                    (false, true) => io.take::<WRITE, T>(comm, place, from, range.start, acc)?,
+                    (false, false) => io.take::<ADD, T>(comm, place, from, range.start, acc)?,
                 }
             }
             // 2. Between nodes (a world of one node: the node's sum is the result).
-            let mut reduced = core::mem::take(&mut self.reduced);
-            let res = match &mut self.owned[i].1 {
-                Some(stream) => {
-                    let stream_seed = splitmix64(seed ^ splitmix64(!(stream.shard as u64)));
-                    stream
-                        .ar
-                        .run_in(comm, call, &acc[..n], &mut reduced[..n], stream_seed)
-                        .map(|st| {
-                            stats.bytes_sent += st.bytes_sent;
-                            stats.messages += st.messages;
-                        })
+            let reduced = &mut self.reduced[..n];
+            match self.streams.get_mut(i) {
+                Some(ar) => {
+                    let stream_seed = splitmix64(seed ^ splitmix64(!(s as u64)));
+                    let st = ar.run_in(comm, call, acc, reduced, stream_seed)?;
+                    stats.bytes_sent += st.bytes_sent;
+                    stats.messages += st.messages;
                 }
-                None => {
-                    reduced[..n].copy_from_slice(&acc[..n]);
-                    Ok(())
-                }
-            };
-            self.acc = acc;
-            if let Err(e) = res {
-                self.reduced = reduced;
-                return Err(e);
+                None => reduced.copy_from_slice(acc),
             }
             // 3. This shard to the node's other ranks, and as they decode it, here.
-            let len = self.encode(&reduced[..n], range.start);
-            self.reduced = reduced;
-            let len = len?;
-            for (lr, &to) in members.iter().enumerate() {
-                if lr == self.local {
-                    continue;
-                }
-                let hop = owned_by(lr) + k_of(s);
-                let place = self.place(call, Phase::NodeAllGather, hop, s);
-                comm.post(&mut self.enc[..len], to, place)?;
+            let len = io.encode(reduced, range.start)?;
+            for (lr, &to) in members.iter().enumerate().filter(|&(lr, _)| lr != local) {
+                let place = io.place(call, Phase::NodeAllGather, owned_by(lr) + k_of(s), s);
+                comm.post(&mut io.enc[..len], to, place)?;
                 stats.bytes_sent += len as u64;
                 stats.messages += 1;
             }
-            let split = wire::split_with(&self.enc[ENVELOPE_LEN..len], false)?;
+            let split = wire::split_with(&io.enc[ENVELOPE_LEN..len], false)?;
             super::decode_checked::<WRITE>(split, &mut output[range])?;
         }
         // The shards the other ranks of the node own.
-        for s in 0..shards {
-            let o = s % l;
-            if o == self.local {
-                continue;
-            }
-            let hop = owned_by(self.local) + k_of(s);
-            let want = self.place(call, Phase::NodeAllGather, hop, s);
-            comm.expect(&mut self.msg, members[o], want)?;
-            let range = self.shard(s);
-            self.take::<WRITE>(members[o], Phase::NodeAllGather, s, &mut output[range])?;
+        for s in others() {
+            let range = shard(s);
+            let place = io.place(call, Phase::NodeAllGather, owned_by(local) + k_of(s), s);
+            io.take::<WRITE, T>(comm, place, members[s % l], range.start, &mut output[range])?;
         }
         if self.op == ReduceOp::Mean && self.nodes.world() > 1 {
             let p = self.nodes.world() as f32;

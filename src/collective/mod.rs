@@ -712,18 +712,7 @@ impl AllReduce {
         seed: u64,
     ) -> Result<Stats> {
         let _fp = crate::kernels::Standard::new();
-        for (what, got) in [
-            ("input and all-reduce length", input.len()),
-            ("output and all-reduce length", output.len()),
-        ] {
-            if got != self.len {
-                return Err(Error::LengthMismatch {
-                    what,
-                    left: got,
-                    right: self.len,
-                });
-            }
-        }
+        check_lens(input, output, self.len)?;
         let fits = match &self.group {
             None => comm.size() == self.size,
             Some(g) => g.iter().all(|&m| m < comm.size()),
@@ -1062,6 +1051,23 @@ fn codec_of(codec: CodecSpec, strategy: Strategy) -> CodecSpec {
     } else {
         codec
     }
+}
+
+/// An error unless a collective's `input` and `output` both hold `len` elements.
+fn check_lens(input: &[f32], output: &[f32], len: usize) -> Result<()> {
+    for (what, got) in [
+        ("input and all-reduce length", input.len()),
+        ("output and all-reduce length", output.len()),
+    ] {
+        if got != len {
+            return Err(Error::LengthMismatch {
+                what,
+                left: got,
+                right: len,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// An error unless `peer` is a rank of a world of `size` (for transports' `send_recv`).

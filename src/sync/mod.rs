@@ -227,11 +227,9 @@ impl Reducer {
             Reducer::Flat(ar) => ar.restore(blob),
             Reducer::Nodes(h) => {
                 let mut r = BlobReader::open(blob, NODES_MAGIC, "two-level all-reduce")?;
-                let n = r.u64()?;
-                let mut streams = Vec::new();
-                for _ in 0..n {
-                    streams.push(r.bytes()?.to_vec());
-                }
+                let streams = (0..r.u64()?)
+                    .map(|_| r.bytes().map(<[u8]>::to_vec))
+                    .collect::<Result<Vec<_>>>()?;
                 r.end()?;
                 h.restore(&streams)
             }
@@ -312,20 +310,11 @@ impl<T: Transport> Worker<T> {
                 Done::Reset
             }
             Job::Save => Done::Saved(self.ars.iter().map(Reducer::save).collect()),
-            Job::Restore(blobs) => {
-                // All or nothing: restore into copies, keep them only if every one reads.
-                let mut ars: Vec<Reducer> = Vec::with_capacity(self.ars.len());
-                let res = self.ars.iter().zip(&blobs).try_for_each(|(ar, blob)| {
-                    let mut copy = ar.clone();
-                    copy.restore(blob)?;
-                    ars.push(copy);
-                    Ok(())
-                });
-                if res.is_ok() {
-                    self.ars = ars;
-                }
-                Done::Restored(res)
-            }
+            Job::Restore(blobs) => Done::Restored(crate::state::restore_all(
+                &mut self.ars,
+                &blobs,
+                Reducer::restore,
+            )),
         }
     }
 }

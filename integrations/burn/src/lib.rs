@@ -430,8 +430,7 @@ impl<T: Transport + Send + 'static> DiLoCo<T> {
         let due = self.outer.due();
         let n = self.ids.len();
         if due.is_empty() {
-            let mut none: Vec<&mut [f32]> = (0..n).map(|_| <&mut [f32]>::default()).collect();
-            self.last = Some(self.outer.step(&mut none)?);
+            self.last = Some(self.outer.step(&mut [])?);
             return Ok(module);
         }
         let mut read_set = vec![false; n];

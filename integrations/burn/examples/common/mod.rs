@@ -239,6 +239,40 @@ fn checkpoint(
     })
 }
 
+/// A trained model, its losses, parameter hashes and seconds per step.
+type Trained = (Mlp<TB>, Vec<f32>, Vec<u64>, f64);
+
+/// Train on `rank`'s share of every batch from the checkpoint's step (or 0) to
+/// `cfg.steps`, `update` turning each step's gradients into the next model; the model,
+/// the losses, a hash of the parameters after every step, and seconds per step.
+#[allow(clippy::too_many_arguments)]
+fn train_loop<O: Optimizer<Mlp<TB>, TB>>(
+    mut model: Mlp<TB>,
+    optim: &mut O,
+    d: &Digits,
+    cfg: &RunConfig,
+    rank: usize,
+    world: usize,
+    resume: Option<&Checkpoint>,
+    mut update: impl FnMut(Mlp<TB>, GradientsParams, &mut O) -> gradpack_burn::Result<Mlp<TB>>,
+) -> gradpack_burn::Result<Trained> {
+    let device = Default::default();
+    let first = resume.map_or(0, |c| c.step);
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    let (mut losses, mut hashes) = (Vec::new(), Vec::new());
+    let start = Instant::now();
+    for step in first..cfg.steps {
+        let (x, y) = batch(d, step, rank, world, cfg.batch);
+        let loss = loss_fn.forward(model.forward(x), y);
+        losses.push(loss.clone().into_scalar());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = update(model, grads, optim)?;
+        hashes.push(hash(&param_bits(&model)));
+    }
+    let step_s = start.elapsed().as_secs_f64() / cfg.steps.saturating_sub(first).max(1) as f64;
+    Ok((model, losses, hashes, step_s))
+}
+
 /// Step `step`'s global batch, from a hash of the step: `rank`'s share of it.
 fn batch(
     d: &Digits,
@@ -280,28 +314,26 @@ pub fn worker<T: Transport + Send + 'static>(
     opts: SyncOptions,
     resume: Option<&Checkpoint>,
 ) -> gradpack_burn::Result<WorkerResult> {
-    let device = Default::default();
-    let (mut model, mut optim) = start(cfg, resume)?;
+    let (model, mut optim) = start(cfg, resume)?;
     let mut sync = GradSync::new(&model, transport, opts)?;
     if let Some(blob) = resume.and_then(|c| c.sync.as_ref()) {
         sync.restore(blob)?;
     }
-    let first = resume.map_or(0, |c| c.step);
-    let loss_fn = CrossEntropyLossConfig::new().init(&device);
-    let (mut losses, mut hashes) = (Vec::new(), Vec::new());
     let mut bytes = 0;
-    let start = Instant::now();
-    for step in first..cfg.steps {
-        let (x, y) = batch(d, step, rank, world, cfg.batch);
-        let loss = loss_fn.forward(model.forward(x), y);
-        losses.push(loss.clone().into_scalar());
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        let grads = sync.sync(&model, grads)?;
-        bytes += sync.last_stats().map_or(0, |s| s.bytes_sent);
-        model = optim.step(cfg.lr, model, grads);
-        hashes.push(hash(&param_bits(&model)));
-    }
-    let step_s = start.elapsed().as_secs_f64() / cfg.steps.saturating_sub(first).max(1) as f64;
+    let (model, losses, hashes, step_s) = train_loop(
+        model,
+        &mut optim,
+        d,
+        cfg,
+        rank,
+        world,
+        resume,
+        |model, grads, optim| {
+            let grads = sync.sync(&model, grads)?;
+            bytes += sync.last_stats().map_or(0, |s| s.bytes_sent);
+            Ok(optim.step(cfg.lr, model, grads))
+        },
+    )?;
     let checkpoint = if cfg.checkpoint {
         Some(checkpoint(cfg, &model, &optim, sync.save()?)?)
     } else {
@@ -337,26 +369,24 @@ pub fn diloco_worker<T: Transport + Send + 'static>(
     opts: OuterOptions,
     resume: Option<&Checkpoint>,
 ) -> gradpack_burn::Result<WorkerResult> {
-    let device = Default::default();
-    let (mut model, mut optim) = start(cfg, resume)?;
+    let (model, mut optim) = start(cfg, resume)?;
     let mut diloco = DiLoCo::new(&model, transport, opts)?;
     if let Some(blob) = resume.and_then(|c| c.sync.as_ref()) {
         diloco.restore(blob)?;
     }
-    let first = resume.map_or(0, |c| c.step);
-    let loss_fn = CrossEntropyLossConfig::new().init(&device);
-    let (mut losses, mut hashes) = (Vec::new(), Vec::new());
-    let start = Instant::now();
-    for step in first..cfg.steps {
-        let (x, y) = batch(d, step, rank, world, cfg.batch);
-        let loss = loss_fn.forward(model.forward(x), y);
-        losses.push(loss.clone().into_scalar());
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(cfg.lr, model, grads);
-        model = diloco.step(model)?;
-        hashes.push(hash(&param_bits(&model)));
-    }
-    let step_s = start.elapsed().as_secs_f64() / cfg.steps.saturating_sub(first).max(1) as f64;
+    let (model, losses, hashes, step_s) = train_loop(
+        model,
+        &mut optim,
+        d,
+        cfg,
+        rank,
+        world,
+        resume,
+        |model, grads, optim| {
+            let model = optim.step(cfg.lr, model, grads);
+            diloco.step(model)
+        },
+    )?;
     let checkpoint = if cfg.checkpoint {
         Some(checkpoint(cfg, &model, &optim, diloco.save()?)?)
     } else {
