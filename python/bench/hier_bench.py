@@ -5,11 +5,21 @@ shaped uplink.
     python bench/hier_bench.py                          # 2 nodes x 4 ranks; 1 and 10 Gbit/s
     python bench/hier_bench.py --nodes 2 --per-node 4 --links 1gbit --mib 16
 
-Topology (as root; iproute2, or pyroute2 where it is missing): a network namespace per rank with a veth to its node's
-bridge (in a namespace of the node's own; unshaped), and a veth from each node's bridge
-to a core bridge, shaped with ``tc tbf`` at the link's rate on both ends: the node's
-uplink, full duplex, shared by the node's ranks. The ranks talk over 10.78.0.0/24 in
-those namespaces only; they are deleted after each link.
+Topology (as root; iproute2, or pyroute2 where it is missing), ``--inside``:
+
+- ``loopback`` (the default): a network namespace per node, as a host has one network
+  stack. Its ranks talk to each other over the node's loopback (unshaped: the kernel
+  copies between sockets, as gloo's TCP does between processes of one host), and to
+  other nodes through the node's uplink, a veth to a core bridge shaped with ``tc tbf``
+  at the link's rate on both ends: full duplex, shared by the node's ranks.
+- ``veth``: a namespace per rank with a veth to its node's bridge (in a namespace of
+  the node's own; unshaped), the node's bridge reaching the core through the same
+  shaped uplink. Traffic inside a node then crosses two veths and a bridge.
+
+The ranks talk over 10.78.0.0/24 in those namespaces only; they are deleted after each
+link. Messages between ranks of a node go through shared memory (gradpack's
+``shared_memory=``, as the ranks of one host would talk), for the flat all-reduces and
+the two-level ones alike; ``--no-shm`` sends them through gloo like the rest.
 
 Per configuration: an all-reduce (mean) of one float32 tensor over gloo
 point-to-point messages (``--mib`` MiB), ``--warmup`` runs then ``--runs`` timed ones; the time of a run
@@ -66,6 +76,10 @@ def rank_main(a):
     out = np.empty_like(x)
     nodes = [r // a.per_node for r in range(world)]
     p2p = gpt._PointToPoint(lambda: dist.group.WORLD)
+    # Messages between ranks of a node through shared memory (its ranks share a host),
+    # or through gloo like the rest.
+    host = [r for r in range(world) if nodes[r] == nodes[rank]]
+    shm = dict(shared_memory=f"hb{a.port}", host=host) if a.shm else {}
     res = {"config": a.config}
     codec, strategy, hier, feedback = CONFIGS[a.config]
     if codec is None:
@@ -77,10 +91,10 @@ def rank_main(a):
     else:
         if hier:
             ar = gradpack.Hierarchical(codec, n, rank, world, p2p.send, p2p.recv, nodes,
-                                       strategy=strategy, feedback=feedback)
+                                       strategy=strategy, feedback=feedback, **shm)
         else:
             ar = gradpack.AllReduce(codec, n, rank, world, p2p.send, p2p.recv,
-                                    strategy=strategy, feedback=feedback)
+                                    strategy=strategy, feedback=feedback, **shm)
 
         def run(seed):
             ar.run(x, out, seed=seed)
@@ -129,7 +143,7 @@ def delete(nodes, per_node):
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def make_pyroute2(nodes, per_node, rate):
+def make_pyroute2(nodes, per_node, rate, inside):
     """make() through pyroute2's netlink sockets (machines without iproute2)."""
     from pyroute2 import IPRoute, NetNS, netns
 
@@ -159,6 +173,19 @@ def make_pyroute2(nodes, per_node, rate):
     ranks = []
     for k in range(nodes):
         nk = f"gpn{k}"
+        if inside == "loopback":
+            netns.create(nk)
+            veth(f"gpu{k}a", nk, f"gpu{k}b", "gpcore")
+            with NetNS(nk) as n:
+                i = n.link_lookup(ifname=f"gpu{k}a")[0]
+                n.link("set", index=i, ifname="eth0")
+                n.addr("add", index=i, address=f"{SUBNET}.{k + 1}", prefixlen=24)
+                n.link("set", index=i, state="up")
+                n.link("set", index=n.link_lookup(ifname="lo")[0], state="up")
+                n.tc("add", "tbf", i, 0x10000, rate=rate, burst=burst, latency="50ms")
+            port("gpcore", f"gpu{k}b", True)
+            ranks += [nk] * per_node
+            continue
         bridge(nk)
         veth(f"gpu{k}a", nk, f"gpu{k}b", "gpcore")
         port(nk, f"gpu{k}a", True)
@@ -179,14 +206,15 @@ def make_pyroute2(nodes, per_node, rate):
     return ranks
 
 
-def make(nodes, per_node, rate):
-    """The namespaces of the ranks, or None and why not."""
+def make(nodes, per_node, rate, inside="loopback"):
+    """The namespaces of the ranks (``inside``: ``loopback``, one per node; ``veth``, one
+    per rank), or None and why not."""
     if ddp_bench.NETLINK["tool"] is None:
         return None, "neither iproute2 (ip, tc) nor pyroute2 found"
     delete(nodes, per_node)
     if ddp_bench.NETLINK["tool"] == "pyroute2":
         try:
-            return make_pyroute2(nodes, per_node, rate), ""
+            return make_pyroute2(nodes, per_node, rate, inside), ""
         except Exception as e:  # reported; the run stops
             delete(nodes, per_node)
             return None, f"pyroute2: {type(e).__name__}: {e}"
@@ -200,6 +228,19 @@ def make(nodes, per_node, rate):
         for k in range(nodes):
             nk = f"gpn{k}"
             sh("ip", "netns", "add", nk)
+            if inside == "loopback":
+                sh("ip", "link", "add", "eth0", "netns", nk, "type", "veth", "peer", "name",
+                   f"gpu{k}b", "netns", "gpcore")
+                ex(nk, "ip", "addr", "add", f"{SUBNET}.{k + 1}/24", "dev", "eth0")
+                ex(nk, "ip", "link", "set", "eth0", "up")
+                ex(nk, "ip", "link", "set", "lo", "up")
+                ex("gpcore", "ip", "link", "set", f"gpu{k}b", "master", "br0")
+                ex("gpcore", "ip", "link", "set", f"gpu{k}b", "up")
+                for where, dev in ((nk, "eth0"), ("gpcore", f"gpu{k}b")):
+                    ex(where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                       "burst", burst, "latency", "50ms")
+                ranks += [nk] * per_node
+                continue
             ex(nk, "ip", "link", "add", "br0", "type", "bridge")
             ex(nk, "ip", "link", "set", "br0", "up")
             # The uplink: node side u{k}a in the node's namespace, core side u{k}b.
@@ -231,7 +272,7 @@ def make(nodes, per_node, rate):
         return None, str(e)
 
 
-def run_one(ns, world, per_node, cfg, elements, warmup, runs, timeout=600):
+def run_one(ns, world, per_node, cfg, elements, warmup, runs, shm, timeout=600):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     port = 29400 + (os.getpid() + int(time.time() * 13)) % 20000
@@ -242,6 +283,7 @@ def run_one(ns, world, per_node, cfg, elements, warmup, runs, timeout=600):
                "--world", str(world), "--per-node", str(per_node), "--addr", f"{SUBNET}.1",
                "--port", str(port), "--config", cfg, "--elements", str(elements),
                "--warmup", str(warmup), "--runs", str(runs), "--out", out, "--netns", ns[r]]
+        cmd += ["--shm"] if shm else ["--no-shm"]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True, env=env))
     errs = []
@@ -274,15 +316,15 @@ def model(cfg, nodes, per_node, rate, elements, profiles, intra_bw):
         intra_latency=20e-6, inter_latency=50e-6, reduce_bytes_per_s=4e9)
 
 
-def intra_bandwidth(per_node, elements, runs):
+def intra_bandwidth(per_node, elements, runs, inside, shm):
     """The link inside a node as this machine emulates it: one node of ``per_node`` ranks
-    (veths to a bridge, unshaped), gradpack's float32 ring of the tensor; bandwidth =
-    the ring's bytes per rank over its time."""
-    ns, why = make(1, per_node, "30gbit")  # the uplink of a lone node carries nothing
+    (unshaped), gradpack's float32 ring of the tensor; bandwidth = the ring's bytes per
+    rank over its time."""
+    ns, why = make(1, per_node, "30gbit", inside)  # a lone node's uplink carries nothing
     if ns is None:
         return None, why
     try:
-        r = run_one(ns, per_node, per_node, "flat-fp32", elements, 1, runs)
+        r = run_one(ns, per_node, per_node, "flat-fp32", elements, 1, runs, shm)
     finally:
         delete(1, per_node)
     if "ms" not in r:
@@ -301,6 +343,12 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--out", default="hier_bench.json")
+    ap.add_argument("--inside", choices=["loopback", "veth"], default="loopback",
+                    help="ranks of a node: one namespace, over its loopback (default), or "
+                         "a namespace each, through veths to the node's bridge")
+    ap.add_argument("--no-shm", dest="shm", action="store_false",
+                    help="messages between ranks of a node through gloo, not shared memory")
+    ap.add_argument("--shm", dest="shm", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--netlink", choices=["auto", "iproute2", "pyroute2"], default="auto",
                     help="how to make the namespaces (pyroute2 where iproute2 is missing)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -329,11 +377,13 @@ def main():
             profiles[codec] = gradpack.calibrate(codec, 1 << 20)
     meta = {"date": time.strftime("%Y-%m-%d"), "cpu": ddp_bench.cpu_name(),
             "cores": os.cpu_count(), "nodes": a.nodes, "per_node": a.per_node,
-            "elements": elements, "runs": a.runs}
+            "elements": elements, "runs": a.runs, "inside": a.inside, "shm": a.shm}
     print(f"# two-level all-reduce, {meta['date']}: {meta['cpu']}, {meta['cores']} cores; "
-          f"{a.nodes} nodes x {a.per_node} ranks, {elements * 4 / 2**20:.0f} MiB float32",
+          f"{a.nodes} nodes x {a.per_node} ranks ({'shared memory' if a.shm else a.inside} "
+          "inside a node), "
+          f"{elements * 4 / 2**20:.0f} MiB float32",
           flush=True)
-    intra_bw, why = intra_bandwidth(a.per_node, elements, a.runs)
+    intra_bw, why = intra_bandwidth(a.per_node, elements, a.runs, a.inside, a.shm)
     if intra_bw is None:
         print(f"SKIP: no emulated cluster ({why})", flush=True)
         return
@@ -342,13 +392,13 @@ def main():
           f"(float32 ring of {a.per_node} ranks)", flush=True)
     results = []
     for link in a.links.split(","):
-        ns, why = make(a.nodes, a.per_node, link)
+        ns, why = make(a.nodes, a.per_node, link, a.inside)
         if ns is None:
             print(f"SKIP {link}: no emulated cluster ({why})", flush=True)
             continue
         try:
             for cfg in configs:
-                r = run_one(ns, world, a.per_node, cfg, elements, a.warmup, a.runs)
+                r = run_one(ns, world, a.per_node, cfg, elements, a.warmup, a.runs, a.shm)
                 r["link"] = link
                 r["model_ms"] = model(cfg, a.nodes, a.per_node, link, elements, profiles,
                                       intra_bw)

@@ -495,6 +495,13 @@ class AllReduce(_Collective):
     or another all-reduce (give each its own ``tag``) is an error, not a wrong sum.
     Kernels run with the GIL released; it is taken only to call ``send`` and ``recv``.
     An exception raised by either ends the call with :class:`Error` naming the peer.
+
+    ``shared_memory`` (a name: letters, digits, ``-``, ``_``; the same on the ranks of a
+    host and new for each collective) sends the messages between the ranks ``host`` (the
+    ranks of this host, this one among them) through shared-memory rings instead of the
+    callables: two copies per message, no socket. Every rank of ``host`` must pass the
+    same name and list; the others use the callables. Construction waits up to
+    ``shared_memory_timeout`` seconds for the host's other ranks, and so does a receive.
     """
 
     __slots__ = ()
@@ -520,6 +527,9 @@ class AllReduce(_Collective):
         gamma: float = 1.0,
         residual: str = "f32",
         allow_non_contractive: bool = False,
+        shared_memory: Optional[str] = None,
+        host: Optional[Sequence[int]] = None,
+        shared_memory_timeout: float = 300.0,
     ) -> None:
         self._ar = _native.AllReduce(
             _codec(codec),
@@ -540,6 +550,9 @@ class AllReduce(_Collective):
             gamma=gamma,
             residual=residual,
             allow_non_contractive=allow_non_contractive,
+            shared_memory=shared_memory,
+            host=None if host is None else [int(r) for r in host],
+            shared_memory_timeout=float(shared_memory_timeout),
         )
 
     @property
@@ -559,6 +572,10 @@ class Hierarchical(_Collective):
     (``strategy``, ``feedback``, ``pieces`` as for :class:`AllReduce`; error feedback on
     this leg only), side by side, and all-gather the result inside the node. Every rank
     ends with the same bits; nodes may differ in size.
+
+    ``shared_memory`` (a name, as for :class:`AllReduce`) sends the messages inside a
+    node through shared memory, the node's ranks being one host's (``host`` to name
+    them otherwise); the legs between nodes use the callables.
     """
 
     __slots__ = ()
@@ -586,13 +603,18 @@ class Hierarchical(_Collective):
         gamma: float = 1.0,
         residual: str = "f32",
         allow_non_contractive: bool = False,
+        shared_memory: Optional[str] = None,
+        host: Optional[Sequence[int]] = None,
+        shared_memory_timeout: float = 300.0,
     ) -> None:
         self._ar = _native.Hierarchical(
             _codec(codec), length, rank, world, send, recv, [int(k) for k in nodes],
             node_codec=_codec(node_codec), strategy=strategy, op=op, feedback=feedback,
             pieces=pieces, checksum=checksum, tag=tag, bandwidth=bandwidth, latency=latency,
             beta=beta, gamma=gamma, residual=residual,
-            allow_non_contractive=allow_non_contractive,
+            allow_non_contractive=allow_non_contractive, shared_memory=shared_memory,
+            host=None if host is None else [int(r) for r in host],
+            shared_memory_timeout=float(shared_memory_timeout),
         )
 
 

@@ -76,6 +76,9 @@ class AllReduce:
         gamma: float = 1.0,
         residual: str = "f32",
         allow_non_contractive: bool = False,
+        shared_memory: Optional[str] = None,
+        host: Optional[List[int]] = None,
+        shared_memory_timeout: float = 300.0,
     ) -> None: ...
     def run(self, x: _F32, out: Optional[_F32] = None, seed: int = 0) -> Dict[str, Any]: ...
     @property
@@ -112,6 +115,9 @@ class Hierarchical:
         gamma: float = 1.0,
         residual: str = "f32",
         allow_non_contractive: bool = False,
+        shared_memory: Optional[str] = None,
+        host: Optional[List[int]] = None,
+        shared_memory_timeout: float = 300.0,
     ) -> None: ...
     def run(self, x: _F32, out: Optional[_F32] = None, seed: int = 0) -> Dict[str, Any]: ...
     @property

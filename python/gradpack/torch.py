@@ -99,6 +99,7 @@ import os
 import queue
 import socket
 import sys
+import tempfile
 import time
 import zlib
 import threading
@@ -196,6 +197,10 @@ class GradpackState:
         trial_steps: ``codec="auto"``: steps each configuration runs while measured
             (the best of them counts).
         print_plan: ``codec="auto"``: rank 0 prints the plan to stderr once decided.
+        shared_memory: the ring and ``strategy="hierarchical"`` send their messages
+            between ranks of one host through shared memory instead of the hook's
+            group (default ``True``; which ranks share a host is found once, by each
+            rank leaving a file in ``/dev/shm`` and looking for the others').
 
     ``strategy`` is ``"allgather"`` by default; with ``codec="auto"`` it limits the
     strategies tried (default both).
@@ -229,6 +234,7 @@ class GradpackState:
         print_plan: bool = True,
         nodes: Optional[Sequence[int]] = None,
         node_codec: str = "identity",
+        shared_memory: bool = True,
     ) -> None:
         if codec is None:
             codec = "identity" if powersgd is not None else "int8"
@@ -249,6 +255,10 @@ class GradpackState:
             raise ValueError("strategy='hierarchical' needs a codec: codec='auto' chooses "
                              "between 'allgather' and 'ring'")
         self._nodes = None if nodes is None else [int(k) for k in nodes]
+        self.shared_memory = bool(shared_memory)
+        self._hosts: Optional[List[int]] = None
+        self._shm_token: Optional[str] = None
+        self._shm_made = 0
         self.node_codec = str(node_codec)
         for name, v in (("trials", trials), ("trial_steps", trial_steps)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -1161,6 +1171,35 @@ class GradpackState:
             raise ValueError(f"nodes lists {len(self._nodes)} ranks; the group has {self._world()}")
         return self._nodes
 
+    def host_map(self) -> List[int]:
+        """The host of every rank of the process group (``0 ..``): ranks that share
+        ``/dev/shm`` (found once, a collective of the group: each rank leaves a file
+        there and looks for the others')."""
+        if self._hosts is None:
+            self._hosts = _hosts_by_probe(self._comm_group(), self._world(), self._rank())
+        return self._hosts
+
+    def _shared_memory(self, members: List[int]) -> Dict[str, Any]:
+        """The shared-memory arguments of a new collective whose messages between the
+        ranks ``members`` may go through shared memory: those of them on this rank's
+        host, under a name new on every call (made in the same order on every rank)."""
+        if not self.shared_memory:
+            return {}
+        hosts, me = self.host_map(), self._rank()
+        host = [r for r in members if hosts[r] == hosts[me]]
+        self._shm_made += 1
+        if len(host) < 2:
+            return {}
+        if self._shm_token is None:
+            token = [os.urandom(6).hex() if me == 0 else None]
+            dist.broadcast_object_list(token, src=dist.get_global_rank(self._comm_group(), 0),
+                                       group=self._comm_group())
+            self._shm_token = str(token[0])
+        kw: Dict[str, Any] = dict(shared_memory=f"gp{self._shm_token}-{self._shm_made}", host=host)
+        if self.timeout is not None:
+            kw["shared_memory_timeout"] = float(self.timeout)
+        return kw
+
     def _ring(
         self, flat: torch.Tensor, layout: List[Any], codec: Codec, index: int, step: int,
         world: int, hierarchical: bool = False,
@@ -1181,14 +1220,17 @@ class GradpackState:
                 tag=index & 0xFFFFFFFF,
             )
             if hierarchical:
+                nodes = self.node_map()
+                mine = [r for r in range(world) if nodes[r] == nodes[self._rank()]]
                 ar = gradpack.Hierarchical(
                     codec, flat.numel(), self._rank(), world, self._p2p.send, self._p2p.recv,
-                    nodes=self.node_map(), node_codec=self.node_codec, **common,
+                    nodes=nodes, node_codec=self.node_codec, **common,
+                    **self._shared_memory(mine),
                 )
             else:
                 ar = gradpack.AllReduce(
                     codec, flat.numel(), self._rank(), world, self._p2p.send, self._p2p.recv,
-                    strategy="ring", **common,
+                    strategy="ring", **common, **self._shared_memory(list(range(world))),
                 )
             saved = self._ring_restored.pop(names, None)
             if saved is not None:
@@ -1206,6 +1248,40 @@ class GradpackState:
             self._p2p.drop()
             raise
         self._p2p.wait()
+
+
+def _shm_dir() -> str:
+    """Where the crate's shared-memory transport puts its files."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _hosts_by_probe(group: Any, world: int, rank: int) -> List[int]:
+    """The host of every rank of ``group``: ranks that see each other's file in the
+    shared-memory directory share one. Ranks whose views disagree (a directory shared
+    one way only) get hosts of their own."""
+    token = os.urandom(8).hex()
+    path = os.path.join(_shm_dir(), f"gradpack-probe-{token}")
+    try:
+        with open(path, "w"):
+            pass
+    except OSError:
+        path = ""
+    tokens: List[Any] = [None] * world
+    dist.all_gather_object(tokens, token if path else None, group=group)
+    sees = [r for r, t in enumerate(tokens) if t is not None and (
+        r == rank or os.path.exists(os.path.join(_shm_dir(), f"gradpack-probe-{t}")))]
+    views: List[Any] = [None] * world
+    dist.all_gather_object(views, sees, group=group)
+    if path:
+        os.unlink(path)
+    hosts: List[int] = []
+    groups: Dict[Tuple[int, ...], int] = {}
+    for r in range(world):
+        v = tuple(views[r])
+        # A host: ranks that all see exactly the same set, which holds them.
+        ok = r in v and all(tuple(views[q]) == v for q in v)
+        hosts.append(groups.setdefault(v, len(groups)) if ok else len(groups) + world + r)
+    return hosts
 
 
 def _spans_nodes(group: Any) -> bool:

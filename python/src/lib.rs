@@ -8,8 +8,8 @@
 //! the `gradpack.Error` exception (a `ValueError`) with the crate's own message.
 
 use gradpack::collective::{
-    AllReduce, AllReduceOptions, Comm, Feedback, Hierarchical, Nodes, ReduceOp, StrategyChoice,
-    Transport,
+    AllReduce, AllReduceOptions, Comm, Feedback, Hierarchical, Nodes, ReduceOp, Routed,
+    SharedMemory, SharedMemoryOptions, StrategyChoice, Transport,
 };
 use gradpack::cost::{self, CodecProfile, Strategy};
 use gradpack::outer::{OuterOptions, OuterSync};
@@ -838,6 +838,43 @@ fn py_transport(
     })
 }
 
+/// `base`, with the messages between the ranks `host` (this host's, this rank among
+/// them) through shared memory files called `name` when one is given. Waits (without the
+/// GIL) up to `timeout` seconds for the other ranks of the host.
+fn routed(
+    py: Python<'_>,
+    base: PyTransport,
+    name: Option<&str>,
+    host: Option<Vec<usize>>,
+    timeout: f64,
+) -> PyResult<Routed<PyTransport>> {
+    let shm = match (name, host) {
+        (None, _) => None,
+        (Some(_), None) => {
+            return Err(PyValueError::new_err(
+                "shared_memory needs the ranks of this host (host=)",
+            ));
+        }
+        (Some(name), Some(host)) => {
+            if !(timeout.is_finite() && timeout > 0.0) {
+                return Err(PyValueError::new_err(format!(
+                    "shared_memory_timeout must be a positive number of seconds, not {timeout}"
+                )));
+            }
+            let (rank, size) = (base.rank, base.size);
+            let opts = SharedMemoryOptions {
+                timeout: std::time::Duration::from_secs_f64(timeout),
+                ..Default::default()
+            };
+            Some(
+                py.detach(|| SharedMemory::open(name, rank, size, &host, opts))
+                    .map_err(err)?,
+            )
+        }
+    };
+    Routed::new(base, shm).map_err(err)
+}
+
 /// The `op` argument of the collectives.
 fn reduce_op(op: &str) -> PyResult<ReduceOp> {
     match op {
@@ -869,7 +906,7 @@ const ALLREDUCE_FORMAT: &str = "gradpack.AllReduce/1";
 #[pyclass(module = "gradpack", name = "AllReduce")]
 struct PyAllReduce {
     inner: AllReduce,
-    comm: Comm<PyTransport>,
+    comm: Comm<Routed<PyTransport>>,
     /// The input when `run` reduces in place.
     scratch: Vec<f32>,
 }
@@ -881,6 +918,7 @@ impl PyAllReduce {
         codec, length, rank, world, send, recv, *, strategy="auto", op="mean",
         feedback="none", pieces=1, checksum=true, tag=0, bandwidth=10e9, latency=10e-6,
         beta=1.0, gamma=1.0, residual="f32", allow_non_contractive=false,
+        shared_memory=None, host=None, shared_memory_timeout=300.0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -902,8 +940,13 @@ impl PyAllReduce {
         gamma: f32,
         residual: &str,
         allow_non_contractive: bool,
+        shared_memory: Option<&str>,
+        host: Option<Vec<usize>>,
+        shared_memory_timeout: f64,
     ) -> PyResult<Self> {
-        let t = py_transport(codec.py(), rank, world, send, recv)?;
+        let py = codec.py();
+        let t = py_transport(py, rank, world, send, recv)?;
+        let t = routed(py, t, shared_memory, host, shared_memory_timeout)?;
         let strategy = strategy_choice(strategy, world, bandwidth, latency)?;
         let op = reduce_op(op)?;
         if pieces == 0 {
@@ -1717,7 +1760,7 @@ const HIER_FORMAT: &str = "gradpack.Hierarchical/1";
 #[pyclass(module = "gradpack", name = "Hierarchical")]
 struct PyHierarchical {
     inner: Hierarchical,
-    comm: Comm<PyTransport>,
+    comm: Comm<Routed<PyTransport>>,
     /// The input when `run` reduces in place.
     scratch: Vec<f32>,
 }
@@ -1729,6 +1772,7 @@ impl PyHierarchical {
         codec, length, rank, world, send, recv, nodes, *, node_codec=None, strategy="auto",
         op="mean", feedback="none", pieces=1, checksum=true, tag=0, bandwidth=10e9,
         latency=10e-6, beta=1.0, gamma=1.0, residual="f32", allow_non_contractive=false,
+        shared_memory=None, host=None, shared_memory_timeout=300.0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -1753,8 +1797,26 @@ impl PyHierarchical {
         gamma: f32,
         residual: &str,
         allow_non_contractive: bool,
+        shared_memory: Option<&str>,
+        host: Option<Vec<usize>>,
+        shared_memory_timeout: f64,
     ) -> PyResult<Self> {
         let t = py_transport(py, rank, world, send, recv)?;
+        if rank >= nodes.len() {
+            return Err(PyValueError::new_err(format!(
+                "rank {rank} is outside nodes ({} ranks)",
+                nodes.len()
+            )));
+        }
+        // Shared memory by default among the ranks of this rank's node.
+        let host = host.or_else(|| {
+            shared_memory.map(|_| {
+                (0..nodes.len())
+                    .filter(|&r| nodes[r] == nodes[rank])
+                    .collect()
+            })
+        });
+        let t = routed(py, t, shared_memory, host, shared_memory_timeout)?;
         let nodes = Nodes::new(nodes).map_err(err)?;
         let opts = AllReduceOptions {
             op: reduce_op(op)?,

@@ -40,11 +40,20 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "modules-f64": {"codec": "int8", "fragments": "modules", "dtype": "float64", "delay": 1},
 }
 
+# The model on the first GPU (every rank on it): parameters reach the outer step through
+# pinned host copies. Run by test_torch_cuda.py where torch sees a CUDA device.
+CUDA_CONFIGS: Dict[str, Dict[str, Any]] = {
+    "cuda-int8": {"codec": "int8", "device": "cuda"},
+    "cuda-stream": {"codec": "int8", "fragments": 2, "delay": 1, "alpha": 0.5, "device": "cuda"},
+}
+CONFIGS_ALL = {**CONFIGS, **CUDA_CONFIGS}
+
 
 def make(cfg: Dict[str, Any], seed: int, sync_every: int, init: int = -1):
     import gradpack.torch as gpt
 
     net = ddp_digits.model(seed if init < 0 else init, {"dtype": cfg.get("dtype", "float32")})
+    net = net.to(cfg.get("device", "cpu"))
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     frags = cfg.get("fragments", 1)
     if frags == "modules":
@@ -64,7 +73,7 @@ def run_steps(net, opt, xs, ys, rank, world, steps, start, batch=32):
 
 
 def outer_flat(diloco) -> torch.Tensor:
-    return torch.cat([p.reshape(-1).double() for p in diloco.outer_parameters()])
+    return torch.cat([p.reshape(-1).double().cpu() for p in diloco.outer_parameters()])
 
 
 def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str) -> None:
@@ -74,17 +83,17 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
     h, steps = plan["sync_every"], plan["steps"]
     results: List[Dict[str, Any]] = []
     for name in plan["configs"]:
-        cfg = CONFIGS[name]
+        cfg = CONFIGS_ALL[name]
         net, opt, diloco = make(cfg, 0, h)
         t0 = time.perf_counter()
         losses = run_steps(net, opt, xs, ys, rank, world, steps, 0)
         secs = time.perf_counter() - t0
         with torch.no_grad():
             p = next(net.parameters())
-            acc = (net(xt.to(p.dtype)).argmax(1) == yt).float().mean().item()
+            acc = (net(xt.to(p.device, p.dtype)).argmax(1).cpu() == yt).float().mean().item()
         outer = outer_flat(diloco)
         results.append({
-            "config": name, "accuracy": acc, "bytes_sent": diloco.bytes_sent,
+            "config": name, "device": str(p.device.type), "accuracy": acc, "bytes_sent": diloco.bytes_sent,
             "syncs": diloco.syncs, "inner_steps": diloco.inner_step,
             "params": sum(p.numel() for p in net.parameters()), "seconds": secs,
             "first_loss": sum(losses[:20]) / 20, "last_loss": sum(losses[-20:]) / 20,
@@ -96,7 +105,7 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
         # Checkpoint mid-round (with delay 1, an all-reduce in flight), go on; then a
         # fresh model, optimizer and DiLoCo from the checkpoint: the same parameters.
         k = steps // 2 + 1
-        net, opt, diloco = make(CONFIGS[name], 7, h)
+        net, opt, diloco = make(CONFIGS_ALL[name], 7, h)
         run_steps(net, opt, xs, ys, rank, world, k, 0)
         ckpt = os.path.join(out_dir, f"ckpt-{name}-{rank}.pt")
         torch.save({"model": net.state_dict(), "opt": opt.state_dict(),
@@ -104,8 +113,8 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
         run_steps(net, opt, xs, ys, rank, world, k, k)
         straight, straight_outer = ddp_digits.flat_params(net), outer_flat(diloco)
         diloco.close()
-        saved = torch.load(ckpt, weights_only=True)
-        net, opt, diloco = make(CONFIGS[name], 7, h, init=99)
+        saved = torch.load(ckpt, weights_only=True, map_location="cpu")
+        net, opt, diloco = make(CONFIGS_ALL[name], 7, h, init=99)
         net.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
         diloco.load_state_dict(saved["diloco"])

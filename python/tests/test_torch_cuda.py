@@ -5,6 +5,9 @@ stay on the GPU and go through DDP's own group.
 
 Two processes share the first GPU and talk over gloo: NCCL refuses two ranks on one GPU
 ("Duplicate GPU detected"), so a machine with one GPU cannot run an NCCL world of two.
+DiLoCo runs with the model on the GPU too: its outer step reads and writes the parameters
+through pinned float32 host copies of the due fragments.
+
 Skipped where torch sees no CUDA device (CI keeps the CPU path in test_torch.py).
 """
 
@@ -20,6 +23,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ddp_digits  # noqa: E402
+import diloco_digits  # noqa: E402
 
 CONFIGS = ["fp32", "int8", "int8-ef-ring", "topk-ef", "powersgd2", "int8-bf16"]
 
@@ -47,3 +51,31 @@ def test_gpu_training_tracks_float32(runs, config):
     # 3 points is over 4 standard deviations.
     assert got["accuracy"] >= base["accuracy"] - 0.03, (got, base)
     assert got["last_loss"] < got["first_loss"] / 5, got
+
+
+@pytest.fixture(scope="module")
+def diloco_runs():
+    names = list(diloco_digits.CUDA_CONFIGS)
+    ranks = diloco_digits.run(2, names, 300, sync_every=10, resume="cuda-stream")
+    for r in ranks[0]:
+        print("cuda diloco", r)
+    return ranks
+
+
+@pytest.mark.parametrize("config", list(diloco_digits.CUDA_CONFIGS))
+def test_diloco_on_the_gpu_trains_and_ranks_agree(diloco_runs, config):
+    for ranks in diloco_runs:
+        r = [x for x in ranks if x["config"] == config and "accuracy" in x][0]
+        assert r["device"] == "cuda", r
+        assert r["identical"], r
+        # The CPU suite's bar (test_diloco.py): 90% and the loss down by 5x.
+        assert r["accuracy"] >= 0.90, r
+        assert r["last_loss"] < r["first_loss"] / 5, r
+    plain = [x for x in diloco_runs[0] if x["config"] == "cuda-int8"][0]
+    assert plain["local_is_outer"], plain  # alpha 0: the GPU parameters are the outer ones
+
+
+def test_diloco_on_the_gpu_resumes_bit_for_bit(diloco_runs):
+    for ranks in diloco_runs:
+        r = [x for x in ranks if x.get("resume")][0]
+        assert r["equal"] and r["outer_equal"], r

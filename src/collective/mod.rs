@@ -91,10 +91,12 @@ pub mod hier;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod shm;
 
 pub use comm::{Comm, ENVELOPE_LEN, ENVELOPE_VERSION};
 use comm::{Phase, Place};
 pub use hier::{Hierarchical, Nodes};
+pub use shm::{Routed, SharedMemory, SharedMemoryOptions};
 
 use core::ops::Range;
 

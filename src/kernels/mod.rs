@@ -23,6 +23,7 @@ pub mod fpmode;
 pub mod gemm;
 mod portable;
 pub mod scalar;
+pub(crate) mod shm;
 #[cfg(target_arch = "x86_64")]
 mod x86_64;
 

@@ -1,0 +1,839 @@
+//! A [`Transport`] between the ranks of one host through shared memory
+//! ([`SharedMemory`]), and [`Routed`], which sends another transport's messages between
+//! ranks of one host that way and the rest as before.
+//!
+//! Ranks of one host that talk over TCP pay the kernel's copies through a socket on
+//! every message; through shared memory a message costs two copies (into the ring and
+//! out of it). That is what the two-level all-reduce ([`super::Hierarchical`]) assumes
+//! of the link inside a node.
+//!
+//! ## How it works
+//! Each rank owns one file, `gradpack-{name}-{rank}` under `/dev/shm` where that exists
+//! (else the system's temporary directory, or the directory given), mapped by itself and
+//! by the other ranks of its host. It holds a header and one ring per other rank of the
+//! host, which that rank writes and the owner reads. A message is its length (8 bytes,
+//! little-endian) and its bytes, streamed through the ring: a message longer than the
+//! ring goes through in pieces as the reader empties it. Each ring has a write position
+//! (published by the writer with a release store) and a read position (published by the
+//! reader), each on a cache line of its own.
+//!
+//! - **Sends never wait for the reader** ([`Transport::send`]'s rule): what does not fit
+//!   in the ring is copied to a queue that a thread of the transport writes as the
+//!   reader makes room, in order behind anything already queued for that peer.
+//!   Dropping the transport waits until that queue is delivered (or its reader has
+//!   stalled past the timeout), so a message sent is never lost.
+//! - **Receives wait** by spinning briefly, then yielding, then sleeping up to 50 us at a
+//!   time, for at most the timeout ([`SharedMemoryOptions::timeout`]); a peer that sends
+//!   nothing within it, or leaves a queued message unread that long, is an
+//!   [`Error::Transport`] naming it.
+//! - **A peer that is gone** is noticed sooner: each rank's thread bumps a heartbeat in
+//!   its file every 50 ms while the transport lives, and a peer whose heartbeat stands
+//!   still for 3 s (its process died, or dropped its transport) fails a receive from it
+//!   or a send queued for it.
+//! - **Set-up**: a rank makes its file under a temporary name, fills it (so a full
+//!   file system is an error here, not a fault later) and renames it, so a peer never
+//!   maps a half-made file; then it maps every peer's file, waiting for each up to the
+//!   timeout. An owner removes its file's name once every peer has mapped it, or when
+//!   dropped, so a finished or failed job leaves nothing behind.
+//!
+//! The name must be the same on every rank of the host and new for each set of
+//! transports (the PyTorch hook draws one at random on rank 0 and broadcasts it).
+//! Memory: each rank maps `capacity` bytes per other rank of its host in its own file.
+
+use std::collections::VecDeque;
+use std::fs::{self, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::{Transport, check_rank};
+use crate::error::{Error, Result};
+use crate::kernels::shm::Mapped;
+
+/// "GPSHM" and the layout's version, 1.
+const MAGIC: u64 = u64::from_le_bytes(*b"GPSHM\0\0\x01");
+/// The header: magic, ring capacity, rings, peers that mapped the file, the owner's
+/// heartbeat.
+const HEADER: usize = 64;
+const OPENED_AT: usize = 24;
+const BEAT_AT: usize = 32;
+/// How often a rank's sending thread bumps its heartbeat, and how long a peer's may stand
+/// still before a receive or a queued send gives up on it.
+const BEAT: Duration = Duration::from_millis(50);
+const SILENT: Duration = Duration::from_secs(3);
+/// A ring's positions, a cache line each, before its data.
+const RING_HEAD: usize = 128;
+/// Bytes of the length in front of every message.
+const LEN_BYTES: usize = 8;
+
+/// Options of a [`SharedMemory`] transport. Every rank of a host must use the same
+/// capacity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedMemoryOptions {
+    /// Bytes of each ring (a multiple of 64, from 64 bytes to 1 GiB; default 1 MiB).
+    pub capacity: usize,
+    /// How long a receive waits for a peer, set-up waits for a peer's file, and a queued
+    /// send waits for its reader (default 300 s).
+    pub timeout: Duration,
+    /// Where the files go (default `/dev/shm` where it exists, else the system's
+    /// temporary directory).
+    pub dir: Option<PathBuf>,
+}
+
+impl Default for SharedMemoryOptions {
+    fn default() -> Self {
+        SharedMemoryOptions {
+            capacity: 1 << 20,
+            timeout: Duration::from_secs(300),
+            dir: None,
+        }
+    }
+}
+
+/// One direction between two ranks: a ring inside the reader's file.
+#[derive(Debug, Clone)]
+struct Ring {
+    map: Arc<Mapped>,
+    /// Offset of the ring's positions in the file.
+    at: usize,
+    capacity: usize,
+}
+
+impl Ring {
+    fn positions(&self) -> (&std::sync::atomic::AtomicU64, &std::sync::atomic::AtomicU64) {
+        (self.map.atomic(self.at), self.map.atomic(self.at + 64))
+    }
+
+    /// Write as much of `parts` (concatenated), from byte `done` on, as the ring has room
+    /// for; returns the new `done`.
+    fn push(&self, parts: [&[u8]; 2], mut done: usize) -> usize {
+        let (write, read) = self.positions();
+        let w = write.load(Ordering::Relaxed); // written by this side only
+        let r = read.load(Ordering::Acquire);
+        let used = usize::try_from(w.wrapping_sub(r)).unwrap_or(usize::MAX);
+        let mut free = self.capacity.saturating_sub(used);
+        let mut pos = w;
+        let mut skip = done;
+        for part in parts {
+            if skip >= part.len() {
+                skip -= part.len();
+                continue;
+            }
+            let mut src = &part[skip..];
+            skip = 0;
+            while !src.is_empty() && free > 0 {
+                let at = (pos % self.capacity as u64) as usize;
+                let n = src.len().min(free).min(self.capacity - at);
+                self.map.write(self.at + RING_HEAD + at, &src[..n]);
+                src = &src[n..];
+                free -= n;
+                pos += n as u64;
+                done += n;
+            }
+            if free == 0 {
+                break;
+            }
+        }
+        if pos != w {
+            write.store(pos, Ordering::Release);
+        }
+        done
+    }
+
+    /// Read up to `out.len()` bytes that have arrived; returns how many.
+    fn pop(&self, out: &mut [u8]) -> usize {
+        let (write, read) = self.positions();
+        let r = read.load(Ordering::Relaxed); // written by this side only
+        let w = write.load(Ordering::Acquire);
+        let avail = usize::try_from(w.wrapping_sub(r))
+            .unwrap_or(usize::MAX)
+            .min(self.capacity);
+        let n = avail.min(out.len());
+        let mut got = 0;
+        let mut pos = r;
+        while got < n {
+            let at = (pos % self.capacity as u64) as usize;
+            let k = (n - got).min(self.capacity - at);
+            self.map
+                .read(self.at + RING_HEAD + at, &mut out[got..got + k]);
+            got += k;
+            pos += k as u64;
+        }
+        if n > 0 {
+            read.store(pos, Ordering::Release);
+        }
+        n
+    }
+}
+
+/// Messages to one peer that did not fit in its ring yet.
+#[derive(Debug)]
+struct Outbox {
+    ring: Ring,
+    /// Whole framed messages (length and bytes), the front one partly written.
+    queue: VecDeque<Vec<u8>>,
+    /// Bytes of the front message already in the ring.
+    front_done: usize,
+    /// When the front message last made progress.
+    since: Instant,
+}
+
+impl Outbox {
+    /// Write what fits of the queue; returns whether anything was written.
+    fn drain(&mut self) -> bool {
+        let mut moved = false;
+        while let Some(front) = self.queue.front() {
+            let done = self.ring.push([front, &[]], self.front_done);
+            if done > self.front_done {
+                moved = true;
+                self.since = Instant::now();
+            }
+            if done < front.len() {
+                self.front_done = done;
+                break;
+            }
+            self.queue.pop_front();
+            self.front_done = 0;
+        }
+        moved
+    }
+}
+
+/// What the transport shares with its sending thread.
+#[derive(Debug)]
+struct Shared {
+    /// Per host rank (by position in the host's list); `None` for this rank.
+    outboxes: Vec<Option<Mutex<Outbox>>>,
+    /// Set when a queue got a message; the thread sleeps until then.
+    work: Mutex<bool>,
+    wake: Condvar,
+    /// Set when the transport is dropped: the thread ends once its queues are empty (or
+    /// their readers stalled past the timeout), so no message sent is lost.
+    closing: AtomicBool,
+    /// The first failure of a queued send: the peer and why.
+    failed: Mutex<Option<(usize, String)>>,
+    timeout: Duration,
+    /// This rank's file, for its heartbeat.
+    own: Arc<Mapped>,
+}
+
+/// Watches a peer's heartbeat while waiting for it.
+#[derive(Debug)]
+struct Pulse {
+    last: u64,
+    since: Instant,
+}
+
+impl Pulse {
+    fn new(file: &Mapped) -> Pulse {
+        Pulse {
+            last: file.atomic(BEAT_AT).load(Ordering::Acquire),
+            since: Instant::now(),
+        }
+    }
+
+    /// Whether the heartbeat in `file` has stood still for [`SILENT`].
+    fn silent(&mut self, file: &Mapped) -> bool {
+        let now = file.atomic(BEAT_AT).load(Ordering::Acquire);
+        if now != self.last {
+            self.last = now;
+            self.since = Instant::now();
+        }
+        self.since.elapsed() > SILENT
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock cannot leave an outbox half-changed in a way that
+    // matters more than the panic itself; keep going with the data.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    /// The sending thread: write queued messages as readers make room.
+    fn run(&self, host: &[usize]) {
+        let mut wait = Backoff::default();
+        let mut beat = Instant::now();
+        let mut pulses: Vec<Option<Pulse>> = self.outboxes.iter().map(|_| None).collect();
+        loop {
+            if beat.elapsed() >= BEAT {
+                self.own.atomic(BEAT_AT).fetch_add(1, Ordering::AcqRel);
+                beat = Instant::now();
+            }
+            let mut pending = false;
+            let mut moved = false;
+            for (i, ob) in self.outboxes.iter().enumerate() {
+                let Some(ob) = ob else { continue };
+                let mut ob = lock(ob);
+                let progressed = ob.drain();
+                moved |= progressed;
+                if ob.queue.is_empty() || progressed {
+                    pulses[i] = None;
+                    continue;
+                }
+                pending = true;
+                let map = ob.ring.map.clone();
+                let gone = pulses[i]
+                    .get_or_insert_with(|| Pulse::new(&map))
+                    .silent(&map);
+                if gone || ob.since.elapsed() > self.timeout {
+                    let why = if gone {
+                        format!("stopped (no heartbeat for {SILENT:?}) with a message unread")
+                    } else {
+                        format!(
+                            "did not read a message through shared memory within {:?}",
+                            self.timeout
+                        )
+                    };
+                    lock(&self.failed).get_or_insert((host[i], why));
+                    ob.queue.clear();
+                    ob.front_done = 0;
+                    pulses[i] = None;
+                }
+            }
+            if moved {
+                wait = Backoff::default();
+            } else if !pending && self.closing.load(Ordering::Acquire) {
+                return;
+            } else if pending {
+                wait.snooze();
+            } else {
+                let mut work = lock(&self.work);
+                while !*work && !self.closing.load(Ordering::Acquire) {
+                    if beat.elapsed() >= BEAT {
+                        break;
+                    }
+                    work = self
+                        .wake
+                        .wait_timeout(work, BEAT)
+                        .map(|(g, _)| g)
+                        .unwrap_or_else(|e| e.into_inner().0);
+                }
+                *work = false;
+                wait = Backoff::default();
+            }
+        }
+    }
+}
+
+/// Waiting for a peer: a short spin, then yields, then sleeps of up to 50 us.
+#[derive(Debug, Default)]
+struct Backoff(u32);
+
+impl Backoff {
+    fn snooze(&mut self) {
+        if self.0 < 64 {
+            for _ in 0..(1u32 << (self.0 / 8)) {
+                std::hint::spin_loop();
+            }
+        } else if self.0 < 96 {
+            std::thread::yield_now();
+        } else {
+            let us = (self.0 - 95).min(50) as u64;
+            std::thread::sleep(Duration::from_micros(us));
+        }
+        self.0 = self.0.saturating_add(1);
+    }
+}
+
+/// A [`Transport`] between ranks of one host through shared memory (see the module
+/// docs). It serves the ranks of its host only: a message to any other rank is an
+/// error; [`Routed`] combines it with a transport for the rest.
+#[derive(Debug)]
+pub struct SharedMemory {
+    rank: usize,
+    size: usize,
+    /// The ranks of this host, ascending, this one among them.
+    host: Vec<usize>,
+    me: usize,
+    /// This rank's file: rings from every other host rank.
+    own: Arc<Mapped>,
+    /// Its name, until every peer has mapped it and it is removed.
+    path: Option<PathBuf>,
+    inbox: Vec<Option<Ring>>,
+    /// Every other host rank's file, for its heartbeat.
+    peers: Vec<Option<Arc<Mapped>>>,
+    shared: Arc<Shared>,
+    sender: Option<JoinHandle<()>>,
+}
+
+impl SharedMemory {
+    /// Rank `rank` of a world of `size`, sharing memory with the ranks `host` (this
+    /// host's ranks, this one among them) through files called `name` (letters, digits,
+    /// `-` and `_`; the same on every rank of the host, and new for each set of
+    /// transports). Waits up to the timeout for every peer's file.
+    pub fn open(
+        name: &str,
+        rank: usize,
+        size: usize,
+        host: &[usize],
+        options: SharedMemoryOptions,
+    ) -> Result<SharedMemory> {
+        let bad = |why: String| Err(Error::Collective(format!("shared memory: {why}")));
+        if name.is_empty()
+            || name.len() > 64
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return bad(format!(
+                "name {name:?}: 1 to 64 letters, digits, '-' or '_'"
+            ));
+        }
+        check_rank(rank, size)?;
+        let mut ranks = host.to_vec();
+        ranks.sort_unstable();
+        ranks.dedup();
+        if ranks.len() != host.len() {
+            return bad("the host's ranks repeat a rank".into());
+        }
+        for &r in &ranks {
+            check_rank(r, size)?;
+        }
+        let Some(me) = ranks.iter().position(|&r| r == rank) else {
+            return bad(format!(
+                "rank {rank} is not among the host's ranks {ranks:?}"
+            ));
+        };
+        let cap = options.capacity;
+        if !(64..=1 << 30).contains(&cap) || !cap.is_multiple_of(64) {
+            return bad(format!(
+                "capacity {cap}: a multiple of 64 bytes from 64 bytes to 1 GiB"
+            ));
+        }
+        let dir = match &options.dir {
+            Some(d) => d.clone(),
+            None if Path::new("/dev/shm").is_dir() => PathBuf::from("/dev/shm"),
+            None => std::env::temp_dir(),
+        };
+        let file_of = |r: usize| dir.join(format!("gradpack-{name}-{r}"));
+        let rings = ranks.len() - 1;
+        let len = HEADER + rings * (RING_HEAD + cap);
+        let path = file_of(rank);
+        let own = Arc::new(create(&path, len, cap, rings)?);
+        // The ring from host rank j sits at slot j, less one past this rank.
+        let slot = |reader: usize, writer: usize| {
+            HEADER + (writer - usize::from(writer > reader)) * (RING_HEAD + cap)
+        };
+        let inbox = (0..ranks.len())
+            .map(|j| {
+                (j != me).then(|| Ring {
+                    map: own.clone(),
+                    at: slot(me, j),
+                    capacity: cap,
+                })
+            })
+            .collect();
+        let mut outboxes = Vec::with_capacity(ranks.len());
+        let mut peers = Vec::with_capacity(ranks.len());
+        for (j, &r) in ranks.iter().enumerate() {
+            if j == me {
+                outboxes.push(None);
+                peers.push(None);
+                continue;
+            }
+            let map = match open_peer(&file_of(r), r, len, cap, rings, options.timeout) {
+                Ok(m) => Arc::new(m),
+                Err(e) => {
+                    let _ = fs::remove_file(&path);
+                    return Err(e);
+                }
+            };
+            map.atomic(OPENED_AT).fetch_add(1, Ordering::AcqRel);
+            peers.push(Some(map.clone()));
+            outboxes.push(Some(Mutex::new(Outbox {
+                ring: Ring {
+                    map,
+                    at: slot(j, me),
+                    capacity: cap,
+                },
+                queue: VecDeque::new(),
+                front_done: 0,
+                since: Instant::now(),
+            })));
+        }
+        let shared = Arc::new(Shared {
+            outboxes,
+            work: Mutex::new(false),
+            wake: Condvar::new(),
+            closing: AtomicBool::new(false),
+            failed: Mutex::new(None),
+            timeout: options.timeout,
+            own: own.clone(),
+        });
+        let sender = if rings > 0 {
+            let (s, h) = (shared.clone(), ranks.clone());
+            Some(
+                std::thread::Builder::new()
+                    .name(format!("gradpack-shm-{rank}"))
+                    .spawn(move || s.run(&h))
+                    .map_err(|e| {
+                        let _ = fs::remove_file(&path);
+                        Error::Collective(format!("shared memory: no sending thread: {e}"))
+                    })?,
+            )
+        } else {
+            None
+        };
+        let mut t = SharedMemory {
+            rank,
+            size,
+            host: ranks,
+            me,
+            own,
+            path: Some(path),
+            inbox,
+            peers,
+            shared,
+            sender,
+        };
+        t.unlink_when_mapped();
+        Ok(t)
+    }
+
+    /// Whether messages to `rank` go through shared memory (a rank of this host other
+    /// than this one).
+    pub fn serves(&self, rank: usize) -> bool {
+        rank != self.rank && self.host.binary_search(&rank).is_ok()
+    }
+
+    /// The ranks of this host, ascending.
+    pub fn host(&self) -> &[usize] {
+        &self.host
+    }
+
+    fn index(&self, peer: usize) -> Result<usize> {
+        check_rank(peer, self.size)?;
+        match self.host.binary_search(&peer) {
+            Ok(j) if j != self.me => Ok(j),
+            _ => Err(Error::Transport {
+                peer,
+                reason: format!(
+                    "not a peer through shared memory (this host's ranks: {:?}, this one {})",
+                    self.host, self.rank
+                ),
+            }),
+        }
+    }
+
+    /// Remove this rank's file name once every peer has mapped the file.
+    fn unlink_when_mapped(&mut self) {
+        if self.path.is_some()
+            && self.own.atomic(OPENED_AT).load(Ordering::Acquire) >= (self.host.len() - 1) as u64
+            && let Some(p) = self.path.take()
+        {
+            let _ = fs::remove_file(p);
+        }
+    }
+
+    fn check_failed(&self) -> Result<()> {
+        match lock(&self.shared.failed).as_ref() {
+            Some((peer, reason)) => Err(Error::Transport {
+                peer: *peer,
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Fill `out` from the ring from host rank `j` (global rank `peer`).
+    fn read_exact(&self, j: usize, peer: usize, out: &mut [u8]) -> Result<()> {
+        let ring = self.inbox[j]
+            .as_ref()
+            .expect("a ring from every other host rank");
+        let file = self.peers[j]
+            .as_ref()
+            .expect("the file of every other host rank");
+        let mut got = 0;
+        let mut wait = Backoff::default();
+        let mut start: Option<(Instant, Pulse)> = None;
+        while got < out.len() {
+            let n = ring.pop(&mut out[got..]);
+            got += n;
+            if n > 0 {
+                wait = Backoff::default();
+                start = None;
+                continue;
+            }
+            let (t0, pulse) = start.get_or_insert_with(|| (Instant::now(), Pulse::new(file)));
+            if t0.elapsed() > self.shared.timeout {
+                return Err(Error::Transport {
+                    peer,
+                    reason: format!(
+                        "sent nothing through shared memory within {:?}",
+                        self.shared.timeout
+                    ),
+                });
+            }
+            if wait.0 > 200 && pulse.silent(file) {
+                return Err(Error::Transport {
+                    peer,
+                    reason: format!("stopped: no heartbeat through shared memory for {SILENT:?}"),
+                });
+            }
+            wait.snooze();
+        }
+        Ok(())
+    }
+}
+
+impl Transport for SharedMemory {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
+        let j = self.index(to)?;
+        self.check_failed()?;
+        self.unlink_when_mapped();
+        let head = (msg.len() as u64).to_le_bytes();
+        let total = LEN_BYTES + msg.len();
+        let ob = self.shared.outboxes[j]
+            .as_ref()
+            .expect("an outbox to every other host rank");
+        let mut ob = lock(ob);
+        let done = if ob.queue.is_empty() {
+            ob.ring.push([&head, msg], 0)
+        } else {
+            0
+        };
+        if done == total {
+            return Ok(());
+        }
+        let mut rest = Vec::new();
+        rest.try_reserve_exact(total - done)
+            .map_err(|_| Error::OutOfMemory {
+                bytes: (total - done) as u64,
+                what: "a message queued for shared memory",
+            })?;
+        rest.extend_from_slice(&head[done.min(LEN_BYTES)..]);
+        rest.extend_from_slice(&msg[done.saturating_sub(LEN_BYTES)..]);
+        if ob.queue.is_empty() {
+            ob.front_done = 0;
+            ob.since = Instant::now();
+        }
+        ob.queue.push_back(rest);
+        drop(ob);
+        *lock(&self.shared.work) = true;
+        self.shared.wake.notify_one();
+        Ok(())
+    }
+
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+        let j = self.index(from)?;
+        self.unlink_when_mapped();
+        let mut head = [0u8; LEN_BYTES];
+        self.read_exact(j, from, &mut head)?;
+        let len = usize::try_from(u64::from_le_bytes(head)).map_err(|_| Error::Transport {
+            peer: from,
+            reason: "a message longer than this machine can address".into(),
+        })?;
+        if buf.len() < len {
+            buf.try_reserve_exact(len - buf.len())
+                .map_err(|_| Error::OutOfMemory {
+                    bytes: len as u64,
+                    what: "a message received through shared memory",
+                })?;
+            buf.resize(len, 0);
+        } else {
+            buf.truncate(len);
+        }
+        self.read_exact(j, from, buf)
+    }
+}
+
+impl Drop for SharedMemory {
+    fn drop(&mut self) {
+        // Deliver what is queued first (a send has completed for its caller).
+        self.shared.closing.store(true, Ordering::Release);
+        *lock(&self.shared.work) = true;
+        self.shared.wake.notify_one();
+        if let Some(h) = self.sender.take() {
+            let _ = h.join();
+        }
+        if let Some(p) = self.path.take() {
+            let _ = fs::remove_file(p);
+        }
+    }
+}
+
+/// Make this rank's file: under a temporary name, filled, its header written, renamed.
+fn create(path: &Path, len: usize, cap: usize, rings: usize) -> Result<Mapped> {
+    let io = |what: &str, e: std::io::Error| {
+        Error::Collective(format!("shared memory: {what} {}: {e}", path.display()))
+    };
+    let tmp = path.with_extension("making");
+    let _ = fs::remove_file(&tmp);
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .map_err(|e| io("cannot create", e))?;
+    // Write every byte, so a full file system is an error now, not a fault later.
+    let zeros = vec![0u8; 1 << 16];
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(zeros.len());
+        if let Err(e) = f.write_all(&zeros[..n]) {
+            let _ = fs::remove_file(&tmp);
+            return Err(io(&format!("cannot fill {len} bytes of"), e));
+        }
+        left -= n;
+    }
+    let map = Mapped::new(&f).map_err(|e| io("cannot map", e))?;
+    map.atomic(8).store(cap as u64, Ordering::Relaxed);
+    map.atomic(16).store(rings as u64, Ordering::Relaxed);
+    map.atomic(0).store(MAGIC, Ordering::Release);
+    if let Err(e) = fs::rename(&tmp, path) {
+        let _ = fs::remove_file(&tmp);
+        return Err(io("cannot publish", e));
+    }
+    Ok(map)
+}
+
+/// Map a peer's file, waiting up to `timeout` for it to appear.
+fn open_peer(
+    path: &Path,
+    peer: usize,
+    len: usize,
+    cap: usize,
+    rings: usize,
+    timeout: Duration,
+) -> Result<Mapped> {
+    let start = Instant::now();
+    let mut wait = Backoff(96);
+    loop {
+        match OpenOptions::new().read(true).write(true).open(path) {
+            Ok(f) => {
+                let size = f.metadata().map(|m| m.len()).unwrap_or(0);
+                if size != len as u64 {
+                    return Err(Error::Transport {
+                        peer,
+                        reason: format!(
+                            "its shared-memory file {} has {size} bytes, expected {len} (another capacity or host size?)",
+                            path.display()
+                        ),
+                    });
+                }
+                let map = Mapped::new(&f).map_err(|e| Error::Transport {
+                    peer,
+                    reason: format!("cannot map {}: {e}", path.display()),
+                })?;
+                let fields = [
+                    map.atomic(0).load(Ordering::Acquire),
+                    map.atomic(8).load(Ordering::Relaxed),
+                    map.atomic(16).load(Ordering::Relaxed),
+                ];
+                if fields != [MAGIC, cap as u64, rings as u64] {
+                    return Err(Error::Transport {
+                        peer,
+                        reason: format!(
+                            "its shared-memory file {} is not a ring file of capacity {cap} with {rings} rings",
+                            path.display()
+                        ),
+                    });
+                }
+                return Ok(map);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if start.elapsed() > timeout {
+                    return Err(Error::Transport {
+                        peer,
+                        reason: format!(
+                            "made no shared-memory file {} within {timeout:?}",
+                            path.display()
+                        ),
+                    });
+                }
+                wait.snooze();
+                if wait.0 > 1000 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            Err(e) => {
+                return Err(Error::Transport {
+                    peer,
+                    reason: format!("cannot open {}: {e}", path.display()),
+                });
+            }
+        }
+    }
+}
+
+/// A transport whose messages between ranks of one host go through [`SharedMemory`],
+/// and all others through `T`. Without shared memory it is `T` itself.
+#[derive(Debug)]
+pub struct Routed<T> {
+    base: T,
+    host: Option<SharedMemory>,
+}
+
+impl<T: Transport> Routed<T> {
+    /// `base`, with `host`'s ranks reached through shared memory. Both must be the same
+    /// rank of worlds of the same size.
+    pub fn new(base: T, host: Option<SharedMemory>) -> Result<Routed<T>> {
+        if let Some(h) = &host
+            && (h.rank() != base.rank() || h.size() != base.size())
+        {
+            return Err(Error::Collective(format!(
+                "shared memory is rank {} of {}, the transport rank {} of {}",
+                h.rank(),
+                h.size(),
+                base.rank(),
+                base.size()
+            )));
+        }
+        Ok(Routed { base, host })
+    }
+
+    /// The transport for the ranks outside the host.
+    pub fn base(&self) -> &T {
+        &self.base
+    }
+
+    /// The shared memory between the ranks of this host, if any.
+    pub fn host(&self) -> Option<&SharedMemory> {
+        self.host.as_ref()
+    }
+}
+
+impl<T: Transport> Transport for Routed<T> {
+    fn rank(&self) -> usize {
+        self.base.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.base.size()
+    }
+
+    fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
+        match &mut self.host {
+            Some(h) if h.serves(to) => h.send(msg, to),
+            _ => self.base.send(msg, to),
+        }
+    }
+
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+        match &mut self.host {
+            Some(h) if h.serves(from) => h.recv(buf, from),
+            _ => self.base.recv(buf, from),
+        }
+    }
+
+    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
+        let local = |r| self.host.as_ref().is_some_and(|h| h.serves(r));
+        if !local(to) && !local(from) {
+            return self.base.send_recv(send, to, recv, from);
+        }
+        self.send(send, to)?;
+        self.recv(recv, from)
+    }
+}

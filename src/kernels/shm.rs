@@ -1,0 +1,104 @@
+//! A file mapped into memory that several processes share: the storage under
+//! [`crate::collective::shm::SharedMemory`]. It lives here because reading and writing
+//! memory that another process changes at the same time needs raw pointers, and this
+//! module tree is the crate's one place for `unsafe`.
+//!
+//! Every access is bounds-checked. Which bytes a process may touch when is the business
+//! of the protocol above (single-producer, single-consumer rings whose positions are
+//! published with release stores and read with acquire loads); this layer only promises
+//! that no access leaves the mapping and that positions are read and written atomically.
+
+use std::fs::File;
+use std::io;
+use std::sync::atomic::AtomicU64;
+
+/// A whole file mapped shared, read and write.
+#[derive(Debug)]
+pub(crate) struct Mapped {
+    map: memmap2::MmapRaw,
+}
+
+impl Mapped {
+    /// Map all of `file` (opened for reading and writing; not empty).
+    pub(crate) fn new(file: &File) -> io::Result<Mapped> {
+        let map = memmap2::MmapOptions::new().map_raw(file)?;
+        Ok(Mapped { map })
+    }
+
+    /// Bytes mapped.
+    pub(crate) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// The little-endian u64 at `offset` as an atomic.
+    ///
+    /// # Panics
+    /// If `offset` is not a multiple of 8 or the word does not lie inside the mapping
+    /// (offsets come from the protocol's fixed layout, never from a peer).
+    pub(crate) fn atomic(&self, offset: usize) -> &AtomicU64 {
+        assert!(
+            offset.is_multiple_of(8) && offset.checked_add(8).is_some_and(|e| e <= self.len()),
+            "shared word at {offset} outside a mapping of {} bytes",
+            self.len()
+        );
+        // SAFETY: the mapping starts on a page boundary and `offset` is a multiple of 8,
+        // so the pointer is aligned for u64; the 8 bytes lie inside the mapping (checked
+        // above), which lives as long as `self`, so the reference cannot outlive it.
+        // AtomicU64 has the size and alignment of u64, and every process accesses these
+        // words only through atomics, so no non-atomic access races with them.
+        unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(offset).cast::<u64>()) }
+    }
+
+    /// Copy `src` into the mapping at `offset`.
+    ///
+    /// # Panics
+    /// If the range does not lie inside the mapping.
+    pub(crate) fn write(&self, offset: usize, src: &[u8]) {
+        assert!(
+            offset
+                .checked_add(src.len())
+                .is_some_and(|e| e <= self.len()),
+            "shared write of {} bytes at {offset} outside a mapping of {} bytes",
+            src.len(),
+            self.len()
+        );
+        // SAFETY: the destination range lies inside the mapping (checked above), which is
+        // valid for writes while `self` lives, and cannot overlap `src`, a Rust slice
+        // outside it. The ring protocol gives this range to the writer alone until it
+        // publishes it with a release store, so no reader copies it concurrently.
+        unsafe {
+            core::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                self.map.as_mut_ptr().add(offset),
+                src.len(),
+            );
+        }
+    }
+
+    /// Copy from the mapping at `offset` into `dst`.
+    ///
+    /// # Panics
+    /// If the range does not lie inside the mapping.
+    pub(crate) fn read(&self, offset: usize, dst: &mut [u8]) {
+        assert!(
+            offset
+                .checked_add(dst.len())
+                .is_some_and(|e| e <= self.len()),
+            "shared read of {} bytes at {offset} outside a mapping of {} bytes",
+            dst.len(),
+            self.len()
+        );
+        // SAFETY: the source range lies inside the mapping (checked above), valid for
+        // reads while `self` lives; `dst` is a distinct Rust slice. The ring protocol
+        // hands this range to the reader only after the writer's release store of it
+        // (the reader's acquire load came first), and the writer does not touch it again
+        // until the reader releases it.
+        unsafe {
+            core::ptr::copy_nonoverlapping(
+                self.map.as_ptr().add(offset),
+                dst.as_mut_ptr(),
+                dst.len(),
+            );
+        }
+    }
+}

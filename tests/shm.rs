@@ -1,0 +1,373 @@
+//! The shared-memory transport between ranks of one host, and `Routed`: messages of every
+//! size arrive whole and in order even when every rank sends before it receives; the
+//! collectives over it give the same bits as over the in-process transport; a silent
+//! peer, a missing peer and a reader that never reads are errors naming the peer within
+//! the timeout; the files are gone once every rank has mapped them.
+//!
+//! Ranks are threads here: each maps the files on its own, as processes would.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use gradpack::collective::{
+    AllReduce, AllReduceOptions, Comm, Feedback, Hierarchical, Nodes, ReduceOp, Routed,
+    SharedMemory, SharedMemoryOptions, Strategy, StrategyChoice, Transport, local,
+};
+use gradpack::{CodecSpec, Error};
+
+/// A fresh, empty directory for one test's files, and a name no other test uses.
+fn place(test: &str) -> (PathBuf, String) {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let k = N.fetch_add(1, Ordering::Relaxed);
+    let name = format!("t{}-{test}-{k}", std::process::id());
+    let dir = std::env::temp_dir().join(format!("gradpack-shm-{name}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    (dir, name)
+}
+
+fn options(dir: &Path, capacity: usize, timeout_ms: u64) -> SharedMemoryOptions {
+    SharedMemoryOptions {
+        capacity,
+        timeout: Duration::from_millis(timeout_ms),
+        dir: Some(dir.to_path_buf()),
+    }
+}
+
+/// `f` on every rank of `host` (a world of `size`), each its own thread with its own
+/// transport.
+fn on_host<R: Send>(
+    size: usize,
+    host: &[usize],
+    opts: &SharedMemoryOptions,
+    name: &str,
+    f: impl Fn(SharedMemory) -> gradpack::Result<R> + Sync,
+) -> Vec<gradpack::Result<R>> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = host
+            .iter()
+            .map(|&r| {
+                let f = &f;
+                s.spawn(move || f(SharedMemory::open(name, r, size, host, opts.clone())?))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn message(from: usize, to: usize, k: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u64 * 31 + from as u64 * 7 + to as u64 * 13 + k as u64 * 101) as u8)
+        .collect()
+}
+
+/// Lengths around the ring's capacity (256 here) and far past it.
+const LENGTHS: [usize; 12] = [0, 1, 7, 8, 9, 247, 248, 255, 256, 257, 1000, 70_000];
+
+#[test]
+fn messages_arrive_whole_and_in_order_when_every_rank_sends_first() {
+    let (dir, name) = place("order");
+    let host = [0, 1, 2, 3];
+    let o = options(&dir, 256, 20_000);
+    let got = on_host(4, &host, &o, &name, |mut t| {
+        let me = t.rank();
+        // Every message to every peer first (most do not fit: they queue), then receive.
+        for (k, &len) in LENGTHS.iter().enumerate() {
+            for to in (0..4).filter(|&q| q != me) {
+                t.send(&message(me, to, k, len), to)?;
+            }
+        }
+        let mut buf = vec![0xAA; 3];
+        for (k, &len) in LENGTHS.iter().enumerate() {
+            for from in (0..4).filter(|&q| q != me) {
+                t.recv(&mut buf, from)?;
+                assert_eq!(
+                    buf,
+                    message(from, me, k, len),
+                    "{from} -> {me}, message {k}"
+                );
+            }
+        }
+        Ok(())
+    });
+    for r in got {
+        r.unwrap();
+    }
+    // Every rank mapped every file, so every name is gone.
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn send_recv_in_a_ring_of_large_messages() {
+    let (dir, name) = place("ring");
+    let host = [1, 3, 4];
+    let o = options(&dir, 4096, 20_000);
+    let got = on_host(5, &host, &o, &name, |mut t| {
+        let me = host.iter().position(|&r| r == t.rank()).unwrap();
+        let (next, prev) = (host[(me + 1) % 3], host[(me + 2) % 3]);
+        let mut buf = Vec::new();
+        for k in 0..20 {
+            let len = 1 + k * 9973;
+            t.send_recv(&message(t.rank(), next, k, len), next, &mut buf, prev)?;
+            assert_eq!(buf, message(prev, t.rank(), k, len));
+        }
+        Ok(())
+    });
+    for r in got {
+        r.unwrap();
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn spec(s: &str) -> CodecSpec {
+    s.parse().unwrap()
+}
+
+fn input(rank: usize, n: usize, step: u64) -> Vec<f32> {
+    (0..n)
+        .map(|j| ((j as f32 * 0.37 + rank as f32 * 1.7 + step as f32).sin()) * (1.0 + rank as f32))
+        .collect()
+}
+
+fn ar_opts(strategy: Strategy, feedback: Feedback) -> AllReduceOptions {
+    AllReduceOptions {
+        op: ReduceOp::Mean,
+        strategy: StrategyChoice::Forced(strategy),
+        feedback,
+        pieces: 2,
+        ..Default::default()
+    }
+}
+
+/// Three steps of `codec` by `strategy` on `comm`, flat or by `nodes`.
+fn steps<T: Transport>(
+    comm: &mut Comm<T>,
+    codec: &str,
+    strategy: Strategy,
+    nodes: Option<&Nodes>,
+    n: usize,
+) -> gradpack::Result<Vec<Vec<f32>>> {
+    let o = ar_opts(strategy, Feedback::WorkerAndOwner);
+    let mut outs = Vec::new();
+    match nodes {
+        Some(nd) => {
+            let mut h = Hierarchical::new(spec(codec), spec("identity"), n, comm, nd.clone(), o)?;
+            for s in 0..3 {
+                let mut out = vec![f32::NAN; n];
+                h.run(comm, &input(comm.transport().rank(), n, s), &mut out, 7 + s)?;
+                outs.push(out);
+            }
+        }
+        None => {
+            let mut ar = AllReduce::new(spec(codec), n, comm, o)?;
+            for s in 0..3 {
+                let mut out = vec![f32::NAN; n];
+                ar.run(comm, &input(comm.transport().rank(), n, s), &mut out, 7 + s)?;
+                outs.push(out);
+            }
+        }
+    }
+    Ok(outs)
+}
+
+fn bits(v: &[Vec<Vec<f32>>]) -> Vec<Vec<Vec<u32>>> {
+    v.iter()
+        .map(|r| {
+            r.iter()
+                .map(|s| s.iter().map(|x| x.to_bits()).collect())
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn collectives_over_shared_memory_give_the_in_process_bits() {
+    let n = 10_007;
+    for (codec, strategy) in [
+        ("int8", Strategy::CompressedRing),
+        ("topk:ratio=0.05", Strategy::CompressedAllGather),
+        ("identity", Strategy::Fp32Ring),
+    ] {
+        let want: Vec<_> = local::run(4, Some(Duration::from_secs(20)), |mut c| {
+            steps(&mut c, codec, strategy, None, n)
+        })
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+        let (dir, name) = place("flat");
+        let o = options(&dir, 1024, 20_000);
+        let got: Vec<_> = on_host(4, &[0, 1, 2, 3], &o, &name, |t| {
+            steps(&mut Comm::new(t), codec, strategy, None, n)
+        })
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+        assert_eq!(bits(&got), bits(&want), "{codec}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn two_levels_over_routed_shared_memory_give_the_in_process_bits() {
+    // Nodes of unequal size: ranks 0, 1, 2 on one host, 3 and 4 on another.
+    let nodes = Nodes::new(vec![0, 0, 0, 1, 1]).unwrap();
+    let n = 4099;
+    let want: Vec<_> = local::run(5, Some(Duration::from_secs(20)), |mut c| {
+        steps(&mut c, "int8", Strategy::CompressedRing, Some(&nodes), n)
+    })
+    .into_iter()
+    .map(Result::unwrap)
+    .collect();
+    let (dir, name) = place("routed");
+    let o = options(&dir, 512, 20_000);
+    let hosts = [vec![0, 1, 2], vec![3, 4]];
+    let got: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = local::Local::world(5)
+            .into_iter()
+            .enumerate()
+            .map(|(r, base)| {
+                let (o, name, nodes, hosts) = (&o, &name, &nodes, &hosts);
+                s.spawn(move || {
+                    let host = &hosts[usize::from(r >= 3)];
+                    let shm = SharedMemory::open(name, r, 5, host, o.clone())?;
+                    assert!(shm.serves(host[0]) == (host[0] != r));
+                    let mut comm = Comm::new(Routed::new(base, Some(shm))?);
+                    steps(&mut comm, "int8", Strategy::CompressedRing, Some(nodes), n)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    assert_eq!(bits(&got), bits(&want));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_silent_peer_is_an_error_naming_it_within_the_timeout() {
+    let (dir, name) = place("silent");
+    let o = options(&dir, 256, 300);
+    let got = on_host(2, &[0, 1], &o, &name, |mut t| {
+        if t.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(1200));
+            return Ok(None);
+        }
+        let t0 = Instant::now();
+        let e = t.recv(&mut Vec::new(), 1).unwrap_err();
+        Ok(Some((e, t0.elapsed())))
+    });
+    let (e, took) = got.into_iter().next().unwrap().unwrap().unwrap();
+    assert!(matches!(e, Error::Transport { peer: 1, .. }), "{e}");
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_reader_that_never_reads_fails_the_next_send() {
+    let (dir, name) = place("unread");
+    let o = options(&dir, 256, 300);
+    let got = on_host(2, &[0, 1], &o, &name, |mut t| {
+        if t.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(1500));
+            return Ok(None);
+        }
+        t.send(&[7u8; 10_000], 1)?; // queued: the ring holds 256
+        std::thread::sleep(Duration::from_millis(900));
+        Ok(Some(t.send(&[1], 1).unwrap_err()))
+    });
+    let e = got.into_iter().next().unwrap().unwrap().unwrap();
+    assert!(matches!(e, Error::Transport { peer: 1, .. }), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_missing_peer_is_an_error_at_set_up() {
+    let (dir, name) = place("missing");
+    let t0 = Instant::now();
+    let e = SharedMemory::open(&name, 0, 2, &[0, 1], options(&dir, 256, 200)).unwrap_err();
+    assert!(matches!(e, Error::Transport { peer: 1, .. }), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    // Its own file is removed when the failed set-up drops it.
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    let (dir, name) = place("args");
+    let o = |cap| options(&dir, cap, 100);
+    for (nm, rank, size, host, cap) in [
+        ("", 0, 2, vec![0, 1], 256),
+        ("a/b", 0, 2, vec![0, 1], 256),
+        (name.as_str(), 2, 2, vec![0, 1], 256),
+        (name.as_str(), 0, 2, vec![1], 256),
+        (name.as_str(), 0, 2, vec![0, 0, 1], 256),
+        (name.as_str(), 0, 2, vec![0, 5], 256),
+        (name.as_str(), 0, 2, vec![0, 1], 100),
+        (name.as_str(), 0, 2, vec![0, 1], 0),
+    ] {
+        assert!(
+            SharedMemory::open(nm, rank, size, &host, o(cap)).is_err(),
+            "{nm:?} {rank} {size} {host:?} {cap}"
+        );
+    }
+    // A lone rank: nothing to map; messages to anyone are errors.
+    let mut t = SharedMemory::open(&name, 1, 3, &[1], o(256)).unwrap();
+    assert!(!t.serves(0) && !t.serves(1));
+    assert!(matches!(
+        t.send(&[1], 0),
+        Err(Error::Transport { peer: 0, .. })
+    ));
+    assert!(t.send(&[1], 9).is_err());
+    assert!(t.recv(&mut Vec::new(), 1).is_err());
+    drop(t);
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    // A transport of another world size cannot be routed with it.
+    let shm = SharedMemory::open(&name, 0, 3, &[0], o(256)).unwrap();
+    let base = local::Local::world(2).into_iter().next().unwrap();
+    assert!(Routed::new(base, Some(shm)).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn dropping_a_transport_delivers_what_it_queued() {
+    let (dir, name) = place("drop");
+    let o = options(&dir, 256, 20_000);
+    let got = on_host(2, &[0, 1], &o, &name, |mut t| {
+        if t.rank() == 1 {
+            t.send(&message(1, 0, 0, 100_000), 0)?; // far larger than the ring
+            return Ok(None); // dropped at once
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let mut buf = Vec::new();
+        t.recv(&mut buf, 1)?;
+        Ok(Some(buf))
+    });
+    let mut it = got.into_iter();
+    assert_eq!(
+        it.next().unwrap().unwrap().unwrap(),
+        message(1, 0, 0, 100_000)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_peer_that_is_gone_is_noticed_before_the_timeout() {
+    // Rank 1 drops its transport without sending: its heartbeat stops, and rank 0's
+    // receive fails within a few seconds, not after the 60 s timeout.
+    let (dir, name) = place("gone");
+    let o = options(&dir, 256, 60_000);
+    let got = on_host(2, &[0, 1], &o, &name, |mut t| {
+        if t.rank() == 1 {
+            return Ok(None);
+        }
+        let t0 = Instant::now();
+        let e = t.recv(&mut Vec::new(), 1).unwrap_err();
+        Ok(Some((e, t0.elapsed())))
+    });
+    let (e, took) = got.into_iter().next().unwrap().unwrap().unwrap();
+    assert!(matches!(e, Error::Transport { peer: 1, .. }), "{e}");
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
