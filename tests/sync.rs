@@ -523,3 +523,94 @@ fn by_node_ranks_agree_match_the_mean_and_checkpoints_continue() {
         assert_eq!(bits(&[r.unwrap()]), bits(&got[rank][2..3]), "rank {rank}");
     }
 }
+
+#[test]
+fn the_planner_goes_by_node_where_the_link_inside_nodes_pays() {
+    use gradpack::collective::Nodes;
+    use gradpack::sync::Network;
+    // 6 ranks on 2 nodes of 3; int8 over a 1 Gbit/s link between nodes.
+    let base = SyncOptions {
+        nodes: Some(Nodes::uniform(6, 3).unwrap()),
+        network: Network {
+            bandwidth_bit_s: 1e9,
+            latency_s: 50e-6,
+        },
+        ..opts(Policy::with_rules("int8".parse().unwrap()))
+    };
+    let plan_with = |inside: f64| {
+        let o = SyncOptions {
+            node_network: Some(Network {
+                bandwidth_bit_s: inside,
+                latency_s: 2e-6,
+            }),
+            ..base.clone()
+        };
+        let plans = local::run(6, Some(Duration::from_secs(20)), |comm| {
+            let e = SyncEngine::new(&layout(), comm.into_inner(), o.clone())?;
+            Ok(e.plan().clone())
+        });
+        let plans: Vec<_> = plans.into_iter().map(|r| r.unwrap()).collect();
+        assert!(
+            plans.iter().all(|p| *p == plans[0]),
+            "ranks agree on the plan"
+        );
+        plans[0].clone()
+    };
+    // A link inside nodes 100 times faster: the large buckets go by node (the uplinks
+    // carry 2 (n - 1) / n of the bucket instead of 2 (p - 1) / p), and they are modelled
+    // faster than flat.
+    let fast = plan_with(100e9);
+    let big = |p: &gradpack::sync::Plan| {
+        p.buckets
+            .iter()
+            .filter(|b| b.elements > 30_000)
+            .map(|b| b.by_node)
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        !big(&fast).is_empty() && big(&fast).iter().all(|&b| b),
+        "{fast}"
+    );
+    // A link inside nodes slower than the one between them: every bucket flat.
+    let slow = plan_with(0.1e9);
+    assert!(slow.buckets.iter().all(|b| !b.by_node), "{slow}");
+    assert!(format!("{fast}").contains("by node"));
+    // Without a link inside nodes, every bucket goes by node, as before.
+    let always = local::run(6, Some(Duration::from_secs(20)), |comm| {
+        let e = SyncEngine::new(&layout(), comm.into_inner(), base.clone())?;
+        Ok(e.plan().clone())
+    });
+    assert!(
+        always[0]
+            .as_ref()
+            .unwrap()
+            .buckets
+            .iter()
+            .all(|b| b.by_node)
+    );
+    // A plan that mixes the two runs, and every rank ends with the same bits.
+    let mixed = SyncOptions {
+        node_network: Some(Network {
+            bandwidth_bit_s: 3e9,
+            latency_s: 2e-6,
+        }),
+        ..base.clone()
+    };
+    let p = local::run(6, Some(Duration::from_secs(20)), |comm| {
+        Ok(
+            SyncEngine::new(&layout(), comm.into_inner(), mixed.clone())?
+                .plan()
+                .clone(),
+        )
+    });
+    let p = p[0].as_ref().unwrap();
+    let ways: Vec<bool> = p.buckets.iter().map(|b| b.by_node).collect();
+    assert!(ways.contains(&true) && ways.contains(&false), "{p}");
+    let got: Vec<Steps> = run(6, &mixed, 2, in_order)
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    for r in 1..6 {
+        assert_eq!(bits(&got[r]), bits(&got[0]), "rank {r}");
+    }
+}

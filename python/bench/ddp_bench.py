@@ -127,7 +127,9 @@ def hook_for(name, net, world):
             if name == "gp-auto-sparse":
                 kw["candidates"] = list(gpt.DEFAULT_CANDIDATES) + [
                     "topk:ratio=0.01,values=fp16", "sign"]
-        st = gpt.GradpackState(model=net, **kw)
+        # Each rank stands for a node of its own: its messages must cross its shaped
+        # port, not the shared memory that the ranks of this one machine could use.
+        st = gpt.GradpackState(model=net, shared_memory=False, **kw)
         net.register_comm_hook(st, gpt.gradpack_hook)
         if name in ("gp-auto", "gp-auto-sparse"):
             return st, {"auto_bandwidth_bit_s": bw, "auto_latency_s": lat}

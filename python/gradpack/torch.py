@@ -46,7 +46,11 @@ What it does, per bucket:
   on the whole bucket: a float32 reduce-scatter inside each node, the codec's all-reduce
   of each shard between nodes (error feedback there), and an all-gather inside the node.
   The nodes come from ``nodes=``, torchrun's ``GROUP_RANK`` or the host names; it is the
-  default when torchrun's ``LOCAL_WORLD_SIZE`` says the ranks sit on several nodes.
+  default when torchrun's ``LOCAL_WORLD_SIZE`` says the ranks sit on several nodes, and
+  ``codec="auto"`` tries it (float32 too, then) beside the flat strategies there.
+- The ring and the two-level all-reduce send messages between ranks of one host through
+  shared memory (``shared_memory=True``, the default): ranks that see each other's file
+  in ``/dev/shm`` share a host.
 - Messages whose length is fixed by the element counts (every codec but random-k, up to
   top-k's 2% slack) travel in buffers of that length; random-k's lengths are
   all-gathered first.
@@ -159,12 +163,19 @@ class GradpackState:
         strategy: ``"allgather"``, ``"ring"`` or ``"hierarchical"`` (see the module
             docs). Default ``"allgather"``, or ``"hierarchical"`` when torchrun's
             ``LOCAL_WORLD_SIZE`` says the ranks sit on several nodes of more than one.
+            With ``codec="auto"`` the default is to try them all (``"hierarchical"``
+            where the ranks sit on several nodes, or ``nodes`` is given).
         nodes: ``strategy="hierarchical"``: the node of every rank of the process
             group (a list of node numbers, ``0 .. N``). Default: ranks share a node when
             their ``GROUP_RANK`` (set by torchrun: the node's rank) or, without it,
             their host names are equal.
         node_codec: ``strategy="hierarchical"``: the codec inside a node,
             ``"identity"`` (float32, the default), ``"bf16"`` or ``"fp16"``.
+        intra_bandwidth, intra_latency: ``codec="auto"`` with nodes: the link between
+            ranks of a node that the cost model assumes (default 40 Gbit/s and 5 us,
+            shared memory) when it ranks the two-level all-reduce against the flat
+            ones; ``bandwidth`` is then the link between nodes. The shortlist is timed
+            on the real buckets, so the guess only decides what is tried.
         min_compress_elements: parameters with fewer elements go as float32.
         seed: the base of every stochastic draw.
         checksum: seal frames with a CRC-32 that receivers verify.
@@ -235,6 +246,8 @@ class GradpackState:
         nodes: Optional[Sequence[int]] = None,
         node_codec: str = "identity",
         shared_memory: bool = True,
+        intra_bandwidth: Union[float, str] = 40e9,
+        intra_latency: Union[float, str] = 5e-6,
     ) -> None:
         if codec is None:
             codec = "identity" if powersgd is not None else "int8"
@@ -251,9 +264,6 @@ class GradpackState:
             )
         if strategy not in (None, "allgather", "ring", "hierarchical"):
             raise ValueError(f"strategy {strategy!r}: use 'allgather', 'ring' or 'hierarchical'")
-        if strategy == "hierarchical" and self._auto:
-            raise ValueError("strategy='hierarchical' needs a codec: codec='auto' chooses "
-                             "between 'allgather' and 'ring'")
         self._nodes = None if nodes is None else [int(k) for k in nodes]
         self.shared_memory = bool(shared_memory)
         self._hosts: Optional[List[int]] = None
@@ -291,13 +301,15 @@ class GradpackState:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         self.timeout = timeout
-        if (strategy is None and not self._auto and self._ps is None and nodes is None
-                and _spans_nodes(process_group)):
+        spans = nodes is not None or _spans_nodes(process_group)
+        if strategy is None and not self._auto and self._ps is None and spans:
             # torchrun on several nodes: full precision inside a node, the codec between.
             strategy = "hierarchical"
-        self.strategies = (
-            ("allgather", "ring") if self._auto and strategy is None else (strategy or "allgather",)
-        )
+        if self._auto and strategy is None:
+            self.strategies: Tuple[str, ...] = ("allgather", "ring") + (
+                ("hierarchical",) if spans else ())
+        else:
+            self.strategies = (strategy or "allgather",)
         self.strategy = self.strategies[0]
         self.min_compress_elements = int(min_compress_elements)
         self.seed = int(seed) & _MASK
@@ -327,6 +339,14 @@ class GradpackState:
             self.latency = (
                 gradpack.parse_duration(latency) if isinstance(latency, str) else float(latency)
             )
+            self.intra_bandwidth = (
+                gradpack.parse_bandwidth(intra_bandwidth) if isinstance(intra_bandwidth, str)
+                else float(intra_bandwidth)
+            )
+            self.intra_latency = (
+                gradpack.parse_duration(intra_latency) if isinstance(intra_latency, str)
+                else float(intra_latency)
+            )
             self.candidates = [Codec(c) for c in (candidates or DEFAULT_CANDIDATES)]
             if not self.candidates:
                 raise ValueError("candidates must name at least one codec")
@@ -338,7 +358,7 @@ class GradpackState:
             self.candidates = [self.codec]
         if dist.is_available() and dist.is_initialized():
             self._comm_group()
-            if strategy == "hierarchical":
+            if "hierarchical" in self.strategies:
                 self.node_map()
 
     # ------------------------------------------------------------------ policy
@@ -410,10 +430,12 @@ class GradpackState:
         group exists it models 2 ranks). ``"identity"`` is the float32 ring."""
         c = Codec(codec)
         strategy = strategy or self.strategy
-        if strategy not in ("allgather", "ring"):
-            raise ValueError(f"strategy {strategy!r}: use 'allgather' or 'ring'")
+        if strategy not in ("allgather", "ring", "hierarchical"):
+            raise ValueError(f"strategy {strategy!r}: use 'allgather', 'ring' or 'hierarchical'")
         if c.spec not in self._profiles:
             raise ValueError(f"{c.spec} was not calibrated (not among the candidates)")
+        if strategy == "hierarchical":
+            return self._time(c, strategy, elements, self.latency)
         return self._time(c, "fp32" if c == _IDENTITY else strategy, elements, self.latency)
 
     def _time(self, c: Codec, strategy: str, elements: int, latency: float) -> float:
@@ -421,6 +443,18 @@ class GradpackState:
         (``"fp32"``: the float32 ring, summing at the identity codec's add speed)."""
         world = self._world() if dist.is_initialized() else 2
         p = self._profile(c, elements)
+        if strategy == "hierarchical":
+            # The codec's ring between nodes (fp32's for identity), each node's ranks
+            # reducing a shard of it side by side; float32 inside a node.
+            nodes = self.node_map() if dist.is_initialized() else [0, 1]
+            count = len(set(nodes))
+            per_node = max(nodes.count(k) for k in set(nodes))
+            fp32 = self._profiles[_IDENTITY.spec]
+            return gradpack.two_level_time(
+                p, "fp32-ring" if c == _IDENTITY else "ring", True, count, per_node,
+                self.intra_bandwidth, self.bandwidth, elements, self.intra_latency, latency,
+                32.0, fp32.decode_add_bytes_per_s,
+            )
         if strategy == "fp32":
             return gradpack.allreduce_time(
                 p, "fp32-ring", world, self.bandwidth, elements, latency,
@@ -775,7 +809,7 @@ class GradpackState:
         if cfg[1] in ("ring", "hierarchical"):
             assert base is not None
             ring = self._param_codec(base, buf.numel(), 2, None)  # the whole bucket's codec
-        plain = not low_rank and (
+        plain = not low_rank and cfg[1] != "hierarchical" and (
             cfg[1] == "fp32" or all(c == _IDENTITY for c in codecs) or ring == _IDENTITY
         )
         host = self._to_host(buf, index, ready, exact=plain)
@@ -843,7 +877,7 @@ class GradpackState:
         kinds = list(dict.fromkeys(got))
         if len(kinds) == 1:
             choice = kinds[0]
-        elif all(k[1] != "ring" for k in kinds):  # type: ignore[index]
+        elif all(k[1] not in ("ring", "hierarchical") for k in kinds):  # type: ignore[index]
             choice = (_MIXED, "allgather")
         else:
             weight: Dict[Any, int] = {}
@@ -860,10 +894,10 @@ class GradpackState:
         """A new plan: float32 and the ``trials`` configurations the cost model ranks
         fastest, to be measured in turn."""
         ranked = []
-        for c in self.candidates:
-            if c == _IDENTITY:
-                continue
+        for c in dict.fromkeys(self.candidates + [_IDENTITY]):
             for strat in self.strategies:
+                if c == _IDENTITY and strat != "hierarchical":
+                    continue  # float32 is always measured: DDP's own all-reduce
                 ranked.append((self._model_bucket(c, strat, layout, n, cuda), [c.spec, strat]))
         ranked.sort(key=lambda r: r[0])
         top = ranked[: self.trials]
@@ -895,8 +929,8 @@ class GradpackState:
         if strategy == "fp32":
             return self._time(_IDENTITY, "fp32", n, lat)
         staging = 2 * 4 * n / self._copy_speed() if cuda else 0.0
-        if strategy == "ring":
-            return staging + self._time(c, "ring", n, lat)
+        if strategy in ("ring", "hierarchical"):
+            return staging + self._time(c, strategy, n, lat)
         packed = sum(e[1] for e in layout if self._param_codec(c, e[1], e[2], e[4]) != _IDENTITY)
         t = staging
         if packed:

@@ -54,6 +54,11 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "auto-allgather": {"codec": "auto", "strategy": "allgather",
                        "extra": {"bandwidth": "1Gbit/s", "candidates": ["int8", "topk:ratio=0.01,values=fp16"],
                                  "calibrate_elements": 1 << 16, "print_plan": False}},
+    # codec='auto' with nodes {0, 1} and {2, 3}: the two-level all-reduce (float32 and
+    # int8 between nodes) is among the strategies ranked and measured.
+    "auto-nodes": {"codec": "auto", "extra": {
+        "bandwidth": "1Gbit/s", "candidates": ["int8"], "nodes": "pairs", "trials": 3,
+        "calibrate_elements": 1 << 16, "print_plan": False}},
     # DDP options that issue collectives of their own, and a layer that gets no gradient.
     "int8-unused": {"codec": "int8", "ddp": {"find_unused_parameters": True}, "unused": True},
     "int8-unused-all-used": {"codec": "int8", "ddp": {"find_unused_parameters": True}},
@@ -190,9 +195,10 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
                 p = next(net.parameters())
                 acc = (net(xt.to(p.device, p.dtype)).argmax(1).cpu() == yt).float().mean().item()
             p = flat_params(net)
-            chosen = None
+            chosen, tried = None, None
             if state is not None:
                 chosen = chosen_plan(state)
+                tried = sorted({(r["codec"], r["strategy"]) for r in state.plan()})
                 state.close()
             times = sorted(times[len(times) // 2:])
             results.append({
@@ -200,7 +206,7 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
                 "ms_per_step": 1000 * times[len(times) // 2],
                 "first_loss": float(np.mean(losses[:20])), "last_loss": float(np.mean(losses[-20:])),
                 "identical": same_on_all_ranks(p, world),
-                "plan": chosen,
+                "plan": chosen, "tried": tried,
             })
     for name in filter(None, plan.get("resume", "").split(",")):
         # k steps, a checkpoint, k more steps; then a fresh DDP model, optimizer and hook

@@ -124,6 +124,19 @@ def test_auto_makes_the_same_choice_on_every_rank():
         assert rank[0]["last_loss"] < rank[0]["first_loss"] / 2, rank[0]
 
 
+def test_auto_ranks_the_two_level_all_reduce_where_ranks_share_nodes():
+    # Four ranks as two nodes of two: auto models the two-level all-reduce beside the
+    # flat ones and measures the best; the ranks agree on every choice.
+    res = ddp_digits.run(4, ["auto-nodes"], [0], 80)
+    tried = [tuple(t) for t in res[0][0]["tried"]]
+    assert any(s == "hierarchical" for _, s in tried), tried
+    plans = [rank[0]["plan"] for rank in res]
+    assert all(p == plans[0] for p in plans), plans
+    for rank in res:
+        assert rank[0]["identical"], rank[0]
+        assert rank[0]["last_loss"] < rank[0]["first_loss"] / 2, rank[0]
+
+
 def test_auto_plan_resumes_bit_for_bit():
     # The plan decided in the first steps is in the checkpoint: the restored state runs
     # no trials and continues bit for bit (the all-gather sums per parameter, so the

@@ -137,6 +137,11 @@ pub struct SyncOptions {
     pub nodes: Option<Nodes>,
     /// The codec inside a node with `nodes`: identity (f32, the default), bf16 or fp16.
     pub node_codec: CodecSpec,
+    /// The link between ranks of a node, with `nodes`. Given, the planner models every
+    /// bucket both ways (the flat all-reduce over `network`, and the two-level one) and
+    /// reduces each by the faster ([`BucketPlan::by_node`]); `None` (the default): every
+    /// bucket that is not PowerSGD's goes by node.
+    pub node_network: Option<Network>,
 }
 
 impl Default for SyncOptions {
@@ -156,6 +161,7 @@ impl Default for SyncOptions {
             strategy: None,
             nodes: None,
             node_codec: CodecSpec::Identity(Identity),
+            node_network: None,
         }
     }
 }
@@ -459,6 +465,21 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
             } => Some(shared_profiles(candidates, &mut comm)?),
             CodecChoice::Fixed(_) => None,
         };
+        // The nodes and the link inside them, when the planner weighs going by node.
+        let two = match (&opts.nodes, &opts.node_network) {
+            (Some(nd), Some(inside)) => Some((
+                crate::cost::TwoLevel {
+                    nodes: nd.count() as u32,
+                    per_node: nd.max_node() as u32,
+                    intra_bandwidth_bit_s: inside.bandwidth_bit_s,
+                    intra_latency_s: inside.latency_s,
+                    inter_bandwidth_bit_s: net.bandwidth_bit_s,
+                    inter_latency_s: net.latency_s,
+                },
+                opts.node_codec.bits_per_element(1 << 20),
+            )),
+            _ => None,
+        };
         let mut buckets_plan = Vec::with_capacity(groups.len());
         for (tensors, kind) in groups {
             let elements = tensors
@@ -488,45 +509,68 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
                 Reduces::One(n) => n,
                 Reduces::Two(p, q) => p.max(q),
             };
-            // With nodes, the strategy is the one of the streams between nodes: a
-            // shard of the bucket among the nodes.
-            let (peers, part) = match &opts.nodes {
-                Some(nd) if kind != Kind::LowRank => (nd.count(), largest / nd.max_node()),
-                _ => (size, largest),
-            };
-            let choose = |codec: &CodecSpec, prof: Option<&CodecProfile>| {
-                let p = plan::profile_for(codec, prof, part, peers);
-                let s = match opts.strategy {
-                    Some(s) if !matches!(codec, CodecSpec::Identity(_)) => s,
-                    _ => plan::strategy_for(codec, &p, peers, &net, part),
+            // By node, the strategy is the one of the streams between nodes: a shard of
+            // the bucket (one per rank of the largest node) among the nodes.
+            let nodes = opts.nodes.as_ref().filter(|_| kind != Kind::LowRank);
+            let strategy_of =
+                |codec: &CodecSpec, prof: Option<&CodecProfile>, peers: usize, part: usize| {
+                    match opts.strategy {
+                        Some(s) if !matches!(codec, CodecSpec::Identity(_)) => s,
+                        _ => {
+                            let p = plan::profile_for(codec, prof, part, peers);
+                            plan::strategy_for(codec, &p, peers, &net, part)
+                        }
+                    }
                 };
-                let (t, bytes) =
-                    plan::bucket_cost(codec, s, prof, size, &net, reduces, opts.pieces);
-                (s, t, bytes)
-            };
-            let (codec, (strategy, t, bytes)) = match kind {
-                Kind::Small => (policy.small_codec, choose(&policy.small_codec, None)),
+            // (strategy, modelled s, bytes per rank, by node) of `codec`; `fixed`: its
+            // strategy whichever way.
+            let choose =
+                |codec: &CodecSpec, prof: Option<&CodecProfile>, fixed: Option<Strategy>| {
+                    let flat = fixed.unwrap_or_else(|| strategy_of(codec, prof, size, largest));
+                    let (t, bytes) =
+                        plan::bucket_cost(codec, flat, prof, size, &net, reduces, opts.pieces);
+                    let Some(nd) = nodes else {
+                        return (flat, t, bytes, false);
+                    };
+                    let (peers, part) = (nd.count(), largest / nd.max_node());
+                    let s = fixed.unwrap_or_else(|| strategy_of(codec, prof, peers, part));
+                    match &two {
+                        // No link inside nodes given: by node.
+                        None => {
+                            let (t, bytes) =
+                                plan::bucket_cost(codec, s, prof, size, &net, reduces, opts.pieces);
+                            (s, t, bytes, true)
+                        }
+                        Some((two, bits)) => {
+                            let (th, bh) = plan::node_cost(codec, s, prof, two, *bits, reduces);
+                            if th < t {
+                                (s, th, bh, true)
+                            } else {
+                                (flat, t, bytes, false)
+                            }
+                        }
+                    }
+                };
+            let (codec, (strategy, t, bytes, by_node)) = match kind {
+                Kind::Small => (policy.small_codec, choose(&policy.small_codec, None, None)),
                 Kind::Tiled => {
                     let c = policy
                         .tiled(&layout[tensors[0]])
                         .expect("a tiled bucket's tensor has its codec");
-                    let s = Strategy::CompressedAllGather;
-                    let (t, bytes) =
-                        plan::bucket_cost(&c, s, None, size, &net, reduces, opts.pieces);
-                    (c, (s, t, bytes))
+                    (c, choose(&c, None, Some(Strategy::CompressedAllGather)))
                 }
                 Kind::LowRank => {
                     let c = low_rank.as_ref().expect("a low-rank plan").settings.codec;
-                    (c, choose(&c, None))
+                    (c, choose(&c, None, None))
                 }
                 Kind::Codec => match &policy.codec {
-                    CodecChoice::Fixed(c) => (*c, choose(c, None)),
+                    CodecChoice::Fixed(c) => (*c, choose(c, None, None)),
                     CodecChoice::Auto { candidates, .. } => {
                         let profiles = profiles.as_ref().expect("auto has profiles");
                         let fp32 = CodecSpec::Identity(Identity);
-                        let mut best = (fp32, choose(&fp32, None));
+                        let mut best = (fp32, choose(&fp32, None, None));
                         for (c, p) in candidates.iter().zip(profiles) {
-                            let r = choose(c, Some(p));
+                            let r = choose(c, Some(p), None);
                             if r.1 < best.1.1 {
                                 best = (*c, r);
                             }
@@ -544,6 +588,7 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
                 low_rank,
                 wire_bytes: bytes,
                 modelled_s: t,
+                by_node,
             });
         }
         let plan = Plan {
@@ -552,6 +597,7 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
             nodes: size,
             pieces: opts.pieces,
             network: net,
+            two,
         };
         let mut loc = vec![(0, 0); layout.len()];
         let mut buckets = Vec::with_capacity(plan.buckets.len());
@@ -583,7 +629,7 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
                     ar_opts,
                     bp.strategy,
                 )?)),
-                None => match &opts.nodes {
+                None => match opts.nodes.as_ref().filter(|_| bp.by_node) {
                     Some(nodes) => Reducer::Nodes(Box::new(Hierarchical::new(
                         bp.codec,
                         opts.node_codec,

@@ -248,6 +248,9 @@ pub struct BucketPlan {
     pub wire_bytes: f64,
     /// Its modelled all-reduce time on the plan's network, seconds.
     pub modelled_s: f64,
+    /// Whether it goes by node: the two-level all-reduce, `codec` and `strategy` being
+    /// those between nodes (see [`super::SyncOptions::nodes`]).
+    pub by_node: bool,
 }
 
 /// The factors of a low-rank bucket of a [`Plan`].
@@ -275,8 +278,11 @@ pub struct Plan {
     pub nodes: usize,
     /// Pieces per ring chunk (a pipelined ring when above 1).
     pub pieces: usize,
-    /// The network.
+    /// The network (between nodes, for buckets that go by node).
     pub network: Network,
+    /// The nodes and the link inside them, for buckets that go by node, with the bits
+    /// per element inside a node.
+    pub(crate) two: Option<(cost::TwoLevel, f64)>,
 }
 
 impl BucketPlan {
@@ -327,15 +333,25 @@ impl Plan {
     pub fn remodel(&mut self, profiles: &[CodecProfile]) {
         let find = |c: &CodecSpec| profiles.iter().find(|p| p.spec == c.to_string());
         for b in &mut self.buckets {
-            let (t, bytes) = bucket_cost(
-                &b.codec,
-                b.strategy,
-                find(&b.codec),
-                self.nodes,
-                &self.network,
-                b.factor_or_elements(),
-                self.pieces,
-            );
+            let (t, bytes) = match (&self.two, b.by_node) {
+                (Some((two, bits)), true) => node_cost(
+                    &b.codec,
+                    b.strategy,
+                    find(&b.codec),
+                    two,
+                    *bits,
+                    b.factor_or_elements(),
+                ),
+                _ => bucket_cost(
+                    &b.codec,
+                    b.strategy,
+                    find(&b.codec),
+                    self.nodes,
+                    &self.network,
+                    b.factor_or_elements(),
+                    self.pieces,
+                ),
+            };
             b.modelled_s = t;
             b.wire_bytes = bytes;
         }
@@ -386,11 +402,12 @@ impl fmt::Display for Plan {
             };
             writeln!(
                 f,
-                "  bucket {i:>3}: {:>9} elements ({:>8.3} MiB) {} {} -> {:.3} MiB/rank sent, modelled {:.3} ms: {shown}",
+                "  bucket {i:>3}: {:>9} elements ({:>8.3} MiB) {} {}{} -> {:.3} MiB/rank sent, modelled {:.3} ms: {shown}",
                 b.elements,
                 b.elements as f64 * 4.0 / 1048576.0,
                 b.method(),
                 b.strategy.name(),
+                if b.by_node { " by node" } else { "" },
                 b.wire_bytes / 1048576.0,
                 b.modelled_s * 1e3
             )?;
@@ -487,6 +504,44 @@ pub(crate) fn bucket_cost(
             // One after the other (Q needs the reduced P): two latency terms.
             let a = one_cost(codec, strategy, measured, nodes, net, p, pieces);
             let b = one_cost(codec, strategy, measured, nodes, net, q, pieces);
+            (a.0 + b.0, a.1 + b.1)
+        }
+    }
+}
+
+/// The modelled time (seconds) and bytes sent per rank of a bucket's all-reduces by
+/// node ([`cost::hierarchical_time`]: `node_bits` per element inside a node, `codec` by
+/// `strategy` between nodes on each rank's shard), with its measured speeds if known.
+pub(crate) fn node_cost(
+    codec: &CodecSpec,
+    strategy: Strategy,
+    measured: Option<&CodecProfile>,
+    two: &cost::TwoLevel,
+    node_bits: f64,
+    reduces: Reduces,
+) -> (f64, f64) {
+    let one = |n: usize| {
+        let l = two.per_node.max(1) as usize;
+        let shard = n.div_ceil(l);
+        let prof = profile_for(codec, measured, shard, two.nodes as usize);
+        let reduce = measured.map_or(f64::INFINITY, |p| p.decode_add_bytes_per_s);
+        let t = cost::hierarchical_time(strategy, &prof, two, n as f64, node_bits, reduce);
+        let inside = 2.0 * (l - 1) as f64 / l as f64 * n as f64 * node_bits / 8.0;
+        let between = cost::allreduce_cost(
+            strategy,
+            &prof,
+            two.nodes,
+            two.inter_latency_s,
+            shard as f64,
+            f64::INFINITY,
+        )
+        .bytes;
+        (t, inside + between)
+    };
+    match reduces {
+        Reduces::One(n) => one(n),
+        Reduces::Two(p, q) => {
+            let (a, b) = (one(p), one(q));
             (a.0 + b.0, a.1 + b.1)
         }
     }
