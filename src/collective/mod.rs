@@ -4,7 +4,9 @@
 //! A [`Transport`] is the smallest surface an engine must offer: its rank, the world
 //! size, and a combined send-to-one / receive-from-another of byte buffers. It knows
 //! nothing about codecs. [`local::Local`] runs a world of threads in one process (tests,
-//! simulation, benchmarks); `mpi::MpiTransport` (feature `mpi`) runs on MPI.
+//! simulation, benchmarks); `mpi::MpiTransport` (feature `mpi`) runs on MPI;
+//! [`SharedMemory`] joins the ranks of one host through shared-memory rings, and
+//! [`Routed`] sends another transport's messages between ranks of one host that way.
 //!
 //! [`AllReduce`] holds one tensor's collective state (strategy, error-feedback residuals,
 //! buffers) and runs a step with [`AllReduce::run`]. The strategies:
