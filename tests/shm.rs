@@ -244,20 +244,31 @@ fn two_levels_over_routed_shared_memory_give_the_in_process_bits() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-#[test]
-fn a_silent_peer_is_an_error_naming_it_within_the_timeout() {
-    let (dir, name) = place("silent");
-    let o = options(&dir, 256, 300);
-    let got = on_host(2, &[0, 1], &o, &name, |mut t| {
+/// Rank 1 of two does `peer` with its transport; rank 0 receives from it: the error and
+/// how long it took to come.
+fn first_recv_error(
+    o: &SharedMemoryOptions,
+    name: &str,
+    peer: impl Fn(SharedMemory) + Sync,
+) -> (Error, Duration) {
+    let got = on_host(2, &[0, 1], o, name, |mut t| {
         if t.rank() == 1 {
-            std::thread::sleep(Duration::from_millis(1200));
+            peer(t);
             return Ok(None);
         }
         let t0 = Instant::now();
         let e = t.recv(&mut Vec::new(), 1).unwrap_err();
         Ok(Some((e, t0.elapsed())))
     });
-    let (e, took) = got.into_iter().next().unwrap().unwrap().unwrap();
+    got.into_iter().next().unwrap().unwrap().unwrap()
+}
+
+#[test]
+fn a_silent_peer_is_an_error_naming_it_within_the_timeout() {
+    let (dir, name) = place("silent");
+    let (e, took) = first_recv_error(&options(&dir, 256, 300), &name, |_t| {
+        std::thread::sleep(Duration::from_millis(1200));
+    });
     assert!(matches!(e, Error::Transport { peer: 1, .. }), "{e}");
     assert!(took < Duration::from_secs(1), "{took:?}");
     std::fs::remove_dir_all(&dir).unwrap();
@@ -357,16 +368,7 @@ fn a_peer_that_is_gone_is_noticed_before_the_timeout() {
     // Rank 1 drops its transport without sending: its heartbeat stops, and rank 0's
     // receive fails within a few seconds, not after the 60 s timeout.
     let (dir, name) = place("gone");
-    let o = options(&dir, 256, 60_000);
-    let got = on_host(2, &[0, 1], &o, &name, |mut t| {
-        if t.rank() == 1 {
-            return Ok(None);
-        }
-        let t0 = Instant::now();
-        let e = t.recv(&mut Vec::new(), 1).unwrap_err();
-        Ok(Some((e, t0.elapsed())))
-    });
-    let (e, took) = got.into_iter().next().unwrap().unwrap().unwrap();
+    let (e, took) = first_recv_error(&options(&dir, 256, 60_000), &name, drop);
     assert!(matches!(e, Error::Transport { peer: 1, .. }), "{e}");
     assert!(took < Duration::from_secs(10), "{took:?}");
     std::fs::remove_dir_all(&dir).unwrap();

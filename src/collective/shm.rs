@@ -36,8 +36,8 @@
 //!   timeout. An owner removes its file's name once every peer has mapped it, or when
 //!   dropped, so a finished or failed job leaves nothing behind.
 //!
-//! The name must be the same on every rank of the host and new for each set of
-//! transports (the PyTorch hook draws one at random on rank 0 and broadcasts it).
+//! The files are readable and writable by the job's user alone (mode 0600). The name
+//! must be the same on every rank of the host and new for each set of transports (the PyTorch hook draws one at random on rank 0 and broadcasts it).
 //! Memory: each rank maps `capacity` bytes per other rank of its host in its own file.
 
 use std::collections::VecDeque;
@@ -671,12 +671,12 @@ fn create(path: &Path, len: usize, cap: usize, rings: usize) -> Result<Mapped> {
     };
     let tmp = path.with_extension("making");
     let _ = fs::remove_file(&tmp);
-    let mut f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .open(&tmp)
-        .map_err(|e| io("cannot create", e))?;
+    let mut opts = OpenOptions::new();
+    opts.read(true).write(true).create_new(true);
+    // Gradients are the job's own: readable and writable by its user alone.
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
+    let mut f = opts.open(&tmp).map_err(|e| io("cannot create", e))?;
     // Write every byte, so a full file system is an error now, not a fault later.
     let zeros = vec![0u8; 1 << 16];
     let mut left = len;
