@@ -32,6 +32,7 @@ fn options(dir: &Path, capacity: usize, timeout_ms: u64) -> SharedMemoryOptions 
         capacity,
         timeout: Duration::from_millis(timeout_ms),
         dir: Some(dir.to_path_buf()),
+        stage: 0,
     }
 }
 
@@ -209,9 +210,39 @@ fn collectives_over_shared_memory_give_the_in_process_bits() {
     }
 }
 
+/// Three steps of the two-level int8 all-reduce on every rank of `nodes`, each host's
+/// ranks (a node each) through shared memory made with `o`, the rest in process.
+fn two_levels_on_hosts(
+    nodes: &Nodes,
+    n: usize,
+    o: &SharedMemoryOptions,
+    name: &str,
+) -> Vec<gradpack::Result<Vec<Vec<f32>>>> {
+    let world = nodes.world();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = local::Local::world(world)
+            .into_iter()
+            .enumerate()
+            .map(|(r, base)| {
+                s.spawn(move || {
+                    let host = nodes.members(nodes.node_of(r));
+                    let shm = SharedMemory::open(name, r, world, host, o.clone())?;
+                    assert!(shm.serves(host[0]) == (host[0] != r));
+                    let mut comm = Comm::new(Routed::new(base, Some(shm))?);
+                    steps(&mut comm, "int8", Strategy::CompressedRing, Some(nodes), n)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 #[test]
 fn two_levels_over_routed_shared_memory_give_the_in_process_bits() {
-    // Nodes of unequal size: ranks 0, 1, 2 on one host, 3 and 4 on another.
+    // Nodes of unequal size: ranks 0, 1, 2 on one host, 3 and 4 on another; messages
+    // inside a node through the rings, or (with a stage) no messages inside a node at
+    // all: the stage is reduced in place, in rounds of a stage far smaller than the
+    // tensor (64 values: 21 per shard) or one round of a large one.
     let nodes = Nodes::new(vec![0, 0, 0, 1, 1]).unwrap();
     let n = 4099;
     let want: Vec<_> = local::run(5, Some(Duration::from_secs(20)), |mut c| {
@@ -220,27 +251,61 @@ fn two_levels_over_routed_shared_memory_give_the_in_process_bits() {
     .into_iter()
     .map(Result::unwrap)
     .collect();
-    let (dir, name) = place("routed");
-    let o = options(&dir, 512, 20_000);
-    let hosts = [vec![0, 1, 2], vec![3, 4]];
-    let got: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = local::Local::world(5)
+    for stage in [0, 256, 1 << 16] {
+        let (dir, name) = place("routed");
+        let o = SharedMemoryOptions {
+            stage,
+            ..options(&dir, 512, 20_000)
+        };
+        let got: Vec<_> = two_levels_on_hosts(&nodes, n, &o, &name)
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(bits(&got), bits(&want), "stage {stage}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn a_rank_gone_from_a_node_stage_is_an_error_on_the_others() {
+    // Rank 2 leaves before the all-reduce: its node's ranks fail at the stage's first
+    // barrier (no heartbeat), within seconds, not after the 60 s timeout.
+    let nodes = Nodes::new(vec![0, 0, 0]).unwrap();
+    let (dir, name) = place("stagegone");
+    let o = SharedMemoryOptions {
+        stage: 1024,
+        ..options(&dir, 512, 60_000)
+    };
+    let t0 = Instant::now();
+    let got: Vec<gradpack::Result<()>> = std::thread::scope(|s| {
+        let hs: Vec<_> = local::Local::world(3)
             .into_iter()
             .enumerate()
             .map(|(r, base)| {
-                let (o, name, nodes, hosts) = (&o, &name, &nodes, &hosts);
+                let (o, name, nodes) = (&o, &name, &nodes);
                 s.spawn(move || {
-                    let host = &hosts[usize::from(r >= 3)];
-                    let shm = SharedMemory::open(name, r, 5, host, o.clone())?;
-                    assert!(shm.serves(host[0]) == (host[0] != r));
+                    let shm = SharedMemory::open(name, r, 3, &[0, 1, 2], o.clone())?;
                     let mut comm = Comm::new(Routed::new(base, Some(shm))?);
-                    steps(&mut comm, "int8", Strategy::CompressedRing, Some(nodes), n)
+                    if r == 2 {
+                        return Ok(());
+                    }
+                    steps(
+                        &mut comm,
+                        "int8",
+                        Strategy::CompressedRing,
+                        Some(nodes),
+                        100,
+                    )
+                    .map(drop)
                 })
             })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    assert_eq!(bits(&got), bits(&want));
+    for e in got.into_iter().take(2) {
+        assert!(matches!(e, Err(Error::Transport { peer: 2, .. })), "{e:?}");
+    }
+    assert!(t0.elapsed() < Duration::from_secs(15));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

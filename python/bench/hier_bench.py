@@ -25,10 +25,9 @@ Per configuration: an all-reduce (mean) of one float32 tensor over gloo
 point-to-point messages (``--mib`` MiB), ``--warmup`` runs then ``--runs`` timed ones; the time of a run
 is the slowest rank's, and the median is reported, beside the cost model's prediction
 (``gradpack.two_level_time`` with the codecs' speeds measured on this machine, one rank
-at a time, and the link inside a node measured first: gradpack's float32 ring on one
-node of ``--per-node`` ranks, unshaped. On a machine with fewer cores than ranks that
-link is the kernel copying through veths on shared cores, far slower than a real node's
-shared memory; the ranks' compute is contended too). ``fp32 gloo`` is ``torch.distributed``'s own
+at a time, and the link inside a node measured first: the two-level all-reduce's
+float32 phases on one node of ``--per-node`` ranks, unshaped. On a machine with fewer
+cores than ranks the ranks' compute is contended). ``fp32 gloo`` is ``torch.distributed``'s own
 all-reduce, for reference.
 """
 
@@ -318,13 +317,13 @@ def model(cfg, nodes, per_node, rate, elements, profiles, intra_bw):
 
 def intra_bandwidth(per_node, elements, runs, inside, shm):
     """The link inside a node as this machine emulates it: one node of ``per_node`` ranks
-    (unshaped), gradpack's float32 ring of the tensor; bandwidth = the ring's bytes per
-    rank over its time."""
+    (unshaped), the two-level all-reduce's float32 phases inside it (a reduce-scatter and
+    an all-gather); bandwidth = a ring's bytes per rank over their time."""
     ns, why = make(1, per_node, "30gbit", inside)  # a lone node's uplink carries nothing
     if ns is None:
         return None, why
     try:
-        r = run_one(ns, per_node, per_node, "flat-fp32", elements, 1, runs, shm)
+        r = run_one(ns, per_node, per_node, "hier-fp32", elements, 1, runs, shm)
     finally:
         delete(1, per_node)
     if "ms" not in r:
@@ -389,7 +388,7 @@ def main():
         return
     meta["intra_bandwidth_bit_s"] = intra_bw
     print(f"the link inside a node, measured: {intra_bw / 1e9:.2f} Gbit/s per rank "
-          f"(float32 ring of {a.per_node} ranks)", flush=True)
+          f"(the float32 phases inside one node of {a.per_node} ranks)", flush=True)
     results = []
     for link in a.links.split(","):
         ns, why = make(a.nodes, a.per_node, link, a.inside)

@@ -573,9 +573,11 @@ class Hierarchical(_Collective):
     this leg only), side by side, and all-gather the result inside the node. Every rank
     ends with the same bits; nodes may differ in size.
 
-    ``shared_memory`` (a name, as for :class:`AllReduce`) sends the messages inside a
-    node through shared memory, the node's ranks being one host's (``host`` to name
-    them otherwise); the legs between nodes use the callables.
+    ``shared_memory`` (a name, as for :class:`AllReduce`) reduces inside a node through
+    shared memory, the node's ranks being one host's (``host`` to name them otherwise):
+    with the float32 node codec, in place in a stage of up to 4 MiB per rank (in rounds,
+    no frames: the same bits); with bf16 or fp16, by frames through shared-memory rings.
+    The legs between nodes use the callables.
     """
 
     __slots__ = ()

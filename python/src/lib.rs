@@ -847,6 +847,7 @@ fn routed(
     name: Option<&str>,
     host: Option<Vec<usize>>,
     timeout: f64,
+    stage: usize,
 ) -> PyResult<Routed<PyTransport>> {
     let shm = match (name, host) {
         (None, _) => None,
@@ -864,6 +865,7 @@ fn routed(
             let (rank, size) = (base.rank, base.size);
             let opts = SharedMemoryOptions {
                 timeout: std::time::Duration::from_secs_f64(timeout),
+                stage,
                 ..Default::default()
             };
             Some(
@@ -946,7 +948,7 @@ impl PyAllReduce {
     ) -> PyResult<Self> {
         let py = codec.py();
         let t = py_transport(py, rank, world, send, recv)?;
-        let t = routed(py, t, shared_memory, host, shared_memory_timeout)?;
+        let t = routed(py, t, shared_memory, host, shared_memory_timeout, 0)?;
         let strategy = strategy_choice(strategy, world, bandwidth, latency)?;
         let op = reduce_op(op)?;
         if pieces == 0 {
@@ -1816,7 +1818,13 @@ impl PyHierarchical {
                     .collect()
             })
         });
-        let t = routed(py, t, shared_memory, host, shared_memory_timeout)?;
+        // A stage for the reduction inside the node in place: up to 4 MiB, in rounds.
+        let stage = length
+            .saturating_mul(4)
+            .min(4 << 20)
+            .max(world.saturating_mul(4))
+            .next_multiple_of(64);
+        let t = routed(py, t, shared_memory, host, shared_memory_timeout, stage)?;
         let nodes = Nodes::new(nodes).map_err(err)?;
         let opts = AllReduceOptions {
             op: reduce_op(op)?,

@@ -18,6 +18,13 @@
 //!    node's other ranks, encoded with the node codec, and takes the decoded frame itself
 //!    too.
 //!
+//! **Inside a host, in place.** When the transport offers the host's stages
+//! ([`Transport::node_memory`]: a [`super::SharedMemory`] made with a stage) and the node
+//! codec is `identity`, steps 1 and 3 send no messages: each rank writes its parts of the
+//! shards into its stage, and each owner sums them straight from its node's stages (then
+//! writes its results there for the others to copy), in rounds of the stage's size with
+//! barriers between; the same sums in the same order, so the same bits.
+//!
 //! Every rank ends with the same bits: each shard's value comes from the all-reduce
 //! between nodes (the same on every owner) and reaches the rest of its node as the same
 //! frame. Nodes may differ in size. With operation `Mean` the sum is divided by the world
@@ -26,8 +33,8 @@
 
 use super::comm::{Phase, Place};
 use super::{
-    AllReduce, AllReduceOptions, Comm, ENVELOPE_LEN, ReduceOp, Stats, Strategy, Transport,
-    chunk_range, peer_error,
+    AllReduce, AllReduceOptions, Comm, ENVELOPE_LEN, NodeMemory, ReduceOp, Stats, Strategy,
+    Transport, chunk_range, peer_error,
 };
 use crate::codec::{Codec, CodecSpec, EncodeCtx};
 use crate::error::{Error, Result};
@@ -384,6 +391,22 @@ impl Hierarchical {
             bytes_sent: 0,
             messages: 0,
         };
+        // Inside a host with stages, in place (float32 only: the same sums, no frames).
+        let members = self.nodes.members(self.node);
+        let memory = comm.transport().node_memory().filter(|m| {
+            matches!(self.frames.codec, CodecSpec::Identity(_))
+                && m.covers(members)
+                && m.stage_elems() >= self.nodes.max_node()
+        });
+        if let Some(m) = memory {
+            let got = self.run_in_memory(comm, &m, call, input, output, seed, &mut stats);
+            if got.is_err() {
+                m.fail(call);
+            }
+            got?;
+            self.mean(output);
+            return Ok(stats);
+        }
         let (members, local) = (self.nodes.members(self.node), self.local);
         let (l, shards, n_all) = (members.len(), self.nodes.max_node(), self.len);
         let shard = |s: usize| chunk_range(n_all, shards, s);
@@ -446,11 +469,105 @@ impl Hierarchical {
             let place = io.place(call, Phase::NodeAllGather, owned_by(local) + k_of(s), s);
             io.take::<WRITE, T>(comm, place, members[s % l], range.start, &mut output[range])?;
         }
+        self.mean(output);
+        Ok(stats)
+    }
+
+    /// With operation `Mean`, divide the sum by the world size.
+    fn mean(&self, output: &mut [f32]) {
         if self.op == ReduceOp::Mean && self.nodes.world() > 1 {
             let p = self.nodes.world() as f32;
             output.iter_mut().for_each(|x| *x /= p);
         }
-        Ok(stats)
+    }
+
+    /// [`Hierarchical::run`]'s node phases through the host's stages, in rounds of `c`
+    /// elements per shard (`c` the stage's elements over the shards): each rank writes its
+    /// part of every shard, a barrier, each owner sums its shards over the node's ranks in
+    /// local-rank order, a barrier; then the streams between nodes; then the owners write
+    /// their reduced shards, a barrier, every rank copies them, a barrier. The same sums
+    /// in the same order as the frames' path, so the same bits.
+    #[allow(clippy::too_many_arguments)]
+    fn run_in_memory<T: Transport + ?Sized>(
+        &mut self,
+        comm: &mut Comm<T>,
+        m: &NodeMemory,
+        call: u64,
+        input: &[f32],
+        output: &mut [f32],
+        seed: u64,
+        stats: &mut Stats,
+    ) -> Result<()> {
+        let members = self.nodes.members(self.node);
+        let (shards, n_all) = (self.nodes.max_node(), self.len);
+        let shard = |s: usize| chunk_range(n_all, shards, s);
+        let c = m.stage_elems() / shards;
+        let max_shard = shard(0).len();
+        let rounds = max_shard.div_ceil(c).max(1);
+        let part = |s: usize, t: usize| {
+            let r = shard(s);
+            let lo = (t * c).min(r.len());
+            let hi = ((t + 1) * c).min(r.len());
+            (r.start + lo)..(r.start + hi)
+        };
+        // Each owned shard's sum over the node, then over every node.
+        let owned = self.owned.len();
+        let mut acc = crate::alloc::filled(owned * max_shard, 0.0, "the node's shard sums")?;
+        let mut reduced = crate::alloc::filled(owned * max_shard, 0.0, "the shards' sums")?;
+        let mut b = 0u32;
+        let mut barrier = |last: bool| {
+            let r = m.barrier(members, call, b, last);
+            b += 1;
+            r
+        };
+        for t in 0..rounds {
+            for s in 0..shards {
+                m.write(s * c, &input[part(s, t)]);
+            }
+            barrier(false)?;
+            for (i, &s) in self.owned.iter().enumerate() {
+                let p = part(s, t);
+                let off = p.start - shard(s).start;
+                let dst = &mut acc[i * max_shard + off..i * max_shard + off + p.len()];
+                for (lr, &from) in members.iter().enumerate() {
+                    m.read(from, s * c, dst, lr != 0);
+                }
+            }
+            barrier(false)?;
+        }
+        for (i, &s) in self.owned.iter().enumerate() {
+            let n = shard(s).len();
+            let (a, r) = (
+                &mut acc[i * max_shard..i * max_shard + n],
+                &mut reduced[i * max_shard..i * max_shard + n],
+            );
+            match self.streams.get_mut(i) {
+                Some(ar) => {
+                    let stream_seed = splitmix64(seed ^ splitmix64(!(s as u64)));
+                    let st = ar.run_in(comm, call, a, r, stream_seed)?;
+                    stats.bytes_sent += st.bytes_sent;
+                    stats.messages += st.messages;
+                }
+                None => r.copy_from_slice(a),
+            }
+        }
+        for t in 0..rounds {
+            for (i, &s) in self.owned.iter().enumerate() {
+                let p = part(s, t);
+                let off = p.start - shard(s).start;
+                m.write(
+                    s * c,
+                    &reduced[i * max_shard + off..i * max_shard + off + p.len()],
+                );
+            }
+            barrier(false)?;
+            for s in 0..shards {
+                let owner = members[s % members.len()];
+                m.read(owner, s * c, &mut output[part(s, t)], false);
+            }
+            barrier(t + 1 == rounds)?;
+        }
+        Ok(())
     }
 }
 

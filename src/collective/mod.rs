@@ -98,7 +98,7 @@ pub mod shm;
 pub use comm::{Comm, ENVELOPE_LEN, ENVELOPE_VERSION};
 use comm::{Phase, Place};
 pub use hier::{Hierarchical, Nodes};
-pub use shm::{Routed, SharedMemory, SharedMemoryOptions};
+pub use shm::{NodeMemory, Routed, SharedMemory, SharedMemoryOptions};
 
 use core::ops::Range;
 
@@ -144,6 +144,13 @@ pub trait Transport {
     fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
         self.send(send, to)?;
         self.recv(recv, from)
+    }
+
+    /// The stages in shared memory of this rank's host, if the transport has them
+    /// ([`SharedMemory`] made with a stage): the two-level all-reduce then reduces inside
+    /// a node through them instead of messages. Default: none.
+    fn node_memory(&self) -> Option<NodeMemory> {
+        None
     }
 }
 

@@ -36,6 +36,10 @@
 //!   timeout. An owner removes its file's name once every peer has mapped it, or when
 //!   dropped, so a finished or failed job leaves nothing behind.
 //!
+//! With a stage ([`SharedMemoryOptions::stage`]) each file also holds a region of f32
+//! values through which the two-level all-reduce reduces inside a node in place
+//! ([`Transport::node_memory`]), with barriers on words of the files' headers.
+//!
 //! The files are readable and writable by the job's user alone (mode 0600). The name
 //! must be the same on every rank of the host and new for each set of transports (the PyTorch hook draws one at random on rank 0 and broadcasts it).
 //! Memory: each rank maps `capacity` bytes per other rank of its host in its own file.
@@ -60,6 +64,10 @@ const MAGIC: u64 = u64::from_le_bytes(*b"GPSHM\0\0\x01");
 const HEADER: usize = 64;
 const OPENED_AT: usize = 24;
 const BEAT_AT: usize = 32;
+/// The two-level all-reduce's barrier word and failed-call word, and the stage's size.
+const BARRIER_AT: usize = 40;
+const FAILED_AT: usize = 48;
+const STAGE_AT: usize = 56;
 /// How often a rank's sending thread bumps its heartbeat, and how long a peer's may stand
 /// still before a receive or a queued send gives up on it.
 const BEAT: Duration = Duration::from_millis(50);
@@ -81,6 +89,10 @@ pub struct SharedMemoryOptions {
     /// Where the files go (default `/dev/shm` where it exists, else the system's
     /// temporary directory).
     pub dir: Option<PathBuf>,
+    /// Bytes of this rank's stage: shared memory in which the two-level all-reduce
+    /// ([`super::Hierarchical`]) reduces inside a node in place, in rounds of the stage's
+    /// size, instead of sending float32 frames (a multiple of 64; default 0: none).
+    pub stage: usize,
 }
 
 impl Default for SharedMemoryOptions {
@@ -89,6 +101,7 @@ impl Default for SharedMemoryOptions {
             capacity: 1 << 20,
             timeout: Duration::from_secs(300),
             dir: None,
+            stage: 0,
         }
     }
 }
@@ -339,6 +352,120 @@ impl Backoff {
     }
 }
 
+/// The stages of a host's ranks: what the two-level all-reduce reduces through inside a
+/// node when its transport offers it ([`Transport::node_memory`]). It has no public
+/// methods; [`SharedMemory::node_memory`] hands it out.
+#[derive(Debug, Clone)]
+pub struct NodeMemory {
+    host: Arc<[usize]>,
+    me: usize,
+    /// Every host rank's file, this one's included, by place in `host`.
+    files: Arc<[Arc<Mapped>]>,
+    /// Offset and bytes of the stage in each file.
+    at: usize,
+    len: usize,
+    timeout: Duration,
+}
+
+/// The barrier word of barrier `i` of call `call`: above zero, rising through a call and
+/// from one call to the next.
+fn generation(call: u64, i: u32) -> u64 {
+    ((call + 1) << 20) + u64::from(i) + 1
+}
+
+impl NodeMemory {
+    /// Whether every one of `ranks` is on this host.
+    pub(crate) fn covers(&self, ranks: &[usize]) -> bool {
+        ranks.iter().all(|r| self.host.binary_search(r).is_ok())
+    }
+
+    /// f32 values a stage holds.
+    pub(crate) fn stage_elems(&self) -> usize {
+        self.len / 4
+    }
+
+    fn file(&self, rank: usize) -> &Mapped {
+        let j = self
+            .host
+            .binary_search(&rank)
+            .expect("a rank of the host (checked by covers)");
+        &self.files[j]
+    }
+
+    /// Write `x` into this rank's stage at element `at`.
+    pub(crate) fn write(&self, at: usize, x: &[f32]) {
+        assert!((at + x.len()) * 4 <= self.len, "inside the stage");
+        self.files[self.me].write(self.at + 4 * at, bytemuck::cast_slice(x));
+    }
+
+    /// Copy (or add, with `add`) the values at element `at` of `rank`'s stage into `out`.
+    pub(crate) fn read(&self, rank: usize, at: usize, out: &mut [f32], add: bool) {
+        assert!((at + out.len()) * 4 <= self.len, "inside the stage");
+        self.file(rank).read_f32(self.at + 4 * at, out, add);
+    }
+
+    /// Record that this rank gave up on call `call` (peers waiting at its barriers fail
+    /// instead of reading a stage it did not fill).
+    pub(crate) fn fail(&self, call: u64) {
+        self.files[self.me]
+            .atomic(FAILED_AT)
+            .store(call + 1, Ordering::Release);
+    }
+
+    /// Barrier `i` of call `call` among the ranks `ranks` of the node (this one among
+    /// them); `last`: the call's last. Waits for every one to reach it. A rank seen past
+    /// it, other than at the next barrier (or the next call's first, after a last one), or
+    /// marked as having given up on the call, is an error naming it; so is one whose
+    /// heartbeat stops, or that does not come within the timeout.
+    pub(crate) fn barrier(&self, ranks: &[usize], call: u64, i: u32, last: bool) -> Result<()> {
+        let g = generation(call, i);
+        let own = &self.files[self.me];
+        own.atomic(BARRIER_AT).store(g, Ordering::Release);
+        let me = self.host[self.me];
+        for &r in ranks.iter().filter(|&&r| r != me) {
+            let f = self.file(r);
+            let mut wait = Backoff::default();
+            let mut start: Option<(Instant, Pulse)> = None;
+            loop {
+                let w = f.atomic(BARRIER_AT).load(Ordering::Acquire);
+                if w >= g {
+                    let gave_up = f.atomic(FAILED_AT).load(Ordering::Acquire) == call + 1;
+                    let next = w == g + 1 || (last && w == generation(call + 1, 0));
+                    if gave_up || (w != g && !next) {
+                        return Err(Error::Transport {
+                            peer: r,
+                            reason: format!(
+                                "gave up on call {call} of the two-level all-reduce inside the node"
+                            ),
+                        });
+                    }
+                    break;
+                }
+                let (t0, pulse) = start.get_or_insert_with(|| (Instant::now(), Pulse::new(f)));
+                if t0.elapsed() > self.timeout {
+                    return Err(Error::Transport {
+                        peer: r,
+                        reason: format!(
+                            "did not reach the node's barrier through shared memory within {:?}",
+                            self.timeout
+                        ),
+                    });
+                }
+                if wait.0 > 200 && pulse.silent(f) {
+                    return Err(Error::Transport {
+                        peer: r,
+                        reason: format!(
+                            "stopped: no heartbeat through shared memory for {SILENT:?}"
+                        ),
+                    });
+                }
+                wait.snooze();
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A [`Transport`] between ranks of one host through shared memory (see the module
 /// docs). It serves the ranks of its host only: a message to any other rank is an
 /// error; [`Routed`] combines it with a transport for the rest.
@@ -356,6 +483,8 @@ pub struct SharedMemory {
     inbox: Vec<Option<Ring>>,
     /// Every other host rank's file, for its heartbeat.
     peers: Vec<Option<Arc<Mapped>>>,
+    /// The stages, when the options give one.
+    memory: Option<NodeMemory>,
     shared: Arc<Shared>,
     sender: Option<JoinHandle<()>>,
 }
@@ -404,6 +533,12 @@ impl SharedMemory {
                 "capacity {cap}: a multiple of 64 bytes from 64 bytes to 1 GiB"
             ));
         }
+        let stage = options.stage;
+        if stage > 1 << 34 || !stage.is_multiple_of(64) {
+            return bad(format!(
+                "stage {stage}: a multiple of 64 bytes up to 16 GiB"
+            ));
+        }
         let dir = match &options.dir {
             Some(d) => d.clone(),
             None if Path::new("/dev/shm").is_dir() => PathBuf::from("/dev/shm"),
@@ -411,9 +546,10 @@ impl SharedMemory {
         };
         let file_of = |r: usize| dir.join(format!("gradpack-{name}-{r}"));
         let rings = ranks.len() - 1;
-        let len = HEADER + rings * (RING_HEAD + cap);
+        let stage_at = HEADER + rings * (RING_HEAD + cap);
+        let len = stage_at + stage;
         let path = file_of(rank);
-        let own = Arc::new(create(&path, len, cap, rings)?);
+        let own = Arc::new(create(&path, len, [cap, rings, stage])?);
         // The ring from host rank j sits at slot j, less one past this rank.
         let slot = |reader: usize, writer: usize| {
             HEADER + (writer - usize::from(writer > reader)) * (RING_HEAD + cap)
@@ -435,7 +571,7 @@ impl SharedMemory {
                 peers.push(None);
                 continue;
             }
-            let map = match open_peer(&file_of(r), r, len, cap, rings, options.timeout) {
+            let map = match open_peer(&file_of(r), r, len, [cap, rings, stage], options.timeout) {
                 Ok(m) => Arc::new(m),
                 Err(e) => {
                     let _ = fs::remove_file(&path);
@@ -478,6 +614,17 @@ impl SharedMemory {
         } else {
             None
         };
+        let memory = (stage > 0).then(|| NodeMemory {
+            host: ranks.clone().into(),
+            me,
+            files: peers
+                .iter()
+                .map(|p| p.clone().unwrap_or_else(|| own.clone()))
+                .collect(),
+            at: stage_at,
+            len: stage,
+            timeout: options.timeout,
+        });
         let mut t = SharedMemory {
             rank,
             size,
@@ -487,6 +634,7 @@ impl SharedMemory {
             path: Some(path),
             inbox,
             peers,
+            memory,
             shared,
             sender,
         };
@@ -503,6 +651,12 @@ impl SharedMemory {
     /// The ranks of this host, ascending.
     pub fn host(&self) -> &[usize] {
         &self.host
+    }
+
+    /// The stages of the host's ranks, when made with one
+    /// ([`SharedMemoryOptions::stage`]).
+    pub fn node_memory(&self) -> Option<NodeMemory> {
+        self.memory.clone()
     }
 
     fn index(&self, peer: usize) -> Result<usize> {
@@ -585,6 +739,10 @@ impl Transport for SharedMemory {
         self.rank
     }
 
+    fn node_memory(&self) -> Option<NodeMemory> {
+        self.memory.clone()
+    }
+
     fn size(&self) -> usize {
         self.size
     }
@@ -665,7 +823,7 @@ impl Drop for SharedMemory {
 }
 
 /// Make this rank's file: under a temporary name, filled, its header written, renamed.
-fn create(path: &Path, len: usize, cap: usize, rings: usize) -> Result<Mapped> {
+fn create(path: &Path, len: usize, fields: [usize; 3]) -> Result<Mapped> {
     let io = |what: &str, e: std::io::Error| {
         Error::Collective(format!("shared memory: {what} {}: {e}", path.display()))
     };
@@ -689,8 +847,10 @@ fn create(path: &Path, len: usize, cap: usize, rings: usize) -> Result<Mapped> {
         left -= n;
     }
     let map = Mapped::new(&f).map_err(|e| io("cannot map", e))?;
+    let [cap, rings, stage] = fields;
     map.atomic(8).store(cap as u64, Ordering::Relaxed);
     map.atomic(16).store(rings as u64, Ordering::Relaxed);
+    map.atomic(STAGE_AT).store(stage as u64, Ordering::Relaxed);
     map.atomic(0).store(MAGIC, Ordering::Release);
     if let Err(e) = fs::rename(&tmp, path) {
         let _ = fs::remove_file(&tmp);
@@ -704,10 +864,10 @@ fn open_peer(
     path: &Path,
     peer: usize,
     len: usize,
-    cap: usize,
-    rings: usize,
+    fields: [usize; 3],
     timeout: Duration,
 ) -> Result<Mapped> {
+    let [cap, rings, stage] = fields;
     let start = Instant::now();
     let mut wait = Backoff(96);
     loop {
@@ -727,16 +887,17 @@ fn open_peer(
                     peer,
                     reason: format!("cannot map {}: {e}", path.display()),
                 })?;
-                let fields = [
+                let got = [
                     map.atomic(0).load(Ordering::Acquire),
                     map.atomic(8).load(Ordering::Relaxed),
                     map.atomic(16).load(Ordering::Relaxed),
+                    map.atomic(STAGE_AT).load(Ordering::Relaxed),
                 ];
-                if fields != [MAGIC, cap as u64, rings as u64] {
+                if got != [MAGIC, cap as u64, rings as u64, stage as u64] {
                     return Err(Error::Transport {
                         peer,
                         reason: format!(
-                            "its shared-memory file {} is not a ring file of capacity {cap} with {rings} rings",
+                            "its shared-memory file {} is not a ring file of capacity {cap} with {rings} rings and a stage of {stage} bytes",
                             path.display()
                         ),
                     });
@@ -808,6 +969,10 @@ impl<T: Transport> Routed<T> {
 impl<T: Transport> Transport for Routed<T> {
     fn rank(&self) -> usize {
         self.base.rank()
+    }
+
+    fn node_memory(&self) -> Option<NodeMemory> {
+        self.host.as_ref().and_then(SharedMemory::node_memory)
     }
 
     fn size(&self) -> usize {

@@ -101,4 +101,32 @@ impl Mapped {
             );
         }
     }
+
+    /// Copy (`add` false) or add, element by element in f32 (`add` true), the f32 values
+    /// at `offset` (a multiple of 4) into `out`.
+    ///
+    /// # Panics
+    /// If `offset` is not a multiple of 4 or the values do not lie inside the mapping.
+    pub(crate) fn read_f32(&self, offset: usize, out: &mut [f32], add: bool) {
+        let bytes = out.len().saturating_mul(4);
+        assert!(
+            offset.is_multiple_of(4) && offset.checked_add(bytes).is_some_and(|e| e <= self.len()),
+            "shared read of {} f32 at {offset} outside a mapping of {} bytes",
+            out.len(),
+            self.len()
+        );
+        // SAFETY: the mapping starts on a page boundary and `offset` is a multiple of 4,
+        // so the pointer is aligned for f32; the values lie inside the mapping (checked
+        // above), which lives while `self` does, and every bit pattern is an f32. The
+        // two-level all-reduce's barriers keep every writer of this range out until every
+        // reader has passed the next barrier, so nothing writes it while the slice lives.
+        let src = unsafe {
+            core::slice::from_raw_parts(self.map.as_ptr().add(offset).cast::<f32>(), out.len())
+        };
+        if add {
+            out.iter_mut().zip(src).for_each(|(o, &v)| *o += v);
+        } else {
+            out.copy_from_slice(src);
+        }
+    }
 }
