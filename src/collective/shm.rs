@@ -33,8 +33,9 @@
 //! - **Set-up**: a rank makes its file under a temporary name, fills it (so a full
 //!   file system is an error here, not a fault later) and renames it, so a peer never
 //!   maps a half-made file; then it maps every peer's file, waiting for each up to the
-//!   timeout. An owner removes its file's name once every peer has mapped it, or when
-//!   dropped, so a finished or failed job leaves nothing behind.
+//!   timeout, and waits for every peer to have mapped its own. Then it removes its file's
+//!   name: a made transport leaves nothing in the directory, and a failed set-up removes
+//!   what it made.
 //!
 //! With a stage ([`SharedMemoryOptions::stage`]) each file also holds a region of f32
 //! values through which the two-level all-reduce reduces inside a node in place
@@ -476,10 +477,6 @@ pub struct SharedMemory {
     /// The ranks of this host, ascending, this one among them.
     host: Vec<usize>,
     me: usize,
-    /// This rank's file: rings from every other host rank.
-    own: Arc<Mapped>,
-    /// Its name, until every peer has mapped it and it is removed.
-    path: Option<PathBuf>,
     inbox: Vec<Option<Ring>>,
     /// Every other host rank's file, for its heartbeat.
     peers: Vec<Option<Arc<Mapped>>>,
@@ -591,6 +588,22 @@ impl SharedMemory {
                 since: Instant::now(),
             })));
         }
+        // Every peer maps this file before any rank goes on, so a rank that leaves at
+        // once cannot take its file's name away from a peer still looking for it; then
+        // the name goes.
+        let start = Instant::now();
+        let mut wait = Backoff(96);
+        while own.atomic(OPENED_AT).load(Ordering::Acquire) < rings as u64 {
+            if start.elapsed() > options.timeout {
+                let _ = fs::remove_file(&path);
+                return bad(format!(
+                    "the host's other ranks did not all map this rank's file within {:?}",
+                    options.timeout
+                ));
+            }
+            wait.snooze();
+        }
+        let _ = fs::remove_file(&path);
         let shared = Arc::new(Shared {
             outboxes,
             work: Mutex::new(false),
@@ -625,20 +638,17 @@ impl SharedMemory {
             len: stage,
             timeout: options.timeout,
         });
-        let mut t = SharedMemory {
+        let t = SharedMemory {
             rank,
             size,
             host: ranks,
             me,
-            own,
-            path: Some(path),
             inbox,
             peers,
             memory,
             shared,
             sender,
         };
-        t.unlink_when_mapped();
         Ok(t)
     }
 
@@ -670,16 +680,6 @@ impl SharedMemory {
                     self.host, self.rank
                 ),
             }),
-        }
-    }
-
-    /// Remove this rank's file name once every peer has mapped the file.
-    fn unlink_when_mapped(&mut self) {
-        if self.path.is_some()
-            && self.own.atomic(OPENED_AT).load(Ordering::Acquire) >= (self.host.len() - 1) as u64
-            && let Some(p) = self.path.take()
-        {
-            let _ = fs::remove_file(p);
         }
     }
 
@@ -750,7 +750,6 @@ impl Transport for SharedMemory {
     fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
         let j = self.index(to)?;
         self.check_failed()?;
-        self.unlink_when_mapped();
         let head = (msg.len() as u64).to_le_bytes();
         let total = LEN_BYTES + msg.len();
         let ob = self.shared.outboxes[j]
@@ -786,7 +785,6 @@ impl Transport for SharedMemory {
 
     fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
         let j = self.index(from)?;
-        self.unlink_when_mapped();
         let mut head = [0u8; LEN_BYTES];
         self.read_exact(j, from, &mut head)?;
         let len = usize::try_from(u64::from_le_bytes(head)).map_err(|_| Error::Transport {
@@ -815,9 +813,6 @@ impl Drop for SharedMemory {
         self.shared.wake.notify_one();
         if let Some(h) = self.sender.take() {
             let _ = h.join();
-        }
-        if let Some(p) = self.path.take() {
-            let _ = fs::remove_file(p);
         }
     }
 }
