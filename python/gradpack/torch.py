@@ -1220,15 +1220,16 @@ class GradpackState:
         if not self.shared_memory:
             return {}
         hosts, me = self.host_map(), self._rank()
-        host = [r for r in members if hosts[r] == hosts[me]]
-        self._shm_made += 1
-        if len(host) < 2:
-            return {}
         if self._shm_token is None:
+            # A collective: every rank comes here the first time, whatever its host.
             token = [os.urandom(6).hex() if me == 0 else None]
             dist.broadcast_object_list(token, src=dist.get_global_rank(self._comm_group(), 0),
                                        group=self._comm_group())
             self._shm_token = str(token[0])
+        host = [r for r in members if hosts[r] == hosts[me]]
+        self._shm_made += 1
+        if len(host) < 2:
+            return {}
         kw: Dict[str, Any] = dict(shared_memory=f"gp{self._shm_token}-{self._shm_made}", host=host)
         if self.timeout is not None:
             kw["shared_memory_timeout"] = float(self.timeout)
