@@ -531,7 +531,7 @@ impl SharedMemory {
             ));
         }
         let stage = options.stage;
-        if stage > 1 << 34 || !stage.is_multiple_of(64) {
+        if stage as u64 > 1 << 34 || !stage.is_multiple_of(64) {
             return bad(format!(
                 "stage {stage}: a multiple of 64 bytes up to 16 GiB"
             ));
