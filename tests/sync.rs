@@ -468,13 +468,7 @@ fn by_node_ranks_agree_match_the_mean_and_checkpoints_continue() {
         ..opts(Policy::with_rules("int8".parse().unwrap()))
     };
     let l = layout();
-    let got: Vec<Steps> = run(5, &o, 3, in_order)
-        .into_iter()
-        .map(|r| r.unwrap())
-        .collect();
-    for r in 1..5 {
-        assert_eq!(bits(&got[r]), bits(&got[0]), "rank {r}");
-    }
+    let got = identical_on_every_rank(5, &o, 3);
     // Step 0 has no residual yet: each element within int8's bound of the exact mean.
     for (i, t) in l.iter().enumerate() {
         let n = t.len().unwrap();
@@ -524,6 +518,35 @@ fn by_node_ranks_agree_match_the_mean_and_checkpoints_continue() {
     }
 }
 
+/// The plan every one of `p` ranks makes with `o` (asserted the same on all).
+fn plan_of(p: usize, o: &SyncOptions) -> gradpack::sync::Plan {
+    let plans: Vec<_> = local::run(p, Some(Duration::from_secs(20)), |comm| {
+        Ok(SyncEngine::new(&layout(), comm.into_inner(), o.clone())?
+            .plan()
+            .clone())
+    })
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect();
+    assert!(
+        plans.iter().all(|q| *q == plans[0]),
+        "ranks agree on the plan"
+    );
+    plans.into_iter().next().unwrap()
+}
+
+/// `steps` steps on `p` ranks, asserted to end with the same bits on every rank.
+fn identical_on_every_rank(p: usize, o: &SyncOptions, steps: u64) -> Vec<Steps> {
+    let got: Vec<Steps> = run(p, o, steps, in_order)
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    for r in 1..p {
+        assert_eq!(bits(&got[r]), bits(&got[0]), "rank {r}");
+    }
+    got
+}
+
 #[test]
 fn the_planner_goes_by_node_where_the_link_inside_nodes_pays() {
     use gradpack::collective::Nodes;
@@ -537,80 +560,34 @@ fn the_planner_goes_by_node_where_the_link_inside_nodes_pays() {
         },
         ..opts(Policy::with_rules("int8".parse().unwrap()))
     };
-    let plan_with = |inside: f64| {
-        let o = SyncOptions {
-            node_network: Some(Network {
-                bandwidth_bit_s: inside,
-                latency_s: 2e-6,
-            }),
-            ..base.clone()
-        };
-        let plans = local::run(6, Some(Duration::from_secs(20)), |comm| {
-            let e = SyncEngine::new(&layout(), comm.into_inner(), o.clone())?;
-            Ok(e.plan().clone())
-        });
-        let plans: Vec<_> = plans.into_iter().map(|r| r.unwrap()).collect();
-        assert!(
-            plans.iter().all(|p| *p == plans[0]),
-            "ranks agree on the plan"
-        );
-        plans[0].clone()
-    };
-    // A link inside nodes 100 times faster: the large buckets go by node (the uplinks
-    // carry 2 (n - 1) / n of the bucket instead of 2 (p - 1) / p), and they are modelled
-    // faster than flat.
-    let fast = plan_with(100e9);
-    let big = |p: &gradpack::sync::Plan| {
-        p.buckets
-            .iter()
-            .filter(|b| b.elements > 30_000)
-            .map(|b| b.by_node)
-            .collect::<Vec<_>>()
-    };
-    assert!(
-        !big(&fast).is_empty() && big(&fast).iter().all(|&b| b),
-        "{fast}"
-    );
-    // A link inside nodes slower than the one between them: every bucket flat.
-    let slow = plan_with(0.1e9);
-    assert!(slow.buckets.iter().all(|b| !b.by_node), "{slow}");
-    assert!(format!("{fast}").contains("by node"));
-    // Without a link inside nodes, every bucket goes by node, as before.
-    let always = local::run(6, Some(Duration::from_secs(20)), |comm| {
-        let e = SyncEngine::new(&layout(), comm.into_inner(), base.clone())?;
-        Ok(e.plan().clone())
-    });
-    assert!(
-        always[0]
-            .as_ref()
-            .unwrap()
-            .buckets
-            .iter()
-            .all(|b| b.by_node)
-    );
-    // A plan that mixes the two runs, and every rank ends with the same bits.
-    let mixed = SyncOptions {
+    let inside = |bandwidth_bit_s: f64| SyncOptions {
         node_network: Some(Network {
-            bandwidth_bit_s: 3e9,
+            bandwidth_bit_s,
             latency_s: 2e-6,
         }),
         ..base.clone()
     };
-    let p = local::run(6, Some(Duration::from_secs(20)), |comm| {
-        Ok(
-            SyncEngine::new(&layout(), comm.into_inner(), mixed.clone())?
-                .plan()
-                .clone(),
-        )
-    });
-    let p = p[0].as_ref().unwrap();
+    // A link inside nodes 100 times faster: the large buckets go by node (the uplinks
+    // carry 2 (n - 1) / n of the bucket instead of 2 (p - 1) / p), and they are modelled
+    // faster than flat.
+    let fast = plan_of(6, &inside(100e9));
+    let big: Vec<bool> = fast
+        .buckets
+        .iter()
+        .filter(|b| b.elements > 30_000)
+        .map(|b| b.by_node)
+        .collect();
+    assert!(!big.is_empty() && big.iter().all(|&b| b), "{fast}");
+    assert!(format!("{fast}").contains("by node"));
+    // A link inside nodes slower than the one between them: every bucket flat.
+    let slow = plan_of(6, &inside(0.1e9));
+    assert!(slow.buckets.iter().all(|b| !b.by_node), "{slow}");
+    // Without a link inside nodes, every bucket goes by node, as before.
+    assert!(plan_of(6, &base).buckets.iter().all(|b| b.by_node));
+    // A plan that mixes the two runs, and every rank ends with the same bits.
+    let mixed = inside(3e9);
+    let p = plan_of(6, &mixed);
     let ways: Vec<bool> = p.buckets.iter().map(|b| b.by_node).collect();
     assert!(ways.contains(&true) && ways.contains(&false), "{p}");
-    let got: Vec<Steps> = run(6, &mixed, 2, in_order)
-        .into_iter()
-        .map(|r| r.unwrap())
-        .collect();
-    for r in 1..6 {
-        assert_eq!(bits(&got[r]), bits(&got[0]), "rank {r}");
-    }
+    identical_on_every_rank(6, &mixed, 2);
 }

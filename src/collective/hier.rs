@@ -193,7 +193,7 @@ pub struct Hierarchical {
     streams: Vec<AllReduce>,
     strategy: Strategy,
     frames: NodeFrames,
-    /// An owned shard's sum over the node, and its sum over every node.
+    /// The owned shards' sums over the node, and over every node (a shard's room each).
     acc: Vec<f32>,
     reduced: Vec<f32>,
 }
@@ -290,6 +290,7 @@ impl Hierarchical {
             streams.push(ar);
         }
         let max_shard = chunk_range(len, shards, 0).len();
+        let owned_n = owned.len().max(1);
         let frame = wire::sealed_len(node_codec.max_encoded_len(max_shard));
         Ok(Hierarchical {
             nodes,
@@ -313,8 +314,10 @@ impl Hierarchical {
                 )?,
                 msg: Vec::new(),
             },
-            acc: crate::alloc::filled(max_shard, 0.0, "a shard's sum")?,
-            reduced: crate::alloc::filled(max_shard, 0.0, "a shard's sum")?,
+            // Room for every owned shard (the in-place path keeps them all across its
+            // rounds; the frames' path uses the first).
+            acc: crate::alloc::filled(owned_n * max_shard, 0.0, "the node's shard sums")?,
+            reduced: crate::alloc::filled(owned_n * max_shard, 0.0, "the shards' sums")?,
         })
     }
 
@@ -407,7 +410,7 @@ impl Hierarchical {
             self.mean(output);
             return Ok(stats);
         }
-        let (members, local) = (self.nodes.members(self.node), self.local);
+        let local = self.local;
         let (l, shards, n_all) = (members.len(), self.nodes.max_node(), self.len);
         let shard = |s: usize| chunk_range(n_all, shards, s);
         let io = &mut self.frames;
@@ -441,17 +444,19 @@ impl Hierarchical {
                     (false, false) => io.take::<ADD, T>(comm, place, from, range.start, acc)?,
                 }
             }
-            // 2. Between nodes (a world of one node: the node's sum is the result).
+            // 2. Between nodes.
             let reduced = &mut self.reduced[..n];
-            match self.streams.get_mut(i) {
-                Some(ar) => {
-                    let stream_seed = splitmix64(seed ^ splitmix64(!(s as u64)));
-                    let st = ar.run_in(comm, call, acc, reduced, stream_seed)?;
-                    stats.bytes_sent += st.bytes_sent;
-                    stats.messages += st.messages;
-                }
-                None => reduced.copy_from_slice(acc),
-            }
+            between(
+                &mut self.streams,
+                i,
+                s,
+                comm,
+                call,
+                acc,
+                reduced,
+                seed,
+                &mut stats,
+            )?;
             // 3. This shard to the node's other ranks, and as they decode it, here.
             let len = io.encode(reduced, range.start)?;
             for (lr, &to) in members.iter().enumerate().filter(|&(lr, _)| lr != local) {
@@ -510,10 +515,7 @@ impl Hierarchical {
             let hi = ((t + 1) * c).min(r.len());
             (r.start + lo)..(r.start + hi)
         };
-        // Each owned shard's sum over the node, then over every node.
-        let owned = self.owned.len();
-        let mut acc = crate::alloc::filled(owned * max_shard, 0.0, "the node's shard sums")?;
-        let mut reduced = crate::alloc::filled(owned * max_shard, 0.0, "the shards' sums")?;
+        let (acc, reduced) = (&mut self.acc, &mut self.reduced);
         let mut b = 0u32;
         let mut barrier = |last: bool| {
             let r = m.barrier(members, call, b, last);
@@ -536,20 +538,9 @@ impl Hierarchical {
             barrier(false)?;
         }
         for (i, &s) in self.owned.iter().enumerate() {
-            let n = shard(s).len();
-            let (a, r) = (
-                &mut acc[i * max_shard..i * max_shard + n],
-                &mut reduced[i * max_shard..i * max_shard + n],
-            );
-            match self.streams.get_mut(i) {
-                Some(ar) => {
-                    let stream_seed = splitmix64(seed ^ splitmix64(!(s as u64)));
-                    let st = ar.run_in(comm, call, a, r, stream_seed)?;
-                    stats.bytes_sent += st.bytes_sent;
-                    stats.messages += st.messages;
-                }
-                None => r.copy_from_slice(a),
-            }
+            let room = i * max_shard..i * max_shard + shard(s).len();
+            let (a, r) = (&acc[room.clone()], &mut reduced[room]);
+            between(&mut self.streams, i, s, comm, call, a, r, seed, stats)?;
         }
         for t in 0..rounds {
             for (i, &s) in self.owned.iter().enumerate() {
@@ -569,6 +560,32 @@ impl Hierarchical {
         }
         Ok(())
     }
+}
+
+/// Step 2 for owned shard `s` (the `i`-th): its node sum `acc` all-reduced among its
+/// owners in every node into `reduced` (a world of one node: the node sum is the result).
+#[allow(clippy::too_many_arguments)]
+fn between<T: Transport + ?Sized>(
+    streams: &mut [AllReduce],
+    i: usize,
+    s: usize,
+    comm: &mut Comm<T>,
+    call: u64,
+    acc: &[f32],
+    reduced: &mut [f32],
+    seed: u64,
+    stats: &mut Stats,
+) -> Result<()> {
+    match streams.get_mut(i) {
+        Some(ar) => {
+            let stream_seed = splitmix64(seed ^ splitmix64(!(s as u64)));
+            let st = ar.run_in(comm, call, acc, reduced, stream_seed)?;
+            stats.bytes_sent += st.bytes_sent;
+            stats.messages += st.messages;
+        }
+        None => reduced.copy_from_slice(acc),
+    }
+    Ok(())
 }
 
 const WRITE: u8 = crate::kernels::mode::WRITE;

@@ -353,6 +353,54 @@ impl Backoff {
     }
 }
 
+/// Waiting on one peer: backs off, and gives up after the timeout or once the peer's
+/// heartbeat has stood still for [`SILENT`].
+struct Waiter<'a> {
+    file: &'a Mapped,
+    peer: usize,
+    timeout: Duration,
+    backoff: Backoff,
+    since: Option<(Instant, Pulse)>,
+}
+
+impl<'a> Waiter<'a> {
+    fn new(file: &'a Mapped, peer: usize, timeout: Duration) -> Waiter<'a> {
+        Waiter {
+            file,
+            peer,
+            timeout,
+            backoff: Backoff::default(),
+            since: None,
+        }
+    }
+
+    /// The peer made progress: wait afresh.
+    fn progressed(&mut self) {
+        self.backoff = Backoff::default();
+        self.since = None;
+    }
+
+    /// Nothing yet: back off once, or fail naming the peer (`what` it did not do within
+    /// the timeout).
+    fn idle(&mut self, what: &str) -> Result<()> {
+        let (t0, pulse) = self
+            .since
+            .get_or_insert_with(|| (Instant::now(), Pulse::new(self.file)));
+        let reason = if t0.elapsed() > self.timeout {
+            format!("{what} through shared memory within {:?}", self.timeout)
+        } else if self.backoff.0 > 200 && pulse.silent(self.file) {
+            format!("stopped: no heartbeat through shared memory for {SILENT:?}")
+        } else {
+            self.backoff.snooze();
+            return Ok(());
+        };
+        Err(Error::Transport {
+            peer: self.peer,
+            reason,
+        })
+    }
+}
+
 /// The stages of a host's ranks: what the two-level all-reduce reduces through inside a
 /// node when its transport offers it ([`Transport::node_memory`]). It has no public
 /// methods; [`SharedMemory::node_memory`] hands it out.
@@ -425,8 +473,7 @@ impl NodeMemory {
         let me = self.host[self.me];
         for &r in ranks.iter().filter(|&&r| r != me) {
             let f = self.file(r);
-            let mut wait = Backoff::default();
-            let mut start: Option<(Instant, Pulse)> = None;
+            let mut wait = Waiter::new(f, r, self.timeout);
             loop {
                 let w = f.atomic(BARRIER_AT).load(Ordering::Acquire);
                 if w >= g {
@@ -442,25 +489,7 @@ impl NodeMemory {
                     }
                     break;
                 }
-                let (t0, pulse) = start.get_or_insert_with(|| (Instant::now(), Pulse::new(f)));
-                if t0.elapsed() > self.timeout {
-                    return Err(Error::Transport {
-                        peer: r,
-                        reason: format!(
-                            "did not reach the node's barrier through shared memory within {:?}",
-                            self.timeout
-                        ),
-                    });
-                }
-                if wait.0 > 200 && pulse.silent(f) {
-                    return Err(Error::Transport {
-                        peer: r,
-                        reason: format!(
-                            "stopped: no heartbeat through shared memory for {SILENT:?}"
-                        ),
-                    });
-                }
-                wait.snooze();
+                wait.idle("did not reach the node's barrier")?;
             }
         }
         Ok(())
@@ -638,7 +667,7 @@ impl SharedMemory {
             len: stage,
             timeout: options.timeout,
         });
-        let t = SharedMemory {
+        Ok(SharedMemory {
             rank,
             size,
             host: ranks,
@@ -648,8 +677,7 @@ impl SharedMemory {
             memory,
             shared,
             sender,
-        };
-        Ok(t)
+        })
     }
 
     /// Whether messages to `rank` go through shared memory (a rank of this host other
@@ -702,33 +730,15 @@ impl SharedMemory {
             .as_ref()
             .expect("the file of every other host rank");
         let mut got = 0;
-        let mut wait = Backoff::default();
-        let mut start: Option<(Instant, Pulse)> = None;
+        let mut wait = Waiter::new(file, peer, self.shared.timeout);
         while got < out.len() {
             let n = ring.pop(&mut out[got..]);
             got += n;
             if n > 0 {
-                wait = Backoff::default();
-                start = None;
-                continue;
+                wait.progressed();
+            } else {
+                wait.idle("sent nothing")?;
             }
-            let (t0, pulse) = start.get_or_insert_with(|| (Instant::now(), Pulse::new(file)));
-            if t0.elapsed() > self.shared.timeout {
-                return Err(Error::Transport {
-                    peer,
-                    reason: format!(
-                        "sent nothing through shared memory within {:?}",
-                        self.shared.timeout
-                    ),
-                });
-            }
-            if wait.0 > 200 && pulse.silent(file) {
-                return Err(Error::Transport {
-                    peer,
-                    reason: format!("stopped: no heartbeat through shared memory for {SILENT:?}"),
-                });
-            }
-            wait.snooze();
         }
         Ok(())
     }

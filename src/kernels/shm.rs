@@ -30,17 +30,23 @@ impl Mapped {
         self.map.len()
     }
 
+    /// That `bytes` bytes at `offset` (a multiple of `align`) lie inside the mapping.
+    fn check(&self, offset: usize, bytes: usize, align: usize) {
+        assert!(
+            offset.is_multiple_of(align)
+                && offset.checked_add(bytes).is_some_and(|e| e <= self.len()),
+            "shared access of {bytes} bytes at {offset} (alignment {align}) outside a mapping of {} bytes",
+            self.len()
+        );
+    }
+
     /// The little-endian u64 at `offset` as an atomic.
     ///
     /// # Panics
     /// If `offset` is not a multiple of 8 or the word does not lie inside the mapping
     /// (offsets come from the protocol's fixed layout, never from a peer).
     pub(crate) fn atomic(&self, offset: usize) -> &AtomicU64 {
-        assert!(
-            offset.is_multiple_of(8) && offset.checked_add(8).is_some_and(|e| e <= self.len()),
-            "shared word at {offset} outside a mapping of {} bytes",
-            self.len()
-        );
+        self.check(offset, 8, 8);
         // SAFETY: the mapping starts on a page boundary and `offset` is a multiple of 8,
         // so the pointer is aligned for u64; the 8 bytes lie inside the mapping (checked
         // above), which lives as long as `self`, so the reference cannot outlive it.
@@ -54,14 +60,7 @@ impl Mapped {
     /// # Panics
     /// If the range does not lie inside the mapping.
     pub(crate) fn write(&self, offset: usize, src: &[u8]) {
-        assert!(
-            offset
-                .checked_add(src.len())
-                .is_some_and(|e| e <= self.len()),
-            "shared write of {} bytes at {offset} outside a mapping of {} bytes",
-            src.len(),
-            self.len()
-        );
+        self.check(offset, src.len(), 1);
         // SAFETY: the destination range lies inside the mapping (checked above), which is
         // valid for writes while `self` lives, and cannot overlap `src`, a Rust slice
         // outside it. The ring protocol gives this range to the writer alone until it
@@ -80,14 +79,7 @@ impl Mapped {
     /// # Panics
     /// If the range does not lie inside the mapping.
     pub(crate) fn read(&self, offset: usize, dst: &mut [u8]) {
-        assert!(
-            offset
-                .checked_add(dst.len())
-                .is_some_and(|e| e <= self.len()),
-            "shared read of {} bytes at {offset} outside a mapping of {} bytes",
-            dst.len(),
-            self.len()
-        );
+        self.check(offset, dst.len(), 1);
         // SAFETY: the source range lies inside the mapping (checked above), valid for
         // reads while `self` lives; `dst` is a distinct Rust slice. The ring protocol
         // hands this range to the reader only after the writer's release store of it
@@ -108,13 +100,7 @@ impl Mapped {
     /// # Panics
     /// If `offset` is not a multiple of 4 or the values do not lie inside the mapping.
     pub(crate) fn read_f32(&self, offset: usize, out: &mut [f32], add: bool) {
-        let bytes = out.len().saturating_mul(4);
-        assert!(
-            offset.is_multiple_of(4) && offset.checked_add(bytes).is_some_and(|e| e <= self.len()),
-            "shared read of {} f32 at {offset} outside a mapping of {} bytes",
-            out.len(),
-            self.len()
-        );
+        self.check(offset, out.len().saturating_mul(4), 4);
         // SAFETY: the mapping starts on a page boundary and `offset` is a multiple of 4,
         // so the pointer is aligned for f32; the values lie inside the mapping (checked
         // above), which lives while `self` does, and every bit pattern is an f32. The
