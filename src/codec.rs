@@ -685,6 +685,7 @@ pub const REPRESENTATIVE_SPECS: &[&str] = &[
     "bf16",
     "fp8",
     "fp4",
+    "fp4:scale=e4m3",
     "codebook",
     "int8",
     "int8:rounding=stochastic",

@@ -165,6 +165,20 @@ impl Split for &mut [f32] {
     }
 }
 
+impl Split for &[f32] {
+    fn split(self, at: usize, _: usize) -> (Self, Self) {
+        self.split_at(at)
+    }
+}
+
+impl<T: Sync> Split for (&[T], &[f32]) {
+    fn split(self, at: usize, _: usize) -> (Self, Self) {
+        let (r0, r1) = self.0.split_at(at);
+        let (g0, g1) = self.1.split_at(at);
+        ((r0, g0), (r1, g1))
+    }
+}
+
 impl Split for (&mut [f32], &[f32]) {
     fn split(self, at: usize, _: usize) -> (Self, Self) {
         let (r0, r1) = self.0.split_at_mut(at);

@@ -6,7 +6,7 @@ mod common;
 mod fuzz_checks;
 
 use common::*;
-use gradpack::{Codec, CodecId, Error, HEADER_LEN, Header};
+use gradpack::{Codec, CodecId, CodecSpec, EncodeCtx, Error, HEADER_LEN, Header};
 use proptest::prelude::*;
 
 /// Decode `frame` every way there is and check the contracts; returns whether it decoded.
@@ -224,6 +224,49 @@ fn reserved_fields_are_rejected() {
         gradpack::decode(&f, &mut [0.0; 5]),
         Err(Error::Corrupt { .. })
     ));
+}
+
+#[test]
+fn fp4_frame_scales_a_decoder_refuses() {
+    let spec: CodecSpec = "fp4:scale=e4m3".parse().unwrap();
+    let x: Vec<f32> = (0..40).map(|i| (i as f32 - 17.0) * 0.37).collect();
+    let good = spec.encode(&x, &EncodeCtx::new(0)).unwrap();
+    let mut out = vec![0f32; x.len()];
+    gradpack::decode(&good, &mut out).unwrap();
+    // The frame scale (params bytes 7..11, header bytes 47..51): NaN, zero, below 2^-126,
+    // negative, and so large that 448 times it overflows; then byte 11 non-zero.
+    for g in [f32::NAN, 0.0, 1e-39, -1.0, 1e36, f32::INFINITY] {
+        let mut f = good.clone();
+        f[47..51].copy_from_slice(&g.to_le_bytes());
+        reseal(&mut f);
+        assert!(
+            matches!(
+                gradpack::decode(&f, &mut out),
+                Err(Error::BadField {
+                    field: "params.global",
+                    ..
+                })
+            ),
+            "frame scale {g:e}"
+        );
+    }
+    let mut f = good.clone();
+    f[51] = 1;
+    reseal(&mut f);
+    assert!(matches!(
+        gradpack::decode(&f, &mut out),
+        Err(Error::BadField { .. })
+    ));
+    // A block's E4M3 scale byte with its sign bit set (the first payload byte).
+    let mut f = good.clone();
+    f[56] |= 0x80;
+    assert!(matches!(
+        gradpack::decode(&f, &mut out),
+        Err(Error::Corrupt { .. })
+    ));
+    // The same through the fused reduction of several frames.
+    let frames = [good.as_slice(), f.as_slice()];
+    assert!(gradpack::reduce_frames(&frames, &mut out).is_err());
 }
 
 /// Re-seal a frame's header checksum after editing bytes 0..52.

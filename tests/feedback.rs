@@ -506,13 +506,13 @@ fn top_k_frames_do_not_depend_on_threads_or_where_the_large_values_sit() {
 fn chunked_encoding_decodes_like_whole_encoding() {
     // Block-aligned chunks, each encoded as its own frame with its global offset, decode to
     // the same values as the whole tensor (top-k excepted: it selects within each frame;
-    // and dct with one scale per frame).
+    // and the codecs with a scale per frame).
     let n = 4000;
     let x = sample(n, 21);
-    for spec in ef_specs().into_iter().filter(|s| {
-        !matches!(s, CodecSpec::TopK(_))
-            && !matches!(s, CodecSpec::Dct(d) if d.values() == gradpack::DctValues::SignFrame)
-    }) {
+    for spec in ef_specs()
+        .into_iter()
+        .filter(|s| !matches!(s, CodecSpec::TopK(_)) && !scaled_per_frame(s))
+    {
         let ctx = EncodeCtx::new(99).with_offset(1 << 20);
         let whole = decode(&spec.encode(&x, &ctx).unwrap(), n);
         let chunk = block_of(&spec) * 7;

@@ -171,6 +171,12 @@ fn ids_names_and_spec_metadata_agree() {
     assert!(!"chunktopk".parse::<CodecSpec>().unwrap().unbiased());
     assert!(!"codebook".parse::<CodecSpec>().unwrap().unbiased());
     assert_eq!(bits("fp4:scale=f32,block=16"), 4.0 + 32.0 / 16.0);
+    // NVFP4-like: blocks of 16 by default, one E4M3 byte each.
+    assert_eq!(bits("fp4:scale=e4m3"), 4.0 + 8.0 / 16.0);
+    assert_eq!(
+        "fp4:scale=e4m3".parse::<CodecSpec>().unwrap().to_string(),
+        "fp4:format=e2m1,block=16,scale=e4m3,rounding=nearest"
+    );
     assert_eq!(
         "fp4".parse::<CodecSpec>().unwrap().to_string(),
         "fp4:format=e2m1,block=32,scale=e8m0,rounding=nearest"
@@ -209,5 +215,50 @@ fn ids_names_and_spec_metadata_agree() {
             .parse::<CodecSpec>()
             .unwrap()
             .unbiased()
+    );
+}
+
+/// fp4's NVFP4-like layout from its definition: the frame scale `g` from the largest
+/// finite magnitude, the frame's largest block on E4M3's top value, a block far below it
+/// on the smallest, non-finite elements left out of `g`, and the documented bound.
+#[test]
+fn fp4_e4m3_scales_follow_the_frame() {
+    use gradpack::{Codec, EncodeCtx};
+    let spec: CodecSpec = "fp4:scale=e4m3".parse().unwrap();
+    let global = |f: &[u8]| f32::from_le_bytes(f[47..51].try_into().unwrap());
+    // Block 0 holds the largest magnitude, block 1 values 2^-20 of it, block 2 zeros.
+    let mut x = vec![0f32; 48];
+    for i in 0..16 {
+        x[i] = (i as f32 - 7.5) * 3.0;
+        x[16 + i] = (i as f32 - 7.5) * 3.0 * 2f32.powi(-20);
+    }
+    let a = 22.5f32;
+    let f = spec.encode(&x, &EncodeCtx::new(0)).unwrap();
+    assert_eq!(global(&f).to_bits(), (a / 2688.0).to_bits());
+    assert_eq!(&f[56..59], &[0x7E, 0x01, 0x00]);
+    let d = gradpack::decode_to_vec(&f).unwrap();
+    // The largest element maps to -6 times the block scale 448 g: -22.5 up to roundings.
+    assert!((d[0] + 22.5).abs() <= 22.5 * 2f32.powi(-21), "{}", d[0]);
+    let bound = spec.error_bound(a as f64);
+    for (v, w) in x.iter().zip(&d) {
+        assert!(((v - w).abs() as f64) <= bound, "{v} decoded as {w}");
+    }
+    assert!(d[32..].iter().all(|&v| v.to_bits() == 0));
+    // A NaN and an Inf in block 1: g is still block 0's, block 1 decodes to NaN.
+    x[17] = f32::NAN;
+    x[18] = f32::INFINITY;
+    let f = spec.encode(&x, &EncodeCtx::new(0)).unwrap();
+    assert_eq!(global(&f).to_bits(), (a / 2688.0).to_bits());
+    assert_eq!(f[57], 0x7F);
+    let d = gradpack::decode_to_vec(&f).unwrap();
+    assert!(d[16..32].iter().all(|v| v.is_nan()));
+    // All zero: the smallest frame scale, every byte 0, zeros out.
+    let f = spec.encode(&[0.0; 32], &EncodeCtx::new(0)).unwrap();
+    assert_eq!(global(&f), f32::MIN_POSITIVE);
+    assert!(
+        gradpack::decode_to_vec(&f)
+            .unwrap()
+            .iter()
+            .all(|&v| v == 0.0)
     );
 }

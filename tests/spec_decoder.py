@@ -308,13 +308,20 @@ def decode(frame):
     elif codec == 12:  # fp4 (spec 3.13)
         b = block()
         fmt, scale, rnd = params[4], params[5], params[6]
-        if fmt not in (0, 1) or scale not in (0, 1) or rnd not in (0, 1) or b % 2:
+        if fmt not in (0, 1) or scale not in (0, 1, 2) or rnd not in (0, 1) or b % 2:
             raise Reject("fp4 params")
-        zero_from(7)
+        if scale == 2:
+            g, = struct.unpack_from("<I", bytes(params), 7)
+            gf = bits_f32(g)
+            if is_nan(g) or gf < 2.0 ** -126 or math.isinf(bits_f32(f32_bits(448.0 * gf))):
+                raise Reject("fp4 frame scale")
+            zero_from(11)
+        else:
+            zero_from(7)
         if rnd == 0 and seed:
             raise Reject("seed")
         nb = -(-n // b)
-        sb = (1, 4)[scale]
+        sb = (1, 4, 1)[scale]
         want_len(sb * nb + (n + 1) // 2)
         padding(sb * nb, n, 4)
         mb, bias = (1, 1) if fmt == 0 else (0, 3)
@@ -324,6 +331,16 @@ def decode(frame):
                 s, = struct.unpack_from("<I", p, 4 * k)
                 if s >> 31 or s == 0x7F800000:
                     raise Reject("fp4 scale")
+            elif scale == 2:  # E4M3 (3.12's value) times the frame scale
+                v = p[k]
+                if v & 0x80:
+                    raise Reject("fp4 E4M3 scale")
+                if v == 0x7F:
+                    s = 0x7FC00000
+                else:
+                    e, f = v >> 3, v & 7
+                    val = math.ldexp(f, -9) if e == 0 else math.ldexp(8 + f, e - 10)
+                    s = f32_bits(val * gf)
             else:
                 s = 0x7FC00000 if p[k] == 0xFF else f32_bits(math.ldexp(1.0, p[k] - 127))
             scales.append(s)

@@ -425,6 +425,7 @@ fn stochastic_fp8_error_of_the_mean_falls_as_one_over_sqrt_n() {
         "fp8:format=e4m3,block=64,rounding=stochastic",
         "fp8:format=e5m2,block=32,scale=e8m0,rounding=stochastic",
         "fp4:block=32,rounding=stochastic",
+        "fp4:scale=e4m3,rounding=stochastic",
     ] {
         let spec: CodecSpec = spec.parse().unwrap();
         // Mean and mean square of the decodings over `seeds`.

@@ -111,6 +111,19 @@ fn sparseloco_chunks_with_error_feedback_match_fp32() {
 }
 
 #[test]
+fn the_new_floats_with_error_feedback_match_fp32() {
+    // fp8 within 0.1 points, the 4-bit floats (MXFP4, and NVFP4-like with its frame
+    // scale formed from the error-feedback input) within 0.5: measured -0.05, +0.00 and
+    // +0.00 points.
+    let (ds, cfg) = setup();
+    let b = baseline(&ds, &cfg);
+    for (spec, tolerance) in [("fp8", 0.1), ("fp4", 0.5), ("fp4:scale=e4m3", 0.5)] {
+        let fed = run(&ds, &cfg, spec, true);
+        assert!(gap(&b, &fed).abs() <= tolerance, "EF {spec}: {fed:?} vs {b:?}");
+    }
+}
+
+#[test]
 fn powersgd_rank_2_with_error_feedback_matches_fp32() {
     let (ds, cfg) = setup();
     let b = baseline(&ds, &cfg);

@@ -3,6 +3,8 @@
 //! decode, the parallel split (`crate::parallel`) and the fused error-feedback step all
 //! run on those ranges, so each codec only says how to encode and decode one range.
 
+use core::sync::atomic::{AtomicU32, Ordering};
+
 use super::{EncodeCtx, Encoded, payload_buf};
 use crate::error::Result;
 use crate::kernels::{self, mode};
@@ -327,7 +329,7 @@ pub(crate) fn decode_validated<F: FixedRate + ?Sized>(
 pub(crate) const FEEDBACK_TILE: usize = 2048;
 
 /// The residual state a feedback step updates.
-pub(crate) enum ResidualMut<'a> {
+pub enum ResidualMut<'a> {
     /// f32 residual, updated in place (it holds `p` while a tile is encoded).
     F32(&'a mut [f32]),
     /// bf16 residual; `scratch` holds one tile of `p` in f32 per range.
@@ -498,4 +500,64 @@ fn feedback_range<F: FixedRate + ?Sized>(
         s = e;
     }
     nonfinite
+}
+
+// ------------------------------------------------------------------ frame-wide scales
+
+/// The largest |x| among the finite elements of `x` (0 if none), on all threads for
+/// large tensors (a maximum, so the same for any split).
+pub(crate) fn max_finite_abs(x: &[f32]) -> f32 {
+    let m = AtomicU32::new(0);
+    let n = x.len();
+    parallel::for_ranges(x, n, parallel::CHUNK, parallel::worth(n, 1), &|x, _| {
+        m.fetch_max(kernels::max_finite_abs_bits(x), Ordering::Relaxed);
+        false
+    });
+    f32::from_bits(m.into_inner())
+}
+
+/// [`max_finite_abs`] of the error-feedback input `p = beta r + gamma g`, formed tile by
+/// tile exactly as [`feedback`] forms it, without changing `r`.
+pub(crate) fn formed_max_finite_abs(r: &ResidualMut<'_>, g: &[f32], beta: f32, gamma: f32) -> f32 {
+    let m = AtomicU32::new(0);
+    let n = g.len();
+    let par = parallel::worth(n, 2);
+    match r {
+        ResidualMut::F32(r) => {
+            parallel::for_ranges((&r[..], g), n, parallel::CHUNK, par, &|(r, g), _| {
+                let n = g.len();
+                let mut p = [0f32; FEEDBACK_TILE];
+                let mut best = 0;
+                let mut s = 0;
+                while s < n {
+                    let e = (s + FEEDBACK_TILE).min(n);
+                    let p = &mut p[..e - s];
+                    p.copy_from_slice(&r[s..e]);
+                    kernels::feedback_form(p, &g[s..e], beta, gamma);
+                    best = best.max(kernels::max_finite_abs_bits(p));
+                    s = e;
+                }
+                m.fetch_max(best, Ordering::Relaxed);
+                false
+            });
+        }
+        ResidualMut::Bf16 { r, .. } => {
+            parallel::for_ranges((&r[..], g), n, parallel::CHUNK, par, &|(r, g), _| {
+                let n = g.len();
+                let mut p = [0f32; FEEDBACK_TILE];
+                let mut best = 0;
+                let mut s = 0;
+                while s < n {
+                    let e = (s + FEEDBACK_TILE).min(n);
+                    let p = &mut p[..e - s];
+                    kernels::feedback_form_bf16(p, &r[s..e], &g[s..e], beta, gamma);
+                    best = best.max(kernels::max_finite_abs_bits(p));
+                    s = e;
+                }
+                m.fetch_max(best, Ordering::Relaxed);
+                false
+            });
+        }
+    }
+    f32::from_bits(m.into_inner())
 }

@@ -1,9 +1,10 @@
 //! `fp4`: 4-bit floats (E2M1, as in OCP MXFP4, or E3M0), two codes per byte, with a
 //! scale per block.
 //!
-//! Spec: `fp4:format=e2m1|e3m0,block=B,scale=e8m0|f32,rounding=nearest|stochastic`
+//! Spec: `fp4:format=e2m1|e3m0,block=B,scale=e8m0|f32|e4m3,rounding=nearest|stochastic`
 //! (defaults `e2m1`, 32, `e8m0`, `nearest`: OCP MXFP4's layout of blocks of 32 with a
-//! power-of-two scale). `B` is even, so that every block is whole bytes of codes.
+//! power-of-two scale; with `scale=e4m3` the default block is 16, NVIDIA's NVFP4
+//! layout). `B` is even, so that every block is whole bytes of codes.
 //!
 //! Values: E2M1 (1 mantissa bit, bias 1) holds 0, 0.5, 1, 1.5, 2, 3, 4 and 6 with a sign;
 //! E3M0 (bias 3) holds 0 and the powers of two 2^-2 to 2^4 with a sign (Streaming
@@ -17,6 +18,12 @@
 //!   the block's largest values up to 25%; this one never clips.)
 //! - `scale=f32`: `s = max(m / FMAX, 2^-126)` in f32 (one step down where `FMAX * s`
 //!   would overflow).
+//! - `scale=e4m3` (NVFP4-like): the frame carries an f32 scale `g = max(A / (448 FMAX),
+//!   2^-126)`, `A` the largest magnitude among the frame's finite elements, and each
+//!   block one E4M3 byte `v`, the smallest E4M3 value (from `2^-9` to 448) at least
+//!   `m / (FMAX g)`; then `s = v g` (f32). The frame's largest block uses the top of
+//!   E4M3's range; a block below about `A / 2^18` gets the smallest byte, so its
+//!   elements are coarser than its own scale would make them (as in NVFP4).
 //!
 //! Rounding is to nearest, ties to even, or stochastic (unbiased, from the crate's
 //! counter-based draws). Decoding gives `value(code) * s`. Codes are packed two per byte,
@@ -27,17 +34,21 @@
 //!   of `|x|` for E2M1, half for E3M0: 4 bits buy that much);
 //! - stochastic: below one spacing, `2^-M |x| + s 2^(1-bias-M)`, and `E[x'] = x`.
 //!
-//! A block holding NaN or ±Inf gets a NaN scale (f32 NaN, E8M0 byte `0xFF`) and decodes
+//! With `scale=e4m3`, `s` is at most `1.125 m / FMAX + 2^-9 g` (the byte rounds up).
+//!
+//! A block holding NaN or ±Inf gets a NaN scale (f32 NaN, E8M0 byte `0xFF`, E4M3 byte
+//! `0x7F`; the frame scale ignores such elements) and decodes
 //! to NaN in every element. With an E8M0 scale, a block whose absmax exceeds half of
 //! f32's range can round up past it and decode to ±Inf (the error bound is infinite
 //! there); the f32 scale never overflows.
 
 use core::fmt;
 
-use super::fixed::{self, FixedRate, Layout};
+use super::fixed::{self, FixedRate, Layout, ResidualMut};
 use super::fp8::SmallFloat;
 use super::{
-    EncodeCtx, MAX_BLOCK, Scheme, check_block, check_code_padding, expect_payload, read_block,
+    EncodeCtx, Encoded, MAX_BLOCK, Scheme, check_block, check_code_padding, expect_payload,
+    read_block,
 };
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::codecs::int8::Rounding;
@@ -94,25 +105,44 @@ pub enum Fp4Scale {
     E8m0,
     /// An f32 per block.
     F32,
+    /// An E4M3 byte per block times an f32 scale per frame (NVFP4-like: see the module
+    /// docs).
+    E4m3,
 }
 
 impl Fp4Scale {
-    fn kernel(self) -> k8::Scale {
+    fn name(self) -> &'static str {
         match self {
-            Fp4Scale::E8m0 => k8::Scale::E8m0,
-            Fp4Scale::F32 => k8::Scale::F32,
+            Fp4Scale::E8m0 => "e8m0",
+            Fp4Scale::F32 => "f32",
+            Fp4Scale::E4m3 => "e4m3",
         }
     }
 }
 
 /// 4-bit floats with a per-block scale (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// Two values are equal when their parameters are: the frame scale of `scale=e4m3`
+/// belongs to one frame, not to the codec.
+#[derive(Debug, Clone, Copy)]
 pub struct Fp4 {
     format: Fp4Format,
     block: u32,
     scale: Fp4Scale,
     rounding: Rounding,
+    /// With [`Fp4Scale::E4m3`], the frame scale's bits: taken from the input when
+    /// encoding, read from the header when decoding (0 in a codec made from a spec).
+    global: u32,
 }
+
+impl PartialEq for Fp4 {
+    fn eq(&self, o: &Fp4) -> bool {
+        (self.format, self.block, self.scale, self.rounding)
+            == (o.format, o.block, o.scale, o.rounding)
+    }
+}
+
+impl Eq for Fp4 {}
 
 impl Default for Fp4 {
     fn default() -> Self {
@@ -121,6 +151,7 @@ impl Default for Fp4 {
             block: 32,
             scale: Fp4Scale::E8m0,
             rounding: Rounding::Nearest,
+            global: 0,
         }
     }
 }
@@ -147,6 +178,7 @@ impl Fp4 {
             block,
             scale,
             rounding,
+            global: 0,
         })
     }
 
@@ -175,22 +207,25 @@ impl Fp4 {
             "e3m0" => Fp4Format::E3m0,
             _ => Fp4Format::E2m1,
         };
-        let block = a.uint("block", 32, 1..=MAX_BLOCK as u64)? as u32;
+        let scale = match a.choice("scale", "e8m0", &["e8m0", "f32", "e4m3"])? {
+            "f32" => Fp4Scale::F32,
+            "e4m3" => Fp4Scale::E4m3,
+            _ => Fp4Scale::E8m0,
+        };
+        let default_block = if scale == Fp4Scale::E4m3 { 16 } else { 32 };
+        let block = a.uint("block", default_block, 1..=MAX_BLOCK as u64)? as u32;
         if !block.is_multiple_of(2) {
             return Err(format!(
                 "block={block} is odd: a block is whole bytes of 4-bit codes (use an even block)"
             ));
         }
-        let scale = match a.choice("scale", "e8m0", &["e8m0", "f32"])? {
-            "f32" => Fp4Scale::F32,
-            _ => Fp4Scale::E8m0,
-        };
         let rounding = Rounding::from_args(a)?;
         Ok(Fp4 {
             format,
             block,
             scale,
             rounding,
+            global: 0,
         })
     }
 
@@ -198,11 +233,35 @@ impl Fp4 {
     pub(crate) fn core(&self) -> SmallFloat {
         SmallFloat {
             f: self.format.kernel(),
-            scale: self.scale.kernel(),
+            scale: match self.scale {
+                Fp4Scale::E8m0 => k8::Scale::E8m0,
+                Fp4Scale::F32 => k8::Scale::F32,
+                Fp4Scale::E4m3 => k8::Scale::E4m3 {
+                    global: self.global,
+                },
+            },
             four: true,
             block: self.block,
             rounding: self.rounding,
         }
+    }
+
+    /// This codec with the frame scale of an input whose largest finite magnitude is
+    /// `absmax` (itself unless `scale=e4m3`): `max(absmax / (448 FMAX), 2^-126)`.
+    fn with_frame_absmax(&self, absmax: impl FnOnce() -> f32) -> Fp4 {
+        if self.scale != Fp4Scale::E4m3 {
+            return *self;
+        }
+        let g = (absmax() / (448.0 * self.format.max())).max(f32::MIN_POSITIVE);
+        Fp4 {
+            global: g.to_bits(),
+            ..*self
+        }
+    }
+
+    /// A frame scale `g` a decoder accepts: at least `2^-126`, and `448 g` finite.
+    fn global_ok(g: f32) -> bool {
+        g >= f32::MIN_POSITIVE && (448.0 * g).is_finite()
     }
 }
 
@@ -213,10 +272,7 @@ impl fmt::Display for Fp4 {
             "fp4:format={},block={},scale={},rounding={}",
             self.format.name(),
             self.block,
-            match self.scale {
-                Fp4Scale::E8m0 => "e8m0",
-                Fp4Scale::F32 => "f32",
-            },
+            self.scale.name(),
             self.rounding.name()
         )
     }
@@ -230,7 +286,27 @@ impl From<Fp4> for CodecSpec {
 
 impl Scheme for Fp4 {
     const ID: CodecId = CodecId::Fp4;
-    fixed::fixed_scheme!();
+
+    fn max_payload(&self, n: u64) -> u64 {
+        self.layout().payload_len(n).unwrap_or(u64::MAX)
+    }
+
+    fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
+        let c = self.with_frame_absmax(|| fixed::max_finite_abs(x));
+        fixed::encode_payload(&c, x, ctx, out)
+    }
+
+    fn decode_payload<const M: u8>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
+        fixed::decode::<Self, M>(self, h, p, out)
+    }
+
+    fn fixed(&self) -> Option<&dyn FixedRate> {
+        Some(self)
+    }
+
+    fn for_feedback(&self, r: &ResidualMut<'_>, g: &[f32], beta: f32, gamma: f32) -> Fp4 {
+        self.with_frame_absmax(|| fixed::formed_max_finite_abs(r, g, beta, gamma))
+    }
 
     fn read(h: &Header) -> Result<Fp4> {
         let block = read_block(h)? as u32;
@@ -255,15 +331,32 @@ impl Scheme for Fp4 {
         let scale = match h.params[5] {
             0 => Fp4Scale::E8m0,
             1 => Fp4Scale::F32,
+            2 => Fp4Scale::E4m3,
             b => {
                 return Err(bad(
                     "params.scale",
-                    format!("{b} is not 0 (e8m0) or 1 (f32)"),
+                    format!("{b} is not 0 (e8m0), 1 (f32) or 2 (e4m3)"),
                 ));
             }
         };
         let rounding = Rounding::read(h, 6)?;
-        h.params_zero_from(7)?;
+        let mut global = 0;
+        if scale == Fp4Scale::E4m3 {
+            global = u32::from_le_bytes([h.params[7], h.params[8], h.params[9], h.params[10]]);
+            let g = f32::from_bits(global);
+            if !Fp4::global_ok(g) {
+                return Err(bad(
+                    "params.global",
+                    format!(
+                        "the frame scale is {g:e} (encoders write one of at least 2^-126 \
+                         whose product with 448 is finite)"
+                    ),
+                ));
+            }
+            h.params_zero_from(11)?;
+        } else {
+            h.params_zero_from(7)?;
+        }
         if rounding == Rounding::Nearest {
             h.seed_zero()?;
         }
@@ -272,6 +365,7 @@ impl Scheme for Fp4 {
             block,
             scale,
             rounding,
+            global,
         };
         expect_payload(h, c.layout().payload_len(h.elements))?;
         Ok(c)
@@ -284,7 +378,11 @@ impl Scheme for Fp4 {
 
 impl FixedRate for Fp4 {
     fn params(&self) -> [u8; 12] {
-        self.core().params(self.format as u8, self.scale as u8)
+        let mut p = self.core().params(self.format as u8, self.scale as u8);
+        if self.scale == Fp4Scale::E4m3 {
+            p[7..11].copy_from_slice(&self.global.to_le_bytes());
+        }
+        p
     }
 
     fn seeded(&self) -> bool {

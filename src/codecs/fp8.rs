@@ -298,13 +298,42 @@ impl SmallFloat {
             k8::Scale::F32 => (absmax / fmax * (1.0 + 2f64.powi(-23))).max(2f64.powi(-126)),
             k8::Scale::E8m0 if 2.0 * absmax > f64::from(f32::MAX) => return f64::INFINITY,
             k8::Scale::E8m0 => (2.0 * absmax / fmax).max(2f64.powi(-127)),
+            // E4M3 times the frame scale `g <= max(absmax / (448 FMAX), 2^-126)`: the
+            // byte rounds `m / (FMAX g)` up by at most 2^-3 of it, or by 2^-9.
+            k8::Scale::E4m3 { .. } => {
+                let g = (absmax / (fmax * 448.0)).max(2f64.powi(-126)) * (1.0 + 2f64.powi(-22));
+                1.125 * absmax / fmax + 2f64.powi(-9) * g
+            }
         };
-        (rel * absmax + s * sub + 2f64.powi(-23) * absmax) * (1.0 + 2f64.powi(-20))
+        // 2^-145: a subnormal product `v g` can lose up to 2^-150 of the scale, which the
+        // clamp of the block's largest quotient turns into at most FMAX 2^-150.
+        // E4M3: the roundings of `g`, `FMAX g` and the quotient can leave `m / (FMAX g)`
+        // up to 3 2^-24 above 448, clamped to it.
+        let clamp = match self.scale {
+            k8::Scale::E4m3 { .. } => 2f64.powi(-21) * absmax,
+            _ => 0.0,
+        };
+        (rel * absmax + s * sub + 2f64.powi(-23) * absmax + clamp) * (1.0 + 2f64.powi(-20))
+            + 2f64.powi(-145)
     }
 
     /// Check the block scales: an f32 scale must be `>= 0` or NaN (its sign bit clear, not
-    /// `+Inf`); every E8M0 byte is valid.
+    /// `+Inf`), an E4M3 byte must have its sign bit clear; every E8M0 byte is valid.
     pub fn check_scales(&self, h: &Header, scales: &[u8]) -> Result<()> {
+        if let k8::Scale::E4m3 { .. } = self.scale {
+            if let Some(b) = scales.iter().position(|&v| v & 0x80 != 0) {
+                return Err(Error::Corrupt {
+                    codec: h.codec,
+                    offset: HEADER_LEN + b,
+                    reason: format!(
+                        "the E4M3 scale of block {b} is {:#04x}, negative (encoders write a \
+                         scale >= 0 or NaN 0x7f)",
+                        scales[b]
+                    ),
+                });
+            }
+            return Ok(());
+        }
         if self.scale != k8::Scale::F32 {
             return Ok(());
         }

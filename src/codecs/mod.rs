@@ -115,6 +115,19 @@ pub(crate) mod scheme {
         fn fixed(&self) -> Option<&dyn super::fixed::FixedRate> {
             None
         }
+        /// The codec that encodes an error-feedback step's input `beta r + gamma g`:
+        /// itself, except for a codec whose frames carry a value taken from the whole
+        /// input (fp4's E4M3 block scales are relative to the frame's largest magnitude),
+        /// which takes it from the formed input here (leaving `r` as it is).
+        fn for_feedback(
+            &self,
+            _r: &super::fixed::ResidualMut<'_>,
+            _g: &[f32],
+            _beta: f32,
+            _gamma: f32,
+        ) -> Self {
+            *self
+        }
     }
 }
 
@@ -191,6 +204,7 @@ pub(crate) fn feedback_step<S: Scheme>(
     ctx: &EncodeCtx,
     out: &mut [u8],
 ) -> Result<usize> {
+    let c = &c.for_feedback(&r, g, beta, gamma);
     if let Some(f) = c.fixed() {
         let e = fixed::feedback(f, g, r, beta, gamma, ctx, out)?;
         write_header::<S>(&e, g.len(), ctx, out);

@@ -305,6 +305,14 @@ pub enum Scale {
     /// A power-of-two scale per block, one byte `k + 127`: the smallest `2^k`
     /// (`-127 <= k <= 127`) with `m / 2^k <= FMAX`.
     E8m0,
+    /// An E4M3 byte per block times a frame-wide f32 scale `g` (its bits, `global`):
+    /// the block's byte is the smallest E4M3 value `v` (at least `2^-9`, at most 448)
+    /// with `v >= m / (FMAX * g)` (f32 product and quotient), its scale `v * g` (f32
+    /// product). NVIDIA's NVFP4 layout with blocks of 16.
+    E4m3 {
+        /// The bits of the frame's f32 scale `g`.
+        global: u32,
+    },
     /// No scale: each value is converted as it is.
     None,
 }
@@ -314,10 +322,27 @@ impl Scale {
     pub const fn bytes(self) -> usize {
         match self {
             Scale::F32 => 4,
-            Scale::E8m0 => 1,
+            Scale::E8m0 | Scale::E4m3 { .. } => 1,
             Scale::None => 0,
         }
     }
+}
+
+/// The smallest E4M3 code whose value is at least `t` (finite, `>= 0`), between `2^-9`
+/// (code 1) and 448 (code `0x7E`): `t` rounded up on the E4M3 grid.
+#[inline(always)]
+pub fn e4m3_ceil(t: f32) -> u8 {
+    let a = t.to_bits();
+    let q = if a < (121 << 23) {
+        // Below 2^-6, the subnormal grid of spacing 2^-9: t * 2^9 < 8 is exact and its
+        // ceiling is the code.
+        (t * 512.0).ceil() as u32
+    } else {
+        // Round the mantissa up to 3 bits (a carry moves to the exponent), then rebias
+        // the exponent from f32's 127 to E4M3's 7.
+        ((a + (1 << 20) - 1) >> 20) - (120 << 3)
+    };
+    q.clamp(1, E4M3.max_code as u32) as u8
 }
 
 /// The E8M0 exponent `k` of a block with absmax bits `m` (positive, finite): the smallest
@@ -363,6 +388,12 @@ impl Quotient {
                 sc.copy_from_slice(&s.to_le_bytes());
                 (s, None)
             }
+            Scale::E4m3 { global } => {
+                let g = f32::from_bits(global);
+                let v = e4m3_ceil(m / (fmax * g));
+                sc[0] = v;
+                (value_finite(E4M3, v) * g, None)
+            }
             _ => {
                 let k = e8m0_exponent(f, m.to_bits());
                 sc[0] = (k + 127) as u8;
@@ -391,9 +422,9 @@ impl Quotient {
 /// `first` is the global index of `x[0]` (for the stochastic draws; `None` for nearest).
 /// True when `x` held NaN or ±Inf.
 ///
-/// A block holding NaN or ±Inf gets a NaN scale (f32 `0x7FC00000`, E8M0 `0xFF`) and zero
-/// codes: all its elements decode to NaN. An all-zero block gets scale 0 (E8M0: `2^-127`)
-/// and zero codes. With [`Scale::None`] every element is converted alone.
+/// A block holding NaN or ±Inf gets a NaN scale (f32 `0x7FC00000`, E8M0 `0xFF`, E4M3
+/// `0x7F`) and zero codes: all its elements decode to NaN. An all-zero block gets scale 0
+/// (E8M0: `2^-127`) and zero codes. With [`Scale::None`] every element is converted alone.
 ///
 /// With `FAST` the scaled blocks' elements are converted by the branch-free
 /// [`nearest_in_range`] and [`stochastic_in_range`] (the SIMD backends compile it with
@@ -430,6 +461,7 @@ pub fn encode<const FAST: bool>(
                 nonfinite = true;
                 match scale {
                     Scale::F32 => sc.copy_from_slice(&0x7FC0_0000u32.to_le_bytes()),
+                    Scale::E4m3 { .. } => sc[0] = 0x7F,
                     _ => sc[0] = 0xFF,
                 }
                 cb.fill(0);
@@ -512,13 +544,16 @@ fn convert<const FAST: bool>(
     }
 }
 
-/// A block's scale as an f32: the stored f32, or `2^(byte - 127)` (NaN for `0xFF`).
+/// A block's scale as an f32: the stored f32, `2^(byte - 127)` (NaN for `0xFF`), or the
+/// E4M3 byte's value times the frame's scale (NaN for `0x7F` and `0xFF`).
 #[inline(always)]
 pub fn scale_of(scale: Scale, sc: &[u8]) -> f32 {
     match scale {
         Scale::F32 => f32::from_le_bytes([sc[0], sc[1], sc[2], sc[3]]),
         Scale::E8m0 if sc[0] == 0xFF => f32::from_bits(0x7FC0_0000),
         Scale::E8m0 => pow2(sc[0] as i32 - 127),
+        Scale::E4m3 { .. } if sc[0] & 0x7F == 0x7F => f32::from_bits(0x7FC0_0000),
+        Scale::E4m3 { global } => value_finite(E4M3, sc[0]) * f32::from_bits(global),
         Scale::None => 1.0,
     }
 }
@@ -769,6 +804,28 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "a million searches: slow under Miri")]
+    fn e4m3_ceil_is_the_smallest_value_at_or_above() {
+        let search = |t: f32| {
+            (1..=E4M3.max_code)
+                .find(|&c| value(E4M3, c) >= t)
+                .unwrap_or(E4M3.max_code)
+        };
+        // Every f32 from 0 to 1024 with a pattern of low bits, and the values themselves.
+        for hi in 0..=(1024f32.to_bits() >> 12) {
+            for lo in [0u32, 1, 0x7FF, 0x800, 0xFFF] {
+                let t = f32::from_bits(hi << 12 | lo);
+                assert_eq!(e4m3_ceil(t), search(t), "{t:e}");
+            }
+        }
+        for c in 1..=E4M3.max_code {
+            assert_eq!(e4m3_ceil(value(E4M3, c)), c);
+        }
+        assert_eq!(e4m3_ceil(0.0), 1);
+        assert_eq!(e4m3_ceil(f32::INFINITY), E4M3.max_code);
     }
 
     #[test]

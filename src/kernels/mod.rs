@@ -151,6 +151,7 @@ simd_op!(EncodeNatural {
 simd_op!(DecodeNatural<const M: u8> {
     refs: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
 } -> () = portable::decode_natural::<M>(refs, codes, block, out));
+simd_op!(MaxFiniteAbs { x: &'a [f32] } -> u32 = scalar::max_finite_abs_bits(x));
 simd_op!(AnyNonfinite { x: &'a [f32] } -> bool = scalar::max_abs_bits(x) >= scalar::INF_BITS);
 simd_op!(FilterMagGe { x: &'a [f32], t: u32, idx: &'a mut [u32] } -> (usize, usize)
     = portable::filter_mag_ge(x, t, idx));
@@ -433,6 +434,15 @@ pub fn any_nonfinite(x: &[f32]) -> bool {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => scalar::any_nonfinite(x),
         b => simd(b, AnyNonfinite { x }),
+    }
+}
+
+/// The largest |x| of the finite elements of `x` as f32 bits (0 if none; see
+/// [`scalar::max_finite_abs_bits`]).
+pub fn max_finite_abs_bits(x: &[f32]) -> u32 {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => scalar::max_finite_abs_bits(x),
+        b => simd(b, MaxFiniteAbs { x }),
     }
 }
 

@@ -260,6 +260,16 @@ pub fn max_abs_bits(x: &[f32]) -> u32 {
     x.iter().fold(0u32, |m, &v| m.max(abs_bits(v)))
 }
 
+/// The largest |x| bit pattern among the finite elements of `x` (0 if none): NaN and
+/// ±Inf count as 0. Order-free, as [`max_abs_bits`].
+#[inline(always)]
+pub fn max_finite_abs_bits(x: &[f32]) -> u32 {
+    x.iter().fold(0u32, |m, &v| {
+        let a = abs_bits(v);
+        m.max(if a < INF_BITS { a } else { 0 })
+    })
+}
+
 /// Sum of `f(x)` in 16 interleaved lanes (element `j` goes to lane `j % 16`), lanes
 /// combined as `l[j] += l[j + 8]`, then `+4`, `+2`, `+1`. This order is normative: it is
 /// what AVX-512 (one 16-lane register), AVX2 (two 8-lane) and NEON (four 4-lane) all do.

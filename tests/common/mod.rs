@@ -45,12 +45,23 @@ pub const SPECS: &[&str] = &[
     "fp4:block=16,scale=f32,rounding=stochastic",
     "fp4:format=e3m0,block=6",
     "fp4:format=e3m0,block=32,rounding=stochastic",
+    "fp4:scale=e4m3",
+    "fp4:scale=e4m3,format=e3m0,block=10,rounding=stochastic",
     "codebook:block=64",
     "codebook:block=7",
     "chunktopk:chunk=64,k=5",
     "chunktopk:chunk=7,k=7",
     "chunktopk",
 ];
+
+/// Whether a codec's frames carry a scale taken from the whole input (dct's sign values
+/// with one scale per frame; fp4's E4M3 block scales relative to a frame scale): pieces
+/// encoded separately then differ from the whole encoding.
+#[allow(dead_code)]
+pub fn scaled_per_frame(spec: &CodecSpec) -> bool {
+    matches!(spec, CodecSpec::Dct(c) if c.values() == gradpack::DctValues::SignFrame)
+        || matches!(spec, CodecSpec::Fp4(c) if c.scale() == gradpack::Fp4Scale::E4m3)
+}
 
 pub fn specs() -> Vec<CodecSpec> {
     SPECS
@@ -634,6 +645,13 @@ pub const GOLDEN: &[(&str, &str, u64, u64)] = &[
         0,
     ),
     ("fp4_e3m0_b16", "fp4:format=e3m0,block=16", 0, 0),
+    ("fp4_e2m1_e4m3_b16", "fp4:scale=e4m3", 0, 0),
+    (
+        "fp4_e3m0_e4m3_b32_stochastic",
+        "fp4:format=e3m0,scale=e4m3,block=32,rounding=stochastic",
+        42,
+        1000,
+    ),
     ("codebook_b64", "codebook:block=64", 0, 0),
     ("codebook_b300", "codebook:block=300", 0, 0),
     ("chunktopk_c64_k5", "chunktopk:chunk=64,k=5", 0, 0),
@@ -751,6 +769,8 @@ enum FloatScale {
     None,
     F32,
     E8m0,
+    /// An E4M3 value per block times the frame scale `g` (fp4's NVFP4-like layout).
+    E4m3,
 }
 
 /// A small-float codec (`fp8`, `fp4`) described independently of the crate's kernels.
@@ -795,6 +815,7 @@ fn check_fp4(c: &gradpack::Fp4, x: &[f32], d: &[f32]) -> Result<(), String> {
     let (m, bias) = (c.format().mantissa_bits(), c.format().bias());
     let scale = match c.scale() {
         gradpack::Fp4Scale::F32 => FloatScale::F32,
+        gradpack::Fp4Scale::E4m3 => FloatScale::E4m3,
         _ => FloatScale::E8m0,
     };
     check_small_float(
@@ -819,9 +840,23 @@ fn check_fp4(c: &gradpack::Fp4, x: &[f32], d: &[f32]) -> Result<(), String> {
 fn check_small_float(c: &SmallFloat, x: &[f32], d: &[f32]) -> Result<(), String> {
     let fmax = *c.values.last().unwrap();
     let (m, bias) = (c.m as i32, c.bias);
+    // E4M3: the frame scale from the largest finite magnitude, and E4M3's positive
+    // values (codes 1 to 0x7E).
+    let frame_max = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let g = (frame_max / (448.0 * fmax as f32)).max(f32::MIN_POSITIVE);
+    let e4m3 = fp8_values(3, 7, true);
     for (b, xb) in x.chunks(c.block).enumerate() {
         let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
         let s: f64 = match c.scale {
+            FloatScale::E4m3 => {
+                let t = amax / (fmax as f32 * g);
+                let v = e4m3[1..]
+                    .iter()
+                    .copied()
+                    .find(|&v| v >= t as f64)
+                    .unwrap_or(448.0);
+                (v as f32 * g) as f64
+            }
             FloatScale::None => 1.0,
             FloatScale::F32 => (amax / fmax as f32).max(f32::MIN_POSITIVE) as f64,
             FloatScale::E8m0 => {

@@ -250,7 +250,7 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
         12 => format!(
             "fp4:format={},scale={},rounding={},block={}",
             if v & 2 != 0 { "e3m0" } else { "e2m1" },
-            if v & 4 != 0 { "f32" } else { "e8m0" },
+            ["e8m0", "f32", "e4m3", "e4m3"][(v as usize >> 2) % 4],
             if v & 1 != 0 { "stochastic" } else { "nearest" },
             (block + 1) & !1,
         ),
