@@ -271,6 +271,111 @@ fn two_levels_over_routed_shared_memory_give_the_in_process_bits() {
     }
 }
 
+/// Two two-level all-reduces of different lengths and a flat int8 ring, taking turns
+/// (A, B, C, A per step), each with its own `comm`; the results in order.
+fn turns<T: Transport>(comms: &mut [Comm<T>; 3], nodes: &Nodes) -> gradpack::Result<Vec<Vec<f32>>> {
+    let o = ar_opts(Strategy::CompressedRing, Feedback::WorkerAndOwner);
+    let (na, nb, nc) = (4099, 777, 3001);
+    let [ca, cb, cc] = comms;
+    let rank = ca.transport().rank();
+    let mut a = Hierarchical::new(
+        spec("int8"),
+        spec("identity"),
+        na,
+        ca,
+        nodes.clone(),
+        o.clone(),
+    )?;
+    let mut b = Hierarchical::new(
+        spec("identity"),
+        spec("identity"),
+        nb,
+        cb,
+        nodes.clone(),
+        o.clone(),
+    )?;
+    let mut c = AllReduce::new(spec("int8"), nc, cc, o)?;
+    let mut outs = Vec::new();
+    for s in 0..3 {
+        for (k, n) in [(0, na), (1, nb), (2, nc), (0, na)] {
+            let mut out = vec![f32::NAN; n];
+            let x = input(rank, n, s * 10 + k as u64);
+            match k {
+                0 => a.run(ca, &x, &mut out, 7 + s)?,
+                1 => b.run(cb, &x, &mut out, 7 + s)?,
+                _ => c.run(cc, &x, &mut out, 7 + s)?,
+            };
+            outs.push(out);
+        }
+    }
+    Ok(outs)
+}
+
+#[test]
+fn collectives_sharing_one_shared_memory_take_turns_with_the_in_process_bits() {
+    // Each rank maps one set of rings and one stage (in rounds: 64 values) that three
+    // collectives share, each with a transport of its own for the other host.
+    let nodes = Nodes::new(vec![0, 0, 0, 1, 1]).unwrap();
+    let world = nodes.world();
+    let run = |stage: Option<usize>, by_rank: Vec<Vec<local::Local>>| {
+        let (dir, name) = place("turns");
+        let o = SharedMemoryOptions {
+            stage: stage.unwrap_or(0),
+            ..options(&dir, 512, 20_000)
+        };
+        let got: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = by_rank
+                .into_iter()
+                .enumerate()
+                .map(|(r, ts)| {
+                    let (nodes, o, name) = (&nodes, &o, &name);
+                    s.spawn(move || {
+                        let shm = match stage {
+                            Some(_) => {
+                                let host = nodes.members(nodes.node_of(r));
+                                Some(std::sync::Arc::new(SharedMemory::open(
+                                    name,
+                                    r,
+                                    world,
+                                    host,
+                                    o.clone(),
+                                )?))
+                            }
+                            None => None,
+                        };
+                        let mut ts = ts.into_iter();
+                        let mut comm = || -> gradpack::Result<_> {
+                            Ok(Comm::new(Routed::sharing(ts.next().unwrap(), shm.clone())?))
+                        };
+                        let mut comms = [comm()?, comm()?, comm()?];
+                        turns(&mut comms, nodes)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+        });
+        std::fs::remove_dir_all(&dir).unwrap();
+        got
+    };
+    // Three in-process worlds: rank r's transport of each.
+    let fresh = || -> Vec<Vec<local::Local>> {
+        let bases: Vec<Vec<local::Local>> = (0..3).map(|_| local::Local::world(world)).collect();
+        let mut by_rank: Vec<Vec<local::Local>> = (0..world).map(|_| Vec::new()).collect();
+        for w in bases {
+            for (r, t) in w.into_iter().enumerate() {
+                by_rank[r].push(t);
+            }
+        }
+        by_rank
+    };
+    // Without shared memory: the in-process transports alone.
+    let want = run(None, fresh());
+    for stage in [256, 1 << 16] {
+        let got = run(Some(stage), fresh());
+        assert_eq!(bits(&got), bits(&want), "stage {stage}");
+    }
+}
+
 #[test]
 fn a_rank_gone_from_a_node_stage_is_an_error_on_the_others() {
     // Rank 2 leaves before the all-reduce: its node's ranks fail at the stage's first

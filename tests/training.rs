@@ -119,7 +119,10 @@ fn the_new_floats_with_error_feedback_match_fp32() {
     let b = baseline(&ds, &cfg);
     for (spec, tolerance) in [("fp8", 0.1), ("fp4", 0.5), ("fp4:scale=e4m3", 0.5)] {
         let fed = run(&ds, &cfg, spec, true);
-        assert!(gap(&b, &fed).abs() <= tolerance, "EF {spec}: {fed:?} vs {b:?}");
+        assert!(
+            gap(&b, &fed).abs() <= tolerance,
+            "EF {spec}: {fed:?} vs {b:?}"
+        );
     }
 }
 

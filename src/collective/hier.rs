@@ -402,9 +402,12 @@ impl Hierarchical {
                 && m.stage_elems() >= self.nodes.max_node()
         });
         if let Some(m) = memory {
-            let got = self.run_in_memory(comm, &m, call, input, output, seed, &mut stats);
+            // The stages' own count of calls numbers their barriers (collectives that
+            // share them take turns).
+            let turn = m.begin();
+            let got = self.run_in_memory(comm, &m, (call, turn), input, output, seed, &mut stats);
             if got.is_err() {
-                m.fail(call);
+                m.fail(turn);
             }
             got?;
             self.mean(output);
@@ -491,13 +494,14 @@ impl Hierarchical {
     /// part of every shard, a barrier, each owner sums its shards over the node's ranks in
     /// local-rank order, a barrier; then the streams between nodes; then the owners write
     /// their reduced shards, a barrier, every rank copies them, a barrier. The same sums
-    /// in the same order as the frames' path, so the same bits.
+    /// in the same order as the frames' path, so the same bits. `call` is the call of
+    /// `comm`, `turn` that of the stages ([`NodeMemory::begin`]).
     #[allow(clippy::too_many_arguments)]
     fn run_in_memory<T: Transport + ?Sized>(
         &mut self,
         comm: &mut Comm<T>,
         m: &NodeMemory,
-        call: u64,
+        (call, turn): (u64, u64),
         input: &[f32],
         output: &mut [f32],
         seed: u64,
@@ -518,7 +522,7 @@ impl Hierarchical {
         let (acc, reduced) = (&mut self.acc, &mut self.reduced);
         let mut b = 0u32;
         let mut barrier = |last: bool| {
-            let r = m.barrier(members, call, b, last);
+            let r = m.barrier(members, turn, b, last);
             b += 1;
             r
         };

@@ -43,13 +43,16 @@
 //!
 //! The files are readable and writable by the job's user alone (mode 0600). The name
 //! must be the same on every rank of the host and new for each set of transports (the PyTorch hook draws one at random on rank 0 and broadcasts it).
-//! Memory: each rank maps `capacity` bytes per other rank of its host in its own file.
+//! Memory: each rank maps `capacity` bytes per other rank of its host in its own file,
+//! plus its stage. A job with many collectives (one per bucket of a model) shares one
+//! transport among them with [`Routed::sharing`], so that this does not grow with the
+//! number of buckets (a container's `/dev/shm` is often 64 MiB).
 
 use std::collections::VecDeque;
 use std::fs::{self, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -414,6 +417,10 @@ pub struct NodeMemory {
     at: usize,
     len: usize,
     timeout: Duration,
+    /// Calls that have used the stages so far, on this rank (every user of one
+    /// [`SharedMemory`] draws from it, so that two-level all-reduces sharing it number
+    /// their barriers as one sequence).
+    calls: Arc<AtomicU64>,
 }
 
 /// The barrier word of barrier `i` of call `call`: above zero, rising through a call and
@@ -423,6 +430,12 @@ fn generation(call: u64, i: u32) -> u64 {
 }
 
 impl NodeMemory {
+    /// The number of this call of the stages: 0, 1, ... on every rank of the node, which
+    /// make their calls in the same order.
+    pub(crate) fn begin(&self) -> u64 {
+        self.calls.fetch_add(1, Ordering::Relaxed)
+    }
+
     /// Whether every one of `ranks` is on this host.
     pub(crate) fn covers(&self, ranks: &[usize]) -> bool {
         ranks.iter().all(|r| self.host.binary_search(r).is_ok())
@@ -666,6 +679,7 @@ impl SharedMemory {
             at: stage_at,
             len: stage,
             timeout: options.timeout,
+            calls: Arc::new(AtomicU64::new(0)),
         });
         Ok(SharedMemory {
             rank,
@@ -758,6 +772,17 @@ impl Transport for SharedMemory {
     }
 
     fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
+        self.deliver(msg, to)
+    }
+
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+        self.take(buf, from)
+    }
+}
+
+impl SharedMemory {
+    /// [`Transport::send`] through a shared reference.
+    fn deliver(&self, msg: &[u8], to: usize) -> Result<()> {
         let j = self.index(to)?;
         self.check_failed()?;
         let head = (msg.len() as u64).to_le_bytes();
@@ -793,7 +818,8 @@ impl Transport for SharedMemory {
         Ok(())
     }
 
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+    /// [`Transport::recv`] through a shared reference.
+    fn take(&self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
         let j = self.index(from)?;
         let mut head = [0u8; LEN_BYTES];
         self.read_exact(j, from, &mut head)?;
@@ -936,16 +962,28 @@ fn open_peer(
 
 /// A transport whose messages between ranks of one host go through [`SharedMemory`],
 /// and all others through `T`. Without shared memory it is `T` itself.
+///
+/// Several `Routed` transports may share one [`SharedMemory`] ([`Routed::sharing`]), so
+/// that a job's many collectives (one per bucket of a model) map one set of rings and
+/// one stage instead of one each. They must then run one at a time, in the same order on
+/// every rank of the host: a collective takes its messages from the shared rings in the
+/// order they come.
 #[derive(Debug)]
 pub struct Routed<T> {
     base: T,
-    host: Option<SharedMemory>,
+    host: Option<Arc<SharedMemory>>,
 }
 
 impl<T: Transport> Routed<T> {
     /// `base`, with `host`'s ranks reached through shared memory. Both must be the same
     /// rank of worlds of the same size.
     pub fn new(base: T, host: Option<SharedMemory>) -> Result<Routed<T>> {
+        Routed::sharing(base, host.map(Arc::new))
+    }
+
+    /// [`Routed::new`] with shared memory that other transports may use too (one at a
+    /// time: see the type's docs).
+    pub fn sharing(base: T, host: Option<Arc<SharedMemory>>) -> Result<Routed<T>> {
         if let Some(h) = &host
             && (h.rank() != base.rank() || h.size() != base.size())
         {
@@ -967,7 +1005,7 @@ impl<T: Transport> Routed<T> {
 
     /// The shared memory between the ranks of this host, if any.
     pub fn host(&self) -> Option<&SharedMemory> {
-        self.host.as_ref()
+        self.host.as_deref()
     }
 }
 
@@ -977,7 +1015,7 @@ impl<T: Transport> Transport for Routed<T> {
     }
 
     fn node_memory(&self) -> Option<NodeMemory> {
-        self.host.as_ref().and_then(SharedMemory::node_memory)
+        self.host.as_deref().and_then(SharedMemory::node_memory)
     }
 
     fn size(&self) -> usize {
@@ -985,15 +1023,15 @@ impl<T: Transport> Transport for Routed<T> {
     }
 
     fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
-        match &mut self.host {
-            Some(h) if h.serves(to) => h.send(msg, to),
+        match &self.host {
+            Some(h) if h.serves(to) => h.deliver(msg, to),
             _ => self.base.send(msg, to),
         }
     }
 
     fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
-        match &mut self.host {
-            Some(h) if h.serves(from) => h.recv(buf, from),
+        match &self.host {
+            Some(h) if h.serves(from) => h.take(buf, from),
             _ => self.base.recv(buf, from),
         }
     }
