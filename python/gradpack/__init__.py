@@ -49,6 +49,7 @@ __all__ = [
     "Error",
     "ErrorFeedback",
     "PowerSgdBucket",
+    "SharedMemory",
     "allreduce_time",
     "two_level_time",
     "backend",
@@ -431,6 +432,59 @@ class ErrorFeedback:
         return repr(self._ef)
 
 
+class SharedMemory:
+    """Shared-memory rings (and, with ``stage`` bytes, a stage for the two-level
+    all-reduce's reduction in place) between the ranks ``host`` of one host (this rank,
+    ``rank`` of ``world``, among them), under the name ``name`` (letters, digits, ``-``,
+    ``_``; the same on the ranks of the host, new for each set). Construction waits up to
+    ``timeout`` seconds for the host's other ranks.
+
+    Pass it as ``shared_memory=`` to any number of :class:`AllReduce` and
+    :class:`Hierarchical` collectives of this rank: they share its memory (``1 MiB`` per
+    other rank of the host, plus the stage) instead of mapping their own, which a job
+    with a collective per bucket of a large model would multiply past a container's
+    ``/dev/shm`` (often 64 MiB). Collectives that share one must run one at a time, in
+    the same order on every rank of the host (as the PyTorch hook runs its buckets).
+    """
+
+    __slots__ = ("_shm",)
+
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        world: int,
+        host: Sequence[int],
+        *,
+        timeout: float = 300.0,
+        stage: int = 0,
+    ) -> None:
+        self._shm = _native.SharedMemory(
+            name, int(rank), int(world), [int(r) for r in host],
+            timeout=float(timeout), stage=int(stage),
+        )
+
+    @property
+    def host(self) -> List[int]:
+        """The ranks of this host, ascending."""
+        return self._shm.host
+
+    @property
+    def staged(self) -> bool:
+        """Whether it has a stage."""
+        return self._shm.staged
+
+    def __repr__(self) -> str:
+        return f"SharedMemory(host={self.host}, staged={self.staged})"
+
+
+def _shared_arg(shared_memory: Union[None, str, SharedMemory]) -> Any:
+    """The native form of a ``shared_memory`` argument."""
+    if isinstance(shared_memory, SharedMemory):
+        return shared_memory._shm
+    return shared_memory
+
+
 class _Collective:
     """What :class:`AllReduce` and :class:`Hierarchical` share: a native collective in
     ``_ar``."""
@@ -502,6 +556,8 @@ class AllReduce(_Collective):
     callables: two copies per message, no socket. Every rank of ``host`` must pass the
     same name and list; the others use the callables. Construction waits up to
     ``shared_memory_timeout`` seconds for the host's other ranks, and so does a receive.
+    A :class:`SharedMemory` instead of a name shares its rings with other collectives
+    (then leave ``host`` out).
     """
 
     __slots__ = ()
@@ -527,7 +583,7 @@ class AllReduce(_Collective):
         gamma: float = 1.0,
         residual: str = "f32",
         allow_non_contractive: bool = False,
-        shared_memory: Optional[str] = None,
+        shared_memory: Union[None, str, SharedMemory] = None,
         host: Optional[Sequence[int]] = None,
         shared_memory_timeout: float = 300.0,
     ) -> None:
@@ -550,7 +606,7 @@ class AllReduce(_Collective):
             gamma=gamma,
             residual=residual,
             allow_non_contractive=allow_non_contractive,
-            shared_memory=shared_memory,
+            shared_memory=_shared_arg(shared_memory),
             host=None if host is None else [int(r) for r in host],
             shared_memory_timeout=float(shared_memory_timeout),
         )
@@ -577,7 +633,8 @@ class Hierarchical(_Collective):
     shared memory, the node's ranks being one host's (``host`` to name them otherwise):
     with the float32 node codec, in place in a stage of up to 4 MiB per rank (in rounds,
     no frames: the same bits); with bf16 or fp16, by frames through shared-memory rings.
-    The legs between nodes use the callables.
+    The legs between nodes use the callables. A :class:`SharedMemory` (made with a
+    ``stage`` for the reduction in place) shares its memory with other collectives.
     """
 
     __slots__ = ()
@@ -605,7 +662,7 @@ class Hierarchical(_Collective):
         gamma: float = 1.0,
         residual: str = "f32",
         allow_non_contractive: bool = False,
-        shared_memory: Optional[str] = None,
+        shared_memory: Union[None, str, SharedMemory] = None,
         host: Optional[Sequence[int]] = None,
         shared_memory_timeout: float = 300.0,
     ) -> None:
@@ -614,7 +671,8 @@ class Hierarchical(_Collective):
             node_codec=_codec(node_codec), strategy=strategy, op=op, feedback=feedback,
             pieces=pieces, checksum=checksum, tag=tag, bandwidth=bandwidth, latency=latency,
             beta=beta, gamma=gamma, residual=residual,
-            allow_non_contractive=allow_non_contractive, shared_memory=shared_memory,
+            allow_non_contractive=allow_non_contractive,
+            shared_memory=_shared_arg(shared_memory),
             host=None if host is None else [int(r) for r in host],
             shared_memory_timeout=float(shared_memory_timeout),
         )

@@ -50,7 +50,9 @@ What it does, per bucket:
   ``codec="auto"`` tries it (float32 too, then) beside the flat strategies there.
 - The ring and the two-level all-reduce send messages between ranks of one host through
   shared memory (``shared_memory=True``, the default): ranks that see each other's file
-  in ``/dev/shm`` share a host.
+  in ``/dev/shm`` share a host. All of a state's collectives share one set of rings (1
+  MiB per other rank of the host, and a 4 MiB stage for the two-level all-reduce), so
+  ``/dev/shm`` use does not grow with the number of buckets.
 - Messages whose length is fixed by the element counts (every codec but random-k, up to
   top-k's 2% slack) travel in buffers of that length; random-k's lengths are
   all-gathered first.
@@ -268,7 +270,9 @@ class GradpackState:
         self.shared_memory = bool(shared_memory)
         self._hosts: Optional[List[int]] = None
         self._shm_token: Optional[str] = None
-        self._shm_made = 0
+        # host's ranks -> gradpack.SharedMemory: one set of rings (and one stage) for all
+        # of this state's collectives, whatever the number of buckets.
+        self._shms: Dict[Tuple[int, ...], gradpack.SharedMemory] = {}
         self.node_codec = str(node_codec)
         for name, v in (("trials", trials), ("trial_steps", trial_steps)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -1213,27 +1217,71 @@ class GradpackState:
             self._hosts = _hosts_by_probe(self._comm_group(), self._world(), self._rank())
         return self._hosts
 
-    def _shared_memory(self, members: List[int]) -> Dict[str, Any]:
-        """The shared-memory arguments of a new collective whose messages between the
+    def _shared_memory(self, members: List[int], stage: bool) -> Dict[str, Any]:
+        """The shared-memory argument of a new collective whose messages between the
         ranks ``members`` may go through shared memory: those of them on this rank's
-        host, under a name new on every call (made in the same order on every rank)."""
+        host. Every collective of the state with the same host ranks shares one
+        :class:`gradpack.SharedMemory` (with a stage when the state may run the
+        two-level all-reduce), made on first use (in the same order on every rank: the
+        buckets' order). None when ``/dev/shm`` lacks the room (found once, together)."""
         if not self.shared_memory:
             return {}
         hosts, me = self.host_map(), self._rank()
+        staged = "hierarchical" in self.strategies
         if self._shm_token is None:
             # A collective: every rank comes here the first time, whatever its host.
             token = [os.urandom(6).hex() if me == 0 else None]
             dist.broadcast_object_list(token, src=dist.get_global_rank(self._comm_group(), 0),
                                        group=self._comm_group())
             self._shm_token = str(token[0])
-        host = [r for r in members if hosts[r] == hosts[me]]
-        self._shm_made += 1
+            self._shm_room(hosts, staged)
+        if not self.shared_memory:
+            return {}
+        host = tuple(r for r in members if hosts[r] == hosts[me])
         if len(host) < 2:
             return {}
-        kw: Dict[str, Any] = dict(shared_memory=f"gp{self._shm_token}-{self._shm_made}", host=host)
-        if self.timeout is not None:
-            kw["shared_memory_timeout"] = float(self.timeout)
-        return kw
+        shm = self._shms.get(host)
+        if shm is None:
+            name = f"gp{self._shm_token}-{zlib.crc32(repr(host).encode()):08x}"
+            shm = gradpack.SharedMemory(
+                name, me, self._world(), list(host),
+                timeout=300.0 if self.timeout is None else float(self.timeout),
+                stage=_STAGE if staged else 0,
+            )
+            self._shms[host] = shm
+        return dict(shared_memory=shm)
+
+    def _shm_room(self, hosts: List[int], staged: bool) -> None:
+        """Check, on every rank together (a collective), that ``/dev/shm`` holds what the
+        state's shared memory will take on each rank's host: per rank 1 MiB of rings per
+        other rank of the host (twice when the two-level all-reduce's nodes split a
+        host), and the stage. If any rank's host lacks the room, every rank goes
+        without shared memory (a warning says so) rather than fail at set-up."""
+        me = self._rank()
+        mine = [r for r in range(len(hosts)) if hosts[r] == hosts[me]]
+        sets = 1
+        if staged:
+            nodes = self.node_map()
+            if [r for r in mine if nodes[r] == nodes[me]] != mine:
+                sets = 2
+        need = len(mine) * ((len(mine) - 1) * _RING * sets + (_STAGE if staged else 0)
+                            + (64 << 10))
+        if len(mine) < 2:
+            need = 0
+        free = _shm_free()
+        ok = torch.tensor([1 if free >= need else 0], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self._comm_group())
+        if int(ok.item()) == 0:
+            self.shared_memory = False
+            if free < need:
+                warnings.warn(
+                    f"gradpack: {_shm_dir()} has {free / 2**20:.0f} MiB free; the hook's "
+                    f"shared memory needs {need / 2**20:.0f} MiB for the {len(mine)} ranks "
+                    "of this host, so messages between them go through the process group "
+                    "instead (give the container more, e.g. docker run --shm-size=1g, or "
+                    "pass shared_memory=False to silence this)",
+                    RuntimeWarning, stacklevel=2,
+                )
 
     def _ring(
         self, flat: torch.Tensor, layout: List[Any], codec: Codec, index: int, step: int,
@@ -1260,12 +1308,13 @@ class GradpackState:
                 ar = gradpack.Hierarchical(
                     codec, flat.numel(), self._rank(), world, self._p2p.send, self._p2p.recv,
                     nodes=nodes, node_codec=self.node_codec, **common,
-                    **self._shared_memory(mine),
+                    **self._shared_memory(mine, stage=True),
                 )
             else:
                 ar = gradpack.AllReduce(
                     codec, flat.numel(), self._rank(), world, self._p2p.send, self._p2p.recv,
-                    strategy="ring", **common, **self._shared_memory(list(range(world))),
+                    strategy="ring", **common,
+                    **self._shared_memory(list(range(world)), stage=False),
                 )
             saved = self._ring_restored.pop(names, None)
             if saved is not None:
@@ -1285,9 +1334,24 @@ class GradpackState:
         self._p2p.wait()
 
 
+# What the hook's shared memory takes per rank: 1 MiB per ring (the transport's default
+# capacity) and the two-level all-reduce's stage.
+_RING = 1 << 20
+_STAGE = 4 << 20
+
+
 def _shm_dir() -> str:
     """Where the crate's shared-memory transport puts its files."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _shm_free() -> int:
+    """Bytes free where the shared-memory files go (0 if unknown)."""
+    try:
+        st = os.statvfs(_shm_dir())
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def _hosts_by_probe(group: Any, world: int, rank: int) -> List[int]:

@@ -838,43 +838,112 @@ fn py_transport(
     })
 }
 
-/// `base`, with the messages between the ranks `host` (this host's, this rank among
-/// them) through shared memory files called `name` when one is given. Waits (without the
-/// GIL) up to `timeout` seconds for the other ranks of the host.
+/// Open shared memory called `name` for rank `rank` of `world` among the ranks `host`,
+/// waiting (without the GIL) up to `timeout` seconds for the host's other ranks.
+fn open_shared(
+    py: Python<'_>,
+    name: &str,
+    rank: usize,
+    world: usize,
+    host: &[usize],
+    timeout: f64,
+    stage: usize,
+) -> PyResult<SharedMemory> {
+    if !(timeout.is_finite() && timeout > 0.0) {
+        return Err(PyValueError::new_err(format!(
+            "shared_memory_timeout must be a positive number of seconds, not {timeout}"
+        )));
+    }
+    let opts = SharedMemoryOptions {
+        timeout: std::time::Duration::from_secs_f64(timeout),
+        stage,
+        ..Default::default()
+    };
+    py.detach(|| SharedMemory::open(name, rank, world, host, opts))
+        .map_err(err)
+}
+
+/// `base`, with the messages between the ranks of this host through shared memory:
+/// `shared` a [`PySharedMemory`] to share, or a name for files of this collective's own
+/// among the ranks `host` (made with a stage of `stage` bytes).
 fn routed(
     py: Python<'_>,
     base: PyTransport,
-    name: Option<&str>,
+    shared: Option<&Bound<'_, PyAny>>,
     host: Option<Vec<usize>>,
     timeout: f64,
     stage: usize,
 ) -> PyResult<Routed<PyTransport>> {
-    let shm = match (name, host) {
-        (None, _) => None,
-        (Some(_), None) => {
+    let Some(shared) = shared else {
+        return Routed::new(base, None).map_err(err);
+    };
+    if let Ok(s) = shared.cast::<PySharedMemory>() {
+        if host.is_some() {
             return Err(PyValueError::new_err(
-                "shared_memory needs the ranks of this host (host=)",
+                "host= goes with a shared-memory name; a SharedMemory knows its host",
             ));
         }
-        (Some(name), Some(host)) => {
-            if !(timeout.is_finite() && timeout > 0.0) {
-                return Err(PyValueError::new_err(format!(
-                    "shared_memory_timeout must be a positive number of seconds, not {timeout}"
-                )));
-            }
-            let (rank, size) = (base.rank, base.size);
-            let opts = SharedMemoryOptions {
-                timeout: std::time::Duration::from_secs_f64(timeout),
-                stage,
-                ..Default::default()
-            };
-            Some(
-                py.detach(|| SharedMemory::open(name, rank, size, &host, opts))
-                    .map_err(err)?,
-            )
-        }
+        return Routed::sharing(base, Some(s.borrow().inner.clone())).map_err(err);
+    }
+    let name: String = shared.extract().map_err(|_| {
+        PyTypeError::new_err("shared_memory must be a name (str) or a gradpack.SharedMemory")
+    })?;
+    let Some(host) = host else {
+        return Err(PyValueError::new_err(
+            "shared_memory needs the ranks of this host (host=)",
+        ));
     };
-    Routed::new(base, shm).map_err(err)
+    let shm = open_shared(py, &name, base.rank, base.size, &host, timeout, stage)?;
+    Routed::new(base, Some(shm)).map_err(err)
+}
+
+/// Shared memory among the ranks of one host that several collectives of this rank
+/// share (see `gradpack.SharedMemory`).
+#[pyclass(module = "gradpack", name = "SharedMemory", frozen)]
+struct PySharedMemory {
+    inner: std::sync::Arc<SharedMemory>,
+}
+
+#[pymethods]
+impl PySharedMemory {
+    #[new]
+    #[pyo3(signature = (name, rank, world, host, *, timeout=300.0, stage=0))]
+    fn new(
+        py: Python<'_>,
+        name: &str,
+        rank: usize,
+        world: usize,
+        host: Vec<usize>,
+        timeout: f64,
+        stage: usize,
+    ) -> PyResult<Self> {
+        let shm = open_shared(py, name, rank, world, &host, timeout, stage)?;
+        Ok(PySharedMemory {
+            inner: std::sync::Arc::new(shm),
+        })
+    }
+
+    /// The ranks of this host, ascending.
+    #[getter]
+    fn host(&self) -> Vec<usize> {
+        self.inner.host().to_vec()
+    }
+
+    /// Whether it has a stage (for the two-level all-reduce's reduction in place).
+    #[getter]
+    fn staged(&self) -> bool {
+        self.inner.node_memory().is_some()
+    }
+}
+
+/// A stage for the two-level all-reduce's reduction inside a node in place, for a tensor
+/// of `length` on `world` ranks: up to 4 MiB, in rounds.
+fn stage_for(length: usize, world: usize) -> usize {
+    length
+        .saturating_mul(4)
+        .min(4 << 20)
+        .max(world.saturating_mul(4))
+        .next_multiple_of(64)
 }
 
 /// The `op` argument of the collectives.
@@ -942,7 +1011,7 @@ impl PyAllReduce {
         gamma: f32,
         residual: &str,
         allow_non_contractive: bool,
-        shared_memory: Option<&str>,
+        shared_memory: Option<&Bound<'_, PyAny>>,
         host: Option<Vec<usize>>,
         shared_memory_timeout: f64,
     ) -> PyResult<Self> {
@@ -1799,7 +1868,7 @@ impl PyHierarchical {
         gamma: f32,
         residual: &str,
         allow_non_contractive: bool,
-        shared_memory: Option<&str>,
+        shared_memory: Option<&Bound<'_, PyAny>>,
         host: Option<Vec<usize>>,
         shared_memory_timeout: f64,
     ) -> PyResult<Self> {
@@ -1810,20 +1879,16 @@ impl PyHierarchical {
                 nodes.len()
             )));
         }
-        // Shared memory by default among the ranks of this rank's node.
+        // Files of its own (a name) go by default among the ranks of this rank's node.
+        let named = shared_memory.is_some_and(|s| !s.is_instance_of::<PySharedMemory>());
         let host = host.or_else(|| {
-            shared_memory.map(|_| {
+            named.then(|| {
                 (0..nodes.len())
                     .filter(|&r| nodes[r] == nodes[rank])
                     .collect()
             })
         });
-        // A stage for the reduction inside the node in place: up to 4 MiB, in rounds.
-        let stage = length
-            .saturating_mul(4)
-            .min(4 << 20)
-            .max(world.saturating_mul(4))
-            .next_multiple_of(64);
+        let stage = stage_for(length, world);
         let t = routed(py, t, shared_memory, host, shared_memory_timeout, stage)?;
         let nodes = Nodes::new(nodes).map_err(err)?;
         let opts = AllReduceOptions {
@@ -1938,6 +2003,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyAllReduce>()?;
     m.add_class::<PyOuterSync>()?;
     m.add_class::<PyHierarchical>()?;
+    m.add_class::<PySharedMemory>()?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
     m.add_function(wrap_pyfunction!(frame_len, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate, m)?)?;

@@ -15,6 +15,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any, Dict, List
 
 import numpy as np
@@ -32,6 +33,9 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "int8-ring": {"codec": "int8", "strategy": "ring"},
     # The crate's ring with worker + owner error feedback and two pieces per chunk.
     "int8-ef-ring": {"codec": "int8", "strategy": "ring", "error_feedback": True, "pieces": 2},
+    # The same where /dev/shm seems to hold 1 MiB: the hook warns and goes without.
+    "int8-ef-ring-small-shm": {"codec": "int8", "strategy": "ring", "error_feedback": True,
+                               "pieces": 2, "shm_free": 1 << 20},
     # Two-level: float32 inside nodes of ranks {0, 1} and {2, ...}, int8 with error
     # feedback between them (unequal nodes with 3 ranks).
     "int8-hier": {"codec": "int8", "strategy": "hierarchical", "error_feedback": True,
@@ -124,6 +128,8 @@ def make(cfg: Dict[str, Any], seed: int, init: int = -1, device: str = "cpu"):
     extra = dict(cfg.get("extra", {}))
     if extra.get("nodes") == "pairs":
         extra["nodes"] = [min(r // 2, 1) for r in range(dist.get_world_size())]
+    if "shm_free" in cfg:
+        gpt._shm_free = lambda: cfg["shm_free"]
     if cfg.get("codec") or cfg.get("powersgd"):
         state = gpt.GradpackState(
             codec=cfg.get("codec"),
@@ -190,15 +196,20 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
         for seed in plan["seeds"]:
             net, opt, state = make(cfg, seed, device=device)
             times: List[float] = []
-            losses = run_steps(net, opt, xs, ys, rank, world, steps, 0, times=times)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                losses = run_steps(net, opt, xs, ys, rank, world, steps, 0, times=times)
             with torch.no_grad():
                 p = next(net.parameters())
                 acc = (net(xt.to(p.device, p.dtype)).argmax(1).cpu() == yt).float().mean().item()
             p = flat_params(net)
-            chosen, tried = None, None
+            chosen, tried, collectives, shared = None, None, 0, 0
             if state is not None:
                 chosen = chosen_plan(state)
                 tried = sorted({(r["codec"], r["strategy"]) for r in state.plan()})
+                # The crate's collectives the hook made (one per bucket), and the
+                # shared-memory sets they share.
+                collectives, shared = len(state._rings), len(state._shms)
                 state.close()
             times = sorted(times[len(times) // 2:])
             results.append({
@@ -206,7 +217,9 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
                 "ms_per_step": 1000 * times[len(times) // 2],
                 "first_loss": float(np.mean(losses[:20])), "last_loss": float(np.mean(losses[-20:])),
                 "identical": same_on_all_ranks(p, world),
-                "plan": chosen, "tried": tried,
+                "plan": chosen, "tried": tried, "collectives": collectives,
+                "shared_memories": shared,
+                "warnings": [str(w.message) for w in caught if "gradpack" in str(w.message)],
             })
     for name in filter(None, plan.get("resume", "").split(",")):
         # k steps, a checkpoint, k more steps; then a fresh DDP model, optimizer and hook

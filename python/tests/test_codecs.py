@@ -634,3 +634,63 @@ def test_the_codec_help_names_every_codec():
     for name in ("identity", "fp16", "bf16", "int8", "qsgd", "sign", "ternary", "natural",
                  "topk", "randk", "dct"):
         assert f"'{name}" in doc, name
+
+
+def test_collectives_sharing_one_shared_memory_give_the_callables_bits():
+    # Three ranks on threads, each with one gradpack.SharedMemory (rings and a stage)
+    # that an int8 ring, a float32 ring and a two-level all-reduce share, taking turns;
+    # the same steps through the callables alone give the same bits.
+    world, n, steps = 3, 5_003, 2
+    nodes = [0, 0, 1]
+    name = "gptest-" + os.urandom(4).hex()
+
+    def turns(shared):
+        box = _Mailboxes(world, 20.0)
+        outs = [[] for _ in range(world)]
+        errors = [None] * world
+
+        def rank_main(r):
+            try:
+                kw = {}
+                if shared:
+                    kw["shared_memory"] = gradpack.SharedMemory(
+                        name + "-" + shared, r, world, list(range(world)), timeout=20.0,
+                        stage=1 << 12,
+                    )
+                    assert kw["shared_memory"].host == [0, 1, 2]
+                    assert kw["shared_memory"].staged
+                send, recv = box.send_of(r), box.recv_of(r)
+                cols = [
+                    gradpack.AllReduce("int8", n, r, world, send, recv, strategy="ring",
+                                       feedback="worker+owner", tag=1, **kw),
+                    gradpack.AllReduce("identity", n, r, world, send, recv,
+                                       strategy="fp32-ring", tag=2, **kw),
+                    gradpack.Hierarchical("int8", n, r, world, send, recv, nodes,
+                                          strategy="ring", tag=3, **kw),
+                ]
+                for s in range(steps):
+                    for k, c in enumerate(cols + cols[:1]):
+                        x = np.cos(np.arange(n, dtype=np.float32) * 0.01 * (r + 1) + s + k)
+                        out = np.empty(n, np.float32)
+                        c.run(x.astype(np.float32), out, seed=500 + s)
+                        outs[r].append(out.view(np.uint32).tolist())
+            except BaseException as e:  # reported by the test
+                errors[r] = e
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == [None] * world, errors
+        return outs
+
+    want = turns(None)
+    assert turns("a") == want
+    with pytest.raises(ValueError, match="host"):
+        gradpack.AllReduce("int8", n, 0, 1, lambda m, t: None, lambda f: b"",
+                           shared_memory=gradpack.SharedMemory(name + "-b", 0, 1, [0]),
+                           host=[0])
+    with pytest.raises(TypeError, match="shared_memory"):
+        gradpack.AllReduce("int8", n, 0, 1, lambda m, t: None, lambda f: b"",
+                           shared_memory=3)

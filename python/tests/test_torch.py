@@ -91,8 +91,22 @@ def test_ring_with_error_feedback_is_identical_on_every_rank(world):
     for rank in res:
         trained, resumed = rank
         assert trained["identical"], trained
+        # One ring per bucket, all through one set of shared-memory rings (the ranks
+        # share a host here), not one set each.
+        assert trained["collectives"] > 1 and trained["shared_memories"] == 1, trained
         assert trained["last_loss"] < trained["first_loss"] / 5, trained
         assert resumed["max_diff"] < 1e-2, resumed
+
+
+def test_too_little_shared_memory_warns_and_goes_without():
+    # /dev/shm made to seem to hold 1 MiB (the ring needs 2 MiB per rank on 3 ranks):
+    # every rank warns and sends through the process group; the training is the same.
+    res = ddp_digits.run(3, ["int8-ef-ring-small-shm"], [0], 40)
+    for rank in res:
+        (r,) = rank
+        assert r["identical"], r
+        assert r["collectives"] > 1 and r["shared_memories"] == 0, r
+        assert any("shm-size" in w for w in r["warnings"]), r
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -230,8 +244,13 @@ def test_hierarchical_strategy_is_identical_on_every_rank(world):
     # and a checkpoint of the streams' residuals resumes close to the straight run (as
     # the ring's: the first layout's step runs without them).
     res = ddp_digits.run(world, ["int8-hier"], [0], 100, resume="int8-hier")
-    for rank in res:
+    for r, rank in enumerate(res):
         trained, resumed = rank
         assert trained["identical"], trained
+        # One two-level all-reduce per bucket, all sharing one stage (rank 2 of 3 is
+        # alone on its node: none).
+        alone = world == 3 and r == 2
+        assert trained["collectives"] > 1, trained
+        assert trained["shared_memories"] == (0 if alone else 1), trained
         assert trained["last_loss"] < trained["first_loss"] / 5, trained
         assert resumed["max_diff"] < 1e-2, resumed
