@@ -264,10 +264,21 @@ pub fn max_abs_bits(x: &[f32]) -> u32 {
 /// ±Inf count as 0. Order-free, as [`max_abs_bits`].
 #[inline(always)]
 pub fn max_finite_abs_bits(x: &[f32]) -> u32 {
-    x.iter().fold(0u32, |m, &v| {
+    // In 16 lanes: as one fold, the compilers turned the skipped elements into a scalar
+    // loop of conditional moves.
+    let finite = |v: f32| {
         let a = abs_bits(v);
-        m.max(if a < INF_BITS { a } else { 0 })
-    })
+        a & u32::from(a < INF_BITS).wrapping_neg()
+    };
+    let mut lanes = [0u32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l = (*l).max(finite(v));
+        }
+    }
+    let tail = chunks.remainder().iter().fold(0, |m, &v| m.max(finite(v)));
+    lanes.iter().fold(tail, |m, &l| m.max(l))
 }
 
 /// Sum of `f(x)` in 16 interleaved lanes (element `j` goes to lane `j % 16`), lanes
