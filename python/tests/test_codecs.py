@@ -433,20 +433,14 @@ class _Mailboxes:
         return recv
 
 
-def _run_ranks(world, make, steps, n, timeout=20.0):
-    """Run `steps` all-reduces on `world` threads; each rank's output per step."""
-    box = _Mailboxes(world, timeout)
-    ars = [make(r, box.send_of(r), box.recv_of(r)) for r in range(world)]
-    outs = [[None] * steps for _ in range(world)]
+def _on_threads(world, body):
+    """``body(r)`` for every rank ``r`` on a thread of its own; each rank's exception or
+    None."""
     errors = [None] * world
 
     def rank_main(r):
         try:
-            for s in range(steps):
-                x = np.sin(np.arange(n, dtype=np.float32) * (0.01 * (r + 1)) + s).astype(np.float32)
-                out = np.empty(n, np.float32)
-                ars[r].run(x, out, seed=1000 + s)
-                outs[r][s] = out
+            body(r)
         except BaseException as e:  # reported by the test
             errors[r] = e
 
@@ -455,7 +449,23 @@ def _run_ranks(world, make, steps, n, timeout=20.0):
         t.start()
     for t in threads:
         t.join()
-    return ars, outs, errors
+    return errors
+
+
+def _run_ranks(world, make, steps, n, timeout=20.0):
+    """Run `steps` all-reduces on `world` threads; each rank's output per step."""
+    box = _Mailboxes(world, timeout)
+    ars = [make(r, box.send_of(r), box.recv_of(r)) for r in range(world)]
+    outs = [[None] * steps for _ in range(world)]
+
+    def body(r):
+        for s in range(steps):
+            x = np.sin(np.arange(n, dtype=np.float32) * (0.01 * (r + 1)) + s).astype(np.float32)
+            out = np.empty(n, np.float32)
+            ars[r].run(x, out, seed=1000 + s)
+            outs[r][s] = out
+
+    return ars, outs, _on_threads(world, body)
 
 
 @pytest.mark.parametrize(
@@ -647,41 +657,33 @@ def test_collectives_sharing_one_shared_memory_give_the_callables_bits():
     def turns(shared):
         box = _Mailboxes(world, 20.0)
         outs = [[] for _ in range(world)]
-        errors = [None] * world
 
         def rank_main(r):
-            try:
-                kw = {}
-                if shared:
-                    kw["shared_memory"] = gradpack.SharedMemory(
-                        name + "-" + shared, r, world, list(range(world)), timeout=20.0,
-                        stage=1 << 12,
-                    )
-                    assert kw["shared_memory"].host == [0, 1, 2]
-                    assert kw["shared_memory"].staged
-                send, recv = box.send_of(r), box.recv_of(r)
-                cols = [
-                    gradpack.AllReduce("int8", n, r, world, send, recv, strategy="ring",
-                                       feedback="worker+owner", tag=1, **kw),
-                    gradpack.AllReduce("identity", n, r, world, send, recv,
-                                       strategy="fp32-ring", tag=2, **kw),
-                    gradpack.Hierarchical("int8", n, r, world, send, recv, nodes,
-                                          strategy="ring", tag=3, **kw),
-                ]
-                for s in range(steps):
-                    for k, c in enumerate(cols + cols[:1]):
-                        x = np.cos(np.arange(n, dtype=np.float32) * 0.01 * (r + 1) + s + k)
-                        out = np.empty(n, np.float32)
-                        c.run(x.astype(np.float32), out, seed=500 + s)
-                        outs[r].append(out.view(np.uint32).tolist())
-            except BaseException as e:  # reported by the test
-                errors[r] = e
+            kw = {}
+            if shared:
+                kw["shared_memory"] = gradpack.SharedMemory(
+                    name + "-" + shared, r, world, list(range(world)), timeout=20.0,
+                    stage=1 << 12,
+                )
+                assert kw["shared_memory"].host == [0, 1, 2]
+                assert kw["shared_memory"].staged
+            send, recv = box.send_of(r), box.recv_of(r)
+            cols = [
+                gradpack.AllReduce("int8", n, r, world, send, recv, strategy="ring",
+                                   feedback="worker+owner", tag=1, **kw),
+                gradpack.AllReduce("identity", n, r, world, send, recv,
+                                   strategy="fp32-ring", tag=2, **kw),
+                gradpack.Hierarchical("int8", n, r, world, send, recv, nodes,
+                                      strategy="ring", tag=3, **kw),
+            ]
+            for s in range(steps):
+                for k, c in enumerate(cols + cols[:1]):
+                    x = np.cos(np.arange(n, dtype=np.float32) * 0.01 * (r + 1) + s + k)
+                    out = np.empty(n, np.float32)
+                    c.run(x.astype(np.float32), out, seed=500 + s)
+                    outs[r].append(out.view(np.uint32).tolist())
 
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors = _on_threads(world, rank_main)
         assert errors == [None] * world, errors
         return outs
 

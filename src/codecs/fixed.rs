@@ -522,40 +522,32 @@ pub(crate) fn formed_max_finite_abs(r: &ResidualMut<'_>, g: &[f32], beta: f32, g
     let m = AtomicU32::new(0);
     let n = g.len();
     let par = parallel::worth(n, 2);
+    // One range's largest, `form` writing the formed tile of elements `s..e` into `p`.
+    let range_max = |n: usize, form: &dyn Fn(&mut [f32], usize, usize)| {
+        let mut p = [0f32; FEEDBACK_TILE];
+        let mut best = 0;
+        for s in (0..n).step_by(FEEDBACK_TILE) {
+            let e = (s + FEEDBACK_TILE).min(n);
+            form(&mut p[..e - s], s, e);
+            best = best.max(kernels::max_finite_abs_bits(&p[..e - s]));
+        }
+        m.fetch_max(best, Ordering::Relaxed);
+        false
+    };
     match r {
         ResidualMut::F32(r) => {
             parallel::for_ranges((&r[..], g), n, parallel::CHUNK, par, &|(r, g), _| {
-                let n = g.len();
-                let mut p = [0f32; FEEDBACK_TILE];
-                let mut best = 0;
-                let mut s = 0;
-                while s < n {
-                    let e = (s + FEEDBACK_TILE).min(n);
-                    let p = &mut p[..e - s];
+                range_max(g.len(), &|p, s, e| {
                     p.copy_from_slice(&r[s..e]);
                     kernels::feedback_form(p, &g[s..e], beta, gamma);
-                    best = best.max(kernels::max_finite_abs_bits(p));
-                    s = e;
-                }
-                m.fetch_max(best, Ordering::Relaxed);
-                false
+                })
             });
         }
         ResidualMut::Bf16 { r, .. } => {
             parallel::for_ranges((&r[..], g), n, parallel::CHUNK, par, &|(r, g), _| {
-                let n = g.len();
-                let mut p = [0f32; FEEDBACK_TILE];
-                let mut best = 0;
-                let mut s = 0;
-                while s < n {
-                    let e = (s + FEEDBACK_TILE).min(n);
-                    let p = &mut p[..e - s];
+                range_max(g.len(), &|p, s, e| {
                     kernels::feedback_form_bf16(p, &r[s..e], &g[s..e], beta, gamma);
-                    best = best.max(kernels::max_finite_abs_bits(p));
-                    s = e;
-                }
-                m.fetch_max(best, Ordering::Relaxed);
-                false
+                })
             });
         }
     }
