@@ -48,6 +48,11 @@ What it does, per bucket:
   The nodes come from ``nodes=``, torchrun's ``GROUP_RANK`` or the host names; it is the
   default when torchrun's ``LOCAL_WORLD_SIZE`` says the ranks sit on several nodes, and
   ``codec="auto"`` tries it (float32 too, then) beside the flat strategies there.
+- ``strategy="majority"``: signSGD with majority vote (:class:`gradpack.AllReduce`'s
+  ``"majority"``) on the whole bucket, meant for the ``sign`` codec: every rank's frame
+  to every rank, and each element the sign most ranks sent times the ranks' summed
+  magnitudes (divided by the ranks: the mean when all agree). Not a sum, so only when
+  asked for; with error feedback each rank keeps a residual of what it sent.
 - The ring and the two-level all-reduce send messages between ranks of one host through
   shared memory (``shared_memory=True``, the default): ranks that see each other's file
   in ``/dev/shm`` share a host. All of a state's collectives share one set of rings (1
@@ -162,8 +167,8 @@ class GradpackState:
             ``"auto"``; default ``"int8"`` (``"identity"`` with ``powersgd``).
         error_feedback: ``True``, ``False``, or ``None`` for on exactly when the codec
             is one of :data:`BIASED_NEED_FEEDBACK` (top-k, chunked top-k, sign).
-        strategy: ``"allgather"``, ``"ring"`` or ``"hierarchical"`` (see the module
-            docs). Default ``"allgather"``, or ``"hierarchical"`` when torchrun's
+        strategy: ``"allgather"``, ``"ring"``, ``"hierarchical"`` or ``"majority"`` (see
+            the module docs). Default ``"allgather"``, or ``"hierarchical"`` when torchrun's
             ``LOCAL_WORLD_SIZE`` says the ranks sit on several nodes of more than one.
             With ``codec="auto"`` the default is to try them all (``"hierarchical"``
             where the ranks sit on several nodes, or ``nodes`` is given).
@@ -264,8 +269,17 @@ class GradpackState:
                 "powersgd with codec='auto' is not supported: give the codec of the tensors "
                 "PowerSGD does not take (default float32)"
             )
-        if strategy not in (None, "allgather", "ring", "hierarchical"):
-            raise ValueError(f"strategy {strategy!r}: use 'allgather', 'ring' or 'hierarchical'")
+        if strategy not in (None, "allgather", "ring", "hierarchical", "majority"):
+            raise ValueError(
+                f"strategy {strategy!r}: use 'allgather', 'ring', 'hierarchical' or 'majority'"
+            )
+        if strategy == "majority" and (
+            self._auto or not isinstance(codec, (str, Codec)) or Codec(codec) == _IDENTITY
+        ):
+            raise ValueError(
+                "strategy='majority' votes on the signs of a compressed codec's frames "
+                "(meant for codec='sign'); give that codec, not 'auto' or float32"
+            )
         self._nodes = None if nodes is None else [int(k) for k in nodes]
         self.shared_memory = bool(shared_memory)
         self._hosts: Optional[List[int]] = None
@@ -810,7 +824,7 @@ class GradpackState:
         codecs = [self._layout_codec(base, e) for e in layout]
         low_rank = self._low_rank_of(layout, step)
         ring = None
-        if cfg[1] in ("ring", "hierarchical"):
+        if cfg[1] in ("ring", "hierarchical", "majority"):
             assert base is not None
             ring = self._param_codec(base, buf.numel(), 2, None)  # the whole bucket's codec
         plain = not low_rank and cfg[1] != "hierarchical" and (
@@ -829,7 +843,7 @@ class GradpackState:
             dist.all_reduce(flat, group=self._comm_group())
             flat.div_(world)
         elif ring is not None:
-            self._ring(flat, layout, ring, index, step, world, cfg[1] == "hierarchical")
+            self._ring(flat, layout, ring, index, step, world, cfg[1])
         else:
             self._allgather(flat, layout, codecs, index, step, world)
         self._from_host(buf, host)
@@ -881,7 +895,9 @@ class GradpackState:
         kinds = list(dict.fromkeys(got))
         if len(kinds) == 1:
             choice = kinds[0]
-        elif all(k[1] not in ("ring", "hierarchical") for k in kinds):  # type: ignore[index]
+        elif all(
+            k[1] not in ("ring", "hierarchical", "majority") for k in kinds  # type: ignore[index]
+        ):
             choice = (_MIXED, "allgather")
         else:
             weight: Dict[Any, int] = {}
@@ -1285,24 +1301,24 @@ class GradpackState:
 
     def _ring(
         self, flat: torch.Tensor, layout: List[Any], codec: Codec, index: int, step: int,
-        world: int, hierarchical: bool = False,
+        world: int, strategy: str = "ring",
     ) -> None:
-        """The crate's compressed ring (:class:`gradpack.AllReduce`), or its two-level
-        all-reduce (:class:`gradpack.Hierarchical`), on the whole bucket, its messages
-        sent point to point on the process group. One all-reduce, with its residuals,
-        per bucket layout (DDP regroups its buckets once, after the first step: the
-        residuals of the first layout are then dropped)."""
+        """The crate's compressed ring or majority vote (:class:`gradpack.AllReduce`), or
+        its two-level all-reduce (:class:`gradpack.Hierarchical`), on the whole bucket,
+        its messages sent point to point on the process group. One all-reduce, with its
+        residuals, per bucket layout (DDP regroups its buckets once, after the first
+        step: the residuals of the first layout are then dropped)."""
         names = ",".join(e[0] for e in layout)
-        key = (names, flat.numel(), str(codec), hierarchical)
+        key = (names, flat.numel(), str(codec), strategy)
         ar = self._rings.get(key)
         if ar is None:
             common = dict(
                 feedback="worker+owner" if self._wants_ef(codec) else "none",
-                pieces=self.pieces,
+                pieces=self.pieces if strategy != "majority" else 1,
                 checksum=self.checksum,
                 tag=index & 0xFFFFFFFF,
             )
-            if hierarchical:
+            if strategy == "hierarchical":
                 nodes = self.node_map()
                 mine = [r for r in range(world) if nodes[r] == nodes[self._rank()]]
                 ar = gradpack.Hierarchical(
@@ -1313,7 +1329,7 @@ class GradpackState:
             else:
                 ar = gradpack.AllReduce(
                     codec, flat.numel(), self._rank(), world, self._p2p.send, self._p2p.recv,
-                    strategy="ring", **common,
+                    strategy=strategy, **common,
                     **self._shared_memory(list(range(world)), stage=False),
                 )
             saved = self._ring_restored.pop(names, None)

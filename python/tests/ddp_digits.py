@@ -31,6 +31,9 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "topk-ef": {"codec": "topk:ratio=0.01,values=fp16", "error_feedback": True},
     "sign-ef": {"codec": "sign", "error_feedback": True},
     "int8-ring": {"codec": "int8", "strategy": "ring"},
+    # signSGD with majority vote (the crate's "majority"), error feedback on (sign's
+    # default), and the same with the ranks' sum for comparison.
+    "sign-majority": {"codec": "sign", "strategy": "majority"},
     # The crate's ring with worker + owner error feedback and two pieces per chunk.
     "int8-ef-ring": {"codec": "int8", "strategy": "ring", "error_feedback": True, "pieces": 2},
     # The same where /dev/shm seems to hold 1 MiB: the hook warns and goes without.

@@ -79,6 +79,17 @@ def test_ring_strategy_on_three_ranks():
         assert r["last_loss"] < r["first_loss"] / 5, r
 
 
+def test_sign_majority_vote_trains_identically_on_every_rank():
+    # strategy="majority": the crate's signSGD majority vote over the process group,
+    # with sign's error feedback; 3 ranks (a vote that can split 2 to 1).
+    res = ddp_digits.run(3, ["sign-majority"], [0], 120)
+    for rank in res:
+        (r,) = rank
+        assert r["identical"], r
+        assert r["collectives"] >= 1, r
+        assert r["last_loss"] < r["first_loss"] / 3, r
+
+
 @pytest.mark.parametrize("world", [3, 4])
 def test_ring_with_error_feedback_is_identical_on_every_rank(world):
     # The crate's ring (gradpack.AllReduce over the process group) with worker + owner
@@ -188,6 +199,9 @@ def test_state_validation():
         gpt.GradpackState(codec="auto", bandwidth="1Gbit/s", powersgd=2)
     with pytest.raises(Exception, match="unknown codec"):
         gpt.GradpackState(codec="int7")
+    for codec in ("auto", "identity"):
+        with pytest.raises(ValueError, match="majority"):
+            gpt.GradpackState(codec=codec, bandwidth="1Gbit/s", strategy="majority")
     st = gpt.GradpackState(codec="int8", seed=3)
     assert st.codec_for(100) == gpt.Codec("identity")  # small: float32
     assert st.codec_for(1 << 20, 1) == gpt.Codec("identity")  # a vector: float32
