@@ -436,8 +436,10 @@ class SharedMemory:
     """Shared-memory rings (and, with ``stage`` bytes, a stage for the two-level
     all-reduce's reduction in place) between the ranks ``host`` of one host (this rank,
     ``rank`` of ``world``, among them), under the name ``name`` (letters, digits, ``-``,
-    ``_``; the same on the ranks of the host, new for each set). Construction waits up to
-    ``timeout`` seconds for the host's other ranks.
+    ``_``; the same on the ranks of the host, new for each set). Each ring holds
+    ``capacity`` bytes (a multiple of 64, default 1 MiB; the same on the host's ranks):
+    a longer message streams through it. Construction waits up to ``timeout`` seconds
+    for the host's other ranks.
 
     Pass it as ``shared_memory=`` to any number of :class:`AllReduce` and
     :class:`Hierarchical` collectives of this rank: they share its memory (``1 MiB`` per
@@ -458,10 +460,12 @@ class SharedMemory:
         *,
         timeout: float = 300.0,
         stage: int = 0,
+        capacity: Optional[int] = None,
     ) -> None:
         self._shm = _native.SharedMemory(
             name, int(rank), int(world), [int(r) for r in host],
             timeout=float(timeout), stage=int(stage),
+            capacity=None if capacity is None else int(capacity),
         )
 
     @property

@@ -56,8 +56,9 @@ What it does, per bucket:
 - The ring and the two-level all-reduce send messages between ranks of one host through
   shared memory (``shared_memory=True``, the default): ranks that see each other's file
   in ``/dev/shm`` share a host. All of a state's collectives share one set of rings (1
-  MiB per other rank of the host, and a 4 MiB stage for the two-level all-reduce), so
-  ``/dev/shm`` use does not grow with the number of buckets.
+  MiB per other rank of the host, less where ``/dev/shm`` is small, and a 4 MiB stage
+  for the two-level all-reduce), so ``/dev/shm`` use does not grow with the number of
+  buckets.
 - Messages whose length is fixed by the element counts (every codec but random-k, up to
   top-k's 2% slack) travel in buffers of that length; random-k's lengths are
   all-gathered first.
@@ -287,6 +288,7 @@ class GradpackState:
         # host's ranks -> gradpack.SharedMemory: one set of rings (and one stage) for all
         # of this state's collectives, whatever the number of buckets.
         self._shms: Dict[Tuple[int, ...], gradpack.SharedMemory] = {}
+        self._shm_ring = _RING  # bytes per ring, as /dev/shm allows
         self.node_codec = str(node_codec)
         for name, v in (("trials", trials), ("trial_steps", trial_steps)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -1262,17 +1264,18 @@ class GradpackState:
             shm = gradpack.SharedMemory(
                 name, me, self._world(), list(host),
                 timeout=300.0 if self.timeout is None else float(self.timeout),
-                stage=_STAGE if staged else 0,
+                stage=_STAGE if staged else 0, capacity=self._shm_ring,
             )
             self._shms[host] = shm
         return dict(shared_memory=shm)
 
     def _shm_room(self, hosts: List[int], staged: bool) -> None:
-        """Check, on every rank together (a collective), that ``/dev/shm`` holds what the
-        state's shared memory will take on each rank's host: per rank 1 MiB of rings per
-        other rank of the host (twice when the two-level all-reduce's nodes split a
-        host), and the stage. If any rank's host lacks the room, every rank goes
-        without shared memory (a warning says so) rather than fail at set-up."""
+        """Size the state's shared memory to what ``/dev/shm`` holds, on every rank
+        together (a collective): per rank, a ring per other rank of the host (two sets
+        when the two-level all-reduce's nodes split a host) and the stage. The rings get
+        1 MiB each where there is room, less (down to 64 KiB; the same on every rank)
+        where there is not; if even that does not fit on some rank's host, every rank
+        goes without shared memory (a warning says so) rather than fail at set-up."""
         me = self._rank()
         mine = [r for r in range(len(hosts)) if hosts[r] == hosts[me]]
         sets = 1
@@ -1280,19 +1283,23 @@ class GradpackState:
             nodes = self.node_map()
             if [r for r in mine if nodes[r] == nodes[me]] != mine:
                 sets = 2
-        need = len(mine) * ((len(mine) - 1) * _RING * sets + (_STAGE if staged else 0)
-                            + (64 << 10))
-        if len(mine) < 2:
-            need = 0
+        h = len(mine)
+        fixed = (_STAGE if staged else 0) + (64 << 10)  # the stage, the file's header
         free = _shm_free()
-        ok = torch.tensor([1 if free >= need else 0], dtype=torch.int64)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self._comm_group())
-        if int(ok.item()) == 0:
+        ring = _RING
+        if h >= 2:
+            fits = (free // h - fixed) // ((h - 1) * sets)
+            ring = min(_RING, max(0, fits) // _MIN_RING * _MIN_RING)
+        agreed = torch.tensor([ring], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self._comm_group())
+        self._shm_ring = int(agreed.item())
+        if self._shm_ring < _MIN_RING:
             self.shared_memory = False
-            if free < need:
+            if ring < _MIN_RING:
+                need = h * ((h - 1) * _MIN_RING * sets + fixed)
                 warnings.warn(
                     f"gradpack: {_shm_dir()} has {free / 2**20:.0f} MiB free; the hook's "
-                    f"shared memory needs {need / 2**20:.0f} MiB for the {len(mine)} ranks "
+                    f"shared memory needs at least {need / 2**20:.0f} MiB for the {h} ranks "
                     "of this host, so messages between them go through the process group "
                     "instead (give the container more, e.g. docker run --shm-size=1g, or "
                     "pass shared_memory=False to silence this)",
@@ -1351,8 +1358,10 @@ class GradpackState:
 
 
 # What the hook's shared memory takes per rank: 1 MiB per ring (the transport's default
-# capacity) and the two-level all-reduce's stage.
+# capacity; 64 KiB at the least, where /dev/shm is small) and the two-level all-reduce's
+# stage.
 _RING = 1 << 20
+_MIN_RING = 64 << 10
 _STAGE = 4 << 20
 
 

@@ -840,6 +840,7 @@ fn py_transport(
 
 /// Open shared memory called `name` for rank `rank` of `world` among the ranks `host`,
 /// waiting (without the GIL) up to `timeout` seconds for the host's other ranks.
+#[allow(clippy::too_many_arguments)]
 fn open_shared(
     py: Python<'_>,
     name: &str,
@@ -848,17 +849,21 @@ fn open_shared(
     host: &[usize],
     timeout: f64,
     stage: usize,
+    capacity: Option<usize>,
 ) -> PyResult<SharedMemory> {
     if !(timeout.is_finite() && timeout > 0.0) {
         return Err(PyValueError::new_err(format!(
             "shared_memory_timeout must be a positive number of seconds, not {timeout}"
         )));
     }
-    let opts = SharedMemoryOptions {
+    let mut opts = SharedMemoryOptions {
         timeout: std::time::Duration::from_secs_f64(timeout),
         stage,
         ..Default::default()
     };
+    if let Some(c) = capacity {
+        opts.capacity = c;
+    }
     py.detach(|| SharedMemory::open(name, rank, world, host, opts))
         .map_err(err)
 }
@@ -893,7 +898,7 @@ fn routed(
             "shared_memory needs the ranks of this host (host=)",
         ));
     };
-    let shm = open_shared(py, &name, base.rank, base.size, &host, timeout, stage)?;
+    let shm = open_shared(py, &name, base.rank, base.size, &host, timeout, stage, None)?;
     Routed::new(base, Some(shm)).map_err(err)
 }
 
@@ -907,7 +912,8 @@ struct PySharedMemory {
 #[pymethods]
 impl PySharedMemory {
     #[new]
-    #[pyo3(signature = (name, rank, world, host, *, timeout=300.0, stage=0))]
+    #[pyo3(signature = (name, rank, world, host, *, timeout=300.0, stage=0, capacity=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         name: &str,
@@ -916,8 +922,9 @@ impl PySharedMemory {
         host: Vec<usize>,
         timeout: f64,
         stage: usize,
+        capacity: Option<usize>,
     ) -> PyResult<Self> {
-        let shm = open_shared(py, name, rank, world, &host, timeout, stage)?;
+        let shm = open_shared(py, name, rank, world, &host, timeout, stage, capacity)?;
         Ok(PySharedMemory {
             inner: std::sync::Arc::new(shm),
         })

@@ -36,9 +36,12 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "sign-majority": {"codec": "sign", "strategy": "majority"},
     # The crate's ring with worker + owner error feedback and two pieces per chunk.
     "int8-ef-ring": {"codec": "int8", "strategy": "ring", "error_feedback": True, "pieces": 2},
-    # The same where /dev/shm seems to hold 1 MiB: the hook warns and goes without.
+    # The same where /dev/shm seems to hold 1 MiB (the hook makes its rings smaller)
+    # and 256 KiB (it warns and goes without).
     "int8-ef-ring-small-shm": {"codec": "int8", "strategy": "ring", "error_feedback": True,
                                "pieces": 2, "shm_free": 1 << 20},
+    "int8-ef-ring-tiny-shm": {"codec": "int8", "strategy": "ring", "error_feedback": True,
+                              "pieces": 2, "shm_free": 256 << 10},
     # Two-level: float32 inside nodes of ranks {0, 1} and {2, ...}, int8 with error
     # feedback between them (unequal nodes with 3 ranks).
     "int8-hier": {"codec": "int8", "strategy": "hierarchical", "error_feedback": True,
@@ -206,13 +209,14 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
                 p = next(net.parameters())
                 acc = (net(xt.to(p.device, p.dtype)).argmax(1).cpu() == yt).float().mean().item()
             p = flat_params(net)
-            chosen, tried, collectives, shared = None, None, 0, 0
+            chosen, tried, collectives, shared, ring_bytes = None, None, 0, 0, 0
             if state is not None:
                 chosen = chosen_plan(state)
                 tried = sorted({(r["codec"], r["strategy"]) for r in state.plan()})
                 # The crate's collectives the hook made (one per bucket), and the
                 # shared-memory sets they share.
                 collectives, shared = len(state._rings), len(state._shms)
+                ring_bytes = state._shm_ring
                 state.close()
             times = sorted(times[len(times) // 2:])
             results.append({
@@ -221,7 +225,7 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
                 "first_loss": float(np.mean(losses[:20])), "last_loss": float(np.mean(losses[-20:])),
                 "identical": same_on_all_ranks(p, world),
                 "plan": chosen, "tried": tried, "collectives": collectives,
-                "shared_memories": shared,
+                "shared_memories": shared, "ring_bytes": ring_bytes,
                 "warnings": [str(w.message) for w in caught if "gradpack" in str(w.message)],
             })
     for name in filter(None, plan.get("resume", "").split(",")):

@@ -109,15 +109,21 @@ def test_ring_with_error_feedback_is_identical_on_every_rank(world):
         assert resumed["max_diff"] < 1e-2, resumed
 
 
-def test_too_little_shared_memory_warns_and_goes_without():
-    # /dev/shm made to seem to hold 1 MiB (the ring needs 2 MiB per rank on 3 ranks):
-    # every rank warns and sends through the process group; the training is the same.
-    res = ddp_digits.run(3, ["int8-ef-ring-small-shm"], [0], 40)
+def test_a_small_dev_shm_gets_smaller_rings_or_none():
+    # /dev/shm made to seem to hold 1 MiB: 3 ranks of 2 rings each get 128 KiB rings
+    # ((1 MiB / 3 - 64 KiB of header) / 2, in 64 KiB steps). 256 KiB: not even 64 KiB
+    # rings fit, so every rank warns and sends through the process group. The training
+    # is identical on every rank either way.
+    res = ddp_digits.run(3, ["int8-ef-ring-small-shm", "int8-ef-ring-tiny-shm"], [0], 40)
     for rank in res:
-        (r,) = rank
-        assert r["identical"], r
-        assert r["collectives"] > 1 and r["shared_memories"] == 0, r
-        assert any("shm-size" in w for w in r["warnings"]), r
+        small, tiny = rank
+        for r in (small, tiny):
+            assert r["identical"], r
+            assert r["collectives"] > 1, r
+        assert small["shared_memories"] == 1 and small["ring_bytes"] == 128 << 10, small
+        assert not small["warnings"], small
+        assert tiny["shared_memories"] == 0, tiny
+        assert any("shm-size" in w for w in tiny["warnings"]), tiny
 
 
 @pytest.mark.parametrize("world", [2, 3])
