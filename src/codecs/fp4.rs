@@ -47,8 +47,7 @@ use core::fmt;
 use super::fixed::{self, FixedRate, Layout, ResidualMut};
 use super::fp8::SmallFloat;
 use super::{
-    EncodeCtx, Encoded, MAX_BLOCK, Scheme, check_block, check_code_padding, expect_payload,
-    read_block,
+    EncodeCtx, MAX_BLOCK, Scheme, check_block, check_code_padding, expect_payload, read_block,
 };
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::codecs::int8::Rounding;
@@ -286,22 +285,10 @@ impl From<Fp4> for CodecSpec {
 
 impl Scheme for Fp4 {
     const ID: CodecId = CodecId::Fp4;
+    fixed::fixed_scheme!();
 
-    fn max_payload(&self, n: u64) -> u64 {
-        self.layout().payload_len(n).unwrap_or(u64::MAX)
-    }
-
-    fn encode_payload(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
-        let c = self.with_frame_absmax(|| fixed::max_finite_abs(x));
-        fixed::encode_payload(&c, x, ctx, out)
-    }
-
-    fn decode_payload<const M: u8>(&self, h: &Header, p: &[u8], out: &mut [f32]) -> Result<()> {
-        fixed::decode::<Self, M>(self, h, p, out)
-    }
-
-    fn fixed(&self) -> Option<&dyn FixedRate> {
-        Some(self)
+    fn for_input(&self, x: &[f32]) -> Fp4 {
+        self.with_frame_absmax(|| fixed::max_finite_abs(x))
     }
 
     fn for_feedback(&self, r: &ResidualMut<'_>, g: &[f32], beta: f32, gamma: f32) -> Fp4 {

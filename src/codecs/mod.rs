@@ -115,10 +115,14 @@ pub(crate) mod scheme {
         fn fixed(&self) -> Option<&dyn super::fixed::FixedRate> {
             None
         }
-        /// The codec that encodes an error-feedback step's input `beta r + gamma g`:
-        /// itself, except for a codec whose frames carry a value taken from the whole
-        /// input (fp4's E4M3 block scales are relative to the frame's largest magnitude),
-        /// which takes it from the formed input here (leaving `r` as it is).
+        /// The codec that encodes `x`: itself, except for a codec whose frames carry a
+        /// value taken from the whole input (fp4's E4M3 block scales are relative to the
+        /// frame's largest magnitude), which takes it from `x` here.
+        fn for_input(&self, _x: &[f32]) -> Self {
+            *self
+        }
+        /// [`Scheme::for_input`] for an error-feedback step, whose input is
+        /// `beta r + gamma g` (formed here without changing `r`).
         fn for_feedback(
             &self,
             _r: &super::fixed::ResidualMut<'_>,
@@ -158,7 +162,7 @@ impl<S: Scheme> Codec for S {
 
     fn encode_into(&self, x: &[f32], ctx: &EncodeCtx, out: &mut [u8]) -> Result<usize> {
         self.check_encode(x.len(), ctx)?;
-        let e = Standard::run(|| self.encode_payload(x, ctx, out))?;
+        let e = Standard::run(|| self.for_input(x).encode_payload(x, ctx, out))?;
         write_header::<S>(&e, x.len(), ctx, out);
         Ok(HEADER_LEN + e.payload_len as usize)
     }
