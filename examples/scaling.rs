@@ -11,7 +11,7 @@
 //!   a memcpy of the output;
 //! - `dct` (chunk 64, k 4) encode and decode at 1 Mi elements;
 //! - a PowerSGD rank-2 step (`PowerSgdBucket`'s three calls on the caller's buffer, with
-//!   error feedback, as the PyTorch hook runs them) on a 4096 x 2304 gradient against
+//!   error feedback and without, as the PyTorch hook runs them) on a 4096 x 2304 gradient against
 //!   three read passes over it.
 //!
 //! Each figure is the best of repetitions filling about 0.3 s (at least 3).
@@ -219,7 +219,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let g = gradpack::synthetic::gradient(rows_ * cols, 7);
     println!();
     header("PowerSGD rank 2, 4096 x 2304: ms", &threads);
-    let mut step = Vec::new();
+    let mut steps = [Vec::new(), Vec::new()];
     let mut passes = Vec::new();
     for p in &pools {
         p.install(|| {
@@ -231,25 +231,40 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             passes.push(3.0 * read * 1e3);
         });
         // The step's arithmetic on the caller's buffer, as the PyTorch hook drives it
-        // (no engine: its copies in and out would be timed too), on this pool.
-        let secs = p.install(|| -> Result<f64, gradpack::Error> {
-            let mut b = PowerSgdBucket::new(PowerSgd::rank(2), &[(rows_, cols, 2)])?;
-            let (mut pp, mut qq) = (vec![0f32; b.p_len()], vec![0f32; b.q_len()]);
-            let mut m = g.clone();
-            Ok(time(|| {
-                b.p_step(&mut m, 1, &mut pp).expect("p");
-                b.q_step(&m, &mut pp, &mut qq).expect("q");
-                b.finish_in_place(&mut m, &pp, &qq).expect("finish");
-            }))
-        })?;
-        step.push(secs * 1e3);
+        // (no engine: its copies in and out would be timed too), on this pool, with error
+        // feedback and without.
+        for (step, feedback) in steps.iter_mut().zip([true, false]) {
+            let secs = p.install(|| -> Result<f64, gradpack::Error> {
+                let settings = PowerSgd {
+                    feedback,
+                    ..PowerSgd::rank(2)
+                };
+                let mut b = PowerSgdBucket::new(settings, &[(rows_, cols, 2)])?;
+                let (mut pp, mut qq) = (vec![0f32; b.p_len()], vec![0f32; b.q_len()]);
+                let mut m = g.clone();
+                Ok(time(|| {
+                    b.p_step(&mut m, 1, &mut pp).expect("p");
+                    b.q_step(&m, &mut pp, &mut qq).expect("q");
+                    b.finish_in_place(&mut m, &pp, &qq).expect("finish");
+                }))
+            })?;
+            step.push(secs * 1e3);
+        }
     }
     let cells = |v: &[f64]| v.iter().map(|t| format!("{t:.2}")).collect::<Vec<_>>();
-    println!("| PowerSGD step | {} | |", cells(&step).join(" | "));
+    println!(
+        "| PowerSGD step, error feedback | {} | |",
+        cells(&steps[0]).join(" | ")
+    );
+    println!(
+        "| PowerSGD step, no feedback | {} | |",
+        cells(&steps[1]).join(" | ")
+    );
     println!("| three read passes | {} | |", cells(&passes).join(" | "));
     println!(
-        "\nPowerSGD step / three read passes: {}",
-        ratios(&step, &passes).join(", ")
+        "\nPowerSGD step / three read passes: {} (error feedback); {} (none)",
+        ratios(&steps[0], &passes).join(", "),
+        ratios(&steps[1], &passes).join(", ")
     );
     Ok(())
 }

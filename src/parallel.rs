@@ -64,6 +64,18 @@ pub(crate) fn worth(n: usize, weight: usize) -> bool {
     }
 }
 
+/// The threads of the current pool (1 without the `rayon` feature).
+pub(crate) fn threads() -> usize {
+    #[cfg(feature = "rayon")]
+    {
+        rayon::current_num_threads()
+    }
+    #[cfg(not(feature = "rayon"))]
+    {
+        1
+    }
+}
+
 /// Runs `f` on a thread of the current pool: a caller outside the pool hands the whole of
 /// `f` over once, so that the parallel steps inside it start from a worker (cheaply)
 /// instead of each handing its work over (tens of microseconds each on a virtual machine).

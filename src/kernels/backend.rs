@@ -107,12 +107,14 @@ pub(crate) enum Op {
     EncodeFp4,
     /// fp4 decode: portable code, as `DecodeF32`.
     DecodeFp4,
+    /// PowerSGD's reconstruction of a large matrix, written by non-temporal stores.
+    StreamPqt,
 }
 
 impl Op {
     /// Every row of the routing table.
     #[cfg(test)]
-    pub(crate) const ALL: [Op; 29] = [
+    pub(crate) const ALL: [Op; 30] = [
         Op::FeedbackF16,
         Op::EncodeF16,
         Op::DecodeF16,
@@ -142,6 +144,7 @@ impl Op {
         Op::DecodeFp8,
         Op::EncodeFp4,
         Op::DecodeFp4,
+        Op::StreamPqt,
     ];
 }
 
@@ -200,7 +203,8 @@ pub(crate) const fn x86_route(op: Op, kind: BackendKind) -> X86 {
             | Op::ReduceInt8
             | Op::EncodeFp8
             | Op::DecodeFp8
-            | Op::EncodeFp4 => X86::Avx512,
+            | Op::EncodeFp4
+            | Op::StreamPqt => X86::Avx512,
             Op::AddF16
             | Op::EncodeInt8
             | Op::DecodeSign
@@ -432,7 +436,8 @@ mod tests {
                 Op::ReduceInt8,
                 Op::EncodeFp8,
                 Op::DecodeFp8,
-                Op::EncodeFp4
+                Op::EncodeFp4,
+                Op::StreamPqt
             ]
         );
     }

@@ -118,36 +118,12 @@ pub fn matmul(a: View<'_>, b: View<'_>, c: &mut [f32]) {
 /// at higher ranks uses [`matmul`].
 pub const THIN_MAX_RANK: usize = 8;
 
-/// Columns of `M` that [`thin_mtp`] accumulates at a time (per rank, on the stack).
-pub const THIN_COLS: usize = 256;
+/// Accumulators [`thin_mtp`] takes at most at a time (16 KiB of f32, on the stack, so
+/// they stay in the first-level cache): a range of columns of `Q = M^T P` at rank `r` is
+/// at most `THIN_ACC / r` columns wide.
+pub const THIN_ACC: usize = 8192;
 
-/// The dot product of `a` and `b` (equal lengths) in a fixed order: element `j` is
-/// added to lane `j % 16` (a rounded product, then a rounded sum: never fused), lanes
-/// in order of `j`; then lane `l` and lane `l + 8` are added, and so on by halves (8, 4,
-/// 2, 1). The same bits on every CPU and at every SIMD width.
-#[inline(always)]
-fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let b = &b[..a.len()];
-    let (ac, at) = a.as_chunks::<16>();
-    let (bc, bt) = b.as_chunks::<16>();
-    for (x, y) in ac.iter().zip(bc) {
-        for l in 0..16 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    // The tail as one more block padded with zeros: a lane's sum is never -0 (it starts
-    // at +0, and exact cancellation rounds to +0), so adding +0 leaves it as it is.
-    let (mut tx, mut ty) = ([0f32; 16], [0f32; 16]);
-    tx[..at.len()].copy_from_slice(at);
-    ty[..bt.len()].copy_from_slice(bt);
-    for l in 0..16 {
-        acc[l] += tx[l] * ty[l];
-    }
-    halves(acc)
-}
-
-/// The lanes of [`dot_lanes`] added by halves: lane `l` and lane `l + 8`, then `l + 4`,
+/// The lanes of a dot product ([`thin_mq_rows`]) added by halves: lane `l` and lane `l + 8`, then `l + 4`,
 /// `l + 2`, `l + 1`. Kept out of line: inlined, it led the compiler to split the 16-lane
 /// loop above into pieces of two lanes.
 #[inline(never)]
@@ -164,9 +140,12 @@ fn halves(mut acc: [f32; 16]) -> f32 {
 
 /// Rows of `P = M Q` without packing `M`: `x` holds whole rows of `M` (`cols` each),
 /// `qt` the `r` columns of `Q` back to back (`Q^T`, `r x cols`), and row `i` of `p`
-/// (`r` each) gets the [`dot_lanes`] of row `i` with each column. With `e` (as long as
-/// `x`), each row first becomes `x + e` in place (PowerSGD's error-feedback input), while
-/// it is in cache. The same bits on every backend.
+/// (`r` each) gets the dot product of row `i` with each column, in a fixed order: element
+/// `j` is added to lane `j % 16` (a rounded product, then a rounded sum: never fused),
+/// lanes in order of `j`; then lane `l` and lane `l + 8` are added, and so on by halves
+/// (8, 4, 2, 1). The same bits on every CPU and at every SIMD width. With `e` (as long as
+/// `x`), the rows first become `x + e` in place (PowerSGD's error-feedback input; the
+/// callers pass a piece of the matrix small enough to stay in cache for the products).
 #[inline(always)]
 pub(super) fn thin_mq_rows(
     x: &mut [f32],
@@ -175,15 +154,69 @@ pub(super) fn thin_mq_rows(
     cols: usize,
     p: &mut [f32],
 ) {
-    let r = p.len() / (x.len() / cols).max(1);
-    for (i, row) in x.chunks_exact_mut(cols).enumerate() {
-        if let Some(e) = e {
-            for (v, &d) in row.iter_mut().zip(&e[i * cols..(i + 1) * cols]) {
-                *v += d;
+    if x.is_empty() || p.is_empty() {
+        return;
+    }
+    match p.len() / (x.len() / cols).max(1) {
+        1 => mq_rows::<1>(x, e, qt, cols, p),
+        2 => mq_rows::<2>(x, e, qt, cols, p),
+        3 => mq_rows::<3>(x, e, qt, cols, p),
+        4 => mq_rows::<4>(x, e, qt, cols, p),
+        5 => mq_rows::<5>(x, e, qt, cols, p),
+        6 => mq_rows::<6>(x, e, qt, cols, p),
+        7 => mq_rows::<7>(x, e, qt, cols, p),
+        8 => mq_rows::<8>(x, e, qt, cols, p),
+        r => panic!("thin_mq: rank {r} above {THIN_MAX_RANK}"),
+    }
+}
+
+/// [`thin_mq_rows`] at rank `R`: the `R` dot products of a row in one pass over it, each
+/// in the stated order (lane `l` of product `k` sees the same additions whatever the
+/// other products do), so the row is read from memory once and the `R` sums run side by
+/// side instead of one dependent chain after another.
+/// Elements ahead of the products' reads that they ask the cache for.
+const AHEAD: usize = 2048;
+
+#[inline(always)]
+fn mq_rows<const R: usize>(
+    x: &mut [f32],
+    e: Option<&[f32]>,
+    qt: &[f32],
+    cols: usize,
+    p: &mut [f32],
+) {
+    if let Some(e) = e {
+        for (v, &d) in x.iter_mut().zip(e) {
+            *v += d;
+        }
+    }
+    let q: [&[f32]; R] = core::array::from_fn(|k| &qt[k * cols..(k + 1) * cols]);
+    let full = cols / 16 * 16;
+    let qc: [&[[f32; 16]]; R] = core::array::from_fn(|k| q[k][..full].as_chunks::<16>().0);
+    for (i, pr) in p.chunks_exact_mut(R).enumerate() {
+        let row = &x[i * cols..(i + 1) * cols];
+        let mut acc = [[0f32; 16]; R];
+        let (rc, rt) = row.as_chunks::<16>();
+        for (c, xv) in rc.iter().enumerate() {
+            super::prefetch_f32(x, i * cols + c * 16 + AHEAD);
+            for k in 0..R {
+                let qv = &qc[k][c];
+                for l in 0..16 {
+                    acc[k][l] += xv[l] * qv[l];
+                }
             }
         }
-        for k in 0..r {
-            p[i * r + k] = dot_lanes(row, &qt[k * cols..(k + 1) * cols]);
+        // The tail as one more block padded with zeros: a lane's sum is never -0 (it
+        // starts at +0, and exact cancellation rounds to +0), so adding +0 leaves it.
+        let mut tx = [0f32; 16];
+        tx[..rt.len()].copy_from_slice(rt);
+        for k in 0..R {
+            let mut ty = [0f32; 16];
+            ty[..rt.len()].copy_from_slice(&q[k][full..]);
+            for l in 0..16 {
+                acc[k][l] += tx[l] * ty[l];
+            }
+            pr[k] = halves(acc[k]);
         }
     }
 }
@@ -206,29 +239,28 @@ pub(super) fn thin_mtp_cols(
     acc.fill(0.0);
     let rows = m.len() / cols;
     let seg = |i: usize| &m[i * cols + j0..i * cols + j0 + w];
-    // Four rows at a time, each accumulator loaded and stored once per four: the same
+    // Eight rows at a time, each accumulator loaded and stored once per eight: the same
     // sums, in the same order, as one row at a time.
     let mut i = 0;
-    while i + 4 <= rows {
-        let (r0, r1, r2, r3) = (seg(i), seg(i + 1), seg(i + 2), seg(i + 3));
+    while i + 8 <= rows {
+        let s: [&[f32]; 8] = core::array::from_fn(|t| seg(i + t));
         for k in 0..r {
-            let (p0, p1, p2, p3) = (
-                p[i * r + k],
-                p[(i + 1) * r + k],
-                p[(i + 2) * r + k],
-                p[(i + 3) * r + k],
-            );
+            let pk: [f32; 8] = core::array::from_fn(|t| p[(i + t) * r + k]);
             let acc = &mut acc[k * w..(k + 1) * w];
             for c in 0..w {
                 let mut a = acc[c];
-                a += p0 * r0[c];
-                a += p1 * r1[c];
-                a += p2 * r2[c];
-                a += p3 * r3[c];
+                a += pk[0] * s[0][c];
+                a += pk[1] * s[1][c];
+                a += pk[2] * s[2][c];
+                a += pk[3] * s[3][c];
+                a += pk[4] * s[4][c];
+                a += pk[5] * s[5][c];
+                a += pk[6] * s[6][c];
+                a += pk[7] * s[7][c];
                 acc[c] = a;
             }
         }
-        i += 4;
+        i += 8;
     }
     for i in i..rows {
         let row = seg(i);
@@ -244,8 +276,152 @@ pub(super) fn thin_mtp_cols(
 /// `thin_mq_rows` compiled for the current backend: rows of `P = M Q` (and, with `e`,
 /// `M = x + e` formed in place first). `x` holds whole rows of `cols`, `qt` is `Q^T`
 /// (`r x cols`), `p` gets `r` values per row.
+///
+/// # Panics
+/// If `r` is above [`THIN_MAX_RANK`] (PowerSGD takes [`matmul`] there).
 pub fn thin_mq(x: &mut [f32], e: Option<&[f32]>, qt: &[f32], cols: usize, p: &mut [f32]) {
     super::gemm_thin_mq(x, e, qt, cols, p)
+}
+
+/// Rows of `P Q^T` (PowerSGD's reconstruction), `cols` wide: element `b` of row `i` is
+/// `((p[i,0] Q[b,0] + p[i,1] Q[b,1]) + ...)` in f32, in that order and never fused, so the
+/// same on every CPU; `qt` is `Q^T` (`r` columns of `Q` back to back) and `p` holds `r`
+/// values per row. The product goes to `out`. With `e`, the residual `M - P Q^T` goes to
+/// `e`, with `M` read from `x`, or from `out` before it is overwritten when `x` is `None`
+/// (the gradient reduced in place). One pass over the rows.
+#[inline(always)]
+pub(super) fn thin_pqt_rows(
+    x: Option<&[f32]>,
+    out: &mut [f32],
+    e: Option<&mut [f32]>,
+    p: &[f32],
+    qt: &[f32],
+    cols: usize,
+) {
+    if out.is_empty() || p.is_empty() {
+        return;
+    }
+    match p.len() / (out.len() / cols).max(1) {
+        1 => pqt_rows::<1>(x, out, e, p, qt, cols),
+        2 => pqt_rows::<2>(x, out, e, p, qt, cols),
+        3 => pqt_rows::<3>(x, out, e, p, qt, cols),
+        4 => pqt_rows::<4>(x, out, e, p, qt, cols),
+        5 => pqt_rows::<5>(x, out, e, p, qt, cols),
+        6 => pqt_rows::<6>(x, out, e, p, qt, cols),
+        7 => pqt_rows::<7>(x, out, e, p, qt, cols),
+        8 => pqt_rows::<8>(x, out, e, p, qt, cols),
+        r => pqt_rows_any(r, x, out, e, p, qt, cols),
+    }
+}
+
+/// [`thin_pqt_rows`] at any rank (above [`THIN_MAX_RANK`]): each row built up in `r`
+/// passes over it, `k` in order, which gives each element the same sum.
+#[inline(always)]
+fn pqt_rows_any(
+    r: usize,
+    x: Option<&[f32]>,
+    out: &mut [f32],
+    mut e: Option<&mut [f32]>,
+    p: &[f32],
+    qt: &[f32],
+    cols: usize,
+) {
+    let mut row = vec![0f32; cols];
+    for (i, (o, pa)) in out
+        .chunks_exact_mut(cols)
+        .zip(p.chunks_exact(r))
+        .enumerate()
+    {
+        for (v, &q) in row.iter_mut().zip(&qt[..cols]) {
+            *v = pa[0] * q;
+        }
+        for (k, &pk) in pa.iter().enumerate().skip(1) {
+            for (v, &q) in row.iter_mut().zip(&qt[k * cols..(k + 1) * cols]) {
+                *v += pk * q;
+            }
+        }
+        let span = i * cols..(i + 1) * cols;
+        if let Some(e) = e.as_deref_mut() {
+            let m = x.map_or(&*o, |x| &x[span.clone()]);
+            for ((d, &m), &v) in e[span].iter_mut().zip(m).zip(&row) {
+                *d = m - v;
+            }
+        }
+        o.copy_from_slice(&row);
+    }
+}
+
+/// Element `j` of a row of `P Q^T` ([`thin_pqt_rows`]' order).
+#[inline(always)]
+fn pqt_one<const R: usize>(pa: &[f32; R], q: &[&[f32]; R], j: usize) -> f32 {
+    let mut v = pa[0] * q[0][j];
+    for k in 1..R {
+        v += pa[k] * q[k][j];
+    }
+    v
+}
+
+/// [`thin_pqt_rows`] at rank `R`: one loop over a row's elements (the compiler's lanes run
+/// along the row), each element's `R` products summed in order.
+#[inline(always)]
+fn pqt_rows<const R: usize>(
+    x: Option<&[f32]>,
+    out: &mut [f32],
+    mut e: Option<&mut [f32]>,
+    p: &[f32],
+    qt: &[f32],
+    cols: usize,
+) {
+    for (i, (o, pa)) in out
+        .chunks_exact_mut(cols)
+        .zip(p.chunks_exact(R))
+        .enumerate()
+    {
+        let pa: &[f32; R] = pa.try_into().expect("R values per row");
+        let n = o.len();
+        let q: [&[f32]; R] = core::array::from_fn(|k| &qt[k * cols..][..n]);
+        let span = i * cols..(i + 1) * cols;
+        match (x, e.as_deref_mut()) {
+            (Some(x), Some(e)) => {
+                let (x, e) = (&x[span.clone()][..n], &mut e[span][..n]);
+                for j in 0..n {
+                    let v = pqt_one(pa, &q, j);
+                    o[j] = v;
+                    e[j] = x[j] - v;
+                }
+            }
+            (None, Some(e)) => {
+                let e = &mut e[span][..n];
+                for j in 0..n {
+                    let v = pqt_one(pa, &q, j);
+                    e[j] = o[j] - v;
+                    o[j] = v;
+                }
+            }
+            (_, None) => {
+                for (j, o) in o.iter_mut().enumerate() {
+                    *o = pqt_one(pa, &q, j);
+                }
+            }
+        }
+    }
+}
+
+/// [`thin_pqt_rows`] compiled for the current backend: rows of `P Q^T` into `out`, and
+/// with `e` the residual `M - P Q^T` (`M` from `x`, or from `out` when `x` is `None`).
+/// With `stream`, the x86 backends write them with non-temporal stores (for matrices
+/// larger than the caches: the rows are not read in before being overwritten, nor left
+/// dirty in the cache for the next pass to evict); the bits are the same.
+pub fn thin_pqt(
+    x: Option<&[f32]>,
+    out: &mut [f32],
+    e: Option<&mut [f32]>,
+    p: &[f32],
+    qt: &[f32],
+    cols: usize,
+    stream: bool,
+) {
+    super::gemm_thin_pqt(x, out, e, p, qt, cols, stream)
 }
 
 /// `thin_mtp_cols` compiled for the current backend: columns `j0..j0 + acc.len() / r`
@@ -298,6 +474,86 @@ mod tests {
                                 assert_eq!(got, want_q[(j0 + c) * r + k], "{b} r={r}");
                             }
                         }
+                    }
+                });
+            }
+        }
+    }
+
+    /// A value that rounds when multiplied and added: magnitudes 1e-3 to 1e3, both signs.
+    fn rough(i: usize, salt: u32) -> f32 {
+        let h = (i as u32)
+            .wrapping_mul(2_654_435_761)
+            .wrapping_add(salt.wrapping_mul(40_503));
+        let h = h ^ (h >> 15);
+        let unit = (h >> 8) as f32 / (1u32 << 24) as f32 - 0.5;
+        unit * 10f32.powi((h % 7) as i32 - 3)
+    }
+
+    #[test]
+    fn thin_products_add_in_their_stated_order_on_every_backend() {
+        // Values whose products and sums round, so a changed order changes bits: every
+        // backend against the stated order written out in scalar f32.
+        // Under Miri (the scalar backend, slowly): fewer rows and ranks.
+        let (n, m) = if cfg!(miri) { (3, 37) } else { (21, 45) };
+        let x: Vec<f32> = (0..n * m).map(|i| rough(i, 1)).collect();
+        let ranks = if cfg!(miri) {
+            vec![1, 3, 9]
+        } else {
+            (1..=THIN_MAX_RANK + 2).collect()
+        };
+        for r in ranks {
+            let p: Vec<f32> = (0..n * r).map(|i| rough(i, 2)).collect();
+            let qt: Vec<f32> = (0..m * r).map(|i| rough(i, 3)).collect();
+            // Q = M^T P: each element sums over the rows in order, from +0.
+            let want_q: Vec<f32> = (0..r * m)
+                .map(|kc| {
+                    let (k, c) = (kc / m, kc % m);
+                    (0..n).fold(0f32, |a, i| a + p[i * r + k] * x[i * m + c])
+                })
+                .collect();
+            // P Q^T: ((p0 q0 + p1 q1) + ...), and the residual M - P Q^T.
+            let want_out: Vec<f32> = (0..n * m)
+                .map(|ib| {
+                    let (i, b) = (ib / m, ib % m);
+                    (1..r).fold(p[i * r] * qt[b], |v, k| v + p[i * r + k] * qt[k * m + b])
+                })
+                .collect();
+            let want_e: Vec<f32> = x.iter().zip(&want_out).map(|(a, b)| a - b).collect();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for b in crate::kernels::Backend::available() {
+                b.run(|| {
+                    for (j0, w) in [(0, m), (0, 16), (16, m - 16)] {
+                        let mut acc = vec![f32::NAN; r * w];
+                        thin_mtp(&x, m, j0, &p, r, &mut acc);
+                        for k in 0..r {
+                            for c in 0..w {
+                                let (got, want) = (acc[k * w + c], want_q[k * m + j0 + c]);
+                                assert_eq!(got.to_bits(), want.to_bits(), "{b} r={r}");
+                            }
+                        }
+                    }
+                    // Plain and streaming stores; `x` and `e` one element off the
+                    // output's alignment too, so the residual takes both its stores.
+                    for (stream, off) in [(false, 0), (true, 0), (true, 1)] {
+                        let xs: Vec<f32> = [0.0].repeat(off).into_iter().chain(x.clone()).collect();
+                        let xo = &xs[off..];
+                        let mut out = vec![f32::NAN; n * m];
+                        let mut es = vec![f32::NAN; n * m + off];
+                        thin_pqt(Some(xo), &mut out, Some(&mut es[off..]), &p, &qt, m, stream);
+                        assert_eq!(bits(&out), bits(&want_out), "{b} r={r} {stream}");
+                        assert_eq!(bits(&es[off..]), bits(&want_e), "{b} r={r} {stream}");
+                        let mut out = vec![f32::NAN; n * m];
+                        thin_pqt(Some(xo), &mut out, None, &p, &qt, m, stream);
+                        assert_eq!(bits(&out), bits(&want_out), "{b} r={r} {stream}");
+                        let mut inplace = x.clone();
+                        let mut es = vec![f32::NAN; n * m + off];
+                        thin_pqt(None, &mut inplace, Some(&mut es[off..]), &p, &qt, m, stream);
+                        assert_eq!(bits(&inplace), bits(&want_out), "{b} r={r} {stream}");
+                        assert_eq!(bits(&es[off..]), bits(&want_e), "{b} r={r} {stream}");
+                        let mut inplace = x.clone();
+                        thin_pqt(None, &mut inplace, None, &p, &qt, m, stream);
+                        assert_eq!(bits(&inplace), bits(&want_out), "{b} r={r} {stream}");
                     }
                 });
             }

@@ -35,7 +35,7 @@ use crate::codec::CodecSpec;
 use crate::codecs::Identity;
 use crate::collective::{AllReduce, AllReduceOptions, Comm, Feedback, Stats, Transport};
 use crate::error::{Error, Result};
-use crate::kernels::gemm::{THIN_COLS, THIN_MAX_RANK, View, matmul, thin_mq, thin_mtp};
+use crate::kernels::gemm::{THIN_ACC, THIN_MAX_RANK, View, matmul, thin_mq, thin_mtp, thin_pqt};
 use crate::parallel::Split;
 use crate::state::{BlobReader, BlobWriter};
 
@@ -785,32 +785,12 @@ fn transpose<'a>(q: &[f32], m: usize, r: usize, qt: &'a mut [f32]) -> &'a [f32] 
     qt
 }
 
-/// One row of `P Q^T`: `row[b] = ((pa[0] Q[b,0] + pa[1] Q[b,1]) + ...)` in f32, in that
-/// order and with no fused multiply-add, so the same on every CPU; `qt` is
-/// [`transpose`]'s `Q^T`.
-#[inline(always)]
-fn product_row(pa: &[f32], qt: &[f32], row: &mut [f32]) {
-    let m = row.len();
-    row.iter_mut()
-        .zip(&qt[..m])
-        .for_each(|(o, &q)| *o = pa[0] * q);
-    for (k, &pk) in pa.iter().enumerate().skip(1) {
-        row.iter_mut()
-            .zip(&qt[k * m..(k + 1) * m])
-            .for_each(|(o, &q)| *o += pk * q);
-    }
-}
-
-/// `e = x - y`, element by element.
-#[inline(always)]
-fn subtract(x: &[f32], y: &[f32], e: &mut [f32]) {
-    e.iter_mut()
-        .zip(x.iter().zip(y))
-        .for_each(|(e, (&x, &y))| *e = x - y);
-}
-
 /// Elements of a matrix per parallel piece of rows (or of columns, for `Q`).
 const PIECE: usize = crate::parallel::CHUNK;
+
+/// Elements of a matrix from which its reconstruction is written by non-temporal stores
+/// (8 MiB of f32: more than the caches of a core keep).
+const STREAM_FROM: usize = 1 << 21;
 
 /// Whether the products and reconstruction of an `n x m` matrix run on all threads.
 fn par(a: &Mat) -> bool {
@@ -876,15 +856,25 @@ fn thin_p(x: &mut [f32], e: Option<&[f32]>, qt: &[f32], a: &Mat, p: &mut [f32]) 
 }
 
 /// `Q = M^T P` of matrix `a` (`q` row-major, `m x r`) without packing `M`: columns in
-/// ranges of at most [`THIN_COLS`], on all threads when large. Each element sums over the
-/// rows in order ([`thin_mtp`]), so any split gives the same bits.
+/// ranges as wide as their accumulators allow ([`THIN_ACC`]), so each row's part of a
+/// range is one long contiguous read, and at least one range per thread when large. Each element sums over the rows in order ([`thin_mtp`]), so any
+/// split gives the same bits.
 fn thin_q(mat: &[f32], p: &[f32], a: &Mat, q: &mut [f32]) {
     let (m, r) = (a.m, a.r);
-    let range = (PIECE / a.n.max(1)).clamp(16, THIN_COLS);
+    let parallel = par(a);
+    let widest = THIN_ACC / r / 16 * 16;
+    let pieces = if parallel {
+        crate::parallel::threads()
+    } else {
+        1
+    };
+    // At least `pieces` ranges, none wider than the accumulators, all about as wide.
+    let pieces = pieces.max(m.div_ceil(widest));
+    let range = m.div_ceil(pieces).next_multiple_of(16).clamp(16, widest);
     let cols = QCols { q, r };
-    crate::parallel::for_ranges(cols, m, range, par(a), &|c, j0| {
+    crate::parallel::for_ranges(cols, m, range, parallel, &|c, j0| {
         let w = c.q.len() / r;
-        let mut acc = [0f32; THIN_MAX_RANK * THIN_COLS];
+        let mut acc = [0f32; THIN_ACC];
         let acc = &mut acc[..r * w];
         thin_mtp(mat, m, j0, p, r, acc);
         for (c_, row) in c.q.chunks_exact_mut(r).enumerate() {
@@ -965,43 +955,16 @@ impl Split for Rows<'_> {
     }
 }
 
-/// `P Q^T` of matrix `a` row by row ([`product_row`]), written to the output or over
-/// `M`, and with a residual, the new residual `M - P Q^T` while the row is in cache; in
-/// pieces of rows on all threads when large (rows are independent).
+/// `P Q^T` of matrix `a` row by row ([`thin_pqt`]), written to the output or over `M`,
+/// and with a residual, the new residual `M - P Q^T` in the same pass; in pieces of rows
+/// on all threads when large (rows are independent).
 fn reconstruct(rows: Rows, qt: &[f32], a: &Mat) {
     let range = (PIECE / a.m.max(1)).max(1);
+    let stream = a.n * a.m >= STREAM_FROM;
     crate::parallel::for_ranges(rows, a.n, range, par(a), &|b, _| {
-        let (m, r) = (b.m, b.r);
-        let pas = b.p.chunks_exact(r);
-        match (b.x, b.e) {
-            (Dest::Out(x, out), Some(e)) => {
-                let rows = out.chunks_exact_mut(m).zip(x.chunks_exact(m));
-                for ((row, x), (e, pa)) in rows.zip(e.chunks_exact_mut(m).zip(pas)) {
-                    product_row(pa, qt, row);
-                    subtract(x, row, e);
-                }
-            }
-            (Dest::Out(_, out), None) => {
-                for (row, pa) in out.chunks_exact_mut(m).zip(pas) {
-                    product_row(pa, qt, row);
-                }
-            }
-            (Dest::InPlace(x), Some(e)) => {
-                // The product goes to the residual's row, which M already holds.
-                for ((x, e), pa) in x.chunks_exact_mut(m).zip(e.chunks_exact_mut(m)).zip(pas) {
-                    product_row(pa, qt, e);
-                    for (x, e) in x.iter_mut().zip(e.iter_mut()) {
-                        let d = *e;
-                        *e = *x - d;
-                        *x = d;
-                    }
-                }
-            }
-            (Dest::InPlace(x), None) => {
-                for (x, pa) in x.chunks_exact_mut(m).zip(pas) {
-                    product_row(pa, qt, x);
-                }
-            }
+        match b.x {
+            Dest::Out(x, out) => thin_pqt(Some(x), out, b.e, b.p, qt, b.m, stream),
+            Dest::InPlace(x) => thin_pqt(None, x, b.e, b.p, qt, b.m, stream),
         }
         false
     });
@@ -1154,25 +1117,6 @@ mod tests {
         let mut p = vec![0f32; 12];
         orthonormalise(&mut p, 4, 3);
         assert!(p.iter().all(|&v| v == 0.0));
-    }
-
-    #[test]
-    fn reconstruct_is_the_product_in_k_order() {
-        let (n, m, r) = (3, 5, 2);
-        let p: Vec<f32> = (0..n * r).map(|i| i as f32 * 0.5 - 1.0).collect();
-        let q: Vec<f32> = (0..m * r).map(|i| 2.0 - i as f32 * 0.25).collect();
-        let mut qt = vec![0f32; m * r];
-        let qt = transpose(&q, m, r, &mut qt);
-        let mut out = vec![f32::NAN; n * m];
-        for (a, row) in out.chunks_exact_mut(m).enumerate() {
-            product_row(&p[a * r..(a + 1) * r], qt, row);
-        }
-        for a in 0..n {
-            for b in 0..m {
-                let want = p[a * r] * q[b * r] + p[a * r + 1] * q[b * r + 1];
-                assert_eq!(out[a * m + b].to_bits(), want.to_bits());
-            }
-        }
     }
 
     #[test]

@@ -739,3 +739,146 @@ pub unsafe fn reduce_f16_avx2<const M: u8>(frames: &[&[u8]], start: usize, out: 
 pub unsafe fn reduce_f16_avx512<const M: u8>(frames: &[&[u8]], start: usize, out: &mut [f32]) {
     super::portable::reduce_groups::<M>(out, &F16cLanes(frames), start);
 }
+
+/// PowerSGD's reconstruction rows (`P Q^T`, and the residual `M - P Q^T`) with the
+/// product written by non-temporal stores: for matrices larger than the caches, whose
+/// rows would otherwise be read into the cache before being overwritten and then evicted
+/// dirty during the next pass. The arithmetic is `gemm::thin_pqt_rows`' (a rounded
+/// product, then a rounded sum, `k` in order; never fused), so the bits are the same.
+/// `MODE` is [`PQT_OUT`] (the product only), [`PQT_FROM_X`] (the residual from `x`) or
+/// [`PQT_FROM_OUT`] (the residual from `out` before it is overwritten).
+macro_rules! pqt_stream {
+    ($name:ident, $feature:literal, $V:ty, $lanes:literal, $set1:ident, $loadu:ident,
+     $mul:ident, $add:ident, $sub:ident, $storeu:ident, $stream:ident) => {
+        /// See [`pqt_stream!`]: `out` holds whole rows of `cols`, `p` has `R` values per
+        /// row, `qt` holds `R` rows of `cols` (`Q^T`), `x` and `e` are as long as `out`.
+        ///
+        /// # Safety
+        /// The CPU must support the target feature this function is compiled for.
+        ///
+        /// # Panics
+        /// If the lengths disagree (the callers size every buffer from the same shapes).
+        #[target_feature(enable = $feature)]
+        pub unsafe fn $name<const R: usize, const MODE: u8>(
+            x: &[f32],
+            out: &mut [f32],
+            e: &mut [f32],
+            p: &[f32],
+            qt: &[f32],
+            cols: usize,
+        ) {
+            let rows = out.len() / cols.max(1);
+            assert!(
+                cols > 0
+                    && rows * cols == out.len()
+                    && p.len() == rows * R
+                    && qt.len() >= R * cols
+                    && (MODE != PQT_FROM_X || x.len() == out.len())
+                    && (MODE == PQT_OUT || e.len() == out.len()),
+                "pqt_stream: lengths"
+            );
+            let one = |pa: &[f32], j: usize| {
+                let mut v = pa[0] * qt[j];
+                for k in 1..R {
+                    v += pa[k] * qt[k * cols + j];
+                }
+                v
+            };
+            for (i, pa) in p.chunks_exact(R).enumerate() {
+                let at = i * cols;
+                // Elements before the row's first aligned vector go through plain stores.
+                let misalign = (out[at..].as_ptr() as usize) % (4 * $lanes) / 4;
+                let head = (($lanes - misalign) % $lanes).min(cols);
+                let e_aligned =
+                    MODE != PQT_OUT && (e[at..].as_ptr() as usize + 4 * head) % (4 * $lanes) == 0;
+                let edge = |j: usize, out: &mut [f32], e: &mut [f32]| {
+                    let v = one(pa, j);
+                    match MODE {
+                        PQT_FROM_X => e[at + j] = x[at + j] - v,
+                        PQT_FROM_OUT => e[at + j] = out[at + j] - v,
+                        _ => {}
+                    }
+                    out[at + j] = v;
+                };
+                for j in 0..head {
+                    edge(j, out, e);
+                }
+                // Taken after the head's stores, which borrowed `out` again.
+                let o = out[at..at + cols].as_mut_ptr();
+                let pv: [$V; R] = core::array::from_fn(|k| $set1(pa[k]));
+                let mut j = head;
+                while j + $lanes <= cols {
+                    // SAFETY: j + lanes <= cols, so every access below is inside row i
+                    // of its buffer (checked lengths above), and qt's k-th row
+                    // (k < R, R cols <= qt.len()); `o + j` is aligned to the vector
+                    // (head above), as the streaming store needs; the residual's store
+                    // streams only where it is aligned too.
+                    unsafe {
+                        let mut v = $mul(pv[0], $loadu(qt.as_ptr().add(j)));
+                        for k in 1..R {
+                            let q = $loadu(qt.as_ptr().add(k * cols + j));
+                            v = $add(v, $mul(pv[k], q));
+                        }
+                        if MODE != PQT_OUT {
+                            let m = if MODE == PQT_FROM_X {
+                                $loadu(x.as_ptr().add(at + j))
+                            } else {
+                                $loadu(o.add(j))
+                            };
+                            let d = $sub(m, v);
+                            let ep = e.as_mut_ptr().add(at + j);
+                            if e_aligned {
+                                $stream(ep, d);
+                            } else {
+                                $storeu(ep, d);
+                            }
+                        }
+                        $stream(o.add(j), v);
+                    }
+                    j += $lanes;
+                }
+                for j in j..cols {
+                    edge(j, out, e);
+                }
+            }
+            // The streaming stores are weakly ordered: fence them before the results
+            // are handed to another thread.
+            _mm_sfence();
+        }
+    };
+}
+
+/// [`pqt_stream!`]'s mode: the product only.
+pub const PQT_OUT: u8 = 0;
+/// [`pqt_stream!`]'s mode: the residual `x - P Q^T` too.
+pub const PQT_FROM_X: u8 = 1;
+/// [`pqt_stream!`]'s mode: the residual `out - P Q^T` too, `out` read before it is
+/// overwritten.
+pub const PQT_FROM_OUT: u8 = 2;
+
+pqt_stream!(
+    pqt_stream_avx2,
+    "avx2",
+    __m256,
+    8,
+    _mm256_set1_ps,
+    _mm256_loadu_ps,
+    _mm256_mul_ps,
+    _mm256_add_ps,
+    _mm256_sub_ps,
+    _mm256_storeu_ps,
+    _mm256_stream_ps
+);
+pqt_stream!(
+    pqt_stream_avx512,
+    "avx512f",
+    __m512,
+    16,
+    _mm512_set1_ps,
+    _mm512_loadu_ps,
+    _mm512_mul_ps,
+    _mm512_add_ps,
+    _mm512_sub_ps,
+    _mm512_storeu_ps,
+    _mm512_stream_ps
+);
