@@ -235,7 +235,6 @@ pub(super) fn encode_rows_fast_impl(
     let b00 = basis(w)[0];
     let tiles = x.len() / w;
     let mut keys = [0u64; MAX_N];
-    let mut chosen = [0u16; SELECT_MAX];
     let mut first = 0;
     while first < tiles {
         let group = (tiles - first).min(ROWS);
@@ -261,18 +260,24 @@ pub(super) fn encode_rows_fast_impl(
             stride *= 2;
         }
         for r in 0..group {
-            let o = &mut out[r];
-            o[0] = 0.0 + z[r][0] * b00;
-            let tile = first + r;
-            match w {
-                64 => select_fixed::<64>(o, kt, &mut chosen),
-                32 => select_fixed::<32>(&mut o[..32], kt, &mut chosen),
-                16 => select_fixed::<16>(&mut o[..16], kt, &mut chosen),
-                _ => select_impl(&mut o[..w], kt, &mut keys, &mut chosen),
+            out[r][0] = 0.0 + z[r][0] * b00;
+        }
+        let mut chosen = [[0u16; SELECT_MAX]; ROWS];
+        match w {
+            64 => select_rows::<64>(&mut out, group, kt, &mut chosen),
+            32 => select_rows::<32>(&mut out, group, kt, &mut chosen),
+            16 => select_rows::<16>(&mut out, group, kt, &mut chosen),
+            _ => {
+                for r in 0..group {
+                    select_impl(&mut out[r][..w], kt, &mut keys, &mut chosen[r]);
+                }
             }
-            for (j, &c) in chosen[..kt].iter().enumerate() {
+        }
+        for r in 0..group {
+            let tile = first + r;
+            for (j, &c) in chosen[r][..kt].iter().enumerate() {
                 pos[tile * kt + j] = c;
-                vals[tile * kt + j] = o[c as usize];
+                vals[tile * kt + j] = out[r][c as usize];
             }
         }
         first += group;
@@ -598,29 +603,44 @@ pub(crate) fn store<const M: u8>(o: &mut f32, v: f32) {
     }
 }
 
-/// [`select_impl`] for tiles of `N` coefficients, with the keys in a fixed array
-/// (registers) and each round's winner cleared by a compare, not a store.
+/// [`select_impl`] on the first `group` of [`ROWS`] tiles of `N` coefficients at once,
+/// with the keys in fixed arrays (registers), each round's winner cleared by a compare,
+/// not a store, and the tiles taken round by round: their selections are independent,
+/// so the processor overlaps their chains of comparisons (one tile alone waits on each
+/// round's maximum). The same choices as one tile at a time.
 #[inline(always)]
-fn select_fixed<const N: usize>(coef: &mut [f32], kt: usize, chosen: &mut [u16]) {
-    let coef: &mut [f32; N] = coef.try_into().expect("N coefficients");
-    let mut keys = [0u64; N];
-    for i in 0..N {
-        let v = if coef[i].is_nan() {
-            CANONICAL_NAN
-        } else {
-            coef[i]
-        };
-        coef[i] = v;
-        keys[i] = (u64::from(v.to_bits() & 0x7FFF_FFFF) << 16) | (0xFFFF - i as u64);
-    }
-    for o in chosen[..kt].iter_mut() {
-        let top = keys.iter().copied().fold(0, u64::max);
-        for k in keys.iter_mut() {
-            *k = if *k == top { 0 } else { *k };
+fn select_rows<const N: usize>(
+    out: &mut [[f32; MAX_N]; ROWS],
+    group: usize,
+    kt: usize,
+    chosen: &mut [[u16; SELECT_MAX]; ROWS],
+) {
+    const { assert!(N <= 64, "positions as bits of a u64") };
+    let mut keys = [[0u64; N]; ROWS];
+    for (o, k) in out.iter_mut().zip(keys.iter_mut()).take(group) {
+        for i in 0..N {
+            let v = if o[i].is_nan() { CANONICAL_NAN } else { o[i] };
+            o[i] = v;
+            k[i] = (u64::from(v.to_bits() & 0x7FFF_FFFF) << 16) | (0xFFFF - i as u64);
         }
-        *o = (0xFFFF - (top & 0xFFFF)) as u16;
     }
-    chosen[..kt].sort_unstable();
+    // The chosen positions as bits (N <= 64), read back in increasing order.
+    let mut taken = [0u64; ROWS];
+    for _ in 0..kt {
+        for (k, t) in keys.iter_mut().zip(taken.iter_mut()).take(group) {
+            let top = k.iter().copied().fold(0, u64::max);
+            for v in k.iter_mut() {
+                *v = if *v == top { 0 } else { *v };
+            }
+            *t |= 1 << (0xFFFF - (top & 0xFFFF));
+        }
+    }
+    for (c, mut t) in chosen.iter_mut().zip(taken).take(group) {
+        for o in c[..kt].iter_mut() {
+            *o = t.trailing_zeros() as u16;
+            t &= t - 1;
+        }
+    }
 }
 
 /// The inverse transform of a tile of `h x w` coefficients of which only `kept` are
@@ -789,6 +809,64 @@ mod tests {
             }
         }
         assert_eq!(basis(1), &[1.0]);
+    }
+
+    #[test]
+    fn batched_rows_keep_the_largest_coefficients_lower_position_first() {
+        // Tiles whose coefficients tie (a constant tile, a tile of repeated magnitudes of
+        // both signs), hold NaN or are zero, in groups that fill 1 to all of the batch's
+        // rows, on every backend: each tile's kept positions and values against the
+        // selection's definition written out (largest |bits|, then the lower position;
+        // increasing positions; NaN as 0x7FC00000), on the transform's own output.
+        let widths: &[usize] = if cfg!(miri) {
+            &[2, 16]
+        } else {
+            &[2, 4, 8, 16, 32, 64]
+        };
+        for &w in widths {
+            let mut x = Vec::new();
+            x.extend((0..w).map(|_| 1.5f32));
+            x.extend((0..w).map(|i| if i % 2 == 0 { 2.0 } else { -2.0 }));
+            x.extend((0..w).map(|_| 0.0f32));
+            x.extend((0..w).map(|i| if i == w / 2 { f32::NAN } else { i as f32 }));
+            x.extend((0..w).map(|i| [3.0, -3.0, 0.25, 7.0][i % 4]));
+            x.extend((0..3 * w).map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 0.37));
+            let tiles = x.len() / w;
+            let kts: Vec<usize> = [1, 2, 4, 15, 16].into_iter().filter(|&k| k < w).collect();
+            for &kt in &kts {
+                for n in 1..=tiles {
+                    let xs = &x[..n * w];
+                    for backend in crate::kernels::Backend::available() {
+                        let (mut pos, mut vals) = (vec![0u16; n * kt], vec![0f32; n * kt]);
+                        backend.run(|| encode_rows_fast(xs, w, kt, &mut pos, &mut vals));
+                        for t in 0..n {
+                            let (mut y, mut coef) = ([0f32; MAX_N], [0f32; MAX_N]);
+                            y[..w].copy_from_slice(&xs[t * w..(t + 1) * w]);
+                            fast_row(&mut y, w, &mut coef);
+                            let coef: Vec<f32> = coef[..w]
+                                .iter()
+                                .map(|&v| if v.is_nan() { CANONICAL_NAN } else { v })
+                                .collect();
+                            let mut order: Vec<usize> = (0..w).collect();
+                            order.sort_by_key(|&i| {
+                                (core::cmp::Reverse(coef[i].to_bits() & 0x7FFF_FFFF), i)
+                            });
+                            let mut want: Vec<usize> = order[..kt].to_vec();
+                            want.sort_unstable();
+                            let got: Vec<usize> = pos[t * kt..(t + 1) * kt]
+                                .iter()
+                                .map(|&p| p as usize)
+                                .collect();
+                            let ctx = format!("{} w={w} kt={kt} n={n} tile {t}", backend.name());
+                            assert_eq!(got, want, "{ctx}");
+                            for (j, &p) in want.iter().enumerate() {
+                                assert_eq!(vals[t * kt + j].to_bits(), coef[p].to_bits(), "{ctx}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
