@@ -323,6 +323,10 @@ simd_op!(ThinMq {
 fn gemm_thin_mq(x: &mut [f32], e: Option<&[f32]>, qt: &[f32], cols: usize, p: &mut [f32]) {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => gemm::thin_mq_rows(x, e, qt, cols, p),
+        #[cfg(target_arch = "x86_64")]
+        b if x86_route(Op::ThinMq, b.kind()) == X86::Avx2 => {
+            simd_avx2(ThinMq { x, e, qt, cols, p })
+        }
         b => simd(b, ThinMq { x, e, qt, cols, p }),
     }
 }
