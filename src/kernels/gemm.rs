@@ -407,9 +407,11 @@ fn pqt_rows<const R: usize>(
     }
 }
 
-/// [`thin_pqt_rows`] compiled for the current backend: rows of `P Q^T` into `out`, and
-/// with `e` the residual `M - P Q^T` (`M` from `x`, or from `out` when `x` is `None`).
-/// With `stream`, the x86 backends write them with non-temporal stores (for matrices
+/// Rows of `P Q^T` (PowerSGD's reconstruction), `cols` wide, into `out`, compiled for the
+/// current backend: element `b` of row `i` is `((p[i,0] Q[b,0] + p[i,1] Q[b,1]) + ...)` in
+/// f32, in that order and never fused, so the same on every CPU (`qt` is `Q^T`, `p` holds
+/// `r` values per row). With `e`, the residual `M - P Q^T` goes to `e` (`M` from `x`, or
+/// from `out` before it is overwritten when `x` is `None`). With `stream`, the x86 backends write them with non-temporal stores (for matrices
 /// larger than the caches: the rows are not read in before being overwritten, nor left
 /// dirty in the cache for the next pass to evict); the bits are the same.
 pub fn thin_pqt(
