@@ -495,14 +495,23 @@ pub fn select(coef: &mut [f32], kt: usize, keys: &mut [u64], chosen: &mut [u16])
     super::dct_select(coef, kt, keys, chosen)
 }
 
+/// The selection's key of the coefficient at position `i` (made the quiet NaN
+/// `0x7FC00000` first if it is NaN): its `bits & 0x7FFFFFFF`, then its position reversed,
+/// so the largest key is the largest magnitude, the lower position first among equals.
+#[inline(always)]
+fn select_key(c: &mut f32, i: usize) -> u64 {
+    if c.is_nan() {
+        *c = CANONICAL_NAN;
+    }
+    (u64::from(c.to_bits() & 0x7FFF_FFFF) << 16) | (0xFFFF - i as u64)
+}
+
 /// [`select`], inlined into each backend's compilation.
 #[inline(always)]
 pub(super) fn select_impl(coef: &mut [f32], kt: usize, keys: &mut [u64], chosen: &mut [u16]) {
     let keys = &mut keys[..coef.len()];
     for (i, (c, k)) in coef.iter_mut().zip(keys.iter_mut()).enumerate() {
-        let v = if c.is_nan() { CANONICAL_NAN } else { *c };
-        *c = v;
-        *k = (u64::from(v.to_bits() & 0x7FFF_FFFF) << 16) | (0xFFFF - i as u64);
+        *k = select_key(c, i);
     }
     // Every entry is distinct (its position is in it), so each round removes exactly one;
     // a removed entry (0) is below every real one (whose low bits are at least 0xF000).
@@ -619,9 +628,7 @@ fn select_rows<const N: usize>(
     let mut keys = [[0u64; N]; ROWS];
     for (o, k) in out.iter_mut().zip(keys.iter_mut()).take(group) {
         for i in 0..N {
-            let v = if o[i].is_nan() { CANONICAL_NAN } else { o[i] };
-            o[i] = v;
-            k[i] = (u64::from(v.to_bits() & 0x7FFF_FFFF) << 16) | (0xFFFF - i as u64);
+            k[i] = select_key(&mut o[i], i);
         }
     }
     // The chosen positions as bits (N <= 64), read back in increasing order.

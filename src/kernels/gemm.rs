@@ -118,14 +118,58 @@ pub fn matmul(a: View<'_>, b: View<'_>, c: &mut [f32]) {
 /// at higher ranks uses [`matmul`].
 pub const THIN_MAX_RANK: usize = 8;
 
-/// Accumulators [`thin_mtp`] takes at most at a time (16 KiB of f32, on the stack, so
+/// Accumulators [`thin_mtp`] takes at most at a time (32 KiB of f32, on the stack, so
 /// they stay in the first-level cache): a range of columns of `Q = M^T P` at rank `r` is
 /// at most `THIN_ACC / r` columns wide.
 pub const THIN_ACC: usize = 8192;
 
-/// The lanes of a dot product ([`thin_mq_rows`]) added by halves: lane `l` and lane `l + 8`, then `l + 4`,
-/// `l + 2`, `l + 1`. Kept out of line: inlined, it led the compiler to split the 16-lane
-/// loop above into pieces of two lanes.
+/// `$body` with the const `$R` set to the rank `$r` when it is 1 to [`THIN_MAX_RANK`],
+/// else `$other`: the thin kernels' ranks as compile-time constants (their sums then
+/// live in registers).
+macro_rules! by_rank {
+    ($r:expr, $R:ident => $body:expr, _ => $other:expr) => {
+        match $r {
+            1 => {
+                const $R: usize = 1;
+                $body
+            }
+            2 => {
+                const $R: usize = 2;
+                $body
+            }
+            3 => {
+                const $R: usize = 3;
+                $body
+            }
+            4 => {
+                const $R: usize = 4;
+                $body
+            }
+            5 => {
+                const $R: usize = 5;
+                $body
+            }
+            6 => {
+                const $R: usize = 6;
+                $body
+            }
+            7 => {
+                const $R: usize = 7;
+                $body
+            }
+            8 => {
+                const $R: usize = 8;
+                $body
+            }
+            _ => $other,
+        }
+    };
+}
+pub(super) use by_rank;
+
+/// The lanes of a dot product ([`thin_mq_rows`]) added by halves: lane `l` and lane
+/// `l + 8`, then `l + 4`, `l + 2`, `l + 1`. Kept out of line: inlined, it led the compiler
+/// to split the 16-lane loop into pieces of two lanes.
 #[inline(never)]
 fn halves(mut acc: [f32; 16]) -> f32 {
     let mut w = 8;
@@ -157,26 +201,19 @@ pub(super) fn thin_mq_rows(
     if x.is_empty() || p.is_empty() {
         return;
     }
-    match p.len() / (x.len() / cols).max(1) {
-        1 => mq_rows::<1>(x, e, qt, cols, p),
-        2 => mq_rows::<2>(x, e, qt, cols, p),
-        3 => mq_rows::<3>(x, e, qt, cols, p),
-        4 => mq_rows::<4>(x, e, qt, cols, p),
-        5 => mq_rows::<5>(x, e, qt, cols, p),
-        6 => mq_rows::<6>(x, e, qt, cols, p),
-        7 => mq_rows::<7>(x, e, qt, cols, p),
-        8 => mq_rows::<8>(x, e, qt, cols, p),
-        r => panic!("thin_mq: rank {r} above {THIN_MAX_RANK}"),
-    }
+    let r = p.len() / (x.len() / cols).max(1);
+    by_rank!(r, R => mq_rows::<R>(x, e, qt, cols, p), _ => {
+        panic!("thin_mq: rank {r} above {THIN_MAX_RANK}")
+    })
 }
+
+/// Elements ahead of the products' reads that they ask the cache for.
+const AHEAD: usize = 2048;
 
 /// [`thin_mq_rows`] at rank `R`: the `R` dot products of a row in one pass over it, each
 /// in the stated order (lane `l` of product `k` sees the same additions whatever the
 /// other products do), so the row is read from memory once and the `R` sums run side by
 /// side instead of one dependent chain after another.
-/// Elements ahead of the products' reads that they ask the cache for.
-const AHEAD: usize = 2048;
-
 #[inline(always)]
 fn mq_rows<const R: usize>(
     x: &mut [f32],
@@ -198,7 +235,7 @@ fn mq_rows<const R: usize>(
         let mut acc = [[0f32; 16]; R];
         let (rc, rt) = row.as_chunks::<16>();
         for (c, xv) in rc.iter().enumerate() {
-            super::prefetch_f32(x, i * cols + c * 16 + AHEAD);
+            super::prefetch(x, i * cols + c * 16 + AHEAD);
             for k in 0..R {
                 let qv = &qc[k][c];
                 for l in 0..16 {
@@ -301,21 +338,16 @@ pub(super) fn thin_pqt_rows(
     if out.is_empty() || p.is_empty() {
         return;
     }
-    match p.len() / (out.len() / cols).max(1) {
-        1 => pqt_rows::<1>(x, out, e, p, qt, cols),
-        2 => pqt_rows::<2>(x, out, e, p, qt, cols),
-        3 => pqt_rows::<3>(x, out, e, p, qt, cols),
-        4 => pqt_rows::<4>(x, out, e, p, qt, cols),
-        5 => pqt_rows::<5>(x, out, e, p, qt, cols),
-        6 => pqt_rows::<6>(x, out, e, p, qt, cols),
-        7 => pqt_rows::<7>(x, out, e, p, qt, cols),
-        8 => pqt_rows::<8>(x, out, e, p, qt, cols),
-        r => pqt_rows_any(r, x, out, e, p, qt, cols),
-    }
+    let r = p.len() / (out.len() / cols).max(1);
+    by_rank!(r, R => pqt_rows::<R>(x, out, e, p, qt, cols), _ => {
+        pqt_rows_any(r, x, out, e, p, qt, cols)
+    })
 }
 
 /// [`thin_pqt_rows`] at any rank (above [`THIN_MAX_RANK`]): each row built up in `r`
-/// passes over it, `k` in order, which gives each element the same sum.
+/// passes over its destination, `k` in order, which gives each element the same sum.
+/// Reduced in place with a residual, the product goes to the residual's row first (`M`
+/// is still in `out`), then the two are exchanged as `e = M - P Q^T`.
 #[inline(always)]
 fn pqt_rows_any(
     r: usize,
@@ -326,12 +358,7 @@ fn pqt_rows_any(
     qt: &[f32],
     cols: usize,
 ) {
-    let mut row = vec![0f32; cols];
-    for (i, (o, pa)) in out
-        .chunks_exact_mut(cols)
-        .zip(p.chunks_exact(r))
-        .enumerate()
-    {
+    let product = |pa: &[f32], row: &mut [f32]| {
         for (v, &q) in row.iter_mut().zip(&qt[..cols]) {
             *v = pa[0] * q;
         }
@@ -340,20 +367,35 @@ fn pqt_rows_any(
                 *v += pk * q;
             }
         }
+    };
+    let rows = out.chunks_exact_mut(cols).zip(p.chunks_exact(r));
+    for (i, (o, pa)) in rows.enumerate() {
         let span = i * cols..(i + 1) * cols;
-        if let Some(e) = e.as_deref_mut() {
-            let m = x.map_or(&*o, |x| &x[span.clone()]);
-            for ((d, &m), &v) in e[span].iter_mut().zip(m).zip(&row) {
-                *d = m - v;
+        match (x, e.as_deref_mut()) {
+            (Some(x), Some(e)) => {
+                product(pa, o);
+                for ((d, &m), &v) in e[span.clone()].iter_mut().zip(&x[span]).zip(&*o) {
+                    *d = m - v;
+                }
             }
+            (None, Some(e)) => {
+                let e = &mut e[span];
+                product(pa, e);
+                for (m, d) in o.iter_mut().zip(e.iter_mut()) {
+                    let v = *d;
+                    *d = *m - v;
+                    *m = v;
+                }
+            }
+            (_, None) => product(pa, o),
         }
-        o.copy_from_slice(&row);
     }
 }
 
-/// Element `j` of a row of `P Q^T` ([`thin_pqt_rows`]' order).
+/// Element `j` of a row of `P Q^T` ([`thin_pqt_rows`]' order; also the x86 streaming
+/// kernels' edges).
 #[inline(always)]
-fn pqt_one<const R: usize>(pa: &[f32; R], q: &[&[f32]; R], j: usize) -> f32 {
+pub(super) fn pqt_one<const R: usize>(pa: &[f32; R], q: &[&[f32]; R], j: usize) -> f32 {
     let mut v = pa[0] * q[0][j];
     for k in 1..R {
         v += pa[k] * q[k][j];
@@ -411,9 +453,10 @@ fn pqt_rows<const R: usize>(
 /// current backend: element `b` of row `i` is `((p[i,0] Q[b,0] + p[i,1] Q[b,1]) + ...)` in
 /// f32, in that order and never fused, so the same on every CPU (`qt` is `Q^T`, `p` holds
 /// `r` values per row). With `e`, the residual `M - P Q^T` goes to `e` (`M` from `x`, or
-/// from `out` before it is overwritten when `x` is `None`). With `stream`, the x86 backends write them with non-temporal stores (for matrices
-/// larger than the caches: the rows are not read in before being overwritten, nor left
-/// dirty in the cache for the next pass to evict); the bits are the same.
+/// from `out` before it is overwritten when `x` is `None`). With `stream`, the x86
+/// backends write them with non-temporal stores (for matrices larger than the caches: the
+/// rows are not read in before being overwritten, nor left dirty in the cache for the
+/// next pass to evict); the bits are the same.
 pub fn thin_pqt(
     x: Option<&[f32]>,
     out: &mut [f32],
@@ -563,7 +606,7 @@ mod tests {
     }
 
     #[test]
-    fn dot_lanes_adds_in_its_stated_order() {
+    fn dot_products_add_in_their_stated_order() {
         // Values whose sum depends on the order: the lanes' order, written out.
         let a: Vec<f32> = (0..37).map(|i| 1.0 + (i as f32) * 1e-3).collect();
         let b: Vec<f32> = (0..37)

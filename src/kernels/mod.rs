@@ -40,30 +40,14 @@ use core::mem::MaybeUninit;
 use crate::rng::Draws;
 use scalar::Round;
 
-/// Ask the cache for the line holding `bytes[at]` (a hint: nothing on targets without a
+/// Ask the cache for the line holding `x[at]` (a hint: nothing on targets without a
 /// stable prefetch instruction, or when `at` is past the end).
 #[inline(always)]
-fn prefetch(bytes: &[u8], at: usize) {
-    #[cfg(all(target_arch = "x86_64", not(miri)))]
-    if at < bytes.len() {
-        // SAFETY: `at` is inside `bytes`, so the pointer is in bounds of one allocation;
-        // a prefetch reads nothing architecturally and never faults.
-        unsafe {
-            core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
-                bytes.as_ptr().add(at).cast::<i8>(),
-            )
-        }
-    }
-    #[cfg(not(all(target_arch = "x86_64", not(miri))))]
-    let _ = (bytes, at);
-}
-
-/// [`prefetch`] of the line holding `x[at]`.
-#[inline(always)]
-fn prefetch_f32(x: &[f32], at: usize) {
+fn prefetch<T>(x: &[T], at: usize) {
     #[cfg(all(target_arch = "x86_64", not(miri)))]
     if at < x.len() {
-        // SAFETY: as in `prefetch`: `at` is inside `x`, and a prefetch never faults.
+        // SAFETY: `at` is inside `x`, so the pointer is in bounds of one allocation; a
+        // prefetch reads nothing architecturally and never faults.
         unsafe {
             core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
                 x.as_ptr().add(at).cast::<i8>(),
@@ -341,48 +325,50 @@ simd_op!(ThinPqt {
 fn gemm_thin_pqt(
     x: Option<&[f32]>,
     out: &mut [f32],
-    e: Option<&mut [f32]>,
+    mut e: Option<&mut [f32]>,
     p: &[f32],
     qt: &[f32],
     cols: usize,
     stream: bool,
 ) {
     let b = Backend::current();
-    let r = p.len() / (out.len() / cols.max(1)).max(1);
     #[cfg(target_arch = "x86_64")]
-    if stream
-        && !out.is_empty()
-        && (1..=gemm::THIN_MAX_RANK).contains(&r)
-        && x86_route(Op::StreamPqt, b.kind()) != X86::None
-    {
+    if stream && !out.is_empty() {
         use x86_64::{PQT_FROM_OUT, PQT_FROM_X, PQT_OUT};
+        let r = p.len() / (out.len() / cols.max(1)).max(1);
         let mode = match (x.is_some(), e.is_some()) {
             (_, false) => PQT_OUT,
             (true, true) => PQT_FROM_X,
             (false, true) => PQT_FROM_OUT,
         };
-        let (x, e) = (x.unwrap_or(&[]), e.unwrap_or_default());
+        let (xs, es) = (x.unwrap_or(&[]), e.as_deref_mut().unwrap_or_default());
+        // True when a streaming kernel took the rows (ranks 1 to THIN_MAX_RANK).
         macro_rules! go {
             ($f:ident) => {
-                seq_rank!(r, R => match mode {
-                    PQT_OUT => x86_64::$f::<R, PQT_OUT>(x, out, e, p, qt, cols),
-                    PQT_FROM_X => x86_64::$f::<R, PQT_FROM_X>(x, out, e, p, qt, cols),
-                    _ => x86_64::$f::<R, PQT_FROM_OUT>(x, out, e, p, qt, cols),
-                })
+                gemm::by_rank!(r, R => {
+                    match mode {
+                        PQT_OUT => x86_64::$f::<R, PQT_OUT>(xs, out, es, p, qt, cols),
+                        PQT_FROM_X => x86_64::$f::<R, PQT_FROM_X>(xs, out, es, p, qt, cols),
+                        _ => x86_64::$f::<R, PQT_FROM_OUT>(xs, out, es, p, qt, cols),
+                    }
+                    true
+                }, _ => false)
             };
         }
-        if x86_route(Op::StreamPqt, b.kind()) == X86::Avx512 {
+        let done = match x86_route(Op::StreamPqt, b.kind()) {
             // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists
             // only after AVX-512F was detected.
-            unsafe { go!(pqt_stream_avx512) }
-        } else {
-            // SAFETY: x86_route gives Avx2 (the only other route here) only to the AVX2
-            // and AVX-512 backends, which exist only after AVX2 was detected.
-            unsafe { go!(pqt_stream_avx2) }
+            X86::Avx512 => unsafe { go!(pqt_stream_avx512) },
+            // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which
+            // exist only after AVX2 was detected.
+            X86::Avx2 => unsafe { go!(pqt_stream_avx2) },
+            X86::None => false,
+        };
+        if done {
+            return;
         }
-        return;
     }
-    let _ = (stream, r);
+    let _ = stream;
     match b.kind() {
         BackendKind::Scalar => gemm::thin_pqt_rows(x, out, e, p, qt, cols),
         _ => simd(
@@ -398,49 +384,6 @@ fn gemm_thin_pqt(
         ),
     }
 }
-
-/// `$body` with the const `$R` set to the rank `$r` (1 to 8).
-#[cfg(target_arch = "x86_64")]
-macro_rules! seq_rank {
-    ($r:expr, $R:ident => $body:expr) => {
-        match $r {
-            1 => {
-                const $R: usize = 1;
-                $body
-            }
-            2 => {
-                const $R: usize = 2;
-                $body
-            }
-            3 => {
-                const $R: usize = 3;
-                $body
-            }
-            4 => {
-                const $R: usize = 4;
-                $body
-            }
-            5 => {
-                const $R: usize = 5;
-                $body
-            }
-            6 => {
-                const $R: usize = 6;
-                $body
-            }
-            7 => {
-                const $R: usize = 7;
-                $body
-            }
-            _ => {
-                const $R: usize = 8;
-                $body
-            }
-        }
-    };
-}
-#[cfg(target_arch = "x86_64")]
-use seq_rank;
 
 simd_op!(ThinMtp {
     m: &'a [f32], cols: usize, j0: usize, p: &'a [f32], r: usize, acc: &'a mut [f32],

@@ -857,19 +857,19 @@ fn thin_p(x: &mut [f32], e: Option<&[f32]>, qt: &[f32], a: &Mat, p: &mut [f32]) 
 
 /// `Q = M^T P` of matrix `a` (`q` row-major, `m x r`) without packing `M`: columns in
 /// ranges as wide as their accumulators allow ([`THIN_ACC`]), so each row's part of a
-/// range is one long contiguous read, and at least one range per thread when large. Each element sums over the rows in order ([`thin_mtp`]), so any
-/// split gives the same bits.
+/// range is one long contiguous read, and at least one range per thread when large. Each
+/// element sums over the rows in order ([`thin_mtp`]), so any split gives the same bits.
 fn thin_q(mat: &[f32], p: &[f32], a: &Mat, q: &mut [f32]) {
     let (m, r) = (a.m, a.r);
     let parallel = par(a);
     let widest = THIN_ACC / r / 16 * 16;
-    let pieces = if parallel {
+    let threads = if parallel {
         crate::parallel::threads()
     } else {
         1
     };
-    // At least `pieces` ranges, none wider than the accumulators, all about as wide.
-    let pieces = pieces.max(m.div_ceil(widest));
+    // A range per thread at least, none wider than the accumulators, all about as wide.
+    let pieces = threads.max(m.div_ceil(widest));
     let range = m.div_ceil(pieces).next_multiple_of(16).clamp(16, widest);
     let cols = QCols { q, r };
     crate::parallel::for_ranges(cols, m, range, parallel, &|c, j0| {

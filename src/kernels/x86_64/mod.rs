@@ -777,14 +777,9 @@ macro_rules! pqt_stream {
                     && (MODE == PQT_OUT || e.len() == out.len()),
                 "pqt_stream: lengths"
             );
-            let one = |pa: &[f32], j: usize| {
-                let mut v = pa[0] * qt[j];
-                for k in 1..R {
-                    v += pa[k] * qt[k * cols + j];
-                }
-                v
-            };
+            let q: [&[f32]; R] = core::array::from_fn(|k| &qt[k * cols..(k + 1) * cols]);
             for (i, pa) in p.chunks_exact(R).enumerate() {
+                let pa: &[f32; R] = pa.try_into().expect("R values per row");
                 let at = i * cols;
                 // Elements before the row's first aligned vector go through plain stores.
                 let misalign = (out[at..].as_ptr() as usize) % (4 * $lanes) / 4;
@@ -792,7 +787,7 @@ macro_rules! pqt_stream {
                 let e_aligned =
                     MODE != PQT_OUT && (e[at..].as_ptr() as usize + 4 * head) % (4 * $lanes) == 0;
                 let edge = |j: usize, out: &mut [f32], e: &mut [f32]| {
-                    let v = one(pa, j);
+                    let v = super::gemm::pqt_one(pa, &q, j);
                     match MODE {
                         PQT_FROM_X => e[at + j] = x[at + j] - v,
                         PQT_FROM_OUT => e[at + j] = out[at + j] - v,
