@@ -165,6 +165,7 @@ macro_rules! by_rank {
         }
     };
 }
+#[cfg(target_arch = "x86_64")]
 pub(super) use by_rank;
 
 /// The lanes of a dot product ([`thin_mq_rows`]) added by halves: lane `l` and lane

@@ -325,7 +325,7 @@ simd_op!(ThinPqt {
 fn gemm_thin_pqt(
     x: Option<&[f32]>,
     out: &mut [f32],
-    mut e: Option<&mut [f32]>,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))] mut e: Option<&mut [f32]>,
     p: &[f32],
     qt: &[f32],
     cols: usize,
