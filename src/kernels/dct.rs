@@ -235,11 +235,16 @@ pub(super) fn encode_rows_fast_impl(
     let b00 = basis(w)[0];
     let tiles = x.len() / w;
     let mut keys = [0u64; MAX_N];
+    // Reused from group to group: every level writes its own positions of `out` (odd
+    // multiples of its stride, and position 0 after the last), so all `w` are written
+    // before they are read, and the rows of a last, partial group past `group` are
+    // transformed but never read. (Zeroing both per group had cost twice the input's
+    // bytes in stores.)
+    let mut z = [[0f32; MAX_N]; ROWS];
+    let mut out = [[0f32; MAX_N]; ROWS];
     let mut first = 0;
     while first < tiles {
         let group = (tiles - first).min(ROWS);
-        let mut z = [[0f32; MAX_N]; ROWS];
-        let mut out = [[0f32; MAX_N]; ROWS];
         for (r, z) in z.iter_mut().enumerate().take(group) {
             z[..w].copy_from_slice(&x[(first + r) * w..(first + r + 1) * w]);
         }
