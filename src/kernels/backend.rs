@@ -604,41 +604,31 @@ mod tests {
                 );
             }
         }
-        // Three frames of 4096 elements, summed from element 0 and from 1024.
+        // Three frames of 4096 elements, summed from element 0 and from 1024: the
+        // definition (the portable kernel outside any SIMD build), AVX2 and AVX-512.
+        fn reduce_three<const M: u8>(frames: &[&[u8]], start: usize, outs: &mut [Vec<f32>; 3]) {
+            let [want, avx2, got] = outs;
+            portable::reduce_u16::<M>(frames, start, want, scalar::f16_to_f32);
+            // SAFETY: called only where the AVX-512 backend exists, so AVX-512F, AVX2 and
+            // F16C were detected.
+            unsafe {
+                x86_64::reduce_f16_avx2::<M>(frames, start, avx2);
+                x86_64::reduce_f16_avx512::<M>(frames, start, got);
+            }
+        }
         let frames: Vec<&[u8]> = (0..3).map(|q| &codes[8192 * (q * 5)..][..8192]).collect();
         for start in [0, 1024] {
-            let m = 4096 - start;
             for write in [true, false] {
-                let mut want = base[..m].to_vec();
-                let mut avx2 = want.clone();
-                let mut got = want.clone();
+                let mut outs: [Vec<f32>; 3] =
+                    core::array::from_fn(|_| base[..4096 - start].to_vec());
                 if write {
-                    portable::reduce_u16::<{ mode::WRITE }>(
-                        &frames,
-                        start,
-                        &mut want,
-                        scalar::f16_to_f32,
-                    );
-                    // SAFETY: as above.
-                    unsafe {
-                        x86_64::reduce_f16_avx2::<{ mode::WRITE }>(&frames, start, &mut avx2);
-                        x86_64::reduce_f16_avx512::<{ mode::WRITE }>(&frames, start, &mut got);
-                    }
+                    reduce_three::<{ mode::WRITE }>(&frames, start, &mut outs);
                 } else {
-                    portable::reduce_u16::<{ mode::ADD }>(
-                        &frames,
-                        start,
-                        &mut want,
-                        scalar::f16_to_f32,
-                    );
-                    // SAFETY: as above.
-                    unsafe {
-                        x86_64::reduce_f16_avx2::<{ mode::ADD }>(&frames, start, &mut avx2);
-                        x86_64::reduce_f16_avx512::<{ mode::ADD }>(&frames, start, &mut got);
-                    }
+                    reduce_three::<{ mode::ADD }>(&frames, start, &mut outs);
                 }
-                assert_eq!(bits(&avx2), bits(&want), "reduce avx2, from {start}");
-                assert_eq!(bits(&got), bits(&want), "reduce avx512, from {start}");
+                let [want, avx2, got] = &outs;
+                assert_eq!(bits(avx2), bits(want), "reduce avx2, from {start}");
+                assert_eq!(bits(got), bits(want), "reduce avx512, from {start}");
             }
         }
     }
