@@ -164,7 +164,8 @@ pub(crate) enum X86 {
 }
 
 /// The routing table: which x86 kernel `op` runs on a backend of `kind` on a CPU of the
-/// vendor `cpu` (two rows differ between Intel's and AMD's cores; see below).
+/// vendor `cpu` (three fp16 rows of the AVX-512 backend differ between Intel's and AMD's
+/// cores; see the first arm below).
 ///
 /// An AVX-512 CPU also runs every AVX2 kernel (the AVX-512 backend is only detected on a
 /// CPU that has everything the AVX2 backend needs), so the AVX-512 backend takes, for
@@ -278,10 +279,7 @@ impl Cpu {
 /// [`x86_route_on`] for this machine's vendor.
 #[inline]
 pub(crate) fn x86_route(op: Op, kind: BackendKind) -> X86 {
-    match kind {
-        BackendKind::Avx512 => x86_route_on(op, kind, Cpu::this()),
-        _ => x86_route_on(op, kind, Cpu::Amd),
-    }
+    x86_route_on(op, kind, Cpu::this())
 }
 
 #[cfg(all(target_arch = "x86_64", not(miri)))]

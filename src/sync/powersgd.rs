@@ -1039,6 +1039,7 @@ fn reconstruct(rows: Rows, qt: &[f32], a: &Mat) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::collective::local;
 
     #[test]
     #[cfg_attr(miri, ignore)] // reads files
@@ -1070,7 +1071,6 @@ mod tests {
         // Whatever this machine lists, the threshold is a positive element count.
         assert!(stream_from() > 0);
     }
-    use crate::collective::local;
 
     /// PowerSGD by its definition, in f64 (the sums over ranks exact in the order
     /// written), for every rank's `n x m` gradient per step, from the first `Q` `q`:
