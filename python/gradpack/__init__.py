@@ -42,6 +42,7 @@ from ._native import (
 __all__ = [
     "HEADER_LEN",
     "AllReduce",
+    "BucketGather",
     "Codec",
     "Hierarchical",
     "OuterSync",
@@ -540,7 +541,13 @@ class AllReduce(_Collective):
       callable may keep) to rank ``to`` and must return without waiting for ``to`` to
       receive it (all ranks send before they receive);
     - ``recv(frm: int)`` returns the next message from rank ``frm`` (bytes, bytearray or
-      a 1-D uint8 array), in the order ``frm`` sent them.
+      a 1-D uint8 array), in the order ``frm`` sent them;
+    - optionally ``send_recv(msg: bytearray, to: int, frm: int)``: both at once,
+      returning the message from ``frm``, where ``to`` gets ``msg`` (the ring's and the
+      all-gather's steps). Give it when the transport moves both ways at once only if
+      the receive is posted before the send: torch's gloo point-to-point does (posted
+      after, the two directions of a step took twice as long on a shaped link), so
+      :mod:`gradpack.torch` exchanges the lengths first, then posts the receive.
 
     The algorithms are the Rust crate's, the same that MPI and the in-process transport
     run: ``strategy`` ``"ring"`` (a compressed reduce-scatter and all-gather, ``pieces``
@@ -590,6 +597,7 @@ class AllReduce(_Collective):
         shared_memory: Union[None, str, SharedMemory] = None,
         host: Optional[Sequence[int]] = None,
         shared_memory_timeout: float = 300.0,
+        send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
     ) -> None:
         self._ar = _native.AllReduce(
             _codec(codec),
@@ -613,12 +621,80 @@ class AllReduce(_Collective):
             shared_memory=_shared_arg(shared_memory),
             host=None if host is None else [int(r) for r in host],
             shared_memory_timeout=float(shared_memory_timeout),
+            send_recv=send_recv,
         )
 
     @property
     def calls(self) -> int:
         """Calls of :meth:`run` so far."""
         return self._ar.calls
+
+
+class BucketGather:
+    """The all-gather of a bucket of tensors that the caller encodes, each tensor with a
+    codec of its own, on rank ``rank`` of ``world``, over the same message callables as
+    :class:`AllReduce` (``send``, ``recv`` and optionally ``send_recv``; and its
+    ``shared_memory``, ``host`` and ``shared_memory_timeout``).
+
+    Where :class:`AllReduce` owns one tensor's codec, seeds and residuals, here the
+    caller encodes (with :meth:`Codec.encode_into` or :meth:`ErrorFeedback.encode_into`,
+    so residuals can stay per parameter) and the crate moves and sums: each rank's
+    message (its frames for the bucket's tensors, concatenated in order) travels round
+    the ring as the ``"allgather"`` strategy's frames do, and each tensor's frames are
+    summed into its place in rank order in one fused pass (:func:`reduce_frames`), so
+    every rank ends with the same bits. ``op`` is ``"mean"`` or ``"sum"``; give each
+    collective on the same peers its own ``tag``. Kernels run with the GIL released.
+    """
+
+    __slots__ = ("_g",)
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        send: Callable[[bytearray, int], Any],
+        recv: Callable[[int], Any],
+        *,
+        op: str = "mean",
+        tag: int = 0,
+        shared_memory: Union[None, str, SharedMemory] = None,
+        host: Optional[Sequence[int]] = None,
+        shared_memory_timeout: float = 300.0,
+        send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
+    ) -> None:
+        self._g = _native.BucketGather(
+            rank,
+            world,
+            send,
+            recv,
+            op=op,
+            tag=tag,
+            shared_memory=_shared_arg(shared_memory),
+            host=None if host is None else [int(r) for r in host],
+            shared_memory_timeout=float(shared_memory_timeout),
+            send_recv=send_recv,
+        )
+
+    def run(
+        self, message: FrameLike, segments: Sequence[Tuple[int, int]], out: ArrayLike
+    ) -> Dict[str, Any]:
+        """Gather every rank's ``message``: whole frames, one per ``(start, length)`` of
+        ``segments`` (in that order, each of its segment's length), concatenated. Then
+        ``out[start : start + length]`` of each segment is set to the sum (or mean) of
+        the ranks' frames for it, in rank order; the rest of ``out`` (float32) is left as
+        it is. Every rank passes the same segments. A peer's message that does not split
+        into such frames raises :class:`Error` naming the rank that made it. Returns this
+        rank's ``strategy``, ``bytes_sent`` and ``messages``."""
+        segs = [(int(a), int(n)) for a, n in segments]
+        return self._g.run(_frame(message), segs, _f32(out, "out"))
+
+    @property
+    def calls(self) -> int:
+        """Calls of :meth:`run` so far."""
+        return self._g.calls
+
+    def __repr__(self) -> str:
+        return repr(self._g)
 
 
 class Hierarchical(_Collective):
@@ -669,6 +745,7 @@ class Hierarchical(_Collective):
         shared_memory: Union[None, str, SharedMemory] = None,
         host: Optional[Sequence[int]] = None,
         shared_memory_timeout: float = 300.0,
+        send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
     ) -> None:
         self._ar = _native.Hierarchical(
             _codec(codec), length, rank, world, send, recv, [int(k) for k in nodes],
@@ -679,6 +756,7 @@ class Hierarchical(_Collective):
             shared_memory=_shared_arg(shared_memory),
             host=None if host is None else [int(r) for r in host],
             shared_memory_timeout=float(shared_memory_timeout),
+            send_recv=send_recv,
         )
 
 
@@ -732,6 +810,7 @@ class OuterSync:
         gamma: float = 1.0,
         residual: str = "f32",
         allow_non_contractive: bool = False,
+        send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
     ) -> None:
         self._s = _native.OuterSync(
             list(names),
@@ -761,6 +840,7 @@ class OuterSync:
             gamma=gamma,
             residual=residual,
             allow_non_contractive=allow_non_contractive,
+            send_recv=send_recv,
         )
 
     def due(self) -> Tuple[List[int], List[int]]:

@@ -79,6 +79,7 @@ class AllReduce:
         shared_memory: Optional[str] = None,
         host: Optional[List[int]] = None,
         shared_memory_timeout: float = 300.0,
+        send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
     ) -> None: ...
     def run(self, x: _F32, out: Optional[_F32] = None, seed: int = 0) -> Dict[str, Any]: ...
     @property
@@ -90,6 +91,25 @@ class AllReduce:
     def __len__(self) -> int: ...
     def state_dict(self) -> Dict[str, Any]: ...
     def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+
+class BucketGather:
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        send: Callable[[bytearray, int], Any],
+        recv: Callable[[int], Any],
+        *,
+        op: str = "mean",
+        tag: int = 0,
+        shared_memory: Optional[str] = None,
+        host: Optional[List[int]] = None,
+        shared_memory_timeout: float = 300.0,
+        send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
+    ) -> None: ...
+    def run(self, message: Any, segments: List[Tuple[int, int]], out: _F32) -> Dict[str, Any]: ...
+    @property
+    def calls(self) -> int: ...
 
 class Hierarchical:
     def __init__(
@@ -118,6 +138,7 @@ class Hierarchical:
         shared_memory: Optional[str] = None,
         host: Optional[List[int]] = None,
         shared_memory_timeout: float = 300.0,
+        send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
     ) -> None: ...
     def run(self, x: _F32, out: Optional[_F32] = None, seed: int = 0) -> Dict[str, Any]: ...
     @property
@@ -159,6 +180,7 @@ class OuterSync:
         gamma: float = 1.0,
         residual: str = "f32",
         allow_non_contractive: bool = False,
+        send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
     ) -> None: ...
     def due(self) -> Tuple[List[int], List[int]]: ...
     def step(self, params: Optional[List[_F32]] = None) -> Dict[str, int]: ...

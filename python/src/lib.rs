@@ -8,8 +8,8 @@
 //! the `gradpack.Error` exception (a `ValueError`) with the crate's own message.
 
 use gradpack::collective::{
-    AllReduce, AllReduceOptions, Comm, Feedback, Hierarchical, Nodes, ReduceOp, Routed,
-    SharedMemory, SharedMemoryOptions, StrategyChoice, Transport,
+    AllReduce, AllReduceOptions, BucketGather, Comm, Feedback, Hierarchical, Nodes, ReduceOp,
+    Routed, SharedMemory, SharedMemoryOptions, StrategyChoice, Transport,
 };
 use gradpack::cost::{self, CodecProfile, Strategy};
 use gradpack::outer::{OuterOptions, OuterSync};
@@ -693,6 +693,10 @@ struct PyTransport {
     size: usize,
     send: Py<PyAny>,
     recv: Py<PyAny>,
+    /// `send_recv(msg: bytearray, to: int, frm: int) -> bytes-like`, when given: one
+    /// message sent and one received together, for transports that move both at once
+    /// only when the receive is posted first (gloo's point-to-point does).
+    send_recv: Option<Py<PyAny>>,
 }
 
 fn transport_error(peer: usize, what: &str, e: &PyErr) -> gradpack::Error {
@@ -726,20 +730,47 @@ impl Transport for PyTransport {
                 .recv
                 .call1(py, (from,))
                 .map_err(|e| transport_error(from, "recv", &e))?;
-            let f = frame_in(got.bind(py)).map_err(|e| transport_error(from, "recv", &e))?;
-            let bytes = f
-                .as_slice()
-                .map_err(|e| transport_error(from, "recv", &e))?;
-            buf.clear();
-            buf.try_reserve_exact(bytes.len())
-                .map_err(|_| gradpack::Error::OutOfMemory {
-                    bytes: bytes.len() as u64,
-                    what: "a received message",
-                })?;
-            buf.extend_from_slice(bytes);
-            Ok(())
+            received(got.bind(py), buf, from, "recv")
         })
     }
+
+    fn send_recv(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+    ) -> gradpack::Result<()> {
+        let Some(f) = &self.send_recv else {
+            self.send(send, to)?;
+            return self.recv(recv, from);
+        };
+        Python::attach(|py| {
+            let got = f
+                .call1(py, (PyByteArray::new(py, send), to, from))
+                .map_err(|e| transport_error(from, "send_recv", &e))?;
+            received(got.bind(py), recv, from, "send_recv")
+        })
+    }
+}
+
+/// What a receiving callable returned, copied into `buf`.
+fn received(
+    got: &Bound<'_, PyAny>,
+    buf: &mut Vec<u8>,
+    from: usize,
+    what: &str,
+) -> gradpack::Result<()> {
+    let f = frame_in(got).map_err(|e| transport_error(from, what, &e))?;
+    let bytes = f.as_slice().map_err(|e| transport_error(from, what, &e))?;
+    buf.clear();
+    buf.try_reserve_exact(bytes.len())
+        .map_err(|_| gradpack::Error::OutOfMemory {
+            bytes: bytes.len() as u64,
+            what: "a received message",
+        })?;
+    buf.extend_from_slice(bytes);
+    Ok(())
 }
 
 fn feedback_of(name: &str) -> PyResult<Feedback> {
@@ -810,6 +841,14 @@ fn run_collective<'py>(
         }
     }
     .map_err(err)?;
+    stats_dict(py, &stats)
+}
+
+/// A collective call's `strategy`, `bytes_sent` and `messages`.
+fn stats_dict<'py>(
+    py: Python<'py>,
+    stats: &gradpack::collective::Stats,
+) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("strategy", stats.strategy.name())?;
     d.set_item("bytes_sent", stats.bytes_sent)?;
@@ -824,9 +863,14 @@ fn py_transport(
     world: usize,
     send: Py<PyAny>,
     recv: Py<PyAny>,
+    send_recv: Option<Py<PyAny>>,
 ) -> PyResult<PyTransport> {
-    for (what, f) in [("send", &send), ("recv", &recv)] {
-        if !f.bind(py).is_callable() {
+    for (what, f) in [
+        ("send", Some(&send)),
+        ("recv", Some(&recv)),
+        ("send_recv", send_recv.as_ref()),
+    ] {
+        if f.is_some_and(|f| !f.bind(py).is_callable()) {
             return Err(PyTypeError::new_err(format!("{what} must be callable")));
         }
     }
@@ -835,6 +879,7 @@ fn py_transport(
         size: world,
         send,
         recv,
+        send_recv,
     })
 }
 
@@ -996,7 +1041,7 @@ impl PyAllReduce {
         codec, length, rank, world, send, recv, *, strategy="auto", op="mean",
         feedback="none", pieces=1, checksum=true, tag=0, bandwidth=10e9, latency=10e-6,
         beta=1.0, gamma=1.0, residual="f32", allow_non_contractive=false,
-        shared_memory=None, host=None, shared_memory_timeout=300.0,
+        shared_memory=None, host=None, shared_memory_timeout=300.0, send_recv=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -1021,9 +1066,10 @@ impl PyAllReduce {
         shared_memory: Option<&Bound<'_, PyAny>>,
         host: Option<Vec<usize>>,
         shared_memory_timeout: f64,
+        send_recv: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let py = codec.py();
-        let t = py_transport(py, rank, world, send, recv)?;
+        let t = py_transport(py, rank, world, send, recv, send_recv)?;
         let t = routed(py, t, shared_memory, host, shared_memory_timeout, 0)?;
         let strategy = strategy_choice(strategy, world, bandwidth, latency)?;
         let op = reduce_op(op)?;
@@ -1123,6 +1169,89 @@ impl PyAllReduce {
             self.inner.strategy().name(),
             self.comm.rank(),
             self.comm.size()
+        )
+    }
+}
+
+/// The all-gather of a bucket of frames the caller encoded, each tensor with its own
+/// codec, summed per tensor in rank order (see `gradpack.BucketGather`).
+#[pyclass(module = "gradpack", name = "BucketGather")]
+struct PyBucketGather {
+    inner: BucketGather,
+    comm: Comm<Routed<PyTransport>>,
+}
+
+#[pymethods]
+impl PyBucketGather {
+    #[new]
+    #[pyo3(signature = (
+        rank, world, send, recv, *, op="mean", tag=0, shared_memory=None, host=None,
+        shared_memory_timeout=300.0, send_recv=None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        rank: usize,
+        world: usize,
+        send: Py<PyAny>,
+        recv: Py<PyAny>,
+        op: &str,
+        tag: u32,
+        shared_memory: Option<&Bound<'_, PyAny>>,
+        host: Option<Vec<usize>>,
+        shared_memory_timeout: f64,
+        send_recv: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        let t = py_transport(py, rank, world, send, recv, send_recv)?;
+        let t = routed(py, t, shared_memory, host, shared_memory_timeout, 0)?;
+        let inner = BucketGather::new(&t, tag, reduce_op(op)?).map_err(err)?;
+        Ok(PyBucketGather {
+            inner,
+            comm: Comm::new(t),
+        })
+    }
+
+    /// Gather every rank's `message` (its frames for the tensors at `segments` of `out`,
+    /// `(start, length)` pairs, concatenated in that order) and set each segment of `out`
+    /// to the sum (or mean) of the ranks' frames for it, in rank order. Returns this
+    /// rank's `strategy`, `bytes_sent` and `messages`.
+    fn run<'py>(
+        &mut self,
+        py: Python<'py>,
+        message: &Bound<'py, PyAny>,
+        segments: Vec<(usize, usize)>,
+        out: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let mut ranges = Vec::new();
+        ranges
+            .try_reserve_exact(segments.len())
+            .map_err(|_| PyValueError::new_err("could not allocate the list of segments"))?;
+        for (start, len) in segments {
+            let end = start.checked_add(len).ok_or_else(|| {
+                PyValueError::new_err(format!("segment ({start}, {len}) overflows"))
+            })?;
+            ranges.push(start..end);
+        }
+        let m = frame_in(message)?;
+        let ms = m.as_slice()?;
+        let mut o = f32_out(out, "out")?;
+        let os = slice_out(&mut o)?;
+        let (g, comm) = (&mut self.inner, &mut self.comm);
+        let stats = py.detach(|| g.run(comm, ms, &ranges, os)).map_err(err)?;
+        stats_dict(py, &stats)
+    }
+
+    /// Calls of `run` so far.
+    #[getter]
+    fn calls(&self) -> u64 {
+        self.comm.calls()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "BucketGather(rank={} of {})",
+            self.inner.rank(),
+            self.inner.size()
         )
     }
 }
@@ -1649,7 +1778,7 @@ impl PyOuterSync {
         assignment=None, delay=0, alpha=0.0, outer_lr=0.7, outer_momentum=0.9,
         nesterov=true, codec=None, feedback="none", strategy="auto", pieces=1,
         checksum=true, seed=0, bandwidth=10e9, latency=10e-6, beta=1.0, gamma=1.0,
-        residual="f32", allow_non_contractive=false,
+        residual="f32", allow_non_contractive=false, send_recv=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -1681,8 +1810,9 @@ impl PyOuterSync {
         gamma: f32,
         residual: &str,
         allow_non_contractive: bool,
+        send_recv: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
-        let t = py_transport(py, rank, world, send, recv)?;
+        let t = py_transport(py, rank, world, send, recv, send_recv)?;
         if names.len() != shapes.len() {
             return Err(PyValueError::new_err(format!(
                 "{} names for {} shapes",
@@ -1850,7 +1980,7 @@ impl PyHierarchical {
         codec, length, rank, world, send, recv, nodes, *, node_codec=None, strategy="auto",
         op="mean", feedback="none", pieces=1, checksum=true, tag=0, bandwidth=10e9,
         latency=10e-6, beta=1.0, gamma=1.0, residual="f32", allow_non_contractive=false,
-        shared_memory=None, host=None, shared_memory_timeout=300.0,
+        shared_memory=None, host=None, shared_memory_timeout=300.0, send_recv=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -1878,8 +2008,9 @@ impl PyHierarchical {
         shared_memory: Option<&Bound<'_, PyAny>>,
         host: Option<Vec<usize>>,
         shared_memory_timeout: f64,
+        send_recv: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
-        let t = py_transport(py, rank, world, send, recv)?;
+        let t = py_transport(py, rank, world, send, recv, send_recv)?;
         if rank >= nodes.len() {
             return Err(PyValueError::new_err(format!(
                 "rank {rank} is outside nodes ({} ranks)",
@@ -2008,6 +2139,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_add, m)?)?;
     m.add_function(wrap_pyfunction!(reduce_frames, m)?)?;
     m.add_class::<PyAllReduce>()?;
+    m.add_class::<PyBucketGather>()?;
     m.add_class::<PyOuterSync>()?;
     m.add_class::<PyHierarchical>()?;
     m.add_class::<PySharedMemory>()?;

@@ -6,7 +6,8 @@ It shares no code with the crate beyond the frame codec (``gradpack.encode``,
 chunks and pieces, the message schedule, the seeds, the error feedback, the sums, the
 majority vote, the mean, and the receiver's checks are all here, in plain Python and
 numpy. test_protocol_peer.py runs it as one or two ranks of worlds whose other ranks
-are gradpack's own (``gradpack.AllReduce``) and checks every output bit for bit.
+are gradpack's own (``gradpack.AllReduce``, and for section 6.9 ``BucketPeer`` among
+``gradpack.BucketGather`` ranks) and checks every output bit for bit.
 """
 
 import struct
@@ -98,7 +99,84 @@ def parse(msg: bytes) -> Tuple[Tuple[int, int, int, int, int, int], bytes]:
 # ---------------------------------------------------------------------- the rank
 
 
-class Peer:
+class Endpoint:
+    """A rank's messages (sections 6.1 and 6.6): envelopes out, the expected place in,
+    stale messages dropped and early ones kept."""
+
+    def __init__(self, rank: int, world: int, send: Callable[[bytes, int], None],
+                 recv: Callable[[int], bytes], tag: int) -> None:
+        self.rank, self.world, self.send, self.recv, self.tag = rank, world, send, recv, tag
+        self.calls = 0
+        self.early: Dict[int, deque] = {q: deque() for q in range(world)}
+
+    def post(self, to: int, call: int, hop: int, chunk: int, phase: int, frame: bytes) -> None:
+        self.send(envelope(self.rank, call, self.tag, hop, chunk, phase, frame), to)
+
+    def expect(self, frm: int, call: int, hop: int, chunk: int, phase: int) -> bytes:
+        while True:
+            msg = self.early[frm].popleft() if self.early[frm] else self.recv(frm)
+            (sender, c, tag, h, ch, ph), frame = parse(msg)
+            if sender != frm:
+                raise ProtocolError(f"message from {frm} names sender {sender}")
+            if (c, h) < (call, hop):
+                continue  # stale
+            if (c, h) > (call, hop):
+                self.early[frm].appendleft(msg)
+                raise ProtocolError(f"rank {frm} is at call {c} hop {h}")
+            if (tag, ph, ch) != (self.tag, phase, chunk):
+                raise ProtocolError(f"tag/phase/chunk {(tag, ph, ch)}, expected {(self.tag, phase, chunk)}")
+            return frame
+
+
+def frames_of(msg: bytes, lengths: List[int]) -> List[bytes]:
+    """Section 6.9: a message split into whole frames of these element counts, or
+    ProtocolError."""
+    frames, at = [], 0
+    for i, n in enumerate(lengths):
+        if len(msg) - at < 56:
+            raise ProtocolError(f"{i} frames where the bucket has {len(lengths)}")
+        flags, elements, payload_len = struct.unpack_from("<HQQ", msg, at + 6)
+        end = at + 56 + payload_len + (4 if flags & 2 else 0)
+        if end > len(msg) or elements != n:
+            raise ProtocolError(f"frame {i}: {elements} elements, {end - at} bytes")
+        frames.append(bytes(msg[at:end]))
+        at = end
+    if at != len(msg):
+        raise ProtocolError(f"{len(msg) - at} bytes after the last frame")
+    return frames
+
+
+class BucketPeer(Endpoint):
+    """One rank of the bucket all-gather (section 6.9)."""
+
+    def __init__(self, rank: int, world: int, send: Callable[[bytes, int], None],
+                 recv: Callable[[int], bytes], op: str = "mean", tag: int = 0) -> None:
+        super().__init__(rank, world, send, recv, tag)
+        self.op = op
+
+    def run(self, message: bytes, segments: List[Tuple[int, int]], out: np.ndarray) -> None:
+        call = self.calls
+        self.calls += 1
+        p, r = self.world, self.rank
+        lengths = [m for _, m in segments]
+        msgs = {r: bytes(message)}
+        frames_of(msgs[r], lengths)
+        for s in range(p - 1):
+            sq, rq = (r - s) % p, (r - s - 1) % p
+            self.post((r + 1) % p, call, s, sq, 2, msgs[sq])
+            msgs[rq] = self.expect((r - 1) % p, call, s, rq, 2)
+            frames_of(msgs[rq], lengths)
+        split = [frames_of(msgs[q], lengths) for q in range(p)]
+        for i, (a, m) in enumerate(segments):
+            seg = out[a : a + m]
+            seg[:] = gradpack.decode(split[0][i])
+            for q in range(1, p):
+                gradpack.decode_add(split[q][i], seg)
+            if self.op == "mean" and p > 1:
+                seg /= np.float32(p)
+
+
+class Peer(Endpoint):
     """One rank of the all-reduce (section 6.3), over ``send(msg: bytes, to)`` and
     ``recv(frm) -> bytes``."""
 
@@ -122,14 +200,12 @@ class Peer:
         assert strategy in ("ring", "fp32-ring", "allgather", "majority")
         if strategy == "fp32-ring":
             codec, feedback = "identity", "none"
-        self.codec, self.n, self.rank, self.world = codec, n, rank, world
-        self.send, self.recv = send, recv
+        super().__init__(rank, world, send, recv, tag)
+        self.codec, self.n = codec, n
         self.strategy, self.op, self.feedback = strategy, op, feedback
         self.k = pieces if strategy in ("ring", "fp32-ring") else 1
-        self.checksum, self.tag = checksum, tag
+        self.checksum = checksum
         self.beta, self.gamma = np.float32(beta), np.float32(gamma)
-        self.calls = 0
-        self.early: Dict[int, deque] = {q: deque() for q in range(world)}
         self.residual: Dict[object, np.ndarray] = {}
         # The codec's id byte, from a frame of its own (section 1, byte 5).
         self.codec_id = gradpack.encode(np.zeros(0, np.float32), codec)[5]
@@ -167,24 +243,6 @@ class Peer:
         return frame
 
     # -- messages
-
-    def post(self, to: int, call: int, hop: int, chunk: int, phase: int, frame: bytes) -> None:
-        self.send(envelope(self.rank, call, self.tag, hop, chunk, phase, frame), to)
-
-    def expect(self, frm: int, call: int, hop: int, chunk: int, phase: int) -> bytes:
-        while True:
-            msg = self.early[frm].popleft() if self.early[frm] else self.recv(frm)
-            (sender, c, tag, h, ch, ph), frame = parse(msg)
-            if sender != frm:
-                raise ProtocolError(f"message from {frm} names sender {sender}")
-            if (c, h) < (call, hop):
-                continue  # stale
-            if (c, h) > (call, hop):
-                self.early[frm].appendleft(msg)
-                raise ProtocolError(f"rank {frm} is at call {c} hop {h}")
-            if (tag, ph, ch) != (self.tag, phase, chunk):
-                raise ProtocolError(f"tag/phase/chunk {(tag, ph, ch)}, expected {(self.tag, phase, chunk)}")
-            return frame
 
     def check(self, frame: bytes, start: int, end: int, encoder: int, seed: int) -> None:
         """Section 6.4 (the frame's own validity is the decoder's)."""

@@ -508,6 +508,66 @@ def test_allreduce_over_python_callables_is_identical_on_every_rank(codec, strat
     assert all(a.strategy == ars[0].strategy for a in ars)
 
 
+def test_bucket_gather_sums_each_tensor_in_rank_order_on_every_rank():
+    # A bucket of four tensors with codecs of their own (one empty, one sparse, one with
+    # error feedback) and gaps left untouched between them.
+    world, n = 3, 5000
+    parts = [(3, 1200, "int8"), (1210, 0, "fp16"), (1215, 900, "topk:ratio=0.05"), (2200, 2700, "fp8")]
+    segments = [(a, m) for a, m, _ in parts]
+
+    def inputs(r):
+        return np.sin(np.arange(n, dtype=np.float32) * (0.013 * (r + 1))).astype(np.float32)
+
+    def message(r, feedback):
+        x = inputs(r)
+        frames = []
+        for (a, m, spec), ef in zip(parts, feedback):
+            c = gradpack.Codec(spec)
+            if ef is None:
+                frames.append(bytes(c.encode(x[a : a + m], seed=r + 1, checksum=True)))
+            else:
+                buf = np.empty(c.max_encoded_len(m, True), np.uint8)
+                k = ef.encode_into(x[a : a + m], buf, seed=r + 1, checksum=True)
+                frames.append(buf[:k].tobytes())
+        return b"".join(frames), frames
+
+    box = _Mailboxes(world)
+    gs = [gradpack.BucketGather(r, world, box.send_of(r), box.recv_of(r), tag=7) for r in range(world)]
+    feedback = [[None, None, gradpack.ErrorFeedback("topk:ratio=0.05", 900), None] for _ in range(world)]
+    outs = [np.full(n, -2.0, np.float32) for _ in range(world)]
+    frames = [None] * world
+    msgs = [None] * world
+    for r in range(world):
+        msgs[r], frames[r] = message(r, feedback[r])
+
+    def body(r):
+        st = gs[r].run(msgs[r], segments, outs[r])
+        assert st["messages"] == world - 1 and st["strategy"] == "allgather"
+
+    assert _on_threads(world, body) == [None] * world
+    for r in range(1, world):
+        assert outs[r].view(np.uint32).tolist() == outs[0].view(np.uint32).tolist()
+    # The definition: each tensor's frames decoded and summed in rank order, then / world.
+    want = np.full(n, -2.0, np.float32)
+    for i, (a, m, _) in enumerate(parts):
+        gradpack.reduce_frames([frames[q][i] for q in range(world)], want[a : a + m])
+        want[a : a + m] /= np.float32(world)
+    assert outs[0].view(np.uint32).tolist() == want.view(np.uint32).tolist()
+    assert gs[0].calls == 1
+
+
+def test_bucket_gather_refuses_a_message_that_does_not_fit_the_segments():
+    box = _Mailboxes(2, timeout=2.0)
+    g = gradpack.BucketGather(0, 2, box.send_of(0), box.recv_of(0))
+    f = gradpack.Codec("fp16").encode(np.ones(10, np.float32))
+    out = np.zeros(10, np.float32)
+    with pytest.raises(gradpack.Error, match="11 elements|not inside"):
+        g.run(f, [(0, 11)], out)
+    with pytest.raises(gradpack.Error, match="1 frames"):
+        g.run(f, [(0, 10), (10, 0)], out)
+    assert not out.any() and g.calls == 2
+
+
 def test_allreduce_state_dict_continues_bit_for_bit():
     world, n = 3, 4000
 

@@ -105,3 +105,77 @@ def test_the_peer_rejects_what_the_spec_rejects():
     other = gradpack.encode(np.full(4, 2, np.float32), "int8")
     with pytest.raises(pp.ProtocolError, match="CRC"):
         pp.parse(msg[:36] + other)
+
+
+BUCKET = [  # (start, length, codec, sealed): gaps between, an empty tensor, a sparse one
+    (2, 700, "int8", True),
+    (705, 0, "fp16", False),
+    (710, 333, "topk:ratio=0.1,values=fp16", False),
+    (1050, 9, "identity", True),
+    (1060, 1500, "fp8", True),
+]
+
+
+def bucket_run(world, peers, op, steps=3, n=2600):
+    """Outputs per rank and step of the bucket all-gather (section 6.9); ranks in
+    ``peers`` are protocol_peer.BucketPeer."""
+    boxes = {(a, b): queue.Queue() for a in range(world) for b in range(world)}
+    results = [None] * world
+    errors = []
+    segments = [(a, m) for a, m, _, _ in BUCKET]
+
+    def rank_main(r):
+        try:
+            def send(msg, to):
+                boxes[(r, to)].put(bytes(msg))
+
+            def recv(frm):
+                return boxes[(frm, r)].get(timeout=30)
+
+            if r in peers:
+                g = pp.BucketPeer(r, world, send, recv, op=op, tag=9)
+            else:
+                g = gradpack.BucketGather(r, world, send, recv, op=op, tag=9)
+            rng = np.random.default_rng(300 + r)
+            outs = []
+            for step in range(steps):
+                x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n))).astype(np.float32)
+                msg = b"".join(
+                    gradpack.encode(x[a : a + m], c, seed=step * 31 + r, checksum=sealed)
+                    for a, m, c, sealed in BUCKET
+                )
+                out = np.full(n, 7.5, np.float32)
+                g.run(msg, segments, out)
+                outs.append(out.view(np.uint32).copy())
+            results[r] = outs
+        except BaseException as e:  # reported by the test
+            errors.append((r, repr(e)))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("op", ["mean", "sum"])
+@pytest.mark.parametrize("world,peers", [(2, {0}), (3, {1}), (4, {0, 2})])
+def test_an_independent_peer_joins_the_bucket_all_gather(world, peers, op):
+    want = bucket_run(world, set(), op)
+    got = bucket_run(world, peers, op)
+    for r in range(world):
+        for step in range(3):
+            assert np.array_equal(want[r][step], got[r][step]), (r, step)
+            assert np.array_equal(got[0][step], got[r][step])
+    # Outside the segments nothing was written.
+    assert got[0][0].view(np.float32)[0] == np.float32(7.5)
+
+
+def test_the_bucket_peer_rejects_messages_that_do_not_fit():
+    f = gradpack.encode(np.ones(5, np.float32), "fp16", checksum=True)
+    assert len(pp.frames_of(f + f, [5, 5])) == 2
+    for msg, lengths in [(f, [5, 5]), (f + f, [5]), (f, [4]), (f[:-1], [5])]:
+        with pytest.raises(pp.ProtocolError):
+            pp.frames_of(msg, lengths)

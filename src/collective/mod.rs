@@ -88,6 +88,7 @@
 //! take part; the repository's Python tests run one, written from that text, among
 //! gradpack's own ranks.
 
+pub mod bucket;
 pub mod comm;
 pub mod hier;
 pub mod local;
@@ -95,6 +96,7 @@ pub mod local;
 pub mod mpi;
 pub mod shm;
 
+pub use bucket::BucketGather;
 pub use comm::{Comm, ENVELOPE_LEN, ENVELOPE_VERSION};
 use comm::{Phase, Place};
 pub use hier::{Hierarchical, Nodes};
@@ -816,17 +818,27 @@ impl AllReduce {
         // Reduce-scatter: at step s send chunk r-s-1 and receive chunk r-s-2, so rank r
         // ends owning chunk r. The chunk sent at step s > 0 is the one received at s - 1.
         // Each chunk goes as k pieces; piece j + 1 is encoded and sent before piece j is
-        // received, so encoding overlaps the link.
+        // received, so encoding overlaps the link. With one piece, a step's send and
+        // receive go to the transport together (`Transport::send_recv`): some transports
+        // move both directions at once only when the receive is posted first (gloo's
+        // point-to-point, where two ranks' ring sends and receives share one pair).
+        let together = k == 1;
         for s in 0..p - 1 {
             let send_c = (r + 2 * p - s - 1) % p;
             let recv_c = (r + 2 * p - s - 2) % p;
             let phase = Phase::ReduceScatter;
+            let want = |this: &Self, j: usize| this.place(call, phase, s * k + j, recv_c * k + j);
             let mut post = |this: &mut Self, out: &[f32], comm: &mut Comm<T>, j: usize| {
                 let src = if s == 0 { input } else { out };
                 let len =
                     this.encode(send_c * k + j, &src[piece(send_c, j)], ctx_of(r, send_c, j))?;
                 let to = this.place(call, phase, s * k + j, send_c * k + j);
-                comm.post(&mut this.enc[..len], right_g, to)?;
+                if together {
+                    let w = want(this, j);
+                    comm.exchange(&mut this.enc[..len], right_g, to, &mut this.a, left_g, w)?;
+                } else {
+                    comm.post(&mut this.enc[..len], right_g, to)?;
+                }
                 step.sent(len);
                 Ok::<(), Error>(())
             };
@@ -835,8 +847,10 @@ impl AllReduce {
                 if j + 1 < k {
                     post(self, output, comm, j + 1)?;
                 }
-                let want = self.place(call, phase, s * k + j, recv_c * k + j);
-                comm.expect(&mut self.a, left_g, want)?;
+                if !together {
+                    let w = want(self, j);
+                    comm.expect(&mut self.a, left_g, w)?;
+                }
                 let frame = &self.a[ENVELOPE_LEN..];
                 let bad = |e| peer_error(left_g, phase, left_g, e);
                 let split = check_origin(&codec, frame, &ctx_of(left, recv_c, j)).map_err(bad)?;
@@ -866,9 +880,15 @@ impl AllReduce {
             let recv_c = (r + 2 * p - s - 1) % p;
             let phase = Phase::RingAllGather;
             let hop = |j: usize| (p - 1 + s) * k + j;
+            let want = |this: &Self, j: usize| this.place(call, phase, hop(j), recv_c * k + j);
             let mut post = |this: &mut Self, comm: &mut Comm<T>, j: usize| {
                 let to = this.place(call, phase, hop(j), send_c * k + j);
-                comm.post(&mut this.fwd[j], right_g, to)?;
+                if together {
+                    let w = want(this, j);
+                    comm.exchange(&mut this.fwd[j], right_g, to, &mut this.next[j], left_g, w)?;
+                } else {
+                    comm.post(&mut this.fwd[j], right_g, to)?;
+                }
                 step.sent(this.fwd[j].len());
                 Ok::<(), Error>(())
             };
@@ -877,8 +897,10 @@ impl AllReduce {
                 if j + 1 < k {
                     post(self, comm, j + 1)?;
                 }
-                let want = self.place(call, phase, hop(j), recv_c * k + j);
-                comm.expect(&mut self.next[j], left_g, want)?;
+                if !together {
+                    let w = want(self, j);
+                    comm.expect(&mut self.next[j], left_g, w)?;
+                }
                 let frame = &self.next[j][ENVELOPE_LEN..];
                 // Chunk c's final frames were encoded by its owner, rank c.
                 let bad = |e| peer_error(self.global(recv_c), phase, left_g, e);

@@ -1,0 +1,441 @@
+//! [`BucketGather`]: the all-gather of a bucket of tensors whose frames the caller made,
+//! each tensor with a codec of its own, summed per tensor in rank order.
+//!
+//! [`super::AllReduce`] owns its tensor's codec, seeds and residuals. A training stack
+//! that groups many parameters into one bucket (PyTorch DDP does) often wants a codec per
+//! parameter (a small bias sent as it is, a matrix as int8) and keeps its residuals per
+//! parameter, so that they survive a regrouping of the buckets. Then the caller encodes,
+//! and this collective moves and sums: every rank sends one message, its frames for the
+//! bucket's tensors concatenated in tensor order; the messages travel round the ring as
+//! the frame all-gather's do; and each tensor's `p` frames are summed into its place in
+//! the output in one fused pass ([`crate::reduce_frames`]), frame of rank 0 first. Every
+//! rank so ends with bit-identical output.
+
+use core::ops::Range;
+
+use super::comm::{Comm, ENVELOPE_LEN, Phase, Place};
+use super::{ReduceOp, Stats, Strategy, Transport, peer_error};
+use crate::codecs::reduce;
+use crate::error::{Error, Result};
+use crate::kernels::mode::WRITE;
+use crate::wire::{self, HEADER_LEN, Header};
+
+/// One rank's state for all-gathering and summing buckets of frames (see the module
+/// docs); one per bucket, or one for many buckets run one after another.
+///
+/// ```
+/// use gradpack::collective::{BucketGather, ReduceOp, Transport, local};
+/// use gradpack::{Codec, CodecSpec, EncodeCtx};
+///
+/// // Two tensors in one bucket: elements 0..6 sent as int8, 6..8 as they are.
+/// let results = local::run(3, None, |mut t| {
+///     let rank = t.rank();
+///     let x: Vec<f32> = (0..8).map(|i| (i * (rank + 1)) as f32).collect();
+///     let mut msg = Vec::new();
+///     for (spec, part) in [("int8", &x[..6]), ("identity", &x[6..])] {
+///         let codec: CodecSpec = spec.parse()?;
+///         msg.extend(codec.encode(part, &EncodeCtx::new(7))?);
+///     }
+///     let mut g = BucketGather::new(&t, 0, ReduceOp::Sum)?;
+///     let mut out = vec![0.0f32; 8];
+///     g.run(&mut t, &msg, &[0..6, 6..8], &mut out)?;
+///     Ok(out)
+/// });
+/// let outs: Vec<Vec<f32>> = results.into_iter().collect::<Result<_, _>>()?;
+/// assert!(outs.iter().all(|o| o == &outs[0])); // the same bits on every rank
+/// assert_eq!(outs[0][7], 42.0); // 7 + 14 + 21, sent exactly
+/// # Ok::<(), gradpack::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct BucketGather {
+    rank: usize,
+    size: usize,
+    tag: u32,
+    op: ReduceOp,
+    /// Every rank's message, envelope first, reused from call to call.
+    msgs: Vec<Vec<u8>>,
+}
+
+impl BucketGather {
+    /// The state of this rank of `transport`'s world. `tag` goes into every message's
+    /// envelope (a bucket index, say: another collective's message where this one's is
+    /// expected is then an error); `op` sums, or averages after summing. Every rank must
+    /// use the same.
+    pub fn new<T: Transport + ?Sized>(transport: &T, tag: u32, op: ReduceOp) -> Result<Self> {
+        let (rank, size) = (transport.rank(), transport.size());
+        if size == 0 || rank >= size {
+            return Err(Error::Collective(format!(
+                "transport reports rank {rank} in a world of {size}"
+            )));
+        }
+        if u32::try_from(size).is_err() {
+            return Err(Error::Collective(format!(
+                "a world of {size} ranks does not fit the envelope's 32-bit fields"
+            )));
+        }
+        let mut msgs = Vec::new();
+        msgs.try_reserve_exact(size)
+            .map_err(|_| Error::OutOfMemory {
+                bytes: (size as u64).saturating_mul(24),
+                what: "the bucket all-gather's messages",
+            })?;
+        msgs.resize_with(size, Vec::new);
+        Ok(BucketGather {
+            rank,
+            size,
+            tag,
+            op,
+            msgs,
+        })
+    }
+
+    /// One all-gather: `message` is this rank's frames for the tensors at `segments` of
+    /// `output` (element ranges, in order; frame `i` of `segments[i].len()` elements, each
+    /// a whole frame as [`crate::Codec::encode`] makes it, sealed or not), concatenated.
+    /// Every rank's messages are gathered, and `output[segments[i]]` is set to the sum of
+    /// the ranks' frames `i`, in rank order (the mean, with [`ReduceOp::Mean`]). Elements
+    /// outside the segments are not touched.
+    ///
+    /// Every rank must call it with the same segments, in the same order as its other
+    /// collectives on `comm`. Each call takes the next call number of `comm`, even one that
+    /// fails at once on a bad argument. A message from a peer that does not split into
+    /// whole frames of the segments' lengths is an error naming the rank that made it.
+    /// After an error the output is unspecified.
+    pub fn run<T: Transport + ?Sized>(
+        &mut self,
+        comm: &mut Comm<T>,
+        message: &[u8],
+        segments: &[Range<usize>],
+        output: &mut [f32],
+    ) -> Result<Stats> {
+        let call = comm.begin();
+        let _fp = crate::kernels::Standard::new();
+        if comm.rank() != self.rank || comm.size() != self.size {
+            return Err(Error::Collective(format!(
+                "transport is rank {} of {}, but this bucket all-gather was built for rank {} of {}",
+                comm.rank(),
+                comm.size(),
+                self.rank,
+                self.size
+            )));
+        }
+        for (i, s) in segments.iter().enumerate() {
+            if s.start > s.end || s.end > output.len() {
+                return Err(Error::Collective(format!(
+                    "segment {i} ({}..{}) is not inside the output of {} elements",
+                    s.start,
+                    s.end,
+                    output.len()
+                )));
+            }
+        }
+        // This rank's own message is checked as a peer's will check it (its sealed
+        // payloads but for their checksums, which its encoder has just computed).
+        check_message(message, segments, false)?;
+        let (p, r) = (self.size, self.rank);
+        let own = &mut self.msgs[r];
+        own.clear();
+        let len = ENVELOPE_LEN
+            .checked_add(message.len())
+            .ok_or(Error::OutOfMemory {
+                bytes: u64::MAX,
+                what: "the bucket all-gather's message",
+            })?;
+        own.try_reserve_exact(len).map_err(|_| Error::OutOfMemory {
+            bytes: len as u64,
+            what: "the bucket all-gather's message",
+        })?;
+        own.resize(ENVELOPE_LEN, 0);
+        own.extend_from_slice(message);
+        let mut stats = Stats {
+            strategy: Strategy::CompressedAllGather,
+            bytes_sent: 0,
+            messages: 0,
+        };
+        let (right, left) = ((r + 1) % p, (r + p - 1) % p);
+        let tag = self.tag;
+        let place = |hop: usize, q: usize| Place {
+            call,
+            tag,
+            phase: Phase::FrameAllGather,
+            hop: hop as u32,
+            chunk: q as u32,
+        };
+        // The frame all-gather's ring: at step s send rank r-s's message (this rank's own
+        // at s = 0, then the one received at s - 1), receive rank r-s-1's.
+        for s in 0..p - 1 {
+            let (send_q, recv_q) = ((r + p - s) % p, (r + 2 * p - s - 1) % p);
+            let mut got = core::mem::take(&mut self.msgs[recv_q]);
+            let mut out = core::mem::take(&mut self.msgs[send_q]);
+            let res = comm.exchange(
+                &mut out,
+                right,
+                place(s, send_q),
+                &mut got,
+                left,
+                place(s, recv_q),
+            );
+            stats.bytes_sent += out.len() as u64;
+            stats.messages += 1;
+            self.msgs[send_q] = out;
+            self.msgs[recv_q] = got;
+            res?;
+            check_message(&self.msgs[recv_q][ENVELOPE_LEN..], segments, true)
+                .map_err(|e| peer_error(recv_q, Phase::FrameAllGather, left, e))?;
+        }
+        // Each tensor's frames, in rank order, summed in one fused pass. Every message was
+        // checked whole above (sealed payloads included), so the frames are split without
+        // verifying their checksums again.
+        let mut at = vec![ENVELOPE_LEN; p];
+        let mut split = reduce::frame_list(p)?;
+        for seg in segments {
+            split.clear();
+            for (q, a) in at.iter_mut().enumerate() {
+                let msg = &self.msgs[q];
+                let n = frame_len_at(&msg[*a..])?;
+                split.push(wire::split_with(&msg[*a..*a + n], false)?);
+                *a += n;
+            }
+            reduce::reduce_split::<WRITE>(&split, &mut output[seg.clone()])
+                .map_err(|(q, e)| peer_error(q, Phase::FrameAllGather, left, e))?;
+        }
+        if self.op == ReduceOp::Mean && p > 1 {
+            let pf = p as f32;
+            for seg in segments {
+                output[seg.clone()].iter_mut().for_each(|x| *x /= pf);
+            }
+        }
+        Ok(stats)
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+}
+
+/// The length of the whole frame at the start of `buf` (its header read, its length
+/// checked against what `buf` holds).
+fn frame_len_at(buf: &[u8]) -> Result<usize> {
+    let h = Header::parse(buf)?;
+    let total = h.frame_len().unwrap_or(u64::MAX);
+    if (buf.len() as u64) < total {
+        return Err(Error::Truncated {
+            needed: total,
+            got: buf.len(),
+        });
+    }
+    Ok(total as usize)
+}
+
+/// `msg` is whole frames, one per segment, of the segments' lengths, and nothing more
+/// (sealed payloads' checksums verified if `verify`).
+fn check_message(msg: &[u8], segments: &[Range<usize>], verify: bool) -> Result<()> {
+    let mut at = 0;
+    for (i, s) in segments.iter().enumerate() {
+        let rest = &msg[at..];
+        if rest.len() < HEADER_LEN {
+            return Err(Error::Collective(format!(
+                "the message holds {i} frames where the bucket has {} tensors",
+                segments.len()
+            )));
+        }
+        let n = frame_len_at(rest)?;
+        let (h, _) = wire::split_with(&rest[..n], verify)?;
+        if h.elements != s.len() as u64 {
+            return Err(Error::Collective(format!(
+                "frame {i} of the message has {} elements; its tensor has {}",
+                h.elements,
+                s.len()
+            )));
+        }
+        at += n;
+    }
+    if at != msg.len() {
+        return Err(Error::TrailingBytes {
+            expected: at as u64,
+            got: msg.len(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+// Buckets of one tensor are written `&[0..n]`, a slice of one range, as `run` takes them.
+#[allow(clippy::single_range_in_vec_init)]
+mod tests {
+    use super::*;
+    use crate::codec::{Codec, CodecSpec, EncodeCtx};
+    use crate::collective::local;
+
+    fn spec(s: &str) -> CodecSpec {
+        s.parse().unwrap()
+    }
+
+    /// Rank `rank`'s input of `n` elements.
+    fn input(rank: usize, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 7 + rank * 13) as f32 * 0.37).sin() * (1.0 + rank as f32))
+            .collect()
+    }
+
+    /// The bucket's segments and codecs: a mix of fixed-rate, sparse, sealed and empty.
+    fn bucket() -> (Vec<Range<usize>>, Vec<(CodecSpec, bool)>) {
+        let parts = [
+            (1000, "int8", true),
+            (0, "fp16", false),
+            (333, "topk:ratio=0.1", true),
+            (7, "identity", false),
+            (4096, "fp8", false),
+            (515, "sign", true),
+        ];
+        let mut at = 0;
+        let mut segs = Vec::new();
+        let mut codecs = Vec::new();
+        for (n, s, sealed) in parts {
+            // A gap of 3 untouched elements before each segment.
+            segs.push(at + 3..at + 3 + n);
+            codecs.push((spec(s), sealed));
+            at += 3 + n;
+        }
+        (segs, codecs)
+    }
+
+    fn message(
+        rank: usize,
+        x: &[f32],
+        segs: &[Range<usize>],
+        codecs: &[(CodecSpec, bool)],
+    ) -> Vec<u8> {
+        let mut msg = Vec::new();
+        for (s, (c, sealed)) in segs.iter().zip(codecs) {
+            let ctx = EncodeCtx::new(rank as u64 + 11);
+            let mut f = vec![0u8; c.max_encoded_len(s.len()) + 4];
+            let len = c.encode_into(&x[s.clone()], &ctx, &mut f).unwrap();
+            let len = if *sealed {
+                wire::seal(&mut f, len).unwrap()
+            } else {
+                len
+            };
+            msg.extend_from_slice(&f[..len]);
+        }
+        msg
+    }
+
+    #[test]
+    fn every_rank_gets_each_tensors_sum_in_rank_order() {
+        let (segs, codecs) = bucket();
+        let n = segs.last().unwrap().end + 2;
+        for p in [1usize, 2, 3, 4] {
+            for op in [ReduceOp::Sum, ReduceOp::Mean] {
+                let (segs2, codecs2) = (segs.clone(), codecs.clone());
+                let outs = local::run(p, None, move |mut t| {
+                    let r = t.rank();
+                    let x = input(r, n);
+                    let msg = message(r, &x, &segs2, &codecs2);
+                    let mut g = BucketGather::new(&t, 5, op)?;
+                    let mut out = vec![-1.5f32; n];
+                    let st = g.run(&mut t, &msg, &segs2, &mut out)?;
+                    assert_eq!(st.messages, (p - 1) as u64);
+                    // A second call on the same state gives the same bits.
+                    let mut again = vec![-1.5f32; n];
+                    g.run(&mut t, &msg, &segs2, &mut again)?;
+                    assert_eq!(
+                        out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        again.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                    );
+                    Ok(out)
+                });
+                // The definition: frame of rank 0 decoded, the others added in rank order.
+                let mut want = vec![-1.5f32; n];
+                for (s, (c, sealed)) in segs.iter().zip(&codecs) {
+                    let w = &mut want[s.clone()];
+                    for q in 0..p {
+                        let x = input(q, n);
+                        let msg = message(q, &x, std::slice::from_ref(s), &[(*c, *sealed)]);
+                        if q == 0 {
+                            crate::decode(&msg, w).unwrap();
+                        } else {
+                            crate::decode_add(&msg, w).unwrap();
+                        }
+                    }
+                    if op == ReduceOp::Mean && p > 1 {
+                        w.iter_mut().for_each(|v| *v /= p as f32);
+                    }
+                }
+                for out in outs {
+                    let out = out.unwrap();
+                    assert_eq!(
+                        out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "{p} ranks, {op:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_bad_message_names_the_rank_that_made_it() {
+        let segs = vec![0..100, 100..164];
+        let outs = local::run(3, Some(std::time::Duration::from_secs(5)), move |mut t| {
+            let r = t.rank();
+            let x = input(r, 164);
+            let codecs = [(spec("int8"), true), (spec("fp16"), false)];
+            let mut msg = message(r, &x, &segs, &codecs);
+            if r == 1 {
+                // Rank 1 sends frames for the wrong lengths: 100 + 60 elements.
+                msg = message(r, &x, &[0..100, 100..160], &codecs);
+                let mut g = BucketGather::new(&t, 0, ReduceOp::Sum)?;
+                // Its own check refuses the message before anything is sent.
+                let e = g.run(&mut t, &msg, &segs, &mut vec![0.0; 164]).unwrap_err();
+                assert!(e.to_string().contains("60 elements"), "{e}");
+                // Then it sends the bad message by the back door: the segments it claims.
+                let mut g = BucketGather::new(&t, 0, ReduceOp::Sum)?;
+                let mut o = vec![0.0; 164];
+                return g.run(&mut t, &msg, &[0..100, 100..160], &mut o).map(|_| o);
+            }
+            let mut g = BucketGather::new(&t, 0, ReduceOp::Sum)?;
+            // Rank 1's first call failed at once: skip a call number to stay in step.
+            t.begin();
+            let mut o = vec![0.0; 164];
+            g.run(&mut t, &msg, &segs, &mut o).map(|_| o)
+        });
+        // Rank 2 receives rank 1's message first (its left neighbour) and names it.
+        let e = outs[2].as_ref().unwrap_err();
+        assert!(matches!(e, Error::Peer { peer: 1, .. }), "{e}");
+        assert!(outs[0].is_err());
+    }
+
+    #[test]
+    fn bad_arguments_are_errors() {
+        let outs = local::run(1, None, |mut t| {
+            let mut g = BucketGather::new(&t, 0, ReduceOp::Sum)?;
+            let x = input(0, 10);
+            let f = spec("fp16").encode(&x, &EncodeCtx::new(1)).unwrap();
+            let mut out = vec![0.0f32; 10];
+            let errs = [
+                g.run(&mut t, &f, &[0..11], &mut out).unwrap_err(),
+                g.run(&mut t, &f, &[0..10, 10..10], &mut out).unwrap_err(),
+                g.run(&mut t, &f[..f.len() - 1], &[0..10], &mut out)
+                    .unwrap_err(),
+                g.run(&mut t, &[f.clone(), vec![0]].concat(), &[0..10], &mut out)
+                    .unwrap_err(),
+                g.run(&mut t, &f, &[], &mut out).unwrap_err(),
+            ];
+            assert!(out.iter().all(|&v| v == 0.0));
+            g.run(&mut t, &f, &[0..10], &mut out)?;
+            assert_eq!(t.calls(), 6);
+            Ok(errs.iter().map(|e| e.to_string()).collect::<Vec<_>>())
+        });
+        let errs = outs.into_iter().next().unwrap().unwrap();
+        assert!(errs[0].contains("not inside"), "{}", errs[0]);
+        assert!(errs[1].contains("1 frames"), "{}", errs[1]);
+        assert!(errs.iter().all(|e| !e.is_empty()));
+    }
+}
