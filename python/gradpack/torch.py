@@ -221,6 +221,12 @@ class GradpackState:
             between ranks of one host through shared memory instead of the hook's
             group (default ``True``; which ranks share a host is found once, by each
             rank leaving a file in ``/dev/shm`` and looking for the others').
+        start_step: the steps before this one (counted from 0) all-reduce every bucket
+            in float32, as DDP does without a hook; compression, error feedback,
+            PowerSGD and ``"auto"``'s trials begin at it. Compressed from the first step
+            (the default, 0), error feedback delays early updates, when gradients are
+            largest and change fastest: deep gradient compression warms up so, and
+            PyTorch's PowerSGD hook by ``start_powerSGD_iter``.
 
     ``strategy`` is ``"allgather"`` by default; with ``codec="auto"`` it limits the
     strategies tried (default both).
@@ -257,6 +263,7 @@ class GradpackState:
         shared_memory: bool = True,
         intra_bandwidth: Union[float, str] = 40e9,
         intra_latency: Union[float, str] = 5e-6,
+        start_step: int = 0,
     ) -> None:
         if codec is None:
             codec = "identity" if powersgd is not None else "int8"
@@ -307,6 +314,9 @@ class GradpackState:
         self._streams: Dict[Any, Any] = {}
         if min_compress_elements < 0:
             raise ValueError("min_compress_elements must be >= 0")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"start_step must be an int >= 0, not {start_step!r}")
+        self.start_step = start_step
         if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
             raise ValueError(f"pieces must be a positive int, not {pieces!r}")
         self.pieces = pieces
@@ -713,7 +723,10 @@ class GradpackState:
         if sum(e[1] for e in layout) != n:  # not seen; one tensor then
             layout = [(f"bucket:{index}", n, 2, index, (n,))]
         world = self._world()
-        cfg, plan = self._config(index, layout, n, buf.is_cuda) if world > 1 else (_FP32, None)
+        if world > 1 and step >= self.start_step:
+            cfg, plan = self._config(index, layout, n, buf.is_cuda)
+        else:
+            cfg, plan = _FP32, None
         # Float32: DDP's own all-reduce on its own group, issued here in DDP's order, as
         # DDP's default hook does: on a GPU its backend (NCCL) moves device memory with
         # no host copies; on the CPU it skips the hand-over to the comm thread (8 ranks
@@ -1089,7 +1102,7 @@ class GradpackState:
         """(position, (n, m, r)) of the bucket's tensors sent as PowerSGD factors at
         ``step`` (none before its start step)."""
         ps = self._ps
-        if ps is None or step < ps["start_step"]:
+        if ps is None or step < max(ps["start_step"], self.start_step):
             return []
         out = []
         for i, e in enumerate(layout):

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import warnings
+import zlib
 from typing import Any, Dict, List
 
 import numpy as np
@@ -78,6 +79,10 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "int8-bf16": {"codec": "int8", "dtype": "bfloat16"},
     "int8-f64": {"codec": "int8", "dtype": "float64"},
     "fp32-f64": {"codec": "identity", "dtype": "float64"},
+    # The hook in float32, and top-k with error feedback from step 3 (float32 before).
+    "identity": {"codec": "identity"},
+    "topk-ef-from-3": {"codec": "topk:ratio=0.01,values=fp16", "error_feedback": True,
+                       "extra": {"start_step": 3}},
 }
 
 
@@ -224,6 +229,7 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
                 "ms_per_step": 1000 * times[len(times) // 2],
                 "first_loss": float(np.mean(losses[:20])), "last_loss": float(np.mean(losses[-20:])),
                 "identical": same_on_all_ranks(p, world),
+                "params_crc": zlib.crc32(p.double().cpu().numpy().tobytes()),
                 "plan": chosen, "tried": tried, "collectives": collectives,
                 "shared_memories": shared, "ring_bytes": ring_bytes,
                 "warnings": [str(w.message) for w in caught if "gradpack" in str(w.message)],

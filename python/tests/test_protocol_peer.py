@@ -36,9 +36,9 @@ CASES = [
 ]
 
 
-def world_run(case, n, world, peers, steps=3):
-    """Outputs per rank and step; ranks in ``peers`` are protocol_peer.Peer."""
-    codec, strategy, feedback, pieces, op = case
+def on_ranks(world, body):
+    """``body(r, send, recv)`` on a thread per rank over in-process mailboxes; each
+    rank's result, after asserting that none raised."""
     boxes = {(a, b): queue.Queue() for a in range(world) for b in range(world)}
     results = [None] * world
     errors = []
@@ -51,22 +51,7 @@ def world_run(case, n, world, peers, steps=3):
             def recv(frm):
                 return boxes[(frm, r)].get(timeout=30)
 
-            kw = dict(strategy=strategy, op=op, feedback=feedback, pieces=pieces, tag=5)
-            if r in peers:
-                ar = pp.Peer(codec, n, r, world, send, recv, **kw)
-            else:
-                ar = gradpack.AllReduce(codec, n, r, world, send, recv, **kw)
-            rng = np.random.default_rng(100 + r)
-            outs = []
-            for step in range(steps):
-                x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n))).astype(np.float32)
-                if r in peers:
-                    out = ar.run(x, seed=1000 + step)
-                else:
-                    out = np.empty(n, np.float32)
-                    ar.run(x, out, seed=1000 + step)
-                outs.append(out.view(np.uint32).copy())
-            results[r] = outs
+            results[r] = body(r, send, recv)
         except BaseException as e:  # reported by the test
             errors.append((r, repr(e)))
 
@@ -77,6 +62,31 @@ def world_run(case, n, world, peers, steps=3):
         t.join(60)
     assert not errors, errors
     return results
+
+
+def world_run(case, n, world, peers, steps=3):
+    """Outputs per rank and step; ranks in ``peers`` are protocol_peer.Peer."""
+    codec, strategy, feedback, pieces, op = case
+
+    def body(r, send, recv):
+        kw = dict(strategy=strategy, op=op, feedback=feedback, pieces=pieces, tag=5)
+        if r in peers:
+            ar = pp.Peer(codec, n, r, world, send, recv, **kw)
+        else:
+            ar = gradpack.AllReduce(codec, n, r, world, send, recv, **kw)
+        rng = np.random.default_rng(100 + r)
+        outs = []
+        for step in range(steps):
+            x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n))).astype(np.float32)
+            if r in peers:
+                out = ar.run(x, seed=1000 + step)
+            else:
+                out = np.empty(n, np.float32)
+                ar.run(x, out, seed=1000 + step)
+            outs.append(out.view(np.uint32).copy())
+        return outs
+
+    return on_ranks(world, body)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-k{c[3]}")
@@ -119,45 +129,27 @@ BUCKET = [  # (start, length, codec, sealed): gaps between, an empty tensor, a s
 def bucket_run(world, peers, op, steps=3, n=2600):
     """Outputs per rank and step of the bucket all-gather (section 6.9); ranks in
     ``peers`` are protocol_peer.BucketPeer."""
-    boxes = {(a, b): queue.Queue() for a in range(world) for b in range(world)}
-    results = [None] * world
-    errors = []
     segments = [(a, m) for a, m, _, _ in BUCKET]
 
-    def rank_main(r):
-        try:
-            def send(msg, to):
-                boxes[(r, to)].put(bytes(msg))
+    def body(r, send, recv):
+        if r in peers:
+            g = pp.BucketPeer(r, world, send, recv, op=op, tag=9)
+        else:
+            g = gradpack.BucketGather(r, world, send, recv, op=op, tag=9)
+        rng = np.random.default_rng(300 + r)
+        outs = []
+        for step in range(steps):
+            x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n))).astype(np.float32)
+            msg = b"".join(
+                gradpack.encode(x[a : a + m], c, seed=step * 31 + r, checksum=sealed)
+                for a, m, c, sealed in BUCKET
+            )
+            out = np.full(n, 7.5, np.float32)
+            g.run(msg, segments, out)
+            outs.append(out.view(np.uint32).copy())
+        return outs
 
-            def recv(frm):
-                return boxes[(frm, r)].get(timeout=30)
-
-            if r in peers:
-                g = pp.BucketPeer(r, world, send, recv, op=op, tag=9)
-            else:
-                g = gradpack.BucketGather(r, world, send, recv, op=op, tag=9)
-            rng = np.random.default_rng(300 + r)
-            outs = []
-            for step in range(steps):
-                x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n))).astype(np.float32)
-                msg = b"".join(
-                    gradpack.encode(x[a : a + m], c, seed=step * 31 + r, checksum=sealed)
-                    for a, m, c, sealed in BUCKET
-                )
-                out = np.full(n, 7.5, np.float32)
-                g.run(msg, segments, out)
-                outs.append(out.view(np.uint32).copy())
-            results[r] = outs
-        except BaseException as e:  # reported by the test
-            errors.append((r, repr(e)))
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return results
+    return on_ranks(world, body)
 
 
 @pytest.mark.parametrize("op", ["mean", "sum"])

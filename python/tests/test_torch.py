@@ -69,6 +69,16 @@ def test_a_restored_hook_state_continues_identically(runs):
         assert r["equal"], r
 
 
+def test_start_step_runs_float32_until_then():
+    # Before start_step every bucket goes in float32, as the hook with codec="identity"
+    # sends it (the same bits); from it on, top-k with error feedback.
+    for steps, same in [(3, True), (5, False)]:
+        (rank0, _) = ddp_digits.run(2, ["identity", "topk-ef-from-3"], [0], steps)
+        a, b = rank0
+        assert a["identical"] and b["identical"], (a, b)
+        assert (a["params_crc"] == b["params_crc"]) == same, (steps, a, b)
+
+
 def test_ring_strategy_on_three_ranks():
     # The ring's chunks and hops differ from the all-gather's; 3 ranks give it unequal
     # chunks and two hops each way. The ranks end identical and the loss falls.
@@ -201,6 +211,9 @@ def test_state_validation():
         gpt.GradpackState(codec="auto", bandwidth="1Gbit/s", trials=0)
     with pytest.raises(ValueError, match="timeout"):
         gpt.GradpackState(codec="int8", timeout=0)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="start_step"):
+            gpt.GradpackState(codec="int8", start_step=bad)
     with pytest.raises(ValueError, match="auto"):
         gpt.GradpackState(codec="auto", bandwidth="1Gbit/s", powersgd=2)
     with pytest.raises(Exception, match="unknown codec"):
