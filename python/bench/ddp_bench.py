@@ -4,6 +4,7 @@ switch.
 
     python bench/ddp_bench.py                       # 4 ranks; unthrottled, 10 and 1 Gbit/s
     python bench/ddp_bench.py --worlds 4,8 --links 1gbit,10gbit,25gbit --configs fp32,gp-auto
+    python bench/ddp_bench.py --configs fp32,gp-topk-ef,gp-topk-ef-from-25   # float32 before step 25
 
 The model is an MLP of 12.7 M parameters (64 -> 2500 -> 2500 -> 2500 -> 10: 48 MiB of
 float32 gradients) trained with SGD on scikit-learn's digits (shipped inside the
@@ -55,9 +56,7 @@ CONFIGS = {
     "gp-fp16-ring": "gradpack fp16, compressed ring",
     "gp-int8-ring": "gradpack int8, compressed ring",
     "gp-sign-ef": "gradpack sign + error feedback",
-    "gp-sign-ef-warm": "gradpack sign + error feedback from step 25 (float32 before)",
     "gp-topk-ef": "gradpack top-k 1% (fp16 values) + error feedback",
-    "gp-topk-ef-warm": "gradpack top-k 1% + error feedback from step 25 (float32 before)",
     "gp-auto": "gradpack auto (cost model on the measured link, then measured; float32, fp16, int8)",
     "gp-auto-sparse": "gradpack auto, top-k 1% + EF and sign + EF among the candidates too",
     "gp-int8-ef-ring": "gradpack int8 + error feedback, compressed ring, 2 pieces",
@@ -86,6 +85,15 @@ def model():
     )
 
 
+def split_start(name):
+    """A gradpack configuration's name and its ``start_step``: ``NAME-from-N`` is NAME
+    with float32 steps before step N (``GradpackState(start_step=N)``)."""
+    head, sep, n = name.rpartition("-from-")
+    if sep and head.startswith("gp-") and n.isdigit():
+        return head, int(n)
+    return name, 0
+
+
 def hook_for(name, net, world):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -109,6 +117,7 @@ def hook_for(name, net, world):
         )
         net.register_comm_hook(st, powerSGD_hook.powerSGD_hook)
     else:
+        base, start = split_start(name)
         kw = {
             "gp-fp16": {"codec": "fp16"},
             "gp-int8": {"codec": "int8"},
@@ -119,24 +128,23 @@ def hook_for(name, net, world):
             "gp-qsgd4": {"codec": "qsgd:bits=4,block=512"},
             "gp-sign-ef": {"codec": "sign", "error_feedback": True},
             "gp-topk-ef": {"codec": "topk:ratio=0.01,values=fp16", "error_feedback": True},
-            "gp-topk-ef-warm": {"codec": "topk:ratio=0.01,values=fp16", "error_feedback": True,
-                                "start_step": 25},
-            "gp-sign-ef-warm": {"codec": "sign", "error_feedback": True, "start_step": 25},
             "gp-powersgd-r1": {"powersgd": {"rank": 1, "start_step": 2}},
             "gp-powersgd-r2": {"powersgd": {"rank": 2, "start_step": 2}},
             "gp-powersgd-r4": {"powersgd": {"rank": 4, "start_step": 2}},
-        }.get(name)
-        if name in ("gp-auto", "gp-auto-sparse"):
+        }.get(base)
+        if base in ("gp-auto", "gp-auto-sparse"):
             bw, lat = gpt.measure_link()
             kw = {"codec": "auto", "bandwidth": bw, "latency": lat}
-            if name == "gp-auto-sparse":
+            if base == "gp-auto-sparse":
                 kw["candidates"] = list(gpt.DEFAULT_CANDIDATES) + [
                     "topk:ratio=0.01,values=fp16", "sign"]
+        if start:
+            kw = dict(kw, start_step=start)
         # Each rank stands for a node of its own: its messages must cross its shaped
         # port, not the shared memory that the ranks of this one machine could use.
         st = gpt.GradpackState(model=net, shared_memory=False, **kw)
         net.register_comm_hook(st, gpt.gradpack_hook)
-        if name in ("gp-auto", "gp-auto-sparse"):
+        if base in ("gp-auto", "gp-auto-sparse"):
             return st, {"auto_bandwidth_bit_s": bw, "auto_latency_s": lat}
         return st, {}
     return None, {}
@@ -439,8 +447,9 @@ def driver(args):
     configs = args.configs.split(",")
     links = [l for l in args.links.split(",") if l and l != "none"]
     for c in configs:
-        if c not in CONFIGS:
-            sys.exit(f"unknown config {c!r}; one of {', '.join(CONFIGS)}")
+        if split_start(c)[0] not in CONFIGS:
+            sys.exit(f"unknown config {c!r}; one of {', '.join(CONFIGS)}, a gradpack one "
+                     "as NAME-from-N to start compressing at step N")
     meta = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cores": os.cpu_count(),
             "torch": torch.__version__, "gradpack_backend": gradpack.backend(),
             "python": platform.python_version(), "steps": args.steps, "warmup": args.warmup,
