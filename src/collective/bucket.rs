@@ -277,10 +277,11 @@ mod tests {
         s.parse().unwrap()
     }
 
-    /// Rank `rank`'s input of `n` elements.
+    /// Rank `rank`'s input of `n` elements (basic arithmetic only: Miri perturbs the
+    /// results of `sin` and its kind, so they could differ from call to call).
     fn input(rank: usize, n: usize) -> Vec<f32> {
         (0..n)
-            .map(|i| ((i * 7 + rank * 13) as f32 * 0.37).sin() * (1.0 + rank as f32))
+            .map(|i| (((i * 7 + rank * 13) % 101) as f32 * 0.37 - 18.0) * (1.0 + rank as f32))
             .collect()
     }
 
@@ -294,6 +295,8 @@ mod tests {
             (4096, "fp8", false),
             (515, "sign", true),
         ];
+        // Under Miri (minutes at these sizes), a tenth of each.
+        let parts = parts.map(|(n, s, sealed)| (if cfg!(miri) { n / 10 } else { n }, s, sealed));
         let mut at = 0;
         let mut segs = Vec::new();
         let mut codecs = Vec::new();
@@ -331,8 +334,13 @@ mod tests {
     fn every_rank_gets_each_tensors_sum_in_rank_order() {
         let (segs, codecs) = bucket();
         let n = segs.last().unwrap().end + 2;
-        for p in [1usize, 2, 3, 4] {
-            for op in [ReduceOp::Sum, ReduceOp::Mean] {
+        let (worlds, ops): (&[usize], &[ReduceOp]) = if cfg!(miri) {
+            (&[1, 3], &[ReduceOp::Mean])
+        } else {
+            (&[1, 2, 3, 4], &[ReduceOp::Sum, ReduceOp::Mean])
+        };
+        for &p in worlds {
+            for &op in ops {
                 let (segs2, codecs2) = (segs.clone(), codecs.clone());
                 let outs = local::run(p, None, move |mut t| {
                     let r = t.rank();
