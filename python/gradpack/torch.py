@@ -1444,7 +1444,11 @@ class _PointToPoint:
         length = torch.tensor([len(msg)], dtype=torch.int64)
         payload = torch.frombuffer(msg, dtype=torch.uint8)
         g = self._group()
-        works = (dist.isend(length, dst, group=g), dist.isend(payload, dst, group=g))
+        self._keep((dist.isend(length, dst, group=g), dist.isend(payload, dst, group=g)),
+                   length, payload)
+
+    def _keep(self, works: Tuple[Any, Any], length: torch.Tensor, payload: torch.Tensor) -> None:
+        """Keep a send's tensors alive until it completes (dropping those done)."""
         with self._lock:
             self._pending = [p for p in self._pending if not all(w.is_completed() for w in p[0])]
             self._pending.append((works, length, payload))
@@ -1474,10 +1478,7 @@ class _PointToPoint:
         buf = torch.empty(int(got), dtype=torch.uint8)
         w_buf = dist.irecv(buf, src, group=g)
         payload = torch.frombuffer(msg, dtype=torch.uint8)
-        works = (w_len, dist.isend(payload, dst, group=g))
-        with self._lock:
-            self._pending = [p for p in self._pending if not all(w.is_completed() for w in p[0])]
-            self._pending.append((works, length, payload))
+        self._keep((w_len, dist.isend(payload, dst, group=g)), length, payload)
         w_buf.wait()
         return buf.numpy()
 

@@ -160,13 +160,12 @@ class BucketPeer(Endpoint):
         p, r = self.world, self.rank
         lengths = [m for _, m in segments]
         msgs = {r: bytes(message)}
-        frames_of(msgs[r], lengths)
+        split = {r: frames_of(msgs[r], lengths)}
         for s in range(p - 1):
             sq, rq = (r - s) % p, (r - s - 1) % p
             self.post((r + 1) % p, call, s, sq, 2, msgs[sq])
             msgs[rq] = self.expect((r - 1) % p, call, s, rq, 2)
-            frames_of(msgs[rq], lengths)
-        split = [frames_of(msgs[q], lengths) for q in range(p)]
+            split[rq] = frames_of(msgs[rq], lengths)
         for i, (a, m) in enumerate(segments):
             seg = out[a : a + m]
             seg[:] = gradpack.decode(split[0][i])

@@ -14,7 +14,7 @@
 use core::ops::Range;
 
 use super::comm::{Comm, ENVELOPE_LEN, Phase, Place};
-use super::{ReduceOp, Stats, Strategy, Transport, peer_error};
+use super::{ReduceOp, Stats, Strategy, Transport, peer_error, ring_gather};
 use crate::codecs::reduce;
 use crate::error::{Error, Result};
 use crate::kernels::mode::WRITE;
@@ -152,37 +152,22 @@ impl BucketGather {
             bytes_sent: 0,
             messages: 0,
         };
-        let (right, left) = ((r + 1) % p, (r + p - 1) % p);
-        let tag = self.tag;
-        let place = |hop: usize, q: usize| Place {
-            call,
-            tag,
-            phase: Phase::FrameAllGather,
-            hop: hop as u32,
-            chunk: q as u32,
-        };
-        // The frame all-gather's ring: at step s send rank r-s's message (this rank's own
-        // at s = 0, then the one received at s - 1), receive rank r-s-1's.
-        for s in 0..p - 1 {
-            let (send_q, recv_q) = ((r + p - s) % p, (r + 2 * p - s - 1) % p);
-            let mut got = core::mem::take(&mut self.msgs[recv_q]);
-            let mut out = core::mem::take(&mut self.msgs[send_q]);
-            let res = comm.exchange(
-                &mut out,
-                right,
-                place(s, send_q),
-                &mut got,
-                left,
-                place(s, recv_q),
-            );
-            stats.bytes_sent += out.len() as u64;
-            stats.messages += 1;
-            self.msgs[send_q] = out;
-            self.msgs[recv_q] = got;
-            res?;
-            check_message(&self.msgs[recv_q][ENVELOPE_LEN..], segments, true)
-                .map_err(|e| peer_error(recv_q, Phase::FrameAllGather, left, e))?;
-        }
+        let (tag, left) = (self.tag, (r + p - 1) % p);
+        ring_gather(
+            comm,
+            &mut self.msgs,
+            r,
+            |q| q,
+            |hop, q| Place {
+                call,
+                tag,
+                phase: Phase::FrameAllGather,
+                hop: hop as u32,
+                chunk: q as u32,
+            },
+            &mut stats,
+            |_, msg| check_message(msg, segments, true),
+        )?;
         // Each tensor's frames, in rank order, summed in one fused pass. Every message was
         // checked whole above (sealed payloads included), so the frames are split without
         // verifying their checksums again.

@@ -921,44 +921,25 @@ impl AllReduce {
         input: &[f32],
         step: &mut Step,
     ) -> Result<()> {
-        let (p, r) = (self.size, self.rank);
-        let (right, left) = ((r + 1) % p, (r + p - 1) % p);
+        let r = self.rank;
         let (codec, seed) = (self.codec, step.seed);
         let ctx_of = |q: usize| EncodeCtx::new(rank_seed(&codec, seed, q));
         let len = self.encode(0, input, ctx_of(r))?;
         self.frames[r].clear();
         self.frames[r].extend_from_slice(&self.enc[..len]);
-        for s in 0..p - 1 {
-            let (send_q, recv_q) = ((r + p - s) % p, (r + 2 * p - s - 1) % p);
-            let (to, want) = (
-                self.place(step.call, Phase::FrameAllGather, s, send_q),
-                self.place(step.call, Phase::FrameAllGather, s, recv_q),
-            );
-            let mut got = core::mem::take(&mut self.frames[recv_q]);
-            let mut out = core::mem::take(&mut self.frames[send_q]);
-            let res = comm.exchange(
-                &mut out,
-                self.global(right),
-                to,
-                &mut got,
-                self.global(left),
-                want,
-            );
-            step.sent(out.len());
-            self.frames[send_q] = out;
-            self.frames[recv_q] = got;
-            res?;
-            let frame = &self.frames[recv_q][ENVELOPE_LEN..];
-            check_origin(&codec, frame, &ctx_of(recv_q)).map_err(|e| {
-                peer_error(
-                    self.global(recv_q),
-                    Phase::FrameAllGather,
-                    self.global(left),
-                    e,
-                )
-            })?;
-        }
-        Ok(())
+        let mut frames = core::mem::take(&mut self.frames);
+        let call = step.call;
+        let res = ring_gather(
+            comm,
+            &mut frames,
+            r,
+            |q| self.global(q),
+            |s, q| self.place(call, Phase::FrameAllGather, s, q),
+            &mut step.stats,
+            |q, frame| check_origin(&codec, frame, &ctx_of(q)).map(drop),
+        );
+        self.frames = frames;
+        res
     }
 
     /// The error for rank `q`'s gathered frame failing to decode with `e`.
@@ -1026,9 +1007,56 @@ struct Step {
 
 impl Step {
     fn sent(&mut self, bytes: usize) {
-        self.stats.bytes_sent += bytes as u64;
-        self.stats.messages += 1;
+        self.stats.sent(bytes);
     }
+}
+
+impl Stats {
+    /// One more message of `bytes` sent.
+    fn sent(&mut self, bytes: usize) {
+        self.bytes_sent += bytes as u64;
+        self.messages += 1;
+    }
+}
+
+/// The frame all-gather's ring (the crate's wire-format section 6.3): `msgs[q]` holds ring
+/// position `q`'s message, envelope room first, this position `r`'s own already in place.
+/// At step `s` the message of position `r - s` (this rank's own at `s = 0`, then the one
+/// received at `s - 1`, byte for byte under a new envelope at `place(s, q)`) goes right
+/// and position `r - s - 1`'s comes from the left, checked by `check(q, frame)` as it
+/// arrives, before it is forwarded; a failure names position `q`'s rank (`global(q)`) and
+/// the neighbour it came through.
+pub(crate) fn ring_gather<T: Transport + ?Sized>(
+    comm: &mut Comm<T>,
+    msgs: &mut [Vec<u8>],
+    r: usize,
+    global: impl Fn(usize) -> usize,
+    place: impl Fn(usize, usize) -> Place,
+    stats: &mut Stats,
+    mut check: impl FnMut(usize, &[u8]) -> Result<()>,
+) -> Result<()> {
+    let p = msgs.len();
+    let (right, left) = (global((r + 1) % p), global((r + p - 1) % p));
+    for s in 0..p - 1 {
+        let (send_q, recv_q) = ((r + p - s) % p, (r + 2 * p - s - 1) % p);
+        let mut got = core::mem::take(&mut msgs[recv_q]);
+        let mut out = core::mem::take(&mut msgs[send_q]);
+        let res = comm.exchange(
+            &mut out,
+            right,
+            place(s, send_q),
+            &mut got,
+            left,
+            place(s, recv_q),
+        );
+        stats.sent(out.len());
+        msgs[send_q] = out;
+        msgs[recv_q] = got;
+        res?;
+        check(recv_q, &msgs[recv_q][ENVELOPE_LEN..])
+            .map_err(|e| peer_error(global(recv_q), Phase::FrameAllGather, left, e))?;
+    }
+    Ok(())
 }
 
 /// A frame from a peer must be whole (header, length and, if sealed, payload checksum),
