@@ -87,7 +87,7 @@ fn collective_seeds_run_clean_and_survive_damage() {
     // sums (checked by running the property, which must not panic), and every byte
     // flip and cut of them is survived.
     let seeds = fuzz_checks::collective_seeds();
-    assert_eq!(seeds.len(), 18);
+    assert_eq!(seeds.len(), 3 * fuzz_checks::CASES);
     for (name, data) in &seeds {
         assert_eq!(
             fuzz_checks::collective_run(data),

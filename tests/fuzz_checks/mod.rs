@@ -431,7 +431,7 @@ pub fn npy(data: &[u8]) {
 // ---------------------------------------------------------------- collective_recv
 
 use gradpack::collective::{
-    AllReduce, AllReduceOptions, Comm, Strategy, StrategyChoice, Transport,
+    AllReduce, AllReduceOptions, BucketGather, Comm, ReduceOp, Strategy, StrategyChoice, Transport,
 };
 
 /// A rank whose peers' messages come from a script: every send is taken (and dropped),
@@ -470,7 +470,8 @@ impl Transport for Scripted {
     }
 }
 
-/// The codecs and strategies the `collective_recv` control bytes choose from.
+/// The codecs and strategies of [`AllReduce`] the `collective_recv` control bytes choose
+/// from (cases 0 to 5).
 pub const COLLECTIVE_CASES: [(&str, Strategy); 6] = [
     ("int8:rounding=stochastic", Strategy::CompressedRing),
     ("qsgd:bits=4,block=64", Strategy::CompressedAllGather),
@@ -479,6 +480,66 @@ pub const COLLECTIVE_CASES: [(&str, Strategy); 6] = [
     ("topk:ratio=0.1,values=fp16", Strategy::CompressedRing),
     ("randk:ratio=0.25", Strategy::CompressedAllGather),
 ];
+
+/// The buckets of [`BucketGather`] the `collective_recv` control bytes choose from (cases
+/// 6 and 7): each tensor's codec and its share of the elements, in thirds, in order.
+pub const BUCKET_CASES: [&[(&str, usize)]; 2] = [
+    &[("int8", 2), ("identity", 1)],
+    &[
+        ("topk:ratio=0.1,values=fp16", 1),
+        ("qsgd:bits=4,block=64", 1),
+        ("fp16", 1),
+    ],
+];
+
+/// How many cases the control byte chooses from: [`COLLECTIVE_CASES`], then
+/// [`BUCKET_CASES`].
+pub const CASES: usize = COLLECTIVE_CASES.len() + BUCKET_CASES.len();
+
+/// One case of `collective_recv`.
+#[derive(Clone, Copy)]
+enum Case {
+    AllReduce(&'static str, Strategy),
+    Bucket(&'static [(&'static str, usize)]),
+}
+
+/// Case `i` (below [`CASES`]).
+fn case_of(i: usize) -> Case {
+    match COLLECTIVE_CASES.get(i) {
+        Some(&(spec, strategy)) => Case::AllReduce(spec, strategy),
+        None => Case::Bucket(BUCKET_CASES[i - COLLECTIVE_CASES.len()]),
+    }
+}
+
+/// A bucket case's segments of `n` elements (`n` a multiple of 3) and each one's codec.
+fn bucket_layout(case: &[(&str, usize)], n: usize) -> Vec<(CodecSpec, core::ops::Range<usize>)> {
+    let mut at = 0;
+    case.iter()
+        .map(|&(spec, thirds)| {
+            let len = n / 3 * thirds;
+            at += len;
+            (spec.parse().expect("bucket case spec"), at - len..at)
+        })
+        .collect()
+}
+
+/// One rank's message for a bucket case: its frames of `input`'s segments, concatenated.
+fn bucket_message(
+    layout: &[(CodecSpec, core::ops::Range<usize>)],
+    input: &[f32],
+    seed: u64,
+) -> Vec<u8> {
+    let mut msg = Vec::new();
+    for (i, (codec, seg)) in layout.iter().enumerate() {
+        let ctx = EncodeCtx::new(seed * 16 + i as u64);
+        msg.extend(
+            codec
+                .encode(&input[seg.clone()], &ctx)
+                .expect("bucket case encode"),
+        );
+    }
+    msg
+}
 
 /// The input of `collective_recv`: control bytes, then each message as a u16 LE length
 /// and its bytes (a truncated last message is cut short).
@@ -492,8 +553,9 @@ pub fn collective_script(control: [u8; 4], messages: &[Vec<u8>]) -> Vec<u8> {
 }
 
 /// `collective_recv`: one rank of an all-reduce whose every received message is fuzz
-/// input (a frame from a peer at any step, place or state). Bytes 0..4: world size
-/// `2 + b0 % 3`, this rank `b1 % size`, the case `b2 % 6` of [`COLLECTIVE_CASES`],
+/// input (a frame from a peer at any step, place or state), or one rank of a bucket
+/// all-gather whose every received message is. Bytes 0..4: world size `2 + b0 % 3`, this
+/// rank `b1 % size`, the case `b2 % 8` ([`COLLECTIVE_CASES`], then [`BUCKET_CASES`]),
 /// elements `b3 * 3`; then the messages (see [`collective_script`]). Three calls run on
 /// one `Comm`. Each gives `Ok` or `Err`, never a panic; the output keeps its length; a
 /// call whose messages were not all consumed cannot have succeeded unless those left
@@ -509,7 +571,7 @@ pub fn collective_run(data: &[u8]) -> usize {
     }
     let size = 2 + usize::from(data[0] % 3);
     let rank = usize::from(data[1]) % size;
-    let (spec, strategy) = COLLECTIVE_CASES[usize::from(data[2]) % COLLECTIVE_CASES.len()];
+    let case = usize::from(data[2]) % CASES;
     let n = usize::from(data[3]) * 3;
     let mut script = std::collections::VecDeque::new();
     let mut rest = &data[4..];
@@ -519,20 +581,24 @@ pub fn collective_run(data: &[u8]) -> usize {
         script.push_back(rest[2..end].to_vec());
         rest = &rest[end..];
     }
-    let codec: CodecSpec = spec.parse().expect("case spec");
     let t = Scripted {
         rank,
         size,
         script,
         sent: Vec::new(),
     };
+    let input: Vec<f32> = (0..n).map(|i| ((i * 7 + rank) % 13) as f32 - 6.0).collect();
+    let (spec, strategy) = match case_of(case) {
+        Case::AllReduce(spec, strategy) => (spec, strategy),
+        Case::Bucket(bucket) => return bucket_run(t, bucket, &input),
+    };
+    let codec: CodecSpec = spec.parse().expect("case spec");
     let opts = AllReduceOptions {
         strategy: StrategyChoice::Forced(strategy),
         ..Default::default()
     };
     let mut ar = AllReduce::new(codec, n, &t, opts).expect("all-reduce state");
     let mut comm = Comm::new(t);
-    let input: Vec<f32> = (0..n).map(|i| ((i * 7 + rank) % 13) as f32 - 6.0).collect();
     let mut ok = 0;
     for seed in 0..3 {
         let mut out = vec![0f32; n];
@@ -545,31 +611,67 @@ pub fn collective_run(data: &[u8]) -> usize {
     ok
 }
 
+/// [`collective_run`]'s bucket cases: three bucket all-gathers of `input`.
+fn bucket_run(t: Scripted, bucket: &[(&str, usize)], input: &[f32]) -> usize {
+    let n = input.len();
+    let layout = bucket_layout(bucket, n);
+    let segments: Vec<_> = layout.iter().map(|(_, s)| s.clone()).collect();
+    let mut g = BucketGather::new(&t, 3, ReduceOp::Sum).expect("bucket state");
+    let mut comm = Comm::new(t);
+    let mut ok = 0;
+    for seed in 0..3 {
+        let msg = bucket_message(&layout, input, seed);
+        let mut out = vec![0f32; n];
+        if g.run(&mut comm, &msg, &segments, &mut out).is_ok() {
+            ok += 1;
+        }
+        assert_eq!(out.len(), n);
+    }
+    ok
+}
+
 /// Seeds for `collective_recv`: for each case and world size, the messages rank 0
 /// receives in three fault-free calls of a real in-process world (so the fuzzer starts
 /// from valid envelopes and frames).
 pub fn collective_seeds() -> Vec<(String, Vec<u8>)> {
     use gradpack::collective::local;
     let mut seeds = Vec::new();
-    for (case, &(spec, strategy)) in COLLECTIVE_CASES.iter().enumerate() {
+    for case in 0..CASES {
         for size in 2..5usize {
             let n = 40 * 3;
-            let codec: CodecSpec = spec.parse().expect("case spec");
             let got = local::run(size, None, |t| {
                 let r = t.rank();
+                let input: Vec<f32> = (0..n).map(|i| ((i * 7 + r) % 13) as f32 - 6.0).collect();
+                // Record what rank 0 receives by recording what its left neighbour sends
+                // it (the ring's only sender to rank 0).
+                let recorder = |t: gradpack::collective::local::Local| {
+                    Comm::new(Recorder {
+                        inner: t,
+                        sent: Vec::new(),
+                    })
+                };
+                let mut out = vec![0f32; n];
+                let (spec, strategy) = match case_of(case) {
+                    Case::AllReduce(spec, strategy) => (spec, strategy),
+                    Case::Bucket(bucket) => {
+                        let layout = bucket_layout(bucket, n);
+                        let segments: Vec<_> = layout.iter().map(|(_, s)| s.clone()).collect();
+                        let mut g = BucketGather::new(&t, 3, ReduceOp::Sum)?;
+                        let mut comm = recorder(t.into_inner());
+                        for seed in 0..3 {
+                            let msg = bucket_message(&layout, &input, seed);
+                            g.run(&mut comm, &msg, &segments, &mut out)?;
+                        }
+                        return Ok(comm.into_inner().sent);
+                    }
+                };
+                let codec: CodecSpec = spec.parse().expect("case spec");
                 let opts = AllReduceOptions {
                     strategy: StrategyChoice::Forced(strategy),
                     ..Default::default()
                 };
                 let mut ar = AllReduce::new(codec, n, &t, opts)?;
-                // Record what rank 0 receives by recording what its left neighbour sends
-                // it (the ring's only sender to rank 0).
-                let mut comm = Comm::new(Recorder {
-                    inner: t.into_inner(),
-                    sent: Vec::new(),
-                });
-                let input: Vec<f32> = (0..n).map(|i| ((i * 7 + r) % 13) as f32 - 6.0).collect();
-                let mut out = vec![0f32; n];
+                let mut comm = recorder(t.into_inner());
                 for seed in 0..3 {
                     ar.run(&mut comm, &input, &mut out, seed)?;
                 }
