@@ -5,6 +5,7 @@ switch.
     python bench/ddp_bench.py                       # 4 ranks; unthrottled, 10 and 1 Gbit/s
     python bench/ddp_bench.py --worlds 4,8 --links 1gbit,10gbit,25gbit --configs fp32,gp-auto
     python bench/ddp_bench.py --configs fp32,gp-topk-ef,gp-topk-ef-from-25   # float32 before step 25
+    python bench/ddp_bench.py --configs fp32,gp-sign-ef-mc   # momentum correction
 
 The model is an MLP of 12.7 M parameters (64 -> 2500 -> 2500 -> 2500 -> 10: 48 MiB of
 float32 gradients) trained with SGD on scikit-learn's digits (shipped inside the
@@ -65,6 +66,8 @@ CONFIGS = {
     "gp-powersgd-r4": "gradpack PowerSGD, rank 4 (start after 2 steps)",
 }
 
+MOMENTUM = 0.9  # SGD's, or the hook's with momentum correction
+
 LINKS = {"unthrottled": None, "25gbit": "25gbit", "10gbit": "10gbit", "1gbit": "1gbit"}
 SUBNET = "10.77.0"
 
@@ -94,6 +97,20 @@ def split_start(name):
     return name, 0
 
 
+def split_momentum(name):
+    """A gradpack configuration's name and whether ``-mc`` follows it: momentum
+    correction, the velocity kept in the hook (``GradpackState(momentum=0.9)``) and the
+    optimizer without momentum."""
+    if name.startswith("gp-") and name.endswith("-mc"):
+        return name[: -len("-mc")], True
+    return name, False
+
+
+def base_name(name):
+    """A configuration's name without its ``-mc`` and ``-from-N``."""
+    return split_momentum(split_start(name)[0])[0]
+
+
 def hook_for(name, net, world):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -118,6 +135,7 @@ def hook_for(name, net, world):
         net.register_comm_hook(st, powerSGD_hook.powerSGD_hook)
     else:
         base, start = split_start(name)
+        base, corrected = split_momentum(base)
         kw = {
             "gp-fp16": {"codec": "fp16"},
             "gp-int8": {"codec": "int8"},
@@ -140,6 +158,8 @@ def hook_for(name, net, world):
                     "topk:ratio=0.01,values=fp16", "sign"]
         if start:
             kw = dict(kw, start_step=start)
+        if corrected:
+            kw = dict(kw, momentum=MOMENTUM)
         # Each rank stands for a node of its own: its messages must cross its shaped
         # port, not the shared memory that the ranks of this one machine could use.
         st = gpt.GradpackState(model=net, shared_memory=False, **kw)
@@ -187,7 +207,9 @@ def rank_main(rank, world, addr, port, cfg, steps, warmup, train_steps, out):
     result = {"config": cfg, "world": world}
     try:
         state, info = hook_for(cfg, net, world)
-        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        # With momentum correction the hook keeps the velocity: the optimizer has none.
+        corrected = split_momentum(split_start(cfg)[0])[1]
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.0 if corrected else MOMENTUM)
         batch = 64
         times = []
         if state is not None and cfg.startswith("gp-auto"):
@@ -447,9 +469,10 @@ def driver(args):
     configs = args.configs.split(",")
     links = [l for l in args.links.split(",") if l and l != "none"]
     for c in configs:
-        if split_start(c)[0] not in CONFIGS:
+        if base_name(c) not in CONFIGS:
             sys.exit(f"unknown config {c!r}; one of {', '.join(CONFIGS)}, a gradpack one "
-                     "as NAME-from-N to start compressing at step N")
+                     "as NAME-from-N to start compressing at step N, NAME-mc with momentum "
+                     "correction (NAME-mc-from-N both)")
     meta = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cores": os.cpu_count(),
             "torch": torch.__version__, "gradpack_backend": gradpack.backend(),
             "python": platform.python_version(), "steps": args.steps, "warmup": args.warmup,

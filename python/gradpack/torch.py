@@ -227,6 +227,21 @@ class GradpackState:
             (the default, 0), error feedback delays early updates, when gradients are
             largest and change fastest: deep gradient compression warms up so, and
             PyTorch's PowerSGD hook by ``start_powerSGD_iter``.
+        momentum: momentum correction (deep gradient compression's): each rank keeps a
+            velocity ``u = momentum * u + g`` per parameter, in float32 on the
+            gradient's device, and the hook all-reduces ``u`` where it would have
+            all-reduced ``g``. Compression and error feedback then act on the update
+            momentum SGD applies rather than on the raw gradient, so what a lossy codec
+            delays or drops is not missing from the optimizer's momentum too. **Make the
+            optimizer without momentum** (``torch.optim.SGD(..., momentum=0)``): the
+            gradients DDP hands it are then the ranks' averaged velocity, and with
+            float32 the step is momentum SGD's (``dampening=0``, not Nesterov) up to
+            rounding. The hook cannot see the optimizer, and momentum applied there as
+            well would be applied twice. Weight decay in the optimizer is added after
+            the velocity rather than inside it; a parameter DDP leaves without a
+            gradient (``find_unused_parameters``) has a zero gradient here, so its
+            velocity decays. Default ``0.0``: off. The velocities are in
+            :meth:`state_dict`.
 
     ``strategy`` is ``"allgather"`` by default; with ``codec="auto"`` it limits the
     strategies tried (default both).
@@ -264,6 +279,7 @@ class GradpackState:
         intra_bandwidth: Union[float, str] = 40e9,
         intra_latency: Union[float, str] = 5e-6,
         start_step: int = 0,
+        momentum: float = 0.0,
     ) -> None:
         if codec is None:
             codec = "identity" if powersgd is not None else "int8"
@@ -317,6 +333,16 @@ class GradpackState:
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"start_step must be an int >= 0, not {start_step!r}")
         self.start_step = start_step
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not (
+            0.0 <= momentum < 1.0
+        ):
+            raise ValueError(f"momentum must be a number in [0, 1), not {momentum!r}")
+        self.momentum = float(momentum)
+        # momentum: the velocity of each parameter (a view of its layout's flat tensor),
+        # the flat tensors by layout, and velocities loaded but not yet used.
+        self._velocity: Dict[str, torch.Tensor] = {}
+        self._vel_flat: Dict[Tuple[Any, ...], torch.Tensor] = {}
+        self._vel_restored: Dict[str, torch.Tensor] = {}
         if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
             raise ValueError(f"pieces must be a positive int, not {pieces!r}")
         self.pieces = pieces
@@ -553,6 +579,11 @@ class GradpackState:
                 "GradpackState.state_dict needs the model: make the state with "
                 "model=ddp_model so residuals are saved by parameter name"
             )
+        if self._model is None and self._velocity:
+            raise ValueError(
+                "GradpackState.state_dict needs the model: make the state with "
+                "model=ddp_model so velocities are saved by parameter name"
+            )
         residuals = {k: torch.from_numpy(v.copy()) for k, v in self._restored.items()}
         for key, ef in self._feedback.items():
             residuals[key] = torch.from_numpy(ef.residual())
@@ -584,6 +615,11 @@ class GradpackState:
                 if p["choice"] is not None
             },
             "choices": {k: list(v) for k, v in self._param_choice.items()},
+            "momentum": self.momentum,
+            "velocities": dict(
+                {k: v.clone() for k, v in self._vel_restored.items()},
+                **{k: v.detach().cpu().clone() for k, v in self._velocity.items()},
+            ),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -610,7 +646,15 @@ class GradpackState:
                 raise ValueError(f"state of {k!r} has dtype {t.dtype}, expected float32")
             return t.detach().cpu().contiguous().numpy().reshape(-1).copy()
 
+        if float(state.get("momentum", 0.0)) != self.momentum:
+            raise ValueError(
+                f"state_dict is for momentum {state.get('momentum', 0.0)!r}; this state has "
+                f"{self.momentum!r}"
+            )
         residuals = {k: f32(k, v) for k, v in state["residuals"].items()}
+        velocities = {
+            k: torch.from_numpy(f32(k, v)) for k, v in state.get("velocities", {}).items()
+        }
         plans, choices = _plans_of(state)
         low_rank = {
             k: (None if v["q"] is None else f32(k, v["q"]), f32(k, v["residual"]))
@@ -631,6 +675,9 @@ class GradpackState:
         self._param_choice = choices
         self._current = {}
         self._plan_printed = bool(plans)
+        self._velocity.clear()
+        self._vel_flat.clear()
+        self._vel_restored = velocities
 
     def wait(self) -> None:
         """Block until every submitted bucket has been reduced."""
@@ -698,6 +745,39 @@ class GradpackState:
         self._feedback[key] = ef
         return ef
 
+    def _momentum(self, buf: torch.Tensor, layout: List[Any]) -> None:
+        """``momentum``: the velocities of the bucket's parameters ``u = momentum * u +
+        g`` (one flat float32 tensor per layout, on the bucket's device), and the bucket's
+        gradients replaced by them. Runs on the training thread, in DDP's stream order."""
+        names = tuple(e[0] for e in layout)
+        key = names + (str(buf.device),)
+        flat = self._vel_flat.get(key)
+        if flat is None:
+            # A new layout (DDP regroups its buckets after the first step): each
+            # parameter's velocity moves into it from where it was (or was loaded).
+            flat = torch.zeros(buf.numel(), dtype=torch.float32, device=buf.device)
+            at = 0
+            for name, n, *_ in layout:
+                old = self._velocity.get(name)
+                if old is None:
+                    old = self._vel_restored.pop(name, None)
+                if old is not None:
+                    if old.numel() != n:
+                        raise ValueError(
+                            f"the velocity of {name!r} has {old.numel()} elements, the "
+                            f"parameter {n}"
+                        )
+                    flat[at : at + n].copy_(old.reshape(-1))
+                self._velocity[name] = flat[at : at + n]
+                at += n
+            mine = set(names)
+            for k in [k for k in self._vel_flat if mine.intersection(k[:-1])]:
+                del self._vel_flat[k]
+            self._vel_flat[key] = flat
+        g = buf.view(-1)
+        flat.mul_(self.momentum).add_(g)
+        g.copy_(flat)
+
     def _buffer(self, key: Any, make) -> Any:
         b = self._buffers.get(key)
         if b is None:
@@ -722,6 +802,8 @@ class GradpackState:
         n = buf.numel()
         if sum(e[1] for e in layout) != n:  # not seen; one tensor then
             layout = [(f"bucket:{index}", n, 2, index, (n,))]
+        if self.momentum:
+            self._momentum(buf, layout)
         world = self._world()
         if world > 1 and step >= self.start_step:
             cfg, plan = self._config(index, layout, n, buf.is_cuda)

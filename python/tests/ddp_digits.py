@@ -83,6 +83,12 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "identity": {"codec": "identity"},
     "topk-ef-from-3": {"codec": "topk:ratio=0.01,values=fp16", "error_feedback": True,
                        "extra": {"start_step": 3}},
+    # Momentum correction: the velocity in the hook, the optimizer without momentum.
+    "identity-momentum": {"codec": "identity", "extra": {"momentum": 0.9}, "sgd_momentum": 0.0},
+    "topk-ef-momentum": {"codec": "topk:ratio=0.01,values=fp16", "error_feedback": True,
+                         "extra": {"momentum": 0.9}, "sgd_momentum": 0.0},
+    "int8-ef-ring-momentum": {"codec": "int8", "strategy": "ring", "error_feedback": True,
+                              "pieces": 2, "extra": {"momentum": 0.9}, "sgd_momentum": 0.0},
 }
 
 
@@ -155,7 +161,7 @@ def make(cfg: Dict[str, Any], seed: int, init: int = -1, device: str = "cpu"):
             **extra,
         )
         net.register_comm_hook(state, gpt.gradpack_hook)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=cfg.get("sgd_momentum", 0.9))
     return net, opt, state
 
 

@@ -79,6 +79,34 @@ def test_start_step_runs_float32_until_then():
         assert (a["params_crc"] == b["params_crc"]) == same, (steps, a, b)
 
 
+def test_momentum_in_the_hook_is_momentum_sgd_and_resumes_exactly():
+    # momentum=0.9 with a plain SGD: the velocity kept in the hook and all-reduced in
+    # float32 gives momentum SGD's parameters (SGD(momentum=0.9) without a hook) up to
+    # rounding (the mean of the velocities against the velocity of the mean). With top-k
+    # and error feedback on 3 ranks the ranks stay identical, and a checkpoint of the
+    # velocities and residuals continues bit for bit.
+    steps = 30
+    (a, b), = [ddp_digits.run(2, ["fp32", "identity-momentum"], [0], steps)[0]]
+    assert a["identical"] and b["identical"], (a, b)
+    assert abs(a["last_loss"] - b["last_loss"]) < 1e-4 * max(1.0, a["last_loss"]), (a, b)
+    assert a["accuracy"] == b["accuracy"], (a, b)
+    res = ddp_digits.run(3, ["topk-ef-momentum", "topk-ef"], [0], 40, resume="topk-ef-momentum")
+    for rank in res:
+        corrected, plain, resumed = rank
+        assert corrected["identical"], corrected
+        assert corrected["params_crc"] != plain["params_crc"], (corrected, plain)
+        assert corrected["last_loss"] < corrected["first_loss"], corrected
+        assert resumed["equal"], resumed
+
+
+def test_momentum_in_the_ring_is_identical_on_every_rank():
+    res = ddp_digits.run(3, ["int8-ef-ring-momentum"], [0], 60)
+    for rank in res:
+        (r,) = rank
+        assert r["identical"], r
+        assert r["last_loss"] < r["first_loss"] / 3, r
+
+
 def test_ring_strategy_on_three_ranks():
     # The ring's chunks and hops differ from the all-gather's; 3 ranks give it unequal
     # chunks and two hops each way. The ranks end identical and the loss falls.
@@ -214,6 +242,12 @@ def test_state_validation():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="start_step"):
             gpt.GradpackState(codec="int8", start_step=bad)
+    for bad in (-0.1, 1.0, True, "0.9"):
+        with pytest.raises(ValueError, match="momentum"):
+            gpt.GradpackState(codec="int8", momentum=bad)
+    with pytest.raises(ValueError, match="momentum"):
+        gpt.GradpackState(codec="int8", momentum=0.9).load_state_dict(
+            gpt.GradpackState(codec="int8").state_dict())
     with pytest.raises(ValueError, match="auto"):
         gpt.GradpackState(codec="auto", bandwidth="1Gbit/s", powersgd=2)
     with pytest.raises(Exception, match="unknown codec"):
