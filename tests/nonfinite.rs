@@ -217,3 +217,42 @@ fn random_k_without_scaling_sends_bits_as_they_are() {
         }
     }
 }
+
+#[test]
+fn dct_tiles_whose_transform_overflows_do_not_set_the_flag() {
+    // Large finite values whose sums overflow: coefficients of ±Inf (and NaN, from Inf -
+    // Inf) from a finite input. The encoder reads the flag from the coefficients of its
+    // batched tiles and must then look at the input itself.
+    for spec in [
+        "dct:k=4",
+        "dct:chunk=16,k=2,values=sign",
+        "dct:chunk=8,k=4,width=16",
+    ] {
+        let spec: CodecSpec = spec.parse().unwrap();
+        for n in [64, 1008, 4096 + 16] {
+            let x: Vec<f32> = (0..n)
+                .map(|i| if i % 3 == 0 { -3.0e38 } else { 3.0e38 })
+                .collect();
+            let frame = spec.encode(&x, &EncodeCtx::new(0)).unwrap();
+            let d = decode(&frame, n);
+            assert!(
+                d.iter().any(|v| !v.is_finite()),
+                "{spec} {n}: no overflow made"
+            );
+            assert!(
+                !gradpack::Header::parse(&frame).unwrap().nonfinite(),
+                "{spec} {n}: a finite input flagged"
+            );
+            // One NaN in the last full tile, then in the tail: flagged.
+            for at in [n - n % 64 - 1, n - 1] {
+                let mut y = x.clone();
+                y[at] = f32::NAN;
+                let frame = spec.encode(&y, &EncodeCtx::new(0)).unwrap();
+                assert!(
+                    gradpack::Header::parse(&frame).unwrap().nonfinite(),
+                    "{spec} {n} {at}"
+                );
+            }
+        }
+    }
+}

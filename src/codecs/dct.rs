@@ -488,7 +488,10 @@ impl Scheme for Dct {
             frame_sum: 0.0,
             frame_kept: 0,
         };
-        let nonfinite = crate::kernels::any_nonfinite(x);
+        // Whether any input element is NaN or ±Inf: read from the coefficients where the
+        // batched path below runs (`checked` elements so far), from the input elsewhere.
+        let mut nonfinite = false;
+        let mut checked = 0;
         let mut tiles = g.tiles().peekable();
         // Tiles of one row with a factorised length and a few kept: many per kernel call,
         // several transformed at once (the same arithmetic as one at a time).
@@ -509,6 +512,13 @@ impl Scheme for Dct {
                 let m = (full - b0).min(BATCH);
                 let xs = &x[b0 * c..(b0 + m) * c];
                 dct::encode_rows_fast(xs, c, kt, &mut pos, &mut vals);
+                // A tile holding NaN or ±Inf has only non-finite coefficients, and they
+                // are kept (their keys are the largest); a finite tile may overflow to
+                // ±Inf as well, so then the batch's input decides. This spares a read
+                // pass over the input.
+                if !nonfinite && vals[..m * kt].iter().any(|v| !v.is_finite()) {
+                    nonfinite = crate::kernels::any_nonfinite(xs);
+                }
                 for t in 0..m {
                     let r = t * kt..(t + 1) * kt;
                     w.tile(&pos[r.clone()], |j| vals[r.start + j]);
@@ -517,7 +527,9 @@ impl Scheme for Dct {
             for _ in 0..full {
                 tiles.next();
             }
+            checked = full * c;
         }
+        nonfinite = nonfinite || crate::kernels::any_nonfinite(&x[checked..]);
         let mut y = [0f32; TILE];
         let mut coef = [0f32; TILE];
         let mut keys = [0u32; TILE];
