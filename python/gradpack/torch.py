@@ -775,7 +775,7 @@ class GradpackState:
                 del self._vel_flat[k]
             self._vel_flat[key] = flat
         g = buf.view(-1)
-        flat.mul_(self.momentum).add_(g)
+        torch.add(g, flat, alpha=self.momentum, out=flat)  # one pass: u = g + m u
         g.copy_(flat)
 
     def _buffer(self, key: Any, make) -> Any:
