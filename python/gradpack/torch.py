@@ -28,7 +28,8 @@ What it does, per bucket:
   ``min_compress_elements`` elements and one-dimensional ones (biases, norm scales) go
   as float32, the others with the codec. So the result does not depend on how DDP
   groups parameters into buckets (it regroups them once, after the first step).
-- ``strategy="allgather"`` (default): each rank encodes its tensors once (with error
+- ``strategy="allgather"`` (the default at 2 ranks, and for sparse codecs and ``sign``
+  at any number): each rank encodes its tensors once (with error
   feedback when on) into one message of back-to-back frames; the crate's
   :class:`gradpack.BucketGather` all-gathers the messages round the ring, point to
   point on the process group, and sums each tensor's frames in rank order in one fused
@@ -39,7 +40,9 @@ What it does, per bucket:
   point on the process group: each of the ``2(p - 1)`` hops moves one ``1/p`` chunk,
   partial sums are re-encoded on the way, and the owners' final frames are forwarded
   unchanged. It moves ``2(p - 1)/p`` frames per rank against the all-gather's ``p - 1``,
-  so it pays from 3 ranks up for dense codecs. With error feedback, each rank keeps a
+  so it pays from 3 ranks up for dense codecs: the default there for the quantisers of
+  :data:`RING_BY_DEFAULT` (int8, fp16, ...). Like every strategy on a whole bucket, it
+  sends small and one-dimensional parameters with the codec too. With error feedback, each rank keeps a
   residual for what it encodes from its own data and, as a chunk's owner, for the
   chunk's final encode; ``pieces`` pipelines each chunk. Its chunks follow the bucket,
   not the parameters, so its residuals belong to the bucket's layout.
@@ -126,7 +129,8 @@ import torch.distributed as dist
 import gradpack
 from gradpack import Codec, ErrorFeedback, _native
 
-__all__ = ["DiLoCo", "GradpackState", "gradpack_hook", "measure_link", "DEFAULT_CANDIDATES", "BIASED_NEED_FEEDBACK"]
+__all__ = ["DiLoCo", "GradpackState", "gradpack_hook", "measure_link", "DEFAULT_CANDIDATES",
+           "BIASED_NEED_FEEDBACK", "RING_BY_DEFAULT"]
 
 DEFAULT_CANDIDATES = ("identity", "fp16", "int8")
 """The codecs ``codec="auto"`` chooses among unless told otherwise: those that train as
@@ -138,6 +142,14 @@ speed."""
 BIASED_NEED_FEEDBACK = ("topk", "chunktopk", "sign")
 """Codecs that get error feedback when ``error_feedback`` is left at ``None``: they drop
 or flatten so much of each step's gradient that training needs the residual back."""
+
+RING_BY_DEFAULT = ("fp16", "bf16", "int8", "qsgd", "natural", "ternary", "fp8", "fp4", "codebook")
+"""Codecs that go by the compressed ring from 3 ranks up when ``strategy`` is left at
+``None``: quantisers, whose partial sums re-encode with an error as bounded as the first
+encode's. The ring moves ``2 (p - 1) / p`` frames per rank where the all-gather moves
+``p - 1``: at 8 ranks the all-gather of int8 frames moves more bytes than float32's
+ring. Sparse codecs (top-k, random-k, ``dct``) and ``sign`` stay on the all-gather,
+which sums each rank's own frames once."""
 
 _MASK = (1 << 64) - 1
 _IDENTITY = Codec("identity")
@@ -170,8 +182,10 @@ class GradpackState:
         error_feedback: ``True``, ``False``, or ``None`` for on exactly when the codec
             is one of :data:`BIASED_NEED_FEEDBACK` (top-k, chunked top-k, sign).
         strategy: ``"allgather"``, ``"ring"``, ``"hierarchical"`` or ``"majority"`` (see
-            the module docs). Default ``"allgather"``, or ``"hierarchical"`` when torchrun's
-            ``LOCAL_WORLD_SIZE`` says the ranks sit on several nodes of more than one.
+            the module docs). Default ``"ring"`` from 3 ranks up for the codecs of
+            :data:`RING_BY_DEFAULT` (int8, fp16, ... : quantisers), else
+            ``"allgather"``; ``"hierarchical"`` when torchrun's ``LOCAL_WORLD_SIZE`` says
+            the ranks sit on several nodes of more than one.
             With ``codec="auto"`` the default is to try them all (``"hierarchical"``
             where the ranks sit on several nodes, or ``nodes`` is given).
         nodes: ``strategy="hierarchical"``: the node of every rank of the process
@@ -243,8 +257,7 @@ class GradpackState:
             velocity decays. Default ``0.0``: off. The velocities are in
             :meth:`state_dict`.
 
-    ``strategy`` is ``"allgather"`` by default; with ``codec="auto"`` it limits the
-    strategies tried (default both).
+    With ``codec="auto"``, ``strategy`` limits the strategies tried (default both).
 
     Making a state runs collectives on the group (the hook's own group is made, and
     ``codec="auto"`` averages the measured speeds), so every rank must make it at the
@@ -414,6 +427,12 @@ class GradpackState:
         else:
             self.codec = Codec(codec)
             self.candidates = [self.codec]
+        # strategy left at None for a quantiser: the ring from 3 ranks up (the world is
+        # known at the first bucket), the all-gather at 2.
+        self._ring_from_3 = (
+            strategy is None and self.strategy == "allgather" and self._ps is None
+            and self.codec is not None and self.codec.name in RING_BY_DEFAULT
+        )
         if dist.is_available() and dist.is_initialized():
             self._comm_group()
             if "hierarchical" in self.strategies:
@@ -970,6 +989,8 @@ class GradpackState:
             assert self.codec is not None
             if self.codec == _IDENTITY:
                 return _FP32, None
+            if self._ring_from_3 and self._world() >= 3:
+                return (self.codec.spec, "ring"), None
             return (self.codec.spec, self.strategy), None
         key = _layout_key(layout, n)
         plan = self._plans.get(key)

@@ -32,6 +32,7 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "topk-ef": {"codec": "topk:ratio=0.01,values=fp16", "error_feedback": True},
     "sign-ef": {"codec": "sign", "error_feedback": True},
     "int8-ring": {"codec": "int8", "strategy": "ring"},
+    "int8-allgather": {"codec": "int8", "strategy": "allgather"},
     # signSGD with majority vote (the crate's "majority"), error feedback on (sign's
     # default), and the same with the ranks' sum for comparison.
     "sign-majority": {"codec": "sign", "strategy": "majority"},

@@ -169,15 +169,20 @@ def test_ddp_options_and_float_types(world):
     # find_unused_parameters (with a layer that never gets a gradient, and without),
     # static_graph and a frozen layer: DDP's own collectives on its group from the
     # training thread, the hook's on its own group from its thread, never interleaved.
-    # bfloat16 and float64 models: the codec works in float32.
+    # bfloat16 and float64 models: the codec works in float32. int8 with the strategy
+    # left at its default goes by the all-gather on 2 ranks and by the crate's ring
+    # (one collective per bucket) on 3; the all-gather asked for stays one on 3.
     configs = ["int8-unused", "int8-unused-all-used", "int8-static", "int8-frozen",
-               "int8-bf16", "int8-f64", "fp32-f64"]
+               "int8-bf16", "int8-f64", "fp32-f64", "int8-allgather"]
     res = ddp_digits.run(world, configs, [0], 80)
     for rank in res:
         assert [r["config"] for r in rank] == configs
         for r in rank:
             assert r["identical"], r
             assert r["last_loss"] < r["first_loss"] / 3, r
+            if r["config"].startswith("int8"):
+                ring = world >= 3 and r["config"] != "int8-allgather"
+                assert (r["collectives"] > 0) == ring, r
 
 
 def test_auto_makes_the_same_choice_on_every_rank():
@@ -217,7 +222,7 @@ def test_auto_plan_resumes_bit_for_bit():
         assert r["equal"], r
 
 
-@pytest.mark.parametrize("config", ["int8", "int8-ef-ring"])
+@pytest.mark.parametrize("config", ["int8-allgather", "int8-ef-ring"])
 def test_a_killed_rank_makes_the_others_raise(config):
     # The last of 3 ranks dies at the start of a step: the hook's messages to and from
     # it fail, and the others' backward raises (gloo sees the closed connection), well
