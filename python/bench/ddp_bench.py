@@ -76,10 +76,25 @@ SUBNET = "10.77.0"
 # ---------------------------------------------------------------------- one rank
 
 
-def model():
+def data():
+    """scikit-learn's digits, shuffled once: (train x, train y, test x, test y) tensors."""
+    import numpy as np
+    import torch
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.from_numpy((d.data / 16.0).astype(np.float32))
+    y = torch.from_numpy(d.target.astype(np.int64))
+    perm = torch.from_numpy(np.random.default_rng(1234).permutation(len(x)))
+    x, y = x[perm], y[perm]
+    cut = int(0.8 * len(x))
+    return x[:cut], y[:cut], x[cut:], y[cut:]
+
+
+def model(seed=0):
     import torch
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     h = 2500
     return torch.nn.Sequential(
         torch.nn.Linear(64, h), torch.nn.ReLU(),
@@ -188,21 +203,14 @@ def enter_netns(name):
 
 
 def rank_main(rank, world, addr, port, cfg, steps, warmup, train_steps, out):
-    import numpy as np
     import torch
     import torch.distributed as dist
-    from sklearn.datasets import load_digits
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
-    d = load_digits()
-    x = torch.from_numpy((d.data / 16.0).astype(np.float32))
-    y = torch.from_numpy(d.target.astype(np.int64))
-    perm = torch.from_numpy(np.random.default_rng(1234).permutation(len(x)))
-    x, y = x[perm], y[perm]
-    cut = int(0.8 * len(x))
-    xs, ys, xt, yt = x[:cut], y[:cut], x[cut:], y[cut:]
+    xs, ys, xt, yt = data()
+    cut = len(xs)
     net = DDP(model())
     info = {}
     state = None

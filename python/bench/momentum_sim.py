@@ -26,6 +26,8 @@ import argparse
 import sys
 import time
 
+from ddp_bench import MOMENTUM, data, model  # the benchmark's data, model and momentum
+
 
 def parse(name):
     """(codec spec or None, momentum correction, masking, start step) of a configuration."""
@@ -43,30 +45,16 @@ def parse(name):
     return codec, mc, mask, start
 
 
-def run(name, seed, steps, world, momentum=0.9, lr=0.01, batch=64):
-    import numpy as np
+def run(name, seed, steps, world, momentum=MOMENTUM, lr=0.01, batch=64):
     import torch
-    from sklearn.datasets import load_digits
 
     import gradpack
 
     codec, mc, mask, start = parse(name)
     torch.set_num_threads(1)
-    d = load_digits()
-    x = torch.from_numpy((d.data / 16.0).astype(np.float32))
-    y = torch.from_numpy(d.target.astype(np.int64))
-    perm = torch.from_numpy(np.random.default_rng(1234).permutation(len(x)))
-    x, y = x[perm], y[perm]
-    cut = int(0.8 * len(x))
-    xs, ys, xt, yt = x[:cut], y[:cut], x[cut:], y[cut:]
-    torch.manual_seed(seed)
-    h = 2500
-    net = torch.nn.Sequential(
-        torch.nn.Linear(64, h), torch.nn.ReLU(),
-        torch.nn.Linear(h, h), torch.nn.ReLU(),
-        torch.nn.Linear(h, h), torch.nn.ReLU(),
-        torch.nn.Linear(h, 10),
-    )
+    xs, ys, xt, yt = data()
+    cut = len(xs)
+    net = model(seed)
     params = list(net.parameters())
     opt = torch.optim.SGD(params, lr=lr, momentum=0.0 if mc else momentum)
     feedback = [[gradpack.ErrorFeedback(codec, p.numel()) for p in params] for _ in range(world)] \

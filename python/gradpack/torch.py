@@ -593,15 +593,10 @@ class GradpackState:
         when there is such state. Waits for buckets still in flight."""
         self.wait()
         ring_ef = any(self._wants_ef(ar.codec) for ar in self._rings.values())
-        if self._model is None and (self._feedback or self._lr or ring_ef):
+        if self._model is None and (self._feedback or self._lr or ring_ef or self._velocity):
             raise ValueError(
                 "GradpackState.state_dict needs the model: make the state with "
-                "model=ddp_model so residuals are saved by parameter name"
-            )
-        if self._model is None and self._velocity:
-            raise ValueError(
-                "GradpackState.state_dict needs the model: make the state with "
-                "model=ddp_model so velocities are saved by parameter name"
+                "model=ddp_model so residuals and velocities are saved by parameter name"
             )
         residuals = {k: torch.from_numpy(v.copy()) for k, v in self._restored.items()}
         for key, ef in self._feedback.items():
