@@ -59,7 +59,9 @@ fn kept_of(frame: &[u8], d: &Dct, n: usize) -> Vec<Vec<(usize, f32)>> {
 fn each_tile_keeps_its_largest_coefficients_and_decodes_to_their_inverse() {
     for (spec, n) in [
         ("dct:chunk=64,k=5", 1000),
+        ("dct:chunk=64,k=5,transform=fast", 1000),
         ("dct:chunk=16,k=3", 333),
+        ("dct:chunk=16,k=12,width=64,transform=fast", 64 * 40),
         ("dct:chunk=8,k=10,width=40", 40 * 21),
         ("dct:chunk=32,k=70,width=50", 50 * 40),
     ] {

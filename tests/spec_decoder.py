@@ -560,7 +560,7 @@ def dct_decode(p, params, n, seed):
     W, = struct.unpack_from("<I", params, 0)
     k, = struct.unpack_from("<H", params, 4)
     c, vt = params[6], params[7]
-    if params[8] > 1:  # the encoder's transform: 0 direct, 1 factorised; decoded alike
+    if params[8] > 2:  # the encoder's transform: 0 direct, 1 factorised, 2 Lee; decoded alike
         raise Reject("dct transform")
     if any(params[9:]):
         raise Reject("unused params")

@@ -15,7 +15,10 @@ values) with error feedback, followed by any of:
   velocity ``u = g + 0.9 u`` and sends it, and the optimizer has no momentum;
 - ``-mask``: with ``-mc``, deep gradient compression's momentum factor masking too (the
   velocity zeroed where the rank's frame sent the element);
-- ``-from-N``: float32 before step N, as ``start_step=N``.
+- ``-from-N``: float32 before step N, as ``start_step=N``;
+- ``-warm-N``: for ``topk``, deep gradient compression's warm-up of the density: 25%,
+  6.25% and 1.5625% in three equal stages over the first N steps, then 1% (the
+  residual carried from stage to stage).
 
 Seed 0 is the benchmark's own initialisation and batch order: its accuracies match the
 benchmark's to a test image or two (float summation order differs). Prints one line per
@@ -30,19 +33,30 @@ from ddp_bench import MOMENTUM, data, model  # the benchmark's data, model and m
 
 
 def parse(name):
-    """(codec spec or None, momentum correction, masking, start step) of a configuration."""
-    base, start = name, 0
-    head, sep, n = name.rpartition("-from-")
+    """(codec spec or None, momentum correction, masking, start step, warm-up steps) of a
+    configuration."""
+    base, start, warm = name, 0, 0
+    head, sep, n = base.rpartition("-from-")
     if sep and n.isdigit():
         base, start = head, int(n)
+    head, sep, n = base.rpartition("-warm-")
+    if sep and n.isdigit():
+        base, warm = head, int(n)
     mask = base.endswith("-mask")
     base = base[: -len("-mask")] if mask else base
     mc = base.endswith("-mc")
     base = base[: -len("-mc")] if mc else base
     codec = {"fp32": None, "sign": "sign", "topk": "topk:ratio=0.01,values=fp16"}.get(base, "?")
-    if codec == "?" or (mask and not mc):
+    if codec == "?" or (mask and not mc) or (warm and base != "topk"):
         sys.exit(f"unknown configuration {name!r}")
-    return codec, mc, mask, start
+    return codec, mc, mask, start, warm
+
+
+def density(step, warm):
+    """Top-k's density at a step under a warm-up of ``warm`` steps (1% without one)."""
+    if step >= warm:
+        return 0.01
+    return (0.25, 0.0625, 0.015625)[3 * step // warm]
 
 
 def run(name, seed, steps, world, momentum=MOMENTUM, lr=0.01, batch=64):
@@ -50,7 +64,7 @@ def run(name, seed, steps, world, momentum=MOMENTUM, lr=0.01, batch=64):
 
     import gradpack
 
-    codec, mc, mask, start = parse(name)
+    codec, mc, mask, start, warm = parse(name)
     torch.set_num_threads(1)
     xs, ys, xt, yt = data()
     cut = len(xs)
@@ -60,7 +74,16 @@ def run(name, seed, steps, world, momentum=MOMENTUM, lr=0.01, batch=64):
     feedback = [[gradpack.ErrorFeedback(codec, p.numel()) for p in params] for _ in range(world)] \
         if codec else None
     velocity = [[torch.zeros(p.numel()) for p in params] for _ in range(world)]
+    ratio = 0.01
     for s in range(steps):
+        if warm and codec and s >= start and density(s, warm) != ratio:
+            ratio = density(s, warm)
+            spec = f"topk:ratio={ratio},values=fp16"
+            for fr in feedback:
+                for j, p in enumerate(params):
+                    old = fr[j].residual()
+                    fr[j] = gradpack.ErrorFeedback(spec, p.numel())
+                    fr[j].set_residual(old)
         g = torch.Generator().manual_seed(s + 100000 * seed)
         idx = torch.randint(0, cut, (batch * world,), generator=g)
         sums = [torch.zeros(p.numel()) for p in params]

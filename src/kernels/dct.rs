@@ -267,24 +267,7 @@ pub(super) fn encode_rows_fast_impl(
         for r in 0..group {
             out[r][0] = 0.0 + z[r][0] * b00;
         }
-        let mut chosen = [[0u16; SELECT_MAX]; ROWS];
-        match w {
-            64 => select_rows::<64>(&mut out, group, kt, &mut chosen),
-            32 => select_rows::<32>(&mut out, group, kt, &mut chosen),
-            16 => select_rows::<16>(&mut out, group, kt, &mut chosen),
-            _ => {
-                for r in 0..group {
-                    select_impl(&mut out[r][..w], kt, &mut keys, &mut chosen[r]);
-                }
-            }
-        }
-        for r in 0..group {
-            let tile = first + r;
-            for (j, &c) in chosen[r][..kt].iter().enumerate() {
-                pos[tile * kt + j] = c;
-                vals[tile * kt + j] = out[r][c as usize];
-            }
-        }
+        select_into(&mut out, group, w, kt, &mut keys, first, pos, vals);
         first += group;
     }
 }
@@ -364,6 +347,378 @@ pub(super) fn forward_fast_impl(
     }
     if factorised(h) {
         return fast_cols(y, h, w, out);
+    }
+    cols_direct(y, h, w, out);
+}
+
+/// Lee's constants of every power-of-two length `m` from 2 to [`MAX_N`], back to back:
+/// `c_m[i]` (`i < m / 2`) is at `m / 2 - 1 + i`, the f32 nearest to
+/// `1 / (2 cos(pi (2 i + 1) / (2 m)))` (evaluated in f64, the cosine's argument below
+/// `pi / 2`; a test checks that every one lies far from an f32 rounding boundary).
+fn lee_consts() -> &'static [f32; MAX_N - 1] {
+    static C: OnceLock<[f32; MAX_N - 1]> = OnceLock::new();
+    C.get_or_init(|| {
+        let mut c = [0f32; MAX_N - 1];
+        let mut m = 2;
+        while m <= MAX_N {
+            for i in 0..m / 2 {
+                c[m / 2 - 1 + i] = lee_const_f64(m, i) as f32;
+            }
+            m *= 2;
+        }
+        c
+    })
+}
+
+/// `1 / (2 cos(pi (2 i + 1) / (2 m)))` in f64, before rounding to f32.
+fn lee_const_f64(m: usize, i: usize) -> f64 {
+    0.5 / cos_quarter((2 * i + 1) as u64, m as u64)
+}
+
+/// The orthonormal scales of Lee's transform of length `n`: `(s_0, s)`, the f32 nearest
+/// to `sqrt(1 / n)` and to `sqrt(2 / n)`.
+#[inline(always)]
+fn lee_scales(n: usize) -> (f32, f32) {
+    (
+        (1.0 / n as f64).sqrt() as f32,
+        (2.0 / n as f64).sqrt() as f32,
+    )
+}
+
+/// Lee's DCT-II of `n` values (`n` a power of two, 2 to [`MAX_N`]), each value a vector
+/// of `L` lanes transformed independently (`a[v][j]` is value `v` of lane `j`), in place
+/// in `a[..n]`, `b` being scratch of the same length. For each lane the operations are
+/// those the format states, in f32 without fused multiply-adds:
+///
+/// 1. splitting, for block sizes `m = n, n / 2, ..., 2`: each block of `m` values `z`
+///    becomes `g_i = z_i + z_{m-1-i}` then `h_i = (z_i - z_{m-1-i}) c_m[i]` (`i < m / 2`);
+/// 2. merging, for `m = 2, 4, ..., n`: a block whose halves hold the transforms `G` of its
+///    `g` and `H` of its `h` becomes `C_{2k} = G_k`, `C_{2k+1} = H_k + H_{k+1}`
+///    (`k < m / 2 - 1`) and `C_{m-1} = H_{m/2-1}`;
+/// 3. scaling: `U_0 = C_0 s_0`, `U_k = C_k s` (`k >= 1`) with [`lee_scales`].
+#[inline(always)]
+fn lee<const L: usize>(a: &mut [[f32; L]], b: &mut [[f32; L]], n: usize) {
+    match n {
+        64 => lee_n::<64, L>(a, b),
+        32 => lee_n::<32, L>(a, b),
+        16 => lee_n::<16, L>(a, b),
+        8 => lee_n::<8, L>(a, b),
+        4 => lee_n::<4, L>(a, b),
+        _ => lee_n::<2, L>(a, b),
+    }
+}
+
+/// [`lee`] of `N` values.
+#[inline(always)]
+fn lee_n<const N: usize, const L: usize>(a: &mut [[f32; L]], b: &mut [[f32; L]]) {
+    let c = lee_consts();
+    let a: &mut [[f32; L]; N] = (&mut a[..N]).try_into().expect("N values");
+    let b: &mut [[f32; L]; N] = (&mut b[..N]).try_into().expect("N values");
+    let mut m = N;
+    let mut into_b = true;
+    while m >= 2 {
+        let half = m / 2;
+        let cm = &c[half - 1..m - 1];
+        let (src, dst) = if into_b {
+            (&*a, &mut *b)
+        } else {
+            (&*b, &mut *a)
+        };
+        for o in (0..N).step_by(m) {
+            for i in 0..half {
+                let (x, y, ci) = (src[o + i], src[o + m - 1 - i], cm[i]);
+                let (mut g, mut h) = ([0f32; L], [0f32; L]);
+                for j in 0..L {
+                    g[j] = x[j] + y[j];
+                    h[j] = (x[j] - y[j]) * ci;
+                }
+                dst[o + i] = g;
+                dst[o + half + i] = h;
+            }
+        }
+        into_b = !into_b;
+        m = half;
+    }
+    let (s0, s) = lee_scales(N);
+    let mut m = 2;
+    while m <= N {
+        let half = m / 2;
+        let last = m == N;
+        let (src, dst) = if into_b {
+            (&*a, &mut *b)
+        } else {
+            (&*b, &mut *a)
+        };
+        for o in (0..N).step_by(m) {
+            for k in 0..half {
+                let (g, h) = (src[o + k], src[o + half + k]);
+                let mut odd = h;
+                if k + 1 < half {
+                    let h1 = src[o + half + k + 1];
+                    for j in 0..L {
+                        odd[j] = h[j] + h1[j];
+                    }
+                }
+                let mut even = g;
+                if last {
+                    let se = if k > 0 { s } else { s0 };
+                    for j in 0..L {
+                        even[j] = g[j] * se;
+                        odd[j] *= s;
+                    }
+                }
+                dst[o + 2 * k] = even;
+                dst[o + 2 * k + 1] = odd;
+            }
+        }
+        into_b = !into_b;
+        m *= 2;
+    }
+    // 2 log2(N) passes: the result is back in `a`.
+    debug_assert!(!into_b);
+}
+
+/// [`lee`] down the `h` rows of `y` (`h` rows of `w`; `h` [`factorised`]) into `out`, `W`
+/// of a row's elements at a time as the lanes.
+#[inline(always)]
+fn lee_cols<const W: usize>(y: &[f32], h: usize, out: &mut [f32]) {
+    let w = y.len() / h;
+    let (mut a, mut b) = ([[0f32; W]; MAX_N], [[0f32; W]; MAX_N]);
+    for c0 in (0..w).step_by(W) {
+        for (a, row) in a.iter_mut().zip(y.chunks_exact(w)) {
+            a.copy_from_slice(&row[c0..c0 + W]);
+        }
+        lee(&mut a, &mut b, h);
+        for (a, row) in a.iter().zip(out.chunks_exact_mut(w)) {
+            row[c0..c0 + W].copy_from_slice(a);
+        }
+    }
+}
+
+/// Tiles transformed at once, as lanes, by [`encode_rows_lee`].
+const LANES: usize = 16;
+
+/// [`encode_rows_fast`] with Lee's transform ([`forward_lee`]'s arithmetic): [`LANES`]
+/// tiles at once, each a lane of the transform's vectors, then the same selection.
+pub fn encode_rows_lee(x: &[f32], w: usize, kt: usize, pos: &mut [u16], vals: &mut [f32]) {
+    super::dct_encode_rows_lee(x, w, kt, pos, vals)
+}
+
+/// [`encode_rows_lee`], inlined into each backend's compilation.
+#[inline(always)]
+pub(super) fn encode_rows_lee_impl(
+    x: &[f32],
+    w: usize,
+    kt: usize,
+    pos: &mut [u16],
+    vals: &mut [f32],
+) {
+    assert!(factorised(w) && w <= MAX_N && (1..=SELECT_MAX).contains(&kt) && kt < w);
+    let tiles = x.len() / w;
+    let mut a = [[0f32; LANES]; MAX_N];
+    let mut b = [[0f32; LANES]; MAX_N];
+    let mut out = [[0f32; MAX_N]; ROWS];
+    let mut keys = [0u64; MAX_N];
+    let mut first = 0;
+    while first < tiles {
+        let group = (tiles - first).min(LANES);
+        // Lanes past `group` (a last, partial group) hold earlier values: transformed,
+        // never read.
+        for (t, tile) in x[first * w..(first + group) * w]
+            .chunks_exact(w)
+            .enumerate()
+        {
+            for (n, &v) in tile.iter().enumerate() {
+                a[n][t] = v;
+            }
+        }
+        lee(&mut a, &mut b, w);
+        if kt <= LANE_SELECT_MAX {
+            let mut at = [[0u8; LANES]; LANE_SELECT_MAX];
+            match kt {
+                1 => select_lanes::<1>(&a[..w], &mut at),
+                2 => select_lanes::<2>(&a[..w], &mut at),
+                3 => select_lanes::<3>(&a[..w], &mut at),
+                4 => select_lanes::<4>(&a[..w], &mut at),
+                5 => select_lanes::<5>(&a[..w], &mut at),
+                6 => select_lanes::<6>(&a[..w], &mut at),
+                7 => select_lanes::<7>(&a[..w], &mut at),
+                _ => select_lanes::<8>(&a[..w], &mut at),
+            }
+            for t in 0..group {
+                let o = (first + t) * kt;
+                for (j, at) in at[..kt].iter().enumerate() {
+                    let c = at[t];
+                    pos[o + j] = u16::from(c);
+                    vals[o + j] = canonical(a[c as usize][t]);
+                }
+            }
+            first += group;
+            continue;
+        }
+        for r0 in (0..group).step_by(ROWS) {
+            let rows = (group - r0).min(ROWS);
+            for (r, o) in out.iter_mut().enumerate().take(rows) {
+                for (n, o) in o[..w].iter_mut().enumerate() {
+                    *o = a[n][r0 + r];
+                }
+            }
+            select_into(&mut out, rows, w, kt, &mut keys, first + r0, pos, vals);
+        }
+        first += group;
+    }
+}
+
+/// Most coefficients per tile that [`select_lanes`] keeps.
+const LANE_SELECT_MAX: usize = 8;
+
+/// The selection of [`select`] (the `K` largest keys `bits & 0x7FFFFFFF`, a NaN's being
+/// `0x7FC00000`'s, the lower position first among equal keys) for each of the [`LANES`]
+/// tiles whose coefficient `n` is `c[n][t]`, as one pass of insertions into a list of the
+/// `K` best so far, kept in order, in every lane at once. A key is taken plus one, so that
+/// every coefficient, +0 too, beats the list's initial zeros. Last, each lane's `K`
+/// positions are sorted: `at[i][t]` is then tile `t`'s `i`-th chosen position in
+/// increasing order.
+#[inline(always)]
+fn select_lanes<const K: usize>(c: &[[f32; LANES]], at: &mut [[u8; LANES]; LANE_SELECT_MAX]) {
+    let mut best = [[0i32; LANES]; K];
+    let mut pos = [[0i32; LANES]; K];
+    for (n, v) in c.iter().enumerate() {
+        let mut key = [0i32; LANES];
+        for j in 0..LANES {
+            let b = (v[j].to_bits() & 0x7FFF_FFFF) as i32;
+            key[j] = if b > 0x7F80_0000 { 0x7FC0_0001 } else { b + 1 };
+        }
+        // Against the list as it was: the key beats entries `r..K` (`r` being how many
+        // are at least as large: a tie keeps the earlier position ahead). Those move down
+        // by one, the last dropping off, and the key takes place `r`. Written as selects
+        // of values, which compilers vectorise across the lanes.
+        let n = n as i32;
+        let mut beats = [[false; LANES]; K];
+        for (m, b) in beats.iter_mut().zip(&best) {
+            for j in 0..LANES {
+                m[j] = key[j] > b[j];
+            }
+        }
+        for i in (0..K).rev() {
+            let (up_key, up_pos, up_beats) = if i > 0 {
+                (best[i - 1], pos[i - 1], beats[i - 1])
+            } else {
+                ([0; LANES], [0; LANES], [false; LANES])
+            };
+            let (bk, bp) = (best[i], pos[i]);
+            let (mut nk, mut np) = ([0i32; LANES], [0i32; LANES]);
+            for j in 0..LANES {
+                let (k, p) = if up_beats[j] {
+                    (up_key[j], up_pos[j])
+                } else {
+                    (key[j], n)
+                };
+                nk[j] = if beats[i][j] { k } else { bk[j] };
+                np[j] = if beats[i][j] { p } else { bp[j] };
+            }
+            best[i] = nk;
+            pos[i] = np;
+        }
+    }
+    // Into increasing position, by odd-even transposition (K rounds of compare-exchange
+    // of neighbours), in every lane at once.
+    for round in 0..K {
+        for i in (round % 2..K.saturating_sub(1)).step_by(2) {
+            let (lo, hi) = (pos[i], pos[i + 1]);
+            for j in 0..LANES {
+                pos[i][j] = lo[j].min(hi[j]);
+                pos[i + 1][j] = lo[j].max(hi[j]);
+            }
+        }
+    }
+    for (o, p) in at.iter_mut().zip(&pos) {
+        for j in 0..LANES {
+            o[j] = p[j] as u8;
+        }
+    }
+}
+
+/// The selection of [`encode_rows_fast`] and [`encode_rows_lee`] on `rows` tiles of `w`
+/// coefficients in `out`, tile `tile0 + r`'s positions and values written at
+/// `(tile0 + r) * kt`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn select_into(
+    out: &mut [[f32; MAX_N]; ROWS],
+    rows: usize,
+    w: usize,
+    kt: usize,
+    keys: &mut [u64; MAX_N],
+    tile0: usize,
+    pos: &mut [u16],
+    vals: &mut [f32],
+) {
+    let mut chosen = [[0u16; SELECT_MAX]; ROWS];
+    match w {
+        64 => select_rows::<64>(out, rows, kt, &mut chosen),
+        32 => select_rows::<32>(out, rows, kt, &mut chosen),
+        16 => select_rows::<16>(out, rows, kt, &mut chosen),
+        _ => {
+            for r in 0..rows {
+                select_impl(&mut out[r][..w], kt, keys, &mut chosen[r]);
+            }
+        }
+    }
+    for r in 0..rows {
+        let tile = tile0 + r;
+        for (j, &c) in chosen[r][..kt].iter().enumerate() {
+            pos[tile * kt + j] = c;
+            vals[tile * kt + j] = out[r][c as usize];
+        }
+    }
+}
+
+/// [`forward`] by Lee's transform along each side whose length is a power of two from 2,
+/// by the direct sums along the others (and `U_0 = 0 + u_0 * 1` along a side of 1); `y`
+/// is scratch of at least `h * w`.
+pub fn forward_lee(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out: &mut [f32]) {
+    super::dct_forward_lee(x, stride, h, w, y, out)
+}
+
+/// [`forward_lee`], inlined into each backend's compilation.
+#[inline(always)]
+pub(super) fn forward_lee_impl(
+    x: &[f32],
+    stride: usize,
+    h: usize,
+    w: usize,
+    y: &mut [f32],
+    out: &mut [f32],
+) {
+    if !factorised(w) && !factorised(h) {
+        return forward_impl(x, stride, h, w, y, out);
+    }
+    let y = &mut y[..h * w];
+    let out = &mut out[..h * w];
+    let (mut z, mut scratch) = ([[0f32; 1]; MAX_N], [[0f32; 1]; MAX_N]);
+    if factorised(w) {
+        for (i, yr) in y.chunks_exact_mut(w).enumerate() {
+            let xr = &x[i * stride..i * stride + w];
+            z.iter_mut().zip(xr).for_each(|(z, &v)| z[0] = v);
+            lee(&mut z, &mut scratch, w);
+            yr.iter_mut().zip(&z).for_each(|(y, z)| *y = z[0]);
+        }
+    } else {
+        rows_direct(x, stride, w, y);
+    }
+    if h == 1 {
+        return one_row(y, out);
+    }
+    if factorised(h) {
+        // Down the columns, the elements of a row being the lanes.
+        return match w {
+            64 => lee_cols::<64>(y, h, out),
+            32 => lee_cols::<32>(y, h, out),
+            16 => lee_cols::<16>(y, h, out),
+            8 => lee_cols::<8>(y, h, out),
+            _ => lee_cols::<1>(y, h, out),
+        };
     }
     cols_direct(y, h, w, out);
 }
@@ -844,17 +1199,42 @@ mod tests {
             x.extend((0..w).map(|i| [3.0, -3.0, 0.25, 7.0][i % 4]));
             x.extend((0..3 * w).map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 0.37));
             let tiles = x.len() / w;
-            let kts: Vec<usize> = [1, 2, 4, 15, 16].into_iter().filter(|&k| k < w).collect();
-            for &kt in &kts {
-                for n in 1..=tiles {
+            let kts: Vec<usize> = [1, 2, 4, 5, 8, 15, 16]
+                .into_iter()
+                .filter(|&k| k < w)
+                .collect();
+            // Both batched encoders, each against its own transform of one row.
+            type Encode = fn(&[f32], usize, usize, &mut [u16], &mut [f32]);
+            type Row = fn(&[f32], usize, &mut [f32]);
+            let fast: Row = |x, w, out| {
+                let mut y = [0f32; MAX_N];
+                y[..w].copy_from_slice(x);
+                fast_row(&mut y, w, out)
+            };
+            let lee_row: Row = |x, w, out| {
+                let (mut a, mut b) = ([[0f32; 1]; MAX_N], [[0f32; 1]; MAX_N]);
+                a.iter_mut().zip(x).for_each(|(a, &v)| a[0] = v);
+                lee(&mut a, &mut b, w);
+                out.iter_mut().zip(&a[..w]).for_each(|(o, a)| *o = a[0]);
+            };
+            let encoders: [(&str, Encode, Row); 2] = [
+                ("fast", encode_rows_fast, fast),
+                ("lee", encode_rows_lee, lee_row),
+            ];
+            for (&kt, (name, encode, row)) in kts
+                .iter()
+                .flat_map(|kt| encoders.iter().map(move |e| (kt, e)))
+            {
+                // Miri: one kt of each selection (slow under it).
+                let miri_skip = cfg!(miri) && ![1, 4, 15].contains(&kt);
+                for n in (1..=tiles).filter(|_| !miri_skip) {
                     let xs = &x[..n * w];
                     for backend in crate::kernels::Backend::available() {
                         let (mut pos, mut vals) = (vec![0u16; n * kt], vec![0f32; n * kt]);
-                        backend.run(|| encode_rows_fast(xs, w, kt, &mut pos, &mut vals));
+                        backend.run(|| encode(xs, w, kt, &mut pos, &mut vals));
                         for t in 0..n {
-                            let (mut y, mut coef) = ([0f32; MAX_N], [0f32; MAX_N]);
-                            y[..w].copy_from_slice(&xs[t * w..(t + 1) * w]);
-                            fast_row(&mut y, w, &mut coef);
+                            let mut coef = [0f32; MAX_N];
+                            row(&xs[t * w..(t + 1) * w], w, &mut coef);
                             let coef: Vec<f32> = coef[..w]
                                 .iter()
                                 .map(|&v| if v.is_nan() { CANONICAL_NAN } else { v })
@@ -869,7 +1249,8 @@ mod tests {
                                 .iter()
                                 .map(|&p| p as usize)
                                 .collect();
-                            let ctx = format!("{} w={w} kt={kt} n={n} tile {t}", backend.name());
+                            let ctx =
+                                format!("{name} {} w={w} kt={kt} n={n} tile {t}", backend.name());
                             assert_eq!(got, want, "{ctx}");
                             for (j, &p) in want.iter().enumerate() {
                                 assert_eq!(vals[t * kt + j].to_bits(), coef[p].to_bits(), "{ctx}");
@@ -1090,6 +1471,267 @@ mod tests {
             );
             for (a, b) in x.iter().zip(&back) {
                 assert!((a - b).abs() < 1e-4, "{h}x{w}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// Lee's transform of one side as the format states it, recursively, in f64 or (with
+    /// `f32_mode`) with every operation rounded to f32 and the f32 constants.
+    fn spec_lee_1d(x: &[f64], f32_mode: bool) -> Vec<f64> {
+        let r = |v: f64| if f32_mode { v as f32 as f64 } else { v };
+        fn unscaled(z: &[f64], r: &dyn Fn(f64) -> f64, f32_mode: bool) -> Vec<f64> {
+            let m = z.len();
+            if m == 1 {
+                return z.to_vec();
+            }
+            let half = m / 2;
+            let c = |i: usize| {
+                let v = super::lee_const_f64(m, i);
+                if f32_mode { f64::from(v as f32) } else { v }
+            };
+            let g: Vec<f64> = (0..half).map(|i| r(z[i] + z[m - 1 - i])).collect();
+            let h: Vec<f64> = (0..half)
+                .map(|i| r(r(z[i] - z[m - 1 - i]) * c(i)))
+                .collect();
+            let (gt, ht) = (unscaled(&g, r, f32_mode), unscaled(&h, r, f32_mode));
+            let mut out = vec![0f64; m];
+            for k in 0..half {
+                out[2 * k] = gt[k];
+                out[2 * k + 1] = if k + 1 < half {
+                    r(ht[k] + ht[k + 1])
+                } else {
+                    ht[k]
+                };
+            }
+            out
+        }
+        let n = x.len();
+        let (s0, s) = if f32_mode {
+            let (a, b) = lee_scales(n);
+            (f64::from(a), f64::from(b))
+        } else {
+            ((1.0 / n as f64).sqrt(), (2.0 / n as f64).sqrt())
+        };
+        unscaled(x, &r, f32_mode)
+            .iter()
+            .enumerate()
+            .map(|(k, &v)| r(v * if k == 0 { s0 } else { s }))
+            .collect()
+    }
+
+    #[test]
+    fn every_lee_constant_rounds_the_same_for_any_careful_evaluation() {
+        // The 63 constants and the irrational scales lie far from an f32 rounding
+        // boundary, so any evaluation within a few f64 ulps rounds to the same f32.
+        let mut worst = f64::INFINITY;
+        let mut m = 2;
+        while m <= MAX_N {
+            for i in 0..m / 2 {
+                let v = lee_const_f64(m, i);
+                assert_eq!(lee_consts()[m / 2 - 1 + i], v as f32);
+                worst = worst.min(boundary_margin(v));
+            }
+            for v in [(1.0 / m as f64).sqrt(), (2.0 / m as f64).sqrt()] {
+                if f64::from(v as f32) != v {
+                    worst = worst.min(boundary_margin(v));
+                }
+            }
+            m *= 2;
+        }
+        assert!(worst > 2f64.powi(-40), "closest to a boundary: {worst:e}");
+    }
+
+    #[test]
+    fn lee_follows_its_stated_order_on_every_backend() {
+        // Rows then columns by the format's statement in f32 (direct sums along sides that
+        // are not powers of two): the same bits on every backend, through the tile
+        // transform and (one-row tiles) the batched encoder's transform; close to the
+        // exact transform in f64.
+        let shapes: &[(usize, usize)] = if cfg!(miri) {
+            &[(1, 8), (4, 8), (3, 8)]
+        } else {
+            &[
+                (1, 64),
+                (1, 32),
+                (1, 2),
+                (1, 4),
+                (64, 64),
+                (8, 8),
+                (16, 4),
+                (3, 8),
+                (8, 5),
+                (1, 36),
+            ]
+        };
+        let stride = 70;
+        let x: Vec<f32> = (0..64 * stride)
+            .map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 0.37)
+            .collect();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let direct = |v: &[f64], n: usize| -> Vec<f64> {
+            let b = basis(n);
+            (0..n)
+                .map(|k| {
+                    let mut acc = 0f32;
+                    for (i, &u) in v.iter().enumerate() {
+                        acc += u as f32 * b[k * n + i];
+                    }
+                    f64::from(acc)
+                })
+                .collect()
+        };
+        let mut worst = 0f64;
+        for &(h, w) in shapes {
+            let mut y = vec![0f64; h * w];
+            for i in 0..h {
+                let row: Vec<f64> = (0..w).map(|n| f64::from(x[i * stride + n])).collect();
+                let t = if factorised(w) {
+                    spec_lee_1d(&row, true)
+                } else {
+                    direct(&row, w)
+                };
+                y[i * w..(i + 1) * w].copy_from_slice(&t);
+            }
+            let mut want = vec![0f32; h * w];
+            for b in 0..w {
+                let col: Vec<f64> = (0..h).map(|i| y[i * w + b]).collect();
+                let t = if h == 1 {
+                    vec![col[0] + 0.0]
+                } else if factorised(h) {
+                    spec_lee_1d(&col, true)
+                } else {
+                    direct(&col, h)
+                };
+                for a in 0..h {
+                    want[a * w + b] = t[a] as f32;
+                }
+            }
+            let mut exact = vec![0f64; h * w];
+            for a in 0..h {
+                for b in 0..w {
+                    for i in 0..h {
+                        for n in 0..w {
+                            exact[a * w + b] += f64::from(x[i * stride + n])
+                                * super::entry_f64(h, a, i)
+                                * super::entry_f64(w, b, n);
+                        }
+                    }
+                }
+            }
+            let scale = exact.iter().fold(0f64, |m, v| m.max(v.abs()));
+            for (o, e) in want.iter().zip(&exact) {
+                worst = worst.max((f64::from(*o) - e).abs() / scale);
+            }
+            for backend in crate::kernels::Backend::available() {
+                let (mut yy, mut out) = (vec![0f32; h * w], vec![f32::NAN; h * w]);
+                backend.run(|| forward_lee(&x, stride, h, w, &mut yy, &mut out));
+                assert_eq!(bits(&out), bits(&want), "{} {h}x{w}", backend.name());
+                if h == 1 && factorised(w) && w > 2 {
+                    // All coefficients kept but one: the batched encoder's values.
+                    let kt = (w - 1).min(SELECT_MAX);
+                    let (mut pos, mut vals) = (vec![0u16; kt], vec![0f32; kt]);
+                    backend.run(|| encode_rows_lee(&x[..w], w, kt, &mut pos, &mut vals));
+                    for (&p, v) in pos.iter().zip(&vals) {
+                        assert_eq!(v.to_bits(), want[p as usize].to_bits(), "{h}x{w}");
+                    }
+                }
+            }
+        }
+        // f32 rounding through up to 12 levels of Lee's recursion per side, with its
+        // constants up to 20: within a part in a million of the largest coefficient (2e-7
+        // when written).
+        assert!(
+            worst < 1e-6,
+            "worst error {worst:e} of the largest coefficient"
+        );
+    }
+
+    /// Every value Lee's transform of `x` computes (splits, merges, outputs), in f64, in
+    /// an order that depends on the length only.
+    fn lee_values(z: &[f64], all: &mut Vec<f64>) -> Vec<f64> {
+        let m = z.len();
+        if m == 1 {
+            return z.to_vec();
+        }
+        let half = m / 2;
+        let g: Vec<f64> = (0..half).map(|i| z[i] + z[m - 1 - i]).collect();
+        let h: Vec<f64> = (0..half)
+            .map(|i| (z[i] - z[m - 1 - i]) * lee_const_f64(m, i))
+            .collect();
+        all.extend(g.iter().chain(&h));
+        let (gt, ht) = (lee_values(&g, all), lee_values(&h, all));
+        let mut out = vec![0f64; m];
+        for k in 0..half {
+            out[2 * k] = gt[k];
+            out[2 * k + 1] = if k + 1 < half {
+                ht[k] + ht[k + 1]
+            } else {
+                ht[k]
+            };
+        }
+        all.extend(&out);
+        out
+    }
+
+    #[test]
+    fn lee_stays_finite_below_its_documented_bound() {
+        // Each value is linear in the input: its largest magnitude over inputs within M is
+        // M times the L1 norm of its coefficients. Rows: every value within f32's range for
+        // M = 2^117; a 2-D tile: the columns' values too, on rows of scaled outputs (each
+        // at most the L1 norm of a basis row times M). The format's documents promise no
+        // overflow below 2^117.
+        let bound = 2f64.powi(117);
+        let max = f64::from(f32::MAX);
+        let mut n = 2;
+        while n <= MAX_N {
+            let mut gains: Vec<f64> = Vec::new();
+            for j in 0..n {
+                let mut e = vec![0f64; n];
+                e[j] = 1.0;
+                let mut all = Vec::new();
+                lee_values(&e, &mut all);
+                gains.resize(all.len(), 0.0);
+                gains.iter_mut().zip(&all).for_each(|(g, v)| *g += v.abs());
+            }
+            let gain = gains.iter().fold(0f64, |m, &g| m.max(g));
+            let b = basis(n);
+            let out = (0..n)
+                .map(|k| (0..n).map(|i| f64::from(b[k * n + i]).abs()).sum::<f64>())
+                .fold(0f64, f64::max);
+            assert!(gain * bound < max / 1.01, "rows of {n}: gain {gain}");
+            assert!(
+                gain * out * bound < max / 1.01,
+                "tiles of {n}: {gain} x {out}"
+            );
+            n *= 2;
+        }
+        // And f32 itself: tiles of 2^117 (all one sign, alternating, a spike) transform
+        // to finite coefficients.
+        let m = 2f32.powi(117) * 0.999;
+        for pattern in 0..3 {
+            let x: Vec<f32> = (0..64 * 64)
+                .map(|i| match pattern {
+                    0 => m,
+                    1 => {
+                        if (i + i / 64) % 2 == 0 {
+                            m
+                        } else {
+                            -m
+                        }
+                    }
+                    _ => {
+                        if i == 2080 {
+                            m
+                        } else {
+                            1.0
+                        }
+                    }
+                })
+                .collect();
+            for &(h, w) in &[(1usize, 64usize), (64, 64), (8, 8)] {
+                let (mut y, mut out) = (vec![0f32; h * w], vec![0f32; h * w]);
+                forward_lee(&x, w, h, w, &mut y, &mut out);
+                assert!(out.iter().all(|v| v.is_finite()), "{pattern} {h}x{w}");
             }
         }
     }

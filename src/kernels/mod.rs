@@ -269,6 +269,51 @@ fn dct_encode_rows_fast(x: &[f32], w: usize, kt: usize, pos: &mut [u16], vals: &
     }
 }
 
+simd_op!(DctEncodeRowsLee {
+    x: &'a [f32], w: usize, kt: usize, pos: &'a mut [u16], vals: &'a mut [f32],
+} -> () = dct::encode_rows_lee_impl(x, w, kt, pos, vals));
+
+/// The `dct` encoder's work for tiles of one row by Lee's transform (see
+/// [`dct::encode_rows_lee`]), compiled for the current backend.
+fn dct_encode_rows_lee(x: &[f32], w: usize, kt: usize, pos: &mut [u16], vals: &mut [f32]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => dct::encode_rows_lee_impl(x, w, kt, pos, vals),
+        b => simd(
+            b,
+            DctEncodeRowsLee {
+                x,
+                w,
+                kt,
+                pos,
+                vals,
+            },
+        ),
+    }
+}
+
+simd_op!(DctForwardLee {
+    x: &'a [f32], stride: usize, h: usize, w: usize, y: &'a mut [f32], out: &'a mut [f32],
+} -> () = dct::forward_lee_impl(x, stride, h, w, y, out));
+
+/// Lee's forward DCT of a tile (see [`dct::forward_lee`]), compiled for the current
+/// backend.
+fn dct_forward_lee(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out: &mut [f32]) {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => dct::forward_lee_impl(x, stride, h, w, y, out),
+        b => simd(
+            b,
+            DctForwardLee {
+                x,
+                stride,
+                h,
+                w,
+                y,
+                out,
+            },
+        ),
+    }
+}
+
 simd_op!(DctDecodeRows<const M: u8> {
     w: usize, kt: usize, pos: &'a [u16], vals: &'a [f32], out: &'a mut [f32],
 } -> () = dct::decode_rows_impl::<M>(w, kt, pos, vals, out));
