@@ -696,13 +696,20 @@ pub(super) fn forward_lee_impl(
     }
     let y = &mut y[..h * w];
     let out = &mut out[..h * w];
-    let (mut z, mut scratch) = ([[0f32; 1]; MAX_N], [[0f32; 1]; MAX_N]);
     if factorised(w) {
-        for (i, yr) in y.chunks_exact_mut(w).enumerate() {
-            let xr = &x[i * stride..i * stride + w];
-            z.iter_mut().zip(xr).for_each(|(z, &v)| z[0] = v);
-            lee(&mut z, &mut scratch, w);
-            yr.iter_mut().zip(&z).for_each(|(y, z)| *y = z[0]);
+        // Along the rows, up to [`LANES`] rows at once as the lanes.
+        let (mut a, mut b) = ([[0f32; LANES]; MAX_N], [[0f32; LANES]; MAX_N]);
+        for r0 in (0..h).step_by(LANES) {
+            let rows = (h - r0).min(LANES);
+            for t in 0..rows {
+                let xr = &x[(r0 + t) * stride..(r0 + t) * stride + w];
+                xr.iter().zip(a.iter_mut()).for_each(|(&v, a)| a[t] = v);
+            }
+            lee(&mut a, &mut b, w);
+            for t in 0..rows {
+                let yr = &mut y[(r0 + t) * w..(r0 + t + 1) * w];
+                yr.iter_mut().zip(&a).for_each(|(y, a)| *y = a[t]);
+            }
         }
     } else {
         rows_direct(x, stride, w, y);
@@ -712,10 +719,9 @@ pub(super) fn forward_lee_impl(
     }
     if factorised(h) {
         // Down the columns, the elements of a row being the lanes.
+        // (Sixteen at most, so that the two buffers stay 4 KiB each.)
         return match w {
-            64 => lee_cols::<64>(y, h, out),
-            32 => lee_cols::<32>(y, h, out),
-            16 => lee_cols::<16>(y, h, out),
+            64 | 32 | 16 => lee_cols::<16>(y, h, out),
             8 => lee_cols::<8>(y, h, out),
             _ => lee_cols::<1>(y, h, out),
         };

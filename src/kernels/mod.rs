@@ -252,10 +252,21 @@ simd_op!(DctEncodeRowsFast {
 } -> () = dct::encode_rows_fast_impl(x, w, kt, pos, vals));
 
 /// The `dct` encoder's work for tiles of one row (see [`dct::encode_rows_fast`]),
-/// compiled for the current backend.
+/// compiled for the current backend (for AVX2 on the AVX-512 backend at 16 and 32:
+/// [`x86_route`]).
 fn dct_encode_rows_fast(x: &[f32], w: usize, kt: usize, pos: &mut [u16], vals: &mut [f32]) {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => dct::encode_rows_fast_impl(x, w, kt, pos, vals),
+        #[cfg(target_arch = "x86_64")]
+        b if matches!(w, 16 | 32) && x86_route(Op::DctFastRows16Or32, b.kind()) == X86::Avx2 => {
+            simd_avx2(DctEncodeRowsFast {
+                x,
+                w,
+                kt,
+                pos,
+                vals,
+            })
+        }
         b => simd(
             b,
             DctEncodeRowsFast {
@@ -296,10 +307,21 @@ simd_op!(DctForwardLee {
 } -> () = dct::forward_lee_impl(x, stride, h, w, y, out));
 
 /// Lee's forward DCT of a tile (see [`dct::forward_lee`]), compiled for the current
-/// backend.
+/// backend (for AVX2 on the AVX-512 backend for 64 x 64 tiles: [`x86_route`]).
 fn dct_forward_lee(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out: &mut [f32]) {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => dct::forward_lee_impl(x, stride, h, w, y, out),
+        #[cfg(target_arch = "x86_64")]
+        b if h * w == 4096 && x86_route(Op::DctLee64x64, b.kind()) == X86::Avx2 => {
+            simd_avx2(DctForwardLee {
+                x,
+                stride,
+                h,
+                w,
+                y,
+                out,
+            })
+        }
         b => simd(
             b,
             DctForwardLee {
