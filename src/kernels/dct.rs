@@ -1340,11 +1340,19 @@ mod tests {
         out
     }
 
-    #[test]
-    fn the_factorised_transform_follows_its_stated_order_on_every_backend() {
-        // Rows then columns, each by the plain statement of the format in f32; the same
-        // bits on every backend; within f32 rounding of the exact transform (f64). Tiles
-        // whose sides are not powers of two take the direct sums along those sides.
+    /// One side's statement: the transform of a vector whose length is a power of two.
+    type Side = fn(&[f64]) -> Vec<f64>;
+    /// A tile's forward transform, as [`forward`].
+    type Forward = fn(&[f32], usize, usize, usize, &mut [f32], &mut [f32]);
+    /// A further check on a backend's run: `(backend, x, h, w, want)`.
+    type Also<'a> = &'a dyn Fn(crate::kernels::Backend, &[f32], usize, usize, &[f32]);
+
+    /// `forward` against the format's statement of its transform (`side` along each
+    /// power-of-two side, rows then columns, the direct sums in f32 elsewhere) on test
+    /// tiles: the same bits on every backend (and `also(backend, x, h, w, want)` for any
+    /// further check); returns the worst error against the exact transform (f64), as a
+    /// fraction of the tile's largest coefficient.
+    fn check_stated_order(side: Side, forward: Forward, also: Also) -> f64 {
         let shapes: &[(usize, usize)] = if cfg!(miri) {
             &[(1, 8), (4, 8), (3, 8)]
         } else {
@@ -1352,6 +1360,7 @@ mod tests {
                 (1, 64),
                 (1, 32),
                 (1, 2),
+                (1, 4),
                 (64, 64),
                 (8, 8),
                 (16, 4),
@@ -1365,79 +1374,89 @@ mod tests {
             .map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 0.37)
             .collect();
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let along = |v: &[f64]| -> Vec<f64> {
+            let n = v.len();
+            if n >= 2 && n.is_power_of_two() {
+                return side(v);
+            }
+            let b = basis(n);
+            (0..n)
+                .map(|k| {
+                    let mut acc = 0f32;
+                    for (i, &u) in v.iter().enumerate() {
+                        acc += u as f32 * b[k * n + i];
+                    }
+                    f64::from(acc)
+                })
+                .collect()
+        };
+        let mut worst = 0f64;
         for &(h, w) in shapes {
-            // The format's statement: rows (factorised if w allows, else direct), then
-            // columns likewise, in f32.
             let mut y = vec![0f64; h * w];
             for i in 0..h {
                 let row: Vec<f64> = (0..w).map(|n| f64::from(x[i * stride + n])).collect();
-                let t = if factorised(w) {
-                    spec_fast_1d(&row, w, true)
-                } else {
-                    let mut out = vec![0f32; w];
-                    let (mut yy, xr) = (vec![0f32; w], &x[i * stride..i * stride + w]);
-                    forward_any(xr, w, 1, w, &mut yy, &mut out);
-                    out.iter().map(|&v| f64::from(v)).collect()
-                };
-                y[i * w..(i + 1) * w].copy_from_slice(&t);
+                y[i * w..(i + 1) * w].copy_from_slice(&along(&row));
             }
             let mut want = vec![0f32; h * w];
             for b in 0..w {
                 let col: Vec<f64> = (0..h).map(|i| y[i * w + b]).collect();
-                let t: Vec<f64> = if h == 1 {
+                let t = if h == 1 {
                     vec![col[0] + 0.0]
-                } else if factorised(h) {
-                    spec_fast_1d(&col, h, true)
                 } else {
-                    let bh = basis(h);
-                    (0..h)
-                        .map(|a| {
-                            let mut acc = 0f32;
-                            for (i, &v) in col.iter().enumerate() {
-                                acc += v as f32 * bh[a * h + i];
-                            }
-                            f64::from(acc)
-                        })
-                        .collect()
+                    along(&col)
                 };
                 for a in 0..h {
                     want[a * w + b] = t[a] as f32;
                 }
             }
-            // The exact transform, for the accuracy check.
             let mut exact = vec![0f64; h * w];
             for a in 0..h {
                 for b in 0..w {
-                    let mut acc = 0f64;
                     for i in 0..h {
                         for n in 0..w {
-                            acc += f64::from(x[i * stride + n])
+                            exact[a * w + b] += f64::from(x[i * stride + n])
                                 * super::entry_f64(h, a, i)
                                 * super::entry_f64(w, b, n);
                         }
                     }
-                    exact[a * w + b] = acc;
                 }
             }
             let scale = exact.iter().fold(0f64, |m, v| m.max(v.abs()));
+            for (o, e) in want.iter().zip(&exact) {
+                worst = worst.max((f64::from(*o) - e).abs() / scale);
+            }
             for backend in crate::kernels::Backend::available() {
                 let (mut yy, mut out) = (vec![0f32; h * w], vec![f32::NAN; h * w]);
-                backend.run(|| forward_fast(&x, stride, h, w, &mut yy, &mut out));
+                backend.run(|| forward(&x, stride, h, w, &mut yy, &mut out));
                 assert_eq!(bits(&out), bits(&want), "{} {h}x{w}", backend.name());
-                for (o, e) in out.iter().zip(&exact) {
-                    assert!(
-                        (f64::from(*o) - e).abs() <= 1e-5 * scale,
-                        "{h}x{w}: {o} vs {e}"
-                    );
-                }
+                also(backend, &x, h, w, &want);
             }
-            // The factorised statement in exact arithmetic is the transform itself.
-            if h == 1 && factorised(w) {
-                let row: Vec<f64> = (0..w).map(|n| f64::from(x[n])).collect();
-                let t = spec_fast_1d(&row, w, false);
-                for (a, e) in t.iter().zip(&exact) {
-                    assert!((a - e).abs() <= 1e-9 * scale, "exact {w}");
-                }
+        }
+        worst
+    }
+
+    #[test]
+    fn the_factorised_transform_follows_its_stated_order_on_every_backend() {
+        let worst = check_stated_order(
+            |v| spec_fast_1d(v, v.len(), true),
+            forward_fast,
+            &|_, _, _, _, _| {},
+        );
+        assert!(
+            worst <= 1e-5,
+            "worst error {worst:e} of the largest coefficient"
+        );
+        // The factorised statement in exact arithmetic is the transform itself.
+        let x: Vec<f64> = (0..64)
+            .map(|i| ((i * 7919 % 1013) as f64 - 506.0) * 0.37)
+            .collect();
+        for w in [2, 4, 32, 64] {
+            let exact: Vec<f64> = (0..w)
+                .map(|b| (0..w).map(|n| x[n] * super::entry_f64(w, b, n)).sum())
+                .collect();
+            let scale = exact.iter().fold(0f64, |m, v| m.max(v.abs()));
+            for (v, e) in spec_fast_1d(&x[..w], w, false).iter().zip(&exact) {
+                assert!((v - e).abs() <= 1e-9 * scale, "exact {w}");
             }
         }
     }
@@ -1549,100 +1568,19 @@ mod tests {
 
     #[test]
     fn lee_follows_its_stated_order_on_every_backend() {
-        // Rows then columns by the format's statement in f32 (direct sums along sides that
-        // are not powers of two): the same bits on every backend, through the tile
-        // transform and (one-row tiles) the batched encoder's transform; close to the
-        // exact transform in f64.
-        let shapes: &[(usize, usize)] = if cfg!(miri) {
-            &[(1, 8), (4, 8), (3, 8)]
-        } else {
-            &[
-                (1, 64),
-                (1, 32),
-                (1, 2),
-                (1, 4),
-                (64, 64),
-                (8, 8),
-                (16, 4),
-                (3, 8),
-                (8, 5),
-                (1, 36),
-            ]
+        // Through the tile transform and, on one-row tiles, the batched encoder's.
+        let batched = |backend: crate::kernels::Backend, x: &[f32], h, w: usize, want: &[f32]| {
+            if h == 1 && factorised(w) && w > 2 {
+                // All coefficients kept but one: the batched encoder's values.
+                let kt = (w - 1).min(SELECT_MAX);
+                let (mut pos, mut vals) = (vec![0u16; kt], vec![0f32; kt]);
+                backend.run(|| encode_rows_lee(&x[..w], w, kt, &mut pos, &mut vals));
+                for (&p, v) in pos.iter().zip(&vals) {
+                    assert_eq!(v.to_bits(), want[p as usize].to_bits(), "{h}x{w}");
+                }
+            }
         };
-        let stride = 70;
-        let x: Vec<f32> = (0..64 * stride)
-            .map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 0.37)
-            .collect();
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        let direct = |v: &[f64], n: usize| -> Vec<f64> {
-            let b = basis(n);
-            (0..n)
-                .map(|k| {
-                    let mut acc = 0f32;
-                    for (i, &u) in v.iter().enumerate() {
-                        acc += u as f32 * b[k * n + i];
-                    }
-                    f64::from(acc)
-                })
-                .collect()
-        };
-        let mut worst = 0f64;
-        for &(h, w) in shapes {
-            let mut y = vec![0f64; h * w];
-            for i in 0..h {
-                let row: Vec<f64> = (0..w).map(|n| f64::from(x[i * stride + n])).collect();
-                let t = if factorised(w) {
-                    spec_lee_1d(&row, true)
-                } else {
-                    direct(&row, w)
-                };
-                y[i * w..(i + 1) * w].copy_from_slice(&t);
-            }
-            let mut want = vec![0f32; h * w];
-            for b in 0..w {
-                let col: Vec<f64> = (0..h).map(|i| y[i * w + b]).collect();
-                let t = if h == 1 {
-                    vec![col[0] + 0.0]
-                } else if factorised(h) {
-                    spec_lee_1d(&col, true)
-                } else {
-                    direct(&col, h)
-                };
-                for a in 0..h {
-                    want[a * w + b] = t[a] as f32;
-                }
-            }
-            let mut exact = vec![0f64; h * w];
-            for a in 0..h {
-                for b in 0..w {
-                    for i in 0..h {
-                        for n in 0..w {
-                            exact[a * w + b] += f64::from(x[i * stride + n])
-                                * super::entry_f64(h, a, i)
-                                * super::entry_f64(w, b, n);
-                        }
-                    }
-                }
-            }
-            let scale = exact.iter().fold(0f64, |m, v| m.max(v.abs()));
-            for (o, e) in want.iter().zip(&exact) {
-                worst = worst.max((f64::from(*o) - e).abs() / scale);
-            }
-            for backend in crate::kernels::Backend::available() {
-                let (mut yy, mut out) = (vec![0f32; h * w], vec![f32::NAN; h * w]);
-                backend.run(|| forward_lee(&x, stride, h, w, &mut yy, &mut out));
-                assert_eq!(bits(&out), bits(&want), "{} {h}x{w}", backend.name());
-                if h == 1 && factorised(w) && w > 2 {
-                    // All coefficients kept but one: the batched encoder's values.
-                    let kt = (w - 1).min(SELECT_MAX);
-                    let (mut pos, mut vals) = (vec![0u16; kt], vec![0f32; kt]);
-                    backend.run(|| encode_rows_lee(&x[..w], w, kt, &mut pos, &mut vals));
-                    for (&p, v) in pos.iter().zip(&vals) {
-                        assert_eq!(v.to_bits(), want[p as usize].to_bits(), "{h}x{w}");
-                    }
-                }
-            }
-        }
+        let worst = check_stated_order(|v| spec_lee_1d(v, true), forward_lee, &batched);
         // f32 rounding through up to 12 levels of Lee's recursion per side, with its
         // constants up to 20: within a part in a million of the largest coefficient (2e-7
         // when written).
