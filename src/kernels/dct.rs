@@ -496,10 +496,17 @@ fn lee_cols<const W: usize>(y: &[f32], h: usize, out: &mut [f32]) {
 }
 
 /// Tiles transformed at once, as lanes, by [`encode_rows_lee`].
-const LANES: usize = 16;
+pub(super) const LANES: usize = 16;
 
-/// [`encode_rows_fast`] with Lee's transform ([`forward_lee`]'s arithmetic): [`LANES`]
-/// tiles at once, each a lane of the transform's vectors, then the same selection.
+/// A backend's faster way, where it has one, to put [`LANES`] rows of `w` (row `t` at
+/// `rows[t * stride..]`; arguments `rows, stride, w, a`) into lanes (`a[n][t]` = element
+/// `n` of row `t`): returns whether it did (else the plain loop does).
+pub(super) type LoadLanes<'a> =
+    &'a dyn Fn(&[f32], usize, usize, &mut [[f32; LANES]; MAX_N]) -> bool;
+
+/// [`encode_rows_fast`] with Lee's transform ([`forward_lee`]'s arithmetic): sixteen
+/// tiles at once, each a lane of the transform's vectors, each keeping the `kt`
+/// coefficients [`select`] chooses (up to 8 in one insertion pass over the lanes).
 pub fn encode_rows_lee(x: &[f32], w: usize, kt: usize, pos: &mut [u16], vals: &mut [f32]) {
     super::dct_encode_rows_lee(x, w, kt, pos, vals)
 }
@@ -512,6 +519,7 @@ pub(super) fn encode_rows_lee_impl(
     kt: usize,
     pos: &mut [u16],
     vals: &mut [f32],
+    load: LoadLanes,
 ) {
     assert!(factorised(w) && w <= MAX_N && (1..=SELECT_MAX).contains(&kt) && kt < w);
     let tiles = x.len() / w;
@@ -524,12 +532,12 @@ pub(super) fn encode_rows_lee_impl(
         let group = (tiles - first).min(LANES);
         // Lanes past `group` (a last, partial group) hold earlier values: transformed,
         // never read.
-        for (t, tile) in x[first * w..(first + group) * w]
-            .chunks_exact(w)
-            .enumerate()
-        {
-            for (n, &v) in tile.iter().enumerate() {
-                a[n][t] = v;
+        let xs = &x[first * w..(first + group) * w];
+        if group < LANES || !load(xs, w, w, &mut a) {
+            for (t, tile) in xs.chunks_exact(w).enumerate() {
+                for (n, &v) in tile.iter().enumerate() {
+                    a[n][t] = v;
+                }
             }
         }
         lee(&mut a, &mut b, w);
@@ -690,6 +698,7 @@ pub(super) fn forward_lee_impl(
     w: usize,
     y: &mut [f32],
     out: &mut [f32],
+    load: LoadLanes,
 ) {
     if !factorised(w) && !factorised(h) {
         return forward_impl(x, stride, h, w, y, out);
@@ -701,9 +710,12 @@ pub(super) fn forward_lee_impl(
         let (mut a, mut b) = ([[0f32; LANES]; MAX_N], [[0f32; LANES]; MAX_N]);
         for r0 in (0..h).step_by(LANES) {
             let rows = (h - r0).min(LANES);
-            for t in 0..rows {
-                let xr = &x[(r0 + t) * stride..(r0 + t) * stride + w];
-                xr.iter().zip(a.iter_mut()).for_each(|(&v, a)| a[t] = v);
+            let xs = &x[r0 * stride..(r0 + rows - 1) * stride + w];
+            if rows < LANES || !load(xs, stride, w, &mut a) {
+                for t in 0..rows {
+                    let xr = &xs[t * stride..t * stride + w];
+                    xr.iter().zip(a.iter_mut()).for_each(|(&v, a)| a[t] = v);
+                }
             }
             lee(&mut a, &mut b, w);
             for t in 0..rows {
@@ -1362,6 +1374,8 @@ mod tests {
                 (1, 2),
                 (1, 4),
                 (64, 64),
+                (32, 32),
+                (20, 16),
                 (8, 8),
                 (16, 4),
                 (3, 8),
@@ -1676,6 +1690,30 @@ mod tests {
                 let (mut y, mut out) = (vec![0f32; h * w], vec![0f32; h * w]);
                 forward_lee(&x, w, h, w, &mut y, &mut out);
                 assert!(out.iter().all(|v| v.is_finite()), "{pattern} {h}x{w}");
+            }
+        }
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "whole groups of sixteen tiles: slow under Miri")]
+    fn full_groups_of_lanes_give_the_same_frames_on_every_backend() {
+        // Groups of sixteen tiles of 16, 32 and 64 (the AVX-512 backend's in-register
+        // transposes), then a partial group; the scalar backend's positions and values.
+        for w in [8, 16, 32, 64] {
+            let tiles = 2 * LANES + 3;
+            let x: Vec<f32> = (0..tiles * w)
+                .map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 0.37)
+                .collect();
+            for kt in [1, 4, 9].into_iter().filter(|&k| k < w) {
+                let run = |b: crate::kernels::Backend| {
+                    let (mut pos, mut vals) = (vec![0u16; tiles * kt], vec![0f32; tiles * kt]);
+                    b.run(|| encode_rows_lee(&x, w, kt, &mut pos, &mut vals));
+                    (pos, vals.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
+                };
+                let want = run(crate::kernels::Backend::scalar());
+                for backend in crate::kernels::Backend::available() {
+                    assert!(run(backend) == want, "{} w={w} kt={kt}", backend.name());
+                }
             }
         }
     }

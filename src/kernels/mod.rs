@@ -282,13 +282,32 @@ fn dct_encode_rows_fast(x: &[f32], w: usize, kt: usize, pos: &mut [u16], vals: &
 
 simd_op!(DctEncodeRowsLee {
     x: &'a [f32], w: usize, kt: usize, pos: &'a mut [u16], vals: &'a mut [f32],
-} -> () = dct::encode_rows_lee_impl(x, w, kt, pos, vals));
+    load: dct::LoadLanes<'a>,
+} -> () = dct::encode_rows_lee_impl(x, w, kt, pos, vals, load));
 
 /// The `dct` encoder's work for tiles of one row by Lee's transform (see
-/// [`dct::encode_rows_lee`]), compiled for the current backend.
+/// [`dct::encode_rows_lee`]), compiled for the current backend; the AVX-512 backend puts
+/// sixteen tiles of 16, 32 or 64 into lanes by in-register transposes.
 fn dct_encode_rows_lee(x: &[f32], w: usize, kt: usize, pos: &mut [u16], vals: &mut [f32]) {
     match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => dct::encode_rows_lee_impl(x, w, kt, pos, vals),
+        b if b.kind() == BackendKind::Scalar => {
+            dct::encode_rows_lee_impl(x, w, kt, pos, vals, PLAIN_LANES)
+        }
+        #[cfg(target_arch = "x86_64")]
+        b if b.kind() == BackendKind::Avx512 => {
+            let load = AVX512_LANES;
+            simd(
+                b,
+                DctEncodeRowsLee {
+                    x,
+                    w,
+                    kt,
+                    pos,
+                    vals,
+                    load,
+                },
+            )
+        }
         b => simd(
             b,
             DctEncodeRowsLee {
@@ -297,42 +316,62 @@ fn dct_encode_rows_lee(x: &[f32], w: usize, kt: usize, pos: &mut [u16], vals: &m
                 kt,
                 pos,
                 vals,
+                load: PLAIN_LANES,
             },
         ),
     }
 }
 
+/// The plain loop puts rows into lanes (see [`dct::LoadLanes`]).
+const PLAIN_LANES: dct::LoadLanes = &|_, _, _, _| false;
+
+/// The AVX-512 backend puts sixteen rows of 16, 32 or 64 into lanes by in-register
+/// transposes (see [`dct::LoadLanes`]); only for that backend.
+#[cfg(target_arch = "x86_64")]
+const AVX512_LANES: dct::LoadLanes = &|rows, stride, w, a| {
+    let fits = matches!(w, 16 | 32 | 64) && stride >= w && rows.len() >= 15 * stride + w;
+    if fits {
+        // SAFETY: AVX512_LANES is passed only with the AVX-512 backend, which exists only
+        // after AVX-512F was detected; the arguments are the ones the kernel asserts.
+        unsafe { x86_64::blocks512::rows_to_lanes16(rows, stride, w, a) };
+    }
+    fits
+};
+
 simd_op!(DctForwardLee {
     x: &'a [f32], stride: usize, h: usize, w: usize, y: &'a mut [f32], out: &'a mut [f32],
-} -> () = dct::forward_lee_impl(x, stride, h, w, y, out));
+    load: dct::LoadLanes<'a>,
+} -> () = dct::forward_lee_impl(x, stride, h, w, y, out, load));
 
 /// Lee's forward DCT of a tile (see [`dct::forward_lee`]), compiled for the current
-/// backend (for AVX2 on the AVX-512 backend for 64 x 64 tiles: [`x86_route`]).
+/// backend (for AVX2 on the AVX-512 backend for 64 x 64 tiles: [`x86_route`]); the
+/// AVX-512 backend puts sixteen rows at a time into lanes by in-register transposes.
 fn dct_forward_lee(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out: &mut [f32]) {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => dct::forward_lee_impl(x, stride, h, w, y, out),
+    let b = Backend::current();
+    #[cfg(target_arch = "x86_64")]
+    let to_avx2 = h * w == 4096 && x86_route(Op::DctLee64x64, b.kind()) == X86::Avx2;
+    #[cfg(target_arch = "x86_64")]
+    let load = if b.kind() == BackendKind::Avx512 && !to_avx2 {
+        AVX512_LANES
+    } else {
+        PLAIN_LANES
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let load = PLAIN_LANES;
+    let op = DctForwardLee {
+        x,
+        stride,
+        h,
+        w,
+        y,
+        out,
+        load,
+    };
+    match b.kind() {
+        BackendKind::Scalar => dct::forward_lee_impl(x, stride, h, w, op.y, op.out, load),
         #[cfg(target_arch = "x86_64")]
-        b if h * w == 4096 && x86_route(Op::DctLee64x64, b.kind()) == X86::Avx2 => {
-            simd_avx2(DctForwardLee {
-                x,
-                stride,
-                h,
-                w,
-                y,
-                out,
-            })
-        }
-        b => simd(
-            b,
-            DctForwardLee {
-                x,
-                stride,
-                h,
-                w,
-                y,
-                out,
-            },
-        ),
+        _ if to_avx2 => simd_avx2(op),
+        _ => simd(b, op),
     }
 }
 

@@ -245,3 +245,59 @@ fn signmag_block<const BITS: u32>(
         blocks::signmag_block::<BITS>(&xb[done..], rest, m, d8, start + done as u64);
     }
 }
+
+/// Sixteen rows of `w` elements (`w` 16, 32 or 64; row `t` at `rows[t * stride..]`) into
+/// lanes: `a[n][t]` = element `n` of row `t`, for `n < w`. Blocks of 16 x 16 transposed
+/// in registers: 32-bit and 64-bit interleaves, then two rounds of 128-bit lane shuffles
+/// (64 shuffles per block against 256 scalar moves).
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn rows_to_lanes16(rows: &[f32], stride: usize, w: usize, a: &mut [[f32; 16]]) {
+    assert!(matches!(w, 16 | 32 | 64) && stride >= w && a.len() >= w);
+    assert!(rows.len() >= 15 * stride + w);
+    let pd = _mm512_castps_pd;
+    let ps = _mm512_castpd_ps;
+    for n0 in (0..w).step_by(16) {
+        let mut r = [_mm512_setzero_ps(); 16];
+        for (t, r) in r.iter_mut().enumerate() {
+            // SAFETY: t * stride + n0 + 16 <= 15 stride + w <= rows.len() (asserted);
+            // unaligned load.
+            *r = unsafe { _mm512_loadu_ps(rows.as_ptr().add(t * stride + n0)) };
+        }
+        // Per 128-bit lane L: t[2g] = rows 2g, 2g + 1 at columns 4L, 4L + 1 interleaved,
+        // t[2g + 1] the same at 4L + 2, 4L + 3.
+        let mut t = [_mm512_setzero_ps(); 16];
+        for g in 0..8 {
+            t[2 * g] = _mm512_unpacklo_ps(r[2 * g], r[2 * g + 1]);
+            t[2 * g + 1] = _mm512_unpackhi_ps(r[2 * g], r[2 * g + 1]);
+        }
+        // r[4q + c], lane L: rows 4q..4q + 4 at column 4L + c.
+        for q in 0..4 {
+            let (t0, t1, t2, t3) = (t[4 * q], t[4 * q + 1], t[4 * q + 2], t[4 * q + 3]);
+            r[4 * q] = ps(_mm512_unpacklo_pd(pd(t0), pd(t2)));
+            r[4 * q + 1] = ps(_mm512_unpackhi_pd(pd(t0), pd(t2)));
+            r[4 * q + 2] = ps(_mm512_unpacklo_pd(pd(t1), pd(t3)));
+            r[4 * q + 3] = ps(_mm512_unpackhi_pd(pd(t1), pd(t3)));
+        }
+        // Column 4L + c gathers lane L of r[c], r[4 + c], r[8 + c], r[12 + c].
+        for c in 0..4 {
+            let u0 = _mm512_shuffle_f32x4::<0x88>(r[c], r[4 + c]);
+            let u1 = _mm512_shuffle_f32x4::<0xDD>(r[c], r[4 + c]);
+            let u2 = _mm512_shuffle_f32x4::<0x88>(r[8 + c], r[12 + c]);
+            let u3 = _mm512_shuffle_f32x4::<0xDD>(r[8 + c], r[12 + c]);
+            let cols = [
+                (c, _mm512_shuffle_f32x4::<0x88>(u0, u2)),
+                (4 + c, _mm512_shuffle_f32x4::<0x88>(u1, u3)),
+                (8 + c, _mm512_shuffle_f32x4::<0xDD>(u0, u2)),
+                (12 + c, _mm512_shuffle_f32x4::<0xDD>(u1, u3)),
+            ];
+            for (n, v) in cols {
+                // SAFETY: n0 + n < w <= a.len() (asserted); a lane row is 16 f32, one
+                // unaligned 64-byte store.
+                unsafe { _mm512_storeu_ps(a[n0 + n].as_mut_ptr(), v) };
+            }
+        }
+    }
+}
