@@ -474,8 +474,9 @@ fn lee_n<const N: usize, const L: usize>(a: &mut [[f32; L]], b: &mut [[f32; L]])
         into_b = !into_b;
         m *= 2;
     }
-    // 2 log2(N) passes: the result is back in `a`.
-    debug_assert!(!into_b);
+    // 2 log2(N) passes, an even number: the result is back in `a`, the next pass would
+    // write into `b`.
+    debug_assert!(into_b);
 }
 
 /// [`lee`] down the `h` rows of `y` (`h` rows of `w`; `h` [`factorised`]) into `out`, `W`
