@@ -287,7 +287,8 @@ simd_op!(DctEncodeRowsLee {
 
 /// The `dct` encoder's work for tiles of one row by Lee's transform (see
 /// [`dct::encode_rows_lee`]), compiled for the current backend; the AVX-512 backend puts
-/// sixteen tiles of 16, 32 or 64 into lanes by in-register transposes.
+/// sixteen tiles of 16, 32 or 64 into lanes by in-register transposes of 16 x 16 blocks, the
+/// AVX2 build (and the AVX-512 backend at 8) tiles of 8 to 64 by 8 x 8 blocks.
 fn dct_encode_rows_lee(x: &[f32], w: usize, kt: usize, pos: &mut [u16], vals: &mut [f32]) {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => {
@@ -308,6 +309,19 @@ fn dct_encode_rows_lee(x: &[f32], w: usize, kt: usize, pos: &mut [u16], vals: &m
                 },
             )
         }
+        #[cfg(target_arch = "x86_64")]
+        b => simd(
+            b,
+            DctEncodeRowsLee {
+                x,
+                w,
+                kt,
+                pos,
+                vals,
+                load: AVX2_LANES,
+            },
+        ),
+        #[cfg(not(target_arch = "x86_64"))]
         b => simd(
             b,
             DctEncodeRowsLee {
@@ -326,14 +340,29 @@ fn dct_encode_rows_lee(x: &[f32], w: usize, kt: usize, pos: &mut [u16], vals: &m
 const PLAIN_LANES: dct::LoadLanes = &|_, _, _, _| false;
 
 /// The AVX-512 backend puts sixteen rows of 16, 32 or 64 into lanes by in-register
-/// transposes (see [`dct::LoadLanes`]); only for that backend.
+/// transposes of 16 x 16 blocks, and rows of 8 as the AVX2 build does (see
+/// [`dct::LoadLanes`]); only for that backend.
 #[cfg(target_arch = "x86_64")]
 const AVX512_LANES: dct::LoadLanes = &|rows, stride, w, a| {
-    let fits = matches!(w, 16 | 32 | 64) && stride >= w && rows.len() >= 15 * stride + w;
-    if fits {
+    if matches!(w, 16 | 32 | 64) && stride >= w && rows.len() >= 15 * stride + w {
         // SAFETY: AVX512_LANES is passed only with the AVX-512 backend, which exists only
         // after AVX-512F was detected; the arguments are the ones the kernel asserts.
         unsafe { x86_64::blocks512::rows_to_lanes16(rows, stride, w, a) };
+        return true;
+    }
+    AVX2_LANES(rows, stride, w, a)
+};
+
+/// The AVX2 build puts sixteen rows of 8 to 64 into lanes by in-register transposes of
+/// 8 x 8 blocks (see [`dct::LoadLanes`]); for the AVX2 and AVX-512 backends.
+#[cfg(target_arch = "x86_64")]
+const AVX2_LANES: dct::LoadLanes = &|rows, stride, w, a| {
+    let fits = matches!(w, 8 | 16 | 32 | 64) && stride >= w && rows.len() >= 15 * stride + w;
+    if fits {
+        // SAFETY: AVX2_LANES is passed only with the AVX2 and AVX-512 backends, which
+        // exist only after AVX2 was detected; the arguments are the ones the kernel
+        // asserts.
+        unsafe { x86_64::blocks::rows_to_lanes16(rows, stride, w, a) };
     }
     fits
 };
@@ -345,16 +374,16 @@ simd_op!(DctForwardLee {
 
 /// Lee's forward DCT of a tile (see [`dct::forward_lee`]), compiled for the current
 /// backend (for AVX2 on the AVX-512 backend for 64 x 64 tiles: [`x86_route`]); the
-/// AVX-512 backend puts sixteen rows at a time into lanes by in-register transposes.
+/// AVX2 and AVX-512 builds put sixteen rows at a time into lanes by in-register transposes.
 fn dct_forward_lee(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out: &mut [f32]) {
     let b = Backend::current();
     #[cfg(target_arch = "x86_64")]
     let to_avx2 = h * w == 4096 && x86_route(Op::DctLee64x64, b.kind()) == X86::Avx2;
     #[cfg(target_arch = "x86_64")]
-    let load = if b.kind() == BackendKind::Avx512 && !to_avx2 {
-        AVX512_LANES
-    } else {
-        PLAIN_LANES
+    let load = match b.kind() {
+        BackendKind::Avx512 if !to_avx2 => AVX512_LANES,
+        BackendKind::Avx512 | BackendKind::Avx2 => AVX2_LANES,
+        _ => PLAIN_LANES,
     };
     #[cfg(not(target_arch = "x86_64"))]
     let load = PLAIN_LANES;

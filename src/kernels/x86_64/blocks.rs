@@ -1213,3 +1213,51 @@ fn bf16_pass<const NAN: bool>(x: &[f32], out: &mut [u8]) -> u32 {
         .unwrap_or(0);
     lanes.into_iter().fold(tail_max, u32::max)
 }
+
+/// Sixteen rows of `w` elements (`w` 8, 16, 32 or 64; row `t` at `rows[t * stride..]`)
+/// into lanes: `a[n][t]` = element `n` of row `t`, for `n < w`. Blocks of 8 x 8: each
+/// vector pairs four columns of row `t` with the same four of row `t + 4` (a load and an
+/// insert, no shuffle), and a 4 x 4 transpose in each 128-bit half (8 shuffles per four
+/// columns) leaves column `n` of eight rows in one vector: 16 shuffles per 64 values
+/// against 64 scalar moves.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn rows_to_lanes16(rows: &[f32], stride: usize, w: usize, a: &mut [[f32; 16]]) {
+    assert!(matches!(w, 8 | 16 | 32 | 64) && stride >= w && a.len() >= w);
+    assert!(rows.len() >= 15 * stride + w);
+    for n0 in (0..w).step_by(4) {
+        for t0 in [0, 8] {
+            // Row t0 + i's columns n0..n0 + 4 beside row t0 + i + 4's.
+            let pair = |i: usize| {
+                let at = (t0 + i) * stride + n0;
+                // SAFETY: at + 4 * stride + 4 <= 15 stride + n0 + 4 <= 15 stride + w <=
+                // rows.len() (asserted, t0 + i + 4 <= 15, n0 + 4 <= w); unaligned loads.
+                let (lo, hi) = unsafe {
+                    (
+                        _mm_loadu_ps(rows.as_ptr().add(at)),
+                        _mm_loadu_ps(rows.as_ptr().add(at + 4 * stride)),
+                    )
+                };
+                _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(lo), hi)
+            };
+            let (r0, r1, r2, r3) = (pair(0), pair(1), pair(2), pair(3));
+            let t0_ = _mm256_unpacklo_ps(r0, r1);
+            let t1_ = _mm256_unpackhi_ps(r0, r1);
+            let t2_ = _mm256_unpacklo_ps(r2, r3);
+            let t3_ = _mm256_unpackhi_ps(r2, r3);
+            let cols = [
+                _mm256_shuffle_ps::<0x44>(t0_, t2_),
+                _mm256_shuffle_ps::<0xEE>(t0_, t2_),
+                _mm256_shuffle_ps::<0x44>(t1_, t3_),
+                _mm256_shuffle_ps::<0xEE>(t1_, t3_),
+            ];
+            for (c, v) in cols.into_iter().enumerate() {
+                // SAFETY: n0 + c < w <= a.len() (asserted); t0 + 8 <= 16, one unaligned
+                // 32-byte store into the lane row.
+                unsafe { _mm256_storeu_ps(a[n0 + c].as_mut_ptr().add(t0), v) };
+            }
+        }
+    }
+}
