@@ -8,8 +8,9 @@ benchmark runs one (about 2 to 6 minutes per run here).
 
     python bench/momentum_sim.py --configs fp32,sign,sign-mc,topk,topk-mc,topk-mc-from-25 --seeds 0,1,2
 
-A configuration is ``fp32``, or a codec (``sign``, ``topk``: top-k 1% with fp16
-values) with error feedback, followed by any of:
+A configuration is ``fp32``, or a codec (``sign``; ``sign256``, sign with a scale per
+256 elements where ``sign`` has one per 1024; ``topk``: top-k 1% with fp16 values) with
+error feedback, followed by any of:
 
 - ``-mc``: momentum correction, as ``GradpackState(momentum=0.9)``: each rank keeps the
   velocity ``u = g + 0.9 u`` and sends it, and the optimizer has no momentum;
@@ -46,7 +47,12 @@ def parse(name):
     base = base[: -len("-mask")] if mask else base
     mc = base.endswith("-mc")
     base = base[: -len("-mc")] if mc else base
-    codec = {"fp32": None, "sign": "sign", "topk": "topk:ratio=0.01,values=fp16"}.get(base, "?")
+    codec = {
+        "fp32": None,
+        "sign": "sign",
+        "sign256": "sign:block=256",
+        "topk": "topk:ratio=0.01,values=fp16",
+    }.get(base, "?")
     if codec == "?" or (mask and not mc) or (warm and base != "topk"):
         sys.exit(f"unknown configuration {name!r}")
     return codec, mc, mask, start, warm
