@@ -1001,7 +1001,11 @@ mod tests {
         let n = if cfg!(miri) { 1_000 } else { 10_000 };
         let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 10_007) as f32).collect();
         let all = [0.001, 0.01, 0.1, 0.2, 0.3, 0.5, 1.0];
-        let ratios = if cfg!(miri) { &[0.01, 0.5][..] } else { &all[..] };
+        let ratios = if cfg!(miri) {
+            &[0.01, 0.5][..]
+        } else {
+            &all[..]
+        };
         for &ratio in ratios {
             let mut lens = Vec::new();
             for index in ["gaps", "rice", "bitmap"] {
