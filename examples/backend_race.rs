@@ -14,7 +14,8 @@
 //!
 //! Prints, per size, codec and operation, the best of 8 rounds (each round times every
 //! backend once, 0.1 s of repetitions each, in an order that alternates between rounds) in GB/s of f32, the same run's
-//! memcpy, and each backend's ratio to the fastest.
+//! memcpy and read pass (a 16-lane sum, as the criterion benches' `read_sum`), and each
+//! backend's ratio to the fastest.
 
 use std::time::Instant;
 
@@ -82,8 +83,15 @@ fn main() {
         let memcpy = (0..7)
             .map(|_| time(|| dst.copy_from_slice(&src)))
             .fold(f64::INFINITY, f64::min);
+        let read = (0..7)
+            .map(|_| time(|| _ = std::hint::black_box(read_pass(std::hint::black_box(&x)))))
+            .fold(f64::INFINITY, f64::min);
         let gbs = |t: f64| 4.0 * n as f64 / t / 1e9;
-        println!("## {n} elements (memcpy {:.1} GB/s)\n", gbs(memcpy));
+        println!(
+            "## {n} elements (memcpy {:.1} GB/s, read pass {:.1} GB/s)\n",
+            gbs(memcpy),
+            gbs(read)
+        );
         print!("| codec | operation |");
         for b in &backends {
             print!(" {} GB/s |", b.kind().name());
@@ -154,4 +162,17 @@ fn main() {
         }
         println!();
     }
+}
+
+/// A read-only pass at memory speed: a sum over 16 independent lanes, which vectorises.
+fn read_pass(x: &[f32]) -> f32 {
+    let mut lanes = [0f32; 16];
+    let chunks = x.chunks_exact(16);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for (l, v) in lanes.iter_mut().zip(c) {
+            *l += v;
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
 }
