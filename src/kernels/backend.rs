@@ -110,7 +110,7 @@ pub(crate) enum Op {
     DecodeFp8,
     /// fp4 encode: portable code, as `DecodeF32`.
     EncodeFp4,
-    /// fp4 decode: portable code, as `DecodeF32`.
+    /// fp4 decode: lookups in registers for blocks of 16 and 32, else portable code.
     DecodeFp4,
     /// PowerSGD's reconstruction of a large matrix, written by non-temporal stores.
     StreamPqt,
@@ -195,8 +195,12 @@ pub(crate) enum X86 {
 /// runs its AVX-512 builds: 1.5 times AVX2's for int8, 1.1 to 1.4 for bf16, 1.07 to 1.12
 /// for fp16 (F16C), and level (within 3%) for f32 frames. fp8 and fp4 (portable code,
 /// `cargo bench --bench codecs` at 1 Mi elements, 2026-11-26): the AVX-512 builds encode
-/// fp8 1.8 times as fast as AVX2's and decode it 1.7 times, and encode fp4 1.8 times;
-/// fp4's decode (a nibble per element) runs 1.5 times as fast with the AVX2 build.
+/// fp8 1.8 times as fast as AVX2's and decode it 1.7 times, and encode fp4 1.8 times.
+/// fp4's decode of blocks of 16 and 32 looks codes up in registers (one permute per 16
+/// on AVX-512, two and a blend per 8 on AVX2; 2026-11-27, a 2-core Intel Xeon,
+/// `backend_race` at 64 Ki elements; AMD's cores not yet measured): AVX-512's 2.3 times AVX2's for blocks of 32, 1.45
+/// times for 16; its other block lengths and the residual mode (a nibble per element)
+/// run the AVX2 build, 1.2 to 1.5 times as fast as AVX-512's.
 /// PowerSGD (`examples/scaling`'s step, rank 2 on 4096 x 2304, one thread, 2026-11-26):
 /// `M Q` runs the AVX2 build, 1.5 times as fast (its 16-lane sums are two registers there,
 /// so twice as many independent chains of additions); the reconstruction of large
@@ -235,6 +239,7 @@ pub(crate) const fn x86_route_on(op: Op, kind: BackendKind, cpu: Cpu) -> X86 {
             | Op::EncodeFp8
             | Op::DecodeFp8
             | Op::EncodeFp4
+            | Op::DecodeFp4
             | Op::StreamPqt => X86::Avx512,
             Op::AddF16
             | Op::EncodeInt8
@@ -252,7 +257,6 @@ pub(crate) const fn x86_route_on(op: Op, kind: BackendKind, cpu: Cpu) -> X86 {
             | Op::DctInverse
             | Op::DctLee64x64
             | Op::DctFastRows16Or32
-            | Op::DecodeFp4
             | Op::ThinMq => X86::Avx2,
         },
         BackendKind::Scalar | BackendKind::Neon => X86::None,
@@ -510,6 +514,7 @@ mod tests {
             Op::EncodeFp8,
             Op::DecodeFp8,
             Op::EncodeFp4,
+            Op::DecodeFp4,
             Op::StreamPqt,
         ];
         assert_eq!(own(Cpu::Amd), amd);

@@ -1261,3 +1261,79 @@ pub unsafe fn rows_to_lanes16(rows: &[f32], stride: usize, w: usize, a: &mut [[f
         }
     }
 }
+
+/// fp4 decode (the layout of `fp8::decode` with two codes per byte, low nibble first) of
+/// the whole blocks of 16 or 32 elements that `out`, `codes` and `scales` hold, in mode
+/// `M` (write or add); returns how many blocks it decoded. `fours` holds the sixteen
+/// codes' values: each block multiplies them by its scale (the same f32 products as
+/// `fp8::decode`'s per element) and looks 8 codes up at a time in the two halves of the
+/// table (two permutes and a blend on the code's bit 3), then interleaves the low and
+/// high nibbles' values back into element order.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn decode_fp4<const M: u8>(
+    fours: &[f32; 16],
+    scale: crate::kernels::fp8::Scale,
+    block: usize,
+    scales: &[u8],
+    codes: &[u8],
+    out: &mut [f32],
+) -> usize {
+    assert!(matches!(block, 16 | 32) && matches!(M, scalar::mode::WRITE | scalar::mode::ADD));
+    let sb = scale.bytes();
+    assert!(sb > 0);
+    let half = block / 2;
+    let blocks = (out.len() / block)
+        .min(codes.len() / half)
+        .min(scales.len() / sb);
+    // SAFETY: `fours` is 16 f32, two unaligned __m256.
+    let (t0, t1) = unsafe {
+        (
+            _mm256_loadu_ps(fours.as_ptr()),
+            _mm256_loadu_ps(fours.as_ptr().add(8)),
+        )
+    };
+    let put = |o: &mut [f32], v: __m256| {
+        let o = &mut o[..8];
+        let v = if M == scalar::mode::ADD {
+            // SAFETY: `o` holds 8 f32, one unaligned __m256.
+            _mm256_add_ps(unsafe { _mm256_loadu_ps(o.as_ptr()) }, v)
+        } else {
+            v
+        };
+        // SAFETY: as above.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
+    };
+    for b in 0..blocks {
+        let s = crate::kernels::fp8::scale_of(scale, &scales[b * sb..(b + 1) * sb]);
+        let s = _mm256_set1_ps(s);
+        let (lo_t, hi_t) = (_mm256_mul_ps(t0, s), _mm256_mul_ps(t1, s));
+        // Codes 0..8 from the first half, 8..16 from the second: bit 3 moved to the
+        // sign bit picks.
+        let look = |idx: __m256i| {
+            let pick = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(idx));
+            _mm256_blendv_ps(
+                _mm256_permutevar8x32_ps(lo_t, idx),
+                _mm256_permutevar8x32_ps(hi_t, idx),
+                pick,
+            )
+        };
+        let c = &codes[b * half..(b + 1) * half];
+        let o = &mut out[b * block..(b + 1) * block];
+        for (g, o) in o.chunks_exact_mut(16).enumerate() {
+            // SAFETY: `c` holds `half` >= 8 (g + 1) bytes; 8 of them, the low half of an
+            // unaligned __m128i load of 8 bytes.
+            let bytes = unsafe { _mm_loadl_epi64(c.as_ptr().add(8 * g).cast()) };
+            let w = _mm256_cvtepu8_epi32(bytes);
+            let lo = look(_mm256_and_si256(w, _mm256_set1_epi32(15)));
+            let hi = look(_mm256_srli_epi32::<4>(w));
+            // [l0 h0 l1 h1 | l4 h4 l5 h5] and [l2 h2 l3 h3 | l6 h6 l7 h7].
+            let (a, d) = (_mm256_unpacklo_ps(lo, hi), _mm256_unpackhi_ps(lo, hi));
+            put(&mut o[..8], _mm256_permute2f128_ps::<0x20>(a, d));
+            put(&mut o[8..], _mm256_permute2f128_ps::<0x31>(a, d));
+        }
+    }
+    blocks
+}

@@ -301,3 +301,69 @@ pub unsafe fn rows_to_lanes16(rows: &[f32], stride: usize, w: usize, a: &mut [[f
         }
     }
 }
+
+/// fp4 decode (the layout of `fp8::decode` with two codes per byte, low nibble first) of
+/// the whole blocks of 16 or 32 elements that `out`, `codes` and `scales` hold, in mode
+/// `M` (write or add); returns how many blocks it decoded. `fours` holds the sixteen
+/// codes' values: each block multiplies them by its scale (the same f32 products as
+/// `fp8::decode`'s per element), looks its codes up with one permute per 16 of them, and
+/// interleaves the low and high nibbles' values back into element order.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn decode_fp4<const M: u8>(
+    fours: &[f32; 16],
+    scale: crate::kernels::fp8::Scale,
+    block: usize,
+    scales: &[u8],
+    codes: &[u8],
+    out: &mut [f32],
+) -> usize {
+    assert!(matches!(block, 16 | 32) && matches!(M, scalar::mode::WRITE | scalar::mode::ADD));
+    let sb = scale.bytes();
+    assert!(sb > 0);
+    let half = block / 2;
+    let blocks = (out.len() / block)
+        .min(codes.len() / half)
+        .min(scales.len() / sb);
+    // SAFETY: `fours` is 16 f32, one unaligned __m512.
+    let table = unsafe { _mm512_loadu_ps(fours.as_ptr()) };
+    // Element 2j is the low nibble of byte j, element 2j + 1 its high nibble.
+    let first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    let second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    let put = |o: &mut [f32], v: __m512| {
+        let o = &mut o[..16];
+        let v = if M == scalar::mode::ADD {
+            // SAFETY: `o` holds 16 f32, one unaligned __m512.
+            _mm512_add_ps(unsafe { _mm512_loadu_ps(o.as_ptr()) }, v)
+        } else {
+            v
+        };
+        // SAFETY: as above.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+    };
+    for b in 0..blocks {
+        let s = crate::kernels::fp8::scale_of(scale, &scales[b * sb..(b + 1) * sb]);
+        let ts = _mm512_mul_ps(table, _mm512_set1_ps(s));
+        let c = &codes[b * half..(b + 1) * half];
+        let o = &mut out[b * block..(b + 1) * block];
+        // SAFETY: `c` holds `half` bytes: 16 (one unaligned __m128i) or 8 (the low 8
+        // bytes of one, the rest zero).
+        let bytes = unsafe {
+            if half == 16 {
+                _mm_loadu_si128(c.as_ptr().cast())
+            } else {
+                _mm_loadl_epi64(c.as_ptr().cast())
+            }
+        };
+        let w = _mm512_cvtepu8_epi32(bytes);
+        let lo = _mm512_permutexvar_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)), ts);
+        let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(w), ts);
+        put(&mut o[..16], _mm512_permutex2var_ps(lo, first, hi));
+        if half == 16 {
+            put(&mut o[16..], _mm512_permutex2var_ps(lo, second, hi));
+        }
+    }
+    blocks
+}
