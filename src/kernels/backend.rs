@@ -198,9 +198,10 @@ pub(crate) enum X86 {
 /// fp8 1.8 times as fast as AVX2's and decode it 1.7 times, and encode fp4 1.8 times.
 /// fp4's decode of blocks of 16 and 32 looks codes up in registers (one permute per 16
 /// on AVX-512, two and a blend per 8 on AVX2; 2026-11-27, a 2-core Intel Xeon,
-/// `backend_race` at 64 Ki elements; AMD's cores not yet measured): AVX-512's 2.3 times AVX2's for blocks of 32, 1.45
-/// times for 16; its other block lengths and the residual mode (a nibble per element)
-/// run the AVX2 build, 1.2 to 1.5 times as fast as AVX-512's.
+/// `backend_race` at 64 Ki elements; AMD's cores not yet measured): AVX-512's is 2.3
+/// times AVX2's for blocks of 32, 1.45 times for 16; its other block lengths and the
+/// residual mode (a nibble per element) run the AVX2 build, 1.2 to 1.5 times as fast as
+/// AVX-512's.
 /// PowerSGD (`examples/scaling`'s step, rank 2 on 4096 x 2304, one thread, 2026-11-26):
 /// `M Q` runs the AVX2 build, 1.5 times as fast (its 16-lane sums are two registers there,
 /// so twice as many independent chains of additions); the reconstruction of large
