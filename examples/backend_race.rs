@@ -19,6 +19,12 @@
 
 use std::time::Instant;
 
+/// The criterion benches' helpers: `read_pass`, the same-run read baseline.
+#[allow(dead_code)]
+#[path = "../benches/common/mod.rs"]
+mod common;
+use common::read_pass;
+
 use gradpack::codec::REPRESENTATIVE_SPECS;
 use gradpack::{Backend, BackendKind, Codec, CodecSpec, EncodeCtx, ErrorFeedback};
 
@@ -162,17 +168,4 @@ fn main() {
         }
         println!();
     }
-}
-
-/// A read-only pass at memory speed: a sum over 16 independent lanes, which vectorises.
-fn read_pass(x: &[f32]) -> f32 {
-    let mut lanes = [0f32; 16];
-    let chunks = x.chunks_exact(16);
-    let tail: f32 = chunks.remainder().iter().sum();
-    for c in chunks {
-        for (l, v) in lanes.iter_mut().zip(c) {
-            *l += v;
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
 }
