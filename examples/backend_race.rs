@@ -20,7 +20,6 @@
 use std::time::Instant;
 
 /// The criterion benches' helpers: `read_pass`, the same-run read baseline.
-#[allow(dead_code)]
 #[path = "../benches/common/mod.rs"]
 mod common;
 use common::read_pass;
