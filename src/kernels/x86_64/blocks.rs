@@ -2,7 +2,8 @@
 //! stochastic, with the counter hash on 8 lanes, drawn in aligned groups of 64 where a
 //! block starts at a multiple of 32), qsgd's block norm, natural compression (a short form
 //! for all but rare steps), the sign-magnitude, sign and natural decoders, the random-k
-//! draw filter and bf16 encode.
+//! draw filter and bf16 encode; also `dct`'s transpose of sixteen tiles into lanes and
+//! fp4's decode by table lookups in registers.
 //!
 //! The portable kernels compiled for AVX2 spent most of their time narrowing one vector of
 //! 8 codes to bytes at a time (a shuffle, an extract and an 8-byte store each); these work

@@ -1,6 +1,7 @@
 //! AVX-512 kernels of the block codecs: qsgd and ternary's stochastic sign-magnitude
 //! encode on 16 lanes, 64 elements per step, with the counter hash drawn in aligned
-//! groups of 64 where a block starts at a multiple of 64.
+//! groups of 64 where a block starts at a multiple of 64; also `dct`'s transpose of
+//! sixteen tiles into lanes and fp4's decode by table lookups in registers.
 //!
 //! They follow the AVX2 kernels of `blocks` operation for operation, twice as wide. A block's tail shorter than 64 elements goes to the AVX2 kernel. Every
 //! function equals its scalar oracle to the bit (tests/backends.rs).
