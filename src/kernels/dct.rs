@@ -1701,7 +1701,7 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "whole groups of sixteen tiles: slow under Miri")]
     fn full_groups_of_lanes_give_the_same_frames_on_every_backend() {
-        // Groups of sixteen tiles of 16, 32 and 64 (the AVX2 and AVX-512 builds' in-register
+        // Groups of sixteen tiles of 8 to 64 (the AVX2 and AVX-512 builds' in-register
         // transposes), then a partial group; the scalar backend's positions and values.
         for w in [8, 16, 32, 64] {
             let tiles = 2 * LANES + 3;

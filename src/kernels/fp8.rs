@@ -296,6 +296,13 @@ pub fn value_finite(f: Format, c: u8) -> f32 {
     f32::from_bits(v.to_bits() | sign)
 }
 
+/// The values of a 4-bit format's sixteen codes by [`value_finite`], indexed by code (the
+/// same f32 as converting each: scaled frames hold finite codes only).
+#[inline(always)]
+pub fn four_values(f: Format) -> [f32; 16] {
+    core::array::from_fn(|n| value_finite(f, widen4(n as u8)))
+}
+
 /// How a block's values are scaled into the format's range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scale {
@@ -584,9 +591,8 @@ pub fn decode<const M: u8>(
     }
     let sb = scale.bytes();
     let per_block = if four { block / 2 } else { block };
-    // A 4-bit code's value from a table of the sixteen (the same f32 as converting each:
-    // scaled frames hold finite codes only), two codes per byte.
-    let fours: [f32; 16] = core::array::from_fn(|n| value_finite(f, widen4(n as u8)));
+    // A 4-bit code's value from a table of the sixteen, two codes per byte.
+    let fours = four_values(f);
     for (b, (ob, cb)) in out
         .chunks_mut(block)
         .zip(codes.chunks(per_block))

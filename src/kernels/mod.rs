@@ -290,49 +290,30 @@ simd_op!(DctEncodeRowsLee {
 /// sixteen tiles of 16, 32 or 64 into lanes by in-register transposes of 16 x 16 blocks, the
 /// AVX2 build (and the AVX-512 backend at 8) tiles of 8 to 64 by 8 x 8 blocks.
 fn dct_encode_rows_lee(x: &[f32], w: usize, kt: usize, pos: &mut [u16], vals: &mut [f32]) {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => {
-            dct::encode_rows_lee_impl(x, w, kt, pos, vals, PLAIN_LANES)
-        }
+    let b = Backend::current();
+    let load = lanes_for(b.kind());
+    if b.kind() == BackendKind::Scalar {
+        return dct::encode_rows_lee_impl(x, w, kt, pos, vals, load);
+    }
+    let op = DctEncodeRowsLee {
+        x,
+        w,
+        kt,
+        pos,
+        vals,
+        load,
+    };
+    simd(b, op)
+}
+
+/// How a backend's build puts sixteen rows into lanes (see [`dct::LoadLanes`]).
+fn lanes_for(kind: BackendKind) -> dct::LoadLanes<'static> {
+    match kind {
         #[cfg(target_arch = "x86_64")]
-        b if b.kind() == BackendKind::Avx512 => {
-            let load = AVX512_LANES;
-            simd(
-                b,
-                DctEncodeRowsLee {
-                    x,
-                    w,
-                    kt,
-                    pos,
-                    vals,
-                    load,
-                },
-            )
-        }
+        BackendKind::Avx512 => AVX512_LANES,
         #[cfg(target_arch = "x86_64")]
-        b => simd(
-            b,
-            DctEncodeRowsLee {
-                x,
-                w,
-                kt,
-                pos,
-                vals,
-                load: AVX2_LANES,
-            },
-        ),
-        #[cfg(not(target_arch = "x86_64"))]
-        b => simd(
-            b,
-            DctEncodeRowsLee {
-                x,
-                w,
-                kt,
-                pos,
-                vals,
-                load: PLAIN_LANES,
-            },
-        ),
+        BackendKind::Avx2 => AVX2_LANES,
+        _ => PLAIN_LANES,
     }
 }
 
@@ -380,13 +361,9 @@ fn dct_forward_lee(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], 
     #[cfg(target_arch = "x86_64")]
     let to_avx2 = h * w == 4096 && x86_route(Op::DctLee64x64, b.kind()) == X86::Avx2;
     #[cfg(target_arch = "x86_64")]
-    let load = match b.kind() {
-        BackendKind::Avx512 if !to_avx2 => AVX512_LANES,
-        BackendKind::Avx512 | BackendKind::Avx2 => AVX2_LANES,
-        _ => PLAIN_LANES,
-    };
+    let load = lanes_for(if to_avx2 { BackendKind::Avx2 } else { b.kind() });
     #[cfg(not(target_arch = "x86_64"))]
-    let load = PLAIN_LANES;
+    let load = lanes_for(b.kind());
     let op = DctForwardLee {
         x,
         stride,
@@ -948,7 +925,7 @@ pub fn decode_float<const M: u8>(
     // fp4 blocks of 16 and 32 by table lookups in registers (written or added).
     #[cfg(target_arch = "x86_64")]
     if four && M != mode::RESIDUAL && matches!(block, 16 | 32) && scale != fp8::Scale::None {
-        let fours: [f32; 16] = core::array::from_fn(|n| fp8::value_finite(f, fp8::widen4(n as u8)));
+        let fours = fp8::four_values(f);
         let done = if route == X86::Avx512 {
             // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
             // after AVX-512F was detected.
@@ -959,6 +936,9 @@ pub fn decode_float<const M: u8>(
             unsafe { x86_64::blocks::decode_fp4::<M>(&fours, scale, block, scales, codes, out) }
         };
         // A last, shorter block as the definition (a few elements).
+        if done * block == out.len() {
+            return;
+        }
         let (scales, codes) = (&scales[done * scale.bytes()..], &codes[done * block / 2..]);
         return fp8::decode::<M>(
             f,

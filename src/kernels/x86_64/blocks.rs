@@ -1263,11 +1263,31 @@ pub unsafe fn rows_to_lanes16(rows: &[f32], stride: usize, w: usize, a: &mut [[f
     }
 }
 
+/// The whole fp4 blocks of `block` (16 or 32) elements that `out`, `codes` and `scales`
+/// all hold, a scale's bytes and a block's code bytes, for the decode kernels of mode `M`
+/// (write or add; asserted with the block length and a scale of at least one byte).
+pub(super) fn fp4_blocks<const M: u8>(
+    scale: crate::kernels::fp8::Scale,
+    block: usize,
+    scales: &[u8],
+    codes: &[u8],
+    out: &[f32],
+) -> (usize, usize, usize) {
+    assert!(matches!(block, 16 | 32) && matches!(M, scalar::mode::WRITE | scalar::mode::ADD));
+    let sb = scale.bytes();
+    assert!(sb > 0);
+    let half = block / 2;
+    let blocks = (out.len() / block)
+        .min(codes.len() / half)
+        .min(scales.len() / sb);
+    (blocks, sb, half)
+}
+
 /// fp4 decode (the layout of `fp8::decode` with two codes per byte, low nibble first) of
-/// the whole blocks of 16 or 32 elements that `out`, `codes` and `scales` hold, in mode
-/// `M` (write or add); returns how many blocks it decoded. `fours` holds the sixteen
-/// codes' values: each block multiplies them by its scale (the same f32 products as
-/// `fp8::decode`'s per element) and looks 8 codes up at a time in the two halves of the
+/// the whole blocks of 16 or 32 elements that `out`, `codes` and `scales` hold
+/// ([`fp4_blocks`]), in mode `M` (write or add); returns how many blocks it decoded.
+/// `fours` holds the sixteen codes' values: each block multiplies them by its scale (the
+/// same f32 products as `fp8::decode`'s per element) and looks 8 codes up at a time in the two halves of the
 /// table (two permutes and a blend on the code's bit 3), then interleaves the low and
 /// high nibbles' values back into element order.
 ///
@@ -1282,13 +1302,7 @@ pub unsafe fn decode_fp4<const M: u8>(
     codes: &[u8],
     out: &mut [f32],
 ) -> usize {
-    assert!(matches!(block, 16 | 32) && matches!(M, scalar::mode::WRITE | scalar::mode::ADD));
-    let sb = scale.bytes();
-    assert!(sb > 0);
-    let half = block / 2;
-    let blocks = (out.len() / block)
-        .min(codes.len() / half)
-        .min(scales.len() / sb);
+    let (blocks, sb, half) = fp4_blocks::<M>(scale, block, scales, codes, out);
     // SAFETY: `fours` is 16 f32, two unaligned __m256.
     let (t0, t1) = unsafe {
         (

@@ -304,10 +304,10 @@ pub unsafe fn rows_to_lanes16(rows: &[f32], stride: usize, w: usize, a: &mut [[f
 }
 
 /// fp4 decode (the layout of `fp8::decode` with two codes per byte, low nibble first) of
-/// the whole blocks of 16 or 32 elements that `out`, `codes` and `scales` hold, in mode
-/// `M` (write or add); returns how many blocks it decoded. `fours` holds the sixteen
-/// codes' values: each block multiplies them by its scale (the same f32 products as
-/// `fp8::decode`'s per element), looks its codes up with one permute per 16 of them, and
+/// the whole blocks of 16 or 32 elements that `out`, `codes` and `scales` hold
+/// (`blocks::fp4_blocks`), in mode `M` (write or add); returns how many blocks it decoded.
+/// `fours` holds the sixteen codes' values: each block multiplies them by its scale (the
+/// same f32 products as `fp8::decode`'s per element), looks its codes up with one permute per 16 of them, and
 /// interleaves the low and high nibbles' values back into element order.
 ///
 /// # Safety
@@ -321,13 +321,7 @@ pub unsafe fn decode_fp4<const M: u8>(
     codes: &[u8],
     out: &mut [f32],
 ) -> usize {
-    assert!(matches!(block, 16 | 32) && matches!(M, scalar::mode::WRITE | scalar::mode::ADD));
-    let sb = scale.bytes();
-    assert!(sb > 0);
-    let half = block / 2;
-    let blocks = (out.len() / block)
-        .min(codes.len() / half)
-        .min(scales.len() / sb);
+    let (blocks, sb, half) = blocks::fp4_blocks::<M>(scale, block, scales, codes, out);
     // SAFETY: `fours` is 16 f32, one unaligned __m512.
     let table = unsafe { _mm512_loadu_ps(fours.as_ptr()) };
     // Element 2j is the low nibble of byte j, element 2j + 1 its high nibble.
