@@ -22,7 +22,10 @@ without iproute2: ``--netlink pyroute2`` picks it where both exist); where that 
 the script says so and runs on the loopback.
 
 All ranks share this machine's cores: with fewer cores than ranks, compute is contended
-and the timings say so in their header.
+and the timings say so in their header. Each rank runs torch on one thread and
+gradpack's kernels on its share of the cores (``--rank-threads``; 16 cores and 8 ranks:
+two each), as a node of that many cores would: left to itself, every rank's gradpack
+would start a thread per core of the whole machine.
 
 Each configuration runs in its own process group (a configuration that fails, as
 PyTorch's PowerSGD hook may, is reported and the rest go on). Per run: ``--warmup``
@@ -221,7 +224,21 @@ def rank_main(rank, world, addr, port, cfg, steps, warmup, train_steps, out):
         corrected = split_momentum(split_start(cfg)[0])[1]
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.0 if corrected else MOMENTUM)
         batch = 64
-        times = []
+        times, phases = [], []
+        busy = {}
+        if state is not None and hasattr(state, "_reduce"):
+            # The hook thread's time per bucket reduction (host copies, encode, exchange,
+            # sum), to set beside the step's backward: a diagnostic, this rank only.
+            reduce = state._reduce
+
+            def timed(buf, index, *a, **k):
+                t = time.perf_counter()
+                try:
+                    return reduce(buf, index, *a, **k)
+                finally:
+                    busy.setdefault(index, []).append(time.perf_counter() - t)
+
+            state._reduce = timed
         if state is not None and cfg.startswith("gp-auto"):
             # auto's measured trials (float32 and the `trials` best, `trial_steps` each)
             # come first: the timed steps are the steady state after them.
@@ -235,9 +252,13 @@ def rank_main(rank, world, addr, port, cfg, steps, warmup, train_steps, out):
             t0 = time.perf_counter()
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(net(xs[idx]), ys[idx])
-            loss.backward()
+            t1 = time.perf_counter()
+            loss.backward()  # waits for the buckets' reductions at its end
+            t2 = time.perf_counter()
             opt.step()
-            times.append(time.perf_counter() - t0)
+            t3 = time.perf_counter()
+            times.append(t3 - t0)
+            phases.append((t1 - t0, t2 - t1, t3 - t2))
         if train_steps:
             with torch.no_grad():
                 result["accuracy"] = (net(xt).argmax(1) == yt).float().mean().item()
@@ -246,6 +267,14 @@ def rank_main(rank, world, addr, port, cfg, steps, warmup, train_steps, out):
             t = sorted(times[warmup:])
             result["step_ms_median"] = 1000 * t[len(t) // 2]
             result["step_ms_mean"] = 1000 * sum(t) / len(t)
+            # Where a step goes: forward, backward with the wait for the reductions, the
+            # optimizer (medians of the timed steps, this rank).
+            for k, name in enumerate(("forward", "backward", "optimizer")):
+                v = sorted(p[k] for p in phases[warmup:])
+                result[f"{name}_ms_median"] = round(1000 * v[len(v) // 2], 2)
+            for index, ts in sorted(busy.items()):
+                v = sorted(ts[-steps:])
+                result[f"hook_bucket{index}_ms_median"] = round(1000 * v[len(v) // 2], 2)
         p = torch.cat([q.detach().reshape(-1) for q in net.parameters()])
         got = [torch.empty_like(p) for _ in range(world)]
         dist.all_gather(got, p)
@@ -253,6 +282,11 @@ def rank_main(rank, world, addr, port, cfg, steps, warmup, train_steps, out):
         if state is not None and cfg.startswith("gp-auto"):
             info["auto_plan"] = [f"{r['codec']} by {r['strategy']}"
                                  for r in state.plan() if r["chosen"]]
+            # Every configuration tried, modelled and measured (ms), for the record.
+            info["auto_trials"] = [
+                [r["bucket"], r["codec"], r["strategy"], r["modelled_ms"] and round(r["modelled_ms"], 2),
+                 r["measured_ms"] and round(r["measured_ms"], 2), r["chosen"]]
+                for r in state.plan()]
         result.update(info)
         if state is not None:
             state.close()
@@ -408,14 +442,22 @@ def parse_rate(rate):
     return float(rate)
 
 
-def run_one(names, world, cfg, steps, warmup, train_steps, timeout=300):
+def rank_threads(world, asked=0):
+    """gradpack's threads per rank: ``asked``, or this machine's cores shared out among the
+    ranks (a node of ``cores / world`` cores each), at least one."""
+    return asked if asked > 0 else max(1, (os.cpu_count() or 1) // world)
+
+
+def run_one(names, world, cfg, steps, warmup, train_steps, timeout=300, threads=0):
     """One configuration on ``world`` ranks, rank r in namespace ``names[r]`` (None: all on
-    the loopback)."""
+    the loopback), gradpack's kernels on ``rank_threads(world, threads)`` threads per rank
+    (torch's on one)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     addr = f"{SUBNET}.1" if names else "127.0.0.1"
     port = 29400 + (os.getpid() + int(time.time())) % 20000
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0" if names else "lo", OMP_NUM_THREADS="1")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0" if names else "lo", OMP_NUM_THREADS="1",
+               RAYON_NUM_THREADS=str(rank_threads(world, threads)))
     t0 = time.time()
     procs = []
     for r in range(world):
@@ -486,9 +528,11 @@ def driver(args):
     meta = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cores": os.cpu_count(),
             "torch": torch.__version__, "gradpack_backend": gradpack.backend(),
             "python": platform.python_version(), "steps": args.steps, "warmup": args.warmup,
-            "train_steps": args.train_steps, "netlink": NETLINK["tool"]}
+            "train_steps": args.train_steps, "netlink": NETLINK["tool"],
+            "rank_threads": {w: rank_threads(w, args.rank_threads) for w in worlds}}
     print(f"# DDP benchmark, {meta['date']}: {meta['cpu']}, {meta['cores']} cores, torch "
-          f"{meta['torch']}, gradpack backend {meta['gradpack_backend']}", flush=True)
+          f"{meta['torch']}, gradpack backend {meta['gradpack_backend']}, gradpack threads "
+          f"per rank {meta['rank_threads']}", flush=True)
     if max(worlds) > (os.cpu_count() or 1):
         print(f"NOTE: {max(worlds)} ranks on {os.cpu_count()} cores: the ranks' compute is "
               "contended, so steps are slower than on a cluster of that many nodes", flush=True)
@@ -502,7 +546,8 @@ def driver(args):
                       + (", unthrottled" if rate else ""), flush=True)
             try:
                 for cfg in configs:
-                    r = run_one(names, world, cfg, args.steps, args.warmup, 0)
+                    r = run_one(names, world, cfg, args.steps, args.warmup, 0,
+                                threads=args.rank_threads)
                     r["link"] = link if names or rate is None else "unthrottled"
                     results.append(r)
                     print(json.dumps(r), flush=True)
@@ -514,7 +559,8 @@ def driver(args):
             names, _ = make_cluster(world, None)
             try:
                 for cfg in configs:
-                    r = run_one(names, world, cfg, 0, 0, args.train_steps)
+                    r = run_one(names, world, cfg, 0, 0, args.train_steps,
+                                threads=args.rank_threads)
                     r["link"] = "accuracy"
                     results.append(r)
                     print(json.dumps(r), flush=True)
@@ -565,6 +611,8 @@ def main():
     ap.add_argument("--train-steps", type=int, default=250,
                     help="steps of the accuracy run (0: skip it)")
     ap.add_argument("--out", default="ddp_bench.json")
+    ap.add_argument("--rank-threads", type=int, default=0,
+                    help="gradpack's threads per rank (0: the cores shared out among the ranks)")
     ap.add_argument("--netlink", choices=["auto", "iproute2", "pyroute2"], default="auto",
                     help="how the namespaces are made (auto: iproute2 where it is installed)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

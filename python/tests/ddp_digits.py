@@ -202,13 +202,31 @@ def same_on_all_ranks(t: torch.Tensor, world: int) -> bool:
     return all(torch.equal(got[0], g) for g in got)
 
 
+def gpu_backend(backend: str, rank: int, world: int) -> str:
+    """The CUDA device of ``rank`` for a world on ``backend`` (made current). With NCCL
+    and fewer GPUs than ranks, each rank is made a host of its own to NCCL (its host id):
+    NCCL refuses two ranks on one GPU of one host ("Duplicate GPU detected"), and ranks
+    of different hosts reach each other over sockets."""
+    n = torch.cuda.device_count()
+    if "nccl" in backend and n < world:
+        os.environ["NCCL_HOSTID"] = f"gradpack-test-rank-{rank}"
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_IB_DISABLE", "1")
+    device = f"cuda:{rank % n}"
+    torch.cuda.set_device(device)
+    return device
+
+
 def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    backend = plan.get("backend", "gloo")
+    device = plan.get("device", "cpu")
+    if device.startswith("cuda"):
+        device = gpu_backend(backend, rank, world)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     xs, ys, xt, yt = data()
     results: List[Dict[str, Any]] = []
     steps = plan["steps"]
-    device = plan.get("device", "cpu")
     for name in plan["configs"]:
         cfg = CONFIGS[name]
         for seed in plan["seeds"]:
@@ -232,7 +250,8 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
                 state.close()
             times = sorted(times[len(times) // 2:])
             results.append({
-                "config": name, "seed": seed, "accuracy": acc, "device": device,
+                "config": name, "seed": seed, "accuracy": acc, "device": device.split(":")[0],
+                "backend": backend,
                 "ms_per_step": 1000 * times[len(times) // 2],
                 "first_loss": float(np.mean(losses[:20])), "last_loss": float(np.mean(losses[-20:])),
                 "identical": same_on_all_ranks(p, world),
@@ -330,12 +349,13 @@ def free_port() -> int:
 
 
 def run(world: int, configs: List[str], seeds: List[int], steps: int, resume: str = "",
-        device: str = "cpu") -> List[List[Dict[str, Any]]]:
-    """Train every configuration on ``world`` processes over gloo, the models on
-    ``device`` (every rank on the same one: ``cuda`` puts them all on the first GPU)."""
+        device: str = "cpu", backend: str = "gloo") -> List[List[Dict[str, Any]]]:
+    """Train every configuration on ``world`` processes, the default process group on
+    ``backend`` (gloo, nccl or a mixed ``cpu:gloo,cuda:nccl``), the models on ``device``
+    (``cuda``: rank r on GPU r, or all on the first where there are fewer GPUs)."""
     with tempfile.TemporaryDirectory() as d:
         plan = {"configs": configs, "seeds": seeds, "steps": steps, "resume": resume,
-                "device": device}
+                "device": device, "backend": backend}
         mp.spawn(worker, args=(world, free_port(), plan, d), nprocs=world, join=True)
         return [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(world)]
 
@@ -347,10 +367,11 @@ if __name__ == "__main__":
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--resume", default="")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (every rank on one GPU)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (rank r on GPU r, or all on one)")
+    ap.add_argument("--backend", default="gloo", help="gloo, nccl or cpu:gloo,cuda:nccl")
     a = ap.parse_args()
     res = run(a.world, a.configs.split(","), [int(s) for s in a.seeds.split(",")], a.steps, a.resume,
-              a.device)
+              a.device, a.backend)
     for r in res[0]:
         print(json.dumps(r))
     sys.exit(0)

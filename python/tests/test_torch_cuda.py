@@ -3,8 +3,11 @@ copies them to pinned host buffers on a side stream, reduces them with gradpack'
 collectives on its own gloo group, and completes DDP's future on the GPU. Float32 buckets
 stay on the GPU and go through DDP's own group.
 
-Two processes share the first GPU and talk over gloo: NCCL refuses two ranks on one GPU
-("Duplicate GPU detected"), so a machine with one GPU cannot run an NCCL world of two.
+Two processes share the first GPU (or take one each where there are two) and talk over
+gloo, then over NCCL and over a mixed ``cpu:gloo,cuda:nccl`` group. NCCL refuses two
+ranks on one GPU of one host ("Duplicate GPU detected"), so on a machine with one GPU
+each rank gets a host id of its own (``NCCL_HOSTID``) and NCCL moves their float32
+buckets over sockets, as between two nodes.
 DiLoCo runs with the model on the GPU too: its outer step reads and writes the parameters
 through pinned float32 host copies of the due fragments.
 
@@ -79,3 +82,36 @@ def test_diloco_on_the_gpu_resumes_bit_for_bit(diloco_runs):
     for ranks in diloco_runs:
         r = [x for x in ranks if x.get("resume")][0]
         assert r["equal"] and r["outer_equal"], r
+
+
+@pytest.fixture(scope="module")
+def nccl_runs():
+    ranks = ddp_digits.run(2, CONFIGS, [0], 150, device="cuda", backend="nccl")
+    for r in ranks[0]:
+        print(f"cuda nccl {r['config']}: {r['ms_per_step']:.1f} ms/step, accuracy "
+              f"{100 * r['accuracy']:.1f}%, identical {r['identical']}")
+    return ranks[0]
+
+
+def test_an_nccl_world_trains_with_identical_parameters(nccl_runs):
+    # float32 buckets go on DDP's NCCL group in device memory; compressed ones on the
+    # hook's own gloo group through pinned host buffers.
+    assert [r["config"] for r in nccl_runs] == CONFIGS
+    assert all(r["device"] == "cuda" and r["backend"] == "nccl" for r in nccl_runs)
+    assert all(r["identical"] for r in nccl_runs), [r for r in nccl_runs if not r["identical"]]
+
+
+def test_nccl_and_gloo_give_the_same_parameters(runs, nccl_runs):
+    # Two ranks: every float32 sum is a + b on either backend, and the compressed path is
+    # the same code on the host, so the backend of DDP's group changes no bit.
+    for gloo, nccl in zip(runs, nccl_runs):
+        assert gloo["config"] == nccl["config"]
+        assert gloo["params_crc"] == nccl["params_crc"], (gloo, nccl)
+
+
+def test_a_mixed_cpu_gloo_cuda_nccl_group_works():
+    ranks = ddp_digits.run(2, ["fp32", "int8", "topk-ef"], [0], 60, device="cuda",
+                           backend="cpu:gloo,cuda:nccl")
+    for r in ranks[0]:
+        print(f"cuda cpu:gloo,cuda:nccl {r['config']}: {r['ms_per_step']:.1f} ms/step")
+    assert all(r["identical"] and r["device"] == "cuda" for r in ranks[0]), ranks[0]
