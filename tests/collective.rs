@@ -659,6 +659,77 @@ fn ring_sends_less_than_allgather() {
     }
 }
 
+/// [`run_world`] through `run_in_place`: each rank's input copied into the buffer that
+/// gets the result.
+fn run_world_in_place(
+    codec: CodecSpec,
+    o: &AllReduceOptions,
+    inputs: &[Vec<f32>],
+    steps: u64,
+) -> Vec<Result<RankRun>> {
+    let n = inputs[0].len();
+    local::run(inputs.len(), Some(Duration::from_secs(30)), |mut t| {
+        let mut ar = AllReduce::new(codec, n, &t, o.clone())?;
+        let mut outs = Vec::new();
+        let mut stats = None;
+        for step in 0..steps {
+            let mut data = inputs[t.rank()].clone();
+            stats = Some(ar.run_in_place(&mut t, &mut data, 11 + step)?);
+            outs.push(data);
+        }
+        Ok((outs, stats.unwrap(), ar.residual_f32()))
+    })
+}
+
+#[test]
+fn in_place_runs_give_the_same_bits_and_residuals() {
+    let specs = [
+        "identity",
+        "int8:block=64,rounding=stochastic",
+        "sign:block=3",
+        "topk:ratio=0.1,values=f32",
+        "qsgd:bits=4,block=7",
+    ];
+    for p in [1usize, 2, 3, 4, 8] {
+        for n in [0, p + 1, 1000, 4099] {
+            let inputs: Vec<Vec<f32>> = (0..p).map(|r| input(n, r)).collect();
+            for spec in specs {
+                let codec: CodecSpec = spec.parse().unwrap();
+                for s in STRATEGIES {
+                    if refused(&codec, s) || (s == Strategy::Fp32Ring) != (spec == "identity") {
+                        continue;
+                    }
+                    for (pieces, feedback, op) in [
+                        (1, Feedback::None, ReduceOp::Mean),
+                        (1, Feedback::WorkerAndOwner, ReduceOp::Sum),
+                        (3, Feedback::WorkerAndOwner, ReduceOp::Mean),
+                    ] {
+                        if s != Strategy::CompressedRing && (pieces > 1 || spec == "identity") {
+                            continue;
+                        }
+                        let o = AllReduceOptions {
+                            pieces,
+                            ..opts(s, op, feedback)
+                        };
+                        let a = run_world(codec, &o, &inputs, 3);
+                        let b = run_world_in_place(codec, &o, &inputs, 3);
+                        for r in 0..p {
+                            let what =
+                                format!("{spec} {} p={p} n={n} x{pieces} rank {r}", s.name());
+                            let (a, b) = (a[r].as_ref().unwrap(), b[r].as_ref().unwrap());
+                            for st in 0..3 {
+                                assert_eq!(bits(&a.0[st]), bits(&b.0[st]), "{what} step {st}");
+                            }
+                            assert_eq!(bits(&a.2), bits(&b.2), "{what}: residuals");
+                            assert_eq!(a.1, b.1, "{what}: stats");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn pipelined_ring_agrees_with_the_plain_ring() {
     let p = 4;

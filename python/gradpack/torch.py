@@ -105,9 +105,9 @@ GPU models (DDP over NCCL): a bucket that goes as float32 is all-reduced by DDP'
 group from the hook, as without it (NCCL, device memory). A compressed one is copied to a
 reused pinned host buffer on a side CUDA stream, reduced on the host over the hook's gloo
 group, and copied back on that stream; the returned future completes on the bucket's
-device. ``codec="auto"`` charges the copies, so on a fast fabric it keeps float32. That
-path is written but has not been run on a GPU here; the measured runs are CPU training
-over gloo.
+device. ``codec="auto"`` charges the copies, so on a fast fabric it keeps float32. The
+tests run it on a GPU where one is present (NCCL, gloo and a mixed ``cpu:gloo,cuda:nccl``
+group); the timed runs are CPU training over gloo.
 """
 
 import datetime

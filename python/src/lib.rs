@@ -1030,8 +1030,6 @@ const ALLREDUCE_FORMAT: &str = "gradpack.AllReduce/1";
 struct PyAllReduce {
     inner: AllReduce,
     comm: Comm<Routed<PyTransport>>,
-    /// The input when `run` reduces in place.
-    scratch: Vec<f32>,
 }
 
 #[pymethods]
@@ -1089,7 +1087,6 @@ impl PyAllReduce {
         Ok(PyAllReduce {
             inner,
             comm: Comm::new(t),
-            scratch: Vec::new(),
         })
     }
 
@@ -1107,9 +1104,23 @@ impl PyAllReduce {
         seed: u64,
     ) -> PyResult<Bound<'py, PyDict>> {
         let (ar, comm) = (&mut self.inner, &mut self.comm);
-        run_collective(py, x, out, &mut self.scratch, |xs, os| {
-            ar.run(comm, xs, os, seed)
-        })
+        let stats = match out {
+            // In place with no copy of the input: the crate's own in-place run.
+            None => {
+                let mut o = f32_out(x, "x")?;
+                let os = slice_out(&mut o)?;
+                py.detach(|| ar.run_in_place(comm, os, seed))
+            }
+            Some(out) => {
+                let a = f32_in(x, "x")?;
+                let xs = slice_in(&a)?;
+                let mut o = f32_out(out, "out")?;
+                let os = slice_out(&mut o)?;
+                py.detach(|| ar.run(comm, xs, os, seed))
+            }
+        }
+        .map_err(err)?;
+        stats_dict(py, &stats)
     }
 
     /// The strategy this all-reduce runs (the cost model's choice for "auto").

@@ -254,7 +254,8 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
                 "backend": backend,
                 "ms_per_step": 1000 * times[len(times) // 2],
                 "first_loss": float(np.mean(losses[:20])), "last_loss": float(np.mean(losses[-20:])),
-                "identical": same_on_all_ranks(p, world),
+                # On a pure NCCL group the comparison's all-gather needs device tensors.
+                "identical": same_on_all_ranks(p.to(device) if backend == "nccl" else p, world),
                 "params_crc": zlib.crc32(p.double().cpu().numpy().tobytes()),
                 "plan": chosen, "tried": tried, "collectives": collectives,
                 "shared_memories": shared, "ring_bytes": ring_bytes,

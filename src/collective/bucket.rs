@@ -183,11 +183,8 @@ impl BucketGather {
             }
             reduce::reduce_split::<WRITE>(&split, &mut output[seg.clone()])
                 .map_err(|(q, e)| peer_error(q, Phase::FrameAllGather, left, e))?;
-        }
-        if self.op == ReduceOp::Mean && p > 1 {
-            let pf = p as f32;
-            for seg in segments {
-                output[seg.clone()].iter_mut().for_each(|x| *x /= pf);
+            if self.op == ReduceOp::Mean {
+                super::divide_by_ranks(&mut output[seg.clone()], p);
             }
         }
         Ok(stats)

@@ -483,9 +483,8 @@ impl Hierarchical {
 
     /// With operation `Mean`, divide the sum by the world size.
     fn mean(&self, output: &mut [f32]) {
-        if self.op == ReduceOp::Mean && self.nodes.world() > 1 {
-            let p = self.nodes.world() as f32;
-            output.iter_mut().for_each(|x| *x /= p);
+        if self.op == ReduceOp::Mean {
+            super::divide_by_ranks(output, self.nodes.world());
         }
     }
 
@@ -583,7 +582,7 @@ fn between<T: Transport + ?Sized>(
     match streams.get_mut(i) {
         Some(ar) => {
             let stream_seed = splitmix64(seed ^ splitmix64(!(s as u64)));
-            let st = ar.run_in(comm, call, acc, reduced, stream_seed)?;
+            let st = ar.run_in(comm, call, Some(acc), reduced, stream_seed)?;
             stats.bytes_sent += st.bytes_sent;
             stats.messages += st.messages;
         }

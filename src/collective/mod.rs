@@ -707,7 +707,20 @@ impl AllReduce {
         seed: u64,
     ) -> Result<Stats> {
         let call = comm.begin();
-        self.run_in(comm, call, input, output, seed)
+        self.run_in(comm, call, Some(input), output, seed)
+    }
+
+    /// [`AllReduce::run`] in place: `data` is this rank's input and gets the reduction.
+    /// The same messages and the same bits as `run` with a copy of `data` as input, with
+    /// neither that copy nor the ring's copies of the input into the output.
+    pub fn run_in_place<T: Transport + ?Sized>(
+        &mut self,
+        comm: &mut Comm<T>,
+        data: &mut [f32],
+        seed: u64,
+    ) -> Result<Stats> {
+        let call = comm.begin();
+        self.run_in(comm, call, None, data, seed)
     }
 
     /// The global rank at ring position `q`.
@@ -715,17 +728,18 @@ impl AllReduce {
         self.group.as_ref().map_or(q, |g| g[q])
     }
 
-    /// [`AllReduce::run`] as part of call `call` (taken by the caller).
+    /// [`AllReduce::run`] as part of call `call` (taken by the caller); `input` None: in
+    /// place, `output` holding the input.
     pub(crate) fn run_in<T: Transport + ?Sized>(
         &mut self,
         comm: &mut Comm<T>,
         call: u64,
-        input: &[f32],
+        input: Option<&[f32]>,
         output: &mut [f32],
         seed: u64,
     ) -> Result<Stats> {
         let _fp = crate::kernels::Standard::new();
-        check_lens(input, output, self.len)?;
+        check_lens(input.unwrap_or(output), output, self.len)?;
         let fits = match &self.group {
             None => comm.size() == self.size,
             Some(g) => g.iter().all(|&m| m < comm.size()),
@@ -751,23 +765,29 @@ impl AllReduce {
             },
         };
         match self.strategy {
+            // The ring divides each chunk for the mean as it writes it.
             Strategy::Fp32Ring | Strategy::CompressedRing => {
                 self.ring(comm, input, output, &mut step)?
             }
             Strategy::CompressedAllGather => {
-                self.gather(comm, input, &mut step)?;
+                self.gather(comm, input.unwrap_or(output), &mut step)?;
                 self.sum_frames(output)?;
+                self.mean(output);
             }
             Strategy::SignMajority => {
-                self.gather(comm, input, &mut step)?;
+                self.gather(comm, input.unwrap_or(output), &mut step)?;
                 self.vote(output)?;
+                self.mean(output);
             }
         }
-        if self.opts.op == ReduceOp::Mean && self.size > 1 {
-            let p = self.size as f32;
-            output.iter_mut().for_each(|x| *x /= p);
-        }
         Ok(step.stats)
+    }
+
+    /// Divide `x` by the world size for [`ReduceOp::Mean`].
+    fn mean(&self, x: &mut [f32]) {
+        if self.opts.op == ReduceOp::Mean {
+            divide_by_ranks(x, self.size);
+        }
     }
 
     /// Encode `x` (slot `slot`'s data, starting at global element `offset`) into
@@ -800,10 +820,13 @@ impl AllReduce {
         }
     }
 
+    /// The ring: reduce-scatter, then all-gather of the owners' frames; `input` None: in
+    /// place. Each chunk of the output is written once, by its last decode, and divided
+    /// for the mean there while it is in cache.
     fn ring<T: Transport + ?Sized>(
         &mut self,
         comm: &mut Comm<T>,
-        input: &[f32],
+        input: Option<&[f32]>,
         output: &mut [f32],
         step: &mut Step,
     ) -> Result<()> {
@@ -829,7 +852,12 @@ impl AllReduce {
             let phase = Phase::ReduceScatter;
             let want = |this: &Self, j: usize| this.place(call, phase, s * k + j, recv_c * k + j);
             let mut post = |this: &mut Self, out: &[f32], comm: &mut Comm<T>, j: usize| {
-                let src = if s == 0 { input } else { out };
+                // In place, chunk send_c still holds the input at step 0 (no chunk is
+                // written before it is received, and each is received once).
+                let src = match input {
+                    Some(x) if s == 0 => x,
+                    _ => out,
+                };
                 let len =
                     this.encode(send_c * k + j, &src[piece(send_c, j)], ctx_of(r, send_c, j))?;
                 let to = this.place(call, phase, s * k + j, send_c * k + j);
@@ -855,7 +883,9 @@ impl AllReduce {
                 let bad = |e| peer_error(left_g, phase, left_g, e);
                 let split = check_origin(&codec, frame, &ctx_of(left, recv_c, j)).map_err(bad)?;
                 let acc = &mut output[piece(recv_c, j)];
-                acc.copy_from_slice(&input[piece(recv_c, j)]);
+                if let Some(x) = input {
+                    acc.copy_from_slice(&x[piece(recv_c, j)]);
+                }
                 decode_checked::<ADD>(split, acc).map_err(bad)?;
             }
         }
@@ -865,12 +895,16 @@ impl AllReduce {
         for j in 0..k {
             let own = piece(r, j);
             let len = {
-                let src = if p == 1 { input } else { &*output };
+                let src = match input {
+                    Some(x) if p == 1 => x,
+                    _ => &*output,
+                };
                 self.encode(r * k + j, &src[own.clone()], ctx_of(r, r, j))?
             };
             // This rank's own frame, sealed a moment ago: no checksum to verify.
             let split = wire::split_with(&self.enc[ENVELOPE_LEN..len], false)?;
-            decode_checked::<WRITE>(split, &mut output[own])?;
+            decode_checked::<WRITE>(split, &mut output[own.clone()])?;
+            self.mean(&mut output[own]);
             self.fwd[j].clear();
             self.fwd[j].extend_from_slice(&self.enc[..len]);
         }
@@ -906,6 +940,7 @@ impl AllReduce {
                 let bad = |e| peer_error(self.global(recv_c), phase, left_g, e);
                 let split = check_origin(&codec, frame, &ctx_of(recv_c, recv_c, j)).map_err(bad)?;
                 decode_checked::<WRITE>(split, &mut output[piece(recv_c, j)]).map_err(bad)?;
+                self.mean(&mut output[piece(recv_c, j)]);
             }
             core::mem::swap(&mut self.fwd, &mut self.next);
         }
@@ -1115,6 +1150,23 @@ fn codec_of(codec: CodecSpec, strategy: Strategy) -> CodecSpec {
 }
 
 /// An error unless a collective's `input` and `output` both hold `len` elements.
+/// `x[i] / p` for every element: the mean of a sum over `p` ranks (a sum of one rank
+/// stays as it is). Where `p` is a power of two the division is a multiplication by its
+/// exact inverse, which rounds the same real number and so gives the same bits (NaN,
+/// infinities, zeros and subnormals included), at the speed of a memory pass.
+fn divide_by_ranks(x: &mut [f32], p: usize) {
+    if p <= 1 {
+        return;
+    }
+    let pf = p as f32;
+    if p.is_power_of_two() {
+        let inv = 1.0 / pf;
+        x.iter_mut().for_each(|v| *v *= inv);
+    } else {
+        x.iter_mut().for_each(|v| *v /= pf);
+    }
+}
+
 fn check_lens(input: &[f32], output: &[f32], len: usize) -> Result<()> {
     for (what, got) in [
         ("input and all-reduce length", input.len()),
@@ -1147,5 +1199,46 @@ fn peer_error(peer: usize, phase: Phase, via: usize, e: Error) -> Error {
         phase: phase.name(),
         forwarded_by: (via != peer).then_some(via),
         source: Box::new(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::divide_by_ranks;
+
+    #[test]
+    fn a_mean_over_a_power_of_two_of_ranks_has_the_bits_of_the_division() {
+        let mut xs = vec![
+            0.0,
+            -0.0,
+            1.0,
+            -3.5,
+            f32::MIN_POSITIVE,
+            f32::MIN_POSITIVE * 0.75,
+            f32::from_bits(1),
+            f32::from_bits(0x8000_0003),
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::from_bits(0x7fc1_2345),
+        ];
+        // Arbitrary bit patterns besides: every exponent, subnormals and NaNs included.
+        let mut h = 0x9e37_79b9_u32;
+        for _ in 0..(1 << 14) {
+            h ^= h << 13;
+            h ^= h >> 17;
+            h ^= h << 5;
+            xs.push(f32::from_bits(h));
+        }
+        for p in [1usize, 2, 3, 4, 5, 8, 16, 1024, 1 << 20] {
+            let mut got = xs.clone();
+            divide_by_ranks(&mut got, p);
+            for (x, y) in xs.iter().zip(&got) {
+                let want = if p == 1 { *x } else { x / p as f32 };
+                assert_eq!(want.to_bits(), y.to_bits(), "{x:e} / {p}");
+            }
+        }
     }
 }
