@@ -362,6 +362,65 @@ fn every_backend_decodes_arbitrary_codes_like_scalar() {
 }
 
 #[test]
+fn every_backend_decodes_every_fp8_code_and_scale_like_scalar() {
+    // Scaled fp8 frames carry any finite code and any scale their decoders accept: every
+    // code in every block, under scales from zero and subnormals to f32's largest (where
+    // E4M3's conversion through half precision cannot fold its 2^8 into the scale) and
+    // NaN, for block lengths the register kernels take (multiples of 16) and others.
+    let backends = simd_backends();
+    let f32_scales: Vec<u32> = [0.0f32, 1e-45, 1e-40, f32::MIN_POSITIVE, 0.75, 7.6e35, 1e37]
+        .iter()
+        .map(|s| s.to_bits())
+        .chain([f32::MAX.to_bits(), 0x7FC0_0000])
+        .collect();
+    let e8m0_scales = [0u8, 1, 100, 127, 200, 247, 248, 254, 0xFF];
+    for format in ["e4m3", "e5m2"] {
+        let bad = if format == "e4m3" { 0x7F } else { 0x7C };
+        let codes: Vec<u8> = (0..=255u8).filter(|c| c & bad != bad).collect();
+        for scale in ["f32", "e8m0"] {
+            for block in [16usize, 32, 48, 64, 128, 24] {
+                let s = format!("fp8:format={format},scale={scale},block={block}");
+                let spec: CodecSpec = s.parse().unwrap();
+                let sb = if scale == "f32" { 4 } else { 1 };
+                let n = 9 * block + block / 2;
+                let blocks = n.div_ceil(block);
+                let mut frame = encode_with(
+                    Backend::scalar(),
+                    &spec,
+                    &sample(n, 12),
+                    &EncodeCtx::new(5),
+                    0,
+                );
+                let at = frame.len() - n;
+                for (k, c) in frame[at..].iter_mut().enumerate() {
+                    *c = codes[(k * 7 + k / 251) % codes.len()];
+                }
+                for b in 0..blocks {
+                    let sc = &mut frame[at - blocks * sb + b * sb..at - blocks * sb + (b + 1) * sb];
+                    if scale == "f32" {
+                        sc.copy_from_slice(&f32_scales[b % f32_scales.len()].to_le_bytes());
+                    } else {
+                        sc[0] = e8m0_scales[b % e8m0_scales.len()];
+                    }
+                }
+                let want_d = decode_with::<false>(Backend::scalar(), &frame, n, 0.0);
+                let want_a = decode_with::<true>(Backend::scalar(), &frame, n, -2.5);
+                for &b in &backends {
+                    assert!(
+                        decode_with::<false>(b, &frame, n, 3.0) == want_d,
+                        "{s} on {b}: decode"
+                    );
+                    assert!(
+                        decode_with::<true>(b, &frame, n, -2.5) == want_a,
+                        "{s} on {b}: add"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn nan_steps_decode_to_their_quieted_bits_and_infinite_steps_are_refused() {
     // A decoded NaN is the step's NaN with the quiet bit set by the multiplication (sign
     // copies the step, so only its decode_add quiets it) and its sign flipped where the

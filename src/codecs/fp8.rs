@@ -472,7 +472,7 @@ impl FixedRate for Fp8 {
                 Fp8Format::E4m3 => 0x7F,
                 Fp8Format::E5m2 => 0x7C,
             };
-            if codes.iter().fold(false, |any, &c| any | (c & mask == mask)) {
+            if any_all_set(codes, mask) {
                 let i = codes.iter().position(|&c| c & mask == mask).unwrap_or(0);
                 return Err(Error::Corrupt {
                     codec: h.codec,
@@ -491,4 +491,18 @@ impl FixedRate for Fp8 {
     fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]) {
         self.core().decode(m, scales, codes, out)
     }
+}
+
+/// Whether any code has every bit of `mask` set. Per byte position of 64-byte rows, the
+/// minimum of `!c & mask`, which is zero only for such a code: two byte operations per
+/// code that vectorise, without a branch per row.
+fn any_all_set(codes: &[u8], mask: u8) -> bool {
+    let mut least = [u8::MAX; 64];
+    let mut rows = codes.chunks_exact(64);
+    for row in &mut rows {
+        for (m, &c) in least.iter_mut().zip(row) {
+            *m = (*m).min(!c & mask);
+        }
+    }
+    least.contains(&0) || rows.remainder().iter().any(|&c| c & mask == mask)
 }

@@ -196,6 +196,11 @@ pub(crate) enum X86 {
 /// for fp16 (F16C), and level (within 3%) for f32 frames. fp8 and fp4 (portable code,
 /// `cargo bench --bench codecs` at 1 Mi elements, 2026-11-26): the AVX-512 builds encode
 /// fp8 1.8 times as fast as AVX2's and decode it 1.7 times, and encode fp4 1.8 times.
+/// fp8's decode of blocks of a multiple of 16 goes through half precision in registers
+/// (2026-11-27, eleventh session, a 2-core Intel Xeon, `backend_race` at 64 Ki
+/// elements; AMD's cores not yet measured): AVX-512's E4M3 decode_add 1.15 to 1.25 times
+/// AVX2's, its decode 1.12 to 1.16, E5M2's decode_add 1.04 to 1.13; E5M2's plain decode
+/// runs the AVX2 build, 0 to 20% faster than AVX-512's in seven runs.
 /// fp4's decode of blocks of 16 and 32 looks codes up in registers (one permute per 16
 /// on AVX-512, two and a blend per 8 on AVX2; 2026-11-27, a 2-core Intel Xeon,
 /// `backend_race` at 64 Ki elements; AMD's cores not yet measured): AVX-512's is 2.3

@@ -1283,6 +1283,94 @@ pub(super) fn fp4_blocks<const M: u8>(
     (blocks, sb, half)
 }
 
+/// The whole blocks of an fp8 decode in registers (lengths a multiple of 16, a scale per
+/// block, mode write or add): how many blocks `out`, `codes` and `scales` hold, and the
+/// bytes of a block's scale.
+pub(super) fn fp8_blocks<const M: u8>(
+    scale: crate::kernels::fp8::Scale,
+    block: usize,
+    scales: &[u8],
+    codes: &[u8],
+    out: &[f32],
+) -> (usize, usize) {
+    assert!(block.is_multiple_of(16) && block > 0);
+    assert!(matches!(M, scalar::mode::WRITE | scalar::mode::ADD));
+    let sb = scale.bytes();
+    assert!(sb > 0);
+    let blocks = (out.len() / block)
+        .min(codes.len() / block)
+        .min(scales.len() / sb);
+    (blocks, sb)
+}
+
+/// The half-precision floats of 16 fp8 codes (zero-extended to 16 bits): an E5M2 code is
+/// the top byte of the f16 of the same value; an E4M3 code's magnitude shifted left by 7
+/// is the f16 of its value times 2^-8 (the same exponent field and mantissa, f16's bias 8
+/// above E4M3's), its sign moved to bit 15. Exact for every code but E5M2's non-finite
+/// ones, which scaled frames never hold.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn fp8_halves(w: __m256i, e4m3: bool) -> __m256i {
+    if e4m3 {
+        // (w + (w & 0x80)) << 7: the sign bit lands on bit 15, bit 14 clear.
+        _mm256_slli_epi16::<7>(_mm256_add_epi16(
+            w,
+            _mm256_and_si256(w, _mm256_set1_epi16(0x80)),
+        ))
+    } else {
+        _mm256_slli_epi16::<8>(w)
+    }
+}
+
+/// fp8 decode (`fp8::decode` of a scaled frame) of the whole blocks that `out`, `codes`
+/// and `scales` hold ([`fp8_blocks`]: blocks a multiple of 16 long), in mode `M` (write
+/// or add); returns how many blocks it decoded. Each code becomes a half-precision float
+/// by shifts ([`fp8_halves`]), converted to f32 (exact), times 2^8 for E4M3 (exact): the
+/// code's `fp8::value_finite`; then times the block's scale, the same f32 product as the
+/// definition's.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn decode_fp8<const M: u8>(
+    e4m3: bool,
+    scale: crate::kernels::fp8::Scale,
+    block: usize,
+    scales: &[u8],
+    codes: &[u8],
+    out: &mut [f32],
+) -> usize {
+    let (blocks, sb) = fp8_blocks::<M>(scale, block, scales, codes, out);
+    let unit = _mm256_set1_ps(if e4m3 { 256.0 } else { 1.0 });
+    let put = |o: &mut [f32], v: __m256| {
+        let o = &mut o[..8];
+        let v = if M == scalar::mode::ADD {
+            // SAFETY: `o` holds 8 f32, one unaligned __m256.
+            _mm256_add_ps(unsafe { _mm256_loadu_ps(o.as_ptr()) }, v)
+        } else {
+            v
+        };
+        // SAFETY: as above.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
+    };
+    for b in 0..blocks {
+        let s = crate::kernels::fp8::scale_of(scale, &scales[b * sb..(b + 1) * sb]);
+        let s = _mm256_set1_ps(s);
+        let c = &codes[b * block..(b + 1) * block];
+        let o = &mut out[b * block..(b + 1) * block];
+        for (c, o) in c.chunks_exact(16).zip(o.chunks_exact_mut(16)) {
+            // SAFETY: `c` holds 16 bytes, one unaligned __m128i.
+            let bytes = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
+            let h = fp8_halves(_mm256_cvtepu8_epi16(bytes), e4m3);
+            let lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), unit);
+            let hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h)), unit);
+            put(&mut o[..8], _mm256_mul_ps(lo, s));
+            put(&mut o[8..], _mm256_mul_ps(hi, s));
+        }
+    }
+    blocks
+}
+
 /// fp4 decode (the layout of `fp8::decode` with two codes per byte, low nibble first) of
 /// the whole blocks of 16 or 32 elements that `out`, `codes` and `scales` hold
 /// ([`fp4_blocks`]), in mode `M` (write or add); returns how many blocks it decoded.

@@ -362,3 +362,60 @@ pub unsafe fn decode_fp4<const M: u8>(
     }
     blocks
 }
+
+/// fp8 decode of a scaled frame's whole blocks (lengths a multiple of 16), in mode `M`
+/// (write or add), as [`blocks::decode_fp8`] on 16 lanes: the same f32 products; returns
+/// how many blocks it decoded.
+///
+/// # Safety
+/// The CPU must support AVX-512F and AVX2.
+#[target_feature(enable = "avx512f,avx2")]
+pub unsafe fn decode_fp8<const M: u8>(
+    e4m3: bool,
+    scale: crate::kernels::fp8::Scale,
+    block: usize,
+    scales: &[u8],
+    codes: &[u8],
+    out: &mut [f32],
+) -> usize {
+    let (blocks, sb) = blocks::fp8_blocks::<M>(scale, block, scales, codes, out);
+    for b in 0..blocks {
+        let s = crate::kernels::fp8::scale_of(scale, &scales[b * sb..(b + 1) * sb]);
+        let c = &codes[b * block..(b + 1) * block];
+        let o = &mut out[b * block..(b + 1) * block];
+        // E4M3's halves are its values times 2^-8: multiplying them by `s * 2^8`, exact
+        // where it does not overflow, rounds the same real product as the definition's
+        // `value * s`; where it would, by 2^8 first, then by `s`.
+        let big = s * 256.0;
+        if !e4m3 {
+            fp8_block::<M, false>(false, 1.0, s, c, o);
+        } else if big.is_infinite() && s.is_finite() {
+            fp8_block::<M, true>(true, 256.0, s, c, o);
+        } else {
+            fp8_block::<M, false>(true, 1.0, big, c, o);
+        }
+    }
+    blocks
+}
+
+/// One block of [`decode_fp8`]: each code's half converted, times `unit` if `TWO`, times
+/// `s`, written or added.
+#[target_feature(enable = "avx512f,avx2")]
+#[inline]
+fn fp8_block<const M: u8, const TWO: bool>(e4m3: bool, unit: f32, s: f32, c: &[u8], o: &mut [f32]) {
+    let (unit, s) = (_mm512_set1_ps(unit), _mm512_set1_ps(s));
+    for (c, o) in c.chunks_exact(16).zip(o.chunks_exact_mut(16)) {
+        // SAFETY: `c` holds 16 bytes, one unaligned __m128i.
+        let bytes = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
+        let v = _mm512_cvtph_ps(blocks::fp8_halves(_mm256_cvtepu8_epi16(bytes), e4m3));
+        let v = _mm512_mul_ps(if TWO { _mm512_mul_ps(v, unit) } else { v }, s);
+        let v = if M == scalar::mode::ADD {
+            // SAFETY: `o` holds 16 f32, one unaligned __m512.
+            _mm512_add_ps(unsafe { _mm512_loadu_ps(o.as_ptr()) }, v)
+        } else {
+            v
+        };
+        // SAFETY: as above.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+    }
+}
