@@ -1342,17 +1342,6 @@ pub unsafe fn decode_fp8<const M: u8>(
 ) -> usize {
     let (blocks, sb) = fp8_blocks::<M>(scale, block, scales, codes, out);
     let unit = _mm256_set1_ps(if e4m3 { 256.0 } else { 1.0 });
-    let put = |o: &mut [f32], v: __m256| {
-        let o = &mut o[..8];
-        let v = if M == scalar::mode::ADD {
-            // SAFETY: `o` holds 8 f32, one unaligned __m256.
-            _mm256_add_ps(unsafe { _mm256_loadu_ps(o.as_ptr()) }, v)
-        } else {
-            v
-        };
-        // SAFETY: as above.
-        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
-    };
     for b in 0..blocks {
         let s = crate::kernels::fp8::scale_of(scale, &scales[b * sb..(b + 1) * sb]);
         let s = _mm256_set1_ps(s);
@@ -1364,8 +1353,8 @@ pub unsafe fn decode_fp8<const M: u8>(
             let h = fp8_halves(_mm256_cvtepu8_epi16(bytes), e4m3);
             let lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), unit);
             let hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h)), unit);
-            put(&mut o[..8], _mm256_mul_ps(lo, s));
-            put(&mut o[8..], _mm256_mul_ps(hi, s));
+            put8::<M>(o, 0, _mm256_mul_ps(lo, s));
+            put8::<M>(o, 8, _mm256_mul_ps(hi, s));
         }
     }
     blocks
@@ -1398,17 +1387,6 @@ pub unsafe fn decode_fp4<const M: u8>(
             _mm256_loadu_ps(fours.as_ptr().add(8)),
         )
     };
-    let put = |o: &mut [f32], v: __m256| {
-        let o = &mut o[..8];
-        let v = if M == scalar::mode::ADD {
-            // SAFETY: `o` holds 8 f32, one unaligned __m256.
-            _mm256_add_ps(unsafe { _mm256_loadu_ps(o.as_ptr()) }, v)
-        } else {
-            v
-        };
-        // SAFETY: as above.
-        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
-    };
     for b in 0..blocks {
         let s = crate::kernels::fp8::scale_of(scale, &scales[b * sb..(b + 1) * sb]);
         let s = _mm256_set1_ps(s);
@@ -1434,8 +1412,8 @@ pub unsafe fn decode_fp4<const M: u8>(
             let hi = look(_mm256_srli_epi32::<4>(w));
             // [l0 h0 l1 h1 | l4 h4 l5 h5] and [l2 h2 l3 h3 | l6 h6 l7 h7].
             let (a, d) = (_mm256_unpacklo_ps(lo, hi), _mm256_unpackhi_ps(lo, hi));
-            put(&mut o[..8], _mm256_permute2f128_ps::<0x20>(a, d));
-            put(&mut o[8..], _mm256_permute2f128_ps::<0x31>(a, d));
+            put8::<M>(o, 0, _mm256_permute2f128_ps::<0x20>(a, d));
+            put8::<M>(o, 8, _mm256_permute2f128_ps::<0x31>(a, d));
         }
     }
     blocks

@@ -327,17 +327,6 @@ pub unsafe fn decode_fp4<const M: u8>(
     // Element 2j is the low nibble of byte j, element 2j + 1 its high nibble.
     let first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     let second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    let put = |o: &mut [f32], v: __m512| {
-        let o = &mut o[..16];
-        let v = if M == scalar::mode::ADD {
-            // SAFETY: `o` holds 16 f32, one unaligned __m512.
-            _mm512_add_ps(unsafe { _mm512_loadu_ps(o.as_ptr()) }, v)
-        } else {
-            v
-        };
-        // SAFETY: as above.
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
-    };
     for b in 0..blocks {
         let s = crate::kernels::fp8::scale_of(scale, &scales[b * sb..(b + 1) * sb]);
         let ts = _mm512_mul_ps(table, _mm512_set1_ps(s));
@@ -355,12 +344,27 @@ pub unsafe fn decode_fp4<const M: u8>(
         let w = _mm512_cvtepu8_epi32(bytes);
         let lo = _mm512_permutexvar_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)), ts);
         let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(w), ts);
-        put(&mut o[..16], _mm512_permutex2var_ps(lo, first, hi));
+        put16::<M>(&mut o[..16], _mm512_permutex2var_ps(lo, first, hi));
         if half == 16 {
-            put(&mut o[16..], _mm512_permutex2var_ps(lo, second, hi));
+            put16::<M>(&mut o[16..], _mm512_permutex2var_ps(lo, second, hi));
         }
     }
     blocks
+}
+
+/// Write `v` to the first 16 elements of `o`, or add it to them (mode `M`).
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn put16<const M: u8>(o: &mut [f32], v: __m512) {
+    let o = &mut o[..16];
+    let v = if M == scalar::mode::ADD {
+        // SAFETY: `o` holds 16 f32, one unaligned __m512.
+        _mm512_add_ps(unsafe { _mm512_loadu_ps(o.as_ptr()) }, v)
+    } else {
+        v
+    };
+    // SAFETY: as above.
+    unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
 }
 
 /// fp8 decode of a scaled frame's whole blocks (lengths a multiple of 16), in mode `M`
@@ -408,14 +412,9 @@ fn fp8_block<const M: u8, const TWO: bool>(e4m3: bool, unit: f32, s: f32, c: &[u
         // SAFETY: `c` holds 16 bytes, one unaligned __m128i.
         let bytes = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
         let v = _mm512_cvtph_ps(blocks::fp8_halves(_mm256_cvtepu8_epi16(bytes), e4m3));
-        let v = _mm512_mul_ps(if TWO { _mm512_mul_ps(v, unit) } else { v }, s);
-        let v = if M == scalar::mode::ADD {
-            // SAFETY: `o` holds 16 f32, one unaligned __m512.
-            _mm512_add_ps(unsafe { _mm512_loadu_ps(o.as_ptr()) }, v)
-        } else {
-            v
-        };
-        // SAFETY: as above.
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+        put16::<M>(
+            o,
+            _mm512_mul_ps(if TWO { _mm512_mul_ps(v, unit) } else { v }, s),
+        );
     }
 }
