@@ -1226,7 +1226,7 @@ mod tests {
         ];
         // Arbitrary bit patterns besides: every exponent, subnormals and NaNs included.
         let mut h = 0x9e37_79b9_u32;
-        for _ in 0..(1 << 14) {
+        for _ in 0..if cfg!(miri) { 1 << 10 } else { 1 << 14 } {
             h ^= h << 13;
             h ^= h >> 17;
             h ^= h << 5;
@@ -1237,6 +1237,12 @@ mod tests {
             divide_by_ranks(&mut got, p);
             for (x, y) in xs.iter().zip(&got) {
                 let want = if p == 1 { *x } else { x / p as f32 };
+                // Miri draws a NaN result's payload at random (Rust leaves it open);
+                // hardware propagates the operand's, the same for both operations.
+                if cfg!(miri) && want.is_nan() {
+                    assert!(y.is_nan(), "{x:e} / {p}");
+                    continue;
+                }
                 assert_eq!(want.to_bits(), y.to_bits(), "{x:e} / {p}");
             }
         }
