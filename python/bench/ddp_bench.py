@@ -246,6 +246,8 @@ def rank_main(rank, world, addr, port, cfg, steps, warmup, train_steps, out):
             info["auto_trial_steps"] = state.trial_steps * (1 + state.trials)
         total = train_steps if train_steps else warmup + steps
         for s in range(total):
+            if s == warmup:
+                busy.clear()  # the timed steps' reductions only (not auto's trials)
             g = torch.Generator().manual_seed(s)
             idx = torch.randint(0, cut, (batch * world,), generator=g)[rank * batch:(rank + 1) * batch]
             dist.barrier()
@@ -273,7 +275,7 @@ def rank_main(rank, world, addr, port, cfg, steps, warmup, train_steps, out):
                 v = sorted(p[k] for p in phases[warmup:])
                 result[f"{name}_ms_median"] = round(1000 * v[len(v) // 2], 2)
             for index, ts in sorted(busy.items()):
-                v = sorted(ts[-steps:])
+                v = sorted(ts)
                 result[f"hook_bucket{index}_ms_median"] = round(1000 * v[len(v) // 2], 2)
         p = torch.cat([q.detach().reshape(-1) for q in net.parameters()])
         got = [torch.empty_like(p) for _ in range(world)]

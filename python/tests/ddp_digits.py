@@ -202,7 +202,7 @@ def same_on_all_ranks(t: torch.Tensor, world: int) -> bool:
     return all(torch.equal(got[0], g) for g in got)
 
 
-def gpu_backend(backend: str, rank: int, world: int) -> str:
+def rank_device(backend: str, rank: int, world: int) -> str:
     """The CUDA device of ``rank`` for a world on ``backend`` (made current). With NCCL
     and fewer GPUs than ranks, each rank is made a host of its own to NCCL (its host id):
     NCCL refuses two ranks on one GPU of one host ("Duplicate GPU detected"), and ranks
@@ -222,7 +222,7 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
     backend = plan.get("backend", "gloo")
     device = plan.get("device", "cpu")
     if device.startswith("cuda"):
-        device = gpu_backend(backend, rank, world)
+        device = rank_device(backend, rank, world)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     xs, ys, xt, yt = data()
     results: List[Dict[str, Any]] = []

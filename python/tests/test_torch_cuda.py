@@ -31,13 +31,19 @@ import diloco_digits  # noqa: E402
 CONFIGS = ["fp32", "int8", "int8-ef-ring", "topk-ef", "powersgd2", "int8-bf16"]
 
 
-@pytest.fixture(scope="module")
-def runs():
-    ranks = ddp_digits.run(2, CONFIGS, [0], 150, device="cuda")
+def train(backend):
+    """Every configuration on two ranks with the models on the GPU, 150 steps; rank 0's
+    results."""
+    ranks = ddp_digits.run(2, CONFIGS, [0], 150, device="cuda", backend=backend)
     for r in ranks[0]:
-        print(f"cuda {r['config']}: {r['ms_per_step']:.1f} ms/step, accuracy "
+        print(f"cuda {backend} {r['config']}: {r['ms_per_step']:.1f} ms/step, accuracy "
               f"{100 * r['accuracy']:.1f}%, identical {r['identical']}")
     return ranks[0]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return train("gloo")
 
 
 def test_every_configuration_runs_on_the_gpu_with_identical_parameters(runs):
@@ -86,11 +92,7 @@ def test_diloco_on_the_gpu_resumes_bit_for_bit(diloco_runs):
 
 @pytest.fixture(scope="module")
 def nccl_runs():
-    ranks = ddp_digits.run(2, CONFIGS, [0], 150, device="cuda", backend="nccl")
-    for r in ranks[0]:
-        print(f"cuda nccl {r['config']}: {r['ms_per_step']:.1f} ms/step, accuracy "
-              f"{100 * r['accuracy']:.1f}%, identical {r['identical']}")
-    return ranks[0]
+    return train("nccl")
 
 
 def test_an_nccl_world_trains_with_identical_parameters(nccl_runs):

@@ -922,63 +922,59 @@ pub fn decode_float<const M: u8>(
     }
     #[cfg(target_arch = "x86_64")]
     let route = x86_route(if four { Op::DecodeFp4 } else { Op::DecodeFp8 }, b.kind());
-    // fp4 blocks of 16 and 32 by table lookups in registers (written or added).
+    // Whole blocks in registers, written or added: fp4 blocks of 16 and 32 by table
+    // lookups, fp8 blocks of a multiple of 16 through half precision. A last, shorter
+    // block then runs the definition (a few elements).
     #[cfg(target_arch = "x86_64")]
-    if four && M != mode::RESIDUAL && matches!(block, 16 | 32) && scale != fp8::Scale::None {
-        let fours = fp8::four_values(f);
-        let done = if route == X86::Avx512 {
-            // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
-            // after AVX-512F was detected.
-            unsafe { x86_64::blocks512::decode_fp4::<M>(&fours, scale, block, scales, codes, out) }
+    if M != mode::RESIDUAL && scale != fp8::Scale::None {
+        let done = if four && matches!(block, 16 | 32) {
+            let fours = fp8::four_values(f);
+            Some(if route == X86::Avx512 {
+                // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists
+                // only after AVX-512F was detected.
+                unsafe {
+                    x86_64::blocks512::decode_fp4::<M>(&fours, scale, block, scales, codes, out)
+                }
+            } else {
+                // SAFETY: the backend is AVX2 or AVX-512 (not scalar, on x86-64), which
+                // exist only after AVX2 was detected.
+                unsafe { x86_64::blocks::decode_fp4::<M>(&fours, scale, block, scales, codes, out) }
+            })
+        } else if !four && block.is_multiple_of(16) {
+            let e4m3 = f == fp8::E4M3;
+            debug_assert!(e4m3 || f == fp8::E5M2);
+            // E5M2's plain decode (one shift per code) runs the AVX2 build on the AVX-512
+            // backend too: 0 to 20% faster there in seven runs (see the routing table's docs).
+            Some(if route == X86::Avx512 && (e4m3 || M == mode::ADD) {
+                // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists
+                // only after AVX-512F and AVX2 were detected.
+                unsafe {
+                    x86_64::blocks512::decode_fp8::<M>(e4m3, scale, block, scales, codes, out)
+                }
+            } else {
+                // SAFETY: the backend is AVX2 or AVX-512 (not scalar, on x86-64), which
+                // exist only after AVX2 and F16C were detected.
+                unsafe { x86_64::blocks::decode_fp8::<M>(e4m3, scale, block, scales, codes, out) }
+            })
         } else {
-            // SAFETY: the backend is AVX2 or AVX-512 (not scalar, on x86-64), which exist
-            // only after AVX2 was detected.
-            unsafe { x86_64::blocks::decode_fp4::<M>(&fours, scale, block, scales, codes, out) }
+            None
         };
-        // A last, shorter block as the definition (a few elements).
-        if done * block == out.len() {
+        if let Some(done) = done {
+            let at = done * block;
+            if at < out.len() {
+                let code_at = if four { at / 2 } else { at };
+                fp8::decode::<M>(
+                    f,
+                    scale,
+                    four,
+                    block,
+                    &scales[done * scale.bytes()..],
+                    &codes[code_at..],
+                    &mut out[at..],
+                );
+            }
             return;
         }
-        let (scales, codes) = (&scales[done * scale.bytes()..], &codes[done * block / 2..]);
-        return fp8::decode::<M>(
-            f,
-            scale,
-            four,
-            block,
-            scales,
-            codes,
-            &mut out[done * block..],
-        );
-    }
-    // fp8 blocks of a multiple of 16 by conversions through half precision.
-    #[cfg(target_arch = "x86_64")]
-    if !four && M != mode::RESIDUAL && block.is_multiple_of(16) && scale != fp8::Scale::None {
-        let e4m3 = f == fp8::E4M3;
-        debug_assert!(e4m3 || f == fp8::E5M2);
-        // E5M2's plain decode (one shift per code) runs the AVX2 build on the AVX-512
-        // backend too: 0 to 20% faster there in seven runs (see the routing table's docs).
-        let done = if route == X86::Avx512 && (e4m3 || M == mode::ADD) {
-            // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
-            // after AVX-512F and AVX2 were detected.
-            unsafe { x86_64::blocks512::decode_fp8::<M>(e4m3, scale, block, scales, codes, out) }
-        } else {
-            // SAFETY: the backend is AVX2 or AVX-512 (not scalar, on x86-64), which exist
-            // only after AVX2 and F16C were detected.
-            unsafe { x86_64::blocks::decode_fp8::<M>(e4m3, scale, block, scales, codes, out) }
-        };
-        if done * block == out.len() {
-            return;
-        }
-        let at = done * block;
-        return fp8::decode::<M>(
-            f,
-            scale,
-            four,
-            block,
-            &scales[done * scale.bytes()..],
-            &codes[at..],
-            &mut out[at..],
-        );
     }
     let op = DecodeFloat::<M> {
         f,

@@ -1263,44 +1263,40 @@ pub unsafe fn rows_to_lanes16(rows: &[f32], stride: usize, w: usize, a: &mut [[f
     }
 }
 
-/// The whole fp4 blocks of `block` (16 or 32) elements that `out`, `codes` and `scales`
-/// all hold, a scale's bytes and a block's code bytes, for the decode kernels of mode `M`
-/// (write or add; asserted with the block length and a scale of at least one byte).
-pub(super) fn fp4_blocks<const M: u8>(
+/// The whole blocks of a small-float decode in registers (a scale per block, mode write
+/// or add, `code_bytes` bytes of codes per block): how many blocks `out`, `codes` and
+/// `scales` hold, and the bytes of a block's scale.
+pub(super) fn float_blocks<const M: u8>(
     scale: crate::kernels::fp8::Scale,
     block: usize,
-    scales: &[u8],
-    codes: &[u8],
-    out: &[f32],
-) -> (usize, usize, usize) {
-    assert!(matches!(block, 16 | 32) && matches!(M, scalar::mode::WRITE | scalar::mode::ADD));
-    let sb = scale.bytes();
-    assert!(sb > 0);
-    let half = block / 2;
-    let blocks = (out.len() / block)
-        .min(codes.len() / half)
-        .min(scales.len() / sb);
-    (blocks, sb, half)
-}
-
-/// The whole blocks of an fp8 decode in registers (lengths a multiple of 16, a scale per
-/// block, mode write or add): how many blocks `out`, `codes` and `scales` hold, and the
-/// bytes of a block's scale.
-pub(super) fn fp8_blocks<const M: u8>(
-    scale: crate::kernels::fp8::Scale,
-    block: usize,
+    code_bytes: usize,
     scales: &[u8],
     codes: &[u8],
     out: &[f32],
 ) -> (usize, usize) {
-    assert!(block.is_multiple_of(16) && block > 0);
-    assert!(matches!(M, scalar::mode::WRITE | scalar::mode::ADD));
+    assert!(matches!(M, scalar::mode::WRITE | scalar::mode::ADD) && code_bytes > 0);
     let sb = scale.bytes();
     assert!(sb > 0);
     let blocks = (out.len() / block)
-        .min(codes.len() / block)
+        .min(codes.len() / code_bytes)
         .min(scales.len() / sb);
     (blocks, sb)
+}
+
+/// How an fp8 block's codes meet its scale `s` after [`fp8_halves`]: `(twice, t)`, each
+/// half's f32 times 2^8 first when `twice`, then times `t`. E4M3's halves are its values
+/// times 2^-8, so `t = s * 2^8`: exact where it does not overflow, it rounds the same real
+/// product as the definition's `value * s`; where it would, 2^8 goes first.
+#[inline(always)]
+pub(super) fn fp8_scale(e4m3: bool, s: f32) -> (bool, f32) {
+    let big = s * 256.0;
+    if !e4m3 {
+        (false, s)
+    } else if big.is_infinite() && s.is_finite() {
+        (true, s)
+    } else {
+        (false, big)
+    }
 }
 
 /// The half-precision floats of 16 fp8 codes (zero-extended to 16 bits): an E5M2 code is
@@ -1323,11 +1319,10 @@ pub(super) fn fp8_halves(w: __m256i, e4m3: bool) -> __m256i {
 }
 
 /// fp8 decode (`fp8::decode` of a scaled frame) of the whole blocks that `out`, `codes`
-/// and `scales` hold ([`fp8_blocks`]: blocks a multiple of 16 long), in mode `M` (write
-/// or add); returns how many blocks it decoded. Each code becomes a half-precision float
-/// by shifts ([`fp8_halves`]), converted to f32 (exact), times 2^8 for E4M3 (exact): the
-/// code's `fp8::value_finite`; then times the block's scale, the same f32 product as the
-/// definition's.
+/// and `scales` hold (blocks a multiple of 16 long), in mode `M` (write or add); returns
+/// how many blocks it decoded. Each code becomes a half-precision float by shifts
+/// ([`fp8_halves`]), converted to f32 (exact), then multiplied by its block's scale as
+/// [`fp8_scale`] says: the same f32 product as the definition's `value_finite(c) * s`.
 ///
 /// # Safety
 /// The CPU must support AVX2 and F16C.
@@ -1340,24 +1335,39 @@ pub unsafe fn decode_fp8<const M: u8>(
     codes: &[u8],
     out: &mut [f32],
 ) -> usize {
-    let (blocks, sb) = fp8_blocks::<M>(scale, block, scales, codes, out);
-    let unit = _mm256_set1_ps(if e4m3 { 256.0 } else { 1.0 });
+    assert!(block.is_multiple_of(16));
+    let (blocks, sb) = float_blocks::<M>(scale, block, block, scales, codes, out);
     for b in 0..blocks {
         let s = crate::kernels::fp8::scale_of(scale, &scales[b * sb..(b + 1) * sb]);
-        let s = _mm256_set1_ps(s);
-        let c = &codes[b * block..(b + 1) * block];
-        let o = &mut out[b * block..(b + 1) * block];
-        for (c, o) in c.chunks_exact(16).zip(o.chunks_exact_mut(16)) {
-            // SAFETY: `c` holds 16 bytes, one unaligned __m128i.
-            let bytes = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
-            let h = fp8_halves(_mm256_cvtepu8_epi16(bytes), e4m3);
-            let lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), unit);
-            let hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h)), unit);
-            put8::<M>(o, 0, _mm256_mul_ps(lo, s));
-            put8::<M>(o, 8, _mm256_mul_ps(hi, s));
+        let (c, o) = (
+            &codes[b * block..(b + 1) * block],
+            &mut out[b * block..(b + 1) * block],
+        );
+        match fp8_scale(e4m3, s) {
+            (false, t) => fp8_block::<M, false>(e4m3, t, c, o),
+            (true, t) => fp8_block::<M, true>(e4m3, t, c, o),
         }
     }
     blocks
+}
+
+/// One block of [`decode_fp8`]: each code's half converted, times 2^8 if `TWICE`, times
+/// `t`, written or added.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn fp8_block<const M: u8, const TWICE: bool>(e4m3: bool, t: f32, c: &[u8], o: &mut [f32]) {
+    let (unit, t) = (_mm256_set1_ps(256.0), _mm256_set1_ps(t));
+    let value = |h: __m128i| {
+        let v = _mm256_cvtph_ps(h);
+        _mm256_mul_ps(if TWICE { _mm256_mul_ps(v, unit) } else { v }, t)
+    };
+    for (c, o) in c.chunks_exact(16).zip(o.chunks_exact_mut(16)) {
+        // SAFETY: `c` holds 16 bytes, one unaligned __m128i.
+        let bytes = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
+        let h = fp8_halves(_mm256_cvtepu8_epi16(bytes), e4m3);
+        put8::<M>(o, 0, value(_mm256_castsi256_si128(h)));
+        put8::<M>(o, 8, value(_mm256_extracti128_si256::<1>(h)));
+    }
 }
 
 /// fp4 decode (the layout of `fp8::decode` with two codes per byte, low nibble first) of
@@ -1379,7 +1389,9 @@ pub unsafe fn decode_fp4<const M: u8>(
     codes: &[u8],
     out: &mut [f32],
 ) -> usize {
-    let (blocks, sb, half) = fp4_blocks::<M>(scale, block, scales, codes, out);
+    assert!(matches!(block, 16 | 32));
+    let half = block / 2;
+    let (blocks, sb) = float_blocks::<M>(scale, block, half, scales, codes, out);
     // SAFETY: `fours` is 16 f32, two unaligned __m256.
     let (t0, t1) = unsafe {
         (

@@ -305,7 +305,7 @@ pub unsafe fn rows_to_lanes16(rows: &[f32], stride: usize, w: usize, a: &mut [[f
 
 /// fp4 decode (the layout of `fp8::decode` with two codes per byte, low nibble first) of
 /// the whole blocks of 16 or 32 elements that `out`, `codes` and `scales` hold
-/// (`blocks::fp4_blocks`), in mode `M` (write or add); returns how many blocks it decoded.
+/// (`blocks::float_blocks`), in mode `M` (write or add); returns how many blocks it decoded.
 /// `fours` holds the sixteen codes' values: each block multiplies them by its scale (the
 /// same f32 products as `fp8::decode`'s per element), looks its codes up with one permute per 16 of them, and
 /// interleaves the low and high nibbles' values back into element order.
@@ -321,7 +321,9 @@ pub unsafe fn decode_fp4<const M: u8>(
     codes: &[u8],
     out: &mut [f32],
 ) -> usize {
-    let (blocks, sb, half) = blocks::fp4_blocks::<M>(scale, block, scales, codes, out);
+    assert!(matches!(block, 16 | 32));
+    let half = block / 2;
+    let (blocks, sb) = blocks::float_blocks::<M>(scale, block, half, scales, codes, out);
     // SAFETY: `fours` is 16 f32, one unaligned __m512.
     let table = unsafe { _mm512_loadu_ps(fours.as_ptr()) };
     // Element 2j is the low nibble of byte j, element 2j + 1 its high nibble.
@@ -382,39 +384,35 @@ pub unsafe fn decode_fp8<const M: u8>(
     codes: &[u8],
     out: &mut [f32],
 ) -> usize {
-    let (blocks, sb) = blocks::fp8_blocks::<M>(scale, block, scales, codes, out);
+    assert!(block.is_multiple_of(16));
+    let (blocks, sb) = blocks::float_blocks::<M>(scale, block, block, scales, codes, out);
     for b in 0..blocks {
         let s = crate::kernels::fp8::scale_of(scale, &scales[b * sb..(b + 1) * sb]);
-        let c = &codes[b * block..(b + 1) * block];
-        let o = &mut out[b * block..(b + 1) * block];
-        // E4M3's halves are its values times 2^-8: multiplying them by `s * 2^8`, exact
-        // where it does not overflow, rounds the same real product as the definition's
-        // `value * s`; where it would, by 2^8 first, then by `s`.
-        let big = s * 256.0;
-        if !e4m3 {
-            fp8_block::<M, false>(false, 1.0, s, c, o);
-        } else if big.is_infinite() && s.is_finite() {
-            fp8_block::<M, true>(true, 256.0, s, c, o);
-        } else {
-            fp8_block::<M, false>(true, 1.0, big, c, o);
+        let (c, o) = (
+            &codes[b * block..(b + 1) * block],
+            &mut out[b * block..(b + 1) * block],
+        );
+        match blocks::fp8_scale(e4m3, s) {
+            (false, t) => fp8_block::<M, false>(e4m3, t, c, o),
+            (true, t) => fp8_block::<M, true>(e4m3, t, c, o),
         }
     }
     blocks
 }
 
-/// One block of [`decode_fp8`]: each code's half converted, times `unit` if `TWO`, times
-/// `s`, written or added.
+/// One block of [`decode_fp8`]: each code's half converted, times 2^8 if `TWICE`, times
+/// `t`, written or added.
 #[target_feature(enable = "avx512f,avx2")]
 #[inline]
-fn fp8_block<const M: u8, const TWO: bool>(e4m3: bool, unit: f32, s: f32, c: &[u8], o: &mut [f32]) {
-    let (unit, s) = (_mm512_set1_ps(unit), _mm512_set1_ps(s));
+fn fp8_block<const M: u8, const TWICE: bool>(e4m3: bool, t: f32, c: &[u8], o: &mut [f32]) {
+    let (unit, t) = (_mm512_set1_ps(256.0), _mm512_set1_ps(t));
     for (c, o) in c.chunks_exact(16).zip(o.chunks_exact_mut(16)) {
         // SAFETY: `c` holds 16 bytes, one unaligned __m128i.
         let bytes = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
         let v = _mm512_cvtph_ps(blocks::fp8_halves(_mm256_cvtepu8_epi16(bytes), e4m3));
         put16::<M>(
             o,
-            _mm512_mul_ps(if TWO { _mm512_mul_ps(v, unit) } else { v }, s),
+            _mm512_mul_ps(if TWICE { _mm512_mul_ps(v, unit) } else { v }, t),
         );
     }
 }
