@@ -365,6 +365,15 @@ impl ErrorFeedback {
         )
     }
 
+    /// The residual and the weights, for a step fused into a ring hop.
+    pub(crate) fn hop_state(&mut self) -> (ResidualMut<'_>, f32, f32) {
+        let r = match &mut self.state {
+            State::F32(r) => ResidualMut::F32(r),
+            State::Bf16 { r, scratch } => ResidualMut::Bf16 { r, scratch },
+        };
+        (r, self.opts.beta, self.opts.gamma)
+    }
+
     /// [`ErrorFeedback::encode_into`] into a new vector.
     pub fn encode(&mut self, grad: &[f32], ctx: &EncodeCtx) -> Result<Vec<u8>> {
         let mut out = vec![0u8; self.max_encoded_len()];

@@ -13,7 +13,9 @@ use gradpack::collective::{
     AllReduce, AllReduceOptions, Comm, ENVELOPE_LEN, Feedback, ReduceOp, Stats, Strategy,
     StrategyChoice, Transport, chunk_range, error_bound, local, rank_seed,
 };
-use gradpack::{Codec, CodecSpec, EncodeCtx, Error, Result};
+use gradpack::{
+    Codec, CodecSpec, EncodeCtx, Error, ErrorFeedback, FeedbackOptions, ResidualPrecision, Result,
+};
 
 const STRATEGIES: [Strategy; 4] = [
     Strategy::CompressedRing,
@@ -725,6 +727,121 @@ fn in_place_runs_give_the_same_bits_and_residuals() {
             }
         }
     }
+}
+
+/// The ring with worker+owner error feedback, defined sequentially from the codec and
+/// `ErrorFeedback` API: chunk `c` starts at rank `c + 1`, and each rank on its way adds
+/// its input to the decoded frame and encodes the sum through its own residual for that
+/// chunk; the owner `c` encodes the full sum through its residual, and every rank decodes
+/// that frame. Returns the outputs of `steps` steps (seeds `11 + step`) and the residuals
+/// of every rank, in chunk order.
+#[allow(clippy::needless_range_loop)]
+fn fed_reference(
+    codec: &CodecSpec,
+    fo: FeedbackOptions,
+    op: ReduceOp,
+    inputs: &[Vec<f32>],
+    steps: u64,
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let (p, n) = (inputs.len(), inputs[0].len());
+    let mut ef: Vec<Vec<ErrorFeedback>> = (0..p)
+        .map(|_| {
+            (0..p)
+                .map(|c| ErrorFeedback::with_options(*codec, chunk_range(n, p, c).len(), fo))
+                .collect::<Result<_>>()
+                .unwrap()
+        })
+        .collect();
+    let mut outs = Vec::new();
+    for step in 0..steps {
+        let ctx = |r: usize, off: usize| EncodeCtx {
+            seed: rank_seed(codec, 11 + step, r),
+            offset: off as u64,
+        };
+        let mut out = vec![0.0f32; n];
+        for c in 0..p {
+            let range = chunk_range(n, p, c);
+            let first = (c + 1) % p;
+            let x = &inputs[first][range.clone()];
+            let mut frame = ef[first][c].encode(x, &ctx(first, range.start)).unwrap();
+            for h in 1..p {
+                let q = (c + 1 + h) % p;
+                let mut acc = inputs[q][range.clone()].to_vec();
+                codec.decode_add(&frame, &mut acc).unwrap();
+                frame = ef[q][c].encode(&acc, &ctx(q, range.start)).unwrap();
+            }
+            codec.decode_into(&frame, &mut out[range]).unwrap();
+        }
+        if op == ReduceOp::Mean && p > 1 {
+            out.iter_mut().for_each(|x| *x /= p as f32);
+        }
+        outs.push(out);
+    }
+    let residuals = ef
+        .iter()
+        .map(|r| r.iter().flat_map(|e| e.residual_f32()).collect())
+        .collect();
+    (outs, residuals)
+}
+
+/// The ring's hops (sum, re-encode through the residual, and for the owner decode and
+/// mean) are fused tile by tile and split across threads for long chunks: the outputs and
+/// residuals equal the sequential definition bit for bit, for f32 and bf16 residuals,
+/// short chunks and long ones (ranges on several threads).
+#[test]
+fn fed_ring_equals_its_sequential_definition() {
+    gradpack::parallel::set_min_len(0);
+    let specs = [
+        "int8:block=64,rounding=stochastic",
+        "fp16",
+        "fp8:format=e4m3,block=32,scale=e8m0",
+        "sign:block=3",
+        "topk:ratio=0.1,values=f32",
+    ];
+    for (p, n) in [
+        (2usize, 4099usize),
+        (3, 1000),
+        (5, 4099),
+        (2, 300_001),
+        (3, 200_003),
+    ] {
+        let inputs: Vec<Vec<f32>> = (0..p).map(|r| input(n, r)).collect();
+        for spec in specs {
+            let codec: CodecSpec = spec.parse().unwrap();
+            for precision in [ResidualPrecision::F32, ResidualPrecision::Bf16] {
+                let fo = FeedbackOptions {
+                    precision,
+                    beta: 0.9,
+                    ..Default::default()
+                };
+                if precision == ResidualPrecision::Bf16 && spec.starts_with("topk") {
+                    continue;
+                }
+                let op = if p == 2 {
+                    ReduceOp::Sum
+                } else {
+                    ReduceOp::Mean
+                };
+                let o = AllReduceOptions {
+                    feedback_options: fo,
+                    ..opts(Strategy::CompressedRing, op, Feedback::WorkerAndOwner)
+                };
+                let (want, residuals) = fed_reference(&codec, fo, op, &inputs, 3);
+                for in_place in [false, true] {
+                    let got = run_world_by(codec, &o, &inputs, 3, in_place);
+                    for (r, got) in got.into_iter().enumerate() {
+                        let what = format!("{spec} {precision:?} p={p} n={n} rank {r}");
+                        let (outs, _, res) = got.unwrap_or_else(|e| panic!("{what}: {e}"));
+                        for st in 0..3 {
+                            assert!(bits(&outs[st]) == bits(&want[st]), "{what} step {st}");
+                        }
+                        assert!(bits(&res) == bits(&residuals[r]), "{what}: residuals");
+                    }
+                }
+            }
+        }
+    }
+    gradpack::parallel::set_min_len(gradpack::parallel::DEFAULT_MIN_LEN);
 }
 
 #[test]

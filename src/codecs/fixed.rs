@@ -322,6 +322,45 @@ pub(crate) fn decode_validated<F: FixedRate + ?Sized>(
     }
 }
 
+/// [`decode`] in write mode with `finish` applied to each range of `out` as soon as it
+/// is decoded, while the range is in cache (ranges of about [`parallel::CHUNK`]
+/// elements, in parallel for large tensors).
+pub(crate) fn decode_then<F: FixedRate + ?Sized>(
+    f: &F,
+    h: &Header,
+    p: &[u8],
+    out: &mut [f32],
+    finish: &(dyn Fn(&mut [f32]) + Sync),
+) -> Result<()> {
+    let l = f.layout();
+    let n = out.len();
+    let (scales, codes) = p.split_at(l.scales_len(n));
+    f.validate(h, scales, codes)?;
+    let b = Dec {
+        l,
+        scales,
+        codes,
+        out,
+    };
+    let range = l.range_near(parallel::CHUNK);
+    parallel::for_ranges(b, n, range, parallel::worth(n, 2), &|b, _| {
+        let mut s = 0;
+        while s < b.out.len() {
+            let e = (s + range).min(b.out.len());
+            let (st, ct) = (
+                l.scales_len(s)..l.scales_len(e),
+                l.codes_len(s)..l.codes_len(e),
+            );
+            let out = &mut b.out[s..e];
+            f.decode_sections(mode::WRITE, &b.scales[st], &b.codes[ct], out);
+            finish(out);
+            s = e;
+        }
+        false
+    });
+    Ok(())
+}
+
 // ------------------------------------------------------------------ error feedback
 
 /// Elements per error-feedback tile, before rounding to whole blocks: the tile's `p`,
@@ -351,20 +390,7 @@ struct Fb<'a> {
 impl Split for Fb<'_> {
     fn split(self, at: usize, pieces: usize) -> (Self, Self) {
         let (g0, g1) = self.g.split_at(at);
-        let (r0, r1) = match self.r {
-            ResidualMut::F32(r) => {
-                let (a, b) = r.split_at_mut(at);
-                (ResidualMut::F32(a), ResidualMut::F32(b))
-            }
-            ResidualMut::Bf16 { r, scratch } => {
-                let (a, b) = r.split_at_mut(at);
-                let (sa, sb) = scratch.split_at_mut((pieces * self.tile).min(scratch.len()));
-                (
-                    ResidualMut::Bf16 { r: a, scratch: sa },
-                    ResidualMut::Bf16 { r: b, scratch: sb },
-                )
-            }
-        };
+        let (r0, r1) = self.r.split(at, pieces, self.tile);
         let (s0, s1) = self.scales.split_at_mut(self.l.scales_len(at));
         let (c0, c1) = self.codes.split_at_mut(self.l.codes_len(at));
         let (l, tile) = (self.l, self.tile);
@@ -386,6 +412,27 @@ impl Split for Fb<'_> {
                 codes: c1,
             },
         )
+    }
+}
+
+impl<'a> ResidualMut<'a> {
+    /// The residual of elements `..at` and `at..`, where `at` starts range `pieces` of
+    /// ranges of `tile`-element scratch each (the bf16 scratch holds one tile per range).
+    fn split(self, at: usize, pieces: usize, tile: usize) -> (Self, Self) {
+        match self {
+            ResidualMut::F32(r) => {
+                let (a, b) = r.split_at_mut(at);
+                (ResidualMut::F32(a), ResidualMut::F32(b))
+            }
+            ResidualMut::Bf16 { r, scratch } => {
+                let (a, b) = r.split_at_mut(at);
+                let (sa, sb) = scratch.split_at_mut((pieces * tile).min(scratch.len()));
+                (
+                    ResidualMut::Bf16 { r: a, scratch: sa },
+                    ResidualMut::Bf16 { r: b, scratch: sb },
+                )
+            }
+        }
     }
 }
 
@@ -474,29 +521,258 @@ fn feedback_range<F: FixedRate + ?Sized>(
         let tctx = ctx.with_offset(ctx.offset + s as u64);
         let sc = &mut scales[l.scales_len(s)..l.scales_len(e)];
         let co = &mut codes[l.codes_len(s)..l.codes_len(e)];
-        let gt = &g[s..e];
-        nonfinite |= match &mut r {
-            ResidualMut::F32(r) => {
-                let r = &mut r[s..e];
-                if let Some(nf) = f.feedback_fused(r, gt, beta, gamma, &tctx, sc, co) {
-                    nonfinite |= nf;
-                    s = e;
-                    continue;
-                }
-                kernels::feedback_form(r, gt, beta, gamma);
-                let nf = f.encode_sections(r, &tctx, sc, co);
-                f.decode_sections(mode::RESIDUAL, sc, co, r);
-                nf
+        nonfinite |= feedback_tile(f, &mut r, s..e, &g[s..e], (beta, gamma), &tctx, sc, co);
+        s = e;
+    }
+    nonfinite
+}
+
+/// One tile's error-feedback step: elements `t` of the residual `r` and the tile's
+/// gradient `g` (`t.len()` elements), encoded into the tile's scales and codes; true if
+/// the formed tile held NaN or ±Inf.
+#[allow(clippy::too_many_arguments)]
+fn feedback_tile<F: FixedRate + ?Sized>(
+    f: &F,
+    r: &mut ResidualMut<'_>,
+    t: core::ops::Range<usize>,
+    g: &[f32],
+    (beta, gamma): (f32, f32),
+    ctx: &EncodeCtx,
+    sc: &mut [u8],
+    co: &mut [u8],
+) -> bool {
+    match r {
+        ResidualMut::F32(r) => {
+            let r = &mut r[t];
+            if let Some(nf) = f.feedback_fused(r, g, beta, gamma, ctx, sc, co) {
+                return nf;
             }
-            ResidualMut::Bf16 { r, scratch } => {
-                let (r, p) = (&mut r[s..e], &mut scratch[..e - s]);
-                kernels::feedback_form_bf16(p, r, gt, beta, gamma);
-                let nf = f.encode_sections(p, &tctx, sc, co);
-                f.decode_sections(mode::RESIDUAL, sc, co, p);
-                kernels::feedback_store_bf16(r, p);
-                nf
+            kernels::feedback_form(r, g, beta, gamma);
+            let nf = f.encode_sections(r, ctx, sc, co);
+            f.decode_sections(mode::RESIDUAL, sc, co, r);
+            nf
+        }
+        ResidualMut::Bf16 { r, scratch } => {
+            let (p, r) = (&mut scratch[..t.len()], &mut r[t]);
+            kernels::feedback_form_bf16(p, r, g, beta, gamma);
+            let nf = f.encode_sections(p, ctx, sc, co);
+            f.decode_sections(mode::RESIDUAL, sc, co, p);
+            kernels::feedback_store_bf16(r, p);
+            nf
+        }
+    }
+}
+
+// ------------------------------------------------------------------ fused ring hop
+
+/// The most elements a fused ring hop's tile may hold: its sum lives on the stack.
+const HOP_TILE_MAX: usize = 4096;
+
+/// The tile of a fused ring hop with layout `l` (that of error feedback, so that a bf16
+/// residual's scratch splits the same way), if it fits [`HOP_TILE_MAX`].
+pub(crate) fn hop_tile(l: Layout) -> Option<usize> {
+    Some(l.range_near(FEEDBACK_TILE)).filter(|&t| t <= HOP_TILE_MAX)
+}
+
+/// The local side of a fused ring hop (see [`hop`]).
+pub(crate) enum HopAcc<'a> {
+    /// A partial sum on its way: `acc + decode(frame)` is encoded and not kept.
+    Forward(&'a [f32]),
+    /// The owner's hop: the sum is encoded, and `dst` gets the decode of that frame,
+    /// then the hop's `finish`. `src` holds the local values (`None`: `dst` holds them).
+    Own {
+        src: Option<&'a [f32]>,
+        dst: &'a mut [f32],
+    },
+}
+
+impl HopAcc<'_> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            HopAcc::Forward(a) => a.len(),
+            HopAcc::Own { dst, .. } => dst.len(),
+        }
+    }
+
+    /// The local values of elements `t`.
+    fn local(&self, t: core::ops::Range<usize>) -> &[f32] {
+        match self {
+            HopAcc::Forward(a) | HopAcc::Own { src: Some(a), .. } => &a[t],
+            HopAcc::Own { src: None, dst } => &dst[t],
+        }
+    }
+}
+
+struct Hop<'a> {
+    l: Layout,
+    tile: usize,
+    in_scales: &'a [u8],
+    in_codes: &'a [u8],
+    acc: HopAcc<'a>,
+    r: Option<ResidualMut<'a>>,
+    scales: &'a mut [u8],
+    codes: &'a mut [u8],
+}
+
+impl Split for Hop<'_> {
+    fn split(self, at: usize, pieces: usize) -> (Self, Self) {
+        let (l, tile) = (self.l, self.tile);
+        let (is0, is1) = self.in_scales.split_at(l.scales_len(at));
+        let (ic0, ic1) = self.in_codes.split_at(l.codes_len(at));
+        let (a0, a1) = match self.acc {
+            HopAcc::Forward(a) => {
+                let (a0, a1) = a.split_at(at);
+                (HopAcc::Forward(a0), HopAcc::Forward(a1))
+            }
+            HopAcc::Own { src, dst } => {
+                let (s0, s1) = match src {
+                    Some(x) => {
+                        let (x0, x1) = x.split_at(at);
+                        (Some(x0), Some(x1))
+                    }
+                    None => (None, None),
+                };
+                let (d0, d1) = dst.split_at_mut(at);
+                (
+                    HopAcc::Own { src: s0, dst: d0 },
+                    HopAcc::Own { src: s1, dst: d1 },
+                )
             }
         };
+        let (r0, r1) = match self.r {
+            Some(r) => {
+                let (r0, r1) = r.split(at, pieces, tile);
+                (Some(r0), Some(r1))
+            }
+            None => (None, None),
+        };
+        let (s0, s1) = self.scales.split_at_mut(l.scales_len(at));
+        let (c0, c1) = self.codes.split_at_mut(l.codes_len(at));
+        (
+            Hop {
+                l,
+                tile,
+                in_scales: is0,
+                in_codes: ic0,
+                acc: a0,
+                r: r0,
+                scales: s0,
+                codes: c0,
+            },
+            Hop {
+                l,
+                tile,
+                in_scales: is1,
+                in_codes: ic1,
+                acc: a1,
+                r: r1,
+                scales: s1,
+                codes: c1,
+            },
+        )
+    }
+}
+
+/// One hop of a compressed ring's reduce-scatter, fused: per tile, the received frame's
+/// sections (`frame`, validated, this codec's layout) are decoded onto the local values,
+/// and that sum is encoded into the payload area of `out`, through the residual of `fb`
+/// (with its weights) if given, while the tile is in cache. For the owner's hop `dst` then
+/// gets the decode of the tile just encoded, and `finish` (the mean). The same bytes,
+/// residual and values as `decode_add` into the local values, an encode (or error-feedback
+/// step) of the sum and a decode of that frame, without writing or reading the sum in
+/// memory. `hop_tile(f.layout())` must be `Some`.
+pub(crate) fn hop<F: FixedRate + ?Sized>(
+    f: &F,
+    frame: (&[u8], &[u8]),
+    acc: HopAcc<'_>,
+    fb: Option<(ResidualMut<'_>, f32, f32)>,
+    finish: &(dyn Fn(&mut [f32]) + Sync),
+    ctx: &EncodeCtx,
+    out: &mut [u8],
+) -> Result<Encoded> {
+    let l = f.layout();
+    let n = acc.len();
+    let tile = hop_tile(l).unwrap_or(HOP_TILE_MAX);
+    let sl = l.scales_len(n);
+    let len = sl + l.codes_len(n);
+    let p = payload_buf(out, len as u64)?;
+    let (scales, codes) = p.split_at_mut(sl);
+    let (weights, r) = match fb {
+        Some((r, beta, gamma)) => ((beta, gamma), Some(r)),
+        None => ((1.0, 1.0), None),
+    };
+    let range = l.range_near(parallel::CHUNK).max(tile);
+    let b = Hop {
+        l,
+        tile,
+        in_scales: frame.0,
+        in_codes: frame.1,
+        acc,
+        r,
+        scales,
+        codes,
+    };
+    let weight = 2 + f.encode_weight();
+    let nonfinite = parallel::for_ranges(b, n, range, parallel::worth(n, weight), &|b, start| {
+        hop_range(
+            f,
+            b,
+            weights,
+            finish,
+            &ctx.with_offset(ctx.offset + start as u64),
+        )
+    });
+    Ok(Encoded {
+        payload_len: len as u64,
+        params: f.params(),
+        nonfinite,
+        seed: if f.seeded() { ctx.seed } else { 0 },
+    })
+}
+
+/// The tiles of one range of a fused hop, in order; `ctx.offset` is the range's first
+/// global index.
+fn hop_range<F: FixedRate + ?Sized>(
+    f: &F,
+    b: Hop<'_>,
+    weights: (f32, f32),
+    finish: &(dyn Fn(&mut [f32]) + Sync),
+    ctx: &EncodeCtx,
+) -> bool {
+    let Hop {
+        l,
+        tile,
+        in_scales,
+        in_codes,
+        mut acc,
+        mut r,
+        scales,
+        codes,
+    } = b;
+    let mut sum = [0f32; HOP_TILE_MAX];
+    let n = acc.len();
+    let mut nonfinite = false;
+    let mut s = 0;
+    while s < n {
+        let e = (s + tile).min(n);
+        let (st, ct) = (
+            l.scales_len(s)..l.scales_len(e),
+            l.codes_len(s)..l.codes_len(e),
+        );
+        let t = &mut sum[..e - s];
+        t.copy_from_slice(acc.local(s..e));
+        f.decode_sections(mode::ADD, &in_scales[st.clone()], &in_codes[ct.clone()], t);
+        let tctx = ctx.with_offset(ctx.offset + s as u64);
+        let (sc, co) = (&mut scales[st], &mut codes[ct]);
+        nonfinite |= match &mut r {
+            None => f.encode_sections(t, &tctx, sc, co),
+            Some(r) => feedback_tile(f, r, s..e, t, weights, &tctx, sc, co),
+        };
+        if let HopAcc::Own { dst, .. } = &mut acc {
+            let d = &mut dst[s..e];
+            f.decode_sections(mode::WRITE, sc, co, d);
+            finish(d);
+        }
         s = e;
     }
     nonfinite

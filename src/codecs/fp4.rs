@@ -291,6 +291,10 @@ impl Scheme for Fp4 {
         self.with_frame_absmax(|| fixed::max_finite_abs(x))
     }
 
+    fn reads_whole_input(&self) -> bool {
+        self.scale == Fp4Scale::E4m3
+    }
+
     fn for_feedback(&self, r: &ResidualMut<'_>, g: &[f32], beta: f32, gamma: f32) -> Fp4 {
         self.with_frame_absmax(|| fixed::formed_max_finite_abs(r, g, beta, gamma))
     }

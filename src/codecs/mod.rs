@@ -41,7 +41,7 @@ pub use ternary::Ternary;
 pub use topk::{DEFAULT_TOLERANCE, IndexCoding, Selection, TopK, TopKSelect};
 pub use values::{INT8_VALUE_BLOCK, ValueType};
 
-use crate::codec::{Codec, CodecId, CodecSpec, EncodeCtx, payload_buf};
+use crate::codec::{Codec, CodecId, CodecSpec, EncodeCtx, each_spec, payload_buf};
 use crate::error::{Error, Result};
 use crate::kernels::{Standard, mode, scalar::put};
 use crate::wire::{self, HEADER_LEN, Header};
@@ -120,6 +120,11 @@ pub(crate) mod scheme {
         /// frame's largest magnitude), which takes it from `x` here.
         fn for_input(&self, _x: &[f32]) -> Self {
             *self
+        }
+        /// Whether [`Scheme::for_input`] reads the whole input (so that the codec cannot
+        /// encode a tensor range by range as its sum is formed).
+        fn reads_whole_input(&self) -> bool {
+            false
         }
         /// [`Scheme::for_input`] for an error-feedback step, whose input is
         /// `beta r + gamma g` (formed here without changing `r`).
@@ -329,6 +334,113 @@ pub(crate) fn decode_frame<const M: u8>(frame: &[u8], out: &mut [f32]) -> Result
 /// verified if sealed) without checking either again.
 pub(crate) fn decode_split<const M: u8>(h: &Header, payload: &[u8], out: &mut [f32]) -> Result<()> {
     by_id!(h.codec, S => decode_as::<S, M>(h, payload, out))
+}
+
+/// The sections of a received frame (`h`, `payload`, of `n` elements) that a fused ring
+/// hop of `codec` reads (see [`fixed::hop`]), after every check a decoder makes before it
+/// writes. `None` where the hop cannot be fused: a codec without fixed-rate ranges, one
+/// that reads its whole input before it encodes, a tile too large for the stack, or a
+/// frame of other parameters (all of which the caller decodes and encodes in turn).
+pub(crate) fn hop_sections<'f>(
+    codec: &CodecSpec,
+    h: &Header,
+    payload: &'f [u8],
+    n: usize,
+) -> Result<Option<(&'f [u8], &'f [u8])>> {
+    each_spec!(codec, c => hop_sections_as(c, h, payload, n))
+}
+
+fn hop_sections_as<'f, S: Scheme>(
+    c: &S,
+    h: &Header,
+    payload: &'f [u8],
+    n: usize,
+) -> Result<Option<(&'f [u8], &'f [u8])>> {
+    let Some(f) = c.fixed() else {
+        return Ok(None);
+    };
+    if h.codec != S::ID || c.reads_whole_input() || fixed::hop_tile(f.layout()).is_none() {
+        return Ok(None);
+    }
+    if n as u64 != h.elements {
+        return Err(Error::OutputLength {
+            expected: h.elements,
+            got: n,
+        });
+    }
+    if S::read(h)?.into() != Into::<CodecSpec>::into(*c) {
+        return Ok(None);
+    }
+    let (scales, codes) = payload.split_at(f.layout().scales_len(n));
+    Standard::run(|| f.validate(h, scales, codes))?;
+    Ok(Some((scales, codes)))
+}
+
+/// A fused ring hop of `codec` (see [`fixed::hop`]) on a frame's sections from
+/// [`hop_sections`]: the whole frame of the sum (header included) goes to `out`, whose
+/// length is returned.
+pub(crate) fn ring_hop(
+    codec: &CodecSpec,
+    frame: (&[u8], &[u8]),
+    acc: fixed::HopAcc<'_>,
+    fb: Option<(fixed::ResidualMut<'_>, f32, f32)>,
+    finish: &(dyn Fn(&mut [f32]) + Sync),
+    ctx: &EncodeCtx,
+    out: &mut [u8],
+) -> Result<usize> {
+    each_spec!(codec, c => ring_hop_as(c, frame, acc, fb, finish, ctx, out))
+}
+
+fn ring_hop_as<S: Scheme>(
+    c: &S,
+    frame: (&[u8], &[u8]),
+    acc: fixed::HopAcc<'_>,
+    fb: Option<(fixed::ResidualMut<'_>, f32, f32)>,
+    finish: &(dyn Fn(&mut [f32]) + Sync),
+    ctx: &EncodeCtx,
+    out: &mut [u8],
+) -> Result<usize> {
+    let n = acc.len();
+    let Some(f) = c.fixed().filter(|_| !c.reads_whole_input()) else {
+        return Err(Error::Collective(format!("{c} cannot fuse a ring hop")));
+    };
+    c.check_encode(n, ctx)?;
+    let e = Standard::run(|| fixed::hop(f, frame, acc, fb, finish, ctx, out))?;
+    write_header::<S>(&e, n, ctx, out);
+    Ok(HEADER_LEN + e.payload_len as usize)
+}
+
+/// [`decode_split`] in write mode, then `finish` on the output: range by range as the
+/// ranges are decoded (while they are in cache) for the fixed-rate codecs, at the end for
+/// the others.
+pub(crate) fn decode_split_then(
+    h: &Header,
+    payload: &[u8],
+    out: &mut [f32],
+    finish: &(dyn Fn(&mut [f32]) + Sync),
+) -> Result<()> {
+    by_id!(h.codec, S => decode_then_as::<S>(h, payload, out, finish))
+}
+
+fn decode_then_as<S: Scheme>(
+    h: &Header,
+    p: &[u8],
+    out: &mut [f32],
+    finish: &(dyn Fn(&mut [f32]) + Sync),
+) -> Result<()> {
+    if out.len() as u64 != h.elements {
+        return Err(Error::OutputLength {
+            expected: h.elements,
+            got: out.len(),
+        });
+    }
+    let c = S::read(h)?;
+    if let Some(f) = c.fixed() {
+        return Standard::run(|| fixed::decode_then(f, h, p, out, finish));
+    }
+    decode_as::<S, { mode::WRITE }>(h, p, out)?;
+    Standard::run(|| finish(out));
+    Ok(())
 }
 
 /// The spec a header describes (validated as a decoder would).
@@ -614,3 +726,62 @@ macro_rules! block_only_codec {
     };
 }
 pub(crate) use block_only_codec;
+
+#[cfg(test)]
+mod hop_tests {
+    use super::*;
+
+    fn sections_of(codec: &str, frame_of: &str, n: usize) -> bool {
+        let c: CodecSpec = codec.parse().unwrap();
+        let f: CodecSpec = frame_of.parse().unwrap();
+        let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+        let frame = f.encode(&x, &EncodeCtx::new(5)).unwrap();
+        let (h, p) = wire::split(&frame).unwrap();
+        hop_sections(&c, &h, p, n).unwrap().is_some()
+    }
+
+    /// The ring's hop is fused for every fixed-rate codec whose encode reads ranges alone,
+    /// and falls back (to decode, then encode) for the others and for frames of other
+    /// parameters.
+    #[test]
+    fn fixed_rate_hops_fuse_and_the_others_fall_back() {
+        for spec in [
+            "identity",
+            "fp16",
+            "bf16",
+            "int8",
+            "int8:block=64,rounding=stochastic",
+            "int8:block=4096",
+            "qsgd:bits=4,block=7",
+            "sign:block=3",
+            "ternary",
+            "natural",
+            "fp8:format=e4m3,block=32,scale=e8m0",
+            "fp8:format=e5m2,scale=none,rounding=stochastic",
+            "fp4",
+            "fp4:format=e3m0,block=6",
+            "codebook:block=7",
+        ] {
+            assert!(sections_of(spec, spec, 1000), "{spec} should fuse");
+        }
+        for spec in [
+            "topk:ratio=0.1,values=f32",
+            "randk:ratio=0.3,values=f32",
+            "dct:chunk=64,k=4",
+            "chunktopk:chunk=64,k=5",
+            "fp4:scale=e4m3",
+            "int8:block=8192",
+        ] {
+            assert!(!sections_of(spec, spec, 1000), "{spec} should not fuse");
+        }
+        assert!(!sections_of("int8:block=64", "int8:block=128", 1000));
+        assert!(!sections_of("int8", "fp16", 1000));
+        let c: CodecSpec = "int8".parse().unwrap();
+        let frame = c.encode(&[1.0; 10], &EncodeCtx::new(0)).unwrap();
+        let (h, p) = wire::split(&frame).unwrap();
+        assert!(matches!(
+            hop_sections(&c, &h, p, 11),
+            Err(Error::OutputLength { .. })
+        ));
+    }
+}

@@ -14,7 +14,11 @@
 //! - [`Strategy::CompressedRing`]: a reduce-scatter whose `p - 1` hops each decode_add the
 //!   incoming frame into the local chunk and re-encode the partial sum, then an all-gather
 //!   that forwards each owner's final frame unchanged; every rank decodes each chunk once.
-//!   Each rank sends `2 (p - 1) / p` of a whole frame.
+//!   Each rank sends `2 (p - 1) / p` of a whole frame. For the fixed-rate codecs a hop is
+//!   fused: tile by tile, the incoming frame is decoded onto the local values and the sum
+//!   re-encoded (through the residual, with error feedback) while it is in cache, so no
+//!   partial sum is written to memory; the owner's hop also decodes its final frame and
+//!   divides it for the mean there. The bits are those of the separate steps.
 //! - [`Strategy::CompressedAllGather`]: every rank's whole frame travels round the ring
 //!   (`p - 1` frames sent per rank); each rank decodes and sums all `p` in rank order.
 //!   What GRACE and DeepSpeed's 1-bit path do; one encode, no re-quantisation.
@@ -106,7 +110,8 @@ use core::ops::Range;
 
 use crate::alloc;
 use crate::codec::{Codec, CodecId, CodecSpec, EncodeCtx};
-use crate::codecs::Identity;
+use crate::codecs::fixed::HopAcc;
+use crate::codecs::{self, Identity};
 use crate::cost::{self, CodecProfile};
 use crate::error::{Error, Result};
 use crate::feedback::{ErrorFeedback, FeedbackOptions};
@@ -785,26 +790,15 @@ impl AllReduce {
 
     /// Divide `x` by the world size for [`ReduceOp::Mean`].
     fn mean(&self, x: &mut [f32]) {
-        if self.opts.op == ReduceOp::Mean {
-            divide_by_ranks(x, self.size);
-        }
+        mean(self.opts.op, self.size, x);
     }
 
     /// Encode `x` (slot `slot`'s data, starting at global element `offset`) into
     /// `self.enc` after the envelope's room, through the slot's residual if it has one.
     /// Returns the message length (envelope included).
     fn encode(&mut self, slot: usize, x: &[f32], ctx: EncodeCtx) -> Result<usize> {
-        let frame = &mut self.enc[ENVELOPE_LEN..];
-        let len = match self.residuals.get_mut(slot).and_then(Option::as_mut) {
-            Some(ef) => ef.encode_into(x, &ctx, frame),
-            None => self.codec.encode_into(x, &ctx, frame),
-        }?;
-        let len = if self.opts.checksum {
-            wire::seal(frame, len)?
-        } else {
-            len
-        };
-        Ok(ENVELOPE_LEN + len)
+        let fb = self.residuals.get_mut(slot).and_then(Option::as_mut);
+        encode_fed(fb, &self.codec, self.opts.checksum, x, ctx, &mut self.enc)
     }
 
     /// The place of a message of this collective.
@@ -821,8 +815,9 @@ impl AllReduce {
     }
 
     /// The ring: reduce-scatter, then all-gather of the owners' frames; `input` None: in
-    /// place. Each chunk of the output is written once, by its last decode, and divided
-    /// for the mean there while it is in cache.
+    /// place. With fused hops (the fixed-rate codecs) each chunk of the output is written
+    /// once, by its last decode, and divided for the mean there while it is in cache; the
+    /// others write a received chunk's partial sum into it first.
     fn ring<T: Transport + ?Sized>(
         &mut self,
         comm: &mut Comm<T>,
@@ -834,7 +829,7 @@ impl AllReduce {
         let (right, left) = ((r + 1) % p, (r + p - 1) % p);
         let (right_g, left_g) = (self.global(right), self.global(left));
         let piece = |c: usize, j: usize| piece_range(n, p, k, c, j);
-        let (codec, seed, call) = (self.codec, step.seed, step.call);
+        let (codec, seed, call, op) = (self.codec, step.seed, step.call, self.opts.op);
         let ctx_of = |q: usize, c: usize, j: usize| {
             EncodeCtx::new(rank_seed(&codec, seed, q)).with_offset(piece(c, j).start as u64)
         };
@@ -846,28 +841,47 @@ impl AllReduce {
         // move both directions at once only when the receive is posted first (gloo's
         // point-to-point, where two ranks' ring sends and receives share one pair).
         let together = k == 1;
+        // Every hop's frames, per piece: step 0 sends the local input, encoded as it is
+        // sent; each later step sends the frames made as the step before received its
+        // pieces (sum and re-encode, fused tile by tile where the codec allows, see
+        // `hop`). The last step's hop makes the owner's frames, which the all-gather
+        // forwards.
+        self.fwd.resize_with(k, Vec::new);
+        self.next.resize_with(k, Vec::new);
+        let room = self.enc.len();
         for s in 0..p - 1 {
             let send_c = (r + 2 * p - s - 1) % p;
             let recv_c = (r + 2 * p - s - 2) % p;
             let phase = Phase::ReduceScatter;
             let want = |this: &Self, j: usize| this.place(call, phase, s * k + j, recv_c * k + j);
             let mut post = |this: &mut Self, out: &[f32], comm: &mut Comm<T>, j: usize| {
-                // In place, chunk send_c still holds the input at step 0 (no chunk is
-                // written before it is received, and each is received once).
-                let src = match input {
-                    Some(x) if s == 0 => x,
-                    _ => out,
-                };
-                let len =
-                    this.encode(send_c * k + j, &src[piece(send_c, j)], ctx_of(r, send_c, j))?;
+                if s == 0 {
+                    // In place, chunk send_c still holds the input (no chunk has been
+                    // received yet).
+                    let local = &input.unwrap_or(out)[piece(send_c, j)];
+                    let fb = this
+                        .residuals
+                        .get_mut(send_c * k + j)
+                        .and_then(Option::as_mut);
+                    let msg = grow(&mut this.fwd[j], room)?;
+                    let len = encode_fed(
+                        fb,
+                        &codec,
+                        this.opts.checksum,
+                        local,
+                        ctx_of(r, send_c, j),
+                        msg,
+                    )?;
+                    this.fwd[j].truncate(len);
+                }
                 let to = this.place(call, phase, s * k + j, send_c * k + j);
                 if together {
                     let w = want(this, j);
-                    comm.exchange(&mut this.enc[..len], right_g, to, &mut this.a, left_g, w)?;
+                    comm.exchange(&mut this.fwd[j], right_g, to, &mut this.a, left_g, w)?;
                 } else {
-                    comm.post(&mut this.enc[..len], right_g, to)?;
+                    comm.post(&mut this.fwd[j], right_g, to)?;
                 }
-                step.sent(len);
+                step.sent(this.fwd[j].len());
                 Ok::<(), Error>(())
             };
             post(self, output, comm, 0)?;
@@ -879,34 +893,39 @@ impl AllReduce {
                     let w = want(self, j);
                     comm.expect(&mut self.a, left_g, w)?;
                 }
-                let frame = &self.a[ENVELOPE_LEN..];
+                // Piece j was sent above: its buffer takes the next hop's frame.
+                let hop = Hop {
+                    codec: &codec,
+                    checksum: self.opts.checksum,
+                    op: self.opts.op,
+                    size: p,
+                    own: s == p - 2,
+                    piece: piece(recv_c, j),
+                    ctx: ctx_of(r, recv_c, j),
+                    origin: ctx_of(left, recv_c, j),
+                };
+                let fb = self
+                    .residuals
+                    .get_mut(recv_c * k + j)
+                    .and_then(Option::as_mut);
+                let msg = grow(&mut self.fwd[j], room)?;
                 let bad = |e| peer_error(left_g, phase, left_g, e);
-                let split = check_origin(&codec, frame, &ctx_of(left, recv_c, j)).map_err(bad)?;
-                let acc = &mut output[piece(recv_c, j)];
-                if let Some(x) = input {
-                    acc.copy_from_slice(&x[piece(recv_c, j)]);
-                }
-                decode_checked::<ADD>(split, acc).map_err(bad)?;
+                let len = hop.run(&self.a[ENVELOPE_LEN..], input, output, fb, msg, bad)?;
+                self.fwd[j].truncate(len);
             }
         }
-        // The owner's encode of its fully reduced chunk, decoded here as everywhere.
-        self.fwd.resize_with(k, Vec::new);
-        self.next.resize_with(k, Vec::new);
-        for j in 0..k {
-            let own = piece(r, j);
-            let len = {
-                let src = match input {
-                    Some(x) if p == 1 => x,
-                    _ => &*output,
-                };
-                self.encode(r * k + j, &src[own.clone()], ctx_of(r, r, j))?
-            };
-            // This rank's own frame, sealed a moment ago: no checksum to verify.
-            let split = wire::split_with(&self.enc[ENVELOPE_LEN..len], false)?;
-            decode_checked::<WRITE>(split, &mut output[own.clone()])?;
-            self.mean(&mut output[own]);
-            self.fwd[j].clear();
-            self.fwd[j].extend_from_slice(&self.enc[..len]);
+        if p == 1 {
+            // A world of one: the owner's frame of the input, decoded here as everywhere.
+            for j in 0..k {
+                let own = piece(r, j);
+                let src = &input.unwrap_or(&*output)[own.clone()];
+                let fb = self.residuals.get_mut(r * k + j).and_then(Option::as_mut);
+                let msg = grow(&mut self.fwd[j], room)?;
+                let len = encode_fed(fb, &codec, self.opts.checksum, src, ctx_of(r, r, j), msg)?;
+                self.fwd[j].truncate(len);
+                let split = wire::split_with(&self.fwd[j][ENVELOPE_LEN..], false)?;
+                decode_checked::<WRITE>(split, &mut output[own])?;
+            }
         }
         // All-gather: forward frames unchanged; at step s send chunk r-s, receive r-s-1.
         for s in 0..p - 1 {
@@ -938,9 +957,10 @@ impl AllReduce {
                 let frame = &self.next[j][ENVELOPE_LEN..];
                 // Chunk c's final frames were encoded by its owner, rank c.
                 let bad = |e| peer_error(self.global(recv_c), phase, left_g, e);
-                let split = check_origin(&codec, frame, &ctx_of(recv_c, recv_c, j)).map_err(bad)?;
-                decode_checked::<WRITE>(split, &mut output[piece(recv_c, j)]).map_err(bad)?;
-                self.mean(&mut output[piece(recv_c, j)]);
+                let (h, payload) =
+                    check_origin(&codec, frame, &ctx_of(recv_c, recv_c, j)).map_err(bad)?;
+                let out = &mut output[piece(recv_c, j)];
+                codecs::decode_split_then(&h, payload, out, &|x| mean(op, p, x)).map_err(bad)?;
             }
             core::mem::swap(&mut self.fwd, &mut self.next);
         }
@@ -1127,6 +1147,117 @@ fn check_origin<'f>(
     Ok((h, payload))
 }
 
+/// Encode `x` into the message buffer `msg` after the envelope's room, through the
+/// residual `fb` if given, sealed if `checksum`. Returns the message length (envelope
+/// included).
+fn encode_fed(
+    fb: Option<&mut ErrorFeedback>,
+    codec: &CodecSpec,
+    checksum: bool,
+    x: &[f32],
+    ctx: EncodeCtx,
+    msg: &mut [u8],
+) -> Result<usize> {
+    let frame = &mut msg[ENVELOPE_LEN..];
+    let len = match fb {
+        Some(ef) => ef.encode_into(x, &ctx, frame),
+        None => codec.encode_into(x, &ctx, frame),
+    }?;
+    let len = if checksum {
+        wire::seal(frame, len)?
+    } else {
+        len
+    };
+    Ok(ENVELOPE_LEN + len)
+}
+
+/// `buf` lengthened to at least `len` bytes (its memory reserved first), as a slice.
+fn grow(buf: &mut Vec<u8>, len: usize) -> Result<&mut [u8]> {
+    if buf.len() < len {
+        buf.try_reserve(len - buf.len())
+            .map_err(|_| Error::OutOfMemory {
+                bytes: len as u64,
+                what: "a ring message",
+            })?;
+        buf.resize(len, 0);
+    }
+    Ok(buf)
+}
+
+/// One received piece of the ring's reduce-scatter, and the frame this rank makes of it.
+struct Hop<'c> {
+    codec: &'c CodecSpec,
+    checksum: bool,
+    op: ReduceOp,
+    /// The world size.
+    size: usize,
+    /// The owner's hop (the last step: the piece is this rank's to finish).
+    own: bool,
+    piece: Range<usize>,
+    /// This rank's encode context for the piece, and the sender's.
+    ctx: EncodeCtx,
+    origin: EncodeCtx,
+}
+
+impl Hop<'_> {
+    /// Sum the received `frame` onto the local piece (of `input`, or of `output` in place)
+    /// and encode the sum into the message buffer `msg` after the envelope's room,
+    /// through `fb` if given. The owner's hop also writes the decode of its frame (the
+    /// reduced piece) to `output`, divided for the mean. Fused tile by tile where the
+    /// codec allows (the partial sum is then never written to memory); otherwise
+    /// `decode_add` into `output`, an encode and, for the owner, a decode: the same bits
+    /// either way. Errors in the received frame go through `bad`. Returns the message
+    /// length (envelope included).
+    fn run(
+        &self,
+        frame: &[u8],
+        input: Option<&[f32]>,
+        output: &mut [f32],
+        fb: Option<&mut ErrorFeedback>,
+        msg: &mut [u8],
+        bad: impl Fn(Error) -> Error,
+    ) -> Result<usize> {
+        let (h, payload) = check_origin(self.codec, frame, &self.origin).map_err(&bad)?;
+        let t = self.piece.clone();
+        let finish = |x: &mut [f32]| mean(self.op, self.size, x);
+        match codecs::hop_sections(self.codec, &h, payload, t.len()).map_err(&bad)? {
+            Some(sections) => {
+                let acc = if self.own {
+                    HopAcc::Own {
+                        src: input.map(|x| &x[t.clone()]),
+                        dst: &mut output[t],
+                    }
+                } else {
+                    HopAcc::Forward(&input.unwrap_or(&*output)[t])
+                };
+                let fb = fb.map(ErrorFeedback::hop_state);
+                let out = &mut msg[ENVELOPE_LEN..];
+                let len = codecs::ring_hop(self.codec, sections, acc, fb, &finish, &self.ctx, out)?;
+                let len = if self.checksum {
+                    wire::seal(out, len)?
+                } else {
+                    len
+                };
+                Ok(ENVELOPE_LEN + len)
+            }
+            None => {
+                let acc = &mut output[t.clone()];
+                if let Some(x) = input {
+                    acc.copy_from_slice(&x[t]);
+                }
+                decode_checked::<ADD>((h, payload), acc).map_err(&bad)?;
+                let len = encode_fed(fb, self.codec, self.checksum, acc, self.ctx, msg)?;
+                if self.own {
+                    // This rank's own frame, sealed a moment ago: no checksum to verify.
+                    let (h, payload) = wire::split_with(&msg[ENVELOPE_LEN..len], false)?;
+                    codecs::decode_split_then(&h, payload, acc, &finish)?;
+                }
+                Ok(len)
+            }
+        }
+    }
+}
+
 /// Decode (`M` = write or add) a frame that [`check_origin`] has split and checked.
 fn decode_checked<const M: u8>(split: (wire::Header, &[u8]), out: &mut [f32]) -> Result<()> {
     crate::codecs::decode_split::<M>(&split.0, split.1, out)
@@ -1146,6 +1277,13 @@ fn codec_of(codec: CodecSpec, strategy: Strategy) -> CodecSpec {
         CodecSpec::Identity(Identity)
     } else {
         codec
+    }
+}
+
+/// `x` divided by the `p` ranks where `op` is [`ReduceOp::Mean`].
+fn mean(op: ReduceOp, p: usize, x: &mut [f32]) {
+    if op == ReduceOp::Mean {
+        divide_by_ranks(x, p);
     }
 }
 
