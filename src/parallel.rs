@@ -88,6 +88,30 @@ pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     f()
 }
 
+/// Runs `a` on the current pool while `b` runs on this thread, and returns both results
+/// (`b`, then `a`, unless `par`, with one thread, without the `rayon` feature, and under
+/// Miri, whose borrow checks rayon's pool does not pass). For work that can go on while
+/// this thread waits: a decode while a collective's messages are in flight.
+pub(crate) fn alongside<A: Send, B>(
+    par: bool,
+    a: impl FnOnce() -> A + Send,
+    b: impl FnOnce() -> B,
+) -> (A, B) {
+    #[cfg(all(feature = "rayon", not(miri)))]
+    if par && rayon::current_num_threads() > 1 {
+        let mut ra = None;
+        let rb = rayon::in_place_scope(|s| {
+            // A pool thread's floating-point mode is whatever its creator had.
+            s.spawn(|_| ra = Some(crate::kernels::Standard::run(a)));
+            b()
+        });
+        return (ra.expect("the scope waits for its task"), rb);
+    }
+    let _ = par;
+    let rb = b();
+    (a(), rb)
+}
+
 /// A bundle of slices that cut at a range boundary: `split(at, pieces)` cuts after `at`
 /// elements, which are `pieces` whole ranges.
 pub(crate) trait Split: Sized + Send {
@@ -206,4 +230,38 @@ pub(crate) fn feedback_form(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) {
         crate::kernels::feedback_form(r, g, beta, gamma);
         false
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both results come back, and with more than one thread the two halves run at once:
+    /// `b` waits until `a` has started (it would wait forever if `a` ran after it).
+    #[test]
+    fn alongside_returns_both_and_overlaps() {
+        use std::sync::atomic::AtomicBool;
+        for par in [false, true] {
+            let (a, b) = alongside(par, || 2 + 2, || "b");
+            assert_eq!((a, b), (4, "b"));
+        }
+        if cfg!(miri) || threads() < 2 {
+            println!("SKIP overlap: one thread in the pool, or Miri (sequential there)");
+            return;
+        }
+        let started = AtomicBool::new(false);
+        let (_, waited) = alongside(
+            true,
+            || started.store(true, Ordering::SeqCst),
+            || {
+                let t = std::time::Instant::now();
+                while !started.load(Ordering::SeqCst) {
+                    assert!(t.elapsed().as_secs() < 30, "a never ran alongside b");
+                    std::thread::yield_now();
+                }
+                true
+            },
+        );
+        assert!(waited);
+    }
 }

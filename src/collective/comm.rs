@@ -239,6 +239,19 @@ impl<T: Transport + ?Sized> Comm<T> {
         expect: Place,
     ) -> Result<()> {
         self.stamp(msg, place)?;
+        self.exchange_stamped(msg, to, recv, from, expect)
+    }
+
+    /// [`Comm::exchange`] of a message already stamped by [`Comm::stamp`] (so that the
+    /// caller can read it meanwhile).
+    pub(crate) fn exchange_stamped(
+        &mut self,
+        msg: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        expect: Place,
+    ) -> Result<()> {
         super::check_rank(from, self.early.len())?;
         if self.early[from].is_empty() {
             self.transport.send_recv(msg, to, recv, from)?;
@@ -265,7 +278,7 @@ impl<T: Transport + ?Sized> Comm<T> {
         self.settle(recv, from, expect)
     }
 
-    fn stamp(&self, msg: &mut [u8], place: Place) -> Result<()> {
+    pub(crate) fn stamp(&self, msg: &mut [u8], place: Place) -> Result<()> {
         let sender = u32::try_from(self.transport.rank()).map_err(|_| {
             Error::Collective("a rank above u32::MAX cannot send an envelope".into())
         })?;

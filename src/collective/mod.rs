@@ -18,7 +18,9 @@
 //!   fused: tile by tile, the incoming frame is decoded onto the local values and the sum
 //!   re-encoded (through the residual, with error feedback) while it is in cache, so no
 //!   partial sum is written to memory; the owner's hop also decodes its final frame and
-//!   divides it for the mean there. The bits are those of the separate steps.
+//!   divides it for the mean there. The bits are those of the separate steps. With one
+//!   piece per chunk, each all-gather frame is decoded on the thread pool while the
+//!   exchange that forwards it is in flight, off the ring's critical path.
 //! - [`Strategy::CompressedAllGather`]: every rank's whole frame travels round the ring
 //!   (`p - 1` frames sent per rank); each rank decodes and sums all `p` in rank order.
 //!   What GRACE and DeepSpeed's 1-bit path do; one encode, no re-quantisation.
@@ -115,6 +117,7 @@ use crate::codecs::{self, Identity};
 use crate::cost::{self, CodecProfile};
 use crate::error::{Error, Result};
 use crate::feedback::{ErrorFeedback, FeedbackOptions};
+use crate::parallel;
 use crate::state::{BlobReader, BlobWriter};
 use crate::wire::{self, HEADER_LEN};
 
@@ -928,20 +931,45 @@ impl AllReduce {
             }
         }
         // All-gather: forward frames unchanged; at step s send chunk r-s, receive r-s-1.
+        // With one piece, each frame received is decoded while the next step's exchange
+        // (which forwards it) is in flight, so decodes are off the ring's critical path;
+        // `held` is the chunk whose frame `fwd[0]` holds undecoded.
+        let mut held: Option<usize> = None;
         for s in 0..p - 1 {
             let send_c = (r + p - s) % p;
             let recv_c = (r + 2 * p - s - 1) % p;
             let phase = Phase::RingAllGather;
             let hop = |j: usize| (p - 1 + s) * k + j;
             let want = |this: &Self, j: usize| this.place(call, phase, hop(j), recv_c * k + j);
+            // Chunk c's final frames were encoded by its owner, rank c.
+            let origin = |j: usize| ctx_of(recv_c, recv_c, j);
+            if together {
+                let (to, w) = (self.place(call, phase, hop(0), send_c), want(self, 0));
+                comm.stamp(&mut self.fwd[0], to)?;
+                let (fwd, next) = (&self.fwd[0], &mut self.next[0]);
+                let out = held.map(|c| (c, &mut output[piece(c, 0)]));
+                // A short decode is not worth handing to another thread.
+                let par = out.as_ref().is_some_and(|o| o.1.len() >= parallel::CHUNK);
+                let (decoded, exchanged) = parallel::alongside(
+                    par,
+                    move || match out {
+                        Some((c, out)) => decode_final(fwd, out, op, p).map_err(|e| (c, e)),
+                        None => Ok(()),
+                    },
+                    || comm.exchange_stamped(fwd, right_g, next, left_g, w),
+                );
+                exchanged?;
+                decoded.map_err(|(c, e)| peer_error(self.global(c), phase, left_g, e))?;
+                step.sent(self.fwd[0].len());
+                let bad = |e| peer_error(self.global(recv_c), phase, left_g, e);
+                check_origin(&codec, &self.next[0][ENVELOPE_LEN..], &origin(0)).map_err(bad)?;
+                held = Some(recv_c);
+                core::mem::swap(&mut self.fwd, &mut self.next);
+                continue;
+            }
             let mut post = |this: &mut Self, comm: &mut Comm<T>, j: usize| {
                 let to = this.place(call, phase, hop(j), send_c * k + j);
-                if together {
-                    let w = want(this, j);
-                    comm.exchange(&mut this.fwd[j], right_g, to, &mut this.next[j], left_g, w)?;
-                } else {
-                    comm.post(&mut this.fwd[j], right_g, to)?;
-                }
+                comm.post(&mut this.fwd[j], right_g, to)?;
                 step.sent(this.fwd[j].len());
                 Ok::<(), Error>(())
             };
@@ -950,19 +978,19 @@ impl AllReduce {
                 if j + 1 < k {
                     post(self, comm, j + 1)?;
                 }
-                if !together {
-                    let w = want(self, j);
-                    comm.expect(&mut self.next[j], left_g, w)?;
-                }
+                let w = want(self, j);
+                comm.expect(&mut self.next[j], left_g, w)?;
                 let frame = &self.next[j][ENVELOPE_LEN..];
-                // Chunk c's final frames were encoded by its owner, rank c.
                 let bad = |e| peer_error(self.global(recv_c), phase, left_g, e);
-                let (h, payload) =
-                    check_origin(&codec, frame, &ctx_of(recv_c, recv_c, j)).map_err(bad)?;
+                let (h, payload) = check_origin(&codec, frame, &origin(j)).map_err(bad)?;
                 let out = &mut output[piece(recv_c, j)];
                 codecs::decode_split_then(&h, payload, out, &|x| mean(op, p, x)).map_err(bad)?;
             }
             core::mem::swap(&mut self.fwd, &mut self.next);
+        }
+        if let Some(c) = held {
+            decode_final(&self.fwd[0], &mut output[piece(c, 0)], op, p)
+                .map_err(|e| peer_error(self.global(c), Phase::RingAllGather, left_g, e))?;
         }
         Ok(())
     }
@@ -1169,6 +1197,14 @@ fn encode_fed(
         len
     };
     Ok(ENVELOPE_LEN + len)
+}
+
+/// Decode a final (owner's) frame of the ring, checked on arrival, from its message
+/// `msg` into `out`, divided for the mean as it goes.
+fn decode_final(msg: &[u8], out: &mut [f32], op: ReduceOp, p: usize) -> Result<()> {
+    // Its checksum was verified as it arrived (`check_origin`), and it has not changed.
+    let (h, payload) = wire::split_with(&msg[ENVELOPE_LEN..], false)?;
+    codecs::decode_split_then(&h, payload, out, &|x| mean(op, p, x))
 }
 
 /// `buf` lengthened to at least `len` bytes (its memory reserved first), as a slice.
