@@ -42,6 +42,19 @@ fn run(
     o: &AllReduceOptions,
     steps: u64,
 ) -> Vec<Vec<Vec<f32>>> {
+    run_by(nodes, codec, node_codec, n, o, steps, false)
+}
+
+/// [`run`] through `run`, or (`in_place`) through `run_in_place` on a copy of the input.
+fn run_by(
+    nodes: &Nodes,
+    codec: &str,
+    node_codec: &str,
+    n: usize,
+    o: &AllReduceOptions,
+    steps: u64,
+    in_place: bool,
+) -> Vec<Vec<Vec<f32>>> {
     local::run(nodes.world(), Some(Duration::from_secs(20)), |mut comm| {
         let r = comm.rank();
         let mut h = Hierarchical::new(
@@ -55,8 +68,15 @@ fn run(
         let mut outs = Vec::new();
         for step in 0..steps {
             let x = input(r, n, step);
-            let mut out = vec![f32::NAN; n];
-            h.run(&mut comm, &x, &mut out, 1000 + step)?;
+            let out = if in_place {
+                let mut data = x;
+                h.run_in_place(&mut comm, &mut data, 1000 + step)?;
+                data
+            } else {
+                let mut out = vec![f32::NAN; n];
+                h.run(&mut comm, &x, &mut out, 1000 + step)?;
+                out
+            };
             outs.push(out);
         }
         Ok(outs)
@@ -130,6 +150,48 @@ fn every_rank_ends_with_the_same_sum_within_the_codec_bound_between_nodes() {
                         "{nodes:?} {codec}: element {j} {got} vs {want} (bound {bound})"
                     );
                 }
+            }
+        }
+    }
+}
+
+/// In place, the same bits as with a separate output: nodes of equal and unequal size,
+/// a node of one rank, codecs inside and between nodes, error feedback, pieces.
+#[test]
+fn in_place_runs_give_the_same_bits() {
+    let maps = [
+        Nodes::uniform(6, 3).unwrap(),
+        Nodes::new(vec![0, 0, 1, 1, 1, 2]).unwrap(),
+        Nodes::uniform(3, 1).unwrap(),
+        Nodes::uniform(4, 4).unwrap(),
+    ];
+    for nodes in &maps {
+        for (codec, node_codec, o) in [
+            ("int8", "identity", opts(None, Feedback::None, 1)),
+            (
+                "fp16",
+                "bf16",
+                opts(Some(Strategy::CompressedRing), Feedback::WorkerAndOwner, 2),
+            ),
+            (
+                "topk:ratio=0.1",
+                "identity",
+                opts(None, Feedback::Worker, 1),
+            ),
+        ] {
+            for n in [0, 5, 1001] {
+                let a = run_by(nodes, codec, node_codec, n, &o, 2, false);
+                let b = run_by(nodes, codec, node_codec, n, &o, 2, true);
+                let bits = |v: &Vec<Vec<Vec<f32>>>| -> Vec<Vec<Vec<u32>>> {
+                    v.iter()
+                        .map(|r| {
+                            r.iter()
+                                .map(|s| s.iter().map(|x| x.to_bits()).collect())
+                                .collect()
+                        })
+                        .collect()
+                };
+                assert!(bits(&a) == bits(&b), "{codec}/{node_codec} n={n} {nodes:?}");
             }
         }
     }

@@ -811,33 +811,27 @@ fn strategy_choice(
     }
 }
 
-/// One collective call of `f(input, output)` with the GIL released: `x` into `out`, or in
-/// place when `out` is None (the input copied into `scratch` first). Returns the call's
-/// `strategy`, `bytes_sent` and `messages`.
+/// One collective call with the GIL released: `f(Some(input), output)` from `x` into
+/// `out`, or `f(None, data)` in place on `x` when `out` is None (the crate's in-place runs
+/// take no copy of the input). Returns the call's `strategy`, `bytes_sent` and `messages`.
 fn run_collective<'py>(
     py: Python<'py>,
     x: &Bound<'py, PyAny>,
     out: Option<&Bound<'py, PyAny>>,
-    scratch: &mut Vec<f32>,
-    f: impl FnOnce(&[f32], &mut [f32]) -> gradpack::Result<gradpack::collective::Stats> + Send,
+    f: impl FnOnce(Option<&[f32]>, &mut [f32]) -> gradpack::Result<gradpack::collective::Stats> + Send,
 ) -> PyResult<Bound<'py, PyDict>> {
     let stats = match out {
+        None => {
+            let mut o = f32_out(x, "x")?;
+            let os = slice_out(&mut o)?;
+            py.detach(|| f(None, os))
+        }
         Some(out) => {
             let a = f32_in(x, "x")?;
             let xs = slice_in(&a)?;
             let mut o = f32_out(out, "out")?;
             let os = slice_out(&mut o)?;
-            py.detach(|| f(xs, os))
-        }
-        None => {
-            let mut o = f32_out(x, "x")?;
-            let os = slice_out(&mut o)?;
-            scratch.clear();
-            scratch
-                .try_reserve_exact(os.len())
-                .map_err(|_| PyValueError::new_err("could not allocate the input copy"))?;
-            scratch.extend_from_slice(os);
-            py.detach(|| f(scratch, os))
+            py.detach(|| f(Some(xs), os))
         }
     }
     .map_err(err)?;
@@ -1104,23 +1098,10 @@ impl PyAllReduce {
         seed: u64,
     ) -> PyResult<Bound<'py, PyDict>> {
         let (ar, comm) = (&mut self.inner, &mut self.comm);
-        let stats = match out {
-            // In place with no copy of the input: the crate's own in-place run.
-            None => {
-                let mut o = f32_out(x, "x")?;
-                let os = slice_out(&mut o)?;
-                py.detach(|| ar.run_in_place(comm, os, seed))
-            }
-            Some(out) => {
-                let a = f32_in(x, "x")?;
-                let xs = slice_in(&a)?;
-                let mut o = f32_out(out, "out")?;
-                let os = slice_out(&mut o)?;
-                py.detach(|| ar.run(comm, xs, os, seed))
-            }
-        }
-        .map_err(err)?;
-        stats_dict(py, &stats)
+        run_collective(py, x, out, |xs, os| match xs {
+            Some(xs) => ar.run(comm, xs, os, seed),
+            None => ar.run_in_place(comm, os, seed),
+        })
     }
 
     /// The strategy this all-reduce runs (the cost model's choice for "auto").
@@ -1980,8 +1961,6 @@ const HIER_FORMAT: &str = "gradpack.Hierarchical/1";
 struct PyHierarchical {
     inner: Hierarchical,
     comm: Comm<Routed<PyTransport>>,
-    /// The input when `run` reduces in place.
-    scratch: Vec<f32>,
 }
 
 #[pymethods]
@@ -2058,7 +2037,6 @@ impl PyHierarchical {
         Ok(PyHierarchical {
             inner,
             comm: Comm::new(t),
-            scratch: Vec::new(),
         })
     }
 
@@ -2073,8 +2051,9 @@ impl PyHierarchical {
         seed: u64,
     ) -> PyResult<Bound<'py, PyDict>> {
         let (h, comm) = (&mut self.inner, &mut self.comm);
-        run_collective(py, x, out, &mut self.scratch, |xs, os| {
-            h.run(comm, xs, os, seed)
+        run_collective(py, x, out, |xs, os| match xs {
+            Some(xs) => h.run(comm, xs, os, seed),
+            None => h.run_in_place(comm, os, seed),
         })
     }
 

@@ -31,6 +31,8 @@
 //! size at the end. All messages of a run belong to one call of the [`Comm`], with the
 //! tag of the options; section 6.8 of the crate's wire-format document specifies them.
 
+use core::ops::Range;
+
 use super::comm::{Phase, Place};
 use super::{
     AllReduce, AllReduceOptions, Comm, ENVELOPE_LEN, NodeMemory, ReduceOp, Stats, Strategy,
@@ -377,9 +379,33 @@ impl Hierarchical {
         output: &mut [f32],
         seed: u64,
     ) -> Result<Stats> {
+        self.run_in(comm, Some(input), output, seed)
+    }
+
+    /// [`Hierarchical::run`] in place: `data` is this rank's input and gets the
+    /// reduction. The same messages and bits as `run` with a copy of `data` as input,
+    /// without that copy (every part of the input is read before its part of the output
+    /// is written).
+    pub fn run_in_place<T: Transport + ?Sized>(
+        &mut self,
+        comm: &mut Comm<T>,
+        data: &mut [f32],
+        seed: u64,
+    ) -> Result<Stats> {
+        self.run_in(comm, None, data, seed)
+    }
+
+    /// [`Hierarchical::run`]; `input` None: in place, `output` holding the input.
+    fn run_in<T: Transport + ?Sized>(
+        &mut self,
+        comm: &mut Comm<T>,
+        input: Option<&[f32]>,
+        output: &mut [f32],
+        seed: u64,
+    ) -> Result<Stats> {
         let _fp = crate::kernels::Standard::new();
         let call = comm.begin();
-        super::check_lens(input, output, self.len)?;
+        super::check_lens(input.unwrap_or(output), output, self.len)?;
         if comm.rank() != self.rank || comm.size() != self.nodes.world() {
             return Err(Error::Collective(format!(
                 "transport is rank {} of {}, but this all-reduce was built for rank {} of {}",
@@ -426,7 +452,7 @@ impl Hierarchical {
         // 1. Reduce-scatter inside the node.
         for s in others() {
             let range = shard(s);
-            let len = io.encode(&input[range.clone()], range.start)?;
+            let len = io.encode(src(input, output, range.clone()), range.start)?;
             let place = io.place(call, Phase::NodeReduceScatter, k_of(s), s);
             comm.post(&mut io.enc[..len], members[s % l], place)?;
             stats.bytes_sent += len as u64;
@@ -438,7 +464,7 @@ impl Hierarchical {
             // In local-rank order: the first contribution written, the others added.
             let acc = &mut self.acc[..n];
             for (lr, &from) in members.iter().enumerate() {
-                let own = &input[range.clone()];
+                let own = src(input, output, range.clone());
                 let place = io.place(call, Phase::NodeReduceScatter, k_of(s), s);
                 match (lr == local, lr == 0) {
                     (true, true) => acc.copy_from_slice(own),
@@ -501,7 +527,7 @@ impl Hierarchical {
         comm: &mut Comm<T>,
         m: &NodeMemory,
         (call, turn): (u64, u64),
-        input: &[f32],
+        input: Option<&[f32]>,
         output: &mut [f32],
         seed: u64,
         stats: &mut Stats,
@@ -527,7 +553,7 @@ impl Hierarchical {
         };
         for t in 0..rounds {
             for s in 0..shards {
-                m.write(s * c, &input[part(s, t)]);
+                m.write(s * c, src(input, output, part(s, t)));
             }
             barrier(false)?;
             for (i, &s) in self.owned.iter().enumerate() {
@@ -563,6 +589,11 @@ impl Hierarchical {
         }
         Ok(())
     }
+}
+
+/// Elements `r` of the input: of `input`, or of `output` in place.
+fn src<'a>(input: Option<&'a [f32]>, output: &'a [f32], r: Range<usize>) -> &'a [f32] {
+    &input.unwrap_or(output)[r]
 }
 
 /// Step 2 for owned shard `s` (the `i`-th): its node sum `acc` all-reduced among its
