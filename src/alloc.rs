@@ -15,6 +15,20 @@ pub(crate) fn filled<T: Clone>(n: usize, value: T, what: &'static str) -> Result
     Ok(v)
 }
 
+/// `buf` lengthened to at least `len` bytes (new bytes zero), its memory reserved first:
+/// an error naming `what` if it cannot be had.
+pub(crate) fn lengthen(buf: &mut Vec<u8>, len: usize, what: &'static str) -> Result<()> {
+    if buf.len() < len {
+        buf.try_reserve_exact(len - buf.len())
+            .map_err(|_| Error::OutOfMemory {
+                bytes: len as u64,
+                what,
+            })?;
+        buf.resize(len, 0);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -271,12 +271,22 @@ pub(crate) fn encode_payload<F: FixedRate + ?Sized>(
     out: &mut [u8],
 ) -> Result<Encoded> {
     let (payload_len, nonfinite) = encode(f, x, ctx, out)?;
-    Ok(Encoded {
+    Ok(encoded(f, payload_len, nonfinite, ctx))
+}
+
+/// What the header of a payload of `payload_len` bytes records.
+fn encoded<F: FixedRate + ?Sized>(
+    f: &F,
+    payload_len: u64,
+    nonfinite: bool,
+    ctx: &EncodeCtx,
+) -> Encoded {
+    Encoded {
         payload_len,
         params: f.params(),
         nonfinite,
         seed: if f.seeded() { ctx.seed } else { 0 },
-    })
+    }
 }
 
 /// Validate and decode a payload (its length already checked) into `out` in mode `M`, in
@@ -489,12 +499,7 @@ pub(crate) fn feedback<F: FixedRate + ?Sized>(
             )
         },
     );
-    Ok(Encoded {
-        payload_len: len as u64,
-        params: f.params(),
-        nonfinite,
-        seed: if f.seeded() { ctx.seed } else { 0 },
-    })
+    Ok(encoded(f, len as u64, nonfinite, ctx))
 }
 
 /// The tiles of one range, in order; `ctx.offset` is the range's first global index.
@@ -722,12 +727,7 @@ pub(crate) fn hop<F: FixedRate + ?Sized>(
             &ctx.with_offset(ctx.offset + start as u64),
         )
     });
-    Ok(Encoded {
-        payload_len: len as u64,
-        params: f.params(),
-        nonfinite,
-        seed: if f.seeded() { ctx.seed } else { 0 },
-    })
+    Ok(encoded(f, len as u64, nonfinite, ctx))
 }
 
 /// The tiles of one range of a fused hop, in order; `ctx.offset` is the range's first

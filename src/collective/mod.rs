@@ -1209,14 +1209,7 @@ fn decode_final(msg: &[u8], out: &mut [f32], op: ReduceOp, p: usize) -> Result<(
 
 /// `buf` lengthened to at least `len` bytes (its memory reserved first), as a slice.
 fn grow(buf: &mut Vec<u8>, len: usize) -> Result<&mut [u8]> {
-    if buf.len() < len {
-        buf.try_reserve(len - buf.len())
-            .map_err(|_| Error::OutOfMemory {
-                bytes: len as u64,
-                what: "a ring message",
-            })?;
-        buf.resize(len, 0);
-    }
+    alloc::lengthen(buf, len, "a ring message")?;
     Ok(buf)
 }
 

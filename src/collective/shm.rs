@@ -828,12 +828,7 @@ impl SharedMemory {
             reason: "a message longer than this machine can address".into(),
         })?;
         if buf.len() < len {
-            buf.try_reserve_exact(len - buf.len())
-                .map_err(|_| Error::OutOfMemory {
-                    bytes: len as u64,
-                    what: "a message received through shared memory",
-                })?;
-            buf.resize(len, 0);
+            crate::alloc::lengthen(buf, len, "a message received through shared memory")?;
         } else {
             buf.truncate(len);
         }
