@@ -355,18 +355,15 @@ impl ErrorFeedback {
             });
         }
         self.codec.check_encode(grad.len(), ctx)?;
-        let (beta, gamma) = (self.opts.beta, self.opts.gamma);
-        let r = match &mut self.state {
-            State::F32(r) => ResidualMut::F32(r),
-            State::Bf16 { r, scratch } => ResidualMut::Bf16 { r, scratch },
-        };
+        let codec = self.codec;
+        let (r, beta, gamma) = self.parts();
         crate::kernels::Standard::run(
-            || each_spec!(&self.codec, c => codecs::feedback_step(c, grad, r, beta, gamma, ctx, out)),
+            || each_spec!(&codec, c => codecs::feedback_step(c, grad, r, beta, gamma, ctx, out)),
         )
     }
 
-    /// The residual and the weights, for a step fused into a ring hop.
-    pub(crate) fn hop_state(&mut self) -> (ResidualMut<'_>, f32, f32) {
+    /// The residual and the weights (for a step here or fused into a ring hop).
+    pub(crate) fn parts(&mut self) -> (ResidualMut<'_>, f32, f32) {
         let r = match &mut self.state {
             State::F32(r) => ResidualMut::F32(r),
             State::Bf16 { r, scratch } => ResidualMut::Bf16 { r, scratch },

@@ -6,7 +6,7 @@
 use core::sync::atomic::{AtomicU32, Ordering};
 
 use super::{EncodeCtx, Encoded, payload_buf};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kernels::{self, mode};
 use crate::parallel::{self, Split};
 use crate::wire::Header;
@@ -630,13 +630,7 @@ impl Split for Hop<'_> {
                 (HopAcc::Forward(a0), HopAcc::Forward(a1))
             }
             HopAcc::Own { src, dst } => {
-                let (s0, s1) = match src {
-                    Some(x) => {
-                        let (x0, x1) = x.split_at(at);
-                        (Some(x0), Some(x1))
-                    }
-                    None => (None, None),
-                };
+                let (s0, s1) = src.map(|x| x.split_at(at)).unzip();
                 let (d0, d1) = dst.split_at_mut(at);
                 (
                     HopAcc::Own { src: s0, dst: d0 },
@@ -644,13 +638,7 @@ impl Split for Hop<'_> {
                 )
             }
         };
-        let (r0, r1) = match self.r {
-            Some(r) => {
-                let (r0, r1) = r.split(at, pieces, tile);
-                (Some(r0), Some(r1))
-            }
-            None => (None, None),
-        };
+        let (r0, r1) = self.r.map(|r| r.split(at, pieces, tile)).unzip();
         let (s0, s1) = self.scales.split_at_mut(l.scales_len(at));
         let (c0, c1) = self.codes.split_at_mut(l.codes_len(at));
         (
@@ -685,7 +673,7 @@ impl Split for Hop<'_> {
 /// gets the decode of the tile just encoded, and `finish` (the mean). The same bytes,
 /// residual and values as `decode_add` into the local values, an encode (or error-feedback
 /// step) of the sum and a decode of that frame, without writing or reading the sum in
-/// memory. `hop_tile(f.layout())` must be `Some`.
+/// memory. Errors if the codec's tile does not fit the stack ([`hop_tile`]).
 pub(crate) fn hop<F: FixedRate + ?Sized>(
     f: &F,
     frame: (&[u8], &[u8]),
@@ -697,7 +685,12 @@ pub(crate) fn hop<F: FixedRate + ?Sized>(
 ) -> Result<Encoded> {
     let l = f.layout();
     let n = acc.len();
-    let tile = hop_tile(l).unwrap_or(HOP_TILE_MAX);
+    let Some(tile) = hop_tile(l) else {
+        return Err(Error::Collective(format!(
+            "ranges of {} elements are too long for a fused ring hop",
+            l.unit()
+        )));
+    };
     let sl = l.scales_len(n);
     let len = sl + l.codes_len(n);
     let p = payload_buf(out, len as u64)?;

@@ -356,12 +356,9 @@ fn hop_sections_as<'f, S: Scheme>(
     payload: &'f [u8],
     n: usize,
 ) -> Result<Option<(&'f [u8], &'f [u8])>> {
-    let Some(f) = c.fixed() else {
+    let Some(f) = fusable(c).filter(|_| h.codec == S::ID) else {
         return Ok(None);
     };
-    if h.codec != S::ID || c.reads_whole_input() || fixed::hop_tile(f.layout()).is_none() {
-        return Ok(None);
-    }
     if n as u64 != h.elements {
         return Err(Error::OutputLength {
             expected: h.elements,
@@ -374,6 +371,13 @@ fn hop_sections_as<'f, S: Scheme>(
     let (scales, codes) = payload.split_at(f.layout().scales_len(n));
     Standard::run(|| f.validate(h, scales, codes))?;
     Ok(Some((scales, codes)))
+}
+
+/// The fixed-rate ranges of a codec whose ring hop can be fused: it encodes range by
+/// range (it does not read the whole input first), in tiles that fit the stack.
+fn fusable<S: Scheme>(c: &S) -> Option<&dyn fixed::FixedRate> {
+    c.fixed()
+        .filter(|f| !c.reads_whole_input() && fixed::hop_tile(f.layout()).is_some())
 }
 
 /// A fused ring hop of `codec` (see [`fixed::hop`]) on a frame's sections from
@@ -401,7 +405,7 @@ fn ring_hop_as<S: Scheme>(
     out: &mut [u8],
 ) -> Result<usize> {
     let n = acc.len();
-    let Some(f) = c.fixed().filter(|_| !c.reads_whole_input()) else {
+    let Some(f) = fusable(c) else {
         return Err(Error::Collective(format!("{c} cannot fuse a ring hop")));
     };
     c.check_encode(n, ctx)?;

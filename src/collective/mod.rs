@@ -405,8 +405,9 @@ pub struct AllReduce {
     /// Ring: one residual per chunk this rank encodes (`None` for unfed ones).
     /// All-gather and majority: one for the whole tensor at index 0.
     residuals: Vec<Option<ErrorFeedback>>,
-    /// Encode buffer (`max_frame` bytes).
-    enc: Vec<u8>,
+    /// The longest message this rank encodes (envelope included): the room an encode
+    /// into a message buffer needs.
+    room: usize,
     /// Ring pieces per chunk ([`AllReduceOptions::pieces`]).
     pieces: usize,
     /// The message buffer.
@@ -558,6 +559,19 @@ impl AllReduce {
             Strategy::CompressedAllGather | Strategy::SignMajority
         );
         let majority = strategy == Strategy::SignMajority;
+        // The buffer of this rank's first message (the ring's first piece, the gathers'
+        // own frame), made here so that a length the memory cannot hold is refused now.
+        let room = max_frame.saturating_add(ENVELOPE_LEN);
+        let first = alloc::filled(room, 0, "the all-reduce's message buffer")?;
+        let (fwd, frames) = if gathers {
+            let mut frames = vec![Vec::new(); size];
+            if let Some(own) = frames.get_mut(rank) {
+                *own = first;
+            }
+            (Vec::new(), frames)
+        } else {
+            (vec![first], Vec::new())
+        };
         Ok(AllReduce {
             codec,
             opts,
@@ -568,20 +582,12 @@ impl AllReduce {
             group,
             hop_base: 0,
             residuals,
-            enc: alloc::filled(
-                max_frame.saturating_add(ENVELOPE_LEN),
-                0,
-                "the all-reduce's encode buffer",
-            )?,
+            room,
             pieces,
             a: Vec::new(),
-            fwd: Vec::new(),
+            fwd,
             next: Vec::new(),
-            frames: if gathers {
-                vec![Vec::new(); size]
-            } else {
-                Vec::new()
-            },
+            frames,
             decoded: alloc::filled(if majority { len } else { 0 }, 0.0, "decoded votes")?,
             votes: alloc::filled(if majority { len } else { 0 }, 0, "vote counts")?,
         })
@@ -689,8 +695,7 @@ impl AllReduce {
             .flatten()
             .map(|r| r.memory_bytes())
             .sum();
-        ef + self.enc.capacity()
-            + self.a.capacity()
+        ef + self.a.capacity()
             + self
                 .fwd
                 .iter()
@@ -796,12 +801,25 @@ impl AllReduce {
         mean(self.opts.op, self.size, x);
     }
 
-    /// Encode `x` (slot `slot`'s data, starting at global element `offset`) into
-    /// `self.enc` after the envelope's room, through the slot's residual if it has one.
-    /// Returns the message length (envelope included).
-    fn encode(&mut self, slot: usize, x: &[f32], ctx: EncodeCtx) -> Result<usize> {
+    /// Encode `x` (slot `slot`'s data) as the message held `at` (lengthened to the room
+    /// an encode needs, then cut to the message), through the slot's residual if it has
+    /// one, sealed if the options say so.
+    fn encode_msg(&mut self, slot: usize, x: &[f32], ctx: EncodeCtx, at: Held) -> Result<()> {
+        let buf = match at {
+            Held::Fwd(j) => &mut self.fwd[j],
+            Held::Frame(q) => &mut self.frames[q],
+        };
         let fb = self.residuals.get_mut(slot).and_then(Option::as_mut);
-        encode_fed(fb, &self.codec, self.opts.checksum, x, ctx, &mut self.enc)
+        let len = encode_fed(
+            fb,
+            &self.codec,
+            self.opts.checksum,
+            x,
+            ctx,
+            grow(buf, self.room)?,
+        )?;
+        buf.truncate(len);
+        Ok(())
     }
 
     /// The place of a message of this collective.
@@ -851,7 +869,7 @@ impl AllReduce {
         // forwards.
         self.fwd.resize_with(k, Vec::new);
         self.next.resize_with(k, Vec::new);
-        let room = self.enc.len();
+        let room = self.room;
         for s in 0..p - 1 {
             let send_c = (r + 2 * p - s - 1) % p;
             let recv_c = (r + 2 * p - s - 2) % p;
@@ -862,20 +880,8 @@ impl AllReduce {
                     // In place, chunk send_c still holds the input (no chunk has been
                     // received yet).
                     let local = &input.unwrap_or(out)[piece(send_c, j)];
-                    let fb = this
-                        .residuals
-                        .get_mut(send_c * k + j)
-                        .and_then(Option::as_mut);
-                    let msg = grow(&mut this.fwd[j], room)?;
-                    let len = encode_fed(
-                        fb,
-                        &codec,
-                        this.opts.checksum,
-                        local,
-                        ctx_of(r, send_c, j),
-                        msg,
-                    )?;
-                    this.fwd[j].truncate(len);
+                    let ctx = ctx_of(r, send_c, j);
+                    this.encode_msg(send_c * k + j, local, ctx, Held::Fwd(j))?;
                 }
                 let to = this.place(call, phase, s * k + j, send_c * k + j);
                 if together {
@@ -922,10 +928,7 @@ impl AllReduce {
             for j in 0..k {
                 let own = piece(r, j);
                 let src = &input.unwrap_or(&*output)[own.clone()];
-                let fb = self.residuals.get_mut(r * k + j).and_then(Option::as_mut);
-                let msg = grow(&mut self.fwd[j], room)?;
-                let len = encode_fed(fb, &codec, self.opts.checksum, src, ctx_of(r, r, j), msg)?;
-                self.fwd[j].truncate(len);
+                self.encode_msg(r * k + j, src, ctx_of(r, r, j), Held::Fwd(j))?;
                 let split = wire::split_with(&self.fwd[j][ENVELOPE_LEN..], false)?;
                 decode_checked::<WRITE>(split, &mut output[own])?;
             }
@@ -1007,9 +1010,7 @@ impl AllReduce {
         let r = self.rank;
         let (codec, seed) = (self.codec, step.seed);
         let ctx_of = |q: usize| EncodeCtx::new(rank_seed(&codec, seed, q));
-        let len = self.encode(0, input, ctx_of(r))?;
-        self.frames[r].clear();
-        self.frames[r].extend_from_slice(&self.enc[..len]);
+        self.encode_msg(0, input, ctx_of(r), Held::Frame(r))?;
         let mut frames = core::mem::take(&mut self.frames);
         let call = step.call;
         let res = ring_gather(
@@ -1213,6 +1214,13 @@ fn grow(buf: &mut Vec<u8>, len: usize) -> Result<&mut [u8]> {
     Ok(buf)
 }
 
+/// A message buffer of an [`AllReduce`]: the ring's frame of piece `j` to send next, or
+/// the all-gather's frame of rank `q`.
+enum Held {
+    Fwd(usize),
+    Frame(usize),
+}
+
 /// One received piece of the ring's reduce-scatter, and the frame this rank makes of it.
 struct Hop<'c> {
     codec: &'c CodecSpec,
@@ -1259,7 +1267,7 @@ impl Hop<'_> {
                 } else {
                     HopAcc::Forward(&input.unwrap_or(&*output)[t])
                 };
-                let fb = fb.map(ErrorFeedback::hop_state);
+                let fb = fb.map(ErrorFeedback::parts);
                 let out = &mut msg[ENVELOPE_LEN..];
                 let len = codecs::ring_hop(self.codec, sections, acc, fb, &finish, &self.ctx, out)?;
                 let len = if self.checksum {
