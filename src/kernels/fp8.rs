@@ -245,17 +245,30 @@ pub fn encode_stochastic(f: Format, y: f32, h: u32) -> u8 {
 pub fn nearest_in_range(f: Format, y: f32) -> u8 {
     let bits = y.to_bits();
     let a = bits & 0x7FFF_FFFF;
-    let min_normal = ((1 - f.bias + 127) as u32) << 23;
-    // round_ties_even(v) for 0 <= v <= 2^m, as an integer: adding 2^23 rounds v to an
-    // integer (f32 addition rounds to nearest even) and leaves it in the low mantissa
-    // bits (a float-to-integer cast would not vectorise).
-    let v = f32::from_bits(a) * pow2(f.bias - 1 + f.m as i32);
-    let sub = (v + 8_388_608.0).to_bits() - 0x4B00_0000;
-    let shift = 23 - f.m;
-    let r = a + ((1 << (shift - 1)) - 1) + ((a >> shift) & 1);
-    // Below the smallest normal this wraps; the select drops it.
-    let normal = (r >> shift).wrapping_sub(((127 - f.bias) as u32) << f.m);
-    let q = if a < min_normal { sub } else { normal };
+    // The exponent bits of |y|'s binade, at least the smallest normal's (the subnormals
+    // share its spacing). Adding `2^(E + 23 - m)`, whose ulp is the spacing `2^(E - m)`
+    // of the grid around |y|, rounds |y| to that grid (f32 addition: to nearest, ties to
+    // even), and the sum's mantissa bits are then |y| in spacings: an integer in
+    // [0, 2^(m+1)] (no float-to-integer cast, which would not vectorise). The code is
+    // that count plus `2^m` per binade above the subnormal one (a count of `2^(m+1)` is
+    // the next binade's first code, so the carry needs nothing more).
+    let emin = ((1 - f.bias + 127) as u32) << 23;
+    if f.m == 0 {
+        // E3M0: a tie rounds to the even code, which is not the even count here (every
+        // value has mantissa 0): round the f32 exponent instead.
+        let r = a + ((1 << 22) - 1) + ((a >> 23) & 1);
+        let normal = (r >> 23).wrapping_sub((127 - f.bias) as u32);
+        // Below 2^(1 - bias), the grid of 0 and the smallest normal (adding 2^23 rounds
+        // |y| / 2^(1 - bias) to an integer, ties to even: to 0).
+        let v = f32::from_bits(a) * pow2(f.bias - 1);
+        let sub = (v + 8_388_608.0).to_bits() - 0x4B00_0000;
+        let q = if a < emin { sub } else { normal };
+        return ((bits >> 24) & 0x80) as u8 | q as u8;
+    }
+    let e = (a & 0x7F80_0000).max(emin);
+    let magic = e + ((23 - f.m) << 23);
+    let count = (f32::from_bits(a) + f32::from_bits(magic)).to_bits() - magic;
+    let q = ((e - emin) >> (23 - f.m)) + count;
     ((bits >> 24) & 0x80) as u8 | q as u8
 }
 
@@ -372,12 +385,14 @@ pub fn e8m0_exponent(f: Format, m: u32) -> i32 {
 
 /// A finite block's scale (written to `sc`) and how its elements' quotients are formed.
 #[derive(Clone, Copy)]
-struct Quotient {
-    s: f32,
+pub struct Quotient {
+    /// The block's scale.
+    pub s: f32,
     /// `2^-k` for an E8M0 scale `2^k`: `x * 2^-k` is the same correctly rounded value as
     /// `x / 2^k`, without a division.
-    inv: Option<f32>,
-    fmax: f32,
+    pub inv: Option<f32>,
+    /// The format's largest finite value, the bound of the quotients.
+    pub fmax: f32,
 }
 
 impl Quotient {
@@ -413,7 +428,7 @@ impl Quotient {
     /// `x / s`, clamped to ±FMAX: a rounded scale can leave the block's largest element a
     /// hair above it, which must not overflow.
     #[inline(always)]
-    fn of(self, x: f32) -> f32 {
+    pub fn of(self, x: f32) -> f32 {
         match self.inv {
             None => x / self.s,
             Some(inv) => x * inv,
@@ -449,6 +464,39 @@ pub fn encode<const FAST: bool>(
     scales: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
+    encode_blocks(
+        f,
+        scale,
+        four,
+        block,
+        x,
+        draws,
+        first,
+        scales,
+        codes,
+        #[inline(always)]
+        |q, xb, start, out| convert::<FAST>(f, q, xb, draws, start, out),
+    )
+}
+
+/// The block layout of [`encode`], with `convert(q, xb, start, out)` writing the
+/// 8-bit-layout codes of a scaled block's elements `xb` (the first at global index
+/// `start`) into `out`: [`encode`]'s own conversion, or a SIMD kernel's that gives the
+/// same bytes.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub fn encode_blocks(
+    f: Format,
+    scale: Scale,
+    four: bool,
+    block: usize,
+    x: &[f32],
+    draws: Option<&Draws>,
+    first: u64,
+    scales: &mut [u8],
+    codes: &mut [u8],
+    mut convert: impl FnMut(Quotient, &[f32], u64, &mut [u8]),
+) -> bool {
     if scale == Scale::None {
         let mut nonfinite = false;
         for (j, (c, &v)) in codes.iter_mut().zip(x).enumerate() {
@@ -482,7 +530,7 @@ pub fn encode<const FAST: bool>(
             BlockScale::Of(m) => Quotient::new(f, scale, m, sc),
         };
         if !four {
-            convert::<FAST>(f, q, xb, draws, start, cb);
+            convert(q, xb, start, cb);
             continue;
         }
         // 4-bit: convert a tile into the 8-bit layout on the stack, then pack its pairs.
@@ -490,7 +538,7 @@ pub fn encode<const FAST: bool>(
         let mut tile = [0u8; TILE];
         for (t, (xt, ct)) in xb.chunks(TILE).zip(cb.chunks_mut(TILE / 2)).enumerate() {
             let codes8 = &mut tile[..xt.len()];
-            convert::<FAST>(f, q, xt, draws, start + (t * TILE) as u64, codes8);
+            convert(q, xt, start + (t * TILE) as u64, codes8);
             let pairs = codes8.chunks_exact(2);
             // The last block of a range can be odd: its last code has a zero high nibble.
             if let Some(&last) = pairs.remainder().first() {
@@ -531,11 +579,7 @@ fn convert<const FAST: bool>(
 ) {
     let one_window = start >> 32 == (start + xb.len() as u64 - 1) >> 32;
     match draws {
-        None if FAST => {
-            for (c, &v) in out.iter_mut().zip(xb) {
-                *c = nearest_in_range(f, q.of(v));
-            }
-        }
+        None if FAST => nearest_block(f, q, xb, out),
         Some(d) if FAST && one_window => {
             let key = d.key_for(start);
             for (j, (c, &v)) in out.iter_mut().zip(xb).enumerate() {
@@ -548,6 +592,42 @@ fn convert<const FAST: bool>(
                 *c = general(f, draws, q.of(v), start + j as u64);
             }
         }
+    }
+}
+
+/// [`nearest_in_range`] of every quotient of `xb` into `out`, with the format a constant
+/// in each copy of the loop and the quotient's form chosen outside it, so that the
+/// compilers keep the constants in registers and convert whole vectors.
+#[inline(always)]
+fn nearest_block(f: Format, q: Quotient, xb: &[f32], out: &mut [u8]) {
+    #[inline(always)]
+    fn run(f: Format, q: Quotient, xb: &[f32], out: &mut [u8]) {
+        let lo = -q.fmax;
+        let hi = q.fmax;
+        match q.inv {
+            Some(inv) => {
+                for (c, &v) in out.iter_mut().zip(xb) {
+                    *c = nearest_in_range(f, (v * inv).clamp(lo, hi));
+                }
+            }
+            None => {
+                let s = q.s;
+                for (c, &v) in out.iter_mut().zip(xb) {
+                    *c = nearest_in_range(f, (v / s).clamp(lo, hi));
+                }
+            }
+        }
+    }
+    if f == E4M3 {
+        run(E4M3, q, xb, out)
+    } else if f == E5M2 {
+        run(E5M2, q, xb, out)
+    } else if f == E2M1 {
+        run(E2M1, q, xb, out)
+    } else if f == E3M0 {
+        run(E3M0, q, xb, out)
+    } else {
+        run(f, q, xb, out)
     }
 }
 

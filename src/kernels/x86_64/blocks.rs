@@ -19,6 +19,7 @@
 
 use core::arch::x86_64::*;
 
+use crate::kernels::fp8;
 use crate::kernels::scalar::{self, INF_BITS, Round, mode};
 use crate::rng::{Draws, LOWBIAS32_MUL};
 
@@ -1429,4 +1430,104 @@ pub unsafe fn decode_fp4<const M: u8>(
         }
     }
     blocks
+}
+
+/// fp8 encode with nearest rounding (`fp8::encode` without draws) of E4M3 (`e4m3`) or
+/// E5M2 codes, one byte each, with an f32 or E8M0 block scale: the definition's block
+/// layout ([`fp8::encode_blocks`]) with the scaled elements converted 32 at a time
+/// ([`fp8_nearest_block`]). The same bytes as the definition; returns whether `x` held
+/// NaN or ±Inf.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn encode_fp8_nearest(
+    e4m3: bool,
+    scale: fp8::Scale,
+    block: usize,
+    x: &[f32],
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    debug_assert!(matches!(scale, fp8::Scale::F32 | fp8::Scale::E8m0));
+    let f = if e4m3 { fp8::E4M3 } else { fp8::E5M2 };
+    fp8::encode_blocks(
+        f,
+        scale,
+        false,
+        block,
+        x,
+        None,
+        0,
+        scales,
+        codes,
+        #[inline(always)]
+        |q, xb, _, out| match (e4m3, q.inv) {
+            (true, Some(inv)) => fp8_nearest_block::<true, true>(f, inv, q, xb, out),
+            (true, None) => fp8_nearest_block::<true, false>(f, q.s, q, xb, out),
+            (false, Some(inv)) => fp8_nearest_block::<false, true>(f, inv, q, xb, out),
+            (false, None) => fp8_nearest_block::<false, false>(f, q.s, q, xb, out),
+        },
+    )
+}
+
+/// The codes of a scaled block's elements `xb` into `out`: `fp8::nearest_in_range` of
+/// each quotient `q.of(x)` (`x * by` when `MULTIPLY`, by `q.inv`, else `x / by`, by
+/// `q.s`), operation for operation on 8 lanes (the count of grid
+/// spacings by adding a power of two whose ulp is the spacing, plus `2^m` per binade),
+/// narrowed with saturating packs 32 at a time. The quotient's clamp to ±FMAX is a
+/// minimum of the code magnitude instead: the conversion is monotonic and FMAX is on
+/// the grid, so a quotient above FMAX (never NaN: a finite element over a positive
+/// finite scale) gives FMAX's code either way. A tail shorter than 32 runs the
+/// definition.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn fp8_nearest_block<const E4M3: bool, const MULTIPLY: bool>(
+    f: fp8::Format,
+    by: f32,
+    q: fp8::Quotient,
+    xb: &[f32],
+    out: &mut [u8],
+) {
+    let by = _mm256_set1_ps(by);
+    let emin = (1 - f.bias + 127) << 23;
+    let emin_v = _mm256_set1_epi32(emin);
+    let exponent = _mm256_set1_epi32(0x7F80_0000);
+    let ulp = _mm256_set1_epi32((23 - f.m as i32) << 23);
+    let top = _mm256_set1_epi32(f.max_code as i32);
+    let abs = _mm256_set1_epi32(ABS);
+    let sign = _mm256_set1_epi32(0x80);
+    let code = |v: __m256| {
+        let y = if MULTIPLY {
+            _mm256_mul_ps(v, by)
+        } else {
+            _mm256_div_ps(v, by)
+        };
+        let bits = _mm256_castps_si256(y);
+        let a = _mm256_and_si256(bits, abs);
+        let e = _mm256_max_epi32(_mm256_and_si256(a, exponent), emin_v);
+        let magic = _mm256_add_epi32(e, ulp);
+        let sum = _mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(magic));
+        let count = _mm256_sub_epi32(_mm256_castps_si256(sum), magic);
+        let binades = _mm256_sub_epi32(e, emin_v);
+        let binades = if E4M3 {
+            _mm256_srli_epi32::<20>(binades)
+        } else {
+            _mm256_srli_epi32::<21>(binades)
+        };
+        let q = _mm256_min_epi32(_mm256_add_epi32(binades, count), top);
+        _mm256_or_si256(q, _mm256_and_si256(_mm256_srli_epi32::<24>(bits), sign))
+    };
+    let mut chunks = xb.chunks_exact(32);
+    let mut outs = out.chunks_exact_mut(32);
+    for (c, o) in (&mut chunks).zip(&mut outs) {
+        // SAFETY: `c` holds 32 f32, four unaligned __m256.
+        let v = unsafe { [0, 8, 16, 24].map(|k| _mm256_loadu_ps(c.as_ptr().add(k))) };
+        let bytes = pack_bytes::<false>(code(v[0]), code(v[1]), code(v[2]), code(v[3]));
+        // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
+        unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), bytes) };
+    }
+    for (o, &v) in outs.into_remainder().iter_mut().zip(chunks.remainder()) {
+        *o = fp8::nearest_in_range(f, q.of(v));
+    }
 }
