@@ -211,14 +211,14 @@ fn fp8_in_range_conversions_match_the_definition_for_every_f32_in_range() {
     }
 }
 
-/// fp8's nearest encode on every SIMD backend (on x86, a kernel of its own for E4M3 and
-/// E5M2 with f32 and E8M0 scales) equals the definition on every f32 of magnitude at
-/// most FMAX, both signs: blocks of 128 led by FMAX get the E8M0 scale 2^0, so every
-/// other element's quotient is the element itself. Under emulation every 997th pattern.
+/// fp8's and fp4's nearest encodes on every SIMD backend (on x86, kernels of their own
+/// for E4M3, E5M2 and E2M1) equal the definition on every f32 of magnitude at most FMAX,
+/// both signs: blocks (of 128, and of 32 for E2M1's two codes per byte) led by FMAX get
+/// the E8M0 scale 2^0, so every other element's quotient is the element itself. Under
+/// emulation every 997th pattern.
 #[test]
-fn fp8_nearest_encode_matches_the_definition_on_every_backend_for_every_f32_in_range() {
-    use kernels::fp8::{E4M3, E5M2, Scale, encode_nearest};
-    const BLOCK: usize = 128;
+fn fp8_and_fp4_nearest_encodes_match_the_definition_on_every_backend_in_range() {
+    use kernels::fp8::{E2M1, E4M3, E5M2, Scale, encode_nearest, narrow4};
     const BLOCKS: usize = 4096;
     let stride: u32 = if cfg!(target_arch = "x86_64") { 1 } else { 997 };
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get()) as u32;
@@ -228,7 +228,7 @@ fn fp8_nearest_encode_matches_the_definition_on_every_backend_for_every_f32_in_r
         .filter_map(Backend::of)
         .collect();
     for b in backends {
-        for f in [E4M3, E5M2] {
+        for (f, four, block) in [(E4M3, false, 128), (E5M2, false, 128), (E2M1, true, 32)] {
             let fmax = f.max();
             let last = fmax.to_bits();
             // Thread t checks the patterns t, t + threads, ... (times the stride), in
@@ -240,14 +240,14 @@ fn fp8_nearest_encode_matches_the_definition_on_every_backend_for_every_f32_in_r
                             let mut patterns = (t * stride..=last)
                                 .step_by((threads * stride) as usize)
                                 .peekable();
-                            let mut x = vec![0f32; BLOCK * BLOCKS];
-                            let mut want = vec![0u8; BLOCK * BLOCKS];
+                            let mut x = vec![0f32; block * BLOCKS];
+                            let mut want = vec![0u8; block * BLOCKS];
                             let mut scales = vec![0u8; BLOCKS];
-                            let mut codes = vec![0u8; BLOCK * BLOCKS];
+                            let mut codes = vec![0u8; block * BLOCKS / (1 + four as usize)];
                             // Each pattern twice in a row: positive, then negative.
                             let (mut k, mut a) = (0u64, 0u32);
                             loop {
-                                for (xb, wb) in x.chunks_mut(BLOCK).zip(want.chunks_mut(BLOCK)) {
+                                for (xb, wb) in x.chunks_mut(block).zip(want.chunks_mut(block)) {
                                     xb[0] = fmax;
                                     wb[0] = f.max_code;
                                     for (v, w) in xb[1..].iter_mut().zip(&mut wb[1..]) {
@@ -266,8 +266,8 @@ fn fp8_nearest_encode_matches_the_definition_on_every_backend_for_every_f32_in_r
                                     kernels::encode_float(
                                         f,
                                         Scale::E8m0,
-                                        false,
-                                        BLOCK,
+                                        four,
+                                        block,
                                         &x,
                                         None,
                                         0,
@@ -276,8 +276,16 @@ fn fp8_nearest_encode_matches_the_definition_on_every_backend_for_every_f32_in_r
                                     )
                                 });
                                 assert!(scales.iter().all(|&s| s == 127), "{f:?} on {b}: scale");
-                                if let Some(i) = (0..codes.len()).find(|&i| codes[i] != want[i]) {
-                                    return Some(x[i].to_bits());
+                                // The element pair of a byte (fp4) or the element.
+                                let wanted = |i: usize| {
+                                    if four {
+                                        narrow4(want[2 * i]) | narrow4(want[2 * i + 1]) << 4
+                                    } else {
+                                        want[i]
+                                    }
+                                };
+                                if let Some(i) = (0..codes.len()).find(|&i| codes[i] != wanted(i)) {
+                                    return Some(x[if four { 2 * i } else { i }].to_bits());
                                 }
                                 // Every pattern checked: none encodes differently.
                                 patterns.peek()?;

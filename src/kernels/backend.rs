@@ -109,6 +109,9 @@ pub(crate) enum Op {
     /// fp8 encode with nearest rounding, 8-bit codes and an f32 or E8M0 scale: an AVX2
     /// kernel of 32 elements a step.
     EncodeFp8Nearest,
+    /// fp4 encode of E2M1 codes with nearest rounding and a scale: an AVX2 kernel of 32
+    /// elements a step.
+    EncodeFp4Nearest,
     /// fp8 decode: portable code, as `DecodeF32`.
     DecodeFp8,
     /// fp4 encode: portable code, as `DecodeF32`.
@@ -124,7 +127,7 @@ pub(crate) enum Op {
 impl Op {
     /// Every row of the routing table.
     #[cfg(test)]
-    pub(crate) const ALL: [Op; 34] = [
+    pub(crate) const ALL: [Op; 35] = [
         Op::FeedbackF16,
         Op::EncodeF16,
         Op::DecodeF16,
@@ -154,6 +157,7 @@ impl Op {
         Op::ReduceInt8,
         Op::EncodeFp8,
         Op::EncodeFp8Nearest,
+        Op::EncodeFp4Nearest,
         Op::DecodeFp8,
         Op::EncodeFp4,
         Op::DecodeFp4,
@@ -200,12 +204,13 @@ pub(crate) enum X86 {
 /// for fp16 (F16C), and level (within 3%) for f32 frames. fp8 and fp4 (portable code,
 /// `cargo bench --bench codecs` at 1 Mi elements, 2026-11-26): the AVX-512 builds encode
 /// fp8 1.8 times as fast as AVX2's and decode it 1.7 times, and encode fp4 1.8 times.
-/// fp8's nearest encode of 8-bit codes with an f32 or E8M0 scale has a hand-written AVX2
-/// kernel (32 elements a step, packed by saturation; 1.45 to 1.7 times the portable AVX2
-/// build on a 2-core Zen 3, 2026-11-27); there is no AVX-512 one, so the AVX-512 backend
-/// runs it too (`EncodeFp8Nearest`), which makes it as fast as AVX2's by construction.
-/// Whether the portable AVX-512 build, 1.8 times the portable AVX2 one on the Zen 5,
-/// beats it there is not measured yet.
+/// fp8's nearest encode of 8-bit codes with an f32 or E8M0 scale, and fp4's of E2M1
+/// codes with any scale, have hand-written AVX2 kernels (32 elements a step, packed by
+/// saturation; 1.45 to 1.7 times the portable AVX2 build on a 2-core Zen 3,
+/// 2026-11-27); there are no AVX-512 ones, so the AVX-512 backend runs them too
+/// (`EncodeFp8Nearest`, `EncodeFp4Nearest`), which makes it as fast as AVX2's by
+/// construction. Whether the portable AVX-512 builds, 1.8 times the portable AVX2 ones
+/// on the Zen 5, beat them there is not measured yet.
 /// fp8's decode of blocks of a multiple of 16 goes through half precision in registers
 /// (2026-11-27, eleventh session, a 2-core Intel Xeon, `backend_race` at 64 Ki
 /// elements; AMD's cores not yet measured): AVX-512's E4M3 decode_add 1.15 to 1.25 times
@@ -274,6 +279,7 @@ pub(crate) const fn x86_route_on(op: Op, kind: BackendKind, cpu: Cpu) -> X86 {
             | Op::DctLee64x64
             | Op::DctFastRows16Or32
             | Op::EncodeFp8Nearest
+            | Op::EncodeFp4Nearest
             | Op::ThinMq => X86::Avx2,
         },
         BackendKind::Scalar | BackendKind::Neon => X86::None,

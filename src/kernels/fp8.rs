@@ -475,14 +475,53 @@ pub fn encode<const FAST: bool>(
         scales,
         codes,
         #[inline(always)]
-        |q, xb, start, out| convert::<FAST>(f, q, xb, draws, start, out),
+        |q, xb, start, cb| {
+            if four {
+                packed(q, xb, start, cb, |q, xt, at, out| {
+                    convert::<FAST>(f, q, xt, draws, at, out)
+                })
+            } else {
+                convert::<FAST>(f, q, xb, draws, start, cb)
+            }
+        },
     )
 }
 
-/// The block layout of [`encode`], with `convert(q, xb, start, out)` writing the
-/// 8-bit-layout codes of a scaled block's elements `xb` (the first at global index
-/// `start`) into `out`: [`encode`]'s own conversion, or a SIMD kernel's that gives the
-/// same bytes.
+/// A 4-bit format's packed codes of a scaled block's elements `xb` (the first at global
+/// index `start`) into `cb`, two per byte (the layout of [`encode`]), from `convert8`,
+/// which writes the 8-bit-layout codes of a tile: converted a tile at a time on the
+/// stack, then packed in pairs.
+#[inline(always)]
+pub fn packed(
+    q: Quotient,
+    xb: &[f32],
+    start: u64,
+    cb: &mut [u8],
+    mut convert8: impl FnMut(Quotient, &[f32], u64, &mut [u8]),
+) {
+    const TILE: usize = 64;
+    let mut tile = [0u8; TILE];
+    for (t, (xt, ct)) in xb.chunks(TILE).zip(cb.chunks_mut(TILE / 2)).enumerate() {
+        let codes8 = &mut tile[..xt.len()];
+        convert8(q, xt, start + (t * TILE) as u64, codes8);
+        let pairs = codes8.chunks_exact(2);
+        // The last block of a range can be odd: its last code has a zero high nibble.
+        if let Some(&last) = pairs.remainder().first() {
+            ct[xt.len() / 2] = narrow4(last);
+        }
+        // narrow4(p[0]) | narrow4(p[1]) << 4 on the pair as one u16 (the form the
+        // compilers vectorise): magnitudes from bits 0..3 and 8..11, signs from 7, 15.
+        for (c, p) in ct.iter_mut().zip(pairs) {
+            let w = u16::from_le_bytes([p[0], p[1]]);
+            *c = ((w & 0x07) | ((w >> 4) & 0x78) | ((w >> 8) & 0x80)) as u8;
+        }
+    }
+}
+
+/// The block layout of [`encode`], with `convert(q, xb, start, cb)` writing the codes of
+/// a scaled block's elements `xb` (the first at global index `start`) into the block's
+/// code bytes `cb` (with `four`, two per byte, as [`packed`] does): [`encode`]'s own
+/// conversion, or a SIMD kernel's that gives the same bytes.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub fn encode_blocks(
@@ -529,28 +568,7 @@ pub fn encode_blocks(
             }
             BlockScale::Of(m) => Quotient::new(f, scale, m, sc),
         };
-        if !four {
-            convert(q, xb, start, cb);
-            continue;
-        }
-        // 4-bit: convert a tile into the 8-bit layout on the stack, then pack its pairs.
-        const TILE: usize = 64;
-        let mut tile = [0u8; TILE];
-        for (t, (xt, ct)) in xb.chunks(TILE).zip(cb.chunks_mut(TILE / 2)).enumerate() {
-            let codes8 = &mut tile[..xt.len()];
-            convert(q, xt, start + (t * TILE) as u64, codes8);
-            let pairs = codes8.chunks_exact(2);
-            // The last block of a range can be odd: its last code has a zero high nibble.
-            if let Some(&last) = pairs.remainder().first() {
-                ct[xt.len() / 2] = narrow4(last);
-            }
-            // narrow4(p[0]) | narrow4(p[1]) << 4 on the pair as one u16 (the form the
-            // compilers vectorise): magnitudes from bits 0..3 and 8..11, signs from 7, 15.
-            for (c, p) in ct.iter_mut().zip(pairs) {
-                let w = u16::from_le_bytes([p[0], p[1]]);
-                *c = ((w & 0x07) | ((w >> 4) & 0x78) | ((w >> 8) & 0x80)) as u8;
-            }
-        }
+        convert(q, xb, start, cb);
     }
     nonfinite
 }

@@ -889,7 +889,7 @@ pub fn encode_float(
         return fp8::encode::<false>(f, scale, four, block, x, draws, first, scales, codes);
     }
     // Nearest rounding of 8-bit codes with an f32 or E8M0 scale (fp8's default): the
-    // AVX2 kernel, 32 elements a step.
+    // AVX2 kernel, 32 elements a step (on the AVX-512 backend too: see the routing table).
     #[cfg(target_arch = "x86_64")]
     if draws.is_none()
         && !four
@@ -902,6 +902,17 @@ pub fn encode_float(
         return unsafe {
             x86_64::blocks::encode_fp8_nearest(f == fp8::E4M3, scale, block, x, scales, codes)
         };
+    }
+    // Nearest rounding of E2M1 codes with a scale (fp4's default): the AVX2 kernel.
+    #[cfg(target_arch = "x86_64")]
+    if draws.is_none()
+        && four
+        && scale != fp8::Scale::None
+        && f == fp8::E2M1
+        && x86_route(Op::EncodeFp4Nearest, b.kind()) == X86::Avx2
+    {
+        // SAFETY: as above.
+        return unsafe { x86_64::blocks::encode_fp4_nearest(scale, block, x, scales, codes) };
     }
     let op = EncodeFloat {
         f,

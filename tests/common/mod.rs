@@ -47,6 +47,7 @@ pub const SPECS: &[&str] = &[
     "fp8:format=e5m2,scale=none,rounding=stochastic",
     "fp4",
     "fp4:block=16,scale=f32,rounding=stochastic",
+    "fp4:block=40,scale=f32",
     "fp4:format=e3m0,block=6",
     "fp4:format=e3m0,block=32,rounding=stochastic",
     "fp4:scale=e4m3",

@@ -1463,71 +1463,166 @@ pub unsafe fn encode_fp8_nearest(
         codes,
         #[inline(always)]
         |q, xb, _, out| match (e4m3, q.inv) {
-            (true, Some(inv)) => fp8_nearest_block::<true, true>(f, inv, q, xb, out),
-            (true, None) => fp8_nearest_block::<true, false>(f, q.s, q, xb, out),
-            (false, Some(inv)) => fp8_nearest_block::<false, true>(f, inv, q, xb, out),
-            (false, None) => fp8_nearest_block::<false, false>(f, q.s, q, xb, out),
+            (true, Some(inv)) => fp8_nearest_block::<3, true>(f, inv, q, xb, out),
+            (true, None) => fp8_nearest_block::<3, false>(f, q.s, q, xb, out),
+            (false, Some(inv)) => fp8_nearest_block::<2, true>(f, inv, q, xb, out),
+            (false, None) => fp8_nearest_block::<2, false>(f, q.s, q, xb, out),
         },
     )
 }
 
-/// The codes of a scaled block's elements `xb` into `out`: `fp8::nearest_in_range` of
-/// each quotient `q.of(x)` (`x * by` when `MULTIPLY`, by `q.inv`, else `x / by`, by
-/// `q.s`), operation for operation on 8 lanes (the count of grid
-/// spacings by adding a power of two whose ulp is the spacing, plus `2^m` per binade),
-/// narrowed with saturating packs 32 at a time. The quotient's clamp to ±FMAX is a
-/// minimum of the code magnitude instead: the conversion is monotonic and FMAX is on
-/// the grid, so a quotient above FMAX (never NaN: a finite element over a positive
-/// finite scale) gives FMAX's code either way. A tail shorter than 32 runs the
-/// definition.
+/// fp4 encode with nearest rounding (`fp8::encode` with `four`, without draws) of E2M1
+/// codes, two per byte, with any block scale: the definition's block layout with the
+/// scaled elements converted 32 at a time and packed by a multiply-add
+/// ([`fp4_nearest_block`]). The same bytes as the definition; returns whether `x` held
+/// NaN or ±Inf.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn encode_fp4_nearest(
+    scale: fp8::Scale,
+    block: usize,
+    x: &[f32],
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    debug_assert!(scale != fp8::Scale::None && block.is_multiple_of(2));
+    let f = fp8::E2M1;
+    fp8::encode_blocks(
+        f,
+        scale,
+        true,
+        block,
+        x,
+        None,
+        0,
+        scales,
+        codes,
+        #[inline(always)]
+        |q, xb, _, cb| match q.inv {
+            Some(inv) => fp4_nearest_block::<true>(inv, q, xb, cb),
+            None => fp4_nearest_block::<false>(q.s, q, xb, cb),
+        },
+    )
+}
+
+/// The constants of [`Nearest::code`].
+struct Nearest {
+    by: __m256,
+    emin: __m256i,
+    exponent: __m256i,
+    ulp: __m256i,
+    top: __m256i,
+    abs: __m256i,
+}
+
+impl Nearest {
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn new(f: fp8::Format, by: f32) -> Nearest {
+        Nearest {
+            by: _mm256_set1_ps(by),
+            emin: _mm256_set1_epi32((1 - f.bias + 127) << 23),
+            exponent: _mm256_set1_epi32(0x7F80_0000),
+            ulp: _mm256_set1_epi32((23 - f.m as i32) << 23),
+            top: _mm256_set1_epi32(f.max_code as i32),
+            abs: _mm256_set1_epi32(ABS),
+        }
+    }
+
+    /// `fp8::nearest_in_range` of the quotients of the 8 elements in `v` (`v * by` when
+    /// `MULTIPLY`, else `v / by`) in a format of `M` mantissa bits (1 to 3), in 32-bit
+    /// lanes, operation for operation: the count of grid spacings by adding a power of
+    /// two whose ulp is the spacing, plus `2^M` per binade. The sign goes to bit 7, or
+    /// with `FOUR` to bit 3. The quotient's clamp to ±FMAX is a minimum of the code
+    /// magnitude instead: the conversion is monotonic and FMAX is on the grid, so a
+    /// quotient above FMAX (never NaN: a finite element over a positive finite scale)
+    /// gives FMAX's code either way.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn code<const M: u32, const MULTIPLY: bool, const FOUR: bool>(&self, v: __m256) -> __m256i {
+        let y = if MULTIPLY {
+            _mm256_mul_ps(v, self.by)
+        } else {
+            _mm256_div_ps(v, self.by)
+        };
+        let bits = _mm256_castps_si256(y);
+        let a = _mm256_and_si256(bits, self.abs);
+        let e = _mm256_max_epi32(_mm256_and_si256(a, self.exponent), self.emin);
+        let magic = _mm256_add_epi32(e, self.ulp);
+        let sum = _mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(magic));
+        let count = _mm256_sub_epi32(_mm256_castps_si256(sum), magic);
+        let binades = _mm256_sub_epi32(e, self.emin);
+        let binades = match M {
+            3 => _mm256_srli_epi32::<20>(binades),
+            2 => _mm256_srli_epi32::<21>(binades),
+            _ => _mm256_srli_epi32::<22>(binades),
+        };
+        let q = _mm256_min_epi32(_mm256_add_epi32(binades, count), self.top);
+        let sign = if FOUR {
+            _mm256_and_si256(_mm256_srli_epi32::<28>(bits), _mm256_set1_epi32(8))
+        } else {
+            _mm256_and_si256(_mm256_srli_epi32::<24>(bits), _mm256_set1_epi32(0x80))
+        };
+        _mm256_or_si256(q, sign)
+    }
+}
+
+/// The codes of a scaled block's elements `xb` into `out` ([`Nearest::code`] of each,
+/// `by` being `q.inv` when `MULTIPLY`, else `q.s`), narrowed with saturating packs 32 at
+/// a time. A tail shorter than 32 runs the definition.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn fp8_nearest_block<const E4M3: bool, const MULTIPLY: bool>(
+fn fp8_nearest_block<const M: u32, const MULTIPLY: bool>(
     f: fp8::Format,
     by: f32,
     q: fp8::Quotient,
     xb: &[f32],
     out: &mut [u8],
 ) {
-    let by = _mm256_set1_ps(by);
-    let emin = (1 - f.bias + 127) << 23;
-    let emin_v = _mm256_set1_epi32(emin);
-    let exponent = _mm256_set1_epi32(0x7F80_0000);
-    let ulp = _mm256_set1_epi32((23 - f.m as i32) << 23);
-    let top = _mm256_set1_epi32(f.max_code as i32);
-    let abs = _mm256_set1_epi32(ABS);
-    let sign = _mm256_set1_epi32(0x80);
-    let code = |v: __m256| {
-        let y = if MULTIPLY {
-            _mm256_mul_ps(v, by)
-        } else {
-            _mm256_div_ps(v, by)
-        };
-        let bits = _mm256_castps_si256(y);
-        let a = _mm256_and_si256(bits, abs);
-        let e = _mm256_max_epi32(_mm256_and_si256(a, exponent), emin_v);
-        let magic = _mm256_add_epi32(e, ulp);
-        let sum = _mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(magic));
-        let count = _mm256_sub_epi32(_mm256_castps_si256(sum), magic);
-        let binades = _mm256_sub_epi32(e, emin_v);
-        let binades = if E4M3 {
-            _mm256_srli_epi32::<20>(binades)
-        } else {
-            _mm256_srli_epi32::<21>(binades)
-        };
-        let q = _mm256_min_epi32(_mm256_add_epi32(binades, count), top);
-        _mm256_or_si256(q, _mm256_and_si256(_mm256_srli_epi32::<24>(bits), sign))
-    };
+    let n = Nearest::new(f, by);
     let mut chunks = xb.chunks_exact(32);
     let mut outs = out.chunks_exact_mut(32);
     for (c, o) in (&mut chunks).zip(&mut outs) {
         // SAFETY: `c` holds 32 f32, four unaligned __m256.
         let v = unsafe { [0, 8, 16, 24].map(|k| _mm256_loadu_ps(c.as_ptr().add(k))) };
-        let bytes = pack_bytes::<false>(code(v[0]), code(v[1]), code(v[2]), code(v[3]));
+        let [c0, c1, c2, c3] = v.map(|v| n.code::<M, MULTIPLY, false>(v));
         // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
-        unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), bytes) };
+        unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), pack_bytes::<false>(c0, c1, c2, c3)) };
     }
     for (o, &v) in outs.into_remainder().iter_mut().zip(chunks.remainder()) {
         *o = fp8::nearest_in_range(f, q.of(v));
+    }
+}
+
+/// The packed E2M1 codes of a scaled block's elements `xb` into `cb` (two per byte, the
+/// even element in the low nibble), 32 elements a step: their 4-bit codes
+/// ([`Nearest::code`]) narrowed to bytes, each pair joined by a multiply-add (`lo + 16
+/// hi`) and narrowed again. A tail shorter than 32 runs the definition.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn fp4_nearest_block<const MULTIPLY: bool>(by: f32, q: fp8::Quotient, xb: &[f32], cb: &mut [u8]) {
+    let f = fp8::E2M1;
+    let n = Nearest::new(f, by);
+    let pair = _mm256_set1_epi16(0x1001);
+    let chunks = xb.chunks_exact(32);
+    let done = xb.len() - chunks.remainder().len();
+    for (c, o) in chunks.zip(cb.chunks_exact_mut(16)) {
+        // SAFETY: `c` holds 32 f32, four unaligned __m256.
+        let v = unsafe { [0, 8, 16, 24].map(|k| _mm256_loadu_ps(c.as_ptr().add(k))) };
+        let [c0, c1, c2, c3] = v.map(|v| n.code::<1, MULTIPLY, true>(v));
+        let pairs = _mm256_maddubs_epi16(pack_bytes::<false>(c0, c1, c2, c3), pair);
+        // Each half's 8 bytes, then the second half's moved next to the first.
+        let bytes = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi16(pairs, pairs));
+        // SAFETY: `o` holds 16 bytes, one unaligned __m128i.
+        unsafe { _mm_storeu_si128(o.as_mut_ptr().cast(), _mm256_castsi256_si128(bytes)) };
+    }
+    if done < xb.len() {
+        fp8::packed(q, &xb[done..], 0, &mut cb[done / 2..], |q, xt, _, out| {
+            for (o, &v) in out.iter_mut().zip(xt) {
+                *o = fp8::nearest_in_range(f, q.of(v));
+            }
+        });
     }
 }
