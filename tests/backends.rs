@@ -874,3 +874,100 @@ proptest! {
         }
     }
 }
+
+/// The `codebook` encoder's bytes follow its documented definition (wire format, section
+/// `codebook`), computed here independently, on every backend: blocks whose elements
+/// span many binades (so that the order of the f64 sums matters), a block with a tail,
+/// one with all elements equal and one holding NaN.
+#[test]
+fn codebook_frames_follow_the_documented_definition_on_every_backend() {
+    let block = 1000;
+    let mut x = gradpack::synthetic::gradient(4 * block + 337, 11);
+    for (j, v) in x.iter_mut().enumerate() {
+        // Magnitudes from 2^-40 to 2^40: f64 sums of these round.
+        *v *= 2f32.powi((j * 7919 % 81) as i32 - 40);
+    }
+    x[block..2 * block].fill(0.375);
+    x[2 * block + 5] = f32::NAN;
+    // Block 3: zeros, two outliers (end bins) that put the mean at about -65, and in the
+    // bin from the mean up, 64 and -64 around two values of 2^-48, which 64 absorbs: in
+    // element order that bin sums to 0, with its four interleaved sums to 2^-47.
+    let b3 = &mut x[3 * block..4 * block];
+    b3.fill(0.0);
+    b3[0] = 1_048_576.0;
+    b3[1] = -1_114_112.0;
+    b3[2] = 64.0;
+    b3[4] = 2f32.powi(-48);
+    b3[5] = 2f32.powi(-48);
+    b3[6] = -64.0;
+    let blocks = x.len().div_ceil(block);
+    // The definition.
+    let mut books = vec![0u8; 1024 * blocks];
+    let mut codes = vec![0u8; x.len()];
+    let lane_sum = |xb: &[f32], f: &dyn Fn(f32) -> f64| {
+        let mut l = [0f64; 16];
+        for (j, &v) in xb.iter().enumerate() {
+            l[j % 16] += f(v);
+        }
+        for w in [8, 4, 2, 1] {
+            for j in 0..w {
+                l[j] += l[j + w];
+            }
+        }
+        l[0]
+    };
+    for (b, xb) in x.chunks(block).enumerate() {
+        let book = &mut books[1024 * b..1024 * (b + 1)];
+        let cb = &mut codes[b * block..b * block + xb.len()];
+        if xb.iter().any(|v| !v.is_finite()) {
+            for e in book.chunks_exact_mut(4) {
+                e.copy_from_slice(&0x7FC0_0000u32.to_le_bytes());
+            }
+            continue;
+        }
+        let n = xb.len() as f64;
+        let mu = lane_sum(xb, &|v| v as f64) / n;
+        let sigma = (lane_sum(xb, &|v| (v as f64 - mu) * (v as f64 - mu)) / n).sqrt();
+        if sigma == 0.0 {
+            book[..4].copy_from_slice(&(mu as f32).to_le_bytes());
+            continue;
+        }
+        let (lo, span) = (mu - 6.0 * sigma, 2.0 * 6.0 * sigma);
+        let (w, r) = (span / 256.0, 256.0 / span);
+        let mut s = vec![[0f64; 4]; 256];
+        let mut plain = vec![0f64; 256];
+        let mut c = vec![0u32; 256];
+        for (j, (&v, code)) in xb.iter().zip(cb.iter_mut()).enumerate() {
+            let k = ((v as f64 - lo) * r).floor().clamp(0.0, 255.0) as usize;
+            *code = k as u8;
+            s[k][j % 4] += v as f64;
+            plain[k] += v as f64;
+            c[k] += 1;
+        }
+        if b == 3 {
+            // The data tells the four sums from one in element order.
+            let k = cb[2] as usize;
+            assert_eq!((cb[4], cb[6]), (k as u8, k as u8));
+            assert_eq!(plain[k], 0.0);
+            assert_eq!((s[k][0] + s[k][1]) + (s[k][2] + s[k][3]), 2f64.powi(-47));
+        }
+        for (k, e) in book.chunks_exact_mut(4).enumerate() {
+            let v = if c[k] > 0 {
+                (((s[k][0] + s[k][1]) + (s[k][2] + s[k][3])) / c[k] as f64) as f32
+            } else {
+                let m = f32::MAX as f64;
+                (lo + (k as f64 + 0.5) * w).clamp(-m, m) as f32
+            };
+            e.copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    let spec: CodecSpec = format!("codebook:block={block}").parse().unwrap();
+    let mut backends = simd_backends();
+    backends.push(Backend::scalar());
+    for b in backends {
+        let frame = encode_with(b, &spec, &x, &EncodeCtx::new(1), 0);
+        let payload = &frame[gradpack::HEADER_LEN..];
+        assert_eq!(&payload[..books.len()], &books[..], "{b}: codebooks");
+        assert_eq!(&payload[books.len()..], &codes[..], "{b}: codes");
+    }
+}

@@ -4,7 +4,7 @@
 //! Spec: `codebook:block=B` (default 65536: the 1 KiB codebook then costs 0.125 bits per
 //! element, 8.125 in all).
 //!
-//! For each block, the mean `mu` and standard deviation `sigma` (f64, element order) place
+//! For each block, the mean `mu` and standard deviation `sigma` (f64, summed in 16 lanes) place
 //! 256 bins of equal width `w = 12 sigma / 256` on `mu ± 6 sigma`; each element's code is
 //! its bin (the bins at the ends also take the tails), and the block's codebook holds the
 //! mean of each bin's elements (an empty bin its centre), so decoding is one lookup.
@@ -86,7 +86,7 @@ impl FixedRate for Codebook {
         books: &mut [u8],
         codes: &mut [u8],
     ) -> bool {
-        kb::encode(x, self.block as usize, books, codes)
+        crate::kernels::encode_codebook(x, self.block as usize, books, codes)
     }
 
     fn validate(&self, h: &Header, books: &[u8], _codes: &[u8]) -> Result<()> {

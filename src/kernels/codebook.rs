@@ -1,5 +1,5 @@
 //! The `codebook` codec's arithmetic (INTELLECT-1's int8 with a codebook of bin means):
-//! the definition, run by every backend (a histogram's per-bin sums are sequential).
+//! the definition, which every backend compiles for its instruction set.
 
 use super::scalar::{BlockScale, put};
 
@@ -10,12 +10,40 @@ pub const BOOK_BYTES: usize = 4 * ENTRIES;
 /// The bins span the block's mean plus and minus this many standard deviations.
 pub const SIGMAS: f64 = 6.0;
 
-/// The bin of `x` (0..=255) for bins of width `w` from `lo`: `floor((x - lo) / w)`,
-/// clamped, in f64.
+/// The code of `x` (0..=255) for bins of width `1 / r` from `lo`:
+/// `clamp(floor((x - lo) * r), 0, 255)` in f64 (one product instead of a division, and
+/// no branch, so that the backends' compilers convert whole vectors).
 #[inline(always)]
-fn bin(x: f32, lo: f64, w: f64) -> usize {
-    let t = ((x as f64 - lo) / w).floor();
-    t.clamp(0.0, (ENTRIES - 1) as f64) as usize
+fn bin(x: f32, lo: f64, r: f64) -> u8 {
+    let t = ((x as f64 - lo) * r).floor();
+    // max and min rather than clamp (the same value: t is never NaN), and the integer
+    // read from the low mantissa bits of t + 2^52 (exact) rather than a saturating cast,
+    // so that the compilers keep both in vectors.
+    let t = t.max(0.0).min((ENTRIES - 1) as f64);
+    (t + 4_503_599_627_370_496.0).to_bits() as u8
+}
+
+/// The f64 sum of `f(x)` in 16 interleaved lanes (element `j` to lane `j % 16`), the
+/// lanes then combined as `l[j] += l[j + 8]`, then `+4`, `+2`, `+1`: the crate's lane
+/// order (the sums of qsgd's norms), written as whole rows of 16 so that it vectorises.
+#[inline(always)]
+fn lane_sum(x: &[f32], f: impl Fn(f32) -> f64) -> f64 {
+    let mut l = [0f64; 16];
+    let mut rows = x.chunks_exact(16);
+    for row in &mut rows {
+        for (s, &v) in l.iter_mut().zip(row) {
+            *s += f(v);
+        }
+    }
+    for (s, &v) in l.iter_mut().zip(rows.remainder()) {
+        *s += f(v);
+    }
+    for w in [8, 4, 2, 1] {
+        for j in 0..w {
+            l[j] += l[j + w];
+        }
+    }
+    l[0]
 }
 
 /// Encode one range of whole blocks: per block a codebook of 256 f32, then one code
@@ -24,13 +52,18 @@ fn bin(x: f32, lo: f64, w: f64) -> usize {
 /// Per block of `n` elements:
 /// - a block holding NaN or ±Inf: every entry NaN (`0x7FC00000`), codes 0;
 /// - else `mu = (sum x) / n` and `sigma = sqrt((sum (x - mu)^2) / n)`, both in f64 with the
-///   sums taken in element order; if `sigma = 0` (every element equal), codes 0, entry 0
-///   `mu` as f32 and the other entries 0;
+///   sums taken in the 16-lane order ([`lane_sum`]); if `sigma = 0` (every element
+///   equal), codes 0, entry 0 `mu` as f32 and the other entries 0;
 /// - else 256 bins of width `w = 12 sigma / 256` from `lo = mu - 6 sigma`: element `x` goes
-///   to bin `clamp(floor((x - lo) / w), 0, 255)` (f64), which is its code; entry `k` is
-///   the mean of the elements in bin `k` (their f64 sum in element order over their
-///   count, rounded to f32), or, for an empty bin, its centre `lo + (k + 1/2) w` clamped
-///   to `±f32::MAX`, as f32.
+///   to bin `clamp(floor((x - lo) * r), 0, 255)` with `r = 256 / (12 sigma)` (f64), which
+///   is its code; entry `k` is the mean of the elements in bin `k`: the f64 sums, in
+///   element order, of its elements at block indices `j` with `j % 4 = 0, 1, 2, 3`,
+///   added as `(s0 + s1) + (s2 + s3)`, over their count, rounded to f32; for an empty
+///   bin, its centre `lo + (k + 1/2) w` clamped to `±f32::MAX`, as f32.
+///
+/// Every backend compiles this one source (the moments and the codes vectorise; the
+/// bins' sums are four interleaved histograms), so the bytes are the same.
+#[inline(always)]
 pub fn encode(x: &[f32], block: usize, books: &mut [u8], codes: &mut [u8]) -> bool {
     let mut nonfinite = false;
     for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
@@ -43,11 +76,11 @@ pub fn encode(x: &[f32], block: usize, books: &mut [u8], codes: &mut [u8]) -> bo
             continue;
         }
         let n = xb.len() as f64;
-        let mu = xb.iter().fold(0f64, |s, &v| s + v as f64) / n;
+        let mu = lane_sum(xb, |v| v as f64) / n;
         // d * d, not powi: powi's precision is unspecified.
-        let var = xb.iter().fold(0f64, |s, &v| {
+        let var = lane_sum(xb, |v| {
             let d = v as f64 - mu;
-            s + d * d
+            d * d
         }) / n;
         let sigma = var.sqrt();
         if sigma == 0.0 {
@@ -57,18 +90,26 @@ pub fn encode(x: &[f32], block: usize, books: &mut [u8], codes: &mut [u8]) -> bo
             continue;
         }
         let lo = mu - SIGMAS * sigma;
-        let w = 2.0 * SIGMAS * sigma / ENTRIES as f64;
-        let mut sum = [0f64; ENTRIES];
-        let mut count = [0u32; ENTRIES];
+        let span = 2.0 * SIGMAS * sigma;
+        let w = span / ENTRIES as f64;
+        let r = ENTRIES as f64 / span;
         for (c, &v) in cb.iter_mut().zip(xb) {
-            let k = bin(v, lo, w);
-            sum[k] += v as f64;
-            count[k] += 1;
-            *c = k as u8;
+            *c = bin(v, lo, r);
+        }
+        // Four histograms, element j in histogram j % 4: consecutive elements in one bin
+        // (common near the mean) then update different memory, not one chain.
+        let mut sum = [[0f64; ENTRIES]; 4];
+        let mut count = [[0u32; ENTRIES]; 4];
+        for (c, v) in cb.chunks(4).zip(xb.chunks(4)) {
+            for (h, (&c, &v)) in c.iter().zip(v).enumerate() {
+                sum[h][c as usize] += v as f64;
+                count[h][c as usize] += 1;
+            }
         }
         for (k, e) in entries.enumerate() {
-            let v = if count[k] > 0 {
-                (sum[k] / count[k] as f64) as f32
+            let n = count.iter().map(|c| c[k]).sum::<u32>();
+            let v = if n > 0 {
+                (((sum[0][k] + sum[1][k]) + (sum[2][k] + sum[3][k])) / n as f64) as f32
             } else {
                 // The centre can lie past f32's range (bins span 12 sigma).
                 let max = f32::MAX as f64;

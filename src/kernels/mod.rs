@@ -115,6 +115,9 @@ simd_op!(EncodeFloat {
     f: fp8::Format, scale: fp8::Scale, four: bool, block: usize, x: &'a [f32],
     draws: Option<&'a Draws>, first: u64, scales: &'a mut [u8], codes: &'a mut [u8],
 } -> bool = fp8::encode::<true>(f, scale, four, block, x, draws, first, scales, codes));
+simd_op!(EncodeCodebook {
+    x: &'a [f32], block: usize, books: &'a mut [u8], codes: &'a mut [u8],
+} -> bool = codebook::encode(x, block, books, codes));
 simd_op!(DecodeFloat<const M: u8> {
     f: fp8::Format, scale: fp8::Scale, four: bool, block: usize, scales: &'a [u8],
     codes: &'a [u8], out: &'a mut [f32],
@@ -867,6 +870,24 @@ pub fn decode_int8<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &
             },
         ),
     }
+}
+
+/// `codebook` encode of whole blocks (see [`codebook::encode`]): one source, compiled for
+/// each backend's instruction set (the same bytes).
+pub fn encode_codebook(x: &[f32], block: usize, books: &mut [u8], codes: &mut [u8]) -> bool {
+    let b = Backend::current();
+    if b.kind() == BackendKind::Scalar {
+        return codebook::encode(x, block, books, codes);
+    }
+    simd(
+        b,
+        EncodeCodebook {
+            x,
+            block,
+            books,
+            codes,
+        },
+    )
 }
 
 /// fp8 (or, with `four`, fp4) encode of whole blocks (see [`fp8::encode`]): the scalar
