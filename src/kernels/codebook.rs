@@ -52,7 +52,7 @@ fn lane_sum(x: &[f32], f: impl Fn(f32) -> f64) -> f64 {
 /// Per block of `n` elements:
 /// - a block holding NaN or ±Inf: every entry NaN (`0x7FC00000`), codes 0;
 /// - else `mu = (sum x) / n` and `sigma = sqrt((sum (x - mu)^2) / n)`, both in f64 with the
-///   sums taken in the 16-lane order ([`lane_sum`]); if `sigma = 0` (every element
+///   sums taken in the 16-lane order (`lane_sum`); if `sigma = 0` (every element
 ///   equal), codes 0, entry 0 `mu` as f32 and the other entries 0;
 /// - else 256 bins of width `w = 12 sigma / 256` from `lo = mu - 6 sigma`: element `x` goes
 ///   to bin `clamp(floor((x - lo) * r), 0, 255)` with `r = 256 / (12 sigma)` (f64), which
