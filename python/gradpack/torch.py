@@ -1907,11 +1907,31 @@ class DiLoCo:
         self.syncs = int(state.get("syncs", 0))
 
     def close(self) -> None:
-        """Remove the optimizer hook and wait for the last sends."""
+        """End the synchroniser's use of the network: remove the optimizer hook, wait for
+        the all-reduces in flight and the last sends, meet the other ranks (a barrier on
+        the group it made, so that no rank tears its connections down while a peer's
+        last messages are on the way: gloo can abort the process then) and destroy that
+        group. A collective of the group's ranks, unless a sync failed (a peer may be
+        gone): then it only drops what is pending. The outer parameters and the state
+        stay readable."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._group is None:
+            return
+        try:
+            # state_dict() waits for the all-reduces in flight (and refuses after a
+            # failed sync).
+            self._sync.state_dict()
+        except Exception:
+            self._p2p.drop()
+            self._group = None
+            return
         self._p2p.wait()
+        if dist.is_initialized():
+            dist.barrier(group=self._group)
+            dist.destroy_process_group(self._group)
+        self._group = None
 
     def __enter__(self) -> "DiLoCo":
         return self
