@@ -1463,10 +1463,10 @@ pub unsafe fn encode_fp8_nearest(
         codes,
         #[inline(always)]
         |q, xb, _, out| match (e4m3, q.inv) {
-            (true, Some(inv)) => fp8_nearest_block::<3, true>(f, inv, q, xb, out),
-            (true, None) => fp8_nearest_block::<3, false>(f, q.s, q, xb, out),
-            (false, Some(inv)) => fp8_nearest_block::<2, true>(f, inv, q, xb, out),
-            (false, None) => fp8_nearest_block::<2, false>(f, q.s, q, xb, out),
+            (true, Some(_)) => fp8_nearest_block::<3, true>(f, q, xb, out),
+            (true, None) => fp8_nearest_block::<3, false>(f, q, xb, out),
+            (false, Some(_)) => fp8_nearest_block::<2, true>(f, q, xb, out),
+            (false, None) => fp8_nearest_block::<2, false>(f, q, xb, out),
         },
     )
 }
@@ -1501,8 +1501,8 @@ pub unsafe fn encode_fp4_nearest(
         codes,
         #[inline(always)]
         |q, xb, _, cb| match q.inv {
-            Some(inv) => fp4_nearest_block::<true>(inv, q, xb, cb),
-            None => fp4_nearest_block::<false>(q.s, q, xb, cb),
+            Some(_) => fp4_nearest_block::<true>(q, xb, cb),
+            None => fp4_nearest_block::<false>(q, xb, cb),
         },
     )
 }
@@ -1520,9 +1520,11 @@ struct Nearest {
 impl Nearest {
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn new(f: fp8::Format, by: f32) -> Nearest {
+    /// The constants for format `f` and a block's quotient `q` (its `inv` when it has
+    /// one, else its scale `s`).
+    fn new(f: fp8::Format, q: fp8::Quotient) -> Nearest {
         Nearest {
-            by: _mm256_set1_ps(by),
+            by: _mm256_set1_ps(q.inv.unwrap_or(q.s)),
             emin: _mm256_set1_epi32((1 - f.bias + 127) << 23),
             exponent: _mm256_set1_epi32(0x7F80_0000),
             ulp: _mm256_set1_epi32((23 - f.m as i32) << 23),
@@ -1567,27 +1569,37 @@ impl Nearest {
         };
         _mm256_or_si256(q, sign)
     }
+
+    /// [`Nearest::code`] of the 32 elements of `c`, in four vectors of 8.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn codes32<const M: u32, const MULTIPLY: bool, const FOUR: bool>(
+        &self,
+        c: &[f32],
+    ) -> [__m256i; 4] {
+        assert!(c.len() >= 32);
+        // SAFETY: `c` holds at least 32 f32, four unaligned __m256.
+        let v = unsafe { [0, 8, 16, 24].map(|k| _mm256_loadu_ps(c.as_ptr().add(k))) };
+        v.map(|v| self.code::<M, MULTIPLY, FOUR>(v))
+    }
 }
 
-/// The codes of a scaled block's elements `xb` into `out` ([`Nearest::code`] of each,
-/// `by` being `q.inv` when `MULTIPLY`, else `q.s`), narrowed with saturating packs 32 at
+/// The codes of a scaled block's elements `xb` into `out` ([`Nearest::code`] of each;
+/// `MULTIPLY` when `q` has an `inv`), narrowed with saturating packs 32 at
 /// a time. A tail shorter than 32 runs the definition.
 #[target_feature(enable = "avx2")]
 #[inline]
 fn fp8_nearest_block<const M: u32, const MULTIPLY: bool>(
     f: fp8::Format,
-    by: f32,
     q: fp8::Quotient,
     xb: &[f32],
     out: &mut [u8],
 ) {
-    let n = Nearest::new(f, by);
+    let n = Nearest::new(f, q);
     let mut chunks = xb.chunks_exact(32);
     let mut outs = out.chunks_exact_mut(32);
     for (c, o) in (&mut chunks).zip(&mut outs) {
-        // SAFETY: `c` holds 32 f32, four unaligned __m256.
-        let v = unsafe { [0, 8, 16, 24].map(|k| _mm256_loadu_ps(c.as_ptr().add(k))) };
-        let [c0, c1, c2, c3] = v.map(|v| n.code::<M, MULTIPLY, false>(v));
+        let [c0, c1, c2, c3] = n.codes32::<M, MULTIPLY, false>(c);
         // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
         unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), pack_bytes::<false>(c0, c1, c2, c3)) };
     }
@@ -1602,16 +1614,14 @@ fn fp8_nearest_block<const M: u32, const MULTIPLY: bool>(
 /// hi`) and narrowed again. A tail shorter than 32 runs the definition.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn fp4_nearest_block<const MULTIPLY: bool>(by: f32, q: fp8::Quotient, xb: &[f32], cb: &mut [u8]) {
+fn fp4_nearest_block<const MULTIPLY: bool>(q: fp8::Quotient, xb: &[f32], cb: &mut [u8]) {
     let f = fp8::E2M1;
-    let n = Nearest::new(f, by);
+    let n = Nearest::new(f, q);
     let pair = _mm256_set1_epi16(0x1001);
     let chunks = xb.chunks_exact(32);
     let done = xb.len() - chunks.remainder().len();
     for (c, o) in chunks.zip(cb.chunks_exact_mut(16)) {
-        // SAFETY: `c` holds 32 f32, four unaligned __m256.
-        let v = unsafe { [0, 8, 16, 24].map(|k| _mm256_loadu_ps(c.as_ptr().add(k))) };
-        let [c0, c1, c2, c3] = v.map(|v| n.code::<1, MULTIPLY, true>(v));
+        let [c0, c1, c2, c3] = n.codes32::<1, MULTIPLY, true>(c);
         let pairs = _mm256_maddubs_epi16(pack_bytes::<false>(c0, c1, c2, c3), pair);
         // Each half's 8 bytes, then the second half's moved next to the first.
         let bytes = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi16(pairs, pairs));
