@@ -1012,14 +1012,17 @@ fn check_codebook(c: &gradpack::Codebook, x: &[f32], d: &[f32]) -> Result<(), St
         let sd = (xb.iter().map(|&v| (v as f64 - mu).powi(2)).sum::<f64>() / n).sqrt();
         let amax = xb.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
         if sd > 0.0 {
-            // Each decoded value is the f32 mean of the elements that decode to it.
-            let mut groups: std::collections::BTreeMap<u32, (f64, f64)> = Default::default();
-            for (&v, &y) in xb.iter().zip(db) {
+            // Each decoded value is the f32 mean of the elements that decode to it,
+            // summed in f64 as the definition does: four interleaved sums (the element
+            // at block position j goes to sum j mod 4), added as (s0 + s1) + (s2 + s3).
+            let mut groups: std::collections::BTreeMap<u32, ([f64; 4], f64)> = Default::default();
+            for (j, (&v, &y)) in xb.iter().zip(db).enumerate() {
                 let g = groups.entry(y.to_bits()).or_default();
-                g.0 += v as f64;
+                g.0[j % 4] += v as f64;
                 g.1 += 1.0;
             }
-            for (y, (sum, count)) in groups {
+            for (y, (s, count)) in groups {
+                let sum = (s[0] + s[1]) + (s[2] + s[3]);
                 if ((sum / count) as f32).to_bits() != y {
                     return Err(format!(
                         "{c}: block {b}: {:e} is not the mean of its {count} elements ({:e})",
