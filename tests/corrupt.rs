@@ -519,3 +519,53 @@ fn random_k_count_mismatch_is_an_error_on_every_backend() {
         });
     }
 }
+
+/// fp8 frames with a scale refuse a NaN or ±Inf code and a negative or infinite block
+/// scale wherever it lies (the checks scan 64-byte rows, then a shorter rest), naming
+/// its byte, on every backend, and `decode_add` leaves the accumulator as it was.
+#[test]
+fn fp8_codes_and_scales_a_decoder_refuses_wherever_they_are() {
+    use gradpack::unstable::kernels::Backend;
+    // 21 blocks of 64 (the last of 20): 84 bytes of scales (one row of 16, five more)
+    // and 1300 codes (20 rows, 20 more).
+    let n: usize = 1300;
+    let x: Vec<f32> = (0..n)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01)
+        .collect();
+    let scales = 4 * n.div_ceil(64);
+    let codes_at = HEADER_LEN + scales;
+    let refused = |f: &[u8], offset: usize, what: &str| {
+        for b in Backend::available() {
+            let mut acc: Vec<f32> = (0..n).map(|i| i as f32).collect();
+            let before = acc.clone();
+            let e = b.run(|| gradpack::decode_add(f, &mut acc)).unwrap_err();
+            assert!(
+                matches!(e, Error::Corrupt { offset: o, .. } if o == offset),
+                "{b}: {what}: {e}"
+            );
+            assert_eq!(acc, before, "{b}: {what}: the accumulator changed");
+        }
+    };
+    for (spec, bad) in [
+        ("fp8:block=64", [0x7Fu8, 0xFF]),
+        ("fp8:format=e5m2,block=64", [0x7C, 0xFE]),
+    ] {
+        let spec: CodecSpec = spec.parse().unwrap();
+        let good = spec.encode(&x, &EncodeCtx::new(0)).unwrap();
+        for i in [0, 1, 63, 64, 700, 1279, 1280, 1299] {
+            for c in bad {
+                let mut f = good.clone();
+                f[codes_at + i] = c;
+                refused(&f, codes_at + i, &format!("{spec}: code {i} = {c:#04x}"));
+            }
+        }
+        for blk in [0, 5, 15, 16, 20] {
+            for s in [-1.0f32, -0.0, f32::INFINITY, f32::NEG_INFINITY, -f32::NAN] {
+                let mut f = good.clone();
+                let at = HEADER_LEN + 4 * blk;
+                f[at..at + 4].copy_from_slice(&s.to_le_bytes());
+                refused(&f, at, &format!("{spec}: scale of block {blk} = {s:e}"));
+            }
+        }
+    }
+}

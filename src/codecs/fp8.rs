@@ -47,6 +47,7 @@ use super::fixed::{self, FixedRate, Layout, by_mode};
 use super::{EncodeCtx, MAX_BLOCK, Scheme, block_params, check_block, expect_payload, read_block};
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::{Error, Result};
+use crate::kernels;
 use crate::kernels::fp8::{self as k8, E4M3, E5M2, Format};
 use crate::rng::{Draws, STREAM_ROUNDING};
 use crate::wire::{HEADER_LEN, Header};
@@ -337,6 +338,9 @@ impl SmallFloat {
         if self.scale != k8::Scale::F32 {
             return Ok(());
         }
+        if kernels::f32_scales_valid(scales) {
+            return Ok(());
+        }
         for (b, sc) in scales.chunks_exact(4).enumerate() {
             let s = k8::scale_of(self.scale, sc);
             if s.is_infinite() || s.is_sign_negative() {
@@ -472,7 +476,7 @@ impl FixedRate for Fp8 {
                 Fp8Format::E4m3 => 0x7F,
                 Fp8Format::E5m2 => 0x7C,
             };
-            if any_all_set(codes, mask) {
+            if kernels::any_all_set(codes, mask) {
                 let i = codes.iter().position(|&c| c & mask == mask).unwrap_or(0);
                 return Err(Error::Corrupt {
                     codec: h.codec,
@@ -491,18 +495,4 @@ impl FixedRate for Fp8 {
     fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]) {
         self.core().decode(m, scales, codes, out)
     }
-}
-
-/// Whether any code has every bit of `mask` set. Per byte position of 64-byte rows, the
-/// minimum of `!c & mask`, which is zero only for such a code: two byte operations per
-/// code that vectorise, without a branch per row.
-fn any_all_set(codes: &[u8], mask: u8) -> bool {
-    let mut least = [u8::MAX; 64];
-    let mut rows = codes.chunks_exact(64);
-    for row in &mut rows {
-        for (m, &c) in least.iter_mut().zip(row) {
-            *m = (*m).min(!c & mask);
-        }
-    }
-    least.contains(&0) || rows.remainder().iter().any(|&c| c & mask == mask)
 }

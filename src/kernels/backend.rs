@@ -217,11 +217,13 @@ pub(crate) enum X86 {
 /// AVX2's, its decode 1.12 to 1.16, E5M2's decode_add 1.04 to 1.13; E5M2's plain decode
 /// runs the AVX2 build, 0 to 20% faster than AVX-512's in seven runs.
 /// fp4's decode of blocks of 16 and 32 looks codes up in registers (one permute per 16
-/// on AVX-512, two and a blend per 8 on AVX2; 2026-11-27, a 2-core Intel Xeon,
-/// `backend_race` at 64 Ki elements; AMD's cores not yet measured): AVX-512's is 2.3
-/// times AVX2's for blocks of 32, 1.45 times for 16; its other block lengths and the
-/// residual mode (a nibble per element) run the AVX2 build, 1.2 to 1.5 times as fast as
-/// AVX-512's.
+/// on AVX-512; 2026-11-27, a 2-core Intel Xeon, `backend_race` at 64 Ki elements):
+/// AVX-512's was 2.3 times AVX2's for blocks of 32, 1.45 times for 16, when AVX2 took two
+/// permutes and a blend per 8 codes. AVX2's now takes two byte lookups per 32 (every
+/// 4-bit value is a bfloat16) and computes 16 E4M3 block scales at a time, 2.0 to 2.4
+/// times as fast on a 2-core Zen 3 (2026-11-28); it has not been measured against
+/// AVX-512's on an AVX-512 CPU since. Other block lengths and the residual mode (a nibble
+/// per element) run the AVX2 build, 1.2 to 1.5 times as fast as AVX-512's.
 /// PowerSGD (`examples/scaling`'s step, rank 2 on 4096 x 2304, one thread, 2026-11-26):
 /// `M Q` runs the AVX2 build, 1.5 times as fast (its 16-lane sums are two registers there,
 /// so twice as many independent chains of additions); the reconstruction of large

@@ -155,6 +155,8 @@ simd_op!(DecodeNatural<const M: u8> {
     refs: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
 } -> () = portable::decode_natural::<M>(refs, codes, block, out));
 simd_op!(MaxFiniteAbs { x: &'a [f32] } -> u32 = scalar::max_finite_abs_bits(x));
+simd_op!(AnyAllSet { codes: &'a [u8], mask: u8 } -> bool = scalar::any_all_set(codes, mask));
+simd_op!(F32ScalesValid { scales: &'a [u8] } -> bool = scalar::f32_scales_valid(scales));
 simd_op!(AnyNonfinite { x: &'a [f32] } -> bool = scalar::max_abs_bits(x) >= scalar::INF_BITS);
 simd_op!(FilterMagGe { x: &'a [f32], t: u32, idx: &'a mut [u32] } -> (usize, usize)
     = portable::filter_mag_ge(x, t, idx));
@@ -627,6 +629,24 @@ pub fn any_nonfinite(x: &[f32]) -> bool {
 }
 
 /// The largest |x| of the finite elements of `x` as f32 bits (0 if none; see
+/// Whether any byte of `codes` has every bit of `mask` set (see [`scalar::any_all_set`]):
+/// a decoder's check for codes a frame must not hold.
+pub fn any_all_set(codes: &[u8], mask: u8) -> bool {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => scalar::any_all_set(codes, mask),
+        b => simd(b, AnyAllSet { codes, mask }),
+    }
+}
+
+/// Whether every f32 block scale in `scales` is non-negative and not +Inf (see
+/// [`scalar::f32_scales_valid`]).
+pub fn f32_scales_valid(scales: &[u8]) -> bool {
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => scalar::f32_scales_valid(scales),
+        b => simd(b, F32ScalesValid { scales }),
+    }
+}
+
 /// [`scalar::max_finite_abs_bits`]).
 pub fn max_finite_abs_bits(x: &[f32]) -> u32 {
     match Backend::current() {
@@ -984,7 +1004,7 @@ pub fn decode_float<const M: u8>(
                 }
             } else {
                 // SAFETY: the backend is AVX2 or AVX-512 (not scalar, on x86-64), which
-                // exist only after AVX2 was detected.
+                // exist only after AVX2 and F16C were detected.
                 unsafe { x86_64::blocks::decode_fp4::<M>(&fours, scale, block, scales, codes, out) }
             })
         } else if !four && block.is_multiple_of(16) {

@@ -61,6 +61,43 @@ fn abs_bits(x: f32) -> u32 {
     x.to_bits() & 0x7FFF_FFFF
 }
 
+/// Whether any byte of `codes` has every bit of `mask` set. Per byte position of 64-byte
+/// rows, the minimum of `!c & mask`, which is zero only for such a byte: two byte
+/// operations per byte that vectorise, without a branch per row (this function is also
+/// the SIMD backends' kernel).
+#[inline(always)]
+pub fn any_all_set(codes: &[u8], mask: u8) -> bool {
+    let mut rows = codes.chunks_exact(64);
+    let least = (&mut rows).fold([u8::MAX; 64], |mut least, row| {
+        for (m, &c) in least.iter_mut().zip(row) {
+            *m = (*m).min(!c & mask);
+        }
+        least
+    });
+    least.contains(&0) || rows.remainder().iter().any(|&c| c & mask == mask)
+}
+
+/// Whether every little-endian f32 in `scales` (whole 4-byte groups; a shorter rest is
+/// ignored) is a valid block scale: not negative (sign bit clear, so no -0 or -NaN
+/// either) and not +Inf. Branch-free over 16-scale rows, so it vectorises (this function
+/// is also the SIMD backends' kernel).
+#[inline(always)]
+pub fn f32_scales_valid(scales: &[u8]) -> bool {
+    const INF: u32 = 0x7F80_0000;
+    let bad = |w: &[u8]| {
+        let bits = u32::from_le_bytes(w.try_into().unwrap_or([0; 4]));
+        (bits >> 31) | (bits == INF) as u32
+    };
+    let mut rows = scales.chunks_exact(64);
+    let any = (&mut rows).fold([0u32; 16], |mut any, row| {
+        for (a, w) in any.iter_mut().zip(row.chunks_exact(4)) {
+            *a |= bad(w);
+        }
+        any
+    });
+    any.iter().all(|&a| a == 0) && rows.remainder().chunks_exact(4).all(|w| bad(w) == 0)
+}
+
 /// True when any element is NaN or ±Inf.
 pub fn any_nonfinite(x: &[f32]) -> bool {
     x.iter().fold(0u32, |m, &v| m.max(abs_bits(v))) >= INF_BITS

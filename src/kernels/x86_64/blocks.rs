@@ -1300,22 +1300,23 @@ pub(super) fn fp8_scale(e4m3: bool, s: f32) -> (bool, f32) {
     }
 }
 
-/// The half-precision floats of 16 fp8 codes (zero-extended to 16 bits): an E5M2 code is
-/// the top byte of the f16 of the same value; an E4M3 code's magnitude shifted left by 7
-/// is the f16 of its value times 2^-8 (the same exponent field and mantissa, f16's bias 8
-/// above E4M3's), its sign moved to bit 15. Exact for every code but E5M2's non-finite
-/// ones, which scaled frames never hold.
+/// The half-precision floats of 16 fp8 codes (the bytes of `b`): an E5M2 code is the top
+/// byte of the f16 of the same value; an E4M3 code's magnitude shifted left by 7 is the
+/// f16 of its value times 2^-8 (the same exponent field and mantissa, f16's bias 8 above
+/// E4M3's), its sign moved to bit 15. Exact for every code but E5M2's non-finite ones,
+/// which scaled frames never hold.
 #[target_feature(enable = "avx2")]
 #[inline]
-pub(super) fn fp8_halves(w: __m256i, e4m3: bool) -> __m256i {
+pub(super) fn fp8_halves(b: __m128i, e4m3: bool) -> __m256i {
     if e4m3 {
-        // (w + (w & 0x80)) << 7: the sign bit lands on bit 15, bit 14 clear.
-        _mm256_slli_epi16::<7>(_mm256_add_epi16(
-            w,
-            _mm256_and_si256(w, _mm256_set1_epi16(0x80)),
-        ))
+        // Sign-extended and shifted left by 7, a negative code also sets bit 14 (the sign
+        // lands on bits 14 and 15); clearing it leaves the f16.
+        _mm256_and_si256(
+            _mm256_slli_epi16::<7>(_mm256_cvtepi8_epi16(b)),
+            _mm256_set1_epi16(!0x4000),
+        )
     } else {
-        _mm256_slli_epi16::<8>(w)
+        _mm256_slli_epi16::<8>(_mm256_cvtepu8_epi16(b))
     }
 }
 
@@ -1336,20 +1337,49 @@ pub unsafe fn decode_fp8<const M: u8>(
     codes: &[u8],
     out: &mut [f32],
 ) -> usize {
+    use crate::kernels::fp8::{Scale, scale_of};
     assert!(block.is_multiple_of(16));
     let (blocks, sb) = float_blocks::<M>(scale, block, block, scales, codes, out);
-    for b in 0..blocks {
-        let s = crate::kernels::fp8::scale_of(scale, &scales[b * sb..(b + 1) * sb]);
-        let (c, o) = (
-            &codes[b * block..(b + 1) * block],
-            &mut out[b * block..(b + 1) * block],
-        );
-        match fp8_scale(e4m3, s) {
+    let (scales, codes, out) = (
+        &scales[..blocks * sb],
+        &codes[..blocks * block],
+        &mut out[..blocks * block],
+    );
+    // One loop per scale kind, so that reading a block's scale is not a match per block.
+    match scale {
+        Scale::F32 => fp8_blocks::<M>(e4m3, block, scales, codes, out, |sc| {
+            scale_of(Scale::F32, sc)
+        }),
+        Scale::E8m0 => fp8_blocks::<M>(e4m3, block, scales, codes, out, |sc| {
+            scale_of(Scale::E8m0, sc)
+        }),
+        _ => fp8_blocks::<M>(e4m3, block, scales, codes, out, |sc| scale_of(scale, sc)),
+    }
+    blocks
+}
+
+/// The blocks of [`decode_fp8`], each block's scale read from its bytes by `scale_of`.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn fp8_blocks<const M: u8>(
+    e4m3: bool,
+    block: usize,
+    scales: &[u8],
+    codes: &[u8],
+    out: &mut [f32],
+    scale_of: impl Fn(&[u8]) -> f32,
+) {
+    let sb = scales.len() / (codes.len() / block).max(1);
+    for ((sc, c), o) in scales
+        .chunks_exact(sb.max(1))
+        .zip(codes.chunks_exact(block))
+        .zip(out.chunks_exact_mut(block))
+    {
+        match fp8_scale(e4m3, scale_of(sc)) {
             (false, t) => fp8_block::<M, false>(e4m3, t, c, o),
             (true, t) => fp8_block::<M, true>(e4m3, t, c, o),
         }
     }
-    blocks
 }
 
 /// One block of [`decode_fp8`]: each code's half converted, times 2^8 if `TWICE`, times
@@ -1365,7 +1395,7 @@ fn fp8_block<const M: u8, const TWICE: bool>(e4m3: bool, t: f32, c: &[u8], o: &m
     for (c, o) in c.chunks_exact(16).zip(o.chunks_exact_mut(16)) {
         // SAFETY: `c` holds 16 bytes, one unaligned __m128i.
         let bytes = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
-        let h = fp8_halves(_mm256_cvtepu8_epi16(bytes), e4m3);
+        let h = fp8_halves(bytes, e4m3);
         put8::<M>(o, 0, value(_mm256_castsi256_si128(h)));
         put8::<M>(o, 8, value(_mm256_extracti128_si256::<1>(h)));
     }
@@ -1373,15 +1403,20 @@ fn fp8_block<const M: u8, const TWICE: bool>(e4m3: bool, t: f32, c: &[u8], o: &m
 
 /// fp4 decode (the layout of `fp8::decode` with two codes per byte, low nibble first) of
 /// the whole blocks of 16 or 32 elements that `out`, `codes` and `scales` hold
-/// ([`fp4_blocks`]), in mode `M` (write or add); returns how many blocks it decoded.
-/// `fours` holds the sixteen codes' values: each block multiplies them by its scale (the
-/// same f32 products as `fp8::decode`'s per element) and looks 8 codes up at a time in the two halves of the
-/// table (two permutes and a blend on the code's bit 3), then interleaves the low and
-/// high nibbles' values back into element order.
+/// ([`float_blocks`]), in mode `M` (write or add); returns how many blocks it decoded (an
+/// even number with blocks of 16, 0 if a value in `fours` is not a bfloat16).
+///
+/// `fours` holds the sixteen codes' values. Each is a bfloat16 (every 4-bit format's
+/// values are 0 or a power of two times 1 or 1.5), so its f32 is two bytes over two zero
+/// bytes: 32 codes at a time, a byte shuffle lays out each code's byte twice in element
+/// order (two 128-bit lanes of 16), a mask and a shift keep the low nibble in the first
+/// copy and the high one in the second, two table lookups (one per byte of the value)
+/// and three rounds of interleaving with zeros give the 32 f32 in order. Each is then
+/// multiplied by its block's scale: the same f32 product as `fp8::decode`'s per element.
 ///
 /// # Safety
-/// The CPU must support AVX2.
-#[target_feature(enable = "avx2")]
+/// The CPU must support AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
 pub unsafe fn decode_fp4<const M: u8>(
     fours: &[f32; 16],
     scale: crate::kernels::fp8::Scale,
@@ -1390,46 +1425,175 @@ pub unsafe fn decode_fp4<const M: u8>(
     codes: &[u8],
     out: &mut [f32],
 ) -> usize {
+    use crate::kernels::fp8::{Scale, scale_of};
     assert!(matches!(block, 16 | 32));
-    let half = block / 2;
-    let (blocks, sb) = float_blocks::<M>(scale, block, half, scales, codes, out);
-    // SAFETY: `fours` is 16 f32, two unaligned __m256.
-    let (t0, t1) = unsafe {
-        (
-            _mm256_loadu_ps(fours.as_ptr()),
-            _mm256_loadu_ps(fours.as_ptr().add(8)),
-        )
+    let Some(t) = fp4_tables(fours) else {
+        return 0;
     };
-    for b in 0..blocks {
-        let s = crate::kernels::fp8::scale_of(scale, &scales[b * sb..(b + 1) * sb]);
-        let s = _mm256_set1_ps(s);
-        let (lo_t, hi_t) = (_mm256_mul_ps(t0, s), _mm256_mul_ps(t1, s));
-        // Codes 0..8 from the first half, 8..16 from the second: bit 3 moved to the
-        // sign bit picks.
-        let look = |idx: __m256i| {
-            let pick = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(idx));
-            _mm256_blendv_ps(
-                _mm256_permutevar8x32_ps(lo_t, idx),
-                _mm256_permutevar8x32_ps(hi_t, idx),
-                pick,
-            )
-        };
-        let c = &codes[b * half..(b + 1) * half];
-        let o = &mut out[b * block..(b + 1) * block];
-        for (g, o) in o.chunks_exact_mut(16).enumerate() {
-            // SAFETY: `c` holds `half` >= 8 (g + 1) bytes; 8 of them, the low half of an
-            // unaligned __m128i load of 8 bytes.
-            let bytes = unsafe { _mm_loadl_epi64(c.as_ptr().add(8 * g).cast()) };
-            let w = _mm256_cvtepu8_epi32(bytes);
-            let lo = look(_mm256_and_si256(w, _mm256_set1_epi32(15)));
-            let hi = look(_mm256_srli_epi32::<4>(w));
-            // [l0 h0 l1 h1 | l4 h4 l5 h5] and [l2 h2 l3 h3 | l6 h6 l7 h7].
-            let (a, d) = (_mm256_unpacklo_ps(lo, hi), _mm256_unpackhi_ps(lo, hi));
-            put8::<M>(o, 0, _mm256_permute2f128_ps::<0x20>(a, d));
-            put8::<M>(o, 8, _mm256_permute2f128_ps::<0x31>(a, d));
+    let (mut blocks, sb) = float_blocks::<M>(scale, block, block / 2, scales, codes, out);
+    if block == 16 {
+        blocks &= !1;
+    }
+    let (scales, codes, out) = (
+        &scales[..blocks * sb],
+        &codes[..blocks * block / 2],
+        &mut out[..blocks * block],
+    );
+    // One loop per common scale kind, so that reading a block's scale is not a match per
+    // block.
+    match scale {
+        Scale::F32 => fp4_groups::<M>(t, block, scales, codes, out, |sc| scale_of(Scale::F32, sc)),
+        Scale::E8m0 => {
+            fp4_groups::<M>(t, block, scales, codes, out, |sc| scale_of(Scale::E8m0, sc))
         }
+        Scale::E4m3 { global } => {
+            // The E4M3 scales of up to 256 blocks at a time as f32 (16 at a time in
+            // registers), then the f32 loop over them.
+            let mut f32s = [0u8; 4 * 256];
+            let bytes = block / 2 * 256;
+            for ((sc, c), o) in scales
+                .chunks(256)
+                .zip(codes.chunks(bytes))
+                .zip(out.chunks_mut(256 * block))
+            {
+                let f = &mut f32s[..4 * sc.len()];
+                e4m3_scales(sc, f32::from_bits(global), f);
+                fp4_groups::<M>(t, block, f, c, o, |sc| scale_of(Scale::F32, sc));
+            }
+        }
+        _ => fp4_groups::<M>(t, block, scales, codes, out, |sc| scale_of(scale, sc)),
     }
     blocks
+}
+
+/// E4M3 block scales `sc` (one byte each) times the frame's scale `global`, written to
+/// `out` as little-endian f32: `fp8::scale_of`'s value for each (NaN for `0x7F` and
+/// `0xFF`), 16 at a time through half precision (an E4M3 byte's f16 is its value times
+/// 2^-8, exact; times 2^8 is exact again, so the product with `global` is the same f32).
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+fn e4m3_scales(sc: &[u8], global: f32, out: &mut [u8]) {
+    let (unit, g) = (_mm256_set1_ps(256.0), _mm256_set1_ps(global));
+    let nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0_0000));
+    let mut rows = sc.chunks_exact(16);
+    let mut outs = out.chunks_exact_mut(64);
+    for (c, o) in (&mut rows).zip(&mut outs) {
+        // SAFETY: `c` holds 16 bytes, one unaligned __m128i; `o` 64 bytes, two unaligned
+        // __m256.
+        unsafe {
+            let bytes = _mm_loadu_si128(c.as_ptr().cast());
+            let h = fp8_halves(bytes, true);
+            let mag = _mm_and_si128(bytes, _mm_set1_epi8(0x7F));
+            let is_nan = _mm_cmpeq_epi8(mag, _mm_set1_epi8(0x7F));
+            for (k, (h, n)) in [
+                (_mm256_castsi256_si128(h), is_nan),
+                (
+                    _mm256_extracti128_si256::<1>(h),
+                    _mm_srli_si128::<8>(is_nan),
+                ),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtph_ps(h), unit), g);
+                let n = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(n));
+                let v = _mm256_blendv_ps(v, nan, n);
+                _mm256_storeu_ps(o.as_mut_ptr().add(32 * k).cast(), v);
+            }
+        }
+    }
+    let scale = fp8::Scale::E4m3 {
+        global: global.to_bits(),
+    };
+    for (&c, o) in rows
+        .remainder()
+        .iter()
+        .zip(outs.into_remainder().chunks_exact_mut(4))
+    {
+        o.copy_from_slice(&fp8::scale_of(scale, &[c]).to_le_bytes());
+    }
+}
+
+/// The groups of 32 elements (one block of 32 or two of 16) of [`decode_fp4`], with the
+/// tables `t` of [`fp4_tables`]; each block's scale is read from its bytes by `scale_of`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn fp4_groups<const M: u8>(
+    t: [__m256i; 2],
+    block: usize,
+    scales: &[u8],
+    codes: &[u8],
+    out: &mut [f32],
+    scale_of: impl Fn(&[u8]) -> f32,
+) {
+    let sb = scales.len() / (out.len() / block).max(1);
+    let per = if block == 32 { 1 } else { 2 };
+    for ((sc, c), o) in scales
+        .chunks_exact(per * sb.max(1))
+        .zip(codes.chunks_exact(16))
+        .zip(out.chunks_exact_mut(32))
+    {
+        let first = _mm256_set1_ps(scale_of(&sc[..sb]));
+        let second = if per == 1 {
+            first
+        } else {
+            _mm256_set1_ps(scale_of(&sc[sb..]))
+        };
+        let v = fp4_values32(t, c, first, second);
+        for (k, v) in v.into_iter().enumerate() {
+            put8::<M>(o, 8 * k, v);
+        }
+    }
+}
+
+/// The values of the 32 fp4 codes in the first 16 bytes of `c` (low nibble first) from the
+/// tables `t` (the third and fourth bytes of the sixteen values' f32, in both lanes), the
+/// first 16 times `first`, the others times `second`, in four vectors of 8 in element
+/// order (see [`decode_fp4`]).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn fp4_values32(t: [__m256i; 2], c: &[u8], first: __m256, second: __m256) -> [__m256; 4] {
+    // Lane 0 takes the code bytes of elements 0-3, 8-11, 16-19 and 24-27, lane 1 those of
+    // 4-7, 12-15, 20-23 and 28-31, each byte twice: after the lookups, the interleaving
+    // within lanes then yields elements 0-7, 8-15, 16-23 and 24-31.
+    let spread = _mm256_setr_epi8(
+        0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13, //
+        2, 2, 3, 3, 6, 6, 7, 7, 10, 10, 11, 11, 14, 14, 15, 15,
+    );
+    let c = &c[..16];
+    // SAFETY: `c` holds 16 bytes, one unaligned __m128i.
+    let c = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(c.as_ptr().cast()) });
+    let d = _mm256_shuffle_epi8(c, spread);
+    // Per 16-bit pair of copies: the low nibble in the first byte, the high one in the
+    // second.
+    let n = _mm256_or_si256(
+        _mm256_and_si256(d, _mm256_set1_epi16(0x000F)),
+        _mm256_and_si256(_mm256_srli_epi16::<4>(d), _mm256_set1_epi16(0x0F00)),
+    );
+    let (b2, b3) = (_mm256_shuffle_epi8(t[0], n), _mm256_shuffle_epi8(t[1], n));
+    let (a, b) = (_mm256_unpacklo_epi8(b2, b3), _mm256_unpackhi_epi8(b2, b3));
+    let zero = _mm256_setzero_si256();
+    let f32s = |h: __m256i, s: __m256| _mm256_mul_ps(_mm256_castsi256_ps(h), s);
+    [
+        f32s(_mm256_unpacklo_epi16(zero, a), first),
+        f32s(_mm256_unpackhi_epi16(zero, a), first),
+        f32s(_mm256_unpacklo_epi16(zero, b), second),
+        f32s(_mm256_unpackhi_epi16(zero, b), second),
+    ]
+}
+
+/// The byte tables of [`fp4_values32`] for the sixteen values `fours`, or None if one is
+/// not a bfloat16 (its low 16 bits not zero).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn fp4_tables(fours: &[f32; 16]) -> Option<[__m256i; 2]> {
+    let bits = fours.map(f32::to_bits);
+    if bits.iter().any(|b| b & 0xFFFF != 0) {
+        return None;
+    }
+    let planes = [bits.map(|b| (b >> 16) as u8), bits.map(|b| (b >> 24) as u8)];
+    // SAFETY: each plane is 16 bytes, one unaligned __m128i.
+    Some(planes.map(|p| _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(p.as_ptr().cast()) })))
 }
 
 /// fp8 encode with nearest rounding (`fp8::encode` without draws) of E4M3 (`e4m3`) or

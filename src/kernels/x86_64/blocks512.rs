@@ -409,7 +409,7 @@ fn fp8_block<const M: u8, const TWICE: bool>(e4m3: bool, t: f32, c: &[u8], o: &m
     for (c, o) in c.chunks_exact(16).zip(o.chunks_exact_mut(16)) {
         // SAFETY: `c` holds 16 bytes, one unaligned __m128i.
         let bytes = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
-        let v = _mm512_cvtph_ps(blocks::fp8_halves(_mm256_cvtepu8_epi16(bytes), e4m3));
+        let v = _mm512_cvtph_ps(blocks::fp8_halves(bytes, e4m3));
         put16::<M>(
             o,
             _mm512_mul_ps(if TWICE { _mm512_mul_ps(v, unit) } else { v }, t),
