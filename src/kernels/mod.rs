@@ -628,7 +628,6 @@ pub fn any_nonfinite(x: &[f32]) -> bool {
     }
 }
 
-/// The largest |x| of the finite elements of `x` as f32 bits (0 if none; see
 /// Whether any byte of `codes` has every bit of `mask` set (see [`scalar::any_all_set`]):
 /// a decoder's check for codes a frame must not hold.
 pub fn any_all_set(codes: &[u8], mask: u8) -> bool {
@@ -647,6 +646,7 @@ pub fn f32_scales_valid(scales: &[u8]) -> bool {
     }
 }
 
+/// The largest |x| of the finite elements of `x` as f32 bits (0 if none; see
 /// [`scalar::max_finite_abs_bits`]).
 pub fn max_finite_abs_bits(x: &[f32]) -> u32 {
     match Backend::current() {

@@ -1347,31 +1347,33 @@ pub unsafe fn decode_fp8<const M: u8>(
     );
     // One loop per scale kind, so that reading a block's scale is not a match per block.
     match scale {
-        Scale::F32 => fp8_blocks::<M>(e4m3, block, scales, codes, out, |sc| {
+        Scale::F32 => fp8_blocks::<M>(e4m3, block, sb, scales, codes, out, |sc| {
             scale_of(Scale::F32, sc)
         }),
-        Scale::E8m0 => fp8_blocks::<M>(e4m3, block, scales, codes, out, |sc| {
+        Scale::E8m0 => fp8_blocks::<M>(e4m3, block, sb, scales, codes, out, |sc| {
             scale_of(Scale::E8m0, sc)
         }),
-        _ => fp8_blocks::<M>(e4m3, block, scales, codes, out, |sc| scale_of(scale, sc)),
+        _ => fp8_blocks::<M>(e4m3, block, sb, scales, codes, out, |sc| {
+            scale_of(scale, sc)
+        }),
     }
     blocks
 }
 
-/// The blocks of [`decode_fp8`], each block's scale read from its bytes by `scale_of`.
+/// The blocks of [`decode_fp8`], each block's scale (`sb` bytes) read by `scale_of`.
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
 fn fp8_blocks<const M: u8>(
     e4m3: bool,
     block: usize,
+    sb: usize,
     scales: &[u8],
     codes: &[u8],
     out: &mut [f32],
     scale_of: impl Fn(&[u8]) -> f32,
 ) {
-    let sb = scales.len() / (codes.len() / block).max(1);
     for ((sc, c), o) in scales
-        .chunks_exact(sb.max(1))
+        .chunks_exact(sb)
         .zip(codes.chunks_exact(block))
         .zip(out.chunks_exact_mut(block))
     {
@@ -1442,10 +1444,12 @@ pub unsafe fn decode_fp4<const M: u8>(
     // One loop per common scale kind, so that reading a block's scale is not a match per
     // block.
     match scale {
-        Scale::F32 => fp4_groups::<M>(t, block, scales, codes, out, |sc| scale_of(Scale::F32, sc)),
-        Scale::E8m0 => {
-            fp4_groups::<M>(t, block, scales, codes, out, |sc| scale_of(Scale::E8m0, sc))
-        }
+        Scale::F32 => fp4_groups::<M>(t, block, sb, scales, codes, out, |sc| {
+            scale_of(Scale::F32, sc)
+        }),
+        Scale::E8m0 => fp4_groups::<M>(t, block, sb, scales, codes, out, |sc| {
+            scale_of(Scale::E8m0, sc)
+        }),
         Scale::E4m3 { global } => {
             // The E4M3 scales of up to 256 blocks at a time as f32 (16 at a time in
             // registers), then the f32 loop over them.
@@ -1458,10 +1462,10 @@ pub unsafe fn decode_fp4<const M: u8>(
             {
                 let f = &mut f32s[..4 * sc.len()];
                 e4m3_scales(sc, f32::from_bits(global), f);
-                fp4_groups::<M>(t, block, f, c, o, |sc| scale_of(Scale::F32, sc));
+                fp4_groups::<M>(t, block, 4, f, c, o, |sc| scale_of(Scale::F32, sc));
             }
         }
-        _ => fp4_groups::<M>(t, block, scales, codes, out, |sc| scale_of(scale, sc)),
+        _ => fp4_groups::<M>(t, block, sb, scales, codes, out, |sc| scale_of(scale, sc)),
     }
     blocks
 }
@@ -1515,21 +1519,21 @@ fn e4m3_scales(sc: &[u8], global: f32, out: &mut [u8]) {
 }
 
 /// The groups of 32 elements (one block of 32 or two of 16) of [`decode_fp4`], with the
-/// tables `t` of [`fp4_tables`]; each block's scale is read from its bytes by `scale_of`.
+/// tables `t` of [`fp4_tables`]; each block's scale (`sb` bytes) is read by `scale_of`.
 #[target_feature(enable = "avx2")]
 #[inline]
 fn fp4_groups<const M: u8>(
     t: [__m256i; 2],
     block: usize,
+    sb: usize,
     scales: &[u8],
     codes: &[u8],
     out: &mut [f32],
     scale_of: impl Fn(&[u8]) -> f32,
 ) {
-    let sb = scales.len() / (out.len() / block).max(1);
     let per = if block == 32 { 1 } else { 2 };
     for ((sc, c), o) in scales
-        .chunks_exact(per * sb.max(1))
+        .chunks_exact(per * sb)
         .zip(codes.chunks_exact(16))
         .zip(out.chunks_exact_mut(32))
     {
