@@ -202,33 +202,7 @@ fn select(x: &[f32], kc: usize, s: &mut Scratch) {
         return;
     }
     let key = |v: f32| v.to_bits() & 0x7FFF_FFFF;
-    let m = SAMPLES.min(c);
-    let mut sample = [0u32; SAMPLES];
-    // Every `c / m`-th element (which elements are sampled changes the speed only).
-    let stride = c / m;
-    for (j, o) in sample[..m].iter_mut().enumerate() {
-        *o = key(x[j * stride]);
-    }
-    let sample = &mut sample[..m];
-    let mut len = 0;
-    // The rank in the sample that about 2 kc of the chunk reach, then 6 kc.
-    for aim in [2, 6] {
-        let rank = (aim * kc * m).div_ceil(c).clamp(1, m);
-        let (_, &mut t, _) = sample.select_nth_unstable_by(rank - 1, |a, b| b.cmp(a));
-        let mut pos = 0;
-        len = 0;
-        while pos < c {
-            let (used, kept) = crate::kernels::filter_mag_ge(&x[pos..], t, &mut s.idx[len..]);
-            for i in &mut s.idx[len..len + kept] {
-                *i += pos as u32;
-            }
-            pos += used;
-            len += kept;
-        }
-        if len >= kc {
-            break;
-        }
-    }
+    let len = sampled(x, kc, s.idx);
     if len < kc {
         let mut n = 0;
         for_each_top(x, kc, |i| {
@@ -259,16 +233,76 @@ fn select(x: &[f32], kc: usize, s: &mut Scratch) {
     debug_assert_eq!(w, kc);
 }
 
-/// A source of a chunk's kept positions: each call walks them, in order, into its
-/// argument.
-type Kept<'a> = &'a dyn Fn(&mut dyn FnMut(u32));
+/// The positions of the elements of `x` whose key reaches `t`, ascending, into `idx`
+/// (room for `x.len() + 64`): their count.
+fn filter(x: &[f32], t: u32, idx: &mut [u32]) -> usize {
+    let (mut pos, mut len) = (0, 0);
+    while pos < x.len() {
+        let (used, kept) = crate::kernels::filter_mag_ge(&x[pos..], t, &mut idx[len..]);
+        for i in &mut idx[len..len + kept] {
+            *i += pos as u32;
+        }
+        pos += used;
+        len += kept;
+    }
+    len
+}
+
+/// [`filter`] with a threshold from a stratified sample of `x` that about `2 kc` reach,
+/// then, if fewer than `kc` did, `6 kc`: the count of the last filter.
+fn sampled(x: &[f32], kc: usize, idx: &mut [u32]) -> usize {
+    let c = x.len();
+    let key = |v: f32| v.to_bits() & 0x7FFF_FFFF;
+    let m = SAMPLES.min(c);
+    let mut sample = [0u32; SAMPLES];
+    // Every `c / m`-th element (which elements are sampled changes the speed only).
+    let stride = c / m;
+    for (j, o) in sample[..m].iter_mut().enumerate() {
+        *o = key(x[j * stride]);
+    }
+    let sample = &mut sample[..m];
+    let mut len = 0;
+    for aim in [2, 6] {
+        let rank = (aim * kc * m).div_ceil(c).clamp(1, m);
+        let (_, &mut t, _) = sample.select_nth_unstable_by(rank - 1, |a, b| b.cmp(a));
+        len = filter(x, t, idx);
+        if len >= kc {
+            break;
+        }
+    }
+    len
+}
+
+/// A source of a chunk's kept positions: each call walks them, in order.
+trait Kept {
+    fn each(&self, f: impl FnMut(u32));
+}
+
+/// Positions listed in working room.
+struct Listed<'a>(&'a [u32]);
+
+impl Kept for Listed<'_> {
+    #[inline(always)]
+    fn each(&self, mut f: impl FnMut(u32)) {
+        self.0.iter().for_each(|&p| f(p));
+    }
+}
+
+/// Positions found again on each walk by `topk`'s exact cut of a chunk.
+struct Walked<'a>(TopCut, &'a [f32]);
+
+impl Kept for Walked<'_> {
+    fn each(&self, mut f: impl FnMut(u32)) {
+        self.0.each(self.1, |p| f(p as u32));
+    }
+}
 
 /// Write one chunk's record into `rec` (its exact size), the kept positions coming, in
-/// order, from `kept` (called once per pass over them); true if a kept value is NaN or
-/// ±Inf.
-fn write_record(x: &[f32], r: Record, kept: Kept<'_>, rec: &mut [u8]) -> bool {
+/// order, from `kept` (walked once per part of the record); true if a kept value is NaN
+/// or ±Inf.
+fn write_record(x: &[f32], r: Record, kept: impl Kept, rec: &mut [u8]) -> bool {
     let (mut nonfinite, mut absmax, mut last) = (false, 0f32, None);
-    kept(&mut |i| {
+    kept.each(|i| {
         let v = x[i as usize];
         nonfinite |= !v.is_finite();
         absmax = absmax.max(v.abs());
@@ -283,11 +317,11 @@ fn write_record(x: &[f32], r: Record, kept: Kept<'_>, rec: &mut [u8]) -> bool {
     let body = &mut rec[4..];
     body.fill(0);
     let mut w = BitWriter::new(body);
-    kept(&mut |p| w.put(p & ((1u32 << r.low) - 1), r.low));
+    kept.each(|p| w.put(p & ((1u32 << r.low) - 1), r.low));
     // The upper vector: for each kept position, (p >> low) zero bits since the last one,
     // then a one.
     let mut high = 0u32;
-    kept(&mut |p| {
+    kept.each(|p| {
         let h = p >> r.low;
         let mut zeros = h - high;
         while zeros >= 32 {
@@ -305,7 +339,7 @@ fn write_record(x: &[f32], r: Record, kept: Kept<'_>, rec: &mut [u8]) -> bool {
     }
     w.put(0, rest as u32);
     let t = 2.0 * s;
-    kept(&mut |p| {
+    kept.each(|p| {
         let v = x[p as usize];
         let code = (v >= -t) as u32 + (v >= 0.0) as u32 + (v >= t) as u32;
         w.put(if nonfinite { 0 } else { code }, 2);
@@ -318,26 +352,14 @@ fn write_record(x: &[f32], r: Record, kept: Kept<'_>, rec: &mut [u8]) -> bool {
 /// the kept list.
 fn encode_chunk(x: &[f32], r: Record, s: &mut Scratch, rec: &mut [u8]) -> bool {
     select(x, r.kc, s);
-    let kept = &s.idx[..r.kc];
-    write_record(
-        x,
-        r,
-        &|f: &mut dyn FnMut(u32)| kept.iter().for_each(|&p| f(p)),
-        rec,
-    )
+    write_record(x, r, Listed(&s.idx[..r.kc]), rec)
 }
 
 /// One chunk's record without working room (a buffer that holds only the frame):
 /// `topk`'s exact engine finds the cut once, and each pass walks the kept elements again.
 /// The same bytes as [`encode_chunk`].
 fn encode_chunk_in_place(x: &[f32], r: Record, rec: &mut [u8]) -> bool {
-    let cut = TopCut::of(x, r.kc);
-    write_record(
-        x,
-        r,
-        &|f: &mut dyn FnMut(u32)| cut.each(x, |p| f(p as u32)),
-        rec,
-    )
+    write_record(x, r, Walked(TopCut::of(x, r.kc), x), rec)
 }
 
 /// The records of the chunks of `x` (`chunk` elements each, keeping `k`) into `p`, with
@@ -516,7 +538,8 @@ impl Scheme for ChunkTopK {
 }
 
 /// Read one record's kept positions (in a chunk of `c`) and codes, calling `f(position,
-/// code)` in order; on a malformed record, the byte offset in it and why.
+/// code)` in order; on a malformed record, the byte offset in it and why. The upper
+/// vector is read 64 bits at a time, each one bit found by its trailing-zero count.
 fn positions(
     rec: &[u8],
     r: Record,
@@ -525,48 +548,64 @@ fn positions(
 ) -> core::result::Result<(), (usize, String)> {
     let body = &rec[4..];
     let mut low = BitReader::new(body);
-    // The upper vector and the codes follow the low bits: read them with readers of their
-    // own, positioned by skipping.
-    let mut upper = BitReader::new(body);
-    skip(&mut upper, r.kc * r.low as usize);
+    // The codes follow the low bits and the upper vector: a reader of their own,
+    // positioned by skipping.
+    let start = r.kc * r.low as usize;
     let mut codes = BitReader::new(body);
-    skip(&mut codes, r.kc * r.low as usize + r.upper);
-    let (mut seen, mut ones, mut prev) = (0usize, 0usize, None::<usize>);
-    while ones < r.kc {
-        if seen == r.upper {
-            return Err((4, format!("the upper vector holds {ones} of {} ones", r.kc)));
+    skip(&mut codes, start + r.upper);
+    let (mut ones, mut prev) = (0usize, None::<usize>);
+    let mut base = 0;
+    while base < r.upper {
+        let width = (r.upper - base).min(64);
+        let mut word = bits_at(body, start + base, width);
+        while word != 0 {
+            // The `ones`-th one bit is bit `seen` of the vector: `seen - ones` zeros
+            // before it, the position's high part.
+            let seen = base + word.trailing_zeros() as usize;
+            word &= word - 1;
+            if ones == r.kc {
+                return Err((4, format!("the upper vector holds more than {} ones", r.kc)));
+            }
+            let p = ((seen - ones) << r.low) | low.get(r.low) as usize;
+            if p >= c || prev.is_some_and(|q| p <= q) {
+                return Err((
+                    4,
+                    format!("position {p} does not follow {prev:?} in a chunk of {c}"),
+                ));
+            }
+            prev = Some(p);
+            f(p, codes.get(2));
+            ones += 1;
         }
-        let bit = upper.get(1);
-        seen += 1;
-        if bit == 0 {
-            continue;
-        }
-        let p = ((seen - 1 - ones) << r.low) | low.get(r.low) as usize;
-        if p >= c || prev.is_some_and(|q| p <= q) {
-            return Err((
-                4,
-                format!("position {p} does not follow {prev:?} in a chunk of {c}"),
-            ));
-        }
-        prev = Some(p);
-        f(p, codes.get(2));
-        ones += 1;
+        base += width;
     }
-    // The rest of the upper vector must be zeros, and so must the padding.
-    while seen < r.upper {
-        if upper.get(1) != 0 {
-            return Err((4, format!("the upper vector holds more than {} ones", r.kc)));
-        }
-        seen += 1;
+    if ones < r.kc {
+        return Err((4, format!("the upper vector holds {ones} of {} ones", r.kc)));
     }
-    let used = r.kc * r.low as usize + r.upper + 2 * r.kc;
+    // The padding must be zeros.
+    let used = start + r.upper + 2 * r.kc;
     if !used.is_multiple_of(8) && body[used / 8] >> (used % 8) != 0 {
         return Err((4 + used / 8, "padding bits are not zero".into()));
     }
     Ok(())
 }
 
-/// Advance `r` by `bits` bits.
+/// The `width` (1 to 64) bits of `body` from bit `at` on (least significant first), in
+/// the low bits of a word; `body` holds them.
+fn bits_at(body: &[u8], at: usize, width: usize) -> u64 {
+    debug_assert!((1..=64).contains(&width) && at + width <= 8 * body.len());
+    let first = at / 8;
+    let mut buf = [0u8; 16];
+    let n = (body.len() - first).min(16);
+    buf[..n].copy_from_slice(&body[first..first + n]);
+    let word = (u128::from_le_bytes(buf) >> (at % 8)) as u64;
+    if width == 64 {
+        word
+    } else {
+        word & ((1u64 << width) - 1)
+    }
+}
+
 fn skip(r: &mut BitReader, mut bits: usize) {
     while bits >= 32 {
         r.get(32);
@@ -633,6 +672,110 @@ mod tests {
                 };
                 select(x, kc, &mut s);
                 assert_eq!(s.idx[..kc], oracle(x, kc)[..], "{name} k={kc}");
+            }
+        }
+    }
+
+    /// [`positions`] as first written: the upper vector one bit at a time.
+    fn positions_bitwise(
+        rec: &[u8],
+        r: Record,
+        c: usize,
+    ) -> core::result::Result<Vec<(usize, u32)>, (usize, String)> {
+        let body = &rec[4..];
+        let mut low = BitReader::new(body);
+        let mut upper = BitReader::new(body);
+        skip(&mut upper, r.kc * r.low as usize);
+        let mut codes = BitReader::new(body);
+        skip(&mut codes, r.kc * r.low as usize + r.upper);
+        let (mut seen, mut ones, mut prev, mut got) = (0usize, 0usize, None::<usize>, vec![]);
+        while ones < r.kc {
+            if seen == r.upper {
+                return Err((4, format!("the upper vector holds {ones} of {} ones", r.kc)));
+            }
+            let bit = upper.get(1);
+            seen += 1;
+            if bit == 0 {
+                continue;
+            }
+            let p = ((seen - 1 - ones) << r.low) | low.get(r.low) as usize;
+            if p >= c || prev.is_some_and(|q| p <= q) {
+                return Err((
+                    4,
+                    format!("position {p} does not follow {prev:?} in a chunk of {c}"),
+                ));
+            }
+            prev = Some(p);
+            got.push((p, codes.get(2)));
+            ones += 1;
+        }
+        while seen < r.upper {
+            if upper.get(1) != 0 {
+                return Err((4, format!("the upper vector holds more than {} ones", r.kc)));
+            }
+            seen += 1;
+        }
+        let used = r.kc * r.low as usize + r.upper + 2 * r.kc;
+        if !used.is_multiple_of(8) && body[used / 8] >> (used % 8) != 0 {
+            return Err((4 + used / 8, "padding bits are not zero".into()));
+        }
+        Ok(got)
+    }
+
+    #[test]
+    fn records_read_word_by_word_as_bit_by_bit() {
+        // Every single-bit change of records of several shapes (and pairs of changes in
+        // the upper vector): the same positions and codes, or the same error.
+        let shapes: &[(usize, usize)] = if cfg!(miri) {
+            &[(100, 7), (5, 64)]
+        } else {
+            &[
+                (4096, 64),
+                (100, 7),
+                (5, 64),
+                (1, 1),
+                (1000, 999),
+                (70, 3),
+                (300, 1),
+            ]
+        };
+        for &(c, k) in shapes {
+            let x: Vec<f32> = (0..c).map(|i| ((i * 7919) % 997) as f32 - 498.0).collect();
+            let r = Record::of(c, k);
+            let (mut idx, mut keys) = (vec![0; c + 64], vec![0; c + 64]);
+            let mut s = Scratch {
+                idx: &mut idx,
+                keys: &mut keys,
+            };
+            let mut rec = vec![0u8; r.bytes];
+            encode_chunk(&x, r, &mut s, &mut rec);
+            let read = |rec: &[u8]| {
+                let mut got = vec![];
+                positions(rec, r, c, |p, code| got.push((p, code))).map(|()| got)
+            };
+            assert_eq!(read(&rec), positions_bitwise(&rec, r, c), "c {c} k {k}");
+            assert!(read(&rec).is_ok());
+            let bits = 8 * (r.bytes - 4);
+            let start = r.kc * r.low as usize;
+            for b in 0..bits {
+                let mut bad = rec.clone();
+                bad[4 + b / 8] ^= 1 << (b % 8);
+                assert_eq!(
+                    read(&bad),
+                    positions_bitwise(&bad, r, c),
+                    "c {c} k {k} bit {b}"
+                );
+                if (start..start + r.upper).contains(&b) {
+                    for b2 in (b + 1..start + r.upper).step_by(7.max(r.upper / 16)) {
+                        let mut worse = bad.clone();
+                        worse[4 + b2 / 8] ^= 1 << (b2 % 8);
+                        assert_eq!(
+                            read(&worse),
+                            positions_bitwise(&worse, r, c),
+                            "c {c} k {k} bits {b} {b2}"
+                        );
+                    }
+                }
             }
         }
     }

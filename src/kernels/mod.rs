@@ -1296,7 +1296,8 @@ pub fn decode_natural<const M: u8>(refs: &[u8], codes: &[u8], block: usize, out:
 /// Returns `(consumed, written)`: it scans from the start of `x` while `idx` has room, and
 /// consumes at least one element unless `x` is empty; call again on the rest (indices are
 /// relative to each call's start). `idx.len() >= 64` and `x.len() <= 2^32` are required.
-/// How far one call gets differs between backends; the indices found do not.
+/// How far one call gets differs between backends; the indices found do not. Entries of
+/// `idx` past the written ones may change (fewer than 64 past them).
 pub fn filter_mag_ge(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
     assert!(idx.len() >= 64, "filter index buffer shorter than 64");
     let b = Backend::current();
