@@ -217,6 +217,51 @@ fn every_backend_matches_scalar_across_scales() {
 }
 
 #[test]
+fn fp8_and_fp4_groups_of_blocks_match_scalar_whatever_one_block_holds() {
+    // The SIMD encoders form the scales of eight whole blocks at once and leave a group
+    // holding an unusual block to the definition's path: plant one at every position of
+    // a group, in frames of three groups and a tail.
+    let backends = simd_backends();
+    // Element `i` of the planted block: NaN, +Inf, signed zeros, a subnormal maximum,
+    // the smallest normal maximum, f32::MAX, values near it, powers of two, tiny values.
+    let unusual: [fn(usize) -> f32; 9] = [
+        |_| f32::NAN,
+        |i| if i == 3 { f32::INFINITY } else { 1.0 },
+        |i| if i % 2 == 0 { 0.0 } else { -0.0 },
+        |i| f32::from_bits(1 + i as u32 * 977),
+        |i| f32::MIN_POSITIVE * if i == 5 { 1.0 } else { 0.25 },
+        |i| if i == 1 { -f32::MAX } else { 3.0 },
+        |i| f32::from_bits(0x7F7F_FFFF - 0x30_0000 * (i as u32 % 3)),
+        |i| 2f32.powi(i as i32 % 40 - 20),
+        |i| 1e-30 * (i as f32 - 7.5),
+    ];
+    for spec in [
+        "fp8",
+        "fp8:block=32",
+        "fp8:format=e5m2,block=64",
+        "fp8:scale=e8m0",
+        "fp8:format=e5m2,scale=e8m0,block=32",
+        "fp4",
+        "fp4:block=64",
+    ] {
+        let spec: CodecSpec = spec.parse().unwrap();
+        let block = block_of(&spec);
+        let n = 3 * 8 * block + block / 2 + 3;
+        let base = sample(n, 77);
+        for value in unusual {
+            for at in 0..8 {
+                let mut x = base.clone();
+                let b = 8 * block + at * block;
+                for (i, v) in x[b..b + block].iter_mut().enumerate() {
+                    *v = value(i);
+                }
+                same_everywhere(&spec, &x, &EncodeCtx::new(at as u64), &backends);
+            }
+        }
+    }
+}
+
+#[test]
 fn stochastic_encoders_match_scalar_at_every_draw_alignment() {
     // The AVX2 stochastic encoders draw 32 at a time in aligned groups of 64 when a block
     // starts at a multiple of 32 (AVX-512's sign-magnitude encoder: 64 at a time, at a

@@ -1603,7 +1603,9 @@ fn fp4_tables(fours: &[f32; 16]) -> Option<[__m256i; 2]> {
 /// fp8 encode with nearest rounding (`fp8::encode` without draws) of E4M3 (`e4m3`) or
 /// E5M2 codes, one byte each, with an f32 or E8M0 block scale: the definition's block
 /// layout ([`fp8::encode_blocks`]) with the scaled elements converted 32 at a time
-/// ([`fp8_nearest_block`]). The same bytes as the definition; returns whether `x` held
+/// ([`fp8_nearest_block`]); blocks of whole 32s go eight at a time with their maxima and
+/// scales formed in one vector ([`fp8_group`]), which saves each block's horizontal
+/// maximum and scalar scale. The same bytes as the definition; returns whether `x` held
 /// NaN or ±Inf.
 ///
 /// # Safety
@@ -1618,6 +1620,54 @@ pub unsafe fn encode_fp8_nearest(
     codes: &mut [u8],
 ) -> bool {
     debug_assert!(matches!(scale, fp8::Scale::F32 | fp8::Scale::E8m0));
+    let f = if e4m3 { fp8::E4M3 } else { fp8::E5M2 };
+    let sb = scale.bytes();
+    // Groups of eight blocks of whole 32s with their scales formed together, then the
+    // rest (and any group the fast path declines) by the definition's layout.
+    let mut nonfinite = false;
+    let (mut done, mut b) = (0, 0);
+    if block.is_multiple_of(32) {
+        while x.len() - done >= 8 * block {
+            let xg = &x[done..done + 8 * block];
+            let (sg, cg) = (
+                &mut scales[b * sb..(b + 8) * sb],
+                &mut codes[done..done + 8 * block],
+            );
+            let fast = match (e4m3, scale) {
+                (true, fp8::Scale::E8m0) => fp8_group::<3, true>(f, block, xg, sg, cg),
+                (true, _) => fp8_group::<3, false>(f, block, xg, sg, cg),
+                (false, fp8::Scale::E8m0) => fp8_group::<2, true>(f, block, xg, sg, cg),
+                (false, _) => fp8_group::<2, false>(f, block, xg, sg, cg),
+            };
+            if !fast {
+                nonfinite |= encode_fp8_rest(e4m3, scale, block, xg, sg, cg);
+            }
+            done += 8 * block;
+            b += 8;
+        }
+    }
+    nonfinite
+        | encode_fp8_rest(
+            e4m3,
+            scale,
+            block,
+            &x[done..],
+            &mut scales[b * sb..],
+            &mut codes[done..],
+        )
+}
+
+/// [`encode_fp8_nearest`] by the definition's block layout, each block converted 32 at a
+/// time.
+#[target_feature(enable = "avx2")]
+fn encode_fp8_rest(
+    e4m3: bool,
+    scale: fp8::Scale,
+    block: usize,
+    x: &[f32],
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
     let f = if e4m3 { fp8::E4M3 } else { fp8::E5M2 };
     fp8::encode_blocks(
         f,
@@ -1639,11 +1689,137 @@ pub unsafe fn encode_fp8_nearest(
     )
 }
 
+/// The largest magnitude bits of each of eight blocks of `block` (a multiple of 8)
+/// elements of `xg`, in block order.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn group_max_bits(block: usize, xg: &[f32]) -> __m256i {
+    assert!(xg.len() >= 8 * block && block.is_multiple_of(8));
+    let abs = _mm256_set1_epi32(ABS);
+    let mut v = [_mm256_setzero_si256(); 8];
+    for (m, xb) in v.iter_mut().zip(xg.chunks_exact(block)) {
+        for c in xb.chunks_exact(8) {
+            // SAFETY: `c` holds 8 f32, one unaligned __m256i.
+            let e = unsafe { _mm256_loadu_si256(c.as_ptr().cast()) };
+            // Magnitude bits are below 2^31: a signed maximum orders them.
+            *m = _mm256_max_epi32(*m, _mm256_and_si256(e, abs));
+        }
+    }
+    // Pairs of rows, then quads, interleaved so that lane j ends with block j's maximum.
+    let lo = max_quads(max_pairs(v[0], v[1]), max_pairs(v[2], v[3]));
+    let hi = max_quads(max_pairs(v[4], v[5]), max_pairs(v[6], v[7]));
+    _mm256_max_epi32(
+        _mm256_permute2x128_si256::<0x20>(lo, hi),
+        _mm256_permute2x128_si256::<0x31>(lo, hi),
+    )
+}
+
+/// The maxima of `a` and `b`'s lanes 0 and 2 and 1 and 3 of each half, interleaved.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn max_pairs(a: __m256i, b: __m256i) -> __m256i {
+    _mm256_max_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b))
+}
+
+/// The maxima of `a` and `b`'s 64-bit halves of each half.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn max_quads(a: __m256i, b: __m256i) -> __m256i {
+    _mm256_max_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b))
+}
+
+/// The quotients' operands of eight blocks whose maxima bits are `m`, with their scales
+/// written to `sg` (E8M0 bytes when `E8M0`, else f32), as `fp8::Quotient::new` forms
+/// them: with `E8M0`, `2^-k` (the elements are multiplied by it), else the scale `s`
+/// (they are divided by it). `None`, writing nothing, unless every block is finite with
+/// a normal non-zero maximum and (E8M0) `k <= 126`: the definition's layout takes those.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn group_scales<const E8M0: bool>(f: fp8::Format, m: __m256i, sg: &mut [u8]) -> Option<__m256> {
+    let i32x8 = _mm256_set1_epi32;
+    let unusual = _mm256_or_si256(
+        _mm256_cmpgt_epi32(m, i32x8(INF_BITS as i32 - 1)),
+        _mm256_cmpgt_epi32(i32x8(1 << 23), m),
+    );
+    if _mm256_movemask_ps(_mm256_castsi256_ps(unusual)) != 0 {
+        return None;
+    }
+    if E8M0 {
+        // fp8::e8m0_exponent of a normal m: floor(log2 m) - emax, one more where m's
+        // mantissa exceeds FMAX's.
+        let fmax_mant = (f.max_code as i32 & ((1 << f.m) - 1)) << (23 - f.m);
+        let e = _mm256_sub_epi32(_mm256_srli_epi32::<23>(m), i32x8(127 + f.emax()));
+        let over = _mm256_cmpgt_epi32(_mm256_and_si256(m, i32x8(0x7F_FFFF)), i32x8(fmax_mant));
+        let k = _mm256_max_epi32(_mm256_sub_epi32(e, over), i32x8(-127));
+        if _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k, i32x8(126)))) != 0 {
+            return None;
+        }
+        let mut ks = [0i32; 8];
+        // SAFETY: `ks` is 8 i32, one unaligned __m256i.
+        unsafe { _mm256_storeu_si256(ks.as_mut_ptr().cast(), k) };
+        for (o, k) in sg.iter_mut().zip(ks) {
+            *o = (k + 127) as u8;
+        }
+        // 2^-k from its bits: 127 - k lies in 1..=254.
+        Some(_mm256_castsi256_ps(_mm256_slli_epi32::<23>(
+            _mm256_sub_epi32(i32x8(127), k),
+        )))
+    } else {
+        // s = max(m / FMAX, 2^-126), one step down where FMAX * s overflows.
+        let fmax = _mm256_set1_ps(f.max());
+        let s = _mm256_max_ps(
+            _mm256_div_ps(_mm256_castsi256_ps(m), fmax),
+            _mm256_set1_ps(f32::MIN_POSITIVE),
+        );
+        let inf =
+            _mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_mul_ps(fmax, s), _mm256_set1_ps(f32::INFINITY));
+        let down = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_castps_si256(s), i32x8(1)));
+        let s = _mm256_blendv_ps(s, down, inf);
+        assert!(sg.len() >= 32);
+        // SAFETY: `sg` holds 32 bytes, one unaligned __m256 (little-endian f32s).
+        unsafe { _mm256_storeu_ps(sg.as_mut_ptr().cast(), s) };
+        Some(s)
+    }
+}
+
+/// Eight blocks of `block` (a multiple of 32) elements `xg` of fp8 in the format of `M`
+/// mantissa bits: the scales formed together ([`group_scales`]), then each block's codes
+/// 32 at a time. False, writing nothing, where [`group_scales`] declines.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn fp8_group<const M: u32, const E8M0: bool>(
+    f: fp8::Format,
+    block: usize,
+    xg: &[f32],
+    sg: &mut [u8],
+    cg: &mut [u8],
+) -> bool {
+    let Some(by) = group_scales::<E8M0>(f, group_max_bits(block, xg), sg) else {
+        return false;
+    };
+    for (j, (xb, cb)) in xg
+        .chunks_exact(block)
+        .zip(cg.chunks_exact_mut(block))
+        .enumerate()
+    {
+        let n = Nearest::with_by(f, _mm256_permutevar8x32_ps(by, _mm256_set1_epi32(j as i32)));
+        for (c, o) in xb.chunks_exact(32).zip(cb.chunks_exact_mut(32)) {
+            let [c0, c1, c2, c3] = n.codes32::<M, E8M0, false>(c);
+            // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
+            unsafe {
+                _mm256_storeu_si256(o.as_mut_ptr().cast(), pack_bytes::<false>(c0, c1, c2, c3))
+            };
+        }
+    }
+    true
+}
+
 /// fp4 encode with nearest rounding (`fp8::encode` with `four`, without draws) of E2M1
 /// codes, two per byte, with any block scale: the definition's block layout with the
 /// scaled elements converted 32 at a time and packed by a multiply-add
-/// ([`fp4_nearest_block`]). The same bytes as the definition; returns whether `x` held
-/// NaN or ±Inf.
+/// ([`fp4_nearest_block`]); E8M0-scaled blocks of whole 32s go eight at a time as fp8's
+/// do ([`fp4_group`]). The same bytes as the definition; returns whether `x` held NaN or
+/// ±Inf.
 ///
 /// # Safety
 /// The CPU must support AVX2.
@@ -1656,6 +1832,72 @@ pub unsafe fn encode_fp4_nearest(
     codes: &mut [u8],
 ) -> bool {
     debug_assert!(scale != fp8::Scale::None && block.is_multiple_of(2));
+    let mut nonfinite = false;
+    let (mut done, mut b) = (0, 0);
+    if scale == fp8::Scale::E8m0 && block.is_multiple_of(32) {
+        // Groups of eight blocks with their scales formed together, as fp8's.
+        while x.len() - done >= 8 * block {
+            let xg = &x[done..done + 8 * block];
+            let (sg, cg) = (
+                &mut scales[b..b + 8],
+                &mut codes[done / 2..(done + 8 * block) / 2],
+            );
+            if !fp4_group(block, xg, sg, cg) {
+                nonfinite |= encode_fp4_rest(scale, block, xg, sg, cg);
+            }
+            done += 8 * block;
+            b += 8;
+        }
+    }
+    let sb = scale.bytes();
+    nonfinite
+        | encode_fp4_rest(
+            scale,
+            block,
+            &x[done..],
+            &mut scales[b * sb..],
+            &mut codes[done / 2..],
+        )
+}
+
+/// Eight E8M0-scaled blocks of `block` (a multiple of 32) elements `xg` of E2M1 codes:
+/// [`fp8_group`]'s plan with [`fp4_nearest_block`]'s packing. False, writing nothing,
+/// where [`group_scales`] declines.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn fp4_group(block: usize, xg: &[f32], sg: &mut [u8], cg: &mut [u8]) -> bool {
+    let f = fp8::E2M1;
+    let Some(by) = group_scales::<true>(f, group_max_bits(block, xg), sg) else {
+        return false;
+    };
+    let pair = _mm256_set1_epi16(0x1001);
+    for (j, (xb, cb)) in xg
+        .chunks_exact(block)
+        .zip(cg.chunks_exact_mut(block / 2))
+        .enumerate()
+    {
+        let n = Nearest::with_by(f, _mm256_permutevar8x32_ps(by, _mm256_set1_epi32(j as i32)));
+        for (c, o) in xb.chunks_exact(32).zip(cb.chunks_exact_mut(16)) {
+            let [c0, c1, c2, c3] = n.codes32::<1, true, true>(c);
+            let pairs = _mm256_maddubs_epi16(pack_bytes::<false>(c0, c1, c2, c3), pair);
+            let bytes = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi16(pairs, pairs));
+            // SAFETY: `o` holds 16 bytes, one unaligned __m128i.
+            unsafe { _mm_storeu_si128(o.as_mut_ptr().cast(), _mm256_castsi256_si128(bytes)) };
+        }
+    }
+    true
+}
+
+/// [`encode_fp4_nearest`] by the definition's block layout, each block converted 32 at a
+/// time.
+#[target_feature(enable = "avx2")]
+fn encode_fp4_rest(
+    scale: fp8::Scale,
+    block: usize,
+    x: &[f32],
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
     let f = fp8::E2M1;
     fp8::encode_blocks(
         f,
@@ -1691,8 +1933,15 @@ impl Nearest {
     /// The constants for format `f` and a block's quotient `q` (its `inv` when it has
     /// one, else its scale `s`).
     fn new(f: fp8::Format, q: fp8::Quotient) -> Nearest {
+        Nearest::with_by(f, _mm256_set1_ps(q.inv.unwrap_or(q.s)))
+    }
+
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    /// The constants for format `f` with the block's operand `by` in every lane.
+    fn with_by(f: fp8::Format, by: __m256) -> Nearest {
         Nearest {
-            by: _mm256_set1_ps(q.inv.unwrap_or(q.s)),
+            by,
             emin: _mm256_set1_epi32((1 - f.bias + 127) << 23),
             exponent: _mm256_set1_epi32(0x7F80_0000),
             ulp: _mm256_set1_epi32((23 - f.m as i32) << 23),
@@ -1746,9 +1995,23 @@ impl Nearest {
         c: &[f32],
     ) -> [__m256i; 4] {
         assert!(c.len() >= 32);
-        // SAFETY: `c` holds at least 32 f32, four unaligned __m256.
-        let v = unsafe { [0, 8, 16, 24].map(|k| _mm256_loadu_ps(c.as_ptr().add(k))) };
-        v.map(|v| self.code::<M, MULTIPLY, FOUR>(v))
+        // SAFETY: `c` holds at least 32 f32, four unaligned __m256 (no closures: they
+        // would be compiled without AVX2 and might not be inlined).
+        let v = unsafe {
+            let p = c.as_ptr();
+            [
+                _mm256_loadu_ps(p),
+                _mm256_loadu_ps(p.add(8)),
+                _mm256_loadu_ps(p.add(16)),
+                _mm256_loadu_ps(p.add(24)),
+            ]
+        };
+        [
+            self.code::<M, MULTIPLY, FOUR>(v[0]),
+            self.code::<M, MULTIPLY, FOUR>(v[1]),
+            self.code::<M, MULTIPLY, FOUR>(v[2]),
+            self.code::<M, MULTIPLY, FOUR>(v[3]),
+        ]
     }
 }
 
