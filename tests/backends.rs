@@ -114,6 +114,8 @@ fn all_specs() -> Vec<CodecSpec> {
         "randk:ratio=0.01",
         "randk:ratio=1,select=strata",
         "randk:ratio=0.01,values=fp16,select=strata",
+        "fp4:block=48,scale=f32",
+        "fp4:block=16,format=e2m1",
     ] {
         v.push(s.parse().unwrap());
     }

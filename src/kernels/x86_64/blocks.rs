@@ -2059,6 +2059,27 @@ fn fp4_nearest_block<const MULTIPLY: bool>(q: fp8::Quotient, xb: &[f32], cb: &mu
         // SAFETY: `o` holds 16 bytes, one unaligned __m128i.
         unsafe { _mm_storeu_si128(o.as_mut_ptr().cast(), _mm256_castsi256_si128(bytes)) };
     }
+    let mut done = done;
+    if xb.len() - done >= 16 {
+        // Sixteen more (all of an NVFP4-like block of 16): the same steps on two vectors,
+        // the other two zero, keeping the first 8 bytes.
+        // SAFETY: `xb[done..]` holds at least 16 f32, two unaligned __m256.
+        let (v0, v1) = unsafe {
+            let p = xb.as_ptr().add(done);
+            (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+        };
+        let (c0, c1) = (
+            n.code::<1, MULTIPLY, true>(v0),
+            n.code::<1, MULTIPLY, true>(v1),
+        );
+        let zero = _mm256_setzero_si256();
+        let pairs = _mm256_maddubs_epi16(pack_bytes::<false>(c0, c1, zero, zero), pair);
+        let bytes = _mm256_packus_epi16(pairs, pairs);
+        let o = &mut cb[done / 2..done / 2 + 8];
+        // SAFETY: `o` holds 8 bytes, the low 64 bits of one __m128i.
+        unsafe { _mm_storel_epi64(o.as_mut_ptr().cast(), _mm256_castsi256_si128(bytes)) };
+        done += 16;
+    }
     if done < xb.len() {
         fp8::packed(q, &xb[done..], 0, &mut cb[done / 2..], |q, xt, _, out| {
             for (o, &v) in out.iter_mut().zip(xt) {
