@@ -1803,13 +1803,7 @@ fn fp8_group<const M: u32, const E8M0: bool>(
         .enumerate()
     {
         let n = Nearest::with_by(f, _mm256_permutevar8x32_ps(by, _mm256_set1_epi32(j as i32)));
-        for (c, o) in xb.chunks_exact(32).zip(cb.chunks_exact_mut(32)) {
-            let [c0, c1, c2, c3] = n.codes32::<M, E8M0, false>(c);
-            // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
-            unsafe {
-                _mm256_storeu_si256(o.as_mut_ptr().cast(), pack_bytes::<false>(c0, c1, c2, c3))
-            };
-        }
+        fp8_whole32s::<M, E8M0>(&n, xb, cb);
     }
     true
 }
@@ -1870,20 +1864,13 @@ fn fp4_group(block: usize, xg: &[f32], sg: &mut [u8], cg: &mut [u8]) -> bool {
     let Some(by) = group_scales::<true>(f, group_max_bits(block, xg), sg) else {
         return false;
     };
-    let pair = _mm256_set1_epi16(0x1001);
     for (j, (xb, cb)) in xg
         .chunks_exact(block)
         .zip(cg.chunks_exact_mut(block / 2))
         .enumerate()
     {
         let n = Nearest::with_by(f, _mm256_permutevar8x32_ps(by, _mm256_set1_epi32(j as i32)));
-        for (c, o) in xb.chunks_exact(32).zip(cb.chunks_exact_mut(16)) {
-            let [c0, c1, c2, c3] = n.codes32::<1, true, true>(c);
-            let pairs = _mm256_maddubs_epi16(pack_bytes::<false>(c0, c1, c2, c3), pair);
-            let bytes = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi16(pairs, pairs));
-            // SAFETY: `o` holds 16 bytes, one unaligned __m128i.
-            unsafe { _mm_storeu_si128(o.as_mut_ptr().cast(), _mm256_castsi256_si128(bytes)) };
-        }
+        fp4_whole32s::<true>(&n, xb, cb);
     }
     true
 }
@@ -1915,6 +1902,24 @@ fn encode_fp4_rest(
             None => fp4_nearest_block::<false>(q, xb, cb),
         },
     )
+}
+
+/// The packed E2M1 codes of `xb`'s whole 32s into `cb` (two per byte, the even element in
+/// the low nibble): their 4-bit codes ([`Nearest::code`]) narrowed to bytes, each pair
+/// joined by a multiply-add (`lo + 16 hi`) and narrowed again. How many elements that was.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn fp4_whole32s<const MULTIPLY: bool>(n: &Nearest, xb: &[f32], cb: &mut [u8]) -> usize {
+    let pair = _mm256_set1_epi16(0x1001);
+    for (c, o) in xb.chunks_exact(32).zip(cb.chunks_exact_mut(16)) {
+        let [c0, c1, c2, c3] = n.codes32::<1, MULTIPLY, true>(c);
+        let pairs = _mm256_maddubs_epi16(pack_bytes::<false>(c0, c1, c2, c3), pair);
+        // Each half's 8 bytes, then the second half's moved next to the first.
+        let bytes = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi16(pairs, pairs));
+        // SAFETY: `o` holds 16 bytes, one unaligned __m128i.
+        unsafe { _mm_storeu_si128(o.as_mut_ptr().cast(), _mm256_castsi256_si128(bytes)) };
+    }
+    xb.len() / 32 * 32
 }
 
 /// The constants of [`Nearest::code`].
@@ -2026,40 +2031,39 @@ fn fp8_nearest_block<const M: u32, const MULTIPLY: bool>(
     xb: &[f32],
     out: &mut [u8],
 ) {
-    let n = Nearest::new(f, q);
-    let mut chunks = xb.chunks_exact(32);
-    let mut outs = out.chunks_exact_mut(32);
-    for (c, o) in (&mut chunks).zip(&mut outs) {
-        let [c0, c1, c2, c3] = n.codes32::<M, MULTIPLY, false>(c);
-        // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
-        unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), pack_bytes::<false>(c0, c1, c2, c3)) };
-    }
-    for (o, &v) in outs.into_remainder().iter_mut().zip(chunks.remainder()) {
+    let done = fp8_whole32s::<M, MULTIPLY>(&Nearest::new(f, q), xb, out);
+    for (o, &v) in out[done..].iter_mut().zip(&xb[done..]) {
         *o = fp8::nearest_in_range(f, q.of(v));
     }
 }
 
+/// The codes of `xb`'s whole 32s into `out` ([`Nearest::code`] of each, narrowed with
+/// saturating packs): how many elements that was.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn fp8_whole32s<const M: u32, const MULTIPLY: bool>(
+    n: &Nearest,
+    xb: &[f32],
+    out: &mut [u8],
+) -> usize {
+    for (c, o) in xb.chunks_exact(32).zip(out.chunks_exact_mut(32)) {
+        let [c0, c1, c2, c3] = n.codes32::<M, MULTIPLY, false>(c);
+        // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
+        unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), pack_bytes::<false>(c0, c1, c2, c3)) };
+    }
+    xb.len() / 32 * 32
+}
+
 /// The packed E2M1 codes of a scaled block's elements `xb` into `cb` (two per byte, the
-/// even element in the low nibble), 32 elements a step: their 4-bit codes
-/// ([`Nearest::code`]) narrowed to bytes, each pair joined by a multiply-add (`lo + 16
-/// hi`) and narrowed again. A tail shorter than 32 runs the definition.
+/// even element in the low nibble): 32 elements a step ([`fp4_whole32s`]), then 16 the
+/// same way, then a tail shorter than 16 by the definition.
 #[target_feature(enable = "avx2")]
 #[inline]
 fn fp4_nearest_block<const MULTIPLY: bool>(q: fp8::Quotient, xb: &[f32], cb: &mut [u8]) {
     let f = fp8::E2M1;
     let n = Nearest::new(f, q);
     let pair = _mm256_set1_epi16(0x1001);
-    let chunks = xb.chunks_exact(32);
-    let done = xb.len() - chunks.remainder().len();
-    for (c, o) in chunks.zip(cb.chunks_exact_mut(16)) {
-        let [c0, c1, c2, c3] = n.codes32::<1, MULTIPLY, true>(c);
-        let pairs = _mm256_maddubs_epi16(pack_bytes::<false>(c0, c1, c2, c3), pair);
-        // Each half's 8 bytes, then the second half's moved next to the first.
-        let bytes = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi16(pairs, pairs));
-        // SAFETY: `o` holds 16 bytes, one unaligned __m128i.
-        unsafe { _mm_storeu_si128(o.as_mut_ptr().cast(), _mm256_castsi256_si128(bytes)) };
-    }
-    let mut done = done;
+    let mut done = fp4_whole32s::<MULTIPLY>(&n, xb, cb);
     if xb.len() - done >= 16 {
         // Sixteen more (all of an NVFP4-like block of 16): the same steps on two vectors,
         // the other two zero, keeping the first 8 bytes.
