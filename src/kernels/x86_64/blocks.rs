@@ -1621,40 +1621,55 @@ pub unsafe fn encode_fp8_nearest(
 ) -> bool {
     debug_assert!(matches!(scale, fp8::Scale::F32 | fp8::Scale::E8m0));
     let f = if e4m3 { fp8::E4M3 } else { fp8::E5M2 };
-    let sb = scale.bytes();
-    // Groups of eight blocks of whole 32s with their scales formed together, then the
-    // rest (and any group the fast path declines) by the definition's layout.
-    let mut nonfinite = false;
-    let (mut done, mut b) = (0, 0);
-    if block.is_multiple_of(32) {
-        while x.len() - done >= 8 * block {
-            let xg = &x[done..done + 8 * block];
-            let (sg, cg) = (
-                &mut scales[b * sb..(b + 8) * sb],
-                &mut codes[done..done + 8 * block],
-            );
-            let fast = match (e4m3, scale) {
-                (true, fp8::Scale::E8m0) => fp8_group::<3, true>(f, block, xg, sg, cg),
-                (true, _) => fp8_group::<3, false>(f, block, xg, sg, cg),
-                (false, fp8::Scale::E8m0) => fp8_group::<2, true>(f, block, xg, sg, cg),
-                (false, _) => fp8_group::<2, false>(f, block, xg, sg, cg),
-            };
-            if !fast {
-                nonfinite |= encode_fp8_rest(e4m3, scale, block, xg, sg, cg);
-            }
-            done += 8 * block;
-            b += 8;
+    in_groups(
+        block.is_multiple_of(32),
+        block,
+        scale.bytes(),
+        1,
+        x,
+        scales,
+        codes,
+        #[inline(always)]
+        |xg, sg, cg| match (e4m3, scale) {
+            (true, fp8::Scale::E8m0) => fp8_group::<3, true>(f, block, xg, sg, cg),
+            (true, _) => fp8_group::<3, false>(f, block, xg, sg, cg),
+            (false, fp8::Scale::E8m0) => fp8_group::<2, true>(f, block, xg, sg, cg),
+            (false, _) => fp8_group::<2, false>(f, block, xg, sg, cg),
+        },
+        #[inline(always)]
+        |x, sc, c| encode_fp8_rest(e4m3, scale, block, x, sc, c),
+    )
+}
+
+/// The block layout of the fp8 and fp4 encoders: while `grouped`, eight blocks at a time
+/// by `group(x, scales, codes)` (false when it declines, having written nothing), else by
+/// `rest`, which also takes the blocks after the last group. `sb` scale bytes per block,
+/// `per` elements per code byte (1 or 2). True when `rest` saw NaN or ±Inf.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn in_groups(
+    grouped: bool,
+    block: usize,
+    sb: usize,
+    per: usize,
+    x: &[f32],
+    scales: &mut [u8],
+    codes: &mut [u8],
+    mut group: impl FnMut(&[f32], &mut [u8], &mut [u8]) -> bool,
+    mut rest: impl FnMut(&[f32], &mut [u8], &mut [u8]) -> bool,
+) -> bool {
+    let (mut nonfinite, mut done, mut b) = (false, 0, 0);
+    while grouped && x.len() - done >= 8 * block {
+        let xg = &x[done..done + 8 * block];
+        let sg = &mut scales[b * sb..(b + 8) * sb];
+        let cg = &mut codes[done / per..(done + 8 * block) / per];
+        if !group(xg, sg, cg) {
+            nonfinite |= rest(xg, sg, cg);
         }
+        done += 8 * block;
+        b += 8;
     }
-    nonfinite
-        | encode_fp8_rest(
-            e4m3,
-            scale,
-            block,
-            &x[done..],
-            &mut scales[b * sb..],
-            &mut codes[done..],
-        )
+    nonfinite | rest(&x[done..], &mut scales[b * sb..], &mut codes[done / per..])
 }
 
 /// [`encode_fp8_nearest`] by the definition's block layout, each block converted 32 at a
@@ -1732,7 +1747,7 @@ fn max_quads(a: __m256i, b: __m256i) -> __m256i {
 /// written to `sg` (E8M0 bytes when `E8M0`, else f32), as `fp8::Quotient::new` forms
 /// them: with `E8M0`, `2^-k` (the elements are multiplied by it), else the scale `s`
 /// (they are divided by it). `None`, writing nothing, unless every block is finite with
-/// a normal non-zero maximum and (E8M0) `k <= 126`: the definition's layout takes those.
+/// a normal non-zero maximum: the definition's layout takes those.
 #[target_feature(enable = "avx2")]
 #[inline]
 fn group_scales<const E8M0: bool>(f: fp8::Format, m: __m256i, sg: &mut [u8]) -> Option<__m256> {
@@ -1750,10 +1765,9 @@ fn group_scales<const E8M0: bool>(f: fp8::Format, m: __m256i, sg: &mut [u8]) -> 
         let fmax_mant = (f.max_code as i32 & ((1 << f.m) - 1)) << (23 - f.m);
         let e = _mm256_sub_epi32(_mm256_srli_epi32::<23>(m), i32x8(127 + f.emax()));
         let over = _mm256_cmpgt_epi32(_mm256_and_si256(m, i32x8(0x7F_FFFF)), i32x8(fmax_mant));
+        // k <= 127 - emax + 1 <= 126 (every format here has emax >= 2).
+        debug_assert!(f.emax() >= 2);
         let k = _mm256_max_epi32(_mm256_sub_epi32(e, over), i32x8(-127));
-        if _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k, i32x8(126)))) != 0 {
-            return None;
-        }
         let mut ks = [0i32; 8];
         // SAFETY: `ks` is 8 i32, one unaligned __m256i.
         unsafe { _mm256_storeu_si256(ks.as_mut_ptr().cast(), k) };
@@ -1826,32 +1840,19 @@ pub unsafe fn encode_fp4_nearest(
     codes: &mut [u8],
 ) -> bool {
     debug_assert!(scale != fp8::Scale::None && block.is_multiple_of(2));
-    let mut nonfinite = false;
-    let (mut done, mut b) = (0, 0);
-    if scale == fp8::Scale::E8m0 && block.is_multiple_of(32) {
-        // Groups of eight blocks with their scales formed together, as fp8's.
-        while x.len() - done >= 8 * block {
-            let xg = &x[done..done + 8 * block];
-            let (sg, cg) = (
-                &mut scales[b..b + 8],
-                &mut codes[done / 2..(done + 8 * block) / 2],
-            );
-            if !fp4_group(block, xg, sg, cg) {
-                nonfinite |= encode_fp4_rest(scale, block, xg, sg, cg);
-            }
-            done += 8 * block;
-            b += 8;
-        }
-    }
-    let sb = scale.bytes();
-    nonfinite
-        | encode_fp4_rest(
-            scale,
-            block,
-            &x[done..],
-            &mut scales[b * sb..],
-            &mut codes[done / 2..],
-        )
+    in_groups(
+        scale == fp8::Scale::E8m0 && block.is_multiple_of(32),
+        block,
+        scale.bytes(),
+        2,
+        x,
+        scales,
+        codes,
+        #[inline(always)]
+        |xg, sg, cg| fp4_group(block, xg, sg, cg),
+        #[inline(always)]
+        |x, sc, c| encode_fp4_rest(scale, block, x, sc, c),
+    )
 }
 
 /// Eight E8M0-scaled blocks of `block` (a multiple of 32) elements `xg` of E2M1 codes:
