@@ -116,6 +116,9 @@ fn all_specs() -> Vec<CodecSpec> {
         "randk:ratio=0.01,values=fp16,select=strata",
         "fp4:block=48,scale=f32",
         "fp4:block=16,format=e2m1",
+        "fp4:format=e3m0",
+        "fp4:format=e3m0,block=48,scale=f32",
+        "fp4:format=e3m0,block=16,scale=e4m3",
     ] {
         v.push(s.parse().unwrap());
     }
@@ -245,6 +248,8 @@ fn fp8_and_fp4_groups_of_blocks_match_scalar_whatever_one_block_holds() {
         "fp8:format=e5m2,scale=e8m0,block=32",
         "fp4",
         "fp4:block=64",
+        "fp4:format=e3m0",
+        "fp4:format=e3m0,block=64",
     ] {
         let spec: CodecSpec = spec.parse().unwrap();
         let block = block_of(&spec);

@@ -212,13 +212,13 @@ fn fp8_in_range_conversions_match_the_definition_for_every_f32_in_range() {
 }
 
 /// fp8's and fp4's nearest encodes on every SIMD backend (on x86, kernels of their own
-/// for E4M3, E5M2 and E2M1) equal the definition on every f32 of magnitude at most FMAX,
-/// both signs: blocks (of 128, and of 32 for E2M1's two codes per byte) led by FMAX get
+/// for E4M3, E5M2, E2M1 and E3M0) equal the definition on every f32 of magnitude at most
+/// FMAX, both signs: blocks (of 128, and of 32 for fp4's two codes per byte) led by FMAX get
 /// the E8M0 scale 2^0, so every other element's quotient is the element itself. Under
 /// emulation every 997th pattern.
 #[test]
 fn fp8_and_fp4_nearest_encodes_match_the_definition_on_every_backend_in_range() {
-    use kernels::fp8::{E2M1, E4M3, E5M2, Scale, encode_nearest, narrow4};
+    use kernels::fp8::{E2M1, E3M0, E4M3, E5M2, Scale, encode_nearest, narrow4};
     const BLOCKS: usize = 4096;
     let stride: u32 = if cfg!(target_arch = "x86_64") { 1 } else { 997 };
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get()) as u32;
@@ -228,7 +228,12 @@ fn fp8_and_fp4_nearest_encodes_match_the_definition_on_every_backend_in_range() 
         .filter_map(Backend::of)
         .collect();
     for b in backends {
-        for (f, four, block) in [(E4M3, false, 128), (E5M2, false, 128), (E2M1, true, 32)] {
+        for (f, four, block) in [
+            (E4M3, false, 128),
+            (E5M2, false, 128),
+            (E2M1, true, 32),
+            (E3M0, true, 32),
+        ] {
             let fmax = f.max();
             let last = fmax.to_bits();
             // Thread t checks the patterns t, t + threads, ... (times the stride), in

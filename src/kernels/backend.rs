@@ -109,8 +109,8 @@ pub(crate) enum Op {
     /// fp8 encode with nearest rounding, 8-bit codes and an f32 or E8M0 scale: an AVX2
     /// kernel of 32 elements a step.
     EncodeFp8Nearest,
-    /// fp4 encode of E2M1 codes with nearest rounding and a scale: an AVX2 kernel of 32
-    /// elements a step.
+    /// fp4 encode of E2M1 or E3M0 codes with nearest rounding and a scale: an AVX2
+    /// kernel of 32 elements a step.
     EncodeFp4Nearest,
     /// fp8 decode: portable code, as `DecodeF32`.
     DecodeFp8,
@@ -205,9 +205,9 @@ pub(crate) enum X86 {
 /// `cargo bench --bench codecs` at 1 Mi elements, 2026-11-26): the AVX-512 builds encode
 /// fp8 1.8 times as fast as AVX2's and decode it 1.7 times, and encode fp4 1.8 times.
 /// fp8's nearest encode of 8-bit codes with an f32 or E8M0 scale, and fp4's of E2M1
-/// codes with any scale, have hand-written AVX2 kernels (32 elements a step, packed by
-/// saturation; 1.45 to 1.7 times the portable AVX2 build on a 2-core Zen 3,
-/// 2026-11-27); there are no AVX-512 ones, so the AVX-512 backend runs them too
+/// and E3M0 codes with any scale, have hand-written AVX2 kernels (32 elements a step,
+/// packed by saturation; 1.45 to 1.7 times the portable AVX2 build on a 2-core Zen 3,
+/// 2026-11-27, E3M0 2 to 3.3 times, 2026-11-28); there are no AVX-512 ones, so the AVX-512 backend runs them too
 /// (`EncodeFp8Nearest`, `EncodeFp4Nearest`), which makes it as fast as AVX2's by
 /// construction. Whether the portable AVX-512 builds, 1.8 times the portable AVX2 ones
 /// on the Zen 5, beat them there is not measured yet.

@@ -944,16 +944,19 @@ pub fn encode_float(
             x86_64::blocks::encode_fp8_nearest(f == fp8::E4M3, scale, block, x, scales, codes)
         };
     }
-    // Nearest rounding of E2M1 codes with a scale (fp4's default): the AVX2 kernel.
+    // Nearest rounding of E2M1 (fp4's default) or E3M0 codes with a scale: the AVX2
+    // kernel.
     #[cfg(target_arch = "x86_64")]
     if draws.is_none()
         && four
         && scale != fp8::Scale::None
-        && f == fp8::E2M1
+        && (f == fp8::E2M1 || f == fp8::E3M0)
         && x86_route(Op::EncodeFp4Nearest, b.kind()) == X86::Avx2
     {
         // SAFETY: as above.
-        return unsafe { x86_64::blocks::encode_fp4_nearest(scale, block, x, scales, codes) };
+        return unsafe {
+            x86_64::blocks::encode_fp4_nearest(f == fp8::E3M0, scale, block, x, scales, codes)
+        };
     }
     let op = EncodeFloat {
         f,

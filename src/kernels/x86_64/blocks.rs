@@ -1823,7 +1823,7 @@ fn fp8_group<const M: u32, const E8M0: bool>(
 }
 
 /// fp4 encode with nearest rounding (`fp8::encode` with `four`, without draws) of E2M1
-/// codes, two per byte, with any block scale: the definition's block layout with the
+/// codes, or with `e3m0` of E3M0 codes, two per byte, with any block scale: the definition's block layout with the
 /// scaled elements converted 32 at a time and packed by a multiply-add
 /// ([`fp4_nearest_block`]); E8M0-scaled blocks of whole 32s go eight at a time as fp8's
 /// do ([`fp4_group`]). The same bytes as the definition; returns whether `x` held NaN or
@@ -1833,6 +1833,7 @@ fn fp8_group<const M: u32, const E8M0: bool>(
 /// The CPU must support AVX2.
 #[target_feature(enable = "avx2")]
 pub unsafe fn encode_fp4_nearest(
+    e3m0: bool,
     scale: fp8::Scale,
     block: usize,
     x: &[f32],
@@ -1840,6 +1841,22 @@ pub unsafe fn encode_fp4_nearest(
     codes: &mut [u8],
 ) -> bool {
     debug_assert!(scale != fp8::Scale::None && block.is_multiple_of(2));
+    if e3m0 {
+        fp4_in_groups::<0>(scale, block, x, scales, codes)
+    } else {
+        fp4_in_groups::<1>(scale, block, x, scales, codes)
+    }
+}
+
+/// [`encode_fp4_nearest`] in a format of `M` mantissa bits ([`fp4_format`]).
+#[target_feature(enable = "avx2")]
+fn fp4_in_groups<const M: u32>(
+    scale: fp8::Scale,
+    block: usize,
+    x: &[f32],
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
     in_groups(
         scale == fp8::Scale::E8m0 && block.is_multiple_of(32),
         block,
@@ -1849,19 +1866,24 @@ pub unsafe fn encode_fp4_nearest(
         scales,
         codes,
         #[inline(always)]
-        |xg, sg, cg| fp4_group(block, xg, sg, cg),
+        |xg, sg, cg| fp4_group::<M>(block, xg, sg, cg),
         #[inline(always)]
-        |x, sc, c| encode_fp4_rest(scale, block, x, sc, c),
+        |x, sc, c| encode_fp4_rest::<M>(scale, block, x, sc, c),
     )
 }
 
-/// Eight E8M0-scaled blocks of `block` (a multiple of 32) elements `xg` of E2M1 codes:
+/// The 4-bit format of `M` mantissa bits: E2M1 (1) or E3M0 (0).
+const fn fp4_format<const M: u32>() -> fp8::Format {
+    if M == 0 { fp8::E3M0 } else { fp8::E2M1 }
+}
+
+/// Eight E8M0-scaled blocks of `block` (a multiple of 32) elements `xg` of 4-bit codes:
 /// [`fp8_group`]'s plan with [`fp4_nearest_block`]'s packing. False, writing nothing,
 /// where [`group_scales`] declines.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn fp4_group(block: usize, xg: &[f32], sg: &mut [u8], cg: &mut [u8]) -> bool {
-    let f = fp8::E2M1;
+fn fp4_group<const M: u32>(block: usize, xg: &[f32], sg: &mut [u8], cg: &mut [u8]) -> bool {
+    let f = fp4_format::<M>();
     let Some(by) = group_scales::<true>(f, group_max_bits(block, xg), sg) else {
         return false;
     };
@@ -1871,7 +1893,7 @@ fn fp4_group(block: usize, xg: &[f32], sg: &mut [u8], cg: &mut [u8]) -> bool {
         .enumerate()
     {
         let n = Nearest::with_by(f, _mm256_permutevar8x32_ps(by, _mm256_set1_epi32(j as i32)));
-        fp4_whole32s::<true>(&n, xb, cb);
+        fp4_whole32s::<M, true>(&n, xb, cb);
     }
     true
 }
@@ -1879,14 +1901,14 @@ fn fp4_group(block: usize, xg: &[f32], sg: &mut [u8], cg: &mut [u8]) -> bool {
 /// [`encode_fp4_nearest`] by the definition's block layout, each block converted 32 at a
 /// time.
 #[target_feature(enable = "avx2")]
-fn encode_fp4_rest(
+fn encode_fp4_rest<const M: u32>(
     scale: fp8::Scale,
     block: usize,
     x: &[f32],
     scales: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    let f = fp8::E2M1;
+    let f = fp4_format::<M>();
     fp8::encode_blocks(
         f,
         scale,
@@ -1899,21 +1921,25 @@ fn encode_fp4_rest(
         codes,
         #[inline(always)]
         |q, xb, _, cb| match q.inv {
-            Some(_) => fp4_nearest_block::<true>(q, xb, cb),
-            None => fp4_nearest_block::<false>(q, xb, cb),
+            Some(_) => fp4_nearest_block::<M, true>(q, xb, cb),
+            None => fp4_nearest_block::<M, false>(q, xb, cb),
         },
     )
 }
 
-/// The packed E2M1 codes of `xb`'s whole 32s into `cb` (two per byte, the even element in
+/// The packed 4-bit codes of `xb`'s whole 32s into `cb` (two per byte, the even element in
 /// the low nibble): their 4-bit codes ([`Nearest::code`]) narrowed to bytes, each pair
 /// joined by a multiply-add (`lo + 16 hi`) and narrowed again. How many elements that was.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn fp4_whole32s<const MULTIPLY: bool>(n: &Nearest, xb: &[f32], cb: &mut [u8]) -> usize {
+fn fp4_whole32s<const M: u32, const MULTIPLY: bool>(
+    n: &Nearest,
+    xb: &[f32],
+    cb: &mut [u8],
+) -> usize {
     let pair = _mm256_set1_epi16(0x1001);
     for (c, o) in xb.chunks_exact(32).zip(cb.chunks_exact_mut(16)) {
-        let [c0, c1, c2, c3] = n.codes32::<1, MULTIPLY, true>(c);
+        let [c0, c1, c2, c3] = n.codes32::<M, MULTIPLY, true>(c);
         let pairs = _mm256_maddubs_epi16(pack_bytes::<false>(c0, c1, c2, c3), pair);
         // Each half's 8 bytes, then the second half's moved next to the first.
         let bytes = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi16(pairs, pairs));
@@ -1931,6 +1957,10 @@ struct Nearest {
     ulp: __m256i,
     top: __m256i,
     abs: __m256i,
+    /// E3M0 only: `127 - bias`, the f32 exponent field of code 0's binade.
+    rebias: __m256i,
+    /// E3M0 only: `2^(bias - 1)`, the scaling that puts the smallest normal at 1.
+    below: __m256,
 }
 
 impl Nearest {
@@ -1953,14 +1983,18 @@ impl Nearest {
             ulp: _mm256_set1_epi32((23 - f.m as i32) << 23),
             top: _mm256_set1_epi32(f.max_code as i32),
             abs: _mm256_set1_epi32(ABS),
+            rebias: _mm256_set1_epi32(127 - f.bias),
+            below: _mm256_set1_ps(fp8::pow2(f.bias - 1)),
         }
     }
 
     /// `fp8::nearest_in_range` of the quotients of the 8 elements in `v` (`v * by` when
-    /// `MULTIPLY`, else `v / by`) in a format of `M` mantissa bits (1 to 3), in 32-bit
+    /// `MULTIPLY`, else `v / by`) in a format of `M` mantissa bits (0 to 3), in 32-bit
     /// lanes, operation for operation: the count of grid spacings by adding a power of
-    /// two whose ulp is the spacing, plus `2^M` per binade. The sign goes to bit 7, or
-    /// with `FOUR` to bit 3. The quotient's clamp to ±FMAX is a minimum of the code
+    /// two whose ulp is the spacing, plus `2^M` per binade; for E3M0 (`M` 0, where a tie
+    /// goes to the even code, not the even count) the f32 exponent rounded by integer
+    /// addition, and below the smallest normal the count of it. The sign goes to bit 7,
+    /// or with `FOUR` to bit 3. The quotient's clamp to ±FMAX is a minimum of the code
     /// magnitude instead: the conversion is monotonic and FMAX is on the grid, so a
     /// quotient above FMAX (never NaN: a finite element over a positive finite scale)
     /// gives FMAX's code either way.
@@ -1974,6 +2008,28 @@ impl Nearest {
         };
         let bits = _mm256_castps_si256(y);
         let a = _mm256_and_si256(bits, self.abs);
+        let sign = if FOUR {
+            _mm256_and_si256(_mm256_srli_epi32::<28>(bits), _mm256_set1_epi32(8))
+        } else {
+            _mm256_and_si256(_mm256_srli_epi32::<24>(bits), _mm256_set1_epi32(0x80))
+        };
+        if M == 0 {
+            // a + (2^22 - 1) + (the exponent's parity), the exponent field less the bias:
+            // the code of a normal quotient (the exponent's parity is the code's).
+            let parity = _mm256_and_si256(_mm256_srli_epi32::<23>(a), _mm256_set1_epi32(1));
+            let r = _mm256_add_epi32(
+                _mm256_add_epi32(a, _mm256_set1_epi32((1 << 22) - 1)),
+                parity,
+            );
+            let normal = _mm256_sub_epi32(_mm256_srli_epi32::<23>(r), self.rebias);
+            // Below the smallest normal: |y| 2^(bias - 1) rounded to an integer (0 or 1)
+            // by adding 2^23.
+            let scaled = _mm256_mul_ps(_mm256_castsi256_ps(a), self.below);
+            let sum = _mm256_add_ps(scaled, _mm256_set1_ps(8_388_608.0));
+            let sub = _mm256_sub_epi32(_mm256_castps_si256(sum), _mm256_set1_epi32(0x4B00_0000));
+            let q = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(self.emin, a));
+            return _mm256_or_si256(_mm256_min_epi32(q, self.top), sign);
+        }
         let e = _mm256_max_epi32(_mm256_and_si256(a, self.exponent), self.emin);
         let magic = _mm256_add_epi32(e, self.ulp);
         let sum = _mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(magic));
@@ -1985,11 +2041,6 @@ impl Nearest {
             _ => _mm256_srli_epi32::<22>(binades),
         };
         let q = _mm256_min_epi32(_mm256_add_epi32(binades, count), self.top);
-        let sign = if FOUR {
-            _mm256_and_si256(_mm256_srli_epi32::<28>(bits), _mm256_set1_epi32(8))
-        } else {
-            _mm256_and_si256(_mm256_srli_epi32::<24>(bits), _mm256_set1_epi32(0x80))
-        };
         _mm256_or_si256(q, sign)
     }
 
@@ -2055,16 +2106,20 @@ fn fp8_whole32s<const M: u32, const MULTIPLY: bool>(
     xb.len() / 32 * 32
 }
 
-/// The packed E2M1 codes of a scaled block's elements `xb` into `cb` (two per byte, the
+/// The packed 4-bit codes of a scaled block's elements `xb` into `cb` (two per byte, the
 /// even element in the low nibble): 32 elements a step ([`fp4_whole32s`]), then 16 the
 /// same way, then a tail shorter than 16 by the definition.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn fp4_nearest_block<const MULTIPLY: bool>(q: fp8::Quotient, xb: &[f32], cb: &mut [u8]) {
-    let f = fp8::E2M1;
+fn fp4_nearest_block<const M: u32, const MULTIPLY: bool>(
+    q: fp8::Quotient,
+    xb: &[f32],
+    cb: &mut [u8],
+) {
+    let f = fp4_format::<M>();
     let n = Nearest::new(f, q);
     let pair = _mm256_set1_epi16(0x1001);
-    let mut done = fp4_whole32s::<MULTIPLY>(&n, xb, cb);
+    let mut done = fp4_whole32s::<M, MULTIPLY>(&n, xb, cb);
     if xb.len() - done >= 16 {
         // Sixteen more (all of an NVFP4-like block of 16): the same steps on two vectors,
         // the other two zero, keeping the first 8 bytes.
@@ -2074,8 +2129,8 @@ fn fp4_nearest_block<const MULTIPLY: bool>(q: fp8::Quotient, xb: &[f32], cb: &mu
             (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
         };
         let (c0, c1) = (
-            n.code::<1, MULTIPLY, true>(v0),
-            n.code::<1, MULTIPLY, true>(v1),
+            n.code::<M, MULTIPLY, true>(v0),
+            n.code::<M, MULTIPLY, true>(v1),
         );
         let zero = _mm256_setzero_si256();
         let pairs = _mm256_maddubs_epi16(pack_bytes::<false>(c0, c1, zero, zero), pair);
