@@ -250,6 +250,9 @@ fn fp8_and_fp4_groups_of_blocks_match_scalar_whatever_one_block_holds() {
         "fp4:block=64",
         "fp4:format=e3m0",
         "fp4:format=e3m0,block=64",
+        "fp4:scale=e4m3",
+        "fp4:scale=e4m3,format=e3m0,block=32",
+        "fp4:block=48,scale=f32",
     ] {
         let spec: CodecSpec = spec.parse().unwrap();
         let block = block_of(&spec);
@@ -264,6 +267,33 @@ fn fp8_and_fp4_groups_of_blocks_match_scalar_whatever_one_block_holds() {
                 }
                 same_everywhere(&spec, &x, &EncodeCtx::new(at as u64), &backends);
             }
+        }
+    }
+}
+
+#[test]
+fn fp4_e4m3_block_scales_match_scalar_over_every_ratio_to_the_frame() {
+    // The SIMD encoders form eight blocks' E4M3 scales at once: each block's maximum over
+    // the frame's, swept from 1 down past 2^-24 (the scale bytes' subnormal range below
+    // about 2^-15, the clamp to the smallest byte below 2^-17) with mantissas on and off
+    // the E4M3 grid, in groups of eight after a block holding the frame's maximum.
+    let backends = simd_backends();
+    for spec in ["fp4:scale=e4m3", "fp4:scale=e4m3,format=e3m0,block=32"] {
+        let spec: CodecSpec = spec.parse().unwrap();
+        let block = block_of(&spec);
+        let base = sample(8 * 32 * block, 5);
+        let peak = base.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for top in [1.0f32, 3.0e-7, 6.0e20] {
+            let mut x = vec![0f32; block];
+            x[block / 2] = -top;
+            for (b, xb) in base.chunks_exact(block).enumerate() {
+                // 2^-(b / 8) times a mantissa from 1 to about 2, a bit more than the
+                // block's own maximum.
+                let ratio = 2f32.powi(-((b / 8) as i32)) * (1.0 + (b % 8) as f32 / 7.0);
+                x.extend(xb.iter().map(|v| v / peak * ratio * top));
+            }
+            x.push(0.25 * top);
+            same_everywhere(&spec, &x, &EncodeCtx::new(block as u64), &backends);
         }
     }
 }

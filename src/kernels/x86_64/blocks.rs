@@ -1743,6 +1743,18 @@ fn max_quads(a: __m256i, b: __m256i) -> __m256i {
     _mm256_max_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b))
 }
 
+/// Whether every one of eight blocks' maxima bits `m` is finite, normal and not zero: the
+/// grouped scales take only those, the definition's layout the others.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn usual_maxima(m: __m256i) -> bool {
+    let unusual = _mm256_or_si256(
+        _mm256_cmpgt_epi32(m, _mm256_set1_epi32(INF_BITS as i32 - 1)),
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(1 << 23), m),
+    );
+    _mm256_movemask_ps(_mm256_castsi256_ps(unusual)) == 0
+}
+
 /// The quotients' operands of eight blocks whose maxima bits are `m`, with their scales
 /// written to `sg` (E8M0 bytes when `E8M0`, else f32), as `fp8::Quotient::new` forms
 /// them: with `E8M0`, `2^-k` (the elements are multiplied by it), else the scale `s`
@@ -1752,11 +1764,7 @@ fn max_quads(a: __m256i, b: __m256i) -> __m256i {
 #[inline]
 fn group_scales<const E8M0: bool>(f: fp8::Format, m: __m256i, sg: &mut [u8]) -> Option<__m256> {
     let i32x8 = _mm256_set1_epi32;
-    let unusual = _mm256_or_si256(
-        _mm256_cmpgt_epi32(m, i32x8(INF_BITS as i32 - 1)),
-        _mm256_cmpgt_epi32(i32x8(1 << 23), m),
-    );
-    if _mm256_movemask_ps(_mm256_castsi256_ps(unusual)) != 0 {
+    if !usual_maxima(m) {
         return None;
     }
     if E8M0 {
@@ -1857,8 +1865,18 @@ fn fp4_in_groups<const M: u32>(
     scales: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
+    let f = fp4_format::<M>();
+    // E4M3 scales: groups only with a frame scale the definition's arithmetic keeps
+    // finite and normal (the codec's always is).
+    let frame_ok = match scale {
+        fp8::Scale::E4m3 { global } => {
+            let g = f32::from_bits(global);
+            g >= f32::MIN_POSITIVE && (f.max() * g).is_finite()
+        }
+        _ => true,
+    };
     in_groups(
-        scale == fp8::Scale::E8m0 && block.is_multiple_of(32),
+        frame_ok && block.is_multiple_of(16),
         block,
         scale.bytes(),
         2,
@@ -1866,7 +1884,7 @@ fn fp4_in_groups<const M: u32>(
         scales,
         codes,
         #[inline(always)]
-        |xg, sg, cg| fp4_group::<M>(block, xg, sg, cg),
+        |xg, sg, cg| fp4_group::<M>(scale, block, xg, sg, cg),
         #[inline(always)]
         |x, sc, c| encode_fp4_rest::<M>(scale, block, x, sc, c),
     )
@@ -1877,25 +1895,103 @@ const fn fp4_format<const M: u32>() -> fp8::Format {
     if M == 0 { fp8::E3M0 } else { fp8::E2M1 }
 }
 
-/// Eight E8M0-scaled blocks of `block` (a multiple of 32) elements `xg` of 4-bit codes:
-/// [`fp8_group`]'s plan with [`fp4_nearest_block`]'s packing. False, writing nothing,
-/// where [`group_scales`] declines.
+/// Eight blocks of `block` (a multiple of 16) elements `xg` of 4-bit codes with `scale`
+/// (not `None`): [`fp8_group`]'s plan ([`group_scales`], or [`group_e4m3_scales`] for
+/// E4M3 scales) with [`fp4_whole16s`]'s packing. False, writing nothing, where the
+/// scales decline.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn fp4_group<const M: u32>(block: usize, xg: &[f32], sg: &mut [u8], cg: &mut [u8]) -> bool {
+fn fp4_group<const M: u32>(
+    scale: fp8::Scale,
+    block: usize,
+    xg: &[f32],
+    sg: &mut [u8],
+    cg: &mut [u8],
+) -> bool {
     let f = fp4_format::<M>();
-    let Some(by) = group_scales::<true>(f, group_max_bits(block, xg), sg) else {
+    let m = group_max_bits(block, xg);
+    let by = match scale {
+        fp8::Scale::E8m0 => group_scales::<true>(f, m, sg),
+        fp8::Scale::E4m3 { global } => group_e4m3_scales(f, global, m, sg),
+        _ => group_scales::<false>(f, m, sg),
+    };
+    let Some(by) = by else {
         return false;
     };
+    if scale == fp8::Scale::E8m0 {
+        fp4_group_codes::<M, true>(block, by, xg, cg);
+    } else {
+        fp4_group_codes::<M, false>(block, by, xg, cg);
+    }
+    true
+}
+
+/// The codes of [`fp4_group`]'s eight blocks, block `j`'s quotients formed with lane `j`
+/// of `by` (multiplied by it when `MULTIPLY`, else divided).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn fp4_group_codes<const M: u32, const MULTIPLY: bool>(
+    block: usize,
+    by: __m256,
+    xg: &[f32],
+    cg: &mut [u8],
+) {
+    let f = fp4_format::<M>();
     for (j, (xb, cb)) in xg
         .chunks_exact(block)
         .zip(cg.chunks_exact_mut(block / 2))
         .enumerate()
     {
         let n = Nearest::with_by(f, _mm256_permutevar8x32_ps(by, _mm256_set1_epi32(j as i32)));
-        fp4_whole32s::<M, true>(&n, xb, cb);
+        fp4_whole16s::<M, MULTIPLY>(&n, xb, cb);
     }
-    true
+}
+
+/// [`group_scales`] for E4M3 block scales over the frame scale with bits `global` (at
+/// least `2^-126`, `FMAX g` finite): each block's byte `fp8::e4m3_ceil(m / (FMAX g))`
+/// and its scale `v g` (`v` the byte's value), as `fp8::Quotient::new` forms them, lane
+/// by lane; the elements are divided by the scales returned.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn group_e4m3_scales(f: fp8::Format, global: u32, m: __m256i, sg: &mut [u8]) -> Option<__m256> {
+    let i32x8 = _mm256_set1_epi32;
+    if !usual_maxima(m) {
+        return None;
+    }
+    let g = f32::from_bits(global);
+    let t = _mm256_div_ps(_mm256_castsi256_ps(m), _mm256_set1_ps(f.max() * g));
+    let a = _mm256_castps_si256(t);
+    // e4m3_ceil: below 2^-6 the ceiling of t 2^9 (exact, under 8), else the mantissa
+    // rounded up to 3 bits and the exponent rebiased; then at least 1, at most 0x7E.
+    let sub = _mm256_cvtps_epi32(_mm256_ceil_ps(_mm256_mul_ps(t, _mm256_set1_ps(512.0))));
+    let normal = _mm256_sub_epi32(
+        _mm256_srli_epi32::<20>(_mm256_add_epi32(a, i32x8((1 << 20) - 1))),
+        i32x8(120 << 3),
+    );
+    let v = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(i32x8(121 << 23), a));
+    let v = _mm256_min_epi32(
+        _mm256_max_epi32(v, i32x8(1)),
+        i32x8(fp8::E4M3.max_code as i32),
+    );
+    let mut vs = [0i32; 8];
+    // SAFETY: `vs` is 8 i32, one unaligned __m256i.
+    unsafe { _mm256_storeu_si256(vs.as_mut_ptr().cast(), v) };
+    for (o, v) in sg.iter_mut().zip(vs) {
+        *o = v as u8;
+    }
+    // value_finite(E4M3, v): v 2^-9 below code 8, else the bits of 2^(v >> 3 - 7) with
+    // the low three bits as mantissa.
+    let small = _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(fp8::pow2(-9)));
+    let large = _mm256_castsi256_ps(_mm256_add_epi32(
+        _mm256_slli_epi32::<20>(v),
+        i32x8(120 << 23),
+    ));
+    let value = _mm256_blendv_ps(
+        large,
+        small,
+        _mm256_castsi256_ps(_mm256_cmpgt_epi32(i32x8(8), v)),
+    );
+    Some(_mm256_mul_ps(value, _mm256_set1_ps(g)))
 }
 
 /// [`encode_fp4_nearest`] by the definition's block layout, each block converted 32 at a
@@ -1925,6 +2021,39 @@ fn encode_fp4_rest<const M: u32>(
             None => fp4_nearest_block::<M, false>(q, xb, cb),
         },
     )
+}
+
+/// The packed 4-bit codes of `xb`'s whole 16s into `cb`: [`fp4_whole32s`], then 16 more
+/// (all of an NVFP4-like block of 16) by the same steps on two vectors, the other two
+/// zero, keeping the first 8 bytes. How many elements that was.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn fp4_whole16s<const M: u32, const MULTIPLY: bool>(
+    n: &Nearest,
+    xb: &[f32],
+    cb: &mut [u8],
+) -> usize {
+    let done = fp4_whole32s::<M, MULTIPLY>(n, xb, cb);
+    if xb.len() - done < 16 {
+        return done;
+    }
+    // SAFETY: `xb[done..]` holds at least 16 f32, two unaligned __m256.
+    let (v0, v1) = unsafe {
+        let p = xb.as_ptr().add(done);
+        (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+    };
+    let (c0, c1) = (
+        n.code::<M, MULTIPLY, true>(v0),
+        n.code::<M, MULTIPLY, true>(v1),
+    );
+    let zero = _mm256_setzero_si256();
+    let pair = _mm256_set1_epi16(0x1001);
+    let pairs = _mm256_maddubs_epi16(pack_bytes::<false>(c0, c1, zero, zero), pair);
+    let bytes = _mm256_packus_epi16(pairs, pairs);
+    let o = &mut cb[done / 2..done / 2 + 8];
+    // SAFETY: `o` holds 8 bytes, the low 64 bits of one __m128i.
+    unsafe { _mm_storel_epi64(o.as_mut_ptr().cast(), _mm256_castsi256_si128(bytes)) };
+    done + 16
 }
 
 /// The packed 4-bit codes of `xb`'s whole 32s into `cb` (two per byte, the even element in
@@ -2117,29 +2246,7 @@ fn fp4_nearest_block<const M: u32, const MULTIPLY: bool>(
     cb: &mut [u8],
 ) {
     let f = fp4_format::<M>();
-    let n = Nearest::new(f, q);
-    let pair = _mm256_set1_epi16(0x1001);
-    let mut done = fp4_whole32s::<M, MULTIPLY>(&n, xb, cb);
-    if xb.len() - done >= 16 {
-        // Sixteen more (all of an NVFP4-like block of 16): the same steps on two vectors,
-        // the other two zero, keeping the first 8 bytes.
-        // SAFETY: `xb[done..]` holds at least 16 f32, two unaligned __m256.
-        let (v0, v1) = unsafe {
-            let p = xb.as_ptr().add(done);
-            (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
-        };
-        let (c0, c1) = (
-            n.code::<M, MULTIPLY, true>(v0),
-            n.code::<M, MULTIPLY, true>(v1),
-        );
-        let zero = _mm256_setzero_si256();
-        let pairs = _mm256_maddubs_epi16(pack_bytes::<false>(c0, c1, zero, zero), pair);
-        let bytes = _mm256_packus_epi16(pairs, pairs);
-        let o = &mut cb[done / 2..done / 2 + 8];
-        // SAFETY: `o` holds 8 bytes, the low 64 bits of one __m128i.
-        unsafe { _mm_storel_epi64(o.as_mut_ptr().cast(), _mm256_castsi256_si128(bytes)) };
-        done += 16;
-    }
+    let done = fp4_whole16s::<M, MULTIPLY>(&Nearest::new(f, q), xb, cb);
     if done < xb.len() {
         fp8::packed(q, &xb[done..], 0, &mut cb[done / 2..], |q, xt, _, out| {
             for (o, &v) in out.iter_mut().zip(xt) {
