@@ -207,9 +207,9 @@ pub(crate) enum X86 {
 /// fp8's nearest encode of 8-bit codes with an f32 or E8M0 scale, and fp4's of E2M1
 /// and E3M0 codes with any scale, have hand-written AVX2 kernels (32 elements a step,
 /// packed by saturation; 1.45 to 1.7 times the portable AVX2 build on a 2-core Zen 3,
-/// 2026-11-27, E3M0 2 to 3.3 times, 2026-11-28); there are no AVX-512 ones, so the AVX-512 backend runs them too
-/// (`EncodeFp8Nearest`, `EncodeFp4Nearest`), which makes it as fast as AVX2's by
-/// construction. Whether the portable AVX-512 builds, 1.8 times the portable AVX2 ones
+/// 2026-11-27, E3M0 2 to 3.3 times, 2026-11-28); there are no AVX-512 ones, so the
+/// AVX-512 backend runs them too (`EncodeFp8Nearest`, `EncodeFp4Nearest`), which makes
+/// it as fast as AVX2's by construction. Whether the portable AVX-512 builds, 1.8 times the portable AVX2 ones
 /// on the Zen 5, beat them there is not measured yet.
 /// fp8's decode of blocks of a multiple of 16 goes through half precision in registers
 /// (2026-11-27, eleventh session, a 2-core Intel Xeon, `backend_race` at 64 Ki

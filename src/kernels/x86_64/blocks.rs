@@ -1831,10 +1831,10 @@ fn fp8_group<const M: u32, const E8M0: bool>(
 }
 
 /// fp4 encode with nearest rounding (`fp8::encode` with `four`, without draws) of E2M1
-/// codes, or with `e3m0` of E3M0 codes, two per byte, with any block scale: the definition's block layout with the
-/// scaled elements converted 32 at a time and packed by a multiply-add
-/// ([`fp4_nearest_block`]); E8M0-scaled blocks of whole 32s go eight at a time as fp8's
-/// do ([`fp4_group`]). The same bytes as the definition; returns whether `x` held NaN or
+/// codes, or with `e3m0` of E3M0 codes, two per byte, with any block scale: the
+/// definition's block layout with the scaled elements converted 32 (then 16) at a time
+/// and packed by a multiply-add ([`fp4_nearest_block`]); blocks of a multiple of 16 go
+/// eight at a time as fp8's do ([`fp4_group`]). The same bytes as the definition; returns whether `x` held NaN or
 /// ±Inf.
 ///
 /// # Safety
@@ -2088,8 +2088,6 @@ struct Nearest {
     abs: __m256i,
     /// E3M0 only: `127 - bias`, the f32 exponent field of code 0's binade.
     rebias: __m256i,
-    /// E3M0 only: `2^(bias - 1)`, the scaling that puts the smallest normal at 1.
-    below: __m256,
 }
 
 impl Nearest {
@@ -2113,7 +2111,6 @@ impl Nearest {
             top: _mm256_set1_epi32(f.max_code as i32),
             abs: _mm256_set1_epi32(ABS),
             rebias: _mm256_set1_epi32(127 - f.bias),
-            below: _mm256_set1_ps(fp8::pow2(f.bias - 1)),
         }
     }
 
@@ -2151,11 +2148,11 @@ impl Nearest {
                 parity,
             );
             let normal = _mm256_sub_epi32(_mm256_srli_epi32::<23>(r), self.rebias);
-            // Below the smallest normal: |y| 2^(bias - 1) rounded to an integer (0 or 1)
-            // by adding 2^23.
-            let scaled = _mm256_mul_ps(_mm256_castsi256_ps(a), self.below);
-            let sum = _mm256_add_ps(scaled, _mm256_set1_ps(8_388_608.0));
-            let sub = _mm256_sub_epi32(_mm256_castps_si256(sum), _mm256_set1_epi32(0x4B00_0000));
+            // Below the smallest normal the grid is 0 and it: code 1 above half of it, 0
+            // up to half (the tie goes to the even code 0), as the definition's rounding
+            // of |y| 2^(bias - 1) to an integer gives.
+            let half = _mm256_sub_epi32(self.emin, _mm256_set1_epi32(1 << 23));
+            let sub = _mm256_srli_epi32::<31>(_mm256_cmpgt_epi32(a, half));
             let q = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(self.emin, a));
             return _mm256_or_si256(_mm256_min_epi32(q, self.top), sign);
         }
