@@ -935,6 +935,115 @@ impl Transport for Counting {
     }
 }
 
+/// A transport that checks the lengths its collectives expect
+/// ([`Transport::send_recv_len`]) against the messages that arrive.
+struct Expecting {
+    inner: local::Local,
+    /// Exchanges with an expected length, and without one.
+    told: usize,
+    untold: usize,
+}
+
+impl Transport for Expecting {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
+        self.inner.send(msg, to)
+    }
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+        self.inner.recv(buf, from)
+    }
+    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
+        self.untold += 1;
+        self.inner.send(send, to)?;
+        self.inner.recv(recv, from)
+    }
+    fn send_recv_len(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        len: usize,
+    ) -> Result<()> {
+        self.told += 1;
+        self.inner.send(send, to)?;
+        self.inner.recv(recv, from)?;
+        assert_eq!(recv.len(), len, "rank {} from {from}", self.rank());
+        Ok(())
+    }
+}
+
+/// The ring tells the transport the length of every message of a fixed-rate codec
+/// before it arrives (with and without payload checksums, error feedback, lengths that
+/// do not divide evenly among the ranks, NaN in the input), and of no message of the
+/// others, whose lengths depend on the values; every rank ends with the same bits.
+#[test]
+fn the_ring_expects_the_lengths_of_fixed_rate_messages() {
+    for spec in [
+        "int8",
+        "fp16",
+        "sign",
+        "fp8",
+        "fp4:scale=e4m3",
+        "qsgd:bits=8,block=64",
+        "topk:ratio=0.01",
+        "chunktopk:chunk=512,k=8",
+    ] {
+        let codec: CodecSpec = spec.parse().unwrap();
+        let fixed = !spec.contains("topk");
+        for (p, n, checksum) in [(2usize, 10_007, false), (3, 4099, true), (4, 77, false)] {
+            let counts = std::sync::Mutex::new(Vec::new());
+            let outs: Vec<Vec<u32>> = std::thread::scope(|sc| {
+                let hs: Vec<_> = local::Local::world(p)
+                    .into_iter()
+                    .map(|t| {
+                        let counts = &counts;
+                        sc.spawn(move || {
+                            let t = Expecting {
+                                inner: t,
+                                told: 0,
+                                untold: 0,
+                            };
+                            let r = t.rank();
+                            let mut o = opts(
+                                Strategy::CompressedRing,
+                                ReduceOp::Sum,
+                                Feedback::WorkerAndOwner,
+                            );
+                            o.checksum = checksum;
+                            let mut ar = AllReduce::new(codec, n, &t, o).unwrap();
+                            let mut comm = Comm::new(t);
+                            let mut out = vec![0.0f32; n];
+                            let mut x = input(n, r);
+                            for step in 0..2u64 {
+                                if step == 1 && r == 1 {
+                                    x[n / 2] = f32::NAN;
+                                }
+                                ar.run(&mut comm, &x, &mut out, 9 + step).unwrap();
+                            }
+                            let t = comm.into_inner();
+                            counts.lock().unwrap().push((t.told, t.untold));
+                            bits(&out)
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let hops = 2 * 2 * (p - 1);
+            for (told, untold) in counts.into_inner().unwrap() {
+                let want = if fixed { (hops, 0) } else { (0, hops) };
+                assert_eq!((told, untold), want, "{spec}, {p} ranks, {n} elements");
+            }
+            assert!(outs.iter().all(|o| o == &outs[0]), "{spec}, {p} ranks");
+        }
+    }
+}
+
 /// Every step of the ring with one piece, and of the frame all-gather, gives the
 /// transport its send and receive together (a transport that moves both directions at
 /// once only when the receive is posted first, as gloo's point-to-point, needs them so);

@@ -3,8 +3,9 @@ in one process: the DDP benchmark's training (``ddp_bench.py``: the same MLP of 
 parameters, SGD at learning rate 0.01, batch 64 per rank, scikit-learn's digits) with
 the ranks simulated one after another on one core, each parameter's gradient encoded
 through its own ``gradpack.ErrorFeedback`` and the ranks' decodings summed in rank order
-and averaged, as the hook's all-gather does. Fast enough to run many seeds where the
-benchmark runs one (about 2 to 6 minutes per run here).
+and averaged, as the hook's all-gather does; biases (and any parameter under the hook's
+``min_compress_elements``, 16384) go as float32, as the hook sends them. Fast enough to
+run many seeds where the benchmark runs one (about 2 to 6 minutes per run here).
 
     python bench/momentum_sim.py --configs fp32,sign,sign-mc,topk,topk-mc,topk-mc-from-25 --seeds 0,1,2
 
@@ -81,6 +82,9 @@ def run(name, seed, steps, world, momentum=MOMENTUM, lr=0.01, batch=64):
         if codec else None
     velocity = [[torch.zeros(p.numel()) for p in params] for _ in range(world)]
     ratio = 0.01
+    # As the hook: one-dimensional parameters (biases) and those under
+    # min_compress_elements (16384 by default) go as float32.
+    packed = [p.dim() > 1 and p.numel() >= 16384 for p in params]
     for s in range(steps):
         if warm and codec and s >= start and density(s, warm) != ratio:
             ratio = density(s, warm)
@@ -103,7 +107,7 @@ def run(name, seed, steps, world, momentum=MOMENTUM, lr=0.01, batch=64):
                     u = velocity[r][j]
                     torch.add(grad, u, alpha=momentum, out=u)
                     grad = u
-                if codec is None or s < start:
+                if codec is None or s < start or not packed[j]:
                     sums[j] += grad
                     continue
                 frame = feedback[r][j].encode(grad.numpy(), seed=s * 1000 + j * 10 + r)

@@ -547,7 +547,13 @@ class AllReduce(_Collective):
       all-gather's steps). Give it when the transport moves both ways at once only if
       the receive is posted before the send: torch's gloo point-to-point does (posted
       after, the two directions of a step took twice as long on a shaped link), so
-      :mod:`gradpack.torch` exchanges the lengths first, then posts the receive.
+      :mod:`gradpack.torch` exchanges the lengths first, then posts the receive. If it
+      takes a keyword ``size``, the ring passes ``size=`` the length the message from
+      ``frm`` must have wherever the codec fixes it (every fixed-rate codec), so that
+      the receive can be posted at once. A message of another length must raise (or be
+      received whole and returned); gloo aborts the process when a message is longer
+      than the receive posted for it, so a transport over gloo should honour ``size``
+      only while every rank's all-reduce is made alike and no call has failed.
 
     The algorithms are the Rust crate's, the same that MPI and the in-process transport
     run: ``strategy`` ``"ring"`` (a compressed reduce-scatter and all-gather, ``pieces``

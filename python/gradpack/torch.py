@@ -1533,6 +1533,14 @@ class _PointToPoint:
         self._group = group
         self._pending: List[Any] = []
         self._lock = threading.Lock()
+        # send_recv's receive buffers of known sizes, by (peer, size): the caller copies
+        # what it returns before the next call.
+        self._recv_bufs: Dict[Tuple[int, int], torch.Tensor] = {}
+        # Receives of known sizes are posted early only until a call fails: after one,
+        # messages of a failed call may still be on their way (gloo aborts the process
+        # when a message is longer than the receive posted for it), so the lengths are
+        # waited for again and such messages dropped as stale.
+        self._sized = True
 
     def _peer(self, r: int) -> int:
         return dist.get_global_rank(self._group(), r)
@@ -1560,16 +1568,45 @@ class _PointToPoint:
         dist.recv(buf, src, group=g)
         return buf.numpy()
 
-    def send_recv(self, msg: bytearray, to: int, frm: int) -> np.ndarray:
+    def send_recv(self, msg: bytearray, to: int, frm: int, size: Optional[int] = None) -> np.ndarray:
         """``send(msg, to)`` and ``recv(frm)`` at once, the same messages on the wire: the
         lengths are exchanged first, then the payload's receive is posted before its
         send. gloo moves the two directions of a step at once only when the receive is
         posted first (posted after, as ``send`` then ``recv`` do, one 12 MB exchange
-        between two ranks took 200 ms on a 1 Gbit/s port instead of 107)."""
+        between two ranks took 200 ms on a 1 Gbit/s port instead of 107). With ``size``
+        (the length the ring knows the message from ``frm`` has) both receives are
+        posted at once, into a buffer kept for that peer and size, and the lengths are
+        checked after: no wait for the length before the payload moves (4 ranks on one
+        loopback, an int8 ring of 6.3 M elements: its messages 10.6 ms instead of 22.8).
+        Every rank's collectives are made alike (DDP's buckets are the same on every
+        rank), so before any failure the next message from a peer is the one expected;
+        after one (:meth:`drop`), or a message of another length (an error), ``size`` is
+        ignored."""
         dst, src = self._peer(to), self._peer(frm)
         g = self._group()
         got = torch.empty(1, dtype=torch.int64)
         length = torch.tensor([len(msg)], dtype=torch.int64)
+        if size is not None and self._sized:
+            key = (src, int(size))
+            buf = self._recv_bufs.get(key)
+            if buf is None:
+                if len(self._recv_bufs) >= 64:
+                    self._recv_bufs.clear()
+                buf = self._recv_bufs[key] = torch.empty(int(size), dtype=torch.uint8)
+            w_got = dist.irecv(got, src, group=g)
+            w_buf = dist.irecv(buf, src, group=g)
+            payload = torch.frombuffer(msg, dtype=torch.uint8)
+            self._keep((dist.isend(length, dst, group=g), dist.isend(payload, dst, group=g)),
+                       length, payload)
+            w_got.wait()
+            if int(got) != size:
+                del self._recv_bufs[key]  # its receive may still be posted
+                self._sized = False
+                raise RuntimeError(
+                    f"rank {frm} sent a message of {int(got)} bytes where {size} were expected"
+                )
+            w_buf.wait()
+            return buf.numpy()
         w_got = dist.irecv(got, src, group=g)
         w_len = dist.isend(length, dst, group=g)
         w_got.wait()
@@ -1589,9 +1626,11 @@ class _PointToPoint:
                 w.wait()
 
     def drop(self) -> None:
-        """Forget the sends made so far (after a failure)."""
+        """Forget the sends made so far (after a failure), and post no receive of a known
+        size from now on."""
         with self._lock:
             self._pending = []
+            self._sized = False
 
 
 _POWERSGD_KEYS = ("rank", "warm_start", "feedback", "min_compression", "start_step")

@@ -697,6 +697,9 @@ struct PyTransport {
     /// message sent and one received together, for transports that move both at once
     /// only when the receive is posted first (gloo's point-to-point does).
     send_recv: Option<Py<PyAny>>,
+    /// Whether `send_recv` takes a keyword `size`: the length the received message is
+    /// expected to have, where the collective knows it.
+    sized: bool,
 }
 
 fn transport_error(peer: usize, what: &str, e: &PyErr) -> gradpack::Error {
@@ -752,6 +755,38 @@ impl Transport for PyTransport {
             received(got.bind(py), recv, from, "send_recv")
         })
     }
+
+    fn send_recv_len(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        len: usize,
+    ) -> gradpack::Result<()> {
+        let Some(f) = self.send_recv.as_ref().filter(|_| self.sized) else {
+            return self.send_recv(send, to, recv, from);
+        };
+        Python::attach(|py| {
+            let kw = PyDict::new(py);
+            kw.set_item("size", len)
+                .map_err(|e| transport_error(from, "send_recv", &e))?;
+            let got = f
+                .call(py, (PyByteArray::new(py, send), to, from), Some(&kw))
+                .map_err(|e| transport_error(from, "send_recv", &e))?;
+            received(got.bind(py), recv, from, "send_recv")
+        })
+    }
+}
+
+/// Whether the callable `f` takes a keyword argument `size` (by its signature; false
+/// where it has none that `inspect` can read).
+fn takes_size(py: Python<'_>, f: &Py<PyAny>) -> bool {
+    (|| -> PyResult<bool> {
+        let sig = py.import("inspect")?.call_method1("signature", (f,))?;
+        sig.getattr("parameters")?.contains("size")
+    })()
+    .unwrap_or(false)
 }
 
 /// What a receiving callable returned, copied into `buf`.
@@ -868,12 +903,14 @@ fn py_transport(
             return Err(PyTypeError::new_err(format!("{what} must be callable")));
         }
     }
+    let sized = send_recv.as_ref().is_some_and(|f| takes_size(py, f));
     Ok(PyTransport {
         rank,
         size: world,
         send,
         recv,
         send_recv,
+        sized,
     })
 }
 

@@ -596,6 +596,41 @@ def test_a_send_recv_callable_takes_the_steps_that_send_and_receive_together():
         gradpack.AllReduce("int8", n, 0, 2, print, print, send_recv=3)
 
 
+def test_a_send_recv_callable_with_size_is_told_the_lengths_of_fixed_rate_messages():
+    # A send_recv that takes ``size`` gets the length of the message it receives on every
+    # ring step of a fixed-rate codec (and None for top-k, whose
+    # lengths depend on the values); one without it is called as before. Same bits.
+    world, n = 3, 5001
+    for spec, told in [("int8", True), ("fp8", True), ("topk:ratio=0.05", False)]:
+        sizes = [[] for _ in range(world)]
+
+        def make(r, send, recv, sized=True):
+            def with_size(msg, to, frm, size=None):
+                send(msg, to)
+                got = recv(frm)
+                sizes[r].append((size, len(got)))
+                return got
+
+            def without(msg, to, frm):
+                send(msg, to)
+                return recv(frm)
+
+            return gradpack.AllReduce(spec, n, r, world, send, recv, strategy="ring",
+                                      send_recv=with_size if sized else without)
+
+        _, outs, errors = _run_ranks(world, make, 2, n)
+        assert errors == [None] * world, errors
+        for r in range(world):
+            assert len(sizes[r]) == 2 * 2 * (world - 1)
+            for size, got in sizes[r]:
+                assert size == (got if told else None), (spec, size, got)
+        _, plain, errors = _run_ranks(world, lambda r, s, v: make(r, s, v, sized=False), 2, n)
+        assert errors == [None] * world
+        for r in range(world):
+            for k in range(2):
+                assert outs[r][k].view(np.uint32).tolist() == plain[r][k].view(np.uint32).tolist()
+
+
 def test_allreduce_state_dict_continues_bit_for_bit():
     world, n = 3, 4000
 

@@ -336,6 +336,14 @@ pub(crate) fn decode_split<const M: u8>(h: &Header, payload: &[u8], out: &mut [f
     by_id!(h.codec, S => decode_as::<S, M>(h, payload, out))
 }
 
+/// The length of every frame of `n` elements that `codec` encodes (sealed with a payload
+/// checksum when `checksum`), where the codec fixes it: the fixed-rate codecs, whose
+/// frames' lengths follow from the element count alone. `None` for the others.
+pub(crate) fn fixed_frame_len(codec: &CodecSpec, n: usize, checksum: bool) -> Option<usize> {
+    let seal = if checksum { wire::PAYLOAD_CRC_LEN } else { 0 };
+    each_spec!(codec, c => c.fixed().map(|_| c.max_encoded_len(n).saturating_add(seal)))
+}
+
 /// The sections of a received frame (`h`, `payload`, of `n` elements) that a fused ring
 /// hop of `codec` reads (see [`fixed::hop`]), after every check a decoder makes before it
 /// writes. `None` where the hop cannot be fused: a codec without fixed-rate ranges, one

@@ -228,7 +228,9 @@ impl<T: Transport + ?Sized> Comm<T> {
     }
 
     /// Write `place`'s envelope into `msg[..ENVELOPE_LEN]`, send `msg` to `to`, and
-    /// receive the message for `expect` from `from` into `recv` (envelope included).
+    /// receive the message for `expect` from `from` into `recv` (envelope included), of
+    /// `len` bytes where the caller knows its length ([`Transport::send_recv_len`]).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn exchange(
         &mut self,
         msg: &mut [u8],
@@ -237,9 +239,10 @@ impl<T: Transport + ?Sized> Comm<T> {
         recv: &mut Vec<u8>,
         from: usize,
         expect: Place,
+        len: Option<usize>,
     ) -> Result<()> {
         self.stamp(msg, place)?;
-        self.exchange_stamped(msg, to, recv, from, expect)
+        self.exchange_stamped(msg, to, recv, from, expect, len)
     }
 
     /// [`Comm::exchange`] of a message already stamped by [`Comm::stamp`] (so that the
@@ -251,10 +254,14 @@ impl<T: Transport + ?Sized> Comm<T> {
         recv: &mut Vec<u8>,
         from: usize,
         expect: Place,
+        len: Option<usize>,
     ) -> Result<()> {
         super::check_rank(from, self.early.len())?;
         if self.early[from].is_empty() {
-            self.transport.send_recv(msg, to, recv, from)?;
+            match len {
+                Some(len) => self.transport.send_recv_len(msg, to, recv, from, len)?,
+                None => self.transport.send_recv(msg, to, recv, from)?,
+            }
         } else {
             self.transport.send(msg, to)?;
             *recv = self.early[from].pop_front().expect("not empty");
@@ -395,6 +402,16 @@ impl<T: Transport + ?Sized> Transport for Comm<T> {
     }
     fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
         self.transport.send_recv(send, to, recv, from)
+    }
+    fn send_recv_len(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        len: usize,
+    ) -> Result<()> {
+        self.transport.send_recv_len(send, to, recv, from, len)
     }
 }
 

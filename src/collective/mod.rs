@@ -156,6 +156,25 @@ pub trait Transport {
         self.recv(recv, from)
     }
 
+    /// [`Transport::send_recv`] where the message from `from` is expected to be `len`
+    /// bytes long: the collectives know the lengths of the fixed-rate codecs' messages
+    /// before they arrive. A transport that sends each message's length ahead of it can
+    /// then post the receive of the bytes at once rather than after the length has
+    /// arrived (a round trip less per exchange); the bytes on the wire stay the same, so
+    /// its peers need not do the same. A message of another length must fail the call
+    /// (never be misread). Default: [`Transport::send_recv`].
+    fn send_recv_len(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        len: usize,
+    ) -> Result<()> {
+        let _ = len;
+        self.send_recv(send, to, recv, from)
+    }
+
     /// The stages in shared memory of this rank's host, if the transport has them
     /// ([`SharedMemory`] made with a stage): the two-level all-reduce then reduces inside
     /// a node through them instead of messages. Default: none.
@@ -179,6 +198,16 @@ impl<T: Transport + ?Sized> Transport for &mut T {
     }
     fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
         (**self).send_recv(send, to, recv, from)
+    }
+    fn send_recv_len(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        len: usize,
+    ) -> Result<()> {
+        (**self).send_recv_len(send, to, recv, from, len)
     }
 }
 
@@ -862,6 +891,11 @@ impl AllReduce {
         // move both directions at once only when the receive is posted first (gloo's
         // point-to-point, where two ranks' ring sends and receives share one pair).
         let together = k == 1;
+        // The length of a message of `n` elements where the codec fixes it (the same
+        // codec and pieces on every rank, so the peer's message has it too).
+        let checksum = self.opts.checksum;
+        let expect_len =
+            |n: usize| codecs::fixed_frame_len(&codec, n, checksum).map(|l| ENVELOPE_LEN + l);
         // Every hop's frames, per piece: step 0 sends the local input, encoded as it is
         // sent; each later step sends the frames made as the step before received its
         // pieces (sum and re-encode, fused tile by tile where the codec allows, see
@@ -885,8 +919,8 @@ impl AllReduce {
                 }
                 let to = this.place(call, phase, s * k + j, send_c * k + j);
                 if together {
-                    let w = want(this, j);
-                    comm.exchange(&mut this.fwd[j], right_g, to, &mut this.a, left_g, w)?;
+                    let (w, len) = (want(this, j), expect_len(piece(recv_c, j).len()));
+                    comm.exchange(&mut this.fwd[j], right_g, to, &mut this.a, left_g, w, len)?;
                 } else {
                     comm.post(&mut this.fwd[j], right_g, to)?;
                 }
@@ -948,6 +982,7 @@ impl AllReduce {
             let origin = |j: usize| ctx_of(recv_c, recv_c, j);
             if together {
                 let (to, w) = (self.place(call, phase, hop(0), send_c), want(self, 0));
+                let len = expect_len(piece(recv_c, 0).len());
                 comm.stamp(&mut self.fwd[0], to)?;
                 let (fwd, next) = (&self.fwd[0], &mut self.next[0]);
                 let out = held.map(|c| (c, &mut output[piece(c, 0)]));
@@ -959,7 +994,7 @@ impl AllReduce {
                         Some((c, out)) => decode_final(fwd, out, op, p).map_err(|e| (c, e)),
                         None => Ok(()),
                     },
-                    || comm.exchange_stamped(fwd, right_g, next, left_g, w),
+                    || comm.exchange_stamped(fwd, right_g, next, left_g, w, len),
                 );
                 exchanged?;
                 decoded.map_err(|(c, e)| peer_error(self.global(c), phase, left_g, e))?;
@@ -1132,6 +1167,7 @@ pub(crate) fn ring_gather<T: Transport + ?Sized>(
             &mut got,
             left,
             place(s, recv_q),
+            None,
         );
         stats.sent(out.len());
         msgs[send_q] = out;

@@ -1039,4 +1039,19 @@ impl<T: Transport> Transport for Routed<T> {
         self.send(send, to)?;
         self.recv(recv, from)
     }
+
+    fn send_recv_len(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        len: usize,
+    ) -> Result<()> {
+        let local = |r| self.host.as_ref().is_some_and(|h| h.serves(r));
+        if !local(to) && !local(from) {
+            return self.base.send_recv_len(send, to, recv, from, len);
+        }
+        self.send_recv(send, to, recv, from)
+    }
 }
