@@ -65,7 +65,9 @@ What it does, per bucket:
   buckets.
 - Messages whose length is fixed by the element counts (every codec but random-k, up to
   top-k's 2% slack) travel in buffers of that length; random-k's lengths are
-  all-gathered first.
+  all-gathered first. On the ring, the fixed-rate codecs' messages are received into
+  buffers posted before their lengths arrive (the lengths still travel ahead of them,
+  and are checked).
 - The work runs on one communication thread per state, in the order DDP hands the
   buckets over, while backward goes on (gradpack's kernels and gloo release the GIL).
 - ``codec="auto"`` chooses a codec and a strategy per bucket, and checks the choice by
