@@ -161,8 +161,8 @@ pub trait Transport {
     /// before they arrive. A transport that sends each message's length ahead of it can
     /// then post the receive of the bytes at once rather than after the length has
     /// arrived (a round trip less per exchange); the bytes on the wire stay the same, so
-    /// its peers need not do the same. A message of another length must fail the call
-    /// (never be misread). Default: [`Transport::send_recv`].
+    /// its peers need not do the same. A message of another length must be received
+    /// whole or fail the call, never be misread. Default: [`Transport::send_recv`].
     fn send_recv_len(
         &mut self,
         send: &[u8],
