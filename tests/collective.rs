@@ -906,11 +906,14 @@ fn pipelined_ring_agrees_with_the_plain_ring() {
     }
 }
 
-/// A transport that counts the messages its collectives hand it together
-/// ([`Transport::send_recv`]) and apart.
+/// A transport that counts the exchanges its collectives hand it together
+/// ([`Transport::send_recv`], with or without an expected length), those of them told
+/// the length of the message to come ([`Transport::send_recv_len`], checked against the
+/// message that arrives), and the sends made apart.
 struct Counting {
     inner: local::Local,
     together: usize,
+    told: usize,
     apart: usize,
 }
 
@@ -933,35 +936,6 @@ impl Transport for Counting {
         self.inner.send(send, to)?;
         self.inner.recv(recv, from)
     }
-}
-
-/// A transport that checks the lengths its collectives expect
-/// ([`Transport::send_recv_len`]) against the messages that arrive.
-struct Expecting {
-    inner: local::Local,
-    /// Exchanges with an expected length, and without one.
-    told: usize,
-    untold: usize,
-}
-
-impl Transport for Expecting {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
-        self.inner.send(msg, to)
-    }
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
-        self.inner.recv(buf, from)
-    }
-    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
-        self.untold += 1;
-        self.inner.send(send, to)?;
-        self.inner.recv(recv, from)
-    }
     fn send_recv_len(
         &mut self,
         send: &[u8],
@@ -971,50 +945,49 @@ impl Transport for Expecting {
         len: usize,
     ) -> Result<()> {
         self.told += 1;
-        self.inner.send(send, to)?;
-        self.inner.recv(recv, from)?;
+        self.send_recv(send, to, recv, from)?;
         assert_eq!(recv.len(), len, "rank {} from {from}", self.rank());
         Ok(())
     }
 }
 
-/// The exchanges of a ring all-reduce of `codec` (two calls, NaN in rank 1's input on
-/// the second) over [`Expecting`] transports: each rank's count of exchanges told their
-/// length and not, after checking that every rank ends with the same bits.
-fn expecting_ring(
+/// `calls` all-reduces of `codec` over `p` [`Counting`] transports with options `o`
+/// (NaN in rank 1's input from the second call): each rank's output of the last call
+/// (checked the same bits on every rank) and its counts `(together, told, apart)`.
+fn counted_world(
     codec: CodecSpec,
     p: usize,
     n: usize,
-    checksum: bool,
-    feedback: Feedback,
-) -> Vec<(usize, usize)> {
+    o: &AllReduceOptions,
+    calls: u64,
+) -> (Vec<u32>, Vec<(usize, usize, usize)>) {
     let counts = std::sync::Mutex::new(Vec::new());
     let outs: Vec<Vec<u32>> = std::thread::scope(|sc| {
         let hs: Vec<_> = local::Local::world(p)
             .into_iter()
             .map(|t| {
                 let counts = &counts;
+                let o = o.clone();
                 sc.spawn(move || {
-                    let t = Expecting {
+                    let t = Counting {
                         inner: t,
+                        together: 0,
                         told: 0,
-                        untold: 0,
+                        apart: 0,
                     };
                     let r = t.rank();
-                    let mut o = opts(Strategy::CompressedRing, ReduceOp::Sum, feedback);
-                    o.checksum = checksum;
                     let mut ar = AllReduce::new(codec, n, &t, o).unwrap();
                     let mut comm = Comm::new(t);
                     let mut out = vec![0.0f32; n];
                     let mut x = input(n, r);
-                    for step in 0..2u64 {
+                    for step in 0..calls {
                         if step == 1 && r == 1 {
                             x[n / 2] = f32::NAN;
                         }
                         ar.run(&mut comm, &x, &mut out, 9 + step).unwrap();
                     }
                     let t = comm.into_inner();
-                    counts.lock().unwrap().push((t.told, t.untold));
+                    counts.lock().unwrap().push((t.together, t.told, t.apart));
                     bits(&out)
                 })
             })
@@ -1022,7 +995,10 @@ fn expecting_ring(
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert!(outs.iter().all(|o| o == &outs[0]), "{codec}, {p} ranks");
-    counts.into_inner().unwrap()
+    (
+        outs.into_iter().next().unwrap(),
+        counts.into_inner().unwrap(),
+    )
 }
 
 /// The ring tells the transport the length of every message of a fixed-rate codec
@@ -1042,21 +1018,31 @@ fn the_ring_expects_the_lengths_of_fixed_rate_messages() {
         "topk:ratio=0.01",
         "chunktopk:chunk=512,k=8",
     ];
+    let ring = |feedback, checksum| {
+        let mut o = opts(Strategy::CompressedRing, ReduceOp::Sum, feedback);
+        o.checksum = checksum;
+        o
+    };
     for spec in specs {
         let codec: CodecSpec = spec.parse().unwrap();
         let fixed = !spec.contains("topk");
         for (p, n, checksum) in [(2usize, 10_007, false), (3, 4099, true), (4, 77, false)] {
             let hops = 2 * 2 * (p - 1);
             let want = if fixed { (hops, 0) } else { (0, hops) };
-            for got in expecting_ring(codec, p, n, checksum, Feedback::WorkerAndOwner) {
-                assert_eq!(got, want, "{spec}, {p} ranks, {n} elements");
+            let o = ring(Feedback::WorkerAndOwner, checksum);
+            for (together, told, _) in counted_world(codec, p, n, &o, 2).1 {
+                assert_eq!(
+                    (told, together - told),
+                    want,
+                    "{spec}, {p} ranks, {n} elements"
+                );
             }
         }
     }
     for spec in gradpack::codec::REPRESENTATIVE_SPECS {
         let codec: CodecSpec = spec.parse().unwrap();
-        for (told, untold) in expecting_ring(codec, 3, 4099, true, Feedback::None) {
-            assert_eq!(told + untold, 8, "{spec}");
+        for (together, _, _) in counted_world(codec, 3, 4099, &ring(Feedback::None, true), 2).1 {
+            assert_eq!(together, 8, "{spec}");
         }
     }
 }
@@ -1068,42 +1054,17 @@ fn the_ring_expects_the_lengths_of_fixed_rate_messages() {
 #[test]
 fn unpipelined_steps_send_and_receive_together() {
     let n = 10_007;
+    let int8: CodecSpec = "int8".parse().unwrap();
     for p in [2usize, 3, 4] {
         for (s, pieces, together) in [
             (Strategy::CompressedRing, 1, 2 * (p - 1)),
             (Strategy::CompressedRing, 3, 0),
             (Strategy::CompressedAllGather, 1, p - 1),
         ] {
-            let counts = std::sync::Mutex::new(Vec::new());
-            let outs: Vec<Vec<u32>> = std::thread::scope(|sc| {
-                let hs: Vec<_> = local::Local::world(p)
-                    .into_iter()
-                    .map(|t| {
-                        let counts = &counts;
-                        sc.spawn(move || {
-                            let t = Counting {
-                                inner: t,
-                                together: 0,
-                                apart: 0,
-                            };
-                            let r = t.rank();
-                            let mut o = opts(s, ReduceOp::Sum, Feedback::WorkerAndOwner);
-                            o.pieces = pieces;
-                            let mut ar =
-                                AllReduce::new("int8".parse::<CodecSpec>().unwrap(), n, &t, o)
-                                    .unwrap();
-                            let mut comm = Comm::new(t);
-                            let mut out = vec![0.0f32; n];
-                            ar.run(&mut comm, &input(n, r), &mut out, 9).unwrap();
-                            let t = comm.into_inner();
-                            counts.lock().unwrap().push((t.together, t.apart));
-                            bits(&out)
-                        })
-                    })
-                    .collect();
-                hs.into_iter().map(|h| h.join().unwrap()).collect()
-            });
-            for (t, a) in counts.into_inner().unwrap() {
+            let mut o = opts(s, ReduceOp::Sum, Feedback::WorkerAndOwner);
+            o.pieces = pieces;
+            let (out, counts) = counted_world(int8, p, n, &o, 1);
+            for (t, _, a) in counts {
                 assert_eq!(t, together, "{s:?}, {pieces} pieces, {p} ranks");
                 let sent = if s == Strategy::CompressedRing {
                     2 * (p - 1) * pieces
@@ -1112,14 +1073,11 @@ fn unpipelined_steps_send_and_receive_together() {
                 };
                 assert_eq!(t + a, sent, "{s:?}, {pieces} pieces, {p} ranks");
             }
-            assert!(outs.iter().all(|o| o == &outs[0]));
             // The same bits as the plain in-process transport gives.
-            let mut o = opts(s, ReduceOp::Sum, Feedback::WorkerAndOwner);
-            o.pieces = pieces;
             let inputs: Vec<_> = (0..p).map(|r| input(n, r)).collect();
-            let want = run_world("int8".parse::<CodecSpec>().unwrap(), &o, &inputs, 1);
+            let want = run_world(int8, &o, &inputs, 1);
             let want = bits(&want[0].as_ref().unwrap().0[0]);
-            assert_eq!(outs[0], want, "{s:?}, {pieces} pieces, {p} ranks");
+            assert_eq!(out, want, "{s:?}, {pieces} pieces, {p} ranks");
         }
     }
 }

@@ -1588,6 +1588,8 @@ class _PointToPoint:
         g = self._group()
         got = torch.empty(1, dtype=torch.int64)
         length = torch.tensor([len(msg)], dtype=torch.int64)
+        w_got = dist.irecv(got, src, group=g)
+        key, w_buf = None, None
         if size is not None and self._sized:
             key = (src, int(size))
             buf = self._recv_bufs.get(key)
@@ -1595,11 +1597,15 @@ class _PointToPoint:
                 if len(self._recv_bufs) >= 64:
                     self._recv_bufs.clear()
                 buf = self._recv_bufs[key] = torch.empty(int(size), dtype=torch.uint8)
-            w_got = dist.irecv(got, src, group=g)
             w_buf = dist.irecv(buf, src, group=g)
-            payload = torch.frombuffer(msg, dtype=torch.uint8)
-            self._keep((dist.isend(length, dst, group=g), dist.isend(payload, dst, group=g)),
-                       length, payload)
+        w_len = dist.isend(length, dst, group=g)
+        if w_buf is None:
+            w_got.wait()
+            buf = torch.empty(int(got), dtype=torch.uint8)
+            w_buf = dist.irecv(buf, src, group=g)
+        payload = torch.frombuffer(msg, dtype=torch.uint8)
+        self._keep((w_len, dist.isend(payload, dst, group=g)), length, payload)
+        if key is not None:
             w_got.wait()
             if int(got) != size:
                 del self._recv_bufs[key]  # its receive may still be posted
@@ -1607,15 +1613,6 @@ class _PointToPoint:
                 raise RuntimeError(
                     f"rank {frm} sent a message of {int(got)} bytes where {size} were expected"
                 )
-            w_buf.wait()
-            return buf.numpy()
-        w_got = dist.irecv(got, src, group=g)
-        w_len = dist.isend(length, dst, group=g)
-        w_got.wait()
-        buf = torch.empty(int(got), dtype=torch.uint8)
-        w_buf = dist.irecv(buf, src, group=g)
-        payload = torch.frombuffer(msg, dtype=torch.uint8)
-        self._keep((w_len, dist.isend(payload, dst, group=g)), length, payload)
         w_buf.wait()
         return buf.numpy()
 

@@ -744,16 +744,7 @@ impl Transport for PyTransport {
         recv: &mut Vec<u8>,
         from: usize,
     ) -> gradpack::Result<()> {
-        let Some(f) = &self.send_recv else {
-            self.send(send, to)?;
-            return self.recv(recv, from);
-        };
-        Python::attach(|py| {
-            let got = f
-                .call1(py, (PyByteArray::new(py, send), to, from))
-                .map_err(|e| transport_error(from, "send_recv", &e))?;
-            received(got.bind(py), recv, from, "send_recv")
-        })
+        self.exchange(send, to, recv, from, None)
     }
 
     fn send_recv_len(
@@ -764,15 +755,35 @@ impl Transport for PyTransport {
         from: usize,
         len: usize,
     ) -> gradpack::Result<()> {
-        let Some(f) = self.send_recv.as_ref().filter(|_| self.sized) else {
-            return self.send_recv(send, to, recv, from);
+        self.exchange(send, to, recv, from, Some(len).filter(|_| self.sized))
+    }
+}
+
+impl PyTransport {
+    /// One message sent and one received: through `send_recv` when given (with the
+    /// keyword `size` when there is one), else `send` then `recv`.
+    fn exchange(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        size: Option<usize>,
+    ) -> gradpack::Result<()> {
+        let Some(f) = &self.send_recv else {
+            self.send(send, to)?;
+            return self.recv(recv, from);
         };
         Python::attach(|py| {
-            let kw = PyDict::new(py);
-            kw.set_item("size", len)
+            let kw = size
+                .map(|len| {
+                    let kw = PyDict::new(py);
+                    kw.set_item("size", len).map(|_| kw)
+                })
+                .transpose()
                 .map_err(|e| transport_error(from, "send_recv", &e))?;
             let got = f
-                .call(py, (PyByteArray::new(py, send), to, from), Some(&kw))
+                .call(py, (PyByteArray::new(py, send), to, from), kw.as_ref())
                 .map_err(|e| transport_error(from, "send_recv", &e))?;
             received(got.bind(py), recv, from, "send_recv")
         })

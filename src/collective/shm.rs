@@ -1002,6 +1002,13 @@ impl<T: Transport> Routed<T> {
     pub fn host(&self) -> Option<&SharedMemory> {
         self.host.as_deref()
     }
+
+    /// Whether neither `a` nor `b` is reached through this host's shared memory (an
+    /// exchange with them goes to the base transport whole).
+    fn remote(&self, a: usize, b: usize) -> bool {
+        let local = |r| self.host.as_ref().is_some_and(|h| h.serves(r));
+        !local(a) && !local(b)
+    }
 }
 
 impl<T: Transport> Transport for Routed<T> {
@@ -1032,8 +1039,7 @@ impl<T: Transport> Transport for Routed<T> {
     }
 
     fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
-        let local = |r| self.host.as_ref().is_some_and(|h| h.serves(r));
-        if !local(to) && !local(from) {
+        if self.remote(to, from) {
             return self.base.send_recv(send, to, recv, from);
         }
         self.send(send, to)?;
@@ -1048,8 +1054,7 @@ impl<T: Transport> Transport for Routed<T> {
         from: usize,
         len: usize,
     ) -> Result<()> {
-        let local = |r| self.host.as_ref().is_some_and(|h| h.serves(r));
-        if !local(to) && !local(from) {
+        if self.remote(to, from) {
             return self.base.send_recv_len(send, to, recv, from, len);
         }
         self.send_recv(send, to, recv, from)
