@@ -209,6 +209,9 @@ impl<T: Transport + ?Sized> Transport for &mut T {
     ) -> Result<()> {
         (**self).send_recv_len(send, to, recv, from, len)
     }
+    fn node_memory(&self) -> Option<NodeMemory> {
+        (**self).node_memory()
+    }
 }
 
 /// What the all-reduce computes.
