@@ -18,6 +18,8 @@ error feedback, followed by any of:
 - ``-mask``: with ``-mc``, deep gradient compression's momentum factor masking too (the
   velocity zeroed where the rank's frame sent the element);
 - ``-from-N``: float32 before step N, as ``start_step=N``;
+- ``-min-N``: parameters with fewer than N elements go as float32, as
+  ``min_compress_elements=N`` (16384 by default);
 - ``-warm-N``: for ``topk``, deep gradient compression's warm-up of the density: 25%,
   6.25% and 1.5625% in three equal stages over the first N steps, then 1% (the
   residual carried from stage to stage).
@@ -35,12 +37,15 @@ from ddp_bench import MOMENTUM, data, model  # the benchmark's data, model and m
 
 
 def parse(name):
-    """(codec spec or None, momentum correction, masking, start step, warm-up steps) of a
-    configuration."""
-    base, start, warm = name, 0, 0
+    """(codec spec or None, momentum correction, masking, start step, warm-up steps,
+    min_compress_elements) of a configuration."""
+    base, start, warm, least = name, 0, 0, 16384
     head, sep, n = base.rpartition("-from-")
     if sep and n.isdigit():
         base, start = head, int(n)
+    head, sep, n = base.rpartition("-min-")
+    if sep and n.isdigit():
+        base, least = head, int(n)
     head, sep, n = base.rpartition("-warm-")
     if sep and n.isdigit():
         base, warm = head, int(n)
@@ -56,7 +61,7 @@ def parse(name):
     }.get(base, "?")
     if codec == "?" or (mask and not mc) or (warm and base != "topk"):
         sys.exit(f"unknown configuration {name!r}")
-    return codec, mc, mask, start, warm
+    return codec, mc, mask, start, warm, least
 
 
 def density(step, warm):
@@ -71,7 +76,7 @@ def run(name, seed, steps, world, momentum=MOMENTUM, lr=0.01, batch=64):
 
     import gradpack
 
-    codec, mc, mask, start, warm = parse(name)
+    codec, mc, mask, start, warm, least = parse(name)
     torch.set_num_threads(1)
     xs, ys, xt, yt = data()
     cut = len(xs)
@@ -84,7 +89,7 @@ def run(name, seed, steps, world, momentum=MOMENTUM, lr=0.01, batch=64):
     ratio = 0.01
     # As the hook: one-dimensional parameters (biases) and those under
     # min_compress_elements (16384 by default) go as float32.
-    packed = [p.dim() > 1 and p.numel() >= 16384 for p in params]
+    packed = [p.dim() > 1 and p.numel() >= least for p in params]
     for s in range(steps):
         if warm and codec and s >= start and density(s, warm) != ratio:
             ratio = density(s, warm)

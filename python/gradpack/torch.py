@@ -201,7 +201,11 @@ class GradpackState:
             shared memory) when it ranks the two-level all-reduce against the flat
             ones; ``bandwidth`` is then the link between nodes. The shortlist is timed
             on the real buckets, so the guess only decides what is tried.
-        min_compress_elements: parameters with fewer elements go as float32.
+        min_compress_elements: parameters with fewer elements go as float32. With
+            top-k, a small last layer (a classifier's) loses most to sparsification:
+            sending it as float32 (a threshold just above its size) costs few bytes
+            and, in the bundled DDP benchmark's training, halved top-k's accuracy gap
+            to float32.
         seed: the base of every stochastic draw.
         checksum: seal frames with a CRC-32 that receivers verify.
         bandwidth, latency: the link, for ``"auto"`` (bit/s or a string such as
