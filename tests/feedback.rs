@@ -144,6 +144,51 @@ fn fused_step_equals_the_unfused_definition_on_every_backend() {
 }
 
 #[test]
+fn fused_step_handles_non_finite_values_as_the_definition_on_every_backend() {
+    // NaN and ±Inf in the gradient (p not finite: the residual is 0), and the largest
+    // finite values two steps running at the same elements (p = r + g overflows, or its
+    // decode does), so every branch of the residual's definition is taken by the SIMD
+    // decoders' residual mode, against the unfused definition on the scalar backend.
+    let n = 4099;
+    let grad = |step: u32| {
+        let mut g = sample(n, 77 + step);
+        for (i, v) in g.iter_mut().enumerate() {
+            match (i % 97, step) {
+                (3, 0) => *v = f32::NAN,
+                (5, _) => *v = f32::INFINITY,
+                (8, 1) => *v = f32::NEG_INFINITY,
+                (11 | 12, _) => *v = f32::MAX,
+                (13, _) => *v = f32::MIN,
+                (40..=47, 2) => *v = f32::NAN,
+                _ => {}
+            }
+        }
+        g
+    };
+    for spec in ef_specs().iter().filter(|s| fixed_rate(s)) {
+        for b in Backend::available() {
+            let mut ef = ErrorFeedback::with_options(*spec, n, permissive()).unwrap();
+            let mut reference = Reference::new(n, ResidualPrecision::F32);
+            for step in 0..4 {
+                let g = grad(step);
+                let ctx = EncodeCtx::new(u64::from(step) + 1);
+                let want = reference.step(spec, &g, &permissive(), &ctx);
+                let got = b.run(|| ef.encode(&g, &ctx)).unwrap();
+                assert!(got == want, "{spec} on {b}, step {step}: frame differs");
+                assert!(
+                    reference.matches(&ef),
+                    "{spec} on {b}, step {step}: residual differs"
+                );
+                assert!(
+                    ef.residual_f32().iter().all(|v| v.is_finite()),
+                    "{spec} on {b}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn bf16_residual_equals_the_unfused_definition() {
     for spec in ef_specs().into_iter().filter(fixed_rate) {
         for n in [0, 1, 63, 64, 65, 2048, 5000] {

@@ -788,24 +788,40 @@ fn natural_general8(c: &NaturalConsts, v: __m256, h: __m256i) -> __m256i {
     _mm256_sign_epi32(_mm256_sub_epi32(k, c.kmin_1), _mm256_castps_si256(v))
 }
 
-/// Writes (or, for [`mode::ADD`], adds) 8 decoded values at `out[j..j + 8]`.
+/// Stores 8 decoded values `v` at `out[j..j + 8]` as mode `M` says: written, added, or
+/// (for [`mode::RESIDUAL`]) taken from the `p` there as its residual ([`residual8`]).
 #[target_feature(enable = "avx2")]
 #[inline]
-fn put8<const M: u8>(out: &mut [f32], j: usize, v: __m256) {
+pub(super) fn put8<const M: u8>(out: &mut [f32], j: usize, v: __m256) {
     let o = &mut out[j..j + 8];
     // SAFETY: `o` holds 8 f32, one unaligned __m256 for the load and the store.
     unsafe {
-        let v = if M == mode::ADD {
-            _mm256_add_ps(_mm256_loadu_ps(o.as_ptr()), v)
-        } else {
-            v
+        let v = match M {
+            mode::WRITE => v,
+            mode::ADD => _mm256_add_ps(_mm256_loadu_ps(o.as_ptr()), v),
+            _ => residual8(_mm256_loadu_ps(o.as_ptr()), v),
         };
         _mm256_storeu_ps(o.as_mut_ptr(), v);
     }
 }
 
-/// Sign-magnitude decode with AVX2 (`scalar::decode_signmag`), for [`mode::WRITE`] and
-/// [`mode::ADD`]; blocks must start on byte boundaries (`block % (8 / BITS) == 0`).
+/// `scalar::residual_of(p, d)` in 8 lanes, operation for operation: `p - d` where that is
+/// finite, else `p` where `p` is finite, else 0.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn residual8(p: __m256, d: __m256) -> __m256 {
+    let inf = _mm256_set1_epi32(INF_BITS as i32);
+    let not_finite = |x: __m256| {
+        let x = _mm256_castps_si256(x);
+        _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(x, inf), inf))
+    };
+    let e = _mm256_sub_ps(p, d);
+    let fallback = _mm256_andnot_ps(not_finite(p), p);
+    _mm256_blendv_ps(e, fallback, not_finite(e))
+}
+
+/// Sign-magnitude decode with AVX2 (`scalar::decode_signmag`), in any mode ([`put8`]);
+/// blocks must start on byte boundaries (`block % (8 / BITS) == 0`).
 ///
 /// # Safety
 /// The CPU must support AVX2.
@@ -816,10 +832,6 @@ pub unsafe fn decode_signmag_avx2<const M: u8, const BITS: u32>(
     block: usize,
     out: &mut [f32],
 ) {
-    assert!(
-        M != mode::RESIDUAL,
-        "the residual mode is decoded elsewhere"
-    );
     let per = (8 / BITS) as usize;
     assert!(
         block.is_multiple_of(per),
@@ -881,8 +893,8 @@ pub unsafe fn decode_signmag_avx2<const M: u8, const BITS: u32>(
     }
 }
 
-/// Sign decode with AVX2 (`scalar::decode_sign`), for [`mode::WRITE`] and [`mode::ADD`];
-/// blocks must start on byte boundaries (`block % 8 == 0`).
+/// Sign decode with AVX2 (`scalar::decode_sign`), in any mode ([`put8`]); blocks must
+/// start on byte boundaries (`block % 8 == 0`).
 ///
 /// # Safety
 /// The CPU must support AVX2.
@@ -893,10 +905,6 @@ pub unsafe fn decode_sign_avx2<const M: u8>(
     block: usize,
     out: &mut [f32],
 ) {
-    assert!(
-        M != mode::RESIDUAL,
-        "the residual mode is decoded elsewhere"
-    );
     assert!(
         block.is_multiple_of(8),
         "blocks must start on byte boundaries"
@@ -921,7 +929,7 @@ pub unsafe fn decode_sign_avx2<const M: u8>(
 }
 
 /// Natural-compression decode with AVX2 (`scalar::decode_natural`, reference bytes already
-/// validated), for [`mode::WRITE`] and [`mode::ADD`].
+/// validated), in any mode ([`put8`]).
 ///
 /// A code `c` (sign `s`, `m = c & 0x7F`) of a block with reference byte `rb` decodes to
 /// `±2^(E - 127)` with `E = m + rb - 127`, or to `±0` for `m = 0`. Where `E >= 1` the value
@@ -939,10 +947,6 @@ pub unsafe fn decode_natural_avx2<const M: u8>(
     block: usize,
     out: &mut [f32],
 ) {
-    assert!(
-        M != mode::RESIDUAL,
-        "the residual mode is decoded elsewhere"
-    );
     for (b, (ob, cb)) in out.chunks_mut(block).zip(codes.chunks(block)).enumerate() {
         if refs[b] == scalar::NATURAL_NONFINITE {
             // The oracle writes NaN.
@@ -1264,8 +1268,8 @@ pub unsafe fn rows_to_lanes16(rows: &[f32], stride: usize, w: usize, a: &mut [[f
     }
 }
 
-/// The whole blocks of a small-float decode in registers (a scale per block, mode write
-/// or add, `code_bytes` bytes of codes per block): how many blocks `out`, `codes` and
+/// The whole blocks of a small-float decode in registers (a scale per block, any mode,
+/// `code_bytes` bytes of codes per block): how many blocks `out`, `codes` and
 /// `scales` hold, and the bytes of a block's scale.
 pub(super) fn float_blocks<const M: u8>(
     scale: crate::kernels::fp8::Scale,
@@ -1275,7 +1279,7 @@ pub(super) fn float_blocks<const M: u8>(
     codes: &[u8],
     out: &[f32],
 ) -> (usize, usize) {
-    assert!(matches!(M, scalar::mode::WRITE | scalar::mode::ADD) && code_bytes > 0);
+    assert!(code_bytes > 0);
     let sb = scale.bytes();
     assert!(sb > 0);
     let blocks = (out.len() / block)
@@ -1321,7 +1325,7 @@ pub(super) fn fp8_halves(b: __m128i, e4m3: bool) -> __m256i {
 }
 
 /// fp8 decode (`fp8::decode` of a scaled frame) of the whole blocks that `out`, `codes`
-/// and `scales` hold (blocks a multiple of 16 long), in mode `M` (write or add); returns
+/// and `scales` hold (blocks a multiple of 16 long), in mode `M` (any: [`put8`]); returns
 /// how many blocks it decoded. Each code becomes a half-precision float by shifts
 /// ([`fp8_halves`]), converted to f32 (exact), then multiplied by its block's scale as
 /// [`fp8_scale`] says: the same f32 product as the definition's `value_finite(c) * s`.
@@ -1385,7 +1389,7 @@ fn fp8_blocks<const M: u8>(
 }
 
 /// One block of [`decode_fp8`]: each code's half converted, times 2^8 if `TWICE`, times
-/// `t`, written or added.
+/// `t`, stored as mode `M` says.
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
 fn fp8_block<const M: u8, const TWICE: bool>(e4m3: bool, t: f32, c: &[u8], o: &mut [f32]) {
@@ -1405,7 +1409,7 @@ fn fp8_block<const M: u8, const TWICE: bool>(e4m3: bool, t: f32, c: &[u8], o: &m
 
 /// fp4 decode (the layout of `fp8::decode` with two codes per byte, low nibble first) of
 /// the whole blocks of 16 or 32 elements that `out`, `codes` and `scales` hold
-/// ([`float_blocks`]), in mode `M` (write or add); returns how many blocks it decoded (an
+/// ([`float_blocks`]), in mode `M` (any: [`put8`]); returns how many blocks it decoded (an
 /// even number with blocks of 16, 0 if a value in `fours` is not a bfloat16).
 ///
 /// `fours` holds the sixteen codes' values. Each is a bfloat16 (every 4-bit format's

@@ -321,7 +321,8 @@ pub unsafe fn decode_fp4<const M: u8>(
     codes: &[u8],
     out: &mut [f32],
 ) -> usize {
-    assert!(matches!(block, 16 | 32));
+    // The residual mode runs the AVX2 build (see `kernels::decode_float`).
+    assert!(matches!(block, 16 | 32) && M != scalar::mode::RESIDUAL);
     let half = block / 2;
     let (blocks, sb) = blocks::float_blocks::<M>(scale, block, half, scales, codes, out);
     // SAFETY: `fours` is 16 f32, one unaligned __m512.
@@ -384,7 +385,8 @@ pub unsafe fn decode_fp8<const M: u8>(
     codes: &[u8],
     out: &mut [f32],
 ) -> usize {
-    assert!(block.is_multiple_of(16));
+    // The residual mode runs the AVX2 build (see `kernels::decode_float`).
+    assert!(block.is_multiple_of(16) && M != scalar::mode::RESIDUAL);
     let (blocks, sb) = blocks::float_blocks::<M>(scale, block, block, scales, codes, out);
     for b in 0..blocks {
         let s = crate::kernels::fp8::scale_of(scale, &scales[b * sb..(b + 1) * sb]);

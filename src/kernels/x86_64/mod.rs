@@ -48,8 +48,8 @@ pub unsafe fn encode_f16_avx2(x: &[f32], out: &mut [u8]) -> bool {
     tail || lanes.iter().any(|&v| v >= scalar::INF_BITS)
 }
 
-/// binary16 to f32 with F16C, 8 lanes; adds into `out` when `M` is
-/// [`mode::ADD`], writes for [`mode::WRITE`] (the residual mode is not handled here).
+/// binary16 to f32 with F16C, 8 lanes, stored as mode `M` says (written, added, or as
+/// the residual of the `p` in `out`: `blocks::put8`).
 ///
 /// # Safety
 /// The CPU must support AVX2 and F16C.
@@ -59,16 +59,9 @@ pub unsafe fn decode_f16_avx2<const M: u8>(p: &[u8], out: &mut [f32]) {
     let n8 = n - n % 8;
     let mut i = 0;
     while i < n8 {
-        // SAFETY: 2 * (i + 8) <= p.len() and i + 8 <= out.len(); unaligned accesses.
-        unsafe {
-            let h = _mm_loadu_si128(p.as_ptr().add(2 * i).cast::<__m128i>());
-            let mut v = _mm256_cvtph_ps(h);
-            let o = out.as_mut_ptr().add(i);
-            if M == mode::ADD {
-                v = _mm256_add_ps(_mm256_loadu_ps(o), v);
-            }
-            _mm256_storeu_ps(o, v);
-        }
+        // SAFETY: 2 * (i + 8) <= p.len(); unaligned load.
+        let h = unsafe { _mm_loadu_si128(p.as_ptr().add(2 * i).cast::<__m128i>()) };
+        blocks::put8::<M>(out, i, _mm256_cvtph_ps(h));
         i += 8;
     }
     scalar::decode_u16::<M>(&p[2 * n8..2 * n], &mut out[n8..n], scalar::f16_to_f32);
