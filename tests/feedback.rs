@@ -103,11 +103,23 @@ impl Reference {
 }
 
 fn check_against_reference(spec: &CodecSpec, n: usize, o: FeedbackOptions, steps: u64) {
+    check_steps(spec, n, o, steps, |step| sample(n, 1000 + step as u32));
+}
+
+/// [`check_against_reference`] with each step's gradient from `grad`; the residual is
+/// also checked finite after every step.
+fn check_steps(
+    spec: &CodecSpec,
+    n: usize,
+    o: FeedbackOptions,
+    steps: u64,
+    grad: impl Fn(u64) -> Vec<f32>,
+) {
     for b in Backend::available() {
         let mut ef = ErrorFeedback::with_options(*spec, n, o).unwrap();
         let mut reference = Reference::new(n, o.precision);
         for step in 0..steps {
-            let g = sample(n, 1000 + step as u32);
+            let g = grad(step);
             let ctx = EncodeCtx::new(step * 7 + 1).with_offset(step * 1000);
             let want = reference.step(spec, &g, &o, &ctx);
             let got = b.run(|| ef.encode(&g, &ctx)).unwrap();
@@ -118,6 +130,10 @@ fn check_against_reference(spec: &CodecSpec, n: usize, o: FeedbackOptions, steps
             assert!(
                 reference.matches(&ef),
                 "{spec} on {b}, n = {n}, step {step}: residual differs from the reference"
+            );
+            assert!(
+                ef.residual_f32().iter().all(|v| v.is_finite()),
+                "{spec} on {b}, n = {n}, step {step}: residual holds NaN or Inf"
             );
         }
     }
@@ -150,8 +166,8 @@ fn fused_step_handles_non_finite_values_as_the_definition_on_every_backend() {
     // decode does), so every branch of the residual's definition is taken by the SIMD
     // decoders' residual mode, against the unfused definition on the scalar backend.
     let n = 4099;
-    let grad = |step: u32| {
-        let mut g = sample(n, 77 + step);
+    let grad = |step: u64| {
+        let mut g = sample(n, 77 + step as u32);
         for (i, v) in g.iter_mut().enumerate() {
             match (i % 97, step) {
                 (3, 0) => *v = f32::NAN,
@@ -166,25 +182,7 @@ fn fused_step_handles_non_finite_values_as_the_definition_on_every_backend() {
         g
     };
     for spec in ef_specs().iter().filter(|s| fixed_rate(s)) {
-        for b in Backend::available() {
-            let mut ef = ErrorFeedback::with_options(*spec, n, permissive()).unwrap();
-            let mut reference = Reference::new(n, ResidualPrecision::F32);
-            for step in 0..4 {
-                let g = grad(step);
-                let ctx = EncodeCtx::new(u64::from(step) + 1);
-                let want = reference.step(spec, &g, &permissive(), &ctx);
-                let got = b.run(|| ef.encode(&g, &ctx)).unwrap();
-                assert!(got == want, "{spec} on {b}, step {step}: frame differs");
-                assert!(
-                    reference.matches(&ef),
-                    "{spec} on {b}, step {step}: residual differs"
-                );
-                assert!(
-                    ef.residual_f32().iter().all(|v| v.is_finite()),
-                    "{spec} on {b}"
-                );
-            }
-        }
+        check_steps(spec, n, permissive(), 4, grad);
     }
 }
 

@@ -307,7 +307,6 @@ pub unsafe fn feedback_f16_avx2(
     let n8 = n - n % 8;
     let (vb, vg) = (_mm256_set1_ps(beta), _mm256_set1_ps(gamma));
     let abs = _mm256_set1_epi32(ABS);
-    let inf = _mm256_set1_epi32(scalar::INF_BITS as i32);
     let mut mx = _mm256_setzero_si256();
     let mut i = 0;
     while i < n8 {
@@ -322,12 +321,7 @@ pub unsafe fn feedback_f16_avx2(
             mx = _mm256_max_epu32(mx, _mm256_and_si256(pi, abs));
             let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(p);
             _mm_storeu_si128(out.as_mut_ptr().add(2 * i).cast::<__m128i>(), h);
-            let e = _mm256_sub_ps(p, _mm256_cvtph_ps(h));
-            let e_bad = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(e), inf), inf);
-            let p_bad = _mm256_cmpeq_epi32(_mm256_and_si256(pi, inf), inf);
-            let fallback = _mm256_andnot_ps(_mm256_castsi256_ps(p_bad), p);
-            let res = _mm256_blendv_ps(e, fallback, _mm256_castsi256_ps(e_bad));
-            _mm256_storeu_ps(ro, res);
+            _mm256_storeu_ps(ro, blocks::residual8(p, _mm256_cvtph_ps(h)));
         }
         i += 8;
     }
