@@ -19,6 +19,7 @@ fn ef_specs() -> Vec<CodecSpec> {
         .collect();
     for s in [
         "int8:block=3",
+        "int8:block=40",
         "qsgd:bits=2,block=7",
         "sign:block=5",
         "natural:block=1000",

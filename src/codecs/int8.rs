@@ -196,6 +196,23 @@ impl FixedRate for Int8 {
         check_steps(h, scales, HEADER_LEN)
     }
 
+    fn feedback_fused(
+        &self,
+        r: &mut [f32],
+        g: &[f32],
+        beta: f32,
+        gamma: f32,
+        _ctx: &EncodeCtx,
+        scales: &mut [u8],
+        codes: &mut [u8],
+    ) -> Option<bool> {
+        // Stochastic rounding draws by global index: it runs the three passes.
+        if self.rounding != Rounding::Nearest {
+            return None;
+        }
+        kernels::feedback_int8(r, g, beta, gamma, self.block as usize, scales, codes)
+    }
+
     fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]) {
         by_mode!(m, M => kernels::decode_int8::<M>(scales, codes, self.block as usize, out))
     }

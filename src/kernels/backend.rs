@@ -65,6 +65,8 @@ impl fmt::Display for Backend {
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) enum Op {
     FeedbackF16,
+    /// int8's fused error-feedback step with nearest rounding: an AVX2 kernel only.
+    FeedbackInt8,
     EncodeF16,
     /// fp16 decode into the output.
     DecodeF16,
@@ -127,8 +129,9 @@ pub(crate) enum Op {
 impl Op {
     /// Every row of the routing table.
     #[cfg(test)]
-    pub(crate) const ALL: [Op; 35] = [
+    pub(crate) const ALL: [Op; 36] = [
         Op::FeedbackF16,
+        Op::FeedbackInt8,
         Op::EncodeF16,
         Op::DecodeF16,
         Op::AddF16,
@@ -266,6 +269,7 @@ pub(crate) const fn x86_route_on(op: Op, kind: BackendKind, cpu: Cpu) -> X86 {
             | Op::StreamPqt => X86::Avx512,
             Op::AddF16
             | Op::EncodeInt8
+            | Op::FeedbackInt8
             | Op::DecodeSign
             | Op::DecodeSignmag
             | Op::EncodeNatural

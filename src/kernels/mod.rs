@@ -750,6 +750,33 @@ pub fn decode_bf16<const M: u8>(p: &[u8], out: &mut [f32]) {
     }
 }
 
+/// int8's fused error-feedback step with nearest rounding over whole blocks of `block`
+/// (the last may be shorter): `r = beta r + gamma g` is encoded into `steps` and `codes`
+/// as [`encode_int8`] would encode it, and `r` becomes what a residual-mode
+/// [`decode_int8`] of those codes would leave, in one pass per block. `Some(nonfinite)`
+/// where this backend has the fused kernel (the x86 ones), `None`, touching nothing,
+/// where the caller must run those steps itself.
+#[allow(clippy::too_many_arguments)]
+pub fn feedback_int8(
+    r: &mut [f32],
+    g: &[f32],
+    beta: f32,
+    gamma: f32,
+    block: usize,
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> Option<bool> {
+    match x86_route(Op::FeedbackInt8, Backend::current().kind()) {
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after AVX2 was detected.
+        #[cfg(target_arch = "x86_64")]
+        X86::Avx2 => Some(unsafe {
+            x86_64::blocks::feedback_int8_avx2(r, g, beta, gamma, block, steps, codes)
+        }),
+        _ => None,
+    }
+}
+
 /// int8 block encode (see [`scalar::encode_int8`]).
 pub fn encode_int8(
     x: &[f32],

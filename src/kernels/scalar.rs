@@ -643,9 +643,10 @@ impl<'a> BitReader<'a> {
 
 // ---------------------------------------------------------------- block codecs
 
-/// Steps (f32 LE, one per block) followed by codes: the layout of every block codec.
+/// Write block `b`'s step into the steps section (f32 LE, one per block; the codes follow
+/// it: the layout of every block codec).
 #[inline]
-fn put_step(steps: &mut [u8], b: usize, step: f32) {
+pub fn put_step(steps: &mut [u8], b: usize, step: f32) {
     steps[4 * b..4 * b + 4].copy_from_slice(&step.to_le_bytes());
 }
 

@@ -382,6 +382,136 @@ pub unsafe fn encode_int8_avx2(
     )
 }
 
+/// int8's fused error-feedback step with nearest rounding, block by block: `p = beta r +
+/// gamma g` is formed into `r` (two rounded products and a rounded sum, as
+/// `scalar::feedback_form`) while its largest magnitude is taken, the block's step and
+/// codes are written as `scalar::encode_int8` writes them, and `r` becomes
+/// `scalar::residual_of(p, code * step)`, as a residual-mode `scalar::decode_int8` of
+/// the codes would leave it, in the same pass as the codes. True if any `p` is NaN or
+/// ±Inf. `r`, `g` and the codes hold the same number of elements.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn feedback_int8_avx2(
+    r: &mut [f32],
+    g: &[f32],
+    beta: f32,
+    gamma: f32,
+    block: usize,
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    assert!(r.len() == g.len() && codes.len() == r.len() && block > 0);
+    let mut nonfinite = false;
+    let blocks = r.chunks_mut(block).zip(g.chunks(block));
+    for (b, ((rb, gb), cb)) in blocks.zip(codes.chunks_mut(block)).enumerate() {
+        let mb = form_max_abs(rb, gb, beta, gamma);
+        let step = if mb >= INF_BITS {
+            nonfinite = true;
+            scalar::CANONICAL_NAN
+        } else if mb == 0 {
+            0.0
+        } else {
+            scalar::block_step(f32::from_bits(mb), 127)
+        };
+        scalar::put_step(steps, b, step);
+        match Levels::new(f32::from_bits(mb), 127) {
+            Some(l) if mb != 0 && mb < INF_BITS => {
+                int8_residual_block(&l, f32::from_bits(mb), step, rb, cb);
+            }
+            _ => {
+                // No scale (all codes 0), or a scale below 2^-100: the oracle's codes.
+                if mb != 0 && mb < INF_BITS {
+                    let d = Draws::new(0, 0, 0); // nearest rounding draws nothing
+                    scalar::quantise_int8(rb, cb, f32::from_bits(mb), Round::Nearest, &d, 0);
+                } else {
+                    cb.fill(0);
+                }
+                for (p, &c) in rb.iter_mut().zip(cb.iter()) {
+                    *p = scalar::residual_of(*p, (c as i8) as f32 * step);
+                }
+            }
+        }
+    }
+    nonfinite
+}
+
+/// `r = beta r + gamma g` in place (the operations of `scalar::feedback_form`), returning
+/// the largest `|p|` bit pattern (`scalar::max_abs_bits` of the formed block).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn form_max_abs(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) -> u32 {
+    let (bv, gv, abs) = (
+        _mm256_set1_ps(beta),
+        _mm256_set1_ps(gamma),
+        _mm256_set1_epi32(ABS),
+    );
+    let mut m = _mm256_setzero_si256();
+    let whole = r.len() / 8 * 8;
+    for (r8, g8) in r[..whole].chunks_exact_mut(8).zip(g.chunks_exact(8)) {
+        // SAFETY: `r8` and `g8` hold 8 f32 each, one unaligned __m256 apiece.
+        unsafe {
+            let p = _mm256_add_ps(
+                _mm256_mul_ps(bv, _mm256_loadu_ps(r8.as_ptr())),
+                _mm256_mul_ps(gv, _mm256_loadu_ps(g8.as_ptr())),
+            );
+            _mm256_storeu_ps(r8.as_mut_ptr(), p);
+            // |p| bit patterns are below 2^31: a signed maximum orders them.
+            m = _mm256_max_epi32(m, _mm256_and_si256(_mm256_castps_si256(p), abs));
+        }
+    }
+    let mut lanes = [0u32; 8];
+    // SAFETY: `lanes` is 8 u32, one unaligned __m256i.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), m) };
+    let mut most = lanes.into_iter().max().unwrap_or(0);
+    for (r, &g) in r[whole..].iter_mut().zip(&g[whole..]) {
+        *r = beta * *r + gamma * g;
+        most = most.max(r.to_bits() & ABS as u32);
+    }
+    most
+}
+
+/// The codes of a finite formed block `rb` with scale `m`, its levels `l` and its `step`,
+/// 32 at a time as [`int8_block`] writes them, with `rb` becoming the residual of each
+/// element against its decode `d = code * step`; a tail shorter than 32 by the oracle.
+/// The residual is `p - d` without `scalar::residual_of`'s checks, which cannot fire
+/// here: `p` is finite, `d` is finite (`127 step` is, by `scalar::block_step`) and of
+/// `p`'s sign or zero (the code is `p`'s level), so `|p - d| <= max(|p|, |d|)`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn int8_residual_block(l: &Levels, m: f32, step: f32, rb: &mut [f32], cb: &mut [u8]) {
+    let s = _mm256_set1_ps(step);
+    let whole = rb.len() / 32 * 32;
+    for (p32, c32) in rb[..whole]
+        .chunks_exact_mut(32)
+        .zip(cb.chunks_exact_mut(32))
+    {
+        let mut q = [_mm256_setzero_si256(); 4];
+        for (k, q) in q.iter_mut().enumerate() {
+            let o = &mut p32[8 * k..8 * k + 8];
+            // SAFETY: `o` holds 8 f32, one unaligned __m256 for the load and the store.
+            unsafe {
+                let p = _mm256_loadu_ps(o.as_ptr());
+                *q = int8x8::<false>(l, p, _mm256_setzero_si256());
+                let d = _mm256_mul_ps(_mm256_cvtepi32_ps(*q), s);
+                _mm256_storeu_ps(o.as_mut_ptr(), _mm256_sub_ps(p, d));
+            }
+        }
+        let bytes = pack_bytes::<true>(q[0], q[1], q[2], q[3]);
+        // SAFETY: `c32` holds 32 bytes, one unaligned __m256i.
+        unsafe { _mm256_storeu_si256(c32.as_mut_ptr().cast(), bytes) };
+    }
+    let (rt, ct) = (&mut rb[whole..], &mut cb[whole..]);
+    if !rt.is_empty() {
+        let d = Draws::new(0, 0, 0); // nearest rounding draws nothing
+        scalar::quantise_int8(rt, ct, m, Round::Nearest, &d, 0);
+        for (p, &c) in rt.iter_mut().zip(ct.iter()) {
+            *p = scalar::residual_of(*p, (c as i8) as f32 * step);
+        }
+    }
+}
+
 /// int8 codes of one finite block with a non-zero max `m`, inside one 2^32 index window.
 #[target_feature(enable = "avx2")]
 #[inline]
