@@ -1054,3 +1054,134 @@ fn codebook_frames_follow_the_documented_definition_on_every_backend() {
         assert_eq!(&payload[books.len()..], &codes[..], "{b}: codes");
     }
 }
+
+/// Values for the fused int8 kernels: the common sample, then blocks of the tensor made
+/// all zero, all below 2^-100 (where the quantiser scales first), and NaN, ±Inf and the
+/// largest finite values at a few elements.
+fn int8_fused_input(n: usize, salt: u32) -> Vec<f32> {
+    let mut x = sample(n, salt);
+    for (i, v) in x.iter_mut().enumerate() {
+        match (i / 64) % 7 {
+            2 => *v = 0.0,
+            4 => *v *= 1.0e-33,
+            _ => {}
+        }
+        match (i as u32).wrapping_mul(2_654_435_761) ^ salt {
+            h if h % 211 == 0 => *v = f32::NAN,
+            h if h % 223 == 0 => *v = f32::NEG_INFINITY,
+            h if h % 227 == 0 => *v = f32::MAX,
+            _ => {}
+        }
+    }
+    x
+}
+
+/// `hop_int8` and `feedback_int8` where a backend has them (returning `None` is allowed
+/// elsewhere): the same steps, codes, sums and residuals as the unfused definition on the
+/// scalar backend (a decode added onto a copy and an encode; the error-feedback step
+/// formed, encoded and decoded in residual mode), with received codes of every byte value,
+/// either rounding, blocks not a multiple of 8 or 32, and draws from an index where a
+/// block straddles a 2^32 window.
+#[test]
+fn fused_int8_hop_and_feedback_match_their_definition() {
+    use gradpack::unstable::kernels::{
+        self as k, mode, residual_of,
+        scalar::{CANONICAL_NAN, Round},
+    };
+    let bits = |x: &[f32]| -> Vec<u32> {
+        x.iter()
+            .map(|v| {
+                if v.is_nan() {
+                    CANONICAL_NAN.to_bits()
+                } else {
+                    v.to_bits()
+                }
+            })
+            .collect()
+    };
+    for block in [1usize, 3, 8, 40, 64, 256] {
+        for n in [0usize, 1, 31, 33, 100, 1000, 4099] {
+            let blocks = n.div_ceil(block);
+            let local = int8_fused_input(n, 5);
+            let other = int8_fused_input(n, 6);
+            let (mut in_steps, mut in_codes) = (vec![0u8; 4 * blocks], vec![0u8; n]);
+            let d0 = Draws::new(3, STREAM_ROUNDING, 0);
+            Backend::scalar().run(|| {
+                k::encode_int8(
+                    &other,
+                    block,
+                    Round::Nearest,
+                    &d0,
+                    0,
+                    &mut in_steps,
+                    &mut in_codes,
+                )
+            });
+            for (i, c) in in_codes.iter_mut().enumerate() {
+                if i % 5 == 0 {
+                    *c = (i * 37) as u8; // every byte value, -128 included
+                }
+            }
+            let input = (in_steps.as_slice(), in_codes.as_slice());
+            for round in [Round::Nearest, Round::Stochastic] {
+                for first in [0u64, 5, (1 << 32) - 37] {
+                    let draws = Draws::new(9, STREAM_ROUNDING, first);
+                    let (mut ws, mut wc, mut wsum) =
+                        (vec![0u8; 4 * blocks], vec![0u8; n], local.clone());
+                    let want_nf = Backend::scalar().run(|| {
+                        k::decode_int8::<{ mode::ADD }>(&in_steps, &in_codes, block, &mut wsum);
+                        k::encode_int8(&wsum, block, round, &draws, first, &mut ws, &mut wc)
+                    });
+                    for b in Backend::available() {
+                        let (mut s, mut c, mut sum) =
+                            (vec![0u8; 4 * blocks], vec![0u8; n], vec![1.5f32; n]);
+                        let got = b.run(|| {
+                            k::hop_int8(
+                                &local, input, block, round, &draws, first, &mut sum, &mut s,
+                                &mut c,
+                            )
+                        });
+                        let Some(nf) = got else { continue };
+                        let what =
+                            format!("hop on {b}, block {block}, n {n}, {round:?}, first {first}");
+                        assert_eq!(nf, want_nf, "{what}: non-finite flag");
+                        assert!(s == ws && c == wc, "{what}: frame differs");
+                        assert!(bits(&sum) == bits(&wsum), "{what}: sum differs");
+                    }
+                }
+            }
+            for (beta, gamma) in [(1.0f32, 1.0f32), (0.9, -0.37)] {
+                let (mut ws, mut wc) = (vec![0u8; 4 * blocks], vec![0u8; n]);
+                let p: Vec<f32> = local
+                    .iter()
+                    .zip(&other)
+                    .map(|(&r, &g)| beta * r + gamma * g)
+                    .collect();
+                let mut d = p.clone();
+                let want_nf = Backend::scalar().run(|| {
+                    let nf = k::encode_int8(&p, block, Round::Nearest, &d0, 0, &mut ws, &mut wc);
+                    k::decode_int8::<{ mode::WRITE }>(&ws, &wc, block, &mut d);
+                    nf
+                });
+                let want_r: Vec<f32> = p.iter().zip(&d).map(|(&p, &d)| residual_of(p, d)).collect();
+                for b in Backend::available() {
+                    let (mut s, mut c, mut r) =
+                        (vec![0u8; 4 * blocks], vec![0u8; n], local.clone());
+                    let got = b.run(|| {
+                        k::feedback_int8(&mut r, &other, beta, gamma, block, &mut s, &mut c)
+                    });
+                    let Some(nf) = got else { continue };
+                    let what = format!("feedback on {b}, block {block}, n {n}, beta {beta}");
+                    assert_eq!(nf, want_nf, "{what}: non-finite flag");
+                    assert!(s == ws && c == wc, "{what}: frame differs");
+                    assert!(
+                        r.iter()
+                            .map(|v| v.to_bits())
+                            .eq(want_r.iter().map(|v| v.to_bits())),
+                        "{what}: residual differs"
+                    );
+                }
+            }
+        }
+    }
+}

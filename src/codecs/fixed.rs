@@ -107,6 +107,22 @@ pub trait FixedRate: Sync {
     ) -> Option<bool> {
         None
     }
+    /// A fused ring hop over one tile, if the codec has one: `sum` becomes `local` plus
+    /// the decode of the received sections `input`, encoded into `scales` and `codes`,
+    /// exactly as a copy, a `mode::ADD` [`FixedRate::decode_sections`] and
+    /// [`FixedRate::encode_sections`] would. `None` (the default) runs those instead.
+    #[allow(clippy::too_many_arguments)]
+    fn hop_fused(
+        &self,
+        _local: &[f32],
+        _input: (&[u8], &[u8]),
+        _ctx: &EncodeCtx,
+        _sum: &mut [f32],
+        _scales: &mut [u8],
+        _codes: &mut [u8],
+    ) -> Option<bool> {
+        None
+    }
     /// Decode one range into `out` in mode `m` (see [`kernels::mode`]).
     fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]);
 }
@@ -753,13 +769,23 @@ fn hop_range<F: FixedRate + ?Sized>(
             l.codes_len(s)..l.codes_len(e),
         );
         let t = &mut sum[..e - s];
-        t.copy_from_slice(acc.local(s..e));
-        f.decode_sections(mode::ADD, &in_scales[st.clone()], &in_codes[ct.clone()], t);
+        let input = (&in_scales[st.clone()], &in_codes[ct.clone()]);
         let tctx = ctx.with_offset(ctx.offset + s as u64);
         let (sc, co) = (&mut scales[st], &mut codes[ct]);
-        nonfinite |= match &mut r {
-            None => f.encode_sections(t, &tctx, sc, co),
-            Some(r) => feedback_tile(f, r, s..e, t, weights, &tctx, sc, co),
+        let fused = match r {
+            None => f.hop_fused(acc.local(s..e), input, &tctx, t, sc, co),
+            Some(_) => None,
+        };
+        nonfinite |= match (fused, &mut r) {
+            (Some(nf), _) => nf,
+            (None, r) => {
+                t.copy_from_slice(acc.local(s..e));
+                f.decode_sections(mode::ADD, input.0, input.1, t);
+                match r {
+                    None => f.encode_sections(t, &tctx, sc, co),
+                    Some(r) => feedback_tile(f, r, s..e, t, weights, &tctx, sc, co),
+                }
+            }
         };
         if let HopAcc::Own { dst, .. } = &mut acc {
             let d = &mut dst[s..e];

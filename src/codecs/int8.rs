@@ -213,6 +213,22 @@ impl FixedRate for Int8 {
         kernels::feedback_int8(r, g, beta, gamma, self.block as usize, scales, codes)
     }
 
+    fn hop_fused(
+        &self,
+        local: &[f32],
+        input: (&[u8], &[u8]),
+        ctx: &EncodeCtx,
+        sum: &mut [f32],
+        scales: &mut [u8],
+        codes: &mut [u8],
+    ) -> Option<bool> {
+        let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
+        let (block, round) = (self.block as usize, self.rounding.kernel());
+        kernels::hop_int8(
+            local, input, block, round, &draws, ctx.offset, sum, scales, codes,
+        )
+    }
+
     fn decode_sections(&self, m: u8, scales: &[u8], codes: &[u8], out: &mut [f32]) {
         by_mode!(m, M => kernels::decode_int8::<M>(scales, codes, self.block as usize, out))
     }

@@ -67,6 +67,9 @@ pub(crate) enum Op {
     FeedbackF16,
     /// int8's fused error-feedback step with nearest rounding: an AVX2 kernel only.
     FeedbackInt8,
+    /// int8's fused ring hop (a decode added to local values, then encoded): an AVX2
+    /// kernel only.
+    HopInt8,
     EncodeF16,
     /// fp16 decode into the output.
     DecodeF16,
@@ -129,9 +132,10 @@ pub(crate) enum Op {
 impl Op {
     /// Every row of the routing table.
     #[cfg(test)]
-    pub(crate) const ALL: [Op; 36] = [
+    pub(crate) const ALL: [Op; 37] = [
         Op::FeedbackF16,
         Op::FeedbackInt8,
+        Op::HopInt8,
         Op::EncodeF16,
         Op::DecodeF16,
         Op::AddF16,
@@ -270,6 +274,7 @@ pub(crate) const fn x86_route_on(op: Op, kind: BackendKind, cpu: Cpu) -> X86 {
             Op::AddF16
             | Op::EncodeInt8
             | Op::FeedbackInt8
+            | Op::HopInt8
             | Op::DecodeSign
             | Op::DecodeSignmag
             | Op::EncodeNatural

@@ -757,6 +757,7 @@ pub fn decode_bf16<const M: u8>(p: &[u8], out: &mut [f32]) {
 /// where this backend has the fused kernel (the x86 ones), `None`, touching nothing,
 /// where the caller must run those steps itself.
 #[allow(clippy::too_many_arguments)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 pub fn feedback_int8(
     r: &mut [f32],
     g: &[f32],
@@ -772,6 +773,38 @@ pub fn feedback_int8(
         #[cfg(target_arch = "x86_64")]
         X86::Avx2 => Some(unsafe {
             x86_64::blocks::feedback_int8_avx2(r, g, beta, gamma, block, steps, codes)
+        }),
+        _ => None,
+    }
+}
+
+/// int8's fused ring hop over whole blocks of `block` (the last may be shorter): `sum`
+/// becomes `local` plus the decode of `in_steps` and `in_codes` (what a `mode::ADD`
+/// [`decode_int8`] onto a copy of `local` leaves), and is encoded into `steps` and
+/// `codes` as [`encode_int8`] encodes it from global index `first`, in one pass per block
+/// and a quantising one. `Some(nonfinite)` where this backend has the fused kernel (the
+/// x86 ones), `None`, touching nothing, where the caller must run those steps itself.
+#[allow(clippy::too_many_arguments)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+pub fn hop_int8(
+    local: &[f32],
+    (in_steps, in_codes): (&[u8], &[u8]),
+    block: usize,
+    round: Round,
+    draws: &Draws,
+    first: u64,
+    sum: &mut [f32],
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> Option<bool> {
+    match x86_route(Op::HopInt8, Backend::current().kind()) {
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after AVX2 was detected.
+        #[cfg(target_arch = "x86_64")]
+        X86::Avx2 => Some(unsafe {
+            x86_64::blocks::hop_int8_avx2(
+                local, in_steps, in_codes, block, round, draws, first, sum, steps, codes,
+            )
         }),
         _ => None,
     }

@@ -712,7 +712,7 @@ pub fn quantise_int8(xb: &[f32], cb: &mut [u8], m: f32, round: Round, d: &Draws,
 /// hash key serves them all. The block layouts below send blocks that straddle a window
 /// to the oracle, so a SIMD caller's block kernel sees only blocks with one key.
 #[inline(always)]
-fn in_one_window(start: u64, len: usize) -> bool {
+pub fn in_one_window(start: u64, len: usize) -> bool {
     start >> 32 == (start + len as u64 - 1) >> 32
 }
 

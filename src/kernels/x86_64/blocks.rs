@@ -437,6 +437,92 @@ pub unsafe fn feedback_int8_avx2(
     nonfinite
 }
 
+/// int8's fused ring hop: `sum = local + decode(in_steps, in_codes)` (as a `mode::ADD`
+/// `scalar::decode_int8` onto a copy of `local` leaves it), each block's largest
+/// magnitude taken in the same pass, then `sum` encoded into `steps` and `codes` as
+/// `scalar::encode_int8` encodes it (from global index `first`). True if any sum is NaN
+/// or ±Inf. Every slice but the steps holds `sum.len()` elements or codes.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn hop_int8_avx2(
+    local: &[f32],
+    in_steps: &[u8],
+    in_codes: &[u8],
+    block: usize,
+    round: Round,
+    draws: &Draws,
+    first: u64,
+    sum: &mut [f32],
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    let n = sum.len();
+    assert!(local.len() == n && in_codes.len() == n && codes.len() == n && block > 0);
+    let mut sd = StepDraws::new(draws);
+    let mut nonfinite = false;
+    let blocks = sum.chunks_mut(block).zip(local.chunks(block));
+    for (b, ((sb, lb), (ib, cb))) in blocks
+        .zip(in_codes.chunks(block).zip(codes.chunks_mut(block)))
+        .enumerate()
+    {
+        let mb = add_max_abs(sb, lb, ib, scalar::get_step(in_steps, b));
+        let start = first + (b * block) as u64;
+        if mb >= INF_BITS || mb == 0 {
+            nonfinite |= mb >= INF_BITS;
+            let step = if mb == 0 { 0.0 } else { scalar::CANONICAL_NAN };
+            scalar::put_step(steps, b, step);
+            cb.fill(0);
+            continue;
+        }
+        let m = f32::from_bits(mb);
+        scalar::put_step(steps, b, scalar::block_step(m, 127));
+        if !scalar::in_one_window(start, sb.len()) {
+            scalar::quantise_int8(sb, cb, m, round, draws, start);
+        } else if round == Round::Stochastic {
+            int8_block::<true>(sb, cb, m, &mut sd, start);
+        } else {
+            int8_block::<false>(sb, cb, m, &mut sd, start);
+        }
+    }
+    nonfinite
+}
+
+/// `sum = local + code * step` for one block of int8 codes (the operations of a
+/// `mode::ADD` decode onto `local`), returning the largest `|sum|` bit pattern.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn add_max_abs(sum: &mut [f32], local: &[f32], codes: &[u8], step: f32) -> u32 {
+    let (sv, abs) = (_mm256_set1_ps(step), _mm256_set1_epi32(ABS));
+    let mut m = _mm256_setzero_si256();
+    let whole = sum.len() / 8 * 8;
+    let lanes = sum[..whole].chunks_exact_mut(8).zip(local.chunks_exact(8));
+    for ((s8, l8), c8) in lanes.zip(codes.chunks_exact(8)) {
+        // SAFETY: `s8` and `l8` hold 8 f32, one unaligned __m256 apiece; `c8` holds 8
+        // bytes, the low 64 bits of one __m128i.
+        unsafe {
+            let c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(c8.as_ptr().cast()));
+            let v = _mm256_mul_ps(_mm256_cvtepi32_ps(c), sv);
+            let s = _mm256_add_ps(_mm256_loadu_ps(l8.as_ptr()), v);
+            _mm256_storeu_ps(s8.as_mut_ptr(), s);
+            // |sum| bit patterns are below 2^31: a signed maximum orders them.
+            m = _mm256_max_epi32(m, _mm256_and_si256(_mm256_castps_si256(s), abs));
+        }
+    }
+    let mut most = [0u32; 8];
+    // SAFETY: `most` is 8 u32, one unaligned __m256i.
+    unsafe { _mm256_storeu_si256(most.as_mut_ptr().cast(), m) };
+    let mut most = most.into_iter().max().unwrap_or(0);
+    let rest = sum[whole..].iter_mut().zip(&local[whole..]);
+    for ((s, &l), &c) in rest.zip(&codes[whole..]) {
+        *s = l + (c as i8) as f32 * step;
+        most = most.max(s.to_bits() & ABS as u32);
+    }
+    most
+}
+
 /// `r = beta r + gamma g` in place (the operations of `scalar::feedback_form`), returning
 /// the largest `|p|` bit pattern (`scalar::max_abs_bits` of the formed block).
 #[target_feature(enable = "avx2")]
