@@ -511,10 +511,7 @@ fn add_max_abs(sum: &mut [f32], local: &[f32], codes: &[u8], step: f32) -> u32 {
             m = _mm256_max_epi32(m, _mm256_and_si256(_mm256_castps_si256(s), abs));
         }
     }
-    let mut most = [0u32; 8];
-    // SAFETY: `most` is 8 u32, one unaligned __m256i.
-    unsafe { _mm256_storeu_si256(most.as_mut_ptr().cast(), m) };
-    let mut most = most.into_iter().max().unwrap_or(0);
+    let mut most = lanes_max(m);
     let rest = sum[whole..].iter_mut().zip(&local[whole..]);
     for ((s, &l), &c) in rest.zip(&codes[whole..]) {
         *s = l + (c as i8) as f32 * step;
@@ -547,15 +544,22 @@ fn form_max_abs(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) -> u32 {
             m = _mm256_max_epi32(m, _mm256_and_si256(_mm256_castps_si256(p), abs));
         }
     }
-    let mut lanes = [0u32; 8];
-    // SAFETY: `lanes` is 8 u32, one unaligned __m256i.
-    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), m) };
-    let mut most = lanes.into_iter().max().unwrap_or(0);
+    let mut most = lanes_max(m);
     for (r, &g) in r[whole..].iter_mut().zip(&g[whole..]) {
         *r = beta * *r + gamma * g;
         most = most.max(r.to_bits() & ABS as u32);
     }
     most
+}
+
+/// The largest of the 8 unsigned 32-bit lanes of `m`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn lanes_max(m: __m256i) -> u32 {
+    let mut lanes = [0u32; 8];
+    // SAFETY: `lanes` is 8 u32, one unaligned __m256i.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), m) };
+    lanes.into_iter().max().unwrap_or(0)
 }
 
 /// The codes of a finite formed block `rb` with scale `m`, its levels `l` and its `step`,
