@@ -1150,7 +1150,16 @@ fn fused_int8_hop_and_feedback_match_their_definition() {
                     }
                 }
             }
-            for (beta, gamma) in [(1.0f32, 1.0f32), (0.9, -0.37)] {
+            let cases = [
+                (1.0f32, 1.0f32, 0u64),
+                (0.9, -0.37, 5),
+                (1.0, 1.0, (1 << 32) - 37),
+            ];
+            for ((beta, gamma, first), round) in cases
+                .into_iter()
+                .flat_map(|c| [(c, Round::Nearest), (c, Round::Stochastic)])
+            {
+                let draws = Draws::new(9, STREAM_ROUNDING, first);
                 let (mut ws, mut wc) = (vec![0u8; 4 * blocks], vec![0u8; n]);
                 let p: Vec<f32> = local
                     .iter()
@@ -1159,7 +1168,7 @@ fn fused_int8_hop_and_feedback_match_their_definition() {
                     .collect();
                 let mut d = p.clone();
                 let want_nf = Backend::scalar().run(|| {
-                    let nf = k::encode_int8(&p, block, Round::Nearest, &d0, 0, &mut ws, &mut wc);
+                    let nf = k::encode_int8(&p, block, round, &draws, first, &mut ws, &mut wc);
                     k::decode_int8::<{ mode::WRITE }>(&ws, &wc, block, &mut d);
                     nf
                 });
@@ -1168,10 +1177,22 @@ fn fused_int8_hop_and_feedback_match_their_definition() {
                     let (mut s, mut c, mut r) =
                         (vec![0u8; 4 * blocks], vec![0u8; n], local.clone());
                     let got = b.run(|| {
-                        k::feedback_int8(&mut r, &other, beta, gamma, block, &mut s, &mut c)
+                        k::feedback_int8(
+                            &mut r,
+                            &other,
+                            (beta, gamma),
+                            block,
+                            round,
+                            &draws,
+                            first,
+                            &mut s,
+                            &mut c,
+                        )
                     });
                     let Some(nf) = got else { continue };
-                    let what = format!("feedback on {b}, block {block}, n {n}, beta {beta}");
+                    let what = format!(
+                        "feedback on {b}, block {block}, n {n}, beta {beta}, {round:?}, first {first}"
+                    );
                     assert_eq!(nf, want_nf, "{what}: non-finite flag");
                     assert!(s == ws && c == wc, "{what}: frame differs");
                     assert!(

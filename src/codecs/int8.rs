@@ -202,15 +202,23 @@ impl FixedRate for Int8 {
         g: &[f32],
         beta: f32,
         gamma: f32,
-        _ctx: &EncodeCtx,
+        ctx: &EncodeCtx,
         scales: &mut [u8],
         codes: &mut [u8],
     ) -> Option<bool> {
-        // Stochastic rounding draws by global index: it runs the three passes.
-        if self.rounding != Rounding::Nearest {
-            return None;
-        }
-        kernels::feedback_int8(r, g, beta, gamma, self.block as usize, scales, codes)
+        let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
+        let (block, round) = (self.block as usize, self.rounding.kernel());
+        kernels::feedback_int8(
+            r,
+            g,
+            (beta, gamma),
+            block,
+            round,
+            &draws,
+            ctx.offset,
+            scales,
+            codes,
+        )
     }
 
     fn hop_fused(

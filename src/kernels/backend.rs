@@ -65,7 +65,7 @@ impl fmt::Display for Backend {
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) enum Op {
     FeedbackF16,
-    /// int8's fused error-feedback step with nearest rounding: an AVX2 kernel only.
+    /// int8's fused error-feedback step: an AVX2 kernel only.
     FeedbackInt8,
     /// int8's fused ring hop (a decode added to local values, then encoded): an AVX2
     /// kernel only.

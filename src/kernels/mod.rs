@@ -750,20 +750,22 @@ pub fn decode_bf16<const M: u8>(p: &[u8], out: &mut [f32]) {
     }
 }
 
-/// int8's fused error-feedback step with nearest rounding over whole blocks of `block`
-/// (the last may be shorter): `r = beta r + gamma g` is encoded into `steps` and `codes`
-/// as [`encode_int8`] would encode it, and `r` becomes what a residual-mode
-/// [`decode_int8`] of those codes would leave, in one pass per block. `Some(nonfinite)`
-/// where this backend has the fused kernel (the x86 ones), `None`, touching nothing,
-/// where the caller must run those steps itself.
-#[allow(clippy::too_many_arguments)]
+/// int8's fused error-feedback step over whole blocks of `block` (the last may be
+/// shorter): `r = beta r + gamma g` is encoded into `steps` and `codes` as [`encode_int8`]
+/// would encode it (rounding `round`, draws from global index `first`), and `r` becomes
+/// what a residual-mode [`decode_int8`] of those codes would leave, in one pass per block
+/// and a quantising one. `Some(nonfinite)` where this backend has the fused kernel (the
+/// x86 ones), `None`, touching nothing, where the caller must run those steps itself.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+#[allow(clippy::too_many_arguments)]
 pub fn feedback_int8(
     r: &mut [f32],
     g: &[f32],
-    beta: f32,
-    gamma: f32,
+    weights: (f32, f32),
     block: usize,
+    round: Round,
+    draws: &Draws,
+    first: u64,
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> Option<bool> {
@@ -772,7 +774,15 @@ pub fn feedback_int8(
         // only after AVX2 was detected.
         #[cfg(target_arch = "x86_64")]
         X86::Avx2 => Some(unsafe {
-            x86_64::blocks::feedback_int8_avx2(r, g, beta, gamma, block, steps, codes)
+            x86_64::blocks::feedback_int8_avx2(
+                r,
+                g,
+                weights,
+                block,
+                (round, draws, first),
+                steps,
+                codes,
+            )
         }),
         _ => None,
     }

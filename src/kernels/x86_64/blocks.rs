@@ -382,10 +382,11 @@ pub unsafe fn encode_int8_avx2(
     )
 }
 
-/// int8's fused error-feedback step with nearest rounding, block by block: `p = beta r +
-/// gamma g` is formed into `r` (two rounded products and a rounded sum, as
-/// `scalar::feedback_form`) while its largest magnitude is taken, the block's step and
-/// codes are written as `scalar::encode_int8` writes them, and `r` becomes
+/// int8's fused error-feedback step, block by block: `p = beta r + gamma g` is formed into
+/// `r` (two rounded products and a rounded sum, as `scalar::feedback_form`) while its
+/// largest magnitude is taken, the block's step and codes are written as
+/// `scalar::encode_int8` writes them (rounding `round`, the draws of `draws` from global
+/// index `first`), and `r` becomes
 /// `scalar::residual_of(p, code * step)`, as a residual-mode `scalar::decode_int8` of
 /// the codes would leave it, in the same pass as the codes. True if any `p` is NaN or
 /// ±Inf. `r`, `g` and the codes hold the same number of elements.
@@ -396,17 +397,19 @@ pub unsafe fn encode_int8_avx2(
 pub unsafe fn feedback_int8_avx2(
     r: &mut [f32],
     g: &[f32],
-    beta: f32,
-    gamma: f32,
+    (beta, gamma): (f32, f32),
     block: usize,
+    (round, draws, first): (Round, &Draws, u64),
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
     assert!(r.len() == g.len() && codes.len() == r.len() && block > 0);
+    let mut sd = StepDraws::new(draws);
     let mut nonfinite = false;
     let blocks = r.chunks_mut(block).zip(g.chunks(block));
     for (b, ((rb, gb), cb)) in blocks.zip(codes.chunks_mut(block)).enumerate() {
         let mb = form_max_abs(rb, gb, beta, gamma);
+        let start = first + (b * block) as u64;
         let step = if mb >= INF_BITS {
             nonfinite = true;
             scalar::CANONICAL_NAN
@@ -416,15 +419,20 @@ pub unsafe fn feedback_int8_avx2(
             scalar::block_step(f32::from_bits(mb), 127)
         };
         scalar::put_step(steps, b, step);
-        match Levels::new(f32::from_bits(mb), 127) {
-            Some(l) if mb != 0 && mb < INF_BITS => {
-                int8_residual_block(&l, f32::from_bits(mb), step, rb, cb);
-            }
+        let m = f32::from_bits(mb);
+        let levels = Levels::new(m, 127).filter(|_| mb != 0 && mb < INF_BITS);
+        match levels {
+            Some(l) if scalar::in_one_window(start, rb.len()) => match round {
+                Round::Nearest => int8_residual_block::<false>(&l, m, step, &mut sd, start, rb, cb),
+                Round::Stochastic => {
+                    int8_residual_block::<true>(&l, m, step, &mut sd, start, rb, cb)
+                }
+            },
             _ => {
-                // No scale (all codes 0), or a scale below 2^-100: the oracle's codes.
+                // No scale (all codes 0), a scale below 2^-100 or a block across a 2^32
+                // draw window: the oracle's codes.
                 if mb != 0 && mb < INF_BITS {
-                    let d = Draws::new(0, 0, 0); // nearest rounding draws nothing
-                    scalar::quantise_int8(rb, cb, f32::from_bits(mb), Round::Nearest, &d, 0);
+                    scalar::quantise_int8(rb, cb, m, round, draws, start);
                 } else {
                     cb.fill(0);
                 }
@@ -563,27 +571,46 @@ fn lanes_max(m: __m256i) -> u32 {
 }
 
 /// The codes of a finite formed block `rb` with scale `m`, its levels `l` and its `step`,
-/// 32 at a time as [`int8_block`] writes them, with `rb` becoming the residual of each
-/// element against its decode `d = code * step`; a tail shorter than 32 by the oracle.
+/// 32 at a time as [`int8_block`] writes them (stochastic rounding when `STOCHASTIC`, from
+/// the draws of global index `start` on, inside one 2^32 window), with `rb` becoming the
+/// residual of each element against its decode `d = code * step`; a tail shorter than 32
+/// by the oracle.
 /// The residual is `p - d` without `scalar::residual_of`'s checks, which cannot fire
 /// here: `p` is finite, `d` is finite (`127 step` is, by `scalar::block_step`) and of
-/// `p`'s sign or zero (the code is `p`'s level), so `|p - d| <= max(|p|, |d|)`.
+/// `p`'s sign or zero (the code is `p`'s level, rounded either way), so `|p - d| <=
+/// max(|p|, |d|)`.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn int8_residual_block(l: &Levels, m: f32, step: f32, rb: &mut [f32], cb: &mut [u8]) {
+fn int8_residual_block<const STOCHASTIC: bool>(
+    l: &Levels,
+    m: f32,
+    step: f32,
+    sd: &mut StepDraws,
+    start: u64,
+    rb: &mut [f32],
+    cb: &mut [u8],
+) {
     let s = _mm256_set1_ps(step);
+    if STOCHASTIC {
+        sd.begin(start);
+    }
     let whole = rb.len() / 32 * 32;
-    for (p32, c32) in rb[..whole]
+    let steps = rb[..whole]
         .chunks_exact_mut(32)
-        .zip(cb.chunks_exact_mut(32))
-    {
+        .zip(cb.chunks_exact_mut(32));
+    for (k, (p32, c32)) in steps.enumerate() {
+        let h = if STOCHASTIC {
+            sd.step((start as u32).wrapping_add(32 * k as u32))
+        } else {
+            [_mm256_setzero_si256(); 4]
+        };
         let mut q = [_mm256_setzero_si256(); 4];
-        for (k, q) in q.iter_mut().enumerate() {
-            let o = &mut p32[8 * k..8 * k + 8];
+        for (j, q) in q.iter_mut().enumerate() {
+            let o = &mut p32[8 * j..8 * j + 8];
             // SAFETY: `o` holds 8 f32, one unaligned __m256 for the load and the store.
             unsafe {
                 let p = _mm256_loadu_ps(o.as_ptr());
-                *q = int8x8::<false>(l, p, _mm256_setzero_si256());
+                *q = int8x8::<STOCHASTIC>(l, p, h[j]);
                 let d = _mm256_mul_ps(_mm256_cvtepi32_ps(*q), s);
                 _mm256_storeu_ps(o.as_mut_ptr(), _mm256_sub_ps(p, d));
             }
@@ -594,8 +621,12 @@ fn int8_residual_block(l: &Levels, m: f32, step: f32, rb: &mut [f32], cb: &mut [
     }
     let (rt, ct) = (&mut rb[whole..], &mut cb[whole..]);
     if !rt.is_empty() {
-        let d = Draws::new(0, 0, 0); // nearest rounding draws nothing
-        scalar::quantise_int8(rt, ct, m, Round::Nearest, &d, 0);
+        let round = if STOCHASTIC {
+            Round::Stochastic
+        } else {
+            Round::Nearest
+        };
+        scalar::quantise_int8(rt, ct, m, round, sd.draws, start + whole as u64);
         for (p, &c) in rt.iter_mut().zip(ct.iter()) {
             *p = scalar::residual_of(*p, (c as i8) as f32 * step);
         }
