@@ -1206,3 +1206,31 @@ fn fused_int8_hop_and_feedback_match_their_definition() {
         }
     }
 }
+
+/// `hop_f16` where a backend has it: the same codes and flag as a `mode::ADD` decode onto
+/// a copy of the local values and an encode on the scalar backend, with received codes
+/// spread over all 65536 values (NaN and ±Inf among them) and sums that overflow binary16.
+#[test]
+fn fused_fp16_hop_matches_its_definition() {
+    use gradpack::unstable::kernels::{self as k, mode};
+    for n in [0usize, 1, 7, 8, 9, 100, 4099, 70_000] {
+        let local = int8_fused_input(n, 8);
+        let input: Vec<u8> = (0..n)
+            .flat_map(|i| ((i as u32).wrapping_mul(7919) as u16).to_le_bytes())
+            .collect();
+        let mut sum = local.clone();
+        let mut want = vec![0u8; 2 * n];
+        let want_nf = Backend::scalar().run(|| {
+            k::decode_f16::<{ mode::ADD }>(&input, &mut sum);
+            k::encode_f16(&sum, &mut want)
+        });
+        for b in Backend::available() {
+            let mut got = vec![SENTINEL; 2 * n];
+            let Some(nf) = b.run(|| k::hop_f16(&local, &input, &mut got)) else {
+                continue;
+            };
+            assert_eq!(nf, want_nf, "{b}, n {n}: non-finite flag");
+            assert!(got == want, "{b}, n {n}: codes differ");
+        }
+    }
+}

@@ -23,5 +23,6 @@ elementwise_codec!(
     2,
     encode = kernels::encode_bf16,
     decode<M> = kernels::decode_bf16::<M>,
-    feedback = None
+    feedback = None,
+    hop = None
 );

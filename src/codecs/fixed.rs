@@ -107,10 +107,11 @@ pub trait FixedRate: Sync {
     ) -> Option<bool> {
         None
     }
-    /// A fused ring hop over one tile, if the codec has one: `sum` becomes `local` plus
-    /// the decode of the received sections `input`, encoded into `scales` and `codes`,
-    /// exactly as a copy, a `mode::ADD` [`FixedRate::decode_sections`] and
-    /// [`FixedRate::encode_sections`] would. `None` (the default) runs those instead.
+    /// A fused ring hop over one tile, if the codec has one: `local` plus the decode of
+    /// the received sections `input`, encoded into `scales` and `codes` exactly as a copy,
+    /// a `mode::ADD` [`FixedRate::decode_sections`] and [`FixedRate::encode_sections`]
+    /// would encode it. `sum` (as long as `local`) is scratch space: what it holds
+    /// afterwards is unspecified. `None` (the default) runs those steps instead.
     #[allow(clippy::too_many_arguments)]
     fn hop_fused(
         &self,

@@ -24,5 +24,6 @@ elementwise_codec!(
     2,
     encode = kernels::encode_f16,
     decode<M> = kernels::decode_f16::<M>,
-    feedback = Some(kernels::feedback_f16)
+    feedback = Some(kernels::feedback_f16),
+    hop = Some(kernels::hop_f16)
 );

@@ -19,5 +19,6 @@ elementwise_codec!(
     4,
     encode = kernels::encode_f32,
     decode<M> = kernels::decode_f32::<M>,
-    feedback = None
+    feedback = None,
+    hop = None
 );

@@ -551,7 +551,8 @@ macro_rules! elementwise_codec {
         $bytes:expr,
         encode = $enc:expr,
         decode<$M:ident> = $dec:expr,
-        feedback = $fb:expr
+        feedback = $fb:expr,
+        hop = $hop:expr
     ) => {
         impl core::fmt::Display for $T {
             fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
@@ -608,6 +609,19 @@ macro_rules! elementwise_codec {
             ) -> Option<bool> {
                 let fused: Option<fn(&mut [f32], &[f32], f32, f32, &mut [u8]) -> bool> = $fb;
                 fused.map(|f| f(r, g, beta, gamma, codes))
+            }
+
+            fn hop_fused(
+                &self,
+                local: &[f32],
+                (_, input): (&[u8], &[u8]),
+                _ctx: &EncodeCtx,
+                _sum: &mut [f32],
+                _scales: &mut [u8],
+                codes: &mut [u8],
+            ) -> Option<bool> {
+                let fused: Option<fn(&[f32], &[u8], &mut [u8]) -> Option<bool>> = $hop;
+                fused.and_then(|f| f(local, input, codes))
             }
         }
 

@@ -70,6 +70,8 @@ pub(crate) enum Op {
     /// int8's fused ring hop (a decode added to local values, then encoded): an AVX2
     /// kernel only.
     HopInt8,
+    /// fp16's fused ring hop: an AVX2 (F16C) kernel only.
+    HopF16,
     EncodeF16,
     /// fp16 decode into the output.
     DecodeF16,
@@ -132,10 +134,11 @@ pub(crate) enum Op {
 impl Op {
     /// Every row of the routing table.
     #[cfg(test)]
-    pub(crate) const ALL: [Op; 37] = [
+    pub(crate) const ALL: [Op; 38] = [
         Op::FeedbackF16,
         Op::FeedbackInt8,
         Op::HopInt8,
+        Op::HopF16,
         Op::EncodeF16,
         Op::DecodeF16,
         Op::AddF16,
@@ -275,6 +278,7 @@ pub(crate) const fn x86_route_on(op: Op, kind: BackendKind, cpu: Cpu) -> X86 {
             | Op::EncodeInt8
             | Op::FeedbackInt8
             | Op::HopInt8
+            | Op::HopF16
             | Op::DecodeSign
             | Op::DecodeSignmag
             | Op::EncodeNatural

@@ -716,6 +716,22 @@ pub fn decode_f16<const M: u8>(p: &[u8], out: &mut [f32]) {
     }
 }
 
+/// fp16's fused ring hop: `out` gets the codes of `local` plus the decode of `input`
+/// (two bytes per element each), exactly as a `mode::ADD` [`decode_f16`] onto a copy of
+/// `local` and [`encode_f16`] of it would write them, in one pass. `Some(nonfinite)`
+/// where this backend has the fused kernel (the x86 ones), `None`, touching nothing,
+/// where the caller must run those steps itself.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+pub fn hop_f16(local: &[f32], input: &[u8], out: &mut [u8]) -> Option<bool> {
+    match x86_route(Op::HopF16, Backend::current().kind()) {
+        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
+        // only after AVX2 and F16C were detected.
+        #[cfg(target_arch = "x86_64")]
+        X86::Avx2 => Some(unsafe { x86_64::hop_f16_avx2(local, input, out) }),
+        _ => None,
+    }
+}
+
 /// f32 to bfloat16 (`out.len() == 2 * x.len()`); true if any input is NaN/±Inf.
 pub fn encode_bf16(x: &[f32], out: &mut [u8]) -> bool {
     match Backend::current() {

@@ -48,6 +48,45 @@ pub unsafe fn encode_f16_avx2(x: &[f32], out: &mut [u8]) -> bool {
     tail || lanes.iter().any(|&v| v >= scalar::INF_BITS)
 }
 
+/// fp16's fused ring hop with F16C, 8 lanes: `out` gets the binary16 codes of
+/// `local + decode(input)`, exactly as a `mode::ADD` [`decode_f16_avx2`] onto a copy of
+/// `local` and [`encode_f16_avx2`] of it would write them, in one pass; true if any sum
+/// is NaN or ±Inf. `input` and `out` hold two bytes per element of `local`.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn hop_f16_avx2(local: &[f32], input: &[u8], out: &mut [u8]) -> bool {
+    let n = local.len();
+    assert!(input.len() == 2 * n && out.len() == 2 * n);
+    let n8 = n - n % 8;
+    let mask = _mm256_set1_epi32(ABS);
+    let mut mx = _mm256_setzero_si256();
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= n = local.len(), and 2 * (i + 8) <= input.len() = out.len();
+        // unaligned loads and stores.
+        unsafe {
+            let h = _mm_loadu_si128(input.as_ptr().add(2 * i).cast::<__m128i>());
+            let s = _mm256_add_ps(_mm256_loadu_ps(local.as_ptr().add(i)), _mm256_cvtph_ps(h));
+            mx = _mm256_max_epu32(mx, _mm256_and_si256(_mm256_castps_si256(s), mask));
+            let c = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(s);
+            _mm_storeu_si128(out.as_mut_ptr().add(2 * i).cast::<__m128i>(), c);
+        }
+        i += 8;
+    }
+    let mut lanes = [0u32; 8];
+    // SAFETY: `lanes` is 32 bytes, the size of one __m256i; unaligned store.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast::<__m256i>(), mx) };
+    // The tail (under 8 elements) by the definition.
+    let mut t = [0f32; 8];
+    let t = &mut t[..n - n8];
+    t.copy_from_slice(&local[n8..]);
+    scalar::decode_u16::<{ scalar::mode::ADD }>(&input[2 * n8..], t, scalar::f16_to_f32);
+    let tail = scalar::encode_u16(t, &mut out[2 * n8..], scalar::f32_to_f16);
+    tail || lanes.iter().any(|&v| v >= scalar::INF_BITS)
+}
+
 /// binary16 to f32 with F16C, 8 lanes, stored as mode `M` says (written, added, or as
 /// the residual of the `p` in `out`: `blocks::put8`).
 ///
