@@ -731,13 +731,30 @@ impl BlockScale {
     /// The kind of a block and its scale `m = max |x|`.
     #[inline(always)]
     pub fn abs_max(xb: &[f32]) -> BlockScale {
-        let mb = max_abs_bits(xb);
+        BlockScale::of_max_bits(max_abs_bits(xb))
+    }
+
+    /// The kind of a block whose largest `|x|` bit pattern is `mb`, and its scale
+    /// `f32::from_bits(mb)` ([`BlockScale::abs_max`] of a maximum already taken).
+    #[inline(always)]
+    pub fn of_max_bits(mb: u32) -> BlockScale {
         if mb >= INF_BITS {
             BlockScale::NonFinite
         } else if mb == 0 {
             BlockScale::Zero
         } else {
             BlockScale::Of(f32::from_bits(mb))
+        }
+    }
+
+    /// The step written for a block of this kind with `levels` magnitude levels: NaN for
+    /// a block holding NaN or ±Inf, 0 for an all-zero block, else `block_step(m, levels)`.
+    #[inline(always)]
+    pub fn step(self, levels: u32) -> f32 {
+        match self {
+            BlockScale::NonFinite => CANONICAL_NAN,
+            BlockScale::Zero => 0.0,
+            BlockScale::Of(m) => block_step(m, levels),
         }
     }
 
@@ -776,20 +793,12 @@ pub fn encode_step_blocks(
     let mut nonfinite = false;
     for (b, xb) in x.chunks(block).enumerate() {
         let start = first + (b * block) as u64;
-        match measure(xb) {
-            BlockScale::NonFinite => {
-                nonfinite = true;
-                put_step(steps, b, CANONICAL_NAN);
-                codes(b, xb, None, start);
-            }
-            BlockScale::Zero => {
-                put_step(steps, b, 0.0);
-                codes(b, xb, None, start);
-            }
-            BlockScale::Of(m) => {
-                put_step(steps, b, block_step(m, levels));
-                codes(b, xb, Some(m), start);
-            }
+        let scale = measure(xb);
+        nonfinite |= scale == BlockScale::NonFinite;
+        put_step(steps, b, scale.step(levels));
+        match scale {
+            BlockScale::Of(m) => codes(b, xb, Some(m), start),
+            _ => codes(b, xb, None, start),
         }
     }
     nonfinite

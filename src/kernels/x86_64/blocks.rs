@@ -20,7 +20,7 @@
 use core::arch::x86_64::*;
 
 use crate::kernels::fp8;
-use crate::kernels::scalar::{self, INF_BITS, Round, mode};
+use crate::kernels::scalar::{self, BlockScale, INF_BITS, Round, mode};
 use crate::rng::{Draws, LOWBIAS32_MUL};
 
 pub(super) const ABS: i32 = 0x7FFF_FFFF;
@@ -408,20 +408,20 @@ pub unsafe fn feedback_int8_avx2(
     let mut nonfinite = false;
     let blocks = r.chunks_mut(block).zip(g.chunks(block));
     for (b, ((rb, gb), cb)) in blocks.zip(codes.chunks_mut(block)).enumerate() {
-        let mb = form_max_abs(rb, gb, beta, gamma);
+        let scale = BlockScale::of_max_bits(form_max_abs(rb, gb, beta, gamma));
         let start = first + (b * block) as u64;
-        let step = if mb >= INF_BITS {
-            nonfinite = true;
-            scalar::CANONICAL_NAN
-        } else if mb == 0 {
-            0.0
-        } else {
-            scalar::block_step(f32::from_bits(mb), 127)
-        };
+        let step = scale.step(127);
+        nonfinite |= scale == BlockScale::NonFinite;
         scalar::put_step(steps, b, step);
-        let m = f32::from_bits(mb);
-        let levels = Levels::new(m, 127).filter(|_| mb != 0 && mb < INF_BITS);
-        match levels {
+        let BlockScale::Of(m) = scale else {
+            // No scale: all codes 0, and the residual that decoding them leaves.
+            cb.fill(0);
+            for p in rb.iter_mut() {
+                *p = scalar::residual_of(*p, 0.0 * step);
+            }
+            continue;
+        };
+        match Levels::new(m, 127) {
             Some(l) if scalar::in_one_window(start, rb.len()) => match round {
                 Round::Nearest => int8_residual_block::<false>(&l, m, step, &mut sd, start, rb, cb),
                 Round::Stochastic => {
@@ -429,13 +429,8 @@ pub unsafe fn feedback_int8_avx2(
                 }
             },
             _ => {
-                // No scale (all codes 0), a scale below 2^-100 or a block across a 2^32
-                // draw window: the oracle's codes.
-                if mb != 0 && mb < INF_BITS {
-                    scalar::quantise_int8(rb, cb, m, round, draws, start);
-                } else {
-                    cb.fill(0);
-                }
+                // A scale below 2^-100 or a block across a 2^32 draw window: the oracle.
+                scalar::quantise_int8(rb, cb, m, round, draws, start);
                 for (p, &c) in rb.iter_mut().zip(cb.iter()) {
                     *p = scalar::residual_of(*p, (c as i8) as f32 * step);
                 }
@@ -476,17 +471,14 @@ pub unsafe fn hop_int8_avx2(
         .zip(in_codes.chunks(block).zip(codes.chunks_mut(block)))
         .enumerate()
     {
-        let mb = add_max_abs(sb, lb, ib, scalar::get_step(in_steps, b));
+        let scale = BlockScale::of_max_bits(add_max_abs(sb, lb, ib, scalar::get_step(in_steps, b)));
         let start = first + (b * block) as u64;
-        if mb >= INF_BITS || mb == 0 {
-            nonfinite |= mb >= INF_BITS;
-            let step = if mb == 0 { 0.0 } else { scalar::CANONICAL_NAN };
-            scalar::put_step(steps, b, step);
+        nonfinite |= scale == BlockScale::NonFinite;
+        scalar::put_step(steps, b, scale.step(127));
+        let BlockScale::Of(m) = scale else {
             cb.fill(0);
             continue;
-        }
-        let m = f32::from_bits(mb);
-        scalar::put_step(steps, b, scalar::block_step(m, 127));
+        };
         if !scalar::in_one_window(start, sb.len()) {
             scalar::quantise_int8(sb, cb, m, round, draws, start);
         } else if round == Round::Stochastic {
@@ -563,7 +555,7 @@ fn form_max_abs(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) -> u32 {
 /// The largest of the 8 unsigned 32-bit lanes of `m`.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn lanes_max(m: __m256i) -> u32 {
+pub(super) fn lanes_max(m: __m256i) -> u32 {
     let mut lanes = [0u32; 8];
     // SAFETY: `lanes` is 8 u32, one unaligned __m256i.
     unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), m) };

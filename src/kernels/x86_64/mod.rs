@@ -69,22 +69,20 @@ pub unsafe fn hop_f16_avx2(local: &[f32], input: &[u8], out: &mut [u8]) -> bool 
         unsafe {
             let h = _mm_loadu_si128(input.as_ptr().add(2 * i).cast::<__m128i>());
             let s = _mm256_add_ps(_mm256_loadu_ps(local.as_ptr().add(i)), _mm256_cvtph_ps(h));
+            // The rest as `encode_f16_avx2` does it.
             mx = _mm256_max_epu32(mx, _mm256_and_si256(_mm256_castps_si256(s), mask));
             let c = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(s);
             _mm_storeu_si128(out.as_mut_ptr().add(2 * i).cast::<__m128i>(), c);
         }
         i += 8;
     }
-    let mut lanes = [0u32; 8];
-    // SAFETY: `lanes` is 32 bytes, the size of one __m256i; unaligned store.
-    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast::<__m256i>(), mx) };
     // The tail (under 8 elements) by the definition.
     let mut t = [0f32; 8];
     let t = &mut t[..n - n8];
     t.copy_from_slice(&local[n8..]);
     scalar::decode_u16::<{ scalar::mode::ADD }>(&input[2 * n8..], t, scalar::f16_to_f32);
     let tail = scalar::encode_u16(t, &mut out[2 * n8..], scalar::f32_to_f16);
-    tail || lanes.iter().any(|&v| v >= scalar::INF_BITS)
+    tail || blocks::lanes_max(mx) >= scalar::INF_BITS
 }
 
 /// binary16 to f32 with F16C, 8 lanes, stored as mode `M` says (written, added, or as
