@@ -129,12 +129,15 @@ pub(crate) enum Op {
     StreamPqt,
     /// PowerSGD's `M Q` (the thin product's dot products): portable code, as `DecodeF32`.
     ThinMq,
+    /// `codebook` encode (moments, bins and the bins' sums): portable code, as
+    /// `DecodeF32`.
+    EncodeCodebook,
 }
 
 impl Op {
     /// Every row of the routing table.
     #[cfg(test)]
-    pub(crate) const ALL: [Op; 38] = [
+    pub(crate) const ALL: [Op; 39] = [
         Op::FeedbackF16,
         Op::FeedbackInt8,
         Op::HopInt8,
@@ -173,6 +176,7 @@ impl Op {
         Op::DecodeFp4,
         Op::StreamPqt,
         Op::ThinMq,
+        Op::EncodeCodebook,
     ];
 }
 
@@ -245,6 +249,9 @@ pub(crate) enum X86 {
 /// on 16 x 16, 1.3 to 1.4 on one-row tiles of 64). The factorised transform
 /// (`transform=fast`) of one-row tiles of 16 and 32 runs the AVX2 build there (1.2 to 1.3
 /// times as fast; the AVX-512 build wins at 8 and 64).
+/// `codebook`'s encode runs the AVX2 build (2026-11-29, a 2-core Intel Xeon,
+/// `backend_race`: 1.25 to 1.3 times AVX-512's at 64 Ki and 1 Mi elements, whose f64
+/// bins take 512-bit conversions and packs; AMD's cores not measured).
 pub(crate) const fn x86_route_on(op: Op, kind: BackendKind, cpu: Cpu) -> X86 {
     match kind {
         // Every row has an AVX2 kernel.
@@ -295,7 +302,8 @@ pub(crate) const fn x86_route_on(op: Op, kind: BackendKind, cpu: Cpu) -> X86 {
             | Op::DctFastRows16Or32
             | Op::EncodeFp8Nearest
             | Op::EncodeFp4Nearest
-            | Op::ThinMq => X86::Avx2,
+            | Op::ThinMq
+            | Op::EncodeCodebook => X86::Avx2,
         },
         BackendKind::Scalar | BackendKind::Neon => X86::None,
     }

@@ -979,21 +979,21 @@ pub fn decode_int8<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &
 }
 
 /// `codebook` encode of whole blocks (see [`codebook::encode`]): one source, compiled for
-/// each backend's instruction set (the same bytes).
+/// each backend's instruction set (the same bytes; for AVX2 on the AVX-512 backend:
+/// [`x86_route`]).
 pub fn encode_codebook(x: &[f32], block: usize, books: &mut [u8], codes: &mut [u8]) -> bool {
-    let b = Backend::current();
-    if b.kind() == BackendKind::Scalar {
-        return codebook::encode(x, block, books, codes);
+    let op = EncodeCodebook {
+        x,
+        block,
+        books,
+        codes,
+    };
+    match Backend::current() {
+        b if b.kind() == BackendKind::Scalar => codebook::encode(x, block, books, codes),
+        #[cfg(target_arch = "x86_64")]
+        b if x86_route(Op::EncodeCodebook, b.kind()) == X86::Avx2 => simd_avx2(op),
+        b => simd(b, op),
     }
-    simd(
-        b,
-        EncodeCodebook {
-            x,
-            block,
-            books,
-            codes,
-        },
-    )
 }
 
 /// fp8 (or, with `four`, fp4) encode of whole blocks (see [`fp8::encode`]): the scalar
