@@ -223,8 +223,11 @@ pub(crate) enum X86 {
 /// packed by saturation; 1.45 to 1.7 times the portable AVX2 build on a 2-core Zen 3,
 /// 2026-11-27, E3M0 2 to 3.3 times, 2026-11-28); there are no AVX-512 ones, so the
 /// AVX-512 backend runs them too (`EncodeFp8Nearest`, `EncodeFp4Nearest`), which makes
-/// it as fast as AVX2's by construction. Whether the portable AVX-512 builds, 1.8 times the portable AVX2 ones
-/// on the Zen 5, beat them there is not measured yet.
+/// it as fast as AVX2's by construction. The portable AVX-512 builds, 1.8 times the
+/// portable AVX2 ones on the Zen 5, do not beat them on a 2-core Intel Xeon (2026-11-29,
+/// `backend_race`, the rows rerouted for the run): the AVX2 kernels encode fp8 1.3 times
+/// as fast at 64 Ki elements (level at 1 Mi) and fp4 2.5 to 3.3 times; AMD's cores not
+/// measured.
 /// fp8's decode of blocks of a multiple of 16 goes through half precision in registers
 /// (2026-11-27, eleventh session, a 2-core Intel Xeon, `backend_race` at 64 Ki
 /// elements; AMD's cores not yet measured): AVX-512's E4M3 decode_add 1.15 to 1.25 times
