@@ -35,6 +35,7 @@ once per configuration and world size, unthrottled (it does not depend on the li
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -131,7 +132,6 @@ def base_name(name):
 
 
 def hook_for(name, net, world):
-    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     import gradpack.torch as gpt
@@ -326,12 +326,7 @@ NETLINK = {"tool": None}
 def netlink_tool(want):
     """``iproute2`` or ``pyroute2`` (``want``, or whichever this machine has), or None."""
     has_ip = shutil.which("ip") is not None and shutil.which("tc") is not None
-    try:
-        import pyroute2  # noqa: F401
-
-        has_pr = True
-    except ImportError:
-        has_pr = False
+    has_pr = importlib.util.find_spec("pyroute2") is not None
     if want == "pyroute2":
         return "pyroute2" if has_pr else None
     if want == "iproute2":

@@ -262,7 +262,6 @@ def plot(results, path):
         x = px(10 ** e)
         out.append(f'<line x1="{x}" y1="{T}" x2="{x}" y2="{H - B}" stroke="#ddd"/>')
         out.append(f'<text x="{x - 16}" y="{H - B + 20}">1e{e}</text>')
-    steps = max(1, round((y1 - y0) / 0.2 * 10)) / 10
     v = y0
     while v <= y1 + 1e-9:
         y = py(v)

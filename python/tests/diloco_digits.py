@@ -125,8 +125,7 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
         diloco.close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    ddp_digits.leave()
 
 
 def killed_worker(rank: int, world: int, port: int, out_dir: str) -> None:

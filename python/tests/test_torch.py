@@ -19,7 +19,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
-import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ddp_digits  # noqa: E402
