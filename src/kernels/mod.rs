@@ -800,6 +800,20 @@ pub fn feedback_int8(
                 codes,
             )
         }),
+        // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
+        // after AVX-512 F/BW and AVX2 were detected.
+        #[cfg(target_arch = "x86_64")]
+        X86::Avx512 => Some(unsafe {
+            x86_64::blocks512::feedback_int8_avx512(
+                r,
+                g,
+                weights,
+                block,
+                (round, draws, first),
+                steps,
+                codes,
+            )
+        }),
         _ => None,
     }
 }
@@ -829,6 +843,14 @@ pub fn hop_int8(
         #[cfg(target_arch = "x86_64")]
         X86::Avx2 => Some(unsafe {
             x86_64::blocks::hop_int8_avx2(
+                local, in_steps, in_codes, block, round, draws, first, sum, steps, codes,
+            )
+        }),
+        // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
+        // after AVX-512 F/BW and AVX2 were detected.
+        #[cfg(target_arch = "x86_64")]
+        X86::Avx512 => Some(unsafe {
+            x86_64::blocks512::hop_int8_avx512(
                 local, in_steps, in_codes, block, round, draws, first, sum, steps, codes,
             )
         }),

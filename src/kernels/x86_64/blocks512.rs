@@ -1,7 +1,8 @@
 //! AVX-512 kernels of the block codecs: qsgd and ternary's stochastic sign-magnitude
 //! encode on 16 lanes, 64 elements per step, with the counter hash drawn in aligned
 //! groups of 64 where a block starts at a multiple of 64; also `dct`'s transpose of
-//! sixteen tiles into lanes and fp4's decode by table lookups in registers.
+//! sixteen tiles into lanes, fp4's decode by table lookups in registers, and int8's fused
+//! error-feedback step and ring hop with nearest rounding.
 //!
 //! They follow the AVX2 kernels of `blocks` operation for operation, twice as wide. A block's tail shorter than 64 elements goes to the AVX2 kernel. Every
 //! function equals its scalar oracle to the bit (tests/backends.rs).
@@ -13,7 +14,7 @@
 use core::arch::x86_64::*;
 
 use super::blocks::{self, ABS, C1, C2, StepDraws};
-use crate::kernels::scalar;
+use crate::kernels::scalar::{self, BlockScale, Round};
 use crate::rng::Draws;
 
 /// `rng::lowbias32` on 16 lanes.
@@ -417,4 +418,269 @@ fn fp8_block<const M: u8, const TWICE: bool>(e4m3: bool, t: f32, c: &[u8], o: &m
             _mm512_mul_ps(if TWICE { _mm512_mul_ps(v, unit) } else { v }, t),
         );
     }
+}
+
+/// int8's fused error-feedback step ([`blocks::feedback_int8_avx2`]'s contract and bytes)
+/// with nearest rounding on 16 lanes: `p = beta r + gamma g` formed into `r` with its
+/// largest magnitude, then 64 codes a step with `r` becoming each element's residual
+/// `p - code * step`. Stochastic rounding, and a block whose scale is below 2^-100, go
+/// to the AVX2 kernel's path (its draws are 8-lane).
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW and AVX2 (as every CPU the Avx512 backend accepts
+/// does).
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+pub unsafe fn feedback_int8_avx512(
+    r: &mut [f32],
+    g: &[f32],
+    (beta, gamma): (f32, f32),
+    block: usize,
+    (round, draws, first): (Round, &Draws, u64),
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    if round == Round::Stochastic {
+        // SAFETY: the caller's CPU has AVX2.
+        return unsafe {
+            blocks::feedback_int8_avx2(
+                r,
+                g,
+                (beta, gamma),
+                block,
+                (round, draws, first),
+                steps,
+                codes,
+            )
+        };
+    }
+    assert!(r.len() == g.len() && codes.len() == r.len() && block > 0);
+    let mut nonfinite = false;
+    let blocks = r.chunks_mut(block).zip(g.chunks(block));
+    for (b, ((rb, gb), cb)) in blocks.zip(codes.chunks_mut(block)).enumerate() {
+        let scale = BlockScale::of_max_bits(form_max_abs(rb, gb, beta, gamma));
+        let step = scale.step(127);
+        nonfinite |= scale == BlockScale::NonFinite;
+        scalar::put_step(steps, b, step);
+        let BlockScale::Of(m) = scale else {
+            // No scale: all codes 0, and the residual that decoding them leaves.
+            cb.fill(0);
+            for p in rb.iter_mut() {
+                *p = scalar::residual_of(*p, 0.0 * step);
+            }
+            continue;
+        };
+        let (pre, inv) = scalar::level_multiplier(m, 127.0);
+        let whole = if pre == 1.0 {
+            int8_nearest::<true>(inv, step, rb, cb)
+        } else {
+            0
+        };
+        // A tail shorter than 16, or a scale below 2^-100: the oracle.
+        let (rt, ct) = (&mut rb[whole..], &mut cb[whole..]);
+        let start = first + (b * block + whole) as u64;
+        scalar::quantise_int8(rt, ct, m, Round::Nearest, draws, start);
+        for (p, &c) in rt.iter_mut().zip(ct.iter()) {
+            *p = scalar::residual_of(*p, (c as i8) as f32 * step);
+        }
+    }
+    nonfinite
+}
+
+/// int8's fused ring hop ([`blocks::hop_int8_avx2`]'s contract and bytes) with nearest
+/// rounding on 16 lanes: `sum = local + decode` with each block's largest magnitude, then
+/// the codes of `sum`, 64 a step. Stochastic rounding goes to the AVX2 kernel.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW and AVX2 (as every CPU the Avx512 backend accepts
+/// does).
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn hop_int8_avx512(
+    local: &[f32],
+    in_steps: &[u8],
+    in_codes: &[u8],
+    block: usize,
+    round: Round,
+    draws: &Draws,
+    first: u64,
+    sum: &mut [f32],
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    if round == Round::Stochastic {
+        // SAFETY: the caller's CPU has AVX2.
+        return unsafe {
+            blocks::hop_int8_avx2(
+                local, in_steps, in_codes, block, round, draws, first, sum, steps, codes,
+            )
+        };
+    }
+    let n = sum.len();
+    assert!(local.len() == n && in_codes.len() == n && codes.len() == n && block > 0);
+    let mut nonfinite = false;
+    let blocks = sum.chunks_mut(block).zip(local.chunks(block));
+    for (b, ((sb, lb), (ib, cb))) in blocks
+        .zip(in_codes.chunks(block).zip(codes.chunks_mut(block)))
+        .enumerate()
+    {
+        let scale = BlockScale::of_max_bits(add_max_abs(sb, lb, ib, scalar::get_step(in_steps, b)));
+        nonfinite |= scale == BlockScale::NonFinite;
+        scalar::put_step(steps, b, scale.step(127));
+        let BlockScale::Of(m) = scale else {
+            cb.fill(0);
+            continue;
+        };
+        let (pre, inv) = scalar::level_multiplier(m, 127.0);
+        let whole = if pre == 1.0 {
+            int8_nearest::<false>(inv, 0.0, sb, cb)
+        } else {
+            0
+        };
+        let start = first + (b * block + whole) as u64;
+        scalar::quantise_int8(
+            &sb[whole..],
+            &mut cb[whole..],
+            m,
+            Round::Nearest,
+            draws,
+            start,
+        );
+    }
+    nonfinite
+}
+
+/// The nearest int8 codes of the whole 16s of a finite block `xb` whose level multiplier
+/// is `inv` (`scalar::level_multiplier` without a pre-scale), as `scalar::quantise_int8`
+/// writes them: `x * inv` rounded half to even (the conversion's default mode, which Rust
+/// code never changes; the rounding is sign-symmetric) and clamped to [-127, 127]; 64 a
+/// step, then 16. With `RESIDUAL`, `xb` becomes `x - code * step`, without
+/// `scalar::residual_of`'s checks, which cannot fire in a finite block (see
+/// `blocks::int8_residual_block`). Returns the number of elements done.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn int8_nearest<const RESIDUAL: bool>(inv: f32, step: f32, xb: &mut [f32], cb: &mut [u8]) -> usize {
+    let (iv, s) = (_mm512_set1_ps(inv), _mm512_set1_ps(step));
+    let (top, bottom) = (_mm512_set1_epi32(127), _mm512_set1_epi32(-127));
+    let code = |v: __m512| {
+        let q = _mm512_cvtps_epi32(_mm512_mul_ps(v, iv));
+        _mm512_max_epi32(_mm512_min_epi32(q, top), bottom)
+    };
+    let whole = xb.len() / 16 * 16;
+    let mut done = 0;
+    while whole - done >= 64 {
+        let x64 = &mut xb[done..done + 64];
+        let mut q = [_mm512_setzero_si512(); 4];
+        for (j, q) in q.iter_mut().enumerate() {
+            let o = &mut x64[16 * j..16 * j + 16];
+            // SAFETY: `o` holds 16 f32, one unaligned __m512 for the load and the store.
+            unsafe {
+                let v = _mm512_loadu_ps(o.as_ptr());
+                *q = code(v);
+                if RESIDUAL {
+                    let d = _mm512_mul_ps(_mm512_cvtepi32_ps(*q), s);
+                    _mm512_storeu_ps(o.as_mut_ptr(), _mm512_sub_ps(v, d));
+                }
+            }
+        }
+        let bytes = pack_signed_bytes(q);
+        // SAFETY: `cb[done..done + 64]` holds 64 bytes, one unaligned __m512i.
+        unsafe { _mm512_storeu_si512(cb[done..done + 64].as_mut_ptr().cast(), bytes) };
+        done += 64;
+    }
+    while done < whole {
+        let o = &mut xb[done..done + 16];
+        // SAFETY: `o` holds 16 f32, one unaligned __m512 for the load and the store;
+        // `cb[done..done + 16]` holds 16 bytes, one unaligned __m128i.
+        unsafe {
+            let v = _mm512_loadu_ps(o.as_ptr());
+            let q = code(v);
+            if RESIDUAL {
+                let d = _mm512_mul_ps(_mm512_cvtepi32_ps(q), s);
+                _mm512_storeu_ps(o.as_mut_ptr(), _mm512_sub_ps(v, d));
+            }
+            _mm_storeu_si128(
+                cb[done..done + 16].as_mut_ptr().cast(),
+                _mm512_cvtepi32_epi8(q),
+            );
+        }
+        done += 16;
+    }
+    done
+}
+
+/// The 64 signed codes (each in `-127..=127`) of four vectors of 16 as 64 bytes in
+/// element order: [`pack_bytes`] with signed saturation at both packs.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn pack_signed_bytes(q: [__m512i; 4]) -> __m512i {
+    let ab = _mm512_packs_epi32(q[0], q[1]);
+    let cd = _mm512_packs_epi32(q[2], q[3]);
+    let p = _mm512_packs_epi16(ab, cd);
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_permutexvar_epi32(order, p)
+}
+
+/// `r = beta r + gamma g` in place (two rounded products and a rounded sum, as
+/// `scalar::feedback_form`: no fused multiply-add), returning the largest `|p|` bit
+/// pattern.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn form_max_abs(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) -> u32 {
+    let (bv, gv, abs) = (
+        _mm512_set1_ps(beta),
+        _mm512_set1_ps(gamma),
+        _mm512_set1_epi32(ABS),
+    );
+    let mut m = _mm512_setzero_si512();
+    let whole = r.len() / 16 * 16;
+    for (r16, g16) in r[..whole].chunks_exact_mut(16).zip(g.chunks_exact(16)) {
+        // SAFETY: `r16` and `g16` hold 16 f32 each, one unaligned __m512 apiece.
+        unsafe {
+            let p = _mm512_add_ps(
+                _mm512_mul_ps(bv, _mm512_loadu_ps(r16.as_ptr())),
+                _mm512_mul_ps(gv, _mm512_loadu_ps(g16.as_ptr())),
+            );
+            _mm512_storeu_ps(r16.as_mut_ptr(), p);
+            // |p| bit patterns are below 2^31: a signed maximum orders them.
+            m = _mm512_max_epi32(m, _mm512_and_si512(_mm512_castps_si512(p), abs));
+        }
+    }
+    let mut most = _mm512_reduce_max_epi32(m) as u32;
+    for (r, &g) in r[whole..].iter_mut().zip(&g[whole..]) {
+        *r = beta * *r + gamma * g;
+        most = most.max(r.to_bits() & ABS as u32);
+    }
+    most
+}
+
+/// `sum = local + code * step` for one block of int8 codes (the operations of a
+/// `mode::ADD` decode onto `local`), returning the largest `|sum|` bit pattern.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn add_max_abs(sum: &mut [f32], local: &[f32], codes: &[u8], step: f32) -> u32 {
+    let (sv, abs) = (_mm512_set1_ps(step), _mm512_set1_epi32(ABS));
+    let mut m = _mm512_setzero_si512();
+    let whole = sum.len() / 16 * 16;
+    let lanes = sum[..whole]
+        .chunks_exact_mut(16)
+        .zip(local.chunks_exact(16));
+    for ((s16, l16), c16) in lanes.zip(codes.chunks_exact(16)) {
+        // SAFETY: `s16` and `l16` hold 16 f32, one unaligned __m512 apiece; `c16` holds
+        // 16 bytes, one unaligned __m128i.
+        unsafe {
+            let c = _mm512_cvtepi8_epi32(_mm_loadu_si128(c16.as_ptr().cast()));
+            let v = _mm512_mul_ps(_mm512_cvtepi32_ps(c), sv);
+            let s = _mm512_add_ps(_mm512_loadu_ps(l16.as_ptr()), v);
+            _mm512_storeu_ps(s16.as_mut_ptr(), s);
+            // |sum| bit patterns are below 2^31: a signed maximum orders them.
+            m = _mm512_max_epi32(m, _mm512_and_si512(_mm512_castps_si512(s), abs));
+        }
+    }
+    let mut most = _mm512_reduce_max_epi32(m) as u32;
+    let rest = sum[whole..].iter_mut().zip(&local[whole..]);
+    for ((s, &l), &c) in rest.zip(&codes[whole..]) {
+        *s = l + (c as i8) as f32 * step;
+        most = most.max(s.to_bits() & ABS as u32);
+    }
+    most
 }
