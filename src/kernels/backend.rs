@@ -79,6 +79,8 @@ pub(crate) enum Op {
     /// fp16 decode added into the output.
     AddF16,
     EncodeBf16,
+    /// int8 encode: an AVX2 kernel, and an AVX-512 one for nearest rounding (as
+    /// `FeedbackInt8`).
     EncodeInt8,
     EncodeSign,
     DecodeSign,
@@ -269,12 +271,16 @@ pub(crate) const fn x86_route_on(op: Op, kind: BackendKind, cpu: Cpu) -> X86 {
             // short burst of 512-bit work among 256-bit and scalar code, is 4 to 9% faster
             // with it.
             Op::DecodeF16 | Op::ReduceF16 | Op::EncodeF16 if matches!(cpu, Cpu::Intel) => X86::Avx2,
-            // int8's fused error-feedback step and ring hop with nearest rounding (a 2-core
-            // Intel Xeon, 2026-11-29): AVX-512's step 1.31 times AVX2's at 64 Ki elements
-            // and 1.14 at 1 Mi (`backend_race`), its hop 1.17 to 1.25 at 64 Ki and level at
-            // 1 Mi; a 4 Mi int8 ring of two ranks about 8% faster. AMD's cores are not
-            // measured: their rows stay on AVX2 (the kernels are still tested there).
-            Op::FeedbackInt8 | Op::HopInt8 if matches!(cpu, Cpu::Intel) => X86::Avx512,
+            // int8's encode, fused error-feedback step and ring hop with nearest rounding
+            // (a 2-core Intel Xeon, 2026-11-29, `backend_race`): AVX-512's encode 1.23 to
+            // 1.40 times AVX2's at 64 Ki elements (blocks of 64, 256 and 4096) and 1.14 to
+            // 1.26 at 1 Mi, its step 1.25 to 1.33 and 1.06 to 1.14, its hop 1.17 to 1.25
+            // at 64 Ki and level at 1 Mi; a 4 Mi int8 ring of two ranks about 8% faster.
+            // AMD's cores are not measured: their rows stay on AVX2 (the kernels are still
+            // tested there).
+            Op::EncodeInt8 | Op::FeedbackInt8 | Op::HopInt8 if matches!(cpu, Cpu::Intel) => {
+                X86::Avx512
+            }
             Op::FeedbackF16
             | Op::EncodeF16
             | Op::DecodeF16
@@ -578,7 +584,7 @@ mod tests {
             .into_iter()
             .filter(|op| !matches!(op, Op::DecodeF16 | Op::ReduceF16 | Op::EncodeF16))
             .collect();
-        intel.extend([Op::FeedbackInt8, Op::HopInt8]);
+        intel.extend([Op::FeedbackInt8, Op::HopInt8, Op::EncodeInt8]);
         let mut own_intel = own(Cpu::Intel);
         own_intel.sort_by_key(|op| format!("{op:?}"));
         intel.sort_by_key(|op| format!("{op:?}"));
@@ -615,8 +621,8 @@ mod tests {
         }
     }
 
-    /// The AVX-512 int8 kernels (the fused error-feedback step and ring hop with nearest
-    /// rounding), which AMD's table does not route to, are still checked on AMD's
+    /// The AVX-512 int8 kernels (encode, the fused error-feedback step and the ring hop
+    /// with nearest rounding), which AMD's table does not route to, are still checked on AMD's
     /// machines: against the AVX2 kernels (tested against the definition through the
     /// public path), bit for bit, over blocks of 16-lane, 64-element and odd lengths with
     /// zero, tiny (below 2^-100) and non-finite blocks, in both roundings (stochastic goes
@@ -666,6 +672,23 @@ mod tests {
                 };
                 for round in [Round::Nearest, Round::Stochastic] {
                     let what = format!("block {block}, n {n}, {round:?}");
+                    let encode = |avx512: bool| {
+                        let (mut s, mut c) = (vec![0u8; 4 * nb], vec![0u8; n]);
+                        // SAFETY: as above.
+                        let flag = unsafe {
+                            if avx512 {
+                                x86_64::blocks512::encode_int8_avx512(
+                                    &g, block, round, &draws, 5, &mut s, &mut c,
+                                )
+                            } else {
+                                x86_64::blocks::encode_int8_avx2(
+                                    &g, block, round, &draws, 5, &mut s, &mut c,
+                                )
+                            }
+                        };
+                        (flag, s, c)
+                    };
+                    assert!(encode(true) == encode(false), "{what}: encode");
                     let run = |avx512: bool| {
                         let mut r = input(n, 7);
                         let (mut s, mut c) = (vec![0u8; 4 * nb], vec![0u8; n]);

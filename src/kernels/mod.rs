@@ -878,6 +878,12 @@ pub fn encode_int8(
         b if x86_route(Op::EncodeInt8, b.kind()) == X86::Avx2 => unsafe {
             x86_64::blocks::encode_int8_avx2(x, block, round, draws, first, steps, codes)
         },
+        // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
+        // after AVX-512 F/BW and AVX2 were detected.
+        #[cfg(target_arch = "x86_64")]
+        b if x86_route(Op::EncodeInt8, b.kind()) == X86::Avx512 => unsafe {
+            x86_64::blocks512::encode_int8_avx512(x, block, round, draws, first, steps, codes)
+        },
         b => simd(
             b,
             EncodeInt8 {

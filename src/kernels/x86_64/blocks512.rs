@@ -420,6 +420,49 @@ fn fp8_block<const M: u8, const TWICE: bool>(e4m3: bool, t: f32, c: &[u8], o: &m
     }
 }
 
+/// int8 encode (the contract of `scalar::encode_int8`; every code byte written) with
+/// nearest rounding on 16 lanes: each block's maximum (compiled for AVX-512), then 64
+/// codes a step ([`int8_codes`]). Stochastic rounding goes to the AVX2 kernel.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW and AVX2 (as every CPU the Avx512 backend accepts
+/// does).
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+pub unsafe fn encode_int8_avx512(
+    x: &[f32],
+    block: usize,
+    round: Round,
+    draws: &Draws,
+    first: u64,
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    if round == Round::Stochastic {
+        // SAFETY: the caller's CPU has AVX2.
+        return unsafe { blocks::encode_int8_avx2(x, block, round, draws, first, steps, codes) };
+    }
+    scalar::encode_int8_blocks(
+        x,
+        block,
+        round,
+        draws,
+        first,
+        steps,
+        codes,
+        #[inline(always)]
+        |xb, cb, m, start| {
+            let (pre, inv) = scalar::level_multiplier(m, 127.0);
+            let whole = if pre == 1.0 {
+                int8_codes(inv, xb, cb)
+            } else {
+                0
+            };
+            let (xt, ct) = (&xb[whole..], &mut cb[whole..]);
+            scalar::quantise_int8(xt, ct, m, Round::Nearest, draws, start + whole as u64);
+        },
+    )
+}
+
 /// int8's fused error-feedback step ([`blocks::feedback_int8_avx2`]'s contract and bytes)
 /// with nearest rounding on 16 lanes: `p = beta r + gamma g` formed into `r` with its
 /// largest magnitude, then 64 codes a step with `r` becoming each element's residual
@@ -471,7 +514,7 @@ pub unsafe fn feedback_int8_avx512(
         };
         let (pre, inv) = scalar::level_multiplier(m, 127.0);
         let whole = if pre == 1.0 {
-            int8_nearest::<true>(inv, step, rb, cb)
+            int8_residual(inv, step, rb, cb)
         } else {
             0
         };
@@ -532,7 +575,7 @@ pub unsafe fn hop_int8_avx512(
         };
         let (pre, inv) = scalar::level_multiplier(m, 127.0);
         let whole = if pre == 1.0 {
-            int8_nearest::<false>(inv, 0.0, sb, cb)
+            int8_codes(inv, sb, cb)
         } else {
             0
         };
@@ -551,58 +594,85 @@ pub unsafe fn hop_int8_avx512(
 
 /// The nearest int8 codes of the whole 16s of a finite block `xb` whose level multiplier
 /// is `inv` (`scalar::level_multiplier` without a pre-scale), as `scalar::quantise_int8`
-/// writes them: `x * inv` rounded half to even (the conversion's default mode, which Rust
-/// code never changes; the rounding is sign-symmetric) and clamped to [-127, 127]; 64 a
-/// step, then 16. With `RESIDUAL`, `xb` becomes `x - code * step`, without
-/// `scalar::residual_of`'s checks, which cannot fire in a finite block (see
-/// `blocks::int8_residual_block`). Returns the number of elements done.
+/// writes them ([`int8_nearest`]). Returns the number of elements done.
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-fn int8_nearest<const RESIDUAL: bool>(inv: f32, step: f32, xb: &mut [f32], cb: &mut [u8]) -> usize {
+fn int8_codes(inv: f32, xb: &[f32], cb: &mut [u8]) -> usize {
+    assert!(cb.len() >= xb.len());
+    // SAFETY: `xb` is valid for reads of its length, and without `RESIDUAL` nothing is
+    // written through the pointer; `cb` is long enough.
+    unsafe { int8_nearest::<false>(inv, 0.0, xb.as_ptr().cast_mut(), xb.len(), cb) }
+}
+
+/// [`int8_codes`] with `rb` becoming each element's residual `x - code * step`, without
+/// `scalar::residual_of`'s checks, which cannot fire in a finite block (see
+/// `blocks::int8_residual_block`).
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn int8_residual(inv: f32, step: f32, rb: &mut [f32], cb: &mut [u8]) -> usize {
+    assert!(cb.len() >= rb.len());
+    // SAFETY: `rb` is valid for reads and writes of its length; `cb` is long enough.
+    unsafe { int8_nearest::<true>(inv, step, rb.as_mut_ptr(), rb.len(), cb) }
+}
+
+/// The nearest int8 codes of the whole 16s of the `n` elements at `x`: `x * inv` rounded
+/// half to even (the conversion's default mode, which Rust code never changes; the
+/// rounding is sign-symmetric) and clamped to [-127, 127], 64 a step, then 16; with
+/// `RESIDUAL`, each element becomes `x - code * step`. Returns the number of elements
+/// done.
+///
+/// # Safety
+/// `x` must be valid for reads of `n` f32, and for writes with `RESIDUAL`; `cb` must hold
+/// at least `n` bytes.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn int8_nearest<const RESIDUAL: bool>(
+    inv: f32,
+    step: f32,
+    x: *mut f32,
+    n: usize,
+    cb: &mut [u8],
+) -> usize {
     let (iv, s) = (_mm512_set1_ps(inv), _mm512_set1_ps(step));
     let (top, bottom) = (_mm512_set1_epi32(127), _mm512_set1_epi32(-127));
     let code = |v: __m512| {
         let q = _mm512_cvtps_epi32(_mm512_mul_ps(v, iv));
         _mm512_max_epi32(_mm512_min_epi32(q, top), bottom)
     };
-    let whole = xb.len() / 16 * 16;
+    // SAFETY (every access below): `x + i` for `i + 16 <= whole <= n` is in the caller's
+    // range, read as one unaligned __m512 and, with `RESIDUAL`, written as one.
+    let quantise = |i: usize| unsafe {
+        let v = _mm512_loadu_ps(x.add(i));
+        let q = code(v);
+        if RESIDUAL {
+            let d = _mm512_mul_ps(_mm512_cvtepi32_ps(q), s);
+            _mm512_storeu_ps(x.add(i), _mm512_sub_ps(v, d));
+        }
+        q
+    };
+    let whole = n / 16 * 16;
     let mut done = 0;
     while whole - done >= 64 {
-        let x64 = &mut xb[done..done + 64];
-        let mut q = [_mm512_setzero_si512(); 4];
-        for (j, q) in q.iter_mut().enumerate() {
-            let o = &mut x64[16 * j..16 * j + 16];
-            // SAFETY: `o` holds 16 f32, one unaligned __m512 for the load and the store.
-            unsafe {
-                let v = _mm512_loadu_ps(o.as_ptr());
-                *q = code(v);
-                if RESIDUAL {
-                    let d = _mm512_mul_ps(_mm512_cvtepi32_ps(*q), s);
-                    _mm512_storeu_ps(o.as_mut_ptr(), _mm512_sub_ps(v, d));
-                }
-            }
-        }
+        let q = [
+            quantise(done),
+            quantise(done + 16),
+            quantise(done + 32),
+            quantise(done + 48),
+        ];
         let bytes = pack_signed_bytes(q);
         // SAFETY: `cb[done..done + 64]` holds 64 bytes, one unaligned __m512i.
         unsafe { _mm512_storeu_si512(cb[done..done + 64].as_mut_ptr().cast(), bytes) };
         done += 64;
     }
     while done < whole {
-        let o = &mut xb[done..done + 16];
-        // SAFETY: `o` holds 16 f32, one unaligned __m512 for the load and the store;
-        // `cb[done..done + 16]` holds 16 bytes, one unaligned __m128i.
+        let q = quantise(done);
+        // SAFETY: `cb[done..done + 16]` holds 16 bytes, one unaligned __m128i.
         unsafe {
-            let v = _mm512_loadu_ps(o.as_ptr());
-            let q = code(v);
-            if RESIDUAL {
-                let d = _mm512_mul_ps(_mm512_cvtepi32_ps(q), s);
-                _mm512_storeu_ps(o.as_mut_ptr(), _mm512_sub_ps(v, d));
-            }
             _mm_storeu_si128(
                 cb[done..done + 16].as_mut_ptr().cast(),
                 _mm512_cvtepi32_epi8(q),
-            );
-        }
+            )
+        };
         done += 16;
     }
     done
