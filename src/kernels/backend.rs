@@ -65,8 +65,7 @@ impl fmt::Display for Backend {
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) enum Op {
     FeedbackF16,
-    /// int8's fused error-feedback step: an AVX2 kernel, and an AVX-512 one for nearest
-    /// rounding (stochastic rounding goes from it to the AVX2 kernel).
+    /// int8's fused error-feedback step: an AVX2 kernel and an AVX-512 one.
     FeedbackInt8,
     /// int8's fused ring hop (a decode added to local values, then encoded): as
     /// `FeedbackInt8`.
@@ -79,8 +78,7 @@ pub(crate) enum Op {
     /// fp16 decode added into the output.
     AddF16,
     EncodeBf16,
-    /// int8 encode: an AVX2 kernel, and an AVX-512 one for nearest rounding (as
-    /// `FeedbackInt8`).
+    /// int8 encode: an AVX2 kernel and an AVX-512 one.
     EncodeInt8,
     EncodeSign,
     DecodeSign,
@@ -271,11 +269,12 @@ pub(crate) const fn x86_route_on(op: Op, kind: BackendKind, cpu: Cpu) -> X86 {
             // short burst of 512-bit work among 256-bit and scalar code, is 4 to 9% faster
             // with it.
             Op::DecodeF16 | Op::ReduceF16 | Op::EncodeF16 if matches!(cpu, Cpu::Intel) => X86::Avx2,
-            // int8's encode, fused error-feedback step and ring hop with nearest rounding
-            // (a 2-core Intel Xeon, 2026-11-29, `backend_race`): AVX-512's encode 1.23 to
+            // int8's encode, fused error-feedback step and ring hop (a 2-core Intel Xeon,
+            // 2026-11-29, `backend_race`): with nearest rounding AVX-512's encode 1.23 to
             // 1.40 times AVX2's at 64 Ki elements (blocks of 64, 256 and 4096) and 1.14 to
-            // 1.26 at 1 Mi, its step 1.25 to 1.33 and 1.06 to 1.14, its hop 1.17 to 1.25
-            // at 64 Ki and level at 1 Mi; a 4 Mi int8 ring of two ranks about 8% faster.
+            // 1.26 at 1 Mi, its step 1.24 to 1.33 and 1.06 to 1.14, its hop 1.17 to 1.25
+            // at 64 Ki and level at 1 Mi (a 4 Mi int8 ring of two ranks about 8% faster);
+            // with stochastic rounding the encode 1.25 to 1.40 and the step 1.24 to 1.40.
             // AMD's cores are not measured: their rows stay on AVX2 (the kernels are still
             // tested there).
             Op::EncodeInt8 | Op::FeedbackInt8 | Op::HopInt8 if matches!(cpu, Cpu::Intel) => {
@@ -621,12 +620,12 @@ mod tests {
         }
     }
 
-    /// The AVX-512 int8 kernels (encode, the fused error-feedback step and the ring hop
-    /// with nearest rounding), which AMD's table does not route to, are still checked on AMD's
+    /// The AVX-512 int8 kernels (encode, the fused error-feedback step and the ring hop),
+    /// which AMD's table does not route to, are still checked on AMD's
     /// machines: against the AVX2 kernels (tested against the definition through the
     /// public path), bit for bit, over blocks of 16-lane, 64-element and odd lengths with
-    /// zero, tiny (below 2^-100) and non-finite blocks, in both roundings (stochastic goes
-    /// to the AVX2 kernel).
+    /// zero, tiny (below 2^-100) and non-finite blocks, in both roundings, with draws from
+    /// index 0 (steps on aligned groups of 64), 5 and where blocks cross a 2^32 window.
     #[cfg(all(target_arch = "x86_64", not(miri)))]
     #[test]
     fn unrouted_avx512_int8_kernels_match_the_avx2_ones() {
@@ -670,19 +669,22 @@ mod tests {
                         &mut ic,
                     )
                 };
-                for round in [Round::Nearest, Round::Stochastic] {
-                    let what = format!("block {block}, n {n}, {round:?}");
+                for (round, first) in [Round::Nearest, Round::Stochastic]
+                    .into_iter()
+                    .flat_map(|r| [(r, 0), (r, 5), (r, (1u64 << 32) - 100)])
+                {
+                    let what = format!("block {block}, n {n}, {round:?}, from {first}");
                     let encode = |avx512: bool| {
                         let (mut s, mut c) = (vec![0u8; 4 * nb], vec![0u8; n]);
                         // SAFETY: as above.
                         let flag = unsafe {
                             if avx512 {
                                 x86_64::blocks512::encode_int8_avx512(
-                                    &g, block, round, &draws, 5, &mut s, &mut c,
+                                    &g, block, round, &draws, first, &mut s, &mut c,
                                 )
                             } else {
                                 x86_64::blocks::encode_int8_avx2(
-                                    &g, block, round, &draws, 5, &mut s, &mut c,
+                                    &g, block, round, &draws, first, &mut s, &mut c,
                                 )
                             }
                         };
@@ -704,13 +706,13 @@ mod tests {
                                         &g,
                                         w,
                                         block,
-                                        (round, &draws, 5),
+                                        (round, &draws, first),
                                         &mut s,
                                         &mut c,
                                     ),
                                     x86_64::blocks512::hop_int8_avx512(
-                                        &g, &is, &ic, block, round, &draws, 5, &mut sum, &mut hs,
-                                        &mut hc,
+                                        &g, &is, &ic, block, round, &draws, first, &mut sum,
+                                        &mut hs, &mut hc,
                                     ),
                                 )
                             } else {
@@ -720,13 +722,13 @@ mod tests {
                                         &g,
                                         w,
                                         block,
-                                        (round, &draws, 5),
+                                        (round, &draws, first),
                                         &mut s,
                                         &mut c,
                                     ),
                                     x86_64::blocks::hop_int8_avx2(
-                                        &g, &is, &ic, block, round, &draws, 5, &mut sum, &mut hs,
-                                        &mut hc,
+                                        &g, &is, &ic, block, round, &draws, first, &mut sum,
+                                        &mut hs, &mut hc,
                                     ),
                                 )
                             }

@@ -1,8 +1,8 @@
 //! AVX-512 kernels of the block codecs: qsgd and ternary's stochastic sign-magnitude
 //! encode on 16 lanes, 64 elements per step, with the counter hash drawn in aligned
 //! groups of 64 where a block starts at a multiple of 64; also `dct`'s transpose of
-//! sixteen tiles into lanes, fp4's decode by table lookups in registers, and int8's fused
-//! error-feedback step and ring hop with nearest rounding.
+//! sixteen tiles into lanes, fp4's decode by table lookups in registers, and int8's
+//! encode, fused error-feedback step and ring hop (either rounding).
 //!
 //! They follow the AVX2 kernels of `blocks` operation for operation, twice as wide. A block's tail shorter than 64 elements goes to the AVX2 kernel. Every
 //! function equals its scalar oracle to the bit (tests/backends.rs).
@@ -420,14 +420,13 @@ fn fp8_block<const M: u8, const TWICE: bool>(e4m3: bool, t: f32, c: &[u8], o: &m
     }
 }
 
-/// int8 encode (the contract of `scalar::encode_int8`; every code byte written) with
-/// nearest rounding on 16 lanes: each block's maximum (compiled for AVX-512), then 64
-/// codes a step ([`int8_codes`]). Stochastic rounding goes to the AVX2 kernel.
+/// int8 encode (the contract of `scalar::encode_int8`; every code byte written) on 16
+/// lanes: each block's maximum (compiled for AVX-512), then its codes 64 a step
+/// ([`int8_quantise`]), the rest of the block by the oracle.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F/BW and AVX2 (as every CPU the Avx512 backend accepts
-/// does).
-#[target_feature(enable = "avx512f,avx512bw,avx2")]
+/// The CPU must support AVX-512 F/BW/DQ (as every CPU the Avx512 backend accepts does).
+#[target_feature(enable = "avx512f,avx512bw,avx512dq")]
 pub unsafe fn encode_int8_avx512(
     x: &[f32],
     block: usize,
@@ -437,10 +436,7 @@ pub unsafe fn encode_int8_avx512(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    if round == Round::Stochastic {
-        // SAFETY: the caller's CPU has AVX2.
-        return unsafe { blocks::encode_int8_avx2(x, block, round, draws, first, steps, codes) };
-    }
+    let mut d16 = Draws16::new(draws);
     scalar::encode_int8_blocks(
         x,
         block,
@@ -452,27 +448,26 @@ pub unsafe fn encode_int8_avx512(
         #[inline(always)]
         |xb, cb, m, start| {
             let (pre, inv) = scalar::level_multiplier(m, 127.0);
-            let whole = if pre == 1.0 {
-                int8_codes(inv, xb, cb)
-            } else {
-                0
+            let whole = match (pre == 1.0, round) {
+                (false, _) => 0,
+                (true, Round::Nearest) => int8_codes::<false>(inv, xb, cb, &mut d16, start),
+                (true, Round::Stochastic) => int8_codes::<true>(inv, xb, cb, &mut d16, start),
             };
             let (xt, ct) = (&xb[whole..], &mut cb[whole..]);
-            scalar::quantise_int8(xt, ct, m, Round::Nearest, draws, start + whole as u64);
+            scalar::quantise_int8(xt, ct, m, round, draws, start + whole as u64);
         },
     )
 }
 
 /// int8's fused error-feedback step ([`blocks::feedback_int8_avx2`]'s contract and bytes)
-/// with nearest rounding on 16 lanes: `p = beta r + gamma g` formed into `r` with its
-/// largest magnitude, then 64 codes a step with `r` becoming each element's residual
-/// `p - code * step`. Stochastic rounding, and a block whose scale is below 2^-100, go
-/// to the AVX2 kernel's path (its draws are 8-lane).
+/// on 16 lanes: `p = beta r + gamma g` formed into `r` with its largest magnitude, then
+/// the codes 64 a step with `r` becoming each element's residual `p - code * step`
+/// ([`int8_quantise`]); the rest of a block, a block whose scale is below 2^-100 and one
+/// across a 2^32 draw window by the oracle.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F/BW and AVX2 (as every CPU the Avx512 backend accepts
-/// does).
-#[target_feature(enable = "avx512f,avx512bw,avx2")]
+/// The CPU must support AVX-512 F/BW/DQ (as every CPU the Avx512 backend accepts does).
+#[target_feature(enable = "avx512f,avx512bw,avx512dq")]
 pub unsafe fn feedback_int8_avx512(
     r: &mut [f32],
     g: &[f32],
@@ -482,21 +477,8 @@ pub unsafe fn feedback_int8_avx512(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    if round == Round::Stochastic {
-        // SAFETY: the caller's CPU has AVX2.
-        return unsafe {
-            blocks::feedback_int8_avx2(
-                r,
-                g,
-                (beta, gamma),
-                block,
-                (round, draws, first),
-                steps,
-                codes,
-            )
-        };
-    }
     assert!(r.len() == g.len() && codes.len() == r.len() && block > 0);
+    let mut d16 = Draws16::new(draws);
     let mut nonfinite = false;
     let blocks = r.chunks_mut(block).zip(g.chunks(block));
     for (b, ((rb, gb), cb)) in blocks.zip(codes.chunks_mut(block)).enumerate() {
@@ -512,16 +494,16 @@ pub unsafe fn feedback_int8_avx512(
             }
             continue;
         };
+        let start = first + (b * block) as u64;
         let (pre, inv) = scalar::level_multiplier(m, 127.0);
-        let whole = if pre == 1.0 {
-            int8_residual(inv, step, rb, cb)
-        } else {
-            0
+        let d = &mut d16;
+        let whole = match (pre == 1.0 && scalar::in_one_window(start, rb.len()), round) {
+            (false, _) => 0,
+            (true, Round::Nearest) => int8_residual::<false>(inv, step, rb, cb, d, start),
+            (true, Round::Stochastic) => int8_residual::<true>(inv, step, rb, cb, d, start),
         };
-        // A tail shorter than 16, or a scale below 2^-100: the oracle.
         let (rt, ct) = (&mut rb[whole..], &mut cb[whole..]);
-        let start = first + (b * block + whole) as u64;
-        scalar::quantise_int8(rt, ct, m, Round::Nearest, draws, start);
+        scalar::quantise_int8(rt, ct, m, round, draws, start + whole as u64);
         for (p, &c) in rt.iter_mut().zip(ct.iter()) {
             *p = scalar::residual_of(*p, (c as i8) as f32 * step);
         }
@@ -529,14 +511,13 @@ pub unsafe fn feedback_int8_avx512(
     nonfinite
 }
 
-/// int8's fused ring hop ([`blocks::hop_int8_avx2`]'s contract and bytes) with nearest
-/// rounding on 16 lanes: `sum = local + decode` with each block's largest magnitude, then
-/// the codes of `sum`, 64 a step. Stochastic rounding goes to the AVX2 kernel.
+/// int8's fused ring hop ([`blocks::hop_int8_avx2`]'s contract and bytes) on 16 lanes:
+/// `sum = local + decode` with each block's largest magnitude, then the codes of `sum`
+/// 64 a step ([`int8_quantise`]), the rest of a block by the oracle.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F/BW and AVX2 (as every CPU the Avx512 backend accepts
-/// does).
-#[target_feature(enable = "avx512f,avx512bw,avx2")]
+/// The CPU must support AVX-512 F/BW/DQ (as every CPU the Avx512 backend accepts does).
+#[target_feature(enable = "avx512f,avx512bw,avx512dq")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn hop_int8_avx512(
     local: &[f32],
@@ -550,16 +531,9 @@ pub unsafe fn hop_int8_avx512(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    if round == Round::Stochastic {
-        // SAFETY: the caller's CPU has AVX2.
-        return unsafe {
-            blocks::hop_int8_avx2(
-                local, in_steps, in_codes, block, round, draws, first, sum, steps, codes,
-            )
-        };
-    }
     let n = sum.len();
     assert!(local.len() == n && in_codes.len() == n && codes.len() == n && block > 0);
+    let mut d16 = Draws16::new(draws);
     let mut nonfinite = false;
     let blocks = sum.chunks_mut(block).zip(local.chunks(block));
     for (b, ((sb, lb), (ib, cb))) in blocks
@@ -573,99 +547,145 @@ pub unsafe fn hop_int8_avx512(
             cb.fill(0);
             continue;
         };
+        let start = first + (b * block) as u64;
         let (pre, inv) = scalar::level_multiplier(m, 127.0);
-        let whole = if pre == 1.0 {
-            int8_codes(inv, sb, cb)
-        } else {
-            0
+        let d = &mut d16;
+        let whole = match (pre == 1.0 && scalar::in_one_window(start, sb.len()), round) {
+            (false, _) => 0,
+            (true, Round::Nearest) => int8_codes::<false>(inv, sb, cb, d, start),
+            (true, Round::Stochastic) => int8_codes::<true>(inv, sb, cb, d, start),
         };
-        let start = first + (b * block + whole) as u64;
-        scalar::quantise_int8(
-            &sb[whole..],
-            &mut cb[whole..],
-            m,
-            Round::Nearest,
-            draws,
-            start,
-        );
+        let (st, ct) = (&sb[whole..], &mut cb[whole..]);
+        scalar::quantise_int8(st, ct, m, round, draws, start + whole as u64);
     }
     nonfinite
 }
 
-/// The nearest int8 codes of the whole 16s of a finite block `xb` whose level multiplier
-/// is `inv` (`scalar::level_multiplier` without a pre-scale), as `scalar::quantise_int8`
-/// writes them ([`int8_nearest`]). Returns the number of elements done.
-#[target_feature(enable = "avx512f,avx512bw")]
+/// The int8 codes of the whole 64s (and, with nearest rounding, 16s) of a finite block
+/// `xb` from global index `start` (inside one 2^32 draw window when `STOCHASTIC`), whose
+/// level multiplier is `inv` (`scalar::level_multiplier` without a pre-scale), as
+/// `scalar::quantise_int8` writes them ([`int8_quantise`]). Returns the number of
+/// elements done.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq")]
 #[inline]
-fn int8_codes(inv: f32, xb: &[f32], cb: &mut [u8]) -> usize {
+fn int8_codes<const STOCHASTIC: bool>(
+    inv: f32,
+    xb: &[f32],
+    cb: &mut [u8],
+    d16: &mut Draws16,
+    start: u64,
+) -> usize {
     assert!(cb.len() >= xb.len());
+    let x = xb.as_ptr().cast_mut();
     // SAFETY: `xb` is valid for reads of its length, and without `RESIDUAL` nothing is
     // written through the pointer; `cb` is long enough.
-    unsafe { int8_nearest::<false>(inv, 0.0, xb.as_ptr().cast_mut(), xb.len(), cb) }
+    unsafe { int8_quantise::<false, STOCHASTIC>(inv, 0.0, x, xb.len(), cb, d16, start) }
 }
 
 /// [`int8_codes`] with `rb` becoming each element's residual `x - code * step`, without
 /// `scalar::residual_of`'s checks, which cannot fire in a finite block (see
 /// `blocks::int8_residual_block`).
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq")]
 #[inline]
-fn int8_residual(inv: f32, step: f32, rb: &mut [f32], cb: &mut [u8]) -> usize {
+fn int8_residual<const STOCHASTIC: bool>(
+    inv: f32,
+    step: f32,
+    rb: &mut [f32],
+    cb: &mut [u8],
+    d16: &mut Draws16,
+    start: u64,
+) -> usize {
     assert!(cb.len() >= rb.len());
+    let x = rb.as_mut_ptr();
     // SAFETY: `rb` is valid for reads and writes of its length; `cb` is long enough.
-    unsafe { int8_nearest::<true>(inv, step, rb.as_mut_ptr(), rb.len(), cb) }
+    unsafe { int8_quantise::<true, STOCHASTIC>(inv, step, x, rb.len(), cb, d16, start) }
 }
 
-/// The nearest int8 codes of the whole 16s of the `n` elements at `x`: `x * inv` rounded
-/// half to even (the conversion's default mode, which Rust code never changes; the
-/// rounding is sign-symmetric) and clamped to [-127, 127], 64 a step, then 16; with
-/// `RESIDUAL`, each element becomes `x - code * step`. Returns the number of elements
-/// done.
+/// The int8 codes of the `n` elements at `x` (global indices from `start`): with nearest
+/// rounding `x * inv` rounded half to even (the conversion's default mode, which Rust
+/// code never changes; the rounding is sign-symmetric) and clamped to [-127, 127], 64 a
+/// step, then 16; with `STOCHASTIC` the oracle's `scalar::level` of `|x|`, operation for
+/// operation (`a = |x| * inv`, up from `floor(a)` when `u < a - floor(a)` with `u = (h >>
+/// 8) * 2^-24` for the element's draw `h`, clamped to 127), with `x`'s sign, 64 a step
+/// only (the draws come 64 at a time). With `RESIDUAL`, each element becomes `x - code *
+/// step`. Returns the number of elements done.
 ///
 /// # Safety
 /// `x` must be valid for reads of `n` f32, and for writes with `RESIDUAL`; `cb` must hold
 /// at least `n` bytes.
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq")]
 #[inline]
-unsafe fn int8_nearest<const RESIDUAL: bool>(
+unsafe fn int8_quantise<const RESIDUAL: bool, const STOCHASTIC: bool>(
     inv: f32,
     step: f32,
     x: *mut f32,
     n: usize,
     cb: &mut [u8],
+    d16: &mut Draws16,
+    start: u64,
 ) -> usize {
     let (iv, s) = (_mm512_set1_ps(inv), _mm512_set1_ps(step));
     let (top, bottom) = (_mm512_set1_epi32(127), _mm512_set1_epi32(-127));
-    let code = |v: __m512| {
-        let q = _mm512_cvtps_epi32(_mm512_mul_ps(v, iv));
-        _mm512_max_epi32(_mm512_min_epi32(q, top), bottom)
+    let code = |v: __m512, h: __m512i| {
+        if STOCHASTIC {
+            let abs = _mm512_castsi512_ps(_mm512_and_si512(
+                _mm512_castps_si512(v),
+                _mm512_set1_epi32(ABS),
+            ));
+            let a = _mm512_mul_ps(abs, iv);
+            let u = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_srli_epi32::<8>(h)),
+                _mm512_set1_ps(1.0 / 16_777_216.0),
+            );
+            // a - floor(a) in one instruction (exact, as the oracle's subtraction), and
+            // the floor itself by truncation (a >= 0).
+            let frac = _mm512_reduce_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(a);
+            let up = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(u, frac);
+            let l = _mm512_cvttps_epi32(a);
+            let l = _mm512_min_epi32(_mm512_mask_add_epi32(l, up, l, _mm512_set1_epi32(1)), top);
+            // Negated where `x`'s sign bit is set (-0.0 has level 0).
+            let neg = _mm512_movepi32_mask(_mm512_castps_si512(v));
+            _mm512_mask_sub_epi32(l, neg, _mm512_setzero_si512(), l)
+        } else {
+            let q = _mm512_cvtps_epi32(_mm512_mul_ps(v, iv));
+            _mm512_max_epi32(_mm512_min_epi32(q, top), bottom)
+        }
     };
     // SAFETY (every access below): `x + i` for `i + 16 <= whole <= n` is in the caller's
     // range, read as one unaligned __m512 and, with `RESIDUAL`, written as one.
-    let quantise = |i: usize| unsafe {
+    let quantise = |i: usize, h: __m512i| unsafe {
         let v = _mm512_loadu_ps(x.add(i));
-        let q = code(v);
+        let q = code(v, h);
         if RESIDUAL {
             let d = _mm512_mul_ps(_mm512_cvtepi32_ps(q), s);
             _mm512_storeu_ps(x.add(i), _mm512_sub_ps(v, d));
         }
         q
     };
+    if STOCHASTIC {
+        d16.begin(start);
+    }
     let whole = n / 16 * 16;
     let mut done = 0;
     while whole - done >= 64 {
+        let h = if STOCHASTIC {
+            d16.step((start as u32).wrapping_add(done as u32))
+        } else {
+            [_mm512_setzero_si512(); 4]
+        };
         let q = [
-            quantise(done),
-            quantise(done + 16),
-            quantise(done + 32),
-            quantise(done + 48),
+            quantise(done, h[0]),
+            quantise(done + 16, h[1]),
+            quantise(done + 32, h[2]),
+            quantise(done + 48, h[3]),
         ];
         let bytes = pack_signed_bytes(q);
         // SAFETY: `cb[done..done + 64]` holds 64 bytes, one unaligned __m512i.
         unsafe { _mm512_storeu_si512(cb[done..done + 64].as_mut_ptr().cast(), bytes) };
         done += 64;
     }
-    while done < whole {
-        let q = quantise(done);
+    while !STOCHASTIC && done < whole {
+        let q = quantise(done, _mm512_setzero_si512());
         // SAFETY: `cb[done..done + 16]` holds 16 bytes, one unaligned __m128i.
         unsafe {
             _mm_storeu_si128(
