@@ -1007,8 +1007,8 @@ pub fn decode_int8<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &
 }
 
 /// `codebook` encode of whole blocks (see [`codebook::encode`]): one source, compiled for
-/// each backend's instruction set (the same bytes; for AVX2 on the AVX-512 backend:
-/// [`x86_route`]).
+/// each backend's instruction set (the same bytes; the AVX-512 backend runs the AVX2
+/// build, as its routing table says).
 pub fn encode_codebook(x: &[f32], block: usize, books: &mut [u8], codes: &mut [u8]) -> bool {
     let op = EncodeCodebook {
         x,
