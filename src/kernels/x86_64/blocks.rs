@@ -263,10 +263,17 @@ impl Levels {
     #[inline]
     fn new(m: f32, levels: u32) -> Option<Levels> {
         let (pre, inv) = scalar::level_multiplier(m, levels as f32);
-        (pre == 1.0).then(|| Levels {
+        (pre == 1.0).then(|| Levels::of_inv(inv, levels))
+    }
+
+    /// The quantiser of a block whose level multiplier is `inv` (without a pre-scale).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn of_inv(inv: f32, levels: u32) -> Levels {
+        Levels {
             inv: _mm256_set1_ps(inv),
             top: _mm256_set1_epi32(levels as i32),
-        })
+        }
     }
 
     /// The stochastic levels (in `[0, top]`) of the 8 elements in `v`, whose draws are
@@ -403,13 +410,49 @@ pub unsafe fn feedback_int8_avx2(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    assert!(r.len() == g.len() && codes.len() == r.len() && block > 0);
     let mut sd = StepDraws::new(draws);
+    feedback_int8_blocks(
+        r,
+        g,
+        block,
+        (round, draws, first),
+        steps,
+        codes,
+        #[inline(always)]
+        |rb, gb| form_max_abs(rb, gb, beta, gamma),
+        #[inline(always)]
+        |inv, step, rb, cb, start| match round {
+            Round::Nearest => int8_residual_block::<false>(inv, step, &mut sd, start, rb, cb),
+            Round::Stochastic => int8_residual_block::<true>(inv, step, &mut sd, start, rb, cb),
+        },
+    )
+}
+
+/// The block loop of int8's fused error-feedback step (the contract of
+/// [`feedback_int8_avx2`]), for a kernel's two passes: `form(rb, gb)` forms `p` into the
+/// block `rb` and returns its largest `|p|` bit pattern; a finite block whose scale is
+/// at least 2^-100 (level multiplier `inv` without a pre-scale) and which lies inside
+/// one 2^32 draw window has its first elements quantised by `quantise(inv, step, rb, cb,
+/// start)`, which leaves their residuals in `rb` and returns how many it did; the oracle
+/// does the rest of the block. Inlined, so that the kernels' closures are compiled for
+/// their instruction sets.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn feedback_int8_blocks(
+    r: &mut [f32],
+    g: &[f32],
+    block: usize,
+    (round, draws, first): (Round, &Draws, u64),
+    steps: &mut [u8],
+    codes: &mut [u8],
+    mut form: impl FnMut(&mut [f32], &[f32]) -> u32,
+    mut quantise: impl FnMut(f32, f32, &mut [f32], &mut [u8], u64) -> usize,
+) -> bool {
+    assert!(r.len() == g.len() && codes.len() == r.len() && block > 0);
     let mut nonfinite = false;
     let blocks = r.chunks_mut(block).zip(g.chunks(block));
     for (b, ((rb, gb), cb)) in blocks.zip(codes.chunks_mut(block)).enumerate() {
-        let scale = BlockScale::of_max_bits(form_max_abs(rb, gb, beta, gamma));
-        let start = first + (b * block) as u64;
+        let scale = BlockScale::of_max_bits(form(rb, gb));
         let step = scale.step(127);
         nonfinite |= scale == BlockScale::NonFinite;
         scalar::put_step(steps, b, step);
@@ -421,20 +464,18 @@ pub unsafe fn feedback_int8_avx2(
             }
             continue;
         };
-        match Levels::new(m, 127) {
-            Some(l) if scalar::in_one_window(start, rb.len()) => match round {
-                Round::Nearest => int8_residual_block::<false>(&l, m, step, &mut sd, start, rb, cb),
-                Round::Stochastic => {
-                    int8_residual_block::<true>(&l, m, step, &mut sd, start, rb, cb)
-                }
-            },
-            _ => {
-                // A scale below 2^-100 or a block across a 2^32 draw window: the oracle.
-                scalar::quantise_int8(rb, cb, m, round, draws, start);
-                for (p, &c) in rb.iter_mut().zip(cb.iter()) {
-                    *p = scalar::residual_of(*p, (c as i8) as f32 * step);
-                }
-            }
+        let start = first + (b * block) as u64;
+        let (pre, inv) = scalar::level_multiplier(m, 127.0);
+        let whole = if pre == 1.0 && scalar::in_one_window(start, rb.len()) {
+            quantise(inv, step, rb, cb, start)
+        } else {
+            0
+        };
+        // The rest, a scale below 2^-100 or a block across a 2^32 draw window: the oracle.
+        let (rt, ct) = (&mut rb[whole..], &mut cb[whole..]);
+        scalar::quantise_int8(rt, ct, m, round, draws, start + whole as u64);
+        for (p, &c) in rt.iter_mut().zip(ct.iter()) {
+            *p = scalar::residual_of(*p, (c as i8) as f32 * step);
         }
     }
     nonfinite
@@ -462,30 +503,68 @@ pub unsafe fn hop_int8_avx2(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
+    let mut sd = StepDraws::new(draws);
+    hop_int8_blocks(
+        local,
+        (in_steps, in_codes),
+        block,
+        (round, draws, first),
+        sum,
+        steps,
+        codes,
+        #[inline(always)]
+        |sb, lb, ib, step| add_max_abs(sb, lb, ib, step),
+        #[inline(always)]
+        |inv, sb, cb, start| match round {
+            Round::Nearest => int8_codes::<false>(inv, sb, cb, &mut sd, start),
+            Round::Stochastic => int8_codes::<true>(inv, sb, cb, &mut sd, start),
+        },
+    )
+}
+
+/// The block loop of int8's fused ring hop (the contract of [`hop_int8_avx2`]), for a
+/// kernel's two passes: `add(sb, lb, ib, step)` writes `local + code * step` into the
+/// block `sb` and returns its largest `|sum|` bit pattern; a finite block whose scale is
+/// at least 2^-100 (level multiplier `inv`) and which lies inside one 2^32 draw window
+/// has its first codes written by `quantise(inv, sb, cb, start)`, which returns how many
+/// it did; the oracle does the rest. Inlined, as [`feedback_int8_blocks`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn hop_int8_blocks(
+    local: &[f32],
+    (in_steps, in_codes): (&[u8], &[u8]),
+    block: usize,
+    (round, draws, first): (Round, &Draws, u64),
+    sum: &mut [f32],
+    steps: &mut [u8],
+    codes: &mut [u8],
+    mut add: impl FnMut(&mut [f32], &[f32], &[u8], f32) -> u32,
+    mut quantise: impl FnMut(f32, &[f32], &mut [u8], u64) -> usize,
+) -> bool {
     let n = sum.len();
     assert!(local.len() == n && in_codes.len() == n && codes.len() == n && block > 0);
-    let mut sd = StepDraws::new(draws);
     let mut nonfinite = false;
     let blocks = sum.chunks_mut(block).zip(local.chunks(block));
     for (b, ((sb, lb), (ib, cb))) in blocks
         .zip(in_codes.chunks(block).zip(codes.chunks_mut(block)))
         .enumerate()
     {
-        let scale = BlockScale::of_max_bits(add_max_abs(sb, lb, ib, scalar::get_step(in_steps, b)));
-        let start = first + (b * block) as u64;
+        let scale = BlockScale::of_max_bits(add(sb, lb, ib, scalar::get_step(in_steps, b)));
         nonfinite |= scale == BlockScale::NonFinite;
         scalar::put_step(steps, b, scale.step(127));
         let BlockScale::Of(m) = scale else {
             cb.fill(0);
             continue;
         };
-        if !scalar::in_one_window(start, sb.len()) {
-            scalar::quantise_int8(sb, cb, m, round, draws, start);
-        } else if round == Round::Stochastic {
-            int8_block::<true>(sb, cb, m, &mut sd, start);
+        let start = first + (b * block) as u64;
+        let (pre, inv) = scalar::level_multiplier(m, 127.0);
+        let whole = if pre == 1.0 && scalar::in_one_window(start, sb.len()) {
+            quantise(inv, sb, cb, start)
         } else {
-            int8_block::<false>(sb, cb, m, &mut sd, start);
-        }
+            0
+        };
+        let (st, ct) = (&sb[whole..], &mut cb[whole..]);
+        scalar::quantise_int8(st, ct, m, round, draws, start + whole as u64);
     }
     nonfinite
 }
@@ -562,26 +641,25 @@ pub(super) fn lanes_max(m: __m256i) -> u32 {
     lanes.into_iter().max().unwrap_or(0)
 }
 
-/// The codes of a finite formed block `rb` with scale `m`, its levels `l` and its `step`,
-/// 32 at a time as [`int8_block`] writes them (stochastic rounding when `STOCHASTIC`, from
-/// the draws of global index `start` on, inside one 2^32 window), with `rb` becoming the
-/// residual of each element against its decode `d = code * step`; a tail shorter than 32
-/// by the oracle.
+/// The codes of the whole 32s of a finite formed block `rb` whose level multiplier is
+/// `inv` and whose step is `step`, as [`int8_codes`] writes them, with `rb` becoming the
+/// residual of each element against its decode `d = code * step`. Returns the number of
+/// elements done (the AVX-512 kernels call it for the rest of a block).
 /// The residual is `p - d` without `scalar::residual_of`'s checks, which cannot fire
 /// here: `p` is finite, `d` is finite (`127 step` is, by `scalar::block_step`) and of
 /// `p`'s sign or zero (the code is `p`'s level, rounded either way), so `|p - d| <=
 /// max(|p|, |d|)`.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn int8_residual_block<const STOCHASTIC: bool>(
-    l: &Levels,
-    m: f32,
+pub(super) fn int8_residual_block<const STOCHASTIC: bool>(
+    inv: f32,
     step: f32,
     sd: &mut StepDraws,
     start: u64,
     rb: &mut [f32],
     cb: &mut [u8],
-) {
+) -> usize {
+    let l = &Levels::of_inv(inv, 127);
     let s = _mm256_set1_ps(step);
     if STOCHASTIC {
         sd.begin(start);
@@ -611,21 +689,11 @@ fn int8_residual_block<const STOCHASTIC: bool>(
         // SAFETY: `c32` holds 32 bytes, one unaligned __m256i.
         unsafe { _mm256_storeu_si256(c32.as_mut_ptr().cast(), bytes) };
     }
-    let (rt, ct) = (&mut rb[whole..], &mut cb[whole..]);
-    if !rt.is_empty() {
-        let round = if STOCHASTIC {
-            Round::Stochastic
-        } else {
-            Round::Nearest
-        };
-        scalar::quantise_int8(rt, ct, m, round, sd.draws, start + whole as u64);
-        for (p, &c) in rt.iter_mut().zip(ct.iter()) {
-            *p = scalar::residual_of(*p, (c as i8) as f32 * step);
-        }
-    }
+    whole
 }
 
-/// int8 codes of one finite block with a non-zero max `m`, inside one 2^32 index window.
+/// int8 codes of one finite block with a non-zero max `m`, inside one 2^32 index window:
+/// the whole 32s by [`int8_codes`], the rest by the oracle.
 #[target_feature(enable = "avx2")]
 #[inline]
 fn int8_block<const STOCHASTIC: bool>(
@@ -641,25 +709,44 @@ fn int8_block<const STOCHASTIC: bool>(
         Round::Nearest
     };
     let d = sd.draws;
-    let Some(l) = Levels::new(m, 127) else {
+    let (pre, inv) = scalar::level_multiplier(m, 127.0);
+    if pre != 1.0 {
         return scalar::quantise_int8(xb, cb, m, round, d, start);
-    };
-    let n32 = steps32::<true, STOCHASTIC>(
+    }
+    let n32 = int8_codes::<STOCHASTIC>(inv, xb, cb, sd, start);
+    if n32 < xb.len() {
+        scalar::quantise_int8(&xb[n32..], &mut cb[n32..], m, round, d, start + n32 as u64);
+    }
+}
+
+/// The int8 codes of the whole 32s of a finite block `xb` whose level multiplier is `inv`
+/// (`scalar::level_multiplier` without a pre-scale; stochastic rounding when
+/// `STOCHASTIC`, from the draws of global index `start` on, inside one 2^32 window), as
+/// `scalar::quantise_int8` writes them. Returns the number of elements done (the AVX-512
+/// kernels call it for the rest of a block).
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn int8_codes<const STOCHASTIC: bool>(
+    inv: f32,
+    xb: &[f32],
+    cb: &mut [u8],
+    sd: &mut StepDraws,
+    start: u64,
+) -> usize {
+    let l = &Levels::of_inv(inv, 127);
+    steps32::<true, STOCHASTIC>(
         xb,
         start,
         sd,
         #[inline(always)]
-        |v, h| int8x8::<STOCHASTIC>(&l, v, h),
+        |v, h| int8x8::<STOCHASTIC>(l, v, h),
         #[inline(always)]
         |bytes, g| {
             let o = &mut cb[g..g + 32];
             // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
             unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), bytes) };
         },
-    );
-    if n32 < xb.len() {
-        scalar::quantise_int8(&xb[n32..], &mut cb[n32..], m, round, d, start + n32 as u64);
-    }
+    )
 }
 
 /// The int8 codes (in 32-bit lanes) of the 8 elements in `v`, with draws `h` (when

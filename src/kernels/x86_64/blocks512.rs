@@ -14,7 +14,7 @@
 use core::arch::x86_64::*;
 
 use super::blocks::{self, ABS, C1, C2, StepDraws};
-use crate::kernels::scalar::{self, BlockScale, Round};
+use crate::kernels::scalar::{self, Round};
 use crate::rng::Draws;
 
 /// `rng::lowbias32` on 16 lanes.
@@ -184,28 +184,9 @@ fn signmag_block<const BITS: u32>(
     let inv = _mm512_set1_ps(inv);
     let top = _mm512_set1_epi32(levels as i32);
     let sign_bit = _mm512_set1_epi32(1 << (BITS - 1));
-    let one = _mm512_set1_epi32(1);
-    // The oracle's `scalar::level`, operation for operation: `a = |x| * inv`,
-    // `fl = floor(a)`, up when `u < a - fl` with `u = (h >> 8) * 2^-24`, clamped to
-    // `top`; then the sign bit where `x`'s is set and the level is not zero.
+    // The level, then the sign bit where `x`'s is set and the level is not zero.
     let code16 = |v: __m512, h: __m512i| {
-        let a = _mm512_mul_ps(
-            _mm512_castsi512_ps(_mm512_and_si512(
-                _mm512_castps_si512(v),
-                _mm512_set1_epi32(ABS),
-            )),
-            inv,
-        );
-        let u = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_srli_epi32::<8>(h)),
-            _mm512_set1_ps(1.0 / 16_777_216.0),
-        );
-        // a - floor(a) in one instruction (exact, as the oracle's subtraction), and the
-        // floor itself by truncation (a >= 0).
-        let frac = _mm512_reduce_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(a);
-        let up = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(u, frac);
-        let l = _mm512_cvttps_epi32(a);
-        let l = _mm512_min_epi32(_mm512_mask_add_epi32(l, up, l, one), top);
+        let l = stochastic_level16(v, h, inv, top);
         let neg = _mm512_movepi32_mask(_mm512_castps_si512(v)) & _mm512_test_epi32_mask(l, l);
         _mm512_mask_or_epi32(l, neg, l, sign_bit)
     };
@@ -246,6 +227,29 @@ fn signmag_block<const BITS: u32>(
         let rest = &mut cb[done * BITS as usize / 8..];
         blocks::signmag_block::<BITS>(&xb[done..], rest, m, d8, start + done as u64);
     }
+}
+
+/// The oracle's `scalar::level` of `|v|` on 16 lanes, operation for operation: `a = |v|
+/// * inv`, `fl = floor(a)`, one up when `u < a - fl` with `u = (h >> 8) * 2^-24` for the
+/// lane's draw `h`, clamped to `top`.
+#[target_feature(enable = "avx512f,avx512dq")]
+#[inline]
+fn stochastic_level16(v: __m512, h: __m512i, inv: __m512, top: __m512i) -> __m512i {
+    let abs = _mm512_castsi512_ps(_mm512_and_si512(
+        _mm512_castps_si512(v),
+        _mm512_set1_epi32(ABS),
+    ));
+    let a = _mm512_mul_ps(abs, inv);
+    let u = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_srli_epi32::<8>(h)),
+        _mm512_set1_ps(1.0 / 16_777_216.0),
+    );
+    // a - floor(a) in one instruction (exact, as the oracle's subtraction), and the floor
+    // itself by truncation (a >= 0).
+    let frac = _mm512_reduce_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(a);
+    let up = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(u, frac);
+    let l = _mm512_cvttps_epi32(a);
+    _mm512_min_epi32(_mm512_mask_add_epi32(l, up, l, _mm512_set1_epi32(1)), top)
 }
 
 /// Sixteen rows of `w` elements (`w` 16, 32 or 64; row `t` at `rows[t * stride..]`) into
@@ -422,11 +426,12 @@ fn fp8_block<const M: u8, const TWICE: bool>(e4m3: bool, t: f32, c: &[u8], o: &m
 
 /// int8 encode (the contract of `scalar::encode_int8`; every code byte written) on 16
 /// lanes: each block's maximum (compiled for AVX-512), then its codes 64 a step
-/// ([`int8_quantise`]), the rest of the block by the oracle.
+/// ([`int8_codes`]), the rest of the block by the oracle.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F/BW/DQ (as every CPU the Avx512 backend accepts does).
-#[target_feature(enable = "avx512f,avx512bw,avx512dq")]
+/// The CPU must support AVX-512 F/BW/DQ and AVX2 (as every CPU the Avx512 backend
+/// accepts does).
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2")]
 pub unsafe fn encode_int8_avx512(
     x: &[f32],
     block: usize,
@@ -436,7 +441,7 @@ pub unsafe fn encode_int8_avx512(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    let mut d16 = Draws16::new(draws);
+    let (mut d16, mut d8) = (Draws16::new(draws), StepDraws::new(draws));
     scalar::encode_int8_blocks(
         x,
         block,
@@ -448,10 +453,11 @@ pub unsafe fn encode_int8_avx512(
         #[inline(always)]
         |xb, cb, m, start| {
             let (pre, inv) = scalar::level_multiplier(m, 127.0);
+            let d = (&mut d16, &mut d8);
             let whole = match (pre == 1.0, round) {
                 (false, _) => 0,
-                (true, Round::Nearest) => int8_codes::<false>(inv, xb, cb, &mut d16, start),
-                (true, Round::Stochastic) => int8_codes::<true>(inv, xb, cb, &mut d16, start),
+                (true, Round::Nearest) => int8_codes::<false>(inv, xb, cb, d, start),
+                (true, Round::Stochastic) => int8_codes::<true>(inv, xb, cb, d, start),
             };
             let (xt, ct) = (&xb[whole..], &mut cb[whole..]);
             scalar::quantise_int8(xt, ct, m, round, draws, start + whole as u64);
@@ -462,12 +468,13 @@ pub unsafe fn encode_int8_avx512(
 /// int8's fused error-feedback step ([`blocks::feedback_int8_avx2`]'s contract and bytes)
 /// on 16 lanes: `p = beta r + gamma g` formed into `r` with its largest magnitude, then
 /// the codes 64 a step with `r` becoming each element's residual `p - code * step`
-/// ([`int8_quantise`]); the rest of a block, a block whose scale is below 2^-100 and one
+/// ([`int8_residual`]); the rest of a block, a block whose scale is below 2^-100 and one
 /// across a 2^32 draw window by the oracle.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F/BW/DQ (as every CPU the Avx512 backend accepts does).
-#[target_feature(enable = "avx512f,avx512bw,avx512dq")]
+/// The CPU must support AVX-512 F/BW/DQ and AVX2 (as every CPU the Avx512 backend
+/// accepts does).
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2")]
 pub unsafe fn feedback_int8_avx512(
     r: &mut [f32],
     g: &[f32],
@@ -477,47 +484,35 @@ pub unsafe fn feedback_int8_avx512(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    assert!(r.len() == g.len() && codes.len() == r.len() && block > 0);
-    let mut d16 = Draws16::new(draws);
-    let mut nonfinite = false;
-    let blocks = r.chunks_mut(block).zip(g.chunks(block));
-    for (b, ((rb, gb), cb)) in blocks.zip(codes.chunks_mut(block)).enumerate() {
-        let scale = BlockScale::of_max_bits(form_max_abs(rb, gb, beta, gamma));
-        let step = scale.step(127);
-        nonfinite |= scale == BlockScale::NonFinite;
-        scalar::put_step(steps, b, step);
-        let BlockScale::Of(m) = scale else {
-            // No scale: all codes 0, and the residual that decoding them leaves.
-            cb.fill(0);
-            for p in rb.iter_mut() {
-                *p = scalar::residual_of(*p, 0.0 * step);
+    let (mut d16, mut d8) = (Draws16::new(draws), StepDraws::new(draws));
+    blocks::feedback_int8_blocks(
+        r,
+        g,
+        block,
+        (round, draws, first),
+        steps,
+        codes,
+        #[inline(always)]
+        |rb, gb| form_max_abs(rb, gb, beta, gamma),
+        #[inline(always)]
+        |inv, step, rb, cb, start| {
+            let d = (&mut d16, &mut d8);
+            match round {
+                Round::Nearest => int8_residual::<false>(inv, step, rb, cb, d, start),
+                Round::Stochastic => int8_residual::<true>(inv, step, rb, cb, d, start),
             }
-            continue;
-        };
-        let start = first + (b * block) as u64;
-        let (pre, inv) = scalar::level_multiplier(m, 127.0);
-        let d = &mut d16;
-        let whole = match (pre == 1.0 && scalar::in_one_window(start, rb.len()), round) {
-            (false, _) => 0,
-            (true, Round::Nearest) => int8_residual::<false>(inv, step, rb, cb, d, start),
-            (true, Round::Stochastic) => int8_residual::<true>(inv, step, rb, cb, d, start),
-        };
-        let (rt, ct) = (&mut rb[whole..], &mut cb[whole..]);
-        scalar::quantise_int8(rt, ct, m, round, draws, start + whole as u64);
-        for (p, &c) in rt.iter_mut().zip(ct.iter()) {
-            *p = scalar::residual_of(*p, (c as i8) as f32 * step);
-        }
-    }
-    nonfinite
+        },
+    )
 }
 
 /// int8's fused ring hop ([`blocks::hop_int8_avx2`]'s contract and bytes) on 16 lanes:
 /// `sum = local + decode` with each block's largest magnitude, then the codes of `sum`
-/// 64 a step ([`int8_quantise`]), the rest of a block by the oracle.
+/// 64 a step ([`int8_codes`]), the rest of a block by the oracle.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F/BW/DQ (as every CPU the Avx512 backend accepts does).
-#[target_feature(enable = "avx512f,avx512bw,avx512dq")]
+/// The CPU must support AVX-512 F/BW/DQ and AVX2 (as every CPU the Avx512 backend
+/// accepts does).
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn hop_int8_avx512(
     local: &[f32],
@@ -531,74 +526,79 @@ pub unsafe fn hop_int8_avx512(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    let n = sum.len();
-    assert!(local.len() == n && in_codes.len() == n && codes.len() == n && block > 0);
-    let mut d16 = Draws16::new(draws);
-    let mut nonfinite = false;
-    let blocks = sum.chunks_mut(block).zip(local.chunks(block));
-    for (b, ((sb, lb), (ib, cb))) in blocks
-        .zip(in_codes.chunks(block).zip(codes.chunks_mut(block)))
-        .enumerate()
-    {
-        let scale = BlockScale::of_max_bits(add_max_abs(sb, lb, ib, scalar::get_step(in_steps, b)));
-        nonfinite |= scale == BlockScale::NonFinite;
-        scalar::put_step(steps, b, scale.step(127));
-        let BlockScale::Of(m) = scale else {
-            cb.fill(0);
-            continue;
-        };
-        let start = first + (b * block) as u64;
-        let (pre, inv) = scalar::level_multiplier(m, 127.0);
-        let d = &mut d16;
-        let whole = match (pre == 1.0 && scalar::in_one_window(start, sb.len()), round) {
-            (false, _) => 0,
-            (true, Round::Nearest) => int8_codes::<false>(inv, sb, cb, d, start),
-            (true, Round::Stochastic) => int8_codes::<true>(inv, sb, cb, d, start),
-        };
-        let (st, ct) = (&sb[whole..], &mut cb[whole..]);
-        scalar::quantise_int8(st, ct, m, round, draws, start + whole as u64);
-    }
-    nonfinite
+    let (mut d16, mut d8) = (Draws16::new(draws), StepDraws::new(draws));
+    blocks::hop_int8_blocks(
+        local,
+        (in_steps, in_codes),
+        block,
+        (round, draws, first),
+        sum,
+        steps,
+        codes,
+        #[inline(always)]
+        |sb, lb, ib, step| add_max_abs(sb, lb, ib, step),
+        #[inline(always)]
+        |inv, sb, cb, start| {
+            let d = (&mut d16, &mut d8);
+            match round {
+                Round::Nearest => int8_codes::<false>(inv, sb, cb, d, start),
+                Round::Stochastic => int8_codes::<true>(inv, sb, cb, d, start),
+            }
+        },
+    )
 }
 
-/// The int8 codes of the whole 64s (and, with nearest rounding, 16s) of a finite block
-/// `xb` from global index `start` (inside one 2^32 draw window when `STOCHASTIC`), whose
-/// level multiplier is `inv` (`scalar::level_multiplier` without a pre-scale), as
-/// `scalar::quantise_int8` writes them ([`int8_quantise`]). Returns the number of
-/// elements done.
-#[target_feature(enable = "avx512f,avx512bw,avx512dq")]
+/// The int8 codes of the whole 64s of a finite block `xb` from global index `start`
+/// (inside one 2^32 draw window when `STOCHASTIC`), whose level multiplier is `inv`
+/// (`scalar::level_multiplier` without a pre-scale), as `scalar::quantise_int8` writes
+/// them ([`int8_quantise`]), then of the whole 16s with nearest rounding, or of the whole
+/// 32s by the AVX2 kernel with stochastic rounding (the 16-lane draws come 64 at a
+/// time). Returns the number of elements done.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2")]
 #[inline]
 fn int8_codes<const STOCHASTIC: bool>(
     inv: f32,
     xb: &[f32],
     cb: &mut [u8],
-    d16: &mut Draws16,
+    (d16, d8): (&mut Draws16, &mut StepDraws),
     start: u64,
 ) -> usize {
     assert!(cb.len() >= xb.len());
     let x = xb.as_ptr().cast_mut();
     // SAFETY: `xb` is valid for reads of its length, and without `RESIDUAL` nothing is
     // written through the pointer; `cb` is long enough.
-    unsafe { int8_quantise::<false, STOCHASTIC>(inv, 0.0, x, xb.len(), cb, d16, start) }
+    let done = unsafe { int8_quantise::<false, STOCHASTIC>(inv, 0.0, x, xb.len(), cb, d16, start) };
+    if !STOCHASTIC {
+        return done;
+    }
+    // The rest of a stochastic block, 32 at a time by the AVX2 kernel.
+    let at = start + done as u64;
+    done + blocks::int8_codes::<true>(inv, &xb[done..], &mut cb[done..], d8, at)
 }
 
 /// [`int8_codes`] with `rb` becoming each element's residual `x - code * step`, without
 /// `scalar::residual_of`'s checks, which cannot fire in a finite block (see
 /// `blocks::int8_residual_block`).
-#[target_feature(enable = "avx512f,avx512bw,avx512dq")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2")]
 #[inline]
 fn int8_residual<const STOCHASTIC: bool>(
     inv: f32,
     step: f32,
     rb: &mut [f32],
     cb: &mut [u8],
-    d16: &mut Draws16,
+    (d16, d8): (&mut Draws16, &mut StepDraws),
     start: u64,
 ) -> usize {
     assert!(cb.len() >= rb.len());
     let x = rb.as_mut_ptr();
     // SAFETY: `rb` is valid for reads and writes of its length; `cb` is long enough.
-    unsafe { int8_quantise::<true, STOCHASTIC>(inv, step, x, rb.len(), cb, d16, start) }
+    let done = unsafe { int8_quantise::<true, STOCHASTIC>(inv, step, x, rb.len(), cb, d16, start) };
+    if !STOCHASTIC {
+        return done;
+    }
+    // The rest of a stochastic block, 32 at a time by the AVX2 kernel.
+    let (rt, ct) = (&mut rb[done..], &mut cb[done..]);
+    done + blocks::int8_residual_block::<true>(inv, step, d8, start + done as u64, rt, ct)
 }
 
 /// The int8 codes of the `n` elements at `x` (global indices from `start`): with nearest
@@ -613,7 +613,7 @@ fn int8_residual<const STOCHASTIC: bool>(
 /// # Safety
 /// `x` must be valid for reads of `n` f32, and for writes with `RESIDUAL`; `cb` must hold
 /// at least `n` bytes.
-#[target_feature(enable = "avx512f,avx512bw,avx512dq")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2")]
 #[inline]
 unsafe fn int8_quantise<const RESIDUAL: bool, const STOCHASTIC: bool>(
     inv: f32,
@@ -628,21 +628,7 @@ unsafe fn int8_quantise<const RESIDUAL: bool, const STOCHASTIC: bool>(
     let (top, bottom) = (_mm512_set1_epi32(127), _mm512_set1_epi32(-127));
     let code = |v: __m512, h: __m512i| {
         if STOCHASTIC {
-            let abs = _mm512_castsi512_ps(_mm512_and_si512(
-                _mm512_castps_si512(v),
-                _mm512_set1_epi32(ABS),
-            ));
-            let a = _mm512_mul_ps(abs, iv);
-            let u = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_srli_epi32::<8>(h)),
-                _mm512_set1_ps(1.0 / 16_777_216.0),
-            );
-            // a - floor(a) in one instruction (exact, as the oracle's subtraction), and
-            // the floor itself by truncation (a >= 0).
-            let frac = _mm512_reduce_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(a);
-            let up = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(u, frac);
-            let l = _mm512_cvttps_epi32(a);
-            let l = _mm512_min_epi32(_mm512_mask_add_epi32(l, up, l, _mm512_set1_epi32(1)), top);
+            let l = stochastic_level16(v, h, iv, top);
             // Negated where `x`'s sign bit is set (-0.0 has level 0).
             let neg = _mm512_movepi32_mask(_mm512_castps_si512(v));
             _mm512_mask_sub_epi32(l, neg, _mm512_setzero_si512(), l)
