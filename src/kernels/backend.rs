@@ -633,6 +633,31 @@ mod tests {
     fn unrouted_avx512_int8_kernels_match_the_avx2_ones() {
         use super::super::{scalar::Round, x86_64};
         use crate::rng::Draws;
+        /// One backend's int8 encode, fused error-feedback step and ring hop.
+        type Int8Kernels = (
+            unsafe fn(&[f32], usize, Round, &Draws, u64, &mut [u8], &mut [u8]) -> bool,
+            unsafe fn(
+                &mut [f32],
+                &[f32],
+                (f32, f32),
+                usize,
+                (Round, &Draws, u64),
+                &mut [u8],
+                &mut [u8],
+            ) -> bool,
+            unsafe fn(
+                &[f32],
+                &[u8],
+                &[u8],
+                usize,
+                Round,
+                &Draws,
+                u64,
+                &mut [f32],
+                &mut [u8],
+                &mut [u8],
+            ) -> bool,
+        );
         if Backend::avx512().is_none() {
             return;
         }
@@ -676,73 +701,45 @@ mod tests {
                     .flat_map(|r| [(r, 0), (r, 5), (r, (1u64 << 32) - 100)])
                 {
                     let what = format!("block {block}, n {n}, {round:?}, from {first}");
-                    let encode = |avx512: bool| {
-                        let (mut s, mut c) = (vec![0u8; 4 * nb], vec![0u8; n]);
-                        // SAFETY: as above.
-                        let flag = unsafe {
-                            if avx512 {
-                                x86_64::blocks512::encode_int8_avx512(
-                                    &g, block, round, &draws, first, &mut s, &mut c,
-                                )
-                            } else {
-                                x86_64::blocks::encode_int8_avx2(
-                                    &g, block, round, &draws, first, &mut s, &mut c,
-                                )
-                            }
-                        };
-                        (flag, s, c)
-                    };
-                    assert!(encode(true) == encode(false), "{what}: encode");
-                    let run = |avx512: bool| {
+                    let run = |(encode, feedback, hop): Int8Kernels| {
+                        let (mut es, mut ec) = (vec![0u8; 4 * nb], vec![0u8; n]);
                         let mut r = input(n, 7);
                         let (mut s, mut c) = (vec![0u8; 4 * nb], vec![0u8; n]);
                         let mut sum = vec![0f32; n];
                         let (mut hs, mut hc) = (vec![0u8; 4 * nb], vec![0u8; n]);
-                        let w = (0.9, 1.0);
+                        let (w, d) = ((0.9, 1.0), (round, &draws, first));
                         // SAFETY: as above.
                         let flags = unsafe {
-                            if avx512 {
-                                (
-                                    x86_64::blocks512::feedback_int8_avx512(
-                                        &mut r,
-                                        &g,
-                                        w,
-                                        block,
-                                        (round, &draws, first),
-                                        &mut s,
-                                        &mut c,
-                                    ),
-                                    x86_64::blocks512::hop_int8_avx512(
-                                        &g, &is, &ic, block, round, &draws, first, &mut sum,
-                                        &mut hs, &mut hc,
-                                    ),
-                                )
-                            } else {
-                                (
-                                    x86_64::blocks::feedback_int8_avx2(
-                                        &mut r,
-                                        &g,
-                                        w,
-                                        block,
-                                        (round, &draws, first),
-                                        &mut s,
-                                        &mut c,
-                                    ),
-                                    x86_64::blocks::hop_int8_avx2(
-                                        &g, &is, &ic, block, round, &draws, first, &mut sum,
-                                        &mut hs, &mut hc,
-                                    ),
-                                )
-                            }
+                            (
+                                feedback(&mut r, &g, w, block, d, &mut s, &mut c),
+                                hop(
+                                    &g, &is, &ic, block, round, &draws, first, &mut sum, &mut hs,
+                                    &mut hc,
+                                ),
+                            )
                         };
-                        (flags, bits(&r), s, c, bits(&sum), hs, hc)
+                        // SAFETY: as above.
+                        let encoded =
+                            unsafe { encode(&g, block, round, &draws, first, &mut es, &mut ec) };
+                        ((encoded, es, ec), flags, bits(&r), s, c, bits(&sum), hs, hc)
                     };
-                    let (want, got) = (run(false), run(true));
-                    assert_eq!(got.0, want.0, "{what}: non-finite flags");
-                    assert!(got.1 == want.1, "{what}: residuals differ");
-                    assert!(got.2 == want.2 && got.3 == want.3, "{what}: feedback frame");
-                    assert!(got.4 == want.4, "{what}: hop sums differ");
-                    assert!(got.5 == want.5 && got.6 == want.6, "{what}: hop frame");
+                    let avx2: Int8Kernels = (
+                        x86_64::blocks::encode_int8_avx2,
+                        x86_64::blocks::feedback_int8_avx2,
+                        x86_64::blocks::hop_int8_avx2,
+                    );
+                    let avx512: Int8Kernels = (
+                        x86_64::blocks512::encode_int8_avx512,
+                        x86_64::blocks512::feedback_int8_avx512,
+                        x86_64::blocks512::hop_int8_avx512,
+                    );
+                    let (want, got) = (run(avx2), run(avx512));
+                    assert!(got.0 == want.0, "{what}: encode");
+                    assert_eq!(got.1, want.1, "{what}: non-finite flags");
+                    assert!(got.2 == want.2, "{what}: residuals differ");
+                    assert!(got.3 == want.3 && got.4 == want.4, "{what}: feedback frame");
+                    assert!(got.5 == want.5, "{what}: hop sums differ");
+                    assert!(got.6 == want.6 && got.7 == want.7, "{what}: hop frame");
                 }
             }
         }

@@ -1024,18 +1024,21 @@ pub fn decode_int8<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &
 /// each backend's instruction set (the same bytes; the AVX-512 backend runs the AVX2
 /// build, as its routing table says).
 pub fn encode_codebook(x: &[f32], block: usize, books: &mut [u8], codes: &mut [u8]) -> bool {
+    let b = Backend::current();
+    if b.kind() == BackendKind::Scalar {
+        return codebook::encode(x, block, books, codes);
+    }
     let op = EncodeCodebook {
         x,
         block,
         books,
         codes,
     };
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => codebook::encode(x, block, books, codes),
-        #[cfg(target_arch = "x86_64")]
-        b if x86_route(Op::EncodeCodebook, b.kind()) == X86::Avx2 => simd_avx2(op),
-        b => simd(b, op),
+    #[cfg(target_arch = "x86_64")]
+    if x86_route(Op::EncodeCodebook, b.kind()) == X86::Avx2 {
+        return simd_avx2(op);
     }
+    simd(b, op)
 }
 
 /// fp8 (or, with `four`, fp4) encode of whole blocks (see [`fp8::encode`]): the scalar

@@ -573,7 +573,7 @@ pub(super) fn hop_int8_blocks(
 /// `mode::ADD` decode onto `local`), returning the largest `|sum|` bit pattern.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn add_max_abs(sum: &mut [f32], local: &[f32], codes: &[u8], step: f32) -> u32 {
+pub(super) fn add_max_abs(sum: &mut [f32], local: &[f32], codes: &[u8], step: f32) -> u32 {
     let (sv, abs) = (_mm256_set1_ps(step), _mm256_set1_epi32(ABS));
     let mut m = _mm256_setzero_si256();
     let whole = sum.len() / 8 * 8;
@@ -603,7 +603,7 @@ fn add_max_abs(sum: &mut [f32], local: &[f32], codes: &[u8], step: f32) -> u32 {
 /// the largest `|p|` bit pattern (`scalar::max_abs_bits` of the formed block).
 #[target_feature(enable = "avx2")]
 #[inline]
-fn form_max_abs(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) -> u32 {
+pub(super) fn form_max_abs(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) -> u32 {
     let (bv, gv, abs) = (
         _mm256_set1_ps(beta),
         _mm256_set1_ps(gamma),

@@ -114,16 +114,21 @@ impl<'a> Draws16<'a> {
     }
 }
 
-/// The 64 codes (each in `0..=255`) of four vectors of 16 (elements 0..16 in `q[0]`, ...)
-/// as 64 bytes in element order. The packs work within 128-bit lanes, leaving lane `k`
-/// with elements `4k..4k+4` of each vector in turn; one permute of dwords restores the
-/// order. (Four `vpmovdb` down-conversions cost twice as much here.)
+/// The 64 codes of four vectors of 16 (elements 0..16 in `q[0]`, ...) as 64 bytes in
+/// element order: each in `-128..=127` when `SIGNED`, else in `0..=255`. The packs work
+/// within 128-bit lanes, leaving lane `k` with elements `4k..4k+4` of each vector in
+/// turn; one permute of dwords restores the order. (Four `vpmovdb` down-conversions cost
+/// twice as much here.)
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-fn pack_bytes(q: [__m512i; 4]) -> __m512i {
+fn pack_bytes<const SIGNED: bool>(q: [__m512i; 4]) -> __m512i {
     let ab = _mm512_packs_epi32(q[0], q[1]);
     let cd = _mm512_packs_epi32(q[2], q[3]);
-    let p = _mm512_packus_epi16(ab, cd);
+    let p = if SIGNED {
+        _mm512_packs_epi16(ab, cd)
+    } else {
+        _mm512_packus_epi16(ab, cd)
+    };
     let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     _mm512_permutexvar_epi32(order, p)
 }
@@ -204,7 +209,7 @@ fn signmag_block<const BITS: u32>(
             code16(v[3], h[3]),
         ];
         let o = &mut cb[s * 8 * BITS as usize..(s + 1) * 8 * BITS as usize];
-        let bytes = pack_bytes(q);
+        let bytes = pack_bytes::<false>(q);
         match BITS {
             // SAFETY: `o` holds 64 bytes, one unaligned __m512i.
             8 => unsafe { _mm512_storeu_si512(o.as_mut_ptr().cast(), bytes) },
@@ -665,7 +670,7 @@ unsafe fn int8_quantise<const RESIDUAL: bool, const STOCHASTIC: bool>(
             quantise(done + 32, h[2]),
             quantise(done + 48, h[3]),
         ];
-        let bytes = pack_signed_bytes(q);
+        let bytes = pack_bytes::<true>(q);
         // SAFETY: `cb[done..done + 64]` holds 64 bytes, one unaligned __m512i.
         unsafe { _mm512_storeu_si512(cb[done..done + 64].as_mut_ptr().cast(), bytes) };
         done += 64;
@@ -684,22 +689,10 @@ unsafe fn int8_quantise<const RESIDUAL: bool, const STOCHASTIC: bool>(
     done
 }
 
-/// The 64 signed codes (each in `-127..=127`) of four vectors of 16 as 64 bytes in
-/// element order: [`pack_bytes`] with signed saturation at both packs.
-#[target_feature(enable = "avx512f,avx512bw")]
-#[inline]
-fn pack_signed_bytes(q: [__m512i; 4]) -> __m512i {
-    let ab = _mm512_packs_epi32(q[0], q[1]);
-    let cd = _mm512_packs_epi32(q[2], q[3]);
-    let p = _mm512_packs_epi16(ab, cd);
-    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    _mm512_permutexvar_epi32(order, p)
-}
-
 /// `r = beta r + gamma g` in place (two rounded products and a rounded sum, as
 /// `scalar::feedback_form`: no fused multiply-add), returning the largest `|p|` bit
 /// pattern.
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx2")]
 #[inline]
 fn form_max_abs(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) -> u32 {
     let (bv, gv, abs) = (
@@ -721,17 +714,14 @@ fn form_max_abs(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) -> u32 {
             m = _mm512_max_epi32(m, _mm512_and_si512(_mm512_castps_si512(p), abs));
         }
     }
-    let mut most = _mm512_reduce_max_epi32(m) as u32;
-    for (r, &g) in r[whole..].iter_mut().zip(&g[whole..]) {
-        *r = beta * *r + gamma * g;
-        most = most.max(r.to_bits() & ABS as u32);
-    }
-    most
+    // The rest (under 16) by the AVX2 kernel.
+    let rest = blocks::form_max_abs(&mut r[whole..], &g[whole..], beta, gamma);
+    (_mm512_reduce_max_epi32(m) as u32).max(rest)
 }
 
 /// `sum = local + code * step` for one block of int8 codes (the operations of a
 /// `mode::ADD` decode onto `local`), returning the largest `|sum|` bit pattern.
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx2")]
 #[inline]
 fn add_max_abs(sum: &mut [f32], local: &[f32], codes: &[u8], step: f32) -> u32 {
     let (sv, abs) = (_mm512_set1_ps(step), _mm512_set1_epi32(ABS));
@@ -752,11 +742,7 @@ fn add_max_abs(sum: &mut [f32], local: &[f32], codes: &[u8], step: f32) -> u32 {
             m = _mm512_max_epi32(m, _mm512_and_si512(_mm512_castps_si512(s), abs));
         }
     }
-    let mut most = _mm512_reduce_max_epi32(m) as u32;
-    let rest = sum[whole..].iter_mut().zip(&local[whole..]);
-    for ((s, &l), &c) in rest.zip(&codes[whole..]) {
-        *s = l + (c as i8) as f32 * step;
-        most = most.max(s.to_bits() & ABS as u32);
-    }
-    most
+    // The rest (under 16) by the AVX2 kernel.
+    let rest = blocks::add_max_abs(&mut sum[whole..], &local[whole..], &codes[whole..], step);
+    (_mm512_reduce_max_epi32(m) as u32).max(rest)
 }
