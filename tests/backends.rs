@@ -119,6 +119,20 @@ fn all_specs() -> Vec<CodecSpec> {
         "fp4:format=e3m0",
         "fp4:format=e3m0,block=48,scale=f32",
         "fp4:format=e3m0,block=16,scale=e4m3",
+        // Blocks off the kernels' steps, whose rests the SIMD encoders pad to a whole
+        // step, and blocks either side of the AVX-512 backend's routing limits.
+        "int8:block=48",
+        "int8:block=20,rounding=stochastic",
+        "qsgd:bits=4,block=40",
+        "natural:block=40",
+        "sign:block=64",
+        "sign:block=128",
+        "fp8:block=16",
+        "fp8:block=48",
+        "fp8:block=20,scale=e8m0,format=e5m2",
+        "fp8:block=100,scale=e8m0",
+        "fp4:block=20",
+        "fp4:block=36,scale=f32,format=e3m0",
     ] {
         v.push(s.parse().unwrap());
     }
@@ -1099,7 +1113,7 @@ fn fused_int8_hop_and_feedback_match_their_definition() {
             })
             .collect()
     };
-    for block in [1usize, 3, 8, 40, 64, 256] {
+    for block in [1usize, 3, 8, 20, 40, 48, 64, 100, 256] {
         for n in [0usize, 1, 31, 33, 100, 1000, 4099] {
             let blocks = n.div_ceil(block);
             let local = int8_fused_input(n, 5);

@@ -275,13 +275,16 @@ pub(crate) const fn x86_route_on(op: Op, kind: BackendKind, cpu: Cpu) -> X86 {
             // 1.26 at 1 Mi, its step 1.24 to 1.33 and 1.06 to 1.14, its hop 1.17 to 1.25
             // at 64 Ki and level at 1 Mi (a 4 Mi int8 ring of two ranks about 8% faster);
             // with stochastic rounding the encode 1.25 to 1.40 and the step 1.24 to 1.40.
-            // For blocks of a multiple of 64 only (the kernels' step): `kernels::int8_route`
+            // For blocks of a multiple of 64 only (the kernels' step): `kernels::block_route`
             // sends the others to AVX2, 1.1 to 1.3 times faster at blocks of 32 and 40.
             // AMD's cores are not measured: their rows stay on AVX2 (the kernels are still
             // tested there).
             Op::EncodeInt8 | Op::FeedbackInt8 | Op::HopInt8 if matches!(cpu, Cpu::Intel) => {
                 X86::Avx512
             }
+            // Of these, sign's encode takes blocks of at least 128 only, and the fp8 and
+            // fp4 decoders the blocks, scales and modes they were measured faster on; the
+            // others go to AVX2 (`kernels::block_route`, `kernels::decode_float`).
             Op::FeedbackF16
             | Op::EncodeF16
             | Op::DecodeF16

@@ -785,8 +785,8 @@ pub fn feedback_int8(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> Option<bool> {
-    match int8_route(Op::FeedbackInt8, Backend::current().kind(), block) {
-        // SAFETY: x86_route (so int8_route) gives Avx2 only to the AVX2 and AVX-512
+    match block_route(Op::FeedbackInt8, Backend::current().kind(), block) {
+        // SAFETY: x86_route (so block_route) gives Avx2 only to the AVX2 and AVX-512
         // backends, which exist only after AVX2 was detected.
         #[cfg(target_arch = "x86_64")]
         X86::Avx2 => Some(unsafe {
@@ -800,7 +800,7 @@ pub fn feedback_int8(
                 codes,
             )
         }),
-        // SAFETY: x86_route (so int8_route) gives Avx512 only to the AVX-512 backend,
+        // SAFETY: x86_route (so block_route) gives Avx512 only to the AVX-512 backend,
         // which exists only after AVX-512 F/BW/DQ and AVX2 were detected.
         #[cfg(target_arch = "x86_64")]
         X86::Avx512 => Some(unsafe {
@@ -818,17 +818,27 @@ pub fn feedback_int8(
     }
 }
 
-/// The x86 kernel family of an int8 operation `op` (encode, fused error-feedback step or
-/// ring hop) on a backend of `kind` for blocks of `block` elements: the routing table's,
-/// except that AVX-512's kernels take only blocks of a multiple of 64, their step, and
-/// the AVX2 kernels the others. (On a 2-core Intel Xeon, 2026-11-29, blocks of 32 and 40
-/// ran 1.1 to 1.3 times slower on AVX-512, where a block's tail and its per-block work
-/// weigh most; blocks of 64, 128, 256 and 4096 faster.)
+/// The x86 kernel family of a block codec's operation `op` on a backend of `kind` for
+/// blocks of `block` elements: the routing table's, except where AVX-512's kernels lose
+/// on some blocks (measured on a 2-core Intel Xeon, 2026-11-29, `backend_race`):
+/// - int8's encode, fused error-feedback step and ring hop take AVX-512's kernels only
+///   for blocks of a multiple of 64, their step. Blocks of 32 and 40 ran 1.1 to 1.3
+///   times slower there, where a block's tail and its per-block work weigh most, and
+///   after the tails were padded (2026-11-29, the twenty-first session) blocks of 32 and 100 still
+///   did, while 48 and 96 were faster: no simpler rule fits.
+/// - sign's encode takes AVX-512's only for blocks of at least 128: its per-block work
+///   (the sixteen lanes' sum and maximum) made blocks of 16 to 64 1.3 to 1.7 times
+///   slower there; 128 is level, 192 and more faster.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn int8_route(op: Op, kind: BackendKind, block: usize) -> backend::X86 {
-    match x86_route(op, kind) {
-        backend::X86::Avx512 if !block.is_multiple_of(64) => backend::X86::Avx2,
-        route => route,
+fn block_route(op: Op, kind: BackendKind, block: usize) -> backend::X86 {
+    match (x86_route(op, kind), op) {
+        (backend::X86::Avx512, Op::EncodeInt8 | Op::FeedbackInt8 | Op::HopInt8)
+            if !block.is_multiple_of(64) =>
+        {
+            backend::X86::Avx2
+        }
+        (backend::X86::Avx512, Op::EncodeSign) if block < 128 => backend::X86::Avx2,
+        (route, _) => route,
     }
 }
 
@@ -851,8 +861,8 @@ pub fn hop_int8(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> Option<bool> {
-    match int8_route(Op::HopInt8, Backend::current().kind(), block) {
-        // SAFETY: x86_route (so int8_route) gives Avx2 only to the AVX2 and AVX-512
+    match block_route(Op::HopInt8, Backend::current().kind(), block) {
+        // SAFETY: x86_route (so block_route) gives Avx2 only to the AVX2 and AVX-512
         // backends, which exist only after AVX2 was detected.
         #[cfg(target_arch = "x86_64")]
         X86::Avx2 => Some(unsafe {
@@ -860,7 +870,7 @@ pub fn hop_int8(
                 local, in_steps, in_codes, block, round, draws, first, sum, steps, codes,
             )
         }),
-        // SAFETY: x86_route (so int8_route) gives Avx512 only to the AVX-512 backend,
+        // SAFETY: x86_route (so block_route) gives Avx512 only to the AVX-512 backend,
         // which exists only after AVX-512 F/BW/DQ and AVX2 were detected.
         #[cfg(target_arch = "x86_64")]
         X86::Avx512 => Some(unsafe {
@@ -886,16 +896,16 @@ pub fn encode_int8(
         b if b.kind() == BackendKind::Scalar => {
             scalar::encode_int8(x, block, round, draws, first, steps, codes)
         }
-        // SAFETY: x86_route (so int8_route) gives Avx2 only to the AVX2 and AVX-512
+        // SAFETY: x86_route (so block_route) gives Avx2 only to the AVX2 and AVX-512
         // backends, which exist only after AVX2 was detected.
         #[cfg(target_arch = "x86_64")]
-        b if int8_route(Op::EncodeInt8, b.kind(), block) == X86::Avx2 => unsafe {
+        b if block_route(Op::EncodeInt8, b.kind(), block) == X86::Avx2 => unsafe {
             x86_64::blocks::encode_int8_avx2(x, block, round, draws, first, steps, codes)
         },
-        // SAFETY: x86_route (so int8_route) gives Avx512 only to the AVX-512 backend,
+        // SAFETY: x86_route (so block_route) gives Avx512 only to the AVX-512 backend,
         // which exists only after AVX-512 F/BW/DQ and AVX2 were detected.
         #[cfg(target_arch = "x86_64")]
-        b if int8_route(Op::EncodeInt8, b.kind(), block) == X86::Avx512 => unsafe {
+        b if block_route(Op::EncodeInt8, b.kind(), block) == X86::Avx512 => unsafe {
             x86_64::blocks512::encode_int8_avx512(x, block, round, draws, first, steps, codes)
         },
         b => simd(
@@ -1107,6 +1117,33 @@ pub fn encode_float(
     simd(b, op)
 }
 
+/// Whether the AVX-512 backend decodes fp8 (or, with `four`, fp4) frames of format `f`,
+/// scale `scale` and blocks of `block` in mode `m` with its own kernels, where the
+/// routing table gives it the row; the AVX2 build takes the others. Measured with
+/// `backend_race` (a 2-core Intel Xeon, 2026-11-29, 64 Ki elements, three runs):
+/// - the residual mode (error feedback's): only the AVX2 build has it;
+/// - fp8 blocks under 64: the AVX2 build 1.15 to 1.7 times as fast (one or two 16-lane
+///   steps a block, and the block's scale, dominate); from 64 on AVX-512 is level
+///   (plain decode) or 1.15 to 1.2 times as fast (adding);
+/// - E5M2's plain decode (one shift per code): 0 to 20% faster on the AVX2 build in
+///   seven runs;
+/// - fp4: AVX-512 only adds blocks of 32 with a power-of-two or f32 scale (1.05 to 1.15
+///   times as fast); its plain decode there is 1.09 to 1.16 times slower, and blocks of
+///   16, or E4M3 scales, 1.12 to 1.9 times slower.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn float_decode_takes_avx512(
+    four: bool,
+    f: fp8::Format,
+    scale: fp8::Scale,
+    block: usize,
+    m: u8,
+) -> bool {
+    if four {
+        return m == mode::ADD && block == 32 && !matches!(scale, fp8::Scale::E4m3 { .. });
+    }
+    m != mode::RESIDUAL && block >= 64 && (f == fp8::E4M3 || m == mode::ADD)
+}
+
 /// fp8 (or, with `four`, fp4) decode of whole blocks in mode `M` (see [`fp8::decode`]).
 pub fn decode_float<const M: u8>(
     f: fp8::Format,
@@ -1122,7 +1159,10 @@ pub fn decode_float<const M: u8>(
         return fp8::decode::<M>(f, scale, four, block, scales, codes, out);
     }
     #[cfg(target_arch = "x86_64")]
-    let route = x86_route(if four { Op::DecodeFp4 } else { Op::DecodeFp8 }, b.kind());
+    let route = match x86_route(if four { Op::DecodeFp4 } else { Op::DecodeFp8 }, b.kind()) {
+        X86::Avx512 if !float_decode_takes_avx512(four, f, scale, block, M) => X86::Avx2,
+        route => route,
+    };
     // Whole blocks in registers, in any mode: fp4 blocks of 16 and 32 by table lookups,
     // fp8 blocks of a multiple of 16 through half precision. A last, shorter block then
     // runs the definition (a few elements). The residual mode (error feedback's) runs
@@ -1131,7 +1171,7 @@ pub fn decode_float<const M: u8>(
     if scale != fp8::Scale::None {
         let done = if four && matches!(block, 16 | 32) {
             let fours = fp8::four_values(f);
-            Some(if route == X86::Avx512 && M != mode::RESIDUAL {
+            Some(if route == X86::Avx512 {
                 // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists
                 // only after AVX-512F was detected.
                 unsafe {
@@ -1145,23 +1185,17 @@ pub fn decode_float<const M: u8>(
         } else if !four && block.is_multiple_of(16) {
             let e4m3 = f == fp8::E4M3;
             debug_assert!(e4m3 || f == fp8::E5M2);
-            // E5M2's plain decode (one shift per code) runs the AVX2 build on the AVX-512
-            // backend too: 0 to 20% faster there in seven runs (see the routing table's docs).
-            Some(
-                if route == X86::Avx512 && (e4m3 || M == mode::ADD) && M != mode::RESIDUAL {
-                    // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists
-                    // only after AVX-512F and AVX2 were detected.
-                    unsafe {
-                        x86_64::blocks512::decode_fp8::<M>(e4m3, scale, block, scales, codes, out)
-                    }
-                } else {
-                    // SAFETY: the backend is AVX2 or AVX-512 (not scalar, on x86-64), which
-                    // exist only after AVX2 and F16C were detected.
-                    unsafe {
-                        x86_64::blocks::decode_fp8::<M>(e4m3, scale, block, scales, codes, out)
-                    }
-                },
-            )
+            Some(if route == X86::Avx512 {
+                // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists
+                // only after AVX-512F and AVX2 were detected.
+                unsafe {
+                    x86_64::blocks512::decode_fp8::<M>(e4m3, scale, block, scales, codes, out)
+                }
+            } else {
+                // SAFETY: the backend is AVX2 or AVX-512 (not scalar, on x86-64), which
+                // exist only after AVX2 and F16C were detected.
+                unsafe { x86_64::blocks::decode_fp8::<M>(e4m3, scale, block, scales, codes, out) }
+            })
         } else {
             None
         };
@@ -1203,22 +1237,19 @@ pub fn decode_float<const M: u8>(
 /// Sign block encode (see [`scalar::encode_sign`]); `codes` need not be zeroed.
 pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) -> bool {
     let b = Backend::current();
-    match (b.kind(), x86_route(Op::EncodeSign, b.kind())) {
+    match (b.kind(), block_route(Op::EncodeSign, b.kind(), block)) {
         (BackendKind::Scalar, _) => {
             codes.fill(0);
             scalar::encode_sign(x, block, steps, codes)
         }
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
-        // only after AVX2 was detected.
+        // SAFETY: x86_route (so block_route) gives Avx2 only to the AVX2 and AVX-512
+        // backends, which exist only after AVX2 was detected.
         (_, X86::Avx2) => unsafe { x86_64::encode_sign_avx2(x, block, steps, codes) },
         #[cfg(target_arch = "x86_64")]
-        (_, X86::Avx512) => portable::encode_sign_blocks(x, block, steps, codes, |xb, cb, l| {
-            // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
-            // after AVX-512F was detected; `cb` holds the block's `ceil(xb.len() / 8)` code
-            // bytes.
-            unsafe { x86_64::sign_groups_avx512(xb, cb, l) }
-        }),
+        // SAFETY: x86_route (so block_route) gives Avx512 only to the AVX-512 backend,
+        // which exists only after AVX-512F and AVX2 were detected.
+        (_, X86::Avx512) => unsafe { x86_64::encode_sign_avx512(x, block, steps, codes) },
         _ => simd(
             b,
             EncodeSign {
@@ -1788,16 +1819,22 @@ mod tests {
     use super::*;
     use backend::{Cpu, X86};
 
-    /// AVX-512's int8 kernels take blocks of a multiple of 64 only; the others, and every
-    /// block on the other backends, follow the routing table.
+    /// AVX-512's int8 kernels take blocks of a multiple of 64 only, its sign encoder
+    /// blocks of at least 128; the others, and every block on the other backends, follow
+    /// the routing table.
     #[test]
-    fn int8_blocks_off_avx512s_step_take_the_avx2_kernels() {
-        let ops = [Op::EncodeInt8, Op::FeedbackInt8, Op::HopInt8];
-        for op in ops {
+    fn blocks_that_avx512_loses_on_take_the_avx2_kernels() {
+        let int8 = [Op::EncodeInt8, Op::FeedbackInt8, Op::HopInt8];
+        for op in int8.into_iter().chain([Op::EncodeSign]) {
             for kind in BackendKind::ALL {
-                for block in [1, 16, 32, 40, 48, 64, 96, 128, 256, 4096] {
-                    let (table, got) = (x86_route(op, kind), int8_route(op, kind, block));
-                    if table == X86::Avx512 && block % 64 != 0 {
+                for block in [1, 16, 32, 40, 48, 64, 96, 127, 128, 256, 4096] {
+                    let (table, got) = (x86_route(op, kind), block_route(op, kind, block));
+                    let avx2 = if op == Op::EncodeSign {
+                        block < 128
+                    } else {
+                        block % 64 != 0
+                    };
+                    if table == X86::Avx512 && avx2 {
                         assert_eq!(got, X86::Avx2, "{op:?} {kind:?} {block}");
                     } else {
                         assert_eq!(got, table, "{op:?} {kind:?} {block}");
@@ -1805,11 +1842,53 @@ mod tests {
                 }
             }
         }
-        // Where the table gives AVX-512 (Intel's cores), blocks of 256 take it.
+        // Where the table gives AVX-512 (Intel's cores for int8, every AVX-512 CPU for
+        // sign), blocks of 256 take it.
+        assert_eq!(
+            block_route(Op::EncodeSign, BackendKind::Avx512, 256),
+            x86_route(Op::EncodeSign, BackendKind::Avx512)
+        );
         if Cpu::this() == Cpu::Intel {
-            for op in ops {
-                assert_eq!(int8_route(op, BackendKind::Avx512, 256), X86::Avx512);
+            for op in int8 {
+                assert_eq!(block_route(op, BackendKind::Avx512, 256), X86::Avx512);
             }
+        }
+    }
+
+    /// The AVX-512 backend's float decoders take only what they were measured faster on:
+    /// each row of the measurements, as a case.
+    #[test]
+    fn float_decodes_take_avx512_where_it_was_faster() {
+        use fp8::{E2M1, E3M0, E4M3, E5M2, Scale};
+        use mode::{ADD, RESIDUAL, WRITE};
+        let e4m3 = Scale::E4m3 {
+            global: 1.0f32.to_bits(),
+        };
+        let cases = [
+            // fp8: blocks of 64 and more, E5M2's plain decode and the residual mode not.
+            (false, E4M3, Scale::F32, 16, WRITE, false),
+            (false, E4M3, Scale::F32, 48, ADD, false),
+            (false, E4M3, Scale::F32, 64, WRITE, true),
+            (false, E4M3, Scale::E8m0, 128, ADD, true),
+            (false, E4M3, Scale::F32, 128, RESIDUAL, false),
+            (false, E5M2, Scale::F32, 128, WRITE, false),
+            (false, E5M2, Scale::F32, 128, ADD, true),
+            (false, E5M2, Scale::F32, 32, ADD, false),
+            // fp4: adding blocks of 32 with an f32 or E8M0 scale only.
+            (true, E2M1, Scale::E8m0, 32, ADD, true),
+            (true, E3M0, Scale::F32, 32, ADD, true),
+            (true, E2M1, Scale::E8m0, 32, WRITE, false),
+            (true, E2M1, Scale::E8m0, 16, ADD, false),
+            (true, E2M1, e4m3, 32, ADD, false),
+            (true, E2M1, e4m3, 16, ADD, false),
+            (true, E2M1, Scale::E8m0, 32, RESIDUAL, false),
+        ];
+        for (four, f, scale, block, m, want) in cases {
+            let got = float_decode_takes_avx512(four, f, scale, block, m);
+            assert_eq!(
+                got, want,
+                "four {four} {f:?} {scale:?} block {block} mode {m}"
+            );
         }
     }
 }

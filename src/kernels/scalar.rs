@@ -400,14 +400,23 @@ pub(crate) fn unit24(h: u32) -> f32 {
 }
 
 /// Magnitude level of `a = |x| * levels / m` (a >= 0), clamped to `levels`.
+///
+/// `a` is at most `levels` (255 at most) and a few rounding errors, far below 2^22, so
+/// both roundings are written without `round_ties_even` and `floor`, which are library
+/// calls on x86-64 CPUs without SSE4.1 (the baseline target this definition is compiled
+/// for, whose speed the SIMD kernels' block tails once depended on): adding 2^23 rounds
+/// `a` to an integer, ties to even (f32 addition rounds so, and 2^23 is even), and the
+/// subtraction is exact; truncation toward zero is `floor` for `a >= 0`.
 #[inline(always)]
 fn level(a: f32, levels: u32, round: Round, h: u32) -> u32 {
+    debug_assert!((0.0..4_194_304.0).contains(&a));
     let q = match round {
-        Round::Nearest => a.round_ties_even(),
+        Round::Nearest => (a + 8_388_608.0) - 8_388_608.0,
         Round::Stochastic => {
-            let fl = a.floor();
-            // a - fl is exact (Sterbenz for a >= 1, trivially for a < 1).
-            if unit24(h) < a - fl { fl + 1.0 } else { fl }
+            let fl = a as u32 as f32;
+            // a - fl is exact (Sterbenz for a >= 1, trivially for a < 1). The draw's
+            // comparison is added, not branched on: it is a coin toss.
+            fl + f32::from(u8::from(unit24(h) < a - fl))
         }
     };
     (q as u32).min(levels)
@@ -951,10 +960,10 @@ pub fn quantise_signmag(
         draws,
         start,
         |j, neg, q| {
-            if q != 0 {
-                let code = q | if neg { 1 << (bits - 1) } else { 0 };
-                put_bits(codes, base + j, bits, code as u8);
-            }
+            // A zero level has no sign bit; or-ing its zero code is harmless, and cheaper
+            // than a branch on a coin toss.
+            let code = q | u32::from(neg && q != 0) << (bits - 1);
+            put_bits(codes, base + j, bits, code as u8);
         },
     );
 }

@@ -431,7 +431,8 @@ fn fp8_block<const M: u8, const TWICE: bool>(e4m3: bool, t: f32, c: &[u8], o: &m
 
 /// int8 encode (the contract of `scalar::encode_int8`; every code byte written) on 16
 /// lanes: each block's maximum (compiled for AVX-512), then its codes 64 a step
-/// ([`int8_codes`]), the rest of the block by the oracle.
+/// ([`int8_codes`], the rest of the block by the AVX2 kernel); a block whose scale is
+/// below 2^-100 by the oracle.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F/BW/DQ and AVX2 (as every CPU the Avx512 backend
@@ -459,13 +460,11 @@ pub unsafe fn encode_int8_avx512(
         |xb, cb, m, start| {
             let (pre, inv) = scalar::level_multiplier(m, 127.0);
             let d = (&mut d16, &mut d8);
-            let whole = match (pre == 1.0, round) {
-                (false, _) => 0,
-                (true, Round::Nearest) => int8_codes::<false>(inv, xb, cb, d, start),
-                (true, Round::Stochastic) => int8_codes::<true>(inv, xb, cb, d, start),
+            match (pre == 1.0, round) {
+                (false, _) => scalar::quantise_int8(xb, cb, m, round, draws, start),
+                (true, Round::Nearest) => _ = int8_codes::<false>(inv, xb, cb, d, start),
+                (true, Round::Stochastic) => _ = int8_codes::<true>(inv, xb, cb, d, start),
             };
-            let (xt, ct) = (&xb[whole..], &mut cb[whole..]);
-            scalar::quantise_int8(xt, ct, m, round, draws, start + whole as u64);
         },
     )
 }
@@ -473,8 +472,8 @@ pub unsafe fn encode_int8_avx512(
 /// int8's fused error-feedback step ([`blocks::feedback_int8_avx2`]'s contract and bytes)
 /// on 16 lanes: `p = beta r + gamma g` formed into `r` with its largest magnitude, then
 /// the codes 64 a step with `r` becoming each element's residual `p - code * step`
-/// ([`int8_residual`]); the rest of a block, a block whose scale is below 2^-100 and one
-/// across a 2^32 draw window by the oracle.
+/// ([`int8_residual`], the rest of a block by the AVX2 kernel); a block whose scale is
+/// below 2^-100 and one across a 2^32 draw window by the oracle.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F/BW/DQ and AVX2 (as every CPU the Avx512 backend
@@ -512,7 +511,7 @@ pub unsafe fn feedback_int8_avx512(
 
 /// int8's fused ring hop ([`blocks::hop_int8_avx2`]'s contract and bytes) on 16 lanes:
 /// `sum = local + decode` with each block's largest magnitude, then the codes of `sum`
-/// 64 a step ([`int8_codes`]), the rest of a block by the oracle.
+/// 64 a step ([`int8_codes`]), the rest of a block by the AVX2 kernel.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F/BW/DQ and AVX2 (as every CPU the Avx512 backend
@@ -556,9 +555,9 @@ pub unsafe fn hop_int8_avx512(
 /// The int8 codes of the whole 64s of a finite block `xb` from global index `start`
 /// (inside one 2^32 draw window when `STOCHASTIC`), whose level multiplier is `inv`
 /// (`scalar::level_multiplier` without a pre-scale), as `scalar::quantise_int8` writes
-/// them ([`int8_quantise`]), then of the whole 16s with nearest rounding, or of the whole
-/// 32s by the AVX2 kernel with stochastic rounding (the 16-lane draws come 64 at a
-/// time). Returns the number of elements done.
+/// them ([`int8_quantise`]) 64 a step, then 16 a step with nearest rounding (the 16-lane
+/// draws come 64 at a time); the rest by the AVX2 kernel (32 a step, then padded).
+/// Returns `xb.len()`.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2")]
 #[inline]
 fn int8_codes<const STOCHASTIC: bool>(
@@ -573,12 +572,9 @@ fn int8_codes<const STOCHASTIC: bool>(
     // SAFETY: `xb` is valid for reads of its length, and without `RESIDUAL` nothing is
     // written through the pointer; `cb` is long enough.
     let done = unsafe { int8_quantise::<false, STOCHASTIC>(inv, 0.0, x, xb.len(), cb, d16, start) };
-    if !STOCHASTIC {
-        return done;
-    }
-    // The rest of a stochastic block, 32 at a time by the AVX2 kernel.
+    // The rest by the AVX2 kernel: 32 at a time, then padded.
     let at = start + done as u64;
-    done + blocks::int8_codes::<true>(inv, &xb[done..], &mut cb[done..], d8, at)
+    done + blocks::int8_codes::<STOCHASTIC>(inv, &xb[done..], &mut cb[done..], d8, at)
 }
 
 /// [`int8_codes`] with `rb` becoming each element's residual `x - code * step`, without
@@ -598,12 +594,10 @@ fn int8_residual<const STOCHASTIC: bool>(
     let x = rb.as_mut_ptr();
     // SAFETY: `rb` is valid for reads and writes of its length; `cb` is long enough.
     let done = unsafe { int8_quantise::<true, STOCHASTIC>(inv, step, x, rb.len(), cb, d16, start) };
-    if !STOCHASTIC {
-        return done;
-    }
-    // The rest of a stochastic block, 32 at a time by the AVX2 kernel.
+    // The rest by the AVX2 kernel: 32 at a time, then padded.
     let (rt, ct) = (&mut rb[done..], &mut cb[done..]);
-    done + blocks::int8_residual_block::<true>(inv, step, d8, start + done as u64, rt, ct)
+    let at = start + done as u64;
+    done + blocks::int8_residual_block::<STOCHASTIC>(inv, step, d8, at, rt, ct)
 }
 
 /// The int8 codes of the `n` elements at `x` (global indices from `start`): with nearest
