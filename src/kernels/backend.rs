@@ -282,9 +282,10 @@ pub(crate) const fn x86_route_on(op: Op, kind: BackendKind, cpu: Cpu) -> X86 {
             Op::EncodeInt8 | Op::FeedbackInt8 | Op::HopInt8 if matches!(cpu, Cpu::Intel) => {
                 X86::Avx512
             }
-            // Of these, sign's encode takes blocks of at least 128 only, and the fp8 and
-            // fp4 decoders the blocks, scales and modes they were measured faster on; the
-            // others go to AVX2 (`kernels::block_route`, `kernels::decode_float`).
+            // Of these, sign's encode takes blocks of at least 128 only, sign-magnitude's
+            // blocks of a multiple of 64, and the fp8 and fp4 decoders the blocks, scales
+            // and modes they were measured faster on; the others go to AVX2
+            // (`kernels::block_route`, `kernels::float_decode_takes_avx512`).
             Op::FeedbackF16
             | Op::EncodeF16
             | Op::DecodeF16

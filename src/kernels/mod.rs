@@ -826,17 +826,19 @@ pub fn feedback_int8(
 ///   times slower there, where a block's tail and its per-block work weigh most, and
 ///   after the tails were padded (2026-11-29, the twenty-first session) blocks of 32 and 100 still
 ///   did, while 48 and 96 were faster: no simpler rule fits.
+/// - qsgd's and ternary's encode (sign-magnitude codes) likewise: blocks of 96, 100 and
+///   160 ran 1.15 to 1.27 times slower on AVX-512 with qsgd (its 64s there, the rest on
+///   AVX2's 32s), 64 faster; ternary gained at 160 and 200, given up for one rule.
 /// - sign's encode takes AVX-512's only for blocks of at least 128: its per-block work
 ///   (the sixteen lanes' sum and maximum) made blocks of 16 to 64 1.3 to 1.7 times
 ///   slower there; 128 is level, 192 and more faster.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn block_route(op: Op, kind: BackendKind, block: usize) -> backend::X86 {
     match (x86_route(op, kind), op) {
-        (backend::X86::Avx512, Op::EncodeInt8 | Op::FeedbackInt8 | Op::HopInt8)
-            if !block.is_multiple_of(64) =>
-        {
-            backend::X86::Avx2
-        }
+        (
+            backend::X86::Avx512,
+            Op::EncodeInt8 | Op::FeedbackInt8 | Op::HopInt8 | Op::EncodeSignmag,
+        ) if !block.is_multiple_of(64) => backend::X86::Avx2,
         (backend::X86::Avx512, Op::EncodeSign) if block < 128 => backend::X86::Avx2,
         (route, _) => route,
     }
@@ -1309,16 +1311,16 @@ pub fn encode_signmag(
     if block.is_multiple_of((8 / bits) as usize) {
         macro_rules! x86 {
             ($kernel:ident, $bits:literal) => {
-                // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which
-                // exist only after AVX2 and FMA (pulp's V3) were detected, and Avx512 only
-                // to the AVX-512 backend (pulp's V4 as well); blocks start on byte
+                // SAFETY: x86_route (so block_route) gives Avx2 only to the AVX2 and AVX-512
+                // backends, which exist only after AVX2 and FMA (pulp's V3) were detected,
+                // and Avx512 only to the AVX-512 backend (pulp's V4 as well); blocks start on byte
                 // boundaries (checked above).
                 unsafe { $kernel::<$bits>(x, block, measure, draws, first, steps, codes) }
             };
         }
         use x86_64::blocks::encode_signmag_avx2 as avx2;
         use x86_64::blocks512::encode_signmag_avx512 as avx512;
-        match (x86_route(Op::EncodeSignmag, b.kind()), bits) {
+        match (block_route(Op::EncodeSignmag, b.kind(), block), bits) {
             (X86::Avx2, 2) => return x86!(avx2, 2),
             (X86::Avx2, 4) => return x86!(avx2, 4),
             (X86::Avx2, 8) => return x86!(avx2, 8),
@@ -1819,13 +1821,13 @@ mod tests {
     use super::*;
     use backend::{Cpu, X86};
 
-    /// AVX-512's int8 kernels take blocks of a multiple of 64 only, its sign encoder
-    /// blocks of at least 128; the others, and every block on the other backends, follow
-    /// the routing table.
+    /// AVX-512's int8 and sign-magnitude kernels take blocks of a multiple of 64 only, its
+    /// sign encoder blocks of at least 128; the others, and every block on the other
+    /// backends, follow the routing table.
     #[test]
     fn blocks_that_avx512_loses_on_take_the_avx2_kernels() {
         let int8 = [Op::EncodeInt8, Op::FeedbackInt8, Op::HopInt8];
-        for op in int8.into_iter().chain([Op::EncodeSign]) {
+        for op in int8.into_iter().chain([Op::EncodeSignmag, Op::EncodeSign]) {
             for kind in BackendKind::ALL {
                 for block in [1, 16, 32, 40, 48, 64, 96, 127, 128, 256, 4096] {
                     let (table, got) = (x86_route(op, kind), block_route(op, kind, block));
@@ -1843,11 +1845,13 @@ mod tests {
             }
         }
         // Where the table gives AVX-512 (Intel's cores for int8, every AVX-512 CPU for
-        // sign), blocks of 256 take it.
-        assert_eq!(
-            block_route(Op::EncodeSign, BackendKind::Avx512, 256),
-            x86_route(Op::EncodeSign, BackendKind::Avx512)
-        );
+        // sign and sign-magnitude), blocks of 256 take it.
+        for op in [Op::EncodeSign, Op::EncodeSignmag] {
+            assert_eq!(
+                block_route(op, BackendKind::Avx512, 256),
+                x86_route(op, BackendKind::Avx512)
+            );
+        }
         if Cpu::this() == Cpu::Intel {
             for op in int8 {
                 assert_eq!(block_route(op, BackendKind::Avx512, 256), X86::Avx512);
