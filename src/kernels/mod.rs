@@ -1161,10 +1161,11 @@ pub fn decode_float<const M: u8>(
         return fp8::decode::<M>(f, scale, four, block, scales, codes, out);
     }
     #[cfg(target_arch = "x86_64")]
-    let route = match x86_route(if four { Op::DecodeFp4 } else { Op::DecodeFp8 }, b.kind()) {
-        X86::Avx512 if !float_decode_takes_avx512(four, f, scale, block, M) => X86::Avx2,
-        route => route,
-    };
+    let route = x86_route(if four { Op::DecodeFp4 } else { Op::DecodeFp8 }, b.kind());
+    // The AVX-512 backend's own kernels where they were measured faster, else the AVX2
+    // ones (the portable build below still follows the table).
+    #[cfg(target_arch = "x86_64")]
+    let avx512 = route == X86::Avx512 && float_decode_takes_avx512(four, f, scale, block, M);
     // Whole blocks in registers, in any mode: fp4 blocks of 16 and 32 by table lookups,
     // fp8 blocks of a multiple of 16 through half precision. A last, shorter block then
     // runs the definition (a few elements). The residual mode (error feedback's) runs
@@ -1173,7 +1174,7 @@ pub fn decode_float<const M: u8>(
     if scale != fp8::Scale::None {
         let done = if four && matches!(block, 16 | 32) {
             let fours = fp8::four_values(f);
-            Some(if route == X86::Avx512 {
+            Some(if avx512 {
                 // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists
                 // only after AVX-512F was detected.
                 unsafe {
@@ -1187,7 +1188,7 @@ pub fn decode_float<const M: u8>(
         } else if !four && block.is_multiple_of(16) {
             let e4m3 = f == fp8::E4M3;
             debug_assert!(e4m3 || f == fp8::E5M2);
-            Some(if route == X86::Avx512 {
+            Some(if avx512 {
                 // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists
                 // only after AVX-512F and AVX2 were detected.
                 unsafe {
