@@ -210,35 +210,6 @@ pub unsafe fn sign_groups_avx2(xb: &[f32], cb: &mut [u8], lanes: &mut SignLanes)
     n
 }
 
-/// Sign block encode with AVX2 (`portable::encode_sign_blocks` on [`sign_groups_avx2`]).
-/// Compiled with AVX2 as a whole, so that the per-block work around the group kernel (the
-/// lane state, its maximum and the ordered lane sum) is vectorised too and stays in
-/// registers; compiled for the baseline target it was a sixth of the time at the default
-/// block of 1024. `codes` need not be zeroed.
-///
-/// # Safety
-/// The CPU must support AVX2.
-#[target_feature(enable = "avx2")]
-pub unsafe fn encode_sign_avx2(
-    x: &[f32],
-    block: usize,
-    steps: &mut [u8],
-    codes: &mut [u8],
-) -> bool {
-    super::portable::encode_sign_blocks(
-        x,
-        block,
-        steps,
-        codes,
-        #[inline(always)]
-        |xb, cb, l| {
-            // SAFETY: this function's caller guarantees AVX2; `cb` holds the block's
-            // `ceil(xb.len() / 8)` code bytes.
-            unsafe { sign_groups_avx2(xb, cb, l) }
-        },
-    )
-}
-
 /// The sign group kernel with AVX-512: one 16-lane register (the oracle's order), sign
 /// bits by a signed compare into a mask. See [`sign_groups_avx2`].
 ///
@@ -282,33 +253,49 @@ pub unsafe fn sign_groups_avx512(xb: &[f32], cb: &mut [u8], lanes: &mut SignLane
     n
 }
 
-/// Sign block encode with AVX-512 (`portable::encode_sign_blocks` on
-/// [`sign_groups_avx512`]), compiled with AVX-512 as a whole for the reason
-/// [`encode_sign_avx2`] gives: the per-block work compiled for the baseline target made
-/// this backend 1.3 to 3.2 times slower than the AVX2 one at blocks of 16 to 100.
-///
-/// # Safety
-/// The CPU must support AVX-512F and AVX2.
-#[target_feature(enable = "avx512f,avx2")]
-pub unsafe fn encode_sign_avx512(
-    x: &[f32],
-    block: usize,
-    steps: &mut [u8],
-    codes: &mut [u8],
-) -> bool {
-    super::portable::encode_sign_blocks(
-        x,
-        block,
-        steps,
-        codes,
-        #[inline(always)]
-        |xb, cb, l| {
-            // SAFETY: this function's caller guarantees AVX-512F; `cb` holds the block's
-            // `ceil(xb.len() / 8)` code bytes.
-            unsafe { sign_groups_avx512(xb, cb, l) }
-        },
-    )
+/// A sign block encoder (`portable::encode_sign_blocks` on a group kernel) compiled with
+/// the group kernel's instruction set as a whole, so that the per-block work around it
+/// (the lane state, its maximum and the ordered lane sum) is vectorised too and stays in
+/// registers. Compiled for the baseline target it was a sixth of the time at the default
+/// block of 1024 with AVX2, and made the AVX-512 backend 1.3 to 3.2 times slower than the
+/// AVX2 one at blocks of 16 to 100. `codes` need not be zeroed.
+macro_rules! sign_encoder {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $groups:ident) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        #[doc = concat!("The CPU must support ", $features, ".")]
+        #[target_feature(enable = $features)]
+        pub unsafe fn $name(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) -> bool {
+            super::portable::encode_sign_blocks(
+                x,
+                block,
+                steps,
+                codes,
+                #[inline(always)]
+                |xb, cb, l| {
+                    // SAFETY: this function's caller guarantees the group kernel's
+                    // instruction set; `cb` holds the block's `ceil(xb.len() / 8)` code
+                    // bytes.
+                    unsafe { $groups(xb, cb, l) }
+                },
+            )
+        }
+    };
 }
+
+sign_encoder!(
+    /// Sign block encode with AVX2 (on [`sign_groups_avx2`]; see `sign_encoder!`).
+    encode_sign_avx2,
+    "avx2",
+    sign_groups_avx2
+);
+sign_encoder!(
+    /// Sign block encode with AVX-512 (on [`sign_groups_avx512`]; see `sign_encoder!`).
+    encode_sign_avx512,
+    "avx512f,avx2",
+    sign_groups_avx512
+);
 
 /// f32 to bfloat16 with AVX-512, 32 elements per step: round to nearest even in integer
 /// arithmetic, NaN quieted (the oracle's rule, not `vcvtneps2bf16`, which flushes
