@@ -823,9 +823,9 @@ pub fn feedback_int8(
 /// on some blocks (measured on a 2-core Intel Xeon, 2026-11-29, `backend_race`):
 /// - int8's encode, fused error-feedback step and ring hop take AVX-512's kernels only
 ///   for blocks of a multiple of 64, their step. Blocks of 32 and 40 ran 1.1 to 1.3
-///   times slower there, where a block's tail and its per-block work weigh most, and
-///   after the tails were padded (2026-11-29, the twenty-first session) blocks of 32 and 100 still
-///   did, while 48 and 96 were faster: no simpler rule fits.
+///   times slower there, where a block's tail and its per-block work weigh most; with
+///   the tails padded, 32 and 100 still did while 48 and 96 were faster: no simpler
+///   rule fits.
 /// - qsgd's and ternary's encode (sign-magnitude codes) likewise: blocks of 96, 100 and
 ///   160 ran 1.15 to 1.27 times slower on AVX-512 with qsgd (its 64s there, the rest on
 ///   AVX2's 32s), 64 faster; ternary gained at 160 and 200, given up for one rule.
@@ -1314,8 +1314,8 @@ pub fn encode_signmag(
             ($kernel:ident, $bits:literal) => {
                 // SAFETY: x86_route (so block_route) gives Avx2 only to the AVX2 and AVX-512
                 // backends, which exist only after AVX2 and FMA (pulp's V3) were detected,
-                // and Avx512 only to the AVX-512 backend (pulp's V4 as well); blocks start on byte
-                // boundaries (checked above).
+                // and Avx512 only to the AVX-512 backend (pulp's V4 as well); blocks start
+                // on byte boundaries (checked above).
                 unsafe { $kernel::<$bits>(x, block, measure, draws, first, steps, codes) }
             };
         }

@@ -436,20 +436,7 @@ pub fn decode_sign<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &
         return;
     }
     if !block.is_multiple_of(8) {
-        // Blocks that do not start on byte boundaries: each element's bit by its global
-        // index, as the definition reads it, its sign put on the step by an exclusive or
-        // (the definition's negation) rather than a branch on a coin toss, which ran 0.7
-        // GB/s (blocks of 100, 64 Ki elements, a 2-core Xeon).
-        for (b, ob) in out.chunks_mut(block).enumerate() {
-            let s = scalar::get_step(steps, b).to_bits();
-            let base = b * block;
-            for (k, v) in ob.iter_mut().enumerate() {
-                let j = base + k;
-                let bit = (codes[j / 8] as u32 >> (j % 8)) & 1;
-                put::<M>(v, f32::from_bits(s ^ (bit << 31)));
-            }
-        }
-        return;
+        return scalar::decode_sign::<M>(steps, codes, block, out);
     }
     for (b, ob) in out.chunks_mut(block).enumerate() {
         let s = scalar::get_step(steps, b).to_bits();

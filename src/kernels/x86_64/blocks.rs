@@ -432,10 +432,9 @@ pub unsafe fn feedback_int8_avx2(
 /// [`feedback_int8_avx2`]), for a kernel's two passes: `form(rb, gb)` forms `p` into the
 /// block `rb` and returns its largest `|p|` bit pattern; a finite block whose scale is
 /// at least 2^-100 (level multiplier `inv` without a pre-scale) and which lies inside
-/// one 2^32 draw window has its first elements quantised by `quantise(inv, step, rb, cb,
-/// start)`, which leaves their residuals in `rb` and returns how many it did; the oracle
-/// does the rest of the block. Inlined, so that the kernels' closures are compiled for
-/// their instruction sets.
+/// one 2^32 draw window is quantised by `quantise(inv, step, rb, cb, start)`, which
+/// leaves the residuals in `rb`; the oracle does the other blocks. Inlined, so that the
+/// kernels' closures are compiled for their instruction sets.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(super) fn feedback_int8_blocks(
@@ -446,7 +445,7 @@ pub(super) fn feedback_int8_blocks(
     steps: &mut [u8],
     codes: &mut [u8],
     mut form: impl FnMut(&mut [f32], &[f32]) -> u32,
-    mut quantise: impl FnMut(f32, f32, &mut [f32], &mut [u8], u64) -> usize,
+    mut quantise: impl FnMut(f32, f32, &mut [f32], &mut [u8], u64),
 ) -> bool {
     assert!(r.len() == g.len() && codes.len() == r.len() && block > 0);
     let mut nonfinite = false;
@@ -466,15 +465,13 @@ pub(super) fn feedback_int8_blocks(
         };
         let start = first + (b * block) as u64;
         let (pre, inv) = scalar::level_multiplier(m, 127.0);
-        let whole = if pre == 1.0 && scalar::in_one_window(start, rb.len()) {
-            quantise(inv, step, rb, cb, start)
-        } else {
-            0
-        };
-        // The rest, a scale below 2^-100 or a block across a 2^32 draw window: the oracle.
-        let (rt, ct) = (&mut rb[whole..], &mut cb[whole..]);
-        scalar::quantise_int8(rt, ct, m, round, draws, start + whole as u64);
-        for (p, &c) in rt.iter_mut().zip(ct.iter()) {
+        if pre == 1.0 && scalar::in_one_window(start, rb.len()) {
+            quantise(inv, step, rb, cb, start);
+            continue;
+        }
+        // A scale below 2^-100 or a block across a 2^32 draw window: the oracle.
+        scalar::quantise_int8(rb, cb, m, round, draws, start);
+        for (p, &c) in rb.iter_mut().zip(cb.iter()) {
             *p = scalar::residual_of(*p, (c as i8) as f32 * step);
         }
     }
@@ -526,8 +523,8 @@ pub unsafe fn hop_int8_avx2(
 /// kernel's two passes: `add(sb, lb, ib, step)` writes `local + code * step` into the
 /// block `sb` and returns its largest `|sum|` bit pattern; a finite block whose scale is
 /// at least 2^-100 (level multiplier `inv`) and which lies inside one 2^32 draw window
-/// has its first codes written by `quantise(inv, sb, cb, start)`, which returns how many
-/// it did; the oracle does the rest. Inlined, as [`feedback_int8_blocks`].
+/// has its codes written by `quantise(inv, sb, cb, start)`; the oracle does the other
+/// blocks. Inlined, as [`feedback_int8_blocks`].
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(super) fn hop_int8_blocks(
@@ -539,7 +536,7 @@ pub(super) fn hop_int8_blocks(
     steps: &mut [u8],
     codes: &mut [u8],
     mut add: impl FnMut(&mut [f32], &[f32], &[u8], f32) -> u32,
-    mut quantise: impl FnMut(f32, &[f32], &mut [u8], u64) -> usize,
+    mut quantise: impl FnMut(f32, &[f32], &mut [u8], u64),
 ) -> bool {
     let n = sum.len();
     assert!(local.len() == n && in_codes.len() == n && codes.len() == n && block > 0);
@@ -558,13 +555,11 @@ pub(super) fn hop_int8_blocks(
         };
         let start = first + (b * block) as u64;
         let (pre, inv) = scalar::level_multiplier(m, 127.0);
-        let whole = if pre == 1.0 && scalar::in_one_window(start, sb.len()) {
-            quantise(inv, sb, cb, start)
+        if pre == 1.0 && scalar::in_one_window(start, sb.len()) {
+            quantise(inv, sb, cb, start);
         } else {
-            0
-        };
-        let (st, ct) = (&sb[whole..], &mut cb[whole..]);
-        scalar::quantise_int8(st, ct, m, round, draws, start + whole as u64);
+            scalar::quantise_int8(sb, cb, m, round, draws, start);
+        }
     }
     nonfinite
 }
@@ -644,8 +639,7 @@ pub(super) fn lanes_max(m: __m256i) -> u32 {
 /// The codes of a finite formed block `rb` whose level multiplier is `inv` and whose
 /// step is `step`, as [`int8_codes`] writes them, with `rb` becoming the residual of
 /// each element against its decode `d = code * step`: 32 a step, the rest padded to 32
-/// ([`padded_rest`]). Returns `rb.len()` (the AVX-512 kernels call it for the rest of a
-/// block).
+/// ([`padded_rest`]). The AVX-512 kernels call it for the rest of a block.
 /// The residual is `p - d` without `scalar::residual_of`'s checks, which cannot fire
 /// here: `p` is finite, `d` is finite (`127 step` is, by `scalar::block_step`) and of
 /// `p`'s sign or zero (the code is `p`'s level, rounded either way), so `|p - d| <=
@@ -659,7 +653,7 @@ pub(super) fn int8_residual_block<const STOCHASTIC: bool>(
     start: u64,
     rb: &mut [f32],
     cb: &mut [u8],
-) -> usize {
+) {
     let l = &Levels::of_inv(inv, 127);
     let s = _mm256_set1_ps(step);
     if STOCHASTIC {
@@ -701,7 +695,6 @@ pub(super) fn int8_residual_block<const STOCHASTIC: bool>(
         );
         rt.copy_from_slice(&residuals[..rt.len()]);
     }
-    rb.len()
 }
 
 /// The rest of a block after its whole 32s (fewer than 32 elements `rest`) through a
@@ -721,13 +714,12 @@ pub(super) fn int8_residual_block<const STOCHASTIC: bool>(
 pub(super) fn padded_rest(
     rest: &[f32],
     codes: &mut [u8],
-    run: impl FnOnce(&mut [f32], &mut [u8]) -> usize,
+    run: impl FnOnce(&mut [f32], &mut [u8]),
 ) -> [f32; 32] {
     assert!(rest.len() < 32 && codes.len() <= 32);
     let (mut x, mut c) = ([0f32; 32], [0u8; 32]);
     x[..rest.len()].copy_from_slice(rest);
-    let done = run(&mut x, &mut c);
-    debug_assert_eq!(done, 32);
+    run(&mut x, &mut c);
     codes.copy_from_slice(&c[..codes.len()]);
     x
 }
@@ -760,8 +752,7 @@ fn int8_block<const STOCHASTIC: bool>(
 /// (`scalar::level_multiplier` without a pre-scale; stochastic rounding when
 /// `STOCHASTIC`, from the draws of global index `start` on, inside one 2^32 window), as
 /// `scalar::quantise_int8` writes them: 32 a step, the rest padded to 32
-/// ([`padded_rest`]). Returns `xb.len()` (the AVX-512 kernels call it for the rest of a
-/// block).
+/// ([`padded_rest`]). The AVX-512 kernels call it for the rest of a block.
 #[target_feature(enable = "avx2")]
 #[inline]
 pub(super) fn int8_codes<const STOCHASTIC: bool>(
@@ -770,7 +761,7 @@ pub(super) fn int8_codes<const STOCHASTIC: bool>(
     cb: &mut [u8],
     sd: &mut StepDraws,
     start: u64,
-) -> usize {
+) {
     let l = &Levels::of_inv(inv, 127);
     let whole = steps32::<true, STOCHASTIC>(
         xb,
@@ -794,7 +785,6 @@ pub(super) fn int8_codes<const STOCHASTIC: bool>(
             |x32, c32| int8_codes::<STOCHASTIC>(inv, x32, c32, sd, at),
         );
     }
-    xb.len()
 }
 
 /// The int8 codes (in 32-bit lanes) of the 8 elements in `v`, with draws `h` (when
@@ -956,10 +946,7 @@ pub(super) fn signmag_block<const BITS: u32>(
             &xb[n32..],
             rest,
             #[inline(always)]
-            |x32, c32| {
-                signmag_block::<BITS>(x32, &mut c32[..4 * BITS as usize], m, sd, at);
-                32
-            },
+            |x32, c32| signmag_block::<BITS>(x32, &mut c32[..4 * BITS as usize], m, sd, at),
         );
     }
 }
@@ -1070,10 +1057,7 @@ fn natural_steps<const FAST: bool, const CHECK: bool>(
             &xb[n32..],
             &mut cb[n32..xb.len()],
             #[inline(always)]
-            |x32, c32| {
-                natural_steps::<FAST, CHECK>(x32, c32, r, sd, at);
-                32
-            },
+            |x32, c32| natural_steps::<FAST, CHECK>(x32, c32, r, sd, at),
         );
     }
 }
@@ -2651,7 +2635,7 @@ fn fp4_nearest_block<const M: u32, const MULTIPLY: bool>(
             &xb[done..],
             &mut cb[done / 2..xb.len().div_ceil(2)],
             #[inline(always)]
-            |x32, c32| fp4_whole16s::<M, MULTIPLY>(&n, x32, c32),
+            |x32, c32| _ = fp4_whole16s::<M, MULTIPLY>(&n, x32, c32),
         );
     }
 }

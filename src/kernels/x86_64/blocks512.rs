@@ -462,8 +462,8 @@ pub unsafe fn encode_int8_avx512(
             let d = (&mut d16, &mut d8);
             match (pre == 1.0, round) {
                 (false, _) => scalar::quantise_int8(xb, cb, m, round, draws, start),
-                (true, Round::Nearest) => _ = int8_codes::<false>(inv, xb, cb, d, start),
-                (true, Round::Stochastic) => _ = int8_codes::<true>(inv, xb, cb, d, start),
+                (true, Round::Nearest) => int8_codes::<false>(inv, xb, cb, d, start),
+                (true, Round::Stochastic) => int8_codes::<true>(inv, xb, cb, d, start),
             };
         },
     )
@@ -557,7 +557,6 @@ pub unsafe fn hop_int8_avx512(
 /// (`scalar::level_multiplier` without a pre-scale), as `scalar::quantise_int8` writes
 /// them ([`int8_quantise`]) 64 a step, then 16 a step with nearest rounding (the 16-lane
 /// draws come 64 at a time); the rest by the AVX2 kernel (32 a step, then padded).
-/// Returns `xb.len()`.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2")]
 #[inline]
 fn int8_codes<const STOCHASTIC: bool>(
@@ -566,7 +565,7 @@ fn int8_codes<const STOCHASTIC: bool>(
     cb: &mut [u8],
     (d16, d8): (&mut Draws16, &mut StepDraws),
     start: u64,
-) -> usize {
+) {
     assert!(cb.len() >= xb.len());
     let x = xb.as_ptr().cast_mut();
     // SAFETY: `xb` is valid for reads of its length, and without `RESIDUAL` nothing is
@@ -574,7 +573,7 @@ fn int8_codes<const STOCHASTIC: bool>(
     let done = unsafe { int8_quantise::<false, STOCHASTIC>(inv, 0.0, x, xb.len(), cb, d16, start) };
     // The rest by the AVX2 kernel: 32 at a time, then padded.
     let at = start + done as u64;
-    done + blocks::int8_codes::<STOCHASTIC>(inv, &xb[done..], &mut cb[done..], d8, at)
+    blocks::int8_codes::<STOCHASTIC>(inv, &xb[done..], &mut cb[done..], d8, at);
 }
 
 /// [`int8_codes`] with `rb` becoming each element's residual `x - code * step`, without
@@ -589,7 +588,7 @@ fn int8_residual<const STOCHASTIC: bool>(
     cb: &mut [u8],
     (d16, d8): (&mut Draws16, &mut StepDraws),
     start: u64,
-) -> usize {
+) {
     assert!(cb.len() >= rb.len());
     let x = rb.as_mut_ptr();
     // SAFETY: `rb` is valid for reads and writes of its length; `cb` is long enough.
@@ -597,7 +596,7 @@ fn int8_residual<const STOCHASTIC: bool>(
     // The rest by the AVX2 kernel: 32 at a time, then padded.
     let (rt, ct) = (&mut rb[done..], &mut cb[done..]);
     let at = start + done as u64;
-    done + blocks::int8_residual_block::<STOCHASTIC>(inv, step, d8, at, rt, ct)
+    blocks::int8_residual_block::<STOCHASTIC>(inv, step, d8, at, rt, ct);
 }
 
 /// The int8 codes of the `n` elements at `x` (global indices from `start`): with nearest
