@@ -1248,3 +1248,97 @@ fn fused_fp16_hop_matches_its_definition() {
         }
     }
 }
+
+/// Inputs for `lane_bound` and `filter_keys`: a mixed sample, subnormals and specials
+/// (floats' order and bits' order agree only without NaN), NaN and ±Inf at the start,
+/// in the middle and in the part past the last whole step, all equal, and all zero.
+fn bound_inputs() -> Vec<(String, Vec<f32>)> {
+    let mut v = Vec::new();
+    for n in [
+        0, 1, 15, 16, 17, 31, 33, 63, 64, 65, 100, 255, 256, 1000, 4096, 4101,
+    ] {
+        let x = sample(n, 41 + n as u32);
+        v.push((format!("sample {n}"), x.clone()));
+        for (at, bad) in [
+            (0, f32::NAN),
+            (n / 2, f32::INFINITY),
+            (n.saturating_sub(3), -f32::NAN),
+        ] {
+            if at < n {
+                let mut y = x.clone();
+                y[at] = bad;
+                v.push((format!("{bad} at {at} of {n}"), y));
+            }
+        }
+        v.push((
+            format!("subnormal {n}"),
+            (0..n)
+                .map(|i| f32::from_bits((i as u32 * 7919) % 0x0080_0000))
+                .collect(),
+        ));
+        v.push((format!("equal {n}"), vec![-2.5; n]));
+        v.push((format!("zero {n}"), vec![0.0; n]));
+    }
+    v
+}
+
+#[test]
+fn every_backend_bounds_candidates_like_the_oracle() {
+    use gradpack::unstable::kernels::{lane_bound, scalar};
+    let mut backends = simd_backends();
+    backends.push(Backend::scalar());
+    for (name, x) in bound_inputs() {
+        let keys: Vec<u32> = x.iter().map(|&v| scalar::mag_key(v)).collect();
+        for d in 1..=4 {
+            let want = scalar::lane_bound(&x, d);
+            // The bound's promise: at least min(16 d, n) keys reach it.
+            let reach = keys.iter().filter(|&&k| k >= want).count();
+            assert!(
+                reach >= (16 * d).min(x.len()),
+                "{name}, depth {d}: {reach} reach {want:#x}"
+            );
+            for b in &backends {
+                assert_eq!(
+                    b.run(|| lane_bound(&x, d)),
+                    want,
+                    "{name}, depth {d} on {b}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_backend_filters_keys_like_the_oracle() {
+    use gradpack::unstable::kernels::{filter_keys, scalar};
+    let mut backends = simd_backends();
+    backends.push(Backend::scalar());
+    for (name, x) in bound_inputs() {
+        let n = x.len();
+        let mut thresholds = mag_thresholds().to_vec();
+        thresholds.push(scalar::lane_bound(&x, 4));
+        for t in thresholds {
+            let (mut oi, mut ok) = (vec![0u32; n + 64], vec![0u32; n + 64]);
+            let want = scalar::filter_keys(&x, t, &mut oi, &mut ok);
+            let expect: Vec<u32> = (0..n as u32)
+                .filter(|&i| scalar::mag_key(x[i as usize]) >= t)
+                .collect();
+            assert_eq!(oi[..want], expect[..], "{name}, t {t:#x}: oracle");
+            for b in &backends {
+                // Room for n + 64 entries, then a guard that must stay untouched.
+                let (mut idx, mut keys) = (vec![u32::MAX; n + 72], vec![u32::MAX; n + 72]);
+                let got = b.run(|| filter_keys(&x, t, &mut idx[..n + 64], &mut keys[..n + 64]));
+                assert_eq!(got, want, "{name}, t {t:#x} on {b}: count");
+                assert_eq!(idx[..got], oi[..want], "{name}, t {t:#x} on {b}: positions");
+                assert_eq!(keys[..got], ok[..want], "{name}, t {t:#x} on {b}: keys");
+                assert!(
+                    idx[n + 64..]
+                        .iter()
+                        .chain(&keys[n + 64..])
+                        .all(|&v| v == u32::MAX),
+                    "{name}, t {t:#x} on {b}: wrote past the room"
+                );
+            }
+        }
+    }
+}

@@ -17,9 +17,13 @@
 //! At the defaults a chunk of 4096 takes 84 bytes (0.164 bits per element): SparseLoCo's
 //! 12-bit indices and 2-bit values take 112 for the same elements.
 //!
-//! Selection per chunk: a threshold from a stratified sample of 256, the SIMD filter for
-//! the elements reaching it, the `k` largest among those (`topk`'s exact engine where
-//! the sample misjudged). Its candidates live in working room past the frame in the
+//! Selection per chunk, for `k` up to 64: one pass finds a key that at least `k`
+//! elements reach (the least of 16 interleaved groups' `ceil(k / 16)`-th largest), the
+//! SIMD filter collects the elements reaching it (about `2 k`), and the `k` largest are
+//! taken among those. For larger `k`, or where that bound lets more than `8 k` through (a
+//! chunk mostly of zeros), a threshold from a stratified sample of 256 takes its place,
+//! and `topk`'s exact engine runs where the sample misjudged. Its candidates live in
+//! working room past the frame in the
 //! output buffer, which [`crate::Codec::max_encoded_len`] includes (about 8 bytes per
 //! chunk element), so encoding allocates nothing; the encoder may write anywhere in that
 //! room. Large frames of chunks up to 4096 are encoded on all threads in ranges of whole
@@ -39,7 +43,8 @@ use super::topk::{TopCut, for_each_top};
 use super::{EncodeCtx, Encoded, Scheme, expect_payload, sparse_prepare};
 use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::{Error, Result};
-use crate::kernels::scalar::{BitReader, BitWriter, CANONICAL_NAN, put};
+use crate::kernels::LANE_GROUPS as BOUND_GROUPS;
+use crate::kernels::scalar::{BitReader, BitWriter, CANONICAL_NAN, INF_BITS, put};
 use crate::wire::{HEADER_LEN, Header};
 
 /// Longest chunk.
@@ -188,17 +193,24 @@ fn room_bytes(c: usize) -> u64 {
 }
 
 /// The positions of the `kc` largest keys of `x` (`bits & 0x7FFFFFFF`, the lower
-/// position first among equal keys), ascending, into `s.idx[..kc]`: the elements
-/// reaching a threshold estimated from a stratified sample (aimed to let about `2 kc`
-/// through, then `6 kc`) are filtered out by the SIMD kernel and the `kc` largest taken
-/// among them; where the sample misjudged twice (fewer than `kc` reach it), `topk`'s
-/// exact engine runs. The same set either way.
+/// position first among equal keys), ascending, into `s.idx[..kc]`.
+///
+/// For `kc` up to 64 a first pass finds a bound that at least `kc` keys reach
+/// ([`crate::kernels::lane_bound`]: the least of 16 interleaved groups' `ceil(kc / 16)`-th
+/// largest keys), the SIMD filter collects the elements reaching it with their keys
+/// (about `2 kc` of them on smooth data), and the `kc` largest are taken among those.
+/// Larger `kc`, or a bound that lets more than `8 kc` through (a chunk mostly of
+/// zeros), go the sampled way ([`sampled`]): a threshold estimated from a stratified
+/// sample, then `topk`'s exact engine where the sample misjudged. The same set every way.
 fn select(x: &[f32], kc: usize, s: &mut Scratch) {
     let c = x.len();
     if kc == c {
         for (i, o) in s.idx[..c].iter_mut().enumerate() {
             *o = i as u32;
         }
+        return;
+    }
+    if kc <= 4 * BOUND_GROUPS && crate::kernels::lane_bound_pays() && bounded(x, kc, s) {
         return;
     }
     let key = |v: f32| v.to_bits() & 0x7FFF_FFFF;
@@ -211,26 +223,66 @@ fn select(x: &[f32], kc: usize, s: &mut Scratch) {
         });
         return;
     }
-    // The kc-th largest key among the candidates, then the candidates above it and the
-    // first ones (in position order) equal to it: in place, already in order.
     let keys = &mut s.keys[..len];
     for (k, &i) in keys.iter_mut().zip(&s.idx[..len]) {
         *k = key(x[i as usize]);
     }
-    let (before, &mut t, _) = keys.select_nth_unstable_by(kc - 1, |a, b| b.cmp(a));
-    // Every key above t lies before it.
-    let above = before.iter().filter(|&&k| k > t).count();
-    let (mut eq_left, mut w) = (kc - above, 0);
-    // Branch-free: each candidate is written and kept or overwritten by the next.
-    for j in 0..len {
-        let i = s.idx[j];
-        let k = key(x[i as usize]);
-        let tie = (k == t) & (eq_left > 0);
-        s.idx[w] = i;
-        w += ((k > t) | tie) as usize;
-        eq_left -= tie as usize;
+    keep_top(x, kc, len, s);
+}
+
+/// [`select`] by the bound of [`crate::kernels::lane_bound`] (`kc` at most 64): false,
+/// with `s` changed but nothing decided, where more than `8 kc` elements reach it.
+fn bounded(x: &[f32], kc: usize, s: &mut Scratch) -> bool {
+    let t = crate::kernels::lane_bound(x, kc.div_ceil(BOUND_GROUPS));
+    let len = crate::kernels::filter_keys(x, t, s.idx, s.keys);
+    // At least kc reach the bound (fewer would be a bound's error: the sampled way then
+    // decides instead of a selection out of range).
+    debug_assert!(len >= kc);
+    if len < kc || len > 8 * kc {
+        return false;
     }
-    debug_assert_eq!(w, kc);
+    keep_top(x, kc, len, s);
+    true
+}
+
+/// Of the `len` candidates `s.idx[..len]` (ascending positions in `x`) with their keys
+/// `s.keys[..len]`, keep in `s.idx[..kc]`, in order, the `kc` with the largest keys, the
+/// lower position first among equal keys. `s.keys` changes.
+fn keep_top(x: &[f32], kc: usize, len: usize, s: &mut Scratch) {
+    if len == kc {
+        return;
+    }
+    // The kc-th largest key t: selected in a copy past the keys where there is room (the
+    // keys stay beside their positions), else in place and the keys read again.
+    let (keys, spare) = s.keys.split_at_mut(len);
+    let t = if spare.len() >= len {
+        let copy = &mut spare[..len];
+        copy.copy_from_slice(keys);
+        *copy.select_nth_unstable_by(kc - 1, |a, b| b.cmp(a)).1
+    } else {
+        let t = *keys.select_nth_unstable_by(kc - 1, |a, b| b.cmp(a)).1;
+        for (k, &i) in keys.iter_mut().zip(&s.idx[..len]) {
+            *k = x[i as usize].to_bits() & 0x7FFF_FFFF;
+        }
+        t
+    };
+    // The candidates reaching t, in order (the SIMD compaction); where more than kc do,
+    // some equal t: of those, the first ones in position order.
+    let reach = crate::kernels::retain_mag_ge(&mut s.idx[..len], &mut s.keys[..len], t);
+    if reach > kc {
+        let above = s.keys[..reach].iter().filter(|&&k| k > t).count();
+        let (mut eq_left, mut w) = (kc - above, 0);
+        // Branch-free: each candidate is written and kept or overwritten by the next.
+        for j in 0..reach {
+            let (i, k) = (s.idx[j], s.keys[j]);
+            let tie = (k == t) & (eq_left > 0);
+            s.idx[w] = i;
+            w += ((k > t) | tie) as usize;
+            eq_left -= tie as usize;
+        }
+        debug_assert_eq!(w, kc);
+    }
+    debug_assert!(reach >= kc);
 }
 
 /// The positions of the elements of `x` whose key reaches `t`, ascending, into `idx`
@@ -301,52 +353,91 @@ impl Kept for Walked<'_> {
 /// order, from `kept` (walked once per part of the record); true if a kept value is NaN
 /// or ±Inf.
 fn write_record(x: &[f32], r: Record, kept: impl Kept, rec: &mut [u8]) -> bool {
-    let (mut nonfinite, mut absmax, mut last) = (false, 0f32, None);
+    // The largest magnitude by its bits (the order of finite magnitudes, NaN and Inf
+    // above them): no chain of float maxima.
+    let (mut most, mut last) = (0u32, None);
     kept.each(|i| {
-        let v = x[i as usize];
-        nonfinite |= !v.is_finite();
-        absmax = absmax.max(v.abs());
+        most = most.max(x[i as usize].to_bits() & 0x7FFF_FFFF);
         last = Some(i);
     });
+    let nonfinite = most >= INF_BITS;
     let s = if nonfinite {
         CANONICAL_NAN
     } else {
-        absmax / 3.0
+        f32::from_bits(most) / 3.0
     };
     rec[..4].copy_from_slice(&s.to_le_bytes());
     let body = &mut rec[4..];
     body.fill(0);
     let mut w = BitWriter::new(body);
     kept.each(|p| w.put(p & ((1u32 << r.low) - 1), r.low));
-    // The upper vector: for each kept position, (p >> low) zero bits since the last one,
-    // then a one.
-    let mut high = 0u32;
-    kept.each(|p| {
-        let h = p >> r.low;
-        let mut zeros = h - high;
-        while zeros >= 32 {
-            w.put(0, 32);
-            zeros -= 32;
+    // The upper vector: for each kept position p_i, bit (p_i >> low) + i.
+    if r.upper <= 64 * UPPER_WORDS {
+        // Set in words, then written 32 bits at a time. The word being set stays in a
+        // register until a position's bit is past it (the bits rise).
+        let mut words = [0u64; UPPER_WORDS];
+        let (mut i, mut at, mut word) = (0, 0, 0u64);
+        kept.each(|p| {
+            let b = (p >> r.low) as usize + i;
+            while b / 64 > at {
+                words[at] = word;
+                (at, word) = (at + 1, 0);
+            }
+            word |= 1 << (b % 64);
+            i += 1;
+        });
+        words[at] = word;
+        let mut rest = r.upper;
+        for half in words.iter().flat_map(|&v| [v as u32, (v >> 32) as u32]) {
+            let n = rest.min(32);
+            if n == 0 {
+                break;
+            }
+            w.put(half, n as u32);
+            rest -= n;
         }
-        w.put(1 << zeros, zeros + 1);
-        high = h;
-    });
-    let written = last.map_or(0, |p| (p >> r.low) as usize + r.kc);
-    let mut rest = r.upper - written;
-    while rest >= 32 {
-        w.put(0, 32);
-        rest -= 32;
+    } else {
+        // (p >> low) zero bits since the last one, then a one.
+        let mut high = 0u32;
+        kept.each(|p| {
+            let h = p >> r.low;
+            let mut zeros = h - high;
+            while zeros >= 32 {
+                w.put(0, 32);
+                zeros -= 32;
+            }
+            w.put(1 << zeros, zeros + 1);
+            high = h;
+        });
+        let written = last.map_or(0, |p| (p >> r.low) as usize + r.kc);
+        let mut rest = r.upper - written;
+        while rest >= 32 {
+            w.put(0, 32);
+            rest -= 32;
+        }
+        w.put(0, rest as u32);
     }
-    w.put(0, rest as u32);
+    // The codes, 16 to a put.
     let t = 2.0 * s;
+    let (mut group, mut n) = (0u32, 0u32);
     kept.each(|p| {
         let v = x[p as usize];
         let code = (v >= -t) as u32 + (v >= 0.0) as u32 + (v >= t) as u32;
-        w.put(if nonfinite { 0 } else { code }, 2);
+        group |= if nonfinite { 0 } else { code } << (2 * n);
+        n += 1;
+        if n == 16 {
+            w.put(group, 32);
+            (group, n) = (0, 0);
+        }
     });
+    w.put(group, 2 * n);
     w.finish();
     nonfinite
 }
+
+/// Words of the upper vector set in place by [`write_record`] (up to 256 bits: chunks
+/// keeping up to 85 elements); longer ones are written run by run.
+const UPPER_WORDS: usize = 4;
 
 /// One chunk's record with working room: the sampled selection, then the record from
 /// the kept list.
@@ -630,7 +721,9 @@ mod tests {
 
     #[test]
     fn selection_keeps_the_largest_on_every_route() {
-        // Miri runs a short chunk (every element is then in the sample).
+        use crate::kernels::{Backend, BackendKind};
+        // Miri runs a short chunk (every element is then in the sample), on its one
+        // backend.
         let c = if cfg!(miri) { 256 } else { 4096 };
         let mut inputs: Vec<(&str, Vec<f32>)> = Vec::new();
         inputs.push((
@@ -663,15 +756,77 @@ mod tests {
                 .map(|i| if i % 2 == 0 { -0.0 } else { 0.0 })
                 .collect(),
         ));
+        // Mostly zeros: some of the bound's groups hold fewer large elements than its
+        // depth, so it is 0, lets everything through, and the sampled way runs.
+        inputs.push((
+            "mostly zeros",
+            (0..c)
+                .map(|i| {
+                    if i % 97 == 0 {
+                        (i % 13) as f32 - 6.0
+                    } else {
+                        0.0
+                    }
+                })
+                .collect(),
+        ));
+        // The large elements all in one of the bound's groups (every 16th position).
+        inputs.push((
+            "one group",
+            (0..c)
+                .map(|i| {
+                    if i % 16 == 5 {
+                        100.0 + i as f32
+                    } else {
+                        (i % 11) as f32
+                    }
+                })
+                .collect(),
+        ));
+        // A heavy-tailed mixture of scales, and NaN and Inf among many candidates.
+        let mut heavy: Vec<f32> = (0..c)
+            .map(|i| {
+                let u = ((i as u64 * 2654435761) % 1_000_003) as f32 / 1_000_003.0;
+                (u - 0.5) / (0.01 + u * u * u) * if i % 3 == 0 { 1e-3 } else { 1.0 }
+            })
+            .collect();
+        inputs.push(("heavy", heavy.clone()));
+        heavy[17] = f32::NAN;
+        heavy[c / 2] = f32::INFINITY;
+        heavy[c - 1] = -f32::NAN;
+        inputs.push(("heavy, non-finite", heavy));
+        let backends: Vec<Backend> = BackendKind::ALL
+            .into_iter()
+            .filter_map(Backend::of)
+            .collect();
+        // Chunks shorter than the input, and not multiples of the kernels' steps; every
+        // depth of the bound and the sizes around it (fewer under Miri).
+        let (sizes, ks): (&[usize], &[usize]) = if cfg!(miri) {
+            (&[c], &[1, 7, 64, 200, c - 1, c])
+        } else {
+            (
+                &[c, c - 5, c / 4 + 3, 100, 33],
+                &[1, 7, 16, 17, 33, 48, 64, 65, 200, c - 1, c],
+            )
+        };
         for (name, x) in &inputs {
-            for kc in [1, 7, 64, 200, c - 1, c] {
-                let (mut idx, mut keys) = (vec![0; c + 64], vec![0; c + 64]);
-                let mut s = Scratch {
-                    idx: &mut idx,
-                    keys: &mut keys,
-                };
-                select(x, kc, &mut s);
-                assert_eq!(s.idx[..kc], oracle(x, kc)[..], "{name} k={kc}");
+            for &c in sizes {
+                let x = &x[..c];
+                for &kc in ks {
+                    if kc == 0 || kc > c {
+                        continue;
+                    }
+                    let want = oracle(x, kc);
+                    for b in &backends {
+                        let (mut idx, mut keys) = (vec![0; c + 64], vec![0; c + 64]);
+                        let mut s = Scratch {
+                            idx: &mut idx,
+                            keys: &mut keys,
+                        };
+                        b.run(|| select(x, kc, &mut s));
+                        assert_eq!(s.idx[..kc], want[..], "{name} c={c} k={kc} on {b}");
+                    }
+                }
             }
         }
     }

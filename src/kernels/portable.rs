@@ -673,6 +673,61 @@ pub fn decode_natural<const M: u8>(refs: &[u8], codes: &[u8], block: usize, out:
     }
 }
 
+// ---------------------------------------------------------------- selection bounds
+
+/// The groups of [`lane_bound`]: element `i` of a slice is in group `i % BOUND_GROUPS`.
+pub const BOUND_GROUPS: usize = 16;
+
+/// The least, over the [`BOUND_GROUPS`] groups of `x` (element `i` in group `i % 16`),
+/// of each group's `D`-th largest magnitude key (`bits & 0x7FFFFFFF`; 0 for a group of
+/// fewer than `D` elements): so at least `min(16 D, x.len())` elements have a key at or
+/// above it (see `super::lane_bound`). One pass, each group's `D` largest keys kept
+/// sorted in a lane of `D` vectors; two such sets take alternate rows of 16 (two
+/// independent chains of minima and maxima), merged at the end.
+#[inline(always)]
+pub fn lane_bound<const D: usize>(x: &[f32]) -> u32 {
+    let mut sets = [[[0u32; BOUND_GROUPS]; D]; 2];
+    let pairs = x.chunks_exact(2 * BOUND_GROUPS);
+    let rest = pairs.remainder();
+    for pair in pairs {
+        for (m, row) in sets.iter_mut().zip(pair.chunks_exact(BOUND_GROUPS)) {
+            let row: &[f32; BOUND_GROUPS] = row.try_into().expect("a row of 16");
+            insert_row(m, row.map(|v| v.to_bits() & ABS));
+        }
+    }
+    let [mut m, other] = sets;
+    for row in other {
+        insert_row(&mut m, row);
+    }
+    for (i, v) in rest.iter().enumerate() {
+        insert_key(&mut m, i % BOUND_GROUPS, v.to_bits() & ABS);
+    }
+    m[D - 1].iter().fold(u32::MAX, |a, &b| a.min(b))
+}
+
+/// Each lane `l` of `v` into lane `l` of the sorted rows `m` (largest first), the least
+/// of each lane dropped.
+#[inline(always)]
+fn insert_row<const D: usize>(m: &mut [[u32; BOUND_GROUPS]; D], mut v: [u32; BOUND_GROUPS]) {
+    for r in m.iter_mut() {
+        for l in 0..BOUND_GROUPS {
+            let hi = r[l].max(v[l]);
+            v[l] = r[l].min(v[l]);
+            r[l] = hi;
+        }
+    }
+}
+
+/// Key `v` into lane `l` of the sorted rows `m` (largest first), the least one dropped.
+#[inline(always)]
+pub(super) fn insert_key<const D: usize>(m: &mut [[u32; BOUND_GROUPS]; D], l: usize, mut v: u32) {
+    for r in m.iter_mut() {
+        let hi = r[l].max(v);
+        v = r[l].min(v);
+        r[l] = hi;
+    }
+}
+
 // ---------------------------------------------------------------- compare and compress
 
 /// Bit `i` of the result is `flags[i] != 0` (flags are 0 or 1).

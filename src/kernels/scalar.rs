@@ -1198,6 +1198,41 @@ pub fn kth_largest_key(x: &[f32], k: usize) -> u32 {
     prefix
 }
 
+/// The oracle of `kernels::lane_bound`: group by group (element `i` in group `i % 16`),
+/// its `d` (1 to 4) largest keys kept by insertion, the `d`-th of them (0 for a group of
+/// fewer), the least over the groups.
+pub fn lane_bound(x: &[f32], d: usize) -> u32 {
+    assert!((1..=4).contains(&d), "lane_bound depth {d} outside 1..=4");
+    let groups = super::portable::BOUND_GROUPS;
+    (0..groups)
+        .map(|l| {
+            let mut top = [0u32; 4];
+            for &v in x.iter().skip(l).step_by(groups) {
+                let k = mag_key(v);
+                if let Some(p) = top[..d].iter().position(|&t| k > t) {
+                    top[p..d].rotate_right(1);
+                    top[p] = k;
+                }
+            }
+            top[d - 1]
+        })
+        .min()
+        .unwrap_or(0)
+}
+
+/// The oracle of `kernels::filter_keys`: one element at a time, each written and kept
+/// or overwritten by the next (no branch on the data).
+pub fn filter_keys(x: &[f32], t: u32, idx: &mut [u32], keys: &mut [u32]) -> usize {
+    let mut count = 0;
+    for (i, &v) in x.iter().enumerate() {
+        let k = mag_key(v);
+        idx[count] = i as u32;
+        keys[count] = k;
+        count += (k >= t) as usize;
+    }
+    count
+}
+
 // ---------------------------------------------------------------- compare and compress
 
 /// The oracle of `kernels::filter_mag_ge`: one element at a time, stopping at the same
@@ -1226,12 +1261,13 @@ pub fn retain_mag_ge(idx: &mut [u32], vals: &mut [u32], t: u32) -> usize {
 pub fn retain_mag_ge_from(idx: &mut [u32], vals: &mut [u32], t: u32, r: usize, w: usize) -> usize {
     let n = idx.len().min(vals.len());
     let mut at = w;
+    // Each entry is moved and kept or overwritten by the next kept one (at <= j): no
+    // branch on the data.
     for j in r..n {
-        if mag_key(f32::from_bits(vals[j])) >= t {
-            idx[at] = idx[j];
-            vals[at] = vals[j];
-            at += 1;
-        }
+        let keep = mag_key(f32::from_bits(vals[j])) >= t;
+        idx[at] = idx[j];
+        vals[at] = vals[j];
+        at += keep as usize;
     }
     at - w
 }

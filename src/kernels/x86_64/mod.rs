@@ -608,6 +608,131 @@ pub unsafe fn compress_stored_masks_avx2(
     compress_masks_avx2(n, idx, rare, |done, _| masks[done / 64])
 }
 
+/// The positions and magnitude keys of the elements of `x` whose key is at least `t`, by
+/// a compress of 16 lanes at a time (no branch per element): the contract of
+/// `super::filter_keys` (`idx` and `keys` hold at least `x.len() + 16`).
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX-512DQ and POPCNT (the AVX-512 backend's detection
+/// checks all three).
+#[target_feature(enable = "avx512f,avx512dq,popcnt")]
+pub unsafe fn filter_keys_avx512(x: &[f32], t: u32, idx: &mut [u32], keys: &mut [u32]) -> usize {
+    let n = x.len();
+    assert!(idx.len() >= n + 16 && keys.len() >= n + 16 && n <= u32::MAX as usize);
+    // key >= t where (t - 1) - key, in wrapping i32, is negative: keys are below 2^31,
+    // so t is taken to at most 2^31 (which no key reaches: 2^31 - 1 - key >= 0), and t =
+    // 0 gives -1 - key. A subtraction and a sign-bit move, off the port that the
+    // compress and an unsigned compare would share.
+    let t1 = t.min(1 << 31).wrapping_sub(1) as i32;
+    let (t1, abs) = (_mm512_set1_epi32(t1), _mm512_set1_epi32(ABS));
+    let step = _mm512_set1_epi32(16);
+    let mut at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let mut count = 0;
+    // Four vectors a step: their masks and counts first, so that the running count (the
+    // stores' address) takes one addition a step, not a mask move, a population count
+    // and an addition per vector. Only the positions are compressed; the keys are read
+    // again after (a second compress would double the work of the compress port).
+    for q in x.chunks_exact(64) {
+        let mut m = [0u16; 4];
+        for (j, m) in m.iter_mut().enumerate() {
+            // SAFETY: `q` holds 64 f32, four unaligned __m512i.
+            let k = _mm512_and_si512(
+                unsafe { _mm512_loadu_si512(q.as_ptr().add(16 * j).cast()) },
+                abs,
+            );
+            *m = _mm512_movepi32_mask(_mm512_sub_epi32(t1, k));
+        }
+        let c = m.map(|m| m.count_ones() as usize);
+        let starts = [
+            count,
+            count + c[0],
+            count + c[0] + c[1],
+            count + c[0] + c[1] + c[2],
+        ];
+        for (m, start) in m.into_iter().zip(starts) {
+            // SAFETY: `start` <= the elements before this vector, so `start + 16 <= n +
+            // 16` entries of `idx` exist: an unaligned __m512i store, the lanes past the
+            // kept ones written with zeros.
+            unsafe {
+                _mm512_storeu_si512(
+                    idx.as_mut_ptr().add(start).cast(),
+                    _mm512_maskz_compress_epi32(m, at),
+                );
+            }
+            at = _mm512_add_epi32(at, step);
+        }
+        count = starts[3] + c[3];
+    }
+    for (k, &i) in keys[..count].iter_mut().zip(&idx[..count]) {
+        *k = x[i as usize].to_bits() & ABS as u32;
+    }
+    let done = n - n % 64;
+    // The rest (under 64) one by one, each written and kept or overwritten by the next.
+    for (i, v) in x.iter().enumerate().skip(done) {
+        let k = v.to_bits() & ABS as u32;
+        idx[count] = i as u32;
+        keys[count] = k;
+        count += (k >= t) as usize;
+    }
+    count
+}
+
+/// `super::lane_bound` with AVX-512: each group's `D` largest keys kept by float minima
+/// and maxima (two ports on Intel's cores, where the 512-bit integer ones take one),
+/// which order non-negative floats as their bits do, NaN aside (a NaN, seen by an
+/// integer maximum of the keys, sends the slice to the portable kernel). Four sets of 16 lanes take every fourth row of
+/// 16, merged at the end. The same value as [`scalar::lane_bound`].
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn lane_bound_avx512<const D: usize>(x: &[f32]) -> u32 {
+    let abs = _mm512_set1_epi32(ABS);
+    let mut sets = [[_mm512_setzero_ps(); D]; 4];
+    let mut most = _mm512_setzero_si512();
+    let quads = x.chunks_exact(64);
+    let rest = quads.remainder();
+    for quad in quads {
+        for (m, row) in sets.iter_mut().zip(quad.chunks_exact(16)) {
+            // SAFETY: `row` holds 16 f32, one unaligned __m512i.
+            let k = _mm512_and_si512(unsafe { _mm512_loadu_si512(row.as_ptr().cast()) }, abs);
+            most = _mm512_max_epu32(most, k);
+            let mut v = _mm512_castsi512_ps(k);
+            for r in m.iter_mut() {
+                let hi = _mm512_max_ps(*r, v);
+                v = _mm512_min_ps(*r, v);
+                *r = hi;
+            }
+        }
+    }
+    if _mm512_reduce_max_epu32(most) > scalar::INF_BITS {
+        // NaN: the integer minima and maxima of the portable kernel.
+        return super::portable::lane_bound::<D>(x);
+    }
+    // The other sets' rows inserted into the first, in registers; then its lanes as keys
+    // (the float bits are the keys), the rest inserted one by one.
+    let [mut first, others @ ..] = sets;
+    for m in others {
+        for row in m {
+            let mut v = row;
+            for r in first.iter_mut() {
+                let hi = _mm512_max_ps(*r, v);
+                v = _mm512_min_ps(*r, v);
+                *r = hi;
+            }
+        }
+    }
+    let mut lanes = [[0u32; 16]; D];
+    for (o, r) in lanes.iter_mut().zip(&first) {
+        // SAFETY: `o` is 16 u32, one unaligned __m512.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr().cast(), *r) };
+    }
+    for (i, v) in rest.iter().enumerate() {
+        super::portable::insert_key(&mut lanes, i % 16, v.to_bits() & ABS as u32);
+    }
+    lanes[D - 1].iter().fold(u32::MAX, |a, &b| a.min(b))
+}
+
 /// Compare and compress with AVX-512, 16 lanes and mask registers; the contract of
 /// [`filter_mag_ge_avx2`].
 ///
