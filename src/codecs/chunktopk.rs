@@ -44,7 +44,7 @@ use super::{EncodeCtx, Encoded, Scheme, expect_payload, sparse_prepare};
 use crate::codec::{Args, CodecId, CodecSpec, payload_buf};
 use crate::error::{Error, Result};
 use crate::kernels::LANE_GROUPS as BOUND_GROUPS;
-use crate::kernels::scalar::{BitReader, BitWriter, CANONICAL_NAN, INF_BITS, put};
+use crate::kernels::scalar::{BitReader, BitWriter, CANONICAL_NAN, INF_BITS, mode, put};
 use crate::wire::{HEADER_LEN, Header};
 
 /// Longest chunk.
@@ -496,6 +496,84 @@ impl crate::parallel::Split for Parts<'_> {
     }
 }
 
+/// The error-feedback step of a run of chunks: each chunk's input `beta r + gamma g`
+/// formed into `r`, encoded into `p` while it is in cache (by [`encode_chunk`]), and the
+/// kept elements' residuals written over it at once: what decoding the record onto the
+/// chunk in residual mode leaves there, but the frame's non-finite pass (see
+/// [`ChunkTopK::encode_formed`]). True if a kept value is NaN or ±Inf.
+fn feedback_run(
+    (r, g, beta, gamma): (&mut [f32], &[f32], f32, f32),
+    chunk: usize,
+    k: usize,
+    p: &mut [u8],
+    s: &mut Scratch,
+) -> bool {
+    let (mut at, mut nonfinite) = (0, false);
+    for (rc, gc) in r.chunks_mut(chunk).zip(g.chunks(chunk)) {
+        crate::kernels::feedback_form(rc, gc, beta, gamma);
+        let shape = Record::of(rc.len(), k);
+        let rec = &mut p[at..at + shape.bytes];
+        let bad = encode_chunk(rc, shape, s, rec);
+        // The decoder's values: the scale times the level of each kept element's code
+        // (the record's codes, formed as write_record forms them; code 0 where the scale
+        // is NaN, whose products are NaN and decode as the canonical NaN).
+        let scale = f32::from_le_bytes(rec[..4].try_into().expect("4 bytes"));
+        let t = 2.0 * scale;
+        for &i in &s.idx[..shape.kc] {
+            let v = rc[i as usize];
+            let code = if bad {
+                0
+            } else {
+                (v >= -t) as usize + (v >= 0.0) as usize + (v >= t) as usize
+            };
+            let d = scale * LEVELS[code];
+            put::<{ mode::RESIDUAL }>(
+                &mut rc[i as usize],
+                if d.is_nan() { CANONICAL_NAN } else { d },
+            );
+        }
+        nonfinite |= bad;
+        at += shape.bytes;
+    }
+    debug_assert_eq!(at, p.len());
+    nonfinite
+}
+
+/// Whole chunks of an error-feedback step's residual and gradient and their records.
+struct FeedParts<'a> {
+    r: &'a mut [f32],
+    g: &'a [f32],
+    p: &'a mut [u8],
+    chunk: usize,
+    record: usize,
+}
+
+impl crate::parallel::Split for FeedParts<'_> {
+    fn split(self, at: usize, _: usize) -> (Self, Self) {
+        let cut = (at * self.chunk).min(self.r.len());
+        let (r0, r1) = self.r.split_at_mut(cut);
+        let (g0, g1) = self.g.split_at(cut);
+        let (p0, p1) = self.p.split_at_mut((at * self.record).min(self.p.len()));
+        let (chunk, record) = (self.chunk, self.record);
+        (
+            FeedParts {
+                r: r0,
+                g: g0,
+                p: p0,
+                chunk,
+                record,
+            },
+            FeedParts {
+                r: r1,
+                g: g1,
+                p: p1,
+                chunk,
+                record,
+            },
+        )
+    }
+}
+
 impl Scheme for ChunkTopK {
     const ID: CodecId = CodecId::ChunkTopK;
 
@@ -560,6 +638,69 @@ impl Scheme for ChunkTopK {
             nonfinite,
             seed: 0,
         })
+    }
+
+    /// One pass: each chunk's input formed, encoded and its kept elements' residuals
+    /// written while it is in cache ([`feedback_run`]), on all threads for large tensors
+    /// as the encoder runs; the dropped elements keep their input, which is their
+    /// residual. Where a kept value is NaN or ±Inf, every element then takes the
+    /// residual of a decoded 0 (`residual_of(r, 0)`), as the decoder's first pass gives
+    /// it: for each element the two orders give the same value. Without working room in
+    /// `out`, the unfused steps.
+    fn encode_formed(
+        &self,
+        r: &mut [f32],
+        (g, beta, gamma): (&[f32], f32, f32),
+        ctx: &EncodeCtx,
+        out: &mut [u8],
+    ) -> Result<(Encoded, bool)> {
+        self.check_elements(r.len() as u64)?;
+        let len = self.payload(r.len() as u64).expect("checked");
+        let c = self.chunk().min(r.len());
+        if (HEADER_LEN as u64 + len + room_bytes(c)) > out.len() as u64 {
+            crate::parallel::feedback_form(r, g, beta, gamma);
+            return Ok((self.encode_payload(r, ctx, out)?, false));
+        }
+        payload_buf(out, len)?;
+        let (p, room) = out[HEADER_LEN..].split_at_mut(len as usize);
+        let (chunk, k) = (self.chunk(), self.k());
+        let chunks = r.len().div_ceil(chunk.max(1));
+        let nonfinite = if chunk <= PAR_CHUNK && chunks > 1 && crate::parallel::worth(r.len(), 8) {
+            let parts = FeedParts {
+                r: &mut *r,
+                g,
+                p,
+                chunk,
+                record: Record::of(chunk, k).bytes,
+            };
+            let per = chunks.div_ceil(64).max(1);
+            crate::parallel::for_ranges(parts, chunks, per, true, &|b, _| {
+                let (mut idx, mut keys) = ([0u32; PAR_CHUNK + 64], [0u32; PAR_CHUNK + 64]);
+                let mut s = Scratch {
+                    idx: &mut idx,
+                    keys: &mut keys,
+                };
+                feedback_run((b.r, b.g, beta, gamma), chunk, k, b.p, &mut s)
+            })
+        } else {
+            let words = crate::kernels::words_mut(room);
+            let (idx, keys) = words.split_at_mut(c + 64);
+            let mut s = Scratch {
+                idx,
+                keys: &mut keys[..c + 64],
+            };
+            feedback_run((r, g, beta, gamma), chunk, k, p, &mut s)
+        };
+        sparse_prepare::<{ mode::RESIDUAL }>(nonfinite, r);
+        Ok((
+            Encoded {
+                payload_len: len,
+                params: self.params(),
+                nonfinite,
+                seed: 0,
+            },
+            true,
+        ))
     }
 
     fn read(h: &Header) -> Result<ChunkTopK> {
