@@ -292,9 +292,9 @@ pub(crate) const fn x86_route_on(op: Op, kind: BackendKind, cpu: Cpu) -> X86 {
             }
             // `chunktopk`'s bound pass and candidate filter (a 2-core Intel Xeon,
             // 2026-11-29, chunks of 4096 at 1 Mi elements): the AVX-512 bound, by float
-            // minima and maxima on two ports where the 512-bit integer ones take one, 700
+            // minima and maxima on two ports where the 512-bit integer ones take one, 660
             // against the AVX2 build's 800 ns a chunk; the compress filter with its keys
-            // 430 against 500 ns (in L1). AMD's cores are not measured: their rows stay on
+            // 430 against 660 ns (in L1). AMD's cores are not measured: their rows stay on
             // AVX2 (for `FilterKeys`, `FilterMagGe`'s kernel and the keys read again).
             Op::LaneBound | Op::FilterKeys if matches!(cpu, Cpu::Intel) => X86::Avx512,
             // Of these, sign's encode takes blocks of at least 128 only, sign-magnitude's
