@@ -1553,26 +1553,17 @@ pub fn filter_keys(x: &[f32], t: u32, idx: &mut [u32], keys: &mut [u32]) -> usiz
     );
     let b = Backend::current();
     match (b.kind(), x86_route(Op::FilterKeys, b.kind())) {
+        (BackendKind::Scalar, _) => scalar::filter_keys(x, t, idx, keys),
         // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
-        // after AVX-512F was detected.
+        // after AVX-512F and DQ (pulp's x86-64-v4 set) and AVX2 with POPCNT (its v3
+        // set) were detected.
         #[cfg(target_arch = "x86_64")]
         (_, X86::Avx512) => unsafe { x86_64::filter_keys_avx512(x, t, idx, keys) },
-        // The index filter (mask registers, movemask or the portable flags, also on the
-        // scalar backend), then each key read again.
+        // The index filter (mask registers or movemask), then each key read again.
         _ => {
             let (mut pos, mut len) = (0, 0);
             while pos < x.len() {
-                let (used, kept) = match b.kind() {
-                    BackendKind::Scalar => simd(
-                        b,
-                        FilterMagGe {
-                            x: &x[pos..],
-                            t,
-                            idx: &mut idx[len..],
-                        },
-                    ),
-                    _ => filter_mag_ge(&x[pos..], t, &mut idx[len..]),
-                };
+                let (used, kept) = filter_mag_ge(&x[pos..], t, &mut idx[len..]);
                 for i in &mut idx[len..len + kept] {
                     *i += pos as u32;
                 }

@@ -680,8 +680,10 @@ pub unsafe fn filter_keys_avx512(x: &[f32], t: u32, idx: &mut [u32], keys: &mut 
 /// `super::lane_bound` with AVX-512: each group's `D` largest keys kept by float minima
 /// and maxima (two ports on Intel's cores, where the 512-bit integer ones take one),
 /// which order non-negative floats as their bits do, NaN aside (a NaN, seen by an
-/// integer maximum of the keys, sends the slice to the portable kernel). Four sets of 16 lanes take every fourth row of
-/// 16, merged at the end. The same value as [`scalar::lane_bound`].
+/// integer maximum of the keys, sends the slice to the portable kernel), and subnormals
+/// too in the crate's floating-point mode (the codecs hold it). Four sets of 16 lanes
+/// take every fourth row of 16, merged at the end. The same value as
+/// [`scalar::lane_bound`].
 ///
 /// # Safety
 /// The CPU must support AVX-512F.
