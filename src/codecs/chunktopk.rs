@@ -213,8 +213,7 @@ fn select(x: &[f32], kc: usize, s: &mut Scratch) {
     if kc <= 4 * BOUND_GROUPS && crate::kernels::lane_bound_pays() && bounded(x, kc, s) {
         return;
     }
-    let key = |v: f32| v.to_bits() & 0x7FFF_FFFF;
-    let len = sampled(x, kc, s.idx);
+    let len = sampled(x, kc, s);
     if len < kc {
         let mut n = 0;
         for_each_top(x, kc, |i| {
@@ -222,10 +221,6 @@ fn select(x: &[f32], kc: usize, s: &mut Scratch) {
             n += 1;
         });
         return;
-    }
-    let keys = &mut s.keys[..len];
-    for (k, &i) in keys.iter_mut().zip(&s.idx[..len]) {
-        *k = key(x[i as usize]);
     }
     keep_top(x, kc, len, s);
 }
@@ -285,24 +280,10 @@ fn keep_top(x: &[f32], kc: usize, len: usize, s: &mut Scratch) {
     debug_assert!(reach >= kc);
 }
 
-/// The positions of the elements of `x` whose key reaches `t`, ascending, into `idx`
-/// (room for `x.len() + 64`): their count.
-fn filter(x: &[f32], t: u32, idx: &mut [u32]) -> usize {
-    let (mut pos, mut len) = (0, 0);
-    while pos < x.len() {
-        let (used, kept) = crate::kernels::filter_mag_ge(&x[pos..], t, &mut idx[len..]);
-        for i in &mut idx[len..len + kept] {
-            *i += pos as u32;
-        }
-        pos += used;
-        len += kept;
-    }
-    len
-}
-
-/// [`filter`] with a threshold from a stratified sample of `x` that about `2 kc` reach,
-/// then, if fewer than `kc` did, `6 kc`: the count of the last filter.
-fn sampled(x: &[f32], kc: usize, idx: &mut [u32]) -> usize {
+/// The candidates of a threshold from a stratified sample of `x` that about `2 kc`
+/// reach, then, if fewer than `kc` did, `6 kc`, with their keys
+/// ([`crate::kernels::filter_keys`] into `s`): the count of the last filter.
+fn sampled(x: &[f32], kc: usize, s: &mut Scratch) -> usize {
     let c = x.len();
     let key = |v: f32| v.to_bits() & 0x7FFF_FFFF;
     let m = SAMPLES.min(c);
@@ -317,7 +298,7 @@ fn sampled(x: &[f32], kc: usize, idx: &mut [u32]) -> usize {
     for aim in [2, 6] {
         let rank = (aim * kc * m).div_ceil(c).clamp(1, m);
         let (_, &mut t, _) = sample.select_nth_unstable_by(rank - 1, |a, b| b.cmp(a));
-        len = filter(x, t, idx);
+        len = crate::kernels::filter_keys(x, t, s.idx, s.keys);
         if len >= kc {
             break;
         }
@@ -418,12 +399,14 @@ fn write_record(x: &[f32], r: Record, kept: impl Kept, rec: &mut [u8]) -> bool {
         w.put(0, rest as u32);
     }
     // The codes, 16 to a put.
-    let t = 2.0 * s;
     let (mut group, mut n) = (0u32, 0u32);
     kept.each(|p| {
-        let v = x[p as usize];
-        let code = (v >= -t) as u32 + (v >= 0.0) as u32 + (v >= t) as u32;
-        group |= if nonfinite { 0 } else { code } << (2 * n);
+        let code = if nonfinite {
+            0
+        } else {
+            code_of(x[p as usize], s)
+        };
+        group |= code << (2 * n);
         n += 1;
         if n == 16 {
             w.put(group, 32);
@@ -433,6 +416,14 @@ fn write_record(x: &[f32], r: Record, kept: impl Kept, rec: &mut [u8]) -> bool {
     w.put(group, 2 * n);
     w.finish();
     nonfinite
+}
+
+/// The 2-bit code of a kept value `v` in a chunk of scale `s`: the nearest of `-3s, -s,
+/// +s, +3s` by the thresholds `-2s`, `0`, `2s`.
+#[inline(always)]
+fn code_of(v: f32, s: f32) -> u32 {
+    let t = 2.0 * s;
+    (v >= -t) as u32 + (v >= 0.0) as u32 + (v >= t) as u32
 }
 
 /// Words of the upper vector set in place by [`write_record`] (up to 256 bits: chunks
@@ -471,38 +462,14 @@ fn encode_run(x: &[f32], chunk: usize, k: usize, p: &mut [u8], mut s: Option<Scr
     nonfinite
 }
 
-/// Longest chunk encoded on all threads (each thread's room is on its stack: 33 KiB).
-const PAR_CHUNK: usize = 4096;
-
-/// Whole chunks of the input and their records (all of one size but the last's).
-struct Parts<'a> {
-    x: &'a [f32],
-    p: &'a mut [u8],
-    chunk: usize,
-    record: usize,
-}
-
-impl crate::parallel::Split for Parts<'_> {
-    fn split(self, at: usize, _: usize) -> (Self, Self) {
-        let (x0, x1) = self.x.split_at((at * self.chunk).min(self.x.len()));
-        let (p0, p1) = self.p.split_at_mut((at * self.record).min(self.p.len()));
-        let part = |x, p| Parts {
-            x,
-            p,
-            chunk: self.chunk,
-            record: self.record,
-        };
-        (part(x0, p0), part(x1, p1))
-    }
-}
-
 /// The error-feedback step of a run of chunks: each chunk's input `beta r + gamma g`
 /// formed into `r`, encoded into `p` while it is in cache (by [`encode_chunk`]), and the
 /// kept elements' residuals written over it at once: what decoding the record onto the
 /// chunk in residual mode leaves there, but the frame's non-finite pass (see
 /// [`ChunkTopK::encode_formed`]). True if a kept value is NaN or ±Inf.
 fn feedback_run(
-    (r, g, beta, gamma): (&mut [f32], &[f32], f32, f32),
+    (r, g): (&mut [f32], &[f32]),
+    (beta, gamma): (f32, f32),
     chunk: usize,
     k: usize,
     p: &mut [u8],
@@ -515,22 +482,14 @@ fn feedback_run(
         let rec = &mut p[at..at + shape.bytes];
         let bad = encode_chunk(rc, shape, s, rec);
         // The decoder's values: the scale times the level of each kept element's code
-        // (the record's codes, formed as write_record forms them; code 0 where the scale
-        // is NaN, whose products are NaN and decode as the canonical NaN).
+        // (code 0 where the scale is NaN, whose products are NaN and decode as the
+        // canonical NaN).
         let scale = f32::from_le_bytes(rec[..4].try_into().expect("4 bytes"));
-        let t = 2.0 * scale;
         for &i in &s.idx[..shape.kc] {
-            let v = rc[i as usize];
-            let code = if bad {
-                0
-            } else {
-                (v >= -t) as usize + (v >= 0.0) as usize + (v >= t) as usize
-            };
-            let d = scale * LEVELS[code];
-            put::<{ mode::RESIDUAL }>(
-                &mut rc[i as usize],
-                if d.is_nan() { CANONICAL_NAN } else { d },
-            );
+            let v = &mut rc[i as usize];
+            let code = if bad { 0 } else { code_of(*v, scale) };
+            let d = scale * LEVELS[code as usize];
+            put::<{ mode::RESIDUAL }>(v, if d.is_nan() { CANONICAL_NAN } else { d });
         }
         nonfinite |= bad;
         at += shape.bytes;
@@ -539,38 +498,91 @@ fn feedback_run(
     nonfinite
 }
 
-/// Whole chunks of an error-feedback step's residual and gradient and their records.
-struct FeedParts<'a> {
-    r: &'a mut [f32],
-    g: &'a [f32],
+/// Longest chunk encoded on all threads (each thread's room is on its stack: 33 KiB).
+const PAR_CHUNK: usize = 4096;
+
+/// Elements that cut at a chunk boundary: an input, or a residual and its gradient.
+trait Elements: Sized + Send {
+    fn split_at(self, at: usize) -> (Self, Self);
+}
+
+impl Elements for &[f32] {
+    fn split_at(self, at: usize) -> (Self, Self) {
+        <[f32]>::split_at(self, at.min(self.len()))
+    }
+}
+
+impl Elements for (&mut [f32], &[f32]) {
+    fn split_at(self, at: usize) -> (Self, Self) {
+        let at = at.min(self.0.len());
+        let ((r0, r1), (g0, g1)) = (self.0.split_at_mut(at), self.1.split_at(at));
+        ((r0, g0), (r1, g1))
+    }
+}
+
+/// Whole chunks of the elements and their records (all of one size but the last's).
+struct Parts<'a, X> {
+    x: X,
     p: &'a mut [u8],
     chunk: usize,
     record: usize,
 }
 
-impl crate::parallel::Split for FeedParts<'_> {
+impl<X: Elements> crate::parallel::Split for Parts<'_, X> {
     fn split(self, at: usize, _: usize) -> (Self, Self) {
-        let cut = (at * self.chunk).min(self.r.len());
-        let (r0, r1) = self.r.split_at_mut(cut);
-        let (g0, g1) = self.g.split_at(cut);
+        let (x0, x1) = self.x.split_at(at * self.chunk);
         let (p0, p1) = self.p.split_at_mut((at * self.record).min(self.p.len()));
         let (chunk, record) = (self.chunk, self.record);
         (
-            FeedParts {
-                r: r0,
-                g: g0,
+            Parts {
+                x: x0,
                 p: p0,
                 chunk,
                 record,
             },
-            FeedParts {
-                r: r1,
-                g: g1,
+            Parts {
+                x: x1,
                 p: p1,
                 chunk,
                 record,
             },
         )
+    }
+}
+
+/// Run `f` over the `n` elements of `parts` with working room: for large frames of
+/// chunks up to [`PAR_CHUNK`], on all threads in ranges of whole chunks, each thread's
+/// room on its stack (records are independent, so the bytes are the same); else with
+/// the room past the frame (`room`, of chunks up to `c` elements), or none where the
+/// output holds only the frame. True if any call returned true.
+fn in_ranges<X: Elements>(
+    parts: Parts<'_, X>,
+    n: usize,
+    c: usize,
+    room: Option<&mut [u8]>,
+    f: &(impl Fn(Parts<'_, X>, Option<Scratch>) -> bool + Sync),
+) -> bool {
+    let chunks = n.div_ceil(parts.chunk.max(1));
+    if parts.chunk <= PAR_CHUNK && chunks > 1 && crate::parallel::worth(n, 8) {
+        let per = chunks.div_ceil(64).max(1);
+        crate::parallel::for_ranges(parts, chunks, per, true, &|b, _| {
+            let (mut idx, mut keys) = ([0u32; PAR_CHUNK + 64], [0u32; PAR_CHUNK + 64]);
+            let s = Scratch {
+                idx: &mut idx,
+                keys: &mut keys,
+            };
+            f(b, Some(s))
+        })
+    } else if let Some(room) = room {
+        let words = crate::kernels::words_mut(room);
+        let (idx, keys) = words.split_at_mut(c + 64);
+        let s = Scratch {
+            idx,
+            keys: &mut keys[..c + 64],
+        };
+        f(parts, Some(s))
+    } else {
+        f(parts, None)
     }
 }
 
@@ -601,37 +613,16 @@ impl Scheme for ChunkTopK {
         payload_buf(out, len)?;
         let (p, room) = out[HEADER_LEN..].split_at_mut(len as usize);
         let (chunk, k) = (self.chunk(), self.k());
-        let chunks = x.len().div_ceil(chunk.max(1));
-        let nonfinite = if chunk <= PAR_CHUNK && chunks > 1 && crate::parallel::worth(x.len(), 8) {
-            // Ranges of whole chunks on all threads, each with its working room on its
-            // stack: records are independent, so the bytes are the same.
-            let parts = Parts {
-                x,
-                p,
-                chunk,
-                record: Record::of(chunk, k).bytes,
-            };
-            let per = chunks.div_ceil(64).max(1);
-            crate::parallel::for_ranges(parts, chunks, per, true, &|b, _| {
-                let (mut idx, mut keys) = ([0u32; PAR_CHUNK + 64], [0u32; PAR_CHUNK + 64]);
-                let s = Scratch {
-                    idx: &mut idx,
-                    keys: &mut keys,
-                };
-                encode_run(b.x, chunk, k, b.p, Some(s))
-            })
-        } else if with_room {
-            // The frame, then the working room past it (no allocation).
-            let words = crate::kernels::words_mut(room);
-            let (idx, keys) = words.split_at_mut(c + 64);
-            let s = Scratch {
-                idx,
-                keys: &mut keys[..c + 64],
-            };
-            encode_run(x, chunk, k, p, Some(s))
-        } else {
-            encode_run(x, chunk, k, p, None)
+        let parts = Parts {
+            x,
+            p,
+            chunk,
+            record: Record::of(chunk, k).bytes,
         };
+        let room = with_room.then_some(room);
+        let nonfinite = in_ranges(parts, x.len(), c, room, &|b, s| {
+            encode_run(b.x, chunk, k, b.p, s)
+        });
         Ok(Encoded {
             payload_len: len,
             params: self.params(),
@@ -664,33 +655,17 @@ impl Scheme for ChunkTopK {
         payload_buf(out, len)?;
         let (p, room) = out[HEADER_LEN..].split_at_mut(len as usize);
         let (chunk, k) = (self.chunk(), self.k());
-        let chunks = r.len().div_ceil(chunk.max(1));
-        let nonfinite = if chunk <= PAR_CHUNK && chunks > 1 && crate::parallel::worth(r.len(), 8) {
-            let parts = FeedParts {
-                r: &mut *r,
-                g,
-                p,
-                chunk,
-                record: Record::of(chunk, k).bytes,
-            };
-            let per = chunks.div_ceil(64).max(1);
-            crate::parallel::for_ranges(parts, chunks, per, true, &|b, _| {
-                let (mut idx, mut keys) = ([0u32; PAR_CHUNK + 64], [0u32; PAR_CHUNK + 64]);
-                let mut s = Scratch {
-                    idx: &mut idx,
-                    keys: &mut keys,
-                };
-                feedback_run((b.r, b.g, beta, gamma), chunk, k, b.p, &mut s)
-            })
-        } else {
-            let words = crate::kernels::words_mut(room);
-            let (idx, keys) = words.split_at_mut(c + 64);
-            let mut s = Scratch {
-                idx,
-                keys: &mut keys[..c + 64],
-            };
-            feedback_run((r, g, beta, gamma), chunk, k, p, &mut s)
+        let n = r.len();
+        let parts = Parts {
+            x: (&mut *r, g),
+            p,
+            chunk,
+            record: Record::of(chunk, k).bytes,
         };
+        let nonfinite = in_ranges(parts, n, c, Some(room), &|b, s| {
+            let mut s = s.expect("working room");
+            feedback_run(b.x, (beta, gamma), chunk, k, b.p, &mut s)
+        });
         sparse_prepare::<{ mode::RESIDUAL }>(nonfinite, r);
         Ok((
             Encoded {
