@@ -267,6 +267,14 @@ fn fp8_and_fp4_groups_of_blocks_match_scalar_whatever_one_block_holds() {
         "fp4:scale=e4m3",
         "fp4:scale=e4m3,format=e3m0,block=32",
         "fp4:block=48,scale=f32",
+        // Blocks of a multiple of 16 that 64 does not divide (AVX-512 groups them, a
+        // step of 64 elements crossing blocks), and one of 16.
+        "fp8:block=16",
+        "fp8:block=48,format=e5m2",
+        "fp8:block=80,scale=e8m0",
+        "fp4:block=16",
+        "fp4:block=80,scale=f32",
+        "fp4:block=16,scale=e4m3",
     ] {
         let spec: CodecSpec = spec.parse().unwrap();
         let block = block_of(&spec);
@@ -282,6 +290,47 @@ fn fp8_and_fp4_groups_of_blocks_match_scalar_whatever_one_block_holds() {
                 same_everywhere(&spec, &x, &EncodeCtx::new(at as u64), &backends);
             }
         }
+    }
+}
+
+#[test]
+fn fp8_and_fp4_codes_match_scalar_at_every_rounding_boundary() {
+    // Blocks whose maximum is the format's largest value have the scale 1 (f32 and E8M0),
+    // so each element is its own quotient. Every value with at most five significant
+    // bits is a code's value or the midpoint between two neighbours (in every binade
+    // these formats have, subnormal ones included), a tie that must round to the even
+    // code; with those values, their neighbours one f32 ulp away, both signs, in blocks of
+    // 16 to 128 and groups of eight, every backend must write the definition's bytes.
+    let backends = simd_backends();
+    let mut sweep = Vec::new();
+    for e in -30..=16 {
+        for j in 0..32 {
+            let v = pow2(e) as f32 * (1.0 + j as f32 / 32.0);
+            for w in [v, v.next_up(), v.next_down()] {
+                sweep.extend([w, -w]);
+            }
+        }
+    }
+    for (spec, fmax) in [
+        ("fp8", 448.0),
+        ("fp8:scale=e8m0", 448.0),
+        ("fp8:format=e5m2,block=64", 57344.0),
+        ("fp8:format=e5m2,scale=e8m0,block=16", 57344.0),
+        ("fp4:scale=f32", 6.0),
+        ("fp4:block=16", 6.0),
+        ("fp4:format=e3m0,block=64", 16.0),
+    ] {
+        let spec: CodecSpec = spec.parse().unwrap();
+        let block = block_of(&spec);
+        let values: Vec<f32> = sweep.iter().copied().filter(|v| v.abs() <= fmax).collect();
+        let mut x = Vec::new();
+        for (b, chunk) in values.chunks(block - 1).enumerate() {
+            // The block's maximum first (either sign), then its share of the sweep.
+            x.push(if b % 2 == 0 { fmax } else { -fmax });
+            x.extend_from_slice(chunk);
+            x.resize((b + 1) * block, 0.0);
+        }
+        same_everywhere(&spec, &x, &EncodeCtx::new(3), &backends);
     }
 }
 

@@ -1080,8 +1080,22 @@ pub fn encode_float(
         && !four
         && matches!(scale, fp8::Scale::F32 | fp8::Scale::E8m0)
         && (f == fp8::E4M3 || f == fp8::E5M2)
-        && x86_route(Op::EncodeFp8Nearest, b.kind()) == X86::Avx2
+        && x86_route(Op::EncodeFp8Nearest, b.kind()) != X86::None
     {
+        if x86_route(Op::EncodeFp8Nearest, b.kind()) == X86::Avx512 {
+            // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
+            // after AVX-512 F/BW and AVX2 were detected.
+            return unsafe {
+                x86_64::blocks512::encode_fp8_nearest(
+                    f == fp8::E4M3,
+                    scale,
+                    block,
+                    x,
+                    scales,
+                    codes,
+                )
+            };
+        }
         // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
         // only after AVX2 was detected.
         return unsafe {
@@ -1095,8 +1109,22 @@ pub fn encode_float(
         && four
         && scale != fp8::Scale::None
         && (f == fp8::E2M1 || f == fp8::E3M0)
-        && x86_route(Op::EncodeFp4Nearest, b.kind()) == X86::Avx2
+        && x86_route(Op::EncodeFp4Nearest, b.kind()) != X86::None
     {
+        if x86_route(Op::EncodeFp4Nearest, b.kind()) == X86::Avx512 {
+            // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
+            // after AVX-512 F/BW and AVX2 were detected.
+            return unsafe {
+                x86_64::blocks512::encode_fp4_nearest(
+                    f == fp8::E3M0,
+                    scale,
+                    block,
+                    x,
+                    scales,
+                    codes,
+                )
+            };
+        }
         // SAFETY: as above.
         return unsafe {
             x86_64::blocks::encode_fp4_nearest(f == fp8::E3M0, scale, block, x, scales, codes)

@@ -2030,7 +2030,7 @@ pub unsafe fn encode_fp8_nearest(
 /// `per` elements per code byte (1 or 2). True when `rest` saw NaN or ±Inf.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn in_groups(
+pub(super) fn in_groups(
     grouped: bool,
     block: usize,
     sb: usize,
@@ -2058,7 +2058,7 @@ fn in_groups(
 /// [`encode_fp8_nearest`] by the definition's block layout, each block converted 32 at a
 /// time.
 #[target_feature(enable = "avx2")]
-fn encode_fp8_rest(
+pub(super) fn encode_fp8_rest(
     e4m3: bool,
     scale: fp8::Scale,
     block: usize,
@@ -2103,6 +2103,14 @@ fn group_max_bits(block: usize, xg: &[f32]) -> __m256i {
             *m = _mm256_max_epi32(*m, _mm256_and_si256(e, abs));
         }
     }
+    fold_maxima(v)
+}
+
+/// The lanes' maxima of each of eight vectors, in vector order: lane `j` of the result is
+/// the largest (signed) lane of `v[j]`.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn fold_maxima(v: [__m256i; 8]) -> __m256i {
     // Pairs of rows, then quads, interleaved so that lane j ends with block j's maximum.
     let lo = max_quads(max_pairs(v[0], v[1]), max_pairs(v[2], v[3]));
     let hi = max_quads(max_pairs(v[4], v[5]), max_pairs(v[6], v[7]));
@@ -2145,7 +2153,11 @@ fn usual_maxima(m: __m256i) -> bool {
 /// a normal non-zero maximum: the definition's layout takes those.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn group_scales<const E8M0: bool>(f: fp8::Format, m: __m256i, sg: &mut [u8]) -> Option<__m256> {
+pub(super) fn group_scales<const E8M0: bool>(
+    f: fp8::Format,
+    m: __m256i,
+    sg: &mut [u8],
+) -> Option<__m256> {
     let i32x8 = _mm256_set1_epi32;
     if !usual_maxima(m) {
         return None;
@@ -2336,7 +2348,12 @@ fn fp4_group_codes<const M: u32, const MULTIPLY: bool>(
 /// by lane; the elements are divided by the scales returned.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn group_e4m3_scales(f: fp8::Format, global: u32, m: __m256i, sg: &mut [u8]) -> Option<__m256> {
+pub(super) fn group_e4m3_scales(
+    f: fp8::Format,
+    global: u32,
+    m: __m256i,
+    sg: &mut [u8],
+) -> Option<__m256> {
     let i32x8 = _mm256_set1_epi32;
     if !usual_maxima(m) {
         return None;

@@ -14,6 +14,7 @@
 use core::arch::x86_64::*;
 
 use super::blocks::{self, ABS, C1, C2, StepDraws};
+use crate::kernels::fp8;
 use crate::kernels::scalar::{self, Round};
 use crate::rng::Draws;
 
@@ -738,4 +739,308 @@ fn add_max_abs(sum: &mut [f32], local: &[f32], codes: &[u8], step: f32) -> u32 {
     // The rest (under 16) by the AVX2 kernel.
     let rest = blocks::add_max_abs(&mut sum[whole..], &local[whole..], &codes[whole..], step);
     (_mm512_reduce_max_epi32(m) as u32).max(rest)
+}
+
+/// fp8 encode with nearest rounding of 8-bit codes (E4M3, or E5M2 unless `e4m3`) with an
+/// f32 or E8M0 scale, as [`blocks::encode_fp8_nearest`] on 16 lanes: blocks of a multiple
+/// of 16 eight at a time ([`group16`]); a group with an unusual maximum and the blocks
+/// after the last group go to the AVX2 kernel's per-block layout. The same bytes as the
+/// definition; returns whether `x` held NaN or ±Inf.
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX-512BW and AVX2.
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+pub unsafe fn encode_fp8_nearest(
+    e4m3: bool,
+    scale: fp8::Scale,
+    block: usize,
+    x: &[f32],
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    debug_assert!(matches!(scale, fp8::Scale::F32 | fp8::Scale::E8m0));
+    blocks::in_groups(
+        block.is_multiple_of(16),
+        block,
+        scale.bytes(),
+        1,
+        x,
+        scales,
+        codes,
+        #[inline(always)]
+        |xg, sg, cg| {
+            if e4m3 {
+                group16::<3, false>(fp8::E4M3, scale, block, xg, sg, cg)
+            } else {
+                group16::<2, false>(fp8::E5M2, scale, block, xg, sg, cg)
+            }
+        },
+        #[inline(always)]
+        |x, sc, c| blocks::encode_fp8_rest(e4m3, scale, block, x, sc, c),
+    )
+}
+
+/// fp4 encode with nearest rounding of E2M1 codes with any block scale, as
+/// [`blocks::encode_fp4_nearest`] on 16 lanes: blocks of a multiple of 16 eight at a time
+/// ([`group16`]), the others by the AVX2 kernel. E3M0 codes (`e3m0`) take the AVX2 kernel.
+/// The same bytes as the definition; returns whether `x` held NaN or ±Inf.
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX-512BW and AVX2.
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+pub unsafe fn encode_fp4_nearest(
+    e3m0: bool,
+    scale: fp8::Scale,
+    block: usize,
+    x: &[f32],
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    debug_assert!(scale != fp8::Scale::None && block.is_multiple_of(2));
+    // E4M3 scales: groups only with a frame scale the definition's arithmetic keeps finite
+    // and normal (the codec's always is), as the AVX2 kernel.
+    let frame_ok = match scale {
+        fp8::Scale::E4m3 { global } => {
+            let g = f32::from_bits(global);
+            g >= f32::MIN_POSITIVE && (fp8::E2M1.max() * g).is_finite()
+        }
+        _ => true,
+    };
+    if e3m0 || !frame_ok || !block.is_multiple_of(16) {
+        // SAFETY: the caller's CPU has AVX2.
+        return unsafe { blocks::encode_fp4_nearest(e3m0, scale, block, x, scales, codes) };
+    }
+    let mut rest_nonfinite = false;
+    let done = x.len() / (8 * block) * (8 * block);
+    let groups = done / block;
+    let sb = scale.bytes();
+    for (g, xg) in x[..done].chunks_exact(8 * block).enumerate() {
+        let sg = &mut scales[g * 8 * sb..(g + 1) * 8 * sb];
+        let cg = &mut codes[g * 4 * block..(g + 1) * 4 * block];
+        if !group16::<1, true>(fp8::E2M1, scale, block, xg, sg, cg) {
+            // SAFETY: as above.
+            rest_nonfinite |=
+                unsafe { blocks::encode_fp4_nearest(false, scale, block, xg, sg, cg) };
+        }
+    }
+    // SAFETY: as above.
+    rest_nonfinite
+        | unsafe {
+            blocks::encode_fp4_nearest(
+                false,
+                scale,
+                block,
+                &x[done..],
+                &mut scales[groups * sb..],
+                &mut codes[done / 2..],
+            )
+        }
+}
+
+/// The largest magnitude bits of each of eight blocks of `block` (a multiple of 16)
+/// elements of `xg`, in block order (lane `j`: block `j`).
+#[target_feature(enable = "avx512f,avx2")]
+#[inline]
+fn group_max_bits16(block: usize, xg: &[f32]) -> __m256i {
+    assert!(xg.len() >= 8 * block && block.is_multiple_of(16));
+    let abs = _mm512_set1_epi32(ABS);
+    let mut v = [_mm256_setzero_si256(); 8];
+    for (m, xb) in v.iter_mut().zip(xg.chunks_exact(block)) {
+        let mut w = _mm512_setzero_si512();
+        for c in xb.chunks_exact(16) {
+            // SAFETY: `c` holds 16 f32, one unaligned __m512i.
+            let e = unsafe { _mm512_loadu_si512(c.as_ptr().cast()) };
+            // Magnitude bits are below 2^31: a signed maximum orders them.
+            w = _mm512_max_epi32(w, _mm512_and_si512(e, abs));
+        }
+        *m = _mm256_max_epi32(_mm512_castsi512_si256(w), _mm512_extracti64x4_epi64::<1>(w));
+    }
+    blocks::fold_maxima(v)
+}
+
+/// Eight blocks of `block` (a multiple of 16) elements `xg` in the format `f` of `M`
+/// mantissa bits (3 or 2: fp8 codes, one per byte; 1 with `FOUR`: E2M1 codes, two per
+/// byte): the AVX2 kernel's scales of the group, formed together in one vector, then the
+/// codes of the whole group 64 a step on 16 lanes ([`group_codes16`]). False, writing
+/// nothing, where the scales decline (a NaN, infinite, zero or subnormal maximum).
+///
+/// Scales other than E8M0 divide, as the definition does.
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+#[inline]
+fn group16<const M: u32, const FOUR: bool>(
+    f: fp8::Format,
+    scale: fp8::Scale,
+    block: usize,
+    xg: &[f32],
+    sg: &mut [u8],
+    cg: &mut [u8],
+) -> bool {
+    let m = group_max_bits16(block, xg);
+    let by = match scale {
+        fp8::Scale::E8m0 => blocks::group_scales::<true>(f, m, sg),
+        fp8::Scale::E4m3 { global } => blocks::group_e4m3_scales(f, global, m, sg),
+        _ => blocks::group_scales::<false>(f, m, sg),
+    };
+    let Some(by) = by else {
+        return false;
+    };
+    if scale == fp8::Scale::E8m0 {
+        group_codes16::<M, true, FOUR>(f, block, by, xg, cg);
+    } else {
+        group_codes16::<M, false, FOUR>(f, block, by, xg, cg);
+    }
+    true
+}
+
+/// The codes of a group of eight blocks of `block` (a multiple of 16) elements `xg`, block
+/// `j`'s quotients formed with lane `j` of `by` (multiplied by it when `MULTIPLY`, else
+/// divided): 64 elements a step, each vector of 16 inside one block. 8-bit codes are
+/// narrowed by saturating packs within 128-bit lanes and put in order by one permute;
+/// with `FOUR` each pair is then joined by a multiply-add (`lo + 16 hi`) and narrowed
+/// again, 32 bytes a step.
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+#[inline]
+fn group_codes16<const M: u32, const MULTIPLY: bool, const FOUR: bool>(
+    f: fp8::Format,
+    block: usize,
+    by: __m256,
+    xg: &[f32],
+    cg: &mut [u8],
+) {
+    let per = if FOUR { 32 } else { 64 };
+    assert!(xg.len() == 8 * block && block.is_multiple_of(16) && cg.len() == xg.len() / 64 * per);
+    let mut bys = [0f32; 8];
+    // SAFETY: `bys` is 8 f32, one unaligned __m256.
+    unsafe { _mm256_storeu_ps(bys.as_mut_ptr(), by) };
+    let n = Nearest16::new::<FOUR>(f);
+    let mut steps = xg.chunks_exact(64).zip(cg.chunks_exact_mut(per));
+    if block.is_multiple_of(64) {
+        // Every step inside one block: its operand broadcast once per block.
+        for by in bys {
+            let b = _mm512_set1_ps(by);
+            for (c, o) in (&mut steps).take(block / 64) {
+                step64::<M, MULTIPLY, FOUR>(&n, [b; 4], c, o);
+            }
+        }
+    } else {
+        // The block of the next vector, and how many of its elements are left.
+        let (mut j, mut left) = (0, block);
+        for (c, o) in steps {
+            let mut ops = [_mm512_setzero_ps(); 4];
+            for op in &mut ops {
+                *op = _mm512_set1_ps(bys[j]);
+                left -= 16;
+                if left == 0 {
+                    (j, left) = (j + 1, block);
+                }
+            }
+            step64::<M, MULTIPLY, FOUR>(&n, ops, c, o);
+        }
+    }
+}
+
+/// The codes of 64 elements `c` into `o` (64 bytes, or 32 with `FOUR`): vector `t`'s by
+/// [`Nearest16::code`] with the operand `by[t]`, narrowed as [`group_codes16`] says.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn step64<const M: u32, const MULTIPLY: bool, const FOUR: bool>(
+    n: &Nearest16,
+    by: [__m512; 4],
+    c: &[f32],
+    o: &mut [u8],
+) {
+    assert!(c.len() == 64 && o.len() == if FOUR { 32 } else { 64 });
+    // SAFETY: `c` holds 64 f32, four unaligned __m512.
+    let [c0, c1, c2, c3] = unsafe {
+        let p = c.as_ptr();
+        [
+            n.code::<M, MULTIPLY, FOUR>(_mm512_loadu_ps(p), by[0]),
+            n.code::<M, MULTIPLY, FOUR>(_mm512_loadu_ps(p.add(16)), by[1]),
+            n.code::<M, MULTIPLY, FOUR>(_mm512_loadu_ps(p.add(32)), by[2]),
+            n.code::<M, MULTIPLY, FOUR>(_mm512_loadu_ps(p.add(48)), by[3]),
+        ]
+    };
+    // After the packs, 128-bit lane l holds 4 codes of each input vector in turn: its
+    // dword k is vector k's elements 4l to 4l + 3.
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    let bytes = _mm512_permutexvar_epi32(
+        order,
+        _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3)),
+    );
+    // SAFETY: `o` holds one unaligned __m512i, or with `FOUR` one __m256i.
+    unsafe {
+        if FOUR {
+            let pairs = _mm512_maddubs_epi16(bytes, _mm512_set1_epi16(0x1001));
+            _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm512_cvtepi16_epi8(pairs));
+        } else {
+            _mm512_storeu_si512(o.as_mut_ptr().cast(), bytes);
+        }
+    }
+}
+
+/// The constants of [`Nearest16::code`]: `fp8::nearest_in_range` on 16 lanes.
+struct Nearest16 {
+    emin: __m512i,
+    exponent: __m512i,
+    ulp: __m512i,
+    top: __m512i,
+    abs: __m512i,
+    sign: __m512i,
+}
+
+impl Nearest16 {
+    /// The constants for format `f` (a mantissa of 1 to 3 bits), the sign in bit 7, or in
+    /// bit 3 with `FOUR`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn new<const FOUR: bool>(f: fp8::Format) -> Nearest16 {
+        Nearest16 {
+            emin: _mm512_set1_epi32((1 - f.bias + 127) << 23),
+            exponent: _mm512_set1_epi32(0x7F80_0000),
+            ulp: _mm512_set1_epi32((23 - f.m as i32) << 23),
+            top: _mm512_set1_epi32(f.max_code as i32),
+            abs: _mm512_set1_epi32(ABS),
+            sign: _mm512_set1_epi32(if FOUR { 0x08 } else { 0x80 }),
+        }
+    }
+
+    /// `fp8::nearest_in_range` of the quotients of the 16 elements in `v` (`v * by` when
+    /// `MULTIPLY`, else `v / by`; `by` positive), in 32-bit lanes: the AVX2 kernel's
+    /// `Nearest::code` operation for operation (the count of grid spacings by adding a
+    /// power of two whose ulp is the spacing, plus `2^M` per binade above the subnormal
+    /// one, the clamp to ±FMAX a minimum of the code magnitude), with the sign (the
+    /// element's, which is the quotient's) joined by one ternary logic operation.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn code<const M: u32, const MULTIPLY: bool, const FOUR: bool>(
+        &self,
+        v: __m512,
+        by: __m512,
+    ) -> __m512i {
+        let y = if MULTIPLY {
+            _mm512_mul_ps(v, by)
+        } else {
+            _mm512_div_ps(v, by)
+        };
+        let bits = _mm512_castps_si512(y);
+        let a = _mm512_and_si512(bits, self.abs);
+        let e = _mm512_max_epi32(_mm512_and_si512(bits, self.exponent), self.emin);
+        let magic = _mm512_add_epi32(e, self.ulp);
+        let sum = _mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(magic));
+        let count = _mm512_sub_epi32(_mm512_castps_si512(sum), magic);
+        let binades = _mm512_sub_epi32(e, self.emin);
+        let binades = match M {
+            3 => _mm512_srli_epi32::<20>(binades),
+            2 => _mm512_srli_epi32::<21>(binades),
+            _ => _mm512_srli_epi32::<22>(binades),
+        };
+        let q = _mm512_min_epi32(_mm512_add_epi32(binades, count), self.top);
+        // q | (the sign bit moved to bit 7, or 3, & its mask): A | (B & C) is 0xF8.
+        let high = if FOUR {
+            _mm512_srli_epi32::<28>(_mm512_castps_si512(v))
+        } else {
+            _mm512_srli_epi32::<24>(_mm512_castps_si512(v))
+        };
+        _mm512_ternarylogic_epi32::<0xF8>(q, high, self.sign)
+    }
 }
