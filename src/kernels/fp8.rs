@@ -477,9 +477,14 @@ pub fn encode<const FAST: bool>(
         #[inline(always)]
         |q, xb, start, cb| {
             if four {
-                packed(q, xb, start, cb, |q, xt, at, out| {
-                    convert::<FAST>(f, q, xt, draws, at, out)
-                })
+                packed(
+                    q,
+                    xb,
+                    start,
+                    cb,
+                    #[inline(always)]
+                    |q, xt, at, out| convert::<FAST>(f, q, xt, draws, at, out),
+                )
             } else {
                 convert::<FAST>(f, q, xb, draws, start, cb)
             }
