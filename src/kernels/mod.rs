@@ -1142,10 +1142,25 @@ pub fn encode_float(
         codes,
     };
     #[cfg(target_arch = "x86_64")]
-    if x86_route(if four { Op::EncodeFp4 } else { Op::EncodeFp8 }, b.kind()) == X86::Avx2 {
+    if x86_route(if four { Op::EncodeFp4 } else { Op::EncodeFp8 }, b.kind()) == X86::Avx2
+        || (b.kind() == BackendKind::Avx512 && stochastic_blocks_take_avx2(draws, block))
+    {
         return simd_avx2(op);
     }
     simd(b, op)
+}
+
+/// Whether the AVX-512 backend's fp8 and fp4 encoders hand blocks of `block` elements to
+/// the AVX2 build: with stochastic rounding (`draws`), blocks of 2 and 3 and of 8 to 11
+/// ran 1.1 to 1.5 times as fast there on a 2-core Intel Xeon (2026-11-29, `backend_race`
+/// at 64 Ki elements, two runs: one 8-lane step and a short tail against a 16-lane
+/// build's tail alone), where blocks of 4 to 7 and from 12 on ran 1.1 to 2.2 times as
+/// fast on AVX-512's. Intel's cores only; AMD's are not measured.
+#[cfg(target_arch = "x86_64")]
+fn stochastic_blocks_take_avx2(draws: Option<&Draws>, block: usize) -> bool {
+    draws.is_some()
+        && backend::Cpu::this() == backend::Cpu::Intel
+        && (block < 4 || (8..12).contains(&block))
 }
 
 /// Whether the AVX-512 backend decodes fp8 (or, with `four`, fp4) frames of format `f`,
@@ -1975,6 +1990,27 @@ mod tests {
             for op in int8 {
                 assert_eq!(block_route(op, BackendKind::Avx512, 256), X86::Avx512);
             }
+        }
+    }
+
+    /// The AVX-512 backend's stochastic fp8 and fp4 encoders give the blocks they lost on
+    /// (2, 3 and 8 to 11) to the AVX2 build on Intel's cores, and nothing else.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn stochastic_float_blocks_that_avx512_loses_on_take_avx2() {
+        let d = Draws::new(7, 0, 0);
+        let intel = Cpu::this() == Cpu::Intel;
+        for block in 1..=64 {
+            let lost = matches!(block, 1..=3 | 8..=11);
+            assert_eq!(
+                stochastic_blocks_take_avx2(Some(&d), block),
+                intel && lost,
+                "{block}"
+            );
+            assert!(!stochastic_blocks_take_avx2(None, block), "{block}");
+        }
+        for block in [4, 7, 12, 32, 128, 4096] {
+            assert!(!stochastic_blocks_take_avx2(Some(&d), block), "{block}");
         }
     }
 
