@@ -780,10 +780,10 @@ pub unsafe fn encode_fp8_nearest(
     )
 }
 
-/// fp4 encode with nearest rounding of E2M1 codes with any block scale, as
-/// [`blocks::encode_fp4_nearest`] on 16 lanes: blocks of a multiple of 16 eight at a time
-/// ([`group16`]), the others by the AVX2 kernel. E3M0 codes (`e3m0`) take the AVX2 kernel.
-/// The same bytes as the definition; returns whether `x` held NaN or ±Inf.
+/// fp4 encode with nearest rounding of E2M1 codes, or with `e3m0` of E3M0 codes, with any
+/// block scale, as [`blocks::encode_fp4_nearest`] on 16 lanes: blocks of a multiple of 16
+/// eight at a time ([`group16`]), the others by the AVX2 kernel. The same bytes as the
+/// definition; returns whether `x` held NaN or ±Inf.
 ///
 /// # Safety
 /// The CPU must support AVX-512F, AVX-512BW and AVX2.
@@ -797,16 +797,17 @@ pub unsafe fn encode_fp4_nearest(
     codes: &mut [u8],
 ) -> bool {
     debug_assert!(scale != fp8::Scale::None && block.is_multiple_of(2));
+    let f = if e3m0 { fp8::E3M0 } else { fp8::E2M1 };
     // E4M3 scales: groups only with a frame scale the definition's arithmetic keeps finite
     // and normal (the codec's always is), as the AVX2 kernel.
     let frame_ok = match scale {
         fp8::Scale::E4m3 { global } => {
             let g = f32::from_bits(global);
-            g >= f32::MIN_POSITIVE && (fp8::E2M1.max() * g).is_finite()
+            g >= f32::MIN_POSITIVE && (f.max() * g).is_finite()
         }
         _ => true,
     };
-    if e3m0 || !frame_ok || !block.is_multiple_of(16) {
+    if !frame_ok || !block.is_multiple_of(16) {
         // SAFETY: the caller's CPU has AVX2.
         return unsafe { blocks::encode_fp4_nearest(e3m0, scale, block, x, scales, codes) };
     }
@@ -817,17 +818,21 @@ pub unsafe fn encode_fp4_nearest(
     for (g, xg) in x[..done].chunks_exact(8 * block).enumerate() {
         let sg = &mut scales[g * 8 * sb..(g + 1) * 8 * sb];
         let cg = &mut codes[g * 4 * block..(g + 1) * 4 * block];
-        if !group16::<1, true>(fp8::E2M1, scale, block, xg, sg, cg) {
+        let grouped = if e3m0 {
+            group16::<0, true>(f, scale, block, xg, sg, cg)
+        } else {
+            group16::<1, true>(f, scale, block, xg, sg, cg)
+        };
+        if !grouped {
             // SAFETY: as above.
-            rest_nonfinite |=
-                unsafe { blocks::encode_fp4_nearest(false, scale, block, xg, sg, cg) };
+            rest_nonfinite |= unsafe { blocks::encode_fp4_nearest(e3m0, scale, block, xg, sg, cg) };
         }
     }
     // SAFETY: as above.
     rest_nonfinite
         | unsafe {
             blocks::encode_fp4_nearest(
-                false,
+                e3m0,
                 scale,
                 block,
                 &x[done..],
@@ -980,6 +985,8 @@ fn step64<const M: u32, const MULTIPLY: bool, const FOUR: bool>(
 
 /// The constants of [`Nearest16::code`]: `fp8::nearest_in_range` on 16 lanes.
 struct Nearest16 {
+    /// E3M0 only: `127 - bias`, the f32 exponent field of code 0's binade.
+    rebias: __m512i,
     emin: __m512i,
     exponent: __m512i,
     ulp: __m512i,
@@ -989,12 +996,13 @@ struct Nearest16 {
 }
 
 impl Nearest16 {
-    /// The constants for format `f` (a mantissa of 1 to 3 bits), the sign in bit 7, or in
+    /// The constants for format `f` (a mantissa of 0 to 3 bits), the sign in bit 7, or in
     /// bit 3 with `FOUR`.
     #[target_feature(enable = "avx512f")]
     #[inline]
     fn new<const FOUR: bool>(f: fp8::Format) -> Nearest16 {
         Nearest16 {
+            rebias: _mm512_set1_epi32(127 - f.bias),
             emin: _mm512_set1_epi32((1 - f.bias + 127) << 23),
             exponent: _mm512_set1_epi32(0x7F80_0000),
             ulp: _mm512_set1_epi32((23 - f.m as i32) << 23),
@@ -1008,7 +1016,9 @@ impl Nearest16 {
     /// `MULTIPLY`, else `v / by`; `by` positive), in 32-bit lanes: the AVX2 kernel's
     /// `Nearest::code` operation for operation (the count of grid spacings by adding a
     /// power of two whose ulp is the spacing, plus `2^M` per binade above the subnormal
-    /// one, the clamp to ±FMAX a minimum of the code magnitude), with the sign (the
+    /// one, the clamp to ±FMAX a minimum of the code magnitude; for E3M0, `M` 0, where a
+    /// tie goes to the even code, not the even count, the f32 exponent rounded by integer
+    /// addition and below the smallest normal the count of it), with the sign (the
     /// element's, which is the quotient's) joined by one ternary logic operation.
     #[target_feature(enable = "avx512f")]
     #[inline]
@@ -1024,6 +1034,40 @@ impl Nearest16 {
         };
         let bits = _mm512_castps_si512(y);
         let a = _mm512_and_si512(bits, self.abs);
+        let q = if M == 0 {
+            // a + (2^22 - 1) + (the exponent's parity), the exponent field less the bias:
+            // the code of a normal quotient (the exponent's parity is the code's).
+            let parity = _mm512_and_si512(_mm512_srli_epi32::<23>(a), _mm512_set1_epi32(1));
+            let r = _mm512_add_epi32(
+                _mm512_add_epi32(a, _mm512_set1_epi32((1 << 22) - 1)),
+                parity,
+            );
+            let normal = _mm512_sub_epi32(_mm512_srli_epi32::<23>(r), self.rebias);
+            // Below the smallest normal the grid is 0 and it: code 1 above half of it, 0 up
+            // to half (the tie goes to the even code 0).
+            let half = _mm512_sub_epi32(self.emin, _mm512_set1_epi32(1 << 23));
+            let sub =
+                _mm512_maskz_mov_epi32(_mm512_cmpgt_epi32_mask(a, half), _mm512_set1_epi32(1));
+            _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(self.emin, a), normal, sub)
+        } else {
+            self.count::<M>(bits, a)
+        };
+        let q = _mm512_min_epi32(q, self.top);
+        // q | (the sign bit moved to bit 7, or 3, & its mask): A | (B & C) is 0xF8.
+        let high = if FOUR {
+            _mm512_srli_epi32::<28>(_mm512_castps_si512(v))
+        } else {
+            _mm512_srli_epi32::<24>(_mm512_castps_si512(v))
+        };
+        _mm512_ternarylogic_epi32::<0xF8>(q, high, self.sign)
+    }
+
+    /// The unclamped code magnitude of a quotient with bits `bits` and magnitude bits `a`
+    /// in a format of `M` (1 to 3) mantissa bits: the grid spacings it rounds to within
+    /// its binade, plus `2^M` per binade above the subnormal one.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn count<const M: u32>(&self, bits: __m512i, a: __m512i) -> __m512i {
         let e = _mm512_max_epi32(_mm512_and_si512(bits, self.exponent), self.emin);
         let magic = _mm512_add_epi32(e, self.ulp);
         let sum = _mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(magic));
@@ -1034,13 +1078,6 @@ impl Nearest16 {
             2 => _mm512_srli_epi32::<21>(binades),
             _ => _mm512_srli_epi32::<22>(binades),
         };
-        let q = _mm512_min_epi32(_mm512_add_epi32(binades, count), self.top);
-        // q | (the sign bit moved to bit 7, or 3, & its mask): A | (B & C) is 0xF8.
-        let high = if FOUR {
-            _mm512_srli_epi32::<28>(_mm512_castps_si512(v))
-        } else {
-            _mm512_srli_epi32::<24>(_mm512_castps_si512(v))
-        };
-        _mm512_ternarylogic_epi32::<0xF8>(q, high, self.sign)
+        _mm512_add_epi32(binades, count)
     }
 }
