@@ -1073,62 +1073,40 @@ pub fn encode_float(
     if b.kind() == BackendKind::Scalar {
         return fp8::encode::<false>(f, scale, four, block, x, draws, first, scales, codes);
     }
-    // Nearest rounding of 8-bit codes with an f32 or E8M0 scale (fp8's default): the
-    // AVX2 kernel, 32 elements a step (on the AVX-512 backend too: see the routing table).
+    // Nearest rounding with a scale has hand-written x86 kernels (AVX2's and, where the
+    // routing table says so, AVX-512's): fp8's 8-bit codes with an f32 or E8M0 scale
+    // (fp8's default), and fp4's E2M1 (its default) or E3M0 codes with any scale.
     #[cfg(target_arch = "x86_64")]
-    if draws.is_none()
-        && !four
-        && matches!(scale, fp8::Scale::F32 | fp8::Scale::E8m0)
-        && (f == fp8::E4M3 || f == fp8::E5M2)
-        && x86_route(Op::EncodeFp8Nearest, b.kind()) != X86::None
-    {
-        if x86_route(Op::EncodeFp8Nearest, b.kind()) == X86::Avx512 {
+    if draws.is_none() {
+        let (op, fits, flag) = if four {
+            let fits = scale != fp8::Scale::None && (f == fp8::E2M1 || f == fp8::E3M0);
+            (Op::EncodeFp4Nearest, fits, f == fp8::E3M0)
+        } else {
+            let fits = matches!(scale, fp8::Scale::F32 | fp8::Scale::E8m0)
+                && (f == fp8::E4M3 || f == fp8::E5M2);
+            (Op::EncodeFp8Nearest, fits, f == fp8::E4M3)
+        };
+        match x86_route(op, b.kind()) {
             // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
             // after AVX-512 F/BW and AVX2 were detected.
-            return unsafe {
-                x86_64::blocks512::encode_fp8_nearest(
-                    f == fp8::E4M3,
-                    scale,
-                    block,
-                    x,
-                    scales,
-                    codes,
-                )
-            };
+            X86::Avx512 if fits => unsafe {
+                return if four {
+                    x86_64::blocks512::encode_fp4_nearest(flag, scale, block, x, scales, codes)
+                } else {
+                    x86_64::blocks512::encode_fp8_nearest(flag, scale, block, x, scales, codes)
+                };
+            },
+            // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which
+            // exist only after AVX2 was detected.
+            X86::Avx2 if fits => unsafe {
+                return if four {
+                    x86_64::blocks::encode_fp4_nearest(flag, scale, block, x, scales, codes)
+                } else {
+                    x86_64::blocks::encode_fp8_nearest(flag, scale, block, x, scales, codes)
+                };
+            },
+            _ => {}
         }
-        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
-        // only after AVX2 was detected.
-        return unsafe {
-            x86_64::blocks::encode_fp8_nearest(f == fp8::E4M3, scale, block, x, scales, codes)
-        };
-    }
-    // Nearest rounding of E2M1 (fp4's default) or E3M0 codes with a scale: the AVX2
-    // kernel.
-    #[cfg(target_arch = "x86_64")]
-    if draws.is_none()
-        && four
-        && scale != fp8::Scale::None
-        && (f == fp8::E2M1 || f == fp8::E3M0)
-        && x86_route(Op::EncodeFp4Nearest, b.kind()) != X86::None
-    {
-        if x86_route(Op::EncodeFp4Nearest, b.kind()) == X86::Avx512 {
-            // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
-            // after AVX-512 F/BW and AVX2 were detected.
-            return unsafe {
-                x86_64::blocks512::encode_fp4_nearest(
-                    f == fp8::E3M0,
-                    scale,
-                    block,
-                    x,
-                    scales,
-                    codes,
-                )
-            };
-        }
-        // SAFETY: as above.
-        return unsafe {
-            x86_64::blocks::encode_fp4_nearest(f == fp8::E3M0, scale, block, x, scales, codes)
-        };
     }
     let op = EncodeFloat {
         f,
