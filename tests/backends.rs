@@ -380,6 +380,15 @@ fn stochastic_encoders_match_scalar_at_every_draw_alignment() {
         "ternary:block=1024",
         "natural:block=96",
         "natural:block=1024",
+        // fp8 and fp4 (AVX-512's kernel, on blocks of at least 64 and 128: 64 draws at a
+        // time on blocks from a multiple of 64, 16 by their own hashes otherwise, the
+        // definition for a tail and across a window; the portable builds below those).
+        "fp8:rounding=stochastic,block=96",
+        "fp8:format=e5m2,scale=e8m0,rounding=stochastic,block=200",
+        "fp4:rounding=stochastic,block=160",
+        "fp4:format=e3m0,scale=f32,rounding=stochastic,block=128",
+        "fp4:scale=e4m3,rounding=stochastic,block=144",
+        "fp4:rounding=stochastic",
     ];
     for spec in specs {
         let spec: CodecSpec = spec.parse().unwrap();

@@ -900,9 +900,8 @@ fn group16<const M: u32, const FOUR: bool>(
 /// The codes of a group of eight blocks of `block` (a multiple of 16) elements `xg`, block
 /// `j`'s quotients formed with lane `j` of `by` (multiplied by it when `MULTIPLY`, else
 /// divided): 64 elements a step, each vector of 16 inside one block. 8-bit codes are
-/// narrowed by saturating packs within 128-bit lanes and put in order by one permute;
-/// with `FOUR` each pair is then joined by a multiply-add (`lo + 16 hi`) and narrowed
-/// again, 32 bytes a step.
+/// narrowed by [`pack_bytes`]; with `FOUR` each pair is then joined by a multiply-add
+/// (`lo + 16 hi`) and narrowed again, 32 bytes a step.
 #[target_feature(enable = "avx512f,avx512bw,avx2")]
 #[inline]
 fn group_codes16<const M: u32, const MULTIPLY: bool, const FOUR: bool>(
@@ -965,13 +964,7 @@ fn step64<const M: u32, const MULTIPLY: bool, const FOUR: bool>(
             n.code::<M, MULTIPLY, FOUR>(_mm512_loadu_ps(p.add(48)), by[3]),
         ]
     };
-    // After the packs, 128-bit lane l holds 4 codes of each input vector in turn: its
-    // dword k is vector k's elements 4l to 4l + 3.
-    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    let bytes = _mm512_permutexvar_epi32(
-        order,
-        _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3)),
-    );
+    let bytes = pack_bytes::<false>([c0, c1, c2, c3]);
     // SAFETY: `o` holds one unaligned __m512i, or with `FOUR` one __m256i.
     unsafe {
         if FOUR {
@@ -1079,5 +1072,220 @@ impl Nearest16 {
             _ => _mm512_srli_epi32::<22>(binades),
         };
         _mm512_add_epi32(binades, count)
+    }
+}
+
+/// fp8 and fp4 encode with stochastic rounding and a scale (`fp8::encode` with draws):
+/// the definition's block layout, each scaled block's codes 16 lanes at a time
+/// ([`Stochastic16`]) with its draws 64 at a time ([`Draws16`]); with `four` the 8-bit
+/// layout's codes are packed in pairs by `fp8::packed`. A block whose indices cross a
+/// 2^32 draw window, and each block's last elements short of 16, are converted by the
+/// definition. The same bytes as the definition; returns whether `x` held NaN or ±Inf.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/DQ and AVX2.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2")]
+pub unsafe fn encode_float_stochastic(
+    f: fp8::Format,
+    scale: fp8::Scale,
+    four: bool,
+    block: usize,
+    x: &[f32],
+    draws: &Draws,
+    first: u64,
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    debug_assert!(scale != fp8::Scale::None);
+    let mut d16 = Draws16::new(draws);
+    fp8::encode_blocks(
+        f,
+        scale,
+        four,
+        block,
+        x,
+        Some(draws),
+        first,
+        scales,
+        codes,
+        #[inline(always)]
+        |q, xb, start, cb| {
+            if four {
+                fp8::packed(
+                    q,
+                    xb,
+                    start,
+                    cb,
+                    #[inline(always)]
+                    |q, xt, at, out| stochastic_codes(f, q, xt, at, &mut d16, out),
+                )
+            } else {
+                stochastic_codes(f, q, xb, start, &mut d16, cb)
+            }
+        },
+    )
+}
+
+/// The 8-bit-layout codes (sign in bit 7) of a scaled block's elements `xb` (the first at
+/// global index `start`) with stochastic rounding: `fp8::stochastic_in_range` of each
+/// quotient with its draw.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2")]
+#[inline]
+fn stochastic_codes(
+    f: fp8::Format,
+    q: fp8::Quotient,
+    xb: &[f32],
+    start: u64,
+    d16: &mut Draws16,
+    out: &mut [u8],
+) {
+    let n = xb.len();
+    if n == 0 {
+        return;
+    }
+    if start >> 32 != (start + n as u64 - 1) >> 32 {
+        // Across a window: each element's own key.
+        for (j, (c, &v)) in out.iter_mut().zip(xb).enumerate() {
+            *c = fp8::stochastic_in_range(f, q.of(v), d16.draws.draw(start + j as u64));
+        }
+        return;
+    }
+    d16.begin(start);
+    match f.m {
+        3 => stochastic_run::<3>(f, q, xb, start as u32, d16, out),
+        2 => stochastic_run::<2>(f, q, xb, start as u32, d16, out),
+        1 => stochastic_run::<1>(f, q, xb, start as u32, d16, out),
+        _ => stochastic_run::<0>(f, q, xb, start as u32, d16, out),
+    }
+}
+
+/// [`stochastic_codes`] inside one draw window (`d16` begun at `start`), in a format of `M`
+/// mantissa bits: 64 elements a step, then 16, then the definition.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2")]
+#[inline]
+fn stochastic_run<const M: u32>(
+    f: fp8::Format,
+    q: fp8::Quotient,
+    xb: &[f32],
+    start: u32,
+    d16: &mut Draws16,
+    out: &mut [u8],
+) {
+    let c = Stochastic16::new(f, q);
+    let n = xb.len();
+    let mut j = 0;
+    while j + 64 <= n {
+        let h = d16.step(start.wrapping_add(j as u32));
+        // SAFETY: j + 64 <= n: four unaligned __m512 of `xb` from j, 64 bytes of `out`.
+        unsafe {
+            let p = xb.as_ptr().add(j);
+            let codes = [
+                c.code::<M>(_mm512_loadu_ps(p), h[0]),
+                c.code::<M>(_mm512_loadu_ps(p.add(16)), h[1]),
+                c.code::<M>(_mm512_loadu_ps(p.add(32)), h[2]),
+                c.code::<M>(_mm512_loadu_ps(p.add(48)), h[3]),
+            ];
+            _mm512_storeu_si512(out.as_mut_ptr().add(j).cast(), pack_bytes::<false>(codes));
+        }
+        j += 64;
+    }
+    let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let key = _mm512_set1_epi32(d16.key as i32);
+    while j + 16 <= n {
+        let i = _mm512_add_epi32(
+            _mm512_set1_epi32(start.wrapping_add(j as u32) as i32),
+            lanes,
+        );
+        let h = lowbias32x16(_mm512_xor_si512(i, key));
+        // SAFETY: j + 16 <= n: one unaligned __m512 of `xb` from j, 16 bytes of `out`.
+        unsafe {
+            let code = c.code::<M>(_mm512_loadu_ps(xb.as_ptr().add(j)), h);
+            _mm_storeu_si128(out.as_mut_ptr().add(j).cast(), _mm512_cvtepi32_epi8(code));
+        }
+        j += 16;
+    }
+    for (k, (o, &v)) in out[j..n].iter_mut().zip(&xb[j..]).enumerate() {
+        let h = crate::rng::lowbias32(start.wrapping_add((j + k) as u32) ^ d16.key);
+        *o = fp8::stochastic_in_range(f, q.of(v), h);
+    }
+}
+
+/// The constants of [`Stochastic16::code`]: a block's quotient and `fp8::stochastic_in_range`
+/// on 16 lanes.
+struct Stochastic16 {
+    by: __m512,
+    multiply: bool,
+    fmax: __m512,
+    abs: __m512i,
+    /// `128 - bias`: the f32 exponent field of the format's subnormal binade.
+    low: __m512i,
+    /// `254 + m`: `t`'s multiplier `2^(m - E)` has exponent field `low_m - eb`.
+    low_m: __m512i,
+    /// `((127 - bias) << m) + 2^m`, taken from `eb << m` for a normal code.
+    rebias: __m512i,
+    top: __m512i,
+}
+
+impl Stochastic16 {
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn new(f: fp8::Format, q: fp8::Quotient) -> Stochastic16 {
+        Stochastic16 {
+            by: _mm512_set1_ps(q.inv.unwrap_or(q.s)),
+            multiply: q.inv.is_some(),
+            fmax: _mm512_set1_ps(q.fmax),
+            abs: _mm512_set1_epi32(ABS),
+            low: _mm512_set1_epi32(128 - f.bias),
+            low_m: _mm512_set1_epi32(254 + f.m as i32),
+            rebias: _mm512_set1_epi32(((127 - f.bias) << f.m) + (1 << f.m)),
+            top: _mm512_set1_epi32(f.max_code as i32),
+        }
+    }
+
+    /// The 8-bit-layout codes of the 16 elements `v` with draws `h`: `q.of(v)` (the
+    /// quotient, clamped to ±FMAX), then `fp8::stochastic_in_range` operation for
+    /// operation: `t = |y| 2^(M - E)` (`E` at least the subnormal binade's), one up from
+    /// `floor(t)` when the draw's top 24 bits, as a fraction, are below `t - floor(t)`, and
+    /// `2^M` per binade above the subnormal one.
+    #[target_feature(enable = "avx512f,avx512dq")]
+    #[inline]
+    fn code<const M: u32>(&self, v: __m512, h: __m512i) -> __m512i {
+        let y = if self.multiply {
+            _mm512_mul_ps(v, self.by)
+        } else {
+            _mm512_div_ps(v, self.by)
+        };
+        // `clamp(-FMAX, FMAX)` of a quotient that is never NaN (a finite element over a
+        // positive finite scale).
+        let y = _mm512_max_ps(
+            _mm512_min_ps(y, self.fmax),
+            _mm512_sub_ps(_mm512_setzero_ps(), self.fmax),
+        );
+        let bits = _mm512_castps_si512(y);
+        let a = _mm512_and_si512(bits, self.abs);
+        let eb = _mm512_max_epi32(_mm512_srli_epi32::<23>(a), self.low);
+        let scale = _mm512_slli_epi32::<23>(_mm512_sub_epi32(self.low_m, eb));
+        let t = _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(scale));
+        let fl = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
+        let u = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_srli_epi32::<8>(h)),
+            _mm512_set1_ps(1.0 / 16_777_216.0),
+        );
+        let up = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(u, _mm512_sub_ps(t, fl));
+        let q = _mm512_sub_epi32(
+            _mm512_castps_si512(_mm512_add_ps(fl, _mm512_set1_ps(8_388_608.0))),
+            _mm512_set1_epi32(0x4B00_0000),
+        );
+        let q = _mm512_mask_add_epi32(q, up, q, _mm512_set1_epi32(1));
+        let normal = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32::<M>(eb), q), self.rebias);
+        let code = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(eb, self.low), normal, q);
+        let code = _mm512_min_epi32(code, self.top);
+        // code | (y's sign bit moved to bit 7): A | (B & C) is 0xF8.
+        _mm512_ternarylogic_epi32::<0xF8>(
+            code,
+            _mm512_srli_epi32::<24>(bits),
+            _mm512_set1_epi32(0x80),
+        )
     }
 }
