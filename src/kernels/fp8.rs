@@ -464,6 +464,39 @@ pub fn encode<const FAST: bool>(
     scales: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
+    encode_with(
+        f,
+        scale,
+        four,
+        block,
+        x,
+        draws,
+        first,
+        scales,
+        codes,
+        #[inline(always)]
+        |q, xt, at, out| convert::<FAST>(f, q, xt, draws, at, out),
+    )
+}
+
+/// [`encode_blocks`] with `convert8(q, xb, start, out)` writing the 8-bit-layout codes of a
+/// scaled block's elements `xb` (the first at global index `start`): into the block's
+/// code bytes, or with `four` a tile at a time, packed in pairs by [`packed`]. `convert8`
+/// must be inlined (`#[inline(always)]`) to be compiled with the caller's instruction set.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub fn encode_with(
+    f: Format,
+    scale: Scale,
+    four: bool,
+    block: usize,
+    x: &[f32],
+    draws: Option<&Draws>,
+    first: u64,
+    scales: &mut [u8],
+    codes: &mut [u8],
+    mut convert8: impl FnMut(Quotient, &[f32], u64, &mut [u8]),
+) -> bool {
     encode_blocks(
         f,
         scale,
@@ -477,16 +510,20 @@ pub fn encode<const FAST: bool>(
         #[inline(always)]
         |q, xb, start, cb| {
             if four {
+                // A closure of its own, inlined: passed as `&mut convert8` (or without the
+                // attribute) the conversion was compiled for baseline x86-64, and fp4's
+                // stochastic encode called the library's `floorf` per element, 10 times
+                // slower.
                 packed(
                     q,
                     xb,
                     start,
                     cb,
                     #[inline(always)]
-                    |q, xt, at, out| convert::<FAST>(f, q, xt, draws, at, out),
+                    |q, xt, at, out| convert8(q, xt, at, out),
                 )
             } else {
-                convert::<FAST>(f, q, xb, draws, start, cb)
+                convert8(q, xb, start, cb)
             }
         },
     )

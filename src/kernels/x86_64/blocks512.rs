@@ -1099,7 +1099,7 @@ pub unsafe fn encode_float_stochastic(
 ) -> bool {
     debug_assert!(scale != fp8::Scale::None);
     let mut d16 = Draws16::new(draws);
-    fp8::encode_blocks(
+    fp8::encode_with(
         f,
         scale,
         four,
@@ -1110,20 +1110,7 @@ pub unsafe fn encode_float_stochastic(
         scales,
         codes,
         #[inline(always)]
-        |q, xb, start, cb| {
-            if four {
-                fp8::packed(
-                    q,
-                    xb,
-                    start,
-                    cb,
-                    #[inline(always)]
-                    |q, xt, at, out| stochastic_codes(f, q, xt, at, &mut d16, out),
-                )
-            } else {
-                stochastic_codes(f, q, xb, start, &mut d16, cb)
-            }
-        },
+        |q, xt, at, out| stochastic_codes(f, q, xt, at, &mut d16, out),
     )
 }
 
