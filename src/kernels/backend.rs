@@ -230,10 +230,9 @@ pub(crate) enum X86 {
 /// fp8's nearest encode of 8-bit codes with an f32 or E8M0 scale, and fp4's of E2M1
 /// and E3M0 codes with any scale, have hand-written AVX2 kernels (32 elements a step,
 /// packed by saturation; 1.45 to 1.7 times the portable AVX2 build on a 2-core Zen 3,
-/// 2026-11-27, E3M0 2 to 3.3 times, 2026-11-28). fp8's and E2M1's have AVX-512 ones too
-/// (2026-11-29, sixteen lanes, 64 elements a step; E3M0's too), which Intel's cores run (see the
-/// table) and AMD's do not yet (unmeasured: they run the AVX2 kernels, as fast as AVX2's
-/// by construction). The portable AVX-512 builds, 1.8 times the
+/// 2026-11-27, E3M0 2 to 3.3 times, 2026-11-28), and AVX-512 ones (2026-11-29, sixteen
+/// lanes, 64 elements a step), which Intel's cores run (see the table) and AMD's do not
+/// yet (unmeasured: they run the AVX2 kernels). The portable AVX-512 builds, 1.8 times the
 /// portable AVX2 ones on the Zen 5, do not beat them on a 2-core Intel Xeon (2026-11-29,
 /// `backend_race`, the rows rerouted for the run): the AVX2 kernels encode fp8 1.3 times
 /// as fast at 64 Ki elements (level at 1 Mi) and fp4 2.5 to 3.3 times; AMD's cores not
@@ -298,8 +297,8 @@ pub(crate) const fn x86_route_on(op: Op, kind: BackendKind, cpu: Cpu) -> X86 {
             // 430 against 660 ns (in L1). AMD's cores are not measured: their rows stay on
             // AVX2 (for `FilterKeys`, `FilterMagGe`'s kernel and the keys read again).
             Op::LaneBound | Op::FilterKeys if matches!(cpu, Cpu::Intel) => X86::Avx512,
-            // fp8's nearest encode (f32 or E8M0 scales) and fp4's (a 2-core
-            // Intel Xeon, 2026-11-29, 64 Ki elements, one thread): the AVX-512 kernels
+            // fp8's and fp4's nearest encode (a 2-core Intel Xeon, 2026-11-29, 64 Ki
+            // elements, one thread): the AVX-512 kernels
             // take eight blocks of a multiple of 16 at a time, 64 elements a step; fp8
             // with E8M0 scales 1.3 to 1.4 times AVX2's, with f32 scales 1.1 (the division
             // bounds both widths), at blocks of 48 2.5 times (AVX2 groups multiples of 32

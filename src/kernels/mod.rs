@@ -1090,11 +1090,7 @@ pub fn encode_float(
             // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
             // after AVX-512 F/BW and AVX2 were detected.
             X86::Avx512 if fits => unsafe {
-                return if four {
-                    x86_64::blocks512::encode_fp4_nearest(flag, scale, block, x, scales, codes)
-                } else {
-                    x86_64::blocks512::encode_fp8_nearest(flag, scale, block, x, scales, codes)
-                };
+                return x86_64::blocks512::encode_nearest(f, four, scale, block, x, scales, codes);
             },
             // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which
             // exist only after AVX2 was detected.
@@ -1141,12 +1137,6 @@ pub fn encode_float(
     simd(b, op)
 }
 
-/// Whether the AVX-512 backend's fp8 and fp4 encoders hand blocks of `block` elements to
-/// the AVX2 build: with stochastic rounding (`draws`), blocks of 2 and 3 and of 8 to 11
-/// ran 1.1 to 1.5 times as fast there on a 2-core Intel Xeon (2026-11-29, `backend_race`
-/// at 64 Ki elements, two runs: one 8-lane step and a short tail against a 16-lane
-/// build's tail alone), where blocks of 4 to 7 and from 12 on ran 1.1 to 2.2 times as
-/// fast on AVX-512's. Intel's cores only; AMD's are not measured.
 /// Whether a backend of `kind` encodes fp8 (or, with `four`, fp4) with stochastic
 /// rounding, `scale` and blocks of `block` by the hand-written AVX-512 kernel
 /// (`blocks512::encode_float_stochastic`) instead of the portable build: the AVX-512
@@ -1165,6 +1155,12 @@ fn stochastic_takes_avx512(kind: BackendKind, four: bool, scale: fp8::Scale, blo
         && block >= if four { 128 } else { 64 }
 }
 
+/// Whether the AVX-512 backend's fp8 and fp4 encoders hand blocks of `block` elements to
+/// the AVX2 build: with stochastic rounding (`draws`), blocks of 2 and 3 and of 8 to 11
+/// ran 1.1 to 1.5 times as fast there on a 2-core Intel Xeon (2026-11-29, `backend_race`
+/// at 64 Ki elements, two runs: one 8-lane step and a short tail against a 16-lane
+/// build's tail alone), where blocks of 4 to 7 and from 12 on ran 1.1 to 2.2 times as
+/// fast on AVX-512's portable build. Intel's cores only; AMD's are not measured.
 #[cfg(target_arch = "x86_64")]
 fn stochastic_blocks_take_avx2(draws: Option<&Draws>, block: usize) -> bool {
     draws.is_some()

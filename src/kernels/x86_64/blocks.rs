@@ -2260,18 +2260,8 @@ fn fp4_in_groups<const M: u32>(
     scales: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    let f = fp4_format::<M>();
-    // E4M3 scales: groups only with a frame scale the definition's arithmetic keeps
-    // finite and normal (the codec's always is).
-    let frame_ok = match scale {
-        fp8::Scale::E4m3 { global } => {
-            let g = f32::from_bits(global);
-            g >= f32::MIN_POSITIVE && (f.max() * g).is_finite()
-        }
-        _ => true,
-    };
     in_groups(
-        frame_ok && block.is_multiple_of(16),
+        groups_take(fp4_format::<M>(), scale) && block.is_multiple_of(16),
         block,
         scale.bytes(),
         2,
@@ -2288,6 +2278,20 @@ fn fp4_in_groups<const M: u32>(
 /// The 4-bit format of `M` mantissa bits: E2M1 (1) or E3M0 (0).
 const fn fp4_format<const M: u32>() -> fp8::Format {
     if M == 0 { fp8::E3M0 } else { fp8::E2M1 }
+}
+
+/// Whether the grouped encoders take frames with `scale` in format `f`: with E4M3 block
+/// scales, only a frame scale the definition's arithmetic keeps finite and normal (the
+/// codec's always is); every other scale.
+#[inline]
+pub(super) fn groups_take(f: fp8::Format, scale: fp8::Scale) -> bool {
+    match scale {
+        fp8::Scale::E4m3 { global } => {
+            let g = f32::from_bits(global);
+            g >= f32::MIN_POSITIVE && (f.max() * g).is_finite()
+        }
+        _ => true,
+    }
 }
 
 /// Eight blocks of `block` (a multiple of 16) elements `xg` of 4-bit codes with `scale`
