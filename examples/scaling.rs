@@ -6,7 +6,8 @@
 //!
 //! Threads default to 1, 2, 4, 8 and 16, up to the machine's. Prints Markdown tables:
 //! - encode and error-feedback steps at 64 Mi elements, in GB/s of f32 input, beside a
-//!   memcpy of the same bytes on as many threads;
+//!   memcpy of the same bytes and a pass with an error-feedback step's traffic (`r = 0.5 r
+//!   + g`: two streams read, one written) on as many threads;
 //! - the fused reduction of 8 int8 frames of 9 M elements against 8 `decode_add` calls and
 //!   a memcpy of the output;
 //! - `dct` (chunk 64, k 4) encode and decode at 1 Mi elements;
@@ -41,6 +42,14 @@ fn pool(threads: usize) -> rayon::ThreadPool {
         .num_threads(threads)
         .build()
         .expect("a thread pool")
+}
+
+/// `r = 0.5 r + g` in 64 Ki-element pieces on the current pool: an error-feedback step's
+/// traffic (two streams read, one written in place) with no codec work.
+fn par_axpy(g: &[f32], r: &mut [f32]) {
+    r.par_chunks_mut(1 << 16)
+        .zip(g.par_chunks(1 << 16))
+        .for_each(|(r, g)| r.iter_mut().zip(g).for_each(|(r, g)| *r = 0.5 * *r + g));
 }
 
 /// A copy of `src` into `dst` in 64 Ki-element pieces on the current pool.
@@ -88,6 +97,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|p| gb / p.install(|| time(|| par_copy(&x, &mut copy))))
         .collect();
     row("memcpy", &memcpy);
+    let axpy: Vec<f64> = pools
+        .iter()
+        .map(|p| gb / p.install(|| time(|| par_axpy(&x, &mut copy))))
+        .collect();
+    row("r = 0.5 r + g (an error-feedback step's traffic)", &axpy);
     let any = FeedbackOptions {
         allow_non_contractive: true,
         ..Default::default()

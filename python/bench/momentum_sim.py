@@ -20,6 +20,9 @@ error feedback, followed by any of:
 - ``-from-N``: float32 before step N, as ``start_step=N``;
 - ``-min-N``: parameters with fewer than N elements go as float32, as
   ``min_compress_elements=N`` (16384 by default);
+- ``-global``: every compressed parameter of a rank through one error feedback, so that
+  top-k selects over the whole model at once (each layer gets the share its magnitudes
+  earn) instead of 1% of every parameter;
 - ``-warm-N``: for ``topk``, deep gradient compression's warm-up of the density: 25%,
   6.25% and 1.5625% in three equal stages over the first N steps, then 1% (the
   residual carried from stage to stage).
@@ -38,7 +41,7 @@ from ddp_bench import MOMENTUM, data, model  # the benchmark's data, model and m
 
 def parse(name):
     """(codec spec or None, momentum correction, masking, start step, warm-up steps,
-    min_compress_elements) of a configuration."""
+    min_compress_elements, one selection over the model) of a configuration."""
     base, start, warm, least = name, 0, 0, 16384
     head, sep, n = base.rpartition("-from-")
     if sep and n.isdigit():
@@ -49,6 +52,8 @@ def parse(name):
     head, sep, n = base.rpartition("-warm-")
     if sep and n.isdigit():
         base, warm = head, int(n)
+    whole = base.endswith("-global")
+    base = base[: -len("-global")] if whole else base
     mask = base.endswith("-mask")
     base = base[: -len("-mask")] if mask else base
     mc = base.endswith("-mc")
@@ -59,9 +64,9 @@ def parse(name):
         "sign256": "sign:block=256",
         "topk": "topk:ratio=0.01,values=fp16",
     }.get(base, "?")
-    if codec == "?" or (mask and not mc) or (warm and base != "topk"):
+    if codec == "?" or (mask and not mc) or (warm and base != "topk") or (warm and whole):
         sys.exit(f"unknown configuration {name!r}")
-    return codec, mc, mask, start, warm, least
+    return codec, mc, mask, start, warm, least, whole
 
 
 def density(step, warm):
@@ -76,7 +81,7 @@ def run(name, seed, steps, world, momentum=MOMENTUM, lr=0.01, batch=64):
 
     import gradpack
 
-    codec, mc, mask, start, warm, least = parse(name)
+    codec, mc, mask, start, warm, least, whole = parse(name)
     torch.set_num_threads(1)
     xs, ys, xt, yt = data()
     cut = len(xs)
@@ -90,6 +95,10 @@ def run(name, seed, steps, world, momentum=MOMENTUM, lr=0.01, batch=64):
     # As the hook: one-dimensional parameters (biases) and those under
     # min_compress_elements (16384 by default) go as float32.
     packed = [p.dim() > 1 and p.numel() >= least for p in params]
+    if whole and codec:
+        together = [j for j in range(len(params)) if packed[j]]
+        total = sum(params[j].numel() for j in together)
+        feedback = [gradpack.ErrorFeedback(codec, total) for _ in range(world)]
     for s in range(steps):
         if warm and codec and s >= start and density(s, warm) != ratio:
             ratio = density(s, warm)
@@ -106,6 +115,7 @@ def run(name, seed, steps, world, momentum=MOMENTUM, lr=0.01, batch=64):
             net.zero_grad()
             i = idx[r * batch:(r + 1) * batch]
             torch.nn.functional.cross_entropy(net(xs[i]), ys[i]).backward()
+            flat = []
             for j, p in enumerate(params):
                 grad = p.grad.reshape(-1)
                 if mc:
@@ -115,11 +125,24 @@ def run(name, seed, steps, world, momentum=MOMENTUM, lr=0.01, batch=64):
                 if codec is None or s < start or not packed[j]:
                     sums[j] += grad
                     continue
+                if whole:
+                    flat.append(grad)
+                    continue
                 frame = feedback[r][j].encode(grad.numpy(), seed=s * 1000 + j * 10 + r)
                 sent = torch.from_numpy(gradpack.decode(frame).copy())
                 if mask:
                     velocity[r][j][sent != 0] = 0
                 sums[j] += sent
+            if flat:
+                frame = feedback[r].encode(torch.cat(flat).numpy(), seed=s * 1000 + r)
+                sent = torch.from_numpy(gradpack.decode(frame).copy())
+                at = 0
+                for j in together:
+                    part = sent[at:at + params[j].numel()]
+                    at += params[j].numel()
+                    if mask:
+                        velocity[r][j][part != 0] = 0
+                    sums[j] += part
         for j, p in enumerate(params):
             p.grad = (sums[j] / world).reshape(p.shape)
         opt.step()

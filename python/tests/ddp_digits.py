@@ -88,6 +88,15 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "identity-momentum": {"codec": "identity", "extra": {"momentum": 0.9}, "sgd_momentum": 0.0},
     "topk-ef-momentum": {"codec": "topk:ratio=0.01,values=fp16", "error_feedback": True,
                          "extra": {"momentum": 0.9}, "sgd_momentum": 0.0},
+    # One top-k over the whole model (selection='model'), in the default buckets of
+    # ~26 k elements and in one bucket of everything: the same parameters.
+    "topk-ef-model": {"codec": "topk:ratio=0.01,values=fp16", "error_feedback": True,
+                      "extra": {"selection": "model"}},
+    "topk-ef-model-one-bucket": {"codec": "topk:ratio=0.01,values=fp16", "error_feedback": True,
+                                 "extra": {"selection": "model"}, "bucket_cap_mb": 25},
+    "topk-ef-model-momentum": {"codec": "topk:ratio=0.01,values=fp16", "error_feedback": True,
+                               "extra": {"selection": "model", "momentum": 0.9},
+                               "sgd_momentum": 0.0},
     "int8-ef-ring-momentum": {"codec": "int8", "strategy": "ring", "error_feedback": True,
                               "pieces": 2, "extra": {"momentum": 0.9}, "sgd_momentum": 0.0},
 }
@@ -141,7 +150,7 @@ def make(cfg: Dict[str, Any], seed: int, init: int = -1, device: str = "cpu"):
     # Several buckets of ~26 k elements.
     net = model(seed if init < 0 else init, cfg).to(device)
     ids = [torch.device(device).index or 0] if device.startswith("cuda") else None
-    net = DDP(net, device_ids=ids, bucket_cap_mb=0.1, **cfg.get("ddp", {}))
+    net = DDP(net, device_ids=ids, bucket_cap_mb=cfg.get("bucket_cap_mb", 0.1), **cfg.get("ddp", {}))
     state = None
     extra = dict(cfg.get("extra", {}))
     if extra.get("nodes") == "pairs":
@@ -306,6 +315,68 @@ def leave() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def model_topk_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One backward through the hook with ``selection="model"`` (top-k 1% with error
+    feedback over every compressed parameter at once), against the same step worked out
+    by hand: each rank's own gradient of the same model, the compressed parameters laid
+    end to end in the model's order and encoded by one ``gradpack.ErrorFeedback``,
+    decoded, summed in rank order and divided by the ranks; float32 for the rest."""
+    import gradpack
+    import gradpack.torch as gpt
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    xs, ys, _, _ = data()
+    spec, least, batch = "topk:ratio=0.01,values=fp16", 1024, 32
+    net = DDP(model(0), bucket_cap_mb=0.1)
+    state = gpt.GradpackState(codec=spec, error_feedback=True, selection="model",
+                              min_compress_elements=least, model=net)
+    net.register_comm_hook(state, gpt.gradpack_hook)
+    idx = torch.randint(0, len(xs), (batch * world,), generator=torch.Generator().manual_seed(0))
+
+    def loss(m: torch.nn.Module, r: int) -> torch.Tensor:
+        i = idx[r * batch:(r + 1) * batch]
+        return torch.nn.functional.cross_entropy(m(xs[i]), ys[i])
+
+    loss(net, rank).backward()
+    got = [p.grad.detach().reshape(-1).clone() for p in net.parameters()]
+    state.close()
+    plain = model(0)
+    params = list(plain.parameters())
+    comp = [j for j, p in enumerate(params) if p.dim() > 1 and p.numel() >= least]
+    sums: List[torch.Tensor] = []
+    for r in range(world):
+        plain.zero_grad()
+        loss(plain, r).backward()
+        g = [p.grad.detach().reshape(-1).clone() for p in params]
+        vec = torch.cat([g[j] for j in comp]).numpy()
+        sent = torch.from_numpy(gradpack.decode(gradpack.ErrorFeedback(spec, vec.size).encode(vec)).copy())
+        at = 0
+        for j in comp:
+            g[j] = sent[at:at + g[j].numel()]
+            at += g[j].numel()
+        sums = g if not sums else [a + b for a, b in zip(sums, g)]
+    want = [t / world for t in sums]
+    result = {
+        "equal": all(torch.equal(a, b) for a, b in zip(got, want)),
+        "max_diff": max(float((a - b).abs().max()) for a, b in zip(got, want)),
+        # The share of each compressed parameter's entries that some rank sent.
+        "density": {str(j): float((want[j] != 0).float().mean()) for j in comp},
+        "sizes": {str(j): params[j].numel() for j in comp},
+    }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    leave()
+
+
+def run_model_topk(world: int) -> List[Dict[str, Any]]:
+    """:func:`model_topk_worker` on ``world`` processes: each rank's result."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(model_topk_worker, args=(world, free_port(), d), nprocs=world, join=True)
+        return [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(world)]
 
 
 def killed_worker(rank: int, world: int, port: int, cfg: str, out_dir: str) -> None:
