@@ -203,8 +203,11 @@ def test_ddp_options_and_float_types(world):
     # bfloat16 and float64 models: the codec works in float32. int8 with the strategy
     # left at its default goes by the all-gather on 2 ranks and by the crate's ring
     # (one collective per bucket) on 3; the all-gather asked for stays one on 3.
+    # With one top-k over the model, the hook holds the buckets until DDP's last one,
+    # which those options must still hand over.
     configs = ["int8-unused", "int8-unused-all-used", "int8-static", "int8-frozen",
-               "int8-bf16", "int8-f64", "fp32-f64", "int8-allgather"]
+               "int8-bf16", "int8-f64", "fp32-f64", "int8-allgather",
+               "topk-ef-model-unused", "topk-ef-model-static"]
     res = ddp_digits.run(world, configs, [0], 80)
     for rank in res:
         assert [r["config"] for r in rank] == configs

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import ddp_digits  # noqa: E402
 import diloco_digits  # noqa: E402
 
-CONFIGS = ["fp32", "int8", "int8-ef-ring", "topk-ef", "powersgd2", "int8-bf16"]
+CONFIGS = ["fp32", "int8", "int8-ef-ring", "topk-ef", "topk-ef-model", "powersgd2", "int8-bf16"]
 
 
 def train(backend):
