@@ -176,6 +176,11 @@ def _layout_key(layout: List[Any], n: int) -> str:
     return ",".join(e[0] for e in layout) + f"#{n}"
 
 
+def _hook_error(where: str, e: BaseException) -> RuntimeError:
+    """The error a bucket's future carries to DDP: where in the hook, and what."""
+    return RuntimeError(f"gradpack hook, {where}: {type(e).__name__}: {e}")
+
+
 def _seed(base: int, step: int, key: int, codec: Codec, rank: int) -> int:
     """The seed of one encode: the crate's splitmix64 over the state's seed, the step and
     the tensor's key, then the crate's per-rank mixing (random-k keeps one seed for all
@@ -922,20 +927,20 @@ class GradpackState:
                     out = self._reduce(buf, index, step, layout, cfg, ready)
                     if plan is not None:
                         self._record(plan, time.perf_counter() - t0)
-                    if ready is not None:
-                        with torch.cuda.stream(self._stream(buf.device)):
-                            fut.set_result(out)
-                    else:
-                        fut.set_result(out)
+                    self._complete(fut, out)
                 except BaseException as e:  # the future carries it to DDP
-                    fut.set_exception(
-                        RuntimeError(
-                            f"gradpack hook, bucket {index} of step {step}: "
-                            f"{type(e).__name__}: {e}"
-                        )
-                    )
+                    fut.set_exception(_hook_error(f"bucket {index} of step {step}", e))
             finally:
                 self._queue.task_done()
+
+    def _complete(self, fut: Any, out: torch.Tensor) -> None:
+        """``fut`` completed with the reduced bucket ``out``, on its side stream for a
+        CUDA bucket (so that DDP's stream waits for the copy back)."""
+        if out.is_cuda:
+            with torch.cuda.stream(self._stream(out.device)):
+                fut.set_result(out)
+        else:
+            fut.set_result(out)
 
     def _collect(
         self,
@@ -962,8 +967,7 @@ class GradpackState:
         try:
             host = self._to_host(buf, index, ready, exact=False)
         except BaseException as e:
-            fut.set_exception(RuntimeError(
-                f"gradpack hook, bucket {index} of step {step}: {type(e).__name__}: {e}"))
+            fut.set_exception(_hook_error(f"bucket {index} of step {step}", e))
             return
         pending.append((buf, host, step, layout, fut))
         if not last:
@@ -974,18 +978,12 @@ class GradpackState:
             for b, h, _, _, _ in pending:
                 self._from_host(b, h)
         except BaseException as e:  # every held future carries it to DDP
-            err = RuntimeError(
-                f"gradpack hook, step {step} (selection='model'): {type(e).__name__}: {e}"
-            )
+            err = _hook_error(f"step {step} (selection='model')", e)
             for *_, f in pending:
                 f.set_exception(err)
             return
         for b, _, _, _, f in pending:
-            if b.is_cuda:
-                with torch.cuda.stream(self._stream(b.device)):
-                    f.set_result(b)
-            else:
-                f.set_result(b)
+            self._complete(f, b)
 
     def _model_reduce(self, parts: List[Tuple[torch.Tensor, List[Any]]], step: int) -> None:
         """``selection="model"``: the step's buckets (``(host copy, layout)`` each)
@@ -1014,45 +1012,20 @@ class GradpackState:
         n = total + sum(t[5] for t in plain)
         whole = self._buffer(("model", n), lambda: np.empty(n, dtype=np.float32))
         at = 0
-        for _, _, _, x, a, m in comp + plain:
+        for _, _, _, x, a, m in comp:
             whole[at : at + m] = x[a : a + m]
             at += m
-        cap = (codec.max_encoded_len(total, self.checksum) if total else 0) + sum(
-            _IDENTITY.max_encoded_len(t[5], self.checksum) for t in plain
-        )
-        send = self._buffer(("send", "model", cap), lambda: torch.empty(cap, dtype=torch.uint8))
-        out = send.numpy()
-        w, pieces = 0, []
+        frames: List[Tuple[Codec, np.ndarray, int, int, Optional[ErrorFeedback]]] = []
         if total:
-            seed = _seed(self.seed, step, _MODEL_KEY, codec, rank)
+            ef = None
             if self._wants_ef(codec):
-                ef = self._model_feedback(
-                    tuple(t[1] for t in comp), tuple(t[5] for t in comp)
-                )
-                w += ef.encode_into(whole[:total], out[w:], seed=seed, checksum=self.checksum)
-            else:
-                w += codec.encode_into(whole[:total], out[w:], seed=seed, checksum=self.checksum)
-            pieces.append((0, total))
+                ef = self._model_feedback(tuple(t[1] for t in comp), tuple(t[5] for t in comp))
+            frames.append((codec, whole[:total], 0, _seed(self.seed, step, _MODEL_KEY, codec, rank), ef))
         at = total
-        for _, _, skey, _, _, m in plain:
-            seed = _seed(self.seed, step, skey, _IDENTITY, rank)
-            w += _IDENTITY.encode_into(whole[at : at + m], out[w:], seed=seed, checksum=self.checksum)
-            pieces.append((at, m))
+        for _, _, skey, x, a, m in plain:  # encoded from the bucket, summed into `whole`
+            frames.append((_IDENTITY, x[a : a + m], at, _seed(self.seed, step, skey, _IDENTITY, rank), None))
             at += m
-        g = self._gathers.get(_MODEL_TAG)
-        if g is None:
-            g = gradpack.BucketGather(
-                rank, world, self._p2p.send, self._p2p.recv, op="mean", tag=_MODEL_TAG,
-                send_recv=self._p2p.send_recv,
-                **self._shared_memory(list(range(world)), stage=False),
-            )
-            self._gathers[_MODEL_TAG] = g
-        try:
-            g.run(out[:w], pieces, whole)
-        except BaseException:
-            self._p2p.drop()
-            raise
-        self._p2p.wait()
+        self._gather_frames(whole, frames, _MODEL_TAG, world)
         at = 0
         for _, _, _, x, a, m in comp + plain:
             x[a : a + m] = whole[at : at + m]
@@ -1393,22 +1366,32 @@ class GradpackState:
         rank = self._rank()
         x = flat.numpy()
         starts = np.cumsum([0] + [e[1] for e in layout])
-        todo = [
-            (c, e, int(a)) for c, e, a in zip(codecs, layout, starts) if c is not None
+        frames = [
+            (c, x[int(a) : int(a) + m], int(a), _seed(self.seed, step, skey, c, rank),
+             self._feedback_for(key, c, m) if self._wants_ef(c) else None)
+            for c, (key, m, _, skey, _), a in zip(codecs, layout, starts) if c is not None
         ]
-        cap = sum(c.max_encoded_len(e[1], self.checksum) for c, e, _ in todo)
+        self._gather_frames(x, frames, index, world)
+
+    def _gather_frames(
+        self,
+        x: np.ndarray,
+        frames: List[Tuple[Codec, np.ndarray, int, int, Optional[ErrorFeedback]]],
+        index: int,
+        world: int,
+    ) -> None:
+        """Each ``(codec, source, start, seed, feedback)`` of ``frames`` encoded (through
+        its error feedback where one is given) into one message, all-gathered by the
+        collective ``index``'s :class:`gradpack.BucketGather`, and every frame's mean
+        over the ranks written to ``x[start : start + len(source)]``."""
+        rank = self._rank()
+        cap = sum(c.max_encoded_len(src.size, self.checksum) for c, src, _, _, _ in frames)
         send = self._buffer(("send", index, cap), lambda: torch.empty(cap, dtype=torch.uint8))
         out = send.numpy()
         at = 0
-        for c, (key, m, _, skey, _), start in todo:
-            seed = _seed(self.seed, step, skey, c, rank)
-            piece = x[start : start + m]
-            if self._wants_ef(c):
-                at += self._feedback_for(key, c, m).encode_into(
-                    piece, out[at:], seed=seed, checksum=self.checksum
-                )
-            else:
-                at += c.encode_into(piece, out[at:], seed=seed, checksum=self.checksum)
+        for c, src, _, seed, ef in frames:
+            coder = c if ef is None else ef
+            at += coder.encode_into(src, out[at:], seed=seed, checksum=self.checksum)
         g = self._gathers.get(index)
         if g is None:
             g = gradpack.BucketGather(
@@ -1418,7 +1401,7 @@ class GradpackState:
             )
             self._gathers[index] = g
         try:
-            g.run(out[:at], [(start, e[1]) for _, e, start in todo], x)
+            g.run(out[:at], [(start, src.size) for _, src, start, _, _ in frames], x)
         except BaseException:
             self._p2p.drop()
             raise
