@@ -35,6 +35,7 @@
 use std::collections::VecDeque;
 
 use super::Transport;
+use super::hold::{self, Point};
 use crate::error::{Error, Result};
 
 /// Bytes of the envelope in front of every message a collective sends.
@@ -257,6 +258,9 @@ impl<T: Transport + ?Sized> Comm<T> {
         len: Option<usize>,
     ) -> Result<()> {
         super::check_rank(from, self.early.len())?;
+        let me = self.transport.rank();
+        hold::at(me, Point::Send, expect.call, u64::from(expect.hop));
+        hold::at(me, Point::Recv, expect.call, u64::from(expect.hop));
         if self.early[from].is_empty() {
             match len {
                 Some(len) => self.transport.send_recv_len(msg, to, recv, from, len)?,
@@ -272,12 +276,24 @@ impl<T: Transport + ?Sized> Comm<T> {
     /// Write `place`'s envelope into `msg[..ENVELOPE_LEN]` and send `msg` to `to`.
     pub(crate) fn post(&mut self, msg: &mut [u8], to: usize, place: Place) -> Result<()> {
         self.stamp(msg, place)?;
+        hold::at(
+            self.transport.rank(),
+            Point::Send,
+            place.call,
+            u64::from(place.hop),
+        );
         self.transport.send(msg, to)
     }
 
     /// Receive the message for `expect` from `from` into `recv` (envelope included).
     pub(crate) fn expect(&mut self, recv: &mut Vec<u8>, from: usize, expect: Place) -> Result<()> {
         super::check_rank(from, self.early.len())?;
+        hold::at(
+            self.transport.rank(),
+            Point::Recv,
+            expect.call,
+            u64::from(expect.hop),
+        );
         match self.early[from].pop_front() {
             Some(m) => *recv = m,
             None => self.transport.recv(recv, from)?,

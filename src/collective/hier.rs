@@ -34,6 +34,7 @@
 use core::ops::Range;
 
 use super::comm::{Phase, Place};
+use super::hold::{self, Point};
 use super::{
     AllReduce, AllReduceOptions, Comm, ENVELOPE_LEN, NodeMemory, ReduceOp, Stats, Strategy,
     Transport, chunk_range, peer_error,
@@ -405,7 +406,6 @@ impl Hierarchical {
     ) -> Result<Stats> {
         let _fp = crate::kernels::Standard::new();
         let call = comm.begin();
-        super::check_lens(input.unwrap_or(output), output, self.len)?;
         if comm.rank() != self.rank || comm.size() != self.nodes.world() {
             return Err(Error::Collective(format!(
                 "transport is rank {} of {}, but this all-reduce was built for rank {} of {}",
@@ -422,16 +422,21 @@ impl Hierarchical {
         };
         // Inside a host with stages, in place (float32 only: the same sums, no frames).
         let members = self.nodes.members(self.node);
-        let memory = comm.transport().node_memory().filter(|m| {
-            matches!(self.frames.codec, CodecSpec::Identity(_))
-                && m.covers(members)
-                && m.stage_elems() >= self.nodes.max_node()
-        });
+        let memory = comm
+            .transport()
+            .node_memory()
+            .filter(|m| self.fits(m, members));
         if let Some(m) = memory {
-            // The stages' own count of calls numbers their barriers (collectives that
-            // share them take turns).
+            // The stages' own count of turns numbers their barriers (collectives that
+            // share them take turns). The turn is taken before the arguments are checked,
+            // so a refused call gives its turn up and the node's other ranks fail it at
+            // once instead of pairing this rank's next call with their this one.
             let turn = m.begin();
-            let got = self.run_in_memory(comm, &m, (call, turn), input, output, seed, &mut stats);
+            let got = super::check_lens(input.unwrap_or(output), output, self.len)
+                .and_then(|()| m.enter(members, turn))
+                .and_then(|()| {
+                    self.run_in_memory(comm, &m, (call, turn), input, output, seed, &mut stats)
+                });
             if got.is_err() {
                 m.fail(turn);
             }
@@ -439,6 +444,7 @@ impl Hierarchical {
             self.mean(output);
             return Ok(stats);
         }
+        super::check_lens(input.unwrap_or(output), output, self.len)?;
         let local = self.local;
         let (l, shards, n_all) = (members.len(), self.nodes.max_node(), self.len);
         let shard = |s: usize| chunk_range(n_all, shards, s);
@@ -507,6 +513,22 @@ impl Hierarchical {
         Ok(stats)
     }
 
+    /// Whether the node phases run through the stages of `m`: float32 inside the node,
+    /// every rank of the node on the host, room for a value of every shard, and the
+    /// run's barriers within what a turn numbers.
+    fn fits(&self, m: &NodeMemory, members: &[usize]) -> bool {
+        let shards = self.nodes.max_node();
+        let c = m.stage_elems() / shards.max(1);
+        let rounds = chunk_range(self.len, shards, 0)
+            .len()
+            .div_ceil(c.max(1))
+            .max(1);
+        matches!(self.frames.codec, CodecSpec::Identity(_))
+            && m.covers(members)
+            && c > 0
+            && rounds.saturating_mul(4) <= super::shm::MAX_BARRIERS
+    }
+
     /// With operation `Mean`, divide the sum by the world size.
     fn mean(&self, output: &mut [f32]) {
         if self.op == ReduceOp::Mean {
@@ -545,15 +567,29 @@ impl Hierarchical {
             (r.start + lo)..(r.start + hi)
         };
         let (acc, reduced) = (&mut self.acc, &mut self.reduced);
+        let me = self.rank;
         let mut b = 0u32;
         let mut barrier = |last: bool| {
+            hold::at(me, Point::Barrier, call, u64::from(b));
             let r = m.barrier(members, turn, b, last);
             b += 1;
             r
         };
+        // Writes and copies of this call, counted for the hold points.
+        let (mut writes, mut reads) = (0u64, 0u64);
+        let mut write = |at: usize, x: &[f32]| {
+            hold::at(me, Point::StageWrite, call, writes);
+            writes += 1;
+            m.write(at, x);
+        };
+        let mut read = |from: usize, at: usize, out: &mut [f32], add: bool| {
+            hold::at(me, Point::StageRead, call, reads);
+            m.read(from, at, out, add, (call, reads));
+            reads += 1;
+        };
         for t in 0..rounds {
             for s in 0..shards {
-                m.write(s * c, src(input, output, part(s, t)));
+                write(s * c, src(input, output, part(s, t)));
             }
             barrier(false)?;
             for (i, &s) in self.owned.iter().enumerate() {
@@ -561,7 +597,7 @@ impl Hierarchical {
                 let off = p.start - shard(s).start;
                 let dst = &mut acc[i * max_shard + off..i * max_shard + off + p.len()];
                 for (lr, &from) in members.iter().enumerate() {
-                    m.read(from, s * c, dst, lr != 0);
+                    read(from, s * c, dst, lr != 0);
                 }
             }
             barrier(false)?;
@@ -575,7 +611,7 @@ impl Hierarchical {
             for (i, &s) in self.owned.iter().enumerate() {
                 let p = part(s, t);
                 let off = p.start - shard(s).start;
-                m.write(
+                write(
                     s * c,
                     &reduced[i * max_shard + off..i * max_shard + off + p.len()],
                 );
@@ -583,7 +619,7 @@ impl Hierarchical {
             barrier(false)?;
             for s in 0..shards {
                 let owner = members[s % members.len()];
-                m.read(owner, s * c, &mut output[part(s, t)], false);
+                read(owner, s * c, &mut output[part(s, t)], false);
             }
             barrier(t + 1 == rounds)?;
         }

@@ -97,6 +97,7 @@
 pub mod bucket;
 pub mod comm;
 pub mod hier;
+mod hold;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;

@@ -57,6 +57,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::hold::{self, Point};
 use super::{Transport, check_rank};
 use crate::error::{Error, Result};
 use crate::kernels::shm::Mapped;
@@ -68,7 +69,7 @@ const MAGIC: u64 = u64::from_le_bytes(*b"GPSHM\0\0\x01");
 const HEADER: usize = 64;
 const OPENED_AT: usize = 24;
 const BEAT_AT: usize = 32;
-/// The two-level all-reduce's barrier word and failed-call word, and the stage's size.
+/// The two-level all-reduce's barrier word and failed-turn word, and the stage's size.
 const BARRIER_AT: usize = 40;
 const FAILED_AT: usize = 48;
 const STAGE_AT: usize = 56;
@@ -417,21 +418,40 @@ pub struct NodeMemory {
     at: usize,
     len: usize,
     timeout: Duration,
-    /// Calls that have used the stages so far, on this rank (every user of one
+    /// Turns of the stages taken so far, on this rank (every user of one
     /// [`SharedMemory`] draws from it, so that two-level all-reduces sharing it number
     /// their barriers as one sequence).
     calls: Arc<AtomicU64>,
+    /// One more than the turn this rank last gave up on while peers may still read its
+    /// stage for it; 0 when none ([`NodeMemory::enter`] settles it).
+    unsettled: Arc<AtomicU64>,
 }
 
-/// The barrier word of barrier `i` of call `call`: above zero, rising through a call and
-/// from one call to the next.
-fn generation(call: u64, i: u32) -> u64 {
-    ((call + 1) << 20) + u64::from(i) + 1
+/// Bits of a barrier word below the turn: the barrier's index plus one, or all ones for
+/// a turn given up.
+const INDEX_BITS: u32 = 24;
+const GAVE_UP: u64 = (1 << INDEX_BITS) - 1;
+
+/// Barriers one turn of the stages may hold (their words stay below a turn's
+/// given-up word).
+pub(crate) const MAX_BARRIERS: usize = (1 << INDEX_BITS) - 3;
+
+/// The barrier word of barrier `i` of turn `turn`: above zero, rising through a turn and
+/// from one turn to the next.
+fn generation(turn: u64, i: u32) -> u64 {
+    ((turn + 1) << INDEX_BITS) + u64::from(i) + 1
+}
+
+/// The barrier word of a rank that gave up on turn `turn`: above every barrier of that
+/// turn, below the next turn's first.
+fn gave_up(turn: u64) -> u64 {
+    ((turn + 1) << INDEX_BITS) + GAVE_UP
 }
 
 impl NodeMemory {
-    /// The number of this call of the stages: 0, 1, ... on every rank of the node, which
-    /// make their calls in the same order.
+    /// The number of this turn of the stages: 0, 1, ... on every rank of the node, which
+    /// take their turns in the same order (a call refused for a bad argument takes its
+    /// turn too, and gives it up).
     pub(crate) fn begin(&self) -> u64 {
         self.calls.fetch_add(1, Ordering::Relaxed)
     }
@@ -444,6 +464,11 @@ impl NodeMemory {
     /// f32 values a stage holds.
     pub(crate) fn stage_elems(&self) -> usize {
         self.len / 4
+    }
+
+    /// This rank's global rank.
+    pub(crate) fn rank(&self) -> usize {
+        self.host[self.me]
     }
 
     fn file(&self, rank: usize) -> &Mapped {
@@ -460,52 +485,110 @@ impl NodeMemory {
         self.files[self.me].write(self.at + 4 * at, bytemuck::cast_slice(x));
     }
 
-    /// Copy (or add, with `add`) the values at element `at` of `rank`'s stage into `out`.
-    pub(crate) fn read(&self, rank: usize, at: usize, out: &mut [f32], add: bool) {
+    /// Copy (or add, with `add`) the values at element `at` of `rank`'s stage into `out`;
+    /// `held`: the call and index for the `stage-copy` hold point (fault-injection tests),
+    /// which splits the copy in two.
+    pub(crate) fn read(
+        &self,
+        rank: usize,
+        at: usize,
+        out: &mut [f32],
+        add: bool,
+        held: (u64, u64),
+    ) {
         assert!((at + out.len()) * 4 <= self.len, "inside the stage");
-        self.file(rank).read_f32(self.at + 4 * at, out, add);
+        let file = self.file(rank);
+        if hold::any() {
+            let half = out.len() / 2;
+            let (a, b) = out.split_at_mut(half);
+            file.read_f32(self.at + 4 * at, a, add);
+            hold::at(self.rank(), Point::StageCopy, held.0, held.1);
+            file.read_f32(self.at + 4 * (at + half), b, add);
+        } else {
+            file.read_f32(self.at + 4 * at, out, add);
+        }
     }
 
-    /// Record that this rank gave up on call `call` (peers waiting at its barriers fail
-    /// instead of reading a stage it did not fill).
-    pub(crate) fn fail(&self, call: u64) {
-        self.files[self.me]
-            .atomic(FAILED_AT)
-            .store(call + 1, Ordering::Release);
+    /// Record that this rank gave up on turn `turn`: its failed-turn word rises to
+    /// `turn + 1`, and its barrier word becomes the turn's given-up word, unless an
+    /// earlier turn it gave up on is still unsettled (peers may still read that turn's
+    /// stage, and must see that it gave up on it).
+    pub(crate) fn fail(&self, turn: u64) {
+        let own = &self.files[self.me];
+        own.atomic(FAILED_AT).fetch_max(turn + 1, Ordering::AcqRel);
+        if self.unsettled.load(Ordering::Acquire) == 0 {
+            own.atomic(BARRIER_AT)
+                .fetch_max(gave_up(turn), Ordering::AcqRel);
+            self.unsettled.store(turn + 1, Ordering::Release);
+        }
     }
 
-    /// Barrier `i` of call `call` among the ranks `ranks` of the node (this one among
-    /// them); `last`: the call's last. Waits for every one to reach it. A rank seen past
-    /// it, other than at the next barrier (or the next call's first, after a last one), or
-    /// marked as having given up on the call, is an error naming it; so is one whose
-    /// heartbeat stops, or that does not come within the timeout.
-    pub(crate) fn barrier(&self, ranks: &[usize], call: u64, i: u32, last: bool) -> Result<()> {
-        let g = generation(call, i);
+    /// Start turn `turn` among `ranks` (this one among them), before this rank writes its
+    /// stage. After a turn this rank gave up on, wait until every peer has left that turn
+    /// (given it up too, or gone on to a later one), so that nothing this rank writes now
+    /// can reach a peer still copying from the turn it gave up; fails like a barrier.
+    pub(crate) fn enter(&self, ranks: &[usize], turn: u64) -> Result<()> {
+        let u = self.unsettled.load(Ordering::Acquire);
+        if u == 0 {
+            return Ok(());
+        }
+        let left = gave_up(u - 1);
+        let me = self.rank();
+        for &r in ranks.iter().filter(|&&r| r != me) {
+            let f = self.file(r);
+            let mut wait = Waiter::new(f, r, self.timeout);
+            while f.atomic(BARRIER_AT).load(Ordering::Acquire) < left
+                && f.atomic(FAILED_AT).load(Ordering::Acquire) < u
+            {
+                wait.idle(&format!(
+                    "did not leave turn {} of the node's stages (before turn {turn})",
+                    u - 1
+                ))?;
+            }
+        }
+        self.unsettled.store(0, Ordering::Release);
+        Ok(())
+    }
+
+    /// Barrier `i` of turn `turn` among the ranks `ranks` of the node (this one among
+    /// them); `last`: the turn's last. Stores this rank's word, then waits for every peer
+    /// to reach it. A peer seen at this barrier or the next (after the last one: in any
+    /// later turn) is through; one seen past it otherwise (it gave up on the turn), or
+    /// short of it with its failed-turn word at `turn + 1` or above, is an error naming
+    /// it; so is one whose heartbeat stops, or that does not come within the timeout.
+    pub(crate) fn barrier(&self, ranks: &[usize], turn: u64, i: u32, last: bool) -> Result<()> {
+        let g = generation(turn, i);
         let own = &self.files[self.me];
         own.atomic(BARRIER_AT).store(g, Ordering::Release);
-        let me = self.host[self.me];
+        let me = self.rank();
         for &r in ranks.iter().filter(|&&r| r != me) {
             let f = self.file(r);
             let mut wait = Waiter::new(f, r, self.timeout);
             loop {
                 let w = f.atomic(BARRIER_AT).load(Ordering::Acquire);
                 if w >= g {
-                    let gave_up = f.atomic(FAILED_AT).load(Ordering::Acquire) == call + 1;
-                    let next = w == g + 1 || (last && w == generation(call + 1, 0));
-                    if gave_up || (w != g && !next) {
-                        return Err(Error::Transport {
-                            peer: r,
-                            reason: format!(
-                                "gave up on call {call} of the two-level all-reduce inside the node"
-                            ),
-                        });
+                    let through = w == g || w == g + 1 || (last && w >= generation(turn + 1, 0));
+                    if !through {
+                        return Err(gave_up_on(r, turn));
                     }
                     break;
+                }
+                if f.atomic(FAILED_AT).load(Ordering::Acquire) > turn {
+                    return Err(gave_up_on(r, turn));
                 }
                 wait.idle("did not reach the node's barrier")?;
             }
         }
         Ok(())
+    }
+}
+
+fn gave_up_on(peer: usize, turn: u64) -> Error {
+    Error::Transport {
+        peer,
+        reason: format!(
+            "gave up on turn {turn} of the two-level all-reduce's stages inside the node"
+        ),
     }
 }
 
@@ -680,6 +763,7 @@ impl SharedMemory {
             len: stage,
             timeout: options.timeout,
             calls: Arc::new(AtomicU64::new(0)),
+            unsettled: Arc::new(AtomicU64::new(0)),
         });
         Ok(SharedMemory {
             rank,
