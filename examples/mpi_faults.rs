@@ -51,13 +51,20 @@ impl<F: FnMut(&mut Vec<u8>)> Transport for Faulty<F> {
             None => self.inner.send(msg, to),
         }
     }
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
-        self.inner.recv(buf, from)
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<()> {
+        self.inner.recv(buf, from, max)
     }
-    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
+    fn send_recv(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        max: usize,
+    ) -> Result<()> {
         match self.damaged(send) {
-            Some(m) => self.inner.send_recv(&m, to, recv, from),
-            None => self.inner.send_recv(send, to, recv, from),
+            Some(m) => self.inner.send_recv(&m, to, recv, from, max),
+            None => self.inner.send_recv(send, to, recv, from, max),
         }
     }
 }

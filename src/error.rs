@@ -148,6 +148,16 @@ pub enum Error {
         /// What happened.
         reason: String,
     },
+    /// A peer's message, or the length it announced ahead of it, is longer than the
+    /// collective can be sent there: refused before anything was allocated for it.
+    MessageTooLong {
+        /// Rank of the peer.
+        peer: usize,
+        /// Bytes the message has or claims.
+        len: u64,
+        /// The most the collective expects.
+        max: usize,
+    },
     /// A message received from a peer during a collective was rejected: a frame that
     /// does not decode, one of the wrong codec, length, offset or seed, or a message that
     /// belongs to another call, hop or collective ([`Error::Misplaced`]).
@@ -268,6 +278,11 @@ impl fmt::Display for Error {
                 write!(f, "frame is {found}, not {expected}")
             }
             Error::Transport { peer, reason } => write!(f, "rank {peer}: {reason}"),
+            Error::MessageTooLong { peer, len, max } => write!(
+                f,
+                "rank {peer} sent a message of {len} bytes where at most {max} are expected: \
+                 refused"
+            ),
             Error::Peer {
                 peer,
                 phase,

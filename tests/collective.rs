@@ -442,8 +442,8 @@ impl<F: FnMut(&mut Vec<u8>)> Transport for Faulty<F> {
         (self.damage)(&mut msg);
         self.inner.send(&msg, to)
     }
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
-        self.inner.recv(buf, from)
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<()> {
+        self.inner.recv(buf, from, max)
     }
 }
 
@@ -576,22 +576,25 @@ fn damaged_frames_are_errors_naming_the_peer() {
 
 #[test]
 fn frames_of_another_codec_or_length_are_refused() {
-    // Rank 1 runs with a different codec: its neighbours refuse its frames.
+    // Rank 1 runs with a different codec: its neighbours refuse its frames, by their
+    // codec (shorter frames) or, before reading them, by their length (longer ones).
     let n = 500;
-    let res = local::run(3, Some(Duration::from_secs(5)), |mut t| {
-        let spec = if t.rank() == 1 { "fp16" } else { "int8" };
-        let codec: CodecSpec = spec.parse().unwrap();
-        let o = opts(Strategy::CompressedAllGather, ReduceOp::Sum, Feedback::None);
-        let mut ar = AllReduce::new(codec, n, &t, o)?;
-        ar.run(&mut t, &vec![1.0; n], &mut vec![0.0; n], 0)
-    });
-    match &res[2] {
-        Err(Error::Peer {
-            peer: 1, source, ..
-        }) => {
-            assert!(matches!(**source, Error::WrongCodec { .. }), "{source}")
+    for (other, want) in [("sign", "WrongCodec"), ("fp16", "MessageTooLong")] {
+        let res = local::run(3, Some(Duration::from_secs(5)), |mut t| {
+            let spec = if t.rank() == 1 { other } else { "int8" };
+            let codec: CodecSpec = spec.parse().unwrap();
+            let o = opts(Strategy::CompressedAllGather, ReduceOp::Sum, Feedback::None);
+            let mut ar = AllReduce::new(codec, n, &t, o)?;
+            ar.run(&mut t, &vec![1.0; n], &mut vec![0.0; n], 0)
+        });
+        match &res[2] {
+            Err(Error::Peer {
+                peer: 1, source, ..
+            }) => {
+                assert!(format!("{source:?}").starts_with(want), "{other}: {source}")
+            }
+            other => panic!("{other:?}"),
         }
-        other => panic!("{other:?}"),
     }
     // Rank 1 has a different length: its neighbours' frames do not fit its chunks, or
     // its frames do not fit theirs; whoever sees it first names the sender.
@@ -928,13 +931,20 @@ impl Transport for Counting {
         self.apart += 1;
         self.inner.send(msg, to)
     }
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
-        self.inner.recv(buf, from)
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<()> {
+        self.inner.recv(buf, from, max)
     }
-    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
+    fn send_recv(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        max: usize,
+    ) -> Result<()> {
         self.together += 1;
         self.inner.send(send, to)?;
-        self.inner.recv(recv, from)
+        self.inner.recv(recv, from, max)
     }
     fn send_recv_len(
         &mut self,
@@ -943,9 +953,11 @@ impl Transport for Counting {
         recv: &mut Vec<u8>,
         from: usize,
         len: usize,
+        max: usize,
     ) -> Result<()> {
         self.told += 1;
-        self.send_recv(send, to, recv, from)?;
+        assert!(len <= max, "an expected length within the bound");
+        self.send_recv(send, to, recv, from, max)?;
         assert_eq!(recv.len(), len, "rank {} from {from}", self.rank());
         Ok(())
     }

@@ -84,7 +84,7 @@ impl Transport for Injector {
             Fault::FailRecv => unreachable!(),
         }
     }
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<()> {
         let i = self.recvs;
         self.recvs += 1;
         if self.fault == Some((Fault::FailRecv, i)) {
@@ -93,7 +93,7 @@ impl Transport for Injector {
                 reason: "injected receive failure".into(),
             });
         }
-        self.inner.recv(buf, from)
+        self.inner.recv(buf, from, max)
     }
     // Local's send never blocks, so send-then-receive is its exchange too.
 }
@@ -382,8 +382,8 @@ fn a_frame_of_another_step_or_chunk_is_refused() {
             }
             self.inner.send(msg, to)
         }
-        fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
-            self.inner.recv(buf, from)
+        fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<()> {
+            self.inner.recv(buf, from, max)
         }
     }
     let n = 64;
@@ -482,8 +482,8 @@ impl Transport for Relabeller {
         };
         self.inner.send(&m, to)
     }
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
-        self.inner.recv(buf, from)
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<()> {
+        self.inner.recv(buf, from, max)
     }
 }
 

@@ -82,7 +82,7 @@ fn messages_arrive_whole_and_in_order_when_every_rank_sends_first() {
         let mut buf = vec![0xAA; 3];
         for (k, &len) in LENGTHS.iter().enumerate() {
             for from in (0..4).filter(|&q| q != me) {
-                t.recv(&mut buf, from)?;
+                t.recv(&mut buf, from, usize::MAX)?;
                 assert_eq!(
                     buf,
                     message(from, me, k, len),
@@ -111,7 +111,13 @@ fn send_recv_in_a_ring_of_large_messages() {
         let mut buf = Vec::new();
         for k in 0..20 {
             let len = 1 + k * 9973;
-            t.send_recv(&message(t.rank(), next, k, len), next, &mut buf, prev)?;
+            t.send_recv(
+                &message(t.rank(), next, k, len),
+                next,
+                &mut buf,
+                prev,
+                usize::MAX,
+            )?;
             assert_eq!(buf, message(prev, t.rank(), k, len));
         }
         Ok(())
@@ -427,7 +433,7 @@ fn first_recv_error(
             return Ok(None);
         }
         let t0 = Instant::now();
-        let e = t.recv(&mut Vec::new(), 1).unwrap_err();
+        let e = t.recv(&mut Vec::new(), 1, usize::MAX).unwrap_err();
         Ok(Some((e, t0.elapsed())))
     });
     got.into_iter().next().unwrap().unwrap().unwrap()
@@ -501,7 +507,7 @@ fn bad_arguments_are_errors() {
         Err(Error::Transport { peer: 0, .. })
     ));
     assert!(t.send(&[1], 9).is_err());
-    assert!(t.recv(&mut Vec::new(), 1).is_err());
+    assert!(t.recv(&mut Vec::new(), 1, usize::MAX).is_err());
     drop(t);
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
     // A transport of another world size cannot be routed with it.
@@ -522,7 +528,7 @@ fn dropping_a_transport_delivers_what_it_queued() {
         }
         std::thread::sleep(Duration::from_millis(200));
         let mut buf = Vec::new();
-        t.recv(&mut buf, 1)?;
+        t.recv(&mut buf, 1, usize::MAX)?;
         Ok(Some(buf))
     });
     let mut it = got.into_iter();
@@ -542,4 +548,59 @@ fn a_peer_that_is_gone_is_noticed_before_the_timeout() {
     assert!(matches!(e, Error::Transport { peer: 1, .. }), "{e}");
     assert!(took < Duration::from_secs(10), "{took:?}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_message_longer_than_the_receive_allows_is_refused_and_passed_over() {
+    // Rank 1 sends 1 MiB through a 4 KiB ring, then a small message. Rank 0 receives the
+    // first with room for 1000 bytes: refused at its length, nothing allocated for it;
+    // the next receive passes over its bytes and gets the small message whole.
+    let (dir, name) = place("long");
+    let o = options(&dir, 4096, 20_000);
+    let got = on_host(2, &[0, 1], &o, &name, |mut t| {
+        if t.rank() == 1 {
+            t.send(&message(1, 0, 0, 1 << 20), 0)?;
+            t.send(&message(1, 0, 1, 300), 0)?;
+            return Ok(None);
+        }
+        let mut buf = Vec::new();
+        let e = t.recv(&mut buf, 1, 1000).unwrap_err();
+        assert!(
+            matches!(e, Error::MessageTooLong { peer: 1, len, max: 1000 } if len == 1 << 20),
+            "{e}"
+        );
+        assert_eq!(
+            buf.capacity(),
+            0,
+            "nothing allocated for the refused message"
+        );
+        t.recv(&mut buf, 1, 1000)?;
+        Ok(Some(buf))
+    });
+    let mut it = got.into_iter();
+    assert_eq!(it.next().unwrap().unwrap().unwrap(), message(1, 0, 1, 300));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_in_process_transport_refuses_a_message_longer_than_the_receive_allows() {
+    let mut w = local::Local::world(2);
+    let (mut b, mut a) = (w.pop().unwrap(), w.pop().unwrap());
+    b.send(&[7; 100], 0).unwrap();
+    b.send(&[8; 10], 0).unwrap();
+    let mut buf = Vec::new();
+    let e = a.recv(&mut buf, 1, 99).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::MessageTooLong {
+                peer: 1,
+                len: 100,
+                max: 99
+            }
+        ),
+        "{e}"
+    );
+    a.recv(&mut buf, 1, 10).unwrap();
+    assert_eq!(buf, [8; 10]);
 }

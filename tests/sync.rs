@@ -226,7 +226,7 @@ impl Transport for Plain {
             "a planning transport sends nothing".into(),
         ))
     }
-    fn recv(&mut self, _: &mut Vec<u8>, _: usize) -> Result<()> {
+    fn recv(&mut self, _: &mut Vec<u8>, _: usize, _: usize) -> Result<()> {
         Err(Error::Collective(
             "a planning transport receives nothing".into(),
         ))

@@ -554,6 +554,11 @@ class AllReduce(_Collective):
       received whole and returned); gloo aborts the process when a message is longer
       than the receive posted for it, so a transport over gloo should honour ``size``
       only while every rank's all-reduce is made alike and no call has failed.
+    - ``recv`` and ``send_recv`` that take a keyword ``limit`` are passed the most bytes
+      the collective expects from ``frm``: a transport that learns a message's length
+      before its bytes should raise when the length is above it, before allocating (a
+      damaged length must not take the machine's memory). A returned message longer than
+      ``limit`` fails the call either way.
 
     The algorithms are the Rust crate's, the same that MPI and the in-process transport
     run: ``strategy`` ``"ring"`` (a compressed reduce-scatter and all-gather, ``pieces``
@@ -682,17 +687,26 @@ class BucketGather:
         )
 
     def run(
-        self, message: FrameLike, segments: Sequence[Tuple[int, int]], out: ArrayLike
+        self,
+        message: FrameLike,
+        segments: Sequence[Tuple[int, int]],
+        out: ArrayLike,
+        max_message: Optional[int] = None,
     ) -> Dict[str, Any]:
         """Gather every rank's ``message``: whole frames, one per ``(start, length)`` of
         ``segments`` (in that order, each of its segment's length), concatenated. Then
         ``out[start : start + length]`` of each segment is set to the sum (or mean) of
         the ranks' frames for it, in rank order; the rest of ``out`` (float32) is left as
         it is. Every rank passes the same segments. A peer's message that does not split
-        into such frames raises :class:`Error` naming the rank that made it. Returns this
-        rank's ``strategy``, ``bytes_sent`` and ``messages``."""
+        into such frames raises :class:`Error` naming the rank that made it.
+        ``max_message`` bounds every rank's message (the same on every rank: the sum of
+        the codecs' ``max_encoded_len`` for the segments, say); a peer's message
+        announced longer is refused before anything is allocated for it (``None``: what
+        any codec can write, far looser). Returns this rank's ``strategy``,
+        ``bytes_sent`` and ``messages``."""
         segs = [(int(a), int(n)) for a, n in segments]
-        return self._g.run(_frame(message), segs, _f32(out, "out"))
+        bound = None if max_message is None else int(max_message)
+        return self._g.run(_frame(message), segs, _f32(out, "out"), bound)
 
     @property
     def calls(self) -> int:

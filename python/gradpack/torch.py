@@ -1401,7 +1401,7 @@ class GradpackState:
             )
             self._gathers[index] = g
         try:
-            g.run(out[:at], [(start, src.size) for _, src, start, _, _ in frames], x)
+            g.run(out[:at], [(start, src.size) for _, src, start, _, _ in frames], x, cap)
         except BaseException:
             self._p2p.drop()
             raise
@@ -1733,6 +1733,16 @@ def _spans_nodes(group: Any) -> bool:
     return local < dist.get_world_size(group)
 
 
+def _check_limit(frm: int, length: int, limit: Optional[int]) -> None:
+    """Refuse an announced length above what the collective expects (or below zero)
+    before anything is allocated for it."""
+    if length < 0 or (limit is not None and length > limit):
+        raise RuntimeError(
+            f"rank {frm} announced a message of {length} bytes where at most {limit} are "
+            "expected: refused"
+        )
+
+
 class _PointToPoint:
     """The message callables of a :class:`gradpack.AllReduce` or
     :class:`gradpack.OuterSync` over point-to-point operations on a process group
@@ -1770,16 +1780,18 @@ class _PointToPoint:
             self._pending = [p for p in self._pending if not all(w.is_completed() for w in p[0])]
             self._pending.append((works, length, payload))
 
-    def recv(self, frm: int) -> np.ndarray:
+    def recv(self, frm: int, limit: Optional[int] = None) -> np.ndarray:
         src = self._peer(frm)
         length = torch.empty(1, dtype=torch.int64)
         g = self._group()
         dist.recv(length, src, group=g)
+        _check_limit(frm, int(length), limit)
         buf = torch.empty(int(length), dtype=torch.uint8)
         dist.recv(buf, src, group=g)
         return buf.numpy()
 
-    def send_recv(self, msg: bytearray, to: int, frm: int, size: Optional[int] = None) -> np.ndarray:
+    def send_recv(self, msg: bytearray, to: int, frm: int, size: Optional[int] = None,
+                  limit: Optional[int] = None) -> np.ndarray:
         """``send(msg, to)`` and ``recv(frm)`` at once, the same messages on the wire: the
         lengths are exchanged first, then the payload's receive is posted before its
         send. gloo moves the two directions of a step at once only when the receive is
@@ -1810,6 +1822,7 @@ class _PointToPoint:
         w_len = dist.isend(length, dst, group=g)
         if w_buf is None:
             w_got.wait()
+            _check_limit(frm, int(got), limit)
             buf = torch.empty(int(got), dtype=torch.uint8)
             w_buf = dist.irecv(buf, src, group=g)
         payload = torch.frombuffer(msg, dtype=torch.uint8)

@@ -700,6 +700,10 @@ struct PyTransport {
     /// Whether `send_recv` takes a keyword `size`: the length the received message is
     /// expected to have, where the collective knows it.
     sized: bool,
+    /// Whether `recv` and `send_recv` take a keyword `limit`: the most bytes the
+    /// collective expects, so that a longer announced length is refused before the
+    /// callable allocates for it.
+    limited: (bool, bool),
 }
 
 fn transport_error(peer: usize, what: &str, e: &PyErr) -> gradpack::Error {
@@ -727,13 +731,15 @@ impl Transport for PyTransport {
         })
     }
 
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> gradpack::Result<()> {
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> gradpack::Result<()> {
         Python::attach(|py| {
+            let kw = keywords(py, [(None, "size"), (Some(max).filter(|_| self.limited.0), "limit")])
+                .map_err(|e| transport_error(from, "recv", &e))?;
             let got = self
                 .recv
-                .call1(py, (from,))
+                .call(py, (from,), kw.as_ref())
                 .map_err(|e| transport_error(from, "recv", &e))?;
-            received(got.bind(py), buf, from, "recv")
+            received(got.bind(py), buf, from, "recv", max)
         })
     }
 
@@ -743,8 +749,9 @@ impl Transport for PyTransport {
         to: usize,
         recv: &mut Vec<u8>,
         from: usize,
+        max: usize,
     ) -> gradpack::Result<()> {
-        self.exchange(send, to, recv, from, None)
+        self.exchange(send, to, recv, from, None, max)
     }
 
     fn send_recv_len(
@@ -754,8 +761,9 @@ impl Transport for PyTransport {
         recv: &mut Vec<u8>,
         from: usize,
         len: usize,
+        max: usize,
     ) -> gradpack::Result<()> {
-        self.exchange(send, to, recv, from, Some(len).filter(|_| self.sized))
+        self.exchange(send, to, recv, from, Some(len).filter(|_| self.sized), max)
     }
 }
 
@@ -769,33 +777,47 @@ impl PyTransport {
         recv: &mut Vec<u8>,
         from: usize,
         size: Option<usize>,
+        max: usize,
     ) -> gradpack::Result<()> {
         let Some(f) = &self.send_recv else {
             self.send(send, to)?;
-            return self.recv(recv, from);
+            return self.recv(recv, from, max);
         };
         Python::attach(|py| {
-            let kw = size
-                .map(|len| {
-                    let kw = PyDict::new(py);
-                    kw.set_item("size", len).map(|_| kw)
-                })
-                .transpose()
+            let limit = Some(max).filter(|_| self.limited.1);
+            let kw = keywords(py, [(size, "size"), (limit, "limit")])
                 .map_err(|e| transport_error(from, "send_recv", &e))?;
             let got = f
                 .call(py, (PyByteArray::new(py, send), to, from), kw.as_ref())
                 .map_err(|e| transport_error(from, "send_recv", &e))?;
-            received(got.bind(py), recv, from, "send_recv")
+            received(got.bind(py), recv, from, "send_recv", max)
         })
     }
 }
 
-/// Whether the callable `f` takes a keyword argument `size` (by its signature; false
+/// The keyword arguments among `args` that have a value (none: no dictionary).
+fn keywords<'py>(
+    py: Python<'py>,
+    args: [(Option<usize>, &str); 2],
+) -> PyResult<Option<Bound<'py, PyDict>>> {
+    if args.iter().all(|(v, _)| v.is_none()) {
+        return Ok(None);
+    }
+    let kw = PyDict::new(py);
+    for (v, name) in args {
+        if let Some(v) = v {
+            kw.set_item(name, v)?;
+        }
+    }
+    Ok(Some(kw))
+}
+
+/// Whether the callable `f` takes a keyword argument `name` (by its signature; false
 /// where it has none that `inspect` can read).
-fn takes_size(py: Python<'_>, f: &Py<PyAny>) -> bool {
+fn takes(py: Python<'_>, f: &Py<PyAny>, name: &str) -> bool {
     (|| -> PyResult<bool> {
         let sig = py.import("inspect")?.call_method1("signature", (f,))?;
-        sig.getattr("parameters")?.contains("size")
+        sig.getattr("parameters")?.contains(name)
     })()
     .unwrap_or(false)
 }
@@ -806,9 +828,19 @@ fn received(
     buf: &mut Vec<u8>,
     from: usize,
     what: &str,
+    max: usize,
 ) -> gradpack::Result<()> {
     let f = frame_in(got).map_err(|e| transport_error(from, what, &e))?;
     let bytes = f.as_slice().map_err(|e| transport_error(from, what, &e))?;
+    if bytes.len() > max {
+        return Err(gradpack::Error::Transport {
+            peer: from,
+            reason: format!(
+                "{what} returned a message of {} bytes where the collective expects at most {max}",
+                bytes.len()
+            ),
+        });
+    }
     buf.clear();
     buf.try_reserve_exact(bytes.len())
         .map_err(|_| gradpack::Error::OutOfMemory {
@@ -914,7 +946,11 @@ fn py_transport(
             return Err(PyTypeError::new_err(format!("{what} must be callable")));
         }
     }
-    let sized = send_recv.as_ref().is_some_and(|f| takes_size(py, f));
+    let sized = send_recv.as_ref().is_some_and(|f| takes(py, f, "size"));
+    let limited = (
+        takes(py, &recv, "limit"),
+        send_recv.as_ref().is_some_and(|f| takes(py, f, "limit")),
+    );
     Ok(PyTransport {
         rank,
         size: world,
@@ -922,6 +958,7 @@ fn py_transport(
         recv,
         send_recv,
         sized,
+        limited,
     })
 }
 
@@ -1253,14 +1290,17 @@ impl PyBucketGather {
 
     /// Gather every rank's `message` (its frames for the tensors at `segments` of `out`,
     /// `(start, length)` pairs, concatenated in that order) and set each segment of `out`
-    /// to the sum (or mean) of the ranks' frames for it, in rank order. Returns this
-    /// rank's `strategy`, `bytes_sent` and `messages`.
+    /// to the sum (or mean) of the ranks' frames for it, in rank order; `max_message`
+    /// bounds every rank's message. Returns this rank's `strategy`, `bytes_sent` and
+    /// `messages`.
+    #[pyo3(signature = (message, segments, out, max_message=None))]
     fn run<'py>(
         &mut self,
         py: Python<'py>,
         message: &Bound<'py, PyAny>,
         segments: Vec<(usize, usize)>,
         out: &Bound<'py, PyAny>,
+        max_message: Option<usize>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let mut ranges = Vec::new();
         ranges
@@ -1277,7 +1317,9 @@ impl PyBucketGather {
         let mut o = f32_out(out, "out")?;
         let os = slice_out(&mut o)?;
         let (g, comm) = (&mut self.inner, &mut self.comm);
-        let stats = py.detach(|| g.run(comm, ms, &ranges, os)).map_err(err)?;
+        let stats = py
+            .detach(|| g.run(comm, ms, &ranges, max_message, os))
+            .map_err(err)?;
         stats_dict(py, &stats)
     }
 

@@ -38,7 +38,7 @@ use crate::wire::{self, HEADER_LEN, Header};
 ///     }
 ///     let mut g = BucketGather::new(&t, 0, ReduceOp::Sum)?;
 ///     let mut out = vec![0.0f32; 8];
-///     g.run(&mut t, &msg, &[0..6, 6..8], &mut out)?;
+///     g.run(&mut t, &msg, &[0..6, 6..8], None, &mut out)?;
 ///     Ok(out)
 /// });
 /// let outs: Vec<Vec<f32>> = results.into_iter().collect::<Result<_, _>>()?;
@@ -96,6 +96,13 @@ impl BucketGather {
     /// the ranks' frames `i`, in rank order (the mean, with [`ReduceOp::Mean`]). Elements
     /// outside the segments are not touched.
     ///
+    /// `max_message` bounds every rank's message (the same on every rank: the sum of the
+    /// codecs' [`crate::Codec::max_encoded_len`], sealed, for the segments' lengths, say):
+    /// a peer's message announced longer is refused before anything is allocated for
+    /// it, and so is this rank's own. `None` bounds it by what any codec can write for
+    /// the segments, which is far looser (a `codebook` frame of blocks of one element
+    /// takes 1 KiB per element).
+    ///
     /// Every rank must call it with the same segments, in the same order as its other
     /// collectives on `comm`. Each call takes the next call number of `comm`, even one that
     /// fails at once on a bad argument. A message from a peer that does not split into
@@ -106,6 +113,7 @@ impl BucketGather {
         comm: &mut Comm<T>,
         message: &[u8],
         segments: &[Range<usize>],
+        max_message: Option<usize>,
         output: &mut [f32],
     ) -> Result<Stats> {
         let call = comm.begin();
@@ -132,6 +140,13 @@ impl BucketGather {
         // This rank's own message is checked as a peer's will check it (its sealed
         // payloads but for their checksums, which its encoder has just computed).
         check_message(message, segments, false)?;
+        if let Some(m) = max_message.filter(|&m| message.len() > m) {
+            return Err(Error::Collective(format!(
+                "this rank's message of {} bytes is longer than the bound of {m} given for \
+                 every rank's",
+                message.len()
+            )));
+        }
         let (p, r) = (self.size, self.rank);
         let own = &mut self.msgs[r];
         own.clear();
@@ -153,6 +168,11 @@ impl BucketGather {
             messages: 0,
         };
         let (tag, left) = (self.tag, (r + p - 1) % p);
+        let max = ENVELOPE_LEN.saturating_add(max_message.unwrap_or_else(|| {
+            segments
+                .iter()
+                .fold(0, |m: usize, s| m.saturating_add(any_frame_bound(s.len())))
+        }));
         ring_gather(
             comm,
             &mut self.msgs,
@@ -164,6 +184,7 @@ impl BucketGather {
                 phase: Phase::FrameAllGather,
                 hop: hop as u32,
                 chunk: q as u32,
+                max,
             },
             &mut stats,
             |_, msg| check_message(msg, segments, true),
@@ -217,6 +238,13 @@ fn frame_len_at(buf: &[u8]) -> Result<usize> {
 
 /// `msg` is whole frames, one per segment, of the segments' lengths, and nothing more
 /// (sealed payloads' checksums verified if `verify`).
+/// At least the bytes of a frame of `n` elements of any codec, sealed: a header, a
+/// checksum and 1040 bytes per element (the widest, `codebook` with blocks of one
+/// element, writes a table of 1 KiB per block) plus 4 KiB.
+fn any_frame_bound(n: usize) -> usize {
+    (HEADER_LEN + wire::PAYLOAD_CRC_LEN + 4096).saturating_add(n.saturating_mul(1040))
+}
+
 fn check_message(msg: &[u8], segments: &[Range<usize>], verify: bool) -> Result<()> {
     let mut at = 0;
     for (i, s) in segments.iter().enumerate() {
@@ -265,6 +293,38 @@ mod tests {
         (0..n)
             .map(|i| (((i * 7 + rank * 13) % 101) as f32 * 0.37 - 18.0) * (1.0 + rank as f32))
             .collect()
+    }
+
+    #[test]
+    fn the_bound_on_a_peer_message_holds_every_codecs_widest_frames() {
+        // The widest parameters of every codec: one element per block, every element
+        // kept, the widest values and indices, tables per block.
+        let widest = [
+            "identity",
+            "int8:block=1",
+            "qsgd:bits=8,block=1",
+            "sign:block=1",
+            "ternary:block=1",
+            "natural:block=1",
+            "topk:ratio=1,values=f32",
+            "topk:k=1000000,values=f32",
+            "randk:ratio=1,values=f32",
+            "dct:chunk=1,k=1",
+            "fp8:block=1,scale=f32",
+            "fp4:block=2,scale=f32",
+            "codebook:block=1",
+            "chunktopk:chunk=1,k=1",
+        ];
+        for s in widest {
+            let c = spec(s);
+            for n in [0, 1, 2, 7, 64, if cfg!(miri) { 100 } else { 5000 }] {
+                let x = input(1, n);
+                let mut out = vec![0u8; c.max_encoded_len(n)];
+                let len = c.encode_into(&x, &EncodeCtx::new(3), &mut out).unwrap();
+                let sealed = wire::sealed_len(len);
+                assert!(sealed <= any_frame_bound(n), "{s} n={n}: {sealed} bytes");
+            }
+        }
     }
 
     /// The bucket's segments and codecs: a mix of fixed-rate, sparse, sealed and empty.
@@ -330,11 +390,11 @@ mod tests {
                     let msg = message(r, &x, &segs2, &codecs2);
                     let mut g = BucketGather::new(&t, 5, op)?;
                     let mut out = vec![-1.5f32; n];
-                    let st = g.run(&mut t, &msg, &segs2, &mut out)?;
+                    let st = g.run(&mut t, &msg, &segs2, Some(msg.len()), &mut out)?;
                     assert_eq!(st.messages, (p - 1) as u64);
                     // A second call on the same state gives the same bits.
                     let mut again = vec![-1.5f32; n];
-                    g.run(&mut t, &msg, &segs2, &mut again)?;
+                    g.run(&mut t, &msg, &segs2, None, &mut again)?;
                     assert_eq!(
                         out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                         again.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
@@ -383,23 +443,54 @@ mod tests {
                 msg = message(r, &x, &[0..100, 100..160], &codecs);
                 let mut g = BucketGather::new(&t, 0, ReduceOp::Sum)?;
                 // Its own check refuses the message before anything is sent.
-                let e = g.run(&mut t, &msg, &segs, &mut vec![0.0; 164]).unwrap_err();
+                let e = g
+                    .run(&mut t, &msg, &segs, None, &mut vec![0.0; 164])
+                    .unwrap_err();
                 assert!(e.to_string().contains("60 elements"), "{e}");
                 // Then it sends the bad message by the back door: the segments it claims.
                 let mut g = BucketGather::new(&t, 0, ReduceOp::Sum)?;
                 let mut o = vec![0.0; 164];
-                return g.run(&mut t, &msg, &[0..100, 100..160], &mut o).map(|_| o);
+                return g
+                    .run(&mut t, &msg, &[0..100, 100..160], None, &mut o)
+                    .map(|_| o);
             }
             let mut g = BucketGather::new(&t, 0, ReduceOp::Sum)?;
             // Rank 1's first call failed at once: skip a call number to stay in step.
             t.begin();
             let mut o = vec![0.0; 164];
-            g.run(&mut t, &msg, &segs, &mut o).map(|_| o)
+            g.run(&mut t, &msg, &segs, None, &mut o).map(|_| o)
         });
         // Rank 2 receives rank 1's message first (its left neighbour) and names it.
         let e = outs[2].as_ref().unwrap_err();
         assert!(matches!(e, Error::Peer { peer: 1, .. }), "{e}");
         assert!(outs[0].is_err());
+    }
+
+    #[test]
+    fn a_message_longer_than_the_bound_is_refused_naming_its_sender() {
+        let outs = local::run(2, Some(std::time::Duration::from_secs(5)), |mut t| {
+            let r = t.rank();
+            let x = input(r, 64);
+            let fp16 = spec("fp16").encode(&x, &EncodeCtx::new(1)).unwrap();
+            let bound = fp16.len();
+            // Rank 1 sends its tensor as float32: a whole frame, twice the bound.
+            let (msg, max) = if r == 1 {
+                let f = spec("identity").encode(&x, &EncodeCtx::new(1)).unwrap();
+                let n = f.len();
+                (f, n)
+            } else {
+                (fp16, bound)
+            };
+            let mut g = BucketGather::new(&t, 0, ReduceOp::Sum)?;
+            let mut o = vec![0.0; 64];
+            g.run(&mut t, &msg, &[0..64], Some(max), &mut o)
+        });
+        let e = outs[0].as_ref().unwrap_err();
+        assert!(
+            matches!(e, Error::Peer { peer: 1, source, .. }
+                if matches!(**source, Error::MessageTooLong { peer: 1, .. })),
+            "{e}"
+        );
     }
 
     #[test]
@@ -410,17 +501,26 @@ mod tests {
             let f = spec("fp16").encode(&x, &EncodeCtx::new(1)).unwrap();
             let mut out = vec![0.0f32; 10];
             let errs = [
-                g.run(&mut t, &f, &[0..11], &mut out).unwrap_err(),
-                g.run(&mut t, &f, &[0..10, 10..10], &mut out).unwrap_err(),
-                g.run(&mut t, &f[..f.len() - 1], &[0..10], &mut out)
+                g.run(&mut t, &f, &[0..11], None, &mut out).unwrap_err(),
+                g.run(&mut t, &f, &[0..10, 10..10], None, &mut out)
                     .unwrap_err(),
-                g.run(&mut t, &[f.clone(), vec![0]].concat(), &[0..10], &mut out)
+                g.run(&mut t, &f[..f.len() - 1], &[0..10], None, &mut out)
                     .unwrap_err(),
-                g.run(&mut t, &f, &[], &mut out).unwrap_err(),
+                g.run(
+                    &mut t,
+                    &[f.clone(), vec![0]].concat(),
+                    &[0..10],
+                    None,
+                    &mut out,
+                )
+                .unwrap_err(),
+                g.run(&mut t, &f, &[], None, &mut out).unwrap_err(),
+                g.run(&mut t, &f, &[0..10], Some(f.len() - 1), &mut out)
+                    .unwrap_err(),
             ];
             assert!(out.iter().all(|&v| v == 0.0));
-            g.run(&mut t, &f, &[0..10], &mut out)?;
-            assert_eq!(t.calls(), 6);
+            g.run(&mut t, &f, &[0..10], Some(f.len()), &mut out)?;
+            assert_eq!(t.calls(), 7);
             Ok(errs.iter().map(|e| e.to_string()).collect::<Vec<_>>())
         });
         let errs = outs.into_iter().next().unwrap().unwrap();

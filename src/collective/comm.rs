@@ -78,7 +78,9 @@ impl Phase {
     }
 }
 
-/// Where a message belongs.
+/// Where a message belongs, and the most bytes it may have (envelope included): what
+/// its collective can send there, so that a peer's claim of more is refused before
+/// anything is allocated for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Place {
     pub call: u64,
@@ -86,6 +88,7 @@ pub(crate) struct Place {
     pub hop: u32,
     pub chunk: u32,
     pub phase: Phase,
+    pub max: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -263,8 +266,15 @@ impl<T: Transport + ?Sized> Comm<T> {
         hold::at(me, Point::Recv, expect.call, u64::from(expect.hop));
         if self.early[from].is_empty() {
             match len {
-                Some(len) => self.transport.send_recv_len(msg, to, recv, from, len)?,
-                None => self.transport.send_recv(msg, to, recv, from)?,
+                Some(len) => {
+                    let max = expect.max.max(len);
+                    let got = self.transport.send_recv_len(msg, to, recv, from, len, max);
+                    got.map_err(|e| refused(e, expect))?
+                }
+                None => self
+                    .transport
+                    .send_recv(msg, to, recv, from, expect.max)
+                    .map_err(|e| refused(e, expect))?,
             }
         } else {
             self.transport.send(msg, to)?;
@@ -296,7 +306,10 @@ impl<T: Transport + ?Sized> Comm<T> {
         );
         match self.early[from].pop_front() {
             Some(m) => *recv = m,
-            None => self.transport.recv(recv, from)?,
+            None => self
+                .transport
+                .recv(recv, from, expect.max)
+                .map_err(|e| refused(e, expect))?,
         }
         self.settle(recv, from, expect)
     }
@@ -327,7 +340,10 @@ impl<T: Transport + ?Sized> Comm<T> {
                     self.dropped += 1;
                     match self.early[from].pop_front() {
                         Some(m) => *recv = m,
-                        None => self.transport.recv(recv, from)?,
+                        None => self
+                            .transport
+                            .recv(recv, from, expect.max)
+                            .map_err(|e| refused(e, expect))?,
                     }
                 }
                 Order::Early(got) => {
@@ -394,6 +410,20 @@ enum Order {
     Early((u64, u32)),
 }
 
+/// A transport's refusal of an over-long message, as a rejected message of the phase
+/// that expected it; other errors as they are.
+fn refused(e: Error, expect: Place) -> Error {
+    match e {
+        Error::MessageTooLong { peer, .. } => Error::Peer {
+            peer,
+            phase: expect.phase.name(),
+            forwarded_by: None,
+            source: Box::new(e),
+        },
+        e => e,
+    }
+}
+
 fn misplaced(peer: usize, phase: Phase, reason: String) -> Error {
     Error::Peer {
         peer,
@@ -413,11 +443,18 @@ impl<T: Transport + ?Sized> Transport for Comm<T> {
     fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
         self.transport.send(msg, to)
     }
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
-        self.transport.recv(buf, from)
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<()> {
+        self.transport.recv(buf, from, max)
     }
-    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
-        self.transport.send_recv(send, to, recv, from)
+    fn send_recv(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        max: usize,
+    ) -> Result<()> {
+        self.transport.send_recv(send, to, recv, from, max)
     }
     fn send_recv_len(
         &mut self,
@@ -426,8 +463,9 @@ impl<T: Transport + ?Sized> Transport for Comm<T> {
         recv: &mut Vec<u8>,
         from: usize,
         len: usize,
+        max: usize,
     ) -> Result<()> {
-        self.transport.send_recv_len(send, to, recv, from, len)
+        self.transport.send_recv_len(send, to, recv, from, len, max)
     }
 }
 

@@ -142,6 +142,8 @@ impl NodeFrames {
             phase,
             hop: hop as u32,
             chunk: chunk as u32,
+            // The largest shard's sealed frame: the room of the encode buffer.
+            max: self.enc.len(),
         }
     }
 

@@ -164,7 +164,7 @@ impl Transport for Local {
             })
     }
 
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<()> {
         check_rank(from, self.size)?;
         let got = match self.timeout {
             Some(t) => self.from[from].recv_timeout(t).map_err(|e| match e {
@@ -179,6 +179,9 @@ impl Transport for Local {
         let (arrival, got) = got;
         if let Some(t) = arrival {
             wait_until(t);
+        }
+        if got.len() > max {
+            return Err(super::too_long(from, got.len() as u64, max));
         }
         let old = core::mem::replace(buf, got);
         // The sender may have gone; then the buffer is simply dropped.

@@ -145,16 +145,26 @@ pub trait Transport {
     fn send(&mut self, msg: &[u8], to: usize) -> Result<()>;
 
     /// Receive the next message from rank `from` into `buf` (replacing its contents).
-    /// A peer that has left, or sends nothing within the transport's timeout if it has
-    /// one, is an [`Error::Transport`] naming it.
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()>;
+    /// A message longer than `max` bytes (the longest the collective expects) is an
+    /// error naming the peer, found before any memory is taken for it where the
+    /// transport learns a message's length ahead of its bytes, and the message is
+    /// dropped. A peer that has left, or sends nothing within the transport's timeout if
+    /// it has one, is an [`Error::Transport`] naming it.
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<()>;
 
-    /// Send `send` to rank `to` and receive the next message from rank `from` into
-    /// `recv`: [`Transport::send`] then [`Transport::recv`] unless the transport
-    /// overlaps the two.
-    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
+    /// Send `send` to rank `to` and receive the next message from rank `from` (of at
+    /// most `max` bytes, as [`Transport::recv`]) into `recv`: [`Transport::send`] then
+    /// [`Transport::recv`] unless the transport overlaps the two.
+    fn send_recv(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        max: usize,
+    ) -> Result<()> {
         self.send(send, to)?;
-        self.recv(recv, from)
+        self.recv(recv, from, max)
     }
 
     /// [`Transport::send_recv`] where the message from `from` is expected to be `len`
@@ -162,8 +172,9 @@ pub trait Transport {
     /// before they arrive. A transport that sends each message's length ahead of it can
     /// then post the receive of the bytes at once rather than after the length has
     /// arrived (a round trip less per exchange); the bytes on the wire stay the same, so
-    /// its peers need not do the same. A message of another length must be received
-    /// whole or fail the call, never be misread. Default: [`Transport::send_recv`].
+    /// its peers need not do the same. A message of another length (at most `max`
+    /// bytes) must be received whole or fail the call, never be misread. Default:
+    /// [`Transport::send_recv`].
     fn send_recv_len(
         &mut self,
         send: &[u8],
@@ -171,9 +182,10 @@ pub trait Transport {
         recv: &mut Vec<u8>,
         from: usize,
         len: usize,
+        max: usize,
     ) -> Result<()> {
         let _ = len;
-        self.send_recv(send, to, recv, from)
+        self.send_recv(send, to, recv, from, max)
     }
 
     /// The stages in shared memory of this rank's host, if the transport has them
@@ -194,11 +206,18 @@ impl<T: Transport + ?Sized> Transport for &mut T {
     fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
         (**self).send(msg, to)
     }
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
-        (**self).recv(buf, from)
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<()> {
+        (**self).recv(buf, from, max)
     }
-    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
-        (**self).send_recv(send, to, recv, from)
+    fn send_recv(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        max: usize,
+    ) -> Result<()> {
+        (**self).send_recv(send, to, recv, from, max)
     }
     fn send_recv_len(
         &mut self,
@@ -207,12 +226,18 @@ impl<T: Transport + ?Sized> Transport for &mut T {
         recv: &mut Vec<u8>,
         from: usize,
         len: usize,
+        max: usize,
     ) -> Result<()> {
-        (**self).send_recv_len(send, to, recv, from, len)
+        (**self).send_recv_len(send, to, recv, from, len, max)
     }
     fn node_memory(&self) -> Option<NodeMemory> {
         (**self).node_memory()
     }
+}
+
+/// A peer's message (or its announced length) of `len` bytes where at most `max` fit.
+pub(crate) fn too_long(peer: usize, len: u64, max: usize) -> Error {
+    Error::MessageTooLong { peer, len, max }
 }
 
 /// What the all-reduce computes.
@@ -865,6 +890,9 @@ impl AllReduce {
             // hierarchical streams' bases are checked when they are made.
             hop: (self.hop_base + hop) as u32,
             chunk: chunk as u32,
+            // Every rank's longest message is this rank's (the same codec, length and
+            // pieces).
+            max: self.room,
         }
     }
 

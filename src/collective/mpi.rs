@@ -22,6 +22,9 @@
 //!   each gets an error within the timeout and can end the job itself.
 //! - A failed MPI call aborts the job (MPI's default error handler). A corrupt frame is
 //!   an [`Error::Peer`] from the collective.
+//! - **A message longer than the collective expects is refused** (an error naming the
+//!   peer, the message dropped). MPI reports a message's true length, which its sender
+//!   sent in full, so receiving it is bounded by what the sender really sent.
 //!
 //! ## Threads
 //! The transport is used from one thread at a time (it is `Send`, not `Sync`); MPI must
@@ -91,15 +94,21 @@ impl Mailbox {
         }
     }
 
-    /// Move the next message from `from`, if one is here, into `buf`. True if it did.
-    fn deliver(&mut self, buf: &mut Vec<u8>, from: usize) -> bool {
+    /// Move the next message from `from`, if one is here, into `buf`: true if it did, an
+    /// error (the message dropped) if it is longer than `max`.
+    fn deliver(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<bool> {
         match self.inbox[from].pop_front() {
+            Some(m) if m.len() > max => {
+                let len = m.len() as u64;
+                self.spare.push(m);
+                Err(super::too_long(from, len, max))
+            }
             Some(m) => {
                 let old = core::mem::replace(buf, m);
                 self.spare.push(old);
-                true
+                Ok(true)
             }
-            None => false,
+            None => Ok(false),
         }
     }
 }
@@ -162,7 +171,7 @@ impl MpiTransport {
         &mut self,
         msg: &[u8],
         to: usize,
-        mut recv: Option<(&mut Vec<u8>, usize)>,
+        mut recv: Option<(&mut Vec<u8>, usize, usize)>,
     ) -> Result<()> {
         let deadline = self.deadline();
         let timeout = self.timeout;
@@ -170,11 +179,19 @@ impl MpiTransport {
         let dest = comm.process_at_rank(to as i32);
         mpi::request::scope(|scope| {
             let mut sreq = Some(dest.immediate_send(scope, msg));
+            let mut refused = None;
             loop {
-                if let Some((buf, from)) = recv.as_mut()
-                    && mail.deliver(buf, *from)
-                {
-                    recv = None;
+                if let Some((buf, from, max)) = recv.as_mut() {
+                    match mail.deliver(buf, *from, *max) {
+                        Ok(true) => recv = None,
+                        Ok(false) => {}
+                        // The message is refused (dropped); the send still completes,
+                        // or is withdrawn on the timeout, before the error returns.
+                        Err(e) => {
+                            refused = Some(e);
+                            recv = None;
+                        }
+                    }
                 }
                 if let Some(r) = sreq.take() {
                     match r.test() {
@@ -183,7 +200,7 @@ impl MpiTransport {
                     }
                 }
                 if sreq.is_none() && recv.is_none() {
-                    return Ok(());
+                    return refused.map_or(Ok(()), Err);
                 }
                 let progressed = match mail.poll(comm) {
                     Ok(p) => p,
@@ -200,7 +217,7 @@ impl MpiTransport {
                             withdraw(comm, r, to);
                             return Err(timed_out(to, "did not take a message", timeout));
                         }
-                        let from = recv.as_ref().map_or(to, |(_, f)| *f);
+                        let from = recv.as_ref().map_or(to, |(_, f, _)| *f);
                         return Err(timed_out(from, "sent nothing", timeout));
                     }
                     std::thread::yield_now();
@@ -224,11 +241,11 @@ impl Transport for MpiTransport {
         self.exchange(msg, to, None)
     }
 
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<()> {
         check_rank(from, self.size)?;
         let deadline = self.deadline();
         loop {
-            if self.mail.deliver(buf, from) {
+            if self.mail.deliver(buf, from, max)? {
                 return Ok(());
             }
             if !self.mail.poll(&self.comm)? {
@@ -240,10 +257,17 @@ impl Transport for MpiTransport {
         }
     }
 
-    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
+    fn send_recv(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        max: usize,
+    ) -> Result<()> {
         check_rank(to, self.size)?;
         check_rank(from, self.size)?;
-        self.exchange(send, to, Some((recv, from)))
+        self.exchange(send, to, Some((recv, from, max)))
     }
 }
 

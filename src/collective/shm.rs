@@ -607,6 +607,8 @@ pub struct SharedMemory {
     peers: Vec<Option<Arc<Mapped>>>,
     /// The stages, when the options give one.
     memory: Option<NodeMemory>,
+    /// Per host rank: bytes of a refused message from it still to pass over.
+    skip: Vec<AtomicU64>,
     shared: Arc<Shared>,
     sender: Option<JoinHandle<()>>,
 }
@@ -768,6 +770,7 @@ impl SharedMemory {
         Ok(SharedMemory {
             rank,
             size,
+            skip: ranks.iter().map(|_| AtomicU64::new(0)).collect(),
             host: ranks,
             me,
             inbox,
@@ -859,8 +862,8 @@ impl Transport for SharedMemory {
         self.deliver(msg, to)
     }
 
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
-        self.take(buf, from)
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<()> {
+        self.take(buf, from, max)
     }
 }
 
@@ -902,21 +905,56 @@ impl SharedMemory {
         Ok(())
     }
 
-    /// [`Transport::recv`] through a shared reference.
-    fn take(&self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+    /// [`Transport::recv`] through a shared reference. A length above `max` is refused
+    /// before anything is allocated for it; the message's bytes are passed over before
+    /// the next message from that peer.
+    fn take(&self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<()> {
         let j = self.index(from)?;
+        self.pass_over(j, from)?;
         let mut head = [0u8; LEN_BYTES];
         self.read_exact(j, from, &mut head)?;
-        let len = usize::try_from(u64::from_le_bytes(head)).map_err(|_| Error::Transport {
-            peer: from,
-            reason: "a message longer than this machine can address".into(),
-        })?;
+        let claim = u64::from_le_bytes(head);
+        if claim > max as u64 {
+            self.skip[j].store(claim, Ordering::Relaxed);
+            return Err(super::too_long(from, claim, max));
+        }
+        let len = claim as usize;
         if buf.len() < len {
             crate::alloc::lengthen(buf, len, "a message received through shared memory")?;
         } else {
             buf.truncate(len);
         }
         self.read_exact(j, from, buf)
+    }
+
+    /// Read and drop what is left of a refused message from host rank `j` (global rank
+    /// `peer`), waiting for it as a receive would.
+    fn pass_over(&self, j: usize, peer: usize) -> Result<()> {
+        let left = &self.skip[j];
+        if left.load(Ordering::Relaxed) == 0 {
+            return Ok(());
+        }
+        let ring = self.inbox[j]
+            .as_ref()
+            .expect("a ring from every other host rank");
+        let file = self.peers[j]
+            .as_ref()
+            .expect("the file of every other host rank");
+        let mut scratch = [0u8; 4096];
+        let mut wait = Waiter::new(file, peer, self.shared.timeout);
+        loop {
+            let n = left.load(Ordering::Relaxed);
+            if n == 0 {
+                return Ok(());
+            }
+            let got = ring.pop(&mut scratch[..n.min(4096) as usize]);
+            if got > 0 {
+                left.store(n - got as u64, Ordering::Relaxed);
+                wait.progressed();
+            } else {
+                wait.idle("did not send the rest of a refused message")?;
+            }
+        }
     }
 }
 
@@ -1115,19 +1153,26 @@ impl<T: Transport> Transport for Routed<T> {
         }
     }
 
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> Result<()> {
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<()> {
         match &self.host {
-            Some(h) if h.serves(from) => h.take(buf, from),
-            _ => self.base.recv(buf, from),
+            Some(h) if h.serves(from) => h.take(buf, from, max),
+            _ => self.base.recv(buf, from, max),
         }
     }
 
-    fn send_recv(&mut self, send: &[u8], to: usize, recv: &mut Vec<u8>, from: usize) -> Result<()> {
+    fn send_recv(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        max: usize,
+    ) -> Result<()> {
         if self.remote(to, from) {
-            return self.base.send_recv(send, to, recv, from);
+            return self.base.send_recv(send, to, recv, from, max);
         }
         self.send(send, to)?;
-        self.recv(recv, from)
+        self.recv(recv, from, max)
     }
 
     fn send_recv_len(
@@ -1137,10 +1182,11 @@ impl<T: Transport> Transport for Routed<T> {
         recv: &mut Vec<u8>,
         from: usize,
         len: usize,
+        max: usize,
     ) -> Result<()> {
         if self.remote(to, from) {
-            return self.base.send_recv_len(send, to, recv, from, len);
+            return self.base.send_recv_len(send, to, recv, from, len, max);
         }
-        self.send_recv(send, to, recv, from)
+        self.send_recv(send, to, recv, from, max)
     }
 }

@@ -456,8 +456,12 @@ impl Transport for Scripted {
         self.sent.push((to, msg.to_vec()));
         Ok(())
     }
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> gradpack::Result<()> {
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> gradpack::Result<()> {
         match self.script.pop_front() {
+            Some(m) if m.len() > max => Err(Error::Transport {
+                peer: from,
+                reason: format!("a message of {} bytes where at most {max} fit", m.len()),
+            }),
             Some(m) => {
                 *buf = m;
                 Ok(())
@@ -622,7 +626,7 @@ fn bucket_run(t: Scripted, bucket: &[(&str, usize)], input: &[f32]) -> usize {
     for seed in 0..3 {
         let msg = bucket_message(&layout, input, seed);
         let mut out = vec![0f32; n];
-        if g.run(&mut comm, &msg, &segments, &mut out).is_ok() {
+        if g.run(&mut comm, &msg, &segments, None, &mut out).is_ok() {
             ok += 1;
         }
         assert_eq!(out.len(), n);
@@ -660,7 +664,7 @@ pub fn collective_seeds() -> Vec<(String, Vec<u8>)> {
                         let mut comm = recorder(t.into_inner());
                         for seed in 0..3 {
                             let msg = bucket_message(&layout, &input, seed);
-                            g.run(&mut comm, &msg, &segments, &mut out)?;
+                            g.run(&mut comm, &msg, &segments, None, &mut out)?;
                         }
                         return Ok(comm.into_inner().sent);
                     }
@@ -712,8 +716,8 @@ impl Transport for Recorder {
         self.sent.push((to, msg.to_vec()));
         self.inner.send(msg, to)
     }
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize) -> gradpack::Result<()> {
-        self.inner.recv(buf, from)
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> gradpack::Result<()> {
+        self.inner.recv(buf, from, max)
     }
 }
 
