@@ -214,6 +214,7 @@ fn rank_main(role: &str) -> std::result::Result<(), String> {
         timeout: TIMEOUT,
         dir: Some(PathBuf::from(dir)),
         stage: if s.path == Path2::Stage { STAGE } else { 0 },
+        job: 0x5eed,
     };
     let shm = SharedMemory::open(name, rank, s.world, &host, opts).map_err(|e| e.to_string())?;
     let mut c = Collective::new(s, &shm).map_err(|e| e.to_string())?;

@@ -33,6 +33,7 @@ fn options(dir: &Path, capacity: usize, timeout_ms: u64) -> SharedMemoryOptions 
         timeout: Duration::from_millis(timeout_ms),
         dir: Some(dir.to_path_buf()),
         stage: 0,
+        job: 0,
     }
 }
 
@@ -603,4 +604,106 @@ fn the_in_process_transport_refuses_a_message_longer_than_the_receive_allows() {
     );
     a.recv(&mut buf, 1, 10).unwrap();
     assert_eq!(buf, [8; 10]);
+}
+
+#[test]
+fn two_jobs_that_use_one_name_fail_at_set_up_and_never_pair() {
+    // Job 1's rank 0 publishes its file and waits; job 2's ranks start meanwhile with
+    // the same name, then job 1's rank 1. No rank may end up paired with a rank of the
+    // other job: a set-up either fails, or every message it exchanges is its own job's.
+    let (dir, name) = place("twojobs");
+    let jobs = [(1u64, 0usize, 0u64), (1, 1, 300), (2, 0, 100), (2, 1, 100)];
+    let got: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = jobs
+            .iter()
+            .map(|&(job, rank, delay)| {
+                let o = SharedMemoryOptions {
+                    job,
+                    ..options(&dir, 256, 1500)
+                };
+                let name = &name;
+                s.spawn(move || {
+                    std::thread::sleep(Duration::from_millis(delay));
+                    let mut t = SharedMemory::open(name, rank, 2, &[0, 1], o)?;
+                    t.send(&job.to_le_bytes(), 1 - rank)?;
+                    let mut buf = Vec::new();
+                    t.recv(&mut buf, 1 - rank, 8)?;
+                    Ok::<_, Error>(u64::from_le_bytes(buf[..8].try_into().unwrap()))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (&(job, rank, _), r) in jobs.iter().zip(&got) {
+        if let Ok(peer_job) = r {
+            assert_eq!(
+                *peer_job, job,
+                "job {job} rank {rank} paired with job {peer_job}"
+            );
+        }
+    }
+    let errors: Vec<String> = got
+        .iter()
+        .filter_map(|r| r.as_ref().err().map(|e| e.to_string()))
+        .collect();
+    assert!(errors.len() >= 2, "{got:?}");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("exists already") || e.contains("job")),
+        "{errors:?}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "files left behind"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[cfg(unix)]
+#[test]
+fn a_peer_file_of_another_user_is_refused() {
+    // A file with the peer's name and the right size, owned by another user.
+    let (dir, name) = place("user");
+    let o = options(&dir, 256, 2000);
+    let len = 128 + (128 + 256);
+    let peer = dir.join(format!("gradpack-{name}-1"));
+    std::fs::write(&peer, vec![0u8; len]).unwrap();
+    if std::os::unix::fs::chown(&peer, Some(65534), Some(65534)).is_err() {
+        println!("SKIP: cannot give a file to another user here (not root)");
+        return;
+    }
+    let e = SharedMemory::open(&name, 0, 2, &[0, 1], o).unwrap_err();
+    assert!(e.to_string().contains("another user"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn files_that_dead_set_ups_left_behind_are_swept() {
+    // A process that is gone, as a rank killed while it set up leaves it: its published
+    // file (last alive long ago) and its temporary file.
+    let (dir, name) = place("sweep");
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    child.wait().unwrap();
+    let dead = u64::from(child.id());
+    let mut head = vec![0u8; 128 + (128 + 256)];
+    head[0..8].copy_from_slice(b"GPSHM\0\0\x02");
+    head[72..80].copy_from_slice(&dead.to_le_bytes());
+    let old = dir.join("gradpack-killedjob-3");
+    std::fs::write(&old, &head).unwrap();
+    let tmp = dir.join(format!("gradpack-killedjob-4.making-{dead}"));
+    std::fs::write(&tmp, &head).unwrap();
+    // A file of a live process (this one) stays.
+    head[72..80].copy_from_slice(&u64::from(std::process::id()).to_le_bytes());
+    let live = dir.join("gradpack-livejob-0");
+    std::fs::write(&live, &head).unwrap();
+    let got = on_host(2, &[0, 1], &options(&dir, 256, 5000), &name, |_| Ok(()));
+    assert!(got.iter().all(Result::is_ok), "{got:?}");
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(left, ["gradpack-livejob-0"]);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -440,7 +440,10 @@ class SharedMemory:
     ``_``; the same on the ranks of the host, new for each set). Each ring holds
     ``capacity`` bytes (a multiple of 64, default 1 MiB; the same on the host's ranks):
     a longer message streams through it. Construction waits up to ``timeout`` seconds
-    for the host's other ranks.
+    for the host's other ranks. ``job`` (an integer below 2**64, the same on the host's
+    ranks, drawn anew for each job) is recorded in each rank's file: a peer's file of
+    another job is refused, so two jobs that picked one name fail at set-up instead of
+    pairing their ranks.
 
     Pass it as ``shared_memory=`` to any number of :class:`AllReduce` and
     :class:`Hierarchical` collectives of this rank: they share its memory (``1 MiB`` per
@@ -462,11 +465,12 @@ class SharedMemory:
         timeout: float = 300.0,
         stage: int = 0,
         capacity: Optional[int] = None,
+        job: int = 0,
     ) -> None:
         self._shm = _native.SharedMemory(
             name, int(rank), int(world), [int(r) for r in host],
             timeout=float(timeout), stage=int(stage),
-            capacity=None if capacity is None else int(capacity),
+            capacity=None if capacity is None else int(capacity), job=int(job),
         )
 
     @property

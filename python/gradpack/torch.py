@@ -1577,6 +1577,7 @@ class GradpackState:
                 name, me, self._world(), list(host),
                 timeout=300.0 if self.timeout is None else float(self.timeout),
                 stage=_STAGE if staged else 0, capacity=self._shm_ring,
+                job=int(self._shm_token, 16),
             )
             self._shms[host] = shm
         return dict(shared_memory=shm)

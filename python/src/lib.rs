@@ -733,8 +733,14 @@ impl Transport for PyTransport {
 
     fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> gradpack::Result<()> {
         Python::attach(|py| {
-            let kw = keywords(py, [(None, "size"), (Some(max).filter(|_| self.limited.0), "limit")])
-                .map_err(|e| transport_error(from, "recv", &e))?;
+            let kw = keywords(
+                py,
+                [
+                    (None, "size"),
+                    (Some(max).filter(|_| self.limited.0), "limit"),
+                ],
+            )
+            .map_err(|e| transport_error(from, "recv", &e))?;
             let got = self
                 .recv
                 .call(py, (from,), kw.as_ref())
@@ -974,6 +980,7 @@ fn open_shared(
     timeout: f64,
     stage: usize,
     capacity: Option<usize>,
+    job: u64,
 ) -> PyResult<SharedMemory> {
     if !(timeout.is_finite() && timeout > 0.0) {
         return Err(PyValueError::new_err(format!(
@@ -983,6 +990,7 @@ fn open_shared(
     let mut opts = SharedMemoryOptions {
         timeout: std::time::Duration::from_secs_f64(timeout),
         stage,
+        job,
         ..Default::default()
     };
     if let Some(c) = capacity {
@@ -1022,7 +1030,9 @@ fn routed(
             "shared_memory needs the ranks of this host (host=)",
         ));
     };
-    let shm = open_shared(py, &name, base.rank, base.size, &host, timeout, stage, None)?;
+    let shm = open_shared(
+        py, &name, base.rank, base.size, &host, timeout, stage, None, 0,
+    )?;
     Routed::new(base, Some(shm)).map_err(err)
 }
 
@@ -1036,7 +1046,7 @@ struct PySharedMemory {
 #[pymethods]
 impl PySharedMemory {
     #[new]
-    #[pyo3(signature = (name, rank, world, host, *, timeout=300.0, stage=0, capacity=None))]
+    #[pyo3(signature = (name, rank, world, host, *, timeout=300.0, stage=0, capacity=None, job=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -1047,8 +1057,9 @@ impl PySharedMemory {
         timeout: f64,
         stage: usize,
         capacity: Option<usize>,
+        job: u64,
     ) -> PyResult<Self> {
-        let shm = open_shared(py, name, rank, world, &host, timeout, stage, capacity)?;
+        let shm = open_shared(py, name, rank, world, &host, timeout, stage, capacity, job)?;
         Ok(PySharedMemory {
             inner: std::sync::Arc::new(shm),
         })

@@ -31,11 +31,14 @@
 //!   still for 3 s (its process died, or dropped its transport) fails a receive from it
 //!   or a send queued for it.
 //! - **Set-up**: a rank makes its file under a temporary name, fills it (so a full
-//!   file system is an error here, not a fault later) and renames it, so a peer never
-//!   maps a half-made file; then it maps every peer's file, waiting for each up to the
+//!   file system is an error here, not a fault later) and publishes it under its name
+//!   only if nothing has that name yet, so a peer never maps a half-made file and a
+//!   second job using the same name fails here; then it maps every peer's file (of its
+//!   own user and job, [`SharedMemoryOptions::job`]), waiting for each up to the
 //!   timeout, and waits for every peer to have mapped its own. Then it removes its file's
-//!   name: a made transport leaves nothing in the directory, and a failed set-up removes
-//!   what it made.
+//!   name: a made transport leaves nothing in the directory, a failed set-up removes what
+//!   it made, and what a rank killed during set-up left is removed by the next set-up in
+//!   the directory once that rank's process is gone.
 //!
 //! With a stage ([`SharedMemoryOptions::stage`]) each file also holds a region of f32
 //! values through which the two-level all-reduce reduces inside a node in place
@@ -62,17 +65,27 @@ use super::{Transport, check_rank};
 use crate::error::{Error, Result};
 use crate::kernels::shm::Mapped;
 
-/// "GPSHM" and the layout's version, 1.
-const MAGIC: u64 = u64::from_le_bytes(*b"GPSHM\0\0\x01");
+/// "GPSHM" and the layout's version, 2.
+const MAGIC: u64 = u64::from_le_bytes(*b"GPSHM\0\0\x02");
 /// The header: magic, ring capacity, rings, peers that mapped the file, the owner's
-/// heartbeat.
-const HEADER: usize = 64;
+/// heartbeat, the two-level all-reduce's words, the stage's size, the job, the owner's
+/// process and when it was last seen alive.
+const HEADER: usize = 128;
 const OPENED_AT: usize = 24;
 const BEAT_AT: usize = 32;
 /// The two-level all-reduce's barrier word and failed-turn word, and the stage's size.
 const BARRIER_AT: usize = 40;
 const FAILED_AT: usize = 48;
 const STAGE_AT: usize = 56;
+/// The job's identity ([`SharedMemoryOptions::job`]), the owner's process id, and the
+/// wall-clock time (milliseconds since the Unix epoch) at which the owner was last
+/// alive: a file whose owner is gone and was last alive long ago is swept by the next
+/// set-up in its directory.
+const JOB_AT: usize = 64;
+const PID_AT: usize = 72;
+const ALIVE_AT: usize = 80;
+/// How long after its owner was last alive the file of a dead process may be swept.
+const SWEEP_AFTER: Duration = Duration::from_secs(10);
 /// How often a rank's sending thread bumps its heartbeat, and how long a peer's may stand
 /// still before a receive or a queued send gives up on it.
 const BEAT: Duration = Duration::from_millis(50);
@@ -98,6 +111,12 @@ pub struct SharedMemoryOptions {
     /// ([`super::Hierarchical`]) reduces inside a node in place, in rounds of the stage's
     /// size, instead of sending float32 frames (a multiple of 64; default 0: none).
     pub stage: usize,
+    /// The job's identity, the same on every rank of the host and different for every
+    /// job that may use the same name at once (draw it at random on one rank and share
+    /// it, as the PyTorch hook does). Each file records it, and a peer's file of another
+    /// job is refused, so two jobs that chose one name fail at set-up instead of pairing
+    /// their ranks. Default 0.
+    pub job: u64,
 }
 
 impl Default for SharedMemoryOptions {
@@ -107,6 +126,7 @@ impl Default for SharedMemoryOptions {
             timeout: Duration::from_secs(300),
             dir: None,
             stage: 0,
+            job: 0,
         }
     }
 }
@@ -279,6 +299,7 @@ impl Shared {
         loop {
             if beat.elapsed() >= BEAT {
                 self.own.atomic(BEAT_AT).fetch_add(1, Ordering::AcqRel);
+                alive(&self.own);
                 beat = Instant::now();
             }
             let mut pending = false;
@@ -673,7 +694,8 @@ impl SharedMemory {
         let stage_at = HEADER + rings * (RING_HEAD + cap);
         let len = stage_at + stage;
         let path = file_of(rank);
-        let own = Arc::new(create(&path, len, [cap, rings, stage])?);
+        let own = Arc::new(create(&path, len, [cap, rings, stage], options.job)?);
+        let uid = owner(&path);
         // The ring from host rank j sits at slot j, less one past this rank.
         let slot = |reader: usize, writer: usize| {
             HEADER + (writer - usize::from(writer > reader)) * (RING_HEAD + cap)
@@ -695,7 +717,14 @@ impl SharedMemory {
                 peers.push(None);
                 continue;
             }
-            let map = match open_peer(&file_of(r), r, len, [cap, rings, stage], options.timeout) {
+            let want = [cap, rings, stage];
+            let expect = Expect {
+                len,
+                fields: want,
+                job: options.job,
+                uid,
+            };
+            let map = match open_peer(&file_of(r), r, &expect, &own, options.timeout) {
                 Ok(m) => Arc::new(m),
                 Err(e) => {
                     let _ = fs::remove_file(&path);
@@ -721,6 +750,7 @@ impl SharedMemory {
         let start = Instant::now();
         let mut wait = Backoff(96);
         while own.atomic(OPENED_AT).load(Ordering::Acquire) < rings as u64 {
+            alive(&own);
             if start.elapsed() > options.timeout {
                 let _ = fs::remove_file(&path);
                 return bad(format!(
@@ -970,12 +1000,14 @@ impl Drop for SharedMemory {
     }
 }
 
-/// Make this rank's file: under a temporary name, filled, its header written, renamed.
-fn create(path: &Path, len: usize, fields: [usize; 3]) -> Result<Mapped> {
+/// Make this rank's file: under a temporary name of this process, filled, its header
+/// written, then published under `path` only if nothing has that name (a hard link,
+/// which fails on an existing name, where a rename would replace it).
+fn create(path: &Path, len: usize, fields: [usize; 3], job: u64) -> Result<Mapped> {
     let io = |what: &str, e: std::io::Error| {
         Error::Collective(format!("shared memory: {what} {}: {e}", path.display()))
     };
-    let tmp = path.with_extension("making");
+    let tmp = path.with_extension(format!("making-{}", std::process::id()));
     let _ = fs::remove_file(&tmp);
     let mut opts = OpenOptions::new();
     opts.read(true).write(true).create_new(true);
@@ -994,42 +1026,155 @@ fn create(path: &Path, len: usize, fields: [usize; 3]) -> Result<Mapped> {
         }
         left -= n;
     }
-    let map = Mapped::new(&f).map_err(|e| io("cannot map", e))?;
+    let map = match Mapped::new(&f) {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = fs::remove_file(&tmp);
+            return Err(io("cannot map", e));
+        }
+    };
     let [cap, rings, stage] = fields;
     map.atomic(8).store(cap as u64, Ordering::Relaxed);
     map.atomic(16).store(rings as u64, Ordering::Relaxed);
     map.atomic(STAGE_AT).store(stage as u64, Ordering::Relaxed);
+    map.atomic(JOB_AT).store(job, Ordering::Relaxed);
+    map.atomic(PID_AT)
+        .store(u64::from(std::process::id()), Ordering::Relaxed);
+    alive(&map);
     map.atomic(0).store(MAGIC, Ordering::Release);
-    if let Err(e) = fs::rename(&tmp, path) {
-        let _ = fs::remove_file(&tmp);
-        return Err(io("cannot publish", e));
+    // Files that dead set-ups left in the directory go first (one of them may hold this
+    // very name).
+    if let Some(dir) = path.parent() {
+        sweep(dir, owner(&tmp));
     }
-    Ok(map)
+    let published = fs::hard_link(&tmp, path);
+    let _ = fs::remove_file(&tmp);
+    match published {
+        Ok(()) => Ok(map),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(Error::Collective(format!(
+            "shared memory: {} exists already: another job on this host uses the same name \
+             (give every job a name of its own), or one still setting up",
+            path.display()
+        ))),
+        Err(e) => Err(io("cannot publish", e)),
+    }
 }
 
-/// Map a peer's file, waiting up to `timeout` for it to appear.
+/// Record in `file` that its owner is alive now.
+fn alive(file: &Mapped) {
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    file.atomic(ALIVE_AT).store(ms, Ordering::Relaxed);
+}
+
+/// Whether process `pid` of this host is gone: `/proc/PID` is missing while `/proc`
+/// itself is there (elsewhere nothing is taken to be gone).
+fn process_gone(pid: u64) -> bool {
+    Path::new("/proc/self").exists() && !Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Remove the files in `dir` that set-ups of dead processes left behind (a rank killed
+/// while it set up): the `gradpack-*` files of user `uid` whose owner's process is gone
+/// and was last alive more than [`SWEEP_AFTER`] ago, and temporary files of processes
+/// that are gone. Files of the earlier layout, or that cannot be read, are left alone.
+fn sweep(dir: &Path, uid: Option<u32>) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !name.starts_with("gradpack-") {
+            continue;
+        }
+        let path = e.path();
+        if let Some((_, pid)) = name.rsplit_once(".making-") {
+            if pid.parse().is_ok_and(process_gone) {
+                let _ = fs::remove_file(&path);
+            }
+            continue;
+        }
+        if owner(&path) == uid && stale(&path) {
+            let _ = fs::remove_file(&path);
+        }
+    }
+}
+
+/// Whether the owner of the shared-memory file at `path` is gone.
+fn stale(path: &Path) -> bool {
+    use std::io::Read;
+    let Ok(mut f) = fs::File::open(path) else {
+        return false;
+    };
+    let mut head = [0u8; HEADER];
+    if f.read_exact(&mut head).is_err() {
+        return false;
+    }
+    let word = |at: usize| u64::from_le_bytes(head[at..at + 8].try_into().expect("8 bytes"));
+    if word(0) != MAGIC {
+        return false;
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    process_gone(word(PID_AT))
+        && now.saturating_sub(word(ALIVE_AT)) > SWEEP_AFTER.as_millis() as u64
+}
+
+/// The user that owns the file at `path` (`None` where the platform has no such notion).
+fn owner(path: &Path) -> Option<u32> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        fs::metadata(path).ok().map(|m| m.uid())
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        None
+    }
+}
+
+/// What a peer's file must be: its length, its capacity, rings and stage, its job, and
+/// its owner (this rank's user).
+struct Expect {
+    len: usize,
+    fields: [usize; 3],
+    job: u64,
+    uid: Option<u32>,
+}
+
+/// Map a peer's file, waiting up to `timeout` for it to appear (`own`, this rank's
+/// file, records meanwhile that its owner is alive).
 fn open_peer(
     path: &Path,
     peer: usize,
-    len: usize,
-    fields: [usize; 3],
+    want: &Expect,
+    own: &Mapped,
     timeout: Duration,
 ) -> Result<Mapped> {
-    let [cap, rings, stage] = fields;
+    let [cap, rings, stage] = want.fields;
+    let refuse = |reason: String| Err(Error::Transport { peer, reason });
     let start = Instant::now();
     let mut wait = Backoff(96);
     loop {
         match OpenOptions::new().read(true).write(true).open(path) {
             Ok(f) => {
                 let size = f.metadata().map(|m| m.len()).unwrap_or(0);
-                if size != len as u64 {
-                    return Err(Error::Transport {
-                        peer,
-                        reason: format!(
-                            "its shared-memory file {} has {size} bytes, expected {len} (another capacity or host size?)",
-                            path.display()
-                        ),
-                    });
+                if size != want.len as u64 {
+                    return refuse(format!(
+                        "its shared-memory file {} has {size} bytes, expected {} (another \
+                         capacity or host size?)",
+                        path.display(),
+                        want.len
+                    ));
+                }
+                if owner(path) != want.uid {
+                    return refuse(format!(
+                        "its shared-memory file {} belongs to another user",
+                        path.display()
+                    ));
                 }
                 let map = Mapped::new(&f).map_err(|e| Error::Transport {
                     peer,
@@ -1042,25 +1187,30 @@ fn open_peer(
                     map.atomic(STAGE_AT).load(Ordering::Relaxed),
                 ];
                 if got != [MAGIC, cap as u64, rings as u64, stage as u64] {
-                    return Err(Error::Transport {
-                        peer,
-                        reason: format!(
-                            "its shared-memory file {} is not a ring file of capacity {cap} with {rings} rings and a stage of {stage} bytes",
-                            path.display()
-                        ),
-                    });
+                    return refuse(format!(
+                        "its shared-memory file {} is not a ring file of capacity {cap} with \
+                         {rings} rings and a stage of {stage} bytes",
+                        path.display()
+                    ));
+                }
+                let job = map.atomic(JOB_AT).load(Ordering::Relaxed);
+                if job != want.job {
+                    return refuse(format!(
+                        "its shared-memory file {} belongs to job {job:#x}, this rank's is \
+                         {:#x}: two jobs use the same name",
+                        path.display(),
+                        want.job
+                    ));
                 }
                 return Ok(map);
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                alive(own);
                 if start.elapsed() > timeout {
-                    return Err(Error::Transport {
-                        peer,
-                        reason: format!(
-                            "made no shared-memory file {} within {timeout:?}",
-                            path.display()
-                        ),
-                    });
+                    return refuse(format!(
+                        "made no shared-memory file {} within {timeout:?}",
+                        path.display()
+                    ));
                 }
                 wait.snooze();
                 if wait.0 > 1000 {
@@ -1068,10 +1218,7 @@ fn open_peer(
                 }
             }
             Err(e) => {
-                return Err(Error::Transport {
-                    peer,
-                    reason: format!("cannot open {}: {e}", path.display()),
-                });
+                return refuse(format!("cannot open {}: {e}", path.display()));
             }
         }
     }
