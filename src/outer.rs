@@ -102,7 +102,46 @@ use crate::sync::{Tensor, layout_hash, spawn_worker, thread_gone};
 
 const OUTER_MAGIC: [u8; 4] = *b"GPOS";
 
-/// Options of an [`OuterSync`]. Every rank must use the same.
+/// Every option of `o` that ranks must share, with the layout and its fragments, as
+/// `key=value` words: what the first sync agrees on and a saved state records.
+fn settings(o: &OuterOptions, tensors: &[Tensor], frags: &[Fragment]) -> String {
+    let assignment: Vec<String> = frags
+        .iter()
+        .map(|f| {
+            let ids: Vec<String> = f.tensors.iter().map(|(i, _)| i.to_string()).collect();
+            ids.join(",")
+        })
+        .collect();
+    format!(
+        "H={} P={} tau={} alpha={:#x} lr={:#x} mu={:#x} nesterov={} codec={} seed={:#x} \
+         checksum={} feedback={:?} feedback_options={} strategy={} pieces={} \
+         layout={:#010x} fragments={}",
+        o.sync_every,
+        o.fragments,
+        o.delay,
+        o.alpha.to_bits(),
+        o.outer_lr.to_bits(),
+        o.outer_momentum.to_bits(),
+        o.nesterov,
+        o.codec,
+        o.seed,
+        o.checksum,
+        o.feedback,
+        format!("{:?}", o.feedback_options).replace(' ', ""),
+        format!("{:?}", o.strategy).replace(' ', ""),
+        o.pieces,
+        layout_hash(tensors),
+        assignment.join("/"),
+    )
+}
+
+/// The envelope tag of the first sync's agreement on the options (the all-reduces use
+/// the fragment indices).
+const AGREE_TAG: u32 = u32::MAX;
+
+/// Options of an [`OuterSync`]. Every rank must use the same: the first sync checks it
+/// (one agreement of the ranks' settings before the first all-reduce), and a rank made
+/// with another value fails it on every rank, with an error naming the option.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OuterOptions {
     /// Inner steps per outer step, `H` (default 500, DiLoCo's).
@@ -225,6 +264,8 @@ struct Fragment {
 struct Worker<T: Transport> {
     comm: Comm<T>,
     ars: Vec<AllReduce>,
+    /// The settings to agree on before the first all-reduce (then `None`).
+    agree: Option<String>,
 }
 
 enum Job {
@@ -261,7 +302,13 @@ impl<T: Transport> Worker<T> {
                 input,
                 mut output,
             } => {
-                let res = self.ars[fragment].run(&mut self.comm, &input, &mut output, seed);
+                let agreed = match self.agree.take() {
+                    Some(s) => self.comm.agree(AGREE_TAG, &s),
+                    None => Ok(()),
+                };
+                let res = agreed.and_then(|()| {
+                    self.ars[fragment].run(&mut self.comm, &input, &mut output, seed)
+                });
                 Done::Reduced {
                     fragment,
                     input,
@@ -478,7 +525,8 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
                 flight: Flight::Idle,
             });
         }
-        let worker = Worker { comm, ars };
+        let agree = Some(settings(&opts, layout, &frags));
+        let worker = Worker { comm, ars, agree };
         let (jobs, done, handle) =
             spawn_worker(format!("gradpack-outer-{rank}"), worker, Worker::handle)?;
         Ok(OuterSync {
@@ -763,20 +811,9 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
         Ok(w.finish())
     }
 
-    /// Every option that changes the arithmetic or the schedule, as text.
+    /// Every option that changes the arithmetic, the schedule or the draws, as text.
     fn settings(&self) -> String {
-        let o = &self.opts;
-        format!(
-            "H={} P={} tau={} alpha={:#x} lr={:#x} mu={:#x} nesterov={} codec={}",
-            o.sync_every,
-            o.fragments,
-            o.delay,
-            o.alpha.to_bits(),
-            o.outer_lr.to_bits(),
-            o.outer_momentum.to_bits(),
-            o.nesterov,
-            o.codec
-        )
+        settings(&self.opts, &self.tensors, &self.frags)
     }
 
     /// Restore a blob from [`OuterSync::save`] on the same rank of a synchroniser built

@@ -371,6 +371,21 @@ fn a_saved_state_is_refused_by_another_configuration_and_when_damaged() {
         };
         let mut b = OuterSync::new(&layout, &views, t, other)?;
         assert!(matches!(b.restore(&blob), Err(Error::Checkpoint(_))));
+        // Another seed (other stochastic draws) or another checksum setting too.
+        for other in [
+            OuterOptions {
+                seed: 9,
+                ..opts.clone()
+            },
+            OuterOptions {
+                checksum: false,
+                ..opts.clone()
+            },
+        ] {
+            let t = b.into_transport()?;
+            b = OuterSync::new(&layout, &views, t, other)?;
+            assert!(matches!(b.restore(&blob), Err(Error::Checkpoint(_))));
+        }
         Ok(())
     });
     res.into_iter().for_each(|r| r.unwrap());
@@ -552,4 +567,105 @@ fn diloco_with_compressed_pseudo_gradients_converges_on_a_quadratic() {
     assert!(gaps[0].1 < 1e-5, "{gaps:?}");
     assert!(gaps[1].1 < 0.02, "{gaps:?}");
     assert!(gaps[2].1 < 0.75 * start, "{gaps:?} from {start}");
+}
+
+#[test]
+fn ranks_made_with_different_options_fail_their_first_sync_naming_the_option() {
+    // Rank 1 differs in one option; every rank's first sync fails and names it, and no
+    // rank ever returns Ok from a sync.
+    let base = OuterOptions {
+        sync_every: 2,
+        codec: spec("int8"),
+        ..Default::default()
+    };
+    let cases: Vec<(&str, OuterOptions)> = vec![
+        (
+            "lr",
+            OuterOptions {
+                outer_lr: 0.5,
+                ..base.clone()
+            },
+        ),
+        (
+            "mu",
+            OuterOptions {
+                outer_momentum: 0.8,
+                ..base.clone()
+            },
+        ),
+        (
+            "nesterov",
+            OuterOptions {
+                nesterov: false,
+                ..base.clone()
+            },
+        ),
+        (
+            "alpha",
+            OuterOptions {
+                alpha: 0.5,
+                ..base.clone()
+            },
+        ),
+        (
+            "H",
+            OuterOptions {
+                sync_every: 3,
+                ..base.clone()
+            },
+        ),
+        (
+            "tau",
+            OuterOptions {
+                delay: 1,
+                ..base.clone()
+            },
+        ),
+        (
+            "seed",
+            OuterOptions {
+                seed: 5,
+                ..base.clone()
+            },
+        ),
+        (
+            "feedback",
+            OuterOptions {
+                feedback: Feedback::Worker,
+                ..base.clone()
+            },
+        ),
+    ];
+    let layout = layout();
+    for (name, other) in cases {
+        let res = local::run(3, Some(Duration::from_secs(5)), |comm| {
+            let rank = comm.rank();
+            let mut params = init(&layout);
+            let views: Vec<&[f32]> = params.iter().map(|v| v.as_slice()).collect();
+            let o = if rank == 1 {
+                other.clone()
+            } else {
+                base.clone()
+            };
+            let mut outer = OuterSync::new(&layout, &views, comm.into_inner(), o)?;
+            let mut first = None;
+            for s in 1..=6u64 {
+                inner_step(&mut params, rank, s);
+                match outer.step(&mut slices(&mut params)) {
+                    Ok(st) => assert!(
+                        first.is_some() || st.applied == 0,
+                        "{name}: rank {rank} applied a sync"
+                    ),
+                    Err(e) => {
+                        first.get_or_insert(e);
+                    }
+                }
+            }
+            Err::<(), _>(first.expect("the first sync fails"))
+        });
+        for (r, e) in res.iter().enumerate() {
+            let e = e.as_ref().unwrap_err().to_string();
+            assert!(e.contains(&format!("{name}=")), "{name}: rank {r}: {e}");
+        }
+    }
 }

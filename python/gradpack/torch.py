@@ -482,6 +482,32 @@ class GradpackState:
         self._pending: List[Any] = []
         self._model_ef: Optional[Tuple[Tuple[str, ...], Tuple[int, ...], ErrorFeedback]] = None
         self._positions: Optional[Dict[str, int]] = None
+        # Every option the ranks must share, compared across them before the first
+        # bucket (a rank with another seed or codec would otherwise diverge with no
+        # error, or fail later with a less clear one).
+        self._settings: Dict[str, str] = {
+            "codec": "auto" if self._auto else str(self.codec),
+            "error_feedback": repr(error_feedback),
+            "strategy": ",".join(self.strategies),
+            "min_compress_elements": str(self.min_compress_elements),
+            "seed": str(self.seed),
+            "checksum": str(self.checksum),
+            "candidates": ",".join(str(c) for c in self.candidates),
+            "bandwidth": repr(getattr(self, "bandwidth", None)),
+            "latency": repr(getattr(self, "latency", None)),
+            "calibrate_elements": str(calibrate_elements),
+            "powersgd": repr(sorted(self._ps.items()) if self._ps else None),
+            "dct_2d": str(self.dct_2d),
+            "pieces": str(self.pieces),
+            "trials": str(self.trials),
+            "trial_steps": str(self.trial_steps),
+            "nodes": repr(self._nodes),
+            "node_codec": self.node_codec,
+            "start_step": str(self.start_step),
+            "momentum": repr(self.momentum),
+            "selection": self.selection,
+        }
+        self._agreed = False
         if dist.is_available() and dist.is_initialized():
             self._comm_group()
             if "hierarchical" in self.strategies:
@@ -515,6 +541,25 @@ class GradpackState:
                 )
             self._comm_checked = True
         return self._comm
+
+    def _agree(self) -> None:
+        """Compare the options every rank must share (a collective of the state's
+        group, before its first bucket): a rank made with another one raises on every
+        rank, naming the option and the ranks' values."""
+        world = self._world()
+        if world > 1:
+            everyone: List[Any] = [None] * world
+            dist.all_gather_object(everyone, self._settings, group=self._comm_group())
+            for r, theirs in enumerate(everyone):
+                for key, mine in self._settings.items():
+                    other = theirs.get(key) if isinstance(theirs, dict) else None
+                    if other != mine:
+                        raise ValueError(
+                            f"GradpackState: rank {r} was made with {key}={other}, rank "
+                            f"{self._rank()} with {key}={mine}: every rank must pass the same "
+                            "options"
+                        )
+        self._agreed = True
 
     def _wants_ef(self, codec: Codec) -> bool:
         if codec.name == "identity":
@@ -865,6 +910,8 @@ class GradpackState:
             raise RuntimeError("this GradpackState was closed; make a new one to train on")
         if not self._comm_checked:
             self._comm_group()  # a state made before the process group: made now
+        if not self._agreed:
+            self._agree()
         index, step, layout = bucket.index(), self.step, self._layout(bucket)
         last = bucket.is_last()
         if last:

@@ -410,6 +410,37 @@ def killed_worker(rank: int, world: int, port: int, cfg: str, out_dir: str) -> N
     os._exit(0)  # no teardown: a peer is gone
 
 
+def mismatch_worker(rank: int, world: int, port: int, option: str, out_dir: str) -> None:
+    """Train int8 with the hook, the last rank's state made with another ``option``
+    (``seed``, ``codec`` or ``pieces``): every rank's first step must raise, naming it."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    xs, ys, _, _ = data()
+    c = dict(CONFIGS["int8-ef-ring"])  # pieces=2
+    seed = 0
+    if rank == world - 1:
+        if option == "seed":
+            seed = 9
+        else:
+            c.update({"codec": {"codec": "fp16"}, "pieces": {"pieces": 1}}[option])
+    net, opt, state = make(c, seed, init=0)
+    result: Dict[str, Any] = {"raised": None}
+    try:
+        run_steps(net, opt, xs, ys, rank, world, 2, 0)
+    except Exception as e:  # what the test looks at
+        result = {"raised": f"{type(e).__name__}: {e}"[:400]}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # no teardown: the step failed
+
+
+def run_mismatch(world: int, option: str) -> List[Dict[str, Any]]:
+    """:func:`mismatch_worker` on ``world`` processes: each rank's result."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(mismatch_worker, args=(world, free_port(), option, d), nprocs=world, join=True)
+        return [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(world)]
+
+
 def run_killed(world: int, cfg: str, timeout: float = 120) -> List[Dict[str, Any]]:
     """:func:`killed_worker` on ``world`` processes; the survivors' results (a survivor
     that never finishes is reported as hung)."""

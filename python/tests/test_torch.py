@@ -267,6 +267,14 @@ def test_a_killed_rank_makes_the_others_raise(config):
         assert r["after_s"] < 30, r
 
 
+@pytest.mark.parametrize("option", ["seed", "codec", "pieces"])
+def test_ranks_made_with_different_options_raise_at_the_first_step(option):
+    # The last of 3 ranks passes another option: every rank's first backward raises,
+    # naming the option, before any gradient is exchanged.
+    for r in ddp_digits.run_mismatch(3, option):
+        assert r["raised"] and f"{option}=" in r["raised"], r
+
+
 def test_state_validation():
     with pytest.raises(ValueError, match="strategy"):
         gpt.GradpackState(strategy="tree")

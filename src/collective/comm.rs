@@ -10,7 +10,7 @@
 //! | 16..20 | tag: which collective ([`super::AllReduceOptions::tag`], e.g. a bucket index) |
 //! | 20..24 | hop: the message's index among those the call sends from sender to receiver |
 //! | 24..28 | chunk: the chunk the frame carries (ring), or the rank whose frame it is (all-gather) |
-//! | 28 | phase: 0 reduce-scatter, 1 ring all-gather, 2 frame all-gather, 3 and 4 the reduce-scatter and all-gather inside a node ([`super::hier`]) |
+//! | 28 | phase: 0 reduce-scatter, 1 ring all-gather, 2 frame all-gather, 3 and 4 the reduce-scatter and all-gather inside a node ([`super::hier`]), 5 an agreement on options ([`Comm::agree`]) |
 //! | 29 | version of the envelope: 2 |
 //! | 30..32 | zero |
 //! | 32..36 | CRC-32C of bytes 0..32 followed by the frame (every byte after the envelope) |
@@ -64,6 +64,7 @@ pub(crate) enum Phase {
     FrameAllGather = 2,
     NodeReduceScatter = 3,
     NodeAllGather = 4,
+    Agreement = 5,
 }
 
 impl Phase {
@@ -74,6 +75,7 @@ impl Phase {
             Phase::FrameAllGather => "frame all-gather",
             Phase::NodeReduceScatter => "reduce-scatter inside the node",
             Phase::NodeAllGather => "all-gather inside the node",
+            Phase::Agreement => "agreement on the options",
         }
     }
 }
@@ -216,6 +218,53 @@ impl<T: Transport + ?Sized> Comm<T> {
     /// Messages received early and kept for a later call.
     pub fn early_kept(&self) -> usize {
         self.early.iter().map(VecDeque::len).sum()
+    }
+
+    /// Check that every rank of the world was made with the same `settings`: words
+    /// `key=value` separated by spaces, every option the ranks must share (the
+    /// arithmetic, the schedule, the codec). One call of this `Comm`, made at the same
+    /// point on every rank (before the first collective that depends on the options,
+    /// say): each rank sends its settings to every other rank and compares what each
+    /// sends with its own, so a difference fails the call on every rank, naming the rank
+    /// and the first option that differs. `tag` goes into the envelopes. Settings of
+    /// more than [`MAX_SETTINGS`] bytes are refused.
+    pub fn agree(&mut self, tag: u32, settings: &str) -> Result<()> {
+        let call = self.begin();
+        if settings.len() > MAX_SETTINGS {
+            return Err(Error::Collective(format!(
+                "settings of {} bytes to agree on: at most {MAX_SETTINGS}",
+                settings.len()
+            )));
+        }
+        let (r, p) = (self.transport.rank(), self.transport.size());
+        let place = |from: usize| Place {
+            call,
+            tag,
+            phase: Phase::Agreement,
+            hop: 0,
+            chunk: from as u32,
+            max: ENVELOPE_LEN + MAX_SETTINGS,
+        };
+        let mut msg = vec![0u8; ENVELOPE_LEN];
+        msg.extend_from_slice(settings.as_bytes());
+        for k in 1..p {
+            self.post(&mut msg, (r + k) % p, place(r))?;
+        }
+        let mut got = Vec::new();
+        for k in 1..p {
+            let from = (r + p - k) % p;
+            self.expect(&mut got, from, place(from))?;
+            let theirs = String::from_utf8_lossy(&got[ENVELOPE_LEN..]);
+            if theirs != settings {
+                return Err(Error::Peer {
+                    peer: from,
+                    phase: Phase::Agreement.name(),
+                    forwarded_by: None,
+                    source: Box::new(Error::Collective(differs(&theirs, settings))),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Take a call number without running the call (a collective skipped after an earlier
@@ -408,6 +457,39 @@ enum Order {
     Here,
     Stale,
     Early((u64, u32)),
+}
+
+/// The most bytes of settings [`Comm::agree`] takes.
+pub const MAX_SETTINGS: usize = 16 << 10;
+
+/// What differs between a peer's settings and this rank's: the first option, by name.
+fn differs(theirs: &str, mine: &str) -> String {
+    let pairs = |s: &str| -> Vec<(String, String)> {
+        s.split_whitespace()
+            .map(|w| match w.split_once('=') {
+                Some((k, v)) => (k.to_string(), v.to_string()),
+                None => (w.to_string(), String::new()),
+            })
+            .collect()
+    };
+    let (a, b) = (pairs(theirs), pairs(mine));
+    for (k, v) in &b {
+        match a.iter().find(|(k2, _)| k2 == k) {
+            Some((_, v2)) if v2 != v => {
+                return format!(
+                    "made with {k}={v2} where this rank has {k}={v}: every rank must use the same"
+                );
+            }
+            None => return format!("made without option {k} (this rank has {k}={v})"),
+            _ => {}
+        }
+    }
+    for (k, v) in &a {
+        if !b.iter().any(|(k2, _)| k2 == k) {
+            return format!("made with option {k}={v}, which this rank lacks");
+        }
+    }
+    format!("made with the settings {theirs:?}, this rank with {mine:?} (in another order)")
 }
 
 /// A transport's refusal of an over-long message, as a rejected message of the phase

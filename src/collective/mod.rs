@@ -104,7 +104,7 @@ pub mod mpi;
 pub mod shm;
 
 pub use bucket::BucketGather;
-pub use comm::{Comm, ENVELOPE_LEN, ENVELOPE_VERSION};
+pub use comm::{Comm, ENVELOPE_LEN, ENVELOPE_VERSION, MAX_SETTINGS};
 use comm::{Phase, Place};
 pub use hier::{Hierarchical, Nodes};
 pub use shm::{NodeMemory, Routed, SharedMemory, SharedMemoryOptions};
