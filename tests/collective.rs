@@ -1093,3 +1093,36 @@ fn unpipelined_steps_send_and_receive_together() {
         }
     }
 }
+
+#[test]
+fn agree_fails_on_every_rank_naming_the_option_that_differs() {
+    let same = local::run(3, Some(Duration::from_secs(5)), |mut t| {
+        t.agree(7, "codec=int8 seed=1")?;
+        t.agree(7, "")?;
+        Ok(t.calls())
+    });
+    assert!(same.iter().all(|r| matches!(r, Ok(2))), "{same:?}");
+    for (other, key) in [
+        ("codec=int8 seed=2", "seed=2"),
+        ("codec=fp16 seed=1", "codec=fp16"),
+        ("codec=int8", "without option seed"),
+        ("codec=int8 seed=1 pieces=2", "pieces=2"),
+    ] {
+        let res = local::run(3, Some(Duration::from_secs(5)), |mut t| {
+            let mine = if t.rank() == 2 {
+                other
+            } else {
+                "codec=int8 seed=1"
+            };
+            t.agree(7, mine)
+        });
+        for (r, e) in res.iter().enumerate() {
+            let e = e.as_ref().unwrap_err().to_string();
+            assert!(e.contains(key) || r == 2, "{other}: rank {r}: {e}");
+            assert!(e.contains("agreement"), "{e}");
+        }
+    }
+    let long = "x".repeat(gradpack::collective::MAX_SETTINGS + 1);
+    let res = local::run(1, None, |mut t| t.agree(0, &long));
+    assert!(res[0].is_err());
+}

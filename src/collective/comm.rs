@@ -250,13 +250,16 @@ impl<T: Transport + ?Sized> Comm<T> {
         for k in 1..p {
             self.post(&mut msg, (r + k) % p, place(r))?;
         }
+        // Every peer's settings are received before a difference is reported, so that
+        // no rank leaves while a peer may still send to it.
         let mut got = Vec::new();
+        let mut first = None;
         for k in 1..p {
             let from = (r + p - k) % p;
             self.expect(&mut got, from, place(from))?;
             let theirs = String::from_utf8_lossy(&got[ENVELOPE_LEN..]);
-            if theirs != settings {
-                return Err(Error::Peer {
+            if theirs != settings && first.is_none() {
+                first = Some(Error::Peer {
                     peer: from,
                     phase: Phase::Agreement.name(),
                     forwarded_by: None,
@@ -264,7 +267,7 @@ impl<T: Transport + ?Sized> Comm<T> {
                 });
             }
         }
-        Ok(())
+        first.map_or(Ok(()), Err)
     }
 
     /// Take a call number without running the call (a collective skipped after an earlier
