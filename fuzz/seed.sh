@@ -15,9 +15,9 @@ for f in "$vectors"/*.gpk "$vectors"/*.sealed; do
     { printf '\000'; cat "$f"; } > "$seeds/decode_any/$name"
     { printf '\003'; cat "$f"; } > "$seeds/decode_any/$name.len21"
 done
-# Round trip: codec id 0..9, block 64, a few variant bits, ratio 26/256, seed 42.
+# Round trip: every codec id (0..14), block 64, a few variant bits, ratio 26/256, seed 42.
 for input in input input-nonfinite; do
-    for codec in 0 1 2 3 4 5 6 7 8 9; do
+    for codec in 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14; do
         for variant in 00 11 1a 2c 48 88 a8; do
             out="$seeds/roundtrip/$input-$codec-$variant"
             printf "\\$(printf '%03o' "$codec")\\100\\000\\$(printf '%03o' "0x$variant")\\031\\000\\000\\000\\052\\000\\000\\000" > "$out"

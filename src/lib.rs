@@ -210,7 +210,15 @@ fn reduce_any_standard<const M: u8, F: AsRef<[u8]>>(frames: &[F], out: &mut [f32
 }
 
 /// Decode any frame into a new vector, allocating at most [`decode_limit`]`(frame.len())`
-/// elements (a frame claiming more is refused before any allocation).
+/// elements: 16 KiB of output per frame byte, at least 256 KiB (a frame claiming more
+/// is refused before any allocation).
+///
+/// That bound is what a valid frame of a sparse codec can need, so it is loose for an
+/// untrusted frame: a valid 192 KiB `dct` frame decodes to 1 GiB. A caller decoding
+/// single frames from an untrusted source should pass its own limit to
+/// [`decode_to_vec_with_limit`] (the element count it expects), and frames of very
+/// sparse codecs (`chunktopk` with one value per chunk of 28,673 or more, `topk` and
+/// `randk` keeping very few) need a limit above the default.
 pub fn decode_to_vec(frame: &[u8]) -> Result<Vec<f32>> {
     decode_to_vec_with_limit(frame, decode_limit(frame.len()))
 }

@@ -7,9 +7,12 @@
 //! are unbounded). A buffer received is handed back to its sender for the next message,
 //! so a steady-state collective allocates nothing per message.
 //!
-//! Faults become errors instead of hangs: a receive waits at most the transport's
-//! timeout ([`DEFAULT_TIMEOUT`] unless set), and a peer whose transport was dropped (its
-//! thread returned or panicked) is reported at once.
+//! Faults become errors instead of hangs: a receive fails once the transport's timeout
+//! ([`DEFAULT_TIMEOUT`] unless set) has passed with no message sent or received anywhere
+//! in the world, and a peer whose transport was dropped (its thread returned or
+//! panicked) is reported at once. So a peer that is slow because the machine is busy
+//! (its world still moves messages, however slowly) is waited for, and one that has
+//! stopped (every other rank ends up waiting) is an error within the timeout.
 //!
 //! **A link simulator** ([`Link`], [`Local::set_link`]): each directed link from this
 //! rank carries one message at a time at the link's bandwidth, and a message is received
@@ -18,6 +21,8 @@
 //! real network; the receiver waits until the message has arrived. With it, overlap and
 //! pipelining are measured, and the cost model checked, without a network.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
@@ -63,12 +68,16 @@ pub struct Local {
     /// `from[q]`: messages from rank q; `back_from[q]`: buffers rank q gave back.
     from: Vec<Receiver<Msg>>,
     back_from: Vec<Receiver<Vec<u8>>>,
+    /// Messages sent and received in the whole world so far: what a receive watches to
+    /// tell a slow world from a stuck one.
+    moves: Arc<AtomicU64>,
 }
 
 impl Local {
     /// The `size` ranks of a new world, in rank order, each with [`DEFAULT_TIMEOUT`].
     /// Move each to its own thread.
     pub fn world(size: usize) -> Vec<Local> {
+        let moves = Arc::new(AtomicU64::new(0));
         let mut ranks: Vec<Local> = (0..size)
             .map(|rank| Local {
                 rank,
@@ -80,6 +89,7 @@ impl Local {
                 back_to: Vec::with_capacity(size),
                 from: Vec::with_capacity(size),
                 back_from: Vec::with_capacity(size),
+                moves: moves.clone(),
             })
             .collect();
         // Pushing in (s, d) order fills ranks[s].to[d] and ranks[d].from[s] alike.
@@ -96,12 +106,14 @@ impl Local {
         ranks
     }
 
-    /// How long a receive waits before failing (`None`: forever).
+    /// How long a receive waits with no message moving in the world before failing
+    /// (`None`: forever).
     pub fn timeout(&self) -> Option<Duration> {
         self.timeout
     }
 
-    /// Set how long a receive waits before failing (`None`: forever).
+    /// Set how long a receive waits with no message moving in the world before failing
+    /// (`None`: forever).
     pub fn set_timeout(&mut self, timeout: Option<Duration>) {
         self.timeout = timeout;
     }
@@ -156,6 +168,7 @@ impl Transport for Local {
             self.busy_until[to] = done;
             done + link.latency
         });
+        self.moves.fetch_add(1, Ordering::Relaxed);
         self.to[to]
             .send((arrival, buf))
             .map_err(|_| Error::Transport {
@@ -167,15 +180,10 @@ impl Transport for Local {
     fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<()> {
         check_rank(from, self.size)?;
         let got = match self.timeout {
-            Some(t) => self.from[from].recv_timeout(t).map_err(|e| match e {
-                RecvTimeoutError::Timeout => Error::Transport {
-                    peer: from,
-                    reason: format!("sent nothing within the {t:?} timeout"),
-                },
-                RecvTimeoutError::Disconnected => hung_up(from),
-            })?,
+            Some(t) => self.wait(from, t)?,
             None => self.from[from].recv().map_err(|_| hung_up(from))?,
         };
+        self.moves.fetch_add(1, Ordering::Relaxed);
         let (arrival, got) = got;
         if let Some(t) = arrival {
             wait_until(t);
@@ -187,6 +195,36 @@ impl Transport for Local {
         // The sender may have gone; then the buffer is simply dropped.
         let _ = self.back_to[from].send(old);
         Ok(())
+    }
+}
+
+impl Local {
+    /// The next message from `from`, waiting while the world moves messages and for at
+    /// most `t` after the last one moved.
+    fn wait(&self, from: usize, t: Duration) -> Result<Msg> {
+        let mut seen = self.moves.load(Ordering::Relaxed);
+        let mut since = Instant::now();
+        loop {
+            let left = t.saturating_sub(since.elapsed());
+            match self.from[from].recv_timeout(left.min(Duration::from_millis(20))) {
+                Ok(m) => return Ok(m),
+                Err(RecvTimeoutError::Disconnected) => return Err(hung_up(from)),
+                Err(RecvTimeoutError::Timeout) => {
+                    let now = self.moves.load(Ordering::Relaxed);
+                    if now != seen {
+                        (seen, since) = (now, Instant::now());
+                    } else if since.elapsed() >= t {
+                        return Err(Error::Transport {
+                            peer: from,
+                            reason: format!(
+                                "sent nothing, and no message moved between any ranks, within \
+                                 the {t:?} timeout"
+                            ),
+                        });
+                    }
+                }
+            }
+        }
     }
 }
 

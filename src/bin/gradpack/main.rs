@@ -108,7 +108,9 @@ enum Cmd {
         /// --format npy).
         output: PathBuf,
         /// Decode frames of up to this many elements (default: 4096 per byte of frame, at
-        /// least 65536; a very sparse top-k or random-k frame can hold more).
+        /// least 65536, so a 192 KiB dct frame may decode to 1 GiB; give the count you
+        /// expect for a frame you do not trust. A very sparse top-k, random-k or
+        /// chunktopk frame can hold more than the default).
         #[arg(long)]
         max_elements: Option<u64>,
         /// The array's shape for a .npy output, as `encode` printed it: 256,300 or
