@@ -6,7 +6,8 @@
 //! nothing about codecs. [`local::Local`] runs a world of threads in one process (tests,
 //! simulation, benchmarks); `mpi::MpiTransport` (feature `mpi`) runs on MPI;
 //! [`SharedMemory`] joins the ranks of one host through shared-memory rings, and
-//! [`Routed`] sends another transport's messages between ranks of one host that way.
+//! [`Routed`] sends another transport's messages between ranks of one host that way;
+//! [`Tcp`] joins ranks on any hosts over TCP.
 //!
 //! [`AllReduce`] holds one tensor's collective state (strategy, error-feedback residuals,
 //! buffers) and runs a step with [`AllReduce::run`]. The strategies:
@@ -102,12 +103,14 @@ pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod shm;
+pub mod tcp;
 
 pub use bucket::BucketGather;
 pub use comm::{Comm, ENVELOPE_LEN, ENVELOPE_VERSION, MAX_SETTINGS};
 use comm::{Phase, Place};
 pub use hier::{Hierarchical, Nodes};
 pub use shm::{NodeMemory, Routed, SharedMemory, SharedMemoryOptions};
+pub use tcp::{Tcp, TcpOptions};
 
 use core::ops::Range;
 
