@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use gradpack::collective::{
     AllReduce, AllReduceOptions, Comm, Feedback, Hierarchical, Nodes, SharedMemory,
-    SharedMemoryOptions, Strategy, StrategyChoice, Transport, local,
+    SharedMemoryOptions, Strategy, StrategyChoice, Tcp, TcpOptions, Transport, local,
 };
 use gradpack::{CodecSpec, Result};
 
@@ -56,11 +56,15 @@ enum Fault {
     Holds(&'static [(usize, &'static str, u64, u64, u64)]),
     /// This rank's call [`FAULT_CALL`] passes one value too many.
     BadLength(usize),
+    /// This rank leaves before call [`FAULT_CALL`] (drops its transport and ends).
+    Leave(usize),
 }
 
 #[derive(Debug, Clone)]
 struct Scenario {
     name: String,
+    /// Over [`gradpack::collective::Tcp`] instead of shared memory.
+    tcp: bool,
     path: Path2,
     world: usize,
     per_node: usize,
@@ -69,7 +73,7 @@ struct Scenario {
 
 fn scenarios() -> Vec<Scenario> {
     let mut v = Vec::new();
-    let mut add = |path, world, per_node, fault: Fault| {
+    let mut add_on = |tcp: bool, path, world, per_node, fault: Fault| {
         let what = match &fault {
             Fault::Hold(r, p, i) => format!("rank {r} held at {p} {i}"),
             Fault::Holds(h) => h
@@ -78,15 +82,19 @@ fn scenarios() -> Vec<Scenario> {
                 .collect::<Vec<_>>()
                 .join(", "),
             Fault::BadLength(r) => format!("rank {r} refused for a bad length"),
+            Fault::Leave(r) => format!("rank {r} leaves"),
         };
+        let over = if tcp { " over TCP" } else { "" };
         v.push(Scenario {
-            name: format!("{path:?} {world} ranks, {per_node} a node: {what}"),
+            name: format!("{path:?}{over} {world} ranks, {per_node} a node: {what}"),
+            tcp,
             path,
             world,
             per_node,
             fault,
         });
     };
+    let mut add = |path, world, per_node, fault| add_on(false, path, world, per_node, fault);
     // One node of two ranks in place: four rounds, so reads 0..7 are the owners' sums
     // and 8..15 the copies into the output (even ones out of rank 0's stage, odd ones out
     // of rank 1's); barriers 0..7 and 8..15 likewise.
@@ -129,6 +137,13 @@ fn scenarios() -> Vec<Scenario> {
     add(Path2::Frames, 4, 2, Fault::BadLength(3));
     add(Path2::Flat, 4, 4, Fault::Hold(1, "recv", 2));
     add(Path2::Flat, 4, 4, Fault::BadLength(0));
+    // Over TCP: the flat all-reduce and the two-level one by frames, held, refused, and
+    // a rank that leaves.
+    add_on(true, Path2::Flat, 4, 4, Fault::Hold(2, "send", 3));
+    add_on(true, Path2::Flat, 3, 3, Fault::BadLength(1));
+    add_on(true, Path2::Frames, 4, 2, Fault::Hold(1, "recv", 0));
+    add_on(true, Path2::Flat, 4, 4, Fault::Leave(3));
+    add_on(true, Path2::Frames, 4, 2, Fault::Leave(0));
     v
 }
 
@@ -201,7 +216,7 @@ impl Collective {
 /// to `out`.
 fn rank_main(role: &str) -> std::result::Result<(), String> {
     let f: Vec<&str> = role.split(';').collect();
-    let [index, rank, name, dir, out] = f[..] else {
+    let [index, rank, name, dir, out, master] = f[..] else {
         return Err(format!("bad role {role:?}"));
     };
     let s = &scenarios()[index.parse::<usize>().map_err(|e| e.to_string())?];
@@ -216,11 +231,34 @@ fn rank_main(role: &str) -> std::result::Result<(), String> {
         stage: if s.path == Path2::Stage { STAGE } else { 0 },
         job: 0x5eed,
     };
-    let shm = SharedMemory::open(name, rank, s.world, &host, opts).map_err(|e| e.to_string())?;
-    let mut c = Collective::new(s, &shm).map_err(|e| e.to_string())?;
-    let mut comm = Comm::new(shm);
+    let bytes = if s.tcp {
+        let master = master.parse().map_err(|e| format!("{master}: {e}"))?;
+        let o = TcpOptions {
+            timeout: TIMEOUT,
+            interface: None,
+        };
+        let t = Tcp::rendezvous(master, rank, s.world, o).map_err(|e| e.to_string())?;
+        calls(s, rank, t)?
+    } else {
+        let shm =
+            SharedMemory::open(name, rank, s.world, &host, opts).map_err(|e| e.to_string())?;
+        calls(s, rank, shm)?
+    };
+    std::fs::write(out, bytes).map_err(|e| e.to_string())
+}
+
+/// Every call of rank `rank` over transport `t`: per call, 1 and the result's bits, 0
+/// for an error, or 2 once the rank has left.
+fn calls<T: Transport>(s: &Scenario, rank: usize, t: T) -> std::result::Result<Vec<u8>, String> {
+    let mut c = Collective::new(s, &t).map_err(|e| e.to_string())?;
+    let mut comm = Comm::new(t);
     let mut bytes = Vec::new();
     for call in 0..CALLS {
+        if call == FAULT_CALL && matches!(s.fault, Fault::Leave(r) if r == rank) {
+            drop(comm);
+            bytes.resize(bytes.len() + (CALLS - call) as usize, 2);
+            return Ok(bytes);
+        }
         match c.call(&mut comm, s, rank, call) {
             Ok(v) => {
                 bytes.push(1u8);
@@ -233,7 +271,7 @@ fn rank_main(role: &str) -> std::result::Result<(), String> {
             }
         }
     }
-    std::fs::write(out, bytes).map_err(|e| e.to_string())
+    Ok(bytes)
 }
 
 /// The results of the fault-free calls, in-process: per rank, per call.
@@ -259,6 +297,9 @@ fn run(index: usize, s: &Scenario, dir: &Path) -> std::result::Result<(), String
     let want = reference(s);
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let name = format!("held{}-{index}", std::process::id());
+    let master = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?;
     let started = Instant::now();
     let children: Vec<_> = (0..s.world)
         .map(|r| {
@@ -266,7 +307,11 @@ fn run(index: usize, s: &Scenario, dir: &Path) -> std::result::Result<(), String
             let mut cmd = Command::new(&exe);
             cmd.env(
                 "GRADPACK_HELD_ROLE",
-                format!("{index};{r};{name};{};{}", dir.display(), out.display()),
+                format!(
+                    "{index};{r};{name};{};{};{master}",
+                    dir.display(),
+                    out.display()
+                ),
             )
             .env_remove("GRADPACK_HOLD")
             .stdout(Stdio::null())
@@ -285,7 +330,7 @@ fn run(index: usize, s: &Scenario, dir: &Path) -> std::result::Result<(), String
                         .collect();
                     cmd.env("GRADPACK_HOLD", list.join(","));
                 }
-                Fault::BadLength(_) => {}
+                Fault::BadLength(_) | Fault::Leave(_) => {}
             }
             cmd.spawn().map(|c| (c, out)).map_err(|e| e.to_string())
         })
@@ -302,12 +347,16 @@ fn run(index: usize, s: &Scenario, dir: &Path) -> std::result::Result<(), String
         got.push(std::fs::read(&out).map_err(|e| format!("{}: {e}", out.display()))?);
         let _ = std::fs::remove_file(&out);
     }
+    let left = matches!(s.fault, Fault::Leave(_));
     for (r, bytes) in got.iter().enumerate() {
         let mut at = 0;
         for (call, want) in want[r].iter().enumerate() {
-            let ok = bytes.get(at) == Some(&1);
+            let status = bytes.get(at).copied();
             at += 1;
-            if ok {
+            if status == Some(2) {
+                continue;
+            }
+            if status == Some(1) {
                 let v: Vec<u32> = bytes[at..at + 4 * N]
                     .chunks_exact(4)
                     .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
@@ -321,9 +370,14 @@ fn run(index: usize, s: &Scenario, dir: &Path) -> std::result::Result<(), String
                 }
             } else {
                 errors += 1;
-                if call + 2 >= CALLS as usize {
+                if call + 2 >= CALLS as usize && !left {
                     return Err(format!("rank {r} call {call} still fails\n{log}"));
                 }
+            }
+            if left && status == Some(1) && call as u64 > FAULT_CALL {
+                return Err(format!(
+                    "rank {r} call {call}: Ok without the rank that left\n{log}"
+                ));
             }
         }
     }
