@@ -396,7 +396,17 @@ mod tests {
                     let msg = message(r, &x, &segs2, &codecs2);
                     let mut g = BucketGather::new(&t, 5, op)?;
                     let mut out = vec![-1.5f32; n];
-                    let st = g.run(&mut t, &msg, &segs2, Some(msg.len()), &mut out)?;
+                    // Every rank's bound: the codecs' largest frames (top-k's frames vary
+                    // in length with the data), sealed where they are.
+                    let bound = segs2
+                        .iter()
+                        .zip(&codecs2)
+                        .map(|(s, (c, sealed))| {
+                            let m = c.max_encoded_len(s.len());
+                            if *sealed { wire::sealed_len(m) } else { m }
+                        })
+                        .sum();
+                    let st = g.run(&mut t, &msg, &segs2, Some(bound), &mut out)?;
                     assert_eq!(st.messages, (p - 1) as u64);
                     // A second call on the same state gives the same bits.
                     let mut again = vec![-1.5f32; n];
