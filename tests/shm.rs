@@ -612,14 +612,14 @@ fn two_jobs_that_use_one_name_fail_at_set_up_and_never_pair() {
     // the same name, then job 1's rank 1. No rank may end up paired with a rank of the
     // other job: a set-up either fails, or every message it exchanges is its own job's.
     let (dir, name) = place("twojobs");
-    let jobs = [(1u64, 0usize, 0u64), (1, 1, 300), (2, 0, 100), (2, 1, 100)];
+    let jobs = [(1u64, 0usize, 0u64), (1, 1, 1000), (2, 0, 400), (2, 1, 400)];
     let got: Vec<_> = std::thread::scope(|s| {
         let hs: Vec<_> = jobs
             .iter()
             .map(|&(job, rank, delay)| {
                 let o = SharedMemoryOptions {
                     job,
-                    ..options(&dir, 256, 1500)
+                    ..options(&dir, 256, 4000)
                 };
                 let name = &name;
                 s.spawn(move || {
