@@ -591,3 +591,71 @@ fn the_planner_goes_by_node_where_the_link_inside_nodes_pays() {
     assert!(ways.contains(&true) && ways.contains(&false), "{p}");
     identical_on_every_rank(6, &mixed, 2);
 }
+
+#[test]
+fn ranks_made_with_different_options_fail_every_step_naming_the_option() {
+    let l = layout();
+    let base = opts(Policy::uniform("int8".parse().unwrap()));
+    let cases = [
+        (
+            "seed",
+            SyncOptions {
+                seed: 6,
+                ..base.clone()
+            },
+        ),
+        (
+            "op",
+            SyncOptions {
+                op: ReduceOp::Sum,
+                ..base.clone()
+            },
+        ),
+        (
+            "pieces",
+            SyncOptions {
+                pieces: 2,
+                ..base.clone()
+            },
+        ),
+        (
+            "feedback",
+            SyncOptions {
+                feedback: Feedback::Worker,
+                ..base.clone()
+            },
+        ),
+    ];
+    for (name, other) in cases {
+        let res = local::run(3, Some(Duration::from_secs(10)), |comm| {
+            let rank = comm.rank();
+            let o = if rank == 2 {
+                other.clone()
+            } else {
+                base.clone()
+            };
+            let mut e = SyncEngine::new(&l, comm.into_inner(), o)?;
+            let mut errors = Vec::new();
+            for step in 0..3 {
+                let g = grads(&l, rank, step);
+                let r = (|| {
+                    for (i, gi) in g.iter().enumerate() {
+                        e.ready(i, gi)?;
+                    }
+                    e.finish().map(|_| ())
+                })();
+                errors.push(r.expect_err("a step on options that differ").to_string());
+                e.reset_feedback()?;
+            }
+            Ok(errors)
+        });
+        for (r, errors) in res.iter().enumerate() {
+            let errors = errors.as_ref().unwrap();
+            assert!(
+                errors[0].contains(&format!("{name}=")),
+                "{name}: rank {r}: {errors:?}"
+            );
+            assert_eq!(errors.len(), 3);
+        }
+    }
+}

@@ -98,7 +98,9 @@ use crate::state::{BlobReader, BlobWriter};
 const ENGINE_MAGIC: [u8; 4] = *b"GPSE";
 const NODES_MAGIC: [u8; 4] = *b"GPHA";
 
-/// Options of a [`SyncEngine`]. Every rank must use the same.
+/// Options of a [`SyncEngine`]. Every rank must use the same: the first bucket checks it
+/// (one agreement of the ranks' settings before it), and a rank made with another value
+/// fails every step on every rank, with an error naming the option.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SyncOptions {
     /// Which codec each tensor gets.
@@ -250,6 +252,39 @@ struct Worker<T: Transport> {
     ars: Vec<Reducer>,
     /// The step whose buckets are being skipped after a failure.
     failed_step: Option<u64>,
+    /// The settings to agree on before the first bucket (then `None`).
+    agree: Option<String>,
+}
+
+/// The envelope tag of the engine's agreement on its options (the buckets use their
+/// indices).
+const AGREE_TAG: u32 = u32::MAX;
+
+/// Every option of `o` the ranks must share, with the layout, as `key=value` words (what
+/// the first bucket agrees on). Whether buckets overlap the backward pass is left out:
+/// it changes neither the messages nor the bits.
+fn shared_settings(o: &SyncOptions, tensors: &[Tensor]) -> String {
+    let squeeze = |s: String| s.replace(' ', "");
+    format!(
+        "policy={} bucket_cap_bytes={} first_bucket_cap_bytes={} op={:?} feedback={:?} \
+         feedback_options={} network={} checksum={} seed={:#x} pieces={} strategy={:?} \
+         nodes={} node_codec={} node_network={} layout={:#010x}",
+        squeeze(format!("{:?}", o.policy)),
+        o.bucket_cap_bytes,
+        o.first_bucket_cap_bytes,
+        o.op,
+        o.feedback,
+        squeeze(format!("{:?}", o.feedback_options)),
+        squeeze(format!("{:?}", o.network)),
+        o.checksum,
+        o.seed,
+        o.pieces,
+        o.strategy,
+        squeeze(format!("{:?}", o.nodes)),
+        o.node_codec,
+        squeeze(format!("{:?}", o.node_network)),
+        layout_hash(tensors),
+    )
 }
 
 enum Job {
@@ -290,6 +325,24 @@ impl<T: Transport> Worker<T> {
                 mut output,
                 skip,
             } => {
+                // Before the first bucket: the options every rank must share. Until the
+                // ranks agree, every step's first bucket tries again and its step fails
+                // (on every rank alike), so no step runs on options that differ.
+                if let Some(s) = &self.agree {
+                    match self.comm.agree(AGREE_TAG, s) {
+                        Ok(()) => self.agree = None,
+                        Err(e) => {
+                            self.failed_step = Some(step);
+                            self.comm.skip();
+                            return Done::Reduced {
+                                bucket,
+                                input,
+                                output,
+                                res: Err(e),
+                            };
+                        }
+                    }
+                }
                 let res = if skip || self.failed_step == Some(step) {
                     self.comm.skip();
                     Err(Error::Collective(format!(
@@ -658,6 +711,7 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
             comm,
             ars,
             failed_step: None,
+            agree: Some(shared_settings(&opts, layout)),
         };
         let runner = if opts.overlap {
             let (jobs, done, handle) =
