@@ -91,6 +91,7 @@ use std::thread::JoinHandle;
 use crate::alloc;
 use crate::codec::CodecSpec;
 use crate::codecs::Identity;
+use crate::collective::comm::setting;
 use crate::collective::{
     AllReduce, AllReduceOptions, Comm, Feedback, ReduceOp, Stats, StrategyChoice, Transport,
 };
@@ -127,8 +128,8 @@ fn settings(o: &OuterOptions, tensors: &[Tensor], frags: &[Fragment]) -> String 
         o.seed,
         o.checksum,
         o.feedback,
-        format!("{:?}", o.feedback_options).replace(' ', ""),
-        format!("{:?}", o.strategy).replace(' ', ""),
+        setting(&o.feedback_options),
+        setting(&o.strategy),
         o.pieces,
         layout_hash(tensors),
         assignment.join("/"),

@@ -356,6 +356,13 @@ impl<T: Transport + ?Sized> Comm<T> {
             expect.call,
             u64::from(expect.hop),
         );
+        self.next_from(recv, from, expect)?;
+        self.settle(recv, from, expect)
+    }
+
+    /// The next message from `from` into `recv`: one kept early, or the transport's
+    /// (at most `expect.max` bytes).
+    fn next_from(&mut self, recv: &mut Vec<u8>, from: usize, expect: Place) -> Result<()> {
         match self.early[from].pop_front() {
             Some(m) => *recv = m,
             None => self
@@ -363,7 +370,7 @@ impl<T: Transport + ?Sized> Comm<T> {
                 .recv(recv, from, expect.max)
                 .map_err(|e| refused(e, expect))?,
         }
-        self.settle(recv, from, expect)
+        Ok(())
     }
 
     pub(crate) fn stamp(&self, msg: &mut [u8], place: Place) -> Result<()> {
@@ -390,13 +397,7 @@ impl<T: Transport + ?Sized> Comm<T> {
                 Order::Here => return Ok(()),
                 Order::Stale => {
                     self.dropped += 1;
-                    match self.early[from].pop_front() {
-                        Some(m) => *recv = m,
-                        None => self
-                            .transport
-                            .recv(recv, from, expect.max)
-                            .map_err(|e| refused(e, expect))?,
-                    }
+                    self.next_from(recv, from, expect)?;
                 }
                 Order::Early(got) => {
                     self.early[from].push_front(core::mem::take(recv));
@@ -464,6 +465,12 @@ enum Order {
 
 /// The most bytes of settings [`Comm::agree`] takes.
 pub const MAX_SETTINGS: usize = 16 << 10;
+
+/// `v` as the value of one `key=value` word of [`Comm::agree`]'s settings: its debug
+/// form without spaces.
+pub(crate) fn setting(v: &impl core::fmt::Debug) -> String {
+    format!("{v:?}").replace(' ', "")
+}
 
 /// What differs between a peer's settings and this rank's: the first option, by name.
 fn differs(theirs: &str, mine: &str) -> String {

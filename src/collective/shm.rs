@@ -852,14 +852,20 @@ impl SharedMemory {
         }
     }
 
-    /// Fill `out` from the ring from host rank `j` (global rank `peer`).
-    fn read_exact(&self, j: usize, peer: usize, out: &mut [u8]) -> Result<()> {
+    /// The ring from host rank `j` and that rank's file (for its heartbeat).
+    fn channel(&self, j: usize) -> (&Ring, &Mapped) {
         let ring = self.inbox[j]
             .as_ref()
             .expect("a ring from every other host rank");
         let file = self.peers[j]
             .as_ref()
             .expect("the file of every other host rank");
+        (ring, file)
+    }
+
+    /// Fill `out` from the ring from host rank `j` (global rank `peer`).
+    fn read_exact(&self, j: usize, peer: usize, out: &mut [u8]) -> Result<()> {
+        let (ring, file) = self.channel(j);
         let mut got = 0;
         let mut wait = Waiter::new(file, peer, self.shared.timeout);
         while got < out.len() {
@@ -964,12 +970,7 @@ impl SharedMemory {
         if left.load(Ordering::Relaxed) == 0 {
             return Ok(());
         }
-        let ring = self.inbox[j]
-            .as_ref()
-            .expect("a ring from every other host rank");
-        let file = self.peers[j]
-            .as_ref()
-            .expect("the file of every other host rank");
+        let (ring, file) = self.channel(j);
         let mut scratch = [0u8; 4096];
         let mut wait = Waiter::new(file, peer, self.shared.timeout);
         loop {
@@ -1060,12 +1061,16 @@ fn create(path: &Path, len: usize, fields: [usize; 3], job: u64) -> Result<Mappe
     }
 }
 
+/// Milliseconds since the Unix epoch.
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// Record in `file` that its owner is alive now.
 fn alive(file: &Mapped) {
-    let ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
-    file.atomic(ALIVE_AT).store(ms, Ordering::Relaxed);
+    file.atomic(ALIVE_AT).store(now_ms(), Ordering::Relaxed);
 }
 
 /// Whether process `pid` of this host is gone: `/proc/PID` is missing while `/proc`
@@ -1115,11 +1120,8 @@ fn stale(path: &Path) -> bool {
     if word(0) != MAGIC {
         return false;
     }
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
     process_gone(word(PID_AT))
-        && now.saturating_sub(word(ALIVE_AT)) > SWEEP_AFTER.as_millis() as u64
+        && now_ms().saturating_sub(word(ALIVE_AT)) > SWEEP_AFTER.as_millis() as u64
 }
 
 /// The user that owns the file at `path` (`None` where the platform has no such notion).

@@ -237,17 +237,7 @@ impl Tcp {
         let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
         // Connect to every lower rank.
         for (j, addr) in addrs.iter().enumerate().take(rank) {
-            let mut s = loop {
-                match TcpStream::connect_timeout(addr, SLICE.max(Duration::from_millis(500))) {
-                    Ok(s) => break s,
-                    Err(e) if start.elapsed() > timeout => {
-                        return Err(io_err(j, &format!("cannot connect to {addr}"), e));
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
-                }
-            };
-            s.set_read_timeout(Some(SLICE))
-                .map_err(|e| io_err(j, "socket option", e))?;
+            let mut s = dial(*addr, j, (start, timeout))?;
             s.write_all(&handshake(token, rank, size))
                 .map_err(|e| io_err(j, "handshake", e))?;
             let mut h = [0u8; HANDSHAKE];
@@ -259,60 +249,28 @@ impl Tcp {
             }
         }
         // Accept every higher rank; refuse anything else and keep waiting.
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| setup(format!("listener: {e}")))?;
-        let mut missing = size - rank - 1;
-        while missing > 0 {
-            match listener.accept() {
-                Ok((mut s, from)) => {
-                    let r = (|| -> core::result::Result<usize, String> {
-                        s.set_nonblocking(false).map_err(|e| e.to_string())?;
-                        s.set_read_timeout(Some(SLICE)).map_err(|e| e.to_string())?;
-                        let mut h = [0u8; HANDSHAKE];
-                        read_full(
-                            &mut s,
-                            &mut h,
-                            timeout.min(Duration::from_secs(2)),
-                            size,
-                            "handshake",
-                        )
-                        .map_err(|e| e.to_string())?;
-                        let r = check_handshake(&h, token, size)?;
-                        if r <= rank || r >= size || streams[r].is_some() {
-                            return Err(format!("rank {r} is not one this rank waits for"));
-                        }
-                        s.write_all(&handshake(token, rank, size))
-                            .map_err(|e| e.to_string())?;
-                        Ok(r)
-                    })();
-                    match r {
-                        Ok(r) => {
-                            streams[r] = Some(s);
-                            missing -= 1;
-                        }
-                        Err(why) => {
-                            eprintln!(
-                                "gradpack: tcp rank {rank}: refused a connection from {from}: {why}"
-                            );
-                            let _ = s.shutdown(Shutdown::Both);
-                        }
-                    }
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    if start.elapsed() > timeout {
-                        let who = (rank + 1..size)
-                            .find(|&r| streams[r].is_none())
-                            .unwrap_or(size);
-                        return Err(Error::Transport {
-                            peer: who,
-                            reason: format!("did not connect within {timeout:?}"),
-                        });
-                    }
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(setup(format!("accept: {e}"))),
+        let accepted = accept_ranks(&listener, rank + 1..size, (start, timeout), |s, taken| {
+            let mut h = [0u8; HANDSHAKE];
+            read_full(s, &mut h, GREETING.min(timeout), size, "handshake")
+                .map_err(|e| e.to_string())?;
+            let r = check_handshake(&h, token, size)?;
+            if r <= rank || r >= size || taken(r) {
+                return Err(format!("rank {r} is not one this rank waits for"));
+            }
+            s.write_all(&handshake(token, rank, size))
+                .map_err(|e| e.to_string())?;
+            Ok((r, ()))
+        })
+        .map_err(|e| match e {
+            Error::Transport { peer, .. } => Error::Transport {
+                peer,
+                reason: format!("did not connect within {timeout:?}"),
+            },
+            e => e,
+        })?;
+        for (r, got) in accepted.into_iter().enumerate() {
+            if let Some((s, ())) = got {
+                streams[r] = Some(s);
             }
         }
         let mut peers = Vec::with_capacity(size);
@@ -368,55 +326,30 @@ impl Tcp {
             let listener = bind(options.interface.unwrap_or(master.ip()))?;
             let mut addrs = vec![listener.local_addr().map_err(|e| setup(e.to_string()))?; size];
             let token = draw_token();
-            rv.set_nonblocking(true).map_err(|e| setup(e.to_string()))?;
-            let mut joined: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
-            let mut missing = size - 1;
-            while missing > 0 {
-                match rv.accept() {
-                    Ok((mut s, from)) => {
-                        let got = (|| -> core::result::Result<(usize, SocketAddr), String> {
-                            s.set_nonblocking(false).map_err(|e| e.to_string())?;
-                            s.set_read_timeout(Some(SLICE)).map_err(|e| e.to_string())?;
-                            let mut m = [0u8; 12 + ADDR_BYTES];
-                            read_full(&mut s, &mut m, Duration::from_secs(10), size, "hello")
-                                .map_err(|e| e.to_string())?;
-                            if &m[0..4] != RV_MAGIC {
-                                return Err("not a gradpack rendezvous".into());
-                            }
-                            let r = u32::from_le_bytes(m[4..8].try_into().expect("4")) as usize;
-                            let n = u32::from_le_bytes(m[8..12].try_into().expect("4")) as usize;
-                            if n != size || r == 0 || r >= size || joined[r].is_some() {
-                                return Err(format!("rank {r} of {n}: not expected"));
-                            }
-                            Ok((r, read_addr(&m[12..])?))
-                        })();
-                        match got {
-                            Ok((r, a)) => {
-                                addrs[r] = a;
-                                joined[r] = Some(s);
-                                missing -= 1;
-                            }
-                            Err(why) => {
-                                eprintln!("gradpack: tcp rendezvous: refused {from}: {why}");
-                            }
-                        }
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                        if start.elapsed() > timeout {
-                            let who = (1..size).find(|&r| joined[r].is_none()).unwrap_or(size);
-                            return Err(Error::Transport {
-                                peer: who,
-                                reason: format!(
-                                    "did not come to the rendezvous within {timeout:?}"
-                                ),
-                            });
-                        }
-                        std::thread::sleep(Duration::from_millis(2));
-                    }
-                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                    Err(e) => return Err(setup(format!("rendezvous accept: {e}"))),
+            let joined = accept_ranks(&rv, 1..size, (start, timeout), |s, taken| {
+                let mut m = [0u8; 12 + ADDR_BYTES];
+                read_full(s, &mut m, GREETING.min(timeout), size, "hello")
+                    .map_err(|e| e.to_string())?;
+                if &m[0..4] != RV_MAGIC {
+                    return Err("not a gradpack rendezvous".into());
                 }
-            }
+                let r = u32::from_le_bytes(m[4..8].try_into().expect("4 bytes")) as usize;
+                let n = u32::from_le_bytes(m[8..12].try_into().expect("4 bytes")) as usize;
+                if n != size || r == 0 || r >= size || taken(r) {
+                    return Err(format!("rank {r} of {n}: not expected"));
+                }
+                Ok((r, read_addr(&m[12..])?))
+            })?;
+            let mut joined: Vec<Option<TcpStream>> = joined
+                .into_iter()
+                .enumerate()
+                .map(|(r, got)| {
+                    got.map(|(s, a)| {
+                        addrs[r] = a;
+                        s
+                    })
+                })
+                .collect();
             let mut table = Vec::with_capacity(12 + size * ADDR_BYTES);
             table.extend_from_slice(RV_MAGIC);
             table.extend_from_slice(&token.to_le_bytes());
@@ -430,19 +363,7 @@ impl Tcp {
             drop(rv);
             return Tcp::connect(0, size, listener, &addrs, token, options);
         }
-        let mut s = loop {
-            match TcpStream::connect_timeout(&master, Duration::from_millis(500)) {
-                Ok(s) => break s,
-                Err(e) if start.elapsed() > timeout => {
-                    return Err(io_err(
-                        0,
-                        &format!("cannot reach the rendezvous at {master}"),
-                        e,
-                    ));
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        };
+        let mut s = dial(master, 0, (start, timeout))?;
         let ip = match options.interface {
             Some(ip) => ip,
             None => s.local_addr().map_err(|e| setup(e.to_string()))?.ip(),
@@ -456,8 +377,6 @@ impl Tcp {
             &mut hello,
             &listener.local_addr().map_err(|e| setup(e.to_string()))?,
         );
-        s.set_read_timeout(Some(SLICE))
-            .map_err(|e| setup(e.to_string()))?;
         s.write_all(&hello)
             .map_err(|e| io_err(0, "rendezvous", e))?;
         let mut table = vec![0u8; 12 + size * ADDR_BYTES];
@@ -507,6 +426,83 @@ impl Tcp {
             reason: format!("is this rank ({me}): no connection to itself"),
         })
     }
+}
+
+/// How long a new connection may take to say who it is.
+const GREETING: Duration = Duration::from_secs(2);
+
+/// A connection to rank `peer` at `addr`, tried again until the deadline (`start` plus
+/// `timeout`: the peer may not listen yet), its reads waking every [`SLICE`].
+fn dial(addr: SocketAddr, peer: usize, (start, timeout): (Instant, Duration)) -> Result<TcpStream> {
+    loop {
+        match TcpStream::connect_timeout(&addr, Duration::from_millis(500)) {
+            Ok(s) => {
+                s.set_read_timeout(Some(SLICE))
+                    .map_err(|e| io_err(peer, "socket option", e))?;
+                return Ok(s);
+            }
+            Err(e) if start.elapsed() > timeout => {
+                return Err(io_err(peer, &format!("cannot connect to {addr}"), e));
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+/// Accepted connections on `listener`, one from each rank of `ranks`, until the deadline.
+/// `greet` reads a new connection's greeting (its reads wake every [`SLICE`]) and names
+/// its rank and what it brought, given whether a rank has come already; a connection it
+/// refuses is closed and reported on standard error, and waiting goes on. Past the
+/// deadline, an error names the first rank still missing.
+#[allow(clippy::type_complexity)]
+fn accept_ranks<T>(
+    listener: &TcpListener,
+    ranks: std::ops::Range<usize>,
+    (start, timeout): (Instant, Duration),
+    mut greet: impl FnMut(
+        &mut TcpStream,
+        &dyn Fn(usize) -> bool,
+    ) -> core::result::Result<(usize, T), String>,
+) -> Result<Vec<Option<(TcpStream, T)>>> {
+    let mut got: Vec<Option<(TcpStream, T)>> = (0..ranks.end).map(|_| None).collect();
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| setup(format!("listener: {e}")))?;
+    let mut missing = ranks.len();
+    while missing > 0 {
+        match listener.accept() {
+            Ok((mut s, from)) => {
+                let r = s
+                    .set_nonblocking(false)
+                    .and_then(|()| s.set_read_timeout(Some(SLICE)))
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| greet(&mut s, &|r| got.get(r).is_some_and(Option::is_some)));
+                match r {
+                    Ok((r, t)) => {
+                        got[r] = Some((s, t));
+                        missing -= 1;
+                    }
+                    Err(why) => {
+                        eprintln!("gradpack: tcp: refused a connection from {from}: {why}");
+                        let _ = s.shutdown(Shutdown::Both);
+                    }
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if start.elapsed() > timeout {
+                    let who = ranks.clone().find(|&r| got[r].is_none()).unwrap_or(0);
+                    return Err(Error::Transport {
+                        peer: who,
+                        reason: format!("did not come within {timeout:?}"),
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(setup(format!("accept: {e}"))),
+        }
+    }
+    Ok(got)
 }
 
 fn write_addr(out: &mut Vec<u8>, a: &SocketAddr) {

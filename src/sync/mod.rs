@@ -86,6 +86,7 @@ pub use powersgd::PowerSgdBucket;
 
 use crate::codec::CodecSpec;
 use crate::codecs::Identity;
+use crate::collective::comm::setting;
 use crate::collective::{
     AllReduce, AllReduceOptions, Comm, Feedback, Hierarchical, Nodes, ReduceOp, Stats, Strategy,
     StrategyChoice, Transport,
@@ -264,25 +265,24 @@ const AGREE_TAG: u32 = u32::MAX;
 /// the first bucket agrees on). Whether buckets overlap the backward pass is left out:
 /// it changes neither the messages nor the bits.
 fn shared_settings(o: &SyncOptions, tensors: &[Tensor]) -> String {
-    let squeeze = |s: String| s.replace(' ', "");
     format!(
         "policy={} bucket_cap_bytes={} first_bucket_cap_bytes={} op={:?} feedback={:?} \
          feedback_options={} network={} checksum={} seed={:#x} pieces={} strategy={:?} \
          nodes={} node_codec={} node_network={} layout={:#010x}",
-        squeeze(format!("{:?}", o.policy)),
+        setting(&o.policy),
         o.bucket_cap_bytes,
         o.first_bucket_cap_bytes,
         o.op,
         o.feedback,
-        squeeze(format!("{:?}", o.feedback_options)),
-        squeeze(format!("{:?}", o.network)),
+        setting(&o.feedback_options),
+        setting(&o.network),
         o.checksum,
         o.seed,
         o.pieces,
         o.strategy,
-        squeeze(format!("{:?}", o.nodes)),
+        setting(&o.nodes),
         o.node_codec,
-        squeeze(format!("{:?}", o.node_network)),
+        setting(&o.node_network),
         layout_hash(tensors),
     )
 }
