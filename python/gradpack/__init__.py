@@ -51,6 +51,7 @@ __all__ = [
     "ErrorFeedback",
     "PowerSgdBucket",
     "SharedMemory",
+    "agree",
     "allreduce_time",
     "two_level_time",
     "backend",
@@ -326,6 +327,25 @@ def inspect(frame: FrameLike) -> Dict[str, Any]:
     ``checksum`` (the payload is sealed) and ``bits_per_element``.
     """
     return _native.inspect(_frame(frame))
+
+
+def agree(
+    rank: int,
+    world: int,
+    send: Callable[[bytearray, int], Any],
+    recv: Callable[[int], Any],
+    settings: Dict[str, Any],
+    *,
+    tag: int = 0xFFFFFFFF,
+    send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
+) -> None:
+    """Check that every rank of ``world`` was made with the same ``settings`` (option
+    name to value), over the message callables of :class:`AllReduce`. Every rank sends
+    its settings to every other and compares what each sends, so a difference raises
+    :class:`Error` on every rank, naming the rank and the option (``seed=9``, say). One
+    exchange of its own: call it at the same point on every rank."""
+    words = " ".join(f"{k}={str(v).replace(' ', '')}" for k, v in settings.items())
+    _native.agree(int(rank), int(world), send, recv, words, tag=int(tag), send_recv=send_recv)
 
 
 def frame_len(buf: FrameLike) -> int:

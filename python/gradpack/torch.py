@@ -543,22 +543,17 @@ class GradpackState:
         return self._comm
 
     def _agree(self) -> None:
-        """Compare the options every rank must share (a collective of the state's
-        group, before its first bucket): a rank made with another one raises on every
-        rank, naming the option and the ranks' values."""
+        """Compare the options every rank must share (the crate's agreement, on the
+        hook's own messages, before its first bucket): a rank made with another one
+        raises on every rank, naming the option."""
         world = self._world()
         if world > 1:
-            everyone: List[Any] = [None] * world
-            dist.all_gather_object(everyone, self._settings, group=self._comm_group())
-            for r, theirs in enumerate(everyone):
-                for key, mine in self._settings.items():
-                    other = theirs.get(key) if isinstance(theirs, dict) else None
-                    if other != mine:
-                        raise ValueError(
-                            f"GradpackState: rank {r} was made with {key}={other}, rank "
-                            f"{self._rank()} with {key}={mine}: every rank must pass the same "
-                            "options"
-                        )
+            p2p = self._p2p
+            try:
+                gradpack.agree(self._rank(), world, p2p.send, p2p.recv, self._settings,
+                               send_recv=p2p.send_recv)
+            finally:
+                p2p.wait()  # this rank's settings reach every peer, agreed or not
         self._agreed = True
 
     def _wants_ef(self, codec: Codec) -> bool:

@@ -297,6 +297,27 @@ fn decode_mode<'py>(
     .map_err(err)
 }
 
+/// Check that every rank of `world` passes the same `settings` (`key=value` words
+/// separated by spaces), over the message callables of the collectives: each rank sends
+/// its settings to every other and compares what each sends, so a difference raises on
+/// every rank, naming the rank and the option. One exchange of its own.
+#[pyfunction]
+#[pyo3(signature = (rank, world, send, recv, settings, *, tag=u32::MAX, send_recv=None))]
+#[allow(clippy::too_many_arguments)]
+fn agree(
+    py: Python<'_>,
+    rank: usize,
+    world: usize,
+    send: Py<PyAny>,
+    recv: Py<PyAny>,
+    settings: &str,
+    tag: u32,
+    send_recv: Option<Py<PyAny>>,
+) -> PyResult<()> {
+    let mut comm = Comm::new(py_transport(py, rank, world, send, recv, send_recv)?);
+    py.detach(|| comm.agree(tag, settings)).map_err(err)
+}
+
 /// Decode any frame into `out`, a writable C-contiguous float32 array holding exactly
 /// the frame's element count (any shape).
 #[pyfunction]
@@ -2224,6 +2245,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPowerSgd>()?;
     m.add_function(wrap_pyfunction!(powersgd_matrix, m)?)?;
     m.add_function(wrap_pyfunction!(encode, m)?)?;
+    m.add_function(wrap_pyfunction!(agree, m)?)?;
     m.add_function(wrap_pyfunction!(encode_into, m)?)?;
     m.add_function(wrap_pyfunction!(decode, m)?)?;
     m.add_function(wrap_pyfunction!(decode_into, m)?)?;
