@@ -222,3 +222,81 @@ fn bad_arguments_are_errors() {
     assert!(t.send(b"x", 0).is_err());
     assert!(t.recv(&mut Vec::new(), 0, 10).is_err());
 }
+
+#[test]
+fn interfaces_are_named_by_address_or_by_name() {
+    use gradpack::collective::interface_address;
+    use std::net::{IpAddr, Ipv4Addr};
+    assert_eq!(
+        interface_address("10.1.2.3").unwrap(),
+        IpAddr::V4(Ipv4Addr::new(10, 1, 2, 3))
+    );
+    assert_eq!(
+        interface_address(" ::1 ").unwrap(),
+        "::1".parse::<IpAddr>().unwrap()
+    );
+    // The loopback interface of Linux, by name: its IPv4 address first.
+    if cfg!(target_os = "linux") {
+        assert_eq!(
+            interface_address("lo").unwrap(),
+            IpAddr::V4(Ipv4Addr::LOCALHOST)
+        );
+    }
+    let e = interface_address("no-such-if0").unwrap_err().to_string();
+    assert!(
+        e.contains("no-such-if0") && e.contains("this host has"),
+        "{e}"
+    );
+    // Tokens differ from call to call and are never 0.
+    let (a, b) = (
+        gradpack::collective::draw_token(),
+        gradpack::collective::draw_token(),
+    );
+    assert!(a != b && a != 0 && b != 0);
+}
+
+#[test]
+fn flush_waits_until_sent_messages_have_left_and_fails_on_a_peer_that_never_reads() {
+    // 64 MiB is more than the sockets' buffers hold: the writer is still writing when
+    // the send returns. Rank 1 reads it after 300 ms (flush then returns Ok, having
+    // waited for that); rank 2 never reads (flush fails after the 1 s timeout).
+    let master = free_addr();
+    let big = vec![7u8; 64 << 20];
+    let got: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|r| {
+                let big = &big;
+                s.spawn(move || -> gradpack::Result<Duration> {
+                    let mut t = Tcp::rendezvous(master, r, 3, opts(1))?;
+                    match r {
+                        0 => {
+                            t.send(big, 1)?;
+                            let start = Instant::now();
+                            t.flush()?;
+                            let waited = start.elapsed();
+                            t.send(big, 2)?;
+                            let e = t.flush().unwrap_err();
+                            assert!(matches!(e, Error::Transport { peer: 2, .. }), "{e}");
+                            Ok(waited)
+                        }
+                        1 => {
+                            std::thread::sleep(Duration::from_millis(300));
+                            let mut buf = Vec::new();
+                            t.recv(&mut buf, 0, 64 << 20)?;
+                            assert!(buf.len() == 64 << 20 && buf.iter().all(|&b| b == 7));
+                            Ok(Duration::ZERO)
+                        }
+                        _ => {
+                            std::thread::sleep(Duration::from_secs(3));
+                            Ok(Duration::ZERO)
+                        }
+                    }
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let waited = got[0].as_ref().unwrap();
+    assert!(*waited >= Duration::from_millis(150), "{waited:?}");
+    assert!(got[1].is_ok() && got[2].is_ok(), "{got:?}");
+}

@@ -6,6 +6,7 @@ switch.
     python bench/ddp_bench.py --worlds 4,8 --links 1gbit,10gbit,25gbit --configs fp32,gp-auto
     python bench/ddp_bench.py --configs fp32,gp-topk-ef,gp-topk-ef-from-25   # float32 before step 25
     python bench/ddp_bench.py --configs fp32,gp-sign-ef-mc   # momentum correction
+    python bench/ddp_bench.py --configs fp32,gp-int8,gp-int8-pg  # native TCP vs gloo p2p
 
 The model is an MLP of 12.7 M parameters (64 -> 2500 -> 2500 -> 2500 -> 10: 48 MiB of
 float32 gradients) trained with SGD on scikit-learn's digits (shipped inside the
@@ -127,9 +128,18 @@ def split_momentum(name):
     return name, False
 
 
+def split_transport(name):
+    """A gradpack configuration's name and the hook's transport: ``NAME-pg`` is NAME with
+    its messages on the hook's gloo point-to-point (``transport="process_group"``, every
+    message through Python) instead of gradpack's native TCP transport."""
+    if name.startswith("gp-") and name.endswith("-pg"):
+        return name[: -len("-pg")], "process_group"
+    return name, "tcp"
+
+
 def base_name(name):
-    """A configuration's name without its ``-mc`` and ``-from-N``."""
-    return split_momentum(split_start(name)[0])[0]
+    """A configuration's name without its ``-pg``, ``-mc`` and ``-from-N``."""
+    return split_momentum(split_start(split_transport(name)[0])[0])[0]
 
 
 def hook_for(name, net, world):
@@ -154,7 +164,8 @@ def hook_for(name, net, world):
         )
         net.register_comm_hook(st, powerSGD_hook.powerSGD_hook)
     else:
-        base, start = split_start(name)
+        base, transport = split_transport(name)
+        base, start = split_start(base)
         base, corrected = split_momentum(base)
         kw = {
             "gp-fp16": {"codec": "fp16"},
@@ -185,7 +196,7 @@ def hook_for(name, net, world):
             kw = dict(kw, momentum=MOMENTUM)
         # Each rank stands for a node of its own: its messages must cross its shaped
         # port, not the shared memory that the ranks of this one machine could use.
-        st = gpt.GradpackState(model=net, shared_memory=False, **kw)
+        st = gpt.GradpackState(model=net, shared_memory=False, transport=transport, **kw)
         net.register_comm_hook(st, gpt.gradpack_hook)
         if base in ("gp-auto", "gp-auto-sparse"):
             return st, {"auto_bandwidth_bit_s": bw, "auto_latency_s": lat}
@@ -224,7 +235,7 @@ def rank_main(rank, world, addr, port, cfg, steps, warmup, train_steps, out):
     try:
         state, info = hook_for(cfg, net, world)
         # With momentum correction the hook keeps the velocity: the optimizer has none.
-        corrected = split_momentum(split_start(cfg)[0])[1]
+        corrected = split_momentum(split_start(split_transport(cfg)[0])[0])[1]
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.0 if corrected else MOMENTUM)
         batch = 64
         times, phases = [], []

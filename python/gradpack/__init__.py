@@ -30,6 +30,7 @@ from ._native import (
     HEADER_LEN,
     CodecProfile,
     Error,
+    Tcp,
     allreduce_time,
     backend,
     two_level_time,
@@ -37,6 +38,7 @@ from ._native import (
     break_even_bandwidth,
     parse_bandwidth,
     parse_duration,
+    ring_time,
 )
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "ErrorFeedback",
     "PowerSgdBucket",
     "SharedMemory",
+    "Tcp",
     "agree",
     "allreduce_time",
     "two_level_time",
@@ -69,6 +72,7 @@ __all__ = [
     "parse_duration",
     "powersgd_matrix",
     "reduce_frames",
+    "ring_time",
 ]
 
 __version__ = "0.1.0"
@@ -330,22 +334,29 @@ def inspect(frame: FrameLike) -> Dict[str, Any]:
 
 
 def agree(
-    rank: int,
-    world: int,
-    send: Callable[[bytearray, int], Any],
-    recv: Callable[[int], Any],
+    rank: Optional[int],
+    world: Optional[int],
+    send: Optional[Callable[[bytearray, int], Any]],
+    recv: Optional[Callable[[int], Any]],
     settings: Dict[str, Any],
     *,
     tag: int = 0xFFFFFFFF,
     send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
+    transport: Optional[Tcp] = None,
 ) -> None:
     """Check that every rank of ``world`` was made with the same ``settings`` (option
-    name to value), over the message callables of :class:`AllReduce`. Every rank sends
+    name to value), over the message callables of :class:`AllReduce` (or its
+    ``transport``, a :class:`Tcp`: then pass ``None`` for the four). Every rank sends
     its settings to every other and compares what each sends, so a difference raises
     :class:`Error` on every rank, naming the rank and the option (``seed=9``, say). One
     exchange of its own: call it at the same point on every rank."""
     words = " ".join(f"{k}={str(v).replace(' ', '')}" for k, v in settings.items())
-    _native.agree(int(rank), int(world), send, recv, words, tag=int(tag), send_recv=send_recv)
+    _native.agree(_opt_int(rank), _opt_int(world), send, recv, words, tag=int(tag),
+                  send_recv=send_recv, transport=transport)
+
+
+def _opt_int(v: Optional[int]) -> Optional[int]:
+    return None if v is None else int(v)
 
 
 def frame_len(buf: FrameLike) -> int:
@@ -559,7 +570,9 @@ class _Collective:
 
 class AllReduce(_Collective):
     """gradpack's compressed all-reduce of one tensor of ``length`` elements, on rank
-    ``rank`` of ``world``, over any message transport you give as two callables:
+    ``rank`` of ``world``, over gradpack's native transport (``transport=``, a
+    :class:`Tcp`: no message passes through Python, and ``rank`` and ``world`` are the
+    transport's) or over any message transport you give as two callables:
 
     - ``send(msg: bytearray, to: int)`` hands ``msg`` (a copy of its own, which the
       callable may keep) to rank ``to`` and must return without waiting for ``to`` to
@@ -612,10 +625,10 @@ class AllReduce(_Collective):
         self,
         codec: Union[str, Codec],
         length: int,
-        rank: int,
-        world: int,
-        send: Callable[[bytearray, int], Any],
-        recv: Callable[[int], Any],
+        rank: Optional[int] = None,
+        world: Optional[int] = None,
+        send: Optional[Callable[[bytearray, int], Any]] = None,
+        recv: Optional[Callable[[int], Any]] = None,
         *,
         strategy: str = "auto",
         op: str = "mean",
@@ -633,12 +646,13 @@ class AllReduce(_Collective):
         host: Optional[Sequence[int]] = None,
         shared_memory_timeout: float = 300.0,
         send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
+        transport: Optional[Tcp] = None,
     ) -> None:
         self._ar = _native.AllReduce(
             _codec(codec),
             length,
-            rank,
-            world,
+            _opt_int(rank),
+            _opt_int(world),
             send,
             recv,
             strategy=strategy,
@@ -657,6 +671,7 @@ class AllReduce(_Collective):
             host=None if host is None else [int(r) for r in host],
             shared_memory_timeout=float(shared_memory_timeout),
             send_recv=send_recv,
+            transport=transport,
         )
 
     @property
@@ -668,8 +683,8 @@ class AllReduce(_Collective):
 class BucketGather:
     """The all-gather of a bucket of tensors that the caller encodes, each tensor with a
     codec of its own, on rank ``rank`` of ``world``, over the same message callables as
-    :class:`AllReduce` (``send``, ``recv`` and optionally ``send_recv``; and its
-    ``shared_memory``, ``host`` and ``shared_memory_timeout``).
+    :class:`AllReduce` (``send``, ``recv`` and optionally ``send_recv``, or
+    ``transport``; and its ``shared_memory``, ``host`` and ``shared_memory_timeout``).
 
     Where :class:`AllReduce` owns one tensor's codec, seeds and residuals, here the
     caller encodes (with :meth:`Codec.encode_into` or :meth:`ErrorFeedback.encode_into`,
@@ -685,10 +700,10 @@ class BucketGather:
 
     def __init__(
         self,
-        rank: int,
-        world: int,
-        send: Callable[[bytearray, int], Any],
-        recv: Callable[[int], Any],
+        rank: Optional[int] = None,
+        world: Optional[int] = None,
+        send: Optional[Callable[[bytearray, int], Any]] = None,
+        recv: Optional[Callable[[int], Any]] = None,
         *,
         op: str = "mean",
         tag: int = 0,
@@ -696,10 +711,11 @@ class BucketGather:
         host: Optional[Sequence[int]] = None,
         shared_memory_timeout: float = 300.0,
         send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
+        transport: Optional[Tcp] = None,
     ) -> None:
         self._g = _native.BucketGather(
-            rank,
-            world,
+            _opt_int(rank),
+            _opt_int(world),
             send,
             recv,
             op=op,
@@ -708,6 +724,7 @@ class BucketGather:
             host=None if host is None else [int(r) for r in host],
             shared_memory_timeout=float(shared_memory_timeout),
             send_recv=send_recv,
+            transport=transport,
         )
 
     def run(
@@ -744,7 +761,8 @@ class BucketGather:
 class Hierarchical(_Collective):
     """gradpack's two-level all-reduce (the Rust crate's
     ``gradpack::collective::Hierarchical``) of one tensor of ``length`` elements on rank
-    ``rank`` of ``world``, over the same two message callables as :class:`AllReduce`.
+    ``rank`` of ``world``, over the same two message callables as :class:`AllReduce`
+    (or its ``transport``).
 
     ``nodes`` gives the node of every rank (``0 .. N``). Inside a node the ranks
     reduce-scatter the tensor in float32 (``node_codec="bf16"`` or ``"fp16"`` to halve
@@ -767,11 +785,11 @@ class Hierarchical(_Collective):
         self,
         codec: Union[str, Codec],
         length: int,
-        rank: int,
-        world: int,
-        send: Callable[[bytearray, int], Any],
-        recv: Callable[[int], Any],
-        nodes: Sequence[int],
+        rank: Optional[int] = None,
+        world: Optional[int] = None,
+        send: Optional[Callable[[bytearray, int], Any]] = None,
+        recv: Optional[Callable[[int], Any]] = None,
+        nodes: Optional[Sequence[int]] = None,
         *,
         node_codec: Union[str, Codec] = "identity",
         strategy: str = "auto",
@@ -790,9 +808,11 @@ class Hierarchical(_Collective):
         host: Optional[Sequence[int]] = None,
         shared_memory_timeout: float = 300.0,
         send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
+        transport: Optional[Tcp] = None,
     ) -> None:
         self._ar = _native.Hierarchical(
-            _codec(codec), length, rank, world, send, recv, [int(k) for k in nodes],
+            _codec(codec), length, _opt_int(rank), _opt_int(world), send, recv,
+            None if nodes is None else [int(k) for k in nodes],
             node_codec=_codec(node_codec), strategy=strategy, op=op, feedback=feedback,
             pieces=pieces, checksum=checksum, tag=tag, bandwidth=bandwidth, latency=latency,
             beta=beta, gamma=gamma, residual=residual,
@@ -801,13 +821,15 @@ class Hierarchical(_Collective):
             host=None if host is None else [int(r) for r in host],
             shared_memory_timeout=float(shared_memory_timeout),
             send_recv=send_recv,
+            transport=transport,
         )
 
 
 class OuterSync:
     """DiLoCo's outer synchronisation on rank ``rank`` of ``world`` (the Rust crate's
     ``gradpack::outer::OuterSync``), over the same two message callables as
-    :class:`AllReduce`. :class:`gradpack.torch.DiLoCo` drives it for a PyTorch model.
+    :class:`AllReduce` (or its ``transport``). :class:`gradpack.torch.DiLoCo` drives it
+    for a PyTorch model.
 
     It keeps an outer copy of the tensors ``names`` of ``shapes`` in float32, starting
     from ``params`` (the same on every rank). Call :meth:`step` after every inner
@@ -829,10 +851,10 @@ class OuterSync:
         names: Sequence[str],
         shapes: Sequence[Sequence[int]],
         params: Sequence[ArrayLike],
-        rank: int,
-        world: int,
-        send: Callable[[bytearray, int], Any],
-        recv: Callable[[int], Any],
+        rank: Optional[int] = None,
+        world: Optional[int] = None,
+        send: Optional[Callable[[bytearray, int], Any]] = None,
+        recv: Optional[Callable[[int], Any]] = None,
         *,
         sync_every: int = 500,
         fragments: int = 1,
@@ -855,13 +877,14 @@ class OuterSync:
         residual: str = "f32",
         allow_non_contractive: bool = False,
         send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
+        transport: Optional[Tcp] = None,
     ) -> None:
         self._s = _native.OuterSync(
             list(names),
             [list(s) for s in shapes],
             [_f32(x, f"params[{i}]") for i, x in enumerate(params)],
-            rank,
-            world,
+            _opt_int(rank),
+            _opt_int(world),
             send,
             recv,
             sync_every=sync_every,
@@ -885,6 +908,7 @@ class OuterSync:
             residual=residual,
             allow_non_contractive=allow_non_contractive,
             send_recv=send_recv,
+            transport=transport,
         )
 
     def due(self) -> Tuple[List[int], List[int]]:

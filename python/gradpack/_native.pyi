@@ -54,15 +54,37 @@ class ErrorFeedback:
     def state_dict(self) -> Dict[str, Any]: ...
     def load_state_dict(self, state: Dict[str, Any]) -> None: ...
 
+class Tcp:
+    @staticmethod
+    def from_store(
+        store: Any,
+        rank: int,
+        world: int,
+        *,
+        key: str = "gradpack/tcp",
+        interface: Optional[str] = None,
+        timeout: float = 300.0,
+    ) -> Tcp: ...
+    @staticmethod
+    def from_mpi(comm: Any, *, interface: Optional[str] = None, timeout: float = 300.0) -> Tcp: ...
+    @staticmethod
+    def from_env(*, interface: Optional[str] = None, timeout: float = 300.0) -> Tcp: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world(self) -> int: ...
+    @property
+    def address(self) -> str: ...
+
 class AllReduce:
     def __init__(
         self,
         codec: Union[str, Codec],
         length: int,
-        rank: int,
-        world: int,
-        send: Callable[[bytearray, int], Any],
-        recv: Callable[[int], Any],
+        rank: Optional[int] = None,
+        world: Optional[int] = None,
+        send: Optional[Callable[[bytearray, int], Any]] = None,
+        recv: Optional[Callable[[int], Any]] = None,
         *,
         strategy: str = "auto",
         op: str = "mean",
@@ -80,6 +102,7 @@ class AllReduce:
         host: Optional[List[int]] = None,
         shared_memory_timeout: float = 300.0,
         send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
+        transport: Optional[Tcp] = None,
     ) -> None: ...
     def run(self, x: _F32, out: Optional[_F32] = None, seed: int = 0) -> Dict[str, Any]: ...
     @property
@@ -95,10 +118,10 @@ class AllReduce:
 class BucketGather:
     def __init__(
         self,
-        rank: int,
-        world: int,
-        send: Callable[[bytearray, int], Any],
-        recv: Callable[[int], Any],
+        rank: Optional[int] = None,
+        world: Optional[int] = None,
+        send: Optional[Callable[[bytearray, int], Any]] = None,
+        recv: Optional[Callable[[int], Any]] = None,
         *,
         op: str = "mean",
         tag: int = 0,
@@ -106,6 +129,7 @@ class BucketGather:
         host: Optional[List[int]] = None,
         shared_memory_timeout: float = 300.0,
         send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
+        transport: Optional[Tcp] = None,
     ) -> None: ...
     def run(
         self, message: Any, segments: List[Tuple[int, int]], out: _F32, max_message: Optional[int] = ...
@@ -118,11 +142,11 @@ class Hierarchical:
         self,
         codec: Union[str, Codec],
         length: int,
-        rank: int,
-        world: int,
-        send: Callable[[bytearray, int], Any],
-        recv: Callable[[int], Any],
-        nodes: List[int],
+        rank: Optional[int] = None,
+        world: Optional[int] = None,
+        send: Optional[Callable[[bytearray, int], Any]] = None,
+        recv: Optional[Callable[[int], Any]] = None,
+        nodes: Optional[List[int]] = None,
         *,
         node_codec: Union[str, Codec, None] = None,
         strategy: str = "auto",
@@ -141,6 +165,7 @@ class Hierarchical:
         host: Optional[List[int]] = None,
         shared_memory_timeout: float = 300.0,
         send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
+        transport: Optional[Tcp] = None,
     ) -> None: ...
     def run(self, x: _F32, out: Optional[_F32] = None, seed: int = 0) -> Dict[str, Any]: ...
     @property
@@ -157,10 +182,10 @@ class OuterSync:
         names: List[str],
         shapes: List[List[int]],
         params: List[_F32],
-        rank: int,
-        world: int,
-        send: Callable[[bytearray, int], Any],
-        recv: Callable[[int], Any],
+        rank: Optional[int] = None,
+        world: Optional[int] = None,
+        send: Optional[Callable[[bytearray, int], Any]] = None,
+        recv: Optional[Callable[[int], Any]] = None,
         *,
         sync_every: int = 500,
         fragments: int = 1,
@@ -183,6 +208,7 @@ class OuterSync:
         residual: str = "f32",
         allow_non_contractive: bool = False,
         send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
+        transport: Optional[Tcp] = None,
     ) -> None: ...
     def due(self) -> Tuple[List[int], List[int]]: ...
     def step(self, params: Optional[List[_F32]] = None) -> Dict[str, int]: ...
@@ -256,14 +282,15 @@ def reduce_frames(frames: Sequence[_Frame], out: _F32, add: bool = False) -> Non
 def inspect(frame: _Frame) -> Dict[str, Any]: ...
 def frame_len(buf: _Frame) -> int: ...
 def agree(
-    rank: int,
-    world: int,
-    send: Callable[[bytearray, int], Any],
-    recv: Callable[[int], Any],
+    rank: Optional[int],
+    world: Optional[int],
+    send: Optional[Callable[[bytearray, int], Any]],
+    recv: Optional[Callable[[int], Any]],
     settings: str,
     *,
     tag: int = ...,
     send_recv: Optional[Callable[[bytearray, int, int], Any]] = ...,
+    transport: Optional[Tcp] = ...,
 ) -> None: ...
 def calibrate(codec: Union[str, Codec], elements: int = ..., budget_s: float = 0.2) -> CodecProfile: ...
 def two_level_time(
@@ -288,6 +315,14 @@ def allreduce_time(
     elements: float,
     latency: float = 0.0,
     reduce_bytes_per_s: float = ...,
+) -> float: ...
+def ring_time(
+    profile: CodecProfile,
+    nodes: int,
+    bandwidth: float,
+    elements: float,
+    latency: float = 0.0,
+    pieces: int = 1,
 ) -> float: ...
 def best_strategy(
     profile: CodecProfile,

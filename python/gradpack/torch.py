@@ -258,6 +258,17 @@ class GradpackState:
             between ranks of one host through shared memory instead of the hook's
             group (default ``True``; which ranks share a host is found once, by each
             rank leaving a file in ``/dev/shm`` and looking for the others').
+        transport: how the hook's messages travel between ranks. ``"tcp"`` (the
+            default): gradpack's native transport (:class:`gradpack.Tcp`), connected
+            once through torch's store (each rank publishes its listening address
+            there); the collectives send and receive from Rust, with no Python call per
+            message. ``"process_group"``: point-to-point operations on the hook's group
+            (``comm_group``), every message through Python. Ranks of one host use
+            shared memory either way where ``shared_memory`` allows, and the results are
+            the same to the bit. ``GRADPACK_SOCKET_IFNAME`` (an interface's name or an
+            address) names the interface to listen on; by default, the one that reaches
+            the store's host. PowerSGD's two float32 all-reduces still go through the
+            hook's group.
         start_step: the steps before this one (counted from 0) all-reduce every bucket
             in float32, as DDP does without a hook; compression, error feedback,
             PowerSGD and ``"auto"``'s trials begin at it. Compressed from the first step
@@ -319,6 +330,7 @@ class GradpackState:
         nodes: Optional[Sequence[int]] = None,
         node_codec: str = "identity",
         shared_memory: bool = True,
+        transport: str = "tcp",
         intra_bandwidth: Union[float, str] = 40e9,
         intra_latency: Union[float, str] = 5e-6,
         start_step: int = 0,
@@ -351,12 +363,17 @@ class GradpackState:
             )
         self._nodes = None if nodes is None else [int(k) for k in nodes]
         self.shared_memory = bool(shared_memory)
+        if transport not in ("tcp", "process_group"):
+            raise ValueError(f"transport {transport!r}: use 'tcp' or 'process_group'")
+        self.transport = transport
+        self._tcp: Optional[gradpack.Tcp] = None
         self._hosts: Optional[List[int]] = None
         self._shm_token: Optional[str] = None
         # host's ranks -> gradpack.SharedMemory: one set of rings (and one stage) for all
         # of this state's collectives, whatever the number of buckets.
         self._shms: Dict[Tuple[int, ...], gradpack.SharedMemory] = {}
         self._shm_ring = _RING  # bytes per ring, as /dev/shm allows
+        self._shm_ring_sized = False
         self.node_codec = str(node_codec)
         for name, v in (("trials", trials), ("trial_steps", trial_steps)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -506,6 +523,7 @@ class GradpackState:
             "start_step": str(self.start_step),
             "momentum": repr(self.momentum),
             "selection": self.selection,
+            "transport": self.transport,
         }
         self._agreed = False
         if dist.is_available() and dist.is_initialized():
@@ -548,13 +566,41 @@ class GradpackState:
         raises on every rank, naming the option."""
         world = self._world()
         if world > 1:
-            p2p = self._p2p
+            link = self._link()
             try:
-                gradpack.agree(self._rank(), world, p2p.send, p2p.recv, self._settings,
-                               send_recv=p2p.send_recv)
+                gradpack.agree(link.pop("rank", None), link.pop("world", None),
+                               link.pop("send", None), link.pop("recv", None), self._settings,
+                               **link)
             finally:
-                p2p.wait()  # this rank's settings reach every peer, agreed or not
+                self._p2p.wait()  # this rank's settings reach every peer, agreed or not
         self._agreed = True
+
+    def _job_token(self) -> str:
+        """A random token of this state's, the same on every rank (drawn by rank 0 and
+        broadcast on the hook's group the first time: a collective)."""
+        if self._shm_token is None:
+            token = [os.urandom(6).hex() if self._rank() == 0 else None]
+            dist.broadcast_object_list(token, src=dist.get_global_rank(self._comm_group(), 0),
+                                       group=self._comm_group())
+            self._shm_token = str(token[0])
+        return self._shm_token
+
+    def _link(self) -> Dict[str, Any]:
+        """The transport arguments of a new collective: the state's :class:`gradpack.Tcp`
+        (connected on first use, through torch's store: a collective), or the hook's
+        point-to-point callables on its group."""
+        if self.transport == "tcp":
+            if self._tcp is None:
+                store = dist.distributed_c10d._get_default_store()
+                self._tcp = gradpack.Tcp.from_store(
+                    store, self._rank(), self._world(),
+                    key=f"gradpack/tcp/{self._job_token()}",
+                    timeout=300.0 if self.timeout is None else float(self.timeout),
+                )
+            return dict(transport=self._tcp)
+        p = self._p2p
+        return dict(rank=self._rank(), world=self._world(), send=p.send, recv=p.recv,
+                    send_recv=p.send_recv)
 
     def _wants_ef(self, codec: Codec) -> bool:
         if codec.name == "identity":
@@ -809,6 +855,8 @@ class GradpackState:
             if self._own_comm:
                 dist.destroy_process_group(self._comm)
         self._comm = None
+        # The connections close once the collectives made with them are gone too.
+        self._tcp = None
 
     # ------------------------------------------------------------------ the work
 
@@ -1437,8 +1485,7 @@ class GradpackState:
         g = self._gathers.get(index)
         if g is None:
             g = gradpack.BucketGather(
-                rank, world, self._p2p.send, self._p2p.recv, op="mean", tag=index & 0xFFFFFFFF,
-                send_recv=self._p2p.send_recv,
+                op="mean", tag=index & 0xFFFFFFFF, **self._link(),
                 **self._shared_memory(list(range(world)), stage=False),
             )
             self._gathers[index] = g
@@ -1600,13 +1647,11 @@ class GradpackState:
             return {}
         hosts, me = self.host_map(), self._rank()
         staged = "hierarchical" in self.strategies
-        if self._shm_token is None:
+        if self._shm_ring_sized is False:
             # A collective: every rank comes here the first time, whatever its host.
-            token = [os.urandom(6).hex() if me == 0 else None]
-            dist.broadcast_object_list(token, src=dist.get_global_rank(self._comm_group(), 0),
-                                       group=self._comm_group())
-            self._shm_token = str(token[0])
+            self._job_token()
             self._shm_room(hosts, staged)
+            self._shm_ring_sized = True
         if not self.shared_memory:
             return {}
         host = tuple(r for r in members if hosts[r] == hosts[me])
@@ -1614,12 +1659,12 @@ class GradpackState:
             return {}
         shm = self._shms.get(host)
         if shm is None:
-            name = f"gp{self._shm_token}-{zlib.crc32(repr(host).encode()):08x}"
+            name = f"gp{self._job_token()}-{zlib.crc32(repr(host).encode()):08x}"
             shm = gradpack.SharedMemory(
                 name, me, self._world(), list(host),
                 timeout=300.0 if self.timeout is None else float(self.timeout),
                 stage=_STAGE if staged else 0, capacity=self._shm_ring,
-                job=int(self._shm_token, 16),
+                job=int(self._job_token(), 16),
             )
             self._shms[host] = shm
         return dict(shared_memory=shm)
@@ -1675,7 +1720,7 @@ class GradpackState:
         ar = self._rings.get(key)
         if ar is None:
             common = dict(
-                send_recv=self._p2p.send_recv,
+                **self._link(),
                 feedback="worker+owner" if self._wants_ef(codec) else "none",
                 pieces=self.pieces if strategy != "majority" else 1,
                 checksum=self.checksum,
@@ -1685,14 +1730,12 @@ class GradpackState:
                 nodes = self.node_map()
                 mine = [r for r in range(world) if nodes[r] == nodes[self._rank()]]
                 ar = gradpack.Hierarchical(
-                    codec, flat.numel(), self._rank(), world, self._p2p.send, self._p2p.recv,
-                    nodes=nodes, node_codec=self.node_codec, **common,
+                    codec, flat.numel(), nodes=nodes, node_codec=self.node_codec, **common,
                     **self._shared_memory(mine, stage=True),
                 )
             else:
                 ar = gradpack.AllReduce(
-                    codec, flat.numel(), self._rank(), world, self._p2p.send, self._p2p.recv,
-                    strategy=strategy, **common,
+                    codec, flat.numel(), strategy=strategy, **common,
                     **self._shared_memory(list(range(world)), stage=False),
                 )
             saved = self._ring_restored.pop(names, None)
@@ -2016,9 +2059,11 @@ class DiLoCo:
         diloco.close()
 
     The arithmetic and the schedule are the Rust crate's (:class:`gradpack.OuterSync`);
-    the all-reduces are gradpack's own collectives, their messages sent point to point
-    on a gloo group of ``group``'s ranks made here (so a CUDA model on NCCL works too),
-    running on a communication thread of their own. The names follow torchft's
+    the all-reduces are gradpack's own collectives, running on a communication thread of
+    their own, their messages on gradpack's native transport (``transport="tcp"``, the
+    default: :class:`gradpack.Tcp`, connected through torch's store) or sent point to
+    point on a gloo group of ``group``'s ranks made here (``"process_group"``); either
+    way a CUDA model on NCCL works too, and the results are the same to the bit. The names follow torchft's
     ``DiLoCo`` where they mean the same:
 
     - ``fragments``: a number P (the parameters cut in order into P runs of about equal
@@ -2068,9 +2113,12 @@ class DiLoCo:
         group: Any = None,
         seed: int = 0,
         timeout: Optional[float] = None,
+        transport: str = "tcp",
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("DiLoCo needs torch.distributed initialised (init_process_group)")
+        if transport not in ("tcp", "process_group"):
+            raise ValueError(f"transport {transport!r}: use 'tcp' or 'process_group'")
         codec = Codec(codec) if isinstance(codec, str) else codec
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
@@ -2116,6 +2164,17 @@ class DiLoCo:
                 self._host.append(h)
                 self._mirrored.append(not direct)
         self._p2p = _PointToPoint(lambda: self._group)
+        if transport == "tcp":
+            token = [os.urandom(6).hex() if rank == 0 else None]
+            dist.broadcast_object_list(token, src=src, group=self._group)
+            link: Dict[str, Any] = dict(transport=gradpack.Tcp.from_store(
+                dist.distributed_c10d._get_default_store(), rank, world,
+                key=f"gradpack/diloco/{token[0]}",
+                timeout=300.0 if timeout is None else float(timeout),
+            ))
+        else:
+            link = dict(rank=rank, world=world, send=self._p2p.send, recv=self._p2p.recv,
+                        send_recv=self._p2p.send_recv)
         bw = gradpack.parse_bandwidth(bandwidth) if isinstance(bandwidth, str) else float(bandwidth)
         lat = gradpack.parse_duration(latency) if isinstance(latency, str) else float(latency)
         if error_feedback is None:
@@ -2124,11 +2183,7 @@ class DiLoCo:
             [n for n, _ in named],
             [tuple(p.shape) for p in self._params],
             [h.numpy() for h in self._host],
-            rank,
-            world,
-            self._p2p.send,
-            self._p2p.recv,
-            send_recv=self._p2p.send_recv,
+            **link,
             sync_every=sync_every,
             fragments=fragments,
             assignment=assignment,

@@ -24,6 +24,9 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
+mod net;
+use net::{Net, PyTcp, link};
+
 pyo3::create_exception!(
     gradpack,
     Error,
@@ -33,7 +36,7 @@ pyo3::create_exception!(
      ValueError."
 );
 
-fn err(e: gradpack::Error) -> PyErr {
+pub(crate) fn err(e: gradpack::Error) -> PyErr {
     // The crate names its Rust option; a Python caller has an argument for it.
     Error::new_err(e.to_string().replace(
         "FeedbackOptions::allow_non_contractive overrides this",
@@ -302,19 +305,23 @@ fn decode_mode<'py>(
 /// its settings to every other and compares what each sends, so a difference raises on
 /// every rank, naming the rank and the option. One exchange of its own.
 #[pyfunction]
-#[pyo3(signature = (rank, world, send, recv, settings, *, tag=u32::MAX, send_recv=None))]
+#[pyo3(signature = (
+    rank, world, send, recv, settings, *, tag=u32::MAX, send_recv=None, transport=None,
+))]
 #[allow(clippy::too_many_arguments)]
 fn agree(
     py: Python<'_>,
-    rank: usize,
-    world: usize,
-    send: Py<PyAny>,
-    recv: Py<PyAny>,
+    rank: Option<usize>,
+    world: Option<usize>,
+    send: Option<Py<PyAny>>,
+    recv: Option<Py<PyAny>>,
     settings: &str,
     tag: u32,
     send_recv: Option<Py<PyAny>>,
+    transport: Option<&Bound<'_, PyTcp>>,
 ) -> PyResult<()> {
-    let mut comm = Comm::new(py_transport(py, rank, world, send, recv, send_recv)?);
+    let t = link(py, "agree", rank, world, send, recv, send_recv, transport)?;
+    let mut comm = Comm::new(t);
     py.detach(|| comm.agree(tag, settings)).map_err(err)
 }
 
@@ -709,7 +716,7 @@ impl PyErrorFeedback {
 /// A transport whose messages go through two Python callables, `send(msg: bytearray, to:
 /// int)` (the message's own copy, which the callee may keep) and `recv(frm: int) ->
 /// bytes-like`; the GIL is taken only around those calls.
-struct PyTransport {
+pub(crate) struct PyTransport {
     rank: usize,
     size: usize,
     send: Py<PyAny>,
@@ -956,7 +963,7 @@ fn stats_dict<'py>(
 }
 
 /// The transport of rank `rank` of `world` over the two message callables.
-fn py_transport(
+pub(crate) fn py_transport(
     py: Python<'_>,
     rank: usize,
     world: usize,
@@ -1026,12 +1033,12 @@ fn open_shared(
 /// among the ranks `host` (made with a stage of `stage` bytes).
 fn routed(
     py: Python<'_>,
-    base: PyTransport,
+    base: Net,
     shared: Option<&Bound<'_, PyAny>>,
     host: Option<Vec<usize>>,
     timeout: f64,
     stage: usize,
-) -> PyResult<Routed<PyTransport>> {
+) -> PyResult<Routed<Net>> {
     let Some(shared) = shared else {
         return Routed::new(base, None).map_err(err);
     };
@@ -1052,7 +1059,15 @@ fn routed(
         ));
     };
     let shm = open_shared(
-        py, &name, base.rank, base.size, &host, timeout, stage, None, 0,
+        py,
+        &name,
+        base.rank(),
+        base.size(),
+        &host,
+        timeout,
+        stage,
+        None,
+        0,
     )?;
     Routed::new(base, Some(shm)).map_err(err)
 }
@@ -1140,26 +1155,27 @@ const ALLREDUCE_FORMAT: &str = "gradpack.AllReduce/1";
 #[pyclass(module = "gradpack", name = "AllReduce")]
 struct PyAllReduce {
     inner: AllReduce,
-    comm: Comm<Routed<PyTransport>>,
+    comm: Comm<Routed<Net>>,
 }
 
 #[pymethods]
 impl PyAllReduce {
     #[new]
     #[pyo3(signature = (
-        codec, length, rank, world, send, recv, *, strategy="auto", op="mean",
-        feedback="none", pieces=1, checksum=true, tag=0, bandwidth=10e9, latency=10e-6,
-        beta=1.0, gamma=1.0, residual="f32", allow_non_contractive=false,
+        codec, length, rank=None, world=None, send=None, recv=None, *, strategy="auto",
+        op="mean", feedback="none", pieces=1, checksum=true, tag=0, bandwidth=10e9,
+        latency=10e-6, beta=1.0, gamma=1.0, residual="f32", allow_non_contractive=false,
         shared_memory=None, host=None, shared_memory_timeout=300.0, send_recv=None,
+        transport=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         codec: &Bound<'_, PyAny>,
         length: usize,
-        rank: usize,
-        world: usize,
-        send: Py<PyAny>,
-        recv: Py<PyAny>,
+        rank: Option<usize>,
+        world: Option<usize>,
+        send: Option<Py<PyAny>>,
+        recv: Option<Py<PyAny>>,
         strategy: &str,
         op: &str,
         feedback: &str,
@@ -1176,9 +1192,20 @@ impl PyAllReduce {
         host: Option<Vec<usize>>,
         shared_memory_timeout: f64,
         send_recv: Option<Py<PyAny>>,
+        transport: Option<&Bound<'_, PyTcp>>,
     ) -> PyResult<Self> {
         let py = codec.py();
-        let t = py_transport(py, rank, world, send, recv, send_recv)?;
+        let t = link(
+            py,
+            "AllReduce",
+            rank,
+            world,
+            send,
+            recv,
+            send_recv,
+            transport,
+        )?;
+        let world = t.size();
         let t = routed(py, t, shared_memory, host, shared_memory_timeout, 0)?;
         let strategy = strategy_choice(strategy, world, bandwidth, latency)?;
         let op = reduce_op(op)?;
@@ -1287,31 +1314,41 @@ impl PyAllReduce {
 #[pyclass(module = "gradpack", name = "BucketGather")]
 struct PyBucketGather {
     inner: BucketGather,
-    comm: Comm<Routed<PyTransport>>,
+    comm: Comm<Routed<Net>>,
 }
 
 #[pymethods]
 impl PyBucketGather {
     #[new]
     #[pyo3(signature = (
-        rank, world, send, recv, *, op="mean", tag=0, shared_memory=None, host=None,
-        shared_memory_timeout=300.0, send_recv=None,
+        rank=None, world=None, send=None, recv=None, *, op="mean", tag=0, shared_memory=None,
+        host=None, shared_memory_timeout=300.0, send_recv=None, transport=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        rank: usize,
-        world: usize,
-        send: Py<PyAny>,
-        recv: Py<PyAny>,
+        rank: Option<usize>,
+        world: Option<usize>,
+        send: Option<Py<PyAny>>,
+        recv: Option<Py<PyAny>>,
         op: &str,
         tag: u32,
         shared_memory: Option<&Bound<'_, PyAny>>,
         host: Option<Vec<usize>>,
         shared_memory_timeout: f64,
         send_recv: Option<Py<PyAny>>,
+        transport: Option<&Bound<'_, PyTcp>>,
     ) -> PyResult<Self> {
-        let t = py_transport(py, rank, world, send, recv, send_recv)?;
+        let t = link(
+            py,
+            "BucketGather",
+            rank,
+            world,
+            send,
+            recv,
+            send_recv,
+            transport,
+        )?;
         let t = routed(py, t, shared_memory, host, shared_memory_timeout, 0)?;
         let inner = BucketGather::new(&t, tag, reduce_op(op)?).map_err(err)?;
         Ok(PyBucketGather {
@@ -1726,6 +1763,35 @@ fn allreduce_time(
 /// and each node's uplink of `inter_bandwidth` (`inter_latency`), shared by its ranks'
 /// streams. `hierarchical`: the two-level all-reduce (`node_bits` per element inside a
 /// node: 32, or 16 for bf16), else the flat one, by `strategy` with `profile`'s codec.
+/// The modelled time in seconds of the compressed ring all-reduce of `elements` on
+/// `nodes` ranks whose chunks go as `pieces` frames each (a pipelined ring: a piece is
+/// encoded while the one before it is on the link), on links of `bandwidth` bit/s and
+/// `latency` s, with the speeds and bits of `profile`. With one piece it is
+/// `allreduce_time(profile, "ring", ...)`.
+#[pyfunction]
+#[pyo3(signature = (profile, nodes, bandwidth, elements, latency=0.0, pieces=1))]
+fn ring_time(
+    profile: &PyProfile,
+    nodes: u32,
+    bandwidth: f64,
+    elements: f64,
+    latency: f64,
+    pieces: u32,
+) -> PyResult<f64> {
+    check_cluster(nodes, bandwidth, latency, elements)?;
+    if pieces == 0 {
+        return Err(PyValueError::new_err("pieces must be at least 1"));
+    }
+    Ok(cost::pipelined_ring_time(
+        &profile.rs(),
+        nodes,
+        latency,
+        elements,
+        pieces,
+        bandwidth,
+    ))
+}
+
 #[pyfunction]
 #[pyo3(signature = (profile, strategy, hierarchical, nodes, per_node, intra_bandwidth,
     inter_bandwidth, elements, intra_latency=0.0, inter_latency=0.0, node_bits=32.0,
@@ -1871,15 +1937,15 @@ struct PyOuterSync {
     /// A mutex only so that the class is `Sync` (its receiver of the thread's answers is
     /// not); every method that uses it takes `&mut self` and reaches it with `get_mut`,
     /// or locks it for a read.
-    inner: std::sync::Mutex<OuterSync<PyTransport>>,
+    inner: std::sync::Mutex<OuterSync<Net>>,
 }
 
 impl PyOuterSync {
-    fn get(&mut self) -> &mut OuterSync<PyTransport> {
+    fn get(&mut self) -> &mut OuterSync<Net> {
         self.inner.get_mut().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn read(&self) -> std::sync::MutexGuard<'_, OuterSync<PyTransport>> {
+    fn read(&self) -> std::sync::MutexGuard<'_, OuterSync<Net>> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -1888,11 +1954,12 @@ impl PyOuterSync {
 impl PyOuterSync {
     #[new]
     #[pyo3(signature = (
-        names, shapes, params, rank, world, send, recv, *, sync_every=500, fragments=1,
+        names, shapes, params, rank=None, world=None, send=None, recv=None, *,
+        sync_every=500, fragments=1,
         assignment=None, delay=0, alpha=0.0, outer_lr=0.7, outer_momentum=0.9,
         nesterov=true, codec=None, feedback="none", strategy="auto", pieces=1,
         checksum=true, seed=0, bandwidth=10e9, latency=10e-6, beta=1.0, gamma=1.0,
-        residual="f32", allow_non_contractive=false, send_recv=None,
+        residual="f32", allow_non_contractive=false, send_recv=None, transport=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -1900,10 +1967,10 @@ impl PyOuterSync {
         names: Vec<String>,
         shapes: Vec<Vec<usize>>,
         params: Vec<Bound<'_, PyAny>>,
-        rank: usize,
-        world: usize,
-        send: Py<PyAny>,
-        recv: Py<PyAny>,
+        rank: Option<usize>,
+        world: Option<usize>,
+        send: Option<Py<PyAny>>,
+        recv: Option<Py<PyAny>>,
         sync_every: u64,
         fragments: usize,
         assignment: Option<Vec<usize>>,
@@ -1925,8 +1992,18 @@ impl PyOuterSync {
         residual: &str,
         allow_non_contractive: bool,
         send_recv: Option<Py<PyAny>>,
+        transport: Option<&Bound<'_, PyTcp>>,
     ) -> PyResult<Self> {
-        let t = py_transport(py, rank, world, send, recv, send_recv)?;
+        let t = link(
+            py,
+            "OuterSync",
+            rank,
+            world,
+            send,
+            recv,
+            send_recv,
+            transport,
+        )?;
         if names.len() != shapes.len() {
             return Err(PyValueError::new_err(format!(
                 "{} names for {} shapes",
@@ -1960,7 +2037,7 @@ impl PyOuterSync {
             },
             feedback: feedback_of(feedback)?,
             feedback_options: feedback_options(beta, gamma, residual, allow_non_contractive)?,
-            strategy: strategy_choice(strategy, world, bandwidth, latency)?,
+            strategy: strategy_choice(strategy, t.size(), bandwidth, latency)?,
             pieces,
             checksum,
             seed,
@@ -2082,28 +2159,29 @@ const HIER_FORMAT: &str = "gradpack.Hierarchical/1";
 #[pyclass(module = "gradpack", name = "Hierarchical")]
 struct PyHierarchical {
     inner: Hierarchical,
-    comm: Comm<Routed<PyTransport>>,
+    comm: Comm<Routed<Net>>,
 }
 
 #[pymethods]
 impl PyHierarchical {
     #[new]
     #[pyo3(signature = (
-        codec, length, rank, world, send, recv, nodes, *, node_codec=None, strategy="auto",
-        op="mean", feedback="none", pieces=1, checksum=true, tag=0, bandwidth=10e9,
-        latency=10e-6, beta=1.0, gamma=1.0, residual="f32", allow_non_contractive=false,
-        shared_memory=None, host=None, shared_memory_timeout=300.0, send_recv=None,
+        codec, length, rank=None, world=None, send=None, recv=None, nodes=None, *,
+        node_codec=None, strategy="auto", op="mean", feedback="none", pieces=1,
+        checksum=true, tag=0, bandwidth=10e9, latency=10e-6, beta=1.0, gamma=1.0,
+        residual="f32", allow_non_contractive=false, shared_memory=None, host=None,
+        shared_memory_timeout=300.0, send_recv=None, transport=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         codec: &Bound<'_, PyAny>,
         length: usize,
-        rank: usize,
-        world: usize,
-        send: Py<PyAny>,
-        recv: Py<PyAny>,
-        nodes: Vec<usize>,
+        rank: Option<usize>,
+        world: Option<usize>,
+        send: Option<Py<PyAny>>,
+        recv: Option<Py<PyAny>>,
+        nodes: Option<Vec<usize>>,
         node_codec: Option<&Bound<'_, PyAny>>,
         strategy: &str,
         op: &str,
@@ -2121,8 +2199,24 @@ impl PyHierarchical {
         host: Option<Vec<usize>>,
         shared_memory_timeout: f64,
         send_recv: Option<Py<PyAny>>,
+        transport: Option<&Bound<'_, PyTcp>>,
     ) -> PyResult<Self> {
-        let t = py_transport(py, rank, world, send, recv, send_recv)?;
+        let t = link(
+            py,
+            "Hierarchical",
+            rank,
+            world,
+            send,
+            recv,
+            send_recv,
+            transport,
+        )?;
+        let Some(nodes) = nodes else {
+            return Err(PyTypeError::new_err(
+                "Hierarchical needs nodes (the node of every rank)",
+            ));
+        };
+        let (rank, world) = (t.rank(), t.size());
         if rank >= nodes.len() {
             return Err(PyValueError::new_err(format!(
                 "rank {rank} is outside nodes ({} ranks)",
@@ -2256,10 +2350,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyOuterSync>()?;
     m.add_class::<PyHierarchical>()?;
     m.add_class::<PySharedMemory>()?;
+    m.add_class::<PyTcp>()?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
     m.add_function(wrap_pyfunction!(frame_len, m)?)?;
     m.add_function(wrap_pyfunction!(calibrate, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_time, m)?)?;
+    m.add_function(wrap_pyfunction!(ring_time, m)?)?;
     m.add_function(wrap_pyfunction!(two_level_time, m)?)?;
     m.add_function(wrap_pyfunction!(best_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(break_even_bandwidth, m)?)?;

@@ -147,6 +147,26 @@ def model(seed: int, cfg: Dict[str, Any] = {}) -> torch.nn.Module:
     return net.to(getattr(torch, cfg.get("dtype", "float32")))
 
 
+# A configuration's name with a suffix runs it on one way of moving the hook's messages:
+# "@tcp" gradpack's native transport and "@pg" the hook's point-to-point on its gloo
+# group, both without shared memory (every message between ranks goes that way), and
+# "@shm" the native transport with shared memory between the ranks of this host.
+TRANSPORTS: Dict[str, Dict[str, Any]] = {
+    "tcp": {"transport": "tcp", "shared_memory": False},
+    "pg": {"transport": "process_group", "shared_memory": False},
+    "shm": {"transport": "tcp", "shared_memory": True},
+}
+
+
+def config(name: str) -> Dict[str, Any]:
+    """The configuration ``name`` of :data:`CONFIGS`, with a transport suffix applied."""
+    base, _, way = name.partition("@")
+    cfg = dict(CONFIGS[base])
+    if way:
+        cfg["extra"] = {**cfg.get("extra", {}), **TRANSPORTS[way]}
+    return cfg
+
+
 def make(cfg: Dict[str, Any], seed: int, init: int = -1, device: str = "cpu"):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -242,7 +262,7 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
     results: List[Dict[str, Any]] = []
     steps = plan["steps"]
     for name in plan["configs"]:
-        cfg = CONFIGS[name]
+        cfg = config(name)
         for seed in plan["seeds"]:
             net, opt, state = make(cfg, seed, device=device)
             times: List[float] = []
@@ -279,7 +299,7 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
         # k steps, a checkpoint, k more steps; then a fresh DDP model, optimizer and hook
         # state restored from the checkpoint, and the same k steps: same parameters.
         k = steps // 2
-        net, opt, state = make(CONFIGS[name], 7)
+        net, opt, state = make(config(name), 7)
         run_steps(net, opt, xs, ys, rank, world, k, 0)
         ckpt = os.path.join(out_dir, f"ckpt-{name}-{rank}.pt")
         torch.save({"model": net.module.state_dict(), "opt": opt.state_dict(),
@@ -288,7 +308,7 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
         straight, straight_plan = flat_params(net), chosen_plan(state)
         state.close()
         saved = torch.load(ckpt, weights_only=True)
-        net, opt, state = make(CONFIGS[name], 7, init=99)  # other init: all must come from the file
+        net, opt, state = make(config(name), 7, init=99)  # other init: all must come from the file
         net.module.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
         state.load_state_dict(saved["hook"])
@@ -392,7 +412,7 @@ def killed_worker(rank: int, world: int, port: int, cfg: str, out_dir: str) -> N
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     xs, ys, _, _ = data()
-    c = dict(CONFIGS[cfg])
+    c = config(cfg)
     c["extra"] = dict(c.get("extra", {}), timeout=60)
     net, opt, state = make(c, 0)
     result: Dict[str, Any] = {"raised": None}

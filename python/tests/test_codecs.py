@@ -253,6 +253,16 @@ def test_cost_model():
         gradpack.allreduce_time(p, "tree", 4, 10e9, 1e7)
     with pytest.raises(ValueError):
         gradpack.CodecProfile("x", -1)
+    # The pipelined ring: one piece is the ring; more pieces hide the smaller of compute
+    # and transfer behind the larger, never below the larger alone.
+    one = gradpack.ring_time(measured, 4, 10e9, 1e7, 50e-6, 1)
+    assert one == pytest.approx(gradpack.allreduce_time(measured, "ring", 4, 10e9, 1e7, 50e-6))
+    four = gradpack.ring_time(measured, 4, 10e9, 1e7, 50e-6, 4)
+    assert four < one
+    xfer = 2 * 3 / 4 * 1e7 * measured.bits_per_element / 10e9
+    assert four > xfer
+    with pytest.raises(ValueError, match="pieces"):
+        gradpack.ring_time(measured, 4, 10e9, 1e7, 0.0, 0)
 
 
 def test_the_gil_is_released_while_a_kernel_runs():
@@ -684,6 +694,8 @@ def test_allreduce_transport_failures_are_errors_naming_the_peer():
     # The others time out in recv (queue.Empty), reported as a transport error.
     assert all(isinstance(e, gradpack.Error) for e in errors), errors
     with pytest.raises(TypeError, match="send must be callable"):
+        gradpack.AllReduce("int8", n, 0, 2, 5, lambda f: b"")
+    with pytest.raises(TypeError, match="needs rank, world and the callables send and recv"):
         gradpack.AllReduce("int8", n, 0, 2, None, lambda f: b"")
     with pytest.raises(ValueError, match='strategy "tree"'):
         gradpack.AllReduce("int8", n, 0, 2, print, print, strategy="tree")
@@ -819,3 +831,163 @@ def test_collectives_sharing_one_shared_memory_give_the_callables_bits():
     with pytest.raises(TypeError, match="shared_memory"):
         gradpack.AllReduce("int8", n, 0, 1, lambda m, t: None, lambda f: b"",
                            shared_memory=3)
+
+
+class _Store:
+    """What :meth:`gradpack.Tcp.from_store` needs of a store (``set``, and a ``get`` that
+    waits for the key), shared by the threads of a test's ranks."""
+
+    def __init__(self):
+        self.d = {}
+        self.c = threading.Condition()
+
+    def set(self, k, v):
+        with self.c:
+            self.d[k] = v.encode() if isinstance(v, str) else bytes(v)
+            self.c.notify_all()
+
+    def get(self, k):
+        with self.c:
+            if not self.c.wait_for(lambda: k in self.d, timeout=20):
+                raise TimeoutError(k)
+            return self.d[k]
+
+
+class _MpiComm:
+    """What :meth:`gradpack.Tcp.from_mpi` needs of an mpi4py communicator, for threads."""
+
+    def __init__(self, shared, rank):
+        self.shared, self.rank = shared, rank
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.shared["world"]
+
+    def allgather(self, obj):
+        s = self.shared
+        s["items"][self.rank] = obj
+        s["barrier"].wait()
+        return list(s["items"])
+
+
+def _tcps(world, how="store"):
+    """A :class:`gradpack.Tcp` per rank on the loopback, made on threads."""
+    tcps = [None] * world
+    store = _Store()
+    shared = {"world": world, "items": [None] * world, "barrier": threading.Barrier(world)}
+
+    def body(r):
+        if how == "store":
+            tcps[r] = gradpack.Tcp.from_store(store, r, world, key="t", interface="lo",
+                                              timeout=20)
+        else:
+            tcps[r] = gradpack.Tcp.from_mpi(_MpiComm(shared, r), interface="127.0.0.1",
+                                            timeout=20)
+
+    assert _on_threads(world, body) == [None] * world
+    return tcps
+
+
+@pytest.mark.parametrize("how", ["store", "mpi"])
+def test_collectives_over_the_native_transport_give_the_callables_bits(how):
+    # gradpack.Tcp made through a store and through an MPI-style allgather: the ring with
+    # both error-feedback sites, the all-gather, the sign vote and the two-level
+    # all-reduce give the bits of the same collectives over Python callables, and an
+    # agreement passes, every collective sharing one set of connections per rank.
+    world, n, steps = 3, 10_001, 3
+    tcps = _tcps(world, how)
+    assert [t.rank for t in tcps] == [0, 1, 2] and all(t.world == 3 for t in tcps)
+    assert all(t.address.startswith("127.0.0.1:") for t in tcps), tcps
+    cases = [
+        dict(codec="int8", strategy="ring", feedback="worker+owner", pieces=2),
+        dict(codec="topk:ratio=0.05,values=fp16", strategy="allgather", feedback="worker"),
+        dict(codec="sign", strategy="majority", feedback="worker"),
+    ]
+    for tag, kw in enumerate(cases):
+        _, ref, errors = _run_ranks(
+            world, lambda r, send, recv, kw=kw: gradpack.AllReduce(
+                kw["codec"], n, r, world, send, recv, tag=tag,
+                **{k: v for k, v in kw.items() if k != "codec"}), steps, n)
+        assert errors == [None] * world, errors
+        ars = [gradpack.AllReduce(kw["codec"], n, transport=tcps[r], tag=tag,
+                                  **{k: v for k, v in kw.items() if k != "codec"})
+               for r in range(world)]
+        outs = [[None] * steps for _ in range(world)]
+
+        def body(r):
+            for s in range(steps):
+                x = np.sin(np.arange(n, dtype=np.float32) * (0.01 * (r + 1)) + s).astype(np.float32)
+                out = np.empty(n, np.float32)
+                ars[r].run(x, out, seed=1000 + s)
+                outs[r][s] = out
+
+        assert _on_threads(world, body) == [None] * world
+        for r in range(world):
+            for s in range(steps):
+                assert outs[r][s].tobytes() == ref[r][s].tobytes(), (kw, r, s)
+    # The two-level all-reduce, nodes {0, 1} and {2}.
+    nodes = [0, 0, 1]
+    _, ref, errors = _run_ranks(world, lambda r, send, recv: gradpack.Hierarchical(
+        "int8", n, r, world, send, recv, nodes, feedback="worker", tag=9), steps, n)
+    assert errors == [None] * world, errors
+    hs = [gradpack.Hierarchical("int8", n, nodes=nodes, transport=tcps[r], feedback="worker",
+                                tag=9) for r in range(world)]
+    outs = [[None] * steps for _ in range(world)]
+
+    def hbody(r):
+        for s in range(steps):
+            x = np.sin(np.arange(n, dtype=np.float32) * (0.01 * (r + 1)) + s).astype(np.float32)
+            out = np.empty(n, np.float32)
+            hs[r].run(x, out, seed=1000 + s)
+            outs[r][s] = out
+
+    assert _on_threads(world, hbody) == [None] * world
+    assert all(outs[r][s].tobytes() == ref[r][s].tobytes()
+               for r in range(world) for s in range(steps))
+    errs = _on_threads(world, lambda r: gradpack.agree(None, None, None, None, {"seed": 1},
+                                                       transport=tcps[r]))
+    assert errs == [None] * world, errs
+    errs = _on_threads(world, lambda r: gradpack.agree(None, None, None, None, {"seed": r // 2},
+                                                       transport=tcps[r], tag=7))
+    assert all(isinstance(e, gradpack.Error) and "seed=" in str(e) for e in errs), errs
+
+
+def test_native_transport_arguments_are_checked():
+    (t,) = _tcps(1)
+    send, recv = (lambda m, to: None), (lambda frm: b"")
+    with pytest.raises(TypeError, match="not both"):
+        gradpack.AllReduce("int8", 10, send=send, recv=recv, transport=t)
+    with pytest.raises(ValueError, match="rank 1 but the transport's is 0"):
+        gradpack.AllReduce("int8", 10, 1, transport=t)
+    with pytest.raises(TypeError, match="needs rank, world"):
+        gradpack.BucketGather()
+    with pytest.raises(TypeError, match="nodes"):
+        gradpack.Hierarchical("int8", 10, transport=t)
+    with pytest.raises(gradpack.Error, match="no interface"):
+        gradpack.Tcp.from_store(_Store(), 0, 1, interface="no-such-if0")
+    with pytest.raises(ValueError, match="rank 2 of a world of 2"):
+        gradpack.Tcp.from_store(_Store(), 2, 2, interface="lo")
+    with pytest.raises(ValueError, match="timeout"):
+        gradpack.Tcp.from_store(_Store(), 0, 1, interface="lo", timeout=0)
+    # A store entry that is not gradpack's is refused before any connection.
+    s = _Store()
+    s.set("bad/1", "hello")
+    errs = [None]
+
+    def rank0():
+        try:
+            gradpack.Tcp.from_store(s, 0, 2, key="bad", interface="lo", timeout=5)
+        except ValueError as e:
+            errs[0] = e
+
+    th = threading.Thread(target=rank0)
+    th.start()
+    th.join(30)
+    assert errs[0] is not None and "not gradpack's" in str(errs[0]), errs
+    # A world of one: the collectives run with no connection.
+    ar = gradpack.AllReduce("int8", 10, transport=t)
+    x = np.ones(10, np.float32)
+    ar.run(x)
+    assert repr(t).startswith("Tcp(rank=0 of 1")

@@ -267,7 +267,10 @@ impl<T: Transport + ?Sized> Comm<T> {
                 });
             }
         }
-        first.map_or(Ok(()), Err)
+        // This rank's settings have left it before it reports, agreed or not: a rank that
+        // ends its process on a difference must not take its messages with it.
+        let flushed = self.transport.flush();
+        first.map_or(flushed, Err)
     }
 
     /// Take a call number without running the call (a collective skipped after an earlier
@@ -558,6 +561,9 @@ impl<T: Transport + ?Sized> Transport for Comm<T> {
         max: usize,
     ) -> Result<()> {
         self.transport.send_recv_len(send, to, recv, from, len, max)
+    }
+    fn flush(&mut self) -> Result<()> {
+        self.transport.flush()
     }
 }
 

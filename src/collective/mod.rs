@@ -110,7 +110,7 @@ pub use comm::{Comm, ENVELOPE_LEN, ENVELOPE_VERSION, MAX_SETTINGS};
 use comm::{Phase, Place};
 pub use hier::{Hierarchical, Nodes};
 pub use shm::{NodeMemory, Routed, SharedMemory, SharedMemoryOptions};
-pub use tcp::{Tcp, TcpOptions};
+pub use tcp::{Tcp, TcpOptions, draw_token, interface_address};
 
 use core::ops::Range;
 
@@ -197,6 +197,15 @@ pub trait Transport {
     fn node_memory(&self) -> Option<NodeMemory> {
         None
     }
+
+    /// Wait until every message this rank has sent has left it, for transports whose
+    /// [`Transport::send`] returns before that ([`Tcp`] queues messages for a writing
+    /// thread), so that a rank about to end its process (after a failed call, say) does
+    /// not take its last messages with it. A peer that has stopped reading is an error
+    /// after the transport's timeout. Default: nothing to wait for.
+    fn flush(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl<T: Transport + ?Sized> Transport for &mut T {
@@ -235,6 +244,9 @@ impl<T: Transport + ?Sized> Transport for &mut T {
     }
     fn node_memory(&self) -> Option<NodeMemory> {
         (**self).node_memory()
+    }
+    fn flush(&mut self) -> Result<()> {
+        (**self).flush()
     }
 }
 

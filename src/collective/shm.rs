@@ -1291,6 +1291,10 @@ impl<T: Transport> Transport for Routed<T> {
         self.host.as_deref().and_then(SharedMemory::node_memory)
     }
 
+    fn flush(&mut self) -> Result<()> {
+        self.base.flush()
+    }
+
     fn size(&self) -> usize {
         self.base.size()
     }

@@ -64,6 +64,7 @@ pub struct TcpOptions {
     pub timeout: Duration,
     /// The address of the interface to listen on (default: for [`Tcp::rendezvous`], the
     /// address this host reaches rank 0 from; rank 0 listens on the rendezvous address's).
+    /// [`interface_address`] finds it from an interface's name.
     pub interface: Option<IpAddr>,
 }
 
@@ -80,6 +81,8 @@ impl Default for TcpOptions {
 #[derive(Debug, Default)]
 struct Queue {
     messages: VecDeque<Vec<u8>>,
+    /// Whether the writer is writing a message it took from `messages`.
+    writing: bool,
     closing: bool,
     /// Why writing to the peer failed, once it has.
     failed: Option<String>,
@@ -89,6 +92,8 @@ struct Queue {
 struct Outbox {
     queue: Mutex<Queue>,
     wake: Condvar,
+    /// Signalled when the writer has written all it had, or failed.
+    drained: Condvar,
 }
 
 fn lock(m: &Mutex<Queue>) -> MutexGuard<'_, Queue> {
@@ -110,6 +115,8 @@ struct Peer {
 pub struct Tcp {
     rank: usize,
     size: usize,
+    /// Where this rank listened for its peers.
+    address: SocketAddr,
     timeout: Duration,
     /// Per rank; `None` for this one.
     peers: Vec<Option<Peer>>,
@@ -126,9 +133,10 @@ fn setup(why: String) -> Error {
     Error::Collective(format!("tcp: {why}"))
 }
 
-/// A token no other job is likely to draw: the standard library's per-process random
-/// hash keys over the time and the process id.
-fn draw_token() -> u64 {
+/// A job token for [`Tcp::connect`] that no other job is likely to draw (never 0): the
+/// standard library's per-process random hash keys over the time and the process id.
+/// One rank draws it and hands it to the others through the rendezvous.
+pub fn draw_token() -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(
         std::time::SystemTime::now()
@@ -234,6 +242,9 @@ impl Tcp {
         }
         let timeout = options.timeout;
         let start = Instant::now();
+        let address = listener
+            .local_addr()
+            .map_err(|e| setup(format!("the listener has no address: {e}")))?;
         let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
         // Connect to every lower rank.
         for (j, addr) in addrs.iter().enumerate().take(rank) {
@@ -299,6 +310,7 @@ impl Tcp {
         Ok(Tcp {
             rank,
             size,
+            address,
             timeout,
             peers,
         })
@@ -397,8 +409,13 @@ impl Tcp {
 
     /// [`Tcp::rendezvous`] at torchrun's `MASTER_ADDR` and `MASTER_PORT`, as rank `RANK`
     /// of `WORLD_SIZE` (all four environment variables must be set; the port must be
-    /// free for rank 0 to listen on, so not the one torch's own store uses).
-    pub fn from_env(options: TcpOptions) -> Result<Tcp> {
+    /// free for rank 0 to listen on, so not the one torch's own store uses). Where
+    /// `options` names no interface, `GRADPACK_SOCKET_IFNAME` (an interface's name or an
+    /// address, as [`interface_address`] takes) names the one to listen on, if set.
+    pub fn from_env(mut options: TcpOptions) -> Result<Tcp> {
+        if let (None, Ok(name)) = (options.interface, std::env::var("GRADPACK_SOCKET_IFNAME")) {
+            options.interface = Some(interface_address(&name)?);
+        }
         let var = |k: &str| {
             std::env::var(k).map_err(|_| setup(format!("environment variable {k} is not set")))
         };
@@ -418,6 +435,11 @@ impl Tcp {
         Tcp::rendezvous(master, num("RANK")?, num("WORLD_SIZE")?, options)
     }
 
+    /// The address this rank listened on for its peers.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
     fn peer(&mut self, r: usize) -> Result<&mut Peer> {
         check_rank(r, self.size)?;
         let me = self.rank;
@@ -426,6 +448,33 @@ impl Tcp {
             reason: format!("is this rank ({me}): no connection to itself"),
         })
     }
+}
+
+/// The address to listen on for `name`: an IP address as written (`10.0.0.2`, `::1`), or
+/// the name of one of this host's network interfaces (`eth0`: its first IPv4 address,
+/// else its first IPv6 one), as gloo's `GLOO_SOCKET_IFNAME` names one.
+pub fn interface_address(name: &str) -> Result<IpAddr> {
+    let name = name.trim();
+    if let Ok(ip) = name.parse::<IpAddr>() {
+        return Ok(ip);
+    }
+    let all = if_addrs::get_if_addrs()
+        .map_err(|e| setup(format!("cannot list the network interfaces: {e}")))?;
+    let mut of: Vec<IpAddr> = all
+        .iter()
+        .filter(|i| i.name == name)
+        .map(if_addrs::Interface::ip)
+        .collect();
+    of.sort_by_key(IpAddr::is_ipv6);
+    of.first().copied().ok_or_else(|| {
+        let mut names: Vec<&str> = all.iter().map(|i| i.name.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        setup(format!(
+            "no interface {name:?} with an address (this host has: {})",
+            names.join(", ")
+        ))
+    })
 }
 
 /// How long a new connection may take to say who it is.
@@ -535,10 +584,13 @@ fn write_loop(mut s: TcpStream, ob: &Outbox) {
     loop {
         let msg = {
             let mut q = lock(&ob.queue);
+            q.writing = false;
             loop {
                 if let Some(m) = q.messages.pop_front() {
+                    q.writing = true;
                     break m;
                 }
+                ob.drained.notify_all();
                 if q.closing || q.failed.is_some() {
                     let _ = s.shutdown(Shutdown::Write);
                     return;
@@ -555,6 +607,8 @@ fn write_loop(mut s: TcpStream, ob: &Outbox) {
                 _ => format!("the connection failed: {e}"),
             });
             q.messages.clear();
+            q.writing = false;
+            ob.drained.notify_all();
             return;
         }
     }
@@ -623,6 +677,39 @@ impl Transport for Tcp {
             buf.truncate(len);
         }
         read_full(&mut p.stream, buf, timeout, from, "sent nothing")
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        // Each writer already waits at most the timeout for its socket, so this waits at
+        // most that long per peer with a message in flight (a little more for the wake).
+        let limit = self.timeout + SLICE;
+        for (r, p) in self.peers.iter().enumerate() {
+            let Some(p) = p else { continue };
+            let start = Instant::now();
+            let mut q = lock(&p.outbox.queue);
+            while (q.writing || !q.messages.is_empty()) && q.failed.is_none() {
+                let left = limit.saturating_sub(start.elapsed());
+                if left.is_zero() {
+                    return Err(Error::Transport {
+                        peer: r,
+                        reason: format!("did not read its messages within {:?}", self.timeout),
+                    });
+                }
+                q = p
+                    .outbox
+                    .drained
+                    .wait_timeout(q, left)
+                    .map(|(q, _)| q)
+                    .unwrap_or_else(|e| e.into_inner().0);
+            }
+            if let Some(why) = &q.failed {
+                return Err(Error::Transport {
+                    peer: r,
+                    reason: why.clone(),
+                });
+            }
+        }
+        Ok(())
     }
 }
 
