@@ -26,10 +26,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _native
+from ._errors import Error
 from ._native import (
     HEADER_LEN,
     CodecProfile,
-    Error,
     Tcp,
     allreduce_time,
     backend,

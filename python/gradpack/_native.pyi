@@ -1,347 +1,568 @@
-"""Type stubs of the native module (the Rust part of the package). Use the functions
-and classes of ``gradpack`` itself: they accept torch tensors and bytes-like frames and
-convert them without copying before calling these."""
+"""
+gradpack's codecs, frames, error feedback, collectives and cost model (the native part
+of the `gradpack` Python package).
+"""
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from _typeshed import Incomplete, SupportsGetItem
+from typing import Any, Final, SupportsFloat, SupportsIndex, final
 
-import numpy as np
-import numpy.typing as npt
+__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "OuterSync", "PowerSgdBucket", "SharedMemory", "Tcp", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "encode", "encode_into", "frame_len", "inspect", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "two_level_time"]
 
-HEADER_LEN: int
+HEADER_LEN: Final[int]
+"""
+Size in bytes of every frame header.
+"""
 
-_F32 = npt.NDArray[np.float32]
-_U8 = npt.NDArray[np.uint8]
-_Frame = Union[bytes, _U8]
-
-class Error(ValueError): ...
-
-class Codec:
-    def __init__(self, spec: str) -> None: ...
-    @property
-    def spec(self) -> str: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def unbiased(self) -> bool: ...
-    def bits_per_element(self, n: int) -> float: ...
-    def max_encoded_len(self, n: int, checksum: bool = False) -> int: ...
-    def error_bound(self, absmax: float) -> float: ...
-    def encode(self, x: _F32, seed: int = 0, offset: int = 0, checksum: bool = False) -> bytes: ...
-
-class ErrorFeedback:
-    def __init__(
-        self,
-        codec: Union[str, Codec],
-        n: int,
-        beta: float = 1.0,
-        gamma: float = 1.0,
-        residual: str = "f32",
-        allow_non_contractive: bool = False,
-    ) -> None: ...
-    @property
-    def codec(self) -> Codec: ...
-    @property
-    def memory_bytes(self) -> int: ...
-    def __len__(self) -> int: ...
-    def max_encoded_len(self, checksum: bool = False) -> int: ...
-    def encode(self, grad: _F32, seed: int = 0, offset: int = 0, checksum: bool = False) -> bytes: ...
-    def encode_into(
-        self, grad: _F32, out: _U8, seed: int = 0, offset: int = 0, checksum: bool = False
-    ) -> int: ...
-    def residual(self) -> _F32: ...
-    def set_residual(self, r: _F32) -> None: ...
-    def reset(self) -> None: ...
-    def state_dict(self) -> Dict[str, Any]: ...
-    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
-
-class Tcp:
-    @staticmethod
-    def from_store(
-        store: Any,
-        rank: int,
-        world: int,
-        *,
-        key: str = "gradpack/tcp",
-        interface: Optional[str] = None,
-        timeout: float = 300.0,
-    ) -> Tcp: ...
-    @staticmethod
-    def from_mpi(comm: Any, *, interface: Optional[str] = None, timeout: float = 300.0) -> Tcp: ...
-    @staticmethod
-    def from_env(*, interface: Optional[str] = None, timeout: float = 300.0) -> Tcp: ...
-    @property
-    def rank(self) -> int: ...
-    @property
-    def world(self) -> int: ...
-    @property
-    def address(self) -> str: ...
-
+@final
 class AllReduce:
-    def __init__(
-        self,
-        codec: Union[str, Codec],
-        length: int,
-        rank: Optional[int] = None,
-        world: Optional[int] = None,
-        send: Optional[Callable[[bytearray, int], Any]] = None,
-        recv: Optional[Callable[[int], Any]] = None,
-        *,
-        strategy: str = "auto",
-        op: str = "mean",
-        feedback: str = "none",
-        pieces: int = 1,
-        checksum: bool = True,
-        tag: int = 0,
-        bandwidth: float = 10e9,
-        latency: float = 10e-6,
-        beta: float = 1.0,
-        gamma: float = 1.0,
-        residual: str = "f32",
-        allow_non_contractive: bool = False,
-        shared_memory: Optional[str] = None,
-        host: Optional[List[int]] = None,
-        shared_memory_timeout: float = 300.0,
-        send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
-        transport: Optional[Tcp] = None,
-    ) -> None: ...
-    def run(self, x: _F32, out: Optional[_F32] = None, seed: int = 0) -> Dict[str, Any]: ...
+    """
+    gradpack's compressed all-reduce of one tensor on one rank, over messages that two
+    Python callables move (see the module docs of `gradpack.AllReduce`).
+    """
+    def __len__(self, /) -> int: ...
+    def __new__(cls, /, codec: Any, length: SupportsIndex, rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, *, strategy: str = "auto", op: str = "mean", feedback: str = "none", pieces: SupportsIndex = 1, checksum: bool = True, tag: SupportsIndex = 0, bandwidth: SupportsFloat | SupportsIndex = 10e9, latency: SupportsFloat | SupportsIndex = 10e-6, beta: SupportsFloat | SupportsIndex = 1.0, gamma: SupportsFloat | SupportsIndex = 1.0, residual: str = "f32", allow_non_contractive: bool = False, shared_memory: Any | None = None, host: SupportsGetItem[int, SupportsIndex] | None = None, shared_memory_timeout: SupportsFloat | SupportsIndex = 300.0, send_recv: Any | None = None, transport: Tcp | None = None) -> AllReduce: ...
+    def __repr__(self, /) -> str: ...
     @property
-    def strategy(self) -> str: ...
+    def calls(self, /) -> int:
+        """
+        Calls made so far on this all-reduce's message stream.
+        """
     @property
-    def codec(self) -> Codec: ...
+    def codec(self, /) -> Codec:
+        """
+        The codec.
+        """
+    def load_state_dict(self, /, state: Any) -> None:
+        """
+        Restore a state saved by `state_dict`; the next `run` continues bit for bit.
+        """
+    def run(self, /, x: Any, out: Any | None = None, seed: SupportsIndex = 0) -> dict:
+        """
+        One all-reduce of `x` (a float32 array of `len(self)` elements) into `out`, or in
+        place when `out` is None. `seed` seeds the step's random draws and must be the
+        same on every rank (change it every step). Every rank must call `run` the same
+        number of times, in the same order as its other all-reduces on the same peers.
+        Returns what this rank did: `strategy`, `bytes_sent`, `messages`.
+        """
+    def state_dict(self, /) -> dict:
+        """
+        This rank's error-feedback residuals (strategy and codec with them), to restore
+        with `load_state_dict` into an all-reduce made with the same arguments.
+        """
     @property
-    def calls(self) -> int: ...
-    def __len__(self) -> int: ...
-    def state_dict(self) -> Dict[str, Any]: ...
-    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+    def strategy(self, /) -> str:
+        """
+        The strategy this all-reduce runs (the cost model's choice for "auto").
+        """
 
+@final
 class BucketGather:
-    def __init__(
-        self,
-        rank: Optional[int] = None,
-        world: Optional[int] = None,
-        send: Optional[Callable[[bytearray, int], Any]] = None,
-        recv: Optional[Callable[[int], Any]] = None,
-        *,
-        op: str = "mean",
-        tag: int = 0,
-        shared_memory: Optional[str] = None,
-        host: Optional[List[int]] = None,
-        shared_memory_timeout: float = 300.0,
-        send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
-        transport: Optional[Tcp] = None,
-    ) -> None: ...
-    def run(
-        self, message: Any, segments: List[Tuple[int, int]], out: _F32, max_message: Optional[int] = ...
-    ) -> Dict[str, Any]: ...
+    """
+    The all-gather of a bucket of frames the caller encoded, each tensor with its own
+    codec, summed per tensor in rank order (see `gradpack.BucketGather`).
+    """
+    def __new__(cls, /, rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, *, op: str = "mean", tag: SupportsIndex = 0, shared_memory: Any | None = None, host: SupportsGetItem[int, SupportsIndex] | None = None, shared_memory_timeout: SupportsFloat | SupportsIndex = 300.0, send_recv: Any | None = None, transport: Tcp | None = None) -> BucketGather: ...
+    def __repr__(self, /) -> str: ...
     @property
-    def calls(self) -> int: ...
+    def calls(self, /) -> int:
+        """
+        Calls of `run` so far.
+        """
+    def run(self, /, message: Any, segments: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex]], out: Any, max_message: SupportsIndex | None = None) -> dict:
+        """
+        Gather every rank's `message` (its frames for the tensors at `segments` of `out`,
+        `(start, length)` pairs, concatenated in that order) and set each segment of `out`
+        to the sum (or mean) of the ranks' frames for it, in rank order; `max_message`
+        bounds every rank's message. Returns this rank's `strategy`, `bytes_sent` and
+        `messages`.
+        """
 
-class Hierarchical:
-    def __init__(
-        self,
-        codec: Union[str, Codec],
-        length: int,
-        rank: Optional[int] = None,
-        world: Optional[int] = None,
-        send: Optional[Callable[[bytearray, int], Any]] = None,
-        recv: Optional[Callable[[int], Any]] = None,
-        nodes: Optional[List[int]] = None,
-        *,
-        node_codec: Union[str, Codec, None] = None,
-        strategy: str = "auto",
-        op: str = "mean",
-        feedback: str = "none",
-        pieces: int = 1,
-        checksum: bool = True,
-        tag: int = 0,
-        bandwidth: float = 10e9,
-        latency: float = 10e-6,
-        beta: float = 1.0,
-        gamma: float = 1.0,
-        residual: str = "f32",
-        allow_non_contractive: bool = False,
-        shared_memory: Optional[str] = None,
-        host: Optional[List[int]] = None,
-        shared_memory_timeout: float = 300.0,
-        send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
-        transport: Optional[Tcp] = None,
-    ) -> None: ...
-    def run(self, x: _F32, out: Optional[_F32] = None, seed: int = 0) -> Dict[str, Any]: ...
+@final
+class Codec:
+    """
+    A codec and its parameters, parsed from a spec such as `'int8:block=256'`.
+    """
+    def __eq__(self, value: object, /) -> bool: ...
+    def __ne__(self, value: object, /) -> bool: ...
+    def __new__(cls, /, spec: str) -> Codec: ...
+    def __repr__(self, /) -> str: ...
+    def __str__(self, /) -> str: ...
+    def bits_per_element(self, /, n: SupportsIndex) -> float:
+        """
+        Bits per element on the wire for a tensor of `n` elements, header included.
+        """
+    def encode(self, /, x: Any, seed: SupportsIndex = 0, offset: SupportsIndex = 0, checksum: bool = False) -> bytes:
+        """
+        Encode `x`; see `gradpack.encode`.
+        """
+    def error_bound(self, /, absmax: SupportsFloat | SupportsIndex) -> float:
+        """
+        The largest error of one decoded element for inputs with absolute maximum
+        `absmax` (infinite for codecs that drop elements).
+        """
+    def max_encoded_len(self, /, n: SupportsIndex, checksum: bool = False) -> int:
+        """
+        The longest frame `n` elements can encode to (a buffer this long always
+        suffices), plus 4 bytes with `checksum`.
+        """
     @property
-    def strategy(self) -> str: ...
+    def name(self, /) -> str:
+        """
+        The codec's name (`'int8'`, `'topk'`, ...).
+        """
     @property
-    def codec(self) -> Codec: ...
-    def __len__(self) -> int: ...
-    def state_dict(self) -> Dict[str, Any]: ...
-    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+    def spec(self, /) -> str:
+        """
+        The canonical spec, every parameter spelled out; parses back to an equal codec.
+        """
+    @property
+    def unbiased(self, /) -> bool:
+        """
+        Whether decode(encode(x)) equals x in expectation.
+        """
 
-class OuterSync:
-    def __init__(
-        self,
-        names: List[str],
-        shapes: List[List[int]],
-        params: List[_F32],
-        rank: Optional[int] = None,
-        world: Optional[int] = None,
-        send: Optional[Callable[[bytearray, int], Any]] = None,
-        recv: Optional[Callable[[int], Any]] = None,
-        *,
-        sync_every: int = 500,
-        fragments: int = 1,
-        assignment: Optional[List[int]] = None,
-        delay: int = 0,
-        alpha: float = 0.0,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        codec: Union[str, Codec, None] = None,
-        feedback: str = "none",
-        strategy: str = "auto",
-        pieces: int = 1,
-        checksum: bool = True,
-        seed: int = 0,
-        bandwidth: float = 10e9,
-        latency: float = 10e-6,
-        beta: float = 1.0,
-        gamma: float = 1.0,
-        residual: str = "f32",
-        allow_non_contractive: bool = False,
-        send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
-        transport: Optional[Tcp] = None,
-    ) -> None: ...
-    def due(self) -> Tuple[List[int], List[int]]: ...
-    def step(self, params: Optional[List[_F32]] = None) -> Dict[str, int]: ...
-    @property
-    def fragments(self) -> List[List[int]]: ...
-    @property
-    def inner_step(self) -> int: ...
-    def outer(self, i: int) -> _F32: ...
-    def state_dict(self) -> Dict[str, Any]: ...
-    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
-
-class PowerSgdBucket:
-    def __init__(
-        self,
-        shapes: Any,
-        rank: int = 2,
-        warm_start: bool = True,
-        feedback: bool = True,
-        min_compression: float = 2.0,
-        offsets: Optional[Any] = None,
-        length: Optional[int] = None,
-    ) -> None: ...
-    def __len__(self) -> int: ...
-    @property
-    def p_len(self) -> int: ...
-    @property
-    def q_len(self) -> int: ...
-    def p_step(self, m: _F32, seed: int, p: _F32) -> None: ...
-    def q_step(self, m: _F32, p: _F32, q: _F32) -> None: ...
-    def finish(self, m: _F32, p: _F32, q: _F32, out: Optional[_F32] = None) -> bool: ...
-    def matrix_state(self, i: int) -> Tuple[Optional[_F32], _F32]: ...
-    def set_matrix_state(self, i: int, q: Optional[_F32], residual: _F32) -> None: ...
-    def reset(self) -> None: ...
-    def save(self) -> bytes: ...
-    def restore(self, blob: bytes) -> None: ...
-
-def powersgd_matrix(shape: Any, rank: int = 2, min_compression: float = 2.0) -> Optional[Tuple[int, int, int]]: ...
-
+@final
 class CodecProfile:
-    spec: str
-    bits_per_element: float
-    encode_bytes_per_s: float
-    decode_bytes_per_s: float
-    decode_add_bytes_per_s: float
-    def __init__(
-        self,
-        spec: str,
-        bits_per_element: float,
-        encode_bytes_per_s: float = ...,
-        decode_bytes_per_s: float = ...,
-        decode_add_bytes_per_s: float = ...,
-    ) -> None: ...
+    """
+    A codec's size on the wire and speed on this CPU, as the cost model uses them.
+    Speeds are bytes of float32 input per second.
+    """
+    def __new__(cls, /, spec: str, bits_per_element: SupportsFloat | SupportsIndex, encode_bytes_per_s: SupportsFloat | SupportsIndex = ..., decode_bytes_per_s: SupportsFloat | SupportsIndex = ..., decode_add_bytes_per_s: SupportsFloat | SupportsIndex = ...) -> CodecProfile: ...
+    def __repr__(self, /) -> str: ...
     @property
-    def ratio(self) -> float: ...
+    def bits_per_element(self, /) -> float: ...
+    @bits_per_element.setter
+    def bits_per_element(self, /, value: SupportsFloat | SupportsIndex) -> None: ...
+    @property
+    def decode_add_bytes_per_s(self, /) -> float: ...
+    @decode_add_bytes_per_s.setter
+    def decode_add_bytes_per_s(self, /, value: SupportsFloat | SupportsIndex) -> None: ...
+    @property
+    def decode_bytes_per_s(self, /) -> float: ...
+    @decode_bytes_per_s.setter
+    def decode_bytes_per_s(self, /, value: SupportsFloat | SupportsIndex) -> None: ...
+    @property
+    def encode_bytes_per_s(self, /) -> float: ...
+    @encode_bytes_per_s.setter
+    def encode_bytes_per_s(self, /, value: SupportsFloat | SupportsIndex) -> None: ...
+    @property
+    def ratio(self, /) -> float:
+        """
+        Compression ratio against float32.
+        """
+    @property
+    def spec(self, /) -> str: ...
+    @spec.setter
+    def spec(self, /, value: str) -> None: ...
 
-def encode(
-    x: _F32, codec: Union[str, Codec], seed: int = 0, offset: int = 0, checksum: bool = False
-) -> bytes: ...
-def encode_into(
-    x: _F32,
-    out: _U8,
-    codec: Union[str, Codec],
-    seed: int = 0,
-    offset: int = 0,
-    checksum: bool = False,
-) -> int: ...
-def decode(frame: _Frame, max_elements: Optional[int] = None) -> _F32: ...
-def decode_into(frame: _Frame, out: _F32) -> None: ...
-def decode_add(frame: _Frame, acc: _F32) -> None: ...
-def reduce_frames(frames: Sequence[_Frame], out: _F32, add: bool = False) -> None: ...
-def inspect(frame: _Frame) -> Dict[str, Any]: ...
-def frame_len(buf: _Frame) -> int: ...
-def agree(
-    rank: Optional[int],
-    world: Optional[int],
-    send: Optional[Callable[[bytearray, int], Any]],
-    recv: Optional[Callable[[int], Any]],
-    settings: str,
-    *,
-    tag: int = ...,
-    send_recv: Optional[Callable[[bytearray, int, int], Any]] = ...,
-    transport: Optional[Tcp] = ...,
-) -> None: ...
-def calibrate(codec: Union[str, Codec], elements: int = ..., budget_s: float = 0.2) -> CodecProfile: ...
-def two_level_time(
-    profile: CodecProfile,
-    strategy: str,
-    hierarchical: bool,
-    nodes: int,
-    per_node: int,
-    intra_bandwidth: float,
-    inter_bandwidth: float,
-    elements: float,
-    intra_latency: float = 0.0,
-    inter_latency: float = 0.0,
-    node_bits: float = 32.0,
-    reduce_bytes_per_s: float = ...,
-) -> float: ...
-def allreduce_time(
-    profile: CodecProfile,
-    strategy: str,
-    nodes: int,
-    bandwidth: float,
-    elements: float,
-    latency: float = 0.0,
-    reduce_bytes_per_s: float = ...,
-) -> float: ...
-def ring_time(
-    profile: CodecProfile,
-    nodes: int,
-    bandwidth: float,
-    elements: float,
-    latency: float = 0.0,
-    pieces: int = 1,
-) -> float: ...
-def best_strategy(
-    profile: CodecProfile,
-    nodes: int,
-    bandwidth: float,
-    elements: float,
-    latency: float = 0.0,
-    reduce_bytes_per_s: float = ...,
-) -> Tuple[str, float]: ...
-def break_even_bandwidth(
-    profile: CodecProfile,
-    nodes: int,
-    elements: float,
-    latency: float = 0.0,
-    reduce_bytes_per_s: float = ...,
-) -> float: ...
-def parse_bandwidth(s: str) -> float: ...
-def parse_duration(s: str) -> float: ...
-def backend() -> str: ...
-def splitmix64(z: int) -> int: ...
-def rank_seed(codec: Union[str, Codec], seed: int, rank: int) -> int: ...
-def chunk_range(n: int, p: int, c: int) -> Tuple[int, int]: ...
+@final
+class ErrorFeedback:
+    """
+    Error feedback for one tensor: keeps what the codec dropped and adds it to the next
+    gradient before encoding, in the same pass as the encode.
+    """
+    def __len__(self, /) -> int: ...
+    def __new__(cls, /, codec: Any, n: SupportsIndex, beta: SupportsFloat | SupportsIndex = 1.0, gamma: SupportsFloat | SupportsIndex = 1.0, residual: str = "f32", allow_non_contractive: bool = False) -> ErrorFeedback: ...
+    def __repr__(self, /) -> str: ...
+    @property
+    def codec(self, /) -> Codec:
+        """
+        The codec.
+        """
+    def encode(self, /, grad: Any, seed: SupportsIndex = 0, offset: SupportsIndex = 0, checksum: bool = False) -> bytes:
+        """
+        Encode `grad` plus the residual, and keep the new residual.
+        """
+    def encode_into(self, /, grad: Any, out: Any, seed: SupportsIndex = 0, offset: SupportsIndex = 0, checksum: bool = False) -> int:
+        """
+        Encode into the uint8 array `out` (at least `max_encoded_len()` bytes); returns
+        the frame length.
+        """
+    def load_state_dict(self, /, state: Any) -> None:
+        """
+        Restore a state saved by `state_dict` (same codec and length); bit-identical.
+        """
+    def max_encoded_len(self, /, checksum: bool = False) -> int:
+        """
+        The longest frame `encode` can return (plus 4 bytes with `checksum`).
+        """
+    @property
+    def memory_bytes(self, /) -> int:
+        """
+        Bytes of residual state.
+        """
+    def reset(self, /) -> None:
+        """
+        Zero the residual.
+        """
+    def residual(self, /) -> Incomplete:
+        """
+        A copy of the residual as float32.
+        """
+    def set_residual(self, /, r: Any) -> None:
+        """
+        Replace the residual with the float32 array `r` of `len(self)` elements (rounded
+        to bf16 for a bf16 residual).
+        """
+    def state_dict(self, /) -> dict:
+        """
+        The state as a dict of plain values (format tag, codec spec, length, and a
+        versioned, checksummed blob), for `torch.save` or pickle.
+        """
+
+@final
+class Hierarchical:
+    """
+    gradpack's two-level all-reduce (the crate's `gradpack::collective::Hierarchical`)
+    over messages that two Python callables move, as for `AllReduce`.
+    """
+    def __len__(self, /) -> int: ...
+    def __new__(cls, /, codec: Any, length: SupportsIndex, rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, nodes: SupportsGetItem[int, SupportsIndex] | None = None, *, node_codec: Any | None = None, strategy: str = "auto", op: str = "mean", feedback: str = "none", pieces: SupportsIndex = 1, checksum: bool = True, tag: SupportsIndex = 0, bandwidth: SupportsFloat | SupportsIndex = 10e9, latency: SupportsFloat | SupportsIndex = 10e-6, beta: SupportsFloat | SupportsIndex = 1.0, gamma: SupportsFloat | SupportsIndex = 1.0, residual: str = "f32", allow_non_contractive: bool = False, shared_memory: Any | None = None, host: SupportsGetItem[int, SupportsIndex] | None = None, shared_memory_timeout: SupportsFloat | SupportsIndex = 300.0, send_recv: Any | None = None, transport: Tcp | None = None) -> Hierarchical: ...
+    def __repr__(self, /) -> str: ...
+    @property
+    def codec(self, /) -> Codec:
+        """
+        The codec between nodes.
+        """
+    def load_state_dict(self, /, state: Any) -> None:
+        """
+        Restore a `state_dict`.
+        """
+    def run(self, /, x: Any, out: Any | None = None, seed: SupportsIndex = 0) -> dict:
+        """
+        One all-reduce of `x` into `out`, or in place when `out` is None (as
+        `AllReduce.run`).
+        """
+    def state_dict(self, /) -> dict:
+        """
+        The residuals of the streams between nodes.
+        """
+    @property
+    def strategy(self, /) -> str:
+        """
+        The strategy of the streams between nodes.
+        """
+
+@final
+class OuterSync:
+    """
+    DiLoCo's outer synchroniser on one rank (the crate's `gradpack::outer::OuterSync`),
+    over messages that two Python callables move, as for `AllReduce`. Its all-reduces run
+    on a communication thread of its own, which takes the GIL only around `send` and
+    `recv`.
+    """
+    def __new__(cls, /, names: SupportsGetItem[int, str], shapes: SupportsGetItem[int, SupportsGetItem[int, SupportsIndex]], params: SupportsGetItem[int, Any], rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, *, sync_every: SupportsIndex = 500, fragments: SupportsIndex = 1, assignment: SupportsGetItem[int, SupportsIndex] | None = None, delay: SupportsIndex = 0, alpha: SupportsFloat | SupportsIndex = 0.0, outer_lr: SupportsFloat | SupportsIndex = 0.7, outer_momentum: SupportsFloat | SupportsIndex = 0.9, nesterov: bool = True, codec: Any | None = None, feedback: str = "none", strategy: str = "auto", pieces: SupportsIndex = 1, checksum: bool = True, seed: SupportsIndex = 0, bandwidth: SupportsFloat | SupportsIndex = 10e9, latency: SupportsFloat | SupportsIndex = 10e-6, beta: SupportsFloat | SupportsIndex = 1.0, gamma: SupportsFloat | SupportsIndex = 1.0, residual: str = "f32", allow_non_contractive: bool = False, send_recv: Any | None = None, transport: Tcp | None = None) -> OuterSync: ...
+    def __repr__(self, /) -> str: ...
+    def due(self, /) -> tuple[list[int], list[int]]:
+        """
+        What the next `step` does: `(send, apply)`, the fragments whose pseudo-gradients
+        it forms and those whose outer step it applies. Only their tensors are read or
+        written.
+        """
+    @property
+    def fragments(self, /) -> list[list[int]]:
+        """
+        The tensors of every fragment, in layout order.
+        """
+    @property
+    def inner_step(self, /) -> int:
+        """
+        Inner steps taken so far.
+        """
+    def load_state_dict(self, /, state: Any) -> None:
+        """
+        Restore a state saved by `state_dict`; with the model of the same step, training
+        continues bit for bit.
+        """
+    def outer(self, /, i: SupportsIndex) -> Incomplete:
+        """
+        A copy of the outer parameters of tensor `i` (a flat float32 array).
+        """
+    def state_dict(self, /) -> dict:
+        """
+        The state (step, outer copy, momentum, residuals, results not yet applied), to
+        restore with `load_state_dict` into a synchroniser made with the same arguments
+        on the same rank. Waits for the all-reduces in flight.
+        """
+    def step(self, /, params: SupportsGetItem[int, Any] | None = None) -> dict:
+        """
+        Call after every inner step with the rank's parameters (float32 arrays, one per
+        tensor; `None` when `due()` is empty). Returns `sent`, `applied`, `bytes_sent` and
+        `messages` (those of the applied fragments).
+        """
+
+@final
+class PowerSgdBucket:
+    def __len__(self, /) -> int: ...
+    def __new__(cls, /, shapes: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex, SupportsIndex]], rank: SupportsIndex = 2, warm_start: bool = True, feedback: bool = True, min_compression: SupportsFloat | SupportsIndex = 2.0, offsets: SupportsGetItem[int, SupportsIndex] | None = None, length: SupportsIndex | None = None) -> PowerSgdBucket: ...
+    def __repr__(self, /) -> str: ...
+    def finish(self, /, m: Any, p: Any, q: Any, out: Any | None = None) -> bool:
+        """
+        Step 3: `q` is the mean over ranks; `out` (or `m` itself when `out` is None)
+        gets P Q^T, the residuals and the warm start are kept. False (and the result all
+        NaN) if the factors were not finite.
+        """
+    def matrix_state(self, /, i: SupportsIndex) -> tuple[Incomplete | None, Incomplete]:
+        """
+        Matrix `i`'s state: (its warm-start Q as float32, or None; its residual).
+        """
+    @property
+    def p_len(self, /) -> int:
+        """
+        Elements of the first all-reduce (every matrix's P).
+        """
+    def p_step(self, /, m: Any, seed: SupportsIndex, p: Any) -> None:
+        """
+        Step 1: `m` (this rank's gradients of the bucket) becomes M = m + residual and
+        `p` gets this rank's P = M Q.
+        """
+    @property
+    def q_len(self, /) -> int:
+        """
+        Elements of the second all-reduce (every matrix's Q).
+        """
+    def q_step(self, /, m: Any, p: Any, q: Any) -> None:
+        """
+        Step 2: `p` is the mean over ranks; orthonormalised in place, and `q` gets this
+        rank's Q = M^T P.
+        """
+    def reset(self, /) -> None:
+        """
+        Zero the residuals and draw a fresh Q at the next step.
+        """
+    def restore(self, /, blob: bytes) -> None:
+        """
+        Restore a blob of `save` from a bucket of the same matrices and settings.
+        """
+    def save(self, /) -> bytes:
+        """
+        The state as a versioned, checksummed blob.
+        """
+    def set_matrix_state(self, /, i: SupportsIndex, q: Any | None, residual: Any) -> None:
+        """
+        Set matrix `i`'s state as `matrix_state` gave it.
+        """
+
+@final
+class SharedMemory:
+    """
+    Shared memory among the ranks of one host that several collectives of this rank
+    share (see `gradpack.SharedMemory`).
+    """
+    def __new__(cls, /, name: str, rank: SupportsIndex, world: SupportsIndex, host: SupportsGetItem[int, SupportsIndex], *, timeout: SupportsFloat | SupportsIndex = 300.0, stage: SupportsIndex = 0, capacity: SupportsIndex | None = None, job: SupportsIndex = 0) -> SharedMemory: ...
+    @property
+    def host(self, /) -> list[int]:
+        """
+        The ranks of this host, ascending.
+        """
+    @property
+    def staged(self, /) -> bool:
+        """
+        Whether it has a stage (for the two-level all-reduce's reduction in place).
+        """
+
+@final
+class Tcp:
+    """
+    gradpack's native transport between ranks on any hosts: one TCP connection per pair
+    of ranks, made once, that every collective of this rank made with it (`transport=`)
+    shares. No message of a collective passes through Python: the collectives send and
+    receive from Rust with the GIL released.
+
+    Made by one of its constructors, which exchange the ranks' listening addresses and a
+    job token (drawn at random by rank 0) and then connect every pair: `from_store`
+    (through a `torch.distributed` store), `from_mpi` (one `allgather` on an mpi4py
+    communicator) or `from_env` (torchrun's `MASTER_ADDR`, `MASTER_PORT`, `RANK` and
+    `WORLD_SIZE`, with rank 0 listening on `MASTER_PORT` to hand the addresses out). A
+    connection whose handshake carries another token, world or rank is refused and
+    reported on standard error, and set-up goes on.
+
+    `interface` names the interface to listen on (a name such as `"eth0"`, or an
+    address); without it, `GRADPACK_SOCKET_IFNAME` does if set, else the constructor's
+    default (its docs say which). `timeout` (seconds) bounds set-up, each receive and
+    each queued send: a peer that sends nothing for that long, or whose connection
+    closes, is an error on this rank, never a hang. Collectives sharing one `Tcp` must
+    run one at a time, in the same order on every rank (give each its own `tag`).
+    """
+    def __repr__(self, /) -> str: ...
+    @property
+    def address(self, /) -> str:
+        """
+        The address this rank listened on for its peers (`"ip:port"`).
+        """
+    @staticmethod
+    def from_env(*, interface: str | None = None, timeout: SupportsFloat | SupportsIndex = 300.0) -> Tcp:
+        """
+        The ranks of a job started by torchrun (or anything that sets `MASTER_ADDR`,
+        `MASTER_PORT`, `RANK` and `WORLD_SIZE`): rank 0 listens on `MASTER_PORT`, which must
+        be free (not the port of torch's own store: give this job another), collects the
+        addresses and hands them out. Default interface: the one this host reaches
+        `MASTER_ADDR` from.
+        """
+    @staticmethod
+    def from_mpi(comm: Any, *, interface: str | None = None, timeout: SupportsFloat | SupportsIndex = 300.0) -> Tcp:
+        """
+        Every rank of the mpi4py communicator `comm` (its `Get_rank()` and `Get_size()`),
+        the addresses exchanged by one `comm.allgather`. Default interface: the address
+        this host's name resolves to.
+        """
+    @staticmethod
+    def from_store(store: Any, rank: SupportsIndex, world: SupportsIndex, *, key: str = "gradpack/tcp", interface: str | None = None, timeout: SupportsFloat | SupportsIndex = 300.0) -> Tcp:
+        """
+        Rank `rank` of `world` through a `torch.distributed` store (the one
+        `init_process_group` made: `torch.distributed.distributed_c10d._get_default_store()`,
+        or any `TCPStore`): each rank sets `key/<rank>` to its address and reads the
+        others'. `key` must be new for each set of connections (a job's random token, say).
+        Default interface: the one this host reaches the store's host from.
+        """
+    @property
+    def rank(self, /) -> int:
+        """
+        This rank.
+        """
+    @property
+    def world(self, /) -> int:
+        """
+        The number of ranks.
+        """
+
+def agree(rank: SupportsIndex | None, world: SupportsIndex | None, send: Any | None, recv: Any | None, settings: str, *, tag: SupportsIndex = ..., send_recv: Any | None = None, transport: Tcp | None = None) -> None:
+    """
+    Check that every rank of `world` passes the same `settings` (`key=value` words
+    separated by spaces), over the message callables of the collectives: each rank sends
+    its settings to every other and compares what each sends, so a difference raises on
+    every rank, naming the rank and the option. One exchange of its own.
+    """
+
+def allreduce_time(profile: CodecProfile, strategy: str, nodes: SupportsIndex, bandwidth: SupportsFloat | SupportsIndex, elements: SupportsFloat | SupportsIndex, latency: SupportsFloat | SupportsIndex = 0.0, reduce_bytes_per_s: SupportsFloat | SupportsIndex = ...) -> float:
+    """
+    Modelled seconds to all-reduce `elements` float32 values on `nodes` ranks joined by
+    links of `bandwidth` bit/s and `latency` seconds per message, by `strategy`
+    (`'fp32-ring'`, `'ring'`, `'allgather'`, `'majority'`) with `profile`'s codec
+    (the fp32 ring sums at `reduce_bytes_per_s`).
+    """
+
+def backend() -> str:
+    """
+    The SIMD backend the kernels run on (`'avx512'`, `'avx2'`, `'neon'` or `'scalar'`).
+    """
+
+def best_strategy(profile: CodecProfile, nodes: SupportsIndex, bandwidth: SupportsFloat | SupportsIndex, elements: SupportsFloat | SupportsIndex, latency: SupportsFloat | SupportsIndex = 0.0, reduce_bytes_per_s: SupportsFloat | SupportsIndex = ...) -> tuple[str, float]:
+    """
+    The faster of the compressed ring and all-gather for `profile`'s codec: returns
+    `(strategy name, modelled seconds)`.
+    """
+
+def break_even_bandwidth(profile: CodecProfile, nodes: SupportsIndex, elements: SupportsFloat | SupportsIndex, latency: SupportsFloat | SupportsIndex = 0.0, reduce_bytes_per_s: SupportsFloat | SupportsIndex = ...) -> float:
+    """
+    The link bandwidth (bit/s) below which `profile`'s codec all-reduces faster than a
+    plain fp32 ring (infinite: always; 0: never).
+    """
+
+def calibrate(codec: Any, elements: SupportsIndex = ..., budget_s: SupportsFloat | SupportsIndex = 0.2) -> CodecProfile:
+    """
+    Measure a codec's encode, decode and decode_add speed on this CPU on a synthetic
+    gradient of `elements` elements, best of repetitions for about `budget_s` seconds.
+    """
+
+def chunk_range(n: SupportsIndex, p: SupportsIndex, c: SupportsIndex) -> tuple[int, int]:
+    """
+    `(start, stop)` of chunk `c` when `n` elements are split into `p` chunks (sizes differ
+    by at most one, larger first), as the crate's collectives split them.
+    """
+
+def decode(frame: Any, max_elements: SupportsIndex | None = None) -> Incomplete:
+    """
+    Decode any frame into a new one-dimensional float32 array. Frames claiming more than
+    `max_elements` elements (default: what a frame of its length can legitimately hold)
+    are refused before anything is allocated.
+    """
+
+def decode_add(frame: Any, acc: Any) -> None:
+    """
+    Decode any frame and add it element-wise into `acc` (the reduce step of a
+    collective). The frame is fully validated first: on error `acc` is unchanged.
+    """
+
+def decode_into(frame: Any, out: Any) -> None:
+    """
+    Decode any frame into `out`, a writable C-contiguous float32 array holding exactly
+    the frame's element count (any shape).
+    """
+
+def encode(x: Any, codec: Any, seed: SupportsIndex = 0, offset: SupportsIndex = 0, checksum: bool = False) -> bytes:
+    """
+    Encode `x` (a C-contiguous float32 array of any shape, read as flat) with `codec` (a
+    spec string or a Codec). `seed` drives stochastic rounding and random-k; `offset` is
+    the global index of `x[0]` in its tensor; `checksum` seals the frame with a CRC-32.
+    """
+
+def encode_into(x: Any, out: Any, codec: Any, seed: SupportsIndex = 0, offset: SupportsIndex = 0, checksum: bool = False) -> int:
+    """
+    Encode `x` into the uint8 array `out` (at least `max_encoded_len` bytes); returns the
+    frame length. Allocates nothing.
+    """
+
+def frame_len(buf: Any) -> int:
+    """
+    The length of the frame that starts `buf` (only its header is read and checked), to
+    cut a frame out of a longer buffer such as a padded receive buffer.
+    """
+
+def inspect(frame: Any) -> dict:
+    """
+    Validate a frame's header and describe it: codec, spec, element count, lengths,
+    seed, offset and flags.
+    """
+
+def parse_bandwidth(s: str) -> float:
+    """
+    Parse a bandwidth such as `'10Gbit/s'`, `'1.25GB/s'` or `'100Mbps'` into bit/s.
+    """
+
+def parse_duration(s: str) -> float:
+    """
+    Parse a duration such as `'50us'`, `'1.5ms'` or `'2s'` into seconds.
+    """
+
+def powersgd_matrix(shape: SupportsGetItem[int, SupportsIndex], rank: SupportsIndex = 2, min_compression: SupportsFloat | SupportsIndex = 2.0) -> tuple[int, int, int] | None:
+    """
+    The `(n, m, r)` PowerSGD sends a tensor of `shape` as, or None (fewer than two
+    dimensions, or it does not compress by `min_compression`).
+    """
+
+def rank_seed(codec: Any, seed: SupportsIndex, rank: SupportsIndex) -> int:
+    """
+    The seed rank `rank` encodes with when a step's seed is `seed`: the same on every rank
+    for random-k (all ranks keep the same indices), else mixed with the rank.
+    """
+
+def reduce_frames(frames: Any, out: Any, add: bool = False) -> None:
+    """
+    Decode every frame of `frames` (frames of one tensor, each as `decode` takes it) and
+    sum them into `out` in sequence order in one pass over it: the same bits as
+    `decode_into` of the first and `decode_add` of each of the others. With `add=True`
+    every frame is added into `out` instead. Headers, lengths and fixed-rate payloads are
+    checked before `out` is written; an error names the frame's position.
+    """
+
+def ring_time(profile: CodecProfile, nodes: SupportsIndex, bandwidth: SupportsFloat | SupportsIndex, elements: SupportsFloat | SupportsIndex, latency: SupportsFloat | SupportsIndex = 0.0, pieces: SupportsIndex = 1) -> float:
+    """
+    Modelled seconds of an all-reduce of `elements` float32 values on `nodes` nodes of
+    `per_node` ranks: links of `intra_bandwidth` bit/s (`intra_latency` s) inside a node,
+    and each node's uplink of `inter_bandwidth` (`inter_latency`), shared by its ranks'
+    streams. `hierarchical`: the two-level all-reduce (`node_bits` per element inside a
+    node: 32, or 16 for bf16), else the flat one, by `strategy` with `profile`'s codec.
+    The modelled time in seconds of the compressed ring all-reduce of `elements` on
+    `nodes` ranks whose chunks go as `pieces` frames each (a pipelined ring: a piece is
+    encoded while the one before it is on the link), on links of `bandwidth` bit/s and
+    `latency` s, with the speeds and bits of `profile`. With one piece it is
+    `allreduce_time(profile, "ring", ...)`.
+    """
+
+def splitmix64(z: SupportsIndex) -> int:
+    """
+    The splitmix64 finaliser the crate derives every seed with.
+    """
+
+def two_level_time(profile: CodecProfile, strategy: str, hierarchical: bool, nodes: SupportsIndex, per_node: SupportsIndex, intra_bandwidth: SupportsFloat | SupportsIndex, inter_bandwidth: SupportsFloat | SupportsIndex, elements: SupportsFloat | SupportsIndex, intra_latency: SupportsFloat | SupportsIndex = 0.0, inter_latency: SupportsFloat | SupportsIndex = 0.0, node_bits: SupportsFloat | SupportsIndex = 32.0, reduce_bytes_per_s: SupportsFloat | SupportsIndex = ...) -> float: ...

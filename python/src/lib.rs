@@ -27,14 +27,10 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict};
 mod net;
 use net::{Net, PyTcp, link};
 
-pyo3::create_exception!(
-    gradpack,
-    Error,
-    PyValueError,
-    "A gradpack error: a malformed or corrupted frame, a bad codec spec or parameter, a \
-     buffer of the wrong size. The message is the Rust crate's own. A subclass of \
-     ValueError."
-);
+// gradpack.Error, the exception every crate error raises, is a Python class (in
+// `gradpack/_errors.py`): a subclass of ValueError that an abi3 module cannot define as a
+// class of its own, and that the generated stubs then know.
+pyo3::import_exception!(gradpack._errors, Error);
 
 pub(crate) fn err(e: gradpack::Error) -> PyErr {
     // The crate names its Rust option; a Python caller has an argument for it.
@@ -1923,9 +1919,6 @@ fn backend() -> &'static str {
     gradpack::Backend::current().name()
 }
 
-/// Size in bytes of every frame header.
-const HEADER_LEN: usize = gradpack::HEADER_LEN;
-
 const OUTER_FORMAT: &str = "gradpack.OuterSync/1";
 
 /// DiLoCo's outer synchroniser on one rank (the crate's `gradpack::outer::OuterSync`),
@@ -2329,41 +2322,20 @@ impl PyHierarchical {
     }
 }
 
+/// gradpack's codecs, frames, error feedback, collectives and cost model (the native part
+/// of the `gradpack` Python package).
 #[pymodule]
-fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("Error", m.py().get_type::<Error>())?;
-    m.add("HEADER_LEN", HEADER_LEN)?;
-    m.add_class::<PyCodec>()?;
-    m.add_class::<PyErrorFeedback>()?;
-    m.add_class::<PyProfile>()?;
-    m.add_class::<PyPowerSgd>()?;
-    m.add_function(wrap_pyfunction!(powersgd_matrix, m)?)?;
-    m.add_function(wrap_pyfunction!(encode, m)?)?;
-    m.add_function(wrap_pyfunction!(agree, m)?)?;
-    m.add_function(wrap_pyfunction!(encode_into, m)?)?;
-    m.add_function(wrap_pyfunction!(decode, m)?)?;
-    m.add_function(wrap_pyfunction!(decode_into, m)?)?;
-    m.add_function(wrap_pyfunction!(decode_add, m)?)?;
-    m.add_function(wrap_pyfunction!(reduce_frames, m)?)?;
-    m.add_class::<PyAllReduce>()?;
-    m.add_class::<PyBucketGather>()?;
-    m.add_class::<PyOuterSync>()?;
-    m.add_class::<PyHierarchical>()?;
-    m.add_class::<PySharedMemory>()?;
-    m.add_class::<PyTcp>()?;
-    m.add_function(wrap_pyfunction!(inspect, m)?)?;
-    m.add_function(wrap_pyfunction!(frame_len, m)?)?;
-    m.add_function(wrap_pyfunction!(calibrate, m)?)?;
-    m.add_function(wrap_pyfunction!(allreduce_time, m)?)?;
-    m.add_function(wrap_pyfunction!(ring_time, m)?)?;
-    m.add_function(wrap_pyfunction!(two_level_time, m)?)?;
-    m.add_function(wrap_pyfunction!(best_strategy, m)?)?;
-    m.add_function(wrap_pyfunction!(break_even_bandwidth, m)?)?;
-    m.add_function(wrap_pyfunction!(parse_bandwidth, m)?)?;
-    m.add_function(wrap_pyfunction!(parse_duration, m)?)?;
-    m.add_function(wrap_pyfunction!(backend, m)?)?;
-    m.add_function(wrap_pyfunction!(splitmix64, m)?)?;
-    m.add_function(wrap_pyfunction!(rank_seed, m)?)?;
-    m.add_function(wrap_pyfunction!(chunk_range, m)?)?;
-    Ok(())
+mod _native {
+    #[pymodule_export]
+    use super::{
+        PyAllReduce, PyBucketGather, PyCodec, PyErrorFeedback, PyHierarchical, PyOuterSync,
+        PyPowerSgd, PyProfile, PySharedMemory, PyTcp, agree, allreduce_time, backend,
+        best_strategy, break_even_bandwidth, calibrate, chunk_range, decode, decode_add,
+        decode_into, encode, encode_into, frame_len, inspect, parse_bandwidth, parse_duration,
+        powersgd_matrix, rank_seed, reduce_frames, ring_time, splitmix64, two_level_time,
+    };
+
+    /// Size in bytes of every frame header.
+    #[pymodule_export]
+    const HEADER_LEN: usize = gradpack::HEADER_LEN;
 }
