@@ -267,8 +267,7 @@ class GradpackState:
             shared memory either way where ``shared_memory`` allows, and the results are
             the same to the bit. ``GRADPACK_SOCKET_IFNAME`` (an interface's name or an
             address) names the interface to listen on; by default, the one that reaches
-            the store's host. PowerSGD's two float32 all-reduces still go through the
-            hook's group.
+            the store's host.
         start_step: the steps before this one (counted from 0) all-reduce every bucket
             in float32, as DDP does without a hook; compression, error feedback,
             PowerSGD and ``"auto"``'s trials begin at it. Compressed from the first step
@@ -440,6 +439,9 @@ class GradpackState:
         self._lr_owner: Dict[str, Tuple[str, ...]] = {}  # parameter -> its bucket's names
         self._lr_restored: Dict[str, Tuple[Optional[np.ndarray], np.ndarray]] = {}
         self._lr_shapes: Dict[Tuple[int, ...], Optional[Tuple[int, int, int]]] = {}
+        # (bucket index, P or Q, length) -> the crate's float32 all-reduce of PowerSGD's
+        # factors.
+        self._lr_rings: Dict[Tuple[int, int, int], Any] = {}
         self._restored: Dict[str, np.ndarray] = {}  # residuals loaded, not yet used
         self._model = model
         self._names: Optional[Dict[int, str]] = None
@@ -1597,8 +1599,7 @@ class GradpackState:
             s, k = starts[i], layout[i][1]
             f[at : at + k] = x[s : s + k]
             at += k
-        dist.all_reduce(first, group=self._comm_group())
-        first.div_(world)
+        self._mean_f32(first, index, 0x40000000)
         at = b.p_len
         for i in plain:
             s, k = starts[i], layout[i][1]
@@ -1606,14 +1607,39 @@ class GradpackState:
             at += k
         q = second.numpy()
         b.q_step(x, f[: b.p_len], q)
-        dist.all_reduce(second, group=self._comm_group())
-        second.div_(world)
+        self._mean_f32(second, index, 0x80000000)
         b.finish(x, f[: b.p_len], q)
         rest = [
             None if i in lr_set or c == _IDENTITY else c for i, c in enumerate(codecs)
         ]
         if any(c is not None for c in rest):
             self._allgather(flat, layout, rest, index, step, world)
+
+    def _mean_f32(self, t: torch.Tensor, index: int, kind: int) -> None:
+        """The mean of ``t`` (float32, on the host) over the ranks, in place: the crate's
+        float32 ring on the hook's transport (PowerSGD's factors; ``kind`` tells its two
+        all-reduces of a bucket apart). One all-reduce per bucket, kind and length."""
+        world = self._world()
+        if world == 1:
+            return
+        key = (index, kind, t.numel())
+        ar = self._lr_rings.get(key)
+        if ar is None:
+            ar = gradpack.AllReduce(
+                "identity", t.numel(), strategy="fp32-ring", op="mean",
+                checksum=self.checksum, pieces=self.pieces,
+                tag=kind | (index & 0x3FFFFFFF), **self._link(),
+                **self._shared_memory(list(range(world)), stage=False),
+            )
+            for k in [k for k in self._lr_rings if k[:2] == key[:2]]:
+                del self._lr_rings[k]  # the bucket's other length is gone
+            self._lr_rings[key] = ar
+        try:
+            ar.run(t.numpy())
+        except BaseException:
+            self._p2p.drop()
+            raise
+        self._p2p.wait()
 
     def node_map(self) -> List[int]:
         """The node of every rank of the process group, for ``strategy="hierarchical"``
