@@ -145,6 +145,16 @@ pub struct SyncOptions {
     /// reduces each by the faster ([`BucketPlan::by_node`]); `None` (the default): every
     /// bucket that is not PowerSGD's goes by node.
     pub node_network: Option<Network>,
+    /// Momentum correction (deep gradient compression's), in `[0, 1)`; default 0, off.
+    /// The engine keeps a velocity per tensor, `u = momentum * u + g` in f32 as each
+    /// gradient is given, and all-reduces `u` where it would have all-reduced `g`:
+    /// compression and error feedback then act on the update momentum SGD applies, so
+    /// what a lossy codec delays is not also missing from the optimizer's momentum. Give
+    /// the optimizer no momentum of its own (it would be applied twice): with f32 the
+    /// reduced velocities are momentum SGD's (`dampening = 0`, not Nesterov). The
+    /// velocities are part of [`SyncEngine::save`]; a failed step's gradients stay in
+    /// them.
+    pub momentum: f32,
 }
 
 impl Default for SyncOptions {
@@ -165,6 +175,7 @@ impl Default for SyncOptions {
             nodes: None,
             node_codec: CodecSpec::Identity(Identity),
             node_network: None,
+            momentum: 0.0,
         }
     }
 }
@@ -268,7 +279,7 @@ fn shared_settings(o: &SyncOptions, tensors: &[Tensor]) -> String {
     format!(
         "policy={} bucket_cap_bytes={} first_bucket_cap_bytes={} op={:?} feedback={:?} \
          feedback_options={} network={} checksum={} seed={:#x} pieces={} strategy={:?} \
-         nodes={} node_codec={} node_network={} layout={:#010x}",
+         nodes={} node_codec={} node_network={} momentum={:#x} layout={:#010x}",
         setting(&o.policy),
         o.bucket_cap_bytes,
         o.first_bucket_cap_bytes,
@@ -283,6 +294,7 @@ fn shared_settings(o: &SyncOptions, tensors: &[Tensor]) -> String {
         setting(&o.nodes),
         o.node_codec,
         setting(&o.node_network),
+        o.momentum.to_bits(),
         layout_hash(tensors),
     )
 }
@@ -424,6 +436,8 @@ pub struct SyncEngine<T: Transport + Send + 'static> {
     /// Results of the last finished step: Ok, or the step's first error.
     last: Option<Result<StepStats>>,
     runner: Runner<T>,
+    /// Per tensor: its velocity, with [`SyncOptions::momentum`] (else empty).
+    velocity: Vec<Vec<f32>>,
 }
 
 impl<T: Transport + Send + 'static> core::fmt::Debug for SyncEngine<T> {
@@ -462,6 +476,12 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
         if size == 0 || rank >= size {
             return Err(Error::Collective(format!(
                 "transport reports rank {rank} in a world of {size}"
+            )));
+        }
+        if !(0.0..1.0).contains(&opts.momentum) {
+            return Err(Error::Collective(format!(
+                "momentum must be in [0, 1), not {}",
+                opts.momentum
             )));
         }
         if opts.pieces == 0 {
@@ -724,7 +744,14 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
         } else {
             Runner::Inline(Box::new(worker))
         };
+        let mut velocity = Vec::new();
+        if opts.momentum != 0.0 {
+            for &n in &lens {
+                velocity.push(crate::alloc::filled(n, 0.0, "a tensor's velocity")?);
+            }
+        }
         Ok(SyncEngine {
+            velocity,
             given: vec![false; layout.len()],
             tensors: layout.to_vec(),
             lens,
@@ -838,6 +865,22 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
     /// Count tensor `i` as given (checked by the caller, in a step) and launch what is
     /// complete.
     fn mark(&mut self, i: usize) -> Result<()> {
+        if self.opts.momentum != 0.0 {
+            let m = self.opts.momentum;
+            let (b, off) = self.loc[i];
+            let n = self.lens[i];
+            let input = self.buckets[b]
+                .input
+                .as_mut()
+                .ok_or_else(|| Error::Collective(format!("bucket {b} is being reduced")))?;
+            let u = &mut self.velocity[i];
+            crate::kernels::Standard::run(|| {
+                for (u, g) in u.iter_mut().zip(&mut input[off..off + n]) {
+                    *u = m * *u + *g;
+                    *g = *u;
+                }
+            });
+        }
         self.given[i] = true;
         let b = self.loc[i].0;
         self.buckets[b].missing -= 1;
@@ -1057,6 +1100,11 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
             });
             w.bytes(blob);
         }
+        // With momentum correction, the velocities (a blob without them is another
+        // engine's: its options differ).
+        for u in &self.velocity {
+            w.f32s(u);
+        }
         Ok(w.finish())
     }
 
@@ -1081,6 +1129,12 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
             }
             blobs.push(r.bytes()?.to_vec());
         }
+        let mut velocity = Vec::new();
+        for u in &self.velocity {
+            let mut v = crate::alloc::filled(u.len(), 0.0, "a tensor's velocity")?;
+            r.f32s_into(&mut v)?;
+            velocity.push(v);
+        }
         r.end()?;
         match self.call(Job::Restore(blobs))? {
             Done::Restored(res) => res?,
@@ -1088,6 +1142,7 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
         }
         self.step = step;
         self.last = None;
+        self.velocity = velocity;
         Ok(())
     }
 }

@@ -80,6 +80,29 @@ fn check(results: &[common::WorkerResult]) {
 }
 
 #[test]
+fn momentum_correction_in_the_engine_trains_and_resumes_bit_identically() {
+    // The engine keeps the velocity (SyncOptions::momentum 0.9) and SGD has none: sign
+    // with error feedback on 2 workers stays identical and learns, and a checkpoint of
+    // model, optimizer and engine (its velocities too) resumes bit for bit.
+    let opts = SyncOptions {
+        momentum: 0.9,
+        ..options("sign", Feedback::Worker)
+    };
+    let results = run(&config(60, 3, false), &opts, 2, None);
+    check(&results);
+    let half = run(&config(30, 3, true), &opts, 2, None);
+    let ckpts: Vec<_> = half.into_iter().map(|w| w.checkpoint.unwrap()).collect();
+    let resumed = run(&config(60, 99, false), &opts, 2, Some(&ckpts));
+    for (r, w) in resumed.iter().enumerate() {
+        assert_eq!(
+            w.param_hashes[..],
+            results[r].param_hashes[30..],
+            "worker {r} resumed differently"
+        );
+    }
+}
+
+#[test]
 fn two_workers_stay_identical_and_learn_with_int8() {
     check(&train("int8", Feedback::None, 2));
 }

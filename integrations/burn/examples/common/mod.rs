@@ -194,15 +194,19 @@ fn hash(bits: &[u32]) -> u64 {
     })
 }
 
-/// A fresh model and optimizer of `cfg`, or those of `resume`.
+/// A fresh model and optimizer of `cfg`, or those of `resume`: SGD with momentum 0.9,
+/// or without momentum where the sync engine keeps it (`corrected`: its momentum
+/// correction, which must not be applied twice).
 fn start(
     cfg: &RunConfig,
     resume: Option<&Checkpoint>,
+    corrected: bool,
 ) -> gradpack_burn::Result<(Mlp<TB>, impl Optimizer<Mlp<TB>, TB>)> {
     let device = Default::default();
     let mut model = model(cfg.hidden, cfg.seed);
+    let momentum = (!corrected).then(|| MomentumConfig::new().with_momentum(0.9));
     let mut optim = SgdConfig::new()
-        .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
+        .with_momentum(momentum)
         .init::<TB, Mlp<TB>>();
     if let Some(c) = resume {
         model = model.load_record(
@@ -314,7 +318,7 @@ pub fn worker<T: Transport + Send + 'static>(
     opts: SyncOptions,
     resume: Option<&Checkpoint>,
 ) -> gradpack_burn::Result<WorkerResult> {
-    let (model, mut optim) = start(cfg, resume)?;
+    let (model, mut optim) = start(cfg, resume, opts.momentum != 0.0)?;
     let mut sync = GradSync::new(&model, transport, opts)?;
     if let Some(blob) = resume.and_then(|c| c.sync.as_ref()) {
         sync.restore(blob)?;
@@ -369,7 +373,7 @@ pub fn diloco_worker<T: Transport + Send + 'static>(
     opts: OuterOptions,
     resume: Option<&Checkpoint>,
 ) -> gradpack_burn::Result<WorkerResult> {
-    let (model, mut optim) = start(cfg, resume)?;
+    let (model, mut optim) = start(cfg, resume, false)?;
     let mut diloco = DiLoCo::new(&model, transport, opts)?;
     if let Some(blob) = resume.and_then(|c| c.sync.as_ref()) {
         diloco.restore(blob)?;
