@@ -632,6 +632,13 @@ fn ranks_made_with_different_options_fail_every_step_naming_the_option() {
                 ..base.clone()
             },
         ),
+        (
+            "start_step",
+            SyncOptions {
+                start_step: 1,
+                ..base.clone()
+            },
+        ),
     ];
     for (name, other) in cases {
         let res = local::run(3, Some(Duration::from_secs(10)), |comm| {
@@ -780,6 +787,65 @@ fn momentum_correction_all_reduces_the_velocities_and_resumes_exactly() {
         match SyncEngine::new(&l, w, o) {
             Err(Error::Collective(msg)) => assert!(msg.contains("momentum"), "{msg}"),
             other => panic!("momentum {bad}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn steps_before_the_start_step_go_in_f32_and_compression_starts_clean() {
+    // start_step 2 with int8 and error feedback at both sites on 3 ranks: steps 0 and 1
+    // are the f32 mean (within the f32 ring's rounding, the same bits on every rank),
+    // and steps 2 and 3 are, bit for bit, those of an engine that compressed from step 0
+    // but was given zero gradients before step 2 (so its residuals start at zero too):
+    // compression starts clean, with the seeds of its step.
+    let base = SyncOptions {
+        feedback: Feedback::WorkerAndOwner,
+        ..opts(Policy::with_rules("int8".parse().unwrap()))
+    };
+    let warm = SyncOptions {
+        start_step: 2,
+        ..base.clone()
+    };
+    let (p, steps) = (3, 4);
+    let got: Vec<Steps> = run(p, &warm, steps, in_order)
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    let l = layout();
+    let zero_first = local::run(p, Some(Duration::from_secs(20)), |comm| {
+        let rank = comm.rank();
+        let mut e = SyncEngine::new(&l, comm.into_inner(), base.clone())?;
+        let mut out = Vec::new();
+        for step in 0..steps {
+            let mut g = grads(&l, rank, step);
+            if step < 2 {
+                g.iter_mut()
+                    .for_each(|t| t.iter_mut().for_each(|v| *v = 0.0));
+            }
+            for (i, gi) in g.iter().enumerate() {
+                e.ready(i, gi)?;
+            }
+            e.finish()?;
+            out.push((0..l.len()).map(|i| e.grad(i).unwrap().to_vec()).collect());
+        }
+        Ok(out)
+    });
+    for (r, z) in zero_first.into_iter().enumerate() {
+        let z: Steps = z.unwrap();
+        assert_eq!(bits(&got[r][2..]), bits(&z[2..]), "rank {r}");
+        assert_eq!(bits(&got[r]), bits(&got[0]), "rank {r} against rank 0");
+    }
+    for step in 0..2u64 {
+        let all: Vec<_> = (0..p).map(|r| grads(&l, r, step)).collect();
+        for (i, t) in got[0][step as usize].iter().enumerate() {
+            for (j, &v) in t.iter().enumerate() {
+                let exact: f64 = all.iter().map(|g| f64::from(g[i][j])).sum::<f64>() / p as f64;
+                let scale: f64 = all.iter().map(|g| f64::from(g[i][j]).abs()).sum::<f64>();
+                assert!(
+                    (f64::from(v) - exact).abs() <= 4.0 * f64::from(f32::EPSILON) * scale,
+                    "step {step} tensor {i}[{j}]: {v} against {exact}"
+                );
+            }
         }
     }
 }

@@ -155,6 +155,12 @@ pub struct SyncOptions {
     /// velocities are part of [`SyncEngine::save`]; a failed step's gradients stay in
     /// them.
     pub momentum: f32,
+    /// The steps before this one (counted from 0) all-reduce every bucket in f32 (the
+    /// float32 ring); compression, error feedback and PowerSGD begin at it (default 0:
+    /// from the first step). Error feedback delays early updates, when gradients are
+    /// largest and change fastest: deep gradient compression warms up so, and PyTorch's
+    /// PowerSGD hook by `start_powerSGD_iter`.
+    pub start_step: u64,
 }
 
 impl Default for SyncOptions {
@@ -176,6 +182,7 @@ impl Default for SyncOptions {
             node_codec: CodecSpec::Identity(Identity),
             node_network: None,
             momentum: 0.0,
+            start_step: 0,
         }
     }
 }
@@ -262,6 +269,11 @@ impl Reducer {
 struct Worker<T: Transport> {
     comm: Comm<T>,
     ars: Vec<Reducer>,
+    /// Before [`SyncOptions::start_step`]: per bucket, its f32 all-reduce (made when
+    /// first needed, dropped at the start step), and how to make one.
+    warm: Vec<Option<AllReduce>>,
+    warm_until: u64,
+    warm_opts: AllReduceOptions,
     /// The step whose buckets are being skipped after a failure.
     failed_step: Option<u64>,
     /// The settings to agree on before the first bucket (then `None`).
@@ -279,7 +291,8 @@ fn shared_settings(o: &SyncOptions, tensors: &[Tensor]) -> String {
     format!(
         "policy={} bucket_cap_bytes={} first_bucket_cap_bytes={} op={:?} feedback={:?} \
          feedback_options={} network={} checksum={} seed={:#x} pieces={} strategy={:?} \
-         nodes={} node_codec={} node_network={} momentum={:#x} layout={:#010x}",
+         nodes={} node_codec={} node_network={} momentum={:#x} start_step={} \
+         layout={:#010x}",
         setting(&o.policy),
         o.bucket_cap_bytes,
         o.first_bucket_cap_bytes,
@@ -295,6 +308,7 @@ fn shared_settings(o: &SyncOptions, tensors: &[Tensor]) -> String {
         o.node_codec,
         setting(&o.node_network),
         o.momentum.to_bits(),
+        o.start_step,
         layout_hash(tensors),
     )
 }
@@ -326,6 +340,23 @@ enum Done {
 }
 
 impl<T: Transport> Worker<T> {
+    /// Bucket `bucket` all-reduced in f32 (a step before the start step).
+    fn warm_run(&mut self, bucket: usize, input: &mut [f32], output: &mut [f32]) -> Result<Stats> {
+        if self.warm.is_empty() {
+            self.warm = (0..self.ars.len()).map(|_| None).collect();
+        }
+        if self.warm[bucket].is_none() {
+            let opts = AllReduceOptions {
+                tag: bucket as u32,
+                ..self.warm_opts.clone()
+            };
+            let identity = CodecSpec::Identity(Identity);
+            self.warm[bucket] = Some(AllReduce::new(identity, input.len(), &self.comm, opts)?);
+        }
+        let ar = self.warm[bucket].as_mut().expect("made above");
+        ar.run(&mut self.comm, input, output, 0)
+    }
+
     fn handle(&mut self, job: Job) -> Done {
         let _fp = crate::kernels::Standard::new();
         match job {
@@ -361,8 +392,14 @@ impl<T: Transport> Worker<T> {
                         "bucket {bucket} skipped: an earlier bucket of step {step} failed"
                     )))
                 } else {
-                    let r =
-                        self.ars[bucket].run(&mut self.comm, step, &mut input, &mut output, seed);
+                    let r = if step < self.warm_until {
+                        self.warm_run(bucket, &mut input, &mut output)
+                    } else {
+                        if !self.warm.is_empty() {
+                            self.warm = Vec::new();
+                        }
+                        self.ars[bucket].run(&mut self.comm, step, &mut input, &mut output, seed)
+                    };
                     if r.is_err() {
                         self.failed_step = Some(step);
                     }
@@ -728,6 +765,16 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
             });
         }
         let worker = Worker {
+            warm: Vec::new(),
+            warm_until: opts.start_step,
+            warm_opts: AllReduceOptions {
+                op: opts.op,
+                strategy: StrategyChoice::Forced(Strategy::Fp32Ring),
+                feedback: Feedback::None,
+                checksum: opts.checksum,
+                pieces: opts.pieces,
+                ..Default::default()
+            },
             comm,
             ars,
             failed_step: None,
