@@ -849,3 +849,30 @@ fn steps_before_the_start_step_go_in_f32_and_compression_starts_clean() {
         }
     }
 }
+
+#[test]
+fn unbounded_caps_give_one_selection_over_the_model() {
+    // Top-k 5% with error feedback and both caps at usize::MAX: every compressed tensor
+    // (those above the small-tensor size) in one bucket, so the top-k is over all of
+    // them together; the small ones in buckets of their own; the same bits on every rank.
+    let o = SyncOptions {
+        bucket_cap_bytes: usize::MAX,
+        first_bucket_cap_bytes: usize::MAX,
+        feedback: Feedback::Worker,
+        ..opts(Policy::with_rules(
+            "topk:ratio=0.05,values=fp16".parse().unwrap(),
+        ))
+    };
+    let plan = plan_of(2, &o);
+    let l = layout();
+    let compressed: Vec<_> = plan.buckets.iter().filter(|b| !b.small).collect();
+    assert_eq!(compressed.len(), 1, "{plan:?}");
+    let mut want: Vec<usize> = (0..l.len())
+        .filter(|&i| l[i].len().unwrap() >= gradpack::sync::SMALL_TENSOR && l[i].shape.len() > 1)
+        .collect();
+    let mut got = compressed[0].tensors.clone();
+    want.sort_unstable();
+    got.sort_unstable();
+    assert_eq!(got, want);
+    identical_on_every_rank(2, &o, 3);
+}

@@ -106,7 +106,11 @@ const NODES_MAGIC: [u8; 4] = *b"GPHA";
 pub struct SyncOptions {
     /// Which codec each tensor gets.
     pub policy: Policy,
-    /// Bytes of f32 gradient per bucket (default 25 MiB).
+    /// Bytes of f32 gradient per bucket (default 25 MiB). A sparse codec (top-k) selects
+    /// over a whole bucket: with this and `first_bucket_cap_bytes` at `usize::MAX`,
+    /// every compressed tensor goes in one bucket, reduced once the last of them is
+    /// ready, so the selection (and its error feedback) is over the whole model, as the
+    /// PyTorch hook's `selection="model"`.
     pub bucket_cap_bytes: usize,
     /// Bytes of the first bucket (default 1 MiB), so the first all-reduce starts early.
     pub first_bucket_cap_bytes: usize,
