@@ -326,6 +326,32 @@ fn fmt_pays(pays: &[(f64, f64)]) -> String {
     }
 }
 
+/// [`fmt_pays`] in at most `width` characters (the narrow table's column): the first
+/// intervals that fit, then `…` for the rest.
+fn fit_pays(pays: &[(f64, f64)], width: usize) -> String {
+    let all = fmt_pays(pays);
+    if all.chars().count() <= width {
+        return all;
+    }
+    let mut out = String::new();
+    for part in all.split(", ") {
+        let next = if out.is_empty() {
+            part.to_string()
+        } else {
+            format!("{out}, {part}")
+        };
+        if next.chars().count() + ", …".chars().count() > width {
+            break;
+        }
+        out = next;
+    }
+    if out.is_empty() {
+        "…".to_string()
+    } else {
+        format!("{out}, …")
+    }
+}
+
 /// A break-even and, when the timing rounds disagree, their range.
 fn fmt_be(be: f64, (lo, hi): (f64, f64)) -> String {
     if fmt_bw(lo) == fmt_bw(hi) {
@@ -750,7 +776,7 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
                             Some((be, range)) => {
                                 format!("{}{}", fmt_bw(be), if stable(range) { "" } else { "?" })
                             }
-                            None => fmt_pays(&r.pays),
+                            None => fit_pays(&r.pays, 10),
                         },
                     ),
                     None => {
@@ -777,7 +803,8 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
                  error feedback and strategy; tracks: EF err < {MAX_EF_ERROR} and acc within -{} (yes?: not\n\
                  trained); time: modelled all-reduce at {} Gbit/s with the faster strategy; break-even:\n\
                  the link speed (Gbit/s) below which it beats fp32 (?: the timing rounds disagree by more\n\
-                 than 25%); powersgd: a {mrows} x {mcols} matrix of it. --wide: every column.",
+                 than 25%), else where it beats fp32 (<X, X-Y, >X; …: more ranges, --wide or --json has\n\
+                 them); powersgd: a {mrows} x {mcols} matrix of it. --wide: every column.",
                 a.tolerance,
                 fmt_bw(net.bandwidth)
             );
@@ -1165,7 +1192,7 @@ fn plot(
 
 #[cfg(test)]
 mod tests {
-    use super::fmt_pays;
+    use super::{fit_pays, fmt_pays};
 
     #[test]
     fn where_a_codec_pays_fits_its_column() {
@@ -1177,5 +1204,18 @@ mod tests {
         assert_eq!(fmt_pays(&[(2.5e9, 12.0e9)]), "2.5-12.0");
         // Two intervals, as a run at 16 nodes measured for fp16 (17 characters before).
         assert_eq!(fmt_pays(&[(0.0, 248.8e9), (1584.3e9, inf)]), "<249, >1584");
+        // The narrow table's column of 10: what fits, then an ellipsis.
+        let two = [(0.0, 242.0e9), (358.0e9, 2599.0e9)];
+        assert_eq!(fmt_pays(&two), "<242, 358-2599");
+        assert_eq!(fit_pays(&two, 10), "<242, …");
+        assert_eq!(fit_pays(&[(0.0, 4.56e9)], 10), "<4.6");
+        assert_eq!(fit_pays(&[(1234.5e9, 56789.0e9)], 5), "…");
+        for pays in [
+            &two[..],
+            &[(0.0, 248.8e9), (1584.3e9, inf)],
+            &[(2.5e9, 12.0e9)],
+        ] {
+            assert!(fit_pays(pays, 10).chars().count() <= 10, "{pays:?}");
+        }
     }
 }
