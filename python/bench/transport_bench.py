@@ -78,10 +78,10 @@ def rank_main(a):
     rows = []
     for k in pieces:
         native = gradpack.AllReduce(a.codec, n, transport=tcp, strategy="ring", pieces=k,
-                                    tag=k)
+                                    tag=k, checksum=a.checksum)
         gloo = gradpack.AllReduce(a.codec, n, rank, world, p2p.send, p2p.recv,
                                   send_recv=p2p.send_recv, strategy="ring", pieces=k,
-                                  tag=1000 + k)
+                                  tag=1000 + k, checksum=a.checksum)
 
         def run_gloo():
             gloo.run(y, seed=1)
@@ -158,6 +158,7 @@ def run_world(a, world, names):
                "--mib", str(a.mib), "--pieces", a.pieces, "--reps", str(a.reps),
                "--bandwidth", str(a.bandwidth), "--latency", str(a.latency),
                "--interface", "eth0" if names else "lo"]
+        cmd += ["--checksum"] if a.checksum else []
         if names:
             cmd += ["--netns", names[r]]
         procs.append(subprocess.Popen(cmd, env=env))
@@ -180,6 +181,8 @@ def main():
     ap.add_argument("--latency", type=float, default=50e-6,
                     help="the model's latency per message, seconds")
     ap.add_argument("--netlink", default="auto", help="iproute2, pyroute2 or auto")
+    ap.add_argument("--checksum", action="store_true",
+                    help="seal frames with a payload checksum (the hook's default is off)")
     ap.add_argument("--json", help="write the results here too")
     # A rank (internal).
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -214,7 +217,8 @@ def main():
         best = min(res["rows"], key=lambda r: r["model_ms"])["pieces"]
         p = res["profile"]
         print(f"\n# {world} ranks ({share}, {threads} gradpack thread(s) each), "
-              f"{a.codec} ring on {a.mib} MiB, ports at {a.link}; "
+              f"{a.codec} ring on {a.mib} MiB{' sealed' if a.checksum else ''}, ports at "
+              f"{a.link}; "
               f"{a.codec} measured: encode {p['encode'] / 1e9:.1f} GB/s, decode "
               f"{p['decode'] / 1e9:.1f}, decode_add {p['decode_add'] / 1e9:.1f}; "
               f"gloo float32 all-reduce {res['fp32_ms']:.1f} ms; the ring's bytes streamed "
