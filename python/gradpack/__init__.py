@@ -30,6 +30,7 @@ from ._errors import Error
 from ._native import (
     HEADER_LEN,
     CodecProfile,
+    SharedMemory,
     Tcp,
     allreduce_time,
     backend,
@@ -464,64 +465,9 @@ class ErrorFeedback:
         return repr(self._ef)
 
 
-class SharedMemory:
-    """Shared-memory rings (and, with ``stage`` bytes, a stage for the two-level
-    all-reduce's reduction in place) between the ranks ``host`` of one host (this rank,
-    ``rank`` of ``world``, among them), under the name ``name`` (letters, digits, ``-``,
-    ``_``; the same on the ranks of the host, new for each set). Each ring holds
-    ``capacity`` bytes (a multiple of 64, default 1 MiB; the same on the host's ranks):
-    a longer message streams through it. Construction waits up to ``timeout`` seconds
-    for the host's other ranks. ``job`` (an integer below 2**64, the same on the host's
-    ranks, drawn anew for each job) is recorded in each rank's file: a peer's file of
-    another job is refused, so two jobs that picked one name fail at set-up instead of
-    pairing their ranks.
-
-    Pass it as ``shared_memory=`` to any number of :class:`AllReduce` and
-    :class:`Hierarchical` collectives of this rank: they share its memory (``1 MiB`` per
-    other rank of the host, plus the stage) instead of mapping their own, which a job
-    with a collective per bucket of a large model would multiply past a container's
-    ``/dev/shm`` (often 64 MiB). Collectives that share one must run one at a time, in
-    the same order on every rank of the host (as the PyTorch hook runs its buckets).
-    """
-
-    __slots__ = ("_shm",)
-
-    def __init__(
-        self,
-        name: str,
-        rank: int,
-        world: int,
-        host: Sequence[int],
-        *,
-        timeout: float = 300.0,
-        stage: int = 0,
-        capacity: Optional[int] = None,
-        job: int = 0,
-    ) -> None:
-        self._shm = _native.SharedMemory(
-            name, int(rank), int(world), [int(r) for r in host],
-            timeout=float(timeout), stage=int(stage),
-            capacity=None if capacity is None else int(capacity), job=int(job),
-        )
-
-    @property
-    def host(self) -> List[int]:
-        """The ranks of this host, ascending."""
-        return self._shm.host
-
-    @property
-    def staged(self) -> bool:
-        """Whether it has a stage."""
-        return self._shm.staged
-
-    def __repr__(self) -> str:
-        return f"SharedMemory(host={self.host}, staged={self.staged})"
-
-
 def _shared_arg(shared_memory: Union[None, str, SharedMemory]) -> Any:
-    """The native form of a ``shared_memory`` argument."""
-    if isinstance(shared_memory, SharedMemory):
-        return shared_memory._shm
+    """The native form of a ``shared_memory`` argument (a name, or the native
+    :class:`SharedMemory` itself)."""
     return shared_memory
 
 

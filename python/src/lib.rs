@@ -1068,8 +1068,22 @@ fn routed(
     Routed::new(base, Some(shm)).map_err(err)
 }
 
-/// Shared memory among the ranks of one host that several collectives of this rank
-/// share (see `gradpack.SharedMemory`).
+/// Shared-memory rings (and, with `stage` bytes, a stage for the two-level all-reduce's
+/// reduction in place) between the ranks `host` of one host (this rank, `rank` of
+/// `world`, among them), under the name `name` (letters, digits, `-`, `_`; the same on
+/// the ranks of the host, new for each set). Each ring holds `capacity` bytes (a
+/// multiple of 64, default 1 MiB; the same on the host's ranks): a longer message streams
+/// through it. Construction waits up to `timeout` seconds for the host's other ranks.
+/// `job` (an integer below 2**64, the same on the host's ranks, drawn anew for each job)
+/// is recorded in each rank's file: a peer's file of another job is refused, so two jobs
+/// that picked one name fail at set-up instead of pairing their ranks.
+///
+/// Pass it as `shared_memory=` to any number of `AllReduce`, `BucketGather` and
+/// `Hierarchical` collectives of this rank: they share its memory (1 MiB per other rank
+/// of the host, plus the stage) instead of mapping their own, which a job with a
+/// collective per bucket of a large model would multiply past a container's `/dev/shm`
+/// (often 64 MiB). Collectives that share one must run one at a time, in the same order
+/// on every rank of the host (as the PyTorch hook runs its buckets).
 #[pyclass(module = "gradpack", name = "SharedMemory", frozen)]
 struct PySharedMemory {
     inner: std::sync::Arc<SharedMemory>,
@@ -1107,6 +1121,14 @@ impl PySharedMemory {
     #[getter]
     fn staged(&self) -> bool {
         self.inner.node_memory().is_some()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SharedMemory(host={:?}, staged={})",
+            self.inner.host(),
+            if self.staged() { "True" } else { "False" }
+        )
     }
 }
 
