@@ -76,6 +76,33 @@ fn run(
     })
 }
 
+/// Every rank's engine given `feed(rank, step)` as the gradients of each step, in order;
+/// per rank and step, every tensor's reduced gradient.
+fn run_fed(
+    p: usize,
+    o: &SyncOptions,
+    steps: u64,
+    feed: impl Fn(usize, u64) -> Vec<Vec<f32>> + Sync,
+) -> Vec<Steps> {
+    let l = layout();
+    local::run(p, Some(Duration::from_secs(20)), |comm| {
+        let rank = comm.rank();
+        let mut e = SyncEngine::new(&l, comm.into_inner(), o.clone())?;
+        let mut out = Vec::new();
+        for step in 0..steps {
+            for (i, gi) in feed(rank, step).iter().enumerate() {
+                e.ready(i, gi)?;
+            }
+            e.finish()?;
+            out.push((0..l.len()).map(|i| e.grad(i).unwrap().to_vec()).collect());
+        }
+        Ok(out)
+    })
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect()
+}
+
 fn in_order(_: usize, _: u64) -> Vec<usize> {
     (0..layout().len()).collect()
 }
@@ -711,21 +738,10 @@ fn momentum_correction_all_reduces_the_velocities_and_resumes_exactly() {
         .map(|r| r.unwrap())
         .collect();
     let l = layout();
-    let want = local::run(p, Some(Duration::from_secs(20)), |comm| {
-        let rank = comm.rank();
-        let mut e = SyncEngine::new(&l, comm.into_inner(), base.clone())?;
-        let mut out = Vec::new();
-        for u in velocities(&l, rank, steps, m) {
-            for (i, ui) in u.iter().enumerate() {
-                e.ready(i, ui)?;
-            }
-            e.finish()?;
-            out.push((0..l.len()).map(|i| e.grad(i).unwrap().to_vec()).collect());
-        }
-        Ok(out)
+    let want = run_fed(p, &base, steps, |rank, step| {
+        velocities(&l, rank, step + 1, m).pop().unwrap()
     });
     for (r, want) in want.into_iter().enumerate() {
-        let want: Steps = want.unwrap();
         assert_eq!(bits(&got[r]), bits(&want), "rank {r}");
         assert_eq!(bits(&got[r]), bits(&got[0]), "rank {r} against rank 0");
     }
@@ -812,26 +828,15 @@ fn steps_before_the_start_step_go_in_f32_and_compression_starts_clean() {
         .map(|r| r.unwrap())
         .collect();
     let l = layout();
-    let zero_first = local::run(p, Some(Duration::from_secs(20)), |comm| {
-        let rank = comm.rank();
-        let mut e = SyncEngine::new(&l, comm.into_inner(), base.clone())?;
-        let mut out = Vec::new();
-        for step in 0..steps {
-            let mut g = grads(&l, rank, step);
-            if step < 2 {
-                g.iter_mut()
-                    .for_each(|t| t.iter_mut().for_each(|v| *v = 0.0));
-            }
-            for (i, gi) in g.iter().enumerate() {
-                e.ready(i, gi)?;
-            }
-            e.finish()?;
-            out.push((0..l.len()).map(|i| e.grad(i).unwrap().to_vec()).collect());
+    let zero_first = run_fed(p, &base, steps, |rank, step| {
+        let mut g = grads(&l, rank, step);
+        if step < 2 {
+            g.iter_mut()
+                .for_each(|t| t.iter_mut().for_each(|v| *v = 0.0));
         }
-        Ok(out)
+        g
     });
     for (r, z) in zero_first.into_iter().enumerate() {
-        let z: Steps = z.unwrap();
         assert_eq!(bits(&got[r][2..]), bits(&z[2..]), "rank {r}");
         assert_eq!(bits(&got[r]), bits(&got[0]), "rank {r} against rank 0");
     }

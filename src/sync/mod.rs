@@ -917,20 +917,20 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
     /// complete.
     fn mark(&mut self, i: usize) -> Result<()> {
         if self.opts.momentum != 0.0 {
+            // u = m u + g, and the slot gets u (the velocity is set aside while the slot
+            // is borrowed, and put back whatever happens).
             let m = self.opts.momentum;
-            let (b, off) = self.loc[i];
-            let n = self.lens[i];
-            let input = self.buckets[b]
-                .input
-                .as_mut()
-                .ok_or_else(|| Error::Collective(format!("bucket {b} is being reduced")))?;
-            let u = &mut self.velocity[i];
-            crate::kernels::Standard::run(|| {
-                for (u, g) in u.iter_mut().zip(&mut input[off..off + n]) {
-                    *u = m * *u + *g;
-                    *g = *u;
-                }
+            let mut u = core::mem::take(&mut self.velocity[i]);
+            let r = self.slot(i).map(|g| {
+                crate::kernels::Standard::run(|| {
+                    for (u, g) in u.iter_mut().zip(g) {
+                        *u = m * *u + *g;
+                        *g = *u;
+                    }
+                })
             });
+            self.velocity[i] = u;
+            r?;
         }
         self.given[i] = true;
         let b = self.loc[i].0;
