@@ -466,6 +466,14 @@ def _run_ranks(world, make, steps, n, timeout=20.0):
     """Run `steps` all-reduces on `world` threads; each rank's output per step."""
     box = _Mailboxes(world, timeout)
     ars = [make(r, box.send_of(r), box.recv_of(r)) for r in range(world)]
+    return (ars,) + _steps_on(ars, steps, n)
+
+
+def _steps_on(ars, steps, n):
+    """`steps` runs of every rank's collective `ars[r]` on a thread of its own, rank r's
+    input of step s a function of (r, s); each rank's output per step, and each rank's
+    exception or None."""
+    world = len(ars)
     outs = [[None] * steps for _ in range(world)]
 
     def body(r):
@@ -475,7 +483,7 @@ def _run_ranks(world, make, steps, n, timeout=20.0):
             ars[r].run(x, out, seed=1000 + s)
             outs[r][s] = out
 
-    return ars, outs, _on_threads(world, body)
+    return outs, _on_threads(world, body)
 
 
 @pytest.mark.parametrize(
@@ -914,16 +922,8 @@ def test_collectives_over_the_native_transport_give_the_callables_bits(how):
         ars = [gradpack.AllReduce(kw["codec"], n, transport=tcps[r], tag=tag,
                                   **{k: v for k, v in kw.items() if k != "codec"})
                for r in range(world)]
-        outs = [[None] * steps for _ in range(world)]
-
-        def body(r):
-            for s in range(steps):
-                x = np.sin(np.arange(n, dtype=np.float32) * (0.01 * (r + 1)) + s).astype(np.float32)
-                out = np.empty(n, np.float32)
-                ars[r].run(x, out, seed=1000 + s)
-                outs[r][s] = out
-
-        assert _on_threads(world, body) == [None] * world
+        outs, errors = _steps_on(ars, steps, n)
+        assert errors == [None] * world, errors
         for r in range(world):
             for s in range(steps):
                 assert outs[r][s].tobytes() == ref[r][s].tobytes(), (kw, r, s)
@@ -934,16 +934,8 @@ def test_collectives_over_the_native_transport_give_the_callables_bits(how):
     assert errors == [None] * world, errors
     hs = [gradpack.Hierarchical("int8", n, nodes=nodes, transport=tcps[r], feedback="worker",
                                 tag=9) for r in range(world)]
-    outs = [[None] * steps for _ in range(world)]
-
-    def hbody(r):
-        for s in range(steps):
-            x = np.sin(np.arange(n, dtype=np.float32) * (0.01 * (r + 1)) + s).astype(np.float32)
-            out = np.empty(n, np.float32)
-            hs[r].run(x, out, seed=1000 + s)
-            outs[r][s] = out
-
-    assert _on_threads(world, hbody) == [None] * world
+    outs, errors = _steps_on(hs, steps, n)
+    assert errors == [None] * world, errors
     assert all(outs[r][s].tobytes() == ref[r][s].tobytes()
                for r in range(world) for s in range(steps))
     errs = _on_threads(world, lambda r: gradpack.agree(None, None, None, None, {"seed": 1},
