@@ -262,3 +262,31 @@ fn fp4_e4m3_scales_follow_the_frame() {
             .all(|&v| v == 0.0)
     );
 }
+
+/// `CodecSpec::unbiased` agrees with the README's codec table for the spec of every row
+/// (the first spec in backticks), "exact" and "yes" meaning unbiased, "no" and a
+/// condition ("with `scale=unbiased`", not met by the row's spec) meaning not.
+#[test]
+fn unbiased_matches_the_codec_table_of_the_readme() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("README.md");
+    let table = readme
+        .split("| spec (defaults shown) | bits / element | unbiased |")
+        .nth(1)
+        .expect("the codec table");
+    let mut rows = 0;
+    for line in table.lines().skip(2) {
+        if !line.starts_with('|') {
+            break;
+        }
+        let cells: Vec<&str> = line.split(" | ").collect();
+        let spec = cells[0].split('`').nth(1).expect("a spec in backticks");
+        // "int8:...,rounding=stochastic" stands for int8 with that rounding.
+        let spec = spec.replace(":...,", ":");
+        let c: CodecSpec = spec.parse().unwrap_or_else(|e| panic!("{spec}: {e}"));
+        let want = matches!(cells[2].trim(), "exact" | "yes");
+        assert_eq!(c.unbiased(), want, "{spec}: the README says {:?}", cells[2]);
+        rows += 1;
+    }
+    assert!(rows >= 16, "{rows} rows read");
+}

@@ -637,7 +637,9 @@ macro_rules! elementwise_codec {
             }
 
             fn is_unbiased(&self) -> bool {
-                true
+                // Identity is exact; fp16 and bf16 round to the nearest value, which is
+                // biased (a value between two neighbours always goes to the nearer).
+                matches!(CodecId::$id, CodecId::Identity)
             }
         }
     };
