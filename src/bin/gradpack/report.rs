@@ -424,11 +424,33 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
     } else {
         1 + specs.len() + POWERSGD_RANKS.len()
     };
+    // The first line at once: a report takes a minute or two, and a reader should see it
+    // has started (the progress bar shows only on a terminal; elsewhere `phase` prints a
+    // line per phase on stderr).
+    if !a.json {
+        outln!(
+            "gradpack {} report, {}, on {} (backend {backend})",
+            env!("CARGO_PKG_VERSION"),
+            today(),
+            cpu_model(),
+        );
+    }
+    let started = std::time::Instant::now();
+    let phase = |what: String| {
+        use std::io::IsTerminal;
+        if !std::io::stderr().is_terminal() {
+            eprintln!(
+                "gradpack report: {what} ({:.0} s so far)",
+                started.elapsed().as_secs_f64()
+            );
+        }
+    };
     let bar = progress(
         ((specs.len() + 1) * (ROUNDS + 1) + POWERSGD_RANKS.len() + train_runs) as u64,
         false,
     );
     let identity: CodecSpec = "identity".parse().expect("identity parses");
+    phase(format!("measuring the errors of {} codecs", specs.len()));
     bar.set_message("errors");
     let base = backend.run(|| measure(&identity, &x, &[]))?;
     bar.inc(1);
@@ -445,6 +467,10 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
     let mut sum_acc = vec![0f32; n];
     let mut base_rounds = Vec::new();
     let mut row_rounds: Vec<Vec<(Speeds, f64)>> = vec![Vec::new(); specs.len()];
+    phase(format!(
+        "timing {} codecs and fp32, {ROUNDS} rounds",
+        specs.len()
+    ));
     for round in 0..ROUNDS {
         bar.set_message(format!("timing, round {} of {ROUNDS}", round + 1));
         base_rounds.push(backend.run(|| time_round(&identity, &x, budget))?);
@@ -457,6 +483,7 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
     }
     let (mrows, mcols) = matrix_shape(n);
     let mut lowrank_compute = Vec::new();
+    phase(format!("timing PowerSGD of ranks {POWERSGD_RANKS:?}"));
     for rank in POWERSGD_RANKS {
         bar.set_message(format!("PowerSGD rank {rank}"));
         lowrank_compute.push(backend.run(|| time_powersgd(&x, mrows, mcols, rank, ROUNDS))?);
@@ -568,8 +595,14 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
     let trained = if a.no_train {
         None
     } else {
+        phase(format!(
+            "training fp32, {} codecs and {} PowerSGD ranks (the longest part)",
+            rows.len(),
+            POWERSGD_RANKS.len()
+        ));
         Some(train_rows(&rows, &bar)?)
     };
+    phase("done".to_string());
     bar.finish_and_clear();
     // Candidates for the recommendation: every codec row (with error feedback where it
     // accepts it), then the PowerSGD rows.
@@ -699,12 +732,6 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
             serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?
         );
     } else {
-        outln!(
-            "gradpack {} report, {}, on {} (backend {backend})",
-            env!("CARGO_PKG_VERSION"),
-            today(),
-            cpu_model(),
-        );
         outln!(
             "{n} f32 elements ({:.1} MiB) of {source}; the fp32 sum runs at {:.1} GB/s",
             n as f64 * 4.0 / 1048576.0,
