@@ -4,6 +4,9 @@ every message of the all-reduce goes over TCP from Rust (none through Python or 
 
     mpirun -np 3 python python/examples/mpi_allreduce.py
 
+Each rank listens on the address its host's name resolves to; `GRADPACK_SOCKET_IFNAME`
+(an interface's name, `eth0`, or an address) names another (`lo` for a job on one host).
+
 Each rank all-reduces a gradient of 1 Mi float32 elements with int8 by the ring, and
 checks that the mean is within the codec's error bound of the exact mean (MPI's own
 float32 Allreduce) and the same to the bit on every rank.
