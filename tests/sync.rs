@@ -51,6 +51,27 @@ fn opts(policy: Policy) -> SyncOptions {
 
 type Steps = Vec<Vec<Vec<f32>>>;
 
+/// Steps `steps` of engine `e` over [`layout`]: the gradients `input(step)` given in the
+/// order `order(step)`; per step, every tensor's reduced gradient.
+fn feed<T: Transport + Send + 'static>(
+    e: &mut SyncEngine<T>,
+    steps: core::ops::Range<u64>,
+    input: impl Fn(u64) -> Vec<Vec<f32>>,
+    order: impl Fn(u64) -> Vec<usize>,
+) -> Result<Steps> {
+    let l = layout();
+    let mut out = Vec::new();
+    for step in steps {
+        let g = input(step);
+        for i in order(step) {
+            e.ready(i, &g[i])?;
+        }
+        e.finish()?;
+        out.push((0..l.len()).map(|i| e.grad(i).unwrap().to_vec()).collect());
+    }
+    Ok(out)
+}
+
 /// Run `steps` steps on every rank; per rank and step, every tensor's reduced gradient.
 /// `order(rank, step)` gives the order the tensors are handed over in.
 fn run(
@@ -63,40 +84,23 @@ fn run(
     local::run(p, Some(Duration::from_secs(20)), |comm| {
         let rank = comm.rank();
         let mut e = SyncEngine::new(&l, comm.into_inner(), o.clone())?;
-        let mut out = Vec::new();
-        for step in 0..steps {
-            let g = grads(&l, rank, step);
-            for i in order(rank, step) {
-                e.ready(i, &g[i])?;
-            }
-            e.finish()?;
-            out.push((0..l.len()).map(|i| e.grad(i).unwrap().to_vec()).collect());
-        }
-        Ok(out)
+        feed(&mut e, 0..steps, |s| grads(&l, rank, s), |s| order(rank, s))
     })
 }
 
-/// Every rank's engine given `feed(rank, step)` as the gradients of each step, in order;
+/// Every rank's engine given `input(rank, step)` as the gradients of each step, in order;
 /// per rank and step, every tensor's reduced gradient.
 fn run_fed(
     p: usize,
     o: &SyncOptions,
     steps: u64,
-    feed: impl Fn(usize, u64) -> Vec<Vec<f32>> + Sync,
+    input: impl Fn(usize, u64) -> Vec<Vec<f32>> + Sync,
 ) -> Vec<Steps> {
     let l = layout();
     local::run(p, Some(Duration::from_secs(20)), |comm| {
         let rank = comm.rank();
         let mut e = SyncEngine::new(&l, comm.into_inner(), o.clone())?;
-        let mut out = Vec::new();
-        for step in 0..steps {
-            for (i, gi) in feed(rank, step).iter().enumerate() {
-                e.ready(i, gi)?;
-            }
-            e.finish()?;
-            out.push((0..l.len()).map(|i| e.grad(i).unwrap().to_vec()).collect());
-        }
-        Ok(out)
+        feed(&mut e, 0..steps, |s| input(rank, s), |s| in_order(rank, s))
     })
     .into_iter()
     .map(|r| r.unwrap())
@@ -313,13 +317,7 @@ fn checkpoints_continue_bit_identically() {
         let rank = comm.rank();
         // Two steps, save.
         let mut e = SyncEngine::new(&l, comm.into_inner(), o.clone())?;
-        for step in 0..2 {
-            let g = grads(&l, rank, step);
-            for (i, gi) in g.iter().enumerate() {
-                e.ready(i, gi)?;
-            }
-            e.finish()?;
-        }
+        feed(&mut e, 0..2, |s| grads(&l, rank, s), |_| in_order(rank, 0))?;
         let blob = e.save()?;
         // Damaged and foreign checkpoints are refused and change nothing.
         let mut bad = blob.clone();
@@ -346,20 +344,7 @@ fn checkpoints_continue_bit_identically() {
         let mut e = SyncEngine::new(&l, t, o.clone())?;
         e.restore(&blob)?;
         assert_eq!(e.step(), 2);
-        let mut out = Vec::new();
-        for step in 2..5 {
-            let g = grads(&l, rank, step);
-            for (i, gi) in g.iter().enumerate() {
-                e.ready(i, gi)?;
-            }
-            e.finish()?;
-            out.push(
-                (0..l.len())
-                    .map(|i| e.grad(i).unwrap().to_vec())
-                    .collect::<Vec<_>>(),
-            );
-        }
-        Ok(out)
+        feed(&mut e, 2..5, |s| grads(&l, rank, s), |_| in_order(rank, 0))
     });
     for (r, res) in resumed.into_iter().enumerate() {
         let res = res.unwrap();
@@ -752,12 +737,7 @@ fn momentum_correction_all_reduces_the_velocities_and_resumes_exactly() {
     let resumed = local::run(p, Some(Duration::from_secs(20)), |comm| {
         let rank = comm.rank();
         let mut e = SyncEngine::new(&l, comm.into_inner(), corrected.clone())?;
-        for step in 0..2 {
-            for (i, gi) in grads(&l, rank, step).iter().enumerate() {
-                e.ready(i, gi)?;
-            }
-            e.finish()?;
-        }
+        feed(&mut e, 0..2, |s| grads(&l, rank, s), |_| in_order(rank, 0))?;
         let blob = e.save()?;
         // A blob without velocities is another engine's, and so is this one to it.
         let w = local::Local::world(1).pop().unwrap();
@@ -776,19 +756,12 @@ fn momentum_correction_all_reduces_the_velocities_and_resumes_exactly() {
         let t = e.into_transport()?;
         let mut e = SyncEngine::new(&l, t, corrected.clone())?;
         e.restore(&blob)?;
-        let mut out = Vec::new();
-        for step in 2..steps {
-            for (i, gi) in grads(&l, rank, step).iter().enumerate() {
-                e.ready(i, gi)?;
-            }
-            e.finish()?;
-            out.push(
-                (0..l.len())
-                    .map(|i| e.grad(i).unwrap().to_vec())
-                    .collect::<Vec<_>>(),
-            );
-        }
-        Ok(out)
+        feed(
+            &mut e,
+            2..steps,
+            |s| grads(&l, rank, s),
+            |_| in_order(rank, 0),
+        )
     });
     for (r, res) in resumed.into_iter().enumerate() {
         assert_eq!(bits(&res.unwrap()), bits(&got[r][2..]), "rank {r}");

@@ -5,11 +5,12 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gradpack::collective::{
-    AllReduce, AllReduceOptions, Comm, Feedback, Hierarchical, Nodes, Strategy, StrategyChoice,
-    Tcp, TcpOptions, Transport, local,
+    AllReduce, AllReduceOptions, Comm, Feedback, Hierarchical, Nodes, Shared, Strategy,
+    StrategyChoice, Tcp, TcpOptions, Transport, local,
 };
 use gradpack::{CodecSpec, Error};
 
@@ -95,6 +96,35 @@ fn collectives_over_tcp_give_the_in_process_bits() {
                 s.spawn(move || {
                     let t = Tcp::rendezvous(master, r, p, opts(30))?;
                     steps(&mut Comm::new(t))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    assert_eq!(got, want);
+}
+
+#[test]
+fn a_shared_transport_carries_the_collectives_of_one_rank() {
+    // Each rank's connections behind a type-erased `Shared` (what the Python package's
+    // collectives hold, a clone each) under the ring, the all-gather and the two-level
+    // all-reduce: the in-process bits.
+    let p = 3;
+    let want: Vec<_> = local::run(p, None, |mut c| steps(&mut c))
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let master = free_addr();
+    let got: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..p)
+            .map(|r| {
+                s.spawn(move || {
+                    let t = Tcp::rendezvous(master, r, p, opts(30))?;
+                    let t: Arc<Mutex<dyn Transport + Send>> = Arc::new(Mutex::new(t));
+                    let shared = Shared::from(t);
+                    let mut a = Comm::new(shared.clone());
+                    assert_eq!((a.rank(), a.size()), (r, p));
+                    steps(&mut a)
                 })
             })
             .collect();

@@ -335,11 +335,11 @@ def inspect(frame: FrameLike) -> Dict[str, Any]:
 
 
 def agree(
-    rank: Optional[int],
-    world: Optional[int],
-    send: Optional[Callable[[bytearray, int], Any]],
-    recv: Optional[Callable[[int], Any]],
     settings: Dict[str, Any],
+    rank: Optional[int] = None,
+    world: Optional[int] = None,
+    send: Optional[Callable[[bytearray, int], Any]] = None,
+    recv: Optional[Callable[[int], Any]] = None,
     *,
     tag: int = 0xFFFFFFFF,
     send_recv: Optional[Callable[[bytearray, int, int], Any]] = None,
@@ -347,12 +347,12 @@ def agree(
 ) -> None:
     """Check that every rank of ``world`` was made with the same ``settings`` (option
     name to value), over the message callables of :class:`AllReduce` (or its
-    ``transport``, a :class:`Tcp`: then pass ``None`` for the four). Every rank sends
+    ``transport``, a :class:`Tcp`, in their place). Every rank sends
     its settings to every other and compares what each sends, so a difference raises
     :class:`Error` on every rank, naming the rank and the option (``seed=9``, say). One
     exchange of its own: call it at the same point on every rank."""
     words = " ".join(f"{k}={str(v).replace(' ', '')}" for k, v in settings.items())
-    _native.agree(_opt_int(rank), _opt_int(world), send, recv, words, tag=int(tag),
+    _native.agree(words, _opt_int(rank), _opt_int(world), send, recv, tag=int(tag),
                   send_recv=send_recv, transport=transport)
 
 

@@ -441,7 +441,7 @@ class Tcp:
         The number of ranks.
         """
 
-def agree(rank: SupportsIndex | None, world: SupportsIndex | None, send: Any | None, recv: Any | None, settings: str, *, tag: SupportsIndex = ..., send_recv: Any | None = None, transport: Tcp | None = None) -> None:
+def agree(settings: str, rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, *, tag: SupportsIndex = ..., send_recv: Any | None = None, transport: Tcp | None = None) -> None:
     """
     Check that every rank of `world` passes the same `settings` (`key=value` words
     separated by spaces), over the message callables of the collectives: each rank sends

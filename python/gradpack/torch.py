@@ -568,23 +568,17 @@ class GradpackState:
         raises on every rank, naming the option."""
         world = self._world()
         if world > 1:
-            link = self._link()
             try:
-                gradpack.agree(link.pop("rank", None), link.pop("world", None),
-                               link.pop("send", None), link.pop("recv", None), self._settings,
-                               **link)
+                gradpack.agree(self._settings, **self._link())
             finally:
                 self._p2p.wait()  # this rank's settings reach every peer, agreed or not
         self._agreed = True
 
     def _job_token(self) -> str:
-        """A random token of this state's, the same on every rank (drawn by rank 0 and
-        broadcast on the hook's group the first time: a collective)."""
+        """A random token of this state's, the same on every rank (drawn the first time:
+        a collective of the hook's group)."""
         if self._shm_token is None:
-            token = [os.urandom(6).hex() if self._rank() == 0 else None]
-            dist.broadcast_object_list(token, src=dist.get_global_rank(self._comm_group(), 0),
-                                       group=self._comm_group())
-            self._shm_token = str(token[0])
+            self._shm_token = _job_token(self._comm_group())
         return self._shm_token
 
     def _link(self) -> Dict[str, Any]:
@@ -593,16 +587,9 @@ class GradpackState:
         point-to-point callables on its group."""
         if self.transport == "tcp":
             if self._tcp is None:
-                store = dist.distributed_c10d._get_default_store()
-                self._tcp = gradpack.Tcp.from_store(
-                    store, self._rank(), self._world(),
-                    key=f"gradpack/tcp/{self._job_token()}",
-                    timeout=300.0 if self.timeout is None else float(self.timeout),
-                )
+                self._tcp = _tcp(self._rank(), self._world(), self._job_token(), self.timeout)
             return dict(transport=self._tcp)
-        p = self._p2p
-        return dict(rank=self._rank(), world=self._world(), send=p.send, recv=p.recv,
-                    send_recv=p.send_recv)
+        return self._p2p.link()
 
     def _wants_ef(self, codec: Codec) -> bool:
         if codec.name == "identity":
@@ -1673,7 +1660,7 @@ class GradpackState:
             return {}
         hosts, me = self.host_map(), self._rank()
         staged = "hierarchical" in self.strategies
-        if self._shm_ring_sized is False:
+        if not self._shm_ring_sized:
             # A collective: every rank comes here the first time, whatever its host.
             self._job_token()
             self._shm_room(hosts, staged)
@@ -1845,6 +1832,23 @@ def _spans_nodes(group: Any) -> bool:
     return local < dist.get_world_size(group)
 
 
+def _job_token(group: Any) -> str:
+    """A random token, the same on every rank of ``group`` (drawn by its first rank and
+    broadcast: a collective)."""
+    token = [os.urandom(6).hex() if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+    return str(token[0])
+
+
+def _tcp(rank: int, world: int, token: str, timeout: Optional[float]) -> "gradpack.Tcp":
+    """gradpack's native transport among ``world`` ranks, connected through torch's
+    default store under a key of the job's ``token`` (a collective)."""
+    return gradpack.Tcp.from_store(
+        dist.distributed_c10d._get_default_store(), rank, world, key=f"gradpack/tcp/{token}",
+        timeout=300.0 if timeout is None else float(timeout),
+    )
+
+
 def _check_limit(frm: int, length: int, limit: Optional[int]) -> None:
     """Refuse an announced length above what the collective expects (or below zero)
     before anything is allocated for it."""
@@ -1874,6 +1878,12 @@ class _PointToPoint:
         # when a message is longer than the receive posted for it), so the lengths are
         # waited for again and such messages dropped as stale.
         self._sized = True
+
+    def link(self) -> Dict[str, Any]:
+        """The transport arguments of a collective over these callables."""
+        g = self._group()
+        return dict(rank=dist.get_rank(g), world=dist.get_world_size(g), send=self.send,
+                    recv=self.recv, send_recv=self.send_recv)
 
     def _peer(self, r: int) -> int:
         return dist.get_global_rank(self._group(), r)
@@ -2089,8 +2099,8 @@ class DiLoCo:
     their own, their messages on gradpack's native transport (``transport="tcp"``, the
     default: :class:`gradpack.Tcp`, connected through torch's store) or sent point to
     point on a gloo group of ``group``'s ranks made here (``"process_group"``); either
-    way a CUDA model on NCCL works too, and the results are the same to the bit. The names follow torchft's
-    ``DiLoCo`` where they mean the same:
+    way a CUDA model on NCCL works too, and the results are the same to the bit. The
+    names follow torchft's ``DiLoCo`` where they mean the same:
 
     - ``fragments``: a number P (the parameters cut in order into P runs of about equal
       size) or a list of modules of ``model`` (torchft's ``model_fragments``), synced at
@@ -2190,17 +2200,10 @@ class DiLoCo:
                 self._host.append(h)
                 self._mirrored.append(not direct)
         self._p2p = _PointToPoint(lambda: self._group)
-        if transport == "tcp":
-            token = [os.urandom(6).hex() if rank == 0 else None]
-            dist.broadcast_object_list(token, src=src, group=self._group)
-            link: Dict[str, Any] = dict(transport=gradpack.Tcp.from_store(
-                dist.distributed_c10d._get_default_store(), rank, world,
-                key=f"gradpack/diloco/{token[0]}",
-                timeout=300.0 if timeout is None else float(timeout),
-            ))
-        else:
-            link = dict(rank=rank, world=world, send=self._p2p.send, recv=self._p2p.recv,
-                        send_recv=self._p2p.send_recv)
+        link = (
+            dict(transport=_tcp(rank, world, _job_token(self._group), timeout))
+            if transport == "tcp" else self._p2p.link()
+        )
         bw = gradpack.parse_bandwidth(bandwidth) if isinstance(bandwidth, str) else float(bandwidth)
         lat = gradpack.parse_duration(latency) if isinstance(latency, str) else float(latency)
         if error_feedback is None:

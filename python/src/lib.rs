@@ -302,16 +302,17 @@ fn decode_mode<'py>(
 /// every rank, naming the rank and the option. One exchange of its own.
 #[pyfunction]
 #[pyo3(signature = (
-    rank, world, send, recv, settings, *, tag=u32::MAX, send_recv=None, transport=None,
+    settings, rank=None, world=None, send=None, recv=None, *, tag=u32::MAX, send_recv=None,
+    transport=None,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn agree(
     py: Python<'_>,
+    settings: &str,
     rank: Option<usize>,
     world: Option<usize>,
     send: Option<Py<PyAny>>,
     recv: Option<Py<PyAny>>,
-    settings: &str,
     tag: u32,
     send_recv: Option<Py<PyAny>>,
     transport: Option<&Bound<'_, PyTcp>>,

@@ -3,107 +3,26 @@
 //! with it, or the two Python callables of `PyTransport`.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use gradpack::collective::{Tcp, TcpOptions, Transport, draw_token, interface_address};
+use gradpack::collective::{Shared, Tcp, TcpOptions, Transport, draw_token, named_interface};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::{PyTransport, err, py_transport};
+use crate::{err, py_transport};
 
-/// One rank's TCP connections, shared by the collectives made with them. Each message
-/// takes the lock, so collectives that share them must run one at a time, in the same
-/// order on every rank (as they must on one process group).
-#[derive(Clone)]
-pub(crate) struct SharedTcp {
-    inner: Arc<Mutex<Tcp>>,
-    rank: usize,
-    size: usize,
-}
+/// What a collective of the Python package sends its messages through: the crate's TCP
+/// transport of a `gradpack.Tcp`, shared by every collective made with it (no message
+/// touches Python), or the caller's `send`/`recv` callables (the GIL taken around each
+/// call), one collective's own.
+pub(crate) type Net = Shared<dyn Transport + Send>;
 
-impl SharedTcp {
-    fn lock(&self) -> MutexGuard<'_, Tcp> {
-        // A panic cannot leave the transport half-updated in a way a later call would
-        // misread: a message is framed before it is queued, and a receive that failed
-        // part-way fails every later one from that peer.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-/// What a collective of the Python package sends its messages through.
-pub(crate) enum Net {
-    /// The caller's `send`/`recv` callables (the GIL taken around each call).
-    Py(PyTransport),
-    /// The crate's TCP transport: no message touches Python.
-    Tcp(SharedTcp),
-}
-
-impl Transport for Net {
-    fn rank(&self) -> usize {
-        match self {
-            Net::Py(t) => t.rank(),
-            Net::Tcp(t) => t.rank,
-        }
-    }
-
-    fn size(&self) -> usize {
-        match self {
-            Net::Py(t) => t.size(),
-            Net::Tcp(t) => t.size,
-        }
-    }
-
-    fn send(&mut self, msg: &[u8], to: usize) -> gradpack::Result<()> {
-        match self {
-            Net::Py(t) => t.send(msg, to),
-            Net::Tcp(t) => t.lock().send(msg, to),
-        }
-    }
-
-    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> gradpack::Result<()> {
-        match self {
-            Net::Py(t) => t.recv(buf, from, max),
-            Net::Tcp(t) => t.lock().recv(buf, from, max),
-        }
-    }
-
-    fn send_recv(
-        &mut self,
-        send: &[u8],
-        to: usize,
-        recv: &mut Vec<u8>,
-        from: usize,
-        max: usize,
-    ) -> gradpack::Result<()> {
-        match self {
-            Net::Py(t) => t.send_recv(send, to, recv, from, max),
-            Net::Tcp(t) => t.lock().send_recv(send, to, recv, from, max),
-        }
-    }
-
-    fn send_recv_len(
-        &mut self,
-        send: &[u8],
-        to: usize,
-        recv: &mut Vec<u8>,
-        from: usize,
-        len: usize,
-        max: usize,
-    ) -> gradpack::Result<()> {
-        match self {
-            Net::Py(t) => t.send_recv_len(send, to, recv, from, len, max),
-            Net::Tcp(t) => t.lock().send_recv_len(send, to, recv, from, len, max),
-        }
-    }
-
-    fn flush(&mut self) -> gradpack::Result<()> {
-        match self {
-            Net::Py(t) => t.flush(),
-            Net::Tcp(t) => t.lock().flush(),
-        }
-    }
+/// `t` as a [`Net`].
+fn net(t: impl Transport + Send + 'static) -> Net {
+    let shared: Arc<Mutex<dyn Transport + Send>> = Arc::new(Mutex::new(t));
+    Shared::from(shared)
 }
 
 /// The transport of a new collective: `transport` (a `gradpack.Tcp`) when given, else the
@@ -127,7 +46,7 @@ pub(crate) fn link(
             )));
         }
         let t = t.get().inner.clone();
-        for (name, given, has) in [("rank", rank, t.rank), ("world", world, t.size)] {
+        for (name, given, has) in [("rank", rank, t.rank()), ("world", world, t.size())] {
             if given.is_some_and(|g| g != has) {
                 return Err(PyValueError::new_err(format!(
                     "{what}: {name} {} but the transport's is {has}",
@@ -135,12 +54,12 @@ pub(crate) fn link(
                 )));
             }
         }
-        return Ok(Net::Tcp(t));
+        return Ok(t);
     }
     match (rank, world, send, recv) {
-        (Some(rank), Some(world), Some(send), Some(recv)) => Ok(Net::Py(py_transport(
-            py, rank, world, send, recv, send_recv,
-        )?)),
+        (Some(rank), Some(world), Some(send), Some(recv)) => {
+            Ok(net(py_transport(py, rank, world, send, recv, send_recv)?))
+        }
         _ => Err(PyTypeError::new_err(format!(
             "{what} needs rank, world and the callables send and recv, or transport= \
              (a gradpack.Tcp)"
@@ -154,11 +73,8 @@ fn listen_ip(
     interface: Option<&str>,
     fallback: impl FnOnce() -> PyResult<IpAddr>,
 ) -> PyResult<IpAddr> {
-    let named = interface
-        .map(str::to_owned)
-        .or_else(|| std::env::var("GRADPACK_SOCKET_IFNAME").ok());
-    match named {
-        Some(n) => interface_address(&n).map_err(err),
+    match named_interface(interface).map_err(err)? {
+        Some(ip) => Ok(ip),
         None => fallback(),
     }
 }
@@ -300,20 +216,15 @@ fn store_host(store: &Bound<'_, PyAny>) -> Option<String> {
 /// run one at a time, in the same order on every rank (give each its own `tag`).
 #[pyclass(module = "gradpack", name = "Tcp", frozen)]
 pub(crate) struct PyTcp {
-    inner: SharedTcp,
+    inner: Net,
     address: SocketAddr,
 }
 
 impl PyTcp {
     fn new(tcp: Tcp) -> PyTcp {
-        let address = tcp.address();
         PyTcp {
-            inner: SharedTcp {
-                rank: tcp.rank(),
-                size: tcp.size(),
-                inner: Arc::new(Mutex::new(tcp)),
-            },
-            address,
+            address: tcp.address(),
+            inner: net(tcp),
         }
     }
 }
@@ -384,8 +295,7 @@ impl PyTcp {
     #[staticmethod]
     #[pyo3(signature = (*, interface=None, timeout=300.0))]
     fn from_env(py: Python<'_>, interface: Option<&str>, timeout: f64) -> PyResult<PyTcp> {
-        let ip = interface.map(interface_address).transpose().map_err(err)?;
-        let opts = options(timeout, ip)?;
+        let opts = options(timeout, named_interface(interface).map_err(err)?)?;
         let tcp = py.detach(|| Tcp::from_env(opts)).map_err(err)?;
         Ok(PyTcp::new(tcp))
     }
@@ -393,13 +303,13 @@ impl PyTcp {
     /// This rank.
     #[getter]
     fn rank(&self) -> usize {
-        self.inner.rank
+        self.inner.rank()
     }
 
     /// The number of ranks.
     #[getter]
     fn world(&self) -> usize {
-        self.inner.size
+        self.inner.size()
     }
 
     /// The address this rank listened on for its peers (`"ip:port"`).
@@ -411,7 +321,9 @@ impl PyTcp {
     fn __repr__(&self) -> String {
         format!(
             "Tcp(rank={} of {}, address='{}')",
-            self.inner.rank, self.inner.size, self.address
+            self.inner.rank(),
+            self.inner.size(),
+            self.address
         )
     }
 }

@@ -938,10 +938,9 @@ def test_collectives_over_the_native_transport_give_the_callables_bits(how):
     assert errors == [None] * world, errors
     assert all(outs[r][s].tobytes() == ref[r][s].tobytes()
                for r in range(world) for s in range(steps))
-    errs = _on_threads(world, lambda r: gradpack.agree(None, None, None, None, {"seed": 1},
-                                                       transport=tcps[r]))
+    errs = _on_threads(world, lambda r: gradpack.agree({"seed": 1}, transport=tcps[r]))
     assert errs == [None] * world, errs
-    errs = _on_threads(world, lambda r: gradpack.agree(None, None, None, None, {"seed": r // 2},
+    errs = _on_threads(world, lambda r: gradpack.agree({"seed": r // 2},
                                                        transport=tcps[r], tag=7))
     assert all(isinstance(e, gradpack.Error) and "seed=" in str(e) for e in errs), errs
 

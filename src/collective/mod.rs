@@ -110,7 +110,7 @@ pub use comm::{Comm, ENVELOPE_LEN, ENVELOPE_VERSION, MAX_SETTINGS};
 use comm::{Phase, Place};
 pub use hier::{Hierarchical, Nodes};
 pub use shm::{NodeMemory, Routed, SharedMemory, SharedMemoryOptions};
-pub use tcp::{Tcp, TcpOptions, draw_token, interface_address};
+pub use tcp::{Tcp, TcpOptions, draw_token, interface_address, named_interface};
 
 use core::ops::Range;
 
@@ -247,6 +247,89 @@ impl<T: Transport + ?Sized> Transport for &mut T {
     }
     fn flush(&mut self) -> Result<()> {
         (**self).flush()
+    }
+}
+
+/// One rank's transport shared by several collectives of that rank (each holds a clone):
+/// one set of connections, for example one [`Tcp`], under every bucket's all-reduce.
+/// Every call takes a lock for the one operation, so collectives that share a transport
+/// must run one at a time, in the same order on every rank (give each its own tag), as
+/// they must on one communicator. A type-erased `Shared<dyn Transport + Send>` comes from
+/// an `Arc<Mutex<_>>` of any transport ([`From`]).
+pub struct Shared<T: ?Sized>(std::sync::Arc<std::sync::Mutex<T>>);
+
+impl<T> Shared<T> {
+    /// `transport`, to be shared by cloning the result.
+    pub fn new(transport: T) -> Shared<T> {
+        Shared(std::sync::Arc::new(std::sync::Mutex::new(transport)))
+    }
+}
+
+impl<T: ?Sized> From<std::sync::Arc<std::sync::Mutex<T>>> for Shared<T> {
+    fn from(t: std::sync::Arc<std::sync::Mutex<T>>) -> Shared<T> {
+        Shared(t)
+    }
+}
+
+impl<T: ?Sized> Clone for Shared<T> {
+    fn clone(&self) -> Self {
+        Shared(self.0.clone())
+    }
+}
+
+impl<T: ?Sized> core::fmt::Debug for Shared<T> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("Shared(..)")
+    }
+}
+
+impl<T: ?Sized> Shared<T> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, T> {
+        // A panic mid-call leaves nothing a later call could misread: every transport
+        // queues a message whole and fails a peer's later receives after a broken one.
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<T: Transport + ?Sized> Transport for Shared<T> {
+    fn rank(&self) -> usize {
+        self.lock().rank()
+    }
+    fn size(&self) -> usize {
+        self.lock().size()
+    }
+    fn send(&mut self, msg: &[u8], to: usize) -> Result<()> {
+        self.lock().send(msg, to)
+    }
+    fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> Result<()> {
+        self.lock().recv(buf, from, max)
+    }
+    fn send_recv(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        max: usize,
+    ) -> Result<()> {
+        self.lock().send_recv(send, to, recv, from, max)
+    }
+    fn send_recv_len(
+        &mut self,
+        send: &[u8],
+        to: usize,
+        recv: &mut Vec<u8>,
+        from: usize,
+        len: usize,
+        max: usize,
+    ) -> Result<()> {
+        self.lock().send_recv_len(send, to, recv, from, len, max)
+    }
+    fn node_memory(&self) -> Option<NodeMemory> {
+        self.lock().node_memory()
+    }
+    fn flush(&mut self) -> Result<()> {
+        self.lock().flush()
     }
 }
 

@@ -413,8 +413,8 @@ impl Tcp {
     /// `options` names no interface, `GRADPACK_SOCKET_IFNAME` (an interface's name or an
     /// address, as [`interface_address`] takes) names the one to listen on, if set.
     pub fn from_env(mut options: TcpOptions) -> Result<Tcp> {
-        if let (None, Ok(name)) = (options.interface, std::env::var("GRADPACK_SOCKET_IFNAME")) {
-            options.interface = Some(interface_address(&name)?);
+        if options.interface.is_none() {
+            options.interface = named_interface(None)?;
         }
         let var = |k: &str| {
             std::env::var(k).map_err(|_| setup(format!("environment variable {k} is not set")))
@@ -475,6 +475,18 @@ pub fn interface_address(name: &str) -> Result<IpAddr> {
             names.join(", ")
         ))
     })
+}
+
+/// The address of the interface `name` names ([`interface_address`]), else of the one
+/// the environment variable `GRADPACK_SOCKET_IFNAME` names, if set.
+pub fn named_interface(name: Option<&str>) -> Result<Option<IpAddr>> {
+    match name
+        .map(str::to_owned)
+        .or_else(|| std::env::var("GRADPACK_SOCKET_IFNAME").ok())
+    {
+        Some(n) => interface_address(&n).map(Some),
+        None => Ok(None),
+    }
 }
 
 /// How long a new connection may take to say who it is.

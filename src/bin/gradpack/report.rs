@@ -303,6 +303,11 @@ fn today() -> String {
 /// `>480`, `<120.5, >480` (three significant digits from 100 up, so that two intervals
 /// fit the report's column).
 fn fmt_pays(pays: &[(f64, f64)]) -> String {
+    pays_parts(pays).join(", ")
+}
+
+/// The intervals of [`fmt_pays`], one string each.
+fn pays_parts(pays: &[(f64, f64)]) -> Vec<String> {
     let g = |bps: f64| {
         let v = bps / 1e9;
         if v >= 100.0 {
@@ -312,8 +317,8 @@ fn fmt_pays(pays: &[(f64, f64)]) -> String {
         }
     };
     match pays {
-        [] => "never".into(),
-        [(lo, hi)] if *lo == 0.0 && hi.is_infinite() => "always".into(),
+        [] => vec!["never".into()],
+        [(lo, hi)] if *lo == 0.0 && hi.is_infinite() => vec!["always".into()],
         _ => pays
             .iter()
             .map(|&(lo, hi)| match (lo == 0.0, hi.is_infinite()) {
@@ -321,22 +326,22 @@ fn fmt_pays(pays: &[(f64, f64)]) -> String {
                 (false, true) => format!(">{}", g(lo)),
                 (false, false) => format!("{}-{}", g(lo), g(hi)),
             })
-            .collect::<Vec<_>>()
-            .join(", "),
+            .collect(),
     }
 }
 
 /// [`fmt_pays`] in at most `width` characters (the narrow table's column): the first
 /// intervals that fit, then `…` for the rest.
 fn fit_pays(pays: &[(f64, f64)], width: usize) -> String {
-    let all = fmt_pays(pays);
+    let parts = pays_parts(pays);
+    let all = parts.join(", ");
     if all.chars().count() <= width {
         return all;
     }
     let mut out = String::new();
-    for part in all.split(", ") {
+    for part in &parts {
         let next = if out.is_empty() {
-            part.to_string()
+            part.clone()
         } else {
             format!("{out}, {part}")
         };
