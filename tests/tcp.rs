@@ -82,9 +82,10 @@ fn steps<T: Transport>(comm: &mut Comm<T>) -> gradpack::Result<Vec<Vec<u32>>> {
     Ok(out)
 }
 
-#[test]
-fn collectives_over_tcp_give_the_in_process_bits() {
-    let p = 4;
+/// [`steps`] on `p` ranks over TCP (behind a type-erased [`Shared`], what the Python
+/// package's collectives hold a clone each of, with `shared`) and in-process: both runs'
+/// bits.
+fn over_tcp_and_in_process(p: usize, shared: bool) -> (Vec<Vec<Vec<u32>>>, Vec<Vec<Vec<u32>>>) {
     let want: Vec<_> = local::run(p, None, |mut c| steps(&mut c))
         .into_iter()
         .map(Result::unwrap)
@@ -95,41 +96,31 @@ fn collectives_over_tcp_give_the_in_process_bits() {
             .map(|r| {
                 s.spawn(move || {
                     let t = Tcp::rendezvous(master, r, p, opts(30))?;
-                    steps(&mut Comm::new(t))
+                    if !shared {
+                        return steps(&mut Comm::new(t));
+                    }
+                    let t: Arc<Mutex<dyn Transport + Send>> = Arc::new(Mutex::new(t));
+                    let mut c = Comm::new(Shared::from(t).clone());
+                    assert_eq!((c.rank(), c.size()), (r, p));
+                    steps(&mut c)
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
     });
+    (got, want)
+}
+
+#[test]
+fn collectives_over_tcp_give_the_in_process_bits() {
+    let (got, want) = over_tcp_and_in_process(4, false);
     assert_eq!(got, want);
 }
 
 #[test]
 fn a_shared_transport_carries_the_collectives_of_one_rank() {
-    // Each rank's connections behind a type-erased `Shared` (what the Python package's
-    // collectives hold, a clone each) under the ring, the all-gather and the two-level
-    // all-reduce: the in-process bits.
-    let p = 3;
-    let want: Vec<_> = local::run(p, None, |mut c| steps(&mut c))
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
-    let master = free_addr();
-    let got: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..p)
-            .map(|r| {
-                s.spawn(move || {
-                    let t = Tcp::rendezvous(master, r, p, opts(30))?;
-                    let t: Arc<Mutex<dyn Transport + Send>> = Arc::new(Mutex::new(t));
-                    let shared = Shared::from(t);
-                    let mut a = Comm::new(shared.clone());
-                    assert_eq!((a.rank(), a.size()), (r, p));
-                    steps(&mut a)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
-    });
+    // The ring, the all-gather and the two-level all-reduce through a shared handle.
+    let (got, want) = over_tcp_and_in_process(3, true);
     assert_eq!(got, want);
 }
 
