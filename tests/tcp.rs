@@ -82,10 +82,13 @@ fn steps<T: Transport>(comm: &mut Comm<T>) -> gradpack::Result<Vec<Vec<u32>>> {
     Ok(out)
 }
 
+/// Per rank, the bits of every step's outputs.
+type Bits = Vec<Vec<Vec<u32>>>;
+
 /// [`steps`] on `p` ranks over TCP (behind a type-erased [`Shared`], what the Python
 /// package's collectives hold a clone each of, with `shared`) and in-process: both runs'
 /// bits.
-fn over_tcp_and_in_process(p: usize, shared: bool) -> (Vec<Vec<Vec<u32>>>, Vec<Vec<Vec<u32>>>) {
+fn over_tcp_and_in_process(p: usize, shared: bool) -> (Bits, Bits) {
     let want: Vec<_> = local::run(p, None, |mut c| steps(&mut c))
         .into_iter()
         .map(Result::unwrap)
