@@ -854,3 +854,164 @@ fn unbounded_caps_give_one_selection_over_the_model() {
     assert_eq!(got, want);
     identical_on_every_rank(2, &o, 3);
 }
+
+/// Speeds of `specs` as a user would pass them (from `gradpack report --json`, say).
+fn given_profiles(specs: &[&str]) -> Vec<gradpack::cost::CodecProfile> {
+    specs
+        .iter()
+        .map(|s| gradpack::cost::CodecProfile {
+            encode_bytes_per_s: 4e9,
+            decode_bytes_per_s: 6e9,
+            decode_add_bytes_per_s: 5e9,
+            ..gradpack::cost::CodecProfile::nominal(*s, 32.0)
+        })
+        .collect()
+}
+
+#[test]
+fn measured_auto_decides_alike_everywhere_as_the_tuner_does_and_resumes() {
+    use gradpack::sync::{CodecChoice, Route, TuneOptions, Tuner};
+    let specs = ["fp16", "int8"];
+    let candidates: Vec<CodecSpec> = specs.iter().map(|s| s.parse().unwrap()).collect();
+    let o = SyncOptions {
+        policy: Policy {
+            codec: CodecChoice::Auto {
+                candidates: candidates.clone(),
+                profiles: Some(given_profiles(&specs)),
+            },
+            ..Policy::auto(vec![])
+        },
+        network: Network {
+            bandwidth_bit_s: 1e9,
+            latency_s: 20e-6,
+        },
+        feedback: Feedback::WorkerAndOwner,
+        trials: 2,
+        trial_steps: 2,
+        ..opts(Policy::uniform("fp16".parse().unwrap()))
+    };
+    // Float32 and two trials of two steps each: decided after the sixth step.
+    let (p, steps) = (3, 9u64);
+    let l = layout();
+    let res = local::run(p, Some(Duration::from_secs(30)), |comm| {
+        let rank = comm.rank();
+        let mut e = SyncEngine::new(&l, comm.into_inner(), o.clone())?;
+        let model = e.plan().clone();
+        let mut out = feed(&mut e, 0..6, |s| grads(&l, rank, s), |_| in_order(rank, 0))?;
+        let rows = e.trials();
+        let decided = e.plan().clone();
+        let blob = e.save()?;
+        // The straight run goes on; a fresh engine restored from the blob runs the
+        // same steps after it.
+        out.extend(feed(
+            &mut e,
+            6..steps,
+            |s| grads(&l, rank, s),
+            |_| in_order(rank, 0),
+        )?);
+        let t = e.into_transport()?;
+        let mut fresh = SyncEngine::new(&l, t, o.clone())?;
+        assert_eq!(fresh.plan(), &model);
+        fresh.restore(&blob)?;
+        assert_eq!(fresh.plan(), &decided);
+        let resumed = feed(
+            &mut fresh,
+            6..steps,
+            |s| grads(&l, rank, s),
+            |_| in_order(rank, 0),
+        )?;
+        let rows_after = fresh.trials();
+        Ok((out, rows, decided, resumed, rows_after))
+    });
+    let res: Vec<_> = res.into_iter().map(|r| r.unwrap()).collect();
+    let (out0, rows0, plan0, _, _) = &res[0];
+    let measured: Vec<_> = rows0.iter().filter(|r| r.measured_s.is_some()).collect();
+    assert!(!measured.is_empty(), "{rows0:?}");
+    for (rank, (out, rows, plan, resumed, rows_after)) in res.iter().enumerate() {
+        // The same decision, the same bits, on every rank.
+        assert_eq!(rows, rows0, "rank {rank}");
+        assert_eq!(plan, plan0, "rank {rank}");
+        assert_eq!(bits(out), bits(out0), "rank {rank}");
+        // Restored, the engine measures nothing again and continues bit for bit.
+        assert_eq!(bits(resumed), bits(&out[6..]), "rank {rank}");
+        assert!(
+            rows_after
+                .iter()
+                .all(|r| r.measured_s.is_some() || r.modelled_s.is_some())
+        );
+        assert!(
+            rows_after.iter().filter(|r| r.chosen).count()
+                == rows.iter().filter(|r| r.chosen).count()
+        );
+    }
+    // Per measured bucket: float32 first, the kept one never measured slower, and its
+    // decision shown in the plan.
+    let buckets: std::collections::BTreeSet<usize> = measured.iter().map(|r| r.bucket).collect();
+    for &b in &buckets {
+        let rows: Vec<_> = rows0.iter().filter(|r| r.bucket == b).collect();
+        assert_eq!(rows[0].config.route, Route::Fp32);
+        assert_eq!(rows.len(), 3);
+        let kept = rows.iter().find(|r| r.chosen).expect("decided");
+        assert!(kept.measured_s.unwrap() <= rows[0].measured_s.unwrap());
+        let bp = &plan0.buckets[b];
+        let codec = kept.config.codec.unwrap();
+        assert_eq!(bp.codec, codec, "bucket {b}");
+    }
+    // One code path decides: a tuner with the same options, fed the same measured
+    // times, keeps the same configuration.
+    let mut profiles = given_profiles(&specs);
+    profiles.push(gradpack::cost::CodecProfile::nominal("identity", 32.0));
+    let tune = TuneOptions {
+        candidates,
+        network: o.network,
+        trials: 2,
+        trial_steps: 1,
+        ..TuneOptions::default()
+    };
+    let plan = &plan0;
+    for &b in &buckets {
+        let rows: Vec<_> = rows0.iter().filter(|r| r.bucket == b).collect();
+        let mut t = Tuner::new(p, tune.clone(), profiles.clone()).unwrap();
+        let ts: Vec<Tensor> = plan.buckets[b]
+            .tensors
+            .iter()
+            .map(|&i| l[i].clone())
+            .collect();
+        let mut trial = None;
+        for r in &rows {
+            let turn = t.next(b, &ts, None).unwrap();
+            assert_eq!(
+                turn.config, r.config,
+                "the same shortlist, in the same order"
+            );
+            assert_eq!(
+                t.note(turn.trial.unwrap(), 1.0).unwrap().is_some(),
+                r == rows.last().unwrap()
+            );
+            trial = turn.trial;
+        }
+        let means: Vec<f64> = rows.iter().map(|r| r.measured_s.unwrap()).collect();
+        t.decide(trial.unwrap(), &means).unwrap();
+        let kept = rows.iter().find(|r| r.chosen).unwrap();
+        assert_eq!(t.choice_of(&ts[0].name), Some(&kept.config));
+    }
+}
+
+#[test]
+fn measured_auto_options_are_checked() {
+    let l = layout();
+    let w = || local::Local::world(1).pop().unwrap();
+    let fixed = SyncOptions {
+        trials: 2,
+        ..opts(Policy::uniform("int8".parse().unwrap()))
+    };
+    match SyncEngine::new(&l, w(), fixed) {
+        Err(Error::Collective(m)) => assert!(m.contains("auto"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    let steps = SyncOptions {
+        trial_steps: 0,
+        ..opts(Policy::auto(vec!["int8".parse().unwrap()]))
+    };
+    assert!(SyncEngine::new(&l, w(), steps).is_err());
+}

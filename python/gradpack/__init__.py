@@ -32,6 +32,7 @@ from ._native import (
     CodecProfile,
     SharedMemory,
     Tcp,
+    Tuner,
     allreduce_time,
     backend,
     two_level_time,
@@ -40,6 +41,7 @@ from ._native import (
     parse_bandwidth,
     parse_duration,
     ring_time,
+    tensor_codec,
 )
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "PowerSgdBucket",
     "SharedMemory",
     "Tcp",
+    "Tuner",
     "agree",
     "allreduce_time",
     "two_level_time",
@@ -74,6 +77,7 @@ __all__ = [
     "powersgd_matrix",
     "reduce_frames",
     "ring_time",
+    "tensor_codec",
 ]
 
 __version__ = "0.1.0"

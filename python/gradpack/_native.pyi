@@ -6,7 +6,7 @@ of the `gradpack` Python package).
 from _typeshed import Incomplete, SupportsGetItem
 from typing import Any, Final, SupportsFloat, SupportsIndex, final
 
-__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "OuterSync", "PowerSgdBucket", "SharedMemory", "Tcp", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "encode", "encode_into", "frame_len", "inspect", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "two_level_time"]
+__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "OuterSync", "PowerSgdBucket", "SharedMemory", "Tcp", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "encode", "encode_into", "frame_len", "inspect", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "two_level_time"]
 
 HEADER_LEN: Final[int]
 """
@@ -441,6 +441,84 @@ class Tcp:
         The number of ranks.
         """
 
+@final
+class Tuner:
+    """
+    Measured `auto`: per bucket, float32 and the configurations (codec and route) the
+    cost model ranks fastest, measured in turn on the real bucket; every rank keeps the
+    one with the smallest mean of the ranks' best times, float32 on a tie, so none
+    measured slower than float32 is ever kept.
+
+    `profiles` are the measured speeds of every candidate and of `"identity"` (every rank
+    passes the same: average them over the ranks). `routes` are those tried besides
+    float32: `"allgather"`, `"ring"`, `"hierarchical"` (which needs `nodes`, the node of
+    every rank). `bandwidth` (bit/s) and `latency` (s) are the link between ranks (between
+    nodes, with `nodes`); `intra_bandwidth` and `intra_latency` the link inside a node.
+    Tensors of fewer than `small_below` elements, and vectors, go as float32 by the
+    all-gather; `dct_2d` sends a `dct` codec of `width=0` in tiles of each matrix's rows.
+    `trials` configurations are measured besides float32, `trial_steps` steps each.
+    """
+    def __new__(cls, /, world: SupportsIndex, profiles: SupportsGetItem[int, CodecProfile], candidates: SupportsGetItem[int, str], *, routes: SupportsGetItem[int, str] = ..., bandwidth: SupportsFloat | SupportsIndex, latency: SupportsFloat | SupportsIndex = 50e-6, intra_bandwidth: SupportsFloat | SupportsIndex = 40e9, intra_latency: SupportsFloat | SupportsIndex = 5e-6, nodes: SupportsGetItem[int, SupportsIndex] | None = None, small_below: SupportsIndex = 16384, dct_2d: bool = False, trials: SupportsIndex = 2, trial_steps: SupportsIndex = 2) -> Tuner: ...
+    def choice_of(self, /, name: str) -> tuple[str, str] | None:
+        """
+        The configuration decided for the tensor `name`: `(codec spec, route)`, or
+        `None`.
+        """
+    def decided(self, /) -> bool:
+        """
+        Whether every bucket's plan (as of its last :meth:`next`) is decided.
+        """
+    def modelled(self, /, codec: str, route: str, layout: SupportsGetItem[int, tuple[str, SupportsGetItem[int, SupportsIndex]]], staging: SupportsFloat | SupportsIndex | None = None) -> float:
+        """
+        The modelled time (s) of a bucket (`(name, shape)` of each tensor) with `codec`
+        by `route`, plus the copies to the host and back at `staging` bytes/s if given.
+        """
+    def modelled_best(self, /, elements: SupportsIndex) -> str:
+        """
+        The candidate the model ranks fastest for a tensor of `elements` elements.
+        """
+    def next(self, /, bucket: SupportsIndex, layout: SupportsGetItem[int, tuple[str, SupportsGetItem[int, SupportsIndex]]], staging: SupportsFloat | SupportsIndex | None = None) -> tuple[str, str, int | None]:
+        """
+        The configuration bucket `bucket` (a list of `(name, shape)` of its tensors, in
+        order) goes by this step: `(codec spec or "mixed", route, trial)`, `trial` being
+        the plan's number to pass to :meth:`record` with the time, or `None` once the
+        plan is decided. `staging`: bytes/s of a copy to the host and back, for a bucket
+        that lives on a device.
+        """
+    def plan(self, /) -> list[dict]:
+        """
+        The plan of the buckets as of their last :meth:`next`: one dict per bucket and
+        configuration tried, with ``bucket``, ``tensors``, ``elements``, ``codec``
+        (``"float32"`` for the float32 all-reduce), ``strategy`` (``"all-reduce"`` for
+        it), ``modelled_ms``, ``measured_ms`` (the mean of the ranks' best; ``None``
+        until measured) and ``chosen``.
+        """
+    def record(self, /, trial: SupportsIndex, seconds: SupportsFloat | SupportsIndex, rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, *, tag: SupportsIndex = ..., send_recv: Any | None = None, transport: Tcp | None = None) -> bool:
+        """
+        Record `seconds`, the time of a trial of plan `trial`. After the plan's last
+        trial this is a collective on the transport given (as for :func:`gradpack.agree`):
+        the ranks share their times and keep the fastest configuration. Returns whether
+        the plan is decided now.
+        """
+    def restore(self, /, blob: bytes) -> None:
+        """
+        Restore a :meth:`save` (a damaged blob raises and changes nothing).
+        """
+    def save(self, /) -> bytes:
+        """
+        The decided plans and each tensor's choice, as the crate's versioned,
+        checksummed blob.
+        """
+    def table(self, /) -> str:
+        """
+        :meth:`plan` as a text table, the chosen rows marked with ``*``.
+        """
+    def time(self, /, codec: str, route: str, elements: SupportsIndex) -> float:
+        """
+        The cost model's time (s) of an all-reduce of `elements` elements with `codec`
+        by `route`.
+        """
+
 def agree(settings: str, rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, *, tag: SupportsIndex = ..., send_recv: Any | None = None, transport: Tcp | None = None) -> None:
     """
     Check that every rank of `world` passes the same `settings` (`key=value` words
@@ -578,6 +656,14 @@ def ring_time(profile: CodecProfile, nodes: SupportsIndex, bandwidth: SupportsFl
 def splitmix64(z: SupportsIndex) -> int:
     """
     The splitmix64 finaliser the crate derives every seed with.
+    """
+
+def tensor_codec(codec: str, shape: SupportsGetItem[int, SupportsIndex], small_below: SupportsIndex = 16384, dct_2d: bool = False) -> str:
+    """
+    The spec of the codec a tensor of `shape` is sent with when its bucket's codec is
+    `codec`: float32 (``"identity"``) for tensors of fewer than `small_below` elements
+    and for vectors; with `dct_2d`, a `dct` codec of `width=0` with each matrix's row
+    length as its width (2-D tiles).
     """
 
 def two_level_time(profile: CodecProfile, strategy: str, hierarchical: bool, nodes: SupportsIndex, per_node: SupportsIndex, intra_bandwidth: SupportsFloat | SupportsIndex, inter_bandwidth: SupportsFloat | SupportsIndex, elements: SupportsFloat | SupportsIndex, intra_latency: SupportsFloat | SupportsIndex = 0.0, inter_latency: SupportsFloat | SupportsIndex = 0.0, node_bits: SupportsFloat | SupportsIndex = 32.0, reduce_bytes_per_s: SupportsFloat | SupportsIndex = ...) -> float: ...

@@ -341,7 +341,6 @@ class GradpackState:
         self._auto = isinstance(codec, str) and codec == "auto"
         self._ps = _powersgd_settings(powersgd)
         self.dct_2d = bool(dct_2d)
-        self._tiled: Dict[Tuple[str, int], Codec] = {}
         if self._ps is not None and strategy not in (None, "allgather"):
             raise ValueError("powersgd needs strategy='allgather' (the default)")
         if self._ps is not None and self._auto:
@@ -380,12 +379,12 @@ class GradpackState:
         self.trials = trials
         self.trial_steps = trial_steps
         self.print_plan = bool(print_plan)
-        # codec='auto': the configurations tried and chosen per bucket layout, and the
-        # choice per parameter (for layouts made of parameters already decided).
-        self._plans: Dict[str, Dict[str, Any]] = {}
-        self._param_choice: Dict[str, Tuple[str, str]] = {}
+        # codec='auto': the crate's measured choice (gradpack.Tuner: the plans per bucket
+        # layout and the choice per parameter), made at the first bucket, and a saved
+        # plan loaded before it.
+        self._tuner: Optional[gradpack.Tuner] = None
+        self._tuner_saved: Optional[bytes] = None
         self._plan_printed = False
-        self._current: Dict[int, str] = {}  # bucket index -> its layout's plan now
         self._h2d: Optional[float] = None
         self._streams: Dict[Any, Any] = {}
         if min_compress_elements < 0:
@@ -622,46 +621,64 @@ class GradpackState:
                 3 * i : 3 * i + 3
             ]
 
+    def _auto_model(self) -> "gradpack.Tuner":
+        """The crate's tuner with this state's options: the one the hook decides with
+        (with the plan loaded by :meth:`load_state_dict`), once the process group exists;
+        before, a model of 2 ranks (not kept)."""
+        if self._tuner is not None:
+            return self._tuner
+        live = dist.is_available() and dist.is_initialized()
+        t = self._new_tuner(live)
+        if live:
+            if self._tuner_saved is not None:
+                t.restore(self._tuner_saved)
+                self._tuner_saved = None
+            self._tuner = t
+        return t
+
+    def _new_tuner(self, live: bool) -> "gradpack.Tuner":
+        nodes = None
+        if "hierarchical" in self.strategies:
+            nodes = self.node_map() if live else [0, 1]
+        t = gradpack.Tuner(
+            self._world() if live else 2,
+            list(self._profiles.values()),
+            [c.spec for c in self.candidates],
+            routes=list(self.strategies),
+            bandwidth=self.bandwidth,
+            latency=self.latency,
+            intra_bandwidth=self.intra_bandwidth,
+            intra_latency=self.intra_latency,
+            nodes=nodes,
+            small_below=self.min_compress_elements,
+            dct_2d=self.dct_2d,
+            trials=self.trials,
+            trial_steps=self.trial_steps,
+        )
+        return t
+
+    def _auto_blob(self) -> Optional[torch.Tensor]:
+        """The crate's blob of auto's plan, as a uint8 tensor (None without one)."""
+        blob = self._tuner.save() if self._tuner is not None else self._tuner_saved
+        return None if blob is None else torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
     def modelled_time(
         self, codec: Union[str, Codec], elements: int, strategy: Optional[str] = None
     ) -> float:
         """The cost model's all-reduce time (s) of ``elements`` elements with ``codec``
-        by ``strategy`` (``"allgather"`` or ``"ring"``; default the first this state
-        tries) on this state's link and world (``"auto"`` states only; before the process
-        group exists it models 2 ranks). ``"identity"`` is the float32 ring."""
+        by ``strategy`` (``"allgather"``, ``"ring"`` or ``"hierarchical"``; default the
+        first this state tries) on this state's link and world (``"auto"`` states only;
+        before the process group exists it models 2 ranks). ``"identity"`` is the float32
+        ring."""
         c = Codec(codec)
         strategy = strategy or self.strategy
         if strategy not in ("allgather", "ring", "hierarchical"):
             raise ValueError(f"strategy {strategy!r}: use 'allgather', 'ring' or 'hierarchical'")
         if c.spec not in self._profiles:
             raise ValueError(f"{c.spec} was not calibrated (not among the candidates)")
-        if strategy == "hierarchical":
-            return self._time(c, strategy, elements, self.latency)
-        return self._time(c, "fp32" if c == _IDENTITY else strategy, elements, self.latency)
-
-    def _time(self, c: Codec, strategy: str, elements: int, latency: float) -> float:
-        """The cost model's time of ``elements`` elements with ``c`` by ``strategy``
-        (``"fp32"``: the float32 ring, summing at the identity codec's add speed)."""
-        world = self._world() if dist.is_initialized() else 2
-        p = self._profile(c, elements)
-        if strategy == "hierarchical":
-            # The codec's ring between nodes (fp32's for identity), each node's ranks
-            # reducing a shard of it side by side; float32 inside a node.
-            nodes = self.node_map() if dist.is_initialized() else [0, 1]
-            count = len(set(nodes))
-            per_node = max(nodes.count(k) for k in set(nodes))
-            fp32 = self._profiles[_IDENTITY.spec]
-            return gradpack.two_level_time(
-                p, "fp32-ring" if c == _IDENTITY else "ring", True, count, per_node,
-                self.intra_bandwidth, self.bandwidth, elements, self.intra_latency, latency,
-                32.0, fp32.decode_add_bytes_per_s,
-            )
-        if strategy == "fp32":
-            return gradpack.allreduce_time(
-                p, "fp32-ring", world, self.bandwidth, elements, latency,
-                p.decode_add_bytes_per_s,
-            )
-        return gradpack.allreduce_time(p, strategy, world, self.bandwidth, elements, latency)
+        if c == _IDENTITY and strategy != "hierarchical":
+            strategy = "fp32"
+        return self._auto_model().time(c.spec, strategy, elements)
 
     def codec_for(
         self, elements: int, ndim: int = 2, shape: Optional[Tuple[int, ...]] = None
@@ -670,30 +687,15 @@ class GradpackState:
         ``shape``, for ``dct_2d``) is sent with. With ``codec="auto"``: the cost model's
         pick for a tensor of that size before any measurement (the hook goes by
         :meth:`plan`, per bucket)."""
-        return self._param_codec(self._codec_for(elements), elements, ndim, shape)
+        if shape is None:
+            shape = (elements,) if ndim <= 1 else (elements, 1)
+        return self._param_codec(self._codec_for(elements), tuple(shape))
 
-    def _param_codec(
-        self, c: Codec, elements: int, ndim: int, shape: Optional[Tuple[int, ...]]
-    ) -> Codec:
-        """``c`` as sent for one parameter: float32 for small ones and vectors, and
-        ``dct_2d``'s tiles."""
-        if elements < self.min_compress_elements or ndim <= 1:
-            return _IDENTITY
-        if self.dct_2d and shape is not None and len(shape) >= 2 and c.name == "dct":
-            return self._tiled_codec(c, elements // max(shape[0], 1))
-        return c
-
-    def _tiled_codec(self, c: Codec, width: int) -> Codec:
-        """``c`` (a ``dct`` spec) with rows of ``width``, unless it has a width."""
-        key = (c.spec, width)
-        t = self._tiled.get(key)
-        if t is None:
-            t = c
-            flat = ",width=0"
-            if c.spec.endswith(flat) and 2 <= width < (1 << 32):
-                t = Codec(f"{c.spec[: -len(flat)]},width={width}")
-            self._tiled[key] = t
-        return t
+    def _param_codec(self, c: Codec, shape: Tuple[int, ...]) -> Codec:
+        """``c`` as sent for a parameter of ``shape``: the crate's per-tensor policy
+        (float32 for small ones and vectors, and ``dct_2d``'s tiles)."""
+        spec = gradpack.tensor_codec(c.spec, list(shape), self.min_compress_elements, self.dct_2d)
+        return c if spec == c.spec else Codec(spec)
 
     def _codec_for(self, elements: int) -> Codec:
         if not self._auto:
@@ -701,10 +703,7 @@ class GradpackState:
             return self.codec
         c = self._choice.get(elements)
         if c is None:
-            c = min(
-                self.candidates,
-                key=lambda k: min(self.modelled_time(k, elements, s) for s in self.strategies),
-            )
+            c = Codec(self._auto_model().modelled_best(elements))
             self._choice[elements] = c
         return c
 
@@ -738,7 +737,7 @@ class GradpackState:
             low_rank[name] = {"q": None if q is None else torch.from_numpy(q),
                               "residual": torch.from_numpy(e)}
         return {
-            "format": "gradpack.torch.GradpackState/1",
+            "format": _FORMAT,
             "step": self.step,
             "seed": self.seed,
             "codec": "auto" if self._auto else str(self.codec),
@@ -750,13 +749,9 @@ class GradpackState:
                 self._ring_restored,
                 **{k[0]: ar.state_dict() for k, ar in self._rings.items()},
             ),
-            # codec='auto': the plans decided, and the choice per parameter.
-            "plans": {
-                k: {f: p[f] for f in _PLAN_FIELDS}
-                for k, p in self._plans.items()
-                if p["choice"] is not None
-            },
-            "choices": {k: list(v) for k, v in self._param_choice.items()},
+            # codec='auto': the plans decided and the choice per parameter (the crate's
+            # blob).
+            "auto": self._auto_blob(),
             "momentum": self.momentum,
             "velocities": dict(
                 {k: v.clone() for k, v in self._vel_restored.items()},
@@ -768,8 +763,16 @@ class GradpackState:
         """Restore a :meth:`state_dict`: the step counter, and each parameter's residual
         and PowerSGD state (used when that parameter's gradient comes next). The codec,
         seed and PowerSGD settings must match this state's."""
-        if not isinstance(state, dict) or state.get("format") != "gradpack.torch.GradpackState/1":
-            raise ValueError("not a GradpackState state_dict (no format 'gradpack.torch.GradpackState/1')")
+        fmt = state.get("format") if isinstance(state, dict) else None
+        if fmt == _FORMAT_1 and not state.get("plans"):
+            fmt = _FORMAT  # the same fields, and no auto plan to read
+        if fmt == _FORMAT_1:
+            raise ValueError(
+                "this state_dict holds an auto plan in the format of an older gradpack "
+                f"({_FORMAT_1}); make the state again (the plan is measured anew)"
+            )
+        if fmt != _FORMAT:
+            raise ValueError(f"not a GradpackState state_dict (no format {_FORMAT!r})")
         mine = "auto" if self._auto else str(self.codec)
         if state["codec"] != mine or int(state["seed"]) != self.seed:
             raise ValueError(
@@ -797,7 +800,13 @@ class GradpackState:
         velocities = {
             k: torch.from_numpy(f32(k, v)) for k, v in state.get("velocities", {}).items()
         }
-        plans, choices = _plans_of(state)
+        auto = state.get("auto")
+        if auto is not None:
+            if not isinstance(auto, torch.Tensor) or auto.dtype != torch.uint8:
+                raise ValueError("state_dict's auto plan must be a uint8 tensor")
+            auto = auto.cpu().numpy().tobytes()
+            if self._auto:  # checked here, before anything changes
+                self._new_tuner(dist.is_available() and dist.is_initialized()).restore(auto)
         low_rank = {
             k: (None if v["q"] is None else f32(k, v["q"]), f32(k, v["residual"]))
             for k, v in state.get("low_rank", {}).items()
@@ -815,10 +824,10 @@ class GradpackState:
         self._rings_now.clear()
         self._gathers.clear()
         self._ring_restored = dict(state.get("rings", {}))
-        self._plans = {k: dict(v, runs=0) for k, v in plans.items()}
-        self._param_choice = choices
-        self._current = {}
-        self._plan_printed = bool(plans)
+        if self._auto:
+            self._tuner = None  # made again at the next bucket, from the plan loaded
+            self._tuner_saved = auto
+            self._plan_printed = auto is not None
         self._velocity.clear()
         self._vel_flat.clear()
         self._vel_restored = velocities
@@ -950,7 +959,7 @@ class GradpackState:
             self.step += 1
         n = buf.numel()
         if sum(e[1] for e in layout) != n:  # not seen; one tensor then
-            layout = [(f"bucket:{index}", n, 2, index, (n,))]
+            layout = [(f"bucket:{index}", n, 2, index, (n, 1))]
         if self.momentum:
             self._momentum(buf, layout)
         world = self._world()
@@ -1081,7 +1090,7 @@ class GradpackState:
             x = flat.view(-1).numpy()
             at = 0
             for key, m, d, skey, shape in layout:
-                c = self._param_codec(codec, m, d, shape)
+                c = self._param_codec(codec, shape)
                 (plain if c == _IDENTITY else comp).append(
                     (order.get(key, len(order)), key, skey, x, at, m)
                 )
@@ -1220,7 +1229,7 @@ class GradpackState:
         ring = None
         if cfg[1] in ("ring", "hierarchical", "majority"):
             assert base is not None
-            ring = self._param_codec(base, buf.numel(), 2, None)  # the whole bucket's codec
+            ring = self._param_codec(base, (buf.numel(), 1))  # the whole bucket's codec
         plain = not low_rank and cfg[1] != "hierarchical" and (
             cfg[1] == "fp32" or all(c == _IDENTITY for c in codecs) or ring == _IDENTITY
         )
@@ -1247,19 +1256,21 @@ class GradpackState:
         """The codec of the layout entry ``e`` under a configuration whose codec is
         ``base`` (``None``: each parameter's own choice, for a layout of parameters
         decided in other buckets)."""
-        name, m, d, _, shape = e
+        name, _, _, _, shape = e
         if base is None:
-            spec, strategy = self._param_choice[name]
+            assert self._tuner is not None
+            spec, strategy = self._tuner.choice_of(name)
             base = _IDENTITY if strategy == "fp32" else Codec(spec)
-        return self._param_codec(base, m, d, shape)
+        return self._param_codec(base, shape)
 
     # ------------------------------------------------------------------ auto
 
     def _config(
         self, index: int, layout: List[Any], n: int, cuda: bool
-    ) -> Tuple[Tuple[str, str], Any]:
-        """The configuration (codec spec, strategy) a bucket goes by this time, and its
-        plan while that plan is still being measured (else ``None``)."""
+    ) -> Tuple[Tuple[str, str], Optional[int]]:
+        """The configuration (codec spec, strategy) a bucket goes by this time, and with
+        ``codec="auto"`` the crate's plan number while that plan is still being measured
+        (else ``None``)."""
         if not self._auto:
             assert self.codec is not None
             if self.codec == _IDENTITY:
@@ -1267,93 +1278,11 @@ class GradpackState:
             if self._ring_from_3 and self._world() >= 3:
                 return (self.codec.spec, "ring"), None
             return (self.codec.spec, self.strategy), None
-        key = _layout_key(layout, n)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._derived(layout, n) or self._shortlist(layout, n, cuda)
-            self._plans[key] = plan
-        self._current[index] = key
-        if plan["choice"] is not None:
-            return tuple(plan["choice"]), None  # type: ignore[return-value]
-        j = plan["runs"] // self.trial_steps
-        plan["runs"] += 1
-        return tuple(plan["configs"][j]), plan  # type: ignore[return-value]
-
-    def _derived(self, layout: List[Any], n: int) -> Optional[Dict[str, Any]]:
-        """The plan of a layout whose parameters were all decided in other buckets (DDP
-        regroups its buckets after a fresh model's first step, so a state restored from
-        a checkpoint meets the first layout again): their choice when they agree, each
-        parameter's own by the all-gather when none is a ring, else the choice that
-        covers most elements."""
-        got = [self._param_choice.get(e[0]) for e in layout]
-        if any(g is None for g in got):
-            return None
-        kinds = list(dict.fromkeys(got))
-        if len(kinds) == 1:
-            choice = kinds[0]
-        elif all(
-            k[1] not in ("ring", "hierarchical", "majority") for k in kinds  # type: ignore[index]
-        ):
-            choice = (_MIXED, "allgather")
-        else:
-            weight: Dict[Any, int] = {}
-            for g, e in zip(got, layout):
-                weight[g] = weight.get(g, 0) + e[1]
-            choice = max(kinds, key=lambda k: weight[k])
-        return {
-            "names": [e[0] for e in layout], "elements": n, "configs": [list(choice)],
-            "modelled": [None], "times": [None], "runs": 0, "measured": None,
-            "choice": list(choice), "derived": True,
-        }
-
-    def _shortlist(self, layout: List[Any], n: int, cuda: bool) -> Dict[str, Any]:
-        """A new plan: float32 and the ``trials`` configurations the cost model ranks
-        fastest, to be measured in turn."""
-        ranked = []
-        for c in dict.fromkeys(self.candidates + [_IDENTITY]):
-            for strat in self.strategies:
-                if c == _IDENTITY and strat != "hierarchical":
-                    continue  # float32 is always measured: DDP's own all-reduce
-                ranked.append((self._model_bucket(c, strat, layout, n, cuda), [c.spec, strat]))
-        ranked.sort(key=lambda r: r[0])
-        top = ranked[: self.trials]
-        configs = [list(_FP32)] + [cfg for _, cfg in top]
-        modelled = [self._model_bucket(_IDENTITY, "fp32", layout, n, cuda)] + [t for t, _ in top]
-        # Float32 is measured first, so the last trial (after which the ranks agree,
-        # on the communication thread) is always one of the hook's own reductions.
-        return {
-            "names": [e[0] for e in layout], "elements": n, "configs": configs,
-            "modelled": modelled, "times": [float("inf")] * len(configs), "runs": 0,
-            "recorded": 0, "measured": None, "choice": None if top else list(_FP32), "derived": False,
-        }
-
-    def _profile(self, c: Codec, elements: int) -> "gradpack.CodecProfile":
-        prof = self._profiles[c.spec]
-        return gradpack.CodecProfile(
-            prof.spec,
-            c.bits_per_element(max(elements, 1)),
-            prof.encode_bytes_per_s,
-            prof.decode_bytes_per_s,
-            prof.decode_add_bytes_per_s,
+        staging = self._copy_speed() if cuda else None
+        spec, route, trial = self._auto_model().next(
+            index, [(e[0], list(e[4])) for e in layout], staging
         )
-
-    def _model_bucket(self, c: Codec, strategy: str, layout: List[Any], n: int, cuda: bool) -> float:
-        """The modelled time (s) of a bucket by ``strategy`` with ``c``: the cost model's
-        all-reduce (encodes, the frames on the link, p decodes or per-hop re-encodes),
-        plus, for a GPU bucket that goes through the host, the two copies over PCIe."""
-        lat = self.latency
-        if strategy == "fp32":
-            return self._time(_IDENTITY, "fp32", n, lat)
-        staging = 2 * 4 * n / self._copy_speed() if cuda else 0.0
-        if strategy in ("ring", "hierarchical"):
-            return staging + self._time(c, strategy, n, lat)
-        packed = sum(e[1] for e in layout if self._param_codec(c, e[1], e[2], e[4]) != _IDENTITY)
-        t = staging
-        if packed:
-            t += self._time(c, "allgather", packed, lat)
-        if n - packed:
-            t += self._time(_IDENTITY, "allgather", n - packed, 0.0 if packed else lat)
-        return t
+        return (spec, route), trial
 
     def _copy_speed(self) -> float:
         """Bytes/s of a host-device round of copies through pinned memory, measured once."""
@@ -1372,62 +1301,32 @@ class GradpackState:
             self._h2d = 2 * n / best
         return self._h2d
 
-    def _record(self, plan: Dict[str, Any], elapsed: float) -> None:
-        """Note a trial's time; after the last, agree on the times with the other ranks
-        (one all-reduce of the means, at the same point of every rank's sequence) and
-        keep the fastest configuration, float32 on a tie."""
-        j = plan["recorded"] // self.trial_steps
-        plan["recorded"] += 1
-        plan["times"][j] = min(plan["times"][j], elapsed)
-        if plan["recorded"] < len(plan["configs"]) * self.trial_steps:
-            return
-        t = torch.tensor(plan["times"], dtype=torch.float64)
-        world = self._world()
-        if world > 1:
-            dist.all_reduce(t, group=self._comm_group())
-            t /= world
-        measured = t.tolist()
-        best = min(range(len(measured)), key=lambda i: (measured[i], i))
-        plan["measured"] = measured
-        plan["choice"] = list(plan["configs"][best])
-        for name in plan["names"]:
-            self._param_choice[name] = tuple(plan["choice"])  # type: ignore[assignment]
-        if self.print_plan and self._rank() == 0 and not self._plan_printed:
-            if all(self._plans[k]["choice"] is not None for k in self._current.values()):
-                self._plan_printed = True
-                print(self.plan_table(), file=sys.stderr, flush=True)
+    def _record(self, trial: int, elapsed: float) -> None:
+        """Hand a trial's time to the crate's tuner; after the plan's last, the ranks
+        share their times (on the hook's transport, at the same point of every rank's
+        sequence) and keep the fastest configuration, float32 on a tie."""
+        tuner = self._tuner
+        assert tuner is not None
+        try:
+            tuner.record(trial, elapsed, **self._link())
+        except BaseException:
+            self._p2p.drop()
+            raise
+        self._p2p.wait()
+        if self.print_plan and self._rank() == 0 and not self._plan_printed and tuner.decided():
+            self._plan_printed = True
+            print(tuner.table(), file=sys.stderr, flush=True)
 
     def plan(self) -> List[Dict[str, Any]]:
         """``codec="auto"``'s plan for the buckets of the last step: one row per bucket and
         configuration tried, with ``bucket`` (DDP's bucket index), ``tensors``, ``elements``,
         ``codec``, ``strategy``, ``modelled_ms`` and ``measured_ms`` (the mean over the
         ranks of each rank's best trial; ``None`` until measured), and ``chosen``."""
-        rows = []
-        for i, key in sorted(self._current.items()):
-            p = self._plans[key]
-            for j, cfg in enumerate(p["configs"]):
-                m, t = p["modelled"][j], (p["measured"] or [None] * len(p["configs"]))[j]
-                rows.append({
-                    "bucket": i, "tensors": len(p["names"]), "elements": p["elements"],
-                    "codec": "float32" if cfg[1] == "fp32" else cfg[0],
-                    "strategy": "all-reduce" if cfg[1] == "fp32" else cfg[1],
-                    "modelled_ms": None if m is None else 1e3 * m,
-                    "measured_ms": None if t is None else 1e3 * t,
-                    "chosen": p["choice"] is not None and list(cfg) == list(p["choice"]),
-                })
-        return rows
+        return [] if self._tuner is None else self._tuner.plan()
 
     def plan_table(self) -> str:
         """:meth:`plan` as a text table, the chosen rows marked with ``*``."""
-        head = f"{'':1} {'bucket':>6} {'tensors':>7} {'elements':>10}  {'codec':<30} {'strategy':<10} {'model ms':>9} {'measured':>9}"
-        lines = ["gradpack auto plan (per bucket: float32 and the modelled best, measured)", head]
-        for r in self.plan():
-            fmt = lambda v: "" if v is None else f"{v:.2f}"
-            lines.append(
-                f"{'*' if r['chosen'] else ' ':1} {r['bucket']:>6} {r['tensors']:>7} {r['elements']:>10}  "
-                f"{r['codec'][:30]:<30} {r['strategy']:<10} {fmt(r['modelled_ms']):>9} {fmt(r['measured_ms']):>9}"
-            )
-        return "\n".join(lines)
+        return self._auto_model().table()
 
     def _allgather(
         self,
@@ -1979,32 +1878,8 @@ class _PointToPoint:
 _POWERSGD_KEYS = ("rank", "warm_start", "feedback", "min_compression", "start_step")
 
 
-_PLAN_FIELDS = ("names", "elements", "configs", "modelled", "times", "measured", "choice", "derived")
-
-
-def _plans_of(state: Dict[str, Any]) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Tuple[str, str]]]:
-    """A state_dict's decided plans and per-parameter choices, checked."""
-    plans = state.get("plans", {})
-    choices = state.get("choices", {})
-    try:
-        out = {}
-        for k, p in plans.items():
-            q = {f: p[f] for f in _PLAN_FIELDS}
-            if q["choice"] is None or len(q["configs"]) != len(q["modelled"]):
-                raise ValueError(k)
-            Codec(q["choice"][0]) if q["choice"][0] != _MIXED else None
-            q["choice"] = [str(q["choice"][0]), str(q["choice"][1])]
-            out[str(k)] = q
-        ch = {}
-        for k, v in choices.items():
-            spec, strat = str(v[0]), str(v[1])
-            if strat not in ("fp32", "allgather", "ring"):
-                raise ValueError(k)
-            Codec(spec)
-            ch[str(k)] = (spec, strat)
-    except (KeyError, TypeError, ValueError, IndexError, gradpack.Error) as e:
-        raise ValueError(f"state_dict's auto plan is malformed ({e!r})") from None
-    return out, ch
+_FORMAT = "gradpack.torch.GradpackState/2"
+_FORMAT_1 = "gradpack.torch.GradpackState/1"  # auto's plan as Python values
 
 
 def _powersgd_settings(p: Union[None, int, Dict[str, Any]]) -> Optional[Dict[str, Any]]:

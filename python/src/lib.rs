@@ -25,7 +25,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
 mod net;
+mod tune;
 use net::{Net, PyTcp, link};
+use tune::{PyTuner, tensor_codec};
 
 // gradpack.Error, the exception every crate error raises, is a Python class (in
 // `gradpack/_errors.py`): a subclass of ValueError that an abi3 module cannot define as a
@@ -2352,10 +2354,11 @@ mod _native {
     #[pymodule_export]
     use super::{
         PyAllReduce, PyBucketGather, PyCodec, PyErrorFeedback, PyHierarchical, PyOuterSync,
-        PyPowerSgd, PyProfile, PySharedMemory, PyTcp, agree, allreduce_time, backend,
+        PyPowerSgd, PyProfile, PySharedMemory, PyTcp, PyTuner, agree, allreduce_time, backend,
         best_strategy, break_even_bandwidth, calibrate, chunk_range, decode, decode_add,
         decode_into, encode, encode_into, frame_len, inspect, parse_bandwidth, parse_duration,
-        powersgd_matrix, rank_seed, reduce_frames, ring_time, splitmix64, two_level_time,
+        powersgd_matrix, rank_seed, reduce_frames, ring_time, splitmix64, tensor_codec,
+        two_level_time,
     };
 
     /// Size in bytes of every frame header.

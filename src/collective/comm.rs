@@ -273,6 +273,65 @@ impl<T: Transport + ?Sized> Comm<T> {
         first.map_or(flushed, Err)
     }
 
+    /// Every rank's `values` (the same count on every rank), indexed by rank: one call
+    /// of this `Comm`, made at the same point on every rank, exchanged as the agreement
+    /// on options is (each rank sends to every other and receives from every other,
+    /// phase 5, `tag` in the envelopes) with `values` as little-endian f64 after the
+    /// envelope. A peer that sends another count fails the call, naming it. What the
+    /// measured trials of [`crate::sync::Tuner`] share.
+    pub(crate) fn gather_f64(&mut self, tag: u32, values: &[f64]) -> Result<Vec<Vec<f64>>> {
+        let call = self.begin();
+        let (r, p) = (self.transport.rank(), self.transport.size());
+        let len = values.len().checked_mul(8).filter(|&l| l <= MAX_SETTINGS);
+        let Some(len) = len else {
+            return Err(Error::Collective(format!(
+                "{} values to share: at most {}",
+                values.len(),
+                MAX_SETTINGS / 8
+            )));
+        };
+        let place = |from: usize| Place {
+            call,
+            tag,
+            phase: Phase::Agreement,
+            hop: 0,
+            chunk: from as u32,
+            max: ENVELOPE_LEN + len,
+        };
+        let mut msg = vec![0u8; ENVELOPE_LEN];
+        values
+            .iter()
+            .for_each(|v| msg.extend_from_slice(&v.to_le_bytes()));
+        for k in 1..p {
+            self.post(&mut msg, (r + k) % p, place(r))?;
+        }
+        let mut out = vec![Vec::new(); p];
+        out[r] = values.to_vec();
+        let mut got = Vec::new();
+        for k in 1..p {
+            let from = (r + p - k) % p;
+            self.expect(&mut got, from, place(from))?;
+            let body = &got[ENVELOPE_LEN..];
+            if body.len() != len {
+                return Err(Error::Peer {
+                    peer: from,
+                    phase: Phase::Agreement.name(),
+                    forwarded_by: None,
+                    source: Box::new(Error::Collective(format!(
+                        "sent {} bytes of values, expected {len}",
+                        body.len()
+                    ))),
+                });
+            }
+            out[from] = body
+                .chunks_exact(8)
+                .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+                .collect();
+        }
+        self.transport.flush()?;
+        Ok(out)
+    }
+
     /// Take a call number without running the call (a collective skipped after an earlier
     /// failure; its peers see its messages missing, as they would a failed call's).
     pub(crate) fn skip(&mut self) {

@@ -71,8 +71,10 @@
 
 mod plan;
 mod powersgd;
+mod tune;
 
 use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 pub use plan::{
@@ -83,6 +85,7 @@ pub use plan::{
 use plan::{Kind, Reduces};
 use powersgd::LowRank;
 pub use powersgd::PowerSgdBucket;
+pub use tune::{BucketConfig, Route, TrialRow, TuneOptions, Tuner, Turn, tensor_codec};
 
 use crate::codec::CodecSpec;
 use crate::codecs::Identity;
@@ -165,6 +168,20 @@ pub struct SyncOptions {
     /// largest and change fastest: deep gradient compression warms up so, and PyTorch's
     /// PowerSGD hook by `start_powerSGD_iter`.
     pub start_step: u64,
+    /// Measured `auto`: with [`CodecChoice::Auto`], how many of the configurations
+    /// (codec and route) the cost model ranks fastest for each bucket are measured
+    /// against float32 on the real bucket, [`SyncOptions::trial_steps`] steps each,
+    /// before every rank keeps the fastest, never one measured slower than float32 (see
+    /// [`Tuner`], which decides for the PyTorch hook too). Default 0: the model's pick,
+    /// unmeasured. The routes tried are the all-gather and the ring (or
+    /// [`SyncOptions::strategy`] alone) and, with [`SyncOptions::nodes`], the two-level
+    /// all-reduce. The decided plan is part of [`SyncEngine::save`]; [`SyncEngine::plan`]
+    /// shows each bucket's decision once made, and [`SyncEngine::trials`] every
+    /// configuration tried with its modelled and measured times.
+    pub trials: usize,
+    /// Steps each configuration runs while measured, the best of them counting
+    /// (default 2).
+    pub trial_steps: usize,
 }
 
 impl Default for SyncOptions {
@@ -187,6 +204,8 @@ impl Default for SyncOptions {
             node_network: None,
             momentum: 0.0,
             start_step: 0,
+            trials: 0,
+            trial_steps: 2,
         }
     }
 }
@@ -282,6 +301,152 @@ struct Worker<T: Transport> {
     failed_step: Option<u64>,
     /// The settings to agree on before the first bucket (then `None`).
     agree: Option<String>,
+    /// Measured auto, with [`SyncOptions::trials`].
+    measure: Option<Measure>,
+}
+
+/// Measured auto ([`SyncOptions::trials`]) on the communication side: the tuner (shared
+/// with the caller's side, which shows its plan), each measured bucket's tensors, and
+/// the reducers of the configurations being measured.
+struct Measure {
+    tuner: Arc<Mutex<Tuner>>,
+    /// Per bucket: its tensors, if its configuration is measured.
+    tensors: Vec<Option<Vec<Tensor>>>,
+    /// Per bucket: the decided configuration its reducer runs, once installed.
+    installed: Vec<Option<BucketConfig>>,
+    /// The reducers of the configurations being measured, by bucket.
+    trying: Vec<(usize, BucketConfig, Reducer)>,
+    /// Options of every reducer it makes (strategy, tag and pieces set per reducer).
+    base: AllReduceOptions,
+    node_codec: CodecSpec,
+    nodes: Option<Nodes>,
+}
+
+/// `model` with each measured bucket's decision in `tuner`, once made, written into it.
+fn decided_plan(model: &Plan, tensors: &[Tensor], tuner: &Tuner) -> Plan {
+    let mut plan = model.clone();
+    let size = plan.nodes;
+    for bp in &mut plan.buckets {
+        let Some(first) = bp.tensors.first() else {
+            continue;
+        };
+        let Some(c) = tuner.choice_of(&tensors[*first].name) else {
+            continue;
+        };
+        let Ok(codec) = codec_of(c) else { continue };
+        let ts: Vec<Tensor> = bp.tensors.iter().map(|&i| tensors[i].clone()).collect();
+        bp.codec = codec;
+        bp.strategy = strategy_of(c, &codec);
+        bp.by_node = c.route == Route::Hierarchical;
+        bp.modelled_s = tuner
+            .modelled(&codec, c.route, &ts, None)
+            .unwrap_or(bp.modelled_s);
+        bp.wire_bytes = plan::bucket_cost(
+            &codec,
+            bp.strategy,
+            None,
+            size,
+            &model.network,
+            Reduces::One(bp.elements),
+            model.pieces,
+        )
+        .1;
+    }
+    plan
+}
+
+/// The envelope tag of the ranks' sharing of measured times.
+const TUNE_TAG: u32 = u32::MAX - 1;
+
+/// The tuner, locked (a panic while locked leaves calls that completed or failed whole).
+fn lock(t: &Mutex<Tuner>) -> std::sync::MutexGuard<'_, Tuner> {
+    t.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The collective strategy of configuration `c` (between nodes, for the two-level
+/// route).
+fn strategy_of(c: &BucketConfig, codec: &CodecSpec) -> Strategy {
+    match c.route {
+        Route::Fp32 => Strategy::Fp32Ring,
+        Route::AllGather => Strategy::CompressedAllGather,
+        Route::Ring | Route::Hierarchical if matches!(codec, CodecSpec::Identity(_)) => {
+            Strategy::Fp32Ring
+        }
+        Route::Ring | Route::Hierarchical => Strategy::CompressedRing,
+    }
+}
+
+/// The codec of configuration `c` (the engine's buckets never take their tensors'
+/// choices from other buckets).
+fn codec_of(c: &BucketConfig) -> Result<CodecSpec> {
+    c.codec
+        .ok_or_else(|| Error::Collective("a measured bucket with no codec of its own".into()))
+}
+
+impl Measure {
+    /// A reducer of bucket `bucket` (`elements` long) by configuration `c`.
+    fn reducer<T: Transport>(
+        &self,
+        comm: &Comm<T>,
+        bucket: usize,
+        elements: usize,
+        c: &BucketConfig,
+    ) -> Result<Reducer> {
+        let codec = codec_of(c)?;
+        let strategy = strategy_of(c, &codec);
+        let opts = AllReduceOptions {
+            strategy: StrategyChoice::Forced(strategy),
+            tag: bucket as u32,
+            pieces: if c.route == Route::AllGather {
+                1
+            } else {
+                self.base.pieces
+            },
+            feedback: if c.route == Route::Fp32 {
+                Feedback::None
+            } else {
+                self.base.feedback
+            },
+            ..self.base.clone()
+        };
+        Ok(match (c.route, &self.nodes) {
+            (Route::Hierarchical, Some(nodes)) => Reducer::Nodes(Box::new(Hierarchical::new(
+                codec,
+                self.node_codec,
+                elements,
+                comm,
+                nodes.clone(),
+                opts,
+            )?)),
+            (Route::Hierarchical, None) => {
+                return Err(Error::Collective("the two-level route needs nodes".into()));
+            }
+            _ => Reducer::Flat(Box::new(AllReduce::new(codec, elements, comm, opts)?)),
+        })
+    }
+
+    /// Install the decided configuration `c` of bucket `bucket` into `ars`: the reducer
+    /// that ran its trials (residuals and all), or a new one.
+    fn install<T: Transport>(
+        &mut self,
+        comm: &Comm<T>,
+        ars: &mut [Reducer],
+        bucket: usize,
+        elements: usize,
+        c: BucketConfig,
+    ) -> Result<()> {
+        if self.installed[bucket].as_ref() == Some(&c) {
+            return Ok(());
+        }
+        let r = match self.trying.iter().position(|t| t.0 == bucket && t.1 == c) {
+            Some(i) => self.trying.swap_remove(i).2,
+            None => self.reducer(comm, bucket, elements, &c)?,
+        };
+        ars[bucket] = r;
+        self.installed[bucket] = Some(c);
+        self.trying.retain(|t| t.0 != bucket);
+        Ok(())
+    }
 }
 
 /// The envelope tag of the engine's agreement on its options (the buckets use their
@@ -296,7 +461,7 @@ fn shared_settings(o: &SyncOptions, tensors: &[Tensor]) -> String {
         "policy={} bucket_cap_bytes={} first_bucket_cap_bytes={} op={:?} feedback={:?} \
          feedback_options={} network={} checksum={} seed={:#x} pieces={} strategy={:?} \
          nodes={} node_codec={} node_network={} momentum={:#x} start_step={} \
-         layout={:#010x}",
+         trials={} trial_steps={} layout={:#010x}",
         setting(&o.policy),
         o.bucket_cap_bytes,
         o.first_bucket_cap_bytes,
@@ -313,6 +478,8 @@ fn shared_settings(o: &SyncOptions, tensors: &[Tensor]) -> String {
         setting(&o.node_network),
         o.momentum.to_bits(),
         o.start_step,
+        o.trials,
+        o.trial_steps,
         layout_hash(tensors),
     )
 }
@@ -328,7 +495,8 @@ enum Job {
     },
     Reset,
     Save,
-    Restore(Vec<Vec<u8>>),
+    /// The reducers' blobs, and measured auto's plan.
+    Restore(Vec<Vec<u8>>, Option<Vec<u8>>),
 }
 
 enum Done {
@@ -344,6 +512,102 @@ enum Done {
 }
 
 impl<T: Transport> Worker<T> {
+    /// Bucket `bucket` reduced: by its reducer, or with measured auto by the
+    /// configuration whose turn it is (timed, and after a plan's last trial the ranks'
+    /// times shared and the fastest installed).
+    fn run_bucket(
+        &mut self,
+        bucket: usize,
+        step: u64,
+        input: &mut [f32],
+        output: &mut [f32],
+        seed: u64,
+    ) -> Result<Stats> {
+        let Worker {
+            comm, ars, measure, ..
+        } = self;
+        let Some(m) = measure.as_mut() else {
+            return ars[bucket].run(comm, step, input, output, seed);
+        };
+        let Some(tensors) = &m.tensors[bucket] else {
+            return ars[bucket].run(comm, step, input, output, seed);
+        };
+        let turn = lock(&m.tuner).next(bucket, tensors, None)?;
+        let Some(trial) = turn.trial else {
+            m.install(comm, ars, bucket, input.len(), turn.config)?;
+            return ars[bucket].run(comm, step, input, output, seed);
+        };
+        let i = match m
+            .trying
+            .iter()
+            .position(|t| t.0 == bucket && t.1 == turn.config)
+        {
+            Some(i) => i,
+            None => {
+                let r = m.reducer(comm, bucket, input.len(), &turn.config)?;
+                m.trying.push((bucket, turn.config, r));
+                m.trying.len() - 1
+            }
+        };
+        let t0 = std::time::Instant::now();
+        let stats = m.trying[i].2.run(comm, step, input, output, seed)?;
+        let seconds = t0.elapsed().as_secs_f64();
+        let noted = lock(&m.tuner).note(trial, seconds)?;
+        if let Some(times) = noted {
+            // Not locked while the ranks share: the caller's side may read the plan.
+            let means = Tuner::share(comm, TUNE_TAG, &times)?;
+            let kept = {
+                let mut t = lock(&m.tuner);
+                t.decide(trial, &means)?;
+                t.choice_of(&tensors[0].name).cloned()
+            };
+            // Installed at once, so that a save between steps holds the reducer the
+            // restored engine makes for the decision.
+            if let Some(c) = kept {
+                m.install(comm, ars, bucket, input.len(), c)?;
+            }
+        }
+        Ok(stats)
+    }
+
+    /// Restore the reducers' `blobs` and, with measured auto, the plan `tuned` (a
+    /// [`Tuner::save`]): each decided bucket's reducer made for its configuration first.
+    /// All or nothing.
+    fn restore(&mut self, blobs: &[Vec<u8>], tuned: Option<&[u8]>) -> Result<()> {
+        let mut ars = self.ars.clone();
+        let mut staged = None;
+        if let (Some(m), Some(blob)) = (&self.measure, tuned) {
+            let mut tuner = lock(&m.tuner).clone();
+            tuner.restore(blob)?;
+            let mut fresh = Measure {
+                tuner: Arc::new(Mutex::new(tuner.clone())),
+                tensors: m.tensors.clone(),
+                installed: vec![None; m.installed.len()],
+                trying: Vec::new(),
+                base: m.base.clone(),
+                node_codec: m.node_codec,
+                nodes: m.nodes.clone(),
+            };
+            for (b, ts) in m.tensors.iter().enumerate() {
+                let Some(ts) = ts else { continue };
+                let Some(c) = tuner.choice_of(&ts[0].name).cloned() else {
+                    continue;
+                };
+                let n = ts.iter().map(Tensor::len).sum::<Result<usize>>()?;
+                fresh.install(&self.comm, &mut ars, b, n, c)?;
+            }
+            staged = Some((tuner, fresh.installed));
+        }
+        crate::state::restore_all(&mut ars, blobs, Reducer::restore)?;
+        self.ars = ars;
+        if let (Some(m), Some((tuner, installed))) = (&mut self.measure, staged) {
+            *lock(&m.tuner) = tuner;
+            m.installed = installed;
+            m.trying.clear();
+        }
+        Ok(())
+    }
+
     /// Bucket `bucket` all-reduced in f32 (a step before the start step).
     fn warm_run(&mut self, bucket: usize, input: &mut [f32], output: &mut [f32]) -> Result<Stats> {
         if self.warm.is_empty() {
@@ -402,7 +666,7 @@ impl<T: Transport> Worker<T> {
                         if !self.warm.is_empty() {
                             self.warm = Vec::new();
                         }
-                        self.ars[bucket].run(&mut self.comm, step, &mut input, &mut output, seed)
+                        self.run_bucket(bucket, step, &mut input, &mut output, seed)
                     };
                     if r.is_err() {
                         self.failed_step = Some(step);
@@ -418,15 +682,14 @@ impl<T: Transport> Worker<T> {
             }
             Job::Reset => {
                 self.ars.iter_mut().for_each(Reducer::reset);
+                if let Some(m) = &mut self.measure {
+                    m.trying.iter_mut().for_each(|t| t.2.reset());
+                }
                 self.failed_step = None;
                 Done::Reset
             }
             Job::Save => Done::Saved(self.ars.iter().map(Reducer::save).collect()),
-            Job::Restore(blobs) => Done::Restored(crate::state::restore_all(
-                &mut self.ars,
-                &blobs,
-                Reducer::restore,
-            )),
+            Job::Restore(blobs, tuned) => Done::Restored(self.restore(&blobs, tuned.as_deref())),
         }
     }
 }
@@ -479,6 +742,10 @@ pub struct SyncEngine<T: Transport + Send + 'static> {
     runner: Runner<T>,
     /// Per tensor: its velocity, with [`SyncOptions::momentum`] (else empty).
     velocity: Vec<Vec<f32>>,
+    /// Measured auto's tuner, shared with the communication side, and the plan as the
+    /// model made it (the decisions are shown over it).
+    tuner: Option<Arc<Mutex<Tuner>>>,
+    model_plan: Plan,
 }
 
 impl<T: Transport + Send + 'static> core::fmt::Debug for SyncEngine<T> {
@@ -528,6 +795,28 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
         if opts.pieces == 0 {
             return Err(Error::Collective(
                 "pieces per ring chunk must be at least 1".into(),
+            ));
+        }
+        if opts.trial_steps == 0 {
+            return Err(Error::Collective("trial_steps must be at least 1".into()));
+        }
+        if opts.trials > 0 && !matches!(opts.policy.codec, CodecChoice::Auto { .. }) {
+            return Err(Error::Collective(
+                "trials measure auto's candidates: give an auto policy (Policy::auto), or \
+                 trials = 0"
+                    .into(),
+            ));
+        }
+        if opts.trials > 0
+            && matches!(
+                opts.strategy,
+                Some(Strategy::SignMajority | Strategy::Fp32Ring)
+            )
+        {
+            return Err(Error::Collective(
+                "trials choose among the ring and the all-gather: give no strategy, or one \
+                 of those"
+                    .into(),
             ));
         }
         if opts.bucket_cap_bytes == 0 || opts.first_bucket_cap_bytes == 0 {
@@ -768,7 +1057,73 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
                 sent: false,
             });
         }
+        // Measured auto: a tuner for the buckets of the policy's codec.
+        let measure = match (&policy.codec, &profiles) {
+            (CodecChoice::Auto { candidates, .. }, Some(measured)) if opts.trials > 0 => {
+                let identity = CodecSpec::Identity(Identity);
+                let mut speeds = measured.clone();
+                if !candidates.contains(&identity) {
+                    speeds.push(match &policy.codec {
+                        CodecChoice::Auto { profiles: None, .. } => {
+                            shared_profiles(&[identity], &mut comm)?.remove(0)
+                        }
+                        // Speeds given without float32's: float32 is measured in every
+                        // plan, and its model only ranks the two-level route.
+                        _ => CodecProfile::nominal("identity", 32.0),
+                    });
+                }
+                let mut routes = match opts.strategy {
+                    Some(Strategy::CompressedRing) => vec![Route::Ring],
+                    Some(_) => vec![Route::AllGather],
+                    None => vec![Route::AllGather, Route::Ring],
+                };
+                if opts.nodes.is_some() {
+                    routes.push(Route::Hierarchical);
+                }
+                let tune = TuneOptions {
+                    candidates: candidates.clone(),
+                    routes,
+                    network: net,
+                    node_network: opts
+                        .node_network
+                        .unwrap_or(TuneOptions::default().node_network),
+                    nodes: opts.nodes.clone(),
+                    small_below: policy.small_below,
+                    dct_2d: false,
+                    trials: opts.trials,
+                    trial_steps: opts.trial_steps,
+                };
+                let tensors = plan
+                    .buckets
+                    .iter()
+                    .map(|bp| {
+                        let codec = bp.low_rank.is_none()
+                            && bp.tensors.first().is_some_and(|&t| kinds[t] == Kind::Codec);
+                        codec.then(|| bp.tensors.iter().map(|&t| layout[t].clone()).collect())
+                    })
+                    .collect::<Vec<Option<Vec<Tensor>>>>();
+                Some(Measure {
+                    tuner: Arc::new(Mutex::new(Tuner::new(size, tune, speeds)?)),
+                    installed: vec![None; tensors.len()],
+                    tensors,
+                    trying: Vec::new(),
+                    base: AllReduceOptions {
+                        op: opts.op,
+                        feedback: opts.feedback,
+                        feedback_options: opts.feedback_options,
+                        checksum: opts.checksum,
+                        pieces: opts.pieces,
+                        ..Default::default()
+                    },
+                    node_codec: opts.node_codec,
+                    nodes: opts.nodes.clone(),
+                })
+            }
+            _ => None,
+        };
+        let tuner = measure.as_ref().map(|m| Arc::clone(&m.tuner));
         let worker = Worker {
+            measure,
             warm: Vec::new(),
             warm_until: opts.start_step,
             warm_opts: AllReduceOptions {
@@ -802,6 +1157,8 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
             }
         }
         Ok(SyncEngine {
+            tuner,
+            model_plan: plan.clone(),
             velocity,
             given: vec![false; layout.len()],
             tensors: layout.to_vec(),
@@ -818,9 +1175,35 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
         })
     }
 
-    /// The plan: buckets, their tensors, codecs, strategies and modelled times.
+    /// The plan: buckets, their tensors, codecs, strategies and modelled times. With
+    /// measured auto ([`SyncOptions::trials`]), a bucket still being measured shows the
+    /// model's pick, and a decided one its decision.
     pub fn plan(&self) -> &Plan {
         &self.plan
+    }
+
+    /// With measured auto ([`SyncOptions::trials`]): per measured bucket, every
+    /// configuration tried, with its modelled and (once every trial ran) measured time and
+    /// the one kept ([`Tuner::plan`]; `bucket` is the plan's bucket index). Empty
+    /// without.
+    pub fn trials(&self) -> Vec<TrialRow> {
+        self.tuner
+            .as_ref()
+            .map_or_else(Vec::new, |t| lock(t).plan())
+    }
+
+    /// [`SyncEngine::trials`] as a text table, the kept rows marked with `*`.
+    pub fn trials_table(&self) -> String {
+        self.tuner
+            .as_ref()
+            .map_or_else(String::new, |t| lock(t).table())
+    }
+
+    /// Write each measured bucket's decision, once made, into the plan.
+    fn show_decisions(&mut self) {
+        if let Some(t) = &self.tuner {
+            self.plan = decided_plan(&self.model_plan, &self.tensors, &lock(t));
+        }
     }
 
     /// Steps finished (successful or not) since the engine was built or restored from.
@@ -1061,6 +1444,7 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
         }
         self.in_step = false;
         self.step += 1;
+        self.show_decisions();
         let mut stats = StepStats::default();
         let mut first_err = missing_err;
         for b in &self.buckets {
@@ -1140,8 +1524,12 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
         let mut w = BlobWriter::new(ENGINE_MAGIC);
         w.u32(layout_hash(&self.tensors))
             .u64(self.tensors.len() as u64)
-            .u64(self.step)
-            .u64(self.plan.buckets.len() as u64);
+            .u64(self.step);
+        // With measured auto, its plan (the buckets' codecs below are its decisions).
+        if let Some(t) = &self.tuner {
+            w.bytes(&lock(t).save());
+        }
+        w.u64(self.plan.buckets.len() as u64);
         for (bp, blob) in self.plan.buckets.iter().zip(&blobs) {
             w.str(&bp.method())
                 .str(bp.strategy.name())
@@ -1169,9 +1557,20 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
         r.u32_eq("layout hash (names and shapes)", layout_hash(&self.tensors))?;
         r.u64_eq("tensor count", self.tensors.len() as u64)?;
         let step = r.u64()?;
-        r.u64_eq("bucket count", self.plan.buckets.len() as u64)?;
-        let mut blobs = Vec::with_capacity(self.plan.buckets.len());
-        for bp in &self.plan.buckets {
+        // With measured auto: its plan, and the buckets as that plan has them.
+        let (tuned, shown) = match &self.tuner {
+            Some(t) => {
+                let blob = r.bytes()?.to_vec();
+                let mut theirs = lock(t).clone();
+                theirs.restore(&blob)?;
+                let shown = decided_plan(&self.model_plan, &self.tensors, &theirs);
+                (Some(blob), shown)
+            }
+            None => (None, self.plan.clone()),
+        };
+        r.u64_eq("bucket count", shown.buckets.len() as u64)?;
+        let mut blobs = Vec::with_capacity(shown.buckets.len());
+        for bp in &shown.buckets {
             r.str_eq("bucket codec", &bp.method())?;
             r.str_eq("bucket strategy", bp.strategy.name())?;
             r.u64_eq("bucket tensor count", bp.tensors.len() as u64)?;
@@ -1187,13 +1586,14 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
             velocity.push(v);
         }
         r.end()?;
-        match self.call(Job::Restore(blobs))? {
+        match self.call(Job::Restore(blobs, tuned))? {
             Done::Restored(res) => res?,
             _ => return Err(thread_gone()),
         }
         self.step = step;
         self.last = None;
         self.velocity = velocity;
+        self.plan = shown;
         Ok(())
     }
 }

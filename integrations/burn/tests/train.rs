@@ -193,3 +193,33 @@ fn a_checkpoint_of_model_optimizer_and_sync_state_resumes_bit_identically() {
         "dropping the residuals changed nothing: the test cannot tell a restore from none"
     );
 }
+
+#[test]
+fn measured_auto_in_the_engine_trains_and_resumes_bit_identically() {
+    // Each bucket's codec and route measured (float32, then the model's two best of
+    // fp16 and int8, two steps each; the crate's Tuner decides, as for the PyTorch
+    // hook): the workers stay identical and learn, and resumed from a checkpoint taken
+    // after the decision they stay identical (the engine's own tests check that a
+    // restored plan continues bit for bit).
+    let opts = SyncOptions {
+        policy: Policy::auto(vec!["fp16".parse().unwrap(), "int8".parse().unwrap()]),
+        trials: 2,
+        trial_steps: 2,
+        ..SyncOptions::default()
+    };
+    let results = run(&config(60, 3, false), &opts, 2, None);
+    assert_eq!(
+        results[0].param_hashes, results[1].param_hashes,
+        "workers diverged"
+    );
+    let l = &results[0].losses;
+    let (first, last) = (l[..10].iter().sum::<f32>(), l[50..].iter().sum::<f32>());
+    assert!(last < first / 2.0, "loss did not fall: {first} -> {last}");
+    let half = run(&config(30, 3, true), &opts, 2, None);
+    let ckpts: Vec<_> = half.into_iter().map(|w| w.checkpoint.unwrap()).collect();
+    let resumed = run(&config(60, 99, false), &opts, 2, Some(&ckpts));
+    for (r, w) in resumed.iter().enumerate() {
+        assert_eq!(w.param_hashes.len(), 30);
+        assert_eq!(w.param_hashes, resumed[0].param_hashes, "worker {r}");
+    }
+}
