@@ -676,3 +676,103 @@ fn products_are_the_same_bits_on_every_backend_and_thread_count() -> Result<()> 
     gradpack::parallel::set_min_len(gradpack::parallel::DEFAULT_MIN_LEN);
     Ok(())
 }
+
+#[test]
+fn a_whole_exchange_matches_the_three_steps_and_carries_the_float32_tensors() {
+    use gradpack::collective::{
+        AllReduce, AllReduceOptions, Comm, ReduceOp, Shared, Strategy, StrategyChoice,
+    };
+    // A bucket of a 24 x 16 matrix, a bias of 5 and a 12 x 8 matrix, on 3 ranks: the
+    // crate's exchange gives the bits of the three steps run by hand with the same two
+    // float32 all-reduces (each on its own Comm over one transport, as the PyTorch hook
+    // runs them), and the ranks agree.
+    let (a, b) = ((24usize, 16usize), (12usize, 8usize));
+    let len = a.0 * a.1 + 5 + b.0 * b.1;
+    let mats = [(0, (a.0, a.1, 2)), (a.0 * a.1 + 5, (b.0, b.1, 2))];
+    let bias = a.0 * a.1..a.0 * a.1 + 5;
+    let f32_mean = |n: usize, tag: u32, comm: &Comm<Shared<local::Local>>| {
+        let o = AllReduceOptions {
+            op: ReduceOp::Mean,
+            strategy: StrategyChoice::Forced(Strategy::Fp32Ring),
+            tag,
+            ..Default::default()
+        };
+        AllReduce::new(
+            "identity".parse::<gradpack::CodecSpec>().unwrap(),
+            n,
+            comm,
+            o,
+        )
+    };
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let res = local::run(3, Some(Duration::from_secs(20)), |t| {
+        let rank = t.rank();
+        let shared = Shared::new(t.into_inner());
+        let (mut c1, mut c2) = (Comm::new(shared.clone()), Comm::new(shared));
+        let mut whole = PowerSgdBucket::at_offsets(PowerSgd::rank(2), &mats, len)?;
+        let mut by_hand = whole.clone();
+        let (p_len, q_len) = (whole.p_len(), whole.q_len());
+        let mut first = f32_mean(p_len + 5, 1, &c1)?;
+        let mut second = f32_mean(q_len, 2, &c2)?;
+        let mut outs = Vec::new();
+        for step in 0..3u64 {
+            let grad = gradpack::synthetic::gradient(len, 100 * step + rank as u64);
+            let mut m = grad.clone();
+            whole.exchange(
+                &mut m,
+                7 + step,
+                core::slice::from_ref(&bias),
+                (&mut first, &mut c1),
+                (&mut second, &mut c2),
+            )?;
+            let mut h = grad.clone();
+            let mut p = vec![0f32; p_len + 5];
+            by_hand.p_step(&mut h, 7 + step, &mut p[..p_len])?;
+            p[p_len..].copy_from_slice(&h[bias.clone()]);
+            first.run_in_place(&mut c1, &mut p, 0)?;
+            h[bias.clone()].copy_from_slice(&p[p_len..]);
+            let mut q = vec![0f32; q_len];
+            by_hand.q_step(&h, &mut p[..p_len], &mut q)?;
+            second.run_in_place(&mut c2, &mut q, 0)?;
+            by_hand.finish_in_place(&mut h, &p[..p_len], &q)?;
+            assert_eq!(bits(&m), bits(&h), "step {step}");
+            outs.push(m);
+        }
+        // A wrong all-reduce (int8, or one whose length leaves out the float32
+        // tensors) is refused before anything is sent.
+        let o = AllReduceOptions {
+            op: ReduceOp::Mean,
+            ..Default::default()
+        };
+        let mut int8 = AllReduce::new(
+            "int8".parse::<gradpack::CodecSpec>().unwrap(),
+            p_len + 5,
+            &c1,
+            o,
+        )?;
+        let mut m = vec![0f32; len];
+        let pair = (&mut second, &mut c2);
+        let r = whole.exchange(
+            &mut m,
+            1,
+            core::slice::from_ref(&bias),
+            (&mut int8, &mut c1),
+            pair,
+        );
+        assert!(r.is_err());
+        let r = whole.exchange(
+            &mut m,
+            1,
+            &[],
+            (&mut first, &mut c1),
+            (&mut second, &mut c2),
+        );
+        assert!(r.is_err());
+        assert!(m.iter().all(|&v| v == 0.0), "refused before any change");
+        Ok(outs)
+    });
+    let res: Vec<_> = res.into_iter().map(|r| r.unwrap()).collect();
+    for r in &res[1..] {
+        assert_eq!(bits(&r.concat()), bits(&res[0].concat()));
+    }
+}

@@ -699,6 +699,33 @@ class BucketGather:
         bound = None if max_message is None else int(max_message)
         return self._g.run(_frame(message), segs, _f32(out, "out"), bound)
 
+    def encode_run(
+        self,
+        x: ArrayLike,
+        parts: Sequence[Tuple[int, int, Union[str, Codec], int, Optional["ErrorFeedback"]]],
+        *,
+        seed: int,
+        step: int,
+        checksum: bool = False,
+    ) -> Dict[str, Any]:
+        """Encode and gather in one call, in the crate with the GIL released: each
+        ``(start, length, codec, key, feedback)`` of ``parts`` is the tensor
+        ``x[start : start + length]`` (float32, written in place), encoded with ``codec``
+        through the :class:`ErrorFeedback` ``feedback`` (or none) and a seed the crate
+        derives from ``seed``, ``step``, the tensor's ``key`` (an int that names it, the
+        same on every rank) and the rank; the frames are one message, gathered as
+        :meth:`run` does, and each part's sum or mean over the ranks is written back into
+        ``x``. ``checksum`` seals each frame with a CRC-32. Every rank passes the same
+        parts (codecs and ranges)."""
+        mask = (1 << 64) - 1
+        ps = [
+            (int(a), int(n), Codec(c)._c, int(k) & mask, None if fb is None else fb._ef)
+            for a, n, c, k, fb in parts
+        ]
+        return self._g.encode_run(
+            _f32(x, "x"), ps, seed=int(seed) & mask, step=int(step) & mask, checksum=bool(checksum)
+        )
+
     @property
     def calls(self) -> int:
         """Calls of :meth:`run` so far."""
@@ -977,6 +1004,26 @@ class PowerSgdBucket:
     def p_step(self, m: ArrayLike, seed: int, p: ArrayLike) -> None:
         """Step 1: ``m`` becomes ``M`` (gradient plus residual); ``p`` gets ``M Q``."""
         self._b.p_step(_f32(m, "m"), seed & ((1 << 64) - 1), _f32(p, "p"))
+
+    def exchange(
+        self,
+        m: ArrayLike,
+        seed: int,
+        plain: Sequence[Tuple[int, int]],
+        first: "AllReduce",
+        second: "AllReduce",
+    ) -> bool:
+        """A whole step over the ranks, in the crate with no Python between its parts:
+        :meth:`p_step`, the float32 all-reduce ``first`` of every matrix's ``P`` followed
+        by the ``(start, length)`` ranges ``plain`` of ``m`` (tensors sent as float32,
+        written back with their mean), :meth:`q_step`, the all-reduce ``second`` of
+        ``Q``, and :meth:`finish` in place. ``first`` and ``second`` are
+        :class:`AllReduce` of ``"identity"`` with ``op="mean"``, of :attr:`p_len` plus the
+        ranges' elements and of :attr:`q_len` elements. Returns :meth:`finish`'s flag."""
+        return self._b.exchange(
+            _f32(m, "m"), seed & ((1 << 64) - 1), [(int(a), int(n)) for a, n in plain],
+            first._ar, second._ar,
+        )
 
     def q_step(self, m: ArrayLike, p: ArrayLike, q: ArrayLike) -> None:
         """Step 2: ``p`` (the mean over ranks) is orthonormalised in place; ``q`` gets

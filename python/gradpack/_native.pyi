@@ -68,6 +68,15 @@ class BucketGather:
         """
         Calls of `run` so far.
         """
+    def encode_run(self, /, x: Any, parts: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex, Codec, SupportsIndex, ErrorFeedback | None]], *, seed: SupportsIndex, step: SupportsIndex, checksum: bool = False) -> dict:
+        """
+        Encode each of `parts` into one message and run it: a part is `(start, length,
+        codec, key, feedback)`, the tensor `x[start : start + length]` encoded with
+        `codec` (through the `ErrorFeedback` `feedback` when not None) and the seed the
+        crate derives from `seed`, `step`, the tensor's `key` and this rank; each part's
+        sum or mean over the ranks is written back into `x`. All in the crate with the
+        GIL released; the message and a peer's are bounded by the parts' longest frames.
+        """
     def run(self, /, message: Any, segments: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex]], out: Any, max_message: SupportsIndex | None = None) -> dict:
         """
         Gather every rank's `message` (its frames for the tensors at `segments` of `out`,
@@ -296,6 +305,15 @@ class PowerSgdBucket:
     def __len__(self, /) -> int: ...
     def __new__(cls, /, shapes: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex, SupportsIndex]], rank: SupportsIndex = 2, warm_start: bool = True, feedback: bool = True, min_compression: SupportsFloat | SupportsIndex = 2.0, offsets: SupportsGetItem[int, SupportsIndex] | None = None, length: SupportsIndex | None = None) -> PowerSgdBucket: ...
     def __repr__(self, /) -> str: ...
+    def exchange(self, /, m: Any, seed: SupportsIndex, plain: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex]], first: AllReduce, second: AllReduce) -> bool:
+        """
+        A whole step over the ranks: `p_step`, the float32 all-reduce `first` of every
+        matrix's P followed by the tensors `plain` (`(start, length)` ranges of `m` that go
+        as float32, written back with their mean), `q_step`, the all-reduce `second` of Q,
+        and `finish` in place, all in the crate with the GIL released. `first` and
+        `second` are float32 mean all-reduces of `p_len` plus the ranges' elements and of
+        `q_len` elements. Returns `finish`'s flag.
+        """
     def finish(self, /, m: Any, p: Any, q: Any, out: Any | None = None) -> bool:
         """
         Step 3: `q` is the mean over ranks; `out` (or `m` itself when `out` is None)

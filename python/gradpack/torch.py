@@ -1080,7 +1080,6 @@ class GradpackState:
         vector encoded by one top-k (with its error feedback when on); the others go as
         float32 frames. One all-gather of the message, each frame summed in rank order
         by :class:`gradpack.BucketGather`, and the means written back into the copies."""
-        world, rank = self._world(), self._rank()
         order = self._param_positions()
         codec = self.codec
         assert codec is not None
@@ -1100,20 +1099,20 @@ class GradpackState:
         n = total + sum(t[5] for t in plain)
         whole = self._buffer(("model", n), lambda: np.empty(n, dtype=np.float32))
         at = 0
-        for _, _, _, x, a, m in comp:
+        for _, _, _, x, a, m in comp + plain:
             whole[at : at + m] = x[a : a + m]
             at += m
-        frames: List[Tuple[Codec, np.ndarray, int, int, Optional[ErrorFeedback]]] = []
+        frames: List[Tuple[int, int, Codec, int, Optional[ErrorFeedback]]] = []
         if total:
             ef = None
             if self._wants_ef(codec):
                 ef = self._model_feedback(tuple(t[1] for t in comp), tuple(t[5] for t in comp))
-            frames.append((codec, whole[:total], 0, _seed(self.seed, step, _MODEL_KEY, codec, rank), ef))
+            frames.append((0, total, codec, _MODEL_KEY, ef))
         at = total
-        for _, _, skey, x, a, m in plain:  # encoded from the bucket, summed into `whole`
-            frames.append((_IDENTITY, x[a : a + m], at, _seed(self.seed, step, skey, _IDENTITY, rank), None))
+        for _, _, skey, _, _, m in plain:
+            frames.append((at, m, _IDENTITY, skey, None))
             at += m
-        self._gather_frames(whole, frames, _MODEL_TAG, world)
+        self._gather(whole, frames, _MODEL_TAG, step)
         at = 0
         for _, _, _, x, a, m in comp + plain:
             x[a : a + m] = whole[at : at + m]
@@ -1337,48 +1336,37 @@ class GradpackState:
         step: int,
         world: int,
     ) -> None:
-        """Encode the bucket's tensors, and all-gather and sum them with the crate's
-        :class:`gradpack.BucketGather` (each tensor's frames summed in rank order, the
-        same sum on every rank, in one fused pass); those whose codec is ``None`` are
-        left as they are (PowerSGD reduces them)."""
-        rank = self._rank()
-        x = flat.numpy()
+        """The bucket's tensors encoded (each with its codec, seed and residual), all-gathered
+        and summed by the crate's :class:`gradpack.BucketGather` (each tensor's frames
+        summed in rank order, the same sum on every rank, in one fused pass); those whose
+        codec is ``None`` are left as they are (PowerSGD reduces them)."""
         starts = np.cumsum([0] + [e[1] for e in layout])
-        frames = [
-            (c, x[int(a) : int(a) + m], int(a), _seed(self.seed, step, skey, c, rank),
-             self._feedback_for(key, c, m) if self._wants_ef(c) else None)
+        parts = [
+            (int(a), m, c, skey, self._feedback_for(key, c, m) if self._wants_ef(c) else None)
             for c, (key, m, _, skey, _), a in zip(codecs, layout, starts) if c is not None
         ]
-        self._gather_frames(x, frames, index, world)
+        self._gather(flat.numpy(), parts, index, step)
 
-    def _gather_frames(
+    def _gather(
         self,
         x: np.ndarray,
-        frames: List[Tuple[Codec, np.ndarray, int, int, Optional[ErrorFeedback]]],
+        parts: List[Tuple[int, int, Codec, int, Optional[ErrorFeedback]]],
         index: int,
-        world: int,
+        step: int,
     ) -> None:
-        """Each ``(codec, source, start, seed, feedback)`` of ``frames`` encoded (through
-        its error feedback where one is given) into one message, all-gathered by the
-        collective ``index``'s :class:`gradpack.BucketGather`, and every frame's mean
-        over the ranks written to ``x[start : start + len(source)]``."""
-        rank = self._rank()
-        cap = sum(c.max_encoded_len(src.size, self.checksum) for c, src, _, _, _ in frames)
-        send = self._buffer(("send", index, cap), lambda: torch.empty(cap, dtype=torch.uint8))
-        out = send.numpy()
-        at = 0
-        for c, src, _, seed, ef in frames:
-            coder = c if ef is None else ef
-            at += coder.encode_into(src, out[at:], seed=seed, checksum=self.checksum)
+        """Each ``(start, length, codec, key, feedback)`` of ``parts`` encoded by the
+        crate into one message (the seed from the state's, the step and the key), the
+        message all-gathered by collective ``index``'s :class:`gradpack.BucketGather`,
+        and each part's mean over the ranks written back into ``x``."""
         g = self._gathers.get(index)
         if g is None:
             g = gradpack.BucketGather(
                 op="mean", tag=index & 0xFFFFFFFF, **self._link(),
-                **self._shared_memory(list(range(world)), stage=False),
+                **self._shared_memory(list(range(self._world())), stage=False),
             )
             self._gathers[index] = g
         try:
-            g.run(out[:at], [(start, src.size) for _, src, start, _, _ in frames], x, cap)
+            g.encode_run(x, parts, seed=self.seed, step=step, checksum=self.checksum)
         except BaseException:
             self._p2p.drop()
             raise
@@ -1456,9 +1444,10 @@ class GradpackState:
         step: int,
         world: int,
     ) -> None:
-        """Reduce a bucket whose matrices ``low_rank`` go as PowerSGD factors: their
-        ``P`` travel in one float32 all-reduce with the bucket's float32 tensors, their
-        ``Q`` in a second, and the tensors of other codecs by the all-gather."""
+        """Reduce a bucket whose matrices ``low_rank`` go as PowerSGD factors: the crate's
+        whole step (:meth:`gradpack.PowerSgdBucket.exchange`: their ``P`` in one float32
+        all-reduce with the bucket's float32 tensors, their ``Q`` in a second), then the
+        tensors of other codecs by the all-gather."""
         x = flat.numpy()
         starts = [int(v) for v in np.cumsum([0] + [e[1] for e in layout])]
         lr_pos = [i for i, _ in low_rank]
@@ -1469,63 +1458,42 @@ class GradpackState:
             names, [mat for _, mat in low_rank], [starts[i] for i in lr_pos], len(x)
         )
         plain = [
-            i for i, c in enumerate(codecs) if i not in lr_set and c == _IDENTITY
+            (starts[i], layout[i][1])
+            for i, c in enumerate(codecs) if i not in lr_set and c == _IDENTITY
         ]
-        plain_n = sum(layout[i][1] for i in plain)
-        first, second = self._buffer(
-            ("powersgd", index, b.p_len, b.q_len, plain_n),
-            lambda: (torch.empty(b.p_len + plain_n), torch.empty(b.q_len)),
-        )
-        f = first.numpy()
         sm = _native.splitmix64
         seed = sm(self.seed ^ sm(step & _MASK) ^ sm(zlib.crc32("\0".join(names).encode())))
-        b.p_step(x, seed, f[: b.p_len])
-        at = b.p_len
-        for i in plain:
-            s, k = starts[i], layout[i][1]
-            f[at : at + k] = x[s : s + k]
-            at += k
-        self._mean_f32(first, index, 0x40000000)
-        at = b.p_len
-        for i in plain:
-            s, k = starts[i], layout[i][1]
-            x[s : s + k] = f[at : at + k]
-            at += k
-        q = second.numpy()
-        b.q_step(x, f[: b.p_len], q)
-        self._mean_f32(second, index, 0x80000000)
-        b.finish(x, f[: b.p_len], q)
+        first = self._f32_ring(index, 0x40000000, b.p_len + sum(k for _, k in plain))
+        second = self._f32_ring(index, 0x80000000, b.q_len)
+        try:
+            b.exchange(x, seed, plain, first, second)
+        except BaseException:
+            self._p2p.drop()
+            raise
+        self._p2p.wait()
         rest = [
             None if i in lr_set or c == _IDENTITY else c for i, c in enumerate(codecs)
         ]
         if any(c is not None for c in rest):
             self._allgather(flat, layout, rest, index, step, world)
 
-    def _mean_f32(self, t: torch.Tensor, index: int, kind: int) -> None:
-        """The mean of ``t`` (float32, on the host) over the ranks, in place: the crate's
-        float32 ring on the hook's transport (PowerSGD's factors; ``kind`` tells its two
-        all-reduces of a bucket apart). One all-reduce per bucket, kind and length."""
-        world = self._world()
-        if world == 1:
-            return
-        key = (index, kind, t.numel())
+    def _f32_ring(self, index: int, kind: int, n: int) -> "gradpack.AllReduce":
+        """The crate's float32 ring of ``n`` elements (a mean) on the hook's transport, one
+        per bucket, kind and length (PowerSGD's factors; ``kind`` tells its two
+        all-reduces of a bucket apart)."""
+        key = (index, kind, n)
         ar = self._lr_rings.get(key)
         if ar is None:
             ar = gradpack.AllReduce(
-                "identity", t.numel(), strategy="fp32-ring", op="mean",
+                "identity", n, strategy="fp32-ring", op="mean",
                 checksum=self.checksum, pieces=self.pieces,
                 tag=kind | (index & 0x3FFFFFFF), **self._link(),
-                **self._shared_memory(list(range(world)), stage=False),
+                **self._shared_memory(list(range(self._world())), stage=False),
             )
             for k in [k for k in self._lr_rings if k[:2] == key[:2]]:
                 del self._lr_rings[k]  # the bucket's other length is gone
             self._lr_rings[key] = ar
-        try:
-            ar.run(t.numpy())
-        except BaseException:
-            self._p2p.drop()
-            raise
-        self._p2p.wait()
+        return ar
 
     def node_map(self) -> List[int]:
         """The node of every rank of the process group, for ``strategy="hierarchical"``

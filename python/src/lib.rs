@@ -1336,6 +1336,8 @@ impl PyAllReduce {
 struct PyBucketGather {
     inner: BucketGather,
     comm: Comm<Routed<Net>>,
+    /// `encode_run`'s message, kept between calls.
+    send: Vec<u8>,
 }
 
 #[pymethods]
@@ -1375,6 +1377,7 @@ impl PyBucketGather {
         Ok(PyBucketGather {
             inner,
             comm: Comm::new(t),
+            send: Vec::new(),
         })
     }
 
@@ -1409,6 +1412,63 @@ impl PyBucketGather {
         let (g, comm) = (&mut self.inner, &mut self.comm);
         let stats = py
             .detach(|| g.run(comm, ms, &ranges, max_message, os))
+            .map_err(err)?;
+        stats_dict(py, &stats)
+    }
+
+    /// Encode each of `parts` into one message and run it: a part is `(start, length,
+    /// codec, key, feedback)`, the tensor `x[start : start + length]` encoded with
+    /// `codec` (through the `ErrorFeedback` `feedback` when not None) and the seed the
+    /// crate derives from `seed`, `step`, the tensor's `key` and this rank; each part's
+    /// sum or mean over the ranks is written back into `x`. All in the crate with the
+    /// GIL released; the message and a peer's are bounded by the parts' longest frames.
+    #[pyo3(signature = (x, parts, *, seed, step, checksum=false))]
+    #[allow(clippy::type_complexity)]
+    fn encode_run<'py>(
+        &mut self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        parts: Vec<(
+            usize,
+            usize,
+            PyRef<'py, PyCodec>,
+            u64,
+            Option<PyRefMut<'py, PyErrorFeedback>>,
+        )>,
+        seed: u64,
+        step: u64,
+        checksum: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let rank = self.inner.rank();
+        let mut fbs = Vec::new();
+        let mut specs = Vec::new();
+        for (start, len, codec, key, fb) in parts {
+            let end = start
+                .checked_add(len)
+                .ok_or_else(|| PyValueError::new_err(format!("part ({start}, {len}) overflows")))?;
+            let c = codec.spec;
+            specs.push((
+                start..end,
+                c,
+                gradpack::collective::tensor_seed(&c, seed, step, key, rank),
+            ));
+            fbs.push(fb);
+        }
+        let mut parts: Vec<gradpack::collective::Part<'_>> = specs
+            .into_iter()
+            .zip(fbs.iter_mut())
+            .map(|((range, codec, seed), fb)| gradpack::collective::Part {
+                range,
+                codec,
+                seed,
+                feedback: fb.as_deref_mut().map(|f| &mut f.inner),
+            })
+            .collect();
+        let mut o = f32_out(x, "x")?;
+        let xs = slice_out(&mut o)?;
+        let (g, comm, send) = (&mut self.inner, &mut self.comm, &mut self.send);
+        let stats = py
+            .detach(|| g.encode_run(comm, xs, &mut parts, checksum, send))
             .map_err(err)?;
         stats_dict(py, &stats)
     }
@@ -1508,6 +1568,51 @@ impl PyPowerSgd {
         let (ms, ps) = (slice_out(&mut ma)?, slice_out(&mut pa)?);
         let b = &mut self.inner;
         py.detach(|| b.p_step(ms, seed, ps)).map_err(err)
+    }
+
+    /// A whole step over the ranks: `p_step`, the float32 all-reduce `first` of every
+    /// matrix's P followed by the tensors `plain` (`(start, length)` ranges of `m` that go
+    /// as float32, written back with their mean), `q_step`, the all-reduce `second` of Q,
+    /// and `finish` in place, all in the crate with the GIL released. `first` and
+    /// `second` are float32 mean all-reduces of `p_len` plus the ranges' elements and of
+    /// `q_len` elements. Returns `finish`'s flag.
+    fn exchange(
+        &mut self,
+        py: Python<'_>,
+        m: &Bound<'_, PyAny>,
+        seed: u64,
+        plain: Vec<(usize, usize)>,
+        first: &Bound<'_, PyAllReduce>,
+        second: &Bound<'_, PyAllReduce>,
+    ) -> PyResult<bool> {
+        if first.is(second) {
+            return Err(PyValueError::new_err(
+                "PowerSGD's two all-reduces must be two collectives, not one",
+            ));
+        }
+        let ranges = plain
+            .iter()
+            .map(|&(at, n)| {
+                at.checked_add(n)
+                    .map(|end| at..end)
+                    .ok_or_else(|| PyValueError::new_err(format!("a range ({at}, {n}) overflows")))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let mut ma = f32_out(m, "m")?;
+        let ms = slice_out(&mut ma)?;
+        let (mut f, mut g) = (first.borrow_mut(), second.borrow_mut());
+        let (f, g) = (&mut *f, &mut *g);
+        let b = &mut self.inner;
+        py.detach(|| {
+            b.exchange(
+                ms,
+                seed,
+                &ranges,
+                (&mut f.inner, &mut f.comm),
+                (&mut g.inner, &mut g.comm),
+            )
+        })
+        .map_err(err)
     }
 
     /// Step 2: `p` is the mean over ranks; orthonormalised in place, and `q` gets this

@@ -574,6 +574,51 @@ def test_bucket_gather_sums_each_tensor_in_rank_order_on_every_rank():
     assert gs[0].calls == 1
 
 
+def test_bucket_gather_encodes_and_runs_in_one_call_as_the_caller_would():
+    # encode_run: the crate encodes each part (its seed from the state's, the step and
+    # the part's key; top-k through its residual) and gathers: the bits of the caller
+    # encoding with those seeds and running the gather, residuals alike.
+    world, n = 3, 1200
+    parts = [(0, 900, "topk:ratio=0.05"), (900, 200, "int8"), (1100, 100, "identity")]
+    sm = gradpack._native.splitmix64
+
+    def seed(c, step, key, r):
+        return gradpack._native.rank_seed(gradpack.Codec(c)._c, sm(5 ^ sm(step) ^ sm(key)), r)
+
+    box = _Mailboxes(world)
+    ga = [gradpack.BucketGather(r, world, box.send_of(r), box.recv_of(r), tag=3) for r in range(world)]
+    gb = [gradpack.BucketGather(r, world, box.send_of(r), box.recv_of(r), tag=4) for r in range(world)]
+    efa = [gradpack.ErrorFeedback("topk:ratio=0.05", 900) for _ in range(world)]
+    efb = [gradpack.ErrorFeedback("topk:ratio=0.05", 900) for _ in range(world)]
+    rng = np.random.default_rng(1)
+    for step in range(3):
+        xs = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+        a = [x.copy() for x in xs]
+        b = [x.copy() for x in xs]
+
+        def body(r):
+            ps = [(s, m, c, 10 + i, efa[r] if i == 0 else None) for i, (s, m, c) in enumerate(parts)]
+            ga[r].encode_run(a[r], ps, seed=5, step=step, checksum=True)
+            frames = []
+            for i, (s, m, c) in enumerate(parts):
+                coder = efb[r] if i == 0 else gradpack.Codec(c)
+                buf = np.empty(gradpack.Codec(c).max_encoded_len(m, True), np.uint8)
+                k = coder.encode_into(xs[r][s : s + m], buf, seed=seed(c, step, 10 + i, r), checksum=True)
+                frames.append(buf[:k].tobytes())
+            gb[r].run(b"".join(frames), [(s, m) for s, m, _ in parts], b[r])
+
+        assert _on_threads(world, body) == [None] * world
+        for r in range(world):
+            assert a[r].view(np.uint32).tolist() == b[r].view(np.uint32).tolist()
+            assert a[r].view(np.uint32).tolist() == a[0].view(np.uint32).tolist()
+            assert (efa[r].residual() == efb[r].residual()).all()
+    # A part whose feedback is for another length raises, and the call is still taken.
+    g = gradpack.BucketGather(0, 1, box.send_of(0), box.recv_of(0))
+    with pytest.raises(gradpack.Error, match="error feedback"):
+        g.encode_run(np.zeros(10, np.float32), [(0, 10, "topk:ratio=0.05", 1, efa[0])], seed=0, step=0)
+    assert g.calls == 1
+
+
 def test_bucket_gather_refuses_a_message_that_does_not_fit_the_segments():
     box = _Mailboxes(2, timeout=2.0)
     g = gradpack.BucketGather(0, 2, box.send_of(0), box.recv_of(0))

@@ -15,8 +15,10 @@ use core::ops::Range;
 
 use super::comm::{Comm, ENVELOPE_LEN, Phase, Place};
 use super::{ReduceOp, Stats, Strategy, Transport, peer_error, ring_gather};
+use crate::codec::{Codec, CodecSpec, EncodeCtx};
 use crate::codecs::reduce;
 use crate::error::{Error, Result};
+use crate::feedback::ErrorFeedback;
 use crate::kernels::mode::WRITE;
 use crate::wire::{self, HEADER_LEN, Header};
 
@@ -211,6 +213,88 @@ impl BucketGather {
         Ok(stats)
     }
 
+    /// Encode each of `parts` (a tensor of `x` at its range, with its codec and seed,
+    /// through its error feedback where it has one; sealed with a payload CRC-32 when
+    /// `checksum`) into one message, in order, and [`BucketGather::run`] it with the
+    /// parts' ranges: each part's sum or mean over the ranks is written back into `x`.
+    /// The message is bounded by the parts' longest frames, and so is a peer's. `send`
+    /// is the caller's buffer for the message, kept between calls (it grows to the
+    /// bound once). Every rank must pass the same ranges and codecs. On an error `x`
+    /// and the residuals of the parts encoded before it are unspecified.
+    pub fn encode_run<T: Transport + ?Sized>(
+        &mut self,
+        comm: &mut Comm<T>,
+        x: &mut [f32],
+        parts: &mut [Part<'_>],
+        checksum: bool,
+        send: &mut Vec<u8>,
+    ) -> Result<Stats> {
+        match encode_parts(x, parts, checksum, send) {
+            Ok((len, cap)) => {
+                let ranges: Vec<Range<usize>> = parts.iter().map(|p| p.range.clone()).collect();
+                self.run(comm, &send[..len], &ranges, Some(cap), x)
+            }
+            Err(e) => {
+                comm.skip(); // the call's number is taken, as `run`'s is on an error
+                Err(e)
+            }
+        }
+    }
+}
+
+/// [`BucketGather::encode_run`]'s message written into `send`: its length and bound.
+fn encode_parts(
+    x: &[f32],
+    parts: &mut [Part<'_>],
+    checksum: bool,
+    send: &mut Vec<u8>,
+) -> Result<(usize, usize)> {
+    let crc = if checksum { wire::PAYLOAD_CRC_LEN } else { 0 };
+    let mut cap = 0usize;
+    for (i, p) in parts.iter().enumerate() {
+        if p.range.start > p.range.end || p.range.end > x.len() {
+            return Err(Error::Collective(format!(
+                "part {i} ({:?}) is not inside the bucket of {} elements",
+                p.range,
+                x.len()
+            )));
+        }
+        if let Some(ef) = &p.feedback
+            && (ef.codec() != p.codec || ef.len() != p.range.len())
+        {
+            return Err(Error::Collective(format!(
+                "part {i}: its error feedback is for {} over {} elements, the part {} \
+                     over {}",
+                ef.codec(),
+                ef.len(),
+                p.codec,
+                p.range.len()
+            )));
+        }
+        cap = cap
+            .checked_add(p.codec.max_encoded_len(p.range.len()) + crc)
+            .ok_or_else(|| Error::Collective("a bucket's message overflows".into()))?;
+    }
+    crate::alloc::lengthen(send, cap, "a bucket's message")?;
+    let mut at = 0;
+    for p in parts.iter_mut() {
+        let src = &x[p.range.clone()];
+        let ctx = EncodeCtx::new(p.seed);
+        let out = &mut send[at..at + p.codec.max_encoded_len(p.range.len()) + crc];
+        let limit = out.len() - crc;
+        let len = match &mut p.feedback {
+            Some(ef) => ef.encode_into(src, &ctx, &mut out[..limit])?,
+            None => {
+                p.codec.check_encode(src.len(), &ctx)?;
+                p.codec.encode_into(src, &ctx, &mut out[..limit])?
+            }
+        };
+        at += if checksum { wire::seal(out, len)? } else { len };
+    }
+    Ok((at, cap))
+}
+
+impl BucketGather {
     /// This rank.
     pub fn rank(&self) -> usize {
         self.rank
@@ -544,4 +628,92 @@ mod tests {
         assert!(errs[1].contains("1 frames"), "{}", errs[1]);
         assert!(errs.iter().all(|e| !e.is_empty()));
     }
+
+    #[test]
+    fn encode_run_is_the_caller_encoding_and_run() {
+        // Three tensors (int8 through error feedback, identity, top-k), sealed: the
+        // crate's encode-and-gather gives the bits of the caller encoding each part and
+        // running the gather, and the residual moves alike.
+        let parts = [
+            (0..40, "int8:block=16"),
+            (40..43, "identity"),
+            (43..107, "topk:k=5"),
+        ];
+        let res = local::run(3, None, |t| {
+            let rank = t.rank();
+            let mut comm = Comm::new(t);
+            let mut g1 = BucketGather::new(&comm, 1, ReduceOp::Mean)?;
+            let mut g2 = BucketGather::new(&comm, 2, ReduceOp::Mean)?;
+            let mut ef1 = ErrorFeedback::new(spec("int8:block=16"), 40)?;
+            let mut ef2 = ef1.clone();
+            let mut send = Vec::new();
+            for step in 0..3u64 {
+                let x = input(rank + step as usize, 107);
+                let mut a = x.clone();
+                let mut ps: Vec<Part<'_>> = parts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (r, c))| Part {
+                        range: r.clone(),
+                        codec: spec(c),
+                        seed: 9 + step + i as u64,
+                        feedback: None,
+                    })
+                    .collect();
+                ps[0].feedback = Some(&mut ef1);
+                g1.encode_run(&mut comm, &mut a, &mut ps, true, &mut send)?;
+                let mut msg = Vec::new();
+                let mut cap = 0;
+                for (i, (r, c)) in parts.iter().enumerate() {
+                    let ctx = EncodeCtx::new(9 + step + i as u64);
+                    let c = spec(c);
+                    let mut f = vec![0u8; c.max_encoded_len(r.len()) + 4];
+                    cap += f.len();
+                    let n = if i == 0 {
+                        ef2.encode_into(&x[r.clone()], &ctx, &mut f[..c.max_encoded_len(r.len())])?
+                    } else {
+                        c.encode_into(&x[r.clone()], &ctx, &mut f)?
+                    };
+                    let n = wire::seal(&mut f, n)?;
+                    msg.extend_from_slice(&f[..n]);
+                }
+                let mut b = x.clone();
+                let ranges: Vec<_> = parts.iter().map(|p| p.0.clone()).collect();
+                g2.run(&mut comm, &msg, &ranges, Some(cap), &mut b)?;
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "step {step}");
+                assert_eq!(bits(&ef1.residual_f32()), bits(&ef2.residual_f32()));
+            }
+            // Feedback for another codec or length is refused.
+            let mut wrong = ErrorFeedback::new(spec("int8:block=16"), 39)?;
+            let mut ps = vec![Part {
+                range: 0..40,
+                codec: spec("int8:block=16"),
+                seed: 0,
+                feedback: Some(&mut wrong),
+            }];
+            let mut x = input(rank, 107);
+            assert!(
+                g1.encode_run(&mut comm, &mut x, &mut ps, false, &mut send)
+                    .is_err()
+            );
+            Ok(())
+        });
+        for r in res {
+            r.unwrap();
+        }
+    }
+}
+
+/// One tensor of a bucket for [`BucketGather::encode_run`].
+#[derive(Debug)]
+pub struct Part<'a> {
+    /// Where it sits in the bucket.
+    pub range: Range<usize>,
+    /// Its codec.
+    pub codec: CodecSpec,
+    /// The seed its frame is encoded with (this rank's: see [`super::rank_seed`]).
+    pub seed: u64,
+    /// Its error feedback (for `codec`, over the range's length), if any.
+    pub feedback: Option<&'a mut ErrorFeedback>,
 }

@@ -105,7 +105,7 @@ pub mod mpi;
 pub mod shm;
 pub mod tcp;
 
-pub use bucket::BucketGather;
+pub use bucket::{BucketGather, Part};
 pub use comm::{Comm, ENVELOPE_LEN, ENVELOPE_VERSION, MAX_SETTINGS};
 use comm::{Phase, Place};
 pub use hier::{Hierarchical, Nodes};
@@ -454,6 +454,15 @@ pub fn rank_seed(codec: &CodecSpec, seed: u64, rank: usize) -> u64 {
     } else {
         crate::rng::splitmix64(seed ^ crate::rng::splitmix64(rank as u64 + 1))
     }
+}
+
+/// The seed rank `rank` encodes a tensor with at step `step`: splitmix64 of `base`
+/// mixed with the step's and the tensor's `key`'s own splitmix64, then [`rank_seed`].
+/// What the PyTorch hook gives each parameter (its key a CRC-32 of its name), so that
+/// every tensor and step draws its own stream whatever bucket it is in.
+pub fn tensor_seed(codec: &CodecSpec, base: u64, step: u64, key: u64, rank: usize) -> u64 {
+    let sm = crate::rng::splitmix64;
+    rank_seed(codec, sm(base ^ sm(step) ^ sm(key)), rank)
 }
 
 /// The element range of chunk `c` when `n` elements are split into `p` chunks: sizes

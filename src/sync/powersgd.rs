@@ -497,6 +497,71 @@ impl PowerSgdBucket {
         Ok(finite)
     }
 
+    /// A whole step over the ranks: the three steps with their two all-reduces
+    /// between, run by the caller's collectives. `m` is the bucket (as for
+    /// [`PowerSgdBucket::p_step`]); `plain` are ranges of it holding tensors that go as
+    /// float32, carried in the first all-reduce after every matrix's `P` (so small
+    /// tensors share its latency, as PyTorch's PowerSGD hook sends them), and written
+    /// back with the mean. `first` must be a float32 all-reduce (identity codec, mean)
+    /// of [`PowerSgdBucket::p_len`] plus the ranges' elements, `second` one of
+    /// [`PowerSgdBucket::q_len`] elements, each on its `Comm` (they may share a
+    /// transport). Every rank must pass the same ranges and `seed`. Returns
+    /// [`PowerSgdBucket::finish_in_place`]'s flag; on an error `m` may hold the
+    /// matrices' `M` (gradient plus residual).
+    pub fn exchange<A: Transport + ?Sized, B: Transport + ?Sized>(
+        &mut self,
+        m: &mut [f32],
+        seed: u64,
+        plain: &[core::ops::Range<usize>],
+        first: (&mut AllReduce, &mut Comm<A>),
+        second: (&mut AllReduce, &mut Comm<B>),
+    ) -> Result<bool> {
+        check_len("the bucket", m.len(), self.len)?;
+        let mut carried = 0usize;
+        for r in plain {
+            if r.start > r.end || r.end > m.len() {
+                return Err(Error::Collective(format!(
+                    "a float32 range {r:?} outside the bucket's {} elements",
+                    m.len()
+                )));
+            }
+            carried += r.len();
+        }
+        let (p_len, q_len) = (self.p_len(), self.q_len());
+        for (what, ar, want) in [
+            ("first", &*first.0, p_len + carried),
+            ("second", &*second.0, q_len),
+        ] {
+            let f32_mean = matches!(ar.codec(), CodecSpec::Identity(_))
+                && ar.options().op == crate::collective::ReduceOp::Mean;
+            if !f32_mean || ar.len() != want {
+                return Err(Error::Collective(format!(
+                    "PowerSGD's {what} all-reduce must be a float32 mean of {want} elements, \
+                     not {} of {} elements",
+                    ar.codec(),
+                    ar.len()
+                )));
+            }
+        }
+        let mut p = crate::alloc::filled(p_len + carried, 0f32, "PowerSGD's P")?;
+        let mut q = crate::alloc::filled(q_len, 0f32, "PowerSGD's Q")?;
+        self.p_step(m, seed, &mut p[..p_len])?;
+        let mut at = p_len;
+        for r in plain {
+            p[at..at + r.len()].copy_from_slice(&m[r.clone()]);
+            at += r.len();
+        }
+        first.0.run_in_place(first.1, &mut p, 0)?;
+        let mut at = p_len;
+        for r in plain {
+            m[r.clone()].copy_from_slice(&p[at..at + r.len()]);
+            at += r.len();
+        }
+        self.q_step(m, &mut p[..p_len], &mut q)?;
+        second.0.run_in_place(second.1, &mut q, 0)?;
+        self.finish_in_place(m, &p[..p_len], &q)
+    }
+
     /// Zero the residuals and draw a fresh `Q` at the next step.
     pub fn reset(&mut self) {
         self.residual.fill(0.0);
