@@ -117,12 +117,29 @@ fn inspect_shows_header_validity_and_statistics() {
     for want in [
         "codec       fp16",
         "elements    1000",
-        "valid       yes",
+        "valid       decodes",
+        "the payload is not checksummed: encode with --checksum to seal it",
         "min -5.000000e2",
         "max 4.990000e2",
     ] {
         assert!(s.contains(want), "{want:?} not in\n{s}");
     }
+    // A sealed frame: its payload is checked too.
+    let sealed = d.join("sealed.gpk");
+    let spec = CodecSpec::parse("fp16").unwrap();
+    std::fs::write(
+        &sealed,
+        gradpack::Checksummed(spec)
+            .encode(&x, &EncodeCtx::new(0))
+            .unwrap(),
+    )
+    .unwrap();
+    let o = gradpack(&["inspect", p(&sealed)]);
+    let s = String::from_utf8(o.stdout).unwrap();
+    assert!(
+        s.contains("valid       yes (header checksum, payload checksum"),
+        "{s}"
+    );
     // From stdin.
     let mut child = Command::new(env!("CARGO_BIN_EXE_gradpack"))
         .args(["inspect", "-"])

@@ -174,14 +174,16 @@ pub(crate) fn inspect(file: &str, max_elements: Option<u64>, reference: Option<&
         }
     );
     let x = decode_limited(file, &frame, max_elements)?;
-    outln!(
-        "valid       yes (header checksum, {}fields and payload all check)",
-        if h.payload_checksum() {
-            "payload checksum, "
-        } else {
-            ""
-        }
-    );
+    if h.payload_checksum() {
+        outln!("valid       yes (header checksum, payload checksum, fields and payload all check)");
+    } else {
+        // Without the seal a changed payload byte usually still decodes: say what was
+        // checked, and what was not.
+        outln!(
+            "valid       decodes (header checksum and fields check; the payload is not \
+             checksummed: encode with --checksum to seal it)"
+        );
+    }
     // One streaming pass (no copy of the decoded values).
     let mut st = Stats::default();
     x.iter().for_each(|&v| st.add(v));
