@@ -1271,3 +1271,57 @@ fn model_table_aligns_long_specs() {
     // Every row ends at the same column, and the bits column starts after the spec.
     assert!(rows.iter().all(|l| l.len() == rows[0].len()), "{out}");
 }
+
+#[test]
+fn mistakes_a_newcomer_makes_get_one_line_at_once() {
+    let d = dir("newcomer");
+    let missing = d.join("no-such-dir").join("plot.svg");
+    let started = std::time::Instant::now();
+    for (args, needle) in [
+        (vec!["report", "--nodes", "1"], "--nodes 1"),
+        (vec!["report", "--plot", p(&missing)], "cannot write there"),
+        (vec!["train", "--plot", p(&missing)], "cannot write there"),
+        (vec!["report", "--tolerance", "-1"], "--tolerance -1"),
+        (vec!["model", "--size", "-5MiB"], "negative"),
+    ] {
+        assert_clean_error(&gradpack(&args), needle);
+    }
+    // Refused before any timing or training run.
+    assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    assert!(!missing.exists());
+    // A seed the codec never reads, and non-finite input, each get a note.
+    let x = d.join("x.f32");
+    let vals: Vec<u8> = [1.0f32, 0.3, 3.0, -2.0, 0.77, 1.1]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    std::fs::write(&x, &vals).unwrap();
+    let out = d.join("x.gpk");
+    let o = gradpack(&["encode", "--codec", "int8", "--seed", "7", p(&x), p(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("--seed changes nothing"),
+        "{}",
+        stderr(&o)
+    );
+    let o = gradpack(&[
+        "encode",
+        "--codec",
+        "int8:rounding=stochastic",
+        "--seed",
+        "7",
+        p(&x),
+        p(&out),
+    ]);
+    assert!(
+        !stderr(&o).contains("--seed changes nothing"),
+        "{}",
+        stderr(&o)
+    );
+    let mut nan = vals.clone();
+    nan[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&x, &nan).unwrap();
+    let o = gradpack(&["encode", "--codec", "fp16", p(&x), p(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("1 NaN or infinite"), "{}", stderr(&o));
+}

@@ -755,26 +755,29 @@ impl Tuner {
 
     /// [`Tuner::plan`] as a text table, the chosen rows marked with `*`.
     pub fn table(&self) -> String {
+        let rows = self.plan();
+        let name = |r: &TrialRow| match r.config.route {
+            Route::Fp32 => "float32".to_string(),
+            _ => r.config.codec_name(),
+        };
+        // The codec column as wide as its longest spec: nothing is cut.
+        let w = rows.iter().map(|r| name(r).len()).max().unwrap_or(0).max(5);
         let mut out = String::from(
             "gradpack auto plan (per bucket: float32 and the modelled best, measured)\n",
         );
         out += &format!(
-            "  {:>6} {:>7} {:>10}  {:<30} {:<12} {:>9} {:>9}",
+            "  {:>6} {:>7} {:>10}  {:<w$} {:<12} {:>9} {:>9}",
             "bucket", "tensors", "elements", "codec", "strategy", "model ms", "measured"
         );
         let ms = |v: Option<f64>| v.map_or(String::new(), |s| format!("{:.2}", 1e3 * s));
-        for r in self.plan() {
-            let codec = match r.config.route {
-                Route::Fp32 => "float32".to_string(),
-                _ => r.config.codec_name(),
-            };
+        for r in &rows {
+            let codec = name(r);
             let strategy = match r.config.route {
                 Route::Fp32 => "all-reduce",
                 other => other.name(),
             };
-            let codec: String = codec.chars().take(30).collect();
             out += &format!(
-                "\n{} {:>6} {:>7} {:>10}  {:<30} {:<12} {:>9} {:>9}",
+                "\n{} {:>6} {:>7} {:>10}  {:<w$} {:<12} {:>9} {:>9}",
                 if r.chosen { '*' } else { ' ' },
                 r.bucket,
                 r.tensors,
@@ -1006,6 +1009,11 @@ mod tests {
         let mut t = tuner(2);
         decide(&mut t, 0, &ts, &[1.0, 2.0, 0.5]);
         assert_eq!(t.choice_of("b"), Some(&t.plan()[2].config));
+        // The table names every codec in full.
+        let table = t.table();
+        for r in t.plan().iter().skip(1) {
+            assert!(table.contains(&r.config.codec_name()), "{table}");
+        }
         // Decided: no more trials, and a layout of decided tensors takes their choice.
         assert_eq!(t.next(0, &ts, None).unwrap().trial, None);
         let turn = t.next(1, &bucket(&["b"]), None).unwrap();

@@ -75,6 +75,29 @@ pub(crate) fn encode(
         frame.len(),
         fmt_bits(frame.len(), x.len() as u64)
     );
+    // A seed a codec never reads would be dropped without a word: say so (the payload of
+    // another seed is the same bits).
+    let bad = x.iter().filter(|v| !v.is_finite()).count();
+    if seed != 0 && bad == 0 {
+        let other = spec
+            .encode(&x, &EncodeCtx::new(seed ^ 1).with_offset(offset))
+            .map_err(|e| format!("encoding {}: {e}", shown(input, "stdin")))?;
+        let unsealed = spec
+            .encode(&x, &ctx)
+            .map_err(|e| format!("encoding: {e}"))?;
+        if other[gradpack::HEADER_LEN..] == unsealed[gradpack::HEADER_LEN..] {
+            eprintln!(
+                "{out_name}: note: {spec} draws no random numbers here, so --seed changes \
+                 nothing (stochastic rounding, e.g. int8:rounding=stochastic, does)"
+            );
+        }
+    }
+    if bad > 0 {
+        eprintln!(
+            "{out_name}: note: the input holds {bad} NaN or infinite values; the frame is \
+             flagged (inspect shows it) and they decode as non-finite"
+        );
+    }
     // Frames hold a flat list of values: say how to get the shape back.
     if let Some(s) = shape.filter(|s| s.len() != 1) {
         eprintln!(

@@ -170,3 +170,19 @@ pub(crate) fn parse_shape(s: &str) -> Res<Vec<u64>> {
         })
         .collect()
 }
+
+/// Check that `path` can be written (its directory exists and a file can be made there),
+/// so a bad path fails at once, not after the work; a file made only to check is
+/// removed again. `what` names the option.
+pub(crate) fn check_writable(path: &Path, what: &str) -> Res<()> {
+    let existed = path.exists();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .map_err(|e| format!("{what} {}: cannot write there: {e}", path.display()))?;
+    if !existed {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}

@@ -12,7 +12,7 @@ pub(crate) struct ModelArgs {
     #[command(flatten)]
     net: Net,
     /// fp32 gradient size, e.g. 25MiB, 100MB, 4096.
-    #[arg(long, default_value = "100MiB")]
+    #[arg(long, default_value = "100MiB", allow_hyphen_values = true)]
     size: String,
     /// Codec spec (repeatable; default: a representative set).
     #[arg(long = "codec")]

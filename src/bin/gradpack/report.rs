@@ -47,7 +47,7 @@ pub(crate) struct ReportArgs {
     no_train: bool,
     /// The most test accuracy (percentage points) a codec may lose against fp32 in the
     /// training runs and still count as tracking fp32.
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, default_value_t = 0.5, allow_negative_numbers = true)]
     tolerance: f64,
 }
 
@@ -381,6 +381,16 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
     let net = a.net.parse()?;
     if a.plot.as_ref().is_some_and(|p| crate::io::is_std(p)) {
         return Err("--plot -: stdout carries the report; give the SVG a file name".into());
+    }
+    if net.nodes < 2 {
+        return Err(format!(
+            "--nodes {}: the report models all-reduces between ranks, and one rank sends \
+             nothing; give 2 or more",
+            net.nodes
+        ));
+    }
+    if let Some(p) = &a.plot {
+        crate::io::check_writable(p, "--plot")?; // before a run of a minute or two
     }
     if a.elements == 0 && a.inputs.is_empty() {
         return Err("--elements must be at least 1".into());

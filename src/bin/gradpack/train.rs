@@ -87,6 +87,9 @@ pub(crate) fn train(a: TrainArgs) -> Res<()> {
     if a.plot.as_ref().is_some_and(|p| crate::io::is_std(p)) {
         return Err("--plot -: stdout carries the table; give the SVG a file name".into());
     }
+    if let Some(p) = &a.plot {
+        crate::io::check_writable(p, "--plot")?; // before the training runs
+    }
     let specs = specs(&a.codecs)?;
     let ds = Dataset::synthetic(a.seed);
     let cfg = TrainConfig {
