@@ -825,9 +825,10 @@ fn report_recommends_the_fastest_codec_that_tracks_and_fits_a_terminal() {
         .collect();
     assert_eq!(
         times.len(),
-        5 + 2 + 1,
-        "5 codecs, 2 PowerSGD ranks, fp32: {text}"
+        5 + 1,
+        "5 codecs and fp32 (--codec: no PowerSGD rows): {text}"
     );
+    assert!(!text.contains("powersgd"), "{text}");
     assert!(times.windows(2).all(|w| w[0] <= w[1]), "{times:?}");
     // Random-k drops 98% of each step: never recommended, shown as not tracking.
     let randk = text.lines().find(|l| l.starts_with("randk:")).unwrap();
@@ -904,9 +905,13 @@ fn report_recommends_the_fastest_codec_that_tracks_and_fits_a_terminal() {
     let o = gradpack(&args);
     assert!(o.status.success(), "{}", stderr(&o));
     let text = String::from_utf8(o.stdout).unwrap();
-    for col in ["enc GB/s", "break-even (range)", "PowerSGD on a", "yes?"] {
+    for col in ["enc GB/s", "break-even (range)", "yes?"] {
         assert!(text.contains(col), "{col} missing in\n{text}");
     }
+    assert!(
+        !text.contains("PowerSGD on a"),
+        "--codec asks for no PowerSGD rows:\n{text}"
+    );
     assert!(
         text.contains("no training run confirmed it (--no-train)") || text.contains("plain fp32"),
         "{text}"
@@ -1324,4 +1329,20 @@ fn mistakes_a_newcomer_makes_get_one_line_at_once() {
     let o = gradpack(&["encode", "--codec", "fp16", p(&x), p(&out)]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("1 NaN or infinite"), "{}", stderr(&o));
+}
+
+#[test]
+fn the_default_report_has_powersgd_rows_and_codec_lists_do_not() {
+    // Without --codec the report shows PowerSGD beside its representative codecs (ranks
+    // 1 and 4); with --codec, only what was asked for (tested above).
+    let o = gradpack(&["report", "--elements", "4096", "--no-train", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    let ranks: Vec<u64> = v["powersgd"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["rank"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ranks, [1, 4]);
 }

@@ -434,10 +434,16 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
     // Time budget per operation and round: about 20 s of timing for the whole default
     // report.
     let budget = 0.3_f64.min(20.0 / (3.0 * (specs.len() + 1) as f64)) / ROUNDS as f64;
+    // PowerSGD's rows beside the default codecs; with --codec, only the codecs asked for.
+    let ps_ranks: &[usize] = if a.codecs.is_empty() {
+        &POWERSGD_RANKS
+    } else {
+        &[]
+    };
     let train_runs = if a.no_train {
         0
     } else {
-        1 + specs.len() + POWERSGD_RANKS.len()
+        1 + specs.len() + ps_ranks.len()
     };
     // The first line at once: a report takes a minute or two, and a reader should see it
     // has started (the progress bar shows only on a terminal; elsewhere `phase` prints a
@@ -461,7 +467,7 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
         }
     };
     let bar = progress(
-        ((specs.len() + 1) * (ROUNDS + 1) + POWERSGD_RANKS.len() + train_runs) as u64,
+        ((specs.len() + 1) * (ROUNDS + 1) + ps_ranks.len() + train_runs) as u64,
         false,
     );
     let identity: CodecSpec = "identity".parse().expect("identity parses");
@@ -498,8 +504,10 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
     }
     let (mrows, mcols) = matrix_shape(n);
     let mut lowrank_compute = Vec::new();
-    phase(format!("timing PowerSGD of ranks {POWERSGD_RANKS:?}"));
-    for rank in POWERSGD_RANKS {
+    if !ps_ranks.is_empty() {
+        phase(format!("timing PowerSGD of ranks {ps_ranks:?}"));
+    }
+    for &rank in ps_ranks {
         bar.set_message(format!("PowerSGD rank {rank}"));
         lowrank_compute.push(backend.run(|| time_powersgd(&x, mrows, mcols, rank, ROUNDS))?);
         bar.inc(1);
@@ -522,7 +530,7 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
     };
     let (fp32_strategy, fp32) = cost::best_fp32(&profile(&base), &cluster, elements, reduce);
     // PowerSGD: its compute on this CPU plus its two fp32 all-reduces of the factors.
-    let lowrank: Vec<LowRankRow> = POWERSGD_RANKS
+    let lowrank: Vec<LowRankRow> = ps_ranks
         .iter()
         .zip(&lowrank_compute)
         .map(|(&rank, &compute_s)| {
@@ -613,9 +621,9 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
         phase(format!(
             "training fp32, {} codecs and {} PowerSGD ranks (the longest part)",
             rows.len(),
-            POWERSGD_RANKS.len()
+            ps_ranks.len()
         ));
-        Some(train_rows(&rows, &bar)?)
+        Some(train_rows(&rows, ps_ranks, &bar)?)
     };
     phase("done".to_string());
     bar.finish_and_clear();
@@ -747,11 +755,22 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
             serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?
         );
     } else {
-        outln!(
-            "{n} f32 elements ({:.1} MiB) of {source}; the fp32 sum runs at {:.1} GB/s",
-            n as f64 * 4.0 / 1048576.0,
-            reduce / 1e9
-        );
+        if a.inputs.is_empty() {
+            outln!(
+                "{n} f32 elements ({:.1} MiB) of {source}; the fp32 sum runs at {:.1} GB/s",
+                n as f64 * 4.0 / 1048576.0,
+                reduce / 1e9
+            );
+        } else {
+            // The path on a line of its own, so the figures stay inside 100 columns.
+            outln!("input: {source}");
+            outln!(
+                "{n} f32 elements ({:.1} MiB); the fp32 sum runs at {:.1} GB/s; acc: the \
+                 built-in MLP",
+                n as f64 * 4.0 / 1048576.0,
+                reduce / 1e9
+            );
+        }
         outln!(
             "all-reduce model: {} nodes, {} Gbit/s links, {:.1} us latency; fp32 {:.3} ms ({fp32_name})\n",
             net.nodes,
@@ -846,9 +865,14 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
                  trained); time: modelled all-reduce at {} Gbit/s with the faster strategy; break-even:\n\
                  the link speed (Gbit/s) below which it beats fp32 (?: the timing rounds disagree by more\n\
                  than 25%), else where it beats fp32 (<X, X-Y, >X; …: more ranges, --wide or --json has\n\
-                 them); powersgd: a {mrows} x {mcols} matrix of it. --wide: every column.",
+                 them){}. --wide: every column.",
                 a.tolerance,
-                fmt_bw(net.bandwidth)
+                fmt_bw(net.bandwidth),
+                if lowrank.is_empty() {
+                    String::new()
+                } else {
+                    format!("; powersgd: a {mrows} x {mcols} matrix of it")
+                }
             );
         }
         outln!();
@@ -978,7 +1002,7 @@ struct Trained {
 /// Train `gradpack train`'s default model and task once in fp32 and once per codec row
 /// (with error feedback where the codec accepts it, with the row's strategy) and per
 /// PowerSGD rank (with its error feedback).
-fn train_rows(rows: &[Row], bar: &indicatif::ProgressBar) -> Res<Trained> {
+fn train_rows(rows: &[Row], ps_ranks: &[usize], bar: &indicatif::ProgressBar) -> Res<Trained> {
     use gradpack::train::{Dataset, ModelKind, TrainConfig, TrainResult, train};
     let ds = Dataset::synthetic(1);
     let cfg = TrainConfig::new(ModelKind::Mlp { hidden: 64 });
@@ -1024,7 +1048,7 @@ fn train_rows(rows: &[Row], bar: &indicatif::ProgressBar) -> Res<Trained> {
             )
         })
         .collect::<Res<Vec<_>>>()?;
-    let powersgd = POWERSGD_RANKS
+    let powersgd = ps_ranks
         .iter()
         .map(|&rank| {
             let cfg = TrainConfig {
@@ -1115,41 +1139,44 @@ fn wide_tables(
          tracks: as in the short table (without --wide).",
         net.bandwidth / 1e9
     );
-    outln!(
-        "\nPowerSGD on a {mrows} x {mcols} matrix of the same gradient (fp32 factors, warm start, error feedback):"
-    );
-    outln!(
-        "{:>4} {:>7} {:>6} {:>10} {:>10} {:>9} {:>8} {:>8} {:>6}",
-        "rank",
-        "bits/el",
-        "ratio",
-        "compute ms",
-        "break-even",
-        "time ms",
-        "speedup",
-        "acc",
-        "tracks"
-    );
-    for (k, l) in lowrank.iter().enumerate() {
+    // With --codec, no PowerSGD rows were asked for.
+    if !lowrank.is_empty() {
         outln!(
-            "{:>4} {:>7.3} {:>6.1} {:>10.3} {:>10} {:>9.3} {:>8} {:>8} {:>6}",
-            l.rank,
-            l.bits,
-            32.0 / l.bits,
-            l.compute_s * 1e3,
-            fmt_lowrank_be(l.break_even),
-            l.t * 1e3,
-            speedup(fp32, l.t),
-            acc(rows.len() + k),
-            verdicts[rows.len() + k].short()
+            "\nPowerSGD on a {mrows} x {mcols} matrix of the same gradient (fp32 factors, warm start, error feedback):"
+        );
+        outln!(
+            "{:>4} {:>7} {:>6} {:>10} {:>10} {:>9} {:>8} {:>8} {:>6}",
+            "rank",
+            "bits/el",
+            "ratio",
+            "compute ms",
+            "break-even",
+            "time ms",
+            "speedup",
+            "acc",
+            "tracks"
+        );
+        for (k, l) in lowrank.iter().enumerate() {
+            outln!(
+                "{:>4} {:>7.3} {:>6.1} {:>10.3} {:>10} {:>9.3} {:>8} {:>8} {:>6}",
+                l.rank,
+                l.bits,
+                32.0 / l.bits,
+                l.compute_s * 1e3,
+                fmt_lowrank_be(l.break_even),
+                l.t * 1e3,
+                speedup(fp32, l.t),
+                acc(rows.len() + k),
+                verdicts[rows.len() + k].short()
+            );
+        }
+        outln!(
+            "compute: one step on this CPU (M Q, M^T P, Gram-Schmidt, P Q^T and the residual), the fastest of {ROUNDS};\n\
+             break-even: the link speed (Gbit/s) below which it beats the fp32 ring; time: the compute plus its\n\
+             two fp32 ring all-reduces (of {mrows} r and {mcols} r values) at {:.1} Gbit/s.",
+            net.bandwidth / 1e9
         );
     }
-    outln!(
-        "compute: one step on this CPU (M Q, M^T P, Gram-Schmidt, P Q^T and the residual), the fastest of {ROUNDS};\n\
-         break-even: the link speed (Gbit/s) below which it beats the fp32 ring; time: the compute plus its\n\
-         two fp32 ring all-reduces (of {mrows} r and {mcols} r values) at {:.1} Gbit/s.",
-        net.bandwidth / 1e9
-    );
     Ok(())
 }
 
