@@ -16,13 +16,16 @@ by the world size, so every rank ends with the same averaged gradient, bit for b
 
 What it does, per bucket:
 
-- The hook's messages travel on a gloo group of its own, made with the state (so make
-  the state on every rank at the same point, after ``init_process_group``), or on
-  ``comm_group``. Never on DDP's group: DDP sends collectives of its own on that group
-  from the training thread (``find_unused_parameters``, ``static_graph``), and two
-  threads on one group interleave their messages differently on different ranks. A rank
-  that dies makes the others' hooks raise (gloo sees the connection close; ``timeout``
-  bounds the wait for one that hangs).
+- The hook's messages travel on gradpack's native transport (``transport="tcp"``, the
+  default: :class:`gradpack.Tcp`, connected once through torch's store, every message
+  sent and received in Rust) or, with ``transport="process_group"``, point to point on a
+  gloo group of the state's own (or ``comm_group``); between ranks of one host, through
+  shared memory either way. Never on DDP's group: DDP sends collectives of its own on
+  that group from the training thread (``find_unused_parameters``, ``static_graph``), and
+  two threads on one group interleave their messages differently on different ranks.
+  Make the state on every rank at the same point, after ``init_process_group``. A rank
+  that dies makes the others' hooks raise (``timeout`` bounds the wait for one that
+  hangs).
 
 - Each parameter's gradient in the bucket is a tensor of its own: parameters under
   ``min_compress_elements`` elements and one-dimensional ones (biases, norm scales) go
@@ -84,9 +87,10 @@ What it does, per bucket:
   all-gather's p decodes, the ring's re-encodes per hop, and for a GPU bucket the
   copies to the host and back) ranks every candidate codec by every strategy. Float32
   and the ``trials`` best are then run in turn on the real bucket, ``trial_steps``
-  steps each, during the first steps; the ranks agree on the times (one all-reduce of
-  their means) and keep the fastest, float32 on a tie, so a configuration measured
-  slower than float32 is never kept. :meth:`GradpackState.plan` lists the candidates
+  steps each, during the first steps; the ranks share their times and keep the fastest,
+  float32 on a tie, so a configuration measured slower than float32 is never kept. The
+  shortlist, the trials and the choice are the crate's (:class:`gradpack.Tuner`, which
+  decides for the sync engine and burn too). :meth:`GradpackState.plan` lists the candidates
   with modelled and measured times; rank 0 prints it once decided (``print_plan``), and
   :meth:`GradpackState.state_dict` saves it, so a restored state runs no trials. At two
   ranks its float32 is an all-gather of float32 frames summed in rank order (the ring's
@@ -125,7 +129,6 @@ import os
 import queue
 import socket
 import sys
-import tempfile
 import time
 import zlib
 import threading
@@ -138,6 +141,18 @@ import torch.distributed as dist
 
 import gradpack
 from gradpack import Codec, ErrorFeedback, _native
+from gradpack._torch_net import (
+    _MIN_RING,
+    _RING,
+    _STAGE,
+    _PointToPoint,
+    _hosts_by_probe,
+    _job_token,
+    _shm_dir,
+    _shm_free,
+    _spans_nodes,
+    _tcp,
+)
 
 __all__ = ["DiLoCo", "GradpackState", "gradpack_hook", "measure_link", "DEFAULT_CANDIDATES",
            "BIASED_NEED_FEEDBACK", "RING_BY_DEFAULT"]
@@ -1636,213 +1651,6 @@ class GradpackState:
         self._p2p.wait()
 
 
-# What the hook's shared memory takes per rank: 1 MiB per ring (the transport's default
-# capacity; 64 KiB at the least, where /dev/shm is small) and the two-level all-reduce's
-# stage.
-_RING = 1 << 20
-_MIN_RING = 64 << 10
-_STAGE = 4 << 20
-
-
-def _shm_dir() -> str:
-    """Where the crate's shared-memory transport puts its files."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def _shm_free() -> int:
-    """Bytes free where the shared-memory files go (0 if unknown)."""
-    try:
-        st = os.statvfs(_shm_dir())
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
-
-
-def _hosts_by_probe(group: Any, world: int, rank: int) -> List[int]:
-    """The host of every rank of ``group``: ranks that see each other's file in the
-    shared-memory directory share one. Ranks whose views disagree (a directory shared
-    one way only) get hosts of their own."""
-    token = os.urandom(8).hex()
-    path = os.path.join(_shm_dir(), f"gradpack-probe-{token}")
-    try:
-        with open(path, "w"):
-            pass
-    except OSError:
-        path = ""
-    tokens: List[Any] = [None] * world
-    dist.all_gather_object(tokens, token if path else None, group=group)
-    sees = [r for r, t in enumerate(tokens) if t is not None and (
-        r == rank or os.path.exists(os.path.join(_shm_dir(), f"gradpack-probe-{t}")))]
-    views: List[Any] = [None] * world
-    dist.all_gather_object(views, sees, group=group)
-    if path:
-        os.unlink(path)
-    hosts: List[int] = []
-    groups: Dict[Tuple[int, ...], int] = {}
-    for r in range(world):
-        v = tuple(views[r])
-        # A host: ranks that all see exactly the same set, which holds them.
-        ok = r in v and all(tuple(views[q]) == v for q in v)
-        hosts.append(groups.setdefault(v, len(groups)) if ok else len(groups) + world + r)
-    return hosts
-
-
-def _spans_nodes(group: Any) -> bool:
-    """Whether torchrun's environment says the group's ranks sit on several nodes of
-    more than one rank each (``LOCAL_WORLD_SIZE`` below the world size)."""
-    try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    except ValueError:
-        return False
-    if not (dist.is_available() and dist.is_initialized()) or local < 2:
-        return False
-    return local < dist.get_world_size(group)
-
-
-def _job_token(group: Any) -> str:
-    """A random token, the same on every rank of ``group`` (drawn by its first rank and
-    broadcast: a collective)."""
-    token = [os.urandom(6).hex() if dist.get_rank(group) == 0 else None]
-    dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
-    return str(token[0])
-
-
-def _tcp(rank: int, world: int, token: str, timeout: Optional[float]) -> "gradpack.Tcp":
-    """gradpack's native transport among ``world`` ranks, connected through torch's
-    default store under a key of the job's ``token`` (a collective)."""
-    return gradpack.Tcp.from_store(
-        dist.distributed_c10d._get_default_store(), rank, world, key=f"gradpack/tcp/{token}",
-        timeout=300.0 if timeout is None else float(timeout),
-    )
-
-
-def _check_limit(frm: int, length: int, limit: Optional[int]) -> None:
-    """Refuse an announced length above what the collective expects (or below zero)
-    before anything is allocated for it."""
-    if length < 0 or (limit is not None and length > limit):
-        raise RuntimeError(
-            f"rank {frm} announced a message of {length} bytes where at most {limit} are "
-            "expected: refused"
-        )
-
-
-class _PointToPoint:
-    """The message callables of a :class:`gradpack.AllReduce` or
-    :class:`gradpack.OuterSync` over point-to-point operations on a process group
-    (``group()`` gives it; ranks are the group's). A message is its length, then its
-    bytes; sends do not wait (the tensors stay alive in ``pending`` until waited for, or
-    seen complete by a later send)."""
-
-    def __init__(self, group: Any) -> None:
-        self._group = group
-        self._pending: List[Any] = []
-        self._lock = threading.Lock()
-        # send_recv's receive buffers of known sizes, by (peer, size): the caller copies
-        # what it returns before the next call.
-        self._recv_bufs: Dict[Tuple[int, int], torch.Tensor] = {}
-        # Receives of known sizes are posted early only until a call fails: after one,
-        # messages of a failed call may still be on their way (gloo aborts the process
-        # when a message is longer than the receive posted for it), so the lengths are
-        # waited for again and such messages dropped as stale.
-        self._sized = True
-
-    def link(self) -> Dict[str, Any]:
-        """The transport arguments of a collective over these callables."""
-        g = self._group()
-        return dict(rank=dist.get_rank(g), world=dist.get_world_size(g), send=self.send,
-                    recv=self.recv, send_recv=self.send_recv)
-
-    def _peer(self, r: int) -> int:
-        return dist.get_global_rank(self._group(), r)
-
-    def send(self, msg: bytearray, to: int) -> None:
-        dst = self._peer(to)
-        length = torch.tensor([len(msg)], dtype=torch.int64)
-        payload = torch.frombuffer(msg, dtype=torch.uint8)
-        g = self._group()
-        self._keep((dist.isend(length, dst, group=g), dist.isend(payload, dst, group=g)),
-                   length, payload)
-
-    def _keep(self, works: Tuple[Any, Any], length: torch.Tensor, payload: torch.Tensor) -> None:
-        """Keep a send's tensors alive until it completes (dropping those done)."""
-        with self._lock:
-            self._pending = [p for p in self._pending if not all(w.is_completed() for w in p[0])]
-            self._pending.append((works, length, payload))
-
-    def recv(self, frm: int, limit: Optional[int] = None) -> np.ndarray:
-        src = self._peer(frm)
-        length = torch.empty(1, dtype=torch.int64)
-        g = self._group()
-        dist.recv(length, src, group=g)
-        _check_limit(frm, int(length), limit)
-        buf = torch.empty(int(length), dtype=torch.uint8)
-        dist.recv(buf, src, group=g)
-        return buf.numpy()
-
-    def send_recv(self, msg: bytearray, to: int, frm: int, size: Optional[int] = None,
-                  limit: Optional[int] = None) -> np.ndarray:
-        """``send(msg, to)`` and ``recv(frm)`` at once, the same messages on the wire: the
-        lengths are exchanged first, then the payload's receive is posted before its
-        send. gloo moves the two directions of a step at once only when the receive is
-        posted first (posted after, as ``send`` then ``recv`` do, one 12 MB exchange
-        between two ranks took 200 ms on a 1 Gbit/s port instead of 107). With ``size``
-        (the length the ring knows the message from ``frm`` has) both receives are
-        posted at once, into a buffer kept for that peer and size, and the lengths are
-        checked after: no wait for the length before the payload moves (4 ranks on one
-        loopback, an int8 ring of 6.3 M elements: its messages 10.6 ms instead of 22.8).
-        Every rank's collectives are made alike (DDP's buckets are the same on every
-        rank), so before any failure the next message from a peer is the one expected;
-        after one (:meth:`drop`), or a message of another length (an error), ``size`` is
-        ignored."""
-        dst, src = self._peer(to), self._peer(frm)
-        g = self._group()
-        got = torch.empty(1, dtype=torch.int64)
-        length = torch.tensor([len(msg)], dtype=torch.int64)
-        w_got = dist.irecv(got, src, group=g)
-        key, w_buf = None, None
-        if size is not None and self._sized:
-            key = (src, int(size))
-            buf = self._recv_bufs.get(key)
-            if buf is None:
-                if len(self._recv_bufs) >= 64:
-                    self._recv_bufs.clear()
-                buf = self._recv_bufs[key] = torch.empty(int(size), dtype=torch.uint8)
-            w_buf = dist.irecv(buf, src, group=g)
-        w_len = dist.isend(length, dst, group=g)
-        if w_buf is None:
-            w_got.wait()
-            _check_limit(frm, int(got), limit)
-            buf = torch.empty(int(got), dtype=torch.uint8)
-            w_buf = dist.irecv(buf, src, group=g)
-        payload = torch.frombuffer(msg, dtype=torch.uint8)
-        self._keep((w_len, dist.isend(payload, dst, group=g)), length, payload)
-        if key is not None:
-            w_got.wait()
-            if int(got) != size:
-                del self._recv_bufs[key]  # its receive may still be posted
-                self._sized = False
-                raise RuntimeError(
-                    f"rank {frm} sent a message of {int(got)} bytes where {size} were expected"
-                )
-        w_buf.wait()
-        return buf.numpy()
-
-    def wait(self) -> None:
-        """Wait for every send made so far."""
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for works, _, _ in pending:
-            for w in works:
-                w.wait()
-
-    def drop(self) -> None:
-        """Forget the sends made so far (after a failure), and post no receive of a known
-        size from now on."""
-        with self._lock:
-            self._pending = []
-            self._sized = False
-
-
 _POWERSGD_KEYS = ("rank", "warm_start", "feedback", "min_compression", "start_step")
 
 
@@ -1921,253 +1729,7 @@ def gradpack_hook(
     return state._submit(bucket)
 
 
-class DiLoCo:
-    """DiLoCo's outer synchronisation for a PyTorch model (Douillard et al. 2023), and its
-    streaming variant: every rank trains ``model`` alone with ``inner_optimizer``, and
-    every ``sync_every`` inner steps the ranks all-reduce the mean of their
-    pseudo-gradients (outer parameters minus local ones) compressed with ``codec``, take
-    a step of the outer optimizer (SGD with ``outer_lr`` and Nesterov ``outer_momentum``;
-    ``outer_momentum=0`` for none), and continue from the new outer parameters::
+# DiLoCo lives in a module of its own (gradpack.torch.DiLoCo is its public name).
+from gradpack._torch_diloco import DiLoCo  # noqa: E402
 
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        diloco = gpt.DiLoCo(model, opt, sync_every=50, codec="int8")
-        for x, y in data:                 # no DDP: each rank trains on its own shard
-            loss_fn(model(x), y).backward()
-            opt.step()                    # DiLoCo runs after every inner step
-            opt.zero_grad()
-        diloco.close()
-
-    The arithmetic and the schedule are the Rust crate's (:class:`gradpack.OuterSync`);
-    the all-reduces are gradpack's own collectives, running on a communication thread of
-    their own, their messages on gradpack's native transport (``transport="tcp"``, the
-    default: :class:`gradpack.Tcp`, connected through torch's store) or sent point to
-    point on a gloo group of ``group``'s ranks made here (``"process_group"``); either
-    way a CUDA model on NCCL works too, and the results are the same to the bit. The
-    names follow torchft's ``DiLoCo`` where they mean the same:
-
-    - ``fragments``: a number P (the parameters cut in order into P runs of about equal
-      size) or a list of modules of ``model`` (torchft's ``model_fragments``), synced at
-      staggered steps, each once every ``sync_every`` steps.
-    - ``delay`` (torchft's ``fragment_sync_delay``): a fragment's all-reduce starts this
-      many inner steps before its sync point and runs while training goes on; ``delay=1``
-      with one fragment is the one-step-delayed variant.
-    - ``alpha`` (``fragment_update_alpha``): at the sync point,
-      ``local = alpha * local + (1 - alpha) * outer``.
-    - ``error_feedback``: a residual per rank for what the codec drops (``None``: on
-      for every codec but ``"identity"``). With ``outer_momentum=0`` and ``outer_lr=1``
-      it takes the place of momentum, as in SparseLoCo (``codec="chunktopk"``);
-      ``feedback_beta`` decays the residual before each round's pseudo-gradient is
-      added (SparseLoCo's ``beta``, below 1 so that an unsent displacement, sent again
-      every round, does not pile up).
-
-    The outer copy, the momentum and the residuals live in host memory (float32). For
-    CPU float32 parameters the synchroniser reads and writes the parameters in place;
-    for others (CUDA, other float types) it keeps a pinned float32 host copy of each
-    and copies only the tensors of the fragments due. The model's parameters are made
-    equal on every rank first (a broadcast from the group's first rank). Every rank ends
-    each outer step with the same outer parameters, to the bit. ``state_dict`` saves
-    the synchroniser's state, to save beside the model and the inner optimizer;
-    restored with them, training continues bit for bit.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        inner_optimizer: Optional[torch.optim.Optimizer],
-        sync_every: int,
-        codec: Union[str, Codec] = "identity",
-        *,
-        fragments: Union[int, Sequence[torch.nn.Module]] = 1,
-        delay: int = 0,
-        alpha: float = 0.0,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        error_feedback: Optional[bool] = None,
-        feedback_beta: float = 1.0,
-        strategy: str = "auto",
-        bandwidth: Union[float, str] = 10e9,
-        latency: Union[float, str] = 10e-6,
-        pieces: int = 1,
-        group: Any = None,
-        seed: int = 0,
-        timeout: Optional[float] = None,
-        transport: str = "tcp",
-    ) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("DiLoCo needs torch.distributed initialised (init_process_group)")
-        if transport not in ("tcp", "process_group"):
-            raise ValueError(f"transport {transport!r}: use 'tcp' or 'process_group'")
-        codec = Codec(codec) if isinstance(codec, str) else codec
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("the model has no parameter that requires a gradient")
-        self._params = [p for _, p in named]
-        assignment = None
-        if not isinstance(fragments, int):
-            mods = list(fragments)
-            of = {}
-            for f, m in enumerate(mods):
-                for p in m.parameters():
-                    if id(p) in of:
-                        raise ValueError(f"a parameter is in fragments {of[id(p)]} and {f}")
-                    of[id(p)] = f
-            missing = [n for n, p in named if id(p) not in of]
-            if missing:
-                raise ValueError(f"parameters in no fragment: {', '.join(missing[:5])}")
-            assignment = [of[id(p)] for p in self._params]
-            fragments = len(mods)
-        self.process_group = group
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        kw: Dict[str, Any] = {}
-        if timeout is not None:
-            kw["timeout"] = datetime.timedelta(seconds=timeout)
-        self._group = dist.new_group(
-            ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None, **kw
-        )
-        rank, world = dist.get_rank(self._group), dist.get_world_size(self._group)
-        # Host views: CPU float32 parameters in place, a pinned float32 copy otherwise.
-        self._host: List[torch.Tensor] = []
-        self._mirrored: List[bool] = []
-        pin = torch.cuda.is_available()
-        src = dist.get_global_rank(self._group, 0)
-        with torch.no_grad():
-            for p in self._params:
-                direct = p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
-                h = p.data if direct else torch.empty(p.shape, dtype=torch.float32, pin_memory=pin)
-                if not direct:
-                    h.copy_(p.detach())
-                dist.broadcast(h, src, group=self._group)
-                if not direct:
-                    p.copy_(h)
-                self._host.append(h)
-                self._mirrored.append(not direct)
-        self._p2p = _PointToPoint(lambda: self._group)
-        link = (
-            dict(transport=_tcp(rank, world, _job_token(self._group), timeout))
-            if transport == "tcp" else self._p2p.link()
-        )
-        bw = gradpack.parse_bandwidth(bandwidth) if isinstance(bandwidth, str) else float(bandwidth)
-        lat = gradpack.parse_duration(latency) if isinstance(latency, str) else float(latency)
-        if error_feedback is None:
-            error_feedback = codec.name != "identity"
-        self._sync = gradpack.OuterSync(
-            [n for n, _ in named],
-            [tuple(p.shape) for p in self._params],
-            [h.numpy() for h in self._host],
-            **link,
-            sync_every=sync_every,
-            fragments=fragments,
-            assignment=assignment,
-            delay=delay,
-            alpha=alpha,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            nesterov=nesterov,
-            codec=codec,
-            feedback="worker" if error_feedback else "none",
-            beta=feedback_beta,
-            strategy=strategy,
-            pieces=pieces,
-            seed=seed,
-            bandwidth=bw,
-            latency=lat,
-        )
-        self._frags = self._sync.fragments
-        #: Bytes this rank has sent for outer steps (envelopes and frames).
-        self.bytes_sent = 0
-        #: Fragment outer steps applied.
-        self.syncs = 0
-        self._hook = None
-        if inner_optimizer is not None:
-            self._hook = inner_optimizer.register_step_post_hook(lambda *_: self.step())
-
-    @property
-    def inner_step(self) -> int:
-        """Inner steps taken."""
-        return self._sync.inner_step
-
-    @property
-    def fragments(self) -> List[List[int]]:
-        """The parameters (indices among those that require a gradient) of every
-        fragment."""
-        return self._frags
-
-    def step(self) -> None:
-        """What follows an inner step (called by the inner optimizer's step hook; call
-        it yourself if you gave ``inner_optimizer=None``)."""
-        send, apply = self._sync.due()
-        if not send and not apply:
-            self._sync.step(None)
-            return
-        touched = sorted({t for f in send + apply for t in self._frags[f]})
-        with torch.no_grad():
-            for t in touched:
-                if self._mirrored[t]:
-                    self._host[t].copy_(self._params[t].detach())
-            stats = self._sync.step([h.numpy() for h in self._host])
-            for f in apply:
-                for t in self._frags[f]:
-                    if self._mirrored[t]:
-                        self._params[t].copy_(self._host[t])
-        self.bytes_sent += stats["bytes_sent"]
-        self.syncs += stats["applied"]
-
-    def outer_parameters(self) -> List[torch.Tensor]:
-        """Copies of the outer parameters (CPU float32, shaped as the parameters)."""
-        return [
-            torch.from_numpy(self._sync.outer(i)).reshape(p.shape)
-            for i, p in enumerate(self._params)
-        ]
-
-    def state_dict(self) -> Dict[str, Any]:
-        """The synchroniser's state (step, outer parameters, momentum, residuals, and an
-        all-reduce finished but not yet applied), as plain values. Waits for the
-        all-reduces in flight."""
-        return {"format": "gradpack.torch.DiLoCo/1", "outer": self._sync.state_dict(),
-                "bytes_sent": self.bytes_sent, "syncs": self.syncs}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` into a synchroniser made with the same arguments
-        (restore the model and the inner optimizer of the same step beside it)."""
-        if state.get("format") != "gradpack.torch.DiLoCo/1":
-            raise ValueError(f"DiLoCo state format {state.get('format')!r}")
-        self._sync.load_state_dict(state["outer"])
-        self.bytes_sent = int(state.get("bytes_sent", 0))
-        self.syncs = int(state.get("syncs", 0))
-
-    def close(self) -> None:
-        """End the synchroniser's use of the network: remove the optimizer hook, wait for
-        the all-reduces in flight and the last sends, meet the other ranks (a barrier on
-        the group it made, so that no rank tears its connections down while a peer's
-        last messages are on the way: gloo can abort the process then) and destroy that
-        group. A collective of the group's ranks, unless a sync failed (a peer may be
-        gone): then it only drops what is pending. The outer parameters and the state
-        stay readable."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        if self._group is None:
-            return
-        try:
-            # state_dict() waits for the all-reduces in flight (and refuses after a
-            # failed sync).
-            self._sync.state_dict()
-        except Exception:
-            self._p2p.drop()
-            self._group = None
-            return
-        self._p2p.wait()
-        if dist.is_initialized():
-            dist.barrier(group=self._group)
-            dist.destroy_process_group(self._group)
-        self._group = None
-
-    def __enter__(self) -> "DiLoCo":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"DiLoCo({self._sync!r})"
+DiLoCo.__module__ = __name__
