@@ -518,6 +518,12 @@ class Tuner:
         the ranks share their times and keep the fastest configuration. Returns whether
         the plan is decided now.
         """
+    def restart(self, /, trial: SupportsIndex) -> None:
+        """
+        Measure plan `trial` again from its first configuration, forgetting its times:
+        call it on every rank when a trial's reduction failed (a failed sharing of the
+        times restarts its plan by itself).
+        """
     def restore(self, /, blob: bytes) -> None:
         """
         Restore a :meth:`save` (a damaged blob raises and changes nothing).

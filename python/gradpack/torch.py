@@ -400,6 +400,9 @@ class GradpackState:
         self._tuner: Optional[gradpack.Tuner] = None
         self._tuner_saved: Optional[bytes] = None
         self._plan_printed = False
+        # An error of the communication thread outside a bucket (sharing a float32 trial's
+        # time), raised through the next bucket's future.
+        self._late_error: Optional[BaseException] = None
         self._h2d: Optional[float] = None
         self._streams: Dict[Any, Any] = {}
         if min_compress_elements < 0:
@@ -1019,19 +1022,28 @@ class GradpackState:
             job = self._queue.get()
             try:
                 if job[0] == "time":  # a float32 trial on DDP's group finished
-                    self._record(job[1], job[2])
+                    try:
+                        self._record(job[1], job[2])
+                    except BaseException as e:  # the next bucket's future carries it
+                        self._late_error = e
                     continue
                 _, buf, index, step, layout, cfg, plan, ready, fut, last = job
                 if self.selection == "model" and cfg != _FP32 and self._world() > 1:
                     self._collect(buf, index, step, layout, ready, fut, last)
                     continue
                 try:
+                    late, self._late_error = self._late_error, None
+                    if late is not None:
+                        raise RuntimeError(f"sharing auto's trial times failed: {late}") from late
                     t0 = time.perf_counter()
                     out = self._reduce(buf, index, step, layout, cfg, ready)
                     if plan is not None:
                         self._record(plan, time.perf_counter() - t0)
                     self._complete(fut, out)
                 except BaseException as e:  # the future carries it to DDP
+                    if plan is not None and self._tuner is not None:
+                        # A trial failed (on every rank): its plan is measured again.
+                        self._tuner.restart(plan)
                     fut.set_exception(_hook_error(f"bucket {index} of step {step}", e))
             finally:
                 self._queue.task_done()

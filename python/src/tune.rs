@@ -168,11 +168,20 @@ impl PyTuner {
             return Ok(false);
         };
         let mut comm = Comm::new(t);
-        let means = py
-            .detach(|| Tuner::share(&mut comm, tag, &times))
-            .map_err(err)?;
+        let shared = py.detach(|| Tuner::share(&mut comm, tag, &times));
+        let means = shared.map_err(|e| {
+            self.tuner().restart(trial); // measured again, as on every other rank
+            err(e)
+        })?;
         self.tuner().decide(trial, &means).map_err(err)?;
         Ok(true)
+    }
+
+    /// Measure plan `trial` again from its first configuration, forgetting its times:
+    /// call it on every rank when a trial's reduction failed (a failed sharing of the
+    /// times restarts its plan by itself).
+    fn restart(&self, trial: usize) {
+        self.tuner().restart(trial);
     }
 
     /// Whether every bucket's plan (as of its last :meth:`next`) is decided.

@@ -1027,3 +1027,45 @@ def test_native_transport_arguments_are_checked():
     x = np.ones(10, np.float32)
     ar.run(x)
     assert repr(t).startswith("Tcp(rank=0 of 1")
+
+
+def test_the_crates_tuner_from_python_measures_decides_saves_and_restarts():
+    # gradpack.Tuner is the crate's measured auto (the hook's): float32 first, then the
+    # model's best; the fastest time is kept, float32 on a tie; a saved plan restores
+    # decided; a restarted plan measures again from float32.
+    profiles = [gradpack.CodecProfile(s, 32.0, 4e9, 6e9, 5e9) for s in ("identity", "int8", "fp16")]
+    layout = [("fc.weight", [512, 512]), ("fc.bias", [512])]
+
+    def make():
+        return gradpack.Tuner(1, profiles, ["int8", "fp16"], bandwidth=1e9, trials=2, trial_steps=1)
+
+    def never(*_):
+        raise AssertionError("one rank sends nothing")
+
+    t = make()
+    seen, times, failed = [], {}, False
+    while len(seen) < 10:
+        codec, route, trial = t.next(0, layout)
+        if trial is None:
+            break
+        seen.append((codec, route))
+        if len(seen) == 2 and not failed:
+            t.restart(trial)  # its reduction failed: measured again from float32
+            seen, failed = [], True
+            continue
+        times[(codec, route)] = 1.0 if route == "fp32" else 0.5
+        t.record(trial, times[(codec, route)], 0, 1, never, never)
+    assert seen[0] == ("identity", "fp32") and len(seen) == 3
+    rows = t.plan()
+    assert [r["chosen"] for r in rows].count(True) == 1
+    kept = next(r for r in rows if r["chosen"])
+    assert kept["measured_ms"] == 0.5e3 and kept["strategy"] != "all-reduce"
+    assert kept["codec"] in t.table()
+    assert t.choice_of("fc.weight") == (codec, route)
+    u = make()
+    u.restore(t.save())
+    assert u.next(0, layout) == (codec, route, None)
+    with pytest.raises(gradpack.Error):
+        u.restore(b"GPTU" + bytes(40))
+    assert gradpack.tensor_codec("int8", [512]) == "identity"
+    assert gradpack.tensor_codec("int8", [512, 512]) == gradpack.Codec("int8").spec

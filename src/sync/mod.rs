@@ -550,12 +550,21 @@ impl<T: Transport> Worker<T> {
             }
         };
         let t0 = std::time::Instant::now();
-        let stats = m.trying[i].2.run(comm, step, input, output, seed)?;
+        let stats = match m.trying[i].2.run(comm, step, input, output, seed) {
+            Ok(s) => s,
+            Err(e) => {
+                // Failed on every rank: the plan is measured again from its start.
+                lock(&m.tuner).restart(trial);
+                return Err(e);
+            }
+        };
         let seconds = t0.elapsed().as_secs_f64();
         let noted = lock(&m.tuner).note(trial, seconds)?;
         if let Some(times) = noted {
             // Not locked while the ranks share: the caller's side may read the plan.
-            let means = Tuner::share(comm, TUNE_TAG, &times)?;
+            let means = Tuner::share(comm, TUNE_TAG, &times).inspect_err(|_| {
+                lock(&m.tuner).restart(trial);
+            })?;
             let kept = {
                 let mut t = lock(&m.tuner);
                 t.decide(trial, &means)?;

@@ -639,11 +639,29 @@ impl Tuner {
     ) -> Result<bool> {
         match self.note(trial, seconds)? {
             None => Ok(false),
-            Some(times) => {
-                let means = Tuner::share(comm, tag, &times)?;
-                self.decide(trial, &means)?;
-                Ok(true)
-            }
+            Some(times) => match Tuner::share(comm, tag, &times) {
+                Ok(means) => {
+                    self.decide(trial, &means)?;
+                    Ok(true)
+                }
+                Err(e) => {
+                    self.restart(trial);
+                    Err(e)
+                }
+            },
+        }
+    }
+
+    /// Measure plan `trial` again from its first configuration, forgetting its times:
+    /// what a front end calls on every rank when a trial's reduction or the sharing of
+    /// the times failed (a failed collective fails on every rank), so that the ranks'
+    /// plans stay in step and the next steps measure again instead of failing. A decided
+    /// plan, or an unknown number, is left as it is.
+    pub fn restart(&mut self, trial: usize) {
+        if let Some(p) = self.plans.get_mut(trial).filter(|p| p.choice.is_none()) {
+            p.runs = 0;
+            p.recorded = 0;
+            p.times.iter_mut().for_each(|t| *t = f64::INFINITY);
         }
     }
 
@@ -1091,6 +1109,34 @@ mod tests {
             assert!(u.restore(&bad).is_err(), "byte {at}");
             assert_eq!(u.save(), before);
         }
+    }
+
+    #[test]
+    fn a_restarted_plan_measures_again_from_float32() {
+        let mut t = tuner(2);
+        let ts = bucket(&["a"]);
+        let id = t.next(0, &ts, None).unwrap().trial.unwrap();
+        let _ = t.note(id, 1.0).unwrap();
+        let second = t.next(0, &ts, None).unwrap().config;
+        t.restart(id); // the second trial's reduction failed
+        assert_eq!(t.next(0, &ts, None).unwrap().config, BucketConfig::fp32());
+        let _ = t.note(id, 5.0).unwrap();
+        assert_eq!(t.next(0, &ts, None).unwrap().config, second);
+        // A decided plan is not restarted.
+        let _ = t.note(id, 1.0).unwrap();
+        let third = t.next(0, &ts, None).unwrap();
+        let times = t
+            .note(third.trial.unwrap(), 2.0)
+            .unwrap()
+            .expect("the last trial");
+        assert_eq!(
+            times,
+            vec![5.0, 1.0, 2.0],
+            "the times before the restart are gone"
+        );
+        t.decide(id, &times).unwrap();
+        t.restart(id);
+        assert_eq!(t.next(0, &ts, None).unwrap().trial, None);
     }
 
     #[test]
