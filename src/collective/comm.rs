@@ -236,41 +236,24 @@ impl<T: Transport + ?Sized> Comm<T> {
                 settings.len()
             )));
         }
-        let (r, p) = (self.transport.rank(), self.transport.size());
-        let place = |from: usize| Place {
-            call,
-            tag,
-            phase: Phase::Agreement,
-            hop: 0,
-            chunk: from as u32,
-            max: ENVELOPE_LEN + MAX_SETTINGS,
-        };
-        let mut msg = vec![0u8; ENVELOPE_LEN];
-        msg.extend_from_slice(settings.as_bytes());
-        for k in 1..p {
-            self.post(&mut msg, (r + k) % p, place(r))?;
-        }
         // Every peer's settings are received before a difference is reported, so that
         // no rank leaves while a peer may still send to it.
-        let mut got = Vec::new();
-        let mut first = None;
-        for k in 1..p {
-            let from = (r + p - k) % p;
-            self.expect(&mut got, from, place(from))?;
-            let theirs = String::from_utf8_lossy(&got[ENVELOPE_LEN..]);
-            if theirs != settings && first.is_none() {
-                first = Some(Error::Peer {
-                    peer: from,
-                    phase: Phase::Agreement.name(),
-                    forwarded_by: None,
-                    source: Box::new(Error::Collective(differs(&theirs, settings))),
-                });
-            }
-        }
+        let all = self.all_to_all(call, tag, settings.as_bytes(), MAX_SETTINGS)?;
+        // The first difference in the order the messages came: from rank r - 1 down.
+        let (r, p) = (self.transport.rank(), self.transport.size());
+        let differ = (1..p).map(|k| (r + p - k) % p).find_map(|from| {
+            let theirs = String::from_utf8_lossy(&all[from]);
+            (theirs != settings).then(|| Error::Peer {
+                peer: from,
+                phase: Phase::Agreement.name(),
+                forwarded_by: None,
+                source: Box::new(Error::Collective(differs(&theirs, settings))),
+            })
+        });
         // This rank's settings have left it before it reports, agreed or not: a rank that
         // ends its process on a difference must not take its messages with it.
         let flushed = self.transport.flush();
-        first.map_or(flushed, Err)
+        differ.map_or(flushed, Err)
     }
 
     /// Every rank's `values` (the same count on every rank), indexed by rank: one call
@@ -281,7 +264,6 @@ impl<T: Transport + ?Sized> Comm<T> {
     /// measured trials of [`crate::sync::Tuner`] share.
     pub(crate) fn gather_f64(&mut self, tag: u32, values: &[f64]) -> Result<Vec<Vec<f64>>> {
         let call = self.begin();
-        let (r, p) = (self.transport.rank(), self.transport.size());
         let len = values.len().checked_mul(8).filter(|&l| l <= MAX_SETTINGS);
         let Some(len) = len else {
             return Err(Error::Collective(format!(
@@ -290,45 +272,56 @@ impl<T: Transport + ?Sized> Comm<T> {
                 MAX_SETTINGS / 8
             )));
         };
+        let body: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let all = self.all_to_all(call, tag, &body, len)?;
+        self.transport.flush()?;
+        all.into_iter()
+            .enumerate()
+            .map(|(from, b)| {
+                if b.len() != len {
+                    return Err(Error::Peer {
+                        peer: from,
+                        phase: Phase::Agreement.name(),
+                        forwarded_by: None,
+                        source: Box::new(Error::Collective(format!(
+                            "sent {} bytes of values, expected {len}",
+                            b.len()
+                        ))),
+                    });
+                }
+                Ok(b.chunks_exact(8)
+                    .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+                    .collect())
+            })
+            .collect()
+    }
+
+    /// Call `call`'s exchange of the agreement's kind (section 6.10): `body` after an
+    /// envelope to every other rank, then every other rank's body (at most `max` bytes)
+    /// received; each rank's body indexed by rank, this rank's own included.
+    fn all_to_all(&mut self, call: u64, tag: u32, body: &[u8], max: usize) -> Result<Vec<Vec<u8>>> {
+        let (r, p) = (self.transport.rank(), self.transport.size());
         let place = |from: usize| Place {
             call,
             tag,
             phase: Phase::Agreement,
             hop: 0,
             chunk: from as u32,
-            max: ENVELOPE_LEN + len,
+            max: ENVELOPE_LEN + max,
         };
         let mut msg = vec![0u8; ENVELOPE_LEN];
-        values
-            .iter()
-            .for_each(|v| msg.extend_from_slice(&v.to_le_bytes()));
+        msg.extend_from_slice(body);
         for k in 1..p {
             self.post(&mut msg, (r + k) % p, place(r))?;
         }
         let mut out = vec![Vec::new(); p];
-        out[r] = values.to_vec();
+        out[r] = body.to_vec();
         let mut got = Vec::new();
         for k in 1..p {
             let from = (r + p - k) % p;
             self.expect(&mut got, from, place(from))?;
-            let body = &got[ENVELOPE_LEN..];
-            if body.len() != len {
-                return Err(Error::Peer {
-                    peer: from,
-                    phase: Phase::Agreement.name(),
-                    forwarded_by: None,
-                    source: Box::new(Error::Collective(format!(
-                        "sent {} bytes of values, expected {len}",
-                        body.len()
-                    ))),
-                });
-            }
-            out[from] = body
-                .chunks_exact(8)
-                .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
-                .collect();
+            out[from] = got[ENVELOPE_LEN..].to_vec();
         }
-        self.transport.flush()?;
         Ok(out)
     }
 
