@@ -589,14 +589,17 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
             let p = profile(m);
             let (strategy, t) = cost::best_strategy(&p, &cluster, elements, reduce);
             let pays = region(&p, reduce);
+            // Where it pays by each timing round's own speeds.
+            let round_pays: Vec<Vec<(f64, f64)>> = rounds
+                .iter()
+                .map(|(s, reduce)| {
+                    let p = profile(&with_speeds(m.clone(), std::slice::from_ref(s)));
+                    region(&p, *reduce)
+                })
+                .collect();
+            let pays_stable = round_pays.iter().all(|r| same_region(r, &pays));
             let be = below(&pays).and_then(|be| {
-                let per_round: Option<Vec<f64>> = rounds
-                    .iter()
-                    .map(|(s, reduce)| {
-                        let p = profile(&with_speeds(m.clone(), std::slice::from_ref(s)));
-                        below(&region(&p, *reduce))
-                    })
-                    .collect();
+                let per_round: Option<Vec<f64>> = round_pays.iter().map(|r| below(r)).collect();
                 let per_round = per_round?;
                 // The spread of the estimates: every round's, and the one from the fastest
                 // speeds (which need not lie between the rounds').
@@ -610,6 +613,7 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
                 strategy,
                 t,
                 pays,
+                pays_stable,
                 be,
             }
         })
@@ -705,6 +709,8 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
                         "break_even_range_gbit_s": r.be.map(|b| [b.1.0 / 1e9, b.1.1 / 1e9]),
                         // Whether the rounds agree within 25% (the table marks it `?` if not).
                         "break_even_stable": r.be.map(|b| stable(b.1)),
+                        // Whether the timing rounds give the same intervals within 25%.
+                        "pays_stable": r.pays_stable,
                         // Every interval of link speeds where it pays (null: no upper end).
                         "pays_at_gbit_s": r.pays.iter().map(|&(lo, hi)| {
                             [Some(lo / 1e9), hi.is_finite().then_some(hi / 1e9)]
@@ -837,7 +843,9 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
                             Some((be, range)) => {
                                 format!("{}{}", fmt_bw(be), if stable(range) { "" } else { "?" })
                             }
-                            None => fit_pays(&r.pays, 10),
+                            // The same mark on every form when the rounds disagree.
+                            None if r.pays_stable => fit_pays(&r.pays, 10),
+                            None => format!("{}?", fit_pays(&r.pays, 9)),
                         },
                     ),
                     None => {
@@ -863,9 +871,9 @@ pub(crate) fn report(a: ReportArgs) -> Res<()> {
                  acc: test accuracy against fp32 (points) of `gradpack train`'s MLP with the codec, its\n\
                  error feedback and strategy; tracks: EF err < {MAX_EF_ERROR} and acc within -{} (yes?: not\n\
                  trained); time: modelled all-reduce at {} Gbit/s with the faster strategy; break-even:\n\
-                 the link speed (Gbit/s) below which it beats fp32 (?: the timing rounds disagree by more\n\
-                 than 25%), else where it beats fp32 (<X, X-Y, >X; …: more ranges, --wide or --json has\n\
-                 them){}. --wide: every column.",
+                 the link speed (Gbit/s) below which it beats fp32, else the speeds where it does (<X, X-Y,\n\
+                 >X, always, never; …: more ranges, in --wide and --json); ?: on any of these, the timing\n\
+                 rounds disagree by more than 25%{}. --wide: every column.",
                 a.tolerance,
                 fmt_bw(net.bandwidth),
                 if lowrank.is_empty() {
@@ -915,9 +923,24 @@ struct Row<'a> {
     t: f64,
     /// Where the codec pays (bit/s intervals), from the fastest speeds.
     pays: Vec<(f64, f64)>,
+    /// Whether every timing round's own speeds give the same intervals within 25%.
+    pays_stable: bool,
     /// When it pays below a break-even and only there: that break-even, and the lowest
     /// and highest of it and the timing rounds' break-evens.
     be: Option<(f64, (f64, f64))>,
+}
+
+/// Whether the intervals `r` (one timing round's) are those of `pays` within 25% at
+/// every finite end: the same count, each end within a factor of 1.25.
+fn same_region(r: &[(f64, f64)], pays: &[(f64, f64)]) -> bool {
+    let close = |a: f64, b: f64| {
+        (a == b)
+            || (a.is_finite() && b.is_finite() && a.min(b) > 0.0 && a.max(b) <= 1.25 * a.min(b))
+    };
+    r.len() == pays.len()
+        && r.iter()
+            .zip(pays)
+            .all(|(x, y)| close(x.0, y.0) && close(x.1, y.1))
 }
 
 /// Whether a break-even's range (lowest, highest) is within 25%: the short table marks
@@ -1121,7 +1144,8 @@ fn wide_tables(
             r.strategy.name(),
             match r.be {
                 Some((be, range)) => fmt_be(be, range),
-                None => fmt_pays(&r.pays),
+                None if r.pays_stable => fmt_pays(&r.pays),
+                None => format!("{}?", fmt_pays(&r.pays)),
             },
             r.t * 1e3,
             speedup(fp32, r.t),
@@ -1134,7 +1158,8 @@ fn wide_tables(
          (- where error feedback refuses a non-contractive codec);\n\
          break-even: the link speed (Gbit/s) below which the codec's all-reduce beats the fastest fp32 one, from\n\
          the fastest speeds of {ROUNDS} interleaved timing rounds, each timing the codec beside the fp32 sum (range:\n\
-         with each round's own); where latency dominates, where it pays (>X: above X; always; never);\n\
+         with each round's own); where latency dominates, where it pays (<X, X-Y, >X, always, never; ?: the\n\
+         rounds' own speeds give other intervals, by more than 25%);\n\
          time: the modelled all-reduce at {:.1} Gbit/s with the best strategy (ring or allgather); acc and\n\
          tracks: as in the short table (without --wide).",
         net.bandwidth / 1e9
@@ -1261,7 +1286,26 @@ fn plot(
 
 #[cfg(test)]
 mod tests {
-    use super::{fit_pays, fmt_pays};
+    use super::{fit_pays, fmt_pays, same_region};
+
+    #[test]
+    fn rounds_that_move_a_region_by_more_than_a_quarter_mark_it() {
+        let inf = f64::INFINITY;
+        let below = [(0.0, 100e9)];
+        assert!(same_region(&[(0.0, 120e9)], &below));
+        assert!(!same_region(&[(0.0, 130e9)], &below));
+        assert!(!same_region(&[], &below), "never against <100");
+        assert!(
+            !same_region(&[(0.0, 100e9), (200e9, inf)], &below),
+            "another interval"
+        );
+        assert!(
+            same_region(&[(0.0, inf)], &[(0.0, inf)]),
+            "always both times"
+        );
+        assert!(same_region(&[], &[]), "never both times");
+        assert!(!same_region(&[(90e9, inf)], &[(50e9, inf)]));
+    }
 
     #[test]
     fn where_a_codec_pays_fits_its_column() {
