@@ -942,7 +942,8 @@ def powersgd_matrix(
 
 class PowerSgdBucket:
     """PowerSGD (Vogels et al., 2019) for one bucket of matrices, whose two all-reduces
-    the caller runs (``gradpack.torch`` runs them over DDP's process group).
+    the caller runs: step by step as below, or all in the crate with :meth:`exchange`
+    on two :class:`AllReduce` (what ``gradpack.torch`` does).
 
     ``shapes`` lists each matrix's ``(n, m, r)`` (see :func:`powersgd_matrix`); the
     bucket's gradient is their row-major elements back to back, or, with ``offsets``
