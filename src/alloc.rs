@@ -15,16 +15,20 @@ pub(crate) fn filled<T: Clone>(n: usize, value: T, what: &'static str) -> Result
     Ok(v)
 }
 
-/// `buf` lengthened to at least `len` bytes (new bytes zero), its memory reserved first:
-/// an error naming `what` if it cannot be had.
-pub(crate) fn lengthen(buf: &mut Vec<u8>, len: usize, what: &'static str) -> Result<()> {
+/// `buf` lengthened to at least `len` elements (new ones zero), its memory reserved
+/// first: an error naming `what` if it cannot be had.
+pub(crate) fn lengthen<T: Clone + Default>(
+    buf: &mut Vec<T>,
+    len: usize,
+    what: &'static str,
+) -> Result<()> {
     if buf.len() < len {
         buf.try_reserve_exact(len - buf.len())
             .map_err(|_| Error::OutOfMemory {
-                bytes: len as u64,
+                bytes: (len as u64).saturating_mul(core::mem::size_of::<T>() as u64),
                 what,
             })?;
-        buf.resize(len, 0);
+        buf.resize(len, T::default());
     }
     Ok(())
 }

@@ -6,7 +6,7 @@ of the `gradpack` Python package).
 from _typeshed import Incomplete, SupportsGetItem
 from typing import Any, Final, SupportsFloat, SupportsIndex, final
 
-__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "OuterSync", "PowerSgdBucket", "SharedMemory", "Tcp", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "encode", "encode_into", "frame_len", "inspect", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "two_level_time"]
+__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "OuterSync", "PowerSgdBucket", "SharedMemory", "Tcp", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "encode", "encode_into", "frame_len", "inspect", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time"]
 
 HEADER_LEN: Final[int]
 """
@@ -688,6 +688,13 @@ def tensor_codec(codec: str, shape: SupportsGetItem[int, SupportsIndex], small_b
     `codec`: float32 (``"identity"``) for tensors of fewer than `small_below` elements
     and for vectors; with `dct_2d`, a `dct` codec of `width=0` with each matrix's row
     length as its width (2-D tiles).
+    """
+
+def tensor_seed(codec: Any, base: SupportsIndex, step: SupportsIndex, key: SupportsIndex, rank: SupportsIndex) -> int:
+    """
+    The seed rank `rank` encodes a tensor with at step `step`: splitmix64 of `base` mixed
+    with the step's and the tensor's `key`'s own splitmix64, then :func:`rank_seed` (what
+    :meth:`BucketGather.encode_run` derives for each part).
     """
 
 def two_level_time(profile: CodecProfile, strategy: str, hierarchical: bool, nodes: SupportsIndex, per_node: SupportsIndex, intra_bandwidth: SupportsFloat | SupportsIndex, inter_bandwidth: SupportsFloat | SupportsIndex, elements: SupportsFloat | SupportsIndex, intra_latency: SupportsFloat | SupportsIndex = 0.0, inter_latency: SupportsFloat | SupportsIndex = 0.0, node_bits: SupportsFloat | SupportsIndex = 32.0, reduce_bytes_per_s: SupportsFloat | SupportsIndex = ...) -> float: ...

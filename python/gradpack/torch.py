@@ -187,22 +187,11 @@ _MODEL_KEY = 0x6D6F64656C
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _layout_key(layout: List[Any], n: int) -> str:
-    return ",".join(e[0] for e in layout) + f"#{n}"
-
 
 def _hook_error(where: str, e: BaseException) -> RuntimeError:
     """The error a bucket's future carries to DDP: where in the hook, and what."""
     return RuntimeError(f"gradpack hook, {where}: {type(e).__name__}: {e}")
 
-
-def _seed(base: int, step: int, key: int, codec: Codec, rank: int) -> int:
-    """The seed of one encode: the crate's splitmix64 over the state's seed, the step and
-    the tensor's key, then the crate's per-rank mixing (random-k keeps one seed for all
-    ranks, so they keep the same indices, as in gradpack's own collectives)."""
-    sm = _native.splitmix64
-    s = sm(base ^ sm(step & _MASK) ^ sm(key & _MASK))
-    return _native.rank_seed(codec._c, s, rank)
 
 
 class GradpackState:
@@ -397,6 +386,7 @@ class GradpackState:
         # codec='auto': the crate's measured choice (gradpack.Tuner: the plans per bucket
         # layout and the choice per parameter), made at the first bucket, and a saved
         # plan loaded before it.
+        self._tensor_codecs: Dict[Tuple[str, Tuple[int, ...]], Codec] = {}
         self._tuner: Optional[gradpack.Tuner] = None
         self._tuner_saved: Optional[bytes] = None
         self._plan_printed = False
@@ -658,7 +648,7 @@ class GradpackState:
         nodes = None
         if "hierarchical" in self.strategies:
             nodes = self.node_map() if live else [0, 1]
-        t = gradpack.Tuner(
+        return gradpack.Tuner(
             self._world() if live else 2,
             list(self._profiles.values()),
             [c.spec for c in self.candidates],
@@ -673,7 +663,6 @@ class GradpackState:
             trials=self.trials,
             trial_steps=self.trial_steps,
         )
-        return t
 
     def _auto_blob(self) -> Optional[torch.Tensor]:
         """The crate's blob of auto's plan, as a uint8 tensor (None without one)."""
@@ -712,8 +701,12 @@ class GradpackState:
     def _param_codec(self, c: Codec, shape: Tuple[int, ...]) -> Codec:
         """``c`` as sent for a parameter of ``shape``: the crate's per-tensor policy
         (float32 for small ones and vectors, and ``dct_2d``'s tiles)."""
-        spec = gradpack.tensor_codec(c.spec, list(shape), self.min_compress_elements, self.dct_2d)
-        return c if spec == c.spec else Codec(spec)
+        key = (c.spec, shape)
+        got = self._tensor_codecs.get(key)
+        if got is None:  # once per codec and shape, not per parameter and step
+            spec = gradpack.tensor_codec(c.spec, list(shape), self.min_compress_elements, self.dct_2d)
+            got = self._tensor_codecs[key] = c if spec == c.spec else Codec(spec)
+        return got
 
     def _codec_for(self, elements: int) -> Codec:
         if not self._auto:
@@ -1656,7 +1649,7 @@ class GradpackState:
         try:
             # The crate mixes the rank into the seed itself (rank 0 here: the same
             # seed on every rank).
-            ar.run(flat.numpy(), seed=_seed(self.seed, step, index, codec, 0))
+            ar.run(flat.numpy(), seed=_native.tensor_seed(codec._c, self.seed, step, index, 0))
         except BaseException:
             self._p2p.drop()
             raise

@@ -2024,6 +2024,26 @@ fn splitmix64(z: u64) -> u64 {
     gradpack::rng::splitmix64(z)
 }
 
+/// The seed rank `rank` encodes a tensor with at step `step`: splitmix64 of `base` mixed
+/// with the step's and the tensor's `key`'s own splitmix64, then :func:`rank_seed` (what
+/// :meth:`BucketGather.encode_run` derives for each part).
+#[pyfunction]
+fn tensor_seed(
+    codec: &Bound<'_, PyAny>,
+    base: u64,
+    step: u64,
+    key: u64,
+    rank: usize,
+) -> PyResult<u64> {
+    Ok(gradpack::collective::tensor_seed(
+        &spec_of(codec)?,
+        base,
+        step,
+        key,
+        rank,
+    ))
+}
+
 /// The seed rank `rank` encodes with when a step's seed is `seed`: the same on every rank
 /// for random-k (all ranks keep the same indices), else mixed with the rank.
 #[pyfunction]
@@ -2463,7 +2483,7 @@ mod _native {
         best_strategy, break_even_bandwidth, calibrate, chunk_range, decode, decode_add,
         decode_into, encode, encode_into, frame_len, inspect, parse_bandwidth, parse_duration,
         powersgd_matrix, rank_seed, reduce_frames, ring_time, splitmix64, tensor_codec,
-        two_level_time,
+        tensor_seed, two_level_time,
     };
 
     /// Size in bytes of every frame header.

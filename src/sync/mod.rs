@@ -529,7 +529,11 @@ impl<T: Transport> Worker<T> {
         let Some(m) = measure.as_mut() else {
             return ars[bucket].run(comm, step, input, output, seed);
         };
-        let Some(tensors) = &m.tensors[bucket] else {
+        let Some(tensors) = m.tensors[bucket]
+            .as_ref()
+            .filter(|_| m.installed[bucket].is_none())
+        else {
+            // Not measured, or decided and installed for good.
             return ars[bucket].run(comm, step, input, output, seed);
         };
         let turn = lock(&m.tuner).next(bucket, tensors, None)?;
@@ -589,7 +593,7 @@ impl<T: Transport> Worker<T> {
             let mut tuner = lock(&m.tuner).clone();
             tuner.restore(blob)?;
             let mut fresh = Measure {
-                tuner: Arc::new(Mutex::new(tuner.clone())),
+                tuner: Arc::clone(&m.tuner), // not used: `install` makes reducers only
                 tensors: m.tensors.clone(),
                 installed: vec![None; m.installed.len()],
                 trying: Vec::new(),
@@ -599,9 +603,12 @@ impl<T: Transport> Worker<T> {
             };
             for (b, ts) in m.tensors.iter().enumerate() {
                 let Some(ts) = ts else { continue };
-                let Some(c) = tuner.choice_of(&ts[0].name).cloned() else {
-                    continue;
-                };
+                if tuner.choice_of(&ts[0].name).is_none() {
+                    continue; // still to be measured
+                }
+                // Its decided configuration (and the bucket in the tuner's plan rows: an
+                // installed bucket does not ask again).
+                let c = tuner.next(b, ts, None)?.config;
                 let n = ts.iter().map(Tensor::len).sum::<Result<usize>>()?;
                 fresh.install(&self.comm, &mut ars, b, n, c)?;
             }
@@ -755,6 +762,8 @@ pub struct SyncEngine<T: Transport + Send + 'static> {
     /// model made it (the decisions are shown over it).
     tuner: Option<Arc<Mutex<Tuner>>>,
     model_plan: Plan,
+    /// The tuner's decided plans when the plan last showed them.
+    shown: usize,
 }
 
 impl<T: Transport + Send + 'static> core::fmt::Debug for SyncEngine<T> {
@@ -1168,6 +1177,7 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
         Ok(SyncEngine {
             tuner,
             model_plan: plan.clone(),
+            shown: 0,
             velocity,
             given: vec![false; layout.len()],
             tensors: layout.to_vec(),
@@ -1211,7 +1221,12 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
     /// Write each measured bucket's decision, once made, into the plan.
     fn show_decisions(&mut self) {
         if let Some(t) = &self.tuner {
-            self.plan = decided_plan(&self.model_plan, &self.tensors, &lock(t));
+            let t = lock(t);
+            // Only when a plan was decided since: not a copy of the plan every step.
+            if t.decided_plans() != self.shown {
+                self.shown = t.decided_plans();
+                self.plan = decided_plan(&self.model_plan, &self.tensors, &t);
+            }
         }
     }
 
@@ -1567,15 +1582,15 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
         r.u64_eq("tensor count", self.tensors.len() as u64)?;
         let step = r.u64()?;
         // With measured auto: its plan, and the buckets as that plan has them.
-        let (tuned, shown) = match &self.tuner {
+        let (tuned, shown, decided) = match &self.tuner {
             Some(t) => {
                 let blob = r.bytes()?.to_vec();
                 let mut theirs = lock(t).clone();
                 theirs.restore(&blob)?;
                 let shown = decided_plan(&self.model_plan, &self.tensors, &theirs);
-                (Some(blob), shown)
+                (Some(blob), shown, theirs.decided_plans())
             }
-            None => (None, self.plan.clone()),
+            None => (None, self.plan.clone(), 0),
         };
         r.u64_eq("bucket count", shown.buckets.len() as u64)?;
         let mut blobs = Vec::with_capacity(shown.buckets.len());
@@ -1603,6 +1618,7 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
         self.last = None;
         self.velocity = velocity;
         self.plan = shown;
+        self.shown = decided;
         Ok(())
     }
 }

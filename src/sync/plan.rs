@@ -202,16 +202,23 @@ impl Policy {
         if !self.dct_2d {
             return None;
         }
-        let rest = t
-            .shape
-            .get(1..)
-            .filter(|r| d.width() == 0 && !r.is_empty())?;
-        let m = rest.iter().try_fold(1usize, |a, &x| a.checked_mul(x))?;
-        let w = u32::try_from(m).ok().filter(|&w| w >= 2)?;
-        crate::codecs::Dct::new(d.chunk(), d.k(), w, d.values())
-            .ok()
-            .map(|c| CodecSpec::Dct(c.with_transform(d.transform())))
+        dct_rows(d, t)
     }
+}
+
+/// `d` (a `dct` of `width=0`) with `t`'s row length as its width, so it transforms 2-D
+/// tiles of the matrix: `None` unless `t` has rows (two or more dimensions) of 2 to
+/// `u32::MAX` elements and `d` has no width of its own.
+pub(crate) fn dct_rows(d: &crate::codecs::Dct, t: &Tensor) -> Option<CodecSpec> {
+    let rest = t
+        .shape
+        .get(1..)
+        .filter(|r| d.width() == 0 && !r.is_empty())?;
+    let m = rest.iter().try_fold(1usize, |a, &x| a.checked_mul(x))?;
+    let w = u32::try_from(m).ok().filter(|&w| w >= 2)?;
+    crate::codecs::Dct::new(d.chunk(), d.k(), w, d.values())
+        .ok()
+        .map(|c| CodecSpec::Dct(c.with_transform(d.transform())))
 }
 
 /// What a bucket holds, and so how it is reduced.

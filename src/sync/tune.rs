@@ -745,6 +745,11 @@ impl Tuner {
             .all(|&id| self.plans[id].choice.is_some())
     }
 
+    /// How many plans are decided.
+    pub(crate) fn decided_plans(&self) -> usize {
+        self.plans.iter().filter(|p| p.choice.is_some()).count()
+    }
+
     /// The configuration decided for the tensor `name`, if any.
     pub fn choice_of(&self, name: &str) -> Option<&BucketConfig> {
         self.choice.get(name)
@@ -942,8 +947,8 @@ fn layout_key(tensors: &[Tensor], n: usize) -> String {
 /// (float32) for tensors of fewer than `small_below` elements and for tensors of at most
 /// one dimension (biases, norm scales); with `dct_2d`, a `dct` codec of `width=0` gets
 /// `t`'s row length (the product of its dimensions after the first, 2 to `u32::MAX`) as
-/// its width, so it transforms 2-D tiles of the matrix. The PyTorch hook's per-tensor
-/// policy.
+/// its width, so it transforms 2-D tiles of the matrix, as [`super::Policy::dct_2d`]
+/// does for the sync engine. The PyTorch hook's per-tensor policy.
 pub fn tensor_codec(
     codec: &CodecSpec,
     t: &Tensor,
@@ -954,14 +959,10 @@ pub fn tensor_codec(
     if n < small_below || t.shape.len() <= 1 {
         return Ok(identity());
     }
-    if let (true, CodecSpec::Dct(d)) = (dct_2d, codec) {
-        let width = n / t.shape[0].max(1);
-        if d.width() == 0 && (2..1 << 32).contains(&width) {
-            let c = crate::codecs::Dct::new(d.chunk(), d.k(), width as u32, d.values())?;
-            return Ok(CodecSpec::Dct(c.with_transform(d.transform())));
-        }
+    match (dct_2d, codec) {
+        (true, CodecSpec::Dct(d)) => Ok(super::plan::dct_rows(d, t).unwrap_or(*codec)),
+        _ => Ok(*codec),
     }
-    Ok(*codec)
 }
 
 #[cfg(test)]
