@@ -164,15 +164,24 @@ pub enum Strategy {
     /// codec this is the vote of signSGD scaled by the ranks' block means of `|x|`. Not a
     /// sum, so never chosen automatically.
     SignMajority,
+    /// The two-shot all-reduce: each rank encodes its chunk `c` once and sends it straight
+    /// to rank `c` (its owner); the owner sums the `p` contributions of its chunk in f32
+    /// (its own input exact, the others' frames decoded, in rank order), encodes the sum
+    /// once and sends that frame to every rank, which decodes it. Two steps of latency
+    /// instead of the ring's `2(p - 1)`, the same bytes per rank's port as the ring, and
+    /// each element quantised twice whatever the world size (the ring re-encodes a
+    /// partial sum at each of `p - 1` hops).
+    TwoShot,
 }
 
 impl Strategy {
     /// Every strategy, in declaration order.
-    pub const ALL: [Strategy; 4] = [
+    pub const ALL: [Strategy; 5] = [
         Strategy::Fp32Ring,
         Strategy::CompressedRing,
         Strategy::CompressedAllGather,
         Strategy::SignMajority,
+        Strategy::TwoShot,
     ];
 
     /// The strategy whose [`Strategy::name`] is `name`.
@@ -187,6 +196,7 @@ impl Strategy {
             Strategy::CompressedRing => "ring",
             Strategy::CompressedAllGather => "allgather",
             Strategy::SignMajority => "majority",
+            Strategy::TwoShot => "twoshot",
         }
     }
 }
@@ -274,6 +284,20 @@ pub fn allreduce_cost(
             fixed: (pf - 1.0) * latency_s + input * enc + pf * input * dec,
             bytes: (pf - 1.0) * wire,
         },
+        Strategy::TwoShot => {
+            let chunk = input / pf;
+            // Two steps, each p - 1 messages sent at once (to p - 1 ports: a switch), so
+            // one latency each; the bytes of the ring through this rank's port. The p - 1
+            // chunks encoded for their owners, the owner's fused sum of p - 1 frames and
+            // its encode of the sum, and the decode of every owner's frame (its own too).
+            Cost {
+                fixed: 2.0 * latency_s
+                    + (pf - 1.0) * chunk * (enc + add)
+                    + chunk * enc
+                    + pf * chunk * dec,
+                bytes: 2.0 * (pf - 1.0) * wire / pf,
+            }
+        }
     }
 }
 
@@ -337,7 +361,11 @@ pub fn pipelined_ring_time(
 }
 
 /// The compressed strategies, in the order [`best_strategy`] breaks ties.
-pub const COMPRESSED: [Strategy; 2] = [Strategy::CompressedRing, Strategy::CompressedAllGather];
+pub const COMPRESSED: [Strategy; 3] = [
+    Strategy::CompressedRing,
+    Strategy::CompressedAllGather,
+    Strategy::TwoShot,
+];
 
 /// The fastest compressed strategy for codec `c` on `cluster`, with its time.
 pub fn best_strategy(
@@ -395,7 +423,8 @@ impl TwoLevel {
 /// each other) by `strategy` with codec `c` on a [`TwoLevel`] cluster: the ring moves in
 /// lock-step hops, and each hop waits for the edges that cross between nodes (one per
 /// node and direction, so each on an uplink of its own), so the whole runs at the
-/// uplinks' bandwidth and latency.
+/// uplinks' bandwidth and latency. The two-shot all-reduce is no ring: every rank sends
+/// to every other, so a node's uplink carries what all of its ranks send off the node.
 pub fn flat_time(
     strategy: Strategy,
     c: &CodecProfile,
@@ -408,7 +437,15 @@ pub fn flat_time(
     } else {
         (two.intra_bandwidth_bit_s, two.intra_latency_s)
     };
-    allreduce_cost(strategy, c, two.ranks(), lat, elements, reduce_bytes_per_s).time(bw)
+    let cost = allreduce_cost(strategy, c, two.ranks(), lat, elements, reduce_bytes_per_s);
+    if strategy == Strategy::TwoShot && two.nodes > 1 {
+        // Not a ring: every rank of a node sends to every rank of the other nodes, so
+        // the uplink carries the share of all the node's ranks that leaves it.
+        let (p, l) = (two.ranks() as f64, two.per_node.max(1) as f64);
+        let leaving = l * 2.0 * (p - l) * elements * c.bits_per_element / 8.0 / p;
+        return cost.fixed + leaving * 8.0 / bw;
+    }
+    cost.time(bw)
 }
 
 /// The time of the two-level all-reduce ([`crate::collective::Hierarchical`]) of
@@ -572,7 +609,7 @@ pub fn winning_bandwidths(
     // Lines in u = 1 / b: time = fixed + 8 bytes u.
     let codec = COMPRESSED.map(|s| cost(s, c));
     let fp32 = FP32.map(|s| cost(s, identity));
-    let all = [codec[0], codec[1], fp32[0], fp32[1]];
+    let all = [codec[0], codec[1], codec[2], fp32[0], fp32[1]];
     let mut cuts: Vec<f64> = Vec::new();
     for (i, a) in all.iter().enumerate() {
         for b in &all[i + 1..] {

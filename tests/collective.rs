@@ -17,11 +17,12 @@ use gradpack::{
     Codec, CodecSpec, EncodeCtx, Error, ErrorFeedback, FeedbackOptions, ResidualPrecision, Result,
 };
 
-const STRATEGIES: [Strategy; 4] = [
+const STRATEGIES: [Strategy; 5] = [
     Strategy::CompressedRing,
     Strategy::CompressedAllGather,
     Strategy::SignMajority,
     Strategy::Fp32Ring,
+    Strategy::TwoShot,
 ];
 
 fn opts(strategy: Strategy, op: ReduceOp, feedback: Feedback) -> AllReduceOptions {
@@ -141,6 +142,21 @@ fn reference(
                 }
             }
         }
+        Strategy::TwoShot => {
+            for c in 0..p {
+                let range = chunk_range(n, p, c);
+                // The owner c's own input, then the others' frames in rank order.
+                let mut acc = inputs[c][range.clone()].to_vec();
+                for q in (0..p).filter(|&q| q != c) {
+                    let frame = codec
+                        .encode(&inputs[q][range.clone()], &ctx(q, range.start))
+                        .unwrap();
+                    codec.decode_add(&frame, &mut acc).unwrap();
+                }
+                let frame = codec.encode(&acc, &ctx(c, range.start)).unwrap();
+                codec.decode_into(&frame, &mut out[range]).unwrap();
+            }
+        }
         Strategy::SignMajority => {
             let mut votes = vec![0i32; n];
             for (r, x) in inputs.iter().enumerate() {
@@ -172,7 +188,8 @@ fn refused(codec: &CodecSpec, s: Strategy) -> bool {
         Ok(_) => false,
         Err(e) => {
             assert!(
-                s == Strategy::CompressedRing && codec.to_string().contains("scale=unbiased"),
+                matches!(s, Strategy::CompressedRing | Strategy::TwoShot)
+                    && codec.to_string().contains("scale=unbiased"),
                 "{codec} {}: {e}",
                 s.name()
             );
@@ -226,7 +243,9 @@ fn every_rank_identical_and_equal_to_sequential_reference() {
                             s.name()
                         );
                         let msgs = match s {
-                            Strategy::CompressedRing | Strategy::Fp32Ring => 2 * (p - 1),
+                            Strategy::CompressedRing | Strategy::Fp32Ring | Strategy::TwoShot => {
+                                2 * (p - 1)
+                            }
                             _ => p - 1,
                         };
                         assert_eq!(stats.messages, msgs as u64);
@@ -240,12 +259,7 @@ fn every_rank_identical_and_equal_to_sequential_reference() {
 #[test]
 fn error_within_bound_of_exact_sum() {
     for codec in collective_specs() {
-        for s in [
-            Strategy::CompressedRing,
-            Strategy::CompressedAllGather,
-            Strategy::SignMajority,
-            Strategy::Fp32Ring,
-        ] {
+        for s in STRATEGIES {
             if refused(&codec, s) {
                 continue;
             }
@@ -256,7 +270,10 @@ fn error_within_bound_of_exact_sum() {
                 let out = &res[0].as_ref().unwrap().0[0];
                 // Per chunk: the sum over ranks of each rank's largest |x| in the chunk.
                 for c in 0..p {
-                    let range = if matches!(s, Strategy::CompressedRing | Strategy::Fp32Ring) {
+                    let range = if matches!(
+                        s,
+                        Strategy::CompressedRing | Strategy::Fp32Ring | Strategy::TwoShot
+                    ) {
                         chunk_range(n, p, c)
                     } else {
                         0..n
@@ -316,7 +333,11 @@ fn feedback_sum_invariant() {
         "topk:ratio=0.1",
     ] {
         let codec: CodecSpec = spec.parse().unwrap();
-        for s in [Strategy::CompressedRing, Strategy::CompressedAllGather] {
+        for s in [
+            Strategy::CompressedRing,
+            Strategy::CompressedAllGather,
+            Strategy::TwoShot,
+        ] {
             let (p, n) = (4usize, 2500);
             let inputs: Vec<Vec<f32>> = (0..p).map(|r| input(n, r)).collect();
             let steps = 3;
@@ -390,12 +411,21 @@ fn auto_strategy_follows_the_cost_model() {
         ..Default::default()
     };
     let worlds = local::Local::world(8);
-    // A large tensor: the ring sends 2/p of the all-gather's bytes.
+    // A large tensor: the two-shot sends the ring's bytes (2/p of the all-gather's) in
+    // 2 steps of latency where the ring takes 14.
     let big = AllReduce::new(codec, 1 << 22, &worlds[0], auto(1e-6)).unwrap();
-    assert_eq!(big.strategy(), Strategy::CompressedRing);
-    // A tiny tensor on slow-latency links: half the messages wins.
-    let small = AllReduce::new(codec, 64, &worlds[0], auto(1e-3)).unwrap();
+    assert_eq!(big.strategy(), Strategy::TwoShot);
+    // At 2 ranks it sends the ring's messages, and decodes its own chunk besides (which
+    // the ring's model leaves out): never the model's pick there.
+    let two = local::Local::world(2);
+    let big = AllReduce::new(codec, 1 << 22, &two[0], auto(1e-6)).unwrap();
+    assert_ne!(big.strategy(), Strategy::TwoShot);
+    // A tiny tensor on slow-latency links: the fewest steps of latency win, the
+    // all-gather's one at 2 ranks, the two-shot's two (against p - 1) at 8.
+    let small = AllReduce::new(codec, 64, &two[0], auto(1e-3)).unwrap();
     assert_eq!(small.strategy(), Strategy::CompressedAllGather);
+    let small = AllReduce::new(codec, 64, &worlds[0], auto(1e-3)).unwrap();
+    assert_eq!(small.strategy(), Strategy::TwoShot);
 }
 
 #[test]
@@ -484,6 +514,23 @@ fn with_fault_opts(
         .unzip()
 }
 
+/// The result of a rank that receives rank 1's messages: rank 2 in the ring and the
+/// frame all-gather. In the two-shot every rank receives from rank 1, and which of them
+/// reaches rank 1's message first depends on timing (a rank that fails leaves, and a
+/// peer's send to it fails, naming it): the first whose error names rank 1, once every
+/// rank but rank 1 is checked to have failed.
+fn receiver_of_rank_1(res: &[Result<Stats>], s: Strategy) -> &Result<Stats> {
+    if s != Strategy::TwoShot {
+        return &res[2];
+    }
+    for (r, x) in res.iter().enumerate() {
+        assert!(r == 1 || x.is_err(), "rank {r} succeeded: {x:?}");
+    }
+    res.iter()
+        .find(|x| matches!(x, Err(Error::Peer { peer: 1, .. })))
+        .unwrap_or(&res[2])
+}
+
 #[test]
 fn a_bit_flipped_in_transit_is_an_error_sealed_or_not() {
     // One payload bit flipped in every message rank 1 sends (the byte before the last
@@ -497,7 +544,11 @@ fn a_bit_flipped_in_transit_is_an_error_sealed_or_not() {
             m[at] ^= 0x10;
         }
     };
-    for s in [Strategy::CompressedRing, Strategy::CompressedAllGather] {
+    for s in [
+        Strategy::CompressedRing,
+        Strategy::CompressedAllGather,
+        Strategy::TwoShot,
+    ] {
         let plain = AllReduceOptions {
             checksum: false,
             ..opts(s, ReduceOp::Sum, Feedback::None)
@@ -510,7 +561,7 @@ fn a_bit_flipped_in_transit_is_an_error_sealed_or_not() {
         assert!(clean.iter().all(Result::is_ok));
         for o in [&plain, &sealed] {
             let (res, _) = with_fault_opts("int8", flip, o.clone());
-            match &res[2] {
+            match receiver_of_rank_1(&res, s) {
                 Err(Error::Peer {
                     peer: 1, source, ..
                 }) => assert!(
@@ -550,11 +601,12 @@ fn damaged_frames_are_errors_naming_the_peer() {
             Strategy::CompressedRing,
             Strategy::CompressedAllGather,
             Strategy::SignMajority,
+            Strategy::TwoShot,
         ] {
             for (what, damage) in cases {
                 let res = with_fault(spec, s, damage);
                 // Rank 2 receives from rank 1: its error names rank 1 and the problem.
-                match &res[2] {
+                match receiver_of_rank_1(&res, s) {
                     Err(Error::Peer {
                         peer: 1,
                         phase,
@@ -706,7 +758,8 @@ fn in_place_runs_give_the_same_bits_and_residuals() {
                         (1, Feedback::WorkerAndOwner, ReduceOp::Sum),
                         (3, Feedback::WorkerAndOwner, ReduceOp::Mean),
                     ] {
-                        if s != Strategy::CompressedRing && (pieces > 1 || spec == "identity") {
+                        let pieced = matches!(s, Strategy::CompressedRing | Strategy::TwoShot);
+                        if !pieced && (pieces > 1 || spec == "identity") {
                             continue;
                         }
                         let o = AllReduceOptions {

@@ -190,6 +190,8 @@ fn strategies() -> Vec<(&'static str, Strategy, usize)> {
         ("identity", Strategy::Fp32Ring, 1),
         ("topk:ratio=0.1", Strategy::CompressedRing, 1),
         ("int8:rounding=stochastic", Strategy::CompressedRing, 3),
+        ("int8:rounding=stochastic", Strategy::TwoShot, 1),
+        ("topk:ratio=0.1", Strategy::TwoShot, 2),
     ]
 }
 
@@ -230,7 +232,7 @@ fn every_fault_ends_in_correct_sums_or_errors_never_a_wrong_ok() {
             }
         }
     }
-    assert_eq!(total.into_inner(), 6 * 6 * 3);
+    assert_eq!(total.into_inner(), 8 * 6 * 3);
 }
 
 #[test]
@@ -263,7 +265,11 @@ fn error_feedback_recovers_after_a_fault() {
     let inputs: Vec<Vec<f32>> = (0..p)
         .map(|r| gradpack::synthetic::gradient(n, 77 + r as u64))
         .collect();
-    for s in [Strategy::CompressedRing, Strategy::CompressedAllGather] {
+    for s in [
+        Strategy::CompressedRing,
+        Strategy::CompressedAllGather,
+        Strategy::TwoShot,
+    ] {
         let codec: CodecSpec = "int8:block=64".parse().unwrap();
         let o = AllReduceOptions {
             op: ReduceOp::Sum,
@@ -498,9 +504,14 @@ fn a_relabelled_message_fails_the_call_for_every_codec() {
     assert_eq!(ENVELOPE_VERSION, 2);
     let n = 300;
     for spec in specs() {
-        for strategy in [Strategy::CompressedRing, Strategy::CompressedAllGather] {
-            if strategy == Strategy::CompressedRing && spec.to_string().contains("scale=unbiased") {
-                continue; // refused by the ring
+        for strategy in [
+            Strategy::CompressedRing,
+            Strategy::CompressedAllGather,
+            Strategy::TwoShot,
+        ] {
+            let reencodes = matches!(strategy, Strategy::CompressedRing | Strategy::TwoShot);
+            if reencodes && spec.to_string().contains("scale=unbiased") {
+                continue; // refused by the ring and the two-shot
             }
             for how in [Relabel::EnvelopeOnly, Relabel::OldVersion, Relabel::Splice] {
                 let o = AllReduceOptions {
@@ -523,7 +534,7 @@ fn a_relabelled_message_fails_the_call_for_every_codec() {
                     let mut ar = AllReduce::new(spec, n, &t, o.clone())?;
                     // Messages rank 1 sends per call (to its right neighbour).
                     let per_call = match strategy {
-                        Strategy::CompressedRing => 2 * (3 - 1),
+                        Strategy::CompressedRing | Strategy::TwoShot => 2 * (3 - 1),
                         _ => 3 - 1,
                     };
                     let mut comm = Comm::new(Relabeller {

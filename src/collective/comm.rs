@@ -65,6 +65,8 @@ pub(crate) enum Phase {
     NodeReduceScatter = 3,
     NodeAllGather = 4,
     Agreement = 5,
+    TwoShotScatter = 6,
+    TwoShotGather = 7,
 }
 
 impl Phase {
@@ -76,6 +78,8 @@ impl Phase {
             Phase::NodeReduceScatter => "reduce-scatter inside the node",
             Phase::NodeAllGather => "all-gather inside the node",
             Phase::Agreement => "agreement on the options",
+            Phase::TwoShotScatter => "two-shot scatter to the owners",
+            Phase::TwoShotGather => "two-shot gather of the owners' sums",
         }
     }
 }

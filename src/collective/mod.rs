@@ -495,6 +495,8 @@ fn piece_range(n: usize, p: usize, k: usize, c: usize, j: usize) -> Range<usize>
 ///   bounded by `A` plus the error so far, `M_h <= M_{h-1} + E(A + M_{h-1})`.
 /// - Majority vote: the output is `±sum_r |d_r|`, within `sum_r (|d_r| + |x_r|)`, at most
 ///   `A + sum_r (a_r + E(a_r))` of the exact sum.
+/// - Two-shot: the ranks' frames of a chunk, off by at most `E(A)` together, then the
+///   owner's one encode of their sum, `E(A + E(A))`.
 /// - Fp32 ring: f32 summation rounding only.
 ///
 /// The ring's recursion is run once per rank; for worlds of more than 2^20 ranks it is
@@ -526,6 +528,13 @@ pub fn error_bound(codec: &CodecSpec, strategy: Strategy, p: usize, sum_absmax: 
         Strategy::SignMajority => {
             let e = codec.error_bound(a);
             2.0 * a + e + rounding(a + e)
+        }
+        Strategy::TwoShot => {
+            // Each rank's frame of the chunk (the owner's own input exact), then the
+            // owner's encode of a sum bounded by A plus that error.
+            let e = codec.error_bound(a);
+            let m = e + codec.error_bound(a + e);
+            m + rounding(m)
         }
     }
 }
@@ -672,13 +681,15 @@ impl AllReduce {
                 }
             }
         };
-        if strategy == Strategy::CompressedRing && rescales_on_reencode(&codec) {
+        if matches!(strategy, Strategy::CompressedRing | Strategy::TwoShot)
+            && rescales_on_reencode(&codec)
+        {
             return Err(Error::Param {
                 codec: codec.id(),
                 name: "scale",
                 reason: "random-k with scale=unbiased multiplies the kept values by 1/ratio \
-                         at every encode, so the ring's re-encoded partial sums would be \
-                         scaled p times; use scale=none, or the all-gather strategy"
+                         at every encode, so the sums the ring and the two-shot re-encode \
+                         would be scaled again; use scale=none, or the all-gather strategy"
                     .into(),
             });
         }
@@ -698,7 +709,7 @@ impl AllReduce {
         let mut residuals = Vec::new();
         let mut max_frame = 0;
         match (strategy, feedback) {
-            (Strategy::Fp32Ring | Strategy::CompressedRing, _) => {
+            (Strategy::Fp32Ring | Strategy::CompressedRing | Strategy::TwoShot, _) => {
                 for c in 0..size {
                     for j in 0..pieces {
                         let n = piece_range(len, size, pieces, c, j).len();
@@ -734,6 +745,9 @@ impl AllReduce {
                 *own = first;
             }
             (Vec::new(), frames)
+        } else if strategy == Strategy::TwoShot {
+            // The message being sent, and one received from each peer.
+            (vec![first], vec![Vec::new(); size])
         } else {
             (vec![first], Vec::new())
         };
@@ -792,7 +806,10 @@ impl AllReduce {
     /// ring's residuals at the chunk's elements.
     pub fn residual_f32(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.len];
-        let ring = matches!(self.strategy, Strategy::CompressedRing | Strategy::Fp32Ring);
+        let ring = matches!(
+            self.strategy,
+            Strategy::CompressedRing | Strategy::Fp32Ring | Strategy::TwoShot
+        );
         let k = self.pieces;
         for (slot, r) in self.residuals.iter().enumerate() {
             if let Some(r) = r {
@@ -957,6 +974,8 @@ impl AllReduce {
                 self.vote(output)?;
                 self.mean(output);
             }
+            // Like the ring, it divides each owner's sum for the mean as it decodes it.
+            Strategy::TwoShot => self.two_shot(comm, input, output, &mut step)?,
         }
         Ok(step.stats)
     }
@@ -1168,6 +1187,90 @@ impl AllReduce {
         if let Some(c) = held {
             decode_final(&self.fwd[0], &mut output[piece(c, 0)], op, p)
                 .map_err(|e| peer_error(self.global(c), Phase::RingAllGather, left_g, e))?;
+        }
+        Ok(())
+    }
+
+    /// The two-shot all-reduce (wire-format section 6.3): every piece of every other
+    /// rank's chunk encoded from the input and sent to that rank, its owner (shot 1);
+    /// then per piece of this rank's chunk, its input plus the peers' frames of it
+    /// decoded and added in rank order (one fused pass), that sum encoded once (the
+    /// owner's residual) and sent to every peer (shot 2), and its decode written to the
+    /// output; last, every peer's sums decoded into their places. `input` None: in
+    /// place (the chunks of the peers still hold the input until shot 2 overwrites them,
+    /// after every shot-1 encode).
+    fn two_shot<T: Transport + ?Sized>(
+        &mut self,
+        comm: &mut Comm<T>,
+        input: Option<&[f32]>,
+        output: &mut [f32],
+        step: &mut Step,
+    ) -> Result<()> {
+        let (n, p, r, k) = (self.len, self.size, self.rank, self.pieces);
+        let piece = |c: usize, j: usize| piece_range(n, p, k, c, j);
+        let (codec, seed, call, op) = (self.codec, step.seed, step.call, self.opts.op);
+        let ctx_of = |q: usize, c: usize, j: usize| {
+            EncodeCtx::new(rank_seed(&codec, seed, q)).with_offset(piece(c, j).start as u64)
+        };
+        let (scatter, gather) = (Phase::TwoShotScatter, Phase::TwoShotGather);
+        let peers = || (0..p).filter(move |&q| q != r);
+        // Shot 1: piece j of chunk c to rank c, in the order j, then c = r + 1, r + 2, ..
+        for j in 0..k {
+            for s in 1..p {
+                let c = (r + s) % p;
+                let local = &input.unwrap_or(&*output)[piece(c, j)];
+                self.encode_msg(c * k + j, local, ctx_of(r, c, j), Held::Fwd(0))?;
+                let (to, place) = (self.global(c), self.place(call, scatter, j, c * k + j));
+                comm.post(&mut self.fwd[0], to, place)?;
+                step.sent(self.fwd[0].len());
+            }
+        }
+        for j in 0..k {
+            let mine = piece(r, j);
+            for q in peers() {
+                let (from, w) = (self.global(q), self.place(call, scatter, j, r * k + j));
+                comm.expect(&mut self.frames[q], from, w)?;
+                check_origin(&codec, &self.frames[q][ENVELOPE_LEN..], &ctx_of(q, r, j))
+                    .map_err(|e| peer_error(from, scatter, from, e))?;
+            }
+            let acc = &mut output[mine];
+            if let Some(x) = input {
+                acc.copy_from_slice(&x[piece(r, j)]);
+            }
+            let mut split = crate::codecs::reduce::frame_list(p - 1)?;
+            for q in peers() {
+                // Checked as it arrived, and not changed since.
+                let frame = &self.frames[q][ENVELOPE_LEN..];
+                let got = wire::split_with(frame, false);
+                split
+                    .push(got.map_err(|e| peer_error(self.global(q), scatter, self.global(q), e))?);
+            }
+            crate::codecs::reduce::reduce_split::<ADD>(&split, acc).map_err(|(i, e)| {
+                let q = self.global(if i < r { i } else { i + 1 });
+                peer_error(q, scatter, q, e)
+            })?;
+            // Shot 2: the owner's frame of the sum to every peer, then decoded here too.
+            self.encode_msg(r * k + j, acc, ctx_of(r, r, j), Held::Fwd(0))?;
+            for s in 1..p {
+                let (to, place) = (
+                    self.global((r + s) % p),
+                    self.place(call, gather, k + j, r * k + j),
+                );
+                comm.post(&mut self.fwd[0], to, place)?;
+                step.sent(self.fwd[0].len());
+            }
+            decode_final(&self.fwd[0], acc, op, p)?;
+        }
+        for j in 0..k {
+            for q in peers() {
+                let (from, w) = (self.global(q), self.place(call, gather, k + j, q * k + j));
+                comm.expect(&mut self.frames[q], from, w)?;
+                let bad = |e| peer_error(from, gather, from, e);
+                let frame = &self.frames[q][ENVELOPE_LEN..];
+                let (h, payload) = check_origin(&codec, frame, &ctx_of(q, q, j)).map_err(bad)?;
+                let out = &mut output[piece(q, j)];
+                codecs::decode_split_then(&h, payload, out, &|x| mean(op, p, x)).map_err(bad)?;
+            }
         }
         Ok(())
     }
