@@ -130,7 +130,11 @@ fn main() {
     row("identity", Strategy::Fp32Ring, base_t, &base_sent, plain);
     for spec in &codecs {
         let codec: CodecSpec = spec.parse().unwrap_or_else(|e| panic!("{spec}: {e}"));
-        let mut strategies = vec![Strategy::CompressedRing, Strategy::CompressedAllGather];
+        let mut strategies = vec![
+            Strategy::CompressedRing,
+            Strategy::TwoShot,
+            Strategy::CompressedAllGather,
+        ];
         if matches!(codec, CodecSpec::Sign(_)) {
             strategies.push(Strategy::SignMajority);
         }

@@ -89,7 +89,11 @@ fn main() -> ExitCode {
         vec![("identity".parse().unwrap(), Strategy::Fp32Ring)];
     for spec in REPRESENTATIVE_SPECS {
         let codec: CodecSpec = spec.parse().expect("representative spec");
-        for s in [Strategy::CompressedRing, Strategy::CompressedAllGather] {
+        for s in [
+            Strategy::CompressedRing,
+            Strategy::CompressedAllGather,
+            Strategy::TwoShot,
+        ] {
             runs.push((codec, s));
         }
         if spec.starts_with("sign") {
@@ -128,7 +132,11 @@ fn main() -> ExitCode {
 
         // Error against MPI's sum, which carries its own f32 rounding (at most
         // (p - 1) eps of the sum of magnitudes).
-        let ring = matches!(s, Strategy::CompressedRing | Strategy::Fp32Ring);
+        // Chunked: the bound holds per chunk (the two-shot's and the ring's chunks).
+        let ring = matches!(
+            s,
+            Strategy::CompressedRing | Strategy::Fp32Ring | Strategy::TwoShot
+        );
         let (mut max_err, mut sq, mut over) = (0f64, 0f64, 0u64);
         for c in 0..p {
             let range = if ring { chunk_range(n, p, c) } else { 0..n };

@@ -129,7 +129,11 @@ fn rank_main(n: usize) -> Result<(), String> {
         vec![("identity".parse().expect("a spec"), Strategy::Fp32Ring)];
     for spec in REPRESENTATIVE_SPECS {
         let codec: CodecSpec = spec.parse().expect("a representative spec");
-        for s in [Strategy::CompressedRing, Strategy::CompressedAllGather] {
+        for s in [
+            Strategy::CompressedRing,
+            Strategy::CompressedAllGather,
+            Strategy::TwoShot,
+        ] {
             runs.push((codec, s));
         }
         if spec.starts_with("sign") {
@@ -153,7 +157,11 @@ fn rank_main(n: usize) -> Result<(), String> {
             .run(&mut comm, &grads[rank], &mut out, 1)
             .map_err(|e| format!("rank {rank}: {codec} {}: {e}", s.name()))?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
-        let ring = matches!(s, Strategy::CompressedRing | Strategy::Fp32Ring);
+        // Chunked: the bound holds per chunk (the two-shot's and the ring's chunks).
+        let ring = matches!(
+            s,
+            Strategy::CompressedRing | Strategy::Fp32Ring | Strategy::TwoShot
+        );
         let (mut max_err, mut over) = (0f64, 0usize);
         let parts: Vec<(std::ops::Range<usize>, f64)> = if ring {
             (0..p)

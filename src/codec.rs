@@ -511,6 +511,19 @@ impl CodecSpec {
         (scaled + add + rounding) * (1.0 + 2f64.powi(-20))
     }
 
+    /// True for the codecs whose frames keep only some of the elements: top-k, random-k
+    /// and chunked top-k. An all-reduce that re-encodes a sum of such frames keeps at
+    /// most about `1/p` of what the `p` frames carried, so the automatic choice of
+    /// strategy does not offer them the two-shot (it keeps its choice between the ring
+    /// and the all-gather, which sums every rank's selection as sent); asked for by
+    /// name, the two-shot runs them.
+    pub fn sparse(&self) -> bool {
+        matches!(
+            self.id(),
+            CodecId::TopK | CodecId::RandK | CodecId::ChunkTopK
+        )
+    }
+
     /// True when the decoded value is an unbiased estimate of the input.
     pub fn unbiased(&self) -> bool {
         {

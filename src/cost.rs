@@ -367,14 +367,28 @@ pub const COMPRESSED: [Strategy; 3] = [
     Strategy::TwoShot,
 ];
 
-/// The fastest compressed strategy for codec `c` on `cluster`, with its time.
+/// The compressed strategies the automatic choice weighs for codec `c`: every one of
+/// [`COMPRESSED`], but the two-shot not for a sparse codec (see
+/// [`crate::CodecSpec::sparse`]; `c`'s spec parsed, one that is not a codec's
+/// counted as dense).
+pub fn candidates(c: &CodecProfile) -> &'static [Strategy] {
+    let sparse = c.spec.parse::<crate::CodecSpec>().is_ok_and(|s| s.sparse());
+    if sparse {
+        &COMPRESSED[..2]
+    } else {
+        &COMPRESSED
+    }
+}
+
+/// The fastest compressed strategy for codec `c` on `cluster` among its
+/// [`candidates`], with its time.
 pub fn best_strategy(
     c: &CodecProfile,
     cluster: &Cluster,
     elements: f64,
     reduce_bytes_per_s: f64,
 ) -> (Strategy, f64) {
-    COMPRESSED
+    candidates(c)
         .iter()
         .map(|&s| {
             let t = allreduce_cost(
@@ -497,7 +511,7 @@ pub fn best_two_level(
     let strategies: &[Strategy] = if c.bits_per_element >= 32.0 {
         &[Strategy::Fp32Ring]
     } else {
-        &COMPRESSED
+        candidates(c)
     };
     let mut best = (false, strategies[0], f64::INFINITY);
     for &s in strategies {
@@ -534,7 +548,7 @@ pub fn break_even_bandwidth(
         reduce_bytes_per_s,
     );
     let mut best: f64 = 0.0;
-    for s in COMPRESSED {
+    for &s in candidates(c) {
         let k = allreduce_cost(s, c, nodes, latency_s, elements, reduce_bytes_per_s);
         // k.fixed + 8 k.bytes / b <= f.fixed + 8 f.bytes / b
         // <=> 8 (f.bytes - k.bytes) / b >= k.fixed - f.fixed.
@@ -607,9 +621,9 @@ pub fn winning_bandwidths(
     }
     let cost = |s, p| allreduce_cost(s, p, nodes, latency_s, elements, reduce_bytes_per_s);
     // Lines in u = 1 / b: time = fixed + 8 bytes u.
-    let codec = COMPRESSED.map(|s| cost(s, c));
+    let codec: Vec<Cost> = candidates(c).iter().map(|&s| cost(s, c)).collect();
     let fp32 = FP32.map(|s| cost(s, identity));
-    let all = [codec[0], codec[1], codec[2], fp32[0], fp32[1]];
+    let all: Vec<Cost> = codec.iter().chain(&fp32).copied().collect();
     let mut cuts: Vec<f64> = Vec::new();
     for (i, a) in all.iter().enumerate() {
         for b in &all[i + 1..] {

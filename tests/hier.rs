@@ -120,6 +120,7 @@ fn every_rank_ends_with_the_same_sum_within_the_codec_bound_between_nodes() {
             ("identity", Some(Strategy::Fp32Ring), 1),
             ("int8", Some(Strategy::CompressedRing), 2),
             ("int8", Some(Strategy::CompressedAllGather), 1),
+            ("int8", Some(Strategy::TwoShot), 2),
             ("fp16", None, 1),
         ] {
             let o = opts(strategy, Feedback::None, pieces);

@@ -211,7 +211,9 @@ fn low_rank_gradients_come_through_exactly_and_ranks_agree() {
     };
     for (codec, feedback, tol) in [
         ("identity", false, 1e-5),
-        ("bf16", false, 2e-2),
+        // bf16 factors: 2^-9 per encode, amplified by the orthogonalisation of P (2.3% at
+        // step 0 through the two-shot, which auto takes for the factors at 3 ranks).
+        ("bf16", false, 3e-2),
         ("identity", true, f64::INFINITY),
         ("bf16", true, f64::INFINITY),
     ] {

@@ -1,6 +1,6 @@
-"""What a message costs: gradpack's compressed ring through its native transport
-(``gradpack.Tcp``) and through the PyTorch hook's gloo point-to-point, against the
-crate's model of the ring with the codec's measured speeds.
+"""What a message costs: gradpack's compressed ring and two-shot through its native
+transport (``gradpack.Tcp``) and through the PyTorch hook's gloo point-to-point, against
+the crate's model with the codec's measured speeds.
 
     sudo python bench/transport_bench.py                      # 2 and 4 ranks, 10 Gbit/s
     sudo python bench/transport_bench.py --worlds 2 --link 10gbit --codec int8 --mib 16
@@ -9,17 +9,20 @@ Every rank is a node of its own, as in ``ddp_bench.py`` (whose cluster this reus
 network namespace per rank with a veth to a bridge, ``tc tbf`` at the link's rate on
 both ends, so each rank has a full-duplex port of its own. Per world size:
 
-- ``gradpack.AllReduce`` by the ring on a bucket of ``--mib`` MiB of float32, for each
-  number of pieces in ``--pieces``, through ``gradpack.Tcp`` (made through torch's store)
-  and through ``gradpack.torch``'s point-to-point on a gloo group (every message through
-  Python, as the hook sent them before the native transport);
-- the model: ``gradpack.ring_time`` with the codec's speeds measured on this machine
-  (``gradpack.calibrate`` on a chunk, on the rank's own threads) and the link's rate,
-  for the same pieces; the model's choice of pieces is marked;
+- ``gradpack.AllReduce`` by each of ``--strategies`` (the ring and the two-shot) on a
+  bucket of ``--mib`` MiB of float32, for each number of pieces in ``--pieces``, through
+  ``gradpack.Tcp`` (made through torch's store) and through ``gradpack.torch``'s
+  point-to-point on a gloo group (every message through Python, as the hook sent them
+  before the native transport);
+- the model: ``gradpack.ring_time`` (the two-shot: ``gradpack.allreduce_time``) with the
+  codec's speeds measured on this machine (``gradpack.calibrate`` on a chunk, on the
+  rank's own threads) and the link's rate, for the same pieces; the model's choice is
+  marked;
 - the floor this emulation allows: the ring's compressed bytes streamed through plain
   sockets, both directions at once, with no codec and no steps (on few cores the veth
   pairs' copies and tc take the same cores as the ranks, which a NIC would not);
-- gloo's float32 all-reduce of the bucket, for scale.
+- the float32 all-reduce of the bucket: gradpack's fp32 ring through ``gradpack.Tcp``,
+  and gloo's.
 
 Each figure is the median of ``--reps`` runs, each started by a barrier. With fewer cores
 than ranks the ranks share cores (the header says so): compute is contended and the
@@ -56,6 +59,7 @@ def rank_main(a):
     x = np.random.default_rng(rank).standard_normal(n, dtype=np.float32)
     y = x.copy()
     pieces = [int(p) for p in a.pieces.split(",")]
+    strategies = a.strategies.split(",")
 
     def timed(f):
         ts = []
@@ -71,32 +75,44 @@ def rank_main(a):
     # its share of the cores, as the ring will run).
     prof = gradpack.calibrate(a.codec, elements=-(-n // world), budget_s=0.5)
     lat = a.latency
-    model = {p: 1e3 * gradpack.ring_time(prof, world, a.bandwidth, n, lat, p) for p in pieces}
+    def model(strategy, k):
+        if strategy == "ring":
+            return 1e3 * gradpack.ring_time(prof, world, a.bandwidth, n, lat, k)
+        return 1e3 * gradpack.allreduce_time(prof, strategy, world, a.bandwidth, n, lat)
+
     tcp = gradpack.Tcp.from_store(dist.distributed_c10d._get_default_store(), rank, world,
                                   key=f"bench/{a.port}", interface=a.interface)
     p2p = gpt._PointToPoint(lambda: g)
     rows = []
-    for k in pieces:
-        native = gradpack.AllReduce(a.codec, n, transport=tcp, strategy="ring", pieces=k,
-                                    tag=k, checksum=a.checksum)
-        gloo = gradpack.AllReduce(a.codec, n, rank, world, p2p.send, p2p.recv,
-                                  send_recv=p2p.send_recv, strategy="ring", pieces=k,
-                                  tag=1000 + k, checksum=a.checksum)
+    for si, strategy in enumerate(strategies):
+        for k in pieces:
+            tag = 100 * si + k
+            native = gradpack.AllReduce(a.codec, n, transport=tcp, strategy=strategy,
+                                        pieces=k, tag=tag, checksum=a.checksum)
+            gloo = gradpack.AllReduce(a.codec, n, rank, world, p2p.send, p2p.recv,
+                                      send_recv=p2p.send_recv, strategy=strategy, pieces=k,
+                                      tag=10000 + tag, checksum=a.checksum)
 
-        def run_gloo():
-            gloo.run(y, seed=1)
-            p2p.wait()
+            def run_gloo():
+                gloo.run(y, seed=1)
+                p2p.wait()
 
-        native.run(y, seed=1)  # warm: buffers made
-        run_gloo()
-        rows.append({"pieces": k, "native_ms": timed(lambda: native.run(y, seed=1)),
-                     "gloo_ms": timed(run_gloo), "model_ms": model[k]})
+            native.run(y, seed=1)  # warm: buffers made
+            run_gloo()
+            rows.append({"strategy": strategy, "pieces": k,
+                         "native_ms": timed(lambda: native.run(y, seed=1)),
+                         "gloo_ms": timed(run_gloo), "model_ms": model(strategy, k)})
+    # The float32 ring, gradpack's own through the same transport, and gloo's.
+    f32 = gradpack.AllReduce("identity", n, transport=tcp, strategy="fp32-ring", tag=99999)
+    f32.run(y, seed=1)
+    f32_native = timed(lambda: f32.run(y, seed=1))
     t = torch.from_numpy(y)
     fp32 = timed(lambda: dist.all_reduce(t, group=g))
     wire = stream_floor(a, rank, world, timed, prof.bits_per_element * n / 8)
     if rank == 0:
         with open(a.out, "w") as f:
-            json.dump({"rows": rows, "fp32_ms": fp32, "stream_ms": wire,
+            json.dump({"rows": rows, "fp32_ms": fp32, "fp32_native_ms": f32_native,
+                       "stream_ms": wire,
                        "profile": {"encode": prof.encode_bytes_per_s,
                                    "decode": prof.decode_bytes_per_s,
                                    "decode_add": prof.decode_add_bytes_per_s,
@@ -156,6 +172,7 @@ def run_world(a, world, names):
         cmd = [sys.executable, __file__, "--child", "--rank", str(r), "--world", str(world),
                "--addr", addr, "--port", str(port), "--out", out, "--codec", a.codec,
                "--mib", str(a.mib), "--pieces", a.pieces, "--reps", str(a.reps),
+               "--strategies", a.strategies,
                "--bandwidth", str(a.bandwidth), "--latency", str(a.latency),
                "--interface", "eth0" if names else "lo"]
         cmd += ["--checksum"] if a.checksum else []
@@ -177,6 +194,8 @@ def main():
     ap.add_argument("--codec", default="int8")
     ap.add_argument("--mib", type=int, default=16, help="the bucket, MiB of float32")
     ap.add_argument("--pieces", default="1,2,4,8")
+    ap.add_argument("--strategies", default="ring,twoshot",
+                    help="gradpack strategies to run (ring, twoshot, allgather)")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--latency", type=float, default=50e-6,
                     help="the model's latency per message, seconds")
@@ -214,23 +233,24 @@ def main():
                 ddp_bench.delete_cluster(world)
         cores = os.cpu_count() or 1
         share = "a core each" if cores >= world else f"{world} ranks sharing {cores} cores"
-        best = min(res["rows"], key=lambda r: r["model_ms"])["pieces"]
+        best = min(res["rows"], key=lambda r: r["model_ms"])
         p = res["profile"]
         print(f"\n# {world} ranks ({share}, {threads} gradpack thread(s) each), "
-              f"{a.codec} ring on {a.mib} MiB{' sealed' if a.checksum else ''}, ports at "
+              f"{a.codec} on {a.mib} MiB{' sealed' if a.checksum else ''}, ports at "
               f"{a.link}; "
               f"{a.codec} measured: encode {p['encode'] / 1e9:.1f} GB/s, decode "
               f"{p['decode'] / 1e9:.1f}, decode_add {p['decode_add'] / 1e9:.1f}; "
-              f"gloo float32 all-reduce {res['fp32_ms']:.1f} ms; the ring's bytes streamed "
-              f"through plain sockets {res['stream_ms']:.2f} ms")
-        print("| pieces | model ms | gradpack.Tcp ms | x model | gloo point-to-point ms "
-              "| x model |")
-        print("|---:|---:|---:|---:|---:|---:|")
+              f"float32: gloo's all-reduce {res['fp32_ms']:.1f} ms, gradpack's fp32 ring "
+              f"through gradpack.Tcp {res['fp32_native_ms']:.1f} ms; the ring's bytes "
+              f"streamed through plain sockets {res['stream_ms']:.2f} ms")
+        print("| strategy | pieces | model ms | gradpack.Tcp ms | x model | "
+              "gloo point-to-point ms | x model |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for r in res["rows"]:
-            mark = " (model's choice)" if r["pieces"] == best else ""
-            print(f"| {r['pieces']}{mark} | {r['model_ms']:.2f} | {r['native_ms']:.2f} | "
-                  f"{r['native_ms'] / r['model_ms']:.2f} | {r['gloo_ms']:.2f} | "
-                  f"{r['gloo_ms'] / r['model_ms']:.2f} |")
+            mark = " (model's choice)" if r is best else ""
+            print(f"| {r['strategy']} | {r['pieces']}{mark} | {r['model_ms']:.2f} | "
+                  f"{r['native_ms']:.2f} | {r['native_ms'] / r['model_ms']:.2f} | "
+                  f"{r['gloo_ms']:.2f} | {r['gloo_ms'] / r['model_ms']:.2f} |")
         results.append({"world": world, "share": share, **res})
     if a.json:
         with open(a.json, "w") as f:

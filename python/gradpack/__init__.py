@@ -551,6 +551,8 @@ class AllReduce(_Collective):
     run: ``strategy`` ``"ring"`` (a compressed reduce-scatter and all-gather, ``pieces``
     per chunk pipelined, error feedback at the ``"worker"`` or ``"worker+owner"``),
     ``"allgather"`` (each rank's frame to every rank, summed in one fused pass),
+    ``"twoshot"`` (each chunk encoded once for its owner, summed there and re-encoded
+    once, then sent to every rank: two steps of latency, the ring's bytes),
     ``"majority"`` (sign vote), ``"fp32-ring"``, or ``"auto"`` (the cost model's choice
     for links of ``bandwidth`` bit/s and ``latency`` s). Every rank ends each
     :meth:`run` with the same output to the bit. Every message carries an envelope

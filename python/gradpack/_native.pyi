@@ -469,7 +469,7 @@ class Tuner:
 
     `profiles` are the measured speeds of every candidate and of `"identity"` (every rank
     passes the same: average them over the ranks). `routes` are those tried besides
-    float32: `"allgather"`, `"ring"`, `"hierarchical"` (which needs `nodes`, the node of
+    float32: `"allgather"`, `"ring"`, `"twoshot"`, `"hierarchical"` (which needs `nodes`, the node of
     every rank). `bandwidth` (bit/s) and `latency` (s) are the link between ranks (between
     nodes, with `nodes`); `intra_bandwidth` and `intra_latency` the link inside a node.
     Tensors of fewer than `small_below` elements, and vectors, go as float32 by the
@@ -555,7 +555,7 @@ def allreduce_time(profile: CodecProfile, strategy: str, nodes: SupportsIndex, b
     """
     Modelled seconds to all-reduce `elements` float32 values on `nodes` ranks joined by
     links of `bandwidth` bit/s and `latency` seconds per message, by `strategy`
-    (`'fp32-ring'`, `'ring'`, `'allgather'`, `'majority'`) with `profile`'s codec
+    (`'fp32-ring'`, `'ring'`, `'allgather'`, `'majority'`, `'twoshot'`) with `profile`'s codec
     (the fp32 ring sums at `reduce_bytes_per_s`).
     """
 
@@ -665,11 +665,6 @@ def reduce_frames(frames: Any, out: Any, add: bool = False) -> None:
 
 def ring_time(profile: CodecProfile, nodes: SupportsIndex, bandwidth: SupportsFloat | SupportsIndex, elements: SupportsFloat | SupportsIndex, latency: SupportsFloat | SupportsIndex = 0.0, pieces: SupportsIndex = 1) -> float:
     """
-    Modelled seconds of an all-reduce of `elements` float32 values on `nodes` nodes of
-    `per_node` ranks: links of `intra_bandwidth` bit/s (`intra_latency` s) inside a node,
-    and each node's uplink of `inter_bandwidth` (`inter_latency`), shared by its ranks'
-    streams. `hierarchical`: the two-level all-reduce (`node_bits` per element inside a
-    node: 32, or 16 for bf16), else the flat one, by `strategy` with `profile`'s codec.
     The modelled time in seconds of the compressed ring all-reduce of `elements` on
     `nodes` ranks whose chunks go as `pieces` frames each (a pipelined ring: a piece is
     encoded while the one before it is on the link), on links of `bandwidth` bit/s and
@@ -697,4 +692,11 @@ def tensor_seed(codec: Any, base: SupportsIndex, step: SupportsIndex, key: Suppo
     :meth:`BucketGather.encode_run` derives for each part).
     """
 
-def two_level_time(profile: CodecProfile, strategy: str, hierarchical: bool, nodes: SupportsIndex, per_node: SupportsIndex, intra_bandwidth: SupportsFloat | SupportsIndex, inter_bandwidth: SupportsFloat | SupportsIndex, elements: SupportsFloat | SupportsIndex, intra_latency: SupportsFloat | SupportsIndex = 0.0, inter_latency: SupportsFloat | SupportsIndex = 0.0, node_bits: SupportsFloat | SupportsIndex = 32.0, reduce_bytes_per_s: SupportsFloat | SupportsIndex = ...) -> float: ...
+def two_level_time(profile: CodecProfile, strategy: str, hierarchical: bool, nodes: SupportsIndex, per_node: SupportsIndex, intra_bandwidth: SupportsFloat | SupportsIndex, inter_bandwidth: SupportsFloat | SupportsIndex, elements: SupportsFloat | SupportsIndex, intra_latency: SupportsFloat | SupportsIndex = 0.0, inter_latency: SupportsFloat | SupportsIndex = 0.0, node_bits: SupportsFloat | SupportsIndex = 32.0, reduce_bytes_per_s: SupportsFloat | SupportsIndex = ...) -> float:
+    """
+    Modelled seconds of an all-reduce of `elements` float32 values on `nodes` nodes of
+    `per_node` ranks: links of `intra_bandwidth` bit/s (`intra_latency` s) inside a node,
+    and each node's uplink of `inter_bandwidth` (`inter_latency`), shared by its ranks'
+    streams. `hierarchical`: the two-level all-reduce (`node_bits` per element inside a
+    node: 32, or 16 for bf16), else the flat one, by `strategy` with `profile`'s codec.
+    """

@@ -57,6 +57,13 @@ What it does, per bucket:
   residual for what it encodes from its own data and, as a chunk's owner, for the
   chunk's final encode; ``pieces`` pipelines each chunk. Its chunks follow the bucket,
   not the parameters, so its residuals belong to the bucket's layout.
+- ``strategy="twoshot"``: gradpack's two-shot all-reduce (:class:`gradpack.AllReduce`'s
+  ``"twoshot"``) on the whole bucket: each rank encodes chunk ``c`` of the bucket once
+  and sends it straight to rank ``c``, which sums the ranks' frames of its chunk in
+  float32 (its own data exact), encodes the sum once and sends it to every rank. The
+  ring's bytes per rank in two steps of latency instead of ``2(p - 1)``, and each
+  element quantised twice whatever the number of ranks (the ring re-encodes a partial
+  sum at every hop). Residuals and ``pieces`` as for the ring.
 - ``strategy="hierarchical"``: the two-level all-reduce (:class:`gradpack.Hierarchical`)
   on the whole bucket: a float32 reduce-scatter inside each node, the codec's all-reduce
   of each shard between nodes (error feedback there), and an all-gather inside the node.
@@ -204,9 +211,9 @@ class GradpackState:
             ``"auto"``; default ``"int8"`` (``"identity"`` with ``powersgd``).
         error_feedback: ``True``, ``False``, or ``None`` for on exactly when the codec
             is one of :data:`BIASED_NEED_FEEDBACK` (top-k, chunked top-k, sign).
-        strategy: ``"allgather"``, ``"ring"``, ``"hierarchical"`` or ``"majority"`` (see
-            the module docs). Default ``"ring"`` from 3 ranks up for the codecs of
-            :data:`RING_BY_DEFAULT` (int8, fp16, ... : quantisers), else
+        strategy: ``"allgather"``, ``"ring"``, ``"twoshot"``, ``"hierarchical"`` or
+            ``"majority"`` (see the module docs). Default ``"ring"`` from 3 ranks up for
+            the codecs of :data:`RING_BY_DEFAULT` (int8, fp16, ... : quantisers), else
             ``"allgather"``; ``"hierarchical"`` when torchrun's ``LOCAL_WORLD_SIZE`` says
             the ranks sit on several nodes of more than one.
             With ``codec="auto"`` the default is to try them all (``"hierarchical"``
@@ -247,8 +254,8 @@ class GradpackState:
             other dimensions' product), as DeMo does, instead of tiles along the flat
             tensor. A tile then holds ``chunk**2`` coefficients: ``dct:chunk=8,k=4``
             in 2-D sends about what ``dct:chunk=64,k=4`` sends in 1-D.
-        pieces: ``strategy="ring"``: split each ring chunk into this many frames, so
-            that encoding and decoding overlap the link (a pipelined ring).
+        pieces: ``strategy="ring"`` and ``"twoshot"``: split each chunk into this many
+            frames, so that encoding and decoding overlap the link (a pipelined ring).
         comm_group: the group the hook's messages travel on: it must carry CPU tensors
             (gloo) and hold the process group's ranks in the same order. Default: a
             gloo group the state makes (DDP's own group is never used for them).
@@ -301,7 +308,7 @@ class GradpackState:
             velocity decays. Default ``0.0``: off. The velocities are in
             :meth:`state_dict`.
 
-    With ``codec="auto"``, ``strategy`` limits the strategies tried (default both).
+    With ``codec="auto"``, ``strategy`` limits the strategies tried (default all).
 
     Making a state runs collectives on the group (the hook's own group is made, and
     ``codec="auto"`` averages the measured speeds), so every rank must make it at the
@@ -352,9 +359,10 @@ class GradpackState:
                 "powersgd with codec='auto' is not supported: give the codec of the tensors "
                 "PowerSGD does not take (default float32)"
             )
-        if strategy not in (None, "allgather", "ring", "hierarchical", "majority"):
+        if strategy not in (None, "allgather", "ring", "twoshot", "hierarchical", "majority"):
             raise ValueError(
-                f"strategy {strategy!r}: use 'allgather', 'ring', 'hierarchical' or 'majority'"
+                f"strategy {strategy!r}: use 'allgather', 'ring', 'twoshot', 'hierarchical' "
+                "or 'majority'"
             )
         if strategy == "majority" and (
             self._auto or not isinstance(codec, (str, Codec)) or Codec(codec) == _IDENTITY
@@ -431,7 +439,7 @@ class GradpackState:
             # torchrun on several nodes: full precision inside a node, the codec between.
             strategy = "hierarchical"
         if self._auto and strategy is None:
-            self.strategies: Tuple[str, ...] = ("allgather", "ring") + (
+            self.strategies: Tuple[str, ...] = ("allgather", "ring", "twoshot") + (
                 ("hierarchical",) if spans else ())
         else:
             self.strategies = (strategy or "allgather",)
@@ -673,14 +681,16 @@ class GradpackState:
         self, codec: Union[str, Codec], elements: int, strategy: Optional[str] = None
     ) -> float:
         """The cost model's all-reduce time (s) of ``elements`` elements with ``codec``
-        by ``strategy`` (``"allgather"``, ``"ring"`` or ``"hierarchical"``; default the
+        by ``strategy`` (``"allgather"``, ``"ring"``, ``"twoshot"`` or ``"hierarchical"``; default the
         first this state tries) on this state's link and world (``"auto"`` states only;
         before the process group exists it models 2 ranks). ``"identity"`` is the float32
         ring."""
         c = Codec(codec)
         strategy = strategy or self.strategy
-        if strategy not in ("allgather", "ring", "hierarchical"):
-            raise ValueError(f"strategy {strategy!r}: use 'allgather', 'ring' or 'hierarchical'")
+        if strategy not in ("allgather", "ring", "twoshot", "hierarchical"):
+            raise ValueError(
+                f"strategy {strategy!r}: use 'allgather', 'ring', 'twoshot' or 'hierarchical'"
+            )
         if c.spec not in self._profiles:
             raise ValueError(f"{c.spec} was not calibrated (not among the candidates)")
         if c == _IDENTITY and strategy != "hierarchical":
@@ -1246,7 +1256,7 @@ class GradpackState:
         codecs = [self._layout_codec(base, e) for e in layout]
         low_rank = self._low_rank_of(layout, step)
         ring = None
-        if cfg[1] in ("ring", "hierarchical", "majority"):
+        if cfg[1] in ("ring", "twoshot", "hierarchical", "majority"):
             assert base is not None
             ring = self._param_codec(base, (buf.numel(), 1))  # the whole bucket's codec
         plain = not low_rank and cfg[1] != "hierarchical" and (

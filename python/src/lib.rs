@@ -915,7 +915,7 @@ fn strategy_choice(
             |_| {
                 PyValueError::new_err(format!(
                     "strategy {strategy:?}: one of 'auto', 'fp32-ring', 'ring', 'allgather', \
-                 'majority'"
+                 'majority', 'twoshot'"
                 ))
             },
         )?))
@@ -1828,7 +1828,7 @@ fn calibrate(
 fn strategy(name: &str) -> PyResult<Strategy> {
     Strategy::from_name(name).ok_or_else(|| {
         PyValueError::new_err(format!(
-            "strategy {name:?}: one of 'fp32-ring', 'ring', 'allgather', 'majority'"
+            "strategy {name:?}: one of 'fp32-ring', 'ring', 'allgather', 'majority', 'twoshot'"
         ))
     })
 }
@@ -1857,7 +1857,7 @@ fn check_cluster(nodes: u32, bandwidth: f64, latency: f64, elements: f64) -> PyR
 
 /// Modelled seconds to all-reduce `elements` float32 values on `nodes` ranks joined by
 /// links of `bandwidth` bit/s and `latency` seconds per message, by `strategy`
-/// (`'fp32-ring'`, `'ring'`, `'allgather'`, `'majority'`) with `profile`'s codec
+/// (`'fp32-ring'`, `'ring'`, `'allgather'`, `'majority'`, `'twoshot'`) with `profile`'s codec
 /// (the fp32 ring sums at `reduce_bytes_per_s`).
 #[pyfunction]
 #[pyo3(signature = (profile, strategy, nodes, bandwidth, elements, latency=0.0,
@@ -1884,11 +1884,6 @@ fn allreduce_time(
     .time(bandwidth))
 }
 
-/// Modelled seconds of an all-reduce of `elements` float32 values on `nodes` nodes of
-/// `per_node` ranks: links of `intra_bandwidth` bit/s (`intra_latency` s) inside a node,
-/// and each node's uplink of `inter_bandwidth` (`inter_latency`), shared by its ranks'
-/// streams. `hierarchical`: the two-level all-reduce (`node_bits` per element inside a
-/// node: 32, or 16 for bf16), else the flat one, by `strategy` with `profile`'s codec.
 /// The modelled time in seconds of the compressed ring all-reduce of `elements` on
 /// `nodes` ranks whose chunks go as `pieces` frames each (a pipelined ring: a piece is
 /// encoded while the one before it is on the link), on links of `bandwidth` bit/s and
@@ -1918,6 +1913,11 @@ fn ring_time(
     ))
 }
 
+/// Modelled seconds of an all-reduce of `elements` float32 values on `nodes` nodes of
+/// `per_node` ranks: links of `intra_bandwidth` bit/s (`intra_latency` s) inside a node,
+/// and each node's uplink of `inter_bandwidth` (`inter_latency`), shared by its ranks'
+/// streams. `hierarchical`: the two-level all-reduce (`node_bits` per element inside a
+/// node: 32, or 16 for bf16), else the flat one, by `strategy` with `profile`'s codec.
 #[pyfunction]
 #[pyo3(signature = (profile, strategy, hierarchical, nodes, per_node, intra_bandwidth,
     inter_bandwidth, elements, intra_latency=0.0, inter_latency=0.0, node_bits=32.0,

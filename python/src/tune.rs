@@ -21,7 +21,7 @@ use crate::{PyProfile, err};
 ///
 /// `profiles` are the measured speeds of every candidate and of `"identity"` (every rank
 /// passes the same: average them over the ranks). `routes` are those tried besides
-/// float32: `"allgather"`, `"ring"`, `"hierarchical"` (which needs `nodes`, the node of
+/// float32: `"allgather"`, `"ring"`, `"twoshot"`, `"hierarchical"` (which needs `nodes`, the node of
 /// every rank). `bandwidth` (bit/s) and `latency` (s) are the link between ranks (between
 /// nodes, with `nodes`); `intra_bandwidth` and `intra_latency` the link inside a node.
 /// Tensors of fewer than `small_below` elements, and vectors, go as float32 by the
@@ -52,7 +52,7 @@ fn tensors(layout: Vec<(String, Vec<usize>)>) -> Vec<Tensor> {
 fn route(name: &str) -> PyResult<Route> {
     Route::from_name(name).ok_or_else(|| {
         PyValueError::new_err(format!(
-            "route {name:?}: use 'fp32', 'allgather', 'ring' or 'hierarchical'"
+            "route {name:?}: use 'fp32', 'allgather', 'ring', 'twoshot' or 'hierarchical'"
         ))
     })
 }
@@ -66,7 +66,7 @@ fn pair(c: &BucketConfig) -> (String, &'static str) {
 impl PyTuner {
     #[new]
     #[pyo3(signature = (
-        world, profiles, candidates, *, routes=vec!["allgather".to_string(), "ring".to_string()],
+        world, profiles, candidates, *, routes=vec!["allgather".to_string(), "ring".to_string(), "twoshot".to_string()],
         bandwidth, latency=50e-6, intra_bandwidth=40e9, intra_latency=5e-6, nodes=None,
         small_below=16384, dct_2d=false, trials=2, trial_steps=2,
     ))]

@@ -38,6 +38,9 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "sign-majority": {"codec": "sign", "strategy": "majority"},
     # The crate's ring with worker + owner error feedback and two pieces per chunk.
     "int8-ef-ring": {"codec": "int8", "strategy": "ring", "error_feedback": True, "pieces": 2},
+    # The crate's two-shot, with worker + owner error feedback and two pieces per chunk.
+    "int8-ef-twoshot": {"codec": "int8", "strategy": "twoshot", "error_feedback": True,
+                        "pieces": 2},
     # The same where /dev/shm seems to hold 1 MiB (the hook makes its rings smaller)
     # and 256 KiB (it warns and goes without).
     "int8-ef-ring-small-shm": {"codec": "int8", "strategy": "ring", "error_feedback": True,

@@ -196,13 +196,13 @@ class Peer(Endpoint):
         beta: float = 1.0,
         gamma: float = 1.0,
     ) -> None:
-        assert strategy in ("ring", "fp32-ring", "allgather", "majority")
+        assert strategy in ("ring", "fp32-ring", "allgather", "majority", "twoshot")
         if strategy == "fp32-ring":
             codec, feedback = "identity", "none"
         super().__init__(rank, world, send, recv, tag)
         self.codec, self.n = codec, n
         self.strategy, self.op, self.feedback = strategy, op, feedback
-        self.k = pieces if strategy in ("ring", "fp32-ring") else 1
+        self.k = pieces if strategy in ("ring", "fp32-ring", "twoshot") else 1
         self.checksum = checksum
         self.beta, self.gamma = np.float32(beta), np.float32(gamma)
         self.residual: Dict[object, np.ndarray] = {}
@@ -265,6 +265,8 @@ class Peer(Endpoint):
         out = np.zeros(self.n, np.float32)
         if self.strategy in ("ring", "fp32-ring"):
             self.ring(x, out, seed, call)
+        elif self.strategy == "twoshot":
+            self.two_shot(x, out, seed, call)
         else:
             self.gather(x, out, seed, call)
         if self.op == "mean" and self.world > 1:
@@ -319,6 +321,39 @@ class Peer(Endpoint):
                 out[a:b] = gradpack.decode(frame)
                 nxt[j] = frame
             fwd = nxt  # type: ignore[assignment]
+
+    def two_shot(self, x: np.ndarray, out: np.ndarray, seed: int, call: int) -> None:
+        p, r, k = self.world, self.rank, self.k
+        mine = self.rank_seed(seed, r)
+        others = [q for q in range(p) if q != r]
+        for j in range(k):  # 1. scatter: every piece to its owner before any receive
+            for s in range(1, p):
+                c = (r + s) % p
+                a, b = self.piece(c, j)
+                site = c * k + j
+                frame = self.encode(x[a:b].copy(), mine, a, site, self.fed(site, False))
+                self.post(c, call, j, c * k + j, 6, frame)
+        for j in range(k):  # 2. the owner's sum, re-encoded once and sent to every rank
+            a, b = self.piece(r, j)
+            got = []
+            for q in others:
+                frame = self.expect(q, call, j, r * k + j, 6)
+                self.check(frame, a, b, q, seed)
+                got.append(frame)
+            out[a:b] = x[a:b]
+            for frame in got:
+                gradpack.decode_add(frame, out[a:b])
+            site = r * k + j
+            frame = self.encode(out[a:b].copy(), mine, a, site, self.fed(site, True))
+            for s in range(1, p):
+                self.post((r + s) % p, call, k + j, r * k + j, 7, frame)
+            out[a:b] = gradpack.decode(frame)
+        for j in range(k):  # 3. every owner's frame decoded into place
+            for q in others:
+                a, b = self.piece(q, j)
+                frame = self.expect(q, call, k + j, q * k + j, 7)
+                self.check(frame, a, b, q, seed)
+                out[a:b] = gradpack.decode(frame)
 
     def gather(self, x: np.ndarray, out: np.ndarray, seed: int, call: int) -> None:
         p, r, n = self.world, self.rank, self.n

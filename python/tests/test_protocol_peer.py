@@ -33,6 +33,9 @@ CASES = [
     ("natural", "allgather", "none", 1, "sum"),
     ("sign", "majority", "worker", 1, "mean"),
     ("identity", "fp32-ring", "none", 2, "sum"),
+    ("int8", "twoshot", "worker+owner", 1, "mean"),
+    ("fp8", "twoshot", "worker", 2, "sum"),
+    ("topk:ratio=0.1,values=fp16", "twoshot", "none", 3, "mean"),
 ]
 
 

@@ -257,7 +257,8 @@ def test_auto_plan_resumes_bit_for_bit():
 
 
 @pytest.mark.parametrize("config", ["int8-allgather", "int8-ef-ring", "topk-ef-model",
-                                    "int8-ef-ring@tcp", "int8-allgather@pg"])
+                                    "int8-ef-ring@tcp", "int8-allgather@pg",
+                                    "int8-ef-twoshot@tcp"])
 def test_a_killed_rank_makes_the_others_raise(config):
     # The last of 3 ranks dies at the start of a step: the hook's messages to and from
     # it fail, and the others' backward raises (gloo sees the closed connection), well
@@ -270,8 +271,8 @@ def test_a_killed_rank_makes_the_others_raise(config):
 
 # The hook's configurations as they are before its decisions move into the crate: each
 # one's parameters after 40 steps on 3 ranks, whichever way its messages travel.
-BY_TRANSPORT = ["identity", "int8-allgather", "int8-ef-ring", "topk-ef", "topk-ef-model",
-                "sign-majority", "powersgd2", "int8-hier", "auto-allgather"]
+BY_TRANSPORT = ["identity", "int8-allgather", "int8-ef-ring", "int8-ef-twoshot", "topk-ef",
+                "topk-ef-model", "sign-majority", "powersgd2", "int8-hier", "auto-allgather"]
 
 
 def test_every_transport_gives_the_same_parameters():

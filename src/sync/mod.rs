@@ -369,10 +369,13 @@ fn strategy_of(c: &BucketConfig, codec: &CodecSpec) -> Strategy {
     match c.route {
         Route::Fp32 => Strategy::Fp32Ring,
         Route::AllGather => Strategy::CompressedAllGather,
-        Route::Ring | Route::Hierarchical if matches!(codec, CodecSpec::Identity(_)) => {
+        Route::Ring | Route::TwoShot | Route::Hierarchical
+            if matches!(codec, CodecSpec::Identity(_)) =>
+        {
             Strategy::Fp32Ring
         }
         Route::Ring | Route::Hierarchical => Strategy::CompressedRing,
+        Route::TwoShot => Strategy::TwoShot,
     }
 }
 
@@ -832,8 +835,8 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
             )
         {
             return Err(Error::Collective(
-                "trials choose among the ring and the all-gather: give no strategy, or one \
-                 of those"
+                "trials choose among the ring, the two-shot and the all-gather: give no \
+                 strategy, or one of those"
                     .into(),
             ));
         }
@@ -1092,8 +1095,9 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
                 }
                 let mut routes = match opts.strategy {
                     Some(Strategy::CompressedRing) => vec![Route::Ring],
+                    Some(Strategy::TwoShot) => vec![Route::TwoShot],
                     Some(_) => vec![Route::AllGather],
-                    None => vec![Route::AllGather, Route::Ring],
+                    None => vec![Route::AllGather, Route::Ring, Route::TwoShot],
                 };
                 if opts.nodes.is_some() {
                     routes.push(Route::Hierarchical);

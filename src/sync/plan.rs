@@ -565,7 +565,8 @@ fn one_cost(
     pieces: usize,
 ) -> (f64, f64) {
     let ring = matches!(strategy, Strategy::CompressedRing | Strategy::Fp32Ring);
-    let frames = if ring { nodes * pieces.max(1) } else { 1 };
+    let chunked = ring || strategy == Strategy::TwoShot;
+    let frames = if chunked { nodes * pieces.max(1) } else { 1 };
     let prof = profile_for(codec, measured, elements, frames);
     let c = cost::allreduce_cost(
         if ring {

@@ -73,26 +73,31 @@ pub enum Route {
     AllGather,
     /// The compressed ring over the whole bucket.
     Ring,
+    /// The two-shot all-reduce over the whole bucket: each chunk encoded once for its
+    /// owner, summed and re-encoded there once, and gathered.
+    TwoShot,
     /// The two-level all-reduce: float32 inside a node, the codec's ring between nodes.
     Hierarchical,
 }
 
 impl Route {
     /// Every route, in declaration order.
-    pub const ALL: [Route; 4] = [
+    pub const ALL: [Route; 5] = [
         Route::Fp32,
         Route::AllGather,
         Route::Ring,
         Route::Hierarchical,
+        Route::TwoShot,
     ];
 
-    /// Short name: `fp32`, `allgather`, `ring`, `hierarchical`.
+    /// Short name: `fp32`, `allgather`, `ring`, `hierarchical`, `twoshot`.
     pub fn name(self) -> &'static str {
         match self {
             Route::Fp32 => "fp32",
             Route::AllGather => "allgather",
             Route::Ring => "ring",
             Route::Hierarchical => "hierarchical",
+            Route::TwoShot => "twoshot",
         }
     }
 
@@ -173,7 +178,7 @@ impl Default for TuneOptions {
                 .iter()
                 .map(|s| s.parse().expect("valid spec"))
                 .collect(),
-            routes: vec![Route::AllGather, Route::Ring],
+            routes: vec![Route::AllGather, Route::Ring, Route::TwoShot],
             network: Network::default(),
             node_network: Network {
                 bandwidth_bit_s: 40e9,
@@ -274,7 +279,8 @@ impl Tuner {
         }
         if opts.routes.is_empty() || opts.routes.contains(&Route::Fp32) {
             return Err(bad(
-                "the routes to try are all-gather, ring or hierarchical (float32 is always tried)",
+                "the routes to try are all-gather, ring, two-shot or hierarchical (float32 is \
+                 always tried)",
             ));
         }
         if opts.routes.contains(&Route::Hierarchical) {
@@ -379,6 +385,7 @@ impl Tuner {
             Route::Fp32 => flat(Strategy::Fp32Ring, p.decode_add_bytes_per_s),
             Route::AllGather => flat(Strategy::CompressedAllGather, f64::INFINITY),
             Route::Ring => flat(Strategy::CompressedRing, f64::INFINITY),
+            Route::TwoShot => flat(Strategy::TwoShot, f64::INFINITY),
             Route::Hierarchical => {
                 let nodes = self
                     .opts
@@ -452,6 +459,9 @@ impl Tuner {
         for c in &self.opts.candidates {
             let mut t = f64::INFINITY;
             for &r in &self.opts.routes {
+                if r == Route::TwoShot && c.sparse() {
+                    continue; // see `CodecSpec::sparse`
+                }
                 let r = if *c == identity() && r != Route::Hierarchical {
                     Route::Fp32
                 } else {
@@ -574,6 +584,9 @@ impl Tuner {
             for &route in &self.opts.routes {
                 if c == identity() && route != Route::Hierarchical {
                     continue; // float32 is always measured, by the front end's all-reduce
+                }
+                if route == Route::TwoShot && c.sparse() {
+                    continue; // see `CodecSpec::sparse`
                 }
                 let t = self.modelled(&c, route, tensors, staging)?;
                 ranked.push((

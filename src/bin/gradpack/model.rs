@@ -85,8 +85,15 @@ pub(crate) fn model(a: ModelArgs) -> Res<()> {
     w(
         &mut out,
         format!(
-            "{:<sw$} {:>8} {:>6} {:>14} {:>12} {:>12} {:>8}",
-            "spec", "bits/el", "ratio", "k-bit ring ms", "ring ms", "allgather ms", "speedup"
+            "{:<sw$} {:>8} {:>6} {:>14} {:>12} {:>12} {:>11} {:>8}",
+            "spec",
+            "bits/el",
+            "ratio",
+            "k-bit ring ms",
+            "ring ms",
+            "allgather ms",
+            "twoshot ms",
+            "speedup"
         ),
     )?;
     let fp32 = abg.ring_allreduce(p, bytes);
@@ -97,21 +104,23 @@ pub(crate) fn model(a: ModelArgs) -> Res<()> {
             cost::allreduce_cost(st, &c, p, net.latency, elements, f64::INFINITY)
                 .time(net.bandwidth)
         };
-        let (ring, ag) = (
+        let (ring, ag, two) = (
             t(Strategy::CompressedRing),
             t(Strategy::CompressedAllGather),
+            t(Strategy::TwoShot),
         );
         w(
             &mut out,
             format!(
-                "{:<sw$} {:>8.3} {:>6.1} {:>14.3} {:>12.3} {:>12.3} {:>8}",
+                "{:<sw$} {:>8.3} {:>6.1} {:>14.3} {:>12.3} {:>12.3} {:>11.3} {:>8}",
                 s.to_string(),
                 bits,
                 32.0 / bits,
                 cost::ring_quantised(p, g_bits, net.bandwidth, bits) * 1e3,
                 ring * 1e3,
                 ag * 1e3,
-                speedup(fp32, ring.min(ag))
+                two * 1e3,
+                speedup(fp32, ring.min(ag).min(two))
             ),
         )?;
     }
@@ -185,7 +194,7 @@ fn two_level(
         let strategies: &[Strategy] = if c.bits_per_element >= 32.0 {
             &[Strategy::Fp32Ring]
         } else {
-            &cost::COMPRESSED
+            cost::candidates(&c)
         };
         let best = |f: &dyn Fn(Strategy) -> f64| {
             strategies
