@@ -499,7 +499,7 @@ pub fn hierarchical_time(
 }
 
 /// Whether to go by node: the fastest of the flat all-reduce and the two-level one
-/// (node codec f32), each by the faster of ring and all-gather for codec `c` (fp32 ring
+/// (node codec f32), each by the fastest of the [`candidates`] for codec `c` (fp32 ring
 /// for an fp32 profile of 32 bits per element). Returns `(hierarchical, strategy,
 /// seconds)`.
 pub fn best_two_level(

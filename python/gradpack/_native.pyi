@@ -566,7 +566,8 @@ def backend() -> str:
 
 def best_strategy(profile: CodecProfile, nodes: SupportsIndex, bandwidth: SupportsFloat | SupportsIndex, elements: SupportsFloat | SupportsIndex, latency: SupportsFloat | SupportsIndex = 0.0, reduce_bytes_per_s: SupportsFloat | SupportsIndex = ...) -> tuple[str, float]:
     """
-    The faster of the compressed ring and all-gather for `profile`'s codec: returns
+    The fastest of the compressed ring, the two-shot (not for sparse codecs: top-k,
+    random-k, chunked top-k) and the all-gather for `profile`'s codec: returns
     `(strategy name, modelled seconds)`.
     """
 

@@ -1962,7 +1962,8 @@ fn two_level_time(
     })
 }
 
-/// The faster of the compressed ring and all-gather for `profile`'s codec: returns
+/// The fastest of the compressed ring, the two-shot (not for sparse codecs: top-k,
+/// random-k, chunked top-k) and the all-gather for `profile`'s codec: returns
 /// `(strategy name, modelled seconds)`.
 #[pyfunction]
 #[pyo3(signature = (profile, nodes, bandwidth, elements, latency=0.0,

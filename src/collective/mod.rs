@@ -25,14 +25,21 @@
 //! - [`Strategy::CompressedAllGather`]: every rank's whole frame travels round the ring
 //!   (`p - 1` frames sent per rank); each rank decodes and sums all `p` in rank order.
 //!   What GRACE and DeepSpeed's 1-bit path do; one encode, no re-quantisation.
+//! - [`Strategy::TwoShot`]: each rank encodes every other rank's chunk once and sends it
+//!   straight to that rank, its owner; the owner adds the `p - 1` frames to its own input
+//!   in rank order (one fused pass), encodes the sum once and sends it to every rank,
+//!   which decodes it. The ring's bytes per rank in 2 steps instead of `2 (p - 1)`, and
+//!   each element quantised twice whatever `p` is (its error does not grow with the
+//!   world, where the ring's does). At 2 ranks it is the ring's arithmetic.
 //! - [`Strategy::SignMajority`]: signSGD with majority vote (Bernstein et al. 2018),
 //!   described at [`Strategy::SignMajority`] below.
 //! - [`Strategy::Fp32Ring`]: the uncompressed baseline, a ring of identity frames (the
 //!   codec and error feedback are not used).
 //!
-//! [`StrategyChoice::Auto`] picks ring or all-gather with the cost model
-//! ([`crate::cost::best_strategy`]); majority vote changes what is computed, so it is only
-//! used when forced.
+//! [`StrategyChoice::Auto`] picks the ring, the two-shot or the all-gather with the cost
+//! model ([`crate::cost::best_strategy`]; not the two-shot for sparse codecs,
+//! [`CodecSpec::sparse`]); majority vote changes what is computed, so it is only used when
+//! forced.
 //!
 //! ## Semantics
 //! - Every rank ends with bit-identical output: each value is decoded from the same frame
@@ -52,9 +59,9 @@
 //!
 //! ## Error feedback
 //! [`Feedback::Worker`] keeps a residual for what this rank encodes from its own data:
-//! the whole tensor for the all-gather and majority strategies, and in the ring the
+//! the whole tensor for the all-gather and majority strategies, in the ring the
 //! `p - 1` chunks it sends in the reduce-scatter (its own gradient plus the partial sum it
-//! received). [`Feedback::WorkerAndOwner`] adds a residual at each chunk's owner for the
+//! received), and in the two-shot the `p - 1` chunks it sends to their owners. [`Feedback::WorkerAndOwner`] adds a residual at each chunk's owner for the
 //! final re-quantisation before the all-gather (as DeepSpeed's 1-bit compressed all-reduce
 //! does at its "server" chunks). With both, every encode of the ring is compensated, and
 //! for `beta = gamma = 1`:
@@ -364,7 +371,7 @@ pub enum Feedback {
 /// How the strategy is chosen.
 #[derive(Debug, Clone, PartialEq)]
 pub enum StrategyChoice {
-    /// The fastest of ring and all-gather by the cost model
+    /// The fastest of ring, two-shot and all-gather by the cost model
     /// ([`crate::cost::best_strategy`]) on links of this bandwidth and latency, with the
     /// codec's measured `profile` or, if `None`, its size alone (infinitely fast compute).
     Auto {
