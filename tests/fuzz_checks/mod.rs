@@ -475,18 +475,20 @@ impl Transport for Scripted {
 }
 
 /// The codecs and strategies of [`AllReduce`] the `collective_recv` control bytes choose
-/// from (cases 0 to 5).
-pub const COLLECTIVE_CASES: [(&str, Strategy); 6] = [
+/// from (cases 0 to 7).
+pub const COLLECTIVE_CASES: [(&str, Strategy); 8] = [
     ("int8:rounding=stochastic", Strategy::CompressedRing),
     ("qsgd:bits=4,block=64", Strategy::CompressedAllGather),
     ("sign:block=32", Strategy::SignMajority),
     ("identity", Strategy::Fp32Ring),
     ("topk:ratio=0.1,values=fp16", Strategy::CompressedRing),
     ("randk:ratio=0.25", Strategy::CompressedAllGather),
+    ("int8:rounding=stochastic", Strategy::TwoShot),
+    ("topk:ratio=0.1,values=fp16", Strategy::TwoShot),
 ];
 
 /// The buckets of [`BucketGather`] the `collective_recv` control bytes choose from (cases
-/// 6 and 7): each tensor's codec and its share of the elements, in thirds, in order.
+/// 8 and 9): each tensor's codec and its share of the elements, in thirds, in order.
 pub const BUCKET_CASES: [&[(&str, usize)]; 2] = [
     &[("int8", 2), ("identity", 1)],
     &[
@@ -559,7 +561,7 @@ pub fn collective_script(control: [u8; 4], messages: &[Vec<u8>]) -> Vec<u8> {
 /// `collective_recv`: one rank of an all-reduce whose every received message is fuzz
 /// input (a frame from a peer at any step, place or state), or one rank of a bucket
 /// all-gather whose every received message is. Bytes 0..4: world size `2 + b0 % 3`, this
-/// rank `b1 % size`, the case `b2 % 8` ([`COLLECTIVE_CASES`], then [`BUCKET_CASES`]),
+/// rank `b1 % size`, the case `b2 % CASES` ([`COLLECTIVE_CASES`], then [`BUCKET_CASES`]),
 /// elements `b3 * 3`; then the messages (see [`collective_script`]). Three calls run on
 /// one `Comm`. Each gives `Ok` or `Err`, never a panic; the output keeps its length; a
 /// call whose messages were not all consumed cannot have succeeded unless those left
@@ -646,12 +648,13 @@ pub fn collective_seeds() -> Vec<(String, Vec<u8>)> {
             let got = local::run(size, None, |t| {
                 let r = t.rank();
                 let input: Vec<f32> = (0..n).map(|i| ((i * 7 + r) % 13) as f32 - 6.0).collect();
-                // Record what rank 0 receives by recording what its left neighbour sends
-                // it (the ring's only sender to rank 0).
+                // Record what rank 0 receives, in the order it receives it (from its left
+                // neighbour in the ring and the frame all-gather, from every peer in the
+                // two-shot).
                 let recorder = |t: gradpack::collective::local::Local| {
                     Comm::new(Recorder {
                         inner: t,
-                        sent: Vec::new(),
+                        got: Vec::new(),
                     })
                 };
                 let mut out = vec![0f32; n];
@@ -666,7 +669,7 @@ pub fn collective_seeds() -> Vec<(String, Vec<u8>)> {
                             let msg = bucket_message(&layout, &input, seed);
                             g.run(&mut comm, &msg, &segments, None, &mut out)?;
                         }
-                        return Ok(comm.into_inner().sent);
+                        return Ok(comm.into_inner().got);
                     }
                 };
                 let codec: CodecSpec = spec.parse().expect("case spec");
@@ -679,14 +682,12 @@ pub fn collective_seeds() -> Vec<(String, Vec<u8>)> {
                 for seed in 0..3 {
                     ar.run(&mut comm, &input, &mut out, seed)?;
                 }
-                Ok(comm.into_inner().sent)
+                Ok(comm.into_inner().got)
             });
-            let left = size - 1;
-            let to_zero: Vec<Vec<u8>> = got[left]
+            let to_zero: Vec<Vec<u8>> = got[0]
                 .as_ref()
                 .expect("clean world")
                 .iter()
-                .filter(|(to, _)| *to == 0)
                 .map(|(_, m)| m.clone())
                 .collect();
             let control = [(size - 2) as u8, 0, case as u8, 40];
@@ -699,10 +700,11 @@ pub fn collective_seeds() -> Vec<(String, Vec<u8>)> {
     seeds
 }
 
-/// An in-process transport that records what it sends.
+/// An in-process transport that records what it receives.
 struct Recorder {
     inner: gradpack::collective::local::Local,
-    sent: Vec<(usize, Vec<u8>)>,
+    /// What this rank received, and from whom, in order.
+    got: Vec<(usize, Vec<u8>)>,
 }
 
 impl Transport for Recorder {
@@ -713,11 +715,12 @@ impl Transport for Recorder {
         self.inner.size()
     }
     fn send(&mut self, msg: &[u8], to: usize) -> gradpack::Result<()> {
-        self.sent.push((to, msg.to_vec()));
         self.inner.send(msg, to)
     }
     fn recv(&mut self, buf: &mut Vec<u8>, from: usize, max: usize) -> gradpack::Result<()> {
-        self.inner.recv(buf, from, max)
+        self.inner.recv(buf, from, max)?;
+        self.got.push((from, buf.clone()));
+        Ok(())
     }
 }
 
