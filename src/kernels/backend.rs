@@ -222,7 +222,7 @@ pub(crate) enum X86 {
 /// DCT of `dct`, whose AVX2 build was 1.5 times as fast on 64 x 64 tiles at 64 Ki
 /// elements (and level on one-row tiles); the inverse DCT's dense rows run the AVX2 build
 /// too (level with the AVX-512 one, within 2 to 7%, on 1-D and 2-D tiles). The fused
-/// reduction of many frames (`reduce x8` in that example, on a Zen 4/5 EPYC, session 44)
+/// reduction of many frames (`reduce x8` in that example, on a Zen 4/5 EPYC, commit 651ecff)
 /// runs its AVX-512 builds: 1.5 times AVX2's for int8, 1.1 to 1.4 for bf16, 1.07 to 1.12
 /// for fp16 (F16C), and level (within 3%) for f32 frames. fp8 and fp4 (portable code,
 /// `cargo bench --bench codecs` at 1 Mi elements, 2026-11-26): the AVX-512 builds encode
@@ -238,7 +238,7 @@ pub(crate) enum X86 {
 /// as fast at 64 Ki elements (level at 1 Mi) and fp4 2.5 to 3.3 times; AMD's cores not
 /// measured.
 /// fp8's decode of blocks of a multiple of 16 goes through half precision in registers
-/// (2026-11-27, eleventh session, a 2-core Intel Xeon, `backend_race` at 64 Ki
+/// (2026-11-27, commit 842321e, a 2-core Intel Xeon, `backend_race` at 64 Ki
 /// elements; AMD's cores not yet measured): AVX-512's E4M3 decode_add 1.15 to 1.25 times
 /// AVX2's, its decode 1.12 to 1.16, E5M2's decode_add 1.04 to 1.13; E5M2's plain decode
 /// runs the AVX2 build, 0 to 20% faster than AVX-512's in seven runs.
