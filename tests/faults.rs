@@ -236,6 +236,34 @@ fn every_fault_ends_in_correct_sums_or_errors_never_a_wrong_ok() {
 }
 
 #[test]
+fn a_damaged_message_in_either_shot_of_the_two_shot_fails_the_call_and_the_next_is_whole() {
+    // Rank 1 of 4 sends 3 messages per shot in its first call: message 1 is of the
+    // scatter (to rank 3), message 4 of the gather (to rank 3 too). The receiver names
+    // rank 1; no rank returns a wrong sum (a rank either fails or holds the clean sum);
+    // the second call is whole on every rank.
+    let (p, n) = (4, 1001);
+    let inputs: Vec<Vec<f32>> = (0..p).map(|r| sample(n, 700 + r as u32)).collect();
+    let codec: CodecSpec = "int8".parse().unwrap();
+    let o = AllReduceOptions {
+        strategy: StrategyChoice::Forced(Strategy::TwoShot),
+        ..Default::default()
+    };
+    let clean = world(codec, &o, &inputs, None);
+    for at in [1, 4] {
+        let what = format!("two-shot, message {at} damaged");
+        let got = world(codec, &o, &inputs, Some((1, Fault::CorruptPayload, at)));
+        check(&what, &got, &clean);
+        match &got[3][0] {
+            Err(Error::Peer { peer: 1, .. }) => {}
+            other => panic!("{what}: rank 3 got {:?}", other.as_ref().map(|_| ())),
+        }
+        for (r, steps) in got.iter().enumerate() {
+            assert!(steps[1].is_ok(), "{what}: rank {r}'s second call failed");
+        }
+    }
+}
+
+#[test]
 fn a_stall_past_the_timeout_ends_in_correct_sums() {
     let (p, n) = (4, 257);
     let inputs: Vec<Vec<f32>> = (0..p).map(|r| sample(n, 900 + r as u32)).collect();

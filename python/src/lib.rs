@@ -914,8 +914,8 @@ fn strategy_choice(
         Ok(StrategyChoice::Forced(self::strategy(strategy).map_err(
             |_| {
                 PyValueError::new_err(format!(
-                    "strategy {strategy:?}: one of 'auto', 'fp32-ring', 'ring', 'allgather', \
-                 'majority', 'twoshot'"
+                    "strategy {strategy:?}: one of 'auto', {}",
+                    quoted(Strategy::ALL.map(Strategy::name))
                 ))
             },
         )?))
@@ -1828,9 +1828,15 @@ fn calibrate(
 fn strategy(name: &str) -> PyResult<Strategy> {
     Strategy::from_name(name).ok_or_else(|| {
         PyValueError::new_err(format!(
-            "strategy {name:?}: one of 'fp32-ring', 'ring', 'allgather', 'majority', 'twoshot'"
+            "strategy {name:?}: one of {}",
+            quoted(Strategy::ALL.map(Strategy::name))
         ))
     })
+}
+
+/// `names` as `'a', 'b', 'c'` for an error message.
+pub(crate) fn quoted<const N: usize>(names: [&str; N]) -> String {
+    names.map(|n| format!("'{n}'")).join(", ")
 }
 
 fn check_cluster(nodes: u32, bandwidth: f64, latency: f64, elements: f64) -> PyResult<()> {

@@ -52,7 +52,8 @@ fn tensors(layout: Vec<(String, Vec<usize>)>) -> Vec<Tensor> {
 fn route(name: &str) -> PyResult<Route> {
     Route::from_name(name).ok_or_else(|| {
         PyValueError::new_err(format!(
-            "route {name:?}: use 'fp32', 'allgather', 'ring', 'twoshot' or 'hierarchical'"
+            "route {name:?}: one of {}",
+            crate::quoted(Route::ALL.map(Route::name))
         ))
     })
 }

@@ -213,8 +213,8 @@ pub(crate) enum X86 {
 /// elements, the magnitude filter), the AVX2 kernel everywhere else (fp16's
 /// decode_add too: 9% faster with AVX2 at 1 Mi elements, while its plain decode is 8%
 /// faster with AVX-512). Measured with
-/// `cargo run --release --example backend_race` on a Zen 5 (docs/benchmarks-history.md, session
-/// 12): before this table the AVX-512 backend ran the portable kernels on the other
+/// `cargo run --release --example backend_race` on a Zen 5 (docs/benchmarks-history.md,
+/// 2026-11-24, commit a6cfab8): before this table the AVX-512 backend ran the portable kernels on the other
 /// rows, 1.1 to 3.3 times slower than AVX2 (natural encode 3.3x, random-k decode_add
 /// 2.4x, sign decode_add 2.3x, QSGD 1.4 to 2.0x). Two rows are portable code that pulp
 /// compiles for either instruction set: the f32 and bf16 decodes, whose AVX2 builds

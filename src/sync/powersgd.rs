@@ -547,54 +547,32 @@ impl PowerSgdBucket {
                 )));
             }
         }
-        // The buffers of the last step, grown (checked) only when a bucket needs more.
-        let (mut p, mut q) = core::mem::take(&mut self.factors);
-        let sized = crate::alloc::lengthen(&mut p, p_len + carried, "PowerSGD's P")
-            .and_then(|()| crate::alloc::lengthen(&mut q, q_len, "PowerSGD's Q"));
-        let res = sized.and_then(|()| {
-            self.exchange_in(
-                m,
-                seed,
-                plain,
-                first,
-                second,
-                &mut p[..p_len + carried],
-                &mut q[..q_len],
-            )
-        });
-        self.factors = (p, q);
+        // The buffers of the last step, grown (checked) only when a bucket needs more,
+        // and kept whatever the step's outcome.
+        let (mut p_buf, mut q_buf) = core::mem::take(&mut self.factors);
+        let mut step = || -> Result<bool> {
+            crate::alloc::lengthen(&mut p_buf, p_len + carried, "PowerSGD's P")?;
+            crate::alloc::lengthen(&mut q_buf, q_len, "PowerSGD's Q")?;
+            let (p, q) = (&mut p_buf[..p_len + carried], &mut q_buf[..q_len]);
+            self.p_step(m, seed, &mut p[..p_len])?;
+            let mut at = p_len;
+            for r in plain {
+                p[at..at + r.len()].copy_from_slice(&m[r.clone()]);
+                at += r.len();
+            }
+            first.0.run_in_place(first.1, p, 0)?;
+            let mut at = p_len;
+            for r in plain {
+                m[r.clone()].copy_from_slice(&p[at..at + r.len()]);
+                at += r.len();
+            }
+            self.q_step(m, &mut p[..p_len], q)?;
+            second.0.run_in_place(second.1, q, 0)?;
+            self.finish_in_place(m, &p[..p_len], q)
+        };
+        let res = step();
+        self.factors = (p_buf, q_buf);
         res
-    }
-
-    /// [`PowerSgdBucket::exchange`] with its buffers `p` (P, then the float32 tensors)
-    /// and `q`.
-    #[allow(clippy::too_many_arguments)]
-    fn exchange_in<A: Transport + ?Sized, B: Transport + ?Sized>(
-        &mut self,
-        m: &mut [f32],
-        seed: u64,
-        plain: &[core::ops::Range<usize>],
-        first: (&mut AllReduce, &mut Comm<A>),
-        second: (&mut AllReduce, &mut Comm<B>),
-        p: &mut [f32],
-        q: &mut [f32],
-    ) -> Result<bool> {
-        let p_len = self.p_len();
-        self.p_step(m, seed, &mut p[..p_len])?;
-        let mut at = p_len;
-        for r in plain {
-            p[at..at + r.len()].copy_from_slice(&m[r.clone()]);
-            at += r.len();
-        }
-        first.0.run_in_place(first.1, p, 0)?;
-        let mut at = p_len;
-        for r in plain {
-            m[r.clone()].copy_from_slice(&p[at..at + r.len()]);
-            at += r.len();
-        }
-        self.q_step(m, &mut p[..p_len], q)?;
-        second.0.run_in_place(second.1, q, 0)?;
-        self.finish_in_place(m, &p[..p_len], q)
     }
 
     /// Zero the residuals and draw a fresh `Q` at the next step.

@@ -259,6 +259,12 @@ fn bad(msg: impl Into<String>) -> Error {
     Error::Collective(msg.into())
 }
 
+/// Whether `route` is weighed for `codec`: as [`cost::candidates`] does, not the two-shot
+/// for a sparse codec (its owner would re-select the sum of `p` selections).
+fn offered(codec: &CodecSpec, route: Route) -> bool {
+    !(route == Route::TwoShot && codec.sparse())
+}
+
 fn identity() -> CodecSpec {
     CodecSpec::Identity(Identity)
 }
@@ -459,8 +465,8 @@ impl Tuner {
         for c in &self.opts.candidates {
             let mut t = f64::INFINITY;
             for &r in &self.opts.routes {
-                if r == Route::TwoShot && c.sparse() {
-                    continue; // see `CodecSpec::sparse`
+                if !offered(c, r) {
+                    continue;
                 }
                 let r = if *c == identity() && r != Route::Hierarchical {
                     Route::Fp32
@@ -585,8 +591,8 @@ impl Tuner {
                 if c == identity() && route != Route::Hierarchical {
                     continue; // float32 is always measured, by the front end's all-reduce
                 }
-                if route == Route::TwoShot && c.sparse() {
-                    continue; // see `CodecSpec::sparse`
+                if !offered(&c, route) {
+                    continue;
                 }
                 let t = self.modelled(&c, route, tensors, staging)?;
                 ranked.push((

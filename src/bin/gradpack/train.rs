@@ -61,19 +61,26 @@ enum TrainRow {
 }
 
 pub(crate) fn train(a: TrainArgs) -> Res<()> {
-    use gradpack::train::Dataset;
     let (cfg, specs) = config(&a)?;
-    let ds = Dataset::synthetic(a.seed);
-    let (base, rows) = run_all(&a, &ds, &cfg, &specs)?;
+    let runs = run_all(&a, cfg, &specs)?;
     if a.json {
-        print_json(&ds, &cfg, &base, &rows)?;
+        runs.json()?;
     } else {
-        print_table(&ds, &cfg, &base, &rows)?;
+        runs.table()?;
     }
     if let Some(path) = &a.plot {
-        plot_curves(path, &cfg, &base, &rows)?;
+        runs.plot(path)?;
     }
     Ok(())
+}
+
+/// What `train` trained: the data set and configuration, the fp32 baseline, and every
+/// codec's and PowerSGD rank's run without and with error feedback.
+struct Runs {
+    ds: gradpack::train::Dataset,
+    cfg: gradpack::train::TrainConfig,
+    base: gradpack::train::TrainResult,
+    rows: Vec<(bool, TrainRow)>,
 }
 
 /// The run's configuration and codecs, from the arguments checked (every refusal before
@@ -128,13 +135,9 @@ fn config(a: &TrainArgs) -> Res<(gradpack::train::TrainConfig, Vec<CodecSpec>)> 
 
 /// The fp32 baseline, then every codec without and with error feedback, then every
 /// PowerSGD rank without and with its error feedback.
-fn run_all(
-    a: &TrainArgs,
-    ds: &gradpack::train::Dataset,
-    cfg: &gradpack::train::TrainConfig,
-    specs: &[CodecSpec],
-) -> Res<(gradpack::train::TrainResult, Vec<(bool, TrainRow)>)> {
+fn run_all(a: &TrainArgs, cfg: gradpack::train::TrainConfig, specs: &[CodecSpec]) -> Res<Runs> {
     use gradpack::train::TrainConfig;
+    let ds = gradpack::train::Dataset::synthetic(a.seed);
     let runs = 1 + 2 * (specs.len() + a.powersgd.len());
     let bar = progress(runs as u64, a.json);
     let base_cfg = TrainConfig {
@@ -142,14 +145,14 @@ fn run_all(
         ..cfg.clone()
     };
     let identity = CodecSpec::Identity(gradpack::Identity);
-    let base = gradpack::train::train(ds, &base_cfg, identity, false)
+    let base = gradpack::train::train(&ds, &base_cfg, identity, false)
         .map_err(|e| format!("fp32 baseline: {e}"))?;
     bar.inc(1);
     let mut rows = Vec::with_capacity(runs);
     for spec in specs {
         for ef in [false, true] {
             bar.set_message(format!("{spec}{}", if ef { " + EF" } else { "" }));
-            let row = match gradpack::train::train(ds, cfg, *spec, ef) {
+            let row = match gradpack::train::train(&ds, &cfg, *spec, ef) {
                 Ok(r) => TrainRow::Done(r),
                 Err(e @ (gradpack::Error::Param { .. } | gradpack::Error::Collective(_))) => {
                     TrainRow::Refused {
@@ -170,18 +173,23 @@ fn run_all(
                 "powersgd:rank={rank}{}",
                 if ef { " + EF" } else { "" }
             ));
-            let cfg = TrainConfig {
+            let ps_cfg = TrainConfig {
                 powersgd: Some(p),
                 ..cfg.clone()
             };
-            let r = gradpack::train::train(ds, &cfg, identity, ef)
+            let r = gradpack::train::train(&ds, &ps_cfg, identity, ef)
                 .map_err(|e| format!("powersgd:rank={rank}: {e}"))?;
             rows.push((ef, TrainRow::Done(r)));
             bar.inc(1);
         }
     }
     bar.finish_and_clear();
-    Ok((base, rows))
+    Ok(Runs {
+        ds,
+        cfg,
+        base,
+        rows,
+    })
 }
 
 /// A run's last test loss, accuracy and accuracy against the baseline's, as the table
@@ -201,197 +209,199 @@ fn fmt_run(r: &gradpack::train::TrainResult, base: &gradpack::train::TrainResult
     }
 }
 
-/// `--json`: the baseline and every run with its curve.
-fn print_json(
-    ds: &gradpack::train::Dataset,
-    cfg: &gradpack::train::TrainConfig,
-    base: &gradpack::train::TrainResult,
-    rows: &[(bool, TrainRow)],
-) -> Res<()> {
-    use gradpack::train::TrainResult;
-    let model = cfg.model;
-    let curve = |r: &TrainResult| {
-        r.curve
-            .iter()
-            .map(|p| {
-                serde_json::json!({
-                    "epoch": p.epoch, "train_loss": p.train_loss,
-                    "test_loss": p.test_loss, "test_accuracy": p.test_accuracy,
-                })
-            })
-            .collect::<Vec<_>>()
-    };
-    let run = |r: &TrainResult| {
-        serde_json::json!({
-            "codec": r.method(), "strategy": r.strategy.name(),
-            "feedback": r.feedback, "bytes_per_worker": r.bytes_per_worker,
-            "steps": r.steps, "curve": curve(r),
-        })
-    };
-    let runs: Vec<serde_json::Value> = rows
-        .iter()
-        .map(|(ef, row)| match row {
-            TrainRow::Done(r) => run(r),
-            TrainRow::Refused { codec, reason } => serde_json::json!({
-                "codec": codec.to_string(), "feedback": ef, "refused": reason,
-            }),
-        })
-        .collect();
-    let doc = serde_json::json!({
-        "model": model.name(), "parameters": model.params(ds.features, ds.classes),
-        "workers": cfg.workers, "epochs": cfg.epochs, "batch": cfg.batch, "lr": cfg.lr,
-        "seed": cfg.seed, "baseline": run(base), "runs": runs,
-    });
-    outln!(
-        "{}",
-        serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?
-    );
-    Ok(())
-}
-
-/// The table: the baseline, then every run, refusals noted below it.
-fn print_table(
-    ds: &gradpack::train::Dataset,
-    cfg: &gradpack::train::TrainConfig,
-    base: &gradpack::train::TrainResult,
-    rows: &[(bool, TrainRow)],
-) -> Res<()> {
-    let (model, strategy) = (cfg.model, cfg.strategy);
-    outln!(
-        "gradpack train: {} ({} parameters), {} workers x {} samples per step, {} epochs ({} steps), lr {}, seed {}, {} strategy",
-        model.name(),
-        model.params(ds.features, ds.classes),
-        cfg.workers,
-        cfg.batch,
-        cfg.epochs,
-        base.steps,
-        cfg.lr,
-        cfg.seed,
-        strategy.name()
-    );
-    // The codec column fits the longest spec.
-    let w = rows
-        .iter()
-        .map(|(_, r)| match r {
-            TrainRow::Done(r) => r.method().len(),
-            TrainRow::Refused { codec, .. } => codec.to_string().len(),
-        })
-        .max()
-        .unwrap_or(0)
-        .max(30);
-    outln!(
-        "\n{:<w$} {:>3} {:>9} {:>9} {:>8} {:>13} {:>8}",
-        "codec",
-        "EF",
-        "test loss",
-        "accuracy",
-        "vs fp32",
-        "bytes/worker",
-        "vs fp32"
-    );
-    outln!(
-        "{:<w$} {:>3} {} {:>13} {:>8.3}",
-        "fp32 (ring of identity frames)",
-        "-",
-        fmt_run(base, base),
-        base.bytes_per_worker,
-        1.0
-    );
-    let mut notes: Vec<&str> = Vec::new();
-    for (ef, row) in rows {
-        let ef_s = if *ef { "yes" } else { "no" };
-        match row {
-            TrainRow::Done(r) => outln!(
-                "{:<w$} {:>3} {} {:>13} {:>8.3}",
-                r.method(),
-                ef_s,
-                fmt_run(r, base),
-                r.bytes_per_worker,
-                r.bytes_per_worker as f64 / base.bytes_per_worker as f64
-            ),
-            TrainRow::Refused { codec, reason } => {
-                let k = match notes.iter().position(|n| n == reason) {
-                    Some(k) => k,
-                    None => {
-                        notes.push(reason);
-                        notes.len() - 1
-                    }
-                };
-                outln!("{:<w$} {:>3} refused [{}]", codec.to_string(), ef_s, k + 1)
-            }
-        }
-    }
-    for (k, n) in notes.iter().enumerate() {
-        outln!("[{}] {n}", k + 1);
-    }
-    outln!(
-        "\nvs fp32: test accuracy difference in percentage points; bytes: what each worker sent\n\
-         (all-gather sends p-1 frames per step, the fp32 ring 2(p-1)/p of the gradient)."
-    );
-    Ok(())
-}
-
-/// `--plot`: the test-loss curves, a panel per codec family.
-fn plot_curves(
-    path: &std::path::Path,
-    cfg: &gradpack::train::TrainConfig,
-    base: &gradpack::train::TrainResult,
-    rows: &[(bool, TrainRow)],
-) -> Res<()> {
-    let model = cfg.model;
-    let curve = |c: &[gradpack::train::EpochPoint]| -> Vec<(f64, f64)> {
-        c.iter()
-            .filter(|p| p.test_loss.is_finite())
-            .map(|p| (p.epoch as f64, p.test_loss))
-            .collect()
-    };
-    // One panel per family; a codec and its error-feedback run share a colour.
-    let mut variants: Vec<String> = Vec::new();
-    let mut series = Vec::new();
-    for (ef, row) in rows {
-        if let TrainRow::Done(r) = row {
-            let spec = r.method();
-            let fam = plot::family(&spec);
-            if !variants.contains(&spec) {
-                variants.push(spec.clone());
-            }
-            // Its place among its family's codecs picks its colour.
-            let variant = variants
+impl Runs {
+    /// `--json`: the baseline and every run with its curve.
+    fn json(&self) -> Res<()> {
+        use gradpack::train::TrainResult;
+        let Runs {
+            ds,
+            cfg,
+            base,
+            rows,
+        } = self;
+        let model = cfg.model;
+        let curve = |r: &TrainResult| {
+            r.curve
                 .iter()
-                .filter(|w| plot::family(w) == fam)
-                .position(|w| *w == spec)
-                .unwrap_or(0);
-            let s = plot::Series {
-                name: format!("{spec}{}", if *ef { " + EF" } else { "" }),
-                pts: curve(&r.curve),
-                dashed: *ef,
-                variant,
-            };
-            series.push((spec, s));
-        }
+                .map(|p| {
+                    serde_json::json!({
+                        "epoch": p.epoch, "train_loss": p.train_loss,
+                        "test_loss": p.test_loss, "test_accuracy": p.test_accuracy,
+                    })
+                })
+                .collect::<Vec<_>>()
+        };
+        let run = |r: &TrainResult| {
+            serde_json::json!({
+                "codec": r.method(), "strategy": r.strategy.name(),
+                "feedback": r.feedback, "bytes_per_worker": r.bytes_per_worker,
+                "steps": r.steps, "curve": curve(r),
+            })
+        };
+        let runs: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|(ef, row)| match row {
+                TrainRow::Done(r) => run(r),
+                TrainRow::Refused { codec, reason } => serde_json::json!({
+                    "codec": codec.to_string(), "feedback": ef, "refused": reason,
+                }),
+            })
+            .collect();
+        let doc = serde_json::json!({
+            "model": model.name(), "parameters": model.params(ds.features, ds.classes),
+            "workers": cfg.workers, "epochs": cfg.epochs, "batch": cfg.batch, "lr": cfg.lr,
+            "seed": cfg.seed, "baseline": run(base), "runs": runs,
+        });
+        outln!(
+            "{}",
+            serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?
+        );
+        Ok(())
     }
-    let reference = plot::Series {
-        name: "fp32".into(),
-        pts: curve(&base.curve),
-        dashed: false,
-        variant: usize::MAX,
-    };
-    plot::small_multiples(
-        path,
-        &format!(
-            "test loss of the {} on the synthetic task, {} workers (dashed: with error feedback)",
+
+    /// The table: the baseline, then every run, refusals noted below it.
+    fn table(&self) -> Res<()> {
+        let Runs {
+            ds,
+            cfg,
+            base,
+            rows,
+        } = self;
+        let (model, strategy) = (cfg.model, cfg.strategy);
+        outln!(
+            "gradpack train: {} ({} parameters), {} workers x {} samples per step, {} epochs ({} steps), lr {}, seed {}, {} strategy",
             model.name(),
-            cfg.workers
-        ),
-        &plot::by_family(series),
-        &reference,
-        &plot::Axes {
-            x: (1.0, cfg.epochs.max(2) as f64),
-            x_log: false,
-            x_label: "epoch".into(),
-            y_label: "test loss".into(),
-            mark_x: None,
-        },
-    )?;
-    Ok(())
+            model.params(ds.features, ds.classes),
+            cfg.workers,
+            cfg.batch,
+            cfg.epochs,
+            base.steps,
+            cfg.lr,
+            cfg.seed,
+            strategy.name()
+        );
+        // The codec column fits the longest spec.
+        let w = rows
+            .iter()
+            .map(|(_, r)| match r {
+                TrainRow::Done(r) => r.method().len(),
+                TrainRow::Refused { codec, .. } => codec.to_string().len(),
+            })
+            .max()
+            .unwrap_or(0)
+            .max(30);
+        outln!(
+            "\n{:<w$} {:>3} {:>9} {:>9} {:>8} {:>13} {:>8}",
+            "codec",
+            "EF",
+            "test loss",
+            "accuracy",
+            "vs fp32",
+            "bytes/worker",
+            "vs fp32"
+        );
+        outln!(
+            "{:<w$} {:>3} {} {:>13} {:>8.3}",
+            "fp32 (ring of identity frames)",
+            "-",
+            fmt_run(base, base),
+            base.bytes_per_worker,
+            1.0
+        );
+        let mut notes: Vec<&str> = Vec::new();
+        for (ef, row) in rows {
+            let ef_s = if *ef { "yes" } else { "no" };
+            match row {
+                TrainRow::Done(r) => outln!(
+                    "{:<w$} {:>3} {} {:>13} {:>8.3}",
+                    r.method(),
+                    ef_s,
+                    fmt_run(r, base),
+                    r.bytes_per_worker,
+                    r.bytes_per_worker as f64 / base.bytes_per_worker as f64
+                ),
+                TrainRow::Refused { codec, reason } => {
+                    let k = match notes.iter().position(|n| n == reason) {
+                        Some(k) => k,
+                        None => {
+                            notes.push(reason);
+                            notes.len() - 1
+                        }
+                    };
+                    outln!("{:<w$} {:>3} refused [{}]", codec.to_string(), ef_s, k + 1)
+                }
+            }
+        }
+        for (k, n) in notes.iter().enumerate() {
+            outln!("[{}] {n}", k + 1);
+        }
+        outln!(
+            "\nvs fp32: test accuracy difference in percentage points; bytes: what each worker sent\n\
+         (all-gather sends p-1 frames per step, the fp32 ring 2(p-1)/p of the gradient)."
+        );
+        Ok(())
+    }
+
+    /// `--plot`: the test-loss curves, a panel per codec family.
+    fn plot(&self, path: &std::path::Path) -> Res<()> {
+        let Runs {
+            cfg, base, rows, ..
+        } = self;
+        let model = cfg.model;
+        let curve = |c: &[gradpack::train::EpochPoint]| -> Vec<(f64, f64)> {
+            c.iter()
+                .filter(|p| p.test_loss.is_finite())
+                .map(|p| (p.epoch as f64, p.test_loss))
+                .collect()
+        };
+        // One panel per family; a codec and its error-feedback run share a colour.
+        let mut variants: Vec<String> = Vec::new();
+        let mut series = Vec::new();
+        for (ef, row) in rows {
+            if let TrainRow::Done(r) = row {
+                let spec = r.method();
+                let fam = plot::family(&spec);
+                if !variants.contains(&spec) {
+                    variants.push(spec.clone());
+                }
+                // Its place among its family's codecs picks its colour.
+                let variant = variants
+                    .iter()
+                    .filter(|w| plot::family(w) == fam)
+                    .position(|w| *w == spec)
+                    .unwrap_or(0);
+                let s = plot::Series {
+                    name: format!("{spec}{}", if *ef { " + EF" } else { "" }),
+                    pts: curve(&r.curve),
+                    dashed: *ef,
+                    variant,
+                };
+                series.push((spec, s));
+            }
+        }
+        let reference = plot::Series {
+            name: "fp32".into(),
+            pts: curve(&base.curve),
+            dashed: false,
+            variant: usize::MAX,
+        };
+        plot::small_multiples(
+            path,
+            &format!(
+                "test loss of the {} on the synthetic task, {} workers (dashed: with error feedback)",
+                model.name(),
+                cfg.workers
+            ),
+            &plot::by_family(series),
+            &reference,
+            &plot::Axes {
+                x: (1.0, cfg.epochs.max(2) as f64),
+                x_log: false,
+                x_label: "epoch".into(),
+                y_label: "test loss".into(),
+                mark_x: None,
+            },
+        )?;
+        Ok(())
+    }
 }
