@@ -110,7 +110,49 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
 }
 
 
+# Workers start from a fork server that has imported torch, gradpack, scikit-learn's
+# loader and these modules once. A fresh interpreter per rank (the "spawn" start) imports
+# them again: about 7 s of CPU per rank here (torch 3, the loader 2, and the ~900 modules
+# DDP's first constructor imports through torch._dynamo 3), which was most of a short
+# test's time. The server runs no torch operation before it forks (no thread pool to
+# inherit).
+PRELOAD = ["ddp_digits", "diloco_digits", "gradpack.torch", "torch._dynamo", "sklearn.datasets"]
+
+
+def start_method() -> str:
+    """The workers' start method: ``forkserver`` with :data:`PRELOAD` (Linux and macOS),
+    else ``spawn``."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    return "forkserver"
+
+
+def spawn(fn, args, world: int) -> None:
+    """``fn(rank, *args)`` on ``world`` worker processes, joined; a worker's failure raises."""
+    mp.start_processes(fn, args=args, nprocs=world, join=True, start_method=start_method())
+
+
+def context():
+    """A process context of :func:`start_method`, for workers joined one by one."""
+    return mp.get_context(start_method())
+
+
+_DIGITS = None
+
+
 def data():
+    """The digits as training and test tensors, loaded once per process (the fork server's
+    copy is every worker's)."""
+    global _DIGITS
+    if _DIGITS is None:
+        _DIGITS = _load_digits()
+    return _DIGITS
+
+
+def _load_digits():
     from sklearn.datasets import load_digits
 
     d = load_digits()
@@ -403,7 +445,7 @@ def model_topk_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def run_model_topk(world: int) -> List[Dict[str, Any]]:
     """:func:`model_topk_worker` on ``world`` processes: each rank's result."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(model_topk_worker, args=(world, free_port(), d), nprocs=world, join=True)
+        spawn(model_topk_worker, (world, free_port(), d), world)
         return [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(world)]
 
 
@@ -460,14 +502,14 @@ def mismatch_worker(rank: int, world: int, port: int, option: str, out_dir: str)
 def run_mismatch(world: int, option: str) -> List[Dict[str, Any]]:
     """:func:`mismatch_worker` on ``world`` processes: each rank's result."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(mismatch_worker, args=(world, free_port(), option, d), nprocs=world, join=True)
+        spawn(mismatch_worker, (world, free_port(), option, d), world)
         return [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(world)]
 
 
 def run_killed(world: int, cfg: str, timeout: float = 120) -> List[Dict[str, Any]]:
     """:func:`killed_worker` on ``world`` processes; the survivors' results (a survivor
     that never finishes is reported as hung)."""
-    ctx = mp.get_context("spawn")
+    ctx = context()
     with tempfile.TemporaryDirectory() as d:
         port = free_port()
         procs = [ctx.Process(target=killed_worker, args=(r, world, port, cfg, d)) for r in range(world)]
@@ -501,7 +543,7 @@ def run(world: int, configs: List[str], seeds: List[int], steps: int, resume: st
     with tempfile.TemporaryDirectory() as d:
         plan = {"configs": configs, "seeds": seeds, "steps": steps, "resume": resume,
                 "device": device, "backend": backend}
-        mp.spawn(worker, args=(world, free_port(), plan, d), nprocs=world, join=True)
+        spawn(worker, (world, free_port(), plan, d), world)
         return [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(world)]
 
 

@@ -20,7 +20,6 @@ from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ddp_digits  # noqa: E402
@@ -157,7 +156,7 @@ def killed_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 def run_killed(world: int, timeout: float = 120) -> List[Dict[str, Any]]:
     """:func:`killed_worker` on ``world`` processes; the survivors' results."""
-    ctx = mp.get_context("spawn")
+    ctx = ddp_digits.context()
     with tempfile.TemporaryDirectory() as d:
         port = ddp_digits.free_port()
         procs = [ctx.Process(target=killed_worker, args=(r, world, port, d)) for r in range(world)]
@@ -179,7 +178,7 @@ def run(world: int, configs: List[str], steps: int, sync_every: int = 10,
         resume: str = "") -> List[List[Dict[str, Any]]]:
     with tempfile.TemporaryDirectory() as d:
         plan = {"configs": configs, "steps": steps, "sync_every": sync_every, "resume": resume}
-        mp.spawn(worker, args=(world, ddp_digits.free_port(), plan, d), nprocs=world, join=True)
+        ddp_digits.spawn(worker, (world, ddp_digits.free_port(), plan, d), world)
         return [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(world)]
 
 

@@ -15,7 +15,7 @@ import gradpack
 torch = pytest.importorskip("torch")
 
 HEADER = 56
-CHUNK = 1 << 26  # 64 Mi patterns per step: 64 steps
+CHUNK = 1 << 22  # 4 Mi patterns per step: 1024 steps
 
 
 def codes(spec, x):
@@ -31,26 +31,32 @@ def test_every_f32_converts_as_pytorch_does(fmt, dtype):
     spec = f"fp8:format={fmt},scale=none"
     nan_code = 0x7F if fmt == "e4m3" else None
     saturated = 0
+    # One pass makes each chunk's patterns, one compares the codes; only the few that
+    # differ (NaNs, and E4M3's infinities) are looked at further.
+    base = np.arange(CHUNK, dtype=np.uint32)
     for start in range(0, 1 << 32, CHUNK):
-        bits = np.arange(start, start + CHUNK, dtype=np.uint64).astype(np.uint32)
-        x = bits.view(np.float32)
+        x = (base + np.uint32(start)).view(np.float32)
         ours = codes(spec, x)
         theirs = torch.from_numpy(x).to(tdtype).view(torch.uint8).numpy()
+        at = np.flatnonzero(ours != theirs)
+        if at.size == 0:
+            continue
+        xs, o, t = x[at], ours[at], theirs[at]
         # NaN: any NaN code on both sides (payloads and signs of NaN differ by library).
         if fmt == "e4m3":
-            our_nan = (ours & 0x7F) == nan_code
-            their_nan = (theirs & 0x7F) == nan_code
+            our_nan = (o & 0x7F) == nan_code
+            their_nan = (t & 0x7F) == nan_code
         else:
-            our_nan = ((ours & 0x7C) == 0x7C) & ((ours & 0x03) != 0)
-            their_nan = ((theirs & 0x7C) == 0x7C) & ((theirs & 0x03) != 0)
-        differ = (ours != theirs) & ~(our_nan & their_nan)
+            our_nan = ((o & 0x7C) == 0x7C) & ((o & 0x03) != 0)
+            their_nan = ((t & 0x7C) == 0x7C) & ((t & 0x03) != 0)
+        differ = ~(our_nan & their_nan)
         if fmt == "e4m3":
             # Where they differ: ±Inf, which PyTorch saturates and gradpack makes NaN.
-            assert np.all(np.isinf(x[differ])), x[differ][:8]
-            assert np.all((theirs[differ] & 0x7F) == 0x7E)
+            assert np.all(np.isinf(xs[differ])), xs[differ][:8]
+            assert np.all((t[differ] & 0x7F) == 0x7E)
             assert np.all(our_nan[differ])
             saturated += int(differ.sum())
         else:
-            assert not differ.any(), (x[differ][:8], ours[differ][:8], theirs[differ][:8])
+            assert not differ.any(), (xs[differ][:8], o[differ][:8], t[differ][:8])
     if fmt == "e4m3":
         assert saturated == 2, "exactly +Inf and -Inf differ"
