@@ -613,6 +613,11 @@ impl Args {
             })
     }
 
+    /// Whether `key` is given (without using it).
+    pub(crate) fn has(&self, key: &str) -> bool {
+        self.pairs.iter().any(|(k, _, _)| k == key)
+    }
+
     /// An unsigned integer in `range`, or `default`.
     pub(crate) fn uint(
         &mut self,

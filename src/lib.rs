@@ -124,7 +124,7 @@ pub use codec::{Checksummed, Codec, CodecId, CodecSpec, EncodeCtx, decode_limit}
 pub use codecs::{
     Bf16, ChunkTopK, Codebook, Dct, DctTransform, DctValues, Fp4, Fp4Format, Fp4Scale, Fp8,
     Fp8Format, Fp8Scale, Fp16, Identity, IndexCoding, Int8, Natural, Qsgd, RandK, RandKScale,
-    RandKSelect, Rounding, Selection, Sign, Ternary, TopK, TopKSelect, ValueType,
+    RandKSelect, Rounding, ScaleRule, Selection, Sign, Ternary, TopK, TopKSelect, ValueType,
 };
 pub use error::{Error, Result};
 pub use feedback::{ErrorFeedback, FeedbackOptions, Residual, ResidualPrecision};

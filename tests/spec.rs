@@ -290,3 +290,137 @@ fn unbiased_matches_the_codec_table_of_the_readme() {
     }
     assert!(rows >= 16, "{rows} rows read");
 }
+
+/// `scale_rule=ocp` (fp8 and fp4 with E8M0 scales): parsed, printed only where it is not
+/// the default, refused with other scales, recorded in the header (a decoded frame names
+/// it), and a header byte that is neither rule is refused.
+#[test]
+fn the_e8m0_scale_rule_parses_prints_and_travels_in_the_header() {
+    for (spec, canonical) in [
+        (
+            "fp8:scale=e8m0,scale_rule=ocp",
+            "fp8:format=e4m3,block=128,scale=e8m0,rounding=nearest,scale_rule=ocp",
+        ),
+        (
+            "fp8:scale=e8m0,scale_rule=rceil",
+            "fp8:format=e4m3,block=128,scale=e8m0,rounding=nearest",
+        ),
+        (
+            "fp4:scale_rule=ocp,format=e3m0",
+            "fp4:format=e3m0,block=32,scale=e8m0,rounding=nearest,scale_rule=ocp",
+        ),
+    ] {
+        let c: CodecSpec = spec.parse().unwrap();
+        assert_eq!(c.to_string(), canonical);
+        let x: Vec<f32> = (0..300).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let frame = c.encode(&x, &gradpack::EncodeCtx::new(0)).unwrap();
+        let h = gradpack::Header::parse(&frame).unwrap();
+        assert_eq!(CodecSpec::from_header(&h).unwrap().to_string(), canonical);
+    }
+    for bad in [
+        "fp8:scale_rule=ocp",
+        "fp8:scale=none,scale_rule=ocp",
+        "fp4:scale=f32,scale_rule=ocp",
+        "fp4:scale=e4m3,scale_rule=rceil",
+    ] {
+        let e = bad.parse::<CodecSpec>().unwrap_err().to_string();
+        assert!(
+            e.contains("scale_rule applies to scale=e8m0 only"),
+            "{bad}: {e}"
+        );
+    }
+    let e = "fp8:scale=e8m0,scale_rule=floor"
+        .parse::<CodecSpec>()
+        .unwrap_err();
+    assert!(e.to_string().contains("rceil, ocp"), "{e}");
+    // The rule's byte is params[11]: 2 is no rule, and 1 (ocp) is refused with an f32
+    // scale.
+    for (spec, byte) in [("fp8:scale=e8m0", 2u8), ("fp8", 1), ("fp4:scale=f32", 1)] {
+        let c: CodecSpec = spec.parse().unwrap();
+        let mut frame = c
+            .encode(&[1.0, -2.0, 0.5, 3.0], &gradpack::EncodeCtx::new(0))
+            .unwrap();
+        let mut h = gradpack::Header::parse(&frame).unwrap();
+        assert_eq!(h.params[11], 0, "{spec}");
+        h.params[11] = byte;
+        h.write(&mut frame);
+        let e = gradpack::decode_to_vec(&frame).unwrap_err().to_string();
+        assert!(e.contains("scale_rule"), "{spec} with {byte}: {e}");
+    }
+}
+
+/// fp8 with `scale_rule=ocp` is, element by element, the OCP MX 1.0 definition: the
+/// block's scale byte is `floor(log2 m) - emax + 127` (at least 0), and each element
+/// decodes to the nearest fp8 value of its quotient clamped to `±FMAX` (the crate's
+/// unscaled conversion, PyTorch's cast), times the scale. Where the block's largest
+/// mantissa exceeds FMAX's, the byte is one below the default rule's, else equal.
+#[test]
+fn fp8_with_the_ocp_rule_is_the_ocp_definition() {
+    for (fmt, fmax, emax) in [("e4m3", 448.0f32, 8), ("e5m2", 57344.0, 15)] {
+        let ocp: CodecSpec = format!("fp8:format={fmt},block=32,scale=e8m0,scale_rule=ocp")
+            .parse()
+            .unwrap();
+        let rceil: CodecSpec = format!("fp8:format={fmt},block=32,scale=e8m0")
+            .parse()
+            .unwrap();
+        let none: CodecSpec = format!("fp8:format={fmt},scale=none").parse().unwrap();
+        // Blocks at every scale, from subnormal to near f32's largest, whose largest
+        // element's mantissa falls on either side of FMAX's.
+        let mut x = Vec::new();
+        for b in 0..2000u32 {
+            let e = (b % 250) as i32 - 140;
+            for i in 0..32u32 {
+                let h = gradpack::rng::lowbias32(b * 32 + i);
+                // 2^e in two exact factors: powi(e) alone underflows to 0 past 2^-126.
+                // In two blocks of three, mantissas below 1/4 or 1/8: blocks whose
+                // largest mantissa is below FMAX's.
+                let v = f32::from_bits(0x3F80_0000 | (h >> (9 + b % 3 + (b % 3).min(1))))
+                    * 2f32.powi(e / 2)
+                    * 2f32.powi(e - e / 2);
+                x.push(if h & 1 == 0 { v } else { -v });
+            }
+        }
+        let ctx = gradpack::EncodeCtx::new(0);
+        let (f_ocp, f_rceil) = (
+            ocp.encode(&x, &ctx).unwrap(),
+            rceil.encode(&x, &ctx).unwrap(),
+        );
+        let nb = x.len() / 32;
+        let h = gradpack::HEADER_LEN;
+        let back = gradpack::decode_to_vec(&f_ocp).unwrap();
+        let (mut below, mut equal) = (0, 0);
+        for (b, xb) in x.chunks(32).enumerate() {
+            let m = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let k = (m.log2().floor() as i32 - emax).max(-127);
+            assert_eq!(
+                f_ocp[h + b] as i32,
+                k + 127,
+                "{fmt} block {b}: absmax {m:e}"
+            );
+            let larger = (m.to_bits() & 0x7F_FFFF) > (fmax.to_bits() & 0x7F_FFFF);
+            let r = f_rceil[h + b] as i32;
+            if larger && k > -127 {
+                assert_eq!(r, k + 128, "{fmt} block {b}");
+                below += 1;
+            } else if k > -127 {
+                assert_eq!(r, k + 127, "{fmt} block {b}");
+                equal += 1;
+            }
+            let s = 2f32.powi(k / 2) * 2f32.powi(k - k / 2);
+            let q: Vec<f32> = xb.iter().map(|v| (v / s).clamp(-fmax, fmax)).collect();
+            let want = gradpack::decode_to_vec(&none.encode(&q, &ctx).unwrap()).unwrap();
+            for i in 0..32 {
+                assert_eq!(
+                    back[b * 32 + i].to_bits(),
+                    (want[i] * s).to_bits(),
+                    "{fmt} block {b} element {i}: {:e}",
+                    xb[i]
+                );
+            }
+        }
+        assert!(
+            below > nb / 10 && equal > nb / 10,
+            "{fmt}: {below} {equal} of {nb}"
+        );
+    }
+}

@@ -158,9 +158,13 @@ def decode(frame):
     if trailer and zlib.crc32(p) != struct.unpack_from("<I", frame, 56 + plen)[0]:
         raise Reject("payload crc")
 
-    def zero_from(k):
-        if any(params[k:]):
+    def zero_from(k, to=12):
+        if any(params[k:to]):
             raise Reject("unused params")
+
+    def scale_rule(e8m0):  # byte 11 (3.12, 3.13): 0 rceil, 1 ocp with an E8M0 scale
+        if params[11] not in ((0, 1) if e8m0 else (0,)):
+            raise Reject("scale_rule")
 
     def want_len(L):
         if plen != L:
@@ -259,7 +263,8 @@ def decode(frame):
             raise Reject("fp8 params")
         if scale == 2 and b != 1:
             raise Reject("block")
-        zero_from(7)
+        zero_from(7, 11)
+        scale_rule(scale == 1)
         if rnd == 0 and seed:
             raise Reject("seed")
         nb = -(-n // b)
@@ -315,9 +320,9 @@ def decode(frame):
             gf = bits_f32(g)
             if is_nan(g) or gf < 2.0 ** -126 or math.isinf(bits_f32(f32_bits(448.0 * gf))):
                 raise Reject("fp4 frame scale")
-            zero_from(11)
         else:
-            zero_from(7)
+            zero_from(7, 11)
+        scale_rule(scale == 0)
         if rnd == 0 and seed:
             raise Reject("seed")
         nb = -(-n // b)

@@ -10,8 +10,10 @@
   smallest 2^k with absmax <= FMAX * 2^k, which never clips a block's largest element),
   but in blocks whose scale is the subnormal 2^-127: there torchao flushes every element
   to zero and gradpack keeps them.
-  Under the OCP MX 1.0 rule (torchao's default ``FLOOR``) gradpack's scale byte is one
-  higher exactly in the blocks whose largest mantissa exceeds FMAX's.
+  Under the OCP MX 1.0 rule (torchao's default ``FLOOR``) gradpack's default scale byte
+  is one higher exactly in the blocks whose largest mantissa exceeds FMAX's; with
+  ``scale_rule=ocp`` gradpack follows that rule, and its scale bytes and codes equal
+  torchao's ``FLOOR`` ones (the same exception).
 - PyTorch's float8 casts: python/tests/test_fp8_torch.py, on all 2^32 f32 inputs.
 
 ml_dtypes and torchao are test extras (``pip install ml_dtypes torchao``); where one is
@@ -155,3 +157,35 @@ def test_mx_blocks_are_torchao_rceil_and_one_above_its_floor_where_the_mantissa_
     assert np.array_equal(ours_s[normal & larger], floor[normal & larger] + 1)
     assert np.array_equal(ours_s[normal & ~larger], floor[normal & ~larger])
     assert 0.1 < larger[normal].mean() < 0.5  # both kinds of block were exercised
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
+def test_mx_blocks_with_scale_rule_ocp_are_torchao_floor(fmt):
+    # scale_rule=ocp: the OCP MX 1.0 rule, torchao's default FLOOR; scale bytes and codes
+    # equal torchao's (whose largest quotients are clamped to FMAX too), but in blocks
+    # whose scale is the subnormal 2^-127, where torchao flushes the elements to zero.
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    _, _, fmax, spec = FMT[fmt]
+    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
+             "e2m1": getattr(torch, "float4_e2m1fn_x2", None)}[fmt]
+    if dtype is None:
+        pytest.skip("this torch has no float4_e2m1fn_x2")
+    x = gradients(4096)
+    p = payload(x, spec + ",block=32,scale=e8m0,scale_rule=ocp")
+    nb = len(x) // 32
+    ours_s, ours_c = p[:nb], p[nb:]
+    s, d = to_mx(torch.from_numpy(x), dtype, 32, scaling_mode=ScaleCalculationMode.FLOOR)
+    theirs_s = s.view(torch.uint8).numpy().reshape(-1)
+    assert np.array_equal(ours_s, theirs_s), np.nonzero(ours_s != theirs_s)[0][:8]
+    per = len(ours_c) // nb
+    ours_c, theirs_c = ours_c.reshape(nb, per), d.view(torch.uint8).numpy().reshape(nb, per)
+    sub = ours_s == 0
+    assert np.array_equal(ours_c[~sub], theirs_c[~sub])
+    # The clamp was exercised: blocks whose largest element is clipped to FMAX.
+    absmax = np.abs(x).reshape(-1, 32).max(axis=1)
+    clipped = (mantissa(absmax) > mantissa(fmax)) & ~sub & (absmax > 0)
+    assert 0.1 < clipped.mean() < 0.5

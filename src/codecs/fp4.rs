@@ -4,7 +4,8 @@
 //! Spec: `fp4:format=e2m1|e3m0,block=B,scale=e8m0|f32|e4m3,rounding=nearest|stochastic`
 //! (defaults `e2m1`, 32, `e8m0`, `nearest`: OCP MXFP4's layout of blocks of 32 with a
 //! power-of-two scale; with `scale=e4m3` the default block is 16, NVIDIA's NVFP4
-//! layout). `B` is even, so that every block is whole bytes of codes.
+//! layout). `B` is even, so that every block is whole bytes of codes. With `scale=e8m0`,
+//! `scale_rule=rceil|ocp` (default `rceil`) chooses the power of two, as in `fp8`.
 //!
 //! Values: E2M1 (1 mantissa bit, bias 1) holds 0, 0.5, 1, 1.5, 2, 3, 4 and 6 with a sign;
 //! E3M0 (bias 3) holds 0 and the powers of two 2^-2 to 2^4 with a sign (Streaming
@@ -14,8 +15,12 @@
 //! (6 or 16), each element `x` becomes the code of `clamp(x / s, -FMAX, FMAX)` with the
 //! block's scale `s`:
 //! - `scale=e8m0`: `s = 2^k`, the smallest power of two (`k` in -127..=127) with
-//!   `m / s <= FMAX`, one byte `k + 127`. (MX's own rule, `2^(floor(log2 m) - 2)`, clips
-//!   the block's largest values up to 25%; this one never clips.)
+//!   `m / s <= FMAX`, one byte `k + 127` (NVIDIA's rule, torchao's `RCEIL`: it never
+//!   clips). With `scale_rule=ocp`, the OCP MX 1.0 rule (torchao's default, `FLOOR`):
+//!   `k = max(floor(log2 m) - emax, -127)` (`emax` 2 for E2M1, 4 for E3M0), which clips
+//!   the block's largest values to FMAX, by up to 25% of `m` for E2M1 and 50% for E3M0
+//!   (that clamp adds to the error bounds below). The header records the rule; frames
+//!   decode alike.
 //! - `scale=f32`: `s = max(m / FMAX, 2^-126)` in f32 (one step down where `FMAX * s`
 //!   would overflow).
 //! - `scale=e4m3` (NVFP4-like): the frame carries an f32 scale `g = max(A / (448 FMAX),
@@ -45,7 +50,7 @@
 use core::fmt;
 
 use super::fixed::{self, FixedRate, Layout, ResidualMut};
-use super::fp8::SmallFloat;
+use super::fp8::{ScaleRule, SmallFloat};
 use super::{
     EncodeCtx, MAX_BLOCK, Scheme, check_block, check_code_padding, expect_payload, read_block,
 };
@@ -132,12 +137,18 @@ pub struct Fp4 {
     /// With [`Fp4Scale::E4m3`], the frame scale's bits: taken from the input when
     /// encoding, read from the header when decoding (0 in a codec made from a spec).
     global: u32,
+    rule: ScaleRule,
 }
 
 impl PartialEq for Fp4 {
     fn eq(&self, o: &Fp4) -> bool {
-        (self.format, self.block, self.scale, self.rounding)
-            == (o.format, o.block, o.scale, o.rounding)
+        (
+            self.format,
+            self.block,
+            self.scale,
+            self.rounding,
+            self.rule,
+        ) == (o.format, o.block, o.scale, o.rounding, o.rule)
     }
 }
 
@@ -151,6 +162,7 @@ impl Default for Fp4 {
             scale: Fp4Scale::E8m0,
             rounding: Rounding::Nearest,
             global: 0,
+            rule: ScaleRule::Rceil,
         }
     }
 }
@@ -178,7 +190,26 @@ impl Fp4 {
             scale,
             rounding,
             global: 0,
+            rule: ScaleRule::Rceil,
         })
+    }
+
+    /// This codec with E8M0 scales chosen by `rule`; an error unless the scale is
+    /// [`Fp4Scale::E8m0`].
+    pub fn with_scale_rule(self, rule: ScaleRule) -> Result<Fp4> {
+        if self.scale != Fp4Scale::E8m0 && rule != ScaleRule::Rceil {
+            return Err(Error::Param {
+                codec: CodecId::Fp4,
+                name: "scale_rule",
+                reason: format!("{}: applies to scale=e8m0 only", rule.name()),
+            });
+        }
+        Ok(Fp4 { rule, ..self })
+    }
+
+    /// How the E8M0 scales are chosen ([`ScaleRule::Rceil`] for other scales).
+    pub fn scale_rule(&self) -> ScaleRule {
+        self.rule
     }
 
     /// The format.
@@ -219,12 +250,14 @@ impl Fp4 {
             ));
         }
         let rounding = Rounding::from_args(a)?;
+        let rule = ScaleRule::from_args(a, scale == Fp4Scale::E8m0)?;
         Ok(Fp4 {
             format,
             block,
             scale,
             rounding,
             global: 0,
+            rule,
         })
     }
 
@@ -239,6 +272,7 @@ impl Fp4 {
                     global: self.global,
                 },
             },
+            ocp: self.rule == ScaleRule::Ocp,
             four: true,
             block: self.block,
             rounding: self.rounding,
@@ -268,11 +302,12 @@ impl fmt::Display for Fp4 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "fp4:format={},block={},scale={},rounding={}",
+            "fp4:format={},block={},scale={},rounding={}{}",
             self.format.name(),
             self.block,
             self.scale.name(),
-            self.rounding.name()
+            self.rounding.name(),
+            self.rule.suffix()
         )
     }
 }
@@ -344,10 +379,10 @@ impl Scheme for Fp4 {
                     ),
                 ));
             }
-            h.params_zero_from(11)?;
         } else {
-            h.params_zero_from(7)?;
+            h.params_zero(7..11)?;
         }
+        let rule = ScaleRule::read(h, scale == Fp4Scale::E8m0)?;
         if rounding == Rounding::Nearest {
             h.seed_zero()?;
         }
@@ -357,13 +392,15 @@ impl Scheme for Fp4 {
             scale,
             rounding,
             global,
+            rule,
         };
         expect_payload(h, c.layout().payload_len(h.elements))?;
         Ok(c)
     }
 
     fn is_unbiased(&self) -> bool {
-        self.rounding == Rounding::Stochastic
+        // The OCP rule's clamp pulls a block's largest elements toward zero.
+        self.rounding == Rounding::Stochastic && self.rule == ScaleRule::Rceil
     }
 }
 

@@ -1,7 +1,8 @@
 //! `fp8`: OCP 8-bit floats (E4M3 or E5M2), one byte per element, with a scale per block.
 //!
 //! Spec: `fp8:format=e4m3|e5m2,block=B,scale=f32|e8m0|none,rounding=nearest|stochastic`
-//! (defaults `e4m3`, 128, `f32`, `nearest`).
+//! (defaults `e4m3`, 128, `f32`, `nearest`), and with `scale=e8m0`,
+//! `scale_rule=rceil|ocp` (default `rceil`).
 //!
 //! For each block of `B` elements with absmax `m`, the elements are divided by the
 //! block's scale `s` and each quotient is converted to the format:
@@ -9,9 +10,13 @@
 //!   `FMAX * s` would overflow), stored as f32, so the block's largest element maps to the
 //!   format's largest finite value `FMAX` (448 for E4M3, 57344 for E5M2);
 //! - `scale=e8m0`: `s = 2^k`, the smallest power of two (`k` in -127..=127) with
-//!   `m / s <= FMAX`, stored as one byte `k + 127` (OCP MX's scale type; MX's own rule,
-//!   `2^(floor(log2 m) - emax)`, would clip the block's largest values, this one never
-//!   does);
+//!   `m / s <= FMAX`, stored as one byte `k + 127` (OCP MX's scale type, with NVIDIA's
+//!   rule, torchao's `RCEIL`: it never clips the block's largest values). With
+//!   `scale_rule=ocp`, the OCP MX 1.0 rule (torchao's default, `FLOOR`):
+//!   `k = max(floor(log2 m) - emax, -127)` (`emax` 8 for E4M3, 15 for E5M2), one lower
+//!   in every block whose largest mantissa exceeds FMAX's, whose largest quotients then
+//!   pass FMAX and are clamped to it. The frames decode alike (the byte is the scale);
+//!   the header records the rule;
 //! - `scale=none`: no scale; each value is converted as it is (`block` is then 1).
 //!
 //! With a scale, each quotient `x / s` (f32 division) is clamped to `±FMAX` (the rounded
@@ -32,7 +37,10 @@
 //!   half the subnormal spacing), plus f32 rounding; at most `2^-(M+1) m (1 + 2^-10)` for
 //!   the f32 scale;
 //! - stochastic: below one spacing, `2^-M |x| + s 2^(1-bias-M)`, and `E[x'] = x` up to
-//!   `2^-24` of a spacing.
+//!   `2^-24` of a spacing;
+//! - with `scale_rule=ocp`, plus the clamp of the block's largest elements: at most
+//!   `(1 - FMAX / 2^(emax+1)) m` (`m / 8` for both formats), and those elements are biased
+//!   toward zero whatever the rounding.
 //!
 //! With an E8M0 scale, a block whose absmax exceeds half of f32's range can round up past
 //! it and decode to ±Inf (the error bound is infinite there); the f32 scale never does.
@@ -125,6 +133,66 @@ impl Fp8Scale {
     }
 }
 
+/// How an E8M0 block scale is chosen (`scale_rule=`; `fp8` and `fp4` with `scale=e8m0`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ScaleRule {
+    /// The smallest power of two that maps the block's absmax within FMAX (NVIDIA's rule,
+    /// torchao's `RCEIL`): no element is clipped.
+    #[default]
+    Rceil,
+    /// The OCP MX 1.0 rule, `2^(floor(log2 absmax) - emax)` (torchao's `FLOOR`): the bytes
+    /// an OCP encoder writes; the block's largest elements can be clipped to FMAX.
+    Ocp,
+}
+
+impl ScaleRule {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            ScaleRule::Rceil => "rceil",
+            ScaleRule::Ocp => "ocp",
+        }
+    }
+
+    /// `scale_rule=` from a spec; given with another scale than E8M0 it is an error.
+    pub(crate) fn from_args(a: &mut Args, e8m0: bool) -> core::result::Result<ScaleRule, String> {
+        let given = a.has("scale_rule");
+        let rule = match a.choice("scale_rule", "rceil", &["rceil", "ocp"])? {
+            "ocp" => ScaleRule::Ocp,
+            _ => ScaleRule::Rceil,
+        };
+        if given && !e8m0 {
+            return Err("scale_rule applies to scale=e8m0 only".into());
+        }
+        Ok(rule)
+    }
+
+    /// The header byte (`params[11]`): 0 `rceil`, 1 `ocp`; another byte, or `ocp` without
+    /// an E8M0 scale, is refused.
+    pub(crate) fn read(h: &Header, e8m0: bool) -> Result<ScaleRule> {
+        match h.params[11] {
+            0 => Ok(ScaleRule::Rceil),
+            1 if e8m0 => Ok(ScaleRule::Ocp),
+            b => Err(Error::BadField {
+                codec: h.codec,
+                field: "params.scale_rule",
+                reason: if b == 1 {
+                    "1 (ocp) without an E8M0 scale".into()
+                } else {
+                    format!("{b} is not 0 (rceil) or 1 (ocp)")
+                },
+            }),
+        }
+    }
+
+    /// `,scale_rule=ocp` where it is not the default, for a spec's text.
+    pub(crate) fn suffix(self) -> &'static str {
+        match self {
+            ScaleRule::Rceil => "",
+            ScaleRule::Ocp => ",scale_rule=ocp",
+        }
+    }
+}
+
 /// OCP 8-bit floats with a per-block scale (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fp8 {
@@ -132,6 +200,7 @@ pub struct Fp8 {
     block: u32,
     scale: Fp8Scale,
     rounding: Rounding,
+    rule: ScaleRule,
 }
 
 impl Default for Fp8 {
@@ -141,6 +210,7 @@ impl Default for Fp8 {
             block: 128,
             scale: Fp8Scale::F32,
             rounding: Rounding::Nearest,
+            rule: ScaleRule::Rceil,
         }
     }
 }
@@ -167,7 +237,26 @@ impl Fp8 {
             block,
             scale,
             rounding,
+            rule: ScaleRule::Rceil,
         })
+    }
+
+    /// This codec with E8M0 scales chosen by `rule`; an error unless the scale is
+    /// [`Fp8Scale::E8m0`].
+    pub fn with_scale_rule(self, rule: ScaleRule) -> Result<Fp8> {
+        if self.scale != Fp8Scale::E8m0 && rule != ScaleRule::Rceil {
+            return Err(Error::Param {
+                codec: CodecId::Fp8,
+                name: "scale_rule",
+                reason: format!("{}: applies to scale=e8m0 only", rule.name()),
+            });
+        }
+        Ok(Fp8 { rule, ..self })
+    }
+
+    /// How the E8M0 scales are chosen ([`ScaleRule::Rceil`] for other scales).
+    pub fn scale_rule(&self) -> ScaleRule {
+        self.rule
     }
 
     /// The format.
@@ -209,11 +298,13 @@ impl Fp8 {
             ));
         }
         let rounding = Rounding::from_args(a)?;
+        let rule = ScaleRule::from_args(a, scale == Fp8Scale::E8m0)?;
         Ok(Fp8 {
             format,
             block,
             scale,
             rounding,
+            rule,
         })
     }
 
@@ -222,6 +313,7 @@ impl Fp8 {
         SmallFloat {
             f: self.format.kernel(),
             scale: self.scale.kernel(),
+            ocp: self.rule == ScaleRule::Ocp,
             four: false,
             block: self.block,
             rounding: self.rounding,
@@ -234,7 +326,10 @@ impl Fp8 {
 #[derive(Clone, Copy)]
 pub(crate) struct SmallFloat {
     pub f: Format,
+    /// The block scale as frames are decoded (E8M0 by either rule).
     pub scale: k8::Scale,
+    /// E8M0 scales chosen by the OCP rule when encoding.
+    pub ocp: bool,
     /// 4-bit codes, two per byte (`fp4`).
     pub four: bool,
     pub block: u32,
@@ -251,6 +346,7 @@ impl SmallFloat {
         let mut p = block_params(self.block, format);
         p[5] = scale;
         p[6] = self.stochastic() as u8;
+        p[11] = self.ocp as u8;
         p
     }
 
@@ -269,7 +365,12 @@ impl SmallFloat {
     pub fn encode(&self, x: &[f32], ctx: &EncodeCtx, scales: &mut [u8], codes: &mut [u8]) -> bool {
         let draws = Draws::new(ctx.seed, STREAM_ROUNDING, ctx.offset);
         let draws = self.stochastic().then_some(&draws);
-        let (f, scale, four, block) = (self.f, self.scale, self.four, self.block as usize);
+        let (f, four, block) = (self.f, self.four, self.block as usize);
+        let scale = if self.ocp {
+            k8::Scale::E8m0Floor
+        } else {
+            self.scale
+        };
         crate::kernels::encode_float(f, scale, four, block, x, draws, ctx.offset, scales, codes)
     }
 
@@ -297,8 +398,11 @@ impl SmallFloat {
             // f32: at most absmax / FMAX rounded up, or 2^-126; E8M0: below 2 absmax /
             // FMAX, or 2^-127.
             k8::Scale::F32 => (absmax / fmax * (1.0 + 2f64.powi(-23))).max(2f64.powi(-126)),
+            // OCP's rule: at most absmax / 2^emax, or 2^-127; never past f32's range.
+            k8::Scale::E8m0 if self.ocp => (absmax / 2f64.powi(f.emax())).max(2f64.powi(-127)),
             k8::Scale::E8m0 if 2.0 * absmax > f64::from(f32::MAX) => return f64::INFINITY,
             k8::Scale::E8m0 => (2.0 * absmax / fmax).max(2f64.powi(-127)),
+            k8::Scale::E8m0Floor => unreachable!("a codec's scale is the decoding one"),
             // E4M3 times the frame scale `g <= max(absmax / (448 FMAX), 2^-126)`: the
             // byte rounds `m / (FMAX g)` up by at most 2^-3 of it, or by 2^-9.
             k8::Scale::E4m3 { .. } => {
@@ -310,8 +414,10 @@ impl SmallFloat {
         // clamp of the block's largest quotient turns into at most FMAX 2^-150.
         // E4M3: the roundings of `g`, `FMAX g` and the quotient can leave `m / (FMAX g)`
         // up to 3 2^-24 above 448, clamped to it.
+        // OCP's rule: the largest quotients, below 2^(emax+1), clamped to FMAX.
         let clamp = match self.scale {
             k8::Scale::E4m3 { .. } => 2f64.powi(-21) * absmax,
+            k8::Scale::E8m0 if self.ocp => (1.0 - fmax / 2f64.powi(f.emax() + 1)) * absmax,
             _ => 0.0,
         };
         (rel * absmax + s * sub + 2f64.powi(-23) * absmax + clamp) * (1.0 + 2f64.powi(-20))
@@ -361,11 +467,12 @@ impl fmt::Display for Fp8 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "fp8:format={},block={},scale={},rounding={}",
+            "fp8:format={},block={},scale={},rounding={}{}",
             self.format.name(),
             self.block,
             self.scale.name(),
-            self.rounding.name()
+            self.rounding.name(),
+            self.rule.suffix()
         )
     }
 }
@@ -415,22 +522,25 @@ impl Scheme for Fp8 {
             ));
         }
         let rounding = Rounding::read(h, 6)?;
-        h.params_zero_from(7)?;
+        h.params_zero(7..11)?;
         if rounding == Rounding::Nearest {
             h.seed_zero()?;
         }
+        let rule = ScaleRule::read(h, scale == Fp8Scale::E8m0)?;
         let c = Fp8 {
             format,
             block,
             scale,
             rounding,
+            rule,
         };
         expect_payload(h, c.layout().payload_len(h.elements))?;
         Ok(c)
     }
 
     fn is_unbiased(&self) -> bool {
-        self.rounding == Rounding::Stochastic
+        // The OCP rule's clamp pulls a block's largest elements toward zero.
+        self.rounding == Rounding::Stochastic && self.rule == ScaleRule::Rceil
     }
 }
 

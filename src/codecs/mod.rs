@@ -29,7 +29,7 @@ pub use chunktopk::ChunkTopK;
 pub use codebook::Codebook;
 pub use dct::{Dct, DctTransform, DctValues};
 pub use fp4::{Fp4, Fp4Format, Fp4Scale};
-pub use fp8::{Fp8, Fp8Format, Fp8Scale};
+pub use fp8::{Fp8, Fp8Format, Fp8Scale, ScaleRule};
 pub use fp16::Fp16;
 pub use identity::Identity;
 pub use int8::{Int8, Rounding};

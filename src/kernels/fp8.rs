@@ -325,6 +325,10 @@ pub enum Scale {
     /// A power-of-two scale per block, one byte `k + 127`: the smallest `2^k`
     /// (`-127 <= k <= 127`) with `m / 2^k <= FMAX`.
     E8m0,
+    /// The same byte by the OCP MX rule, for encoding only (it decodes as [`Scale::E8m0`]):
+    /// `k = max(floor(log2 m) - emax, -127)`, the block's largest quotients clamped to
+    /// `±FMAX` where they pass it.
+    E8m0Floor,
     /// An E4M3 byte per block times a frame-wide f32 scale `g` (its bits, `global`):
     /// the block's byte is the smallest E4M3 value `v` (at least `2^-9`, at most 448)
     /// with `v >= m / (FMAX * g)` (f32 product and quotient), its scale `v * g` (f32
@@ -342,7 +346,7 @@ impl Scale {
     pub const fn bytes(self) -> usize {
         match self {
             Scale::F32 => 4,
-            Scale::E8m0 | Scale::E4m3 { .. } => 1,
+            Scale::E8m0 | Scale::E8m0Floor | Scale::E4m3 { .. } => 1,
             Scale::None => 0,
         }
     }
@@ -383,6 +387,19 @@ pub fn e8m0_exponent(f: Format, m: u32) -> i32 {
     k.max(-127)
 }
 
+/// The E8M0 exponent `k` of a block with absmax bits `m` (positive, finite) by the OCP MX
+/// rule: `max(floor(log2 m) - emax, -127)`. The block's largest elements can then pass
+/// `FMAX` (by less than `2^(emax+1) / FMAX`), and are clamped to it.
+#[inline(always)]
+pub fn e8m0_floor_exponent(f: Format, m: u32) -> i32 {
+    let e = if m >= 1 << 23 {
+        (m >> 23) as i32 - 127
+    } else {
+        -126 - (m.leading_zeros() as i32 - 8)
+    };
+    (e - f.emax()).max(-127)
+}
+
 /// A finite block's scale (written to `sc`) and how its elements' quotients are formed.
 #[derive(Clone, Copy)]
 pub struct Quotient {
@@ -415,6 +432,11 @@ impl Quotient {
                 let v = e4m3_ceil(m / (fmax * g));
                 sc[0] = v;
                 (value_finite(E4M3, v) * g, None)
+            }
+            Scale::E8m0Floor => {
+                let k = e8m0_floor_exponent(f, m.to_bits());
+                sc[0] = (k + 127) as u8;
+                (pow2(k), Some(pow2(-k)))
             }
             _ => {
                 let k = e8m0_exponent(f, m.to_bits());
@@ -697,8 +719,8 @@ fn nearest_block(f: Format, q: Quotient, xb: &[f32], out: &mut [u8]) {
 pub fn scale_of(scale: Scale, sc: &[u8]) -> f32 {
     match scale {
         Scale::F32 => f32::from_le_bytes([sc[0], sc[1], sc[2], sc[3]]),
-        Scale::E8m0 if sc[0] == 0xFF => f32::from_bits(0x7FC0_0000),
-        Scale::E8m0 => pow2(sc[0] as i32 - 127),
+        Scale::E8m0 | Scale::E8m0Floor if sc[0] == 0xFF => f32::from_bits(0x7FC0_0000),
+        Scale::E8m0 | Scale::E8m0Floor => pow2(sc[0] as i32 - 127),
         Scale::E4m3 { .. } if sc[0] & 0x7F == 0x7F => f32::from_bits(0x7FC0_0000),
         Scale::E4m3 { global } => value_finite(E4M3, sc[0]) * f32::from_bits(global),
         Scale::None => 1.0,
@@ -1002,6 +1024,27 @@ mod tests {
                 assert!(
                     k == -127 || !fits(k - 1),
                     "{f:?} {m:e}: k {k} not the smallest"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_ocp_e8m0_rule_is_floor_log2_minus_emax_and_at_most_one_below() {
+        // Every exponent and both sides of FMAX's mantissa: k = floor(log2 m) - emax (at
+        // least -127), equal to the default rule's or one below it exactly where m's
+        // mantissa exceeds FMAX's.
+        let step = if cfg!(miri) { 0x7F_0001 } else { 0x2_0001 };
+        for f in [E4M3, E5M2, E2M1, E3M0] {
+            for bits in (1u32..0x7F80_0000).step_by(step) {
+                let m = f32::from_bits(bits);
+                let want = ((m as f64).log2().floor() as i32 - f.emax()).max(-127);
+                let k = e8m0_floor_exponent(f, bits);
+                assert_eq!(k, want, "{f:?} {m:e}");
+                let r = e8m0_exponent(f, bits);
+                assert!(
+                    r == k || (r == k + 1 && m > f.max() * pow2(k)),
+                    "{f:?} {m:e}"
                 );
             }
         }

@@ -1079,7 +1079,10 @@ pub fn encode_float(
     #[cfg(target_arch = "x86_64")]
     if draws.is_none() {
         let (op, fits, flag) = if four {
-            let fits = scale != fp8::Scale::None && (f == fp8::E2M1 || f == fp8::E3M0);
+            // The OCP rule's E8M0 scales (whose largest quotients are clamped) take the
+            // portable build: the hand-written kernels assume quotients within FMAX.
+            let fits = !matches!(scale, fp8::Scale::None | fp8::Scale::E8m0Floor)
+                && (f == fp8::E2M1 || f == fp8::E3M0);
             (Op::EncodeFp4Nearest, fits, f == fp8::E3M0)
         } else {
             let fits = matches!(scale, fp8::Scale::F32 | fp8::Scale::E8m0)
@@ -1151,7 +1154,7 @@ pub fn encode_float(
 fn stochastic_takes_avx512(kind: BackendKind, four: bool, scale: fp8::Scale, block: usize) -> bool {
     kind == BackendKind::Avx512
         && backend::Cpu::this() == backend::Cpu::Intel
-        && scale != fp8::Scale::None
+        && !matches!(scale, fp8::Scale::None | fp8::Scale::E8m0Floor)
         && block >= if four { 128 } else { 64 }
 }
 

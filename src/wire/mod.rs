@@ -164,14 +164,21 @@ impl Header {
 
     /// Error unless params bytes `from..12` are zero (unused bytes are reserved).
     pub(crate) fn params_zero_from(&self, from: usize) -> Result<()> {
-        if self.params[from..].iter().any(|&b| b != 0) {
+        self.params_zero(from..self.params.len())
+    }
+
+    /// `params_zero_from` over the bytes `range` of the parameters only.
+    pub(crate) fn params_zero(&self, range: core::ops::Range<usize>) -> Result<()> {
+        let from = range.start;
+        if self.params[range.clone()].iter().any(|&b| b != 0) {
             return Err(Error::BadField {
                 codec: self.codec,
                 field: "params",
                 reason: format!(
-                    "reserved parameter bytes {}..52 must be zero, found {:02x?}",
+                    "reserved parameter bytes {}..{} must be zero, found {:02x?}",
                     40 + from,
-                    &self.params[from..]
+                    40 + range.end,
+                    &self.params[range]
                 ),
             });
         }

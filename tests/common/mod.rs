@@ -43,6 +43,8 @@ pub const SPECS: &[&str] = &[
     "fp8:scale=e8m0,block=32",
     "fp8:format=e5m2,scale=e8m0,block=45",
     "fp8:format=e5m2,scale=e8m0,block=3,rounding=stochastic",
+    "fp8:scale=e8m0,block=32,scale_rule=ocp",
+    "fp8:format=e5m2,scale=e8m0,block=45,rounding=stochastic,scale_rule=ocp",
     "fp8:scale=none",
     "fp8:format=e5m2,scale=none,rounding=stochastic",
     "fp4",
@@ -50,6 +52,8 @@ pub const SPECS: &[&str] = &[
     "fp4:block=40,scale=f32",
     "fp4:format=e3m0,block=6",
     "fp4:format=e3m0,block=32,rounding=stochastic",
+    "fp4:scale_rule=ocp",
+    "fp4:format=e3m0,block=10,rounding=stochastic,scale_rule=ocp",
     "fp4:scale=e4m3",
     "fp4:scale=e4m3,format=e3m0,block=10,rounding=stochastic",
     "codebook:block=64",
@@ -675,6 +679,12 @@ pub const GOLDEN: &[(&str, &str, u64, u64)] = &[
     ),
     ("fp8_e4m3_e8m0_b32", "fp8:scale=e8m0,block=32", 0, 0),
     (
+        "fp8_e4m3_e8m0_b32_ocp",
+        "fp8:scale=e8m0,block=32,scale_rule=ocp",
+        0,
+        0,
+    ),
+    (
         "fp8_e5m2_e8m0_b32_stochastic",
         "fp8:format=e5m2,scale=e8m0,block=32,rounding=stochastic",
         42,
@@ -683,6 +693,7 @@ pub const GOLDEN: &[(&str, &str, u64, u64)] = &[
     ("fp8_e4m3_none", "fp8:scale=none", 0, 0),
     ("fp8_e5m2_none", "fp8:format=e5m2,scale=none", 0, 0),
     ("fp4_e2m1_b32", "fp4", 0, 0),
+    ("fp4_e2m1_b32_ocp", "fp4:scale_rule=ocp", 0, 0),
     (
         "fp4_e2m1_f32_b14_stochastic",
         "fp4:block=14,scale=f32,rounding=stochastic",
@@ -814,6 +825,9 @@ enum FloatScale {
     None,
     F32,
     E8m0,
+    /// E8M0 by the OCP MX rule, `2^max(floor(log2 m) - emax, -127)`: the largest
+    /// quotients clamped to FMAX.
+    E8m0Ocp,
     /// An E4M3 value per block times the frame scale `g` (fp4's NVFP4-like layout).
     E4m3,
 }
@@ -838,6 +852,7 @@ fn check_fp8(c: &gradpack::Fp8, x: &[f32], d: &[f32]) -> Result<(), String> {
     let scale = match c.scale() {
         gradpack::Fp8Scale::None => FloatScale::None,
         gradpack::Fp8Scale::F32 => FloatScale::F32,
+        _ if c.scale_rule() == gradpack::ScaleRule::Ocp => FloatScale::E8m0Ocp,
         _ => FloatScale::E8m0,
     };
     check_small_float(
@@ -861,6 +876,7 @@ fn check_fp4(c: &gradpack::Fp4, x: &[f32], d: &[f32]) -> Result<(), String> {
     let scale = match c.scale() {
         gradpack::Fp4Scale::F32 => FloatScale::F32,
         gradpack::Fp4Scale::E4m3 => FloatScale::E4m3,
+        _ if c.scale_rule() == gradpack::ScaleRule::Ocp => FloatScale::E8m0Ocp,
         _ => FloatScale::E8m0,
     };
     check_small_float(
@@ -911,6 +927,12 @@ fn check_small_float(c: &SmallFloat, x: &[f32], d: &[f32]) -> Result<(), String>
                 }
                 pow2(k)
             }
+            // floor(log2 amax) - emax, emax = floor(log2 FMAX).
+            FloatScale::E8m0Ocp if amax == 0.0 => 1.0,
+            FloatScale::E8m0Ocp => {
+                let emax = fmax.log2().floor() as i32;
+                pow2(((amax as f64).log2().floor() as i32 - emax).max(-127))
+            }
         };
         for (j, &v) in xb.iter().enumerate() {
             let i = b * c.block + j;
@@ -936,6 +958,14 @@ fn check_small_float(c: &SmallFloat, x: &[f32], d: &[f32]) -> Result<(), String>
                 let ok = d[i].abs() as f64 == fmax || (!c.saturates && d[i].is_infinite());
                 if !ok || d[i].is_sign_negative() != v.is_sign_negative() {
                     return what("overflow not saturated (E4M3) or infinite (E5M2)".into());
+                }
+                continue;
+            }
+            if c.scale == FloatScale::E8m0Ocp && a / s > fmax {
+                // The OCP rule's clamp: the quotient past FMAX decodes to FMAX.
+                if d[i].abs() as f64 != fmax * s || d[i].is_sign_negative() != v.is_sign_negative()
+                {
+                    return what("a quotient past FMAX not clamped to it".into());
                 }
                 continue;
             }

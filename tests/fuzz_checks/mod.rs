@@ -250,14 +250,14 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
         12 => format!(
             "fp4:format={},scale={},rounding={},block={}",
             if v & 2 != 0 { "e3m0" } else { "e2m1" },
-            ["e8m0", "f32", "e4m3", "e4m3"][(v as usize >> 2) % 4],
+            ["e8m0", "f32", "e4m3", "e8m0,scale_rule=ocp"][(v as usize >> 2) % 4],
             if v & 1 != 0 { "stochastic" } else { "nearest" },
             (block + 1) & !1,
         ),
         11 => format!(
             "fp8:format={},scale={},rounding={}{}",
             if v & 2 != 0 { "e5m2" } else { "e4m3" },
-            ["f32", "e8m0", "none", "f32"][(v as usize >> 2) % 4],
+            ["f32", "e8m0", "none", "e8m0,scale_rule=ocp"][(v as usize >> 2) % 4],
             if v & 1 != 0 { "stochastic" } else { "nearest" },
             if (v >> 2) % 4 == 2 {
                 String::new()
