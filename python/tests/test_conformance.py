@@ -119,18 +119,25 @@ def gradients(n_blocks):
     return np.concatenate([g, t * 100, tiny, z])
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
-def test_mx_blocks_are_torchao_rceil_and_one_above_its_floor_where_the_mantissa_is_larger(fmt):
+def torchao_mx(fmt):
+    """torch, torchao's ``to_mx`` and ``ScaleCalculationMode``, and the torch dtype of
+    ``fmt``; the test skips where one of them is missing."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.prototype.mx_formats.mx_tensor import to_mx
 
-    _, _, fmax, spec = FMT[fmt]
     dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
              "e2m1": getattr(torch, "float4_e2m1fn_x2", None)}[fmt]
     if dtype is None:
         pytest.skip("this torch has no float4_e2m1fn_x2")
+    return torch, to_mx, ScaleCalculationMode, dtype
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
+def test_mx_blocks_are_torchao_rceil_and_one_above_its_floor_where_the_mantissa_is_larger(fmt):
+    torch, to_mx, ScaleCalculationMode, dtype = torchao_mx(fmt)
+    _, _, fmax, spec = FMT[fmt]
     x = gradients(4096)
     p = payload(x, spec + ",block=32,scale=e8m0")
     nb = len(x) // 32
@@ -164,16 +171,8 @@ def test_mx_blocks_with_scale_rule_ocp_are_torchao_floor(fmt):
     # scale_rule=ocp: the OCP MX 1.0 rule, torchao's default FLOOR; scale bytes and codes
     # equal torchao's (whose largest quotients are clamped to FMAX too), but in blocks
     # whose scale is the subnormal 2^-127, where torchao flushes the elements to zero.
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
-    from torchao.prototype.mx_formats.config import ScaleCalculationMode
-    from torchao.prototype.mx_formats.mx_tensor import to_mx
-
+    torch, to_mx, ScaleCalculationMode, dtype = torchao_mx(fmt)
     _, _, fmax, spec = FMT[fmt]
-    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
-             "e2m1": getattr(torch, "float4_e2m1fn_x2", None)}[fmt]
-    if dtype is None:
-        pytest.skip("this torch has no float4_e2m1fn_x2")
     x = gradients(4096)
     p = payload(x, spec + ",block=32,scale=e8m0,scale_rule=ocp")
     nb = len(x) // 32

@@ -197,13 +197,7 @@ impl Fp4 {
     /// This codec with E8M0 scales chosen by `rule`; an error unless the scale is
     /// [`Fp4Scale::E8m0`].
     pub fn with_scale_rule(self, rule: ScaleRule) -> Result<Fp4> {
-        if self.scale != Fp4Scale::E8m0 && rule != ScaleRule::Rceil {
-            return Err(Error::Param {
-                codec: CodecId::Fp4,
-                name: "scale_rule",
-                reason: format!("{}: applies to scale=e8m0 only", rule.name()),
-            });
-        }
+        rule.check(CodecId::Fp4, self.scale == Fp4Scale::E8m0)?;
         Ok(Fp4 { rule, ..self })
     }
 

@@ -184,6 +184,18 @@ impl ScaleRule {
         }
     }
 
+    /// Refuse a rule other than the default for a codec whose scale is not E8M0.
+    pub(crate) fn check(self, codec: CodecId, e8m0: bool) -> Result<()> {
+        if e8m0 || self == ScaleRule::Rceil {
+            return Ok(());
+        }
+        Err(Error::Param {
+            codec,
+            name: "scale_rule",
+            reason: format!("{}: applies to scale=e8m0 only", self.name()),
+        })
+    }
+
     /// `,scale_rule=ocp` where it is not the default, for a spec's text.
     pub(crate) fn suffix(self) -> &'static str {
         match self {
@@ -244,13 +256,7 @@ impl Fp8 {
     /// This codec with E8M0 scales chosen by `rule`; an error unless the scale is
     /// [`Fp8Scale::E8m0`].
     pub fn with_scale_rule(self, rule: ScaleRule) -> Result<Fp8> {
-        if self.scale != Fp8Scale::E8m0 && rule != ScaleRule::Rceil {
-            return Err(Error::Param {
-                codec: CodecId::Fp8,
-                name: "scale_rule",
-                reason: format!("{}: applies to scale=e8m0 only", rule.name()),
-            });
-        }
+        rule.check(CodecId::Fp8, self.scale == Fp8Scale::E8m0)?;
         Ok(Fp8 { rule, ..self })
     }
 
@@ -341,6 +347,11 @@ impl SmallFloat {
         self.rounding == Rounding::Stochastic
     }
 
+    /// E8M0 scales by the OCP rule (either form of the scale says so).
+    fn ocp(&self) -> bool {
+        self.ocp || self.scale == k8::Scale::E8m0Floor
+    }
+
     /// Header params: `block`, then the codec's format and scale bytes, then rounding.
     pub fn params(&self, format: u8, scale: u8) -> [u8; 12] {
         let mut p = block_params(self.block, format);
@@ -399,10 +410,13 @@ impl SmallFloat {
             // FMAX, or 2^-127.
             k8::Scale::F32 => (absmax / fmax * (1.0 + 2f64.powi(-23))).max(2f64.powi(-126)),
             // OCP's rule: at most absmax / 2^emax, or 2^-127; never past f32's range.
-            k8::Scale::E8m0 if self.ocp => (absmax / 2f64.powi(f.emax())).max(2f64.powi(-127)),
-            k8::Scale::E8m0 if 2.0 * absmax > f64::from(f32::MAX) => return f64::INFINITY,
-            k8::Scale::E8m0 => (2.0 * absmax / fmax).max(2f64.powi(-127)),
-            k8::Scale::E8m0Floor => unreachable!("a codec's scale is the decoding one"),
+            k8::Scale::E8m0 | k8::Scale::E8m0Floor if self.ocp() => {
+                (absmax / 2f64.powi(f.emax())).max(2f64.powi(-127))
+            }
+            k8::Scale::E8m0 | k8::Scale::E8m0Floor if 2.0 * absmax > f64::from(f32::MAX) => {
+                return f64::INFINITY;
+            }
+            k8::Scale::E8m0 | k8::Scale::E8m0Floor => (2.0 * absmax / fmax).max(2f64.powi(-127)),
             // E4M3 times the frame scale `g <= max(absmax / (448 FMAX), 2^-126)`: the
             // byte rounds `m / (FMAX g)` up by at most 2^-3 of it, or by 2^-9.
             k8::Scale::E4m3 { .. } => {
@@ -417,7 +431,7 @@ impl SmallFloat {
         // OCP's rule: the largest quotients, below 2^(emax+1), clamped to FMAX.
         let clamp = match self.scale {
             k8::Scale::E4m3 { .. } => 2f64.powi(-21) * absmax,
-            k8::Scale::E8m0 if self.ocp => (1.0 - fmax / 2f64.powi(f.emax() + 1)) * absmax,
+            _ if self.ocp() => (1.0 - fmax / 2f64.powi(f.emax() + 1)) * absmax,
             _ => 0.0,
         };
         (rel * absmax + s * sub + 2f64.powi(-23) * absmax + clamp) * (1.0 + 2f64.powi(-20))
