@@ -1030,6 +1030,7 @@ mod tests {
     /// The winning set agrees with the times at every bandwidth of a fine grid (away
     /// from its own ends), for latency- and bandwidth-bound sizes.
     #[test]
+    #[cfg_attr(miri, ignore = "arithmetic only, no unsafe code to check")]
     fn winning_bandwidths_agree_with_the_times_they_summarise() {
         let identity = prof(32.1, 40e9, 40e9, 35e9);
         let codecs = [

@@ -836,6 +836,10 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "its unsafe code (words_mut) is reached by tests/miri.rs; natively on every route"
+    )]
     fn selection_keeps_the_largest_on_every_route() {
         use crate::kernels::{Backend, BackendKind};
         // Miri runs a short chunk (every element is then in the sample), on its one

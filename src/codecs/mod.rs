@@ -772,6 +772,10 @@ mod hop_tests {
     /// and falls back (to decode, then encode) for the others and for frames of other
     /// parameters.
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "safe code on the scalar backend (Miri's only one); natively on every backend"
+    )]
     fn fixed_rate_hops_fuse_and_the_others_fall_back() {
         for spec in [
             "identity",

@@ -1196,6 +1196,10 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "safe code on the scalar backend (Miri's only one); natively on every backend"
+    )]
     fn batched_rows_keep_the_largest_coefficients_lower_position_first() {
         // Tiles whose coefficients tie (a constant tile, a tile of repeated magnitudes of
         // both signs), hold NaN or are zero, in groups that fill 1 to all of the batch's

@@ -1079,6 +1079,10 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "integer code with no unsafe; natively over every input"
+    )]
     fn branch_free_conversions_match_the_oracle_for_every_input() {
         // Under Miri, one thread and every 65,537th pattern (65,536 inputs); under
         // emulation (qemu for aarch64, where all of them took a minute) every 997th. The

@@ -994,6 +994,10 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "its unsafe code (words_mut) is reached by tests/miri.rs; natively in full"
+    )]
     fn auto_index_coding_takes_the_shorter_bound() {
         use crate::codec::Codec;
         // Miri: a tenth of the length and two ratios, one each side of the crossing (all
