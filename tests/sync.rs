@@ -7,9 +7,11 @@
 use std::time::Duration;
 
 use gradpack::collective::{
-    AllReduce, AllReduceOptions, Feedback, ReduceOp, StrategyChoice, Transport, local,
+    AllReduce, AllReduceOptions, BucketGather, Feedback, ReduceOp, StrategyChoice, Transport, local,
 };
-use gradpack::sync::{Network, Policy, SyncEngine, SyncOptions, Tensor};
+use gradpack::sync::{
+    HeldTensor, ModelSelection, Network, Policy, SyncEngine, SyncOptions, Tensor,
+};
 use gradpack::{CodecSpec, Error, Result};
 
 /// A small model's layout, last layer first (the order gradients become ready).
@@ -1014,4 +1016,261 @@ fn measured_auto_options_are_checked() {
         ..opts(Policy::auto(vec!["int8".parse().unwrap()]))
     };
     assert!(SyncEngine::new(&l, w(), steps).is_err());
+}
+
+// ---------------------------------------------------------------- ModelSelection
+
+/// A model for one top-k over the whole model: three matrices (the last with entries a
+/// thousand times smaller), a vector and a matrix under `small_below` (both float32).
+fn model_tensors() -> Vec<HeldTensor> {
+    [
+        ("w0", vec![8, 16]),
+        ("b0", vec![16]),
+        ("w1", vec![20, 10]),
+        ("tiny", vec![2, 2]),
+        ("w2", vec![30, 5]),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, (name, shape))| HeldTensor {
+        tensor: Tensor::new(name, &shape),
+        key: 100 + i as u64,
+    })
+    .collect()
+}
+
+/// Rank `rank`'s gradient of tensor `t` at `step`.
+fn model_grad(t: &HeldTensor, rank: usize, step: u64) -> Vec<f32> {
+    let n = t.tensor.len().unwrap();
+    let small = if t.tensor.name == "w2" { 1e-3 } else { 1.0 };
+    (0..n)
+        .map(|i| {
+            // splitmix64 of the tensor, element, rank and step.
+            let mut h = t.key ^ (i as u64) << 16 ^ (rank as u64) << 40 ^ step << 48;
+            h = h.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            h = (h ^ (h >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            h = (h ^ (h >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            h ^= h >> 31;
+            ((h >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * small
+        })
+        .collect()
+}
+
+/// Each step's buckets as tensor indices into [`model_tensors`].
+type Grouping = Vec<Vec<usize>>;
+
+/// Per rank and step: each tensor's mean by name (in `model_tensors` order) after
+/// reducing the step's gradients grouped by `groups(rank, step)` with `sel(rank)`, and
+/// the selection's residuals after the last step.
+#[allow(clippy::type_complexity)]
+fn run_model(
+    steps: u64,
+    groups: impl Fn(usize, u64) -> Grouping + Sync,
+    sel: impl Fn(usize) -> Result<ModelSelection> + Sync,
+    skip: impl Fn(u64) -> Option<usize> + Sync,
+) -> Vec<(Vec<Vec<Vec<f32>>>, Vec<(String, Vec<f32>)>)> {
+    let tensors = model_tensors();
+    local::run(3, Some(Duration::from_secs(20)), |mut comm| {
+        let rank = comm.rank();
+        let mut g = BucketGather::new(&comm, 7, ReduceOp::Mean)?;
+        let mut s = sel(rank)?;
+        let mut send = Vec::new();
+        let mut out = Vec::new();
+        for step in 0..steps {
+            let groups: Grouping = groups(rank, step)
+                .into_iter()
+                .map(|b| b.into_iter().filter(|&t| Some(t) != skip(step)).collect())
+                .collect();
+            let held: Vec<Vec<HeldTensor>> = groups
+                .iter()
+                .map(|b| b.iter().map(|&t| tensors[t].clone()).collect())
+                .collect();
+            let mut data: Vec<Vec<f32>> = held
+                .iter()
+                .map(|b| b.iter().flat_map(|t| model_grad(t, rank, step)).collect())
+                .collect();
+            let mut buckets: Vec<(&mut [f32], &[HeldTensor])> = data
+                .iter_mut()
+                .zip(&held)
+                .map(|(d, h)| (d.as_mut_slice(), h.as_slice()))
+                .collect();
+            s.reduce(&mut g, &mut comm, &mut send, &mut buckets, 11, step, true)?;
+            let mut by_tensor = vec![Vec::new(); tensors.len()];
+            for (b, d) in groups.iter().zip(&data) {
+                let mut at = 0;
+                for &t in b {
+                    let n = tensors[t].tensor.len()?;
+                    by_tensor[t] = d[at..at + n].to_vec();
+                    at += n;
+                }
+            }
+            out.push(by_tensor);
+        }
+        Ok((out, s.residuals()))
+    })
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect()
+}
+
+fn topk_model(feedback: bool) -> impl Fn(usize) -> Result<ModelSelection> + Sync {
+    move |_| {
+        let names: Vec<String> = model_tensors()
+            .iter()
+            .map(|t| t.tensor.name.clone())
+            .collect();
+        ModelSelection::new("topk:ratio=0.05".parse()?, feedback, 8, false, &names)
+    }
+}
+
+fn f32_bits<'a>(x: impl IntoIterator<Item = &'a Vec<Vec<f32>>>) -> Vec<u32> {
+    x.into_iter()
+        .flatten()
+        .flatten()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+#[test]
+fn model_selection_is_one_top_k_over_the_model_whatever_the_grouping() {
+    let one = |_: usize, _: u64| vec![vec![0, 1, 2, 3, 4]];
+    // Every rank its own grouping and order, changing from step to step (DDP regroups).
+    let mixed = |rank: usize, step: u64| match (rank + step as usize) % 3 {
+        0 => vec![vec![4, 3], vec![1, 0], vec![2]],
+        1 => vec![vec![2, 0], vec![1], vec![3, 4]],
+        _ => vec![vec![0, 1, 2, 3, 4]],
+    };
+    let none = |_: u64| None;
+    let a = run_model(4, one, topk_model(true), none);
+    let b = run_model(4, mixed, topk_model(true), none);
+    for r in 0..3 {
+        // The same bits on every rank, and whatever the grouping.
+        assert_eq!(f32_bits(&a[r].0), f32_bits(&a[0].0), "rank {r}");
+        assert_eq!(f32_bits(&b[r].0), f32_bits(&a[0].0), "rank {r} regrouped");
+        assert_eq!(b[r].1, a[r].1, "rank {r}: residuals");
+    }
+    // One selection over the model: w2's entries (a thousand times smaller) are never
+    // among the largest 5% at the first step (no residual yet), though a top-k of its
+    // own would keep 5% of them; w0 and w1 get entries.
+    let first = &a[0].0[0];
+    assert!(first[4].iter().all(|&v| v == 0.0));
+    assert!(first[0].iter().any(|&v| v != 0.0) && first[2].iter().any(|&v| v != 0.0));
+    // The float32 tensors (a vector, one under small_below) are the mean of the ranks.
+    for t in [1, 3] {
+        let tensors = model_tensors();
+        let want: Vec<f32> = (0..model_grad(&tensors[t], 0, 0).len())
+            .map(|i| {
+                (0..3)
+                    .map(|r| model_grad(&tensors[t], r, 0)[i] as f64)
+                    .sum::<f64>()
+                    / 3.0
+            })
+            .map(|v| v as f32)
+            .collect();
+        for (g, w) in first[t].iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= 1e-6 * w.abs().max(1e-3),
+                "tensor {t}: {g} vs {w}"
+            );
+        }
+    }
+    // Without error feedback there are no residuals.
+    let c = run_model(1, one, topk_model(false), none);
+    assert!(c[0].1.is_empty());
+}
+
+#[test]
+fn model_selection_residuals_follow_names_and_restore_exactly() {
+    let one = |_: usize, _: u64| vec![vec![0, 1, 2, 3, 4]];
+    // w1 is frozen at step 1: its residual waits, by name, for step 2.
+    let frozen = |step: u64| (step == 1).then_some(2);
+    let a = run_model(2, one, topk_model(true), |_| None);
+    let held = run_model(2, one, topk_model(true), frozen);
+    let w1_after_0 = run_model(1, one, topk_model(true), |_| None);
+    for r in 0..3 {
+        let of = |res: &[(String, Vec<f32>)], n: &str| {
+            res.iter()
+                .find(|(k, _)| k == n)
+                .map(|(_, v)| v.clone())
+                .unwrap()
+        };
+        assert_eq!(of(&held[r].1, "w1"), of(&w1_after_0[r].1, "w1"), "rank {r}");
+        assert!(held[r].0[1][2].is_empty(), "w1 was not in step 1");
+        // Only the compressed tensors have residuals.
+        let names: Vec<&str> = a[r].1.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(names, ["w0", "w1", "w2"]);
+    }
+    // Residuals restored into a new selection: it continues as the first one did.
+    let straight = run_model(3, one, topk_model(true), |_| None);
+    let saved = run_model(2, one, topk_model(true), |_| None);
+    let resumed = local::run(3, Some(Duration::from_secs(20)), |mut comm| {
+        let rank = comm.rank();
+        let mut s = topk_model(true)(rank)?;
+        s.restore(saved[rank].1.clone());
+        let mut g = BucketGather::new(&comm, 7, ReduceOp::Mean)?;
+        let tensors = model_tensors();
+        let mut x: Vec<f32> = tensors
+            .iter()
+            .flat_map(|t| model_grad(t, rank, 2))
+            .collect();
+        s.reduce(
+            &mut g,
+            &mut comm,
+            &mut Vec::new(),
+            &mut [(&mut x, &tensors)],
+            11,
+            2,
+            true,
+        )?;
+        Ok(x)
+    });
+    for (r, x) in resumed.into_iter().enumerate() {
+        let want: Vec<f32> = straight[r].0[2].iter().flatten().copied().collect();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&x.unwrap()), bits(&want), "rank {r}");
+    }
+}
+
+#[test]
+fn model_selection_refuses_bad_calls_and_changes_nothing() {
+    let names = vec!["a".to_string()];
+    assert!(ModelSelection::new("int8".parse().unwrap(), true, 0, false, &names).is_err());
+    let res = local::run(1, None, |mut comm| {
+        let mut g = BucketGather::new(&comm, 1, ReduceOp::Mean)?;
+        let mut s = ModelSelection::new("topk:k=2".parse()?, true, 0, false, &names)?;
+        let t = [HeldTensor {
+            tensor: Tensor::new("a", &[2, 3]),
+            key: 1,
+        }];
+        // A bucket whose tensors do not add up to it.
+        let mut x = vec![1.0f32; 7];
+        let e = s.reduce(
+            &mut g,
+            &mut comm,
+            &mut Vec::new(),
+            &mut [(&mut x, &t)],
+            0,
+            0,
+            false,
+        );
+        assert!(matches!(e, Err(Error::Collective(_))), "{e:?}");
+        assert_eq!(x, vec![1.0; 7]);
+        // A restored residual of another length: refused when its tensor comes, and kept.
+        s.restore(vec![("a".into(), vec![0.5; 5])]);
+        let mut x = vec![1.0f32; 6];
+        let e = s.reduce(
+            &mut g,
+            &mut comm,
+            &mut Vec::new(),
+            &mut [(&mut x, &t)],
+            0,
+            0,
+            false,
+        );
+        assert!(e.is_err());
+        assert_eq!(x, vec![1.0; 6]);
+        assert_eq!(s.residuals(), vec![("a".to_string(), vec![0.5; 5])]);
+        Ok(())
+    });
+    res.into_iter().for_each(|r| r.unwrap());
 }

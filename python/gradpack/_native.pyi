@@ -6,7 +6,7 @@ of the `gradpack` Python package).
 from _typeshed import Incomplete, SupportsGetItem
 from typing import Any, Final, SupportsFloat, SupportsIndex, final
 
-__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "OuterSync", "PowerSgdBucket", "SharedMemory", "Tcp", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "encode", "encode_into", "frame_len", "inspect", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time"]
+__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "ModelSelection", "OuterSync", "PowerSgdBucket", "SharedMemory", "Tcp", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "encode", "encode_into", "frame_len", "inspect", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time"]
 
 HEADER_LEN: Final[int]
 """
@@ -250,6 +250,41 @@ class Hierarchical:
     def strategy(self, /) -> str:
         """
         The strategy of the streams between nodes.
+        """
+
+@final
+class ModelSelection:
+    """
+    One top-k over every compressed tensor of a step's buckets, in the model's order,
+    for a framework that reduces in buckets of its own (the PyTorch hook's
+    `selection="model"`).
+
+    `codec` is a `topk` codec; `feedback` keeps one error feedback over the selected
+    vector; `order` names the model's tensors in its order (a name not among them goes
+    after the named ones, in the order it comes). Tensors of fewer than `small_below`
+    elements, and vectors, go as float32 frames beside the selection (with `dct_2d` as
+    in `tensor_codec`). Residuals are kept by tensor name, so a regrouping of the buckets
+    carries each tensor's residual over.
+    """
+    def __new__(cls, /, codec: Any, order: SupportsGetItem[int, str], *, feedback: bool = True, small_below: SupportsIndex = 0, dct_2d: bool = False) -> ModelSelection: ...
+    def __repr__(self, /) -> str: ...
+    def reduce(self, /, gather: BucketGather, buckets: SupportsGetItem[int, tuple[Any, SupportsGetItem[int, tuple[str, SupportsGetItem[int, SupportsIndex], SupportsIndex]]]], *, seed: SupportsIndex, step: SupportsIndex, checksum: bool = False) -> dict:
+        """
+        Reduce a step's `buckets` together: each `(x, tensors)`, `x` a flat float32
+        array and `tensors` its `(name, shape, key)` laid end to end (`key` seeds the
+        tensor's frame when it goes as float32). Every rank passes its buckets of the same
+        step, in any grouping and order. The message goes by `gather`; each `x` then holds
+        its mean over the ranks. Seeds from `seed`, `step` and the rank; sealed with a
+        payload CRC-32 when `checksum`. Returns the call's statistics.
+        """
+    def residuals(self, /) -> dict:
+        """
+        Every tensor's residual by name (float32 copies).
+        """
+    def restore(self, /, residuals: dict) -> None:
+        """
+        Replace every residual with `residuals` (name to float32 array), each taken up
+        when its tensor next comes.
         """
 
 @final

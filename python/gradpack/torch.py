@@ -187,10 +187,8 @@ _MASK = (1 << 64) - 1
 _IDENTITY = Codec("identity")
 _FP32 = ("identity", "fp32")  # the float32 all-reduce, as a configuration
 _MIXED = "mixed"  # each parameter with the codec chosen for it in another bucket
-# selection='model': the all-gather's tag (bucket indices are small) and the seed key of
-# the one top-k frame.
+# selection='model': the all-gather's tag (bucket indices are small).
 _MODEL_TAG = 0xFFFFFFFF
-_MODEL_KEY = 0x6D6F64656C
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -514,8 +512,7 @@ class GradpackState:
         # the one error feedback over every compressed parameter (names, sizes, residual)
         # and each parameter's place in the model.
         self._pending: List[Any] = []
-        self._model_ef: Optional[Tuple[Tuple[str, ...], Tuple[int, ...], ErrorFeedback]] = None
-        self._positions: Optional[Dict[str, int]] = None
+        self._model_sel: Optional[_native.ModelSelection] = None
         # Every option the ranks must share, compared across them before the first
         # bucket (a rank with another seed or codec would otherwise diverge with no
         # error, or fail later with a less clear one).
@@ -738,7 +735,8 @@ class GradpackState:
         self.wait()
         ring_ef = any(self._wants_ef(ar.codec) for ar in self._rings.values())
         if self._model is None and (
-            self._feedback or self._lr or ring_ef or self._velocity or self._model_ef
+            self._feedback or self._lr or ring_ef or self._velocity
+            or (self._model_sel is not None and self._model_sel.residuals())
         ):
             raise ValueError(
                 "GradpackState.state_dict needs the model: make the state with "
@@ -747,8 +745,9 @@ class GradpackState:
         residuals = {k: torch.from_numpy(v.copy()) for k, v in self._restored.items()}
         for key, ef in self._feedback.items():
             residuals[key] = torch.from_numpy(ef.residual())
-        for key, r in self._model_residuals().items():
-            residuals[key] = torch.from_numpy(r)
+        if self._model_sel is not None:
+            for key, r in self._model_sel.residuals().items():
+                residuals[key] = torch.from_numpy(r)
         low_rank = {}
         for name, (q, e) in self._lr_restored.items():
             low_rank[name] = {"q": None if q is None else torch.from_numpy(q.copy()),
@@ -835,7 +834,7 @@ class GradpackState:
         self.wait()
         self.step = int(state["step"])
         self._feedback.clear()
-        self._model_ef = None
+        self._model_sel = None
         self._pending = []
         self._restored = residuals
         self._lr.clear()
@@ -1105,101 +1104,31 @@ class GradpackState:
 
     def _model_reduce(self, parts: List[Tuple[torch.Tensor, List[Any]]], step: int) -> None:
         """``selection="model"``: the step's buckets (``(host copy, layout)`` each)
-        reduced together. Every compressed parameter, in the model's parameter order
-        (so neither DDP's bucketing nor the buckets' arrival matters), goes into one
-        vector encoded by one top-k (with its error feedback when on); the others go as
-        float32 frames. One all-gather of the message, each frame summed in rank order
-        by :class:`gradpack.BucketGather`, and the means written back into the copies."""
-        order = self._param_positions()
-        codec = self.codec
-        assert codec is not None
-        comp: List[Tuple[int, str, int, np.ndarray, int, int]] = []
-        plain: List[Tuple[int, str, int, np.ndarray, int, int]] = []
-        for flat, layout in parts:
-            x = flat.view(-1).numpy()
-            at = 0
-            for key, m, d, skey, shape in layout:
-                c = self._param_codec(codec, shape)
-                (plain if c == _IDENTITY else comp).append(
-                    (order.get(key, len(order)), key, skey, x, at, m)
-                )
-                at += m
-        comp.sort(key=lambda t: t[0])  # stable: parameters of no name keep their order
-        total = sum(t[5] for t in comp)
-        n = total + sum(t[5] for t in plain)
-        whole = self._buffer(("model", n), lambda: np.empty(n, dtype=np.float32))
-        at = 0
-        for _, _, _, x, a, m in comp + plain:
-            whole[at : at + m] = x[a : a + m]
-            at += m
-        frames: List[Tuple[int, int, Codec, int, Optional[ErrorFeedback]]] = []
-        if total:
-            ef = None
-            if self._wants_ef(codec):
-                ef = self._model_feedback(tuple(t[1] for t in comp), tuple(t[5] for t in comp))
-            frames.append((0, total, codec, _MODEL_KEY, ef))
-        at = total
-        for _, _, skey, _, _, m in plain:
-            frames.append((at, m, _IDENTITY, skey, None))
-            at += m
-        self._gather(whole, frames, _MODEL_TAG, step)
-        at = 0
-        for _, _, _, x, a, m in comp + plain:
-            x[a : a + m] = whole[at : at + m]
-            at += m
-
-    def _param_positions(self) -> Dict[str, int]:
-        """Each named parameter's place in the model (``model=``'s order)."""
-        if self._positions is None:
-            self._positions = {}
-            for name in self._names_of().values():
-                self._positions.setdefault(name, len(self._positions))
-        return self._positions
-
-    def _model_feedback(self, names: Tuple[str, ...], sizes: Tuple[int, ...]) -> ErrorFeedback:
-        """The error feedback of ``selection="model"`` over the parameters ``names``
-        (of ``sizes`` elements) laid end to end; made anew, each parameter's residual
-        taken from where it was, when the set of parameters changes."""
-        cur = self._model_ef
-        if cur is not None and cur[0] == names and cur[1] == sizes:
-            return cur[2]
-        self._park_model_residual()
-        parts, loaded = [], False
-        for name, m in zip(names, sizes):
-            saved = self._restored.pop(name, None)
-            if saved is not None and saved.size != m:
-                raise ValueError(
-                    f"the restored residual of {name!r} has {saved.size} elements, the "
-                    f"parameter {m}"
-                )
-            loaded = loaded or saved is not None
-            parts.append(np.zeros(m, dtype=np.float32) if saved is None else saved)
-        assert self.codec is not None
-        ef = ErrorFeedback(self.codec, sum(sizes))
-        if loaded:
-            ef.set_residual(np.concatenate(parts))
-        self._model_ef = (names, sizes, ef)
-        return ef
-
-    def _park_model_residual(self) -> None:
-        """The model-wide residual split back into one per parameter (kept as loaded
-        ones, for the next error feedback to take up)."""
-        if self._model_ef is None:
-            return
-        for name, r in self._model_residuals().items():
-            self._restored[name] = r
-        self._model_ef = None
-
-    def _model_residuals(self) -> Dict[str, np.ndarray]:
-        """Each parameter's part of the model-wide residual (copies)."""
-        out: Dict[str, np.ndarray] = {}
-        if self._model_ef is not None:
-            names, sizes, ef = self._model_ef
-            r, at = ef.residual(), 0
-            for name, m in zip(names, sizes):
-                out[name] = r[at : at + m].copy()
-                at += m
-        return out
+        reduced together by the crate's :class:`gradpack.ModelSelection` (one top-k over
+        every compressed parameter in the model's order, with its error feedback; the
+        others as float32 frames; one all-gather), the means written into the copies."""
+        sel = self._model_sel
+        if sel is None:
+            assert self.codec is not None
+            sel = _native.ModelSelection(
+                self.codec.spec, list(dict.fromkeys(self._names_of().values())),
+                feedback=self._wants_ef(self.codec), small_below=self.min_compress_elements,
+                dct_2d=self.dct_2d,
+            )
+            sel.restore(self._restored)  # taken up by name as each parameter comes
+            self._restored = {}
+            self._model_sel = sel
+        buckets = [
+            (flat.view(-1).numpy(), [(key, list(shape), skey) for key, _, _, skey, shape in lay])
+            for flat, lay in parts
+        ]
+        g = self._gather_of(_MODEL_TAG)
+        try:
+            sel.reduce(g._g, buckets, seed=self.seed, step=step, checksum=self.checksum)
+        except BaseException:
+            self._p2p.drop()
+            raise
+        self._p2p.wait()
 
     def _stream(self, device: Any) -> Any:
         """The side CUDA stream of ``device`` that the hook's host copies run on."""
@@ -1388,6 +1317,16 @@ class GradpackState:
         crate into one message (the seed from the state's, the step and the key), the
         message all-gathered by collective ``index``'s :class:`gradpack.BucketGather`,
         and each part's mean over the ranks written back into ``x``."""
+        g = self._gather_of(index)
+        try:
+            g.encode_run(x, parts, seed=self.seed, step=step, checksum=self.checksum)
+        except BaseException:
+            self._p2p.drop()
+            raise
+        self._p2p.wait()
+
+    def _gather_of(self, index: int) -> "gradpack.BucketGather":
+        """Collective ``index``'s :class:`gradpack.BucketGather` (made on first use)."""
         g = self._gathers.get(index)
         if g is None:
             g = gradpack.BucketGather(
@@ -1395,12 +1334,7 @@ class GradpackState:
                 **self._shared_memory(list(range(self._world())), stage=False),
             )
             self._gathers[index] = g
-        try:
-            g.encode_run(x, parts, seed=self.seed, step=step, checksum=self.checksum)
-        except BaseException:
-            self._p2p.drop()
-            raise
-        self._p2p.wait()
+        return g
 
     def _low_rank_of(self, layout: List[Any], step: int) -> List[Tuple[int, Tuple[int, int, int]]]:
         """(position, (n, m, r)) of the bucket's tensors sent as PowerSGD factors at

@@ -24,8 +24,10 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
+mod model;
 mod net;
 mod tune;
+use model::PyModelSelection;
 use net::{Net, PyTcp, link};
 use tune::{PyTuner, tensor_codec};
 
@@ -2485,7 +2487,8 @@ impl PyHierarchical {
 mod _native {
     #[pymodule_export]
     use super::{
-        PyAllReduce, PyBucketGather, PyCodec, PyErrorFeedback, PyHierarchical, PyOuterSync,
+        PyAllReduce, PyBucketGather, PyCodec, PyErrorFeedback, PyHierarchical, PyModelSelection,
+        PyOuterSync,
         PyPowerSgd, PyProfile, PySharedMemory, PyTcp, PyTuner, agree, allreduce_time, backend,
         best_strategy, break_even_bandwidth, calibrate, chunk_range, decode, decode_add,
         decode_into, encode, encode_into, frame_len, inspect, parse_bandwidth, parse_duration,

@@ -69,6 +69,7 @@
 //! to one that never stopped. A blob of another layout or plan, or a damaged one, is
 //! refused.
 
+mod model;
 mod plan;
 mod powersgd;
 mod tune;
@@ -82,6 +83,7 @@ pub use plan::{
     calibrate,
 };
 
+pub use model::{HeldTensor, MODEL_KEY, ModelSelection};
 use plan::{Kind, Reduces};
 use powersgd::LowRank;
 pub use powersgd::PowerSgdBucket;

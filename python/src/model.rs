@@ -1,0 +1,110 @@
+//! `gradpack.ModelSelection`: one top-k over a whole model (`gradpack::sync::ModelSelection`).
+
+use gradpack::sync::{HeldTensor, ModelSelection, Tensor};
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::{PyBucketGather, err, f32_in, f32_out, slice_in, slice_out, spec_of, stats_dict};
+
+/// One top-k over every compressed tensor of a step's buckets, in the model's order,
+/// for a framework that reduces in buckets of its own (the PyTorch hook's
+/// `selection="model"`).
+///
+/// `codec` is a `topk` codec; `feedback` keeps one error feedback over the selected
+/// vector; `order` names the model's tensors in its order (a name not among them goes
+/// after the named ones, in the order it comes). Tensors of fewer than `small_below`
+/// elements, and vectors, go as float32 frames beside the selection (with `dct_2d` as
+/// in `tensor_codec`). Residuals are kept by tensor name, so a regrouping of the buckets
+/// carries each tensor's residual over.
+#[pyclass(module = "gradpack", name = "ModelSelection")]
+pub(crate) struct PyModelSelection {
+    inner: ModelSelection,
+}
+
+#[pymethods]
+impl PyModelSelection {
+    #[new]
+    #[pyo3(signature = (codec, order, *, feedback=true, small_below=0, dct_2d=false))]
+    fn new(
+        codec: &Bound<'_, PyAny>,
+        order: Vec<String>,
+        feedback: bool,
+        small_below: usize,
+        dct_2d: bool,
+    ) -> PyResult<Self> {
+        let c = spec_of(codec)?;
+        let inner = ModelSelection::new(c, feedback, small_below, dct_2d, &order).map_err(err)?;
+        Ok(PyModelSelection { inner })
+    }
+
+    /// Reduce a step's `buckets` together: each `(x, tensors)`, `x` a flat float32
+    /// array and `tensors` its `(name, shape, key)` laid end to end (`key` seeds the
+    /// tensor's frame when it goes as float32). Every rank passes its buckets of the same
+    /// step, in any grouping and order. The message goes by `gather`; each `x` then holds
+    /// its mean over the ranks. Seeds from `seed`, `step` and the rank; sealed with a
+    /// payload CRC-32 when `checksum`. Returns the call's statistics.
+    #[pyo3(signature = (gather, buckets, *, seed, step, checksum=false))]
+    #[allow(clippy::type_complexity)]
+    fn reduce<'py>(
+        &mut self,
+        py: Python<'py>,
+        mut gather: PyRefMut<'py, PyBucketGather>,
+        buckets: Vec<(Bound<'py, PyAny>, Vec<(String, Vec<usize>, u64)>)>,
+        seed: u64,
+        step: u64,
+        checksum: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let mut held = Vec::with_capacity(buckets.len());
+        let mut arrays = Vec::with_capacity(buckets.len());
+        for (i, (x, tensors)) in buckets.iter().enumerate() {
+            arrays.push(f32_out(x, &format!("bucket {i}"))?);
+            held.push(
+                tensors
+                    .iter()
+                    .map(|(name, shape, key)| HeldTensor {
+                        tensor: Tensor::new(name.as_str(), shape),
+                        key: *key,
+                    })
+                    .collect::<Vec<_>>(),
+            );
+        }
+        let mut slices = Vec::with_capacity(arrays.len());
+        for (a, h) in arrays.iter_mut().zip(&held) {
+            slices.push((slice_out(a)?, h.as_slice()));
+        }
+        let g = &mut *gather;
+        let (inner, comm, send) = (&mut g.inner, &mut g.comm, &mut g.send);
+        let sel = &mut self.inner;
+        let stats = py
+            .detach(|| sel.reduce(inner, comm, send, &mut slices, seed, step, checksum))
+            .map_err(err)?;
+        stats_dict(py, &stats)
+    }
+
+    /// Every tensor's residual by name (float32 copies).
+    fn residuals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (name, r) in self.inner.residuals() {
+            d.set_item(name, PyArray1::from_vec(py, r))?;
+        }
+        Ok(d)
+    }
+
+    /// Replace every residual with `residuals` (name to float32 array), each taken up
+    /// when its tensor next comes.
+    fn restore(&mut self, residuals: &Bound<'_, PyDict>) -> PyResult<()> {
+        let mut all = Vec::with_capacity(residuals.len());
+        for (k, v) in residuals.iter() {
+            let name: String = k.extract()?;
+            let a = f32_in(&v, &name)?;
+            all.push((name, slice_in(&a)?.to_vec()));
+        }
+        self.inner.restore(all);
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("ModelSelection(codec='{}')", self.inner.codec())
+    }
+}
