@@ -10,7 +10,7 @@ use gradpack::collective::{
     AllReduce, AllReduceOptions, BucketGather, Feedback, ReduceOp, StrategyChoice, Transport, local,
 };
 use gradpack::sync::{
-    HeldTensor, ModelSelection, Network, Policy, SyncEngine, SyncOptions, Tensor,
+    HeldTensor, ModelSelection, Momentum, Network, Policy, SyncEngine, SyncOptions, Tensor,
 };
 use gradpack::{CodecSpec, Error, Result};
 
@@ -1273,4 +1273,78 @@ fn model_selection_refuses_bad_calls_and_changes_nothing() {
         Ok(())
     });
     res.into_iter().for_each(|r| r.unwrap());
+}
+
+#[test]
+fn momentum_by_name_is_the_engines_velocity_whatever_the_buckets() {
+    // The layout's tensors in buckets that change every step (and one tensor missing at
+    // step 2, as a frozen layer): each bucket comes back holding its tensors' velocities,
+    // bit for bit those the engine's arithmetic gives; saved and restored by name, a new
+    // Momentum continues alike.
+    let l = layout();
+    let m = 0.9f32;
+    let want = velocities(&l, 1, 4, m);
+    let groupings: [&[&[usize]]; 4] = [
+        &[&[0, 1, 2, 3, 4, 5, 6, 7, 8]],
+        &[&[8, 1], &[0, 7, 6], &[5, 4, 3, 2]],
+        &[&[0, 1, 2], &[3, 4], &[5, 6, 7]],
+        &[&[2, 3, 8], &[7, 6, 5, 4, 1, 0]],
+    ];
+    let mut mo = Momentum::new(m).unwrap();
+    let mut saved = Vec::new();
+    for (step, groups) in groupings.iter().enumerate() {
+        if step == 3 {
+            // Restored into a new one from what was saved after step 2.
+            mo = Momentum::new(m).unwrap();
+            mo.restore(saved.clone());
+        }
+        let g = grads(&l, 1, step as u64);
+        for b in groups.iter() {
+            let ts: Vec<Tensor> = b.iter().map(|&t| l[t].clone()).collect();
+            let mut x: Vec<f32> = b.iter().flat_map(|&t| g[t].clone()).collect();
+            mo.apply(&ts, &mut x).unwrap();
+            let mut at = 0;
+            for &t in b.iter() {
+                let n = l[t].len().unwrap();
+                // Tensor 8 sat out step 2: its velocity is one step behind from there.
+                let w = if t == 8 && step == 3 {
+                    let mut u = want[1][8].clone();
+                    for (u, &g) in u.iter_mut().zip(&g[8]) {
+                        *u = m * *u + g;
+                    }
+                    u
+                } else {
+                    want[step][t].clone()
+                };
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&x[at..at + n]), bits(&w), "step {step} tensor {t}");
+                at += n;
+            }
+        }
+        if step == 2 {
+            saved = mo.velocities();
+            assert_eq!(saved.len(), l.len());
+        }
+    }
+}
+
+#[test]
+fn momentum_by_name_refuses_bad_calls_and_changes_nothing() {
+    for m in [-0.1, 1.0, f32::NAN] {
+        assert!(Momentum::new(m).is_err(), "{m}");
+    }
+    let mut mo = Momentum::new(0.5).unwrap();
+    let t = [Tensor::new("a", &[2, 2]), Tensor::new("b", &[3])];
+    let mut x = vec![1.0f32; 7];
+    mo.apply(&t, &mut x).unwrap();
+    let before = mo.velocities();
+    // A bucket its tensors do not fill, and a velocity of another length.
+    let mut short = vec![2.0f32; 6];
+    assert!(mo.apply(&t, &mut short).is_err());
+    assert_eq!(short, vec![2.0; 6]);
+    let other = [Tensor::new("a", &[5]), Tensor::new("c", &[2])];
+    let mut y = vec![2.0f32; 7];
+    assert!(mo.apply(&other, &mut y).is_err());
+    assert_eq!(y, vec![2.0; 7]);
+    assert_eq!(mo.velocities(), before);
 }

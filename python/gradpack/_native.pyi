@@ -6,7 +6,7 @@ of the `gradpack` Python package).
 from _typeshed import Incomplete, SupportsGetItem
 from typing import Any, Final, SupportsFloat, SupportsIndex, final
 
-__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "ModelSelection", "OuterSync", "PowerSgdBucket", "SharedMemory", "Tcp", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "encode", "encode_into", "frame_len", "inspect", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time"]
+__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "ModelSelection", "Momentum", "OuterSync", "PowerSgdBucket", "SharedMemory", "Tcp", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "encode", "encode_into", "frame_len", "inspect", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time"]
 
 HEADER_LEN: Final[int]
 """
@@ -285,6 +285,31 @@ class ModelSelection:
         """
         Replace every residual with `residuals` (name to float32 array), each taken up
         when its tensor next comes.
+        """
+
+@final
+class Momentum:
+    """
+    Momentum correction by tensor name, for a framework that regroups its buckets: each
+    rank keeps a float32 velocity per tensor, `u = momentum * u + g`, and sends it in
+    place of the gradient (give the optimizer no momentum of its own). The sync engine's
+    `momentum` option updates with the same arithmetic.
+    """
+    def __new__(cls, /, momentum: SupportsFloat | SupportsIndex) -> Momentum: ...
+    def __repr__(self, /) -> str: ...
+    def apply(self, /, x: Any, tensors: SupportsGetItem[int, tuple[str, SupportsGetItem[int, SupportsIndex]]]) -> None:
+        """
+        One step on a bucket: `x` (flat float32) holds the gradients of `tensors`
+        (`(name, shape)` each) laid end to end, and each is replaced by its tensor's new
+        velocity (zero before a tensor's first step). With the GIL released.
+        """
+    def restore(self, /, velocities: dict) -> None:
+        """
+        Replace every velocity with `velocities` (name to float32 array).
+        """
+    def velocities(self, /) -> dict:
+        """
+        Every velocity by name (float32 copies).
         """
 
 @final

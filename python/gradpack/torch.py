@@ -291,9 +291,12 @@ class GradpackState:
             feedback and momentum correction, eleven seeds) it halved the mean gap to
             float32's accuracy, 1.17 to 0.60 points, and its spread across seeds.
         momentum: momentum correction (deep gradient compression's): each rank keeps a
-            velocity ``u = momentum * u + g`` per parameter, in float32 on the
-            gradient's device, and the hook all-reduces ``u`` where it would have
-            all-reduced ``g``. Compression and error feedback then act on the update
+            velocity ``u = momentum * u + g`` per parameter, in float32, and the hook
+            all-reduces ``u`` where it would have all-reduced ``g``. The crate keeps
+            the velocities by parameter name and updates them as the sync engine's
+            ``momentum`` option does, bit for bit; they live on the host, so a CUDA
+            bucket makes a round trip to the host for them (two copies of it per
+            step). Compression and error feedback then act on the update
             momentum SGD applies rather than on the raw gradient, so what a lossy codec
             delays or drops is not missing from the optimizer's momentum too. **Make the
             optimizer without momentum** (``torch.optim.SGD(..., momentum=0)``): the
@@ -411,11 +414,8 @@ class GradpackState:
         ):
             raise ValueError(f"momentum must be a number in [0, 1), not {momentum!r}")
         self.momentum = float(momentum)
-        # momentum: the velocity of each parameter (a view of its layout's flat tensor),
-        # the flat tensors by layout, and velocities loaded but not yet used.
-        self._velocity: Dict[str, torch.Tensor] = {}
-        self._vel_flat: Dict[Tuple[Any, ...], torch.Tensor] = {}
-        self._vel_restored: Dict[str, torch.Tensor] = {}
+        # momentum: the crate's velocities, by parameter name.
+        self._mom = _native.Momentum(self.momentum) if self.momentum else None
         if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
             raise ValueError(f"pieces must be a positive int, not {pieces!r}")
         self.pieces = pieces
@@ -735,7 +735,7 @@ class GradpackState:
         self.wait()
         ring_ef = any(self._wants_ef(ar.codec) for ar in self._rings.values())
         if self._model is None and (
-            self._feedback or self._lr or ring_ef or self._velocity
+            self._feedback or self._lr or ring_ef or (self._mom and self._mom.velocities())
             or (self._model_sel is not None and self._model_sel.residuals())
         ):
             raise ValueError(
@@ -773,10 +773,9 @@ class GradpackState:
             # blob).
             "auto": self._auto_blob(),
             "momentum": self.momentum,
-            "velocities": dict(
-                {k: v.clone() for k, v in self._vel_restored.items()},
-                **{k: v.detach().cpu().clone() for k, v in self._velocity.items()},
-            ),
+            "velocities": {} if self._mom is None else {
+                k: torch.from_numpy(v) for k, v in self._mom.velocities().items()
+            },
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -817,9 +816,7 @@ class GradpackState:
                 f"{self.momentum!r}"
             )
         residuals = {k: f32(k, v) for k, v in state["residuals"].items()}
-        velocities = {
-            k: torch.from_numpy(f32(k, v)) for k, v in state.get("velocities", {}).items()
-        }
+        velocities = {k: f32(k, v) for k, v in state.get("velocities", {}).items()}
         auto = state.get("auto")
         if auto is not None:
             if not isinstance(auto, torch.Tensor) or auto.dtype != torch.uint8:
@@ -848,9 +845,8 @@ class GradpackState:
             self._tuner = None  # made again at the next bucket, from the plan loaded
             self._tuner_saved = auto
             self._plan_printed = auto is not None
-        self._velocity.clear()
-        self._vel_flat.clear()
-        self._vel_restored = velocities
+        if self._mom is not None:
+            self._mom.restore(velocities)
 
     def wait(self) -> None:
         """Block until every submitted bucket has been reduced."""
@@ -921,37 +917,18 @@ class GradpackState:
         return ef
 
     def _momentum(self, buf: torch.Tensor, layout: List[Any]) -> None:
-        """``momentum``: the velocities of the bucket's parameters ``u = momentum * u +
-        g`` (one flat float32 tensor per layout, on the bucket's device), and the bucket's
-        gradients replaced by them. Runs on the training thread, in DDP's stream order."""
-        names = tuple(e[0] for e in layout)
-        key = names + (str(buf.device),)
-        flat = self._vel_flat.get(key)
-        if flat is None:
-            # A new layout (DDP regroups its buckets after the first step): each
-            # parameter's velocity moves into it from where it was (or was loaded).
-            flat = torch.zeros(buf.numel(), dtype=torch.float32, device=buf.device)
-            at = 0
-            for name, n, *_ in layout:
-                old = self._velocity.get(name)
-                if old is None:
-                    old = self._vel_restored.pop(name, None)
-                if old is not None:
-                    if old.numel() != n:
-                        raise ValueError(
-                            f"the velocity of {name!r} has {old.numel()} elements, the "
-                            f"parameter {n}"
-                        )
-                    flat[at : at + n].copy_(old.reshape(-1))
-                self._velocity[name] = flat[at : at + n]
-                at += n
-            mine = set(names)
-            for k in [k for k in self._vel_flat if mine.intersection(k[:-1])]:
-                del self._vel_flat[k]
-            self._vel_flat[key] = flat
-        g = buf.view(-1)
-        torch.add(g, flat, alpha=self.momentum, out=flat)  # one pass: u = g + m u
-        g.copy_(flat)
+        """``momentum``: the bucket's gradients replaced by their parameters' velocities,
+        ``u = momentum * u + g``, by the crate (float32, by parameter name, on the host).
+        Runs on the training thread, in DDP's stream order."""
+        assert self._mom is not None
+        tensors = [(e[0], list(e[4])) for e in layout]
+        flat = buf.view(-1)
+        if flat.dtype == torch.float32 and not flat.is_cuda:
+            self._mom.apply(flat.numpy(), tensors)
+            return
+        host = flat.to("cpu", torch.float32)  # waits for the gradients on DDP's stream
+        self._mom.apply(host.numpy(), tensors)
+        flat.copy_(host)
 
     def _buffer(self, key: Any, make) -> Any:
         b = self._buffers.get(key)

@@ -24,11 +24,11 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
-mod model;
 mod net;
+mod state;
 mod tune;
-use model::PyModelSelection;
 use net::{Net, PyTcp, link};
+use state::{PyModelSelection, PyMomentum};
 use tune::{PyTuner, tensor_codec};
 
 // gradpack.Error, the exception every crate error raises, is a Python class (in
@@ -2488,7 +2488,7 @@ mod _native {
     #[pymodule_export]
     use super::{
         PyAllReduce, PyBucketGather, PyCodec, PyErrorFeedback, PyHierarchical, PyModelSelection,
-        PyOuterSync,
+        PyMomentum, PyOuterSync,
         PyPowerSgd, PyProfile, PySharedMemory, PyTcp, PyTuner, agree, allreduce_time, backend,
         best_strategy, break_even_bandwidth, calibrate, chunk_range, decode, decode_add,
         decode_into, encode, encode_into, frame_len, inspect, parse_bandwidth, parse_duration,

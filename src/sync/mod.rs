@@ -70,6 +70,7 @@
 //! refused.
 
 mod model;
+mod momentum;
 mod plan;
 mod powersgd;
 mod tune;
@@ -84,6 +85,7 @@ pub use plan::{
 };
 
 pub use model::{HeldTensor, MODEL_KEY, ModelSelection};
+pub use momentum::Momentum;
 use plan::{Kind, Reduces};
 use powersgd::LowRank;
 pub use powersgd::PowerSgdBucket;
@@ -1334,14 +1336,7 @@ impl<T: Transport + Send + 'static> SyncEngine<T> {
             // is borrowed, and put back whatever happens).
             let m = self.opts.momentum;
             let mut u = core::mem::take(&mut self.velocity[i]);
-            let r = self.slot(i).map(|g| {
-                crate::kernels::Standard::run(|| {
-                    for (u, g) in u.iter_mut().zip(g) {
-                        *u = m * *u + *g;
-                        *g = *u;
-                    }
-                })
-            });
+            let r = self.slot(i).map(|g| momentum::momentum_step(m, &mut u, g));
             self.velocity[i] = u;
             r?;
         }

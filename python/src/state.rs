@@ -1,6 +1,7 @@
-//! `gradpack.ModelSelection`: one top-k over a whole model (`gradpack::sync::ModelSelection`).
+//! The crate's per-tensor state for a front end's own buckets: `ModelSelection` (one
+//! top-k over a whole model) and `Momentum` (momentum correction by tensor name).
 
-use gradpack::sync::{HeldTensor, ModelSelection, Tensor};
+use gradpack::sync::{HeldTensor, ModelSelection, Momentum, Tensor};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -106,5 +107,68 @@ impl PyModelSelection {
 
     fn __repr__(&self) -> String {
         format!("ModelSelection(codec='{}')", self.inner.codec())
+    }
+}
+
+/// Momentum correction by tensor name, for a framework that regroups its buckets: each
+/// rank keeps a float32 velocity per tensor, `u = momentum * u + g`, and sends it in
+/// place of the gradient (give the optimizer no momentum of its own). The sync engine's
+/// `momentum` option updates with the same arithmetic.
+#[pyclass(module = "gradpack", name = "Momentum")]
+pub(crate) struct PyMomentum {
+    inner: Momentum,
+}
+
+#[pymethods]
+impl PyMomentum {
+    #[new]
+    fn new(momentum: f32) -> PyResult<Self> {
+        Ok(PyMomentum {
+            inner: Momentum::new(momentum).map_err(err)?,
+        })
+    }
+
+    /// One step on a bucket: `x` (flat float32) holds the gradients of `tensors`
+    /// (`(name, shape)` each) laid end to end, and each is replaced by its tensor's new
+    /// velocity (zero before a tensor's first step). With the GIL released.
+    fn apply(
+        &mut self,
+        py: Python<'_>,
+        x: &Bound<'_, PyAny>,
+        tensors: Vec<(String, Vec<usize>)>,
+    ) -> PyResult<()> {
+        let ts: Vec<Tensor> = tensors
+            .iter()
+            .map(|(n, s)| Tensor::new(n.as_str(), s))
+            .collect();
+        let mut a = f32_out(x, "x")?;
+        let xs = slice_out(&mut a)?;
+        let m = &mut self.inner;
+        py.detach(|| m.apply(&ts, xs)).map_err(err)
+    }
+
+    /// Every velocity by name (float32 copies).
+    fn velocities<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (name, v) in self.inner.velocities() {
+            d.set_item(name, PyArray1::from_vec(py, v))?;
+        }
+        Ok(d)
+    }
+
+    /// Replace every velocity with `velocities` (name to float32 array).
+    fn restore(&mut self, velocities: &Bound<'_, PyDict>) -> PyResult<()> {
+        let mut all = Vec::with_capacity(velocities.len());
+        for (k, v) in velocities.iter() {
+            let name: String = k.extract()?;
+            let a = f32_in(&v, &name)?;
+            all.push((name, slice_in(&a)?.to_vec()));
+        }
+        self.inner.restore(all);
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Momentum({})", self.inner.momentum())
     }
 }
