@@ -57,6 +57,13 @@
 //! ever feeds an all-reduce. A framework that runs its own collectives uses the same
 //! arithmetic through [`PowerSgdBucket`].
 //!
+//! ## A framework's own buckets
+//! A framework that forms its buckets itself (PyTorch DDP, which regroups them after the
+//! first step) keeps per-tensor state by name rather than by engine slot:
+//! [`ModelSelection`] is one top-k over every compressed tensor of a step's buckets, its
+//! error feedback kept by tensor name; [`Momentum`] is momentum correction by tensor
+//! name, with the engine's arithmetic. The PyTorch hook runs both.
+//!
 //! ## 2-D `dct`
 //! With [`Policy::dct_2d`] and a fixed `dct` codec of `width=0`, each matrix goes in a
 //! bucket of its own whose codec has the matrix's row length as `width`, so the DCT
