@@ -11,6 +11,7 @@ use gradpack::collective::{
 };
 use gradpack::sync::{
     HeldTensor, ModelSelection, Momentum, Network, Policy, SyncEngine, SyncOptions, Tensor,
+    TensorGather, wants_feedback,
 };
 use gradpack::{CodecSpec, Error, Result};
 
@@ -1347,4 +1348,201 @@ fn momentum_by_name_refuses_bad_calls_and_changes_nothing() {
     assert!(mo.apply(&other, &mut y).is_err());
     assert_eq!(y, vec![2.0; 7]);
     assert_eq!(mo.velocities(), before);
+}
+
+#[test]
+fn tensor_gather_keeps_residuals_by_name_across_regroupings() {
+    // The model's tensors with a codec each (top-k with error feedback by default, int8
+    // without, float32 for the vector and the small matrix, one left to the caller),
+    // regrouped every step on every rank: the results and residuals are those of one
+    // bucket in a fixed order, and a restored TensorGather continues alike.
+    let tensors = model_tensors();
+    let codec_of = |t: usize| -> Option<CodecSpec> {
+        match t {
+            0 => Some("topk:ratio=0.1".parse().unwrap()),
+            2 => Some("int8".parse().unwrap()),
+            4 => None,
+            _ => Some("identity".parse().unwrap()),
+        }
+    };
+    let run = |steps: u64, groups: &(dyn Fn(usize, u64) -> Grouping + Sync)| {
+        local::run(3, Some(Duration::from_secs(20)), |mut comm| {
+            let rank = comm.rank();
+            let mut g = BucketGather::new(&comm, 3, ReduceOp::Mean)?;
+            let mut tg = TensorGather::new(None);
+            let mut out = Vec::new();
+            for step in 0..steps {
+                let mut by_tensor = vec![Vec::new(); tensors.len()];
+                for b in groups(rank, step) {
+                    let held: Vec<(HeldTensor, Option<CodecSpec>)> = b
+                        .iter()
+                        .map(|&t| (tensors[t].clone(), codec_of(t)))
+                        .collect();
+                    let mut x: Vec<f32> = b
+                        .iter()
+                        .flat_map(|&t| model_grad(&tensors[t], rank, step))
+                        .collect();
+                    tg.reduce(
+                        &mut g,
+                        &mut comm,
+                        &mut Vec::new(),
+                        &mut x,
+                        &held,
+                        5,
+                        step,
+                        false,
+                    )?;
+                    let mut at = 0;
+                    for &t in &b {
+                        let n = tensors[t].tensor.len()?;
+                        by_tensor[t] = x[at..at + n].to_vec();
+                        at += n;
+                    }
+                }
+                out.push(by_tensor);
+            }
+            Ok((out, tg.residuals()))
+        })
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect::<Vec<_>>()
+    };
+    let one = |_: usize, _: u64| vec![vec![0, 1, 2, 3, 4]];
+    let regrouped = |_: usize, step: u64| match step % 3 {
+        0 => vec![vec![4, 3], vec![1, 0], vec![2]],
+        1 => vec![vec![2, 0, 1], vec![3, 4]],
+        _ => vec![vec![0], vec![1, 2, 3, 4]],
+    };
+    let a = run(4, &one);
+    let b = run(4, &regrouped);
+    for r in 0..3 {
+        assert!(f32_bits(&b[r].0) == f32_bits(&a[r].0), "rank {r}");
+        // Every rank has the same means (the tensor left to the caller aside).
+        let reduced = |x: &[Vec<Vec<f32>>]| -> Vec<u32> {
+            let kept: Vec<Vec<Vec<f32>>> = x.iter().map(|s| s[..4].to_vec()).collect();
+            f32_bits(&kept)
+        };
+        assert!(
+            reduced(&a[r].0) == reduced(&a[0].0),
+            "rank {r} against rank 0"
+        );
+        assert_eq!(b[r].1, a[r].1, "rank {r}: residuals");
+        // Only top-k (error feedback by default) has a residual; the tensor left to
+        // the caller is as it was.
+        let names: Vec<&str> = a[r].1.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(names, ["w0"]);
+        assert_eq!(a[r].0[0][4], model_grad(&tensors[4], r, 0));
+    }
+    // Restored after 2 steps, a new one gives steps 2 and 3 as the first did.
+    let two = run(2, &one);
+    let saved: Vec<_> = two.iter().map(|r| r.1.clone()).collect();
+    let c = local::run(3, Some(Duration::from_secs(20)), |mut comm| {
+        let rank = comm.rank();
+        let mut g = BucketGather::new(&comm, 3, ReduceOp::Mean)?;
+        let mut tg = TensorGather::new(None);
+        tg.restore(saved[rank].clone());
+        let mut out = Vec::new();
+        for step in 2..4 {
+            let held: Vec<(HeldTensor, Option<CodecSpec>)> =
+                (0..5).map(|t| (tensors[t].clone(), codec_of(t))).collect();
+            let mut x: Vec<f32> = (0..5)
+                .flat_map(|t| model_grad(&tensors[t], rank, step))
+                .collect();
+            tg.reduce(
+                &mut g,
+                &mut comm,
+                &mut Vec::new(),
+                &mut x,
+                &held,
+                5,
+                step,
+                false,
+            )?;
+            out.push(x);
+        }
+        Ok(out)
+    });
+    for (r, got) in c.into_iter().enumerate() {
+        let got = got.unwrap();
+        for (i, step) in (2..4).enumerate() {
+            let want: Vec<f32> = a[r].0[step].iter().flatten().copied().collect();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got[i]), bits(&want), "rank {r} step {step}");
+        }
+    }
+}
+
+#[test]
+fn tensor_gather_refuses_bad_calls_and_changes_nothing() {
+    // The default choice of error feedback, and a choice given.
+    let spec = |s: &str| -> CodecSpec { s.parse().unwrap() };
+    for (c, on) in [
+        ("topk:k=3", true),
+        ("chunktopk:chunk=64,k=2", true),
+        ("sign", true),
+        ("int8", false),
+        ("fp16", false),
+        ("identity", false),
+    ] {
+        assert_eq!(wants_feedback(&spec(c), None), on, "{c}");
+        assert_eq!(wants_feedback(&spec(c), Some(true)), c != "identity", "{c}");
+        assert!(!wants_feedback(&spec(c), Some(false)), "{c}");
+    }
+    let res = local::run(1, None, |mut comm| {
+        let mut g = BucketGather::new(&comm, 1, ReduceOp::Mean)?;
+        let mut tg = TensorGather::new(None);
+        let t = |name: &str, n: usize| HeldTensor {
+            tensor: Tensor::new(name, &[n, 1]),
+            key: 1,
+        };
+        let topk = Some(spec("topk:k=2"));
+        // A bucket its tensors do not fill; a name twice; a restored residual of another
+        // length: each refused, the bucket and the residuals unchanged.
+        let mut x = vec![1.0f32; 7];
+        assert!(
+            tg.reduce(
+                &mut g,
+                &mut comm,
+                &mut Vec::new(),
+                &mut x,
+                &[(t("a", 6), topk)],
+                0,
+                0,
+                false
+            )
+            .is_err()
+        );
+        let two = [(t("a", 3), topk), (t("a", 4), topk)];
+        assert!(
+            tg.reduce(
+                &mut g,
+                &mut comm,
+                &mut Vec::new(),
+                &mut x,
+                &two,
+                0,
+                0,
+                false
+            )
+            .is_err()
+        );
+        tg.restore(vec![("a".into(), vec![0.5; 5])]);
+        assert!(
+            tg.reduce(
+                &mut g,
+                &mut comm,
+                &mut Vec::new(),
+                &mut x,
+                &[(t("a", 7), topk)],
+                0,
+                0,
+                false
+            )
+            .is_err()
+        );
+        assert_eq!(x, vec![1.0; 7]);
+        assert_eq!(tg.residuals(), vec![("a".to_string(), vec![0.5; 5])]);
+        Ok(())
+    });
+    res.into_iter().for_each(|r| r.unwrap());
 }

@@ -6,7 +6,7 @@ of the `gradpack` Python package).
 from _typeshed import Incomplete, SupportsGetItem
 from typing import Any, Final, SupportsFloat, SupportsIndex, final
 
-__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "ModelSelection", "Momentum", "OuterSync", "PowerSgdBucket", "SharedMemory", "Tcp", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "encode", "encode_into", "frame_len", "inspect", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time"]
+__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "ModelSelection", "Momentum", "OuterSync", "PowerSgdBucket", "SharedMemory", "Tcp", "TensorGather", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "encode", "encode_into", "frame_len", "inspect", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time", "wants_feedback"]
 
 HEADER_LEN: Final[int]
 """
@@ -520,6 +520,33 @@ class Tcp:
         """
 
 @final
+class TensorGather:
+    """
+    A bucket's all-gather, each tensor with its own codec and its error feedback kept by
+    tensor name (so a regrouping of the buckets keeps each tensor's residual). Error
+    feedback as `wants_feedback(codec, feedback)` says.
+    """
+    def __new__(cls, /, feedback: bool | None = None) -> TensorGather: ...
+    def __repr__(self, /) -> str: ...
+    def reduce(self, /, gather: BucketGather, x: Any, tensors: SupportsGetItem[int, tuple[str, SupportsGetItem[int, SupportsIndex], SupportsIndex, Any | None]], *, seed: SupportsIndex, step: SupportsIndex, checksum: bool = False) -> dict:
+        """
+        Reduce the bucket `x` (flat float32): `tensors` are its `(name, shape, key,
+        codec)` laid end to end (`codec` `None`: left as it is). Each goes with its codec
+        through its residual where error feedback is on, seeded from `seed`, `step`, its
+        `key` and the rank; the frames go as one message by `gather`, and each tensor's
+        mean over the ranks is written back. Returns the call's statistics.
+        """
+    def residuals(self, /) -> dict:
+        """
+        Every residual by name (float32 copies).
+        """
+    def restore(self, /, residuals: dict) -> None:
+        """
+        Replace every residual with `residuals` (name to float32 array), each taken up
+        when its tensor next goes with error feedback.
+        """
+
+@final
 class Tuner:
     """
     Measured `auto`: per bucket, float32 and the configurations (codec and route) the
@@ -760,4 +787,11 @@ def two_level_time(profile: CodecProfile, strategy: str, hierarchical: bool, nod
     and each node's uplink of `inter_bandwidth` (`inter_latency`), shared by its ranks'
     streams. `hierarchical`: the two-level all-reduce (`node_bits` per element inside a
     node: 32, or 16 for bf16), else the flat one, by `strategy` with `profile`'s codec.
+    """
+
+def wants_feedback(codec: Any, choice: bool | None = None) -> bool:
+    """
+    Whether a tensor sent with `codec` gets error feedback: never for `"identity"`;
+    `choice` when given; else exactly for `topk`, `chunktopk` and `sign`, which drop or
+    flatten so much of each step's gradient that training needs the residual back.
     """

@@ -147,7 +147,7 @@ import torch
 import torch.distributed as dist
 
 import gradpack
-from gradpack import Codec, ErrorFeedback, _native
+from gradpack import Codec, _native
 from gradpack._torch_net import (
     _MIN_RING,
     _RING,
@@ -445,9 +445,10 @@ class GradpackState:
         self.min_compress_elements = int(min_compress_elements)
         self.seed = int(seed) & _MASK
         self.checksum = bool(checksum)
-        self._ef_choice = error_feedback
+        self._ef_choice = None if error_feedback is None else bool(error_feedback)
         self.step = 0
-        self._feedback: Dict[str, ErrorFeedback] = {}  # parameter -> its residual
+        # The all-gather's residuals, by parameter name (the crate's).
+        self._tensor_gather = _native.TensorGather(self._ef_choice)
         self._lr: Dict[Tuple[str, ...], gradpack.PowerSgdBucket] = {}  # names -> bucket
         self._lr_owner: Dict[str, Tuple[str, ...]] = {}  # parameter -> its bucket's names
         self._lr_restored: Dict[str, Tuple[Optional[np.ndarray], np.ndarray]] = {}
@@ -455,7 +456,6 @@ class GradpackState:
         # (bucket index, P or Q, length) -> the crate's float32 all-reduce of PowerSGD's
         # factors.
         self._lr_rings: Dict[Tuple[int, int, int], Any] = {}
-        self._restored: Dict[str, np.ndarray] = {}  # residuals loaded, not yet used
         self._model = model
         self._names: Optional[Dict[int, str]] = None
         self._buffers: Dict[Any, Any] = {}
@@ -509,10 +509,15 @@ class GradpackState:
             )
         self.selection = selection
         # selection='model': the step's buckets held (on the host) until its last one,
-        # the one error feedback over every compressed parameter (names, sizes, residual)
-        # and each parameter's place in the model.
+        # and the crate's one top-k over the model (its residual by parameter name).
         self._pending: List[Any] = []
         self._model_sel: Optional[_native.ModelSelection] = None
+        if selection == "model":
+            self._model_sel = _native.ModelSelection(
+                self.codec.spec, list(dict.fromkeys(self._names_of().values())),
+                feedback=self._wants_ef(self.codec), small_below=self.min_compress_elements,
+                dct_2d=self.dct_2d,
+            )
         # Every option the ranks must share, compared across them before the first
         # bucket (a rank with another seed or codec would otherwise diverge with no
         # error, or fail later with a less clear one).
@@ -604,11 +609,7 @@ class GradpackState:
         return self._p2p.link()
 
     def _wants_ef(self, codec: Codec) -> bool:
-        if codec.name == "identity":
-            return False
-        if self._ef_choice is None:
-            return codec.name in BIASED_NEED_FEEDBACK
-        return bool(self._ef_choice)
+        return _native.wants_feedback(codec._c, self._ef_choice)
 
     def _world(self) -> int:
         return dist.get_world_size(self.process_group)
@@ -735,19 +736,16 @@ class GradpackState:
         self.wait()
         ring_ef = any(self._wants_ef(ar.codec) for ar in self._rings.values())
         if self._model is None and (
-            self._feedback or self._lr or ring_ef or (self._mom and self._mom.velocities())
-            or (self._model_sel is not None and self._model_sel.residuals())
+            self._lr or ring_ef or (self._mom and self._mom.velocities())
+            or any(s.residuals() for s in self._residual_states())
         ):
             raise ValueError(
                 "GradpackState.state_dict needs the model: make the state with "
                 "model=ddp_model so residuals and velocities are saved by parameter name"
             )
-        residuals = {k: torch.from_numpy(v.copy()) for k, v in self._restored.items()}
-        for key, ef in self._feedback.items():
-            residuals[key] = torch.from_numpy(ef.residual())
-        if self._model_sel is not None:
-            for key, r in self._model_sel.residuals().items():
-                residuals[key] = torch.from_numpy(r)
+        residuals = {
+            k: torch.from_numpy(r) for s in self._residual_states() for k, r in s.residuals().items()
+        }
         low_rank = {}
         for name, (q, e) in self._lr_restored.items():
             low_rank[name] = {"q": None if q is None else torch.from_numpy(q.copy()),
@@ -830,10 +828,8 @@ class GradpackState:
         }
         self.wait()
         self.step = int(state["step"])
-        self._feedback.clear()
-        self._model_sel = None
         self._pending = []
-        self._restored = residuals
+        (self._model_sel or self._tensor_gather).restore(residuals)
         self._lr.clear()
         self._lr_owner.clear()
         self._lr_restored = low_rank
@@ -899,22 +895,6 @@ class GradpackState:
                     (f"id:{id(p)}", p.numel(), p.dim(), (bucket.index() << 20) + pos, shape)
                 )
         return out
-
-    def _feedback_for(self, key: str, codec: Codec, n: int) -> ErrorFeedback:
-        ef = self._feedback.get(key)
-        if ef is not None and len(ef) == n and ef.codec == codec:
-            return ef
-        ef = ErrorFeedback(codec, n)
-        saved = self._restored.pop(key, None)
-        if saved is not None:
-            if saved.size != n:
-                raise ValueError(
-                    f"the restored residual of {key!r} has {saved.size} elements, the "
-                    f"parameter {n}"
-                )
-            ef.set_residual(saved)
-        self._feedback[key] = ef
-        return ef
 
     def _momentum(self, buf: torch.Tensor, layout: List[Any]) -> None:
         """``momentum``: the bucket's gradients replaced by their parameters' velocities,
@@ -1085,16 +1065,7 @@ class GradpackState:
         every compressed parameter in the model's order, with its error feedback; the
         others as float32 frames; one all-gather), the means written into the copies."""
         sel = self._model_sel
-        if sel is None:
-            assert self.codec is not None
-            sel = _native.ModelSelection(
-                self.codec.spec, list(dict.fromkeys(self._names_of().values())),
-                feedback=self._wants_ef(self.codec), small_below=self.min_compress_elements,
-                dct_2d=self.dct_2d,
-            )
-            sel.restore(self._restored)  # taken up by name as each parameter comes
-            self._restored = {}
-            self._model_sel = sel
+        assert sel is not None
         buckets = [
             (flat.view(-1).numpy(), [(key, list(shape), skey) for key, _, _, skey, shape in lay])
             for flat, lay in parts
@@ -1273,34 +1244,27 @@ class GradpackState:
         world: int,
     ) -> None:
         """The bucket's tensors encoded (each with its codec, seed and residual), all-gathered
-        and summed by the crate's :class:`gradpack.BucketGather` (each tensor's frames
-        summed in rank order, the same sum on every rank, in one fused pass); those whose
-        codec is ``None`` are left as they are (PowerSGD reduces them)."""
-        starts = np.cumsum([0] + [e[1] for e in layout])
-        parts = [
-            (int(a), m, c, skey, self._feedback_for(key, c, m) if self._wants_ef(c) else None)
-            for c, (key, m, _, skey, _), a in zip(codecs, layout, starts) if c is not None
+        and summed by the crate's :class:`gradpack._native.TensorGather` over collective
+        ``index``'s :class:`gradpack.BucketGather` (each tensor's frames summed in rank
+        order, the same sum on every rank, in one fused pass); those whose codec is
+        ``None`` are left as they are (PowerSGD reduces them)."""
+        tensors = [
+            (key, list(shape), skey, None if c is None else c._c)
+            for c, (key, _, _, skey, shape) in zip(codecs, layout)
         ]
-        self._gather(flat.numpy(), parts, index, step)
-
-    def _gather(
-        self,
-        x: np.ndarray,
-        parts: List[Tuple[int, int, Codec, int, Optional[ErrorFeedback]]],
-        index: int,
-        step: int,
-    ) -> None:
-        """Each ``(start, length, codec, key, feedback)`` of ``parts`` encoded by the
-        crate into one message (the seed from the state's, the step and the key), the
-        message all-gathered by collective ``index``'s :class:`gradpack.BucketGather`,
-        and each part's mean over the ranks written back into ``x``."""
         g = self._gather_of(index)
         try:
-            g.encode_run(x, parts, seed=self.seed, step=step, checksum=self.checksum)
+            self._tensor_gather.reduce(
+                g._g, flat.numpy(), tensors, seed=self.seed, step=step, checksum=self.checksum
+            )
         except BaseException:
             self._p2p.drop()
             raise
         self._p2p.wait()
+
+    def _residual_states(self) -> List[Any]:
+        """The crate's objects holding residuals by parameter name."""
+        return [self._tensor_gather] + ([self._model_sel] if self._model_sel else [])
 
     def _gather_of(self, index: int) -> "gradpack.BucketGather":
         """Collective ``index``'s :class:`gradpack.BucketGather` (made on first use)."""

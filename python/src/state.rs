@@ -1,7 +1,8 @@
-//! The crate's per-tensor state for a front end's own buckets: `ModelSelection` (one
-//! top-k over a whole model) and `Momentum` (momentum correction by tensor name).
+//! The crate's per-tensor state for a front end's own buckets, kept by tensor name:
+//! `TensorGather` (a bucket's all-gather with its residuals), `ModelSelection` (one top-k
+//! over a whole model) and `Momentum` (momentum correction).
 
-use gradpack::sync::{HeldTensor, ModelSelection, Momentum, Tensor};
+use gradpack::sync::{HeldTensor, ModelSelection, Momentum, Tensor, TensorGather};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -85,23 +86,13 @@ impl PyModelSelection {
 
     /// Every tensor's residual by name (float32 copies).
     fn residuals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        for (name, r) in self.inner.residuals() {
-            d.set_item(name, PyArray1::from_vec(py, r))?;
-        }
-        Ok(d)
+        named_arrays(py, self.inner.residuals())
     }
 
     /// Replace every residual with `residuals` (name to float32 array), each taken up
     /// when its tensor next comes.
     fn restore(&mut self, residuals: &Bound<'_, PyDict>) -> PyResult<()> {
-        let mut all = Vec::with_capacity(residuals.len());
-        for (k, v) in residuals.iter() {
-            let name: String = k.extract()?;
-            let a = f32_in(&v, &name)?;
-            all.push((name, slice_in(&a)?.to_vec()));
-        }
-        self.inner.restore(all);
+        self.inner.restore(named_vecs(residuals)?);
         Ok(())
     }
 
@@ -149,26 +140,114 @@ impl PyMomentum {
 
     /// Every velocity by name (float32 copies).
     fn velocities<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        for (name, v) in self.inner.velocities() {
-            d.set_item(name, PyArray1::from_vec(py, v))?;
-        }
-        Ok(d)
+        named_arrays(py, self.inner.velocities())
     }
 
     /// Replace every velocity with `velocities` (name to float32 array).
     fn restore(&mut self, velocities: &Bound<'_, PyDict>) -> PyResult<()> {
-        let mut all = Vec::with_capacity(velocities.len());
-        for (k, v) in velocities.iter() {
-            let name: String = k.extract()?;
-            let a = f32_in(&v, &name)?;
-            all.push((name, slice_in(&a)?.to_vec()));
-        }
-        self.inner.restore(all);
+        self.inner.restore(named_vecs(velocities)?);
         Ok(())
     }
 
     fn __repr__(&self) -> String {
         format!("Momentum({})", self.inner.momentum())
     }
+}
+
+/// Whether a tensor sent with `codec` gets error feedback: never for `"identity"`;
+/// `choice` when given; else exactly for `topk`, `chunktopk` and `sign`, which drop or
+/// flatten so much of each step's gradient that training needs the residual back.
+#[pyfunction]
+#[pyo3(signature = (codec, choice=None))]
+pub(crate) fn wants_feedback(codec: &Bound<'_, PyAny>, choice: Option<bool>) -> PyResult<bool> {
+    Ok(gradpack::sync::wants_feedback(&spec_of(codec)?, choice))
+}
+
+/// A bucket's all-gather, each tensor with its own codec and its error feedback kept by
+/// tensor name (so a regrouping of the buckets keeps each tensor's residual). Error
+/// feedback as `wants_feedback(codec, feedback)` says.
+#[pyclass(module = "gradpack", name = "TensorGather")]
+pub(crate) struct PyTensorGather {
+    inner: TensorGather,
+}
+
+#[pymethods]
+impl PyTensorGather {
+    #[new]
+    #[pyo3(signature = (feedback=None))]
+    fn new(feedback: Option<bool>) -> Self {
+        PyTensorGather {
+            inner: TensorGather::new(feedback),
+        }
+    }
+
+    /// Reduce the bucket `x` (flat float32): `tensors` are its `(name, shape, key,
+    /// codec)` laid end to end (`codec` `None`: left as it is). Each goes with its codec
+    /// through its residual where error feedback is on, seeded from `seed`, `step`, its
+    /// `key` and the rank; the frames go as one message by `gather`, and each tensor's
+    /// mean over the ranks is written back. Returns the call's statistics.
+    #[pyo3(signature = (gather, x, tensors, *, seed, step, checksum=false))]
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    fn reduce<'py>(
+        &mut self,
+        py: Python<'py>,
+        mut gather: PyRefMut<'py, PyBucketGather>,
+        x: &Bound<'py, PyAny>,
+        tensors: Vec<(String, Vec<usize>, u64, Option<Bound<'py, PyAny>>)>,
+        seed: u64,
+        step: u64,
+        checksum: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let mut held = Vec::with_capacity(tensors.len());
+        for (name, shape, key, codec) in &tensors {
+            let c = codec.as_ref().map(spec_of).transpose()?;
+            let tensor = Tensor::new(name.as_str(), shape);
+            held.push((HeldTensor { tensor, key: *key }, c));
+        }
+        let mut a = f32_out(x, "x")?;
+        let xs = slice_out(&mut a)?;
+        let g = &mut *gather;
+        let (inner, comm, send) = (&mut g.inner, &mut g.comm, &mut g.send);
+        let me = &mut self.inner;
+        let stats = py
+            .detach(|| me.reduce(inner, comm, send, xs, &held, seed, step, checksum))
+            .map_err(err)?;
+        stats_dict(py, &stats)
+    }
+
+    /// Every residual by name (float32 copies).
+    fn residuals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        named_arrays(py, self.inner.residuals())
+    }
+
+    /// Replace every residual with `residuals` (name to float32 array), each taken up
+    /// when its tensor next goes with error feedback.
+    fn restore(&mut self, residuals: &Bound<'_, PyDict>) -> PyResult<()> {
+        self.inner.restore(named_vecs(residuals)?);
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        "TensorGather()".into()
+    }
+}
+
+/// `(name, values)` pairs as a dict of float32 arrays.
+fn named_arrays(py: Python<'_>, all: Vec<(String, Vec<f32>)>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    for (name, v) in all {
+        d.set_item(name, PyArray1::from_vec(py, v))?;
+    }
+    Ok(d)
+}
+
+/// A dict of name to float32 array as `(name, values)` pairs.
+fn named_vecs(d: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Vec<f32>)>> {
+    let mut all = Vec::with_capacity(d.len());
+    for (k, v) in d.iter() {
+        let name: String = k.extract()?;
+        let a = f32_in(&v, &name)?;
+        all.push((name, slice_in(&a)?.to_vec()));
+    }
+    Ok(all)
 }

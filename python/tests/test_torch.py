@@ -303,6 +303,19 @@ def test_ranks_made_with_different_options_raise_at_the_first_step(option):
         assert r["raised"] and f"{option}=" in r["raised"], r
 
 
+def test_the_documented_defaults_are_the_crates():
+    # BIASED_NEED_FEEDBACK documents the crate's rule (gradpack._native.wants_feedback):
+    # the hook asks the crate, and the list says what it answers.
+    from gradpack import _native
+    for spec in ["identity", "fp16", "bf16", "int8", "qsgd", "natural", "ternary", "fp8",
+                 "fp4", "codebook", "sign", "topk:ratio=0.01", "randk:ratio=0.01",
+                 "chunktopk:chunk=64,k=2", "dct:chunk=8,k=2"]:
+        name = spec.split(":")[0]
+        assert _native.wants_feedback(spec) == (name in gpt.BIASED_NEED_FEEDBACK), spec
+        assert _native.wants_feedback(spec, True) == (name != "identity"), spec
+        assert not _native.wants_feedback(spec, False), spec
+
+
 def test_state_validation():
     with pytest.raises(ValueError, match="strategy"):
         gpt.GradpackState(strategy="tree")

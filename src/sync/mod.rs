@@ -76,6 +76,7 @@
 //! to one that never stopped. A blob of another layout or plan, or a damaged one, is
 //! refused.
 
+mod gather;
 mod model;
 mod momentum;
 mod plan;
@@ -91,6 +92,7 @@ pub use plan::{
     calibrate,
 };
 
+pub use gather::{TensorGather, wants_feedback};
 pub use model::{HeldTensor, MODEL_KEY, ModelSelection};
 pub use momentum::Momentum;
 use plan::{Kind, Reduces};
