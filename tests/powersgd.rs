@@ -7,7 +7,9 @@
 use std::time::Duration;
 
 use gradpack::collective::{Transport, local};
-use gradpack::sync::{Network, Policy, PowerSgd, PowerSgdBucket, SyncEngine, SyncOptions, Tensor};
+use gradpack::sync::{
+    Network, Policy, PowerSgd, PowerSgdBucket, PowerSgdByName, SyncEngine, SyncOptions, Tensor,
+};
 use gradpack::{Error, Result};
 
 /// Eigenvalues of the symmetric `k x k` matrix `a` by cyclic Jacobi rotations, in f64.
@@ -777,4 +779,107 @@ fn a_whole_exchange_matches_the_three_steps_and_carries_the_float32_tensors() {
     for r in &res[1..] {
         assert_eq!(bits(&r.concat()), bits(&res[0].concat()));
     }
+}
+
+/// Three named matrices `(n, m, r)` and one rank's gradient of each at `step`.
+fn named_mats() -> Vec<(String, (usize, usize, usize))> {
+    vec![
+        ("a".into(), (12, 8, 2)),
+        ("b".into(), (6, 10, 2)),
+        ("c".into(), (9, 9, 1)),
+    ]
+}
+
+fn named_grad(i: usize, step: u64) -> Vec<f32> {
+    let (_, (n, m, _)) = named_mats()[i];
+    decaying(n, m, 100 * step + i as u64)
+}
+
+/// Steps of [`PowerSgdByName`] on one rank, the matrices grouped into buckets by
+/// `groups(step)` (each bucket its matrices back to back): each matrix's output by step.
+fn by_name_steps(
+    by: &mut PowerSgdByName,
+    steps: std::ops::Range<u64>,
+    groups: impl Fn(u64) -> Vec<Vec<usize>>,
+) -> Result<Vec<Vec<Vec<f32>>>> {
+    let mats = named_mats();
+    let mut out = Vec::new();
+    for step in steps {
+        let mut got = vec![Vec::new(); mats.len()];
+        for g in groups(step) {
+            let names: Vec<String> = g.iter().map(|&i| mats[i].0.clone()).collect();
+            let mut placed = Vec::new();
+            let mut at = 0;
+            for &i in &g {
+                let (n, m, r) = mats[i].1;
+                placed.push((at, (n, m, r)));
+                at += n * m;
+            }
+            let grad: Vec<f32> = g.iter().flat_map(|&i| named_grad(i, step)).collect();
+            let y = bucket_step(by.bucket(&names, &placed, at)?, &grad, 7 + step)?;
+            for (&i, &(a, (n, m, _))) in g.iter().zip(&placed) {
+                got[i] = y[a..a + n * m].to_vec();
+            }
+        }
+        out.push(got);
+    }
+    Ok(out)
+}
+
+#[test]
+fn state_by_name_follows_each_matrix_into_new_buckets_and_restores() -> Result<()> {
+    // After a first step in one bucket (every Q drawn there), the matrices regrouped
+    // every step give, bit for bit, what one fixed bucket gives: each matrix's warm-start
+    // Q and residual follow it by name. Saved and restored by name, a new one continues
+    // alike.
+    let settings = PowerSgd::rank(2);
+    let fixed = |_: u64| vec![vec![0, 1, 2]];
+    let regrouped = |step: u64| match step % 3 {
+        0 => vec![vec![0, 1, 2]],
+        1 => vec![vec![2], vec![1, 0]],
+        _ => vec![vec![1, 2], vec![0]],
+    };
+    let a = by_name_steps(&mut PowerSgdByName::new(settings)?, 0..5, fixed)?;
+    let mut moved = PowerSgdByName::new(settings)?;
+    let b = by_name_steps(&mut moved, 0..5, regrouped)?;
+    let bits = |x: &Vec<Vec<Vec<f32>>>| -> Vec<u32> {
+        x.iter().flatten().flatten().map(|v| v.to_bits()).collect()
+    };
+    assert!(bits(&a) == bits(&b));
+    // Every matrix has its state, by name.
+    let states = moved.states()?;
+    let names: Vec<&str> = states.iter().map(|s| s.0.as_str()).collect();
+    assert_eq!(names, ["a", "b", "c"]);
+    assert!(
+        states
+            .iter()
+            .all(|(_, (q, e))| q.is_some() && !e.is_empty())
+    );
+    // Restored from the state after 3 steps: steps 3 and 4 as before.
+    let mut three = PowerSgdByName::new(settings)?;
+    by_name_steps(&mut three, 0..3, regrouped)?;
+    let mut again = PowerSgdByName::new(settings)?;
+    again.restore(three.states()?);
+    let c = by_name_steps(&mut again, 3..5, regrouped)?;
+    assert!(bits(&c) == bits(&a[3..].to_vec()));
+    Ok(())
+}
+
+#[test]
+fn state_by_name_refuses_what_does_not_fit_and_changes_nothing() -> Result<()> {
+    let settings = PowerSgd::rank(2);
+    assert!(PowerSgdByName::new(PowerSgd::rank(0)).is_err());
+    let mut by = PowerSgdByName::new(settings)?;
+    by_name_steps(&mut by, 0..1, |_| vec![vec![0, 1, 2]])?;
+    let before = by.states()?;
+    // Names and matrices that do not pair; a restored residual of another length.
+    let names = vec!["a".to_string()];
+    assert!(by.bucket(&names, &[], 96).is_err());
+    assert_eq!(by.states()?, before);
+    let mut wrong = before.clone();
+    wrong[0].1.1.pop();
+    by.restore(wrong.clone());
+    assert!(by.bucket(&names, &[(0, (12, 8, 2))], 96).is_err());
+    assert_eq!(by.states()?, wrong);
+    Ok(())
 }

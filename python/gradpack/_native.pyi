@@ -6,7 +6,7 @@ of the `gradpack` Python package).
 from _typeshed import Incomplete, SupportsGetItem
 from typing import Any, Final, SupportsFloat, SupportsIndex, final
 
-__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "ModelSelection", "Momentum", "OuterSync", "PowerSgdBucket", "SharedMemory", "Tcp", "TensorGather", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "encode", "encode_into", "frame_len", "inspect", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time", "wants_feedback"]
+__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "ModelSelection", "Momentum", "OuterSync", "PowerSgdBucket", "PowerSgdByName", "SharedMemory", "Tcp", "TensorGather", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "encode", "encode_into", "frame_len", "inspect", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time", "wants_feedback"]
 
 HEADER_LEN: Final[int]
 """
@@ -419,6 +419,34 @@ class PowerSgdBucket:
     def set_matrix_state(self, /, i: SupportsIndex, q: Any | None, residual: Any) -> None:
         """
         Set matrix `i`'s state as `matrix_state` gave it.
+        """
+
+@final
+class PowerSgdByName:
+    """
+    PowerSGD over a framework's own buckets: one `PowerSgdBucket` per set of matrix names,
+    each matrix's warm-start Q and residual following it by name when the buckets
+    regroup. The settings are `PowerSgdBucket`'s.
+    """
+    def __new__(cls, /, rank: SupportsIndex = 2, warm_start: bool = True, feedback: bool = True, min_compression: SupportsFloat | SupportsIndex = 2.0) -> PowerSgdByName: ...
+    def __repr__(self, /) -> str: ...
+    def exchange(self, /, names: SupportsGetItem[int, str], shapes: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex, SupportsIndex]], offsets: SupportsGetItem[int, SupportsIndex], m: Any, seed: SupportsIndex, plain: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex]], first: AllReduce, second: AllReduce) -> bool:
+        """
+        A whole PowerSGD step on the bucket `m` (flat float32) whose matrices `names` are
+        `shapes` (`(n, m, r)` each) at `offsets`: their bucket's state (made, and filled
+        by name, when this set of names is new), then `PowerSgdBucket.exchange` with
+        `seed`, the float32 ranges `plain` and the all-reduces `first` and `second`.
+        Returns its flag (False: the factors were not finite).
+        """
+    def restore(self, /, states: dict) -> None:
+        """
+        Replace every matrix's state with `states` (name to `(q or None, residual)`),
+        each taken up when its bucket next forms.
+        """
+    def states(self, /) -> dict:
+        """
+        Every matrix's state by name: `(q, residual)` float32 arrays (`q` None when
+        unset).
         """
 
 @final

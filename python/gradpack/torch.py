@@ -449,9 +449,11 @@ class GradpackState:
         self.step = 0
         # The all-gather's residuals, by parameter name (the crate's).
         self._tensor_gather = _native.TensorGather(self._ef_choice)
-        self._lr: Dict[Tuple[str, ...], gradpack.PowerSgdBucket] = {}  # names -> bucket
-        self._lr_owner: Dict[str, Tuple[str, ...]] = {}  # parameter -> its bucket's names
-        self._lr_restored: Dict[str, Tuple[Optional[np.ndarray], np.ndarray]] = {}
+        # PowerSGD: the crate's buckets of matrices, each matrix's state by name.
+        self._lr = None if self._ps is None else _native.PowerSgdByName(
+            rank=self._ps["rank"], warm_start=self._ps["warm_start"],
+            feedback=self._ps["feedback"], min_compression=self._ps["min_compression"],
+        )
         self._lr_shapes: Dict[Tuple[int, ...], Optional[Tuple[int, int, int]]] = {}
         # (bucket index, P or Q, length) -> the crate's float32 all-reduce of PowerSGD's
         # factors.
@@ -736,7 +738,7 @@ class GradpackState:
         self.wait()
         ring_ef = any(self._wants_ef(ar.codec) for ar in self._rings.values())
         if self._model is None and (
-            self._lr or ring_ef or (self._mom and self._mom.velocities())
+            (self._lr and self._lr.states()) or ring_ef or (self._mom and self._mom.velocities())
             or any(s.residuals() for s in self._residual_states())
         ):
             raise ValueError(
@@ -746,14 +748,10 @@ class GradpackState:
         residuals = {
             k: torch.from_numpy(r) for s in self._residual_states() for k, r in s.residuals().items()
         }
-        low_rank = {}
-        for name, (q, e) in self._lr_restored.items():
-            low_rank[name] = {"q": None if q is None else torch.from_numpy(q.copy()),
-                              "residual": torch.from_numpy(e.copy())}
-        for name, names in self._lr_owner.items():
-            q, e = self._lr[names].matrix_state(names.index(name))
-            low_rank[name] = {"q": None if q is None else torch.from_numpy(q),
-                              "residual": torch.from_numpy(e)}
+        low_rank = {
+            name: {"q": None if q is None else torch.from_numpy(q), "residual": torch.from_numpy(e)}
+            for name, (q, e) in (self._lr.states() if self._lr else {}).items()
+        }
         return {
             "format": _FORMAT,
             "step": self.step,
@@ -830,9 +828,8 @@ class GradpackState:
         self.step = int(state["step"])
         self._pending = []
         (self._model_sel or self._tensor_gather).restore(residuals)
-        self._lr.clear()
-        self._lr_owner.clear()
-        self._lr_restored = low_rank
+        if self._lr is not None:
+            self._lr.restore(low_rank)
         self._rings.clear()
         self._rings_now.clear()
         self._gathers.clear()
@@ -1295,50 +1292,6 @@ class GradpackState:
                 out.append((i, mat))
         return out
 
-    def _lr_bucket(
-        self,
-        names: Tuple[str, ...],
-        shapes: List[Tuple[int, int, int]],
-        offsets: List[int],
-        length: int,
-    ) -> "gradpack.PowerSgdBucket":
-        """The PowerSGD state of the matrices ``names`` at ``offsets`` of a bucket of
-        ``length`` elements; made on first use, with each matrix's state taken from where
-        it was (a checkpoint, or the bucket DDP had it in before it regrouped its
-        buckets)."""
-        b = self._lr.get(names)
-        if b is not None and len(b) == length:
-            return b
-        ps = self._ps
-        assert ps is not None
-        b = gradpack.PowerSgdBucket(
-            shapes,
-            rank=ps["rank"],
-            warm_start=ps["warm_start"],
-            feedback=ps["feedback"],
-            min_compression=ps["min_compression"],
-            offsets=offsets,
-            length=length,
-        )
-        left = set()
-        for i, name in enumerate(names):
-            saved = self._lr_restored.pop(name, None)
-            old = self._lr_owner.get(name)
-            if saved is None and old is not None and old in self._lr:
-                saved = self._lr[old].matrix_state(old.index(name))
-                left.add(old)
-            if saved is not None:
-                try:
-                    b.set_matrix_state(i, saved[0], saved[1])
-                except gradpack.Error as e:
-                    raise ValueError(f"PowerSGD state of {name!r} does not fit it: {e}") from None
-            self._lr_owner[name] = names
-        for old in left:
-            if all(self._lr_owner.get(n) != old for n in old):
-                del self._lr[old]
-        self._lr[names] = b
-        return b
-
     def _powersgd(
         self,
         flat: torch.Tensor,
@@ -1350,7 +1303,7 @@ class GradpackState:
         world: int,
     ) -> None:
         """Reduce a bucket whose matrices ``low_rank`` go as PowerSGD factors: the crate's
-        whole step (:meth:`gradpack.PowerSgdBucket.exchange`: their ``P`` in one float32
+        whole step (``PowerSgdByName.exchange``: their ``P`` in one float32
         all-reduce with the bucket's float32 tensors, their ``Q`` in a second), then the
         tensors of other codecs by the all-gather."""
         x = flat.numpy()
@@ -1358,20 +1311,25 @@ class GradpackState:
         lr_pos = [i for i, _ in low_rank]
         lr_set = set(lr_pos)
         names = tuple(layout[i][0] for i in lr_pos)
-        # The matrices stay in the bucket: the steps read and write them in place.
-        b = self._lr_bucket(
-            names, [mat for _, mat in low_rank], [starts[i] for i in lr_pos], len(x)
-        )
+        mats = [mat for _, mat in low_rank]
         plain = [
             (starts[i], layout[i][1])
             for i, c in enumerate(codecs) if i not in lr_set and c == _IDENTITY
         ]
         sm = _native.splitmix64
         seed = sm(self.seed ^ sm(step & _MASK) ^ sm(zlib.crc32("\0".join(names).encode())))
-        first = self._f32_ring(index, 0x40000000, b.p_len + sum(k for _, k in plain))
-        second = self._f32_ring(index, 0x80000000, b.q_len)
+        # P is n x r and Q is m x r per matrix.
+        p_len, q_len = sum(n * r for n, _, r in mats), sum(m * r for _, m, r in mats)
+        first = self._f32_ring(index, 0x40000000, p_len + sum(k for _, k in plain))
+        second = self._f32_ring(index, 0x80000000, q_len)
+        assert self._lr is not None
         try:
-            b.exchange(x, seed, plain, first, second)
+            # The matrices stay in the bucket: the steps read and write them in place;
+            # their state is the crate's, by name.
+            self._lr.exchange(
+                list(names), mats, [starts[i] for i in lr_pos], x, seed, plain,
+                first._ar, second._ar,
+            )
         except BaseException:
             self._p2p.drop()
             raise

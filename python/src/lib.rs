@@ -28,7 +28,7 @@ mod net;
 mod state;
 mod tune;
 use net::{Net, PyTcp, link};
-use state::{PyModelSelection, PyMomentum, PyTensorGather, wants_feedback};
+use state::{PyModelSelection, PyMomentum, PyPowerSgdByName, PyTensorGather, wants_feedback};
 use tune::{PyTuner, tensor_codec};
 
 // gradpack.Error, the exception every crate error raises, is a Python class (in
@@ -2488,7 +2488,7 @@ mod _native {
     #[pymodule_export]
     use super::{
         PyAllReduce, PyBucketGather, PyCodec, PyErrorFeedback, PyHierarchical, PyModelSelection,
-        PyMomentum, PyOuterSync, PyTensorGather,
+        PyMomentum, PyOuterSync, PyPowerSgdByName, PyTensorGather,
         PyPowerSgd, PyProfile, PySharedMemory, PyTcp, PyTuner, agree, allreduce_time, backend,
         best_strategy, break_even_bandwidth, calibrate, chunk_range, decode, decode_add,
         decode_into, encode, encode_into, frame_len, inspect, parse_bandwidth, parse_duration,

@@ -1,13 +1,19 @@
 //! The crate's per-tensor state for a front end's own buckets, kept by tensor name:
 //! `TensorGather` (a bucket's all-gather with its residuals), `ModelSelection` (one top-k
-//! over a whole model) and `Momentum` (momentum correction).
+//! over a whole model), `Momentum` (momentum correction) and `PowerSgdByName`.
 
-use gradpack::sync::{HeldTensor, ModelSelection, Momentum, Tensor, TensorGather};
+use gradpack::sync::{
+    HeldTensor, MatrixState, ModelSelection, Momentum, PowerSgdByName, Tensor, TensorGather,
+};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::{PyBucketGather, err, f32_in, f32_out, slice_in, slice_out, spec_of, stats_dict};
+use crate::{
+    PyAllReduce, PyBucketGather, err, f32_in, f32_out, settings, slice_in, slice_out, spec_of,
+    stats_dict,
+};
+use pyo3::exceptions::PyValueError;
 
 /// One top-k over every compressed tensor of a step's buckets, in the model's order,
 /// for a framework that reduces in buckets of its own (the PyTorch hook's
@@ -250,4 +256,114 @@ fn named_vecs(d: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Vec<f32>)>> {
         all.push((name, slice_in(&a)?.to_vec()));
     }
     Ok(all)
+}
+
+/// PowerSGD over a framework's own buckets: one `PowerSgdBucket` per set of matrix names,
+/// each matrix's warm-start Q and residual following it by name when the buckets
+/// regroup. The settings are `PowerSgdBucket`'s.
+#[pyclass(module = "gradpack", name = "PowerSgdByName")]
+pub(crate) struct PyPowerSgdByName {
+    inner: PowerSgdByName,
+}
+
+#[pymethods]
+impl PyPowerSgdByName {
+    #[new]
+    #[pyo3(signature = (rank=2, warm_start=true, feedback=true, min_compression=2.0))]
+    fn new(rank: usize, warm_start: bool, feedback: bool, min_compression: f64) -> PyResult<Self> {
+        let s = settings(rank, warm_start, feedback, min_compression);
+        Ok(PyPowerSgdByName {
+            inner: PowerSgdByName::new(s).map_err(err)?,
+        })
+    }
+
+    /// A whole PowerSGD step on the bucket `m` (flat float32) whose matrices `names` are
+    /// `shapes` (`(n, m, r)` each) at `offsets`: their bucket's state (made, and filled
+    /// by name, when this set of names is new), then `PowerSgdBucket.exchange` with
+    /// `seed`, the float32 ranges `plain` and the all-reduces `first` and `second`.
+    /// Returns its flag (False: the factors were not finite).
+    #[allow(clippy::too_many_arguments)]
+    fn exchange(
+        &mut self,
+        py: Python<'_>,
+        names: Vec<String>,
+        shapes: Vec<(usize, usize, usize)>,
+        offsets: Vec<usize>,
+        m: &Bound<'_, PyAny>,
+        seed: u64,
+        plain: Vec<(usize, usize)>,
+        first: &Bound<'_, PyAllReduce>,
+        second: &Bound<'_, PyAllReduce>,
+    ) -> PyResult<bool> {
+        if first.is(second) {
+            return Err(PyValueError::new_err(
+                "PowerSGD's two all-reduces must be two collectives, not one",
+            ));
+        }
+        if offsets.len() != shapes.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} offsets for {} matrices",
+                offsets.len(),
+                shapes.len()
+            )));
+        }
+        let ranges = plain
+            .iter()
+            .map(|&(at, n)| {
+                at.checked_add(n)
+                    .map(|end| at..end)
+                    .ok_or_else(|| PyValueError::new_err(format!("a range ({at}, {n}) overflows")))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let placed: Vec<(usize, (usize, usize, usize))> = offsets.into_iter().zip(shapes).collect();
+        let mut ma = f32_out(m, "m")?;
+        let ms = slice_out(&mut ma)?;
+        let len = ms.len();
+        let (mut f, mut g) = (first.borrow_mut(), second.borrow_mut());
+        let (f, g) = (&mut *f, &mut *g);
+        let me = &mut self.inner;
+        py.detach(|| {
+            me.bucket(&names, &placed, len)?.exchange(
+                ms,
+                seed,
+                &ranges,
+                (&mut f.inner, &mut f.comm),
+                (&mut g.inner, &mut g.comm),
+            )
+        })
+        .map_err(err)
+    }
+
+    /// Every matrix's state by name: `(q, residual)` float32 arrays (`q` None when
+    /// unset).
+    fn states<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (name, (q, e)) in self.inner.states().map_err(err)? {
+            let q = q.map(|q| PyArray1::from_vec(py, q));
+            d.set_item(name, (q, PyArray1::from_vec(py, e)))?;
+        }
+        Ok(d)
+    }
+
+    /// Replace every matrix's state with `states` (name to `(q or None, residual)`),
+    /// each taken up when its bucket next forms.
+    fn restore(&mut self, states: &Bound<'_, PyDict>) -> PyResult<()> {
+        let mut all: Vec<(String, MatrixState)> = Vec::with_capacity(states.len());
+        for (k, v) in states.iter() {
+            let name: String = k.extract()?;
+            let (q, e): (Option<Bound<'_, PyAny>>, Bound<'_, PyAny>) = v.extract()?;
+            let q = match q {
+                Some(q) => Some(slice_in(&f32_in(&q, &name)?)?.to_vec()),
+                None => None,
+            };
+            let e = slice_in(&f32_in(&e, &name)?)?.to_vec();
+            all.push((name, (q, e)));
+        }
+        self.inner.restore(all);
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("PowerSgdByName(rank={})", self.inner.settings().rank)
+    }
 }

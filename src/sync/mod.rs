@@ -77,6 +77,7 @@
 //! refused.
 
 mod gather;
+mod lowrank;
 mod model;
 mod momentum;
 mod plan;
@@ -93,6 +94,7 @@ pub use plan::{
 };
 
 pub use gather::{TensorGather, wants_feedback};
+pub use lowrank::{MatrixState, PowerSgdByName};
 pub use model::{HeldTensor, MODEL_KEY, ModelSelection};
 pub use momentum::Momentum;
 use plan::{Kind, Reduces};
