@@ -11,7 +11,7 @@ use gradpack::collective::{
 };
 use gradpack::sync::{
     HeldTensor, ModelSelection, Momentum, Network, Policy, SyncEngine, SyncOptions, Tensor,
-    TensorGather, wants_feedback,
+    TensorGather, default_strategy, wants_feedback,
 };
 use gradpack::{CodecSpec, Error, Result};
 
@@ -1545,4 +1545,37 @@ fn tensor_gather_refuses_bad_calls_and_changes_nothing() {
         Ok(())
     });
     res.into_iter().for_each(|r| r.unwrap());
+}
+
+#[test]
+fn the_default_strategy_is_the_ring_from_three_ranks_for_quantisers() {
+    use gradpack::cost::Strategy;
+    let quantisers = [
+        "fp16", "bf16", "int8", "qsgd", "natural", "ternary", "fp8", "fp4", "codebook",
+    ];
+    let others = [
+        "sign",
+        "topk:k=4",
+        "randk:ratio=0.1",
+        "chunktopk:chunk=64,k=2",
+        "dct:chunk=8,k=2",
+    ];
+    for c in quantisers.iter().chain(&others) {
+        let spec: CodecSpec = c.parse().unwrap();
+        assert_eq!(
+            default_strategy(&spec, 2),
+            Strategy::CompressedAllGather,
+            "{c}"
+        );
+        let three = if quantisers.contains(c) {
+            Strategy::CompressedRing
+        } else {
+            Strategy::CompressedAllGather
+        };
+        for p in [3, 8, 64] {
+            assert_eq!(default_strategy(&spec, p), three, "{c} at {p}");
+        }
+    }
+    let f32: CodecSpec = "identity".parse().unwrap();
+    assert_eq!(default_strategy(&f32, 5), Strategy::Fp32Ring);
 }

@@ -6,7 +6,7 @@ of the `gradpack` Python package).
 from _typeshed import Incomplete, SupportsGetItem
 from typing import Any, Final, SupportsFloat, SupportsIndex, final
 
-__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "ModelSelection", "Momentum", "OuterSync", "PowerSgdBucket", "PowerSgdByName", "SharedMemory", "Tcp", "TensorGather", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "encode", "encode_into", "frame_len", "inspect", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time", "wants_feedback"]
+__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "ModelSelection", "Momentum", "OuterSync", "PowerSgdBucket", "PowerSgdByName", "SharedMemory", "Tcp", "TensorGather", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "default_strategy", "encode", "encode_into", "frame_len", "inspect", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time", "wants_feedback"]
 
 HEADER_LEN: Final[int]
 """
@@ -721,6 +721,14 @@ def decode_into(frame: Any, out: Any) -> None:
     """
     Decode any frame into `out`, a writable C-contiguous float32 array holding exactly
     the frame's element count (any shape).
+    """
+
+def default_strategy(codec: Any, world: SupportsIndex) -> str:
+    """
+    The strategy a fixed `codec` runs by at `world` ranks when none is named:
+    `"fp32-ring"` for `"identity"`, `"ring"` from 3 ranks up for the quantisers (`fp16`,
+    `bf16`, `int8`, `qsgd`, `natural`, `ternary`, `fp8`, `fp4`, `codebook`), else
+    `"allgather"`.
     """
 
 def encode(x: Any, codec: Any, seed: SupportsIndex = 0, offset: SupportsIndex = 0, checksum: bool = False) -> bytes:

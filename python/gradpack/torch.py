@@ -492,11 +492,10 @@ class GradpackState:
         else:
             self.codec = Codec(codec)
             self.candidates = [self.codec]
-        # strategy left at None for a quantiser: the ring from 3 ranks up (the world is
-        # known at the first bucket), the all-gather at 2.
-        self._ring_from_3 = (
-            strategy is None and self.strategy == "allgather" and self._ps is None
-            and self.codec is not None and self.codec.name in RING_BY_DEFAULT
+        # strategy left at None: the crate's default for the codec and the world (known
+        # at the first bucket).
+        self._default_route = strategy is None and self.strategy == "allgather" and (
+            self._ps is None and self.codec is not None
         )
         if selection not in ("tensor", "model"):
             raise ValueError(f"selection {selection!r}: use 'tensor' or 'model'")
@@ -1178,8 +1177,9 @@ class GradpackState:
             assert self.codec is not None
             if self.codec == _IDENTITY:
                 return _FP32, None
-            if self._ring_from_3 and self._world() >= 3:
-                return (self.codec.spec, "ring"), None
+            if self._default_route:
+                route = _native.default_strategy(self.codec._c, self._world())
+                return (self.codec.spec, route), None
             return (self.codec.spec, self.strategy), None
         staging = self._copy_speed() if cuda else None
         spec, route, trial = self._auto_model().next(

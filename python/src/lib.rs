@@ -28,7 +28,10 @@ mod net;
 mod state;
 mod tune;
 use net::{Net, PyTcp, link};
-use state::{PyModelSelection, PyMomentum, PyPowerSgdByName, PyTensorGather, wants_feedback};
+use state::{
+    PyModelSelection, PyMomentum, PyPowerSgdByName, PyTensorGather, default_strategy,
+    wants_feedback,
+};
 use tune::{PyTuner, tensor_codec};
 
 // gradpack.Error, the exception every crate error raises, is a Python class (in
@@ -2491,6 +2494,7 @@ mod _native {
         PyMomentum, PyOuterSync, PyPowerSgdByName, PyTensorGather,
         PyPowerSgd, PyProfile, PySharedMemory, PyTcp, PyTuner, agree, allreduce_time, backend,
         best_strategy, break_even_bandwidth, calibrate, chunk_range, decode, decode_add,
+        default_strategy,
         decode_into, encode, encode_into, frame_len, inspect, parse_bandwidth, parse_duration,
         powersgd_matrix, rank_seed, reduce_frames, ring_time, splitmix64, tensor_codec,
         tensor_seed, two_level_time, wants_feedback,

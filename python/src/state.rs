@@ -169,6 +169,15 @@ pub(crate) fn wants_feedback(codec: &Bound<'_, PyAny>, choice: Option<bool>) -> 
     Ok(gradpack::sync::wants_feedback(&spec_of(codec)?, choice))
 }
 
+/// The strategy a fixed `codec` runs by at `world` ranks when none is named:
+/// `"fp32-ring"` for `"identity"`, `"ring"` from 3 ranks up for the quantisers (`fp16`,
+/// `bf16`, `int8`, `qsgd`, `natural`, `ternary`, `fp8`, `fp4`, `codebook`), else
+/// `"allgather"`.
+#[pyfunction]
+pub(crate) fn default_strategy(codec: &Bound<'_, PyAny>, world: usize) -> PyResult<&'static str> {
+    Ok(gradpack::sync::default_strategy(&spec_of(codec)?, world).name())
+}
+
 /// A bucket's all-gather, each tensor with its own codec and its error feedback kept by
 /// tensor name (so a regrouping of the buckets keeps each tensor's residual). Error
 /// feedback as `wants_feedback(codec, feedback)` says.

@@ -304,8 +304,9 @@ def test_ranks_made_with_different_options_raise_at_the_first_step(option):
 
 
 def test_the_documented_defaults_are_the_crates():
-    # BIASED_NEED_FEEDBACK documents the crate's rule (gradpack._native.wants_feedback):
-    # the hook asks the crate, and the list says what it answers.
+    # BIASED_NEED_FEEDBACK and RING_BY_DEFAULT document the crate's rules
+    # (gradpack._native.wants_feedback and default_strategy): the hook asks the crate,
+    # and the lists say what it answers.
     from gradpack import _native
     for spec in ["identity", "fp16", "bf16", "int8", "qsgd", "natural", "ternary", "fp8",
                  "fp4", "codebook", "sign", "topk:ratio=0.01", "randk:ratio=0.01",
@@ -314,6 +315,11 @@ def test_the_documented_defaults_are_the_crates():
         assert _native.wants_feedback(spec) == (name in gpt.BIASED_NEED_FEEDBACK), spec
         assert _native.wants_feedback(spec, True) == (name != "identity"), spec
         assert not _native.wants_feedback(spec, False), spec
+        ring = name in gpt.RING_BY_DEFAULT
+        two = "fp32-ring" if name == "identity" else "allgather"
+        assert _native.default_strategy(spec, 2) == two, spec
+        assert _native.default_strategy(spec, 3) == (
+            "fp32-ring" if name == "identity" else "ring" if ring else "allgather"), spec
 
 
 def test_state_validation():

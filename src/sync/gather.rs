@@ -15,20 +15,7 @@ use crate::collective::{BucketGather, Comm, Part, Stats, Transport, tensor_seed}
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
 
-use super::HeldTensor;
-
-/// Whether a tensor sent with `codec` gets error feedback: never for `identity`
-/// (float32 drops nothing); `choice` when given; else exactly for the codecs that drop
-/// or flatten so much of each step's gradient that training needs the residual back
-/// (`topk`, `chunktopk`, `sign`).
-pub fn wants_feedback(codec: &CodecSpec, choice: Option<bool>) -> bool {
-    match (codec, choice) {
-        (CodecSpec::Identity(_), _) => false,
-        (_, Some(on)) => on,
-        (CodecSpec::TopK(_) | CodecSpec::ChunkTopK(_) | CodecSpec::Sign(_), None) => true,
-        (_, None) => false,
-    }
-}
+use super::{HeldTensor, wants_feedback};
 
 /// A bucket's all-gather with residuals by tensor name (see the module docs).
 #[derive(Default)]

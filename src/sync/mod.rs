@@ -76,6 +76,7 @@
 //! to one that never stopped. A blob of another layout or plan, or a damaged one, is
 //! refused.
 
+mod defaults;
 mod gather;
 mod lowrank;
 mod model;
@@ -93,7 +94,8 @@ pub use plan::{
     calibrate,
 };
 
-pub use gather::{TensorGather, wants_feedback};
+pub use defaults::{default_strategy, wants_feedback};
+pub use gather::TensorGather;
 pub use lowrank::{MatrixState, PowerSgdByName};
 pub use model::{HeldTensor, MODEL_KEY, ModelSelection};
 pub use momentum::Momentum;
