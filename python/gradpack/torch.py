@@ -140,7 +140,7 @@ import time
 import zlib
 import threading
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -148,6 +148,7 @@ import torch.distributed as dist
 
 import gradpack
 from gradpack import Codec, _native
+from gradpack._torch_options import HookOptions
 from gradpack._torch_net import (
     _MIN_RING,
     _RING,
@@ -161,8 +162,8 @@ from gradpack._torch_net import (
     _tcp,
 )
 
-__all__ = ["DiLoCo", "GradpackState", "gradpack_hook", "measure_link", "DEFAULT_CANDIDATES",
-           "BIASED_NEED_FEEDBACK", "RING_BY_DEFAULT"]
+__all__ = ["DiLoCo", "GradpackState", "HookOptions", "gradpack_hook", "measure_link",
+           "DEFAULT_CANDIDATES", "BIASED_NEED_FEEDBACK", "RING_BY_DEFAULT"]
 
 DEFAULT_CANDIDATES = ("identity", "fp16", "int8")
 """The codecs ``codec="auto"`` chooses among unless told otherwise: those that train as
@@ -204,110 +205,16 @@ class GradpackState:
 
     Args:
         process_group: the group DDP reduces over (default: the default group).
-        codec: a spec such as ``"int8"`` or ``"topk:ratio=0.01,values=fp16"``, a
-            :class:`gradpack.Codec`, ``"identity"`` (plain float32 all-reduce) or
-            ``"auto"``; default ``"int8"`` (``"identity"`` with ``powersgd``).
-        error_feedback: ``True``, ``False``, or ``None`` for on exactly when the codec
-            is one of :data:`BIASED_NEED_FEEDBACK` (top-k, chunked top-k, sign).
-        strategy: ``"allgather"``, ``"ring"``, ``"twoshot"``, ``"hierarchical"`` or
-            ``"majority"`` (see the module docs). Default ``"ring"`` from 3 ranks up for
-            the codecs of :data:`RING_BY_DEFAULT` (int8, fp16, ... : quantisers), else
-            ``"allgather"``; ``"hierarchical"`` when torchrun's ``LOCAL_WORLD_SIZE`` says
-            the ranks sit on several nodes of more than one.
-            With ``codec="auto"`` the default is to try them all (``"hierarchical"``
-            where the ranks sit on several nodes, or ``nodes`` is given).
-        nodes: ``strategy="hierarchical"``: the node of every rank of the process
-            group (a list of node numbers, ``0 .. N``). Default: ranks share a node when
-            their ``GROUP_RANK`` (set by torchrun: the node's rank) or, without it,
-            their host names are equal.
-        node_codec: ``strategy="hierarchical"``: the codec inside a node,
-            ``"identity"`` (float32, the default), ``"bf16"`` or ``"fp16"``.
-        intra_bandwidth, intra_latency: ``codec="auto"`` with nodes: the link between
-            ranks of a node that the cost model assumes (default 40 Gbit/s and 5 us,
-            shared memory) when it ranks the two-level all-reduce against the flat
-            ones; ``bandwidth`` is then the link between nodes. The shortlist is timed
-            on the real buckets, so the guess only decides what is tried.
-        min_compress_elements: parameters with fewer elements go as float32. With
-            top-k, a small last layer (a classifier's) loses most to sparsification:
-            sending it as float32 (a threshold just above its size) costs few bytes
-            and, in the bundled DDP benchmark's training, halved top-k's accuracy gap
-            to float32.
-        seed: the base of every stochastic draw.
-        checksum: seal frames with a CRC-32 that receivers verify.
-        bandwidth, latency: the link, for ``"auto"`` (bit/s or a string such as
-            ``"1Gbit/s"``; seconds or a string such as ``"50us"``).
-        candidates: the codecs ``"auto"`` chooses from (default
-            :data:`DEFAULT_CANDIDATES`).
-        calibrate_elements: the tensor size ``"auto"`` measures codec speeds on.
         model: the model (DDP-wrapped or not), so that residuals are kept and saved by
             parameter name; :meth:`state_dict` needs it when error feedback or
             PowerSGD is on.
-        powersgd: send matrices as PowerSGD factors: a rank (``2``), or a dict with
-            ``rank`` and any of ``warm_start`` (True), ``feedback`` (True),
-            ``min_compression`` (2.0) and ``start_step`` (0: plain float32 steps
-            before PowerSGD starts). The other tensors go with ``codec``, which then
-            defaults to ``"identity"`` (float32, as PyTorch's PowerSGD hook sends them).
-        dct_2d: with a ``dct`` codec of ``width=0``, send each parameter of two or more
-            dimensions in ``chunk x chunk`` tiles of its matrix (``shape[0]`` rows of the
-            other dimensions' product), as DeMo does, instead of tiles along the flat
-            tensor. A tile then holds ``chunk**2`` coefficients: ``dct:chunk=8,k=4``
-            in 2-D sends about what ``dct:chunk=64,k=4`` sends in 1-D.
-        pieces: ``strategy="ring"`` and ``"twoshot"``: split each chunk into this many
-            frames, so that encoding and decoding overlap the link (a pipelined ring).
         comm_group: the group the hook's messages travel on: it must carry CPU tensors
             (gloo) and hold the process group's ranks in the same order. Default: a
             gloo group the state makes (DDP's own group is never used for them).
-        timeout: seconds the hook's group waits for a peer (default: torch's).
-        trials: ``codec="auto"``: how many of the modelled best configurations are
-            measured against float32.
-        trial_steps: ``codec="auto"``: steps each configuration runs while measured
-            (the best of them counts).
-        print_plan: ``codec="auto"``: rank 0 prints the plan to stderr once decided.
-        shared_memory: the ring and ``strategy="hierarchical"`` send their messages
-            between ranks of one host through shared memory instead of the hook's
-            group (default ``True``; which ranks share a host is found once, by each
-            rank leaving a file in ``/dev/shm`` and looking for the others').
-        transport: how the hook's messages travel between ranks. ``"tcp"`` (the
-            default): gradpack's native transport (:class:`gradpack.Tcp`), connected
-            once through torch's store (each rank publishes its listening address
-            there); the collectives send and receive from Rust, with no Python call per
-            message. ``"process_group"``: point-to-point operations on the hook's group
-            (``comm_group``), every message through Python. Ranks of one host use
-            shared memory either way where ``shared_memory`` allows, and the results are
-            the same to the bit. ``GRADPACK_SOCKET_IFNAME`` (an interface's name or an
-            address) names the interface to listen on; by default, the one that reaches
-            the store's host.
-        start_step: the steps before this one (counted from 0) all-reduce every bucket
-            in float32, as DDP does without a hook; compression, error feedback,
-            PowerSGD and ``"auto"``'s trials begin at it. Compressed from the first step
-            (the default, 0), error feedback delays early updates, when gradients are
-            largest and change fastest: deep gradient compression warms up so, and
-            PyTorch's PowerSGD hook by ``start_powerSGD_iter``.
-        selection: ``"tensor"`` (the default): a sparse codec keeps its ``ratio`` of
-            every parameter; ``"model"``: top-k keeps ``ratio`` of all compressed
-            parameters together, chosen over the whole model after backward (see the
-            module's notes). Only with a ``topk`` codec and the all-gather. In the
-            bundled DDP benchmark's training (4 ranks, 250 steps, top-k 1% with error
-            feedback and momentum correction, eleven seeds) it halved the mean gap to
-            float32's accuracy, 1.17 to 0.60 points, and its spread across seeds.
-        momentum: momentum correction (deep gradient compression's): each rank keeps a
-            velocity ``u = momentum * u + g`` per parameter, in float32, and the hook
-            all-reduces ``u`` where it would have all-reduced ``g``. The crate keeps
-            the velocities by parameter name and updates them as the sync engine's
-            ``momentum`` option does, bit for bit; they live on the host, so a CUDA
-            bucket makes a round trip to the host for them (two copies of it per
-            step). Compression and error feedback then act on the update
-            momentum SGD applies rather than on the raw gradient, so what a lossy codec
-            delays or drops is not missing from the optimizer's momentum too. **Make the
-            optimizer without momentum** (``torch.optim.SGD(..., momentum=0)``): the
-            gradients DDP hands it are then the ranks' averaged velocity, and with
-            float32 the step is momentum SGD's (``dampening=0``, not Nesterov) up to
-            rounding. The hook cannot see the optimizer, and momentum applied there as
-            well would be applied twice. Weight decay in the optimizer is added after
-            the velocity rather than inside it; a parameter DDP leaves without a
-            gradient (``find_unused_parameters``) has a zero gradient here, so its
-            velocity decays. Default ``0.0``: off. The velocities are in
-            :meth:`state_dict`.
+        options: the hook's options (:class:`HookOptions`, where each is documented),
+            or give them as keywords (``codec`` may also come second, positionally):
+            ``GradpackState(model=m, codec="int8", pieces=2)``. Not both. Kept as
+            :attr:`options`.
 
     With ``codec="auto"``, ``strategy`` limits the strategies tried (default all).
 
@@ -320,62 +227,51 @@ class GradpackState:
         self,
         process_group: Optional[Any] = None,
         codec: Union[None, str, Codec] = None,
-        error_feedback: Optional[bool] = None,
-        strategy: Optional[str] = None,
-        min_compress_elements: int = 16384,
-        seed: int = 0,
-        checksum: bool = False,
-        bandwidth: Union[None, float, str] = None,
-        latency: Union[float, str] = 50e-6,
-        candidates: Optional[Sequence[str]] = None,
-        calibrate_elements: int = 1 << 20,
+        *,
         model: Optional[torch.nn.Module] = None,
-        powersgd: Union[None, int, Dict[str, Any]] = None,
-        dct_2d: bool = False,
-        pieces: int = 1,
         comm_group: Optional[Any] = None,
-        timeout: Optional[float] = None,
-        trials: int = 2,
-        trial_steps: int = 2,
-        print_plan: bool = True,
-        nodes: Optional[Sequence[int]] = None,
-        node_codec: str = "identity",
-        shared_memory: bool = True,
-        transport: str = "tcp",
-        intra_bandwidth: Union[float, str] = 40e9,
-        intra_latency: Union[float, str] = 5e-6,
-        start_step: int = 0,
-        momentum: float = 0.0,
-        selection: str = "tensor",
+        options: Optional[HookOptions] = None,
+        **keywords: Any,
     ) -> None:
+        if options is None:
+            options = HookOptions(codec=codec, **keywords)  # checks every option
+        elif codec is not None or keywords:
+            raise ValueError("give the hook's options as options= or as keywords, not both")
+        self.options = options
+        o = options
+        codec = o.codec
+        error_feedback = o.error_feedback
+        strategy = o.strategy
+        min_compress_elements = o.min_compress_elements
+        seed = o.seed
+        checksum = o.checksum
+        bandwidth = o.bandwidth
+        latency = o.latency
+        candidates = o.candidates
+        calibrate_elements = o.calibrate_elements
+        powersgd = o.powersgd
+        dct_2d = o.dct_2d
+        pieces = o.pieces
+        timeout = o.timeout
+        trials = o.trials
+        trial_steps = o.trial_steps
+        print_plan = o.print_plan
+        nodes = o.nodes
+        node_codec = o.node_codec
+        shared_memory = o.shared_memory
+        transport = o.transport
+        intra_bandwidth = o.intra_bandwidth
+        intra_latency = o.intra_latency
+        start_step = o.start_step
+        momentum = o.momentum
+        selection = o.selection
         if codec is None:
             codec = "identity" if powersgd is not None else "int8"
         self._auto = isinstance(codec, str) and codec == "auto"
-        self._ps = _powersgd_settings(powersgd)
+        self._ps = o.powersgd_settings()
         self.dct_2d = bool(dct_2d)
-        if self._ps is not None and strategy not in (None, "allgather"):
-            raise ValueError("powersgd needs strategy='allgather' (the default)")
-        if self._ps is not None and self._auto:
-            raise ValueError(
-                "powersgd with codec='auto' is not supported: give the codec of the tensors "
-                "PowerSGD does not take (default float32)"
-            )
-        if strategy not in (None, "allgather", "ring", "twoshot", "hierarchical", "majority"):
-            raise ValueError(
-                f"strategy {strategy!r}: use 'allgather', 'ring', 'twoshot', 'hierarchical' "
-                "or 'majority'"
-            )
-        if strategy == "majority" and (
-            self._auto or not isinstance(codec, (str, Codec)) or Codec(codec) == _IDENTITY
-        ):
-            raise ValueError(
-                "strategy='majority' votes on the signs of a compressed codec's frames "
-                "(meant for codec='sign'); give that codec, not 'auto' or float32"
-            )
         self._nodes = None if nodes is None else [int(k) for k in nodes]
         self.shared_memory = bool(shared_memory)
-        if transport not in ("tcp", "process_group"):
-            raise ValueError(f"transport {transport!r}: use 'tcp' or 'process_group'")
         self.transport = transport
         self._tcp: Optional[gradpack.Tcp] = None
         self._hosts: Optional[List[int]] = None
@@ -386,9 +282,6 @@ class GradpackState:
         self._shm_ring = _RING  # bytes per ring, as /dev/shm allows
         self._shm_ring_sized = False
         self.node_codec = str(node_codec)
-        for name, v in (("trials", trials), ("trial_steps", trial_steps)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, not {v!r}")
         self.trials = trials
         self.trial_steps = trial_steps
         self.print_plan = bool(print_plan)
@@ -404,20 +297,10 @@ class GradpackState:
         self._late_error: Optional[BaseException] = None
         self._h2d: Optional[float] = None
         self._streams: Dict[Any, Any] = {}
-        if min_compress_elements < 0:
-            raise ValueError("min_compress_elements must be >= 0")
-        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-            raise ValueError(f"start_step must be an int >= 0, not {start_step!r}")
         self.start_step = start_step
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not (
-            0.0 <= momentum < 1.0
-        ):
-            raise ValueError(f"momentum must be a number in [0, 1), not {momentum!r}")
         self.momentum = float(momentum)
         # momentum: the crate's velocities, by parameter name.
         self._mom = _native.Momentum(self.momentum) if self.momentum else None
-        if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
-            raise ValueError(f"pieces must be a positive int, not {pieces!r}")
         self.pieces = pieces
         self._rings: Dict[Any, Any] = {}  # (names, elements, codec) -> gradpack.AllReduce
         self._rings_now: Dict[int, Any] = {}  # bucket index -> key of its ring now
@@ -429,8 +312,6 @@ class GradpackState:
         self._own_comm = comm_group is None
         self._comm_checked = False  # made here, or the given one checked against the ranks
         self._closed = False
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         self.timeout = timeout
         spans = nodes is not None or _spans_nodes(process_group)
         if strategy is None and not self._auto and self._ps is None and spans:
@@ -465,10 +346,6 @@ class GradpackState:
         self._worker: Optional[threading.Thread] = None
         self._profiles: Dict[str, gradpack.CodecProfile] = {}
         if self._auto:
-            if bandwidth is None:
-                raise ValueError(
-                    "codec='auto' needs the link: pass bandwidth= (bit/s or e.g. '10Gbit/s')"
-                )
             self.bandwidth = (
                 gradpack.parse_bandwidth(bandwidth) if isinstance(bandwidth, str) else float(bandwidth)
             )
@@ -497,8 +374,6 @@ class GradpackState:
         self._default_route = strategy is None and self.strategy == "allgather" and (
             self._ps is None and self.codec is not None
         )
-        if selection not in ("tensor", "model"):
-            raise ValueError(f"selection {selection!r}: use 'tensor' or 'model'")
         if selection == "model" and (
             self.codec is None or self.codec.name != "topk" or self._ps is not None
             or self.dct_2d or self.strategies != ("allgather",)
@@ -1499,36 +1374,8 @@ class GradpackState:
         self._p2p.wait()
 
 
-_POWERSGD_KEYS = ("rank", "warm_start", "feedback", "min_compression", "start_step")
-
-
 _FORMAT = "gradpack.torch.GradpackState/2"
 _FORMAT_1 = "gradpack.torch.GradpackState/1"  # auto's plan as Python values
-
-
-def _powersgd_settings(p: Union[None, int, Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-    """The ``powersgd`` argument as a dict of every setting, checked."""
-    if p is None:
-        return None
-    if isinstance(p, bool) or not isinstance(p, (int, dict)):
-        raise TypeError(f"powersgd must be a rank (int) or a dict of settings, not {p!r}")
-    d = {"rank": p} if isinstance(p, int) else dict(p)
-    unknown = set(d) - set(_POWERSGD_KEYS)
-    if unknown or "rank" not in d:
-        raise ValueError(
-            f"powersgd settings {sorted(unknown)} unknown or rank missing; use {_POWERSGD_KEYS}"
-        )
-    out = {
-        "rank": int(d["rank"]),
-        "warm_start": bool(d.get("warm_start", True)),
-        "feedback": bool(d.get("feedback", True)),
-        "min_compression": float(d.get("min_compression", 2.0)),
-        "start_step": int(d.get("start_step", 0)),
-    }
-    if out["start_step"] < 0:
-        raise ValueError("powersgd start_step must be >= 0")
-    gradpack.powersgd_matrix((out["rank"], out["rank"]), out["rank"], out["min_compression"])
-    return out
 
 
 def measure_link(

@@ -322,6 +322,29 @@ def test_the_documented_defaults_are_the_crates():
             "fp32-ring" if name == "identity" else "ring" if ring else "allgather"), spec
 
 
+def test_options_are_one_object_or_keywords():
+    # The keyword form makes the same HookOptions as options= does; both at once, or an
+    # option the hook does not have, is an error; the options are checked when made.
+    kw = dict(codec="topk:ratio=0.01", pieces=2, seed=5, selection="model", momentum=0.5)
+    a = gpt.GradpackState(**kw)
+    b = gpt.GradpackState(options=gpt.HookOptions(**kw))
+    assert a.options == b.options == gpt.HookOptions(**kw)
+    assert (a.pieces, a.seed, a.selection, a.momentum) == (2, 5, "model", 0.5)
+    assert gpt.GradpackState(None, "int8").options.codec == "int8"
+    with pytest.raises(ValueError, match="not both"):
+        gpt.GradpackState(codec="int8", options=gpt.HookOptions())
+    with pytest.raises(TypeError):
+        gpt.GradpackState(codecs="int8")
+    with pytest.raises(ValueError, match="pieces"):
+        gpt.HookOptions(pieces=0)
+    import dataclasses
+    import re
+    # Every option is documented in HookOptions' docstring (some in pairs: "a, b: ...").
+    for f in dataclasses.fields(gpt.HookOptions):
+        entry = rf"^        (\w+, )?{f.name}(, \w+)?: "
+        assert re.search(entry, gpt.HookOptions.__doc__, re.M), f.name
+
+
 def test_state_validation():
     with pytest.raises(ValueError, match="strategy"):
         gpt.GradpackState(strategy="tree")
