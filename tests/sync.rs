@@ -1057,6 +1057,22 @@ fn model_grad(t: &HeldTensor, rank: usize, step: u64) -> Vec<f32> {
         .collect()
 }
 
+/// A bucket `data` of the tensors `bucket` (indices into `tensors`) laid end to end,
+/// copied out into each tensor's place of `by_tensor`.
+fn split_by_tensor(
+    tensors: &[HeldTensor],
+    bucket: &[usize],
+    data: &[f32],
+    by_tensor: &mut [Vec<f32>],
+) {
+    let mut at = 0;
+    for &t in bucket {
+        let n = tensors[t].tensor.len().unwrap();
+        by_tensor[t] = data[at..at + n].to_vec();
+        at += n;
+    }
+}
+
 /// Each step's buckets as tensor indices into [`model_tensors`].
 type Grouping = Vec<Vec<usize>>;
 
@@ -1098,12 +1114,7 @@ fn run_model(
             s.reduce(&mut g, &mut comm, &mut send, &mut buckets, 11, step, true)?;
             let mut by_tensor = vec![Vec::new(); tensors.len()];
             for (b, d) in groups.iter().zip(&data) {
-                let mut at = 0;
-                for &t in b {
-                    let n = tensors[t].tensor.len()?;
-                    by_tensor[t] = d[at..at + n].to_vec();
-                    at += n;
-                }
+                split_by_tensor(&tensors, b, d, &mut by_tensor);
             }
             out.push(by_tensor);
         }
@@ -1392,12 +1403,7 @@ fn tensor_gather_keeps_residuals_by_name_across_regroupings() {
                         step,
                         false,
                     )?;
-                    let mut at = 0;
-                    for &t in &b {
-                        let n = tensors[t].tensor.len()?;
-                        by_tensor[t] = x[at..at + n].to_vec();
-                        at += n;
-                    }
+                    split_by_tensor(&tensors, &b, &x, &mut by_tensor);
                 }
                 out.push(by_tensor);
             }
@@ -1499,47 +1505,15 @@ fn tensor_gather_refuses_bad_calls_and_changes_nothing() {
         // A bucket its tensors do not fill; a name twice; a restored residual of another
         // length: each refused, the bucket and the residuals unchanged.
         let mut x = vec![1.0f32; 7];
-        assert!(
-            tg.reduce(
-                &mut g,
-                &mut comm,
-                &mut Vec::new(),
-                &mut x,
-                &[(t("a", 6), topk)],
-                0,
-                0,
-                false
-            )
-            .is_err()
-        );
-        let two = [(t("a", 3), topk), (t("a", 4), topk)];
-        assert!(
-            tg.reduce(
-                &mut g,
-                &mut comm,
-                &mut Vec::new(),
-                &mut x,
-                &two,
-                0,
-                0,
-                false
-            )
-            .is_err()
-        );
+        let mut refused = |tg: &mut TensorGather, tensors: &[(HeldTensor, Option<CodecSpec>)]| {
+            let send = &mut Vec::new();
+            tg.reduce(&mut g, &mut comm, send, &mut x, tensors, 0, 0, false)
+                .is_err()
+        };
+        assert!(refused(&mut tg, &[(t("a", 6), topk)]));
+        assert!(refused(&mut tg, &[(t("a", 3), topk), (t("a", 4), topk)]));
         tg.restore(vec![("a".into(), vec![0.5; 5])]);
-        assert!(
-            tg.reduce(
-                &mut g,
-                &mut comm,
-                &mut Vec::new(),
-                &mut x,
-                &[(t("a", 7), topk)],
-                0,
-                0,
-                false
-            )
-            .is_err()
-        );
+        assert!(refused(&mut tg, &[(t("a", 7), topk)]));
         assert_eq!(x, vec![1.0; 7]);
         assert_eq!(tg.residuals(), vec![("a".to_string(), vec![0.5; 5])]);
         Ok(())

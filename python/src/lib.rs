@@ -1493,6 +1493,51 @@ impl PyBucketGather {
     }
 }
 
+/// A PowerSGD bucket's exchange `run` on the bucket `m` over the all-reduces `first`
+/// and `second`, with the GIL released.
+pub(crate) fn exchange_on<F>(
+    py: Python<'_>,
+    m: &mut [f32],
+    first: &Bound<'_, PyAllReduce>,
+    second: &Bound<'_, PyAllReduce>,
+    run: F,
+) -> PyResult<bool>
+where
+    F: FnOnce(
+            &mut [f32],
+            (&mut AllReduce, &mut Comm<Routed<Net>>),
+            (&mut AllReduce, &mut Comm<Routed<Net>>),
+        ) -> gradpack::Result<bool>
+        + Send,
+{
+    let (mut f, mut g) = (first.borrow_mut(), second.borrow_mut());
+    let (f, g) = (&mut *f, &mut *g);
+    py.detach(|| run(m, (&mut f.inner, &mut f.comm), (&mut g.inner, &mut g.comm)))
+        .map_err(err)
+}
+
+/// PowerSGD's exchange arguments checked: two distinct all-reduces, and the float32
+/// `(start, length)` ranges as ranges.
+pub(crate) fn exchange_ranges(
+    first: &Bound<'_, PyAllReduce>,
+    second: &Bound<'_, PyAllReduce>,
+    plain: &[(usize, usize)],
+) -> PyResult<Vec<core::ops::Range<usize>>> {
+    if first.is(second) {
+        return Err(PyValueError::new_err(
+            "PowerSGD's two all-reduces must be two collectives, not one",
+        ));
+    }
+    plain
+        .iter()
+        .map(|&(at, n)| {
+            at.checked_add(n)
+                .map(|end| at..end)
+                .ok_or_else(|| PyValueError::new_err(format!("a range ({at}, {n}) overflows")))
+        })
+        .collect()
+}
+
 #[pyclass(module = "gradpack", name = "PowerSgdBucket")]
 struct PyPowerSgd {
     inner: PowerSgdBucket,
@@ -1590,34 +1635,13 @@ impl PyPowerSgd {
         first: &Bound<'_, PyAllReduce>,
         second: &Bound<'_, PyAllReduce>,
     ) -> PyResult<bool> {
-        if first.is(second) {
-            return Err(PyValueError::new_err(
-                "PowerSGD's two all-reduces must be two collectives, not one",
-            ));
-        }
-        let ranges = plain
-            .iter()
-            .map(|&(at, n)| {
-                at.checked_add(n)
-                    .map(|end| at..end)
-                    .ok_or_else(|| PyValueError::new_err(format!("a range ({at}, {n}) overflows")))
-            })
-            .collect::<PyResult<Vec<_>>>()?;
+        let ranges = exchange_ranges(first, second, &plain)?;
         let mut ma = f32_out(m, "m")?;
         let ms = slice_out(&mut ma)?;
-        let (mut f, mut g) = (first.borrow_mut(), second.borrow_mut());
-        let (f, g) = (&mut *f, &mut *g);
         let b = &mut self.inner;
-        py.detach(|| {
-            b.exchange(
-                ms,
-                seed,
-                &ranges,
-                (&mut f.inner, &mut f.comm),
-                (&mut g.inner, &mut g.comm),
-            )
+        exchange_on(py, ms, first, second, |m, f, g| {
+            b.exchange(m, seed, &ranges, f, g)
         })
-        .map_err(err)
     }
 
     /// Step 2: `p` is the mean over ranks; orthonormalised in place, and `q` gets this
@@ -2491,11 +2515,10 @@ mod _native {
     #[pymodule_export]
     use super::{
         PyAllReduce, PyBucketGather, PyCodec, PyErrorFeedback, PyHierarchical, PyModelSelection,
-        PyMomentum, PyOuterSync, PyPowerSgdByName, PyTensorGather,
-        PyPowerSgd, PyProfile, PySharedMemory, PyTcp, PyTuner, agree, allreduce_time, backend,
-        best_strategy, break_even_bandwidth, calibrate, chunk_range, decode, decode_add,
-        default_strategy,
-        decode_into, encode, encode_into, frame_len, inspect, parse_bandwidth, parse_duration,
+        PyMomentum, PyOuterSync, PyPowerSgd, PyPowerSgdByName, PyProfile, PySharedMemory, PyTcp,
+        PyTensorGather, PyTuner, agree, allreduce_time, backend, best_strategy,
+        break_even_bandwidth, calibrate, chunk_range, decode, decode_add, decode_into,
+        default_strategy, encode, encode_into, frame_len, inspect, parse_bandwidth, parse_duration,
         powersgd_matrix, rank_seed, reduce_frames, ring_time, splitmix64, tensor_codec,
         tensor_seed, two_level_time, wants_feedback,
     };

@@ -10,8 +10,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::{
-    PyAllReduce, PyBucketGather, err, f32_in, f32_out, settings, slice_in, slice_out, spec_of,
-    stats_dict,
+    PyAllReduce, PyBucketGather, err, exchange_on, exchange_ranges, f32_in, f32_out, settings,
+    slice_in, slice_out, spec_of, stats_dict,
 };
 use pyo3::exceptions::PyValueError;
 
@@ -304,11 +304,7 @@ impl PyPowerSgdByName {
         first: &Bound<'_, PyAllReduce>,
         second: &Bound<'_, PyAllReduce>,
     ) -> PyResult<bool> {
-        if first.is(second) {
-            return Err(PyValueError::new_err(
-                "PowerSGD's two all-reduces must be two collectives, not one",
-            ));
-        }
+        let ranges = exchange_ranges(first, second, &plain)?;
         if offsets.len() != shapes.len() {
             return Err(PyValueError::new_err(format!(
                 "{} offsets for {} matrices",
@@ -316,31 +312,15 @@ impl PyPowerSgdByName {
                 shapes.len()
             )));
         }
-        let ranges = plain
-            .iter()
-            .map(|&(at, n)| {
-                at.checked_add(n)
-                    .map(|end| at..end)
-                    .ok_or_else(|| PyValueError::new_err(format!("a range ({at}, {n}) overflows")))
-            })
-            .collect::<PyResult<Vec<_>>>()?;
         let placed: Vec<(usize, (usize, usize, usize))> = offsets.into_iter().zip(shapes).collect();
         let mut ma = f32_out(m, "m")?;
         let ms = slice_out(&mut ma)?;
         let len = ms.len();
-        let (mut f, mut g) = (first.borrow_mut(), second.borrow_mut());
-        let (f, g) = (&mut *f, &mut *g);
         let me = &mut self.inner;
-        py.detach(|| {
-            me.bucket(&names, &placed, len)?.exchange(
-                ms,
-                seed,
-                &ranges,
-                (&mut f.inner, &mut f.comm),
-                (&mut g.inner, &mut g.comm),
-            )
+        exchange_on(py, ms, first, second, |m, f, g| {
+            me.bucket(&names, &placed, len)?
+                .exchange(m, seed, &ranges, f, g)
         })
-        .map_err(err)
     }
 
     /// Every matrix's state by name: `(q, residual)` float32 arrays (`q` None when

@@ -15,6 +15,7 @@ use crate::collective::{BucketGather, Comm, Part, Stats, Transport, tensor_seed}
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
 
+use super::plan::laid_end_to_end;
 use super::{HeldTensor, wants_feedback};
 
 /// A bucket's all-gather with residuals by tensor name (see the module docs).
@@ -60,16 +61,9 @@ impl TensorGather {
         // Each sent tensor's range and codec, and whether its residual is new.
         let mut sent = Vec::new();
         let mut with_feedback = HashSet::new();
-        let mut at = 0usize;
-        for (h, codec) in tensors {
-            let n = h.tensor.len()?;
-            let end = at.checked_add(n).filter(|&e| e <= x.len()).ok_or_else(|| {
-                Error::Collective(format!(
-                    "the bucket's tensors pass its {} elements at {:?}",
-                    x.len(),
-                    h.tensor.name
-                ))
-            })?;
+        let ranges = laid_end_to_end(tensors.iter().map(|(h, _)| &h.tensor), x.len())?;
+        for ((h, codec), range) in tensors.iter().zip(ranges) {
+            let n = range.len();
             if let Some(c) = codec {
                 let name = &h.tensor.name;
                 let ef = wants_feedback(c, self.feedback);
@@ -90,15 +84,8 @@ impl TensorGather {
                         r.len()
                     )));
                 }
-                sent.push((h, at..end, *c, ef, fresh));
+                sent.push((h, range, *c, ef, fresh));
             }
-            at = end;
-        }
-        if at != x.len() {
-            return Err(Error::Collective(format!(
-                "the bucket's tensors hold {at} of its {} elements",
-                x.len()
-            )));
         }
         // New residuals, each from its restored one if any.
         let mut made = Vec::new();

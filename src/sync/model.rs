@@ -23,6 +23,7 @@ use crate::collective::{BucketGather, Comm, Part, Stats, Transport, tensor_seed}
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
 
+use super::plan::laid_end_to_end;
 use super::{Tensor, tensor_codec};
 
 /// The seed key of the model-wide frame, the bytes of "model" (each float32 frame uses
@@ -127,38 +128,21 @@ impl ModelSelection {
         let mut comp = Vec::new();
         let mut plain = Vec::new();
         for (b, (data, tensors)) in buckets.iter().enumerate() {
-            let mut at = 0usize;
-            for (t, h) in tensors.iter().enumerate() {
-                let n = h.tensor.len()?;
-                let end = at
-                    .checked_add(n)
-                    .filter(|&e| e <= data.len())
-                    .ok_or_else(|| {
-                        Error::Collective(format!(
-                            "bucket {b}: its tensors pass its {} elements at {:?}",
-                            data.len(),
-                            h.tensor.name
-                        ))
-                    })?;
+            let ranges = laid_end_to_end(tensors.iter().map(|h| &h.tensor), data.len())
+                .map_err(|e| Error::Collective(format!("bucket {b}: {e}")))?;
+            for (t, (h, range)) in tensors.iter().zip(ranges).enumerate() {
                 let c = tensor_codec(&self.codec, &h.tensor, self.small_below, self.dct_2d)?;
                 let pos = self
                     .positions
                     .get(&h.tensor.name)
                     .copied()
                     .unwrap_or(self.positions.len());
-                let entry = (pos, b, t, at..end);
+                let entry = (pos, b, t, range);
                 if matches!(c, CodecSpec::Identity(_)) {
                     plain.push(entry);
                 } else {
                     comp.push(entry);
                 }
-                at = end;
-            }
-            if at != data.len() {
-                return Err(Error::Collective(format!(
-                    "bucket {b}: its tensors hold {at} of its {} elements",
-                    data.len()
-                )));
             }
         }
         // Both in the model's order (stable: tensors of no known name keep the order

@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use crate::error::{Error, Result};
 
 use super::Tensor;
+use super::plan::laid_end_to_end;
 
 /// One momentum-correction step: `u = m * u + g` (a product and a sum, each rounded to
 /// f32, never fused), and `g` replaced by `u`. The slices have the same length.
@@ -61,41 +62,33 @@ impl Momentum {
     /// first time starts from zero). A bucket its tensors do not fill exactly, or a
     /// velocity of another length than its tensor, is an error and nothing changes.
     pub fn apply(&mut self, tensors: &[Tensor], bucket: &mut [f32]) -> Result<()> {
-        let mut lens = Vec::with_capacity(tensors.len());
-        for t in tensors {
-            let n = t.len()?;
+        let ranges = laid_end_to_end(tensors, bucket.len())?;
+        for (t, r) in tensors.iter().zip(&ranges) {
             if let Some(u) = self.velocity.get(&t.name)
-                && u.len() != n
+                && u.len() != r.len()
             {
                 return Err(Error::Collective(format!(
-                    "the velocity of {:?} has {} elements, the tensor {n}",
+                    "the velocity of {:?} has {} elements, the tensor {}",
                     t.name,
-                    u.len()
+                    u.len(),
+                    r.len()
                 )));
             }
-            lens.push(n);
-        }
-        let total = lens.iter().try_fold(0usize, |a, &n| a.checked_add(n));
-        if total != Some(bucket.len()) {
-            return Err(Error::Collective(format!(
-                "a bucket of {} elements for tensors of {} elements",
-                bucket.len(),
-                lens.iter().fold(0u128, |a, &n| a + n as u128)
-            )));
         }
         // Every new velocity allocated before any is changed.
         let mut new = Vec::new();
-        for (t, &n) in tensors.iter().zip(&lens) {
+        for (t, r) in tensors.iter().zip(&ranges) {
             if !self.velocity.contains_key(&t.name) {
-                new.push((t.name.clone(), crate::alloc::filled(n, 0.0, "a velocity")?));
+                new.push((
+                    t.name.clone(),
+                    crate::alloc::filled(r.len(), 0.0, "a velocity")?,
+                ));
             }
         }
         self.velocity.extend(new);
-        let mut at = 0;
-        for (t, &n) in tensors.iter().zip(&lens) {
+        for (t, r) in tensors.iter().zip(ranges) {
             let u = self.velocity.get_mut(&t.name).expect("made above");
-            momentum_step(self.momentum, u, &mut bucket[at..at + n]);
-            at += n;
+            momentum_step(self.momentum, u, &mut bucket[r]);
         }
         Ok(())
     }

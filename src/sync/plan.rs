@@ -21,6 +21,35 @@ pub struct Tensor {
     pub shape: Vec<usize>,
 }
 
+/// The ranges of `tensors` laid end to end in a bucket of `len` elements (a framework's
+/// own bucket): an error unless they fill it exactly.
+pub(crate) fn laid_end_to_end<'a>(
+    tensors: impl IntoIterator<Item = &'a Tensor>,
+    len: usize,
+) -> Result<Vec<core::ops::Range<usize>>> {
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    for t in tensors {
+        let end = at
+            .checked_add(t.len()?)
+            .filter(|&e| e <= len)
+            .ok_or_else(|| {
+                Error::Collective(format!(
+                    "a bucket of {len} elements is shorter than its tensors ({:?} ends past it)",
+                    t.name
+                ))
+            })?;
+        out.push(at..end);
+        at = end;
+    }
+    if at != len {
+        return Err(Error::Collective(format!(
+            "a bucket of {len} elements holds tensors of {at}"
+        )));
+    }
+    Ok(out)
+}
+
 impl Tensor {
     /// A tensor named `name` of shape `shape`.
     pub fn new(name: impl Into<String>, shape: &[usize]) -> Tensor {
