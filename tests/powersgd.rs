@@ -9,6 +9,7 @@ use std::time::Duration;
 use gradpack::collective::{Transport, local};
 use gradpack::sync::{
     Network, Policy, PowerSgd, PowerSgdBucket, PowerSgdByName, SyncEngine, SyncOptions, Tensor,
+    step_seed,
 };
 use gradpack::{Error, Result};
 
@@ -882,4 +883,19 @@ fn state_by_name_refuses_what_does_not_fit_and_changes_nothing() -> Result<()> {
     assert!(by.bucket(&names, &[(0, (12, 8, 2))], 96).is_err());
     assert_eq!(by.states()?, wrong);
     Ok(())
+}
+
+#[test]
+fn a_steps_seed_is_the_documented_mix_of_base_step_and_names() {
+    use gradpack::rng::splitmix64;
+    let names: Vec<String> = ["layer1.weight", "layer2.weight"]
+        .map(String::from)
+        .to_vec();
+    let crc = crc32fast::hash(b"layer1.weight\0layer2.weight");
+    let want = splitmix64(9 ^ splitmix64(4) ^ splitmix64(u64::from(crc)));
+    assert_eq!(step_seed(9, 4, &names), want);
+    // Another step, base or set of names draws another seed.
+    assert_ne!(step_seed(9, 5, &names), want);
+    assert_ne!(step_seed(8, 4, &names), want);
+    assert_ne!(step_seed(9, 4, &names[..1]), want);
 }

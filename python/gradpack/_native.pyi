@@ -430,13 +430,14 @@ class PowerSgdByName:
     """
     def __new__(cls, /, rank: SupportsIndex = 2, warm_start: bool = True, feedback: bool = True, min_compression: SupportsFloat | SupportsIndex = 2.0) -> PowerSgdByName: ...
     def __repr__(self, /) -> str: ...
-    def exchange(self, /, names: SupportsGetItem[int, str], shapes: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex, SupportsIndex]], offsets: SupportsGetItem[int, SupportsIndex], m: Any, seed: SupportsIndex, plain: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex]], first: AllReduce, second: AllReduce) -> bool:
+    def exchange(self, /, names: SupportsGetItem[int, str], shapes: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex, SupportsIndex]], offsets: SupportsGetItem[int, SupportsIndex], m: Any, seed: SupportsIndex, step: SupportsIndex, plain: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex]], first: AllReduce, second: AllReduce) -> bool:
         """
         A whole PowerSGD step on the bucket `m` (flat float32) whose matrices `names` are
         `shapes` (`(n, m, r)` each) at `offsets`: their bucket's state (made, and filled
-        by name, when this set of names is new), then `PowerSgdBucket.exchange` with
-        `seed`, the float32 ranges `plain` and the all-reduces `first` and `second`.
-        Returns its flag (False: the factors were not finite).
+        by name, when this set of names is new), then `PowerSgdBucket.exchange` with the
+        seed the crate derives from `seed`, `step` and the names, the float32 ranges
+        `plain` and the all-reduces `first` and `second`. Returns its flag (False: the
+        factors were not finite).
         """
     def restore(self, /, states: dict) -> None:
         """

@@ -1191,8 +1191,6 @@ class GradpackState:
             (starts[i], layout[i][1])
             for i, c in enumerate(codecs) if i not in lr_set and c == _IDENTITY
         ]
-        sm = _native.splitmix64
-        seed = sm(self.seed ^ sm(step & _MASK) ^ sm(zlib.crc32("\0".join(names).encode())))
         # P is n x r and Q is m x r per matrix.
         p_len, q_len = sum(n * r for n, _, r in mats), sum(m * r for _, m, r in mats)
         first = self._f32_ring(index, 0x40000000, p_len + sum(k for _, k in plain))
@@ -1202,8 +1200,8 @@ class GradpackState:
             # The matrices stay in the bucket: the steps read and write them in place;
             # their state is the crate's, by name.
             self._lr.exchange(
-                list(names), mats, [starts[i] for i in lr_pos], x, seed, plain,
-                first._ar, second._ar,
+                list(names), mats, [starts[i] for i in lr_pos], x, self.seed, step & _MASK,
+                plain, first._ar, second._ar,
             )
         except BaseException:
             self._p2p.drop()

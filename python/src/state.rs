@@ -288,9 +288,10 @@ impl PyPowerSgdByName {
 
     /// A whole PowerSGD step on the bucket `m` (flat float32) whose matrices `names` are
     /// `shapes` (`(n, m, r)` each) at `offsets`: their bucket's state (made, and filled
-    /// by name, when this set of names is new), then `PowerSgdBucket.exchange` with
-    /// `seed`, the float32 ranges `plain` and the all-reduces `first` and `second`.
-    /// Returns its flag (False: the factors were not finite).
+    /// by name, when this set of names is new), then `PowerSgdBucket.exchange` with the
+    /// seed the crate derives from `seed`, `step` and the names, the float32 ranges
+    /// `plain` and the all-reduces `first` and `second`. Returns its flag (False: the
+    /// factors were not finite).
     #[allow(clippy::too_many_arguments)]
     fn exchange(
         &mut self,
@@ -300,11 +301,13 @@ impl PyPowerSgdByName {
         offsets: Vec<usize>,
         m: &Bound<'_, PyAny>,
         seed: u64,
+        step: u64,
         plain: Vec<(usize, usize)>,
         first: &Bound<'_, PyAllReduce>,
         second: &Bound<'_, PyAllReduce>,
     ) -> PyResult<bool> {
         let ranges = exchange_ranges(first, second, &plain)?;
+        let seed = gradpack::sync::step_seed(seed, step, &names);
         if offsets.len() != shapes.len() {
             return Err(PyValueError::new_err(format!(
                 "{} offsets for {} matrices",

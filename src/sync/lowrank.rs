@@ -10,8 +10,18 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::error::{Error, Result};
+use crate::rng::splitmix64;
 
 use super::{PowerSgd, PowerSgdBucket};
+
+/// The seed of a step's PowerSGD draws for the bucket of the matrices `names`, from the
+/// caller's `base` seed and the `step`: `splitmix64(base ^ splitmix64(step) ^
+/// splitmix64(crc32(names joined by NUL)))`, the same on every rank (a fresh `Q` is drawn
+/// from it where a matrix has none).
+pub fn step_seed(base: u64, step: u64, names: &[String]) -> u64 {
+    let crc = crc32fast::hash(names.join("\0").as_bytes());
+    splitmix64(base ^ splitmix64(step) ^ splitmix64(u64::from(crc)))
+}
 
 /// One matrix's state: its warm-start `Q` (`m x r`, if set) and its residual.
 pub type MatrixState = (Option<Vec<f32>>, Vec<f32>);

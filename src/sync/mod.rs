@@ -96,7 +96,7 @@ pub use plan::{
 
 pub use defaults::{default_strategy, wants_feedback};
 pub use gather::TensorGather;
-pub use lowrank::{MatrixState, PowerSgdByName};
+pub use lowrank::{MatrixState, PowerSgdByName, step_seed};
 pub use model::{HeldTensor, MODEL_KEY, ModelSelection};
 pub use momentum::Momentum;
 use plan::{Kind, Reduces};
