@@ -1198,6 +1198,26 @@ fn float_decode_takes_avx512(
     m != mode::RESIDUAL && block >= 64 && (f == fp8::E4M3 || m == mode::ADD)
 }
 
+/// The shortest fp8 block (with a scale, not a multiple of 16) whose decode the AVX-512
+/// backend runs in its own build rather than the AVX2 one (see [`decode_float`]).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+const FP8_REST_AVX512_FROM: usize = 24;
+
+/// The build that runs the part of an fp8 (or, with `four`, fp4) decode that the
+/// hand-written kernels do not take, on a backend of `kind`: the table's, except that
+/// fp4 and fp8 with a scale in blocks under [`FP8_REST_AVX512_FROM`] take the AVX2 build
+/// (the measurements are at [`decode_float`]).
+#[cfg(target_arch = "x86_64")]
+fn float_rest_route(kind: BackendKind, four: bool, scale: fp8::Scale, block: usize) -> X86 {
+    let route = x86_route(if four { Op::DecodeFp4 } else { Op::DecodeFp8 }, kind);
+    let avx2 = four || (scale != fp8::Scale::None && block < FP8_REST_AVX512_FROM);
+    if route == X86::Avx512 && avx2 {
+        X86::Avx2
+    } else {
+        route
+    }
+}
+
 /// fp8 (or, with `four`, fp4) decode of whole blocks in mode `M` (see [`fp8::decode`]).
 pub fn decode_float<const M: u8>(
     f: fp8::Format,
@@ -1280,10 +1300,16 @@ pub fn decode_float<const M: u8>(
         codes,
         out,
     };
-    // The rest of fp4 (other block lengths) runs the AVX2 build on
-    // both x86 backends: its scalar nibble loop ran 1.2 times as fast as the AVX-512 one.
+    // The rest of fp4 (other block lengths) runs the AVX2 build on both x86 backends: its
+    // scalar nibble loop ran 1.2 times as fast as the AVX-512 one. So does the rest of
+    // fp8 with a scale (blocks that are not a multiple of 16) in blocks of fewer than 24:
+    // on a 2-core Zen 5 (2026-12-02, `backend_race` at 64 Ki elements) the AVX-512 build
+    // of blocks of 10 decoded 10%, summed 12% and ran the error-feedback step 15% slower,
+    // level at 24, and 1.13 to 1.15 times as fast at 40 (E8M0 and f32 scales alike). fp8
+    // without a scale (a table per code) runs the backend's own build: AVX-512's decoded
+    // 1.12 to 1.23 times as fast there.
     #[cfg(target_arch = "x86_64")]
-    if route == X86::Avx2 || four {
+    if float_rest_route(b.kind(), four, scale, block) == X86::Avx2 {
         return simd_avx2(op);
     }
     simd(b, op)
@@ -1999,6 +2025,41 @@ mod tests {
                 assert_eq!(block_route(op, BackendKind::Avx512, 256), X86::Avx512);
             }
         }
+    }
+
+    /// The rest of an fp8 decode (blocks off 16) takes the AVX2 build on the AVX-512
+    /// backend below blocks of 24 when scaled, and fp4's rest always; fp8 without a scale,
+    /// and scaled blocks from 24, take the table's route; the other backends the table's.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn short_fp8_blocks_and_fp4_take_the_avx2_build_for_the_rest_of_a_decode() {
+        let e8 = fp8::Scale::E8m0;
+        for kind in BackendKind::ALL {
+            let table8 = x86_route(Op::DecodeFp8, kind);
+            let table4 = x86_route(Op::DecodeFp4, kind);
+            let avx = |t: X86| if t == X86::Avx512 { X86::Avx2 } else { t };
+            for block in [1, 10, 20, 23] {
+                assert_eq!(float_rest_route(kind, false, e8, block), avx(table8));
+                assert_eq!(
+                    float_rest_route(kind, false, fp8::Scale::F32, block),
+                    avx(table8)
+                );
+                assert_eq!(
+                    float_rest_route(kind, false, fp8::Scale::None, block),
+                    table8
+                );
+            }
+            for block in [24, 28, 40, 100] {
+                assert_eq!(float_rest_route(kind, false, e8, block), table8);
+            }
+            for block in [2, 10, 40, 100] {
+                assert_eq!(float_rest_route(kind, true, e8, block), avx(table4));
+            }
+        }
+        assert_eq!(
+            float_rest_route(BackendKind::Avx512, false, e8, 40),
+            X86::Avx512
+        );
     }
 
     /// The AVX-512 backend's stochastic fp8 and fp4 encoders give the blocks they lost on
