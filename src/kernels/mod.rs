@@ -547,6 +547,10 @@ fn dct_inverse_rows(t: &[f32], cols: &[bool], h: usize, w: usize, x: &mut [f32])
 pub fn feedback_form(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) {
     match Backend::current() {
         b if b.kind() == BackendKind::Scalar => scalar::feedback_form(r, g, beta, gamma),
+        #[cfg(target_arch = "x86_64")]
+        b if x86_route(Op::FeedbackForm, b.kind()) == X86::Avx2 => {
+            simd_avx2(FeedbackForm { r, g, beta, gamma })
+        }
         b => simd(b, FeedbackForm { r, g, beta, gamma }),
     }
 }
