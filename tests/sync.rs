@@ -1073,6 +1073,9 @@ fn split_by_tensor(
     }
 }
 
+/// Residuals (or velocities) by tensor name.
+type Named = Vec<(String, Vec<f32>)>;
+
 /// Each step's buckets as tensor indices into [`model_tensors`].
 type Grouping = Vec<Vec<usize>>;
 
@@ -1254,32 +1257,19 @@ fn model_selection_refuses_bad_calls_and_changes_nothing() {
             tensor: Tensor::new("a", &[2, 3]),
             key: 1,
         }];
+        let mut reduce = |s: &mut ModelSelection, x: &mut Vec<f32>| {
+            let send = &mut Vec::new();
+            s.reduce(&mut g, &mut comm, send, &mut [(x, &t)], 0, 0, false)
+        };
         // A bucket whose tensors do not add up to it.
         let mut x = vec![1.0f32; 7];
-        let e = s.reduce(
-            &mut g,
-            &mut comm,
-            &mut Vec::new(),
-            &mut [(&mut x, &t)],
-            0,
-            0,
-            false,
-        );
+        let e = reduce(&mut s, &mut x);
         assert!(matches!(e, Err(Error::Collective(_))), "{e:?}");
         assert_eq!(x, vec![1.0; 7]);
         // A restored residual of another length: refused when its tensor comes, and kept.
         s.restore(vec![("a".into(), vec![0.5; 5])]);
         let mut x = vec![1.0f32; 6];
-        let e = s.reduce(
-            &mut g,
-            &mut comm,
-            &mut Vec::new(),
-            &mut [(&mut x, &t)],
-            0,
-            0,
-            false,
-        );
-        assert!(e.is_err());
+        assert!(reduce(&mut s, &mut x).is_err());
         assert_eq!(x, vec![1.0; 6]);
         assert_eq!(s.residuals(), vec![("a".to_string(), vec![0.5; 5])]);
         Ok(())
@@ -1376,13 +1366,20 @@ fn tensor_gather_keeps_residuals_by_name_across_regroupings() {
             _ => Some("identity".parse().unwrap()),
         }
     };
-    let run = |steps: u64, groups: &(dyn Fn(usize, u64) -> Grouping + Sync)| {
+    // Steps `steps` on 3 ranks, grouped by `groups`, from each rank's `start` residuals
+    // (none if empty): each step's means by tensor, and the residuals after.
+    let run = |steps: std::ops::Range<u64>,
+               groups: &(dyn Fn(usize, u64) -> Grouping + Sync),
+               start: &[Named]| {
         local::run(3, Some(Duration::from_secs(20)), |mut comm| {
             let rank = comm.rank();
             let mut g = BucketGather::new(&comm, 3, ReduceOp::Mean)?;
             let mut tg = TensorGather::new(None);
+            if let Some(saved) = start.get(rank) {
+                tg.restore(saved.clone());
+            }
             let mut out = Vec::new();
-            for step in 0..steps {
+            for step in steps.clone() {
                 let mut by_tensor = vec![Vec::new(); tensors.len()];
                 for b in groups(rank, step) {
                     let held: Vec<(HeldTensor, Option<CodecSpec>)> = b
@@ -1393,16 +1390,8 @@ fn tensor_gather_keeps_residuals_by_name_across_regroupings() {
                         .iter()
                         .flat_map(|&t| model_grad(&tensors[t], rank, step))
                         .collect();
-                    tg.reduce(
-                        &mut g,
-                        &mut comm,
-                        &mut Vec::new(),
-                        &mut x,
-                        &held,
-                        5,
-                        step,
-                        false,
-                    )?;
+                    let send = &mut Vec::new();
+                    tg.reduce(&mut g, &mut comm, send, &mut x, &held, 5, step, false)?;
                     split_by_tensor(&tensors, &b, &x, &mut by_tensor);
                 }
                 out.push(by_tensor);
@@ -1419,8 +1408,8 @@ fn tensor_gather_keeps_residuals_by_name_across_regroupings() {
         1 => vec![vec![2, 0, 1], vec![3, 4]],
         _ => vec![vec![0], vec![1, 2, 3, 4]],
     };
-    let a = run(4, &one);
-    let b = run(4, &regrouped);
+    let a = run(0..4, &one, &[]);
+    let b = run(0..4, &regrouped, &[]);
     for r in 0..3 {
         assert!(f32_bits(&b[r].0) == f32_bits(&a[r].0), "rank {r}");
         // Every rank has the same means (the tensor left to the caller aside).
@@ -1440,41 +1429,10 @@ fn tensor_gather_keeps_residuals_by_name_across_regroupings() {
         assert_eq!(a[r].0[0][4], model_grad(&tensors[4], r, 0));
     }
     // Restored after 2 steps, a new one gives steps 2 and 3 as the first did.
-    let two = run(2, &one);
-    let saved: Vec<_> = two.iter().map(|r| r.1.clone()).collect();
-    let c = local::run(3, Some(Duration::from_secs(20)), |mut comm| {
-        let rank = comm.rank();
-        let mut g = BucketGather::new(&comm, 3, ReduceOp::Mean)?;
-        let mut tg = TensorGather::new(None);
-        tg.restore(saved[rank].clone());
-        let mut out = Vec::new();
-        for step in 2..4 {
-            let held: Vec<(HeldTensor, Option<CodecSpec>)> =
-                (0..5).map(|t| (tensors[t].clone(), codec_of(t))).collect();
-            let mut x: Vec<f32> = (0..5)
-                .flat_map(|t| model_grad(&tensors[t], rank, step))
-                .collect();
-            tg.reduce(
-                &mut g,
-                &mut comm,
-                &mut Vec::new(),
-                &mut x,
-                &held,
-                5,
-                step,
-                false,
-            )?;
-            out.push(x);
-        }
-        Ok(out)
-    });
-    for (r, got) in c.into_iter().enumerate() {
-        let got = got.unwrap();
-        for (i, step) in (2..4).enumerate() {
-            let want: Vec<f32> = a[r].0[step].iter().flatten().copied().collect();
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got[i]), bits(&want), "rank {r} step {step}");
-        }
+    let saved: Vec<Named> = run(0..2, &one, &[]).into_iter().map(|r| r.1).collect();
+    let c = run(2..4, &one, &saved);
+    for r in 0..3 {
+        assert!(f32_bits(&c[r].0) == f32_bits(&a[r].0[2..]), "rank {r}");
     }
 }
 

@@ -777,7 +777,11 @@ class GradpackState:
         if flat.dtype == torch.float32 and not flat.is_cuda:
             self._mom.apply(flat.numpy(), tensors)
             return
-        host = flat.to("cpu", torch.float32)  # waits for the gradients on DDP's stream
+        host = self._buffer(  # reused: no allocation per step
+            ("momentum", flat.numel()),
+            lambda: torch.empty(flat.numel(), dtype=torch.float32, pin_memory=flat.is_cuda),
+        )
+        host.copy_(flat)  # waits for the gradients on DDP's stream
         self._mom.apply(host.numpy(), tensors)
         flat.copy_(host)
 

@@ -134,18 +134,28 @@ def torchao_mx(fmt):
     return torch, to_mx, ScaleCalculationMode, dtype
 
 
+def ours_and_torchao(fmt, x, rule, mode):
+    """MX blocks of 32 of ``x`` with E8M0 scales by gradpack (``rule``: the spec's suffix)
+    and by torchao (``mode``: its scaling mode's name): each one's scale bytes and codes
+    (a row of code bytes per block)."""
+    torch, to_mx, ScaleCalculationMode, dtype = torchao_mx(fmt)
+    p = payload(x, FMT[fmt][3] + ",block=32,scale=e8m0" + rule)
+    nb = len(x) // 32
+    per = (len(p) - nb) // nb  # codes a block: 32 bytes, or 16 of two fp4 codes
+    s, d = to_mx(torch.from_numpy(x), dtype, 32,
+                 scaling_mode=getattr(ScaleCalculationMode, mode))
+    theirs = (s.view(torch.uint8).numpy().reshape(-1),
+              d.view(torch.uint8).numpy().reshape(nb, per))
+    return (p[:nb], p[nb:].reshape(nb, per)), theirs
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
 def test_mx_blocks_are_torchao_rceil_and_one_above_its_floor_where_the_mantissa_is_larger(fmt):
-    torch, to_mx, ScaleCalculationMode, dtype = torchao_mx(fmt)
     _, _, fmax, spec = FMT[fmt]
     x = gradients(4096)
-    p = payload(x, spec + ",block=32,scale=e8m0")
     nb = len(x) // 32
-    ours_s, ours_c = p[:nb], p[nb:]
-    s, d = to_mx(torch.from_numpy(x), dtype, 32, scaling_mode=ScaleCalculationMode.RCEIL)
-    assert np.array_equal(ours_s, s.view(torch.uint8).numpy().reshape(-1))
-    per = len(ours_c) // nb  # codes a block: 32 bytes, or 16 of two fp4 codes
-    ours_c, theirs_c = ours_c.reshape(nb, per), d.view(torch.uint8).numpy().reshape(nb, per)
+    (ours_s, ours_c), (theirs_s, theirs_c) = ours_and_torchao(fmt, x, "", "RCEIL")
+    assert np.array_equal(ours_s, theirs_s)
     sub = ours_s == 0  # the scale 2^-127, a subnormal f32
     assert np.array_equal(ours_c[~sub], theirs_c[~sub])
     # Under the subnormal scale torchao's reference flushes every element to zero;
@@ -155,8 +165,7 @@ def test_mx_blocks_are_torchao_rceil_and_one_above_its_floor_where_the_mantissa_
     back = gradpack.decode(bytes(gradpack.encode(x, spec + ",block=32,scale=e8m0")))
     xs, bs = x.reshape(nb, 32)[sub], back.reshape(nb, 32)[sub]
     assert np.all(np.abs(bs - xs) <= np.abs(xs)) and np.any(np.abs(bs - xs) < np.abs(xs))
-    s, _ = to_mx(torch.from_numpy(x), dtype, 32, scaling_mode=ScaleCalculationMode.FLOOR)
-    floor = s.view(torch.uint8).numpy().reshape(-1)
+    _, (floor, _) = ours_and_torchao(fmt, x, "", "FLOOR")
     absmax = np.abs(x).reshape(-1, 32).max(axis=1)
     larger = (mantissa(absmax) > mantissa(fmax)) & (absmax > 0)
     # Blocks above the smallest scale: there both rules clamp to 2^-127.
@@ -171,17 +180,10 @@ def test_mx_blocks_with_scale_rule_ocp_are_torchao_floor(fmt):
     # scale_rule=ocp: the OCP MX 1.0 rule, torchao's default FLOOR; scale bytes and codes
     # equal torchao's (whose largest quotients are clamped to FMAX too), but in blocks
     # whose scale is the subnormal 2^-127, where torchao flushes the elements to zero.
-    torch, to_mx, ScaleCalculationMode, dtype = torchao_mx(fmt)
-    _, _, fmax, spec = FMT[fmt]
+    fmax = FMT[fmt][2]
     x = gradients(4096)
-    p = payload(x, spec + ",block=32,scale=e8m0,scale_rule=ocp")
-    nb = len(x) // 32
-    ours_s, ours_c = p[:nb], p[nb:]
-    s, d = to_mx(torch.from_numpy(x), dtype, 32, scaling_mode=ScaleCalculationMode.FLOOR)
-    theirs_s = s.view(torch.uint8).numpy().reshape(-1)
+    (ours_s, ours_c), (theirs_s, theirs_c) = ours_and_torchao(fmt, x, ",scale_rule=ocp", "FLOOR")
     assert np.array_equal(ours_s, theirs_s), np.nonzero(ours_s != theirs_s)[0][:8]
-    per = len(ours_c) // nb
-    ours_c, theirs_c = ours_c.reshape(nb, per), d.view(torch.uint8).numpy().reshape(nb, per)
     sub = ours_s == 0
     assert np.array_equal(ours_c[~sub], theirs_c[~sub])
     # The clamp was exercised: blocks whose largest element is clipped to FMAX.

@@ -322,6 +322,25 @@ def test_the_documented_defaults_are_the_crates():
             "fp32-ring" if name == "identity" else "ring" if ring else "allgather"), spec
 
 
+def test_momentum_of_bucket_dtypes_other_than_float32_is_kept_in_float32():
+    # A bfloat16 or float64 bucket: its velocities are the crate's float32 ones, written
+    # back in the bucket's dtype; two steps, and a second bucket of the same size.
+    import torch
+    for dtype in (torch.bfloat16, torch.float64):
+        st = gpt.GradpackState(codec="int8", momentum=0.5)
+        lay = [("a", 3, 1, 0, (3,)), ("b", 2, 1, 1, (2,))]
+        other = [("c", 5, 1, 2, (5,))]
+        u = np.zeros(5, dtype=np.float32)
+        for step in range(2):
+            g = torch.tensor([1.5, -2.0, 0.25, 3.0, 0.5], dtype=dtype) * (step + 1)
+            buf = g.clone()
+            st._momentum(buf, lay)
+            st._momentum(torch.ones(5, dtype=dtype), other)  # another bucket between
+            u = np.float32(0.5) * u + g.to(torch.float32).numpy()
+            assert torch.equal(buf, torch.from_numpy(u).to(dtype)), (dtype, step)
+        assert np.array_equal(st._mom.velocities()["a"], u[:3])
+
+
 def test_options_are_one_object_or_keywords():
     # The keyword form makes the same HookOptions as options= does; both at once, or an
     # option the hook does not have, is an error; the options are checked when made.

@@ -347,11 +347,6 @@ impl SmallFloat {
         self.rounding == Rounding::Stochastic
     }
 
-    /// E8M0 scales by the OCP rule (either form of the scale says so).
-    fn ocp(&self) -> bool {
-        self.ocp || self.scale == k8::Scale::E8m0Floor
-    }
-
     /// Header params: `block`, then the codec's format and scale bytes, then rounding.
     pub fn params(&self, format: u8, scale: u8) -> [u8; 12] {
         let mut p = block_params(self.block, format);
@@ -410,7 +405,7 @@ impl SmallFloat {
             // FMAX, or 2^-127.
             k8::Scale::F32 => (absmax / fmax * (1.0 + 2f64.powi(-23))).max(2f64.powi(-126)),
             // OCP's rule: at most absmax / 2^emax, or 2^-127; never past f32's range.
-            k8::Scale::E8m0 | k8::Scale::E8m0Floor if self.ocp() => {
+            k8::Scale::E8m0 | k8::Scale::E8m0Floor if self.ocp => {
                 (absmax / 2f64.powi(f.emax())).max(2f64.powi(-127))
             }
             k8::Scale::E8m0 | k8::Scale::E8m0Floor if 2.0 * absmax > f64::from(f32::MAX) => {
@@ -431,7 +426,7 @@ impl SmallFloat {
         // OCP's rule: the largest quotients, below 2^(emax+1), clamped to FMAX.
         let clamp = match self.scale {
             k8::Scale::E4m3 { .. } => 2f64.powi(-21) * absmax,
-            _ if self.ocp() => (1.0 - fmax / 2f64.powi(f.emax() + 1)) * absmax,
+            _ if self.ocp => (1.0 - fmax / 2f64.powi(f.emax() + 1)) * absmax,
             _ => 0.0,
         };
         (rel * absmax + s * sub + 2f64.powi(-23) * absmax + clamp) * (1.0 + 2f64.powi(-20))

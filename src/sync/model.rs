@@ -15,7 +15,7 @@
 //! vector, and [`ModelSelection::residuals`] / [`ModelSelection::restore`] save and load
 //! them by name.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
 use crate::codec::CodecSpec;
@@ -244,19 +244,20 @@ impl ModelSelection {
             ef.set_residual(&r)?;
         }
         // Every residual not in the new vector stays parked by name.
-        let mut parked: HashMap<String, Vec<f32>> = held
+        let taken: HashSet<&str> = names.iter().map(String::as_str).collect();
+        let parked = held
             .into_iter()
-            .filter(|(k, _)| !names.iter().any(|n| n == k))
+            .filter(|(k, _)| !taken.contains(k))
             .map(|(k, v)| (k.to_string(), v.to_vec()))
             .collect();
-        drop(now);
-        core::mem::swap(&mut self.parked, &mut parked);
+        self.parked = parked;
         self.current = Some(Feedback { names, sizes, ef });
         Ok(())
     }
 
     /// Every tensor's residual by name (copies): those of the current vector and those
-    /// parked or restored, sorted by name.
+    /// parked or restored (never the same name: a name taken into the vector leaves the
+    /// parked ones), sorted by name.
     pub fn residuals(&self) -> Vec<(String, Vec<f32>)> {
         let mut out: Vec<(String, Vec<f32>)> = self
             .parked
@@ -267,7 +268,6 @@ impl ModelSelection {
             let r = f.ef.residual_f32();
             let mut at = 0;
             for (name, &m) in f.names.iter().zip(&f.sizes) {
-                out.retain(|(k, _)| k != name);
                 out.push((name.clone(), r[at..at + m].to_vec()));
                 at += m;
             }
