@@ -20,8 +20,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(HERE, "..", "tests")
-CONFIGS = ["identity", "int8-allgather", "int8-ef-ring", "topk-ef", "topk-ef-model",
-           "sign-majority", "powersgd2", "int8-hier"]
+CONFIGS = ["identity", "int8-allgather", "int8-ef-ring", "int8-ef-twoshot", "topk-ef",
+           "topk-ef-model", "topk-ef-from-3", "sign-majority", "powersgd2", "int8-hier",
+           "topk-ef-momentum", "topk-ef-model-momentum", "int8-ef-ring-momentum"]
 
 
 def crcs(names, path=None):

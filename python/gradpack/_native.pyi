@@ -6,7 +6,7 @@ of the `gradpack` Python package).
 from _typeshed import Incomplete, SupportsGetItem
 from typing import Any, Final, SupportsFloat, SupportsIndex, final
 
-__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "ModelSelection", "Momentum", "OuterSync", "PowerSgdBucket", "PowerSgdByName", "SharedMemory", "Tcp", "TensorGather", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "default_strategy", "encode", "encode_into", "frame_len", "inspect", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time", "wants_feedback"]
+__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "HookReducer", "ModelSelection", "Momentum", "OuterSync", "PowerSgdBucket", "PowerSgdByName", "SharedMemory", "Tcp", "TensorGather", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "default_strategy", "encode", "encode_into", "frame_len", "inspect", "measure_link", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time", "wants_feedback"]
 
 HEADER_LEN: Final[int]
 """
@@ -250,6 +250,102 @@ class Hierarchical:
     def strategy(self, /) -> str:
         """
         The strategy of the streams between nodes.
+        """
+
+@final
+class HookReducer:
+    """
+    The PyTorch hook's reducer: it decides each bucket's configuration (the float32
+    warm-up, the codec's default strategy, or measured `auto`'s `Tuner`), each tensor's
+    codec (small tensors and vectors as float32, `dct_2d`), which matrices go as PowerSGD
+    factors, and runs the bucket by the crate's collectives with their error feedback:
+    the all-gather per tensor (residuals by tensor name), the ring, two-shot, majority
+    vote or two-level all-reduce per bucket layout, PowerSGD's exchange, or one top-k
+    over the model (`selection="model"`). It keeps that state and saves it by name.
+
+    `codec` is the fixed codec, or None for measured `auto` (the `Tuner` passed to each
+    call decides); `strategy` the strategy of a fixed codec (None: the crate's default
+    for the codec at the world's size). `feedback` forces error feedback on or off
+    (None: the crate's default per codec). `powersgd` is `(rank, warm_start, feedback,
+    min_compression, start_step)` or None; `selection` the model's tensor names in order
+    for one top-k over the model. Buckets of steps before `start_step` go as float32.
+    """
+    def __new__(cls, /, codec: Any | None, *, strategy: str | None = None, feedback: bool | None = None, seed: SupportsIndex = 0, checksum: bool = False, pieces: SupportsIndex = 1, small_below: SupportsIndex = 16384, dct_2d: bool = False, start_step: SupportsIndex = 0, node_codec: str = "identity", powersgd: tuple[SupportsIndex, bool, bool, SupportsFloat | SupportsIndex, SupportsIndex] | None = None, selection: SupportsGetItem[int, str] | None = None) -> HookReducer: ...
+    def __repr__(self, /) -> str: ...
+    def config(self, /, index: SupportsIndex, step: SupportsIndex, world: SupportsIndex, layout: SupportsGetItem[int, tuple[str, SupportsGetItem[int, SupportsIndex]]], staging: SupportsFloat | SupportsIndex | None = None, tuner: Tuner | None = None) -> tuple[str, str, int | None]:
+        """
+        The configuration bucket `index` (its tensors `layout`, `(name, shape)` each)
+        goes by at `step` on `world` ranks: `(codec spec or "mixed", route, trial)`.
+        Route `"fp32"` is a float32 all-reduce of the whole bucket (the front end may run
+        it on a transport of its own); `"powersgd"` sends the bucket's matrices as
+        PowerSGD factors. `trial` is measured `auto`'s plan number while it is measured
+        (record the bucket's time with `tuner.record`), else None. `staging` is bytes/s
+        of a copy to the host and back, for a bucket on a device.
+        """
+    def connect(self, /, rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, *, send_recv: Any | None = None, transport: Tcp | None = None, shared_memory: SharedMemory | None = None, node_memory: SharedMemory | None = None, nodes: SupportsGetItem[int, SupportsIndex] | None = None) -> None:
+        """
+        The transport of the collectives to come (as `gradpack.AllReduce`'s), the shared
+        memory of this host's ranks (`shared_memory`) and of this host's ranks in this
+        rank's node (`node_memory`, for the two-level all-reduce, which needs `nodes`).
+        Collectives made before are dropped.
+        """
+    def disconnect(self, /) -> None:
+        """
+        Drop the transport and every collective made on it (the state stays: residuals,
+        PowerSGD's and the rings' saved states); `connect` again before the next bucket.
+        """
+    def holds_state(self, /) -> bool:
+        """
+        Whether there is state to save by tensor name: a residual, a PowerSGD state, or a
+        ring with error feedback.
+        """
+    def low_rank(self, /) -> dict:
+        """
+        PowerSGD's state by matrix name: `(q or None, residual)` float32 arrays.
+        """
+    def plain(self, /, layout: SupportsGetItem[int, tuple[str, SupportsGetItem[int, SupportsIndex], SupportsIndex]], codec: str, route: str, step: SupportsIndex, tuner: Tuner | None = None) -> bool:
+        """
+        Whether a bucket of configuration `(codec, route)` is a float32 all-reduce of the
+        whole bucket (stage a float64 bucket as it is, then).
+        """
+    def reduce(self, /, x: Any, index: SupportsIndex, step: SupportsIndex, layout: SupportsGetItem[int, tuple[str, SupportsGetItem[int, SupportsIndex], SupportsIndex]], codec: str, route: str, tuner: Tuner | None = None) -> bool:
+        """
+        Reduce the bucket `x` (flat; `layout` its tensors, `(name, shape, key)` each, laid
+        end to end) of `step` by configuration `(codec, route)` from `config`, into its
+        mean over the ranks, with the GIL released. Returns False, and leaves `x` as it
+        is, when the bucket is a float32 all-reduce for the front end to run (a float64
+        bucket's always is); a float32 `x` otherwise. Every rank calls it for the same
+        buckets in the same order.
+        """
+    def reduce_model(self, /, buckets: SupportsGetItem[int, tuple[Any, SupportsGetItem[int, tuple[str, SupportsGetItem[int, SupportsIndex], SupportsIndex]]]], step: SupportsIndex) -> None:
+        """
+        `selection` over the model: a step's `buckets` (`(x, layout)` each, `x` flat
+        float32) reduced together, one top-k over every compressed tensor in the model's
+        order with its error feedback, the others as float32 frames, in one all-gather;
+        each `x` then holds its mean over the ranks.
+        """
+    def residuals(self, /) -> dict:
+        """
+        Every tensor's error-feedback residual by name (float32 copies).
+        """
+    def restore(self, /, residuals: dict, low_rank: dict, rings: dict) -> None:
+        """
+        Replace the state with a saved one: `residuals` (name to float32 array),
+        `low_rank` (name to `(q or None, residual)`) and `rings` (names to a ring's state),
+        each taken up when its tensor or layout next comes. The collectives made so far
+        are dropped.
+        """
+    def rings(self, /) -> dict:
+        """
+        The state of every ring, two-shot, majority and two-level all-reduce by the names
+        of its bucket's tensors (those of the layouts in use, and those restored and not
+        used yet).
+        """
+    @property
+    def rings_made(self, /) -> int:
+        """
+        How many ring, two-shot, majority and two-level all-reduces are made now (one per
+        bucket layout in use).
         """
 
 @final
@@ -755,6 +851,15 @@ def inspect(frame: Any) -> dict:
     """
     Validate a frame's header and describe it: codec, spec, element count, lengths,
     seed, offset and flags.
+    """
+
+def measure_link(rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, *, small: SupportsIndex = 1024, large: SupportsIndex = 4194304, repeats: SupportsIndex = 5, tag: SupportsIndex = ..., send_recv: Any | None = None, transport: Tcp | None = None) -> tuple[float, float]:
+    """
+    Estimate the link between the ranks as `(bandwidth bit/s, latency s)` by timing
+    float32 ring all-reduces of `small` and `large` elements over the transport (the best
+    of `repeats` each) and solving the ring's model for both; the times are averaged over
+    the ranks, so every rank returns the same figures (pass them to `Tuner` or the cost
+    model). A collective on the transport given, with the GIL released.
     """
 
 def parse_bandwidth(s: str) -> float:

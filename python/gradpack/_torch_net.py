@@ -5,6 +5,8 @@ a host's shared memory. Plumbing only: what is sent, and when, is the crate's.""
 import os
 import tempfile
 import threading
+import warnings
+import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -63,6 +65,62 @@ def _hosts_by_probe(group: Any, world: int, rank: int) -> List[int]:
         ok = r in v and all(tuple(views[q]) == v for q in v)
         hosts.append(groups.setdefault(v, len(groups)) if ok else len(groups) + world + r)
     return hosts
+
+
+def _shared_memories(
+    group: Any, rank: int, hosts: List[int], nodes: Optional[List[int]], token: str,
+    timeout: Optional[float], flat: bool = True,
+) -> Tuple[Optional["gradpack.SharedMemory"], Optional["gradpack.SharedMemory"], int]:
+    """The shared memory of a state's collectives: between the ranks of this host, and
+    (with ``nodes``, for the two-level all-reduce, whose memory gets a stage) between the
+    ranks of this host in this rank's node; one :class:`gradpack.SharedMemory` per set of
+    ranks, None for a set of one (and for the first without ``flat``: no collective but
+    the two-level one). A collective of ``group``, made in the same order on
+    every rank. Per rank, a ring per other rank of the host (two sets when the nodes
+    split a host) and the stage: 1 MiB rings where ``/dev/shm`` has the room, less (down
+    to 64 KiB, the same on every rank) where it has not; if even that does not fit on
+    some rank's host, every rank goes without (both None, and a warning says so) rather
+    than fail at set-up. Last, the bytes of each ring."""
+    world = len(hosts)
+    staged = nodes is not None
+    mine = tuple(r for r in range(world) if hosts[r] == hosts[rank])
+    in_node = tuple(r for r in mine if nodes[r] == nodes[rank]) if staged else mine
+    sets = 1 if in_node == mine else 2
+    h = len(mine)
+    fixed = (_STAGE if staged else 0) + (64 << 10)  # the stage, the file's header
+    free = _shm_free()
+    ring = _RING
+    if h >= 2:
+        fits = (free // h - fixed) // ((h - 1) * sets)
+        ring = min(_RING, max(0, fits) // _MIN_RING * _MIN_RING)
+    agreed = torch.tensor([ring], dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    if int(agreed.item()) < _MIN_RING:
+        if ring < _MIN_RING:
+            need = h * ((h - 1) * _MIN_RING * sets + fixed)
+            warnings.warn(
+                f"gradpack: {_shm_dir()} has {free / 2**20:.0f} MiB free; the hook's "
+                f"shared memory needs at least {need / 2**20:.0f} MiB for the {h} ranks "
+                "of this host, so messages between them go through the process group "
+                "instead (give the container more, e.g. docker run --shm-size=1g, or "
+                "pass shared_memory=False to silence this)",
+                RuntimeWarning, stacklevel=3,
+            )
+        return None, None, 0
+    made: Dict[Tuple[int, ...], Any] = {}
+
+    def of(host: Tuple[int, ...]) -> Optional["gradpack.SharedMemory"]:
+        if len(host) < 2:
+            return None
+        if host not in made:
+            made[host] = gradpack.SharedMemory(
+                f"gp{token}-{zlib.crc32(repr(host).encode()):08x}", rank, world, list(host),
+                timeout=300.0 if timeout is None else float(timeout),
+                stage=_STAGE if staged else 0, capacity=int(agreed.item()), job=int(token, 16),
+            )
+        return made[host]
+
+    return (of(mine) if flat else None), (of(in_node) if staged else None), int(agreed.item())
 
 
 def _spans_nodes(group: Any) -> bool:

@@ -59,13 +59,40 @@ class HookOptions:
             ``"auto"``; default ``"int8"`` (``"identity"`` with ``powersgd``).
         error_feedback: ``True``, ``False``, or ``None`` for on exactly when the codec
             is one of :data:`BIASED_NEED_FEEDBACK` (top-k, chunked top-k, sign).
-        strategy: ``"allgather"``, ``"ring"``, ``"twoshot"``, ``"hierarchical"`` or
-            ``"majority"`` (see the module docs). Default ``"ring"`` from 3 ranks up for
-            the codecs of :data:`RING_BY_DEFAULT` (int8, fp16, ... : quantisers), else
-            ``"allgather"``; ``"hierarchical"`` when torchrun's ``LOCAL_WORLD_SIZE`` says
-            the ranks sit on several nodes of more than one.
+        strategy: how a bucket's compressed tensors are summed. Default ``"ring"``
+            from 3 ranks up for the codecs of :data:`RING_BY_DEFAULT` (int8, fp16, ...:
+            quantisers), else ``"allgather"``; ``"hierarchical"`` when torchrun's
+            ``LOCAL_WORLD_SIZE`` says the ranks sit on several nodes of more than one.
             With ``codec="auto"`` the default is to try them all (``"hierarchical"``
             where the ranks sit on several nodes, or ``nodes`` is given).
+
+            - ``"allgather"``: each rank encodes each parameter once (with its error
+              feedback) into one message; the crate's :class:`gradpack.BucketGather`
+              gathers the messages and sums each parameter's frames in rank order.
+              Parameters under ``min_compress_elements`` elements and one-dimensional
+              ones (biases, norm scales) go as float32, so the result does not depend
+              on how DDP groups parameters into buckets. Moves ``p - 1`` frames per
+              rank.
+            - ``"ring"``: gradpack's compressed ring (:class:`gradpack.AllReduce`) on
+              the whole bucket: each of the ``2(p - 1)`` hops moves one ``1/p`` chunk,
+              partial sums are re-encoded on the way. It moves ``2(p - 1)/p`` frames
+              per rank, so it pays from 3 ranks up for dense codecs. With error
+              feedback each rank keeps a residual for what it encodes from its own data
+              and, as a chunk's owner, for the chunk's final encode; ``pieces``
+              pipelines each chunk. Its residuals belong to the bucket's layout.
+            - ``"twoshot"``: each rank encodes chunk ``c`` once and sends it to rank
+              ``c``, which sums the chunk in float32, encodes the sum once and sends it
+              to every rank: the ring's bytes in two steps of latency, each element
+              quantised twice whatever the number of ranks.
+            - ``"hierarchical"``: the two-level all-reduce
+              (:class:`gradpack.Hierarchical`): a float32 reduce-scatter inside each
+              node, the codec's all-reduce of each shard between nodes (error feedback
+              there), an all-gather inside the node. Nodes from ``nodes``, torchrun's
+              ``GROUP_RANK`` or the host names.
+            - ``"majority"``: signSGD with majority vote, for the ``sign`` codec: each
+              element the sign most ranks sent times the ranks' summed magnitudes divided
+              by the ranks (the mean when all agree). Not a sum, so only when asked
+              for.
         nodes: ``strategy="hierarchical"``: the node of every rank of the process
             group (a list of node numbers, ``0 .. N``). Default: ranks share a node when
             their ``GROUP_RANK`` (set by torchrun: the node's rank) or, without it,
@@ -94,6 +121,10 @@ class HookOptions:
             ``min_compression`` (2.0) and ``start_step`` (0: plain float32 steps
             before PowerSGD starts). The other tensors go with ``codec``, which then
             defaults to ``"identity"`` (float32, as PyTorch's PowerSGD hook sends them).
+            Per bucket, one float32 all-reduce carries every matrix's ``P = M Q``
+            with the bucket's float32 tensors and a second its ``Q = M^T P``; tensors
+            of other codecs take the all-gather. Unlike PyTorch's ``powerSGD_hook``,
+            each matrix's warm-start ``Q`` and residual are kept by parameter name.
         dct_2d: with a ``dct`` codec of ``width=0``, send each parameter of two or more
             dimensions in ``chunk x chunk`` tiles of its matrix (``shape[0]`` rows of the
             other dimensions' product), as DeMo does, instead of tiles along the flat
@@ -129,8 +160,10 @@ class HookOptions:
             PyTorch's PowerSGD hook by ``start_powerSGD_iter``.
         selection: ``"tensor"`` (the default): a sparse codec keeps its ``ratio`` of
             every parameter; ``"model"``: top-k keeps ``ratio`` of all compressed
-            parameters together, chosen over the whole model after backward (see the
-            module's notes). Only with a ``topk`` codec and the all-gather. In the
+            parameters together, chosen over the whole model after backward (global
+            top-k: a layer with large gradients gets the share its magnitudes earn; the
+            step's buckets are held until the last one, so it does not overlap
+            backward). Only with a ``topk`` codec and the all-gather. In the
             bundled DDP benchmark's training (4 ranks, 250 steps, top-k 1% with error
             feedback and momentum correction, eleven seeds) it halved the mean gap to
             float32's accuracy, 1.17 to 0.60 points, and its spread across seeds.

@@ -24,9 +24,11 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
+mod hook;
 mod net;
 mod state;
 mod tune;
+use hook::PyHookReducer;
 use net::{Net, PyTcp, link};
 use state::{
     PyModelSelection, PyMomentum, PyPowerSgdByName, PyTensorGather, default_strategy,
@@ -327,6 +329,47 @@ fn agree(
     let t = link(py, "agree", rank, world, send, recv, send_recv, transport)?;
     let mut comm = Comm::new(t);
     py.detach(|| comm.agree(tag, settings)).map_err(err)
+}
+
+/// Estimate the link between the ranks as `(bandwidth bit/s, latency s)` by timing
+/// float32 ring all-reduces of `small` and `large` elements over the transport (the best
+/// of `repeats` each) and solving the ring's model for both; the times are averaged over
+/// the ranks, so every rank returns the same figures (pass them to `Tuner` or the cost
+/// model). A collective on the transport given, with the GIL released.
+#[pyfunction]
+#[pyo3(signature = (
+    rank=None, world=None, send=None, recv=None, *, small=1024, large=4194304, repeats=5,
+    tag=u32::MAX - 2, send_recv=None, transport=None,
+))]
+#[allow(clippy::too_many_arguments)]
+fn measure_link(
+    py: Python<'_>,
+    rank: Option<usize>,
+    world: Option<usize>,
+    send: Option<Py<PyAny>>,
+    recv: Option<Py<PyAny>>,
+    small: usize,
+    large: usize,
+    repeats: usize,
+    tag: u32,
+    send_recv: Option<Py<PyAny>>,
+    transport: Option<&Bound<'_, PyTcp>>,
+) -> PyResult<(f64, f64)> {
+    let t = link(
+        py,
+        "measure_link",
+        rank,
+        world,
+        send,
+        recv,
+        send_recv,
+        transport,
+    )?;
+    let mut comm = Comm::new(t);
+    let l = py
+        .detach(|| gradpack::collective::measure_link(&mut comm, tag, small, large, repeats))
+        .map_err(err)?;
+    Ok((l.bandwidth_bit_s, l.latency_s))
 }
 
 /// Decode any frame into `out`, a writable C-contiguous float32 array holding exactly
@@ -1176,6 +1219,30 @@ fn feedback_options(
 
 const ALLREDUCE_FORMAT: &str = "gradpack.AllReduce/1";
 
+/// An all-reduce's error-feedback residuals, with its strategy and codec, as a dict.
+fn allreduce_state<'py>(py: Python<'py>, a: &AllReduce) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("format", ALLREDUCE_FORMAT)?;
+    d.set_item("codec", a.codec().to_string())?;
+    d.set_item("len", a.len())?;
+    d.set_item("strategy", a.strategy().name())?;
+    d.set_item("blob", PyBytes::new(py, &a.save()))?;
+    Ok(d)
+}
+
+/// Restore `allreduce_state`'s dict into `a` (made with the same arguments).
+fn load_allreduce(a: &mut AllReduce, state: &Bound<'_, PyAny>) -> PyResult<()> {
+    let blob = state_blob(state, "AllReduce", ALLREDUCE_FORMAT)?;
+    let strategy: String = state_item(state, "AllReduce", "strategy")?.extract()?;
+    if strategy != a.strategy().name() {
+        return Err(PyValueError::new_err(format!(
+            "AllReduce state was saved under strategy {strategy:?}, this one runs {:?}",
+            a.strategy().name()
+        )));
+    }
+    a.restore(blob.as_bytes()).map_err(err)
+}
+
 /// gradpack's compressed all-reduce of one tensor on one rank, over messages that two
 /// Python callables move (see the module docs of `gradpack.AllReduce`).
 #[pyclass(module = "gradpack", name = "AllReduce")]
@@ -1301,26 +1368,12 @@ impl PyAllReduce {
     /// This rank's error-feedback residuals (strategy and codec with them), to restore
     /// with `load_state_dict` into an all-reduce made with the same arguments.
     fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("format", ALLREDUCE_FORMAT)?;
-        d.set_item("codec", self.inner.codec().to_string())?;
-        d.set_item("len", self.inner.len())?;
-        d.set_item("strategy", self.inner.strategy().name())?;
-        d.set_item("blob", PyBytes::new(py, &self.inner.save()))?;
-        Ok(d)
+        allreduce_state(py, &self.inner)
     }
 
     /// Restore a state saved by `state_dict`; the next `run` continues bit for bit.
     fn load_state_dict(&mut self, state: &Bound<'_, PyAny>) -> PyResult<()> {
-        let blob = state_blob(state, "AllReduce", ALLREDUCE_FORMAT)?;
-        let strategy: String = state_item(state, "AllReduce", "strategy")?.extract()?;
-        if strategy != self.inner.strategy().name() {
-            return Err(PyValueError::new_err(format!(
-                "AllReduce state was saved under strategy {strategy:?}, this one runs {:?}",
-                self.inner.strategy().name()
-            )));
-        }
-        self.inner.restore(blob.as_bytes()).map_err(err)
+        load_allreduce(&mut self.inner, state)
     }
 
     fn __repr__(&self) -> String {
@@ -2333,6 +2386,27 @@ impl PyOuterSync {
 
 const HIER_FORMAT: &str = "gradpack.Hierarchical/1";
 
+/// The residuals of a two-level all-reduce's streams between nodes, as a dict.
+fn hier_state<'py>(py: Python<'py>, h: &Hierarchical) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("format", HIER_FORMAT)?;
+    let blobs: Vec<Bound<'py, PyBytes>> = h.save().iter().map(|b| PyBytes::new(py, b)).collect();
+    d.set_item("streams", blobs)?;
+    Ok(d)
+}
+
+/// Restore `hier_state`'s dict into `h`.
+fn load_hier(h: &mut Hierarchical, state: &Bound<'_, PyAny>) -> PyResult<()> {
+    let format: String = state_item(state, "Hierarchical", "format")?.extract()?;
+    if format != HIER_FORMAT {
+        return Err(PyValueError::new_err(format!(
+            "Hierarchical state format {format:?}, expected {HIER_FORMAT:?}"
+        )));
+    }
+    let blobs: Vec<Vec<u8>> = state_item(state, "Hierarchical", "streams")?.extract()?;
+    h.restore(&blobs).map_err(err)
+}
+
 /// gradpack's two-level all-reduce (the crate's `gradpack::collective::Hierarchical`)
 /// over messages that two Python callables move, as for `AllReduce`.
 #[pyclass(module = "gradpack", name = "Hierarchical")]
@@ -2472,28 +2546,12 @@ impl PyHierarchical {
 
     /// The residuals of the streams between nodes.
     fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("format", HIER_FORMAT)?;
-        let blobs: Vec<Bound<'py, PyBytes>> = self
-            .inner
-            .save()
-            .iter()
-            .map(|b| PyBytes::new(py, b))
-            .collect();
-        d.set_item("streams", blobs)?;
-        Ok(d)
+        hier_state(py, &self.inner)
     }
 
     /// Restore a `state_dict`.
     fn load_state_dict(&mut self, state: &Bound<'_, PyAny>) -> PyResult<()> {
-        let format: String = state_item(state, "Hierarchical", "format")?.extract()?;
-        if format != HIER_FORMAT {
-            return Err(PyValueError::new_err(format!(
-                "Hierarchical state format {format:?}, expected {HIER_FORMAT:?}"
-            )));
-        }
-        let blobs: Vec<Vec<u8>> = state_item(state, "Hierarchical", "streams")?.extract()?;
-        self.inner.restore(&blobs).map_err(err)
+        load_hier(&mut self.inner, state)
     }
 
     fn __repr__(&self) -> String {
@@ -2514,13 +2572,13 @@ impl PyHierarchical {
 mod _native {
     #[pymodule_export]
     use super::{
-        PyAllReduce, PyBucketGather, PyCodec, PyErrorFeedback, PyHierarchical, PyModelSelection,
-        PyMomentum, PyOuterSync, PyPowerSgd, PyPowerSgdByName, PyProfile, PySharedMemory, PyTcp,
-        PyTensorGather, PyTuner, agree, allreduce_time, backend, best_strategy,
-        break_even_bandwidth, calibrate, chunk_range, decode, decode_add, decode_into,
-        default_strategy, encode, encode_into, frame_len, inspect, parse_bandwidth, parse_duration,
-        powersgd_matrix, rank_seed, reduce_frames, ring_time, splitmix64, tensor_codec,
-        tensor_seed, two_level_time, wants_feedback,
+        PyAllReduce, PyBucketGather, PyCodec, PyErrorFeedback, PyHierarchical, PyHookReducer,
+        PyModelSelection, PyMomentum, PyOuterSync, PyPowerSgd, PyPowerSgdByName, PyProfile,
+        PySharedMemory, PyTcp, PyTensorGather, PyTuner, agree, allreduce_time, backend,
+        best_strategy, break_even_bandwidth, calibrate, chunk_range, decode, decode_add,
+        decode_into, default_strategy, encode, encode_into, frame_len, inspect, measure_link,
+        parse_bandwidth, parse_duration, powersgd_matrix, rank_seed, reduce_frames, ring_time,
+        splitmix64, tensor_codec, tensor_seed, two_level_time, wants_feedback,
     };
 
     /// Size in bytes of every frame header.

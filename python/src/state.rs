@@ -248,7 +248,10 @@ impl PyTensorGather {
 }
 
 /// `(name, values)` pairs as a dict of float32 arrays.
-fn named_arrays(py: Python<'_>, all: Vec<(String, Vec<f32>)>) -> PyResult<Bound<'_, PyDict>> {
+pub(crate) fn named_arrays(
+    py: Python<'_>,
+    all: Vec<(String, Vec<f32>)>,
+) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     for (name, v) in all {
         d.set_item(name, PyArray1::from_vec(py, v))?;
@@ -257,7 +260,7 @@ fn named_arrays(py: Python<'_>, all: Vec<(String, Vec<f32>)>) -> PyResult<Bound<
 }
 
 /// A dict of name to float32 array as `(name, values)` pairs.
-fn named_vecs(d: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Vec<f32>)>> {
+pub(crate) fn named_vecs(d: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Vec<f32>)>> {
     let mut all = Vec::with_capacity(d.len());
     for (k, v) in d.iter() {
         let name: String = k.extract()?;
@@ -329,33 +332,47 @@ impl PyPowerSgdByName {
     /// Every matrix's state by name: `(q, residual)` float32 arrays (`q` None when
     /// unset).
     fn states<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        for (name, (q, e)) in self.inner.states().map_err(err)? {
-            let q = q.map(|q| PyArray1::from_vec(py, q));
-            d.set_item(name, (q, PyArray1::from_vec(py, e)))?;
-        }
-        Ok(d)
+        low_rank_states(py, &self.inner)
     }
 
     /// Replace every matrix's state with `states` (name to `(q or None, residual)`),
     /// each taken up when its bucket next forms.
     fn restore(&mut self, states: &Bound<'_, PyDict>) -> PyResult<()> {
-        let mut all: Vec<(String, MatrixState)> = Vec::with_capacity(states.len());
-        for (k, v) in states.iter() {
-            let name: String = k.extract()?;
-            let (q, e): (Option<Bound<'_, PyAny>>, Bound<'_, PyAny>) = v.extract()?;
-            let q = match q {
-                Some(q) => Some(slice_in(&f32_in(&q, &name)?)?.to_vec()),
-                None => None,
-            };
-            let e = slice_in(&f32_in(&e, &name)?)?.to_vec();
-            all.push((name, (q, e)));
-        }
-        self.inner.restore(all);
-        Ok(())
+        low_rank_restore(&mut self.inner, states)
     }
 
     fn __repr__(&self) -> String {
         format!("PowerSgdByName(rank={})", self.inner.settings().rank)
     }
+}
+
+/// Every matrix's PowerSGD state by name: `(q or None, residual)` float32 arrays.
+pub(crate) fn low_rank_states<'py>(
+    py: Python<'py>,
+    p: &PowerSgdByName,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (name, (q, e)) in p.states().map_err(err)? {
+        let q = q.map(|q| PyArray1::from_vec(py, q));
+        d.set_item(name, (q, PyArray1::from_vec(py, e)))?;
+    }
+    Ok(d)
+}
+
+/// Replace every matrix's state of `p` with `states` (name to `(q or None, residual)`),
+/// all read before anything changes.
+pub(crate) fn low_rank_restore(p: &mut PowerSgdByName, states: &Bound<'_, PyDict>) -> PyResult<()> {
+    let mut all: Vec<(String, MatrixState)> = Vec::with_capacity(states.len());
+    for (k, v) in states.iter() {
+        let name: String = k.extract()?;
+        let (q, e): (Option<Bound<'_, PyAny>>, Bound<'_, PyAny>) = v.extract()?;
+        let q = match q {
+            Some(q) => Some(slice_in(&f32_in(&q, &name)?)?.to_vec()),
+            None => None,
+        };
+        let e = slice_in(&f32_in(&e, &name)?)?.to_vec();
+        all.push((name, (q, e)));
+    }
+    p.restore(all);
+    Ok(())
 }

@@ -119,7 +119,7 @@ impl PyTuner {
     /// plan is decided. `staging`: bytes/s of a copy to the host and back, for a bucket
     /// that lives on a device.
     #[pyo3(signature = (bucket, layout, staging=None))]
-    fn next(
+    pub(crate) fn next(
         &self,
         bucket: usize,
         layout: Vec<(String, Vec<usize>)>,
@@ -192,7 +192,7 @@ impl PyTuner {
 
     /// The configuration decided for the tensor `name`: `(codec spec, route)`, or
     /// `None`.
-    fn choice_of(&self, name: &str) -> Option<(String, &'static str)> {
+    pub(crate) fn choice_of(&self, name: &str) -> Option<(String, &'static str)> {
         self.tuner().choice_of(name).map(pair)
     }
 

@@ -216,6 +216,7 @@ def make(cfg: Dict[str, Any], seed: int, init: int = -1, device: str = "cpu"):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradpack.torch as gpt
+    import gradpack._torch_net
 
     # Several buckets of ~26 k elements.
     net = model(seed if init < 0 else init, cfg).to(device)
@@ -226,7 +227,7 @@ def make(cfg: Dict[str, Any], seed: int, init: int = -1, device: str = "cpu"):
     if extra.get("nodes") == "pairs":
         extra["nodes"] = [min(r // 2, 1) for r in range(dist.get_world_size())]
     if "shm_free" in cfg:
-        gpt._shm_free = lambda: cfg["shm_free"]
+        gradpack._torch_net._shm_free = lambda: cfg["shm_free"]
     if cfg.get("codec") or cfg.get("powersgd"):
         state = gpt.GradpackState(
             codec=cfg.get("codec"),
@@ -324,7 +325,9 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
                 tried = sorted({(r["codec"], r["strategy"]) for r in state.plan()})
                 # The crate's collectives the hook made (one per bucket), and the
                 # shared-memory sets they share.
-                collectives, shared = len(state._rings), len(state._shms)
+                eng = getattr(state, "_eng", None)  # an older build (same_bits.py) has none
+                collectives = eng.rings_made if eng else len(state._rings)
+                shared = len(state._shms)
                 ring_bytes = state._shm_ring
                 state.close()
             times = sorted(times[len(times) // 2:])
@@ -395,6 +398,7 @@ def model_topk_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     decoded, summed in rank order and divided by the ranks; float32 for the rest."""
     import gradpack
     import gradpack.torch as gpt
+    import gradpack._torch_net
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
@@ -446,6 +450,25 @@ def run_model_topk(world: int) -> List[Dict[str, Any]]:
     """:func:`model_topk_worker` on ``world`` processes: each rank's result."""
     with tempfile.TemporaryDirectory() as d:
         spawn(model_topk_worker, (world, free_port(), d), world)
+        return [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(world)]
+
+
+def link_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """``gradpack.torch.measure_link`` on the default (gloo) group: the figures this rank
+    got."""
+    import gradpack.torch as gpt
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    bw, lat = gpt.measure_link(small=256, large=1 << 16, repeats=2)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"bandwidth": bw, "latency": lat}, f)
+    leave()
+
+
+def run_link(world: int) -> List[Dict[str, Any]]:
+    """:func:`link_worker` on ``world`` processes: each rank's figures."""
+    with tempfile.TemporaryDirectory() as d:
+        spawn(link_worker, (world, free_port(), d), world)
         return [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(world)]
 
 

@@ -328,8 +328,8 @@ def test_momentum_of_bucket_dtypes_other_than_float32_is_kept_in_float32():
     import torch
     for dtype in (torch.bfloat16, torch.float64):
         st = gpt.GradpackState(codec="int8", momentum=0.5)
-        lay = [("a", 3, 1, 0, (3,)), ("b", 2, 1, 1, (2,))]
-        other = [("c", 5, 1, 2, (5,))]
+        lay = [("a", [3], 0), ("b", [2], 1)]
+        other = [("c", [5], 2)]
         u = np.zeros(5, dtype=np.float32)
         for step in range(2):
             g = torch.tensor([1.5, -2.0, 0.25, 3.0, 0.5], dtype=dtype) * (step + 1)
@@ -468,3 +468,54 @@ def test_hierarchical_strategy_is_identical_on_every_rank(world):
         assert trained["shared_memories"] == (0 if alone else 1), trained
         assert trained["last_loss"] < trained["first_loss"] / 5, trained
         assert resumed["max_diff"] < 1e-2, resumed
+
+
+def test_the_crate_decides_each_bucket():
+    # gradpack._native.HookReducer, which the hook hands every bucket to: the float32
+    # warm-up, the codec's default strategy by world size, PowerSGD's matrices, and the
+    # buckets it leaves to the front end as a float32 all-reduce; bad calls are refused
+    # and change nothing.
+    from gradpack import Codec, _native
+    i8 = Codec("int8").spec
+    int8 = _native.HookReducer("int8", start_step=2)
+    lay = [("w", [64, 300]), ("b", [64])]
+    assert int8.config(0, 1, 3, lay) == ("identity", "fp32", None)  # before start_step
+    assert int8.config(0, 2, 3, lay) == (i8, "ring", None)
+    assert int8.config(0, 2, 2, lay) == (i8, "allgather", None)
+    assert int8.config(0, 5, 1, lay) == ("identity", "fp32", None)  # one rank
+    pinned = _native.HookReducer("int8", strategy="twoshot")
+    assert pinned.config(0, 0, 4, lay) == (i8, "twoshot", None)
+    ps = _native.HookReducer("identity", powersgd=(2, True, True, 2.0, 3))
+    assert ps.config(0, 2, 2, lay) == ("identity", "fp32", None)
+    assert ps.config(0, 3, 2, lay) == (Codec("identity").spec, "powersgd", None)
+    entries = [("w", [64, 300], 1), ("b", [64], 2)]
+    small = [("b", [64], 2), ("c", [10, 10], 3)]  # all under min_compress_elements
+    assert int8.plain(small, "int8", "allgather", 3)
+    assert not int8.plain(entries, "int8", "allgather", 3)
+    assert int8.plain(entries, "identity", "fp32", 3)
+    assert not int8.plain(entries, "int8", "hierarchical", 3)
+    with pytest.raises(ValueError, match="mixed"):
+        int8.plain(entries, "mixed", "allgather", 3)  # needs the tuner
+    with pytest.raises(ValueError, match="tree.*one of"):
+        _native.HookReducer("int8", strategy="tree")
+    with pytest.raises(ValueError, match="pieces"):
+        _native.HookReducer("int8", pieces=0)
+    x = np.arange(64 * 301, dtype=np.float32)
+    before = x.copy()
+    with pytest.raises(RuntimeError, match="connect"):
+        int8.reduce(x, 0, 3, entries, "int8", "allgather")
+    assert np.array_equal(x, before)
+    # No state until a bucket has gone; a restore of PowerSGD state into a reducer
+    # without PowerSGD is refused.
+    assert not int8.holds_state() and int8.rings_made == 0
+    with pytest.raises(ValueError, match="PowerSGD"):
+        int8.restore({}, {"w": (None, np.zeros(3, np.float32))}, {})
+
+
+def test_measure_link_gives_every_rank_the_same_figures():
+    # The crate's timed float32 rings on the native transport (through torch's store),
+    # averaged over the ranks: the same figures everywhere, a positive bandwidth and a
+    # latency of at least zero.
+    got = ddp_digits.run_link(3)
+    assert all(g == got[0] for g in got), got
+    assert got[0]["bandwidth"] > 0 and got[0]["latency"] >= 0, got

@@ -109,6 +109,7 @@ mod hold;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+mod probe;
 pub mod shm;
 pub mod tcp;
 
@@ -116,6 +117,7 @@ pub use bucket::{BucketGather, Part};
 pub use comm::{Comm, ENVELOPE_LEN, ENVELOPE_VERSION, MAX_SETTINGS};
 use comm::{Phase, Place};
 pub use hier::{Hierarchical, Nodes};
+pub use probe::{Link, measure_link, ring_link};
 pub use shm::{NodeMemory, Routed, SharedMemory, SharedMemoryOptions};
 pub use tcp::{Tcp, TcpOptions, draw_token, interface_address, named_interface};
 
