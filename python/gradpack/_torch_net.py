@@ -2,7 +2,9 @@
 up through torch's store, point-to-point messages on a gloo group, and which ranks share
 a host's shared memory. Plumbing only: what is sent, and when, is the crate's."""
 
+import datetime
 import os
+import socket
 import tempfile
 import threading
 import warnings
@@ -277,3 +279,114 @@ class _PointToPoint:
         with self._lock:
             self._pending = []
             self._sized = False
+
+
+class _Links:
+    """The hook's ways to the other ranks of ``process_group``: its own gloo group (made
+    once, or ``comm_group`` checked against the ranks), the job's token, the native
+    transport (connected on first use through torch's store), the point-to-point
+    callables on the group, and the maps of hosts and nodes. Each is found once, by a
+    collective of the group."""
+
+    def __init__(self, process_group: Any, comm_group: Any, timeout: Optional[float],
+                 transport: str, nodes: Optional[List[int]]) -> None:
+        self.process_group = process_group
+        self.comm, self.own = comm_group, comm_group is None
+        self.checked = False  # made here, or the given one checked against the ranks
+        self.timeout, self.transport, self.nodes = timeout, transport, nodes
+        self.tcp: Optional[gradpack.Tcp] = None
+        self.token: Optional[str] = None
+        self.hosts: Optional[List[int]] = None
+        self.p2p = _PointToPoint(self.group)
+
+    def world(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    def rank(self) -> int:
+        return dist.get_rank(self.process_group)
+
+    def group(self) -> Any:
+        """The group the hook's own messages travel on: the one given, or a gloo group of
+        the process group's ranks made once (a collective of those ranks). Never DDP's
+        group: DDP issues its own collectives on that one from the training thread, and
+        two threads on one group interleave their messages differently on different
+        ranks."""
+        if self.comm is None:
+            g = self.process_group
+            ranks = None if g is None else dist.get_process_group_ranks(g)
+            kw: Dict[str, Any] = {}
+            if self.timeout is not None:
+                kw["timeout"] = datetime.timedelta(seconds=self.timeout)
+            self.comm = dist.new_group(
+                ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None, **kw
+            )
+            self.checked = True
+        elif not self.checked:
+            c = self.comm
+            if (dist.get_world_size(c), dist.get_rank(c)) != (self.world(), self.rank()):
+                raise ValueError(
+                    "comm_group must hold the process group's ranks in the same order "
+                    f"(its rank {dist.get_rank(c)} of {dist.get_world_size(c)}, the process "
+                    f"group's {self.rank()} of {self.world()})"
+                )
+            self.checked = True
+        return self.comm
+
+    def job_token(self) -> str:
+        """A random token of this state's, the same on every rank (drawn the first time:
+        a collective of the hook's group)."""
+        if self.token is None:
+            self.token = _job_token(self.group())
+        return self.token
+
+    def link(self) -> Dict[str, Any]:
+        """The transport arguments of a crate call: the :class:`gradpack.Tcp` (connected
+        on first use, through torch's store: a collective), or the point-to-point
+        callables on the hook's group."""
+        if self.transport == "tcp":
+            if self.tcp is None:
+                self.tcp = _tcp(self.rank(), self.world(), self.job_token(), self.timeout)
+            return dict(transport=self.tcp)
+        return self.p2p.link()
+
+    def call(self, f: Any, *args: Any, **kw: Any) -> Any:
+        """``f(*args, **kw)``, a call of the crate that sends on :meth:`link`: with the
+        point-to-point callables, this rank's sends are waited for after it (and
+        forgotten after a failure)."""
+        try:
+            out = f(*args, **kw)
+        except BaseException:
+            self.p2p.drop()
+            raise
+        self.p2p.wait()
+        return out
+
+    def node_map(self) -> List[int]:
+        """The node of every rank (the ``nodes`` given, or found once: ranks share a
+        node when their ``GROUP_RANK``, or else their host names, are equal)."""
+        if self.nodes is None:
+            key = os.environ.get("GROUP_RANK") or socket.gethostname()
+            keys: List[Any] = [None] * self.world()
+            dist.all_gather_object(keys, key, group=self.group())
+            order: Dict[Any, int] = {}
+            self.nodes = [order.setdefault(k, len(order)) for k in keys]
+        if len(self.nodes) != self.world():
+            raise ValueError(f"nodes lists {len(self.nodes)} ranks; the group has {self.world()}")
+        return self.nodes
+
+    def host_map(self) -> List[int]:
+        """The host of every rank: ranks that share ``/dev/shm`` (found once)."""
+        if self.hosts is None:
+            self.hosts = _hosts_by_probe(self.group(), self.world(), self.rank())
+        return self.hosts
+
+    def close(self) -> None:
+        """Meet the other ranks (a barrier on the hook's group, so no rank tears its
+        connections down while a peer's last messages are on the way: gloo can abort
+        the process then) and destroy the group if it was made here."""
+        if self.comm is not None and dist.is_initialized():
+            dist.barrier(group=self.comm)
+            if self.own:
+                dist.destroy_process_group(self.comm)
+        self.comm = None
+        self.tcp = None

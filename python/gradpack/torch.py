@@ -60,11 +60,8 @@ with the step counter and ``auto``'s plan (make the state with ``model=``): a st
 restored into a fresh DDP model continues bit-identically.
 """
 
-import datetime
 import math
-import os
 import queue
-import socket
 import sys
 import time
 import zlib
@@ -78,14 +75,7 @@ import torch.distributed as dist
 import gradpack
 from gradpack import Codec, _native
 from gradpack._torch_options import HookOptions
-from gradpack._torch_net import (
-    _PointToPoint,
-    _hosts_by_probe,
-    _job_token,
-    _shared_memories,
-    _spans_nodes,
-    _tcp,
-)
+from gradpack._torch_net import _Links, _job_token, _shared_memories, _spans_nodes, _tcp
 
 __all__ = ["DiLoCo", "GradpackState", "HookOptions", "gradpack_hook", "measure_link",
            "DEFAULT_CANDIDATES", "BIASED_NEED_FEEDBACK", "RING_BY_DEFAULT"]
@@ -165,15 +155,11 @@ class GradpackState:
         self._auto = isinstance(codec, str) and codec == "auto"
         self._ps = o.powersgd_settings()
         self.dct_2d = bool(o.dct_2d)
-        self._nodes = None if o.nodes is None else [int(k) for k in o.nodes]
         self.shared_memory = bool(o.shared_memory)
         self.transport = o.transport
-        self._tcp: Optional[gradpack.Tcp] = None
-        self._hosts: Optional[List[int]] = None
         # This host's shared memory (by id) and the bytes of each ring, once connected.
         self._shms: Dict[int, Any] = {}
         self._shm_ring = 0
-        self._shm_token: Optional[str] = None
         self.node_codec = str(o.node_codec)
         self.trials, self.trial_steps = o.trials, o.trial_steps
         self.print_plan = bool(o.print_plan)
@@ -192,13 +178,12 @@ class GradpackState:
         # momentum: the crate's velocities, by parameter name.
         self._mom = _native.Momentum(self.momentum) if self.momentum else None
         self.pieces = o.pieces
-        self._p2p = _PointToPoint(self._comm_group)
         self.process_group = process_group
-        self._comm = comm_group
-        self._own_comm = comm_group is None
-        self._comm_checked = False  # made here, or the given one checked against the ranks
-        self._closed = False
         self.timeout = o.timeout
+        # The hook's group, its native transport and the maps of hosts and nodes.
+        self._net = _Links(process_group, comm_group, o.timeout, o.transport,
+                           None if o.nodes is None else [int(k) for k in o.nodes])
+        self._closed = False
         strategy = o.strategy
         spans = o.nodes is not None or _spans_nodes(process_group)
         if strategy is None and not self._auto and self._ps is None and spans:
@@ -279,7 +264,7 @@ class GradpackState:
             "pieces": str(self.pieces),
             "trials": str(self.trials),
             "trial_steps": str(self.trial_steps),
-            "nodes": repr(self._nodes),
+            "nodes": repr(self._net.nodes),
             "node_codec": self.node_codec,
             "start_step": str(self.start_step),
             "momentum": repr(self.momentum),
@@ -288,89 +273,25 @@ class GradpackState:
         }
         self._agreed = False
         if dist.is_available() and dist.is_initialized():
-            self._comm_group()
+            self._net.group()
             if "hierarchical" in self.strategies:
                 self.node_map()
 
     # ------------------------------------------------------------------ plumbing
-
-    def _comm_group(self) -> Any:
-        """The group the hook's own messages travel on: the one given, or a gloo group of
-        the process group's ranks made once (a collective of those ranks). Never DDP's
-        group: DDP issues its own collectives on that one from the training thread, and
-        two threads on one group interleave their messages differently on different
-        ranks."""
-        if self._comm is None:
-            g = self.process_group
-            ranks = None if g is None else dist.get_process_group_ranks(g)
-            kw: Dict[str, Any] = {}
-            if self.timeout is not None:
-                kw["timeout"] = datetime.timedelta(seconds=self.timeout)
-            self._comm = dist.new_group(
-                ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None, **kw
-            )
-            self._comm_checked = True
-        elif not self._comm_checked:
-            c = self._comm
-            if (dist.get_world_size(c), dist.get_rank(c)) != (self._world(), self._rank()):
-                raise ValueError(
-                    "comm_group must hold the process group's ranks in the same order "
-                    f"(its rank {dist.get_rank(c)} of {dist.get_world_size(c)}, the process "
-                    f"group's {self._rank()} of {self._world()})"
-                )
-            self._comm_checked = True
-        return self._comm
-
-    def _agree(self) -> None:
-        """Compare the options every rank must share (the crate's agreement, on the
-        hook's own messages, before its first bucket): a rank made with another one
-        raises on every rank, naming the option."""
-        if self._world() > 1:
-            self._native_call(gradpack.agree, self._settings, **self._link())
-        self._agreed = True
-
-    def _native_call(self, f: Any, *args: Any, **kw: Any) -> Any:
-        """``f(*args, **kw)``, a call of the crate that sends on the hook's transport:
-        with ``transport="process_group"``, this rank's sends are waited for after it
-        (and forgotten after a failure)."""
-        try:
-            out = f(*args, **kw)
-        except BaseException:
-            self._p2p.drop()
-            raise
-        self._p2p.wait()
-        return out
-
-    def _job_token(self) -> str:
-        """A random token of this state's, the same on every rank (drawn the first time:
-        a collective of the hook's group)."""
-        if self._shm_token is None:
-            self._shm_token = _job_token(self._comm_group())
-        return self._shm_token
-
-    def _link(self) -> Dict[str, Any]:
-        """The transport arguments of a new collective: the state's :class:`gradpack.Tcp`
-        (connected on first use, through torch's store: a collective), or the hook's
-        point-to-point callables on its group."""
-        if self.transport == "tcp":
-            if self._tcp is None:
-                self._tcp = _tcp(self._rank(), self._world(), self._job_token(), self.timeout)
-            return dict(transport=self._tcp)
-        return self._p2p.link()
 
     def _engine(self) -> Any:
         """The crate's reducer, connected (on first use, on the communication thread,
         at the same bucket on every rank: collectives of the hook's group) to the hook's
         transport and this host's shared memory."""
         if not self._connected:
-            kw = self._link()
+            kw = self._net.link()
             hier = "hierarchical" in self.strategies
             if hier:
                 kw["nodes"] = self.node_map()
             if self.shared_memory:
                 host, node, self._shm_ring = _shared_memories(
-                    self._comm_group(), self._rank(), self.host_map(),
-                    self.node_map() if hier else None, self._job_token(), self.timeout,
+                    self._net.group(), self._rank(), self.host_map(),
+                    self.node_map() if hier else None, self._net.job_token(), self.timeout,
                     flat=self.strategies != ("hierarchical",),
                 )
                 kw.update(shared_memory=host, node_memory=node)
@@ -380,31 +301,29 @@ class GradpackState:
         return self._eng
 
     def _world(self) -> int:
-        return dist.get_world_size(self.process_group)
+        return self._net.world()
 
     def _rank(self) -> int:
-        return dist.get_rank(self.process_group)
+        return self._net.rank()
 
     def node_map(self) -> List[int]:
         """The node of every rank of the process group, for ``strategy="hierarchical"``
         (the ``nodes`` given, or found once: a collective of the group)."""
-        if self._nodes is None:
-            key = os.environ.get("GROUP_RANK") or socket.gethostname()
-            keys: List[Any] = [None] * self._world()
-            dist.all_gather_object(keys, key, group=self._comm_group())
-            order: Dict[Any, int] = {}
-            self._nodes = [order.setdefault(k, len(order)) for k in keys]
-        if len(self._nodes) != self._world():
-            raise ValueError(f"nodes lists {len(self._nodes)} ranks; the group has {self._world()}")
-        return self._nodes
+        return self._net.node_map()
 
     def host_map(self) -> List[int]:
         """The host of every rank of the process group (``0 ..``): ranks that share
         ``/dev/shm`` (found once, a collective of the group: each rank leaves a file
         there and looks for the others')."""
-        if self._hosts is None:
-            self._hosts = _hosts_by_probe(self._comm_group(), self._world(), self._rank())
-        return self._hosts
+        return self._net.host_map()
+
+    def _agree(self) -> None:
+        """Compare the options every rank must share (the crate's agreement, on the
+        hook's own messages, before its first bucket): a rank made with another one
+        raises on every rank, naming the option."""
+        if self._world() > 1:
+            self._net.call(gradpack.agree, self._settings, **self._net.link())
+        self._agreed = True
 
     # ------------------------------------------------------------------ auto
 
@@ -515,7 +434,7 @@ class GradpackState:
         sequence) and keep the fastest configuration, float32 on a tie."""
         tuner = self._tuner
         assert tuner is not None
-        self._native_call(tuner.record, trial, elapsed, **self._link())
+        self._net.call(tuner.record, trial, elapsed, **self._net.link())
         if self.print_plan and self._rank() == 0 and not self._plan_printed and tuner.decided():
             self._plan_printed = True
             print(tuner.table(), file=sys.stderr, flush=True)
@@ -643,14 +562,8 @@ class GradpackState:
         if self._closed:
             return
         self._closed = True
-        if self._comm is not None and dist.is_initialized():
-            dist.barrier(group=self._comm)
-            if self._own_comm:
-                dist.destroy_process_group(self._comm)
-        self._comm = None
-        # The connections close once the collectives made with them are gone too.
-        self._tcp = None
-        self._eng.disconnect()
+        self._net.close()
+        self._eng.disconnect()  # the connections close with the collectives made on them
         self._connected = False
 
     # ------------------------------------------------------------------ the work
@@ -711,8 +624,7 @@ class GradpackState:
             )
         if self._closed:
             raise RuntimeError("this GradpackState was closed; make a new one to train on")
-        if not self._comm_checked:
-            self._comm_group()  # a state made before the process group: made now
+        self._net.group()  # a state made before the process group: made now
         if not self._agreed:
             self._agree()
         index, step, layout = bucket.index(), self.step, self._layout(bucket)
@@ -834,7 +746,7 @@ class GradpackState:
         self._pending = []
         try:
             parts = [(h.view(-1).numpy(), lay) for _, h, _, lay, _ in pending]
-            self._native_call(self._engine().reduce_model, parts, step)
+            self._net.call(self._engine().reduce_model, parts, step)
             for b, h, _, _, _ in pending:
                 self._from_host(b, h)
         except BaseException as e:  # every held future carries it to DDP
@@ -898,10 +810,10 @@ class GradpackState:
         plain = eng.plain(layout, cfg[0], cfg[1], step, self._tuner)
         host = self._to_host(buf, index, ready, exact=plain)
         flat = host.view(-1)
-        if not self._native_call(
+        if not self._net.call(
             eng.reduce, flat.numpy(), index, step, layout, cfg[0], cfg[1], self._tuner
         ):
-            dist.all_reduce(flat, group=self._comm_group())
+            dist.all_reduce(flat, group=self._net.group())
             flat.div_(world)
         self._from_host(buf, host)
         return buf
