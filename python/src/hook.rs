@@ -124,6 +124,13 @@ struct State {
     factor_rings: HashMap<(u32, u32, usize), FactorRing>,
 }
 
+/// A bucket being reduced: DDP's index (the collectives' tag), the step and its tensors.
+struct Bucket<'a> {
+    index: u32,
+    step: u64,
+    layout: &'a [Entry],
+}
+
 /// How a bucket goes this time, decided before it is staged.
 struct Decision {
     /// Each tensor's codec; `None` in a low-rank bucket for its matrices.
@@ -571,17 +578,20 @@ impl PyHookReducer {
                 xs.len()
             )));
         }
-        let (seed, checksum) = (self.seed, self.checksum);
+        let b = Bucket {
+            index,
+            step,
+            layout: &layout,
+        };
         if !d.low_rank.is_empty() {
-            self.powersgd(py, st, xs, index, step, &layout, &d)?;
+            self.powersgd(py, st, xs, &b, &d)?;
         } else if d.plain {
-            let codecs = vec![Some(IDENTITY); layout.len()];
-            all_gather(py, st, xs, index, step, &layout, &codecs, seed, checksum)?;
+            self.all_gather(py, st, xs, &b, &vec![Some(IDENTITY); layout.len()])?;
         } else if let Some(ring) = d.ring {
-            self.ring(py, st, xs, index, step, &layout, ring, route)?;
+            self.ring(py, st, xs, &b, ring, route)?;
         } else {
             let codecs: Vec<_> = d.codecs.iter().map(|c| Some(*c)).collect();
-            all_gather(py, st, xs, index, step, &layout, &codecs, seed, checksum)?;
+            self.all_gather(py, st, xs, &b, &codecs)?;
         }
         Ok(true)
     }
@@ -721,49 +731,44 @@ impl PyHookReducer {
     }
 }
 
-/// The bucket's tensors encoded (each with its codec, seed and residual), all-gathered
-/// and summed in rank order by collective `index`; a tensor whose codec is `None` is
-/// left as it is.
-#[allow(clippy::too_many_arguments)]
-fn all_gather(
-    py: Python<'_>,
-    st: &mut State,
-    xs: &mut [f32],
-    index: u32,
-    step: u64,
-    layout: &[Entry],
-    codecs: &[Option<CodecSpec>],
-    seed: u64,
-    checksum: bool,
-) -> PyResult<()> {
-    let link = st.link.as_ref().ok_or_else(not_connected)?;
-    let tensors: Vec<(HeldTensor, Option<CodecSpec>)> = held(layout)
-        .into_iter()
-        .zip(codecs.iter().copied())
-        .collect();
-    let g = gather_of(py, &mut st.gathers, link, index)?;
-    let (inner, comm, send) = (&mut g.inner, &mut g.comm, &mut g.send);
-    let me = &mut st.gather;
-    py.detach(|| me.reduce(inner, comm, send, xs, &tensors, seed, step, checksum))
-        .map_err(err)?;
-    Ok(())
-}
-
 impl PyHookReducer {
+    /// The bucket's tensors encoded (each with its codec, seed and residual),
+    /// all-gathered and summed in rank order by collective `index`; a tensor whose codec
+    /// is `None` is left as it is.
+    fn all_gather(
+        &self,
+        py: Python<'_>,
+        st: &mut State,
+        xs: &mut [f32],
+        b: &Bucket<'_>,
+        codecs: &[Option<CodecSpec>],
+    ) -> PyResult<()> {
+        let link = st.link.as_ref().ok_or_else(not_connected)?;
+        let tensors: Vec<(HeldTensor, Option<CodecSpec>)> = held(b.layout)
+            .into_iter()
+            .zip(codecs.iter().copied())
+            .collect();
+        let g = gather_of(py, &mut st.gathers, link, b.index)?;
+        let (inner, comm, send) = (&mut g.inner, &mut g.comm, &mut g.send);
+        let me = &mut st.gather;
+        let (seed, step, checksum) = (self.seed, b.step, self.checksum);
+        py.detach(|| me.reduce(inner, comm, send, xs, &tensors, seed, step, checksum))
+            .map_err(err)?;
+        Ok(())
+    }
+
     /// The bucket's ring (or two-shot, majority, two-level all-reduce) of its layout,
     /// made on first use (with a saved state taken up), then run in place.
-    #[allow(clippy::too_many_arguments)]
     fn ring(
         &self,
         py: Python<'_>,
         st: &mut State,
         xs: &mut [f32],
-        index: u32,
-        step: u64,
-        layout: &[Entry],
+        b: &Bucket<'_>,
         codec: CodecSpec,
         route: &str,
     ) -> PyResult<()> {
+        let (index, step, layout) = (b.index, b.step, b.layout);
         let link = st.link.as_ref().ok_or_else(not_connected)?;
         let names = layout
             .iter()
@@ -837,17 +842,15 @@ impl PyHookReducer {
     /// A bucket whose matrices go as PowerSGD factors: the crate's whole step (their `P`
     /// in one float32 all-reduce with the bucket's float32 tensors, their `Q` in a
     /// second), then the tensors of other codecs by the all-gather.
-    #[allow(clippy::too_many_arguments)]
     fn powersgd(
         &self,
         py: Python<'_>,
         st: &mut State,
         xs: &mut [f32],
-        index: u32,
-        step: u64,
-        layout: &[Entry],
+        b: &Bucket<'_>,
         d: &Decision,
     ) -> PyResult<()> {
+        let (index, step, layout) = (b.index, b.step, b.layout);
         let link = st.link.as_ref().ok_or_else(not_connected)?;
         let mut starts = Vec::with_capacity(layout.len());
         let mut at = 0usize;
@@ -913,17 +916,7 @@ impl PyHookReducer {
             .map(|i| (!is_lr(i) && d.codecs[i] != IDENTITY).then_some(d.codecs[i]))
             .collect();
         if rest.iter().any(Option::is_some) {
-            all_gather(
-                py,
-                st,
-                xs,
-                index,
-                step,
-                layout,
-                &rest,
-                self.seed,
-                self.checksum,
-            )?;
+            self.all_gather(py, st, xs, b, &rest)?;
         }
         Ok(())
     }
