@@ -6,7 +6,7 @@ of the `gradpack` Python package).
 from _typeshed import Incomplete, SupportsGetItem
 from typing import Any, Final, SupportsFloat, SupportsIndex, final
 
-__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "HookReducer", "ModelSelection", "Momentum", "OuterSync", "PowerSgdBucket", "PowerSgdByName", "SharedMemory", "Tcp", "TensorGather", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "default_strategy", "encode", "encode_into", "frame_len", "inspect", "measure_link", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time", "wants_feedback"]
+__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "HookReducer", "ModelSelection", "Momentum", "OuterSync", "PowerSgdBucket", "PowerSgdByName", "SharedMemory", "Tcp", "TensorGather", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "default_strategy", "encode", "encode_into", "frame_len", "inspect", "mean_over_ranks", "measure_link", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time", "wants_feedback"]
 
 HEADER_LEN: Final[int]
 """
@@ -851,6 +851,13 @@ def inspect(frame: Any) -> dict:
     """
     Validate a frame's header and describe it: codec, spec, element count, lengths,
     seed, offset and flags.
+    """
+
+def mean_over_ranks(values: SupportsGetItem[int, SupportsFloat | SupportsIndex], rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, *, tag: SupportsIndex = ..., send_recv: Any | None = None, transport: Tcp | None = None) -> list[float]:
+    """
+    The mean over the ranks of each rank's `values` (every rank passes as many): each
+    rank's values sent to every other and summed in rank order, so every rank gets the
+    same bits (as the tuner shares its times). A collective on the transport given.
     """
 
 def measure_link(rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, *, small: SupportsIndex = 1024, large: SupportsIndex = 4194304, repeats: SupportsIndex = 5, tag: SupportsIndex = ..., send_recv: Any | None = None, transport: Tcp | None = None) -> tuple[float, float]:

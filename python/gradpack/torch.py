@@ -60,6 +60,7 @@ with the step counter and ``auto``'s plan (make the state with ``model=``): a st
 restored into a fresh DDP model continues bit-identically.
 """
 
+import dataclasses
 import math
 import queue
 import sys
@@ -247,30 +248,14 @@ class GradpackState:
         self._connected = False
         # Every option the ranks must share, compared across them before the first
         # bucket (a rank with another seed or codec would otherwise diverge with no
-        # error, or fail later with a less clear one).
-        self._settings: Dict[str, str] = {
-            "codec": "auto" if self._auto else str(self.codec),
-            "error_feedback": repr(o.error_feedback),
-            "strategy": ",".join(self.strategies),
-            "min_compress_elements": str(self.min_compress_elements),
-            "seed": str(self.seed),
-            "checksum": str(self.checksum),
-            "candidates": ",".join(str(c) for c in self.candidates),
-            "bandwidth": repr(getattr(self, "bandwidth", None)),
-            "latency": repr(getattr(self, "latency", None)),
-            "calibrate_elements": str(o.calibrate_elements),
-            "powersgd": repr(sorted(ps.items()) if ps else None),
-            "dct_2d": str(self.dct_2d),
-            "pieces": str(self.pieces),
-            "trials": str(self.trials),
-            "trial_steps": str(self.trial_steps),
-            "nodes": repr(self._net.nodes),
-            "node_codec": self.node_codec,
-            "start_step": str(self.start_step),
-            "momentum": repr(self.momentum),
-            "selection": self.selection,
-            "transport": self.transport,
-        }
+        # error, or fail later with a less clear one): as this state reads them.
+        mine = dict(codec="auto" if self._auto else str(self.codec), seed=self.seed,
+                    strategy=self.strategies, candidates=[str(c) for c in self.candidates],
+                    bandwidth=getattr(self, "bandwidth", None), nodes=self._net.nodes,
+                    latency=getattr(self, "latency", None), powersgd=ps, momentum=self.momentum,
+                    min_compress_elements=self.min_compress_elements)
+        self._settings = {f.name: repr(mine.get(f.name, getattr(o, f.name)))
+                          for f in dataclasses.fields(o) if f.name not in _RANK_OWN}
         self._agreed = False
         if dist.is_available() and dist.is_initialized():
             self._net.group()
@@ -328,16 +313,14 @@ class GradpackState:
     # ------------------------------------------------------------------ auto
 
     def _calibrate(self, elements: int) -> None:
-        """The candidates' speeds on this CPU, averaged over the ranks (so every rank's
-        model ranks alike)."""
+        """The candidates' speeds on this CPU, averaged over the ranks by the crate (so
+        every rank's model ranks alike)."""
         calibrated = list(dict.fromkeys(self.candidates + [_IDENTITY]))
         profiles = [gradpack.calibrate(c, elements, 0.1) for c in calibrated]
+        fields = ("encode_bytes_per_s", "decode_bytes_per_s", "decode_add_bytes_per_s")
         if dist.is_initialized() and self._world() > 1:
-            fields = ("encode_bytes_per_s", "decode_bytes_per_s", "decode_add_bytes_per_s")
-            t = torch.tensor([getattr(p, f) for p in profiles for f in fields],
-                             dtype=torch.float64)
-            dist.all_reduce(t, group=self.process_group)
-            mean = (t / self._world()).tolist()
+            speeds = [getattr(p, f) for p in profiles for f in fields]
+            mean = self._net.call(_native.mean_over_ranks, speeds, **self._net.link())
             for i, p in enumerate(profiles):
                 for j, f in enumerate(fields):
                     setattr(p, f, mean[3 * i + j])
@@ -834,6 +817,8 @@ def _f32(k: str, v: Any) -> np.ndarray:
 
 
 _PS_KEYS = ("rank", "warm_start", "feedback", "min_compression", "start_step")
+# Options each rank may set as it likes: the others are compared across the ranks.
+_RANK_OWN = ("timeout", "print_plan")
 
 
 _FORMAT = "gradpack.torch.GradpackState/2"

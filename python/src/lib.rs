@@ -34,7 +34,7 @@ use state::{
     PyModelSelection, PyMomentum, PyPowerSgdByName, PyTensorGather, default_strategy,
     wants_feedback,
 };
-use tune::{PyTuner, tensor_codec};
+use tune::{PyTuner, mean_over_ranks, tensor_codec};
 
 // gradpack.Error, the exception every crate error raises, is a Python class (in
 // `gradpack/_errors.py`): a subclass of ValueError that an abi3 module cannot define as a
@@ -2576,9 +2576,9 @@ mod _native {
         PyModelSelection, PyMomentum, PyOuterSync, PyPowerSgd, PyPowerSgdByName, PyProfile,
         PySharedMemory, PyTcp, PyTensorGather, PyTuner, agree, allreduce_time, backend,
         best_strategy, break_even_bandwidth, calibrate, chunk_range, decode, decode_add,
-        decode_into, default_strategy, encode, encode_into, frame_len, inspect, measure_link,
-        parse_bandwidth, parse_duration, powersgd_matrix, rank_seed, reduce_frames, ring_time,
-        splitmix64, tensor_codec, tensor_seed, two_level_time, wants_feedback,
+        decode_into, default_strategy, encode, encode_into, frame_len, inspect, mean_over_ranks,
+        measure_link, parse_bandwidth, parse_duration, powersgd_matrix, rank_seed, reduce_frames,
+        ring_time, splitmix64, tensor_codec, tensor_seed, two_level_time, wants_feedback,
     };
 
     /// Size in bytes of every frame header.

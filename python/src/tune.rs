@@ -310,3 +310,38 @@ pub(crate) fn tensor_codec(
         .map_err(err)?
         .to_string())
 }
+
+/// The mean over the ranks of each rank's `values` (every rank passes as many): each
+/// rank's values sent to every other and summed in rank order, so every rank gets the
+/// same bits (as the tuner shares its times). A collective on the transport given.
+#[pyfunction]
+#[pyo3(signature = (
+    values, rank=None, world=None, send=None, recv=None, *, tag=u32::MAX - 3, send_recv=None,
+    transport=None,
+))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mean_over_ranks(
+    py: Python<'_>,
+    values: Vec<f64>,
+    rank: Option<usize>,
+    world: Option<usize>,
+    send: Option<Py<PyAny>>,
+    recv: Option<Py<PyAny>>,
+    tag: u32,
+    send_recv: Option<Py<PyAny>>,
+    transport: Option<&Bound<'_, PyTcp>>,
+) -> PyResult<Vec<f64>> {
+    let t = link(
+        py,
+        "mean_over_ranks",
+        rank,
+        world,
+        send,
+        recv,
+        send_recv,
+        transport,
+    )?;
+    let mut comm = Comm::new(t);
+    py.detach(|| Tuner::share(&mut comm, tag, &values))
+        .map_err(err)
+}
