@@ -6,7 +6,7 @@
 //!
 //! | bytes | field |
 //! |---|---|
-//! | 0..4 | magic naming what is saved (`"GPEF"` error feedback, `"GPAR"` all-reduce, `"GPSE"` sync engine) |
+//! | 0..4 | magic naming what is saved (`"GPEF"` error feedback, `"GPAR"` all-reduce, `"GPSE"` sync engine, `"GPNS"` a front end's state by tensor name) |
 //! | 4..6 | format version (1) |
 //! | 6..8 | zero |
 //! | 8..16 | body length `L` (u64) |
@@ -194,6 +194,16 @@ impl<'a> BlobReader<'a> {
     /// `n` f32 values into `out`, which must hold exactly as many.
     pub(crate) fn f32s_into(&mut self, out: &mut [f32]) -> Result<()> {
         self.values_into(out, |b: [u8; 4]| f32::from_le_bytes(b))
+    }
+
+    /// A length-prefixed run of f32 values, however many were saved (allocated only
+    /// once the blob is seen to hold them).
+    pub(crate) fn f32s_vec(&mut self) -> Result<Vec<f32>> {
+        let n = self.u64()?;
+        let b = self.take(n.saturating_mul(4))?;
+        Ok(b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect())
     }
 
     /// `n` u16 values into `out`, which must hold exactly as many.

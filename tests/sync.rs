@@ -10,8 +10,8 @@ use gradpack::collective::{
     AllReduce, AllReduceOptions, BucketGather, Feedback, ReduceOp, StrategyChoice, Transport, local,
 };
 use gradpack::sync::{
-    HeldTensor, ModelSelection, Momentum, Network, Policy, SyncEngine, SyncOptions, Tensor,
-    TensorGather, default_strategy, wants_feedback,
+    HeldTensor, ModelSelection, Momentum, NamedState, Network, Policy, SyncEngine, SyncOptions,
+    Tensor, TensorGather, default_strategy, wants_feedback,
 };
 use gradpack::{CodecSpec, Error, Result};
 
@@ -1428,8 +1428,21 @@ fn tensor_gather_keeps_residuals_by_name_across_regroupings() {
         assert_eq!(names, ["w0"]);
         assert_eq!(a[r].0[0][4], model_grad(&tensors[4], r, 0));
     }
-    // Restored after 2 steps, a new one gives steps 2 and 3 as the first did.
-    let saved: Vec<Named> = run(0..2, &one, &[]).into_iter().map(|r| r.1).collect();
+    // Restored after 2 steps, through the blob of a NamedState (what the PyTorch hook
+    // saves too), a new one gives steps 2 and 3 as the first did.
+    let saved: Vec<Named> = run(0..2, &one, &[])
+        .into_iter()
+        .map(|r| {
+            let residuals = r.1;
+            let blob = NamedState {
+                step: 2,
+                residuals,
+                ..NamedState::default()
+            }
+            .save();
+            NamedState::restore(&blob).expect("reads").residuals
+        })
+        .collect();
     let c = run(2..4, &one, &saved);
     for r in 0..3 {
         assert!(f32_bits(&c[r].0) == f32_bits(&a[r].0[2..]), "rank {r}");

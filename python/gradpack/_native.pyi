@@ -6,7 +6,7 @@ of the `gradpack` Python package).
 from _typeshed import Incomplete, SupportsGetItem
 from typing import Any, Final, SupportsFloat, SupportsIndex, final
 
-__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "HookReducer", "ModelSelection", "Momentum", "OuterSync", "PowerSgdBucket", "PowerSgdByName", "SharedMemory", "Tcp", "TensorGather", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "default_strategy", "encode", "encode_into", "frame_len", "inspect", "mean_over_ranks", "measure_link", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time", "wants_feedback"]
+__all__ = ["HEADER_LEN", "AllReduce", "BucketGather", "Codec", "CodecProfile", "ErrorFeedback", "Hierarchical", "HookReducer", "ModelSelection", "Momentum", "NamedState", "OuterSync", "PowerSgdBucket", "PowerSgdByName", "SharedMemory", "Tcp", "TensorGather", "Tuner", "agree", "allreduce_time", "backend", "best_strategy", "break_even_bandwidth", "calibrate", "chunk_range", "decode", "decode_add", "decode_into", "default_strategy", "encode", "encode_into", "frame_len", "inspect", "mean_over_ranks", "measure_link", "parse_bandwidth", "parse_duration", "powersgd_matrix", "rank_seed", "reduce_frames", "ring_time", "splitmix64", "tensor_codec", "tensor_seed", "two_level_time", "wants_feedback"]
 
 HEADER_LEN: Final[int]
 """
@@ -331,15 +331,15 @@ class HookReducer:
     def restore(self, /, residuals: dict, low_rank: dict, rings: dict) -> None:
         """
         Replace the state with a saved one: `residuals` (name to float32 array),
-        `low_rank` (name to `(q or None, residual)`) and `rings` (names to a ring's state),
+        `low_rank` (name to `(q or None, residual)`) and `rings` (names to a ring's blobs),
         each taken up when its tensor or layout next comes. The collectives made so far
         are dropped.
         """
     def rings(self, /) -> dict:
         """
-        The state of every ring, two-shot, majority and two-level all-reduce by the names
-        of its bucket's tensors (those of the layouts in use, and those restored and not
-        used yet).
+        The saved blobs of every ring, two-shot, majority and two-level all-reduce by the
+        names of its bucket's tensors joined with `,` (those of the layouts in use, and
+        those restored and not used yet).
         """
     @property
     def rings_made(self, /) -> int:
@@ -407,6 +407,48 @@ class Momentum:
         """
         Every velocity by name (float32 copies).
         """
+
+@final
+class NamedState:
+    """
+    What a front end that forms its own buckets carries across steps, by tensor name, as
+    one saved blob that any front end reads (the crate's `sync::NamedState`; the PyTorch
+    hook's `state_dict` holds one): `settings` (`(key, value)` pairs), the `step`, the
+    error-feedback `residuals`, momentum's `velocities` and PowerSGD's `low_rank` state
+    (`(q or None, residual)`) by name, the saved `collectives` that run on a whole
+    bucket (by their tensors' names joined with `,`, a list of blobs each) and measured
+    auto's `plan` (a `Tuner` blob, or None).
+    """
+    def __new__(cls, /, settings: SupportsGetItem[int, tuple[str, str]] = ..., step: SupportsIndex = 0, residuals: dict | None = None, velocities: dict | None = None, low_rank: dict | None = None, collectives: dict | None = None, plan: SupportsGetItem[int, SupportsIndex] | None = None) -> NamedState: ...
+    def __repr__(self, /) -> str: ...
+    def check(self, /, mine: SupportsGetItem[int, tuple[str, str]]) -> None:
+        """
+        Raise unless the state was saved with each of `mine` (`(key, value)` pairs),
+        naming the first that differs or is missing.
+        """
+    @property
+    def collectives(self, /) -> dict: ...
+    @staticmethod
+    def load(blob: bytes) -> NamedState:
+        """
+        Read a blob written by `save` (by any front end); a damaged one raises.
+        """
+    @property
+    def low_rank(self, /) -> dict: ...
+    @property
+    def plan(self, /) -> bytes | None: ...
+    @property
+    def residuals(self, /) -> dict: ...
+    def save(self, /) -> bytes:
+        """
+        The state as one blob: versioned, with a CRC-32.
+        """
+    @property
+    def settings(self, /) -> list[tuple[str, str]]: ...
+    @property
+    def step(self, /) -> int: ...
+    @property
+    def velocities(self, /) -> dict: ...
 
 @final
 class OuterSync:

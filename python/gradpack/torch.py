@@ -435,11 +435,21 @@ class GradpackState:
 
     # ------------------------------------------------------------------ state
 
+    def _saved_as(self) -> List[Tuple[str, str]]:
+        """The options a saved state must share with this one, as it saves them."""
+        ps = self._ps
+        return [("codec", "auto" if self._auto else str(self.codec)), ("seed", str(self.seed)),
+                ("powersgd", repr(sorted(ps.items())) if ps else "None"),
+                ("momentum", repr(self.momentum))]
+
     def state_dict(self) -> Dict[str, Any]:
-        """The step counter, the error-feedback residuals and PowerSGD's warm-start ``Q``
-        and residuals by parameter name, as plain values and float32 tensors
-        (``torch.save`` and ``torch.load(weights_only=True)`` take it). Needs ``model=``
-        when there is such state. Waits for buckets still in flight."""
+        """The hook's state as the crate's :class:`gradpack.NamedState` (the step
+        counter; each parameter's error-feedback residual, velocity and PowerSGD state
+        by name; the rings of the bucket layouts in use; ``auto``'s plan): one blob with
+        a checksum, in a uint8 tensor under ``"state"``, so ``torch.save`` and
+        ``torch.load(weights_only=True)`` take it and any front end of the crate reads
+        its bytes. Needs ``model=`` when there is per-parameter state. Waits for buckets
+        still in flight."""
         self.wait()
         if self._model is None and (
             self._eng.holds_state() or (self._mom and self._mom.velocities())
@@ -448,86 +458,35 @@ class GradpackState:
                 "GradpackState.state_dict needs the model: make the state with "
                 "model=ddp_model so residuals and velocities are saved by parameter name"
             )
-        tensors = lambda d: {k: torch.from_numpy(v) for k, v in d.items()}  # noqa: E731
-        return {
-            "format": _FORMAT,
-            "step": self.step,
-            "seed": self.seed,
-            "codec": "auto" if self._auto else str(self.codec),
-            "powersgd": None if self._ps is None else dict(self._ps),
-            "residuals": tensors(self._eng.residuals()),
-            "low_rank": {
-                name: {"q": None if q is None else torch.from_numpy(q),
-                       "residual": torch.from_numpy(e)}
-                for name, (q, e) in self._eng.low_rank().items()
-            },
-            # The rings of the layouts in use now (not those DDP has since regrouped).
-            "rings": dict(self._eng.rings()),
-            # codec='auto': the plans decided and the choice per parameter (the crate's
-            # blob).
-            "auto": self._auto_blob(),
-            "momentum": self.momentum,
-            "velocities": {} if self._mom is None else tensors(self._mom.velocities()),
-        }
+        plan = self._tuner.save() if self._tuner is not None else self._tuner_saved
+        ns = _native.NamedState(
+            self._saved_as(), self.step, self._eng.residuals(),
+            {} if self._mom is None else self._mom.velocities(), self._eng.low_rank(),
+            self._eng.rings(), None if plan is None else bytes(plan),
+        )
+        return {"format": _FORMAT, "state": torch.frombuffer(bytearray(ns.save()),
+                                                              dtype=torch.uint8)}
 
-    def _auto_blob(self) -> Optional[torch.Tensor]:
-        """The crate's blob of auto's plan, as a uint8 tensor (None without one)."""
-        blob = self._tuner.save() if self._tuner is not None else self._tuner_saved
-        return None if blob is None else torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`: the step counter, and each parameter's residual
-        and PowerSGD state (used when that parameter's gradient comes next). The codec,
-        seed and PowerSGD settings must match this state's."""
-        fmt = state.get("format") if isinstance(state, dict) else None
-        if fmt == _FORMAT_1 and not state.get("plans"):
-            fmt = _FORMAT  # the same fields, and no auto plan to read
-        if fmt == _FORMAT_1:
-            raise ValueError(
-                "this state_dict holds an auto plan in the format of an older gradpack "
-                f"({_FORMAT_1}); make the state again (the plan is measured anew)"
-            )
-        if fmt != _FORMAT:
-            raise ValueError(f"not a GradpackState state_dict (no format {_FORMAT!r})")
-        mine = "auto" if self._auto else str(self.codec)
-        if state["codec"] != mine or int(state["seed"]) != self.seed:
-            raise ValueError(
-                f"state_dict is for codec {state['codec']!r} seed {state['seed']}; "
-                f"this state has {mine!r} seed {self.seed}"
-            )
-        theirs = state.get("powersgd")
-        if theirs != (None if self._ps is None else dict(self._ps)):
-            raise ValueError(
-                f"state_dict is for PowerSGD settings {theirs!r}; this state has {self._ps!r}"
-            )
-        if float(state.get("momentum", 0.0)) != self.momentum:
-            raise ValueError(
-                f"state_dict is for momentum {state.get('momentum', 0.0)!r}; this state has "
-                f"{self.momentum!r}"
-            )
-        residuals = {k: _f32(k, v) for k, v in state["residuals"].items()}
-        velocities = {k: _f32(k, v) for k, v in state.get("velocities", {}).items()}
-        auto = state.get("auto")
-        if auto is not None:
-            if not isinstance(auto, torch.Tensor) or auto.dtype != torch.uint8:
-                raise ValueError("state_dict's auto plan must be a uint8 tensor")
-            auto = auto.cpu().numpy().tobytes()
-            if self._auto:  # checked here, before anything changes
-                self._new_tuner(dist.is_available() and dist.is_initialized()).restore(auto)
-        low_rank = {
-            k: (None if v["q"] is None else _f32(k, v["q"]), _f32(k, v["residual"]))
-            for k, v in state.get("low_rank", {}).items()
-        }
+    def load_state_dict(self, state: Union[Dict[str, Any], bytes]) -> None:
+        """Restore a :meth:`state_dict` (one of an older gradpack too), or the bytes of a
+        :class:`gradpack.NamedState` saved by any front end of the crate: the step
+        counter, and each parameter's state (used when its gradient comes next). The
+        codec, seed, PowerSGD settings and momentum must match this state's."""
+        ns = _named_state(state)
+        ns.check(self._saved_as())
+        auto = ns.plan
+        if auto is not None and self._auto:  # checked here, before anything changes
+            self._new_tuner(dist.is_available() and dist.is_initialized()).restore(auto)
         self.wait()
-        self._eng.restore(residuals, low_rank, dict(state.get("rings", {})))
-        self.step = int(state["step"])
+        self._eng.restore(ns.residuals, ns.low_rank, ns.collectives)
+        self.step = ns.step
         self._pending = []
         if self._auto:
             self._tuner = None  # made again at the next bucket, from the plan loaded
             self._tuner_saved = auto
             self._plan_printed = auto is not None
         if self._mom is not None:
-            self._mom.restore(velocities)
+            self._mom.restore(ns.velocities)
 
     def wait(self) -> None:
         """Block until every submitted bucket has been reduced."""
@@ -808,6 +767,42 @@ def _seconds_or(parse: Any, v: Union[str, float]) -> float:
     return parse(v) if isinstance(v, str) else float(v)
 
 
+def _named_state(state: Any) -> "gradpack.NamedState":
+    """A saved hook state as the crate's named state: its bytes, a state dict of this
+    format, or one of the format before it (its fields as tensors by name)."""
+    if isinstance(state, (bytes, bytearray, memoryview)):
+        return _native.NamedState.load(bytes(state))
+    fmt = state.get("format") if isinstance(state, dict) else None
+    if fmt == _FORMAT:
+        blob = state.get("state")
+        if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8:
+            raise ValueError("a GradpackState state_dict's 'state' must be a uint8 tensor")
+        return _native.NamedState.load(blob.cpu().numpy().tobytes())
+    if fmt == _FORMAT_1 and state.get("plans"):
+        raise ValueError(
+            "this state_dict holds an auto plan in the format of an older gradpack "
+            f"({_FORMAT_1}); make the state again (the plan is measured anew)"
+        )
+    if fmt not in (_FORMAT_1, _FORMAT_2):
+        raise ValueError(f"not a GradpackState state_dict (no format {_FORMAT!r})")
+    ps, auto = state.get("powersgd"), state.get("auto")
+    if auto is not None and (not isinstance(auto, torch.Tensor) or auto.dtype != torch.uint8):
+        raise ValueError("state_dict's auto plan must be a uint8 tensor")
+    return _native.NamedState(
+        [("codec", state["codec"]), ("seed", str(int(state["seed"]))),
+         ("powersgd", repr(sorted(ps.items())) if ps else "None"),
+         ("momentum", repr(float(state.get("momentum", 0.0))))],
+        int(state["step"]),
+        {k: _f32(k, v) for k, v in state["residuals"].items()},
+        {k: _f32(k, v) for k, v in state.get("velocities", {}).items()},
+        {k: (None if v["q"] is None else _f32(k, v["q"]), _f32(k, v["residual"]))
+         for k, v in state.get("low_rank", {}).items()},
+        {k: [v["blob"]] if "blob" in v else list(v["streams"])
+         for k, v in state.get("rings", {}).items()},
+        None if auto is None else auto.cpu().numpy().tobytes(),
+    )
+
+
 def _f32(k: str, v: Any) -> np.ndarray:
     """A saved float32 tensor (or array) of ``k`` as a flat numpy copy."""
     t = v if isinstance(v, torch.Tensor) else torch.as_tensor(v)
@@ -821,7 +816,8 @@ _PS_KEYS = ("rank", "warm_start", "feedback", "min_compression", "start_step")
 _RANK_OWN = ("timeout", "print_plan")
 
 
-_FORMAT = "gradpack.torch.GradpackState/2"
+_FORMAT = "gradpack.torch.GradpackState/3"  # the crate's NamedState blob
+_FORMAT_2 = "gradpack.torch.GradpackState/2"  # its fields as tensors by name
 _FORMAT_1 = "gradpack.torch.GradpackState/1"  # auto's plan as Python values
 
 

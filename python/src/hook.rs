@@ -21,15 +21,12 @@ use gradpack::{CodecSpec, Identity};
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
 use crate::net::{Net, PyTcp, link};
 use crate::state::{low_rank_restore, low_rank_states, named_arrays, named_vecs};
 use crate::tune::PyTuner;
-use crate::{
-    PySharedMemory, allreduce_state, err, feedback_options, hier_state, load_allreduce, load_hier,
-    settings, slice_out, spec_of,
-};
+use crate::{PySharedMemory, err, feedback_options, settings, slice_out, spec_of};
 
 /// The all-gather's tag of the one top-k over the model (bucket indices are small).
 const MODEL_TAG: u32 = u32::MAX;
@@ -94,6 +91,14 @@ enum Ring {
 }
 
 impl Ring {
+    /// Its saved blobs (one for an all-reduce, one per stream for the two-level one).
+    fn save(&self) -> Vec<Vec<u8>> {
+        match self {
+            Ring::Flat(a, _) => vec![a.save()],
+            Ring::TwoLevel(h, _) => h.save(),
+        }
+    }
+
     fn codec(&self) -> CodecSpec {
         match self {
             Ring::Flat(a, _) => a.codec(),
@@ -118,8 +123,8 @@ struct State {
     rings: HashMap<RingKey, Ring>,
     /// Bucket index to the key of its ring now (DDP regroups its buckets once).
     rings_now: HashMap<u32, RingKey>,
-    /// Rings' saved states by their names, taken up when the layout comes.
-    ring_saved: HashMap<String, Py<PyAny>>,
+    /// Rings' saved blobs by their names, taken up when the layout comes.
+    ring_saved: HashMap<String, Vec<Vec<u8>>>,
     /// PowerSGD's float32 all-reduces by (bucket, kind, length).
     factor_rings: HashMap<(u32, u32, usize), FactorRing>,
 }
@@ -451,20 +456,15 @@ impl PyHookReducer {
 
     /// Drop the transport and every collective made on it (the state stays: residuals,
     /// PowerSGD's and the rings' saved states); `connect` again before the next bucket.
-    fn disconnect(&self, py: Python<'_>) -> PyResult<()> {
+    fn disconnect(&self) {
         let mut st = self.state();
         for (k, r) in std::mem::take(&mut st.rings) {
-            let saved = match &r {
-                Ring::Flat(a, _) => allreduce_state(py, a)?,
-                Ring::TwoLevel(h, _) => hier_state(py, h)?,
-            };
-            st.ring_saved.insert(k.0, saved.into_any().unbind());
+            st.ring_saved.insert(k.0, r.save());
         }
         st.rings_now.clear();
         st.gathers.clear();
         st.factor_rings.clear();
         st.link = None;
-        Ok(())
     }
 
     /// The configuration bucket `index` (its tensors `layout`, `(name, shape)` each)
@@ -649,21 +649,21 @@ impl PyHookReducer {
         }
     }
 
-    /// The state of every ring, two-shot, majority and two-level all-reduce by the names
-    /// of its bucket's tensors (those of the layouts in use, and those restored and not
-    /// used yet).
+    /// The saved blobs of every ring, two-shot, majority and two-level all-reduce by the
+    /// names of its bucket's tensors joined with `,` (those of the layouts in use, and
+    /// those restored and not used yet).
     fn rings<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let st = self.state();
         let d = PyDict::new(py);
+        let put = |k: &str, blobs: Vec<Vec<u8>>| -> PyResult<()> {
+            let bs: Vec<Bound<'py, PyBytes>> = blobs.iter().map(|b| PyBytes::new(py, b)).collect();
+            d.set_item(k, bs)
+        };
         for (k, v) in &st.ring_saved {
-            d.set_item(k, v.bind(py))?;
+            put(k, v.clone())?;
         }
         for (k, r) in &st.rings {
-            let s = match r {
-                Ring::Flat(a, _) => allreduce_state(py, a)?,
-                Ring::TwoLevel(h, _) => hier_state(py, h)?,
-            };
-            d.set_item(&k.0, s)?;
+            put(&k.0, r.save())?;
         }
         Ok(d)
     }
@@ -690,7 +690,7 @@ impl PyHookReducer {
     }
 
     /// Replace the state with a saved one: `residuals` (name to float32 array),
-    /// `low_rank` (name to `(q or None, residual)`) and `rings` (names to a ring's state),
+    /// `low_rank` (name to `(q or None, residual)`) and `rings` (names to a ring's blobs),
     /// each taken up when its tensor or layout next comes. The collectives made so far
     /// are dropped.
     fn restore(
@@ -702,7 +702,7 @@ impl PyHookReducer {
         let res = named_vecs(residuals)?;
         let mut saved = HashMap::new();
         for (k, v) in rings.iter() {
-            saved.insert(k.extract::<String>()?, v.unbind());
+            saved.insert(k.extract::<String>()?, v.extract::<Vec<Vec<u8>>>()?);
         }
         let mut st = self.state();
         if let Some(l) = st.low_rank.as_mut() {
@@ -815,10 +815,15 @@ impl PyHookReducer {
                 Ring::Flat(a, Comm::new(t))
             };
             if let Some(saved) = st.ring_saved.remove(&names) {
-                let saved = saved.bind(py);
-                match &mut ring {
-                    Ring::Flat(a, _) => load_allreduce(a, saved)?,
-                    Ring::TwoLevel(h, _) => load_hier(h, saved)?,
+                match (&mut ring, saved.as_slice()) {
+                    (Ring::Flat(a, _), [blob]) => a.restore(blob).map_err(err)?,
+                    (Ring::TwoLevel(h, _), blobs) => h.restore(blobs).map_err(err)?,
+                    (Ring::Flat(..), _) => {
+                        return Err(PyValueError::new_err(format!(
+                            "the saved all-reduce of {names:?} has {} blobs, not 1",
+                            saved.len()
+                        )));
+                    }
                 }
             }
             st.rings.insert(key.clone(), ring);

@@ -31,7 +31,7 @@ mod tune;
 use hook::PyHookReducer;
 use net::{Net, PyTcp, link};
 use state::{
-    PyModelSelection, PyMomentum, PyPowerSgdByName, PyTensorGather, default_strategy,
+    PyModelSelection, PyMomentum, PyNamedState, PyPowerSgdByName, PyTensorGather, default_strategy,
     wants_feedback,
 };
 use tune::{PyTuner, mean_over_ranks, tensor_codec};
@@ -2573,8 +2573,8 @@ mod _native {
     #[pymodule_export]
     use super::{
         PyAllReduce, PyBucketGather, PyCodec, PyErrorFeedback, PyHierarchical, PyHookReducer,
-        PyModelSelection, PyMomentum, PyOuterSync, PyPowerSgd, PyPowerSgdByName, PyProfile,
-        PySharedMemory, PyTcp, PyTensorGather, PyTuner, agree, allreduce_time, backend,
+        PyModelSelection, PyMomentum, PyNamedState, PyOuterSync, PyPowerSgd, PyPowerSgdByName,
+        PyProfile, PySharedMemory, PyTcp, PyTensorGather, PyTuner, agree, allreduce_time, backend,
         best_strategy, break_even_bandwidth, calibrate, chunk_range, decode, decode_add,
         decode_into, default_strategy, encode, encode_into, frame_len, inspect, mean_over_ranks,
         measure_link, parse_bandwidth, parse_duration, powersgd_matrix, rank_seed, reduce_frames,

@@ -3,11 +3,12 @@
 //! over a whole model), `Momentum` (momentum correction) and `PowerSgdByName`.
 
 use gradpack::sync::{
-    HeldTensor, MatrixState, ModelSelection, Momentum, PowerSgdByName, Tensor, TensorGather,
+    HeldTensor, MatrixState, ModelSelection, Momentum, NamedState, PowerSgdByName, Tensor,
+    TensorGather,
 };
 use numpy::PyArray1;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
 use crate::{
     PyAllReduce, PyBucketGather, err, exchange_on, exchange_ranges, f32_in, f32_out, settings,
@@ -351,17 +352,20 @@ pub(crate) fn low_rank_states<'py>(
     py: Python<'py>,
     p: &PowerSgdByName,
 ) -> PyResult<Bound<'py, PyDict>> {
+    matrix_states(py, p.states().map_err(err)?)
+}
+
+fn matrix_states(py: Python<'_>, all: Vec<(String, MatrixState)>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
-    for (name, (q, e)) in p.states().map_err(err)? {
+    for (name, (q, e)) in all {
         let q = q.map(|q| PyArray1::from_vec(py, q));
         d.set_item(name, (q, PyArray1::from_vec(py, e)))?;
     }
     Ok(d)
 }
 
-/// Replace every matrix's state of `p` with `states` (name to `(q or None, residual)`),
-/// all read before anything changes.
-pub(crate) fn low_rank_restore(p: &mut PowerSgdByName, states: &Bound<'_, PyDict>) -> PyResult<()> {
+/// A dict of name to `(q or None, residual)` float32 arrays, all read.
+fn matrix_states_of(states: &Bound<'_, PyDict>) -> PyResult<Vec<(String, MatrixState)>> {
     let mut all: Vec<(String, MatrixState)> = Vec::with_capacity(states.len());
     for (k, v) in states.iter() {
         let name: String = k.extract()?;
@@ -373,6 +377,134 @@ pub(crate) fn low_rank_restore(p: &mut PowerSgdByName, states: &Bound<'_, PyDict
         let e = slice_in(&f32_in(&e, &name)?)?.to_vec();
         all.push((name, (q, e)));
     }
-    p.restore(all);
+    Ok(all)
+}
+
+/// Replace every matrix's state of `p` with `states` (name to `(q or None, residual)`),
+/// all read before anything changes.
+pub(crate) fn low_rank_restore(p: &mut PowerSgdByName, states: &Bound<'_, PyDict>) -> PyResult<()> {
+    p.restore(matrix_states_of(states)?);
     Ok(())
+}
+
+/// What a front end that forms its own buckets carries across steps, by tensor name, as
+/// one saved blob that any front end reads (the crate's `sync::NamedState`; the PyTorch
+/// hook's `state_dict` holds one): `settings` (`(key, value)` pairs), the `step`, the
+/// error-feedback `residuals`, momentum's `velocities` and PowerSGD's `low_rank` state
+/// (`(q or None, residual)`) by name, the saved `collectives` that run on a whole
+/// bucket (by their tensors' names joined with `,`, a list of blobs each) and measured
+/// auto's `plan` (a `Tuner` blob, or None).
+#[pyclass(module = "gradpack", name = "NamedState", frozen)]
+pub(crate) struct PyNamedState {
+    inner: NamedState,
+}
+
+#[pymethods]
+impl PyNamedState {
+    #[new]
+    #[pyo3(signature = (
+        settings=Vec::new(), step=0, residuals=None, velocities=None, low_rank=None,
+        collectives=None, plan=None,
+    ))]
+    fn new(
+        settings: Vec<(String, String)>,
+        step: u64,
+        residuals: Option<&Bound<'_, PyDict>>,
+        velocities: Option<&Bound<'_, PyDict>>,
+        low_rank: Option<&Bound<'_, PyDict>>,
+        collectives: Option<&Bound<'_, PyDict>>,
+        plan: Option<Vec<u8>>,
+    ) -> PyResult<Self> {
+        let mut blobs = Vec::new();
+        if let Some(c) = collectives {
+            for (k, v) in c.iter() {
+                blobs.push((k.extract::<String>()?, v.extract::<Vec<Vec<u8>>>()?));
+            }
+        }
+        Ok(PyNamedState {
+            inner: NamedState {
+                settings,
+                step,
+                residuals: residuals.map(named_vecs).transpose()?.unwrap_or_default(),
+                velocities: velocities.map(named_vecs).transpose()?.unwrap_or_default(),
+                low_rank: low_rank
+                    .map(matrix_states_of)
+                    .transpose()?
+                    .unwrap_or_default(),
+                collectives: blobs,
+                plan,
+            },
+        })
+    }
+
+    /// The state as one blob: versioned, with a CRC-32.
+    fn save<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.save())
+    }
+
+    /// Read a blob written by `save` (by any front end); a damaged one raises.
+    #[staticmethod]
+    fn load(blob: &[u8]) -> PyResult<Self> {
+        Ok(PyNamedState {
+            inner: NamedState::restore(blob).map_err(err)?,
+        })
+    }
+
+    /// Raise unless the state was saved with each of `mine` (`(key, value)` pairs),
+    /// naming the first that differs or is missing.
+    fn check(&self, mine: Vec<(String, String)>) -> PyResult<()> {
+        let pairs: Vec<(&str, &str)> = mine.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        self.inner.check(&pairs).map_err(err)
+    }
+
+    #[getter]
+    fn settings(&self) -> Vec<(String, String)> {
+        self.inner.settings.clone()
+    }
+
+    #[getter]
+    fn step(&self) -> u64 {
+        self.inner.step
+    }
+
+    #[getter]
+    fn residuals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        named_arrays(py, self.inner.residuals.clone())
+    }
+
+    #[getter]
+    fn velocities<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        named_arrays(py, self.inner.velocities.clone())
+    }
+
+    #[getter]
+    fn low_rank<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        matrix_states(py, self.inner.low_rank.clone())
+    }
+
+    #[getter]
+    fn collectives<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (k, blobs) in &self.inner.collectives {
+            let bs: Vec<Bound<'py, PyBytes>> = blobs.iter().map(|b| PyBytes::new(py, b)).collect();
+            d.set_item(k, bs)?;
+        }
+        Ok(d)
+    }
+
+    #[getter]
+    fn plan<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.inner.plan.as_ref().map(|p| PyBytes::new(py, p))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "NamedState(step={}, residuals={}, velocities={}, low_rank={}, collectives={})",
+            self.inner.step,
+            self.inner.residuals.len(),
+            self.inner.velocities.len(),
+            self.inner.low_rank.len(),
+            self.inner.collectives.len()
+        )
+    }
 }

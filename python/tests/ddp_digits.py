@@ -359,7 +359,17 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
         net, opt, state = make(config(name), 7, init=99)  # other init: all must come from the file
         net.module.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
-        state.load_state_dict(saved["hook"])
+        if rank % 2:
+            # Saved through the hook, read and written again by the crate's NamedState
+            # (as another front end of the crate would hand its state over), restored as
+            # bytes; rank 0 restores the hook's dict: every rank must continue alike.
+            import gradpack
+            ns = gradpack.NamedState.load(saved["hook"]["state"].numpy().tobytes())
+            state.load_state_dict(gradpack.NamedState(
+                ns.settings, ns.step, ns.residuals, ns.velocities, ns.low_rank,
+                ns.collectives, ns.plan).save())
+        else:
+            state.load_state_dict(saved["hook"])
         run_steps(net, opt, xs, ys, rank, world, k, k)
         resumed = flat_params(net)
         results.append({"config": name, "resume": True,

@@ -431,7 +431,7 @@ def test_state_validation():
         gpt.GradpackState(powersgd=0)
     with pytest.raises(TypeError):
         gpt.GradpackState(powersgd=True)
-    with pytest.raises(ValueError, match="PowerSGD"):
+    with pytest.raises(ValueError, match="saved with powersgd"):
         gpt.GradpackState(powersgd=4, seed=3).load_state_dict(ps.state_dict())
 
 
@@ -519,3 +519,30 @@ def test_measure_link_gives_every_rank_the_same_figures():
     got = ddp_digits.run_link(3)
     assert all(g == got[0] for g in got), got
     assert got[0]["bandwidth"] > 0 and got[0]["latency"] >= 0, got
+
+
+def test_a_state_dict_of_the_format_before_still_loads():
+    # gradpack.torch.GradpackState/2 held each part as tensors by name; it loads into
+    # the crate's named state, and a wrong dtype or setting is refused.
+    import torch
+    old = {"format": "gradpack.torch.GradpackState/2", "step": 7, "seed": 3,
+           "codec": str(gpt.Codec("topk:ratio=0.01")), "powersgd": None,
+           "residuals": {"w": torch.arange(4, dtype=torch.float32)}, "low_rank": {},
+           "rings": {}, "auto": None, "momentum": 0.5,
+           "velocities": {"w": torch.ones(4)}}
+    st = gpt.GradpackState(codec="topk:ratio=0.01", seed=3, momentum=0.5,
+                           model=torch.nn.Linear(2, 2))
+    st.load_state_dict(old)
+    assert st.step == 7
+    assert np.array_equal(st._eng.residuals()["w"], np.arange(4, dtype=np.float32))
+    assert np.array_equal(st._mom.velocities()["w"], np.ones(4, dtype=np.float32))
+    # The same state, saved again, is the crate's blob, and reads back whole.
+    ns = gpt.gradpack.NamedState.load(st.state_dict()["state"].numpy().tobytes())
+    assert ns.step == 7 and list(ns.residuals) == ["w"] and list(ns.velocities) == ["w"]
+    with pytest.raises(ValueError, match="float32"):
+        st.load_state_dict(dict(old, residuals={"w": torch.arange(4)}))
+    with pytest.raises(ValueError, match="seed"):
+        gpt.GradpackState(codec="topk:ratio=0.01", seed=4, momentum=0.5).load_state_dict(old)
+    with pytest.raises(ValueError):
+        st.load_state_dict(b"GPNS" + bytes(30))  # damaged bytes
+    assert st.step == 7  # nothing changed

@@ -62,7 +62,9 @@
 //! first step) keeps per-tensor state by name rather than by engine slot:
 //! [`ModelSelection`] is one top-k over every compressed tensor of a step's buckets, its
 //! error feedback kept by tensor name; [`Momentum`] is momentum correction by tensor
-//! name, with the engine's arithmetic. The PyTorch hook runs both.
+//! name, with the engine's arithmetic. The PyTorch hook runs both. Their state, with
+//! [`TensorGather`]'s and [`PowerSgdByName`]'s, saves as one [`NamedState`], which any
+//! front end restores.
 //!
 //! ## 2-D `dct`
 //! With [`Policy::dct_2d`] and a fixed `dct` codec of `width=0`, each matrix goes in a
@@ -81,6 +83,7 @@ mod gather;
 mod lowrank;
 mod model;
 mod momentum;
+mod named;
 mod plan;
 mod powersgd;
 mod tune;
@@ -99,6 +102,7 @@ pub use gather::TensorGather;
 pub use lowrank::{MatrixState, PowerSgdByName, step_seed};
 pub use model::{HeldTensor, MODEL_KEY, ModelSelection};
 pub use momentum::Momentum;
+pub use named::NamedState;
 use plan::{Kind, Reduces};
 use powersgd::LowRank;
 pub use powersgd::PowerSgdBucket;
