@@ -154,6 +154,24 @@ def _tcp(rank: int, world: int, token: str, timeout: Optional[float]) -> "gradpa
     )
 
 
+def measure_link(
+    process_group: Optional[Any] = None, small: int = 1 << 10, large: int = 4 << 20, repeats: int = 5
+) -> Tuple[float, float]:
+    """Estimate the group's link as ``(bandwidth bit/s, latency s)``: the crate's
+    :func:`gradpack.measure_link` (float32 ring all-reduces of ``small`` and ``large``
+    elements, the best of ``repeats``, the ring model solved for both) on gradpack's
+    native transport, the hook's default, connected through torch's store for the call.
+    A collective: every rank must call it. The times are averaged over the ranks, so
+    they all return the same figures; pass them to :class:`GradpackState` for
+    ``codec="auto"``."""
+    world = dist.get_world_size(process_group)
+    if world < 2:
+        raise ValueError("measure_link needs at least 2 ranks")
+    group = dist.group.WORLD if process_group is None else process_group
+    tcp = _tcp(dist.get_rank(group), world, _job_token(group), None)
+    return gradpack.measure_link(transport=tcp, small=small, large=large, repeats=repeats)
+
+
 def _check_limit(frm: int, length: int, limit: Optional[int]) -> None:
     """Refuse an announced length above what the collective expects (or below zero)
     before anything is allocated for it."""

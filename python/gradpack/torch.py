@@ -32,26 +32,20 @@ The options are :class:`HookOptions` (each documented there; the strategies unde
   the others' hooks raise (``timeout`` bounds the wait for one that hangs).
 - The work runs on one communication thread per state, in the order DDP hands the
   buckets over, while backward goes on. A bucket the crate sends as a plain float32
-  all-reduce goes by DDP's own group from the hook (NCCL on GPUs, device memory), as
-  without it, or by the hook's gloo group for float16 and bfloat16 buckets.
-- Buckets of float64, float16 and bfloat16 are reduced too: the codecs work on a float32
-  copy (float64 buckets that go as float32 are summed in float64).
+  all-reduce goes by DDP's own group (NCCL on GPUs), as without the hook, or by the
+  hook's gloo group for float16 and bfloat16 buckets. The codecs work on a float32 copy
+  of float64, float16 and bfloat16 buckets (float64 ones sent as float32 sum in float64).
 - GPU buckets are copied to a reused pinned host buffer on a side CUDA stream, reduced
-  on the host, and copied back on that stream; the returned future completes on the
-  bucket's device. ``codec="auto"`` charges the copies, so on a fast fabric it keeps
-  float32. The tests run it on a GPU where one is present.
-- ``codec="auto"`` measures: float32 and the ``trials`` configurations the cost model
-  ranks best run in turn on the real bucket, ``trial_steps`` steps each; the hook times
-  each bucket (its host copies included) and the crate's :class:`gradpack.Tuner` shares
-  the times and keeps the fastest, float32 on a tie. :meth:`GradpackState.plan` lists
-  the candidates with modelled and measured times; rank 0 prints it once decided.
-- ``selection="model"`` holds the step's buckets until DDP hands over the last one,
-  then the crate reduces them together (no overlap with backward).
-- ``momentum`` replaces each bucket's gradients by the crate's velocities, on the
-  training thread, before the bucket is handed over.
-- Seeds of stochastic codecs mix the state's seed, the step, the parameter and the rank
-  (random-k: not the rank, so all ranks keep the same indices), so ranks round
-  independently and a rerun with the same seed is identical.
+  on the host and copied back on that stream; the future completes on the bucket's
+  device. ``codec="auto"`` charges the copies, so on a fast fabric it keeps float32.
+- ``codec="auto"`` measures float32 and the ``trials`` configurations the cost model
+  ranks best in turn on the real bucket, ``trial_steps`` steps each; the hook times each
+  bucket (its host copies included), and the crate's :class:`gradpack.Tuner` shares the
+  times and keeps the fastest, float32 on a tie (:meth:`GradpackState.plan`).
+- ``selection="model"`` holds the step's buckets until the last one, then the crate
+  reduces them together; ``momentum`` replaces each bucket's gradients by the crate's
+  velocities on the training thread. Seeds of stochastic codecs mix the state's seed,
+  the step, the parameter and the rank (random-k: not the rank).
 
 Each parameter's state (error-feedback residual, PowerSGD's warm-start ``Q`` and
 residual, velocity) is kept by parameter name, so it follows a parameter when DDP
@@ -75,41 +69,22 @@ import torch.distributed as dist
 
 import gradpack
 from gradpack import Codec, _native
-from gradpack._torch_options import HookOptions
-from gradpack._torch_net import _Links, _job_token, _shared_memories, _spans_nodes, _tcp
+from gradpack._torch_options import (
+    BIASED_NEED_FEEDBACK, DEFAULT_CANDIDATES, RING_BY_DEFAULT, HookOptions,
+)
+from gradpack._torch_net import _Links, _shared_memories, _spans_nodes, measure_link
 
 __all__ = ["DiLoCo", "GradpackState", "HookOptions", "gradpack_hook", "measure_link",
            "DEFAULT_CANDIDATES", "BIASED_NEED_FEEDBACK", "RING_BY_DEFAULT"]
-
-DEFAULT_CANDIDATES = ("identity", "fp16", "int8")
-"""The codecs ``codec="auto"`` chooses among unless told otherwise: those that train as
-float32 does from the first step. Top-k and sign with error feedback send far less but
-trail float32 early on (4.4 and 2.0 points after 250 steps in the cluster benchmark,
-within a point after 600); add them to ``candidates`` to let ``auto`` trade that for
-speed."""
-
-BIASED_NEED_FEEDBACK = ("topk", "chunktopk", "sign")
-"""Codecs that get error feedback when ``error_feedback`` is left at ``None``: they drop
-or flatten so much of each step's gradient that training needs the residual back."""
-
-RING_BY_DEFAULT = ("fp16", "bf16", "int8", "qsgd", "natural", "ternary", "fp8", "fp4", "codebook")
-"""Codecs that go by the compressed ring from 3 ranks up when ``strategy`` is left at
-``None``: quantisers, whose partial sums re-encode with an error as bounded as the first
-encode's. The ring moves ``2 (p - 1) / p`` frames per rank where the all-gather moves
-``p - 1``: at 8 ranks the all-gather of int8 frames moves more bytes than float32's
-ring. Sparse codecs (top-k, random-k, ``dct``) and ``sign`` stay on the all-gather,
-which sums each rank's own frames once."""
 
 _MASK = (1 << 64) - 1
 _IDENTITY = Codec("identity")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-
 def _hook_error(where: str, e: BaseException) -> RuntimeError:
     """The error a bucket's future carries to DDP: where in the hook, and what."""
     return RuntimeError(f"gradpack hook, {where}: {type(e).__name__}: {e}")
-
 
 
 class GradpackState:
@@ -219,15 +194,8 @@ class GradpackState:
         else:
             self.codec = Codec(codec)
             self.candidates = [self.codec]
-        if o.selection == "model" and (
-            self.codec is None or self.codec.name != "topk" or self._ps is not None
-            or self.dct_2d or self.strategies != ("allgather",)
-        ):
-            raise ValueError(
-                "selection='model' keeps one top-k over the whole model: it needs a top-k "
-                "codec ('topk:...', not 'auto'), the all-gather strategy (the default for "
-                "top-k) and no powersgd"
-            )
+        if o.selection == "model" and self.strategies != ("allgather",):
+            raise ValueError(f"selection='model' needs the all-gather, not {self.strategy!r}")
         self.selection = o.selection
         # selection='model': the step's buckets held (on the host) until its last one.
         self._pending: List[Any] = []
@@ -551,11 +519,9 @@ class GradpackState:
         flat.copy_(host)
 
     def _buffer(self, key: Any, make) -> Any:
-        b = self._buffers.get(key)
-        if b is None:
-            b = make()
-            self._buffers[key] = b
-        return b
+        if key not in self._buffers:
+            self._buffers[key] = make()
+        return self._buffers[key]
 
     def _submit(self, bucket: dist.GradBucket) -> "torch.futures.Future[torch.Tensor]":
         buf = bucket.buffer()
@@ -663,17 +629,12 @@ class GradpackState:
         self, buf: torch.Tensor, index: int, step: int, layout: List[Any], ready: Any,
         fut: Any, last: bool,
     ) -> None:
-        """``selection="model"``: the bucket copied to the host (where it is not there
-        already) and its future held; at the step's last bucket, every held bucket
-        reduced at once by the crate (one top-k over every compressed parameter in the
-        model's order, with its error feedback; one all-gather) and every future
-        completed."""
+        """``selection="model"``: the bucket on the host and its future held; at the
+        step's last bucket, every held bucket reduced at once by the crate (one top-k
+        over the model, one all-gather) and every future completed."""
         pending = self._pending
-        if pending and pending[0][2] != step:
-            # A step that never handed over its last bucket (its backward failed).
-            gone = RuntimeError(
-                f"gradpack hook: step {pending[0][2]} ended before its last bucket arrived"
-            )
+        if pending and pending[0][2] != step:  # a step whose backward failed
+            gone = RuntimeError(f"gradpack hook: step {pending[0][2]} ended before its last bucket")
             for held in pending:
                 held[4].set_exception(gone)
             pending.clear()
@@ -701,10 +662,9 @@ class GradpackState:
 
     def _stream(self, device: Any) -> Any:
         """The side CUDA stream of ``device`` that the hook's host copies run on."""
-        st = self._streams.get(device)
-        if st is None:
-            st = self._streams[device] = torch.cuda.Stream(device=device)
-        return st
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
 
     def _to_host(self, buf: torch.Tensor, index: int, ready: Any, exact: bool) -> torch.Tensor:
         """The bucket as a flat host tensor the codecs read: ``buf`` itself when it is a
@@ -821,24 +781,6 @@ _FORMAT_2 = "gradpack.torch.GradpackState/2"  # its fields as tensors by name
 _FORMAT_1 = "gradpack.torch.GradpackState/1"  # auto's plan as Python values
 
 
-def measure_link(
-    process_group: Optional[Any] = None, small: int = 1 << 10, large: int = 4 << 20, repeats: int = 5
-) -> Tuple[float, float]:
-    """Estimate the group's link as ``(bandwidth bit/s, latency s)``: the crate's
-    :func:`gradpack.measure_link` (float32 ring all-reduces of ``small`` and ``large``
-    elements, the best of ``repeats``, the ring model solved for both) on gradpack's
-    native transport, the hook's default, connected through torch's store for the call.
-    A collective: every rank must call it. The times are averaged over the ranks, so
-    they all return the same figures; pass them to :class:`GradpackState` for
-    ``codec="auto"``."""
-    world = dist.get_world_size(process_group)
-    if world < 2:
-        raise ValueError("measure_link needs at least 2 ranks")
-    group = dist.group.WORLD if process_group is None else process_group
-    tcp = _tcp(dist.get_rank(group), world, _job_token(group), None)
-    return gradpack.measure_link(transport=tcp, small=small, large=large, repeats=repeats)
-
-
 def gradpack_hook(
     state: GradpackState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -853,4 +795,4 @@ def gradpack_hook(
 # DiLoCo lives in a module of its own (gradpack.torch.DiLoCo is its public name).
 from gradpack._torch_diloco import DiLoCo  # noqa: E402
 
-DiLoCo.__module__ = __name__
+DiLoCo.__module__ = measure_link.__module__ = __name__
