@@ -90,8 +90,79 @@ fn slice_out<'a, T: Element, D: Dimension>(
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+/// Whether `x` is a `torch.Tensor` (torch imported already; it is never imported here).
+fn is_torch_tensor(x: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let py = x.py();
+    let modules = py.import("sys")?.getattr("modules")?;
+    match modules.get_item("torch") {
+        Ok(torch) => x.is_instance(&torch.getattr("Tensor")?),
+        Err(_) => Ok(false),
+    }
+}
+
+/// `x` as a numpy array of `dtype` (`"float32"` or `"uint8"`) without a copy: a numpy
+/// array as it is, a CPU torch tensor of that dtype (contiguous) through its `numpy()`
+/// view, or any object with the buffer protocol (bytearray, memoryview, array.array)
+/// of that format; else the error that says why not.
+fn as_ndarray<'py>(x: &Bound<'py, PyAny>, what: &str, dtype: &str) -> PyResult<Bound<'py, PyAny>> {
+    let py = x.py();
+    if x.cast::<PyUntypedArray>().is_ok() {
+        return Ok(x.clone());
+    }
+    if is_torch_tensor(x)? {
+        let device: String = x.getattr("device")?.getattr("type")?.extract()?;
+        if device != "cpu" {
+            return Err(PyValueError::new_err(format!(
+                "{what} is on device {device}; gradpack reads host memory: pass {what}.cpu() \
+                 (gradpack.torch's hook copies CUDA buckets to the host itself)"
+            )));
+        }
+        let has = x.getattr("dtype")?.str()?.to_string();
+        if has != format!("torch.{dtype}") {
+            let hint = if dtype == "float32" { " (convert with t.float())" } else { "" };
+            return Err(PyTypeError::new_err(format!(
+                "{what} has dtype {has}; gradpack reads torch.{dtype} only{hint}"
+            )));
+        }
+        if !x.call_method0("is_contiguous")?.extract::<bool>()? {
+            return Err(PyValueError::new_err(format!(
+                "{what} is not contiguous; pass {what}.contiguous()"
+            )));
+        }
+        let a = x.call_method0("detach")?.call_method0("numpy")?;
+        // A uint8 tensor is a byte buffer, read flat (a contiguous view).
+        return if dtype == "uint8" { a.call_method1("reshape", (-1,)) } else { Ok(a) };
+    }
+    let view = py
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((x,))
+        .map_err(|_| {
+            let kind = if dtype == "float32" {
+                "a float32 numpy array, a CPU torch tensor or a buffer of float32"
+            } else {
+                "a 1-D uint8 numpy array, a uint8 torch tensor, bytes, bytearray or memoryview"
+            };
+            PyTypeError::new_err(format!("{what} must be {kind}, not {}", type_name(x)))
+        })?;
+    let format: String = view.getattr("format")?.extract()?;
+    let ok = match dtype {
+        "float32" => ["f", "<f", "=f", "@f"].contains(&format.as_str()),
+        _ => ["B", "b", "c", "<B", "=B", "@B"].contains(&format.as_str()),
+    };
+    if !ok {
+        let code = if dtype == "float32" { "f" } else { "B" };
+        return Err(PyTypeError::new_err(format!(
+            "{what} is a buffer of format {format:?}; gradpack reads {dtype} ('{code}') only"
+        )));
+    }
+    let np = py.import("numpy")?;
+    np.call_method1("frombuffer", (view, np.getattr(dtype)?))
+}
+
 fn f32_array<'py>(x: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
     let py = x.py();
+    let x = &as_ndarray(x, what, "float32")?;
     let arr = x.cast::<PyUntypedArray>().map_err(|_| {
         PyTypeError::new_err(format!(
             "{what} must be a numpy.ndarray of float32 (or a CPU float32 torch tensor), not {}",
@@ -136,6 +207,16 @@ fn frame_in<'py>(x: &Bound<'py, PyAny>) -> PyResult<FrameIn<'py>> {
     if let Ok(b) = x.cast::<PyBytes>() {
         return Ok(FrameIn::Bytes(b.clone()));
     }
+    let x = &as_ndarray(x, "frame", "uint8")?;
+    if let Ok(a) = x.cast::<PyUntypedArray>()
+        && (a.ndim() != 1 || !a.dtype().is_equiv_to(&numpy::dtype::<u8>(x.py())))
+    {
+        let dt = a.dtype().str().map(|s| s.to_string()).unwrap_or_default();
+        return Err(PyTypeError::new_err(format!(
+            "a frame array must be 1-D uint8, got {}-D {dt}",
+            a.ndim()
+        )));
+    }
     if let Ok(a) = x.cast::<numpy::PyArray1<u8>>() {
         if !a.is_c_contiguous() {
             return Err(PyValueError::new_err("frame array is not contiguous"));
@@ -153,6 +234,7 @@ fn frame_in<'py>(x: &Bound<'py, PyAny>) -> PyResult<FrameIn<'py>> {
 
 /// A writable 1-D uint8 array to encode into.
 fn bytes_out<'py>(x: &Bound<'py, PyAny>) -> PyResult<numpy::PyReadwriteArray1<'py, u8>> {
+    let x = &as_ndarray(x, "out", "uint8")?;
     let a = x.cast::<numpy::PyArray1<u8>>().map_err(|_| {
         PyTypeError::new_err(format!(
             "out must be a 1-D uint8 numpy array (or a uint8 torch tensor), not {}",

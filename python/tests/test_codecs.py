@@ -107,23 +107,31 @@ def test_any_shape_is_read_flat_and_decoded_into_any_shape():
     assert np.array_equal(out.reshape(-1), gradpack.decode(f))
 
 
-def test_torch_tensors_are_read_and_written_in_place():
+@pytest.mark.parametrize("api", ["gradpack", "native"])
+def test_torch_tensors_are_read_and_written_in_place(api):
+    # The package's functions, and the native module's own (which read torch tensors
+    # and buffers without the package's help).
     torch = pytest.importorskip("torch")
+    g = gradpack if api == "gradpack" else gradpack._native
     t = torch.from_numpy(grad(5000))
-    assert gradpack.encode(t, "int8") == gradpack.encode(t.numpy(), "int8")
+    assert g.encode(t, "int8") == gradpack.encode(t.numpy(), "int8")
     p = torch.nn.Parameter(t.clone())  # requires_grad: read through a detached view
-    assert gradpack.encode(p, "fp16") == gradpack.encode(t, "fp16")
+    assert g.encode(p, "fp16") == gradpack.encode(t, "fp16")
     out = torch.zeros(5000)
-    gradpack.decode_into(gradpack.encode(t, "fp16"), out)
+    g.decode_into(gradpack.encode(t, "fp16"), out)
     assert torch.equal(out, t.half().float())
     buf = torch.empty(gradpack.Codec("int8").max_encoded_len(5000), dtype=torch.uint8)
-    n = gradpack.encode_into(t, buf, "int8")
+    n = g.encode_into(t, buf, "int8")
     assert bytes(buf[:n].numpy()) == gradpack.encode(t, "int8")
-    assert np.array_equal(gradpack.decode(buf[:n]), gradpack.decode(bytes(buf[:n].numpy())))
+    assert np.array_equal(g.decode(buf[:n]), gradpack.decode(bytes(buf[:n].numpy())))
+    f = bytearray(buf[:n].numpy().tobytes())
+    assert np.array_equal(g.decode(f), g.decode(memoryview(f)))
     with pytest.raises(TypeError, match="float32"):
-        gradpack.encode(t.double(), "int8")
+        g.encode(t.double(), "int8")
     with pytest.raises(ValueError, match="contiguous"):
-        gradpack.encode(t.reshape(50, 100).t(), "int8")
+        g.encode(t.reshape(50, 100).t(), "int8")
+    with pytest.raises(TypeError, match="format"):
+        g.encode(memoryview(bytearray(16)).cast("d"), "int8")
 
 
 def test_encode_into_a_buffer_and_bytearray_frames():
