@@ -16,8 +16,56 @@ Size in bytes of every frame header.
 @final
 class AllReduce:
     """
-    gradpack's compressed all-reduce of one tensor on one rank, over messages that two
-    Python callables move (see the module docs of `gradpack.AllReduce`).
+    gradpack's compressed all-reduce of one tensor of ``length`` elements, on rank
+    ``rank`` of ``world``, over gradpack's native transport (``transport=``, a
+    :class:`Tcp`: no message passes through Python, and ``rank`` and ``world`` are the
+    transport's) or over any message transport you give as two callables:
+
+    - ``send(msg: bytearray, to: int)`` hands ``msg`` (a copy of its own, which the
+      callable may keep) to rank ``to`` and must return without waiting for ``to`` to
+      receive it (all ranks send before they receive);
+    - ``recv(frm: int)`` returns the next message from rank ``frm`` (bytes, bytearray or
+      a 1-D uint8 array), in the order ``frm`` sent them;
+    - optionally ``send_recv(msg: bytearray, to: int, frm: int)``: both at once,
+      returning the message from ``frm``, where ``to`` gets ``msg`` (the ring's and the
+      all-gather's steps). Give it when the transport moves both ways at once only if
+      the receive is posted before the send: torch's gloo point-to-point does (posted
+      after, the two directions of a step took twice as long on a shaped link), so
+      :mod:`gradpack.torch` exchanges the lengths first, then posts the receive. If it
+      takes a keyword ``size``, the ring passes ``size=`` the length the message from
+      ``frm`` must have wherever the codec fixes it (every fixed-rate codec), so that
+      the receive can be posted at once. A message of another length must raise (or be
+      received whole and returned); gloo aborts the process when a message is longer
+      than the receive posted for it, so a transport over gloo should honour ``size``
+      only while every rank's all-reduce is made alike and no call has failed.
+    - ``recv`` and ``send_recv`` that take a keyword ``limit`` are passed the most bytes
+      the collective expects from ``frm``: a transport that learns a message's length
+      before its bytes should raise when the length is above it, before allocating (a
+      damaged length must not take the machine's memory). A returned message longer than
+      ``limit`` fails the call either way.
+
+    The algorithms are the Rust crate's, the same that MPI and the in-process transport
+    run: ``strategy`` ``"ring"`` (a compressed reduce-scatter and all-gather, ``pieces``
+    per chunk pipelined, error feedback at the ``"worker"`` or ``"worker+owner"``),
+    ``"allgather"`` (each rank's frame to every rank, summed in one fused pass),
+    ``"twoshot"`` (each chunk encoded once for its owner, summed there and re-encoded
+    once, then sent to every rank: two steps of latency, the ring's bytes),
+    ``"majority"`` (sign vote), ``"fp32-ring"``, or ``"auto"`` (the cost model's choice
+    for links of ``bandwidth`` bit/s and ``latency`` s). Every rank ends each
+    :meth:`run` with the same output to the bit. Every message carries an envelope
+    (call, hop, tag, sender) and is checked on arrival, so a message from another call
+    or another all-reduce (give each its own ``tag``) is an error, not a wrong sum.
+    Kernels run with the GIL released; it is taken only to call ``send`` and ``recv``.
+    An exception raised by either ends the call with :class:`Error` naming the peer.
+
+    ``shared_memory`` (a name: letters, digits, ``-``, ``_``; the same on the ranks of a
+    host and new for each collective) sends the messages between the ranks ``host`` (the
+    ranks of this host, this one among them) through shared-memory rings instead of the
+    callables: two copies per message, no socket. Every rank of ``host`` must pass the
+    same name and list; the others use the callables. Construction waits up to
+    ``shared_memory_timeout`` seconds for the host's other ranks, and so does a receive.
+    A :class:`SharedMemory` instead of a name shares its rings with other collectives
+    (then leave ``host`` out).
     """
     def __len__(self, /) -> int: ...
     def __new__(cls, /, codec: Any, length: SupportsIndex, rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, *, strategy: str = "auto", op: str = "mean", feedback: str = "none", pieces: SupportsIndex = 1, checksum: bool = True, tag: SupportsIndex = 0, bandwidth: SupportsFloat | SupportsIndex = 10e9, latency: SupportsFloat | SupportsIndex = 10e-6, beta: SupportsFloat | SupportsIndex = 1.0, gamma: SupportsFloat | SupportsIndex = 1.0, residual: str = "f32", allow_non_contractive: bool = False, shared_memory: Any | None = None, host: SupportsGetItem[int, SupportsIndex] | None = None, shared_memory_timeout: SupportsFloat | SupportsIndex = 300.0, send_recv: Any | None = None, transport: Tcp | None = None) -> AllReduce: ...
@@ -36,7 +84,7 @@ class AllReduce:
         """
         Restore a state saved by `state_dict`; the next `run` continues bit for bit.
         """
-    def run(self, /, x: Any, out: Any | None = None, seed: SupportsIndex = 0) -> dict:
+    def run(self, /, x: Any, out: Any | None = None, seed=0) -> dict:
         """
         One all-reduce of `x` (a float32 array of `len(self)` elements) into `out`, or in
         place when `out` is None. `seed` seeds the step's random draws and must be the
@@ -58,8 +106,19 @@ class AllReduce:
 @final
 class BucketGather:
     """
-    The all-gather of a bucket of frames the caller encoded, each tensor with its own
-    codec, summed per tensor in rank order (see `gradpack.BucketGather`).
+    The all-gather of a bucket of tensors that the caller encodes, each tensor with a
+    codec of its own, on rank ``rank`` of ``world``, over the same message callables as
+    :class:`AllReduce` (``send``, ``recv`` and optionally ``send_recv``, or
+    ``transport``; and its ``shared_memory``, ``host`` and ``shared_memory_timeout``).
+
+    Where :class:`AllReduce` owns one tensor's codec, seeds and residuals, here the
+    caller encodes (with :meth:`Codec.encode_into` or :meth:`ErrorFeedback.encode_into`,
+    so residuals can stay per parameter) and the crate moves and sums: each rank's
+    message (its frames for the bucket's tensors, concatenated in order) travels round
+    the ring as the ``"allgather"`` strategy's frames do, and each tensor's frames are
+    summed into its place in rank order in one fused pass (:func:`reduce_frames`), so
+    every rank ends with the same bits. ``op`` is ``"mean"`` or ``"sum"``; give each
+    collective on the same peers its own ``tag``. Kernels run with the GIL released.
     """
     def __new__(cls, /, rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, *, op: str = "mean", tag: SupportsIndex = 0, shared_memory: Any | None = None, host: SupportsGetItem[int, SupportsIndex] | None = None, shared_memory_timeout: SupportsFloat | SupportsIndex = 300.0, send_recv: Any | None = None, transport: Tcp | None = None) -> BucketGather: ...
     def __repr__(self, /) -> str: ...
@@ -68,7 +127,7 @@ class BucketGather:
         """
         Calls of `run` so far.
         """
-    def encode_run(self, /, x: Any, parts: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex, Codec, SupportsIndex, ErrorFeedback | None]], *, seed: SupportsIndex, step: SupportsIndex, checksum: bool = False) -> dict:
+    def encode_run(self, /, x: Any, parts: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex, Any, Any, ErrorFeedback | None]], *, seed, step, checksum: bool = False) -> dict:
         """
         Encode each of `parts` into one message and run it: a part is `(start, length,
         codec, key, feedback)`, the tensor `x[start : start + length]` encoded with
@@ -89,20 +148,38 @@ class BucketGather:
 @final
 class Codec:
     """
-    A codec and its parameters, parsed from a spec such as `'int8:block=256'`.
+    A codec and its parameters, parsed from a spec string.
+
+    Specs are ``name`` or ``name:key=value,...``: ``'fp16'``, ``'bf16'``,
+    ``'fp8:format=e4m3,block=128'`` (OCP 8-bit floats, E4M3 or E5M2, with an f32 or
+    E8M0 scale per block, or ``scale=none``), ``'int8:block=256,rounding=stochastic'``, ``'qsgd:bits=4'``, ``'sign'``,
+    ``'ternary'``, ``'natural'``, ``'topk:ratio=0.01,values=fp16'``,
+    ``'randk:ratio=0.01'``, ``'dct:chunk=64,k=4'`` (a DCT per tile of ``chunk``
+    elements, its ``k`` largest coefficients kept; ``width=`` for 2-D tiles),
+    ``'identity'`` (float32). Parameters not given take their defaults; :attr:`spec`
+    spells them all out.
     """
     def __eq__(self, value: object, /) -> bool: ...
+    def __hash__(self, /) -> int: ...
     def __ne__(self, value: object, /) -> bool: ...
-    def __new__(cls, /, spec: str) -> Codec: ...
+    def __new__(cls, /, spec: Any) -> Codec: ...
+    def __reduce__(self, /) -> tuple[type, tuple[str]]:
+        """
+        Pickles as its spec.
+        """
     def __repr__(self, /) -> str: ...
     def __str__(self, /) -> str: ...
     def bits_per_element(self, /, n: SupportsIndex) -> float:
         """
         Bits per element on the wire for a tensor of `n` elements, header included.
         """
-    def encode(self, /, x: Any, seed: SupportsIndex = 0, offset: SupportsIndex = 0, checksum: bool = False) -> bytes:
+    def encode(self, /, x: Any, seed=0, offset=0, checksum: bool = False) -> bytes:
         """
         Encode `x`; see `gradpack.encode`.
+        """
+    def encode_into(self, /, x: Any, out: Any, seed=0, offset=0, checksum: bool = False) -> int:
+        """
+        Encode `x` into the uint8 buffer `out`; see `gradpack.encode_into`.
         """
     def error_bound(self, /, absmax: SupportsFloat | SupportsIndex) -> float:
         """
@@ -167,8 +244,17 @@ class CodecProfile:
 @final
 class ErrorFeedback:
     """
-    Error feedback for one tensor: keeps what the codec dropped and adds it to the next
-    gradient before encoding, in the same pass as the encode.
+    Error feedback for one tensor of ``n`` elements.
+
+    Each :meth:`encode` sends ``beta * residual + gamma * grad`` and keeps what the codec
+    dropped as the next residual, in the same pass as the encode. Codecs that are not
+    contractive (random-k with ``scale=unbiased``, QSGD with few levels per block) make
+    the residual grow and are refused unless ``allow_non_contractive``. ``residual``
+    is ``'f32'`` (exact) or ``'bf16'`` (half the memory; fixed-rate codecs only).
+
+    The state survives a checkpoint: :meth:`state_dict` returns plain values (a
+    versioned, checksummed blob inside) that :meth:`load_state_dict` restores bit for
+    bit.
     """
     def __len__(self, /) -> int: ...
     def __new__(cls, /, codec: Any, n: SupportsIndex, beta: SupportsFloat | SupportsIndex = 1.0, gamma: SupportsFloat | SupportsIndex = 1.0, residual: str = "f32", allow_non_contractive: bool = False) -> ErrorFeedback: ...
@@ -178,11 +264,11 @@ class ErrorFeedback:
         """
         The codec.
         """
-    def encode(self, /, grad: Any, seed: SupportsIndex = 0, offset: SupportsIndex = 0, checksum: bool = False) -> bytes:
+    def encode(self, /, grad: Any, seed=0, offset=0, checksum: bool = False) -> bytes:
         """
         Encode `grad` plus the residual, and keep the new residual.
         """
-    def encode_into(self, /, grad: Any, out: Any, seed: SupportsIndex = 0, offset: SupportsIndex = 0, checksum: bool = False) -> int:
+    def encode_into(self, /, grad: Any, out: Any, seed=0, offset=0, checksum: bool = False) -> int:
         """
         Encode into the uint8 array `out` (at least `max_encoded_len()` bytes); returns
         the frame length.
@@ -222,8 +308,24 @@ class ErrorFeedback:
 @final
 class Hierarchical:
     """
-    gradpack's two-level all-reduce (the crate's `gradpack::collective::Hierarchical`)
-    over messages that two Python callables move, as for `AllReduce`.
+    gradpack's two-level all-reduce (the Rust crate's
+    ``gradpack::collective::Hierarchical``) of one tensor of ``length`` elements on rank
+    ``rank`` of ``world``, over the same two message callables as :class:`AllReduce`
+    (or its ``transport``).
+
+    ``nodes`` gives the node of every rank (``0 .. N``). Inside a node the ranks
+    reduce-scatter the tensor in float32 (``node_codec="bf16"`` or ``"fp16"`` to halve
+    it), each node's ranks then all-reduce their shards between nodes with ``codec``
+    (``strategy``, ``feedback``, ``pieces`` as for :class:`AllReduce`; error feedback on
+    this leg only), side by side, and all-gather the result inside the node. Every rank
+    ends with the same bits; nodes may differ in size.
+
+    ``shared_memory`` (a name, as for :class:`AllReduce`) reduces inside a node through
+    shared memory, the node's ranks being one host's (``host`` to name them otherwise):
+    with the float32 node codec, in place in a stage of up to 4 MiB per rank (in rounds,
+    no frames: the same bits); with bf16 or fp16, by frames through shared-memory rings.
+    The legs between nodes use the callables. A :class:`SharedMemory` (made with a
+    ``stage`` for the reduction in place) shares its memory with other collectives.
     """
     def __len__(self, /) -> int: ...
     def __new__(cls, /, codec: Any, length: SupportsIndex, rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, nodes: SupportsGetItem[int, SupportsIndex] | None = None, *, node_codec: Any | None = None, strategy: str = "auto", op: str = "mean", feedback: str = "none", pieces: SupportsIndex = 1, checksum: bool = True, tag: SupportsIndex = 0, bandwidth: SupportsFloat | SupportsIndex = 10e9, latency: SupportsFloat | SupportsIndex = 10e-6, beta: SupportsFloat | SupportsIndex = 1.0, gamma: SupportsFloat | SupportsIndex = 1.0, residual: str = "f32", allow_non_contractive: bool = False, shared_memory: Any | None = None, host: SupportsGetItem[int, SupportsIndex] | None = None, shared_memory_timeout: SupportsFloat | SupportsIndex = 300.0, send_recv: Any | None = None, transport: Tcp | None = None) -> Hierarchical: ...
@@ -237,7 +339,7 @@ class Hierarchical:
         """
         Restore a `state_dict`.
         """
-    def run(self, /, x: Any, out: Any | None = None, seed: SupportsIndex = 0) -> dict:
+    def run(self, /, x: Any, out: Any | None = None, seed=0) -> dict:
         """
         One all-reduce of `x` into `out`, or in place when `out` is None (as
         `AllReduce.run`).
@@ -453,12 +555,24 @@ class NamedState:
 @final
 class OuterSync:
     """
-    DiLoCo's outer synchroniser on one rank (the crate's `gradpack::outer::OuterSync`),
-    over messages that two Python callables move, as for `AllReduce`. Its all-reduces run
-    on a communication thread of its own, which takes the GIL only around `send` and
-    `recv`.
+    DiLoCo's outer synchronisation on rank ``rank`` of ``world`` (the Rust crate's
+    ``gradpack::outer::OuterSync``), over the same two message callables as
+    :class:`AllReduce` (or its ``transport``). :class:`gradpack.torch.DiLoCo` drives it
+    for a PyTorch model.
+
+    It keeps an outer copy of the tensors ``names`` of ``shapes`` in float32, starting
+    from ``params`` (the same on every rank). Call :meth:`step` after every inner
+    optimizer step. Every ``sync_every`` steps it all-reduces the mean of the
+    pseudo-gradients ``outer - local`` with ``codec`` (and error feedback: ``feedback``
+    ``"worker"``), takes a step of outer SGD (``outer_lr``, Nesterov ``outer_momentum``;
+    ``outer_momentum=0`` for none), and writes the new outer parameters into the
+    parameters: ``local = alpha * local + (1 - alpha) * outer``. With ``fragments`` P the
+    tensors are split into P fragments (in order, by size, or by ``assignment``) synced
+    at staggered steps; with ``delay`` tau each fragment's all-reduce starts tau steps
+    before its sync point and runs on a communication thread meanwhile. Every rank ends
+    each outer step with the same outer parameters, to the bit.
     """
-    def __new__(cls, /, names: SupportsGetItem[int, str], shapes: SupportsGetItem[int, SupportsGetItem[int, SupportsIndex]], params: SupportsGetItem[int, Any], rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, *, sync_every: SupportsIndex = 500, fragments: SupportsIndex = 1, assignment: SupportsGetItem[int, SupportsIndex] | None = None, delay: SupportsIndex = 0, alpha: SupportsFloat | SupportsIndex = 0.0, outer_lr: SupportsFloat | SupportsIndex = 0.7, outer_momentum: SupportsFloat | SupportsIndex = 0.9, nesterov: bool = True, codec: Any | None = None, feedback: str = "none", strategy: str = "auto", pieces: SupportsIndex = 1, checksum: bool = True, seed: SupportsIndex = 0, bandwidth: SupportsFloat | SupportsIndex = 10e9, latency: SupportsFloat | SupportsIndex = 10e-6, beta: SupportsFloat | SupportsIndex = 1.0, gamma: SupportsFloat | SupportsIndex = 1.0, residual: str = "f32", allow_non_contractive: bool = False, send_recv: Any | None = None, transport: Tcp | None = None) -> OuterSync: ...
+    def __new__(cls, /, names: SupportsGetItem[int, str], shapes: SupportsGetItem[int, SupportsGetItem[int, SupportsIndex]], params: SupportsGetItem[int, Any], rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, *, sync_every: SupportsIndex = 500, fragments: SupportsIndex = 1, assignment: SupportsGetItem[int, SupportsIndex] | None = None, delay: SupportsIndex = 0, alpha: SupportsFloat | SupportsIndex = 0.0, outer_lr: SupportsFloat | SupportsIndex = 0.7, outer_momentum: SupportsFloat | SupportsIndex = 0.9, nesterov: bool = True, codec: Any | None = None, feedback: str = "none", strategy: str = "auto", pieces: SupportsIndex = 1, checksum: bool = True, seed=0, bandwidth: SupportsFloat | SupportsIndex = 10e9, latency: SupportsFloat | SupportsIndex = 10e-6, beta: SupportsFloat | SupportsIndex = 1.0, gamma: SupportsFloat | SupportsIndex = 1.0, residual: str = "f32", allow_non_contractive: bool = False, send_recv: Any | None = None, transport: Tcp | None = None) -> OuterSync: ...
     def __repr__(self, /) -> str: ...
     def due(self, /) -> tuple[list[int], list[int]]:
         """
@@ -500,10 +614,36 @@ class OuterSync:
 
 @final
 class PowerSgdBucket:
+    """
+    PowerSGD (Vogels et al., 2019) for one bucket of matrices, whose two all-reduces
+    the caller runs: step by step as below, or all in the crate with :meth:`exchange`
+    on two :class:`AllReduce` (what ``gradpack.torch`` does).
+
+    ``shapes`` lists each matrix's ``(n, m, r)`` (see :func:`powersgd_matrix`); the
+    bucket's gradient is their row-major elements back to back, or, with ``offsets``
+    (one per matrix, ascending) and ``length``, a buffer of ``length`` elements holding
+    each matrix at its offset among other tensors, which the steps leave alone. One
+    step, on every rank with the same ``seed``::
+
+        b.p_step(m, seed, p)        # m becomes grad + residual; p = M Q (this rank's)
+        # all-reduce p, divide by the world size
+        b.q_step(m, p, q)           # orthonormalise p in place; q = M^T P
+        # all-reduce q, divide by the world size
+        ok = b.finish(m, p, q, out) # out = P Q^T; residual = M - out; Q kept
+                                    # (out=None: the result replaces M in m)
+
+    Every rank gets the same ``out`` to the bit when the all-reduces give every rank the
+    same bits. ``warm_start`` reuses each matrix's last ``Q``; ``feedback`` keeps what was
+    not sent. ``finish`` returns ``False`` and fills ``out`` with NaN when a factor was
+    not finite (a gradient overflowed on some rank); the residuals then keep their
+    values and the next step draws a fresh ``Q``. Arrays are float32 and are read and
+    written in place. The state is saved whole (:meth:`save`) or per matrix
+    (:meth:`matrix_state`), so it can follow a parameter into another bucket.
+    """
     def __len__(self, /) -> int: ...
-    def __new__(cls, /, shapes: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex, SupportsIndex]], rank: SupportsIndex = 2, warm_start: bool = True, feedback: bool = True, min_compression: SupportsFloat | SupportsIndex = 2.0, offsets: SupportsGetItem[int, SupportsIndex] | None = None, length: SupportsIndex | None = None) -> PowerSgdBucket: ...
+    def __new__(cls, /, shapes: SupportsGetItem[int, SupportsGetItem[int, SupportsIndex]], rank: SupportsIndex = 2, warm_start: bool = True, feedback: bool = True, min_compression: SupportsFloat | SupportsIndex = 2.0, offsets: SupportsGetItem[int, SupportsIndex] | None = None, length: SupportsIndex | None = None) -> PowerSgdBucket: ...
     def __repr__(self, /) -> str: ...
-    def exchange(self, /, m: Any, seed: SupportsIndex, plain: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex]], first: AllReduce, second: AllReduce) -> bool:
+    def exchange(self, /, m: Any, seed, plain: SupportsGetItem[int, tuple[SupportsIndex, SupportsIndex]], first: AllReduce, second: AllReduce) -> bool:
         """
         A whole step over the ranks: `p_step`, the float32 all-reduce `first` of every
         matrix's P followed by the tensors `plain` (`(start, length)` ranges of `m` that go
@@ -527,7 +667,7 @@ class PowerSgdBucket:
         """
         Elements of the first all-reduce (every matrix's P).
         """
-    def p_step(self, /, m: Any, seed: SupportsIndex, p: Any) -> None:
+    def p_step(self, /, m: Any, seed, p: Any) -> None:
         """
         Step 1: `m` (this rank's gradients of the bucket) becomes M = m + residual and
         `p` gets this rank's P = M Q.

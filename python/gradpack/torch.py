@@ -204,7 +204,7 @@ class GradpackState:
         # crate's. strategy left at None: the crate's default for the codec and world.
         default_route = o.strategy is None and self.strategy == "allgather" and ps is None
         self._eng = _native.HookReducer(
-            None if self._auto else self.codec._c,
+            None if self._auto else self.codec,
             strategy=None if default_route else self.strategy,
             feedback=self._ef_choice, seed=self.seed, checksum=self.checksum,
             pieces=self.pieces, small_below=self.min_compress_elements, dct_2d=self.dct_2d,

@@ -248,6 +248,49 @@ fn bytes_out<'py>(x: &Bound<'py, PyAny>) -> PyResult<numpy::PyReadwriteArray1<'p
         .map_err(|e| PyValueError::new_err(format!("out must be writable ({e})")))
 }
 
+/// `x` as an unsigned 64-bit argument `what`: an int (a numpy integer too) in
+/// 0 .. 2**64 - 1, or the error that says what is wrong.
+fn u64_named(x: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    let n = match x.is_instance_of::<pyo3::types::PyBool>() {
+        true => None,
+        false => x.call_method0("__index__").ok(),
+    };
+    let Some(n) = n else {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be an int, not {}",
+            type_name(x)
+        )));
+    };
+    n.extract::<u64>().map_err(|_| {
+        let negative = n.lt(0).unwrap_or(false);
+        let hint = if negative {
+            format!(" (for a negative one, pass {what} % 2**64)")
+        } else {
+            String::new()
+        };
+        PyValueError::new_err(format!("{what} must be in 0 .. 2**64 - 1, not {n}{hint}"))
+    })
+}
+
+/// An int argument taken modulo 2**64 (a seed or key that may be negative).
+fn u64_wrapped(x: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if x.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(PyTypeError::new_err("an int is needed, not a bool"));
+    }
+    let n = x.call_method0("__index__").map_err(|_| {
+        PyTypeError::new_err(format!("an int is needed, not {}", type_name(x)))
+    })?;
+    n.call_method1("__and__", (u64::MAX,))?.extract()
+}
+
+fn seed_arg(x: &Bound<'_, PyAny>) -> PyResult<u64> {
+    u64_named(x, "seed")
+}
+
+fn offset_arg(x: &Bound<'_, PyAny>) -> PyResult<u64> {
+    u64_named(x, "offset")
+}
+
 fn spec_of(codec: &Bound<'_, PyAny>) -> PyResult<CodecSpec> {
     if let Ok(c) = codec.cast::<PyCodec>() {
         return Ok(c.get().spec);
@@ -547,7 +590,16 @@ fn frame_len(buf: &Bound<'_, PyAny>) -> PyResult<u64> {
         .ok_or_else(|| Error::new_err("frame length overflows u64"))
 }
 
-/// A codec and its parameters, parsed from a spec such as `'int8:block=256'`.
+/// A codec and its parameters, parsed from a spec string.
+///
+/// Specs are ``name`` or ``name:key=value,...``: ``'fp16'``, ``'bf16'``,
+/// ``'fp8:format=e4m3,block=128'`` (OCP 8-bit floats, E4M3 or E5M2, with an f32 or
+/// E8M0 scale per block, or ``scale=none``), ``'int8:block=256,rounding=stochastic'``, ``'qsgd:bits=4'``, ``'sign'``,
+/// ``'ternary'``, ``'natural'``, ``'topk:ratio=0.01,values=fp16'``,
+/// ``'randk:ratio=0.01'``, ``'dct:chunk=64,k=4'`` (a DCT per tile of ``chunk``
+/// elements, its ``k`` largest coefficients kept; ``width=`` for 2-D tiles),
+/// ``'identity'`` (float32). Parameters not given take their defaults; :attr:`spec`
+/// spells them all out.
 #[pyclass(module = "gradpack", name = "Codec", frozen, eq)]
 #[derive(PartialEq)]
 struct PyCodec {
@@ -557,9 +609,9 @@ struct PyCodec {
 #[pymethods]
 impl PyCodec {
     #[new]
-    fn new(spec: &str) -> PyResult<Self> {
+    fn new(spec: &Bound<'_, PyAny>) -> PyResult<Self> {
         Ok(PyCodec {
-            spec: spec.parse().map_err(err)?,
+            spec: spec_of(spec)?,
         })
     }
 
@@ -609,11 +661,36 @@ impl PyCodec {
         &self,
         py: Python<'py>,
         x: &Bound<'py, PyAny>,
-        seed: u64,
-        offset: u64,
+        #[pyo3(from_py_with = seed_arg)] seed: u64,
+        #[pyo3(from_py_with = offset_arg)] offset: u64,
         checksum: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
         encode_to_bytes(py, &self.spec, x, seed, offset, checksum)
+    }
+
+    /// Encode `x` into the uint8 buffer `out`; see `gradpack.encode_into`.
+    #[pyo3(signature = (x, out, seed=0, offset=0, checksum=false))]
+    fn encode_into<'py>(
+        slf: &Bound<'py, Self>,
+        x: &Bound<'py, PyAny>,
+        out: &Bound<'py, PyAny>,
+        #[pyo3(from_py_with = seed_arg)] seed: u64,
+        #[pyo3(from_py_with = offset_arg)] offset: u64,
+        checksum: bool,
+    ) -> PyResult<usize> {
+        encode_into(slf.py(), x, out, slf.as_any(), seed, offset, checksum)
+    }
+
+    fn __hash__(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.spec.to_string().hash(&mut h);
+        h.finish()
+    }
+
+    /// Pickles as its spec.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> (Bound<'py, pyo3::types::PyType>, (String,)) {
+        (slf.get_type(), (slf.get().spec.to_string(),))
     }
 
     fn __repr__(&self) -> String {
@@ -625,8 +702,17 @@ impl PyCodec {
     }
 }
 
-/// Error feedback for one tensor: keeps what the codec dropped and adds it to the next
-/// gradient before encoding, in the same pass as the encode.
+/// Error feedback for one tensor of ``n`` elements.
+///
+/// Each :meth:`encode` sends ``beta * residual + gamma * grad`` and keeps what the codec
+/// dropped as the next residual, in the same pass as the encode. Codecs that are not
+/// contractive (random-k with ``scale=unbiased``, QSGD with few levels per block) make
+/// the residual grow and are refused unless ``allow_non_contractive``. ``residual``
+/// is ``'f32'`` (exact) or ``'bf16'`` (half the memory; fixed-rate codecs only).
+///
+/// The state survives a checkpoint: :meth:`state_dict` returns plain values (a
+/// versioned, checksummed blob inside) that :meth:`load_state_dict` restores bit for
+/// bit.
 #[pyclass(module = "gradpack", name = "ErrorFeedback")]
 struct PyErrorFeedback {
     inner: gradpack::ErrorFeedback,
@@ -726,8 +812,8 @@ impl PyErrorFeedback {
         &mut self,
         py: Python<'py>,
         grad: &Bound<'py, PyAny>,
-        seed: u64,
-        offset: u64,
+        #[pyo3(from_py_with = seed_arg)] seed: u64,
+        #[pyo3(from_py_with = offset_arg)] offset: u64,
         checksum: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let arr = f32_in(grad, "grad")?;
@@ -756,8 +842,8 @@ impl PyErrorFeedback {
         py: Python<'py>,
         grad: &Bound<'py, PyAny>,
         out: &Bound<'py, PyAny>,
-        seed: u64,
-        offset: u64,
+        #[pyo3(from_py_with = seed_arg)] seed: u64,
+        #[pyo3(from_py_with = offset_arg)] offset: u64,
         checksum: bool,
     ) -> PyResult<usize> {
         let mut o = bytes_out(out)?;
@@ -1325,8 +1411,56 @@ fn load_allreduce(a: &mut AllReduce, state: &Bound<'_, PyAny>) -> PyResult<()> {
     a.restore(blob.as_bytes()).map_err(err)
 }
 
-/// gradpack's compressed all-reduce of one tensor on one rank, over messages that two
-/// Python callables move (see the module docs of `gradpack.AllReduce`).
+/// gradpack's compressed all-reduce of one tensor of ``length`` elements, on rank
+/// ``rank`` of ``world``, over gradpack's native transport (``transport=``, a
+/// :class:`Tcp`: no message passes through Python, and ``rank`` and ``world`` are the
+/// transport's) or over any message transport you give as two callables:
+///
+/// - ``send(msg: bytearray, to: int)`` hands ``msg`` (a copy of its own, which the
+///   callable may keep) to rank ``to`` and must return without waiting for ``to`` to
+///   receive it (all ranks send before they receive);
+/// - ``recv(frm: int)`` returns the next message from rank ``frm`` (bytes, bytearray or
+///   a 1-D uint8 array), in the order ``frm`` sent them;
+/// - optionally ``send_recv(msg: bytearray, to: int, frm: int)``: both at once,
+///   returning the message from ``frm``, where ``to`` gets ``msg`` (the ring's and the
+///   all-gather's steps). Give it when the transport moves both ways at once only if
+///   the receive is posted before the send: torch's gloo point-to-point does (posted
+///   after, the two directions of a step took twice as long on a shaped link), so
+///   :mod:`gradpack.torch` exchanges the lengths first, then posts the receive. If it
+///   takes a keyword ``size``, the ring passes ``size=`` the length the message from
+///   ``frm`` must have wherever the codec fixes it (every fixed-rate codec), so that
+///   the receive can be posted at once. A message of another length must raise (or be
+///   received whole and returned); gloo aborts the process when a message is longer
+///   than the receive posted for it, so a transport over gloo should honour ``size``
+///   only while every rank's all-reduce is made alike and no call has failed.
+/// - ``recv`` and ``send_recv`` that take a keyword ``limit`` are passed the most bytes
+///   the collective expects from ``frm``: a transport that learns a message's length
+///   before its bytes should raise when the length is above it, before allocating (a
+///   damaged length must not take the machine's memory). A returned message longer than
+///   ``limit`` fails the call either way.
+///
+/// The algorithms are the Rust crate's, the same that MPI and the in-process transport
+/// run: ``strategy`` ``"ring"`` (a compressed reduce-scatter and all-gather, ``pieces``
+/// per chunk pipelined, error feedback at the ``"worker"`` or ``"worker+owner"``),
+/// ``"allgather"`` (each rank's frame to every rank, summed in one fused pass),
+/// ``"twoshot"`` (each chunk encoded once for its owner, summed there and re-encoded
+/// once, then sent to every rank: two steps of latency, the ring's bytes),
+/// ``"majority"`` (sign vote), ``"fp32-ring"``, or ``"auto"`` (the cost model's choice
+/// for links of ``bandwidth`` bit/s and ``latency`` s). Every rank ends each
+/// :meth:`run` with the same output to the bit. Every message carries an envelope
+/// (call, hop, tag, sender) and is checked on arrival, so a message from another call
+/// or another all-reduce (give each its own ``tag``) is an error, not a wrong sum.
+/// Kernels run with the GIL released; it is taken only to call ``send`` and ``recv``.
+/// An exception raised by either ends the call with :class:`Error` naming the peer.
+///
+/// ``shared_memory`` (a name: letters, digits, ``-``, ``_``; the same on the ranks of a
+/// host and new for each collective) sends the messages between the ranks ``host`` (the
+/// ranks of this host, this one among them) through shared-memory rings instead of the
+/// callables: two copies per message, no socket. Every rank of ``host`` must pass the
+/// same name and list; the others use the callables. Construction waits up to
+/// ``shared_memory_timeout`` seconds for the host's other ranks, and so does a receive.
+/// A :class:`SharedMemory` instead of a name shares its rings with other collectives
+/// (then leave ``host`` out).
 #[pyclass(module = "gradpack", name = "AllReduce")]
 struct PyAllReduce {
     inner: AllReduce,
@@ -1414,7 +1548,7 @@ impl PyAllReduce {
         py: Python<'py>,
         x: &Bound<'py, PyAny>,
         out: Option<&Bound<'py, PyAny>>,
-        seed: u64,
+        #[pyo3(from_py_with = seed_arg)] seed: u64,
     ) -> PyResult<Bound<'py, PyDict>> {
         let (ar, comm) = (&mut self.inner, &mut self.comm);
         run_collective(py, x, out, |xs, os| match xs {
@@ -1470,8 +1604,19 @@ impl PyAllReduce {
     }
 }
 
-/// The all-gather of a bucket of frames the caller encoded, each tensor with its own
-/// codec, summed per tensor in rank order (see `gradpack.BucketGather`).
+/// The all-gather of a bucket of tensors that the caller encodes, each tensor with a
+/// codec of its own, on rank ``rank`` of ``world``, over the same message callables as
+/// :class:`AllReduce` (``send``, ``recv`` and optionally ``send_recv``, or
+/// ``transport``; and its ``shared_memory``, ``host`` and ``shared_memory_timeout``).
+///
+/// Where :class:`AllReduce` owns one tensor's codec, seeds and residuals, here the
+/// caller encodes (with :meth:`Codec.encode_into` or :meth:`ErrorFeedback.encode_into`,
+/// so residuals can stay per parameter) and the crate moves and sums: each rank's
+/// message (its frames for the bucket's tensors, concatenated in order) travels round
+/// the ring as the ``"allgather"`` strategy's frames do, and each tensor's frames are
+/// summed into its place in rank order in one fused pass (:func:`reduce_frames`), so
+/// every rank ends with the same bits. ``op`` is ``"mean"`` or ``"sum"``; give each
+/// collective on the same peers its own ``tag``. Kernels run with the GIL released.
 #[pyclass(module = "gradpack", name = "BucketGather")]
 struct PyBucketGather {
     inner: BucketGather,
@@ -1571,12 +1716,12 @@ impl PyBucketGather {
         parts: Vec<(
             usize,
             usize,
-            PyRef<'py, PyCodec>,
-            u64,
+            Bound<'py, PyAny>,
+            Bound<'py, PyAny>,
             Option<PyRefMut<'py, PyErrorFeedback>>,
         )>,
-        seed: u64,
-        step: u64,
+        #[pyo3(from_py_with = u64_wrapped)] seed: u64,
+        #[pyo3(from_py_with = u64_wrapped)] step: u64,
         checksum: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let rank = self.inner.rank();
@@ -1586,7 +1731,8 @@ impl PyBucketGather {
             let end = start
                 .checked_add(len)
                 .ok_or_else(|| PyValueError::new_err(format!("part ({start}, {len}) overflows")))?;
-            let c = codec.spec;
+            let c = spec_of(&codec)?;
+            let key = u64_wrapped(&key)?;
             specs.push((
                 start..end,
                 c,
@@ -1673,6 +1819,30 @@ pub(crate) fn exchange_ranges(
         .collect()
 }
 
+/// PowerSGD (Vogels et al., 2019) for one bucket of matrices, whose two all-reduces
+/// the caller runs: step by step as below, or all in the crate with :meth:`exchange`
+/// on two :class:`AllReduce` (what ``gradpack.torch`` does).
+///
+/// ``shapes`` lists each matrix's ``(n, m, r)`` (see :func:`powersgd_matrix`); the
+/// bucket's gradient is their row-major elements back to back, or, with ``offsets``
+/// (one per matrix, ascending) and ``length``, a buffer of ``length`` elements holding
+/// each matrix at its offset among other tensors, which the steps leave alone. One
+/// step, on every rank with the same ``seed``::
+///
+///     b.p_step(m, seed, p)        # m becomes grad + residual; p = M Q (this rank's)
+///     # all-reduce p, divide by the world size
+///     b.q_step(m, p, q)           # orthonormalise p in place; q = M^T P
+///     # all-reduce q, divide by the world size
+///     ok = b.finish(m, p, q, out) # out = P Q^T; residual = M - out; Q kept
+///                                 # (out=None: the result replaces M in m)
+///
+/// Every rank gets the same ``out`` to the bit when the all-reduces give every rank the
+/// same bits. ``warm_start`` reuses each matrix's last ``Q``; ``feedback`` keeps what was
+/// not sent. ``finish`` returns ``False`` and fills ``out`` with NaN when a factor was
+/// not finite (a gradient overflowed on some rank); the residuals then keep their
+/// values and the next step draws a fresh ``Q``. Arrays are float32 and are read and
+/// written in place. The state is saved whole (:meth:`save`) or per matrix
+/// (:meth:`matrix_state`), so it can follow a parameter into another bucket.
 #[pyclass(module = "gradpack", name = "PowerSgdBucket")]
 struct PyPowerSgd {
     inner: PowerSgdBucket,
@@ -1697,7 +1867,7 @@ impl PyPowerSgd {
     #[pyo3(signature = (shapes, rank=2, warm_start=true, feedback=true, min_compression=2.0, offsets=None, length=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        shapes: Vec<(usize, usize, usize)>,
+        shapes: Vec<Vec<usize>>,
         rank: usize,
         warm_start: bool,
         feedback: bool,
@@ -1705,6 +1875,15 @@ impl PyPowerSgd {
         offsets: Option<Vec<usize>>,
         length: Option<usize>,
     ) -> PyResult<Self> {
+        let shapes = shapes
+            .into_iter()
+            .map(|s| match s[..] {
+                [n, m, r] => Ok((n, m, r)),
+                _ => Err(PyValueError::new_err(format!(
+                    "a PowerSGD shape is (n, m, r), not {s:?}"
+                ))),
+            })
+            .collect::<PyResult<Vec<_>>>()?;
         let s = settings(rank, warm_start, feedback, min_compression);
         let inner = match (offsets, length) {
             (None, None) => PowerSgdBucket::new(s, &shapes),
@@ -1745,7 +1924,7 @@ impl PyPowerSgd {
         &mut self,
         py: Python<'_>,
         m: &Bound<'_, PyAny>,
-        seed: u64,
+        #[pyo3(from_py_with = u64_wrapped)] seed: u64,
         p: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let mut ma = f32_out(m, "m")?;
@@ -1765,7 +1944,7 @@ impl PyPowerSgd {
         &mut self,
         py: Python<'_>,
         m: &Bound<'_, PyAny>,
-        seed: u64,
+        #[pyo3(from_py_with = u64_wrapped)] seed: u64,
         plain: Vec<(usize, usize)>,
         first: &Bound<'_, PyAllReduce>,
         second: &Bound<'_, PyAllReduce>,
@@ -2242,10 +2421,22 @@ fn backend() -> &'static str {
 
 const OUTER_FORMAT: &str = "gradpack.OuterSync/1";
 
-/// DiLoCo's outer synchroniser on one rank (the crate's `gradpack::outer::OuterSync`),
-/// over messages that two Python callables move, as for `AllReduce`. Its all-reduces run
-/// on a communication thread of its own, which takes the GIL only around `send` and
-/// `recv`.
+/// DiLoCo's outer synchronisation on rank ``rank`` of ``world`` (the Rust crate's
+/// ``gradpack::outer::OuterSync``), over the same two message callables as
+/// :class:`AllReduce` (or its ``transport``). :class:`gradpack.torch.DiLoCo` drives it
+/// for a PyTorch model.
+///
+/// It keeps an outer copy of the tensors ``names`` of ``shapes`` in float32, starting
+/// from ``params`` (the same on every rank). Call :meth:`step` after every inner
+/// optimizer step. Every ``sync_every`` steps it all-reduces the mean of the
+/// pseudo-gradients ``outer - local`` with ``codec`` (and error feedback: ``feedback``
+/// ``"worker"``), takes a step of outer SGD (``outer_lr``, Nesterov ``outer_momentum``;
+/// ``outer_momentum=0`` for none), and writes the new outer parameters into the
+/// parameters: ``local = alpha * local + (1 - alpha) * outer``. With ``fragments`` P the
+/// tensors are split into P fragments (in order, by size, or by ``assignment``) synced
+/// at staggered steps; with ``delay`` tau each fragment's all-reduce starts tau steps
+/// before its sync point and runs on a communication thread meanwhile. Every rank ends
+/// each outer step with the same outer parameters, to the bit.
 #[pyclass(module = "gradpack", name = "OuterSync")]
 struct PyOuterSync {
     /// A mutex only so that the class is `Sync` (its receiver of the thread's answers is
@@ -2298,7 +2489,7 @@ impl PyOuterSync {
         strategy: &str,
         pieces: usize,
         checksum: bool,
-        seed: u64,
+        #[pyo3(from_py_with = seed_arg)] seed: u64,
         bandwidth: f64,
         latency: f64,
         beta: f32,
@@ -2489,8 +2680,24 @@ fn load_hier(h: &mut Hierarchical, state: &Bound<'_, PyAny>) -> PyResult<()> {
     h.restore(&blobs).map_err(err)
 }
 
-/// gradpack's two-level all-reduce (the crate's `gradpack::collective::Hierarchical`)
-/// over messages that two Python callables move, as for `AllReduce`.
+/// gradpack's two-level all-reduce (the Rust crate's
+/// ``gradpack::collective::Hierarchical``) of one tensor of ``length`` elements on rank
+/// ``rank`` of ``world``, over the same two message callables as :class:`AllReduce`
+/// (or its ``transport``).
+///
+/// ``nodes`` gives the node of every rank (``0 .. N``). Inside a node the ranks
+/// reduce-scatter the tensor in float32 (``node_codec="bf16"`` or ``"fp16"`` to halve
+/// it), each node's ranks then all-reduce their shards between nodes with ``codec``
+/// (``strategy``, ``feedback``, ``pieces`` as for :class:`AllReduce`; error feedback on
+/// this leg only), side by side, and all-gather the result inside the node. Every rank
+/// ends with the same bits; nodes may differ in size.
+///
+/// ``shared_memory`` (a name, as for :class:`AllReduce`) reduces inside a node through
+/// shared memory, the node's ranks being one host's (``host`` to name them otherwise):
+/// with the float32 node codec, in place in a stage of up to 4 MiB per rank (in rounds,
+/// no frames: the same bits); with bf16 or fp16, by frames through shared-memory rings.
+/// The legs between nodes use the callables. A :class:`SharedMemory` (made with a
+/// ``stage`` for the reduction in place) shares its memory with other collectives.
 #[pyclass(module = "gradpack", name = "Hierarchical")]
 struct PyHierarchical {
     inner: Hierarchical,
@@ -2599,7 +2806,7 @@ impl PyHierarchical {
         py: Python<'py>,
         x: &Bound<'py, PyAny>,
         out: Option<&Bound<'py, PyAny>>,
-        seed: u64,
+        #[pyo3(from_py_with = seed_arg)] seed: u64,
     ) -> PyResult<Bound<'py, PyDict>> {
         let (h, comm) = (&mut self.inner, &mut self.comm);
         run_collective(py, x, out, |xs, os| match xs {

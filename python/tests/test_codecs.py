@@ -591,7 +591,7 @@ def test_bucket_gather_encodes_and_runs_in_one_call_as_the_caller_would():
     sm = gradpack._native.splitmix64
 
     def seed(c, step, key, r):
-        return gradpack._native.rank_seed(gradpack.Codec(c)._c, sm(5 ^ sm(step) ^ sm(key)), r)
+        return gradpack._native.rank_seed(gradpack.Codec(c), sm(5 ^ sm(step) ^ sm(key)), r)
 
     box = _Mailboxes(world)
     ga = [gradpack.BucketGather(r, world, box.send_of(r), box.recv_of(r), tag=3) for r in range(world)]
@@ -1077,3 +1077,24 @@ def test_the_crates_tuner_from_python_measures_decides_saves_and_restarts():
         u.restore(b"GPTU" + bytes(40))
     assert gradpack.tensor_codec("int8", [512]) == "identity"
     assert gradpack.tensor_codec("int8", [512, 512]) == gradpack.Codec("int8").spec
+
+
+def test_the_package_classes_are_the_native_ones():
+    # The Python API is declared once, in the native module: the package re-exports its
+    # classes (their docs and the generated stubs are the native ones).
+    from gradpack import _native
+    for name in ("Codec", "ErrorFeedback", "AllReduce", "BucketGather", "Hierarchical",
+                 "OuterSync", "PowerSgdBucket", "HookReducer", "NamedState", "Tuner"):
+        assert getattr(gradpack, name) is getattr(_native, name), name
+        assert getattr(gradpack, name).__doc__, name
+    import pickle
+    c = gradpack.Codec("int8")
+    assert pickle.loads(pickle.dumps(c)) == c == gradpack.Codec(c)
+    assert {c: 1}[gradpack.Codec("int8:block=256")] == 1
+    assert c != gradpack.Codec("fp16") and c != "int8"
+    with pytest.raises(TypeError, match="spec string"):
+        gradpack.Codec(3)
+    # A PowerSGD shape may be a list; one of another length is refused.
+    assert len(gradpack.PowerSgdBucket([[4, 3, 2]])) == 12
+    with pytest.raises(ValueError, match="n, m, r"):
+        gradpack.PowerSgdBucket([[4, 3]])
