@@ -7,11 +7,13 @@
 use std::time::Duration;
 
 use gradpack::collective::{
-    AllReduce, AllReduceOptions, BucketGather, Feedback, ReduceOp, StrategyChoice, Transport, local,
+    AllReduce, AllReduceOptions, BucketGather, Feedback, ReduceOp, Shared, StrategyChoice,
+    Transport, local,
 };
 use gradpack::sync::{
-    HeldTensor, ModelSelection, Momentum, NamedState, Network, Policy, SyncEngine, SyncOptions,
-    Tensor, TensorGather, default_strategy, wants_feedback,
+    BucketReducer, HeldTensor, ModelSelection, Momentum, NamedState, Network, Policy, PowerSgd,
+    ReducerOptions, SyncEngine, SyncOptions, Tensor, TensorGather, Way, default_strategy,
+    wants_feedback,
 };
 use gradpack::{CodecSpec, Error, Result};
 
@@ -1523,4 +1525,190 @@ fn the_default_strategy_is_the_ring_from_three_ranks_for_quantisers() {
     }
     let f32: CodecSpec = "identity".parse().unwrap();
     assert_eq!(default_strategy(&f32, 5), Strategy::Fp32Ring);
+}
+
+// ---------------------------------------------------------------- BucketReducer
+
+/// `BucketReducer` on 3 ranks over `steps`, the model's tensors in one bucket (index 0)
+/// by `opts` (after `restored`, each rank's NamedState blob, when given): each step's
+/// reduced bucket, and each rank's state after, saved as a NamedState blob.
+fn reducer_run(
+    opts: &ReducerOptions,
+    steps: std::ops::Range<u64>,
+    restored: &[Vec<u8>],
+) -> Vec<(Vec<Vec<f32>>, Vec<u8>)> {
+    let tensors = model_tensors();
+    let layout: Vec<Tensor> = tensors.iter().map(|h| h.tensor.clone()).collect();
+    local::run(3, Some(Duration::from_secs(20)), |comm| {
+        let rank = comm.rank();
+        let shared = Shared::new(comm.into_inner());
+        let mut r: BucketReducer<Shared<_>> = BucketReducer::new(opts.clone())?;
+        r.connect(3, None, Box::new(move |_| Ok(shared.clone())))?;
+        if let Some(blob) = restored.get(rank) {
+            r.restore_from(&NamedState::restore(blob)?)?;
+        }
+        let mut out = Vec::new();
+        for step in steps.clone() {
+            let mut x: Vec<f32> = tensors
+                .iter()
+                .flat_map(|t| model_grad(t, rank, step))
+                .collect();
+            let turn = opts.config(0, step, 3, &layout, None, None)?;
+            let d = opts.decide(&layout, turn.codec, turn.way, step, None)?;
+            if !r.run(&mut x, 0, step, &tensors, &d, false)? {
+                // A plain float32 bucket is the front end's: the mean, by hand.
+                let mut sum = vec![0f32; x.len()];
+                for q in 0..3 {
+                    let g: Vec<f32> = tensors
+                        .iter()
+                        .flat_map(|t| model_grad(t, q, step))
+                        .collect();
+                    sum.iter_mut().zip(&g).for_each(|(s, v)| *s += v);
+                }
+                x = sum.iter().map(|s| s / 3.0).collect();
+            }
+            out.push(x);
+        }
+        let mut saved = NamedState::default();
+        r.save_into(&mut saved)?;
+        Ok((out, saved.save()))
+    })
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect()
+}
+
+#[test]
+fn the_bucket_reducer_is_the_same_on_every_rank_and_resumes_exactly() {
+    // top-k with error feedback by the all-gather, int8 with error feedback by the ring,
+    // PowerSGD from step 1 with float32 before: every rank gets the same bits, close to
+    // the true mean, and a reducer restored from another's NamedState after 2 steps
+    // continues as the first did.
+    let topk = ReducerOptions {
+        codec: Some("topk:ratio=0.2".parse().unwrap()),
+        small_below: 10,
+        seed: 7,
+        ..ReducerOptions::default()
+    };
+    let ring = ReducerOptions {
+        codec: Some("int8".parse().unwrap()),
+        feedback: Some(true),
+        pieces: 2,
+        small_below: 10,
+        ..ReducerOptions::default()
+    };
+    let ps = ReducerOptions {
+        codec: Some("identity".parse().unwrap()),
+        powersgd: Some((PowerSgd::default(), 1)),
+        ..ReducerOptions::default()
+    };
+    for (what, opts) in [("topk", &topk), ("ring", &ring), ("powersgd", &ps)] {
+        let a = reducer_run(opts, 0..4, &[]);
+        for r in 1..3 {
+            assert!(
+                f32_bits(&[a[r].0.clone()]) == f32_bits(&[a[0].0.clone()]),
+                "{what}: rank {r}"
+            );
+        }
+        let saved: Vec<Vec<u8>> = reducer_run(opts, 0..2, &[])
+            .into_iter()
+            .map(|r| r.1)
+            .collect();
+        let b = reducer_run(opts, 2..4, &saved);
+        for r in 0..3 {
+            assert!(
+                f32_bits(&[b[r].0.clone()]) == f32_bits(&[a[r].0[2..].to_vec()]),
+                "{what}: rank {r} resumed"
+            );
+        }
+    }
+    // The int8 ring's mean is within its bound of the true mean.
+    let a = reducer_run(&ring, 0..1, &[]);
+    let tensors = model_tensors();
+    let mut truth = vec![0f32; a[0].0[0].len()];
+    for q in 0..3 {
+        let g: Vec<f32> = tensors.iter().flat_map(|t| model_grad(t, q, 0)).collect();
+        truth.iter_mut().zip(&g).for_each(|(s, v)| *s += v / 3.0);
+    }
+    let worst = truth
+        .iter()
+        .zip(&a[0].0[0])
+        .map(|(t, v)| (t - v).abs())
+        .fold(0f32, f32::max);
+    assert!(worst < 0.05, "int8 ring off by {worst}");
+}
+
+#[test]
+fn the_bucket_reducer_decides_as_documented_and_refuses_bad_calls() {
+    let layout: Vec<Tensor> = model_tensors().into_iter().map(|h| h.tensor).collect();
+    let int8 = ReducerOptions {
+        start_step: 2,
+        ..ReducerOptions::default()
+    };
+    let turn =
+        |o: &ReducerOptions, step, world| o.config(0, step, world, &layout, None, None).unwrap();
+    assert_eq!(turn(&int8, 1, 3).way, Way::Fp32); // before start_step
+    assert_eq!(turn(&int8, 2, 3).way, Way::Ring); // int8 from 3 ranks
+    assert_eq!(turn(&int8, 2, 2).way, Way::AllGather);
+    assert_eq!(turn(&int8, 9, 1).way, Way::Fp32); // alone
+    let twoshot = ReducerOptions {
+        way: Some(Way::TwoShot),
+        ..ReducerOptions::default()
+    };
+    assert_eq!(turn(&twoshot, 0, 4).way, Way::TwoShot);
+    // Measured auto needs its tuner; a mixed bucket needs the tuner's choices.
+    let auto = ReducerOptions {
+        codec: None,
+        ..ReducerOptions::default()
+    };
+    assert!(auto.config(0, 0, 3, &layout, None, None).is_err());
+    assert!(int8.decide(&layout, None, Way::AllGather, 3, None).is_err());
+    // Small tensors and vectors make a plain bucket; the two-level one never is.
+    let small: Vec<Tensor> = layout
+        .iter()
+        .filter(|t| t.len().unwrap() < 16384)
+        .cloned()
+        .collect();
+    assert!(
+        int8.decide(&small, int8.codec, Way::AllGather, 3, None)
+            .unwrap()
+            .plain()
+    );
+    assert!(
+        !int8
+            .decide(&small, int8.codec, Way::Hierarchical, 3, None)
+            .unwrap()
+            .plain()
+    );
+    assert!(
+        BucketReducer::<Shared<local::Local>>::new(ReducerOptions {
+            pieces: 0,
+            ..int8.clone()
+        })
+        .is_err()
+    );
+    assert!(
+        BucketReducer::<Shared<local::Local>>::new(ReducerOptions {
+            way: Some(Way::Fp32),
+            ..int8.clone()
+        })
+        .is_err()
+    );
+    // Not connected: an error, and the bucket unchanged.
+    let mut r: BucketReducer<Shared<local::Local>> = BucketReducer::new(int8.clone()).unwrap();
+    let tensors = model_tensors();
+    let mut x: Vec<f32> = tensors.iter().flat_map(|t| model_grad(t, 0, 0)).collect();
+    let before = x.clone();
+    let d = int8
+        .decide(&layout, int8.codec, Way::Ring, 3, None)
+        .unwrap();
+    assert!(r.run(&mut x, 0, 3, &tensors, &d, false).is_err());
+    assert_eq!(x, before);
+    // PowerSGD state into a reducer without PowerSGD: refused, nothing changed.
+    let st = NamedState {
+        low_rank: vec![("w0".into(), (None, vec![0.0; 3]))],
+        ..NamedState::default()
+    };
+    assert!(r.restore_from(&st).is_err());
+    assert!(!r.holds_state().unwrap());
 }

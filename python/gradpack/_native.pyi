@@ -357,13 +357,14 @@ class Hierarchical:
 @final
 class HookReducer:
     """
-    The PyTorch hook's reducer: it decides each bucket's configuration (the float32
-    warm-up, the codec's default strategy, or measured `auto`'s `Tuner`), each tensor's
-    codec (small tensors and vectors as float32, `dct_2d`), which matrices go as PowerSGD
-    factors, and runs the bucket by the crate's collectives with their error feedback:
-    the all-gather per tensor (residuals by tensor name), the ring, two-shot, majority
-    vote or two-level all-reduce per bucket layout, PowerSGD's exchange, or one top-k
-    over the model (`selection="model"`). It keeps that state and saves it by name.
+    The PyTorch hook's reducer, the crate's `sync::BucketReducer`: it decides each
+    bucket's configuration (the float32 warm-up, the codec's default strategy, or
+    measured `auto`'s `Tuner`), each tensor's codec (small tensors and vectors as
+    float32, `dct_2d`), which matrices go as PowerSGD factors, and runs the bucket by the
+    crate's collectives with their error feedback: the all-gather per tensor (residuals
+    by tensor name), the ring, two-shot, majority vote or two-level all-reduce per bucket
+    layout, PowerSGD's exchange, or one top-k over the model (`selection="model"`). It
+    keeps that state and saves it by name.
 
     `codec` is the fixed codec, or None for measured `auto` (the `Tuner` passed to each
     call decides); `strategy` the strategy of a fixed codec (None: the crate's default
@@ -433,9 +434,9 @@ class HookReducer:
     def restore(self, /, residuals: dict, low_rank: dict, rings: dict) -> None:
         """
         Replace the state with a saved one: `residuals` (name to float32 array),
-        `low_rank` (name to `(q or None, residual)`) and `rings` (names to a ring's blobs),
-        each taken up when its tensor or layout next comes. The collectives made so far
-        are dropped.
+        `low_rank` (name to `(q or None, residual)`) and `rings` (names to a ring's
+        blobs), each taken up when its tensor or layout next comes. The collectives made
+        so far are dropped. PowerSGD state for a reducer without PowerSGD is refused.
         """
     def rings(self, /) -> dict:
         """

@@ -355,7 +355,7 @@ pub(crate) fn low_rank_states<'py>(
     matrix_states(py, p.states().map_err(err)?)
 }
 
-fn matrix_states(py: Python<'_>, all: Vec<(String, MatrixState)>) -> PyResult<Bound<'_, PyDict>> {
+pub(crate) fn matrix_states(py: Python<'_>, all: Vec<(String, MatrixState)>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     for (name, (q, e)) in all {
         let q = q.map(|q| PyArray1::from_vec(py, q));
@@ -365,7 +365,7 @@ fn matrix_states(py: Python<'_>, all: Vec<(String, MatrixState)>) -> PyResult<Bo
 }
 
 /// A dict of name to `(q or None, residual)` float32 arrays, all read.
-fn matrix_states_of(states: &Bound<'_, PyDict>) -> PyResult<Vec<(String, MatrixState)>> {
+pub(crate) fn matrix_states_of(states: &Bound<'_, PyDict>) -> PyResult<Vec<(String, MatrixState)>> {
     let mut all: Vec<(String, MatrixState)> = Vec::with_capacity(states.len());
     for (k, v) in states.iter() {
         let name: String = k.extract()?;

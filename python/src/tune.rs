@@ -35,7 +35,7 @@ pub(crate) struct PyTuner {
 }
 
 impl PyTuner {
-    fn tuner(&self) -> MutexGuard<'_, Tuner> {
+    pub(crate) fn tuner(&self) -> MutexGuard<'_, Tuner> {
         // A panic while locked leaves a tuner whose calls each completed or failed whole.
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }

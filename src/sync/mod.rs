@@ -86,6 +86,7 @@ mod momentum;
 mod named;
 mod plan;
 mod powersgd;
+mod reducer;
 mod tune;
 
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -106,6 +107,7 @@ pub use named::NamedState;
 use plan::{Kind, Reduces};
 use powersgd::LowRank;
 pub use powersgd::PowerSgdBucket;
+pub use reducer::{BucketReducer, BucketTurn, Connector, Decision, ReducerOptions, Way};
 pub use tune::{BucketConfig, Route, TrialRow, TuneOptions, Tuner, Turn, tensor_codec};
 
 use crate::codec::CodecSpec;
