@@ -17,7 +17,12 @@ const NAMED_MAGIC: [u8; 4] = *b"GPNS";
 ///
 /// [`NamedState::save`] writes a versioned blob with a CRC-32 (the crate's checkpoint
 /// format, magic `"GPNS"`); [`NamedState::restore`] refuses a damaged one, and allocates
-/// nothing a damaged length claims beyond the blob's own size.
+/// nothing a damaged length claims beyond the blob's own size. The body, in order (`n`
+/// a u64 count, text and byte strings prefixed by their u64 length, f32 runs by their
+/// u64 element count, all little-endian): `n` settings (key, value); the step (u64);
+/// `n` residuals (name, f32 run); `n` velocities (name, f32 run); `n` PowerSGD states
+/// (name, a u8 flag, the `Q` f32 run when the flag is 1, the residual f32 run); `n`
+/// collectives (name, `n` byte strings); a u8 flag and, when 1, the plan's byte string.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct NamedState {
     /// The options the state belongs to, as `(key, value)` pairs; a front end compares
