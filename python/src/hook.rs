@@ -345,8 +345,7 @@ impl PyHookReducer {
         }
         let mut r = self.inner();
         let r = &mut *r;
-        py.detach(|| r.reduce_model(&mut slices, step))
-            .map_err(err)
+        py.detach(|| r.reduce_model(&mut slices, step)).map_err(err)
     }
 
     /// Every tensor's error-feedback residual by name (float32 copies).

@@ -119,7 +119,11 @@ fn as_ndarray<'py>(x: &Bound<'py, PyAny>, what: &str, dtype: &str) -> PyResult<B
         }
         let has = x.getattr("dtype")?.str()?.to_string();
         if has != format!("torch.{dtype}") {
-            let hint = if dtype == "float32" { " (convert with t.float())" } else { "" };
+            let hint = if dtype == "float32" {
+                " (convert with t.float())"
+            } else {
+                ""
+            };
             return Err(PyTypeError::new_err(format!(
                 "{what} has dtype {has}; gradpack reads torch.{dtype} only{hint}"
             )));
@@ -131,7 +135,11 @@ fn as_ndarray<'py>(x: &Bound<'py, PyAny>, what: &str, dtype: &str) -> PyResult<B
         }
         let a = x.call_method0("detach")?.call_method0("numpy")?;
         // A uint8 tensor is a byte buffer, read flat (a contiguous view).
-        return if dtype == "uint8" { a.call_method1("reshape", (-1,)) } else { Ok(a) };
+        return if dtype == "uint8" {
+            a.call_method1("reshape", (-1,))
+        } else {
+            Ok(a)
+        };
     }
     let view = py
         .import("builtins")?
@@ -277,9 +285,9 @@ fn u64_wrapped(x: &Bound<'_, PyAny>) -> PyResult<u64> {
     if x.is_instance_of::<pyo3::types::PyBool>() {
         return Err(PyTypeError::new_err("an int is needed, not a bool"));
     }
-    let n = x.call_method0("__index__").map_err(|_| {
-        PyTypeError::new_err(format!("an int is needed, not {}", type_name(x)))
-    })?;
+    let n = x
+        .call_method0("__index__")
+        .map_err(|_| PyTypeError::new_err(format!("an int is needed, not {}", type_name(x))))?;
     n.call_method1("__and__", (u64::MAX,))?.extract()
 }
 

@@ -355,7 +355,10 @@ pub(crate) fn low_rank_states<'py>(
     matrix_states(py, p.states().map_err(err)?)
 }
 
-pub(crate) fn matrix_states(py: Python<'_>, all: Vec<(String, MatrixState)>) -> PyResult<Bound<'_, PyDict>> {
+pub(crate) fn matrix_states(
+    py: Python<'_>,
+    all: Vec<(String, MatrixState)>,
+) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     for (name, (q, e)) in all {
         let q = q.map(|q| PyArray1::from_vec(py, q));
