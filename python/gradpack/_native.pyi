@@ -974,8 +974,9 @@ def break_even_bandwidth(profile: CodecProfile, nodes: SupportsIndex, elements: 
 
 def calibrate(codec: Any, elements: SupportsIndex = ..., budget_s: SupportsFloat | SupportsIndex = 0.2) -> CodecProfile:
     """
-    Measure a codec's encode, decode and decode_add speed on this CPU on a synthetic
-    gradient of `elements` elements, best of repetitions for about `budget_s` seconds.
+    Measure ``codec``'s encode, decode and decode_add speed on this CPU on a
+    synthetic gradient of ``elements`` elements (best of repetitions for about
+    ``budget_s`` seconds); the result feeds :func:`allreduce_time`.
     """
 
 def chunk_range(n: SupportsIndex, p: SupportsIndex, c: SupportsIndex) -> tuple[int, int]:
@@ -986,21 +987,23 @@ def chunk_range(n: SupportsIndex, p: SupportsIndex, c: SupportsIndex) -> tuple[i
 
 def decode(frame: Any, max_elements: SupportsIndex | None = None) -> Incomplete:
     """
-    Decode any frame into a new one-dimensional float32 array. Frames claiming more than
-    `max_elements` elements (default: what a frame of its length can legitimately hold)
-    are refused before anything is allocated.
+    Decode any frame into a new 1-D float32 array.
+
+    A frame needs no configuration: its header names the codec and parameters. Frames
+    claiming more than ``max_elements`` elements (default: the most a frame of its
+    length can legitimately hold) are refused before anything is allocated.
     """
 
 def decode_add(frame: Any, acc: Any) -> None:
     """
-    Decode any frame and add it element-wise into `acc` (the reduce step of a
-    collective). The frame is fully validated first: on error `acc` is unchanged.
+    Decode any frame and add it element-wise into ``acc`` (the reduce step of a
+    collective). The frame is fully validated first: on error ``acc`` is unchanged.
     """
 
 def decode_into(frame: Any, out: Any) -> None:
     """
-    Decode any frame into `out`, a writable C-contiguous float32 array holding exactly
-    the frame's element count (any shape).
+    Decode any frame into ``out``, a writable C-contiguous float32 array (or CPU
+    tensor) holding exactly the frame's element count, in any shape.
     """
 
 def default_strategy(codec: Any, world: SupportsIndex) -> str:
@@ -1011,29 +1014,36 @@ def default_strategy(codec: Any, world: SupportsIndex) -> str:
     `"allgather"`.
     """
 
-def encode(x: Any, codec: Any, seed: SupportsIndex = 0, offset: SupportsIndex = 0, checksum: bool = False) -> bytes:
+def encode(x: Any, codec: Any, seed=0, offset=0, checksum: bool = False) -> bytes:
     """
-    Encode `x` (a C-contiguous float32 array of any shape, read as flat) with `codec` (a
-    spec string or a Codec). `seed` drives stochastic rounding and random-k; `offset` is
-    the global index of `x[0]` in its tensor; `checksum` seals the frame with a CRC-32.
+    Encode the float32 array ``x`` (any shape, read flat) into a frame.
+
+    ``seed`` drives stochastic rounding and random-k selection (the same seed gives the
+    same frame on every CPU); ``offset`` is the global index of ``x``'s first element in
+    its tensor when ``x`` is a chunk; ``checksum`` seals the payload with a CRC-32 that
+    decoding verifies.
     """
 
-def encode_into(x: Any, out: Any, codec: Any, seed: SupportsIndex = 0, offset: SupportsIndex = 0, checksum: bool = False) -> int:
+def encode_into(x: Any, out: Any, codec: Any, seed=0, offset=0, checksum: bool = False) -> int:
     """
-    Encode `x` into the uint8 array `out` (at least `max_encoded_len` bytes); returns the
-    frame length. Allocates nothing.
+    Encode ``x`` into ``out`` (a uint8 numpy array, uint8 torch tensor or bytearray
+    of at least ``Codec(codec).max_encoded_len(x.size)`` bytes) and return the frame
+    length. Allocates nothing.
     """
 
 def frame_len(buf: Any) -> int:
     """
-    The length of the frame that starts `buf` (only its header is read and checked), to
-    cut a frame out of a longer buffer such as a padded receive buffer.
+    The length of the frame at the start of ``buf``, from its header alone (which is
+    checked): to cut a frame out of a longer buffer, such as a padded receive buffer.
     """
 
 def inspect(frame: Any) -> dict:
     """
-    Validate a frame's header and describe it: codec, spec, element count, lengths,
-    seed, offset and flags.
+    Validate a frame's header and describe it.
+
+    Returns a dict with ``codec``, ``spec``, ``elements``, ``payload_len``,
+    ``frame_len``, ``seed``, ``offset``, ``nonfinite`` (the input held NaN or Inf),
+    ``checksum`` (the payload is sealed) and ``bits_per_element``.
     """
 
 def mean_over_ranks(values: SupportsGetItem[int, SupportsFloat | SupportsIndex], rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, *, tag: SupportsIndex = ..., send_recv: Any | None = None, transport: Tcp | None = None) -> list[float]:
@@ -1064,8 +1074,11 @@ def parse_duration(s: str) -> float:
 
 def powersgd_matrix(shape: SupportsGetItem[int, SupportsIndex], rank: SupportsIndex = 2, min_compression: SupportsFloat | SupportsIndex = 2.0) -> tuple[int, int, int] | None:
     """
-    The `(n, m, r)` PowerSGD sends a tensor of `shape` as, or None (fewer than two
-    dimensions, or it does not compress by `min_compression`).
+    The ``(n, m, r)`` PowerSGD sends a tensor of ``shape`` as: ``n = shape[0]``
+    rows, ``m`` the product of the other dimensions (a convolution's ``[out, in, kh,
+    kw]`` is ``out x (in kh kw)``), rank ``r = min(rank, n, m)``; or ``None`` for a
+    tensor of fewer than two dimensions or one that ``n m / ((n + m) r)`` says compresses
+    less than ``min_compression`` times.
     """
 
 def rank_seed(codec: Any, seed: SupportsIndex, rank: SupportsIndex) -> int:
@@ -1076,11 +1089,14 @@ def rank_seed(codec: Any, seed: SupportsIndex, rank: SupportsIndex) -> int:
 
 def reduce_frames(frames: Any, out: Any, add: bool = False) -> None:
     """
-    Decode every frame of `frames` (frames of one tensor, each as `decode` takes it) and
-    sum them into `out` in sequence order in one pass over it: the same bits as
-    `decode_into` of the first and `decode_add` of each of the others. With `add=True`
-    every frame is added into `out` instead. Headers, lengths and fixed-rate payloads are
-    checked before `out` is written; an error names the frame's position.
+    Decode every frame of ``frames`` (frames of one tensor, of any codecs) and sum
+    them into ``out`` in list order, in one pass over it: the same bits as
+    ``decode_into`` of the first and ``decode_add`` of each of the others, but the
+    output is written once instead of once per frame (the sum of an all-gather).
+
+    With ``add=True`` every frame is added into ``out``. Every header, length and
+    fixed-rate payload is checked before ``out`` is written; an error names the
+    frame's position in the list.
     """
 
 def ring_time(profile: CodecProfile, nodes: SupportsIndex, bandwidth: SupportsFloat | SupportsIndex, elements: SupportsFloat | SupportsIndex, latency: SupportsFloat | SupportsIndex = 0.0, pieces: SupportsIndex = 1) -> float:

@@ -709,8 +709,9 @@ class GradpackState:
         if world == 1:
             return buf
         eng = self._engine()
-        plain = eng.plain(layout, cfg[0], cfg[1], step, self._tuner)
-        host = self._to_host(buf, index, ready, exact=plain)
+        # Only a float64 bucket stages differently when it goes as plain float32.
+        exact = buf.dtype == torch.float64 and eng.plain(layout, cfg[0], cfg[1], step, self._tuner)
+        host = self._to_host(buf, index, ready, exact=exact)
         flat = host.view(-1)
         if not self._net.call(
             eng.reduce, flat.numpy(), index, step, layout, cfg[0], cfg[1], self._tuner

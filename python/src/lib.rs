@@ -146,12 +146,15 @@ fn as_ndarray<'py>(x: &Bound<'py, PyAny>, what: &str, dtype: &str) -> PyResult<B
         .getattr("memoryview")?
         .call1((x,))
         .map_err(|_| {
-            let kind = if dtype == "float32" {
-                "a float32 numpy array, a CPU torch tensor or a buffer of float32"
+            let msg = if dtype == "float32" {
+                format!("{what} must be a float32 numpy array, a CPU torch tensor or a buffer of float32")
             } else {
-                "a 1-D uint8 numpy array, a uint8 torch tensor, bytes, bytearray or memoryview"
+                format!(
+                    "{} must be bytes, bytearray, memoryview, a 1-D uint8 array or a uint8 torch tensor",
+                    if what == "frame" { "a frame" } else { what }
+                )
             };
-            PyTypeError::new_err(format!("{what} must be {kind}, not {}", type_name(x)))
+            PyTypeError::new_err(format!("{msg}, not {}", type_name(x)))
         })?;
     let format: String = view.getattr("format")?.extract()?;
     let ok = match dtype {
@@ -356,25 +359,29 @@ fn encode_to_bytes<'py>(
     Ok(PyBytes::new(py, &frame))
 }
 
-/// Encode `x` (a C-contiguous float32 array of any shape, read as flat) with `codec` (a
-/// spec string or a Codec). `seed` drives stochastic rounding and random-k; `offset` is
-/// the global index of `x[0]` in its tensor; `checksum` seals the frame with a CRC-32.
+/// Encode the float32 array ``x`` (any shape, read flat) into a frame.
+///
+/// ``seed`` drives stochastic rounding and random-k selection (the same seed gives the
+/// same frame on every CPU); ``offset`` is the global index of ``x``'s first element in
+/// its tensor when ``x`` is a chunk; ``checksum`` seals the payload with a CRC-32 that
+/// decoding verifies.
 #[pyfunction]
 #[pyo3(signature = (x, codec, seed=0, offset=0, checksum=false))]
 fn encode<'py>(
     py: Python<'py>,
     x: &Bound<'py, PyAny>,
     codec: &Bound<'py, PyAny>,
-    seed: u64,
-    offset: u64,
+    #[pyo3(from_py_with = seed_arg)] seed: u64,
+    #[pyo3(from_py_with = offset_arg)] offset: u64,
     checksum: bool,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let spec = spec_of(codec)?;
     encode_to_bytes(py, &spec, x, seed, offset, checksum)
 }
 
-/// Encode `x` into the uint8 array `out` (at least `max_encoded_len` bytes); returns the
-/// frame length. Allocates nothing.
+/// Encode ``x`` into ``out`` (a uint8 numpy array, uint8 torch tensor or bytearray
+/// of at least ``Codec(codec).max_encoded_len(x.size)`` bytes) and return the frame
+/// length. Allocates nothing.
 #[pyfunction]
 #[pyo3(signature = (x, out, codec, seed=0, offset=0, checksum=false))]
 fn encode_into<'py>(
@@ -382,8 +389,8 @@ fn encode_into<'py>(
     x: &Bound<'py, PyAny>,
     out: &Bound<'py, PyAny>,
     codec: &Bound<'py, PyAny>,
-    seed: u64,
-    offset: u64,
+    #[pyo3(from_py_with = seed_arg)] seed: u64,
+    #[pyo3(from_py_with = offset_arg)] offset: u64,
     checksum: bool,
 ) -> PyResult<usize> {
     let spec = spec_of(codec)?;
@@ -399,9 +406,11 @@ fn encode_into<'py>(
     .map_err(err)
 }
 
-/// Decode any frame into a new one-dimensional float32 array. Frames claiming more than
-/// `max_elements` elements (default: what a frame of its length can legitimately hold)
-/// are refused before anything is allocated.
+/// Decode any frame into a new 1-D float32 array.
+///
+/// A frame needs no configuration: its header names the codec and parameters. Frames
+/// claiming more than ``max_elements`` elements (default: the most a frame of its
+/// length can legitimately hold) are refused before anything is allocated.
 #[pyfunction]
 #[pyo3(signature = (frame, max_elements=None))]
 fn decode<'py>(
@@ -505,8 +514,8 @@ fn measure_link(
     Ok((l.bandwidth_bit_s, l.latency_s))
 }
 
-/// Decode any frame into `out`, a writable C-contiguous float32 array holding exactly
-/// the frame's element count (any shape).
+/// Decode any frame into ``out``, a writable C-contiguous float32 array (or CPU
+/// tensor) holding exactly the frame's element count, in any shape.
 #[pyfunction]
 fn decode_into<'py>(
     py: Python<'py>,
@@ -516,8 +525,8 @@ fn decode_into<'py>(
     decode_mode(py, frame, out, false)
 }
 
-/// Decode any frame and add it element-wise into `acc` (the reduce step of a
-/// collective). The frame is fully validated first: on error `acc` is unchanged.
+/// Decode any frame and add it element-wise into ``acc`` (the reduce step of a
+/// collective). The frame is fully validated first: on error ``acc`` is unchanged.
 #[pyfunction]
 fn decode_add<'py>(
     py: Python<'py>,
@@ -527,11 +536,14 @@ fn decode_add<'py>(
     decode_mode(py, frame, acc, true)
 }
 
-/// Decode every frame of `frames` (frames of one tensor, each as `decode` takes it) and
-/// sum them into `out` in sequence order in one pass over it: the same bits as
-/// `decode_into` of the first and `decode_add` of each of the others. With `add=True`
-/// every frame is added into `out` instead. Headers, lengths and fixed-rate payloads are
-/// checked before `out` is written; an error names the frame's position.
+/// Decode every frame of ``frames`` (frames of one tensor, of any codecs) and sum
+/// them into ``out`` in list order, in one pass over it: the same bits as
+/// ``decode_into`` of the first and ``decode_add`` of each of the others, but the
+/// output is written once instead of once per frame (the sum of an all-gather).
+///
+/// With ``add=True`` every frame is added into ``out``. Every header, length and
+/// fixed-rate payload is checked before ``out`` is written; an error names the
+/// frame's position in the list.
 #[pyfunction]
 #[pyo3(signature = (frames, out, add=false))]
 fn reduce_frames<'py>(
@@ -560,8 +572,11 @@ fn reduce_frames<'py>(
     .map_err(err)
 }
 
-/// Validate a frame's header and describe it: codec, spec, element count, lengths,
-/// seed, offset and flags.
+/// Validate a frame's header and describe it.
+///
+/// Returns a dict with ``codec``, ``spec``, ``elements``, ``payload_len``,
+/// ``frame_len``, ``seed``, ``offset``, ``nonfinite`` (the input held NaN or Inf),
+/// ``checksum`` (the payload is sealed) and ``bits_per_element``.
 #[pyfunction]
 fn inspect<'py>(py: Python<'py>, frame: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
     let f = frame_in(frame)?;
@@ -588,8 +603,8 @@ fn inspect<'py>(py: Python<'py>, frame: &Bound<'py, PyAny>) -> PyResult<Bound<'p
     Ok(d)
 }
 
-/// The length of the frame that starts `buf` (only its header is read and checked), to
-/// cut a frame out of a longer buffer such as a padded receive buffer.
+/// The length of the frame at the start of ``buf``, from its header alone (which is
+/// checked): to cut a frame out of a longer buffer, such as a padded receive buffer.
 #[pyfunction]
 fn frame_len(buf: &Bound<'_, PyAny>) -> PyResult<u64> {
     let f = frame_in(buf)?;
@@ -2064,8 +2079,11 @@ impl PyPowerSgd {
     }
 }
 
-/// The `(n, m, r)` PowerSGD sends a tensor of `shape` as, or None (fewer than two
-/// dimensions, or it does not compress by `min_compression`).
+/// The ``(n, m, r)`` PowerSGD sends a tensor of ``shape`` as: ``n = shape[0]``
+/// rows, ``m`` the product of the other dimensions (a convolution's ``[out, in, kh,
+/// kw]`` is ``out x (in kh kw)``), rank ``r = min(rank, n, m)``; or ``None`` for a
+/// tensor of fewer than two dimensions or one that ``n m / ((n + m) r)`` says compresses
+/// less than ``min_compression`` times.
 #[pyfunction]
 #[pyo3(signature = (shape, rank=2, min_compression=2.0))]
 fn powersgd_matrix(
@@ -2153,8 +2171,9 @@ impl PyProfile {
     }
 }
 
-/// Measure a codec's encode, decode and decode_add speed on this CPU on a synthetic
-/// gradient of `elements` elements, best of repetitions for about `budget_s` seconds.
+/// Measure ``codec``'s encode, decode and decode_add speed on this CPU on a
+/// synthetic gradient of ``elements`` elements (best of repetitions for about
+/// ``budget_s`` seconds); the result feeds :func:`allreduce_time`.
 #[pyfunction]
 #[pyo3(signature = (codec, elements=1 << 20, budget_s=0.2))]
 fn calibrate(

@@ -333,13 +333,14 @@ impl PyPowerSgdByName {
     /// Every matrix's state by name: `(q, residual)` float32 arrays (`q` None when
     /// unset).
     fn states<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        low_rank_states(py, &self.inner)
+        matrix_states(py, self.inner.states().map_err(err)?)
     }
 
     /// Replace every matrix's state with `states` (name to `(q or None, residual)`),
     /// each taken up when its bucket next forms.
     fn restore(&mut self, states: &Bound<'_, PyDict>) -> PyResult<()> {
-        low_rank_restore(&mut self.inner, states)
+        self.inner.restore(matrix_states_of(states)?);
+        Ok(())
     }
 
     fn __repr__(&self) -> String {
@@ -347,14 +348,7 @@ impl PyPowerSgdByName {
     }
 }
 
-/// Every matrix's PowerSGD state by name: `(q or None, residual)` float32 arrays.
-pub(crate) fn low_rank_states<'py>(
-    py: Python<'py>,
-    p: &PowerSgdByName,
-) -> PyResult<Bound<'py, PyDict>> {
-    matrix_states(py, p.states().map_err(err)?)
-}
-
+/// PowerSGD states by matrix name as a dict of `(q or None, residual)` float32 arrays.
 pub(crate) fn matrix_states(
     py: Python<'_>,
     all: Vec<(String, MatrixState)>,
@@ -381,13 +375,6 @@ pub(crate) fn matrix_states_of(states: &Bound<'_, PyDict>) -> PyResult<Vec<(Stri
         all.push((name, (q, e)));
     }
     Ok(all)
-}
-
-/// Replace every matrix's state of `p` with `states` (name to `(q or None, residual)`),
-/// all read before anything changes.
-pub(crate) fn low_rank_restore(p: &mut PowerSgdByName, states: &Bound<'_, PyDict>) -> PyResult<()> {
-    p.restore(matrix_states_of(states)?);
-    Ok(())
 }
 
 /// What a front end that forms its own buckets carries across steps, by tensor name, as

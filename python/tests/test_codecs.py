@@ -1084,7 +1084,9 @@ def test_the_package_classes_are_the_native_ones():
     # classes (their docs and the generated stubs are the native ones).
     from gradpack import _native
     for name in ("Codec", "ErrorFeedback", "AllReduce", "BucketGather", "Hierarchical",
-                 "OuterSync", "PowerSgdBucket", "HookReducer", "NamedState", "Tuner"):
+                 "OuterSync", "PowerSgdBucket", "HookReducer", "NamedState", "Tuner",
+                 "encode", "encode_into", "decode", "decode_into", "decode_add",
+                 "reduce_frames", "inspect", "frame_len", "calibrate", "powersgd_matrix"):
         assert getattr(gradpack, name) is getattr(_native, name), name
         assert getattr(gradpack, name).__doc__, name
     import pickle
