@@ -402,10 +402,6 @@ class HookReducer:
         Whether there is state to save by tensor name: a residual, a PowerSGD state, or a
         ring with error feedback.
         """
-    def low_rank(self, /) -> dict:
-        """
-        PowerSGD's state by matrix name: `(q or None, residual)` float32 arrays.
-        """
     def plain(self, /, layout: SupportsGetItem[int, tuple[str, SupportsGetItem[int, SupportsIndex], SupportsIndex]], codec: str, route: str, step: SupportsIndex, tuner: Tuner | None = None) -> bool:
         """
         Whether a bucket of configuration `(codec, route)` is a float32 all-reduce of the
@@ -431,24 +427,23 @@ class HookReducer:
         """
         Every tensor's error-feedback residual by name (float32 copies).
         """
-    def restore(self, /, residuals: dict, low_rank: dict, rings: dict) -> None:
+    def restore_state(self, /, state: NamedState) -> None:
         """
-        Replace the state with a saved one: `residuals` (name to float32 array),
-        `low_rank` (name to `(q or None, residual)`) and `rings` (names to a ring's
-        blobs), each taken up when its tensor or layout next comes. The collectives made
-        so far are dropped. PowerSGD state for a reducer without PowerSGD is refused.
-        """
-    def rings(self, /) -> dict:
-        """
-        The saved blobs of every ring, two-shot, majority and two-level all-reduce by the
-        names of its bucket's tensors joined with `,` (those of the layouts in use, and
-        those restored and not used yet).
+        Take up a `NamedState`'s residuals, PowerSGD state and rings, each used when its
+        tensor or layout next comes; the collectives made so far are dropped. PowerSGD
+        state for a reducer without PowerSGD is refused, changing nothing.
         """
     @property
     def rings_made(self, /) -> int:
         """
         How many ring, two-shot, majority and two-level all-reduces are made now (one per
         bucket layout in use).
+        """
+    def save_state(self, /, settings: SupportsGetItem[int, tuple[str, str]], step: SupportsIndex, velocities: dict, plan: SupportsGetItem[int, SupportsIndex] | None) -> bytes:
+        """
+        The state as the crate's named-state blob: `settings` (`(key, value)` pairs),
+        `step`, momentum's `velocities` (name to float32 array) and measured auto's
+        `plan` beside this reducer's residuals, PowerSGD state and rings.
         """
 
 @final

@@ -427,13 +427,11 @@ class GradpackState:
                 "model=ddp_model so residuals and velocities are saved by parameter name"
             )
         plan = self._tuner.save() if self._tuner is not None else self._tuner_saved
-        ns = _native.NamedState(
-            self._saved_as(), self.step, self._eng.residuals(),
-            {} if self._mom is None else self._mom.velocities(), self._eng.low_rank(),
-            self._eng.rings(), None if plan is None else bytes(plan),
+        blob = self._eng.save_state(
+            self._saved_as(), self.step, {} if self._mom is None else self._mom.velocities(),
+            None if plan is None else bytes(plan),
         )
-        return {"format": _FORMAT, "state": torch.frombuffer(bytearray(ns.save()),
-                                                              dtype=torch.uint8)}
+        return {"format": _FORMAT, "state": torch.frombuffer(bytearray(blob), dtype=torch.uint8)}
 
     def load_state_dict(self, state: Union[Dict[str, Any], bytes]) -> None:
         """Restore a :meth:`state_dict` (one of an older gradpack too), or the bytes of a
@@ -446,7 +444,7 @@ class GradpackState:
         if auto is not None and self._auto:  # checked here, before anything changes
             self._new_tuner(dist.is_available() and dist.is_initialized()).restore(auto)
         self.wait()
-        self._eng.restore(ns.residuals, ns.low_rank, ns.collectives)
+        self._eng.restore_state(ns)
         self.step = ns.step
         self._pending = []
         if self._auto:

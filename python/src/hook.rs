@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::net::{Net, PyTcp, link};
-use crate::state::{matrix_states, matrix_states_of, named_arrays, named_vecs};
+use crate::state::{PyNamedState, named_arrays, named_vecs};
 use crate::tune::PyTuner;
 use crate::{PySharedMemory, err, settings, slice_out, spec_of};
 
@@ -353,23 +353,6 @@ impl PyHookReducer {
         named_arrays(py, self.inner().residuals())
     }
 
-    /// PowerSGD's state by matrix name: `(q or None, residual)` float32 arrays.
-    fn low_rank<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        matrix_states(py, self.inner().low_rank().map_err(err)?)
-    }
-
-    /// The saved blobs of every ring, two-shot, majority and two-level all-reduce by the
-    /// names of its bucket's tensors joined with `,` (those of the layouts in use, and
-    /// those restored and not used yet).
-    fn rings<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        for (k, blobs) in self.inner().collectives() {
-            let bs: Vec<Bound<'py, PyBytes>> = blobs.iter().map(|b| PyBytes::new(py, b)).collect();
-            d.set_item(k, bs)?;
-        }
-        Ok(d)
-    }
-
     /// How many ring, two-shot, majority and two-level all-reduces are made now (one per
     /// bucket layout in use).
     #[getter]
@@ -383,27 +366,33 @@ impl PyHookReducer {
         self.inner().holds_state().map_err(err)
     }
 
-    /// Replace the state with a saved one: `residuals` (name to float32 array),
-    /// `low_rank` (name to `(q or None, residual)`) and `rings` (names to a ring's
-    /// blobs), each taken up when its tensor or layout next comes. The collectives made
-    /// so far are dropped. PowerSGD state for a reducer without PowerSGD is refused.
-    fn restore(
+    /// The state as the crate's named-state blob: `settings` (`(key, value)` pairs),
+    /// `step`, momentum's `velocities` (name to float32 array) and measured auto's
+    /// `plan` beside this reducer's residuals, PowerSGD state and rings.
+    fn save_state<'py>(
         &self,
-        residuals: &Bound<'_, PyDict>,
-        low_rank: &Bound<'_, PyDict>,
-        rings: &Bound<'_, PyDict>,
-    ) -> PyResult<()> {
+        py: Python<'py>,
+        settings: Vec<(String, String)>,
+        step: u64,
+        velocities: &Bound<'py, PyDict>,
+        plan: Option<Vec<u8>>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let mut state = NamedState {
-            residuals: named_vecs(residuals)?,
-            low_rank: matrix_states_of(low_rank)?,
+            settings,
+            step,
+            velocities: named_vecs(velocities)?,
+            plan,
             ..NamedState::default()
         };
-        for (k, v) in rings.iter() {
-            state
-                .collectives
-                .push((k.extract::<String>()?, v.extract::<Vec<Vec<u8>>>()?));
-        }
-        self.inner().restore_from(&state).map_err(err)
+        self.inner().save_into(&mut state).map_err(err)?;
+        Ok(PyBytes::new(py, &state.save()))
+    }
+
+    /// Take up a `NamedState`'s residuals, PowerSGD state and rings, each used when its
+    /// tensor or layout next comes; the collectives made so far are dropped. PowerSGD
+    /// state for a reducer without PowerSGD is refused, changing nothing.
+    fn restore_state(&self, state: PyRef<'_, PyNamedState>) -> PyResult<()> {
+        self.inner().restore_from(&state.inner).map_err(err)
     }
 
     fn __repr__(&self) -> String {

@@ -349,10 +349,7 @@ impl PyPowerSgdByName {
 }
 
 /// PowerSGD states by matrix name as a dict of `(q or None, residual)` float32 arrays.
-pub(crate) fn matrix_states(
-    py: Python<'_>,
-    all: Vec<(String, MatrixState)>,
-) -> PyResult<Bound<'_, PyDict>> {
+fn matrix_states(py: Python<'_>, all: Vec<(String, MatrixState)>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     for (name, (q, e)) in all {
         let q = q.map(|q| PyArray1::from_vec(py, q));
@@ -362,7 +359,7 @@ pub(crate) fn matrix_states(
 }
 
 /// A dict of name to `(q or None, residual)` float32 arrays, all read.
-pub(crate) fn matrix_states_of(states: &Bound<'_, PyDict>) -> PyResult<Vec<(String, MatrixState)>> {
+fn matrix_states_of(states: &Bound<'_, PyDict>) -> PyResult<Vec<(String, MatrixState)>> {
     let mut all: Vec<(String, MatrixState)> = Vec::with_capacity(states.len());
     for (k, v) in states.iter() {
         let name: String = k.extract()?;
@@ -386,7 +383,7 @@ pub(crate) fn matrix_states_of(states: &Bound<'_, PyDict>) -> PyResult<Vec<(Stri
 /// auto's `plan` (a `Tuner` blob, or None).
 #[pyclass(module = "gradpack", name = "NamedState", frozen)]
 pub(crate) struct PyNamedState {
-    inner: NamedState,
+    pub(crate) inner: NamedState,
 }
 
 #[pymethods]

@@ -509,7 +509,7 @@ def test_the_crate_decides_each_bucket():
     # without PowerSGD is refused.
     assert not int8.holds_state() and int8.rings_made == 0
     with pytest.raises(ValueError, match="PowerSGD"):
-        int8.restore({}, {"w": (None, np.zeros(3, np.float32))}, {})
+        int8.restore_state(_native.NamedState(low_rank={"w": (None, np.zeros(3, np.float32))}))
 
 
 def test_measure_link_gives_every_rank_the_same_figures():
