@@ -1202,6 +1202,19 @@ fn float_decode_takes_avx512(
     m != mode::RESIDUAL && block >= 64 && (f == fp8::E4M3 || m == mode::ADD)
 }
 
+/// Whether the AVX-512 backend decodes an unscaled fp8 frame of `n` elements in mode `m`
+/// with its own kernel rather than the AVX2 one. Measured with `backend_race` on a
+/// 2-core Zen 5 (2026-12-03, two to three runs): adding, AVX-512's 1.3 to 1.7 times as
+/// fast at 64 Ki and 1 Mi elements; writing, 1.7 times (E4M3) and 1.2 to 1.5 times
+/// (E5M2) as fast at 64 Ki and 128 Ki, but once the output outgrows the core's L2
+/// AVX2's 256-bit stores win: E5M2 at 512 Ki 1.1 times as fast on AVX2, E4M3 level to
+/// 1.05 at 1 Mi (AVX-512 still 1.15 times as fast at 512 Ki). In the residual mode
+/// (error feedback's) AVX-512's kernel made the step 1.1 times as fast at 64 Ki and 1 Mi.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn unscaled_takes_avx512(e4m3: bool, m: u8, n: usize) -> bool {
+    m != mode::WRITE || n < if e4m3 { 1 << 20 } else { 1 << 19 }
+}
+
 /// The shortest fp8 block (with a scale, not a multiple of 16) whose decode the AVX-512
 /// backend runs in its own build rather than the AVX2 one (see [`decode_float`]).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -1246,6 +1259,32 @@ pub fn decode_float<const M: u8>(
     // fp8 blocks of a multiple of 16 through half precision. A last, shorter block then
     // runs the definition (a few elements). The residual mode (error feedback's) runs
     // the AVX2 build on both x86 backends: only it has that mode.
+    // fp8 without a scale: 16 codes at a time through half precision (on the AVX-512
+    // backend its own kernel but for long plain decodes), the last few by the definition.
+    #[cfg(target_arch = "x86_64")]
+    if scale == fp8::Scale::None && !four {
+        let e4m3 = f == fp8::E4M3;
+        debug_assert!(e4m3 || f == fp8::E5M2);
+        let done = if route == X86::Avx512 && unscaled_takes_avx512(e4m3, M, out.len()) {
+            // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists
+            // only after AVX-512F and AVX2 were detected.
+            unsafe { x86_64::blocks512::decode_fp8_unscaled::<M>(e4m3, codes, out) }
+        } else {
+            // SAFETY: the backend is AVX2 or AVX-512 (not scalar, on x86-64), which
+            // exist only after AVX2 and F16C were detected.
+            unsafe { x86_64::blocks::decode_fp8_unscaled::<M>(e4m3, codes, out) }
+        };
+        fp8::decode::<M>(
+            f,
+            scale,
+            four,
+            block,
+            scales,
+            &codes[done..],
+            &mut out[done..],
+        );
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if scale != fp8::Scale::None {
         let done = if four && matches!(block, 16 | 32) {
@@ -1309,9 +1348,7 @@ pub fn decode_float<const M: u8>(
     // fp8 with a scale (blocks that are not a multiple of 16) in blocks of fewer than 24:
     // on a 2-core Zen 5 (2026-12-02, `backend_race` at 64 Ki elements) the AVX-512 build
     // of blocks of 10 decoded 10%, summed 12% and ran the error-feedback step 15% slower,
-    // level at 24, and 1.13 to 1.15 times as fast at 40 (E8M0 and f32 scales alike). fp8
-    // without a scale (a table per code) runs the backend's own build: AVX-512's decoded
-    // 1.12 to 1.23 times as fast there.
+    // level at 24, and 1.13 to 1.15 times as fast at 40 (E8M0 and f32 scales alike).
     #[cfg(target_arch = "x86_64")]
     if float_rest_route(b.kind(), four, scale, block) == X86::Avx2 {
         return simd_avx2(op);
@@ -2140,6 +2177,14 @@ mod tests {
             (true, E2M1, e4m3, 16, ADD, false),
             (true, E2M1, Scale::E8m0, 32, RESIDUAL, false),
         ];
+        // Unscaled fp8: adding and the residual mode always, writing while the output
+        // fits the core's L2.
+        assert!(unscaled_takes_avx512(true, ADD, 1 << 24));
+        assert!(unscaled_takes_avx512(false, WRITE, (1 << 19) - 1));
+        assert!(!unscaled_takes_avx512(false, WRITE, 1 << 19));
+        assert!(unscaled_takes_avx512(true, WRITE, (1 << 20) - 1));
+        assert!(!unscaled_takes_avx512(true, WRITE, 1 << 20));
+        assert!(unscaled_takes_avx512(false, RESIDUAL, 1 << 24));
         for (four, f, scale, block, m, want) in cases {
             let got = float_decode_takes_avx512(four, f, scale, block, m);
             assert_eq!(

@@ -1786,6 +1786,49 @@ fn fp8_block<const M: u8, const TWICE: bool>(e4m3: bool, t: f32, c: &[u8], o: &m
     }
 }
 
+/// fp8 decode of an unscaled frame (`fp8::decode` with `Scale::None`) of the elements of
+/// `out` up to a multiple of 16, in mode `M` (any: [`put8`]); returns how many it decoded.
+/// Each code becomes a half by shifts ([`fp8_halves`]), converted to f32 (exact; E4M3's
+/// times 2^8, exact too), and the codes that are NaN become the definition's NaN: E4M3's
+/// `0x7F` and `0xFF` (which come out as ±480, a value no finite code has) and E5M2's NaN
+/// codes (whose conversion keeps a payload) give `0x7FC0_0000` with the code's sign.
+/// E5M2's infinities convert as they are. The same bits as `fp8::value_any` per code.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn decode_fp8_unscaled<const M: u8>(e4m3: bool, codes: &[u8], out: &mut [f32]) -> usize {
+    let n = out.len().min(codes.len()) / 16 * 16;
+    let (unit, nan, sign) = (
+        _mm256_set1_ps(256.0),
+        _mm256_set1_ps(f32::from_bits(0x7FC0_0000)),
+        _mm256_set1_ps(-0.0),
+    );
+    let four_eighty = _mm256_set1_ps(480.0);
+    let value = |h: __m128i| {
+        let v = _mm256_cvtph_ps(h);
+        let (v, special) = if e4m3 {
+            let v = _mm256_mul_ps(v, unit);
+            let a = _mm256_andnot_ps(sign, v);
+            (v, _mm256_cmp_ps::<_CMP_EQ_OQ>(a, four_eighty))
+        } else {
+            (v, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v))
+        };
+        _mm256_blendv_ps(v, _mm256_or_ps(_mm256_and_ps(v, sign), nan), special)
+    };
+    for (c, o) in codes[..n]
+        .chunks_exact(16)
+        .zip(out[..n].chunks_exact_mut(16))
+    {
+        // SAFETY: `c` holds 16 bytes, one unaligned __m128i.
+        let bytes = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
+        let h = fp8_halves(bytes, e4m3);
+        put8::<M>(o, 0, value(_mm256_castsi256_si128(h)));
+        put8::<M>(o, 8, value(_mm256_extracti128_si256::<1>(h)));
+    }
+    n
+}
+
 /// fp4 decode (the layout of `fp8::decode` with two codes per byte, low nibble first) of
 /// the whole blocks of 16 or 32 elements that `out`, `codes` and `scales` hold
 /// ([`float_blocks`]), in mode `M` (any: [`put8`]); returns how many blocks it decoded (an

@@ -366,19 +366,36 @@ pub unsafe fn decode_fp4<const M: u8>(
     blocks
 }
 
-/// Write `v` to the first 16 elements of `o`, or add it to them (mode `M`).
+/// Put `v` into the first 16 elements of `o` as mode `M` says: written, added, or (the
+/// residual mode) each element `p` replaced by `scalar::residual_of(p, v)`.
 #[target_feature(enable = "avx512f")]
 #[inline]
 fn put16<const M: u8>(o: &mut [f32], v: __m512) {
     let o = &mut o[..16];
-    let v = if M == scalar::mode::ADD {
+    let v = match M {
+        scalar::mode::WRITE => v,
         // SAFETY: `o` holds 16 f32, one unaligned __m512.
-        _mm512_add_ps(unsafe { _mm512_loadu_ps(o.as_ptr()) }, v)
-    } else {
-        v
+        scalar::mode::ADD => _mm512_add_ps(unsafe { _mm512_loadu_ps(o.as_ptr()) }, v),
+        // SAFETY: as above.
+        _ => residual16(unsafe { _mm512_loadu_ps(o.as_ptr()) }, v),
     };
     // SAFETY: as above.
     unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+}
+
+/// `scalar::residual_of(p, d)` in 16 lanes, operation for operation: `p - d` where that
+/// is finite, else `p` where `p` is finite, else 0.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn residual16(p: __m512, d: __m512) -> __m512 {
+    let inf = _mm512_set1_epi32(scalar::INF_BITS as i32);
+    let finite = |x: __m512| {
+        let x = _mm512_castps_si512(x);
+        _mm512_cmpneq_epi32_mask(_mm512_and_si512(x, inf), inf)
+    };
+    let e = _mm512_sub_ps(p, d);
+    let fallback = _mm512_maskz_mov_ps(finite(p), p);
+    _mm512_mask_mov_ps(fallback, finite(e), e)
 }
 
 /// fp8 decode of a scaled frame's whole blocks (lengths a multiple of 16), in mode `M`
@@ -411,6 +428,47 @@ pub unsafe fn decode_fp8<const M: u8>(
         }
     }
     blocks
+}
+
+/// fp8 decode of an unscaled frame, in mode `M` (any: [`put16`]), as
+/// [`blocks::decode_fp8_unscaled`] on 16 lanes: the same bits; returns how many elements
+/// it decoded (`out`'s length down to a multiple of 16).
+///
+/// # Safety
+/// The CPU must support AVX-512F and AVX2.
+#[target_feature(enable = "avx512f,avx2")]
+pub unsafe fn decode_fp8_unscaled<const M: u8>(e4m3: bool, codes: &[u8], out: &mut [f32]) -> usize {
+    let n = out.len().min(codes.len()) / 16 * 16;
+    let (unit, nan, sign) = (
+        _mm512_set1_ps(256.0),
+        _mm512_set1_epi32(0x7FC0_0000),
+        _mm512_set1_epi32(i32::MIN),
+    );
+    let four_eighty = _mm512_set1_ps(480.0);
+    for (c, o) in codes[..n]
+        .chunks_exact(16)
+        .zip(out[..n].chunks_exact_mut(16))
+    {
+        // SAFETY: `c` holds 16 bytes, one unaligned __m128i.
+        let bytes = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
+        let v = _mm512_cvtph_ps(blocks::fp8_halves(bytes, e4m3));
+        let (v, special) = if e4m3 {
+            let v = _mm512_mul_ps(v, unit);
+            (
+                v,
+                _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(v), four_eighty),
+            )
+        } else {
+            (v, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v))
+        };
+        let bits = _mm512_castps_si512(v);
+        let nans = _mm512_or_si512(_mm512_and_si512(bits, sign), nan);
+        put16::<M>(
+            o,
+            _mm512_castsi512_ps(_mm512_mask_mov_epi32(bits, special, nans)),
+        );
+    }
+    n
 }
 
 /// One block of [`decode_fp8`]: each code's half converted, times 2^8 if `TWICE`, times
