@@ -5,7 +5,7 @@
 
 use core::fmt;
 
-use crate::codec::CodecId;
+use crate::codec_id::CodecId;
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = core::result::Result<T, E>;

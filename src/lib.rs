@@ -94,6 +94,7 @@
 
 mod alloc;
 pub mod codec;
+mod codec_id;
 pub mod codecs;
 pub mod collective;
 pub mod cost;
@@ -103,6 +104,7 @@ mod kernels;
 pub mod outer;
 pub mod parallel;
 pub mod rng;
+mod sample;
 pub mod state;
 pub mod sync;
 pub mod synthetic;

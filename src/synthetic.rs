@@ -14,49 +14,17 @@
 //! vector on every platform up to the last bit of `f64::ln`/`sqrt`/`cos` (used in f64 and
 //! rounded to f32 once).
 
-use crate::rng::{STREAM_ROUNDING, draw};
-
-const LAYER: usize = 4096;
-
-/// A 32-bit uniform in (0, 1) for index `i` of stream `k` of `seed`: never exactly 0, so
-/// `ln()` is finite. Shared with `crate::train`.
-pub(crate) fn unit(seed: u64, i: u64, k: u64) -> f64 {
-    (draw(
-        seed ^ k.wrapping_mul(0x9E37_79B9_7F4A_7C15),
-        STREAM_ROUNDING,
-        i,
-    ) as f64
-        + 0.5)
-        / 4_294_967_296.0
-}
-
-/// A standard normal (Box-Muller over streams `2k` and `2k + 1`) for index `i`.
-pub(crate) fn normal(seed: u64, i: u64, k: u64) -> f64 {
-    let (u1, u2) = (unit(seed, i, 2 * k), unit(seed, i, 2 * k + 1));
-    (-2.0 * u1.ln()).sqrt() * (core::f64::consts::TAU * u2).cos()
-}
-
 /// A synthetic gradient of `n` elements (see the module docs).
 pub fn gradient(n: usize, seed: u64) -> Vec<f32> {
-    (0..n)
-        .map(|i| {
-            let i = i as u64;
-            let layer = i / LAYER as u64;
-            let s = 4 + (unit(seed, layer, 100) * 11.0) as i32;
-            if unit(seed, i, 101) < 0.02 {
-                return 0.0;
-            }
-            let z = normal(seed, i, 0);
-            let chi2 = (1..=3).map(|k| normal(seed, i, k).powi(2)).sum::<f64>();
-            let t = z / (chi2 / 3.0).sqrt();
-            (t * 2f64.powi(-s)) as f32
-        })
-        .collect()
+    let mut x = vec![0f32; n];
+    crate::sample::gradient_into(&mut x, seed);
+    x
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sample::LAYER;
 
     #[test]
     #[cfg_attr(

@@ -24,8 +24,8 @@ use crate::codecs::Identity;
 use crate::collective::{Feedback, ReduceOp, Strategy, Transport, local};
 use crate::error::{Error, Result};
 use crate::rng::draw;
+use crate::sample::{normal, unit};
 use crate::sync::{Policy, PowerSgd, SyncEngine, SyncOptions, Tensor};
-use crate::synthetic::{normal, unit};
 
 /// A classification data set: row-major features and labels, split into train and test.
 #[derive(Debug, Clone)]

@@ -1608,7 +1608,7 @@ pub fn filter_mag_ge(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
 }
 
 /// The groups of [`lane_bound`]: element `i` of a slice is in group `i % LANE_GROUPS`.
-pub const LANE_GROUPS: usize = portable::BOUND_GROUPS;
+pub const LANE_GROUPS: usize = scalar::BOUND_GROUPS;
 
 /// A lower bound of the `16 d`-th largest magnitude key of `x` (`bits & 0x7FFFFFFF`;
 /// `d` 1 to 4) in one pass: the elements dealt into 16 groups (element `i` into group

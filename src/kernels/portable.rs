@@ -675,8 +675,7 @@ pub fn decode_natural<const M: u8>(refs: &[u8], codes: &[u8], block: usize, out:
 
 // ---------------------------------------------------------------- selection bounds
 
-/// The groups of [`lane_bound`]: element `i` of a slice is in group `i % BOUND_GROUPS`.
-pub const BOUND_GROUPS: usize = 16;
+pub use super::scalar::BOUND_GROUPS;
 
 /// The least, over the [`BOUND_GROUPS`] groups of `x` (element `i` in group `i % 16`),
 /// of each group's `D`-th largest magnitude key (`bits & 0x7FFFFFFF`; 0 for a group of

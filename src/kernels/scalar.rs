@@ -1198,12 +1198,15 @@ pub fn kth_largest_key(x: &[f32], k: usize) -> u32 {
     prefix
 }
 
+/// The groups of [`lane_bound`]: element `i` of a slice is in group `i % BOUND_GROUPS`.
+pub const BOUND_GROUPS: usize = 16;
+
 /// The oracle of `kernels::lane_bound`: group by group (element `i` in group `i % 16`),
 /// its `d` (1 to 4) largest keys kept by insertion, the `d`-th of them (0 for a group of
 /// fewer), the least over the groups.
 pub fn lane_bound(x: &[f32], d: usize) -> u32 {
     assert!((1..=4).contains(&d), "lane_bound depth {d} outside 1..=4");
-    let groups = super::portable::BOUND_GROUPS;
+    let groups = BOUND_GROUPS;
     (0..groups)
         .map(|l| {
             let mut top = [0u32; 4];

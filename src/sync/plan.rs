@@ -651,13 +651,14 @@ pub(crate) fn profile_for(
     }
 }
 
-/// Measure `codec`'s encode, decode and decode_add speed on this CPU, on a synthetic
-/// gradient of `elements` elements, taking the best of repetitions for about `budget_s`.
+/// Measure `codec`'s encode, decode and decode_add speed on this CPU, on a gradient-like
+/// sample of `elements` elements (that of [`crate::synthetic::gradient`]), taking the best of repetitions for about `budget_s`.
 pub fn calibrate(codec: &CodecSpec, elements: usize, budget_s: f64) -> Result<CodecProfile> {
     use crate::codec::Codec;
     use std::time::Instant;
     let n = elements.max(1024);
-    let x = crate::synthetic::gradient(n, 7);
+    let mut x = crate::alloc::filled(n, 0f32, "calibration sample")?;
+    crate::sample::gradient_into(&mut x, 7);
     let mut frame = crate::alloc::filled(codec.max_encoded_len(n), 0u8, "calibration frame")?;
     let mut out = crate::alloc::filled(n, 0f32, "calibration output")?;
     let deadline = Instant::now() + std::time::Duration::from_secs_f64(budget_s.max(0.0));

@@ -19,7 +19,7 @@
 //! A frame whose flags hold [`FLAG_PAYLOAD_CRC`] ends with 4 more bytes: the CRC-32 of
 //! the payload ([`seal`] adds them; every decoder checks them).
 
-use crate::codec::CodecId;
+use crate::codec_id::CodecId;
 use crate::error::{Error, Result};
 
 /// Bytes 0..4 of every frame.

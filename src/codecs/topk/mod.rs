@@ -801,7 +801,7 @@ impl Scheme for TopK {
 mod tests {
     use super::*;
     use crate::codec::Codec;
-    use crate::synthetic::normal;
+    use crate::sample::normal;
 
     /// Test vectors: Gaussian, Student t with 3 degrees of freedom, heavy ties and zeros,
     /// a few non-finite values, and the synthetic gradient.
