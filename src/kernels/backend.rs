@@ -565,7 +565,14 @@ thread_local! {
 /// The pulp dispatcher for a backend, to run a portable kernel compiled for its ISA.
 #[inline]
 pub(crate) fn pulp_arch(b: Backend) -> pulp::Arch {
-    match b.kind {
+    pulp_arch_of(b.kind)
+}
+
+/// The pulp dispatcher for instruction set `kind` (the baseline one where this CPU
+/// lacks it).
+#[inline]
+pub(crate) fn pulp_arch_of(kind: BackendKind) -> pulp::Arch {
+    match kind {
         #[cfg(target_arch = "x86_64")]
         BackendKind::Avx512 => pulp::x86::V4::try_new().map_or(pulp::Arch::Scalar, pulp::Arch::V4),
         #[cfg(target_arch = "x86_64")]

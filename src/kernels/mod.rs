@@ -24,8 +24,10 @@ pub mod gemm;
 mod portable;
 pub mod scalar;
 pub(crate) mod shm;
+mod table;
 #[cfg(target_arch = "x86_64")]
 mod x86_64;
+use table::call;
 
 #[cfg(target_arch = "x86_64")]
 use backend::X86;
@@ -78,9 +80,20 @@ fn simd_avx2<Op: pulp::WithSimd>(op: Op) -> Op::Output {
 /// `with_simd::<S>` once per instruction set `S`; the kernel, being `#[inline(always)]`,
 /// is inlined into each copy and so vectorised for that ISA. (A closure would not do:
 /// it is one function, compiled once for the baseline ISA, that every copy calls.)
+///
+/// With `entry =>` first, it also defines `entry::<K, ...>`, the operation's portable
+/// build for instruction set `K` as a function: the dispatch table's entry
+/// ([`table::portable_table`]).
 macro_rules! simd_op {
+    ($entry:ident => $Name:ident $(<$(const $C:ident: $CT:ty),+>)? { $($f:ident: $t:ty),* $(,)? } -> $R:ty = $call:expr) => {
+        simd_op!($Name $(<$(const $C: $CT),+>)? { $($f: $t),* } -> $R = $call);
+
+        pub(super) fn $entry<'a, const K: u8 $($(, const $C: $CT)+)?>($($f: $t),*) -> $R {
+            table::on::<K, _>($Name::<'a $($(, $C)+)?> { $($f),* })
+        }
+    };
     ($Name:ident $(<$(const $C:ident: $CT:ty),+>)? { $($f:ident: $t:ty),* $(,)? } -> $R:ty = $call:expr) => {
-        struct $Name<'a $($(, const $C: $CT)+)?> {
+        pub(super) struct $Name<'a $($(, const $C: $CT)+)?> {
             $($f: $t,)*
         }
 
@@ -96,17 +109,6 @@ macro_rules! simd_op {
     };
 }
 
-simd_op!(EncodeF32 { x: &'a [f32], out: &'a mut [u8] } -> bool = portable::encode_f32(x, out));
-simd_op!(DecodeF32<const M: u8> { p: &'a [u8], out: &'a mut [f32] } -> ()
-    = portable::decode_f32::<M>(p, out));
-simd_op!(EncodeF16 { x: &'a [f32], out: &'a mut [u8] } -> bool
-    = portable::encode_u16(x, out, portable::f32_to_f16));
-simd_op!(DecodeF16<const M: u8> { p: &'a [u8], out: &'a mut [f32] } -> ()
-    = portable::decode_u16::<M>(p, out, portable::f16_to_f32));
-simd_op!(EncodeBf16 { x: &'a [f32], out: &'a mut [u8] } -> bool
-    = portable::encode_u16(x, out, portable::f32_to_bf16));
-simd_op!(DecodeBf16<const M: u8> { p: &'a [u8], out: &'a mut [f32] } -> ()
-    = portable::decode_u16::<M>(p, out, scalar::bf16_to_f32));
 simd_op!(EncodeInt8 {
     x: &'a [f32], block: usize, round: Round, draws: &'a Draws, first: u64,
     steps: &'a mut [u8], codes: &'a mut [u8],
@@ -125,12 +127,6 @@ simd_op!(DecodeFloat<const M: u8> {
 simd_op!(DecodeInt8<const M: u8> {
     steps: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
 } -> () = portable::decode_int8::<M>(steps, codes, block, out));
-simd_op!(ReduceF32<const M: u8> { frames: &'a [&'a [u8]], start: usize, out: &'a mut [f32] }
-    -> () = portable::reduce_f32::<M>(frames, start, out));
-simd_op!(ReduceF16<const M: u8> { frames: &'a [&'a [u8]], start: usize, out: &'a mut [f32] }
-    -> () = portable::reduce_u16::<M>(frames, start, out, portable::f16_to_f32));
-simd_op!(ReduceBf16<const M: u8> { frames: &'a [&'a [u8]], start: usize, out: &'a mut [f32] }
-    -> () = portable::reduce_u16::<M>(frames, start, out, scalar::bf16_to_f32));
 simd_op!(ReduceInt8<const M: u8> {
     frames: &'a [(&'a [u8], &'a [u8])], block: usize, start: usize, out: &'a mut [f32],
 } -> () = portable::reduce_int8::<M>(frames, block, start, out));
@@ -154,10 +150,6 @@ simd_op!(EncodeNatural {
 simd_op!(DecodeNatural<const M: u8> {
     refs: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
 } -> () = portable::decode_natural::<M>(refs, codes, block, out));
-simd_op!(MaxFiniteAbs { x: &'a [f32] } -> u32 = scalar::max_finite_abs_bits(x));
-simd_op!(AnyAllSet { codes: &'a [u8], mask: u8 } -> bool = scalar::any_all_set(codes, mask));
-simd_op!(F32ScalesValid { scales: &'a [u8] } -> bool = scalar::f32_scales_valid(scales));
-simd_op!(AnyNonfinite { x: &'a [f32] } -> bool = scalar::max_abs_bits(x) >= scalar::INF_BITS);
 simd_op!(LaneBound<const D: usize> { x: &'a [f32] } -> u32 = portable::lane_bound::<D>(x));
 simd_op!(FilterMagGe { x: &'a [f32], t: u32, idx: &'a mut [u32] } -> (usize, usize)
     = portable::filter_mag_ge(x, t, idx));
@@ -170,17 +162,46 @@ simd_op!(DrawMasks { first: u32, key: u32, t: u32, n: usize, masks: &'a mut [May
 simd_op!(CountDrawLt { first: u32, key: u32, t: u32, n: usize, _l: PhantomData<&'a ()> }
     -> usize = portable::count_draw_lt(first, key, t, n));
 
-simd_op!(FeedbackForm { r: &'a mut [f32], g: &'a [f32], beta: f32, gamma: f32 } -> ()
-    = scalar::feedback_form(r, g, beta, gamma));
-simd_op!(FeedbackFormBf16 {
-    p: &'a mut [f32], r: &'a [u16], g: &'a [f32], beta: f32, gamma: f32,
-} -> () = scalar::feedback_form_bf16(p, r, g, beta, gamma));
-simd_op!(FeedbackStoreBf16 { r: &'a mut [u16], p: &'a [f32] } -> ()
-    = portable::feedback_store_bf16(r, p));
-
 simd_op!(DctForward {
     x: &'a [f32], stride: usize, h: usize, w: usize, y: &'a mut [f32], out: &'a mut [f32],
 } -> () = dct::forward_impl(x, stride, h, w, y, out));
+
+/// The dispatch table's portable entries ([`table::portable_table`]): each operation's
+/// portable source, as a function compiled for the instruction set `K`.
+mod entry {
+    use super::*;
+
+    simd_op!(encode_f32 => EncodeF32 { x: &'a [f32], out: &'a mut [u8] } -> bool = portable::encode_f32(x, out));
+    simd_op!(decode_f32 => DecodeF32<const M: u8> { p: &'a [u8], out: &'a mut [f32] } -> ()
+        = portable::decode_f32::<M>(p, out));
+    simd_op!(encode_f16 => EncodeF16 { x: &'a [f32], out: &'a mut [u8] } -> bool
+        = portable::encode_u16(x, out, portable::f32_to_f16));
+    simd_op!(decode_f16 => DecodeF16<const M: u8> { p: &'a [u8], out: &'a mut [f32] } -> ()
+        = portable::decode_u16::<M>(p, out, portable::f16_to_f32));
+    simd_op!(encode_bf16 => EncodeBf16 { x: &'a [f32], out: &'a mut [u8] } -> bool
+        = portable::encode_u16(x, out, portable::f32_to_bf16));
+    simd_op!(decode_bf16 => DecodeBf16<const M: u8> { p: &'a [u8], out: &'a mut [f32] } -> ()
+        = portable::decode_u16::<M>(p, out, scalar::bf16_to_f32));
+    simd_op!(reduce_f32 => ReduceF32<const M: u8> { frames: &'a [&'a [u8]], start: usize, out: &'a mut [f32] }
+        -> () = portable::reduce_f32::<M>(frames, start, out));
+    simd_op!(reduce_f16 => ReduceF16<const M: u8> { frames: &'a [&'a [u8]], start: usize, out: &'a mut [f32] }
+        -> () = portable::reduce_u16::<M>(frames, start, out, portable::f16_to_f32));
+    simd_op!(reduce_bf16 => ReduceBf16<const M: u8> { frames: &'a [&'a [u8]], start: usize, out: &'a mut [f32] }
+        -> () = portable::reduce_u16::<M>(frames, start, out, scalar::bf16_to_f32));
+    simd_op!(max_finite_abs_bits => MaxFiniteAbs { x: &'a [f32] } -> u32 = scalar::max_finite_abs_bits(x));
+    simd_op!(any_all_set => AnyAllSet { codes: &'a [u8], mask: u8 } -> bool = scalar::any_all_set(codes, mask));
+    simd_op!(f32_scales_valid => F32ScalesValid { scales: &'a [u8] } -> bool = scalar::f32_scales_valid(scales));
+    simd_op!(any_nonfinite => AnyNonfinite { x: &'a [f32] } -> bool = scalar::max_abs_bits(x) >= scalar::INF_BITS);
+    simd_op!(feedback_form => FeedbackForm { r: &'a mut [f32], g: &'a [f32], beta: f32, gamma: f32 } -> ()
+        = scalar::feedback_form(r, g, beta, gamma));
+    simd_op!(feedback_form_bf16 => FeedbackFormBf16 {
+        p: &'a mut [f32], r: &'a [u16], g: &'a [f32], beta: f32, gamma: f32,
+    } -> () = scalar::feedback_form_bf16(p, r, g, beta, gamma));
+    simd_op!(feedback_store_bf16 => FeedbackStoreBf16 { r: &'a mut [u16], p: &'a [f32] } -> ()
+        = portable::feedback_store_bf16(r, p));
+    simd_op!(feedback_f16 => FeedbackF16 { r: &'a mut [f32], g: &'a [f32], beta: f32, gamma: f32, out: &'a mut [u8] }
+        -> bool = portable::feedback_u16(r, g, beta, gamma, out, portable::f32_to_f16, portable::f16_to_f32));
+}
 
 /// The forward DCT of a tile (see [`dct::forward`]), compiled for the current backend
 /// (for AVX2 on the AVX-512 backend: [`x86_route`]).
@@ -545,75 +566,22 @@ fn dct_inverse_rows(t: &[f32], cols: &[bool], h: usize, w: usize, x: &mut [f32])
 
 /// Error-feedback input `r = beta * r + gamma * g` in place (see [`scalar::feedback_form`]).
 pub fn feedback_form(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => scalar::feedback_form(r, g, beta, gamma),
-        #[cfg(target_arch = "x86_64")]
-        b if x86_route(Op::FeedbackForm, b.kind()) == X86::Avx2 => {
-            simd_avx2(FeedbackForm { r, g, beta, gamma })
-        }
-        b => simd(b, FeedbackForm { r, g, beta, gamma }),
-    }
+    call!(feedback_form(r, g, beta, gamma))
 }
 
 /// Error-feedback input from a bf16 residual (see [`scalar::feedback_form_bf16`]).
 pub fn feedback_form_bf16(p: &mut [f32], r: &[u16], g: &[f32], beta: f32, gamma: f32) {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => scalar::feedback_form_bf16(p, r, g, beta, gamma),
-        b => simd(
-            b,
-            FeedbackFormBf16 {
-                p,
-                r,
-                g,
-                beta,
-                gamma,
-            },
-        ),
-    }
+    call!(feedback_form_bf16(p, r, g, beta, gamma))
 }
 
 /// Store a residual tile as bf16 (see [`scalar::feedback_store_bf16`]).
 pub fn feedback_store_bf16(r: &mut [u16], p: &[f32]) {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => scalar::feedback_store_bf16(r, p),
-        b => simd(b, FeedbackStoreBf16 { r, p }),
-    }
+    call!(feedback_store_bf16(r, p))
 }
 
-simd_op!(FeedbackF16 { r: &'a mut [f32], g: &'a [f32], beta: f32, gamma: f32, out: &'a mut [u8] }
-    -> bool = portable::feedback_u16(r, g, beta, gamma, out, portable::f32_to_f16, portable::f16_to_f32));
 /// fp16's fused error-feedback step (see [`scalar::feedback_u16`]).
 pub fn feedback_f16(r: &mut [f32], g: &[f32], beta: f32, gamma: f32, out: &mut [u8]) -> bool {
-    let b = Backend::current();
-    match (b.kind(), x86_route(Op::FeedbackF16, b.kind())) {
-        (BackendKind::Scalar, _) => scalar::feedback_u16(
-            r,
-            g,
-            beta,
-            gamma,
-            out,
-            scalar::f32_to_f16,
-            scalar::f16_to_f32,
-        ),
-        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
-        // only after AVX2 and F16C were detected.
-        #[cfg(target_arch = "x86_64")]
-        (_, X86::Avx2) => unsafe { x86_64::feedback_f16_avx2(r, g, beta, gamma, out) },
-        // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
-        // after AVX-512F and F16C were detected.
-        #[cfg(target_arch = "x86_64")]
-        (_, X86::Avx512) => unsafe { x86_64::feedback_f16_avx512(r, g, beta, gamma, out) },
-        _ => simd(
-            b,
-            FeedbackF16 {
-                r,
-                g,
-                beta,
-                gamma,
-                out,
-            },
-        ),
-    }
+    call!(feedback_f16(r, g, beta, gamma, out))
 }
 
 /// The longest run of 4-aligned words inside `bytes`: working room carved out of a
@@ -627,98 +595,45 @@ pub fn words_mut(bytes: &mut [u8]) -> &mut [u32] {
 /// True if any element of `x` is NaN or ±Inf (one read pass, vectorised on every SIMD
 /// backend; see [`scalar::any_nonfinite`]).
 pub fn any_nonfinite(x: &[f32]) -> bool {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => scalar::any_nonfinite(x),
-        b => simd(b, AnyNonfinite { x }),
-    }
+    call!(any_nonfinite(x))
 }
 
 /// Whether any byte of `codes` has every bit of `mask` set (see [`scalar::any_all_set`]):
 /// a decoder's check for codes a frame must not hold.
 pub fn any_all_set(codes: &[u8], mask: u8) -> bool {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => scalar::any_all_set(codes, mask),
-        b => simd(b, AnyAllSet { codes, mask }),
-    }
+    call!(any_all_set(codes, mask))
 }
 
 /// Whether every f32 block scale in `scales` is non-negative and not +Inf (see
 /// [`scalar::f32_scales_valid`]).
 pub fn f32_scales_valid(scales: &[u8]) -> bool {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => scalar::f32_scales_valid(scales),
-        b => simd(b, F32ScalesValid { scales }),
-    }
+    call!(f32_scales_valid(scales))
 }
 
 /// The largest |x| of the finite elements of `x` as f32 bits (0 if none; see
 /// [`scalar::max_finite_abs_bits`]).
 pub fn max_finite_abs_bits(x: &[f32]) -> u32 {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => scalar::max_finite_abs_bits(x),
-        b => simd(b, MaxFiniteAbs { x }),
-    }
+    call!(max_finite_abs_bits(x))
 }
 
 /// f32 to little-endian bytes (`out.len() == 4 * x.len()`); true if any input is NaN/±Inf.
 pub fn encode_f32(x: &[f32], out: &mut [u8]) -> bool {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => scalar::encode_f32(x, out),
-        b => simd(b, EncodeF32 { x, out }),
-    }
+    call!(encode_f32(x, out))
 }
 
 /// Little-endian bytes to f32, written or added (`p.len() == 4 * out.len()`).
 pub fn decode_f32<const M: u8>(p: &[u8], out: &mut [f32]) {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => scalar::decode_f32::<M>(p, out),
-        #[cfg(target_arch = "x86_64")]
-        b if x86_route(Op::DecodeF32, b.kind()) == X86::Avx2 => {
-            simd_avx2(DecodeF32::<M> { p, out })
-        }
-        b => simd(b, DecodeF32::<M> { p, out }),
-    }
+    call!(decode_f32[M as usize](p, out))
 }
 
 /// f32 to binary16 (`out.len() == 2 * x.len()`); true if any input is NaN/±Inf.
 pub fn encode_f16(x: &[f32], out: &mut [u8]) -> bool {
-    let b = Backend::current();
-    match (b.kind(), x86_route(Op::EncodeF16, b.kind())) {
-        (BackendKind::Scalar, _) => scalar::encode_u16(x, out, scalar::f32_to_f16),
-        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
-        // only after AVX2 and F16C were detected.
-        #[cfg(target_arch = "x86_64")]
-        (_, X86::Avx2) => unsafe { x86_64::encode_f16_avx2(x, out) },
-        // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
-        // after AVX-512F and F16C were detected.
-        #[cfg(target_arch = "x86_64")]
-        (_, X86::Avx512) => unsafe { x86_64::encode_f16_avx512(x, out) },
-        _ => simd(b, EncodeF16 { x, out }),
-    }
+    call!(encode_f16(x, out))
 }
 
 /// binary16 to f32, written or added (`p.len() == 2 * out.len()`).
 pub fn decode_f16<const M: u8>(p: &[u8], out: &mut [f32]) {
-    let b = Backend::current();
-    let op = if M == mode::ADD {
-        Op::AddF16
-    } else {
-        Op::DecodeF16
-    };
-    match (b.kind(), x86_route(op, b.kind())) {
-        (BackendKind::Scalar, _) => scalar::decode_u16::<M>(p, out, scalar::f16_to_f32),
-        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
-        // only after AVX2 and F16C were detected.
-        #[cfg(target_arch = "x86_64")]
-        (_, X86::Avx2) => unsafe { x86_64::decode_f16_avx2::<M>(p, out) },
-        // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
-        // after AVX-512F and F16C were detected.
-        #[cfg(target_arch = "x86_64")]
-        (_, X86::Avx512) if M != mode::RESIDUAL => unsafe {
-            x86_64::decode_f16_avx512::<M>(p, out)
-        },
-        _ => simd(b, DecodeF16::<M> { p, out }),
-    }
+    call!(decode_f16[M as usize](p, out))
 }
 
 /// fp16's fused ring hop: `out` gets the codes of `local` plus the decode of `input`
@@ -728,47 +643,20 @@ pub fn decode_f16<const M: u8>(p: &[u8], out: &mut [f32]) {
 /// where the caller must run those steps itself.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 pub fn hop_f16(local: &[f32], input: &[u8], out: &mut [u8]) -> Option<bool> {
-    match x86_route(Op::HopF16, Backend::current().kind()) {
-        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
-        // only after AVX2 and F16C were detected.
-        #[cfg(target_arch = "x86_64")]
-        X86::Avx2 => Some(unsafe { x86_64::hop_f16_avx2(local, input, out) }),
-        _ => None,
-    }
+    let hop = table::current().hop_f16?;
+    // SAFETY: the entry is from the table of a backend that exists (so whose CPU check
+    // passed), which holds only kernels its CPU runs.
+    Some(unsafe { hop(local, input, out) })
 }
 
 /// f32 to bfloat16 (`out.len() == 2 * x.len()`); true if any input is NaN/±Inf.
 pub fn encode_bf16(x: &[f32], out: &mut [u8]) -> bool {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => scalar::encode_u16(x, out, scalar::f32_to_bf16),
-        // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
-        // after x86-64-v4 (AVX-512F/BW/CD/DQ/VL) was detected.
-        #[cfg(target_arch = "x86_64")]
-        b if x86_route(Op::EncodeBf16, b.kind()) == X86::Avx512 => unsafe {
-            x86_64::encode_bf16_avx512(x, out)
-        },
-        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
-        // only after AVX2 was detected.
-        #[cfg(target_arch = "x86_64")]
-        b if x86_route(Op::EncodeBf16, b.kind()) == X86::Avx2 => unsafe {
-            x86_64::blocks::encode_bf16_avx2(x, out)
-        },
-        b => simd(b, EncodeBf16 { x, out }),
-    }
+    call!(encode_bf16(x, out))
 }
 
 /// bfloat16 to f32, written or added (`p.len() == 2 * out.len()`).
 pub fn decode_bf16<const M: u8>(p: &[u8], out: &mut [f32]) {
-    match Backend::current() {
-        b if b.kind() == BackendKind::Scalar => {
-            scalar::decode_u16::<M>(p, out, scalar::bf16_to_f32)
-        }
-        #[cfg(target_arch = "x86_64")]
-        b if x86_route(Op::DecodeBf16, b.kind()) == X86::Avx2 => {
-            simd_avx2(DecodeBf16::<M> { p, out })
-        }
-        b => simd(b, DecodeBf16::<M> { p, out }),
-    }
+    call!(decode_bf16[M as usize](p, out))
 }
 
 /// int8's fused error-feedback step over whole blocks of `block` (the last may be
@@ -953,39 +841,10 @@ pub fn reduce_elementwise<const M: u8>(
     start: usize,
     out: &mut [f32],
 ) {
-    let b = Backend::current();
-    let op = match kind {
-        ReduceCodes::F32 => Op::ReduceF32,
-        ReduceCodes::F16 => Op::ReduceF16,
-        ReduceCodes::Bf16 => Op::ReduceBf16,
-    };
-    match (kind, b.kind(), x86_route(op, b.kind())) {
-        (ReduceCodes::F32, BackendKind::Scalar, _) => portable::reduce_f32::<M>(frames, start, out),
-        (ReduceCodes::F16, BackendKind::Scalar, _) => {
-            portable::reduce_u16::<M>(frames, start, out, scalar::f16_to_f32)
-        }
-        (ReduceCodes::Bf16, BackendKind::Scalar, _) => {
-            portable::reduce_u16::<M>(frames, start, out, scalar::bf16_to_f32)
-        }
-        // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
-        // only after AVX2 and F16C were detected.
-        #[cfg(target_arch = "x86_64")]
-        (ReduceCodes::F16, _, X86::Avx2) => unsafe {
-            x86_64::reduce_f16_avx2::<M>(frames, start, out)
-        },
-        // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
-        // after AVX-512F and F16C were detected.
-        #[cfg(target_arch = "x86_64")]
-        (ReduceCodes::F16, _, X86::Avx512) => unsafe {
-            x86_64::reduce_f16_avx512::<M>(frames, start, out)
-        },
-        #[cfg(target_arch = "x86_64")]
-        (ReduceCodes::F32, _, X86::Avx2) => simd_avx2(ReduceF32::<M> { frames, start, out }),
-        #[cfg(target_arch = "x86_64")]
-        (ReduceCodes::Bf16, _, X86::Avx2) => simd_avx2(ReduceBf16::<M> { frames, start, out }),
-        (ReduceCodes::F32, _, _) => simd(b, ReduceF32::<M> { frames, start, out }),
-        (ReduceCodes::F16, _, _) => simd(b, ReduceF16::<M> { frames, start, out }),
-        (ReduceCodes::Bf16, _, _) => simd(b, ReduceBf16::<M> { frames, start, out }),
+    match kind {
+        ReduceCodes::F32 => call!(reduce_f32[M as usize](frames, start, out)),
+        ReduceCodes::F16 => call!(reduce_f16[M as usize](frames, start, out)),
+        ReduceCodes::Bf16 => call!(reduce_bf16[M as usize](frames, start, out)),
     }
 }
 

@@ -1,0 +1,272 @@
+//! The dispatch table: for each backend, one entry per operation, chosen once.
+//!
+//! A [`Kernels`] value holds, for every operation it covers, the function that runs it on
+//! one backend: the scalar definition, a build of the portable source for the backend's
+//! instruction set, or a hand-written x86 kernel where the routing table
+//! ([`backend::x86_route`]) says that one is faster. The table of a backend is built the
+//! first time a thread uses that backend and then kept for the process, so the routing is
+//! decided once per backend rather than on every call; the operations in `kernels` call
+//! their entry through [`call!`]. Forcing a backend ([`Backend::run`]) picks its table.
+//!
+//! Entries are `unsafe fn`: a hand-written kernel needs the instructions of its backend.
+//! A table is only built for a backend that exists, and a [`Backend`] only exists after
+//! its CPU check passed, so every entry of the table in use may run. Where an entry
+//! depends on the call (a block size, a mode), the entry itself chooses: the table fixes
+//! what depends on the backend and the CPU alone.
+//!
+//! Adding an operation: a field here, its entry in [`portable_table`] (and
+//! [`scalar_table`]), an override in [`x86_table`] where a hand-written kernel exists, and
+//! the operation's function in `kernels` calling `call!`.
+
+// The fields are the operations' signatures, each written once.
+#![allow(clippy::type_complexity)]
+
+use std::sync::OnceLock;
+
+use super::backend::{self, Backend, BackendKind};
+#[cfg(target_arch = "x86_64")]
+use super::{
+    backend::{Op, X86, x86_route},
+    x86_64,
+};
+use super::{portable, scalar};
+
+/// The portable builds' instruction sets as const parameters ([`on`]): AVX2, AVX-512,
+/// NEON.
+pub(super) const AVX2: u8 = 1;
+/// See [`AVX2`].
+pub(super) const AVX512: u8 = 2;
+/// See [`AVX2`].
+pub(super) const NEON: u8 = 3;
+
+/// Run portable operation `op` compiled for the instruction set `K` ([`AVX2`],
+/// [`AVX512`], [`NEON`]; anything else, or a CPU without it, the baseline build).
+#[inline(always)]
+pub(super) fn on<const K: u8, O: pulp::WithSimd>(op: O) -> O::Output {
+    let kind = match K {
+        AVX2 => BackendKind::Avx2,
+        AVX512 => BackendKind::Avx512,
+        NEON => BackendKind::Neon,
+        _ => BackendKind::Scalar,
+    };
+    backend::pulp_arch_of(kind).dispatch(op)
+}
+
+/// The three entries of an operation generic over its mode (`mode::WRITE`, `ADD`,
+/// `RESIDUAL`, in that order: the index is the mode).
+macro_rules! modes {
+    ($($f:ident)::+ $(, $g:tt)*) => {
+        [
+            $($f)::+::<$($g,)* { $crate::kernels::mode::WRITE }> as _,
+            $($f)::+::<$($g,)* { $crate::kernels::mode::ADD }> as _,
+            $($f)::+::<$($g,)* { $crate::kernels::mode::RESIDUAL }> as _,
+        ]
+    };
+}
+
+/// Call operation `$op` (an entry, or with `[$i]` an entry of an array of them, such as
+/// a mode's) of the table of the backend in use on this thread.
+macro_rules! call {
+    ($op:ident $([$i:expr])* ($($arg:expr),* $(,)?)) => {
+        // SAFETY: the table is that of a backend that exists, so whose CPU check passed,
+        // and a backend's table holds only kernels its CPU runs (`table::build`).
+        unsafe { ($crate::kernels::table::current().$op $([$i])*)($($arg),*) }
+    };
+}
+pub(super) use call;
+
+/// An operation's entries by mode.
+type ByMode<F> = [F; 3];
+
+/// The kernels of one backend: an entry per operation (see the module docs).
+pub(super) struct Kernels {
+    pub(super) encode_f32: unsafe fn(&[f32], &mut [u8]) -> bool,
+    pub(super) decode_f32: ByMode<unsafe fn(&[u8], &mut [f32])>,
+    pub(super) encode_f16: unsafe fn(&[f32], &mut [u8]) -> bool,
+    pub(super) decode_f16: ByMode<unsafe fn(&[u8], &mut [f32])>,
+    /// fp16's fused ring hop: `None` where the backend has no fused kernel.
+    pub(super) hop_f16: Option<unsafe fn(&[f32], &[u8], &mut [u8]) -> bool>,
+    pub(super) encode_bf16: unsafe fn(&[f32], &mut [u8]) -> bool,
+    pub(super) decode_bf16: ByMode<unsafe fn(&[u8], &mut [f32])>,
+    pub(super) feedback_f16: unsafe fn(&mut [f32], &[f32], f32, f32, &mut [u8]) -> bool,
+    pub(super) feedback_form: unsafe fn(&mut [f32], &[f32], f32, f32),
+    pub(super) feedback_form_bf16: unsafe fn(&mut [f32], &[u16], &[f32], f32, f32),
+    pub(super) feedback_store_bf16: unsafe fn(&mut [u16], &[f32]),
+    pub(super) any_nonfinite: unsafe fn(&[f32]) -> bool,
+    pub(super) any_all_set: unsafe fn(&[u8], u8) -> bool,
+    pub(super) f32_scales_valid: unsafe fn(&[u8]) -> bool,
+    pub(super) max_finite_abs_bits: unsafe fn(&[f32]) -> u32,
+    pub(super) reduce_f32: ByMode<unsafe fn(&[&[u8]], usize, &mut [f32])>,
+    pub(super) reduce_f16: ByMode<unsafe fn(&[&[u8]], usize, &mut [f32])>,
+    pub(super) reduce_bf16: ByMode<unsafe fn(&[&[u8]], usize, &mut [f32])>,
+}
+
+/// The table of the backend in use on this thread ([`Backend::current`]).
+#[inline]
+pub(super) fn current() -> &'static Kernels {
+    static TABLES: [OnceLock<Kernels>; 4] = [const { OnceLock::new() }; 4];
+    let kind = Backend::current().kind();
+    let slot = BackendKind::ALL
+        .iter()
+        .position(|&k| k == kind)
+        .unwrap_or(0);
+    TABLES[slot].get_or_init(|| build(kind))
+}
+
+/// The table of a backend of `kind`. Only called for a backend that exists.
+fn build(kind: BackendKind) -> Kernels {
+    match kind {
+        BackendKind::Scalar => scalar_table(),
+        #[cfg(target_arch = "x86_64")]
+        BackendKind::Avx2 | BackendKind::Avx512 => x86_table(kind),
+        BackendKind::Neon => portable_table::<NEON>(),
+        #[allow(unreachable_patterns)]
+        _ => scalar_table(),
+    }
+}
+
+/// The scalar backend's table: the definitions.
+fn scalar_table() -> Kernels {
+    Kernels {
+        encode_f32: scalar::encode_f32,
+        decode_f32: modes!(scalar::decode_f32),
+        encode_f16: |x, out| scalar::encode_u16(x, out, scalar::f32_to_f16),
+        decode_f16: [
+            |p, out| scalar::decode_u16::<{ super::mode::WRITE }>(p, out, scalar::f16_to_f32),
+            |p, out| scalar::decode_u16::<{ super::mode::ADD }>(p, out, scalar::f16_to_f32),
+            |p, out| scalar::decode_u16::<{ super::mode::RESIDUAL }>(p, out, scalar::f16_to_f32),
+        ],
+        hop_f16: None,
+        encode_bf16: |x, out| scalar::encode_u16(x, out, scalar::f32_to_bf16),
+        decode_bf16: [
+            |p, out| scalar::decode_u16::<{ super::mode::WRITE }>(p, out, scalar::bf16_to_f32),
+            |p, out| scalar::decode_u16::<{ super::mode::ADD }>(p, out, scalar::bf16_to_f32),
+            |p, out| scalar::decode_u16::<{ super::mode::RESIDUAL }>(p, out, scalar::bf16_to_f32),
+        ],
+        feedback_f16: |r, g, beta, gamma, out| {
+            scalar::feedback_u16(
+                r,
+                g,
+                beta,
+                gamma,
+                out,
+                scalar::f32_to_f16,
+                scalar::f16_to_f32,
+            )
+        },
+        feedback_form: scalar::feedback_form,
+        feedback_form_bf16: scalar::feedback_form_bf16,
+        feedback_store_bf16: scalar::feedback_store_bf16,
+        any_nonfinite: scalar::any_nonfinite,
+        any_all_set: scalar::any_all_set,
+        f32_scales_valid: scalar::f32_scales_valid,
+        max_finite_abs_bits: scalar::max_finite_abs_bits,
+        reduce_f32: modes!(portable::reduce_f32),
+        reduce_f16: [
+            |f, s, out| {
+                portable::reduce_u16::<{ super::mode::WRITE }>(f, s, out, scalar::f16_to_f32)
+            },
+            |f, s, out| portable::reduce_u16::<{ super::mode::ADD }>(f, s, out, scalar::f16_to_f32),
+            |f, s, out| {
+                portable::reduce_u16::<{ super::mode::RESIDUAL }>(f, s, out, scalar::f16_to_f32)
+            },
+        ],
+        reduce_bf16: [
+            |f, s, out| {
+                portable::reduce_u16::<{ super::mode::WRITE }>(f, s, out, scalar::bf16_to_f32)
+            },
+            |f, s, out| {
+                portable::reduce_u16::<{ super::mode::ADD }>(f, s, out, scalar::bf16_to_f32)
+            },
+            |f, s, out| {
+                portable::reduce_u16::<{ super::mode::RESIDUAL }>(f, s, out, scalar::bf16_to_f32)
+            },
+        ],
+    }
+}
+
+/// The table of the portable source compiled for instruction set `K` (see [`on`]).
+fn portable_table<const K: u8>() -> Kernels {
+    use super::entry as e;
+    Kernels {
+        encode_f32: e::encode_f32::<K>,
+        decode_f32: modes!(e::decode_f32, K),
+        encode_f16: e::encode_f16::<K>,
+        decode_f16: modes!(e::decode_f16, K),
+        hop_f16: None,
+        encode_bf16: e::encode_bf16::<K>,
+        decode_bf16: modes!(e::decode_bf16, K),
+        feedback_f16: e::feedback_f16::<K>,
+        feedback_form: e::feedback_form::<K>,
+        feedback_form_bf16: e::feedback_form_bf16::<K>,
+        feedback_store_bf16: e::feedback_store_bf16::<K>,
+        any_nonfinite: e::any_nonfinite::<K>,
+        any_all_set: e::any_all_set::<K>,
+        f32_scales_valid: e::f32_scales_valid::<K>,
+        max_finite_abs_bits: e::max_finite_abs_bits::<K>,
+        reduce_f32: modes!(e::reduce_f32, K),
+        reduce_f16: modes!(e::reduce_f16, K),
+        reduce_bf16: modes!(e::reduce_bf16, K),
+    }
+}
+
+/// The table of the AVX2 or AVX-512 backend: the portable build for its instruction set,
+/// with the routing table's choices over it (a hand-written kernel, or the AVX2 build on
+/// the AVX-512 backend), one line per operation.
+#[cfg(target_arch = "x86_64")]
+fn x86_table(kind: BackendKind) -> Kernels {
+    use super::mode::{ADD, RESIDUAL, WRITE};
+    let mut k = match kind {
+        BackendKind::Avx512 => portable_table::<AVX512>(),
+        _ => portable_table::<AVX2>(),
+    };
+    let two = portable_table::<AVX2>();
+    let route = |op| x86_route(op, kind);
+    // The portable source's AVX2 build where the table says AVX2 is faster.
+    macro_rules! avx2_build {
+        ($($op:ident: $row:expr),* $(,)?) => {
+            $(if route($row) == X86::Avx2 {
+                k.$op = two.$op;
+            })*
+        };
+    }
+    avx2_build!(
+        decode_f32: Op::DecodeF32,
+        decode_bf16: Op::DecodeBf16,
+        feedback_form: Op::FeedbackForm,
+        reduce_f32: Op::ReduceF32,
+        reduce_bf16: Op::ReduceBf16,
+    );
+    k.encode_f16 = match route(Op::EncodeF16) {
+        X86::Avx512 => x86_64::encode_f16_avx512,
+        _ => x86_64::encode_f16_avx2,
+    };
+    // Writing and the residual mode follow `DecodeF16`'s row, adding `AddF16`'s; the
+    // AVX-512 kernel has no residual mode (its backend's portable build runs it).
+    for (m, row) in [
+        (WRITE, Op::DecodeF16),
+        (ADD, Op::AddF16),
+        (RESIDUAL, Op::DecodeF16),
+    ] {
+        let m = m as usize;
+        k.decode_f16[m] = match route(row) {
+            X86::Avx512 if m != RESIDUAL as usize => modes!(x86_64::decode_f16_avx512)[m],
+            X86::Avx512 => k.decode_f16[m],
+            _ => modes!(x86_64::decode_f16_avx2)[m],
+        };
+    }
+    k.hop_f16 = (route(Op::HopF16) == X86::Avx2).then_some(x86_64::hop_f16_avx2 as _);
+    k.encode_bf16 = match route(Op::EncodeBf16) {
+        X86::Avx512 => x86_64::encode_bf16_avx512,
+        _ => x86_64::blocks::encode_bf16_avx2,
+    };
+    k.feedback_f16 = match route(Op::FeedbackF16) {
+        X86::Avx512 => x86_64::feedback_f16_avx512,
+        _ => x86_64::feedback_f16_avx2,
+    };
+    k.reduce_f16 = match route(Op::ReduceF16) {
+        X86::Avx512 => modes!(x86_64::reduce_f16_avx512),
+        _ => modes!(x86_64::reduce_f16_avx2),
+    };
+    k
+}
