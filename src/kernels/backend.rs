@@ -423,6 +423,15 @@ impl Backend {
         }
     }
 
+    /// The backend of `kind` without the CPU check: for the dispatch table's entries,
+    /// which run only on a CPU whose backend of that kind exists.
+    ///
+    /// # Safety
+    /// The CPU must support `kind`'s instruction set (as [`Backend::of`] checks).
+    pub(crate) const unsafe fn assume(kind: BackendKind) -> Backend {
+        Backend { kind }
+    }
+
     /// The AVX2 backend, if this CPU has AVX2, FMA and F16C.
     pub fn avx2() -> Option<Backend> {
         #[cfg(all(target_arch = "x86_64", not(miri)))]

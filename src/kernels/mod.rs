@@ -206,7 +206,23 @@ mod entry {
 /// The forward DCT of a tile (see [`dct::forward`]), compiled for the current backend
 /// (for AVX2 on the AVX-512 backend: [`x86_route`]).
 fn dct_forward(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out: &mut [f32]) {
-    match Backend::current() {
+    call!(dct_forward(x, stride, h, w, y, out))
+}
+
+/// The entry of [`dct_forward`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn dct_forward_on<const K: u8>(
+    x: &[f32],
+    stride: usize,
+    h: usize,
+    w: usize,
+    y: &mut [f32],
+    out: &mut [f32],
+) {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => dct::forward_impl(x, stride, h, w, y, out),
         #[cfg(target_arch = "x86_64")]
         b if x86_route(Op::DctForward, b.kind()) == X86::Avx2 => simd_avx2(DctForward {
@@ -237,7 +253,21 @@ simd_op!(DctSelect { coef: &'a mut [f32], kt: usize, keys: &'a mut [u64], chosen
 /// The small selection of the `dct` encoder (see [`dct::select`]), compiled for the
 /// current backend.
 fn dct_select(coef: &mut [f32], kt: usize, keys: &mut [u64], chosen: &mut [u16]) {
-    match Backend::current() {
+    call!(dct_select(coef, kt, keys, chosen))
+}
+
+/// The entry of [`dct_select`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn dct_select_on<const K: u8>(
+    coef: &mut [f32],
+    kt: usize,
+    keys: &mut [u64],
+    chosen: &mut [u16],
+) {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => dct::select_impl(coef, kt, keys, chosen),
         b => simd(
             b,
@@ -258,7 +288,23 @@ simd_op!(DctForwardFast {
 /// The factorised forward DCT of a tile (see [`dct::forward_fast`]), compiled for the
 /// current backend.
 fn dct_forward_fast(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out: &mut [f32]) {
-    match Backend::current() {
+    call!(dct_forward_fast(x, stride, h, w, y, out))
+}
+
+/// The entry of [`dct_forward_fast`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn dct_forward_fast_on<const K: u8>(
+    x: &[f32],
+    stride: usize,
+    h: usize,
+    w: usize,
+    y: &mut [f32],
+    out: &mut [f32],
+) {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => dct::forward_fast_impl(x, stride, h, w, y, out),
         b => simd(
             b,
@@ -282,7 +328,22 @@ simd_op!(DctEncodeRowsFast {
 /// compiled for the current backend (for AVX2 on the AVX-512 backend at 16 and 32:
 /// [`x86_route`]).
 fn dct_encode_rows_fast(x: &[f32], w: usize, kt: usize, pos: &mut [u16], vals: &mut [f32]) {
-    match Backend::current() {
+    call!(dct_encode_rows_fast(x, w, kt, pos, vals))
+}
+
+/// The entry of [`dct_encode_rows_fast`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn dct_encode_rows_fast_on<const K: u8>(
+    x: &[f32],
+    w: usize,
+    kt: usize,
+    pos: &mut [u16],
+    vals: &mut [f32],
+) {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => dct::encode_rows_fast_impl(x, w, kt, pos, vals),
         #[cfg(target_arch = "x86_64")]
         b if matches!(w, 16 | 32) && x86_route(Op::DctFastRows16Or32, b.kind()) == X86::Avx2 => {
@@ -317,7 +378,22 @@ simd_op!(DctEncodeRowsLee {
 /// sixteen tiles of 16, 32 or 64 into lanes by in-register transposes of 16 x 16 blocks, the
 /// AVX2 build (and the AVX-512 backend at 8) tiles of 8 to 64 by 8 x 8 blocks.
 fn dct_encode_rows_lee(x: &[f32], w: usize, kt: usize, pos: &mut [u16], vals: &mut [f32]) {
-    let b = Backend::current();
+    call!(dct_encode_rows_lee(x, w, kt, pos, vals))
+}
+
+/// The entry of [`dct_encode_rows_lee`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn dct_encode_rows_lee_on<const K: u8>(
+    x: &[f32],
+    w: usize,
+    kt: usize,
+    pos: &mut [u16],
+    vals: &mut [f32],
+) {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     let load = lanes_for(b.kind());
     if b.kind() == BackendKind::Scalar {
         return dct::encode_rows_lee_impl(x, w, kt, pos, vals, load);
@@ -384,7 +460,23 @@ simd_op!(DctForwardLee {
 /// backend (for AVX2 on the AVX-512 backend for 64 x 64 tiles: [`x86_route`]); the
 /// AVX2 and AVX-512 builds put sixteen rows at a time into lanes by in-register transposes.
 fn dct_forward_lee(x: &[f32], stride: usize, h: usize, w: usize, y: &mut [f32], out: &mut [f32]) {
-    let b = Backend::current();
+    call!(dct_forward_lee(x, stride, h, w, y, out))
+}
+
+/// The entry of [`dct_forward_lee`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn dct_forward_lee_on<const K: u8>(
+    x: &[f32],
+    stride: usize,
+    h: usize,
+    w: usize,
+    y: &mut [f32],
+    out: &mut [f32],
+) {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     #[cfg(target_arch = "x86_64")]
     let to_avx2 = h * w == 4096 && x86_route(Op::DctLee64x64, b.kind()) == X86::Avx2;
     #[cfg(target_arch = "x86_64")]
@@ -415,7 +507,22 @@ simd_op!(DctDecodeRows<const M: u8> {
 /// The `dct` decoder's work for tiles of one row (see [`dct::decode_rows`]), compiled for
 /// the current backend (for AVX2 on the AVX-512 backend: [`x86_route`], as the inverse).
 fn dct_decode_rows<const M: u8>(w: usize, kt: usize, pos: &[u16], vals: &[f32], out: &mut [f32]) {
-    match Backend::current() {
+    call!(dct_decode_rows[M as usize](w, kt, pos, vals, out))
+}
+
+/// The entry of [`dct_decode_rows`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn dct_decode_rows_on<const K: u8, const M: u8>(
+    w: usize,
+    kt: usize,
+    pos: &[u16],
+    vals: &[f32],
+    out: &mut [f32],
+) {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => dct::decode_rows_impl::<M>(w, kt, pos, vals, out),
         #[cfg(target_arch = "x86_64")]
         b if x86_route(Op::DctInverse, b.kind()) == X86::Avx2 => simd_avx2(DctDecodeRows::<M> {
@@ -444,7 +551,22 @@ simd_op!(ThinMq {
 
 /// PowerSGD's rows of `M Q` (see [`gemm::thin_mq`]), compiled for the current backend.
 fn gemm_thin_mq(x: &mut [f32], e: Option<&[f32]>, qt: &[f32], cols: usize, p: &mut [f32]) {
-    match Backend::current() {
+    call!(gemm_thin_mq(x, e, qt, cols, p))
+}
+
+/// The entry of [`gemm_thin_mq`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn gemm_thin_mq_on<const K: u8>(
+    x: &mut [f32],
+    e: Option<&[f32]>,
+    qt: &[f32],
+    cols: usize,
+    p: &mut [f32],
+) {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => gemm::thin_mq_rows(x, e, qt, cols, p),
         #[cfg(target_arch = "x86_64")]
         b if x86_route(Op::ThinMq, b.kind()) == X86::Avx2 => {
@@ -464,13 +586,30 @@ simd_op!(ThinPqt {
 fn gemm_thin_pqt(
     x: Option<&[f32]>,
     out: &mut [f32],
+    e: Option<&mut [f32]>,
+    p: &[f32],
+    qt: &[f32],
+    cols: usize,
+    stream: bool,
+) {
+    call!(gemm_thin_pqt(x, out, e, p, qt, cols, stream))
+}
+
+/// The entry of [`gemm_thin_pqt`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn gemm_thin_pqt_on<const K: u8>(
+    x: Option<&[f32]>,
+    out: &mut [f32],
     #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))] mut e: Option<&mut [f32]>,
     p: &[f32],
     qt: &[f32],
     cols: usize,
     stream: bool,
 ) {
-    let b = Backend::current();
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     #[cfg(target_arch = "x86_64")]
     if stream && !out.is_empty() {
         use x86_64::{PQT_FROM_OUT, PQT_FROM_X, PQT_OUT};
@@ -531,7 +670,23 @@ simd_op!(ThinMtp {
 /// PowerSGD's columns of `M^T P` (see [`gemm::thin_mtp`]), compiled for the current
 /// backend.
 fn gemm_thin_mtp(m: &[f32], cols: usize, j0: usize, p: &[f32], r: usize, acc: &mut [f32]) {
-    match Backend::current() {
+    call!(gemm_thin_mtp(m, cols, j0, p, r, acc))
+}
+
+/// The entry of [`gemm_thin_mtp`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn gemm_thin_mtp_on<const K: u8>(
+    m: &[f32],
+    cols: usize,
+    j0: usize,
+    p: &[f32],
+    r: usize,
+    acc: &mut [f32],
+) {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => gemm::thin_mtp_cols(m, cols, j0, p, r, acc),
         b => simd(
             b,
@@ -554,7 +709,22 @@ simd_op!(DctInverseRows {
 /// The second pass of the inverse DCT of a tile (see [`dct::inverse`]), compiled for
 /// the current backend (for AVX2 on the AVX-512 backend: [`x86_route`]).
 fn dct_inverse_rows(t: &[f32], cols: &[bool], h: usize, w: usize, x: &mut [f32]) {
-    match Backend::current() {
+    call!(dct_inverse_rows(t, cols, h, w, x))
+}
+
+/// The entry of [`dct_inverse_rows`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn dct_inverse_rows_on<const K: u8>(
+    t: &[f32],
+    cols: &[bool],
+    h: usize,
+    w: usize,
+    x: &mut [f32],
+) {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => dct::inverse_rows_impl(t, cols, h, w, x),
         #[cfg(target_arch = "x86_64")]
         b if x86_route(Op::DctInverse, b.kind()) == X86::Avx2 => {
@@ -678,7 +848,34 @@ pub fn feedback_int8(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> Option<bool> {
-    match block_route(Op::FeedbackInt8, Backend::current().kind(), block) {
+    call!(feedback_int8(
+        r, g, weights, block, round, draws, first, steps, codes
+    ))
+}
+
+/// The entry of [`feedback_int8`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+#[allow(clippy::too_many_arguments)]
+unsafe fn feedback_int8_on<const K: u8>(
+    r: &mut [f32],
+    g: &[f32],
+    weights: (f32, f32),
+    block: usize,
+    round: Round,
+    draws: &Draws,
+    first: u64,
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> Option<bool> {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    match block_route(
+        Op::FeedbackInt8,
+        unsafe { table::backend::<K>() }.kind(),
+        block,
+    ) {
         // SAFETY: x86_route (so block_route) gives Avx2 only to the AVX2 and AVX-512
         // backends, which exist only after AVX2 was detected.
         #[cfg(target_arch = "x86_64")]
@@ -756,7 +953,38 @@ pub fn hop_int8(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> Option<bool> {
-    match block_route(Op::HopInt8, Backend::current().kind(), block) {
+    call!(hop_int8(
+        local,
+        (in_steps, in_codes),
+        block,
+        round,
+        draws,
+        first,
+        sum,
+        steps,
+        codes
+    ))
+}
+
+/// The entry of [`hop_int8`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+#[allow(clippy::too_many_arguments)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+unsafe fn hop_int8_on<const K: u8>(
+    local: &[f32],
+    (in_steps, in_codes): (&[u8], &[u8]),
+    block: usize,
+    round: Round,
+    draws: &Draws,
+    first: u64,
+    sum: &mut [f32],
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> Option<bool> {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    match block_route(Op::HopInt8, unsafe { table::backend::<K>() }.kind(), block) {
         // SAFETY: x86_route (so block_route) gives Avx2 only to the AVX2 and AVX-512
         // backends, which exist only after AVX2 was detected.
         #[cfg(target_arch = "x86_64")]
@@ -787,7 +1015,24 @@ pub fn encode_int8(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    match Backend::current() {
+    call!(encode_int8(x, block, round, draws, first, steps, codes))
+}
+
+/// The entry of [`encode_int8`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn encode_int8_on<const K: u8>(
+    x: &[f32],
+    block: usize,
+    round: Round,
+    draws: &Draws,
+    first: u64,
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => {
             scalar::encode_int8(x, block, round, draws, first, steps, codes)
         }
@@ -857,7 +1102,21 @@ pub fn reduce_int8<const M: u8>(
     start: usize,
     out: &mut [f32],
 ) {
-    match Backend::current() {
+    call!(reduce_int8[M as usize](frames, block, start, out))
+}
+
+/// The entry of [`reduce_int8`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn reduce_int8_on<const K: u8, const M: u8>(
+    frames: &[(&[u8], &[u8])],
+    block: usize,
+    start: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => {
             portable::reduce_int8::<M>(frames, block, start, out)
         }
@@ -882,7 +1141,21 @@ pub fn reduce_int8<const M: u8>(
 
 /// int8 block decode (see [`scalar::decode_int8`]).
 pub fn decode_int8<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
-    match Backend::current() {
+    call!(decode_int8[M as usize](steps, codes, block, out))
+}
+
+/// The entry of [`decode_int8`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn decode_int8_on<const K: u8, const M: u8>(
+    steps: &[u8],
+    codes: &[u8],
+    block: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => scalar::decode_int8::<M>(steps, codes, block, out),
         b => simd(
             b,
@@ -900,7 +1173,21 @@ pub fn decode_int8<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &
 /// each backend's instruction set (the same bytes; the AVX-512 backend runs the AVX2
 /// build, as its routing table says).
 pub fn encode_codebook(x: &[f32], block: usize, books: &mut [u8], codes: &mut [u8]) -> bool {
-    let b = Backend::current();
+    call!(encode_codebook(x, block, books, codes))
+}
+
+/// The entry of [`encode_codebook`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn encode_codebook_on<const K: u8>(
+    x: &[f32],
+    block: usize,
+    books: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     if b.kind() == BackendKind::Scalar {
         return codebook::encode(x, block, books, codes);
     }
@@ -932,7 +1219,29 @@ pub fn encode_float(
     scales: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    let b = Backend::current();
+    call!(encode_float(
+        f, scale, four, block, x, draws, first, scales, codes
+    ))
+}
+
+/// The entry of [`encode_float`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn encode_float_on<const K: u8>(
+    f: fp8::Format,
+    scale: fp8::Scale,
+    four: bool,
+    block: usize,
+    x: &[f32],
+    draws: Option<&Draws>,
+    first: u64,
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     if b.kind() == BackendKind::Scalar {
         return fp8::encode::<false>(f, scale, four, block, x, draws, first, scales, codes);
     }
@@ -1104,7 +1413,26 @@ pub fn decode_float<const M: u8>(
     codes: &[u8],
     out: &mut [f32],
 ) {
-    let b = Backend::current();
+    call!(decode_float[M as usize](
+        f, scale, four, block, scales, codes, out
+    ))
+}
+
+/// The entry of [`decode_float`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn decode_float_on<const K: u8, const M: u8>(
+    f: fp8::Format,
+    scale: fp8::Scale,
+    four: bool,
+    block: usize,
+    scales: &[u8],
+    codes: &[u8],
+    out: &mut [f32],
+) {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     if b.kind() == BackendKind::Scalar {
         return fp8::decode::<M>(f, scale, four, block, scales, codes, out);
     }
@@ -1217,7 +1545,21 @@ pub fn decode_float<const M: u8>(
 
 /// Sign block encode (see [`scalar::encode_sign`]); `codes` need not be zeroed.
 pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) -> bool {
-    let b = Backend::current();
+    call!(encode_sign(x, block, steps, codes))
+}
+
+/// The entry of [`encode_sign`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn encode_sign_on<const K: u8>(
+    x: &[f32],
+    block: usize,
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     match (b.kind(), block_route(Op::EncodeSign, b.kind(), block)) {
         (BackendKind::Scalar, _) => {
             codes.fill(0);
@@ -1245,7 +1587,21 @@ pub fn encode_sign(x: &[f32], block: usize, steps: &mut [u8], codes: &mut [u8]) 
 
 /// Sign block decode (see [`scalar::decode_sign`]).
 pub fn decode_sign<const M: u8>(steps: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
-    match Backend::current() {
+    call!(decode_sign[M as usize](steps, codes, block, out))
+}
+
+/// The entry of [`decode_sign`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn decode_sign_on<const K: u8, const M: u8>(
+    steps: &[u8],
+    codes: &[u8],
+    block: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => scalar::decode_sign::<M>(steps, codes, block, out),
         // The residual mode stays portable: error feedback's sign step ran at 13.4 GB/s
         // with it and 10.9 with this kernel's residual (a Zen 3, 64 Ki elements).
@@ -1281,7 +1637,28 @@ pub fn encode_signmag(
     steps: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    let b = Backend::current();
+    call!(encode_signmag(
+        x, block, bits, measure, draws, first, steps, codes
+    ))
+}
+
+/// The entry of [`encode_signmag`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn encode_signmag_on<const K: u8>(
+    x: &[f32],
+    block: usize,
+    bits: u32,
+    measure: scalar::Measure,
+    draws: &Draws,
+    first: u64,
+    steps: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     if b.kind() == BackendKind::Scalar {
         codes.fill(0);
         return scalar::encode_signmag(x, block, bits, measure, draws, first, steps, codes);
@@ -1341,7 +1718,22 @@ pub fn decode_signmag<const M: u8>(
     bits: u32,
     out: &mut [f32],
 ) {
-    let b = Backend::current();
+    call!(decode_signmag[M as usize](steps, codes, block, bits, out))
+}
+
+/// The entry of [`decode_signmag`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn decode_signmag_on<const K: u8, const M: u8>(
+    steps: &[u8],
+    codes: &[u8],
+    block: usize,
+    bits: u32,
+    out: &mut [f32],
+) {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     if b.kind() == BackendKind::Scalar {
         return scalar::decode_signmag::<M>(steps, codes, block, bits, out);
     }
@@ -1394,7 +1786,23 @@ pub fn encode_natural(
     refs: &mut [u8],
     codes: &mut [u8],
 ) -> bool {
-    match Backend::current() {
+    call!(encode_natural(x, block, draws, first, refs, codes))
+}
+
+/// The entry of [`encode_natural`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn encode_natural_on<const K: u8>(
+    x: &[f32],
+    block: usize,
+    draws: &Draws,
+    first: u64,
+    refs: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => {
             scalar::encode_natural(x, block, draws, first, refs, codes)
         }
@@ -1420,7 +1828,21 @@ pub fn encode_natural(
 
 /// Natural-compression decode (see [`scalar::decode_natural`]).
 pub fn decode_natural<const M: u8>(refs: &[u8], codes: &[u8], block: usize, out: &mut [f32]) {
-    match Backend::current() {
+    call!(decode_natural[M as usize](refs, codes, block, out))
+}
+
+/// The entry of [`decode_natural`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn decode_natural_on<const K: u8, const M: u8>(
+    refs: &[u8],
+    codes: &[u8],
+    block: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => {
             scalar::decode_natural::<M>(refs, codes, block, out)
         }
@@ -1450,8 +1872,17 @@ pub fn decode_natural<const M: u8>(refs: &[u8], codes: &[u8], block: usize, out:
 /// How far one call gets differs between backends; the indices found do not. Entries of
 /// `idx` past the written ones may change (fewer than 64 past them).
 pub fn filter_mag_ge(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
+    call!(filter_mag_ge(x, t, idx))
+}
+
+/// The entry of [`filter_mag_ge`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn filter_mag_ge_on<const K: u8>(x: &[f32], t: u32, idx: &mut [u32]) -> (usize, usize) {
     assert!(idx.len() >= 64, "filter index buffer shorter than 64");
-    let b = Backend::current();
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     match (b.kind(), x86_route(Op::FilterMagGe, b.kind())) {
         (BackendKind::Scalar, _) => scalar::filter_mag_ge(x, t, idx),
         // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
@@ -1475,8 +1906,17 @@ pub const LANE_GROUPS: usize = scalar::BOUND_GROUPS;
 /// than `d` elements). At least `min(16 d, x.len())` elements have a key at or above
 /// it. The same value on every backend (see [`scalar::lane_bound`]).
 pub fn lane_bound(x: &[f32], d: usize) -> u32 {
+    call!(lane_bound(x, d))
+}
+
+/// The entry of [`lane_bound`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn lane_bound_on<const K: u8>(x: &[f32], d: usize) -> u32 {
     assert!((1..=4).contains(&d), "lane_bound depth {d} outside 1..=4");
-    let b = Backend::current();
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     match (b.kind(), x86_route(Op::LaneBound, b.kind())) {
         // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
         // after AVX-512F was detected.
@@ -1511,7 +1951,7 @@ pub fn lane_bound(x: &[f32], d: usize) -> u32 {
 /// maxima) took 4.2 us a chunk of 4096 where the sampled way took 6.4 us for the whole
 /// encode (a 2-core Intel Xeon, 2026-11-29).
 pub fn lane_bound_pays() -> bool {
-    Backend::current().kind() != BackendKind::Scalar
+    table::current().lane_bound_pays
 }
 
 /// The positions (ascending) and magnitude keys (`bits & 0x7FFFFFFF`) of the elements of
@@ -1521,6 +1961,19 @@ pub fn lane_bound_pays() -> bool {
 /// at a time without a branch per element, the others run [`filter_mag_ge`] and read
 /// each key again.
 pub fn filter_keys(x: &[f32], t: u32, idx: &mut [u32], keys: &mut [u32]) -> usize {
+    call!(filter_keys(x, t, idx, keys))
+}
+
+/// The entry of [`filter_keys`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn filter_keys_on<const K: u8>(
+    x: &[f32],
+    t: u32,
+    idx: &mut [u32],
+    keys: &mut [u32],
+) -> usize {
     assert!(
         idx.len() >= x.len() + 64 && keys.len() >= x.len() + 64 && x.len() <= u32::MAX as usize,
         "filter_keys: room for {} entries, not {} and {}",
@@ -1528,7 +1981,8 @@ pub fn filter_keys(x: &[f32], t: u32, idx: &mut [u32], keys: &mut [u32]) -> usiz
         idx.len(),
         keys.len()
     );
-    let b = Backend::current();
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     match (b.kind(), x86_route(Op::FilterKeys, b.kind())) {
         (BackendKind::Scalar, _) => scalar::filter_keys(x, t, idx, keys),
         // SAFETY: x86_route gives Avx512 only to the AVX-512 backend, which exists only
@@ -1560,12 +2014,26 @@ pub fn filter_keys(x: &[f32], t: u32, idx: &mut [u32], keys: &mut [u32]) -> usiz
 /// candidates reads `x` once (a gather afterwards missed the cache on large tensors).
 /// `idx.len() >= 64` and `vals.len() >= idx.len()` are required.
 pub fn filter_mag_ge_vals(x: &[f32], t: u32, idx: &mut [u32], vals: &mut [u32]) -> (usize, usize) {
+    call!(filter_mag_ge_vals(x, t, idx, vals))
+}
+
+/// The entry of [`filter_mag_ge_vals`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn filter_mag_ge_vals_on<const K: u8>(
+    x: &[f32],
+    t: u32,
+    idx: &mut [u32],
+    vals: &mut [u32],
+) -> (usize, usize) {
     assert!(idx.len() >= 64, "filter index buffer shorter than 64");
     assert!(
         vals.len() >= idx.len(),
         "filter value buffer shorter than its index buffer"
     );
-    let b = Backend::current();
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     match (b.kind(), x86_route(Op::FilterMagGe, b.kind())) {
         (BackendKind::Scalar, _) => scalar::filter_mag_ge_vals(x, t, idx, vals),
         // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
@@ -1585,7 +2053,16 @@ pub fn filter_mag_ge_vals(x: &[f32], t: u32, idx: &mut [u32], vals: &mut [u32]) 
 /// kept (entries past it are unspecified). Both slices are taken to the shorter one's
 /// length. Routed with [`filter_mag_ge`], of which it is the in-place form.
 pub fn retain_mag_ge(idx: &mut [u32], vals: &mut [u32], t: u32) -> usize {
-    let b = Backend::current();
+    call!(retain_mag_ge(idx, vals, t))
+}
+
+/// The entry of [`retain_mag_ge`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn retain_mag_ge_on<const K: u8>(idx: &mut [u32], vals: &mut [u32], t: u32) -> usize {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     match (b.kind(), x86_route(Op::FilterMagGe, b.kind())) {
         // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
         // only after AVX2 was detected.
@@ -1654,8 +2131,24 @@ fn filter_draw_lt_zeroing(
     idx: &mut [u32],
     zero: Option<&mut [f32]>,
 ) -> (usize, usize) {
+    call!(filter_draw_lt_zeroing(draws, first, t, n, idx, zero))
+}
+
+/// The entry of [`filter_draw_lt_zeroing`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn filter_draw_lt_zeroing_on<const K: u8>(
+    draws: &Draws,
+    first: u64,
+    t: u64,
+    n: usize,
+    idx: &mut [u32],
+    zero: Option<&mut [f32]>,
+) -> (usize, usize) {
     assert!(idx.len() >= 64, "filter index buffer shorter than 64");
-    let b = Backend::current();
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     // Keep each call inside one 2^32 index window (one key).
     let n = in_window(first, n);
     let (used, kept) = match (b.kind(), x86_route(Op::FilterDrawLt, b.kind())) {
@@ -1718,7 +2211,16 @@ pub fn for_each_draw_lt_zeroing(
 /// selection matches its payload, before `decode_add` touches the accumulator).
 /// `first + n` must not overflow u64.
 pub fn count_draw_lt(draws: &Draws, first: u64, t: u64, n: usize) -> usize {
-    let b = Backend::current();
+    call!(count_draw_lt(draws, first, t, n))
+}
+
+/// The entry of [`count_draw_lt`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn count_draw_lt_on<const K: u8>(draws: &Draws, first: u64, t: u64, n: usize) -> usize {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     if b.kind() == BackendKind::Scalar {
         return scalar::count_draw_lt(draws, first, t, n);
     }
@@ -1776,12 +2278,27 @@ fn draw_masks_into(
     n: usize,
     masks: &mut [MaybeUninit<u64>],
 ) -> usize {
+    call!(draw_masks_into(draws, first, t, n, masks))
+}
+
+/// The entry of [`draw_masks_into`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn draw_masks_into_on<const K: u8>(
+    draws: &Draws,
+    first: u64,
+    t: u64,
+    n: usize,
+    masks: &mut [MaybeUninit<u64>],
+) -> usize {
     assert!(
         masks.len() >= n.div_ceil(64),
         "{} mask entries for {n} elements",
         masks.len()
     );
-    let b = Backend::current();
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    let b = unsafe { table::backend::<K>() };
     // The oracle also takes a range across a 2^32 index window (two keys), which happens
     // once in 2^32 elements.
     if b.kind() == BackendKind::Scalar || in_window(first, n) < n {
@@ -1861,8 +2378,22 @@ pub fn for_each_draw_lt_exactly(
 /// written to `idx` as a filter writes its own: returns `(consumed, written)`, consuming
 /// whole entries but at the end. `rare` says most entries are 0.
 fn compress_stored_masks(masks: &[u64], n: usize, idx: &mut [u32], rare: bool) -> (usize, usize) {
+    call!(compress_stored_masks(masks, n, idx, rare))
+}
+
+/// The entry of [`compress_stored_masks`] for the backend of kind `K` (`table::kind`).
+///
+/// # Safety
+/// The CPU must support the instruction set of `K`.
+unsafe fn compress_stored_masks_on<const K: u8>(
+    masks: &[u64],
+    n: usize,
+    idx: &mut [u32],
+    rare: bool,
+) -> (usize, usize) {
     #[cfg(target_arch = "x86_64")]
-    if x86_route(Op::CompressMasks, Backend::current().kind()) == X86::Avx2 {
+    // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
+    if x86_route(Op::CompressMasks, unsafe { table::backend::<K>() }.kind()) == X86::Avx2 {
         // SAFETY: x86_route gives Avx2 only to the AVX2 and AVX-512 backends, which exist
         // only after x86-64-v3 (AVX2, POPCNT, BMI1, ...) was detected.
         return unsafe { x86_64::compress_stored_masks_avx2(masks, n, idx, rare) };

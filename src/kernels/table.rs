@@ -29,27 +29,47 @@ use super::{
     backend::{Op, X86, x86_route},
     x86_64,
 };
-use super::{portable, scalar};
+use core::mem::MaybeUninit;
+
+use super::scalar::{self, Round};
+use super::{fp8, portable};
+use crate::rng::Draws;
 
 /// The portable builds' instruction sets as const parameters ([`on`]): AVX2, AVX-512,
 /// NEON.
 pub(super) const AVX2: u8 = 1;
 /// See [`AVX2`].
 pub(super) const AVX512: u8 = 2;
+/// The scalar backend's kind as a const parameter (see [`AVX2`]).
+pub(super) const SCALAR: u8 = 0;
 /// See [`AVX2`].
 pub(super) const NEON: u8 = 3;
+
+/// The backend kind a const parameter names ([`SCALAR`], [`AVX2`], [`AVX512`], [`NEON`]).
+pub(super) const fn kind<const K: u8>() -> BackendKind {
+    match K {
+        AVX2 => BackendKind::Avx2,
+        AVX512 => BackendKind::Avx512,
+        NEON => BackendKind::Neon,
+        _ => BackendKind::Scalar,
+    }
+}
+
+/// The backend of kind `K`, for an entry that routes within itself.
+///
+/// # Safety
+/// The CPU must support the instruction set of `K` (the entries of a table are only
+/// called on a CPU that has its backend).
+pub(super) unsafe fn backend<const K: u8>() -> Backend {
+    // SAFETY: the caller's contract.
+    unsafe { Backend::assume(kind::<K>()) }
+}
 
 /// Run portable operation `op` compiled for the instruction set `K` ([`AVX2`],
 /// [`AVX512`], [`NEON`]; anything else, or a CPU without it, the baseline build).
 #[inline(always)]
 pub(super) fn on<const K: u8, O: pulp::WithSimd>(op: O) -> O::Output {
-    let kind = match K {
-        AVX2 => BackendKind::Avx2,
-        AVX512 => BackendKind::Avx512,
-        NEON => BackendKind::Neon,
-        _ => BackendKind::Scalar,
-    };
-    backend::pulp_arch_of(kind).dispatch(op)
+    backend::pulp_arch_of(kind::<K>()).dispatch(op)
 }
 
 /// The three entries of an operation generic over its mode (`mode::WRITE`, `ADD`,
@@ -99,6 +119,78 @@ pub(super) struct Kernels {
     pub(super) reduce_f32: ByMode<unsafe fn(&[&[u8]], usize, &mut [f32])>,
     pub(super) reduce_f16: ByMode<unsafe fn(&[&[u8]], usize, &mut [f32])>,
     pub(super) reduce_bf16: ByMode<unsafe fn(&[&[u8]], usize, &mut [f32])>,
+    pub(super) dct_forward: unsafe fn(&[f32], usize, usize, usize, &mut [f32], &mut [f32]),
+    pub(super) dct_select: unsafe fn(&mut [f32], usize, &mut [u64], &mut [u16]),
+    pub(super) dct_forward_fast: unsafe fn(&[f32], usize, usize, usize, &mut [f32], &mut [f32]),
+    pub(super) dct_encode_rows_fast: unsafe fn(&[f32], usize, usize, &mut [u16], &mut [f32]),
+    pub(super) dct_encode_rows_lee: unsafe fn(&[f32], usize, usize, &mut [u16], &mut [f32]),
+    pub(super) dct_forward_lee: unsafe fn(&[f32], usize, usize, usize, &mut [f32], &mut [f32]),
+    pub(super) dct_decode_rows: ByMode<unsafe fn(usize, usize, &[u16], &[f32], &mut [f32])>,
+    pub(super) gemm_thin_mq: unsafe fn(&mut [f32], Option<&[f32]>, &[f32], usize, &mut [f32]),
+    pub(super) gemm_thin_pqt:
+        unsafe fn(Option<&[f32]>, &mut [f32], Option<&mut [f32]>, &[f32], &[f32], usize, bool),
+    pub(super) gemm_thin_mtp: unsafe fn(&[f32], usize, usize, &[f32], usize, &mut [f32]),
+    pub(super) dct_inverse_rows: unsafe fn(&[f32], &[bool], usize, usize, &mut [f32]),
+    pub(super) feedback_int8: unsafe fn(
+        &mut [f32],
+        &[f32],
+        (f32, f32),
+        usize,
+        Round,
+        &Draws,
+        u64,
+        &mut [u8],
+        &mut [u8],
+    ) -> Option<bool>,
+    pub(super) hop_int8: unsafe fn(
+        &[f32],
+        (&[u8], &[u8]),
+        usize,
+        Round,
+        &Draws,
+        u64,
+        &mut [f32],
+        &mut [u8],
+        &mut [u8],
+    ) -> Option<bool>,
+    pub(super) encode_int8:
+        unsafe fn(&[f32], usize, Round, &Draws, u64, &mut [u8], &mut [u8]) -> bool,
+    pub(super) reduce_int8: ByMode<unsafe fn(&[(&[u8], &[u8])], usize, usize, &mut [f32])>,
+    pub(super) decode_int8: ByMode<unsafe fn(&[u8], &[u8], usize, &mut [f32])>,
+    pub(super) encode_codebook: unsafe fn(&[f32], usize, &mut [u8], &mut [u8]) -> bool,
+    pub(super) encode_float: unsafe fn(
+        fp8::Format,
+        fp8::Scale,
+        bool,
+        usize,
+        &[f32],
+        Option<&Draws>,
+        u64,
+        &mut [u8],
+        &mut [u8],
+    ) -> bool,
+    pub(super) decode_float:
+        ByMode<unsafe fn(fp8::Format, fp8::Scale, bool, usize, &[u8], &[u8], &mut [f32])>,
+    pub(super) encode_sign: unsafe fn(&[f32], usize, &mut [u8], &mut [u8]) -> bool,
+    pub(super) decode_sign: ByMode<unsafe fn(&[u8], &[u8], usize, &mut [f32])>,
+    pub(super) encode_signmag:
+        unsafe fn(&[f32], usize, u32, scalar::Measure, &Draws, u64, &mut [u8], &mut [u8]) -> bool,
+    pub(super) decode_signmag: ByMode<unsafe fn(&[u8], &[u8], usize, u32, &mut [f32])>,
+    pub(super) encode_natural: unsafe fn(&[f32], usize, &Draws, u64, &mut [u8], &mut [u8]) -> bool,
+    pub(super) decode_natural: ByMode<unsafe fn(&[u8], &[u8], usize, &mut [f32])>,
+    pub(super) filter_mag_ge: unsafe fn(&[f32], u32, &mut [u32]) -> (usize, usize),
+    pub(super) lane_bound: unsafe fn(&[f32], usize) -> u32,
+    pub(super) filter_keys: unsafe fn(&[f32], u32, &mut [u32], &mut [u32]) -> usize,
+    pub(super) filter_mag_ge_vals: unsafe fn(&[f32], u32, &mut [u32], &mut [u32]) -> (usize, usize),
+    pub(super) retain_mag_ge: unsafe fn(&mut [u32], &mut [u32], u32) -> usize,
+    pub(super) filter_draw_lt_zeroing:
+        unsafe fn(&Draws, u64, u64, usize, &mut [u32], Option<&mut [f32]>) -> (usize, usize),
+    pub(super) count_draw_lt: unsafe fn(&Draws, u64, u64, usize) -> usize,
+    pub(super) draw_masks_into:
+        unsafe fn(&Draws, u64, u64, usize, &mut [MaybeUninit<u64>]) -> usize,
+    pub(super) compress_stored_masks: unsafe fn(&[u64], usize, &mut [u32], bool) -> (usize, usize),
+    /// Whether `lane_bound` and `filter_keys` beat a sampled threshold here.
+    pub(super) lane_bound_pays: bool,
 }
 
 /// The table of the backend in use on this thread ([`Backend::current`]).
@@ -127,6 +219,7 @@ fn build(kind: BackendKind) -> Kernels {
 
 /// The scalar backend's table: the definitions.
 fn scalar_table() -> Kernels {
+    const K: u8 = SCALAR;
     Kernels {
         encode_f32: scalar::encode_f32,
         decode_f32: modes!(scalar::decode_f32),
@@ -182,6 +275,41 @@ fn scalar_table() -> Kernels {
                 portable::reduce_u16::<{ super::mode::RESIDUAL }>(f, s, out, scalar::bf16_to_f32)
             },
         ],
+        dct_forward: super::dct_forward_on::<K>,
+        dct_select: super::dct_select_on::<K>,
+        dct_forward_fast: super::dct_forward_fast_on::<K>,
+        dct_encode_rows_fast: super::dct_encode_rows_fast_on::<K>,
+        dct_encode_rows_lee: super::dct_encode_rows_lee_on::<K>,
+        dct_forward_lee: super::dct_forward_lee_on::<K>,
+        dct_decode_rows: modes!(super::dct_decode_rows_on, K),
+        gemm_thin_mq: super::gemm_thin_mq_on::<K>,
+        gemm_thin_pqt: super::gemm_thin_pqt_on::<K>,
+        gemm_thin_mtp: super::gemm_thin_mtp_on::<K>,
+        dct_inverse_rows: super::dct_inverse_rows_on::<K>,
+        feedback_int8: super::feedback_int8_on::<K>,
+        hop_int8: super::hop_int8_on::<K>,
+        encode_int8: super::encode_int8_on::<K>,
+        reduce_int8: modes!(super::reduce_int8_on, K),
+        decode_int8: modes!(super::decode_int8_on, K),
+        encode_codebook: super::encode_codebook_on::<K>,
+        encode_float: super::encode_float_on::<K>,
+        decode_float: modes!(super::decode_float_on, K),
+        encode_sign: super::encode_sign_on::<K>,
+        decode_sign: modes!(super::decode_sign_on, K),
+        encode_signmag: super::encode_signmag_on::<K>,
+        decode_signmag: modes!(super::decode_signmag_on, K),
+        encode_natural: super::encode_natural_on::<K>,
+        decode_natural: modes!(super::decode_natural_on, K),
+        filter_mag_ge: super::filter_mag_ge_on::<K>,
+        lane_bound: super::lane_bound_on::<K>,
+        filter_keys: super::filter_keys_on::<K>,
+        filter_mag_ge_vals: super::filter_mag_ge_vals_on::<K>,
+        retain_mag_ge: super::retain_mag_ge_on::<K>,
+        filter_draw_lt_zeroing: super::filter_draw_lt_zeroing_on::<K>,
+        count_draw_lt: super::count_draw_lt_on::<K>,
+        draw_masks_into: super::draw_masks_into_on::<K>,
+        compress_stored_masks: super::compress_stored_masks_on::<K>,
+        lane_bound_pays: false,
     }
 }
 
@@ -207,6 +335,41 @@ fn portable_table<const K: u8>() -> Kernels {
         reduce_f32: modes!(e::reduce_f32, K),
         reduce_f16: modes!(e::reduce_f16, K),
         reduce_bf16: modes!(e::reduce_bf16, K),
+        dct_forward: super::dct_forward_on::<K>,
+        dct_select: super::dct_select_on::<K>,
+        dct_forward_fast: super::dct_forward_fast_on::<K>,
+        dct_encode_rows_fast: super::dct_encode_rows_fast_on::<K>,
+        dct_encode_rows_lee: super::dct_encode_rows_lee_on::<K>,
+        dct_forward_lee: super::dct_forward_lee_on::<K>,
+        dct_decode_rows: modes!(super::dct_decode_rows_on, K),
+        gemm_thin_mq: super::gemm_thin_mq_on::<K>,
+        gemm_thin_pqt: super::gemm_thin_pqt_on::<K>,
+        gemm_thin_mtp: super::gemm_thin_mtp_on::<K>,
+        dct_inverse_rows: super::dct_inverse_rows_on::<K>,
+        feedback_int8: super::feedback_int8_on::<K>,
+        hop_int8: super::hop_int8_on::<K>,
+        encode_int8: super::encode_int8_on::<K>,
+        reduce_int8: modes!(super::reduce_int8_on, K),
+        decode_int8: modes!(super::decode_int8_on, K),
+        encode_codebook: super::encode_codebook_on::<K>,
+        encode_float: super::encode_float_on::<K>,
+        decode_float: modes!(super::decode_float_on, K),
+        encode_sign: super::encode_sign_on::<K>,
+        decode_sign: modes!(super::decode_sign_on, K),
+        encode_signmag: super::encode_signmag_on::<K>,
+        decode_signmag: modes!(super::decode_signmag_on, K),
+        encode_natural: super::encode_natural_on::<K>,
+        decode_natural: modes!(super::decode_natural_on, K),
+        filter_mag_ge: super::filter_mag_ge_on::<K>,
+        lane_bound: super::lane_bound_on::<K>,
+        filter_keys: super::filter_keys_on::<K>,
+        filter_mag_ge_vals: super::filter_mag_ge_vals_on::<K>,
+        retain_mag_ge: super::retain_mag_ge_on::<K>,
+        filter_draw_lt_zeroing: super::filter_draw_lt_zeroing_on::<K>,
+        count_draw_lt: super::count_draw_lt_on::<K>,
+        draw_masks_into: super::draw_masks_into_on::<K>,
+        compress_stored_masks: super::compress_stored_masks_on::<K>,
+        lane_bound_pays: true,
     }
 }
 
