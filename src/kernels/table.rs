@@ -217,9 +217,9 @@ fn build(kind: BackendKind) -> Kernels {
     }
 }
 
-/// The scalar backend's table: the definitions.
+/// The scalar backend's table: the definitions (the operations that route within their
+/// entry take the entry for `SCALAR`, whose first arm is the definition).
 fn scalar_table() -> Kernels {
-    const K: u8 = SCALAR;
     Kernels {
         encode_f32: scalar::encode_f32,
         decode_f32: modes!(scalar::decode_f32),
@@ -275,41 +275,9 @@ fn scalar_table() -> Kernels {
                 portable::reduce_u16::<{ super::mode::RESIDUAL }>(f, s, out, scalar::bf16_to_f32)
             },
         ],
-        dct_forward: super::dct_forward_on::<K>,
-        dct_select: super::dct_select_on::<K>,
-        dct_forward_fast: super::dct_forward_fast_on::<K>,
-        dct_encode_rows_fast: super::dct_encode_rows_fast_on::<K>,
-        dct_encode_rows_lee: super::dct_encode_rows_lee_on::<K>,
-        dct_forward_lee: super::dct_forward_lee_on::<K>,
-        dct_decode_rows: modes!(super::dct_decode_rows_on, K),
-        gemm_thin_mq: super::gemm_thin_mq_on::<K>,
-        gemm_thin_pqt: super::gemm_thin_pqt_on::<K>,
-        gemm_thin_mtp: super::gemm_thin_mtp_on::<K>,
-        dct_inverse_rows: super::dct_inverse_rows_on::<K>,
-        feedback_int8: super::feedback_int8_on::<K>,
-        hop_int8: super::hop_int8_on::<K>,
-        encode_int8: super::encode_int8_on::<K>,
-        reduce_int8: modes!(super::reduce_int8_on, K),
-        decode_int8: modes!(super::decode_int8_on, K),
-        encode_codebook: super::encode_codebook_on::<K>,
-        encode_float: super::encode_float_on::<K>,
-        decode_float: modes!(super::decode_float_on, K),
-        encode_sign: super::encode_sign_on::<K>,
-        decode_sign: modes!(super::decode_sign_on, K),
-        encode_signmag: super::encode_signmag_on::<K>,
-        decode_signmag: modes!(super::decode_signmag_on, K),
-        encode_natural: super::encode_natural_on::<K>,
-        decode_natural: modes!(super::decode_natural_on, K),
-        filter_mag_ge: super::filter_mag_ge_on::<K>,
-        lane_bound: super::lane_bound_on::<K>,
-        filter_keys: super::filter_keys_on::<K>,
-        filter_mag_ge_vals: super::filter_mag_ge_vals_on::<K>,
-        retain_mag_ge: super::retain_mag_ge_on::<K>,
-        filter_draw_lt_zeroing: super::filter_draw_lt_zeroing_on::<K>,
-        count_draw_lt: super::count_draw_lt_on::<K>,
-        draw_masks_into: super::draw_masks_into_on::<K>,
-        compress_stored_masks: super::compress_stored_masks_on::<K>,
         lane_bound_pays: false,
+        // The operations that route within their entry: their scalar arm.
+        ..portable_table::<SCALAR>()
     }
 }
 
