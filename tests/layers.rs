@@ -12,9 +12,14 @@ use std::path::{Path, PathBuf};
 /// The code of a source file without its comment lines and its test module.
 fn code_of(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+    code_in(&text)
+}
+
+/// `text` without its comment lines and its test module.
+fn code_in(text: &str) -> String {
     let text = match text.find("#[cfg(test)]\nmod ") {
         Some(at) => &text[..at],
-        None => &text[..],
+        None => text,
     };
     text.lines()
         .filter(|l| !l.trim_start().starts_with("//"))
@@ -132,11 +137,7 @@ fn the_engine_and_the_collectives_do_not_know_the_demo() {
 #[test]
 fn the_reader_finds_paths_and_skips_comments() {
     let code = "use crate::rng::Draws;\n// crate::sync is mentioned\nlet x = a::crate::b;\nsuper::fp8::value(crate::error::Error)";
-    let code = code
-        .lines()
-        .filter(|l| !l.trim_start().starts_with("//"))
-        .collect::<Vec<_>>()
-        .join("\n");
+    let code = code_in(code);
     assert_eq!(
         named_after(&code, "crate::"),
         BTreeSet::from(["rng".to_string(), "error".to_string()])

@@ -571,12 +571,6 @@ thread_local! {
     static FORCED: Cell<Option<Backend>> = const { Cell::new(None) };
 }
 
-/// The pulp dispatcher for a backend, to run a portable kernel compiled for its ISA.
-#[inline]
-pub(crate) fn pulp_arch(b: Backend) -> pulp::Arch {
-    pulp_arch_of(b.kind)
-}
-
 /// The pulp dispatcher for instruction set `kind` (the baseline one where this CPU
 /// lacks it).
 #[inline]

@@ -60,22 +60,6 @@ fn prefetch<T>(x: &[T], at: usize) {
     let _ = (x, at);
 }
 
-/// Run a portable kernel compiled for backend `b`.
-#[inline(always)]
-fn simd<Op: pulp::WithSimd>(b: Backend, op: Op) -> Op::Output {
-    backend::pulp_arch(b).dispatch(op)
-}
-
-/// Run a portable kernel compiled for AVX2 (pulp's V3): for a backend that
-/// [`x86_route`] sends to AVX2 on a portable row.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn simd_avx2<Op: pulp::WithSimd>(op: Op) -> Op::Output {
-    pulp::x86::V3::try_new()
-        .map_or(pulp::Arch::Scalar, pulp::Arch::V3)
-        .dispatch(op)
-}
-
 /// Defines a `pulp::WithSimd` operation around a portable kernel call. pulp compiles
 /// `with_simd::<S>` once per instruction set `S`; the kernel, being `#[inline(always)]`,
 /// is inlined into each copy and so vectorised for that ISA. (A closure would not do:
@@ -225,7 +209,17 @@ unsafe fn dct_forward_on<const K: u8>(
     match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => dct::forward_impl(x, stride, h, w, y, out),
         #[cfg(target_arch = "x86_64")]
-        b if x86_route(Op::DctForward, b.kind()) == X86::Avx2 => simd_avx2(DctForward {
+        b if x86_route(Op::DctForward, b.kind()) == X86::Avx2 => {
+            table::on::<{ table::AVX2 }, _>(DctForward {
+                x,
+                stride,
+                h,
+                w,
+                y,
+                out,
+            })
+        }
+        _ => table::on::<K, _>(DctForward {
             x,
             stride,
             h,
@@ -233,17 +227,6 @@ unsafe fn dct_forward_on<const K: u8>(
             y,
             out,
         }),
-        b => simd(
-            b,
-            DctForward {
-                x,
-                stride,
-                h,
-                w,
-                y,
-                out,
-            },
-        ),
     }
 }
 
@@ -269,15 +252,12 @@ unsafe fn dct_select_on<const K: u8>(
     // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
     match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => dct::select_impl(coef, kt, keys, chosen),
-        b => simd(
-            b,
-            DctSelect {
-                coef,
-                kt,
-                keys,
-                chosen,
-            },
-        ),
+        _ => table::on::<K, _>(DctSelect {
+            coef,
+            kt,
+            keys,
+            chosen,
+        }),
     }
 }
 
@@ -306,17 +286,14 @@ unsafe fn dct_forward_fast_on<const K: u8>(
     // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
     match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => dct::forward_fast_impl(x, stride, h, w, y, out),
-        b => simd(
-            b,
-            DctForwardFast {
-                x,
-                stride,
-                h,
-                w,
-                y,
-                out,
-            },
-        ),
+        _ => table::on::<K, _>(DctForwardFast {
+            x,
+            stride,
+            h,
+            w,
+            y,
+            out,
+        }),
     }
 }
 
@@ -347,7 +324,7 @@ unsafe fn dct_encode_rows_fast_on<const K: u8>(
         b if b.kind() == BackendKind::Scalar => dct::encode_rows_fast_impl(x, w, kt, pos, vals),
         #[cfg(target_arch = "x86_64")]
         b if matches!(w, 16 | 32) && x86_route(Op::DctFastRows16Or32, b.kind()) == X86::Avx2 => {
-            simd_avx2(DctEncodeRowsFast {
+            table::on::<{ table::AVX2 }, _>(DctEncodeRowsFast {
                 x,
                 w,
                 kt,
@@ -355,16 +332,13 @@ unsafe fn dct_encode_rows_fast_on<const K: u8>(
                 vals,
             })
         }
-        b => simd(
-            b,
-            DctEncodeRowsFast {
-                x,
-                w,
-                kt,
-                pos,
-                vals,
-            },
-        ),
+        _ => table::on::<K, _>(DctEncodeRowsFast {
+            x,
+            w,
+            kt,
+            pos,
+            vals,
+        }),
     }
 }
 
@@ -406,7 +380,7 @@ unsafe fn dct_encode_rows_lee_on<const K: u8>(
         vals,
         load,
     };
-    simd(b, op)
+    table::on::<K, _>(op)
 }
 
 /// How a backend's build puts sixteen rows into lanes (see [`dct::LoadLanes`]).
@@ -495,8 +469,8 @@ unsafe fn dct_forward_lee_on<const K: u8>(
     match b.kind() {
         BackendKind::Scalar => dct::forward_lee_impl(x, stride, h, w, op.y, op.out, load),
         #[cfg(target_arch = "x86_64")]
-        _ if to_avx2 => simd_avx2(op),
-        _ => simd(b, op),
+        _ if to_avx2 => table::on::<{ table::AVX2 }, _>(op),
+        _ => table::on::<K, _>(op),
     }
 }
 
@@ -525,23 +499,22 @@ unsafe fn dct_decode_rows_on<const K: u8, const M: u8>(
     match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => dct::decode_rows_impl::<M>(w, kt, pos, vals, out),
         #[cfg(target_arch = "x86_64")]
-        b if x86_route(Op::DctInverse, b.kind()) == X86::Avx2 => simd_avx2(DctDecodeRows::<M> {
+        b if x86_route(Op::DctInverse, b.kind()) == X86::Avx2 => {
+            table::on::<{ table::AVX2 }, _>(DctDecodeRows::<M> {
+                w,
+                kt,
+                pos,
+                vals,
+                out,
+            })
+        }
+        _ => table::on::<K, _>(DctDecodeRows::<M> {
             w,
             kt,
             pos,
             vals,
             out,
         }),
-        b => simd(
-            b,
-            DctDecodeRows::<M> {
-                w,
-                kt,
-                pos,
-                vals,
-                out,
-            },
-        ),
     }
 }
 
@@ -570,9 +543,9 @@ unsafe fn gemm_thin_mq_on<const K: u8>(
         b if b.kind() == BackendKind::Scalar => gemm::thin_mq_rows(x, e, qt, cols, p),
         #[cfg(target_arch = "x86_64")]
         b if x86_route(Op::ThinMq, b.kind()) == X86::Avx2 => {
-            simd_avx2(ThinMq { x, e, qt, cols, p })
+            table::on::<{ table::AVX2 }, _>(ThinMq { x, e, qt, cols, p })
         }
-        b => simd(b, ThinMq { x, e, qt, cols, p }),
+        _ => table::on::<K, _>(ThinMq { x, e, qt, cols, p }),
     }
 }
 
@@ -649,17 +622,14 @@ unsafe fn gemm_thin_pqt_on<const K: u8>(
     let _ = stream;
     match b.kind() {
         BackendKind::Scalar => gemm::thin_pqt_rows(x, out, e, p, qt, cols),
-        _ => simd(
-            b,
-            ThinPqt {
-                x,
-                out,
-                e,
-                p,
-                qt,
-                cols,
-            },
-        ),
+        _ => table::on::<K, _>(ThinPqt {
+            x,
+            out,
+            e,
+            p,
+            qt,
+            cols,
+        }),
     }
 }
 
@@ -688,17 +658,14 @@ unsafe fn gemm_thin_mtp_on<const K: u8>(
     // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
     match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => gemm::thin_mtp_cols(m, cols, j0, p, r, acc),
-        b => simd(
-            b,
-            ThinMtp {
-                m,
-                cols,
-                j0,
-                p,
-                r,
-                acc,
-            },
-        ),
+        _ => table::on::<K, _>(ThinMtp {
+            m,
+            cols,
+            j0,
+            p,
+            r,
+            acc,
+        }),
     }
 }
 
@@ -728,9 +695,9 @@ unsafe fn dct_inverse_rows_on<const K: u8>(
         b if b.kind() == BackendKind::Scalar => dct::inverse_rows_impl(t, cols, h, w, x),
         #[cfg(target_arch = "x86_64")]
         b if x86_route(Op::DctInverse, b.kind()) == X86::Avx2 => {
-            simd_avx2(DctInverseRows { t, cols, h, w, x })
+            table::on::<{ table::AVX2 }, _>(DctInverseRows { t, cols, h, w, x })
         }
-        b => simd(b, DctInverseRows { t, cols, h, w, x }),
+        _ => table::on::<K, _>(DctInverseRows { t, cols, h, w, x }),
     }
 }
 
@@ -1048,18 +1015,15 @@ unsafe fn encode_int8_on<const K: u8>(
         b if block_route(Op::EncodeInt8, b.kind(), block) == X86::Avx512 => unsafe {
             x86_64::blocks512::encode_int8_avx512(x, block, round, draws, first, steps, codes)
         },
-        b => simd(
-            b,
-            EncodeInt8 {
-                x,
-                block,
-                round,
-                draws,
-                first,
-                steps,
-                codes,
-            },
-        ),
+        _ => table::on::<K, _>(EncodeInt8 {
+            x,
+            block,
+            round,
+            draws,
+            first,
+            steps,
+            codes,
+        }),
     }
 }
 
@@ -1121,21 +1085,20 @@ unsafe fn reduce_int8_on<const K: u8, const M: u8>(
             portable::reduce_int8::<M>(frames, block, start, out)
         }
         #[cfg(target_arch = "x86_64")]
-        b if x86_route(Op::ReduceInt8, b.kind()) == X86::Avx2 => simd_avx2(ReduceInt8::<M> {
+        b if x86_route(Op::ReduceInt8, b.kind()) == X86::Avx2 => {
+            table::on::<{ table::AVX2 }, _>(ReduceInt8::<M> {
+                frames,
+                block,
+                start,
+                out,
+            })
+        }
+        _ => table::on::<K, _>(ReduceInt8::<M> {
             frames,
             block,
             start,
             out,
         }),
-        b => simd(
-            b,
-            ReduceInt8::<M> {
-                frames,
-                block,
-                start,
-                out,
-            },
-        ),
     }
 }
 
@@ -1157,15 +1120,12 @@ unsafe fn decode_int8_on<const K: u8, const M: u8>(
     // SAFETY: this entry's contract: the CPU supports the instruction set of `K`.
     match unsafe { table::backend::<K>() } {
         b if b.kind() == BackendKind::Scalar => scalar::decode_int8::<M>(steps, codes, block, out),
-        b => simd(
-            b,
-            DecodeInt8::<M> {
-                steps,
-                codes,
-                block,
-                out,
-            },
-        ),
+        _ => table::on::<K, _>(DecodeInt8::<M> {
+            steps,
+            codes,
+            block,
+            out,
+        }),
     }
 }
 
@@ -1199,9 +1159,9 @@ unsafe fn encode_codebook_on<const K: u8>(
     };
     #[cfg(target_arch = "x86_64")]
     if x86_route(Op::EncodeCodebook, b.kind()) == X86::Avx2 {
-        return simd_avx2(op);
+        return table::on::<{ table::AVX2 }, _>(op);
     }
-    simd(b, op)
+    table::on::<K, _>(op)
 }
 
 /// fp8 (or, with `four`, fp4) encode of whole blocks (see [`fp8::encode`]): the scalar
@@ -1307,9 +1267,9 @@ unsafe fn encode_float_on<const K: u8>(
     if x86_route(if four { Op::EncodeFp4 } else { Op::EncodeFp8 }, b.kind()) == X86::Avx2
         || (b.kind() == BackendKind::Avx512 && stochastic_blocks_take_avx2(draws, block))
     {
-        return simd_avx2(op);
+        return table::on::<{ table::AVX2 }, _>(op);
     }
-    simd(b, op)
+    table::on::<K, _>(op)
 }
 
 /// Whether a backend of `kind` encodes fp8 (or, with `four`, fp4) with stochastic
@@ -1538,9 +1498,9 @@ unsafe fn decode_float_on<const K: u8, const M: u8>(
     // level at 24, and 1.13 to 1.15 times as fast at 40 (E8M0 and f32 scales alike).
     #[cfg(target_arch = "x86_64")]
     if float_rest_route(b.kind(), four, scale, block) == X86::Avx2 {
-        return simd_avx2(op);
+        return table::on::<{ table::AVX2 }, _>(op);
     }
-    simd(b, op)
+    table::on::<K, _>(op)
 }
 
 /// Sign block encode (see [`scalar::encode_sign`]); `codes` need not be zeroed.
@@ -1573,15 +1533,12 @@ unsafe fn encode_sign_on<const K: u8>(
         // SAFETY: x86_route (so block_route) gives Avx512 only to the AVX-512 backend,
         // which exists only after AVX-512F and AVX2 were detected.
         (_, X86::Avx512) => unsafe { x86_64::encode_sign_avx512(x, block, steps, codes) },
-        _ => simd(
-            b,
-            EncodeSign {
-                x,
-                block,
-                steps,
-                codes,
-            },
-        ),
+        _ => table::on::<K, _>(EncodeSign {
+            x,
+            block,
+            steps,
+            codes,
+        }),
     }
 }
 
@@ -1612,15 +1569,12 @@ unsafe fn decode_sign_on<const K: u8, const M: u8>(
             && M != mode::RESIDUAL
             && block.is_multiple_of(8) =>
         unsafe { x86_64::blocks::decode_sign_avx2::<M>(steps, codes, block, out) },
-        b => simd(
-            b,
-            DecodeSign::<M> {
-                steps,
-                codes,
-                block,
-                out,
-            },
-        ),
+        _ => table::on::<K, _>(DecodeSign::<M> {
+            steps,
+            codes,
+            block,
+            out,
+        }),
     }
 }
 
@@ -1688,18 +1642,15 @@ unsafe fn encode_signmag_on<const K: u8>(
     }
     macro_rules! go {
         ($bits:literal) => {
-            simd(
-                b,
-                EncodeSignmag::<$bits> {
-                    x,
-                    block,
-                    measure,
-                    draws,
-                    first,
-                    steps,
-                    codes,
-                },
-            )
+            table::on::<K, _>(EncodeSignmag::<$bits> {
+                x,
+                block,
+                measure,
+                draws,
+                first,
+                steps,
+                codes,
+            })
         };
     }
     match bits {
@@ -1758,15 +1709,12 @@ unsafe fn decode_signmag_on<const K: u8, const M: u8>(
     }
     macro_rules! go {
         ($bits:literal) => {
-            simd(
-                b,
-                DecodeSignmag::<M, $bits> {
-                    steps,
-                    codes,
-                    block,
-                    out,
-                },
-            )
+            table::on::<K, _>(DecodeSignmag::<M, $bits> {
+                steps,
+                codes,
+                block,
+                out,
+            })
         };
     }
     match bits {
@@ -1812,17 +1760,14 @@ unsafe fn encode_natural_on<const K: u8>(
         b if x86_route(Op::EncodeNatural, b.kind()) == X86::Avx2 => unsafe {
             x86_64::blocks::encode_natural_avx2(x, block, draws, first, refs, codes)
         },
-        b => simd(
-            b,
-            EncodeNatural {
-                x,
-                block,
-                draws,
-                first,
-                refs,
-                codes,
-            },
-        ),
+        _ => table::on::<K, _>(EncodeNatural {
+            x,
+            block,
+            draws,
+            first,
+            refs,
+            codes,
+        }),
     }
 }
 
@@ -1852,15 +1797,12 @@ unsafe fn decode_natural_on<const K: u8, const M: u8>(
         b if x86_route(Op::DecodeNatural, b.kind()) == X86::Avx2 => unsafe {
             x86_64::blocks::decode_natural_avx2::<M>(refs, codes, block, out)
         },
-        b => simd(
-            b,
-            DecodeNatural::<M> {
-                refs,
-                codes,
-                block,
-                out,
-            },
-        ),
+        _ => table::on::<K, _>(DecodeNatural::<M> {
+            refs,
+            codes,
+            block,
+            out,
+        }),
     }
 }
 
@@ -1893,7 +1835,7 @@ unsafe fn filter_mag_ge_on<const K: u8>(x: &[f32], t: u32, idx: &mut [u32]) -> (
         // after AVX-512F was detected.
         #[cfg(target_arch = "x86_64")]
         (_, X86::Avx512) => unsafe { x86_64::filter_mag_ge_avx512(x, t, idx) },
-        _ => simd(b, FilterMagGe { x, t, idx }),
+        _ => table::on::<K, _>(FilterMagGe { x, t, idx }),
     }
 }
 
@@ -1931,16 +1873,16 @@ unsafe fn lane_bound_on<const K: u8>(x: &[f32], d: usize) -> u32 {
         },
         #[cfg(target_arch = "x86_64")]
         (_, X86::Avx2) => match d {
-            1 => simd_avx2(LaneBound::<1> { x }),
-            2 => simd_avx2(LaneBound::<2> { x }),
-            3 => simd_avx2(LaneBound::<3> { x }),
-            _ => simd_avx2(LaneBound::<4> { x }),
+            1 => table::on::<{ table::AVX2 }, _>(LaneBound::<1> { x }),
+            2 => table::on::<{ table::AVX2 }, _>(LaneBound::<2> { x }),
+            3 => table::on::<{ table::AVX2 }, _>(LaneBound::<3> { x }),
+            _ => table::on::<{ table::AVX2 }, _>(LaneBound::<4> { x }),
         },
         _ => match d {
-            1 => simd(b, LaneBound::<1> { x }),
-            2 => simd(b, LaneBound::<2> { x }),
-            3 => simd(b, LaneBound::<3> { x }),
-            _ => simd(b, LaneBound::<4> { x }),
+            1 => table::on::<K, _>(LaneBound::<1> { x }),
+            2 => table::on::<K, _>(LaneBound::<2> { x }),
+            3 => table::on::<K, _>(LaneBound::<3> { x }),
+            _ => table::on::<K, _>(LaneBound::<4> { x }),
         },
     }
 }
@@ -2044,7 +1986,7 @@ unsafe fn filter_mag_ge_vals_on<const K: u8>(
         // after AVX-512F was detected.
         #[cfg(target_arch = "x86_64")]
         (_, X86::Avx512) => unsafe { x86_64::filter_mag_ge_vals_avx512(x, t, idx, vals) },
-        _ => simd(b, FilterMagGeVals { x, t, idx, vals }),
+        _ => table::on::<K, _>(FilterMagGeVals { x, t, idx, vals }),
     }
 }
 
@@ -2169,16 +2111,13 @@ unsafe fn filter_draw_lt_zeroing_on<const K: u8>(
             let (first, t) = (first as u32, t as u32);
             return unsafe { x86_64::blocks::filter_draw_lt_avx2(first, key, t, n, idx, zero) };
         }
-        _ => simd(
-            b,
-            FilterDrawLt {
-                first: first as u32,
-                key: draws.key_for(first),
-                t: t as u32,
-                n,
-                idx,
-            },
-        ),
+        _ => table::on::<K, _>(FilterDrawLt {
+            first: first as u32,
+            key: draws.key_for(first),
+            t: t as u32,
+            n,
+            idx,
+        }),
     };
     if let Some(z) = zero {
         z[..used].fill(0.0);
@@ -2239,16 +2178,13 @@ unsafe fn count_draw_lt_on<const K: u8>(draws: &Draws, first: u64, t: u64, n: us
             // exist only after AVX2 was detected.
             #[cfg(target_arch = "x86_64")]
             X86::Avx2 => unsafe { x86_64::blocks::count_draw_lt_avx2(at as u32, key, t as u32, m) },
-            _ => simd(
-                b,
-                CountDrawLt {
-                    first: at as u32,
-                    key,
-                    t: t as u32,
-                    n: m,
-                    _l: PhantomData,
-                },
-            ),
+            _ => table::on::<K, _>(CountDrawLt {
+                first: at as u32,
+                key,
+                t: t as u32,
+                n: m,
+                _l: PhantomData,
+            }),
         };
         done += m;
     }
@@ -2317,16 +2253,13 @@ unsafe fn draw_masks_into_on<const K: u8>(
         // only after x86-64-v3 (AVX2, POPCNT, ...) was detected.
         #[cfg(target_arch = "x86_64")]
         X86::Avx2 => unsafe { x86_64::blocks::draw_masks_avx2(first, key, t, n, masks) },
-        _ => simd(
-            b,
-            DrawMasks {
-                first,
-                key,
-                t,
-                n,
-                masks,
-            },
-        ),
+        _ => table::on::<K, _>(DrawMasks {
+            first,
+            key,
+            t,
+            n,
+            masks,
+        }),
     }
 }
 
