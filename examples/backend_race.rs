@@ -5,9 +5,18 @@
 //!
 //! ```text
 //! cargo run --release --example backend_race [ELEMENTS...] [SPEC...]
+//! cargo run --release --example backend_race -- --routing
 //! ```
 //!
 //! Sizes default to 65536 and 1048576, codecs to a representative list.
+//!
+//! With `--routing` (an AVX-512 CPU): the routing table measured on this CPU. Each row of
+//! the table that applies to this CPU's vendor has its probe (a codec operation) timed
+//! on the AVX2 backend and on the AVX-512 backend with its routing off, alternated as
+//! below; the faster one is the row's measured choice (within 3%: level, the row's
+//! choice stands). Prints each row's figures and verdict, then the rows for this vendor
+//! in the table's source form, with this CPU and today's date, to replace the ones that
+//! differ.
 //!
 //! `reduce x8` is [`gradpack::reduce_frames`] of eight frames of the codec, in GB/s of its
 //! f32 output (one eighth of the elements decoded).
@@ -45,8 +54,132 @@ fn time(mut f: impl FnMut()) -> f64 {
     best
 }
 
+/// A codec operation the race times.
+#[derive(Clone, Copy, PartialEq)]
+enum RaceOp {
+    Encode,
+    Decode,
+    DecodeAdd,
+    Feedback,
+    Reduce,
+}
+
+impl RaceOp {
+    const ALL: [RaceOp; 5] = [
+        RaceOp::Encode,
+        RaceOp::Decode,
+        RaceOp::DecodeAdd,
+        RaceOp::Feedback,
+        RaceOp::Reduce,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            RaceOp::Encode => "encode",
+            RaceOp::Decode => "decode",
+            RaceOp::DecodeAdd => "decode_add",
+            RaceOp::Feedback => "feedback",
+            RaceOp::Reduce => "reduce x8",
+        }
+    }
+}
+
+/// One codec on `n` elements, ready to race: its input, a frame, eight frames for the
+/// reduction and its error-feedback state (where it has one).
+struct Bench {
+    codec: CodecSpec,
+    x: Vec<f32>,
+    ctx: EncodeCtx,
+    frame: Vec<u8>,
+    frame_ok: Vec<u8>,
+    eight: Vec<Vec<u8>>,
+    out: Vec<f32>,
+    ef: Option<ErrorFeedback>,
+}
+
+impl Bench {
+    fn new(spec: &str, n: usize) -> Bench {
+        let codec: CodecSpec = spec.parse().expect("spec");
+        let x = gradpack::synthetic::gradient(n, 3);
+        let ctx = EncodeCtx::new(9);
+        let mut frame = vec![0u8; codec.max_encoded_len(n)];
+        let len = codec.encode_into(&x, &ctx, &mut frame).expect("encode");
+        let frame_ok = frame[..len].to_vec();
+        // Eight frames of the same codec for the fused reduction.
+        let eight: Vec<Vec<u8>> = (0..8u64)
+            .map(|q| {
+                let xq = gradpack::synthetic::gradient(n, 20 + q);
+                codec.encode(&xq, &EncodeCtx::new(q)).expect("encode")
+            })
+            .collect();
+        let ef = ErrorFeedback::new(codec, n).ok();
+        Bench {
+            codec,
+            x,
+            ctx,
+            frame,
+            frame_ok,
+            eight,
+            out: vec![0f32; n],
+            ef,
+        }
+    }
+
+    /// The best seconds per call of `op` on each backend, over 8 rounds in an order that
+    /// alternates between rounds; `None` where the codec has no such operation.
+    fn race(&mut self, op: RaceOp, backends: &[Backend]) -> Option<Vec<f64>> {
+        if op == RaceOp::Feedback && self.ef.is_none() {
+            return None;
+        }
+        let mut best = vec![f64::INFINITY; backends.len()];
+        for round in 0..8 {
+            // Alternate the order, so that neither backend always goes first.
+            let mut order: Vec<usize> = (0..backends.len()).collect();
+            if round % 2 == 1 {
+                order.reverse();
+            }
+            for i in order {
+                let Bench {
+                    codec,
+                    x,
+                    ctx,
+                    frame,
+                    frame_ok,
+                    eight,
+                    out,
+                    ef,
+                } = self;
+                let t = backends[i].run(|| match op {
+                    RaceOp::Encode => time(|| {
+                        codec.encode_into(x, ctx, frame).expect("encode");
+                    }),
+                    RaceOp::Decode => time(|| codec.decode_into(frame_ok, out).expect("decode")),
+                    RaceOp::DecodeAdd => {
+                        time(|| codec.decode_add(frame_ok, out).expect("decode_add"))
+                    }
+                    RaceOp::Reduce => time(|| {
+                        gradpack::reduce_frames(eight, out).expect("reduce");
+                    }),
+                    RaceOp::Feedback => {
+                        let ef = ef.as_mut().expect("feedback state");
+                        time(|| {
+                            ef.encode_into(x, ctx, frame).expect("feedback");
+                        })
+                    }
+                });
+                best[i] = best[i].min(t);
+            }
+        }
+        Some(best)
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    gradpack::parallel::set_min_len(usize::MAX);
+    if args.iter().any(|a| a == "--routing") {
+        return routing();
+    }
     let sizes: Vec<usize> = {
         let v: Vec<usize> = args.iter().filter_map(|a| a.parse().ok()).collect();
         if v.is_empty() {
@@ -76,7 +209,6 @@ fn main() {
         .filter(|k| *k != BackendKind::Scalar)
         .filter_map(Backend::of)
         .collect();
-    gradpack::parallel::set_min_len(usize::MAX);
     println!(
         "backends: {:?}; best of 8 rounds in alternating order, GB/s of f32 input, one thread\n",
         backends.iter().map(|b| b.kind().name()).collect::<Vec<_>>()
@@ -104,58 +236,12 @@ fn main() {
         println!(" slowest / fastest |");
         println!("|---|---|{}---:|", "---:|".repeat(backends.len()));
         for &spec in &specs {
-            let codec: CodecSpec = spec.parse().expect("spec");
-            let ctx = EncodeCtx::new(9);
-            let mut frame = vec![0u8; codec.max_encoded_len(n)];
-            let len = codec.encode_into(&x, &ctx, &mut frame).expect("encode");
-            let frame_ok = frame[..len].to_vec();
-            // Eight frames of the same codec for the fused reduction.
-            let eight: Vec<Vec<u8>> = (0..8u64)
-                .map(|q| {
-                    let xq = gradpack::synthetic::gradient(n, 20 + q);
-                    codec.encode(&xq, &EncodeCtx::new(q)).expect("encode")
-                })
-                .collect();
-            let mut out = vec![0f32; n];
-            let mut ef = ErrorFeedback::new(codec, n).ok();
-            let ops: [&str; 5] = ["encode", "decode", "decode_add", "feedback", "reduce x8"];
-            for op in ops {
-                if op == "feedback" && ef.is_none() {
+            let mut bench = Bench::new(spec, n);
+            for op in RaceOp::ALL {
+                let Some(best) = bench.race(op, &backends) else {
                     continue;
-                }
-                let mut best = vec![f64::INFINITY; backends.len()];
-                for round in 0..8 {
-                    // Alternate the order, so that neither backend always goes first.
-                    let mut order: Vec<usize> = (0..backends.len()).collect();
-                    if round % 2 == 1 {
-                        order.reverse();
-                    }
-                    for i in order {
-                        let b = &backends[i];
-                        let t = b.run(|| match op {
-                            "encode" => time(|| {
-                                codec.encode_into(&x, &ctx, &mut frame).expect("encode");
-                            }),
-                            "decode" => {
-                                time(|| codec.decode_into(&frame_ok, &mut out).expect("decode"))
-                            }
-                            "decode_add" => {
-                                time(|| codec.decode_add(&frame_ok, &mut out).expect("decode_add"))
-                            }
-                            "reduce x8" => time(|| {
-                                gradpack::reduce_frames(&eight, &mut out).expect("reduce");
-                            }),
-                            _ => {
-                                let ef = ef.as_mut().expect("feedback state");
-                                time(|| {
-                                    ef.encode_into(&x, &ctx, &mut frame).expect("feedback");
-                                })
-                            }
-                        });
-                        best[i] = best[i].min(t);
-                    }
-                }
-                print!("| {spec} | {op} |");
+                };
+                print!("| {spec} | {} |", op.name());
                 for t in &best {
                     print!(" {:.1} |", gbs(*t));
                 }
@@ -167,4 +253,157 @@ fn main() {
         }
         println!();
     }
+}
+
+/// `--routing`: each routing row that applies to this CPU, measured (see the module docs).
+fn routing() {
+    use gradpack::unstable::kernels::routing::{
+        Measure, Probe, ROWS, Vendor, X86, row_source, unrouted,
+    };
+    let (Some(avx2), Some(avx512)) = (Backend::avx2(), Backend::avx512()) else {
+        println!("SKIP --routing: this CPU has no AVX-512 backend (only it routes)");
+        return;
+    };
+    let backends = [avx2, unrouted(avx512)];
+    let vendor = Vendor::this();
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| format!("{vendor:?}"));
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let measured = format!("{}, {cores}-core {cpu}", today());
+    println!(
+        "routing rows measured on {measured} ({vendor:?}): AVX2 against AVX-512 unrouted, one thread\n"
+    );
+    println!(
+        "| operation | CPU | calls | probe | table | avx2 GB/s | avx512 GB/s | avx512 / avx2 | verdict |"
+    );
+    println!("|---|---|---|---|---|---:|---:|---:|---|");
+    let mut proposed = Vec::new();
+    let mut cache: Vec<(Probe, [f64; 2])> = Vec::new();
+    // An operation's rows after one that takes every call of this vendor are never
+    // reached here.
+    let mut closed = Vec::new();
+    for row in ROWS.iter().filter(|r| r.cpu.covers(vendor)) {
+        if closed.contains(&row.op) {
+            proposed.push((*row, row.measured.to_string()));
+            continue;
+        }
+        if row.when.is_always() {
+            closed.push(row.op);
+        }
+        let Some(p) = row.probe else {
+            println!(
+                "| {:?} | {:?} | {} | none | {} | | | | not probed |",
+                row.op,
+                row.cpu,
+                calls(&row_source(row)),
+                row.takes.name()
+            );
+            proposed.push((*row, row.measured.to_string()));
+            continue;
+        };
+        let t = match cache.iter().find(|(k, _)| *k == p) {
+            Some((_, t)) => *t,
+            None => {
+                let op = match p.measure {
+                    Measure::Encode => RaceOp::Encode,
+                    Measure::Decode => RaceOp::Decode,
+                    Measure::DecodeAdd => RaceOp::DecodeAdd,
+                    Measure::Step => RaceOp::Feedback,
+                    Measure::Reduce => RaceOp::Reduce,
+                };
+                let best = Bench::new(p.spec, p.elements)
+                    .race(op, &backends)
+                    .expect("the probe's operation exists (a unit test checks it)");
+                cache.push((p, [best[0], best[1]]));
+                [best[0], best[1]]
+            }
+        };
+        let gbs = |t: f64| 4.0 * p.elements as f64 / t / 1e9;
+        let speedup = t[0] / t[1];
+        let faster = if speedup > 1.0 {
+            X86::Avx512
+        } else {
+            X86::Avx2
+        };
+        // The table's `None` (a portable build) is AVX-512's own code too.
+        let table = if row.takes == X86::None {
+            X86::Avx512
+        } else {
+            row.takes
+        };
+        let verdict = if (speedup - 1.0).abs() <= 0.03 {
+            "level"
+        } else if faster == table {
+            "agrees"
+        } else {
+            "DIFFERS"
+        };
+        println!(
+            "| {:?} | {:?} | {} | {} {:?} {} | {} | {:.1} | {:.1} | {speedup:.2} | {verdict} |",
+            row.op,
+            row.cpu,
+            calls(&row_source(row)),
+            p.spec,
+            p.measure,
+            p.elements,
+            row.takes.name(),
+            gbs(t[0]),
+            gbs(t[1])
+        );
+        if verdict == "DIFFERS" {
+            let mut r = *row;
+            r.takes = faster;
+            r.cpu = match vendor {
+                Vendor::Intel => Vendor::Intel,
+                _ => Vendor::Amd,
+            };
+            proposed.push((r, format!("{measured}: {speedup:.2}")));
+            // A row for every vendor keeps its choice for the others.
+            if row.cpu == Vendor::Any {
+                proposed.push((*row, row.measured.to_string()));
+            }
+        } else {
+            proposed.push((*row, row.measured.to_string()));
+        }
+    }
+    println!(
+        "\nThe rows for this vendor ({vendor:?}), as measured: op, CPU, calls, code (measured)\n"
+    );
+    for (r, m) in proposed {
+        println!("{}  // {m}", row_source(&r));
+    }
+}
+
+/// The calls column: a row's `when` in source form.
+fn calls(source: &str) -> String {
+    source
+        .splitn(3, ", ")
+        .nth(2)
+        .and_then(|w| w.rsplit_once(", "))
+        .map_or(String::new(), |(w, _)| w.to_string())
+}
+
+/// Today's date (UTC) as YYYY-MM-DD.
+fn today() -> String {
+    let days = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() / 86_400) as i64;
+    // Days since 1970-01-01 to a civil date (the proleptic Gregorian calendar).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}")
 }

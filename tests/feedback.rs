@@ -116,7 +116,7 @@ fn check_steps(
     steps: u64,
     grad: impl Fn(u64) -> Vec<f32>,
 ) {
-    for b in Backend::available() {
+    for b in every_kernel_set() {
         let mut ef = ErrorFeedback::with_options(*spec, n, o).unwrap();
         let mut reference = Reference::new(n, o.precision);
         for step in 0..steps {
@@ -142,7 +142,7 @@ fn check_steps(
 
 #[test]
 fn fused_step_equals_the_unfused_definition_on_every_backend() {
-    for b in Backend::available() {
+    for b in every_kernel_set() {
         eprintln!("backend tested: {b}");
     }
     for spec in ef_specs() {

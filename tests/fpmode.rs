@@ -9,15 +9,12 @@
 mod common;
 
 use common::*;
+use gradpack::unstable::kernels::Backend;
 use gradpack::unstable::kernels::fpmode::{flushes_subnormals, set_flush_subnormals};
-use gradpack::unstable::kernels::{Backend, BackendKind};
 use gradpack::{Codec, CodecSpec, EncodeCtx, ErrorFeedback};
 
 fn backends() -> Vec<Backend> {
-    BackendKind::ALL
-        .into_iter()
-        .filter_map(Backend::of)
-        .collect()
+    every_kernel_set()
 }
 
 /// Subnormals of both signs, the smallest normals, tiny normals whose quotients by a

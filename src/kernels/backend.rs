@@ -51,356 +51,19 @@ impl BackendKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Backend {
     kind: BackendKind,
+    /// Whether the AVX-512 backend follows the routing table (`false`: its own code
+    /// everywhere, for measuring the table; see `routing::unrouted`).
+    routed: bool,
 }
 
 impl fmt::Display for Backend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.kind.name())
+        f.write_str(self.kind.name())?;
+        if !self.routed {
+            f.write_str(" (unrouted)")?;
+        }
+        Ok(())
     }
-}
-
-/// The operations with hand-written x86 kernels: the rows of [`x86_route`] (only
-/// consulted by x86 builds; elsewhere every row routes to `X86::None`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) enum Op {
-    FeedbackF16,
-    /// int8's fused error-feedback step: an AVX2 kernel and an AVX-512 one.
-    FeedbackInt8,
-    /// int8's fused ring hop (a decode added to local values, then encoded): as
-    /// `FeedbackInt8`.
-    HopInt8,
-    /// fp16's fused ring hop: an AVX2 (F16C) kernel only.
-    HopF16,
-    EncodeF16,
-    /// fp16 decode into the output.
-    DecodeF16,
-    /// fp16 decode added into the output.
-    AddF16,
-    EncodeBf16,
-    /// int8 encode: an AVX2 kernel and an AVX-512 one.
-    EncodeInt8,
-    EncodeSign,
-    DecodeSign,
-    EncodeSignmag,
-    DecodeSignmag,
-    EncodeNatural,
-    DecodeNatural,
-    FilterMagGe,
-    /// The selection bound of `chunktopk` (each of 16 groups' few largest keys): an
-    /// AVX-512 kernel (float minima and maxima); elsewhere portable code, as `DecodeF32`.
-    LaneBound,
-    /// The positions and keys of the elements reaching a key (`chunktopk`'s candidates):
-    /// an AVX-512 kernel of 16 lanes a compress; elsewhere `FilterMagGe`'s kernels.
-    FilterKeys,
-    FilterDrawLt,
-    CountDrawLt,
-    DrawMasks,
-    CompressMasks,
-    /// The f32 decode (identity): portable code, compiled for AVX2 or AVX-512 by pulp.
-    DecodeF32,
-    /// The bf16 decode: portable code, as `DecodeF32`.
-    DecodeBf16,
-    /// The forward DCT of the `dct` codec: portable code, as `DecodeF32`.
-    DctForward,
-    /// The inverse DCT's second pass (the dense rows): portable code, as `DecodeF32`.
-    DctInverse,
-    /// Lee's forward DCT of a 64 x 64 tile: portable code, as `DecodeF32`.
-    DctLee64x64,
-    /// The factorised forward DCT of batched one-row tiles of 16 or 32: portable code, as
-    /// `DecodeF32`.
-    DctFastRows16Or32,
-    /// The multi-frame reduction of f32 frames: portable code, as `DecodeF32`.
-    ReduceF32,
-    /// The multi-frame reduction of fp16 frames (F16C).
-    ReduceF16,
-    /// The multi-frame reduction of bf16 frames: portable code, as `DecodeF32`.
-    ReduceBf16,
-    /// The multi-frame reduction of int8 frames: portable code, as `DecodeF32`.
-    ReduceInt8,
-    /// fp8 encode (branch-free conversions): portable code, as `DecodeF32`.
-    EncodeFp8,
-    /// fp8 encode with nearest rounding, 8-bit codes and an f32 or E8M0 scale: an AVX2
-    /// kernel of 32 elements a step.
-    EncodeFp8Nearest,
-    /// fp4 encode of E2M1 or E3M0 codes with nearest rounding and a scale: an AVX2
-    /// kernel of 32 elements a step.
-    EncodeFp4Nearest,
-    /// fp8 decode: portable code, as `DecodeF32`.
-    DecodeFp8,
-    /// fp4 encode: portable code, as `DecodeF32`.
-    EncodeFp4,
-    /// fp4 decode: lookups in registers for blocks of 16 and 32, else portable code.
-    DecodeFp4,
-    /// PowerSGD's reconstruction of a large matrix, written by non-temporal stores.
-    StreamPqt,
-    /// PowerSGD's `M Q` (the thin product's dot products): portable code, as `DecodeF32`.
-    ThinMq,
-    /// `codebook` encode (moments, bins and the bins' sums): portable code, as
-    /// `DecodeF32`.
-    EncodeCodebook,
-    /// Error feedback's input `beta * r + gamma * g` of the fixed-rate codecs without a
-    /// fused step: portable code, as `DecodeF32`.
-    FeedbackForm,
-}
-
-impl Op {
-    /// Every row of the routing table.
-    #[cfg(test)]
-    pub(crate) const ALL: [Op; 42] = [
-        Op::FeedbackF16,
-        Op::FeedbackInt8,
-        Op::HopInt8,
-        Op::HopF16,
-        Op::EncodeF16,
-        Op::DecodeF16,
-        Op::AddF16,
-        Op::EncodeBf16,
-        Op::EncodeInt8,
-        Op::EncodeSign,
-        Op::DecodeSign,
-        Op::EncodeSignmag,
-        Op::DecodeSignmag,
-        Op::EncodeNatural,
-        Op::DecodeNatural,
-        Op::FilterMagGe,
-        Op::LaneBound,
-        Op::FilterKeys,
-        Op::FilterDrawLt,
-        Op::CountDrawLt,
-        Op::DrawMasks,
-        Op::CompressMasks,
-        Op::DecodeF32,
-        Op::DecodeBf16,
-        Op::DctForward,
-        Op::DctInverse,
-        Op::DctLee64x64,
-        Op::DctFastRows16Or32,
-        Op::ReduceF32,
-        Op::ReduceF16,
-        Op::ReduceBf16,
-        Op::ReduceInt8,
-        Op::EncodeFp8,
-        Op::EncodeFp8Nearest,
-        Op::EncodeFp4Nearest,
-        Op::DecodeFp8,
-        Op::EncodeFp4,
-        Op::DecodeFp4,
-        Op::StreamPqt,
-        Op::ThinMq,
-        Op::EncodeCodebook,
-        Op::FeedbackForm,
-    ];
-}
-
-/// The hand-written x86 kernel family an operation runs on a backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) enum X86 {
-    /// None: the scalar, portable (pulp) or NEON path of the backend.
-    None,
-    /// The AVX2 kernel (AVX2, FMA, F16C, BMI1, POPCNT).
-    Avx2,
-    /// The AVX-512 kernel.
-    Avx512,
-}
-
-/// The routing table: which x86 kernel `op` runs on a backend of `kind` on a CPU of the
-/// vendor `cpu` (five rows of the AVX-512 backend differ between Intel's and AMD's cores:
-/// three of fp16 and two of int8; see the first arms below).
-///
-/// An AVX-512 CPU also runs every AVX2 kernel (the AVX-512 backend is only detected on a
-/// CPU that has everything the AVX2 backend needs), so the AVX-512 backend takes, for
-/// each operation, the faster of its own kernel and the AVX2 one: its own where one
-/// exists and measured faster (fp16 encode, decode and error-feedback step, bf16 encode,
-/// sign encode, qsgd and ternary encode: 1.1 to 1.3 times AVX2's at 64 Ki and 1 Mi
-/// elements, the magnitude filter), the AVX2 kernel everywhere else (fp16's
-/// decode_add too: 9% faster with AVX2 at 1 Mi elements, while its plain decode is 8%
-/// faster with AVX-512). Measured with
-/// `cargo run --release --example backend_race` on a Zen 5 (docs/benchmarks-history.md,
-/// 2026-11-24, commit a6cfab8): before this table the AVX-512 backend ran the portable kernels on the other
-/// rows, 1.1 to 3.3 times slower than AVX2 (natural encode 3.3x, random-k decode_add
-/// 2.4x, sign decode_add 2.3x, QSGD 1.4 to 2.0x). Two rows are portable code that pulp
-/// compiles for either instruction set: the f32 and bf16 decodes, whose AVX2 builds
-/// were up to 12% (f32) and 2 to 5% (bf16, at 1 Mi elements) faster, and the forward
-/// DCT of `dct`, whose AVX2 build was 1.5 times as fast on 64 x 64 tiles at 64 Ki
-/// elements (and level on one-row tiles); the inverse DCT's dense rows run the AVX2 build
-/// too (level with the AVX-512 one, within 2 to 7%, on 1-D and 2-D tiles). The fused
-/// reduction of many frames (`reduce x8` in that example, on a Zen 4/5 EPYC, commit 651ecff)
-/// runs its AVX-512 builds: 1.5 times AVX2's for int8, 1.1 to 1.4 for bf16, 1.07 to 1.12
-/// for fp16 (F16C), and level (within 3%) for f32 frames. fp8 and fp4 (portable code,
-/// `cargo bench --bench codecs` at 1 Mi elements, 2026-11-26): the AVX-512 builds encode
-/// fp8 1.8 times as fast as AVX2's and decode it 1.7 times, and encode fp4 1.8 times.
-/// fp8's nearest encode of 8-bit codes with an f32 or E8M0 scale, and fp4's of E2M1
-/// and E3M0 codes with any scale, have hand-written AVX2 kernels (32 elements a step,
-/// packed by saturation; 1.45 to 1.7 times the portable AVX2 build on a 2-core Zen 3,
-/// 2026-11-27, E3M0 2 to 3.3 times, 2026-11-28), and AVX-512 ones (2026-11-29, sixteen
-/// lanes, 64 elements a step), which Intel's cores run (see the table) and AMD's do not
-/// yet (unmeasured: they run the AVX2 kernels). The portable AVX-512 builds, 1.8 times the
-/// portable AVX2 ones on the Zen 5, do not beat them on a 2-core Intel Xeon (2026-11-29,
-/// `backend_race`, the rows rerouted for the run): the AVX2 kernels encode fp8 1.3 times
-/// as fast at 64 Ki elements (level at 1 Mi) and fp4 2.5 to 3.3 times; AMD's cores not
-/// measured.
-/// fp8's decode of blocks of a multiple of 16 goes through half precision in registers
-/// (2026-11-27, commit 842321e, a 2-core Intel Xeon, `backend_race` at 64 Ki
-/// elements; AMD's cores not yet measured): AVX-512's E4M3 decode_add 1.15 to 1.25 times
-/// AVX2's, its decode 1.12 to 1.16, E5M2's decode_add 1.04 to 1.13; E5M2's plain decode
-/// runs the AVX2 build, 0 to 20% faster than AVX-512's in seven runs.
-/// fp4's decode of blocks of 16 and 32 looks codes up in registers (one permute per 16
-/// on AVX-512; 2026-11-27, a 2-core Intel Xeon, `backend_race` at 64 Ki elements):
-/// AVX-512's was 2.3 times AVX2's for blocks of 32, 1.45 times for 16, when AVX2 took two
-/// permutes and a blend per 8 codes. AVX2's now takes two byte lookups per 32 (every
-/// 4-bit value is a bfloat16) and computes 16 E4M3 block scales at a time, 2.0 to 2.4
-/// times as fast on a 2-core Zen 3 (2026-11-28); it has not been measured against
-/// AVX-512's on an AVX-512 CPU since. Other block lengths and the residual mode (a nibble
-/// per element) run the AVX2 build, 1.2 to 1.5 times as fast as AVX-512's.
-/// PowerSGD (`examples/scaling`'s step, rank 2 on 4096 x 2304, one thread, 2026-11-26):
-/// `M Q` runs the AVX2 build, 1.5 times as fast (its 16-lane sums are two registers there,
-/// so twice as many independent chains of additions); the reconstruction of large
-/// matrices streams with AVX-512's kernel (level with AVX2's); `M^T P` runs the backend's
-/// own build (AVX-512's 10% faster). Lee's forward DCT (`dct`'s default encoder,
-/// 2026-11-27, a 2-core Intel Xeon, `backend_race` at 1 Mi elements): 64 x 64 tiles run
-/// the AVX2 build (8 to 11% faster in two runs of three; level in the third); smaller
-/// tiles and one-row batches the AVX-512 build (1.7 times as fast on 32 x 32 tiles, 1.4
-/// on 16 x 16, 1.3 to 1.4 on one-row tiles of 64). The factorised transform
-/// (`transform=fast`) of one-row tiles of 16 and 32 runs the AVX2 build there (1.2 to 1.3
-/// times as fast; the AVX-512 build wins at 8 and 64).
-/// `codebook`'s encode runs the AVX2 build (2026-11-29, a 2-core Intel Xeon,
-/// `backend_race`: 1.25 to 1.3 times AVX-512's at 64 Ki and 1 Mi elements, whose f64
-/// bins take 512-bit conversions and packs; AMD's cores not measured).
-/// Error feedback's input (`beta r + gamma g`, the step of every fixed-rate codec without
-/// a fused one) runs the AVX2 build (2026-12-02, a 2-core Zen 5, `backend_race 65536`):
-/// with AVX-512's, the steps of fp8 and fp4 in blocks of 10 ran 7%, natural's 5% and
-/// bf16's 2% slower than on the AVX2 backend; with AVX2's they are level, and the codecs
-/// whose encoders AVX-512 speeds up keep their lead (sign 1.33, ternary 1.12, fp4 1.09).
-pub(crate) const fn x86_route_on(op: Op, kind: BackendKind, cpu: Cpu) -> X86 {
-    match kind {
-        // Every row has an AVX2 kernel.
-        BackendKind::Avx2 => X86::Avx2,
-        BackendKind::Avx512 => match op {
-            // Intel's cores (a Xeon with AVX-512 FP16 and AMX, 2026-11-26), where a Zen 5
-            // runs AVX-512's fp16 kernels 7 to 12% faster: the AVX2 build decodes fp16 8 to
-            // 14% faster at 64 Ki elements and sums eight fp16 frames 11 to 14% faster
-            // (level at 1 Mi). Its fp16 encode is level with AVX-512's on dense tensors
-            // (within 5% either way), but top-k's encode, whose few kept values are a
-            // short burst of 512-bit work among 256-bit and scalar code, is 4 to 9% faster
-            // with it.
-            Op::DecodeF16 | Op::ReduceF16 | Op::EncodeF16 if matches!(cpu, Cpu::Intel) => X86::Avx2,
-            // int8's encode, fused error-feedback step and ring hop (a 2-core Intel Xeon,
-            // 2026-11-29, `backend_race`): with nearest rounding AVX-512's encode 1.23 to
-            // 1.40 times AVX2's at 64 Ki elements (blocks of 64, 256 and 4096) and 1.14 to
-            // 1.26 at 1 Mi, its step 1.24 to 1.33 and 1.06 to 1.14, its hop 1.17 to 1.25
-            // at 64 Ki and level at 1 Mi (a 4 Mi int8 ring of two ranks about 8% faster);
-            // with stochastic rounding the encode 1.25 to 1.40 and the step 1.24 to 1.40.
-            // For blocks of a multiple of 64 only (the kernels' step): `kernels::block_route`
-            // sends the others to AVX2, 1.1 to 1.3 times faster at blocks of 32 and 40.
-            // AMD's cores are not measured: their rows stay on AVX2 (the kernels are still
-            // tested there).
-            Op::EncodeInt8 | Op::FeedbackInt8 | Op::HopInt8 if matches!(cpu, Cpu::Intel) => {
-                X86::Avx512
-            }
-            // `chunktopk`'s bound pass and candidate filter (a 2-core Intel Xeon,
-            // 2026-11-29, chunks of 4096 at 1 Mi elements): the AVX-512 bound, by float
-            // minima and maxima on two ports where the 512-bit integer ones take one, 660
-            // against the AVX2 build's 800 ns a chunk; the compress filter with its keys
-            // 430 against 660 ns (in L1). AMD's cores are not measured: their rows stay on
-            // AVX2 (for `FilterKeys`, `FilterMagGe`'s kernel and the keys read again).
-            Op::LaneBound | Op::FilterKeys if matches!(cpu, Cpu::Intel) => X86::Avx512,
-            // fp8's and fp4's nearest encode (a 2-core Intel Xeon, 2026-11-29, 64 Ki
-            // elements, one thread): the AVX-512 kernels
-            // take eight blocks of a multiple of 16 at a time, 64 elements a step; fp8
-            // with E8M0 scales 1.3 to 1.4 times AVX2's, with f32 scales 1.1 (the division
-            // bounds both widths), at blocks of 48 2.5 times (AVX2 groups multiples of 32
-            // only); MXFP4 1.3 to 1.4 times, blocks of 16 1.45, E3M0 1.6. AMD's cores are
-            // not measured: their rows stay on AVX2.
-            Op::EncodeFp8Nearest | Op::EncodeFp4Nearest if matches!(cpu, Cpu::Intel) => X86::Avx512,
-            // Of these, sign's encode takes blocks of at least 128 only, sign-magnitude's
-            // blocks of a multiple of 64, and the fp8 and fp4 decoders the blocks, scales
-            // and modes they were measured faster on; the others go to AVX2
-            // (`kernels::block_route`, `kernels::float_decode_takes_avx512`).
-            Op::FeedbackF16
-            | Op::EncodeF16
-            | Op::DecodeF16
-            | Op::EncodeBf16
-            | Op::EncodeSign
-            | Op::EncodeSignmag
-            | Op::FilterMagGe
-            | Op::ReduceF32
-            | Op::ReduceF16
-            | Op::ReduceBf16
-            | Op::ReduceInt8
-            | Op::EncodeFp8
-            | Op::DecodeFp8
-            | Op::EncodeFp4
-            | Op::DecodeFp4
-            | Op::StreamPqt => X86::Avx512,
-            Op::AddF16
-            | Op::EncodeInt8
-            | Op::FeedbackInt8
-            | Op::HopInt8
-            | Op::HopF16
-            | Op::DecodeSign
-            | Op::DecodeSignmag
-            | Op::EncodeNatural
-            | Op::DecodeNatural
-            | Op::LaneBound
-            | Op::FilterKeys
-            | Op::FilterDrawLt
-            | Op::CountDrawLt
-            | Op::DrawMasks
-            | Op::CompressMasks
-            | Op::DecodeF32
-            | Op::DecodeBf16
-            | Op::DctForward
-            | Op::DctInverse
-            | Op::DctLee64x64
-            | Op::DctFastRows16Or32
-            | Op::EncodeFp8Nearest
-            | Op::EncodeFp4Nearest
-            | Op::ThinMq
-            | Op::EncodeCodebook
-            | Op::FeedbackForm => X86::Avx2,
-        },
-        BackendKind::Scalar | BackendKind::Neon => X86::None,
-    }
-}
-
-/// The x86 vendor whose measurements a routing-table row follows where the two differ.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) enum Cpu {
-    /// AMD (and any vendor other than Intel): the table measured on Zen 4 and Zen 5.
-    Amd,
-    /// Intel.
-    Intel,
-}
-
-impl Cpu {
-    /// This machine's vendor, read once from CPUID leaf 0.
-    pub(crate) fn this() -> Cpu {
-        static CPU: OnceLock<Cpu> = OnceLock::new();
-        *CPU.get_or_init(|| {
-            #[cfg(all(target_arch = "x86_64", not(miri)))]
-            {
-                // SAFETY: CPUID exists on every x86-64 processor; leaf 0 gives the vendor
-                // string in EBX, EDX, ECX. (The intrinsic is safe on newer compilers than
-                // the crate's minimum, hence the allowance.)
-                #[allow(unused_unsafe)]
-                let id = unsafe { core::arch::x86_64::__cpuid(0) };
-                // "GenuineIntel".
-                if (id.ebx, id.edx, id.ecx) == (0x756e_6547, 0x4965_6e69, 0x6c65_746e) {
-                    return Cpu::Intel;
-                }
-            }
-            Cpu::Amd
-        })
-    }
-}
-
-/// [`x86_route_on`] for this machine's vendor.
-#[inline]
-pub(crate) fn x86_route(op: Op, kind: BackendKind) -> X86 {
-    x86_route_on(op, kind, Cpu::this())
 }
 
 #[cfg(all(target_arch = "x86_64", not(miri)))]
@@ -409,7 +72,7 @@ fn has_avx2() -> bool {
 }
 
 /// AVX-512 is only ever detected together with everything AVX2 needs, so the
-/// AVX-512 backend may run the AVX2 kernels ([`x86_route`]).
+/// AVX-512 backend may run the AVX2 kernels (`routing`).
 #[cfg(all(target_arch = "x86_64", not(miri)))]
 fn has_avx512() -> bool {
     has_avx2() && pulp::x86::V4::try_new().is_some()
@@ -420,6 +83,7 @@ impl Backend {
     pub const fn scalar() -> Backend {
         Backend {
             kind: BackendKind::Scalar,
+            routed: true,
         }
     }
 
@@ -429,7 +93,7 @@ impl Backend {
     /// # Safety
     /// The CPU must support `kind`'s instruction set (as [`Backend::of`] checks).
     pub(crate) const unsafe fn assume(kind: BackendKind) -> Backend {
-        Backend { kind }
+        Backend { kind, routed: true }
     }
 
     /// The AVX2 backend, if this CPU has AVX2, FMA and F16C.
@@ -438,6 +102,7 @@ impl Backend {
         if has_avx2() {
             return Some(Backend {
                 kind: BackendKind::Avx2,
+                routed: true,
             });
         }
         None
@@ -449,6 +114,7 @@ impl Backend {
         if has_avx512() {
             return Some(Backend {
                 kind: BackendKind::Avx512,
+                routed: true,
             });
         }
         None
@@ -460,6 +126,7 @@ impl Backend {
         if pulp::aarch64::Neon::try_new().is_some() {
             return Some(Backend {
                 kind: BackendKind::Neon,
+                routed: true,
             });
         }
         None
@@ -502,6 +169,21 @@ impl Backend {
             .into_iter()
             .max_by_key(|b| b.kind)
             .unwrap_or(Backend::scalar())
+    }
+
+    /// This backend with the routing table followed (`true`, as every constructor
+    /// gives it) or not (`false`: the AVX-512 backend then runs its own code everywhere;
+    /// other backends have no routing and are unchanged).
+    pub(crate) fn with_routing(self, routed: bool) -> Backend {
+        Backend {
+            routed: routed || self.kind != BackendKind::Avx512,
+            ..self
+        }
+    }
+
+    /// Whether this backend follows the routing table (see [`Backend::with_routing`]).
+    pub(crate) fn routed(self) -> bool {
+        self.routed
     }
 
     /// The instruction set.
@@ -591,93 +273,6 @@ pub(crate) fn pulp_arch_of(kind: BackendKind) -> pulp::Arch {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn avx512_never_takes_a_path_avx2_beats() {
-        for op in Op::ALL {
-            // Every row has an AVX2 kernel, so AVX2 always runs it ...
-            assert_eq!(x86_route(op, BackendKind::Avx2), X86::Avx2, "{op:?}");
-            // ... and so does the AVX-512 backend unless its own kernel is faster: it
-            // never falls back to the portable path of a row.
-            assert_ne!(x86_route(op, BackendKind::Avx512), X86::None, "{op:?}");
-            assert_eq!(x86_route(op, BackendKind::Scalar), X86::None);
-            assert_eq!(x86_route(op, BackendKind::Neon), X86::None);
-        }
-        // The rows where the AVX-512 kernel won the measurement (see x86_route_on), on
-        // AMD's cores and on Intel's.
-        let own = |cpu| -> Vec<Op> {
-            Op::ALL
-                .into_iter()
-                .filter(|&op| x86_route_on(op, BackendKind::Avx512, cpu) == X86::Avx512)
-                .collect()
-        };
-        let amd = [
-            Op::FeedbackF16,
-            Op::EncodeF16,
-            Op::DecodeF16,
-            Op::EncodeBf16,
-            Op::EncodeSign,
-            Op::EncodeSignmag,
-            Op::FilterMagGe,
-            Op::ReduceF32,
-            Op::ReduceF16,
-            Op::ReduceBf16,
-            Op::ReduceInt8,
-            Op::EncodeFp8,
-            Op::DecodeFp8,
-            Op::EncodeFp4,
-            Op::DecodeFp4,
-            Op::StreamPqt,
-        ];
-        assert_eq!(own(Cpu::Amd), amd);
-        let mut intel: Vec<Op> = amd
-            .into_iter()
-            .filter(|op| !matches!(op, Op::DecodeF16 | Op::ReduceF16 | Op::EncodeF16))
-            .collect();
-        intel.extend([
-            Op::FeedbackInt8,
-            Op::HopInt8,
-            Op::EncodeInt8,
-            Op::LaneBound,
-            Op::FilterKeys,
-            Op::EncodeFp8Nearest,
-            Op::EncodeFp4Nearest,
-        ]);
-        let mut own_intel = own(Cpu::Intel);
-        own_intel.sort_by_key(|op| format!("{op:?}"));
-        intel.sort_by_key(|op| format!("{op:?}"));
-        assert_eq!(own_intel, intel);
-        // Only the AVX-512 backend's rows depend on the vendor.
-        for op in Op::ALL {
-            for kind in BackendKind::ALL {
-                if kind != BackendKind::Avx512 {
-                    assert_eq!(
-                        x86_route_on(op, kind, Cpu::Intel),
-                        x86_route_on(op, kind, Cpu::Amd)
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn the_route_follows_this_machines_vendor() {
-        let cpu = Cpu::this();
-        for op in Op::ALL {
-            for kind in BackendKind::ALL {
-                assert_eq!(x86_route(op, kind), x86_route_on(op, kind, cpu), "{op:?}");
-            }
-        }
-        #[cfg(all(target_arch = "x86_64", not(miri)))]
-        {
-            let intel = std::fs::read_to_string("/proc/cpuinfo")
-                .ok()
-                .map(|t| t.contains("GenuineIntel"));
-            if let Some(intel) = intel {
-                assert_eq!(cpu == Cpu::Intel, intel);
-            }
-        }
-    }
 
     /// The AVX-512 int8 kernels (encode, the fused error-feedback step and the ring hop),
     /// which AMD's table does not route to, are still checked on AMD's
@@ -900,13 +495,40 @@ mod tests {
 
     #[test]
     fn run_forces_and_restores() {
-        let before = Backend::current();
-        let inside = Backend::scalar().run(Backend::current);
+        let current = Backend::current;
+        let before = current();
+        let inside = Backend::scalar().run(current);
         assert_eq!(inside, Backend::scalar());
-        assert_eq!(Backend::current(), before);
+        assert_eq!(current(), before);
         let r = std::panic::catch_unwind(|| Backend::scalar().run(|| panic!("x")));
         assert!(r.is_err());
-        assert_eq!(Backend::current(), before);
+        assert_eq!(current(), before);
+        // An unrouted backend is forced and restored the same way.
+        for b in Backend::available() {
+            let off = b.with_routing(false);
+            assert_eq!(off.run(current), off);
+            assert_eq!(current(), before);
+        }
+    }
+
+    /// Only the AVX-512 backend has routing to turn off; the unrouted one is another
+    /// backend of the same kind, named as such.
+    #[test]
+    fn only_the_avx512_backend_can_run_unrouted() {
+        for b in Backend::available() {
+            let off = b.with_routing(false);
+            assert_eq!(off.kind(), b.kind());
+            assert!(b.routed());
+            assert_eq!(off.with_routing(true), b);
+            if b.kind() == BackendKind::Avx512 {
+                assert_ne!(off, b);
+                assert!(!off.routed());
+                assert_eq!(off.to_string(), "avx512 (unrouted)");
+            } else {
+                assert_eq!(off, b);
+                assert_eq!(off.to_string(), b.name());
+            }
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! A [`Kernels`] value holds, for every operation it covers, the function that runs it on
 //! one backend: the scalar definition, a build of the portable source for the backend's
 //! instruction set, or a hand-written x86 kernel where the routing table
-//! ([`backend::x86_route`]) says that one is faster. The table of a backend is built the
+//! ([`routing::ROWS`]) says that one is faster. The table of a backend is built the
 //! first time a thread uses that backend and then kept for the process, so the routing is
 //! decided once per backend rather than on every call; the operations in `kernels` call
 //! their entry through [`call!`]. Forcing a backend ([`Backend::run`]) picks its table.
@@ -26,7 +26,7 @@ use std::sync::OnceLock;
 use super::backend::{self, Backend, BackendKind};
 #[cfg(target_arch = "x86_64")]
 use super::{
-    backend::{Op, X86, x86_route},
+    routing::{self, Call, Op, X86},
     x86_64,
 };
 use core::mem::MaybeUninit;
@@ -44,12 +44,15 @@ pub(super) const AVX512: u8 = 2;
 pub(super) const SCALAR: u8 = 0;
 /// See [`AVX2`].
 pub(super) const NEON: u8 = 3;
+/// The AVX-512 backend with routing off (`routing::unrouted`): its own code everywhere.
+pub(super) const UNROUTED: u8 = 4;
 
-/// The backend kind a const parameter names ([`SCALAR`], [`AVX2`], [`AVX512`], [`NEON`]).
+/// The backend kind a const parameter names ([`SCALAR`], [`AVX2`], [`AVX512`], [`NEON`],
+/// [`UNROUTED`]).
 pub(super) const fn kind<const K: u8>() -> BackendKind {
     match K {
         AVX2 => BackendKind::Avx2,
-        AVX512 => BackendKind::Avx512,
+        AVX512 | UNROUTED => BackendKind::Avx512,
         NEON => BackendKind::Neon,
         _ => BackendKind::Scalar,
     }
@@ -196,25 +199,31 @@ pub(super) struct Kernels {
 /// The table of the backend in use on this thread ([`Backend::current`]).
 #[inline]
 pub(super) fn current() -> &'static Kernels {
-    static TABLES: [OnceLock<Kernels>; 4] = [const { OnceLock::new() }; 4];
-    let kind = Backend::current().kind();
-    let slot = match kind {
-        BackendKind::Avx2 => 1,
-        BackendKind::Avx512 => 2,
-        BackendKind::Neon => 3,
-        _ => 0,
+    static TABLES: [OnceLock<Kernels>; 5] = [const { OnceLock::new() }; 5];
+    let b = Backend::current();
+    let slot = match (b.kind(), b.routed()) {
+        (BackendKind::Avx2, _) => AVX2,
+        (BackendKind::Avx512, true) => AVX512,
+        (BackendKind::Avx512, false) => UNROUTED,
+        (BackendKind::Neon, _) => NEON,
+        _ => SCALAR,
     };
-    TABLES[slot].get_or_init(|| build(kind))
+    TABLES[slot as usize].get_or_init(|| build(slot))
 }
 
-/// The table of a backend of `kind`. Only called for a backend that exists.
-fn build(kind: BackendKind) -> Kernels {
-    match kind {
-        BackendKind::Scalar => scalar_table(),
+/// The table of the backend `K` names (a const parameter's value). Only called for a
+/// backend that exists.
+fn build(k: u8) -> Kernels {
+    match k {
         #[cfg(target_arch = "x86_64")]
-        BackendKind::Avx2 | BackendKind::Avx512 => x86_table(kind),
-        BackendKind::Neon => portable_table::<NEON>(),
-        #[allow(unreachable_patterns)]
+        AVX2 => x86_table::<AVX2>(portable_table::<AVX2, AVX2>()),
+        #[cfg(target_arch = "x86_64")]
+        AVX512 => x86_table::<AVX512>(portable_table::<AVX512, AVX512>()),
+        // The AVX-512 build of the portable operations (they do not route), with the
+        // entries that route taking their unrouted form.
+        #[cfg(target_arch = "x86_64")]
+        UNROUTED => x86_table::<UNROUTED>(portable_table::<AVX512, UNROUTED>()),
+        NEON => portable_table::<NEON, NEON>(),
         _ => scalar_table(),
     }
 }
@@ -279,12 +288,14 @@ fn scalar_table() -> Kernels {
         ],
         lane_bound_pays: false,
         // The operations that route within their entry: their scalar arm.
-        ..portable_table::<SCALAR>()
+        ..portable_table::<SCALAR, SCALAR>()
     }
 }
 
-/// The table of the portable source compiled for instruction set `K` (see [`on`]).
-fn portable_table<const K: u8>() -> Kernels {
+/// The table of the portable source compiled for instruction set `K` (see [`on`]), with
+/// the entries that route within themselves taken for backend `R` (`K`, or [`UNROUTED`]
+/// for `K` = [`AVX512`]).
+fn portable_table<const K: u8, const R: u8>() -> Kernels {
     use super::entry as e;
     Kernels {
         encode_f32: e::encode_f32::<K>,
@@ -305,40 +316,40 @@ fn portable_table<const K: u8>() -> Kernels {
         reduce_f32: modes!(e::reduce_f32, K),
         reduce_f16: modes!(e::reduce_f16, K),
         reduce_bf16: modes!(e::reduce_bf16, K),
-        dct_forward: super::dct_forward_on::<K>,
-        dct_select: super::dct_select_on::<K>,
-        dct_forward_fast: super::dct_forward_fast_on::<K>,
-        dct_encode_rows_fast: super::dct_encode_rows_fast_on::<K>,
-        dct_encode_rows_lee: super::dct_encode_rows_lee_on::<K>,
-        dct_forward_lee: super::dct_forward_lee_on::<K>,
-        dct_decode_rows: modes!(super::dct_decode_rows_on, K),
-        gemm_thin_mq: super::gemm_thin_mq_on::<K>,
-        gemm_thin_pqt: super::gemm_thin_pqt_on::<K>,
-        gemm_thin_mtp: super::gemm_thin_mtp_on::<K>,
-        dct_inverse_rows: super::dct_inverse_rows_on::<K>,
-        feedback_int8: super::feedback_int8_on::<K>,
-        hop_int8: super::hop_int8_on::<K>,
-        encode_int8: super::encode_int8_on::<K>,
-        reduce_int8: modes!(super::reduce_int8_on, K),
-        decode_int8: modes!(super::decode_int8_on, K),
-        encode_codebook: super::encode_codebook_on::<K>,
-        encode_float: super::encode_float_on::<K>,
-        decode_float: modes!(super::decode_float_on, K),
-        encode_sign: super::encode_sign_on::<K>,
-        decode_sign: modes!(super::decode_sign_on, K),
-        encode_signmag: super::encode_signmag_on::<K>,
-        decode_signmag: modes!(super::decode_signmag_on, K),
-        encode_natural: super::encode_natural_on::<K>,
-        decode_natural: modes!(super::decode_natural_on, K),
-        filter_mag_ge: super::filter_mag_ge_on::<K>,
-        lane_bound: super::lane_bound_on::<K>,
-        filter_keys: super::filter_keys_on::<K>,
-        filter_mag_ge_vals: super::filter_mag_ge_vals_on::<K>,
-        retain_mag_ge: super::retain_mag_ge_on::<K>,
-        filter_draw_lt_zeroing: super::filter_draw_lt_zeroing_on::<K>,
-        count_draw_lt: super::count_draw_lt_on::<K>,
-        draw_masks_into: super::draw_masks_into_on::<K>,
-        compress_stored_masks: super::compress_stored_masks_on::<K>,
+        dct_forward: super::dct_forward_on::<R>,
+        dct_select: super::dct_select_on::<R>,
+        dct_forward_fast: super::dct_forward_fast_on::<R>,
+        dct_encode_rows_fast: super::dct_encode_rows_fast_on::<R>,
+        dct_encode_rows_lee: super::dct_encode_rows_lee_on::<R>,
+        dct_forward_lee: super::dct_forward_lee_on::<R>,
+        dct_decode_rows: modes!(super::dct_decode_rows_on, R),
+        gemm_thin_mq: super::gemm_thin_mq_on::<R>,
+        gemm_thin_pqt: super::gemm_thin_pqt_on::<R>,
+        gemm_thin_mtp: super::gemm_thin_mtp_on::<R>,
+        dct_inverse_rows: super::dct_inverse_rows_on::<R>,
+        feedback_int8: super::feedback_int8_on::<R>,
+        hop_int8: super::hop_int8_on::<R>,
+        encode_int8: super::encode_int8_on::<R>,
+        reduce_int8: modes!(super::reduce_int8_on, R),
+        decode_int8: modes!(super::decode_int8_on, R),
+        encode_codebook: super::encode_codebook_on::<R>,
+        encode_float: super::encode_float_on::<R>,
+        decode_float: modes!(super::decode_float_on, R),
+        encode_sign: super::encode_sign_on::<R>,
+        decode_sign: modes!(super::decode_sign_on, R),
+        encode_signmag: super::encode_signmag_on::<R>,
+        decode_signmag: modes!(super::decode_signmag_on, R),
+        encode_natural: super::encode_natural_on::<R>,
+        decode_natural: modes!(super::decode_natural_on, R),
+        filter_mag_ge: super::filter_mag_ge_on::<R>,
+        lane_bound: super::lane_bound_on::<R>,
+        filter_keys: super::filter_keys_on::<R>,
+        filter_mag_ge_vals: super::filter_mag_ge_vals_on::<R>,
+        retain_mag_ge: super::retain_mag_ge_on::<R>,
+        filter_draw_lt_zeroing: super::filter_draw_lt_zeroing_on::<R>,
+        count_draw_lt: super::count_draw_lt_on::<R>,
+        draw_masks_into: super::draw_masks_into_on::<R>,
+        compress_stored_masks: super::compress_stored_masks_on::<R>,
         lane_bound_pays: true,
     }
 }
@@ -347,14 +358,10 @@ fn portable_table<const K: u8>() -> Kernels {
 /// with the routing table's choices over it (a hand-written kernel, or the AVX2 build on
 /// the AVX-512 backend), one line per operation.
 #[cfg(target_arch = "x86_64")]
-fn x86_table(kind: BackendKind) -> Kernels {
+fn x86_table<const K: u8>(mut k: Kernels) -> Kernels {
     use super::mode::{ADD, RESIDUAL, WRITE};
-    let mut k = match kind {
-        BackendKind::Avx512 => portable_table::<AVX512>(),
-        _ => portable_table::<AVX2>(),
-    };
-    let two = portable_table::<AVX2>();
-    let route = |op| x86_route(op, kind);
+    let two = portable_table::<AVX2, AVX2>();
+    let route = |op| routing::route::<K>(op, Call::ANY);
     // The portable source's AVX2 build where the table says AVX2 is faster.
     macro_rules! avx2_build {
         ($($op:ident: $row:expr),* $(,)?) => {

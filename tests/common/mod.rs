@@ -1088,3 +1088,18 @@ fn check_codebook(c: &gradpack::Codebook, x: &[f32], d: &[f32]) -> Result<(), St
     }
     Ok(())
 }
+
+/// Every backend this CPU has, and beside an AVX-512 backend the same backend with its
+/// routing off (its own kernels for every operation, the ones its routing table hands to
+/// AVX2 included), so that every hand-written kernel is checked whatever the table says.
+pub fn every_kernel_set() -> Vec<gradpack::Backend> {
+    use gradpack::unstable::kernels::routing::unrouted;
+    let mut v = Vec::new();
+    for b in gradpack::Backend::available() {
+        v.push(b);
+        if unrouted(b) != b {
+            v.push(unrouted(b));
+        }
+    }
+    v
+}

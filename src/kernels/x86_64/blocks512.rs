@@ -332,8 +332,7 @@ pub unsafe fn decode_fp4<const M: u8>(
     codes: &[u8],
     out: &mut [f32],
 ) -> usize {
-    // The residual mode runs the AVX2 build (see `kernels::decode_float`).
-    assert!(matches!(block, 16 | 32) && M != scalar::mode::RESIDUAL);
+    assert!(matches!(block, 16 | 32));
     let half = block / 2;
     let (blocks, sb) = blocks::float_blocks::<M>(scale, block, half, scales, codes, out);
     // SAFETY: `fours` is 16 f32, one unaligned __m512.
@@ -398,8 +397,8 @@ fn residual16(p: __m512, d: __m512) -> __m512 {
     _mm512_mask_mov_ps(fallback, finite(e), e)
 }
 
-/// fp8 decode of a scaled frame's whole blocks (lengths a multiple of 16), in mode `M`
-/// (write or add), as [`blocks::decode_fp8`] on 16 lanes: the same f32 products; returns
+/// fp8 decode of a scaled frame's whole blocks (lengths a multiple of 16), in mode `M`,
+/// as [`blocks::decode_fp8`] on 16 lanes: the same f32 products; returns
 /// how many blocks it decoded.
 ///
 /// # Safety
@@ -413,8 +412,7 @@ pub unsafe fn decode_fp8<const M: u8>(
     codes: &[u8],
     out: &mut [f32],
 ) -> usize {
-    // The residual mode runs the AVX2 build (see `kernels::decode_float`).
-    assert!(block.is_multiple_of(16) && M != scalar::mode::RESIDUAL);
+    assert!(block.is_multiple_of(16));
     let (blocks, sb) = blocks::float_blocks::<M>(scale, block, block, scales, codes, out);
     for b in 0..blocks {
         let s = crate::kernels::fp8::scale_of(scale, &scales[b * sb..(b + 1) * sb]);
