@@ -19,8 +19,10 @@
 
 use core::arch::x86_64::*;
 
+use super::lanes::{Avx2, Lanes};
+use super::loops;
 use crate::kernels::fp8;
-use crate::kernels::scalar::{self, BlockScale, INF_BITS, Round, mode};
+use crate::kernels::scalar::{self, BlockScale, INF_BITS, Round};
 use crate::rng::{Draws, LOWBIAS32_MUL};
 
 pub(super) const ABS: i32 = 0x7FFF_FFFF;
@@ -569,23 +571,8 @@ pub(super) fn hop_int8_blocks(
 #[target_feature(enable = "avx2")]
 #[inline]
 pub(super) fn add_max_abs(sum: &mut [f32], local: &[f32], codes: &[u8], step: f32) -> u32 {
-    let (sv, abs) = (_mm256_set1_ps(step), _mm256_set1_epi32(ABS));
-    let mut m = _mm256_setzero_si256();
-    let whole = sum.len() / 8 * 8;
-    let lanes = sum[..whole].chunks_exact_mut(8).zip(local.chunks_exact(8));
-    for ((s8, l8), c8) in lanes.zip(codes.chunks_exact(8)) {
-        // SAFETY: `s8` and `l8` hold 8 f32, one unaligned __m256 apiece; `c8` holds 8
-        // bytes, the low 64 bits of one __m128i.
-        unsafe {
-            let c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(c8.as_ptr().cast()));
-            let v = _mm256_mul_ps(_mm256_cvtepi32_ps(c), sv);
-            let s = _mm256_add_ps(_mm256_loadu_ps(l8.as_ptr()), v);
-            _mm256_storeu_ps(s8.as_mut_ptr(), s);
-            // |sum| bit patterns are below 2^31: a signed maximum orders them.
-            m = _mm256_max_epi32(m, _mm256_and_si256(_mm256_castps_si256(s), abs));
-        }
-    }
-    let mut most = lanes_max(m);
+    // SAFETY: this function's features are `Avx2`'s.
+    let (mut most, whole) = unsafe { loops::add_max_abs::<Avx2>(sum, local, codes, step) };
     let rest = sum[whole..].iter_mut().zip(&local[whole..]);
     for ((s, &l), &c) in rest.zip(&codes[whole..]) {
         *s = l + (c as i8) as f32 * step;
@@ -599,26 +586,8 @@ pub(super) fn add_max_abs(sum: &mut [f32], local: &[f32], codes: &[u8], step: f3
 #[target_feature(enable = "avx2")]
 #[inline]
 pub(super) fn form_max_abs(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) -> u32 {
-    let (bv, gv, abs) = (
-        _mm256_set1_ps(beta),
-        _mm256_set1_ps(gamma),
-        _mm256_set1_epi32(ABS),
-    );
-    let mut m = _mm256_setzero_si256();
-    let whole = r.len() / 8 * 8;
-    for (r8, g8) in r[..whole].chunks_exact_mut(8).zip(g.chunks_exact(8)) {
-        // SAFETY: `r8` and `g8` hold 8 f32 each, one unaligned __m256 apiece.
-        unsafe {
-            let p = _mm256_add_ps(
-                _mm256_mul_ps(bv, _mm256_loadu_ps(r8.as_ptr())),
-                _mm256_mul_ps(gv, _mm256_loadu_ps(g8.as_ptr())),
-            );
-            _mm256_storeu_ps(r8.as_mut_ptr(), p);
-            // |p| bit patterns are below 2^31: a signed maximum orders them.
-            m = _mm256_max_epi32(m, _mm256_and_si256(_mm256_castps_si256(p), abs));
-        }
-    }
-    let mut most = lanes_max(m);
+    // SAFETY: this function's features are `Avx2`'s.
+    let (mut most, whole) = unsafe { loops::form_max_abs::<Avx2>(r, g, beta, gamma) };
     for (r, &g) in r[whole..].iter_mut().zip(&g[whole..]) {
         *r = beta * *r + gamma * g;
         most = most.max(r.to_bits() & ABS as u32);
@@ -1167,36 +1136,22 @@ fn natural_general8(c: &NaturalConsts, v: __m256, h: __m256i) -> __m256i {
     _mm256_sign_epi32(_mm256_sub_epi32(k, c.kmin_1), _mm256_castps_si256(v))
 }
 
-/// Stores 8 decoded values `v` at `out[j..j + 8]` as mode `M` says: written, added, or
-/// (for [`mode::RESIDUAL`]) taken from the `p` there as its residual ([`residual8`]).
+/// Stores 8 decoded values `v` at `out[j..j + 8]` as mode `M` says ([`Lanes::put`]).
 #[target_feature(enable = "avx2")]
 #[inline]
 pub(super) fn put8<const M: u8>(out: &mut [f32], j: usize, v: __m256) {
     let o = &mut out[j..j + 8];
-    // SAFETY: `o` holds 8 f32, one unaligned __m256 for the load and the store.
-    unsafe {
-        let v = match M {
-            mode::WRITE => v,
-            mode::ADD => _mm256_add_ps(_mm256_loadu_ps(o.as_ptr()), v),
-            _ => residual8(_mm256_loadu_ps(o.as_ptr()), v),
-        };
-        _mm256_storeu_ps(o.as_mut_ptr(), v);
-    }
+    // SAFETY: `o` holds 8 f32, one unaligned __m256 for the load and the store; this
+    // function's features are `Avx2`'s.
+    unsafe { Avx2::put::<M>(o.as_mut_ptr(), v) }
 }
 
-/// `scalar::residual_of(p, d)` in 8 lanes, operation for operation: `p - d` where that is
-/// finite, else `p` where `p` is finite, else 0.
+/// `scalar::residual_of(p, d)` in 8 lanes ([`Lanes::residual`]).
 #[target_feature(enable = "avx2")]
 #[inline]
 pub(super) fn residual8(p: __m256, d: __m256) -> __m256 {
-    let inf = _mm256_set1_epi32(INF_BITS as i32);
-    let not_finite = |x: __m256| {
-        let x = _mm256_castps_si256(x);
-        _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(x, inf), inf))
-    };
-    let e = _mm256_sub_ps(p, d);
-    let fallback = _mm256_andnot_ps(not_finite(p), p);
-    _mm256_blendv_ps(e, fallback, not_finite(e))
+    // SAFETY: this function's features are `Avx2`'s.
+    unsafe { Avx2::residual(p, d) }
 }
 
 /// Sign-magnitude decode with AVX2 (`scalar::decode_signmag`), in any mode ([`put8`]);
@@ -1647,67 +1602,8 @@ pub unsafe fn rows_to_lanes16(rows: &[f32], stride: usize, w: usize, a: &mut [[f
     }
 }
 
-/// The whole blocks of a small-float decode in registers (a scale per block, any mode,
-/// `code_bytes` bytes of codes per block): how many blocks `out`, `codes` and
-/// `scales` hold, and the bytes of a block's scale.
-pub(super) fn float_blocks<const M: u8>(
-    scale: crate::kernels::fp8::Scale,
-    block: usize,
-    code_bytes: usize,
-    scales: &[u8],
-    codes: &[u8],
-    out: &[f32],
-) -> (usize, usize) {
-    assert!(code_bytes > 0);
-    let sb = scale.bytes();
-    assert!(sb > 0);
-    let blocks = (out.len() / block)
-        .min(codes.len() / code_bytes)
-        .min(scales.len() / sb);
-    (blocks, sb)
-}
-
-/// How an fp8 block's codes meet its scale `s` after [`fp8_halves`]: `(twice, t)`, each
-/// half's f32 times 2^8 first when `twice`, then times `t`. E4M3's halves are its values
-/// times 2^-8, so `t = s * 2^8`: exact where it does not overflow, it rounds the same real
-/// product as the definition's `value * s`; where it would, 2^8 goes first.
-#[inline(always)]
-pub(super) fn fp8_scale(e4m3: bool, s: f32) -> (bool, f32) {
-    let big = s * 256.0;
-    if !e4m3 {
-        (false, s)
-    } else if big.is_infinite() && s.is_finite() {
-        (true, s)
-    } else {
-        (false, big)
-    }
-}
-
-/// The half-precision floats of 16 fp8 codes (the bytes of `b`): an E5M2 code is the top
-/// byte of the f16 of the same value; an E4M3 code's magnitude shifted left by 7 is the
-/// f16 of its value times 2^-8 (the same exponent field and mantissa, f16's bias 8 above
-/// E4M3's), its sign moved to bit 15. Exact for every code but E5M2's non-finite ones,
-/// which scaled frames never hold.
-#[target_feature(enable = "avx2")]
-#[inline]
-pub(super) fn fp8_halves(b: __m128i, e4m3: bool) -> __m256i {
-    if e4m3 {
-        // Sign-extended and shifted left by 7, a negative code also sets bit 14 (the sign
-        // lands on bits 14 and 15); clearing it leaves the f16.
-        _mm256_and_si256(
-            _mm256_slli_epi16::<7>(_mm256_cvtepi8_epi16(b)),
-            _mm256_set1_epi16(!0x4000),
-        )
-    } else {
-        _mm256_slli_epi16::<8>(_mm256_cvtepu8_epi16(b))
-    }
-}
-
-/// fp8 decode (`fp8::decode` of a scaled frame) of the whole blocks that `out`, `codes`
-/// and `scales` hold (blocks a multiple of 16 long), in mode `M` (any: [`put8`]); returns
-/// how many blocks it decoded. Each code becomes a half-precision float by shifts
-/// ([`fp8_halves`]), converted to f32 (exact), then multiplied by its block's scale as
-/// [`fp8_scale`] says: the same f32 product as the definition's `value_finite(c) * s`.
+/// fp8 decode of a scaled frame's whole blocks (a multiple of 16 long) on 8 lanes, in
+/// mode `M` ([`loops::decode_fp8`]); returns how many blocks it decoded.
 ///
 /// # Safety
 /// The CPU must support AVX2 and F16C.
@@ -1720,113 +1616,19 @@ pub unsafe fn decode_fp8<const M: u8>(
     codes: &[u8],
     out: &mut [f32],
 ) -> usize {
-    use crate::kernels::fp8::{Scale, scale_of};
-    assert!(block.is_multiple_of(16));
-    let (blocks, sb) = float_blocks::<M>(scale, block, block, scales, codes, out);
-    let (scales, codes, out) = (
-        &scales[..blocks * sb],
-        &codes[..blocks * block],
-        &mut out[..blocks * block],
-    );
-    // One loop per scale kind, so that reading a block's scale is not a match per block.
-    match scale {
-        Scale::F32 => fp8_blocks::<M>(e4m3, block, sb, scales, codes, out, |sc| {
-            scale_of(Scale::F32, sc)
-        }),
-        Scale::E8m0 => fp8_blocks::<M>(e4m3, block, sb, scales, codes, out, |sc| {
-            scale_of(Scale::E8m0, sc)
-        }),
-        _ => fp8_blocks::<M>(e4m3, block, sb, scales, codes, out, |sc| {
-            scale_of(scale, sc)
-        }),
-    }
-    blocks
+    // SAFETY: this function's features are `Avx2`'s.
+    unsafe { loops::decode_fp8::<Avx2, M>(e4m3, scale, block, scales, codes, out) }
 }
 
-/// The blocks of [`decode_fp8`], each block's scale (`sb` bytes) read by `scale_of`.
-#[target_feature(enable = "avx2,f16c")]
-#[inline]
-fn fp8_blocks<const M: u8>(
-    e4m3: bool,
-    block: usize,
-    sb: usize,
-    scales: &[u8],
-    codes: &[u8],
-    out: &mut [f32],
-    scale_of: impl Fn(&[u8]) -> f32,
-) {
-    for ((sc, c), o) in scales
-        .chunks_exact(sb)
-        .zip(codes.chunks_exact(block))
-        .zip(out.chunks_exact_mut(block))
-    {
-        match fp8_scale(e4m3, scale_of(sc)) {
-            (false, t) => fp8_block::<M, false>(e4m3, t, c, o),
-            (true, t) => fp8_block::<M, true>(e4m3, t, c, o),
-        }
-    }
-}
-
-/// One block of [`decode_fp8`]: each code's half converted, times 2^8 if `TWICE`, times
-/// `t`, stored as mode `M` says.
-#[target_feature(enable = "avx2,f16c")]
-#[inline]
-fn fp8_block<const M: u8, const TWICE: bool>(e4m3: bool, t: f32, c: &[u8], o: &mut [f32]) {
-    let (unit, t) = (_mm256_set1_ps(256.0), _mm256_set1_ps(t));
-    let value = |h: __m128i| {
-        let v = _mm256_cvtph_ps(h);
-        _mm256_mul_ps(if TWICE { _mm256_mul_ps(v, unit) } else { v }, t)
-    };
-    for (c, o) in c.chunks_exact(16).zip(o.chunks_exact_mut(16)) {
-        // SAFETY: `c` holds 16 bytes, one unaligned __m128i.
-        let bytes = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
-        let h = fp8_halves(bytes, e4m3);
-        put8::<M>(o, 0, value(_mm256_castsi256_si128(h)));
-        put8::<M>(o, 8, value(_mm256_extracti128_si256::<1>(h)));
-    }
-}
-
-/// fp8 decode of an unscaled frame (`fp8::decode` with `Scale::None`) of the elements of
-/// `out` up to a multiple of 16, in mode `M` (any: [`put8`]); returns how many it decoded.
-/// Each code becomes a half by shifts ([`fp8_halves`]), converted to f32 (exact; E4M3's
-/// times 2^8, exact too), and the codes that are NaN become the definition's NaN: E4M3's
-/// `0x7F` and `0xFF` (which come out as ±480, a value no finite code has) and E5M2's NaN
-/// codes (whose conversion keeps a payload) give `0x7FC0_0000` with the code's sign.
-/// E5M2's infinities convert as they are. The same bits as `fp8::value_any` per code.
+/// fp8 decode of an unscaled frame on 8 lanes, in mode `M`
+/// ([`loops::decode_fp8_unscaled`]); returns how many elements it decoded.
 ///
 /// # Safety
 /// The CPU must support AVX2 and F16C.
 #[target_feature(enable = "avx2,f16c")]
 pub unsafe fn decode_fp8_unscaled<const M: u8>(e4m3: bool, codes: &[u8], out: &mut [f32]) -> usize {
-    let n = out.len().min(codes.len()) / 16 * 16;
-    let (unit, nan, sign) = (
-        _mm256_set1_ps(256.0),
-        _mm256_set1_ps(f32::from_bits(0x7FC0_0000)),
-        _mm256_set1_ps(-0.0),
-    );
-    let four_eighty = _mm256_set1_ps(480.0);
-    let value = |h: __m128i| {
-        let v = _mm256_cvtph_ps(h);
-        let (v, special) = if e4m3 {
-            let v = _mm256_mul_ps(v, unit);
-            let a = _mm256_andnot_ps(sign, v);
-            (v, _mm256_cmp_ps::<_CMP_EQ_OQ>(a, four_eighty))
-        } else {
-            (v, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v))
-        };
-        _mm256_blendv_ps(v, _mm256_or_ps(_mm256_and_ps(v, sign), nan), special)
-    };
-    for (c, o) in codes[..n]
-        .chunks_exact(16)
-        .zip(out[..n].chunks_exact_mut(16))
-    {
-        // SAFETY: `c` holds 16 bytes, one unaligned __m128i.
-        let bytes = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
-        let h = fp8_halves(bytes, e4m3);
-        put8::<M>(o, 0, value(_mm256_castsi256_si128(h)));
-        put8::<M>(o, 8, value(_mm256_extracti128_si256::<1>(h)));
-    }
-    n
+    // SAFETY: this function's features are `Avx2`'s.
+    unsafe { loops::decode_fp8_unscaled::<Avx2, M>(e4m3, codes, out) }
 }
 
 /// fp4 decode (the layout of `fp8::decode` with two codes per byte, low nibble first) of
@@ -1858,7 +1660,7 @@ pub unsafe fn decode_fp4<const M: u8>(
     let Some(t) = fp4_tables(fours) else {
         return 0;
     };
-    let (mut blocks, sb) = float_blocks::<M>(scale, block, block / 2, scales, codes, out);
+    let (mut blocks, sb) = loops::float_blocks(scale, block, block / 2, scales, codes, out);
     if block == 16 {
         blocks &= !1;
     }
@@ -1909,10 +1711,10 @@ fn e4m3_scales(sc: &[u8], global: f32, out: &mut [u8]) {
     let mut outs = out.chunks_exact_mut(64);
     for (c, o) in (&mut rows).zip(&mut outs) {
         // SAFETY: `c` holds 16 bytes, one unaligned __m128i; `o` 64 bytes, two unaligned
-        // __m256.
+        // __m256; `fp8_halves` needs AVX2, which this function has.
         unsafe {
             let bytes = _mm_loadu_si128(c.as_ptr().cast());
-            let h = fp8_halves(bytes, true);
+            let h = loops::fp8_halves(bytes, true);
             let mag = _mm_and_si128(bytes, _mm_set1_epi8(0x7F));
             let is_nan = _mm_cmpeq_epi8(mag, _mm_set1_epi8(0x7F));
             for (k, (h, n)) in [

@@ -14,6 +14,8 @@
 use core::arch::x86_64::*;
 
 use super::blocks::{self, ABS, C1, C2, StepDraws};
+use super::lanes::{Avx512, Lanes};
+use super::loops;
 use crate::kernels::fp8;
 use crate::kernels::scalar::{self, Round};
 use crate::rng::Draws;
@@ -334,7 +336,7 @@ pub unsafe fn decode_fp4<const M: u8>(
 ) -> usize {
     assert!(matches!(block, 16 | 32));
     let half = block / 2;
-    let (blocks, sb) = blocks::float_blocks::<M>(scale, block, half, scales, codes, out);
+    let (blocks, sb) = loops::float_blocks(scale, block, half, scales, codes, out);
     // SAFETY: `fours` is 16 f32, one unaligned __m512.
     let table = unsafe { _mm512_loadu_ps(fours.as_ptr()) };
     // Element 2j is the low nibble of byte j, element 2j + 1 its high nibble.
@@ -357,49 +359,20 @@ pub unsafe fn decode_fp4<const M: u8>(
         let w = _mm512_cvtepu8_epi32(bytes);
         let lo = _mm512_permutexvar_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)), ts);
         let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(w), ts);
-        put16::<M>(&mut o[..16], _mm512_permutex2var_ps(lo, first, hi));
+        // SAFETY: `o` holds 16 or 32 f32 (the block), one or two unaligned __m512.
+        unsafe { Avx512::put::<M>(o.as_mut_ptr(), _mm512_permutex2var_ps(lo, first, hi)) };
         if half == 16 {
-            put16::<M>(&mut o[16..], _mm512_permutex2var_ps(lo, second, hi));
+            // SAFETY: as above, the second half of a block of 32.
+            unsafe {
+                Avx512::put::<M>(o[16..].as_mut_ptr(), _mm512_permutex2var_ps(lo, second, hi))
+            };
         }
     }
     blocks
 }
 
-/// Put `v` into the first 16 elements of `o` as mode `M` says: written, added, or (the
-/// residual mode) each element `p` replaced by `scalar::residual_of(p, v)`.
-#[target_feature(enable = "avx512f")]
-#[inline]
-fn put16<const M: u8>(o: &mut [f32], v: __m512) {
-    let o = &mut o[..16];
-    let v = match M {
-        scalar::mode::WRITE => v,
-        // SAFETY: `o` holds 16 f32, one unaligned __m512.
-        scalar::mode::ADD => _mm512_add_ps(unsafe { _mm512_loadu_ps(o.as_ptr()) }, v),
-        // SAFETY: as above.
-        _ => residual16(unsafe { _mm512_loadu_ps(o.as_ptr()) }, v),
-    };
-    // SAFETY: as above.
-    unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
-}
-
-/// `scalar::residual_of(p, d)` in 16 lanes, operation for operation: `p - d` where that
-/// is finite, else `p` where `p` is finite, else 0.
-#[target_feature(enable = "avx512f")]
-#[inline]
-fn residual16(p: __m512, d: __m512) -> __m512 {
-    let inf = _mm512_set1_epi32(scalar::INF_BITS as i32);
-    let finite = |x: __m512| {
-        let x = _mm512_castps_si512(x);
-        _mm512_cmpneq_epi32_mask(_mm512_and_si512(x, inf), inf)
-    };
-    let e = _mm512_sub_ps(p, d);
-    let fallback = _mm512_maskz_mov_ps(finite(p), p);
-    _mm512_mask_mov_ps(fallback, finite(e), e)
-}
-
-/// fp8 decode of a scaled frame's whole blocks (lengths a multiple of 16), in mode `M`,
-/// as [`blocks::decode_fp8`] on 16 lanes: the same f32 products; returns
-/// how many blocks it decoded.
+/// fp8 decode of a scaled frame's whole blocks (a multiple of 16 long) on 16 lanes, in
+/// mode `M` ([`loops::decode_fp8`]); returns how many blocks it decoded.
 ///
 /// # Safety
 /// The CPU must support AVX-512F and AVX2.
@@ -412,78 +385,19 @@ pub unsafe fn decode_fp8<const M: u8>(
     codes: &[u8],
     out: &mut [f32],
 ) -> usize {
-    assert!(block.is_multiple_of(16));
-    let (blocks, sb) = blocks::float_blocks::<M>(scale, block, block, scales, codes, out);
-    for b in 0..blocks {
-        let s = crate::kernels::fp8::scale_of(scale, &scales[b * sb..(b + 1) * sb]);
-        let (c, o) = (
-            &codes[b * block..(b + 1) * block],
-            &mut out[b * block..(b + 1) * block],
-        );
-        match blocks::fp8_scale(e4m3, s) {
-            (false, t) => fp8_block::<M, false>(e4m3, t, c, o),
-            (true, t) => fp8_block::<M, true>(e4m3, t, c, o),
-        }
-    }
-    blocks
+    // SAFETY: this function's features are `Avx512`'s.
+    unsafe { loops::decode_fp8::<Avx512, M>(e4m3, scale, block, scales, codes, out) }
 }
 
-/// fp8 decode of an unscaled frame, in mode `M` (any: [`put16`]), as
-/// [`blocks::decode_fp8_unscaled`] on 16 lanes: the same bits; returns how many elements
-/// it decoded (`out`'s length down to a multiple of 16).
+/// fp8 decode of an unscaled frame on 16 lanes, in mode `M`
+/// ([`loops::decode_fp8_unscaled`]); returns how many elements it decoded.
 ///
 /// # Safety
 /// The CPU must support AVX-512F and AVX2.
 #[target_feature(enable = "avx512f,avx2")]
 pub unsafe fn decode_fp8_unscaled<const M: u8>(e4m3: bool, codes: &[u8], out: &mut [f32]) -> usize {
-    let n = out.len().min(codes.len()) / 16 * 16;
-    let (unit, nan, sign) = (
-        _mm512_set1_ps(256.0),
-        _mm512_set1_epi32(0x7FC0_0000),
-        _mm512_set1_epi32(i32::MIN),
-    );
-    let four_eighty = _mm512_set1_ps(480.0);
-    for (c, o) in codes[..n]
-        .chunks_exact(16)
-        .zip(out[..n].chunks_exact_mut(16))
-    {
-        // SAFETY: `c` holds 16 bytes, one unaligned __m128i.
-        let bytes = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
-        let v = _mm512_cvtph_ps(blocks::fp8_halves(bytes, e4m3));
-        let (v, special) = if e4m3 {
-            let v = _mm512_mul_ps(v, unit);
-            (
-                v,
-                _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(v), four_eighty),
-            )
-        } else {
-            (v, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v))
-        };
-        let bits = _mm512_castps_si512(v);
-        let nans = _mm512_or_si512(_mm512_and_si512(bits, sign), nan);
-        put16::<M>(
-            o,
-            _mm512_castsi512_ps(_mm512_mask_mov_epi32(bits, special, nans)),
-        );
-    }
-    n
-}
-
-/// One block of [`decode_fp8`]: each code's half converted, times 2^8 if `TWICE`, times
-/// `t`, written or added.
-#[target_feature(enable = "avx512f,avx2")]
-#[inline]
-fn fp8_block<const M: u8, const TWICE: bool>(e4m3: bool, t: f32, c: &[u8], o: &mut [f32]) {
-    let (unit, t) = (_mm512_set1_ps(256.0), _mm512_set1_ps(t));
-    for (c, o) in c.chunks_exact(16).zip(o.chunks_exact_mut(16)) {
-        // SAFETY: `c` holds 16 bytes, one unaligned __m128i.
-        let bytes = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
-        let v = _mm512_cvtph_ps(blocks::fp8_halves(bytes, e4m3));
-        put16::<M>(
-            o,
-            _mm512_mul_ps(if TWICE { _mm512_mul_ps(v, unit) } else { v }, t),
-        );
-    }
+    // SAFETY: this function's features are `Avx512`'s.
+    unsafe { loops::decode_fp8_unscaled::<Avx512, M>(e4m3, codes, out) }
 }
 
 /// int8 encode (the contract of `scalar::encode_int8`; every code byte written) on 16
@@ -741,60 +655,30 @@ unsafe fn int8_quantise<const RESIDUAL: bool, const STOCHASTIC: bool>(
 
 /// `r = beta r + gamma g` in place (two rounded products and a rounded sum, as
 /// `scalar::feedback_form`: no fused multiply-add), returning the largest `|p|` bit
-/// pattern.
+/// pattern: 16 lanes, the rest by the AVX2 kernel.
 #[target_feature(enable = "avx512f,avx2")]
 #[inline]
 fn form_max_abs(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) -> u32 {
-    let (bv, gv, abs) = (
-        _mm512_set1_ps(beta),
-        _mm512_set1_ps(gamma),
-        _mm512_set1_epi32(ABS),
-    );
-    let mut m = _mm512_setzero_si512();
-    let whole = r.len() / 16 * 16;
-    for (r16, g16) in r[..whole].chunks_exact_mut(16).zip(g.chunks_exact(16)) {
-        // SAFETY: `r16` and `g16` hold 16 f32 each, one unaligned __m512 apiece.
-        unsafe {
-            let p = _mm512_add_ps(
-                _mm512_mul_ps(bv, _mm512_loadu_ps(r16.as_ptr())),
-                _mm512_mul_ps(gv, _mm512_loadu_ps(g16.as_ptr())),
-            );
-            _mm512_storeu_ps(r16.as_mut_ptr(), p);
-            // |p| bit patterns are below 2^31: a signed maximum orders them.
-            m = _mm512_max_epi32(m, _mm512_and_si512(_mm512_castps_si512(p), abs));
-        }
-    }
-    // The rest (under 16) by the AVX2 kernel.
-    let rest = blocks::form_max_abs(&mut r[whole..], &g[whole..], beta, gamma);
-    (_mm512_reduce_max_epi32(m) as u32).max(rest)
+    // SAFETY: this function's features are `Avx512`'s.
+    let (most, whole) = unsafe { loops::form_max_abs::<Avx512>(r, g, beta, gamma) };
+    most.max(blocks::form_max_abs(
+        &mut r[whole..],
+        &g[whole..],
+        beta,
+        gamma,
+    ))
 }
 
 /// `sum = local + code * step` for one block of int8 codes (the operations of a
-/// `mode::ADD` decode onto `local`), returning the largest `|sum|` bit pattern.
+/// `mode::ADD` decode onto `local`), returning the largest `|sum|` bit pattern: 16 lanes,
+/// the rest by the AVX2 kernel.
 #[target_feature(enable = "avx512f,avx2")]
 #[inline]
 fn add_max_abs(sum: &mut [f32], local: &[f32], codes: &[u8], step: f32) -> u32 {
-    let (sv, abs) = (_mm512_set1_ps(step), _mm512_set1_epi32(ABS));
-    let mut m = _mm512_setzero_si512();
-    let whole = sum.len() / 16 * 16;
-    let lanes = sum[..whole]
-        .chunks_exact_mut(16)
-        .zip(local.chunks_exact(16));
-    for ((s16, l16), c16) in lanes.zip(codes.chunks_exact(16)) {
-        // SAFETY: `s16` and `l16` hold 16 f32, one unaligned __m512 apiece; `c16` holds
-        // 16 bytes, one unaligned __m128i.
-        unsafe {
-            let c = _mm512_cvtepi8_epi32(_mm_loadu_si128(c16.as_ptr().cast()));
-            let v = _mm512_mul_ps(_mm512_cvtepi32_ps(c), sv);
-            let s = _mm512_add_ps(_mm512_loadu_ps(l16.as_ptr()), v);
-            _mm512_storeu_ps(s16.as_mut_ptr(), s);
-            // |sum| bit patterns are below 2^31: a signed maximum orders them.
-            m = _mm512_max_epi32(m, _mm512_and_si512(_mm512_castps_si512(s), abs));
-        }
-    }
-    // The rest (under 16) by the AVX2 kernel.
-    let rest = blocks::add_max_abs(&mut sum[whole..], &local[whole..], &codes[whole..], step);
-    (_mm512_reduce_max_epi32(m) as u32).max(rest)
+    // SAFETY: this function's features are `Avx512`'s.
+    let (most, whole) = unsafe { loops::add_max_abs::<Avx512>(sum, local, codes, step) };
+    let rest = (&mut sum[whole..], &local[whole..], &codes[whole..]);
+    most.max(blocks::add_max_abs(rest.0, rest.1, rest.2, step))
 }
 
 /// fp8 and fp4 encode with nearest rounding, as the AVX2 kernels

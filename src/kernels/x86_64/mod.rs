@@ -12,6 +12,8 @@ use core::arch::x86_64::*;
 
 pub mod blocks;
 pub mod blocks512;
+mod lanes;
+mod loops;
 
 use super::portable::{LaneFrames, REDUCE_LANES, SignLanes, compress_masks_vals};
 use super::scalar::{self, mode};

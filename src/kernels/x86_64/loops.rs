@@ -1,0 +1,277 @@
+//! Block loops written once over the vector width ([`Lanes`]): the AVX2 and AVX-512
+//! kernels of the same operation are these loops instantiated at 8 and 16 lanes, inside
+//! each backend's `#[target_feature]` function (`blocks` and `blocks512` hold those
+//! wrappers). Every loop equals its scalar definition to the bit (tests/backends.rs,
+//! tests/exhaustive.rs, on every backend the CPU has, the AVX-512 one unrouted too).
+//!
+//! Each loop is an `unsafe fn` with the contract of [`Lanes`]: the CPU must have the
+//! instruction set of `V`.
+
+use core::arch::x86_64::*;
+
+use super::lanes::Lanes;
+use crate::kernels::fp8::{self, Scale};
+
+/// The half-precision floats of 16 fp8 codes (the bytes of `b`): an E5M2 code is the top
+/// byte of the f16 of the same value; an E4M3 code's magnitude shifted left by 7 is the
+/// f16 of its value times 2^-8 (the same exponent field and mantissa, f16's bias 8 above
+/// E4M3's), its sign moved to bit 15. Exact for every code but E5M2's non-finite ones.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[inline(always)]
+pub(super) unsafe fn fp8_halves(b: __m128i, e4m3: bool) -> __m256i {
+    // SAFETY: the caller's contract (AVX2).
+    unsafe {
+        if e4m3 {
+            // Sign-extended and shifted left by 7, a negative code also sets bit 14 (the
+            // sign lands on bits 14 and 15); clearing it leaves the f16.
+            _mm256_and_si256(
+                _mm256_slli_epi16::<7>(_mm256_cvtepi8_epi16(b)),
+                _mm256_set1_epi16(!0x4000),
+            )
+        } else {
+            _mm256_slli_epi16::<8>(_mm256_cvtepu8_epi16(b))
+        }
+    }
+}
+
+/// How an fp8 block's codes meet its scale `s` after [`fp8_halves`]: `(twice, t)`, each
+/// half's f32 times 2^8 first when `twice`, then times `t`. E4M3's halves are its values
+/// times 2^-8, so `t = s * 2^8`: exact where it does not overflow, it rounds the same real
+/// product as the definition's `value * s`; where it would, 2^8 goes first.
+#[inline(always)]
+fn fp8_scale(e4m3: bool, s: f32) -> (bool, f32) {
+    let big = s * 256.0;
+    if !e4m3 {
+        (false, s)
+    } else if big.is_infinite() && s.is_finite() {
+        (true, s)
+    } else {
+        (false, big)
+    }
+}
+
+/// The whole blocks of a small-float decode in registers (a scale per block, any mode,
+/// `code_bytes` bytes of codes per block): how many blocks `out`, `codes` and `scales`
+/// hold, and the bytes of a block's scale.
+pub(super) fn float_blocks(
+    scale: Scale,
+    block: usize,
+    code_bytes: usize,
+    scales: &[u8],
+    codes: &[u8],
+    out: &[f32],
+) -> (usize, usize) {
+    assert!(code_bytes > 0);
+    let sb = scale.bytes();
+    assert!(sb > 0);
+    let blocks = (out.len() / block)
+        .min(codes.len() / code_bytes)
+        .min(scales.len() / sb);
+    (blocks, sb)
+}
+
+/// fp8 decode (`fp8::decode` of a scaled frame) of the whole blocks that `out`, `codes`
+/// and `scales` hold (blocks a multiple of 16 long), in mode `M` (any: [`Lanes::put`]);
+/// returns how many blocks it decoded. Each code becomes a half-precision float by shifts
+/// ([`fp8_halves`]), converted to f32 (exact), then multiplied by its block's scale as
+/// [`fp8_scale`] says: the same f32 product as the definition's `value_finite(c) * s`.
+///
+/// # Safety
+/// The CPU must support `V`'s instruction set.
+#[inline(always)]
+pub(super) unsafe fn decode_fp8<V: Lanes, const M: u8>(
+    e4m3: bool,
+    scale: Scale,
+    block: usize,
+    scales: &[u8],
+    codes: &[u8],
+    out: &mut [f32],
+) -> usize {
+    assert!(block.is_multiple_of(16));
+    let (blocks, sb) = float_blocks(scale, block, block, scales, codes, out);
+    let (scales, codes, out) = (
+        &scales[..blocks * sb],
+        &codes[..blocks * block],
+        &mut out[..blocks * block],
+    );
+    // One loop per scale kind, so that reading a block's scale is not a match per block.
+    // SAFETY (the three): the caller's contract.
+    unsafe {
+        match scale {
+            Scale::F32 => fp8_blocks::<V, M>(e4m3, block, sb, (scales, codes, out), |sc| {
+                fp8::scale_of(Scale::F32, sc)
+            }),
+            Scale::E8m0 => fp8_blocks::<V, M>(e4m3, block, sb, (scales, codes, out), |sc| {
+                fp8::scale_of(Scale::E8m0, sc)
+            }),
+            _ => fp8_blocks::<V, M>(e4m3, block, sb, (scales, codes, out), |sc| {
+                fp8::scale_of(scale, sc)
+            }),
+        }
+    }
+    blocks
+}
+
+/// The blocks of [`decode_fp8`], each block's scale (`sb` bytes) read by `scale_of`.
+///
+/// # Safety
+/// The CPU must support `V`'s instruction set.
+#[inline(always)]
+unsafe fn fp8_blocks<V: Lanes, const M: u8>(
+    e4m3: bool,
+    block: usize,
+    sb: usize,
+    (scales, codes, out): (&[u8], &[u8], &mut [f32]),
+    scale_of: impl Fn(&[u8]) -> f32,
+) {
+    for ((sc, c), o) in scales
+        .chunks_exact(sb)
+        .zip(codes.chunks_exact(block))
+        .zip(out.chunks_exact_mut(block))
+    {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match fp8_scale(e4m3, scale_of(sc)) {
+                (false, t) => fp8_block::<V, M, false>(e4m3, t, c, o),
+                (true, t) => fp8_block::<V, M, true>(e4m3, t, c, o),
+            }
+        }
+    }
+}
+
+/// One block of [`decode_fp8`]: each code's half converted, times 2^8 if `TWICE`, times
+/// `t`, put as mode `M` says.
+///
+/// # Safety
+/// The CPU must support `V`'s instruction set.
+#[inline(always)]
+unsafe fn fp8_block<V: Lanes, const M: u8, const TWICE: bool>(
+    e4m3: bool,
+    t: f32,
+    c: &[u8],
+    o: &mut [f32],
+) {
+    // SAFETY: the caller's contract.
+    let (unit, t) = unsafe { (V::splat(256.0), V::splat(t)) };
+    for (c, o) in c.chunks_exact(16).zip(o.chunks_exact_mut(16)) {
+        // SAFETY: the caller's contract; `c` holds 16 bytes, one unaligned __m128i; `o`
+        // holds 16 f32, which `halves` hands out `N` at a time from offsets 0 to 16 - N.
+        unsafe {
+            let h = fp8_halves(_mm_loadu_si128(c.as_ptr().cast()), e4m3);
+            // Inlined: a closure is a function of its own, compiled without the
+            // caller's instruction set unless it is inlined into it.
+            V::halves(
+                h,
+                #[inline(always)]
+                |at, v| {
+                    let v = if TWICE { V::mul(v, unit) } else { v };
+                    V::put::<M>(o.as_mut_ptr().add(at), V::mul(v, t));
+                },
+            );
+        }
+    }
+}
+
+/// fp8 decode of an unscaled frame (`fp8::decode` with `Scale::None`) of the elements of
+/// `out` up to a multiple of 16, in mode `M` (any: [`Lanes::put`]); returns how many it
+/// decoded. Each code becomes a half by shifts ([`fp8_halves`]), converted to f32 (exact;
+/// E4M3's times 2^8, exact too), and the codes that are NaN become the definition's NaN
+/// ([`Lanes::fp8_nans`]). E5M2's infinities convert as they are. The same bits as
+/// `fp8::value_any` per code.
+///
+/// # Safety
+/// The CPU must support `V`'s instruction set.
+#[inline(always)]
+pub(super) unsafe fn decode_fp8_unscaled<V: Lanes, const M: u8>(
+    e4m3: bool,
+    codes: &[u8],
+    out: &mut [f32],
+) -> usize {
+    let n = out.len().min(codes.len()) / 16 * 16;
+    // SAFETY: the caller's contract.
+    let unit = unsafe { V::splat(256.0) };
+    for (c, o) in codes[..n]
+        .chunks_exact(16)
+        .zip(out[..n].chunks_exact_mut(16))
+    {
+        // SAFETY: as in `fp8_block`.
+        unsafe {
+            let h = fp8_halves(_mm_loadu_si128(c.as_ptr().cast()), e4m3);
+            // Inlined: a closure is a function of its own, compiled without the
+            // caller's instruction set unless it is inlined into it.
+            V::halves(
+                h,
+                #[inline(always)]
+                |at, v| {
+                    let v = if e4m3 { V::mul(v, unit) } else { v };
+                    V::put::<M>(o.as_mut_ptr().add(at), V::fp8_nans(v, e4m3));
+                },
+            );
+        }
+    }
+    n
+}
+
+/// `r = beta r + gamma g` in place over the whole vectors of `r` (two rounded products
+/// and a rounded sum, as `scalar::feedback_form`: no fused multiply-add), returning the
+/// largest `|p|` bit pattern of those and how many elements they cover.
+///
+/// # Safety
+/// The CPU must support `V`'s instruction set.
+#[inline(always)]
+pub(super) unsafe fn form_max_abs<V: Lanes>(
+    r: &mut [f32],
+    g: &[f32],
+    beta: f32,
+    gamma: f32,
+) -> (u32, usize) {
+    assert!(g.len() >= r.len());
+    let whole = r.len() / V::N * V::N;
+    // SAFETY: the caller's contract; every `i` below has `i + N <= whole <= r.len()`,
+    // one unaligned vector of `r` and of `g`.
+    unsafe {
+        let (bv, gv) = (V::splat(beta), V::splat(gamma));
+        let mut m = V::zero();
+        for i in (0..whole).step_by(V::N) {
+            let p = V::add(
+                V::mul(bv, V::load(r.as_ptr().add(i))),
+                V::mul(gv, V::load(g.as_ptr().add(i))),
+            );
+            V::store(r.as_mut_ptr().add(i), p);
+            m = V::max_abs_bits(m, p);
+        }
+        (V::lanes_max(m), whole)
+    }
+}
+
+/// `sum = local + code * step` over the whole vectors of a block of int8 codes (the
+/// operations of a `mode::ADD` decode onto `local`), returning the largest `|sum|` bit
+/// pattern of those and how many elements they cover.
+///
+/// # Safety
+/// The CPU must support `V`'s instruction set.
+#[inline(always)]
+pub(super) unsafe fn add_max_abs<V: Lanes>(
+    sum: &mut [f32],
+    local: &[f32],
+    codes: &[u8],
+    step: f32,
+) -> (u32, usize) {
+    assert!(local.len() >= sum.len() && codes.len() >= sum.len());
+    let whole = sum.len() / V::N * V::N;
+    // SAFETY: the caller's contract; every `i` below has `i + N <= whole`, one unaligned
+    // vector of `sum` and `local` and `N` bytes of `codes`.
+    unsafe {
+        let sv = V::splat(step);
+        let mut m = V::zero();
+        for i in (0..whole).step_by(V::N) {
+            let v = V::mul(V::load_i8(codes.as_ptr().add(i)), sv);
+            let s = V::add(V::load(local.as_ptr().add(i)), v);
+            V::store(sum.as_mut_ptr().add(i), s);
+            m = V::max_abs_bits(m, s);
+        }
+        (V::lanes_max(m), whole)
+    }
+}
