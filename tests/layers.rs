@@ -105,8 +105,10 @@ fn the_bottom_of_the_crate_names_nothing_above_it() {
 
 #[test]
 fn the_scalar_oracle_depends_on_nothing_but_the_draws() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/kernels/scalar.rs");
-    let code = code_of(&path);
+    let code: String = sources("src/kernels/scalar")
+        .iter()
+        .map(|p| code_of(p))
+        .collect();
     assert_eq!(
         named_after(&code, "crate::"),
         BTreeSet::from(["rng".to_string()])
