@@ -14,7 +14,7 @@
 use core::arch::x86_64::*;
 
 use super::blocks::{self, ABS, C1, C2, StepDraws};
-use super::lanes::{Avx512, Lanes};
+use super::lanes::{Avx512, Int8Steps, Lanes};
 use super::loops;
 use crate::kernels::fp8;
 use crate::kernels::scalar::{self, Round};
@@ -44,7 +44,7 @@ fn lowbias32_rest(x: __m512i) -> __m512i {
 /// of the hash of `base + j` is `(Y & !63) * C1 + ((Y & 63) ^ j) * C1` (mod 2^32), a
 /// scalar term per step plus a table that changes once per 2^16 indices (the AVX2
 /// kernels' `GroupDraws`, on 16 lanes).
-struct Draws16<'a> {
+pub(super) struct Draws16<'a> {
     draws: &'a Draws,
     key: u32,
     grouped: bool,
@@ -570,14 +570,9 @@ fn int8_residual<const STOCHASTIC: bool>(
     blocks::int8_residual_block::<STOCHASTIC>(inv, step, d8, at, rt, ct);
 }
 
-/// The int8 codes of the `n` elements at `x` (global indices from `start`): with nearest
-/// rounding `x * inv` rounded half to even (the conversion's default mode, which Rust
-/// code never changes; the rounding is sign-symmetric) and clamped to [-127, 127], 64 a
-/// step, then 16; with `STOCHASTIC` the oracle's `scalar::level` of `|x|`, operation for
-/// operation (`a = |x| * inv`, up from `floor(a)` when `u < a - floor(a)` with `u = (h >>
-/// 8) * 2^-24` for the element's draw `h`, clamped to 127), with `x`'s sign, 64 a step
-/// only (the draws come 64 at a time). With `RESIDUAL`, each element becomes `x - code *
-/// step`. Returns the number of elements done.
+/// [`loops::int8_steps`] on 16 lanes (64 elements a step), then, with nearest rounding,
+/// the block's other whole 16s (the 16-lane draws come 64 at a time). Returns the number
+/// of elements done.
 ///
 /// # Safety
 /// `x` must be valid for reads of `n` f32, and for writes with `RESIDUAL`; `cb` must hold
@@ -593,64 +588,74 @@ unsafe fn int8_quantise<const RESIDUAL: bool, const STOCHASTIC: bool>(
     d16: &mut Draws16,
     start: u64,
 ) -> usize {
-    let (iv, s) = (_mm512_set1_ps(inv), _mm512_set1_ps(step));
-    let (top, bottom) = (_mm512_set1_epi32(127), _mm512_set1_epi32(-127));
-    let code = |v: __m512, h: __m512i| {
-        if STOCHASTIC {
-            let l = stochastic_level16(v, h, iv, top);
-            // Negated where `x`'s sign bit is set (-0.0 has level 0).
-            let neg = _mm512_movepi32_mask(_mm512_castps_si512(v));
-            _mm512_mask_sub_epi32(l, neg, _mm512_setzero_si512(), l)
-        } else {
-            let q = _mm512_cvtps_epi32(_mm512_mul_ps(v, iv));
-            _mm512_max_epi32(_mm512_min_epi32(q, top), bottom)
-        }
-    };
-    // SAFETY (every access below): `x + i` for `i + 16 <= whole <= n` is in the caller's
-    // range, read as one unaligned __m512 and, with `RESIDUAL`, written as one.
-    let quantise = |i: usize, h: __m512i| unsafe {
-        let v = _mm512_loadu_ps(x.add(i));
-        let q = code(v, h);
-        if RESIDUAL {
-            let d = _mm512_mul_ps(_mm512_cvtepi32_ps(q), s);
-            _mm512_storeu_ps(x.add(i), _mm512_sub_ps(v, d));
-        }
-        q
+    // SAFETY: the caller's contract; this function's features are `Avx512`'s.
+    let mut done = unsafe {
+        loops::int8_steps::<Avx512, RESIDUAL, STOCHASTIC>((inv, step), x, n, cb, d16, start)
     };
     if STOCHASTIC {
-        d16.begin(start);
+        return done;
     }
-    let whole = n / 16 * 16;
-    let mut done = 0;
-    while whole - done >= 64 {
-        let h = if STOCHASTIC {
-            d16.step((start as u32).wrapping_add(done as u32))
-        } else {
-            [_mm512_setzero_si512(); 4]
-        };
-        let q = [
-            quantise(done, h[0]),
-            quantise(done + 16, h[1]),
-            quantise(done + 32, h[2]),
-            quantise(done + 48, h[3]),
-        ];
-        let bytes = pack_bytes::<true>(q);
-        // SAFETY: `cb[done..done + 64]` holds 64 bytes, one unaligned __m512i.
-        unsafe { _mm512_storeu_si512(cb[done..done + 64].as_mut_ptr().cast(), bytes) };
-        done += 64;
-    }
-    while !STOCHASTIC && done < whole {
-        let q = quantise(done, _mm512_setzero_si512());
-        // SAFETY: `cb[done..done + 16]` holds 16 bytes, one unaligned __m128i.
+    let (iv, s) = (_mm512_set1_ps(inv), _mm512_set1_ps(step));
+    while n - done >= 16 {
+        // SAFETY: `x + done` is in the caller's range, read as one unaligned __m512 and,
+        // with `RESIDUAL`, written as one; `cb[done..done + 16]` holds 16 bytes, one
+        // unaligned __m128i; this function's features are `Avx512`'s.
         unsafe {
-            _mm_storeu_si128(
-                cb[done..done + 16].as_mut_ptr().cast(),
-                _mm512_cvtepi32_epi8(q),
-            )
-        };
+            let v = _mm512_loadu_ps(x.add(done));
+            let q = Avx512::level::<false>(v, _mm512_setzero_si512(), iv);
+            if RESIDUAL {
+                _mm512_storeu_ps(x.add(done), Avx512::minus_decoded(v, q, s));
+            }
+            let o = cb[done..done + 16].as_mut_ptr().cast();
+            _mm_storeu_si128(o, _mm512_cvtepi32_epi8(q));
+        }
         done += 16;
     }
     done
+}
+
+// SAFETY: every method needs AVX-512 F/BW/DQ at most, which the AVX-512 backend's CPU
+// check includes.
+unsafe impl Int8Steps for Avx512 {
+    type Draws<'a> = Draws16<'a>;
+
+    #[inline(always)]
+    unsafe fn begin(d: &mut Draws16<'_>, start: u64) {
+        // SAFETY: the caller's contract (AVX-512F).
+        unsafe { d.begin(start) }
+    }
+    #[inline(always)]
+    unsafe fn step(d: &mut Draws16<'_>, at: u32) -> [__m512i; 4] {
+        // SAFETY: the caller's contract (AVX-512F).
+        unsafe { d.step(at) }
+    }
+    #[inline(always)]
+    unsafe fn level<const STOCHASTIC: bool>(v: __m512, h: __m512i, inv: __m512) -> __m512i {
+        // SAFETY: the caller's contract (AVX-512 F/DQ).
+        unsafe {
+            let (top, bottom) = (_mm512_set1_epi32(127), _mm512_set1_epi32(-127));
+            if STOCHASTIC {
+                let l = stochastic_level16(v, h, inv, top);
+                // Negated where `v`'s sign bit is set (-0.0 has level 0).
+                let neg = _mm512_movepi32_mask(_mm512_castps_si512(v));
+                _mm512_mask_sub_epi32(l, neg, _mm512_setzero_si512(), l)
+            } else {
+                let q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
+                _mm512_max_epi32(_mm512_min_epi32(q, top), bottom)
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn minus_decoded(v: __m512, q: __m512i, step: __m512) -> __m512 {
+        // SAFETY: the caller's contract (AVX-512F).
+        unsafe { _mm512_sub_ps(v, _mm512_mul_ps(_mm512_cvtepi32_ps(q), step)) }
+    }
+    #[inline(always)]
+    unsafe fn store_codes(p: *mut u8, q: [__m512i; 4]) {
+        // SAFETY: the caller's contract (AVX-512 F/BW); `p` is valid for 64 bytes, one
+        // unaligned __m512i.
+        unsafe { _mm512_storeu_si512(p.cast(), pack_bytes::<true>(q)) }
+    }
 }
 
 /// `r = beta r + gamma g` in place (two rounded products and a rounded sum, as

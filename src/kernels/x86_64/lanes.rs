@@ -114,6 +114,48 @@ pub(super) unsafe trait Lanes {
     }
 }
 
+/// int8's quantiser at a width: steps of four vectors (`4 N` elements), with the
+/// counter hash's draws for stochastic rounding, the levels and their narrowing to bytes.
+/// Implemented beside each width's other kernels (`blocks` for [`Avx2`], `blocks512` for
+/// [`Avx512`]).
+///
+/// # Safety
+/// As [`Lanes`]: every method needs the implementing type's instruction set.
+pub(super) unsafe trait Int8Steps: Lanes {
+    /// The draws of a block's steps, made once per encode call.
+    type Draws<'a>;
+
+    /// Ready for the block from global index `start` (inside one key's window).
+    ///
+    /// # Safety
+    /// The instruction set.
+    unsafe fn begin(d: &mut Self::Draws<'_>, start: u64);
+    /// The draws of the `4 N` indices from `at` (mod 2^32), `N` per vector.
+    ///
+    /// # Safety
+    /// The instruction set.
+    unsafe fn step(d: &mut Self::Draws<'_>, at: u32) -> [Self::I; 4];
+    /// The signed int8 levels of `v` with level multiplier `inv` (in every lane): with
+    /// nearest rounding `v * inv` rounded half to even (the conversion's default mode,
+    /// which Rust code never changes; sign-symmetric) and clamped to `[-127, 127]`; with
+    /// `STOCHASTIC` the oracle's `scalar::level` of `|v|` with draws `h`, operation for
+    /// operation, clamped to 127, with `v`'s sign (`-0.0` has level 0).
+    ///
+    /// # Safety
+    /// The instruction set.
+    unsafe fn level<const STOCHASTIC: bool>(v: Self::F, h: Self::I, inv: Self::F) -> Self::I;
+    /// `v - q * step` (`q` converted exactly).
+    ///
+    /// # Safety
+    /// The instruction set.
+    unsafe fn minus_decoded(v: Self::F, q: Self::I, step: Self::F) -> Self::F;
+    /// The `4 N` levels of `q` (in `[-127, 127]`) as bytes at `p`, in element order.
+    ///
+    /// # Safety
+    /// The instruction set; `p` valid for writes of `4 N` bytes.
+    unsafe fn store_codes(p: *mut u8, q: [Self::I; 4]);
+}
+
 /// AVX2 with F16C: 8 lanes.
 pub(super) struct Avx2;
 

@@ -9,7 +9,7 @@
 
 use core::arch::x86_64::*;
 
-use super::lanes::Lanes;
+use super::lanes::{Int8Steps, Lanes};
 use crate::kernels::fp8::{self, Scale};
 
 /// The half-precision floats of 16 fp8 codes (the bytes of `b`): an E5M2 code is the top
@@ -274,4 +274,56 @@ pub(super) unsafe fn add_max_abs<V: Lanes>(
         }
         (V::lanes_max(m), whole)
     }
+}
+
+/// The int8 codes of the whole steps (`4 N` elements) of the `n` elements at `x` (global
+/// indices from `start`; inside one 2^32 draw window when `STOCHASTIC`), a finite block
+/// whose level multiplier is `inv` (`scalar::level_multiplier` without a pre-scale), as
+/// `scalar::quantise_int8` writes them ([`Int8Steps::level`]). With `RESIDUAL`, each
+/// element becomes `x - code * step`, without `scalar::residual_of`'s checks, which cannot
+/// fire in a finite block: `x` is finite, `code * step` is finite (`127 step` is, by
+/// `scalar::block_step`) and of `x`'s sign or zero, so `|x - d| <= max(|x|, |d|)`.
+/// Returns the number of elements done.
+///
+/// # Safety
+/// The CPU must support `V`'s instruction set; `x` must be valid for reads of `n` f32,
+/// and for writes with `RESIDUAL`.
+#[inline(always)]
+pub(super) unsafe fn int8_steps<V: Int8Steps, const RESIDUAL: bool, const STOCHASTIC: bool>(
+    (inv, step): (f32, f32),
+    x: *mut f32,
+    n: usize,
+    cb: &mut [u8],
+    d: &mut V::Draws<'_>,
+    start: u64,
+) -> usize {
+    assert!(cb.len() >= n);
+    let w = 4 * V::N;
+    let whole = n / w * w;
+    // SAFETY: the caller's contract; every step below has `at + w <= whole <= n`, four
+    // unaligned vectors of `x` and `w` bytes of `cb`.
+    unsafe {
+        let (iv, s) = (V::splat(inv), V::splat(step));
+        if STOCHASTIC {
+            V::begin(d, start);
+        }
+        for at in (0..whole).step_by(w) {
+            let h = if STOCHASTIC {
+                V::step(d, (start as u32).wrapping_add(at as u32))
+            } else {
+                [V::zero(); 4]
+            };
+            let mut q = [V::zero(); 4];
+            for (j, q) in q.iter_mut().enumerate() {
+                let p = x.add(at + j * V::N);
+                let v = V::load(p);
+                *q = V::level::<STOCHASTIC>(v, h[j], iv);
+                if RESIDUAL {
+                    V::store(p, V::minus_decoded(v, *q, s));
+                }
+            }
+            V::store_codes(cb.as_mut_ptr().add(at), q);
+        }
+    }
+    whole
 }

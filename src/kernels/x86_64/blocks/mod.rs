@@ -24,7 +24,7 @@ mod signmag;
 pub use floats::*;
 pub use signmag::*;
 
-use super::lanes::{Avx2, Lanes};
+use super::lanes::{Avx2, Int8Steps, Lanes};
 use super::loops;
 use crate::kernels::fp8;
 use crate::kernels::scalar::{self, BlockScale, INF_BITS, Round};
@@ -628,36 +628,18 @@ pub(super) fn int8_residual_block<const STOCHASTIC: bool>(
     rb: &mut [f32],
     cb: &mut [u8],
 ) {
-    let l = &Levels::of_inv(inv, 127);
-    let s = _mm256_set1_ps(step);
-    if STOCHASTIC {
-        sd.begin(start);
-    }
-    let whole = rb.len() / 32 * 32;
-    let steps = rb[..whole]
-        .chunks_exact_mut(32)
-        .zip(cb.chunks_exact_mut(32));
-    for (k, (p32, c32)) in steps.enumerate() {
-        let h = if STOCHASTIC {
-            sd.step((start as u32).wrapping_add(32 * k as u32))
-        } else {
-            [_mm256_setzero_si256(); 4]
-        };
-        let mut q = [_mm256_setzero_si256(); 4];
-        for (j, q) in q.iter_mut().enumerate() {
-            let o = &mut p32[8 * j..8 * j + 8];
-            // SAFETY: `o` holds 8 f32, one unaligned __m256 for the load and the store.
-            unsafe {
-                let p = _mm256_loadu_ps(o.as_ptr());
-                *q = int8x8::<STOCHASTIC>(l, p, h[j]);
-                let d = _mm256_mul_ps(_mm256_cvtepi32_ps(*q), s);
-                _mm256_storeu_ps(o.as_mut_ptr(), _mm256_sub_ps(p, d));
-            }
-        }
-        let bytes = pack_bytes::<true>(q[0], q[1], q[2], q[3]);
-        // SAFETY: `c32` holds 32 bytes, one unaligned __m256i.
-        unsafe { _mm256_storeu_si256(c32.as_mut_ptr().cast(), bytes) };
-    }
+    // SAFETY: `rb` is valid for reads and writes of its length; this function's features
+    // are `Avx2`'s.
+    let whole = unsafe {
+        loops::int8_steps::<Avx2, true, STOCHASTIC>(
+            (inv, step),
+            rb.as_mut_ptr(),
+            rb.len(),
+            cb,
+            sd,
+            start,
+        )
+    };
     if whole < rb.len() {
         let at = start + whole as u64;
         let (rt, ct) = (&mut rb[whole..], &mut cb[whole..]);
@@ -736,20 +718,12 @@ pub(super) fn int8_codes<const STOCHASTIC: bool>(
     sd: &mut StepDraws,
     start: u64,
 ) {
-    let l = &Levels::of_inv(inv, 127);
-    let whole = steps32::<true, STOCHASTIC>(
-        xb,
-        start,
-        sd,
-        #[inline(always)]
-        |v, h| int8x8::<STOCHASTIC>(l, v, h),
-        #[inline(always)]
-        |bytes, g| {
-            let o = &mut cb[g..g + 32];
-            // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
-            unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), bytes) };
-        },
-    );
+    // SAFETY: `xb` is valid for reads of its length, and without `RESIDUAL` nothing is
+    // written through the pointer; this function's features are `Avx2`'s.
+    let whole = unsafe {
+        let x = xb.as_ptr().cast_mut();
+        loops::int8_steps::<Avx2, false, STOCHASTIC>((inv, 0.0), x, xb.len(), cb, sd, start)
+    };
     if whole < xb.len() {
         let at = start + whole as u64;
         padded_rest(
@@ -761,21 +735,48 @@ pub(super) fn int8_codes<const STOCHASTIC: bool>(
     }
 }
 
-/// The int8 codes (in 32-bit lanes) of the 8 elements in `v`, with draws `h` (when
-/// `STOCHASTIC`).
-#[target_feature(enable = "avx2")]
-#[inline]
-fn int8x8<const STOCHASTIC: bool>(l: &Levels, v: __m256, h: __m256i) -> __m256i {
-    if STOCHASTIC {
-        // The level with the input's sign (psignd: negated for negative bit patterns,
-        // -0.0 included; a +0.0 input has level 0).
-        _mm256_sign_epi32(l.stochastic8(v, h), _mm256_castps_si256(v))
-    } else {
-        // Round half to even is sign-symmetric, and it is what the conversion does (the
-        // default MXCSR mode, which Rust code never changes): round the signed value and
-        // clamp to [-127, 127].
-        let q = _mm256_cvtps_epi32(_mm256_mul_ps(v, l.inv));
-        _mm256_max_epi32(_mm256_min_epi32(q, l.top), _mm256_set1_epi32(-127))
+// SAFETY: every method needs AVX2 at most, as `Avx2`'s `Lanes` methods.
+unsafe impl Int8Steps for Avx2 {
+    type Draws<'a> = StepDraws<'a>;
+
+    #[inline(always)]
+    unsafe fn begin(d: &mut StepDraws<'_>, start: u64) {
+        // SAFETY: the caller's contract (AVX2).
+        unsafe { d.begin(start) }
+    }
+    #[inline(always)]
+    unsafe fn step(d: &mut StepDraws<'_>, at: u32) -> [__m256i; 4] {
+        // SAFETY: the caller's contract (AVX2).
+        unsafe { d.step(at) }
+    }
+    #[inline(always)]
+    unsafe fn level<const STOCHASTIC: bool>(v: __m256, h: __m256i, inv: __m256) -> __m256i {
+        // SAFETY: the caller's contract (AVX2).
+        unsafe {
+            let l = Levels {
+                inv,
+                top: _mm256_set1_epi32(127),
+            };
+            if STOCHASTIC {
+                // The level with the input's sign (psignd: negated for negative bit
+                // patterns, -0.0 included; a +0.0 input has level 0).
+                _mm256_sign_epi32(l.stochastic8(v, h), _mm256_castps_si256(v))
+            } else {
+                let q = _mm256_cvtps_epi32(_mm256_mul_ps(v, inv));
+                _mm256_max_epi32(_mm256_min_epi32(q, l.top), _mm256_set1_epi32(-127))
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn minus_decoded(v: __m256, q: __m256i, step: __m256) -> __m256 {
+        // SAFETY: the caller's contract (AVX).
+        unsafe { _mm256_sub_ps(v, _mm256_mul_ps(_mm256_cvtepi32_ps(q), step)) }
+    }
+    #[inline(always)]
+    unsafe fn store_codes(p: *mut u8, q: [__m256i; 4]) {
+        // SAFETY: the caller's contract (AVX2); `p` is valid for 32 bytes, one unaligned
+        // __m256i.
+        unsafe { _mm256_storeu_si256(p.cast(), pack_bytes::<true>(q[0], q[1], q[2], q[3])) }
     }
 }
 
