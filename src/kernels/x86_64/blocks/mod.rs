@@ -604,10 +604,8 @@ pub(super) fn form_max_abs(r: &mut [f32], g: &[f32], beta: f32, gamma: f32) -> u
 #[target_feature(enable = "avx2")]
 #[inline]
 pub(super) fn lanes_max(m: __m256i) -> u32 {
-    let mut lanes = [0u32; 8];
-    // SAFETY: `lanes` is 8 u32, one unaligned __m256i.
-    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), m) };
-    lanes.into_iter().max().unwrap_or(0)
+    // SAFETY: this function's features are `Avx2`'s.
+    unsafe { Avx2::lanes_max(m) }
 }
 
 /// The codes of a finite formed block `rb` whose level multiplier is `inv` and whose
