@@ -1,7 +1,7 @@
 //! The `codebook` codec's arithmetic (INTELLECT-1's int8 with a codebook of bin means):
 //! the definition, which every backend compiles for its instruction set.
 
-use super::scalar::{BlockScale, put};
+use super::scalar::put;
 
 /// Entries of a codebook.
 pub const ENTRIES: usize = 256;
@@ -30,13 +30,13 @@ fn bin(x: f32, lo: f64, r: f64) -> u8 {
 #[inline(always)]
 fn lane_sum(x: &[f32], f: impl Fn(f32) -> f64) -> f64 {
     let mut l = [0f64; 16];
-    let mut rows = x.chunks_exact(16);
-    for row in &mut rows {
-        for (s, &v) in l.iter_mut().zip(row) {
-            *s += f(v);
-        }
+    let (rows, rest) = x.as_chunks::<16>();
+    for row in rows {
+        // A row's 16 terms, then 16 sums: the form both vector widths keep in registers.
+        let t: [f64; 16] = core::array::from_fn(|k| f(row[k]));
+        l = core::array::from_fn(|k| l[k] + t[k]);
     }
-    for (s, &v) in l.iter_mut().zip(rows.remainder()) {
+    for (s, &v) in l.iter_mut().zip(rest) {
         *s += f(v);
     }
     for w in [8, 4, 2, 1] {
@@ -45,6 +45,19 @@ fn lane_sum(x: &[f32], f: impl Fn(f32) -> f64) -> f64 {
         }
     }
     l[0]
+}
+
+/// A bin of the histogram: the sum of its elements and their count.
+#[derive(Clone, Copy)]
+#[repr(align(16))]
+struct Pair([f64; 2]);
+
+impl Pair {
+    #[inline(always)]
+    fn add(&mut self, p: Pair) {
+        let ([s, n], [v, one]) = (self.0, p.0);
+        self.0 = [s + v, n + one];
+    }
 }
 
 /// Encode one range of whole blocks: per block a codebook of 256 f32, then one code
@@ -70,14 +83,17 @@ pub fn encode(x: &[f32], block: usize, books: &mut [u8], codes: &mut [u8]) -> bo
     for (b, (xb, cb)) in x.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
         let book = &mut books[b * BOOK_BYTES..(b + 1) * BOOK_BYTES];
         let entries = book.chunks_exact_mut(4);
-        if BlockScale::abs_max(xb) == BlockScale::NonFinite {
+        let n = xb.len() as f64;
+        let total = lane_sum(xb, |v| v as f64);
+        // The f64 sum of f32 cannot overflow (blocks hold at most 2^24 elements), so it
+        // is finite exactly when every element is: the block's finiteness check.
+        if !total.is_finite() {
             nonfinite = true;
             entries.for_each(|e| e.copy_from_slice(&0x7FC0_0000u32.to_le_bytes()));
             cb.fill(0);
             continue;
         }
-        let n = xb.len() as f64;
-        let mu = lane_sum(xb, |v| v as f64) / n;
+        let mu = total / n;
         // d * d, not powi: powi's precision is unspecified.
         let var = lane_sum(xb, |v| {
             let d = v as f64 - mu;
@@ -94,28 +110,12 @@ pub fn encode(x: &[f32], block: usize, books: &mut [u8], codes: &mut [u8]) -> bo
         let span = 2.0 * SIGMAS * sigma;
         let w = span / ENTRIES as f64;
         let r = ENTRIES as f64 / span;
-        for (c, &v) in cb.iter_mut().zip(xb) {
-            *c = bin(v, lo, r);
-        }
-        // Four histograms, element j in histogram j % 4: consecutive elements in one bin
-        // (common near the mean) then update different memory, not one chain.
-        let mut sum = [[0f64; ENTRIES]; 4];
-        let mut count = [[0u32; ENTRIES]; 4];
-        let (mut cs, mut vs) = (cb.chunks_exact(4), xb.chunks_exact(4));
-        for (c, v) in (&mut cs).zip(&mut vs) {
-            for h in 0..4 {
-                sum[h][c[h] as usize] += v[h] as f64;
-                count[h][c[h] as usize] += 1;
-            }
-        }
-        for (h, (&c, &v)) in cs.remainder().iter().zip(vs.remainder()).enumerate() {
-            sum[h][c as usize] += v as f64;
-            count[h][c as usize] += 1;
-        }
+        let hist = histogram(xb, cb, lo, r);
         for (k, e) in entries.enumerate() {
-            let n = count.iter().map(|c| c[k]).sum::<u32>();
-            let v = if n > 0 {
-                (((sum[0][k] + sum[1][k]) + (sum[2][k] + sum[3][k])) / n as f64) as f32
+            let [a, b, c, d] = [0, 1, 2, 3].map(|h| hist[h][k].0);
+            let n = (a[1] + b[1]) + (c[1] + d[1]);
+            let v = if n > 0.0 {
+                (((a[0] + b[0]) + (c[0] + d[0])) / n) as f32
             } else {
                 // The centre can lie past f32's range (bins span 12 sigma).
                 let max = f32::MAX as f64;
@@ -125,6 +125,46 @@ pub fn encode(x: &[f32], block: usize, books: &mut [u8], codes: &mut [u8]) -> bo
         }
     }
     nonfinite
+}
+
+/// Bins of each histogram in memory: 4 more than [`ENTRIES`], so that the same bin of two
+/// histograms is not 4 KiB apart (a load would wait on the other's store: the CPU compares
+/// the low 12 bits of addresses).
+const PADDED: usize = ENTRIES + 4;
+
+/// Elements per step of [`histogram`]: its buffers stay in the first-level cache.
+const STEP: usize = 256;
+
+/// Write the codes of `xb` (bins of width `1 / r` from `lo`) to `cb` and return the four
+/// histograms of their bins: element `j` adds `(x as f64, 1)` to bin `code` of histogram
+/// `j % 4`, in element order.
+///
+/// Consecutive elements in one bin (common near the mean) then update different memory,
+/// not one chain. A bin holds its sum and its count as one pair of f64 (the count is
+/// exact: blocks are far below 2^53), and each step first converts its elements to such
+/// pairs in whole vectors, so that an element's update is one 16-byte load, add and
+/// store.
+#[inline(always)]
+fn histogram(xb: &[f32], cb: &mut [u8], lo: f64, r: f64) -> [[Pair; PADDED]; 4] {
+    let mut hist = [[Pair([0.0; 2]); PADDED]; 4];
+    let mut pairs = [Pair([0.0; 2]); STEP];
+    for (xs, cs) in xb.chunks(STEP).zip(cb.chunks_mut(STEP)) {
+        for ((c, p), &v) in cs.iter_mut().zip(&mut pairs).zip(xs) {
+            *c = bin(v, lo, r);
+            *p = Pair([v as f64, 1.0]);
+        }
+        let (mut c4, mut p4) = (cs.chunks_exact(4), pairs[..xs.len()].chunks_exact(4));
+        for (c, p) in (&mut c4).zip(&mut p4) {
+            for h in 0..4 {
+                hist[h][c[h] as usize].add(p[h]);
+            }
+        }
+        // A step is a multiple of 4, so only a block's last step has a remainder.
+        for (h, (&c, &p)) in c4.remainder().iter().zip(p4.remainder()).enumerate() {
+            hist[h][c as usize].add(p);
+        }
+    }
+    hist
 }
 
 /// Decode one range of whole blocks in mode `M`: element = its block's entry `code`.
