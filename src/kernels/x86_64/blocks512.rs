@@ -14,7 +14,7 @@
 use core::arch::x86_64::*;
 
 use super::blocks::{self, ABS, C1, C2, StepDraws};
-use super::lanes::{Avx512, Int8Steps, Lanes};
+use super::lanes::{Avx512, Lanes, Quantise};
 use super::loops;
 use crate::kernels::fp8;
 use crate::kernels::scalar::{self, Round};
@@ -172,7 +172,7 @@ pub unsafe fn encode_signmag_avx512<const BITS: u32>(
 }
 
 /// Sign-magnitude codes of one finite block (inside one index window) with scale `m`:
-/// whole 64-element steps here, the rest by the AVX2 kernel.
+/// whole 64-element steps here ([`loops::signmag_steps`]), the rest by the AVX2 kernel.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx2,fma")]
 #[inline]
 fn signmag_block<const BITS: u32>(
@@ -189,48 +189,8 @@ fn signmag_block<const BITS: u32>(
         // A scale below 2^-100 (the oracle scales by 2^64 first) or a short block.
         return blocks::signmag_block::<BITS>(xb, cb, m, d8, start);
     }
-    let inv = _mm512_set1_ps(inv);
-    let top = _mm512_set1_epi32(levels as i32);
-    let sign_bit = _mm512_set1_epi32(1 << (BITS - 1));
-    // The level, then the sign bit where `x`'s is set and the level is not zero.
-    let code16 = |v: __m512, h: __m512i| {
-        let l = stochastic_level16(v, h, inv, top);
-        let neg = _mm512_movepi32_mask(_mm512_castps_si512(v)) & _mm512_test_epi32_mask(l, l);
-        _mm512_mask_or_epi32(l, neg, l, sign_bit)
-    };
-    d16.begin(start);
-    let chunks = xb.chunks_exact(64);
-    let done = xb.len() - chunks.remainder().len();
-    for (s, c) in chunks.enumerate() {
-        // SAFETY: `c` holds 64 f32, four unaligned __m512.
-        let v = unsafe { [0, 16, 32, 48].map(|o| _mm512_loadu_ps(c.as_ptr().add(o))) };
-        let h = d16.step((start as u32).wrapping_add(64 * s as u32));
-        let q = [
-            code16(v[0], h[0]),
-            code16(v[1], h[1]),
-            code16(v[2], h[2]),
-            code16(v[3], h[3]),
-        ];
-        let o = &mut cb[s * 8 * BITS as usize..(s + 1) * 8 * BITS as usize];
-        let bytes = pack_bytes::<false>(q);
-        match BITS {
-            // SAFETY: `o` holds 64 bytes, one unaligned __m512i.
-            8 => unsafe { _mm512_storeu_si512(o.as_mut_ptr().cast(), bytes) },
-            4 => {
-                // Pairs of 4-bit codes, low nibble first: c0 + 16 c1.
-                let pairs = _mm512_maddubs_epi16(bytes, _mm512_set1_epi16(0x1001));
-                // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
-                unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm512_cvtepi16_epi8(pairs)) };
-            }
-            _ => {
-                // Quads of 2-bit codes: (c0 + 4 c1) + 16 (c2 + 4 c3).
-                let pairs = _mm512_maddubs_epi16(bytes, _mm512_set1_epi16(0x0401));
-                let quads = _mm512_madd_epi16(pairs, _mm512_set1_epi32(0x0010_0001));
-                // SAFETY: `o` holds 16 bytes, one unaligned __m128i.
-                unsafe { _mm_storeu_si128(o.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(quads)) };
-            }
-        }
-    }
+    // SAFETY: this function's features are `Avx512`'s.
+    let done = unsafe { loops::signmag_steps::<Avx512, BITS>((inv, levels), xb, cb, d16, start) };
     if done < xb.len() {
         let rest = &mut cb[done * BITS as usize / 8..];
         blocks::signmag_block::<BITS>(&xb[done..], rest, m, d8, start + done as u64);
@@ -616,7 +576,7 @@ unsafe fn int8_quantise<const RESIDUAL: bool, const STOCHASTIC: bool>(
 
 // SAFETY: every method needs AVX-512 F/BW/DQ at most, which the AVX-512 backend's CPU
 // check includes.
-unsafe impl Int8Steps for Avx512 {
+unsafe impl Quantise for Avx512 {
     type Draws<'a> = Draws16<'a>;
 
     #[inline(always)]
@@ -630,19 +590,29 @@ unsafe impl Int8Steps for Avx512 {
         unsafe { d.step(at) }
     }
     #[inline(always)]
-    unsafe fn level<const STOCHASTIC: bool>(v: __m512, h: __m512i, inv: __m512) -> __m512i {
+    unsafe fn top(levels: u32) -> __m512i {
+        // SAFETY: the caller's contract (AVX-512F).
+        unsafe { _mm512_set1_epi32(levels as i32) }
+    }
+    #[inline(always)]
+    unsafe fn signed_level(v: __m512, h: __m512i, inv: __m512, top: __m512i) -> __m512i {
         // SAFETY: the caller's contract (AVX-512 F/DQ).
         unsafe {
-            let (top, bottom) = (_mm512_set1_epi32(127), _mm512_set1_epi32(-127));
-            if STOCHASTIC {
-                let l = stochastic_level16(v, h, inv, top);
-                // Negated where `v`'s sign bit is set (-0.0 has level 0).
-                let neg = _mm512_movepi32_mask(_mm512_castps_si512(v));
-                _mm512_mask_sub_epi32(l, neg, _mm512_setzero_si512(), l)
-            } else {
-                let q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
-                _mm512_max_epi32(_mm512_min_epi32(q, top), bottom)
-            }
+            let l = stochastic_level16(v, h, inv, top);
+            // Negated where `v`'s sign bit is set (-0.0 has level 0).
+            let neg = _mm512_movepi32_mask(_mm512_castps_si512(v));
+            _mm512_mask_sub_epi32(l, neg, _mm512_setzero_si512(), l)
+        }
+    }
+    #[inline(always)]
+    unsafe fn nearest_int8(v: __m512, inv: __m512) -> __m512i {
+        // SAFETY: the caller's contract (AVX-512F).
+        unsafe {
+            let q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
+            _mm512_max_epi32(
+                _mm512_min_epi32(q, _mm512_set1_epi32(127)),
+                _mm512_set1_epi32(-127),
+            )
         }
     }
     #[inline(always)]
@@ -655,6 +625,34 @@ unsafe impl Int8Steps for Avx512 {
         // SAFETY: the caller's contract (AVX-512 F/BW); `p` is valid for 64 bytes, one
         // unaligned __m512i.
         unsafe { _mm512_storeu_si512(p.cast(), pack_bytes::<true>(q)) }
+    }
+    #[inline(always)]
+    unsafe fn store_signmag<const BITS: u32>(p: *mut u8, q: [__m512i; 4]) {
+        // SAFETY: the caller's contract (AVX-512 F/BW): `p` is valid for `8 BITS` bytes.
+        unsafe {
+            let signed = pack_bytes::<true>(q);
+            // min(b & 0x80, sign bit) is the sign bit for negative bytes and 0 for the
+            // rest; the magnitude is the byte's absolute value.
+            let sign = _mm512_min_epu8(
+                _mm512_and_si512(signed, _mm512_set1_epi8(i8::MIN)),
+                _mm512_set1_epi8((1u8 << (BITS - 1)) as i8),
+            );
+            let bytes = _mm512_or_si512(_mm512_abs_epi8(signed), sign);
+            match BITS {
+                8 => _mm512_storeu_si512(p.cast(), bytes),
+                4 => {
+                    // Pairs of 4-bit codes, low nibble first: c0 + 16 c1.
+                    let pairs = _mm512_maddubs_epi16(bytes, _mm512_set1_epi16(0x1001));
+                    _mm256_storeu_si256(p.cast(), _mm512_cvtepi16_epi8(pairs));
+                }
+                _ => {
+                    // Quads of 2-bit codes: (c0 + 4 c1) + 16 (c2 + 4 c3).
+                    let pairs = _mm512_maddubs_epi16(bytes, _mm512_set1_epi16(0x0401));
+                    let quads = _mm512_madd_epi16(pairs, _mm512_set1_epi32(0x0010_0001));
+                    _mm_storeu_si128(p.cast(), _mm512_cvtepi32_epi8(quads));
+                }
+            }
+        }
     }
 }
 

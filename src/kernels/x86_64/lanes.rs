@@ -114,14 +114,14 @@ pub(super) unsafe trait Lanes {
     }
 }
 
-/// int8's quantiser at a width: steps of four vectors (`4 N` elements), with the
-/// counter hash's draws for stochastic rounding, the levels and their narrowing to bytes.
-/// Implemented beside each width's other kernels (`blocks` for [`Avx2`], `blocks512` for
-/// [`Avx512`]).
+/// The level quantisers of int8 and of the sign-magnitude codecs (qsgd, ternary) at a
+/// width: steps of four vectors (`4 N` elements), with the counter hash's draws for
+/// stochastic rounding, the levels and their narrowing to bytes. Implemented beside each
+/// width's other kernels (`blocks` for [`Avx2`], `blocks512` for [`Avx512`]).
 ///
 /// # Safety
 /// As [`Lanes`]: every method needs the implementing type's instruction set.
-pub(super) unsafe trait Int8Steps: Lanes {
+pub(super) unsafe trait Quantise: Lanes {
     /// The draws of a block's steps, made once per encode call.
     type Draws<'a>;
 
@@ -143,7 +143,33 @@ pub(super) unsafe trait Int8Steps: Lanes {
     ///
     /// # Safety
     /// The instruction set.
-    unsafe fn level<const STOCHASTIC: bool>(v: Self::F, h: Self::I, inv: Self::F) -> Self::I;
+    unsafe fn level<const STOCHASTIC: bool>(v: Self::F, h: Self::I, inv: Self::F) -> Self::I {
+        // SAFETY: the caller's contract.
+        unsafe {
+            if STOCHASTIC {
+                Self::signed_level(v, h, inv, Self::top(127))
+            } else {
+                Self::nearest_int8(v, inv)
+            }
+        }
+    }
+    /// `levels` in every lane, the `top` of [`Quantise::signed_level`].
+    ///
+    /// # Safety
+    /// The instruction set.
+    unsafe fn top(levels: u32) -> Self::I;
+    /// The oracle's `scalar::level` of `|v|` with multiplier `inv` and draws `h`,
+    /// operation for operation, clamped to `top`, with `v`'s sign (`-0.0` has level 0).
+    ///
+    /// # Safety
+    /// The instruction set.
+    unsafe fn signed_level(v: Self::F, h: Self::I, inv: Self::F, top: Self::I) -> Self::I;
+    /// `v * inv` rounded half to even (the conversion's default mode, which Rust code
+    /// never changes; sign-symmetric) and clamped to `[-127, 127]`.
+    ///
+    /// # Safety
+    /// The instruction set.
+    unsafe fn nearest_int8(v: Self::F, inv: Self::F) -> Self::I;
     /// `v - q * step` (`q` converted exactly).
     ///
     /// # Safety
@@ -154,6 +180,14 @@ pub(super) unsafe trait Int8Steps: Lanes {
     /// # Safety
     /// The instruction set; `p` valid for writes of `4 N` bytes.
     unsafe fn store_codes(p: *mut u8, q: [Self::I; 4]);
+    /// Stores the `4 N` signed levels of `q` (in `[-127, 127]`) as sign-magnitude codes
+    /// of `BITS` (2, 4 or 8) bits at `p`, `N BITS / 2` bytes: the magnitude, with bit
+    /// `BITS - 1` set where the level is negative (a zero level has no sign, as in the
+    /// oracle), packed low bits first.
+    ///
+    /// # Safety
+    /// The instruction set; `p` valid for `N BITS / 2` bytes.
+    unsafe fn store_signmag<const BITS: u32>(p: *mut u8, q: [Self::I; 4]);
 }
 
 /// AVX2 with F16C: 8 lanes.

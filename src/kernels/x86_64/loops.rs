@@ -9,7 +9,7 @@
 
 use core::arch::x86_64::*;
 
-use super::lanes::{Int8Steps, Lanes};
+use super::lanes::{Lanes, Quantise};
 use crate::kernels::fp8::{self, Scale};
 
 /// The half-precision floats of 16 fp8 codes (the bytes of `b`): an E5M2 code is the top
@@ -279,7 +279,7 @@ pub(super) unsafe fn add_max_abs<V: Lanes>(
 /// The int8 codes of the whole steps (`4 N` elements) of the `n` elements at `x` (global
 /// indices from `start`; inside one 2^32 draw window when `STOCHASTIC`), a finite block
 /// whose level multiplier is `inv` (`scalar::level_multiplier` without a pre-scale), as
-/// `scalar::quantise_int8` writes them ([`Int8Steps::level`]). With `RESIDUAL`, each
+/// `scalar::quantise_int8` writes them ([`Quantise::level`]). With `RESIDUAL`, each
 /// element becomes `x - code * step`, without `scalar::residual_of`'s checks, which cannot
 /// fire in a finite block: `x` is finite, `code * step` is finite (`127 step` is, by
 /// `scalar::block_step`) and of `x`'s sign or zero, so `|x - d| <= max(|x|, |d|)`.
@@ -289,7 +289,7 @@ pub(super) unsafe fn add_max_abs<V: Lanes>(
 /// The CPU must support `V`'s instruction set; `x` must be valid for reads of `n` f32,
 /// and for writes with `RESIDUAL`.
 #[inline(always)]
-pub(super) unsafe fn int8_steps<V: Int8Steps, const RESIDUAL: bool, const STOCHASTIC: bool>(
+pub(super) unsafe fn int8_steps<V: Quantise, const RESIDUAL: bool, const STOCHASTIC: bool>(
     (inv, step): (f32, f32),
     x: *mut f32,
     n: usize,
@@ -323,6 +323,44 @@ pub(super) unsafe fn int8_steps<V: Int8Steps, const RESIDUAL: bool, const STOCHA
                 }
             }
             V::store_codes(cb.as_mut_ptr().add(at), q);
+        }
+    }
+    whole
+}
+
+/// Sign-magnitude codes of `BITS` (2, 4 or 8) bits for the whole steps (`4 N` elements)
+/// of one finite block with level multiplier `inv` (without a pre-scale) and `levels`
+/// magnitude levels: the oracle's `scalar::level` of each `|x|` with its index's draw
+/// (`start + j` for element `j`), the input's sign where the level is not zero
+/// ([`Quantise::signed_level`], [`Quantise::store_signmag`]). Returns the elements done
+/// (a multiple of `4 N`); the caller codes the rest.
+///
+/// # Safety
+/// The CPU must support `V`'s instruction set.
+#[inline(always)]
+pub(super) unsafe fn signmag_steps<V: Quantise, const BITS: u32>(
+    (inv, levels): (f32, u32),
+    xb: &[f32],
+    cb: &mut [u8],
+    d: &mut V::Draws<'_>,
+    start: u64,
+) -> usize {
+    let w = 4 * V::N;
+    let whole = xb.len() / w * w;
+    let bytes = w * BITS as usize / 8;
+    assert!(cb.len() >= whole / w * bytes);
+    // SAFETY: the caller's contract; every step below has `at + w <= whole`, four
+    // unaligned vectors of `xb` and `bytes` bytes of `cb`.
+    unsafe {
+        let (iv, top) = (V::splat(inv), V::top(levels));
+        V::begin(d, start);
+        for (k, at) in (0..whole).step_by(w).enumerate() {
+            let h = V::step(d, (start as u32).wrapping_add(at as u32));
+            let mut q = [V::zero(); 4];
+            for (j, q) in q.iter_mut().enumerate() {
+                *q = V::signed_level(V::load(xb.as_ptr().add(at + j * V::N)), h[j], iv, top);
+            }
+            V::store_signmag::<BITS>(cb.as_mut_ptr().add(k * bytes), q);
         }
     }
     whole

@@ -24,7 +24,7 @@ mod signmag;
 pub use floats::*;
 pub use signmag::*;
 
-use super::lanes::{Avx2, Int8Steps, Lanes};
+use super::lanes::{Avx2, Lanes, Quantise};
 use super::loops;
 use crate::kernels::fp8;
 use crate::kernels::scalar::{self, BlockScale, INF_BITS, Round};
@@ -253,90 +253,31 @@ fn pack_bytes<const SIGNED: bool>(a: __m256i, b: __m256i, c: __m256i, d: __m256i
     _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
 }
 
-/// One block's level quantiser: `a = |x| * inv` with `inv = levels / m`
-/// (`scalar::level_multiplier` when its pre-multiplier is 1, that is `m >= 2^-100`; the
-/// callers send blocks with a smaller scale to the oracle), rounded to an integer level and
-/// clamped to `top`; stochastic rounding draws `lowbias32((start + j) ^ key)` for element
-/// `j` ([`StepDraws`]).
-struct Levels {
-    inv: __m256,
-    top: __m256i,
-}
-
-impl Levels {
-    /// The quantiser of a block with scale `m`, or `None` when `m < 2^-100` (where the
-    /// oracle scales by 2^64 first).
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    fn new(m: f32, levels: u32) -> Option<Levels> {
-        let (pre, inv) = scalar::level_multiplier(m, levels as f32);
-        (pre == 1.0).then(|| Levels::of_inv(inv, levels))
-    }
-
-    /// The quantiser of a block whose level multiplier is `inv` (without a pre-scale).
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    fn of_inv(inv: f32, levels: u32) -> Levels {
-        Levels {
-            inv: _mm256_set1_ps(inv),
-            top: _mm256_set1_epi32(levels as i32),
-        }
-    }
-
-    /// The stochastic levels (in `[0, top]`) of the 8 elements in `v`, whose draws are
-    /// the lanes of `h`: the oracle's `scalar::level`, operation for operation, with the
-    /// final `fl + 1` and the clamp done on integers (`fl` is integer-valued and small, so
-    /// the conversion is exact).
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    fn stochastic8(&self, v: __m256, h: __m256i) -> __m256i {
-        let abs = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(ABS)));
-        let a = _mm256_mul_ps(abs, self.inv);
-        let u = _mm256_mul_ps(
-            _mm256_cvtepi32_ps(_mm256_srli_epi32::<8>(h)),
-            _mm256_set1_ps(1.0 / 16_777_216.0),
-        );
-        let fl = _mm256_floor_ps(a);
-        let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(u, _mm256_sub_ps(a, fl)));
-        // `up` is -1 where the draw rounds up.
-        _mm256_min_epi32(_mm256_sub_epi32(_mm256_cvttps_epi32(fl), up), self.top)
-    }
-}
-
-/// Quantises the 32-element steps of a block: `quant(v, h)` gives the 32-bit codes of the
-/// 8 elements in `v`, whose draws are the lanes of `h` (`lowbias32((start + j) ^ key)` for
-/// element `j`, from `draws`, when `DRAWS`; zero otherwise); the four results go to
-/// `store(bytes, g)`, narrowed by [`pack_bytes`], for the step at element `g`. Returns the
-/// number of elements done.
+/// The stochastic levels (in `[0, top]`) of the 8 elements in `v` with level multiplier
+/// `inv` (`scalar::level_multiplier`'s, when its pre-multiplier is 1), whose draws are the
+/// lanes of `h`: the oracle's `scalar::level`, operation for operation, with the final
+/// `fl + 1` and the clamp done on integers (`fl` is integer-valued and small, so the
+/// conversion is exact).
 #[target_feature(enable = "avx2")]
 #[inline]
-fn steps32<const SIGNED: bool, const DRAWS: bool>(
-    xb: &[f32],
-    start: u64,
-    draws: &mut StepDraws,
-    mut quant: impl FnMut(__m256, __m256i) -> __m256i,
-    store: impl FnMut(__m256i, usize),
-) -> usize {
-    steps32x4::<SIGNED, DRAWS>(
-        xb,
-        start,
-        draws,
-        // Written out: `[T; 4]::map` is not always inlined, and its calls cost 9x here.
-        #[inline(always)]
-        |v, h| {
-            [
-                quant(v[0], h[0]),
-                quant(v[1], h[1]),
-                quant(v[2], h[2]),
-                quant(v[3], h[3]),
-            ]
-        },
-        store,
-    )
+fn stochastic8(v: __m256, h: __m256i, inv: __m256, top: __m256i) -> __m256i {
+    let abs = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(ABS)));
+    let a = _mm256_mul_ps(abs, inv);
+    let u = _mm256_mul_ps(
+        _mm256_cvtepi32_ps(_mm256_srli_epi32::<8>(h)),
+        _mm256_set1_ps(1.0 / 16_777_216.0),
+    );
+    let fl = _mm256_floor_ps(a);
+    let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(u, _mm256_sub_ps(a, fl)));
+    // `up` is -1 where the draw rounds up.
+    _mm256_min_epi32(_mm256_sub_epi32(_mm256_cvttps_epi32(fl), up), top)
 }
 
-/// [`steps32`] with the four vectors of a step quantised together: `quant(v, h)` gives
-/// the codes of the 32 elements in `v`, whose draws are the lanes of `h` (when `DRAWS`).
+/// Quantises the 32-element steps of a block, four vectors of 8 at a time: `quant(v, h)`
+/// gives the 32-bit codes of the 32 elements in `v`, whose draws are the lanes of `h`
+/// (`lowbias32((start + j) ^ key)` for element `j`, from `draws`, when `DRAWS`; zero
+/// otherwise); they go to `store(bytes, g)`, narrowed by [`pack_bytes`], for the step at
+/// element `g`. Returns the number of elements done.
 #[target_feature(enable = "avx2")]
 #[inline]
 fn steps32x4<const SIGNED: bool, const DRAWS: bool>(
@@ -734,7 +675,7 @@ pub(super) fn int8_codes<const STOCHASTIC: bool>(
 }
 
 // SAFETY: every method needs AVX2 at most, as `Avx2`'s `Lanes` methods.
-unsafe impl Int8Steps for Avx2 {
+unsafe impl Quantise for Avx2 {
     type Draws<'a> = StepDraws<'a>;
 
     #[inline(always)]
@@ -748,21 +689,28 @@ unsafe impl Int8Steps for Avx2 {
         unsafe { d.step(at) }
     }
     #[inline(always)]
-    unsafe fn level<const STOCHASTIC: bool>(v: __m256, h: __m256i, inv: __m256) -> __m256i {
+    unsafe fn top(levels: u32) -> __m256i {
+        // SAFETY: the caller's contract (AVX).
+        unsafe { _mm256_set1_epi32(levels as i32) }
+    }
+    #[inline(always)]
+    unsafe fn signed_level(v: __m256, h: __m256i, inv: __m256, top: __m256i) -> __m256i {
         // SAFETY: the caller's contract (AVX2).
         unsafe {
-            let l = Levels {
-                inv,
-                top: _mm256_set1_epi32(127),
-            };
-            if STOCHASTIC {
-                // The level with the input's sign (psignd: negated for negative bit
-                // patterns, -0.0 included; a +0.0 input has level 0).
-                _mm256_sign_epi32(l.stochastic8(v, h), _mm256_castps_si256(v))
-            } else {
-                let q = _mm256_cvtps_epi32(_mm256_mul_ps(v, inv));
-                _mm256_max_epi32(_mm256_min_epi32(q, l.top), _mm256_set1_epi32(-127))
-            }
+            // The level with the input's sign (psignd: negated for negative bit patterns,
+            // -0.0 included; a +0.0 input has level 0).
+            _mm256_sign_epi32(stochastic8(v, h, inv, top), _mm256_castps_si256(v))
+        }
+    }
+    #[inline(always)]
+    unsafe fn nearest_int8(v: __m256, inv: __m256) -> __m256i {
+        // SAFETY: the caller's contract (AVX2).
+        unsafe {
+            let q = _mm256_cvtps_epi32(_mm256_mul_ps(v, inv));
+            _mm256_max_epi32(
+                _mm256_min_epi32(q, _mm256_set1_epi32(127)),
+                _mm256_set1_epi32(-127),
+            )
         }
     }
     #[inline(always)]
@@ -775,6 +723,34 @@ unsafe impl Int8Steps for Avx2 {
         // SAFETY: the caller's contract (AVX2); `p` is valid for 32 bytes, one unaligned
         // __m256i.
         unsafe { _mm256_storeu_si256(p.cast(), pack_bytes::<true>(q[0], q[1], q[2], q[3])) }
+    }
+    #[inline(always)]
+    unsafe fn store_signmag<const BITS: u32>(p: *mut u8, q: [__m256i; 4]) {
+        // SAFETY: the caller's contract (AVX2): `p` is valid for `4 BITS` bytes.
+        unsafe {
+            let signed = pack_bytes::<true>(q[0], q[1], q[2], q[3]);
+            let bytes = signmag_bytes(signed, _mm256_set1_epi8((1u8 << (BITS - 1)) as i8));
+            match BITS {
+                8 => _mm256_storeu_si256(p.cast(), bytes),
+                4 => {
+                    // Pairs of 4-bit codes, low nibble first: c0 + 16 c1.
+                    let pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001));
+                    let p2 = _mm256_packus_epi16(pairs, pairs);
+                    let p2 = _mm256_permute4x64_epi64::<0b00_00_10_00>(p2);
+                    _mm_storeu_si128(p.cast(), _mm256_castsi256_si128(p2));
+                }
+                _ => {
+                    // Quads of 2-bit codes: (c0 + 4 c1) + 16 (c2 + 4 c3).
+                    let pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x0401));
+                    let quads = _mm256_madd_epi16(pairs, _mm256_set1_epi32(0x0010_0001));
+                    let p4 = _mm256_packs_epi32(quads, quads);
+                    let p4 = _mm256_packus_epi16(p4, p4);
+                    let order = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+                    let p4 = _mm256_permutevar8x32_epi32(p4, order);
+                    _mm_storel_epi64(p.cast(), _mm256_castsi256_si128(p4));
+                }
+            }
+        }
     }
 }
 

@@ -39,7 +39,8 @@ pub unsafe fn encode_signmag_avx2<const BITS: u32>(
 }
 
 /// Sign-magnitude codes of one finite block (inside one index window) with scale `m`: 32
-/// a step, the rest padded to 32 ([`padded_rest`]).
+/// a step ([`loops::signmag_steps`]), the rest padded to 32 ([`padded_rest`]); the oracle
+/// where the scale is below 2^-100.
 #[target_feature(enable = "avx2")]
 #[inline]
 pub(in crate::kernels::x86_64) fn signmag_block<const BITS: u32>(
@@ -49,48 +50,13 @@ pub(in crate::kernels::x86_64) fn signmag_block<const BITS: u32>(
     sd: &mut StepDraws,
     start: u64,
 ) {
-    let d = sd.draws;
     let levels = (1u32 << (BITS - 1)) - 1;
-    let Some(l) = Levels::new(m, levels) else {
-        return scalar::quantise_signmag_bytes(xb, cb, m, BITS, d, start);
-    };
-    let sign_bit8 = _mm256_set1_epi8((1u8 << (BITS - 1)) as i8);
-    let n32 = steps32::<true, true>(
-        xb,
-        start,
-        sd,
-        // The level with the input's sign (psignd: negated for negative bit patterns).
-        #[inline(always)]
-        |v, h| _mm256_sign_epi32(l.stochastic8(v, h), _mm256_castps_si256(v)),
-        #[inline(always)]
-        |signed, g| {
-            let bytes = signmag_bytes(signed, sign_bit8);
-            let o = &mut cb[g * BITS as usize / 8..(g + 32) * BITS as usize / 8];
-            match BITS {
-                // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
-                8 => unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), bytes) },
-                4 => {
-                    // Pairs of 4-bit codes, low nibble first: c0 + 16 c1.
-                    let pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001));
-                    let p = _mm256_packus_epi16(pairs, pairs);
-                    let p = _mm256_permute4x64_epi64::<0b00_00_10_00>(p);
-                    // SAFETY: `o` holds 16 bytes, one unaligned __m128i.
-                    unsafe { _mm_storeu_si128(o.as_mut_ptr().cast(), _mm256_castsi256_si128(p)) };
-                }
-                _ => {
-                    // Quads of 2-bit codes: (c0 + 4 c1) + 16 (c2 + 4 c3).
-                    let pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x0401));
-                    let quads = _mm256_madd_epi16(pairs, _mm256_set1_epi32(0x0010_0001));
-                    let p = _mm256_packs_epi32(quads, quads);
-                    let p = _mm256_packus_epi16(p, p);
-                    let p =
-                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
-                    // SAFETY: `o` holds 8 bytes, the low half of one __m128i.
-                    unsafe { _mm_storel_epi64(o.as_mut_ptr().cast(), _mm256_castsi256_si128(p)) };
-                }
-            }
-        },
-    );
+    let (pre, inv) = scalar::level_multiplier(m, levels as f32);
+    if pre != 1.0 {
+        return scalar::quantise_signmag_bytes(xb, cb, m, BITS, sd.draws, start);
+    }
+    // SAFETY: this function's features are `Avx2`'s.
+    let n32 = unsafe { loops::signmag_steps::<Avx2, BITS>((inv, levels), xb, cb, sd, start) };
     if n32 < xb.len() {
         let (rest, at) = (&mut cb[n32 * BITS as usize / 8..], start + n32 as u64);
         padded_rest(
