@@ -354,12 +354,22 @@ pub(super) unsafe fn signmag_steps<V: Quantise, const BITS: u32>(
     unsafe {
         let (iv, top) = (V::splat(inv), V::top(levels));
         V::begin(d, start);
-        for (k, at) in (0..whole).step_by(w).enumerate() {
+        for k in 0..whole / w {
+            let at = k * w;
+            let p = xb.as_ptr().add(at);
+            let v = [
+                V::load(p),
+                V::load(p.add(V::N)),
+                V::load(p.add(2 * V::N)),
+                V::load(p.add(3 * V::N)),
+            ];
             let h = V::step(d, (start as u32).wrapping_add(at as u32));
-            let mut q = [V::zero(); 4];
-            for (j, q) in q.iter_mut().enumerate() {
-                *q = V::signed_level(V::load(xb.as_ptr().add(at + j * V::N)), h[j], iv, top);
-            }
+            let q = [
+                V::signed_level(v[0], h[0], iv, top),
+                V::signed_level(v[1], h[1], iv, top),
+                V::signed_level(v[2], h[2], iv, top),
+                V::signed_level(v[3], h[3], iv, top),
+            ];
             V::store_signmag::<BITS>(cb.as_mut_ptr().add(k * bytes), q);
         }
     }
