@@ -281,6 +281,14 @@ fn fp8_and_fp4_groups_of_blocks_match_scalar_whatever_one_block_holds() {
         "fp4:block=16",
         "fp4:block=80,scale=f32",
         "fp4:block=16,scale=e4m3",
+        // Blocks of a multiple of 8 (AVX2 groups them, a step of 32 elements crossing
+        // blocks where 32 does not divide the block).
+        "fp8:block=8",
+        "fp8:block=24,format=e5m2",
+        "fp8:block=40,scale=e8m0",
+        "fp4:block=8",
+        "fp4:block=24,scale=e4m3",
+        "fp4:block=56,format=e3m0",
     ] {
         let spec: CodecSpec = spec.parse().unwrap();
         let block = block_of(&spec);

@@ -70,7 +70,7 @@ fn prefetch<T>(x: &[T], at: usize) {
 ///
 /// With `entry =>` first, it also defines `entry::<K, ...>`, the operation's portable
 /// build for instruction set `K` as a function: the dispatch table's entry
-/// ([`table::portable_table`]).
+/// (`table::portable_table`).
 macro_rules! simd_op {
     ($entry:ident => $Name:ident $(<$(const $C:ident: $CT:ty),+>)? { $($f:ident: $t:ty),* $(,)? } -> $R:ty = $call:expr) => {
         simd_op!($Name $(<$(const $C: $CT),+>)? { $($f: $t),* } -> $R = $call);
@@ -141,7 +141,7 @@ simd_op!(EncodeNatural {
 simd_op!(DecodeNatural<const M: u8> {
     refs: &'a [u8], codes: &'a [u8], block: usize, out: &'a mut [f32],
 } -> () = portable::decode_natural::<M>(refs, codes, block, out));
-/// The dispatch table's portable entries ([`table::portable_table`]): each operation's
+/// The dispatch table's portable entries (`table::portable_table`): each operation's
 /// portable source, as a function compiled for the instruction set `K`.
 mod entry {
     use super::*;

@@ -1,11 +1,14 @@
-//! AVX-512 kernels of the block codecs: qsgd and ternary's stochastic sign-magnitude
-//! encode on 16 lanes, 64 elements per step, with the counter hash drawn in aligned
-//! groups of 64 where a block starts at a multiple of 64; also `dct`'s transpose of
-//! sixteen tiles into lanes, fp4's decode by table lookups in registers, and int8's
-//! encode, fused error-feedback step and ring hop (either rounding).
+//! AVX-512 kernels of the block codecs on 16 lanes: the loops written once
+//! (`loops`: int8's encode, fused error-feedback step and ring hop, qsgd's and ternary's
+//! sign-magnitude encode, fp8's decode, the fp8 and fp4 nearest encoders' groups of
+//! blocks) instantiated for [`Avx512`], with its [`Quantise`] and [`FloatCodes`] steps
+//! and the counter hash drawn in aligned groups of 64 where a block starts at a multiple
+//! of 64; and the kernels of this width alone: the fp8 and fp4 stochastic encoders,
+//! fp4's decode by table lookups in registers, `dct`'s transpose of sixteen tiles into
+//! lanes.
 //!
-//! They follow the AVX2 kernels of `blocks` operation for operation, twice as wide. A block's tail shorter than 64 elements goes to the AVX2 kernel. Every
-//! function equals its scalar oracle to the bit (tests/backends.rs).
+//! A block's tail shorter than one step goes to the AVX2 kernel. Every function equals
+//! its scalar oracle to the bit (tests/backends.rs).
 //!
 //! Callers hold a [`crate::kernels::Backend`] of kind `Avx512`, which exists only after
 //! AVX-512 F/BW/CD/DQ/VL and AVX2 were detected; that check is what makes calling these
@@ -14,7 +17,7 @@
 use core::arch::x86_64::*;
 
 use super::blocks::{self, ABS, C1, C2, StepDraws};
-use super::lanes::{Avx512, Lanes, Quantise};
+use super::lanes::{Avx512, FloatCodes, Lanes, Quantise};
 use super::loops;
 use crate::kernels::fp8;
 use crate::kernels::scalar::{self, Round};
@@ -688,9 +691,9 @@ fn add_max_abs(sum: &mut [f32], local: &[f32], codes: &[u8], step: f32) -> u32 {
 /// [`blocks::encode_fp8_nearest`] (8-bit codes of `f`, E4M3 or E5M2, with an f32 or E8M0
 /// scale) and, with `four`, [`blocks::encode_fp4_nearest`] (E2M1 or E3M0 codes, two per
 /// byte, with any scale) on 16 lanes: blocks of a multiple of 16 eight at a time
-/// ([`group16`]); a group with an unusual maximum and the blocks after the last group go to
-/// the AVX2 kernel. The same bytes as the definition; returns whether `x` held NaN or
-/// ±Inf.
+/// ([`loops::nearest_group`]); a group with an unusual maximum, the blocks after the last
+/// group and other block lengths go to the AVX2 kernel. The same bytes as the definition;
+/// returns whether `x` held NaN or ±Inf.
 ///
 /// # Safety
 /// The CPU must support AVX-512F, AVX-512BW and AVX2.
@@ -736,157 +739,24 @@ fn nearest_in_groups<const M: u32, const FOUR: bool>(
         scales,
         codes,
         #[inline(always)]
-        |xg, sg, cg| group16::<M, FOUR>(f, scale, block, xg, sg, cg),
+        |xg, sg, cg| group::<M, FOUR>(f, scale, block, xg, sg, cg),
         #[inline(always)]
         |x, sc, c| {
-            if FOUR {
-                // SAFETY: this function's CPU has AVX2.
-                unsafe { blocks::encode_fp4_nearest(M == 0, scale, block, x, sc, c) }
-            } else {
-                blocks::encode_fp8_rest(M == 3, scale, block, x, sc, c)
+            // The AVX2 kernels, which group blocks of a multiple of 8 themselves.
+            // SAFETY: this function's CPU has AVX2.
+            unsafe {
+                if FOUR {
+                    blocks::encode_fp4_nearest(M == 0, scale, block, x, sc, c)
+                } else {
+                    blocks::encode_fp8_nearest(M == 3, scale, block, x, sc, c)
+                }
             }
         },
     )
 }
 
-/// The largest magnitude bits of each of eight blocks of `block` (a multiple of 16)
-/// elements of `xg`, in block order (lane `j`: block `j`).
-#[target_feature(enable = "avx512f,avx2")]
-#[inline]
-fn group_max_bits16(block: usize, xg: &[f32]) -> __m256i {
-    assert!(xg.len() >= 8 * block && block.is_multiple_of(16));
-    let abs = _mm512_set1_epi32(ABS);
-    let mut v = [_mm256_setzero_si256(); 8];
-    for (m, xb) in v.iter_mut().zip(xg.chunks_exact(block)) {
-        let mut w = _mm512_setzero_si512();
-        for c in xb.chunks_exact(16) {
-            // SAFETY: `c` holds 16 f32, one unaligned __m512i.
-            let e = unsafe { _mm512_loadu_si512(c.as_ptr().cast()) };
-            // Magnitude bits are below 2^31: a signed maximum orders them.
-            w = _mm512_max_epi32(w, _mm512_and_si512(e, abs));
-        }
-        *m = _mm256_max_epi32(_mm512_castsi512_si256(w), _mm512_extracti64x4_epi64::<1>(w));
-    }
-    blocks::fold_maxima(v)
-}
-
-/// Eight blocks of `block` (a multiple of 16) elements `xg` in the format `f` of `M`
-/// mantissa bits (3 or 2: fp8 codes, one per byte; 1 with `FOUR`: E2M1 codes, two per
-/// byte): the AVX2 kernel's scales of the group, formed together in one vector, then the
-/// codes of the whole group 64 a step on 16 lanes ([`group_codes16`]). False, writing
-/// nothing, where the scales decline (a NaN, infinite, zero or subnormal maximum).
-///
-/// Scales other than E8M0 divide, as the definition does.
-#[target_feature(enable = "avx512f,avx512bw,avx2")]
-#[inline]
-fn group16<const M: u32, const FOUR: bool>(
-    f: fp8::Format,
-    scale: fp8::Scale,
-    block: usize,
-    xg: &[f32],
-    sg: &mut [u8],
-    cg: &mut [u8],
-) -> bool {
-    let m = group_max_bits16(block, xg);
-    // (The AVX2 kernel's match, not a shared function: through one, not inlined, MXFP4's
-    // encode ran 13% slower.)
-    let by = match scale {
-        fp8::Scale::E8m0 => blocks::group_scales::<true>(f, m, sg),
-        fp8::Scale::E4m3 { global } => blocks::group_e4m3_scales(f, global, m, sg),
-        _ => blocks::group_scales::<false>(f, m, sg),
-    };
-    let Some(by) = by else {
-        return false;
-    };
-    if scale == fp8::Scale::E8m0 {
-        group_codes16::<M, true, FOUR>(f, block, by, xg, cg);
-    } else {
-        group_codes16::<M, false, FOUR>(f, block, by, xg, cg);
-    }
-    true
-}
-
-/// The codes of a group of eight blocks of `block` (a multiple of 16) elements `xg`, block
-/// `j`'s quotients formed with lane `j` of `by` (multiplied by it when `MULTIPLY`, else
-/// divided): 64 elements a step, each vector of 16 inside one block. 8-bit codes are
-/// narrowed by [`pack_bytes`]; with `FOUR` each pair is then joined by a multiply-add
-/// (`lo + 16 hi`) and narrowed again, 32 bytes a step.
-#[target_feature(enable = "avx512f,avx512bw,avx2")]
-#[inline]
-fn group_codes16<const M: u32, const MULTIPLY: bool, const FOUR: bool>(
-    f: fp8::Format,
-    block: usize,
-    by: __m256,
-    xg: &[f32],
-    cg: &mut [u8],
-) {
-    let per = if FOUR { 32 } else { 64 };
-    assert!(xg.len() == 8 * block && block.is_multiple_of(16) && cg.len() == xg.len() / 64 * per);
-    let mut bys = [0f32; 8];
-    // SAFETY: `bys` is 8 f32, one unaligned __m256.
-    unsafe { _mm256_storeu_ps(bys.as_mut_ptr(), by) };
-    let n = Nearest16::new::<FOUR>(f);
-    let mut steps = xg.chunks_exact(64).zip(cg.chunks_exact_mut(per));
-    if block.is_multiple_of(64) {
-        // Every step inside one block: its operand broadcast once per block.
-        for by in bys {
-            let b = _mm512_set1_ps(by);
-            for (c, o) in (&mut steps).take(block / 64) {
-                step64::<M, MULTIPLY, FOUR>(&n, [b; 4], c, o);
-            }
-        }
-    } else {
-        // The block of the next vector, and how many of its elements are left.
-        let (mut j, mut left) = (0, block);
-        for (c, o) in steps {
-            let mut ops = [_mm512_setzero_ps(); 4];
-            for op in &mut ops {
-                *op = _mm512_set1_ps(bys[j]);
-                left -= 16;
-                if left == 0 {
-                    (j, left) = (j + 1, block);
-                }
-            }
-            step64::<M, MULTIPLY, FOUR>(&n, ops, c, o);
-        }
-    }
-}
-
-/// The codes of 64 elements `c` into `o` (64 bytes, or 32 with `FOUR`): vector `t`'s by
-/// [`Nearest16::code`] with the operand `by[t]`, narrowed as [`group_codes16`] says.
-#[target_feature(enable = "avx512f,avx512bw")]
-#[inline]
-fn step64<const M: u32, const MULTIPLY: bool, const FOUR: bool>(
-    n: &Nearest16,
-    by: [__m512; 4],
-    c: &[f32],
-    o: &mut [u8],
-) {
-    assert!(c.len() == 64 && o.len() == if FOUR { 32 } else { 64 });
-    // SAFETY: `c` holds 64 f32, four unaligned __m512.
-    let [c0, c1, c2, c3] = unsafe {
-        let p = c.as_ptr();
-        [
-            n.code::<M, MULTIPLY, FOUR>(_mm512_loadu_ps(p), by[0]),
-            n.code::<M, MULTIPLY, FOUR>(_mm512_loadu_ps(p.add(16)), by[1]),
-            n.code::<M, MULTIPLY, FOUR>(_mm512_loadu_ps(p.add(32)), by[2]),
-            n.code::<M, MULTIPLY, FOUR>(_mm512_loadu_ps(p.add(48)), by[3]),
-        ]
-    };
-    let bytes = pack_bytes::<false>([c0, c1, c2, c3]);
-    // SAFETY: `o` holds one unaligned __m512i, or with `FOUR` one __m256i.
-    unsafe {
-        if FOUR {
-            let pairs = _mm512_maddubs_epi16(bytes, _mm512_set1_epi16(0x1001));
-            _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm512_cvtepi16_epi8(pairs));
-        } else {
-            _mm512_storeu_si512(o.as_mut_ptr().cast(), bytes);
-        }
-    }
-}
-
-/// The constants of [`Nearest16::code`]: `fp8::nearest_in_range` on 16 lanes.
-struct Nearest16 {
+/// The constants of [`Avx512`]'s [`FloatCodes::code`].
+pub(in crate::kernels::x86_64) struct Nearest16 {
     /// E3M0 only: `127 - bias`, the f32 exponent field of code 0's binade.
     rebias: __m512i,
     emin: __m512i,
@@ -914,14 +784,8 @@ impl Nearest16 {
         }
     }
 
-    /// `fp8::nearest_in_range` of the quotients of the 16 elements in `v` (`v * by` when
-    /// `MULTIPLY`, else `v / by`; `by` positive), in 32-bit lanes: the AVX2 kernel's
-    /// `Nearest::code` operation for operation (the count of grid spacings by adding a
-    /// power of two whose ulp is the spacing, plus `2^M` per binade above the subnormal
-    /// one, the clamp to ±FMAX a minimum of the code magnitude; for E3M0, `M` 0, where a
-    /// tie goes to the even code, not the even count, the f32 exponent rounded by integer
-    /// addition and below the smallest normal the count of it), with the sign (the
-    /// element's, which is the quotient's) joined by one ternary logic operation.
+    /// [`FloatCodes::code`] on 16 lanes, operation for operation as AVX2's, with the sign
+    /// (the element's, which is the quotient's) joined by one ternary logic operation.
     #[target_feature(enable = "avx512f")]
     #[inline]
     fn code<const M: u32, const MULTIPLY: bool, const FOUR: bool>(
@@ -981,6 +845,64 @@ impl Nearest16 {
             _ => _mm512_srli_epi32::<22>(binades),
         };
         _mm512_add_epi32(binades, count)
+    }
+}
+
+/// A group of eight blocks by [`loops::nearest_group`] on 16 lanes.
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+#[inline]
+fn group<const M: u32, const FOUR: bool>(
+    f: fp8::Format,
+    scale: fp8::Scale,
+    block: usize,
+    xg: &[f32],
+    sg: &mut [u8],
+    cg: &mut [u8],
+) -> bool {
+    // SAFETY: this function's features are `Avx512`'s.
+    unsafe { loops::nearest_group::<Avx512, M, FOUR>(f, scale, block, xg, sg, cg) }
+}
+
+// SAFETY: every method needs AVX-512 F/BW and AVX2, as `Lanes for Avx512` says.
+unsafe impl FloatCodes for Avx512 {
+    type Nearest = Nearest16;
+
+    #[inline(always)]
+    unsafe fn nearest<const FOUR: bool>(f: fp8::Format) -> Nearest16 {
+        // SAFETY: the caller's contract (AVX-512F).
+        unsafe { Nearest16::new::<FOUR>(f) }
+    }
+
+    #[inline(always)]
+    unsafe fn code<const M: u32, const MULTIPLY: bool, const FOUR: bool>(
+        n: &Nearest16,
+        v: __m512,
+        by: __m512,
+    ) -> __m512i {
+        // SAFETY: the caller's contract (AVX-512F).
+        unsafe { n.code::<M, MULTIPLY, FOUR>(v, by) }
+    }
+
+    #[inline(always)]
+    unsafe fn store_float_codes<const FOUR: bool>(p: *mut u8, q: [__m512i; 4]) {
+        // SAFETY: the caller's contract (AVX-512 F/BW): `p` is valid for 64 bytes, or 32
+        // with `FOUR`.
+        unsafe {
+            let bytes = pack_bytes::<false>(q);
+            if FOUR {
+                // Each pair joined by a multiply-add (`lo + 16 hi`), then narrowed.
+                let pairs = _mm512_maddubs_epi16(bytes, _mm512_set1_epi16(0x1001));
+                _mm256_storeu_si256(p.cast(), _mm512_cvtepi16_epi8(pairs));
+            } else {
+                _mm512_storeu_si512(p.cast(), bytes);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn max8(m: __m512i) -> __m256i {
+        // SAFETY: the caller's contract (AVX-512F, AVX2).
+        unsafe { _mm256_max_epi32(_mm512_castsi512_si256(m), _mm512_extracti64x4_epi64::<1>(m)) }
     }
 }
 

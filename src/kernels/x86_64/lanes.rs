@@ -381,3 +381,50 @@ unsafe impl Lanes for Avx512 {
         }
     }
 }
+
+/// The nearest-rounding fp8 and fp4 quantiser at a width (`fp8::nearest_in_range` in
+/// 32-bit lanes) and its narrowing to code bytes. Implemented beside each width's other
+/// kernels (`blocks` for [`Avx2`], `blocks512` for [`Avx512`]).
+///
+/// # Safety
+/// As [`Lanes`]: every method needs the implementing type's instruction set.
+pub(super) unsafe trait FloatCodes: Lanes {
+    /// A format's constants in registers.
+    type Nearest;
+
+    /// The constants of format `f` (a mantissa of 0 to 3 bits), the code's sign in bit 7,
+    /// or in bit 3 with `FOUR`.
+    ///
+    /// # Safety
+    /// The instruction set.
+    unsafe fn nearest<const FOUR: bool>(f: crate::kernels::fp8::Format) -> Self::Nearest;
+    /// `fp8::nearest_in_range` of the quotients of `v` (`v * by` when `MULTIPLY`, else
+    /// `v / by`; `by` positive and finite) in the format of `n` with `M` mantissa bits,
+    /// operation for operation: the count of grid spacings by adding a power of two whose
+    /// ulp is the spacing, plus `2^M` per binade above the subnormal one; for E3M0 (`M`
+    /// 0, where a tie goes to the even code, not the even count) the f32 exponent rounded
+    /// by integer addition, and below the smallest normal the count of it. The clamp of
+    /// the quotient to ±FMAX is a minimum of the code magnitude instead (the conversion is
+    /// monotonic and FMAX is on the grid); the sign is the element's (the quotient's).
+    ///
+    /// # Safety
+    /// The instruction set.
+    unsafe fn code<const M: u32, const MULTIPLY: bool, const FOUR: bool>(
+        n: &Self::Nearest,
+        v: Self::F,
+        by: Self::F,
+    ) -> Self::I;
+    /// Stores the `4 N` codes of `q` (each in `0..=255`, or `0..=15` with `FOUR`) at `p`
+    /// in element order: one byte each, or with `FOUR` two per byte, the even element in
+    /// the low nibble (`2 N` bytes).
+    ///
+    /// # Safety
+    /// The instruction set; `p` valid for `4 N` bytes (`2 N` with `FOUR`).
+    unsafe fn store_float_codes<const FOUR: bool>(p: *mut u8, q: [Self::I; 4]);
+    /// The largest lane of each 8-lane group of `m`'s pairs of 8: `m` itself at 8 lanes,
+    /// the maximum of its halves at 16 (signed 32-bit lanes).
+    ///
+    /// # Safety
+    /// The instruction set.
+    unsafe fn max8(m: Self::I) -> __m256i;
+}

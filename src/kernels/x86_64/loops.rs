@@ -9,7 +9,8 @@
 
 use core::arch::x86_64::*;
 
-use super::lanes::{Lanes, Quantise};
+use super::blocks;
+use super::lanes::{FloatCodes, Lanes, Quantise};
 use crate::kernels::fp8::{self, Scale};
 
 /// The half-precision floats of 16 fp8 codes (the bytes of `b`): an E5M2 code is the top
@@ -374,4 +375,188 @@ pub(super) unsafe fn signmag_steps<V: Quantise, const BITS: u32>(
         }
     }
     whole
+}
+
+/// The nearest fp8 or fp4 codes (`V::code`) of the whole steps (`4 N` elements) of one
+/// block `xb` whose quotients take the operand `by` (multiplied by it when `MULTIPLY`,
+/// else divided), into `cb` ([`FloatCodes::store_float_codes`]). Returns the elements
+/// done (a multiple of `4 N`); the caller codes the rest.
+///
+/// # Safety
+/// The CPU must support `V`'s instruction set.
+#[inline(always)]
+pub(super) unsafe fn nearest_steps<
+    V: FloatCodes,
+    const M: u32,
+    const MULTIPLY: bool,
+    const FOUR: bool,
+>(
+    n: &V::Nearest,
+    by: V::F,
+    xb: &[f32],
+    cb: &mut [u8],
+) -> usize {
+    let w = 4 * V::N;
+    let (steps, bytes) = (xb.len() / w, if FOUR { w / 2 } else { w });
+    assert!(cb.len() >= steps * bytes);
+    // SAFETY: the caller's contract; step `k` reads `w` f32 of `xb` from `k w` and writes
+    // `bytes` bytes of `cb` from `k bytes`, both within the slices.
+    unsafe {
+        for (x, o) in xb.chunks_exact(w).zip(cb.chunks_exact_mut(bytes)) {
+            nearest_step::<V, M, MULTIPLY, FOUR>(n, [by; 4], x.as_ptr(), o.as_mut_ptr());
+        }
+    }
+    steps * w
+}
+
+/// The codes of the `4 N` elements at `x` into `o`: vector `t`'s quotients with the
+/// operand `by[t]`.
+///
+/// # Safety
+/// `V`'s instruction set; `x` valid for `4 N` f32, `o` for `4 N` bytes (`2 N` with
+/// `FOUR`).
+#[inline(always)]
+unsafe fn nearest_step<V: FloatCodes, const M: u32, const MULTIPLY: bool, const FOUR: bool>(
+    n: &V::Nearest,
+    by: [V::F; 4],
+    x: *const f32,
+    o: *mut u8,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let q = [
+            V::code::<M, MULTIPLY, FOUR>(n, V::load(x), by[0]),
+            V::code::<M, MULTIPLY, FOUR>(n, V::load(x.add(V::N)), by[1]),
+            V::code::<M, MULTIPLY, FOUR>(n, V::load(x.add(2 * V::N)), by[2]),
+            V::code::<M, MULTIPLY, FOUR>(n, V::load(x.add(3 * V::N)), by[3]),
+        ];
+        V::store_float_codes::<FOUR>(o, q);
+    }
+}
+
+/// The largest magnitude bits of each of eight blocks of `block` (a multiple of `N`)
+/// elements of `xg`, in block order (lane `j`: block `j`).
+///
+/// # Safety
+/// The CPU must support `V`'s instruction set.
+#[inline(always)]
+unsafe fn group_max_bits<V: FloatCodes>(block: usize, xg: &[f32]) -> __m256i {
+    assert!(xg.len() >= 8 * block && block.is_multiple_of(V::N));
+    // SAFETY: the caller's contract; every load is `N` f32 of one block of `xg`.
+    unsafe {
+        // The eight blocks in lockstep, one vector of each per round: eight independent
+        // maxima in registers, and no loop overhead per block (blocks of 16 or 32 are one
+        // or two vectors).
+        let p = xg.as_ptr();
+        let mut w = [V::zero(); 8];
+        for at in (0..block).step_by(V::N) {
+            for (j, w) in w.iter_mut().enumerate() {
+                *w = V::max_abs_bits(*w, V::load(p.add(j * block + at)));
+            }
+        }
+        // Written out: a closure (`map`) would be compiled without the instruction set.
+        blocks::fold_maxima([
+            V::max8(w[0]),
+            V::max8(w[1]),
+            V::max8(w[2]),
+            V::max8(w[3]),
+            V::max8(w[4]),
+            V::max8(w[5]),
+            V::max8(w[6]),
+            V::max8(w[7]),
+        ])
+    }
+}
+
+/// Eight blocks of `block` (a multiple of `N`) elements `xg` with nearest rounding in the
+/// format `f` of `M` mantissa bits (fp8 codes, one per byte; with `FOUR` fp4 codes, two
+/// per byte) and block scale `scale` (not `None`): the eight maxima, then the scales
+/// formed together in one vector (`blocks::group_scales`, or `group_e4m3_scales` for
+/// E4M3 scales) and written to `sg`, then the codes of the whole group ([`group_codes`]).
+/// False, writing nothing, where the scales decline (a NaN, infinite, zero or subnormal
+/// maximum: the definition's layout takes those). Scales other than E8M0 divide, as the
+/// definition does.
+///
+/// # Safety
+/// The CPU must support `V`'s instruction set (which includes AVX2).
+#[inline(always)]
+pub(super) unsafe fn nearest_group<V: FloatCodes, const M: u32, const FOUR: bool>(
+    f: fp8::Format,
+    scale: Scale,
+    block: usize,
+    xg: &[f32],
+    sg: &mut [u8],
+    cg: &mut [u8],
+) -> bool {
+    // SAFETY: the caller's contract; `V`'s instruction set includes AVX2, which the
+    // scales' kernels need.
+    unsafe {
+        let m = group_max_bits::<V>(block, xg);
+        let by = match scale {
+            Scale::E8m0 => blocks::group_scales::<true>(f, m, sg),
+            Scale::E4m3 { global } => blocks::group_e4m3_scales(f, global, m, sg),
+            _ => blocks::group_scales::<false>(f, m, sg),
+        };
+        let Some(by) = by else {
+            return false;
+        };
+        if scale == Scale::E8m0 {
+            group_codes::<V, M, true, FOUR>(f, block, by, xg, cg);
+        } else {
+            group_codes::<V, M, false, FOUR>(f, block, by, xg, cg);
+        }
+        true
+    }
+}
+
+/// The codes of a group of eight blocks of `block` (a multiple of `N`) elements `xg`,
+/// block `j`'s quotients formed with lane `j` of `by` (multiplied by it when `MULTIPLY`,
+/// else divided), `4 N` elements a step: where a block is whole steps its operand is
+/// broadcast once per block, else each vector of the step takes its own block's.
+///
+/// # Safety
+/// The CPU must support `V`'s instruction set (which includes AVX).
+#[inline(always)]
+unsafe fn group_codes<V: FloatCodes, const M: u32, const MULTIPLY: bool, const FOUR: bool>(
+    f: fp8::Format,
+    block: usize,
+    by: __m256,
+    xg: &[f32],
+    cg: &mut [u8],
+) {
+    let w = 4 * V::N;
+    let bytes = if FOUR { w / 2 } else { w };
+    let steps = xg.len() / w;
+    assert!(xg.len() == 8 * block && block.is_multiple_of(V::N) && steps * w == xg.len());
+    assert!(cg.len() == steps * bytes);
+    // SAFETY: the caller's contract; step `k` reads `w` f32 of `xg` from `k w` and writes
+    // `bytes` bytes of `cg` from `k bytes`.
+    unsafe {
+        let mut bys = [0f32; 8];
+        _mm256_storeu_ps(bys.as_mut_ptr(), by);
+        let n = V::nearest::<FOUR>(f);
+        if block.is_multiple_of(w) {
+            for (j, &b) in bys.iter().enumerate() {
+                let (x, c) = (
+                    &xg[j * block..(j + 1) * block],
+                    &mut cg[j * block / w * bytes..],
+                );
+                nearest_steps::<V, M, MULTIPLY, FOUR>(&n, V::splat(b), x, c);
+            }
+        } else {
+            // The block of the next vector, and how many of its elements are left.
+            let (mut j, mut left) = (0, block);
+            for (x, o) in xg.chunks_exact(w).zip(cg.chunks_exact_mut(bytes)) {
+                let mut ops = [V::splat(0.0); 4];
+                for op in &mut ops {
+                    *op = V::splat(bys[j]);
+                    left -= V::N;
+                    if left == 0 {
+                        (j, left) = (j + 1, block);
+                    }
+                }
+                nearest_step::<V, M, MULTIPLY, FOUR>(&n, ops, x.as_ptr(), o.as_mut_ptr());
+            }
+        }
+    }
 }

@@ -1,5 +1,7 @@
 //! AVX2 kernels of fp8 and fp4: the decoders (fp8's through the loops written once,
-//! fp4's by table lookups in registers) and the nearest encoders in groups of blocks.
+//! fp4's by table lookups in registers) and the nearest encoders, whose groups of blocks
+//! and whole steps are the loops written once (`loops::nearest_group`,
+//! `loops::nearest_steps`) over this width's [`FloatCodes`].
 
 use core::arch::x86_64::*;
 
@@ -36,7 +38,7 @@ pub unsafe fn decode_fp8_unscaled<const M: u8>(e4m3: bool, codes: &[u8], out: &m
 
 /// fp4 decode (the layout of `fp8::decode` with two codes per byte, low nibble first) of
 /// the whole blocks of 16 or 32 elements that `out`, `codes` and `scales` hold
-/// ([`float_blocks`]), in mode `M` (any: [`put8`]); returns how many blocks it decoded (an
+/// ([`loops::float_blocks`]), in mode `M` (any: [`put8`]); returns how many blocks it decoded (an
 /// even number with blocks of 16, 0 if a value in `fours` is not a bfloat16).
 ///
 /// `fours` holds the sixteen codes' values. Each is a bfloat16 (every 4-bit format's
@@ -232,11 +234,12 @@ fn fp4_tables(fours: &[f32; 16]) -> Option<[__m256i; 2]> {
 }
 
 /// fp8 encode with nearest rounding (`fp8::encode` without draws) of E4M3 (`e4m3`) or
-/// E5M2 codes, one byte each, with an f32 or E8M0 block scale: the definition's block
-/// layout ([`fp8::encode_blocks`]) with the scaled elements converted 32 at a time
-/// ([`fp8_nearest_block`]); blocks of whole 32s go eight at a time with their maxima and
-/// scales formed in one vector ([`fp8_group`]), which saves each block's horizontal
-/// maximum and scalar scale. The same bytes as the definition; returns whether `x` held
+/// E5M2 codes, one byte each, with an f32 or E8M0 block scale: blocks of a multiple of 8
+/// go eight at a time with their maxima and scales formed in one vector
+/// ([`loops::nearest_group`]), which saves each block's horizontal maximum and scalar
+/// scale; the others, and groups the scales decline, by the definition's block layout
+/// ([`fp8::encode_blocks`]) with the scaled elements converted 32 at a time
+/// ([`fp8_nearest_block`]). The same bytes as the definition; returns whether `x` held
 /// NaN or ±Inf.
 ///
 /// # Safety
@@ -253,7 +256,7 @@ pub unsafe fn encode_fp8_nearest(
     debug_assert!(matches!(scale, fp8::Scale::F32 | fp8::Scale::E8m0));
     let f = if e4m3 { fp8::E4M3 } else { fp8::E5M2 };
     in_groups(
-        block.is_multiple_of(32),
+        block.is_multiple_of(8),
         block,
         scale.bytes(),
         1,
@@ -261,11 +264,15 @@ pub unsafe fn encode_fp8_nearest(
         scales,
         codes,
         #[inline(always)]
-        |xg, sg, cg| match (e4m3, scale) {
-            (true, fp8::Scale::E8m0) => fp8_group::<3, true>(f, block, xg, sg, cg),
-            (true, _) => fp8_group::<3, false>(f, block, xg, sg, cg),
-            (false, fp8::Scale::E8m0) => fp8_group::<2, true>(f, block, xg, sg, cg),
-            (false, _) => fp8_group::<2, false>(f, block, xg, sg, cg),
+        |xg, sg, cg| {
+            // SAFETY: this function's features are `Avx2`'s.
+            unsafe {
+                if e4m3 {
+                    loops::nearest_group::<Avx2, 3, false>(f, scale, block, xg, sg, cg)
+                } else {
+                    loops::nearest_group::<Avx2, 2, false>(f, scale, block, xg, sg, cg)
+                }
+            }
         },
         #[inline(always)]
         |x, sc, c| encode_fp8_rest(e4m3, scale, block, x, sc, c),
@@ -333,25 +340,6 @@ pub(in crate::kernels::x86_64) fn encode_fp8_rest(
             (false, None) => fp8_nearest_block::<2, false>(f, q, xb, out),
         },
     )
-}
-
-/// The largest magnitude bits of each of eight blocks of `block` (a multiple of 8)
-/// elements of `xg`, in block order.
-#[target_feature(enable = "avx2")]
-#[inline]
-fn group_max_bits(block: usize, xg: &[f32]) -> __m256i {
-    assert!(xg.len() >= 8 * block && block.is_multiple_of(8));
-    let abs = _mm256_set1_epi32(ABS);
-    let mut v = [_mm256_setzero_si256(); 8];
-    for (m, xb) in v.iter_mut().zip(xg.chunks_exact(block)) {
-        for c in xb.chunks_exact(8) {
-            // SAFETY: `c` holds 8 f32, one unaligned __m256i.
-            let e = unsafe { _mm256_loadu_si256(c.as_ptr().cast()) };
-            // Magnitude bits are below 2^31: a signed maximum orders them.
-            *m = _mm256_max_epi32(*m, _mm256_and_si256(e, abs));
-        }
-    }
-    fold_maxima(v)
 }
 
 /// The lanes' maxima of each of eight vectors, in vector order: lane `j` of the result is
@@ -447,38 +435,12 @@ pub(in crate::kernels::x86_64) fn group_scales<const E8M0: bool>(
     }
 }
 
-/// Eight blocks of `block` (a multiple of 32) elements `xg` of fp8 in the format of `M`
-/// mantissa bits: the scales formed together ([`group_scales`]), then each block's codes
-/// 32 at a time. False, writing nothing, where [`group_scales`] declines.
-#[target_feature(enable = "avx2")]
-#[inline]
-fn fp8_group<const M: u32, const E8M0: bool>(
-    f: fp8::Format,
-    block: usize,
-    xg: &[f32],
-    sg: &mut [u8],
-    cg: &mut [u8],
-) -> bool {
-    let Some(by) = group_scales::<E8M0>(f, group_max_bits(block, xg), sg) else {
-        return false;
-    };
-    for (j, (xb, cb)) in xg
-        .chunks_exact(block)
-        .zip(cg.chunks_exact_mut(block))
-        .enumerate()
-    {
-        let n = Nearest::with_by(f, _mm256_permutevar8x32_ps(by, _mm256_set1_epi32(j as i32)));
-        fp8_whole32s::<M, E8M0>(&n, xb, cb);
-    }
-    true
-}
-
 /// fp4 encode with nearest rounding (`fp8::encode` with `four`, without draws) of E2M1
-/// codes, or with `e3m0` of E3M0 codes, two per byte, with any block scale: the
+/// codes, or with `e3m0` of E3M0 codes, two per byte, with any block scale: blocks of a
+/// multiple of 8 eight at a time as fp8's ([`loops::nearest_group`]); the others by the
 /// definition's block layout with the scaled elements converted 32 (then 16) at a time
-/// and packed by a multiply-add ([`fp4_nearest_block`]); blocks of a multiple of 16 go
-/// eight at a time as fp8's do ([`fp4_group`]). The same bytes as the definition; returns whether `x` held NaN or
-/// ±Inf.
+/// and packed by a multiply-add ([`fp4_nearest_block`]). The same bytes as the
+/// definition; returns whether `x` held NaN or ±Inf.
 ///
 /// # Safety
 /// The CPU must support AVX2.
@@ -509,7 +471,7 @@ fn fp4_in_groups<const M: u32>(
     codes: &mut [u8],
 ) -> bool {
     in_groups(
-        groups_take(fp4_format::<M>(), scale) && block.is_multiple_of(16),
+        groups_take(fp4_format::<M>(), scale) && block.is_multiple_of(8),
         block,
         scale.bytes(),
         2,
@@ -517,7 +479,12 @@ fn fp4_in_groups<const M: u32>(
         scales,
         codes,
         #[inline(always)]
-        |xg, sg, cg| fp4_group::<M>(scale, block, xg, sg, cg),
+        |xg, sg, cg| {
+            // SAFETY: this function's features are `Avx2`'s.
+            unsafe {
+                loops::nearest_group::<Avx2, M, true>(fp4_format::<M>(), scale, block, xg, sg, cg)
+            }
+        },
         #[inline(always)]
         |x, sc, c| encode_fp4_rest::<M>(scale, block, x, sc, c),
     )
@@ -539,58 +506,6 @@ pub(in crate::kernels::x86_64) fn groups_take(f: fp8::Format, scale: fp8::Scale)
             g >= f32::MIN_POSITIVE && (f.max() * g).is_finite()
         }
         _ => true,
-    }
-}
-
-/// Eight blocks of `block` (a multiple of 16) elements `xg` of 4-bit codes with `scale`
-/// (not `None`): [`fp8_group`]'s plan ([`group_scales`], or [`group_e4m3_scales`] for
-/// E4M3 scales) with [`fp4_whole16s`]'s packing. False, writing nothing, where the
-/// scales decline.
-#[target_feature(enable = "avx2")]
-#[inline]
-fn fp4_group<const M: u32>(
-    scale: fp8::Scale,
-    block: usize,
-    xg: &[f32],
-    sg: &mut [u8],
-    cg: &mut [u8],
-) -> bool {
-    let f = fp4_format::<M>();
-    let m = group_max_bits(block, xg);
-    let by = match scale {
-        fp8::Scale::E8m0 => group_scales::<true>(f, m, sg),
-        fp8::Scale::E4m3 { global } => group_e4m3_scales(f, global, m, sg),
-        _ => group_scales::<false>(f, m, sg),
-    };
-    let Some(by) = by else {
-        return false;
-    };
-    if scale == fp8::Scale::E8m0 {
-        fp4_group_codes::<M, true>(block, by, xg, cg);
-    } else {
-        fp4_group_codes::<M, false>(block, by, xg, cg);
-    }
-    true
-}
-
-/// The codes of [`fp4_group`]'s eight blocks, block `j`'s quotients formed with lane `j`
-/// of `by` (multiplied by it when `MULTIPLY`, else divided).
-#[target_feature(enable = "avx2")]
-#[inline]
-fn fp4_group_codes<const M: u32, const MULTIPLY: bool>(
-    block: usize,
-    by: __m256,
-    xg: &[f32],
-    cg: &mut [u8],
-) {
-    let f = fp4_format::<M>();
-    for (j, (xb, cb)) in xg
-        .chunks_exact(block)
-        .zip(cg.chunks_exact_mut(block / 2))
-        .enumerate()
-    {
-        let n = Nearest::with_by(f, _mm256_permutevar8x32_ps(by, _mm256_set1_epi32(j as i32)));
-        fp4_whole16s::<M, MULTIPLY>(&n, xb, cb);
     }
 }
 
@@ -675,64 +590,39 @@ fn encode_fp4_rest<const M: u32>(
     )
 }
 
-/// The packed 4-bit codes of `xb`'s whole 16s into `cb`: [`fp4_whole32s`], then 16 more
-/// (all of an NVFP4-like block of 16) by the same steps on two vectors, the other two
-/// zero, keeping the first 8 bytes. How many elements that was.
+/// The packed 4-bit codes of `xb`'s whole 16s into `cb`: 32 a step
+/// ([`loops::nearest_steps`]), then 16 more (all of an NVFP4-like block of 16) by the
+/// same steps on two vectors, the other two zero, keeping the first 8 bytes. How many
+/// elements that was.
 #[target_feature(enable = "avx2")]
 #[inline]
 fn fp4_whole16s<const M: u32, const MULTIPLY: bool>(
-    n: &Nearest,
+    n: &Nearest8,
+    by: __m256,
     xb: &[f32],
     cb: &mut [u8],
 ) -> usize {
-    let done = fp4_whole32s::<M, MULTIPLY>(n, xb, cb);
+    // SAFETY: this function's features are `Avx2`'s.
+    let done = unsafe { loops::nearest_steps::<Avx2, M, MULTIPLY, true>(n, by, xb, cb) };
     if xb.len() - done < 16 {
         return done;
     }
-    // SAFETY: `xb[done..]` holds at least 16 f32, two unaligned __m256.
-    let (v0, v1) = unsafe {
+    let mut o = [0u8; 16];
+    // SAFETY: `xb[done..]` holds at least 16 f32, two unaligned __m256; `o` is 16 bytes,
+    // what `store_float_codes` writes at 8 lanes with `FOUR`; the features are `Avx2`'s.
+    unsafe {
         let p = xb.as_ptr().add(done);
-        (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
-    };
-    let (c0, c1) = (
-        n.code::<M, MULTIPLY, true>(v0),
-        n.code::<M, MULTIPLY, true>(v1),
-    );
-    let zero = _mm256_setzero_si256();
-    let pair = _mm256_set1_epi16(0x1001);
-    let pairs = _mm256_maddubs_epi16(pack_bytes::<false>(c0, c1, zero, zero), pair);
-    let bytes = _mm256_packus_epi16(pairs, pairs);
-    let o = &mut cb[done / 2..done / 2 + 8];
-    // SAFETY: `o` holds 8 bytes, the low 64 bits of one __m128i.
-    unsafe { _mm_storel_epi64(o.as_mut_ptr().cast(), _mm256_castsi256_si128(bytes)) };
+        let zero = _mm256_setzero_si256();
+        let c0 = Avx2::code::<M, MULTIPLY, true>(n, _mm256_loadu_ps(p), by);
+        let c1 = Avx2::code::<M, MULTIPLY, true>(n, _mm256_loadu_ps(p.add(8)), by);
+        Avx2::store_float_codes::<true>(o.as_mut_ptr(), [c0, c1, zero, zero]);
+    }
+    cb[done / 2..done / 2 + 8].copy_from_slice(&o[..8]);
     done + 16
 }
 
-/// The packed 4-bit codes of `xb`'s whole 32s into `cb` (two per byte, the even element in
-/// the low nibble): their 4-bit codes ([`Nearest::code`]) narrowed to bytes, each pair
-/// joined by a multiply-add (`lo + 16 hi`) and narrowed again. How many elements that was.
-#[target_feature(enable = "avx2")]
-#[inline]
-fn fp4_whole32s<const M: u32, const MULTIPLY: bool>(
-    n: &Nearest,
-    xb: &[f32],
-    cb: &mut [u8],
-) -> usize {
-    let pair = _mm256_set1_epi16(0x1001);
-    for (c, o) in xb.chunks_exact(32).zip(cb.chunks_exact_mut(16)) {
-        let [c0, c1, c2, c3] = n.codes32::<M, MULTIPLY, true>(c);
-        let pairs = _mm256_maddubs_epi16(pack_bytes::<false>(c0, c1, c2, c3), pair);
-        // Each half's 8 bytes, then the second half's moved next to the first.
-        let bytes = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi16(pairs, pairs));
-        // SAFETY: `o` holds 16 bytes, one unaligned __m128i.
-        unsafe { _mm_storeu_si128(o.as_mut_ptr().cast(), _mm256_castsi256_si128(bytes)) };
-    }
-    xb.len() / 32 * 32
-}
-
-/// The constants of [`Nearest::code`].
-struct Nearest {
-    by: __m256,
+/// The constants of [`Avx2`]'s [`FloatCodes::code`].
+pub(in crate::kernels::x86_64) struct Nearest8 {
     emin: __m256i,
     exponent: __m256i,
     ulp: __m256i,
@@ -742,117 +632,111 @@ struct Nearest {
     rebias: __m256i,
 }
 
-impl Nearest {
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    /// The constants for format `f` and a block's quotient `q` (its `inv` when it has
-    /// one, else its scale `s`).
-    fn new(f: fp8::Format, q: fp8::Quotient) -> Nearest {
-        Nearest::with_by(f, _mm256_set1_ps(q.inv.unwrap_or(q.s)))
-    }
+// SAFETY: every method needs AVX2, as `Lanes for Avx2` says.
+unsafe impl FloatCodes for Avx2 {
+    type Nearest = Nearest8;
 
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    /// The constants for format `f` with the block's operand `by` in every lane.
-    fn with_by(f: fp8::Format, by: __m256) -> Nearest {
-        Nearest {
-            by,
-            emin: _mm256_set1_epi32((1 - f.bias + 127) << 23),
-            exponent: _mm256_set1_epi32(0x7F80_0000),
-            ulp: _mm256_set1_epi32((23 - f.m as i32) << 23),
-            top: _mm256_set1_epi32(f.max_code as i32),
-            abs: _mm256_set1_epi32(ABS),
-            rebias: _mm256_set1_epi32(127 - f.bias),
+    #[inline(always)]
+    unsafe fn nearest<const FOUR: bool>(f: fp8::Format) -> Nearest8 {
+        // SAFETY: the caller's contract (AVX).
+        unsafe {
+            Nearest8 {
+                emin: _mm256_set1_epi32((1 - f.bias + 127) << 23),
+                exponent: _mm256_set1_epi32(0x7F80_0000),
+                ulp: _mm256_set1_epi32((23 - f.m as i32) << 23),
+                top: _mm256_set1_epi32(f.max_code as i32),
+                abs: _mm256_set1_epi32(ABS),
+                rebias: _mm256_set1_epi32(127 - f.bias),
+            }
         }
     }
 
-    /// `fp8::nearest_in_range` of the quotients of the 8 elements in `v` (`v * by` when
-    /// `MULTIPLY`, else `v / by`) in a format of `M` mantissa bits (0 to 3), in 32-bit
-    /// lanes, operation for operation: the count of grid spacings by adding a power of
-    /// two whose ulp is the spacing, plus `2^M` per binade; for E3M0 (`M` 0, where a tie
-    /// goes to the even code, not the even count) the f32 exponent rounded by integer
-    /// addition, and below the smallest normal the count of it. The sign goes to bit 7,
-    /// or with `FOUR` to bit 3. The quotient's clamp to ±FMAX is a minimum of the code
-    /// magnitude instead: the conversion is monotonic and FMAX is on the grid, so a
-    /// quotient above FMAX (never NaN: a finite element over a positive finite scale)
-    /// gives FMAX's code either way.
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    fn code<const M: u32, const MULTIPLY: bool, const FOUR: bool>(&self, v: __m256) -> __m256i {
-        let y = if MULTIPLY {
-            _mm256_mul_ps(v, self.by)
-        } else {
-            _mm256_div_ps(v, self.by)
-        };
-        let bits = _mm256_castps_si256(y);
-        let a = _mm256_and_si256(bits, self.abs);
-        let sign = if FOUR {
-            _mm256_and_si256(_mm256_srli_epi32::<28>(bits), _mm256_set1_epi32(8))
-        } else {
-            _mm256_and_si256(_mm256_srli_epi32::<24>(bits), _mm256_set1_epi32(0x80))
-        };
-        if M == 0 {
-            // a + (2^22 - 1) + (the exponent's parity), the exponent field less the bias:
-            // the code of a normal quotient (the exponent's parity is the code's).
-            let parity = _mm256_and_si256(_mm256_srli_epi32::<23>(a), _mm256_set1_epi32(1));
-            let r = _mm256_add_epi32(
-                _mm256_add_epi32(a, _mm256_set1_epi32((1 << 22) - 1)),
-                parity,
-            );
-            let normal = _mm256_sub_epi32(_mm256_srli_epi32::<23>(r), self.rebias);
-            // Below the smallest normal the grid is 0 and it: code 1 above half of it, 0
-            // up to half (the tie goes to the even code 0), as the definition's rounding
-            // of |y| 2^(bias - 1) to an integer gives.
-            let half = _mm256_sub_epi32(self.emin, _mm256_set1_epi32(1 << 23));
-            let sub = _mm256_srli_epi32::<31>(_mm256_cmpgt_epi32(a, half));
-            let q = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(self.emin, a));
-            return _mm256_or_si256(_mm256_min_epi32(q, self.top), sign);
+    #[inline(always)]
+    unsafe fn code<const M: u32, const MULTIPLY: bool, const FOUR: bool>(
+        n: &Nearest8,
+        v: __m256,
+        by: __m256,
+    ) -> __m256i {
+        // SAFETY: the caller's contract (AVX2).
+        unsafe {
+            let y = if MULTIPLY {
+                _mm256_mul_ps(v, by)
+            } else {
+                _mm256_div_ps(v, by)
+            };
+            let bits = _mm256_castps_si256(y);
+            let a = _mm256_and_si256(bits, n.abs);
+            let sign = if FOUR {
+                _mm256_and_si256(_mm256_srli_epi32::<28>(bits), _mm256_set1_epi32(8))
+            } else {
+                _mm256_and_si256(_mm256_srli_epi32::<24>(bits), _mm256_set1_epi32(0x80))
+            };
+            if M == 0 {
+                // a + (2^22 - 1) + (the exponent's parity), the exponent field less the
+                // bias: the code of a normal quotient (the exponent's parity is the code's).
+                let parity = _mm256_and_si256(_mm256_srli_epi32::<23>(a), _mm256_set1_epi32(1));
+                let r = _mm256_add_epi32(
+                    _mm256_add_epi32(a, _mm256_set1_epi32((1 << 22) - 1)),
+                    parity,
+                );
+                let normal = _mm256_sub_epi32(_mm256_srli_epi32::<23>(r), n.rebias);
+                // Below the smallest normal the grid is 0 and it: code 1 above half of it,
+                // 0 up to half (the tie goes to the even code 0), as the definition's
+                // rounding of |y| 2^(bias - 1) to an integer gives.
+                let half = _mm256_sub_epi32(n.emin, _mm256_set1_epi32(1 << 23));
+                let sub = _mm256_srli_epi32::<31>(_mm256_cmpgt_epi32(a, half));
+                let q = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(n.emin, a));
+                return _mm256_or_si256(_mm256_min_epi32(q, n.top), sign);
+            }
+            let e = _mm256_max_epi32(_mm256_and_si256(a, n.exponent), n.emin);
+            let magic = _mm256_add_epi32(e, n.ulp);
+            let sum = _mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(magic));
+            let count = _mm256_sub_epi32(_mm256_castps_si256(sum), magic);
+            let binades = _mm256_sub_epi32(e, n.emin);
+            let binades = match M {
+                3 => _mm256_srli_epi32::<20>(binades),
+                2 => _mm256_srli_epi32::<21>(binades),
+                _ => _mm256_srli_epi32::<22>(binades),
+            };
+            let q = _mm256_min_epi32(_mm256_add_epi32(binades, count), n.top);
+            _mm256_or_si256(q, sign)
         }
-        let e = _mm256_max_epi32(_mm256_and_si256(a, self.exponent), self.emin);
-        let magic = _mm256_add_epi32(e, self.ulp);
-        let sum = _mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(magic));
-        let count = _mm256_sub_epi32(_mm256_castps_si256(sum), magic);
-        let binades = _mm256_sub_epi32(e, self.emin);
-        let binades = match M {
-            3 => _mm256_srli_epi32::<20>(binades),
-            2 => _mm256_srli_epi32::<21>(binades),
-            _ => _mm256_srli_epi32::<22>(binades),
-        };
-        let q = _mm256_min_epi32(_mm256_add_epi32(binades, count), self.top);
-        _mm256_or_si256(q, sign)
     }
 
-    /// [`Nearest::code`] of the 32 elements of `c`, in four vectors of 8.
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    fn codes32<const M: u32, const MULTIPLY: bool, const FOUR: bool>(
-        &self,
-        c: &[f32],
-    ) -> [__m256i; 4] {
-        assert!(c.len() >= 32);
-        // SAFETY: `c` holds at least 32 f32, four unaligned __m256 (no closures: they
-        // would be compiled without AVX2 and might not be inlined).
-        let v = unsafe {
-            let p = c.as_ptr();
-            [
-                _mm256_loadu_ps(p),
-                _mm256_loadu_ps(p.add(8)),
-                _mm256_loadu_ps(p.add(16)),
-                _mm256_loadu_ps(p.add(24)),
-            ]
-        };
-        [
-            self.code::<M, MULTIPLY, FOUR>(v[0]),
-            self.code::<M, MULTIPLY, FOUR>(v[1]),
-            self.code::<M, MULTIPLY, FOUR>(v[2]),
-            self.code::<M, MULTIPLY, FOUR>(v[3]),
-        ]
+    #[inline(always)]
+    unsafe fn store_float_codes<const FOUR: bool>(p: *mut u8, q: [__m256i; 4]) {
+        // SAFETY: the caller's contract (AVX2): `p` is valid for 32 bytes, or 16 with
+        // `FOUR`.
+        unsafe {
+            let bytes = pack_bytes::<false>(q[0], q[1], q[2], q[3]);
+            if FOUR {
+                // Each pair joined by a multiply-add (`lo + 16 hi`), each half's 8 bytes
+                // narrowed, then the second half's moved next to the first.
+                let pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001));
+                let b = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi16(pairs, pairs));
+                _mm_storeu_si128(p.cast(), _mm256_castsi256_si128(b));
+            } else {
+                _mm256_storeu_si256(p.cast(), bytes);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn max8(m: __m256i) -> __m256i {
+        m
     }
 }
 
-/// The codes of a scaled block's elements `xb` into `out` ([`Nearest::code`] of each;
-/// `MULTIPLY` when `q` has an `inv`), narrowed with saturating packs 32 at
-/// a time. A tail shorter than 32 runs the definition.
+/// A block's quotient operand in every lane: its `inv` when it has one, else its scale.
+#[target_feature(enable = "avx")]
+#[inline]
+fn operand(q: fp8::Quotient) -> __m256 {
+    _mm256_set1_ps(q.inv.unwrap_or(q.s))
+}
+
+/// The codes of a scaled block's elements `xb` into `out` ([`FloatCodes::code`] of each;
+/// `MULTIPLY` when `q` has an `inv`), 32 a step ([`loops::nearest_steps`]). A tail
+/// shorter than 32 runs the definition.
 #[target_feature(enable = "avx2")]
 #[inline]
 fn fp8_nearest_block<const M: u32, const MULTIPLY: bool>(
@@ -861,7 +745,11 @@ fn fp8_nearest_block<const M: u32, const MULTIPLY: bool>(
     xb: &[f32],
     out: &mut [u8],
 ) {
-    let done = fp8_whole32s::<M, MULTIPLY>(&Nearest::new(f, q), xb, out);
+    // SAFETY: this function's features are `Avx2`'s.
+    let done = unsafe {
+        let n = Avx2::nearest::<false>(f);
+        loops::nearest_steps::<Avx2, M, MULTIPLY, false>(&n, operand(q), xb, out)
+    };
     // The branch-free definition, which this build vectorises: padding the tail to 32
     // (`padded_rest`) was 8 to 12% slower at blocks of 100.
     for (o, &v) in out[done..].iter_mut().zip(&xb[done..]) {
@@ -869,26 +757,9 @@ fn fp8_nearest_block<const M: u32, const MULTIPLY: bool>(
     }
 }
 
-/// The codes of `xb`'s whole 32s into `out` ([`Nearest::code`] of each, narrowed with
-/// saturating packs): how many elements that was.
-#[target_feature(enable = "avx2")]
-#[inline]
-fn fp8_whole32s<const M: u32, const MULTIPLY: bool>(
-    n: &Nearest,
-    xb: &[f32],
-    out: &mut [u8],
-) -> usize {
-    for (c, o) in xb.chunks_exact(32).zip(out.chunks_exact_mut(32)) {
-        let [c0, c1, c2, c3] = n.codes32::<M, MULTIPLY, false>(c);
-        // SAFETY: `o` holds 32 bytes, one unaligned __m256i.
-        unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), pack_bytes::<false>(c0, c1, c2, c3)) };
-    }
-    xb.len() / 32 * 32
-}
-
 /// The packed 4-bit codes of a scaled block's elements `xb` into `cb` (two per byte, the
-/// even element in the low nibble): 32 elements a step ([`fp4_whole32s`]), then 16 the
-/// same way, then a tail shorter than 16 padded to 32 ([`padded_rest`]).
+/// even element in the low nibble): 32 elements a step, then 16 the same way
+/// ([`fp4_whole16s`]), then a tail shorter than 16 padded to 32 ([`padded_rest`]).
 #[target_feature(enable = "avx2")]
 #[inline]
 fn fp4_nearest_block<const M: u32, const MULTIPLY: bool>(
@@ -896,15 +767,17 @@ fn fp4_nearest_block<const M: u32, const MULTIPLY: bool>(
     xb: &[f32],
     cb: &mut [u8],
 ) {
-    let n = Nearest::new(fp4_format::<M>(), q);
-    let done = fp4_whole16s::<M, MULTIPLY>(&n, xb, cb);
+    // SAFETY: this function's features are `Avx2`'s.
+    let n = unsafe { Avx2::nearest::<true>(fp4_format::<M>()) };
+    let by = operand(q);
+    let done = fp4_whole16s::<M, MULTIPLY>(&n, by, xb, cb);
     if done < xb.len() {
         // A zero's code is 0: a last block of odd length gets the oracle's zero nibble.
         padded_rest(
             &xb[done..],
             &mut cb[done / 2..xb.len().div_ceil(2)],
             #[inline(always)]
-            |x32, c32| _ = fp4_whole16s::<M, MULTIPLY>(&n, x32, c32),
+            |x32, c32| _ = fp4_whole16s::<M, MULTIPLY>(&n, by, x32, c32),
         );
     }
 }

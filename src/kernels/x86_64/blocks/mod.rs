@@ -3,7 +3,8 @@
 //! block starts at a multiple of 32), qsgd's block norm, natural compression (a short form
 //! for all but rare steps), the sign-magnitude, sign and natural decoders, the random-k
 //! draw filter and bf16 encode; also `dct`'s transpose of sixteen tiles into lanes and
-//! fp4's decode by table lookups in registers.
+//! fp4's decode by table lookups in registers. The loops shared with AVX-512 (`loops`)
+//! run here through this width's [`Lanes`], [`Quantise`] and [`FloatCodes`].
 //!
 //! The portable kernels compiled for AVX2 spent most of their time narrowing one vector of
 //! 8 codes to bytes at a time (a shuffle, an extract and an 8-byte store each); these work
@@ -24,7 +25,7 @@ mod signmag;
 pub use floats::*;
 pub use signmag::*;
 
-use super::lanes::{Avx2, Lanes, Quantise};
+use super::lanes::{Avx2, FloatCodes, Lanes, Quantise};
 use super::loops;
 use crate::kernels::fp8;
 use crate::kernels::scalar::{self, BlockScale, INF_BITS, Round};
