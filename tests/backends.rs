@@ -1045,10 +1045,90 @@ proptest! {
     }
 }
 
-/// The `codebook` encoder's bytes follow its documented definition (wire format, section
-/// `codebook`), computed here independently, on every backend: blocks whose elements
-/// span many binades (so that the order of the f64 sums matters), a block with a tail,
-/// one with all elements equal and one holding NaN.
+/// The `codebook` encoding of `x` in blocks of `block` by its documented definition (wire
+/// format, section `codebook`), computed here independently and plainly: a separate
+/// finiteness scan, one histogram of sums and one of counts per residue `j % 4`, the bins'
+/// sums in element order. Every block's codebook (256 little-endian f32), then every
+/// element's code.
+fn codebook_definition(x: &[f32], block: usize) -> (Vec<u8>, Vec<u8>) {
+    let (mut books, mut codes) = (Vec::new(), Vec::new());
+    for xb in x.chunks(block) {
+        if xb.iter().any(|v| !v.is_finite()) {
+            for _ in 0..256 {
+                books.extend(0x7FC0_0000u32.to_le_bytes());
+            }
+            codes.extend(std::iter::repeat_n(0u8, xb.len()));
+            continue;
+        }
+        let lane_sum = |f: &dyn Fn(f32) -> f64| {
+            let mut l = [0f64; 16];
+            for (j, &v) in xb.iter().enumerate() {
+                l[j % 16] += f(v);
+            }
+            for w in [8, 4, 2, 1] {
+                for j in 0..w {
+                    l[j] += l[j + w];
+                }
+            }
+            l[0]
+        };
+        let n = xb.len() as f64;
+        let mu = lane_sum(&|v| v as f64) / n;
+        let sigma = (lane_sum(&|v| (v as f64 - mu) * (v as f64 - mu)) / n).sqrt();
+        if sigma == 0.0 {
+            books.extend((mu as f32).to_le_bytes());
+            books.extend([0u8; 255 * 4]);
+            codes.extend(std::iter::repeat_n(0u8, xb.len()));
+            continue;
+        }
+        let (lo, span) = (mu - 6.0 * sigma, 2.0 * 6.0 * sigma);
+        let (w, r) = (span / 256.0, 256.0 / span);
+        let (mut sum, mut count) = ([[0f64; 4]; 256], [0u64; 256]);
+        for (j, &v) in xb.iter().enumerate() {
+            let k = ((v as f64 - lo) * r).floor().clamp(0.0, 255.0) as usize;
+            codes.push(k as u8);
+            sum[k][j % 4] += v as f64;
+            count[k] += 1;
+        }
+        for k in 0..256 {
+            let s = sum[k];
+            let e = if count[k] > 0 {
+                (((s[0] + s[1]) + (s[2] + s[3])) / count[k] as f64) as f32
+            } else {
+                let m = f32::MAX as f64;
+                (lo + (k as f64 + 0.5) * w).clamp(-m, m) as f32
+            };
+            books.extend(e.to_le_bytes());
+        }
+    }
+    (books, codes)
+}
+
+/// `spec` (a codebook) encodes `x` to the bytes of [`codebook_definition`] on every
+/// backend the CPU has, the scalar one and the unrouted AVX-512 one included.
+fn codebook_follows_definition(block: usize, x: &[f32], what: &str) {
+    let (books, codes) = codebook_definition(x, block);
+    let spec: CodecSpec = format!("codebook:block={block}").parse().unwrap();
+    let mut backends = simd_backends();
+    backends.push(Backend::scalar());
+    for b in backends {
+        let frame = encode_with(b, &spec, x, &EncodeCtx::new(1), 0);
+        let payload = &frame[gradpack::HEADER_LEN..];
+        assert_eq!(payload.len(), books.len() + codes.len(), "{b}, {what}");
+        assert!(
+            payload[..books.len()] == books[..],
+            "{b}, {what}: codebooks differ"
+        );
+        assert!(
+            payload[books.len()..] == codes[..],
+            "{b}, {what}: codes differ"
+        );
+    }
+}
+
+/// The `codebook` encoder's bytes follow its documented definition on every backend:
+/// blocks whose elements span many binades (so that the order of the f64 sums matters),
+/// a block with a tail, one with all elements equal and one holding NaN.
 #[test]
 fn codebook_frames_follow_the_documented_definition_on_every_backend() {
     let block = 1000;
@@ -1070,78 +1150,52 @@ fn codebook_frames_follow_the_documented_definition_on_every_backend() {
     b3[4] = 2f32.powi(-48);
     b3[5] = 2f32.powi(-48);
     b3[6] = -64.0;
-    let blocks = x.len().div_ceil(block);
-    // The definition.
-    let mut books = vec![0u8; 1024 * blocks];
-    let mut codes = vec![0u8; x.len()];
-    let lane_sum = |xb: &[f32], f: &dyn Fn(f32) -> f64| {
-        let mut l = [0f64; 16];
-        for (j, &v) in xb.iter().enumerate() {
-            l[j % 16] += f(v);
-        }
-        for w in [8, 4, 2, 1] {
-            for j in 0..w {
-                l[j] += l[j + w];
-            }
-        }
-        l[0]
-    };
-    for (b, xb) in x.chunks(block).enumerate() {
-        let book = &mut books[1024 * b..1024 * (b + 1)];
-        let cb = &mut codes[b * block..b * block + xb.len()];
-        if xb.iter().any(|v| !v.is_finite()) {
-            for e in book.chunks_exact_mut(4) {
-                e.copy_from_slice(&0x7FC0_0000u32.to_le_bytes());
-            }
-            continue;
-        }
-        let n = xb.len() as f64;
-        let mu = lane_sum(xb, &|v| v as f64) / n;
-        let sigma = (lane_sum(xb, &|v| (v as f64 - mu) * (v as f64 - mu)) / n).sqrt();
-        if sigma == 0.0 {
-            book[..4].copy_from_slice(&(mu as f32).to_le_bytes());
-            continue;
-        }
-        let (lo, span) = (mu - 6.0 * sigma, 2.0 * 6.0 * sigma);
-        let (w, r) = (span / 256.0, 256.0 / span);
-        let mut s = vec![[0f64; 4]; 256];
-        let mut plain = vec![0f64; 256];
-        let mut c = vec![0u32; 256];
-        for (j, (&v, code)) in xb.iter().zip(cb.iter_mut()).enumerate() {
-            let k = ((v as f64 - lo) * r).floor().clamp(0.0, 255.0) as usize;
-            *code = k as u8;
-            s[k][j % 4] += v as f64;
-            plain[k] += v as f64;
-            c[k] += 1;
-        }
-        if b == 3 {
-            // The data tells the four sums from one in element order.
-            let k = cb[2] as usize;
-            assert_eq!((cb[4], cb[6]), (k as u8, k as u8));
-            assert_eq!(plain[k], 0.0);
-            assert_eq!((s[k][0] + s[k][1]) + (s[k][2] + s[k][3]), 2f64.powi(-47));
-        }
-        for (k, e) in book.chunks_exact_mut(4).enumerate() {
-            let v = if c[k] > 0 {
-                (((s[k][0] + s[k][1]) + (s[k][2] + s[k][3])) / c[k] as f64) as f32
-            } else {
-                let m = f32::MAX as f64;
-                (lo + (k as f64 + 0.5) * w).clamp(-m, m) as f32
-            };
-            e.copy_from_slice(&v.to_le_bytes());
-        }
-    }
-    let spec: CodecSpec = format!("codebook:block={block}").parse().unwrap();
-    let mut backends = simd_backends();
-    backends.push(Backend::scalar());
-    for b in backends {
-        let frame = encode_with(b, &spec, &x, &EncodeCtx::new(1), 0);
-        let payload = &frame[gradpack::HEADER_LEN..];
-        assert_eq!(&payload[..books.len()], &books[..], "{b}: codebooks");
-        assert_eq!(&payload[books.len()..], &codes[..], "{b}: codes");
-    }
+    // The data tells the four sums from one in element order: elements 2, 4, 5 and 6 of
+    // block 3 share a bin, which sums to 0 in element order and to 2^-47 as four sums.
+    let (_, codes) = codebook_definition(&x, block);
+    let c3 = &codes[3 * block..];
+    assert!(c3[2] == c3[4] && c3[4] == c3[5] && c3[5] == c3[6]);
+    let b3 = &x[3 * block..4 * block];
+    let v = |j: usize| b3[j] as f64;
+    let plain = ((v(2) + v(4)) + v(5)) + v(6);
+    // Element j to sum j % 4: 4 to the first, 5 to the second, 2 and 6 to the third.
+    let four = (v(4) + v(5)) + ((v(2) + v(6)) + 0.0);
+    assert_eq!((plain, four), (0.0, 2f64.powi(-47)));
+    codebook_follows_definition(block, &x, "mixed binades");
 }
 
+/// The same at block lengths around the encoder's internal steps (its histogram runs in
+/// steps of 256 elements, four interleaved sums) and frame lengths around the blocks, on
+/// inputs that fill a few bins (consecutive elements in one bin), constant runs, and
+/// non-finite values in some blocks.
+#[test]
+fn codebook_frames_follow_the_documented_definition_around_its_steps() {
+    for block in [1, 3, 64, 255, 256, 257, 300, 1023, 4096, 65536] {
+        for n in [0, 1, 4, 5, 255, 256, 257, 1000, 3 * block + 7, 70_001] {
+            let mixed = sample(n, block as u32);
+            let narrow: Vec<f32> = mixed
+                .iter()
+                .enumerate()
+                .map(|(i, v)| if i % 97 == 0 { 1e3 * v } else { 1.0 + v * 1e-3 })
+                .collect();
+            let runs: Vec<f32> = (0..n).map(|i| ((i / 37) % 5) as f32 - 2.0).collect();
+            let mut specials = mixed.clone();
+            for (i, v) in specials.iter_mut().enumerate() {
+                if i % 1000 == 999 {
+                    *v = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][i / 1000 % 3];
+                }
+            }
+            for (what, x) in [
+                ("mixed", mixed),
+                ("narrow", narrow),
+                ("runs", runs),
+                ("specials", specials),
+            ] {
+                codebook_follows_definition(block, &x, &format!("block {block}, n {n}, {what}"));
+            }
+        }
+    }
+}
 /// Values for the fused int8 kernels: the common sample, then blocks of the tensor made
 /// all zero, all below 2^-100 (where the quantiser scales first), and NaN, ±Inf and the
 /// largest finite values at a few elements.

@@ -441,30 +441,44 @@ unsafe fn nearest_step<V: FloatCodes, const M: u32, const MULTIPLY: bool, const 
 /// The CPU must support `V`'s instruction set.
 #[inline(always)]
 unsafe fn group_max_bits<V: FloatCodes>(block: usize, xg: &[f32]) -> __m256i {
-    assert!(xg.len() >= 8 * block && block.is_multiple_of(V::N));
-    // SAFETY: the caller's contract; every load is `N` f32 of one block of `xg`.
+    assert!(xg.len() >= 8 * block && block >= V::N && block.is_multiple_of(V::N));
+    // SAFETY: the caller's contract; `block_max` reads block `j` of `xg`.
     unsafe {
-        // The eight blocks in lockstep, one vector of each per round: eight independent
-        // maxima in registers, and no loop overhead per block (blocks of 16 or 32 are one
-        // or two vectors).
-        let p = xg.as_ptr();
-        let mut w = [V::zero(); 8];
-        for at in (0..block).step_by(V::N) {
-            for (j, w) in w.iter_mut().enumerate() {
-                *w = V::max_abs_bits(*w, V::load(p.add(j * block + at)));
+        // Written out, in memory order: the eight maxima stay in registers, and the
+        // hardware prefetcher sees one ascending stream (taking the blocks in lockstep
+        // instead made fp8's encode of 1 Mi elements 1.2 times slower).
+        let (p, per) = (xg.as_ptr(), block / V::N);
+        blocks::fold_maxima([
+            V::max8(block_max::<V>(p, per)),
+            V::max8(block_max::<V>(p.add(block), per)),
+            V::max8(block_max::<V>(p.add(2 * block), per)),
+            V::max8(block_max::<V>(p.add(3 * block), per)),
+            V::max8(block_max::<V>(p.add(4 * block), per)),
+            V::max8(block_max::<V>(p.add(5 * block), per)),
+            V::max8(block_max::<V>(p.add(6 * block), per)),
+            V::max8(block_max::<V>(p.add(7 * block), per)),
+        ])
+    }
+}
+
+/// The lanes' largest magnitude bits over the `per` (at least 1) vectors at `b`.
+///
+/// # Safety
+/// `V`'s instruction set; `b` valid for `per N` f32.
+#[inline(always)]
+unsafe fn block_max<V: Lanes>(b: *const f32, per: usize) -> V::I {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut m = V::max_abs_bits(V::zero(), V::load(b));
+        if per > 1 {
+            // The second vector outside the loop: blocks of 2 N (fp8's 32 on AVX-512)
+            // take no loop at all.
+            m = V::max_abs_bits(m, V::load(b.add(V::N)));
+            for k in 2..per {
+                m = V::max_abs_bits(m, V::load(b.add(k * V::N)));
             }
         }
-        // Written out: a closure (`map`) would be compiled without the instruction set.
-        blocks::fold_maxima([
-            V::max8(w[0]),
-            V::max8(w[1]),
-            V::max8(w[2]),
-            V::max8(w[3]),
-            V::max8(w[4]),
-            V::max8(w[5]),
-            V::max8(w[6]),
-            V::max8(w[7]),
-        ])
+        m
     }
 }
 
