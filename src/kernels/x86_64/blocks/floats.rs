@@ -313,7 +313,7 @@ pub(in crate::kernels::x86_64) fn in_groups(
 /// [`encode_fp8_nearest`] by the definition's block layout, each block converted 32 at a
 /// time.
 #[target_feature(enable = "avx2")]
-pub(in crate::kernels::x86_64) fn encode_fp8_rest(
+fn encode_fp8_rest(
     e4m3: bool,
     scale: fp8::Scale,
     block: usize,
