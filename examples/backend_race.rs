@@ -54,6 +54,54 @@ fn time(mut f: impl FnMut()) -> f64 {
     best
 }
 
+/// A buffer that starts on a 4 KiB boundary wherever the allocator put it, so that a
+/// race's figures do not depend on the allocator's placement, which differs between two
+/// builds of this program (it once made a copy of f32 values 10% slower in one build).
+struct Aligned<T> {
+    buf: Vec<T>,
+    start: usize,
+    len: usize,
+}
+
+const PAGE: usize = 4096;
+
+impl<T: Copy + Default> Aligned<T> {
+    fn from_slice(s: &[T]) -> Aligned<T> {
+        let size = std::mem::size_of::<T>();
+        let mut buf = vec![T::default(); s.len() + PAGE / size];
+        let start = (PAGE - buf.as_ptr() as usize % PAGE) % PAGE / size;
+        buf[start..start + s.len()].copy_from_slice(s);
+        Aligned {
+            buf,
+            start,
+            len: s.len(),
+        }
+    }
+
+    fn zeroed(len: usize) -> Aligned<T> {
+        Aligned::from_slice(&vec![T::default(); len])
+    }
+}
+
+impl<T> std::ops::Deref for Aligned<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.buf[self.start..self.start + self.len]
+    }
+}
+
+impl<T> std::ops::DerefMut for Aligned<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+}
+
+impl AsRef<[u8]> for Aligned<u8> {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
 /// A codec operation the race times.
 #[derive(Clone, Copy, PartialEq)]
 enum RaceOp {
@@ -85,31 +133,32 @@ impl RaceOp {
 }
 
 /// One codec on `n` elements, ready to race: its input, a frame, eight frames for the
-/// reduction and its error-feedback state (where it has one).
+/// reduction and its error-feedback state (where it has one). Every buffer starts on a
+/// 4 KiB boundary.
 struct Bench {
     codec: CodecSpec,
-    x: Vec<f32>,
+    x: Aligned<f32>,
     ctx: EncodeCtx,
-    frame: Vec<u8>,
-    frame_ok: Vec<u8>,
-    eight: Vec<Vec<u8>>,
-    out: Vec<f32>,
+    frame: Aligned<u8>,
+    frame_ok: Aligned<u8>,
+    eight: Vec<Aligned<u8>>,
+    out: Aligned<f32>,
     ef: Option<ErrorFeedback>,
 }
 
 impl Bench {
     fn new(spec: &str, n: usize) -> Bench {
         let codec: CodecSpec = spec.parse().expect("spec");
-        let x = gradpack::synthetic::gradient(n, 3);
+        let x = Aligned::from_slice(&gradpack::synthetic::gradient(n, 3));
         let ctx = EncodeCtx::new(9);
-        let mut frame = vec![0u8; codec.max_encoded_len(n)];
+        let mut frame = Aligned::zeroed(codec.max_encoded_len(n));
         let len = codec.encode_into(&x, &ctx, &mut frame).expect("encode");
-        let frame_ok = frame[..len].to_vec();
+        let frame_ok = Aligned::from_slice(&frame[..len]);
         // Eight frames of the same codec for the fused reduction.
-        let eight: Vec<Vec<u8>> = (0..8u64)
+        let eight: Vec<Aligned<u8>> = (0..8u64)
             .map(|q| {
                 let xq = gradpack::synthetic::gradient(n, 20 + q);
-                codec.encode(&xq, &EncodeCtx::new(q)).expect("encode")
+                Aligned::from_slice(&codec.encode(&xq, &EncodeCtx::new(q)).expect("encode"))
             })
             .collect();
         let ef = ErrorFeedback::new(codec, n).ok();
@@ -120,7 +169,7 @@ impl Bench {
             frame,
             frame_ok,
             eight,
-            out: vec![0f32; n],
+            out: Aligned::zeroed(n),
             ef,
         }
     }
@@ -214,9 +263,9 @@ fn main() {
         backends.iter().map(|b| b.kind().name()).collect::<Vec<_>>()
     );
     for &n in &sizes {
-        let x = gradpack::synthetic::gradient(n, 3);
-        let src: Vec<u8> = bytemuck::cast_slice(&x).to_vec();
-        let mut dst = vec![0u8; src.len()];
+        let x = Aligned::from_slice(&gradpack::synthetic::gradient(n, 3));
+        let src = Aligned::from_slice(bytemuck::cast_slice::<f32, u8>(&x));
+        let mut dst = Aligned::<u8>::zeroed(src.len());
         let memcpy = (0..7)
             .map(|_| time(|| dst.copy_from_slice(&src)))
             .fold(f64::INFINITY, f64::min);
