@@ -1,10 +1,14 @@
 //! The outer synchroniser (DiLoCo): identical outer parameters on every rank, the outer
-//! step against its f64 definition, streaming fragments, resume mid-round, faults.
+//! step against its f64 definition, streaming fragments, resume mid-round, faults; and
+//! across a changing membership: a sync that fails when a member leaves runs again among
+//! the rest, bit for bit as if the member had never been there; a member that joins
+//! receives the state and every member ends identical; healing's refusals.
 
 use std::time::{Duration, Instant};
 
+use gradpack::collective::local::Local;
 use gradpack::collective::{Feedback, Strategy, StrategyChoice, Transport, local};
-use gradpack::outer::{OuterOptions, OuterSync};
+use gradpack::outer::{Heal, OuterOptions, OuterSync};
 use gradpack::sync::Tensor;
 use gradpack::{CodecSpec, Error};
 
@@ -666,6 +670,400 @@ fn ranks_made_with_different_options_fail_their_first_sync_naming_the_option() {
         for (r, e) in res.iter().enumerate() {
             let e = e.as_ref().unwrap_err().to_string();
             assert!(e.contains(&format!("{name}=")), "{name}: rank {r}: {e}");
+        }
+    }
+}
+
+// The membership changes.
+
+fn views(p: &[Vec<f32>]) -> Vec<&[f32]> {
+    p.iter().map(|v| v.as_slice()).collect()
+}
+
+/// The `size` transports of a new in-process world, with a short timeout.
+fn world(size: usize) -> Vec<Local> {
+    Local::world(size)
+        .into_iter()
+        .map(|mut t| {
+            t.set_timeout(Some(Duration::from_millis(800)));
+            t
+        })
+        .collect()
+}
+
+fn options(codec: &str, feedback: Feedback, strategy: Strategy) -> OuterOptions {
+    OuterOptions {
+        sync_every: 3,
+        codec: codec.parse::<CodecSpec>().unwrap(),
+        feedback,
+        strategy: StrategyChoice::Forced(strategy),
+        ..Default::default()
+    }
+}
+
+fn outers(sync: &OuterSync<Local>, n: usize) -> Vec<Vec<f32>> {
+    (0..n).map(|i| sync.outer(i).unwrap().to_vec()).collect()
+}
+
+/// Members 0 and 1 of a world of 2 train `steps` inner steps from the start: the
+/// reference.
+fn two_from_the_start(steps: u64, opts: &OuterOptions) -> Vec<Ended> {
+    let layout = layout();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = world(2)
+            .into_iter()
+            .enumerate()
+            .map(|(member, t)| {
+                let (layout, opts) = (&layout, opts.clone());
+                s.spawn(move || {
+                    let mut params = init(layout);
+                    let mut sync = OuterSync::new(layout, &views(&params), t, opts).unwrap();
+                    for step in 1..=steps {
+                        inner_step(&mut params, member, step);
+                        sync.step(&mut slices(&mut params)).unwrap();
+                    }
+                    let o = outers(&sync, layout.len());
+                    (params, o)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Members 0 and 1 of a world of 3 whose member 2 leaves before the first sync: the
+/// first sync fails on both; they re-form over a world of 2 and heal, which runs the
+/// sync again; they train on to `steps`.
+fn a_member_leaves(steps: u64, opts: &OuterOptions) -> Vec<(Ended, Heal)> {
+    let layout = layout();
+    let mut three = world(3);
+    drop(three.pop()); // member 2 leaves
+    std::thread::scope(|s| {
+        let handles: Vec<_> = three
+            .into_iter()
+            .zip(world(2))
+            .enumerate()
+            .map(|(member, (t3, t2))| {
+                let (layout, opts) = (&layout, opts.clone());
+                s.spawn(move || {
+                    let mut params = init(layout);
+                    let mut sync = OuterSync::new(layout, &views(&params), t3, opts).unwrap();
+                    let mut healed = None;
+                    let mut t2 = Some(t2);
+                    for step in 1..=steps {
+                        inner_step(&mut params, member, step);
+                        if let Err(e) = sync.step(&mut slices(&mut params)) {
+                            assert_eq!(step, 3, "the first sync fails: {e}");
+                            assert!(healed.is_none());
+                            // Refused until re-formed and healed.
+                            let again = sync.step(&mut slices(&mut params)).unwrap_err();
+                            assert!(again.to_string().contains("re-form"), "{again}");
+                            assert_eq!(sync.inner_step(), 3, "a refused step does not count");
+                            sync.reform(t2.take().expect("one failure")).unwrap();
+                            assert!(
+                                sync.save().is_err(),
+                                "no save between re-forming and healing"
+                            );
+                            healed = Some(sync.heal(&mut slices(&mut params)).unwrap());
+                        }
+                    }
+                    let o = outers(&sync, layout.len());
+                    ((params, o), healed.expect("a failed sync was healed"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn a_sync_that_fails_when_a_member_leaves_runs_again_among_the_rest_bit_for_bit() {
+    // Error feedback on a compressed ring and on the frame all-gather: the failed
+    // attempt's residual updates are undone, so the retry is the sync a world of two
+    // would have run.
+    for (codec, strategy) in [
+        ("int8", Strategy::CompressedRing),
+        ("int8", Strategy::CompressedAllGather),
+        ("qsgd:bits=8", Strategy::CompressedRing),
+        ("identity", Strategy::Fp32Ring),
+    ] {
+        let opts = options(codec, Feedback::Worker, strategy);
+        let want = two_from_the_start(10, &opts);
+        let got = a_member_leaves(10, &opts);
+        for (member, ((ended, heal), want)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(heal.source, 0);
+            assert!(heal.healed.is_empty(), "{heal:?}");
+            assert_eq!(heal.retried, vec![(0, 2)], "{codec} {strategy:?}");
+            assert_eq!(heal.applied, 1);
+            assert!(heal.dropped.is_empty());
+            let same = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+                a.iter()
+                    .flatten()
+                    .zip(b.iter().flatten())
+                    .all(|(x, y)| x.to_bits() == y.to_bits())
+            };
+            assert!(
+                same(&ended.0, &want.0),
+                "{codec} {strategy:?} member {member}: params"
+            );
+            assert!(
+                same(&ended.1, &want.1),
+                "{codec} {strategy:?} member {member}: outer"
+            );
+        }
+    }
+}
+
+/// Members 0 and 1 train in a world of 3 whose member 2 leaves before the first sync;
+/// at the failed sync a new member 2 joins (fresh parameters, step 0) and all three
+/// heal in a new world of 3; all train on to `steps`. Returns each member's end and
+/// heal.
+fn a_member_is_replaced(steps: u64, opts: &OuterOptions) -> Vec<(Ended, Heal)> {
+    let layout = layout();
+    let mut first = world(3);
+    drop(first.pop());
+    let mut second = world(3);
+    let joiner = second.pop().unwrap();
+    std::thread::scope(|s| {
+        let mut handles: Vec<_> = first
+            .into_iter()
+            .zip(second)
+            .enumerate()
+            .map(|(member, (t1, t2))| {
+                let (layout, opts) = (&layout, opts.clone());
+                s.spawn(move || {
+                    let mut params = init(layout);
+                    let mut sync = OuterSync::new(layout, &views(&params), t1, opts).unwrap();
+                    let mut healed = None;
+                    let mut t2 = Some(t2);
+                    for step in 1..=steps {
+                        inner_step(&mut params, member, step);
+                        if sync.step(&mut slices(&mut params)).is_err() {
+                            sync.reform(t2.take().expect("one failure")).unwrap();
+                            healed = Some(sync.heal(&mut slices(&mut params)).unwrap());
+                        }
+                    }
+                    let o = outers(&sync, layout.len());
+                    ((params, o), healed.expect("healed"))
+                })
+            })
+            .collect();
+        let (layout, opts) = (&layout, opts.clone());
+        handles.push(s.spawn(move || {
+            // Parameters of its own (a restarted process's): healing replaces them.
+            let mut params: Vec<Vec<f32>> =
+                init(layout).iter().map(|t| vec![9.0; t.len()]).collect();
+            let mut sync = OuterSync::new(layout, &views(&params), joiner, opts).unwrap();
+            let heal = sync.heal(&mut slices(&mut params)).unwrap();
+            assert!(heal.was_healed);
+            assert_eq!(sync.inner_step(), 3, "the source's inner step");
+            for step in sync.inner_step() + 1..=steps {
+                inner_step(&mut params, 2, step);
+                sync.step(&mut slices(&mut params)).unwrap();
+            }
+            let o = outers(&sync, layout.len());
+            ((params, o), heal)
+        }));
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn a_member_that_joins_is_healed_and_a_member_sending_zeros_is_not_in_the_mean() {
+    // In f32 a member that sends zeros adds nothing to the sum, and the mean is over the
+    // two that sent their pseudo-gradients: the healed sync is the two-member one, to
+    // the bit. Later syncs average all three.
+    let opts = options("identity", Feedback::None, Strategy::Fp32Ring);
+    let got = a_member_is_replaced(3, &opts);
+    let want = two_from_the_start(3, &opts);
+    for (member, (ended, heal)) in got.iter().enumerate() {
+        assert_eq!(heal.source, 0, "member {member}");
+        assert_eq!(heal.healed, vec![2]);
+        assert_eq!(heal.was_healed, member == 2);
+        assert_eq!(heal.retried, vec![(0, 2)]);
+        assert_eq!(heal.applied, 1);
+        let bits =
+            |v: &[Vec<f32>]| -> Vec<u32> { v.iter().flatten().map(|x| x.to_bits()).collect() };
+        assert_eq!(bits(&ended.1), bits(&want[0].1), "member {member}: outer");
+        assert_eq!(bits(&ended.0), bits(&want[0].0), "member {member}: params");
+    }
+}
+
+#[test]
+fn after_a_member_joins_every_member_ends_each_outer_step_identical() {
+    for (codec, feedback, strategy) in [
+        ("int8", Feedback::Worker, Strategy::CompressedRing),
+        ("fp4", Feedback::Worker, Strategy::CompressedAllGather),
+        ("identity", Feedback::None, Strategy::Fp32Ring),
+    ] {
+        let opts = options(codec, feedback, strategy);
+        let got = a_member_is_replaced(12, &opts);
+        let bits =
+            |v: &[Vec<f32>]| -> Vec<u32> { v.iter().flatten().map(|x| x.to_bits()).collect() };
+        for ((ended, _), member) in got.iter().zip(0..) {
+            assert_eq!(
+                bits(&ended.1),
+                bits(&got[0].0.1),
+                "{codec}: member {member}'s outer"
+            );
+            // One fragment, alpha 0, 12 a multiple of H: the parameters are the outer copy.
+            assert_eq!(
+                bits(&ended.0),
+                bits(&got[0].0.0),
+                "{codec}: member {member}'s params"
+            );
+        }
+        // Training moved on after the join: not the state of the heal.
+        let start: Vec<u32> = init(&layout())
+            .iter()
+            .flatten()
+            .map(|x| x.to_bits())
+            .collect();
+        assert_ne!(bits(&got[0].0.1), start);
+    }
+}
+
+#[test]
+fn healing_refuses_bad_calls_and_a_failed_sync_needs_a_new_transport() {
+    let layout = layout();
+    let opts = options("int8", Feedback::Worker, Strategy::CompressedRing);
+    let mut one = world(1);
+    let mut params = init(&layout);
+    let mut sync =
+        OuterSync::new(&layout, &views(&params), one.pop().unwrap(), opts.clone()).unwrap();
+    // Too few tensors, or a wrong length: refused, and nothing changes.
+    let e = sync.heal(&mut slices(&mut params)[..2]).unwrap_err();
+    assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
+    let mut short = params.clone();
+    short[1].pop();
+    assert!(matches!(
+        sync.heal(&mut slices(&mut short)),
+        Err(Error::LengthMismatch { .. })
+    ));
+    // A world of one heals with itself: nothing to send, nothing to retry.
+    let heal = sync.heal(&mut slices(&mut params)).unwrap();
+    assert_eq!(heal, Heal::default());
+    for step in 1..=3 {
+        inner_step(&mut params, 0, step);
+        sync.step(&mut slices(&mut params)).unwrap();
+    }
+    // Re-formed onto another world of one: steps are refused until it heals.
+    let old = sync.reform(world(1).pop().unwrap()).unwrap();
+    drop(old);
+    let e = sync.step(&mut slices(&mut params)).unwrap_err();
+    assert!(e.to_string().contains("heal"), "{e}");
+    let heal = sync.heal(&mut slices(&mut params)).unwrap();
+    assert!(heal.healed.is_empty() && heal.retried.is_empty());
+    inner_step(&mut params, 0, 4);
+    sync.step(&mut slices(&mut params)).unwrap();
+    assert_eq!(sync.inner_step(), 4);
+
+    // A member whose peer left: the failed sync is refused healing on the broken
+    // transport; re-formed, it heals alone and the sync runs again over one member.
+    let mut two = world(2);
+    drop(two.pop());
+    let mut params = init(&layout);
+    let mut sync = OuterSync::new(&layout, &views(&params), two.pop().unwrap(), opts).unwrap();
+    let mut failed = false;
+    for step in 1..=3 {
+        inner_step(&mut params, 0, step);
+        failed |= sync.step(&mut slices(&mut params)).is_err();
+    }
+    assert!(failed);
+    let e = sync.heal(&mut slices(&mut params)).unwrap_err();
+    assert!(e.to_string().contains("re-form"), "{e}");
+    sync.reform(world(1).pop().unwrap()).unwrap();
+    let heal = sync.heal(&mut slices(&mut params)).unwrap();
+    assert_eq!(heal.retried, vec![(0, 1)]);
+    assert_eq!(heal.applied, 1);
+    // The one member's mean is its own pseudo-gradient: the outer copy moved.
+    let start: Vec<u32> = init(&layout)
+        .iter()
+        .flatten()
+        .map(|x| x.to_bits())
+        .collect();
+    let now: Vec<u32> = (0..layout.len())
+        .flat_map(|i| sync.outer(i).unwrap().to_vec())
+        .map(f32::to_bits)
+        .collect();
+    assert_ne!(now, start);
+    assert!(sync.save().is_ok());
+}
+
+/// Three members sync at step 3; member 2 then leaves. Members 0 and 1 re-form over a
+/// world of two at `reform_at` (3: at once, a planned change; 6: when the next sync
+/// fails midway, after each has encoded and sent part of it) and train on to `steps`.
+fn member_2_leaves_after_the_first_sync(
+    reform_at: u64,
+    steps: u64,
+    opts: &OuterOptions,
+) -> Vec<(Ended, Heal)> {
+    let layout = layout();
+    let first = world(3);
+    let second = world(2);
+    std::thread::scope(|s| {
+        let mut handles = Vec::new();
+        let mut first = first.into_iter();
+        for (member, t2) in second.into_iter().enumerate() {
+            let (layout, opts, t1) = (&layout, opts.clone(), first.next().unwrap());
+            handles.push(s.spawn(move || {
+                let mut params = init(layout);
+                let mut sync = OuterSync::new(layout, &views(&params), t1, opts).unwrap();
+                let (mut t2, mut healed) = (Some(t2), None);
+                for step in 1..=steps {
+                    inner_step(&mut params, member, step);
+                    let res = sync.step(&mut slices(&mut params));
+                    assert_eq!(res.is_err(), step == 6 && reform_at == 6, "step {step}");
+                    if step == reform_at {
+                        sync.reform(t2.take().unwrap()).unwrap();
+                        healed = Some(sync.heal(&mut slices(&mut params)).unwrap());
+                    }
+                }
+                let o = outers(&sync, layout.len());
+                ((params, o), healed.unwrap())
+            }));
+        }
+        let (layout, opts, t1) = (&layout, opts.clone(), first.next().unwrap());
+        s.spawn(move || {
+            let mut params = init(layout);
+            let mut sync = OuterSync::new(layout, &views(&params), t1, opts).unwrap();
+            for step in 1..=3 {
+                inner_step(&mut params, 2, step);
+                sync.step(&mut slices(&mut params)).unwrap();
+            }
+        });
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn a_sync_that_fails_midway_puts_the_residuals_back_before_it_runs_again() {
+    // The failed attempt encoded (and sent) part of the pseudo-gradient through the
+    // residuals; they are put back, so re-forming after the failure gives the bits of
+    // re-forming before the sync.
+    for (codec, strategy) in [
+        ("int8", Strategy::CompressedRing),
+        ("qsgd:bits=8", Strategy::TwoShot),
+        ("int8", Strategy::CompressedAllGather),
+    ] {
+        let opts = options(codec, Feedback::Worker, strategy);
+        let planned = member_2_leaves_after_the_first_sync(3, 12, &opts);
+        let failed = member_2_leaves_after_the_first_sync(6, 12, &opts);
+        let bits =
+            |v: &[Vec<f32>]| -> Vec<u32> { v.iter().flatten().map(|x| x.to_bits()).collect() };
+        for m in 0..2 {
+            assert!(planned[m].1.retried.is_empty());
+            assert_eq!(failed[m].1.retried, vec![(0, 2)], "{codec}");
+            assert_eq!(
+                bits(&failed[m].0.1),
+                bits(&planned[m].0.1),
+                "{codec} {strategy:?}: outer"
+            );
+            assert_eq!(
+                bits(&failed[m].0.0),
+                bits(&planned[m].0.0),
+                "{codec} {strategy:?}: params"
+            );
         }
     }
 }

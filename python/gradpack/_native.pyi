@@ -581,6 +581,17 @@ class OuterSync:
         """
         The tensors of every fragment, in layout order.
         """
+    def heal(self, /, params: SupportsGetItem[int, Any]) -> dict:
+        """
+        Make the members' states one again after :meth:`reform` (a collective call of
+        every member, with its parameters: float32 arrays, one per tensor). The member
+        with the newest state sends it, bit for bit, to each member whose state differs
+        (their parameters become the outer copy, their residuals zero), and every sync
+        that failed runs again among the members that hold its pseudo-gradient. Returns
+        `source`, `healed` (ranks), `was_healed`, `retried` (fragment and the members
+        its mean is over), `dropped` (fragments no member could send), `applied` and
+        `bytes_sent`.
+        """
     @property
     def inner_step(self, /) -> int:
         """
@@ -594,6 +605,14 @@ class OuterSync:
     def outer(self, /, i: SupportsIndex) -> Incomplete:
         """
         A copy of the outer parameters of tensor `i` (a flat float32 array).
+        """
+    def reform(self, /, rank: SupportsIndex | None = None, world: SupportsIndex | None = None, send: Any | None = None, recv: Any | None = None, *, send_recv: Any | None = None, transport: Tcp | None = None) -> None:
+        """
+        Move onto the transport of a new membership (the members that remain and those
+        that join; the same arguments as the constructor's), keeping this member's state;
+        then every member calls :meth:`heal`, and steps are refused until it has. A member
+        that joins makes a new synchroniser and calls :meth:`heal` too. The former
+        transport is closed. Nothing changes on an error.
         """
     def state_dict(self, /) -> dict:
         """

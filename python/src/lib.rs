@@ -2448,6 +2448,23 @@ fn backend() -> &'static str {
 
 const OUTER_FORMAT: &str = "gradpack.OuterSync/1";
 
+/// `f` on writable float32 views of `params` (each checked as `params[i]`).
+fn on_params<R>(
+    params: &[Bound<'_, PyAny>],
+    f: impl FnOnce(&mut [&mut [f32]]) -> R,
+) -> PyResult<R> {
+    let mut arrays = params
+        .iter()
+        .enumerate()
+        .map(|(i, x)| f32_out(x, &format!("params[{i}]")))
+        .collect::<PyResult<Vec<_>>>()?;
+    let mut views = arrays
+        .iter_mut()
+        .map(slice_out)
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(f(&mut views))
+}
+
 /// DiLoCo's outer synchronisation on rank ``rank`` of ``world`` (the Rust crate's
 /// ``gradpack::outer::OuterSync``), over the same two message callables as
 /// :class:`AllReduce` (or its ``transport``). :class:`gradpack.torch.DiLoCo` drives it
@@ -2599,18 +2616,7 @@ impl PyOuterSync {
     ) -> PyResult<Bound<'py, PyDict>> {
         let inner = self.get();
         let stats = match params {
-            Some(params) => {
-                let mut arrays = params
-                    .iter()
-                    .enumerate()
-                    .map(|(i, x)| f32_out(x, &format!("params[{i}]")))
-                    .collect::<PyResult<Vec<_>>>()?;
-                let mut views = arrays
-                    .iter_mut()
-                    .map(slice_out)
-                    .collect::<PyResult<Vec<_>>>()?;
-                py.detach(|| inner.step(&mut views))
-            }
+            Some(params) => on_params(&params, |views| py.detach(|| inner.step(views)))?,
             None => {
                 if !inner.due().is_empty() {
                     return Err(PyValueError::new_err(
@@ -2626,6 +2632,65 @@ impl PyOuterSync {
         d.set_item("applied", stats.applied)?;
         d.set_item("bytes_sent", stats.bytes_sent)?;
         d.set_item("messages", stats.messages)?;
+        Ok(d)
+    }
+
+    /// Move onto the transport of a new membership (the members that remain and those
+    /// that join; the same arguments as the constructor's), keeping this member's state;
+    /// then every member calls :meth:`heal`, and steps are refused until it has. A member
+    /// that joins makes a new synchroniser and calls :meth:`heal` too. The former
+    /// transport is closed. Nothing changes on an error.
+    #[pyo3(signature = (rank=None, world=None, send=None, recv=None, *, send_recv=None, transport=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn reform(
+        &mut self,
+        py: Python<'_>,
+        rank: Option<usize>,
+        world: Option<usize>,
+        send: Option<Py<PyAny>>,
+        recv: Option<Py<PyAny>>,
+        send_recv: Option<Py<PyAny>>,
+        transport: Option<&Bound<'_, PyTcp>>,
+    ) -> PyResult<()> {
+        let t = link(
+            py,
+            "OuterSync.reform",
+            rank,
+            world,
+            send,
+            recv,
+            send_recv,
+            transport,
+        )?;
+        let inner = self.get();
+        let old = py.detach(|| inner.reform(t)).map_err(err)?;
+        drop(old);
+        Ok(())
+    }
+
+    /// Make the members' states one again after :meth:`reform` (a collective call of
+    /// every member, with its parameters: float32 arrays, one per tensor). The member
+    /// with the newest state sends it, bit for bit, to each member whose state differs
+    /// (their parameters become the outer copy, their residuals zero), and every sync
+    /// that failed runs again among the members that hold its pseudo-gradient. Returns
+    /// `source`, `healed` (ranks), `was_healed`, `retried` (fragment and the members
+    /// its mean is over), `dropped` (fragments no member could send), `applied` and
+    /// `bytes_sent`.
+    fn heal<'py>(
+        &mut self,
+        py: Python<'py>,
+        params: Vec<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let inner = self.get();
+        let h = on_params(&params, |views| py.detach(|| inner.heal(views)))?.map_err(err)?;
+        let d = PyDict::new(py);
+        d.set_item("source", h.source)?;
+        d.set_item("healed", h.healed)?;
+        d.set_item("was_healed", h.was_healed)?;
+        d.set_item("retried", h.retried)?;
+        d.set_item("dropped", h.dropped)?;
+        d.set_item("applied", h.applied)?;
+        d.set_item("bytes_sent", h.bytes_sent)?;
         Ok(d)
     }
 

@@ -1100,3 +1100,62 @@ def test_the_package_classes_are_the_native_ones():
     assert len(gradpack.PowerSgdBucket([[4, 3, 2]])) == 12
     with pytest.raises(ValueError, match="n, m, r"):
         gradpack.PowerSgdBucket([[4, 3]])
+
+
+def _outer_run(world, members, steps, fail_at=None, timeout=20.0):
+    """DiLoCo's outer sync (int8 with error feedback, a sync every 3 steps) of the
+    members ``members`` of a world of ``world`` on threads (a rank not listed never
+    comes: the first sync fails on the others). With ``fail_at``, the members re-form
+    over a world of ``len(members)`` when the sync fails and heal. Each member's
+    parameters, outer copy and heal result."""
+    names, shapes = ["w", "b"], [(30, 20), (30,)]
+    start = [np.linspace(-1, 1, 600, dtype=np.float32).reshape(30, 20),
+             np.linspace(0, 0.5, 30, dtype=np.float32)]
+    box, after = _Mailboxes(world, timeout), _Mailboxes(len(members), timeout)
+    out = {}
+
+    def member(r):
+        params = [p.copy() for p in start]
+        sync = gradpack.OuterSync(names, shapes, params, r, world, box.send_of(r),
+                                  box.recv_of(r), sync_every=3, codec="int8",
+                                  feedback="worker", strategy="ring")
+        heal = None
+        for s in range(1, steps + 1):
+            for p in params:
+                p -= np.float32(0.01) * np.sin(p * (s + 3 * r + 1)).astype(np.float32)
+            try:
+                sync.step(params)
+            except gradpack.Error:
+                assert s == fail_at and heal is None, s
+                sync.reform(r, len(members), after.send_of(r), after.recv_of(r))
+                heal = sync.heal(params)
+        out[r] = (params, [sync.outer(i) for i in range(2)], heal)
+
+    errors = _on_threads(len(members), lambda i: member(members[i]))
+    assert errors == [None] * len(members), errors
+    return out
+
+
+def test_an_outer_sync_re_formed_after_a_member_left_heals_with_the_bits_of_the_smaller_world():
+    # Member 2 of 3 never comes: the first sync fails on 0 and 1, who re-form over a
+    # world of two and heal, which runs the sync again. Their states are then those of
+    # a world of two from the start, to the bit.
+    got = _outer_run(3, [0, 1], 9, fail_at=3, timeout=1.0)
+    want = _outer_run(2, [0, 1], 9)
+    for r in (0, 1):
+        heal = got[r][2]
+        assert heal["retried"] == [(0, 2)] and heal["applied"] == 1, heal
+        assert heal["healed"] == [] and not heal["was_healed"] and heal["dropped"] == []
+        for a, b in zip(got[r][0] + got[r][1], want[r][0] + want[r][1]):
+            assert a.tobytes() == b.ravel().tobytes()
+    # Steps are refused between re-forming and healing, and a bad heal is refused.
+    box = _Mailboxes(1)
+    params = [np.zeros((2, 2), np.float32)]
+    sync = gradpack.OuterSync(["w"], [(2, 2)], params, 0, 1, box.send_of(0), box.recv_of(0))
+    sync.reform(0, 1, box.send_of(0), box.recv_of(0))
+    with pytest.raises(gradpack.Error, match="heal"):
+        sync.step(params)
+    with pytest.raises((ValueError, gradpack.Error)):
+        sync.heal([np.zeros(3, np.float32)])
+    assert sync.heal(params)["source"] == 0
+    sync.step(params)

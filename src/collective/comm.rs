@@ -36,6 +36,7 @@ use std::collections::VecDeque;
 
 use super::Transport;
 use super::hold::{self, Point};
+use crate::alloc;
 use crate::error::{Error, Result};
 
 /// Bytes of the envelope in front of every message a collective sends.
@@ -67,6 +68,7 @@ pub(crate) enum Phase {
     Agreement = 5,
     TwoShotScatter = 6,
     TwoShotGather = 7,
+    StateTransfer = 8,
 }
 
 impl Phase {
@@ -80,6 +82,7 @@ impl Phase {
             Phase::Agreement => "agreement on the options",
             Phase::TwoShotScatter => "two-shot scatter to the owners",
             Phase::TwoShotGather => "two-shot gather of the owners' sums",
+            Phase::StateTransfer => "state transfer",
         }
     }
 }
@@ -298,6 +301,63 @@ impl<T: Transport + ?Sized> Comm<T> {
                     .collect())
             })
             .collect()
+    }
+
+    /// Every rank's `body` (at most [`MAX_SETTINGS`] bytes; the lengths may differ),
+    /// indexed by rank: one call, exchanged as the agreement on options is (phase 5,
+    /// `tag` in the envelopes).
+    pub(crate) fn gather_bytes(&mut self, tag: u32, body: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let call = self.begin();
+        if body.len() > MAX_SETTINGS {
+            return Err(Error::Collective(format!(
+                "{} bytes to share: at most {MAX_SETTINGS}",
+                body.len()
+            )));
+        }
+        let all = self.all_to_all(call, tag, body, MAX_SETTINGS)?;
+        self.transport.flush()?;
+        Ok(all)
+    }
+
+    /// One call in which rank `root` sends `body` to every rank of `to` (phase 8,
+    /// `tag`, hop and chunk 0): on those ranks the body received (at most `max` bytes),
+    /// on the others (the root included) `None`. Every rank of the world makes the call,
+    /// so that call numbers stay in step.
+    pub(crate) fn transfer(
+        &mut self,
+        tag: u32,
+        root: usize,
+        to: &[usize],
+        body: &[u8],
+        max: usize,
+    ) -> Result<Option<Vec<u8>>> {
+        let call = self.begin();
+        let place = Place {
+            call,
+            tag,
+            phase: Phase::StateTransfer,
+            hop: 0,
+            chunk: 0,
+            max: ENVELOPE_LEN.saturating_add(max),
+        };
+        let r = self.transport.rank();
+        if r == root {
+            let mut msg = Vec::new();
+            alloc::lengthen(&mut msg, ENVELOPE_LEN + body.len(), "a state message")?;
+            msg[ENVELOPE_LEN..].copy_from_slice(body);
+            for &q in to.iter().filter(|&&q| q != root) {
+                self.post(&mut msg, q, place)?;
+            }
+            self.transport.flush()?;
+            return Ok(None);
+        }
+        if !to.contains(&r) {
+            return Ok(None);
+        }
+        let mut got = Vec::new();
+        self.expect(&mut got, root, place)?;
+        got.drain(..ENVELOPE_LEN);
+        Ok(Some(got))
     }
 
     /// Call `call`'s exchange of the agreement's kind (section 6.10): `body` after an

@@ -585,6 +585,10 @@ pub struct AllReduce {
     /// Added to every message's hop (streams of one call that share a pair of ranks keep
     /// their hops apart).
     hop_base: usize,
+    /// What [`ReduceOp::Mean`] divides the sum by: the world size, unless fewer ranks
+    /// contribute (the outer synchroniser's retry after a member left, where a healed
+    /// member sends zeros).
+    mean_over: usize,
     /// Ring: one residual per chunk this rank encodes (`None` for unfed ones).
     /// All-gather and majority: one for the whole tensor at index 0.
     residuals: Vec<Option<ErrorFeedback>>,
@@ -769,6 +773,7 @@ impl AllReduce {
             size,
             group,
             hop_base: 0,
+            mean_over: size,
             residuals,
             room,
             pieces,
@@ -804,6 +809,49 @@ impl AllReduce {
     /// True for zero-length tensors.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Divide the sum by `n` ranks for [`ReduceOp::Mean`] from the next call on (the
+    /// world size by default): the mean over the ranks that contribute, where the others
+    /// send zeros. `n` must be in `1..=` the world size.
+    pub(crate) fn set_mean_over(&mut self, n: usize) -> Result<()> {
+        if n == 0 || n > self.size {
+            return Err(Error::Collective(format!(
+                "a mean over {n} ranks in a world of {}",
+                self.size
+            )));
+        }
+        self.mean_over = n;
+        Ok(())
+    }
+
+    /// Replace every residual with `r`'s elements at its place (the inverse of
+    /// [`AllReduce::residual_f32`]; elements no residual covers are dropped): residuals
+    /// carried to another world, whose ring cuts the tensor into other chunks.
+    pub(crate) fn set_residual_f32(&mut self, r: &[f32]) -> Result<()> {
+        if r.len() != self.len {
+            return Err(Error::LengthMismatch {
+                what: "residual and all-reduce elements",
+                left: r.len(),
+                right: self.len,
+            });
+        }
+        let ring = matches!(
+            self.strategy,
+            Strategy::CompressedRing | Strategy::Fp32Ring | Strategy::TwoShot
+        );
+        let (n, p, k) = (self.len, self.size, self.pieces);
+        for (slot, fb) in self.residuals.iter_mut().enumerate() {
+            if let Some(fb) = fb {
+                let range = if ring {
+                    piece_range(n, p, k, slot / k, slot % k)
+                } else {
+                    0..n
+                };
+                fb.set_residual(&r[range])?;
+            }
+        }
+        Ok(())
     }
 
     /// Zero every residual.
@@ -991,7 +1039,7 @@ impl AllReduce {
 
     /// Divide `x` by the world size for [`ReduceOp::Mean`].
     fn mean(&self, x: &mut [f32]) {
-        mean(self.opts.op, self.size, x);
+        mean(self.opts.op, self.mean_over, x);
     }
 
     /// Encode `x` (slot `slot`'s data) as the message held `at` (lengthened to the room
@@ -1047,6 +1095,8 @@ impl AllReduce {
         let (right_g, left_g) = (self.global(right), self.global(left));
         let piece = |c: usize, j: usize| piece_range(n, p, k, c, j);
         let (codec, seed, call, op) = (self.codec, step.seed, step.call, self.opts.op);
+        // The divisor of the mean (the world size but in a retry with fewer contributors).
+        let d = self.mean_over;
         let ctx_of = |q: usize, c: usize, j: usize| {
             EncodeCtx::new(rank_seed(&codec, seed, q)).with_offset(piece(c, j).start as u64)
         };
@@ -1108,7 +1158,7 @@ impl AllReduce {
                     codec: &codec,
                     checksum: self.opts.checksum,
                     op: self.opts.op,
-                    size: p,
+                    size: d,
                     own: s == p - 2,
                     piece: piece(recv_c, j),
                     ctx: ctx_of(r, recv_c, j),
@@ -1158,7 +1208,7 @@ impl AllReduce {
                 let (decoded, exchanged) = parallel::alongside(
                     par,
                     move || match out {
-                        Some((c, out)) => decode_final(fwd, out, op, p).map_err(|e| (c, e)),
+                        Some((c, out)) => decode_final(fwd, out, op, d).map_err(|e| (c, e)),
                         None => Ok(()),
                     },
                     || comm.exchange_stamped(fwd, right_g, next, left_g, w, len),
@@ -1189,12 +1239,12 @@ impl AllReduce {
                 let bad = |e| peer_error(self.global(recv_c), phase, left_g, e);
                 let (h, payload) = check_origin(&codec, frame, &origin(j)).map_err(bad)?;
                 let out = &mut output[piece(recv_c, j)];
-                codecs::decode_split_then(&h, payload, out, &|x| mean(op, p, x)).map_err(bad)?;
+                codecs::decode_split_then(&h, payload, out, &|x| mean(op, d, x)).map_err(bad)?;
             }
             core::mem::swap(&mut self.fwd, &mut self.next);
         }
         if let Some(c) = held {
-            decode_final(&self.fwd[0], &mut output[piece(c, 0)], op, p)
+            decode_final(&self.fwd[0], &mut output[piece(c, 0)], op, d)
                 .map_err(|e| peer_error(self.global(c), Phase::RingAllGather, left_g, e))?;
         }
         Ok(())
@@ -1218,6 +1268,8 @@ impl AllReduce {
         let (n, p, r, k) = (self.len, self.size, self.rank, self.pieces);
         let piece = |c: usize, j: usize| piece_range(n, p, k, c, j);
         let (codec, seed, call, op) = (self.codec, step.seed, step.call, self.opts.op);
+        // The divisor of the mean (the world size but in a retry with fewer contributors).
+        let d = self.mean_over;
         let ctx_of = |q: usize, c: usize, j: usize| {
             EncodeCtx::new(rank_seed(&codec, seed, q)).with_offset(piece(c, j).start as u64)
         };
@@ -1268,7 +1320,7 @@ impl AllReduce {
                 comm.post(&mut self.fwd[0], to, place)?;
                 step.sent(self.fwd[0].len());
             }
-            decode_final(&self.fwd[0], acc, op, p)?;
+            decode_final(&self.fwd[0], acc, op, d)?;
         }
         for j in 0..k {
             for q in peers() {
@@ -1278,7 +1330,7 @@ impl AllReduce {
                 let frame = &self.frames[q][ENVELOPE_LEN..];
                 let (h, payload) = check_origin(&codec, frame, &ctx_of(q, q, j)).map_err(bad)?;
                 let out = &mut output[piece(q, j)];
-                codecs::decode_split_then(&h, payload, out, &|x| mean(op, p, x)).map_err(bad)?;
+                codecs::decode_split_then(&h, payload, out, &|x| mean(op, d, x)).map_err(bad)?;
             }
         }
         Ok(())
@@ -1513,7 +1565,7 @@ struct Hop<'c> {
     codec: &'c CodecSpec,
     checksum: bool,
     op: ReduceOp,
-    /// The world size.
+    /// What the mean divides by (the world size but in a retry with fewer contributors).
     size: usize,
     /// The owner's hop (the last step: the piece is this rank's to finish).
     own: bool,

@@ -56,8 +56,33 @@
 //! (see [`crate::state`]); [`OuterSync::restore`], with the model's parameters restored
 //! from the same step, continues bit for bit. A failed all-reduce (a peer that leaves is
 //! an error on every other rank within the transport's timeout) leaves the ranks' outer
-//! copies possibly different, so the synchroniser refuses every later step until a
-//! state is restored.
+//! copies possibly different, so the synchroniser refuses every later step until it is
+//! re-formed and healed, or a state is restored.
+//!
+//! ## Members that leave and join
+//! Training goes on when members leave or join between outer rounds (elastic DiLoCo):
+//! every member of the new membership re-forms its synchroniser over a transport of that
+//! membership ([`OuterSync::reform`]; a member that joins builds a new one), then all of
+//! them call [`OuterSync::heal`] together. Healing finds the members whose state is the
+//! newest (the most inner steps, then the most outer steps applied), sends that state,
+//! bit for bit, to every member that holds another, and runs again every sync that
+//! failed, among the members that hold its pseudo-gradient. Afterwards every member holds
+//! the same outer parameters, to the bit, and training goes on. Nothing is dropped
+//! silently: [`Heal`] says who was healed, which syncs were run again and which were
+//! dropped because no member held their pseudo-gradient any more.
+//!
+//! What happens to error feedback:
+//! - A failed all-reduce puts this member's residuals back as they were before it, so
+//!   its retry encodes the same pseudo-gradient with the same residual and the same
+//!   draws.
+//! - A member that stays keeps its residuals; in a new world they are moved to where its
+//!   all-reduce keeps them (a ring's residuals are per chunk, and the chunks move with
+//!   the world size, so the elements of the chunk this member does not encode in the new
+//!   ring lose their residual).
+//! - A member that is healed zeroes its residuals: they stood for pseudo-gradients of a
+//!   history the state it receives may or may not include.
+//! - A member that leaves takes its residuals with it: what its codec had not yet sent
+//!   is lost, at most one residual's worth of its pseudo-gradients, and the others go on.
 //!
 //! ```
 //! use gradpack::collective::{Transport, local};
@@ -101,6 +126,9 @@ use crate::rng::splitmix64;
 use crate::state::{BlobReader, BlobWriter};
 use crate::sync::{Tensor, layout_hash, spawn_worker, thread_gone};
 
+mod heal;
+pub use heal::Heal;
+
 const OUTER_MAGIC: [u8; 4] = *b"GPOS";
 
 /// Every option of `o` that ranks must share, with the layout and its fragments, as
@@ -139,6 +167,9 @@ fn settings(o: &OuterOptions, tensors: &[Tensor], frags: &[Fragment]) -> String 
 /// The envelope tag of the first sync's agreement on the options (the all-reduces use
 /// the fragment indices).
 const AGREE_TAG: u32 = u32::MAX;
+
+/// The envelope tag of healing's status exchange and state transfer.
+const HEAL_TAG: u32 = u32::MAX - 1;
 
 /// Options of an [`OuterSync`]. Every rank must use the same: the first sync checks it
 /// (one agreement of the ranks' settings before the first all-reduce), and a rank made
@@ -244,6 +275,10 @@ enum Flight {
     /// Reduced: the mean is in the fragment's `output`, waiting for its sync point; the
     /// bytes and messages this rank sent for it.
     Done(u64, u64),
+    /// The all-reduce failed: the pseudo-gradient is still in the fragment's `input`, and
+    /// this member's residuals are as they were before the attempt, for
+    /// [`OuterSync::heal`] to run it again.
+    Failed,
 }
 
 /// One fragment on the caller's side.
@@ -259,6 +294,11 @@ struct Fragment {
     input: Option<Vec<f32>>,
     output: Option<Vec<f32>>,
     flight: Flight,
+    /// The sync point (inner step) of the all-reduce in flight, done or failed.
+    due: u64,
+    /// Whether `input` holds this member's own pseudo-gradient (a healed member holds
+    /// zeros in place of the one it lost, and is not counted in the mean).
+    own: bool,
 }
 
 /// The communication side: the `Comm` and one all-reduce per fragment.
@@ -267,18 +307,33 @@ struct Worker<T: Transport> {
     ars: Vec<AllReduce>,
     /// The settings to agree on before the first all-reduce (then `None`).
     agree: Option<String>,
+    /// Whether the all-reduces keep residuals (to put back after a failed attempt).
+    feedback: bool,
 }
 
 enum Job {
     Reduce {
         fragment: usize,
         seed: u64,
+        /// The members whose pseudo-gradients the mean is over.
+        mean_over: usize,
         input: Vec<f32>,
         output: Vec<f32>,
     },
     Save,
     Restore(Vec<Vec<u8>>),
     Reset,
+    /// Every fragment's residuals as one tensor each.
+    Residuals,
+    /// Healing's exchange of every member's status.
+    Gather(Vec<u8>),
+    /// Healing's state transfer from `root` to the members of `to`.
+    Transfer {
+        root: usize,
+        to: Vec<usize>,
+        body: Vec<u8>,
+        max: usize,
+    },
 }
 
 enum Done {
@@ -291,6 +346,9 @@ enum Done {
     Saved(Vec<Vec<u8>>),
     Restored(Result<()>),
     Reset,
+    Residuals(Vec<Vec<f32>>),
+    Gathered(Result<Vec<Vec<u8>>>),
+    Transferred(Result<Option<Vec<u8>>>),
 }
 
 impl<T: Transport> Worker<T> {
@@ -300,16 +358,28 @@ impl<T: Transport> Worker<T> {
             Job::Reduce {
                 fragment,
                 seed,
+                mean_over,
                 input,
                 mut output,
             } => {
-                let agreed = match self.agree.take() {
-                    Some(s) => self.comm.agree(AGREE_TAG, &s),
-                    None => Ok(()),
+                let agreed = self.agreed();
+                // The residuals as they are, to put back if the all-reduce fails: a retry
+                // then encodes what this attempt did.
+                let before = (self.feedback && agreed.is_ok()).then(|| self.ars[fragment].save());
+                let res = agreed
+                    .and_then(|()| self.ars[fragment].set_mean_over(mean_over))
+                    .and_then(|()| {
+                        self.ars[fragment].run(&mut self.comm, &input, &mut output, seed)
+                    });
+                let res = match (res, before) {
+                    (Err(e), Some(b)) => match self.ars[fragment].restore(&b) {
+                        Ok(()) => Err(e),
+                        Err(r) => Err(Error::Collective(format!(
+                            "{e}; and its residuals could not be put back: {r}"
+                        ))),
+                    },
+                    (res, _) => res,
                 };
-                let res = agreed.and_then(|()| {
-                    self.ars[fragment].run(&mut self.comm, &input, &mut output, seed)
-                });
                 Done::Reduced {
                     fragment,
                     input,
@@ -327,6 +397,27 @@ impl<T: Transport> Worker<T> {
                 self.ars.iter_mut().for_each(AllReduce::reset_feedback);
                 Done::Reset
             }
+            Job::Residuals => {
+                Done::Residuals(self.ars.iter().map(AllReduce::residual_f32).collect())
+            }
+            Job::Gather(status) => Done::Gathered(
+                self.agreed()
+                    .and_then(|()| self.comm.gather_bytes(HEAL_TAG, &status)),
+            ),
+            Job::Transfer {
+                root,
+                to,
+                body,
+                max,
+            } => Done::Transferred(self.comm.transfer(HEAL_TAG, root, &to, &body, max)),
+        }
+    }
+
+    /// The agreement on the settings, if it has not run on this membership yet.
+    fn agreed(&mut self) -> Result<()> {
+        match self.agree.take() {
+            Some(s) => self.comm.agree(AGREE_TAG, &s),
+            None => Ok(()),
         }
     }
 }
@@ -343,8 +434,12 @@ pub struct OuterSync<T: Transport + Send + 'static> {
     size: usize,
     /// Inner steps taken.
     step: u64,
+    /// Fragment outer steps applied.
+    applied: u64,
     /// Why steps are refused, after a failed sync.
     failed: Option<Error>,
+    /// Re-formed and not yet healed: steps are refused.
+    must_heal: bool,
     /// Jobs sent and not yet answered, in order.
     queue: VecDeque<usize>,
     jobs: Sender<Job>,
@@ -359,6 +454,19 @@ impl<T: Transport + Send + 'static> core::fmt::Debug for OuterSync<T> {
             .field("fragments", &self.frags.len())
             .field("step", &self.step)
             .finish()
+    }
+}
+
+/// The options of fragment `f`'s all-reduce.
+fn all_reduce_options(opts: &OuterOptions, f: usize) -> AllReduceOptions {
+    AllReduceOptions {
+        op: ReduceOp::Mean,
+        strategy: opts.strategy.clone(),
+        feedback: opts.feedback,
+        feedback_options: opts.feedback_options,
+        checksum: opts.checksum,
+        tag: f as u32,
+        pieces: opts.pieces,
     }
 }
 
@@ -505,16 +613,12 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
             for &(i, off) in &tensors {
                 outer[off..off + lens[i]].copy_from_slice(params[i]);
             }
-            let ar_opts = AllReduceOptions {
-                op: ReduceOp::Mean,
-                strategy: opts.strategy.clone(),
-                feedback: opts.feedback,
-                feedback_options: opts.feedback_options,
-                checksum: opts.checksum,
-                tag: f as u32,
-                pieces: opts.pieces,
-            };
-            ars.push(AllReduce::new(opts.codec, len, &comm, ar_opts)?);
+            ars.push(AllReduce::new(
+                opts.codec,
+                len,
+                &comm,
+                all_reduce_options(&opts, f),
+            )?);
             frags.push(Fragment {
                 tensors,
                 len,
@@ -524,10 +628,18 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
                 input: Some(alloc::filled(len, 0.0, "a pseudo-gradient buffer")?),
                 output: Some(alloc::filled(len, 0.0, "a pseudo-gradient buffer")?),
                 flight: Flight::Idle,
+                due: 0,
+                own: true,
             });
         }
         let agree = Some(settings(&opts, layout, &frags));
-        let worker = Worker { comm, ars, agree };
+        let feedback = opts.feedback != Feedback::None;
+        let worker = Worker {
+            comm,
+            ars,
+            agree,
+            feedback,
+        };
         let (jobs, done, handle) =
             spawn_worker(format!("gradpack-outer-{rank}"), worker, Worker::handle)?;
         Ok(OuterSync {
@@ -539,7 +651,9 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
             rank,
             size,
             step: 0,
+            applied: 0,
             failed: None,
+            must_heal: false,
             queue: VecDeque::new(),
             jobs,
             done,
@@ -599,6 +713,28 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
             .collect()
     }
 
+    /// The seed of fragment `f`'s all-reduce with its sync point at inner step `due`.
+    fn seed(&self, f: usize, due: u64) -> u64 {
+        let round = due / self.opts.sync_every;
+        splitmix64(self.opts.seed ^ splitmix64(round) ^ splitmix64(!(f as u64)))
+    }
+
+    /// Fragment outer steps the schedule applies in inner steps `1..=step`.
+    fn applies_through(&self, step: u64) -> u64 {
+        let h = self.opts.sync_every;
+        // Steps t in 1..=s with t mod H = o.
+        let count = |s: u64, o: u64| match o {
+            0 => s / h,
+            _ if s >= o => (s - o) / h + 1,
+            _ => 0,
+        };
+        let tau = self.opts.delay.min(step);
+        self.frags
+            .iter()
+            .map(|f| count(step, f.phase) - count(tau, f.phase))
+            .sum()
+    }
+
     /// What the next [`OuterSync::step`] does: which fragments' tensors it reads (to
     /// form their pseudo-gradients) and which it writes (those of `apply`, which it also
     /// reads when `alpha > 0`). Tensors of no fragment listed are left alone.
@@ -622,8 +758,14 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
     pub fn step(&mut self, params: &mut [&mut [f32]]) -> Result<OuterStats> {
         if let Some(e) = &self.failed {
             return Err(Error::Collective(format!(
-                "outer sync failed earlier ({e}); restore a saved state to go on"
+                "outer sync failed earlier ({e}); re-form it and heal, or restore a saved \
+                 state, to go on"
             )));
+        }
+        if self.must_heal {
+            return Err(Error::Collective(
+                "outer sync re-formed for a new membership: heal it before the next step".into(),
+            ));
         }
         let t = self.step + 1;
         let due = self.due();
@@ -657,8 +799,7 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
     fn run(&mut self, t: u64, due: &Due, params: &mut [&mut [f32]]) -> Result<OuterStats> {
         let mut stats = OuterStats::default();
         for &f in &due.send {
-            let round = (t + self.opts.delay) / self.opts.sync_every;
-            let seed = splitmix64(self.opts.seed ^ splitmix64(round) ^ splitmix64(!(f as u64)));
+            let seed = self.seed(f, t + self.opts.delay);
             let frag = &mut self.frags[f];
             let (Some(mut input), Some(output)) = (frag.input.take(), frag.output.take()) else {
                 return Err(Error::Collective(format!(
@@ -672,10 +813,13 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
                     .for_each(|(d, (&o, &x))| *d = o - x);
             }
             frag.flight = Flight::Sent;
+            frag.due = t + self.opts.delay;
+            frag.own = true;
             self.jobs
                 .send(Job::Reduce {
                     fragment: f,
                     seed,
+                    mean_over: self.size,
                     input,
                     output,
                 })
@@ -685,34 +829,42 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
         }
         for &f in &due.apply {
             self.wait_for(f)?;
-            let frag = &mut self.frags[f];
-            let Flight::Done(bytes, messages) = core::mem::replace(&mut frag.flight, Flight::Idle)
-            else {
-                return Err(Error::Collective(format!(
-                    "fragment {f} has no all-reduced pseudo-gradient to apply"
-                )));
-            };
-            let mean = frag.output.as_deref().ok_or_else(thread_gone)?;
-            outer_step(
-                &mut frag.outer,
-                &mut frag.momentum,
-                mean,
-                self.opts.outer_lr,
-                self.opts.outer_momentum,
-                self.opts.nesterov,
-            );
-            for &(i, off) in &frag.tensors {
-                mix(
-                    params[i],
-                    &frag.outer[off..off + self.lens[i]],
-                    self.opts.alpha,
-                );
-            }
+            let (bytes, messages) = self.apply(f, params)?;
             stats.applied += 1;
             stats.bytes_sent += bytes;
             stats.messages += messages;
         }
         Ok(stats)
+    }
+
+    /// Take fragment `f`'s outer step with its all-reduced mean and write its tensors of
+    /// `params`: the bytes and messages this rank sent for the mean.
+    fn apply(&mut self, f: usize, params: &mut [&mut [f32]]) -> Result<(u64, u64)> {
+        let frag = &mut self.frags[f];
+        let Flight::Done(bytes, messages) = core::mem::replace(&mut frag.flight, Flight::Idle)
+        else {
+            return Err(Error::Collective(format!(
+                "fragment {f} has no all-reduced pseudo-gradient to apply"
+            )));
+        };
+        let mean = frag.output.as_deref().ok_or_else(thread_gone)?;
+        outer_step(
+            &mut frag.outer,
+            &mut frag.momentum,
+            mean,
+            self.opts.outer_lr,
+            self.opts.outer_momentum,
+            self.opts.nesterov,
+        );
+        for &(i, off) in &frag.tensors {
+            mix(
+                params[i],
+                &frag.outer[off..off + self.lens[i]],
+                self.opts.alpha,
+            );
+        }
+        self.applied += 1;
+        Ok((bytes, messages))
     }
 
     /// Receive answers until fragment `f`'s reduction is back (it is if not sent).
@@ -746,7 +898,7 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
                 Ok(())
             }
             Err(e) => {
-                frag.flight = Flight::Idle;
+                frag.flight = Flight::Failed;
                 Err(e)
             }
         }
@@ -776,6 +928,13 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
             return Err(Error::Collective(format!(
                 "outer sync failed earlier ({e}): its state is not consistent across ranks"
             )));
+        }
+        if self.must_heal {
+            return Err(Error::Collective(
+                "outer sync re-formed and not yet healed: its state is not consistent across \
+                 ranks"
+                    .into(),
+            ));
         }
         if let Err(e) = self.drain() {
             self.failed = Some(e.clone());
@@ -879,6 +1038,7 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
         for (frag, l) in self.frags.iter_mut().zip(loaded) {
             frag.outer = l.outer;
             frag.momentum = l.momentum;
+            frag.own = true;
             frag.flight = match l.done {
                 Some((bytes, messages, mean)) => {
                     frag.output = Some(mean);
@@ -888,7 +1048,9 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
             };
         }
         self.step = step;
+        self.applied = self.applies_through(step);
         self.failed = None;
+        self.must_heal = false;
         Ok(())
     }
 
