@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import gradpack
 from gradpack import Codec
+from gradpack._torch_elastic import Elastic
 from gradpack._torch_net import _PointToPoint, _job_token, _tcp
 
 
@@ -59,6 +60,23 @@ class DiLoCo:
     each outer step with the same outer parameters, to the bit. ``state_dict`` saves
     the synchroniser's state, to save beside the model and the inner optimizer;
     restored with them, training continues bit for bit.
+
+    **Replicas that leave and join** (``manager``, a torchft ``Manager`` of this replica
+    group, ``use_async_quorum=False``): torch.distributed is then not needed. Each
+    outer sync runs among the replicas of the manager's quorum: before a sync (at each
+    fragment's formation step) the manager starts a quorum, gradpack connects its
+    native transport among the quorum's replicas through the quorum's store, and the
+    crate heals them (:meth:`gradpack.OuterSync.heal`): the replica with the newest
+    state (the most inner steps, then outer steps) sends it, bit for bit, to every
+    replica whose state differs (a replica that joins or restarts: its parameters
+    become the outer copy, its residuals zero; its inner optimizer keeps its own
+    state). A sync that fails because a replica left during it is run again after a
+    new quorum, among the replicas that hold its pseudo-gradient (the mean over them),
+    never dropped silently; after ``max_failures`` failures in a row :meth:`step`
+    raises. Every event is counted and logged (:meth:`elastic_stats`). Residuals of a
+    replica that leaves are lost with it (what its codec had not yet sent, at most one
+    round's worth); a replica that stays keeps its own. The first quorum (made here)
+    makes the replicas' parameters equal, as the broadcast does without a manager.
     """
 
     def __init__(
@@ -84,8 +102,13 @@ class DiLoCo:
         seed: int = 0,
         timeout: Optional[float] = None,
         transport: str = "tcp",
+        manager: Any = None,
+        max_failures: int = 3,
     ) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
+        self._elastic = None
+        if manager is not None:
+            self._elastic = Elastic(manager, max_failures, 60.0 if timeout is None else timeout)
+        elif not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("DiLoCo needs torch.distributed initialised (init_process_group)")
         if transport not in ("tcp", "process_group"):
             raise ValueError(f"transport {transport!r}: use 'tcp' or 'process_group'")
@@ -109,35 +132,43 @@ class DiLoCo:
             assignment = [of[id(p)] for p in self._params]
             fragments = len(mods)
         self.process_group = group
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        kw: Dict[str, Any] = {}
-        if timeout is not None:
-            kw["timeout"] = datetime.timedelta(seconds=timeout)
-        self._group = dist.new_group(
-            ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None, **kw
-        )
-        rank, world = dist.get_rank(self._group), dist.get_world_size(self._group)
+        self._group = None
+        if self._elastic is None:
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            kw: Dict[str, Any] = {}
+            if timeout is not None:
+                kw["timeout"] = datetime.timedelta(seconds=timeout)
+            self._group = dist.new_group(
+                ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None, **kw
+            )
         # Host views: CPU float32 parameters in place, a pinned float32 copy otherwise.
         self._host: List[torch.Tensor] = []
         self._mirrored: List[bool] = []
         pin = torch.cuda.is_available()
-        src = dist.get_global_rank(self._group, 0)
         with torch.no_grad():
             for p in self._params:
                 direct = p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
                 h = p.data if direct else torch.empty(p.shape, dtype=torch.float32, pin_memory=pin)
                 if not direct:
                     h.copy_(p.detach())
-                dist.broadcast(h, src, group=self._group)
-                if not direct:
-                    p.copy_(h)
+                if self._group is not None:
+                    dist.broadcast(h, dist.get_global_rank(self._group, 0), group=self._group)
+                    if not direct:
+                        p.copy_(h)
                 self._host.append(h)
                 self._mirrored.append(not direct)
         self._p2p = _PointToPoint(lambda: self._group)
-        link = (
-            dict(transport=_tcp(rank, world, _job_token(self._group), timeout))
-            if transport == "tcp" else self._p2p.link()
-        )
+        if self._elastic is not None:
+            if transport != "tcp":
+                raise ValueError("with a manager the transport is gradpack's native one ('tcp')")
+            tcp = self._elastic.quorums.next()
+            link: Dict[str, Any] = dict(transport=tcp)
+        else:
+            rank, world = dist.get_rank(self._group), dist.get_world_size(self._group)
+            link = (
+                dict(transport=_tcp(rank, world, _job_token(self._group), timeout))
+                if transport == "tcp" else self._p2p.link()
+            )
         bw = gradpack.parse_bandwidth(bandwidth) if isinstance(bandwidth, str) else float(bandwidth)
         lat = gradpack.parse_duration(latency) if isinstance(latency, str) else float(latency)
         if error_feedback is None:
@@ -165,6 +196,14 @@ class DiLoCo:
             latency=lat,
         )
         self._frags = self._sync.fragments
+        #: The inner step before which the last quorum was made (none is made again
+        #: for it: a replica that joins makes its first quorum here, for the step the
+        #: others are about to sync at).
+        self._quorum_for = -1
+        if self._elastic is not None:
+            self._elastic.heal(self._sync, self._all_host(), reform=False)
+            self._host_to_params(range(len(self._params)))
+            self._quorum_for = self._sync.inner_step + 1
         #: Bytes this rank has sent for outer steps (envelopes and frames).
         self.bytes_sent = 0
         #: Fragment outer steps applied.
@@ -196,13 +235,41 @@ class DiLoCo:
             for t in touched:
                 if self._mirrored[t]:
                     self._host[t].copy_(self._params[t].detach())
-            stats = self._sync.step([h.numpy() for h in self._host])
-            for f in apply:
-                for t in self._frags[f]:
-                    if self._mirrored[t]:
-                        self._params[t].copy_(self._host[t])
+            if self._elastic is None:
+                stats = self._sync.step([h.numpy() for h in self._host])
+                self._host_to_params(t for f in apply for t in self._frags[f])
+            else:
+                step = self._sync.inner_step + 1
+                quorum = bool(send) and self._quorum_for != step
+                healed = self._elastic.healed
+                stats = self._elastic.step(
+                    self._sync, [h.numpy() for h in self._host], self._all_host, quorum)
+                self._quorum_for = step if quorum else self._quorum_for
+                # Healing may have written every parameter; else the applied fragments.
+                self._host_to_params(
+                    range(len(self._params)) if self._elastic.healed != healed
+                    else (t for f in apply for t in self._frags[f]))
         self.bytes_sent += stats["bytes_sent"]
         self.syncs += stats["applied"]
+
+    def _all_host(self) -> List[Any]:
+        """Host views of every parameter, the mirrored ones copied in first."""
+        for t, p in enumerate(self._params):
+            if self._mirrored[t]:
+                self._host[t].copy_(p.detach())
+        return [h.numpy() for h in self._host]
+
+    def _host_to_params(self, tensors: Any) -> None:
+        with torch.no_grad():
+            for t in tensors:
+                if self._mirrored[t]:
+                    self._params[t].copy_(self._host[t])
+
+    def elastic_stats(self) -> Dict[str, Any]:
+        """Under a torchft manager: outer syncs that ``failed`` here, ``retried`` and
+        ``dropped`` by healing, times this replica was ``healed``, and ``events`` (one
+        record per event: inner step, kind, details). Empty without a manager."""
+        return {} if self._elastic is None else self._elastic.stats()
 
     def outer_parameters(self) -> List[torch.Tensor]:
         """Copies of the outer parameters (CPU float32, shaped as the parameters)."""
