@@ -73,7 +73,8 @@ class Elastic:
             raise ValueError(f"max_failures {max_failures}: need at least 1")
         self.quorums = _Quorums(manager, timeout)
         self.max_failures = max_failures
-        #: Outer syncs that failed here (each then ran again after a new quorum).
+        #: Outer syncs, or quorums and heals before them, that failed here (each sync
+        #: then ran again after a new quorum).
         self.failed = 0
         #: Failed syncs run again by healing, and those dropped because no replica held
         #: their pseudo-gradient any more.
@@ -109,31 +110,36 @@ class Elastic:
 
     def step(self, sync: "gradpack.OuterSync", params: List[Any],
              all_params: Callable[[], List[Any]], quorum: bool) -> Dict[str, Any]:
-        """``sync.step(params)`` after a quorum and a heal if ``quorum`` (a step that
-        starts a sync); a failure is followed by new quorums and heals (which run the
-        sync again) until one succeeds, ``max_failures`` in a row at most. Returns the
-        step's stats, the outer steps healing applied added in."""
-        if quorum:
-            self.heal(sync, all_params())
-        try:
-            return sync.step(params)
-        except gradpack.Error as e:
-            first = e
-        applied, sent = 0, 0
-        for failures in range(1, self.max_failures + 1):
-            self.failed += 1
-            self.note(sync.inner_step, "sync failed", reason=str(first), in_a_row=failures)
+        """``sync.step(params)``, after a quorum and a heal if ``quorum`` (a step that
+        starts a sync). A failure, of the sync or of the quorum and heal before it, is
+        followed by a new quorum and heal (which runs a failed sync again), and the
+        step's own sync if it has not run, until all succeed: ``max_failures`` in a row
+        at most. Returns the step's stats, the outer steps healing applied added in."""
+        applied = sent = failures = 0
+        stepped = False
+        while True:
             try:
-                h = self.heal(sync, all_params())
-                applied += h["applied"]
-                sent += h["bytes_sent"]
-                return {"sent": 0, "applied": applied, "bytes_sent": sent, "messages": 0}
+                if quorum or failures:
+                    h = self.heal(sync, all_params())
+                    applied += h["applied"]
+                    sent += h["bytes_sent"]
+                if stepped:
+                    return {"sent": 0, "applied": applied, "bytes_sent": sent, "messages": 0}
+                stepped = True
+                stats = sync.step(params)
+                stats["applied"] += applied
+                stats["bytes_sent"] += sent
+                return stats
             except (gradpack.Error, RuntimeError) as e:
-                first = e
-        raise RuntimeError(
-            f"gradpack DiLoCo: {self.max_failures} outer syncs failed in a row "
-            f"(the last: {first})"
-        ) from first
+                failures += 1
+                self.failed += 1
+                kind = "sync failed" if stepped else "quorum or heal failed"
+                self.note(sync.inner_step, kind, reason=str(e), in_a_row=failures)
+                if failures >= self.max_failures:
+                    raise RuntimeError(
+                        f"gradpack DiLoCo: {failures} outer syncs or heals failed in a row "
+                        f"(the last: {e})"
+                    ) from e
 
     def stats(self) -> Dict[str, Any]:
         return dict(failed=self.failed, retried=self.retried, dropped=self.dropped,
