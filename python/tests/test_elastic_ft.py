@@ -1,6 +1,6 @@
 """gradpack.torch.DiLoCo under torchft: three replica processes on CPU, the lighthouse
-on 127.0.0.1, one replica killed (between syncs, or during an outer all-reduce) and
-restarted. The other two never stop (a sync that failed runs again among them), the
+on 127.0.0.1, one replica killed (between syncs, during an outer all-reduce, or during
+the healing before it) and restarted. The other two never stop (a sync that failed runs again among them), the
 restarted one is healed at the next quorum, and every replica ends with the same
 parameters, to the bit."""
 
@@ -19,8 +19,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 # 0.1 s per inner step, so that the restarted process (a second or more to start) joins
 # well before the others finish.
 STEPS, SYNC_EVERY, STEP_S = 120, 5, 0.1
-# Killed between syncs at inner step 12, or during the all-reduce of the sync at 15.
-KILL = {"inner": 12, "sync": 15}
+# Killed between syncs at inner step 12, during the all-reduce of the sync at 15, or
+# during the healing before it (connected to the quorum, gone before the status).
+KILL = {"inner": 12, "sync": 15, "heal": 15}
 
 
 def replica(rid, lighthouse, out_dir, restarted, kill):
@@ -51,10 +52,13 @@ def replica(rid, lighthouse, out_dir, restarted, kill):
     diloco = gpt.DiLoCo(model, opt, SYNC_EVERY, "int8", manager=manager, timeout=20.0)
     loss_fn = torch.nn.CrossEntropyLoss()
     dies = rid == 2 and not restarted
-    if dies and kill == "sync":
+    if dies and kill in ("sync", "heal"):
         heal = diloco._elastic.heal
 
         def heal_then_die(sync, params, reform=True):
+            if kill == "heal" and sync.inner_step + 1 == KILL["heal"]:
+                sync.reform(transport=diloco._elastic.quorums.next())
+                os._exit(3)  # connected to the quorum, gone before healing
             h = heal(sync, params, reform)
             if sync.inner_step + 1 == KILL["sync"]:
                 os._exit(3)  # in the quorum of the sync, gone before its all-reduce
@@ -77,7 +81,7 @@ def replica(rid, lighthouse, out_dir, restarted, kill):
     manager.shutdown(wait=False)
 
 
-@pytest.mark.parametrize("kill", ["inner", "sync"])
+@pytest.mark.parametrize("kill", ["inner", "sync", "heal"])
 def test_a_replica_killed_and_restarted_is_healed_and_every_replica_ends_identical(
         tmp_path, kill):
     from torchft._torchft import LighthouseServer
@@ -122,6 +126,11 @@ def test_a_replica_killed_and_restarted_is_healed_and_every_replica_ends_identic
         if kill == "inner":
             # Gone before the next quorum: no sync failed.
             assert s["failed"] == 0 and s["retried"] == 0, s
+        elif kill == "heal":
+            # The heal before the sync at 15 failed; a new quorum of two healed, then
+            # the sync ran: nothing to run again.
+            heals = [e["step"] for e in s["events"] if e["event"] == "quorum or heal failed"]
+            assert heals == [KILL["heal"] - 1] and not failed and s["retried"] == 0, s
         else:
             # The sync at 15 failed on both and ran again between the two of them.
             assert [e["step"] for e in failed] == [KILL["sync"]], s
