@@ -66,20 +66,17 @@ struct Aligned<T> {
 const PAGE: usize = 4096;
 
 impl<T: Copy + Default> Aligned<T> {
-    fn from_slice(s: &[T]) -> Aligned<T> {
+    fn zeroed(len: usize) -> Aligned<T> {
         let size = std::mem::size_of::<T>();
-        let mut buf = vec![T::default(); s.len() + PAGE / size];
+        let buf = vec![T::default(); len + PAGE / size];
         let start = (PAGE - buf.as_ptr() as usize % PAGE) % PAGE / size;
-        buf[start..start + s.len()].copy_from_slice(s);
-        Aligned {
-            buf,
-            start,
-            len: s.len(),
-        }
+        Aligned { buf, start, len }
     }
 
-    fn zeroed(len: usize) -> Aligned<T> {
-        Aligned::from_slice(&vec![T::default(); len])
+    fn from_slice(s: &[T]) -> Aligned<T> {
+        let mut a = Aligned::zeroed(s.len());
+        a.copy_from_slice(s);
+        a
     }
 }
 

@@ -21,13 +21,31 @@ import tempfile
 import time
 
 
-def replica(rid, lighthouse, args, out_dir, restarted, progress, kill_at):
+def replica_manager(rid, lighthouse, timeout_s):
+    """The torchft ``Manager`` of replica group ``rid`` (one process) on 127.0.0.1, with
+    the group's store (keep it alive as long as the manager): at least 2 replicas per
+    quorum, synchronous quorums (what ``DiLoCo(..., manager=)`` needs), no state of its
+    own to heal (gradpack heals DiLoCo's)."""
     import datetime
 
-    import torch
     import torch.distributed as dist
-    from sklearn.datasets import load_digits
     from torchft import Manager, ProcessGroupGloo
+
+    store = dist.TCPStore(host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False)
+    t = datetime.timedelta(seconds=timeout_s)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=t), min_replica_size=2, load_state_dict=lambda s: None,
+        state_dict=lambda: {}, replica_id=f"replica{rid}", store_addr="127.0.0.1",
+        store_port=store.port, rank=0, world_size=1, use_async_quorum=False,
+        lighthouse_addr=lighthouse, hostname="127.0.0.1", timeout=t, quorum_timeout=t,
+        connect_timeout=t,
+    )
+    return manager, store
+
+
+def replica(rid, lighthouse, args, out_dir, restarted, progress, kill_at):
+    import torch
+    from sklearn.datasets import load_digits
 
     import gradpack.torch as gpt
 
@@ -40,15 +58,7 @@ def replica(rid, lighthouse, args, out_dir, restarted, progress, kill_at):
     torch.manual_seed(7)  # the same starting model everywhere (healing would equalise it anyway)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    store = dist.TCPStore(host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False)
-    t = datetime.timedelta(seconds=60)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=t), min_replica_size=2, load_state_dict=lambda s: None,
-        state_dict=lambda: {}, replica_id=f"replica{rid}", store_addr="127.0.0.1",
-        store_port=store.port, rank=0, world_size=1, use_async_quorum=False,
-        lighthouse_addr=lighthouse, hostname="127.0.0.1", timeout=t, quorum_timeout=t,
-        connect_timeout=t,
-    )
+    manager, _store = replica_manager(rid, lighthouse, 60.0)
     diloco = gpt.DiLoCo(model, opt, args.sync_every, args.codec, manager=manager, timeout=30.0)
     g = torch.Generator().manual_seed(rid)
     loss_fn = torch.nn.CrossEntropyLoss()

@@ -14,7 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchft", reason="torchft is not installed (pip install gradpack[ft])")
 
-sys.path.insert(0, os.path.dirname(__file__))
+# The replica groups' managers are the example's (python/examples/elastic_diloco.py).
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from elastic_diloco import replica_manager  # noqa: E402
 
 # 0.1 s per inner step, so that the restarted process (a second or more to start) joins
 # well before the others finish.
@@ -28,11 +30,6 @@ def replica(rid, lighthouse, out_dir, restarted, kill):
     """Train a small MLP on this replica's own data to inner step STEPS under a torchft
     manager; replica 2 (first start) exits as ``kill`` says. Saves the parameters,
     outer copy and events."""
-    import datetime
-
-    import torch.distributed as dist
-    from torchft import Manager, ProcessGroupGloo
-
     import gradpack.torch as gpt
 
     torch.manual_seed(100 + rid + (10 if restarted else 0))
@@ -40,15 +37,7 @@ def replica(rid, lighthouse, out_dir, restarted, kill):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x = torch.randn(64, 8)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
-    store = dist.TCPStore(host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False)
-    t = datetime.timedelta(seconds=30)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=t), min_replica_size=2, load_state_dict=lambda s: None,
-        state_dict=lambda: {}, replica_id=f"replica{rid}", store_addr="127.0.0.1",
-        store_port=store.port, rank=0, world_size=1, use_async_quorum=False,
-        lighthouse_addr=lighthouse, hostname="127.0.0.1", timeout=t, quorum_timeout=t,
-        connect_timeout=t,
-    )
+    manager, _store = replica_manager(rid, lighthouse, 30.0)
     diloco = gpt.DiLoCo(model, opt, SYNC_EVERY, "int8", manager=manager, timeout=20.0)
     loss_fn = torch.nn.CrossEntropyLoss()
     dies = rid == 2 and not restarted

@@ -270,9 +270,9 @@ impl<T: Transport + ?Sized> Comm<T> {
     /// envelope. A peer that sends another count fails the call, naming it. What the
     /// measured trials of [`crate::sync::Tuner`] share.
     pub(crate) fn gather_f64(&mut self, tag: u32, values: &[f64]) -> Result<Vec<Vec<f64>>> {
-        let call = self.begin();
         let len = values.len().checked_mul(8).filter(|&l| l <= MAX_SETTINGS);
         let Some(len) = len else {
+            self.skip();
             return Err(Error::Collective(format!(
                 "{} values to share: at most {}",
                 values.len(),
@@ -280,9 +280,8 @@ impl<T: Transport + ?Sized> Comm<T> {
             )));
         };
         let body: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let all = self.all_to_all(call, tag, &body, len)?;
-        self.transport.flush()?;
-        all.into_iter()
+        self.gather_bytes(tag, &body, len)?
+            .into_iter()
             .enumerate()
             .map(|(from, b)| {
                 if b.len() != len {
@@ -303,18 +302,24 @@ impl<T: Transport + ?Sized> Comm<T> {
             .collect()
     }
 
-    /// Every rank's `body` (at most [`MAX_SETTINGS`] bytes; the lengths may differ),
-    /// indexed by rank: one call, exchanged as the agreement on options is (phase 5,
-    /// `tag` in the envelopes).
-    pub(crate) fn gather_bytes(&mut self, tag: u32, body: &[u8]) -> Result<Vec<Vec<u8>>> {
+    /// Every rank's `body` (at most `max` bytes, and `max` at most [`MAX_SETTINGS`];
+    /// the lengths may differ), indexed by rank: one call, exchanged as the agreement on
+    /// options is (phase 5, `tag` in the envelopes).
+    pub(crate) fn gather_bytes(
+        &mut self,
+        tag: u32,
+        body: &[u8],
+        max: usize,
+    ) -> Result<Vec<Vec<u8>>> {
         let call = self.begin();
-        if body.len() > MAX_SETTINGS {
+        let max = max.min(MAX_SETTINGS);
+        if body.len() > max {
             return Err(Error::Collective(format!(
-                "{} bytes to share: at most {MAX_SETTINGS}",
+                "{} bytes to share: at most {max}",
                 body.len()
             )));
         }
-        let all = self.all_to_all(call, tag, body, MAX_SETTINGS)?;
+        let all = self.all_to_all(call, tag, body, max)?;
         self.transport.flush()?;
         Ok(all)
     }

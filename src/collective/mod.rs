@@ -836,18 +836,9 @@ impl AllReduce {
                 right: self.len,
             });
         }
-        let ring = matches!(
-            self.strategy,
-            Strategy::CompressedRing | Strategy::Fp32Ring | Strategy::TwoShot
-        );
-        let (n, p, k) = (self.len, self.size, self.pieces);
-        for (slot, fb) in self.residuals.iter_mut().enumerate() {
-            if let Some(fb) = fb {
-                let range = if ring {
-                    piece_range(n, p, k, slot / k, slot % k)
-                } else {
-                    0..n
-                };
+        for slot in 0..self.residuals.len() {
+            let range = self.slot_range(slot);
+            if let Some(fb) = &mut self.residuals[slot] {
                 fb.set_residual(&r[range])?;
             }
         }
@@ -863,22 +854,28 @@ impl AllReduce {
     /// ring's residuals at the chunk's elements.
     pub fn residual_f32(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.len];
+        for (slot, r) in self.residuals.iter().enumerate() {
+            if let Some(r) = r {
+                out[self.slot_range(slot)].copy_from_slice(&r.residual_f32());
+            }
+        }
+        out
+    }
+
+    /// The elements residual `slot` covers: ring piece `slot` (chunk `slot / pieces`,
+    /// piece `slot % pieces`) for the ring and two-shot strategies, the whole tensor
+    /// for the others.
+    fn slot_range(&self, slot: usize) -> Range<usize> {
         let ring = matches!(
             self.strategy,
             Strategy::CompressedRing | Strategy::Fp32Ring | Strategy::TwoShot
         );
         let k = self.pieces;
-        for (slot, r) in self.residuals.iter().enumerate() {
-            if let Some(r) = r {
-                let range = if ring {
-                    piece_range(self.len, self.size, k, slot / k, slot % k)
-                } else {
-                    0..self.len
-                };
-                out[range].copy_from_slice(&r.residual_f32());
-            }
+        if ring {
+            piece_range(self.len, self.size, k, slot / k, slot % k)
+        } else {
+            0..self.len
         }
-        out
     }
 
     /// The residuals as a saved blob (see [`crate::state`]): codec, strategy, length,

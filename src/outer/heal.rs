@@ -2,10 +2,9 @@
 //! members that remain and join, and [`OuterSync::heal`] makes their states one again
 //! (the module docs of [`crate::outer`] give the rules).
 
-use super::{Flight, Job, OuterSync, all_reduce_options, mix};
-use crate::alloc;
+use super::{Flight, Job, OuterSync, all_reduce_options, checked_comm, mix};
 use crate::collective::comm::ENVELOPE_LEN;
-use crate::collective::{AllReduce, Comm, Feedback, Transport};
+use crate::collective::{AllReduce, Feedback, Transport};
 use crate::error::{Error, Result};
 use crate::rng::splitmix64;
 use crate::state::{BlobReader, BlobWriter};
@@ -130,13 +129,8 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
     pub fn reform(&mut self, transport: T) -> Result<T> {
         // A failure here marks its fragment failed, for healing to retry.
         let _ = self.drain();
-        let comm = Comm::new(transport);
+        let comm = checked_comm(transport)?;
         let (rank, size) = (comm.rank(), comm.size());
-        if size == 0 || rank >= size {
-            return Err(Error::Collective(format!(
-                "transport reports rank {rank} in a world of {size}"
-            )));
-        }
         let residuals = if self.opts.feedback == Feedback::None {
             None
         } else {
@@ -311,22 +305,7 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
                 continue;
             }
             let due = self.frags[f].due;
-            let seed = self.seed(f, due);
-            let frag = &mut self.frags[f];
-            let (Some(input), Some(output)) = (frag.input.take(), frag.output.take()) else {
-                return Err(thread_gone());
-            };
-            frag.flight = super::Flight::Sent;
-            self.jobs
-                .send(Job::Reduce {
-                    fragment: f,
-                    seed,
-                    mean_over: over,
-                    input,
-                    output,
-                })
-                .map_err(|_| thread_gone())?;
-            self.queue.push_back(f);
+            self.send(f, over)?;
             self.wait_for(f)?;
             heal.retried.push((f, over));
             if due <= self.step {
@@ -391,16 +370,11 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
         }
         let mut loaded = Vec::with_capacity(self.frags.len());
         for frag in &self.frags {
-            let mut outer = alloc::filled(frag.len, 0.0, "a healed outer copy")?;
-            r.f32s_into(&mut outer)?;
-            let mut momentum = alloc::filled(frag.momentum.len(), 0.0, "a healed momentum")?;
-            r.f32s_into(&mut momentum)?;
+            let (outer, momentum) = frag.read_state(&mut r)?;
             let (flight, due, mean) = match r.u8()? {
                 0 => (Flight::Idle, 0, None),
                 1 => {
-                    let (bytes, messages) = (r.u64()?, r.u64()?);
-                    let mut mean = alloc::filled(frag.len, 0.0, "a healed mean")?;
-                    r.f32s_into(&mut mean)?;
+                    let (bytes, messages, mean) = frag.read_done(&mut r)?;
                     (Flight::Done(bytes, messages), 0, Some(mean))
                 }
                 2 => (Flight::Failed, r.u64()?, None),
@@ -419,10 +393,7 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
             });
         }
         r.end()?;
-        if let super::Done::Reset = self.call(Job::Reset)? {
-        } else {
-            return Err(thread_gone());
-        }
+        self.reset_feedback()?;
         for (frag, l) in self.frags.iter_mut().zip(loaded) {
             frag.outer = l.outer;
             frag.momentum = l.momentum;

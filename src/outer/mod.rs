@@ -301,6 +301,26 @@ struct Fragment {
     own: bool,
 }
 
+impl Fragment {
+    /// Its outer copy and momentum as a saved or sent state holds them.
+    fn read_state(&self, r: &mut BlobReader<'_>) -> Result<(Vec<f32>, Vec<f32>)> {
+        let mut outer = alloc::filled(self.len, 0.0, "a restored outer copy")?;
+        r.f32s_into(&mut outer)?;
+        let mut momentum = alloc::filled(self.momentum.len(), 0.0, "a restored momentum")?;
+        r.f32s_into(&mut momentum)?;
+        Ok((outer, momentum))
+    }
+
+    /// An all-reduced mean not yet applied, as a state holds it: the bytes and messages
+    /// sent for it, and the mean.
+    fn read_done(&self, r: &mut BlobReader<'_>) -> Result<(u64, u64, Vec<f32>)> {
+        let (bytes, messages) = (r.u64()?, r.u64()?);
+        let mut mean = alloc::filled(self.len, 0.0, "a restored mean")?;
+        r.f32s_into(&mut mean)?;
+        Ok((bytes, messages, mean))
+    }
+}
+
 /// The communication side: the `Comm` and one all-reduce per fragment.
 struct Worker<T: Transport> {
     comm: Comm<T>,
@@ -402,7 +422,7 @@ impl<T: Transport> Worker<T> {
             }
             Job::Gather(status) => Done::Gathered(
                 self.agreed()
-                    .and_then(|()| self.comm.gather_bytes(HEAL_TAG, &status)),
+                    .and_then(|()| self.comm.gather_bytes(HEAL_TAG, &status, status.len())),
             ),
             Job::Transfer {
                 root,
@@ -511,13 +531,8 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
         transport: T,
         opts: OuterOptions,
     ) -> Result<OuterSync<T>> {
-        let comm = Comm::new(transport);
+        let comm = checked_comm(transport)?;
         let (rank, size) = (comm.rank(), comm.size());
-        if size == 0 || rank >= size {
-            return Err(Error::Collective(format!(
-                "transport reports rank {rank} in a world of {size}"
-            )));
-        }
         let bad = |reason: String| Err(Error::Collective(format!("outer sync: {reason}")));
         let (h, p) = (opts.sync_every, opts.fragments);
         if h == 0 {
@@ -799,12 +814,9 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
     fn run(&mut self, t: u64, due: &Due, params: &mut [&mut [f32]]) -> Result<OuterStats> {
         let mut stats = OuterStats::default();
         for &f in &due.send {
-            let seed = self.seed(f, t + self.opts.delay);
             let frag = &mut self.frags[f];
-            let (Some(mut input), Some(output)) = (frag.input.take(), frag.output.take()) else {
-                return Err(Error::Collective(format!(
-                    "fragment {f} is already being reduced"
-                )));
+            let Some(input) = frag.input.as_mut() else {
+                return Err(already_reduced(f));
             };
             for &(i, off) in &frag.tensors {
                 let (o, d) = (&frag.outer[off..], &mut input[off..off + params[i].len()]);
@@ -812,19 +824,9 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
                     .zip(o.iter().zip(params[i].iter()))
                     .for_each(|(d, (&o, &x))| *d = o - x);
             }
-            frag.flight = Flight::Sent;
             frag.due = t + self.opts.delay;
             frag.own = true;
-            self.jobs
-                .send(Job::Reduce {
-                    fragment: f,
-                    seed,
-                    mean_over: self.size,
-                    input,
-                    output,
-                })
-                .map_err(|_| thread_gone())?;
-            self.queue.push_back(f);
+            self.send(f, self.size)?;
             stats.sent += 1;
         }
         for &f in &due.apply {
@@ -835,6 +837,28 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
             stats.messages += messages;
         }
         Ok(stats)
+    }
+
+    /// Start fragment `f`'s all-reduce of its `input` (the pseudo-gradient for its sync
+    /// point `due`) on the communication thread, the mean over `mean_over` members.
+    fn send(&mut self, f: usize, mean_over: usize) -> Result<()> {
+        let seed = self.seed(f, self.frags[f].due);
+        let frag = &mut self.frags[f];
+        let (Some(input), Some(output)) = (frag.input.take(), frag.output.take()) else {
+            return Err(already_reduced(f));
+        };
+        frag.flight = Flight::Sent;
+        self.jobs
+            .send(Job::Reduce {
+                fragment: f,
+                seed,
+                mean_over,
+                input,
+                output,
+            })
+            .map_err(|_| thread_gone())?;
+        self.queue.push_back(f);
+        Ok(())
     }
 
     /// Take fragment `f`'s outer step with its all-reduced mean and write its tensors of
@@ -1001,19 +1025,11 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
             for &(i, _) in &frag.tensors {
                 r.u64_eq("fragment tensor", i as u64)?;
             }
-            let mut outer = alloc::filled(frag.len, 0.0, "a restored outer copy")?;
-            r.f32s_into(&mut outer)?;
-            let mut momentum = alloc::filled(frag.momentum.len(), 0.0, "a restored momentum")?;
-            r.f32s_into(&mut momentum)?;
+            let (outer, momentum) = frag.read_state(&mut r)?;
             let blob = r.bytes()?.to_vec();
             let done = match r.u8()? {
                 0 => None,
-                1 => {
-                    let (bytes, messages) = (r.u64()?, r.u64()?);
-                    let mut mean = alloc::filled(frag.len, 0.0, "a restored mean")?;
-                    r.f32s_into(&mut mean)?;
-                    Some((bytes, messages, mean))
-                }
+                1 => Some(frag.read_done(&mut r)?),
                 v => {
                     return Err(Error::Checkpoint(format!(
                         "outer sync: pending flag {v} is neither 0 nor 1"
@@ -1085,6 +1101,22 @@ impl<T: Transport + Send + 'static> Drop for OuterSync<T> {
             let _ = h.join();
         }
     }
+}
+
+/// A `Comm` over `transport`, or an error if it reports a rank outside its world.
+fn checked_comm<T: Transport>(transport: T) -> Result<Comm<T>> {
+    let comm = Comm::new(transport);
+    let (rank, size) = (comm.rank(), comm.size());
+    if size == 0 || rank >= size {
+        return Err(Error::Collective(format!(
+            "transport reports rank {rank} in a world of {size}"
+        )));
+    }
+    Ok(comm)
+}
+
+fn already_reduced(f: usize) -> Error {
+    Error::Collective(format!("fragment {f} is already being reduced"))
 }
 
 /// The outer optimizer's step on one fragment (see the module docs for the order of
