@@ -361,6 +361,30 @@ def driver(a):
     print(table(results, links))
 
 
+def ft_driver(a):
+    """The rows under torchft (``--torchft``): a table, ``--out`` and ``--plot``."""
+    import torch
+
+    import diloco_ft
+
+    configs = a.ft_configs.split(",")
+    for c in configs:
+        if c not in diloco_ft.FT_CONFIGS:
+            sys.exit(f"unknown config {c!r}; one of {', '.join(diloco_ft.FT_CONFIGS)}")
+    a.world = a.replicas
+    meta = {"date": time.strftime("%Y-%m-%d"), "cpu": ddp_bench.cpu_name(),
+            "cores": os.cpu_count(), "torch": torch.__version__, "replicas": a.replicas,
+            "steps": a.steps, "sync_every": a.sync_every}
+    print(f"# DiLoCo under torchft, {meta['date']}: {meta['cpu']}, {meta['cores']} cores, "
+          f"{a.replicas} replicas, H = {a.sync_every}, {a.steps} inner steps", flush=True)
+    results = diloco_ft.run(a, configs)
+    with open(a.out, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    if a.plot:
+        diloco_ft.plot(results, a.plot)
+    print(diloco_ft.table(results))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
@@ -376,6 +400,16 @@ def main():
                     help="outer learning rate of the configurations that do not set one")
     ap.add_argument("--outer-momentum", type=float, default=None,
                     help="outer Nesterov momentum of the configurations that do not set one")
+    ap.add_argument("--torchft", action="store_true",
+                    help="the rows under torchft instead (needs gradpack[ft]): torchft's own "
+                         "float32 DiLoCo against gradpack's, and a replica that leaves")
+    ap.add_argument("--ft-configs", default="torchft-fp32,fp32,int8,fp4,int8-away")
+    ap.add_argument("--replicas", type=int, default=3, help="replicas of the --torchft rows")
+    ap.add_argument("--sync-every", type=int, default=20, help="H of the --torchft rows")
+    ap.add_argument("--kill-at", type=int, default=150,
+                    help="inner step at which the last replica leaves (--torchft)")
+    ap.add_argument("--away", type=int, default=100,
+                    help="inner steps the others take before it is started again (--torchft)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--netns", default="", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -387,6 +421,8 @@ def main():
         if a.netns:
             ddp_bench.enter_netns(a.netns)
         rank_main(a)
+    elif a.torchft:
+        ft_driver(a)
     else:
         driver(a)
 

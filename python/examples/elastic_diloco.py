@@ -21,11 +21,11 @@ import tempfile
 import time
 
 
-def replica_manager(rid, lighthouse, timeout_s):
+def replica_manager(rid, lighthouse, timeout_s, **kwargs):
     """The torchft ``Manager`` of replica group ``rid`` (one process) on 127.0.0.1, with
     the group's store (keep it alive as long as the manager): at least 2 replicas per
     quorum, synchronous quorums (what ``DiLoCo(..., manager=)`` needs), no state of its
-    own to heal (gradpack heals DiLoCo's)."""
+    own to heal (gradpack heals DiLoCo's); ``kwargs`` go to the ``Manager``."""
     import datetime
 
     import torch.distributed as dist
@@ -38,9 +38,18 @@ def replica_manager(rid, lighthouse, timeout_s):
         state_dict=lambda: {}, replica_id=f"replica{rid}", store_addr="127.0.0.1",
         store_port=store.port, rank=0, world_size=1, use_async_quorum=False,
         lighthouse_addr=lighthouse, hostname="127.0.0.1", timeout=t, quorum_timeout=t,
-        connect_timeout=t,
+        connect_timeout=t, **kwargs,
     )
     return manager, store
+
+
+def started(rid, progress, restarted):
+    """Say that replica ``rid`` has its manager (it heartbeats); on a first start, wait
+    until every replica has one, so that the first quorum holds them all (a replica that
+    starts late would join a later quorum, and be healed)."""
+    progress[rid] = 0
+    while not restarted and min(progress) < 0:
+        time.sleep(0.01)
 
 
 def replica(rid, lighthouse, args, out_dir, restarted, progress, kill_at):
@@ -59,6 +68,7 @@ def replica(rid, lighthouse, args, out_dir, restarted, progress, kill_at):
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     manager, _store = replica_manager(rid, lighthouse, 60.0)
+    started(rid, progress, restarted)
     diloco = gpt.DiLoCo(model, opt, args.sync_every, args.codec, manager=manager, timeout=30.0)
     g = torch.Generator().manual_seed(rid)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -83,31 +93,36 @@ def replica(rid, lighthouse, args, out_dir, restarted, progress, kill_at):
     manager.shutdown(wait=False)
 
 
-def run(args, kill):
-    """One training of three replicas; with ``kill``, replica 2 dies and comes back."""
+def run(args, kill, target=None, world=3):
+    """One training of ``world`` replicas, each ``target`` (by default this example's
+    ``replica``) in a process of its own; with ``kill``, the last replica dies at
+    ``args.kill_at`` and comes back once the others are ``args.away`` inner steps
+    further. Returns what each replica saved, and whether their parameters are equal."""
+    target = target or replica
     import torch
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2000,
                                   heartbeat_timeout_ms=1000)
     ctx = mp.get_context("spawn")
-    progress = ctx.Array("i", 3)
+    progress = ctx.Array("i", [-1] * world)
     kill_at = args.kill_at if kill else -1
     out = tempfile.mkdtemp(prefix="elastic-diloco-")
-    procs = [ctx.Process(target=replica, args=(r, lighthouse.address(), args, out, False,
-                                                progress, kill_at)) for r in range(3)]
+    procs = [ctx.Process(target=target, args=(r, lighthouse.address(), args, out, False,
+                                               progress, kill_at)) for r in range(world)]
     try:
         for p in procs:
             p.start()
         if kill:
-            procs[2].join()
-            while min(progress[0], progress[1]) < args.kill_at + args.away:
+            last = world - 1
+            procs[last].join()
+            while min(progress[:last]) < args.kill_at + args.away:
                 time.sleep(0.05)
-            print(f"replica 2 died at inner step {args.kill_at}; restarting it with the "
-                  f"others at {min(progress[0], progress[1])}")
-            procs[2] = ctx.Process(target=replica, args=(2, lighthouse.address(), args, out,
-                                                         True, progress, kill_at))
-            procs[2].start()
+            print(f"replica {last} died at inner step {args.kill_at}; restarting it with the "
+                  f"others at {min(progress[:last])}", flush=True)
+            procs[last] = ctx.Process(target=target, args=(last, lighthouse.address(), args,
+                                                           out, True, progress, kill_at))
+            procs[last].start()
         for p in procs:
             p.join()
     finally:
@@ -115,7 +130,7 @@ def run(args, kill):
             if p.is_alive():
                 p.kill()
         lighthouse.shutdown()
-    ends = [torch.load(os.path.join(out, f"replica{r}.pt")) for r in range(3)]
+    ends = [torch.load(os.path.join(out, f"replica{r}.pt")) for r in range(world)]
     same = all(torch.equal(a, b) for e in ends[1:] for a, b in zip(ends[0]["params"], e["params"]))
     return ends, same
 

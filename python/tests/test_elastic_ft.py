@@ -1,8 +1,9 @@
 """gradpack.torch.DiLoCo under torchft: three replica processes on CPU, the lighthouse
 on 127.0.0.1, one replica killed (between syncs, during an outer all-reduce, or during
-the healing before it) and restarted. The other two never stop (a sync that failed runs again among them), the
-restarted one is healed at the next quorum, and every replica ends with the same
-parameters, to the bit."""
+the healing before it) and restarted, or started late. The other two never stop (a sync
+that failed runs again among them), the restarted one is healed at the next quorum, and
+every replica ends with the same parameters, to the bit. And gradpack's float32 DiLoCo
+under a manager follows torchft's own DiLoCo within float rounding."""
 
 import multiprocessing as mp
 import os
@@ -22,8 +23,9 @@ from elastic_diloco import replica_manager  # noqa: E402
 # well before the others finish.
 STEPS, SYNC_EVERY, STEP_S = 120, 5, 0.1
 # Killed between syncs at inner step 12, during the all-reduce of the sync at 15, or
-# during the healing before it (connected to the quorum, gone before the status).
-KILL = {"inner": 12, "sync": 15, "heal": 15}
+# during the healing before it (connected to the quorum, gone before the status); or
+# started 3 s late (it joins after the first sync, at 5).
+KILL = {"inner": 12, "sync": 15, "heal": 15, "late": 5}
 
 
 def replica(rid, lighthouse, out_dir, restarted, kill):
@@ -40,7 +42,7 @@ def replica(rid, lighthouse, out_dir, restarted, kill):
     manager, _store = replica_manager(rid, lighthouse, 30.0)
     diloco = gpt.DiLoCo(model, opt, SYNC_EVERY, "int8", manager=manager, timeout=20.0)
     loss_fn = torch.nn.CrossEntropyLoss()
-    dies = rid == 2 and not restarted
+    dies = rid == 2 and not restarted and kill != "late"
     if dies and kill in ("sync", "heal"):
         heal = diloco._elastic.heal
 
@@ -70,9 +72,11 @@ def replica(rid, lighthouse, out_dir, restarted, kill):
     manager.shutdown(wait=False)
 
 
-@pytest.mark.parametrize("kill", ["inner", "sync", "heal"])
+@pytest.mark.parametrize("kill", ["inner", "sync", "heal", "late"])
 def test_a_replica_killed_and_restarted_is_healed_and_every_replica_ends_identical(
         tmp_path, kill):
+    """``late``: replica 2 is not killed; it starts 3 s (about 30 inner steps) after the
+    others."""
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2000,
@@ -80,11 +84,14 @@ def test_a_replica_killed_and_restarted_is_healed_and_every_replica_ends_identic
     ctx = mp.get_context("spawn")
     try:
         procs = [ctx.Process(target=replica, args=(r, lighthouse.address(), str(tmp_path), False, kill))
-                 for r in range(3)]
+                 for r in range(3 if kill != "late" else 2)]
         for p in procs:
             p.start()
-        procs[2].join(120)
-        assert procs[2].exitcode == 3, "replica 2 was killed"
+        if kill == "late":
+            time.sleep(3.0)
+        else:
+            procs[2].join(120)
+            assert procs[2].exitcode == 3, "replica 2 was killed"
         again = ctx.Process(target=replica, args=(2, lighthouse.address(), str(tmp_path), True, kill))
         again.start()
         for p in procs[:2] + [again]:
@@ -112,8 +119,8 @@ def test_a_replica_killed_and_restarted_is_healed_and_every_replica_ends_identic
     for r in (0, 1):
         s = ends[r]["stats"]
         failed = [e for e in s["events"] if e["event"] == "sync failed"]
-        if kill == "inner":
-            # Gone before the next quorum: no sync failed.
+        if kill in ("inner", "late"):
+            # Gone before the next quorum (or not there yet): no sync failed.
             assert s["failed"] == 0 and s["retried"] == 0, s
         elif kill == "heal":
             # The heal before the sync at 15 failed; a new quorum of two healed, then
@@ -127,3 +134,85 @@ def test_a_replica_killed_and_restarted_is_healed_and_every_replica_ends_identic
             assert [(e["fragment"], e["replicas"]) for e in retried] == [(0, 2)], s
         assert s["dropped"] == 0, s
     assert ends[0]["loss"] < 1.1
+
+
+FOLLOW_SYNCS, FOLLOW_H = 4, 5
+
+
+def follow_replica(rid, lighthouse, out_dir, which, progress):
+    """Replica ``rid`` of two: an MLP trained with SGD (momentum 0.9) on its own data for
+    FOLLOW_SYNCS outer rounds of FOLLOW_H inner steps, by ``which`` ("torchft": torchft's
+    DiLoCo; "gradpack": gradpack's, float32), outer Nesterov SGD (lr 0.7, momentum 0.9),
+    the managers with ``init_sync=False``. Saves the parameters after every sync."""
+    import gradpack.torch as gpt
+    from elastic_diloco import started
+
+    torch.manual_seed(5)  # the same model on both replicas
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(rid)
+    x = torch.randn(64, 8, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    manager, _store = replica_manager(rid, lighthouse, 30.0, init_sync=False)
+    started(rid, progress, False)
+    if which == "torchft":
+        from torchft.local_sgd import DiLoCo
+
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        diloco = DiLoCo(manager, [model], opt, outer, sync_every=FOLLOW_H).__enter__()
+    else:
+        diloco = gpt.DiLoCo(model, opt, FOLLOW_H, "identity", manager=manager, timeout=20.0,
+                            outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    after = []
+    for step in range(1, FOLLOW_SYNCS * FOLLOW_H + 1):
+        loss_fn(model(x), y).backward()
+        opt.step()  # both libraries sync in the optimizer's step hook
+        opt.zero_grad()
+        if step % FOLLOW_H == 0:
+            after.append([p.detach().clone() for p in model.parameters()])
+    torch.save(after, os.path.join(out_dir, f"{which}{rid}.pt"))
+    if which == "gradpack":
+        diloco.close()
+    manager.shutdown(wait=False)
+
+
+def test_gradpack_float32_under_a_manager_follows_torchfts_diloco(tmp_path):
+    from torchft._torchft import LighthouseServer
+
+    ctx = mp.get_context("spawn")
+    for which in ("torchft", "gradpack"):
+        lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2000,
+                                      heartbeat_timeout_ms=1000)
+        progress = ctx.Array("i", [-1, -1])
+        procs = [ctx.Process(target=follow_replica,
+                             args=(r, lighthouse.address(), str(tmp_path), which, progress))
+                 for r in range(2)]
+        try:
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(120)
+            assert [p.exitcode for p in procs] == [0, 0], which
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            lighthouse.shutdown()
+    ft = [torch.load(tmp_path / f"torchft{r}.pt") for r in range(2)]
+    gp = [torch.load(tmp_path / f"gradpack{r}.pt") for r in range(2)]
+    torch.manual_seed(5)
+    start = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    for k in range(FOLLOW_SYNCS):
+        for r in range(2):
+            for a, b, c in zip(ft[r][k], gp[r][k], ft[1 - r][k]):
+                # Both libraries leave the replicas equal after a sync ...
+                assert torch.equal(a, c), (k, r)
+                # ... and equal to each other within float rounding (a few ulps of
+                # float32 per sync, grown by the inner steps between).
+                assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (
+                    k, r, float((a - b).abs().max()))
+    # The outer steps moved the parameters well beyond that tolerance.
+    moved = max(float((a - b.detach()).abs().max())
+                for a, b in zip(ft[0][-1], start.parameters()))
+    assert moved > 1e-2, moved
