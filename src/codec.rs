@@ -9,8 +9,8 @@ use core::fmt;
 use core::str::FromStr;
 
 use crate::codecs::{
-    Bf16, ChunkTopK, Codebook, Dct, Fp4, Fp8, Fp16, Identity, Int8, Natural, Qsgd, RandK, Sign,
-    Ternary, TopK,
+    Bf16, ChunkTopK, Codebook, Dct, Fp4, Fp8, Fp16, Identity, Int8, Lossless, Natural, Qsgd, RandK,
+    Sign, Ternary, TopK,
 };
 use crate::error::{Error, Result};
 use crate::wire::{HEADER_LEN, Header};
@@ -188,6 +188,8 @@ pub enum CodecSpec {
     Codebook(Codebook),
     /// See [`ChunkTopK`].
     ChunkTopK(ChunkTopK),
+    /// See [`Lossless`].
+    Lossless(Lossless),
 }
 
 macro_rules! each_spec {
@@ -208,6 +210,7 @@ macro_rules! each_spec {
             CodecSpec::Fp4($c) => $e,
             CodecSpec::Codebook($c) => $e,
             CodecSpec::ChunkTopK($c) => $e,
+            CodecSpec::Lossless($c) => $e,
         }
     };
 }
@@ -260,6 +263,7 @@ impl CodecSpec {
             CodecId::ChunkTopK => {
                 CodecSpec::ChunkTopK(ChunkTopK::from_args(&mut args).map_err(&spec_err)?)
             }
+            CodecId::Lossless => CodecSpec::Lossless(Lossless),
         };
         args.finish(name).map_err(&spec_err)?;
         Ok(spec)
@@ -347,7 +351,7 @@ impl CodecSpec {
                     f64::INFINITY
                 };
             }
-            CodecSpec::Identity(_) => (0.0, 0.0, f64::INFINITY),
+            CodecSpec::Identity(_) | CodecSpec::Lossless(_) => (0.0, 0.0, f64::INFINITY),
             CodecSpec::Fp16(_) => (2f64.powi(-11), 2f64.powi(-25), FP16_MAX),
             CodecSpec::Bf16(_) => (2f64.powi(-8), 2f64.powi(-134), BF16_MAX),
             // 2^-142 (about 127 halves of the smallest subnormal): a step absmax / 127 that

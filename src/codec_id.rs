@@ -38,11 +38,13 @@ pub enum CodecId {
     Codebook = 13,
     /// The top k of every chunk with 2-bit values (SparseLoCo's layout).
     ChunkTopK = 14,
+    /// f32 with entropy-coded exponents, exact.
+    Lossless = 15,
 }
 
 impl CodecId {
     /// Every codec id, in id order.
-    pub const ALL: [CodecId; 15] = [
+    pub const ALL: [CodecId; 16] = [
         CodecId::Identity,
         CodecId::Fp16,
         CodecId::Bf16,
@@ -58,6 +60,7 @@ impl CodecId {
         CodecId::Fp4,
         CodecId::Codebook,
         CodecId::ChunkTopK,
+        CodecId::Lossless,
     ];
 
     /// The id for byte value `b`, if one exists.
@@ -83,6 +86,7 @@ impl CodecId {
             CodecId::Fp4 => "fp4",
             CodecId::Codebook => "codebook",
             CodecId::ChunkTopK => "chunktopk",
+            CodecId::Lossless => "lossless",
         }
     }
 }

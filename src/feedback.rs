@@ -191,8 +191,8 @@ impl ErrorFeedback {
                         codec: codec.id(),
                         name: "residual",
                         reason: format!(
-                            "a bf16 residual needs a fixed-rate codec; {codec} selects from \
-                             the whole tensor, which needs an f32 residual"
+                            "a bf16 residual needs a fixed-rate codec; {codec} codes the \
+                             whole tensor at once, which needs an f32 residual"
                         ),
                     });
                 };

@@ -41,7 +41,11 @@ fn permissive() -> FeedbackOptions {
 fn fixed_rate(spec: &CodecSpec) -> bool {
     !matches!(
         spec,
-        CodecSpec::TopK(_) | CodecSpec::RandK(_) | CodecSpec::Dct(_) | CodecSpec::ChunkTopK(_)
+        CodecSpec::TopK(_)
+            | CodecSpec::RandK(_)
+            | CodecSpec::Dct(_)
+            | CodecSpec::ChunkTopK(_)
+            | CodecSpec::Lossless(_)
     )
 }
 

@@ -64,7 +64,10 @@ fn check_policy(spec: &CodecSpec, x: &[f32], d: &[f32]) {
     let bad: Vec<usize> = (0..x.len()).filter(|&i| !x[i].is_finite()).collect();
     match spec {
         // Element-wise codecs: NaN stays NaN and ±Inf stays ±Inf, in place.
-        CodecSpec::Identity(_) | CodecSpec::Fp16(_) | CodecSpec::Bf16(_) => {
+        CodecSpec::Identity(_)
+        | CodecSpec::Lossless(_)
+        | CodecSpec::Fp16(_)
+        | CodecSpec::Bf16(_) => {
             for &i in &bad {
                 if x[i].is_nan() {
                     assert!(d[i].is_nan(), "{spec} element {i}");

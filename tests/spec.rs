@@ -150,7 +150,7 @@ fn ids_names_and_spec_metadata_agree() {
         assert_eq!(spec.id(), id);
         assert_eq!(spec.spec(), spec);
     }
-    assert_eq!(CodecId::from_u8(15), None);
+    assert_eq!(CodecId::from_u8(16), None);
     let bits = |s: &str| s.parse::<CodecSpec>().unwrap().bits_per_element(1 << 20);
     assert_eq!(bits("identity"), 32.0);
     // dct: per 64 elements, 4 one-byte positions and 4 f32 (or fp16, or sign bits and a

@@ -59,6 +59,8 @@ def replica(rid, lighthouse, a, out_dir, restarted, progress, kill_at):
     opt = torch.optim.AdamW(net.parameters(), lr=diloco_bench.LR, weight_decay=0.0)
     manager, _store = elastic_diloco.replica_manager(rid, lighthouse, 60.0, init_sync=False)
     elastic_diloco.started(rid, progress, restarted)
+    # Where the others were when this replica was ready to join (its manager up).
+    ready_at = min(progress[:-1]) if restarted else 0
     sent = [0.0]
     if codec is None:
         from torchft.local_sgd import DiLoCo
@@ -106,7 +108,7 @@ def replica(rid, lighthouse, a, out_dir, restarted, progress, kill_at):
     elapsed = time.perf_counter() - t0
     end = dict(params=[p.detach().clone() for p in net.parameters()], curve=curve,
                bytes=diloco.bytes_sent if codec else sent[0], params_count=params,
-               ms_per_step=1000 * elapsed / a.steps)
+               ms_per_step=1000 * elapsed / a.steps, ready_at=ready_at)
     if rid == 0:
         curve.append([a.steps, held_loss(), end["bytes"]])
         end["loss"] = curve[-1][1]
@@ -139,7 +141,7 @@ def run(a, configs):
                "bytes_per_sync": r0["bytes"] / syncs, "loss": r0["loss"],
                "identical": same, "curve": r0["curve"], "seconds": time.perf_counter() - t0}
         if away:
-            res.update(kill_at=a.kill_at, away=a.away)
+            res.update(kill_at=a.kill_at, away=a.away, ready_at=ends[-1]["ready_at"])
             res["events"] = [[(ev["step"], ev["event"]) for ev in e["stats"]["events"]]
                              for e in ends]
         results.append(res)
@@ -163,8 +165,11 @@ def table(results):
         fewer = (f"{base['bytes_per_sync'] / r['bytes_per_sync']:.2f}"
                  if base.get("bytes_per_sync") else "-")
         vs = f"{100 * (r['loss'] / base['loss'] - 1):+.2f}%" if base.get("loss") else "-"
-        name = (f"{cfg} (away from {r['kill_at']} for {r['away']})" if "kill_at" in r
-                else cfg)
+        name = cfg
+        if "kill_at" in r:
+            healed = [s for s, ev in r["events"][-1] if ev == "healed"]
+            name += (f" (left at {r['kill_at']}, restarted at {r['kill_at'] + r['away']}, "
+                     f"ready at {r['ready_at']}, healed at {healed})")
         rows.append(f"| {name} | {r['bytes_per_sync']:,.0f} | {fewer} | {r['loss']:.4f} | "
                     f"{vs} | {r['identical']} |")
     return "\n".join(rows)

@@ -15,6 +15,7 @@ mod fp4;
 mod fp8;
 mod identity;
 mod int8;
+mod lossless;
 mod natural;
 mod qsgd;
 mod randk;
@@ -33,6 +34,7 @@ pub use fp8::{Fp8, Fp8Format, Fp8Scale, ScaleRule};
 pub use fp16::Fp16;
 pub use identity::Identity;
 pub use int8::{Int8, Rounding};
+pub use lossless::Lossless;
 pub use natural::Natural;
 pub use qsgd::Qsgd;
 pub use randk::{RandK, RandKScale, RandKSelect};
@@ -318,6 +320,10 @@ macro_rules! by_id {
             }
             CodecId::ChunkTopK => {
                 type $S = ChunkTopK;
+                $e
+            }
+            CodecId::Lossless => {
+                type $S = Lossless;
                 $e
             }
         }

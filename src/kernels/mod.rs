@@ -18,6 +18,7 @@
 pub mod backend;
 pub mod codebook;
 pub mod dct;
+pub mod entropy;
 pub mod fp8;
 pub mod fpmode;
 pub mod gemm;

@@ -7,6 +7,7 @@ use gradpack::{Codec, CodecSpec, EncodeCtx};
 /// Specs covering every codec and the parameter choices that change the layout.
 pub const SPECS: &[&str] = &[
     "identity",
+    "lossless",
     "fp16",
     "bf16",
     "int8:block=64",
@@ -182,7 +183,7 @@ pub fn check_bound(spec: &CodecSpec, x: &[f32], d: &[f32], ctx: &EncodeCtx) -> R
         ))
     };
     match spec {
-        CodecSpec::Identity(_) => {
+        CodecSpec::Identity(_) | CodecSpec::Lossless(_) => {
             for i in 0..x.len() {
                 if x[i].to_bits() != d[i].to_bits() {
                     return err(i, "not bit-exact");

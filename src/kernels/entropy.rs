@@ -1,0 +1,525 @@
+//! A byte entropy coder: canonical Huffman codes of at most [`MAX_LEN`] bits, four
+//! interleaved streams, table-driven decoding. Used by the lossless codec for the
+//! exponents of floats.
+//!
+//! A coded block (what [`encode`] writes and [`decode`] reads) starts with its mode:
+//!
+//! - `0` stored: the `n` symbols follow as bytes;
+//! - `1` one symbol: a byte, the symbol every one of the `n` is;
+//! - `2` Huffman: 128 bytes of code lengths (symbol `2k` in the low nibble of byte `k`,
+//!   `2k + 1` in the high one; 0 for a symbol that does not occur, else 1 to
+//!   [`MAX_LEN`]), then four u32 LE, the byte lengths of streams 0 to 3, then the four
+//!   streams. Stream `j` holds symbols
+//!   `j q .. min((j + 1) q, n)`, `q = ceil(n / 4)`.
+//!
+//! The code of a symbol is canonical: codes are given in order of (length, symbol),
+//! each the previous one plus one, shifted left when the length grows. A stream holds
+//! its codes back to back, LSB first: the first bit of a code (its most significant) is
+//! the lowest unused bit. A stream ends at its last code's byte, padded with zero bits.
+//!
+//! A decoder refuses lengths above [`MAX_LEN`], lengths that do not make a complete
+//! prefix code (the sum of `2^-len` must be 1, with at least two symbols), a stream that
+//! ends before its symbols do, and a stream with bytes or nonzero bits past its last
+//! code; so a coded block has one valid form for its symbols and lengths.
+
+/// Why a coded block was refused: the byte offset into the block and the reason.
+pub type Refused = (usize, String);
+
+/// Longest code, in bits.
+pub const MAX_LEN: u32 = 11;
+/// Bytes of a Huffman block before its streams.
+pub const HUFFMAN_HEADER: usize = 1 + 128 + 16;
+
+const STORED: u8 = 0;
+const ONE: u8 = 1;
+const HUFFMAN: u8 = 2;
+
+/// Upper bound of [`encode`]'s output for `n` symbols.
+pub fn max_len(n: usize) -> usize {
+    n.saturating_add(1)
+}
+
+/// Count the symbols `sym(0..n)` (four tables, summed, so that runs of one value do
+/// not wait on one counter).
+pub fn histogram(n: usize, sym: impl Fn(usize) -> u8) -> [u64; 256] {
+    let mut h = [[0u32; 256]; 4];
+    let mut total = [0u64; 256];
+    for start in (0..n).step_by(1 << 30) {
+        let end = n.min(start + (1 << 30));
+        let mut i = start;
+        while i + 4 <= end {
+            h[0][sym(i) as usize] += 1;
+            h[1][sym(i + 1) as usize] += 1;
+            h[2][sym(i + 2) as usize] += 1;
+            h[3][sym(i + 3) as usize] += 1;
+            i += 4;
+        }
+        for k in i..end {
+            h[0][sym(k) as usize] += 1;
+        }
+        for t in &mut h {
+            for (s, c) in t.iter_mut().enumerate() {
+                total[s] += *c as u64;
+                *c = 0;
+            }
+        }
+    }
+    total
+}
+
+/// Huffman code lengths of at most [`MAX_LEN`] bits for the counts `h` (0 for a count
+/// of 0). Needs at least two symbols that occur. When the optimal code is longer, the
+/// counts are halved (a count stays at least 1) until it fits.
+pub fn code_lengths(h: &[u64; 256]) -> [u8; 256] {
+    let mut counts = *h;
+    loop {
+        let lens = huffman_lengths(&counts);
+        if lens.iter().all(|&l| l as u32 <= MAX_LEN) {
+            return lens;
+        }
+        for c in counts.iter_mut().filter(|c| **c > 0) {
+            *c = (*c / 2).max(1);
+        }
+    }
+}
+
+/// Optimal (unlimited) Huffman code lengths; ties broken by symbol, so the result
+/// depends on the counts alone.
+fn huffman_lengths(counts: &[u64; 256]) -> [u8; 256] {
+    // Nodes: leaves 0..256, inner nodes after; a sorted queue of leaves and a queue of
+    // inner nodes (built in increasing weight) merged in the classic two-queue way.
+    let mut leaves = [(0u64, 0usize); 256];
+    let mut nleaves = 0;
+    for (sym, &c) in counts.iter().enumerate().filter(|(_, c)| **c > 0) {
+        leaves[nleaves] = (c, sym);
+        nleaves += 1;
+    }
+    let leaves = &mut leaves[..nleaves];
+    leaves.sort_unstable();
+    let mut parent = [0usize; 512];
+    let mut inner_buf = [(0u64, 0usize); 256];
+    let (mut li, mut ii) = (0, 0);
+    let mut next = 256;
+    // The lighter of the two queues' heads (a leaf on a tie).
+    fn take(
+        leaves: &[(u64, usize)],
+        inner: &[(u64, usize)],
+        li: &mut usize,
+        ii: &mut usize,
+    ) -> (u64, usize) {
+        if *li < leaves.len() && (*ii >= inner.len() || leaves[*li].0 <= inner[*ii].0) {
+            *li += 1;
+            leaves[*li - 1]
+        } else {
+            *ii += 1;
+            inner[*ii - 1]
+        }
+    }
+    for ninner in 0..leaves.len() - 1 {
+        let a = take(leaves, &inner_buf[..ninner], &mut li, &mut ii);
+        let b = take(leaves, &inner_buf[..ninner], &mut li, &mut ii);
+        parent[a.1] = next;
+        parent[b.1] = next;
+        inner_buf[ninner] = (a.0 + b.0, next);
+        next += 1;
+    }
+    let mut lens = [0u8; 256];
+    let root = next - 1;
+    let mut depth = [0u32; 512];
+    for node in (256..root).rev() {
+        depth[node] = depth[parent[node]] + 1;
+    }
+    for &(_, s) in leaves.iter() {
+        let d = depth[parent[s]] + 1;
+        lens[s] = d.min(255) as u8;
+    }
+    lens
+}
+
+/// Canonical codes (bit-reversed, ready to write LSB first) of `lens`.
+fn canonical(lens: &[u8; 256]) -> [u16; 256] {
+    let mut codes = [0u16; 256];
+    let mut code = 0u32;
+    let mut prev = 0u32;
+    for len in 1..=MAX_LEN {
+        for s in 0..256 {
+            if lens[s] as u32 == len {
+                code <<= len - prev;
+                prev = len;
+                codes[s] = (code.reverse_bits() >> (32 - len)) as u16;
+                code += 1;
+            }
+        }
+    }
+    codes
+}
+
+/// Entropy-code the symbols `sym(0..n)` into `out` (at least [`max_len`]`(n)` bytes),
+/// in the smallest of the three modes; returns the bytes written.
+pub fn encode(n: usize, sym: impl Fn(usize) -> u8 + Copy, out: &mut [u8]) -> usize {
+    let h = histogram(n, sym);
+    let used = h.iter().filter(|&&c| c > 0).count();
+    if used == 1 {
+        out[0] = ONE;
+        out[1] = sym(0);
+        return 2;
+    }
+    let stored = 1 + n;
+    let store = |out: &mut [u8]| {
+        out[0] = STORED;
+        for (i, o) in out[1..stored].iter_mut().enumerate() {
+            *o = sym(i);
+        }
+        stored
+    };
+    if used == 0 || n < HUFFMAN_HEADER {
+        return store(out);
+    }
+    let lens = code_lengths(&h);
+    let bits: u64 = (0..256).map(|s| h[s] * lens[s] as u64).sum();
+    if HUFFMAN_HEADER as u64 + bits / 8 + 4 >= stored as u64 {
+        return store(out);
+    }
+    out[0] = HUFFMAN;
+    for k in 0..128 {
+        out[1 + k] = lens[2 * k] | (lens[2 * k + 1] << 4);
+    }
+    let codes = canonical(&lens);
+    let table: [u32; 256] = std::array::from_fn(|s| codes[s] as u32 | ((lens[s] as u32) << 16));
+    let q = n.div_ceil(4);
+    let mut at = HUFFMAN_HEADER;
+    for j in 0..4 {
+        let (lo, hi) = ((j * q).min(n), ((j + 1) * q).min(n));
+        let len = write_stream(lo..hi, sym, &table, &mut out[at..]);
+        out[129 + 4 * j..133 + 4 * j].copy_from_slice(&(len as u32).to_le_bytes());
+        at += len;
+    }
+    at
+}
+
+/// Write the codes of `sym(range)` (table entries: code | length << 16) into `out`;
+/// returns the bytes written.
+fn write_stream(
+    range: core::ops::Range<usize>,
+    sym: impl Fn(usize) -> u8,
+    table: &[u32; 256],
+    out: &mut [u8],
+) -> usize {
+    let (mut acc, mut nacc, mut pos) = (0u64, 0u32, 0usize);
+    let mut i = range.start;
+    while i + 4 <= range.end {
+        // Four codes of at most 11 bits fit beside at most 7 pending bits.
+        for k in 0..4 {
+            let e = table[sym(i + k) as usize];
+            acc |= ((e & 0xFFFF) as u64) << nacc;
+            nacc += e >> 16;
+        }
+        i += 4;
+        let whole = (nacc / 8) as usize;
+        if pos + 8 <= out.len() {
+            out[pos..pos + 8].copy_from_slice(&acc.to_le_bytes());
+        } else {
+            out[pos..pos + whole].copy_from_slice(&acc.to_le_bytes()[..whole]);
+        }
+        pos += whole;
+        acc = if whole == 8 { 0 } else { acc >> (8 * whole) };
+        nacc -= 8 * whole as u32;
+    }
+    for k in i..range.end {
+        let e = table[sym(k) as usize];
+        acc |= ((e & 0xFFFF) as u64) << nacc;
+        nacc += e >> 16;
+    }
+    while nacc > 0 {
+        out[pos] = acc as u8;
+        pos += 1;
+        acc >>= 8;
+        nacc = nacc.saturating_sub(8);
+    }
+    pos
+}
+
+fn corrupt(at: usize, reason: impl Into<String>) -> Refused {
+    (at, reason.into())
+}
+
+/// A coded block of `n` symbols, checked whole by [`Block::open`]: reading it cannot
+/// fail.
+pub struct Block<'a> {
+    kind: Kind<'a>,
+    /// The Huffman decode table (zeros in the other modes).
+    table: [u16; 1 << MAX_LEN],
+    n: usize,
+    len: usize,
+}
+
+enum Kind<'a> {
+    Stored(&'a [u8]),
+    One(u8),
+    Huffman([&'a [u8]; 4]),
+}
+
+impl<'a> Block<'a> {
+    /// Check the coded block of `n` symbols at the start of `p`: its mode, its code
+    /// lengths and every stream, decoded once (and the symbols dropped).
+    pub fn open(p: &'a [u8], n: usize) -> Result<Block<'a>, Refused> {
+        let mut table = [0u16; 1 << MAX_LEN];
+        let (kind, len) = match p.first() {
+            Some(&STORED) => {
+                let s = p
+                    .get(1..1 + n)
+                    .ok_or_else(|| corrupt(1, "entropy block: stored bytes cut short"))?;
+                (Kind::Stored(s), 1 + n)
+            }
+            Some(&ONE) => {
+                let &s = p
+                    .get(1)
+                    .ok_or_else(|| corrupt(1, "entropy block: symbol missing"))?;
+                (Kind::One(s), 2)
+            }
+            Some(&HUFFMAN) => Self::huffman(p, n, &mut table)?,
+            Some(&m) => return Err(corrupt(0, format!("entropy block: unknown mode {m}"))),
+            None => return Err(corrupt(0, "entropy block: empty")),
+        };
+        Ok(Block {
+            kind,
+            table,
+            n,
+            len,
+        })
+    }
+
+    fn huffman(
+        p: &'a [u8],
+        n: usize,
+        table: &mut [u16; 1 << MAX_LEN],
+    ) -> Result<(Kind<'a>, usize), Refused> {
+        let head = p
+            .get(..HUFFMAN_HEADER)
+            .ok_or_else(|| corrupt(0, "entropy block: Huffman header cut short"))?;
+        let mut lens = [0u8; 256];
+        for k in 0..128 {
+            lens[2 * k] = head[1 + k] & 15;
+            lens[2 * k + 1] = head[1 + k] >> 4;
+        }
+        *table = decode_table(&lens)?;
+        let sizes: [usize; 4] = std::array::from_fn(|j| {
+            let b = &head[129 + 4 * j..133 + 4 * j];
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize
+        });
+        let rest = &p[HUFFMAN_HEADER..];
+        let total = sizes
+            .iter()
+            .try_fold(0usize, |a, &s| a.checked_add(s))
+            .filter(|&s| s <= rest.len())
+            .ok_or_else(|| corrupt(129, "entropy block: stream lengths beyond the frame"))?;
+        let mut at = 0;
+        let streams: [&[u8]; 4] = std::array::from_fn(|j| {
+            at += sizes[j];
+            &rest[at - sizes[j]..at]
+        });
+        let q = n.div_ceil(4);
+        let mut at = HUFFMAN_HEADER;
+        for (j, s) in streams.iter().enumerate() {
+            let count = ((j + 1) * q).min(n) - (j * q).min(n);
+            let mut r = Reader::new(s);
+            for _ in 0..count / 5 {
+                r.skip5(table);
+            }
+            for _ in 0..count % 5 {
+                r.refill();
+                r.next(table);
+            }
+            r.finish()
+                .map_err(|why| corrupt(at, format!("entropy block: stream {j}: {why}")))?;
+            at += s.len();
+        }
+        Ok((Kind::Huffman(streams), HUFFMAN_HEADER + total))
+    }
+
+    /// Bytes the block takes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the block holds no symbol.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    /// A cursor at the block's first symbol.
+    pub fn cursor(&self) -> Cursor<'_> {
+        let first = match &self.kind {
+            Kind::Huffman(streams) => streams[0],
+            _ => &[],
+        };
+        Cursor {
+            block: self,
+            next: 0,
+            reader: Reader::new(first),
+        }
+    }
+}
+
+/// Reads a [`Block`]'s symbols in order.
+pub struct Cursor<'b> {
+    block: &'b Block<'b>,
+    next: usize,
+    reader: Reader<'b>,
+}
+
+impl Cursor<'_> {
+    /// Decode the next `out.len()` symbols (at most those left) into `out`.
+    pub fn fill(&mut self, out: &mut [u8]) {
+        let n = self.block.n;
+        let out_len = out.len().min(n - self.next);
+        let out = &mut out[..out_len];
+        match &self.block.kind {
+            Kind::Stored(s) => out.copy_from_slice(&s[self.next..self.next + out_len]),
+            Kind::One(s) => out.fill(*s),
+            Kind::Huffman(streams) => {
+                let table = &self.block.table;
+                let q = n.div_ceil(4);
+                let mut o = &mut out[..];
+                while !o.is_empty() {
+                    let j = self.next / q;
+                    if self.next == j * q && j > 0 {
+                        self.reader = Reader::new(streams[j]);
+                    }
+                    let k = o.len().min((j + 1) * q - self.next);
+                    let (now, later) = o.split_at_mut(k);
+                    let r = &mut self.reader;
+                    let mut fives = now.chunks_exact_mut(5);
+                    for f in &mut fives {
+                        r.refill();
+                        for s in f {
+                            *s = r.next(table);
+                        }
+                    }
+                    for s in fives.into_remainder() {
+                        r.refill();
+                        *s = r.next(table);
+                    }
+                    o = later;
+                    self.next += k;
+                }
+                return;
+            }
+        }
+        self.next += out_len;
+    }
+}
+
+/// Decode table: entry for the next MAX_LEN stream bits = symbol | length << 8.
+fn decode_table(lens: &[u8; 256]) -> Result<[u16; 1 << MAX_LEN], Refused> {
+    let mut kraft = 0u64;
+    let mut used = 0;
+    for &l in lens.iter() {
+        if l as u32 > MAX_LEN {
+            return Err(corrupt(
+                1,
+                format!("entropy block: code length {l} over {MAX_LEN}"),
+            ));
+        }
+        if l > 0 {
+            kraft += 1 << (MAX_LEN - l as u32);
+            used += 1;
+        }
+    }
+    if used < 2 || kraft != 1 << MAX_LEN {
+        return Err(corrupt(
+            1,
+            "entropy block: code lengths do not make a complete prefix code",
+        ));
+    }
+    let codes = canonical(lens);
+    let mut table = [0u16; 1 << MAX_LEN];
+    for s in 0..256 {
+        let l = lens[s] as u32;
+        if l == 0 {
+            continue;
+        }
+        let e = s as u16 | ((l as u16) << 8);
+        let mut k = codes[s] as usize;
+        while k < table.len() {
+            table[k] = e;
+            k += 1 << l;
+        }
+    }
+    Ok(table)
+}
+
+/// An LSB-first bit reader over one stream; bits past its end read as zero.
+struct Reader<'a> {
+    s: &'a [u8],
+    acc: u64,
+    nacc: u32,
+    pos: usize,
+    consumed: u64,
+}
+
+impl<'a> Reader<'a> {
+    fn new(s: &'a [u8]) -> Reader<'a> {
+        Reader {
+            s,
+            acc: 0,
+            nacc: 0,
+            pos: 0,
+            consumed: 0,
+        }
+    }
+
+    /// Load to at least 56 bits where the stream has them.
+    #[inline(always)]
+    fn refill(&mut self) {
+        if self.pos + 8 <= self.s.len() {
+            let w = u64::from_le_bytes(self.s[self.pos..self.pos + 8].try_into().expect("8 bytes"));
+            self.acc |= w << self.nacc;
+            let take = (63 - self.nacc) / 8;
+            self.pos += take as usize;
+            self.nacc += 8 * take;
+        } else {
+            while self.nacc <= 56 && self.pos < self.s.len() {
+                self.acc |= (self.s[self.pos] as u64) << self.nacc;
+                self.pos += 1;
+                self.nacc += 8;
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn next(&mut self, table: &[u16; 1 << MAX_LEN]) -> u8 {
+        let e = table[(self.acc & ((1 << MAX_LEN) - 1)) as usize];
+        let l = (e >> 8) as u32;
+        self.acc >>= l;
+        self.nacc = self.nacc.saturating_sub(l);
+        self.consumed += l as u64;
+        e as u8
+    }
+
+    /// Five symbols decoded and dropped.
+    #[inline(always)]
+    fn skip5(&mut self, table: &[u16; 1 << MAX_LEN]) {
+        self.refill();
+        for _ in 0..5 {
+            self.next(table);
+        }
+    }
+
+    /// The stream must end at its last code's byte, padded with zero bits.
+    fn finish(&self) -> Result<(), &'static str> {
+        let limit = 8 * self.s.len() as u64;
+        if self.consumed > limit {
+            return Err("it ends before its symbols");
+        }
+        let bytes = self.consumed.div_ceil(8) as usize;
+        if bytes != self.s.len() {
+            return Err("bytes past its last code");
+        }
+        let pad = (8 * bytes as u64 - self.consumed) as u32;
+        if pad > 0 && self.s[bytes - 1] >> (8 - pad) != 0 {
+            return Err("nonzero padding bits");
+        }
+        Ok(())
+    }
+}
