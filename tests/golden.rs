@@ -80,6 +80,32 @@ fn every_vector_encodes_decodes_and_reencodes_identically() {
     }
 }
 
+/// `lossless` frames of the golden inputs (300 elements) store their exponents as they
+/// are (mode 0): `lossless_huffman` (the golden input eight times over, copy k scaled
+/// by 2^-k) takes the Huffman mode and `lossless_one` (1000 times 0.375) the
+/// one-symbol mode. Each decodes to its input's bits.
+#[test]
+fn lossless_frames_of_each_entropy_mode() {
+    let base = golden_input();
+    let tiled: Vec<f32> = (0..8)
+        .flat_map(|k| base.iter().map(move |v| v * 2f32.powi(-k)))
+        .collect();
+    for (stem, x, mode) in [
+        ("lossless_huffman", tiled, 2u8),
+        ("lossless_one", vec![0.375f32; 1000], 1),
+    ] {
+        let frame = "lossless"
+            .parse::<CodecSpec>()
+            .unwrap()
+            .encode(&x, &EncodeCtx::new(0))
+            .unwrap();
+        assert_eq!(frame[gradpack::HEADER_LEN], mode, "{stem}");
+        check_or_write(&format!("{stem}.gpk"), &frame);
+        check_or_write(&format!("{stem}.out.f32"), &f32_bytes(&x));
+        assert_eq!(f32_bytes(&decode(&frame, x.len())), f32_bytes(&x), "{stem}");
+    }
+}
+
 /// Frames no encoder writes, whose decoding the wire format still fixes bit for bit: the
 /// golden frames of the step codecs with their first steps overwritten by NaNs (signalling
 /// and quiet, both signs, with payloads). `NAME.nan_steps.gpk` decodes to

@@ -145,7 +145,7 @@ def decode(frame):
     flags, = struct.unpack_from("<H", frame, 6)
     n, plen, seed, offset = struct.unpack_from("<QQQQ", frame, 8)
     params = frame[40:52]
-    if codec > 14:
+    if codec > 15:
         raise Reject("codec id")
     if flags & ~3:
         raise Reject("reserved flags")
@@ -370,6 +370,16 @@ def decode(frame):
             out[i] = books[256 * (i // b) + p[1024 * nb + i]]  # the entry's bits
     elif codec == 14:  # chunktopk (spec 3.15)
         out = chunktopk_decode(p, params, n, seed, flags)
+    elif codec == 15:  # lossless (spec 3.16)
+        zero_from(0)
+        if seed:
+            raise Reject("seed")
+        exps, at = entropy_block(p, n)
+        want_len(at + 3 * n)
+        for i in range(n):
+            lo, = struct.unpack_from("<H", p, at + 2 * i)
+            t = p[at + 2 * n + i]
+            out[i] = ((t & 0x80) << 24) | (exps[i] << 23) | ((t & 0x7F) << 16) | lo
     elif codec == 8:  # topk
         k, = struct.unpack_from("<Q", params, 0)
         vt, w, coding = params[8], params[9], params[10]
@@ -465,6 +475,58 @@ def decode(frame):
 
 
 # ---------------------------------------------------------------- chunktopk (spec 3.15)
+
+def entropy_block(p, n):
+    """The n symbols of the entropy block at the start of p, and its length (3.16)."""
+    if not p:
+        raise Reject("entropy block empty")
+    if p[0] == 0:
+        if len(p) < 1 + n:
+            raise Reject("stored block short")
+        return list(p[1:1 + n]), 1 + n
+    if p[0] == 1:
+        if len(p) < 2:
+            raise Reject("one-symbol block short")
+        return [p[1]] * n, 2
+    if p[0] != 2:
+        raise Reject("entropy mode")
+    if len(p) < 145:
+        raise Reject("Huffman header short")
+    lens = [(p[1 + s // 2] >> (4 * (s % 2))) & 15 for s in range(256)]
+    if max(lens) > 11 or sum(1 for l in lens if l) < 2:
+        raise Reject("code lengths")
+    if sum(2.0 ** -l for l in lens if l) != 1.0:
+        raise Reject("not a complete prefix code")
+    # Canonical codes, as (length, value) -> symbol.
+    codes, code, prev = {}, 0, 0
+    for sym_len, sym in sorted((l, s) for s, l in enumerate(lens) if l):
+        code <<= sym_len - prev
+        prev = sym_len
+        codes[(sym_len, code)] = sym
+        code += 1
+    sizes = struct.unpack_from("<4I", p, 129)
+    if 145 + sum(sizes) > len(p):
+        raise Reject("stream lengths")
+    q, out, at = -(-n // 4), [], 145
+    for j in range(4):
+        stream = p[at:at + sizes[j]]
+        bit = 0
+        for _ in range(min((j + 1) * q, n) - min(j * q, n)):
+            v, l = 0, 0
+            while (l, v) not in codes:
+                if l == 11 or bit >= 8 * len(stream):
+                    raise Reject("stream ends early")
+                v = (v << 1) | (stream[bit // 8] >> (bit % 8)) & 1
+                bit += 1
+                l += 1
+            out.append(codes[(l, v)])
+        if -(-bit // 8) != len(stream):
+            raise Reject("bytes after the last code")
+        if bit % 8 and stream[-1] >> (bit % 8):
+            raise Reject("padding")
+        at += sizes[j]
+    return out, at
+
 
 def chunk_record(c, K):
     """(kc, L, U, bytes) of the record of a chunk of c elements."""

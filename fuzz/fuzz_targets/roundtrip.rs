@@ -6,7 +6,7 @@
 //! byte; a sealed frame carries the same payload and decodes the same.
 //!
 //! Input: 12 control bytes, then the values (little-endian f32, any bit patterns).
-//! - byte 0: codec (`% 15`, in wire-format id order);
+//! - byte 0: codec (`% 16`, in wire-format id order);
 //! - bytes 1..3: block size (`u16 % 4096 + 1`);
 //! - byte 3: bit 0 stochastic rounding (int8), bits 1..3 QSGD bits (2, 4, 8), bit 3 fp16
 //!   values (top-k, random-k), bit 4 unbiased scale (random-k), bit 5 an explicit `k`

@@ -130,24 +130,20 @@ impl Scheme for Lossless {
         }
         let (lo, tops) = payload[at..].split_at(2 * n);
         let mut bits = [0u8; 4 * CHUNK];
-        let mut exps = [0u8; CHUNK];
-        let mut cursor = block.cursor();
-        for (c, o) in out.chunks_mut(CHUNK).enumerate() {
-            let base = c * CHUNK;
-            let k = o.len();
-            cursor.fill(&mut exps[..k]);
-            let lo = &lo[2 * base..2 * (base + k)];
-            let tops = &tops[base..base + k];
+        block.for_each_chunk::<CHUNK>(|start, exps| {
+            let k = exps.len();
+            let lo = &lo[2 * start..2 * (start + k)];
+            let tops = &tops[start..start + k];
             for (((b, &e), l), &t) in bits[..4 * k]
                 .chunks_exact_mut(4)
-                .zip(&exps[..k])
+                .zip(exps)
                 .zip(lo.chunks_exact(2))
                 .zip(tops)
             {
                 b.copy_from_slice(&join(e, u16::from_le_bytes([l[0], l[1]]), t).to_le_bytes());
             }
-            kernels::decode_f32::<M>(&bits[..4 * k], o);
-        }
+            kernels::decode_f32::<M>(&bits[..4 * k], &mut out[start..start + k]);
+        });
         Ok(())
     }
 

@@ -318,21 +318,23 @@ impl<'a> Block<'a> {
             at += sizes[j];
             &rest[at - sizes[j]..at]
         });
-        let q = n.div_ceil(4);
+        // Decode every stream once, the symbols dropped, and check where each ends.
+        let mut readers = streams.map(Reader::new);
+        let counts = quarters(n).map(|(lo, hi)| hi - lo);
+        let mut sink = [[0u8; 5]; 4];
+        let both = counts[3]; // the shortest
+        for _ in 0..both / 5 {
+            step4(&mut readers, table, &mut sink);
+        }
         let mut at = HUFFMAN_HEADER;
-        for (j, s) in streams.iter().enumerate() {
-            let count = ((j + 1) * q).min(n) - (j * q).min(n);
-            let mut r = Reader::new(s);
-            for _ in 0..count / 5 {
-                r.skip5(table);
-            }
-            for _ in 0..count % 5 {
+        for (j, r) in readers.iter_mut().enumerate() {
+            for _ in both / 5 * 5..counts[j] {
                 r.refill();
                 r.next(table);
             }
             r.finish()
                 .map_err(|why| corrupt(at, format!("entropy block: stream {j}: {why}")))?;
-            at += s.len();
+            at += streams[j].len();
         }
         Ok((Kind::Huffman(streams), HUFFMAN_HEADER + total))
     }
@@ -347,66 +349,77 @@ impl<'a> Block<'a> {
         self.n == 0
     }
 
-    /// A cursor at the block's first symbol.
-    pub fn cursor(&self) -> Cursor<'_> {
-        let first = match &self.kind {
-            Kind::Huffman(streams) => streams[0],
-            _ => &[],
-        };
-        Cursor {
-            block: self,
-            next: 0,
-            reader: Reader::new(first),
+    /// Decode the symbols in pieces of at most `CHUNK`, in some order: `f(start,
+    /// symbols)` for each piece, `symbols` being symbols `start .. start + len`.
+    pub fn for_each_chunk<const CHUNK: usize>(&self, mut f: impl FnMut(usize, &[u8])) {
+        let n = self.n;
+        match &self.kind {
+            Kind::Stored(s) => {
+                for (c, piece) in s.chunks(CHUNK).enumerate() {
+                    f(c * CHUNK, piece);
+                }
+            }
+            Kind::One(sym) => {
+                let piece = [*sym; CHUNK];
+                for start in (0..n).step_by(CHUNK) {
+                    f(start, &piece[..CHUNK.min(n - start)]);
+                }
+            }
+            Kind::Huffman(streams) => {
+                let table = &self.table;
+                let mut readers = streams.map(Reader::new);
+                let bounds = quarters(n);
+                let mut bufs = [[0u8; CHUNK]; 4];
+                let q = bounds[0].1;
+                for start in (0..q).step_by(CHUNK) {
+                    let lens = bounds.map(|(lo, hi)| (hi - lo).saturating_sub(start).min(CHUNK));
+                    // The four streams in step while all have symbols left, five codes
+                    // per refill; then each on its own.
+                    let both = lens[3] / 5 * 5;
+                    let mut k = 0;
+                    while k < both {
+                        let mut five = [[0u8; 5]; 4];
+                        step4(&mut readers, table, &mut five);
+                        for (b, v) in bufs.iter_mut().zip(&five) {
+                            b[k..k + 5].copy_from_slice(v);
+                        }
+                        k += 5;
+                    }
+                    for (j, r) in readers.iter_mut().enumerate() {
+                        for s in &mut bufs[j][both..lens[j]] {
+                            r.refill();
+                            *s = r.next(table);
+                        }
+                        if lens[j] > 0 {
+                            f(bounds[j].0 + start, &bufs[j][..lens[j]]);
+                        }
+                    }
+                }
+            }
         }
     }
 }
 
-/// Reads a [`Block`]'s symbols in order.
-pub struct Cursor<'b> {
-    block: &'b Block<'b>,
-    next: usize,
-    reader: Reader<'b>,
+/// Where the four streams' symbols lie among `n`: `j q .. min((j + 1) q, n)`.
+fn quarters(n: usize) -> [(usize, usize); 4] {
+    let q = n.div_ceil(4);
+    std::array::from_fn(|j| ((j * q).min(n), ((j + 1) * q).min(n)))
 }
 
-impl Cursor<'_> {
-    /// Decode the next `out.len()` symbols (at most those left) into `out`.
-    pub fn fill(&mut self, out: &mut [u8]) {
-        let n = self.block.n;
-        let out_len = out.len().min(n - self.next);
-        let out = &mut out[..out_len];
-        match &self.block.kind {
-            Kind::Stored(s) => out.copy_from_slice(&s[self.next..self.next + out_len]),
-            Kind::One(s) => out.fill(*s),
-            Kind::Huffman(streams) => {
-                let table = &self.block.table;
-                let q = n.div_ceil(4);
-                let mut o = &mut out[..];
-                while !o.is_empty() {
-                    let j = self.next / q;
-                    if self.next == j * q && j > 0 {
-                        self.reader = Reader::new(streams[j]);
-                    }
-                    let k = o.len().min((j + 1) * q - self.next);
-                    let (now, later) = o.split_at_mut(k);
-                    let r = &mut self.reader;
-                    let mut fives = now.chunks_exact_mut(5);
-                    for f in &mut fives {
-                        r.refill();
-                        for s in f {
-                            *s = r.next(table);
-                        }
-                    }
-                    for s in fives.into_remainder() {
-                        r.refill();
-                        *s = r.next(table);
-                    }
-                    o = later;
-                    self.next += k;
-                }
-                return;
-            }
-        }
-        self.next += out_len;
+/// Five symbols from each of the four readers into `out[j]` (the four
+/// chains of lookups interleave).
+#[inline(always)]
+fn step4(r: &mut [Reader<'_>; 4], table: &[u16; 1 << MAX_LEN], out: &mut [[u8; 5]; 4]) {
+    let [r0, r1, r2, r3] = r;
+    r0.refill();
+    r1.refill();
+    r2.refill();
+    r3.refill();
+    for t in 0..5 {
+        out[0][t] = r0.next(table);
+        out[1][t] = r1.next(table);
+        out[2][t] = r2.next(table);
+        out[3][t] = r3.next(table);
     }
 }
 
@@ -453,9 +466,10 @@ fn decode_table(lens: &[u8; 256]) -> Result<[u16; 1 << MAX_LEN], Refused> {
 struct Reader<'a> {
     s: &'a [u8],
     acc: u64,
-    nacc: u32,
+    /// Bits loaded and not yet taken; below zero once codes ran past the stream's end.
+    nacc: i64,
     pos: usize,
-    consumed: u64,
+    over: bool,
 }
 
 impl<'a> Reader<'a> {
@@ -465,15 +479,20 @@ impl<'a> Reader<'a> {
             acc: 0,
             nacc: 0,
             pos: 0,
-            consumed: 0,
+            over: false,
         }
     }
 
     /// Load to at least 56 bits where the stream has them.
     #[inline(always)]
     fn refill(&mut self) {
-        if self.pos + 8 <= self.s.len() {
-            let w = u64::from_le_bytes(self.s[self.pos..self.pos + 8].try_into().expect("8 bytes"));
+        if self.nacc < 0 {
+            // Codes ran past the end: the stream is refused at `finish`.
+            self.over = true;
+            self.nacc = 0;
+        }
+        if let Some(w) = self.s.get(self.pos..self.pos + 8) {
+            let w = u64::from_le_bytes(w.try_into().expect("8 bytes"));
             self.acc |= w << self.nacc;
             let take = (63 - self.nacc) / 8;
             self.pos += take as usize;
@@ -490,33 +509,23 @@ impl<'a> Reader<'a> {
     #[inline(always)]
     fn next(&mut self, table: &[u16; 1 << MAX_LEN]) -> u8 {
         let e = table[(self.acc & ((1 << MAX_LEN) - 1)) as usize];
-        let l = (e >> 8) as u32;
+        let l = e >> 8;
         self.acc >>= l;
-        self.nacc = self.nacc.saturating_sub(l);
-        self.consumed += l as u64;
+        self.nacc -= l as i64;
         e as u8
-    }
-
-    /// Five symbols decoded and dropped.
-    #[inline(always)]
-    fn skip5(&mut self, table: &[u16; 1 << MAX_LEN]) {
-        self.refill();
-        for _ in 0..5 {
-            self.next(table);
-        }
     }
 
     /// The stream must end at its last code's byte, padded with zero bits.
     fn finish(&self) -> Result<(), &'static str> {
-        let limit = 8 * self.s.len() as u64;
-        if self.consumed > limit {
+        if self.over || self.nacc < 0 {
             return Err("it ends before its symbols");
         }
-        let bytes = self.consumed.div_ceil(8) as usize;
+        let consumed = 8 * self.pos as u64 - self.nacc as u64;
+        let bytes = consumed.div_ceil(8) as usize;
         if bytes != self.s.len() {
             return Err("bytes past its last code");
         }
-        let pad = (8 * bytes as u64 - self.consumed) as u32;
+        let pad = (8 * bytes as u64 - consumed) as u32;
         if pad > 0 && self.s[bytes - 1] >> (8 - pad) != 0 {
             return Err("nonzero padding bits");
         }

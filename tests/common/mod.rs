@@ -714,6 +714,7 @@ pub const GOLDEN: &[(&str, &str, u64, u64)] = &[
     ("chunktopk_c64_k5", "chunktopk:chunk=64,k=5", 0, 0),
     ("chunktopk_c4096_k64", "chunktopk", 0, 0),
     ("chunktopk_c7_k7", "chunktopk:chunk=7,k=7", 0, 0),
+    ("lossless", "lossless", 0, 0),
     ("randk_r01_f32", "randk:ratio=0.1", 42, 0),
     ("randk_r01_bf16", "randk:ratio=0.1,values=bf16", 42, 0),
     (

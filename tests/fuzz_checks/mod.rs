@@ -215,8 +215,9 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
     } else {
         String::new()
     };
-    match c[0] % 15 {
+    match c[0] % 16 {
         0 => "identity".into(),
+        15 => "lossless".into(),
         1 => "fp16".into(),
         2 => "bf16".into(),
         3 => format!(
@@ -294,7 +295,7 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
 /// byte; a sealed frame carries the same payload and decodes the same.
 ///
 /// Input: 12 control bytes, then the values (little-endian f32, any bit patterns).
-/// - byte 0: codec (`% 15`, in wire-format id order);
+/// - byte 0: codec (`% 16`, in wire-format id order);
 /// - bytes 1..3: block size (`u16 % 4096 + 1`, also chunktopk's chunk, whose `k` is
 ///   `byte 4 % chunk + 1`); dct: chunk `byte 1 % 64 + 1`; for top-k and random-k, bits 0..2 of
 ///   byte 2 pick the index coding (automatic, gaps, Rice, bitmap; top-k), bit 2 bf16

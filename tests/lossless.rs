@@ -1,0 +1,263 @@
+//! `lossless`: every f32 comes back with its bits, a gradient's frame is smaller than
+//! identity's, and forged or damaged entropy blocks are errors (never a panic, never a
+//! changed output).
+
+mod common;
+
+use common::*;
+use gradpack::{Codec, CodecSpec, EncodeCtx, HEADER_LEN, Header};
+
+fn lossless() -> CodecSpec {
+    "lossless".parse().unwrap()
+}
+
+fn same_bits(x: &[f32], d: &[f32]) {
+    assert_eq!(x.len(), d.len());
+    for (i, (a, b)) in x.iter().zip(d).enumerate() {
+        assert_eq!(a.to_bits(), b.to_bits(), "element {i}: {a:e} became {b:e}");
+    }
+}
+
+/// A xorshift stream of u32s.
+fn words(seed: u64, n: usize) -> Vec<u32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 16) as u32
+        })
+        .collect()
+}
+
+#[test]
+fn every_exponent_with_random_signs_and_mantissas_comes_back_bit_for_bit() {
+    let c = lossless();
+    // Every exponent (zeros and subnormals, normals, Inf and NaN payloads), 64 random
+    // sign-and-mantissa patterns each, in every mix: alone, beside one other, and all.
+    let w = words(7, 256 * 64);
+    let of = |e: u32, k: usize| f32::from_bits((w[e as usize * 64 + k] & 0x807F_FFFF) | e << 23);
+    let all: Vec<f32> = (0..256)
+        .flat_map(|e| (0..64).map(move |k| (e, k)))
+        .map(|(e, k)| of(e, k))
+        .collect();
+    for n in [all.len(), 1000, 145, 3] {
+        let frame = c.encode(&all[..n], &EncodeCtx::new(0)).unwrap();
+        same_bits(&all[..n], &c.decode(&frame).unwrap());
+    }
+    for e in 0..256u32 {
+        let x: Vec<f32> = (0..64).map(|k| of(e, k)).collect();
+        let frame = c.encode(&x, &EncodeCtx::new(0)).unwrap();
+        same_bits(&x, &c.decode(&frame).unwrap());
+        let mut two: Vec<f32> = (0..300)
+            .map(|k| of(if k % 3 == 0 { e } else { 127 }, k % 64))
+            .collect();
+        two[299] = -0.0;
+        let frame = c.encode(&two, &EncodeCtx::new(0)).unwrap();
+        same_bits(&two, &c.decode(&frame).unwrap());
+    }
+}
+
+#[test]
+fn random_bit_patterns_at_many_lengths_come_back_and_add_exactly() {
+    let c = lossless();
+    for (seed, n) in [
+        (1u64, 0usize),
+        (2, 1),
+        (3, 4),
+        (4, 5),
+        (5, 21),
+        (6, 4097),
+        (7, 20_011),
+        (8, 70_000),
+    ] {
+        let x: Vec<f32> = words(seed, n).into_iter().map(f32::from_bits).collect();
+        let frame = c.encode(&x, &EncodeCtx::new(0)).unwrap();
+        same_bits(&x, &c.decode(&frame).unwrap());
+        // decode_add adds the exact values.
+        let base: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
+        let mut acc = base.clone();
+        c.decode_add(&frame, &mut acc).unwrap();
+        let want: Vec<f32> = base.iter().zip(&x).map(|(a, b)| a + b).collect();
+        same_bits(&want, &acc);
+    }
+}
+
+#[test]
+fn a_gradients_frame_is_smaller_than_identitys_and_a_constant_one_is_tiny() {
+    let c = lossless();
+    let n = 1 << 16;
+    let g = gradpack::synthetic::gradient(n, 3);
+    let frame = c.encode(&g, &EncodeCtx::new(0)).unwrap();
+    same_bits(&g, &c.decode(&frame).unwrap());
+    let ratio = (frame.len() - HEADER_LEN) as f64 / (4 * n) as f64;
+    // Sign and mantissa are 24 of 32 bits; the exponents of a gradient take about 3.
+    assert!(
+        ratio > 0.75 && ratio < 0.88,
+        "payload {ratio:.3} of identity's"
+    );
+    let k = vec![0.5f32; n];
+    let frame = c.encode(&k, &EncodeCtx::new(0)).unwrap();
+    assert_eq!(frame.len() - HEADER_LEN, 2 + 3 * n, "one-symbol mode");
+    same_bits(&k, &c.decode(&frame).unwrap());
+}
+
+/// A frame of `x` and the offset of its entropy block's first byte.
+fn frame_of(x: &[f32]) -> Vec<u8> {
+    lossless().encode(x, &EncodeCtx::new(0)).unwrap()
+}
+
+/// `frame` with its payload replaced, the header's payload length and CRC fixed up.
+fn with_payload(frame: &[u8], payload: Vec<u8>) -> Vec<u8> {
+    let mut h = Header::parse(frame).unwrap();
+    h.payload_len = payload.len() as u64;
+    let mut f = vec![0u8; HEADER_LEN];
+    h.write(&mut f);
+    f.extend(payload);
+    f
+}
+
+/// Every decoder refuses `frame`, for a reason that names `why`, and leaves the output
+/// as it was.
+fn refused(frame: &[u8], n: usize, what: &str, why: &str) {
+    let c = lossless();
+    let mut out = vec![1.5f32; n];
+    let e = c.decode_into(frame, &mut out).expect_err(what);
+    assert!(
+        out.iter().all(|&v| v == 1.5),
+        "{what}: output changed ({e})"
+    );
+    let e2 = c.decode_add(frame, &mut out).expect_err(what);
+    assert!(
+        out.iter().all(|&v| v == 1.5),
+        "{what}: accumulator changed ({e2})"
+    );
+    assert!(matches!(e, gradpack::Error::Corrupt { .. }), "{what}: {e}");
+    assert!(e.to_string().contains(why), "{what}: {e}");
+}
+
+#[test]
+fn forged_and_damaged_entropy_blocks_are_refused_and_change_nothing() {
+    let n = 20_000;
+    let g = gradpack::synthetic::gradient(n, 5);
+    let frame = frame_of(&g);
+    let p = frame[HEADER_LEN..].to_vec();
+    assert_eq!(p[0], 2, "a gradient's exponents take the Huffman mode");
+    let lens: Vec<u8> = (0..256)
+        .map(|s| (p[1 + s / 2] >> (4 * (s % 2))) & 15)
+        .collect();
+    let used: Vec<usize> = (0..256).filter(|&s| lens[s] > 0).collect();
+    let size = |j: usize| u32::from_le_bytes(p[129 + 4 * j..133 + 4 * j].try_into().unwrap());
+
+    // A code length over 11.
+    let mut q = p.clone();
+    let s = used[0];
+    q[1 + s / 2] = (q[1 + s / 2] & !(15 << (4 * (s % 2)))) | 12 << (4 * (s % 2));
+    refused(&with_payload(&frame, q), n, "length 12", "over 11");
+    // Lengths whose sum of 2^-len is not 1: one symbol's code made longer (a gap) or a
+    // new symbol added (over-full).
+    let mut q = p.clone();
+    let s = *used.iter().find(|&&s| lens[s] < 11).unwrap();
+    q[1 + s / 2] += 1 << (4 * (s % 2));
+    refused(
+        &with_payload(&frame, q),
+        n,
+        "incomplete code",
+        "prefix code",
+    );
+    let mut q = p.clone();
+    let s = (0..256).find(|&s| lens[s] == 0).unwrap();
+    q[1 + s / 2] |= 1 << (4 * (s % 2));
+    refused(&with_payload(&frame, q), n, "over-full code", "prefix code");
+    // One symbol alone is not a Huffman code.
+    let mut q = p.clone();
+    q[1..129].fill(0);
+    q[1] = 1;
+    refused(&with_payload(&frame, q), n, "one length", "prefix code");
+    // Stream lengths beyond the payload, or past the u32 sum.
+    let mut q = p.clone();
+    q[129..133].copy_from_slice(&u32::MAX.to_le_bytes());
+    refused(
+        &with_payload(&frame, q),
+        n,
+        "huge stream",
+        "beyond the frame",
+    );
+    // A stream cut short by a byte (the next stream one longer: the same total).
+    let mut q = p.clone();
+    q[129..133].copy_from_slice(&(size(0) - 1).to_le_bytes());
+    q[133..137].copy_from_slice(&(size(1) + 1).to_le_bytes());
+    refused(
+        &with_payload(&frame, q),
+        n,
+        "stream cut short",
+        "stream 0: it ends before",
+    );
+    // The whole payload cut short, or one byte longer.
+    refused(
+        &with_payload(&frame, p[..p.len() - 1].to_vec()),
+        n,
+        "payload short",
+        "",
+    );
+    let mut q = p.clone();
+    q.push(0);
+    refused(
+        &with_payload(&frame, q),
+        n,
+        "payload long",
+        "bytes after the exponents",
+    );
+    // An unknown mode.
+    let mut q = p.clone();
+    q[0] = 3;
+    refused(&with_payload(&frame, q), n, "mode 3", "unknown mode");
+    // Nonzero padding bits at the end of stream 0 (found by flipping the last byte's
+    // top bits, which are padding unless the stream ends on a byte boundary).
+    let mut found = false;
+    for bit in (0..8).rev() {
+        let mut q = p.clone();
+        q[145 + size(0) as usize - 1] ^= 1 << bit;
+        let f = with_payload(&frame, q);
+        let c = lossless();
+        let mut out = vec![0f32; n];
+        if let Err(e) = c.decode_into(&f, &mut out) {
+            if e.to_string().contains("padding") {
+                refused(&f, n, "padding", "padding");
+                found = true;
+                break;
+            }
+        }
+    }
+    assert!(found || size(0) == 0, "no padding bit to flip");
+}
+
+#[test]
+fn any_damage_is_an_error_or_a_decoding_never_a_panic() {
+    let n = 3000;
+    let g = gradpack::synthetic::gradient(n, 9);
+    let frame = frame_of(&g);
+    let c = lossless();
+    let w = words(11, 4000);
+    let mut out = vec![0f32; n];
+    for k in 0..2000 {
+        let mut p = frame[HEADER_LEN..].to_vec();
+        let at = w[2 * k] as usize % p.len();
+        p[at] ^= 1 << (w[2 * k + 1] % 8);
+        if k % 7 == 0 {
+            p.truncate(at);
+        }
+        let _ = c.decode_into(&with_payload(&frame, p), &mut out);
+    }
+}
+
+#[test]
+fn ranks_and_backends_see_the_same_frame() {
+    let g = gradpack::synthetic::gradient(50_000, 4);
+    let want = frame_of(&g);
+    for b in every_kernel_set() {
+        let f = b.run(|| frame_of(&g));
+        assert_eq!(f, want, "{b:?}");
+    }
+}
