@@ -196,10 +196,15 @@ def plot(results, path):
            f'replica 0, {results[0].get("world", 3)} replicas</text>']
     for r in results:
         if "kill_at" in r:
-            x0, x1 = px(r["kill_at"]), px(min(r["kill_at"] + r["away"], steps))
+            # Away from the kill to the quorum that healed it (the step after the heal).
+            healed = [s for s, ev in r["events"][-1] if ev == "healed"]
+            back = healed[0] + 1 if healed else r["kill_at"] + r["away"]
+            x0, x1 = px(r["kill_at"]), px(min(back, steps))
             out.append(f'<rect x="{x0:.1f}" y="{T}" width="{x1 - x0:.1f}" height="{H - T - B}" '
                        f'fill="#fbe3e3"/>')
-            out.append(f'<text x="{x0 + 4:.1f}" y="{T + 18}" fill="#b00">replica away</text>')
+            out.append(f'<text x="{x0 + 4:.1f}" y="{T + 18}" fill="#b00">a replica away</text>')
+            out.append(f'<text x="{x0 + 4:.1f}" y="{T + 36}" fill="#b00">({r["kill_at"]} to '
+                       f'{back})</text>')
     for s in range(0, steps + 1, 100):
         out.append(f'<line x1="{px(s)}" y1="{T}" x2="{px(s)}" y2="{H - B}" stroke="#ddd"/>')
         out.append(f'<text x="{px(s) - 12}" y="{H - B + 20}">{s}</text>')
