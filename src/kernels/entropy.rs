@@ -2,7 +2,7 @@
 //! interleaved streams, table-driven decoding. Used by the lossless codec for the
 //! exponents of floats.
 //!
-//! A coded block (what [`encode`] writes and [`decode`] reads) starts with its mode:
+//! A coded block (what [`encode`] writes and [`Block::open`] reads) starts with its mode:
 //!
 //! - `0` stored: the `n` symbols follow as bytes;
 //! - `1` one symbol: a byte, the symbol every one of the `n` is;
@@ -415,11 +415,12 @@ fn step4(r: &mut [Reader<'_>; 4], table: &[u16; 1 << MAX_LEN], out: &mut [[u8; 5
     r1.refill();
     r2.refill();
     r3.refill();
-    for t in 0..5 {
-        out[0][t] = r0.next(table);
-        out[1][t] = r1.next(table);
-        out[2][t] = r2.next(table);
-        out[3][t] = r3.next(table);
+    let [o0, o1, o2, o3] = out;
+    for (((a, b), c), d) in o0.iter_mut().zip(o1).zip(o2).zip(o3) {
+        *a = r0.next(table);
+        *b = r1.next(table);
+        *c = r2.next(table);
+        *d = r3.next(table);
     }
 }
 
