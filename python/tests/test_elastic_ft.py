@@ -216,3 +216,72 @@ def test_gradpack_float32_under_a_manager_follows_torchfts_diloco(tmp_path):
     moved = max(float((a - b.detach()).abs().max())
                 for a, b in zip(ft[0][-1], start.parameters()))
     assert moved > 1e-2, moved
+
+
+class _StandInManager:
+    """What ``DiLoCo(manager=)`` uses of a torchft Manager, for one replica alone: each
+    quorum configures the process group with a store on 127.0.0.1, world 1."""
+
+    class _PG:
+        def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None):
+            pass
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self._pg = self._PG()
+        self.quorum = 0
+
+    def start_quorum(self):
+        self.quorum += 1
+        self._pg.configure(f"127.0.0.1:{self.store.port}/q{self.quorum}", "r0", 0, 1,
+                           quorum_id=self.quorum)
+
+    def wait_quorum(self):
+        pass
+
+    def errored(self):
+        return None
+
+
+def test_a_failing_transport_is_counted_every_time_and_raises_past_the_limit():
+    import gradpack
+    import gradpack.torch as gpt
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = _StandInManager()
+    diloco = gpt.DiLoCo(model, opt, 2, "int8", manager=manager, timeout=5.0, max_failures=3)
+    x = torch.randn(8, 4)
+    for _ in range(4):  # two syncs in a quorum of one
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert diloco.elastic_stats()["failed"] == 0
+    # From now on every quorum's transport fails: a world of two whose other member
+    # never connects.
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", manager.store.port, is_master=False,
+                          timeout=datetime.timedelta(seconds=0.5))
+
+    def failing():
+        return gradpack.Tcp.from_store(store, 0, 2, key=f"never/{manager.quorum}", timeout=0.5)
+
+    diloco._elastic.quorums.next = failing
+    model(x).sum().backward()
+    opt.step()  # inner step 5: no sync
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="3 outer syncs or heals failed in a row"):
+        opt.step()  # inner step 6: its quorum fails three times, then it raises
+    stats = diloco.elastic_stats()
+    assert stats["failed"] == 3, stats
+    kinds = [e["event"] for e in stats["events"]]
+    assert kinds == ["quorum or heal failed"] * 3, kinds
+    assert [e["in_a_row"] for e in stats["events"]] == [1, 2, 3]
+    assert diloco.inner_step == 5, "the failed sync's step did not count"
+    diloco.close()
