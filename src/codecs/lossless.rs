@@ -58,23 +58,33 @@ fn join(e: u8, lo: u16, t: u8) -> u32 {
     ((t as u32 & 0x80) << 24) | ((e as u32) << 23) | ((t as u32 & 0x7F) << 16) | lo as u32
 }
 
+/// A `Corrupt` error at `at` bytes into the payload.
+fn corrupt((at, reason): entropy::Refused) -> Error {
+    Error::Corrupt {
+        codec: CodecId::Lossless,
+        offset: HEADER_LEN + at,
+        reason,
+    }
+}
+
 impl Scheme for Lossless {
     const ID: CodecId = CodecId::Lossless;
 
     fn max_payload(&self, n: u64) -> u64 {
-        n.saturating_mul(4).saturating_add(1)
+        entropy::max_len(n).saturating_add(n.saturating_mul(3))
     }
 
     fn encode_payload(&self, x: &[f32], _ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
         let n = x.len();
         let out = super::payload_buf(out, self.max_payload(n as u64))?;
         let at = entropy::encode(n, |i| exponent(x[i]), out);
-        let nonfinite = x.iter().any(|v| !v.is_finite());
         let (lo, rest) = out[at..].split_at_mut(2 * n);
+        let mut nonfinite = false;
         for ((l, t), v) in lo.chunks_exact_mut(2).zip(&mut rest[..n]).zip(x) {
             let b = v.to_bits();
             l.copy_from_slice(&(b as u16).to_le_bytes());
             *t = top(b);
+            nonfinite |= exponent(*v) == 0xFF;
         }
         Ok(Encoded {
             payload_len: (at + 3 * n) as u64,
@@ -91,15 +101,14 @@ impl Scheme for Lossless {
         // The smallest payload: an entropy block's mode byte and the 3 n plane bytes.
         let least = n.saturating_mul(3).saturating_add(1);
         if h.payload_len < least || h.payload_len > Lossless.max_payload(n) {
-            return Err(Error::Corrupt {
-                codec: CodecId::Lossless,
-                offset: 0,
-                reason: format!(
+            return Err(corrupt((
+                0,
+                format!(
                     "a payload of {} bytes for {n} elements (from {least} to {})",
                     h.payload_len,
                     Lossless.max_payload(n)
                 ),
-            });
+            )));
         }
         Ok(Lossless)
     }
@@ -111,22 +120,17 @@ impl Scheme for Lossless {
         out: &mut [f32],
     ) -> Result<()> {
         let n = out.len();
-        let block = entropy::Block::open(payload, n).map_err(|(at, reason)| Error::Corrupt {
-            codec: CodecId::Lossless,
-            offset: HEADER_LEN + at,
-            reason,
-        })?;
-        let at = block.len();
+        let block = entropy::Block::open(payload, n).map_err(corrupt)?;
+        let at = block.bytes();
         if payload.len() - at != 3 * n {
-            return Err(Error::Corrupt {
-                codec: CodecId::Lossless,
-                offset: HEADER_LEN + at,
-                reason: format!(
+            return Err(corrupt((
+                at,
+                format!(
                     "{} bytes after the exponents for {n} elements (want {})",
                     payload.len() - at,
                     3 * n
                 ),
-            });
+            )));
         }
         let (lo, tops) = payload[at..].split_at(2 * n);
         let mut bits = [0u8; 4 * CHUNK];

@@ -34,14 +34,14 @@ const STORED: u8 = 0;
 const ONE: u8 = 1;
 const HUFFMAN: u8 = 2;
 
-/// Upper bound of [`encode`]'s output for `n` symbols.
-pub fn max_len(n: usize) -> usize {
+/// Upper bound of [`encode`]'s output for `n` symbols (saturating).
+pub fn max_len(n: u64) -> u64 {
     n.saturating_add(1)
 }
 
 /// Count the symbols `sym(0..n)` (four tables, summed, so that runs of one value do
 /// not wait on one counter).
-pub fn histogram(n: usize, sym: impl Fn(usize) -> u8) -> [u64; 256] {
+fn histogram(n: usize, sym: impl Fn(usize) -> u8) -> [u64; 256] {
     let mut h = [[0u32; 256]; 4];
     let mut total = [0u64; 256];
     for start in (0..n).step_by(1 << 30) {
@@ -70,7 +70,7 @@ pub fn histogram(n: usize, sym: impl Fn(usize) -> u8) -> [u64; 256] {
 /// Huffman code lengths of at most [`MAX_LEN`] bits for the counts `h` (0 for a count
 /// of 0). Needs at least two symbols that occur. When the optimal code is longer, the
 /// counts are halved (a count stays at least 1) until it fits.
-pub fn code_lengths(h: &[u64; 256]) -> [u8; 256] {
+fn code_lengths(h: &[u64; 256]) -> [u8; 256] {
     let mut counts = *h;
     loop {
         let lens = huffman_lengths(&counts);
@@ -340,13 +340,8 @@ impl<'a> Block<'a> {
     }
 
     /// Bytes the block takes.
-    pub fn len(&self) -> usize {
+    pub fn bytes(&self) -> usize {
         self.len
-    }
-
-    /// Whether the block holds no symbol.
-    pub fn is_empty(&self) -> bool {
-        self.n == 0
     }
 
     /// Decode the symbols in pieces of at most `CHUNK`, in some order: `f(start,
