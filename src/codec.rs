@@ -79,12 +79,14 @@ pub trait Codec: Send + Sync + fmt::Debug {
     /// The buffer length that always suffices for `encode_into` of `n` elements: an upper
     /// bound on the frame length, plus, for `topk` with a ratio or count, working room
     /// for its one-pass selection (8 bytes per candidate, about `2k`; without the room,
-    /// a buffer that fits the frame gives the same frame by a slower, multi-pass route).
+    /// a buffer that fits the frame gives the same frame by a slower, multi-pass route),
+    /// and, for a codec with the entropy stage, room for its code section before it is
+    /// entropy-coded.
     fn max_encoded_len(&self, n: usize) -> usize;
 
     /// Encode `x` into `out`, returning the frame length. Allocates nothing. Bytes of `out`
-    /// past the frame are left as they were, except that `topk` uses those past its
-    /// largest possible frame as working room.
+    /// past the frame are left as they were, except that `topk` and the codecs with the
+    /// entropy stage use those past their largest possible frame as working room.
     ///
     /// Errors if `out` is shorter than the frame needs, or if `ctx.offset + x.len()`
     /// overflows, or a codec-specific limit is exceeded (documented per codec).
@@ -273,6 +275,50 @@ impl CodecSpec {
     /// (top-k frames record `k`, not the ratio that chose it).
     pub fn from_header(h: &Header) -> Result<CodecSpec> {
         crate::codecs::spec_from_header(h)
+    }
+
+    /// Whether the spec has the entropy stage (`entropy=on`): its code section is
+    /// entropy-coded, so its frames' lengths depend on the data.
+    pub fn entropy(&self) -> bool {
+        match self {
+            CodecSpec::Int8(c) => c.entropy(),
+            CodecSpec::Qsgd(c) => c.entropy(),
+            CodecSpec::Sign(c) => c.entropy(),
+            CodecSpec::Ternary(c) => c.entropy(),
+            CodecSpec::Natural(c) => c.entropy(),
+            CodecSpec::Fp8(c) => c.entropy(),
+            CodecSpec::Fp4(c) => c.entropy(),
+            CodecSpec::Codebook(c) => c.entropy(),
+            _ => false,
+        }
+    }
+
+    /// The same spec with the entropy stage on or off; an error for a codec without a
+    /// stage (identity, fp16, bf16, the sparse codecs, dct and lossless) when `on`, or a
+    /// block too large for it.
+    pub fn with_entropy(self, on: bool) -> Result<CodecSpec> {
+        Ok(match self {
+            CodecSpec::Int8(c) => c.with_entropy(on)?.into(),
+            CodecSpec::Qsgd(c) => c.with_entropy(on)?.into(),
+            CodecSpec::Sign(c) => c.with_entropy(on)?.into(),
+            CodecSpec::Ternary(c) => c.with_entropy(on)?.into(),
+            CodecSpec::Natural(c) => c.with_entropy(on)?.into(),
+            CodecSpec::Fp8(c) => c.with_entropy(on)?.into(),
+            CodecSpec::Fp4(c) => c.with_entropy(on)?.into(),
+            CodecSpec::Codebook(c) => c.with_entropy(on)?.into(),
+            c if !on => c,
+            c => {
+                return Err(Error::Param {
+                    codec: c.id(),
+                    name: "entropy",
+                    reason: format!(
+                        "{} has no entropy stage (the stage codes the byte codes of int8, \
+                         qsgd, sign, ternary, natural, fp8, fp4 and codebook)",
+                        c.id().name()
+                    ),
+                });
+            }
+        })
     }
 
     /// The concrete codec as a trait object.
@@ -584,6 +630,13 @@ impl Args {
 
     fn finish(self, name: &str) -> core::result::Result<(), String> {
         if let Some((k, _, _)) = self.pairs.iter().find(|(_, _, used)| !used) {
+            if k == "entropy" {
+                return Err(format!(
+                    "{name} has no entropy stage: `entropy=` applies to int8, qsgd, sign, \
+                     ternary, natural, fp8, fp4 and codebook (for f32 sent exactly, use \
+                     lossless)"
+                ));
+            }
             let acc = if self.accepted.is_empty() {
                 format!("{name} takes no parameters")
             } else {

@@ -185,7 +185,7 @@ impl ErrorFeedback {
         let state = match opts.precision {
             ResidualPrecision::F32 => State::F32(alloc::filled(len, 0.0, "the residual")?),
             ResidualPrecision::Bf16 => {
-                let layout = each_spec!(&codec, c => codecs::Scheme::fixed(c).map(|f| f.layout()));
+                let layout = each_spec!(&codec, c => codecs::Scheme::ranges(c).map(|f| f.layout()));
                 let Some(layout) = layout else {
                     return Err(Error::Param {
                         codec: codec.id(),

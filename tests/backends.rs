@@ -36,17 +36,19 @@ const SENTINEL: u8 = 0xA5;
 
 /// Encode under backend `b` into a buffer offset by `align` bytes and pre-filled with a
 /// sentinel; check nothing outside the buffer given is written, nor past the frame inside
-/// it (top-k and chunked top-k excepted: they keep candidates there); return the frame.
+/// it (top-k and chunked top-k excepted: they keep candidates there; and the entropy
+/// stage, which keeps its codes there); return the frame.
 fn encode_with(b: Backend, spec: &CodecSpec, x: &[f32], ctx: &EncodeCtx, align: usize) -> Vec<u8> {
     let max = spec.max_encoded_len(x.len());
     let mut buf = vec![SENTINEL; align + max + 64];
     let len = b
         .run(|| spec.encode_into(x, ctx, &mut buf[align..align + max]))
         .unwrap();
-    let untouched = if matches!(
-        spec.id(),
-        gradpack::CodecId::TopK | gradpack::CodecId::ChunkTopK
-    ) {
+    let untouched = if spec.entropy()
+        || matches!(
+            spec.id(),
+            gradpack::CodecId::TopK | gradpack::CodecId::ChunkTopK
+        ) {
         align + max
     } else {
         align + len

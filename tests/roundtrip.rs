@@ -83,19 +83,30 @@ fn nothing_is_written_past_the_frame() {
             let max = spec.max_encoded_len(n);
             let mut buf = vec![0xA5u8; max + 64];
             let len = spec.encode_into(&x, &ctx, &mut buf[..max]).unwrap();
-            // Top-k and chunked top-k keep candidates in the buffer past the frame (documented).
-            let untouched = if matches!(
-                spec.id(),
-                gradpack::CodecId::TopK | gradpack::CodecId::ChunkTopK
-            ) {
-                max
-            } else {
-                len
-            };
+            // Top-k and chunked top-k keep candidates in the buffer past the frame, the
+            // entropy stage its codes (documented).
+            let room = spec.entropy()
+                || matches!(
+                    spec.id(),
+                    gradpack::CodecId::TopK | gradpack::CodecId::ChunkTopK
+                );
+            let untouched = if room { max } else { len };
             assert!(
                 buf[untouched..].iter().all(|&b| b == 0xA5),
                 "{spec} n = {n}"
             );
+            if spec.entropy() {
+                // The stage needs its room: one byte short of it is an error.
+                let mut short = vec![0u8; max - 1];
+                assert!(
+                    matches!(
+                        spec.encode_into(&x, &ctx, &mut short),
+                        Err(Error::BufferTooSmall { .. })
+                    ),
+                    "{spec} n = {n}"
+                );
+                continue;
+            }
             // A buffer of exactly the frame length suffices (top-k: with no working room,
             // by its multi-pass engine, to the same bytes); one byte less does not.
             let mut exact = vec![0u8; len];

@@ -628,6 +628,7 @@ impl Scheme for ChunkTopK {
             params: self.params(),
             nonfinite,
             seed: 0,
+            entropy: false,
         })
     }
 
@@ -673,6 +674,7 @@ impl Scheme for ChunkTopK {
                 params: self.params(),
                 nonfinite,
                 seed: 0,
+                entropy: false,
             },
             true,
         ))

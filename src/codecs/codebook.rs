@@ -26,7 +26,7 @@
 use super::fixed::{self, FixedRate, Layout, by_mode};
 use super::{
     EncodeCtx, MAX_BLOCK, Scheme, block_only_codec, block_params, check_block, check_finite_f32s,
-    expect_payload, read_block,
+    read_block,
 };
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::Result;
@@ -42,14 +42,18 @@ block_only_codec!(
 
 impl Scheme for Codebook {
     const ID: CodecId = CodecId::Codebook;
+    const STAGE: bool = true;
     fixed::fixed_scheme!();
 
     fn read(h: &Header) -> Result<Codebook> {
         let block = read_block(h)? as u32;
         h.params_zero_from(4)?;
         h.seed_zero()?;
-        let c = Codebook { block };
-        expect_payload(h, c.layout().payload_len(h.elements))?;
+        let c = Codebook {
+            block,
+            entropy: h.entropy(),
+        };
+        super::stage::expect_payload(h, &c)?;
         Ok(c)
     }
 
@@ -59,6 +63,10 @@ impl Scheme for Codebook {
 }
 
 impl FixedRate for Codebook {
+    fn staged(&self) -> bool {
+        self.entropy
+    }
+
     fn params(&self) -> [u8; 12] {
         block_params(self.block, 0)
     }

@@ -608,6 +608,7 @@ impl Scheme for Dct {
             params: self.params(),
             nonfinite,
             seed: 0,
+            entropy: false,
         })
     }
 

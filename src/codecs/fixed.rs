@@ -87,8 +87,19 @@ pub trait FixedRate: Sync {
         codes: &mut [u8],
     ) -> bool;
     /// Check everything a decoder must before writing (payload length is already checked).
+    /// With the entropy stage, `codes` is empty here: the stage checks the codes itself
+    /// (their padding, and [`FixedRate::refuses_code`]).
     fn validate(&self, _h: &Header, _scales: &[u8], _codes: &[u8]) -> Result<()> {
         Ok(())
+    }
+    /// Whether the code section is entropy-coded (the spec's `entropy=on`).
+    fn staged(&self) -> bool {
+        false
+    }
+    /// Whether a code byte is one encoders never write (the stage refuses an entropy
+    /// block that has a code for it); only byte-wide codes refuse any.
+    fn refuses_code(&self, _c: u8) -> bool {
+        false
     }
     /// A fused error-feedback step over one tile with an f32 residual, if the codec has
     /// one: `r` holds the residual and becomes the new one, exactly as forming `p`,
@@ -134,9 +145,11 @@ pub trait FixedRate: Sync {
 macro_rules! fixed_scheme {
     () => {
         fn max_payload(&self, n: u64) -> u64 {
-            $crate::codecs::fixed::FixedRate::layout(self)
-                .payload_len(n)
-                .unwrap_or(u64::MAX)
+            let l = $crate::codecs::fixed::FixedRate::layout(self);
+            if $crate::codecs::fixed::FixedRate::staged(self) {
+                return $crate::codecs::stage::max_payload(l, n);
+            }
+            l.payload_len(n).unwrap_or(u64::MAX)
         }
 
         fn encode_payload(
@@ -145,6 +158,9 @@ macro_rules! fixed_scheme {
             ctx: &$crate::codec::EncodeCtx,
             out: &mut [u8],
         ) -> $crate::error::Result<$crate::codecs::Encoded> {
+            if $crate::codecs::fixed::FixedRate::staged(self) {
+                return $crate::codecs::stage::encode(self, x, ctx, out);
+            }
             $crate::codecs::fixed::encode_payload(self, x, ctx, out)
         }
 
@@ -154,10 +170,23 @@ macro_rules! fixed_scheme {
             p: &[u8],
             out: &mut [f32],
         ) -> $crate::error::Result<()> {
+            if h.entropy() {
+                return $crate::codecs::stage::decode::<Self, M>(self, h, p, out);
+            }
             $crate::codecs::fixed::decode::<Self, M>(self, h, p, out)
         }
 
+        /// `None` with the entropy stage: staged frames have no fixed length and are
+        /// encoded and decoded whole.
         fn fixed(&self) -> Option<&dyn $crate::codecs::fixed::FixedRate> {
+            if $crate::codecs::fixed::FixedRate::staged(self) {
+                None
+            } else {
+                Some(self)
+            }
+        }
+
+        fn ranges(&self) -> Option<&dyn $crate::codecs::fixed::FixedRate> {
             Some(self)
         }
     };
@@ -259,7 +288,21 @@ pub(crate) fn encode<F: FixedRate + ?Sized>(
     let len = sl + l.codes_len(n);
     let p = payload_buf(out, len as u64)?;
     let (scales, codes) = p.split_at_mut(sl);
-    let nonfinite = if parallel::worth(n, f.encode_weight()) {
+    Ok((len as u64, encode_sections_into(f, x, ctx, scales, codes)))
+}
+
+/// Encode `x` into its scales and codes (exactly as long as the layout says), in parallel
+/// for large tensors; true if `x` held NaN or ±Inf.
+pub(crate) fn encode_sections_into<F: FixedRate + ?Sized>(
+    f: &F,
+    x: &[f32],
+    ctx: &EncodeCtx,
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    let l = f.layout();
+    let n = x.len();
+    if parallel::worth(n, f.encode_weight()) {
         let b = Enc {
             l,
             x,
@@ -276,8 +319,7 @@ pub(crate) fn encode<F: FixedRate + ?Sized>(
         })
     } else {
         f.encode_sections(x, ctx, scales, codes)
-    };
-    Ok((len as u64, nonfinite))
+    }
 }
 
 /// A whole encode: the payload and what the header records.
@@ -292,7 +334,7 @@ pub(crate) fn encode_payload<F: FixedRate + ?Sized>(
 }
 
 /// What the header of a payload of `payload_len` bytes records.
-fn encoded<F: FixedRate + ?Sized>(
+pub(crate) fn encoded<F: FixedRate + ?Sized>(
     f: &F,
     payload_len: u64,
     nonfinite: bool,
@@ -303,6 +345,7 @@ fn encoded<F: FixedRate + ?Sized>(
         params: f.params(),
         nonfinite,
         seed: if f.seeded() { ctx.seed } else { 0 },
+        entropy: f.staged(),
     }
 }
 
@@ -491,6 +534,23 @@ pub(crate) fn feedback<F: FixedRate + ?Sized>(
     let len = sl + l.codes_len(n);
     let p = payload_buf(out, len as u64)?;
     let (scales, codes) = p.split_at_mut(sl);
+    let nonfinite = feedback_sections(f, g, r, (beta, gamma), ctx, scales, codes);
+    Ok(encoded(f, len as u64, nonfinite, ctx))
+}
+
+/// [`feedback`] into the scales and codes of the layout (exactly as long as it says);
+/// true if the formed input held NaN or ±Inf.
+pub(crate) fn feedback_sections<F: FixedRate + ?Sized>(
+    f: &F,
+    g: &[f32],
+    r: ResidualMut<'_>,
+    (beta, gamma): (f32, f32),
+    ctx: &EncodeCtx,
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> bool {
+    let l = f.layout();
+    let n = g.len();
     let (tile, _) = feedback_scratch(l, n);
     let range = l.range_near(parallel::CHUNK).max(tile);
     let b = Fb {
@@ -501,7 +561,7 @@ pub(crate) fn feedback<F: FixedRate + ?Sized>(
         scales,
         codes,
     };
-    let nonfinite = parallel::for_ranges(
+    parallel::for_ranges(
         b,
         n,
         range,
@@ -515,8 +575,7 @@ pub(crate) fn feedback<F: FixedRate + ?Sized>(
                 &ctx.with_offset(ctx.offset + start as u64),
             )
         },
-    );
-    Ok(encoded(f, len as u64, nonfinite, ctx))
+    )
 }
 
 /// The tiles of one range, in order; `ctx.offset` is the range's first global index.

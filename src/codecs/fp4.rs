@@ -51,9 +51,7 @@ use core::fmt;
 
 use super::fixed::{self, FixedRate, Layout, ResidualMut};
 use super::fp8::{ScaleRule, SmallFloat};
-use super::{
-    EncodeCtx, MAX_BLOCK, Scheme, check_block, check_code_padding, expect_payload, read_block,
-};
+use super::{EncodeCtx, MAX_BLOCK, Scheme, check_block, check_code_padding, read_block};
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::codecs::int8::Rounding;
 use crate::error::{Error, Result};
@@ -138,6 +136,7 @@ pub struct Fp4 {
     /// encoding, read from the header when decoding (0 in a codec made from a spec).
     global: u32,
     rule: ScaleRule,
+    entropy: bool,
 }
 
 impl PartialEq for Fp4 {
@@ -148,7 +147,8 @@ impl PartialEq for Fp4 {
             self.scale,
             self.rounding,
             self.rule,
-        ) == (o.format, o.block, o.scale, o.rounding, o.rule)
+            self.entropy,
+        ) == (o.format, o.block, o.scale, o.rounding, o.rule, o.entropy)
     }
 }
 
@@ -163,6 +163,7 @@ impl Default for Fp4 {
             rounding: Rounding::Nearest,
             global: 0,
             rule: ScaleRule::Rceil,
+            entropy: false,
         }
     }
 }
@@ -191,6 +192,7 @@ impl Fp4 {
             rounding,
             global: 0,
             rule: ScaleRule::Rceil,
+            entropy: false,
         })
     }
 
@@ -245,14 +247,17 @@ impl Fp4 {
         }
         let rounding = Rounding::from_args(a)?;
         let rule = ScaleRule::from_args(a, scale == Fp4Scale::E8m0)?;
-        Ok(Fp4 {
+        let c = Fp4 {
             format,
             block,
             scale,
             rounding,
             global: 0,
             rule,
-        })
+            entropy: false,
+        };
+        let entropy = super::stage::from_args(a, CodecId::Fp4, c.layout())?;
+        Ok(Fp4 { entropy, ..c })
     }
 
     /// The shared small-float core.
@@ -292,16 +297,19 @@ impl Fp4 {
     }
 }
 
+super::stage::stage_methods!(Fp4);
+
 impl fmt::Display for Fp4 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "fp4:format={},block={},scale={},rounding={}{}",
+            "fp4:format={},block={},scale={},rounding={}{}{}",
             self.format.name(),
             self.block,
             self.scale.name(),
             self.rounding.name(),
-            self.rule.suffix()
+            self.rule.suffix(),
+            super::stage::suffix(self.entropy)
         )
     }
 }
@@ -314,6 +322,7 @@ impl From<Fp4> for CodecSpec {
 
 impl Scheme for Fp4 {
     const ID: CodecId = CodecId::Fp4;
+    const STAGE: bool = true;
     fixed::fixed_scheme!();
 
     fn for_input(&self, x: &[f32]) -> Fp4 {
@@ -387,8 +396,9 @@ impl Scheme for Fp4 {
             rounding,
             global,
             rule,
+            entropy: h.entropy(),
         };
-        expect_payload(h, c.layout().payload_len(h.elements))?;
+        super::stage::expect_payload(h, &c)?;
         Ok(c)
     }
 
@@ -399,6 +409,10 @@ impl Scheme for Fp4 {
 }
 
 impl FixedRate for Fp4 {
+    fn staged(&self) -> bool {
+        self.entropy
+    }
+
     fn params(&self) -> [u8; 12] {
         let mut p = self.core().params(self.format as u8, self.scale as u8);
         if self.scale == Fp4Scale::E4m3 {

@@ -52,7 +52,7 @@
 use core::fmt;
 
 use super::fixed::{self, FixedRate, Layout, by_mode};
-use super::{EncodeCtx, MAX_BLOCK, Scheme, block_params, check_block, expect_payload, read_block};
+use super::{EncodeCtx, MAX_BLOCK, Scheme, block_params, check_block, read_block};
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::{Error, Result};
 use crate::kernels;
@@ -213,6 +213,7 @@ pub struct Fp8 {
     scale: Fp8Scale,
     rounding: Rounding,
     rule: ScaleRule,
+    entropy: bool,
 }
 
 impl Default for Fp8 {
@@ -223,6 +224,7 @@ impl Default for Fp8 {
             scale: Fp8Scale::F32,
             rounding: Rounding::Nearest,
             rule: ScaleRule::Rceil,
+            entropy: false,
         }
     }
 }
@@ -250,6 +252,7 @@ impl Fp8 {
             scale,
             rounding,
             rule: ScaleRule::Rceil,
+            entropy: false,
         })
     }
 
@@ -305,13 +308,16 @@ impl Fp8 {
         }
         let rounding = Rounding::from_args(a)?;
         let rule = ScaleRule::from_args(a, scale == Fp8Scale::E8m0)?;
-        Ok(Fp8 {
+        let c = Fp8 {
             format,
             block,
             scale,
             rounding,
             rule,
-        })
+            entropy: false,
+        };
+        let entropy = super::stage::from_args(a, CodecId::Fp8, c.layout())?;
+        Ok(Fp8 { entropy, ..c })
     }
 
     /// The shared small-float core.
@@ -472,16 +478,19 @@ impl SmallFloat {
     }
 }
 
+super::stage::stage_methods!(Fp8);
+
 impl fmt::Display for Fp8 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "fp8:format={},block={},scale={},rounding={}{}",
+            "fp8:format={},block={},scale={},rounding={}{}{}",
             self.format.name(),
             self.block,
             self.scale.name(),
             self.rounding.name(),
-            self.rule.suffix()
+            self.rule.suffix(),
+            super::stage::suffix(self.entropy)
         )
     }
 }
@@ -494,6 +503,7 @@ impl From<Fp8> for CodecSpec {
 
 impl Scheme for Fp8 {
     const ID: CodecId = CodecId::Fp8;
+    const STAGE: bool = true;
     fixed::fixed_scheme!();
 
     fn read(h: &Header) -> Result<Fp8> {
@@ -542,8 +552,9 @@ impl Scheme for Fp8 {
             scale,
             rounding,
             rule,
+            entropy: h.entropy(),
         };
-        expect_payload(h, c.layout().payload_len(h.elements))?;
+        super::stage::expect_payload(h, &c)?;
         Ok(c)
     }
 
@@ -554,6 +565,10 @@ impl Scheme for Fp8 {
 }
 
 impl FixedRate for Fp8 {
+    fn staged(&self) -> bool {
+        self.entropy
+    }
+
     fn params(&self) -> [u8; 12] {
         let scale = match self.scale {
             Fp8Scale::F32 => 0,

@@ -16,10 +16,7 @@
 use core::fmt;
 
 use super::fixed::{self, FixedRate, Layout, by_mode};
-use super::{
-    EncodeCtx, MAX_BLOCK, Scheme, block_params, check_block, check_steps, expect_payload,
-    read_block,
-};
+use super::{EncodeCtx, MAX_BLOCK, Scheme, block_params, check_block, check_steps, read_block};
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::{Error, Result};
 use crate::kernels::{self, scalar::Round};
@@ -80,6 +77,7 @@ impl Rounding {
 pub struct Int8 {
     block: u32,
     rounding: Rounding,
+    entropy: bool,
 }
 
 impl Default for Int8 {
@@ -87,6 +85,7 @@ impl Default for Int8 {
         Int8 {
             block: 256,
             rounding: Rounding::Nearest,
+            entropy: false,
         }
     }
 }
@@ -97,6 +96,7 @@ impl Int8 {
         Ok(Int8 {
             block: check_block(CodecId::Int8, block)?,
             rounding,
+            entropy: false,
         })
     }
 
@@ -113,17 +113,26 @@ impl Int8 {
     pub(crate) fn from_args(a: &mut Args) -> core::result::Result<Int8, String> {
         let block = a.uint("block", 256, 1..=MAX_BLOCK as u64)? as u32;
         let rounding = Rounding::from_args(a)?;
-        Ok(Int8 { block, rounding })
+        let c = Int8 {
+            block,
+            rounding,
+            entropy: false,
+        };
+        let entropy = super::stage::from_args(a, CodecId::Int8, c.layout())?;
+        Ok(Int8 { entropy, ..c })
     }
 }
+
+super::stage::stage_methods!(Int8);
 
 impl fmt::Display for Int8 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "int8:block={},rounding={}",
+            "int8:block={},rounding={}{}",
             self.block,
-            self.rounding.name()
+            self.rounding.name(),
+            super::stage::suffix(self.entropy)
         )
     }
 }
@@ -136,6 +145,7 @@ impl From<Int8> for CodecSpec {
 
 impl Scheme for Int8 {
     const ID: CodecId = CodecId::Int8;
+    const STAGE: bool = true;
     fixed::fixed_scheme!();
 
     fn read(h: &Header) -> Result<Int8> {
@@ -145,8 +155,12 @@ impl Scheme for Int8 {
         if rounding == Rounding::Nearest {
             h.seed_zero()?;
         }
-        let c = Int8 { block, rounding };
-        expect_payload(h, c.layout().payload_len(h.elements))?;
+        let c = Int8 {
+            block,
+            rounding,
+            entropy: h.entropy(),
+        };
+        super::stage::expect_payload(h, &c)?;
         Ok(c)
     }
 
@@ -156,6 +170,10 @@ impl Scheme for Int8 {
 }
 
 impl FixedRate for Int8 {
+    fn staged(&self) -> bool {
+        self.entropy
+    }
+
     fn params(&self) -> [u8; 12] {
         block_params(self.block, (self.rounding == Rounding::Stochastic) as u8)
     }

@@ -77,7 +77,7 @@ impl Scheme for Lossless {
     fn encode_payload(&self, x: &[f32], _ctx: &EncodeCtx, out: &mut [u8]) -> Result<Encoded> {
         let n = x.len();
         let out = super::payload_buf(out, self.max_payload(n as u64))?;
-        let at = entropy::encode(n, |i| exponent(x[i]), out);
+        let at = entropy::encode(n, |i| exponent(x[i]), 1, out);
         let (lo, rest) = out[at..].split_at_mut(2 * n);
         let mut nonfinite = false;
         for ((l, t), v) in lo.chunks_exact_mut(2).zip(&mut rest[..n]).zip(x) {
@@ -91,6 +91,7 @@ impl Scheme for Lossless {
             params: [0; 12],
             nonfinite,
             seed: 0,
+            entropy: false,
         })
     }
 
@@ -120,7 +121,7 @@ impl Scheme for Lossless {
         out: &mut [f32],
     ) -> Result<()> {
         let n = out.len();
-        let block = entropy::Block::open(payload, n).map_err(corrupt)?;
+        let block = entropy::Block::open(payload, n, 1).map_err(corrupt)?;
         let at = block.bytes();
         if payload.len() - at != 3 * n {
             return Err(corrupt((
@@ -134,7 +135,7 @@ impl Scheme for Lossless {
         }
         let (lo, tops) = payload[at..].split_at(2 * n);
         let mut bits = [0u8; 4 * CHUNK];
-        block.for_each_chunk::<CHUNK>(|start, exps| {
+        block.for_each_chunk::<CHUNK>(CHUNK, |start, exps| {
             let k = exps.len();
             let lo = &lo[2 * start..2 * (start + k)];
             let tops = &tops[start..start + k];

@@ -21,6 +21,7 @@ mod qsgd;
 mod randk;
 pub(crate) mod reduce;
 mod sign;
+pub(crate) mod stage;
 mod ternary;
 mod topk;
 mod values;
@@ -66,6 +67,8 @@ pub(crate) mod scheme {
         pub nonfinite: bool,
         /// Seed to record (0 for codecs that draw nothing).
         pub seed: u64,
+        /// The code section is entropy-coded (the frame's ENTROPY flag).
+        pub entropy: bool,
     }
 
     /// The per-codec part of a codec (sealed: not nameable outside the crate).
@@ -74,6 +77,9 @@ pub(crate) mod scheme {
     {
         /// Byte 5 of this codec's frames.
         const ID: CodecId;
+        /// Whether the codec takes the entropy stage (its frames may carry the ENTROPY
+        /// flag).
+        const STAGE: bool = false;
         /// Codec-specific limits on the element count an encoder accepts.
         fn check_elements(&self, _n: u64) -> Result<()> {
             Ok(())
@@ -115,6 +121,11 @@ pub(crate) mod scheme {
         /// The fixed-rate structure (ranges of whole blocks encode and decode
         /// independently), if the codec has one; `None` for the sparse codecs.
         fn fixed(&self) -> Option<&dyn super::fixed::FixedRate> {
+            None
+        }
+        /// The fixed-rate structure, with or without the entropy stage (whose error
+        /// feedback runs the same tiles, then codes the code section).
+        fn ranges(&self) -> Option<&dyn super::fixed::FixedRate> {
             None
         }
         /// The codec that encodes `x`: itself, except for a codec whose frames carry a
@@ -189,7 +200,8 @@ impl<S: Scheme> Codec for S {
 fn write_header<S: Scheme>(e: &Encoded, n: usize, ctx: &EncodeCtx, out: &mut [u8]) -> Header {
     let h = Header {
         codec: S::ID,
-        flags: if e.nonfinite { wire::FLAG_NONFINITE } else { 0 },
+        flags: if e.nonfinite { wire::FLAG_NONFINITE } else { 0 }
+            | if e.entropy { wire::FLAG_ENTROPY } else { 0 },
         elements: n as u64,
         payload_len: e.payload_len,
         seed: e.seed,
@@ -216,8 +228,12 @@ pub(crate) fn feedback_step<S: Scheme>(
     out: &mut [u8],
 ) -> Result<usize> {
     let c = &c.for_feedback(&r, g, beta, gamma);
-    if let Some(f) = c.fixed() {
-        let e = fixed::feedback(f, g, r, beta, gamma, ctx, out)?;
+    if let Some(f) = c.ranges() {
+        let e = if f.staged() {
+            stage::feedback(f, g, r, (beta, gamma), ctx, out)?
+        } else {
+            fixed::feedback(f, g, r, beta, gamma, ctx, out)?
+        };
         write_header::<S>(&e, g.len(), ctx, out);
         return Ok(HEADER_LEN + e.payload_len as usize);
     }
@@ -255,7 +271,7 @@ fn decode_as<S: Scheme, const M: u8>(h: &Header, p: &[u8], out: &mut [f32]) -> R
             got: out.len(),
         });
     }
-    let c = S::read(h)?;
+    let c = read::<S>(h)?;
     Standard::run(|| c.decode_payload::<M>(h, p, out))
 }
 
@@ -379,7 +395,7 @@ fn hop_sections_as<'f, S: Scheme>(
             got: n,
         });
     }
-    if S::read(h)?.into() != Into::<CodecSpec>::into(*c) {
+    if read::<S>(h)?.into() != Into::<CodecSpec>::into(*c) {
         return Ok(None);
     }
     let (scales, codes) = payload.split_at(f.layout().scales_len(n));
@@ -452,7 +468,7 @@ fn decode_then_as<S: Scheme>(
             got: out.len(),
         });
     }
-    let c = S::read(h)?;
+    let c = read::<S>(h)?;
     if let Some(f) = c.fixed() {
         return Standard::run(|| fixed::decode_then(f, h, p, out, finish));
     }
@@ -463,7 +479,23 @@ fn decode_then_as<S: Scheme>(
 
 /// The spec a header describes (validated as a decoder would).
 pub(crate) fn spec_from_header(h: &Header) -> Result<CodecSpec> {
-    by_id!(h.codec, S => S::read(h).map(Into::into))
+    by_id!(h.codec, S => read::<S>(h).map(Into::into))
+}
+
+/// The codec `S` a header describes: the ENTROPY flag refused where `S` has no stage,
+/// then `S`'s own checks.
+fn read<S: Scheme>(h: &Header) -> Result<S> {
+    if h.entropy() && !S::STAGE {
+        return Err(Error::BadField {
+            codec: h.codec,
+            field: "flags",
+            reason: format!(
+                "the ENTROPY flag is set, and {} has no entropy stage",
+                h.codec.name()
+            ),
+        });
+    }
+    S::read(h)
 }
 
 // ------------------------------------------------------------------ shared layout helpers
@@ -711,19 +743,24 @@ pub(crate) fn check_code_padding(h: &Header, scales: &[u8], codes: &[u8], bits: 
     wire::check_padding(h.codec, codes, HEADER_LEN + scales.len(), h.elements, bits)
 }
 
-/// The struct, `Default`, `new`, `block`, `from_args`, `Display` and
-/// `From<_> for CodecSpec` of a codec whose only parameter is its block size.
+/// The struct, `Default`, `new`, `block`, `with_entropy`, `entropy`, `from_args`,
+/// `Display` and `From<_> for CodecSpec` of a codec whose only parameters are its block
+/// size and the entropy stage.
 macro_rules! block_only_codec {
     ($(#[$doc:meta])* $T:ident, $id:ident, default_block = $default:expr) => {
         $(#[$doc])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq)]
         pub struct $T {
             block: u32,
+            entropy: bool,
         }
 
         impl Default for $T {
             fn default() -> Self {
-                $T { block: $default }
+                $T {
+                    block: $default,
+                    entropy: false,
+                }
             }
         }
 
@@ -732,6 +769,7 @@ macro_rules! block_only_codec {
             pub fn new(block: usize) -> Result<$T> {
                 Ok($T {
                     block: check_block(CodecId::$id, block)?,
+                    entropy: false,
                 })
             }
 
@@ -742,13 +780,26 @@ macro_rules! block_only_codec {
 
             pub(crate) fn from_args(a: &mut Args) -> core::result::Result<$T, String> {
                 let block = a.uint("block", $default, 1..=MAX_BLOCK as u64)? as u32;
-                Ok($T { block })
+                let c = $T {
+                    block,
+                    entropy: false,
+                };
+                let entropy = $crate::codecs::stage::from_args(a, CodecId::$id, c.layout())?;
+                Ok($T { entropy, ..c })
             }
         }
 
+        $crate::codecs::stage::stage_methods!($T);
+
         impl core::fmt::Display for $T {
             fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-                write!(f, "{}:block={}", CodecId::$id.name(), self.block)
+                write!(
+                    f,
+                    "{}:block={}{}",
+                    CodecId::$id.name(),
+                    self.block,
+                    $crate::codecs::stage::suffix(self.entropy)
+                )
             }
         }
 

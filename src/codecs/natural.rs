@@ -18,8 +18,7 @@
 
 use super::fixed::{self, FixedRate, Layout, by_mode};
 use super::{
-    EncodeCtx, MAX_BLOCK, Scheme, block_only_codec, block_params, check_block, expect_payload,
-    read_block,
+    EncodeCtx, MAX_BLOCK, Scheme, block_only_codec, block_params, check_block, read_block,
 };
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::{Error, Result};
@@ -39,13 +38,17 @@ block_only_codec!(
 
 impl Scheme for Natural {
     const ID: CodecId = CodecId::Natural;
+    const STAGE: bool = true;
     fixed::fixed_scheme!();
 
     fn read(h: &Header) -> Result<Natural> {
         let block = read_block(h)? as u32;
         h.params_zero_from(4)?;
-        let c = Natural { block };
-        expect_payload(h, c.layout().payload_len(h.elements))?;
+        let c = Natural {
+            block,
+            entropy: h.entropy(),
+        };
+        super::stage::expect_payload(h, &c)?;
         Ok(c)
     }
 
@@ -55,6 +58,10 @@ impl Scheme for Natural {
 }
 
 impl FixedRate for Natural {
+    fn staged(&self) -> bool {
+        self.entropy
+    }
+
     fn params(&self) -> [u8; 12] {
         block_params(self.block, 0)
     }

@@ -17,7 +17,7 @@ use core::fmt;
 use super::fixed::{self, FixedRate, Layout, by_mode};
 use super::{
     EncodeCtx, MAX_BLOCK, Scheme, block_params, check_block, check_code_padding, check_steps,
-    expect_payload, read_block, signmag_sections,
+    read_block, signmag_sections,
 };
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::{Error, Result};
@@ -29,6 +29,7 @@ use crate::wire::{HEADER_LEN, Header};
 pub struct Qsgd {
     bits: u8,
     block: u32,
+    entropy: bool,
 }
 
 impl Default for Qsgd {
@@ -36,6 +37,7 @@ impl Default for Qsgd {
         Qsgd {
             bits: 4,
             block: 512,
+            entropy: false,
         }
     }
 }
@@ -53,6 +55,7 @@ impl Qsgd {
         Ok(Qsgd {
             bits: bits as u8,
             block: check_block(CodecId::Qsgd, block)?,
+            entropy: false,
         })
     }
 
@@ -86,13 +89,27 @@ impl Qsgd {
             _ => 4,
         };
         let block = a.uint("block", 512, 1..=MAX_BLOCK as u64)? as u32;
-        Ok(Qsgd { bits, block })
+        let c = Qsgd {
+            bits,
+            block,
+            entropy: false,
+        };
+        let entropy = super::stage::from_args(a, CodecId::Qsgd, c.layout())?;
+        Ok(Qsgd { entropy, ..c })
     }
 }
 
+super::stage::stage_methods!(Qsgd);
+
 impl fmt::Display for Qsgd {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "qsgd:bits={},block={}", self.bits, self.block)
+        write!(
+            f,
+            "qsgd:bits={},block={}{}",
+            self.bits,
+            self.block,
+            super::stage::suffix(self.entropy)
+        )
     }
 }
 
@@ -104,6 +121,7 @@ impl From<Qsgd> for CodecSpec {
 
 impl Scheme for Qsgd {
     const ID: CodecId = CodecId::Qsgd;
+    const STAGE: bool = true;
     fixed::fixed_scheme!();
 
     fn read(h: &Header) -> Result<Qsgd> {
@@ -117,8 +135,12 @@ impl Scheme for Qsgd {
             });
         }
         h.params_zero_from(5)?;
-        let c = Qsgd { bits, block };
-        expect_payload(h, c.layout().payload_len(h.elements))?;
+        let c = Qsgd {
+            bits,
+            block,
+            entropy: h.entropy(),
+        };
+        super::stage::expect_payload(h, &c)?;
         Ok(c)
     }
 
@@ -128,6 +150,10 @@ impl Scheme for Qsgd {
 }
 
 impl FixedRate for Qsgd {
+    fn staged(&self) -> bool {
+        self.entropy
+    }
+
     fn params(&self) -> [u8; 12] {
         block_params(self.block, self.bits)
     }

@@ -613,6 +613,7 @@ impl Scheme for RandK {
             params,
             nonfinite,
             seed: ctx.seed,
+            entropy: false,
         })
     }
 

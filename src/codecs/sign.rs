@@ -12,7 +12,7 @@
 use super::fixed::{self, FixedRate, Layout, by_mode};
 use super::{
     EncodeCtx, MAX_BLOCK, Scheme, block_only_codec, block_params, check_block, check_code_padding,
-    check_steps, expect_payload, read_block,
+    check_steps, read_block,
 };
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::Result;
@@ -28,14 +28,18 @@ block_only_codec!(
 
 impl Scheme for Sign {
     const ID: CodecId = CodecId::Sign;
+    const STAGE: bool = true;
     fixed::fixed_scheme!();
 
     fn read(h: &Header) -> Result<Sign> {
         let block = read_block(h)? as u32;
         h.params_zero_from(4)?;
         h.seed_zero()?;
-        let c = Sign { block };
-        expect_payload(h, c.layout().payload_len(h.elements))?;
+        let c = Sign {
+            block,
+            entropy: h.entropy(),
+        };
+        super::stage::expect_payload(h, &c)?;
         Ok(c)
     }
 
@@ -45,6 +49,10 @@ impl Scheme for Sign {
 }
 
 impl FixedRate for Sign {
+    fn staged(&self) -> bool {
+        self.entropy
+    }
+
     fn params(&self) -> [u8; 12] {
         block_params(self.block, 0)
     }

@@ -10,7 +10,7 @@
 use super::fixed::{self, FixedRate, Layout, by_mode};
 use super::{
     EncodeCtx, MAX_BLOCK, Scheme, block_only_codec, block_params, check_block, check_code_padding,
-    check_steps, expect_payload, read_block, signmag_sections,
+    check_steps, read_block, signmag_sections,
 };
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::Result;
@@ -26,13 +26,17 @@ block_only_codec!(
 
 impl Scheme for Ternary {
     const ID: CodecId = CodecId::Ternary;
+    const STAGE: bool = true;
     fixed::fixed_scheme!();
 
     fn read(h: &Header) -> Result<Ternary> {
         let block = read_block(h)? as u32;
         h.params_zero_from(4)?;
-        let c = Ternary { block };
-        expect_payload(h, c.layout().payload_len(h.elements))?;
+        let c = Ternary {
+            block,
+            entropy: h.entropy(),
+        };
+        super::stage::expect_payload(h, &c)?;
         Ok(c)
     }
 
@@ -42,6 +46,10 @@ impl Scheme for Ternary {
 }
 
 impl FixedRate for Ternary {
+    fn staged(&self) -> bool {
+        self.entropy
+    }
+
     fn params(&self) -> [u8; 12] {
         block_params(self.block, 0)
     }

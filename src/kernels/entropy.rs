@@ -9,8 +9,11 @@
 //! - `2` Huffman: 128 bytes of code lengths (symbol `2k` in the low nibble of byte `k`,
 //!   `2k + 1` in the high one; 0 for a symbol that does not occur, else 1 to
 //!   [`MAX_LEN`]), then four u32 LE, the byte lengths of streams 0 to 3, then the four
-//!   streams. Stream `j` holds symbols
-//!   `j q .. min((j + 1) q, n)`, `q = ceil(n / 4)`.
+//!   streams. Stream `j` holds symbols `j q .. min((j + 1) q, n)`, `q` being
+//!   `ceil(n / 4)` rounded up to a multiple of the block's alignment `a` (a property of
+//!   its user, not written in the block: 1 for the lossless codec's exponents, the code
+//!   bytes of a whole unit of blocks for a fixed-rate codec's entropy stage), so that
+//!   every stream starts on a unit.
 //!
 //! The code of a symbol is canonical: codes are given in order of (length, symbol),
 //! each the previous one plus one, shifted left when the length grows. A stream holds
@@ -155,8 +158,9 @@ fn canonical(lens: &[u8; 256]) -> [u16; 256] {
 }
 
 /// Entropy-code the symbols `sym(0..n)` into `out` (at least [`max_len`]`(n)` bytes),
-/// in the smallest of the three modes; returns the bytes written.
-pub fn encode(n: usize, sym: impl Fn(usize) -> u8 + Copy, out: &mut [u8]) -> usize {
+/// in the smallest of the three modes, with streams aligned to `align` symbols (at
+/// least 1); returns the bytes written.
+pub fn encode(n: usize, sym: impl Fn(usize) -> u8 + Copy, align: usize, out: &mut [u8]) -> usize {
     let h = histogram(n, sym);
     let used = h.iter().filter(|&&c| c > 0).count();
     if used == 1 {
@@ -186,10 +190,8 @@ pub fn encode(n: usize, sym: impl Fn(usize) -> u8 + Copy, out: &mut [u8]) -> usi
     }
     let codes = canonical(&lens);
     let table: [u32; 256] = std::array::from_fn(|s| codes[s] as u32 | ((lens[s] as u32) << 16));
-    let q = n.div_ceil(4);
     let mut at = HUFFMAN_HEADER;
-    for j in 0..4 {
-        let (lo, hi) = ((j * q).min(n), ((j + 1) * q).min(n));
+    for (j, (lo, hi)) in quarters(n, align).into_iter().enumerate() {
         let len = write_stream(lo..hi, sym, &table, &mut out[at..]);
         out[129 + 4 * j..133 + 4 * j].copy_from_slice(&(len as u32).to_le_bytes());
         at += len;
@@ -249,8 +251,13 @@ pub struct Block<'a> {
     kind: Kind<'a>,
     /// The Huffman decode table (zeros in the other modes).
     table: [u16; 1 << MAX_LEN],
+    /// The Huffman code lengths (zeros in the other modes).
+    lens: [u8; 256],
     n: usize,
+    align: usize,
     len: usize,
+    /// The last symbol, if `n > 0`.
+    last: Option<u8>,
 }
 
 enum Kind<'a> {
@@ -260,49 +267,59 @@ enum Kind<'a> {
 }
 
 impl<'a> Block<'a> {
-    /// Check the coded block of `n` symbols at the start of `p`: its mode, its code
-    /// lengths and every stream, decoded once (and the symbols dropped).
-    pub fn open(p: &'a [u8], n: usize) -> Result<Block<'a>, Refused> {
+    /// Check the coded block of `n` symbols, streams aligned to `align` (at least 1), at
+    /// the start of `p`: its mode, its code lengths and every stream, decoded once (the
+    /// symbols dropped, but the last).
+    pub fn open(p: &'a [u8], n: usize, align: usize) -> Result<Block<'a>, Refused> {
         let mut table = [0u16; 1 << MAX_LEN];
+        let mut lens = [0u8; 256];
+        let mut last = None;
         let (kind, len) = match p.first() {
             Some(&STORED) => {
                 let s = p
                     .get(1..1 + n)
                     .ok_or_else(|| corrupt(1, "entropy block: stored bytes cut short"))?;
+                last = s.last().copied();
                 (Kind::Stored(s), 1 + n)
             }
             Some(&ONE) => {
                 let &s = p
                     .get(1)
                     .ok_or_else(|| corrupt(1, "entropy block: symbol missing"))?;
+                last = (n > 0).then_some(s);
                 (Kind::One(s), 2)
             }
-            Some(&HUFFMAN) => Self::huffman(p, n, &mut table)?,
+            Some(&HUFFMAN) => Self::huffman(p, n, align, &mut table, &mut lens, &mut last)?,
             Some(&m) => return Err(corrupt(0, format!("entropy block: unknown mode {m}"))),
             None => return Err(corrupt(0, "entropy block: empty")),
         };
         Ok(Block {
             kind,
             table,
+            lens,
             n,
+            align,
             len,
+            last,
         })
     }
 
     fn huffman(
         p: &'a [u8],
         n: usize,
+        align: usize,
         table: &mut [u16; 1 << MAX_LEN],
+        lens: &mut [u8; 256],
+        last: &mut Option<u8>,
     ) -> Result<(Kind<'a>, usize), Refused> {
         let head = p
             .get(..HUFFMAN_HEADER)
             .ok_or_else(|| corrupt(0, "entropy block: Huffman header cut short"))?;
-        let mut lens = [0u8; 256];
         for k in 0..128 {
             lens[2 * k] = head[1 + k] & 15;
             lens[2 * k + 1] = head[1 + k] >> 4;
         }
-        *table = decode_table(&lens)?;
+        *table = decode_table(lens)?;
         let sizes: [usize; 4] = std::array::from_fn(|j| {
             let b = &head[129 + 4 * j..133 + 4 * j];
             u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize
@@ -318,9 +335,10 @@ impl<'a> Block<'a> {
             at += sizes[j];
             &rest[at - sizes[j]..at]
         });
-        // Decode every stream once, the symbols dropped, and check where each ends.
+        // Decode every stream once, the symbols dropped but the last, and check where
+        // each ends.
         let mut readers = streams.map(Reader::new);
-        let counts = quarters(n).map(|(lo, hi)| hi - lo);
+        let counts = quarters(n, align).map(|(lo, hi)| hi - lo);
         let mut sink = [[0u8; 5]; 4];
         let both = counts[3]; // the shortest
         for _ in 0..both / 5 {
@@ -328,9 +346,12 @@ impl<'a> Block<'a> {
         }
         let mut at = HUFFMAN_HEADER;
         for (j, r) in readers.iter_mut().enumerate() {
+            if counts[j] > 0 && counts[j] == both / 5 * 5 {
+                *last = Some(sink[j][4]);
+            }
             for _ in both / 5 * 5..counts[j] {
                 r.refill();
-                r.next(table);
+                *last = Some(r.next(table));
             }
             r.finish()
                 .map_err(|why| corrupt(at, format!("entropy block: stream {j}: {why}")))?;
@@ -344,30 +365,58 @@ impl<'a> Block<'a> {
         self.len
     }
 
-    /// Decode the symbols in pieces of at most `CHUNK`, in some order: `f(start,
-    /// symbols)` for each piece, `symbols` being symbols `start .. start + len`.
-    pub fn for_each_chunk<const CHUNK: usize>(&self, mut f: impl FnMut(usize, &[u8])) {
+    /// The last symbol (`None` for a block of no symbols).
+    pub fn last(&self) -> Option<u8> {
+        self.last
+    }
+
+    /// Which symbols the block may hold: those with a code (Huffman), the one symbol, or
+    /// the stored bytes (scanned).
+    pub fn alphabet(&self) -> [bool; 256] {
+        let mut a = [false; 256];
+        match &self.kind {
+            Kind::Stored(s) => s.iter().for_each(|&b| a[b as usize] = true),
+            Kind::One(sym) => a[*sym as usize] = self.n > 0,
+            Kind::Huffman(_) => {
+                for (a, &l) in a.iter_mut().zip(&self.lens) {
+                    *a = l > 0;
+                }
+            }
+        }
+        a
+    }
+
+    /// Decode the symbols in pieces of at most `piece` (at most `CHUNK`, a multiple of
+    /// the block's alignment), in some order: `f(start, symbols)` for each piece,
+    /// `symbols` being symbols `start .. start + len`. Every piece starts on a multiple
+    /// of the alignment.
+    pub fn for_each_chunk<const CHUNK: usize>(
+        &self,
+        piece: usize,
+        mut f: impl FnMut(usize, &[u8]),
+    ) {
         let n = self.n;
+        let piece = piece.clamp(1, CHUNK);
         match &self.kind {
             Kind::Stored(s) => {
-                for (c, piece) in s.chunks(CHUNK).enumerate() {
-                    f(c * CHUNK, piece);
+                for (c, bytes) in s.chunks(piece).enumerate() {
+                    f(c * piece, bytes);
                 }
             }
             Kind::One(sym) => {
-                let piece = [*sym; CHUNK];
-                for start in (0..n).step_by(CHUNK) {
-                    f(start, &piece[..CHUNK.min(n - start)]);
+                let run = [*sym; CHUNK];
+                for start in (0..n).step_by(piece) {
+                    f(start, &run[..piece.min(n - start)]);
                 }
             }
             Kind::Huffman(streams) => {
                 let table = &self.table;
                 let mut readers = streams.map(Reader::new);
-                let bounds = quarters(n);
+                let bounds = quarters(n, self.align);
                 let mut bufs = [[0u8; CHUNK]; 4];
                 let q = bounds[0].1;
-                for start in (0..q).step_by(CHUNK) {
-                    let lens = bounds.map(|(lo, hi)| (hi - lo).saturating_sub(start).min(CHUNK));
+                for start in (0..q).step_by(piece) {
+                    let lens = bounds.map(|(lo, hi)| (hi - lo).saturating_sub(start).min(piece));
                     // The four streams in step while all have symbols left, five codes
                     // per refill; then each on its own.
                     let both = lens[3] / 5 * 5;
@@ -395,9 +444,11 @@ impl<'a> Block<'a> {
     }
 }
 
-/// Where the four streams' symbols lie among `n`: `j q .. min((j + 1) q, n)`.
-fn quarters(n: usize) -> [(usize, usize); 4] {
-    let q = n.div_ceil(4);
+/// Where the four streams' symbols lie among `n`: `j q .. min((j + 1) q, n)`, `q`
+/// being `ceil(n / 4)` rounded up to a multiple of `align`.
+fn quarters(n: usize, align: usize) -> [(usize, usize); 4] {
+    let align = align.max(1);
+    let q = n.div_ceil(4).div_ceil(align).saturating_mul(align);
     std::array::from_fn(|j| ((j * q).min(n), ((j + 1) * q).min(n)))
 }
 

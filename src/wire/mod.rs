@@ -33,8 +33,12 @@ pub const FLAG_NONFINITE: u16 = 1 << 0;
 /// Flag bit 1: the payload is followed by its CRC-32 (4 bytes, little-endian), which
 /// every decoder verifies. Written by [`seal`].
 pub const FLAG_PAYLOAD_CRC: u16 = 1 << 1;
+/// Flag bit 2: a fixed-rate codec's code section is entropy-coded (the spec's
+/// `entropy=on`): the payload is the block scales, then one entropy block of the code
+/// bytes. Other codecs refuse it.
+pub const FLAG_ENTROPY: u16 = 1 << 2;
 /// Flag bits defined by version 1; a frame with any other bit set is rejected.
-pub const KNOWN_FLAGS: u16 = FLAG_NONFINITE | FLAG_PAYLOAD_CRC;
+pub const KNOWN_FLAGS: u16 = FLAG_NONFINITE | FLAG_PAYLOAD_CRC | FLAG_ENTROPY;
 /// Length of the payload checksum that follows the payload of a sealed frame.
 pub const PAYLOAD_CRC_LEN: usize = 4;
 
@@ -66,6 +70,11 @@ impl Header {
     /// True when the payload is followed by its CRC-32 (see [`seal`]).
     pub fn payload_checksum(&self) -> bool {
         self.flags & FLAG_PAYLOAD_CRC != 0
+    }
+
+    /// True when the code section is entropy-coded (see [`FLAG_ENTROPY`]).
+    pub fn entropy(&self) -> bool {
+        self.flags & FLAG_ENTROPY != 0
     }
 
     /// Total frame length in bytes: header, payload and, when sealed, the payload

@@ -441,6 +441,7 @@ impl TopK {
                 nonfinite
             },
             seed: 0,
+            entropy: false,
         })
     }
 }
