@@ -256,6 +256,48 @@ fn every_rank_identical_and_equal_to_sequential_reference() {
     }
 }
 
+/// With the entropy stage, every strategy sums to the bits of the plain codec's sum, on
+/// every rank, with error feedback too.
+#[test]
+fn the_entropy_stage_sums_to_the_bits_of_the_plain_codec() {
+    let p = 3;
+    let inputs: Vec<Vec<f32>> = (0..p).map(|r| input(4099, r)).collect();
+    for staged in specs().into_iter().filter(|c| c.entropy()) {
+        let plain = staged.with_entropy(false).unwrap();
+        for s in STRATEGIES {
+            assert_eq!(
+                refused(&staged, s),
+                refused(&plain, s),
+                "{staged} {}",
+                s.name()
+            );
+            if refused(&staged, s) {
+                continue;
+            }
+            for fb in [Feedback::None, Feedback::WorkerAndOwner] {
+                let o = opts(s, ReduceOp::Sum, fb);
+                let (a, b) = (
+                    run_world(plain, &o, &inputs, 2),
+                    run_world(staged, &o, &inputs, 2),
+                );
+                for (r, (a, b)) in a.into_iter().zip(b).enumerate() {
+                    let (a, b) = match (a, b) {
+                        (Ok(a), Ok(b)) => (a.0, b.0),
+                        // Refused alike (error feedback with a non-contractive codec).
+                        (Err(a), Err(b)) => {
+                            assert_eq!(a.to_string(), b.to_string().replace(",entropy=on", ""));
+                            continue;
+                        }
+                        (a, b) => panic!("{staged}: {:?} / {:?}", a.err(), b.err()),
+                    };
+                    let same = a.iter().zip(&b).all(|(a, b)| bits(a) == bits(b));
+                    assert!(same, "{staged} {} {fb:?}: rank {r} differs", s.name());
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn error_within_bound_of_exact_sum() {
     for codec in collective_specs() {

@@ -106,6 +106,38 @@ fn lossless_frames_of_each_entropy_mode() {
     }
 }
 
+/// Staged `int8` frames in each entropy mode: the golden input eight times over (copy k
+/// scaled by 2^-k) in blocks of 16 takes the Huffman mode with streams aligned to 16 code
+/// bytes, 1000 times 0.375 the one-symbol mode (every code 127), and the first 100
+/// elements of the golden input the stored mode (fewer codes than a Huffman header). Each decodes to the
+/// same bits as the frame without the stage.
+#[test]
+fn staged_frames_of_each_entropy_mode() {
+    let base = golden_input();
+    let tiled: Vec<f32> = (0..8)
+        .flat_map(|k| base.iter().map(move |v| v * 2f32.powi(-k)))
+        .collect();
+    for (stem, spec, x, mode) in [
+        ("int8_b16_entropy_huffman", "int8:block=16", tiled, 2u8),
+        ("int8_entropy_one", "int8", vec![0.375f32; 1000], 1),
+        ("int8_entropy_stored", "int8", base[..100].to_vec(), 0),
+    ] {
+        let plain: CodecSpec = spec.parse().unwrap();
+        let staged = plain.with_entropy(true).unwrap();
+        let frame = staged.encode(&x, &EncodeCtx::new(0)).unwrap();
+        let scales = 4 * x.len().div_ceil(block_of(&plain));
+        assert_eq!(frame[gradpack::HEADER_LEN + scales], mode, "{stem}");
+        let want = decode(&plain.encode(&x, &EncodeCtx::new(0)).unwrap(), x.len());
+        check_or_write(&format!("{stem}.gpk"), &frame);
+        check_or_write(&format!("{stem}.out.f32"), &f32_bytes(&want));
+        assert_eq!(
+            f32_bytes(&decode(&frame, x.len())),
+            f32_bytes(&want),
+            "{stem}"
+        );
+    }
+}
+
 /// Frames no encoder writes, whose decoding the wire format still fixes bit for bit: the
 /// golden frames of the step codecs with their first steps overwritten by NaNs (signalling
 /// and quiet, both signs, with payloads). `NAME.nan_steps.gpk` decodes to

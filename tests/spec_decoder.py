@@ -147,7 +147,7 @@ def decode(frame):
     params = frame[40:52]
     if codec > 15:
         raise Reject("codec id")
-    if flags & ~3:
+    if flags & ~7:
         raise Reject("reserved flags")
     if offset + n > M64:
         raise Reject("offset overflow")
@@ -180,6 +180,9 @@ def decode(frame):
         used = count * w % 8
         if used and (p[start + (count * w + 7) // 8 - 1] >> used):
             raise Reject("padding")
+
+    if flags & 4:  # the entropy stage (spec 3.17): undo it, then read the frame as usual
+        p, plen = unstage(codec, params, block(), n, p, plen)
 
     out = [0] * n
     if codec == 0:  # identity
@@ -374,7 +377,7 @@ def decode(frame):
         zero_from(0)
         if seed:
             raise Reject("seed")
-        exps, at = entropy_block(p, n)
+        exps, at, _ = entropy_block(p, n, 1)
         want_len(at + 3 * n)
         for i in range(n):
             lo, = struct.unpack_from("<H", p, at + 2 * i)
@@ -476,18 +479,51 @@ def decode(frame):
 
 # ---------------------------------------------------------------- chunktopk (spec 3.15)
 
-def entropy_block(p, n):
-    """The n symbols of the entropy block at the start of p, and its length (3.16)."""
+def unstage(codec, params, b, n, p, plen):
+    """The payload of a staged frame (spec 3.17) with its code section decoded, and its
+    length."""
+    if codec in (3, 5, 6, 7, 13):
+        sb, bits = {3: (4, 8), 5: (4, 1), 6: (4, 2), 7: (1, 8), 13: (1024, 8)}[codec]
+    elif codec == 4 and params[4] in (2, 4, 8):
+        sb, bits = 4, params[4]
+    elif codec == 11 and params[5] < 3:
+        sb, bits = (4, 1, 0)[params[5]], 8
+    elif codec == 12 and params[5] < 3:
+        sb, bits = (1, 4, 1)[params[5]], 4
+    else:
+        raise Reject("ENTROPY flag on a codec without the stage, or bad params")
+    per_byte = 8 // math.gcd(8, bits)
+    unit = b * per_byte // math.gcd(b, per_byte)
+    a = unit * bits // 8
+    if a > 4096:
+        raise Reject("stage unit over 4096 code bytes")
+    sl = -(-n // b) * sb
+    C = -(-n * bits // 8)
+    if not sl + 1 <= plen <= sl + 1 + C:
+        raise Reject("staged payload length")
+    codes, used, alphabet = entropy_block(p[sl:], C, a)
+    if sl + used != plen:
+        raise Reject("bytes after the entropy block")
+    if codec == 11 and params[5] != 2:
+        mask = 0x7F if params[4] == 0 else 0x7C
+        if any(c & mask == mask for c in alphabet):
+            raise Reject("a NaN or Inf code in a scaled frame's entropy block")
+    return p[:sl] + bytes(codes), sl + C
+
+
+def entropy_block(p, n, a):
+    """The n symbols of the entropy block at the start of p with alignment a, its length,
+    and the symbols it has codes for (3.16)."""
     if not p:
         raise Reject("entropy block empty")
     if p[0] == 0:
         if len(p) < 1 + n:
             raise Reject("stored block short")
-        return list(p[1:1 + n]), 1 + n
+        return list(p[1:1 + n]), 1 + n, set(p[1:1 + n])
     if p[0] == 1:
         if len(p) < 2:
             raise Reject("one-symbol block short")
-        return [p[1]] * n, 2
+        return [p[1]] * n, 2, {p[1]} if n else set()
     if p[0] != 2:
         raise Reject("entropy mode")
     if len(p) < 145:
@@ -507,7 +543,7 @@ def entropy_block(p, n):
     sizes = struct.unpack_from("<4I", p, 129)
     if 145 + sum(sizes) > len(p):
         raise Reject("stream lengths")
-    q, out, at = -(-n // 4), [], 145
+    q, out, at = -(-(-(-n // 4)) // a) * a, [], 145
     for j in range(4):
         stream = p[at:at + sizes[j]]
         bit = 0
@@ -525,7 +561,7 @@ def entropy_block(p, n):
         if bit % 8 and stream[-1] >> (bit % 8):
             raise Reject("padding")
         at += sizes[j]
-    return out, at
+    return out, at, {s for s, l in enumerate(lens) if l}
 
 
 def chunk_record(c, K):

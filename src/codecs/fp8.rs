@@ -569,6 +569,15 @@ impl FixedRate for Fp8 {
         self.entropy
     }
 
+    fn refuses_code(&self, c: u8) -> bool {
+        // With a scale, encoders write finite codes (see `validate`).
+        let mask = match self.format {
+            Fp8Format::E4m3 => 0x7F,
+            Fp8Format::E5m2 => 0x7C,
+        };
+        self.scale != Fp8Scale::None && c & mask == mask
+    }
+
     fn params(&self) -> [u8; 12] {
         let scale = match self.scale {
             Fp8Scale::F32 => 0,

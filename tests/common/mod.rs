@@ -659,6 +659,21 @@ pub const GOLDEN: &[(&str, &str, u64, u64)] = &[
         0,
         0,
     ),
+    // The entropy stage (wire format 3.17).
+    ("int8_b64_entropy", "int8:block=64,entropy=on", 0, 0),
+    ("qsgd_b2_entropy", "qsgd:bits=2,block=64,entropy=on", 7, 0),
+    ("sign_b3_entropy", "sign:block=3,entropy=on", 0, 0),
+    ("ternary_b64_entropy", "ternary:block=64,entropy=on", 9, 0),
+    ("natural_b64_entropy", "natural:block=64,entropy=on", 5, 0),
+    ("fp8_b32_entropy", "fp8:block=32,entropy=on", 0, 0),
+    (
+        "fp8_e5m2_none_entropy",
+        "fp8:format=e5m2,scale=none,entropy=on",
+        0,
+        0,
+    ),
+    ("fp4_entropy", "fp4:entropy=on", 0, 0),
+    ("codebook_b7_entropy", "codebook:block=7,entropy=on", 0, 0),
     ("dct_lee_c64_k4_f32", "dct:chunk=64,k=4,transform=lee", 0, 0),
     (
         "dct_lee_c16_k3_fp16",
