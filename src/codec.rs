@@ -265,7 +265,9 @@ impl CodecSpec {
             CodecId::ChunkTopK => {
                 CodecSpec::ChunkTopK(ChunkTopK::from_args(&mut args).map_err(&spec_err)?)
             }
-            CodecId::Lossless => CodecSpec::Lossless(Lossless),
+            CodecId::Lossless => {
+                CodecSpec::Lossless(Lossless::from_args(&mut args).map_err(&spec_err)?)
+            }
         };
         args.finish(name).map_err(&spec_err)?;
         Ok(spec)

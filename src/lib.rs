@@ -124,8 +124,8 @@ pub mod unstable {
 
 pub use codec::{Checksummed, Codec, CodecId, CodecSpec, EncodeCtx, decode_limit};
 pub use codecs::{
-    Bf16, ChunkTopK, Codebook, Dct, DctTransform, DctValues, Fp4, Fp4Format, Fp4Scale, Fp8,
-    Fp8Format, Fp8Scale, Fp16, Identity, IndexCoding, Int8, Lossless, Natural, Qsgd, RandK,
+    Bf16, ChunkTopK, Codebook, Dct, DctTransform, DctValues, FloatType, Fp4, Fp4Format, Fp4Scale,
+    Fp8, Fp8Format, Fp8Scale, Fp16, Identity, IndexCoding, Int8, Lossless, Natural, Qsgd, RandK,
     RandKScale, RandKSelect, Rounding, ScaleRule, Selection, Sign, Ternary, TopK, TopKSelect,
     ValueType,
 };

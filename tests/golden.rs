@@ -83,18 +83,32 @@ fn every_vector_encodes_decodes_and_reencodes_identically() {
 /// `lossless` frames of the golden inputs (300 elements) store their exponents as they
 /// are (mode 0): `lossless_huffman` (the golden input eight times over, copy k scaled
 /// by 2^-k) takes the Huffman mode and `lossless_one` (1000 times 0.375) the
-/// one-symbol mode. Each decodes to its input's bits.
+/// one-symbol mode; `lossless_bf16` and `lossless_fp16` are the tiled input rounded to
+/// bf16 and fp16 (by those codecs; what overflows set to 0) in `lossless:dtype=bf16` and `dtype=fp16`. Each
+/// decodes to its input's bits.
 #[test]
 fn lossless_frames_of_each_entropy_mode() {
     let base = golden_input();
     let tiled: Vec<f32> = (0..8)
         .flat_map(|k| base.iter().map(move |v| v * 2f32.powi(-k)))
         .collect();
-    for (stem, x, mode) in [
-        ("lossless_huffman", tiled, 2u8),
-        ("lossless_one", vec![0.375f32; 1000], 1),
+    // The tiled input as bf16 and fp16 values (the plain codecs' decodes).
+    let as_type = |t: &str| {
+        let c: CodecSpec = t.parse().unwrap();
+        let x = decode(&c.encode(&tiled, &EncodeCtx::new(0)).unwrap(), tiled.len());
+        // The values past the type's range (now ±Inf) set to zero: a finite input.
+        x.into_iter()
+            .map(|v| if v.is_finite() { v } else { 0.0 })
+            .collect::<Vec<f32>>()
+    };
+    let (bf, fp) = (as_type("bf16"), as_type("fp16"));
+    for (stem, spec, x, mode) in [
+        ("lossless_huffman", "lossless", tiled, 2u8),
+        ("lossless_one", "lossless", vec![0.375f32; 1000], 1),
+        ("lossless_bf16", "lossless:dtype=bf16", bf, 2),
+        ("lossless_fp16", "lossless:dtype=fp16", fp, 2),
     ] {
-        let frame = "lossless"
+        let frame = spec
             .parse::<CodecSpec>()
             .unwrap()
             .encode(&x, &EncodeCtx::new(0))

@@ -261,3 +261,118 @@ fn ranks_and_backends_see_the_same_frame() {
         assert_eq!(f, want, "{b:?}");
     }
 }
+
+fn of_type(t: &str) -> CodecSpec {
+    format!("lossless:dtype={t}").parse().unwrap()
+}
+
+#[test]
+fn every_bf16_and_fp16_value_comes_back_bit_for_bit() {
+    // Every bf16 bit pattern (NaN payloads, signalling ones too, -0, subnormals, ±Inf).
+    let bf: Vec<f32> = (0..=u16::MAX)
+        .map(|h| f32::from_bits((h as u32) << 16))
+        .collect();
+    // Every fp16 bit pattern as the f32 it converts to (a signalling NaN converts to
+    // the quiet one with its payload, which is an fp16 value too).
+    let fp: Vec<f32> = (0..=u16::MAX)
+        .map(gradpack::unstable::kernels::scalar::f16_to_f32)
+        .collect();
+    for (t, x) in [("bf16", bf), ("fp16", fp)] {
+        let c = of_type(t);
+        assert_eq!(c.to_string(), format!("lossless:dtype={t}"));
+        for n in [x.len(), 4097, 300, 100, 1, 0] {
+            let frame = c.encode(&x[..n], &EncodeCtx::new(0)).unwrap();
+            same_bits(&x[..n], &c.decode(&frame).unwrap());
+            let base: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
+            let mut acc = base.clone();
+            c.decode_add(&frame, &mut acc).unwrap();
+            let want: Vec<f32> = base.iter().zip(&x[..n]).map(|(a, b)| a + b).collect();
+            same_bits(&want, &acc);
+        }
+    }
+}
+
+#[test]
+fn values_not_of_the_type_are_refused_never_rounded() {
+    let bf = of_type("bf16");
+    let e = bf
+        .encode(&[1.0, 1.0 + f32::EPSILON], &EncodeCtx::new(0))
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("element 1") && e.to_string().contains("bf16"),
+        "{e}"
+    );
+    let fp = of_type("fp16");
+    for bad in [
+        1e-10f32,
+        65520.0,
+        1.0 + f32::EPSILON,
+        f32::from_bits(0x7F80_0001),
+    ] {
+        let e = fp.encode(&[0.5, bad], &EncodeCtx::new(0)).unwrap_err();
+        assert!(e.to_string().contains("element 1"), "{bad:e}: {e}");
+    }
+}
+
+#[test]
+fn bf16_and_fp16_frames_of_a_gradient_are_smaller_than_their_codecs() {
+    let n = 1 << 16;
+    let g = gradpack::synthetic::gradient(n, 3);
+    for (t, plain) in [("bf16", "bf16"), ("fp16", "fp16")] {
+        let p: CodecSpec = plain.parse().unwrap();
+        // The gradient as that type's values: the plain codec's decode.
+        let x = p
+            .decode(&p.encode(&g, &EncodeCtx::new(0)).unwrap())
+            .unwrap();
+        let c = of_type(t);
+        let frame = c.encode(&x, &EncodeCtx::new(0)).unwrap();
+        same_bits(&x, &c.decode(&frame).unwrap());
+        let ratio = (frame.len() - HEADER_LEN) as f64 / (2 * n) as f64;
+        // 8 (bf16) or 11 (fp16) raw bits of 16, and an exponent of about 3 bits.
+        let most = if t == "bf16" { 0.75 } else { 0.92 };
+        assert!(ratio < most, "{t}: {ratio:.3} of {plain}'s payload");
+    }
+}
+
+#[test]
+fn forged_fp16_frames_are_refused_and_change_nothing() {
+    let c = of_type("fp16");
+    let x: Vec<f32> = (0..21).map(|i| i as f32 * 0.125).collect();
+    let frame = c.encode(&x, &EncodeCtx::new(0)).unwrap();
+    let p = frame[HEADER_LEN..].to_vec();
+    assert_eq!(p[0], 0, "21 exponents are stored");
+    // An exponent above fp16's 31.
+    let mut q = p.clone();
+    q[1] = 32;
+    refused_by(
+        &c,
+        &with_payload(&frame, q),
+        21,
+        "exponent",
+        "above fp16's 31",
+    );
+    // Non-zero padding after the 63 bits of 3-bit codes.
+    let mut q = p.clone();
+    *q.last_mut().unwrap() |= 0x80;
+    refused_by(&c, &with_payload(&frame, q), 21, "padding", "padding bits");
+    // A dtype byte out of range.
+    let mut h = Header::parse(&frame).unwrap();
+    h.params[0] = 3;
+    let mut f = vec![0u8; HEADER_LEN];
+    h.write(&mut f);
+    f.extend(&p);
+    let e = c.decode(&f).unwrap_err();
+    assert!(e.to_string().contains("dtype"), "{e}");
+}
+
+/// [`refused`] for another `lossless` codec.
+fn refused_by(c: &CodecSpec, frame: &[u8], n: usize, what: &str, why: &str) {
+    let mut out = vec![1.5f32; n];
+    let e = c.decode_into(frame, &mut out).expect_err(what);
+    let e2 = c.decode_add(frame, &mut out).expect_err(what);
+    assert!(
+        out.iter().all(|&v| v == 1.5),
+        "{what}: output changed ({e2})"
+    );
+    assert!(e.to_string().contains(why), "{what}: {e}");
+}

@@ -374,15 +374,37 @@ def decode(frame):
     elif codec == 14:  # chunktopk (spec 3.15)
         out = chunktopk_decode(p, params, n, seed, flags)
     elif codec == 15:  # lossless (spec 3.16)
-        zero_from(0)
+        dtype = params[0]
+        if dtype > 2:
+            raise Reject("lossless dtype")
+        zero_from(1)
         if seed:
             raise Reject("seed")
-        exps, at, _ = entropy_block(p, n, 1)
-        want_len(at + 3 * n)
-        for i in range(n):
-            lo, = struct.unpack_from("<H", p, at + 2 * i)
-            t = p[at + 2 * n + i]
-            out[i] = ((t & 0x80) << 24) | (exps[i] << 23) | ((t & 0x7F) << 16) | lo
+        exps, at, alphabet = entropy_block(p, n, 1)
+        if dtype == 0:
+            want_len(at + 3 * n)
+            for i in range(n):
+                lo, = struct.unpack_from("<H", p, at + 2 * i)
+                t = p[at + 2 * n + i]
+                out[i] = ((t & 0x80) << 24) | (exps[i] << 23) | ((t & 0x7F) << 16) | lo
+        elif dtype == 1:
+            want_len(at + n)
+            for i in range(n):
+                t = p[at + i]
+                out[i] = ((t & 0x80) << 24) | (exps[i] << 23) | ((t & 0x7F) << 16)
+        else:
+            want_len(at + n + (3 * n + 7) // 8)
+            if any(e > 31 for e in alphabet):
+                raise Reject("fp16 exponent above 31")
+            padding(at + n, n, 3)
+            lows = at + n
+            for i in range(n):
+                t = p[at + i]
+                bit = 3 * i
+                two = p[lows + bit // 8] | ((p[lows + bit // 8 + 1] << 8) if lows + bit // 8 + 1 < plen else 0)
+                low = (two >> (bit % 8)) & 7
+                h = ((t & 0x80) << 8) | (exps[i] << 10) | ((t & 0x7F) << 3) | low
+                out[i] = f16_to_f32_bits(h)
     elif codec == 8:  # topk
         k, = struct.unpack_from("<Q", params, 0)
         vt, w, coding = params[8], params[9], params[10]

@@ -35,7 +35,7 @@ pub use fp8::{Fp8, Fp8Format, Fp8Scale, ScaleRule};
 pub use fp16::Fp16;
 pub use identity::Identity;
 pub use int8::{Int8, Rounding};
-pub use lossless::Lossless;
+pub use lossless::{FloatType, Lossless};
 pub use natural::Natural;
 pub use qsgd::Qsgd;
 pub use randk::{RandK, RandKScale, RandKSelect};
