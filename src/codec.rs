@@ -675,8 +675,10 @@ pub const REPRESENTATIVE_SPECS: &[&str] = &[
     "fp8",
     "fp4",
     "fp4:scale=e4m3",
+    "fp4:entropy=on",
     "codebook",
     "int8",
+    "int8:entropy=on",
     "int8:rounding=stochastic",
     "qsgd:bits=8",
     "qsgd:bits=4",
@@ -689,6 +691,7 @@ pub const REPRESENTATIVE_SPECS: &[&str] = &[
     "randk:ratio=0.01",
     "randk:ratio=0.01,select=strata",
     "dct:k=4,values=sign",
+    "lossless",
 ];
 
 /// A codec whose frames carry a payload checksum: `Checksummed(codec)` encodes as `codec`

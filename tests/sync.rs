@@ -387,6 +387,27 @@ fn a_peer_that_leaves_mid_step_is_an_error_everywhere() {
     }
 }
 
+/// The plans of two ranks' engines with measured `auto` over `candidates` on links of
+/// `bw` bit/s, checked equal (the speeds are averaged over the ranks).
+fn auto_plans(l: &[Tensor], candidates: &[CodecSpec], bw: f64) -> Vec<gradpack::sync::Plan> {
+    let o = SyncOptions {
+        policy: Policy::auto(candidates.to_vec()),
+        network: Network {
+            bandwidth_bit_s: bw,
+            latency_s: 5e-6,
+        },
+        overlap: false,
+        ..opts(Policy::uniform("fp16".parse().unwrap()))
+    };
+    let plans = local::run(2, Some(Duration::from_secs(20)), |comm| {
+        let e = SyncEngine::new(l, comm.into_inner(), o.clone())?;
+        Ok(e.plan().clone())
+    });
+    let plans: Vec<gradpack::sync::Plan> = plans.into_iter().map(|p| p.unwrap()).collect();
+    assert_eq!(plans[0], plans[1]);
+    plans
+}
+
 #[test]
 fn auto_never_picks_a_codec_the_model_says_is_slower_than_fp32() {
     let l = layout();
@@ -395,22 +416,7 @@ fn auto_never_picks_a_codec_the_model_says_is_slower_than_fp32() {
         .map(|s| s.parse().unwrap())
         .collect();
     for bw in [1e8, 1e10, 1e13] {
-        let o = SyncOptions {
-            policy: Policy::auto(candidates.clone()),
-            network: Network {
-                bandwidth_bit_s: bw,
-                latency_s: 5e-6,
-            },
-            overlap: false,
-            ..opts(Policy::uniform("fp16".parse().unwrap()))
-        };
-        let plans = local::run(2, Some(Duration::from_secs(20)), |comm| {
-            let e = SyncEngine::new(&l, comm.into_inner(), o.clone())?;
-            Ok(e.plan().clone())
-        });
-        let plans: Vec<_> = plans.into_iter().map(|p| p.unwrap()).collect();
-        // Every rank reaches the same plan (the speeds are averaged over the ranks).
-        assert_eq!(plans[0], plans[1]);
+        let plans = auto_plans(&l, &candidates, bw);
         let text = plans[0].to_string();
         assert!(text.contains("bucket"), "{text}");
         for b in &plans[0].buckets {
@@ -436,6 +442,30 @@ fn auto_never_picks_a_codec_the_model_says_is_slower_than_fp32() {
                     .any(|b| !matches!(b.codec, CodecSpec::Identity(_))),
                 "{text}"
             );
+        }
+    }
+}
+
+/// Measured `auto` weighs the entropy stage by the bytes it measured it to save on its
+/// calibration sample: on a slow link it takes `int8:entropy=on`, on a fast one the
+/// plain `int8` (the coder's speed costs more than the bytes it saves).
+#[test]
+fn auto_takes_the_entropy_stage_where_its_bytes_pay() {
+    let l = layout();
+    let candidates: Vec<CodecSpec> = ["int8", "int8:entropy=on"]
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+    for (bw, want) in [
+        (1e7, "int8:block=256,rounding=nearest,entropy=on"),
+        (2e10, "int8:block=256,rounding=nearest"),
+    ] {
+        let plans = auto_plans(&l, &candidates, bw);
+        let text = plans[0].to_string();
+        let big: Vec<_> = plans[0].buckets.iter().filter(|b| !b.small).collect();
+        assert!(!big.is_empty(), "{text}");
+        for b in big {
+            assert_eq!(b.codec.to_string(), want, "at {bw} bit/s: {text}");
         }
     }
 }

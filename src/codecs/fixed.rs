@@ -152,6 +152,18 @@ macro_rules! fixed_scheme {
             l.payload_len(n).unwrap_or(u64::MAX)
         }
 
+        /// The payload without the stage (with it, the bound: one more byte), since what
+        /// the stage saves depends on the data ([`crate::sync::calibrate`] measures it).
+        fn expected_payload(&self, n: u64) -> f64 {
+            let l = $crate::codecs::fixed::FixedRate::layout(self);
+            let plain = l.payload_len(n).unwrap_or(u64::MAX) as f64;
+            if $crate::codecs::fixed::FixedRate::staged(self) {
+                plain + 1.0
+            } else {
+                plain
+            }
+        }
+
         fn encode_payload(
             &self,
             x: &[f32],

@@ -1729,7 +1729,7 @@ fn calibrated(codec: &CodecSpec) -> Result<CodecProfile> {
     if let Some(p) = cached {
         return Ok(p);
     }
-    let p = calibrate(codec, 1 << 18, 0.05)?;
+    let p = calibrate(codec, plan::CALIBRATION, 0.05)?;
     if let Ok(mut cache) = PROFILES.lock() {
         cache.push(p.clone());
     }

@@ -641,18 +641,30 @@ pub(crate) fn profile_for(
     elements: usize,
     chunks: usize,
 ) -> CodecProfile {
-    let bits = wire_bits(codec, elements, chunks);
+    let mut bits = wire_bits(codec, elements, chunks);
     match measured {
-        Some(p) => CodecProfile {
-            bits_per_element: bits,
-            ..p.clone()
-        },
+        Some(p) => {
+            if codec.entropy() {
+                // The stage's measured saving on the calibration sample, in place of
+                // its bound.
+                bits += p.bits_per_element - codec.bits_per_element(CALIBRATION);
+            }
+            CodecProfile {
+                bits_per_element: bits,
+                ..p.clone()
+            }
+        }
         None => CodecProfile::nominal(codec.to_string(), bits),
     }
 }
 
+/// Elements of the sample that [`calibrate`] measures for measured `auto`.
+pub(crate) const CALIBRATION: usize = 1 << 18;
+
 /// Measure `codec`'s encode, decode and decode_add speed on this CPU, on a gradient-like
-/// sample of `elements` elements (that of [`crate::synthetic::gradient`]), taking the best of repetitions for about `budget_s`.
+/// sample of `elements` elements (that of [`crate::synthetic::gradient`]), taking the best
+/// of repetitions for about `budget_s`. Bits per element are the codec's expected ones,
+/// except for a codec with the entropy stage, whose frame of the sample is measured.
 pub fn calibrate(codec: &CodecSpec, elements: usize, budget_s: f64) -> Result<CodecProfile> {
     use crate::codec::Codec;
     use std::time::Instant;
@@ -681,9 +693,15 @@ pub fn calibrate(codec: &CodecSpec, elements: usize, budget_s: f64) -> Result<Co
     }
     let bytes = 4.0 * n as f64;
     let speed = |t: f64| bytes / t.max(1e-9);
+    let bits = if codec.entropy() {
+        let len = codec.encode_into(&x, &EncodeCtx::new(0), &mut frame)?;
+        (len - crate::wire::HEADER_LEN) as f64 * 8.0 / n as f64
+    } else {
+        codec.bits_per_element(n)
+    };
     Ok(CodecProfile {
         spec: codec.to_string(),
-        bits_per_element: codec.bits_per_element(n),
+        bits_per_element: bits,
         encode_bytes_per_s: speed(enc),
         decode_bytes_per_s: speed(dec),
         decode_add_bytes_per_s: speed(add),
