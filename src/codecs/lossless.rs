@@ -205,7 +205,7 @@ impl Scheme for Lossless {
         out: &mut [f32],
     ) -> Result<()> {
         let n = out.len();
-        let block = entropy::Block::open(payload, n, 1).map_err(corrupt)?;
+        let block = open::<M>(payload, n)?;
         let at = block.bytes();
         let planes = self.planes(n as u64) as usize;
         if payload.len() - at != planes {
@@ -219,29 +219,26 @@ impl Scheme for Lossless {
         }
         match self.dtype {
             FloatType::F32 => {}
-            FloatType::Bf16 => {
-                decode_bf16::<M>(&block, &payload[at..], out);
-                return Ok(());
-            }
+            FloatType::Bf16 => return decode_bf16::<M>(&block, &payload[at..], out),
             FloatType::Fp16 => return decode_fp16::<M>(&block, &payload[at..], at, out),
         }
         let (lo, tops) = payload[at..].split_at(2 * n);
-        let mut bits = [0u8; 4 * CHUNK];
-        block.for_each_chunk::<CHUNK>(CHUNK, |start, exps| {
-            let k = exps.len();
-            let lo = &lo[2 * start..2 * (start + k)];
-            let tops = &tops[start..start + k];
-            for (((b, &e), l), &t) in bits[..4 * k]
-                .chunks_exact_mut(4)
-                .zip(exps)
-                .zip(lo.chunks_exact(2))
-                .zip(tops)
-            {
-                b.copy_from_slice(&join(e, u16::from_le_bytes([l[0], l[1]]), t).to_le_bytes());
-            }
-            kernels::decode_f32::<M>(&bits[..4 * k], &mut out[start..start + k]);
-        });
-        Ok(())
+        let mut words = [0u32; CHUNK];
+        block
+            .for_each_chunk::<CHUNK>(CHUNK, |start, exps| {
+                let k = exps.len();
+                let (w, lo, tops) = (
+                    &mut words[..k],
+                    &lo[2 * start..2 * (start + k)],
+                    &tops[start..start + k],
+                );
+                for i in 0..k {
+                    let l = lo[2 * i] as u16 | (lo[2 * i + 1] as u16) << 8;
+                    w[i] = join(exps[i], l, tops[i]);
+                }
+                kernels::decode_f32::<M>(bytemuck::cast_slice(w), &mut out[start..start + k]);
+            })
+            .map_err(corrupt)
     }
 
     fn expected_payload(&self, n: u64) -> f64 {
@@ -344,24 +341,41 @@ fn not_of_type(t: FloatType, i: usize, v: f32) -> Error {
     }
 }
 
-/// Decode bf16 planes (checked whole) into `out` in mode `M`.
-fn decode_bf16<const M: u8>(block: &entropy::Block<'_>, tops: &[u8], out: &mut [f32]) {
-    let mut bits = [0u8; 4 * CHUNK];
-    block.for_each_chunk::<CHUNK>(CHUNK, |start, exps| {
-        let k = exps.len();
-        for ((b, &e), &t) in bits[..4 * k]
-            .chunks_exact_mut(4)
-            .zip(exps)
-            .zip(&tops[start..start + k])
-        {
-            b.copy_from_slice(&join(e, 0, t).to_le_bytes());
-        }
-        kernels::decode_f32::<M>(&bits[..4 * k], &mut out[start..start + k]);
-    });
+/// The exponents' block at the start of `payload`: checked whole before anything is
+/// written, except in write mode, where its streams are checked as they are decoded
+/// (`decode_into` may write before an error).
+fn open<const M: u8>(payload: &[u8], n: usize) -> Result<entropy::Block<'_>> {
+    if M == kernels::mode::WRITE {
+        entropy::Block::parse(payload, n, 1).map_err(corrupt)
+    } else {
+        entropy::Block::open(payload, n, 1).map_err(corrupt)
+    }
 }
 
-/// Decode fp16 planes (the exponents' block checked whole) into `out` in mode `M`,
-/// after checking the exponents and the 3-bit stream's padding.
+/// Decode bf16 planes into `out` in mode `M`.
+fn decode_bf16<const M: u8>(
+    block: &entropy::Block<'_>,
+    tops: &[u8],
+    out: &mut [f32],
+) -> Result<()> {
+    let mut bits = [0u8; 4 * CHUNK];
+    block
+        .for_each_chunk::<CHUNK>(CHUNK, |start, exps| {
+            let k = exps.len();
+            for ((b, &e), &t) in bits[..4 * k]
+                .chunks_exact_mut(4)
+                .zip(exps)
+                .zip(&tops[start..start + k])
+            {
+                b.copy_from_slice(&join(e, 0, t).to_le_bytes());
+            }
+            kernels::decode_f32::<M>(&bits[..4 * k], &mut out[start..start + k]);
+        })
+        .map_err(corrupt)
+}
+
+/// Decode fp16 planes into `out` in mode `M`, after checking the exponents and the 3-bit
+/// stream's padding.
 fn decode_fp16<const M: u8>(
     block: &entropy::Block<'_>,
     planes: &[u8],
@@ -385,15 +399,16 @@ fn decode_fp16<const M: u8>(
         )));
     }
     let mut bits = [0u8; 4 * CHUNK];
-    block.for_each_chunk::<CHUNK>(CHUNK, |start, exps| {
-        let k = exps.len();
-        for (j, (b, &e)) in bits[..4 * k].chunks_exact_mut(4).zip(exps).enumerate() {
-            let (t, i) = (tops[start + j] as u16, start + j);
-            let low = get3(lows, i) as u16;
-            let h = ((t & 0x80) << 8) | ((e as u16) << 10) | ((t & 0x7F) << 3) | low;
-            b.copy_from_slice(&kernels::scalar::f16_to_f32(h).to_bits().to_le_bytes());
-        }
-        kernels::decode_f32::<M>(&bits[..4 * k], &mut out[start..start + k]);
-    });
-    Ok(())
+    block
+        .for_each_chunk::<CHUNK>(CHUNK, |start, exps| {
+            let k = exps.len();
+            for (j, (b, &e)) in bits[..4 * k].chunks_exact_mut(4).zip(exps).enumerate() {
+                let (t, i) = (tops[start + j] as u16, start + j);
+                let low = get3(lows, i) as u16;
+                let h = ((t & 0x80) << 8) | ((e as u16) << 10) | ((t & 0x7F) << 3) | low;
+                b.copy_from_slice(&kernels::scalar::f16_to_f32(h).to_bits().to_le_bytes());
+            }
+            kernels::decode_f32::<M>(&bits[..4 * k], &mut out[start..start + k]);
+        })
+        .map_err(corrupt)
 }

@@ -198,7 +198,9 @@ fn staged<F: FixedRate + ?Sized>(
 }
 
 /// Validate a staged payload (its length checked by [`read`]) and decode it into `out` in
-/// mode `M`: the scales and the whole entropy block are checked before `out` is written.
+/// mode `M`: the scales and the whole entropy block are checked before `out` is written,
+/// except in write mode (`decode_into`, which may write before an error), where the
+/// block's streams and the codes' padding are checked as they are decoded.
 pub(crate) fn decode<F: FixedRate + ?Sized, const M: u8>(
     f: &F,
     h: &Header,
@@ -216,8 +218,13 @@ pub(crate) fn decode<F: FixedRate + ?Sized, const M: u8>(
         reason,
     };
     let cl = l.codes_len(n);
-    let block =
-        entropy::Block::open(rest, cl, align(l)).map_err(|(o, why)| corrupt(at + o, why))?;
+    let write = M == crate::kernels::mode::WRITE;
+    let block = if write {
+        entropy::Block::parse(rest, cl, align(l))
+    } else {
+        entropy::Block::open(rest, cl, align(l))
+    }
+    .map_err(|(o, why)| corrupt(at + o, why))?;
     if block.bytes() != rest.len() {
         return Err(corrupt(
             at + block.bytes(),
@@ -228,11 +235,15 @@ pub(crate) fn decode<F: FixedRate + ?Sized, const M: u8>(
         ));
     }
     let used = (n as u64 * l.bits as u64 % 8) as u32;
-    if let Some(last) = block.last().filter(|&b| used != 0 && b >> used != 0) {
-        return Err(corrupt(
+    let padding = |last: Option<u8>| match last.filter(|&b| used != 0 && b >> used != 0) {
+        Some(last) => Err(corrupt(
             at,
             format!("padding bits {used}..8 of the last code byte ({last:#04x}) are not zero"),
-        ));
+        )),
+        None => Ok(()),
+    };
+    if !write {
+        padding(block.last())?;
     }
     let alphabet = block.alphabet();
     if let Some(c) = (0..=255u8).find(|&c| alphabet[c as usize] && f.refuses_code(c)) {
@@ -242,13 +253,19 @@ pub(crate) fn decode<F: FixedRate + ?Sized, const M: u8>(
         ));
     }
     let piece = PIECE / align(l) * align(l);
-    block.for_each_chunk::<PIECE>(piece, |start, codes| {
-        let s = start * 8 / l.bits;
-        let e = ((start + codes.len()) * 8 / l.bits).min(n);
-        let scales = &scales[l.scales_len(s)..l.scales_len(e)];
-        f.decode_sections(M, scales, codes, &mut out[s..e]);
-    });
-    Ok(())
+    let mut last = None;
+    block
+        .for_each_chunk::<PIECE>(piece, |start, codes| {
+            let s = start * 8 / l.bits;
+            let e = ((start + codes.len()) * 8 / l.bits).min(n);
+            let scales = &scales[l.scales_len(s)..l.scales_len(e)];
+            f.decode_sections(M, scales, codes, &mut out[s..e]);
+            if start + codes.len() == cl {
+                last = codes.last().copied();
+            }
+        })
+        .map_err(|(o, why)| corrupt(at + o, why))?;
+    padding(last)
 }
 
 #[cfg(test)]

@@ -251,6 +251,11 @@ pub struct Block<'a> {
     kind: Kind<'a>,
     /// The Huffman decode table (zeros in the other modes).
     table: [u16; 1 << MAX_LEN],
+    /// Up to three symbols per lookup (see [`multi_table`]; zeros in the other modes).
+    multi: [u32; 1 << MAX_LEN],
+    /// Whether a lookup in `multi` takes 1.75 symbols or more on average (else decoding
+    /// takes one symbol per lookup, in a loop with no data-dependent stores).
+    use_multi: bool,
     /// The Huffman code lengths (zeros in the other modes).
     lens: [u8; 256],
     n: usize,
@@ -269,9 +274,21 @@ enum Kind<'a> {
 impl<'a> Block<'a> {
     /// Check the coded block of `n` symbols, streams aligned to `align` (at least 1), at
     /// the start of `p`: its mode, its code lengths and every stream, decoded once (the
-    /// symbols dropped, but the last).
+    /// symbols dropped, but the last). Reading it then cannot fail.
     pub fn open(p: &'a [u8], n: usize, align: usize) -> Result<Block<'a>, Refused> {
+        let mut b = Block::parse(p, n, align)?;
+        b.check()?;
+        Ok(b)
+    }
+
+    /// Read the header of the coded block of `n` symbols, streams aligned to `align`, at
+    /// the start of `p`: its mode, code lengths and stream lengths, but not the streams,
+    /// which [`Block::for_each_chunk`] then checks as it decodes them (a caller that may
+    /// write before an error), and whose last symbol [`Block::last`] does not know.
+    pub fn parse(p: &'a [u8], n: usize, align: usize) -> Result<Block<'a>, Refused> {
         let mut table = [0u16; 1 << MAX_LEN];
+        let mut multi = [0u32; 1 << MAX_LEN];
+        let mut use_multi = false;
         let mut lens = [0u8; 256];
         let mut last = None;
         let (kind, len) = match p.first() {
@@ -289,13 +306,23 @@ impl<'a> Block<'a> {
                 last = (n > 0).then_some(s);
                 (Kind::One(s), 2)
             }
-            Some(&HUFFMAN) => Self::huffman(p, n, align, &mut table, &mut lens, &mut last)?,
+            Some(&HUFFMAN) => {
+                let h = Self::huffman(p, &mut table, &mut lens)?;
+                multi = multi_table(&table);
+                // Stream bits are near uniform, so the mean over the entries is the mean
+                // symbols per lookup.
+                let symbols: u32 = multi.iter().map(|e| (e >> 24) & 3).sum();
+                use_multi = symbols >= (7 << MAX_LEN) / 4;
+                h
+            }
             Some(&m) => return Err(corrupt(0, format!("entropy block: unknown mode {m}"))),
             None => return Err(corrupt(0, "entropy block: empty")),
         };
         Ok(Block {
             kind,
             table,
+            multi,
+            use_multi,
             lens,
             n,
             align,
@@ -306,11 +333,8 @@ impl<'a> Block<'a> {
 
     fn huffman(
         p: &'a [u8],
-        n: usize,
-        align: usize,
         table: &mut [u16; 1 << MAX_LEN],
         lens: &mut [u8; 256],
-        last: &mut Option<u8>,
     ) -> Result<(Kind<'a>, usize), Refused> {
         let head = p
             .get(..HUFFMAN_HEADER)
@@ -335,29 +359,23 @@ impl<'a> Block<'a> {
             at += sizes[j];
             &rest[at - sizes[j]..at]
         });
-        // Decode every stream once, the symbols dropped but the last, and check where
-        // each ends.
-        let mut readers = streams.map(Reader::new);
-        let counts = quarters(n, align).map(|(lo, hi)| hi - lo);
-        let mut sink = [[0u8; 5]; 4];
-        let both = counts[3]; // the shortest
-        for _ in 0..both / 5 {
-            step4(&mut readers, table, &mut sink);
-        }
-        let mut at = HUFFMAN_HEADER;
-        for (j, r) in readers.iter_mut().enumerate() {
-            if counts[j] > 0 && counts[j] == both / 5 * 5 {
-                *last = Some(sink[j][4]);
-            }
-            for _ in both / 5 * 5..counts[j] {
-                r.refill();
-                *last = Some(r.next(table));
-            }
-            r.finish()
-                .map_err(|why| corrupt(at, format!("entropy block: stream {j}: {why}")))?;
-            at += streams[j].len();
-        }
         Ok((Kind::Huffman(streams), HUFFMAN_HEADER + total))
+    }
+
+    /// Decode every stream once, the symbols dropped but the last, and check where each
+    /// ends.
+    fn check(&mut self) -> Result<(), Refused> {
+        if !matches!(self.kind, Kind::Huffman(_)) {
+            return Ok(());
+        }
+        let (mut last, n) = (None, self.n);
+        self.for_each_chunk::<4096>(4096, |start, syms| {
+            if start + syms.len() == n {
+                last = syms.last().copied();
+            }
+        })?;
+        self.last = last;
+        Ok(())
     }
 
     /// Bytes the block takes.
@@ -365,7 +383,8 @@ impl<'a> Block<'a> {
         self.len
     }
 
-    /// The last symbol (`None` for a block of no symbols).
+    /// The last symbol (`None` for a block of no symbols, or a Huffman block only
+    /// parsed).
     pub fn last(&self) -> Option<u8> {
         self.last
     }
@@ -389,12 +408,13 @@ impl<'a> Block<'a> {
     /// Decode the symbols in pieces of at most `piece` (at most `CHUNK`, a multiple of
     /// the block's alignment), in some order: `f(start, symbols)` for each piece,
     /// `symbols` being symbols `start .. start + len`. Every piece starts on a multiple
-    /// of the alignment.
+    /// of the alignment. Then check where each stream ends: an error only for a block
+    /// [`Block::parse`]d and not opened, after every piece was handed over.
     pub fn for_each_chunk<const CHUNK: usize>(
         &self,
         piece: usize,
         mut f: impl FnMut(usize, &[u8]),
-    ) {
+    ) -> Result<(), Refused> {
         let n = self.n;
         let piece = piece.clamp(1, CHUNK);
         match &self.kind {
@@ -410,27 +430,34 @@ impl<'a> Block<'a> {
                 }
             }
             Kind::Huffman(streams) => {
-                let table = &self.table;
+                let (table, multi) = (&self.table, &self.multi);
                 let mut readers = streams.map(Reader::new);
                 let bounds = quarters(n, self.align);
+                // A lookup writes three symbols and keeps one to three (the loop leaves
+                // room for them).
                 let mut bufs = [[0u8; CHUNK]; 4];
                 let q = bounds[0].1;
                 for start in (0..q).step_by(piece) {
                     let lens = bounds.map(|(lo, hi)| (hi - lo).saturating_sub(start).min(piece));
-                    // The four streams in step while all have symbols left, five codes
-                    // per refill; then each on its own.
-                    let both = lens[3] / 5 * 5;
-                    let mut k = 0;
-                    while k < both {
-                        let mut five = [[0u8; 5]; 4];
-                        step4(&mut readers, table, &mut five);
-                        for (b, v) in bufs.iter_mut().zip(&five) {
-                            b[k..k + 5].copy_from_slice(v);
+                    // The four streams in step (their chains of lookups interleave) while
+                    // each has room; then each on its own, a symbol at a time.
+                    let k = if self.use_multi {
+                        multi4(&mut readers, multi, &mut bufs, lens)
+                    } else {
+                        let both = lens[3] / 5 * 5;
+                        let mut k = 0;
+                        while k < both {
+                            let mut five = [[0u8; 5]; 4];
+                            step4(&mut readers, table, &mut five);
+                            for (b, v) in bufs.iter_mut().zip(&five) {
+                                b[k..k + 5].copy_from_slice(v);
+                            }
+                            k += 5;
                         }
-                        k += 5;
-                    }
+                        [k; 4]
+                    };
                     for (j, r) in readers.iter_mut().enumerate() {
-                        for s in &mut bufs[j][both..lens[j]] {
+                        for s in &mut bufs[j][k[j]..lens[j]] {
                             r.refill();
                             *s = r.next(table);
                         }
@@ -439,9 +466,22 @@ impl<'a> Block<'a> {
                         }
                     }
                 }
+                return finish(streams, &readers);
             }
         }
+        Ok(())
     }
+}
+
+/// Check that every reader ended its stream exactly (the streams of a Huffman block).
+fn finish(streams: &[&[u8]; 4], readers: &[Reader<'_>; 4]) -> Result<(), Refused> {
+    let mut at = HUFFMAN_HEADER;
+    for (j, r) in readers.iter().enumerate() {
+        r.finish()
+            .map_err(|why| corrupt(at, format!("entropy block: stream {j}: {why}")))?;
+        at += streams[j].len();
+    }
+    Ok(())
 }
 
 /// Where the four streams' symbols lie among `n`: `j q .. min((j + 1) q, n)`, `q`
@@ -452,8 +492,8 @@ fn quarters(n: usize, align: usize) -> [(usize, usize); 4] {
     std::array::from_fn(|j| ((j * q).min(n), ((j + 1) * q).min(n)))
 }
 
-/// Five symbols from each of the four readers into `out[j]` (the four
-/// chains of lookups interleave).
+/// Five symbols from each of the four readers into `out[j]` (the four chains of lookups
+/// interleave).
 #[inline(always)]
 fn step4(r: &mut [Reader<'_>; 4], table: &[u16; 1 << MAX_LEN], out: &mut [[u8; 5]; 4]) {
     let [r0, r1, r2, r3] = r;
@@ -468,6 +508,63 @@ fn step4(r: &mut [Reader<'_>; 4], table: &[u16; 1 << MAX_LEN], out: &mut [[u8; 5
         *c = r2.next(table);
         *d = r3.next(table);
     }
+}
+
+/// Decode the four streams with multi-symbol lookups into `bufs`, five lookups per
+/// refill, while every stream has room for five more of three symbols (`lens[j]`
+/// symbols in all); returns how many each decoded.
+#[inline(always)]
+fn multi4<const CHUNK: usize>(
+    r: &mut [Reader<'_>; 4],
+    multi: &[u32; 1 << MAX_LEN],
+    bufs: &mut [[u8; CHUNK]; 4],
+    lens: [usize; 4],
+) -> [usize; 4] {
+    let [r0, r1, r2, r3] = r;
+    let [b0, b1, b2, b3] = bufs;
+    let (mut k0, mut k1, mut k2, mut k3) = (0usize, 0usize, 0usize, 0usize);
+    // One lookup of stream `r` into `b` at `k`: three bytes written, one to three kept.
+    macro_rules! take {
+        ($r:ident, $b:ident, $k:ident) => {
+            let e = $r.next_multi(multi);
+            $b[$k..$k + 3].copy_from_slice(&e.to_le_bytes()[..3]);
+            $k += (e >> 24) as usize & 3;
+        };
+    }
+    while k0 + 15 <= lens[0] && k1 + 15 <= lens[1] && k2 + 15 <= lens[2] && k3 + 15 <= lens[3] {
+        r0.refill();
+        r1.refill();
+        r2.refill();
+        r3.refill();
+        for _ in 0..5 {
+            take!(r0, b0, k0);
+            take!(r1, b1, k1);
+            take!(r2, b2, k2);
+            take!(r3, b3, k3);
+        }
+    }
+    [k0, k1, k2, k3]
+}
+
+/// The multi-symbol decode table: for the next MAX_LEN stream bits, the symbols of the
+/// codes that lie whole within them, up to three: symbols in bits 0..24 (the first in the
+/// low byte), their count in bits 24..26 and their total length in bits 26..30. A
+/// complete code always has the first.
+fn multi_table(table: &[u16; 1 << MAX_LEN]) -> [u32; 1 << MAX_LEN] {
+    std::array::from_fn(|i| {
+        let (mut e, mut used, mut count) = (0u32, 0u32, 0u32);
+        while count < 3 {
+            let t = table[(i >> used) & ((1 << MAX_LEN) - 1)];
+            let l = (t >> 8) as u32;
+            if used + l > MAX_LEN {
+                break;
+            }
+            e |= ((t & 0xFF) as u32) << (8 * count);
+            used += l;
+            count += 1;
+        }
+        e | count << 24 | used << 26
+    })
 }
 
 /// Decode table: entry for the next MAX_LEN stream bits = symbol | length << 8.
@@ -551,6 +648,16 @@ impl<'a> Reader<'a> {
                 self.nacc += 8;
             }
         }
+    }
+
+    /// One lookup of up to three symbols (a [`multi_table`] entry), its bits taken.
+    #[inline(always)]
+    fn next_multi(&mut self, multi: &[u32; 1 << MAX_LEN]) -> u32 {
+        let e = multi[(self.acc & ((1 << MAX_LEN) - 1)) as usize];
+        let l = e >> 26;
+        self.acc >>= l;
+        self.nacc -= l as i64;
+        e
     }
 
     #[inline(always)]
