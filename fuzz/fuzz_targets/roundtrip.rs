@@ -7,7 +7,8 @@
 //!
 //! Input: 12 control bytes, then the values (little-endian f32, any bit patterns).
 //! - byte 0: codec (`% 16`, in wire-format id order);
-//! - bytes 1..3: block size (`u16 % 4096 + 1`);
+//! - bytes 1..3: block size (`u16 % 4096 + 1`); bit 7 of byte 2 also the entropy stage
+//!   (`entropy=on`, for the codecs that take it);
 //! - byte 3: bit 0 stochastic rounding (int8), bits 1..3 QSGD bits (2, 4, 8), bit 3 fp16
 //!   values (top-k, random-k), bit 4 unbiased scale (random-k), bit 5 an explicit `k`
 //!   (top-k) or strata selection (random-k); for fp8: bit 0 stochastic, bit 1 E5M2,

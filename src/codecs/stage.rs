@@ -288,6 +288,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "safe code only, and long under Miri; run natively")]
     fn staged_decode_equals_plain_decode_for_every_alignment() {
         let x: Vec<f32> = (0..5000)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01)

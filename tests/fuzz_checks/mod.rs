@@ -215,7 +215,14 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
     } else {
         String::new()
     };
-    match c[0] % 16 {
+    // The entropy stage on bit 7 of byte 2, for the codecs that take it (every block up
+    // to 4096 fits its unit).
+    let stage = if c[2] & 128 != 0 && matches!(c[0] % 16, 3..=7 | 11..=13) {
+        ",entropy=on"
+    } else {
+        ""
+    };
+    let spec: String = match c[0] % 16 {
         0 => "identity".into(),
         15 => "lossless".into(),
         1 => "fp16".into(),
@@ -284,7 +291,8 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
             let transform = ["fast", "direct"][v as usize & 1];
             format!("dct:chunk={chunk},k={k},values={values},width={width},transform={transform}")
         }
-    }
+    };
+    spec + stage
 }
 
 /// Round trip of every codec on arbitrary f32 values (all bit patterns) and parameters:
@@ -299,7 +307,8 @@ fn spec_of(c: &[u8; 12], n: usize) -> String {
 /// - bytes 1..3: block size (`u16 % 4096 + 1`, also chunktopk's chunk, whose `k` is
 ///   `byte 4 % chunk + 1`); dct: chunk `byte 1 % 64 + 1`; for top-k and random-k, bits 0..2 of
 ///   byte 2 pick the index coding (automatic, gaps, Rice, bitmap; top-k), bit 2 bf16
-///   values (unless byte 3 asks for fp16) and bit 3 int8 values (top-k);
+///   values (unless byte 3 asks for fp16) and bit 3 int8 values (top-k); bit 7 of byte 2
+///   the entropy stage (int8, qsgd, sign, ternary, natural, fp8, fp4, codebook);
 /// - byte 3: bit 0 stochastic rounding (int8), bits 1..3 QSGD bits (2, 4, 8), bit 3 fp16
 ///   values (top-k, random-k), bit 4 unbiased scale (random-k), bit 5 an explicit `k`
 ///   (top-k) or strata selection (random-k), bit 6 a threshold (top-k), bit 7 approximate selection with tolerance
