@@ -118,21 +118,9 @@ fn with_payload(frame: &[u8], payload: Vec<u8>) -> Vec<u8> {
     f
 }
 
-/// Every decoder refuses `frame`, for a reason that names `why`, and `decode_add` leaves
-/// the accumulator as it was (`decode_into` may have written before it found the error,
-/// as the trait allows).
+/// Every decoder refuses `frame` (see [`refused_by`]).
 fn refused(frame: &[u8], n: usize, what: &str, why: &str) {
-    let c = lossless();
-    let mut out = vec![1.5f32; n];
-    let e = c.decode_into(frame, &mut out).expect_err(what);
-    out.fill(1.5);
-    let e2 = c.decode_add(frame, &mut out).expect_err(what);
-    assert!(
-        out.iter().all(|&v| v == 1.5),
-        "{what}: accumulator changed ({e2})"
-    );
-    assert!(matches!(e, gradpack::Error::Corrupt { .. }), "{what}: {e}");
-    assert!(e.to_string().contains(why), "{what}: {e}");
+    refused_by(&lossless(), frame, n, what, why);
 }
 
 #[test]
@@ -363,7 +351,9 @@ fn forged_fp16_frames_are_refused_and_change_nothing() {
     assert!(e.to_string().contains("dtype"), "{e}");
 }
 
-/// [`refused`] for another `lossless` codec.
+/// `c` refuses `frame` in both decoders, for a reason that names `why`, and `decode_add` leaves
+/// the accumulator as it was (`decode_into` may have written before it found the error,
+/// as the trait allows).
 fn refused_by(c: &CodecSpec, frame: &[u8], n: usize, what: &str, why: &str) {
     let mut out = vec![1.5f32; n];
     let e = c.decode_into(frame, &mut out).expect_err(what);
@@ -371,7 +361,8 @@ fn refused_by(c: &CodecSpec, frame: &[u8], n: usize, what: &str, why: &str) {
     let e2 = c.decode_add(frame, &mut out).expect_err(what);
     assert!(
         out.iter().all(|&v| v == 1.5),
-        "{what}: output changed ({e2})"
+        "{what}: accumulator changed ({e2})"
     );
+    assert!(matches!(e, gradpack::Error::Corrupt { .. }), "{what}: {e}");
     assert!(e.to_string().contains(why), "{what}: {e}");
 }

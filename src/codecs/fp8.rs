@@ -320,6 +320,14 @@ impl Fp8 {
         Ok(Fp8 { entropy, ..c })
     }
 
+    /// The bits that are all set in a NaN or ±Inf code of the format.
+    fn nonfinite_mask(&self) -> u8 {
+        match self.format {
+            Fp8Format::E4m3 => 0x7F,
+            Fp8Format::E5m2 => 0x7C,
+        }
+    }
+
     /// The shared small-float core.
     pub(crate) fn core(&self) -> SmallFloat {
         SmallFloat {
@@ -571,10 +579,7 @@ impl FixedRate for Fp8 {
 
     fn refuses_code(&self, c: u8) -> bool {
         // With a scale, encoders write finite codes (see `validate`).
-        let mask = match self.format {
-            Fp8Format::E4m3 => 0x7F,
-            Fp8Format::E5m2 => 0x7C,
-        };
+        let mask = self.nonfinite_mask();
         self.scale != Fp8Scale::None && c & mask == mask
     }
 
@@ -615,12 +620,11 @@ impl FixedRate for Fp8 {
         // refused (its product with a zero or NaN scale would depend on the CPU). One
         // branch-free pass finds whether there is one; a second, only then, where.
         if self.scale != Fp8Scale::None {
-            let mask = match self.format {
-                Fp8Format::E4m3 => 0x7F,
-                Fp8Format::E5m2 => 0x7C,
-            };
-            if kernels::any_all_set(codes, mask) {
-                let i = codes.iter().position(|&c| c & mask == mask).unwrap_or(0);
+            if kernels::any_all_set(codes, self.nonfinite_mask()) {
+                let i = codes
+                    .iter()
+                    .position(|&c| self.refuses_code(c))
+                    .unwrap_or(0);
                 return Err(Error::Corrupt {
                     codec: h.codec,
                     offset: HEADER_LEN + scales.len() + i,

@@ -391,12 +391,8 @@ fn decode_fp16<const M: u8>(
             format!("the exponents' block holds {e}, above fp16's 31"),
         )));
     }
-    let used = (3 * n % 8) as u32;
-    if let Some(&last) = lows.last().filter(|&&b| used != 0 && b >> used != 0) {
-        return Err(corrupt((
-            at + n + lows.len() - 1,
-            format!("padding bits {used}..8 of the last byte ({last:#04x}) are not zero"),
-        )));
+    if !lows.is_empty() {
+        crate::wire::check_padding(CodecId::Lossless, lows, HEADER_LEN + at + n, n as u64, 3)?;
     }
     let mut bits = [0u8; 4 * CHUNK];
     block

@@ -234,12 +234,9 @@ pub(crate) fn decode<F: FixedRate + ?Sized, const M: u8>(
             ),
         ));
     }
-    let used = (n as u64 * l.bits as u64 % 8) as u32;
-    let padding = |last: Option<u8>| match last.filter(|&b| used != 0 && b >> used != 0) {
-        Some(last) => Err(corrupt(
-            at,
-            format!("padding bits {used}..8 of the last code byte ({last:#04x}) are not zero"),
-        )),
+    // The last code byte's padding, as without the stage (its offset: the block's).
+    let padding = |last: Option<u8>| match last {
+        Some(b) => crate::wire::check_padding(h.codec, &[b], at, n as u64, l.bits as u64),
         None => Ok(()),
     };
     if !write {
