@@ -619,22 +619,20 @@ impl FixedRate for Fp8 {
         // With a scale, encoders clamp every quotient to ±FMAX: a NaN or ±Inf code is
         // refused (its product with a zero or NaN scale would depend on the CPU). One
         // branch-free pass finds whether there is one; a second, only then, where.
-        if self.scale != Fp8Scale::None {
-            if kernels::any_all_set(codes, self.nonfinite_mask()) {
-                let i = codes
-                    .iter()
-                    .position(|&c| self.refuses_code(c))
-                    .unwrap_or(0);
-                return Err(Error::Corrupt {
-                    codec: h.codec,
-                    offset: HEADER_LEN + scales.len() + i,
-                    reason: format!(
-                        "code {i} is {:#04x}, NaN or ±Inf, in a scaled frame (encoders \
-                         write finite codes)",
-                        codes[i]
-                    ),
-                });
-            }
+        if self.scale != Fp8Scale::None && kernels::any_all_set(codes, self.nonfinite_mask()) {
+            let i = codes
+                .iter()
+                .position(|&c| self.refuses_code(c))
+                .unwrap_or(0);
+            return Err(Error::Corrupt {
+                codec: h.codec,
+                offset: HEADER_LEN + scales.len() + i,
+                reason: format!(
+                    "code {i} is {:#04x}, NaN or ±Inf, in a scaled frame (encoders write \
+                     finite codes)",
+                    codes[i]
+                ),
+            });
         }
         Ok(())
     }
