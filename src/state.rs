@@ -8,22 +8,35 @@
 //! |---|---|
 //! | 0..4 | magic naming what is saved (`"GPEF"` error feedback, `"GPAR"` all-reduce, `"GPSE"` sync engine, `"GPNS"` a front end's state by tensor name) |
 //! | 4..6 | format version (1) |
-//! | 6..8 | zero |
+//! | 6 | flags: bit 0 set when every run of f32 values in the body is a `lossless` frame |
+//! | 7 | zero |
 //! | 8..16 | body length `L` (u64) |
 //! | 16..16+L | body (fields of the saved type, in order; byte strings and nested blobs are prefixed by their u64 length) |
 //! | 16+L..20+L | CRC-32 of bytes 0..16+L |
 //!
-//! A blob whose length, magic, version or checksum is wrong, or whose body does not read
-//! exactly to its end, is refused with [`Error::Checkpoint`].
+//! A run of f32 values is its count (u64) then the values; in a blob with flag bit 0 it
+//! is its count, then the byte length (u64) of a `lossless` frame of the values: the same
+//! bits, fewer bytes (what healing sends a member over a slow link).
+//!
+//! A blob whose length, magic, version, flags or checksum is wrong, or whose body does
+//! not read exactly to its end, is refused with [`Error::Checkpoint`].
 
+use crate::codec::{Codec, EncodeCtx};
+use crate::codecs::Lossless;
 use crate::error::{Error, Result};
 
 const VERSION: u16 = 1;
 const HEAD: usize = 16;
+/// Header flag: the body's runs of f32 values are `lossless` frames.
+const PACKED: u8 = 1;
 
 /// Builds a blob.
 pub(crate) struct BlobWriter {
     buf: Vec<u8>,
+    /// Whether runs of f32 values are written as `lossless` frames.
+    packed: bool,
+    /// The first failure to pack a run (memory), reported by [`BlobWriter::try_finish`].
+    failed: Option<Error>,
 }
 
 impl BlobWriter {
@@ -33,7 +46,20 @@ impl BlobWriter {
         buf.extend_from_slice(&VERSION.to_le_bytes());
         buf.extend_from_slice(&[0, 0]);
         buf.extend_from_slice(&[0; 8]);
-        BlobWriter { buf }
+        BlobWriter {
+            buf,
+            packed: false,
+            failed: None,
+        }
+    }
+
+    /// A writer whose runs of f32 values are `lossless` frames (finish it with
+    /// [`BlobWriter::try_finish`]).
+    pub(crate) fn packed(magic: [u8; 4]) -> BlobWriter {
+        let mut w = BlobWriter::new(magic);
+        w.buf[6] = PACKED;
+        w.packed = true;
+        w
     }
 
     pub(crate) fn u8(&mut self, v: u8) -> &mut Self {
@@ -63,9 +89,27 @@ impl BlobWriter {
 
     pub(crate) fn f32s(&mut self, v: &[f32]) -> &mut Self {
         self.u64(v.len() as u64);
+        if self.packed {
+            if let Err(e) = self.lossless(v) {
+                self.failed.get_or_insert(e);
+            }
+            return self;
+        }
         v.iter()
             .for_each(|x| self.buf.extend_from_slice(&x.to_le_bytes()));
         self
+    }
+
+    /// `v` as a length-prefixed `lossless` frame, its room reserved first.
+    fn lossless(&mut self, v: &[f32]) -> Result<()> {
+        let codec = Lossless::default();
+        let room = codec.max_encoded_len(v.len());
+        let at = self.buf.len() + 8;
+        crate::alloc::lengthen(&mut self.buf, at + room, "a packed state's frame")?;
+        let len = codec.encode_into(v, &EncodeCtx::new(0), &mut self.buf[at..])?;
+        self.buf.truncate(at + len);
+        self.buf[at - 8..at].copy_from_slice(&(len as u64).to_le_bytes());
+        Ok(())
     }
 
     pub(crate) fn u16s(&mut self, v: &[u16]) -> &mut Self {
@@ -75,7 +119,19 @@ impl BlobWriter {
         self
     }
 
+    /// The blob, or the first failure to pack one of its runs.
+    pub(crate) fn try_finish(mut self) -> Result<Vec<u8>> {
+        match self.failed.take() {
+            Some(e) => Err(e),
+            None => Ok(self.finish()),
+        }
+    }
+
     pub(crate) fn finish(mut self) -> Vec<u8> {
+        debug_assert!(
+            self.failed.is_none(),
+            "a packed blob finishes with try_finish"
+        );
         let body = (self.buf.len() - HEAD) as u64;
         self.buf[8..16].copy_from_slice(&body.to_le_bytes());
         let crc = crc32fast::hash(&self.buf);
@@ -89,6 +145,8 @@ pub(crate) struct BlobReader<'a> {
     body: &'a [u8],
     at: usize,
     what: &'static str,
+    /// Whether runs of f32 values are `lossless` frames (header flag bit 0).
+    packed: bool,
 }
 
 fn bad(what: &str, reason: impl core::fmt::Display) -> Error {
@@ -126,10 +184,19 @@ impl<'a> BlobReader<'a> {
             ));
         }
         let version = u16::from_le_bytes([data[4], data[5]]);
-        if version != VERSION || data[6..8] != [0, 0] {
+        if version != VERSION {
             return Err(bad(
                 what,
                 format!("format version {version} (this build reads {VERSION})"),
+            ));
+        }
+        if data[6] & !PACKED != 0 || data[7] != 0 {
+            return Err(bad(
+                what,
+                format!(
+                    "header bytes 6..8 are {:#04x} {:#04x}: only flag bit 0 (packed) is defined",
+                    data[6], data[7]
+                ),
             ));
         }
         let len = u64::from_le_bytes(data[8..16].try_into().expect("8 bytes"));
@@ -146,6 +213,7 @@ impl<'a> BlobReader<'a> {
             body: &data[HEAD..],
             at: 0,
             what,
+            packed: data[6] & PACKED != 0,
         })
     }
 
@@ -193,13 +261,41 @@ impl<'a> BlobReader<'a> {
 
     /// `n` f32 values into `out`, which must hold exactly as many.
     pub(crate) fn f32s_into(&mut self, out: &mut [f32]) -> Result<()> {
+        if self.packed {
+            let n = self.u64()?;
+            self.expect_eq("value count", n, out.len() as u64)?;
+            return self.lossless_into(out);
+        }
         self.values_into(out, |b: [u8; 4]| f32::from_le_bytes(b))
+    }
+
+    /// A `lossless` frame of exactly `out.len()` values into `out`.
+    fn lossless_into(&mut self, out: &mut [f32]) -> Result<()> {
+        let what = self.what;
+        let frame = self.bytes()?;
+        Lossless::default()
+            .decode_into(frame, out)
+            .map_err(|e| bad(what, format!("a packed run of {} values: {e}", out.len())))
     }
 
     /// A length-prefixed run of f32 values, however many were saved (allocated only
     /// once the blob is seen to hold them).
     pub(crate) fn f32s_vec(&mut self) -> Result<Vec<f32>> {
         let n = self.u64()?;
+        if self.packed {
+            // A lossless frame keeps 3 bytes of every value: no more values than that
+            // are allocated for.
+            let left = (self.body.len() - self.at) as u64;
+            if n.saturating_mul(3) > left {
+                return Err(bad(
+                    self.what,
+                    format!("a packed run of {n} values in {left} bytes"),
+                ));
+            }
+            let mut v = crate::alloc::filled(n as usize, 0.0, "a restored run of values")?;
+            self.lossless_into(&mut v)?;
+            return Ok(v);
+        }
         let b = self.take(n.saturating_mul(4))?;
         Ok(b.chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
@@ -342,5 +438,83 @@ mod tests {
         }
         assert!(BlobReader::open(&blob, *b"OTHR", "test").is_err());
         assert!(BlobReader::open(&blob[..blob.len() - 1], *b"TEST", "test").is_err());
+    }
+
+    /// Gradient-like values with every kind of f32 among them.
+    fn awkward(n: usize) -> Vec<f32> {
+        let special = [0.0, -0.0, f32::MIN_POSITIVE / 3.0, f32::INFINITY, f32::NAN];
+        let mut x: Vec<f32> = (0..n)
+            .map(|i| ((i as f32 * 0.37).sin() * 1e-3) / (1.0 + (i % 17) as f32))
+            .collect();
+        for (i, v) in special.into_iter().enumerate() {
+            x[i * 7] = v;
+        }
+        x[3] = f32::from_bits(0x7FC0_1234);
+        x
+    }
+
+    #[test]
+    fn a_packed_blob_keeps_every_bit_in_fewer_bytes() {
+        let x = awkward(20_000);
+        let write = |mut w: BlobWriter| {
+            w.u8(7).f32s(&x).u64(9).f32s(&[]).f32s(&x[..5]);
+            w
+        };
+        let plain = write(BlobWriter::new(*b"TEST")).finish();
+        let packed = write(BlobWriter::packed(*b"TEST")).try_finish().unwrap();
+        assert!(
+            packed.len() < plain.len() * 9 / 10,
+            "{} of {}",
+            packed.len(),
+            plain.len()
+        );
+        for blob in [&plain, &packed] {
+            let mut r = BlobReader::open(blob, *b"TEST", "test").unwrap();
+            assert_eq!(r.u8().unwrap(), 7);
+            let mut got = vec![0f32; x.len()];
+            r.f32s_into(&mut got).unwrap();
+            assert!(got.iter().zip(&x).all(|(a, b)| a.to_bits() == b.to_bits()));
+            assert_eq!(r.u64().unwrap(), 9);
+            assert!(r.f32s_vec().unwrap().is_empty());
+            let tail = r.f32s_vec().unwrap();
+            assert!(
+                tail.iter()
+                    .zip(&x[..5])
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+            );
+            r.end().unwrap();
+        }
+        // A packed run read into room of another length, or a frame damaged under a
+        // good checksum, is an error.
+        let mut r = BlobReader::open(&packed, *b"TEST", "test").unwrap();
+        r.u8().unwrap();
+        assert!(r.f32s_into(&mut vec![0f32; x.len() - 1]).is_err());
+        let mut bad = packed.clone();
+        let body = HEAD + 1 + 16;
+        bad[body + 30] ^= 0x40;
+        let at = bad.len() - 4;
+        let crc = crc32fast::hash(&bad[..at]);
+        bad[at..].copy_from_slice(&crc.to_le_bytes());
+        let mut r = BlobReader::open(&bad, *b"TEST", "test").unwrap();
+        r.u8().unwrap();
+        let mut got = vec![0f32; x.len()];
+        let e = r.f32s_into(&mut got).unwrap_err();
+        assert!(matches!(e, Error::Checkpoint(_)), "{e}");
+        // A count of values the packed bytes cannot hold allocates nothing.
+        let mut w = BlobWriter::packed(*b"TEST");
+        w.u64(1 << 60).u64(0);
+        let blob = w.try_finish().unwrap();
+        let e = BlobReader::open(&blob, *b"TEST", "test")
+            .unwrap()
+            .f32s_vec()
+            .unwrap_err();
+        assert!(e.to_string().contains("packed run"), "{e}");
+        // Undefined flags are refused.
+        let mut odd = plain.clone();
+        odd[6] = 2;
+        let at = odd.len() - 4;
+        let crc = crc32fast::hash(&odd[..at]);
+        odd[at..].copy_from_slice(&crc.to_le_bytes());
+        assert!(BlobReader::open(&odd, *b"TEST", "test").is_err());
     }
 }

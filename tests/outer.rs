@@ -1067,3 +1067,58 @@ fn a_sync_that_fails_midway_puts_the_residuals_back_before_it_runs_again() {
         }
     }
 }
+
+/// Two members whose parameters differ heal right after they are made: member 1 ends
+/// with member 0's parameters and outer copy, to the bit. Returns member 0's heal.
+fn heal_at_start(opts: &OuterOptions) -> Heal {
+    let layout = layout();
+    let got: Vec<(Ended, Heal)> = std::thread::scope(|s| {
+        let handles: Vec<_> = world(2)
+            .into_iter()
+            .enumerate()
+            .map(|(member, t)| {
+                let (layout, opts) = (&layout, opts.clone());
+                s.spawn(move || {
+                    let mut params = init(layout);
+                    if member == 1 {
+                        inner_step(&mut params, 1, 1);
+                    }
+                    let mut sync = OuterSync::new(layout, &views(&params), t, opts).unwrap();
+                    let heal = sync.heal(&mut slices(&mut params)).unwrap();
+                    let o = outers(&sync, layout.len());
+                    ((params, o), heal)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let bits = |v: &[Vec<f32>]| -> Vec<u32> { v.iter().flatten().map(|x| x.to_bits()).collect() };
+    let want = bits(&init(&layout));
+    for ((ended, heal), member) in got.iter().zip(0..) {
+        assert_eq!(heal.healed, vec![1]);
+        assert_eq!(heal.was_healed, member == 1);
+        assert_eq!(bits(&ended.0), want, "member {member}'s params");
+        assert_eq!(bits(&ended.1), want, "member {member}'s outer");
+    }
+    got[0].1.clone()
+}
+
+#[test]
+fn healing_packs_the_state_on_a_slow_link_and_keeps_every_bit() {
+    let on = |bandwidth_bit_s| OuterOptions {
+        strategy: StrategyChoice::Auto {
+            bandwidth_bit_s,
+            latency_s: 1e-5,
+            profile: None,
+        },
+        ..options("int8", Feedback::Worker, Strategy::CompressedRing)
+    };
+    let slow = heal_at_start(&on(1e6)).bytes_sent;
+    let fast = heal_at_start(&on(1e15)).bytes_sent;
+    // The state: an outer copy and a momentum of 4,672 values each (37,376 bytes) and
+    // a few fields. Packed, each value keeps its 24 bits of sign and mantissa; the
+    // momentum's exponents (all zero) take next to nothing, the outer copy's (a few
+    // binades) about 3 bits: about 0.8 of the bytes.
+    assert!(fast > 37_376, "{fast}");
+    assert!(slow * 10 < fast * 9, "packed {slow} bytes, plain {fast}");
+}

@@ -56,7 +56,10 @@ class DiLoCo:
     CPU float32 parameters the synchroniser reads and writes the parameters in place;
     for others (CUDA, other float types) it keeps a pinned float32 host copy of each
     and copies only the tensors of the fragments due. The model's parameters are made
-    equal on every rank first (a broadcast from the group's first rank). Every rank ends
+    equal on every rank first: the group's first rank sends its state to the ranks whose
+    parameters differ (the crate's healing; packed with the ``lossless`` codec where the
+    ``bandwidth`` given makes that pay), and ranks that already agree exchange only a
+    status. Every rank ends
     each outer step with the same outer parameters, to the bit. ``state_dict`` saves
     the synchroniser's state, to save beside the model and the inner optimizer;
     restored with them, training continues bit for bit.
@@ -76,7 +79,7 @@ class DiLoCo:
     raises. Every event is counted and logged (:meth:`elastic_stats`). Residuals of a
     replica that leaves are lost with it (what its codec had not yet sent, at most one
     round's worth); a replica that stays keeps its own. The first quorum (made here)
-    makes the replicas' parameters equal, as the broadcast does without a manager.
+    makes the replicas' parameters equal, as it does without a manager.
     """
 
     def __init__(
@@ -151,10 +154,6 @@ class DiLoCo:
                 h = p.data if direct else torch.empty(p.shape, dtype=torch.float32, pin_memory=pin)
                 if not direct:
                     h.copy_(p.detach())
-                if self._group is not None:
-                    dist.broadcast(h, dist.get_global_rank(self._group, 0), group=self._group)
-                    if not direct:
-                        p.copy_(h)
                 self._host.append(h)
                 self._mirrored.append(not direct)
         self._p2p = _PointToPoint(lambda: self._group)
@@ -202,8 +201,10 @@ class DiLoCo:
         self._quorum_for = -1
         if self._elastic is not None:
             self._elastic.heal(self._sync, self._all_host(), reform=False)
-            self._host_to_params(range(len(self._params)))
             self._quorum_for = self._sync.inner_step + 1
+        else:
+            self._sync.heal(self._all_host())
+        self._host_to_params(range(len(self._params)))
         #: Bytes this rank has sent for outer steps (envelopes and frames).
         self.bytes_sent = 0
         #: Fragment outer steps applied.

@@ -83,7 +83,9 @@ def worker(rank: int, world: int, port: int, plan: Dict[str, Any], out_dir: str)
     results: List[Dict[str, Any]] = []
     for name in plan["configs"]:
         cfg = CONFIGS_ALL[name]
-        net, opt, diloco = make(cfg, 0, h)
+        # Every rank but the first starts from parameters of its own: DiLoCo makes them
+        # the first rank's (by healing), so the run is the one from seed 0 everywhere.
+        net, opt, diloco = make(cfg, 0, h, init=0 if rank == 0 else 50 + rank)
         t0 = time.perf_counter()
         losses = run_steps(net, opt, xs, ys, rank, world, steps, 0)
         secs = time.perf_counter() - t0

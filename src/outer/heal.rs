@@ -3,8 +3,10 @@
 //! (the module docs of [`crate::outer`] give the rules).
 
 use super::{Flight, Job, OuterSync, all_reduce_options, checked_comm, mix};
+use crate::codec::{Codec, EncodeCtx};
+use crate::codecs::Lossless;
 use crate::collective::comm::ENVELOPE_LEN;
-use crate::collective::{AllReduce, Feedback, Transport};
+use crate::collective::{AllReduce, Feedback, StrategyChoice, Transport};
 use crate::error::{Error, Result};
 use crate::rng::splitmix64;
 use crate::state::{BlobReader, BlobWriter};
@@ -270,7 +272,7 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
                 Error::Collective(format!("a state of {} bytes to receive", s.shared_len))
             })?;
             let body = if self.rank == source {
-                shared
+                self.body_to_send(shared)?
             } else {
                 Vec::new()
             };
@@ -319,11 +321,65 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
         Ok(heal)
     }
 
+    /// The source's state as it goes on the link: `shared`, or the same state packed
+    /// (its floats as `lossless` frames, the same bits) where that is fewer bytes and
+    /// [`OuterSync::packing_pays`].
+    fn body_to_send(&self, shared: Vec<u8>) -> Result<Vec<u8>> {
+        if !self.packing_pays(shared.len()) {
+            return Ok(shared);
+        }
+        let packed = self.shared_state_as(BlobWriter::packed(SHARED_MAGIC))?;
+        Ok(if packed.len() < shared.len() {
+            packed
+        } else {
+            shared
+        })
+    }
+
+    /// Whether packing a state of `bytes` bytes saves more time on the link than packing
+    /// and unpacking it take: the link is the one the all-reduce's strategy is chosen
+    /// for (10 Gbit/s when the strategy is forced), the packing's speed and size those
+    /// of the first fragment's outer copy's first 64 Ki values, unpacking taken to cost
+    /// what packing does.
+    fn packing_pays(&self, bytes: usize) -> bool {
+        let bandwidth = match &self.opts.strategy {
+            StrategyChoice::Auto {
+                bandwidth_bit_s, ..
+            } => *bandwidth_bit_s,
+            StrategyChoice::Forced(_) => 10e9,
+        };
+        let Some(frag) = self.frags.first() else {
+            return false;
+        };
+        let sample = &frag.outer[..frag.outer.len().min(1 << 16)];
+        if sample.is_empty() || bandwidth.is_nan() || bandwidth <= 0.0 {
+            return false;
+        }
+        let codec = Lossless::default();
+        let mut frame = Vec::new();
+        let mut seconds = f64::INFINITY;
+        for _ in 0..2 {
+            let t = std::time::Instant::now();
+            match codec.encode(sample, &EncodeCtx::new(0)) {
+                Ok(f) => frame = f,
+                Err(_) => return false,
+            }
+            seconds = seconds.min(t.elapsed().as_secs_f64());
+        }
+        let scale = bytes as f64 / (4 * sample.len()) as f64;
+        let saved = (4 * sample.len()) as f64 - frame.len() as f64;
+        saved * scale * 8.0 / bandwidth > 2.0 * seconds * scale
+    }
+
     /// What healing sends a member whose state differs: the inner and outer steps taken
     /// and, per fragment, the outer copy, the momentum and its all-reduce's standing (a
     /// mean not yet applied, or a failed one's sync point).
     fn shared_state(&self) -> Result<Vec<u8>> {
-        let mut w = BlobWriter::new(SHARED_MAGIC);
+        self.shared_state_as(BlobWriter::new(SHARED_MAGIC))
+    }
+
+    /// [`OuterSync::shared_state`] written by `w` (plain or packed).
+    fn shared_state_as(&self, mut w: BlobWriter) -> Result<Vec<u8>> {
         w.u32(layout_hash(&self.tensors))
             .str(&self.settings())
             .u64(self.step)
@@ -349,7 +405,7 @@ impl<T: Transport + Send + 'static> OuterSync<T> {
                 }
             }
         }
-        Ok(w.finish())
+        w.try_finish()
     }
 
     /// Take the source's `state` from [`OuterSync::shared_state`] (checked whole before
