@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use gradpack::{Codec, CodecSpec, EncodeCtx};
+use gradpack::{Codec, CodecSpec, EncodeCtx, Header};
 
 fn bless() -> bool {
     std::env::var_os("GRADPACK_BLESS").is_some_and(|v| v == "1")
@@ -84,8 +84,10 @@ fn every_vector_encodes_decodes_and_reencodes_identically() {
 /// are (mode 0): `lossless_huffman` (the golden input eight times over, copy k scaled
 /// by 2^-k) takes the Huffman mode and `lossless_one` (1000 times 0.375) the
 /// one-symbol mode; `lossless_bf16` and `lossless_fp16` are the tiled input rounded to
-/// bf16 and fp16 (by those codecs; what overflows set to 0) in `lossless:dtype=bf16` and `dtype=fp16`. Each
-/// decodes to its input's bits.
+/// bf16 and fp16 (by those codecs; what overflows set to 0) in `lossless:dtype=bf16` and `dtype=fp16`.
+/// The golden input is 10.7% +0.0, short of the eighth that takes the zeros section;
+/// `lossless_zeros`, `lossless_bf16_zeros` and `lossless_fp16_zeros` are the tiled inputs
+/// with every third value +0.0, which take it. Each decodes to its input's bits.
 #[test]
 fn lossless_frames_of_each_entropy_mode() {
     let base = golden_input();
@@ -102,11 +104,22 @@ fn lossless_frames_of_each_entropy_mode() {
             .collect::<Vec<f32>>()
     };
     let (bf, fp) = (as_type("bf16"), as_type("fp16"));
+    // The tiled inputs with every third value +0.0: the zeros section.
+    let sparse_of = |x: &[f32]| -> Vec<f32> {
+        x.iter()
+            .enumerate()
+            .map(|(i, &v)| if i % 3 == 0 { 0.0 } else { v })
+            .collect()
+    };
+    let (sparse, sparse_bf, sparse_fp) = (sparse_of(&tiled), sparse_of(&bf), sparse_of(&fp));
     for (stem, spec, x, mode) in [
         ("lossless_huffman", "lossless", tiled, 2u8),
         ("lossless_one", "lossless", vec![0.375f32; 1000], 1),
         ("lossless_bf16", "lossless:dtype=bf16", bf, 2),
         ("lossless_fp16", "lossless:dtype=fp16", fp, 2),
+        ("lossless_zeros", "lossless", sparse, 2),
+        ("lossless_bf16_zeros", "lossless:dtype=bf16", sparse_bf, 2),
+        ("lossless_fp16_zeros", "lossless:dtype=fp16", sparse_fp, 2),
     ] {
         let frame = spec
             .parse::<CodecSpec>()
@@ -114,6 +127,12 @@ fn lossless_frames_of_each_entropy_mode() {
             .encode(&x, &EncodeCtx::new(0))
             .unwrap();
         assert_eq!(frame[gradpack::HEADER_LEN], mode, "{stem}");
+        let zeros = Header::parse(&frame).unwrap().params[1];
+        assert_eq!(
+            zeros == 1,
+            stem.ends_with("_zeros"),
+            "{stem}: the zeros section"
+        );
         check_or_write(&format!("{stem}.gpk"), &frame);
         check_or_write(&format!("{stem}.out.f32"), &f32_bytes(&x));
         assert_eq!(f32_bytes(&decode(&frame, x.len())), f32_bytes(&x), "{stem}");

@@ -366,3 +366,172 @@ fn refused_by(c: &CodecSpec, frame: &[u8], n: usize, what: &str, why: &str) {
     assert!(matches!(e, gradpack::Error::Corrupt { .. }), "{what}: {e}");
     assert!(e.to_string().contains(why), "{what}: {e}");
 }
+
+/// A gradient with runs and scattered +0.0 (dead units), as `dtype`'s values.
+fn with_zeros(n: usize, dtype: &str) -> Vec<f32> {
+    let g = gradpack::synthetic::gradient(n, 11);
+    let x: Vec<f32> = g
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            // Runs of zeros, long runs of values, and scattered zeros in some stretches.
+            if (i / 37) % 4 == 1 || ((i / 300) % 3 == 0 && i % 7 == 3) {
+                0.0
+            } else {
+                v
+            }
+        })
+        .collect();
+    if dtype == "f32" {
+        return x;
+    }
+    let p: CodecSpec = dtype.parse().unwrap();
+    p.decode(&p.encode(&x, &EncodeCtx::new(0)).unwrap())
+        .unwrap()
+}
+
+/// The zeros section's four counts of a frame that has one (params byte 1 is 1).
+fn zeros_section(frame: &[u8], n: usize) -> (usize, [u64; 4]) {
+    let h = Header::parse(frame).unwrap();
+    assert_eq!(h.params[1], 1, "the frame has a zeros section");
+    let p = &frame[HEADER_LEN..];
+    let block = gradpack::unstable::kernels::entropy::Block::parse(p, n, 1)
+        .unwrap()
+        .bytes();
+    let c = std::array::from_fn(|j| {
+        u64::from_le_bytes(p[block + 8 * j..block + 8 * j + 8].try_into().unwrap())
+    });
+    (block, c)
+}
+
+#[test]
+fn zeros_take_no_plane_bytes_and_come_back_in_every_type() {
+    for (t, spec, bits) in [
+        ("f32", "lossless", 24),
+        ("bf16", "lossless:dtype=bf16", 8),
+        ("fp16", "lossless:dtype=fp16", 11),
+    ] {
+        let c: CodecSpec = spec.parse().unwrap();
+        for n in [1 << 16, 4099, 1000, 37] {
+            let x = with_zeros(n, t);
+            let zeros = x.iter().filter(|v| v.to_bits() == 0).count();
+            let frame = c.encode(&x, &EncodeCtx::new(0)).unwrap();
+            same_bits(&x, &c.decode(&frame).unwrap());
+            // Nothing past the frame is written (every zero at the end is one).
+            let mut tail_zeros = x.clone();
+            let cut = n - n / 5;
+            tail_zeros[cut..].fill(0.0);
+            let mut buf = vec![0xA5u8; c.max_encoded_len(n)];
+            let len = c
+                .encode_into(&tail_zeros, &EncodeCtx::new(0), &mut buf)
+                .unwrap();
+            assert!(
+                buf[len..].iter().all(|&b| b == 0xA5),
+                "{t} n={n}: wrote past the frame"
+            );
+            same_bits(&tail_zeros, &c.decode(&buf[..len]).unwrap());
+            let base: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
+            let mut acc = base.clone();
+            c.decode_add(&frame, &mut acc).unwrap();
+            let want: Vec<f32> = base.iter().zip(&x).map(|(a, b)| a + b).collect();
+            same_bits(&want, &acc);
+            // The section is taken where an eighth of the values are +0.0 and their plane
+            // bits exceed its 32 bytes.
+            let h = Header::parse(&frame).unwrap();
+            let pays = 8 * zeros >= n && zeros * bits > 256;
+            assert_eq!(h.params[1] == 1, pays, "{t} n={n}: {zeros} zeros");
+            if h.params[1] == 1 {
+                let (_, counts) = zeros_section(&frame, n);
+                assert_eq!(counts[3] as usize, n - zeros, "{t} n={n}");
+            }
+            // Without the zeros (each +0.0 made -0.0, which keeps its planes) the frame is
+            // longer by about the zeros' plane bits.
+            let signed: Vec<f32> = x
+                .iter()
+                .map(|&v| if v.to_bits() == 0 { -0.0 } else { v })
+                .collect();
+            let plain = c.encode(&signed, &EncodeCtx::new(0)).unwrap();
+            same_bits(&signed, &c.decode(&plain).unwrap());
+            if zeros * bits > 4096 {
+                let saved = plain.len() as f64 - frame.len() as f64;
+                let planes = (zeros * bits) as f64 / 8.0;
+                assert!(
+                    saved > 0.75 * planes,
+                    "{t} n={n}: {saved} bytes saved of {planes}"
+                );
+            }
+        }
+        // A non-finite value turns the section off: the all-ones exponent is its own.
+        let mut x = with_zeros(5000, t);
+        x[17] = f32::INFINITY;
+        let frame = c.encode(&x, &EncodeCtx::new(0)).unwrap();
+        assert_eq!(Header::parse(&frame).unwrap().params[1], 0, "{t}");
+        same_bits(&x, &c.decode(&frame).unwrap());
+        // All zeros: the one-symbol block and no plane byte.
+        let z = vec![0f32; 3000];
+        let frame = c.encode(&z, &EncodeCtx::new(0)).unwrap();
+        assert_eq!(frame.len(), HEADER_LEN + 2 + 32, "{t}");
+        same_bits(&z, &c.decode(&frame).unwrap());
+    }
+}
+
+#[test]
+fn forged_zeros_sections_are_refused_and_change_nothing() {
+    let n = 20_000;
+    let x = with_zeros(n, "f32");
+    let frame = frame_of(&x);
+    let (block, counts) = zeros_section(&frame, n);
+    let p = frame[HEADER_LEN..].to_vec();
+    let set = |j: usize, v: u64| {
+        let mut q = p.clone();
+        q[block + 8 * j..block + 8 * j + 8].copy_from_slice(&v.to_le_bytes());
+        with_payload(&frame, q)
+    };
+    // Counts out of order, or more entries than a quarter's elements.
+    refused(
+        &set(0, counts[1] + 1),
+        n,
+        "count 1 above count 2",
+        "plane entries before quarter",
+    );
+    refused(
+        &set(0, 5001),
+        n,
+        "quarter 0 over its elements",
+        "plane entries before quarter",
+    );
+    // A total the plane bytes do not hold.
+    refused(
+        &set(3, counts[3] - 1),
+        n,
+        "total one short",
+        "bytes after the exponents",
+    );
+    // Entries moved between quarters (the same total): the quarters' symbols disagree.
+    refused(
+        &set(1, counts[1] + 1),
+        n,
+        "entries moved",
+        "differ in number",
+    );
+    refused(
+        &set(1, counts[1] - 1),
+        n,
+        "entries moved back",
+        "differ in number",
+    );
+    // A zeros flag of 2, and the section cut off.
+    let mut h = Header::parse(&frame).unwrap();
+    h.params[1] = 2;
+    let mut f = vec![0u8; HEADER_LEN];
+    h.write(&mut f);
+    f.extend(&p);
+    let e = lossless().decode(&f).unwrap_err();
+    assert!(e.to_string().contains("zeros"), "{e}");
+    refused(
+        &with_payload(&frame, p[..block + 20].to_vec()),
+        n,
+        "section cut",
+        "",
+    );
+}

@@ -374,33 +374,72 @@ def decode(frame):
     elif codec == 14:  # chunktopk (spec 3.15)
         out = chunktopk_decode(p, params, n, seed, flags)
     elif codec == 15:  # lossless (spec 3.16)
-        dtype = params[0]
+        dtype, zeros = params[0], params[1]
         if dtype > 2:
             raise Reject("lossless dtype")
-        zero_from(1)
+        if zeros > 1:
+            raise Reject("lossless zeros flag")
+        zero_from(2)
         if seed:
             raise Reject("seed")
         exps, at, alphabet = entropy_block(p, n, 1)
-        if dtype == 0:
-            want_len(at + 3 * n)
+        if dtype == 2 and any(e > 31 for e in alphabet):
+            raise Reject("fp16 exponent above 31")
+        # Plane entry of each element (None: +0.0, the zero symbol, no entry).
+        entry, m = list(range(n)), n
+        if zeros:
+            if plen < at + 32:
+                raise Reject("zeros section short")
+            counts = struct.unpack_from("<4Q", p, at)
+            at += 32
+            zsym = 31 if dtype == 2 else 255
+            q = max((n + 3) // 4, 1)
+            k = 0
             for i in range(n):
-                lo, = struct.unpack_from("<H", p, at + 2 * i)
-                t = p[at + 2 * n + i]
+                if i % q == 0 and i and k != counts[i // q - 1]:
+                    raise Reject("zeros section: count before a quarter")
+                if exps[i] == zsym:
+                    entry[i] = None
+                else:
+                    entry[i] = k
+                    k += 1
+            starts = [0] + list(counts[:3])
+            for j in range(4):
+                lo, hi = min(j * q, n), min((j + 1) * q, n)
+                if starts[j] > counts[j] or counts[j] - starts[j] > hi - lo:
+                    raise Reject("zeros section: counts")
+            if k != counts[3]:
+                raise Reject("zeros section: total")
+            m = k
+        if dtype == 0:
+            want_len(at + 3 * m)
+            for i in range(n):
+                if entry[i] is None:
+                    out[i] = 0
+                    continue
+                k = entry[i]
+                lo, = struct.unpack_from("<H", p, at + 2 * k)
+                t = p[at + 2 * m + k]
                 out[i] = ((t & 0x80) << 24) | (exps[i] << 23) | ((t & 0x7F) << 16) | lo
         elif dtype == 1:
-            want_len(at + n)
+            want_len(at + m)
             for i in range(n):
-                t = p[at + i]
+                if entry[i] is None:
+                    out[i] = 0
+                    continue
+                t = p[at + entry[i]]
                 out[i] = ((t & 0x80) << 24) | (exps[i] << 23) | ((t & 0x7F) << 16)
         else:
-            want_len(at + n + (3 * n + 7) // 8)
-            if any(e > 31 for e in alphabet):
-                raise Reject("fp16 exponent above 31")
-            padding(at + n, n, 3)
-            lows = at + n
+            want_len(at + m + (3 * m + 7) // 8)
+            padding(at + m, m, 3)
+            lows = at + m
             for i in range(n):
-                t = p[at + i]
-                bit = 3 * i
+                if entry[i] is None:
+                    out[i] = 0
+                    continue
+                k = entry[i]
+                t = p[at + k]
+                bit = 3 * k
                 two = p[lows + bit // 8] | ((p[lows + bit // 8 + 1] << 8) if lows + bit // 8 + 1 < plen else 0)
                 low = (two >> (bit % 8)) & 7
                 h = ((t & 0x80) << 8) | (exps[i] << 10) | ((t & 0x7F) << 3) | low

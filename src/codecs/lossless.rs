@@ -19,6 +19,14 @@
 //! element as a 3-bit stream. An input that is not of the type is an error, never
 //! rounded.
 //!
+//! With params byte 1 set (the zeros section), +0.0 elements carry no plane bytes: their
+//! exponent symbol is the all-ones exponent (255, fp16 31), which no element of such a
+//! frame has otherwise (the encoder sets it only when the input is finite, at least an
+//! eighth of it is +0.0, and its zeros' plane bits exceed the section's 32 bytes). Four u64 counts follow the exponents' block:
+//! the plane entries before each of the block's quarters 1, 2, 3 and in all; the planes
+//! then hold those entries only. Dead ReLU units and unused rows make a quarter of an
+//! MLP's gradient exactly zero, and its frame 0.7 of identity's instead of 0.85.
+//!
 //! Every element comes back with its bits: -0, subnormals, ±Inf and NaN payloads included.
 //! A gradient's exponents fall in a few binades, so they take about 3 of their 8 bits:
 //! an f32 frame is about 0.85 of identity's bytes, a bf16 one about 0.7 of bf16's.
@@ -106,12 +114,6 @@ impl From<Lossless> for CodecSpec {
     }
 }
 
-/// The exponent field of `v`.
-#[inline(always)]
-fn exponent(v: f32) -> u8 {
-    (v.to_bits() >> 23) as u8
-}
-
 /// The byte of sign and top mantissa bits of `b`.
 #[inline(always)]
 fn top(b: u32) -> u8 {
@@ -148,22 +150,39 @@ impl Scheme for Lossless {
         }
         let n = x.len();
         let out = super::payload_buf(out, self.max_payload(n as u64))?;
-        let at = entropy::encode(n, |i| exponent(x[i]), 1, out);
-        let (lo, rest) = out[at..].split_at_mut(2 * n);
-        let mut nonfinite = false;
-        for ((l, t), v) in lo.chunks_exact_mut(2).zip(&mut rest[..n]).zip(x) {
-            let b = v.to_bits();
-            l.copy_from_slice(&(b as u16).to_le_bytes());
-            *t = top(b);
-            nonfinite |= exponent(*v) == 0xFF;
+        let (at, zeros, nonfinite) = self.exponents(x, |b| (b >> 23) as u8, out);
+        let Some(z) = zeros else {
+            let (lo, rest) = out[at..].split_at_mut(2 * n);
+            for ((l, t), v) in lo.chunks_exact_mut(2).zip(&mut rest[..n]).zip(x) {
+                let b = v.to_bits();
+                l.copy_from_slice(&(b as u16).to_le_bytes());
+                *t = top(b);
+            }
+            return Ok(self.encoded((at + 3 * n) as u64, nonfinite, false));
+        };
+        let m = n - z;
+        let (section, planes) = out[at..].split_at_mut(ZEROS_SECTION);
+        // Every element up to the last non-zero one is written at entry `k`, which only
+        // the non-zero ones advance (a zero's entry is then overwritten): no branch on
+        // the value, and no write past entry `m - 1`.
+        let tail = last_nonzero(x);
+        let mut k = 0;
+        let mut counts = [0u64; 4];
+        for (j, (lo, hi)) in entropy::quarters(n, 1).into_iter().enumerate() {
+            if j > 0 {
+                counts[j - 1] = k as u64;
+            }
+            for v in &x[lo.min(tail)..hi.min(tail)] {
+                let b = v.to_bits();
+                planes[2 * k] = b as u8;
+                planes[2 * k + 1] = (b >> 8) as u8;
+                planes[2 * m + k] = top(b);
+                k += usize::from(b != 0);
+            }
         }
-        Ok(Encoded {
-            payload_len: (at + 3 * n) as u64,
-            params: [0; 12],
-            nonfinite,
-            seed: 0,
-            entropy: false,
-        })
+        counts[3] = k as u64;
+        write_counts(section, counts);
+        Ok(self.encoded((at + ZEROS_SECTION + 3 * m) as u64, false, true))
     }
 
     fn read(h: &Header) -> Result<Lossless> {
@@ -179,12 +198,27 @@ impl Scheme for Lossless {
                 });
             }
         };
-        h.params_zero_from(1)?;
+        let zeros = match h.params[1] {
+            0 => false,
+            1 => true,
+            z => {
+                return Err(Error::BadField {
+                    codec: h.codec,
+                    field: "params.zeros",
+                    reason: format!("{z} is not 0 or 1"),
+                });
+            }
+        };
+        h.params_zero_from(2)?;
         h.seed_zero()?;
         let c = Lossless { dtype };
         let n = h.elements;
-        // The smallest payload: an entropy block's mode byte and the plane bytes.
-        let least = c.planes(n).saturating_add(1);
+        // The smallest payload: an entropy block's mode byte and the plane bytes (with
+        // the zeros section, that section and no plane byte at all).
+        let least = match zeros {
+            false => c.planes(n).saturating_add(1),
+            true => 1 + ZEROS_SECTION as u64,
+        };
         if h.payload_len < least || h.payload_len > c.max_payload(n) {
             return Err(corrupt((
                 0,
@@ -200,13 +234,16 @@ impl Scheme for Lossless {
 
     fn decode_payload<const M: u8>(
         &self,
-        _h: &Header,
+        h: &Header,
         payload: &[u8],
         out: &mut [f32],
     ) -> Result<()> {
         let n = out.len();
         let block = open::<M>(payload, n)?;
         let at = block.bytes();
+        if h.params[1] == 1 {
+            return self.decode_zeros::<M>(&block, &payload[at..], at, out);
+        }
         let planes = self.planes(n as u64) as usize;
         if payload.len() - at != planes {
             return Err(corrupt((
@@ -265,13 +302,32 @@ impl Lossless {
         }
         let n = x.len();
         let out = super::payload_buf(out, self.max_payload(n as u64))?;
-        let at = entropy::encode(n, |i| exponent(x[i]), 1, out);
-        let mut nonfinite = false;
-        for (t, v) in out[at..at + n].iter_mut().zip(x) {
-            *t = top(v.to_bits());
-            nonfinite |= exponent(*v) == 0xFF;
+        let (at, zeros, nonfinite) = self.exponents(x, |b| (b >> 23) as u8, out);
+        let Some(z) = zeros else {
+            for (t, v) in out[at..at + n].iter_mut().zip(x) {
+                *t = top(v.to_bits());
+            }
+            return Ok(self.encoded((at + n) as u64, nonfinite, false));
+        };
+        let m = n - z;
+        let (section, tops) = out[at..].split_at_mut(ZEROS_SECTION);
+        // As for f32: every element up to the last non-zero one written at entry `k`.
+        let tail = last_nonzero(x);
+        let mut k = 0;
+        let mut counts = [0u64; 4];
+        for (j, (lo, hi)) in entropy::quarters(n, 1).into_iter().enumerate() {
+            if j > 0 {
+                counts[j - 1] = k as u64;
+            }
+            for v in &x[lo.min(tail)..hi.min(tail)] {
+                let b = v.to_bits();
+                tops[k] = top(b);
+                k += usize::from(b != 0);
+            }
         }
-        Ok(self.encoded((at + n) as u64, nonfinite))
+        counts[3] = k as u64;
+        write_counts(section, counts);
+        Ok(self.encoded((at + ZEROS_SECTION + m) as u64, false, true))
     }
 
     /// Encode fp16 values: their 5-bit exponents, their sign and top 7 mantissa bits,
@@ -284,23 +340,88 @@ impl Lossless {
         }
         let n = x.len();
         let out = super::payload_buf(out, self.max_payload(n as u64))?;
-        let at = entropy::encode(n, |i| ((half(x[i]) >> 10) & 0x1F) as u8, 1, out);
-        let (tops, lows) = out[at..].split_at_mut(n);
-        let lows = &mut lows[..(3 * n).div_ceil(8)];
+        let (at, zeros, nonfinite) =
+            self.exponents(x, |b| ((half(f32::from_bits(b)) >> 10) & 0x1F) as u8, out);
+        let (section, planes) = match zeros {
+            Some(_) => out[at..].split_at_mut(ZEROS_SECTION),
+            None => out[at..].split_at_mut(0),
+        };
+        let m = n - zeros.unwrap_or(0);
+        let (tops, lows) = planes.split_at_mut(m);
+        let lows = &mut lows[..(3 * m).div_ceil(8)];
         lows.fill(0);
-        let mut nonfinite = false;
-        for (i, (t, v)) in tops.iter_mut().zip(x).enumerate() {
-            let h = half(*v);
-            *t = (((h >> 8) & 0x80) | ((h >> 3) & 0x7F)) as u8;
-            put3(lows, i, (h & 7) as u8);
-            nonfinite |= h & 0x7C00 == 0x7C00;
+        let payload = (at + section.len() + m + lows.len()) as u64;
+        let mut put = |k: usize, b: u32| {
+            let h = half(f32::from_bits(b));
+            tops[k] = (((h >> 8) & 0x80) | ((h >> 3) & 0x7F)) as u8;
+            put3(lows, k, (h & 7) as u8);
+        };
+        if zeros.is_none() {
+            x.iter().enumerate().for_each(|(k, v)| put(k, v.to_bits()));
+            return Ok(self.encoded(payload, nonfinite, false));
         }
-        Ok(self.encoded((at + n + lows.len()) as u64, nonfinite))
+        write_counts(section, fill_planes(x, put));
+        Ok(self.encoded(payload, false, true))
     }
 
-    fn encoded(&self, payload_len: u64, nonfinite: bool) -> Encoded {
+    /// Plane bits an element carries: the f32's 24 bits of sign and mantissa, bf16's 8,
+    /// fp16's 11.
+    fn plane_bits(&self) -> usize {
+        match self.dtype {
+            FloatType::F32 => 24,
+            FloatType::Bf16 => 8,
+            FloatType::Fp16 => 11,
+        }
+    }
+
+    /// The symbol of a +0.0 element in a frame with the zeros section: the exponent
+    /// field of all ones (f32 and bf16 255, fp16 31), which no element of such a frame has.
+    fn zero_symbol(&self) -> u8 {
+        match self.dtype {
+            FloatType::Fp16 => 0x1F,
+            _ => 0xFF,
+        }
+    }
+
+    /// The exponents' block of `x` at the start of `out`: `exp` of each element's bits,
+    /// or the zero symbol for +0.0 where the zeros section pays: the input holds no
+    /// non-finite value, at least an eighth of it is +0.0 (the section's decode is
+    /// slower: each element's entry depends on the zeros before it) and its zeros' plane
+    /// bits exceed the section's 256. Returns the block's length, `Some` of the zeros'
+    /// count if they go as the zero symbol, and whether `x` holds a non-finite value.
+    fn exponents(
+        &self,
+        x: &[f32],
+        exp: impl Fn(u32) -> u8 + Copy,
+        out: &mut [u8],
+    ) -> (usize, Option<usize>, bool) {
+        let n = x.len();
+        let (mut zeros, mut nonfinite) = (0usize, false);
+        for v in x {
+            let b = v.to_bits();
+            zeros += usize::from(b == 0);
+            nonfinite |= b & 0x7F80_0000 == 0x7F80_0000;
+        }
+        let skip = !nonfinite
+            && zeros.saturating_mul(8) >= n
+            && zeros.saturating_mul(self.plane_bits()) > 8 * ZEROS_SECTION;
+        let at = if skip {
+            let zero = self.zero_symbol();
+            let sym = |i: usize| match x[i].to_bits() {
+                0 => zero,
+                b => exp(b),
+            };
+            entropy::encode(n, sym, 1, out)
+        } else {
+            entropy::encode(n, |i| exp(x[i].to_bits()), 1, out)
+        };
+        (at, skip.then_some(zeros), nonfinite)
+    }
+
+    fn encoded(&self, payload_len: u64, nonfinite: bool, zeros: bool) -> Encoded {
         let mut params = [0u8; 12];
         params[0] = self.dtype as u8;
+        params[1] = u8::from(zeros);
         Encoded {
             payload_len,
             params,
@@ -308,6 +429,274 @@ impl Lossless {
             seed: 0,
             entropy: false,
         }
+    }
+}
+
+impl Lossless {
+    /// Decode a frame with the zeros section (`rest`: what follows the exponents' block,
+    /// `at` bytes into the payload) into `out` in mode `M`. In add mode every count is
+    /// checked before anything is added.
+    fn decode_zeros<const M: u8>(
+        &self,
+        block: &entropy::Block<'_>,
+        rest: &[u8],
+        at: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let n = out.len();
+        if rest.len() < ZEROS_SECTION {
+            return Err(corrupt((
+                at,
+                format!("{} bytes for the zeros section", rest.len()),
+            )));
+        }
+        let (section, planes) = rest.split_at(ZEROS_SECTION);
+        let counts: [u64; 4] = std::array::from_fn(|j| {
+            u64::from_le_bytes(section[8 * j..8 * j + 8].try_into().expect("8 bytes"))
+        });
+        let quarters = entropy::quarters(n, 1);
+        let mut first = [0usize; 4];
+        for (j, &(lo, hi)) in quarters.iter().enumerate() {
+            let before = if j == 0 { 0 } else { counts[j - 1] };
+            if before > counts[j] || counts[j] - before > (hi - lo) as u64 {
+                return Err(corrupt((
+                    at + 8 * j,
+                    format!(
+                        "{} plane entries before quarter {j} and {} after it, which holds {} elements",
+                        before,
+                        counts[j],
+                        hi - lo
+                    ),
+                )));
+            }
+            first[j] = before as usize;
+        }
+        let m = counts[3] as usize;
+        let want = self.planes(m as u64) as usize;
+        if planes.len() != want {
+            return Err(corrupt((
+                at + ZEROS_SECTION,
+                format!(
+                    "{} bytes after the exponents and the zeros section for {m} plane entries (want {want})",
+                    planes.len()
+                ),
+            )));
+        }
+        let lim = counts.map(|c| c as usize);
+        let zero = self.zero_symbol();
+        let (lo16, tops, lows) = match self.dtype {
+            FloatType::F32 => (&planes[..2 * m], &planes[2 * m..], &[][..]),
+            FloatType::Bf16 => (&[][..], planes, &[][..]),
+            FloatType::Fp16 => {
+                let alphabet = block.alphabet();
+                if let Some(e) = (32..256).find(|&e| alphabet[e]) {
+                    return Err(corrupt((
+                        1,
+                        format!("the exponents' block holds {e}, above fp16's 31"),
+                    )));
+                }
+                let (tops, lows) = planes.split_at(m);
+                if !lows.is_empty() {
+                    let offset = HEADER_LEN + at + ZEROS_SECTION + m;
+                    crate::wire::check_padding(CodecId::Lossless, lows, offset, m as u64, 3)?;
+                }
+                (&[][..], tops, lows)
+            }
+        };
+        let counts = Counts { first, lim, zero };
+        if m == 0 {
+            // Every element is +0.0 (the counts say so; they are checked as for any frame).
+            return counts.decode::<M>(block, at, out, |_, _| 0);
+        }
+        match self.dtype {
+            FloatType::F32 => counts.decode::<M>(block, at, out, |e, k| {
+                join(
+                    e,
+                    u16::from_le_bytes([lo16[2 * k], lo16[2 * k + 1]]),
+                    tops[k],
+                )
+            }),
+            FloatType::Bf16 => counts.decode::<M>(block, at, out, |e, k| join(e, 0, tops[k])),
+            FloatType::Fp16 => counts.decode::<M>(block, at, out, |e, k| {
+                let t = tops[k] as u16;
+                let low = get3(lows, k) as u16;
+                let h = ((t & 0x80) << 8) | ((e as u16) << 10) | ((t & 0x7F) << 3) | low;
+                kernels::scalar::f16_to_f32(h).to_bits()
+            }),
+        }
+    }
+}
+
+/// A zeros section, checked against the block's size: each quarter's first plane entry,
+/// the entries before the next quarter, and the zero symbol.
+struct Counts {
+    first: [usize; 4],
+    lim: [usize; 4],
+    zero: u8,
+}
+
+impl Counts {
+    /// Decode the elements in mode `M`: +0.0 for the zero symbol, else `bits(symbol, k)`
+    /// of the quarter's next plane entry `k` (called with any entry below the last
+    /// quarter's limit, whose planes hold). `at`: the section's payload offset.
+    fn decode<const M: u8>(
+        &self,
+        block: &entropy::Block<'_>,
+        at: usize,
+        out: &mut [f32],
+        bits: impl Fn(u8, usize) -> u32,
+    ) -> Result<()> {
+        let Counts { first, lim, zero } = *self;
+        let n = out.len();
+        let quarters = entropy::quarters(n, 1);
+        // The quarter of element `s`.
+        let q = n.div_ceil(4).max(1);
+        let quarter = |s: usize| (s / q).min(3);
+        let short = |j: usize| {
+            corrupt((
+                at + 8 * j,
+                format!(
+                    "quarter {j}: its elements that are not +0.0 and its plane entries differ in number"
+                ),
+            ))
+        };
+        if M != kernels::mode::WRITE {
+            // Add mode: the counts checked first (the block is known good already).
+            let mut seen = first;
+            block
+                .for_each_chunk::<CHUNK>(CHUNK, |start, exps| {
+                    for (i, &e) in exps.iter().enumerate() {
+                        seen[quarter(start + i)] += usize::from(e != zero);
+                    }
+                })
+                .map_err(corrupt)?;
+            if let Some(j) = (0..4).find(|&j| seen[j] != lim[j]) {
+                return Err(short(j));
+            }
+        }
+        let mut k = first;
+        let last = lim[3].saturating_sub(1);
+        let mut bad = None;
+        let mut words = [0u32; CHUNK];
+        block
+            .for_each_chunk::<CHUNK>(CHUNK, |start, exps| {
+                let mut s = start;
+                let mut rest = exps;
+                while !rest.is_empty() && bad.is_none() {
+                    let j = quarter(s);
+                    let (run, next) = rest.split_at((quarters[j].1 - s).min(rest.len()));
+                    let kj = join_run(run, zero, k[j], last, &bits, &mut words);
+                    k[j] = kj;
+                    if kj > lim[j] {
+                        // More entries than the section gives the quarter (write mode
+                        // only: add mode checked the counts first).
+                        bad = Some(j);
+                        return;
+                    }
+                    let w = &words[..run.len()];
+                    kernels::decode_f32::<M>(bytemuck::cast_slice(w), &mut out[s..s + run.len()]);
+                    s += run.len();
+                    rest = next;
+                }
+            })
+            .map_err(corrupt)?;
+        match bad.or_else(|| (0..4).find(|&j| k[j] != lim[j])) {
+            Some(j) => Err(short(j)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The bits of `run`'s elements into `words`: 0 for the `zero` symbol, else `bits` of
+/// the next plane entry from `k` (read at most at `last`, with no branch on the symbol);
+/// returns the entry after the run's last.
+#[inline(never)]
+fn join_run(
+    run: &[u8],
+    zero: u8,
+    mut k: usize,
+    last: usize,
+    bits: &impl Fn(u8, usize) -> u32,
+    words: &mut [u32; CHUNK],
+) -> usize {
+    // Groups of 16 whose symbols are all zeros or all not (a gradient's zeros come in
+    // runs: dead units, unused rows) go without the running entry.
+    let mut words = &mut words[..run.len()];
+    let mut run = run;
+    while run.len() >= 16 {
+        let (g, rest) = run.split_at(16);
+        let (w, wrest) = words.split_at_mut(16);
+        let kept = g.iter().filter(|&&e| e != zero).count();
+        if kept == 0 {
+            w.fill(0);
+        } else if kept == 16 && k + 15 <= last {
+            for (i, (w, &e)) in w.iter_mut().zip(g).enumerate() {
+                *w = bits(e, k + i);
+            }
+            k += 16;
+        } else {
+            k = join_mixed(g, zero, k, last, bits, w);
+        }
+        (run, words) = (rest, wrest);
+    }
+    join_mixed(run, zero, k, last, bits, words)
+}
+
+/// [`join_run`]'s loop, element by element.
+#[inline(always)]
+fn join_mixed(
+    run: &[u8],
+    zero: u8,
+    mut k: usize,
+    last: usize,
+    bits: &impl Fn(u8, usize) -> u32,
+    words: &mut [u32],
+) -> usize {
+    for (w, &e) in words.iter_mut().zip(run) {
+        let v = bits(e, k.min(last));
+        let keep = e != zero;
+        *w = if keep { v } else { 0 };
+        k += usize::from(keep);
+    }
+    k
+}
+
+/// Bytes of the zeros section: the plane entries before each of the exponents' block's
+/// quarters 1, 2 and 3, then in all, each a u64 LE.
+const ZEROS_SECTION: usize = 32;
+
+/// `put(k, bits)` for the elements of `x` that are not +0.0, `k` counting them; returns
+/// the plane entries before each of the block's quarters 1, 2, 3 and in all.
+fn fill_planes(x: &[f32], mut put: impl FnMut(usize, u32)) -> [u64; 4] {
+    let mut counts = [0u64; 4];
+    let mut k = 0;
+    for (j, (lo, hi)) in entropy::quarters(x.len(), 1).into_iter().enumerate() {
+        if j > 0 {
+            counts[j - 1] = k as u64;
+        }
+        for v in &x[lo..hi] {
+            let b = v.to_bits();
+            if b != 0 {
+                put(k, b);
+                k += 1;
+            }
+        }
+    }
+    counts[3] = k as u64;
+    counts
+}
+
+/// One past the last element of `x` that is not +0.0 (0 if none is).
+fn last_nonzero(x: &[f32]) -> usize {
+    x.iter()
+        .rposition(|v| v.to_bits() != 0)
+        .map_or(0, |i| i + 1)
+}
+
+/// The zeros section of `counts` into `out`.
+fn write_counts(out: &mut [u8], counts: [u64; 4]) {
+    for (o, c) in out.chunks_exact_mut(8).zip(counts) {
+        o.copy_from_slice(&c.to_le_bytes());
     }
 }
 

@@ -486,7 +486,7 @@ fn finish(streams: &[&[u8]; 4], readers: &[Reader<'_>; 4]) -> Result<(), Refused
 
 /// Where the four streams' symbols lie among `n`: `j q .. min((j + 1) q, n)`, `q`
 /// being `ceil(n / 4)` rounded up to a multiple of `align`.
-fn quarters(n: usize, align: usize) -> [(usize, usize); 4] {
+pub fn quarters(n: usize, align: usize) -> [(usize, usize); 4] {
     let align = align.max(1);
     let q = n.div_ceil(4).div_ceil(align).saturating_mul(align);
     std::array::from_fn(|j| ((j * q).min(n), ((j + 1) * q).min(n)))
