@@ -2,10 +2,11 @@
 //! (constriction's rANS coder) and a general-purpose compressor (zstd), on the same
 //! gradients, one thread.
 //!
-//! For each gradient (a synthetic one, and the first 1 Mi elements of each .npy file
-//! named on the command line) it prints, per pipeline, the bytes as a share of the
-//! f32 input's and the encode and decode speed in GB/s of f32 input (the median of
-//! several runs), after checking that every pipeline decodes to the input's bits:
+//! For each gradient (a synthetic one, the same with a quarter of it +0.0, and the
+//! first 1 Mi elements of each .npy file named on the command line) it prints, per
+//! pipeline, the bytes as a share of the f32 input's and the encode and decode speed in
+//! GB/s of f32 input (the median of several runs), after checking that every pipeline
+//! decodes to the input's bits:
 //!
 //! - floats, lossless: gradpack's `lossless` codec; the same planes (exponent bytes
 //!   coded, sign and mantissa bits kept) with the exponents coded by constriction's
@@ -241,8 +242,17 @@ fn rans_int8(x: &[f32]) -> Row {
 }
 
 fn main() {
-    let mut inputs: Vec<(String, Vec<f32>)> =
-        vec![("synthetic".into(), gradpack::synthetic::gradient(N, 7))];
+    let synthetic = gradpack::synthetic::gradient(N, 7);
+    // A quarter of it +0.0 in runs of 2500 (dead units of a 2500-wide layer).
+    let dead: Vec<f32> = synthetic
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| if (i / 2500) % 4 == 1 { 0.0 } else { v })
+        .collect();
+    let mut inputs: Vec<(String, Vec<f32>)> = vec![
+        ("synthetic".into(), synthetic),
+        ("synthetic, a quarter +0.0 in runs".into(), dead),
+    ];
     for path in std::env::args().skip(1) {
         let x = read_npy(&path);
         inputs.push((path, x));
