@@ -66,6 +66,24 @@ fn f32_in<'py>(x: &Bound<'py, PyAny>, what: &str) -> PyResult<PyReadonlyArrayDyn
     })
 }
 
+/// `x` as float32: a bfloat16 or float16 torch tensor, or a float16 or bfloat16
+/// (ml_dtypes) numpy array, widened (exactly: every such value is a float32 value, and
+/// `lossless:dtype=bf16` or `fp16` sends it to the bit); anything else as it is.
+fn widened<'py>(x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    if is_torch_tensor(x)? {
+        let dt = x.getattr("dtype")?.str()?.to_string();
+        if dt == "torch.bfloat16" || dt == "torch.float16" {
+            return x.call_method0("float");
+        }
+    } else if let Ok(a) = x.cast::<PyUntypedArray>() {
+        let name = a.dtype().getattr("name")?.str()?.to_string();
+        if name == "float16" || name == "bfloat16" {
+            return x.call_method1("astype", ("float32",));
+        }
+    }
+    Ok(x.clone())
+}
+
 /// The float32 array `x` as a writable view.
 fn f32_out<'py>(x: &Bound<'py, PyAny>, what: &str) -> PyResult<PyReadwriteArrayDyn<'py, f32>> {
     let a = f32_array(x, what)?;
@@ -344,6 +362,7 @@ fn encode_to_bytes<'py>(
     offset: u64,
     checksum: bool,
 ) -> PyResult<Bound<'py, PyBytes>> {
+    let x = &widened(x)?;
     let arr = f32_in(x, "x")?;
     let xs = slice_in(&arr)?;
     let c = ctx(seed, offset);
@@ -359,7 +378,9 @@ fn encode_to_bytes<'py>(
     Ok(PyBytes::new(py, &frame))
 }
 
-/// Encode the float32 array ``x`` (any shape, read flat) into a frame.
+/// Encode the float32 array ``x`` (any shape, read flat) into a frame. A bfloat16 or
+/// float16 tensor or array is widened to float32 first (exactly: with
+/// ``lossless:dtype=bf16`` or ``dtype=fp16`` its frame decodes to the same values).
 ///
 /// ``seed`` drives stochastic rounding and random-k selection (the same seed gives the
 /// same frame on every CPU); ``offset`` is the global index of ``x``'s first element in
@@ -394,6 +415,7 @@ fn encode_into<'py>(
     checksum: bool,
 ) -> PyResult<usize> {
     let spec = spec_of(codec)?;
+    let x = &widened(x)?;
     let arr = f32_in(x, "x")?;
     let xs = slice_in(&arr)?;
     let mut o = bytes_out(out)?;

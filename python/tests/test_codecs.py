@@ -147,6 +147,29 @@ def test_encode_into_a_buffer_and_bytearray_frames():
         c.encode_into(x, np.zeros(10, dtype=np.uint8))
 
 
+def test_half_precision_inputs_are_widened_and_lossless_keeps_their_bits():
+    rng = np.random.default_rng(5)
+    g = (rng.standard_normal(5000) * 1e-3).astype(np.float32)
+    g[::4] = 0.0  # a quarter +0.0: the zeros section
+    h = g.astype(np.float16)
+    f = gradpack.encode(h, "lossless:dtype=fp16")
+    assert gradpack.decode(f).tobytes() == h.astype(np.float32).tobytes()
+    assert len(f) < 2 * h.size * 0.8
+    buf = np.zeros(gradpack.Codec("lossless:dtype=fp16").max_encoded_len(h.size), np.uint8)
+    n = gradpack.Codec("lossless:dtype=fp16").encode_into(h, buf)
+    assert bytes(buf[:n]) == f
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    b = g.astype(ml_dtypes.bfloat16)
+    f = gradpack.encode(b, "lossless:dtype=bf16")
+    assert gradpack.decode(f).tobytes() == b.astype(np.float32).tobytes()
+    torch = pytest.importorskip("torch")
+    t = torch.from_numpy(g).to(torch.bfloat16)
+    assert gradpack.encode(t, "lossless:dtype=bf16") == f
+    # Values that are not of the codec's type are refused, never rounded.
+    with pytest.raises(gradpack.Error, match="not a bf16 value"):
+        gradpack.encode(g + 1e-3, "lossless:dtype=bf16")
+
+
 def test_wrong_dtypes_layouts_and_types_are_clear_errors():
     x64 = np.zeros(10)
     with pytest.raises(TypeError, match="float64.*float32"):

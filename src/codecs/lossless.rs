@@ -172,13 +172,29 @@ impl Scheme for Lossless {
             if j > 0 {
                 counts[j - 1] = k as u64;
             }
-            for v in &x[lo.min(tail)..hi.min(tail)] {
-                let b = v.to_bits();
-                planes[2 * k] = b as u8;
-                planes[2 * k + 1] = (b >> 8) as u8;
-                planes[2 * m + k] = top(b);
-                k += usize::from(b != 0);
-            }
+            let (lo16, tops) = planes.split_at_mut(2 * m);
+            k = compact(&x[lo.min(tail)..hi.min(tail)], k, |mut k, g, kept| {
+                if kept {
+                    let (l, t) = (
+                        &mut lo16[2 * k..2 * (k + g.len())],
+                        &mut tops[k..k + g.len()],
+                    );
+                    for ((l, t), v) in l.chunks_exact_mut(2).zip(t).zip(g) {
+                        let b = v.to_bits();
+                        l.copy_from_slice(&(b as u16).to_le_bytes());
+                        *t = top(b);
+                    }
+                    return k + g.len();
+                }
+                for v in g {
+                    let b = v.to_bits();
+                    lo16[2 * k] = b as u8;
+                    lo16[2 * k + 1] = (b >> 8) as u8;
+                    tops[k] = top(b);
+                    k += usize::from(b != 0);
+                }
+                k
+            });
         }
         counts[3] = k as u64;
         write_counts(section, counts);
@@ -239,11 +255,14 @@ impl Scheme for Lossless {
         out: &mut [f32],
     ) -> Result<()> {
         let n = out.len();
-        let block = open::<M>(payload, n)?;
-        let at = block.bytes();
         if h.params[1] == 1 {
+            // Add mode checks the block in the pass that counts its symbols.
+            let block = entropy::Block::parse(payload, n, 1).map_err(corrupt)?;
+            let at = block.bytes();
             return self.decode_zeros::<M>(&block, &payload[at..], at, out);
         }
+        let block = open::<M>(payload, n)?;
+        let at = block.bytes();
         let planes = self.planes(n as u64) as usize;
         if payload.len() - at != planes {
             return Err(corrupt((
@@ -319,11 +338,20 @@ impl Lossless {
             if j > 0 {
                 counts[j - 1] = k as u64;
             }
-            for v in &x[lo.min(tail)..hi.min(tail)] {
-                let b = v.to_bits();
-                tops[k] = top(b);
-                k += usize::from(b != 0);
-            }
+            k = compact(&x[lo.min(tail)..hi.min(tail)], k, |mut k, g, kept| {
+                if kept {
+                    for (t, v) in tops[k..k + g.len()].iter_mut().zip(g) {
+                        *t = top(v.to_bits());
+                    }
+                    return k + g.len();
+                }
+                for v in g {
+                    let b = v.to_bits();
+                    tops[k] = top(b);
+                    k += usize::from(b != 0);
+                }
+                k
+            });
         }
         counts[3] = k as u64;
         write_counts(section, counts);
@@ -506,22 +534,48 @@ impl Lossless {
         let counts = Counts { first, lim, zero };
         if m == 0 {
             // Every element is +0.0 (the counts say so; they are checked as for any frame).
-            return counts.decode::<M>(block, at, out, |_, _| 0);
+            return counts.decode::<M>(block, at, out, |_, _| 0, |_, _, w| w.fill(0));
         }
+        let fp16 = |e: u8, k: usize| {
+            let t = tops[k] as u16;
+            let low = get3(lows, k) as u16;
+            let h = ((t & 0x80) << 8) | ((e as u16) << 10) | ((t & 0x7F) << 3) | low;
+            kernels::scalar::f16_to_f32(h).to_bits()
+        };
         match self.dtype {
-            FloatType::F32 => counts.decode::<M>(block, at, out, |e, k| {
-                join(
-                    e,
-                    u16::from_le_bytes([lo16[2 * k], lo16[2 * k + 1]]),
-                    tops[k],
-                )
-            }),
-            FloatType::Bf16 => counts.decode::<M>(block, at, out, |e, k| join(e, 0, tops[k])),
-            FloatType::Fp16 => counts.decode::<M>(block, at, out, |e, k| {
-                let t = tops[k] as u16;
-                let low = get3(lows, k) as u16;
-                let h = ((t & 0x80) << 8) | ((e as u16) << 10) | ((t & 0x7F) << 3) | low;
-                kernels::scalar::f16_to_f32(h).to_bits()
+            FloatType::F32 => counts.decode::<M>(
+                block,
+                at,
+                out,
+                |e, k| {
+                    join(
+                        e,
+                        u16::from_le_bytes([lo16[2 * k], lo16[2 * k + 1]]),
+                        tops[k],
+                    )
+                },
+                |g, k, w| {
+                    let (lo, t) = (&lo16[2 * k..2 * (k + g.len())], &tops[k..k + g.len()]);
+                    for (((w, &e), l), &t) in w.iter_mut().zip(g).zip(lo.chunks_exact(2)).zip(t) {
+                        *w = join(e, u16::from_le_bytes([l[0], l[1]]), t);
+                    }
+                },
+            ),
+            FloatType::Bf16 => counts.decode::<M>(
+                block,
+                at,
+                out,
+                |e, k| join(e, 0, tops[k]),
+                |g, k, w| {
+                    for ((w, &e), &t) in w.iter_mut().zip(g).zip(&tops[k..k + g.len()]) {
+                        *w = join(e, 0, t);
+                    }
+                },
+            ),
+            FloatType::Fp16 => counts.decode::<M>(block, at, out, fp16, |g, k, w| {
+                for (i, (w, &e)) in w.iter_mut().zip(g).enumerate() {
+                    *w = fp16(e, k + i);
+                }
             }),
         }
     }
@@ -538,13 +592,15 @@ struct Counts {
 impl Counts {
     /// Decode the elements in mode `M`: +0.0 for the zero symbol, else `bits(symbol, k)`
     /// of the quarter's next plane entry `k` (called with any entry below the last
-    /// quarter's limit, whose planes hold). `at`: the section's payload offset.
+    /// quarter's limit, whose planes hold); `span(symbols, k, words)` does the same for
+    /// symbols none of which is zero, from entry `k`. `at`: the section's payload offset.
     fn decode<const M: u8>(
         &self,
         block: &entropy::Block<'_>,
         at: usize,
         out: &mut [f32],
         bits: impl Fn(u8, usize) -> u32,
+        span: impl Fn(&[u8], usize, &mut [u32]),
     ) -> Result<()> {
         let Counts { first, lim, zero } = *self;
         let n = out.len();
@@ -561,7 +617,7 @@ impl Counts {
             ))
         };
         if M != kernels::mode::WRITE {
-            // Add mode: the counts checked first (the block is known good already).
+            // Add mode: the block (every stream to its end) and the counts checked first.
             let mut seen = first;
             block
                 .for_each_chunk::<CHUNK>(CHUNK, |start, exps| {
@@ -585,7 +641,7 @@ impl Counts {
                 while !rest.is_empty() && bad.is_none() {
                     let j = quarter(s);
                     let (run, next) = rest.split_at((quarters[j].1 - s).min(rest.len()));
-                    let kj = join_run(run, zero, k[j], last, &bits, &mut words);
+                    let kj = join_run(run, zero, k[j], last, &bits, &span, &mut words);
                     k[j] = kj;
                     if kj > lim[j] {
                         // More entries than the section gives the quarter (write mode
@@ -609,7 +665,9 @@ impl Counts {
 
 /// The bits of `run`'s elements into `words`: 0 for the `zero` symbol, else `bits` of
 /// the next plane entry from `k` (read at most at `last`, with no branch on the symbol);
-/// returns the entry after the run's last.
+/// returns the entry after the run's last. Spans of groups of 16 that are all zeros, or
+/// none of them zero (a gradient's zeros come in runs: dead units, unused rows), go
+/// without the running entry, through `span` for the latter.
 #[inline(never)]
 fn join_run(
     run: &[u8],
@@ -617,29 +675,31 @@ fn join_run(
     mut k: usize,
     last: usize,
     bits: &impl Fn(u8, usize) -> u32,
+    span: &impl Fn(&[u8], usize, &mut [u32]),
     words: &mut [u32; CHUNK],
 ) -> usize {
-    // Groups of 16 whose symbols are all zeros or all not (a gradient's zeros come in
-    // runs: dead units, unused rows) go without the running entry.
-    let mut words = &mut words[..run.len()];
-    let mut run = run;
-    while run.len() >= 16 {
-        let (g, rest) = run.split_at(16);
-        let (w, wrest) = words.split_at_mut(16);
-        let kept = g.iter().filter(|&&e| e != zero).count();
-        if kept == 0 {
-            w.fill(0);
-        } else if kept == 16 && k + 15 <= last {
-            for (i, (w, &e)) in w.iter_mut().zip(g).enumerate() {
-                *w = bits(e, k + i);
-            }
-            k += 16;
-        } else {
-            k = join_mixed(g, zero, k, last, bits, w);
+    const G: usize = 16;
+    let words = &mut words[..run.len()];
+    let kept = |g: &[u8]| g.iter().filter(|&&e| e != zero).count();
+    let mut i = 0;
+    while i + G <= run.len() {
+        let c = kept(&run[i..i + G]);
+        // How far the groups like this one go.
+        let mut end = i + G;
+        while end + G <= run.len() && (c == 0 || c == G) && kept(&run[end..end + G]) == c {
+            end += G;
         }
-        (run, words) = (rest, wrest);
+        if c == 0 {
+            words[i..end].fill(0);
+        } else if c == G && k + (end - i) <= last + 1 {
+            span(&run[i..end], k, &mut words[i..end]);
+            k += end - i;
+        } else {
+            k = join_mixed(&run[i..end], zero, k, last, bits, &mut words[i..end]);
+        }
+        i = end;
     }
-    join_mixed(run, zero, k, last, bits, words)
+    join_mixed(&run[i..], zero, k, last, bits, &mut words[i..])
 }
 
 /// [`join_run`]'s loop, element by element.
@@ -684,6 +744,20 @@ fn fill_planes(x: &[f32], mut put: impl FnMut(usize, u32)) -> [u64; 4] {
     }
     counts[3] = k as u64;
     counts
+}
+
+/// Walk `x` (which ends with an element that is not +0.0, or is empty) in groups of 16:
+/// groups of zeros are skipped; `write(k, group, kept)` writes the others from plane
+/// entry `k` and returns the entry after them: `kept` says none of the group is zero,
+/// else a zero's entry is written and then overwritten by the next element's.
+fn compact(x: &[f32], mut k: usize, mut write: impl FnMut(usize, &[f32], bool) -> usize) -> usize {
+    for g in x.chunks(16) {
+        let kept = g.iter().filter(|v| v.to_bits() != 0).count();
+        if kept > 0 {
+            k = write(k, g, kept == g.len());
+        }
+    }
+    k
 }
 
 /// One past the last element of `x` that is not +0.0 (0 if none is).
