@@ -708,23 +708,32 @@ fn outers(sync: &OuterSync<Local>, n: usize) -> Vec<Vec<f32>> {
 /// Members 0 and 1 of a world of 2 train `steps` inner steps from the start: the
 /// reference.
 fn two_from_the_start(steps: u64, opts: &OuterOptions) -> Vec<Ended> {
+    each_of_two(opts, |member, t, layout, opts| {
+        let mut params = init(layout);
+        let mut sync = OuterSync::new(layout, &views(&params), t, opts).unwrap();
+        for step in 1..=steps {
+            inner_step(&mut params, member, step);
+            sync.step(&mut slices(&mut params)).unwrap();
+        }
+        let o = outers(&sync, layout.len());
+        (params, o)
+    })
+}
+
+/// `member(rank, transport, layout, options)` on each member of a new world of 2, each
+/// on a thread of its own; their results in rank order.
+fn each_of_two<R: Send>(
+    opts: &OuterOptions,
+    member: impl Fn(usize, Local, &[Tensor], OuterOptions) -> R + Sync,
+) -> Vec<R> {
     let layout = layout();
     std::thread::scope(|s| {
         let handles: Vec<_> = world(2)
             .into_iter()
             .enumerate()
-            .map(|(member, t)| {
-                let (layout, opts) = (&layout, opts.clone());
-                s.spawn(move || {
-                    let mut params = init(layout);
-                    let mut sync = OuterSync::new(layout, &views(&params), t, opts).unwrap();
-                    for step in 1..=steps {
-                        inner_step(&mut params, member, step);
-                        sync.step(&mut slices(&mut params)).unwrap();
-                    }
-                    let o = outers(&sync, layout.len());
-                    (params, o)
-                })
+            .map(|(rank, t)| {
+                let (layout, opts, member) = (&layout, opts.clone(), &member);
+                s.spawn(move || member(rank, t, layout, opts))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -1072,25 +1081,15 @@ fn a_sync_that_fails_midway_puts_the_residuals_back_before_it_runs_again() {
 /// with member 0's parameters and outer copy, to the bit. Returns member 0's heal.
 fn heal_at_start(opts: &OuterOptions) -> Heal {
     let layout = layout();
-    let got: Vec<(Ended, Heal)> = std::thread::scope(|s| {
-        let handles: Vec<_> = world(2)
-            .into_iter()
-            .enumerate()
-            .map(|(member, t)| {
-                let (layout, opts) = (&layout, opts.clone());
-                s.spawn(move || {
-                    let mut params = init(layout);
-                    if member == 1 {
-                        inner_step(&mut params, 1, 1);
-                    }
-                    let mut sync = OuterSync::new(layout, &views(&params), t, opts).unwrap();
-                    let heal = sync.heal(&mut slices(&mut params)).unwrap();
-                    let o = outers(&sync, layout.len());
-                    ((params, o), heal)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let got: Vec<(Ended, Heal)> = each_of_two(opts, |member, t, layout, opts| {
+        let mut params = init(layout);
+        if member == 1 {
+            inner_step(&mut params, 1, 1);
+        }
+        let mut sync = OuterSync::new(layout, &views(&params), t, opts).unwrap();
+        let heal = sync.heal(&mut slices(&mut params)).unwrap();
+        let o = outers(&sync, layout.len());
+        ((params, o), heal)
     });
     let bits = |v: &[Vec<f32>]| -> Vec<u32> { v.iter().flatten().map(|x| x.to_bits()).collect() };
     let want = bits(&init(&layout));

@@ -162,41 +162,29 @@ impl Scheme for Lossless {
         };
         let m = n - z;
         let (section, planes) = out[at..].split_at_mut(ZEROS_SECTION);
-        // Every element up to the last non-zero one is written at entry `k`, which only
-        // the non-zero ones advance (a zero's entry is then overwritten): no branch on
-        // the value, and no write past entry `m - 1`.
-        let tail = last_nonzero(x);
-        let mut k = 0;
-        let mut counts = [0u64; 4];
-        for (j, (lo, hi)) in entropy::quarters(n, 1).into_iter().enumerate() {
-            if j > 0 {
-                counts[j - 1] = k as u64;
-            }
-            let (lo16, tops) = planes.split_at_mut(2 * m);
-            k = compact(&x[lo.min(tail)..hi.min(tail)], k, |mut k, g, kept| {
-                if kept {
-                    let (l, t) = (
-                        &mut lo16[2 * k..2 * (k + g.len())],
-                        &mut tops[k..k + g.len()],
-                    );
-                    for ((l, t), v) in l.chunks_exact_mut(2).zip(t).zip(g) {
-                        let b = v.to_bits();
-                        l.copy_from_slice(&(b as u16).to_le_bytes());
-                        *t = top(b);
-                    }
-                    return k + g.len();
-                }
-                for v in g {
+        let (lo16, tops) = planes.split_at_mut(2 * m);
+        let counts = compact(x, |mut k, g, kept| {
+            if kept {
+                let (l, t) = (
+                    &mut lo16[2 * k..2 * (k + g.len())],
+                    &mut tops[k..k + g.len()],
+                );
+                for ((l, t), v) in l.chunks_exact_mut(2).zip(t).zip(g) {
                     let b = v.to_bits();
-                    lo16[2 * k] = b as u8;
-                    lo16[2 * k + 1] = (b >> 8) as u8;
-                    tops[k] = top(b);
-                    k += usize::from(b != 0);
+                    l.copy_from_slice(&(b as u16).to_le_bytes());
+                    *t = top(b);
                 }
-                k
-            });
-        }
-        counts[3] = k as u64;
+                return k + g.len();
+            }
+            for v in g {
+                let b = v.to_bits();
+                lo16[2 * k] = b as u8;
+                lo16[2 * k + 1] = (b >> 8) as u8;
+                tops[k] = top(b);
+                k += usize::from(b != 0);
+            }
+            k
+        });
         write_counts(section, counts);
         Ok(self.encoded((at + ZEROS_SECTION + 3 * m) as u64, false, true))
     }
@@ -330,30 +318,20 @@ impl Lossless {
         };
         let m = n - z;
         let (section, tops) = out[at..].split_at_mut(ZEROS_SECTION);
-        // As for f32: every element up to the last non-zero one written at entry `k`.
-        let tail = last_nonzero(x);
-        let mut k = 0;
-        let mut counts = [0u64; 4];
-        for (j, (lo, hi)) in entropy::quarters(n, 1).into_iter().enumerate() {
-            if j > 0 {
-                counts[j - 1] = k as u64;
+        let counts = compact(x, |mut k, g, kept| {
+            if kept {
+                for (t, v) in tops[k..k + g.len()].iter_mut().zip(g) {
+                    *t = top(v.to_bits());
+                }
+                return k + g.len();
             }
-            k = compact(&x[lo.min(tail)..hi.min(tail)], k, |mut k, g, kept| {
-                if kept {
-                    for (t, v) in tops[k..k + g.len()].iter_mut().zip(g) {
-                        *t = top(v.to_bits());
-                    }
-                    return k + g.len();
-                }
-                for v in g {
-                    let b = v.to_bits();
-                    tops[k] = top(b);
-                    k += usize::from(b != 0);
-                }
-                k
-            });
-        }
-        counts[3] = k as u64;
+            for v in g {
+                let b = v.to_bits();
+                tops[k] = top(b);
+                k += usize::from(b != 0);
+            }
+            k
+        });
         write_counts(section, counts);
         Ok(self.encoded((at + ZEROS_SECTION + m) as u64, false, true))
     }
@@ -388,7 +366,15 @@ impl Lossless {
             x.iter().enumerate().for_each(|(k, v)| put(k, v.to_bits()));
             return Ok(self.encoded(payload, nonfinite, false));
         }
-        write_counts(section, fill_planes(x, put));
+        // A zero's 3-bit field is 0: or-ed in, it leaves the next element's as it is.
+        let counts = compact(x, |mut k, g, _| {
+            for v in g {
+                put(k, v.to_bits());
+                k += usize::from(v.to_bits() != 0);
+            }
+            k
+        });
+        write_counts(section, counts);
         Ok(self.encoded(payload, false, true))
     }
 
@@ -725,39 +711,29 @@ fn join_mixed(
 /// quarters 1, 2 and 3, then in all, each a u64 LE.
 const ZEROS_SECTION: usize = 32;
 
-/// `put(k, bits)` for the elements of `x` that are not +0.0, `k` counting them; returns
-/// the plane entries before each of the block's quarters 1, 2, 3 and in all.
-fn fill_planes(x: &[f32], mut put: impl FnMut(usize, u32)) -> [u64; 4] {
-    let mut counts = [0u64; 4];
+/// The planes of the elements of `x` that are not +0.0, by `write(k, group, kept)`:
+/// each quarter of the exponents' block up to the last such element, in groups of 16;
+/// groups of zeros are skipped, the others written from plane entry `k` (`kept`: none
+/// of the group is zero; else a zero's entry is written, then overwritten by the next
+/// element's, never past the last entry), `write` returning the entry after them.
+/// Returns the entries before quarters 1, 2, 3 and in all.
+fn compact(x: &[f32], mut write: impl FnMut(usize, &[f32], bool) -> usize) -> [u64; 4] {
+    let tail = last_nonzero(x);
     let mut k = 0;
+    let mut counts = [0u64; 4];
     for (j, (lo, hi)) in entropy::quarters(x.len(), 1).into_iter().enumerate() {
         if j > 0 {
             counts[j - 1] = k as u64;
         }
-        for v in &x[lo..hi] {
-            let b = v.to_bits();
-            if b != 0 {
-                put(k, b);
-                k += 1;
+        for g in x[lo.min(tail)..hi.min(tail)].chunks(16) {
+            let kept = g.iter().filter(|v| v.to_bits() != 0).count();
+            if kept > 0 {
+                k = write(k, g, kept == g.len());
             }
         }
     }
     counts[3] = k as u64;
     counts
-}
-
-/// Walk `x` (which ends with an element that is not +0.0, or is empty) in groups of 16:
-/// groups of zeros are skipped; `write(k, group, kept)` writes the others from plane
-/// entry `k` and returns the entry after them: `kept` says none of the group is zero,
-/// else a zero's entry is written and then overwritten by the next element's.
-fn compact(x: &[f32], mut k: usize, mut write: impl FnMut(usize, &[f32], bool) -> usize) -> usize {
-    for g in x.chunks(16) {
-        let kept = g.iter().filter(|v| v.to_bits() != 0).count();
-        if kept > 0 {
-            k = write(k, g, kept == g.len());
-        }
-    }
-    k
 }
 
 /// One past the last element of `x` that is not +0.0 (0 if none is).
