@@ -143,10 +143,30 @@ struct Bench {
     ef: Option<ErrorFeedback>,
 }
 
+/// The synthetic gradient of `n` elements from `seed`, as values of the type a
+/// `lossless:dtype=bf16` or `fp16` codec takes (rounded by the plain codec of that type,
+/// what it cannot hold set to 0).
+fn sample(codec: &CodecSpec, n: usize, seed: u64) -> Vec<f32> {
+    let x = gradpack::synthetic::gradient(n, seed);
+    let plain = match codec {
+        CodecSpec::Lossless(l) if l.dtype() == gradpack::FloatType::Bf16 => "bf16",
+        CodecSpec::Lossless(l) if l.dtype() == gradpack::FloatType::Fp16 => "fp16",
+        _ => return x,
+    };
+    let c: CodecSpec = plain.parse().expect("spec");
+    let mut y = c
+        .decode(&c.encode(&x, &EncodeCtx::new(0)).expect("encode"))
+        .expect("decode");
+    y.iter_mut()
+        .filter(|v| !v.is_finite())
+        .for_each(|v| *v = 0.0);
+    y
+}
+
 impl Bench {
     fn new(spec: &str, n: usize) -> Bench {
         let codec: CodecSpec = spec.parse().expect("spec");
-        let x = Aligned::from_slice(&gradpack::synthetic::gradient(n, 3));
+        let x = Aligned::from_slice(&sample(&codec, n, 3));
         let ctx = EncodeCtx::new(9);
         let mut frame = Aligned::zeroed(codec.max_encoded_len(n));
         let len = codec.encode_into(&x, &ctx, &mut frame).expect("encode");
@@ -154,7 +174,7 @@ impl Bench {
         // Eight frames of the same codec for the fused reduction.
         let eight: Vec<Aligned<u8>> = (0..8u64)
             .map(|q| {
-                let xq = gradpack::synthetic::gradient(n, 20 + q);
+                let xq = sample(&codec, n, 20 + q);
                 Aligned::from_slice(&codec.encode(&xq, &EncodeCtx::new(q)).expect("encode"))
             })
             .collect();
