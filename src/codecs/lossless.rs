@@ -152,12 +152,8 @@ impl Scheme for Lossless {
         let out = super::payload_buf(out, self.max_payload(n as u64))?;
         let (at, zeros, nonfinite) = self.exponents(x, |b| (b >> 23) as u8, out);
         let Some(z) = zeros else {
-            let (lo, rest) = out[at..].split_at_mut(2 * n);
-            for ((l, t), v) in lo.chunks_exact_mut(2).zip(&mut rest[..n]).zip(x) {
-                let b = v.to_bits();
-                l.copy_from_slice(&(b as u16).to_le_bytes());
-                *t = top(b);
-            }
+            let (lo16, tops) = out[at..].split_at_mut(2 * n);
+            put_f32(lo16, tops, 0, x);
             return Ok(self.encoded((at + 3 * n) as u64, nonfinite, false));
         };
         let m = n - z;
@@ -165,15 +161,7 @@ impl Scheme for Lossless {
         let (lo16, tops) = planes.split_at_mut(2 * m);
         let counts = compact(x, |mut k, g, kept| {
             if kept {
-                let (l, t) = (
-                    &mut lo16[2 * k..2 * (k + g.len())],
-                    &mut tops[k..k + g.len()],
-                );
-                for ((l, t), v) in l.chunks_exact_mut(2).zip(t).zip(g) {
-                    let b = v.to_bits();
-                    l.copy_from_slice(&(b as u16).to_le_bytes());
-                    *t = top(b);
-                }
+                put_f32(lo16, tops, k, g);
                 return k + g.len();
             }
             for v in g {
@@ -261,28 +249,12 @@ impl Scheme for Lossless {
                 ),
             )));
         }
+        let p = Planes::open(self.dtype, &payload[at..], n, &block, HEADER_LEN + at)?;
         match self.dtype {
-            FloatType::F32 => {}
-            FloatType::Bf16 => return decode_bf16::<M>(&block, &payload[at..], out),
-            FloatType::Fp16 => return decode_fp16::<M>(&block, &payload[at..], at, out),
+            FloatType::F32 => decode_all::<M>(&block, out, |g, k, w| p.span_f32(g, k, w)),
+            FloatType::Bf16 => decode_all::<M>(&block, out, |g, k, w| p.span_bf16(g, k, w)),
+            FloatType::Fp16 => decode_all::<M>(&block, out, |g, k, w| p.span_fp16(g, k, w)),
         }
-        let (lo, tops) = payload[at..].split_at(2 * n);
-        let mut words = [0u32; CHUNK];
-        block
-            .for_each_chunk::<CHUNK>(CHUNK, |start, exps| {
-                let k = exps.len();
-                let (w, lo, tops) = (
-                    &mut words[..k],
-                    &lo[2 * start..2 * (start + k)],
-                    &tops[start..start + k],
-                );
-                for i in 0..k {
-                    let l = lo[2 * i] as u16 | (lo[2 * i + 1] as u16) << 8;
-                    w[i] = join(exps[i], l, tops[i]);
-                }
-                kernels::decode_f32::<M>(bytemuck::cast_slice(w), &mut out[start..start + k]);
-            })
-            .map_err(corrupt)
     }
 
     fn expected_payload(&self, n: u64) -> f64 {
@@ -311,18 +283,14 @@ impl Lossless {
         let out = super::payload_buf(out, self.max_payload(n as u64))?;
         let (at, zeros, nonfinite) = self.exponents(x, |b| (b >> 23) as u8, out);
         let Some(z) = zeros else {
-            for (t, v) in out[at..at + n].iter_mut().zip(x) {
-                *t = top(v.to_bits());
-            }
+            put_bf16(&mut out[at..], 0, x);
             return Ok(self.encoded((at + n) as u64, nonfinite, false));
         };
         let m = n - z;
         let (section, tops) = out[at..].split_at_mut(ZEROS_SECTION);
         let counts = compact(x, |mut k, g, kept| {
             if kept {
-                for (t, v) in tops[k..k + g.len()].iter_mut().zip(g) {
-                    *t = top(v.to_bits());
-                }
+                put_bf16(tops, k, g);
                 return k + g.len();
             }
             for v in g {
@@ -496,11 +464,103 @@ impl Lossless {
                 ),
             )));
         }
+        let p = Planes::open(
+            self.dtype,
+            planes,
+            m,
+            block,
+            HEADER_LEN + at + ZEROS_SECTION,
+        )?;
         let lim = counts.map(|c| c as usize);
-        let zero = self.zero_symbol();
-        let (lo16, tops, lows) = match self.dtype {
-            FloatType::F32 => (&planes[..2 * m], &planes[2 * m..], &[][..]),
-            FloatType::Bf16 => (&[][..], planes, &[][..]),
+        let counts = Counts {
+            first,
+            lim,
+            zero: self.zero_symbol(),
+        };
+        if m == 0 {
+            // Every element is +0.0 (the counts say so; they are checked as for any frame).
+            return counts.decode::<M>(block, at, out, |_, _| 0, |_, _, w| w.fill(0));
+        }
+        match self.dtype {
+            FloatType::F32 => counts.decode::<M>(
+                block,
+                at,
+                out,
+                |e, k| p.f32(e, k),
+                |g, k, w| p.span_f32(g, k, w),
+            ),
+            FloatType::Bf16 => counts.decode::<M>(
+                block,
+                at,
+                out,
+                |e, k| p.bf16(e, k),
+                |g, k, w| p.span_bf16(g, k, w),
+            ),
+            FloatType::Fp16 => counts.decode::<M>(
+                block,
+                at,
+                out,
+                |e, k| p.fp16(e, k),
+                |g, k, w| p.span_fp16(g, k, w),
+            ),
+        }
+    }
+}
+
+/// Decode a frame without the zeros section into `out` in mode `M`: `span(exponents,
+/// k, words)` makes the bits of each piece of elements from entry `k`.
+fn decode_all<const M: u8>(
+    block: &entropy::Block<'_>,
+    out: &mut [f32],
+    span: impl Fn(&[u8], usize, &mut [u32]),
+) -> Result<()> {
+    let mut words = [0u32; CHUNK];
+    block
+        .for_each_chunk::<CHUNK>(CHUNK, |start, exps| {
+            let w = &mut words[..exps.len()];
+            span(exps, start, w);
+            kernels::decode_f32::<M>(bytemuck::cast_slice(w), &mut out[start..start + w.len()]);
+        })
+        .map_err(corrupt)
+}
+
+/// A frame's planes split by type: the entries of its elements (with the zeros section,
+/// of those that are not +0.0), `m` of them.
+struct Planes<'a> {
+    /// f32: the low halves, u16 LE.
+    lo16: &'a [u8],
+    /// The sign-and-mantissa bytes.
+    tops: &'a [u8],
+    /// fp16: the 3-bit fields.
+    lows: &'a [u8],
+}
+
+impl<'a> Planes<'a> {
+    /// `planes`, exactly the bytes of `m` entries, `offset` bytes into the frame; for
+    /// fp16, after checking that the exponents' block has no symbol above 31 and that
+    /// the 3-bit stream's padding is zero.
+    fn open(
+        dtype: FloatType,
+        planes: &'a [u8],
+        m: usize,
+        block: &entropy::Block<'_>,
+        offset: usize,
+    ) -> Result<Planes<'a>> {
+        let none = &planes[..0];
+        Ok(match dtype {
+            FloatType::F32 => {
+                let (lo16, tops) = planes.split_at(2 * m);
+                Planes {
+                    lo16,
+                    tops,
+                    lows: none,
+                }
+            }
+            FloatType::Bf16 => Planes {
+                lo16: none,
+                tops: planes,
+                lows: none,
+            },
             FloatType::Fp16 => {
                 let alphabet = block.alphabet();
                 if let Some(e) = (32..256).find(|&e| alphabet[e]) {
@@ -511,58 +571,64 @@ impl Lossless {
                 }
                 let (tops, lows) = planes.split_at(m);
                 if !lows.is_empty() {
-                    let offset = HEADER_LEN + at + ZEROS_SECTION + m;
-                    crate::wire::check_padding(CodecId::Lossless, lows, offset, m as u64, 3)?;
+                    crate::wire::check_padding(CodecId::Lossless, lows, offset + m, m as u64, 3)?;
                 }
-                (&[][..], tops, lows)
+                Planes {
+                    lo16: none,
+                    tops,
+                    lows,
+                }
             }
-        };
-        let counts = Counts { first, lim, zero };
-        if m == 0 {
-            // Every element is +0.0 (the counts say so; they are checked as for any frame).
-            return counts.decode::<M>(block, at, out, |_, _| 0, |_, _, w| w.fill(0));
+        })
+    }
+
+    /// The f32 bits of an f32 element of exponent `e` at entry `k`.
+    #[inline(always)]
+    fn f32(&self, e: u8, k: usize) -> u32 {
+        join(
+            e,
+            u16::from_le_bytes([self.lo16[2 * k], self.lo16[2 * k + 1]]),
+            self.tops[k],
+        )
+    }
+
+    /// The f32 bits of a bf16 element.
+    #[inline(always)]
+    fn bf16(&self, e: u8, k: usize) -> u32 {
+        join(e, 0, self.tops[k])
+    }
+
+    /// The f32 bits of an fp16 element of 5-bit exponent `e`.
+    #[inline(always)]
+    fn fp16(&self, e: u8, k: usize) -> u32 {
+        let t = self.tops[k] as u16;
+        let low = get3(self.lows, k) as u16;
+        let h = ((t & 0x80) << 8) | ((e as u16) << 10) | ((t & 0x7F) << 3) | low;
+        kernels::scalar::f16_to_f32(h).to_bits()
+    }
+
+    /// The bits of the f32 elements of exponents `exps` at entries `k..` into `w`.
+    fn span_f32(&self, exps: &[u8], k: usize, w: &mut [u32]) {
+        let (lo, tops) = (
+            &self.lo16[2 * k..2 * (k + exps.len())],
+            &self.tops[k..k + exps.len()],
+        );
+        for (((w, &e), l), &t) in w.iter_mut().zip(exps).zip(lo.chunks_exact(2)).zip(tops) {
+            *w = join(e, u16::from_le_bytes([l[0], l[1]]), t);
         }
-        let fp16 = |e: u8, k: usize| {
-            let t = tops[k] as u16;
-            let low = get3(lows, k) as u16;
-            let h = ((t & 0x80) << 8) | ((e as u16) << 10) | ((t & 0x7F) << 3) | low;
-            kernels::scalar::f16_to_f32(h).to_bits()
-        };
-        match self.dtype {
-            FloatType::F32 => counts.decode::<M>(
-                block,
-                at,
-                out,
-                |e, k| {
-                    join(
-                        e,
-                        u16::from_le_bytes([lo16[2 * k], lo16[2 * k + 1]]),
-                        tops[k],
-                    )
-                },
-                |g, k, w| {
-                    let (lo, t) = (&lo16[2 * k..2 * (k + g.len())], &tops[k..k + g.len()]);
-                    for (((w, &e), l), &t) in w.iter_mut().zip(g).zip(lo.chunks_exact(2)).zip(t) {
-                        *w = join(e, u16::from_le_bytes([l[0], l[1]]), t);
-                    }
-                },
-            ),
-            FloatType::Bf16 => counts.decode::<M>(
-                block,
-                at,
-                out,
-                |e, k| join(e, 0, tops[k]),
-                |g, k, w| {
-                    for ((w, &e), &t) in w.iter_mut().zip(g).zip(&tops[k..k + g.len()]) {
-                        *w = join(e, 0, t);
-                    }
-                },
-            ),
-            FloatType::Fp16 => counts.decode::<M>(block, at, out, fp16, |g, k, w| {
-                for (i, (w, &e)) in w.iter_mut().zip(g).enumerate() {
-                    *w = fp16(e, k + i);
-                }
-            }),
+    }
+
+    /// [`Planes::span_f32`] for bf16 elements.
+    fn span_bf16(&self, exps: &[u8], k: usize, w: &mut [u32]) {
+        for ((w, &e), &t) in w.iter_mut().zip(exps).zip(&self.tops[k..k + exps.len()]) {
+            *w = join(e, 0, t);
+        }
+    }
+
+    /// [`Planes::span_f32`] for fp16 elements.
+    fn span_fp16(&self, exps: &[u8], k: usize, w: &mut [u32]) {
+        for (i, (w, &e)) in w.iter_mut().zip(exps).enumerate() {
+            *w = self.fp16(e, k + i);
         }
     }
 }
@@ -736,6 +802,26 @@ fn compact(x: &[f32], mut write: impl FnMut(usize, &[f32], bool) -> usize) -> [u
     counts
 }
 
+/// The f32 planes of `x` at entries `k..`: low halves into `lo16`, top bytes into `tops`.
+fn put_f32(lo16: &mut [u8], tops: &mut [u8], k: usize, x: &[f32]) {
+    let (lo, t) = (
+        &mut lo16[2 * k..2 * (k + x.len())],
+        &mut tops[k..k + x.len()],
+    );
+    for ((l, t), v) in lo.chunks_exact_mut(2).zip(t).zip(x) {
+        let b = v.to_bits();
+        l.copy_from_slice(&(b as u16).to_le_bytes());
+        *t = top(b);
+    }
+}
+
+/// The bf16 plane of `x` (its top bytes) at entries `k..` of `tops`.
+fn put_bf16(tops: &mut [u8], k: usize, x: &[f32]) {
+    for (t, v) in tops[k..k + x.len()].iter_mut().zip(x) {
+        *t = top(v.to_bits());
+    }
+}
+
 /// One past the last element of `x` that is not +0.0 (0 if none is).
 fn last_nonzero(x: &[f32]) -> usize {
     x.iter()
@@ -789,61 +875,4 @@ fn open<const M: u8>(payload: &[u8], n: usize) -> Result<entropy::Block<'_>> {
     } else {
         entropy::Block::open(payload, n, 1).map_err(corrupt)
     }
-}
-
-/// Decode bf16 planes into `out` in mode `M`.
-fn decode_bf16<const M: u8>(
-    block: &entropy::Block<'_>,
-    tops: &[u8],
-    out: &mut [f32],
-) -> Result<()> {
-    let mut bits = [0u8; 4 * CHUNK];
-    block
-        .for_each_chunk::<CHUNK>(CHUNK, |start, exps| {
-            let k = exps.len();
-            for ((b, &e), &t) in bits[..4 * k]
-                .chunks_exact_mut(4)
-                .zip(exps)
-                .zip(&tops[start..start + k])
-            {
-                b.copy_from_slice(&join(e, 0, t).to_le_bytes());
-            }
-            kernels::decode_f32::<M>(&bits[..4 * k], &mut out[start..start + k]);
-        })
-        .map_err(corrupt)
-}
-
-/// Decode fp16 planes into `out` in mode `M`, after checking the exponents and the 3-bit
-/// stream's padding.
-fn decode_fp16<const M: u8>(
-    block: &entropy::Block<'_>,
-    planes: &[u8],
-    at: usize,
-    out: &mut [f32],
-) -> Result<()> {
-    let n = out.len();
-    let (tops, lows) = planes.split_at(n);
-    let alphabet = block.alphabet();
-    if let Some(e) = (32..256).find(|&e| alphabet[e]) {
-        return Err(corrupt((
-            1,
-            format!("the exponents' block holds {e}, above fp16's 31"),
-        )));
-    }
-    if !lows.is_empty() {
-        crate::wire::check_padding(CodecId::Lossless, lows, HEADER_LEN + at + n, n as u64, 3)?;
-    }
-    let mut bits = [0u8; 4 * CHUNK];
-    block
-        .for_each_chunk::<CHUNK>(CHUNK, |start, exps| {
-            let k = exps.len();
-            for (j, (b, &e)) in bits[..4 * k].chunks_exact_mut(4).zip(exps).enumerate() {
-                let (t, i) = (tops[start + j] as u16, start + j);
-                let low = get3(lows, i) as u16;
-                let h = ((t & 0x80) << 8) | ((e as u16) << 10) | ((t & 0x7F) << 3) | low;
-                b.copy_from_slice(&kernels::scalar::f16_to_f32(h).to_bits().to_le_bytes());
-            }
-            kernels::decode_f32::<M>(&bits[..4 * k], &mut out[start..start + k]);
-        })
-        .map_err(corrupt)
 }
