@@ -1030,7 +1030,9 @@ def default_strategy(codec: Any, world: SupportsIndex) -> str:
 
 def encode(x: Any, codec: Any, seed=0, offset=0, checksum: bool = False) -> bytes:
     """
-    Encode the float32 array ``x`` (any shape, read flat) into a frame.
+    Encode the float32 array ``x`` (any shape, read flat) into a frame. A bfloat16 or
+    float16 tensor or array is widened to float32 first (exactly: with
+    ``lossless:dtype=bf16`` or ``dtype=fp16`` its frame decodes to the same values).
 
     ``seed`` drives stochastic rounding and random-k selection (the same seed gives the
     same frame on every CPU); ``offset`` is the global index of ``x``'s first element in
