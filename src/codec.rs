@@ -86,7 +86,9 @@ pub trait Codec: Send + Sync + fmt::Debug {
 
     /// Encode `x` into `out`, returning the frame length. Allocates nothing. Bytes of `out`
     /// past the frame are left as they were, except that `topk` and the codecs with the
-    /// entropy stage use those past their largest possible frame as working room.
+    /// entropy stage use those past their largest possible frame as working room, and
+    /// `lossless` those up to its largest possible frame (it keeps its exponents there
+    /// while it codes them).
     ///
     /// Errors if `out` is shorter than the frame needs, or if `ctx.offset + x.len()`
     /// overflows, or a codec-specific limit is exceeded (documented per codec).

@@ -47,7 +47,7 @@ fn encode_with(b: Backend, spec: &CodecSpec, x: &[f32], ctx: &EncodeCtx, align: 
     let untouched = if spec.entropy()
         || matches!(
             spec.id(),
-            gradpack::CodecId::TopK | gradpack::CodecId::ChunkTopK
+            gradpack::CodecId::TopK | gradpack::CodecId::ChunkTopK | gradpack::CodecId::Lossless
         ) {
         align + max
     } else {

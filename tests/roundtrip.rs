@@ -84,11 +84,13 @@ fn nothing_is_written_past_the_frame() {
             let mut buf = vec![0xA5u8; max + 64];
             let len = spec.encode_into(&x, &ctx, &mut buf[..max]).unwrap();
             // Top-k and chunked top-k keep candidates in the buffer past the frame, the
-            // entropy stage its codes (documented).
+            // entropy stage its codes, lossless its exponents (documented).
             let room = spec.entropy()
                 || matches!(
                     spec.id(),
-                    gradpack::CodecId::TopK | gradpack::CodecId::ChunkTopK
+                    gradpack::CodecId::TopK
+                        | gradpack::CodecId::ChunkTopK
+                        | gradpack::CodecId::Lossless
                 );
             let untouched = if room { max } else { len };
             assert!(

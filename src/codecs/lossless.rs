@@ -34,6 +34,7 @@
 use super::{EncodeCtx, Encoded, Scheme};
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::{Error, Result};
+use crate::kernels::planes::{join, top};
 use crate::kernels::{self, entropy};
 use crate::wire::{HEADER_LEN, Header};
 
@@ -112,18 +113,6 @@ impl From<Lossless> for CodecSpec {
     fn from(c: Lossless) -> CodecSpec {
         CodecSpec::Lossless(c)
     }
-}
-
-/// The byte of sign and top mantissa bits of `b`.
-#[inline(always)]
-fn top(b: u32) -> u8 {
-    (((b >> 24) & 0x80) | ((b >> 16) & 0x7F)) as u8
-}
-
-/// The f32 bits of an exponent, low half and top byte.
-#[inline(always)]
-fn join(e: u8, lo: u16, t: u8) -> u32 {
-    ((t as u32 & 0x80) << 24) | ((e as u32) << 23) | ((t as u32 & 0x7F) << 16) | lo as u32
 }
 
 /// A `Corrupt` error at `at` bytes into the payload.
@@ -250,11 +239,7 @@ impl Scheme for Lossless {
             )));
         }
         let p = Planes::open(self.dtype, &payload[at..], n, &block, HEADER_LEN + at)?;
-        match self.dtype {
-            FloatType::F32 => decode_all::<M>(&block, out, |g, k, w| p.span_f32(g, k, w)),
-            FloatType::Bf16 => decode_all::<M>(&block, out, |g, k, w| p.span_bf16(g, k, w)),
-            FloatType::Fp16 => decode_all::<M>(&block, out, |g, k, w| p.span_fp16(g, k, w)),
-        }
+        decode_all::<M>(&block, out, |g, k, o| p.span::<M>(g, k, o))
     }
 
     fn expected_payload(&self, n: u64) -> f64 {
@@ -307,15 +292,34 @@ impl Lossless {
     /// Encode fp16 values: their 5-bit exponents, their sign and top 7 mantissa bits,
     /// then the low 3 mantissa bits as a 3-bit stream.
     fn encode_fp16(&self, x: &[f32], out: &mut [u8]) -> Result<Encoded> {
-        let half = |v: f32| kernels::scalar::f32_to_f16(v);
-        let exact = |v: &f32| kernels::scalar::f16_to_f32(half(*v)).to_bits() == v.to_bits();
-        if let Some(i) = x.iter().position(|v| !exact(v)) {
-            return Err(not_of_type(FloatType::Fp16, i, x[i]));
+        // Each piece to binary16 and back through the backend's conversions (the same
+        // bits as the scalar ones): a value of the type comes back as it went.
+        let mut halves = [0u8; 2 * CHUNK];
+        let mut back = [0f32; CHUNK];
+        for (c, xs) in x.chunks(CHUNK).enumerate() {
+            let (h, b) = (&mut halves[..2 * xs.len()], &mut back[..xs.len()]);
+            kernels::encode_f16(xs, h);
+            kernels::decode_f16::<{ kernels::mode::WRITE }>(h, b);
+            if let Some(i) = xs
+                .iter()
+                .zip(&*b)
+                .position(|(v, b)| v.to_bits() != b.to_bits())
+            {
+                return Err(not_of_type(FloatType::Fp16, c * CHUNK + i, xs[i]));
+            }
         }
         let n = x.len();
         let out = super::payload_buf(out, self.max_payload(n as u64))?;
-        let (at, zeros, nonfinite) =
-            self.exponents(x, |b| ((half(f32::from_bits(b)) >> 10) & 0x1F) as u8, out);
+        // A value of the type has its f32 exponent field 255 (31), 113 to 142 (that less
+        // 112) or at most 112 (a subnormal or zero: 0).
+        let (at, zeros, nonfinite) = self.exponents(
+            x,
+            |b| match (b >> 23) as u8 {
+                0xFF => 0x1F,
+                e => e.saturating_sub(112),
+            },
+            out,
+        );
         let (section, planes) = match zeros {
             Some(_) => out[at..].split_at_mut(ZEROS_SECTION),
             None => out[at..].split_at_mut(0),
@@ -325,19 +329,35 @@ impl Lossless {
         let lows = &mut lows[..(3 * m).div_ceil(8)];
         lows.fill(0);
         let payload = (at + section.len() + m + lows.len()) as u64;
-        let mut put = |k: usize, b: u32| {
-            let h = half(f32::from_bits(b));
-            tops[k] = (((h >> 8) & 0x80) | ((h >> 3) & 0x7F)) as u8;
-            put3(lows, k, (h & 7) as u8);
-        };
+        let top16 = |h: u16| (((h >> 8) & 0x80) | ((h >> 3) & 0x7F)) as u8;
         if zeros.is_none() {
-            x.iter().enumerate().for_each(|(k, v)| put(k, v.to_bits()));
+            for (c, xs) in x.chunks(CHUNK).enumerate() {
+                let h = &mut halves[..2 * xs.len()];
+                kernels::encode_f16(xs, h);
+                let k = c * CHUNK;
+                for (t, h) in tops[k..k + xs.len()].iter_mut().zip(h.chunks_exact(2)) {
+                    *t = top16(u16::from_le_bytes([h[0], h[1]]));
+                }
+                // Eight 3-bit fields in three bytes (a piece starts on a multiple of 8).
+                for (g, h) in h.chunks(16).enumerate() {
+                    let mut v = 0u32;
+                    for (i, h) in h.chunks_exact(2).enumerate() {
+                        v |= (h[0] as u32 & 7) << (3 * i);
+                    }
+                    let at = 3 * (k / 8 + g);
+                    let end = (at + 3).min(lows.len());
+                    lows[at..end].copy_from_slice(&v.to_le_bytes()[..end - at]);
+                }
+            }
             return Ok(self.encoded(payload, nonfinite, false));
         }
+        let half = |v: f32| kernels::scalar::f32_to_f16(v);
         // A zero's 3-bit field is 0: or-ed in, it leaves the next element's as it is.
         let counts = compact(x, |mut k, g, _| {
             for v in g {
-                put(k, v.to_bits());
+                let h = half(*v);
+                tops[k] = top16(h);
+                put3(lows, k, (h & 7) as u8);
                 k += usize::from(v.to_bits() != 0);
             }
             k
@@ -365,12 +385,14 @@ impl Lossless {
         }
     }
 
-    /// The exponents' block of `x` at the start of `out`: `exp` of each element's bits,
-    /// or the zero symbol for +0.0 where the zeros section pays: the input holds no
-    /// non-finite value, at least an eighth of it is +0.0 (the section's decode is
-    /// slower: each element's entry depends on the zeros before it) and its zeros' plane
-    /// bits exceed the section's 256. Returns the block's length, `Some` of the zeros'
-    /// count if they go as the zero symbol, and whether `x` holds a non-finite value.
+    /// The exponents' block of `x` at the start of `out` (the payload's whole room,
+    /// whose last `x.len()` bytes hold the exponents while they are coded): `exp` of
+    /// each element's bits, or the zero symbol for +0.0 where the zeros section pays:
+    /// the input holds no non-finite value, at least an eighth of it is +0.0 (the
+    /// section's decode is slower: each element's entry depends on the zeros before it)
+    /// and its zeros' plane bits exceed the section's 256. Returns the block's length,
+    /// `Some` of the zeros' count if they go as the zero symbol, and whether `x` holds a
+    /// non-finite value.
     fn exponents(
         &self,
         x: &[f32],
@@ -378,25 +400,33 @@ impl Lossless {
         out: &mut [u8],
     ) -> (usize, Option<usize>, bool) {
         let n = x.len();
+        // The room holds the block's bound (n + 1) and the planes (at least n bytes).
+        let (head, exps) = out.split_at_mut(out.len() - n);
+        // The zero symbol is the all-ones exponent field: that of NaN and Inf.
+        let ones = self.zero_symbol();
         let (mut zeros, mut nonfinite) = (0usize, false);
-        for v in x {
-            let b = v.to_bits();
-            zeros += usize::from(b == 0);
-            nonfinite |= b & 0x7F80_0000 == 0x7F80_0000;
+        for (xs, es) in x.chunks(1 << 16).zip(exps.chunks_mut(1 << 16)) {
+            let (mut z, mut nf) = (0u32, 0u32);
+            for (e, v) in es.iter_mut().zip(xs) {
+                let b = v.to_bits();
+                *e = exp(b);
+                z += u32::from(b == 0);
+                nf += u32::from(*e == ones);
+            }
+            zeros += z as usize;
+            nonfinite |= nf > 0;
         }
         let skip = !nonfinite
             && zeros.saturating_mul(8) >= n
             && zeros.saturating_mul(self.plane_bits()) > 8 * ZEROS_SECTION;
-        let at = if skip {
-            let zero = self.zero_symbol();
-            let sym = |i: usize| match x[i].to_bits() {
-                0 => zero,
-                b => exp(b),
-            };
-            entropy::encode(n, sym, 1, out)
-        } else {
-            entropy::encode(n, |i| exp(x[i].to_bits()), 1, out)
-        };
+        if skip {
+            for (e, v) in exps.iter_mut().zip(x) {
+                if v.to_bits() == 0 {
+                    *e = ones;
+                }
+            }
+        }
+        let at = entropy::encode(exps, 1, head);
         (at, skip.then_some(zeros), nonfinite)
     }
 
@@ -481,45 +511,27 @@ impl Lossless {
             // Every element is +0.0 (the counts say so; they are checked as for any frame).
             return counts.decode::<M>(block, at, out, |_, _| 0, |_, _, w| w.fill(0));
         }
+        let words = |g: &[u8], k: usize, w: &mut [u32]| {
+            p.span::<{ kernels::mode::WRITE }>(g, k, bytemuck::cast_slice_mut(w))
+        };
         match self.dtype {
-            FloatType::F32 => counts.decode::<M>(
-                block,
-                at,
-                out,
-                |e, k| p.f32(e, k),
-                |g, k, w| p.span_f32(g, k, w),
-            ),
-            FloatType::Bf16 => counts.decode::<M>(
-                block,
-                at,
-                out,
-                |e, k| p.bf16(e, k),
-                |g, k, w| p.span_bf16(g, k, w),
-            ),
-            FloatType::Fp16 => counts.decode::<M>(
-                block,
-                at,
-                out,
-                |e, k| p.fp16(e, k),
-                |g, k, w| p.span_fp16(g, k, w),
-            ),
+            FloatType::F32 => counts.decode::<M>(block, at, out, |e, k| p.f32(e, k), words),
+            FloatType::Bf16 => counts.decode::<M>(block, at, out, |e, k| p.bf16(e, k), words),
+            FloatType::Fp16 => counts.decode::<M>(block, at, out, |e, k| p.fp16(e, k), words),
         }
     }
 }
 
 /// Decode a frame without the zeros section into `out` in mode `M`: `span(exponents,
-/// k, words)` makes the bits of each piece of elements from entry `k`.
+/// k, out)` decodes each piece of elements from entry `k` into its part of `out`.
 fn decode_all<const M: u8>(
     block: &entropy::Block<'_>,
     out: &mut [f32],
-    span: impl Fn(&[u8], usize, &mut [u32]),
+    span: impl Fn(&[u8], usize, &mut [f32]),
 ) -> Result<()> {
-    let mut words = [0u32; CHUNK];
     block
         .for_each_chunk::<CHUNK>(CHUNK, |start, exps| {
-            let w = &mut words[..exps.len()];
-            span(exps, start, w);
-            kernels::decode_f32::<M>(bytemuck::cast_slice(w), &mut out[start..start + w.len()]);
+            span(exps, start, &mut out[start..start + exps.len()]);
         })
         .map_err(corrupt)
 }
@@ -527,6 +539,7 @@ fn decode_all<const M: u8>(
 /// A frame's planes split by type: the entries of its elements (with the zeros section,
 /// of those that are not +0.0), `m` of them.
 struct Planes<'a> {
+    dtype: FloatType,
     /// f32: the low halves, u16 LE.
     lo16: &'a [u8],
     /// The sign-and-mantissa bytes.
@@ -551,12 +564,14 @@ impl<'a> Planes<'a> {
             FloatType::F32 => {
                 let (lo16, tops) = planes.split_at(2 * m);
                 Planes {
+                    dtype,
                     lo16,
                     tops,
                     lows: none,
                 }
             }
             FloatType::Bf16 => Planes {
+                dtype,
                 lo16: none,
                 tops: planes,
                 lows: none,
@@ -574,6 +589,7 @@ impl<'a> Planes<'a> {
                     crate::wire::check_padding(CodecId::Lossless, lows, offset + m, m as u64, 3)?;
                 }
                 Planes {
+                    dtype,
                     lo16: none,
                     tops,
                     lows,
@@ -598,37 +614,40 @@ impl<'a> Planes<'a> {
         join(e, 0, self.tops[k])
     }
 
+    /// The binary16 bits of an fp16 element of 5-bit exponent `e`.
+    #[inline(always)]
+    fn half(&self, e: u8, k: usize) -> u16 {
+        let t = self.tops[k] as u16;
+        let low = get3(self.lows, k) as u16;
+        ((t & 0x80) << 8) | ((e as u16) << 10) | ((t & 0x7F) << 3) | low
+    }
+
     /// The f32 bits of an fp16 element of 5-bit exponent `e`.
     #[inline(always)]
     fn fp16(&self, e: u8, k: usize) -> u32 {
-        let t = self.tops[k] as u16;
-        let low = get3(self.lows, k) as u16;
-        let h = ((t & 0x80) << 8) | ((e as u16) << 10) | ((t & 0x7F) << 3) | low;
-        kernels::scalar::f16_to_f32(h).to_bits()
+        kernels::scalar::f16_to_f32(self.half(e, k)).to_bits()
     }
 
-    /// The bits of the f32 elements of exponents `exps` at entries `k..` into `w`.
-    fn span_f32(&self, exps: &[u8], k: usize, w: &mut [u32]) {
-        let (lo, tops) = (
-            &self.lo16[2 * k..2 * (k + exps.len())],
-            &self.tops[k..k + exps.len()],
-        );
-        for (((w, &e), l), &t) in w.iter_mut().zip(exps).zip(lo.chunks_exact(2)).zip(tops) {
-            *w = join(e, u16::from_le_bytes([l[0], l[1]]), t);
-        }
-    }
-
-    /// [`Planes::span_f32`] for bf16 elements.
-    fn span_bf16(&self, exps: &[u8], k: usize, w: &mut [u32]) {
-        for ((w, &e), &t) in w.iter_mut().zip(exps).zip(&self.tops[k..k + exps.len()]) {
-            *w = join(e, 0, t);
-        }
-    }
-
-    /// [`Planes::span_f32`] for fp16 elements.
-    fn span_fp16(&self, exps: &[u8], k: usize, w: &mut [u32]) {
-        for (i, (w, &e)) in w.iter_mut().zip(exps).enumerate() {
-            *w = self.fp16(e, k + i);
+    /// The elements of exponents `exps` at entries `k..` into `out` in mode `M`.
+    fn span<const M: u8>(&self, exps: &[u8], k: usize, out: &mut [f32]) {
+        let end = k + exps.len();
+        match self.dtype {
+            FloatType::F32 => {
+                kernels::join_f32::<M>(exps, &self.lo16[2 * k..2 * end], &self.tops[k..end], out)
+            }
+            FloatType::Bf16 => kernels::join_bf16::<M>(exps, &self.tops[k..end], out),
+            FloatType::Fp16 => {
+                // The binary16 bits of the piece, then the backend's conversion.
+                let mut halves = [0u8; 2 * CHUNK];
+                for (c, (piece, out)) in exps.chunks(CHUNK).zip(out.chunks_mut(CHUNK)).enumerate() {
+                    let h = &mut halves[..2 * piece.len()];
+                    let k = k + c * CHUNK;
+                    for (i, (h, &e)) in h.chunks_exact_mut(2).zip(piece).enumerate() {
+                        h.copy_from_slice(&self.half(e, k + i).to_le_bytes());
+                    }
+                    kernels::decode_f16::<M>(h, out);
+                }
+            }
         }
     }
 }
@@ -804,22 +823,13 @@ fn compact(x: &[f32], mut write: impl FnMut(usize, &[f32], bool) -> usize) -> [u
 
 /// The f32 planes of `x` at entries `k..`: low halves into `lo16`, top bytes into `tops`.
 fn put_f32(lo16: &mut [u8], tops: &mut [u8], k: usize, x: &[f32]) {
-    let (lo, t) = (
-        &mut lo16[2 * k..2 * (k + x.len())],
-        &mut tops[k..k + x.len()],
-    );
-    for ((l, t), v) in lo.chunks_exact_mut(2).zip(t).zip(x) {
-        let b = v.to_bits();
-        l.copy_from_slice(&(b as u16).to_le_bytes());
-        *t = top(b);
-    }
+    let end = k + x.len();
+    kernels::split_f32(x, &mut lo16[2 * k..2 * end], &mut tops[k..end]);
 }
 
 /// The bf16 plane of `x` (its top bytes) at entries `k..` of `tops`.
 fn put_bf16(tops: &mut [u8], k: usize, x: &[f32]) {
-    for (t, v) in tops[k..k + x.len()].iter_mut().zip(x) {
-        *t = top(v.to_bits());
-    }
+    kernels::split_bf16(x, &mut tops[k..k + x.len()]);
 }
 
 /// One past the last element of `x` that is not +0.0 (0 if none is).

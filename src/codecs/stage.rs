@@ -193,7 +193,7 @@ fn staged<F: FixedRate + ?Sized>(
     let (scales, coded) = head.split_at_mut(sl);
     let nonfinite = sections(scales, codes);
     let codes = &*codes;
-    let len = entropy::encode(cl, |i| codes[i], align(l), coded);
+    let len = entropy::encode(codes, align(l), coded);
     Ok(super::fixed::encoded(f, (sl + len) as u64, nonfinite, ctx))
 }
 

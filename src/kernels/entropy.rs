@@ -25,6 +25,8 @@
 //! ends before its symbols do, and a stream with bytes or nonzero bits past its last
 //! code; so a coded block has one valid form for its symbols and lengths.
 
+use super::table::call;
+
 /// Why a coded block was refused: the byte offset into the block and the reason.
 pub type Refused = (usize, String);
 
@@ -42,29 +44,41 @@ pub fn max_len(n: u64) -> u64 {
     n.saturating_add(1)
 }
 
-/// Count the symbols `sym(0..n)` (four tables, summed, so that runs of one value do
-/// not wait on one counter).
-fn histogram(n: usize, sym: impl Fn(usize) -> u8) -> [u64; 256] {
-    let mut h = [[0u32; 256]; 4];
-    let mut total = [0u64; 256];
-    for start in (0..n).step_by(1 << 30) {
-        let end = n.min(start + (1 << 30));
-        let mut i = start;
-        while i + 4 <= end {
-            h[0][sym(i) as usize] += 1;
-            h[1][sym(i + 1) as usize] += 1;
-            h[2][sym(i + 2) as usize] += 1;
-            h[3][sym(i + 3) as usize] += 1;
-            i += 4;
-        }
-        for k in i..end {
-            h[0][sym(k) as usize] += 1;
-        }
-        for t in &mut h {
+/// Count the symbols of each quarter `syms[lo..hi]` of `bounds` (eight tables, two per
+/// quarter, so that runs of one value do not wait on one counter).
+#[inline(always)]
+fn histograms(bounds: [(usize, usize); 4], syms: &[u8]) -> [[u64; 256]; 4] {
+    let mut h = [[0u32; 256]; 8];
+    let mut total = [[0u64; 256]; 4];
+    let lens = bounds.map(|(lo, hi)| hi - lo);
+    // The quarters are equally long but maybe the last ones: all four in step over the
+    // shortest, then each on its own, in pieces a u32 counter cannot overflow.
+    let both = lens.iter().copied().min().unwrap_or(0) & !1;
+    let flush = |h: &mut [[u32; 256]; 8], total: &mut [[u64; 256]; 4]| {
+        for (j, t) in total.iter_mut().enumerate() {
             for (s, c) in t.iter_mut().enumerate() {
-                total[s] += *c as u64;
-                *c = 0;
+                *c += h[2 * j][s] as u64 + h[2 * j + 1][s] as u64;
             }
+        }
+        *h = [[0; 256]; 8];
+    };
+    for start in (0..both).step_by(1 << 30) {
+        let end = both.min(start + (1 << 30));
+        for i in (start..end).step_by(2) {
+            for j in 0..4 {
+                let at = bounds[j].0 + i;
+                h[2 * j][syms[at] as usize] += 1;
+                h[2 * j + 1][syms[at + 1] as usize] += 1;
+            }
+        }
+        flush(&mut h, &mut total);
+    }
+    for j in 0..4 {
+        for start in (both..lens[j]).step_by(1 << 30) {
+            for i in start..lens[j].min(start + (1 << 30)) {
+                h[2 * j][syms[bounds[j].0 + i] as usize] += 1;
+            }
+            flush(&mut h, &mut total);
         }
     }
     total
@@ -157,11 +171,22 @@ fn canonical(lens: &[u8; 256]) -> [u16; 256] {
     codes
 }
 
-/// Entropy-code the symbols `sym(0..n)` into `out` (at least [`max_len`]`(n)` bytes),
+/// Entropy-code the symbols `syms` into `out` (at least [`max_len`]`(syms.len())` bytes),
 /// in the smallest of the three modes, with streams aligned to `align` symbols (at
-/// least 1); returns the bytes written.
-pub fn encode(n: usize, sym: impl Fn(usize) -> u8 + Copy, align: usize, out: &mut [u8]) -> usize {
-    let h = histogram(n, sym);
+/// least 1); returns the bytes written. The same bytes on every backend (each runs
+/// [`encode_with`] built for its instruction set).
+pub fn encode(syms: &[u8], align: usize, out: &mut [u8]) -> usize {
+    call!(entropy_encode(syms, align, out))
+}
+
+/// [`encode`]'s definition, inlined into each backend's build.
+#[inline(always)]
+pub(super) fn encode_with(syms: &[u8], align: usize, out: &mut [u8]) -> usize {
+    let n = syms.len();
+    let sym = |i: usize| syms[i];
+    let bounds = quarters(n, align);
+    let hq = histograms(bounds, syms);
+    let h: [u64; 256] = std::array::from_fn(|s| hq.iter().map(|q| q[s]).sum());
     let used = h.iter().filter(|&&c| c > 0).count();
     if used == 1 {
         out[0] = ONE;
@@ -180,65 +205,103 @@ pub fn encode(n: usize, sym: impl Fn(usize) -> u8 + Copy, align: usize, out: &mu
         return store(out);
     }
     let lens = code_lengths(&h);
-    let bits: u64 = (0..256).map(|s| h[s] * lens[s] as u64).sum();
-    if HUFFMAN_HEADER as u64 + bits / 8 + 4 >= stored as u64 {
+    let bits = hq.map(|q| (0..256).map(|s| q[s] * lens[s] as u64).sum::<u64>());
+    let sizes = bits.map(|b| b.div_ceil(8) as usize);
+    let total: usize = sizes.iter().sum();
+    if HUFFMAN_HEADER + total >= stored {
         return store(out);
     }
     out[0] = HUFFMAN;
     for k in 0..128 {
         out[1 + k] = lens[2 * k] | (lens[2 * k + 1] << 4);
     }
+    for (j, &size) in sizes.iter().enumerate() {
+        out[129 + 4 * j..133 + 4 * j].copy_from_slice(&(size as u32).to_le_bytes());
+    }
     let codes = canonical(&lens);
     let table: [u32; 256] = std::array::from_fn(|s| codes[s] as u32 | ((lens[s] as u32) << 16));
-    let mut at = HUFFMAN_HEADER;
-    for (j, (lo, hi)) in quarters(n, align).into_iter().enumerate() {
-        let len = write_stream(lo..hi, sym, &table, &mut out[at..]);
-        out[129 + 4 * j..133 + 4 * j].copy_from_slice(&(len as u32).to_le_bytes());
-        at += len;
+    let streams = &mut out[HUFFMAN_HEADER..HUFFMAN_HEADER + total];
+    let (s0, rest) = streams.split_at_mut(sizes[0]);
+    let (s1, rest) = rest.split_at_mut(sizes[1]);
+    let (s2, s3) = rest.split_at_mut(sizes[2]);
+    for (j, out) in [s0, s1, s2, s3].into_iter().enumerate() {
+        let (lo, hi) = bounds[j];
+        let mut w = Writer::new(out);
+        // Four symbols at a time while the stream has room for a whole word (the chain
+        // of shifts runs once per four codes); then to its end.
+        let mut i = lo;
+        while i + 4 <= hi && w.pos + 8 <= w.out.len() {
+            w.put4([sym(i), sym(i + 1), sym(i + 2), sym(i + 3)].map(|s| table[s as usize]));
+            i += 4;
+        }
+        w.finish(i..hi, sym, &table);
     }
-    at
+    HUFFMAN_HEADER + total
 }
 
-/// Write the codes of `sym(range)` (table entries: code | length << 16) into `out`;
-/// returns the bytes written.
-fn write_stream(
-    range: core::ops::Range<usize>,
-    sym: impl Fn(usize) -> u8,
-    table: &[u32; 256],
-    out: &mut [u8],
-) -> usize {
-    let (mut acc, mut nacc, mut pos) = (0u64, 0u32, 0usize);
-    let mut i = range.start;
-    while i + 4 <= range.end {
-        // Four codes of at most 11 bits fit beside at most 7 pending bits.
-        for k in 0..4 {
-            let e = table[sym(i + k) as usize];
-            acc |= ((e & 0xFFFF) as u64) << nacc;
-            nacc += e >> 16;
+/// An LSB-first bit writer into one stream of exactly its length.
+struct Writer<'a> {
+    out: &'a mut [u8],
+    acc: u64,
+    /// Bits in `acc` not yet written whole (at most 7 between calls).
+    nacc: u32,
+    pos: usize,
+}
+
+impl<'a> Writer<'a> {
+    #[inline(always)]
+    fn new(out: &'a mut [u8]) -> Writer<'a> {
+        Writer {
+            out,
+            acc: 0,
+            nacc: 0,
+            pos: 0,
         }
-        i += 4;
-        let whole = (nacc / 8) as usize;
-        if pos + 8 <= out.len() {
-            out[pos..pos + 8].copy_from_slice(&acc.to_le_bytes());
-        } else {
-            out[pos..pos + whole].copy_from_slice(&acc.to_le_bytes()[..whole]);
+    }
+
+    /// Four codes (table entries: code | length << 16), joined before they are added (at
+    /// most 44 bits beside at most 7 pending); needs 8 bytes of room at `pos`.
+    #[inline(always)]
+    fn put4(&mut self, e: [u32; 4]) {
+        let (l0, l1, l2) = (e[0] >> 16, e[1] >> 16, e[2] >> 16);
+        let code = |k: usize| (e[k] & 0xFFFF) as u64;
+        let joined = code(0) | code(1) << l0 | code(2) << (l0 + l1) | code(3) << (l0 + l1 + l2);
+        self.acc |= joined << self.nacc;
+        self.nacc += l0 + l1 + l2 + (e[3] >> 16);
+        self.out[self.pos..self.pos + 8].copy_from_slice(&self.acc.to_le_bytes());
+        let whole = self.nacc / 8;
+        self.pos += whole as usize;
+        // At most 51 bits were pending: a shift of at most 48.
+        self.acc >>= 8 * whole;
+        self.nacc &= 7;
+    }
+
+    /// The codes of `sym(range)`, then the last partial byte: the stream ends exactly at
+    /// the end of `out`.
+    #[inline(always)]
+    fn finish(
+        &mut self,
+        range: core::ops::Range<usize>,
+        sym: impl Fn(usize) -> u8,
+        table: &[u32; 256],
+    ) {
+        for k in range {
+            let e = table[sym(k) as usize];
+            self.acc |= ((e & 0xFFFF) as u64) << self.nacc;
+            self.nacc += e >> 16;
+            while self.nacc >= 8 {
+                self.out[self.pos] = self.acc as u8;
+                self.pos += 1;
+                self.acc >>= 8;
+                self.nacc -= 8;
+            }
         }
-        pos += whole;
-        acc = if whole == 8 { 0 } else { acc >> (8 * whole) };
-        nacc -= 8 * whole as u32;
+        if self.nacc > 0 {
+            self.out[self.pos] = self.acc as u8;
+            self.pos += 1;
+        }
+        debug_assert_eq!(self.pos, self.out.len());
     }
-    for k in i..range.end {
-        let e = table[sym(k) as usize];
-        acc |= ((e & 0xFFFF) as u64) << nacc;
-        nacc += e >> 16;
-    }
-    while nacc > 0 {
-        out[pos] = acc as u8;
-        pos += 1;
-        acc >>= 8;
-        nacc = nacc.saturating_sub(8);
-    }
-    pos
 }
 
 fn corrupt(at: usize, reason: impl Into<String>) -> Refused {

@@ -1,0 +1,58 @@
+//! The lossless codec's float planes: each f32 (or bf16) split into its exponent, its
+//! sign with the top 7 mantissa bits in one byte, and (f32) the low 16 mantissa bits;
+//! and joined again. One definition, inlined into each backend's build (the loops are
+//! plain lane-wise integer work that every instruction set vectorises).
+
+use super::scalar::put;
+
+/// The sign and top 7 mantissa bits of f32 bits `b` in one byte.
+#[inline(always)]
+pub fn top(b: u32) -> u8 {
+    (((b >> 24) & 0x80) | ((b >> 16) & 0x7F)) as u8
+}
+
+/// The f32 bits of an exponent, low half and top byte.
+#[inline(always)]
+pub fn join(e: u8, lo: u16, t: u8) -> u32 {
+    ((t as u32 & 0x80) << 24) | ((e as u32) << 23) | ((t as u32 & 0x7F) << 16) | lo as u32
+}
+
+/// The f32 planes of `x`: low halves (u16 LE) into `lo16`, top bytes into `tops`
+/// (`lo16.len() == 2 * x.len()`, `tops.len() == x.len()`).
+#[inline(always)]
+pub fn split_f32(x: &[f32], lo16: &mut [u8], tops: &mut [u8]) {
+    for ((l, t), v) in lo16.chunks_exact_mut(2).zip(tops).zip(x) {
+        let b = v.to_bits();
+        l.copy_from_slice(&(b as u16).to_le_bytes());
+        *t = top(b);
+    }
+}
+
+/// The bf16 plane of `x`: its top bytes (`tops.len() == x.len()`).
+#[inline(always)]
+pub fn split_bf16(x: &[f32], tops: &mut [u8]) {
+    for (t, v) in tops.iter_mut().zip(x) {
+        *t = top(v.to_bits());
+    }
+}
+
+/// The f32s of exponents `exps` and planes `lo16`, `tops` into `out` in mode `M`
+/// (lengths as [`split_f32`]'s).
+#[inline(always)]
+pub fn join_f32<const M: u8>(exps: &[u8], lo16: &[u8], tops: &[u8], out: &mut [f32]) {
+    for (((o, &e), l), &t) in out.iter_mut().zip(exps).zip(lo16.chunks_exact(2)).zip(tops) {
+        put::<M>(
+            o,
+            f32::from_bits(join(e, u16::from_le_bytes([l[0], l[1]]), t)),
+        );
+    }
+}
+
+/// The bf16 values (as f32) of exponents `exps` and top bytes `tops` into `out` in mode
+/// `M`.
+#[inline(always)]
+pub fn join_bf16<const M: u8>(exps: &[u8], tops: &[u8], out: &mut [f32]) {
+    for ((o, &e), &t) in out.iter_mut().zip(exps).zip(tops) {
+        put::<M>(o, f32::from_bits(join(e, 0, t)));
+    }
+}
