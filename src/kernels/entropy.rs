@@ -606,6 +606,26 @@ fn multi4<const CHUNK: usize>(
             take!(r3, b3, k3);
         }
     }
+    // The streams drift apart (a lookup takes one to three symbols): each goes on alone
+    // while it has room, so that few symbols are left to the one-symbol loop.
+    macro_rules! drain {
+        ($r:ident, $b:ident, $k:ident, $len:expr) => {
+            while $k + 15 <= $len {
+                $r.refill();
+                for _ in 0..5 {
+                    take!($r, $b, $k);
+                }
+            }
+            while $k + 3 <= $len {
+                $r.refill();
+                take!($r, $b, $k);
+            }
+        };
+    }
+    drain!(r0, b0, k0, lens[0]);
+    drain!(r1, b1, k1, lens[1]);
+    drain!(r2, b2, k2, lens[2]);
+    drain!(r3, b3, k3, lens[3]);
     [k0, k1, k2, k3]
 }
 
