@@ -34,7 +34,7 @@
 use super::{EncodeCtx, Encoded, Scheme};
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::{Error, Result};
-use crate::kernels::planes::{join, top};
+use crate::kernels::planes::{self, join, top};
 use crate::kernels::{self, entropy};
 use crate::wire::{HEADER_LEN, Header};
 
@@ -633,9 +633,9 @@ impl<'a> Planes<'a> {
         let end = k + exps.len();
         match self.dtype {
             FloatType::F32 => {
-                kernels::join_f32::<M>(exps, &self.lo16[2 * k..2 * end], &self.tops[k..end], out)
+                planes::join_f32::<M>(exps, &self.lo16[2 * k..2 * end], &self.tops[k..end], out)
             }
-            FloatType::Bf16 => kernels::join_bf16::<M>(exps, &self.tops[k..end], out),
+            FloatType::Bf16 => planes::join_bf16::<M>(exps, &self.tops[k..end], out),
             FloatType::Fp16 => {
                 // The binary16 bits of the piece, then the backend's conversion.
                 let mut halves = [0u8; 2 * CHUNK];
@@ -824,12 +824,12 @@ fn compact(x: &[f32], mut write: impl FnMut(usize, &[f32], bool) -> usize) -> [u
 /// The f32 planes of `x` at entries `k..`: low halves into `lo16`, top bytes into `tops`.
 fn put_f32(lo16: &mut [u8], tops: &mut [u8], k: usize, x: &[f32]) {
     let end = k + x.len();
-    kernels::split_f32(x, &mut lo16[2 * k..2 * end], &mut tops[k..end]);
+    planes::split_f32(x, &mut lo16[2 * k..2 * end], &mut tops[k..end]);
 }
 
 /// The bf16 plane of `x` (its top bytes) at entries `k..` of `tops`.
 fn put_bf16(tops: &mut [u8], k: usize, x: &[f32]) {
-    kernels::split_bf16(x, &mut tops[k..k + x.len()]);
+    planes::split_bf16(x, &mut tops[k..k + x.len()]);
 }
 
 /// One past the last element of `x` that is not +0.0 (0 if none is).

@@ -25,7 +25,7 @@
 //! ends before its symbols do, and a stream with bytes or nonzero bits past its last
 //! code; so a coded block has one valid form for its symbols and lengths.
 
-use super::table::call;
+use super::table::{self, call};
 
 /// Why a coded block was refused: the byte offset into the block and the reason.
 pub type Refused = (usize, String);
@@ -173,11 +173,14 @@ fn canonical(lens: &[u8; 256]) -> [u16; 256] {
 
 /// Entropy-code the symbols `syms` into `out` (at least [`max_len`]`(syms.len())` bytes),
 /// in the smallest of the three modes, with streams aligned to `align` symbols (at
-/// least 1); returns the bytes written. The same bytes on every backend (each runs
-/// [`encode_with`] built for its instruction set).
+/// least 1); returns the bytes written. The same bytes on every backend (each runs one
+/// definition, built for its instruction set).
 pub fn encode(syms: &[u8], align: usize, out: &mut [u8]) -> usize {
     call!(entropy_encode(syms, align, out))
 }
+
+simd_op!(encode_on => EncodeOp { syms: &'a [u8], align: usize, out: &'a mut [u8] } -> usize
+    = encode_with(syms, align, out));
 
 /// [`encode`]'s definition, inlined into each backend's build.
 #[inline(always)]

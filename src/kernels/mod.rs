@@ -18,11 +18,9 @@
 pub mod backend;
 pub mod codebook;
 pub mod dct;
-pub mod entropy;
 pub mod fp8;
 pub mod fpmode;
 pub mod gemm;
-pub mod planes;
 mod portable;
 pub mod routing;
 pub mod scalar;
@@ -99,6 +97,8 @@ macro_rules! simd_op {
 }
 
 // After `simd_op!`, which they use.
+pub mod entropy;
+pub(crate) mod planes;
 mod select;
 mod shape;
 
@@ -165,15 +165,6 @@ mod entry {
         -> () = portable::reduce_u16::<M>(frames, start, out, portable::f16_to_f32));
     simd_op!(reduce_bf16 => ReduceBf16<const M: u8> { frames: &'a [&'a [u8]], start: usize, out: &'a mut [f32] }
         -> () = portable::reduce_u16::<M>(frames, start, out, scalar::bf16_to_f32));
-    simd_op!(entropy_encode => EntropyEncode { syms: &'a [u8], align: usize, out: &'a mut [u8] } -> usize
-        = entropy::encode_with(syms, align, out));
-    simd_op!(split_f32 => SplitF32 { x: &'a [f32], lo16: &'a mut [u8], tops: &'a mut [u8] } -> ()
-        = planes::split_f32(x, lo16, tops));
-    simd_op!(split_bf16 => SplitBf16 { x: &'a [f32], tops: &'a mut [u8] } -> () = planes::split_bf16(x, tops));
-    simd_op!(join_f32 => JoinF32<const M: u8> { exps: &'a [u8], lo16: &'a [u8], tops: &'a [u8], out: &'a mut [f32] }
-        -> () = planes::join_f32::<M>(exps, lo16, tops, out));
-    simd_op!(join_bf16 => JoinBf16<const M: u8> { exps: &'a [u8], tops: &'a [u8], out: &'a mut [f32] }
-        -> () = planes::join_bf16::<M>(exps, tops, out));
     simd_op!(max_finite_abs_bits => MaxFiniteAbs { x: &'a [f32] } -> u32 = scalar::max_finite_abs_bits(x));
     simd_op!(any_all_set => AnyAllSet { codes: &'a [u8], mask: u8 } -> bool = scalar::any_all_set(codes, mask));
     simd_op!(f32_scales_valid => F32ScalesValid { scales: &'a [u8] } -> bool = scalar::f32_scales_valid(scales));
@@ -187,27 +178,6 @@ mod entry {
         = portable::feedback_store_bf16(r, p));
     simd_op!(feedback_f16 => FeedbackF16 { r: &'a mut [f32], g: &'a [f32], beta: f32, gamma: f32, out: &'a mut [u8] }
         -> bool = portable::feedback_u16(r, g, beta, gamma, out, portable::f32_to_f16, portable::f16_to_f32));
-}
-
-/// The lossless codec's f32 planes of `x` (see [`planes::split_f32`]).
-pub fn split_f32(x: &[f32], lo16: &mut [u8], tops: &mut [u8]) {
-    call!(split_f32(x, lo16, tops))
-}
-
-/// The lossless codec's bf16 plane of `x` (see [`planes::split_bf16`]).
-pub fn split_bf16(x: &[f32], tops: &mut [u8]) {
-    call!(split_bf16(x, tops))
-}
-
-/// f32s joined from the lossless codec's planes, in mode `M` (see [`planes::join_f32`]).
-pub fn join_f32<const M: u8>(exps: &[u8], lo16: &[u8], tops: &[u8], out: &mut [f32]) {
-    call!(join_f32[M as usize](exps, lo16, tops, out))
-}
-
-/// bf16 values joined from the lossless codec's planes, in mode `M` (see
-/// [`planes::join_bf16`]).
-pub fn join_bf16<const M: u8>(exps: &[u8], tops: &[u8], out: &mut [f32]) {
-    call!(join_bf16[M as usize](exps, tops, out))
 }
 
 /// Error-feedback input `r = beta * r + gamma * g` in place (see [`scalar::feedback_form`]).

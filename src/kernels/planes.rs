@@ -4,6 +4,40 @@
 //! plain lane-wise integer work that every instruction set vectorises).
 
 use super::scalar::put;
+use super::table::{self, call};
+
+/// The f32 planes of `x`: low halves (u16 LE) into `lo16`, top bytes into `tops`
+/// (`lo16.len() == 2 * x.len()`, `tops.len() == x.len()`).
+pub fn split_f32(x: &[f32], lo16: &mut [u8], tops: &mut [u8]) {
+    call!(split_f32(x, lo16, tops))
+}
+
+/// The bf16 plane of `x`: its top bytes (`tops.len() == x.len()`).
+pub fn split_bf16(x: &[f32], tops: &mut [u8]) {
+    call!(split_bf16(x, tops))
+}
+
+/// The f32s of exponents `exps` and planes `lo16`, `tops` into `out` in mode `M`
+/// (lengths as [`split_f32`]'s).
+pub fn join_f32<const M: u8>(exps: &[u8], lo16: &[u8], tops: &[u8], out: &mut [f32]) {
+    call!(join_f32[M as usize](exps, lo16, tops, out))
+}
+
+/// The bf16 values (as f32) of exponents `exps` and top bytes `tops` into `out` in mode
+/// `M`.
+pub fn join_bf16<const M: u8>(exps: &[u8], tops: &[u8], out: &mut [f32]) {
+    call!(join_bf16[M as usize](exps, tops, out))
+}
+
+simd_op!(split_f32_on => SplitF32 { x: &'a [f32], lo16: &'a mut [u8], tops: &'a mut [u8] } -> ()
+    = split_f32_with(x, lo16, tops));
+simd_op!(split_bf16_on => SplitBf16 { x: &'a [f32], tops: &'a mut [u8] } -> ()
+    = split_bf16_with(x, tops));
+simd_op!(join_f32_on => JoinF32<const M: u8> {
+    exps: &'a [u8], lo16: &'a [u8], tops: &'a [u8], out: &'a mut [f32],
+} -> () = join_f32_with::<M>(exps, lo16, tops, out));
+simd_op!(join_bf16_on => JoinBf16<const M: u8> { exps: &'a [u8], tops: &'a [u8], out: &'a mut [f32] }
+    -> () = join_bf16_with::<M>(exps, tops, out));
 
 /// The sign and top 7 mantissa bits of f32 bits `b` in one byte.
 #[inline(always)]
@@ -17,10 +51,9 @@ pub fn join(e: u8, lo: u16, t: u8) -> u32 {
     ((t as u32 & 0x80) << 24) | ((e as u32) << 23) | ((t as u32 & 0x7F) << 16) | lo as u32
 }
 
-/// The f32 planes of `x`: low halves (u16 LE) into `lo16`, top bytes into `tops`
-/// (`lo16.len() == 2 * x.len()`, `tops.len() == x.len()`).
+/// [`split_f32`]'s definition, inlined into each backend's build.
 #[inline(always)]
-pub fn split_f32(x: &[f32], lo16: &mut [u8], tops: &mut [u8]) {
+pub(super) fn split_f32_with(x: &[f32], lo16: &mut [u8], tops: &mut [u8]) {
     for ((l, t), v) in lo16.chunks_exact_mut(2).zip(tops).zip(x) {
         let b = v.to_bits();
         l.copy_from_slice(&(b as u16).to_le_bytes());
@@ -28,18 +61,17 @@ pub fn split_f32(x: &[f32], lo16: &mut [u8], tops: &mut [u8]) {
     }
 }
 
-/// The bf16 plane of `x`: its top bytes (`tops.len() == x.len()`).
+/// [`split_bf16`]'s definition.
 #[inline(always)]
-pub fn split_bf16(x: &[f32], tops: &mut [u8]) {
+pub(super) fn split_bf16_with(x: &[f32], tops: &mut [u8]) {
     for (t, v) in tops.iter_mut().zip(x) {
         *t = top(v.to_bits());
     }
 }
 
-/// The f32s of exponents `exps` and planes `lo16`, `tops` into `out` in mode `M`
-/// (lengths as [`split_f32`]'s).
+/// [`join_f32`]'s definition.
 #[inline(always)]
-pub fn join_f32<const M: u8>(exps: &[u8], lo16: &[u8], tops: &[u8], out: &mut [f32]) {
+pub(super) fn join_f32_with<const M: u8>(exps: &[u8], lo16: &[u8], tops: &[u8], out: &mut [f32]) {
     for (((o, &e), l), &t) in out.iter_mut().zip(exps).zip(lo16.chunks_exact(2)).zip(tops) {
         put::<M>(
             o,
@@ -48,10 +80,9 @@ pub fn join_f32<const M: u8>(exps: &[u8], lo16: &[u8], tops: &[u8], out: &mut [f
     }
 }
 
-/// The bf16 values (as f32) of exponents `exps` and top bytes `tops` into `out` in mode
-/// `M`.
+/// [`join_bf16`]'s definition.
 #[inline(always)]
-pub fn join_bf16<const M: u8>(exps: &[u8], tops: &[u8], out: &mut [f32]) {
+pub(super) fn join_bf16_with<const M: u8>(exps: &[u8], tops: &[u8], out: &mut [f32]) {
     for ((o, &e), &t) in out.iter_mut().zip(exps).zip(tops) {
         put::<M>(o, f32::from_bits(join(e, 0, t)));
     }

@@ -32,7 +32,7 @@ use super::{
 use core::mem::MaybeUninit;
 
 use super::scalar::{self, Round};
-use super::{fp8, portable};
+use super::{entropy, fp8, planes, portable};
 use crate::rng::Draws;
 
 /// The portable builds' instruction sets as const parameters ([`on`]): AVX2, AVX-512,
@@ -270,11 +270,11 @@ fn scalar_table() -> Kernels {
         any_all_set: scalar::any_all_set,
         f32_scales_valid: scalar::f32_scales_valid,
         max_finite_abs_bits: scalar::max_finite_abs_bits,
-        entropy_encode: super::entropy::encode_with,
-        split_f32: super::planes::split_f32,
-        split_bf16: super::planes::split_bf16,
-        join_f32: modes!(super::planes::join_f32),
-        join_bf16: modes!(super::planes::join_bf16),
+        entropy_encode: entropy::encode_with,
+        split_f32: planes::split_f32_with,
+        split_bf16: planes::split_bf16_with,
+        join_f32: modes!(planes::join_f32_with),
+        join_bf16: modes!(planes::join_bf16_with),
         reduce_f32: modes!(portable::reduce_f32),
         reduce_f16: [
             |f, s, out| {
@@ -323,11 +323,11 @@ fn portable_table<const K: u8, const R: u8>() -> Kernels {
         any_all_set: e::any_all_set::<K>,
         f32_scales_valid: e::f32_scales_valid::<K>,
         max_finite_abs_bits: e::max_finite_abs_bits::<K>,
-        entropy_encode: e::entropy_encode::<K>,
-        split_f32: e::split_f32::<K>,
-        split_bf16: e::split_bf16::<K>,
-        join_f32: modes!(e::join_f32, K),
-        join_bf16: modes!(e::join_bf16, K),
+        entropy_encode: entropy::encode_on::<K>,
+        split_f32: planes::split_f32_on::<K>,
+        split_bf16: planes::split_bf16_on::<K>,
+        join_f32: modes!(planes::join_f32_on, K),
+        join_bf16: modes!(planes::join_bf16_on, K),
         reduce_f32: modes!(e::reduce_f32, K),
         reduce_f16: modes!(e::reduce_f16, K),
         reduce_bf16: modes!(e::reduce_bf16, K),
