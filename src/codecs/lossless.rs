@@ -35,6 +35,7 @@ use super::{EncodeCtx, Encoded, Scheme};
 use crate::codec::{Args, CodecId, CodecSpec};
 use crate::error::{Error, Result};
 use crate::kernels::planes::{self, join, top};
+use crate::kernels::scalar::BitWriter;
 use crate::kernels::{self, entropy};
 use crate::wire::{HEADER_LEN, Header};
 
@@ -331,24 +332,17 @@ impl Lossless {
         let payload = (at + section.len() + m + lows.len()) as u64;
         let top16 = |h: u16| (((h >> 8) & 0x80) | ((h >> 3) & 0x7F)) as u8;
         if zeros.is_none() {
+            let mut low3 = BitWriter::new(lows);
             for (c, xs) in x.chunks(CHUNK).enumerate() {
                 let h = &mut halves[..2 * xs.len()];
                 kernels::encode_f16(xs, h);
                 let k = c * CHUNK;
                 for (t, h) in tops[k..k + xs.len()].iter_mut().zip(h.chunks_exact(2)) {
                     *t = top16(u16::from_le_bytes([h[0], h[1]]));
-                }
-                // Eight 3-bit fields in three bytes (a piece starts on a multiple of 8).
-                for (g, h) in h.chunks(16).enumerate() {
-                    let mut v = 0u32;
-                    for (i, h) in h.chunks_exact(2).enumerate() {
-                        v |= (h[0] as u32 & 7) << (3 * i);
-                    }
-                    let at = 3 * (k / 8 + g);
-                    let end = (at + 3).min(lows.len());
-                    lows[at..end].copy_from_slice(&v.to_le_bytes()[..end - at]);
+                    low3.put(h[0] as u32 & 7, 3);
                 }
             }
+            low3.finish();
             return Ok(self.encoded(payload, nonfinite, false));
         }
         let half = |v: f32| kernels::scalar::f32_to_f16(v);

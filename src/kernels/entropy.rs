@@ -48,40 +48,23 @@ pub fn max_len(n: u64) -> u64 {
 /// quarter, so that runs of one value do not wait on one counter).
 #[inline(always)]
 fn histograms(bounds: [(usize, usize); 4], syms: &[u8]) -> [[u64; 256]; 4] {
-    let mut h = [[0u32; 256]; 8];
-    let mut total = [[0u64; 256]; 4];
-    let lens = bounds.map(|(lo, hi)| hi - lo);
+    let mut h = [[0u64; 256]; 8];
+    let q = bounds.map(|(lo, hi)| &syms[lo..hi]);
     // The quarters are equally long but maybe the last ones: all four in step over the
-    // shortest, then each on its own, in pieces a u32 counter cannot overflow.
-    let both = lens.iter().copied().min().unwrap_or(0) & !1;
-    let flush = |h: &mut [[u32; 256]; 8], total: &mut [[u64; 256]; 4]| {
-        for (j, t) in total.iter_mut().enumerate() {
-            for (s, c) in t.iter_mut().enumerate() {
-                *c += h[2 * j][s] as u64 + h[2 * j + 1][s] as u64;
-            }
+    // shortest, then each on its own.
+    let both = q.iter().map(|q| q.len()).min().unwrap_or(0) & !1;
+    for i in (0..both).step_by(2) {
+        for j in 0..4 {
+            h[2 * j][q[j][i] as usize] += 1;
+            h[2 * j + 1][q[j][i + 1] as usize] += 1;
         }
-        *h = [[0; 256]; 8];
-    };
-    for start in (0..both).step_by(1 << 30) {
-        let end = both.min(start + (1 << 30));
-        for i in (start..end).step_by(2) {
-            for j in 0..4 {
-                let at = bounds[j].0 + i;
-                h[2 * j][syms[at] as usize] += 1;
-                h[2 * j + 1][syms[at + 1] as usize] += 1;
-            }
-        }
-        flush(&mut h, &mut total);
     }
     for j in 0..4 {
-        for start in (both..lens[j]).step_by(1 << 30) {
-            for i in start..lens[j].min(start + (1 << 30)) {
-                h[2 * j][syms[bounds[j].0 + i] as usize] += 1;
-            }
-            flush(&mut h, &mut total);
+        for &s in &q[j][both..] {
+            h[2 * j][s as usize] += 1;
         }
     }
-    total
+    std::array::from_fn(|j| std::array::from_fn(|s| h[2 * j][s] + h[2 * j + 1][s]))
 }
 
 /// Huffman code lengths of at most [`MAX_LEN`] bits for the counts `h` (0 for a count
@@ -186,22 +169,19 @@ simd_op!(encode_on => EncodeOp { syms: &'a [u8], align: usize, out: &'a mut [u8]
 #[inline(always)]
 pub(super) fn encode_with(syms: &[u8], align: usize, out: &mut [u8]) -> usize {
     let n = syms.len();
-    let sym = |i: usize| syms[i];
     let bounds = quarters(n, align);
     let hq = histograms(bounds, syms);
     let h: [u64; 256] = std::array::from_fn(|s| hq.iter().map(|q| q[s]).sum());
     let used = h.iter().filter(|&&c| c > 0).count();
     if used == 1 {
         out[0] = ONE;
-        out[1] = sym(0);
+        out[1] = syms[0];
         return 2;
     }
     let stored = 1 + n;
     let store = |out: &mut [u8]| {
         out[0] = STORED;
-        for (i, o) in out[1..stored].iter_mut().enumerate() {
-            *o = sym(i);
-        }
+        out[1..stored].copy_from_slice(syms);
         stored
     };
     if used == 0 || n < HUFFMAN_HEADER {
@@ -232,12 +212,13 @@ pub(super) fn encode_with(syms: &[u8], align: usize, out: &mut [u8]) -> usize {
         let mut w = Writer::new(out);
         // Four symbols at a time while the stream has room for a whole word (the chain
         // of shifts runs once per four codes); then to its end.
-        let mut i = lo;
-        while i + 4 <= hi && w.pos + 8 <= w.out.len() {
-            w.put4([sym(i), sym(i + 1), sym(i + 2), sym(i + 3)].map(|s| table[s as usize]));
+        let q = &syms[lo..hi];
+        let mut i = 0;
+        while i + 4 <= q.len() && w.pos + 8 <= w.out.len() {
+            w.put4([q[i], q[i + 1], q[i + 2], q[i + 3]].map(|s| table[s as usize]));
             i += 4;
         }
-        w.finish(i..hi, sym, &table);
+        w.finish(&q[i..], &table);
     }
     HUFFMAN_HEADER + total
 }
@@ -279,17 +260,12 @@ impl<'a> Writer<'a> {
         self.nacc &= 7;
     }
 
-    /// The codes of `sym(range)`, then the last partial byte: the stream ends exactly at
-    /// the end of `out`.
+    /// The codes of `syms`, then the last partial byte: the stream ends exactly at the
+    /// end of `out`.
     #[inline(always)]
-    fn finish(
-        &mut self,
-        range: core::ops::Range<usize>,
-        sym: impl Fn(usize) -> u8,
-        table: &[u32; 256],
-    ) {
-        for k in range {
-            let e = table[sym(k) as usize];
+    fn finish(&mut self, syms: &[u8], table: &[u32; 256]) {
+        for &s in syms {
+            let e = table[s as usize];
             self.acc |= ((e & 0xFFFF) as u64) << self.nacc;
             self.nacc += e >> 16;
             while self.nacc >= 8 {
