@@ -2,7 +2,7 @@
 //! interleaved streams, table-driven decoding. Used by the lossless codec for the
 //! exponents of floats.
 //!
-//! A coded block (what [`encode`] writes and [`Block::open`] reads) starts with its mode:
+//! A coded block (what [`encode`] writes and [`Block::parse`] reads) starts with its mode:
 //!
 //! - `0` stored: the `n` symbols follow as bytes;
 //! - `1` one symbol: a byte, the symbol every one of the `n` is;
@@ -32,6 +32,8 @@ pub type Refused = (usize, String);
 
 /// Longest code, in bits.
 pub const MAX_LEN: u32 = 11;
+/// The most symbols [`Block::for_each_chunk`] hands over at once.
+pub const PIECE: usize = 4096;
 /// Bytes of a Huffman block before its streams.
 pub const HUFFMAN_HEADER: usize = 1 + 128 + 16;
 
@@ -287,8 +289,8 @@ fn corrupt(at: usize, reason: impl Into<String>) -> Refused {
     (at, reason.into())
 }
 
-/// A coded block of `n` symbols, checked whole by [`Block::open`]: reading it cannot
-/// fail.
+/// A coded block of `n` symbols, its header read: its streams are checked as they are
+/// decoded ([`Block::for_each_chunk`], [`Block::decode_into`]).
 pub struct Block<'a> {
     kind: Kind<'a>,
     /// The Huffman decode table (zeros in the other modes).
@@ -303,8 +305,6 @@ pub struct Block<'a> {
     n: usize,
     align: usize,
     len: usize,
-    /// The last symbol, if `n > 0`.
-    last: Option<u8>,
 }
 
 enum Kind<'a> {
@@ -314,38 +314,26 @@ enum Kind<'a> {
 }
 
 impl<'a> Block<'a> {
-    /// Check the coded block of `n` symbols, streams aligned to `align` (at least 1), at
-    /// the start of `p`: its mode, its code lengths and every stream, decoded once (the
-    /// symbols dropped, but the last). Reading it then cannot fail.
-    pub fn open(p: &'a [u8], n: usize, align: usize) -> Result<Block<'a>, Refused> {
-        let mut b = Block::parse(p, n, align)?;
-        b.check()?;
-        Ok(b)
-    }
-
     /// Read the header of the coded block of `n` symbols, streams aligned to `align`, at
     /// the start of `p`: its mode, code lengths and stream lengths, but not the streams,
-    /// which [`Block::for_each_chunk`] then checks as it decodes them (a caller that may
-    /// write before an error), and whose last symbol [`Block::last`] does not know.
+    /// which [`Block::for_each_chunk`] and [`Block::decode_into`] check as they decode
+    /// them.
     pub fn parse(p: &'a [u8], n: usize, align: usize) -> Result<Block<'a>, Refused> {
         let mut table = [0u16; 1 << MAX_LEN];
         let mut multi = [0u32; 1 << MAX_LEN];
         let mut use_multi = false;
         let mut lens = [0u8; 256];
-        let mut last = None;
         let (kind, len) = match p.first() {
             Some(&STORED) => {
                 let s = p
                     .get(1..1 + n)
                     .ok_or_else(|| corrupt(1, "entropy block: stored bytes cut short"))?;
-                last = s.last().copied();
                 (Kind::Stored(s), 1 + n)
             }
             Some(&ONE) => {
                 let &s = p
                     .get(1)
                     .ok_or_else(|| corrupt(1, "entropy block: symbol missing"))?;
-                last = (n > 0).then_some(s);
                 (Kind::One(s), 2)
             }
             Some(&HUFFMAN) => {
@@ -369,7 +357,6 @@ impl<'a> Block<'a> {
             n,
             align,
             len,
-            last,
         })
     }
 
@@ -404,31 +391,9 @@ impl<'a> Block<'a> {
         Ok((Kind::Huffman(streams), HUFFMAN_HEADER + total))
     }
 
-    /// Decode every stream once, the symbols dropped but the last, and check where each
-    /// ends.
-    fn check(&mut self) -> Result<(), Refused> {
-        if !matches!(self.kind, Kind::Huffman(_)) {
-            return Ok(());
-        }
-        let (mut last, n) = (None, self.n);
-        self.for_each_chunk::<4096>(4096, |start, syms| {
-            if start + syms.len() == n {
-                last = syms.last().copied();
-            }
-        })?;
-        self.last = last;
-        Ok(())
-    }
-
     /// Bytes the block takes.
     pub fn bytes(&self) -> usize {
         self.len
-    }
-
-    /// The last symbol (`None` for a block of no symbols, or a Huffman block only
-    /// parsed).
-    pub fn last(&self) -> Option<u8> {
-        self.last
     }
 
     /// Which symbols the block may hold: those with a code (Huffman), the one symbol, or
@@ -447,18 +412,18 @@ impl<'a> Block<'a> {
         a
     }
 
-    /// Decode the symbols in pieces of at most `piece` (at most `CHUNK`, a multiple of
+    /// Decode the symbols in pieces of at most `piece` (at most [`PIECE`], a multiple of
     /// the block's alignment), in some order: `f(start, symbols)` for each piece,
     /// `symbols` being symbols `start .. start + len`. Every piece starts on a multiple
-    /// of the alignment. Then check where each stream ends: an error only for a block
-    /// [`Block::parse`]d and not opened, after every piece was handed over.
-    pub fn for_each_chunk<const CHUNK: usize>(
+    /// of the alignment. Then check where each stream ends: an error comes after every
+    /// piece was handed over.
+    pub fn for_each_chunk(
         &self,
         piece: usize,
         mut f: impl FnMut(usize, &[u8]),
     ) -> Result<(), Refused> {
         let n = self.n;
-        let piece = piece.clamp(1, CHUNK);
+        let piece = piece.clamp(1, PIECE);
         match &self.kind {
             Kind::Stored(s) => {
                 for (c, bytes) in s.chunks(piece).enumerate() {
@@ -466,7 +431,7 @@ impl<'a> Block<'a> {
                 }
             }
             Kind::One(sym) => {
-                let run = [*sym; CHUNK];
+                let run = [*sym; PIECE];
                 for start in (0..n).step_by(piece) {
                     f(start, &run[..piece.min(n - start)]);
                 }
@@ -477,14 +442,19 @@ impl<'a> Block<'a> {
                 let bounds = quarters(n, self.align);
                 // A lookup writes three symbols and keeps one to three (the loop leaves
                 // room for them).
-                let mut bufs = [[0u8; CHUNK]; 4];
+                let mut bufs = [[0u8; PIECE]; 4];
                 let q = bounds[0].1;
                 for start in (0..q).step_by(piece) {
                     let lens = bounds.map(|(lo, hi)| (hi - lo).saturating_sub(start).min(piece));
                     // The four streams in step (their chains of lookups interleave) while
                     // each has room; then each on its own, a symbol at a time.
                     let k = if self.use_multi {
-                        multi4(&mut readers, multi, &mut bufs, lens)
+                        let mut bits = readers.each_ref().map(|r| r.bit);
+                        let k = multi4(*streams, &mut bits, multi, &mut bufs, lens);
+                        for (r, b) in readers.iter_mut().zip(bits) {
+                            r.bit = b;
+                        }
+                        k
                     } else {
                         let both = lens[3] / 5 * 5;
                         let mut k = 0;
@@ -500,7 +470,6 @@ impl<'a> Block<'a> {
                     };
                     for (j, r) in readers.iter_mut().enumerate() {
                         for s in &mut bufs[j][k[j]..lens[j]] {
-                            r.refill();
                             *s = r.next(table);
                         }
                         if lens[j] > 0 {
@@ -512,6 +481,13 @@ impl<'a> Block<'a> {
             }
         }
         Ok(())
+    }
+    /// Decode every symbol into `out` (`n` bytes) and check where each stream ends: for
+    /// a caller that must not act on any symbol before the whole block is known good.
+    pub fn decode_into(&self, out: &mut [u8]) -> Result<(), Refused> {
+        self.for_each_chunk(PIECE, |start, syms| {
+            out[start..start + syms.len()].copy_from_slice(syms)
+        })
     }
 }
 
@@ -538,73 +514,104 @@ pub fn quarters(n: usize, align: usize) -> [(usize, usize); 4] {
 /// interleave).
 #[inline(always)]
 fn step4(r: &mut [Reader<'_>; 4], table: &[u16; 1 << MAX_LEN], out: &mut [[u8; 5]; 4]) {
-    let [r0, r1, r2, r3] = r;
-    r0.refill();
-    r1.refill();
-    r2.refill();
-    r3.refill();
-    let [o0, o1, o2, o3] = out;
-    for (((a, b), c), d) in o0.iter_mut().zip(o1).zip(o2).zip(o3) {
-        *a = r0.next(table);
-        *b = r1.next(table);
-        *c = r2.next(table);
-        *d = r3.next(table);
+    let mut acc = r.each_ref().map(Reader::peek);
+    let mut used = [0u64; 4];
+    for i in 0..5 {
+        for (j, o) in out.iter_mut().enumerate() {
+            let e = table[(acc[j] & ((1 << MAX_LEN) - 1)) as usize];
+            acc[j] >>= e >> 8;
+            used[j] += (e >> 8) as u64;
+            o[i] = e as u8;
+        }
+    }
+    for (r, u) in r.iter_mut().zip(used) {
+        r.bit += u;
     }
 }
 
-/// Decode the four streams with multi-symbol lookups into `bufs`, five lookups per
-/// refill, while every stream has room for five more of three symbols (`lens[j]`
-/// symbols in all); returns how many each decoded.
-#[inline(always)]
-fn multi4<const CHUNK: usize>(
-    r: &mut [Reader<'_>; 4],
+/// Decode the four streams (at bits `bits`, moved on) with multi-symbol lookups into
+/// `bufs`, five lookups per refill, while every stream has room for five more of three
+/// symbols (`lens[j]` symbols in all); returns how many each decoded. A table operation,
+/// so that each backend's build has its shifts (BMI2's on x86-64).
+fn multi4(
+    streams: [&[u8]; 4],
+    bits: &mut [u64; 4],
     multi: &[u32; 1 << MAX_LEN],
-    bufs: &mut [[u8; CHUNK]; 4],
+    bufs: &mut [[u8; PIECE]; 4],
     lens: [usize; 4],
 ) -> [usize; 4] {
-    let [r0, r1, r2, r3] = r;
+    call!(entropy_multi4(streams, bits, multi, bufs, lens))
+}
+
+simd_op!(multi4_on => Multi4 {
+    streams: [&'a [u8]; 4], bits: &'a mut [u64; 4], multi: &'a [u32; 1 << MAX_LEN],
+    bufs: &'a mut [[u8; PIECE]; 4], lens: [usize; 4],
+} -> [usize; 4] = multi4_with(streams, bits, multi, bufs, lens));
+
+/// [`multi4`]'s definition.
+#[inline(always)]
+pub(super) fn multi4_with(
+    streams: [&[u8]; 4],
+    bits: &mut [u64; 4],
+    multi: &[u32; 1 << MAX_LEN],
+    bufs: &mut [[u8; PIECE]; 4],
+    lens: [usize; 4],
+) -> [usize; 4] {
+    let [r0, r1, r2, r3] = std::array::from_fn(|j| Reader {
+        s: streams[j],
+        bit: bits[j],
+    });
+    let [r0, r1, r2, r3] = [&r0, &r1, &r2, &r3];
     let [b0, b1, b2, b3] = bufs;
     let (mut k0, mut k1, mut k2, mut k3) = (0usize, 0usize, 0usize, 0usize);
-    // One lookup of stream `r` into `b` at `k`: three bytes written, one to three kept.
+    // One lookup in `$acc` (stream bits, `$bit` of them taken so far) into `$b` at
+    // `$k`: four bytes written, one to three symbols kept. The store's start is clamped
+    // for the bounds check only: the loops leave room for it.
     macro_rules! take {
-        ($r:ident, $b:ident, $k:ident) => {
-            let e = $r.next_multi(multi);
-            $b[$k..$k + 3].copy_from_slice(&e.to_le_bytes()[..3]);
+        ($acc:ident, $bit:ident, $b:ident, $k:ident) => {
+            let e = multi[($acc & ((1 << MAX_LEN) - 1)) as usize];
+            let l = e >> 26;
+            $acc >>= l;
+            $bit += l as u64;
+            let at = $k.min(PIECE - 4);
+            $b[at..at + 4].copy_from_slice(&e.to_le_bytes());
             $k += (e >> 24) as usize & 3;
         };
     }
-    while k0 + 15 <= lens[0] && k1 + 15 <= lens[1] && k2 + 15 <= lens[2] && k3 + 15 <= lens[3] {
-        r0.refill();
-        r1.refill();
-        r2.refill();
-        r3.refill();
+    let [mut t0, mut t1, mut t2, mut t3] = *bits;
+    while k0 + 16 <= lens[0] && k1 + 16 <= lens[1] && k2 + 16 <= lens[2] && k3 + 16 <= lens[3] {
+        let (mut a0, mut a1) = (r0.peek_at(t0), r1.peek_at(t1));
+        let (mut a2, mut a3) = (r2.peek_at(t2), r3.peek_at(t3));
         for _ in 0..5 {
-            take!(r0, b0, k0);
-            take!(r1, b1, k1);
-            take!(r2, b2, k2);
-            take!(r3, b3, k3);
+            take!(a0, t0, b0, k0);
+            take!(a1, t1, b1, k1);
+            take!(a2, t2, b2, k2);
+            take!(a3, t3, b3, k3);
         }
     }
+    let t = [t0, t1, t2, t3];
     // The streams drift apart (a lookup takes one to three symbols): each goes on alone
     // while it has room, so that few symbols are left to the one-symbol loop.
     macro_rules! drain {
-        ($r:ident, $b:ident, $k:ident, $len:expr) => {
-            while $k + 15 <= $len {
-                $r.refill();
+        ($r:ident, $b:ident, $k:ident, $j:expr) => {
+            let (len, mut t) = (lens[$j], t[$j]);
+            while $k + 16 <= len {
+                let mut a = $r.peek_at(t);
                 for _ in 0..5 {
-                    take!($r, $b, $k);
+                    take!(a, t, $b, $k);
                 }
             }
-            while $k + 3 <= $len {
-                $r.refill();
-                take!($r, $b, $k);
+            while $k + 4 <= len {
+                let mut a = $r.peek_at(t);
+                take!(a, t, $b, $k);
             }
+            bits[$j] = t;
         };
     }
-    drain!(r0, b0, k0, lens[0]);
-    drain!(r1, b1, k1, lens[1]);
-    drain!(r2, b2, k2, lens[2]);
-    drain!(r3, b3, k3, lens[3]);
+    drain!(r0, b0, k0, 0);
+    drain!(r1, b1, k1, 1);
+    drain!(r2, b2, k2, 2);
+    drain!(r3, b3, k3, 3);
     [k0, k1, k2, k3]
 }
 
@@ -668,81 +675,58 @@ fn decode_table(lens: &[u8; 256]) -> Result<[u16; 1 << MAX_LEN], Refused> {
     Ok(table)
 }
 
-/// An LSB-first bit reader over one stream; bits past its end read as zero.
+/// An LSB-first bit reader over one stream, at bit `bit` (where the next code starts);
+/// bits past the stream's end read as zero.
 struct Reader<'a> {
     s: &'a [u8],
-    acc: u64,
-    /// Bits loaded and not yet taken; below zero once codes ran past the stream's end.
-    nacc: i64,
-    pos: usize,
-    over: bool,
+    bit: u64,
 }
 
 impl<'a> Reader<'a> {
     fn new(s: &'a [u8]) -> Reader<'a> {
-        Reader {
-            s,
-            acc: 0,
-            nacc: 0,
-            pos: 0,
-            over: false,
-        }
+        Reader { s, bit: 0 }
     }
 
-    /// Load to at least 56 bits where the stream has them.
+    /// The stream's bits from `bit` on, at least 57 of them (zeros past the end).
     #[inline(always)]
-    fn refill(&mut self) {
-        if self.nacc < 0 {
-            // Codes ran past the end: the stream is refused at `finish`.
-            self.over = true;
-            self.nacc = 0;
-        }
-        if let Some(w) = self.s.get(self.pos..self.pos + 8) {
-            let w = u64::from_le_bytes(w.try_into().expect("8 bytes"));
-            self.acc |= w << self.nacc;
-            let take = (63 - self.nacc) / 8;
-            self.pos += take as usize;
-            self.nacc += 8 * take;
-        } else {
-            while self.nacc <= 56 && self.pos < self.s.len() {
-                self.acc |= (self.s[self.pos] as u64) << self.nacc;
-                self.pos += 1;
-                self.nacc += 8;
+    fn peek(&self) -> u64 {
+        self.peek_at(self.bit)
+    }
+
+    /// The stream's bits from bit `bit` on, at least 57 of them (zeros past the end).
+    #[inline(always)]
+    fn peek_at(&self, bit: u64) -> u64 {
+        let i = (bit >> 3) as usize;
+        let w = match self.s.get(i..i + 8) {
+            Some(w) => u64::from_le_bytes(w.try_into().expect("8 bytes")),
+            None => {
+                let rest = self.s.get(i..).unwrap_or_default();
+                let mut w = [0u8; 8];
+                w[..rest.len()].copy_from_slice(rest);
+                u64::from_le_bytes(w)
             }
-        }
-    }
-
-    /// One lookup of up to three symbols (a [`multi_table`] entry), its bits taken.
-    #[inline(always)]
-    fn next_multi(&mut self, multi: &[u32; 1 << MAX_LEN]) -> u32 {
-        let e = multi[(self.acc & ((1 << MAX_LEN) - 1)) as usize];
-        let l = e >> 26;
-        self.acc >>= l;
-        self.nacc -= l as i64;
-        e
+        };
+        w >> (bit & 7)
     }
 
     #[inline(always)]
     fn next(&mut self, table: &[u16; 1 << MAX_LEN]) -> u8 {
-        let e = table[(self.acc & ((1 << MAX_LEN) - 1)) as usize];
-        let l = e >> 8;
-        self.acc >>= l;
-        self.nacc -= l as i64;
+        let e = table[(self.peek() & ((1 << MAX_LEN) - 1)) as usize];
+        self.bit += (e >> 8) as u64;
         e as u8
     }
 
     /// The stream must end at its last code's byte, padded with zero bits.
     fn finish(&self) -> Result<(), &'static str> {
-        if self.over || self.nacc < 0 {
+        let len = self.s.len() as u64;
+        if self.bit > 8 * len {
             return Err("it ends before its symbols");
         }
-        let consumed = 8 * self.pos as u64 - self.nacc as u64;
-        let bytes = consumed.div_ceil(8) as usize;
-        if bytes != self.s.len() {
+        if self.bit.div_ceil(8) != len {
             return Err("bytes past its last code");
         }
-        let pad = (8 * bytes as u64 - consumed) as u32;
-        if pad > 0 && self.s[bytes - 1] >> (8 - pad) != 0 {
+        let pad = (8 * len - self.bit) as u32;
+        if pad > 0 && self.s[len as usize - 1] >> (8 - pad) != 0 {
             return Err("nonzero padding bits");
         }
         Ok(())
