@@ -227,7 +227,7 @@ impl Scheme for Lossless {
             let at = block.bytes();
             return self.decode_zeros::<M>(&block, &payload[at..], at, out);
         }
-        let block = entropy::Block::parse(payload, n, 1).map_err(corrupt)?;
+        let block = open::<M>(payload, n)?;
         let at = block.bytes();
         let planes = self.planes(n as u64) as usize;
         if payload.len() - at != planes {
@@ -517,27 +517,17 @@ impl Lossless {
 }
 
 /// Decode a frame without the zeros section into `out` in mode `M`: `span(exponents,
-/// k, out)` decodes each piece of elements from entry `k` into its part of `out`. Write
-/// mode checks the block's streams as it decodes them; the modes that add to `out` hold
-/// every exponent first (`n` bytes), so that a bad block changes nothing.
+/// k, out)` decodes each piece of elements from entry `k` into its part of `out`.
 fn decode_all<const M: u8>(
     block: &entropy::Block<'_>,
     out: &mut [f32],
     span: impl Fn(&[u8], usize, &mut [f32]),
 ) -> Result<()> {
-    if M == kernels::mode::WRITE {
-        return block
-            .for_each_chunk(CHUNK, |start, exps| {
-                span(exps, start, &mut out[start..start + exps.len()]);
-            })
-            .map_err(corrupt);
-    }
-    let mut exps = crate::alloc::filled(out.len(), 0u8, "a lossless frame's exponents")?;
-    block.decode_into(&mut exps).map_err(corrupt)?;
-    for (c, (e, o)) in exps.chunks(CHUNK).zip(out.chunks_mut(CHUNK)).enumerate() {
-        span(e, c * CHUNK, o);
-    }
-    Ok(())
+    block
+        .for_each_chunk(CHUNK, |start, exps| {
+            span(exps, start, &mut out[start..start + exps.len()]);
+        })
+        .map_err(corrupt)
 }
 
 /// A frame's planes split by type: the entries of its elements (with the zeros section,
@@ -877,5 +867,16 @@ fn not_of_type(t: FloatType, i: usize, v: f32) -> Error {
             v.to_bits(),
             t.name()
         ),
+    }
+}
+
+/// The exponents' block at the start of `payload`: checked whole before anything is
+/// written, except in write mode, where its streams are checked as they are decoded
+/// (`decode_into` may write before an error).
+fn open<const M: u8>(payload: &[u8], n: usize) -> Result<entropy::Block<'_>> {
+    if M == kernels::mode::WRITE {
+        entropy::Block::parse(payload, n, 1).map_err(corrupt)
+    } else {
+        entropy::Block::open(payload, n, 1).map_err(corrupt)
     }
 }

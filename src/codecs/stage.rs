@@ -218,8 +218,13 @@ pub(crate) fn decode<F: FixedRate + ?Sized, const M: u8>(
         reason,
     };
     let cl = l.codes_len(n);
-    let block =
-        entropy::Block::parse(rest, cl, align(l)).map_err(|(o, why)| corrupt(at + o, why))?;
+    let write = M == crate::kernels::mode::WRITE;
+    let block = if write {
+        entropy::Block::parse(rest, cl, align(l))
+    } else {
+        entropy::Block::open(rest, cl, align(l))
+    }
+    .map_err(|(o, why)| corrupt(at + o, why))?;
     if block.bytes() != rest.len() {
         return Err(corrupt(
             at + block.bytes(),
@@ -229,6 +234,14 @@ pub(crate) fn decode<F: FixedRate + ?Sized, const M: u8>(
             ),
         ));
     }
+    // The last code byte's padding, as without the stage (its offset: the block's).
+    let padding = |last: Option<u8>| match last {
+        Some(b) => crate::wire::check_padding(h.codec, &[b], at, n as u64, l.bits as u64),
+        None => Ok(()),
+    };
+    if !write {
+        padding(block.last())?;
+    }
     let alphabet = block.alphabet();
     if let Some(c) = (0..=255u8).find(|&c| alphabet[c as usize] && f.refuses_code(c)) {
         return Err(corrupt(
@@ -236,42 +249,20 @@ pub(crate) fn decode<F: FixedRate + ?Sized, const M: u8>(
             format!("the entropy block holds code {c:#04x}, which encoders never write"),
         ));
     }
-    // The last code byte's padding, as without the stage (its offset: the block's).
-    let padding = |last: Option<u8>| match last {
-        Some(b) => crate::wire::check_padding(h.codec, &[b], at, n as u64, l.bits as u64),
-        None => Ok(()),
-    };
     let piece = PIECE / align(l) * align(l);
-    let mut decode = |start: usize, codes: &[u8]| {
-        let s = start * 8 / l.bits;
-        let e = ((start + codes.len()) * 8 / l.bits).min(n);
-        let scales = &scales[l.scales_len(s)..l.scales_len(e)];
-        f.decode_sections(M, scales, codes, &mut out[s..e]);
-    };
-    if M == crate::kernels::mode::WRITE {
-        // Write mode (`decode_into`, which may write before an error): the streams and
-        // the padding checked as they are decoded.
-        let mut last = None;
-        block
-            .for_each_chunk(piece, |start, codes| {
-                decode(start, codes);
-                if start + codes.len() == cl {
-                    last = codes.last().copied();
-                }
-            })
-            .map_err(|(o, why)| corrupt(at + o, why))?;
-        return padding(last);
-    }
-    // The modes that add to `out`: every code held (and checked) first.
-    let mut codes = crate::alloc::filled(cl, 0u8, "an entropy-coded frame's codes")?;
+    let mut last = None;
     block
-        .decode_into(&mut codes)
+        .for_each_chunk(piece, |start, codes| {
+            let s = start * 8 / l.bits;
+            let e = ((start + codes.len()) * 8 / l.bits).min(n);
+            let scales = &scales[l.scales_len(s)..l.scales_len(e)];
+            f.decode_sections(M, scales, codes, &mut out[s..e]);
+            if start + codes.len() == cl {
+                last = codes.last().copied();
+            }
+        })
         .map_err(|(o, why)| corrupt(at + o, why))?;
-    padding(codes.last().copied())?;
-    for (c, run) in codes.chunks(piece).enumerate() {
-        decode(c * piece, run);
-    }
-    Ok(())
+    padding(last)
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //! interleaved streams, table-driven decoding. Used by the lossless codec for the
 //! exponents of floats.
 //!
-//! A coded block (what [`encode`] writes and [`Block::parse`] reads) starts with its mode:
+//! A coded block (what [`encode`] writes and [`Block::open`] reads) starts with its mode:
 //!
 //! - `0` stored: the `n` symbols follow as bytes;
 //! - `1` one symbol: a byte, the symbol every one of the `n` is;
@@ -289,8 +289,8 @@ fn corrupt(at: usize, reason: impl Into<String>) -> Refused {
     (at, reason.into())
 }
 
-/// A coded block of `n` symbols, its header read: its streams are checked as they are
-/// decoded ([`Block::for_each_chunk`], [`Block::decode_into`]).
+/// A coded block of `n` symbols, checked whole by [`Block::open`]: reading it cannot
+/// fail.
 pub struct Block<'a> {
     kind: Kind<'a>,
     /// The Huffman decode table (zeros in the other modes).
@@ -305,6 +305,8 @@ pub struct Block<'a> {
     n: usize,
     align: usize,
     len: usize,
+    /// The last symbol, if `n > 0`.
+    last: Option<u8>,
 }
 
 enum Kind<'a> {
@@ -314,26 +316,38 @@ enum Kind<'a> {
 }
 
 impl<'a> Block<'a> {
+    /// Check the coded block of `n` symbols, streams aligned to `align` (at least 1), at
+    /// the start of `p`: its mode, its code lengths and every stream, decoded once (the
+    /// symbols dropped, but the last). Reading it then cannot fail.
+    pub fn open(p: &'a [u8], n: usize, align: usize) -> Result<Block<'a>, Refused> {
+        let mut b = Block::parse(p, n, align)?;
+        b.check()?;
+        Ok(b)
+    }
+
     /// Read the header of the coded block of `n` symbols, streams aligned to `align`, at
     /// the start of `p`: its mode, code lengths and stream lengths, but not the streams,
-    /// which [`Block::for_each_chunk`] and [`Block::decode_into`] check as they decode
-    /// them.
+    /// which [`Block::for_each_chunk`] then checks as it decodes them (a caller that may
+    /// write before an error), and whose last symbol [`Block::last`] does not know.
     pub fn parse(p: &'a [u8], n: usize, align: usize) -> Result<Block<'a>, Refused> {
         let mut table = [0u16; 1 << MAX_LEN];
         let mut multi = [0u32; 1 << MAX_LEN];
         let mut use_multi = false;
         let mut lens = [0u8; 256];
+        let mut last = None;
         let (kind, len) = match p.first() {
             Some(&STORED) => {
                 let s = p
                     .get(1..1 + n)
                     .ok_or_else(|| corrupt(1, "entropy block: stored bytes cut short"))?;
+                last = s.last().copied();
                 (Kind::Stored(s), 1 + n)
             }
             Some(&ONE) => {
                 let &s = p
                     .get(1)
                     .ok_or_else(|| corrupt(1, "entropy block: symbol missing"))?;
+                last = (n > 0).then_some(s);
                 (Kind::One(s), 2)
             }
             Some(&HUFFMAN) => {
@@ -357,6 +371,7 @@ impl<'a> Block<'a> {
             n,
             align,
             len,
+            last,
         })
     }
 
@@ -391,9 +406,31 @@ impl<'a> Block<'a> {
         Ok((Kind::Huffman(streams), HUFFMAN_HEADER + total))
     }
 
+    /// Decode every stream once, the symbols dropped but the last, and check where each
+    /// ends.
+    fn check(&mut self) -> Result<(), Refused> {
+        if !matches!(self.kind, Kind::Huffman(_)) {
+            return Ok(());
+        }
+        let (mut last, n) = (None, self.n);
+        self.for_each_chunk(PIECE, |start, syms| {
+            if start + syms.len() == n {
+                last = syms.last().copied();
+            }
+        })?;
+        self.last = last;
+        Ok(())
+    }
+
     /// Bytes the block takes.
     pub fn bytes(&self) -> usize {
         self.len
+    }
+
+    /// The last symbol (`None` for a block of no symbols, or a Huffman block only
+    /// parsed).
+    pub fn last(&self) -> Option<u8> {
+        self.last
     }
 
     /// Which symbols the block may hold: those with a code (Huffman), the one symbol, or
@@ -415,8 +452,8 @@ impl<'a> Block<'a> {
     /// Decode the symbols in pieces of at most `piece` (at most [`PIECE`], a multiple of
     /// the block's alignment), in some order: `f(start, symbols)` for each piece,
     /// `symbols` being symbols `start .. start + len`. Every piece starts on a multiple
-    /// of the alignment. Then check where each stream ends: an error comes after every
-    /// piece was handed over.
+    /// of the alignment. Then check where each stream ends: an error only for a block
+    /// [`Block::parse`]d and not opened, after every piece was handed over.
     pub fn for_each_chunk(
         &self,
         piece: usize,
@@ -481,13 +518,6 @@ impl<'a> Block<'a> {
             }
         }
         Ok(())
-    }
-    /// Decode every symbol into `out` (`n` bytes) and check where each stream ends: for
-    /// a caller that must not act on any symbol before the whole block is known good.
-    pub fn decode_into(&self, out: &mut [u8]) -> Result<(), Refused> {
-        self.for_each_chunk(PIECE, |start, syms| {
-            out[start..start + syms.len()].copy_from_slice(syms)
-        })
     }
 }
 
