@@ -475,7 +475,8 @@ impl<'a> Block<'a> {
             }
             Kind::Huffman(streams) => {
                 let (table, multi) = (&self.table, &self.multi);
-                let mut readers = streams.map(Reader::new);
+                // Where each stream's next code starts, in bits.
+                let mut bits = [0u64; 4];
                 let bounds = quarters(n, self.align);
                 // A lookup writes three symbols and keeps one to three (the loop leaves
                 // room for them).
@@ -486,18 +487,13 @@ impl<'a> Block<'a> {
                     // The four streams in step (their chains of lookups interleave) while
                     // each has room; then each on its own, a symbol at a time.
                     let k = if self.use_multi {
-                        let mut bits = readers.each_ref().map(|r| r.bit);
-                        let k = multi4(*streams, &mut bits, multi, &mut bufs, lens);
-                        for (r, b) in readers.iter_mut().zip(bits) {
-                            r.bit = b;
-                        }
-                        k
+                        multi4(*streams, &mut bits, multi, &mut bufs, lens)
                     } else {
                         let both = lens[3] / 5 * 5;
                         let mut k = 0;
                         while k < both {
                             let mut five = [[0u8; 5]; 4];
-                            step4(&mut readers, table, &mut five);
+                            step4(streams, &mut bits, table, &mut five);
                             for (b, v) in bufs.iter_mut().zip(&five) {
                                 b[k..k + 5].copy_from_slice(v);
                             }
@@ -505,29 +501,29 @@ impl<'a> Block<'a> {
                         }
                         [k; 4]
                     };
-                    for (j, r) in readers.iter_mut().enumerate() {
+                    for j in 0..4 {
                         for s in &mut bufs[j][k[j]..lens[j]] {
-                            *s = r.next(table);
+                            *s = next(streams[j], &mut bits[j], table);
                         }
                         if lens[j] > 0 {
                             f(bounds[j].0 + start, &bufs[j][..lens[j]]);
                         }
                     }
                 }
-                return finish(streams, &readers);
+                return finish(streams, &bits);
             }
         }
         Ok(())
     }
 }
 
-/// Check that every reader ended its stream exactly (the streams of a Huffman block).
-fn finish(streams: &[&[u8]; 4], readers: &[Reader<'_>; 4]) -> Result<(), Refused> {
+/// Check that every stream of a Huffman block ended exactly where its last code did
+/// (`bits`: where each one's next code would start).
+fn finish(streams: &[&[u8]; 4], bits: &[u64; 4]) -> Result<(), Refused> {
     let mut at = HUFFMAN_HEADER;
-    for (j, r) in readers.iter().enumerate() {
-        r.finish()
-            .map_err(|why| corrupt(at, format!("entropy block: stream {j}: {why}")))?;
-        at += streams[j].len();
+    for (j, (s, &bit)) in streams.iter().zip(bits).enumerate() {
+        end(s, bit).map_err(|why| corrupt(at, format!("entropy block: stream {j}: {why}")))?;
+        at += s.len();
     }
     Ok(())
 }
@@ -540,22 +536,23 @@ pub fn quarters(n: usize, align: usize) -> [(usize, usize); 4] {
     std::array::from_fn(|j| ((j * q).min(n), ((j + 1) * q).min(n)))
 }
 
-/// Five symbols from each of the four readers into `out[j]` (the four chains of lookups
-/// interleave).
+/// Five symbols from each of the four streams (at bits `bits`, moved on) into `out[j]`
+/// (the four chains of lookups interleave).
 #[inline(always)]
-fn step4(r: &mut [Reader<'_>; 4], table: &[u16; 1 << MAX_LEN], out: &mut [[u8; 5]; 4]) {
-    let mut acc = r.each_ref().map(Reader::peek);
-    let mut used = [0u64; 4];
+fn step4(
+    streams: &[&[u8]; 4],
+    bits: &mut [u64; 4],
+    table: &[u16; 1 << MAX_LEN],
+    out: &mut [[u8; 5]; 4],
+) {
+    let mut acc: [u64; 4] = std::array::from_fn(|j| peek(streams[j], bits[j]));
     for i in 0..5 {
         for (j, o) in out.iter_mut().enumerate() {
             let e = table[(acc[j] & ((1 << MAX_LEN) - 1)) as usize];
             acc[j] >>= e >> 8;
-            used[j] += (e >> 8) as u64;
+            bits[j] += (e >> 8) as u64;
             o[i] = e as u8;
         }
-    }
-    for (r, u) in r.iter_mut().zip(used) {
-        r.bit += u;
     }
 }
 
@@ -587,11 +584,9 @@ pub(super) fn multi4_with(
     bufs: &mut [[u8; PIECE]; 4],
     lens: [usize; 4],
 ) -> [usize; 4] {
-    let [r0, r1, r2, r3] = std::array::from_fn(|j| Reader {
-        s: streams[j],
-        bit: bits[j],
-    });
-    let [r0, r1, r2, r3] = [&r0, &r1, &r2, &r3];
+    // The streams by reference: slices held whole in registers would crowd out the
+    // loop's twelve counters.
+    let [r0, r1, r2, r3] = streams.each_ref();
     let [b0, b1, b2, b3] = bufs;
     let (mut k0, mut k1, mut k2, mut k3) = (0usize, 0usize, 0usize, 0usize);
     // One lookup in `$acc` (stream bits, `$bit` of them taken so far) into `$b` at
@@ -610,8 +605,8 @@ pub(super) fn multi4_with(
     }
     let [mut t0, mut t1, mut t2, mut t3] = *bits;
     while k0 + 16 <= lens[0] && k1 + 16 <= lens[1] && k2 + 16 <= lens[2] && k3 + 16 <= lens[3] {
-        let (mut a0, mut a1) = (r0.peek_at(t0), r1.peek_at(t1));
-        let (mut a2, mut a3) = (r2.peek_at(t2), r3.peek_at(t3));
+        let (mut a0, mut a1) = (peek(r0, t0), peek(r1, t1));
+        let (mut a2, mut a3) = (peek(r2, t2), peek(r3, t3));
         for _ in 0..5 {
             take!(a0, t0, b0, k0);
             take!(a1, t1, b1, k1);
@@ -626,13 +621,13 @@ pub(super) fn multi4_with(
         ($r:ident, $b:ident, $k:ident, $j:expr) => {
             let (len, mut t) = (lens[$j], t[$j]);
             while $k + 16 <= len {
-                let mut a = $r.peek_at(t);
+                let mut a = peek($r, t);
                 for _ in 0..5 {
                     take!(a, t, $b, $k);
                 }
             }
             while $k + 4 <= len {
-                let mut a = $r.peek_at(t);
+                let mut a = peek($r, t);
                 take!(a, t, $b, $k);
             }
             bits[$j] = t;
@@ -705,60 +700,44 @@ fn decode_table(lens: &[u8; 256]) -> Result<[u16; 1 << MAX_LEN], Refused> {
     Ok(table)
 }
 
-/// An LSB-first bit reader over one stream, at bit `bit` (where the next code starts);
-/// bits past the stream's end read as zero.
-struct Reader<'a> {
-    s: &'a [u8],
-    bit: u64,
+/// Stream `s`'s bits from bit `bit` on, LSB first: at least 57 of them (zeros past the
+/// end).
+#[inline(always)]
+fn peek(s: &[u8], bit: u64) -> u64 {
+    let i = (bit >> 3) as usize;
+    let w = match s.get(i..i + 8) {
+        Some(w) => u64::from_le_bytes(w.try_into().expect("8 bytes")),
+        None => {
+            let rest = s.get(i..).unwrap_or_default();
+            let mut w = [0u8; 8];
+            w[..rest.len()].copy_from_slice(rest);
+            u64::from_le_bytes(w)
+        }
+    };
+    w >> (bit & 7)
 }
 
-impl<'a> Reader<'a> {
-    fn new(s: &'a [u8]) -> Reader<'a> {
-        Reader { s, bit: 0 }
-    }
+/// The symbol whose code starts at bit `*bit` of stream `s`; `*bit` moved past it.
+#[inline(always)]
+fn next(s: &[u8], bit: &mut u64, table: &[u16; 1 << MAX_LEN]) -> u8 {
+    let e = table[(peek(s, *bit) & ((1 << MAX_LEN) - 1)) as usize];
+    *bit += (e >> 8) as u64;
+    e as u8
+}
 
-    /// The stream's bits from `bit` on, at least 57 of them (zeros past the end).
-    #[inline(always)]
-    fn peek(&self) -> u64 {
-        self.peek_at(self.bit)
+/// Stream `s`, its codes ending at bit `bit`, must end at its last code's byte, padded
+/// with zero bits.
+fn end(s: &[u8], bit: u64) -> Result<(), &'static str> {
+    let len = s.len() as u64;
+    if bit > 8 * len {
+        return Err("it ends before its symbols");
     }
-
-    /// The stream's bits from bit `bit` on, at least 57 of them (zeros past the end).
-    #[inline(always)]
-    fn peek_at(&self, bit: u64) -> u64 {
-        let i = (bit >> 3) as usize;
-        let w = match self.s.get(i..i + 8) {
-            Some(w) => u64::from_le_bytes(w.try_into().expect("8 bytes")),
-            None => {
-                let rest = self.s.get(i..).unwrap_or_default();
-                let mut w = [0u8; 8];
-                w[..rest.len()].copy_from_slice(rest);
-                u64::from_le_bytes(w)
-            }
-        };
-        w >> (bit & 7)
+    if bit.div_ceil(8) != len {
+        return Err("bytes past its last code");
     }
-
-    #[inline(always)]
-    fn next(&mut self, table: &[u16; 1 << MAX_LEN]) -> u8 {
-        let e = table[(self.peek() & ((1 << MAX_LEN) - 1)) as usize];
-        self.bit += (e >> 8) as u64;
-        e as u8
+    let pad = (8 * len - bit) as u32;
+    if pad > 0 && s[len as usize - 1] >> (8 - pad) != 0 {
+        return Err("nonzero padding bits");
     }
-
-    /// The stream must end at its last code's byte, padded with zero bits.
-    fn finish(&self) -> Result<(), &'static str> {
-        let len = self.s.len() as u64;
-        if self.bit > 8 * len {
-            return Err("it ends before its symbols");
-        }
-        if self.bit.div_ceil(8) != len {
-            return Err("bytes past its last code");
-        }
-        let pad = (8 * len - self.bit) as u32;
-        if pad > 0 && self.s[len as usize - 1] >> (8 - pad) != 0 {
-            return Err("nonzero padding bits");
-        }
-        Ok(())
-    }
+    Ok(())
 }

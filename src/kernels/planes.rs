@@ -1,7 +1,8 @@
 //! The lossless codec's float planes: beside each f32's (or bf16's) exponent, which the
 //! codec entropy-codes, its sign with the top 7 mantissa bits in one byte and (f32) the
-//! low 16 mantissa bits; split off, and joined with the exponents again. One definition, inlined into each backend's build (the loops are
-//! plain lane-wise integer work that every instruction set vectorises).
+//! low 16 mantissa bits; split off, and joined with the exponents again. One definition,
+//! inlined into each backend's build (the loops are plain lane-wise integer work that
+//! every instruction set vectorises).
 
 use super::scalar::put;
 use super::table::{self, call};
