@@ -240,11 +240,63 @@ fn any_damage_is_an_error_or_a_decoding_never_a_panic() {
 
 #[test]
 fn ranks_and_backends_see_the_same_frame() {
-    let g = gradpack::synthetic::gradient(50_000, 4);
-    let want = frame_of(&g);
-    for b in every_kernel_set() {
-        let f = b.run(|| frame_of(&g));
-        assert_eq!(f, want, "{b:?}");
+    // Below and above the length from which the code lengths come from a sample.
+    for n in [50_000, 70_001] {
+        let g = gradpack::synthetic::gradient(n, 4);
+        let want = frame_of(&g);
+        for b in every_kernel_set() {
+            let f = b.run(|| frame_of(&g));
+            assert_eq!(f, want, "{b:?} at {n}");
+        }
+    }
+}
+
+#[test]
+fn symbols_the_sample_misses_still_have_codes() {
+    // From 65536 elements on, the exponents' code lengths come from every 16th symbol
+    // and the spread of the rest: every exponent that occurs only between the sampled
+    // elements (the smallest and the largest, one between them, a subnormal, -0.0,
+    // +0.0 in a frame with and without the zeros section, Inf and NaN) must come back.
+    use gradpack::unstable::kernels::scalar;
+    let n = (1 << 17) + 3;
+    let bulk = |i: usize| {
+        f32::from_bits((120 + (i % 11) as u32) << 23 | (i as u32).wrapping_mul(2654435761) >> 9)
+    };
+    let rare = [
+        1e-30f32,
+        3.0e38,
+        7.5e-3,
+        1e-40,
+        -0.0,
+        0.0,
+        f32::INFINITY,
+        f32::NAN,
+    ];
+    for dtype in ["f32", "bf16", "fp16"] {
+        let c = of_type(dtype);
+        let fit = |v: f32| match dtype {
+            "bf16" => f32::from_bits(v.to_bits() & 0xFFFF_0000),
+            "fp16" => scalar::f16_to_f32(scalar::f32_to_f16(v)),
+            _ => v,
+        };
+        for (k, with_nonfinite, zeros) in [(0, true, false), (1, false, false), (2, false, true)] {
+            let mut x: Vec<f32> = (0..n).map(|i| fit(bulk(i))).collect();
+            if zeros {
+                // A quarter +0.0 (at sampled places too): the zeros section.
+                x.iter_mut().step_by(4).for_each(|v| *v = 0.0);
+            }
+            for (j, &v) in rare.iter().enumerate() {
+                if fit(v).is_finite() || with_nonfinite {
+                    x[16 * (1000 * j + k) + 7] = fit(v);
+                }
+            }
+            let frame = c.encode(&x, &EncodeCtx::new(0)).unwrap();
+            same_bits(&x, &c.decode(&frame).unwrap());
+            let h = Header::parse(&frame).unwrap();
+            assert_eq!(h.params[1], u8::from(zeros), "{dtype}: the zeros section");
+            // The bulk's exponents take 11 symbols: Huffman mode, well under 8 bits each.
+            assert_eq!(frame[HEADER_LEN], 2, "{dtype}: Huffman mode");
+        }
     }
 }
 

@@ -170,3 +170,51 @@ fn three_ranks_all_reduce_identically() {
         }
     }
 }
+
+#[test]
+fn entropy_coded_frames_round_trip() {
+    // Long enough for the Huffman mode: each of the four streams takes its symbols five
+    // at a time, and decodes them in the four streams' lockstep loop (at least 16 a
+    // stream) and alone; the exponents span a few binades, so codes are short.
+    let n = 1200;
+    let x: Vec<f32> = (0..n)
+        .map(|i| {
+            let h = gradpack::rng::lowbias32(i as u32);
+            f32::from_bits((124 + h % 5) << 23 | (h >> 9))
+        })
+        .collect();
+    let ctx = EncodeCtx::new(0);
+    let frame = CodecSpec::parse("lossless")
+        .unwrap()
+        .encode(&x, &ctx)
+        .unwrap();
+    assert_eq!(
+        frame[HEADER_LEN], 2,
+        "the exponents' block in the Huffman mode"
+    );
+    assert_eq!(f32_bytes(&decode(&frame, n)), f32_bytes(&x));
+    let staged = CodecSpec::parse("int8:entropy=on")
+        .unwrap()
+        .encode(&x, &ctx)
+        .unwrap();
+    let plain = CodecSpec::parse("int8").unwrap().encode(&x, &ctx).unwrap();
+    // The Huffman mode (the stored one would make the frame a byte longer).
+    assert!(
+        staged.len() < plain.len(),
+        "{} of {}",
+        staged.len(),
+        plain.len()
+    );
+    assert_eq!(
+        f32_bytes(&decode(&staged, n)),
+        f32_bytes(&decode(&plain, n))
+    );
+    for frame in [&frame, &staged] {
+        let d = decode(frame, n);
+        let mut acc = vec![0.5f32; n];
+        gradpack::decode_add(frame, &mut acc).unwrap();
+        for i in 0..n {
+            assert_eq!(acc[i].to_bits(), (0.5 + d[i]).to_bits(), "element {i}");
+        }
+    }
+}

@@ -7,7 +7,7 @@
 //! - `0` stored: the `n` symbols follow as bytes;
 //! - `1` one symbol: a byte, the symbol every one of the `n` is;
 //! - `2` Huffman: 128 bytes of code lengths (symbol `2k` in the low nibble of byte `k`,
-//!   `2k + 1` in the high one; 0 for a symbol that does not occur, else 1 to
+//!   `2k + 1` in the high one; 0 for a symbol without a code, else 1 to
 //!   [`MAX_LEN`]), then four u32 LE, the byte lengths of streams 0 to 3, then the four
 //!   streams. Stream `j` holds symbols `j q .. min((j + 1) q, n)`, `q` being
 //!   `ceil(n / 4)` rounded up to a multiple of the block's alignment `a` (a property of
@@ -161,19 +161,48 @@ fn canonical(lens: &[u8; 256]) -> [u16; 256] {
 /// least 1); returns the bytes written. The same bytes on every backend (each runs one
 /// definition, built for its instruction set).
 pub fn encode(syms: &[u8], align: usize, out: &mut [u8]) -> usize {
-    call!(entropy_encode(syms, align, out))
+    call!(entropy_encode(syms, align, None, out))
 }
 
-simd_op!(encode_on => EncodeOp { syms: &'a [u8], align: usize, out: &'a mut [u8] } -> usize
-    = encode_with(syms, align, out));
+/// [`encode`] with the code lengths made from `estimate` instead of counts: how often
+/// each symbol occurs, roughly, nonzero for every symbol that occurs (a symbol that
+/// does not occur may have a code too; it then costs a little code space). For a
+/// caller that knows the symbols' spread without counting every one: the streams are
+/// sized as they are written. Falls back to the stored mode where the streams would
+/// not be smaller.
+pub fn encode_estimated(syms: &[u8], align: usize, estimate: &[u64; 256], out: &mut [u8]) -> usize {
+    call!(entropy_encode(syms, align, Some(estimate), out))
+}
 
-/// [`encode`]'s definition, inlined into each backend's build.
+simd_op!(encode_on => EncodeOp {
+    syms: &'a [u8], align: usize, estimate: Option<&'a [u64; 256]>, out: &'a mut [u8],
+} -> usize = encode_with(syms, align, estimate, out));
+
+/// [`encode`]'s definition (with `estimate`, [`encode_estimated`]'s), inlined into each
+/// backend's build.
 #[inline(always)]
-pub(super) fn encode_with(syms: &[u8], align: usize, out: &mut [u8]) -> usize {
+pub(super) fn encode_with(
+    syms: &[u8],
+    align: usize,
+    estimate: Option<&[u64; 256]>,
+    out: &mut [u8],
+) -> usize {
     let n = syms.len();
     let bounds = quarters(n, align);
-    let hq = histograms(bounds, syms);
-    let h: [u64; 256] = std::array::from_fn(|s| hq.iter().map(|q| q[s]).sum());
+    let (h, hq) = match estimate {
+        Some(e) => {
+            debug_assert!(
+                syms.iter().all(|&s| e[s as usize] > 0),
+                "an estimate for each symbol"
+            );
+            (*e, None)
+        }
+        None => {
+            let hq = histograms(bounds, syms);
+            let h: [u64; 256] = std::array::from_fn(|s| hq.iter().map(|q| q[s]).sum());
+            (h, Some(hq))
+        }
+    };
     let used = h.iter().filter(|&&c| c > 0).count();
     if used == 1 {
         out[0] = ONE;
@@ -190,12 +219,19 @@ pub(super) fn encode_with(syms: &[u8], align: usize, out: &mut [u8]) -> usize {
         return store(out);
     }
     let lens = code_lengths(&h);
-    let bits = hq.map(|q| (0..256).map(|s| q[s] * lens[s] as u64).sum::<u64>());
-    let sizes = bits.map(|b| b.div_ceil(8) as usize);
-    let total: usize = sizes.iter().sum();
-    if HUFFMAN_HEADER + total >= stored {
+    // Counted: the streams' lengths are known before they are written.
+    let counted = hq.map(|hq| hq.map(|q| (0..256).map(|s| q[s] * lens[s] as u64).sum::<u64>()));
+    let counted = counted.map(|bits| bits.map(|b| b.div_ceil(8) as usize));
+    if let Some(sizes) = counted
+        && HUFFMAN_HEADER + sizes.iter().sum::<usize>() >= stored
+    {
         return store(out);
     }
+    // Smaller than stored: the streams end by byte `n` of the block.
+    let Some(sizes) = write_streams(syms, bounds, &lens, &mut out[HUFFMAN_HEADER..n]) else {
+        return store(out);
+    };
+    debug_assert!(counted.is_none_or(|c| c == sizes), "the counted lengths");
     out[0] = HUFFMAN;
     for k in 0..128 {
         out[1 + k] = lens[2 * k] | (lens[2 * k + 1] << 4);
@@ -203,26 +239,40 @@ pub(super) fn encode_with(syms: &[u8], align: usize, out: &mut [u8]) -> usize {
     for (j, &size) in sizes.iter().enumerate() {
         out[129 + 4 * j..133 + 4 * j].copy_from_slice(&(size as u32).to_le_bytes());
     }
-    let codes = canonical(&lens);
-    let table: [u32; 256] = std::array::from_fn(|s| codes[s] as u32 | ((lens[s] as u32) << 16));
-    let streams = &mut out[HUFFMAN_HEADER..HUFFMAN_HEADER + total];
-    let (s0, rest) = streams.split_at_mut(sizes[0]);
-    let (s1, rest) = rest.split_at_mut(sizes[1]);
-    let (s2, s3) = rest.split_at_mut(sizes[2]);
-    for (j, out) in [s0, s1, s2, s3].into_iter().enumerate() {
-        let (lo, hi) = bounds[j];
-        let mut w = Writer::new(out);
-        // Four symbols at a time while the stream has room for a whole word (the chain
-        // of shifts runs once per four codes); then to its end.
+    HUFFMAN_HEADER + sizes.iter().sum::<usize>()
+}
+
+/// Write the four streams of `syms` (quarters `bounds`) with the codes of lengths `lens`
+/// back to back into `room`; their byte lengths, or `None` where they do not fit.
+#[inline(always)]
+fn write_streams(
+    syms: &[u8],
+    bounds: [(usize, usize); 4],
+    lens: &[u8; 256],
+    room: &mut [u8],
+) -> Option<[usize; 4]> {
+    let codes = canonical(lens).map(u64::from);
+    let lens = lens.map(u64::from);
+    let mut sizes = [0; 4];
+    let mut at = 0;
+    for (j, (lo, hi)) in bounds.into_iter().enumerate() {
+        let mut w = Writer::new(room.get_mut(at..)?);
+        // Five symbols at a time while there is room for a whole word (one word written
+        // per five codes; what it writes past the stream's end, the next stream
+        // overwrites); then to its end.
         let q = &syms[lo..hi];
         let mut i = 0;
-        while i + 4 <= q.len() && w.pos + 8 <= w.out.len() {
-            w.put4([q[i], q[i + 1], q[i + 2], q[i + 3]].map(|s| table[s as usize]));
-            i += 4;
+        let whole = q.len() / 5 * 5;
+        while i < whole && w.pos + 8 <= w.out.len() {
+            // SAFETY: `i + 5 <= whole <= q.len()`.
+            let five = unsafe { q.as_ptr().add(i).cast::<[u8; 5]>().read() };
+            w.put5(five, &codes, &lens);
+            i += 5;
         }
-        w.finish(&q[i..], &table);
+        sizes[j] = w.finish(&q[i..], &codes, &lens)?;
+        at += sizes[j];
     }
-    HUFFMAN_HEADER + total
+    Some(sizes)
 }
 
 /// An LSB-first bit writer into one stream of exactly its length.
@@ -245,43 +295,54 @@ impl<'a> Writer<'a> {
         }
     }
 
-    /// Four codes (table entries: code | length << 16), joined before they are added (at
-    /// most 44 bits beside at most 7 pending); needs 8 bytes of room at `pos`.
+    /// The codes of five symbols (at most 55 bits beside at most 7 pending), then the
+    /// whole bytes written: one word stored; needs 8 bytes of room at `pos`.
     #[inline(always)]
-    fn put4(&mut self, e: [u32; 4]) {
-        let (l0, l1, l2) = (e[0] >> 16, e[1] >> 16, e[2] >> 16);
-        let code = |k: usize| (e[k] & 0xFFFF) as u64;
-        let joined = code(0) | code(1) << l0 | code(2) << (l0 + l1) | code(3) << (l0 + l1 + l2);
-        self.acc |= joined << self.nacc;
-        self.nacc += l0 + l1 + l2 + (e[3] >> 16);
-        self.out[self.pos..self.pos + 8].copy_from_slice(&self.acc.to_le_bytes());
-        let whole = self.nacc / 8;
-        self.pos += whole as usize;
-        // At most 51 bits were pending: a shift of at most 48.
-        self.acc >>= 8 * whole;
-        self.nacc &= 7;
+    fn put5(&mut self, syms: [u8; 5], codes: &[u64; 256], lens: &[u64; 256]) {
+        // The five joined first, apart from the pending bits: the chain from one call
+        // to the next is then one shift, one or and one add.
+        let c = syms.map(|s| codes[s as usize]);
+        let l = syms.map(|s| lens[s as usize]);
+        let (l01, l23) = (l[0] + l[1], l[2] + l[3]);
+        let joined = c[0] | c[1] << l[0] | c[2] << l01 | c[3] << (l01 + l[2]) | c[4] << (l01 + l23);
+        let acc = self.acc | joined << self.nacc;
+        let nacc = self.nacc as u64 + (l01 + l23 + l[4]);
+        let at = self.pos;
+        assert!(at + 8 <= self.out.len());
+        // SAFETY: asserted just above (the caller's loop checks the same, so the
+        // assertion folds into it).
+        unsafe {
+            self.out
+                .as_mut_ptr()
+                .add(at)
+                .cast::<[u8; 8]>()
+                .write_unaligned(acc.to_le_bytes())
+        };
+        self.pos = at + (nacc / 8) as usize;
+        // At most 62 bits were pending: a shift of at most 56.
+        self.acc = acc >> (nacc & !7);
+        self.nacc = (nacc & 7) as u32;
     }
 
-    /// The codes of `syms`, then the last partial byte: the stream ends exactly at the
-    /// end of `out`.
+    /// The codes of `syms`, then the last partial byte: the stream's length, or `None`
+    /// where `out` has no room for it.
     #[inline(always)]
-    fn finish(&mut self, syms: &[u8], table: &[u32; 256]) {
+    fn finish(&mut self, syms: &[u8], codes: &[u64; 256], lens: &[u64; 256]) -> Option<usize> {
         for &s in syms {
-            let e = table[s as usize];
-            self.acc |= ((e & 0xFFFF) as u64) << self.nacc;
-            self.nacc += e >> 16;
+            self.acc |= codes[s as usize] << self.nacc;
+            self.nacc += lens[s as usize] as u32;
             while self.nacc >= 8 {
-                self.out[self.pos] = self.acc as u8;
+                *self.out.get_mut(self.pos)? = self.acc as u8;
                 self.pos += 1;
                 self.acc >>= 8;
                 self.nacc -= 8;
             }
         }
         if self.nacc > 0 {
-            self.out[self.pos] = self.acc as u8;
+            *self.out.get_mut(self.pos)? = self.acc as u8;
             self.pos += 1;
         }
-        debug_assert_eq!(self.pos, self.out.len());
+        Some(self.pos)
     }
 }
 
@@ -355,7 +416,7 @@ impl<'a> Block<'a> {
                 multi = multi_table(&table);
                 // Stream bits are near uniform, so the mean over the entries is the mean
                 // symbols per lookup.
-                let symbols: u32 = multi.iter().map(|e| (e >> 24) & 3).sum();
+                let symbols: u32 = multi.iter().map(|e| e >> 30).sum();
                 use_multi = symbols >= (7 << MAX_LEN) / 4;
                 h
             }
@@ -588,6 +649,7 @@ pub(super) fn multi4_with(
     // loop's twelve counters.
     let [r0, r1, r2, r3] = streams.each_ref();
     let [b0, b1, b2, b3] = bufs;
+    let lens = lens.map(|l| l.min(PIECE));
     let (mut k0, mut k1, mut k2, mut k3) = (0usize, 0usize, 0usize, 0usize);
     // One lookup in `$acc` (stream bits, `$bit` of them taken so far) into `$b` at
     // `$k`: four bytes written, one to three symbols kept. The store's start is clamped
@@ -595,24 +657,52 @@ pub(super) fn multi4_with(
     macro_rules! take {
         ($acc:ident, $bit:ident, $b:ident, $k:ident) => {
             let e = multi[($acc & ((1 << MAX_LEN) - 1)) as usize];
-            let l = e >> 26;
+            let l = (e >> 24) & 15;
             $acc >>= l;
             $bit += l as u64;
             let at = $k.min(PIECE - 4);
             $b[at..at + 4].copy_from_slice(&e.to_le_bytes());
-            $k += (e >> 24) as usize & 3;
+            $k += (e >> 30) as usize;
+        };
+    }
+    // The same lookup for the lockstep loop: the store unchecked, and the bits taken
+    // counted once per refill (see below).
+    macro_rules! take_in_room {
+        ($acc:ident, $b:ident, $k:ident) => {
+            let e = multi[($acc & ((1 << MAX_LEN) - 1)) as usize];
+            // A shift takes the low six bits of its count: the length's four and two
+            // zeros.
+            $acc = $acc.wrapping_shr(e >> 24);
+            // SAFETY: the loop runs while `$k + 16 <= lens[j] <= PIECE`, and its five
+            // lookups move `$k` on by at most 3 each: each store's four bytes lie
+            // within `$b`, which is `PIECE` long.
+            unsafe {
+                $b.as_mut_ptr()
+                    .add($k)
+                    .cast::<[u8; 4]>()
+                    .write_unaligned(e.to_le_bytes())
+            };
+            $k += (e >> 30) as usize;
         };
     }
     let [mut t0, mut t1, mut t2, mut t3] = *bits;
+    // A refill's top bit is a mark (the five lookups take at most 55 of its at least 57
+    // bits, so bit 63 is not one of theirs): however far they shift it down, its
+    // leading zeros are the bits they took. The chains keep no bit positions.
+    const MARK: u64 = 1 << 63;
     while k0 + 16 <= lens[0] && k1 + 16 <= lens[1] && k2 + 16 <= lens[2] && k3 + 16 <= lens[3] {
-        let (mut a0, mut a1) = (peek(r0, t0), peek(r1, t1));
-        let (mut a2, mut a3) = (peek(r2, t2), peek(r3, t3));
+        let (mut a0, mut a1) = (peek(r0, t0) | MARK, peek(r1, t1) | MARK);
+        let (mut a2, mut a3) = (peek(r2, t2) | MARK, peek(r3, t3) | MARK);
         for _ in 0..5 {
-            take!(a0, t0, b0, k0);
-            take!(a1, t1, b1, k1);
-            take!(a2, t2, b2, k2);
-            take!(a3, t3, b3, k3);
+            take_in_room!(a0, b0, k0);
+            take_in_room!(a1, b1, k1);
+            take_in_room!(a2, b2, k2);
+            take_in_room!(a3, b3, k3);
         }
+        t0 += u64::from(a0.leading_zeros());
+        t1 += u64::from(a1.leading_zeros());
+        t2 += u64::from(a2.leading_zeros());
+        t3 += u64::from(a3.leading_zeros());
     }
     let t = [t0, t1, t2, t3];
     // The streams drift apart (a lookup takes one to three symbols): each goes on alone
@@ -642,8 +732,8 @@ pub(super) fn multi4_with(
 
 /// The multi-symbol decode table: for the next MAX_LEN stream bits, the symbols of the
 /// codes that lie whole within them, up to three: symbols in bits 0..24 (the first in the
-/// low byte), their count in bits 24..26 and their total length in bits 26..30. A
-/// complete code always has the first.
+/// low byte), their total length in bits 24..28 (bits 28 and 29 zero) and their count in
+/// bits 30..32. A complete code always has the first.
 fn multi_table(table: &[u16; 1 << MAX_LEN]) -> [u32; 1 << MAX_LEN] {
     std::array::from_fn(|i| {
         let (mut e, mut used, mut count) = (0u32, 0u32, 0u32);
@@ -657,7 +747,7 @@ fn multi_table(table: &[u16; 1 << MAX_LEN]) -> [u32; 1 << MAX_LEN] {
             used += l;
             count += 1;
         }
-        e | count << 24 | used << 26
+        e | used << 24 | count << 30
     })
 }
 

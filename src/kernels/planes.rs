@@ -30,6 +30,29 @@ pub fn join_bf16<const M: u8>(exps: &[u8], tops: &[u8], out: &mut [f32]) {
     call!(join_bf16[M as usize](exps, tops, out))
 }
 
+/// What [`exponents`] saw: enough to know which symbols occur but for gaps between the
+/// least and the greatest of the others.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExponentStats {
+    /// Symbols that are 0 (+0.0, -0.0 and the subnormals).
+    pub zero_symbols: u32,
+    /// Symbols that are the all-ones field (255, or 31 for binary16's): NaN and Inf.
+    pub all_ones: u32,
+    /// The least symbol but 0 (255 if there is none).
+    pub min: u8,
+    /// The greatest symbol but the all-ones one (0 if there is none).
+    pub max: u8,
+}
+
+/// The exponent symbols of `x` into `exps` (as long): each f32's exponent field, or with
+/// `fp16` its binary16 exponent field (31 for the f32 all-ones field; 0 for fields below
+/// binary16's normal range). `x` is at most 2^16 long.
+pub fn exponents(x: &[f32], fp16: bool, exps: &mut [u8]) -> ExponentStats {
+    call!(exponents(x, fp16, exps))
+}
+
+simd_op!(exponents_on => Exponents { x: &'a [f32], fp16: bool, exps: &'a mut [u8] }
+    -> ExponentStats = exponents_with(x, fp16, exps));
 simd_op!(split_f32_on => SplitF32 { x: &'a [f32], lo16: &'a mut [u8], tops: &'a mut [u8] } -> ()
     = split_f32_with(x, lo16, tops));
 simd_op!(split_bf16_on => SplitBf16 { x: &'a [f32], tops: &'a mut [u8] } -> ()
@@ -50,6 +73,49 @@ pub fn top(b: u32) -> u8 {
 #[inline(always)]
 pub fn join(e: u8, lo: u16, t: u8) -> u32 {
     ((t as u32 & 0x80) << 24) | ((e as u32) << 23) | ((t as u32 & 0x7F) << 16) | lo as u32
+}
+
+/// [`exponents`]'s definition, inlined into each backend's build.
+#[inline(always)]
+pub(super) fn exponents_with(x: &[f32], fp16: bool, exps: &mut [u8]) -> ExponentStats {
+    #[inline(always)]
+    fn each(x: &[f32], exps: &mut [u8], exp: impl Fn(u32) -> u8, ones: u8) -> ExponentStats {
+        let (mut zero_symbols, mut all_ones) = (0u32, 0u32);
+        // The least of `s - 1` (wrapping: 0 is the greatest) and the greatest symbol
+        // with the all-ones one taken as 0.
+        let (mut least, mut max) = (u8::MAX, 0u8);
+        // A piece's symbols made, then looked at as bytes (32 to a vector on AVX2; at
+        // most 128 to a count, which fits a byte).
+        for (xs, es) in x.chunks(128).zip(exps.chunks_mut(128)) {
+            for (e, v) in es.iter_mut().zip(xs) {
+                *e = exp(v.to_bits());
+            }
+            let (mut z, mut o) = (0u8, 0u8);
+            for &s in es.iter() {
+                z += u8::from(s == 0);
+                o += u8::from(s == ones);
+                least = least.min(s.wrapping_sub(1));
+                max = max.max(if s == ones { 0 } else { s });
+            }
+            zero_symbols += u32::from(z);
+            all_ones += u32::from(o);
+        }
+        ExponentStats {
+            zero_symbols,
+            all_ones,
+            min: if least == u8::MAX { u8::MAX } else { least + 1 },
+            max,
+        }
+    }
+    if fp16 {
+        let half = |b: u32| match (b >> 23) as u8 {
+            0xFF => 0x1F,
+            e => e.saturating_sub(112),
+        };
+        each(x, exps, half, 0x1F)
+    } else {
+        each(x, exps, |b| (b >> 23) as u8, 0xFF)
+    }
 }
 
 /// [`split_f32`]'s definition, inlined into each backend's build.

@@ -119,7 +119,7 @@ pub(super) struct Kernels {
     pub(super) any_all_set: unsafe fn(&[u8], u8) -> bool,
     pub(super) f32_scales_valid: unsafe fn(&[u8]) -> bool,
     pub(super) max_finite_abs_bits: unsafe fn(&[f32]) -> u32,
-    pub(super) entropy_encode: unsafe fn(&[u8], usize, &mut [u8]) -> usize,
+    pub(super) entropy_encode: unsafe fn(&[u8], usize, Option<&[u64; 256]>, &mut [u8]) -> usize,
     #[allow(clippy::type_complexity)]
     pub(super) entropy_multi4: unsafe fn(
         [&[u8]; 4],
@@ -128,6 +128,7 @@ pub(super) struct Kernels {
         &mut [[u8; entropy::PIECE]; 4],
         [usize; 4],
     ) -> [usize; 4],
+    pub(super) exponents: unsafe fn(&[f32], bool, &mut [u8]) -> planes::ExponentStats,
     pub(super) split_f32: unsafe fn(&[f32], &mut [u8], &mut [u8]),
     pub(super) split_bf16: unsafe fn(&[f32], &mut [u8]),
     pub(super) join_f32: ByMode<unsafe fn(&[u8], &[u8], &[u8], &mut [f32])>,
@@ -280,6 +281,7 @@ fn scalar_table() -> Kernels {
         max_finite_abs_bits: scalar::max_finite_abs_bits,
         entropy_encode: entropy::encode_with,
         entropy_multi4: entropy::multi4_with,
+        exponents: planes::exponents_with,
         split_f32: planes::split_f32_with,
         split_bf16: planes::split_bf16_with,
         join_f32: modes!(planes::join_f32_with),
@@ -334,6 +336,7 @@ fn portable_table<const K: u8, const R: u8>() -> Kernels {
         max_finite_abs_bits: e::max_finite_abs_bits::<K>,
         entropy_encode: entropy::encode_on::<K>,
         entropy_multi4: entropy::multi4_on::<K>,
+        exponents: planes::exponents_on::<K>,
         split_f32: planes::split_f32_on::<K>,
         split_bf16: planes::split_bf16_on::<K>,
         join_f32: modes!(planes::join_f32_on, K),
