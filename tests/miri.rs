@@ -175,8 +175,9 @@ fn three_ranks_all_reduce_identically() {
 fn entropy_coded_frames_round_trip() {
     // Long enough for the Huffman mode: each of the four streams takes its symbols five
     // at a time, and decodes them in the four streams' lockstep loop (at least 16 a
-    // stream) and alone; the exponents span a few binades, so codes are short.
-    let n = 1200;
+    // stream) and alone; the exponents span a few binades, so codes are short. Under
+    // Miri, `lossless` alone (the staged int8's long codes take the safe loop).
+    let n = if cfg!(miri) { 400 } else { 1200 };
     let x: Vec<f32> = (0..n)
         .map(|i| {
             let h = gradpack::rng::lowbias32(i as u32);
@@ -184,32 +185,27 @@ fn entropy_coded_frames_round_trip() {
         })
         .collect();
     let ctx = EncodeCtx::new(0);
-    let frame = CodecSpec::parse("lossless")
-        .unwrap()
-        .encode(&x, &ctx)
-        .unwrap();
-    assert_eq!(
-        frame[HEADER_LEN], 2,
-        "the exponents' block in the Huffman mode"
-    );
+    let lossless = CodecSpec::parse("lossless").unwrap();
+    let frame = lossless.encode(&x, &ctx).unwrap();
+    assert_eq!(frame[HEADER_LEN], 2, "the exponents' block in Huffman mode");
     assert_eq!(f32_bytes(&decode(&frame, n)), f32_bytes(&x));
-    let staged = CodecSpec::parse("int8:entropy=on")
-        .unwrap()
-        .encode(&x, &ctx)
-        .unwrap();
-    let plain = CodecSpec::parse("int8").unwrap().encode(&x, &ctx).unwrap();
-    // The Huffman mode (the stored one would make the frame a byte longer).
-    assert!(
-        staged.len() < plain.len(),
-        "{} of {}",
-        staged.len(),
-        plain.len()
-    );
-    assert_eq!(
-        f32_bytes(&decode(&staged, n)),
-        f32_bytes(&decode(&plain, n))
-    );
-    for frame in [&frame, &staged] {
+    let mut frames = vec![frame];
+    if !cfg!(miri) {
+        let staged = CodecSpec::parse("int8:entropy=on").unwrap();
+        let staged = staged.encode(&x, &ctx).unwrap();
+        let plain = CodecSpec::parse("int8").unwrap().encode(&x, &ctx).unwrap();
+        // The Huffman mode (the stored one would make the frame a byte longer).
+        assert!(
+            staged.len() < plain.len(),
+            "{} of {}",
+            staged.len(),
+            plain.len()
+        );
+        let (d, want) = (decode(&staged, n), decode(&plain, n));
+        assert_eq!(f32_bytes(&d), f32_bytes(&want));
+        frames.push(staged);
+    }
+    for frame in &frames {
         let d = decode(frame, n);
         let mut acc = vec![0.5f32; n];
         gradpack::decode_add(frame, &mut acc).unwrap();
