@@ -219,12 +219,8 @@ pub(crate) fn decode<F: FixedRate + ?Sized, const M: u8>(
     };
     let cl = l.codes_len(n);
     let write = M == crate::kernels::mode::WRITE;
-    let block = if write {
-        entropy::Block::parse(rest, cl, align(l))
-    } else {
-        entropy::Block::open(rest, cl, align(l))
-    }
-    .map_err(|(o, why)| corrupt(at + o, why))?;
+    let block = entropy::Block::for_mode::<M>(rest, cl, align(l))
+        .map_err(|(o, why)| corrupt(at + o, why))?;
     if block.bytes() != rest.len() {
         return Err(corrupt(
             at + block.bytes(),
@@ -262,7 +258,8 @@ pub(crate) fn decode<F: FixedRate + ?Sized, const M: u8>(
             }
         })
         .map_err(|(o, why)| corrupt(at + o, why))?;
-    padding(last)
+    // Write mode's padding, known now (the others checked it first).
+    if write { padding(last) } else { Ok(()) }
 }
 
 #[cfg(test)]

@@ -261,11 +261,12 @@ fn write_streams(
         // per five codes; what it writes past the stream's end, the next stream
         // overwrites); then to its end.
         let q = &syms[lo..hi];
+        let (fives, _) = q.as_chunks::<5>();
         let mut i = 0;
-        let whole = q.len() / 5 * 5;
-        while i < whole && w.pos + 8 <= w.out.len() {
-            // SAFETY: `i + 5 <= whole <= q.len()`.
-            let five = unsafe { q.as_ptr().add(i).cast::<[u8; 5]>().read() };
+        for &five in fives {
+            if w.pos + 8 > w.out.len() {
+                break;
+            }
             w.put5(five, &codes, &lens);
             i += 5;
         }
@@ -275,7 +276,7 @@ fn write_streams(
     Some(sizes)
 }
 
-/// An LSB-first bit writer into one stream of exactly its length.
+/// An LSB-first bit writer of one stream into the room from its start on.
 struct Writer<'a> {
     out: &'a mut [u8],
     acc: u64,
@@ -308,16 +309,7 @@ impl<'a> Writer<'a> {
         let acc = self.acc | joined << self.nacc;
         let nacc = self.nacc as u64 + (l01 + l23 + l[4]);
         let at = self.pos;
-        assert!(at + 8 <= self.out.len());
-        // SAFETY: asserted just above (the caller's loop checks the same, so the
-        // assertion folds into it).
-        unsafe {
-            self.out
-                .as_mut_ptr()
-                .add(at)
-                .cast::<[u8; 8]>()
-                .write_unaligned(acc.to_le_bytes())
-        };
+        self.out[at..at + 8].copy_from_slice(&acc.to_le_bytes());
         self.pos = at + (nacc / 8) as usize;
         // At most 62 bits were pending: a shift of at most 56.
         self.acc = acc >> (nacc & !7);
@@ -384,6 +376,20 @@ impl<'a> Block<'a> {
         let mut b = Block::parse(p, n, align)?;
         b.check()?;
         Ok(b)
+    }
+
+    /// [`Block::parse`] in write mode (a caller that may write before an error), else
+    /// [`Block::open`]: for a decoder of mode `M` (`kernels::mode`).
+    pub fn for_mode<const M: u8>(
+        p: &'a [u8],
+        n: usize,
+        align: usize,
+    ) -> Result<Block<'a>, Refused> {
+        if M == super::mode::WRITE {
+            Block::parse(p, n, align)
+        } else {
+            Block::open(p, n, align)
+        }
     }
 
     /// Read the header of the coded block of `n` symbols, streams aligned to `align`, at
@@ -651,31 +657,18 @@ pub(super) fn multi4_with(
     let [b0, b1, b2, b3] = bufs;
     let lens = lens.map(|l| l.min(PIECE));
     let (mut k0, mut k1, mut k2, mut k3) = (0usize, 0usize, 0usize, 0usize);
-    // One lookup in `$acc` (stream bits, `$bit` of them taken so far) into `$b` at
-    // `$k`: four bytes written, one to three symbols kept. The store's start is clamped
-    // for the bounds check only: the loops leave room for it.
+    // One lookup in `$acc` (a refill of stream bits) into `$b` at `$k`: four bytes
+    // written, one to three symbols kept.
     macro_rules! take {
-        ($acc:ident, $bit:ident, $b:ident, $k:ident) => {
-            let e = multi[($acc & ((1 << MAX_LEN) - 1)) as usize];
-            let l = (e >> 24) & 15;
-            $acc >>= l;
-            $bit += l as u64;
-            let at = $k.min(PIECE - 4);
-            $b[at..at + 4].copy_from_slice(&e.to_le_bytes());
-            $k += (e >> 30) as usize;
-        };
-    }
-    // The same lookup for the lockstep loop: the store unchecked, and the bits taken
-    // counted once per refill (see below).
-    macro_rules! take_in_room {
         ($acc:ident, $b:ident, $k:ident) => {
             let e = multi[($acc & ((1 << MAX_LEN) - 1)) as usize];
             // A shift takes the low six bits of its count: the length's four and two
             // zeros.
             $acc = $acc.wrapping_shr(e >> 24);
-            // SAFETY: the loop runs while `$k + 16 <= lens[j] <= PIECE`, and its five
-            // lookups move `$k` on by at most 3 each: each store's four bytes lie
-            // within `$b`, which is `PIECE` long.
+            // SAFETY: every loop below looks up while `$k + 4 <= lens[j] <= PIECE`
+            // (those of five lookups start at `$k + 16 <= lens[j]`, and a lookup moves
+            // `$k` on by at most 3): each store's four bytes lie within `$b`, which is
+            // `PIECE` long.
             unsafe {
                 $b.as_mut_ptr()
                     .add($k)
@@ -685,19 +678,19 @@ pub(super) fn multi4_with(
             $k += (e >> 30) as usize;
         };
     }
-    let [mut t0, mut t1, mut t2, mut t3] = *bits;
-    // A refill's top bit is a mark (the five lookups take at most 55 of its at least 57
-    // bits, so bit 63 is not one of theirs): however far they shift it down, its
+    // A refill's top bit is a mark (at most five lookups take at most 55 of its at least
+    // 57 bits, so bit 63 is not one of theirs): however far they shift it down, its
     // leading zeros are the bits they took. The chains keep no bit positions.
     const MARK: u64 = 1 << 63;
+    let [mut t0, mut t1, mut t2, mut t3] = *bits;
     while k0 + 16 <= lens[0] && k1 + 16 <= lens[1] && k2 + 16 <= lens[2] && k3 + 16 <= lens[3] {
         let (mut a0, mut a1) = (peek(r0, t0) | MARK, peek(r1, t1) | MARK);
         let (mut a2, mut a3) = (peek(r2, t2) | MARK, peek(r3, t3) | MARK);
         for _ in 0..5 {
-            take_in_room!(a0, b0, k0);
-            take_in_room!(a1, b1, k1);
-            take_in_room!(a2, b2, k2);
-            take_in_room!(a3, b3, k3);
+            take!(a0, b0, k0);
+            take!(a1, b1, k1);
+            take!(a2, b2, k2);
+            take!(a3, b3, k3);
         }
         t0 += u64::from(a0.leading_zeros());
         t1 += u64::from(a1.leading_zeros());
@@ -711,14 +704,16 @@ pub(super) fn multi4_with(
         ($r:ident, $b:ident, $k:ident, $j:expr) => {
             let (len, mut t) = (lens[$j], t[$j]);
             while $k + 16 <= len {
-                let mut a = peek($r, t);
+                let mut a = peek($r, t) | MARK;
                 for _ in 0..5 {
-                    take!(a, t, $b, $k);
+                    take!(a, $b, $k);
                 }
+                t += u64::from(a.leading_zeros());
             }
             while $k + 4 <= len {
-                let mut a = peek($r, t);
-                take!(a, t, $b, $k);
+                let mut a = peek($r, t) | MARK;
+                take!(a, $b, $k);
+                t += u64::from(a.leading_zeros());
             }
             bits[$j] = t;
         };
