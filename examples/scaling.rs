@@ -16,6 +16,17 @@
 //!   three read passes over it.
 //!
 //! Each figure is the best of repetitions filling about 0.3 s (at least 3).
+//!
+//! ```text
+//! cargo run --release --example scaling -- --every [THREADS...]
+//! ```
+//!
+//! With `--every`: instead, every representative codec's error-feedback step at 64 Mi
+//! elements and its [`gradpack::reduce_frames`] of 8 frames of 8 Mi elements (64 Mi
+//! decoded, GB/s of the 8 Mi output), each the best of repetitions filling about 0.15 s
+//! (at least 3): the before-and-after check of a kernel change on many cores. A spec
+//! this build cannot parse prints a row saying so, so that one program runs on two
+//! commits.
 
 use std::time::Instant;
 
@@ -24,11 +35,17 @@ use gradpack::{Codec, CodecSpec, EncodeCtx, ErrorFeedback, FeedbackOptions};
 use rayon::prelude::*;
 
 /// Seconds per call of `f`: the best of repetitions filling about 0.3 s, at least 3.
-fn time(mut f: impl FnMut()) -> f64 {
+fn time(f: impl FnMut()) -> f64 {
+    time_for(0.3, f)
+}
+
+/// Seconds per call of `f`: the best of repetitions filling about `fill` seconds, at
+/// least 3.
+fn time_for(fill: f64, mut f: impl FnMut()) -> f64 {
     f();
     let start = Instant::now();
     let (mut reps, mut best) = (0u32, f64::INFINITY);
-    while start.elapsed().as_secs_f64() < 0.3 || reps < 3 {
+    while start.elapsed().as_secs_f64() < fill || reps < 3 {
         let t = Instant::now();
         f();
         best = best.min(t.elapsed().as_secs_f64());
@@ -71,10 +88,79 @@ fn header(first: &str, threads: &[usize]) {
     println!("|---|{}---:|", "---:|".repeat(threads.len()));
 }
 
+/// `--every`: every representative codec's error-feedback step at 64 Mi elements and its
+/// sum of 8 frames of 8 Mi, on each pool.
+fn every(threads: &[usize], pools: &[rayon::ThreadPool]) -> Result<(), Box<dyn std::error::Error>> {
+    let specs = gradpack::codec::REPRESENTATIVE_SPECS
+        .iter()
+        .chain(&["identity", "topk:ratio=0.01,select=approx"]);
+    let any = FeedbackOptions {
+        allow_non_contractive: true,
+        ..Default::default()
+    };
+    let n = 1 << 26;
+    let x = gradpack::synthetic::gradient(n, 7);
+    let gb = (4 * n) as f64 / 1e9;
+    header("error-feedback step, 64 Mi elements, GB/s of f32", threads);
+    for name in specs.clone() {
+        let Ok(spec) = name.parse::<CodecSpec>() else {
+            println!("| {name} | not in this build |");
+            continue;
+        };
+        let mut frame = vec![0u8; spec.max_encoded_len(n)];
+        let mut feedback = ErrorFeedback::with_options(spec, n, any)?;
+        let ctx = EncodeCtx::new(1);
+        let gbs: Vec<f64> = pools
+            .iter()
+            .map(|p| {
+                let step = || {
+                    feedback.encode_into(&x, &ctx, &mut frame).expect("step");
+                };
+                gb / p.install(|| time_for(0.15, step))
+            })
+            .collect();
+        row(name, &gbs);
+    }
+    drop(x);
+
+    let n = 1 << 23;
+    let sources: Vec<Vec<f32>> = (0..8)
+        .map(|r| gradpack::synthetic::gradient(n, 100 + r))
+        .collect();
+    let mut out = vec![0f32; n];
+    let gb = (4 * n) as f64 / 1e9;
+    println!();
+    header("reduce_frames of 8 frames of 8 Mi, GB/s of output", threads);
+    for name in specs {
+        let Ok(spec) = name.parse::<CodecSpec>() else {
+            println!("| {name} | not in this build |");
+            continue;
+        };
+        let frames: Vec<Vec<u8>> = pools[pools.len() - 1].install(|| {
+            sources
+                .iter()
+                .map(|g| spec.encode(g, &EncodeCtx::new(1)))
+                .collect::<Result<_, _>>()
+        })?;
+        let gbs: Vec<f64> = pools
+            .iter()
+            .map(|p| {
+                let sum = || gradpack::reduce_frames(&frames, &mut out).expect("sum");
+                gb / p.install(|| time_for(0.15, sum))
+            })
+            .collect();
+        row(name, &gbs);
+    }
+    Ok(())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut threads: Vec<usize> = std::env::args()
-        .skip(1)
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let every_codec = args.first().is_some_and(|a| a == "--every");
+    let mut threads: Vec<usize> = args
+        .iter()
+        .skip(usize::from(every_codec))
         .map(|a| a.parse())
         .collect::<Result<_, _>>()?;
     if threads.is_empty() {
@@ -85,6 +171,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let pools: Vec<_> = threads.iter().map(|&t| pool(t)).collect();
     println!("{cores} cores; backend {}\n", gradpack::Backend::current());
+    if every_codec {
+        return every(&threads, &pools);
+    }
 
     // Encode and error feedback at 64 Mi elements.
     let n = 1 << 26;
