@@ -107,6 +107,7 @@ fn all_specs() -> Vec<CodecSpec> {
         "sign:block=1024",
         "sign:block=8",
         "sign:block=12",
+        "sign:block=40",
         "qsgd:bits=2,block=6",
         "qsgd:bits=2,block=512",
         "qsgd:bits=4,block=3",

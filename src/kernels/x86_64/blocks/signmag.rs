@@ -393,12 +393,28 @@ pub unsafe fn decode_sign_avx2<const M: u8>(
     );
     // Bit k of the byte to bit 31 of lane k.
     let shifts = _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24);
+    // Bit 8 q + k of a little-endian word of four code bytes to bit 31 of lane k: the
+    // shifts of byte q are 8 q less.
+    let by = |q: i32| _mm256_sub_epi32(shifts, _mm256_set1_epi32(8 * q));
+    let word_shifts = [by(0), by(1), by(2), by(3)];
     let sign = _mm256_set1_epi32(SIGN);
     for (b, ob) in out.chunks_mut(block).enumerate() {
         let s = _mm256_set1_ps(scalar::get_step(steps, b));
         let cb = &codes[b * block / 8..];
         let n8 = ob.len() / 8 * 8;
-        for g in (0..n8).step_by(8) {
+        let n32 = ob.len() / 32 * 32;
+        // 32 values from one word: one load and broadcast for four stores, where a byte
+        // per 8 values left the loop bound by its own overhead (and by where it fell in
+        // the code: 31 to 40 GB/s at 64 Ki on a Zen 3 by placement alone).
+        for (g, w) in (0..n32).step_by(32).zip(cb.as_chunks::<4>().0) {
+            let word = _mm256_set1_epi32(i32::from_le_bytes(*w));
+            for (q, sh) in word_shifts.iter().enumerate() {
+                let bits = _mm256_sllv_epi32(word, *sh);
+                let v = _mm256_xor_ps(s, _mm256_castsi256_ps(_mm256_and_si256(bits, sign)));
+                put8::<M>(ob, g + 8 * q, v);
+            }
+        }
+        for g in (n32..n8).step_by(8) {
             let bits = _mm256_sllv_epi32(_mm256_set1_epi32(cb[g / 8] as i32), shifts);
             let v = _mm256_xor_ps(s, _mm256_castsi256_ps(_mm256_and_si256(bits, sign)));
             put8::<M>(ob, g, v);
