@@ -97,6 +97,17 @@ pub unsafe fn decode_f16_avx2<const M: u8>(p: &[u8], out: &mut [f32]) {
     let n = out.len().min(p.len() / 2);
     let n8 = n - n % 8;
     let mut i = 0;
+    // 32 values a turn, then 8: the loop's own overhead a quarter of what it was, and its
+    // speed less tied to where it falls in the code (decode_add at 64 Ki moved between 43
+    // and 51 GB/s on a Zen 3 with the placement of a loop of 8 alone).
+    while i + 32 <= n8 {
+        for k in [0, 8, 16, 24] {
+            // SAFETY: 2 * (i + k + 8) <= 2 * n8 <= p.len(); unaligned load.
+            let h = unsafe { _mm_loadu_si128(p.as_ptr().add(2 * (i + k)).cast::<__m128i>()) };
+            blocks::put8::<M>(out, i + k, _mm256_cvtph_ps(h));
+        }
+        i += 32;
+    }
     while i < n8 {
         // SAFETY: 2 * (i + 8) <= p.len(); unaligned load.
         let h = unsafe { _mm_loadu_si128(p.as_ptr().add(2 * i).cast::<__m128i>()) };
