@@ -88,37 +88,52 @@ fn header(first: &str, threads: &[usize]) {
     println!("|---|{}---:|", "---:|".repeat(threads.len()));
 }
 
+/// GB/s of f32 input of `spec`'s encode of `x` on each pool (its error-feedback step when
+/// `feedback`), each the best of repetitions filling about `fill` seconds.
+fn encode_rates(
+    pools: &[rayon::ThreadPool],
+    spec: CodecSpec,
+    x: &[f32],
+    fill: f64,
+    feedback: bool,
+) -> Result<Vec<f64>, gradpack::Error> {
+    let any = FeedbackOptions {
+        allow_non_contractive: true,
+        ..Default::default()
+    };
+    let mut frame = vec![0u8; spec.max_encoded_len(x.len())];
+    let mut ef = ErrorFeedback::with_options(spec, x.len(), any)?;
+    let ctx = EncodeCtx::new(1);
+    let gb = (4 * x.len()) as f64 / 1e9;
+    Ok(pools
+        .iter()
+        .map(|p| {
+            let call = || {
+                if feedback {
+                    ef.encode_into(x, &ctx, &mut frame).expect("step");
+                } else {
+                    spec.encode_into(x, &ctx, &mut frame).expect("encode");
+                }
+            };
+            gb / p.install(|| time_for(fill, call))
+        })
+        .collect())
+}
+
 /// `--every`: every representative codec's error-feedback step at 64 Mi elements and its
 /// sum of 8 frames of 8 Mi, on each pool.
 fn every(threads: &[usize], pools: &[rayon::ThreadPool]) -> Result<(), Box<dyn std::error::Error>> {
     let specs = gradpack::codec::REPRESENTATIVE_SPECS
         .iter()
         .chain(&["identity", "topk:ratio=0.01,select=approx"]);
-    let any = FeedbackOptions {
-        allow_non_contractive: true,
-        ..Default::default()
-    };
-    let n = 1 << 26;
-    let x = gradpack::synthetic::gradient(n, 7);
-    let gb = (4 * n) as f64 / 1e9;
+    let x = gradpack::synthetic::gradient(1 << 26, 7);
     header("error-feedback step, 64 Mi elements, GB/s of f32", threads);
     for name in specs.clone() {
         let Ok(spec) = name.parse::<CodecSpec>() else {
             println!("| {name} | not in this build |");
             continue;
         };
-        let mut frame = vec![0u8; spec.max_encoded_len(n)];
-        let mut feedback = ErrorFeedback::with_options(spec, n, any)?;
-        let ctx = EncodeCtx::new(1);
-        let gbs: Vec<f64> = pools
-            .iter()
-            .map(|p| {
-                let step = || {
-                    feedback.encode_into(&x, &ctx, &mut frame).expect("step");
-                };
-                gb / p.install(|| time_for(0.15, step))
-            })
-            .collect();
+        let gbs = encode_rates(pools, spec, &x, 0.15, true)?;
         row(name, &gbs);
     }
     drop(x);
@@ -191,10 +206,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|p| gb / p.install(|| time(|| par_axpy(&x, &mut copy))))
         .collect();
     row("r = 0.5 r + g (an error-feedback step's traffic)", &axpy);
-    let any = FeedbackOptions {
-        allow_non_contractive: true,
-        ..Default::default()
-    };
     let ops: [(&str, &str, bool); 8] = [
         ("fp16 encode", "fp16", false),
         ("fp16 error-feedback step", "fp16", true),
@@ -223,24 +234,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     ];
     for (name, spec, ef) in ops {
         let spec: CodecSpec = spec.parse()?;
-        let mut frame = vec![0u8; spec.max_encoded_len(n)];
-        let mut feedback = ErrorFeedback::with_options(spec, n, any)?;
-        let ctx = EncodeCtx::new(1);
-        let gbs: Vec<f64> = pools
-            .iter()
-            .map(|p| {
-                let secs = p.install(|| {
-                    time(|| {
-                        if ef {
-                            feedback.encode_into(&x, &ctx, &mut frame).expect("step");
-                        } else {
-                            spec.encode_into(&x, &ctx, &mut frame).expect("encode");
-                        }
-                    })
-                });
-                gb / secs
-            })
-            .collect();
+        let gbs = encode_rates(&pools, spec, &x, 0.3, ef)?;
         row(name, &gbs);
     }
     drop((x, copy));
