@@ -400,6 +400,15 @@ pub unsafe fn decode_sign_avx2<const M: u8>(
     let sign = _mm256_set1_epi32(SIGN);
     for (b, ob) in out.chunks_mut(block).enumerate() {
         let s = _mm256_set1_ps(scalar::get_step(steps, b));
+        // The 8 values at `ob[$g..]` from the codes broadcast in `$word`, each lane's bit
+        // moved to the sign by `$sh`.
+        macro_rules! put_eight {
+            ($word:expr, $sh:expr, $g:expr) => {
+                let bits = _mm256_sllv_epi32($word, $sh);
+                let v = _mm256_xor_ps(s, _mm256_castsi256_ps(_mm256_and_si256(bits, sign)));
+                put8::<M>(ob, $g, v);
+            };
+        }
         let cb = &codes[b * block / 8..];
         let n8 = ob.len() / 8 * 8;
         let n32 = ob.len() / 32 * 32;
@@ -409,15 +418,11 @@ pub unsafe fn decode_sign_avx2<const M: u8>(
         for (g, w) in (0..n32).step_by(32).zip(cb.as_chunks::<4>().0) {
             let word = _mm256_set1_epi32(i32::from_le_bytes(*w));
             for (q, sh) in word_shifts.iter().enumerate() {
-                let bits = _mm256_sllv_epi32(word, *sh);
-                let v = _mm256_xor_ps(s, _mm256_castsi256_ps(_mm256_and_si256(bits, sign)));
-                put8::<M>(ob, g + 8 * q, v);
+                put_eight!(word, *sh, g + 8 * q);
             }
         }
         for g in (n32..n8).step_by(8) {
-            let bits = _mm256_sllv_epi32(_mm256_set1_epi32(cb[g / 8] as i32), shifts);
-            let v = _mm256_xor_ps(s, _mm256_castsi256_ps(_mm256_and_si256(bits, sign)));
-            put8::<M>(ob, g, v);
+            put_eight!(_mm256_set1_epi32(cb[g / 8] as i32), shifts, g);
         }
         if n8 < ob.len() {
             let rest = ob.len() - n8;
